@@ -1,0 +1,54 @@
+"""The `jscenegen` command: a thin argparse layer over library functions.
+
+Each subcommand lives in `jscenegen/commands/<module>.py` and exposes
+`register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand modules, imported lazily so `jscenegen scene ...` never imports JAX models.
+COMMAND_MODULES = (
+    "train",
+    "init_model",
+    "parity",
+    "mesh_report",
+    "scene",
+    "convert",
+    "export",
+    "eval",
+    "sft",
+    "design",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jscenegen",
+        description="GRPO post-training of a Qwen-style scene-design agent in JAX.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"jscenegen.commands.{name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"jscenegen.commands.{name}":
+                continue  # not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Typed run configuration: YAML files validated into pydantic models, with dotted overrides.
+
+`load_config(path, overrides)` reads a YAML file, applies `key.sub=value` overrides (values
+parsed as YAML scalars, the convention VERL/Hydra users know) and validates the result into
+`RunConfig`. Unknown keys and bad values raise `ConfigError` naming the dotted key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the file and key."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    """Which weights to train and how to compute with them."""
+
+    path: str | None = Field(None, description="HF model directory (config.json + safetensors).")
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False
+    attention: Literal["xla", "cudnn"] = "xla"
+
+
+class MeshConfig(Section):
+    """Device mesh ("fsdp", "sp"); fsdp = -1 takes the remaining devices."""
+
+    fsdp: int = -1
+    sp: int = 2
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+class RunConfig(Section):
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """Return a copy of `data` with each `a.b.c=value` override set (value parsed as YAML).
+
+    Raises ConfigError for an override without `=` or one that descends into a non-mapping.
+    """
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        key, value = item.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section"
+                )
+            node = child
+        node[parts[-1]] = _parse_scalar(value)
+    return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key {key!r}")
+        else:
+            lines.append(f"{source}: {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict, source: str = "<config>", model: type[BaseModel] | None = None):
+    """Validate a plain dict into `model` (default RunConfig); errors name each bad key."""
+    cls = model or RunConfig
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path | None, overrides=(), model: type[BaseModel] | None = None):
+    """Read YAML `path` (or start empty), apply overrides, validate into `model`.
+
+    Raises ConfigError (missing file, YAML syntax, unknown key, wrong type).
+    """
+    data: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{source}: not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: top level must be a mapping")
+    data = apply_overrides(data, list(overrides))
+    return validate_config(data, source, model)

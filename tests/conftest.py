@@ -1,0 +1,25 @@
+"""Test session set-up: six forced CPU devices (a real 3 x 2 mesh) and a persistent compile cache.
+
+The environment must be set before JAX is imported anywhere, so this runs at conftest import.
+"""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+
+_CACHE = os.environ.get(
+    "JSCENEGEN_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jscenegen", "jax")
+)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_configure(config):
+    assert jax.device_count() == 6, f"expected 6 forced CPU devices, got {jax.devices()}"
