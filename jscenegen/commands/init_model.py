@@ -1,0 +1,49 @@
+"""`jscenegen init-model`: write a tiny/small Qwen2 or Qwen3 HF directory with its own tokenizer."""
+from __future__ import annotations
+
+import json
+
+
+def tokenizer_corpus() -> list[str]:
+    """Text the tokenizer is trained on: the scene protocol's own text when the runtime
+    provides it (prompts, canonical scenes, scripted expert actions), else a built-in sample."""
+    try:
+        from jscenegen.scene.corpus import protocol_texts
+    except ImportError:
+        return _fallback_texts()
+    return list(protocol_texts())
+
+
+def _fallback_texts() -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    cats = ["single_bed", "double_bed", "nightstand", "wardrobe", "dresser", "desk", "chair",
+            "table_lamp", "floor_lamp", "rug", "bookshelf", "wall_shelf", "plant", "bench"]
+    out = []
+    for _ in range(2000):
+        c = rng.choice(cats)
+        op = {"op": "add_object", "category": c, "position": [round(rng.uniform(0, 5), 2),
+              round(rng.uniform(0, 5), 2)], "yaw": rng.choice([0, 90, 180, 270]), "mount": "floor"}
+        out.append(f"Designer: place a {c.replace('_', ' ')} near the wall.\n"
+                   f"<action>{json.dumps({'ops': [op]})}</action>")
+    return out
+
+
+def register(sub) -> None:
+    p = sub.add_parser("init-model", help="write a fresh tiny/small Qwen HF model directory")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen3")
+    p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from jscenegen.model.init_model import init_model_dir
+
+    out = init_model_dir(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
+                         texts=tokenizer_corpus(), vocab_size=args.vocab_size)
+    print(json.dumps({"model_dir": str(out), "arch": args.arch, "preset": args.preset}))
+    return 0

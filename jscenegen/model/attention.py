@@ -1,0 +1,44 @@
+"""The attention function boundary: one signature, several kernels.
+
+`attention(q, k, v, mask, impl)` with q [B, S, Nq, D], k/v [B, Sk, Nkv, D] (grouped-query:
+Nq a multiple of Nkv), mask [B, S, Sk] bool (True = may attend). `impl="xla"` is the plain
+reference used on CPU and in tests (fp32 softmax, as transformers' eager attention);
+`impl="cudnn"` calls `jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bf16/fp16).
+Sequence-parallel callers pass k/v already gathered over `sp`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    b, s, nq, d = q.shape
+    nkv = k.shape[2]
+    g = nq // nkv
+    qg = q.reshape(b, s, nkv, g, d)
+    scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bngst,btnd->bsngd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, nq, d).astype(q.dtype)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask[:, None, :, :], implementation="cudnn"
+    )
+    return out.astype(q.dtype)
+
+
+IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention}
+
+
+def attention(q, k, v, mask, impl: str = "xla") -> jax.Array:
+    """Grouped-query attention; returns [B, S, Nq, D] in q's dtype. Raises KeyError for an unknown impl."""
+    try:
+        fn = IMPLEMENTATIONS[impl]
+    except KeyError:
+        raise KeyError(f"attention impl {impl!r} unknown; choose from {sorted(IMPLEMENTATIONS)}") from None
+    return fn(q, k, v, mask)

@@ -1,0 +1,73 @@
+"""Logits parity against transformers' torch Qwen model on the same random, left-padded batch.
+
+The torch side is the real thing (`AutoModelForCausalLM` on CPU, eager attention), given the
+same position ids jscenegen derives from the mask (cumsum - 1), as transformers' `generate`
+does for left padding. Only real (unpadded) tokens are compared.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+TOLERANCE_FP32_MAX_ABS = 1e-4
+TOLERANCE_BF16_MEAN_KL = 1e-3
+
+
+def random_padded_batch(vocab: int, batch: int, seq: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids [B, S] int32, attention_mask [B, S] int32): every odd row left-padded by S/4."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64).astype(np.int32)
+    mask = np.ones((batch, seq), np.int32)
+    for b in range(1, batch, 2):
+        mask[b, : seq // 4] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(p_logits.astype(np.float64)), log_softmax(q_logits.astype(np.float64))
+    return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str = "float32",
+                  seed: int = 0) -> dict:
+    """Compare jscenegen and transformers logits; returns max_abs_diff, mean_kl, top1_agreement, ok.
+
+    `ok` applies the tolerances: fp32 max |diff| <= 1e-4; bf16 mean KL(torch || jax) <= 1e-3.
+    Raises ImportError without torch, and the loaders' errors for a bad directory.
+    """
+    import jax.numpy as jnp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jscenegen.model.hf_io import load_hf
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype,
+                                               attn_implementation="eager").eval()
+    model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)
+    ids, mask = random_padded_batch(model.cfg.vocab_size, batch, seq, seed)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        ref_logits = ref(input_ids=torch.from_numpy(ids.astype(np.int64)),
+                         attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                         position_ids=torch.from_numpy(positions.astype(np.int64))).logits
+    ref_logits = ref_logits.float().numpy()
+    ours = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)), np.float32)
+    real = mask.astype(bool)
+    diff = np.abs(ours - ref_logits)[real]
+    kl = _kl(ref_logits[real], ours[real])
+    result = {
+        "max_abs_diff": float(diff.max()),
+        "mean_kl": float(kl.mean()),
+        "top1_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1))[real].mean()),
+        "dtype": dtype, "batch": batch, "seq": seq, "model_type": model.cfg.model_type,
+    }
+    if dtype == "float32":
+        result["ok"] = result["max_abs_diff"] <= TOLERANCE_FP32_MAX_ABS
+    else:
+        result["ok"] = result["mean_kl"] <= TOLERANCE_BF16_MEAN_KL
+    return result

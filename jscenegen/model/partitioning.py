@@ -1,0 +1,22 @@
+"""Activation sharding constraints, active only under a mesh with axes ("fsdp", "sp").
+
+The model calls `constrain(x, spec)` at block boundaries; without a mesh (or with a mesh that
+lacks the axes) it is the identity, so the same module runs unsharded. Batch rows go over
+`fsdp`, sequence positions over `sp`; see jscenegen/sharding for the parameter layout.
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+BATCH_SEQ = P("fsdp", "sp")           # [B, S, ...] activations
+BATCH_ONLY = P("fsdp")                # [B, S, ...] with the sequence gathered (K/V for attention)
+
+
+def constrain(x: jax.Array, spec: P) -> jax.Array:
+    """with_sharding_constraint(x, spec padded with None) when a ("fsdp","sp") mesh is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"fsdp", "sp"} <= set(mesh.axis_names):
+        return x
+    full = P(*spec, *([None] * (x.ndim - len(spec))))
+    return jax.lax.with_sharding_constraint(x, full)

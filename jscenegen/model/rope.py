@@ -1,0 +1,113 @@
+"""Rotary position embedding (rotate-half convention) with default, linear, dynamic-NTK and YaRN scaling.
+
+Frequencies follow transformers' `modeling_rope_utils.py` (`_compute_default_rope_parameters`,
+`_compute_linear_scaling_rope_parameters`, `_compute_dynamic_ntk_parameters`,
+`_compute_yarn_parameters`). Angles are computed in fp32 at highest precision; positions are
+never cast to a low-precision dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jscenegen.model.config import QwenConfig
+
+
+def _base_exponents(dim: int) -> np.ndarray:
+    return np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+
+
+def static_inv_freq(cfg: QwenConfig) -> tuple[np.ndarray, float]:
+    """(inv_freq [head_dim/2] float32, attention_scaling) for the non-dynamic RoPE types.
+
+    For `dynamic` this returns the unscaled frequencies (used while the sequence fits in
+    max_position_embeddings); `inv_freq_for_length` handles longer sequences.
+    """
+    dim = cfg.head_dim
+    p = cfg.rope_params
+    base = np.float32(cfg.rope_theta)
+    inv = (1.0 / (base ** _base_exponents(dim))).astype(np.float32)
+    kind = cfg.rope_type
+    if kind in ("default", "dynamic"):
+        return inv, 1.0
+    factor = float(p["factor"])
+    if kind == "linear":
+        return (inv / np.float32(factor)).astype(np.float32), 1.0
+    if kind == "yarn":
+        return _yarn(cfg, dim, float(cfg.rope_theta), factor, p)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def _yarn(cfg: QwenConfig, dim: int, base: float, factor: float, p: dict) -> tuple[np.ndarray, float]:
+    orig = p.get("original_max_position_embeddings", cfg.max_position_embeddings)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = np.float32(base) ** _base_exponents(dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (np.float32(factor) * pos_freqs)
+    extra_factor = (1 - ramp).astype(np.float32)
+    inv = interpolation * (1 - extra_factor) + extrapolation * extra_factor
+    return inv.astype(np.float32), float(attention_factor)
+
+
+def inv_freq_for_length(cfg: QwenConfig, seq_len: jax.Array) -> jax.Array:
+    """inv_freq [head_dim/2] float32 for a traced sequence length (dynamic NTK; else static).
+
+    Dynamic NTK (transformers' `_compute_dynamic_ntk_parameters`): for seq_len beyond
+    max_position_embeddings, base' = base * (factor * L / Lmax - (factor - 1)) ** (d / (d - 2)).
+    transformers caches the grown frequencies across calls; here they are a pure function of the
+    batch's largest position, which is what a single forward pass of transformers computes.
+    """
+    inv, _ = static_inv_freq(cfg)
+    if cfg.rope_type != "dynamic":
+        return jnp.asarray(inv)
+    dim = cfg.head_dim
+    factor = float(cfg.rope_params["factor"])
+    lmax = cfg.max_position_embeddings
+    length = jnp.maximum(seq_len.astype(jnp.float32), float(lmax))
+    base = cfg.rope_theta * ((factor * length / lmax) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** jnp.asarray(_base_exponents(dim)))
+
+
+def rope_cos_sin(cfg: QwenConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, S, head_dim] float32 for integer positions [B, S] (attention scaling folded in)."""
+    _, scaling = static_inv_freq(cfg)
+    inv = inv_freq_for_length(cfg, jnp.max(positions) + 1)
+    angles = jnp.einsum(
+        "bs,d->bsd", positions.astype(jnp.float32), inv, precision=jax.lax.Precision.HIGHEST
+    )
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb) * scaling, jnp.sin(emb) * scaling
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [B, S, N, D] with cos/sin [B, S, D]; result in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c = cos[:, :, None, :].astype(x.dtype)
+    s = sin[:, :, None, :].astype(x.dtype)
+    return x * c + rotated * s
