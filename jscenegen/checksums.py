@@ -1,0 +1,133 @@
+"""`checksums.json`: SHA-256 and byte size of every file under a directory.
+
+The format is the one the published GRPO100 checkpoint uses and ../shared/DESIGN.md fixes::
+
+    {"files": {"<relative/posix/path>": {"sha256": "<64 hex digits>", "bytes": <int>}, ...}}
+
+Paths are relative to the directory that holds `checksums.json`, with `/` separators, sorted.
+The checksum file itself is never listed. Directory symlinks are not followed (an export's
+`huggingface -> ../..` link would otherwise loop); file symlinks are hashed by content.
+Written atomically (temporary file + rename), so a reader sees either no file or a whole one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+CHECKSUMS_NAME = "checksums.json"
+_CHUNK_BYTES = 1 << 20
+
+
+class ChecksumError(ValueError):
+    """A directory that does not match its `checksums.json`; the message names every bad file."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of the file at `path`, read in 1 MiB chunks (memory does not grow with size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_files(root: str | Path, exclude: tuple[str, ...] = (CHECKSUMS_NAME,)) -> list[str]:
+    """Sorted relative POSIX paths of every regular file under `root` (not following dir links).
+
+    `exclude` names relative paths to leave out (by default the checksum file itself).
+    """
+    root = Path(root)
+    out = []
+    for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
+        for name in filenames:
+            full = Path(dirpath) / name
+            if not full.is_file():  # dangling link, socket, ...
+                continue
+            rel = full.relative_to(root).as_posix()
+            if rel not in exclude:
+                out.append(rel)
+    return sorted(out)
+
+
+def compute_checksums(root: str | Path, exclude: tuple[str, ...] = (CHECKSUMS_NAME,)) -> dict:
+    """`{"files": {relpath: {"sha256": hex, "bytes": int}}}` for every file under `root`."""
+    root = Path(root)
+    files = {}
+    for rel in list_files(root, exclude):
+        path = root / rel
+        files[rel] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
+    return {"files": files}
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write `obj` as indented JSON to `path` via a temporary file, fsync and rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict:
+    """Hash every file under `root` and write `root/name` atomically; returns the written dict."""
+    table = compute_checksums(root, exclude=(name,))
+    write_json_atomic(Path(root) / name, table)
+    return table
+
+
+def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, dict]:
+    """The `files` table of `root/name`.
+
+    Raises ChecksumError if the file is missing, not JSON, or not of the documented format
+    (the message names the file and the offending entry).
+    """
+    path = Path(root) / name
+    if not path.is_file():
+        raise ChecksumError(f"{path}: missing (no checksums were written, or the write was cut off)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ChecksumError(f"{path}: not valid JSON: {err}") from None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        raise ChecksumError(f"{path}: expected an object with key 'files' mapping path -> entry")
+    for rel, entry in files.items():
+        if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
+                or not isinstance(entry.get("bytes"), int)):
+            raise ChecksumError(f"{path}: entry {rel!r} must be {{'sha256': str, 'bytes': int}}")
+    return files
+
+
+def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files: bool = True,
+                     allow_unlisted: bool = False) -> int:
+    """Check every file listed in `root/name` (size, then SHA-256); return the number checked.
+
+    With `hash_files=False` only presence and byte sizes are checked (cheap). Files present on
+    disk but not listed are errors unless `allow_unlisted`. Raises ChecksumError naming each
+    missing, resized, altered or unlisted file.
+    """
+    root = Path(root)
+    files = read_checksums(root, name)
+    problems = []
+    for rel, entry in sorted(files.items()):
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"{rel}: {size} bytes, expected {entry['bytes']}")
+        elif hash_files and file_sha256(path) != entry["sha256"]:
+            problems.append(f"{rel}: SHA-256 differs from {name}")
+    if not allow_unlisted:
+        listed = set(files)
+        problems += [f"{rel}: not listed in {name}"
+                     for rel in list_files(root, (name,)) if rel not in listed]
+    if problems:
+        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}:\n  " + "\n  ".join(problems))
+    return len(files)

@@ -1,0 +1,533 @@
+"""Training checkpoints: orbax `CheckpointManager` steps holding params, AdamW state, train state.
+
+One step directory (`CheckpointStore.directory/<step>/`)::
+
+    params/                 orbax PyTree {hf_name: array} at LOGICAL shape (no FSDP padding)
+    adam/                   orbax PyTree {"count": int32 [], "mu": {hf_name: f32}, "nu": {...}}
+    train_state/            orbax JSON item: the trainer's JSON-able state
+    _CHECKPOINT_METADATA    orbax's own step record
+    hf/                     config.json, generation_config.json, tokenizer files, chat template
+    training_metadata.json  see jscenegen/grpo/run_metadata.py (credentials redacted)
+    checksums.json          SHA-256 + bytes of every other file (jscenegen/checksums.py)
+
+Names are transformers' state-dict keys (`jscenegen.model.params.param_shapes` lists them in the
+model's order; orbax and JAX keep dicts sorted by name, so restored dicts are sorted).
+`adam` is torch AdamW's state in optax terms: `count` = optimizer steps actually taken (torch
+`state[p]["step"]`, optax `ScaleByAdamState.count`), `mu` = `exp_avg`, `nu` = `exp_avg_sq`.
+
+Atomicity: orbax writes the arrays into `<step>.orbax-checkpoint-tmp-*` and renames it only
+when every item is committed; this module then adds `hf/` and `training_metadata.json` and
+writes `checksums.json` LAST (temporary file + rename). A step is complete only when orbax
+finalised it and `checksums.json` verifies, so a process killed at any point leaves either the
+previous complete step or an incomplete one that `latest_valid_step` skips and `save` replaces.
+Keep-last-k runs after the new step is complete, so a crash never removes a good checkpoint.
+
+Sharding: the trainer keeps every parameter and moment split on dim 0 over all mesh devices,
+padded to a multiple of the device count (torch FSDP2's layout, ../shared/DESIGN.md). JAX cannot
+hold an unevenly sharded array, so `save` slices the padding off into a layout that divides the
+logical shape (`storage_sharding`), and `restore` reads the logical arrays straight into a
+padded, sharded abstract target (orbax fills the padding rows with zeros), on any mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jscenegen.checksums import (CHECKSUMS_NAME, ChecksumError, verify_checksums,
+                                 write_checksums, write_json_atomic)
+from jscenegen.grpo.run_metadata import redact
+from jscenegen.model.params import padded_shape
+
+log = logging.getLogger(__name__)
+
+PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM = "params", "adam", "train_state"
+HF_DIR = "hf"
+METADATA_NAME = "training_metadata.json"
+# Copied from the model directory into `hf/` when present; config.json and one tokenizer
+# file are required. Weights never are (they live in `params/`).
+HF_ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                  "added_tokens.json", "chat_template.jinja", "chat_template.json")
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+_REQUIRED_ENTRIES = (PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM, METADATA_NAME, f"{HF_DIR}/config.json")
+ARRAY_GROUPS = ("params", "mu", "nu")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names the step directory/file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatus:
+    """Whether step directory `path` holds a complete checkpoint; `reason` says why not."""
+
+    step: int
+    path: Path
+    valid: bool
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A restored checkpoint.
+
+    params: {hf_name: array} (jax.Array laid out as the target asked, or np.ndarray without one)
+    adam: {"count": int32 scalar, "mu": {hf_name: f32 array}, "nu": {hf_name: f32 array}}
+    train_state: the JSON dict saved by the trainer; metadata: `training_metadata.json`.
+    """
+
+    step: int
+    path: Path
+    params: dict[str, Any]
+    adam: dict[str, Any]
+    train_state: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- layouts
+def storage_sharding(shape: tuple[int, ...], mesh: jax.sharding.Mesh,
+                     padded: tuple[int, ...] | None = None) -> NamedSharding:
+    """A NamedSharding of a logical-shape array on `mesh` that JAX accepts (every split even).
+
+    Each mesh axis, in mesh order, joins the lowest dimension whose size (and the size in
+    `padded`, when given) it still divides; axes that divide no dimension replicate. For
+    Qwen sizes on 3 x 2 this keeps dim 0 split wherever it divides; otherwise the array is
+    partly replicated while it is written (extra memory: up to the replication factor, one
+    array at a time).
+    """
+    dims: list[list[str]] = [[] for _ in shape]
+    for axis in mesh.axis_names:
+        size = mesh.shape[axis]
+        for d, n in enumerate(shape):
+            split = math.prod(mesh.shape[a] for a in dims[d]) * size
+            if n % split == 0 and (padded is None or padded[d] % split == 0):
+                dims[d].append(axis)
+                break
+    spec = [None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims]
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+@functools.lru_cache(maxsize=None)
+def _slice_dim0(rows: int, out_sharding: NamedSharding):
+    return jax.jit(lambda x: x[:rows], out_shardings=out_sharding)
+
+
+def to_logical(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
+               what: str = "params") -> dict[str, Any]:
+    """Drop the dim-0 padding: {name: array [>= n, ...]} -> {name: array [n, ...]} per `shapes`.
+
+    Arrays already at logical shape are returned as they are. Padded jax.Arrays with a
+    NamedSharding come back laid out by `storage_sharding` on the same mesh; NumPy arrays
+    come back as views. Raises CheckpointError naming `what` and the parameter for a missing
+    or unexpected name, or a shape that is not the logical shape padded on dim 0.
+    """
+    _check_names(arrays, shapes, what)
+    out = {}
+    for name, logical in shapes.items():
+        x, logical = arrays[name], tuple(logical)
+        if tuple(x.shape) == logical:
+            out[name] = x
+            continue
+        if (len(x.shape) != len(logical) or tuple(x.shape[1:]) != logical[1:]
+                or x.shape[0] < logical[0]):
+            raise CheckpointError(f"{what}[{name!r}] has shape {tuple(x.shape)}; expected "
+                                  f"{logical} or that shape padded on dim 0")
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
+            target = storage_sharding(logical, x.sharding.mesh, padded=tuple(x.shape))
+            out[name] = _slice_dim0(logical[0], target)(jax.device_put(x, target))
+        else:
+            out[name] = x[: logical[0]]
+    return out
+
+
+def padded_target(shapes: Mapping[str, tuple[int, ...]], mesh: jax.sharding.Mesh,
+                  dtype: Any = np.float32) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract restore target in the trainer's FSDP layout.
+
+    Every array is split on dim 0 over all mesh axes (PartitionSpec((*mesh.axis_names,))),
+    dim 0 padded to a multiple of `mesh.size` (`model.params.padded_shape`), dtype `dtype`.
+    """
+    sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+    return {name: jax.ShapeDtypeStruct(padded_shape(tuple(s), mesh.size), dtype, sharding=sharding)
+            for name, s in shapes.items()}
+
+
+def _check_names(arrays: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:
+    missing = [n for n in expected if n not in arrays]
+    unexpected = [n for n in arrays if n not in expected]
+    if missing or unexpected:
+        raise CheckpointError(f"{what}: names differ from the parameter table; missing "
+                              f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
+                              f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+
+
+def _json_ready(obj: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(obj, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{what} must be JSON-serialisable (plain dicts, lists, numbers, "
+                              f"strings): {err}") from None
+
+
+def _scalar_count(count: Any) -> np.ndarray:
+    if isinstance(count, jax.Array):
+        count = count.addressable_data(0)
+    arr = np.asarray(count)
+    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
+        raise CheckpointError(f"adam['count'] must be a non-negative integer scalar; got "
+                              f"shape {arr.shape}, dtype {arr.dtype}")
+    return np.asarray(int(arr), dtype=np.int32)
+
+
+def _adam_to_logical(adam: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict:
+    if set(adam) != {"count", "mu", "nu"}:
+        raise CheckpointError(f"adam must have exactly the keys count, mu, nu; got {sorted(adam)}")
+    out: dict[str, Any] = {"count": _scalar_count(adam["count"])}
+    for moment in ("mu", "nu"):
+        arrays = to_logical(adam[moment], shapes, f"adam[{moment!r}]")
+        bad = [n for n, x in arrays.items() if np.dtype(x.dtype) != np.float32]
+        if bad:
+            raise CheckpointError(f"adam[{moment!r}] must be float32 (torch AdamW keeps fp32 "
+                                  f"moments); {bad[0]!r} is {arrays[bad[0]].dtype}")
+        out[moment] = arrays
+    return out
+
+
+def _copy_hf_assets(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in HF_ASSET_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
+def _check_hf_assets(src: Path) -> None:
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"hf_assets_dir {src}: config.json not found; pass the HF model "
+                              f"directory the run started from")
+    if not any((src / f).is_file() for f in _TOKENIZER_FILES):
+        raise CheckpointError(f"hf_assets_dir {src}: no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
+                              f"; a checkpoint must carry its tokenizer")
+
+
+# ----------------------------------------------------------------------------- step checks
+def check_step(path: str | Path, *, hash_files: bool = True) -> StepStatus:
+    """Is `path` (a step directory) a complete checkpoint? Never raises for a bad directory.
+
+    Complete = orbax finalised it, params/, adam/, train_state/, training_metadata.json and
+    hf/config.json exist, and every file matches `checksums.json` (sizes always; SHA-256 when
+    `hash_files`), with no unlisted files. `reason` names the first failing check and files.
+    """
+    path = Path(path)
+    step = int(path.name) if path.name.isdigit() else -1
+    if not path.is_dir():
+        return StepStatus(step, path, False, f"{path} does not exist")
+    if not ocp.step.is_path_finalized(path):
+        return StepStatus(step, path, False, f"{path}: orbax did not finalise this save")
+    missing = [e for e in _REQUIRED_ENTRIES if not (path / e).exists()]
+    if missing:
+        return StepStatus(step, path, False, f"{path}: missing {', '.join(missing)}")
+    try:
+        verify_checksums(path, hash_files=hash_files)
+    except ChecksumError as err:
+        return StepStatus(step, path, False, str(err))
+    return StepStatus(step, path, True)
+
+
+# ----------------------------------------------------------------------------- mesh-free reading
+def read_metadata(step_dir: str | Path) -> dict[str, Any]:
+    """`training_metadata.json` of a step directory. Raises CheckpointError if absent/invalid."""
+    path = Path(step_dir) / METADATA_NAME
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot read training metadata: {err}") from None
+
+
+def read_train_state(step_dir: str | Path) -> dict[str, Any]:
+    """The trainer's JSON state of a step directory (the orbax `train_state` item)."""
+    path = Path(step_dir).absolute() / TRAIN_STATE_ITEM
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no train_state item")
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path, args=ocp.args.JsonRestore())
+
+
+def _item_tree(step_dir: Path, item: str) -> dict:
+    path = step_dir.absolute() / item
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no {item} item")
+    return ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+
+
+def array_shapes(step_dir: str | Path, group: str = "params") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{hf_name: (logical shape, dtype)} stored for `group` in {"params", "mu", "nu"}.
+
+    Reads only orbax's metadata (no array data). Raises CheckpointError for an unknown group
+    or a missing item.
+    """
+    step_dir = Path(step_dir)
+    if group not in ARRAY_GROUPS:
+        raise CheckpointError(f"group must be one of {ARRAY_GROUPS}; got {group!r}")
+    tree = _item_tree(step_dir, PARAMS_ITEM if group == "params" else ADAM_ITEM)
+    tree = tree if group == "params" else tree[group]
+    return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in tree.items()}
+
+
+def iter_arrays(step_dir: str | Path, group: str = "params",
+                names: list[str] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (hf_name, np.ndarray at logical shape, stored dtype) for `group`, one at a time.
+
+    Each array is read by its own partial orbax restore, so host memory holds one array at a
+    time (what a converter streaming a 7B model needs). `names` defaults to every stored name,
+    sorted (JAX's dict order; `model.params.param_shapes` gives the model's order). No mesh or device is involved. Raises CheckpointError for an unknown name.
+    """
+    step_dir = Path(step_dir).absolute()
+    stored = array_shapes(step_dir, group)
+    unknown = [n for n in names or () if n not in stored]
+    if unknown:
+        raise CheckpointError(f"{step_dir}: {group} has no array {unknown[0]!r}")
+    item = PARAMS_ITEM if group == "params" else ADAM_ITEM
+    reader = ocp.PyTreeCheckpointer()
+    for name in names or list(stored):
+        leaf = {name: ocp.RestoreArgs(restore_type=np.ndarray)}
+        tree = leaf if group == "params" else {group: leaf}
+        out = reader.restore(step_dir / item, args=ocp.args.PyTreeRestore(
+            item=jax.tree.map(lambda _: 0, tree), restore_args=tree, partial_restore=True))
+        yield name, (out if group == "params" else out[group])[name]
+
+
+def read_adam_count(step_dir: str | Path) -> int:
+    """AdamW steps taken (torch `step`, optax `count`) stored in a step directory."""
+    step_dir = Path(step_dir).absolute()
+    out = ocp.PyTreeCheckpointer().restore(step_dir / ADAM_ITEM, args=ocp.args.PyTreeRestore(
+        item={"count": 0}, restore_args={"count": ocp.RestoreArgs(restore_type=np.ndarray)},
+        partial_restore=True))
+    return int(out["count"])
+
+
+# ----------------------------------------------------------------------------- the store
+class CheckpointStore:
+    """Saves and restores training checkpoints under `directory` (one sub-directory per step).
+
+    keep_last: complete checkpoints to keep (>= 1); older ones and incomplete leftovers
+        below the newest step are deleted after each complete save.
+    async_save: orbax writes arrays in the background after `save` returns; the step is
+        completed (hf/, metadata, checksums, keep-last-k) by the next `save`,
+        `wait_until_finished` or `close`. Call `close` before the process exits.
+
+    Every process of a multi-host run calls every method; only process 0 writes hf/, the
+    metadata and checksums, and the others wait for it (the directory must be shared).
+    """
+
+    def __init__(self, directory: str | Path, *, keep_last: int = 3, async_save: bool = False):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
+        self.directory = Path(directory).absolute()
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: tuple[int, dict, Path] | None = None
+        if self.directory.is_dir():
+            for tmp in sorted(self.directory.glob(f"*{ocp.step.TMP_DIR_SUFFIX}*")):
+                log.warning("discarding %s: a save that never finished (orbax removes it)", tmp)
+        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True))
+
+    def step_path(self, step: int) -> Path:
+        """Directory of `step` (whether or not it exists)."""
+        return self.directory / str(int(step))
+
+    def steps(self) -> list[int]:
+        """Every step directory on disk, complete or not, ascending."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+    def scan(self, *, hash_files: bool = True) -> list[StepStatus]:
+        """`check_step` of every step directory, newest first."""
+        return [check_step(self.step_path(s), hash_files=hash_files) for s in reversed(self.steps())]
+
+    def latest_valid_step(self) -> int | None:
+        """Newest step whose checkpoint is complete and verifies (full SHA-256), or None.
+
+        Incomplete or corrupted newer steps are skipped with a logged warning giving the reason.
+        """
+        for step in reversed(self.steps()):
+            status = check_step(self.step_path(step))
+            if status.valid:
+                return step
+            log.warning("skipping checkpoint step %d: %s", step, status.reason)
+        return None
+
+    def save(self, step: int, *, params: Mapping[str, Any], adam: Mapping[str, Any],
+             train_state: Mapping[str, Any], metadata: Mapping[str, Any],
+             hf_assets_dir: str | Path, shapes: Mapping[str, tuple[int, ...]]) -> Path:
+        """Write checkpoint `step`; returns its directory.
+
+        params: {hf_name: array [n or padded n, ...]} (jax.Array on any mesh, or NumPy);
+        adam: {"count": int scalar, "mu": {...}, "nu": {...}} same names, float32;
+        shapes: {hf_name: logical shape} (`model.params.param_shapes(cfg)`); padding beyond it
+        on dim 0 is dropped, never stored. train_state, metadata: JSON-able dicts (metadata is
+        passed through `run_metadata.redact`). hf_assets_dir: the HF model directory whose
+        config, tokenizer and chat template are copied into `hf/`.
+        Raises CheckpointError for a bad name/shape/dtype, non-JSON state, missing HF assets,
+        or an existing complete checkpoint at `step` (an incomplete one is replaced).
+        """
+        self.wait_until_finished()
+        step = int(step)
+        if step < 0:
+            raise CheckpointError(f"step must be >= 0 (got {step})")
+        hf_dir = Path(hf_assets_dir)
+        _check_hf_assets(hf_dir)
+        state = _json_ready(dict(train_state), "train_state")
+        meta = redact(_json_ready(dict(metadata), "metadata"))
+        logical_params = to_logical(params, shapes, "params")
+        logical_adam = _adam_to_logical(adam, shapes)
+        path = self.step_path(step)
+        if path.exists():
+            status = check_step(path, hash_files=False)
+            if status.valid:
+                raise CheckpointError(f"{path} already holds a complete checkpoint; "
+                                      f"refusing to overwrite step {step}")
+            log.warning("replacing incomplete checkpoint step %d: %s", step, status.reason)
+            self._delete(step)
+        saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
+            PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
+            ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
+            TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
+        if not saved:
+            raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
+        self._pending = (step, meta, hf_dir)
+        if not self.async_save:
+            self.wait_until_finished()
+        return path
+
+    def wait_until_finished(self) -> None:
+        """Block until the last save is complete: arrays written, hf/, metadata, checksums, GC."""
+        self._manager.wait_until_finished()
+        if self._pending is None:
+            return
+        step, meta, hf_dir = self._pending
+        self._pending = None
+        path = self.step_path(step)
+        if jax.process_index() == 0:
+            if not ocp.step.is_path_finalized(path):
+                raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
+            _copy_hf_assets(hf_dir, path / HF_DIR)
+            write_json_atomic(path / METADATA_NAME, meta)
+            write_checksums(path)
+            self._collect_garbage(step)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"jscenegen-checkpoint-{step}")
+
+    def close(self) -> None:
+        """Finish any pending save and release orbax's resources."""
+        self.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "CheckpointStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _delete(self, step: int) -> None:
+        self._manager.reload()
+        if step in self._manager.all_steps():
+            self._manager.delete(step)
+        if self.step_path(step).exists():  # a step dir orbax does not list as a step
+            shutil.rmtree(self.step_path(step))
+
+    def _collect_garbage(self, newest: int) -> None:
+        """Keep the newest `keep_last` complete steps <= `newest`; delete older and broken ones."""
+        kept = 0
+        for step in reversed([s for s in self.steps() if s <= newest]):
+            if kept < self.keep_last and check_step(self.step_path(step), hash_files=False).valid:
+                kept += 1
+                continue
+            log.info("deleting checkpoint step %d (keep_last=%d)", step, self.keep_last)
+            self._delete(step)
+
+    def restore(self, step: int | None = None,
+                target: Mapping[str, jax.ShapeDtypeStruct] | None = None) -> Checkpoint:
+        """Verify and read checkpoint `step` (default: `latest_valid_step()`).
+
+        target: {hf_name: jax.ShapeDtypeStruct(shape, dtype, sharding=...)} for params, e.g.
+        `padded_target(shapes, mesh)`. `shape` is the logical shape or that shape padded on
+        dim 0 (padding rows are zero); params come back with the target's dtype and sharding,
+        `mu`/`nu` with the same shapes and shardings in float32, `count` replicated on the
+        target's mesh. Without a target every array comes back as NumPy at logical shape.
+        Raises CheckpointError if no complete step exists, the step fails verification
+        (naming the failing files), or the target's names or shapes do not fit.
+        """
+        self.wait_until_finished()
+        if step is None:
+            step = self.latest_valid_step()
+            if step is None:
+                raise CheckpointError(f"{self.directory}: no complete checkpoint "
+                                      f"(steps on disk: {self.steps()})")
+        path = self.step_path(step)
+        status = check_step(path)
+        if not status.valid:
+            raise CheckpointError(f"checkpoint step {step} is not usable: {status.reason}")
+        stored = array_shapes(path, "params")
+        if target is None:
+            p_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in stored}
+            m_args = p_args
+            count_sharding = None
+        else:
+            p_args, m_args, count_sharding = _target_restore_args(target, stored, path)
+        self._manager.reload()
+        out = self._manager.restore(step, args=ocp.args.Composite(**{
+            PARAMS_ITEM: ocp.args.PyTreeRestore(item=jax.tree.map(lambda _: 0, p_args),
+                                                restore_args=p_args),
+            ADAM_ITEM: ocp.args.PyTreeRestore(
+                item={"count": 0, "mu": jax.tree.map(lambda _: 0, m_args),
+                      "nu": jax.tree.map(lambda _: 0, m_args)},
+                restore_args={"count": ocp.RestoreArgs(restore_type=np.ndarray),
+                              "mu": m_args, "nu": m_args}),
+            TRAIN_STATE_ITEM: ocp.args.JsonRestore()}))
+        adam = dict(out[ADAM_ITEM])
+        adam["count"] = np.asarray(adam["count"], np.int32)
+        if count_sharding is not None:
+            adam["count"] = jax.device_put(adam["count"], count_sharding)
+        order = list(stored)
+        return Checkpoint(step=step, path=path,
+                          params={n: out[PARAMS_ITEM][n] for n in order},
+                          adam={"count": adam["count"], "mu": {n: adam["mu"][n] for n in order},
+                                "nu": {n: adam["nu"][n] for n in order}},
+                          train_state=dict(out[TRAIN_STATE_ITEM]), metadata=read_metadata(path))
+
+
+def _target_restore_args(target: Mapping[str, jax.ShapeDtypeStruct],
+                         stored: Mapping[str, tuple[tuple[int, ...], np.dtype]], path: Path):
+    _check_names(target, stored, f"restore target for {path}")
+    p_args, m_args = {}, {}
+    for name, (shape, _dtype) in stored.items():
+        t = target[name]
+        if t.sharding is None:
+            raise CheckpointError(f"restore target {name!r} has no sharding")
+        tshape = tuple(t.shape)
+        if len(tshape) != len(shape) or tshape[1:] != shape[1:] or tshape[0] < shape[0]:
+            raise CheckpointError(f"restore target {name!r} has shape {tshape}; {path} stores "
+                                  f"{shape} (the target may only pad dim 0)")
+        p_args[name] = ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tshape,
+                                            dtype=t.dtype, strict=False)
+        m_args[name] = ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tshape,
+                                            dtype=np.float32, strict=False)
+    first = next(iter(target.values())).sharding
+    if isinstance(first, NamedSharding):
+        count_sharding = NamedSharding(first.mesh, PartitionSpec())
+    else:
+        count_sharding = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
+    return p_args, m_args, count_sharding

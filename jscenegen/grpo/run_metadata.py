@@ -1,0 +1,131 @@
+"""`training_metadata.json`: what produced a checkpoint (code, protocol, schedule, config, versions).
+
+Fields (../shared/DESIGN.md, "Checkpoints"; ../shared/specs/seed.md lists the first four for the
+published GRPO100 checkpoint):
+
+- `git_commit`: commit of the jscenegen source tree, `"<sha>-dirty"` with uncommitted changes,
+  `null` outside a git checkout.
+- `protocol_hash`, `schedule_hash`: identities of the scene protocol and the role/scene order.
+- `optimizer_step`: AdamW steps actually taken (= torch AdamW `step`, optax `count`).
+- `effective_updates`: updates that counted towards the schedule (zero-spread policy).
+- `judge`: the judge's identity (kind, model name, endpoint without credentials, ...).
+- `config`: the resolved run config with credentials redacted (see `redact`).
+- `versions`: Python and the packages that determine the numbers.
+- `created_utc`: ISO-8601 time of writing.
+
+Credentials never reach the file: keys that name a credential are replaced by `"<redacted>"`,
+and any string containing the value of a credential-named environment variable is too.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping
+
+REDACTED = "<redacted>"
+# Words that make a key name a credential, matched on the `_`/`-`/`.`/camelCase parts of the
+# name (so `api_key`, `hf_token`, `clientSecret` are redacted but `max_new_tokens` and
+# `tokenizer` are not), plus substrings that are credentials wherever they appear.
+_CREDENTIAL_WORDS = {"key", "keys", "apikey", "token", "secret", "password", "passwd",
+                     "credential", "credentials", "auth", "authorization", "cookie"}
+_CREDENTIAL_SUBSTRINGS = ("secret", "password", "passwd", "apikey", "api_key")
+_MIN_ENV_SECRET_CHARS = 8
+VERSION_PACKAGES = ("jscenegen", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
+                    "numpy", "transformers", "tokenizers")
+
+
+def is_credential_name(name: str) -> bool:
+    """True if a key or environment-variable name denotes a credential (see module docstring)."""
+    lower = name.lower()
+    if any(s in lower for s in _CREDENTIAL_SUBSTRINGS):
+        return True
+    words = re.split(r"[_\-.\s]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name))
+    return any(w.lower() in _CREDENTIAL_WORDS for w in words if w)
+
+
+def _environment_secrets() -> list[str]:
+    return [v for k, v in os.environ.items()
+            if is_credential_name(k) and len(v) >= _MIN_ENV_SECRET_CHARS]
+
+
+def redact(obj: Any, _secrets: list[str] | None = None) -> Any:
+    """Copy of a JSON-like `obj` with credentials replaced by "<redacted>".
+
+    A mapping value whose key `is_credential_name` is replaced whatever its type; a string
+    that contains the value of a credential-named environment variable (e.g. a URL with the
+    `OPENAI_API_KEY` inside) is replaced as a whole. Tuples become lists.
+    """
+    secrets = _environment_secrets() if _secrets is None else _secrets
+    if isinstance(obj, Mapping):
+        return {str(k): REDACTED if is_credential_name(str(k)) else redact(v, secrets)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact(v, secrets) for v in obj]
+    if isinstance(obj, str) and any(s in obj for s in secrets):
+        return REDACTED
+    return obj
+
+
+def git_commit(path: str | Path | None = None) -> str | None:
+    """Commit of the git checkout holding `path` (default: this package), `-dirty` if modified.
+
+    Returns None when `path` is not in a git checkout or git is not installed.
+    """
+    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=cwd, capture_output=True, text=True, timeout=10,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if status else sha
+
+
+def package_versions(packages: tuple[str, ...] = VERSION_PACKAGES) -> dict[str, str | None]:
+    """{"python": ..., package: installed version or None} for the packages that set the numbers."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def training_metadata(*, config: Mapping[str, Any], protocol_hash: str, schedule_hash: str,
+                      optimizer_step: int, effective_updates: int,
+                      judge: Mapping[str, Any] | None, extra: Mapping[str, Any] | None = None,
+                      ) -> dict[str, Any]:
+    """The `training_metadata.json` dict for one checkpoint (fields in the module docstring).
+
+    `config` is the resolved run config as plain data (e.g. `RunConfig.model_dump(mode="json")`);
+    it and `judge` and `extra` are passed through `redact`. `extra` keys are added at the top
+    level (e.g. `source` for a converted VERL checkpoint) and may not shadow the fixed fields.
+    Raises ValueError for a negative step count or an `extra` key that shadows a field.
+    """
+    if optimizer_step < 0 or effective_updates < 0:
+        raise ValueError(f"optimizer_step ({optimizer_step}) and effective_updates "
+                         f"({effective_updates}) must be >= 0")
+    meta: dict[str, Any] = {
+        "git_commit": git_commit(),
+        "protocol_hash": protocol_hash,
+        "schedule_hash": schedule_hash,
+        "optimizer_step": int(optimizer_step),
+        "effective_updates": int(effective_updates),
+        "judge": dict(judge) if judge is not None else None,
+        "config": dict(config),
+        "versions": package_versions(),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    for k, v in (extra or {}).items():
+        if k in meta:
+            raise ValueError(f"extra metadata key {k!r} would overwrite the field of that name")
+        meta[k] = v
+    return redact(meta)
