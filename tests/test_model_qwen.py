@@ -1,0 +1,168 @@
+"""The Qwen decoder against transformers' torch model, padding, KV cache and HF round trips."""
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from hf_fixtures import make_hf_dir
+from jscenegen.model.config import ModelConfigError, QwenConfig
+from jscenegen.model.hf_io import CheckpointFormatError, hf_state_dict, load_hf, save_hf
+from jscenegen.model.parity import logits_parity, random_padded_batch
+from jscenegen.model.qwen import KVCache
+
+VARIANTS = {
+    "qwen2": dict(arch="qwen2", rope_theta=10000.0),
+    "qwen3": dict(arch="qwen3", rope_theta=5_000_000.0),
+    "qwen3-yarn": dict(arch="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 32}),
+    "qwen2-linear": dict(arch="qwen2", rope_scaling={"type": "linear", "factor": 2.0}),
+}
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make_hf_dir(root / name, **kw) for name, kw in VARIANTS.items()}
+
+
+@pytest.fixture(scope="session")
+def qwen3_model(hf_dirs):
+    return load_hf(hf_dirs["qwen3"])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(hf_dirs, variant):
+    result = logits_parity(str(hf_dirs[variant]), batch=2, seq=48, seed=1)
+    assert result["max_abs_diff"] <= 1e-4, result
+    assert result["top1_agreement"] == 1.0
+
+
+def test_config_reads_both_rope_spellings(hf_dirs):
+    d = json.loads((hf_dirs["qwen3-yarn"] / "config.json").read_text())
+    cfg = QwenConfig.from_hf_dict(d)
+    assert cfg.rope_type == "yarn" and cfg.rope_params["factor"] == 4.0
+    v4 = dict(d)
+    v4.pop("rope_parameters", None)
+    v4["rope_theta"] = 123.0
+    v4["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    cfg4 = QwenConfig.from_hf_dict(v4)
+    assert cfg4.rope_theta == 123.0 and cfg4.rope_params == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    assert QwenConfig.from_hf_dict(dict(d, sliding_window=4096, use_sliding_window=False))
+    with pytest.raises(ModelConfigError, match="use_sliding_window"):
+        QwenConfig.from_hf_dict(dict(d, sliding_window=4096, use_sliding_window=True))
+
+
+def test_padded_rows_match_unpadded(qwen3_model):
+    ids, _ = random_padded_batch(qwen3_model.cfg.vocab_size, 1, 24, seed=3)
+    ids = jnp.asarray(ids)
+    ref = np.asarray(qwen3_model(ids, jnp.ones_like(ids)))[0]
+    pad = 5
+    left = jnp.concatenate([jnp.zeros((1, pad), jnp.int32), ids], axis=1)
+    left_mask = jnp.concatenate([jnp.zeros((1, pad), jnp.int32), jnp.ones_like(ids)], axis=1)
+    right = jnp.concatenate([ids, jnp.zeros((1, pad), jnp.int32)], axis=1)
+    right_mask = jnp.concatenate([jnp.ones_like(ids), jnp.zeros((1, pad), jnp.int32)], axis=1)
+    np.testing.assert_allclose(np.asarray(qwen3_model(left, left_mask))[0, pad:], ref, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(qwen3_model(right, right_mask))[0, :-pad], ref, atol=1e-5)
+
+
+def test_prefill_then_decode_equals_full_forward(qwen3_model):
+    cfg = qwen3_model.cfg
+    ids, mask = random_padded_batch(cfg.vocab_size, 2, 20, seed=4)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    full = np.asarray(qwen3_model(ids, mask))
+    prompt = 12
+    cache = KVCache.create(cfg, batch=2, max_len=32)
+    logits, cache = qwen3_model(ids[:, :prompt], mask[:, :prompt], cache)
+    steps = [np.asarray(logits)]
+    # one 3-token append (an environment segment), then single-token decode
+    logits, cache = qwen3_model(ids[:, prompt:prompt + 3], mask[:, prompt:prompt + 3], cache)
+    steps.append(np.asarray(logits))
+    for t in range(prompt + 3, 20):
+        logits, cache = qwen3_model(ids[:, t:t + 1], mask[:, t:t + 1], cache)
+        steps.append(np.asarray(logits))
+    inc = np.concatenate(steps, axis=1)
+    real = np.asarray(mask).astype(bool)
+    np.testing.assert_allclose(inc[real], full[real], atol=1e-5, rtol=1e-5)
+    assert int(cache.length) == 20
+    np.testing.assert_array_equal(np.asarray(cache.next_pos), np.asarray(mask).sum(1))
+
+
+def test_hf_round_trip_is_bit_identical_and_transformers_loads_it(hf_dirs, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = hf_dirs["qwen2"]
+    model = load_hf(src)
+    out = save_hf(model, tmp_path / "saved", max_shard_bytes=200_000)  # force several shards
+    assert (out / "model.safetensors.index.json").is_file()
+    again = load_hf(out)
+    for (n1, a), (n2, b) in zip(hf_state_dict(model), hf_state_dict(again)):
+        assert n1 == n2
+        np.testing.assert_array_equal(a, b)
+    original = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    for name, arr in hf_state_dict(again):
+        np.testing.assert_array_equal(arr, original[name].numpy())
+    ids, mask = random_padded_batch(model.cfg.vocab_size, 2, 16, seed=5)
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    ref = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = ref(input_ids=torch.from_numpy(ids.astype(np.int64)),
+                     attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                     position_ids=torch.from_numpy(pos.astype(np.int64))).logits.numpy()
+    ours = np.asarray(again(jnp.asarray(ids), jnp.asarray(mask)))
+    np.testing.assert_allclose(ours[mask.astype(bool)], theirs[mask.astype(bool)], atol=1e-4)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_tensor_is_named(hf_dirs, tmp_path):
+    d = _copy(hf_dirs["qwen2"], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointFormatError, match=r"missing.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_hf(d)
+
+
+def test_unexpected_tensor_is_named(hf_dirs, tmp_path):
+    d = _copy(hf_dirs["qwen2"], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(8, np.float32)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointFormatError, match=r"model.safetensors: unexpected.*rotary_emb"):
+        load_hf(d)
+
+
+def test_wrong_shape_is_named(hf_dirs, tmp_path):
+    d = _copy(hf_dirs["qwen3"], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"] = np.ones(65, np.float32)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointFormatError, match=r"model\.norm\.weight.*\(65,\), expected \(64,\)"):
+        load_hf(d)
+
+
+def test_unsupported_model_type_and_remote_code(hf_dirs, tmp_path):
+    d = _copy(hf_dirs["qwen3"], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+    with pytest.raises(ModelConfigError, match=r"config.json: model_type 'llama'.*qwen2, qwen3"):
+        load_hf(d)
+    (d / "config.json").write_text(json.dumps(dict(cfg, auto_map={"AutoModel": "x.Y"})))
+    with pytest.raises(ModelConfigError, match="trust_remote_code"):
+        load_hf(d)
+
+
+def test_corrupt_safetensors_header_is_named(hf_dirs, tmp_path):
+    d = _copy(hf_dirs["qwen3"], tmp_path / "m")
+    raw = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(raw[:8] + b"{not json" + raw[17:])
+    with pytest.raises(CheckpointFormatError, match=r"model.safetensors: unreadable"):
+        load_hf(d)
