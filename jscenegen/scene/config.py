@@ -1,0 +1,116 @@
+"""Typed configuration of the SceneGen runtime (`scene:`) and of its judge (`judge:`).
+
+Every number of ../shared/specs/scene-protocol.md is a default here, never a constant in code.
+The lead adds both sections to `RunConfig` as `scene:` and `judge:`; this module only defines them.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jscenegen.config import Section
+
+GRADE_KEYS = (
+    "realism",
+    "functionality",
+    "layout",
+    "completeness",
+    "prompt_following",
+    "reachability",
+    "physical_plausibility",
+)
+
+
+class OpCosts(Section):
+    """Unit cost of each designer operation (scene-protocol.md section 3)."""
+
+    add_object: int = Field(8, ge=0)
+    replace_object: int = Field(8, ge=0)
+    resize_object: int = Field(3, ge=0)
+    move_object: int = Field(2, ge=0)
+    remove_object: int = Field(2, ge=0)
+    snap_to_wall: int = Field(2, ge=0)
+    snap_to_object: int = Field(2, ge=0)
+    rotate_object: int = Field(1, ge=0)
+    get_scene: int = Field(0, ge=0)
+
+
+class MetricsConfig(Section):
+    """Geometry and reachability parameters (scene-protocol.md section 4), metres.
+
+    `grid_size` is the side of the fixed padded grid in cells (128 x 5 cm = 6.4 m); a room whose
+    bounding box does not fit is refused. `geometry_bound_m` bounds every object corner relative
+    to the floor polygon's minimum corner so the integer rasteriser cannot overflow int32.
+    """
+
+    cell_m: float = Field(0.05, gt=0)
+    agent_radius_m: float = Field(0.15, ge=0)
+    access_margin_m: float = Field(0.10, ge=0)
+    block_height_m: float = Field(1.5, gt=0)
+    thin_height_m: float = Field(0.03, ge=0)
+    min_region_m2: float = Field(0.1, ge=0)
+    penetration_m: float = Field(0.01, ge=0)
+    oob_fraction: float = Field(0.01, ge=0, le=1)
+    oob_cap_fraction: float = Field(0.05, ge=0, le=1)
+    door_clearance_m: float = Field(0.8, ge=0)
+    window_clearance_m: float = Field(0.5, ge=0)
+    wall_gap_m: float = Field(0.10, ge=0)
+    chair_desk_m: float = Field(1.5, ge=0)
+    grid_size: int = Field(128, ge=8, le=512)
+    max_polygon_vertices: int = Field(16, ge=3, le=64)
+    geometry_bound_m: float = Field(16.0, gt=0, le=20.0)
+
+
+class RewardConfig(Section):
+    """R = mean(grades) / 10 - unit_penalty * min(units, unit_norm) / unit_norm; failure -> failure_reward."""
+
+    unit_penalty: float = 0.8
+    unit_norm: int = Field(512, gt=0)
+    failure_reward: float = -1.0
+
+
+class SceneRuntimeConfig(Section):
+    """The SceneGen environment: operation costs, budget, caps, metrics, reward, prompts."""
+
+    op_costs: OpCosts = OpCosts()
+    budget_units: int = Field(512, gt=0)
+    max_objects: int = Field(40, ge=1, le=128)
+    max_planner_turns: int = Field(12, ge=1)
+    max_critique_rounds: int = Field(3, ge=0)
+    metrics: MetricsConfig = MetricsConfig()
+    reward: RewardConfig = RewardConfig()
+    prompts_dir: str | None = Field(
+        None, description="Directory with replacement prompt templates (default: the packaged ones)."
+    )
+    catalogue_path: str | None = Field(
+        None, description="Replacement catalogue JSON (default: jscenegen/scene/data/catalogue.json)."
+    )
+
+
+class JudgeConfig(Section):
+    """Which judge grades terminal scenes, and how the HTTP backend talks to its server.
+
+    The API key is never a config value: `api_key_env` names the environment variable holding it.
+    """
+
+    backend: Literal["rule", "http"] = "rule"
+    grade_keys: tuple[str, ...] = GRADE_KEYS
+    enforce_caps: bool = Field(True, description="Apply the metric caps to a model judge's grades too.")
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = "JSCENEGEN_JUDGE_API_KEY"
+    timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    backoff_s: float = Field(1.0, ge=0)
+    concurrency: int = Field(8, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(1024, ge=16)
+
+    @model_validator(mode="after")
+    def _check(self) -> "JudgeConfig":
+        if len(set(self.grade_keys)) != len(self.grade_keys) or not self.grade_keys:
+            raise ValueError(f"grade_keys must be distinct and non-empty, got {self.grade_keys}")
+        if self.backend == "http" and (not self.base_url or not self.model):
+            raise ValueError("judge.backend 'http' needs judge.base_url and judge.model")
+        return self

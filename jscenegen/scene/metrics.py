@@ -1,0 +1,218 @@
+"""Measured metrics of a scene (scene-protocol.md section 4): collisions, bounds, openings, reachability.
+
+`measure(scene, cfg)` returns a JSON-able dict whose keys are the spec's names; the rule judge,
+the critic/judge prompts and `jscenegen scene check` all read this one dict.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .catalogue import Catalogue, load_catalogue
+from .config import SceneRuntimeConfig
+from .geometry import (
+    distance_to_walls,
+    footprint,
+    front_direction,
+    opening_box,
+    outside_fraction,
+    penetration,
+    point_in_polygon,
+)
+from .reach_inputs import GridSpec, blocks_walking, encode_scene, is_thin
+from .reachability import ReachResult, reach_numpy
+from .schema import Scene, id_sort_key
+
+
+def _collisions(scene: Scene, feet: dict, catalogue: Catalogue, cfg) -> list[list[str]]:
+    objs = sorted(scene.objects, key=lambda o: id_sort_key(o.id))
+    pairs = []
+    for i, a in enumerate(objs):
+        for b in objs[i + 1 :]:
+            if a.parent == b.id or b.parent == a.id:
+                continue
+            if is_thin(a, catalogue, cfg) or is_thin(b, catalogue, cfg):
+                continue
+            vertical = min(a.elevation + a.size[2], b.elevation + b.size[2]) - max(a.elevation, b.elevation)
+            if vertical <= 1e-6:
+                continue
+            if penetration(feet[a.id], feet[b.id]) >= cfg.penetration_m - 1e-9:
+                pairs.append([a.id, b.id])
+    return pairs
+
+
+def _reach_block(scene: Scene, rcfg: SceneRuntimeConfig, catalogue: Catalogue, blockers: bool):
+    cfg = rcfg.metrics
+    spec = GridSpec.from_config(cfg)
+    inp = encode_scene(scene, cfg, catalogue, max(rcfg.max_objects, len(scene.objects)))
+    res = reach_numpy(inp, spec)
+    n_doors = len(scene.room.doors)
+    counted = [i for i in range(len(inp.object_ids)) if inp.counted[i]]
+    reachable_ids = [inp.object_ids[i] for i in counted if res.object_reachable[i]]
+    unreachable = sorted((inp.object_ids[i] for i in counted if not res.object_reachable[i]), key=id_sort_key)
+    out = {
+        "reachable_object_ratio": len(reachable_ids) / len(counted) if counted else 1.0,
+        "door_connected_ratio": res.reached_cells / res.free_cells if res.free_cells else 0.0,
+        "num_regions": res.num_regions,
+        "largest_region_ratio": res.largest_region_cells / res.free_cells if res.free_cells else 0.0,
+        "walkable_ratio": res.free_cells / res.floor_cells if res.floor_cells else 0.0,
+        "unreachable_objects": unreachable,
+        "door_walk_blocked": [d for d in range(n_doors) if not res.door_start_free[d]],
+    }
+    if blockers and (unreachable or res.num_regions > 1 or out["door_walk_blocked"]):
+        found = []
+        for k in range(len(inp.object_ids)):
+            if not inp.blocking[k]:
+                continue
+            alt = reach_numpy(inp, spec, skip=k)
+            others = [i for i in counted if i != k]
+            if (
+                alt.num_regions < res.num_regions
+                or sum(alt.object_reachable[i] for i in others) > sum(res.object_reachable[i] for i in others)
+                or alt.door_start_free[:n_doors].sum() > res.door_start_free[:n_doors].sum()
+            ):
+                found.append(inp.object_ids[k])
+        out["blockers"] = sorted(found, key=id_sort_key)
+    return out, res
+
+
+def measure(
+    scene: Scene,
+    rcfg: SceneRuntimeConfig | None = None,
+    catalogue: Catalogue | None = None,
+    blockers: bool = False,
+    with_result: bool = False,
+):
+    """All measured metrics of `scene` as a JSON-able dict (spec names), optionally with ReachResult.
+
+    Keys: collision_pairs [[id, id]], oob_objects [id] (> oob_fraction outside or top above the
+    wall), oob_cap_objects [id] (> oob_cap_fraction outside or above the wall), door_blocked bool,
+    door_clearance_blocked [[door, id]], door_walk_blocked [door], window_warnings
+    [{"window", "object"}], reachable_object_ratio, door_connected_ratio, num_regions,
+    largest_region_ratio, walkable_ratio, unreachable_objects [id], reachable bool, blockers [id]
+    (only when asked and something is unreachable), front_to_wall_objects, storage_off_wall_objects,
+    size_out_of_range_objects, chairs_not_at_desk, unknown_categories, missing_required,
+    object_count. Raises ReachabilityError beyond the grid's hard bounds.
+    """
+    rcfg = rcfg or SceneRuntimeConfig()
+    catalogue = catalogue or load_catalogue(rcfg.catalogue_path)
+    cfg = rcfg.metrics
+    room = scene.room
+    floor = np.asarray(room.floor_polygon, dtype=float)
+    feet = {o.id: footprint(o) for o in scene.objects}
+    by_id = sorted(scene.objects, key=lambda o: id_sort_key(o.id))
+
+    oob, oob_cap = [], []
+    for o in by_id:
+        frac = outside_fraction(feet[o.id], floor)
+        above = o.elevation + o.size[2] > room.wall_height + 1e-6
+        if frac > cfg.oob_fraction or above:
+            oob.append(o.id)
+        if frac > cfg.oob_cap_fraction or above:
+            oob_cap.append(o.id)
+
+    door_clear = []
+    for d, door in enumerate(room.doors):
+        box = opening_box(room, door, cfg.door_clearance_m)
+        for o in by_id:
+            if blocks_walking(o, catalogue, cfg) and penetration(box, feet[o.id]) >= cfg.penetration_m - 1e-9:
+                door_clear.append([d, o.id])
+    window_warn = []
+    for w, win in enumerate(room.windows):
+        box = opening_box(room, win, cfg.window_clearance_m)
+        for o in by_id:
+            top = o.elevation + o.size[2]
+            if (
+                not is_thin(o, catalogue, cfg)
+                and top > win.sill + 1e-6
+                and o.elevation < win.sill + win.height
+                and penetration(box, feet[o.id]) >= cfg.penetration_m - 1e-9
+            ):
+                window_warn.append({"window": w, "object": o.id})
+
+    reach, res = _reach_block(scene, rcfg, catalogue, blockers)
+    door_blocked = bool(reach["door_walk_blocked"] or door_clear)
+
+    front_wall, storage_off, bad_size, unknown, chairs_bad = [], [], [], [], []
+    probe = rcfg.metrics.agent_radius_m + rcfg.metrics.access_margin_m
+    desks = [o for o in by_id if o.category in catalogue.desk_like]
+    for o in by_id:
+        cat = catalogue.get(o.category)
+        if cat is None:
+            unknown.append(o.id)
+            continue
+        if not cat.size_ok(o.size):
+            bad_size.append(o.id)
+        f = front_direction(o.yaw)
+        if cat.front_used and o.mount == "floor":
+            p = np.asarray(o.position) + f * (o.size[1] / 2 + probe)
+            if not point_in_polygon(p[0], p[1], room.floor_polygon):
+                front_wall.append(o.id)
+        if cat.storage and distance_to_walls(feet[o.id], floor) > cfg.wall_gap_m + 1e-9:
+            storage_off.append(o.id)
+        if o.category in catalogue.chair_like:
+            ok = False
+            for d in desks:
+                v = np.asarray(d.position) - np.asarray(o.position)
+                dist = float(np.hypot(*v))
+                if dist <= cfg.chair_desk_m and (dist == 0 or float(f @ v) / dist >= 0.5):
+                    ok = True
+            if not ok:
+                chairs_bad.append(o.id)
+
+    required = catalogue.required(room.type)
+    missing_required = bool(required) and not any(o.category in required for o in scene.objects)
+    out = {
+        "object_count": len(scene.objects),
+        "collision_pairs": _collisions(scene, feet, catalogue, cfg),
+        "oob_objects": oob,
+        "oob_cap_objects": oob_cap,
+        "door_blocked": door_blocked,
+        "door_clearance_blocked": door_clear,
+        "window_warnings": window_warn,
+        **reach,
+        "front_to_wall_objects": front_wall,
+        "storage_off_wall_objects": storage_off,
+        "size_out_of_range_objects": bad_size,
+        "chairs_not_at_desk": chairs_bad,
+        "unknown_categories": unknown,
+        "missing_required": missing_required,
+    }
+    out["reachable"] = bool(
+        not door_blocked and not out["unreachable_objects"] and out["num_regions"] == 1 and room.doors
+    )
+    for k, v in out.items():
+        if isinstance(v, float):
+            out[k] = round(v, 6)
+            if not math.isfinite(v):
+                raise ValueError(f"metric {k} is not finite")
+    return (out, res) if with_result else out
+
+
+def metrics_text(m: dict) -> str:
+    """Compact deterministic text of the metrics for critic, planner and judge prompts."""
+    keys = (
+        "object_count", "collision_pairs", "oob_objects", "door_blocked", "door_clearance_blocked",
+        "window_warnings", "reachable", "reachable_object_ratio", "door_connected_ratio", "num_regions",
+        "largest_region_ratio", "walkable_ratio", "unreachable_objects", "blockers",
+        "front_to_wall_objects", "storage_off_wall_objects", "size_out_of_range_objects",
+        "chairs_not_at_desk", "unknown_categories",
+    )
+    lines = []
+    for k in keys:
+        if k not in m:
+            continue
+        v = m[k]
+        if isinstance(v, float):
+            v = f"{v:.2f}"
+        elif isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, list):
+            v = ", ".join(
+                f"{x['object']}@window_{x['window']}" if isinstance(x, dict)
+                else ("/".join(str(y) for y in x) if isinstance(x, list) else str(x))
+                for x in v
+            ) or "none"
+        lines.append(f"{k}: {v}")
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Millimetre-quantised integer encoding of a scene for the reachability grid (NumPy and JAX).
+
+Both reachability implementations read only these integer arrays, so they rasterise identical
+geometry: positions and sizes are rounded to whole millimetres, footprint corners are computed
+from the rounded values and rounded to whole millimetres again (round half to even), and every
+coordinate is taken relative to the floor polygon's minimum corner. Cell (iy, ix) has its centre
+at ((ix + 0.5) cell, (iy + 0.5) cell); `cell_mm` must be even so centres are whole millimetres.
+Tie rules: a cell centre on a footprint edge is inside the footprint; a door start point on a
+cell boundary seeds every cell whose closed square contains it (rotation-symmetric).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .catalogue import Catalogue
+from .config import MetricsConfig
+from .geometry import box_corners, opening_centre
+from .schema import Scene, SceneObject
+
+INT32_LIMIT = 2**31 - 1
+
+
+class ReachabilityError(ValueError):
+    """A scene outside the reachability grid's hard bounds (grid size, object/door/vertex count)."""
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """Integer grid parameters derived from MetricsConfig (millimetres and cells)."""
+
+    cell_mm: int
+    grid_size: int
+    radius_mm: int
+    ring_mm: int
+    min_region_cells: int
+
+    @staticmethod
+    def from_config(cfg: MetricsConfig) -> "GridSpec":
+        cell_mm = round(cfg.cell_m * 1000)
+        if cell_mm % 2 or abs(cell_mm - cfg.cell_m * 1000) > 1e-6:
+            raise ReachabilityError(f"metrics.cell_m {cfg.cell_m} must be a whole even number of millimetres")
+        # regions "larger than" min_region_m2: strictly more cells than this many
+        min_cells = math.floor(cfg.min_region_m2 * 1e6 / cell_mm**2 + 1e-9)
+        return GridSpec(
+            cell_mm=cell_mm,
+            grid_size=cfg.grid_size,
+            radius_mm=round(cfg.agent_radius_m * 1000),
+            ring_mm=round((cfg.agent_radius_m + cfg.access_margin_m) * 1000),
+            min_region_cells=min_cells,
+        )
+
+    def disk_rows(self, r_mm: int) -> tuple[tuple[int, int], ...]:
+        """((dy, half_width), ...): the disk {(dy, dx): (dx^2 + dy^2) cell^2 <= r^2} row by row."""
+        rows = []
+        rc = r_mm // self.cell_mm + 1
+        for dy in range(-rc, rc + 1):
+            w = -1
+            while ((w + 1) ** 2 + dy * dy) * self.cell_mm**2 <= r_mm**2:
+                w += 1
+            if w >= 0:
+                rows.append((dy, w))
+        return tuple(rows)
+
+
+@dataclass(frozen=True)
+class ReachInputs:
+    """One scene as padded integer arrays (N objects, D doors, V vertices; coordinates in mm).
+
+    poly [V, 2] int32 (padded by repeating the last vertex), corners [N, 4, 2] int32 (CCW:
+    back-left, back-right, front-right, front-left), blocking/counted/front_only [N] bool,
+    starts [D, 4, 2] int32 (ix, iy) with start_valid [D, 4] bool, door_valid [D] bool.
+    nx, ny: the room's own grid extent in cells; object_ids: ids of the first len(ids) slots.
+    """
+
+    poly: np.ndarray
+    corners: np.ndarray
+    blocking: np.ndarray
+    counted: np.ndarray
+    front_only: np.ndarray
+    starts: np.ndarray
+    start_valid: np.ndarray
+    door_valid: np.ndarray
+    nx: int
+    ny: int
+    object_ids: tuple[str, ...]
+
+
+def is_thin(obj: SceneObject, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
+    """Thin covering (rug, mat): catalogue flag or height <= thin_height_m."""
+    cat = catalogue.get(obj.category)
+    return bool(cat and cat.thin) or obj.size[2] <= cfg.thin_height_m
+
+
+def blocks_walking(obj: SceneObject, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
+    """Obstacle for the agent: not thin, not supported by a parent, bottom below block_height_m."""
+    return not is_thin(obj, catalogue, cfg) and obj.mount != "on" and obj.elevation < cfg.block_height_m
+
+
+def quantised_corners(obj: SceneObject) -> np.ndarray:
+    """Footprint corners [4, 2] int64 in absolute millimetres, from mm-rounded position and size."""
+    x, y = (round(v * 1000) for v in obj.position)
+    w, d = (round(v * 1000) for v in obj.size[:2])
+    return np.rint(box_corners(x, y, w, d, obj.yaw)).astype(np.int64)
+
+
+def _start_cells(v_mm: int, cell_mm: int) -> list[int]:
+    base = v_mm // cell_mm
+    return [base - 1, base] if v_mm % cell_mm == 0 else [base]
+
+
+def encode_scene(
+    scene: Scene,
+    cfg: MetricsConfig,
+    catalogue: Catalogue,
+    max_objects: int,
+    max_doors: int = 4,
+) -> ReachInputs:
+    """Encode `scene` for the reachability kernels. Raises ReachabilityError beyond the hard bounds.
+
+    Bounds: the room's bounding box must fit grid_size cells per side, at most max_objects objects,
+    max_doors doors, metrics.max_polygon_vertices vertices, and every corner close enough to the
+    room that int32 cross products cannot overflow (4 M (E + M) < 2^31, M the largest |coordinate|,
+    E the padded grid extent, all in mm).
+    """
+    spec = GridSpec.from_config(cfg)
+    room = scene.room
+    if len(room.floor_polygon) > cfg.max_polygon_vertices:
+        raise ReachabilityError(
+            f"floor_polygon has {len(room.floor_polygon)} vertices, the grid allows {cfg.max_polygon_vertices}"
+        )
+    if len(scene.objects) > max_objects:
+        raise ReachabilityError(f"{len(scene.objects)} objects, the grid allows {max_objects}")
+    if len(room.doors) > max_doors:
+        raise ReachabilityError(f"{len(room.doors)} doors, the grid allows {max_doors}")
+    poly_abs = np.array([[round(x * 1000), round(y * 1000)] for x, y in room.floor_polygon], dtype=np.int64)
+    origin = poly_abs.min(axis=0)
+    poly = poly_abs - origin
+    extent = poly.max(axis=0)
+    nx, ny = (int(-(-int(e) // spec.cell_mm)) for e in extent)
+    if max(nx, ny) > spec.grid_size:
+        raise ReachabilityError(
+            f"room bounding box {extent[0] / 1000:.2f} x {extent[1] / 1000:.2f} m exceeds the "
+            f"{spec.grid_size} x {spec.grid_size} cell grid ({spec.grid_size * spec.cell_mm / 1000:.2f} m); "
+            "raise scene.metrics.grid_size"
+        )
+    n = max_objects
+    corners = np.zeros((n, 4, 2), np.int64)
+    blocking = np.zeros(n, bool)
+    counted = np.zeros(n, bool)
+    front_only = np.zeros(n, bool)
+    grid_mm = spec.grid_size * spec.cell_mm
+    for k, obj in enumerate(scene.objects):
+        corners[k] = quantised_corners(obj) - origin
+        m = int(np.abs(corners[k]).max())
+        if 4 * m * (grid_mm + m) >= INT32_LIMIT:
+            raise ReachabilityError(f"object {obj.id} lies too far from the room for the integer grid")
+        blocking[k] = blocks_walking(obj, catalogue, cfg)
+        counted[k] = blocking[k] and obj.mount == "floor"
+        cat = catalogue.get(obj.category)
+        front_only[k] = bool(cat and cat.front_used)
+    v = cfg.max_polygon_vertices
+    poly_p = np.concatenate([poly, np.repeat(poly[-1:], v - len(poly), axis=0)])
+    starts = np.zeros((max_doors, 4, 2), np.int64)
+    start_valid = np.zeros((max_doors, 4), bool)
+    door_valid = np.zeros(max_doors, bool)
+    step = (spec.radius_mm + spec.cell_mm) / 1000
+    for d, door in enumerate(room.doors):
+        door_valid[d] = True
+        c, normal = opening_centre(room, door)
+        p = np.rint((c + normal * step) * 1000).astype(np.int64) - origin
+        k = 0
+        for iy in _start_cells(int(p[1]), spec.cell_mm):
+            for ix in _start_cells(int(p[0]), spec.cell_mm):
+                starts[d, k] = (ix, iy)
+                start_valid[d, k] = 0 <= ix < nx and 0 <= iy < ny
+                k += 1
+    return ReachInputs(
+        poly=poly_p.astype(np.int32),
+        corners=corners.astype(np.int32),
+        blocking=blocking,
+        counted=counted,
+        front_only=front_only,
+        starts=starts.astype(np.int32),
+        start_valid=start_valid,
+        door_valid=door_valid,
+        nx=nx,
+        ny=ny,
+        object_ids=tuple(o.id for o in scene.objects),
+    )

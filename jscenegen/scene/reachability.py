@@ -1,0 +1,190 @@
+"""Door-anchored grid reachability, NumPy reference (scene-protocol.md section 4).
+
+free = floor eroded by the agent disk, minus blocking footprints dilated by it; a 4-connected
+flood fill from each door's start cell gives the reached region; an object is reachable when the
+ring between its footprint dilated by r and by r + margin touches the reached region (for
+front-used objects only the ring strictly beyond the front face's line counts). Regions are the
+4-connected components of free with more than `min_region_cells` cells. The method follows
+PhyScene's door-anchored reachability with SceneEval's front accessibility; this module is the
+plain reference (breadth-first search, literal rings) the JAX kernel in reachability_jax.py must
+match exactly.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from .reach_inputs import GridSpec, ReachInputs
+
+
+@dataclass(frozen=True)
+class ReachResult:
+    """Counts and flags of one scene; masks [ny, nx] bool on the room's own grid (reference only)."""
+
+    floor_cells: int
+    free_cells: int
+    reached_cells: int
+    num_regions: int
+    largest_region_cells: int
+    door_start_free: np.ndarray  # [D] bool, False for padding doors
+    object_reachable: np.ndarray  # [N] bool, False for padding and non-counted objects
+    free: np.ndarray | None = None
+    reached: np.ndarray | None = None
+
+
+def _cell_centres(nx: int, ny: int, cell_mm: int) -> tuple[np.ndarray, np.ndarray]:
+    half = cell_mm // 2
+    px = (np.arange(nx, dtype=np.int64) * cell_mm + half)[None, :]
+    py = (np.arange(ny, dtype=np.int64) * cell_mm + half)[:, None]
+    return np.broadcast_to(px, (ny, nx)), np.broadcast_to(py, (ny, nx))
+
+
+def floor_mask(poly: np.ndarray, nx: int, ny: int, cell_mm: int) -> np.ndarray:
+    """[ny, nx] bool: cell centre inside the polygon (crossing number, exact integer arithmetic)."""
+    px, py = _cell_centres(nx, ny, cell_mm)
+    poly = poly.astype(np.int64)
+    inside = np.zeros((ny, nx), bool)
+    for i in range(len(poly)):
+        (x0, y0), (x1, y1) = poly[i], poly[(i + 1) % len(poly)]
+        if y0 == y1:
+            continue
+        crosses = (y0 > py) != (y1 > py)
+        lhs = (px - x0) * (y1 - y0)
+        rhs = (py - y0) * (x1 - x0)
+        left = lhs < rhs if y1 > y0 else lhs > rhs
+        inside ^= crosses & left
+    return inside
+
+
+def quad_mask(corners: np.ndarray, nx: int, ny: int, cell_mm: int) -> np.ndarray:
+    """[ny, nx] bool: cell centre inside or on the convex CCW quad corners [4, 2] (mm)."""
+    px, py = _cell_centres(nx, ny, cell_mm)
+    c = corners.astype(np.int64)
+    inside = np.ones((ny, nx), bool)
+    for k in range(4):
+        (ax, ay), (bx, by) = c[k], c[(k + 1) % 4]
+        inside &= (bx - ax) * (py - ay) - (by - ay) * (px - ax) >= 0
+    return inside
+
+
+def beyond_front(corners: np.ndarray, nx: int, ny: int, cell_mm: int) -> np.ndarray:
+    """[ny, nx] bool: cell centre strictly beyond the front face line (corner 2 -> corner 3)."""
+    px, py = _cell_centres(nx, ny, cell_mm)
+    c = corners.astype(np.int64)
+    (ax, ay), (bx, by) = c[2], c[3]
+    return (bx - ax) * (py - ay) - (by - ay) * (px - ax) < 0
+
+
+def dilate(mask: np.ndarray, rows, outside: bool = False) -> np.ndarray:
+    """Union of `mask` shifted by every disk offset; cells beyond the array read as `outside`."""
+    ny, nx = mask.shape
+    out = np.zeros_like(mask)
+    for dy, w in rows:
+        for dx in range(-w, w + 1):
+            src = np.full((ny + 2 * abs(dy), nx + 2 * abs(dx)), outside)
+            src[abs(dy) : abs(dy) + ny, abs(dx) : abs(dx) + nx] = mask
+            out |= src[abs(dy) - dy : abs(dy) - dy + ny, abs(dx) - dx : abs(dx) - dx + nx]
+    return out
+
+
+def _components(free: np.ndarray) -> np.ndarray:
+    """[ny, nx] int32 labels 1..k of the 4-connected components of `free` (0 elsewhere), by BFS."""
+    ny, nx = free.shape
+    labels = np.zeros((ny, nx), np.int32)
+    k = 0
+    for y0, x0 in zip(*np.nonzero(free)):
+        if labels[y0, x0]:
+            continue
+        k += 1
+        labels[y0, x0] = k
+        queue = deque([(y0, x0)])
+        while queue:
+            y, x = queue.popleft()
+            for yy, xx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
+                if 0 <= yy < ny and 0 <= xx < nx and free[yy, xx] and not labels[yy, xx]:
+                    labels[yy, xx] = k
+                    queue.append((yy, xx))
+    return labels
+
+
+def _flood(free: np.ndarray, seeds: list[tuple[int, int]]) -> np.ndarray:
+    reached = np.zeros_like(free)
+    queue = deque()
+    for y, x in seeds:
+        if not reached[y, x]:
+            reached[y, x] = True
+            queue.append((y, x))
+    ny, nx = free.shape
+    while queue:
+        y, x = queue.popleft()
+        for yy, xx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
+            if 0 <= yy < ny and 0 <= xx < nx and free[yy, xx] and not reached[yy, xx]:
+                reached[yy, xx] = True
+                queue.append((yy, xx))
+    return reached
+
+
+def _crop(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
+    ys, xs = np.nonzero(mask)
+    if len(ys) == 0:
+        return None
+    ny, nx = mask.shape
+    return (
+        slice(max(0, ys.min() - margin), min(ny, ys.max() + margin + 1)),
+        slice(max(0, xs.min() - margin), min(nx, xs.max() + margin + 1)),
+    )
+
+
+def reach_numpy(inp: ReachInputs, spec: GridSpec, skip: int | None = None) -> ReachResult:
+    """Reference reachability of one encoded scene; `skip` leaves one object out (blocker search).
+
+    Returns ReachResult with masks. Cost: O(cells x disk) per blocking object plus BFS.
+    """
+    nx, ny, cell = inp.nx, inp.ny, spec.cell_mm
+    r_rows, ring_rows = spec.disk_rows(spec.radius_mm), spec.disk_rows(spec.ring_mm)
+    floor = floor_mask(inp.poly, nx, ny, cell)
+    n_real = len(inp.object_ids)
+    feet = [quad_mask(inp.corners[k], nx, ny, cell) for k in range(n_real)]
+    obst = np.zeros((ny, nx), bool)
+    for k in range(n_real):
+        if inp.blocking[k] and k != skip:
+            obst |= feet[k]
+    free = ~dilate(~floor, r_rows, outside=True) & ~dilate(obst, r_rows)
+    door_free = np.zeros(len(inp.door_valid), bool)
+    seeds = []
+    for d in range(len(inp.door_valid)):
+        for s in range(4):
+            if inp.start_valid[d, s]:
+                ix, iy = (int(v) for v in inp.starts[d, s])
+                if free[iy, ix]:
+                    door_free[d] = True
+                    seeds.append((iy, ix))
+    reached = _flood(free, seeds)
+    labels = _components(free)
+    sizes = np.bincount(labels.ravel())[1:] if labels.max() > 0 else np.zeros(0, int)
+    reachable = np.zeros(len(inp.counted), bool)
+    margin = spec.ring_mm // cell + 1
+    for k in range(n_real):
+        if not inp.counted[k] or k == skip:
+            continue
+        win = _crop(feet[k], margin)
+        if win is None:
+            continue
+        f = feet[k][win]
+        ring = dilate(f, ring_rows) & ~dilate(f, r_rows)
+        if inp.front_only[k]:
+            ring &= beyond_front(inp.corners[k], nx, ny, cell)[win]
+        reachable[k] = bool((ring & reached[win]).any())
+    return ReachResult(
+        floor_cells=int(floor.sum()),
+        free_cells=int(free.sum()),
+        reached_cells=int(reached.sum()),
+        num_regions=int((sizes > spec.min_region_cells).sum()),
+        largest_region_cells=int(sizes.max()) if len(sizes) else 0,
+        door_start_free=door_free,
+        object_reachable=reachable,
+        free=free,
+        reached=reached,
+    )

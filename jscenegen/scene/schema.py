@@ -1,0 +1,271 @@
+"""Scene schema `scenegen.scene/1`: room, openings, objects and budget as validated pydantic models.
+
+Units are metres and degrees; top view x right, y forward, z up; yaw counter-clockwise from above;
+an object's front is its local +y at yaw 0 (scene-protocol.md section 1). Models are frozen: the
+runtime builds new scenes instead of mutating them, so snapshots (revert) are free.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEMA_VERSION = "scenegen.scene/1"
+Mount = Literal["floor", "on", "wall", "ceiling"]
+
+
+class SceneError(ValueError):
+    """A scene (file or JSON) that does not satisfy the schema; the message names the field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Door(_Model):
+    """A door on edge `wall` (vertex wall -> wall+1), centred `offset` metres along that edge."""
+
+    wall: int = Field(ge=0)
+    offset: float
+    width: float = Field(gt=0)
+    height: float = Field(gt=0)
+
+
+class Window(Door):
+    """A window like a door plus its sill height above the floor (metres)."""
+
+    sill: float = Field(ge=0)
+
+
+class Room(_Model):
+    """Room shell: counter-clockwise simple floor polygon [[x, y], ...] (metres), walls, openings."""
+
+    type: str = "bedroom"
+    floor_polygon: tuple[tuple[float, float], ...] = Field(min_length=3)
+    wall_height: float = Field(gt=0)
+    doors: tuple[Door, ...] = ()
+    windows: tuple[Window, ...] = ()
+
+    @field_validator("floor_polygon")
+    @classmethod
+    def _simple_ccw(cls, poly):
+        check_simple_ccw(poly)
+        return poly
+
+    @model_validator(mode="after")
+    def _openings_on_walls(self) -> "Room":
+        n = len(self.floor_polygon)
+        for kind, items in (("doors", self.doors), ("windows", self.windows)):
+            for i, op in enumerate(items):
+                if op.wall >= n:
+                    raise ValueError(f"{kind}[{i}].wall {op.wall} is not an edge index (polygon has {n} edges)")
+                length = edge_length(self.floor_polygon, op.wall)
+                if op.offset - op.width / 2 < -1e-9 or op.offset + op.width / 2 > length + 1e-9:
+                    raise ValueError(
+                        f"{kind}[{i}]: offset {op.offset} +- width/2 leaves wall {op.wall} (length {length:.3f})"
+                    )
+        return self
+
+
+class SceneObject(_Model):
+    """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw` degrees."""
+
+    id: str = Field(min_length=1)
+    category: str = Field(min_length=1)
+    description: str = ""
+    position: tuple[float, float]
+    elevation: float = 0.0
+    size: tuple[float, float, float]
+    yaw: float = 0.0
+    mount: Mount = "floor"
+    parent: str | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, size):
+        if any(s <= 0 for s in size):
+            raise ValueError(f"every size component must be > 0, got {list(size)}")
+        return size
+
+    @model_validator(mode="after")
+    def _parent(self) -> "SceneObject":
+        if self.mount == "on" and not self.parent:
+            raise ValueError(f"object {self.id}: mount 'on' needs a parent")
+        return self
+
+
+class Budget(_Model):
+    """Unit budget of an episode: total units and units charged so far."""
+
+    total_units: int = Field(512, ge=0)
+    used_units: int = Field(0, ge=0)
+
+
+class Scene(_Model):
+    """A scene: room, prompt, objects and budget, schema `scenegen.scene/1`."""
+
+    schema_: Literal["scenegen.scene/1"] = Field(SCHEMA_VERSION, alias="schema")
+    scene_id: str = ""
+    prompt: str = ""
+    room: Room
+    objects: tuple[SceneObject, ...] = ()
+    budget: Budget = Budget()
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _ids(self) -> "Scene":
+        ids = [o.id for o in self.objects]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ValueError(f"duplicate object ids {sorted(dup)}")
+        known = set(ids)
+        for o in self.objects:
+            if o.parent is not None and o.parent not in known:
+                raise ValueError(f"object {o.id}: parent {o.parent!r} is not an object id")
+        return self
+
+    def object(self, object_id: str) -> SceneObject | None:
+        """The object with this id, or None."""
+        for o in self.objects:
+            if o.id == object_id:
+                return o
+        return None
+
+    def to_json(self) -> dict:
+        """Plain JSON-able dict with the `schema` key."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def _segments_intersect(p1, p2, p3, p4) -> bool:
+    def orient(a, b, c):
+        v = (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+        return 0 if abs(v) < 1e-12 else (1 if v > 0 else -1)
+
+    def on_seg(a, b, c):
+        return min(a[0], b[0]) - 1e-12 <= c[0] <= max(a[0], b[0]) + 1e-12 and min(a[1], b[1]) - 1e-12 <= c[
+            1
+        ] <= max(a[1], b[1]) + 1e-12
+
+    o1, o2, o3, o4 = orient(p1, p2, p3), orient(p1, p2, p4), orient(p3, p4, p1), orient(p3, p4, p2)
+    if o1 != o2 and o3 != o4:
+        return True
+    return (
+        (o1 == 0 and on_seg(p1, p2, p3))
+        or (o2 == 0 and on_seg(p1, p2, p4))
+        or (o3 == 0 and on_seg(p3, p4, p1))
+        or (o4 == 0 and on_seg(p3, p4, p2))
+    )
+
+
+def signed_area(poly) -> float:
+    """Shoelace signed area (m^2), positive for counter-clockwise."""
+    s = 0.0
+    for i in range(len(poly)):
+        x0, y0 = poly[i]
+        x1, y1 = poly[(i + 1) % len(poly)]
+        s += x0 * y1 - x1 * y0
+    return s / 2
+
+
+def edge_length(poly, i: int) -> float:
+    """Length (m) of polygon edge i (vertex i -> i+1)."""
+    (x0, y0), (x1, y1) = poly[i], poly[(i + 1) % len(poly)]
+    return math.hypot(x1 - x0, y1 - y0)
+
+
+def check_simple_ccw(poly) -> None:
+    """Raise ValueError unless `poly` is a simple counter-clockwise polygon with non-zero edges."""
+    n = len(poly)
+    for i in range(n):
+        if edge_length(poly, i) < 1e-6:
+            raise ValueError(f"floor_polygon edge {i} has zero length")
+    for i in range(n):
+        for j in range(i + 1, n):
+            if j == i + 1 or (i == 0 and j == n - 1):
+                continue
+            if _segments_intersect(poly[i], poly[(i + 1) % n], poly[j], poly[(j + 1) % n]):
+                raise ValueError(f"floor_polygon is not simple: edges {i} and {j} intersect")
+    if signed_area(poly) <= 0:
+        raise ValueError("floor_polygon must be counter-clockwise (positive area)")
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or "<scene>"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: {loc}: {e['msg']}{more}"
+
+
+def scene_from_json(data: dict, source: str = "<scene>") -> Scene:
+    """Validate a JSON dict into a Scene. Raises SceneError naming `source` and the field."""
+    if not isinstance(data, dict):
+        raise SceneError(f"{source}: a scene must be a JSON object, got {type(data).__name__}")
+    if data.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise SceneError(f"{source}: schema {data.get('schema')!r} is not {SCHEMA_VERSION!r}")
+    try:
+        return Scene.model_validate(data)
+    except ValidationError as err:
+        raise SceneError(_format_error(err, source)) from None
+
+
+def load_scene(path: str | Path) -> Scene:
+    """Read a scene JSON file (a bare scene, or a scene-set line `{"scene": ...}`)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SceneError(f"{p}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise SceneError(f"{p}: not valid JSON: {err}") from None
+    if isinstance(data, dict) and "scene" in data and "room" not in data:
+        data = data["scene"]
+    return scene_from_json(data, str(p))
+
+
+_ID = re.compile(r"^(.*)_(\d+)$")
+
+
+def id_sort_key(object_id: str):
+    """Natural order of ids `<category>_<n>`: bed_2 before bed_10."""
+    m = _ID.match(object_id)
+    return (m.group(1), int(m.group(2)), object_id) if m else (object_id, -1, object_id)
+
+
+def _f(x: float) -> str:
+    s = f"{x:.2f}"
+    return "0.00" if s == "-0.00" else s
+
+
+def _deg(yaw: float) -> str:
+    return str(int(round(yaw)) % 360)
+
+
+def canonical_text(scene: Scene) -> str:
+    """Deterministic text of a scene for prompts: 0.01 m / 1 degree rounding, objects sorted by id."""
+    room = scene.room
+    poly = ", ".join(f"[{_f(x)}, {_f(y)}]" for x, y in room.floor_polygon)
+    lines = [
+        f"room {scene.scene_id or '-'}: type {room.type}, wall_height {_f(room.wall_height)}",
+        f"floor_polygon [{poly}]",
+    ]
+    for i, d in enumerate(room.doors):
+        lines.append(f"door_{i}: wall {d.wall} offset {_f(d.offset)} width {_f(d.width)} height {_f(d.height)}")
+    for i, w in enumerate(room.windows):
+        lines.append(
+            f"window_{i}: wall {w.wall} offset {_f(w.offset)} width {_f(w.width)} height {_f(w.height)} sill {_f(w.sill)}"
+        )
+    lines.append(f"budget: {scene.budget.used_units}/{scene.budget.total_units} units used")
+    lines.append(f"objects ({len(scene.objects)}):")
+    for o in sorted(scene.objects, key=lambda o: id_sort_key(o.id)):
+        parent = f" parent {o.parent}" if o.parent else ""
+        desc = json.dumps(o.description, ensure_ascii=False)
+        lines.append(
+            f"{o.id} {o.category} {desc} pos [{_f(o.position[0])}, {_f(o.position[1])}] elev {_f(o.elevation)} "
+            f"size [{_f(o.size[0])}, {_f(o.size[1])}, {_f(o.size[2])}] yaw {_deg(o.yaw)} mount {o.mount}{parent}"
+        )
+    return "\n".join(lines)
