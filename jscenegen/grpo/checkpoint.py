@@ -336,11 +336,12 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: tuple[int, dict, Path] | None = None
-        if self.directory.is_dir():
+        if self.directory.is_dir() and jax.process_index() == 0:
             for tmp in sorted(self.directory.glob(f"*{ocp.step.TMP_DIR_SUFFIX}*")):
-                log.warning("discarding %s: a save that never finished (orbax removes it)", tmp)
+                log.warning("deleting %s: an orbax save that never finished", tmp)
+                shutil.rmtree(tmp)
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True))
+            enable_async_checkpointing=async_save, create=True))
 
     def step_path(self, step: int) -> Path:
         """Directory of `step` (whether or not it exists)."""

@@ -1,0 +1,344 @@
+"""jscenegen/grpo/checkpoint.py: orbax training checkpoints saved on 3 x 2, restored anywhere."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jscenegen.grpo.checkpoint import (CheckpointError, CheckpointStore, array_shapes, check_step,
+                                       iter_arrays, padded_target, read_adam_count,
+                                       read_train_state, storage_sharding, to_logical)
+from jscenegen.grpo.run_metadata import training_metadata
+from jscenegen.model.config import QwenConfig
+from jscenegen.model.params import param_shapes
+
+# Sizes chosen so that no dim 0 divides 6 except by padding (13 vocab, 10 FFN, 4 head dim).
+CFG = QwenConfig(model_type="qwen2", vocab_size=13, hidden_size=8, intermediate_size=10,
+                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+SHAPES = param_shapes(CFG)
+TRAIN_STATE = {"update": 6, "effective_updates": 5, "schedule_position": 6,
+               "rng_key": [0, 4294967295], "data_iterator": {"next_index": 3, "epoch": 0},
+               "lr_schedule_count": 6, "redraws": {"scene_2": 1}}
+
+
+@pytest.fixture(scope="module")
+def mesh32():
+    return jax.make_mesh((3, 2), ("fsdp", "sp"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf_model")
+    for name, text in {"config.json": '{"model_type": "qwen2"}', "tokenizer.json": "{}",
+                       "tokenizer_config.json": "{}", "generation_config.json": "{}",
+                       "chat_template.jinja": "{{ messages }}", "model.safetensors": "weights"}.items():
+        (d / name).write_text(text)
+    return d
+
+
+def logical_values(seed):
+    """Deterministic fp32 arrays at logical shape for params, mu, nu."""
+    rng = np.random.default_rng(seed)
+    return [{n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+            for _ in range(3)]
+
+
+def padded_on(mesh, arrays):
+    """The trainer's layout: dim 0 zero-padded to a multiple of mesh.size, split over all axes."""
+    target = padded_target(SHAPES, mesh)
+    out = {}
+    for n, x in arrays.items():
+        buf = np.zeros(target[n].shape, np.float32)
+        buf[: x.shape[0]] = x
+        out[n] = jax.device_put(buf, target[n].sharding)
+    return out
+
+
+def save_step(store, step, mesh, hf_dir, seed, **kw):
+    params, mu, nu = logical_values(seed)
+    store.save(step, params=padded_on(mesh, params),
+               adam={"count": np.int32(step), "mu": padded_on(mesh, mu), "nu": padded_on(mesh, nu)},
+               train_state=dict(TRAIN_STATE, update=step), metadata={"optimizer_step": step},
+               hf_assets_dir=hf_dir, shapes=SHAPES, **kw)
+    return params, mu, nu
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, mesh32, hf_dir):
+    """One run directory with steps 3 and 7 saved from the 3 x 2 mesh."""
+    store = CheckpointStore(tmp_path_factory.mktemp("run") / "checkpoints", keep_last=3)
+    save_step(store, 3, mesh32, hf_dir, seed=3)
+    values = save_step(store, 7, mesh32, hf_dir, seed=7)
+    return store, values
+
+
+def test_storage_sharding_splits_only_dividing_dims(mesh32):
+    assert storage_sharding((12, 8), mesh32).spec == P(("fsdp", "sp"), None)
+    assert storage_sharding((13, 8), mesh32).spec == P(None, "sp")
+    assert storage_sharding((10, 8), mesh32, padded=(12, 8)).spec == P("sp", None)
+    assert storage_sharding((5,), mesh32).spec == P(None)
+
+
+def test_to_logical_drops_padding_and_checks_shapes(mesh32):
+    params, _, _ = logical_values(0)
+    logical = to_logical(padded_on(mesh32, params), SHAPES)
+    for n, x in logical.items():
+        assert x.shape == SHAPES[n]
+        np.testing.assert_array_equal(np.asarray(x), params[n])
+    bad = dict(params, **{"model.norm.weight": np.zeros((8, 2), np.float32)})
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*\(8, 2\)"):
+        to_logical(bad, SHAPES)
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        to_logical(dict(params, **{"lm_head.weight": params["model.norm.weight"]}), SHAPES)
+
+
+def test_stored_arrays_are_logical(saved):
+    store, _ = saved
+    shapes = array_shapes(store.step_path(7), "params")
+    assert {n: s for n, (s, _) in shapes.items()} == SHAPES
+    assert {n: s for n, (s, _) in array_shapes(store.step_path(7), "nu").items()} == SHAPES
+    assert all(d == np.float32 for _, d in shapes.values())
+
+
+@pytest.mark.parametrize("mesh_shape", [(6, 1), (1, 1)])
+def test_restore_bitwise_on_another_mesh(saved, mesh_shape):
+    store, (params, mu, nu) = saved
+    mesh = jax.make_mesh(mesh_shape, ("fsdp", "sp"), devices=jax.devices()[: mesh_shape[0] * mesh_shape[1]])
+    target = padded_target(SHAPES, mesh)
+    ck = store.restore(target=target)
+    assert ck.step == 7
+    assert set(ck.adam) == {"count", "mu", "nu"}
+    assert int(ck.adam["count"]) == 7 and ck.adam["count"].dtype == np.int32
+    assert ck.adam["count"].sharding == NamedSharding(mesh, P())
+    for got, want in ((ck.params, params), (ck.adam["mu"], mu), (ck.adam["nu"], nu)):
+        assert list(got) == sorted(SHAPES)
+        for n, x in got.items():
+            assert x.shape == target[n].shape and x.dtype == np.float32
+            assert x.sharding == target[n].sharding
+            host = np.asarray(x)
+            np.testing.assert_array_equal(host[: SHAPES[n][0]], want[n])
+            assert not host[SHAPES[n][0]:].any(), f"{n}: padding rows must be zero"
+    assert ck.train_state == dict(TRAIN_STATE, update=7)
+    assert ck.metadata == {"optimizer_step": 7}
+
+
+def test_restore_without_mesh_gives_numpy(saved):
+    store, _ = saved
+    params, mu, nu = logical_values(3)
+    ck = store.restore(3)
+    assert ck.step == 3 and isinstance(ck.adam["count"], np.ndarray) and int(ck.adam["count"]) == 3
+    for got, want in ((ck.params, params), (ck.adam["mu"], mu), (ck.adam["nu"], nu)):
+        for n in SHAPES:
+            assert isinstance(got[n], np.ndarray) and got[n].shape == SHAPES[n]
+            np.testing.assert_array_equal(got[n], want[n])
+    assert ck.train_state == dict(TRAIN_STATE, update=3)
+
+
+def test_mesh_free_reader_streams_arrays(saved):
+    store, (params, mu, nu) = saved
+    path = store.step_path(7)
+    assert read_adam_count(path) == 7
+    assert read_train_state(path) == dict(TRAIN_STATE, update=7)
+    got = dict(iter_arrays(path, "nu", ["model.norm.weight", "lm_head.weight"]))
+    assert list(got) == ["model.norm.weight", "lm_head.weight"]
+    np.testing.assert_array_equal(got["lm_head.weight"], nu["lm_head.weight"])
+    assert {n for n, _ in iter_arrays(path, "params")} == set(SHAPES)
+    with pytest.raises(CheckpointError, match="no array 'nope'"):
+        next(iter_arrays(path, "mu", ["nope"]))
+
+
+def test_step_is_self_contained(saved, hf_dir):
+    store, _ = saved
+    path = store.step_path(7)
+    assert sorted(p.name for p in (path / "hf").iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert (path / "hf" / "config.json").read_text() == (hf_dir / "config.json").read_text()
+    listed = json.loads((path / "checksums.json").read_text())["files"]
+    assert "training_metadata.json" in listed and "hf/tokenizer.json" in listed
+    assert any(k.startswith("params/") for k in listed) and any(k.startswith("adam/") for k in listed)
+    assert check_step(path).valid
+
+
+def test_restore_target_must_fit(saved, mesh32):
+    store, _ = saved
+    target = padded_target(SHAPES, mesh32)
+    del target["model.norm.weight"]
+    with pytest.raises(CheckpointError, match=r"missing \['model\.norm\.weight'\]"):
+        store.restore(7, target=target)
+    target = padded_target(dict(SHAPES, **{"model.norm.weight": (8, 2)}), mesh32)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*\(12, 2\).*\(8,\)"):
+        store.restore(7, target=target)
+
+
+def test_keep_last_and_refuse_overwrite(tmp_path, mesh32, hf_dir):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        save_step(store, step, mesh32, hf_dir, seed=step)
+    assert store.steps() == [3, 4]
+    assert all(s.valid for s in store.scan())
+    with pytest.raises(CheckpointError, match="already holds a complete checkpoint"):
+        save_step(store, 4, mesh32, hf_dir, seed=0)
+
+
+def test_async_save_completes_on_next_save_and_close(tmp_path, mesh32, hf_dir):
+    store = CheckpointStore(tmp_path, keep_last=5, async_save=True)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    want = save_step(store, 2, mesh32, hf_dir, seed=2)
+    assert check_step(store.step_path(1)).valid  # completed by the second save
+    store.close()
+    assert [s.step for s in store.scan() if s.valid] == [2, 1]
+    ck = CheckpointStore(tmp_path).restore()
+    assert ck.step == 2
+    np.testing.assert_array_equal(ck.adam["mu"]["model.embed_tokens.weight"],
+                                  want[1]["model.embed_tokens.weight"])
+
+
+def test_save_rejects_bad_input(tmp_path, mesh32, hf_dir):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    params, mu, nu = logical_values(0)
+    good = dict(params=params, adam={"count": np.int32(1), "mu": mu, "nu": nu},
+                train_state={}, metadata={}, hf_assets_dir=hf_dir, shapes=SHAPES)
+    half = {n: x.astype(np.float16) for n, x in mu.items()}
+    with pytest.raises(CheckpointError, match=r"adam\['mu'\] must be float32"):
+        store.save(1, **dict(good, adam={"count": 1, "mu": half, "nu": nu}))
+    with pytest.raises(CheckpointError, match="count"):
+        store.save(1, **dict(good, adam={"count": np.zeros(2, np.int32), "mu": mu, "nu": nu}))
+    with pytest.raises(CheckpointError, match="train_state must be JSON"):
+        store.save(1, **dict(good, train_state={"key": np.zeros(2)}))
+    no_tokenizer = tmp_path / "hf"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        store.save(1, **dict(good, hf_assets_dir=no_tokenizer))
+    assert store.steps() == []  # nothing written by refused saves
+
+
+def _corrupt(path: Path, offset: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_file_is_named_and_never_chosen(tmp_path, mesh32, hf_dir):
+    store = CheckpointStore(tmp_path, keep_last=3)
+    want = save_step(store, 1, mesh32, hf_dir, seed=1)
+    save_step(store, 2, mesh32, hf_dir, seed=2)
+    victim = max((p for p in (store.step_path(2) / "params").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    rel = victim.relative_to(store.step_path(2)).as_posix()
+    _corrupt(victim)
+    assert store.latest_valid_step() == 1
+    with pytest.raises(CheckpointError, match=f"{rel}: SHA-256 differs"):
+        store.restore(2)
+    ck = store.restore()
+    assert ck.step == 1
+    np.testing.assert_array_equal(ck.params["lm_head.weight"], want[0]["lm_head.weight"])
+    (store.step_path(1) / "hf" / "tokenizer.json").write_text("{} ")
+    with pytest.raises(CheckpointError, match="hf/tokenizer.json: 3 bytes, expected 2"):
+        store.restore(1)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        store.restore()
+
+
+def test_metadata_never_holds_a_credential(tmp_path, mesh32, hf_dir, monkeypatch):
+    env_secret = "sk-env-FAKE-0123456789abcdef"
+    cfg_secret = "sk-cfg-FAKE-fedcba9876543210"
+    monkeypatch.setenv("OPENAI_API_KEY", env_secret)
+    config = {"judge": {"api_key": cfg_secret, "base_url": f"https://judge/?key={env_secret}",
+                        "model": "qwen-judge"}, "sampling": {"max_new_tokens": 64}}
+    meta = training_metadata(config=config, protocol_hash="p" * 8, schedule_hash="s" * 8,
+                             optimizer_step=3, effective_updates=2, judge={"kind": "served"})
+    store = CheckpointStore(tmp_path)
+    params, mu, nu = logical_values(0)
+    store.save(1, params=params, adam={"count": 3, "mu": mu, "nu": nu},
+               train_state={"update": 1},
+               metadata=dict(meta, extra={"hf_token": "hf_FAKEFAKEFAKE"}), hf_assets_dir=hf_dir,
+               shapes=SHAPES)
+    written = [p for p in store.step_path(1).rglob("*") if p.is_file()]
+    assert len(written) > 10
+    for p in written:
+        data = p.read_bytes()
+        for secret in (env_secret, cfg_secret, "hf_FAKEFAKEFAKE"):
+            assert secret.encode() not in data, f"{secret} leaked into {p}"
+    got = store.restore(1).metadata
+    assert got["config"]["judge"]["api_key"] == "<redacted>"
+    assert got["config"]["judge"]["base_url"] == "<redacted>"
+    assert got["config"]["judge"]["model"] == "qwen-judge"
+    assert got["config"]["sampling"]["max_new_tokens"] == 64
+    assert got["extra"]["hf_token"] == "<redacted>"
+    assert (got["protocol_hash"], got["schedule_hash"], got["optimizer_step"]) == ("p" * 8, "s" * 8, 3)
+
+
+# The child saves step 1, then hangs inside the save of step 2 at a chosen point and is
+# SIGKILLed there: "orbax" = arrays written, orbax's rename to the final directory not done;
+# "checksums" = orbax finalised, hf/ and metadata written, checksums.json not yet.
+_CHILD = textwrap.dedent("""
+    import sys, time
+    import jax, numpy as np
+    sys.path.insert(0, {tests!r})
+    import test_checkpoint as t
+    from jscenegen.grpo import checkpoint
+    from jscenegen.grpo.checkpoint import CheckpointStore
+    run_dir, where = sys.argv[1], sys.argv[2]
+    mesh = jax.make_mesh((3, 2), ("fsdp", "sp"))
+    store = CheckpointStore(run_dir, keep_last=1)
+    t.save_step(store, 1, mesh, sys.argv[3], seed=1)
+    def hang(*a, **k):
+        print("HANGING", flush=True)
+        time.sleep(600)
+    if where == "orbax":
+        from orbax.checkpoint._src.path import atomicity
+        async def finalize(self, *a, **k):
+            hang()
+        atomicity.AtomicRenameTemporaryPath.finalize = finalize
+    else:
+        checkpoint.write_checksums = hang
+    t.save_step(store, 2, mesh, sys.argv[3], seed=2)
+    print("NOT KILLED", flush=True)
+""")
+
+
+@pytest.mark.parametrize("where", ["orbax", "checksums"])
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mesh32, hf_dir, where):
+    run_dir = tmp_path / "checkpoints"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=6", JAX_PLATFORMS="cpu")
+    script = _CHILD.format(tests=str(Path(__file__).parent))
+    child = subprocess.Popen([sys.executable, "-c", script, str(run_dir), where, str(hf_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while line != "HANGING\n":
+            line = child.stdout.readline()
+            assert line, f"child ended early: {child.stderr.read()[-3000:]}"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    step2 = run_dir / "2"
+    if where == "orbax":
+        assert not step2.exists() and list(run_dir.glob("2.orbax-checkpoint-tmp*"))
+    else:
+        assert (step2 / "training_metadata.json").exists() and not (step2 / "checksums.json").exists()
+    store = CheckpointStore(run_dir, keep_last=1)
+    assert store.latest_valid_step() == 1
+    assert not list(run_dir.glob("*orbax-checkpoint-tmp*"))  # orbax cleaned the unfinished write
+    if where == "checksums":
+        status = store.scan()[0]
+        assert status.step == 2 and not status.valid and "checksums.json: missing" in status.reason
+    ck = store.restore(target=padded_target(SHAPES, mesh32))
+    params, mu, _ = logical_values(1)
+    assert ck.step == 1 and int(ck.adam["count"]) == 1
+    np.testing.assert_array_equal(np.asarray(ck.params["model.embed_tokens.weight"])[:13],
+                                  params["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(ck.adam["mu"]["lm_head.weight"])[:13], mu["lm_head.weight"])
+    # The broken step is replaced by the next save of that number; keep_last=1 then drops step 1.
+    save_step(store, 2, mesh32, hf_dir, seed=2)
+    assert store.steps() == [2] and store.latest_valid_step() == 2

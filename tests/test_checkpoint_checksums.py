@@ -1,0 +1,70 @@
+"""jscenegen/checksums.py: the `checksums.json` format (SHA-256 + bytes per file) and its checks."""
+import hashlib
+import json
+import os
+
+import pytest
+
+from jscenegen.checksums import (ChecksumError, compute_checksums, read_checksums,
+                                 verify_checksums, write_checksums)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    (tmp_path / "a.txt").write_bytes(b"hello")
+    (tmp_path / "sub" / "b.bin").write_bytes(bytes(range(256)) * 5000)  # > 1 MiB chunk
+    (tmp_path / "sub" / "deeper" / "c").write_bytes(b"")
+    return tmp_path
+
+
+def test_format_is_sha256_and_bytes_per_relative_path(tree):
+    written = write_checksums(tree)
+    on_disk = json.loads((tree / "checksums.json").read_text())
+    assert on_disk == written
+    assert list(on_disk) == ["files"]
+    assert sorted(on_disk["files"]) == ["a.txt", "sub/b.bin", "sub/deeper/c"]
+    big = (tree / "sub" / "b.bin").read_bytes()
+    assert on_disk["files"]["sub/b.bin"] == {"sha256": hashlib.sha256(big).hexdigest(),
+                                             "bytes": len(big)}
+    assert on_disk["files"]["sub/deeper/c"] == {"sha256": hashlib.sha256(b"").hexdigest(), "bytes": 0}
+    assert verify_checksums(tree) == 3
+    assert not [p for p in tree.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_each_kind_of_damage_names_the_file(tree):
+    write_checksums(tree)
+    (tree / "a.txt").write_bytes(b"hellO")
+    (tree / "sub" / "deeper" / "c").write_bytes(b"x")
+    (tree / "new.txt").write_bytes(b"")
+    with pytest.raises(ChecksumError) as err:
+        verify_checksums(tree)
+    msg = str(err.value)
+    assert "a.txt: SHA-256 differs" in msg
+    assert "sub/deeper/c: 1 bytes, expected 0" in msg
+    assert "new.txt: not listed" in msg
+    assert "3 file(s)" in msg
+    # Size-only mode misses the same-size edit but still sees the resize.
+    (tree / "new.txt").unlink()
+    with pytest.raises(ChecksumError) as err:
+        verify_checksums(tree, hash_files=False)
+    assert "a.txt" not in str(err.value) and "sub/deeper/c" in str(err.value)
+    (tree / "sub" / "b.bin").unlink()
+    with pytest.raises(ChecksumError, match="sub/b.bin: missing"):
+        verify_checksums(tree, hash_files=False)
+
+
+def test_directory_links_are_not_followed(tree):
+    os.symlink("..", tree / "sub" / "huggingface")  # an export's huggingface -> ../.. style loop
+    assert sorted(compute_checksums(tree)["files"]) == ["a.txt", "sub/b.bin", "sub/deeper/c"]
+
+
+def test_missing_or_malformed_checksum_file(tree):
+    with pytest.raises(ChecksumError, match="checksums.json: missing"):
+        verify_checksums(tree)
+    (tree / "checksums.json").write_text("{not json")
+    with pytest.raises(ChecksumError, match="not valid JSON"):
+        read_checksums(tree)
+    (tree / "checksums.json").write_text(json.dumps({"files": {"a.txt": {"sha256": "00"}}}))
+    with pytest.raises(ChecksumError, match="entry 'a.txt'"):
+        read_checksums(tree)
