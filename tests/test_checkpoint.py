@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import jax
@@ -313,6 +314,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mesh32, hf_dir,
     script = _CHILD.format(tests=str(Path(__file__).parent))
     child = subprocess.Popen([sys.executable, "-c", script, str(run_dir), where, str(hf_dir)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    watchdog = threading.Timer(180, child.kill)  # a child that never hangs ends the test, not CI
+    watchdog.start()
     try:
         line = ""
         while line != "HANGING\n":
@@ -320,6 +323,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mesh32, hf_dir,
             assert line, f"child ended early: {child.stderr.read()[-3000:]}"
         os.kill(child.pid, signal.SIGKILL)
     finally:
+        watchdog.cancel()
         child.kill()
         child.wait()
     step2 = run_dir / "2"
