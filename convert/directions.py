@@ -1,0 +1,221 @@
+"""Conversions between VERL FSDP2 checkpoints and HF safetensors (and VERL resharding).
+
+Every output is built in a staged temp directory (convert/staging.py) and renamed into place
+only when complete, with `checkpoint-layout.json` and `checksums.json` written last.
+
+- `verl_to_hf`: the model's fp32 master weights (or `dtype`) as sharded safetensors, streamed
+  tensor by tensor, plus the checkpoint's `huggingface/` files (config, tokenizer, chat
+  template). A tied `lm_head.weight` is not written (transformers re-ties it from the
+  embedding; VERL 0.9's merger drops it the same way). Unlike VERL's merger nothing is cast
+  to bf16 unless asked.
+- `hf_to_verl`: model only (no optimizer or extra state), for starting a torch run.
+- `verl_to_verl`: reshard to another world size / placement, Adam and extra state included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convert.checksums import write_checksums
+from convert.errors import ConvertError
+from convert.layout import write_layout
+from convert.safetensors_io import SafetensorsReader, write_safetensors_streaming
+from convert.staging import staged_dir
+from convert.tensors import cast
+from convert.verl_read import VerlCheckpoint
+from convert.verl_write import AdamSource, SliceReader, write_rank_files
+
+# files of an HF directory that are weights (not copied into VERL's huggingface/ or re-emitted)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+_WEIGHT_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def copy_hf_metadata(src_hf: Path, dst: Path) -> list[tuple[str, list[str]]]:
+    """Copy config, generation config, tokenizer and chat template files (not weights).
+
+    Returns [(written name, [source path])] for the layout file.
+    """
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for p in sorted(Path(src_hf).iterdir()):
+        if not p.is_file() or p.name.endswith(_WEIGHT_SUFFIXES) or p.name in _WEIGHT_NAMES:
+            continue
+        shutil.copy2(p, dst / p.name)
+        copied.append((p.name, [str(p)]))
+    return copied
+
+
+@dataclasses.dataclass
+class VerlState:
+    """What a VERL checkpoint holds, as readers: enough to write one for any W.
+
+    params: SliceReader over full HF-shaped arrays; adam: moments, step, param_groups (None =
+    model only); extra_states: per-rank `{"lr_scheduler", "rng"}` (None = none written).
+    """
+
+    config: Any  # jscenegen.model.config.QwenConfig
+    hf_dir: Path
+    params: SliceReader
+    adam: AdamSource | None = None
+    extra_states: list[dict[str, Any]] | None = None
+    global_step: int = 0
+
+
+def _sliced(full: Any) -> SliceReader:
+    """A SliceReader over a function name -> full array (reads the whole tensor per call)."""
+
+    def read(name: str, dim: int, start: int, stop: int) -> np.ndarray:
+        return full(name)[(slice(None),) * dim + (slice(start, stop),)]
+
+    return read
+
+
+def verl_state(ck: VerlCheckpoint) -> VerlState:
+    """Readers over an open VERL checkpoint (each tensor reassembled on demand)."""
+    adam = None
+    if ck.has_optimizer():
+        adam = AdamSource(exp_avg=_sliced(lambda n: ck.read_adam(n)[0]),
+                          exp_avg_sq=_sliced(lambda n: ck.read_adam(n)[1]),
+                          step=ck.adam_step(), param_groups=ck.param_groups())
+    extra = ck.extra_states() if "extra_state" in ck.layout.kinds else None
+    step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
+    return VerlState(config=ck.config, hf_dir=ck.hf_dir, params=_sliced(ck.read_param), adam=adam,
+                     extra_states=extra, global_step=step)
+
+
+def write_verl_run(dst: str | Path, state: VerlState, *, world_size: int, placement: str = "dim0",
+                   dtype: str | None = None, device_type: str = "cuda", source: str | Path = "",
+                   source_format: str = "", flattened: bool = False,
+                   source_files: dict[str, list[str]] | None = None) -> Path:
+    """Write a VERL run directory at `dst` (atomically).
+
+    Layout: dst/latest_checkpointed_iteration.txt, dst/global_step_N/actor/{rank files,
+    fsdp_config.json, huggingface/} (or the rank files directly in global_step_N when
+    `flattened`), dst/checkpoint-layout.json, dst/checksums.json. Returns the shard directory.
+    `source_files`: {kind ("model", "optim", "extra_state"): source paths} for the layout file
+    (a rank's own source file is named when the source has the same rank). Raises
+    ConvertError for an existing non-empty `dst` or bad arguments.
+    """
+    from jscenegen.model.params import param_shapes
+
+    shapes = param_shapes(state.config)
+    with staged_dir(dst) as tmp:
+        step_dir = tmp / f"global_step_{state.global_step}"
+        shard_dir = step_dir if flattened else step_dir / "actor"
+        dims = write_rank_files(shard_dir, shapes=shapes, params=state.params,
+                                world_size=world_size, placement=placement,
+                                tied_alias=state.config.tie_word_embeddings, adam=state.adam,
+                                extra_states=state.extra_states, dtype=dtype,
+                                device_type=device_type)
+        hf_files = copy_hf_metadata(state.hf_dir, shard_dir / "huggingface")
+        (tmp / "latest_checkpointed_iteration.txt").write_text(str(state.global_step))
+        rel = shard_dir.relative_to(tmp).as_posix()
+        files = [(f"{rel}/{p.name}", _sources_of(p.name, source_files, source))
+                 for p in sorted(shard_dir.glob("*_world_size_*.pt"))]
+        files += [(f"{rel}/huggingface/{w}", s) for w, s in hf_files]
+        write_layout(tmp, fmt="verl-fsdp2", source=source, source_format=source_format,
+                     files=files, world_size=world_size, placement=placement,
+                     shard_dims=dims, device_type=device_type, global_step=state.global_step,
+                     dtype=dtype or "source")
+        write_checksums(tmp)
+    return Path(dst) / shard_dir.relative_to(tmp)
+
+
+def _sources_of(written: str, source_files: dict[str, list[str]] | None,
+                source: str | Path) -> list[str]:
+    kind, _, rest = written.partition("_world_size_")
+    candidates = (source_files or {}).get(kind, [str(source)])
+    rank_suffix = "_rank_" + rest.split("_rank_")[-1]
+    same_rank = [s for s in candidates if s.endswith(rank_suffix)]
+    same_w = all(Path(s).name.partition("_world_size_")[2].split("_rank_")[0]
+                 == rest.split("_rank_")[0] for s in same_rank)
+    return same_rank if same_rank and same_w else candidates
+
+
+def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
+                 dtype: str | None = None, device_type: str = "cuda") -> Path:
+    """Reshard a VERL checkpoint to `world_size` ranks with `placement`, everything carried over.
+
+    Per-rank extra state (RNG streams) cannot be split or merged: with the same W it is copied
+    rank by rank; with another W, rank 0's is given to every rank.
+    """
+    ck = VerlCheckpoint(src)
+    state = verl_state(ck)
+    if state.extra_states is not None and world_size != ck.world_size:
+        state.extra_states = state.extra_states[:1]
+    return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
+                          device_type=device_type, source=src, source_format="verl",
+                          source_files={k: [str(ck.layout.rank_file(k, r)) for r in range(ck.world_size)]
+                                        for k in ck.layout.kinds})
+
+
+def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
+               max_shard_bytes: int = 5 << 30) -> list[str]:
+    """Write the VERL checkpoint's model as an HF directory at `dst` (streaming, atomic).
+
+    Arrays are the files' own values (bitwise equal to torch's `full_tensor()`), cast only if
+    `dtype` is given. Returns the safetensors file names.
+    """
+    ck = VerlCheckpoint(src)
+    info = ck.tensor_info()
+    specs = {}
+    for name, shape in ck.shapes.items():
+        specs[name] = (shape, np.dtype(_np_of(dtype or info[name].dtype)))
+    with staged_dir(dst) as tmp:
+        arrays = ((n, cast(a, dtype)) for n, a in ck.iter_params())
+        names = write_safetensors_streaming(tmp, specs, arrays, max_shard_bytes)
+        hf_files = copy_hf_metadata(ck.hf_dir, tmp)
+        model_files = [str(p) for p in sorted(ck.layout.shard_dir.glob("model_world_size_*.pt"))]
+        write_layout(tmp, fmt="hf-safetensors", source=src, source_format="verl",
+                     files=[(n, model_files) for n in names] + hf_files,
+                     dtype=dtype or "source", tied_head_dropped=ck.tied)
+        write_checksums(tmp)
+    return names
+
+
+def _np_of(torch_dtype: str) -> Any:
+    import ml_dtypes
+
+    table = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    if torch_dtype not in table:
+        raise ConvertError(f"tensor dtype {torch_dtype} is not supported (float32, bfloat16, float16)")
+    return table[torch_dtype]
+
+
+def hf_state(hf_dir: str | Path) -> VerlState:
+    """Model-only VerlState over an HF safetensors directory (names and shapes checked)."""
+    from jscenegen.model.config import ModelConfigError, QwenConfig
+    from jscenegen.model.params import param_shapes
+
+    hf_dir = Path(hf_dir)
+    try:
+        cfg = QwenConfig.from_dir(hf_dir)
+    except ModelConfigError as err:
+        raise ConvertError(str(err)) from None
+    reader = SafetensorsReader(hf_dir)
+    shapes = param_shapes(cfg)
+    allowed = set(shapes) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing = sorted(set(shapes) - set(reader.files))
+    unexpected = sorted(set(reader.files) - allowed)
+    if missing or unexpected:
+        raise ConvertError(f"{hf_dir}: safetensors names do not match config.json "
+                           f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for name, shape in shapes.items():
+        if reader.shape(name) != tuple(shape):
+            raise ConvertError(f"{reader.files[name]}: {name} has shape {reader.shape(name)}, "
+                               f"config.json implies {tuple(shape)}")
+    return VerlState(config=cfg, hf_dir=hf_dir, params=reader.read)
+
+
+def hf_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
+               dtype: str | None = None, device_type: str = "cuda") -> Path:
+    """Write an HF model as VERL rank files (model only) for a torch run to start from."""
+    state = hf_state(src)
+    files = sorted({str(p) for p in SafetensorsReader(src).files.values()})
+    return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
+                          device_type=device_type, source=src, source_format="hf",
+                          source_files={"model": files})

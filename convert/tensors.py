@@ -1,0 +1,44 @@
+"""torch <-> numpy without copies where possible, bfloat16 included (via ml_dtypes, as JAX uses)."""
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = ("float32", "bfloat16")
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A CPU torch tensor as a numpy array sharing its memory (bfloat16 -> ml_dtypes.bfloat16)."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def to_torch(a: np.ndarray) -> Any:
+    """A numpy array as a torch tensor sharing its memory (ml_dtypes.bfloat16 -> torch.bfloat16)."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
+    """`a` in `dtype` ("float32", "bfloat16", or None to keep it). bf16 rounds to nearest even."""
+    if dtype is None or a.dtype == np.dtype(_np_dtype(dtype)):
+        return a
+    return a.astype(_np_dtype(dtype))
+
+
+def _np_dtype(name: str) -> Any:
+    if name == "bfloat16":
+        return ml_dtypes.bfloat16
+    if name == "float32":
+        return np.float32
+    raise ValueError(f"dtype {name!r}: choose one of {', '.join(DTYPES)}")

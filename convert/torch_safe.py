@@ -1,0 +1,79 @@
+"""Loading torch `.pt` files without unpickling arbitrary objects.
+
+`torch.load(weights_only=True, mmap=True)` after `import torch.distributed.tensor` (which
+registers DTensor, DeviceMesh and placements as safe), plus an explicit allowlist of exactly
+the numpy globals that `numpy.random.get_state()` pickles into VERL's extra state
+(verl/utils/checkpoint/checkpoint_manager.py::get_rng_state): `ndarray`, `dtype`, the uint32
+dtype class (`numpy.dtypes.UInt32DType`, numpy >= 1.25) and `_reconstruct`, under both its numpy 2 (`numpy._core`) and numpy 1 (`numpy.core`) module paths.
+Anything else in a pickle (a function, a class, `os.system`) makes torch refuse the file; we
+re-raise that as a `ConvertError` naming the file. Loaded numpy arrays are further checked to
+hold numbers only (an object-dtype array could smuggle values past the allowlist).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convert.errors import ConvertError
+
+
+_TELLING = ("Unsupported global", "but got", "GLOBAL", "zip archive", "central directory")
+
+
+def _numpy_allowlist() -> list[Any]:
+    from numpy._core.multiarray import _reconstruct
+
+    uint32_dtype = type(np.dtype(np.uint32))  # numpy.dtypes.UInt32DType: the MT19937 key array
+    return [np.ndarray, np.dtype, uint32_dtype, _reconstruct,
+            (_reconstruct, "numpy.core.multiarray._reconstruct")]
+
+
+def load_pt(path: str | Path, *, mmap: bool = True) -> Any:
+    """Load one torch file safely, tensors on CPU (memory-mapped when `mmap`).
+
+    Raises ConvertError naming `path` when the file is missing, truncated or not a torch zip
+    archive, or when its pickle references any global outside torch's weights-only set plus
+    the numpy random-state allowlist.
+    """
+    import torch
+    import torch.distributed.tensor  # noqa: F401  (registers DTensor types as safe globals)
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConvertError(f"{path}: file not found")
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs": expected
+    try:
+        with torch.serialization.safe_globals(_numpy_allowlist()):
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # torch raises RuntimeError/UnpicklingError/EOFError/OSError
+        lines = [m.strip() for m in str(err).splitlines() if m.strip()]
+        detail = next((m for m in lines if any(s in m for s in _TELLING)), lines[0] if lines else "")
+        raise ConvertError(
+            f"{path}: refused (weights_only load failed: {type(err).__name__}: {detail[:300]}); "
+            "the file is truncated, not a torch checkpoint, or carries objects other than "
+            "tensors, DTensors and a numpy random state"
+        ) from None
+    finally:
+        mesh_log.setLevel(level)
+    _check_numpy(obj, path)
+    return obj
+
+
+def _check_numpy(obj: Any, path: Path, depth: int = 0) -> None:
+    """Refuse numpy arrays of object/void dtype anywhere in `obj` (a nested container)."""
+    if depth > 32:
+        raise ConvertError(f"{path}: nesting deeper than 32 levels")
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise ConvertError(f"{path}: numpy array of dtype {obj.dtype} refused (numbers only)")
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _check_numpy(v, path, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _check_numpy(v, path, depth + 1)

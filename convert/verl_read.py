@@ -1,0 +1,397 @@
+"""Reading a VERL FSDP2 checkpoint tensor by tensor (../shared/specs/verl-checkpoint.md).
+
+Layouts accepted (`find_verl`): a run directory holding `latest_checkpointed_iteration.txt`,
+a trainer `global_step_N/` with `actor/` inside, the `actor/` directory itself, or the published
+flattened layout (`global_step_N/` holding the rank files directly). Each rank file is loaded
+with `convert.torch_safe.load_pt` (weights_only, mmap); a tensor is reassembled from the W local
+shards along its own `placements[-1].dim` (VERL 0.6 - 0.8 shard some tensors on dim 1), which is
+what VERL's model merger does (verl/model_merger/fsdp_model_merger.py) minus its bf16 cast.
+Memory: the rank files are memory-mapped; one reassembled tensor is held at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from convert.errors import ConvertError
+from convert.sharding import chunk_bounds
+from convert.tensors import to_numpy
+from convert.torch_safe import load_pt
+
+KINDS = ("model", "optim", "extra_state")
+_RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+_STEP_DIR = re.compile(r"global_step_(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerlLayout:
+    """Where a VERL checkpoint's files are.
+
+    kind: "run" | "step" (trainer global_step_N/actor) | "actor" | "flattened" (published).
+    shard_dir: the directory with the rank files. hf_dir: its `huggingface/` (None if absent).
+    global_step: N from `global_step_N` (None if the path does not say). world_size: W.
+    kinds: which of model/optim/extra_state files are present (all W ranks of each).
+    """
+
+    kind: str
+    source: Path
+    shard_dir: Path
+    hf_dir: Path | None
+    global_step: int | None
+    world_size: int
+    kinds: tuple[str, ...]
+
+    def rank_file(self, kind: str, rank: int) -> Path:
+        return self.shard_dir / f"{kind}_world_size_{self.world_size}_rank_{rank}.pt"
+
+
+def find_verl(path: str | Path) -> VerlLayout:
+    """Detect the layout at `path` and check its rank files.
+
+    Checks: every kind present has exactly ranks 0..W-1 for one W; `model` files exist;
+    `fsdp_config.json` (when present) says FSDP_version 2 and world_size W. Raises
+    ConvertError naming the missing/contradicting file.
+    """
+    src = Path(path)
+    if not src.is_dir():
+        raise ConvertError(f"{src}: not a directory")
+    kind = None
+    shard_dir = src
+    latest = src / "latest_checkpointed_iteration.txt"
+    if not _has_rank_files(src) and latest.is_file():
+        text = latest.read_text().strip()
+        if not text.isdigit():
+            raise ConvertError(f"{latest}: expected a step number, got {text[:40]!r}")
+        step_dir = src / f"global_step_{int(text)}"
+        if not step_dir.is_dir():
+            raise ConvertError(f"{latest}: names step {text} but {step_dir} does not exist")
+        inner = find_verl(step_dir)
+        return dataclasses.replace(inner, kind="run", source=src)
+    if _has_rank_files(src):
+        kind = "actor" if src.name == "actor" else "flattened"
+    elif _has_rank_files(src / "actor"):
+        kind, shard_dir = "step", src / "actor"
+    else:
+        raise ConvertError(
+            f"{src}: no VERL rank files (model_world_size_W_rank_R.pt) here or in {src / 'actor'}, "
+            "and no latest_checkpointed_iteration.txt"
+        )
+    step_match = _STEP_DIR.search(shard_dir.parent.name if kind in ("step", "actor") else src.name)
+    world_size, kinds = _check_rank_files(shard_dir)
+    _check_fsdp_config(shard_dir / "fsdp_config.json", world_size)
+    hf = shard_dir / "huggingface"
+    return VerlLayout(kind=kind, source=src, shard_dir=shard_dir,
+                      hf_dir=hf if (hf / "config.json").is_file() else None,
+                      global_step=int(step_match.group(1)) if step_match else None,
+                      world_size=world_size, kinds=kinds)
+
+
+def _has_rank_files(d: Path) -> bool:
+    return d.is_dir() and any(_RANK_FILE.match(p.name) for p in d.iterdir())
+
+
+def _check_rank_files(d: Path) -> tuple[int, tuple[str, ...]]:
+    found: dict[str, dict[int, set[int]]] = {}
+    for p in d.iterdir():
+        m = _RANK_FILE.match(p.name)
+        if m:
+            found.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(int(m.group(3)))
+    sizes = {w for per_kind in found.values() for w in per_kind}
+    if len(sizes) != 1:
+        raise ConvertError(f"{d}: rank files for several world sizes {sorted(sizes)}; keep one")
+    (world_size,) = sizes
+    if "model" not in found:
+        raise ConvertError(f"{d}: no model_world_size_{world_size}_rank_*.pt files")
+    for kind, per_kind in found.items():
+        ranks = per_kind[world_size]
+        missing = sorted(set(range(world_size)) - ranks)
+        if missing:
+            raise ConvertError(
+                f"{d / f'{kind}_world_size_{world_size}_rank_{missing[0]}.pt'}: missing "
+                f"({len(missing)} of {world_size} {kind} rank files absent: ranks {missing})"
+            )
+        extra = sorted(ranks - set(range(world_size)))
+        if extra:
+            raise ConvertError(
+                f"{d / f'{kind}_world_size_{world_size}_rank_{extra[0]}.pt'}: rank {extra[0]} "
+                f"is outside world size {world_size}"
+            )
+    return world_size, tuple(k for k in KINDS if k in found)
+
+
+def _check_fsdp_config(f: Path, world_size: int) -> None:
+    if not f.is_file():
+        return  # checkpoints before VERL 0.4.1 lack it; the file names carry W
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as err:
+        raise ConvertError(f"{f}: not valid JSON: {err}") from None
+    if cfg.get("world_size") != world_size:
+        raise ConvertError(
+            f"{f}: world_size {cfg.get('world_size')!r} contradicts the rank files "
+            f"(*_world_size_{world_size}_rank_*.pt)"
+        )
+    if cfg.get("FSDP_version", 2) != 2:
+        raise ConvertError(f"{f}: FSDP_version {cfg.get('FSDP_version')!r}; only FSDP2 is supported")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One state-dict entry: global shape, dtype name, shard dim (None = plain/replicated)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shard_dim: int | None
+
+
+class VerlCheckpoint:
+    """A VERL checkpoint opened for streaming reads.
+
+    `param_order`: HF names in `module.parameters()` order (tied head counted once), which is
+    the optimizer's integer index order; taken from `jscenegen.model.params.param_shapes` of
+    the config in `huggingface/config.json` (or `hf_dir`), and checked against the model file.
+    """
+
+    def __init__(self, path: str | Path, hf_dir: str | Path | None = None):
+        from jscenegen.model.config import ModelConfigError, QwenConfig
+        from jscenegen.model.params import param_shapes
+
+        self.layout = find_verl(path)
+        hf = Path(hf_dir) if hf_dir is not None else self.layout.hf_dir
+        if hf is None:
+            raise ConvertError(
+                f"{self.layout.shard_dir / 'huggingface'}: no config.json; pass the model's HF "
+                "directory (hf_dir) to name the parameters"
+            )
+        self.hf_dir = hf
+        try:
+            self.config = QwenConfig.from_dir(hf)
+        except ModelConfigError as err:
+            raise ConvertError(str(err)) from None
+        self.shapes = param_shapes(self.config)
+        self.param_order = list(self.shapes)
+        self.tied = self.config.tie_word_embeddings
+        self._check_keys()
+
+    # ---- files -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def _load(self, kind: str, rank: int) -> Any:
+        return load_pt(self.layout.rank_file(kind, rank))
+
+    @cached_property
+    def _model_files(self) -> list[dict[str, Any]]:
+        files = []
+        for r in range(self.world_size):
+            sd = self._load("model", r)
+            if not isinstance(sd, dict):
+                raise ConvertError(f"{self.layout.rank_file('model', r)}: expected a state dict, "
+                                   f"got {type(sd).__name__}")
+            files.append(sd)
+        return files
+
+    def _check_keys(self) -> None:
+        expected = set(self.shapes) | ({"lm_head.weight"} if self.tied else set())
+        for r, sd in enumerate(self._model_files):
+            keys = set(sd)
+            if keys != expected:
+                missing, unexpected = sorted(expected - keys), sorted(keys - expected)
+                raise ConvertError(
+                    f"{self.layout.rank_file('model', r)}: keys do not match {self.hf_dir / 'config.json'}"
+                    f" (missing {missing[:5]}, unexpected {unexpected[:5]})"
+                )
+
+    # ---- reassembly --------------------------------------------------------------------
+    def _gather(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...]) -> np.ndarray:
+        """Reassemble one tensor from its per-rank entries (DTensor or plain tensor)."""
+        from torch.distributed.tensor import DTensor
+
+        first = entries[0]
+        if not isinstance(first, DTensor):
+            return self._gather_plain(kind, key, entries, shape)
+        dim = self._shard_dim(kind, key, first)
+        n_shards = first.device_mesh.size(-1) if dim is not None else 1
+        locals_ = []
+        for r, t in enumerate(entries):
+            f = self.layout.rank_file(kind, r)
+            if not isinstance(t, DTensor):
+                raise ConvertError(f"{f}: {key} is a plain tensor on this rank but a DTensor on rank 0")
+            if tuple(t.shape) != shape:
+                raise ConvertError(f"{f}: {key} has global shape {tuple(t.shape)}, expected {shape}")
+            if self._shard_dim(kind, key, t) != dim:
+                raise ConvertError(f"{f}: {key} placement {t.placements} differs from rank 0's")
+            if r >= n_shards:
+                continue  # HSDP: ranks beyond the first fsdp group are replicas
+            local = t._local_tensor
+            if dim is not None:
+                lo, hi = chunk_bounds(shape[dim], n_shards, r)
+                want = shape[:dim] + (hi - lo,) + shape[dim + 1:]
+                if tuple(local.shape) != want:
+                    raise ConvertError(f"{f}: {key} local shard {tuple(local.shape)}, expected {want} "
+                                       f"(Shard({dim}) of {shape} over {n_shards} ranks)")
+            locals_.append(to_numpy(local))
+        if dim is None:
+            return np.array(locals_[0])
+        return np.concatenate(locals_, axis=dim) if len(locals_) > 1 else np.array(locals_[0])
+
+    def _shard_dim(self, kind: str, key: str, t: Any) -> int | None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        f = self.layout.rank_file(kind, 0)
+        names = t.device_mesh.mesh_dim_names
+        if names not in (("fsdp",), ("ddp", "fsdp")):
+            raise ConvertError(f"{f}: {key} lives on a mesh with dims {names}; only ('fsdp',) "
+                               "or HSDP ('ddp', 'fsdp') are supported")
+        if t.device_mesh.size() != self.world_size:
+            raise ConvertError(f"{f}: {key} mesh has {t.device_mesh.size()} ranks but the "
+                               f"checkpoint has {self.world_size} rank files")
+        if len(t.placements) == 2 and not isinstance(t.placements[0], Replicate):
+            raise ConvertError(f"{f}: {key} HSDP placement {t.placements} is not (Replicate, Shard)")
+        p = t.placements[-1]
+        if isinstance(p, Shard):
+            return p.dim
+        if isinstance(p, Replicate):
+            return None
+        raise ConvertError(f"{f}: {key} placement {p} is not supported (Shard or Replicate only)")
+
+    def _gather_plain(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...]) -> np.ndarray:
+        import torch
+
+        first = entries[0]
+        for r, t in enumerate(entries):
+            f = self.layout.rank_file(kind, r)
+            if not isinstance(t, torch.Tensor):
+                raise ConvertError(f"{f}: {key} is a {type(t).__name__}, expected a tensor")
+            if tuple(t.shape) != shape:
+                raise ConvertError(f"{f}: {key} has shape {tuple(t.shape)}, expected {shape} "
+                                   "(plain tensors must be replicated whole on every rank)")
+            if r and not torch.equal(t, first):
+                raise ConvertError(f"{f}: replicated {key} differs from rank 0's copy")
+        return np.array(to_numpy(first))
+
+    # ---- model -------------------------------------------------------------------------
+    def tensor_info(self) -> dict[str, TensorInfo]:
+        """{state-dict key: TensorInfo} from rank 0's file (no tensor data read)."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for k, t in self._model_files[0].items():
+            dim = self._shard_dim("model", k, t) if isinstance(t, DTensor) else None
+            out[k] = TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), dim)
+        return out
+
+    def iter_params(self, *, include_tied_alias: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield (hf_name, full array) in parameter order, one tensor in memory at a time.
+
+        Arrays keep the file's dtype (fp32 master weights; bf16 as ml_dtypes.bfloat16) and the
+        HF shape. With tied embeddings the `lm_head.weight` alias is yielded last only when
+        `include_tied_alias` (checked equal to the embedding). Raises ConvertError on any
+        shape, placement or shard-size mismatch, naming the rank file.
+        """
+        for name, shape in self.shapes.items():
+            yield name, self.read_param(name, shape)
+        if self.tied and include_tied_alias:
+            head = self.read_param("lm_head.weight", self.shapes["model.embed_tokens.weight"])
+            emb = self.read_param("model.embed_tokens.weight", head.shape)
+            if not np.array_equal(head, emb):
+                raise ConvertError(f"{self.layout.rank_file('model', 0)}: lm_head.weight differs "
+                                   "from model.embed_tokens.weight although the config ties them")
+            yield "lm_head.weight", head
+
+    def read_param(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The full array of one model entry."""
+        shape = tuple(shape or self.shapes[name])
+        return self._gather("model", name, [sd[name] for sd in self._model_files], shape)
+
+    # ---- optimizer ---------------------------------------------------------------------
+    @cached_property
+    def _optim_files(self) -> list[dict[str, Any]]:
+        if "optim" not in self.layout.kinds:
+            raise ConvertError(f"{self.layout.shard_dir}: no optim_world_size_*_rank_*.pt files")
+        files = []
+        for r in range(self.world_size):
+            f = self.layout.rank_file("optim", r)
+            sd = self._load("optim", r)
+            if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+                raise ConvertError(f"{f}: not a torch optimizer state_dict (needs state, param_groups)")
+            n = len(self.param_order)
+            if sorted(sd["state"]) != list(range(n)):
+                raise ConvertError(f"{f}: optimizer state has indices {sorted(sd['state'])[:5]}..., "
+                                   f"expected 0..{n - 1} for the {n} parameters of the config")
+            params = [i for g in sd["param_groups"] for i in g.get("params", [])]
+            if sorted(params) != list(range(n)):
+                raise ConvertError(f"{f}: param_groups cover indices {sorted(params)[:5]}..., "
+                                   f"expected 0..{n - 1}")
+            files.append(sd)
+        return files
+
+    def has_optimizer(self) -> bool:
+        return "optim" in self.layout.kinds
+
+    def iter_adam(self) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+        """Yield (hf_name, exp_avg, exp_avg_sq) in parameter order, full arrays (fp32).
+
+        Index i of torch's AdamW state maps to `param_order[i]` (module.parameters() order).
+        """
+        for name in self.param_order:
+            yield (name, *self.read_adam(name))
+
+    def read_adam(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(exp_avg, exp_avg_sq) of one parameter, reassembled from every optim rank file."""
+        i = self.param_order.index(name)
+        shape = self.shapes[name]
+        states = [sd["state"][i] for sd in self._optim_files]
+        for r, st in enumerate(states):
+            if not isinstance(st, dict) or not {"exp_avg", "exp_avg_sq", "step"} <= set(st):
+                raise ConvertError(f"{self.layout.rank_file('optim', r)}: state {i} ({name}) lacks "
+                                   "exp_avg/exp_avg_sq/step; not a torch AdamW state")
+        m = self._gather("optim", f"state[{i}].exp_avg ({name})", [s["exp_avg"] for s in states], shape)
+        v = self._gather("optim", f"state[{i}].exp_avg_sq ({name})", [s["exp_avg_sq"] for s in states], shape)
+        return m, v
+
+    def adam_step(self) -> int:
+        """AdamW's `step` (optimizer steps taken), checked equal on every rank and parameter."""
+        steps = set()
+        for r, sd in enumerate(self._optim_files):
+            for i, st in sd["state"].items():
+                steps.add(float(st["step"]))
+        if len(steps) != 1:
+            raise ConvertError(f"{self.layout.shard_dir}: optimizer step differs across ranks/params: {sorted(steps)}")
+        (step,) = steps
+        if step != int(step):
+            raise ConvertError(f"{self.layout.rank_file('optim', 0)}: step {step} is not an integer")
+        return int(step)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Rank 0's `param_groups` (lr, betas, eps, weight_decay, ..., initial_lr, params)."""
+        return [dict(g) for g in self._optim_files[0]["param_groups"]]
+
+    # ---- extra state -------------------------------------------------------------------
+    def extra_states(self) -> list[dict[str, Any]]:
+        """Per-rank `{"lr_scheduler": state_dict or None, "rng": {...}}` (checked structure)."""
+        if "extra_state" not in self.layout.kinds:
+            raise ConvertError(f"{self.layout.shard_dir}: no extra_state_world_size_*_rank_*.pt files")
+        out = []
+        for r in range(self.world_size):
+            f = self.layout.rank_file("extra_state", r)
+            st = self._load("extra_state", r)
+            if not isinstance(st, dict) or not set(st) <= {"lr_scheduler", "rng"}:
+                raise ConvertError(f"{f}: expected keys lr_scheduler, rng; got "
+                                   f"{sorted(st) if isinstance(st, dict) else type(st).__name__}")
+            out.append(st)
+        return out
+
+    def scheduler_step(self) -> int | None:
+        """The LR scheduler's `last_epoch` (= global steps taken), None if no scheduler state."""
+        sched = self.extra_states()[0].get("lr_scheduler")
+        if not sched:
+            return None
+        return int(sched["last_epoch"])

@@ -1,0 +1,191 @@
+"""Writing VERL FSDP2 rank files for any world size W, in one process, without a GPU.
+
+For each rank r: torch's fake process group (`torch.testing._internal.distributed.fake_pg`)
+at rank r of W, a 1-D DeviceMesh named "fsdp" (`init_device_mesh`, as VERL's
+`create_device_mesh` builds it), and every tensor's rank-r slice (torch.chunk semantics, see
+convert/sharding.py) wrapped as a DTensor with placement `(Shard(d),)`, then `torch.save` of
+the three objects VERL's `FSDPCheckpointManager.save_checkpoint` saves
+(verl/utils/checkpoint/fsdp_checkpoint_manager.py): `module.state_dict()`,
+`optimizer.state_dict()` (torch.optim.AdamW layout) and `{"lr_scheduler", "rng"}`.
+
+The mesh's device type defaults to "cuda", as a GPU VERL run pickles it; the local tensors are
+CPU tensors (as VERL writes them under CPU offload). Use device_type="cpu" for a gloo run.
+Memory: one rank's model slices (model size / W; twice that for the optimizer file) plus one
+source tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+
+from convert.errors import ConvertError
+from convert.sharding import chunk_bounds, shard_dim
+from convert.tensors import cast, to_torch
+
+# (name, dim, start, stop) -> the slice [start, stop) of tensor `name` along `dim`
+SliceReader = Callable[[str, int, int, int], np.ndarray]
+
+
+def dict_reader(arrays: Mapping[str, np.ndarray]) -> SliceReader:
+    """A SliceReader over in-memory full arrays."""
+
+    def read(name: str, dim: int, start: int, stop: int) -> np.ndarray:
+        a = arrays[name]
+        return a[(slice(None),) * dim + (slice(start, stop),)]
+
+    return read
+
+
+@dataclasses.dataclass
+class AdamSource:
+    """Adam state to write: moments by HF name (SliceReaders, fp32), the step count, groups.
+
+    `param_groups`: torch's list of group dicts (from `adamw_param_groups` or a VERL source);
+    their `params` must cover 0..P-1 in parameter order.
+    """
+
+    exp_avg: SliceReader
+    exp_avg_sq: SliceReader
+    step: int
+    param_groups: list[dict[str, Any]]
+
+
+def adamw_param_groups(n_params: int, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                       eps: float = 1e-8, weight_decay: float = 0.01,
+                       initial_lr: float | None = None) -> list[dict[str, Any]]:
+    """The `param_groups` torch.optim.AdamW (installed torch) writes for one group of P params.
+
+    The key set comes from a real AdamW, so it matches the torch version that will load it;
+    `initial_lr` is what LambdaLR adds (defaults to lr).
+    """
+    import torch
+
+    group = torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps,
+                              weight_decay=weight_decay).state_dict()["param_groups"][0]
+    group["initial_lr"] = lr if initial_lr is None else initial_lr
+    group["params"] = list(range(n_params))
+    return [group]
+
+
+@contextlib.contextmanager
+def _fake_rank(rank: int, world_size: int, device_type: str) -> Iterator[Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConvertError("a torch process group is already initialised in this process; "
+                           "write VERL files from a process without one")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor(local: np.ndarray, mesh: Any, dim: int, shape: tuple[int, ...], device_type: str) -> Any:
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    t = to_torch(np.array(local, copy=True))  # own storage: torch.save writes whole storages
+    stride = torch.empty(shape, dtype=t.dtype, device="meta").stride()
+    if device_type == "cpu":
+        return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                  stride=stride)
+    # a "cuda" mesh with a CPU local tensor (what VERL writes under CPU offload); from_local
+    # would move the tensor to the mesh's device, which needs a GPU
+    spec = DTensorSpec(mesh, (Shard(dim),), TensorMeta(torch.Size(shape), stride, t.dtype))
+    return DTensor(t, spec, requires_grad=False)
+
+
+def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, ...]],
+                     params: SliceReader, world_size: int, placement: str = "dim0",
+                     tied_alias: bool = False, adam: AdamSource | None = None,
+                     extra_states: list[dict[str, Any]] | None = None, dtype: str | None = None,
+                     device_type: str = "cuda") -> dict[str, int]:
+    """Write `{model,optim,extra_state}_world_size_W_rank_R.pt` for R in 0..W-1 and fsdp_config.json.
+
+    shapes: ordered {hf_name: global shape} in parameter order (`param_shapes(cfg)`);
+    `tied_alias` adds `lm_head.weight` as a second DTensor over the embedding's shard (sharing
+    its storage, as torch's state_dict does). `dtype` casts the model weights only (Adam
+    moments stay fp32). `extra_states`: one dict per rank, or one for all ranks. Returns
+    {hf_name: shard dim}. Raises ConvertError on a W < 1 or a wrong extra_states count.
+    """
+    import torch
+
+    shard_dir = Path(shard_dir)
+    if world_size < 1:
+        raise ConvertError(f"world size {world_size}: must be >= 1")
+    if extra_states is not None and len(extra_states) not in (1, world_size):
+        raise ConvertError(f"{len(extra_states)} extra states for world size {world_size} "
+                           "(give one per rank, or one for all)")
+    dims = {n: shard_dim(s, world_size, placement) for n, s in shapes.items()}
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    W = world_size
+    for r in range(W):
+        with _fake_rank(r, W, device_type) as mesh:
+
+            def local(reader: SliceReader, name: str) -> np.ndarray:
+                lo, hi = chunk_bounds(shapes[name][dims[name]], W, r)
+                return reader(name, dims[name], lo, hi)
+
+            model = {}
+            for name, shape in shapes.items():
+                model[name] = _dtensor(cast(local(params, name), dtype), mesh, dims[name],
+                                       tuple(shape), device_type)
+            if tied_alias:
+                emb = model["model.embed_tokens.weight"]
+                model["lm_head.weight"] = _tied_view(emb)
+                # state_dict order: lm_head comes last
+            torch.save(model, shard_dir / f"model_world_size_{W}_rank_{r}.pt")
+            del model
+            if adam is not None:
+                state = {}
+                step = torch.tensor(float(adam.step), dtype=torch.float32)
+                for i, (name, shape) in enumerate(shapes.items()):
+                    state[i] = {
+                        "step": step.clone(),
+                        "exp_avg": _dtensor(cast(local(adam.exp_avg, name), "float32"), mesh,
+                                            dims[name], tuple(shape), device_type),
+                        "exp_avg_sq": _dtensor(cast(local(adam.exp_avg_sq, name), "float32"), mesh,
+                                               dims[name], tuple(shape), device_type),
+                    }
+                torch.save({"state": state, "param_groups": adam.param_groups},
+                           shard_dir / f"optim_world_size_{W}_rank_{r}.pt")
+                del state
+            if extra_states is not None:
+                extra = extra_states[r if len(extra_states) == W else 0]
+                torch.save(extra, shard_dir / f"extra_state_world_size_{W}_rank_{r}.pt")
+    (shard_dir / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": W},
+                                                           indent=4))
+    return dims
+
+
+def _tied_view(emb: Any) -> Any:
+    """A second DTensor over the same local storage (torch's tied lm_head entry)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(emb._local_tensor.view(emb._local_tensor.shape), emb._spec, requires_grad=False)
+
+
+def lambda_lr_state(base_lr: float, last_epoch: int, last_lr: float) -> dict[str, Any]:
+    """A torch LambdaLR `state_dict()` (installed torch's keys) at `last_epoch` steps taken.
+
+    VERL builds LambdaLR (verl/utils/torch_functional.py); its lambda is rebuilt from config on
+    load, so `lr_lambdas` is `[None]`.
+    """
+    import torch
+
+    opt = torch.optim.AdamW([torch.zeros(1)], lr=base_lr)
+    sd = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0).state_dict()
+    sd.update(base_lrs=[base_lr], last_epoch=int(last_epoch), _step_count=int(last_epoch) + 1,
+              _last_lr=[float(last_lr)], lr_lambdas=[None])
+    if "_is_initial" in sd:
+        sd["_is_initial"] = last_epoch == 0
+    return sd

@@ -1,0 +1,282 @@
+"""VERL-layout checkpoints made by real torch FSDP2, for the convert/ tests.
+
+Run as a script in a fresh interpreter (no JAX imported), which forks W gloo ranks on CPU:
+
+    python tests/fsdp_fixtures.py build OUT --arch qwen2|qwen3 --world-size 6 --placement dim0|first-divisible
+    python tests/fsdp_fixtures.py load CKPT_DIR OUT --world-size W --placement ...
+
+`build` trains a tiny transformers Qwen2ForCausalLM (untied) or Qwen3ForCausalLM (tied) wrapped
+with `fully_shard` for a few torch.optim.AdamW + LambdaLR steps (gradient clipping at 1.0), then
+every rank saves its state dicts exactly as VERL's `FSDPCheckpointManager.save_checkpoint`
+(verl/utils/checkpoint/fsdp_checkpoint_manager.py) does: `model_world_size_W_rank_R.pt`
+(`module.state_dict()`, DTensors), `optim_world_size_W_rank_R.pt` (`optimizer.state_dict()`),
+`extra_state_world_size_W_rank_R.pt` (`{"lr_scheduler": ..., "rng": {...}}`), rank 0 also
+`fsdp_config.json` and `huggingface/`; the trainer's `latest_checkpointed_iteration.txt` sits
+beside `global_step_N/`. Layout: OUT/ckpt/global_step_N/actor/... . Rank 0 also writes the
+ground truth gathered by torch itself (`full_tensor()`) to OUT/reference/: params.safetensors
+(the full model state dict, tied alias included), optim.safetensors (`{name}.exp_avg`,
+`{name}.exp_avg_sq`), meta.json (parameter order, placements, step, scheduler state).
+
+`load` mirrors VERL's `FSDPCheckpointManager.load_checkpoint`: each of W ranks builds the model
+from CKPT_DIR/huggingface, loads its three files with `torch.load(weights_only=True)`, then
+writes what torch holds (OUT/loaded_*.safetensors), takes one more AdamW step on a fixed batch
+(identical on every rank, so the mean gradient does not depend on W) and writes the result
+(OUT/stepped_*.safetensors, OUT/meta.json).
+
+VERL 0.6 - 0.8 placement ("first-divisible", verl/utils/fsdp_utils.py::get_shard_placement_fn):
+Shard on the first dimension divisible by W, else dim 0. VERL 0.9 ("dim0"): FSDP2's default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+# Tiny architectures with sizes not divisible by 6 (uneven and empty shards at W = 6).
+# qwen2 uses hidden 48 so that first-divisible gives Shard(1) for q/k/v, gate/up and the embedding.
+ARCHS = {
+    "qwen2": dict(model_type="qwen2", vocab_size=1003, hidden_size=48, intermediate_size=100,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position_embeddings=128),
+    "qwen3": dict(model_type="qwen3", vocab_size=1001, hidden_size=40, intermediate_size=70,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position_embeddings=128),
+}
+TRAIN_STEPS = 3
+GLOBAL_STEP = 3
+LR = 1e-3
+
+
+def _build_model(hf_config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+
+
+def _shard(model, world_size: int, placement: str):
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+
+    def first_divisible(param: nn.Parameter) -> Shard:
+        for d, n in enumerate(param.shape):
+            if n % world_size == 0:
+                return Shard(d)
+        return Shard(0)
+
+    fn = first_divisible if placement == "first-divisible" else None
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=fn)
+    fully_shard(model, mesh=mesh, shard_placement_fn=fn)
+    return mesh
+
+
+def _optimizer(model):
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    return opt, sched
+
+
+def _train_step(model, opt, ids):
+    import torch
+
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().contiguous()
+
+
+def _names_by_param(model):
+    return [n for n, _ in model.named_parameters()]
+
+
+def _build_rank(rank: int, world_size: int, args, init_file: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            init_method=f"file://{init_file}")
+    out = Path(args.out)
+    hf_config = AutoConfig.for_model(**ARCHS[args.arch])
+    model = _build_model(hf_config)
+    _shard(model, world_size, args.placement)
+    opt, sched = _optimizer(model)
+    for step in range(TRAIN_STEPS):
+        g = torch.Generator().manual_seed(1000 + step * world_size + rank)
+        ids = torch.randint(0, hf_config.vocab_size, (2, 9), generator=g)
+        _train_step(model, opt, ids)
+        sched.step()
+    # distinct, known RNG streams per rank, as a real run has
+    torch.manual_seed(77 + rank)
+    np.random.seed(88 + rank)
+    random.seed(99 + rank)
+    np.random.standard_normal()  # leaves has_gauss/cached_gaussian set in numpy's state
+
+    run = out / "ckpt"
+    actor = run / f"global_step_{GLOBAL_STEP}" / "actor"
+    W = world_size
+    model_sd = model.state_dict()
+    optim_sd = opt.state_dict()
+    extra = {"lr_scheduler": sched.state_dict(),
+             "rng": {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(),
+                     "random": random.getstate()}}
+    if rank == 0:
+        actor.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    torch.save(model_sd, actor / f"model_world_size_{W}_rank_{rank}.pt")
+    torch.save(optim_sd, actor / f"optim_world_size_{W}_rank_{rank}.pt")
+    torch.save(extra, actor / f"extra_state_world_size_{W}_rank_{rank}.pt")
+
+    full_params = {k: _full(v) for k, v in model_sd.items()}
+    names = _names_by_param(model)
+    full_optim = {}
+    for idx, st in optim_sd["state"].items():
+        full_optim[f"{names[idx]}.exp_avg"] = _full(st["exp_avg"])
+        full_optim[f"{names[idx]}.exp_avg_sq"] = _full(st["exp_avg_sq"])
+    dist.barrier()
+    if rank == 0:
+        with open(actor / "fsdp_config.json", "w") as f:
+            json.dump({"FSDP_version": 2, "world_size": W}, f, indent=4)
+        hf_config.save_pretrained(actor / "huggingface")
+        (run / "latest_checkpointed_iteration.txt").write_text(str(GLOBAL_STEP))
+        ref = out / "reference"
+        ref.mkdir(parents=True, exist_ok=True)
+        # safetensors refuses shared storage; the tied alias is cloned by _full already
+        save_file(full_params, str(ref / "params.safetensors"))
+        save_file(full_optim, str(ref / "optim.safetensors"))
+        placements = {k: (v.placements[-1].dim if hasattr(v, "placements") else None)
+                      for k, v in model_sd.items()}
+        meta = {"param_order": names, "state_dict_keys": list(model_sd),
+                "placements": placements,
+                "step": float(optim_sd["state"][0]["step"]),
+                "param_groups": [{k: v for k, v in g.items()} for g in optim_sd["param_groups"]],
+                "lr_scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"},
+                "world_size": W, "arch": args.arch, "placement": args.placement,
+                "torch_version": torch.__version__}
+        (ref / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _load_rank(rank: int, world_size: int, args, init_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.tensor  # noqa: F401  (registers DTensor for unpickling)
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            init_method=f"file://{init_file}")
+    ckpt = Path(args.ckpt)
+    out = Path(args.out)
+    W = world_size
+    hf_config = AutoConfig.from_pretrained(ckpt / "huggingface")
+    model = _build_model(hf_config)
+    _shard(model, W, args.placement)
+    opt, sched = _optimizer(model)
+    model_sd = torch.load(ckpt / f"model_world_size_{W}_rank_{rank}.pt", weights_only=True)
+    optim_sd = torch.load(ckpt / f"optim_world_size_{W}_rank_{rank}.pt", weights_only=True)
+    from convert.torch_safe import load_pt  # the allowlist for numpy RNG state
+
+    extra = load_pt(ckpt / f"extra_state_world_size_{W}_rank_{rank}.pt")
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(optim_sd)
+    sched.load_state_dict(extra["lr_scheduler"])
+    torch.set_rng_state(extra["rng"]["cpu"])
+    names = _names_by_param(model)
+
+    def snapshot():
+        p = {k: _full(v) for k, v in model.state_dict().items()}
+        o = {}
+        for idx, st in opt.state_dict()["state"].items():
+            o[f"{names[idx]}.exp_avg"] = _full(st["exp_avg"])
+            o[f"{names[idx]}.exp_avg_sq"] = _full(st["exp_avg_sq"])
+        return p, o
+
+    loaded_p, loaded_o = snapshot()
+    step_before = float(opt.state_dict()["state"][0]["step"])
+    g = torch.Generator().manual_seed(4242)
+    ids = torch.randint(0, hf_config.vocab_size, (2, 9), generator=g)
+    _train_step(model, opt, ids)
+    sched.step()
+    stepped_p, stepped_o = snapshot()
+    placements = {k: v.placements[-1].dim for k, v in model.state_dict().items()}
+    shard_shapes = {k: list(v.to_local().shape) for k, v in model.state_dict().items()}
+    all_shapes = [None] * W
+    dist.all_gather_object(all_shapes, shard_shapes)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(loaded_p, str(out / "loaded_params.safetensors"))
+        save_file(loaded_o, str(out / "loaded_optim.safetensors"))
+        save_file(stepped_p, str(out / "stepped_params.safetensors"))
+        save_file(stepped_o, str(out / "stepped_optim.safetensors"))
+        meta = {"step_before": step_before,
+                "step_after": float(opt.state_dict()["state"][0]["step"]),
+                "lr_after": opt.param_groups[0]["lr"],
+                "last_epoch_after": sched.last_epoch,
+                "rng_cpu_first_bytes": extra["rng"]["cpu"][:16].tolist(),
+                "placements": placements, "local_shapes": all_shapes}
+        (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_ranks(target, world_size: int, args) -> None:
+    """Fork `world_size` ranks (CPU torch only: fork is safe and imports happen once)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        ctx = mp.start_processes(target, args=(world_size, args, init_file), nprocs=world_size,
+                                 join=True, start_method="fork")
+        del ctx
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("out")
+    b.add_argument("--arch", choices=sorted(ARCHS), required=True)
+    b.add_argument("--world-size", type=int, default=6)
+    b.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0")
+    ld = sub.add_parser("load")
+    ld.add_argument("ckpt")
+    ld.add_argument("out")
+    ld.add_argument("--world-size", type=int, required=True)
+    ld.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    _run_ranks(_build_rank if args.mode == "build" else _load_rank, args.world_size, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
