@@ -29,6 +29,11 @@ TRAIN_STATE = {"update": 6, "effective_updates": 5, "schedule_position": 6,
                "lr_schedule_count": 6, "redraws": {"scene_2": 1}}
 
 
+def meta(step):
+    return {"git_commit": "0123abc", "protocol_hash": "ph", "schedule_hash": "sh",
+            "optimizer_step": step, "effective_updates": step - 1, "judge": {"kind": "rule"}}
+
+
 @pytest.fixture(scope="module")
 def mesh32():
     return jax.make_mesh((3, 2), ("fsdp", "sp"))
@@ -66,7 +71,7 @@ def save_step(store, step, mesh, hf_dir, seed, **kw):
     params, mu, nu = logical_values(seed)
     store.save(step, params=padded_on(mesh, params),
                adam={"count": np.int32(step), "mu": padded_on(mesh, mu), "nu": padded_on(mesh, nu)},
-               train_state=dict(TRAIN_STATE, update=step), metadata={"optimizer_step": step},
+               train_state=dict(TRAIN_STATE, update=step), metadata=meta(step),
                hf_assets_dir=hf_dir, shapes=SHAPES, **kw)
     return params, mu, nu
 
@@ -127,7 +132,7 @@ def test_restore_bitwise_on_another_mesh(saved, mesh_shape):
             np.testing.assert_array_equal(host[: SHAPES[n][0]], want[n])
             assert not host[SHAPES[n][0]:].any(), f"{n}: padding rows must be zero"
     assert ck.train_state == dict(TRAIN_STATE, update=7)
-    assert ck.metadata == {"optimizer_step": 7}
+    assert ck.metadata == meta(7)
 
 
 def test_restore_without_mesh_gives_numpy(saved):
@@ -187,6 +192,9 @@ def test_keep_last_and_refuse_overwrite(tmp_path, mesh32, hf_dir):
     assert all(s.valid for s in store.scan())
     with pytest.raises(CheckpointError, match="already holds a complete checkpoint"):
         save_step(store, 4, mesh32, hf_dir, seed=0)
+    with pytest.raises(CheckpointError, match=r"complete checkpoints after step 2 \(\[3, 4\]\)"):
+        save_step(store, 2, mesh32, hf_dir, seed=0)
+    assert store.steps() == [3, 4]
 
 
 def test_async_save_completes_on_next_save_and_close(tmp_path, mesh32, hf_dir):
@@ -206,12 +214,16 @@ def test_save_rejects_bad_input(tmp_path, mesh32, hf_dir):
     store = CheckpointStore(tmp_path / "checkpoints")
     params, mu, nu = logical_values(0)
     good = dict(params=params, adam={"count": np.int32(1), "mu": mu, "nu": nu},
-                train_state={}, metadata={}, hf_assets_dir=hf_dir, shapes=SHAPES)
+                train_state={}, metadata=meta(1), hf_assets_dir=hf_dir, shapes=SHAPES)
     half = {n: x.astype(np.float16) for n, x in mu.items()}
     with pytest.raises(CheckpointError, match=r"adam\['mu'\] must be float32"):
         store.save(1, **dict(good, adam={"count": 1, "mu": half, "nu": nu}))
     with pytest.raises(CheckpointError, match="count"):
         store.save(1, **dict(good, adam={"count": np.zeros(2, np.int32), "mu": mu, "nu": nu}))
+    with pytest.raises(CheckpointError, match=r"metadata lacks \['schedule_hash'\]"):
+        store.save(1, **dict(good, metadata={k: v for k, v in meta(1).items() if k != "schedule_hash"}))
+    with pytest.raises(CheckpointError, match=r"optimizer_step \(2\) differs from adam\['count'\] \(1\)"):
+        store.save(1, **dict(good, metadata=meta(2)))
     with pytest.raises(CheckpointError, match="train_state must be JSON"):
         store.save(1, **dict(good, train_state={"key": np.zeros(2)}))
     no_tokenizer = tmp_path / "hf"

@@ -61,6 +61,9 @@ HF_ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 _REQUIRED_ENTRIES = (PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM, METADATA_NAME, f"{HF_DIR}/config.json")
+# Fields every training_metadata.json has (values may be null, e.g. no protocol for an HF import).
+REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_step",
+                     "effective_updates")
 ARRAY_GROUPS = ("params", "mu", "nu")
 
 
@@ -202,6 +205,16 @@ def _adam_to_logical(adam: Mapping[str, Any], shapes: Mapping[str, tuple[int, ..
                                   f"moments); {bad[0]!r} is {arrays[bad[0]].dtype}")
         out[moment] = arrays
     return out
+
+
+def _check_metadata(meta: Mapping[str, Any], count: int) -> None:
+    missing = [k for k in REQUIRED_METADATA if k not in meta]
+    if missing:
+        raise CheckpointError(f"metadata lacks {missing}; build it with "
+                              f"run_metadata.training_metadata (fields: {list(REQUIRED_METADATA)})")
+    if meta["optimizer_step"] != count:
+        raise CheckpointError(f"metadata optimizer_step ({meta['optimizer_step']}) differs from "
+                              f"adam['count'] ({count}); both count AdamW steps taken")
 
 
 def _copy_hf_assets(src: Path, dst: Path) -> None:
@@ -378,10 +391,12 @@ class CheckpointStore:
         adam: {"count": int scalar, "mu": {...}, "nu": {...}} same names, float32;
         shapes: {hf_name: logical shape} (`model.params.param_shapes(cfg)`); padding beyond it
         on dim 0 is dropped, never stored. train_state, metadata: JSON-able dicts (metadata is
-        passed through `run_metadata.redact`). hf_assets_dir: the HF model directory whose
+        passed through `run_metadata.redact`, must have the `REQUIRED_METADATA` fields, and its
+        `optimizer_step` must equal adam["count"]). hf_assets_dir: the HF model directory whose
         config, tokenizer and chat template are copied into `hf/`.
-        Raises CheckpointError for a bad name/shape/dtype, non-JSON state, missing HF assets,
-        or an existing complete checkpoint at `step` (an incomplete one is replaced).
+        Raises CheckpointError for a bad name/shape/dtype, non-JSON state, incomplete metadata,
+        missing HF assets, or a complete checkpoint at `step` or after it (an incomplete one
+        at `step` is replaced; complete later ones mean this run already went further).
         """
         self.wait_until_finished()
         step = int(step)
@@ -393,6 +408,12 @@ class CheckpointStore:
         meta = redact(_json_ready(dict(metadata), "metadata"))
         logical_params = to_logical(params, shapes, "params")
         logical_adam = _adam_to_logical(adam, shapes)
+        _check_metadata(meta, int(logical_adam["count"]))
+        newer = [s for s in self.steps() if s > step and check_step(self.step_path(s), hash_files=False).valid]
+        if newer:
+            raise CheckpointError(f"{self.directory} already holds complete checkpoints after step "
+                                  f"{step} ({newer}); continue from the newest, or use a new run "
+                                  f"directory to branch from an older step")
         path = self.step_path(step)
         if path.exists():
             status = check_step(path, hash_files=False)
