@@ -1,0 +1,1 @@
+"""GRPO: advantages, losses, log-probs, optimizer, role masks, train step, rollouts, checkpoints."""

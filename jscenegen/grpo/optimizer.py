@@ -1,0 +1,226 @@
+"""AdamW + global-norm clip + LR schedule with the exact update of torch.optim.AdamW.
+
+torch (`torch/optim/adam.py::_single_tensor_adam`, decoupled_weight_decay=True, the CPU path)
+and `torch.nn.utils.clip_grad_norm_`, as VERL's actor runs them (reference/verl.md 3.6):
+  clip:  coef = min(1, max_norm / (||g||_2 + 1e-6));  g <- g * coef
+  step:  t <- t + 1
+         p <- p * (1 - lr * wd)                  (decay on every parameter)
+         m <- m + (1 - b1) (g - m)               (lerp)
+         v <- v * b2 + (1 - b2) g g
+         p <- p - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+The operations are done in torch's order, and the optax update is the exact difference
+p_new - p, so `optax.apply_updates` lands on torch's fp32 result (the subtraction is exact
+while the step is small against p). A non-finite gradient norm skips the step (params and
+state unchanged) and is counted by the caller, as VERL's dp_actor does.
+
+The LR is passed per step (`learning_rate=` extra arg): torch's LambdaLR advances even when
+the optimizer step is skipped, so its count (`last_epoch`) lives outside the Adam state.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jscenegen.grpo.config import OptimConfig
+
+TORCH_CLIP_EPS = 1e-6
+
+
+class TorchAdamWState(NamedTuple):
+    """count: int32 [] optimizer steps taken (torch state["step"]); mu/nu: exp_avg/exp_avg_sq."""
+
+    count: jax.Array
+    mu: Any
+    nu: Any
+
+
+def torch_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`clip_grad_norm_`: g * min(1, max_norm / (global L2 norm + 1e-6)) (optax omits the 1e-6)."""
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        norm = optax.tree_utils.tree_norm(updates)
+        coef = jnp.minimum(max_norm / (norm + TORCH_CLIP_EPS), 1.0)
+        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def torch_adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01) -> optax.GradientTransformationExtraArgs:
+    """torch.optim.AdamW as an optax transformation; `update(..., params, learning_rate=lr)`.
+
+    Needs `params`. The returned updates are p_new - p with p_new computed in torch's order.
+    """
+
+    def init_fn(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return TorchAdamWState(jnp.zeros((), jnp.int32), zeros, jax.tree.map(jnp.zeros_like, params))
+
+    def update_fn(updates, state, params=None, *, learning_rate, **extra):
+        del extra
+        if params is None:
+            raise ValueError("torch_adamw needs params (decoupled weight decay)")
+        count = state.count + 1
+        t = count.astype(jnp.float32)
+        lr = jnp.asarray(learning_rate, jnp.float32)
+        step_size = lr / (1.0 - jnp.float32(b1) ** t)
+        bc2_sqrt = jnp.sqrt(1.0 - jnp.float32(b2) ** t)
+        decay = 1.0 - lr * weight_decay
+
+        def one(g, p, m, v):
+            m = m + (1.0 - b1) * (g - m)
+            v = v * b2 + ((1.0 - b2) * g) * g
+            denom = jnp.sqrt(v) / bc2_sqrt.astype(v.dtype) + eps
+            p_new = p * decay.astype(p.dtype) + ((-step_size).astype(p.dtype) * m) / denom
+            return p_new - p, m, v
+
+        out = jax.tree.map(one, updates, params, state.mu, state.nu)
+        treedef = jax.tree.structure(updates)
+        leaves = treedef.flatten_up_to(out)
+        new_updates = treedef.unflatten([x[0] for x in leaves])
+        mu = treedef.unflatten([x[1] for x in leaves])
+        nu = treedef.unflatten([x[2] for x in leaves])
+        return new_updates, TorchAdamWState(count, mu, nu)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformationExtraArgs:
+    """clip (if cfg.grad_clip > 0) then torch AdamW; call update with learning_rate=lr_at(...)."""
+    b1, b2 = cfg.betas
+    adam = torch_adamw(b1, b2, cfg.eps, cfg.weight_decay)
+    if cfg.grad_clip is not None and cfg.grad_clip > 0:
+        return optax.chain(torch_clip_by_global_norm(cfg.grad_clip), adam)
+    return optax.chain(adam)
+
+
+def lr_multiplier(cfg: OptimConfig, step):
+    """LambdaLR multiplier at scheduler count `step` (int or int32 array), float32.
+
+    constant: step / max(1, warmup) during warmup, then 1
+      (VERL `get_constant_schedule_with_warmup`);
+    cosine: warmup as above, then max(min_lr_ratio, (1+min)/2 + (1-min)/2 cos(2 pi cycles p)),
+      p = (step - warmup) / max(1, total - warmup) (VERL `get_cosine_schedule_with_warmup`).
+    """
+    s = jnp.asarray(step, jnp.float32)
+    warm = float(cfg.warmup_steps)
+    warmup = s / max(1.0, warm)
+    if cfg.lr_schedule == "constant":
+        after = jnp.ones_like(s)
+    else:
+        progress = (s - warm) / max(1.0, float(cfg.total_steps) - warm)
+        x = jnp.cos(math.pi * float(cfg.num_cycles) * 2.0 * progress)
+        lo = cfg.min_lr_ratio
+        after = jnp.maximum(lo, x * ((1.0 - lo) * 0.5) + (1.0 + lo) * 0.5)
+    return jnp.where(s < warm, warmup, after)
+
+
+def lr_at(cfg: OptimConfig, step):
+    """Learning rate used by the optimizer step taken at scheduler count `step` (float32)."""
+    return cfg.lr * lr_multiplier(cfg, step)
+
+
+def optimizer_step(tx, grads, opt_state, params, learning_rate):
+    """One guarded update.
+
+    Returns (params, opt_state, grad_norm float32 [], skipped bool []): when the global
+    gradient norm (before clipping, as clip_grad_norm_ returns it) is not finite, params and
+    opt_state come back unchanged and skipped is True.
+    """
+    grad_norm = optax.tree_utils.tree_norm(grads)
+    skipped = ~jnp.isfinite(grad_norm)
+    updates, new_state = tx.update(grads, opt_state, params, learning_rate=learning_rate)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda old, new: jnp.where(skipped, old, new)  # noqa: E731
+    return (
+        jax.tree.map(keep, params, new_params),
+        jax.tree.map(keep, opt_state, new_state),
+        grad_norm,
+        skipped,
+    )
+
+
+def param_names(params) -> list[str]:
+    """Dotted names of the leaves of a params pytree (nested dicts or an nnx.State).
+
+    The trailing `.value` of nnx Variables is dropped, so an NNX model whose attributes
+    follow the HF layout yields `model.layers.0.self_attn.q_proj.weight`.
+    """
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        parts = []
+        for k in path:
+            if isinstance(k, jax.tree_util.DictKey):
+                parts.append(str(k.key))
+            elif isinstance(k, jax.tree_util.SequenceKey):
+                parts.append(str(k.idx))
+            elif isinstance(k, jax.tree_util.GetAttrKey):
+                parts.append(k.name)
+            else:
+                parts.append(str(k))
+        if parts and parts[-1] == "value":
+            parts.pop()
+        names.append(".".join(parts))
+    return names
+
+
+def _adam_state(opt_state) -> TorchAdamWState:
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TorchAdamWState))
+             if isinstance(s, TorchAdamWState)]
+    if len(found) != 1:
+        raise ValueError(f"expected one TorchAdamWState in the optimizer state, found {len(found)}")
+    return found[0]
+
+
+def state_to_canonical(opt_state) -> dict:
+    """{"count": int, "mu": {name: np.ndarray}, "nu": {name: np.ndarray}} (torch step/exp_avg/
+    exp_avg_sq), names as `param_names`; arrays at their stored (possibly padded) shape."""
+    st = _adam_state(opt_state)
+    names = param_names(st.mu)
+    return {
+        "count": int(st.count),
+        "mu": dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(st.mu)))),
+        "nu": dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(st.nu)))),
+    }
+
+
+def state_from_canonical(canonical: dict, opt_state):
+    """Return `opt_state` with count/mu/nu replaced from a canonical dict.
+
+    Each array must match the existing leaf's shape; it is placed with that leaf's sharding.
+    Raises KeyError naming a missing parameter, ValueError for a shape mismatch.
+    """
+    st = _adam_state(opt_state)
+    names = param_names(st.mu)
+
+    def load(kind, tree):
+        leaves = jax.tree.leaves(tree)
+        out = []
+        for name, old in zip(names, leaves):
+            if name not in canonical[kind]:
+                raise KeyError(f"optimizer state {kind!r} has no entry for parameter {name!r}")
+            arr = np.array(canonical[kind][name], dtype=old.dtype, copy=True)  # never alias
+            if arr.shape != old.shape:
+                raise ValueError(f"optimizer state {kind}[{name!r}]: shape {arr.shape}, expected {old.shape}")
+            out.append(jax.device_put(arr, old.sharding))
+        return jax.tree.unflatten(jax.tree.structure(tree), out)
+
+    new = TorchAdamWState(
+        jax.device_put(jnp.asarray(int(canonical["count"]), jnp.int32), st.count.sharding),
+        load("mu", st.mu),
+        load("nu", st.nu),
+    )
+    return jax.tree.map(
+        lambda s: new if isinstance(s, TorchAdamWState) else s,
+        opt_state,
+        is_leaf=lambda x: isinstance(x, TorchAdamWState),
+    )

@@ -1,0 +1,225 @@
+"""A small torch implementation of specs/grpo.md, written independently of the JAX code.
+
+It is the yardstick of the tests and of `jscenegen parity grpo-step`: the formulas are
+written as VERL writes them (verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py,
+verl/workers/actor/dp_actor.py, verl/workers/utils/losses.py), in torch, row by row where
+that is the clearest. torch is imported lazily so the package never needs it.
+"""
+from __future__ import annotations
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def grpo_advantages(scores, group_ids, valid, eps=1e-6, norm_by_std=True):
+    """Per-episode advantages with Python loops over groups (torch.std, unbiased)."""
+    torch = _torch()
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    out = torch.zeros_like(scores)
+    ids = [int(i) for i in group_ids]
+    ok = [bool(v) and bool(torch.isfinite(s)) for v, s in zip(valid, scores)]
+    for g in sorted(set(ids)):
+        members = [i for i, x in enumerate(ids) if x == g]
+        good = [i for i in members if ok[i]]
+        if len(members) == 1:
+            if good:
+                i = good[0]
+                out[i] = scores[i] / (1.0 + eps) if norm_by_std else scores[i]
+            continue
+        if len(good) < 2:
+            continue
+        s = scores[good]
+        mean, std = s.mean(), s.std()
+        for i in good:
+            out[i] = (scores[i] - mean) / (std + eps) if norm_by_std else scores[i] - mean
+    return out
+
+
+def masked_sum(x, mask):
+    torch = _torch()
+    return torch.where(mask.bool(), x * mask, torch.zeros_like(x)).sum()
+
+
+def agg_loss(loss_mat, mask, mode, batch_num_tokens=None, global_batch_size=None, horizon=None,
+             legacy=False):
+    """VERL agg_loss (0.9.1 with global info; legacy=True: 0.7-0.8 sum-norm)."""
+    torch = _torch()
+    mask = mask.float()
+    lm = torch.where(mask.bool(), loss_mat * mask, torch.zeros_like(loss_mat))
+    if mode == "token-sum":
+        return lm.sum()
+    if mode == "token-mean":
+        n = mask.sum() if batch_num_tokens is None else torch.tensor(float(batch_num_tokens))
+        return lm.sum() / torch.clamp(n, min=1.0)
+    seq_sums, seq_means, nonempty = [], [], 0
+    for r in range(lm.shape[0]):
+        cnt = mask[r].sum()
+        if cnt > 0:
+            nonempty += 1
+            seq_sums.append(lm[r].sum())
+            seq_means.append(lm[r].sum() / (cnt + 1e-8))
+    g = float(nonempty if global_batch_size is None else global_batch_size)
+    g = max(g, 1.0)
+    total_sum = torch.stack(seq_sums).sum() if seq_sums else lm.sum() * 0
+    if mode == "seq-mean-token-sum":
+        return total_sum / g
+    if mode == "seq-mean-token-mean":
+        return (torch.stack(seq_means).sum() if seq_means else lm.sum() * 0) / g
+    if mode == "seq-mean-token-sum-norm":
+        h = float(loss_mat.shape[-1] if horizon is None else horizon)
+        return total_sum / h if legacy else total_sum / g / h
+    raise ValueError(mode)
+
+
+def policy_loss_terms(logp, old_logp, adv, clip_low, clip_high, clip_c):
+    """compute_policy_loss_vanilla per token: (loss, neg_kl, clipped, clipped_lower, ratio)."""
+    torch = _torch()
+    neg_kl = torch.clamp(logp - old_logp, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_kl)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -adv * clip_c
+    clip2 = torch.min(pg3, clip1)
+    loss = torch.where(adv < 0, clip2, clip1)
+    return loss, -neg_kl, pg2 > pg1, (clip1 > pg3) & (adv < 0), ratio
+
+
+def kl_penalty(logp, ref_logp, kind):
+    """VERL kl_penalty_forward (and the '+' straight-through variants)."""
+    torch = _torch()
+    if kind.endswith("+"):
+        fwd = kl_penalty(logp, ref_logp, kind[:-1])
+        k2 = 0.5 * (logp - ref_logp).square()
+        return k2 - k2.detach() + fwd.detach()
+    if kind in ("kl", "k1"):
+        return logp - ref_logp
+    if kind == "abs":
+        return (logp - ref_logp).abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * (logp - ref_logp).square()
+    if kind in ("low_var_kl", "k3"):
+        kl = torch.clamp(ref_logp - logp, min=-20, max=20)
+        return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    raise ValueError(kind)
+
+
+def logprobs_from_logits(logits, tokens, temperature=1.0):
+    """(logp, entropy) per position from logits [B, T, V] (VERL torch_functional), float32."""
+    torch = _torch()
+    z = logits.float() / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    p = torch.softmax(z, dim=-1)
+    entropy = torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+    return logp, entropy
+
+
+def shifted_logprobs(model, input_ids, attention_mask, temperature=1.0):
+    """transformers causal LM -> aligned (logp, entropy) [B, T] with column 0 = 0.
+
+    Positions are clip(cumsum(mask) - 1, 0), as VERL builds position_ids for left padding.
+    """
+    torch = _torch()
+    pos = torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
+    logp, ent = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+    zero = torch.zeros(logp.shape[0], 1, dtype=logp.dtype)
+    return torch.cat([zero, logp], 1), torch.cat([zero, ent], 1)
+
+
+def actor_loss(logp, entropy, old_logp, adv, mask, ref_logp, cfg, *, batch_num_tokens=None,
+               global_batch_size=None):
+    """pg_loss - entropy_coeff agg(H) + kl_coef agg(KL) for one micro-batch (torch tensors)."""
+    torch = _torch()
+    on = mask.bool()
+    zero = torch.zeros_like(logp)
+    logp = torch.where(on, logp, zero)
+    old_logp = torch.where(on, old_logp, zero)
+    adv = torch.where(on, adv, zero)
+    legacy = cfg.loss_scale == "legacy"
+    kw = dict(batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+              horizon=cfg.horizon, legacy=legacy)
+    pg, _, _, _, _ = policy_loss_terms(logp, old_logp, adv, cfg.clip_low, cfg.clip_high,
+                                       cfg.clip_ratio_c)
+    loss = agg_loss(pg, mask, cfg.loss_agg_mode, **kw)
+    if cfg.entropy_coeff != 0:
+        loss = loss - cfg.entropy_coeff * agg_loss(torch.where(on, entropy, zero), mask,
+                                                   cfg.loss_agg_mode, **kw)
+    if cfg.use_kl_loss:
+        kl = kl_penalty(logp, torch.where(on, ref_logp, logp), cfg.kl_loss_type)
+        loss = loss + cfg.kl_coef * agg_loss(kl, mask, cfg.loss_agg_mode, **kw)
+    return loss
+
+
+def lr_lambda(cfg, step):
+    """VERL's LambdaLR multiplier (constant/cosine with warmup), Python float."""
+    import math
+
+    if step < cfg.warmup_steps:
+        return float(step) / float(max(1, cfg.warmup_steps))
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = float(step - cfg.warmup_steps) / float(max(1, cfg.total_steps - cfg.warmup_steps))
+    x = math.cos(math.pi * float(cfg.num_cycles) * 2.0 * progress)
+    lo = cfg.min_lr_ratio
+    return max(lo, x * (1 - lo) * 0.5 + (1 + lo) * 0.5)
+
+
+def make_torch_optimizer(params, optim_cfg):
+    """torch.optim.AdamW (one param group, decay on everything) + LambdaLR, as VERL builds them."""
+    torch = _torch()
+    opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                            eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(optim_cfg, s))
+    return opt, sched
+
+
+def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_batches=1,
+              optimizer=None, scheduler=None):
+    """One GRPO update of a transformers model, VERL style; returns metrics and optimizer.
+
+    batch: dict of torch tensors input_ids/attention_mask/loss_mask/advantages/old_logp
+    [B, T] (ref_logp when use_kl_loss). Micro-batches are contiguous row blocks; with
+    loss_scale global each micro loss uses the whole batch's token/sequence counts and the
+    losses are summed (VERL 0.9.1 engine); legacy divides each by its own counts and by k.
+    """
+    torch = _torch()
+    params = [p for p in model.parameters()]
+    if optimizer is None:
+        optimizer, scheduler = make_torch_optimizer(params, optim_cfg)
+    mask = batch["loss_mask"].float()
+    n_tok = float(mask.sum())
+    n_seq = float((batch["attention_mask"].sum(-1) > 0).sum())
+    b = mask.shape[0]
+    rows = b // num_micro_batches
+    optimizer.zero_grad()
+    total = 0.0
+    legacy = loss_cfg.loss_scale == "legacy"
+    for i in range(num_micro_batches):
+        sl = slice(i * rows, (i + 1) * rows)
+        logp, ent = shifted_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                     temperature)
+        ref = batch.get("ref_logp")
+        loss = actor_loss(
+            logp, ent, batch["old_logp"][sl], batch["advantages"][sl], mask[sl],
+            None if ref is None else ref[sl], loss_cfg,
+            batch_num_tokens=None if legacy else n_tok,
+            global_batch_size=None if legacy else n_seq,
+        )
+        if legacy:
+            loss = loss / num_micro_batches
+        loss.backward()
+        total += float(loss.detach())
+    max_norm = optim_cfg.grad_clip if optim_cfg.grad_clip and optim_cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    skipped = not bool(torch.isfinite(grad_norm))
+    if skipped:
+        optimizer.zero_grad()
+    else:
+        optimizer.step()
+    scheduler.step()
+    return {"loss": total, "grad_norm": float(grad_norm), "skipped": skipped}, optimizer, scheduler

@@ -1,0 +1,151 @@
+"""optax torch-AdamW + clip + schedules against torch.optim.AdamW, clip_grad_norm_, LambdaLR."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jscenegen.grpo import torch_reference as ref
+from jscenegen.grpo.config import OptimConfig
+from jscenegen.grpo.optimizer import (
+    lr_at, make_optimizer, optimizer_step, param_names, state_from_canonical, state_to_canonical,
+)
+
+SHAPES = {"embed": (7, 5), "layer.bias": (5,), "norm": (5,)}
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    p = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    p["norm"] = (1.0 + 0.01 * rng.normal(size=SHAPES["norm"])).astype(np.float32)  # weights near 1
+    p["embed"][0, :] = [1e-3, -300.0, 0.0, 40.0, -1.0]
+    return p
+
+
+def _grads(seed, scale=3.0):
+    rng = np.random.default_rng(100 + seed)
+    return {k: (scale * rng.normal(size=s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _bound(p):
+    return 2.4e-7 * np.maximum(1.0, np.abs(p))
+
+
+def _run_both(cfg, steps, grad_scale=3.0):
+    p0 = _params()
+    tparams = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in p0.items()}
+    opt, sched = ref.make_torch_optimizer(list(tparams.values()), cfg)
+    tx = make_optimizer(cfg)
+    params = jax.tree.map(jnp.asarray, p0)
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p, lr: optimizer_step(tx, g, s, p, lr))
+    for i in range(steps):
+        g = _grads(i, grad_scale)
+        for k, tp in tparams.items():
+            tp.grad = torch.tensor(g[k])
+        tnorm = torch.nn.utils.clip_grad_norm_(list(tparams.values()), cfg.grad_clip or float("inf"))
+        opt.step()
+        sched.step()
+        params, state, norm, skipped = step(g, state, params, lr_at(cfg, i))
+        assert not bool(skipped)
+        assert float(norm) == pytest.approx(float(tnorm), rel=1e-6)
+    return params, state, tparams, opt
+
+
+@pytest.mark.parametrize("cfg", [
+    OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0),
+    OptimConfig(lr=1e-6),  # the GRPO100 recipe
+    OptimConfig(lr=2e-3, weight_decay=0.1, grad_clip=None, betas=(0.8, 0.99), eps=1e-6,
+                lr_schedule="cosine", warmup_steps=1, total_steps=4),
+])
+def test_adamw_with_clip_equals_torch(cfg):
+    params, state, tparams, opt = _run_both(cfg, steps=3)
+    for k, tp in tparams.items():
+        want = tp.detach().numpy()
+        assert np.all(np.abs(np.asarray(params[k]) - want) <= _bound(want)), k
+    canon = state_to_canonical(state)
+    assert canon["count"] == 3
+    for k, tp in tparams.items():
+        st = opt.state[tp]
+        assert int(st["step"]) == 3
+        np.testing.assert_allclose(canon["mu"][k], st["exp_avg"].numpy(), rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(canon["nu"][k], st["exp_avg_sq"].numpy(), rtol=1e-6, atol=1e-12)
+
+
+def test_one_step_with_active_clip_moves_parameters():
+    cfg = OptimConfig(lr=1e-3, grad_clip=1.0)
+    params, _, tparams, _ = _run_both(cfg, steps=1, grad_scale=50.0)
+    moved = np.abs(np.asarray(params["layer.bias"]) - _params()["layer.bias"])
+    assert np.all(moved > 5e-4)  # Adam's first step is ~lr per coordinate
+
+
+def test_non_finite_gradient_is_skipped_and_state_unchanged():
+    cfg = OptimConfig(lr=1e-3)
+    tx = make_optimizer(cfg)
+    params = jax.tree.map(jnp.asarray, _params())
+    state = tx.init(params)
+    params, state, _, _ = optimizer_step(tx, _grads(0), state, params, 1e-3)
+    for bad in (np.nan, np.inf):
+        g = _grads(1)
+        g["norm"][2] = bad
+        p2, s2, norm, skipped = optimizer_step(tx, g, state, params, 1e-3)
+        assert bool(skipped) and not np.isfinite(float(norm))
+        for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p2, s2))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("cfg", [
+    OptimConfig(lr=1e-6, warmup_steps=3),
+    OptimConfig(lr=1e-5, lr_schedule="cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1),
+    OptimConfig(lr=1e-5, lr_schedule="cosine", total_steps=7),
+])
+def test_schedule_equals_torch_lambdalr(cfg):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt, sched = ref.make_torch_optimizer([p], cfg)
+    for s in range(12):
+        assert float(lr_at(cfg, s)) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-6 * cfg.lr)
+        opt.step()
+        sched.step()
+
+
+def test_canonical_roundtrip_and_resume_from_torch_state():
+    """Load torch's step/exp_avg/exp_avg_sq after 2 steps; our third step equals torch's."""
+    cfg = OptimConfig(lr=1e-3)
+    _, _, tparams, opt = _run_both(cfg, steps=2)
+    tx = make_optimizer(cfg)
+    params = {k: jnp.asarray(tp.detach().numpy()) for k, tp in tparams.items()}
+    canon = {"count": 2,
+             "mu": {k: opt.state[tp]["exp_avg"].numpy() for k, tp in tparams.items()},
+             "nu": {k: opt.state[tp]["exp_avg_sq"].numpy() for k, tp in tparams.items()}}
+    state = state_from_canonical(canon, tx.init(params))
+    back = state_to_canonical(state)
+    assert back["count"] == 2
+    for k in SHAPES:
+        np.testing.assert_array_equal(back["mu"][k], canon["mu"][k])
+    g = _grads(2)
+    for k, tp in tparams.items():
+        tp.grad = torch.tensor(g[k])
+    torch.nn.utils.clip_grad_norm_(list(tparams.values()), 1.0)
+    opt.step()
+    new, _, _, _ = optimizer_step(tx, g, state, params, lr_at(cfg, 2))
+    for k, tp in tparams.items():
+        want = tp.detach().numpy()
+        assert np.all(np.abs(np.asarray(new[k]) - want) <= _bound(want)), k
+    with pytest.raises(KeyError, match="norm"):
+        state_from_canonical({"count": 1, "mu": {k: v for k, v in canon["mu"].items() if k != "norm"},
+                              "nu": canon["nu"]}, tx.init(params))
+
+
+def test_param_names_of_nnx_state():
+    from flax import nnx
+
+    class Lin(nnx.Module):
+        def __init__(self):
+            self.weight = nnx.Param(jnp.zeros((2, 2)))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([Lin(), Lin()])
+
+    _, st = nnx.split(Model(), nnx.Param)
+    assert param_names(st) == ["layers.0.weight", "layers.1.weight"]

@@ -1,0 +1,46 @@
+"""Role codes -> loss mask, and the LossConfig/OptimConfig sections."""
+import numpy as np
+import pytest
+
+from jscenegen.config import ConfigError, validate_config
+from jscenegen.grpo.config import LossConfig, OptimConfig
+from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_from_letter, role_loss_mask
+
+
+def test_role_loss_mask_selects_policy_tokens_of_the_role():
+    roles = np.array([[ENVIRONMENT, PLANNER, PLANNER, ENVIRONMENT, DESIGNER, DESIGNER, CRITIC],
+                      [DESIGNER, DESIGNER, ENVIRONMENT, DESIGNER, DESIGNER, CRITIC, CRITIC]])
+    policy = np.array([[0, 1, 1, 0, 1, 0, 1],
+                       [1, 1, 0, 1, 1, 1, 1]])
+    got = np.asarray(role_loss_mask(roles, policy, DESIGNER))
+    np.testing.assert_array_equal(got, [[0, 0, 0, 0, 1, 0, 0], [0, 1, 0, 1, 1, 0, 0]])
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(role_loss_mask(roles, policy, PLANNER))[0], [0, 1, 1, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="not a policy role"):
+        role_loss_mask(roles, policy, ENVIRONMENT)
+    with pytest.raises(ValueError, match="same"):
+        role_loss_mask(roles, policy[:, :3], PLANNER)
+    assert [role_from_letter(c) for c in "DDDPC"] == [DESIGNER] * 3 + [PLANNER, CRITIC]
+    with pytest.raises(ValueError, match="role letter"):
+        role_from_letter("E")
+
+
+def test_config_defaults_are_the_grpo100_recipe():
+    loss, optim = LossConfig(), OptimConfig()
+    assert (loss.clip_low, loss.clip_high, loss.clip_ratio_c) == (0.2, 0.2, 3.0)
+    assert loss.loss_agg_mode == "token-mean" and loss.loss_scale == "global"
+    assert not loss.use_kl_loss and loss.entropy_coeff == 0.0 and loss.kl_loss_type == "low_var_kl"
+    assert (optim.lr, optim.betas, optim.eps, optim.weight_decay, optim.grad_clip) == (
+        1e-6, (0.9, 0.999), 1e-8, 0.01, 1.0)
+    assert optim.lr_schedule == "constant" and optim.warmup_steps == 0
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        validate_config({"clip_ratio_c": 0.5}, "x.yaml", LossConfig)
+    with pytest.raises(ConfigError, match="unknown key 'clip'"):
+        validate_config({"clip": 0.5}, "x.yaml", LossConfig)
+    with pytest.raises(ConfigError, match="token-sum"):
+        validate_config({"loss_agg_mode": "token-sum", "loss_scale": "legacy"}, "x.yaml", LossConfig)
+    with pytest.raises(ConfigError, match="total_steps"):
+        validate_config({"lr_schedule": "cosine"}, "x.yaml", OptimConfig)
