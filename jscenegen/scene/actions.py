@@ -1,0 +1,141 @@
+"""Parser of the single `<action>{json}</action>` block that ends every role's answer.
+
+Each malformed answer maps to one precise policy-failure cause (reward.POLICY_FAILURES); the parser
+never raises on model text. Roles: planner {"action": design|critique|revert|finish, ...},
+designer {"ops": [...]}, critic {"critique": str, "grades": {key: int 0..10}}.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .ops import OpSchemaError, parse_op
+
+OPEN, CLOSE = "<action>", "</action>"
+ROLES = ("planner", "designer", "critic")
+PLANNER_ACTIONS = {"design": {"instruction"}, "critique": set(), "revert": {"reason"}, "finish": {"summary"}}
+ACTION_GRAMMAR = (
+    "answer := free_text '<action>' json_object '</action>' whitespace; exactly one block; "
+    "planner: {action: design(instruction: str) | critique | revert(reason: str) | finish(summary: str)}; "
+    "designer: {ops: [op, ...]}; critic: {critique: str, grades: {key: int 0..10}}"
+)
+
+
+@dataclass(frozen=True)
+class ParsedAction:
+    """A parsed answer: `payload` (validated; designer ops are parsed op models) or a failure."""
+
+    role: str
+    payload: Any = None
+    failure_cause: str | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failure_cause is None
+
+
+def _fail(role: str, cause: str, message: str) -> ParsedAction:
+    return ParsedAction(role, None, cause, message)
+
+
+def extract_block(text: str) -> tuple[str | None, str | None, str]:
+    """(json_text, failure_cause, message) for the one action block in `text`."""
+    n_open, n_close = text.count(OPEN), text.count(CLOSE)
+    if n_open == 0:
+        return None, "no_action_block", "no <action>...</action> block"
+    if n_open > 1 or n_close > 1:
+        return None, "multiple_action_blocks", f"{n_open} <action> tags; exactly one block is allowed"
+    start = text.index(OPEN)
+    if n_close == 0 or text.index(CLOSE) < start:
+        return None, "truncated_action", "the <action> block is not closed"
+    end = text.index(CLOSE)
+    if text[end + len(CLOSE):].strip():
+        return None, "text_after_action", "text follows </action>; the block must end the answer"
+    return text[start + len(OPEN): end], None, ""
+
+
+def _role_of(obj: dict) -> str | None:
+    if "action" in obj:
+        return "planner"
+    if "ops" in obj:
+        return "designer"
+    if "critique" in obj or "grades" in obj:
+        return "critic"
+    return None
+
+
+def parse_action(text: str, role: str, grade_keys: tuple[str, ...]) -> ParsedAction:
+    """Parse `role`'s answer `text`. Never raises; failures carry a cause and a message."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    body, cause, msg = extract_block(text)
+    if cause:
+        return _fail(role, cause, msg)
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as err:
+        return _fail(role, "bad_json", f"action block is not valid JSON: {err}")
+    if not isinstance(obj, dict):
+        return _fail(role, "bad_json", f"action block must be a JSON object, got {type(obj).__name__}")
+    other = _role_of(obj)
+    if other is not None and other != role:
+        return _fail(role, "role_violation", f"the {role} answered with a {other} action")
+    if role == "planner":
+        return _planner(obj)
+    if role == "designer":
+        return _designer(obj)
+    return _critic(obj, grade_keys)
+
+
+def _planner(obj: dict) -> ParsedAction:
+    act = obj.get("action")
+    if not isinstance(act, str):
+        return _fail("planner", "schema_violation", "planner field 'action' must be a string")
+    if act not in PLANNER_ACTIONS:
+        return _fail("planner", "unknown_action", f"unknown planner action {act!r}; known: {', '.join(PLANNER_ACTIONS)}")
+    need = PLANNER_ACTIONS[act]
+    extra = set(obj) - need - {"action"}
+    if extra:
+        return _fail("planner", "schema_violation", f"{act}: unexpected fields {sorted(extra)}")
+    for k in need:
+        if not isinstance(obj.get(k), str):
+            return _fail("planner", "schema_violation", f"{act}: field {k!r} must be a string")
+    return ParsedAction("planner", dict(obj))
+
+
+def _designer(obj: dict) -> ParsedAction:
+    if set(obj) != {"ops"}:
+        return _fail("designer", "schema_violation", f"designer object must have only 'ops', got {sorted(obj)}")
+    if not isinstance(obj["ops"], list):
+        return _fail("designer", "schema_violation", "'ops' must be a list")
+    ops = []
+    for i, raw in enumerate(obj["ops"]):
+        try:
+            ops.append(parse_op(raw))
+        except OpSchemaError as err:
+            return _fail("designer", err.cause, f"ops[{i}]: {err}")
+    return ParsedAction("designer", ops)
+
+
+def _critic(obj: dict, grade_keys) -> ParsedAction:
+    if set(obj) != {"critique", "grades"}:
+        return _fail("critic", "schema_violation", f"critic object needs exactly 'critique' and 'grades', got {sorted(obj)}")
+    if not isinstance(obj["critique"], str) or not isinstance(obj["grades"], dict):
+        return _fail("critic", "schema_violation", "'critique' must be a string and 'grades' an object")
+    grades = obj["grades"]
+    if set(grades) != set(grade_keys):
+        return _fail("critic", "schema_violation", f"grades must have exactly the keys {list(grade_keys)}")
+    for k, v in grades.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10:
+            return _fail("critic", "schema_violation", f"grade {k!r} must be an integer 0..10, got {v!r}")
+    return ParsedAction("critic", {"critique": obj["critique"], "grades": dict(grades)})
+
+
+
+
+def format_action(obj: dict, reasoning: str = "") -> str:
+    """The canonical answer text for an action object (used by scripted drivers)."""
+    body = json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
+    return (reasoning.strip() + "\n" if reasoning.strip() else "") + f"{OPEN}{body}{CLOSE}"

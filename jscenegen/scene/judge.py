@@ -1,0 +1,94 @@
+"""The judge interface: requests, results, the judge prompt, and the backend factory.
+
+Every backend grades a *list* of requests at once (G episodes of a group finish together) and
+returns one JudgeResult per request: the configured grade keys as integers 0..10, or a failure
+cause ("judge_timeout", "judge_unparseable", "judge_error") that the reward masks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from .caps import CAPS, active_caps
+from .catalogue import load_catalogue
+from .config import JudgeConfig, SceneRuntimeConfig
+from .metrics import metrics_text
+from .prompts import PromptTemplates, load_templates
+from .schema import Scene, canonical_text
+
+
+@dataclass(frozen=True)
+class JudgeRequest:
+    """One terminal scene to grade, its `requested` items [{"category", "count"}] and its metrics."""
+
+    scene: Scene
+    requested: tuple[dict, ...]
+    metrics: dict
+
+
+@dataclass(frozen=True)
+class JudgeResult:
+    """Grades {key: int} or a failure cause; `info` holds latency_s, attempts and the judge's comments."""
+
+    grades: dict[str, int] | None
+    failure: str | None = None
+    info: dict = field(default_factory=dict)
+
+
+class Judge(Protocol):
+    """A judge backend."""
+
+    def identity(self) -> dict:
+        """{"backend", "model", "rubric_hash"}: enters the protocol hash and training metadata."""
+
+    def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
+        """Grade every request; never raises for a bad answer, returns failures instead."""
+
+
+def requested_text(requested) -> str:
+    return ", ".join(f"{r['category']} x{r['count']}" for r in requested) or "none"
+
+
+def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplates) -> list[dict]:
+    """Chat messages (system + user) for an LLM judge: rubric, caps, scene text and metrics."""
+    grade_template = ", ".join(f'"{k}": <0-10>' for k in cfg.grade_keys)
+    caps = "\n".join(f"- {c.text}" for c in CAPS if c.grade in cfg.grade_keys)
+    active = "; ".join(c.text for c in active_caps(req.metrics) if c.grade in cfg.grade_keys) or "none"
+    return [
+        {"role": "system", "content": templates.render("judge_system", grade_template=grade_template, caps=caps)},
+        {
+            "role": "user",
+            "content": templates.render(
+                "judge_user",
+                prompt=req.scene.prompt,
+                requested=requested_text(req.requested),
+                scene=canonical_text(req.scene),
+                metrics=metrics_text(req.metrics),
+                active_caps=active,
+            ),
+        },
+    ]
+
+
+def rubric_hash(cfg: JudgeConfig, templates: PromptTemplates) -> str:
+    """SHA-256 of the judge templates, grade keys and cap table."""
+    h = hashlib.sha256()
+    for name in ("judge_system", "judge_user"):
+        h.update(templates.texts[name].encode())
+    h.update(json.dumps([list(cfg.grade_keys), [c.__dict__ for c in CAPS]], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def make_judge(cfg: JudgeConfig, runtime: SceneRuntimeConfig | None = None) -> Judge:
+    """The configured backend: RuleJudge ("rule") or HttpJudge ("http")."""
+    runtime = runtime or SceneRuntimeConfig()
+    templates = load_templates(runtime.prompts_dir)
+    if cfg.backend == "rule":
+        from .judge_rule import RuleJudge
+
+        return RuleJudge(cfg, load_catalogue(runtime.catalogue_path), templates)
+    from .judge_http import HttpJudge
+
+    return HttpJudge(cfg, templates)

@@ -1,0 +1,129 @@
+"""OpenAI-compatible chat-completions judge (a served frozen LLM), via httpx.
+
+POST {base_url}/chat/completions with the judge messages; the reply's message content must be one
+JSON object {"grades": {key: int 0..10 for exactly the configured keys}, "comments": {...}?}
+(strict: no code fences, no extra text). Each request is tried 1 + max_retries times with
+exponential back-off (backoff_s x 2^attempt); at most `concurrency` requests are in flight. A
+timeout or an unparseable answer after the last try is a judge failure (masked by the reward).
+The API key comes only from the environment variable named by `api_key_env`; it is sent in the
+Authorization header and never logged, printed or stored in results.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from typing import Sequence
+
+import httpx
+
+from .caps import apply_caps
+from .config import JudgeConfig
+from .judge import JudgeRequest, JudgeResult, judge_messages, rubric_hash
+from .prompts import PromptTemplates
+
+log = logging.getLogger(__name__)
+
+
+class JudgeAnswerError(ValueError):
+    """The judge's answer is not the strict JSON grade object."""
+
+
+def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]:
+    """(grades, comments) from a judge's message content. Raises JudgeAnswerError."""
+    try:
+        obj = json.loads(content.strip())
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise JudgeAnswerError(f"not JSON: {err}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("grades"), dict):
+        raise JudgeAnswerError("answer must be an object with a 'grades' object")
+    grades = obj["grades"]
+    if set(grades) != set(grade_keys):
+        raise JudgeAnswerError(f"grade keys {sorted(grades)} differ from {sorted(grade_keys)}")
+    for k, v in grades.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10:
+            raise JudgeAnswerError(f"grade {k!r} = {v!r} is not an integer 0..10")
+    comments = obj.get("comments", {})
+    return {k: grades[k] for k in grade_keys}, comments if isinstance(comments, dict) else {}
+
+
+class HttpJudge:
+    """Judge backend talking to an OpenAI-compatible server; see the module docstring."""
+
+    def __init__(self, cfg: JudgeConfig, templates: PromptTemplates):
+        if not cfg.base_url or not cfg.model:
+            raise ValueError("judge.base_url and judge.model are required for the http judge")
+        self.cfg, self.templates = cfg, templates
+        self._api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        if cfg.api_key_env and not self._api_key:
+            log.warning("judge: environment variable %s is not set; sending no Authorization header", cfg.api_key_env)
+
+    def __repr__(self) -> str:
+        return f"HttpJudge(base_url={self.cfg.base_url!r}, model={self.cfg.model!r})"
+
+    def identity(self) -> dict:
+        return {"backend": "http", "model": self.cfg.model, "rubric_hash": rubric_hash(self.cfg, self.templates)}
+
+    def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
+        """Grade all requests concurrently; safe to call from inside a running event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.grade_async(requests))
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(asyncio.run(self.grade_async(requests))))
+        t.start()
+        t.join()
+        return box[0]
+
+    async def grade_async(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        sem = asyncio.Semaphore(self.cfg.concurrency)
+        timeout = httpx.Timeout(self.cfg.timeout_s)
+        async with httpx.AsyncClient(base_url=self.cfg.base_url.rstrip("/"), headers=headers, timeout=timeout) as client:
+            return list(await asyncio.gather(*(self._one(client, sem, r) for r in requests)))
+
+    async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, req: JudgeRequest) -> JudgeResult:
+        body = {
+            "model": self.cfg.model,
+            "messages": judge_messages(req, self.cfg, self.templates),
+            "temperature": self.cfg.temperature,
+            "max_tokens": self.cfg.max_tokens,
+        }
+        t0 = time.monotonic()
+        cause, detail = "judge_error", ""
+        attempts = 0
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
+            attempts += 1
+            async with sem:
+                try:
+                    resp = await asyncio.wait_for(client.post("/chat/completions", json=body), self.cfg.timeout_s)
+                except (httpx.TimeoutException, asyncio.TimeoutError):
+                    cause, detail = "judge_timeout", f"no answer within {self.cfg.timeout_s} s"
+                    continue
+                except httpx.HTTPError as err:
+                    cause, detail = "judge_error", type(err).__name__
+                    continue
+            if resp.status_code != 200:
+                cause, detail = "judge_error", f"HTTP {resp.status_code}"
+                continue
+            try:
+                content = resp.json()["choices"][0]["message"]["content"]
+                grades, comments = parse_judge_content(content, self.cfg.grade_keys)
+            except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
+                cause, detail = "judge_unparseable", str(err)[:200]
+                continue
+            if self.cfg.enforce_caps:
+                grades = apply_caps(grades, req.metrics)
+            info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts, "comments": comments}
+            return JudgeResult(grades, None, info)
+        log.warning("judge failed after %d attempts: %s (%s)", attempts, cause, detail)
+        return JudgeResult(None, cause, {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
+                                         "detail": detail})

@@ -1,0 +1,47 @@
+"""`protocol_hash`: the identity of the environment a run trains against (scene-protocol.md section 7).
+
+SHA-256 of canonical JSON over: the prompt templates, the action grammar (text plus the JSON schema
+of every operation), operation costs, budget, object and turn caps, reward coefficients, metric
+parameters, the catalogue, the grade keys and cap table, and the judge's identity (backend, model,
+rubric hash). A run refuses to resume or extend when it changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .actions import ACTION_GRAMMAR
+from .caps import caps_table
+from .catalogue import load_catalogue
+from .config import JudgeConfig, SceneRuntimeConfig
+from .judge import make_judge
+from .ops import OP_MODELS
+from .prompts import load_templates
+
+
+def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> dict:
+    """The JSON-able data that `protocol_hash` digests (useful to diff two protocols)."""
+    templates = load_templates(cfg.prompts_dir)
+    identity = judge_identity or make_judge(judge_cfg, cfg).identity()
+    return {
+        "prompts_sha256": templates.digest(),
+        "action_grammar": ACTION_GRAMMAR,
+        "op_schemas": {name: m.model_json_schema() for name, m in OP_MODELS.items()},
+        "op_costs": cfg.op_costs.model_dump(),
+        "budget_units": cfg.budget_units,
+        "max_objects": cfg.max_objects,
+        "max_planner_turns": cfg.max_planner_turns,
+        "max_critique_rounds": cfg.max_critique_rounds,
+        "reward": cfg.reward.model_dump(),
+        "metrics": cfg.metrics.model_dump(),
+        "catalogue": load_catalogue(cfg.catalogue_path).raw,
+        "grade_keys": list(judge_cfg.grade_keys),
+        "caps": caps_table(),
+        "judge": identity,
+    }
+
+
+def protocol_hash(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> str:
+    """Hex SHA-256 of `protocol_payload` serialised with sorted keys and no whitespace."""
+    text = json.dumps(protocol_payload(cfg, judge_cfg, judge_identity), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
