@@ -21,7 +21,7 @@ import numpy as np
 
 from convert.errors import ConvertError
 
-INDEX = "model.safetensors.index.json"
+INDEX = "model.safetensors.index.json"  # as jscenegen.model.hf_io.INDEX_NAME
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
               np.dtype(np.float16): "F16"}
 
@@ -99,25 +99,6 @@ def write_safetensors_streaming(out_dir: str | Path,
     return names + ([INDEX] if n > 1 else [])
 
 
-def safetensors_files(hf_dir: str | Path) -> dict[str, Path]:
-    """{tensor name: file} of an HF directory (index json or a single model.safetensors)."""
-    hf_dir = Path(hf_dir)
-    index = hf_dir / INDEX
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise ConvertError(f"{index}: unreadable ({err})") from None
-        return {k: hf_dir / v for k, v in wm.items()}
-    single = hf_dir / "model.safetensors"
-    if not single.is_file():
-        raise ConvertError(f"{hf_dir}: no model.safetensors or {INDEX}")
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
-
-
 class SafetensorsReader:
     """Slices of tensors from an HF safetensors directory, read without loading whole files.
 
@@ -126,8 +107,13 @@ class SafetensorsReader:
     """
 
     def __init__(self, hf_dir: str | Path):
+        from jscenegen.model.hf_io import CheckpointFormatError, safetensors_files
+
         self.hf_dir = Path(hf_dir)
-        self.files = safetensors_files(hf_dir)
+        try:
+            self.files = safetensors_files(hf_dir)
+        except CheckpointFormatError as err:
+            raise ConvertError(str(err)) from None
         self._open: dict[Path, object] = {}
 
     def _slice(self, name: str):

@@ -256,6 +256,59 @@ def _run_ranks(target, world_size: int, args) -> None:
         del ctx
 
 
+# the two fixtures the tests use: (arch, world size, placement)
+FIXTURES = {
+    "qwen2_first_divisible": ("qwen2", 6, "first-divisible"),  # VERL 0.6 - 0.8: Shard(1) tensors
+    "qwen3_tied_dim0": ("qwen3", 6, "dim0"),                   # VERL 0.9, tied embeddings
+}
+
+
+def _cache_root() -> Path:
+    import hashlib
+
+    import torch
+
+    key = hashlib.sha256(Path(__file__).read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    base = os.environ.get("JSCENEGEN_FIXTURE_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "jscenegen", "fsdp"))
+    return Path(base) / key
+
+
+def fixture_dir(name: str) -> Path:
+    """OUT directory of fixture `name` (see FIXTURES), built once per fixture-script version.
+
+    The cache key hashes this file and the torch version, so a changed recipe rebuilds. Built
+    in a fresh interpreter (`python tests/fsdp_fixtures.py build`), staged and renamed.
+    """
+    import shutil
+
+    arch, world_size, placement = FIXTURES[name]
+    out = _cache_root() / name
+    if (out / "reference" / "meta.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        run_script(["build", str(tmp), "--arch", arch, "--world-size", str(world_size),
+                    "--placement", placement])
+        if not out.exists():
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run_script(args: list[str]) -> None:
+    """Run this file as a script (a fresh interpreter: no JAX, safe to fork torch ranks)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tests/fsdp_fixtures.py {' '.join(args)} failed:\n{proc.stderr[-4000:]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="mode", required=True)

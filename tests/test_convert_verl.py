@@ -1,0 +1,197 @@
+"""convert/verl_read.py and convert/verl_write.py against checkpoints written by torch FSDP2.
+
+The fixtures (tests/fsdp_fixtures.py) are trained and saved by 6 real gloo ranks; their
+ground truth is torch's own `full_tensor()` of every parameter and Adam moment.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from convert.directions import verl_state, verl_to_verl, write_verl_run
+from convert.errors import ConvertError
+from convert.sharding import chunk_bounds, shard_dim
+from convert.verl_read import VerlCheckpoint, find_verl
+from convert.verl_write import AdamSource, dict_reader
+from jscenegen.checksums import verify_checksums
+from fsdp_fixtures import fixture_dir
+
+NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0")
+
+
+@pytest.fixture(scope="session", params=NAMES)
+def fixture(request):
+    out = fixture_dir(request.param)
+    return {"ckpt": out / "ckpt", "params": load_file(str(out / "reference/params.safetensors")),
+            "optim": load_file(str(out / "reference/optim.safetensors")),
+            "meta": json.loads((out / "reference/meta.json").read_text()), "name": request.param}
+
+
+def test_chunk_bounds_follow_torch_chunk():
+    import torch
+
+    for n in (0, 1, 5, 13, 14, 32, 1003):
+        for w in (1, 3, 6, 7):
+            pieces = list(torch.chunk(torch.arange(n), w)) if n else []
+            sizes = [len(p) for p in pieces] + [0] * (w - len(pieces))
+            assert [b - a for a, b in (chunk_bounds(n, w, r) for r in range(w))] == sizes
+    assert shard_dim((32, 48), 6, "first-divisible") == 1
+    assert shard_dim((100, 48), 6, "first-divisible") == 1
+    assert shard_dim((48, 100), 6, "first-divisible") == 0
+    assert shard_dim((1003, 40), 6, "first-divisible") == 0
+    assert shard_dim((32, 48), 6, "dim0") == 0
+
+
+def test_layout_detection(fixture, tmp_path):
+    ckpt = fixture["ckpt"]
+    run = find_verl(ckpt)
+    step = find_verl(ckpt / "global_step_3")
+    actor = find_verl(ckpt / "global_step_3" / "actor")
+    assert (run.kind, step.kind, actor.kind) == ("run", "step", "actor")
+    assert run.shard_dir == step.shard_dir == actor.shard_dir
+    assert {run.global_step, step.global_step, actor.global_step} == {3}
+    assert run.world_size == 6 and run.kinds == ("model", "optim", "extra_state")
+    # the published layout: rank files directly in global_step_N
+    flat = tmp_path / "training_state" / "global_step_3"
+    shutil.copytree(actor.shard_dir, flat)
+    f = find_verl(flat)
+    assert (f.kind, f.global_step, f.world_size) == ("flattened", 3, 6)
+    assert f.hf_dir == flat / "huggingface"
+
+
+def test_params_equal_torch_full_tensors(fixture):
+    ck = VerlCheckpoint(fixture["ckpt"])
+    ref, meta = fixture["params"], fixture["meta"]
+    # parameter order (optimizer indices) is torch's named_parameters() order
+    assert ck.param_order == meta["param_order"]
+    got = dict(ck.iter_params(include_tied_alias=True))
+    assert list(got) == [k for k in meta["param_order"]] + (["lm_head.weight"] if ck.tied else [])
+    assert set(got) == set(ref)
+    for name, a in got.items():
+        assert a.dtype == np.float32 and a.shape == ref[name].shape
+        np.testing.assert_array_equal(a, ref[name], err_msg=name)
+    # placements read per tensor, as torch wrote them
+    info = ck.tensor_info()
+    assert {k: v.shard_dim for k, v in info.items()} == meta["placements"]
+    if meta["placement"] == "first-divisible":
+        assert info["model.embed_tokens.weight"].shard_dim == 1
+        assert info["model.layers.0.mlp.gate_proj.weight"].shard_dim == 1
+
+
+def test_adam_state_and_extra_state(fixture):
+    ck = VerlCheckpoint(fixture["ckpt"])
+    ref, meta = fixture["optim"], fixture["meta"]
+    n = 0
+    for name, m, v in ck.iter_adam():
+        np.testing.assert_array_equal(m, ref[f"{name}.exp_avg"], err_msg=name)
+        np.testing.assert_array_equal(v, ref[f"{name}.exp_avg_sq"], err_msg=name)
+        n += 1
+    assert n == len(meta["param_order"]) == len(ck.shapes)
+    assert ck.adam_step() == int(meta["step"]) == 3
+    groups = ck.param_groups()
+    assert len(groups) == 1 and groups[0]["lr"] == meta["param_groups"][0]["lr"]
+    assert groups[0]["params"] == list(range(n)) and groups[0]["weight_decay"] == 0.01
+    assert ck.scheduler_step() == meta["lr_scheduler"]["last_epoch"] == 3
+    extra = ck.extra_states()
+    assert len(extra) == 6
+    import torch
+
+    for r, st in enumerate(extra):
+        torch.manual_seed(77 + r)
+        assert torch.equal(st["rng"]["cpu"], torch.get_rng_state())
+        np.random.seed(88 + r)
+        np.random.standard_normal()
+        want = np.random.get_state()
+        assert st["rng"]["numpy"][0] == "MT19937"
+        np.testing.assert_array_equal(st["rng"]["numpy"][1], want[1])
+        assert tuple(st["rng"]["numpy"][2:]) == tuple(want[2:])
+        random.seed(99 + r)
+        assert st["rng"]["random"] == random.getstate()
+
+
+def _shard_entries(path):
+    from convert.torch_safe import load_pt
+
+    return load_pt(path)
+
+
+def test_round_trip_through_numpy_is_bitwise(fixture, tmp_path):
+    """verl -> numpy -> verl at the same W and placement: every local shard, placement, moment
+    and step identical to what torch FSDP2 saved."""
+    import torch
+
+    ck = VerlCheckpoint(fixture["ckpt"])
+    params = dict(ck.iter_params())
+    mu, nu = {}, {}
+    for name, m, v in ck.iter_adam():
+        mu[name], nu[name] = m, v
+    state = verl_state(ck)
+    state.params = dict_reader(params)
+    state.adam = AdamSource(dict_reader(mu), dict_reader(nu), ck.adam_step(), ck.param_groups())
+    placement = fixture["meta"]["placement"]
+    out = tmp_path / "out"
+    write_verl_run(out, state, world_size=6, placement=placement, device_type="cpu",
+                   source=fixture["ckpt"], source_format="verl")
+    assert verify_checksums(out) > 0
+    layout = json.loads((out / "checkpoint-layout.json").read_text())
+    assert layout["torch_version"] == torch.__version__ and layout["world_size"] == 6
+    src_dir = ck.layout.shard_dir
+    dst_dir = out / "global_step_3" / "actor"
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert json.loads((dst_dir / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 6}
+    for r in range(6):
+        a = _shard_entries(src_dir / f"model_world_size_6_rank_{r}.pt")
+        b = _shard_entries(dst_dir / f"model_world_size_6_rank_{r}.pt")
+        assert list(a) == list(b)
+        for k in a:
+            assert a[k].placements == b[k].placements, k
+            assert a[k].device_mesh.mesh_dim_names == b[k].device_mesh.mesh_dim_names == ("fsdp",)
+            assert torch.equal(a[k].to_local(), b[k].to_local()), (r, k)
+        oa = _shard_entries(src_dir / f"optim_world_size_6_rank_{r}.pt")
+        ob = _shard_entries(dst_dir / f"optim_world_size_6_rank_{r}.pt")
+        assert oa["param_groups"] == ob["param_groups"]
+        assert sorted(oa["state"]) == sorted(ob["state"])
+        for i in oa["state"]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert oa["state"][i][key].placements == ob["state"][i][key].placements
+                assert torch.equal(oa["state"][i][key].to_local(), ob["state"][i][key].to_local())
+            assert torch.equal(oa["state"][i]["step"], ob["state"][i]["step"])
+            assert ob["state"][i]["step"].dtype == torch.float32 and ob["state"][i]["step"].dim() == 0
+        ea = _shard_entries(src_dir / f"extra_state_world_size_6_rank_{r}.pt")
+        eb = _shard_entries(dst_dir / f"extra_state_world_size_6_rank_{r}.pt")
+        assert ea["lr_scheduler"] == eb["lr_scheduler"]
+        assert torch.equal(ea["rng"]["cpu"], eb["rng"]["cpu"])
+
+
+def test_reshard_to_other_world_sizes(fixture, tmp_path):
+    ck = VerlCheckpoint(fixture["ckpt"])
+    for w, placement in ((3, "dim0"), (4, "first-divisible")):
+        out = tmp_path / f"w{w}"
+        verl_to_verl(fixture["ckpt"], out, world_size=w, placement=placement, device_type="cpu")
+        ck2 = VerlCheckpoint(out)
+        assert ck2.world_size == w
+        for (n1, a1), (n2, a2) in zip(ck.iter_params(include_tied_alias=True),
+                                      ck2.iter_params(include_tied_alias=True)):
+            assert n1 == n2
+            np.testing.assert_array_equal(a1, a2)
+        for (n1, m1, v1), (n2, m2, v2) in zip(ck.iter_adam(), ck2.iter_adam()):
+            np.testing.assert_array_equal(m1, m2)
+            np.testing.assert_array_equal(v1, v2)
+        assert ck2.adam_step() == ck.adam_step() and ck2.scheduler_step() == ck.scheduler_step()
+        dims = {k: v.shard_dim for k, v in ck2.tensor_info().items()}
+        assert dims == {k: shard_dim(tuple(v.shape), w, placement)
+                        for k, v in ck2.tensor_info().items()}
+
+
+def test_writer_refuses_existing_destination(fixture, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(ConvertError, match="already exists"):
+        verl_to_verl(fixture["ckpt"], out, world_size=2)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
