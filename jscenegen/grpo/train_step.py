@@ -1,0 +1,186 @@
+"""The GRPO update: log-prob recompute, micro-batched loss + gradient, guarded AdamW step.
+
+Composes the pure pieces (logprobs, losses, optimizer); it owns no math of its own. The model
+enters as `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding
+[V, H])` over a params pytree (`nnx_hidden_fn` adapts a QwenForCausalLM), so parameters and
+their optimizer state are plain pytrees that the caller shards; nothing here places arrays.
+
+Batch (dict of [B, T] arrays, entry t about token t, column 0 never trained):
+  input_ids int32, attention_mask 0/1, loss_mask float32 (selected role's policy tokens),
+  advantages float32 (per token, A_b * mask), old_logp float32 (optional: without it the
+  on-policy shortcut old_logp = stop_gradient(logp) of VERL's legacy worker is used, ratio 1),
+  ref_logp float32 (needed when use_kl_loss). Entries outside loss_mask may be NaN.
+
+Micro-batches are contiguous row blocks of `ppo_micro_batch_size` rows, run in one jit by
+`lax.scan`, gradients summed. loss_scale global (VERL 0.9 engine): every micro-batch divides by
+the token count (token-mean) or episode count (sequence modes) of the whole batch, both fixed
+before the loop; the episode count is the number of rows with any attention, so all-padding
+rows (added to fill the mesh) count in no normaliser. loss_scale legacy (VERL 0.4-0.8
+dp_actor): each micro-batch is normalised by its own counts and weighted 1/k.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jscenegen.grpo.config import LossConfig, OptimConfig
+from jscenegen.grpo.logprobs import shifted_token_logprobs
+from jscenegen.grpo.losses import grpo_loss
+from jscenegen.grpo.optimizer import lr_at, make_optimizer, optimizer_step
+
+HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+METRIC_KEYS = ("loss", "pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "ratio_max",
+               "entropy", "kl", "grad_norm", "skipped", "lr", "tokens")
+
+
+class TrainState(NamedTuple):
+    """params: model parameters (pytree); opt_state: the optax state (clip + torch AdamW);
+    lr_step: int32 [] LR-scheduler count (torch LambdaLR last_epoch; advances on skipped steps
+    too); skipped_steps: int32 [] updates skipped for a non-finite gradient."""
+
+    params: Any
+    opt_state: Any
+    lr_step: jax.Array
+    skipped_steps: jax.Array
+
+
+def init_train_state(params, optim_cfg: OptimConfig, lr_step: int = 0) -> TrainState:
+    """Fresh optimizer state (zero moments, count 0) for `params`."""
+    tx = make_optimizer(optim_cfg)
+    return TrainState(params, tx.init(params), jnp.asarray(lr_step, jnp.int32),
+                      jnp.zeros((), jnp.int32))
+
+
+def nnx_hidden_fn(graphdef, *other_states) -> HiddenFn:
+    """Adapter for an NNX model split as `graphdef, params, *other = nnx.split(model, nnx.Param, ...)`.
+
+    The model must provide `hidden_states(input_ids, attention_mask)` and `output_embedding()`
+    (QwenForCausalLM does).
+    """
+    from flax import nnx
+
+    def fn(params, input_ids, attention_mask):
+        model = nnx.merge(graphdef, params, *other_states)
+        return model.hidden_states(input_ids, attention_mask), model.output_embedding()
+
+    return fn
+
+
+def _num_micro(rows: int, micro_rows: int | None) -> int:
+    if micro_rows is None or micro_rows >= rows:
+        return 1
+    if rows % micro_rows:
+        raise ValueError(
+            f"batch of {rows} rows does not split into micro-batches of ppo_micro_batch_size="
+            f"{micro_rows} rows"
+        )
+    return rows // micro_rows
+
+
+def _split(x, k):
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+
+class GRPOStep:
+    """Compiled functions of one GRPO configuration.
+
+    `logprobs(params, input_ids, attention_mask) -> (logp, entropy)` [B, T] float32, column
+    0 = 0: the old/reference log-prob recompute, micro-batched like the loss pass.
+    `grads(params, batch) -> (grads, loss, pg_loss, sums)`: the accumulated gradient of the
+    objective and masked metric sums, without an update.
+    `step(state, batch) -> (state, metrics)`: one update; metrics are float32 scalars named
+    in METRIC_KEYS (clipfrac, approx_kl, entropy, kl are means over all trained tokens).
+    With `donate` the input state's buffers are reused for the output (do not read them after).
+    Raises ValueError (at trace time) when rows do not split into micro-batches or a batch
+    key is missing.
+    """
+
+    def __init__(self, hidden_fn: HiddenFn, loss_cfg: LossConfig, optim_cfg: OptimConfig, *,
+                 temperature: float = 1.0, donate: bool = True):
+        self.hidden_fn = hidden_fn
+        self.loss_cfg = loss_cfg
+        self.optim_cfg = optim_cfg
+        self.temperature = float(temperature)
+        self.tx = make_optimizer(optim_cfg)
+        self.logprobs = jax.jit(self._logprobs)
+        self.grads = jax.jit(self._grads)
+        self.step = jax.jit(self._step, donate_argnums=0 if donate else ())
+
+    def _micro_logprobs(self, params, input_ids, attention_mask):
+        hidden, emb = self.hidden_fn(params, input_ids, attention_mask)
+        return shifted_token_logprobs(hidden, emb, input_ids, self.temperature,
+                                      self.loss_cfg.logprob_chunk)
+
+    def _logprobs(self, params, input_ids, attention_mask):
+        k = _num_micro(input_ids.shape[0], self.loss_cfg.ppo_micro_batch_size)
+        out = jax.lax.map(lambda xs: self._micro_logprobs(params, *xs),
+                          (_split(input_ids, k), _split(attention_mask, k)))
+        return tuple(x.reshape(input_ids.shape) for x in out)
+
+    def _grads(self, params, batch: dict):
+        cfg = self.loss_cfg
+        for key in ("input_ids", "attention_mask", "loss_mask", "advantages"):
+            if key not in batch:
+                raise ValueError(f"GRPO batch has no {key!r}")
+        if cfg.use_kl_loss and "ref_logp" not in batch:
+            raise ValueError("use_kl_loss is on but the GRPO batch has no 'ref_logp'")
+        rows = batch["input_ids"].shape[0]
+        k = _num_micro(rows, cfg.ppo_micro_batch_size)
+        legacy = cfg.loss_scale == "legacy"
+        mask = batch["loss_mask"].astype(jnp.float32)
+        n_tok = jnp.sum(mask)
+        n_seq = jnp.sum(jnp.any(batch["attention_mask"] != 0, axis=-1).astype(jnp.float32))
+        micro = {key: _split(v, k) for key, v in batch.items()}
+
+        def micro_loss(params, mb):
+            logp, ent = self._micro_logprobs(params, mb["input_ids"], mb["attention_mask"])
+            old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
+            parts = grpo_loss(
+                logp, ent, old, mb["advantages"], mb["loss_mask"], mb.get("ref_logp"),
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
+                agg_mode=cfg.loss_agg_mode, entropy_coeff=cfg.entropy_coeff,
+                use_kl_loss=cfg.use_kl_loss, kl_coef=cfg.kl_coef, kl_type=cfg.kl_loss_type,
+                global_token_count=None if legacy else n_tok,
+                global_seq_count=None if legacy else n_seq,
+                horizon=cfg.horizon, legacy=legacy,
+            )
+            scale = 1.0 / k if legacy else 1.0
+            return parts.loss * scale, (parts.pg_loss * scale, parts.sums)
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def body(carry, mb):
+            grads, loss, pg, sums = carry
+            (l, (p, s)), g = grad_fn(params, mb)
+            grads = jax.tree.map(jnp.add, grads, g)
+            sums = {key: (jnp.maximum(sums[key], s[key]) if key == "ratio_max"
+                          else sums[key] + s[key]) for key in sums}
+            return (grads, loss + l, pg + p, sums), None
+
+        zero = jnp.zeros((), jnp.float32)
+        sums0 = {key: zero for key in ("tokens", "clipped", "clipped_lower", "neg_log_ratio",
+                                       "entropy", "kl", "ratio_max")}
+        grads0 = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss, pg, sums), _ = jax.lax.scan(body, (grads0, zero, zero, sums0), micro)
+        return grads, loss, pg, sums
+
+    def _step(self, state: TrainState, batch: dict):
+        grads, loss, pg, sums = self._grads(state.params, batch)
+        n_tok = sums["tokens"]
+        lr = lr_at(self.optim_cfg, state.lr_step)
+        params, opt_state, grad_norm, skipped = optimizer_step(
+            self.tx, grads, state.opt_state, state.params, lr)
+        new_state = TrainState(params, opt_state, state.lr_step + 1,
+                               state.skipped_steps + skipped.astype(jnp.int32))
+        denom = jnp.maximum(n_tok, 1.0)
+        metrics = {
+            "loss": loss, "pg_loss": pg,
+            "clipfrac": sums["clipped"] / denom, "clipfrac_lower": sums["clipped_lower"] / denom,
+            "approx_kl": sums["neg_log_ratio"] / denom, "ratio_max": sums["ratio_max"],
+            "entropy": sums["entropy"] / denom, "kl": sums["kl"] / denom,
+            "grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32), "lr": lr,
+            "tokens": n_tok,
+        }
+        return new_state, metrics
