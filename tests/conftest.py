@@ -23,3 +23,15 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 def pytest_configure(config):
     assert jax.device_count() == 6, f"expected 6 forced CPU devices, got {jax.devices()}"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """Tiny random Qwen2 (biases, untied) and Qwen3 (q/k norms, tied) HF dirs written by transformers."""
+    from hf_fixtures import make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {arch: make_hf_dir(root / arch, arch) for arch in ("qwen2", "qwen3")}

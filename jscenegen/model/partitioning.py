@@ -20,3 +20,11 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
         return x
     full = P(*spec, *([None] * (x.ndim - len(spec))))
     return jax.lax.with_sharding_constraint(x, full)
+
+
+def constrain_stacked(x: jax.Array) -> jax.Array:
+    """Keep parameters stacked over layers [L, n, ...] sharded like their layers (dim 1 over all devices)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"fsdp", "sp"} <= set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(None, ("fsdp", "sp"), *([None] * (x.ndim - 2))))

@@ -24,7 +24,7 @@ from flax import nnx
 from jscenegen.model.attention import attention
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.params import padded_shape
-from jscenegen.model.partitioning import BATCH_ONLY, BATCH_SEQ, constrain
+from jscenegen.model.partitioning import BATCH_ONLY, BATCH_SEQ, constrain, constrain_stacked
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -194,9 +194,6 @@ class QwenModel(nnx.Module):
                             param_dtype=param_dtype)
 
 
-def _run_layer(layer, x, cos, sin, mask, kv):
-    return layer(x, cos, sin, mask, kv)
-
 
 class QwenForCausalLM(nnx.Module):
     """A Qwen2/Qwen3 causal LM.
@@ -260,21 +257,39 @@ class QwenForCausalLM(nnx.Module):
             attn_mask = causal[None] & valid[:, None, :]
         cos, sin = rope_cos_sin(cfg, positions)
         x = constrain(self.model.embed_tokens(input_ids, dt), BATCH_SEQ)
-        run = nnx.remat(_run_layer) if self.remat else _run_layer
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i], cache.length)
-            x, (k, v) = run(layer, x, cos, sin, attn_mask, kv)
-            new_k.append(k)
-            new_v.append(v)
+        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache)
         hidden = self.model.norm(x)
         if cache is None:
             return hidden
         new_cache = KVCache(
-            k=jnp.stack(new_k), v=jnp.stack(new_v), valid=valid,
+            k=new_k, v=new_v, valid=valid,
             next_pos=cache.next_pos + steps[:, -1], length=cache.length + s,
         )
         return hidden, new_cache
+
+    def _layers(self, x, cos, sin, attn_mask, cache):
+        """Run the decoder stack as a `lax.scan` over the layers' parameters stacked on the fly.
+
+        Storage stays one module per layer (HF names); stacking sharded parameters keeps them
+        sharded, and the loop body gathers one layer's weights at a time, so the compiled step
+        holds one gathered layer (per direction), not the whole model.
+        """
+        splits = [nnx.split(layer) for layer in self.model.layers]
+        graphdef = splits[0][0]
+        stacked = jax.tree.map(lambda *xs: constrain_stacked(jnp.stack(xs)), *[s for _, s in splits])
+
+        def body(h, xs):
+            layer_state, k_cache, v_cache = xs
+            layer = nnx.merge(graphdef, layer_state)
+            kv = None if cache is None else (k_cache, v_cache, cache.length)
+            h, (k, v) = layer(h, cos, sin, attn_mask, kv)
+            return h, (None, None) if cache is None else (k, v)
+
+        if self.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        caches = (None, None) if cache is None else (cache.k, cache.v)
+        x, (new_k, new_v) = jax.lax.scan(body, x, (stacked, *caches))
+        return x, new_k, new_v
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, S, H] -> logits [B, S, V] float32 (logical vocabulary)."""

@@ -1,0 +1,55 @@
+"""`jscenegen mesh-report`: per-parameter sharding and per-device bytes, from shapes alone."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("mesh-report", help="how a model's params + Adam state shard over a mesh")
+    p.add_argument("--model", required=True, help="HF model directory or its config.json")
+    p.add_argument("--mesh", default="fsdp=3,sp=2", help="e.g. fsdp=3,sp=2 (fsdp=-1: the rest)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="device count to plan for (default: fsdp x sp)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.set_defaults(func=run)
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+    out = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("fsdp", "sp") or not value:
+            raise SystemExit(f"--mesh: expected fsdp=N,sp=M, got {text!r}")
+        out[key.strip()] = int(value)
+    return out
+
+
+def run(args) -> int:
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.sharding.layout import layout_report
+    from jscenegen.sharding.mesh import mesh_shape
+
+    path = Path(args.model)
+    cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
+        json.loads(path.read_text()), str(path))
+    axes = _parse_mesh(args.mesh)
+    fsdp, sp = axes.get("fsdp", -1), axes.get("sp", 2)
+    n = args.devices or (fsdp * sp if fsdp > 0 else None)
+    if n is None:
+        raise SystemExit("--mesh fsdp=-1 needs --devices N")
+    fsdp, sp = mesh_shape(n, fsdp, sp)
+    report = layout_report(cfg, n, {"fsdp": fsdp, "sp": sp})
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    gb = 1024 ** 3
+    print(f"{'parameter':58s} {'shape':>16s} {'padded':>16s} {'rows/dev':>8s} {'MB/dev':>8s}")
+    for r in report["params"]:
+        print(f"{r['name']:58s} {str(tuple(r['shape'])):>16s} {str(tuple(r['padded_shape'])):>16s} "
+              f"{r['rows_per_device']:8d} {r['device_bytes'] / 2**20:8.1f}")
+    print(f"\nmesh fsdp={fsdp} x sp={sp} ({n} devices), sharding P(('fsdp','sp')) on dim 0 of every tensor")
+    print(f"parameters: {report['num_params'] / 1e9:.2f} B; params + Adam (fp32): "
+          f"{report['total_bytes'] / gb:.2f} GiB total, {report['max_device_bytes'] / gb:.2f} GiB on the "
+          f"fullest device (ideal {report['ideal_device_bytes'] / gb:.2f} GiB)")
+    return 0

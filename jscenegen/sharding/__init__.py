@@ -1,0 +1,1 @@
+"""Mesh construction (single and multi-host), FSDP2-style parameter sharding, batch sharding."""

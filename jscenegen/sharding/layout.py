@@ -1,0 +1,115 @@
+"""FSDP2-style parameter layout and batch sharding on the ("fsdp", "sp") mesh.
+
+Every parameter and both Adam moments are split along dim 0 across all mesh devices
+(fsdp x sp), dim 0 zero-padded to a multiple of the device count: device r holds rows
+[r*c, (r+1)*c) with c = ceil(n / W), as torch FSDP2's `Shard(0)` does (the padding is its
+last ranks' empty tail). Batches: rows over `fsdp`, sequence over `sp`.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jscenegen.model.config import QwenConfig
+from jscenegen.model.params import padded_shape, param_shapes
+
+PARAM_SPEC = P(("fsdp", "sp"))
+BATCH_SPEC = P("fsdp", "sp")
+
+
+def param_sharding(mesh) -> NamedSharding:
+    """dim 0 over all devices (fsdp x sp), every other dim whole."""
+    return NamedSharding(mesh, PARAM_SPEC)
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def load_sharded(path, mesh, **kwargs):
+    """`load_hf` straight into the sharded layout: each tensor is padded and each device gets
+    only its own rows (no device ever holds a full replica)."""
+    from jscenegen.model.hf_io import load_hf
+
+    sharding = param_sharding(mesh)
+    return load_hf(path, pad_multiple=mesh.size, sharding_for=lambda name, shape: sharding, **kwargs)
+
+
+def shard_model(model: nnx.Module, mesh) -> nnx.Module:
+    """Place every parameter of a model built with pad_multiple == mesh.size onto the mesh.
+
+    Raises ValueError when a parameter's dim 0 is not a multiple of the device count.
+    """
+    sharding = param_sharding(mesh)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var[...]
+        if value.shape[0] % mesh.size:
+            name = ".".join(map(str, path))
+            raise ValueError(f"{name}: dim 0 ({value.shape[0]}) is not padded to a multiple of "
+                             f"{mesh.size}; build the model with pad_multiple={mesh.size}")
+        var.set_value(jax.device_put(value, sharding))
+    return model
+
+
+def pad_rows(n: int, mesh) -> int:
+    """Rows after padding a batch of n to a multiple of the fsdp axis."""
+    f = mesh.shape["fsdp"]
+    return -(-n // f) * f
+
+
+def pad_batch(arrays: dict[str, np.ndarray], mesh, seq_multiple: int | None = None) -> dict[str, np.ndarray]:
+    """Zero-pad every [B, T, ...] array: rows to a multiple of `fsdp` (zero-mask rows that count
+    in no normaliser) and T to a multiple of `seq_multiple` (default: the `sp` size)."""
+    seq_multiple = seq_multiple or mesh.shape["sp"]
+    out = {}
+    for k, a in arrays.items():
+        a = np.asarray(a)
+        rows = pad_rows(a.shape[0], mesh) - a.shape[0]
+        widths = [(0, rows)] + [(0, 0)] * (a.ndim - 1)
+        if a.ndim >= 2:
+            widths[1] = (0, -(-a.shape[1] // seq_multiple) * seq_multiple - a.shape[1])
+        out[k] = np.pad(a, widths)
+    return out
+
+
+def shard_batch(arrays: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    """Place padded [B, T, ...] host arrays on the mesh (rows over fsdp, tokens over sp).
+
+    Multi-host: every process passes the same global arrays; each device takes its slice.
+    """
+    out = {}
+    for k, a in arrays.items():
+        spec = BATCH_SPEC if a.ndim >= 2 else P("fsdp")
+        sharding = NamedSharding(mesh, spec)
+        out[k] = jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx])
+    return out
+
+
+def layout_report(cfg: QwenConfig, n_devices: int, mesh_axes: dict[str, int]) -> dict:
+    """Per-parameter global, padded and per-device shapes and bytes of params + Adam (fp32).
+
+    Shapes only (no arrays). `total_bytes` is params + two Adam moments at logical size;
+    `max_device_bytes` is the fullest device's share including padding.
+    """
+    rows = []
+    total = 0
+    device_bytes = np.zeros(n_devices, np.int64)
+    for name, shape in param_shapes(cfg).items():
+        padded = padded_shape(shape, n_devices)
+        per_row = int(np.prod(shape[1:], dtype=np.int64)) * 4 * 3  # param + mu + nu, fp32
+        c = padded[0] // n_devices
+        for r in range(n_devices):
+            device_bytes[r] += c * per_row
+        total += shape[0] * per_row
+        rows.append({"name": name, "shape": list(shape), "padded_shape": list(padded),
+                     "spec": "P(('fsdp','sp'))", "rows_per_device": c,
+                     "device_bytes": c * per_row})
+    return {
+        "mesh": mesh_axes, "devices": n_devices, "params": rows,
+        "num_params": int(sum(np.prod(r["shape"]) for r in rows)),
+        "total_bytes": int(total), "max_device_bytes": int(device_bytes.max()),
+        "ideal_device_bytes": int(total // n_devices),
+    }
