@@ -288,6 +288,14 @@ class VerlCheckpoint:
             out[k] = TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), dim)
         return out
 
+    def mesh(self) -> dict[str, Any] | None:
+        """Rank 0's device mesh of the first entry: {"dim_names", "device_type"}, None if plain."""
+        first = next(iter(self._model_files[0].values()))
+        mesh = getattr(first, "device_mesh", None)
+        if mesh is None:
+            return None
+        return {"dim_names": list(mesh.mesh_dim_names or ()), "device_type": mesh.device_type}
+
     def iter_params(self, *, include_tied_alias: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (hf_name, full array) in parameter order, one tensor in memory at a time.
 

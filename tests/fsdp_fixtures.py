@@ -199,14 +199,19 @@ def _load_rank(rank: int, world_size: int, args, init_file: str) -> None:
     _shard(model, W, args.placement)
     opt, sched = _optimizer(model)
     model_sd = torch.load(ckpt / f"model_world_size_{W}_rank_{rank}.pt", weights_only=True)
-    optim_sd = torch.load(ckpt / f"optim_world_size_{W}_rank_{rank}.pt", weights_only=True)
-    from convert.torch_safe import load_pt  # the allowlist for numpy RNG state
-
-    extra = load_pt(ckpt / f"extra_state_world_size_{W}_rank_{rank}.pt")
     model.load_state_dict(model_sd)
-    opt.load_state_dict(optim_sd)
-    sched.load_state_dict(extra["lr_scheduler"])
-    torch.set_rng_state(extra["rng"]["cpu"])
+    # optimizer and extra state are optional (VERL's load_contents), as in a model-only start
+    optim_file = ckpt / f"optim_world_size_{W}_rank_{rank}.pt"
+    if optim_file.is_file():
+        opt.load_state_dict(torch.load(optim_file, weights_only=True))
+    extra_file = ckpt / f"extra_state_world_size_{W}_rank_{rank}.pt"
+    extra = {"rng": {"cpu": torch.get_rng_state()}}
+    if extra_file.is_file():
+        from convert.torch_safe import load_pt  # the allowlist for numpy RNG state
+
+        extra = load_pt(extra_file)
+        sched.load_state_dict(extra["lr_scheduler"])
+        torch.set_rng_state(extra["rng"]["cpu"])
     names = _names_by_param(model)
 
     def snapshot():
@@ -218,7 +223,7 @@ def _load_rank(rank: int, world_size: int, args, init_file: str) -> None:
         return p, o
 
     loaded_p, loaded_o = snapshot()
-    step_before = float(opt.state_dict()["state"][0]["step"])
+    step_before = float(opt.state_dict()["state"][0]["step"]) if opt.state_dict()["state"] else 0.0
     g = torch.Generator().manual_seed(4242)
     ids = torch.randint(0, hf_config.vocab_size, (2, 9), generator=g)
     _train_step(model, opt, ids)
@@ -231,7 +236,8 @@ def _load_rank(rank: int, world_size: int, args, init_file: str) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         save_file(loaded_p, str(out / "loaded_params.safetensors"))
-        save_file(loaded_o, str(out / "loaded_optim.safetensors"))
+        if loaded_o:
+            save_file(loaded_o, str(out / "loaded_optim.safetensors"))
         save_file(stepped_p, str(out / "stepped_params.safetensors"))
         save_file(stepped_o, str(out / "stepped_optim.safetensors"))
         meta = {"step_before": step_before,

@@ -1,0 +1,60 @@
+"""One entry point for every direction `jscenegen convert` offers (FORMATS x FORMATS)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from convert.errors import ConvertError
+
+FORMATS = ("hf", "orbax", "verl")
+
+
+def _directions() -> dict[tuple[str, str], Callable[..., Any]]:
+    from convert import directions as d
+
+    table: dict[tuple[str, str], Callable[..., Any]] = {
+        ("verl", "hf"): lambda src, dst, o: d.verl_to_hf(src, dst, dtype=o["dtype"]),
+        ("hf", "verl"): lambda src, dst, o: d.hf_to_verl(
+            src, dst, world_size=o["world_size"], placement=o["placement"], dtype=o["dtype"],
+            device_type=o["mesh_device"]),
+        ("verl", "verl"): lambda src, dst, o: d.verl_to_verl(
+            src, dst, world_size=o["world_size"], placement=o["placement"], dtype=o["dtype"],
+            device_type=o["mesh_device"]),
+    }
+    try:
+        from convert import orbax_directions as od
+    except ModuleNotFoundError as err:
+        if err.name != "convert.orbax_directions":
+            raise
+    else:
+        table.update(od.DIRECTIONS)
+    return table
+
+
+def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: str,
+            world_size: int | None = None, placement: str = "dim0", dtype: str | None = None,
+            mesh_device: str = "cuda") -> Any:
+    """Convert `src` (in `src_format`) to `dst` (in `dst_format`); returns the direction's result.
+
+    world_size: W for a VERL output (default: the VERL source's own W, else required).
+    placement: "dim0" (VERL 0.9) | "first-divisible" (VERL 0.6 - 0.8). dtype: None keeps the
+    source's (fp32 master weights), else "float32" | "bfloat16" for the model weights.
+    mesh_device: the DeviceMesh device type pickled into VERL files: "cuda" for a GPU run,
+    "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
+    Raises ConvertError for an unknown direction or a missing world size.
+    """
+    for f in (src_format, dst_format):
+        if f not in FORMATS:
+            raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")
+    table = _directions()
+    if (src_format, dst_format) not in table:
+        have = ", ".join(f"{a}->{b}" for a, b in sorted(table))
+        raise ConvertError(f"{src_format} -> {dst_format} is not available (have: {have})")
+    if dst_format == "verl" and world_size is None:
+        if src_format != "verl":
+            raise ConvertError("--world-size is required to write VERL rank files")
+        from convert.verl_read import find_verl
+
+        world_size = find_verl(src).world_size
+    opts = dict(world_size=world_size, placement=placement, dtype=dtype, mesh_device=mesh_device)
+    return table[(src_format, dst_format)](src, dst, opts)

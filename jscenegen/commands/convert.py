@@ -1,0 +1,69 @@
+"""`jscenegen convert`: checkpoints between HF safetensors, orbax and VERL FSDP2 shards.
+
+    jscenegen convert SRC DST --from verl --to hf [--dtype bfloat16]
+    jscenegen convert SRC DST --from hf --to verl --world-size 6 [--placement first-divisible]
+    jscenegen convert --verify DIR        # DIR against its checksums.json
+    jscenegen convert --inspect DIR       # what DIR holds, as JSON
+
+A thin layer over convert.dispatch.convert, convert.inspect.describe and
+jscenegen.checksums.verify_checksums.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert checkpoints between hf, orbax and verl; verify; inspect",
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:2]))
+    p.add_argument("src", nargs="?", help="source directory")
+    p.add_argument("dst", nargs="?", help="destination directory (must not exist or be empty)")
+    p.add_argument("--from", dest="src_format", choices=("hf", "orbax", "verl"))
+    p.add_argument("--to", dest="dst_format", choices=("hf", "orbax", "verl"))
+    p.add_argument("--world-size", type=int, default=None,
+                   help="VERL output ranks W (default: the VERL source's W)")
+    p.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0",
+                   help="VERL shard dim per tensor: dim0 (VERL 0.9) or first dim divisible by W "
+                        "(VERL 0.6-0.8)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="model weight dtype of the output (default: the source's)")
+    p.add_argument("--mesh-device", choices=("cuda", "cpu"), default="cuda",
+                   help="device type of the DeviceMesh in VERL files (cuda: GPU run; cpu: gloo)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--verify", metavar="DIR", help="check DIR against DIR/checksums.json")
+    mode.add_argument("--inspect", metavar="DIR", help="describe DIR (format, W, placements, ...)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from convert.errors import ConvertError
+    from jscenegen.checksums import ChecksumError, verify_checksums
+
+    try:
+        if args.verify:
+            n = verify_checksums(args.verify)
+            print(f"{args.verify}: {n} files verify against checksums.json")
+            return 0
+        if args.inspect:
+            from convert.inspect import describe
+
+            print(json.dumps(describe(args.inspect), indent=2, default=str))
+            return 0
+        if not (args.src and args.dst and args.src_format and args.dst_format):
+            print("jscenegen convert: need SRC DST --from F --to G (or --verify/--inspect DIR)",
+                  file=sys.stderr)
+            return 2
+        from convert.dispatch import convert
+
+        convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                world_size=args.world_size, placement=args.placement, dtype=args.dtype,
+                mesh_device=args.mesh_device)
+        print(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})")
+        return 0
+    except (ConvertError, ChecksumError) as err:
+        print(f"jscenegen convert: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,130 @@
+"""Refusals: missing rank files, contradicting world sizes, truncated files, hostile pickles.
+
+Each must raise ConvertError naming the file, and leave nothing at the destination (the
+output is staged in a temp directory and only renamed into place when complete).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from convert.directions import verl_to_hf, verl_to_verl
+from convert.errors import ConvertError
+from convert.torch_safe import load_pt
+from fsdp_fixtures import fixture_dir
+
+
+@pytest.fixture
+def actor(tmp_path):
+    """A private copy of the qwen3 fixture's actor/ directory, to damage."""
+    src = fixture_dir("qwen3_tied_dim0") / "ckpt" / "global_step_3" / "actor"
+    dst = tmp_path / "global_step_3" / "actor"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _assert_nothing_written(parent, name="out"):
+    assert not (parent / name).exists()
+    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.partial-")]
+
+
+def test_missing_rank_file(actor, tmp_path):
+    (actor / "model_world_size_6_rank_3.pt").unlink()
+    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_3\.pt: missing"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_world_size_contradicted_by_fsdp_config(actor, tmp_path):
+    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+    with pytest.raises(ConvertError, match=r"fsdp_config\.json: world_size 4 contradicts"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_rank_files_of_two_world_sizes(actor, tmp_path):
+    shutil.copy(actor / "model_world_size_6_rank_0.pt", actor / "model_world_size_3_rank_0.pt")
+    with pytest.raises(ConvertError, match=r"several world sizes \[3, 6\]"):
+        verl_to_hf(actor, tmp_path / "out")
+
+
+def test_mesh_size_contradicts_file_count(actor, tmp_path):
+    """Six files renamed as if W were 5 (rank 5 dropped): the DTensor meshes say 6."""
+    for kind in ("model", "optim", "extra_state"):
+        (actor / f"{kind}_world_size_6_rank_5.pt").unlink()
+        for r in range(5):
+            os.replace(actor / f"{kind}_world_size_6_rank_{r}.pt", actor / f"{kind}_world_size_5_rank_{r}.pt")
+    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 5}))
+    with pytest.raises(ConvertError, match=r"model_world_size_5_rank_0\.pt: .* mesh has 6 ranks"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_truncated_file(actor, tmp_path):
+    f = actor / "model_world_size_6_rank_2.pt"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_2\.pt: refused"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+class _Payload:
+    """Pickles as a call to os.system: what an untrusted checkpoint could carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_with_arbitrary_object_is_refused(actor, tmp_path):
+    import torch
+
+    marker = tmp_path / "pwned"
+    f = actor / "extra_state_world_size_6_rank_4.pt"
+    extra = load_pt(f, mmap=False)  # never rewrite a file that is memory-mapped
+    extra["rng"]["payload"] = _Payload(marker)
+    torch.save(extra, f)
+    with pytest.raises(ConvertError, match=r"extra_state_world_size_6_rank_4\.pt: refused .*system"):
+        verl_to_verl(actor, tmp_path / "out", world_size=6)
+    assert not marker.exists()
+    _assert_nothing_written(tmp_path)
+
+
+def test_model_file_with_arbitrary_object_is_refused(actor, tmp_path):
+    import torch
+
+    marker = tmp_path / "pwned"
+    f = actor / "model_world_size_6_rank_0.pt"
+    sd = load_pt(f, mmap=False)  # never rewrite a file that is memory-mapped
+    sd["evil"] = _Payload(marker)
+    torch.save(sd, f)
+    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_0\.pt: refused"):
+        verl_to_hf(actor, tmp_path / "out")
+    assert not marker.exists()
+
+
+def test_numpy_object_array_is_refused(tmp_path):
+    import torch
+
+    f = tmp_path / "extra.pt"
+    torch.save({"rng": {"numpy": ("MT19937", np.array([1, "x"], dtype=object), 0, 0, 0.0)}}, f)
+    with pytest.raises(ConvertError, match=r"extra\.pt: "):
+        load_pt(f)
+
+
+def test_unexpected_tensor_names(actor, tmp_path):
+    import torch
+
+    f = actor / "model_world_size_6_rank_1.pt"
+    sd = load_pt(f, mmap=False)  # never rewrite a file that is memory-mapped
+    sd["model.extra.weight"] = sd.pop("model.norm.weight")
+    torch.save(sd, f)
+    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_1\.pt: keys do not match"):
+        verl_to_hf(actor, tmp_path / "out")
