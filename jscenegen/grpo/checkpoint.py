@@ -148,7 +148,10 @@ def to_logical(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
                                   f"{logical} or that shape padded on dim 0")
         if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
             target = storage_sharding(logical, x.sharding.mesh, padded=tuple(x.shape))
-            out[name] = _slice_dim0(logical[0], target)(jax.device_put(x, target))
+            # One array at a time: bounds the extra memory, and many collectives in flight at
+            # once can stall XLA:CPU's thread pool on small hosts.
+            out[name] = jax.block_until_ready(
+                _slice_dim0(logical[0], target)(jax.device_put(x, target)))
         else:
             out[name] = x[: logical[0]]
     return out
@@ -205,6 +208,13 @@ def _adam_to_logical(adam: Mapping[str, Any], shapes: Mapping[str, tuple[int, ..
                                   f"moments); {bad[0]!r} is {arrays[bad[0]].dtype}")
         out[moment] = arrays
     return out
+
+
+def _barrier(name: str) -> None:
+    """Wait for every process of a multi-host run (a no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def _check_metadata(meta: Mapping[str, Any], count: int) -> None:
@@ -302,7 +312,8 @@ def iter_arrays(step_dir: str | Path, group: str = "params",
 
     Each array is read by its own partial orbax restore, so host memory holds one array at a
     time (what a converter streaming a 7B model needs). `names` defaults to every stored name,
-    sorted (JAX's dict order; `model.params.param_shapes` gives the model's order). No mesh or device is involved. Raises CheckpointError for an unknown name.
+    sorted (JAX's dict order; `model.params.param_shapes` gives the model's order). No mesh or
+    device is involved. Raises CheckpointError for an unknown name.
     """
     step_dir = Path(step_dir).absolute()
     stored = array_shapes(step_dir, group)
@@ -406,22 +417,26 @@ class CheckpointStore:
         _check_hf_assets(hf_dir)
         state = _json_ready(dict(train_state), "train_state")
         meta = redact(_json_ready(dict(metadata), "metadata"))
-        logical_params = to_logical(params, shapes, "params")
-        logical_adam = _adam_to_logical(adam, shapes)
-        _check_metadata(meta, int(logical_adam["count"]))
-        newer = [s for s in self.steps() if s > step and check_step(self.step_path(s), hash_files=False).valid]
+        _check_metadata(meta, int(_scalar_count(adam.get("count", -1))))
+        newer = [s for s in self.steps()
+                 if s > step and check_step(self.step_path(s), hash_files=False).valid]
         if newer:
             raise CheckpointError(f"{self.directory} already holds complete checkpoints after step "
                                   f"{step} ({newer}); continue from the newest, or use a new run "
                                   f"directory to branch from an older step")
         path = self.step_path(step)
+        status = check_step(path, hash_files=False)
+        if status.valid:
+            raise CheckpointError(f"{path} already holds a complete checkpoint; "
+                                  f"refusing to overwrite step {step}")
+        logical_params = to_logical(params, shapes, "params")
+        logical_adam = _adam_to_logical(adam, shapes)
         if path.exists():
-            status = check_step(path, hash_files=False)
-            if status.valid:
-                raise CheckpointError(f"{path} already holds a complete checkpoint; "
-                                      f"refusing to overwrite step {step}")
-            log.warning("replacing incomplete checkpoint step %d: %s", step, status.reason)
-            self._delete(step)
+            if jax.process_index() == 0:
+                log.warning("replacing incomplete checkpoint step %d: %s", step, status.reason)
+                self._delete(step)
+            _barrier(f"jscenegen-checkpoint-replace-{step}")
+            self._manager.reload()
         saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
             PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
             ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
@@ -448,9 +463,7 @@ class CheckpointStore:
             write_json_atomic(path / METADATA_NAME, meta)
             write_checksums(path)
             self._collect_garbage(step)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices(f"jscenegen-checkpoint-{step}")
+        _barrier(f"jscenegen-checkpoint-{step}")
 
     def close(self) -> None:
         """Finish any pending save and release orbax's resources."""
