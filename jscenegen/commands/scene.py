@@ -1,0 +1,125 @@
+"""`jscenegen scene check|render|generate`: measure, draw and generate scenes (thin layer over jscenegen.scene)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _requested(text: str | None) -> list[dict]:
+    if not text:
+        return []
+    out = []
+    for part in text.split(","):
+        cat, _, count = part.strip().partition(":")
+        if not cat or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--requested item {part.strip()!r} is not category:count")
+        out.append({"category": cat.strip(), "count": int(count)})
+    return out
+
+
+def _configs(path: str | None):
+    from jscenegen.config import ConfigError, validate_config
+    from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+
+    if path is None:
+        return SceneRuntimeConfig(), JudgeConfig()
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return (validate_config(data.get("scene", {}) or {}, f"{path}: scene", SceneRuntimeConfig),
+            validate_config(data.get("judge", {}) or {}, f"{path}: judge", JudgeConfig))
+
+
+def _load(path: str):
+    """(scene, requested items) from a scene JSON file or a one-record scene-set file."""
+    from jscenegen.scene.schema import SceneError, scene_from_json
+    from jscenegen.scene.sceneset import record_from_json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SceneError(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise SceneError(f"{path}: not valid JSON: {err}") from None
+    if isinstance(data, dict) and "scene" in data and "room" not in data:
+        rec = record_from_json(data, path)
+        return rec.scene, list(rec.requested)
+    return scene_from_json(data, path), []
+
+
+def check(args) -> int:
+    from jscenegen.scene.judge_rule import rule_grades
+    from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.metrics import measure
+    from jscenegen.scene.reward import reward_from_grades
+
+    cfg, judge_cfg = _configs(args.config)
+    scene, req = _load(args.scene)
+    if args.requested is not None:
+        req = _requested(args.requested)
+    catalogue = load_catalogue(cfg.catalogue_path)
+    metrics = measure(scene, cfg, catalogue, blockers=True)
+    grades = rule_grades(scene, req, metrics, catalogue)
+    grades = {k: grades[k] for k in judge_cfg.grade_keys}
+    units = scene.budget.used_units if args.requested_units is None else args.requested_units
+    reward, _, _ = reward_from_grades(grades, units, cfg.reward)
+    warnings = [f"unknown category {o.category!r} ({o.id})" for o in scene.objects if catalogue.get(o.category) is None]
+    warnings += [f"{o} size outside its catalogue range" for o in metrics["size_out_of_range_objects"]]
+    warnings += [f"{w['object']} blocks window_{w['window']}" for w in metrics["window_warnings"]]
+    print(json.dumps({"metrics": metrics, "grades": grades, "reward": round(reward, 6), "warnings": warnings}))
+    return 0
+
+
+def render(args) -> int:
+    from jscenegen.scene.render import render_scene
+
+    cfg, _ = _configs(args.config)
+    scene, _ = _load(args.scene)
+    metrics = render_scene(scene, args.output, cfg)
+    print(json.dumps({"output": str(args.output), "reachable": metrics["reachable"]}))
+    return 0
+
+
+def generate(args) -> int:
+    from jscenegen.scene.generator import make_scene_set
+    from jscenegen.scene.sceneset import write_scene_set
+
+    records = make_scene_set(args.split, args.n)
+    write_scene_set(args.output, records)
+    print(json.dumps({"output": str(args.output), "scenes": len(records)}))
+    return 0
+
+
+def run(args) -> int:
+    from jscenegen.config import ConfigError
+    from jscenegen.scene.reach_inputs import ReachabilityError
+    from jscenegen.scene.schema import SceneError
+
+    try:
+        return {"check": check, "render": render, "generate": generate}[args.scene_command](args)
+    except (SceneError, ReachabilityError, ConfigError, ValueError, OSError) as err:
+        print(f"jscenegen scene {args.scene_command}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("scene", help="measure, render and generate scenes")
+    sub = p.add_subparsers(dest="scene_command", metavar="ACTION", required=True)
+    c = sub.add_parser("check", help="print metrics, rule-judge grades and reward of a scene JSON")
+    c.add_argument("scene", help="scene JSON (or one scene-set record)")
+    c.add_argument("--requested-units", type=int, default=None, help="units for the reward (default: budget used)")
+    c.add_argument("--requested", default=None, help="requested items, e.g. 'bed:1,nightstand:2'")
+    c.add_argument("--config", default=None, help="YAML with optional scene: and judge: sections")
+    r = sub.add_parser("render", help="draw the top view (room, openings, objects, reachable region)")
+    r.add_argument("scene")
+    r.add_argument("-o", "--output", required=True, help="output PNG")
+    r.add_argument("--config", default=None)
+    g = sub.add_parser("generate", help="write a deterministic scene set (JSONL)")
+    g.add_argument("--split", choices=("train", "dev"), required=True)
+    g.add_argument("--n", type=int, required=True)
+    g.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=run)

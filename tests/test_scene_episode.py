@@ -1,0 +1,192 @@
+"""Action parser causes, the episode state machine (caps, critique, revert, fail hook), reward, judging."""
+import json
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jscenegen.scene.actions import parse_action
+from jscenegen.scene.config import GRADE_KEYS, JudgeConfig, RewardConfig, SceneRuntimeConfig
+from jscenegen.scene.episode import Episode, judge_episodes
+from jscenegen.scene.expert import run_scripted_episode
+from jscenegen.scene.generator import make_scene_set
+from jscenegen.scene.judge import JudgeResult, make_judge
+from jscenegen.scene.protocol import protocol_hash
+from jscenegen.scene.reward import failed_outcome, reward_from_grades
+from jscenegen.scene.sceneset import SceneRecord
+from scene_fixtures import empty_room
+
+GRADES = {k: 7 for k in GRADE_KEYS}
+
+
+def A(obj) -> str:
+    return "thinking...\n<action>" + json.dumps(obj) + "</action>"
+
+
+@pytest.mark.parametrize(
+    "text,role,cause",
+    [
+        ("I will design now.", "planner", "no_action_block"),
+        (A({"action": "critique"}) + A({"action": "finish", "summary": ""}), "planner", "multiple_action_blocks"),
+        ("<action>{\"action\": \"critique\"}", "planner", "truncated_action"),
+        ("<action>{\"action\": \"desi", "planner", "truncated_action"),
+        (A({"action": "critique"}) + " and more", "planner", "text_after_action"),
+        ("<action>{action: critique}</action>", "planner", "bad_json"),
+        ("<action>[1, 2]</action>", "planner", "bad_json"),
+        (A({"action": "dance"}), "planner", "unknown_action"),
+        (A({"action": "design", "instruction": 5}), "planner", "schema_violation"),
+        (A({"action": "finish"}), "planner", "schema_violation"),
+        (A({"ops": []}), "planner", "role_violation"),
+        (A({"action": "finish", "summary": "x"}), "designer", "role_violation"),
+        (A({"critique": "ok", "grades": GRADES}), "designer", "role_violation"),
+        (A({"ops": [{"op": "fly"}]}), "designer", "unknown_op"),
+        (A({"ops": [{"op": "rotate_object", "id": "a", "yaw": "x"}]}), "designer", "schema_violation"),
+        (A({"ops": {"op": "get_scene"}}), "designer", "schema_violation"),
+        (A({"critique": "ok", "grades": {**GRADES, "realism": 11}}), "critic", "schema_violation"),
+        (A({"critique": "ok", "grades": {**GRADES, "realism": 7.5}}), "critic", "schema_violation"),
+        (A({"critique": "ok", "grades": {"realism": 7}}), "critic", "schema_violation"),
+        (A({"action": "critique"}), "critic", "role_violation"),
+    ],
+)
+def test_malformed_actions_give_the_right_cause(text, role, cause):
+    parsed = parse_action(text, role, GRADE_KEYS)
+    assert parsed.failure_cause == cause and parsed.message
+
+
+def test_well_formed_actions_parse():
+    assert parse_action(A({"action": "critique"}) + "\n  ", "planner", GRADE_KEYS).payload == {"action": "critique"}
+    ops = parse_action(A({"ops": [{"op": "get_scene"}]}), "designer", GRADE_KEYS).payload
+    assert [o.op for o in ops] == ["get_scene"]
+    assert parse_action(A({"critique": "c", "grades": GRADES}), "critic", GRADE_KEYS).payload["grades"] == GRADES
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list('<>/actionps{}[]":,0123456789 \n')), max_size=80),
+       role=st.sampled_from(["planner", "designer", "critic"]))
+def test_parser_never_raises(text, role):
+    parsed = parse_action(text, role, GRADE_KEYS)
+    assert parsed.ok or parsed.failure_cause
+
+
+def record():
+    return SceneRecord(empty_room(), seed=7, requested=({"category": "bed", "count": 1},))
+
+
+def test_episode_flow_critique_cap_revert_and_finish():
+    cfg = SceneRuntimeConfig(max_critique_rounds=1)
+    ep = Episode(record(), cfg)
+    assert "Planner" in ep.system_prompt() and "add_object (8 units)" in ep.system_prompt()
+    assert "Next role: planner" in ep.first_user_message()
+    assert ep.next_role == "planner"
+    r = ep.step(A({"action": "design", "instruction": "add a bed"}))
+    assert ep.next_role == "designer" and "Next role: designer" in r.env_message
+    r = ep.step(A({"ops": [{"op": "add_object", "category": "queen_bed", "position": [2.0, 1.8]}]}))
+    assert ep.next_role == "planner" and "queen_bed_1" in r.env_message and ep.units == 8
+    ep.step(A({"action": "critique"}))
+    assert ep.next_role == "critic"
+    r = ep.step(A({"critique": "fine", "grades": GRADES}))
+    assert "Critic: fine" in r.env_message and ep.next_role == "planner"
+    r = ep.step(A({"action": "critique"}))  # second round is refused, not failed
+    assert "refused" in r.env_message and ep.next_role == "planner" and not r.done
+    ep.step(A({"action": "design", "instruction": "remove the bed"}))
+    ep.step(A({"ops": [{"op": "remove_object", "id": "queen_bed_1"}]}))
+    assert ep.scene.objects == () and ep.units == 10
+    r = ep.step(A({"action": "revert", "reason": "the bed was better"}))
+    assert [o.id for o in ep.scene.objects] == ["queen_bed_1"] and ep.units == 10  # units not refunded
+    r = ep.step(A({"action": "finish", "summary": "done"}))
+    assert r.done and r.failure_cause is None and ep.judge_request() is not None
+    (out,) = judge_episodes([ep], make_judge(JudgeConfig()))
+    assert not out.masked and out.failure_cause is None
+    expect = sum(out.grades.values()) / 7 / 10 - 0.8 * 10 / 512
+    assert out.reward == pytest.approx(expect)
+
+
+def test_planner_turn_cap_is_a_policy_failure():
+    ep = Episode(record(), SceneRuntimeConfig(max_planner_turns=2))
+    ep.step(A({"action": "design", "instruction": "x"}))
+    ep.step(A({"ops": []}))
+    r = ep.step(A({"action": "design", "instruction": "more"}))
+    assert r.done and r.failure_cause == "planner_turn_cap"
+    assert ep.outcome.reward == -1.0 and not ep.outcome.masked
+
+
+def test_malformed_answer_fails_the_episode_and_empty_finish_is_invalid():
+    ep = Episode(record())
+    r = ep.step("no block here")
+    assert r.done and r.failure_cause == "no_action_block" and ep.outcome.reward == -1.0
+    with pytest.raises(RuntimeError):
+        ep.step(A({"action": "critique"}))
+    ep2 = Episode(record())
+    r = ep2.step(A({"action": "finish", "summary": "nothing"}))
+    assert r.failure_cause == "invalid_terminal_scene" and ep2.outcome.reward == -1.0
+
+
+def test_driver_fail_hook_policy_and_masked():
+    ep = Episode(record())
+    ep.step(A({"action": "design", "instruction": "x"}))
+    r = ep.fail("truncated_generation")
+    assert r.done and ep.outcome.reward == -1.0 and not ep.outcome.masked
+    ep2 = Episode(record())
+    ep2.fail("rollout_error")
+    assert ep2.outcome.masked and ep2.outcome.reward == 0.0
+    with pytest.raises(ValueError):
+        Episode(record()).fail("bored")
+
+
+class _BrokenJudge:
+    def identity(self):
+        return {"backend": "test", "model": None, "rubric_hash": "0"}
+
+    def grade(self, requests):
+        return [JudgeResult(None, "judge_timeout", {"attempts": 3}) for _ in requests]
+
+
+def test_judge_failures_are_masked_never_minus_one():
+    eps = []
+    for _ in range(3):
+        ep = Episode(record())
+        ep.step(A({"action": "design", "instruction": "x"}))
+        ep.step(A({"ops": [{"op": "add_object", "category": "queen_bed", "position": [2.0, 1.8]}]}))
+        ep.step(A({"action": "finish", "summary": "x"}))
+        eps.append(ep)
+    failed = Episode(record())
+    failed.step("garbage")
+    outs = judge_episodes(eps + [failed], _BrokenJudge())
+    assert [o.masked for o in outs] == [True, True, True, False]
+    assert [o.reward for o in outs] == [0.0, 0.0, 0.0, -1.0]
+    assert outs[0].failure_cause == "judge_timeout" and all(math.isfinite(o.reward) for o in outs)
+
+
+def test_reward_arithmetic():
+    cfg = RewardConfig()
+    r, q, pen = reward_from_grades({k: 10 for k in GRADE_KEYS}, 0, cfg)
+    assert (r, q, pen) == (1.0, 1.0, 0.0)
+    r, _, pen = reward_from_grades({k: 5 for k in GRADE_KEYS}, 128, cfg)
+    assert pen == pytest.approx(0.2) and r == pytest.approx(0.3)
+    r, _, pen = reward_from_grades({k: 0 for k in GRADE_KEYS}, 2000, cfg)  # penalty saturates at 512 units
+    assert pen == pytest.approx(0.8) and r == pytest.approx(-0.8)
+    assert failed_outcome("bad_json", 40, cfg).reward == -1.0
+    assert failed_outcome("judge_unparseable", 40, cfg).masked
+
+
+def test_scripted_expert_scores_well_on_dev_scenes():
+    for rec in make_scene_set("dev", 3):
+        ep, chat = run_scripted_episode(rec)
+        out = ep.outcome
+        assert out.failure_cause is None and out.metrics["reachable"] and not out.metrics["collision_pairs"]
+        assert out.reward > 0.8 and out.units == ep.scene.budget.used_units
+        assert [m["actor"] for m in chat if m["role"] == "assistant"] == [
+            "planner", "designer", "planner", "critic", "planner"]
+
+
+def test_protocol_hash_tracks_every_ingredient():
+    base = protocol_hash(SceneRuntimeConfig(), JudgeConfig())
+    assert base == protocol_hash(SceneRuntimeConfig(), JudgeConfig())
+    changed = [
+        protocol_hash(SceneRuntimeConfig(budget_units=500), JudgeConfig()),
+        protocol_hash(SceneRuntimeConfig(reward=RewardConfig(unit_penalty=0.5)), JudgeConfig()),
+        protocol_hash(SceneRuntimeConfig(metrics={"agent_radius_m": 0.2}), JudgeConfig()),
+        protocol_hash(SceneRuntimeConfig(), JudgeConfig(grade_keys=GRADE_KEYS[:6])),
+        protocol_hash(SceneRuntimeConfig(), JudgeConfig(backend="http", base_url="http://x", model="m")),
+    ]
+    assert len(set(changed + [base])) == 6

@@ -1,0 +1,117 @@
+"""Known-answer scenes for collisions, bounds, openings and reachability; rotation/shift invariance."""
+import pytest
+
+from jscenegen.scene.judge_rule import rule_grades
+from jscenegen.scene.catalogue import load_catalogue
+from jscenegen.scene.metrics import measure
+from scene_fixtures import KNOWN, obj, scene, transform
+
+EMPTY_WALKABLE = (74 * 54) / (80 * 60)  # floor eroded by 3 cells on each side of an 80 x 60 cell room
+
+
+def m(name):
+    return measure(KNOWN[name](), blockers=True)
+
+
+def test_empty_room():
+    r = m("empty")
+    assert r["reachable"] and not r["door_blocked"]
+    assert r["num_regions"] == 1
+    assert r["reachable_object_ratio"] == 1.0 and r["door_connected_ratio"] == 1.0
+    assert r["largest_region_ratio"] == 1.0
+    assert r["walkable_ratio"] == pytest.approx(EMPTY_WALKABLE, abs=1e-6)
+
+
+def test_wardrobe_across_door_blocks_everything():
+    r = m("wardrobe_door")
+    assert r["door_blocked"] and r["door_walk_blocked"] == [0]
+    assert r["door_clearance_blocked"] == [[0, "wardrobe_1"]]
+    assert not r["reachable"]
+    assert r["reachable_object_ratio"] == 0.0 and r["door_connected_ratio"] == 0.0
+    assert r["unreachable_objects"] == ["wardrobe_1"] and r["blockers"] == ["wardrobe_1"]
+
+
+def test_bed_and_wardrobe_split_the_room():
+    r = m("split")
+    assert r["num_regions"] == 2 and not r["reachable"]
+    assert r["unreachable_objects"] == ["nightstand_1", "wardrobe_1"]
+    assert r["reachable_object_ratio"] == pytest.approx(1 / 3)
+    assert 0.3 < r["door_connected_ratio"] < 0.6
+    assert set(r["blockers"]) >= {"queen_bed_1", "wardrobe_1"}
+    assert r["collision_pairs"] == []
+
+
+def test_gap_040_passes_and_025_blocks():
+    wide, narrow = m("gap_040"), m("gap_025")
+    assert wide["num_regions"] == 1 and wide["reachable"]
+    assert narrow["num_regions"] == 2 and not narrow["reachable"]
+    assert narrow["door_connected_ratio"] == pytest.approx(22 / 36, abs=0.01)  # 22 free rows below, 14 above
+
+
+@pytest.mark.parametrize("name", ["rug", "shelf"])
+def test_rug_and_high_shelf_block_nothing(name):
+    r, empty = m(name), m("empty")
+    for key in ("walkable_ratio", "num_regions", "reachable", "door_connected_ratio", "reachable_object_ratio"):
+        assert r[key] == empty[key], key
+    assert r["collision_pairs"] == [] and r["unreachable_objects"] == []
+
+
+def test_wardrobe_facing_the_wall_is_unreachable():
+    wall, room = m("wardrobe_wall"), m("wardrobe_room")
+    assert wall["unreachable_objects"] == ["wardrobe_1"] and wall["front_to_wall_objects"] == ["wardrobe_1"]
+    assert room["unreachable_objects"] == [] and room["reachable"] and room["front_to_wall_objects"] == []
+    grades = rule_grades(KNOWN["wardrobe_wall"](), [], wall, load_catalogue())
+    assert grades["functionality"] <= 3
+
+
+def test_collisions_need_vertical_overlap_and_skip_parents_and_rugs():
+    s = scene([
+        obj("nightstand_1", "nightstand", 1.0, 1.0, 0.45, 0.4, 0.55),
+        obj("table_lamp_1", "table_lamp", 1.0, 1.0, 0.3, 0.3, 0.45, mount="on", elevation=0.55, parent="nightstand_1"),
+        obj("rug_1", "rug", 1.0, 1.0, 2.0, 1.4, 0.01),
+        obj("dresser_1", "dresser", 1.3, 1.0, 1.2, 0.5, 0.8),  # overlaps the nightstand by 0.225 m
+        obj("wall_shelf_1", "wall_shelf", 1.0, 1.0, 0.8, 0.25, 0.3, mount="wall", elevation=1.6),
+        obj("chair_1", "chair", 3.0, 2.0, 0.5, 0.5, 0.9),
+        obj("chair_2", "chair", 3.495, 2.0, 0.5, 0.5, 0.9),  # 5 mm penetration: below the 1 cm threshold
+    ])
+    r = measure(s)
+    # the lamp sits on the nightstand (parent: excluded) but reaches into the dresser's height
+    assert r["collision_pairs"] == [["dresser_1", "nightstand_1"], ["dresser_1", "table_lamp_1"]]
+
+
+def test_out_of_bounds_and_wall_height():
+    s = scene([
+        obj("dresser_1", "dresser", 0.5, 1.5, 1.2, 0.5, 0.8),  # 0.1 of 1.2 m width outside: 8.3 %
+        obj("bookshelf_1", "bookshelf", 2.0, 2.8, 0.8, 0.3, 2.7),  # taller than the 2.6 m wall
+        obj("nightstand_1", "nightstand", 3.79, 1.0, 0.45, 0.4, 0.55),  # 3.3 % outside: OOB, under the 5 % cap
+    ])
+    r = measure(s)
+    assert r["oob_objects"] == ["bookshelf_1", "dresser_1", "nightstand_1"]
+    assert r["oob_cap_objects"] == ["bookshelf_1", "dresser_1"]
+
+
+def test_window_box_warns_only_for_tall_objects():
+    win = {"wall": 2, "offset": 2.0, "width": 1.2, "height": 1.2, "sill": 0.9}
+    s = scene([
+        obj("bookshelf_1", "bookshelf", 2.0, 2.84, 0.8, 0.3, 1.8, yaw=180),
+        obj("nightstand_1", "nightstand", 1.6, 2.79, 0.45, 0.4, 0.55),
+    ], windows=[win])
+    r = measure(s)
+    assert r["window_warnings"] == [{"window": 0, "object": "bookshelf_1"}]
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN))
+@pytest.mark.parametrize("angle,shift", [(90, (0, 0)), (180, (0.35, -1.2)), (270, (5.0, 0.05)), (0, (-2.5, 1.15))])
+def test_quarter_turns_and_cell_shifts_change_no_metric(name, angle, shift):
+    base = m(name)
+    moved = measure(transform(KNOWN[name](), angle, shift), blockers=True)
+    assert moved == base
+
+
+@pytest.mark.parametrize("name", ["empty", "wardrobe_door", "split", "rug", "shelf", "wardrobe_room"])
+@pytest.mark.parametrize("angle", [17.0, 37.0, 128.0])
+def test_arbitrary_rotation_keeps_booleans_and_counts(name, angle):
+    base = m(name)
+    rot = measure(transform(KNOWN[name](), angle, (0.3, 0.2)), blockers=True)
+    for key in ("reachable", "door_blocked", "num_regions", "unreachable_objects", "collision_pairs", "oob_objects"):
+        assert rot[key] == base[key], key

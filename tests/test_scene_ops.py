@@ -1,0 +1,149 @@
+"""Designer operations: unit charging on request, budget refusal, validation without change, snaps."""
+import pytest
+
+from jscenegen.scene.catalogue import load_catalogue
+from jscenegen.scene.config import OpCosts, SceneRuntimeConfig
+from jscenegen.scene.geometry import footprint
+from jscenegen.scene.ops import OpSchemaError, SceneEditor, parse_op
+from jscenegen.scene.schema import Budget
+from scene_fixtures import empty_room
+
+
+def editor(total=512, **cfg):
+    s = empty_room()
+    s = s.model_copy(update={"budget": Budget(total_units=total, used_units=0)})
+    return SceneEditor(s, SceneRuntimeConfig(**cfg), load_catalogue())
+
+
+def run(ed, *raw):
+    return ed.apply_batch([parse_op(r) for r in raw])
+
+
+def test_units_are_charged_on_request_including_failed_ops():
+    ed = editor()
+    lines, refused = run(
+        ed,
+        {"op": "add_object", "category": "queen_bed", "position": [2.0, 1.5]},  # 8, ok
+        {"op": "move_object", "id": "nope_1", "position": [1, 1]},  # 2, unknown id
+        {"op": "add_object", "category": "rug", "position": [1, 1], "size": [9, 9, 0.01]},  # 8, bad size
+        {"op": "rotate_object", "id": "queen_bed_1", "yaw": 90},  # 1, ok
+        {"op": "get_scene"},  # 0
+    )
+    assert not refused
+    assert ed.scene.budget.used_units == 8 + 2 + 8 + 1 + 0
+    assert ["ok" in line.split(":")[1] for line in lines] == [True, False, False, True, True]
+    assert [o.id for o in ed.scene.objects] == ["queen_bed_1"]
+    assert ed.scene.objects[0].yaw == 90
+
+
+def test_budget_refusal_is_not_charged_and_ends_the_batch():
+    ed = editor(total=20)
+    lines, refused = run(
+        ed,
+        {"op": "add_object", "category": "nightstand", "position": [1.0, 1.0]},  # 8 -> 8
+        {"op": "add_object", "category": "nightstand", "position": [2.0, 1.0]},  # 8 -> 16
+        {"op": "add_object", "category": "nightstand", "position": [3.0, 1.0]},  # would be 24: refused
+        {"op": "rotate_object", "id": "nightstand_1", "yaw": 90},  # never run
+    )
+    assert refused and len(lines) == 3 and "refused" in lines[2]
+    assert ed.scene.budget.used_units == 16
+    assert len(ed.scene.objects) == 2 and ed.scene.objects[0].yaw == 0
+
+
+def test_costs_come_from_config():
+    ed = editor(op_costs=OpCosts(add_object=5, rotate_object=4))
+    run(ed, {"op": "add_object", "category": "chair", "position": [1, 1]}, {"op": "rotate_object", "id": "chair_1", "yaw": 5})
+    assert ed.scene.budget.used_units == 9
+
+
+def test_validation_errors_change_nothing():
+    ed = editor(max_objects=1)
+    run(ed, {"op": "add_object", "category": "dresser", "position": [2.0, 1.5]})
+    before = ed.scene.objects
+    lines, _ = run(
+        ed,
+        {"op": "add_object", "category": "chair", "position": [1, 1]},  # too many objects
+        {"op": "move_object", "id": "dresser_1", "position": [5.0, 1.0]},  # centre outside the floor
+        {"op": "resize_object", "id": "dresser_1", "scale": 3.0},  # out of range
+        {"op": "add_object", "category": "spaceship", "position": [1, 1]},  # unknown category
+        {"op": "add_object", "category": "table_lamp", "position": [1, 1]},  # lamps need mount on
+        {"op": "resize_object", "id": "dresser_1"},  # neither size nor scale
+    )
+    assert all(": error:" in line for line in lines), lines
+    assert ed.scene.objects == before
+    assert "maximum of 1 objects" in lines[0] and "outside the floor" in lines[1]
+
+
+def test_remove_takes_children_and_ids_are_not_reused():
+    ed = editor()
+    run(
+        ed,
+        {"op": "add_object", "category": "nightstand", "position": [1.0, 1.0]},
+        {"op": "add_object", "category": "table_lamp", "position": [1.0, 1.0], "mount": "on", "parent": "nightstand_1"},
+        {"op": "remove_object", "id": "nightstand_1"},
+        {"op": "add_object", "category": "nightstand", "position": [1.0, 1.0]},
+    )
+    assert [o.id for o in ed.scene.objects] == ["nightstand_2"]
+
+
+def test_lamp_rides_on_its_parent():
+    ed = editor()
+    run(
+        ed,
+        {"op": "add_object", "category": "nightstand", "position": [1.0, 1.0]},
+        {"op": "add_object", "category": "table_lamp", "position": [1.1, 1.0], "mount": "on", "parent": "nightstand_1"},
+        {"op": "move_object", "id": "nightstand_1", "position": [2.0, 2.0], "yaw": 90},
+        {"op": "resize_object", "id": "nightstand_1", "size": [0.45, 0.4, 0.6]},
+    )
+    lamp = ed.scene.object("table_lamp_1")
+    assert lamp.position == pytest.approx((2.0, 2.1)) and lamp.yaw == 90 and lamp.elevation == pytest.approx(0.6)
+
+
+def test_snap_to_wall_is_flush_with_a_1cm_gap():
+    ed = editor()
+    run(
+        ed,
+        {"op": "add_object", "category": "wardrobe", "position": [1.5, 1.5], "yaw": 33},
+        {"op": "snap_to_wall", "id": "wardrobe_1", "wall": 2, "orientation": "away"},
+        {"op": "add_object", "category": "single_bed", "position": [3.0, 1.5]},
+        {"op": "snap_to_wall", "id": "single_bed_1", "orientation": "along"},  # nearest wall: x = 4
+    )
+    w, bed = ed.scene.object("wardrobe_1"), ed.scene.object("single_bed_1")
+    assert w.yaw == 180 and w.position == pytest.approx((1.5, 3.0 - 0.3 - 0.01))
+    assert footprint(bed)[:, 0].max() == pytest.approx(4.0 - 0.01)
+    assert bed.yaw in (0, 180)
+
+
+def test_snap_to_object_sides():
+    ed = editor()
+    run(
+        ed,
+        {"op": "add_object", "category": "desk", "position": [2.0, 1.0]},
+        {"op": "add_object", "category": "chair", "position": [1.0, 2.0]},
+        {"op": "snap_to_object", "id": "chair_1", "target": "desk_1", "side": "front", "orientation": "toward"},
+        {"op": "add_object", "category": "nightstand", "position": [1.0, 2.5]},
+        {"op": "snap_to_object", "id": "nightstand_1", "target": "desk_1", "side": "right", "orientation": "same"},
+    )
+    chair, stand = ed.scene.object("chair_1"), ed.scene.object("nightstand_1")
+    assert chair.position == pytest.approx((2.0, 1.0 + 0.3 + 0.275 + 0.01)) and chair.yaw == 180
+    assert stand.position == pytest.approx((2.0 + 0.6 + 0.225 + 0.01, 1.0)) and stand.yaw == 0
+
+
+@pytest.mark.parametrize(
+    "raw,cause",
+    [
+        ({"op": "teleport", "id": "a"}, "unknown_op"),
+        ({"op": "move_object", "id": "a", "position": "here"}, "schema_violation"),
+        ({"op": "move_object", "id": "a", "position": [1, "2"]}, "schema_violation"),
+        ({"op": "rotate_object", "id": "a", "yaw": "90"}, "schema_violation"),
+        ({"op": "rotate_object", "id": 3, "yaw": 90}, "schema_violation"),
+        ({"op": "get_scene", "extra": 1}, "schema_violation"),
+        ({"id": "a"}, "schema_violation"),
+        (["add_object"], "schema_violation"),
+        ({"op": "add_object", "category": "chair", "position": [1.0, float("nan")]}, "schema_violation"),
+    ],
+)
+def test_malformed_ops_raise_schema_errors_with_causes(raw, cause):
+    with pytest.raises(OpSchemaError) as err:
+        parse_op(raw)
+    assert err.value.cause == cause

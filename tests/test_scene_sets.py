@@ -1,0 +1,116 @@
+"""Shipped scene sets, the deterministic generator, the grain data source, schema text and the CLI."""
+import json
+from pathlib import Path
+
+import pytest
+
+from jscenegen.cli import main
+from jscenegen.scene.dataset import SceneSetSource, scene_iterator
+from jscenegen.scene.generator import make_scene_set
+from jscenegen.scene.schema import SceneError, canonical_text, scene_from_json
+from jscenegen.scene.sceneset import read_scene_set, write_scene_set
+from scene_fixtures import KNOWN, room, transform
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "scenes"
+
+
+def test_shipped_sets_match_the_generator():
+    train, dev = read_scene_set(DATA / "train.jsonl"), read_scene_set(DATA / "dev.jsonl")
+    assert len(train) == 100 and len(dev) == 9
+    assert [r.to_json() for r in train] == [r.to_json() for r in make_scene_set("train", 100)]
+    assert [r.to_json() for r in dev] == [r.to_json() for r in make_scene_set("dev", 9)]
+    assert len({r.seed for r in train + dev}) == 109
+    assert all(r.scene.objects == () and r.requested and r.scene.room.doors for r in train + dev)
+    assert len({r.scene.room.floor_polygon for r in train}) > 50
+    assert any(len(r.scene.room.floor_polygon) > 4 for r in train)
+
+
+def test_write_is_atomic_and_round_trips(tmp_path):
+    recs = make_scene_set("dev", 2)
+    write_scene_set(tmp_path / "s.jsonl", recs)
+    assert [r.to_json() for r in read_scene_set(tmp_path / "s.jsonl")] == [r.to_json() for r in recs]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"]
+    (tmp_path / "bad.jsonl").write_text('{"scene": {"room": {}}, "seed": 1}\n')
+    with pytest.raises(SceneError, match=r"bad.jsonl:1: scene: room.floor_polygon"):
+        read_scene_set(tmp_path / "bad.jsonl")
+
+
+def test_grain_source_and_checkpointable_order():
+    src = SceneSetSource(DATA / "train.jsonl")
+    assert len(src) == 100 and src[3].scene.scene_id == "train_0003"
+    plain = scene_iterator(DATA / "dev.jsonl")
+    assert [next(plain).scene.scene_id for _ in range(9)] == [f"dev_{i:04d}" for i in range(9)]
+    it = scene_iterator(DATA / "train.jsonl", seed=5, num_epochs=2)
+    first = [next(it).seed for _ in range(30)]
+    state = it.get_state()
+    rest = [next(it).seed for _ in range(20)]
+    resumed = scene_iterator(DATA / "train.jsonl", seed=5, num_epochs=2, state=state)
+    assert [next(resumed).seed for _ in range(20)] == rest
+    again = scene_iterator(DATA / "train.jsonl", seed=5, num_epochs=2)
+    assert [next(again).seed for _ in range(30)] == first
+    assert first != [r.seed for r in read_scene_set(DATA / "train.jsonl")][:30]
+
+
+def test_canonical_text_is_deterministic_and_rounded():
+    s = transform(KNOWN["split"](), 0, (0.001, 0.0))
+    text = canonical_text(s)
+    assert text == canonical_text(scene_from_json(json.loads(json.dumps(s.to_json()))))
+    assert "pos [2.00, 1.01]" in text or "pos [2.00, 1.02]" in text
+    assert text.index("nightstand_1") < text.index("queen_bed_1") < text.index("wardrobe_1")
+    assert "yaw 270 mount floor" in text
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda d: d["room"].update(floor_polygon=[[0, 0], [0, 3], [4, 3], [4, 0]]), "counter-clockwise"),
+        (lambda d: d["room"].update(floor_polygon=[[0, 0], [4, 3], [4, 0], [0, 3]]), "not simple"),
+        (lambda d: d["room"]["doors"][0].update(wall=9), r"doors\[0\]\.wall 9"),
+        (lambda d: d["room"]["doors"][0].update(offset=3.9), "leaves wall 0"),
+        (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, -1, 1]}), "size"),
+        (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
+                                        "mount": "on"}), "parent"),
+        (lambda d: d.update(schema="scenegen.scene/0"), "schema"),
+    ],
+)
+def test_schema_errors_name_the_field(mutate, field):
+    data = {"room": room(), "objects": []}
+    mutate(data)
+    with pytest.raises(SceneError, match=field):
+        scene_from_json(data)
+
+
+def test_cli_check_and_render_on_dev_scenes(tmp_path, capsys):
+    line = (DATA / "dev.jsonl").read_text().splitlines()[0]
+    (tmp_path / "rec.json").write_text(line)
+    assert main(["scene", "check", str(tmp_path / "rec.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"metrics", "grades", "reward", "warnings"}
+    assert out["metrics"]["reachable"] and out["grades"]["prompt_following"] == 0  # empty room, items requested
+    assert out["grades"]["completeness"] == 0 and out["reward"] == pytest.approx(sum(out["grades"].values()) / 70)
+    assert main(["scene", "render", str(tmp_path / "rec.json"), "-o", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_check_furnished_scene_with_overrides(tmp_path, capsys):
+    s = KNOWN["split"]().to_json()
+    s["objects"].append({"id": "ufo_1", "category": "ufo", "position": [0.5, 2.5], "size": [0.3, 0.3, 0.3]})
+    (tmp_path / "s.json").write_text(json.dumps(s))
+    assert main(["scene", "check", str(tmp_path / "s.json"), "--requested-units", "256",
+                 "--requested", "bed:1,nightstand:2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    m = out["metrics"]
+    assert m["num_regions"] == 2 and not m["reachable"] and m["unreachable_objects"] == ["nightstand_1", "wardrobe_1"]
+    assert m["collision_pairs"] == [] and isinstance(m["collision_pairs"], list)
+    assert out["grades"]["prompt_following"] == 7  # 2 of 3 requested objects (round half up of 6.67)
+    assert out["grades"]["reachability"] <= 6
+    assert out["reward"] == pytest.approx(sum(out["grades"].values()) / 70 - 0.4)
+    assert out["warnings"] == ["unknown category 'ufo' (ufo_1)"]
+
+
+def test_cli_invalid_input_exits_non_zero_with_one_line(tmp_path, capsys):
+    (tmp_path / "bad.json").write_text('{"room": {"floor_polygon": [[0, 0], [1, 0]], "wall_height": 2}}')
+    assert main(["scene", "check", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "floor_polygon" in err
+    assert main(["scene", "check", str(tmp_path / "missing.json")]) == 2
