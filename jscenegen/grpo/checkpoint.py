@@ -279,17 +279,38 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
 
 def read_train_state(step_dir: str | Path) -> dict[str, Any]:
     """The trainer's JSON state of a step directory (the orbax `train_state` item)."""
-    path = Path(step_dir).absolute() / TRAIN_STATE_ITEM
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no train_state item")
-    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path, args=ocp.args.JsonRestore())
+    path = _item_dir(Path(step_dir), TRAIN_STATE_ITEM)
+    return ocp.JsonCheckpointHandler().restore(path, args=ocp.args.JsonRestore())
 
 
-def _item_tree(step_dir: Path, item: str) -> dict:
+def _item_dir(step_dir: Path, item: str) -> Path:
     path = step_dir.absolute() / item
     if not path.is_dir():
         raise CheckpointError(f"{path}: no {item} item")
-    return ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+    return path
+
+
+def _read_pytree(step_dir: Path, item: str, restore_args: dict) -> dict:
+    """Partial restore of the leaves named in `restore_args` from one orbax PyTree item.
+
+    Uses the item's handler directly (a step directory read by a converter need not have
+    been written by a CheckpointManager in this process).
+    """
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return handler.restore(_item_dir(step_dir, item), args=ocp.args.PyTreeRestore(
+            item=jax.tree.map(lambda _: 0, restore_args), restore_args=restore_args,
+            partial_restore=True))
+    finally:
+        handler.close()
+
+
+def _item_tree(step_dir: Path, item: str) -> dict:
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return handler.metadata(_item_dir(step_dir, item)).tree
+    finally:
+        handler.close()
 
 
 def array_shapes(step_dir: str | Path, group: str = "params") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -320,22 +341,18 @@ def iter_arrays(step_dir: str | Path, group: str = "params",
     unknown = [n for n in names or () if n not in stored]
     if unknown:
         raise CheckpointError(f"{step_dir}: {group} has no array {unknown[0]!r}")
-    item = PARAMS_ITEM if group == "params" else ADAM_ITEM
-    reader = ocp.PyTreeCheckpointer()
     for name in names or list(stored):
         leaf = {name: ocp.RestoreArgs(restore_type=np.ndarray)}
-        tree = leaf if group == "params" else {group: leaf}
-        out = reader.restore(step_dir / item, args=ocp.args.PyTreeRestore(
-            item=jax.tree.map(lambda _: 0, tree), restore_args=tree, partial_restore=True))
-        yield name, (out if group == "params" else out[group])[name]
+        if group == "params":
+            yield name, _read_pytree(step_dir, PARAMS_ITEM, leaf)[name]
+        else:
+            yield name, _read_pytree(step_dir, ADAM_ITEM, {group: leaf})[group][name]
 
 
 def read_adam_count(step_dir: str | Path) -> int:
     """AdamW steps taken (torch `step`, optax `count`) stored in a step directory."""
-    step_dir = Path(step_dir).absolute()
-    out = ocp.PyTreeCheckpointer().restore(step_dir / ADAM_ITEM, args=ocp.args.PyTreeRestore(
-        item={"count": 0}, restore_args={"count": ocp.RestoreArgs(restore_type=np.ndarray)},
-        partial_restore=True))
+    out = _read_pytree(Path(step_dir), ADAM_ITEM,
+                       {"count": ocp.RestoreArgs(restore_type=np.ndarray)})
     return int(out["count"])
 
 
