@@ -1,6 +1,7 @@
 """One entry point for every direction `jscenegen convert` offers (FORMATS x FORMATS)."""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ def _directions() -> dict[tuple[str, str], Callable[..., Any]]:
             device_type=o["mesh_device"]),
     }
     try:
-        from convert import orbax_directions as od
+        od = importlib.import_module("convert.orbax_directions")
     except ModuleNotFoundError as err:
         if err.name != "convert.orbax_directions":
             raise

@@ -12,6 +12,7 @@ hold numbers only (an object-dtype array could smuggle values past the allowlist
 from __future__ import annotations
 
 import logging
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ def load_pt(path: str | Path, *, mmap: bool = True) -> Any:
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: file not found")
+    if not zipfile.is_zipfile(path):
+        raise ConvertError(f"{path}: refused: not a complete torch zip archive "
+                           f"({path.stat().st_size} bytes; truncated, or not written by torch.save)")
     mesh_log = logging.getLogger("torch.distributed.device_mesh")
     level = mesh_log.level
     mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs": expected

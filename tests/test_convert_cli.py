@@ -1,0 +1,55 @@
+"""`jscenegen convert` end to end: convert, --inspect, --verify, and error exit codes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from fsdp_fixtures import fixture_dir
+from jscenegen.cli import main
+
+
+def test_convert_inspect_verify(tmp_path, capsys):
+    src = fixture_dir("qwen2_first_divisible")
+    ckpt = src / "ckpt"
+    assert main(["convert", "--inspect", str(ckpt)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "verl-fsdp2" and info["world_size"] == 6 and info["layout"] == "run"
+    assert info["placements"] == {"Shard(1)": 12, "Shard(0)": 15}
+    assert info["adam_step"] == 3 and info["scheduler_last_epoch"] == 3
+    assert info["mesh"] == {"dim_names": ["fsdp"], "device_type": "cpu"}
+
+    out = tmp_path / "hf"
+    assert main(["convert", str(ckpt), str(out), "--from", "verl", "--to", "hf",
+                 "--dtype", "float32"]) == 0
+    ref = load_file(str(src / "reference/params.safetensors"))
+    got = load_file(str(out / "model.safetensors"))
+    assert all(np.array_equal(got[k], ref[k]) for k in ref)
+    capsys.readouterr()
+    assert main(["convert", "--inspect", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["dtypes"] == {"F32": 27}
+
+    assert main(["convert", "--verify", str(out)]) == 0
+    assert "verify" in capsys.readouterr().out
+    with open(out / "model.safetensors", "r+b") as f:  # flip one byte of the weights
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 1]))
+    assert main(["convert", "--verify", str(out)]) == 1
+    assert "model.safetensors: SHA-256 differs" in capsys.readouterr().err
+
+
+def test_cli_errors(tmp_path, capsys):
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    hf = tmp_path / "hf"
+    assert main(["convert", str(ckpt), str(hf), "--from", "verl", "--to", "hf"]) == 0
+    # hf -> verl needs a world size; the refusal names the flag and writes nothing
+    assert main(["convert", str(hf), str(tmp_path / "v"), "--from", "hf", "--to", "verl"]) == 1
+    assert "--world-size" in capsys.readouterr().err and not (tmp_path / "v").exists()
+    # an existing destination is never overwritten
+    assert main(["convert", str(ckpt), str(hf), "--from", "verl", "--to", "hf"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["convert", "--verify", str(tmp_path)]) == 1
+    assert "checksums.json: missing" in capsys.readouterr().err
