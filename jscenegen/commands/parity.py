@@ -14,6 +14,9 @@ def register(sub) -> None:
     lg.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     lg.add_argument("--seed", type=int, default=0)
     lg.set_defaults(func=run_logits)
+    from jscenegen.grpo.parity_step import add_parser as add_grpo_step
+
+    add_grpo_step(kinds)
 
 
 def run_logits(args) -> int:

@@ -179,8 +179,11 @@ def make_torch_optimizer(params, optim_cfg):
 
 
 def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_batches=1,
-              optimizer=None, scheduler=None):
-    """One GRPO update of a transformers model, VERL style; returns metrics and optimizer.
+              optimizer=None, scheduler=None, return_grads=False):
+    """One GRPO update of a transformers model, VERL style.
+
+    Returns (metrics {loss, grad_norm, skipped}, grads {name: np.ndarray before clipping} or
+    None, optimizer, scheduler).
 
     batch: dict of torch tensors input_ids/attention_mask/loss_mask/advantages/old_logp
     [B, T] (ref_logp when use_kl_loss). Micro-batches are contiguous row blocks; with
@@ -188,7 +191,8 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     losses are summed (VERL 0.9.1 engine); legacy divides each by its own counts and by k.
     """
     torch = _torch()
-    params = [p for p in model.parameters()]
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
     if optimizer is None:
         optimizer, scheduler = make_torch_optimizer(params, optim_cfg)
     mask = batch["loss_mask"].float()
@@ -214,6 +218,7 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
             loss = loss / num_micro_batches
         loss.backward()
         total += float(loss.detach())
+    grads = ({n: p.grad.detach().numpy().copy() for n, p in named} if return_grads else None)
     max_norm = optim_cfg.grad_clip if optim_cfg.grad_clip and optim_cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     skipped = not bool(torch.isfinite(grad_norm))
@@ -222,4 +227,5 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     else:
         optimizer.step()
     scheduler.step()
-    return {"loss": total, "grad_norm": float(grad_norm), "skipped": skipped}, optimizer, scheduler
+    metrics = {"loss": total, "grad_norm": float(grad_norm), "skipped": skipped}
+    return metrics, grads, optimizer, scheduler

@@ -1,0 +1,190 @@
+"""`jscenegen parity grpo-step`: one GRPO update in jscenegen and in the torch baseline.
+
+The torch side is transformers' Qwen2/Qwen3 torch model on the same HF directory (fp32,
+eager attention, VERL's position ids for left padding), the spec formulas of
+`torch_reference` and torch.optim.AdamW + clip_grad_norm_ + LambdaLR. The batch is fixed
+and synthetic: 2 groups of 4 episodes with random rewards (one policy failure, -1), left
+padding, environment text and two policy roles (Planner and Designer turns); the update
+trains one role. Old log-probs are each side's own recompute plus one shared perturbation
+(so the clip bounds are reached); the optional reference log-probs are shared likewise.
+
+Prints one JSON line; exit 1 when beyond the tolerances: |loss diff| <= 1e-5 and every
+parameter within 2.4e-7 x max(1, |p|) of torch's after the step (fp32).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from jscenegen.grpo.roles import DESIGNER, ENVIRONMENT, PLANNER
+
+LOSS_TOL = 1e-5
+PARAM_TOL = 2.4e-7
+
+
+def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int = 4,
+                    selected: int = DESIGNER, seed: int = 0) -> dict:
+    """A fixed GRPO batch as numpy arrays.
+
+    Returns input_ids/attention_mask [rows, seq] int32 (left padding of 0-6 tokens), roles
+    [rows, seq] int32, policy_mask [rows, seq] bool, scores/valid/group_ids [rows], and
+    loss_mask/advantages [rows, seq] float32 for role `selected`, plus old_delta/ref_delta
+    [rows, seq] float32 perturbations (N(0, 0.3)) for the old/reference log-probs.
+    """
+    from jscenegen.grpo.advantages import grpo_outcome_advantages
+    from jscenegen.grpo.roles import role_loss_mask
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (rows, seq)).astype(np.int32)
+    mask = np.ones((rows, seq), np.int32)
+    roles = np.full((rows, seq), ENVIRONMENT, np.int32)
+    policy = np.zeros((rows, seq), bool)
+    for r in range(rows):
+        pad = int(rng.integers(0, 7))
+        mask[r, :pad] = 0
+        ids[r, :pad] = 0
+        t = pad + 3  # system/scene prompt
+        for role in (PLANNER, DESIGNER, DESIGNER):
+            turn = int(rng.integers(3, 6))
+            roles[r, t:t + turn] = role
+            policy[r, t:t + turn] = True
+            t += turn + 2  # environment observation after each turn
+    groups = np.repeat(np.arange(rows // group_size), group_size)
+    scores = rng.uniform(0, 1, rows).astype(np.float32)
+    scores[1] = -1.0  # a policy failure is an ordinary member
+    valid = np.ones(rows, bool)
+    adv = np.asarray(grpo_outcome_advantages(scores, groups, valid, group_size=group_size))
+    loss_mask = np.asarray(role_loss_mask(roles, policy, selected)) * mask
+    return {
+        "input_ids": ids, "attention_mask": mask, "roles": roles, "policy_mask": policy,
+        "scores": scores, "valid": valid, "group_ids": groups,
+        "loss_mask": loss_mask.astype(np.float32),
+        "advantages": (adv[:, None] * loss_mask).astype(np.float32),
+        "old_delta": rng.normal(0, 0.3, (rows, seq)).astype(np.float32),
+        "ref_delta": rng.normal(0, 0.3, (rows, seq)).astype(np.float32),
+    }
+
+
+def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
+                     seed: int = 0, rows: int = 8, seq: int = 32, compare_grads: bool = False) -> dict:
+    """Run one update both ways; returns the comparison (see module doc) with `ok`.
+
+    With `compare_grads` the accumulated gradients are also compared element-wise
+    (`grad_max_rel_diff` = max |g_jax - g_torch| / max |g_torch|; one more compile).
+
+    Micro-batching: jscenegen uses `loss_cfg.ppo_micro_batch_size`; torch uses the same row
+    blocks, with VERL 0.9's global or the legacy per-micro-batch normalisation as configured.
+    Raises ImportError without torch, and the loaders' errors for a bad directory.
+    """
+    import jax
+    import torch
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from jscenegen.grpo import torch_reference as ref
+    from jscenegen.grpo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.optimizer import param_names
+    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.model.hf_io import load_hf
+
+    loss_cfg = loss_cfg or LossConfig()
+    optim_cfg = optim_cfg or OptimConfig()
+    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    names = param_names(params)
+    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
+                    temperature=temperature, donate=False)
+    data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed)
+    on = data["loss_mask"] > 0
+
+    jax_old, _ = step.logprobs(params, data["input_ids"], data["attention_mask"])
+    jax_old = np.asarray(jax_old)
+    batch = {k: data[k] for k in ("input_ids", "attention_mask", "loss_mask", "advantages")}
+    batch["old_logp"] = np.where(on, jax_old + data["old_delta"], 0.0).astype(np.float32)
+    if loss_cfg.use_kl_loss:
+        batch["ref_logp"] = np.where(on, jax_old + data["ref_delta"], 0.0).astype(np.float32)
+    state, metrics = step.step(init_train_state(params, optim_cfg), batch)
+    jax_new = dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(state.params))))
+
+    torch.manual_seed(0)
+    tmodel = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    tb = {"input_ids": torch.from_numpy(data["input_ids"].astype(np.int64)),
+          "attention_mask": torch.from_numpy(data["attention_mask"].astype(np.int64))}
+    with torch.no_grad():
+        t_old, _ = ref.shifted_logprobs(tmodel, tb["input_ids"], tb["attention_mask"], temperature)
+    t_old = t_old.numpy()
+    for key in ("loss_mask", "advantages"):
+        tb[key] = torch.from_numpy(data[key])
+    tb["old_logp"] = torch.from_numpy(np.where(on, t_old + data["old_delta"], 0.0).astype(np.float32))
+    if loss_cfg.use_kl_loss:
+        tb["ref_logp"] = torch.from_numpy(
+            np.where(on, t_old + data["ref_delta"], 0.0).astype(np.float32))
+    micro_rows = loss_cfg.ppo_micro_batch_size or rows
+    t_metrics, t_grads, _, _ = ref.grpo_step(
+        tmodel, tb, loss_cfg, optim_cfg, temperature=temperature,
+        num_micro_batches=rows // micro_rows, return_grads=compare_grads)
+    t_new = {n: p.detach().numpy() for n, p in tmodel.named_parameters()}
+
+    missing = sorted(set(t_new) ^ set(jax_new))
+    if missing:
+        raise ValueError(f"parameter names differ between jscenegen and transformers: {missing}")
+    param_diff = max(float(np.max(np.abs(jax_new[n] - t_new[n]) / np.maximum(1.0, np.abs(t_new[n]))))
+                     for n in names)
+    p0 = dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(params))))
+    upd_scale = max(float(np.max(np.abs(t_new[n] - p0[n]))) for n in names)
+    upd_diff = max(float(np.max(np.abs((jax_new[n] - p0[n]) - (t_new[n] - p0[n])))) for n in names)
+    loss_diff = abs(float(metrics["loss"]) - t_metrics["loss"])
+    result = {
+        "model_type": model.cfg.model_type,
+        "loss_jax": float(metrics["loss"]), "loss_torch": t_metrics["loss"], "loss_diff": loss_diff,
+        "grad_norm_jax": float(metrics["grad_norm"]), "grad_norm_torch": t_metrics["grad_norm"],
+        "grad_norm_ratio": float(metrics["grad_norm"]) / t_metrics["grad_norm"],
+        "max_param_diff": param_diff,
+        "update_max": upd_scale, "update_max_diff": upd_diff,
+        "old_logp_max_diff": float(np.max(np.abs(jax_old - t_old)[data["attention_mask"] > 0])),
+        "clipfrac": float(metrics["clipfrac"]), "trained_tokens": int(on.sum()),
+        "loss_agg_mode": loss_cfg.loss_agg_mode, "loss_scale": loss_cfg.loss_scale,
+        "micro_batches": rows // micro_rows, "lr": optim_cfg.lr,
+        "tolerances": {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL},
+    }
+    if compare_grads:
+        grads = step.grads(params, batch)[0]
+        jax_grads = dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(grads))))
+        g_scale = max(float(np.max(np.abs(g))) for g in t_grads.values())
+        result["grad_max_rel_diff"] = max(
+            float(np.max(np.abs(jax_grads[n] - t_grads[n]))) for n in names) / g_scale
+    result["ok"] = bool(loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL
+                        and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
+    return result
+
+
+def add_parser(kinds) -> None:
+    """Add the `grpo-step` kind to the `jscenegen parity` sub-parsers."""
+    p = kinds.add_parser("grpo-step", help="one GRPO update vs transformers + torch AdamW")
+    p.add_argument("--model", required=True, help="HF model directory (Qwen2/Qwen3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=8, help="episodes (2 groups of rows/2)")
+    p.add_argument("--seq", type=int, default=32, help="padded tokens per episode")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--grads", action="store_true", help="also compare gradients element-wise")
+    p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="LossConfig overrides, e.g. loss_agg_mode=seq-mean-token-mean "
+                        "ppo_micro_batch_size=2 use_kl_loss=true")
+    p.add_argument("--optim", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="OptimConfig overrides, e.g. lr=1e-5")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from jscenegen.config import apply_overrides, validate_config
+    from jscenegen.grpo.config import LossConfig, OptimConfig
+
+    loss_cfg = validate_config(apply_overrides({}, args.loss), "--loss", LossConfig)
+    optim_cfg = validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig)
+    result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
+                              temperature=args.temperature, seed=args.seed, rows=args.rows,
+                              seq=args.seq, compare_grads=args.grads)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
