@@ -158,6 +158,10 @@ class VerlCheckpoint:
     the config in `huggingface/config.json` (or `hf_dir`), and checked against the model file.
     """
 
+    # memory-mapped pages a reader touched stay resident (and count in RSS) while the file is
+    # mapped; past this many bytes read, the rank files are dropped and re-mapped
+    REMAP_BYTES = 1 << 30
+
     def __init__(self, path: str | Path, hf_dir: str | Path | None = None):
         from jscenegen.model.config import ModelConfigError, QwenConfig
         from jscenegen.model.params import param_shapes
@@ -177,6 +181,7 @@ class VerlCheckpoint:
         self.shapes = param_shapes(self.config)
         self.param_order = list(self.shapes)
         self.tied = self.config.tie_word_embeddings
+        self._bytes_since_map = 0
         self._check_keys()
 
     # ---- files -------------------------------------------------------------------------
@@ -238,9 +243,18 @@ class VerlCheckpoint:
                     raise ConvertError(f"{f}: {key} local shard {tuple(local.shape)}, expected {want} "
                                        f"(Shard({dim}) of {shape} over {n_shards} ranks)")
             locals_.append(to_numpy(local))
-        if dim is None:
-            return np.array(locals_[0])
-        return np.concatenate(locals_, axis=dim) if len(locals_) > 1 else np.array(locals_[0])
+        full = np.array(locals_[0]) if dim is None or len(locals_) == 1 else np.concatenate(locals_, axis=dim)
+        del locals_
+        self._count_read(full.nbytes)
+        return full
+
+    def _count_read(self, nbytes: int) -> None:
+        """Unmap the rank files once REMAP_BYTES were read through them (bounds resident memory)."""
+        self._bytes_since_map += nbytes
+        if self._bytes_since_map > self.REMAP_BYTES:
+            self.__dict__.pop("_model_files", None)
+            self.__dict__.pop("_optim_files", None)
+            self._bytes_since_map = 0
 
     def _shard_dim(self, kind: str, key: str, t: Any) -> int | None:
         from torch.distributed.tensor import Replicate, Shard

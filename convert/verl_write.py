@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -81,11 +82,13 @@ def _fake_rank(rank: int, world_size: int, device_type: str) -> Iterator[Any]:
     if dist.is_initialized():
         raise ConvertError("a torch process group is already initialised in this process; "
                            "write VERL files from a process without one")
+    excepthook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:"; undo that
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def _dtensor(local: np.ndarray, mesh: Any, dim: int, shape: tuple[int, ...], device_type: str) -> Any:

@@ -162,6 +162,11 @@ def _build_rank(rank: int, world_size: int, args, init_file: str) -> None:
         with open(actor / "fsdp_config.json", "w") as f:
             json.dump({"FSDP_version": 2, "world_size": W}, f, indent=4)
         hf_config.save_pretrained(actor / "huggingface")
+        # VERL saves the tokenizer beside the config (a tiny byte-level BPE with ChatML here)
+        from jscenegen.model.tokenizer_build import train_bpe_tokenizer
+
+        texts = ["a small bedroom with a bed, a desk and a lamp by the window"] * 4
+        train_bpe_tokenizer(texts, vocab_size=300).save_pretrained(actor / "huggingface")
         (run / "latest_checkpointed_iteration.txt").write_text(str(GLOBAL_STEP))
         ref = out / "reference"
         ref.mkdir(parents=True, exist_ok=True)

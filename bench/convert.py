@@ -1,0 +1,204 @@
+"""Conversion throughput (MB/s) and peak RSS: VERL FSDP2 shards -> HF safetensors.
+
+    python bench/convert.py [--layers 2] [--world-size 6] [--workdir /tmp/jscenegen-bench-convert]
+
+Input: a Qwen2 model with Qwen2.5-7B widths (vocab 152064, hidden 3584, FFN 18944, 28 heads,
+4 KV heads; untied head) and `--layers` layers, random fp32 weights (about 6.2 GB at 2
+layers), written as W rank files by convert.directions.hf_to_verl (setup, also timed).
+
+Measured, each in its own child process so `ru_maxrss` is that conversion's peak RSS:
+- ours: convert.directions.verl_to_hf (streaming, fp32 kept).
+- baseline: the naive merge, which is what VERL's model merger does in spirit
+  (verl/model_merger/fsdp_model_merger.py): torch.load every rank file whole
+  (weights_only, no mmap), torch.cat each tensor's shards along its shard dim, then
+  safetensors.torch.save_file of the full state dict.
+- VERL's own merger when the `verl` package is installed (it is not on this machine; the
+  output says so).
+MB/s counts the model's fp32 bytes (1e6 bytes per MB) over wall time; the input files are
+evicted from the page cache before each run (posix_fadvise DONTNEED), so both start cold. The last line is JSON
+with "ratio" = our MB/s / baseline MB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WIDTHS = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+              num_attention_heads=28, num_key_value_heads=4, head_dim=128)
+
+
+def _config(layers: int) -> dict:
+    return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=layers,
+                tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6,
+                max_position_embeddings=32768, hidden_act="silu", torch_dtype="float32",
+                **WIDTHS)
+
+
+def make_source(work: Path, layers: int, world_size: int) -> tuple[Path, int, int]:
+    """Random HF model -> VERL rank files. Returns (verl dir, model bytes, largest tensor bytes)."""
+    import numpy as np
+
+    from convert.directions import hf_to_verl
+    from convert.safetensors_io import write_safetensors_streaming
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.params import param_shapes
+
+    hf = work / "hf_source"
+    verl = work / "verl"
+    cfg = QwenConfig.from_hf_dict(_config(layers))
+    shapes = param_shapes(cfg)
+    total = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    largest = max(int(np.prod(s)) * 4 for s in shapes.values())
+    if not (verl / "checksums.json").is_file():
+        shutil.rmtree(hf, ignore_errors=True)
+        shutil.rmtree(verl, ignore_errors=True)
+        hf.mkdir(parents=True)
+        (hf / "config.json").write_text(json.dumps(_config(layers), indent=2))
+        rng = np.random.default_rng(0)
+        specs = {n: (s, np.dtype(np.float32)) for n, s in shapes.items()}
+        arrays = ((n, rng.random(s, dtype=np.float32)) for n, s in shapes.items())
+        write_safetensors_streaming(hf, specs, arrays)
+        t = time.perf_counter()
+        hf_to_verl(hf, verl, world_size=world_size, device_type="cpu")
+        print(f"setup: hf -> verl (W={world_size}) {total / 1e6 / (time.perf_counter() - t):.0f} MB/s")
+        shutil.rmtree(hf)
+    return verl, total, largest
+
+
+def child(mode: str, src: str, dst: str) -> None:
+    """Run one conversion and print {"seconds", "peak_rss_bytes"} as JSON."""
+    t = time.perf_counter()
+    if mode == "ours":
+        from convert.directions import verl_to_hf
+
+        verl_to_hf(src, dst)
+    elif mode == "naive":
+        naive_merge(Path(src), Path(dst))
+    elif mode == "verl":
+        subprocess.run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
+                        "--local_dir", src, "--target_dir", dst], check=True)
+    seconds = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if mode == "verl":
+        rss = max(rss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+    print(json.dumps({"seconds": seconds, "peak_rss_bytes": rss}))
+
+
+def naive_merge(shard_dir: Path, dst: Path) -> None:
+    """The baseline: load all rank files whole, torch.cat per tensor, save_file everything."""
+    import re
+
+    import torch
+    import torch.distributed.tensor  # noqa: F401
+    from safetensors.torch import save_file
+
+    files = sorted(shard_dir.glob("model_world_size_*_rank_*.pt"),
+                   key=lambda p: int(re.search(r"rank_(\d+)", p.name).group(1)))
+    ranks = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+    full = {}
+    for k in list(ranks[0]):
+        dim = ranks[0][k].placements[-1].dim
+        # shards are dropped as soon as merged: peak = all shards + one merged tensor
+        full[k] = torch.cat([r.pop(k).to_local() for r in ranks], dim=dim).contiguous()
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(full, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _evict(src: Path) -> None:
+    """Drop the input files from the page cache, so every run starts cold (no root needed)."""
+    for f in src.rglob("*.pt"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure(mode: str, src: Path, dst: Path) -> dict:
+    shutil.rmtree(dst, ignore_errors=True)
+    os.sync()
+    _evict(src)
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, str(src), str(dst)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    shutil.rmtree(dst, ignore_errors=True)
+    return out
+
+
+def _mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--world-size", type=int, default=6)
+    p.add_argument("--workdir", default="/tmp/jscenegen-bench-convert")
+    p.add_argument("--keep", action="store_true", help="keep the generated VERL input")
+    p.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "DST"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(*args.child)
+        return 0
+    work = Path(args.workdir)
+    verl, total, largest = make_source(work, args.layers, args.world_size)
+    shard_dir = verl / "global_step_0" / "actor"
+    gb = 1 << 30
+    print(f"model: {args.layers} layers at Qwen2.5-7B widths, {total / 1e9:.2f} GB fp32, "
+          f"largest tensor {largest / 1e9:.2f} GB, W={args.world_size}")
+    available = _mem_available()
+    if available < 1.5 * total + largest:
+        print(f"only {available / gb:.1f} GiB of memory available; the naive baseline needs about "
+              f"{(total + largest) / gb:.1f} GiB: free memory and rerun")
+        return 1
+    results = {}
+    for mode, src in (("ours", verl), ("naive", shard_dir)):
+        r = measure(mode, src, work / f"out_{mode}")
+        r["mb_per_s"] = total / 1e6 / r["seconds"]
+        results[mode] = r
+        print(f"{mode:>6}: {r['seconds']:.1f} s, {r['mb_per_s']:.0f} MB/s, peak RSS "
+              f"{r['peak_rss_bytes'] / gb:.2f} GiB ({r['peak_rss_bytes'] / largest:.2f} x largest tensor)")
+    if importlib.util.find_spec("verl") is not None:
+        r = measure("verl", shard_dir, work / "out_verl")
+        r["mb_per_s"] = total / 1e6 / r["seconds"]
+        results["verl_merger"] = r
+        print(f"VERL merger: {r['seconds']:.1f} s, {r['mb_per_s']:.0f} MB/s, peak RSS "
+              f"{r['peak_rss_bytes'] / gb:.2f} GiB")
+    else:
+        print("VERL is not installed here: its model merger was not run; the naive merge above "
+              "is the baseline")
+    budget = 3 * largest + gb
+    print(f"target: peak RSS <= 3 x largest + 1 GiB = {budget / gb:.2f} GiB "
+          f"({'met' if results['ours']['peak_rss_bytes'] <= budget else 'NOT met'}), >= 200 MB/s "
+          f"({'met' if results['ours']['mb_per_s'] >= 200 else 'NOT met'})")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"ratio": results["ours"]["mb_per_s"] / results["naive"]["mb_per_s"],
+                      "ours_mb_per_s": results["ours"]["mb_per_s"],
+                      "baseline_mb_per_s": results["naive"]["mb_per_s"],
+                      "ours_peak_rss_gib": results["ours"]["peak_rss_bytes"] / gb,
+                      "baseline_peak_rss_gib": results["naive"]["peak_rss_bytes"] / gb,
+                      "model_gb": total / 1e9, "largest_tensor_gb": largest / 1e9,
+                      "verl_merger": "verl_merger" in results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

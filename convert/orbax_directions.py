@@ -1,0 +1,292 @@
+"""Conversions to and from jscenegen's orbax training checkpoints (jscenegen/grpo/checkpoint.py).
+
+An orbax output DST is a checkpoint directory (what `CheckpointStore(DST)` manages) holding
+one step, `DST/<N>/`, plus `DST/checkpoint-layout.json` and `DST/checksums.json` (the step has
+its own checksums.json, which restore verifies). An orbax source is a step directory, or a
+checkpoint directory (its newest complete step is used).
+
+What carries over (../shared/specs/verl-checkpoint.md, "What a converter must guarantee"):
+- params {hf_name: array}, logical shapes, the source dtype (fp32 master weights);
+- Adam: torch `exp_avg` -> `mu`, `exp_avg_sq` -> `nu`, `step` -> `count` (bitwise);
+- the LR scheduler's `last_epoch` (global steps) -> train_state["lr_schedule_count"], the
+  global step -> the checkpoint step and train_state["step"];
+- what has no JAX counterpart is kept verbatim in training_metadata.json["source"]["verl"]:
+  torch AdamW param_groups, the LambdaLR state, and every rank's RNG state (torch CPU state as
+  hex, numpy MT19937, python random). JAX keys cannot continue torch's random streams; going
+  back to VERL with the same world size restores them exactly, otherwise rank 0's state is
+  used for every rank.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from convert.directions import VerlState, _sliced, copy_hf_metadata, write_verl_run
+from convert.errors import ConvertError
+from convert.layout import write_layout
+from convert.safetensors_io import SafetensorsReader, write_safetensors_streaming
+from convert.staging import staged_dir
+from convert.tensors import cast
+from convert.verl_read import VerlCheckpoint
+from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
+from jscenegen.checksums import write_checksums
+
+
+# ---------------------------------------------------------------- torch extra state <-> JSON
+def extra_state_to_json(extra: dict[str, Any]) -> dict[str, Any]:
+    """One rank's VERL extra state as JSON-able data (lossless for the types VERL writes)."""
+    rng = extra.get("rng") or {}
+    out: dict[str, Any] = {"lr_scheduler": extra.get("lr_scheduler"), "rng": {}}
+    for dev, state in rng.items():
+        if dev == "numpy":
+            kind, mt, pos, has_gauss, cached = state
+            out["rng"]["numpy"] = {"kind": kind, "mt": np.asarray(mt).astype(int).tolist(),
+                                   "pos": int(pos), "has_gauss": int(has_gauss),
+                                   "cached_gaussian": float(cached)}
+        elif dev == "random":
+            version, internal, gauss = state
+            out["rng"]["random"] = {"version": version, "internal": list(internal), "gauss": gauss}
+        else:  # "cpu", "cuda", ...: torch ByteTensors
+            out["rng"][dev] = {"torch_uint8_hex": bytes(state.numpy().tobytes()).hex()}
+    if out["lr_scheduler"] is not None:
+        out["lr_scheduler"] = {k: (list(v) if isinstance(v, tuple) else v)
+                               for k, v in out["lr_scheduler"].items()}
+    return out
+
+
+def extra_state_from_json(doc: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of `extra_state_to_json`: the objects torch.save writes for VERL."""
+    import torch
+
+    rng: dict[str, Any] = {}
+    for dev, state in (doc.get("rng") or {}).items():
+        if dev == "numpy":
+            rng["numpy"] = (state["kind"], np.asarray(state["mt"], dtype=np.uint32),
+                            int(state["pos"]), int(state["has_gauss"]), float(state["cached_gaussian"]))
+        elif dev == "random":
+            rng["random"] = (state["version"], tuple(state["internal"]), state["gauss"])
+        else:
+            raw = bytearray.fromhex(state["torch_uint8_hex"])
+            rng[dev] = torch.frombuffer(raw, dtype=torch.uint8).clone()
+    out: dict[str, Any] = {"lr_scheduler": doc.get("lr_scheduler")}
+    if rng:
+        out["rng"] = rng
+    return out
+
+
+# ---------------------------------------------------------------- orbax side
+def _orbax_step_dir(path: str | Path) -> Path:
+    from jscenegen.grpo import checkpoint as ckpt
+
+    path = Path(path)
+    if (path / ckpt.PARAMS_ITEM).is_dir():
+        status = ckpt.check_step(path)
+    else:
+        steps = sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True) \
+            if path.is_dir() else []
+        for s in steps:
+            status = ckpt.check_step(path / str(s))
+            if status.valid:
+                break
+        else:
+            raise ConvertError(f"{path}: no complete orbax checkpoint step here")
+    if not status.valid:
+        raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
+    return status.path
+
+
+def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
+                params: dict[str, np.ndarray], adam: dict[str, Any],
+                train_state: dict[str, Any], source: dict[str, Any], layout_files: list,
+                source_path: str | Path, source_format: str) -> Path:
+    from jscenegen.grpo.checkpoint import CheckpointStore
+    from jscenegen.grpo.run_metadata import training_metadata
+    from jscenegen.model.params import param_shapes
+
+    with staged_dir(dst) as tmp:
+        meta = training_metadata(
+            config={}, protocol_hash=None, schedule_hash=None,
+            optimizer_step=int(adam["count"]), effective_updates=int(train_state.get("step", 0)),
+            judge=None, extra={"source": source})
+        store = CheckpointStore(tmp, keep_last=1)
+        try:
+            store.save(step, params=params, adam=adam, train_state=train_state, metadata=meta,
+                       hf_assets_dir=hf_dir, shapes=param_shapes(cfg))
+        finally:
+            store.close()
+        write_layout(tmp, fmt="orbax", source=source_path, source_format=source_format,
+                     files=[(f"{step}/{w}", s) for w, s in layout_files], step=step)
+        write_checksums(tmp)
+    return Path(dst) / str(step)
+
+
+def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
+    """A VERL checkpoint as an orbax training checkpoint DST/<global step>/ (resumable).
+
+    Memory: the whole model, Adam moments included, is held once (CheckpointStore.save takes
+    in-memory trees), i.e. 3 x the fp32 model size.
+    """
+    ck = VerlCheckpoint(src)
+    params = {n: cast(a, dtype) for n, a in ck.iter_params()}
+    adam: dict[str, Any] = {"count": 0, "mu": {}, "nu": {}}
+    if ck.has_optimizer():
+        adam["count"] = ck.adam_step()
+        for name, m, v in ck.iter_adam():
+            adam["mu"][name], adam["nu"][name] = m, v
+    else:
+        adam["mu"] = {n: np.zeros_like(a, dtype=np.float32) for n, a in params.items()}
+        adam["nu"] = {n: np.zeros_like(a, dtype=np.float32) for n, a in params.items()}
+    extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
+    step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
+    sched = ck.scheduler_step() if extras else None
+    train_state = {"step": step, "lr_schedule_count": sched if sched is not None else step,
+                   "optimizer_step": int(adam["count"]), "source_format": "verl"}
+    info = ck.tensor_info()
+    import torch
+
+    source = {"format": "verl", "path": str(Path(src).resolve()), "layout": ck.layout.kind,
+              "world_size": ck.world_size, "global_step": ck.layout.global_step,
+              "torch_version_reading": torch.__version__, "mesh": ck.mesh(),
+              "shard_dims": {k: v.shard_dim for k, v in info.items()},
+              "verl": {"param_groups": _json_groups(ck.param_groups()) if ck.has_optimizer() else None,
+                       "extra_state": [extra_state_to_json(e) for e in extras]},
+              "note": "torch RNG streams cannot be continued by JAX keys; recorded for a return to VERL"}
+    files = [str(ck.layout.rank_file(k, r)) for k in ck.layout.kinds for r in range(ck.world_size)]
+    layout_files = [("params", [f for f in files if "/model_" in f]),
+                    ("adam", [f for f in files if "/optim_" in f]),
+                    ("train_state", [f for f in files if "/extra_state_" in f]),
+                    ("hf/config.json", [str(ck.hf_dir / "config.json")])]
+    return _save_orbax(Path(dst), step=step, cfg=ck.config, hf_dir=ck.hf_dir, params=params,
+                       adam=adam, train_state=train_state, source=source,
+                       layout_files=layout_files, source_path=src, source_format="verl")
+
+
+def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in groups]
+
+
+def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
+    """An HF model as an orbax checkpoint at step 0 with fresh Adam state (zeros, count 0)."""
+    from convert.directions import hf_state
+    from jscenegen.model.params import param_shapes
+
+    state = hf_state(src)
+    reader = SafetensorsReader(src)
+    params = {n: cast(reader.full(n), dtype) for n in param_shapes(state.config)}
+    adam = {"count": 0, "mu": {n: np.zeros(a.shape, np.float32) for n, a in params.items()},
+            "nu": {n: np.zeros(a.shape, np.float32) for n, a in params.items()}}
+    files = sorted({str(p) for p in reader.files.values()})
+    return _save_orbax(Path(dst), step=0, cfg=state.config, hf_dir=Path(src), params=params,
+                       adam=adam, train_state={"step": 0, "lr_schedule_count": 0,
+                                               "optimizer_step": 0, "source_format": "hf"},
+                       source={"format": "hf", "path": str(Path(src).resolve())},
+                       layout_files=[("params", files)], source_path=src, source_format="hf")
+
+
+def orbax_reader(step_dir: Path, group: str) -> Callable[[str], np.ndarray]:
+    """name -> full array of `group` ("params", "mu", "nu"), one partial orbax restore each."""
+    from jscenegen.grpo.checkpoint import iter_arrays
+
+    def full(name: str) -> np.ndarray:
+        ((_, arr),) = list(iter_arrays(step_dir, group, names=[name]))
+        return np.asarray(arr)
+
+    return full
+
+
+def orbax_state(src: str | Path, world_size: int) -> VerlState:
+    """Readers over an orbax step, with the torch-only state rebuilt for `world_size` ranks."""
+    from jscenegen.grpo import checkpoint as ckpt
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.params import param_shapes
+
+    step_dir = _orbax_step_dir(src)
+    hf = step_dir / ckpt.HF_DIR
+    cfg = QwenConfig.from_dir(hf)
+    shapes = param_shapes(cfg)
+    stored = ckpt.array_shapes(step_dir, "params")
+    if set(stored) != set(shapes):
+        raise ConvertError(f"{step_dir / ckpt.PARAMS_ITEM}: names differ from {hf / 'config.json'}")
+    meta = ckpt.read_metadata(step_dir)
+    train_state = ckpt.read_train_state(step_dir)
+    count = ckpt.read_adam_count(step_dir)
+    verl_src = ((meta.get("source") or {}).get("verl") or {})
+    groups = verl_src.get("param_groups")
+    if groups:
+        groups = [dict(g, betas=tuple(g["betas"])) for g in groups]
+    else:
+        optim = (meta.get("config") or {}).get("optim") or {}
+        groups = adamw_param_groups(len(shapes), lr=float(optim.get("lr", 1e-6)),
+                                    betas=tuple(optim.get("betas", (0.9, 0.999))),
+                                    eps=float(optim.get("eps", 1e-8)),
+                                    weight_decay=float(optim.get("weight_decay", 0.01)))
+    sched_count = int(train_state.get("lr_schedule_count", train_state.get("step", 0)))
+    extras_json = verl_src.get("extra_state") or []
+    if extras_json:
+        extras = [extra_state_from_json(e) for e in extras_json]
+        if len(extras) != world_size:
+            extras = extras[:1]
+        for e in extras:
+            if e.get("lr_scheduler"):
+                e["lr_scheduler"]["last_epoch"] = sched_count
+                e["lr_scheduler"]["_step_count"] = sched_count + 1
+    else:
+        lr = float(groups[0]["lr"])
+        extras = [{"lr_scheduler": lambda_lr_state(float(groups[0].get("initial_lr", lr)),
+                                                   sched_count, lr)}]
+    return VerlState(
+        config=cfg, hf_dir=hf, params=_sliced(orbax_reader(step_dir, "params")),
+        adam=AdamSource(exp_avg=_sliced(orbax_reader(step_dir, "mu")),
+                        exp_avg_sq=_sliced(orbax_reader(step_dir, "nu")), step=count,
+                        param_groups=groups),
+        extra_states=extras, global_step=int(train_state.get("step", int(step_dir.name))))
+
+
+def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
+                  dtype: str | None = None, device_type: str = "cuda") -> Path:
+    """An orbax step as a VERL run directory that torch FSDP2 on `world_size` ranks resumes."""
+    state = orbax_state(src, world_size)
+    step_dir = _orbax_step_dir(src)
+    return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
+                          device_type=device_type, source=src, source_format="orbax",
+                          source_files={"model": [str(step_dir / "params")],
+                                        "optim": [str(step_dir / "adam")],
+                                        "extra_state": [str(step_dir / "train_state"),
+                                                        str(step_dir / "training_metadata.json")]})
+
+
+def orbax_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> list[str]:
+    """The orbax step's params as an HF safetensors directory (streamed, atomic)."""
+    from jscenegen.grpo import checkpoint as ckpt
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.params import param_shapes
+
+    step_dir = _orbax_step_dir(src)
+    hf = step_dir / ckpt.HF_DIR
+    shapes = param_shapes(QwenConfig.from_dir(hf))
+    stored = ckpt.array_shapes(step_dir, "params")
+    specs = {n: (s, np.dtype(cast(np.zeros(1, stored[n][1]), dtype).dtype)) for n, s in shapes.items()}
+    with staged_dir(dst) as tmp:
+        arrays = ((n, cast(np.asarray(a), dtype))
+                  for n, a in ckpt.iter_arrays(step_dir, "params", names=list(shapes)))
+        names = write_safetensors_streaming(tmp, specs, arrays)
+        hf_files = copy_hf_metadata(hf, tmp)
+        write_layout(tmp, fmt="hf-safetensors", source=src, source_format="orbax",
+                     files=[(n, [str(step_dir / "params")]) for n in names] + hf_files,
+                     dtype=dtype or "source")
+        write_checksums(tmp)
+    return names
+
+
+DIRECTIONS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("verl", "orbax"): lambda src, dst, o: verl_to_orbax(src, dst, dtype=o["dtype"]),
+    ("hf", "orbax"): lambda src, dst, o: hf_to_orbax(src, dst, dtype=o["dtype"]),
+    ("orbax", "verl"): lambda src, dst, o: orbax_to_verl(
+        src, dst, world_size=o["world_size"], placement=o["placement"], dtype=o["dtype"],
+        device_type=o["mesh_device"]),
+    ("orbax", "hf"): lambda src, dst, o: orbax_to_hf(src, dst, dtype=o["dtype"]),
+}
+__all__ = ["verl_to_orbax", "hf_to_orbax", "orbax_to_verl", "orbax_to_hf", "DIRECTIONS",
+           "extra_state_to_json", "extra_state_from_json"]
