@@ -39,9 +39,9 @@ class OpCosts(Section):
 class MetricsConfig(Section):
     """Geometry and reachability parameters (scene-protocol.md section 4), metres.
 
-    `grid_size` is the side of the fixed padded grid in cells (128 x 5 cm = 6.4 m); a room whose
-    bounding box does not fit is refused. `geometry_bound_m` bounds every object corner relative
-    to the floor polygon's minimum corner so the integer rasteriser cannot overflow int32.
+    `grid_size` is the side of the fixed padded grid in cells (128 x 5 cm = 6.4 m; a multiple of
+    32, the JAX kernel packs rows into uint32 words); a room whose bounding box does not fit is
+    refused.
     """
 
     cell_m: float = Field(0.05, gt=0)
@@ -57,9 +57,8 @@ class MetricsConfig(Section):
     window_clearance_m: float = Field(0.5, ge=0)
     wall_gap_m: float = Field(0.10, ge=0)
     chair_desk_m: float = Field(1.5, ge=0)
-    grid_size: int = Field(128, ge=8, le=512)
+    grid_size: int = Field(128, ge=32, le=512, multiple_of=32)
     max_polygon_vertices: int = Field(16, ge=3, le=64)
-    geometry_bound_m: float = Field(16.0, gt=0, le=20.0)
 
 
 class RewardConfig(Section):

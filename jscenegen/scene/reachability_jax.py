@@ -1,14 +1,16 @@
 """Batched door-anchored reachability in JAX: fixed padded grid, `lax.while_loop` fill, `vmap`.
 
 Same integer geometry and tie rules as the NumPy reference (reachability.py), reorganised for
-accelerators: morphology is done with shifted ORs on the whole padded [G, G] grid (the disk split
-into rows: a horizontal dilation per row half-width, then a vertical shift), and regions come from
-label propagation (each free cell takes the largest label of its row run, then of its column run,
-until nothing changes), which is the 4-connected flood fill of every component at once. The reached region is the union of the components holding a free door start cell. For a
-blocking object F the ring D(F, r + m) minus D(F, r) meets `reached` exactly when F meets
-D(reached, r + m), because reached never enters D(F, r); front-used objects dilate only the part
-of `reached` strictly beyond their front line. All integer arithmetic is int32 (bounds checked in
-reach_inputs.encode_scene), so results equal the reference exactly.
+accelerators. Morphology is shifted ORs on the whole padded [G, G] grid (the disk split into
+rows: a horizontal dilation per row half-width, then a vertical shift). Regions come from label
+propagation (each free cell takes the largest label of its row run, then of its column run,
+until nothing changes): the 4-connected flood fill of every component at once. The reached
+region is the union of the components holding a free door start cell. For a blocking object F
+the ring D(F, r + m) minus D(F, r) meets `reached` exactly when F meets D(reached, r + m),
+because reached never enters D(F, r); front-used objects dilate only the part of `reached`
+strictly beyond their front line. These per-object dilations run on rows packed 32 cells to a
+uint32 word (the grid side is a multiple of 32). All integer arithmetic is int32 (bounds
+checked in reach_inputs.encode_scene), so results equal the reference exactly.
 """
 from __future__ import annotations
 
@@ -45,6 +47,36 @@ def _dilate(mask: jax.Array, rows, outside: bool = False) -> jax.Array:
     return out
 
 
+def _pack(mask: jax.Array) -> jax.Array:
+    """bool [..., G, G] -> uint32 [..., G, G // 32]; bit b of word w is column 32 w + b."""
+    g = mask.shape[-1]
+    bits = mask.reshape(mask.shape[:-1] + (g // 32, 32)).astype(jnp.uint32)
+    return jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+def _shift_x_packed(p: jax.Array, dx: int) -> jax.Array:
+    """Packed rows shifted so column x takes column x - dx (|dx| < 32); zeros come in."""
+    if dx == 0:
+        return p
+    if dx > 0:
+        return (p << dx) | (_shift(p, 0, 1, 0) >> (32 - dx))
+    return (p >> -dx) | (_shift(p, 0, -1, 0) << (32 + dx))
+
+
+def _dilate_packed(p: jax.Array, rows) -> jax.Array:
+    """`_dilate` on packed rows (uint32 [..., G, G // 32]), outside reads as empty."""
+    horiz, acc, done = {}, p, 0
+    for w in sorted({w for _, w in rows}):
+        for dx in range(done + 1, w + 1):
+            acc = acc | _shift_x_packed(p, dx) | _shift_x_packed(p, -dx)
+        done = w
+        horiz[w] = acc
+    out = jnp.zeros_like(p)
+    for dy, w in rows:
+        out = out | _shift(horiz[w], dy, 0, 0)
+    return out
+
+
 def _centres(g: int, cell_mm: int) -> tuple[jax.Array, jax.Array]:
     c = jnp.arange(g, dtype=jnp.int32) * cell_mm + cell_mm // 2
     return c[None, :], c[:, None]  # px [1, G], py [G, 1]
@@ -69,28 +101,31 @@ def _cross(a, b, px, py):
     return (bx - ax) * (py - ay) - (by - ay) * (px - ax)
 
 
-def _run_max(lab: jax.Array, free: jax.Array, axis: int) -> jax.Array:
-    """Every free cell takes the largest label of its run of free cells along `axis`.
-
-    Segmented max by offset keys: run ids (count of blocked cells so far) are non-decreasing,
-    so key = run_id * K + label with K above every label keeps runs apart in one cumulative max.
-    """
-    k = lab.shape[-1] * lab.shape[-2] + 1
-    run = jnp.cumsum(~free, axis=axis, dtype=jnp.int32)
-    fwd = lax.cummax(run * k + lab, axis=axis) - run * k
-    run_r = jnp.flip(jnp.cumsum(jnp.flip(~free, axis), axis=axis, dtype=jnp.int32), axis)
-    bwd = lax.cummax(run_r * k + lab, axis=axis, reverse=True) - run_r * k
-    return jnp.where(free, jnp.maximum(fwd, bwd), 0)
-
-
 def _labels(free: jax.Array) -> jax.Array:
-    """[G, G] int32 component labels of `free` (the largest 1-based cell index of the component)."""
+    """[G, G] int32 component labels of `free` (the largest 1-based cell index of the component).
+
+    Each pass gives every free cell the largest label of its run of free cells along rows, then
+    along columns: a segmented max by offset keys. Run ids (the count of blocked cells so far,
+    forwards or backwards) are monotone along the scan, so key = run_id * K + label, with K above
+    every label, keeps runs apart in one cumulative max. The run ids are fixed, so they are
+    computed once, outside the loop.
+    """
     g = free.shape[-1]
+    k = g * g + 1
     init = jnp.where(free, jnp.arange(1, g * g + 1, dtype=jnp.int32).reshape(g, g), 0)
+    runs = {
+        (axis, rev): lax.cumsum((~free).astype(jnp.int32), axis=axis, reverse=rev) * k
+        for axis in (0, 1) for rev in (False, True)
+    }
+
+    def run_max(lab, axis):
+        fwd = lax.cummax(runs[axis, False] + lab, axis=axis) - runs[axis, False]
+        bwd = lax.cummax(runs[axis, True] + lab, axis=axis, reverse=True) - runs[axis, True]
+        return jnp.where(free, jnp.maximum(fwd, bwd), 0)
 
     def body(state):
         lab, _, it = state
-        new = _run_max(_run_max(lab, free, 1), free, 0)
+        new = run_max(run_max(lab, 1), 0)
         return new, jnp.any(new != lab), it + 1
 
     # every pass merges whole row and column runs; G*G passes bound any path, so it never binds
@@ -117,9 +152,9 @@ def _reach_one(poly, corners, blocking, counted, front_only, starts, start_valid
     reached = free & jnp.any(labels[..., None] == jnp.where(seed_labels > 0, seed_labels, -1), axis=-1)
     sizes = jnp.zeros(g * g + 1, jnp.int32).at[labels.reshape(-1)].add(1)[1:]
     beyond = _cross(c[2], c[3], px, py) < 0
-    region = reached[None] & (beyond | ~front_only[:, None, None])
-    near = _dilate(region, ring_rows)
-    reachable = counted & jnp.any(near & feet, axis=(1, 2))
+    region = _pack(reached[None] & (beyond | ~front_only[:, None, None]))
+    near = _dilate_packed(region, ring_rows)
+    reachable = counted & jnp.any((near & _pack(feet)) != 0, axis=(1, 2))
     return {
         "floor_cells": jnp.sum(floor, dtype=jnp.int32),
         "free_cells": jnp.sum(free, dtype=jnp.int32),
