@@ -1,4 +1,4 @@
-"""`jscenegen scene check|render|generate`: measure, draw and generate scenes (thin layer over jscenegen.scene)."""
+"""`jscenegen scene check|render|generate|furnish`: measure, draw and generate scenes (thin layer over jscenegen.scene)."""
 from __future__ import annotations
 
 import argparse
@@ -94,13 +94,33 @@ def generate(args) -> int:
     return 0
 
 
+def furnish(args) -> int:
+    from jscenegen.scene.expert import run_scripted_episode
+    from jscenegen.scene.sceneset import read_scene_set
+
+    cfg, judge_cfg = _configs(args.config)
+    records = read_scene_set(args.scene_set)
+    if not 0 <= args.index < len(records):
+        raise ValueError(f"--index {args.index} is outside {args.scene_set} ({len(records)} scenes)")
+    ep, _ = run_scripted_episode(records[args.index], cfg, judge_cfg)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(ep.scene.to_json(), indent=1) + "\n")
+    tmp.replace(out)
+    o = ep.outcome
+    print(json.dumps({"output": str(out), "reward": o.reward, "grades": o.grades, "units": o.units,
+                      "failure_cause": o.failure_cause}))
+    return 0
+
+
 def run(args) -> int:
     from jscenegen.config import ConfigError
     from jscenegen.scene.reach_inputs import ReachabilityError
     from jscenegen.scene.schema import SceneError
 
     try:
-        return {"check": check, "render": render, "generate": generate}[args.scene_command](args)
+        return {"check": check, "render": render, "generate": generate, "furnish": furnish}[args.scene_command](args)
     except (SceneError, ReachabilityError, ConfigError, ValueError, OSError) as err:
         print(f"jscenegen scene {args.scene_command}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -122,4 +142,9 @@ def register(subparsers) -> None:
     g.add_argument("--split", choices=("train", "dev"), required=True)
     g.add_argument("--n", type=int, required=True)
     g.add_argument("-o", "--output", required=True)
+    f = sub.add_parser("furnish", help="furnish one scene of a set with the scripted expert; write the scene JSON")
+    f.add_argument("scene_set", help="JSONL scene set")
+    f.add_argument("--index", type=int, default=0)
+    f.add_argument("-o", "--output", required=True)
+    f.add_argument("--config", default=None)
     p.set_defaults(func=run)

@@ -101,7 +101,7 @@ def _wall_poses(room, size, door_pts, prefer_far: bool, step: float = 0.1):
             pos = p0 + t * s + n * (size[1] / 2 + GAP)
             dist = min((float(np.hypot(*(pos - d))) for d in door_pts), default=0.0)
             centred = abs(s - length / 2)
-            score = (-dist if prefer_far else 0.0) + 0.3 * centred - 0.01 * length
+            score = (centred - 0.3 * dist) if prefer_far else (0.3 * centred - 0.01 * length)
             out.append((score, i, j, (round(float(pos[0]), 4), round(float(pos[1]), 4)), _yaw(n)))
     out.sort()
     return [(pos, yaw) for _, _, _, pos, yaw in out]
@@ -122,15 +122,21 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
             want[cat] = want.get(cat, 0) + r["count"]
     beds = [c for c in want if c in catalogue.members("bed")]
 
-    def place_on_walls(cat: str, prefer_far: bool) -> str | None:
+    def place_on_walls(cat: str, prefer_far: bool, then=None) -> str | None:
+        """First wall pose that keeps the scene valid (and for which `then(new_id)` succeeds)."""
         size = catalogue.get(cat).default_size
         checks = 0
         for pos, yaw in _wall_poses(room, size, door_pts, prefer_far):
             if not sim.fits(cat, pos, yaw, size):
                 continue
             checks += 1
+            saved = (sim.editor.scene, len(sim.ops), dict(sim.editor.counters))
             got = sim.try_add({"op": "add_object", "category": cat, "description": cat.replace("_", " "),
                                "position": list(pos), "yaw": yaw})
+            if got and then is not None and not then(got):
+                sim.editor.scene, sim.editor.counters = saved[0], saved[2]
+                del sim.ops[saved[1]:]
+                got = None
             if got or checks >= max_checks:
                 return got
         return None
@@ -165,14 +171,10 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
                 stands.append(got)
     for cat in WALL_ITEMS:
         for _ in range(want.get(cat, 0)):
-            got = place_on_walls(cat, prefer_far=False)
-            if got and cat == "desk" and want.get("chair"):
-                desk = sim.editor.scene.object(got)
-                if not beside(got, "chair", "front", "toward", 0.0):
-                    # the chair does not fit: keep the room valid without the desk pair
-                    sim.editor.scene = sim.editor.scene.model_copy(
-                        update={"objects": tuple(o for o in sim.editor.scene.objects if o.id != desk.id)})
-                    sim.ops.pop()
+            if cat == "desk" and want.get("chair"):
+                place_on_walls(cat, False, then=lambda desk: beside(desk, "chair", "front", "toward", 0.0))
+            else:
+                place_on_walls(cat, prefer_far=False)
     for cat in CORNER_ITEMS:
         for _ in range(want.get(cat, 0)):
             place_on_walls(cat, prefer_far=False)
