@@ -114,3 +114,17 @@ def test_cli_invalid_input_exits_non_zero_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "floor_polygon" in err
     assert main(["scene", "check", str(tmp_path / "missing.json")]) == 2
+
+
+def test_scene_runtime_imports_no_models_flax_grpo_or_jax():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, jscenegen.scene.episode, jscenegen.scene.expert, jscenegen.scene.judge_http, "
+        "jscenegen.scene.protocol, jscenegen.scene.render, jscenegen.commands.scene; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('flax', 'jax', 'torch') "
+        "or m.startswith(('jscenegen.grpo', 'jscenegen.model'))]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

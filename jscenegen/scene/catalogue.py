@@ -112,3 +112,14 @@ def load_catalogue(path: str | None = None) -> Catalogue:
         text = Path(path).read_text()
         source = str(path)
     return _parse(json.loads(text), source)
+
+
+def catalogue_text(catalogue: Catalogue) -> str:
+    """One line per category for prompts: default size, ranges (m) and mounts, sorted by name."""
+    lines = []
+    for name in sorted(catalogue.categories):
+        c = catalogue.categories[name]
+        ranges = ", ".join(f"{lo:g}-{hi:g}" for lo, hi in c.size_range)
+        size = ", ".join(f"{v:g}" for v in c.default_size)
+        lines.append(f"  {name}: [{size}]; {ranges}; {'/'.join(c.mounts)}")
+    return "\n".join(lines)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .actions import parse_action
-from .catalogue import Catalogue, load_catalogue
+from .catalogue import Catalogue, catalogue_text, load_catalogue
 from .config import JudgeConfig, SceneRuntimeConfig
 from .judge import Judge, JudgeRequest, JudgeResult
 from .metrics import measure, metrics_text
@@ -102,7 +102,7 @@ class Episode:
             unit_penalty=r.unit_penalty,
             unit_norm=r.unit_norm,
             failure_reward=r.failure_reward,
-            categories=", ".join(sorted(self.catalogue.categories)),
+            catalogue=catalogue_text(self.catalogue),
         )
 
     def first_user_message(self) -> str:
