@@ -1,10 +1,11 @@
 """Known-answer scenes for collisions, bounds, openings and reachability; rotation/shift invariance."""
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from jscenegen.scene.judge_rule import rule_grades
 from jscenegen.scene.catalogue import load_catalogue
 from jscenegen.scene.metrics import measure
-from scene_fixtures import KNOWN, obj, scene, transform
+from scene_fixtures import KNOWN, obj, random_scene, scene, transform
 
 EMPTY_WALKABLE = (74 * 54) / (80 * 60)  # floor eroded by 3 cells on each side of an 80 x 60 cell room
 
@@ -115,3 +116,10 @@ def test_arbitrary_rotation_keeps_booleans_and_counts(name, angle):
     rot = measure(transform(KNOWN[name](), angle, (0.3, 0.2)), blockers=True)
     for key in ("reachable", "door_blocked", "num_regions", "unreachable_objects", "collision_pairs", "oob_objects"):
         assert rot[key] == base[key], key
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), kx=st.integers(-40, 40), ky=st.integers(-40, 40))
+def test_whole_cell_shifts_of_random_scenes_change_no_metric(seed, kx, ky):
+    s = random_scene(seed)
+    assert measure(transform(s, 0.0, (kx * 0.05, ky * 0.05))) == measure(s)

@@ -7,38 +7,9 @@ from jscenegen.scene.config import MetricsConfig
 from jscenegen.scene.reach_inputs import GridSpec, ReachabilityError, encode_scene
 from jscenegen.scene.reachability import reach_numpy
 from jscenegen.scene.schema import scene_from_json
+from scene_fixtures import N_RANDOM_OBJECTS as N_OBJ, random_scene
 
 CFG = MetricsConfig(grid_size=96)
-N_OBJ = 12
-CATS = sorted(load_catalogue().categories) + ["mystery_box"]
-
-
-def random_scene(seed: int):
-    rng = np.random.default_rng(seed)
-    w, d = round(rng.uniform(2.5, 4.8), 2), round(rng.uniform(2.5, 4.8), 2)
-    if rng.random() < 0.3:
-        nw, nd = round(rng.uniform(0.6, w - 1.5), 2), round(rng.uniform(0.6, d - 1.5), 2)
-        poly = [[0, 0], [w, 0], [w, d - nd], [w - nw, d - nd], [w - nw, d], [0, d]]
-    else:
-        poly = [[0, 0], [w, 0], [w, d], [0, d]]
-    lengths = [float(np.hypot(*np.subtract(poly[(i + 1) % len(poly)], poly[i]))) for i in range(len(poly))]
-    doors = []
-    for _ in range(int(rng.integers(1, 3))):
-        i = int(rng.choice([k for k, L in enumerate(lengths) if L > 1.0]))
-        doors.append({"wall": i, "offset": round(rng.uniform(0.45, lengths[i] - 0.45), 2), "width": 0.8, "height": 2.1})
-    objs = []
-    for k in range(int(rng.integers(0, N_OBJ + 1))):
-        on_cm = rng.random() < 0.5
-        size = [rng.uniform(0.2, 2.2), rng.uniform(0.2, 1.5), rng.choice([0.01, rng.uniform(0.3, 2.2)])]
-        pos = [rng.uniform(-0.3, w + 0.3), rng.uniform(-0.3, d + 0.3)]
-        if on_cm:
-            size = [round(s, 2) or 0.01 for s in size]
-            pos = [round(p, 2) for p in pos]
-        yaw = float(rng.choice([0, 90, 180, 270])) if rng.random() < 0.6 else float(rng.uniform(0, 360))
-        mount, elev = ("wall", round(rng.uniform(0, 2.0), 2)) if rng.random() < 0.15 else ("floor", 0.0)
-        objs.append({"id": f"o_{k}", "category": str(rng.choice(CATS)), "position": pos, "size": size,
-                     "yaw": yaw, "mount": mount, "elevation": elev})
-    return scene_from_json({"room": {"floor_polygon": poly, "wall_height": 2.6, "doors": doors}, "objects": objs})
 
 
 @pytest.fixture(scope="session")

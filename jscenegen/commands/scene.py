@@ -1,7 +1,6 @@
 """`jscenegen scene check|render|generate|furnish`: measure, draw and generate scenes (thin layer over jscenegen.scene)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path

@@ -9,7 +9,6 @@ fully reachable. Requested items that do not fit are left out (the grade shows i
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 

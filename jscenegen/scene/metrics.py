@@ -21,7 +21,7 @@ from .geometry import (
     point_in_polygon,
 )
 from .reach_inputs import GridSpec, blocks_walking, encode_scene, is_thin
-from .reachability import ReachResult, reach_numpy
+from .reachability import reach_numpy
 from .schema import Scene, id_sort_key
 
 
