@@ -231,13 +231,15 @@ class QwenForCausalLM(nnx.Module):
         return _read(self.lm_head.weight, self.cfg.vocab_size, dt)
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
-                      cache: KVCache | None = None):
+                      cache: KVCache | None = None, layers=None):
         """Final normed hidden states [B, S, H] (compute dtype).
 
         input_ids [B, S] int32; attention_mask [B, S] (1 = real token, 0 = padding).
         Without a cache: a full forward. With a cache: the S tokens are appended at slot
         `cache.length` (prefill, append or decode) and the updated cache is returned as
-        (hidden, cache).
+        (hidden, cache). `layers`: the result of `stacked_layers()` computed once outside a
+        loop that calls the model repeatedly (the sampler's decode loop), so the weights are
+        not re-stacked on every call.
         """
         cfg = self.cfg
         dt = DTYPES[self.compute_dtype]
@@ -257,7 +259,7 @@ class QwenForCausalLM(nnx.Module):
             attn_mask = causal[None] & valid[:, None, :]
         cos, sin = rope_cos_sin(cfg, positions)
         x = constrain(self.model.embed_tokens(input_ids, dt), BATCH_SEQ)
-        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache)
+        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, layers)
         hidden = self.model.norm(x)
         if cache is None:
             return hidden
@@ -267,16 +269,20 @@ class QwenForCausalLM(nnx.Module):
         )
         return hidden, new_cache
 
-    def _layers(self, x, cos, sin, attn_mask, cache):
+    def stacked_layers(self):
+        """(graphdef, state) of one decoder layer with every parameter stacked over the layers [L, ...]."""
+        splits = [nnx.split(layer) for layer in self.model.layers]
+        stacked = jax.tree.map(lambda *xs: constrain_stacked(jnp.stack(xs)), *[s for _, s in splits])
+        return splits[0][0], stacked
+
+    def _layers(self, x, cos, sin, attn_mask, cache, layers=None):
         """Run the decoder stack as a `lax.scan` over the layers' parameters stacked on the fly.
 
         Storage stays one module per layer (HF names); stacking sharded parameters keeps them
         sharded, and the loop body gathers one layer's weights at a time, so the compiled step
         holds one gathered layer (per direction), not the whole model.
         """
-        splits = [nnx.split(layer) for layer in self.model.layers]
-        graphdef = splits[0][0]
-        stacked = jax.tree.map(lambda *xs: constrain_stacked(jnp.stack(xs)), *[s for _, s in splits])
+        graphdef, stacked = layers if layers is not None else self.stacked_layers()
 
         def body(h, xs):
             layer_state, k_cache, v_cache = xs

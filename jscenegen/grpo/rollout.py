@@ -1,0 +1,370 @@
+"""Rollouts: the G episodes of one scene run concurrently in one batch, token-in/token-out.
+
+One episode is one conversation (scene-protocol.md section 2). Each batch row is one episode
+driven through the scene runtime's `Episode` state machine; all rows share one KV cache that is
+kept across turns. A round is: every running row generates its role's turn (one compiled decode
+loop for the whole batch; rows stop independently), the runtime consumes each turn, and the
+environment messages of the rows that go on are appended with the same model forward. Rows
+finish at different turns and then sit out (fully masked) until the last row finishes; then
+the finished episodes are judged together.
+
+Token accounting (what the trainer relies on):
+  - tokens: the exact ids in the order the model saw them; the sampled ids are kept as sampled,
+    environment text is tokenised once when it is appended (`ChatTokenizer`), never re-tokenised.
+  - roles (grpo.roles codes): ENVIRONMENT for system/user messages and template glue
+    (`<|im_start|>assistant\\n`, the newline after `<|im_end|>`); the acting role for the
+    assistant content and the end-of-turn token the policy sampled. A turn stopped by a stop
+    string (`</action>`) gets its end-of-turn token appended as ENVIRONMENT.
+  - policy_mask: true exactly on the policy's tokens; `grpo.roles.role_loss_mask(roles,
+    policy_mask, selected)` gives the loss mask of an update.
+  - logprobs: log p(token_t | tokens_<t) at the sampling temperature (fp32) on policy tokens,
+    0 elsewhere; they feed the drift metric (the trainer recomputes old_logp).
+
+Failures: a truncated turn ("truncated_action" inside an open action block, else
+"truncated_generation") or the episode-token cap ("episode_token_cap") is a policy failure
+(reward -1); an exception in our runtime, tokenizer or sampler marks the affected rows
+"rollout_error" (masked), a judge failure masks the row ("judge_*"); neither stops the batch.
+
+Slots: a decode round takes `max_new_tokens` slots at most and an append the longest segment
+(rounded to a bucket); when the cache is full, it is rebuilt from the rows' token histories
+(left-aligned again, gaps of earlier rounds dropped) with the same append path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.rollout_config import SamplingConfig
+from jscenegen.model.sampler import (STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler,
+                                     row_keys)
+from jscenegen.model.tokenizer import ChatTokenizer, Conversation
+from jscenegen.scene.actions import extract_block
+from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+from jscenegen.scene.episode import Episode, judge_episodes
+from jscenegen.scene.judge import Judge, JudgeResult
+from jscenegen.scene.sceneset import SceneRecord
+
+log = logging.getLogger(__name__)
+
+ROLE_CODES = {"planner": PLANNER, "designer": DESIGNER, "critic": CRITIC}
+ForcedPolicy = Callable[[Episode], str]
+
+
+def episode_seed(scene_seed: int, member: int, redraw: int = 0) -> int:
+    """Seed of one episode = hash(scene seed, member index, redraw index) (specs/grpo.md), 31 bits."""
+    h = hashlib.sha256(f"{scene_seed}:{member}:{redraw}".encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Trajectory:
+    """One episode as the trainer needs it. Arrays are aligned with `tokens`: entry t is about token t.
+
+    tokens [T] int32; roles [T] int8 (grpo.roles codes); policy_mask [T] bool (the policy's
+    tokens); logprobs [T] float32 (rollout log-probs at the sampling temperature, 0 off policy);
+    turns: one dict per segment {"role", "start", "end", "stop"} (token range [start, end),
+    stop = the sampler's stop reason for policy turns); transcript: chat messages {"role",
+    "content", "actor"}; reward / failure_cause / masked / units / grades / metrics from the
+    episode's Outcome; group_id, member, seed identify the sample.
+    """
+
+    group_id: int
+    member: int
+    seed: int
+    tokens: np.ndarray
+    roles: np.ndarray
+    policy_mask: np.ndarray
+    logprobs: np.ndarray
+    turns: list[dict]
+    transcript: list[dict]
+    reward: float
+    failure_cause: str | None
+    masked: bool
+    units: int
+    grades: dict | None
+    metrics: dict | None
+    outcome: dict
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class GroupRollout:
+    """The trajectories of one group and rollout statistics (generated_tokens, wall_s,
+    tokens_per_s, rounds, cache_rebuilds, cache_slots)."""
+
+    trajectories: list[Trajectory]
+    stats: dict
+
+
+@dataclass(eq=False)
+class _Row:
+    member: int
+    seed: int
+    episode: Episode
+    conv: Conversation | None = None
+    tokens: list[int] = field(default_factory=list)
+    roles: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    transcript: list[dict] = field(default_factory=list)
+    cached: int = 0
+
+    @property
+    def active(self) -> bool:
+        return not self.episode.done
+
+    def add(self, ids, role: int, policy: bool, logprobs=None, stop: str | None = None):
+        start = len(self.tokens)
+        self.tokens.extend(int(i) for i in ids)
+        self.roles.extend([role] * len(ids))
+        self.policy.extend([policy] * len(ids))
+        self.logprobs.extend([0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs])
+        name = "environment" if role == ENVIRONMENT else {v: k for k, v in ROLE_CODES.items()}[role]
+        self.turns.append({"role": name, "start": start, "end": len(self.tokens), "stop": stop})
+
+    def fail(self, cause: str, message: str = "") -> None:
+        if self.episode.outcome is None:
+            self.episode.fail(cause, message)
+
+
+class RolloutEngine:
+    """Runs groups of episodes with one model.
+
+    Args:
+      model: QwenForCausalLM (sharded on `mesh` when given).
+      chat: the ChatTokenizer of the model directory.
+      cfg: SamplingConfig.
+      mesh: ("fsdp", "sp") mesh or None; the batch is padded to a multiple of its fsdp size
+        with fully masked rows.
+    """
+
+    def __init__(self, model, chat: ChatTokenizer, cfg: SamplingConfig, mesh=None):
+        self.chat = chat
+        self.cfg = cfg
+        self.sampler = Sampler(model, cfg.params(), stop_token_ids=[chat.eot_id],
+                               stop_strings=cfg.stop_strings,
+                               token_bytes=chat.token_bytes() if cfg.stop_strings else None,
+                               buckets=cfg.buckets, mesh=mesh)
+        self.slots = cfg.cache_slots()
+
+    # ---- the cache ------------------------------------------------------------------------
+    def _sync(self, rows: list[_Row], pad: int, with_logprobs: bool = False):
+        """Append every active row's uncached tokens; rebuild the cache when they do not fit.
+
+        Returns the per-row log-probs of the appended tokens when `with_logprobs`.
+        """
+        seqs = [r.tokens[r.cached:] if r.active else [] for r in rows] + [[]] * pad
+        need = self.sampler.appended_slots(seqs)
+        if self._used + need > self.slots:
+            self._rebuild(rows, pad)
+            seqs = [r.tokens if r.active else [] for r in rows] + [[]] * pad
+            need = self.sampler.appended_slots(seqs)
+            if need > self.slots:
+                raise RuntimeError(f"histories of {need} slots exceed the cache's {self.slots}; "
+                                   "raise sampling.cache_tokens")
+        res = self.sampler.append(self._cache, self._last, seqs, with_logprobs)
+        self._cache, self._last = res[0], res[1]
+        self._used += need
+        for r in rows:
+            if r.active:
+                r.cached = len(r.tokens)
+        return res[2] if with_logprobs else None
+
+    def _rebuild(self, rows: list[_Row], pad: int):
+        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self.slots)
+        self._used = 0
+        self._rebuilds += 1
+        for r in rows:
+            r.cached = 0
+
+    def _reserve(self, rows: list[_Row], pad: int, slots: int):
+        """Make room for `slots` more slots (rebuilding from the histories when needed)."""
+        if self._used + slots > self.slots:
+            self._rebuild(rows, pad)
+            self._sync(rows, pad)
+
+    # ---- one group ------------------------------------------------------------------------
+    def run_group(self, record: SceneRecord, *, group_id: int, seeds: Sequence[int], judge: Judge,
+                  scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
+                  forced: ForcedPolicy | None = None) -> GroupRollout:
+        """Run len(seeds) episodes of `record` (member i uses seeds[i]) and judge them.
+
+        `forced`: instead of sampling, each turn's text is `forced(episode)` (plus the
+        end-of-turn token), appended through the same cache path with its log-probs under
+        the model (scripted drivers and protocol tests). Never raises for a failure inside
+        one episode; see the module docstring for the causes.
+        """
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        rows = [_Row(i, int(s), Episode(record, scene_cfg, judge_cfg)) for i, s in enumerate(seeds)]
+        mult = self.sampler.row_multiple
+        pad = -(-len(rows) // mult) * mult - len(rows)
+        keys = np.concatenate([row_keys([r.seed for r in rows]), np.zeros((pad, 2), np.uint32)])
+        self._rebuilds, self._used = 0, 0
+        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self.slots)
+        for r in rows:
+            try:
+                system, user = r.episode.system_prompt(), r.episode.first_user_message()
+                r.conv, ids = self.chat.start(system, user)
+                r.transcript += [{"role": "system", "content": system, "actor": "environment"},
+                                 {"role": "user", "content": user, "actor": "environment"}]
+                r.add(ids, ENVIRONMENT, False)
+                if len(r.tokens) >= cfg.max_episode_tokens:
+                    r.fail("episode_token_cap", f"the prompt has {len(r.tokens)} tokens")
+            except Exception as err:  # our runtime or tokenizer: masked, not the policy's fault
+                log.exception("episode start failed")
+                r.fail("rollout_error", f"{type(err).__name__}: {err}")
+        generated = rounds = 0
+        while any(r.active for r in rows):
+            rounds += 1
+            try:
+                self._sync(rows, pad)
+                turns = self._forced_turns(rows, pad, forced) if forced else self._sampled_turns(rows, pad, keys)
+            except Exception as err:  # the engine itself failed: every running row is masked
+                log.exception("rollout engine error")
+                for r in rows:
+                    r.fail("rollout_error", f"{type(err).__name__}: {err}")
+                break
+            for r, (ids, lps, reason) in turns.items():
+                generated += len(ids)
+                try:
+                    self._consume(r, ids, lps, reason)
+                except Exception as err:
+                    log.exception("turn processing failed")
+                    r.fail("rollout_error", f"{type(err).__name__}: {err}")
+        self._judge([r.episode for r in rows], judge)
+        wall = time.perf_counter() - t0
+        stats = {"generated_tokens": generated, "wall_s": wall,
+                 "tokens_per_s": generated / wall if wall > 0 else 0.0, "rounds": rounds,
+                 "cache_rebuilds": self._rebuilds, "cache_slots": self.slots,
+                 "batch_rows": len(rows) + pad}
+        self._cache = self._last = None
+        return GroupRollout([self._trajectory(r, group_id) for r in rows], stats)
+
+    def _limits(self, rows: list[_Row], pad: int) -> list[int]:
+        cfg = self.cfg
+        return [min(cfg.max_new_tokens, cfg.max_episode_tokens - len(r.tokens)) if r.active else 0
+                for r in rows] + [0] * pad
+
+    def _sampled_turns(self, rows, pad, keys) -> dict:
+        limits = self._limits(rows, pad)
+        self._reserve(rows, pad, self.cfg.max_new_tokens)
+        out = self.sampler.decode(self._cache, self._last, limits, keys, self.cfg.max_new_tokens)
+        self._cache, self._last = out.cache, out.last_logits
+        self._used = int(out.cache.length)
+        tokens, lps = np.asarray(out.tokens), np.asarray(out.logprobs)
+        lengths, reasons = np.asarray(out.lengths), np.asarray(out.reason)
+        turns = {}
+        for i, r in enumerate(rows):
+            if r.active:
+                n = int(lengths[i])
+                turns[r] = (tokens[i, :n].tolist(), lps[i, :n], int(reasons[i]))
+                r.cached += n
+        return turns
+
+    def _forced_turns(self, rows, pad, forced: ForcedPolicy) -> dict:
+        limits = self._limits(rows, pad)
+        self._reserve(rows, pad, self.cfg.max_new_tokens)
+        planned = {}
+        for i, r in enumerate(rows):
+            if r.active:
+                ids = self.chat.encode(forced(r.episode)) + [self.chat.eot_id]
+                reason = STOP_TOKEN if len(ids) <= limits[i] else STOP_LENGTH
+                planned[r] = (ids[:limits[i]], reason)
+                r.tokens.extend(planned[r][0])      # appended below, then handed to _consume
+        lps = self._sync(rows, pad, with_logprobs=True)
+        turns = {}
+        for i, r in enumerate(rows):
+            if r in planned:
+                ids, reason = planned[r]
+                del r.tokens[len(r.tokens) - len(ids):]
+                turns[r] = (ids, lps[i][len(lps[i]) - len(ids):], reason)
+        return turns
+
+    def _consume(self, r: _Row, ids: list[int], lps, reason: int):
+        """Record one policy turn, let the runtime consume it, append its environment reply."""
+        cfg, ep = self.cfg, r.episode
+        role = ep.next_role
+        eot = reason == STOP_TOKEN and bool(ids) and ids[-1] == self.chat.eot_id
+        text = self.chat.decode(ids[:-1] if eot else ids)
+        r.add(ids, ROLE_CODES[role], True, lps, STOP_REASONS[reason])
+        r.transcript.append({"role": "assistant", "content": text, "actor": role})
+        r.conv.add_assistant(text, eot)
+        if reason == STOP_LENGTH:
+            if len(r.tokens) >= cfg.max_episode_tokens:
+                r.fail("episode_token_cap", f"{len(r.tokens)} tokens")
+            else:
+                cause = "truncated_action" if extract_block(text)[1] == "truncated_action" else "truncated_generation"
+                r.fail(cause, f"the {role} turn reached max_new_tokens={cfg.max_new_tokens}")
+            return None
+        res = ep.step(text)
+        if res.done:
+            if reason == STOP_STRING:
+                r.add(r.conv.closing_segment(), ENVIRONMENT, False)
+            return None
+        seg = r.conv.user_segment(res.env_message)
+        if len(r.tokens) + len(seg) >= cfg.max_episode_tokens:
+            r.fail("episode_token_cap", f"{len(r.tokens)} + {len(seg)} environment tokens")
+            return None
+        r.add(seg, ENVIRONMENT, False)
+        r.transcript.append({"role": "user", "content": res.env_message, "actor": "environment"})
+        return None
+
+    @staticmethod
+    def _judge(episodes: list[Episode], judge: Judge):
+        try:
+            judge_episodes(episodes, judge)
+        except Exception as err:  # judge_episodes masks judge exceptions itself; this is a backstop
+            log.exception("judging failed")
+            for ep in episodes:
+                if ep.judge_request() is not None:
+                    ep.set_judgement(JudgeResult(None, "judge_error", {"detail": type(err).__name__}))
+
+    @staticmethod
+    def _trajectory(r: _Row, group_id: int) -> Trajectory:
+        o = r.episode.outcome
+        return Trajectory(
+            group_id=group_id, member=r.member, seed=r.seed,
+            tokens=np.asarray(r.tokens, np.int32), roles=np.asarray(r.roles, np.int8),
+            policy_mask=np.asarray(r.policy, bool), logprobs=np.asarray(r.logprobs, np.float32),
+            turns=r.turns, transcript=r.transcript, reward=o.reward, failure_cause=o.failure_cause,
+            masked=o.masked, units=o.units, grades=o.grades, metrics=o.metrics, outcome=o.to_json(),
+        )
+
+
+def trajectory_batch(trajectories: Sequence[Trajectory], length: int | None = None,
+                     rows: int | None = None) -> dict[str, np.ndarray]:
+    """Right-padded [N, T] host arrays for the trainer: input_ids int32, attention_mask int32,
+    roles int8, policy_mask bool, rollout_logp float32, plus [N] reward float32 and masked bool.
+
+    `length` (default: the longest trajectory) and `rows` (default: len(trajectories); extra
+    rows are all padding) fix the shape. Raises ValueError when a trajectory is longer.
+    """
+    n = rows or len(trajectories)
+    t = length or max(tr.num_tokens for tr in trajectories)
+    out = {"input_ids": np.zeros((n, t), np.int32), "attention_mask": np.zeros((n, t), np.int32),
+           "roles": np.zeros((n, t), np.int8), "policy_mask": np.zeros((n, t), bool),
+           "rollout_logp": np.zeros((n, t), np.float32), "reward": np.zeros(n, np.float32),
+           "masked": np.ones(n, bool)}
+    for i, tr in enumerate(trajectories):
+        k = tr.num_tokens
+        if k > t:
+            raise ValueError(f"trajectory {tr.group_id}/{tr.member} has {k} tokens > length {t}")
+        out["input_ids"][i, :k] = tr.tokens
+        out["attention_mask"][i, :k] = 1
+        out["roles"][i, :k] = tr.roles
+        out["policy_mask"][i, :k] = tr.policy_mask
+        out["rollout_logp"][i, :k] = tr.logprobs
+        out["reward"][i] = tr.reward
+        out["masked"][i] = tr.masked
+    return out

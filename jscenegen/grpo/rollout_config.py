@@ -1,0 +1,61 @@
+"""Config section of rollout sampling (`sampling:`; merged into RunConfig by the lead).
+
+Defaults are the GRPO100 recipe's (specs/grpo.md): temperature 1.0, top-p 1.0, no top-k,
+2,048 new tokens per turn, 32,768 tokens per episode, groups of 8 episodes.
+"""
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from jscenegen.config import Section
+from jscenegen.model.sampler import DEFAULT_BUCKETS, SamplingParams
+
+
+class SamplingConfig(Section):
+    """How rollouts sample: the distribution, the stops, the caps and the compiled shapes."""
+
+    temperature: float = Field(1.0, gt=0, description="logits are divided by it; the rollout "
+                               "log-probs and the trainer's recompute use the same value")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass; 1.0 = off")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
+    greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")
+    max_new_tokens: int = Field(2048, ge=1, description="tokens one assistant turn may generate")
+    max_episode_tokens: int = Field(32768, ge=16, description="context cap of one episode "
+                                    "(prompt, every turn and every environment message)")
+    stop_strings: tuple[str, ...] = Field(
+        ("</action>",), description="a turn also ends when its text contains one of these; the "
+        "end-of-turn token is then appended as environment (mask 0)")
+    buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
+                                     "(compiled shapes), increasing")
+    cache_tokens: int | None = Field(None, gt=0, description="KV-cache slots per row; None = "
+                                     "max_episode_tokens + max_new_tokens, rounded up to the "
+                                     "smallest bucket, plus one bucket")
+    group_size: int = Field(8, ge=1, description="episodes per scene (the GRPO group G)")
+    chat_template_path: str | None = Field(None, description="replacement chat template (jinja); "
+                                           "None = the model directory's own")
+
+    @model_validator(mode="after")
+    def _check(self):
+        b = self.buckets
+        if not b or list(b) != sorted(set(b)) or b[0] < 1:
+            raise ValueError(f"buckets must be increasing positive lengths, got {list(b)}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must not contain an empty string")
+        if self.greedy and (self.top_k or self.top_p < 1):
+            raise ValueError("greedy sampling ignores top_k/top_p; leave them off")
+        need = self.max_episode_tokens + self.max_new_tokens + b[0]
+        if self.cache_tokens is not None and self.cache_tokens < need:
+            raise ValueError(f"cache_tokens {self.cache_tokens} must be at least max_episode_tokens "
+                             f"+ max_new_tokens + the smallest bucket = {need}")
+        return self
+
+    def params(self) -> SamplingParams:
+        """The sampler's SamplingParams."""
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.greedy)
+
+    def cache_slots(self) -> int:
+        """KV-cache slots per row (see `cache_tokens`)."""
+        if self.cache_tokens is not None:
+            return self.cache_tokens
+        step = self.buckets[0]
+        return -(-(self.max_episode_tokens + self.max_new_tokens) // step) * step + step

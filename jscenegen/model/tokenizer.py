@@ -1,0 +1,228 @@
+"""The model's tokenizer and chat template, used token-in/token-out for multi-turn episodes.
+
+An episode is one conversation (scene-protocol.md section 2). Its token sequence is built by
+appending, never by re-tokenising history: the prompt is the template's rendering of the system
+and first user message plus the generation prompt; each assistant turn is the exact sampled
+tokens; each environment segment is the text the template adds when the next user message
+(and the next generation prompt) is rendered after the conversation so far, tokenised alone.
+
+That only reproduces what the template would render for the whole conversation when the
+template is *prefix-preserving*: rendering one more turn must not change the text of earlier
+turns. Qwen3's template is not: it drops the `<think>` blocks of assistant turns that precede
+the last user message, so the history the model saw during the rollout would differ from the
+template's view of the same conversation. `ChatTokenizer` probes the template for that at load
+time and refuses it (ChatTemplateError naming the directory and what changed), and every
+appended segment re-checks the prefix. A prefix-preserving template can be supplied instead
+(`chat_template_path`, e.g. jscenegen/model/templates/chatml.jinja).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be used token-in/token-out; the message says why and where."""
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable-character table (GPT-2's layout: the
+    188 printable Latin-1 bytes map to themselves, the other 68 to U+0100 onwards in order)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+_PROBE_THINK = "<think>\nprobe reasoning\n</think>\n\nprobe answer <action>{}</action>"
+
+
+@dataclass
+class Conversation:
+    """One episode's conversation: the messages and the text its tokens stand for.
+
+    `text` is always the template's rendering of `messages` as far as tokens exist: after
+    `start`/`user_segment` it ends with the generation prompt, after `add_assistant` with the
+    assistant content (and the end-of-turn text when the policy sampled it).
+    """
+
+    chat: "ChatTokenizer"
+    messages: list[dict] = field(default_factory=list)
+    text: str = ""
+
+    def add_assistant(self, content: str, ended_with_eot: bool) -> None:
+        """Record the assistant turn whose tokens decode to `content` (+ the end-of-turn token)."""
+        self.messages.append({"role": "assistant", "content": content})
+        self.text += content + (self.chat.eot_token if ended_with_eot else "")
+
+    def user_segment(self, content: str) -> list[int]:
+        """Tokens of the environment segment that follows the last assistant turn: the rest of
+        that turn's template text (the end-of-turn token when it was not sampled, the glue),
+        the user message `content` and the next generation prompt.
+
+        Raises ChatTemplateError when rendering the longer conversation changes earlier text.
+        """
+        messages = self.messages + [{"role": "user", "content": content}]
+        full = self.chat.render(messages, add_generation_prompt=True)
+        ids = self.chat.encode(self.chat.delta(self.text, full))
+        self.messages, self.text = messages, full
+        return ids
+
+    def closing_segment(self) -> list[int]:
+        """Tokens that close a last assistant turn that stopped before its end-of-turn token
+        (stopped on a stop string): the end-of-turn token, or [] when it was sampled."""
+        if self.text.endswith(self.chat.eot_token):
+            return []
+        self.text += self.chat.eot_token
+        return [self.chat.eot_id]
+
+
+class ChatTokenizer:
+    """An HF tokenizer plus its chat template, checked for token-in/token-out use.
+
+    Args:
+      tokenizer: a transformers tokenizer with a chat template.
+      chat_template: a replacement template (jinja text); None keeps the tokenizer's own.
+      source: where it came from (for error messages).
+
+    Attributes: eot_token / eot_id (the template's end of assistant turn, e.g. `<|im_end|>`),
+    vocab_size (len(tokenizer)).
+    Raises ChatTemplateError: no template, an assistant turn without an end-of-turn special
+    token, or a template that is not prefix-preserving (see the module docstring).
+    """
+
+    def __init__(self, tokenizer, chat_template: str | None = None, source: str = "<tokenizer>"):
+        self.tokenizer = tokenizer
+        self.source = source
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        if not getattr(tokenizer, "chat_template", None):
+            raise ChatTemplateError(f"{source}: the tokenizer has no chat template; pass "
+                                    "chat_template_path (e.g. jscenegen/model/templates/chatml.jinja)")
+        self.eot_token = self._find_eot()
+        self.eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
+        self.check_prefix_preserving()
+
+    @classmethod
+    def from_dir(cls, path: str | Path, chat_template_path: str | Path | None = None) -> "ChatTokenizer":
+        """Load the tokenizer of an HF model directory (never with remote code)."""
+        from transformers import AutoTokenizer
+
+        template = Path(chat_template_path).read_text() if chat_template_path else None
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        src = str(path) + (f" (template {chat_template_path})" if chat_template_path else "")
+        return cls(tok, template, src)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    # ---- text <-> tokens ----------------------------------------------------------------
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        """The chat template applied to `messages` as text."""
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (special tokens in the text recognised, none added).
+
+        Raises ChatTemplateError when the ids do not decode back to `text`.
+        """
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.decode(ids) != text:
+            raise ChatTemplateError(f"{self.source}: tokenising {text[:60]!r}... does not round-trip")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens included, no clean-up."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes every id decodes to (for byte-level stop-string matching in the sampler).
+
+        Byte-level BPE entries are mapped through the byte table; added/special tokens give
+        their text; other tokenizers fall back to decoding the id alone.
+        """
+        tok = self.tokenizer
+        added = {i: t.content for i, t in tok.added_tokens_decoder.items()}
+        decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+        byte_level = type(decoder).__name__ == "ByteLevel" or "ByteLevel" in repr(decoder)
+        table = _byte_decoder()
+        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+        out = []
+        for i, piece in enumerate(pieces):
+            if i in added:
+                out.append(added[i].encode("utf-8"))
+            elif piece is None:
+                out.append(b"")
+            elif byte_level and all(c in table for c in piece):
+                out.append(bytes(table[c] for c in piece))
+            else:
+                out.append(self.decode([i]).encode("utf-8"))
+        return out
+
+    # ---- conversations ------------------------------------------------------------------
+    def start(self, system: str, user: str) -> tuple[Conversation, list[int]]:
+        """A new conversation and its prompt tokens (system, user, generation prompt)."""
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        text = self.render(messages, add_generation_prompt=True)
+        return Conversation(self, messages, text), self.encode(text)
+
+    def delta(self, before: str, after: str) -> str:
+        """`after` minus its prefix `before`; raises ChatTemplateError when `before` is not one."""
+        if after.startswith(before):
+            return after[len(before):]
+        at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        raise ChatTemplateError(
+            f"{self.source}: the chat template is not prefix-preserving: rendering one more turn "
+            f"changes earlier text at character {at} ({before[max(0, at - 30):at + 30]!r} became "
+            f"{after[max(0, at - 30):at + 30]!r}). Templates that drop earlier <think> blocks "
+            "(Qwen3's default) do this; use a prefix-preserving template "
+            "(rollout chat_template_path, e.g. jscenegen/model/templates/chatml.jinja)")
+
+    def _find_eot(self) -> str:
+        """The special token the template writes right after an assistant message's content."""
+        marker = "\u2063probe-content\u2063"
+        text = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}],
+                           add_generation_prompt=False)
+        if marker not in text:
+            raise ChatTemplateError(f"{self.source}: the chat template does not write assistant content verbatim")
+        after = text[text.index(marker) + len(marker):]
+        specials = sorted((t.content for t in self.tokenizer.added_tokens_decoder.values()), key=len,
+                          reverse=True)
+        for s in specials:
+            if after.startswith(s):
+                return s
+        raise ChatTemplateError(f"{self.source}: no special end-of-turn token follows the assistant "
+                                f"content in the chat template (found {after[:20]!r})")
+
+    def check_prefix_preserving(self) -> None:
+        """Probe the template with our turn structure (system, user, assistant with a <think>
+        block and an action, user, ...): every rendering must extend the previous one, and the
+        assistant content must follow the generation prompt verbatim. Raises ChatTemplateError."""
+        msgs = [{"role": "system", "content": "probe system"}, {"role": "user", "content": "probe user 1"}]
+        for turn in range(2):
+            prompt = self.render(msgs, add_generation_prompt=True)
+            answer = _PROBE_THINK if turn == 0 else "plain answer <action>{}</action>"
+            msgs = msgs + [{"role": "assistant", "content": answer}]
+            closed = self.render(msgs, add_generation_prompt=False)
+            if not closed.startswith(prompt + answer + self.eot_token):
+                at = self.delta(prompt, closed) if closed.startswith(prompt) else None
+                raise ChatTemplateError(
+                    f"{self.source}: the chat template rewrites assistant content "
+                    f"(expected the sampled text right after the generation prompt, got "
+                    f"{(at or closed)[:80]!r}); use a prefix-preserving template "
+                    "(rollout chat_template_path, e.g. jscenegen/model/templates/chatml.jinja)")
+            msgs = msgs + [{"role": "user", "content": f"probe user {turn + 2}"}]
+            self.delta(closed, self.render(msgs, add_generation_prompt=True))

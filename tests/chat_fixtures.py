@@ -1,0 +1,37 @@
+"""A tiny Qwen3 model directory with a real ChatML tokenizer trained on scripted-episode text
+(built once per test process; shared by the tokenizer, sampler and rollout tests)."""
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_MODEL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, head_dim=16,
+                  num_attention_heads=4, num_key_value_heads=2)
+
+
+@functools.cache
+def dev_records():
+    from jscenegen.scene.sceneset import read_scene_set
+
+    return read_scene_set(Path(__file__).resolve().parents[1] / "data" / "scenes" / "dev.jsonl")
+
+
+@functools.cache
+def scripted_texts() -> tuple[str, ...]:
+    from jscenegen.scene.expert import run_scripted_episode
+
+    _, chat = run_scripted_episode(dev_records()[0])
+    return tuple(m["content"] for m in chat)
+
+
+@functools.cache
+def chat_model_dir() -> Path:
+    from jscenegen.model.init_model import init_model_dir
+
+    root = Path(tempfile.mkdtemp(prefix="jscenegen-chat-"))
+    atexit.register(shutil.rmtree, root, True)
+    return init_model_dir(root / "tiny", arch="qwen3", texts=scripted_texts(), vocab_size=600,
+                          seed=0, **TINY_MODEL)

@@ -1,0 +1,226 @@
+"""The KV-cache sampler: greedy vs the full forward, log-probs vs the trainer's recompute (also on
+the 3 x 2 mesh), temperature, top-k/top-p, stop ids/strings, per-row budgets, determinism, buckets."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jscenegen.grpo.config import LossConfig, OptimConfig
+from jscenegen.grpo.train_step import GRPOStep, nnx_hidden_fn
+from jscenegen.model.hf_io import load_hf
+from jscenegen.model.sampler import (STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler, SamplingParams,
+                                     build_stop_table, split_into_buckets, stop_string_step)
+
+BUCKETS = (16, 32, 64)
+PROMPT_LENS = (11, 5)
+
+
+@pytest.fixture(scope="session")
+def model(tiny_hf):
+    return load_hf(tiny_hf["qwen3"])
+
+
+@pytest.fixture(scope="session")
+def prompts(model):
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
+
+
+def full_logits(model, seqs):
+    """Logits [B, L, V] of right-padded sequences through the full (uncached) forward."""
+    n = max(len(s) for s in seqs)
+    ids = np.zeros((len(seqs), n), np.int32)
+    mask = np.zeros((len(seqs), n), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    return np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
+
+
+def trainer_logprobs(model, seqs, temperature, mesh=None):
+    """The train step's old_logp recompute (GRPOStep.logprobs) on right-padded sequences."""
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), LossConfig(), OptimConfig(),
+                    temperature=temperature, donate=False)
+    n = -(-max(len(s) for s in seqs) // 2) * 2
+    ids = np.zeros((len(seqs), n), np.int32)
+    mask = np.zeros((len(seqs), n), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    if mesh is None:
+        return np.asarray(step.logprobs(params, jnp.asarray(ids), jnp.asarray(mask))[0])
+    from jscenegen.sharding.layout import shard_batch
+    with jax.set_mesh(mesh):
+        b = shard_batch({"ids": ids, "mask": mask}, mesh)
+        return np.asarray(step.logprobs(params, b["ids"], b["mask"])[0])
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(model, prompts):
+    s = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS)
+    out = s.generate(prompts, 6, seeds=[0, 1])
+    assert out["lengths"].tolist() == [6, 6] and (out["reason"] == STOP_LENGTH).all()
+    seqs = [list(p) for p in prompts]
+    for _ in range(6):
+        logits = full_logits(model, seqs)
+        for i, sq in enumerate(seqs):
+            sq.append(int(np.argmax(logits[i, len(sq) - 1])))
+    for i, p in enumerate(prompts):
+        assert out["tokens"][i].tolist() == seqs[i][len(p):]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
+def test_sampled_logprobs_equal_trainer_recompute(model, prompts, params):
+    s = Sampler(model, params, buckets=BUCKETS)
+    out = s.generate(prompts, 8, seeds=[3, 4])
+    seqs = [p + out["tokens"][i].tolist() for i, p in enumerate(prompts)]
+    want = trainer_logprobs(model, seqs, params.temperature)
+    for i, p in enumerate(prompts):
+        got = out["logprobs"][i]
+        np.testing.assert_allclose(got, want[i, len(p):len(p) + 8], atol=1e-5, rtol=0)
+        assert got.dtype == np.float32 and np.all(got < 0)
+
+
+def test_sampled_logprobs_on_the_3x2_mesh(tiny_hf, model, prompts):
+    from jscenegen.sharding.layout import load_sharded
+    from jscenegen.sharding.mesh import make_mesh
+
+    mesh = make_mesh(3, 2)
+    sharded = load_sharded(tiny_hf["qwen3"], mesh)
+    s = Sampler(sharded, SamplingParams(temperature=0.8), buckets=BUCKETS, mesh=mesh)
+    with pytest.raises(ValueError, match="fsdp=3"):
+        s.new_cache(2, 32)
+    rows = prompts + [prompts[0][:3]]
+    out = s.generate(rows, 8, seeds=[5, 6, 7])
+    assert out["tokens"].shape == (3, 8)
+    seqs = [p + out["tokens"][i].tolist() for i, p in enumerate(rows)]
+    want = trainer_logprobs(model, seqs, 0.8)                    # unsharded trainer
+    for i, p in enumerate(rows):
+        np.testing.assert_allclose(out["logprobs"][i], want[i, len(p):len(p) + 8], atol=1e-5, rtol=0)
+    unsharded = Sampler(model, SamplingParams(temperature=0.8), buckets=BUCKETS).generate(rows, 8, [5, 6, 7])
+    np.testing.assert_array_equal(out["tokens"], unsharded["tokens"])
+
+
+def test_logprobs_are_of_the_tempered_distribution(model, prompts):
+    res = {}
+    for t in (0.6, 1.0):
+        out = Sampler(model, SamplingParams(temperature=t), buckets=BUCKETS).generate(prompts, 5, [9, 9])
+        seqs = [p + out["tokens"][i].tolist() for i, p in enumerate(prompts)]
+        logits = full_logits(model, seqs)
+        for i, p in enumerate(prompts):
+            for k in range(5):
+                z = logits[i, len(p) + k - 1].astype(np.float64)
+                tok = out["tokens"][i, k]
+                tempered = z / t - np.log(np.sum(np.exp(z / t - (z / t).max()))) - (z / t).max()
+                assert out["logprobs"][i, k] == pytest.approx(tempered[tok], abs=2e-5)
+                if t != 1.0:
+                    raw = z - np.log(np.sum(np.exp(z - z.max()))) - z.max()
+                    assert abs(out["logprobs"][i, k] - raw[tok]) > 1e-3
+        res[t] = out
+    # a colder distribution puts more mass on what it samples
+    assert res[0.6]["logprobs"].mean() > res[1.0]["logprobs"].mean()
+
+
+def test_top_k_and_top_p_restrict_the_draw(model, prompts):
+    for params, check in [
+        (SamplingParams(temperature=1.5, top_k=3), "k"),
+        (SamplingParams(temperature=1.5, top_p=0.3), "p"),
+    ]:
+        out = Sampler(model, params, buckets=BUCKETS).generate(prompts, 12, [11, 12])
+        seqs = [p + out["tokens"][i].tolist() for i, p in enumerate(prompts)]
+        logits = full_logits(model, seqs)
+        for i, p in enumerate(prompts):
+            for k in range(12):
+                z = logits[i, len(p) + k - 1] / 1.5
+                tok = out["tokens"][i, k]
+                rank = int(np.sum(z > z[tok]))
+                if check == "k":
+                    assert rank < 3
+                else:
+                    prob = np.exp(z - z.max())
+                    prob /= prob.sum()
+                    assert prob[z > z[tok]].sum() < 0.3 + 1e-6
+
+
+def test_stop_token_and_per_row_budgets(model, prompts):
+    greedy = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS)
+    ref = greedy.generate(prompts, 6, [0, 0])["tokens"]
+    stop_id = int(ref[0, 2])
+    first = [int(np.argmax(ref[i] == stop_id)) if stop_id in ref[i] else None for i in range(2)]
+    s = Sampler(model, SamplingParams(greedy=True), stop_token_ids=[stop_id], buckets=BUCKETS)
+    cache, last = s.new_cache(2, 64)
+    cache, last = s.append(cache, last, prompts)
+    out = s.decode(cache, last, [6, 4], np.zeros((2, 2), np.uint32), max_steps=6)
+    lengths, reason = np.asarray(out.lengths), np.asarray(out.reason)
+    assert lengths[0] == first[0] + 1 and reason[0] == STOP_TOKEN
+    assert np.asarray(out.tokens)[0, lengths[0] - 1] == stop_id
+    assert np.all(np.asarray(out.tokens)[0, lengths[0]:] == 0)
+    if first[1] is not None and first[1] < 4:
+        assert lengths[1] == first[1] + 1 and reason[1] == STOP_TOKEN
+    else:
+        assert lengths[1] == 4 and reason[1] == STOP_LENGTH
+
+
+def test_stop_string_across_tokens_in_the_decode_loop(model, prompts):
+    ref = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS).generate(prompts, 6, [0, 0])["tokens"]
+    vocab = [f"<{i}>".encode() for i in range(model.cfg.vocab_size)]
+    t2, t3 = int(ref[0, 2]), int(ref[0, 3])
+    stop = f"{t2}><{t3}"                      # spans the end of token 2 and the start of token 3
+    text0 = b"".join(vocab[t] for t in ref[0]).decode()
+    end = text0.index(stop) + len(stop)
+    expect = next(k + 1 for k in range(6) if len(b"".join(vocab[t] for t in ref[0, :k + 1])) >= end)
+    s = Sampler(model, SamplingParams(greedy=True), stop_strings=[stop], token_bytes=vocab,
+                buckets=BUCKETS)
+    out = s.generate(prompts, 6, [0, 0])
+    assert out["lengths"][0] == expect <= 4 and out["reason"][0] == STOP_STRING
+    text1 = b"".join(vocab[t] for t in ref[1]).decode()
+    if stop not in text1:
+        assert out["lengths"][1] == 6 and out["reason"][1] == STOP_LENGTH
+
+
+def test_stop_string_byte_matching_however_the_tokens_split():
+    vocab = [b"</", b"action", b">", b"</action>", b">\n\n", b"ok", b"x</action>y", b"</act", b"ion>",
+             b"", "é".encode()]
+    table = build_stop_table([b"</action>"], vocab, len(vocab))
+    k1 = 8
+
+    def run(seq):
+        tail = jnp.full((1, k1), -1, jnp.int32)
+        hits = []
+        for t in seq:
+            hit, tail = stop_string_step(table, [b"</action>"], tail, jnp.asarray([t]))
+            hits.append(bool(hit[0]))
+        return hits
+
+    assert run([5, 0, 1, 2]) == [False, False, False, True]
+    assert run([5, 3]) == [False, True]
+    assert run([0, 1, 4]) == [False, False, True]
+    assert run([6]) == [True]
+    assert run([7, 9, 8]) == [False, False, True]      # an empty token in between
+    assert run([0, 5, 1, 2]) == [False, False, False, False]
+    assert run([10, 0, 10, 1, 2]) == [False] * 5
+
+
+def test_same_seed_same_tokens_and_rows_are_independent(model, prompts):
+    s = Sampler(model, SamplingParams(temperature=1.0), buckets=BUCKETS)
+    a = s.generate(prompts, 8, [21, 22])
+    b = s.generate(prompts, 8, [21, 22])
+    c = s.generate(prompts, 8, [23, 24])
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+    assert (a["tokens"] != c["tokens"]).any()
+    # row 0 draws the same tokens whatever the other row is
+    d = s.generate([prompts[0], prompts[0][:4]], 8, [21, 99])
+    np.testing.assert_array_equal(a["tokens"][0], d["tokens"][0])
+
+
+def test_bucketed_appends_do_not_recompile(model):
+    assert split_into_buckets(5, BUCKETS) == [16]
+    assert split_into_buckets(70, BUCKETS) == [64, 16]
+    s = Sampler(model, SamplingParams(), buckets=BUCKETS)
+    cache, last = s.new_cache(2, 64)
+    for n in (3, 9, 16):
+        cache, last = s.append(cache, last, [[5] * n, [6] * (n + 1) if n < 16 else []])
+    assert s._append._cache_size() == 1
+    assert int(cache.length) == 16 * 3
+    assert np.asarray(cache.next_pos).tolist() == [28, 14]
