@@ -1,10 +1,12 @@
 """Known-answer scenes for collisions, bounds, openings and reachability; rotation/shift invariance."""
 import pytest
+import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from jscenegen.scene.judge_rule import rule_grades
 from jscenegen.scene.catalogue import load_catalogue
 from jscenegen.scene.metrics import measure
+from jscenegen.scene.schema import scene_from_json
 from scene_fixtures import KNOWN, obj, random_scene, scene, transform
 
 EMPTY_WALKABLE = (74 * 54) / (80 * 60)  # floor eroded by 3 cells on each side of an 80 x 60 cell room
@@ -123,3 +125,18 @@ def test_arbitrary_rotation_keeps_booleans_and_counts(name, angle):
 def test_whole_cell_shifts_of_random_scenes_change_no_metric(seed, kx, ky):
     s = random_scene(seed)
     assert measure(transform(s, 0.0, (kx * 0.05, ky * 0.05))) == measure(s)
+
+
+def test_out_of_bounds_against_a_concave_floor():
+    from jscenegen.scene.geometry import box_corners, outside_fraction
+
+    ell = np.array([[0, 0], [4, 0], [4, 2], [3, 2], [3, 3], [0, 3]], dtype=float)  # notch at the top right
+    # a 1 m square centred on the concave corner (3, 2): one quadrant lies in the notch
+    assert outside_fraction(box_corners(3.0, 2.0, 1.0, 1.0, 0.0), ell) == pytest.approx(0.25)
+    assert outside_fraction(box_corners(3.0, 2.0, 1.0, 1.0, 45.0), ell) == pytest.approx(0.25)
+    assert outside_fraction(box_corners(1.0, 1.0, 1.0, 1.0, 30.0), ell) == pytest.approx(0.0)
+    assert outside_fraction(box_corners(3.6, 2.6, 0.4, 0.4, 0.0), ell) == pytest.approx(1.0)
+    s = scene_from_json({"room": {"floor_polygon": ell.tolist(), "wall_height": 2.6,
+                                  "doors": [{"wall": 0, "offset": 1.0, "width": 0.9, "height": 2.1}]},
+                         "objects": [obj("dresser_1", "dresser", 3.0, 2.0, 1.0, 0.5, 0.8)]})
+    assert measure(s)["oob_cap_objects"] == ["dresser_1"]

@@ -59,6 +59,7 @@ class MetricsConfig(Section):
     chair_desk_m: float = Field(1.5, ge=0)
     grid_size: int = Field(128, ge=32, le=512, multiple_of=32)
     max_polygon_vertices: int = Field(16, ge=3, le=64)
+    max_doors: int = Field(4, ge=1, le=16)
 
 
 class RewardConfig(Section):

@@ -116,12 +116,11 @@ def encode_scene(
     cfg: MetricsConfig,
     catalogue: Catalogue,
     max_objects: int,
-    max_doors: int = 4,
 ) -> ReachInputs:
     """Encode `scene` for the reachability kernels. Raises ReachabilityError beyond the hard bounds.
 
     Bounds: the room's bounding box must fit grid_size cells per side, at most max_objects objects,
-    max_doors doors, metrics.max_polygon_vertices vertices, and every corner close enough to the
+    metrics.max_doors doors, metrics.max_polygon_vertices vertices, and every corner close enough to the
     room that int32 cross products cannot overflow (4 M (E + M) < 2^31, M the largest |coordinate|,
     E the padded grid extent, all in mm).
     """
@@ -133,6 +132,7 @@ def encode_scene(
         )
     if len(scene.objects) > max_objects:
         raise ReachabilityError(f"{len(scene.objects)} objects, the grid allows {max_objects}")
+    max_doors = cfg.max_doors
     if len(room.doors) > max_doors:
         raise ReachabilityError(f"{len(room.doors)} doors, the grid allows {max_doors}")
     poly_abs = np.array([[round(x * 1000), round(y * 1000)] for x, y in room.floor_polygon], dtype=np.int64)
