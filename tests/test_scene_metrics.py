@@ -1,6 +1,6 @@
 """Known-answer scenes for collisions, bounds, openings and reachability; rotation/shift invariance."""
-import pytest
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from jscenegen.scene.judge_rule import rule_grades
@@ -80,6 +80,17 @@ def test_collisions_need_vertical_overlap_and_skip_parents_and_rugs():
     r = measure(s)
     # the lamp sits on the nightstand (parent: excluded) but reaches into the dresser's height
     assert r["collision_pairs"] == [["dresser_1", "nightstand_1"], ["dresser_1", "table_lamp_1"]]
+    assert r["unsupported_objects"] == []
+
+
+def test_supported_objects_sit_on_their_parent():
+    s = scene([
+        obj("nightstand_1", "nightstand", 1.0, 1.0, 0.45, 0.4, 0.55),
+        obj("table_lamp_1", "table_lamp", 1.0, 1.0, 0.3, 0.3, 0.45, mount="on", elevation=0.55, parent="nightstand_1"),
+        obj("table_lamp_2", "table_lamp", 1.5, 1.0, 0.3, 0.3, 0.45, mount="on", elevation=0.55, parent="nightstand_1"),
+        obj("table_lamp_3", "table_lamp", 1.0, 1.0, 0.3, 0.3, 0.45, mount="on", elevation=0.60, parent="nightstand_1"),
+    ])
+    assert measure(s)["unsupported_objects"] == ["table_lamp_2", "table_lamp_3"]
 
 
 def test_out_of_bounds_and_wall_height():

@@ -17,7 +17,7 @@ from .generator import make_scene_set
 from .judge import JudgeRequest, judge_messages
 from .prompts import load_templates
 
-DEFAULT_CORPUS_SCENES = 120
+DEFAULT_CORPUS_SCENES = 30
 
 
 def protocol_texts(n_scenes: int = DEFAULT_CORPUS_SCENES, cfg: SceneRuntimeConfig | None = None,

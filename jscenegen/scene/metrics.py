@@ -89,7 +89,8 @@ def measure(
     Keys: collision_pairs [[id, id]], oob_objects [id] (> oob_fraction outside or top above the
     wall), oob_cap_objects [id] (> oob_cap_fraction outside or above the wall), door_blocked bool,
     door_clearance_blocked [[door, id]], door_walk_blocked [door], window_warnings
-    [{"window", "object"}], reachable_object_ratio, door_connected_ratio, num_regions,
+    [{"window", "object"}], unsupported_objects [id] (mount "on" but not on top of the parent,
+    within 2 cm), reachable_object_ratio, door_connected_ratio, num_regions,
     largest_region_ratio, walkable_ratio, unreachable_objects [id], reachable bool, blockers [id]
     (only when asked and something is unreachable), front_to_wall_objects, storage_off_wall_objects,
     size_out_of_range_objects, chairs_not_at_desk, unknown_categories, missing_required,
@@ -161,6 +162,15 @@ def measure(
             if not ok:
                 chairs_bad.append(o.id)
 
+    unsupported = []
+    for o in by_id:
+        if o.mount != "on":
+            continue
+        p = scene.object(o.parent)
+        on_top = point_in_polygon(o.position[0], o.position[1], feet[p.id].tolist())
+        if not on_top or abs(o.elevation - (p.elevation + p.size[2])) > 0.02:
+            unsupported.append(o.id)
+
     required = catalogue.required(room.type)
     missing_required = bool(required) and not any(o.category in required for o in scene.objects)
     out = {
@@ -171,6 +181,7 @@ def measure(
         "door_blocked": door_blocked,
         "door_clearance_blocked": door_clear,
         "window_warnings": window_warn,
+        "unsupported_objects": unsupported,
         **reach,
         "front_to_wall_objects": front_wall,
         "storage_off_wall_objects": storage_off,
@@ -194,8 +205,8 @@ def metrics_text(m: dict) -> str:
     """Compact deterministic text of the metrics for critic, planner and judge prompts."""
     keys = (
         "object_count", "collision_pairs", "oob_objects", "door_blocked", "door_clearance_blocked",
-        "window_warnings", "reachable", "reachable_object_ratio", "door_connected_ratio", "num_regions",
-        "largest_region_ratio", "walkable_ratio", "unreachable_objects", "blockers",
+        "window_warnings", "unsupported_objects", "reachable", "reachable_object_ratio",
+        "door_connected_ratio", "num_regions", "largest_region_ratio", "walkable_ratio", "unreachable_objects", "blockers",
         "front_to_wall_objects", "storage_off_wall_objects", "size_out_of_range_objects",
         "chairs_not_at_desk", "unknown_categories",
     )
