@@ -28,8 +28,9 @@ def test_grpo_step_matches_torch_legacy_micro_batched_kl_entropy(tiny_dirs):
 
 
 def test_synthetic_batch_layout():
-    d = synthetic_batch(100, seed=1)
-    assert d["input_ids"].shape == (8, 32) and d["attention_mask"][:, -1].all()
+    d = synthetic_batch(100, seed=1, pad_rows=1)
+    assert d["input_ids"].shape == (9, 32) and d["attention_mask"][:8, -1].all()
+    assert not d["attention_mask"][8].any() and not d["loss_mask"][8].any()
     assert (d["attention_mask"][:, 0] == 0).any()  # some rows are left-padded
     assert set(d["roles"][d["policy_mask"]].tolist()) == {PLANNER, DESIGNER}
     assert (d["loss_mask"] == ((d["roles"] == DESIGNER) & d["policy_mask"])).all()
@@ -38,13 +39,14 @@ def test_synthetic_batch_layout():
 
 
 def test_cli_qwen3_recipe_with_accumulation(tiny_dirs, capsys):
-    """Qwen3 (q/k norms, tied embedding): the GRPO100 loss and optimizer, 2 micro-batches."""
+    """Qwen3 (q/k norms, tied embedding): the GRPO100 loss and optimizer, 8 episodes + 1
+    all-padding row (as on fsdp=3) in 3 micro-batches."""
     from jscenegen.cli import main
 
-    rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--loss",
-               "ppo_micro_batch_size=4"])
+    rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--pad-rows", "1",
+               "--loss", "ppo_micro_batch_size=3"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and r["ok"] and r["loss_scale"] == "global" and r["micro_batches"] == 2, r
+    assert rc == 0 and r["ok"] and r["loss_scale"] == "global" and r["micro_batches"] == 3, r
     assert r["loss_diff"] <= 1e-5 and r["max_param_diff"] <= PARAM_TOL
     assert abs(r["grad_norm_ratio"] - 1) <= 1e-5 and r["update_max"] > 9e-7
 
@@ -54,7 +56,7 @@ def test_cli_exits_1_beyond_tolerance(tiny_dirs, capsys, monkeypatch):
     from jscenegen.grpo import parity_step
 
     monkeypatch.setattr(parity_step, "LOSS_TOL", -1.0)
-    rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--loss",
-               "ppo_micro_batch_size=4"])
+    rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--pad-rows", "1",
+               "--loss", "ppo_micro_batch_size=3"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and not r["ok"]

@@ -24,10 +24,12 @@ PARAM_TOL = 2.4e-7
 
 
 def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int = 4,
-                    selected: int = DESIGNER, seed: int = 0) -> dict:
+                    selected: int = DESIGNER, seed: int = 0, pad_rows: int = 0) -> dict:
     """A fixed GRPO batch as numpy arrays.
 
-    Returns input_ids/attention_mask [rows, seq] int32 (left padding of 0-6 tokens), roles
+    `rows` episodes in groups of `group_size`, then `pad_rows` all-padding rows (zero
+    attention and loss masks, as rows are padded to a multiple of the mesh's fsdp axis).
+    Returns input_ids/attention_mask [R, seq] int32 (left padding of 0-6 tokens), roles
     [rows, seq] int32, policy_mask [rows, seq] bool, scores/valid/group_ids [rows], and
     loss_mask/advantages [rows, seq] float32 for role `selected`, plus old_delta/ref_delta
     [rows, seq] float32 perturbations (N(0, 0.3)) for the old/reference log-probs.
@@ -56,18 +58,23 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
     valid = np.ones(rows, bool)
     adv = np.asarray(grpo_outcome_advantages(scores, groups, valid, group_size=group_size))
     loss_mask = np.asarray(role_loss_mask(roles, policy, selected)) * mask
+    adv, loss_mask = adv[:, None] * loss_mask, loss_mask
+    if pad_rows:
+        extra = lambda a: np.concatenate([a, np.zeros((pad_rows, *a.shape[1:]), a.dtype)])  # noqa: E731
+        ids, mask, roles, policy, loss_mask, adv = map(extra, (ids, mask, roles, policy, loss_mask, adv))
     return {
         "input_ids": ids, "attention_mask": mask, "roles": roles, "policy_mask": policy,
         "scores": scores, "valid": valid, "group_ids": groups,
         "loss_mask": loss_mask.astype(np.float32),
-        "advantages": (adv[:, None] * loss_mask).astype(np.float32),
-        "old_delta": rng.normal(0, 0.3, (rows, seq)).astype(np.float32),
-        "ref_delta": rng.normal(0, 0.3, (rows, seq)).astype(np.float32),
+        "advantages": adv.astype(np.float32),
+        "old_delta": rng.normal(0, 0.3, (rows + pad_rows, seq)).astype(np.float32),
+        "ref_delta": rng.normal(0, 0.3, (rows + pad_rows, seq)).astype(np.float32),
     }
 
 
 def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
-                     seed: int = 0, rows: int = 8, seq: int = 32, compare_grads: bool = False) -> dict:
+                     seed: int = 0, rows: int = 8, seq: int = 32, pad_rows: int = 0,
+                     compare_grads: bool = False) -> dict:
     """Run one update both ways; returns the comparison (see module doc) with `ok`.
 
     With `compare_grads` the accumulated gradients are also compared element-wise
@@ -95,7 +102,8 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     names = param_names(params)
     step = GRPOStep(nnx_hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
                     temperature=temperature, donate=False)
-    data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed)
+    data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed, pad_rows=pad_rows)
+    rows = rows + pad_rows
     on = data["loss_mask"] > 0
 
     jax_old, _ = step.logprobs(params, data["input_ids"], data["attention_mask"])
@@ -146,7 +154,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         "old_logp_max_diff": float(np.max(np.abs(jax_old - t_old)[data["attention_mask"] > 0])),
         "clipfrac": float(metrics["clipfrac"]), "trained_tokens": int(on.sum()),
         "loss_agg_mode": loss_cfg.loss_agg_mode, "loss_scale": loss_cfg.loss_scale,
-        "micro_batches": rows // micro_rows, "lr": optim_cfg.lr,
+        "micro_batches": rows // micro_rows, "rows": rows, "pad_rows": pad_rows, "lr": optim_cfg.lr,
         "tolerances": {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL},
     }
     if compare_grads:
@@ -167,6 +175,8 @@ def add_parser(kinds) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows", type=int, default=8, help="episodes (2 groups of rows/2)")
     p.add_argument("--seq", type=int, default=32, help="padded tokens per episode")
+    p.add_argument("--pad-rows", type=int, default=0,
+                   help="extra all-padding rows (as for an fsdp axis that does not divide rows)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--grads", action="store_true", help="also compare gradients element-wise")
     p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE",
@@ -185,6 +195,6 @@ def run(args) -> int:
     optim_cfg = validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig)
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
-                              seq=args.seq, compare_grads=args.grads)
+                              seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
