@@ -11,7 +11,7 @@ from .catalogue import Catalogue, load_catalogue
 from .config import SceneRuntimeConfig
 from .geometry import footprint, front_direction, opening_box
 from .metrics import measure
-from .reach_inputs import GridSpec
+from .reach_inputs import GridSpec, is_thin
 from .schema import Scene
 
 
@@ -20,7 +20,8 @@ def render_scene(scene: Scene, out: str | Path, cfg: SceneRuntimeConfig | None =
     """Write a PNG top view to `out` (atomically) and return the scene's metrics.
 
     Draws the floor polygon, door clearance boxes (red) and window boxes (blue), each object's
-    footprint with an arrow for its front, and the reached grid cells (green) of the NumPy
+    footprint with an arrow for its front (thin coverings pale, objects in a collision or
+    unreachable red), and the reached grid cells (green) of the NumPy
     reachability reference.
     """
     import matplotlib
@@ -48,9 +49,11 @@ def render_scene(scene: Scene, out: str | Path, cfg: SceneRuntimeConfig | None =
         ax.add_patch(Polygon(opening_box(room, w, cfg.metrics.window_clearance_m), closed=True, color="blue",
                              alpha=0.2))
     bad = {i for p in metrics["collision_pairs"] for i in p} | set(metrics["unreachable_objects"])
-    for o in scene.objects:
+    thin = {o.id for o in scene.objects if is_thin(o, catalogue, cfg.metrics)}
+    for o in sorted(scene.objects, key=lambda o: (o.id not in thin, o.mount == "on")):  # rugs below, lamps on top
         corners = footprint(o)
-        colour = "tab:red" if o.id in bad else ("tab:gray" if o.mount == "on" else "tab:orange")
+        colour = "tab:red" if o.id in bad else (
+            "wheat" if o.id in thin else ("tab:gray" if o.mount == "on" else "tab:orange"))
         ax.add_patch(Polygon(corners, closed=True, fill=True, alpha=0.5, ec="black", fc=colour, lw=1))
         f = front_direction(o.yaw) * min(0.3, o.size[1] / 2)
         ax.arrow(o.position[0], o.position[1], f[0], f[1], head_width=0.06, color="black", length_includes_head=True)
