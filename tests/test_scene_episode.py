@@ -190,3 +190,23 @@ def test_protocol_hash_tracks_every_ingredient():
         protocol_hash(SceneRuntimeConfig(), JudgeConfig(backend="http", base_url="http://x", model="m")),
     ]
     assert len(set(changed + [base])) == 6
+
+
+def test_replaced_prompt_templates_change_the_hash_and_bad_ones_are_named(tmp_path):
+    from importlib import resources
+
+    from jscenegen.scene.prompts import TEMPLATE_NAMES, PromptError, load_templates
+
+    src = resources.files("jscenegen.scene").joinpath("prompts")
+    for name in TEMPLATE_NAMES:
+        (tmp_path / f"{name}.txt").write_text(src.joinpath(f"{name}.txt").read_text())
+    changed = SceneRuntimeConfig(prompts_dir=str(tmp_path))
+    before = protocol_hash(changed, JudgeConfig())
+    assert before == protocol_hash(SceneRuntimeConfig(), JudgeConfig())  # a copy of the packaged templates
+    (tmp_path / "system.txt").write_text("Be brief. $op_table\nMystery: $not_provided\n")
+    assert protocol_hash(changed, JudgeConfig()) != before
+    with pytest.raises(PromptError, match=r"system.txt: placeholder \$not_provided"):
+        Episode(record(), changed).system_prompt()
+    (tmp_path / "critic.txt").unlink()
+    with pytest.raises(PromptError, match="critic.txt: template missing"):
+        load_templates(str(tmp_path))
