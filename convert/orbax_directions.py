@@ -101,7 +101,7 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
                 params: dict[str, np.ndarray], adam: dict[str, Any],
                 train_state: dict[str, Any], source: dict[str, Any], layout_files: list,
                 source_path: str | Path, source_format: str) -> Path:
-    from jscenegen.grpo.checkpoint import CheckpointStore
+    from jscenegen.grpo.checkpoint import CheckpointError, CheckpointStore
     from jscenegen.grpo.run_metadata import training_metadata
     from jscenegen.model.params import param_shapes
 
@@ -114,6 +114,8 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
         try:
             store.save(step, params=params, adam=adam, train_state=train_state, metadata=meta,
                        hf_assets_dir=hf_dir, shapes=param_shapes(cfg))
+        except CheckpointError as err:
+            raise ConvertError(str(err)) from None
         finally:
             store.close()
         write_layout(tmp, fmt="orbax", source=source_path, source_format=source_format,

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from convert.directions import hf_to_verl, verl_to_hf, verl_to_verl
+from convert.directions import hf_to_verl, verl_to_hf
+from convert.orbax_directions import orbax_to_verl, verl_to_orbax
 from fsdp_fixtures import fixture_dir, run_script
 
 pytestmark = pytest.mark.slow
@@ -27,16 +28,18 @@ def _load(ckpt_actor, out, world_size, placement):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The fixture's own files, and our rewrites at W = 6 and W = 3, each loaded and stepped."""
+    """The fixture's own files, and verl -> orbax -> verl at W = 6 and W = 3 (written
+    separately), each loaded into FSDP2 and stepped."""
     root = tmp_path_factory.mktemp("fsdp_load")
     src = fixture_dir("qwen2_first_divisible")
     placement = "first-divisible"
     out = {"ref_params": load_file(str(src / "reference/params.safetensors")),
            "ref_optim": load_file(str(src / "reference/optim.safetensors"))}
     out["orig"] = _load(src / "ckpt/global_step_3/actor", root / "orig", 6, placement)
+    verl_to_orbax(src / "ckpt", root / "orbax")
     for w in (6, 3):
-        verl_to_verl(src / "ckpt", root / f"w{w}", world_size=w, placement=placement,
-                     device_type="cpu")
+        orbax_to_verl(root / "orbax", root / f"w{w}", world_size=w, placement=placement,
+                      device_type="cpu")
         out[w] = _load(root / f"w{w}/global_step_3/actor", root / f"load{w}", w, placement)
         out[f"optim{w}"] = load_file(str(root / f"load{w}/loaded_optim.safetensors"))
     return out
