@@ -18,7 +18,15 @@ from .actions import format_action
 from .catalogue import Catalogue, load_catalogue
 from .config import JudgeConfig, SceneRuntimeConfig
 from .episode import Episode, judge_episodes
-from .geometry import box_corners, front_direction, opening_box, outside_fraction, penetration, wall_frame
+from .geometry import (
+    box_corners,
+    front_direction,
+    opening_box,
+    opening_centre,
+    outside_fraction,
+    penetration,
+    wall_frame,
+)
 from .judge import Judge, make_judge
 from .judge_rule import rule_grades
 from .metrics import measure
@@ -42,7 +50,7 @@ class _Sim:
     catalogue: Catalogue
     ops: list
 
-    def fits(self, category: str, pos, yaw: float, size, mount: str = "floor", elevation: float = 0.0) -> bool:
+    def fits(self, pos, yaw: float, size, mount: str = "floor", elevation: float = 0.0) -> bool:
         """Cheap geometric screen before measuring: inside, no contact, openings clear."""
         room = self.editor.scene.room
         feet = box_corners(pos[0], pos[1], size[0], size[1], yaw)
@@ -114,7 +122,7 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
     scene = record.scene.model_copy(update={"objects": ()})
     sim = _Sim(SceneEditor(scene, cfg, catalogue), cfg, catalogue, [])
     room = scene.room
-    door_pts = [box_corners(*(opening_box(room, d, 0.0).mean(axis=0)), 0.01, 0.01, 0).mean(axis=0) for d in room.doors]
+    door_pts = [opening_centre(room, d)[0] for d in room.doors]
     want: dict[str, int] = {}
     for r in record.requested:
         for cat in catalogue.members(r["category"])[:1]:
@@ -126,7 +134,7 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
         size = catalogue.get(cat).default_size
         checks = 0
         for pos, yaw in _wall_poses(room, size, door_pts, prefer_far):
-            if not sim.fits(cat, pos, yaw, size):
+            if not sim.fits(pos, yaw, size):
                 continue
             checks += 1
             saved = (sim.editor.scene, len(sim.ops), dict(sim.editor.counters))
@@ -153,7 +161,7 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
         half_o = abs(size[0] / 2 * float(uo @ d)) + abs(size[1] / 2 * float(fo @ d))
         pos = np.asarray(tgt.position) + d * (half_t + half_o + GAP) + tangent * along
         pos = (round(float(pos[0]), 4), round(float(pos[1]), 4))
-        if not sim.fits(cat, pos, yaw, size):
+        if not sim.fits(pos, yaw, size):
             return None
         return sim.try_add({"op": "add_object", "category": cat, "description": cat.replace("_", " "),
                             "position": list(pos), "yaw": yaw}, need_reach)
@@ -180,7 +188,7 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
     for _ in range(want.get("wall_shelf", 0)):
         size = catalogue.get("wall_shelf").default_size
         for pos, yaw in _wall_poses(room, size, door_pts, prefer_far=False, step=0.25):
-            if sim.fits("wall_shelf", pos, yaw, size, "wall", 1.6) and sim.try_add(
+            if sim.fits(pos, yaw, size, "wall", 1.6) and sim.try_add(
                 {"op": "add_object", "category": "wall_shelf", "description": "wall shelf", "position": list(pos),
                  "yaw": yaw, "mount": "wall", "elevation": 1.6}):
                 break
