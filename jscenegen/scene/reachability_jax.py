@@ -3,8 +3,8 @@
 Same integer geometry and tie rules as the NumPy reference (reachability.py), reorganised for
 accelerators. Morphology is shifted ORs on the whole padded [G, G] grid (the disk split into
 rows: a horizontal dilation per row half-width, then a vertical shift). Regions come from label
-propagation (each free cell takes the largest label of its row run, then of its column run,
-until nothing changes): the 4-connected flood fill of every component at once. The reached
+propagation (each free cell takes the largest label of its row run, then of its column run, by
+segment max, until nothing changes): the 4-connected flood fill of every component at once. The reached
 region is the union of the components holding a free door start cell. For a blocking object F
 the ring D(F, r + m) minus D(F, r) meets `reached` exactly when F meets D(reached, r + m),
 because reached never enters D(F, r); front-used objects dilate only the part of `reached`
@@ -104,28 +104,25 @@ def _cross(a, b, px, py):
 def _labels(free: jax.Array) -> jax.Array:
     """[G, G] int32 component labels of `free` (the largest 1-based cell index of the component).
 
-    Each pass gives every free cell the largest label of its run of free cells along rows, then
-    along columns: a segmented max by offset keys. Run ids (the count of blocked cells so far,
-    forwards or backwards) are monotone along the scan, so key = run_id * K + label, with K above
-    every label, keeps runs apart in one cumulative max. The run ids are fixed, so they are
-    computed once, outside the loop.
+    Each pass gives every free cell the largest label of its run of free cells along its row,
+    then along its column. A run is a segment: (line index, count of blocked cells so far along
+    the line), fixed for the whole loop, so one segment max plus a gather is a pass (XLA's CPU
+    cumulative max costs O(G) per cell; the segment max is linear).
     """
     g = free.shape[-1]
-    k = g * g + 1
     init = jnp.where(free, jnp.arange(1, g * g + 1, dtype=jnp.int32).reshape(g, g), 0)
-    runs = {
-        (axis, rev): lax.cumsum((~free).astype(jnp.int32), axis=axis, reverse=rev) * k
-        for axis in (0, 1) for rev in (False, True)
-    }
+    blocked = (~free).astype(jnp.int32)
+    line = jnp.arange(g, dtype=jnp.int32)
+    seg_rows = (line[:, None] * (g + 1) + lax.cumsum(blocked, axis=1)).reshape(-1)
+    seg_cols = (line[None, :] * (g + 1) + lax.cumsum(blocked, axis=0)).reshape(-1)
 
-    def run_max(lab, axis):
-        fwd = lax.cummax(runs[axis, False] + lab, axis=axis) - runs[axis, False]
-        bwd = lax.cummax(runs[axis, True] + lab, axis=axis, reverse=True) - runs[axis, True]
-        return jnp.where(free, jnp.maximum(fwd, bwd), 0)
+    def run_max(lab, seg):
+        top = jax.ops.segment_max(lab.reshape(-1), seg, num_segments=g * (g + 1))
+        return jnp.where(free, top[seg].reshape(g, g), 0)
 
     def body(state):
         lab, _, it = state
-        new = run_max(run_max(lab, 1), 0)
+        new = run_max(run_max(lab, seg_rows), seg_cols)
         return new, jnp.any(new != lab), it + 1
 
     # every pass merges whole row and column runs; G*G passes bound any path, so it never binds
