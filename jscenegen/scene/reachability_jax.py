@@ -1,16 +1,19 @@
 """Batched door-anchored reachability in JAX: fixed padded grid, `lax.while_loop` fill, `vmap`.
 
 Same integer geometry and tie rules as the NumPy reference (reachability.py), reorganised for
-accelerators. Morphology is shifted ORs on the whole padded [G, G] grid (the disk split into
-rows: a horizontal dilation per row half-width, then a vertical shift). Regions come from label
-propagation (each free cell takes the largest label of its row run, then of its column run, by
-segment max, until nothing changes): the 4-connected flood fill of every component at once. The reached
-region is the union of the components holding a free door start cell. For a blocking object F
-the ring D(F, r + m) minus D(F, r) meets `reached` exactly when F meets D(reached, r + m),
-because reached never enters D(F, r); front-used objects dilate only the part of `reached`
-strictly beyond their front line. These per-object dilations run on rows packed 32 cells to a
-uint32 word (the grid side is a multiple of 32). All integer arithmetic is int32 (bounds
-checked in reach_inputs.encode_scene), so results equal the reference exactly.
+accelerators:
+- Morphology is shifted ORs on the whole padded [G, G] grid (the disk split into rows: a
+  horizontal dilation per row half-width, then a vertical shift).
+- Regions come from label propagation: each free cell takes the largest label of its row run,
+  then of its column run (a segment max), until nothing changes. That is the 4-connected flood
+  fill of every component at once; the reached region is the union of the components holding a
+  free door start cell.
+- For a blocking object F the ring D(F, r + m) minus D(F, r) meets `reached` exactly when F
+  meets D(reached, r + m), because reached never enters D(F, r); front-used objects dilate only
+  the part of `reached` strictly beyond their front line. These per-object dilations run on rows
+  packed 32 cells to a uint32 word (the grid side is a multiple of 32).
+All integer arithmetic is int32 (bounds checked in reach_inputs.encode_scene), so results equal
+the reference exactly.
 """
 from __future__ import annotations
 
