@@ -100,29 +100,48 @@ def write_verl_run(dst: str | Path, state: VerlState, *, world_size: int, placem
     (a rank's own source file is named when the source has the same rank). Raises
     ConvertError for an existing non-empty `dst` or bad arguments.
     """
-    from jscenegen.model.params import param_shapes
-
-    shapes = param_shapes(state.config)
     with staged_dir(dst) as tmp:
-        step_dir = tmp / f"global_step_{state.global_step}"
-        shard_dir = step_dir if flattened else step_dir / "actor"
-        dims = write_rank_files(shard_dir, shapes=shapes, params=state.params,
-                                world_size=world_size, placement=placement,
-                                tied_alias=state.config.tie_word_embeddings, adam=state.adam,
-                                extra_states=state.extra_states, dtype=dtype,
-                                device_type=device_type)
-        hf_files = copy_hf_metadata(state.hf_dir, shard_dir / "huggingface")
-        (tmp / "latest_checkpointed_iteration.txt").write_text(str(state.global_step))
-        rel = shard_dir.relative_to(tmp).as_posix()
-        files = [(f"{rel}/{p.name}", _sources_of(p.name, source_files, source))
-                 for p in sorted(shard_dir.glob("*_world_size_*.pt"))]
-        files += [(f"{rel}/huggingface/{w}", s) for w, s in hf_files]
+        shard_dir, files, extra = write_verl_into(
+            tmp, state, world_size=world_size, placement=placement, dtype=dtype,
+            device_type=device_type, source=source, flattened=flattened,
+            source_files=source_files)
         write_layout(tmp, fmt="verl-fsdp2", source=source, source_format=source_format,
-                     files=files, world_size=world_size, placement=placement,
-                     shard_dims=dims, device_type=device_type, global_step=state.global_step,
-                     dtype=dtype or "source")
+                     files=files, **extra)
         write_checksums(tmp)
     return Path(dst) / shard_dir.relative_to(tmp)
+
+
+def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement: str,
+                    dtype: str | None, device_type: str, source: str | Path, flattened: bool,
+                    source_files: dict[str, list[str]] | None,
+                    hf_link: str | None = None) -> tuple[Path, list[tuple[str, list[str]]], dict]:
+    """The files of `write_verl_run` under an existing directory `root` (no layout/checksums).
+
+    `hf_link`: make `huggingface` a symlink to this relative path instead of copying the HF
+    files (the published layout links `../..`). Returns (shard dir, [(written relpath,
+    [sources])], layout fields).
+    """
+    from jscenegen.model.params import param_shapes
+
+    step_dir = root / f"global_step_{state.global_step}"
+    shard_dir = step_dir if flattened else step_dir / "actor"
+    dims = write_rank_files(shard_dir, shapes=param_shapes(state.config), params=state.params,
+                            world_size=world_size, placement=placement,
+                            tied_alias=state.config.tie_word_embeddings, adam=state.adam,
+                            extra_states=state.extra_states, dtype=dtype, device_type=device_type)
+    if hf_link is None:
+        hf_files = copy_hf_metadata(state.hf_dir, shard_dir / "huggingface")
+    else:
+        (shard_dir / "huggingface").symlink_to(hf_link, target_is_directory=True)
+        hf_files = []
+    (root / "latest_checkpointed_iteration.txt").write_text(str(state.global_step))
+    rel = shard_dir.relative_to(root).as_posix()
+    files = [(f"{rel}/{p.name}", _sources_of(p.name, source_files, source))
+             for p in sorted(shard_dir.glob("*_world_size_*.pt"))]
+    files += [(f"{rel}/huggingface/{w}", s) for w, s in hf_files]
+    extra = dict(world_size=world_size, placement=placement, shard_dims=dims,
+                 device_type=device_type, global_step=state.global_step, dtype=dtype or "source")
+    return shard_dir, files, extra
 
 
 def _sources_of(written: str, source_files: dict[str, list[str]] | None,

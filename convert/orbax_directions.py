@@ -77,7 +77,11 @@ def extra_state_from_json(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- orbax side
-def _orbax_step_dir(path: str | Path) -> Path:
+def orbax_step_dir(path: str | Path) -> Path:
+    """The complete step directory at `path` (itself, or the newest complete step under it).
+
+    Raises ConvertError naming the directory when no complete step (checksums verified) exists.
+    """
     from jscenegen.grpo import checkpoint as ckpt
 
     path = Path(path)
@@ -204,7 +208,7 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.params import param_shapes
 
-    step_dir = _orbax_step_dir(src)
+    step_dir = orbax_step_dir(src)
     hf = step_dir / ckpt.HF_DIR
     cfg = QwenConfig.from_dir(hf)
     shapes = param_shapes(cfg)
@@ -250,7 +254,7 @@ def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placemen
                   dtype: str | None = None, device_type: str = "cuda") -> Path:
     """An orbax step as a VERL run directory that torch FSDP2 on `world_size` ranks resumes."""
     state = orbax_state(src, world_size)
-    step_dir = _orbax_step_dir(src)
+    step_dir = orbax_step_dir(src)
     return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
                           device_type=device_type, source=src, source_format="orbax",
                           source_files={"model": [str(step_dir / "params")],
@@ -261,25 +265,32 @@ def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placemen
 
 def orbax_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> list[str]:
     """The orbax step's params as an HF safetensors directory (streamed, atomic)."""
+    step_dir = orbax_step_dir(src)
+    with staged_dir(dst) as tmp:
+        files = write_hf_into(step_dir, tmp, dtype=dtype)
+        write_layout(tmp, fmt="hf-safetensors", source=src, source_format="orbax", files=files,
+                     dtype=dtype or "source")
+        write_checksums(tmp)
+    return [w for w, _ in files if w.endswith((".safetensors", ".index.json"))]
+
+
+def write_hf_into(step_dir: Path, out: Path, *, dtype: str | None) -> list[tuple[str, list[str]]]:
+    """Safetensors (streamed, one array at a time) + the step's hf/ files into `out`.
+
+    Returns [(written name, [sources])] for the layout file.
+    """
     from jscenegen.grpo import checkpoint as ckpt
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.params import param_shapes
 
-    step_dir = _orbax_step_dir(src)
     hf = step_dir / ckpt.HF_DIR
     shapes = param_shapes(QwenConfig.from_dir(hf))
     stored = ckpt.array_shapes(step_dir, "params")
     specs = {n: (s, np.dtype(cast(np.zeros(1, stored[n][1]), dtype).dtype)) for n, s in shapes.items()}
-    with staged_dir(dst) as tmp:
-        arrays = ((n, cast(np.asarray(a), dtype))
-                  for n, a in ckpt.iter_arrays(step_dir, "params", names=list(shapes)))
-        names = write_safetensors_streaming(tmp, specs, arrays)
-        hf_files = copy_hf_metadata(hf, tmp)
-        write_layout(tmp, fmt="hf-safetensors", source=src, source_format="orbax",
-                     files=[(n, [str(step_dir / "params")]) for n in names] + hf_files,
-                     dtype=dtype or "source")
-        write_checksums(tmp)
-    return names
+    arrays = ((n, cast(np.asarray(a), dtype))
+              for n, a in ckpt.iter_arrays(step_dir, "params", names=list(shapes)))
+    names = write_safetensors_streaming(out, specs, arrays)
+    return [(n, [str(step_dir / ckpt.PARAMS_ITEM)]) for n in names] + copy_hf_metadata(hf, out)
 
 
 DIRECTIONS: dict[tuple[str, str], Callable[..., Any]] = {

@@ -1,0 +1,59 @@
+"""`jscenegen export`: a training checkpoint in the published layout (../shared/specs/seed.md).
+
+    OUT/                              the HF inference model: config.json, model*.safetensors,
+                                      tokenizer files, chat template, generation config
+    OUT/training_state/latest_checkpointed_iteration.txt
+    OUT/training_state/global_step_N/ VERL FSDP2 rank files (model, Adam, extra state) for W
+                                      ranks, fsdp_config.json, huggingface -> ../.. (symlink)
+    OUT/training_metadata.json        the checkpoint's metadata (credentials redacted again)
+    OUT/checkpoint-layout.json        written path <- source paths, torch version
+    OUT/checksums.json                SHA-256 + bytes of every file (the symlink is not followed)
+
+Only these are written: never a trajectory, prompt log or credential (the source checkpoint
+holds none, and nothing else is copied). Built in a staged directory, renamed when complete.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from convert.directions import write_verl_into
+from convert.layout import write_layout
+from convert.orbax_directions import orbax_step_dir, orbax_state, write_hf_into
+from convert.staging import staged_dir
+from jscenegen.checksums import write_checksums, write_json_atomic
+
+
+def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
+           placement: str = "dim0", dtype: str | None = None, device_type: str = "cuda") -> Path:
+    """Export an orbax training checkpoint (a step directory, or a run's checkpoint directory:
+    its newest complete step) to `out`. Returns the training_state step directory.
+
+    The HF weights keep the checkpoint's dtype unless `dtype`; the VERL rank files always hold
+    what the checkpoint holds (fp32 master weights and moments) for `world_size` ranks with
+    `placement` and a DeviceMesh of `device_type`. Raises ConvertError for an incomplete
+    checkpoint or an existing non-empty `out`.
+    """
+    from jscenegen.grpo import checkpoint as ckpt
+    from jscenegen.grpo.run_metadata import redact
+
+    step_dir = orbax_step_dir(checkpoint)
+    state = orbax_state(step_dir, world_size)
+    with staged_dir(out) as tmp:
+        files = write_hf_into(step_dir, tmp, dtype=dtype)
+        shard_dir, verl_files, extra = write_verl_into(
+            tmp / "training_state", state, world_size=world_size, placement=placement,
+            dtype=None, device_type=device_type, source=step_dir, flattened=True,
+            source_files={"model": [str(step_dir / ckpt.PARAMS_ITEM)],
+                          "optim": [str(step_dir / ckpt.ADAM_ITEM)],
+                          "extra_state": [str(step_dir / ckpt.TRAIN_STATE_ITEM),
+                                          str(step_dir / ckpt.METADATA_NAME)]},
+            hf_link="../..")
+        files += [(f"training_state/{w}", s) for w, s in verl_files]
+        meta = redact(json.loads((step_dir / ckpt.METADATA_NAME).read_text()))
+        write_json_atomic(tmp / "training_metadata.json", meta)
+        files.append(("training_metadata.json", [str(step_dir / ckpt.METADATA_NAME)]))
+        write_layout(tmp, fmt="published", source=step_dir, source_format="orbax", files=files,
+                     hf_dtype=dtype or "source", training_state=extra)
+        write_checksums(tmp)
+    return Path(out) / shard_dir.relative_to(tmp)
