@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand modules, imported lazily so `jscenegen scene ...` never imports JAX models.
@@ -41,7 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def force_cpu_devices() -> None:
+    """Give JAX's CPU backend $JSCENEGEN_CPU_DEVICES (default 6) devices, so the 3 x 2 mesh is
+    real on a CPU-only machine; GPU/TPU backends are unaffected. Runs before JAX is imported."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        n = int(os.environ.get("JSCENEGEN_CPU_DEVICES", "6"))
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
+    force_cpu_devices()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

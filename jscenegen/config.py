@@ -26,7 +26,10 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """Which weights to train and how to compute with them."""
 
-    path: str | None = Field(None, description="HF model directory (config.json + safetensors).")
+    path: str | None = Field(None, description="HF model directory (config.json + safetensors); "
+                             "null: the CPU default's tiny model, created on first use")
+    reference_path: str | None = Field(None, description="frozen reference model for the KL "
+                                       "term (default: the initial policy weights)")
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
@@ -43,9 +46,14 @@ class MeshConfig(Section):
     process_id: int | None = None
 
 
-class RunConfig(Section):
-    model: ModelConfig = ModelConfig()
-    mesh: MeshConfig = MeshConfig()
+def __getattr__(name: str):
+    # RunConfig composes every package's sections, which import `Section` from here: it lives
+    # in jscenegen.run_config and is re-exported lazily to keep the import graph acyclic.
+    if name == "RunConfig":
+        from jscenegen.run_config import RunConfig
+
+        return RunConfig
+    raise AttributeError(name)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -93,6 +101,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
 
 def validate_config(data: dict, source: str = "<config>", model: type[BaseModel] | None = None):
     """Validate a plain dict into `model` (default RunConfig); errors name each bad key."""
+    from jscenegen.run_config import RunConfig
+
     cls = model or RunConfig
     try:
         return cls.model_validate(data)

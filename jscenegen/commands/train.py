@@ -1,0 +1,46 @@
+"""`jscenegen train`: the GRPO job (the CPU default with no arguments)."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = "configs/cpu-default.yaml"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="GRPO training (no arguments: the CPU default pipeline)")
+    p.add_argument("--config", default=None, help=f"run config YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--run-dir", default=None, help="output directory (default: runs/<time>)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest complete checkpoint")
+    p.add_argument("--max-updates", type=int, default=None,
+                   help="stop after N update attempts (smoke runs)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from jscenegen.config import ConfigError, load_config
+    from jscenegen.paths import resolve_data_path
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.yaml"
+        if not saved.is_file():
+            print(f"error: {saved} not found: {run_dir} is not a jscenegen run directory",
+                  file=sys.stderr)
+            return 2
+        config_path = args.config or saved
+    else:
+        config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
+        run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        cfg = load_config(config_path, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from jscenegen.pipeline import train_command
+
+    return train_command(cfg, run_dir, resume=bool(args.resume), max_updates=args.max_updates,
+                         config_source=str(config_path))

@@ -1,0 +1,130 @@
+"""The GRPO100 schedule: scene order, D-D-D-P-C roles, episode seeds, effective-update counting.
+
+specs/grpo.md "Role schedule and update counting": effective update k trains role
+`roles[k mod len(roles)]`; an attempt runs the G episodes of the current scene; it is effective
+when a trained token has a non-zero advantage. For an attempt without signal the `zero_spread`
+policy decides: `redraw` (same scene, next seeds, at most `max_redraws` times, then the next
+scene without a step), `skip` (next scene at once) or `count` (step anyway; it counts).
+When every scene has been used, the order starts again (epoch + 1, which enters the seeds).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Literal, Sequence
+
+from pydantic import Field
+
+from jscenegen.config import Section
+from jscenegen.grpo.roles import role_from_letter
+
+
+class ScheduleConfig(Section):
+    """Which scenes, in which order, and how updates are counted."""
+
+    train_set: str = Field("data/scenes/train.jsonl", description="JSONL scene set (file order = order)")
+    dev_set: str = Field("data/scenes/dev.jsonl", description="dev scenes for evaluation")
+    num_scenes: int | None = Field(None, gt=0, description="use the first N scenes (None: all)")
+    roles: str = Field("DDDPC", pattern=r"^[DPC]+$")
+    group_size: int = Field(8, ge=1)
+    total_updates: int = Field(100, ge=1, description="effective updates (optimizer steps with signal)")
+    zero_spread: Literal["redraw", "skip", "count"] = "redraw"
+    max_redraws: int = Field(2, ge=0)
+
+
+@dataclasses.dataclass
+class SchedulePosition:
+    """Where the schedule stands; JSON-able, saved in every checkpoint's train state."""
+
+    scene_index: int = 0        # index into the scene order
+    epoch: int = 0              # passes over the scene order completed
+    redraw: int = 0             # redraws of the current scene so far
+    effective_updates: int = 0  # optimizer steps with signal (or counted)
+    attempts: int = 0           # update attempts (rollout groups) so far
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SchedulePosition":
+        return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls)})
+
+
+def episode_seed(scene_seed: int, member: int, redraw: int, epoch: int = 0) -> int:
+    """hash(scene seed, member index, redraw index[, epoch]) -> a 31-bit seed (SHA-256 based)."""
+    key = f"{scene_seed}:{member}:{redraw}" + (f":{epoch}" if epoch else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def schedule_hash(scene_seeds: Sequence[tuple[str, int]], roles: str, group_size: int) -> str:
+    """SHA-256 of canonical JSON {scenes: [[scene_id, seed], ...], roles, group_size}."""
+    payload = {"scenes": [[sid, int(seed)] for sid, seed in scene_seeds], "roles": roles,
+               "group_size": int(group_size)}
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+class Schedule:
+    """The schedule over `scene_seeds` = [(scene_id, seed), ...] in file order."""
+
+    def __init__(self, scene_seeds: Sequence[tuple[str, int]], cfg: ScheduleConfig):
+        if not scene_seeds:
+            raise ValueError(f"schedule: the scene set {cfg.train_set} is empty")
+        self.scene_seeds = list(scene_seeds)
+        self.cfg = cfg
+
+    def hash(self, prefix: int | None = None) -> str:
+        """Schedule hash over the first `prefix` scenes (default: all)."""
+        scenes = self.scene_seeds if prefix is None else self.scene_seeds[:prefix]
+        return schedule_hash(scenes, self.cfg.roles, self.cfg.group_size)
+
+    def role(self, pos: SchedulePosition) -> int:
+        """Role code trained by the next effective update."""
+        return role_from_letter(self.role_letter(pos))
+
+    def role_letter(self, pos: SchedulePosition) -> str:
+        return self.cfg.roles[pos.effective_updates % len(self.cfg.roles)]
+
+    def seeds(self, pos: SchedulePosition) -> list[int]:
+        """Episode seeds of the G members of the current attempt."""
+        seed = self.scene_seeds[pos.scene_index][1]
+        return [episode_seed(seed, m, pos.redraw, pos.epoch) for m in range(self.cfg.group_size)]
+
+    def done(self, pos: SchedulePosition) -> bool:
+        return pos.effective_updates >= self.cfg.total_updates
+
+    def advance(self, pos: SchedulePosition, has_signal: bool) -> tuple[SchedulePosition, bool]:
+        """Position after an attempt and whether the optimizer steps for it.
+
+        `has_signal`: some trained token has a non-zero advantage.
+        """
+        step = has_signal or self.cfg.zero_spread == "count"
+        nxt = dataclasses.replace(pos, attempts=pos.attempts + 1)
+        if step:
+            nxt.effective_updates += 1
+        elif self.cfg.zero_spread == "redraw" and pos.redraw < self.cfg.max_redraws:
+            nxt.redraw += 1
+            return nxt, False
+        nxt.redraw = 0
+        nxt.scene_index += 1
+        if nxt.scene_index == len(self.scene_seeds):
+            nxt.scene_index, nxt.epoch = 0, nxt.epoch + 1
+        return nxt, step
+
+
+def check_extension(saved: dict, schedule: Schedule) -> None:
+    """Refuse a resume whose scene prefix, roles or group size changed.
+
+    `saved` holds `schedule_hash` and `num_scenes` of the run being resumed. Extending the scene
+    list keeps the prefix's hash; anything else raises ValueError showing both hashes.
+    """
+    n = int(saved["num_scenes"])
+    if n > len(schedule.scene_seeds):
+        raise ValueError(f"resume: the run used {n} scenes but only {len(schedule.scene_seeds)} are configured")
+    ours = schedule.hash(n)
+    if ours != saved["schedule_hash"]:
+        raise ValueError(
+            f"resume refused: the schedule's first {n} scenes, roles or group size changed "
+            f"(checkpoint schedule_hash {saved['schedule_hash']}, now {ours})"
+        )

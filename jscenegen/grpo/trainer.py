@@ -1,0 +1,279 @@
+"""The GRPO training loop: schedule -> rollout -> advantages -> train step -> metrics -> checkpoint.
+
+The trainer owns no math: the schedule (schedule.py) picks the scene, seeds and role; the
+rollout engine (rollout.py) plays the G episodes; batch.py turns them into the update's arrays
+(advantages.py); train_step.py recomputes old log-probs and steps AdamW; checkpoint.py saves
+and restores everything needed to continue bit for bit.
+
+Exact resume: sampling keys are derived from the episode seeds and every other piece of state
+(parameters, Adam moments and count, LR-schedule count, schedule position) is in the checkpoint,
+so a resumed run repeats the straight run's trajectories, updates and metrics. There is no
+global PRNG stream to carry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jscenegen.grpo.batch import TRAIN_KEYS, build_group_batch
+from jscenegen.grpo.checkpoint import CheckpointStore, padded_target
+from jscenegen.grpo.group_metrics import group_metrics
+from jscenegen.grpo.metrics_log import MetricsLogger
+from jscenegen.grpo.optimizer import param_names, state_from_canonical, _adam_state
+from jscenegen.grpo.roles import ROLE_NAMES
+from jscenegen.grpo.rollout import RolloutEngine
+from jscenegen.grpo.run_metadata import redact, training_metadata
+from jscenegen.grpo.schedule import Schedule, SchedulePosition, check_extension
+from jscenegen.grpo.train_step import GRPOStep, TrainState, init_train_state, nnx_hidden_fn
+from jscenegen.model.params import param_shapes
+from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.paths import resolve_data_path
+from jscenegen.scene.dataset import SceneSetSource
+from jscenegen.scene.judge import make_judge
+from jscenegen.scene.protocol import protocol_hash
+from jscenegen.sharding.layout import load_sharded, shard_batch
+from jscenegen.sharding.mesh import is_primary, make_mesh
+
+log = logging.getLogger(__name__)
+
+SEQ_BUCKET = 256  # training sequence lengths are padded to multiples of this (and of sp)
+
+
+class ResumeError(ValueError):
+    """A resume that would not continue the same run (protocol, reward or schedule changed)."""
+
+
+@dataclasses.dataclass
+class RunSummary:
+    attempts: int
+    effective_updates: int
+    optimizer_steps: int
+    checkpoint: str | None
+    stopped_by_signal: bool
+    wall_s: float
+
+
+class Trainer:
+    """One GRPO run in `run_dir` with the weights of `model_dir` (or a checkpoint to resume)."""
+
+    def __init__(self, cfg, run_dir: str | Path, model_dir: str | Path, *, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.model_dir = Path(model_dir)
+        self.mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+        m = cfg.model
+        self.model = load_sharded(self.model_dir, self.mesh, param_dtype=m.param_dtype,
+                                  compute_dtype=m.compute_dtype, remat=m.remat, attn_impl=m.attention)
+        self.shapes = param_shapes(self.model.cfg)
+        self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
+        self.chat.check_prefix_preserving()
+        self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh)
+        graphdef, params = nnx.split(self.model, nnx.Param)
+        self.step_fn = GRPOStep(nnx_hidden_fn(graphdef), cfg.loss, cfg.optim,
+                                temperature=cfg.sampling.temperature)
+        self.state: TrainState = init_train_state(params, cfg.optim)
+        self.ref_params = self._reference_params(params) if cfg.loss.use_kl_loss else None
+
+        self.scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
+        n = min(len(self.scenes), cfg.schedule.num_scenes or len(self.scenes))
+        self.schedule = Schedule([(f"train-{i:04d}", self.scenes[i].seed) for i in range(n)],
+                                 cfg.schedule)
+        self.judge = make_judge(cfg.judge, cfg.scene)
+        self.protocol_hash = protocol_hash(cfg.scene, cfg.judge, self.judge.identity())
+        self.pos = SchedulePosition()
+        self.store = CheckpointStore(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                                     async_save=cfg.checkpoint.async_save)
+        if resume:
+            self._restore()
+        elif self.store.latest_valid_step() is not None:
+            raise ResumeError(f"{self.run_dir} already holds checkpoints; pass --resume "
+                              f"{self.run_dir} to continue it, or choose a new --run-dir")
+        self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
+                                    primary=is_primary())
+        self._stop_signal: int | None = None
+
+    # ---- state ---------------------------------------------------------------------------
+    def _reference_params(self, params):
+        if self.cfg.model.reference_path is None:
+            return jax.tree.map(jnp.copy, params)  # the initial policy, never donated
+        ref = load_sharded(self.cfg.model.reference_path, self.mesh,
+                           param_dtype=self.cfg.model.param_dtype,
+                           compute_dtype=self.cfg.model.compute_dtype)
+        return nnx.split(ref, nnx.Param)[1]
+
+    def params_by_name(self) -> dict[str, jax.Array]:
+        names = param_names(self.state.params)
+        return dict(zip(names, jax.tree.leaves(self.state.params)))
+
+    def _adam_by_name(self) -> dict:
+        st = _adam_state(self.state.opt_state)
+        names = param_names(st.mu)
+        return {"count": st.count, "mu": dict(zip(names, jax.tree.leaves(st.mu))),
+                "nu": dict(zip(names, jax.tree.leaves(st.nu)))}
+
+    def _train_state_json(self) -> dict:
+        return {
+            "schedule": self.pos.to_json(),
+            "lr_step": int(self.state.lr_step),
+            "skipped_steps": int(self.state.skipped_steps),
+            "num_scenes": len(self.schedule.scene_seeds),
+            "schedule_hash": self.schedule.hash(),
+            "protocol_hash": self.protocol_hash,
+            "reward": self.cfg.scene.reward.model_dump(mode="json"),
+            "data_iterator": {"scene_index": self.pos.scene_index, "epoch": self.pos.epoch},
+            "rng": "none: sampling keys derive from the episode seeds",
+        }
+
+    def save(self) -> Path:
+        adam = self._adam_by_name()
+        meta = training_metadata(
+            config=self.cfg.model_dump(mode="json"), protocol_hash=self.protocol_hash,
+            schedule_hash=self.schedule.hash(), optimizer_step=int(adam["count"]),
+            effective_updates=self.pos.effective_updates, judge=self.judge.identity(),
+            extra={"model_dir": str(self.model_dir)})
+        return self.store.save(self.pos.attempts, params=self.params_by_name(), adam=adam,
+                               train_state=self._train_state_json(), metadata=meta,
+                               hf_assets_dir=self.model_dir, shapes=self.shapes)
+
+    def _restore(self) -> None:
+        dtype = jnp.bfloat16 if self.cfg.model.param_dtype == "bfloat16" else jnp.float32
+        ck = self.store.restore(target=padded_target(self.shapes, self.mesh, dtype=dtype))
+        saved = ck.train_state
+        if saved["protocol_hash"] != self.protocol_hash:
+            raise ResumeError(f"resume refused: the protocol changed (checkpoint "
+                              f"{saved['protocol_hash']}, now {self.protocol_hash})")
+        reward = self.cfg.scene.reward.model_dump(mode="json")
+        if saved["reward"] != reward:
+            raise ResumeError(f"resume refused: the reward configuration changed "
+                              f"(checkpoint {saved['reward']}, now {reward})")
+        try:
+            check_extension(saved, self.schedule)
+        except ValueError as err:
+            raise ResumeError(str(err)) from None
+        names = param_names(self.state.params)
+        params = jax.tree.unflatten(jax.tree.structure(self.state.params),
+                                    [ck.params[n] for n in names])
+        opt_state = state_from_canonical(ck.adam, self.state.opt_state)
+        self.state = TrainState(params, opt_state, jnp.asarray(saved["lr_step"], jnp.int32),
+                                jnp.asarray(saved["skipped_steps"], jnp.int32))
+        self.pos = SchedulePosition.from_json(saved["schedule"])
+        self._truncate_metrics(self.pos.attempts)
+        log.info("resumed %s at attempt %d (%d effective updates)", self.run_dir,
+                 self.pos.attempts, self.pos.effective_updates)
+
+    def _truncate_metrics(self, attempts: int) -> None:
+        """Drop metric rows written after the checkpoint, so a resumed log equals a straight one."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file() or not is_primary():
+            return
+        rows = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["attempt"] < attempts]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(r + "\n" for r in rows))
+        tmp.replace(path)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def update(self) -> dict:
+        """One attempt: roll out the current scene's group and step when it has signal."""
+        pos, sched, cfg = self.pos, self.schedule, self.cfg
+        record = self.scenes[pos.scene_index]
+        role = sched.role(pos)
+        nnx.update(self.model, self.state.params)
+        t0 = time.perf_counter()
+        group = self.engine.run_group(record, group_id=pos.attempts, seeds=sched.seeds(pos),
+                                      judge=self.judge, scene_cfg=cfg.scene, judge_cfg=cfg.judge)
+        rollout_s = time.perf_counter() - t0
+        batch = build_group_batch(group.trajectories, role,
+                                  row_multiple=self.mesh.shape["fsdp"],
+                                  col_multiple=np.lcm(SEQ_BUCKET, self.mesh.shape["sp"]),
+                                  eps=cfg.loss.adv_eps, norm_by_std=cfg.loss.norm_adv_by_std)
+        new_pos, do_step = sched.advance(pos, batch.has_signal)
+        row = {"attempt": pos.attempts, "scene_index": pos.scene_index, "epoch": pos.epoch,
+               "redraw": pos.redraw, "role": ROLE_NAMES[role], "stepped": do_step,
+               "has_signal": batch.has_signal, "trained_tokens": batch.trained_tokens,
+               "effective_updates": new_pos.effective_updates,
+               "rollout/tokens_per_s": group.stats["tokens_per_s"],
+               "rollout/generated_tokens": group.stats["generated_tokens"],
+               "time/rollout_s": rollout_s}
+        row.update(group_metrics(group.trajectories, cfg.judge.grade_keys))
+        if do_step:
+            t1 = time.perf_counter()
+            row.update(self._step(batch))
+            row["time/train_s"] = time.perf_counter() - t1
+        self.pos = new_pos
+        if cfg.trainer.dump_trajectories and is_primary():
+            self._dump(group.trajectories, pos)
+        return row
+
+    def _step(self, batch) -> dict:
+        arrays = shard_batch({k: batch.arrays[k] for k in TRAIN_KEYS}, self.mesh)
+        with jax.set_mesh(self.mesh):
+            old_logp, _ = self.step_fn.logprobs(self.state.params, arrays["input_ids"],
+                                                arrays["attention_mask"])
+            arrays["old_logp"] = old_logp
+            if self.ref_params is not None:
+                arrays["ref_logp"] = self.step_fn.logprobs(self.ref_params, arrays["input_ids"],
+                                                           arrays["attention_mask"])[0]
+            self.state, metrics = self.step_fn.step(self.state, arrays)
+        metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
+        mask = batch.arrays["loss_mask"]
+        drift = np.abs(batch.arrays["rollout_logp"] - np.asarray(old_logp)) * mask
+        metrics["train/logp_drift"] = float(drift.sum() / max(mask.sum(), 1.0))
+        metrics["train/optimizer_step"] = int(_adam_state(self.state.opt_state).count)
+        return metrics
+
+    def _dump(self, trajectories, pos: SchedulePosition) -> None:
+        with open(self.run_dir / "trajectories.jsonl", "a") as f:
+            for t in trajectories:
+                f.write(json.dumps({"attempt": pos.attempts, "member": t.member, "seed": t.seed,
+                                    "reward": t.reward, "failure_cause": t.failure_cause,
+                                    "masked": t.masked, "transcript": t.transcript}) + "\n")
+
+    def run(self, max_updates: int | None = None, progress=None) -> RunSummary:
+        """Run until `schedule.total_updates` effective updates or `max_updates` attempts.
+
+        Saves every `checkpoint.save_every` attempts, at the end, and on SIGTERM/SIGINT
+        (then returns with `stopped_by_signal`). `progress(row)` is called after each attempt.
+        """
+        t0 = time.perf_counter()
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        attempts = 0
+        last_saved = None
+        try:
+            while not self.schedule.done(self.pos) and (max_updates is None or attempts < max_updates):
+                row = self.update()
+                attempts += 1
+                self.logger.log(row, step=row["attempt"])
+                if progress is not None:
+                    progress(row)
+                if self._stop_signal is not None:
+                    break
+                if self.pos.attempts % self.cfg.checkpoint.save_every == 0:
+                    last_saved = self.save()
+            if last_saved is None or int(last_saved.name) != self.pos.attempts:
+                last_saved = self.save()
+            self.store.wait_until_finished()
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            self.logger.close()
+        return RunSummary(attempts=self.pos.attempts, effective_updates=self.pos.effective_updates,
+                          optimizer_steps=int(_adam_state(self.state.opt_state).count),
+                          checkpoint=str(last_saved) if last_saved else None,
+                          stopped_by_signal=self._stop_signal is not None,
+                          wall_s=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,44 @@
+"""`RunConfig`: every section of a run, composed from the packages that own them.
+
+YAML keys mirror these sections one to one (`configs/cpu-default.yaml` lists them all); each
+key is read in one place: the section's owner.
+"""
+from __future__ import annotations
+
+from pydantic import Field
+
+from jscenegen.config import MeshConfig, ModelConfig, Section
+from jscenegen.grpo.config import LossConfig, OptimConfig
+from jscenegen.grpo.metrics_log import LoggingConfig
+from jscenegen.grpo.rollout_config import SamplingConfig
+from jscenegen.grpo.schedule import ScheduleConfig
+from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+
+
+class CheckpointConfig(Section):
+    save_every: int = Field(10, ge=1, description="save every N attempts (and at the end)")
+    keep_last: int = Field(3, ge=1)
+    async_save: bool = False
+
+
+class TrainerConfig(Section):
+    eval_every: int = Field(0, ge=0, description="evaluate the dev scenes every N effective "
+                            "updates (0: never during training)")
+    eval_samples: int = Field(1, ge=1, description="episodes per dev scene in an evaluation")
+    dump_trajectories: bool = Field(False, description="write every episode to "
+                                    "RUN_DIR/trajectories.jsonl (never exported)")
+    progress: bool = True
+
+
+class RunConfig(Section):
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    scene: SceneRuntimeConfig = SceneRuntimeConfig()
+    judge: JudgeConfig = JudgeConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    logging: LoggingConfig = LoggingConfig()

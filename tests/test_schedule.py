@@ -1,0 +1,68 @@
+"""The D-D-D-P-C schedule, zero_spread policies, episode seeds and the schedule hash."""
+import pytest
+
+from jscenegen.grpo.roles import CRITIC, DESIGNER, PLANNER
+from jscenegen.grpo.schedule import (Schedule, ScheduleConfig, SchedulePosition, check_extension,
+                                     episode_seed)
+
+SCENES = [(f"train-{i:04d}", 100 + i) for i in range(4)]
+
+
+def _run(policy, signals, max_redraws=2):
+    s = Schedule(SCENES, ScheduleConfig(zero_spread=policy, max_redraws=max_redraws, group_size=2))
+    pos, trace = SchedulePosition(), []
+    for sig in signals:
+        trace.append((pos.scene_index, pos.redraw, s.role_letter(pos)))
+        pos, stepped = s.advance(pos, sig)
+        trace[-1] += (stepped,)
+    return pos, trace
+
+
+def test_roles_cycle_dddpc_over_effective_updates_only():
+    pos, trace = _run("redraw", [True] * 6)
+    assert [t[2] for t in trace] == list("DDDPCD")
+    s = Schedule(SCENES, ScheduleConfig())
+    assert [s.role(SchedulePosition(effective_updates=k)) for k in range(5)] == [
+        DESIGNER, DESIGNER, DESIGNER, PLANNER, CRITIC]
+
+
+def test_redraw_reuses_the_scene_with_new_seeds_then_moves_on_without_a_step():
+    pos, trace = _run("redraw", [False, False, False, True])
+    assert trace == [(0, 0, "D", False), (0, 1, "D", False), (0, 2, "D", False), (1, 0, "D", True)]
+    assert pos.effective_updates == 1 and pos.attempts == 4
+    s = Schedule(SCENES, ScheduleConfig(group_size=3))
+    a = s.seeds(SchedulePosition(redraw=0))
+    b = s.seeds(SchedulePosition(redraw=1))
+    assert len(set(a)) == 3 and not set(a) & set(b)
+
+
+def test_skip_and_count_policies():
+    pos, trace = _run("skip", [False, True])
+    assert trace == [(0, 0, "D", False), (1, 0, "D", True)]
+    pos, trace = _run("count", [False, False])
+    assert [t[3] for t in trace] == [True, True] and pos.effective_updates == 2
+
+
+def test_scene_order_wraps_into_a_new_epoch_with_new_seeds():
+    s = Schedule(SCENES[:1], ScheduleConfig(group_size=2))
+    pos, _ = s.advance(SchedulePosition(), True)
+    assert (pos.scene_index, pos.epoch) == (0, 1)
+    assert s.seeds(pos) != s.seeds(SchedulePosition())
+
+
+def test_episode_seed_is_a_stable_hash():
+    assert episode_seed(7, 0, 0) == episode_seed(7, 0, 0)
+    assert len({episode_seed(7, m, r) for m in range(8) for r in range(3)}) == 24
+
+
+def test_extension_keeps_the_prefix_hash_and_refuses_a_changed_prefix():
+    short = Schedule(SCENES[:2], ScheduleConfig())
+    saved = {"num_scenes": 2, "schedule_hash": short.hash()}
+    longer = Schedule(SCENES, ScheduleConfig())
+    check_extension(saved, longer)  # 2 -> 4 scenes: same prefix
+    assert longer.hash(2) == short.hash() != longer.hash()
+    changed = Schedule([SCENES[0], ("train-0001", 999)] + SCENES[2:], ScheduleConfig())
+    with pytest.raises(ValueError, match=short.hash()):
+        check_extension(saved, changed)
+    with pytest.raises(ValueError, match="roles or group size"):
+        check_extension(saved, Schedule(SCENES, ScheduleConfig(group_size=4)))
