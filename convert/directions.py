@@ -65,11 +65,27 @@ class VerlState:
     global_step: int = 0
 
 
-def _sliced(full: Any) -> SliceReader:
-    """A SliceReader over a function name -> full array (reads the whole tensor per call)."""
+CACHE_BYTES = 1 << 30
+
+
+def sliced(full: Any, cache_bytes: int = CACHE_BYTES) -> SliceReader:
+    """A SliceReader over a function name -> full array.
+
+    The writer asks for each tensor once per rank; full arrays are kept (first come) while
+    their total stays within `cache_bytes`, so a small model is read once and a large one
+    re-reads what did not fit instead of holding the model.
+    """
+    cache: dict[str, np.ndarray] = {}
+    held = [0]
 
     def read(name: str, dim: int, start: int, stop: int) -> np.ndarray:
-        return full(name)[(slice(None),) * dim + (slice(start, stop),)]
+        a = cache.get(name)
+        if a is None:
+            a = full(name)
+            if held[0] + a.nbytes <= cache_bytes:
+                cache[name] = a
+                held[0] += a.nbytes
+        return a[(slice(None),) * dim + (slice(start, stop),)]
 
     return read
 
@@ -78,12 +94,12 @@ def verl_state(ck: VerlCheckpoint) -> VerlState:
     """Readers over an open VERL checkpoint (each tensor reassembled on demand)."""
     adam = None
     if ck.has_optimizer():
-        adam = AdamSource(exp_avg=_sliced(lambda n: ck.read_adam(n)[0]),
-                          exp_avg_sq=_sliced(lambda n: ck.read_adam(n)[1]),
+        adam = AdamSource(exp_avg=sliced(lambda n: ck.read_adam(n)[0]),
+                          exp_avg_sq=sliced(lambda n: ck.read_adam(n)[1]),
                           step=ck.adam_step(), param_groups=ck.param_groups())
     extra = ck.extra_states() if "extra_state" in ck.layout.kinds else None
     step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
-    return VerlState(config=ck.config, hf_dir=ck.hf_dir, params=_sliced(ck.read_param), adam=adam,
+    return VerlState(config=ck.config, hf_dir=ck.hf_dir, params=sliced(ck.read_param), adam=adam,
                      extra_states=extra, global_step=step)
 
 

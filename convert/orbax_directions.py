@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from convert.directions import VerlState, _sliced, copy_hf_metadata, write_verl_run
+from convert.directions import VerlState, sliced, copy_hf_metadata, write_verl_run
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader, write_safetensors_streaming
@@ -243,9 +243,9 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
         extras = [{"lr_scheduler": lambda_lr_state(float(groups[0].get("initial_lr", lr)),
                                                    sched_count, lr)}]
     return VerlState(
-        config=cfg, hf_dir=hf, params=_sliced(orbax_reader(step_dir, "params")),
-        adam=AdamSource(exp_avg=_sliced(orbax_reader(step_dir, "mu")),
-                        exp_avg_sq=_sliced(orbax_reader(step_dir, "nu")), step=count,
+        config=cfg, hf_dir=hf, params=sliced(orbax_reader(step_dir, "params")),
+        adam=AdamSource(exp_avg=sliced(orbax_reader(step_dir, "mu")),
+                        exp_avg_sq=sliced(orbax_reader(step_dir, "nu")), step=count,
                         param_groups=groups),
         extra_states=extras, global_step=int(train_state.get("step", int(step_dir.name))))
 

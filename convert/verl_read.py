@@ -61,7 +61,6 @@ def find_verl(path: str | Path) -> VerlLayout:
     src = Path(path)
     if not src.is_dir():
         raise ConvertError(f"{src}: not a directory")
-    kind = None
     shard_dir = src
     latest = src / "latest_checkpointed_iteration.txt"
     if not _has_rank_files(src) and latest.is_file():
@@ -222,7 +221,7 @@ class VerlCheckpoint:
         first = entries[0]
         if not isinstance(first, DTensor):
             return self._gather_plain(kind, key, entries, shape)
-        dim = self._shard_dim(kind, key, first)
+        dim = self._shard_dim(self.layout.rank_file(kind, 0), key, first)
         n_shards = first.device_mesh.size(-1) if dim is not None else 1
         locals_ = []
         for r, t in enumerate(entries):
@@ -231,7 +230,7 @@ class VerlCheckpoint:
                 raise ConvertError(f"{f}: {key} is a plain tensor on this rank but a DTensor on rank 0")
             if tuple(t.shape) != shape:
                 raise ConvertError(f"{f}: {key} has global shape {tuple(t.shape)}, expected {shape}")
-            if self._shard_dim(kind, key, t) != dim:
+            if self._shard_dim(f, key, t) != dim:
                 raise ConvertError(f"{f}: {key} placement {t.placements} differs from rank 0's")
             if r >= n_shards:
                 continue  # HSDP: ranks beyond the first fsdp group are replicas
@@ -256,10 +255,10 @@ class VerlCheckpoint:
             self.__dict__.pop("_optim_files", None)
             self._bytes_since_map = 0
 
-    def _shard_dim(self, kind: str, key: str, t: Any) -> int | None:
+    def _shard_dim(self, f: Path, key: str, t: Any) -> int | None:
+        """Shard dim of DTensor `t` (None = Replicate); checks mesh names and size. `f` names the file."""
         from torch.distributed.tensor import Replicate, Shard
 
-        f = self.layout.rank_file(kind, 0)
         names = t.device_mesh.mesh_dim_names
         if names not in (("fsdp",), ("ddp", "fsdp")):
             raise ConvertError(f"{f}: {key} lives on a mesh with dims {names}; only ('fsdp',) "
@@ -298,7 +297,7 @@ class VerlCheckpoint:
 
         out = {}
         for k, t in self._model_files[0].items():
-            dim = self._shard_dim("model", k, t) if isinstance(t, DTensor) else None
+            dim = self._shard_dim(self.layout.rank_file("model", 0), k, t) if isinstance(t, DTensor) else None
             out[k] = TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), dim)
         return out
 
