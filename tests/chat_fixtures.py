@@ -23,8 +23,11 @@ def dev_records():
 def scripted_texts() -> tuple[str, ...]:
     from jscenegen.scene.expert import run_scripted_episode
 
-    _, chat = run_scripted_episode(dev_records()[0])
-    return tuple(m["content"] for m in chat)
+    texts = []
+    for record in dev_records()[:2]:
+        _, chat = run_scripted_episode(record)
+        texts += [m["content"] for m in chat]
+    return tuple(texts)
 
 
 @functools.cache
@@ -33,5 +36,5 @@ def chat_model_dir() -> Path:
 
     root = Path(tempfile.mkdtemp(prefix="jscenegen-chat-"))
     atexit.register(shutil.rmtree, root, True)
-    return init_model_dir(root / "tiny", arch="qwen3", texts=scripted_texts(), vocab_size=600,
+    return init_model_dir(root / "tiny", arch="qwen3", texts=scripted_texts(), vocab_size=2048,
                           seed=0, **TINY_MODEL)

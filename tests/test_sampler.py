@@ -1,5 +1,7 @@
 """The KV-cache sampler: greedy vs the full forward, log-probs vs the trainer's recompute (also on
 the 3 x 2 mesh), temperature, top-k/top-p, stop ids/strings, per-row budgets, determinism, buckets."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,32 +29,39 @@ def prompts(model):
     return [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
 
 
-def full_logits(model, seqs):
-    """Logits [B, L, V] of right-padded sequences through the full (uncached) forward."""
-    n = max(len(s) for s in seqs)
-    ids = np.zeros((len(seqs), n), np.int32)
-    mask = np.zeros((len(seqs), n), np.int32)
+@functools.cache
+def _full_forward(model):
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda st, ids, mask: nnx.merge(graphdef, st)(ids, mask)), state
+
+
+def full_logits(model, seqs, length=32):
+    """Logits [B, L, V] of sequences right-padded to `length`, through the full (uncached) forward."""
+    ids = np.zeros((len(seqs), length), np.int32)
+    mask = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
         ids[i, :len(s)], mask[i, :len(s)] = s, 1
-    return np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
+    fn, state = _full_forward(model)
+    return np.asarray(fn(state, jnp.asarray(ids), jnp.asarray(mask)))
 
 
-def trainer_logprobs(model, seqs, temperature, mesh=None):
-    """The train step's old_logp recompute (GRPOStep.logprobs) on right-padded sequences."""
+@functools.cache
+def _trainer(model, temperature):
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
-    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), LossConfig(), OptimConfig(),
-                    temperature=temperature, donate=False)
-    n = -(-max(len(s) for s in seqs) // 2) * 2
+    return GRPOStep(nnx_hidden_fn(graphdef, *rest), LossConfig(), OptimConfig(),
+                    temperature=temperature, donate=False), params
+
+
+def trainer_logprobs(model, seqs, temperature):
+    """The train step's old_logp recompute (GRPOStep.logprobs) on sequences right-padded to a
+    multiple of 256 (few compiled shapes)."""
+    step, params = _trainer(model, temperature)
+    n = -(-max(len(s) for s in seqs) // 256) * 256
     ids = np.zeros((len(seqs), n), np.int32)
     mask = np.zeros((len(seqs), n), np.int32)
     for i, s in enumerate(seqs):
         ids[i, :len(s)], mask[i, :len(s)] = s, 1
-    if mesh is None:
-        return np.asarray(step.logprobs(params, jnp.asarray(ids), jnp.asarray(mask))[0])
-    from jscenegen.sharding.layout import shard_batch
-    with jax.set_mesh(mesh):
-        b = shard_batch({"ids": ids, "mask": mask}, mesh)
-        return np.asarray(step.logprobs(params, b["ids"], b["mask"])[0])
+    return np.asarray(step.logprobs(params, jnp.asarray(ids), jnp.asarray(mask))[0])
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(model, prompts):
@@ -184,11 +193,13 @@ def test_stop_string_byte_matching_however_the_tokens_split():
     table = build_stop_table([b"</action>"], vocab, len(vocab))
     k1 = 8
 
+    step = jax.jit(lambda tail, t: stop_string_step(table, [b"</action>"], tail, t))
+
     def run(seq):
         tail = jnp.full((1, k1), -1, jnp.int32)
         hits = []
         for t in seq:
-            hit, tail = stop_string_step(table, [b"</action>"], tail, jnp.asarray([t]))
+            hit, tail = step(tail, jnp.asarray([t]))
             hits.append(bool(hit[0]))
         return hits
 

@@ -157,6 +157,10 @@ class RolloutEngine:
                                buckets=cfg.buckets, mesh=mesh)
         self.slots = cfg.cache_slots()
 
+    def set_weights(self, model) -> None:
+        """Roll out with `model`'s current weights (call after each optimizer step)."""
+        self.sampler.set_weights(model)
+
     # ---- the cache ------------------------------------------------------------------------
     def _sync(self, rows: list[_Row], pad: int, with_logprobs: bool = False):
         """Append every active row's uncached tokens; rebuild the cache when they do not fit.
@@ -277,11 +281,17 @@ class RolloutEngine:
         self._reserve(rows, pad, self.cfg.max_new_tokens)
         planned = {}
         for i, r in enumerate(rows):
-            if r.active:
+            if not r.active:
+                continue
+            try:
                 ids = self.chat.encode(forced(r.episode)) + [self.chat.eot_id]
-                reason = STOP_TOKEN if len(ids) <= limits[i] else STOP_LENGTH
-                planned[r] = (ids[:limits[i]], reason)
-                r.tokens.extend(planned[r][0])      # appended below, then handed to _consume
+            except Exception as err:  # the driver's own failure: masked like our runtime's
+                log.exception("forced policy failed")
+                r.fail("rollout_error", f"{type(err).__name__}: {err}")
+                continue
+            reason = STOP_TOKEN if len(ids) <= limits[i] else STOP_LENGTH
+            planned[r] = (ids[:limits[i]], reason)
+            r.tokens.extend(planned[r][0])          # appended below, then handed to _consume
         lps = self._sync(rows, pad, with_logprobs=True)
         turns = {}
         for i, r in enumerate(rows):

@@ -350,6 +350,17 @@ class Sampler:
                                static_argnames=("max_steps",),
                                donate_argnums=(1,) if donate else ())
 
+    def set_weights(self, model: QwenForCausalLM) -> None:
+        """Sample from `model`'s current weights (after an optimizer step) without recompiling.
+
+        Raises ValueError when `model` is not the same architecture/layout as the sampler's.
+        """
+        graphdef, state = nnx.split(model)
+        if graphdef != self.graphdef:
+            raise ValueError("set_weights: the model's structure differs from the sampler's "
+                             "(build a new Sampler for another architecture or padding)")
+        self.state = state
+
     # ---- placement ----------------------------------------------------------------------
     @property
     def row_multiple(self) -> int:

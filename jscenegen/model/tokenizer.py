@@ -214,7 +214,7 @@ class ChatTokenizer:
         msgs = [{"role": "system", "content": "probe system"}, {"role": "user", "content": "probe user 1"}]
         for turn in range(2):
             prompt = self.render(msgs, add_generation_prompt=True)
-            answer = _PROBE_THINK if turn == 0 else "plain answer <action>{}</action>"
+            answer = _PROBE_THINK if turn == 0 else " plain answer <action>{}</action>\n"
             msgs = msgs + [{"role": "assistant", "content": answer}]
             closed = self.render(msgs, add_generation_prompt=False)
             if not closed.startswith(prompt + answer + self.eot_token):

@@ -1,0 +1,203 @@
+"""Group rollouts: token accounting of multi-turn episodes (scripted expert forced through the
+model's cache path), failure causes, masking of judge/runtime failures, seeds, and sampled
+log-probs against the trainer's recompute."""
+import numpy as np
+import pytest
+
+from chat_fixtures import chat_model_dir, dev_records
+from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
+from jscenegen.grpo.rollout import RolloutEngine, episode_seed, trajectory_batch
+from jscenegen.grpo.rollout_config import SamplingConfig
+from jscenegen.model.hf_io import load_hf
+from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.scene.actions import format_action
+from jscenegen.scene.config import JudgeConfig
+from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
+from jscenegen.scene.judge import JudgeResult, make_judge
+from test_sampler import trainer_logprobs
+
+BUCKETS = (128, 1024)          # few compiled shapes; long appends run as several chunks
+SLOTS = 6144 + 512 + 128       # one cache shape for every engine here
+FORCED = SamplingConfig(max_new_tokens=512, max_episode_tokens=6144, buckets=BUCKETS, temperature=0.9,
+                        cache_tokens=SLOTS)
+SAMPLED = SamplingConfig(max_new_tokens=16, max_episode_tokens=4096, buckets=BUCKETS, temperature=1.0,
+                         cache_tokens=SLOTS)
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatTokenizer.from_dir(chat_model_dir())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_hf(chat_model_dir())
+
+
+@pytest.fixture(scope="module")
+def record():
+    return dev_records()[0]
+
+
+@pytest.fixture(scope="module")
+def rule_judge():
+    return make_judge(JudgeConfig())
+
+
+@pytest.fixture(scope="module")
+def expert(record):
+    ops = expert_ops(record)
+    return lambda ep: scripted_answers(ep, ops)
+
+
+class MaskingJudge:
+    """The rule judge, except member 1's request times out (judge failure -> masked)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def identity(self):
+        return self.inner.identity()
+
+    def grade(self, requests):
+        out = self.inner.grade(requests)
+        return [out[0], JudgeResult(None, "judge_timeout", {"detail": "test"})] + out[2:]
+
+
+class RaisingJudge(MaskingJudge):
+    def grade(self, requests):
+        raise ConnectionError("judge server down")
+
+
+@pytest.fixture(scope="module")
+def expert_group(model, chat, record, expert, rule_judge):
+    engine = RolloutEngine(model, chat, FORCED)
+    return engine.run_group(record, group_id=7, seeds=[episode_seed(record.seed, m) for m in range(2)],
+                            judge=MaskingJudge(rule_judge), forced=expert)
+
+
+def test_expert_episode_reward_matches_the_scripted_runner(expert_group, record):
+    ep, _ = run_scripted_episode(record)
+    a, b = expert_group.trajectories
+    assert a.failure_cause is None and not a.masked
+    assert a.reward == pytest.approx(ep.outcome.reward) and a.units == ep.outcome.units > 0
+    assert a.group_id == b.group_id == 7 and (a.member, b.member) == (0, 1)
+    assert a.seed == episode_seed(record.seed, 0) != b.seed
+    # judge failure: masked, reward 0 (never -1, never NaN)
+    assert b.masked and b.failure_cause == "judge_timeout" and b.reward == 0.0
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_token_accounting_reproduces_the_transcript(expert_group, chat):
+    tr = expert_group.trajectories[0]
+    messages = [{"role": m["role"], "content": m["content"]} for m in tr.transcript]
+    rendered = chat.render(messages, add_generation_prompt=False)
+    assert chat.decode(tr.tokens.tolist()) + "\n" == rendered
+    # every environment token has mask 0, every policy token its role
+    assert not tr.policy_mask[tr.roles == ENVIRONMENT].any()
+    assert (tr.roles[tr.policy_mask] != ENVIRONMENT).all()
+    policy_turns = [t for t in tr.turns if t["role"] != "environment"]
+    actors = [m["actor"] for m in tr.transcript if m["role"] == "assistant"]
+    assert [t["role"] for t in policy_turns] == actors == ["planner", "designer", "planner", "critic", "planner"]
+    codes = {"planner": PLANNER, "designer": DESIGNER, "critic": CRITIC}
+    contents = [m["content"] for m in tr.transcript if m["role"] == "assistant"]
+    for t, content in zip(policy_turns, contents):
+        seg = slice(t["start"], t["end"])
+        assert (tr.roles[seg] == codes[t["role"]]).all() and tr.policy_mask[seg].all()
+        assert chat.decode(tr.tokens[seg].tolist()) == content + "<|im_end|>"
+        # the template glue before the turn belongs to the environment segment before it
+        before = next(x for x in tr.turns if x["end"] == t["start"])
+        assert before["role"] == "environment"
+        assert chat.decode(tr.tokens[before["start"]:before["end"]].tolist()).endswith("<|im_start|>assistant\n")
+    # segments tile the sequence
+    assert tr.turns[0]["start"] == 0 and tr.turns[-1]["end"] == tr.num_tokens
+    assert all(x["end"] == y["start"] for x, y in zip(tr.turns, tr.turns[1:]))
+    batch = trajectory_batch(expert_group.trajectories, rows=3)
+    assert batch["input_ids"].shape == (3, tr.num_tokens) and batch["masked"].tolist() == [False, True, True]
+    mask = np.asarray(role_loss_mask(batch["roles"], batch["policy_mask"], DESIGNER))
+    assert mask[0].sum() == policy_turns[1]["end"] - policy_turns[1]["start"]
+
+
+def test_forced_logprobs_equal_trainer_recompute(expert_group, model):
+    tr = expert_group.trajectories[0]
+    want = trainer_logprobs(model, [tr.tokens.tolist()], FORCED.temperature)[0, :tr.num_tokens]
+    np.testing.assert_allclose(tr.logprobs[tr.policy_mask], want[tr.policy_mask], atol=1e-5, rtol=0)
+    assert (tr.logprobs[~tr.policy_mask] == 0).all()
+
+
+def test_malformed_and_truncated_outputs_are_policy_failures(model, chat, record, rule_judge):
+    seen = {}
+
+    def policy(ep):
+        if seen.setdefault(id(ep), len(seen)) == 0:
+            return "I think the room is nice."                       # no action block
+        return '<action>{"action": "design", "instruction": "' + "very " * 100
+
+    cfg = FORCED.model_copy(update={"max_new_tokens": 64})           # same compiled shapes
+    trs = RolloutEngine(model, chat, cfg).run_group(
+        record, group_id=1, seeds=[1, 2], judge=rule_judge, forced=policy).trajectories
+    assert [(t.failure_cause, t.reward, t.masked) for t in trs] == [
+        ("no_action_block", -1.0, False), ("truncated_action", -1.0, False)]
+    assert trs[0].turns[-1]["stop"] == "stop_token"
+    assert trs[1].turns[-1]["stop"] == "length" and trs[1].policy_mask.sum() == 64
+    assert trs[1].roles[-1] == PLANNER and trs[1].tokens[-1] != chat.eot_id
+
+
+def test_runtime_and_judge_exceptions_are_masked_not_raised(model, chat, record, rule_judge):
+    seen = {}
+    bed = {"op": "add_object", "category": "double_bed", "description": "bed", "position": [1.8, 1.6],
+           "yaw": 0}
+
+    def policy(ep):
+        if seen.setdefault(id(ep), len(seen)) == 0:
+            raise KeyError("driver bug")                             # our side: masked
+        if ep.next_role == "designer":
+            return format_action({"ops": [bed]})
+        return format_action({"action": "design", "instruction": "a bed"} if ep.planner_turns == 0
+                             else {"action": "finish", "summary": "done"})
+
+    trs = RolloutEngine(model, chat, FORCED).run_group(
+        record, group_id=2, seeds=[3, 4], judge=RaisingJudge(rule_judge), forced=policy).trajectories
+    assert [(t.failure_cause, t.reward, t.masked) for t in trs] == [
+        ("rollout_error", 0.0, True), ("judge_error", 0.0, True)]
+    assert [t["role"] for t in trs[1].turns if t["role"] != "environment"] == ["planner", "designer", "planner"]
+    assert trs[1].units == 8
+
+
+def test_episode_token_cap_is_a_policy_failure(model, chat, record, expert):
+    _, prompt = chat.start(*_prompts(record))
+    cfg = FORCED.model_copy(update={"max_episode_tokens": len(prompt) + 20})
+    tr = RolloutEngine(model, chat, cfg).run_group(
+        record, group_id=0, seeds=[0, 1], judge=make_judge(JudgeConfig()), forced=expert).trajectories[0]
+    assert tr.failure_cause == "episode_token_cap" and tr.reward == -1.0 and not tr.masked
+    assert tr.num_tokens == len(prompt) + 20
+
+
+def _prompts(record):
+    from jscenegen.scene.episode import Episode
+
+    ep = Episode(record)
+    return ep.system_prompt(), ep.first_user_message()
+
+
+@pytest.fixture(scope="module")
+def sampled_engine(model, chat):
+    return RolloutEngine(model, chat, SAMPLED)
+
+
+def test_sampled_rollout_seeds_and_logprobs(sampled_engine, model, record, rule_judge):
+    run = lambda seeds: sampled_engine.run_group(record, group_id=0, seeds=seeds, judge=rule_judge).trajectories
+    a, b, c = run([11, 12]), run([11, 12]), run([13, 12])
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    assert not np.array_equal(a[0].tokens, c[0].tokens)
+    np.testing.assert_array_equal(a[1].tokens, c[1].tokens)          # row 1 kept its seed
+    for tr in a:
+        # a random model: one garbage planner turn, a policy failure with reward -1
+        assert tr.reward == -1.0 and not tr.masked
+        assert tr.failure_cause in ("truncated_generation", "truncated_action", "no_action_block",
+                                    "bad_json", "text_after_action", "multiple_action_blocks")
+        assert 1 <= tr.policy_mask.sum() <= SAMPLED.max_new_tokens
+        want = trainer_logprobs(model, [tr.tokens.tolist()], SAMPLED.temperature)[0, :tr.num_tokens]
+        np.testing.assert_allclose(tr.logprobs[tr.policy_mask], want[tr.policy_mask], atol=1e-5, rtol=0)

@@ -1,0 +1,83 @@
+"""ChatTokenizer: end-of-turn detection, token-in/token-out segments, the prefix-preservation
+check (a Qwen3-style template that drops earlier <think> blocks is refused), token bytes."""
+import pytest
+from transformers import AutoTokenizer
+
+from chat_fixtures import chat_model_dir
+from jscenegen.model.tokenizer import ChatTemplateError, ChatTokenizer
+from jscenegen.model.tokenizer_build import CHAT_TEMPLATE_FILE
+
+# Behaves like Qwen3's template for our purpose: assistant turns before the last user message
+# lose everything up to their </think>.
+DROPS_THINK = (
+    "{%- set ns = namespace(last_user=0) -%}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m['content'] -%}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Strips assistant content: the sampled text would not survive the round trip.
+STRIPS = (
+    "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + "
+    "'<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatTokenizer.from_dir(chat_model_dir())
+
+
+def test_end_of_turn_is_found_from_the_template(chat):
+    assert chat.eot_token == "<|im_end|>"
+    assert chat.eot_id == chat.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_segments_are_appended_never_retokenised(chat):
+    conv, prompt = chat.start("sys text", "first user")
+    assert chat.decode(prompt) == "<|im_start|>system\nsys text<|im_end|>\n<|im_start|>user\nfirst user<|im_end|>\n<|im_start|>assistant\n"
+    answer = "reasoning <action>{\"action\": \"critique\"}</action>"
+    sampled = chat.encode(answer) + [chat.eot_id]
+    conv.add_assistant(chat.decode(sampled[:-1]), ended_with_eot=True)
+    seg = conv.user_segment("second user")
+    assert chat.decode(seg) == "\n<|im_start|>user\nsecond user<|im_end|>\n<|im_start|>assistant\n"
+    tokens = prompt + sampled + seg
+    assert chat.decode(tokens) == chat.render(conv.messages, add_generation_prompt=True)
+    # a turn that stopped on a stop string: the environment segment starts with the end of turn
+    conv.add_assistant("plain", ended_with_eot=False)
+    seg2 = conv.user_segment("third")
+    assert seg2[0] == chat.eot_id and chat.decode(seg2).startswith("<|im_end|>\n<|im_start|>user\nthird")
+    conv.add_assistant("last", ended_with_eot=True)
+    assert conv.closing_segment() == []
+    conv2, _ = chat.start("s", "u")
+    conv2.add_assistant("stopped at </action>", ended_with_eot=False)
+    assert conv2.closing_segment() == [chat.eot_id]
+    assert conv2.text == chat.render(conv2.messages, add_generation_prompt=False).rstrip("\n")
+
+
+def test_qwen3_style_template_is_refused_with_a_clear_error(tmp_path):
+    tok = AutoTokenizer.from_pretrained(str(chat_model_dir()))
+    with pytest.raises(ChatTemplateError, match=r"not prefix-preserving.*<think>.*chat_template_path"):
+        ChatTokenizer(tok, DROPS_THINK, source="qwen3-like")
+    with pytest.raises(ChatTemplateError, match="rewrites assistant content"):
+        ChatTokenizer(tok, STRIPS, source="strips")
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTokenizer(tok, source="none")
+    # the directory's template replaced by a prefix-preserving one is accepted
+    (tmp_path / "bad.jinja").write_text(DROPS_THINK)
+    with pytest.raises(ChatTemplateError):
+        ChatTokenizer.from_dir(chat_model_dir(), tmp_path / "bad.jinja")
+    assert ChatTokenizer.from_dir(chat_model_dir(), CHAT_TEMPLATE_FILE).eot_token == "<|im_end|>"
+
+
+def test_token_bytes_concatenate_to_the_text(chat):
+    table = chat.token_bytes()
+    assert len(table) == chat.vocab_size
+    for text in ["a café  <action>{\"ops\": []}</action>\n\n", "日本 \t x", "<|im_start|>user\nhi<|im_end|>"]:
+        ids = chat.encode(text)
+        assert b"".join(table[i] for i in ids) == text.encode("utf-8")
