@@ -76,3 +76,16 @@ def test_training_state_resumes_in_fsdp2(exported, tmp_path):
         np.testing.assert_array_equal(loaded[k], ref, err_msg=k)
     meta = json.loads((tmp_path / "l/meta.json").read_text())
     assert meta["step_before"] == 3.0 and meta["step_after"] == 4.0 and meta["last_epoch_after"] == 4
+
+
+def test_inspect_export_and_orbax(exported):
+    from convert.inspect import describe
+
+    info = describe(exported["out"])
+    assert info["format"] == "export" and info["hf"]["tensors"] == 24  # tied head not stored
+    (ts,) = info["training_state"]
+    assert ts["layout"] == "flattened" and ts["world_size"] == 6 and ts["adam_step"] == 3
+    assert ts["placements"] == {"Shard(0)": 25} and ts["mesh"]["device_type"] == "cpu"
+    run = describe(exported["out"].parent / "run")
+    assert run["format"] == "orbax-run" and run["steps"] == [3]
+    assert run["latest"]["adam_count"] == 3 and run["latest"]["source"]["world_size"] == 6
