@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from functools import cached_property
 from pathlib import Path
@@ -140,6 +141,24 @@ def _check_fsdp_config(f: Path, world_size: int) -> None:
         raise ConvertError(f"{f}: FSDP_version {cfg.get('FSDP_version')!r}; only FSDP2 is supported")
 
 
+def mesh_info(mesh: Any) -> dict[str, Any]:
+    """{"dim_names", "sizes", "device_type"} of a unpickled DeviceMesh, from its attributes.
+
+    Read from the pickled `__dict__` so that meshes pickled by other torch versions work:
+    torch 2.13 stores `_layout`/`_mesh_dim_names`/`_device_type`, older torch a `mesh` rank
+    tensor and plain `mesh_dim_names`/`device_type` attributes.
+    """
+    d = mesh.__dict__
+    names = d.get("_mesh_dim_names", d.get("mesh_dim_names"))
+    device_type = d.get("_device_type", d.get("device_type"))
+    old = d.get("mesh")
+    if old is not None and hasattr(old, "shape"):
+        sizes = tuple(int(n) for n in old.shape)
+    else:
+        sizes = tuple(int(mesh.size(i)) for i in range(mesh.ndim))
+    return {"dim_names": tuple(names) if names else None, "sizes": sizes, "device_type": device_type}
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     """One state-dict entry: global shape, dtype name, shard dim (None = plain/replicated)."""
@@ -222,7 +241,7 @@ class VerlCheckpoint:
         if not isinstance(first, DTensor):
             return self._gather_plain(kind, key, entries, shape)
         dim = self._shard_dim(self.layout.rank_file(kind, 0), key, first)
-        n_shards = first.device_mesh.size(-1) if dim is not None else 1
+        n_shards = mesh_info(first.device_mesh)["sizes"][-1] if dim is not None else 1
         locals_ = []
         for r, t in enumerate(entries):
             f = self.layout.rank_file(kind, r)
@@ -259,12 +278,13 @@ class VerlCheckpoint:
         """Shard dim of DTensor `t` (None = Replicate); checks mesh names and size. `f` names the file."""
         from torch.distributed.tensor import Replicate, Shard
 
-        names = t.device_mesh.mesh_dim_names
+        mesh = mesh_info(t.device_mesh)
+        names = mesh["dim_names"]
         if names not in (("fsdp",), ("ddp", "fsdp")):
             raise ConvertError(f"{f}: {key} lives on a mesh with dims {names}; only ('fsdp',) "
                                "or HSDP ('ddp', 'fsdp') are supported")
-        if t.device_mesh.size() != self.world_size:
-            raise ConvertError(f"{f}: {key} mesh has {t.device_mesh.size()} ranks but the "
+        if math.prod(mesh["sizes"]) != self.world_size:
+            raise ConvertError(f"{f}: {key} mesh has {math.prod(mesh['sizes'])} ranks but the "
                                f"checkpoint has {self.world_size} rank files")
         if len(t.placements) == 2 and not isinstance(t.placements[0], Replicate):
             raise ConvertError(f"{f}: {key} HSDP placement {t.placements} is not (Replicate, Shard)")
@@ -307,7 +327,8 @@ class VerlCheckpoint:
         mesh = getattr(first, "device_mesh", None)
         if mesh is None:
             return None
-        return {"dim_names": list(mesh.mesh_dim_names or ()), "device_type": mesh.device_type}
+        info = mesh_info(mesh)
+        return {"dim_names": list(info["dim_names"] or ()), "device_type": info["device_type"]}
 
     def iter_params(self, *, include_tied_alias: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (hf_name, full array) in parameter order, one tensor in memory at a time.

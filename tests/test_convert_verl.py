@@ -47,6 +47,24 @@ def test_chunk_bounds_follow_torch_chunk():
     assert shard_dim((32, 48), 6, "dim0") == 0
 
 
+def test_mesh_info_reads_both_pickle_generations(fixture):
+    """torch 2.13 meshes (from the fixture) and the attribute set older torch pickled."""
+    from convert.torch_safe import load_pt
+    from convert.verl_read import mesh_info
+
+    import torch
+
+    sd = load_pt(fixture["ckpt"] / "global_step_3/actor/model_world_size_6_rank_0.pt")
+    info = mesh_info(next(iter(sd.values())).device_mesh)
+    assert info == {"dim_names": ("fsdp",), "sizes": (6,), "device_type": "cpu"}
+
+    class OldMesh:  # torch <= 2.8: a rank tensor and plain attributes
+        def __init__(self):
+            self.device_type, self.mesh, self.mesh_dim_names = "cuda", torch.arange(6).view(2, 3), ("ddp", "fsdp")
+
+    assert mesh_info(OldMesh()) == {"dim_names": ("ddp", "fsdp"), "sizes": (2, 3), "device_type": "cuda"}
+
+
 def test_layout_detection(fixture, tmp_path):
     ckpt = fixture["ckpt"]
     run = find_verl(ckpt)
