@@ -138,8 +138,10 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     missing = sorted(set(t_new) ^ set(jax_new))
     if missing:
         raise ValueError(f"parameter names differ between jscenegen and transformers: {missing}")
-    param_diff = max(float(np.max(np.abs(jax_new[n] - t_new[n]) / np.maximum(1.0, np.abs(t_new[n]))))
-                     for n in names)
+    rel = {n: np.abs(jax_new[n] - t_new[n]) / np.maximum(1.0, np.abs(t_new[n])) for n in names}
+    worst = max(names, key=lambda n: float(rel[n].max()))
+    worst_idx = np.unravel_index(int(np.argmax(rel[worst])), rel[worst].shape)
+    param_diff = float(rel[worst][worst_idx])
     p0 = dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(params))))
     upd_scale = max(float(np.max(np.abs(t_new[n] - p0[n]))) for n in names)
     upd_diff = max(float(np.max(np.abs((jax_new[n] - p0[n]) - (t_new[n] - p0[n])))) for n in names)
@@ -149,7 +151,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         "loss_jax": float(metrics["loss"]), "loss_torch": t_metrics["loss"], "loss_diff": loss_diff,
         "grad_norm_jax": float(metrics["grad_norm"]), "grad_norm_torch": t_metrics["grad_norm"],
         "grad_norm_ratio": float(metrics["grad_norm"]) / t_metrics["grad_norm"],
-        "max_param_diff": param_diff,
+        "max_param_diff": param_diff, "worst_param": f"{worst}{list(map(int, worst_idx))}",
         "update_max": upd_scale, "update_max_diff": upd_diff,
         "old_logp_max_diff": float(np.max(np.abs(jax_old - t_old)[data["attention_mask"] > 0])),
         "clipfrac": float(metrics["clipfrac"]), "trained_tokens": int(on.sum()),
@@ -163,6 +165,9 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         g_scale = max(float(np.max(np.abs(g))) for g in t_grads.values())
         result["grad_max_rel_diff"] = max(
             float(np.max(np.abs(jax_grads[n] - t_grads[n]))) for n in names) / g_scale
+        # Adam's first step is lr g / (|g| + eps): near g = 0 a grad difference is amplified
+        result["worst_param_grads"] = [float(jax_grads[worst][worst_idx]),
+                                       float(t_grads[worst][worst_idx])]
     result["ok"] = bool(loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL
                         and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
     return result
