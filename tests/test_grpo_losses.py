@@ -1,5 +1,4 @@
 """PPO-clip loss, agg_loss, KL estimators and grpo_loss against the torch reference."""
-import math
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ from hypothesis.extra.numpy import arrays
 
 from jscenegen.grpo import torch_reference as ref
 from jscenegen.grpo.config import LossConfig
-from jscenegen.grpo.losses import AGG_MODES, agg_loss, grpo_loss, kl_penalty, policy_loss
+from jscenegen.grpo.losses import AGG_MODES, agg_loss, grpo_loss, kl_penalty, logprob_drift, policy_loss
 
 B, T = 4, 7
 KINDS = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+"]
@@ -108,12 +107,13 @@ def test_policy_loss_clip_cases():
     adv = jnp.array([[0.0, 2.0, -1.0, -1.0]])
     mask = jnp.array([[0.0, 1.0, 1.0, 1.0]])
     loss, met = policy_loss(logp, jnp.zeros_like(logp), adv, mask, 0.2, 0.28, 3.0, "token-sum")
-    # per token: -2*1.28 (clipped, l2 > l1 is false since both negative?); compute directly
+    # token b: A = 2, ratio 1.5 -> max(-3, -2.56) (clipped); token c: A = -1, ratio 5 ->
+    # min(max(5, 1.28), 3) (dual clip); token d: A = -1, ratio 0.5 -> max(0.5, 0.8) (clipped)
     l_a = max(-2 * 1.5, -2 * 1.28)
     l_b = min(max(5.0, 1.28), 3.0)
     l_c = max(0.5, 0.8)
     assert float(loss) == pytest.approx(l_a + l_b + l_c, rel=1e-6)
-    assert float(met["clipfrac"]) == pytest.approx(2 / 3)  # tokens b and c hit the clip bound
+    assert float(met["clipfrac"]) == pytest.approx(2 / 3)  # tokens b and d hit the clip bound
     assert float(met["clipfrac_lower"]) == pytest.approx(1 / 3)
     assert float(met["ratio_max"]) == pytest.approx(5.0, rel=1e-6)
 
@@ -171,3 +171,11 @@ def test_grpo_loss_matches_torch_actor_loss(mode):
     np.testing.assert_allclose(np.asarray(g_lp), lp.grad.numpy(), rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(np.asarray(g_e), e.grad.numpy(), rtol=1e-5, atol=1e-8)
     assert np.all(np.isfinite(np.asarray(g_lp)))
+
+
+def test_logprob_drift():
+    roll = np.array([[0.0, -1.0, -2.0, np.nan]], np.float32)
+    old = np.array([[5.0, -1.5, -1.0, -3.0]], np.float32)
+    mask = np.array([[0, 1, 1, 0]], np.float32)
+    assert float(logprob_drift(roll, old, mask)) == pytest.approx(0.75)
+    assert float(logprob_drift(roll, old, np.zeros_like(mask))) == 0.0

@@ -31,6 +31,17 @@ def masked_mean(x, mask):
     return masked_sum(x, mask) / (jnp.sum(jnp.asarray(mask, jnp.float32)) + 1e-8)
 
 
+def logprob_drift(rollout_logp, old_logp, mask):
+    """Mean |logp_rollout - old_logp| over trained tokens: sampler vs trainer log-prob drift.
+
+    [B, T] float32 inputs (NaN off the mask is ignored); returns float32 [] (0 for an empty
+    mask). specs/grpo.md keeps the sampler's log-probs only for this metric.
+    """
+    m = jnp.asarray(mask, jnp.float32)
+    on = m != 0
+    return masked_mean(jnp.abs(jnp.where(on, rollout_logp, 0.0) - jnp.where(on, old_logp, 0.0)), m)
+
+
 def agg_loss(
     per_token, mask, mode: str, global_token_count=None, global_seq_count=None, horizon=None,
     *, legacy: bool = False,
