@@ -28,3 +28,13 @@ def constrain_stacked(x: jax.Array) -> jax.Array:
     if mesh.empty or not {"fsdp", "sp"} <= set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(x, P(None, ("fsdp", "sp"), *([None] * (x.ndim - 2))))
+
+
+def gather(w: jax.Array) -> jax.Array:
+    """A weight all-gathered just before use (FSDP): whole on every device, activations stay
+    batch/sequence-sharded. Without this, XLA may instead shard the matmul's output features
+    and reshard activations, which it does by full rematerialisation."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"fsdp", "sp"} <= set(mesh.axis_names):
+        return w
+    return jax.lax.with_sharding_constraint(w, P())

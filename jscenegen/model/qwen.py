@@ -24,7 +24,7 @@ from flax import nnx
 from jscenegen.model.attention import attention
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.params import padded_shape
-from jscenegen.model.partitioning import BATCH_ONLY, BATCH_SEQ, constrain, constrain_stacked
+from jscenegen.model.partitioning import BATCH_ONLY, BATCH_SEQ, constrain, constrain_stacked, gather
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -48,7 +48,7 @@ def _read(p: nnx.Param, n: int, dtype) -> jax.Array:
     w = p[...]
     if w.shape[0] != n:
         w = w[:n]
-    return w.astype(dtype)
+    return gather(w).astype(dtype)
 
 
 class Linear(nnx.Module):
