@@ -60,3 +60,47 @@ def test_cli_exits_1_beyond_tolerance(tiny_dirs, capsys, monkeypatch):
                "--loss", "ppo_micro_batch_size=3"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and not r["ok"]
+
+
+@pytest.mark.slow
+def test_sharded_step_equals_unsharded(tiny_dirs):
+    """Qwen3 step on the 3 x 2 mesh (FSDP2-padded params, 8 episodes + 1 padding row over fsdp,
+    3 micro-batches) equals the single-device step; shardings and zero padding rows are kept."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from jscenegen.grpo.config import OptimConfig
+    from jscenegen.grpo.optimizer import param_names
+    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.model.hf_io import load_hf
+    from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
+    from jscenegen.sharding.mesh import make_mesh
+
+    d = str(tiny_dirs["qwen3"])
+    loss_cfg, optim_cfg = LossConfig(ppo_micro_batch_size=3), OptimConfig()
+    data = synthetic_batch(1003, seed=2)
+    batch = {k: data[k] for k in ("input_ids", "attention_mask", "loss_mask", "advantages")}
+    batch["old_logp"] = ((data["old_delta"] - 5.0) * data["loss_mask"]).astype(np.float32)
+    mesh = make_mesh(fsdp=3, sp=2)
+    padded = pad_batch(batch, mesh)
+    assert padded["input_ids"].shape[0] == 9
+
+    g0, p0, *r0 = nnx.split(load_hf(d), nnx.Param, ...)
+    s0, m0 = GRPOStep(nnx_hidden_fn(g0, *r0), loss_cfg, optim_cfg, donate=False).step(
+        init_train_state(p0, optim_cfg), padded)
+    with jax.set_mesh(mesh):
+        g1, p1, *r1 = nnx.split(load_sharded(d, mesh), nnx.Param, ...)
+        s1, m1 = GRPOStep(nnx_hidden_fn(g1, *r1), loss_cfg, optim_cfg).step(
+            init_train_state(p1, optim_cfg), shard_batch(padded, mesh))
+    assert float(m1["loss"]) == pytest.approx(float(m0["loss"]), rel=1e-5)
+    assert float(m1["grad_norm"]) == pytest.approx(float(m0["grad_norm"]), rel=1e-5)
+    leaves = zip(param_names(s0.params), jax.tree.leaves(s0.params), jax.tree.leaves(s1.params),
+                 jax.tree.leaves(s1.opt_state[1].mu))
+    for name, a, b, mu in leaves:
+        a, host = np.asarray(a), np.asarray(b)
+        n = a.shape[0]
+        assert host.shape[0] % 6 == 0 and not host[n:].any(), name  # padding rows stay 0
+        assert np.all(np.abs(host[:n] - a) <= PARAM_TOL * np.maximum(1.0, np.abs(a))), name
+        assert b.sharding.spec == P(("fsdp", "sp")) and mu.sharding.spec == P(("fsdp", "sp")), name
