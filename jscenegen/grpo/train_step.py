@@ -92,7 +92,10 @@ class GRPOStep:
     objective and masked metric sums, without an update.
     `step(state, batch) -> (state, metrics)`: one update; metrics are float32 scalars named
     in METRIC_KEYS (clipfrac, approx_kl, entropy, kl are means over all trained tokens).
-    With `donate` the input state's buffers are reused for the output (do not read them after).
+    With `donate` the input state's buffers are reused for the output: do not read them after
+    the call, nor the NNX model the params were split from (`nnx.update(model, state.params)`
+    re-attaches the new ones). `ppo_micro_batch_size` should be a multiple of the mesh's fsdp
+    size so each micro-batch spreads over every fsdp shard.
     Raises ValueError (at trace time) when rows do not split into micro-batches or a batch
     key is missing.
     """
