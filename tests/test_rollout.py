@@ -20,8 +20,8 @@ BUCKETS = (128, 1024)          # few compiled shapes; long appends run as severa
 SLOTS = 6144 + 512 + 128       # one cache shape for every engine here
 FORCED = SamplingConfig(max_new_tokens=512, max_episode_tokens=6144, buckets=BUCKETS, temperature=0.9,
                         cache_tokens=SLOTS)
-SAMPLED = SamplingConfig(max_new_tokens=16, max_episode_tokens=4096, buckets=BUCKETS, temperature=1.0,
-                         cache_tokens=SLOTS)
+SAMPLED = SamplingConfig(max_new_tokens=16, max_episode_tokens=2560, buckets=BUCKETS, temperature=1.0,
+                         cache_tokens=2816)
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +201,18 @@ def test_sampled_rollout_seeds_and_logprobs(sampled_engine, model, record, rule_
         assert 1 <= tr.policy_mask.sum() <= SAMPLED.max_new_tokens
         want = trainer_logprobs(model, [tr.tokens.tolist()], SAMPLED.temperature)[0, :tr.num_tokens]
         np.testing.assert_allclose(tr.logprobs[tr.policy_mask], want[tr.policy_mask], atol=1e-5, rtol=0)
+
+
+def test_sampled_rollout_on_the_3x2_mesh_pads_rows(sampled_engine, chat, record, rule_judge):
+    from jscenegen.sharding.layout import load_sharded
+    from jscenegen.sharding.mesh import make_mesh
+
+    mesh = make_mesh(3, 2)
+    engine = RolloutEngine(load_sharded(chat_model_dir(), mesh), chat, SAMPLED, mesh=mesh)
+    group = engine.run_group(record, group_id=3, seeds=[11, 12], judge=rule_judge)
+    assert group.stats["batch_rows"] == 3
+    unsharded = sampled_engine.run_group(record, group_id=3, seeds=[11, 12], judge=rule_judge)
+    for tr, ref in zip(group.trajectories, unsharded.trajectories):
+        np.testing.assert_array_equal(tr.tokens, ref.tokens)
+        np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        assert tr.reward == -1.0 and 1 <= tr.policy_mask.sum() <= SAMPLED.max_new_tokens
