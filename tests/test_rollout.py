@@ -216,3 +216,19 @@ def test_sampled_rollout_on_the_3x2_mesh_pads_rows(sampled_engine, chat, record,
         np.testing.assert_array_equal(tr.tokens, ref.tokens)
         np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
         assert tr.reward == -1.0 and 1 <= tr.policy_mask.sum() <= SAMPLED.max_new_tokens
+
+
+def test_turn_stopped_by_a_stop_string_gets_its_end_of_turn_as_environment(model, chat, record, rule_judge):
+    cfg = SAMPLED.model_copy(update={"stop_strings": ("e", "a", "o", " ")})
+    trs = RolloutEngine(model, chat, cfg).run_group(record, group_id=4, seeds=[5, 6], judge=rule_judge).trajectories
+    for tr in trs:
+        policy, closing = tr.turns[-2], tr.turns[-1]
+        assert policy["role"] == "planner" and policy["stop"] == "stop_string"
+        text = chat.decode(tr.tokens[policy["start"]:policy["end"]].tolist())
+        assert any(s in text for s in cfg.stop_strings)
+        # no earlier token of the turn completed a stop string
+        prefix = chat.decode(tr.tokens[policy["start"]:policy["end"] - 1].tolist())
+        assert not any(s in prefix for s in cfg.stop_strings)
+        assert closing == {"role": "environment", "start": policy["end"], "end": policy["end"] + 1, "stop": None}
+        assert tr.tokens[-1] == chat.eot_id and tr.roles[-1] == ENVIRONMENT and not tr.policy_mask[-1]
+        assert tr.failure_cause == "no_action_block" and tr.reward == -1.0
