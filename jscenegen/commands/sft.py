@@ -1,0 +1,50 @@
+"""`jscenegen sft`: supervised warm start on scripted-expert episodes; writes an HF directory."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("sft", help="SFT warm start on scripted-expert demonstrations (all three roles)")
+    p.add_argument("--config", default=None, help="YAML file (e.g. configs/sft-cpu.yaml)")
+    p.add_argument("--model", default=None, help="HF model directory to start from "
+                   "(overrides model.path; default: a fresh init-model next to --out)")
+    p.add_argument("--out", default=None, help="output HF directory (overrides sft.out_dir)")
+    p.add_argument("--chat-template", default=None, help="replacement prefix-preserving chat "
+                   "template (jinja), e.g. for Qwen3 directories")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sft.steps=10")
+    p.set_defaults(func=run)
+
+
+def _force_host_devices(n: int | None) -> None:
+    """Ask XLA for n host CPU devices (the 3 x 2 CPU mesh) unless the caller already chose."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def run(args) -> int:
+    from jscenegen.config import load_config
+    from jscenegen.grpo.sft_config import SFTRunConfig
+
+    cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
+    _force_host_devices(cfg.sft.host_devices)  # before JAX is imported
+
+    from jscenegen.grpo.sft import run_sft
+
+    out = Path(args.out or cfg.sft.out_dir)
+    model_dir = args.model or cfg.model.path
+    if model_dir is None:
+        from jscenegen.commands.init_model import tokenizer_corpus
+        from jscenegen.model.init_model import init_model_dir
+
+        model_dir = out.parent / f"{out.name}-init"
+        init_model_dir(model_dir, arch=cfg.sft.init_arch, preset=cfg.sft.init_preset,
+                       seed=cfg.sft.seed, texts=tokenizer_corpus())
+        print(json.dumps({"event": "init_model", "model_dir": str(model_dir)}), flush=True)
+    summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
+    print(json.dumps({"event": "done", "out_dir": str(out), "final_loss": summary["final_loss"],
+                      "train_s": round(summary["train_s"], 1), "total_s": round(summary["total_s"], 1)}))
+    return 0

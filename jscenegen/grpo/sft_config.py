@@ -1,0 +1,57 @@
+"""Config of the SFT warm start (`jscenegen sft`): the `sft:` section and the command's whole file.
+
+`SFTRunConfig` is self-contained (sections `model`, `mesh`, `sft`, `optim`, `scene`) so
+`configs/sft-cpu.yaml` runs on its own; the GRPO run config can embed `SFTConfig` as is.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jscenegen.config import MeshConfig, ModelConfig, Section
+from jscenegen.grpo.config import OptimConfig
+from jscenegen.scene.config import SceneRuntimeConfig
+
+
+class SFTConfig(Section):
+    """Demonstrations, batch shape and loop length of supervised fine-tuning on expert episodes."""
+
+    num_demos: int = Field(48, ge=1, description="scripted-expert episodes on generated SFT scenes")
+    scene_offset: int = Field(0, ge=0, description="index of the first SFT scene (seeds "
+                              "SFT_SEED_BASE * 1000 + offset + i; never the train/dev sets)")
+    steps: int = Field(40, ge=1, description="optimizer steps (batches cycle over shuffled epochs)")
+    batch_size: int = Field(3, ge=1, description="demos (rows) per optimizer step")
+    micro_batch_size: int | None = Field(None, ge=1, description="rows per micro-batch "
+                                         "(gradient accumulation); None = the whole batch")
+    max_seq_len: int = Field(3072, ge=16, description="tokens per row; longer demos are "
+                             "truncated (their tail turns are lost; counted in the log)")
+    seq_multiple: int = Field(128, ge=1, description="rows are padded to a multiple of this "
+                              "(and of mesh.sp): one compiled shape")
+    logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
+    log_every: int = Field(5, ge=1, description="log the loss every this many steps")
+    seed: int = Field(0, description="demo order (shuffling) and a fresh model's weights")
+    out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
+    init_arch: Literal["qwen2", "qwen3"] = Field("qwen3", description="fresh model when model.path is null")
+    init_preset: Literal["tiny", "small"] = "tiny"
+    host_devices: int | None = Field(6, ge=1, description="CPU devices forced on the host "
+                                     "platform (XLA_FLAGS) when not already set; null = leave")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of "
+                             f"micro_batch_size {self.micro_batch_size}")
+        return self
+
+
+class SFTRunConfig(Section):
+    """The whole file of `jscenegen sft --config`: model (model.path = the HF directory to start
+    from; null = a fresh init-model), mesh, sft, optim (torch AdamW; tiny models want ~1e-3)
+    and scene (the runtime the expert plays in)."""
+
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    sft: SFTConfig = SFTConfig()
+    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=4, weight_decay=0.0)
+    scene: SceneRuntimeConfig = SceneRuntimeConfig()

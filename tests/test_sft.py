@@ -1,0 +1,196 @@
+"""SFT warm start (grpo/sft.py): demo scenes, token streams identical to rollouts, loss masks on
+real episodes, the NLL against a direct computation, micro-batching, the overfit check on the
+3 x 2 mesh, and the HF directory it writes."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from chat_fixtures import chat_model_dir, dev_records
+from jscenegen.config import ConfigError, validate_config
+from jscenegen.grpo.optimizer import param_names
+from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.rollout import RolloutEngine
+from jscenegen.grpo.rollout_config import SamplingConfig
+from jscenegen.grpo.sft import (SFT_SEED_BASE, SFTStep, batch_order, build_demos, demo_batch, run_sft,
+                                sft_records, tokenize_transcript)
+from jscenegen.grpo.sft_config import SFTRunConfig
+from jscenegen.grpo.train_step import init_train_state, nnx_hidden_fn
+from jscenegen.model.hf_io import load_hf
+from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.scene.config import JudgeConfig
+from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
+from jscenegen.scene.judge import make_judge
+from jscenegen.scene.sceneset import read_scene_set
+from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
+from jscenegen.sharding.mesh import make_mesh
+
+SEQ = 2304  # rows truncated here: the 2.2k-token prompt and the first planner turn
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatTokenizer.from_dir(chat_model_dir())
+
+
+@pytest.fixture(scope="module")
+def demos(chat):
+    return build_demos(chat, sft_records(3))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh(3, 2)
+
+
+def test_sft_scenes_are_their_own_split():
+    recs = sft_records(4, offset=2)
+    assert [r.seed for r in recs] == [SFT_SEED_BASE * 1000 + 2 + i for i in range(4)]
+    assert [r.scene.scene_id for r in recs] == ["sft_0002", "sft_0003", "sft_0004", "sft_0005"]
+    shipped = read_scene_set("data/scenes/train.jsonl") + list(dev_records())
+    prompts = {r.scene.prompt + json.dumps(r.scene.room.model_dump()) for r in shipped}
+    assert not {r.seed for r in recs} & {r.seed for r in shipped}
+    assert not {r.scene.prompt + json.dumps(r.scene.room.model_dump()) for r in recs} & prompts
+    assert sft_records(4, offset=2)[1].scene == recs[1].scene  # deterministic
+
+
+def test_demo_stream_is_the_rollout_stream(chat):
+    """The scripted expert forced through RolloutEngine (the GRPO path) gives the same tokens,
+    roles and policy mask as the SFT demo of the same episode."""
+    record = dev_records()[0]
+    ops = expert_ops(record)
+    cfg = SamplingConfig(max_new_tokens=512, max_episode_tokens=8192,
+                         buckets=(256, 512, 1024, 2048, 4096))
+    tr = RolloutEngine(load_hf(chat_model_dir()), chat, cfg).run_group(
+        record, group_id=0, seeds=[0], judge=make_judge(JudgeConfig()),
+        forced=lambda ep: scripted_answers(ep, ops)).trajectories[0]
+    tokens, roles, policy = tokenize_transcript(chat, run_scripted_episode(record)[1])
+    assert tr.failure_cause is None
+    np.testing.assert_array_equal(tokens, tr.tokens)
+    np.testing.assert_array_equal(roles, tr.roles)
+    np.testing.assert_array_equal(policy, tr.policy_mask)
+
+
+def test_demo_masks_on_real_episodes(demos, chat):
+    for d in demos:
+        assert d.reward > 0.5  # the expert's episodes are good ones
+        env = d.roles == ENVIRONMENT
+        assert not d.policy_mask[env].any() and d.policy_mask[~env].all()
+        # turns in protocol order, each answer ending with <|im_end|>, preceded by environment glue
+        starts = np.flatnonzero(np.diff(np.r_[0, d.policy_mask.astype(int)]) == 1)
+        ends = np.flatnonzero(np.diff(np.r_[d.policy_mask.astype(int), 0]) == -1) + 1
+        assert [int(d.roles[s]) for s in starts] == [PLANNER, DESIGNER, PLANNER, CRITIC, PLANNER]
+        for s, e in zip(starts, ends):
+            assert chat.decode(d.tokens[:s].tolist()).endswith("<|im_end|>\n<|im_start|>assistant\n")
+            text = chat.decode(d.tokens[s:e].tolist())
+            assert text.endswith("</action><|im_end|>") and "<|im_start|>" not in text
+        assert chat.decode(d.tokens[:20].tolist()).startswith("<|im_start|>system\nYou furnish rooms.")
+    batch = demo_batch(demos, 6000)
+    for i, d in enumerate(demos):
+        n = len(d.tokens)
+        np.testing.assert_array_equal(batch["loss_mask"][i, :n], d.policy_mask.astype(np.float32))
+        assert not batch["loss_mask"][i, n:].any() and batch["attention_mask"][i].sum() == n
+    short = demo_batch(demos, 100)
+    assert short["input_ids"].shape == (3, 100) and not short["loss_mask"].any()  # prompt only
+
+
+def test_batch_order_cycles_epochs_deterministically():
+    order = batch_order(5, 3, 4, seed=1)
+    assert order.shape == (4, 3)
+    flat = order.ravel()
+    assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
+    np.testing.assert_array_equal(order, batch_order(5, 3, 4, seed=1))
+    assert not np.array_equal(order, batch_order(5, 3, 4, seed=2))
+
+
+def _direct_nll(model, batch):
+    logits = model(jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]))
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64)[:, :-1], axis=-1)
+    tok = np.take_along_axis(np.asarray(logp), batch["input_ids"][:, 1:, None], -1)[..., 0]
+    m = batch["loss_mask"][:, 1:]
+    return -(tok * m).sum() / m.sum()
+
+
+@pytest.fixture(scope="module")
+def sharded(mesh):
+    model = load_sharded(chat_model_dir(), mesh)
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    return model, graphdef, params, rest
+
+
+def test_nll_matches_direct_computation_and_micro_batches(sharded, demos, mesh):
+    from jscenegen.grpo.config import OptimConfig
+
+    model, graphdef, params, rest = sharded
+    arrays = demo_batch(demos, SEQ)
+    assert arrays["loss_mask"].sum() > 150  # the first planner turns
+    batch = shard_batch(pad_batch(arrays, mesh), mesh)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0)
+    whole = SFTStep(nnx_hidden_fn(graphdef, *rest), optim, donate=False)
+    micro = SFTStep(nnx_hidden_fn(graphdef, *rest), optim, micro_batch_size=3, donate=False)
+    with jax.set_mesh(mesh):
+        nll, tokens = whole.nll(params, batch)
+        s1, m1 = whole.step(init_train_state(params, optim), batch)
+        s2, m2 = micro.step(init_train_state(params, optim), batch)
+    assert float(tokens) == arrays["loss_mask"][:, 1:].sum()
+    assert float(nll) == pytest.approx(_direct_nll(load_hf(chat_model_dir()), arrays), rel=1e-5)
+    assert float(m1["loss"]) == pytest.approx(float(nll), rel=1e-6)
+    assert float(m2["loss"]) == pytest.approx(float(nll), rel=1e-5)
+    for name, a, b in zip(param_names(s1.params), jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=name)
+
+
+def test_sft_overfits_a_handful_of_demos(sharded, demos, mesh):
+    from jscenegen.grpo.config import OptimConfig
+
+    _, graphdef, params, rest = sharded
+    batch = shard_batch(pad_batch(demo_batch(demos, SEQ), mesh), mesh)
+    optim = OptimConfig(lr=1e-2, warmup_steps=2, weight_decay=0.0)
+    sft = SFTStep(nnx_hidden_fn(graphdef, *rest), optim, donate=False)
+    with jax.set_mesh(mesh):
+        state = init_train_state(params, optim)
+        first, _ = sft.nll(params, batch)
+        for _ in range(25):
+            state, metrics = sft.step(state, batch)
+        last, _ = sft.nll(state.params, batch)
+    assert float(metrics["skipped"]) == 0.0 and int(state.lr_step) == 25
+    assert float(last) < 0.5 * float(first), (float(first), float(last))
+    # padding rows of every parameter stayed exactly zero
+    for p in jax.tree.leaves(state.params):
+        assert p.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "sp"))
+
+
+def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
+    cfg = validate_config({"sft": {"num_demos": 2, "steps": 3, "batch_size": 3, "max_seq_len": SEQ,
+                                   "log_every": 1, "seed": 3},
+                           "optim": {"lr": 5e-3, "weight_decay": 0.0}}, model=SFTRunConfig)
+    rows = []
+    summary = run_sft(cfg, chat_model_dir(), tmp_path / "out", log=rows.append)
+    out = tmp_path / "out"
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "sft_summary.json"):
+        assert (out / f).is_file(), f
+    assert rows[0]["event"] == "demos" and rows[0]["truncated"] == 2 and rows[0]["row_length"] == SEQ
+    assert [r["step"] for r in rows[1:]] == [0, 1, 2]
+    assert rows[-1]["loss"] < rows[1]["loss"]
+    saved = json.loads((out / "sft_summary.json").read_text())
+    assert saved["final_loss"] == summary["final_loss"] == rows[-1]["loss"]
+    assert saved["config"]["sft"]["seed"] == 3
+    # weights changed, shapes and config kept; the tokenizer travels with them
+    before, after = load_hf(chat_model_dir()), load_hf(out)
+    assert before.cfg == after.cfg
+    w0 = np.asarray(before.model.embed_tokens.weight[...])
+    w1 = np.asarray(after.model.embed_tokens.weight[...])
+    assert w0.shape == w1.shape and not np.allclose(w0, w1)
+    assert ChatTokenizer.from_dir(out).encode("<action>") == ChatTokenizer.from_dir(chat_model_dir()).encode("<action>")
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="sft.batch_size"):
+        validate_config({"sft": {"batch_size": 0}}, model=SFTRunConfig)
+    with pytest.raises(ConfigError, match="sft.nmu_demos"):
+        validate_config({"sft": {"nmu_demos": 3}}, model=SFTRunConfig)
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, model=SFTRunConfig)
