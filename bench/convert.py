@@ -1,12 +1,12 @@
-"""Conversion throughput (MB/s) and peak RSS: VERL FSDP2 shards -> HF safetensors.
+"""Conversion throughput (MB/s) and peak RSS: VERL FSDP2 shards -> HF safetensors, HF -> orbax.
 
-    python bench/convert.py [--layers 2] [--world-size 6] [--workdir /tmp/jscenegen-bench-convert]
+    python bench/convert.py [--layers 2] [--vocab 152064] [--world-size 6] [--workdir DIR]
 
 Input: a Qwen2 model with Qwen2.5-7B widths (vocab 152064, hidden 3584, FFN 18944, 28 heads,
 4 KV heads; untied head) and `--layers` layers, random fp32 weights (about 6.2 GB at 2
 layers), written as W rank files by convert.directions.hf_to_verl (setup, also timed).
 
-Measured, each in its own child process so `ru_maxrss` is that conversion's peak RSS:
+Measured, each in its own child process, whose VmHWM is that conversion's peak RSS:
 - ours: convert.directions.verl_to_hf (streaming, fp32 kept).
 - baseline: the naive merge, which is what VERL's model merger does in spirit
   (verl/model_merger/fsdp_model_merger.py): torch.load every rank file whole
@@ -14,6 +14,8 @@ Measured, each in its own child process so `ru_maxrss` is that conversion's peak
   safetensors.torch.save_file of the full state dict.
 - VERL's own merger when the `verl` package is installed (it is not on this machine; the
   output says so).
+- hf -> orbax (convert.orbax_directions.hf_to_orbax, fresh Adam state) on our HF output,
+  when memory allows (CheckpointStore.save holds params and both moments in memory).
 MB/s counts the model's fp32 bytes (1e6 bytes per MB) over wall time; the input files are
 evicted from the page cache before each run (posix_fadvise DONTNEED), so both start cold. The last line is JSON
 with "ratio" = our MB/s / baseline MB/s.
@@ -38,14 +40,14 @@ WIDTHS = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
               num_attention_heads=28, num_key_value_heads=4, head_dim=128)
 
 
-def _config(layers: int) -> dict:
+def _config(layers: int, vocab: int) -> dict:
     return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=layers,
                 tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6,
                 max_position_embeddings=32768, hidden_act="silu", torch_dtype="float32",
-                **WIDTHS)
+                **dict(WIDTHS, vocab_size=vocab))
 
 
-def make_source(work: Path, layers: int, world_size: int) -> tuple[Path, int, int]:
+def make_source(work: Path, layers: int, vocab: int, world_size: int) -> tuple[Path, int, int]:
     """Random HF model -> VERL rank files. Returns (verl dir, model bytes, largest tensor bytes)."""
     import numpy as np
 
@@ -56,7 +58,7 @@ def make_source(work: Path, layers: int, world_size: int) -> tuple[Path, int, in
 
     hf = work / "hf_source"
     verl = work / "verl"
-    cfg = QwenConfig.from_hf_dict(_config(layers))
+    cfg = QwenConfig.from_hf_dict(_config(layers, vocab))
     shapes = param_shapes(cfg)
     total = sum(int(np.prod(s)) * 4 for s in shapes.values())
     largest = max(int(np.prod(s)) * 4 for s in shapes.values())
@@ -64,7 +66,10 @@ def make_source(work: Path, layers: int, world_size: int) -> tuple[Path, int, in
         shutil.rmtree(hf, ignore_errors=True)
         shutil.rmtree(verl, ignore_errors=True)
         hf.mkdir(parents=True)
-        (hf / "config.json").write_text(json.dumps(_config(layers), indent=2))
+        (hf / "config.json").write_text(json.dumps(_config(layers, vocab), indent=2))
+        from jscenegen.model.tokenizer_build import train_bpe_tokenizer
+
+        train_bpe_tokenizer(["a bed, a desk and a lamp"] * 4, vocab_size=300).save_pretrained(hf)
         rng = np.random.default_rng(0)
         specs = {n: (s, np.dtype(np.float32)) for n, s in shapes.items()}
         arrays = ((n, rng.random(s, dtype=np.float32)) for n, s in shapes.items())
@@ -83,16 +88,29 @@ def child(mode: str, src: str, dst: str) -> None:
         from convert.directions import verl_to_hf
 
         verl_to_hf(src, dst)
+    elif mode == "hf2orbax":
+        from convert.orbax_directions import hf_to_orbax
+
+        hf_to_orbax(src, dst)
     elif mode == "naive":
         naive_merge(Path(src), Path(dst))
     elif mode == "verl":
         subprocess.run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                         "--local_dir", src, "--target_dir", dst], check=True)
     seconds = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = _peak_rss()
     if mode == "verl":
         rss = max(rss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
     print(json.dumps({"seconds": seconds, "peak_rss_bytes": rss}))
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set (VmHWM, bytes). Unlike ru_maxrss it starts afresh at
+    exec, so a child does not inherit the parent's peak."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def naive_merge(shard_dir: Path, dst: Path) -> None:
@@ -126,7 +144,7 @@ def _evict(src: Path) -> None:
             os.close(fd)
 
 
-def measure(mode: str, src: Path, dst: Path) -> dict:
+def measure(mode: str, src: Path, dst: Path, keep: bool = False) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
     _evict(src)
@@ -135,7 +153,8 @@ def measure(mode: str, src: Path, dst: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    shutil.rmtree(dst, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(dst, ignore_errors=True)
     return out
 
 
@@ -149,6 +168,7 @@ def _mem_available() -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=WIDTHS["vocab_size"])
     p.add_argument("--world-size", type=int, default=6)
     p.add_argument("--workdir", default="/tmp/jscenegen-bench-convert")
     p.add_argument("--keep", action="store_true", help="keep the generated VERL input")
@@ -158,10 +178,10 @@ def main() -> int:
         child(*args.child)
         return 0
     work = Path(args.workdir)
-    verl, total, largest = make_source(work, args.layers, args.world_size)
+    verl, total, largest = make_source(work, args.layers, args.vocab, args.world_size)
     shard_dir = verl / "global_step_0" / "actor"
     gb = 1 << 30
-    print(f"model: {args.layers} layers at Qwen2.5-7B widths, {total / 1e9:.2f} GB fp32, "
+    print(f"model: {args.layers} layers at Qwen2.5-7B widths (vocab {args.vocab}), {total / 1e9:.2f} GB fp32, "
           f"largest tensor {largest / 1e9:.2f} GB, W={args.world_size}")
     available = _mem_available()
     if available < total + largest + gb:
@@ -170,7 +190,7 @@ def main() -> int:
         return 1
     results = {}
     for mode, src in (("ours", verl), ("naive", shard_dir)):
-        r = measure(mode, src, work / f"out_{mode}")
+        r = measure(mode, src, work / f"out_{mode}", keep=mode == "ours")
         r["mb_per_s"] = total / 1e6 / r["seconds"]
         results[mode] = r
         print(f"{mode:>6}: {r['seconds']:.1f} s, {r['mb_per_s']:.0f} MB/s, peak RSS "
@@ -184,6 +204,16 @@ def main() -> int:
     else:
         print("VERL is not installed here: its model merger was not run; the naive merge above "
               "is the baseline")
+    if _mem_available() >= 4.5 * total:
+        r = measure("hf2orbax", work / "out_ours", work / "out_orbax")
+        r["mb_per_s"] = total / 1e6 / r["seconds"]
+        results["hf_to_orbax"] = r
+        print(f"hf -> orbax: {r['seconds']:.1f} s, {r['mb_per_s']:.0f} MB/s, peak RSS "
+              f"{r['peak_rss_bytes'] / gb:.2f} GiB ({r['peak_rss_bytes'] / total:.2f} x model)")
+    else:
+        print(f"hf -> orbax skipped: it holds params and both moments in memory (~4.5 x the "
+              f"model = {4.5 * total / gb:.1f} GiB); {_mem_available() / gb:.1f} GiB available")
+    shutil.rmtree(work / "out_ours", ignore_errors=True)
     budget = 3 * largest + gb
     print(f"target: peak RSS <= 3 x largest + 1 GiB = {budget / gb:.2f} GiB "
           f"({'met' if results['ours']['peak_rss_bytes'] <= budget else 'NOT met'}), >= 200 MB/s "
@@ -196,7 +226,10 @@ def main() -> int:
                       "ours_peak_rss_gib": results["ours"]["peak_rss_bytes"] / gb,
                       "baseline_peak_rss_gib": results["naive"]["peak_rss_bytes"] / gb,
                       "model_gb": total / 1e9, "largest_tensor_gb": largest / 1e9,
-                      "verl_merger": "verl_merger" in results}))
+                      "verl_merger": "verl_merger" in results,
+                      "hf_to_orbax_mb_per_s": results.get("hf_to_orbax", {}).get("mb_per_s"),
+                      "hf_to_orbax_peak_rss_gib": (results["hf_to_orbax"]["peak_rss_bytes"] / gb
+                                                   if "hf_to_orbax" in results else None)}))
     return 0
 
 
