@@ -164,8 +164,11 @@ def test_recomputed_old_logp_gives_ratio_one():
     # the loss pass and the recompute are separate XLA programs: equal up to fp32 rounding
     assert abs(float(met["ratio_max"]) - 1.0) <= 2e-6 and float(met["clipfrac"]) == 0.0
     shortcut = {k: v for k, v in batch.items() if k != "old_logp"}
+    shortcut["rollout_logp"] = np.asarray(old) + 0.25 * batch["loss_mask"]  # sampler drift
+    shortcut["rollout_logp"][batch["loss_mask"] == 0] = np.nan
     _, met = st.step(init_train_state(params, st.optim_cfg), shortcut)
     assert float(met["ratio_max"]) == 1.0 and float(met["approx_kl"]) == 0.0
+    assert float(met["logprob_drift"]) == pytest.approx(0.25, rel=1e-4)
 
 
 def test_step_keeps_the_callers_sharding():

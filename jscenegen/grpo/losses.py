@@ -206,7 +206,7 @@ class LossParts(NamedTuple):
 def grpo_loss(
     logp, entropy, old_logp, advantages, mask, ref_logp, *, clip_low, clip_high, clip_c,
     agg_mode, entropy_coeff=0.0, use_kl_loss=False, kl_coef=0.0, kl_type="low_var_kl",
-    global_token_count=None, global_seq_count=None, horizon=None, legacy=False,
+    global_token_count=None, global_seq_count=None, horizon=None, legacy=False, rollout_logp=None,
 ) -> LossParts:
     """The actor objective of one (micro-)batch: VERL's pg_loss - c_H agg(H) + beta agg(KL).
 
@@ -214,6 +214,8 @@ def grpo_loss(
     `entropy` may be None when entropy_coeff is 0 and no entropy metric is wanted). Entries
     outside `mask` are replaced by 0 before use, so NaN there is harmless. The three terms
     share one aggregation (agg_mode, counts, horizon, legacy), as in VERL's dp_actor.
+    With `rollout_logp` (the sampler's log-probs) `sums["drift"]` is the masked sum of
+    |rollout_logp - old_logp| (see `logprob_drift`), else 0.
     """
     m = jnp.asarray(mask, jnp.float32)
     on = m != 0
@@ -242,6 +244,9 @@ def grpo_loss(
         kl_sum = masked_sum(jax.lax.stop_gradient(kl), m)
     loss = pg - entropy_coeff * ent_term + kl_coef * kl_term
     sg = jax.lax.stop_gradient
+    drift = zero
+    if rollout_logp is not None:
+        drift = masked_sum(jnp.abs(jnp.where(on, rollout_logp, 0.0) - jnp.where(on, sg(old_logp), 0.0)), m)
     sums = {
         "tokens": jnp.sum(m),
         "clipped": masked_sum(terms.clipped.astype(jnp.float32), m),
@@ -250,5 +255,6 @@ def grpo_loss(
         "entropy": sg(ent_sum),
         "kl": kl_sum,
         "ratio_max": jnp.max(jnp.where(on, sg(terms.ratio), 0.0)),
+        "drift": drift,
     }
     return LossParts(loss, pg, ent_term, kl_term, sums)

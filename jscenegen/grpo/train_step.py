@@ -8,8 +8,12 @@ their optimizer state are plain pytrees that the caller shards; nothing here pla
 Batch (dict of [B, T] arrays, entry t about token t, column 0 never trained):
   input_ids int32, attention_mask 0/1, loss_mask float32 (selected role's policy tokens),
   advantages float32 (per token, A_b * mask), old_logp float32 (optional: without it the
-  on-policy shortcut old_logp = stop_gradient(logp) of VERL's legacy worker is used, ratio 1),
-  ref_logp float32 (needed when use_kl_loss). Entries outside loss_mask may be NaN.
+  on-policy shortcut old_logp = stop_gradient(logp) of VERL's legacy worker is used: with one
+  mini-batch and one epoch it is the recompute itself, bitwise, so the ratio is exactly 1 and
+  no separate forward pass is needed; a separately compiled recompute (`GRPOStep.logprobs`)
+  agrees only to fp32 rounding), ref_logp float32 (needed when use_kl_loss), rollout_logp
+  float32 (optional: the sampler's log-probs, for the `logprob_drift` metric = mean
+  |rollout_logp - old_logp| over trained tokens). Entries outside loss_mask may be NaN.
 
 Micro-batches are contiguous row blocks of `ppo_micro_batch_size` rows, run in one jit by
 `lax.scan`, gradients summed. loss_scale global (VERL 0.9 engine): every micro-batch divides by
@@ -32,7 +36,7 @@ from jscenegen.grpo.optimizer import lr_at, make_optimizer, optimizer_step
 
 HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 METRIC_KEYS = ("loss", "pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "ratio_max",
-               "entropy", "kl", "grad_norm", "skipped", "lr", "tokens")
+               "entropy", "kl", "logprob_drift", "grad_norm", "skipped", "lr", "tokens")
 
 
 class TrainState(NamedTuple):
@@ -147,7 +151,7 @@ class GRPOStep:
                 use_kl_loss=cfg.use_kl_loss, kl_coef=cfg.kl_coef, kl_type=cfg.kl_loss_type,
                 global_token_count=None if legacy else n_tok,
                 global_seq_count=None if legacy else n_seq,
-                horizon=cfg.horizon, legacy=legacy,
+                horizon=cfg.horizon, legacy=legacy, rollout_logp=mb.get("rollout_logp"),
             )
             scale = 1.0 / k if legacy else 1.0
             return parts.loss * scale, (parts.pg_loss * scale, parts.sums)
@@ -164,7 +168,7 @@ class GRPOStep:
 
         zero = jnp.zeros((), jnp.float32)
         sums0 = {key: zero for key in ("tokens", "clipped", "clipped_lower", "neg_log_ratio",
-                                       "entropy", "kl", "ratio_max")}
+                                       "entropy", "kl", "ratio_max", "drift")}
         grads0 = jax.tree.map(jnp.zeros_like, params)
         (grads, loss, pg, sums), _ = jax.lax.scan(body, (grads0, zero, zero, sums0), micro)
         return grads, loss, pg, sums
@@ -183,6 +187,7 @@ class GRPOStep:
             "clipfrac": sums["clipped"] / denom, "clipfrac_lower": sums["clipped_lower"] / denom,
             "approx_kl": sums["neg_log_ratio"] / denom, "ratio_max": sums["ratio_max"],
             "entropy": sums["entropy"] / denom, "kl": sums["kl"] / denom,
+            "logprob_drift": sums["drift"] / denom,
             "grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32), "lr": lr,
             "tokens": n_tok,
         }
