@@ -58,7 +58,7 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
     valid = np.ones(rows, bool)
     adv = np.asarray(grpo_outcome_advantages(scores, groups, valid, group_size=group_size))
     loss_mask = np.asarray(role_loss_mask(roles, policy, selected)) * mask
-    adv, loss_mask = adv[:, None] * loss_mask, loss_mask
+    adv = adv[:, None] * loss_mask
     if pad_rows:
         extra = lambda a: np.concatenate([a, np.zeros((pad_rows, *a.shape[1:]), a.dtype)])  # noqa: E731
         ids, mask, roles, policy, loss_mask, adv = map(extra, (ids, mask, roles, policy, loss_mask, adv))
