@@ -6,7 +6,8 @@ flattened layout (`global_step_N/` holding the rank files directly). Each rank f
 with `convert.torch_safe.load_pt` (weights_only, mmap); a tensor is reassembled from the W local
 shards along its own `placements[-1].dim` (VERL 0.6 - 0.8 shard some tensors on dim 1), which is
 what VERL's model merger does (verl/model_merger/fsdp_model_merger.py) minus its bf16 cast.
-Memory: the rank files are memory-mapped; one reassembled tensor is held at a time.
+Memory: the rank files are memory-mapped; one reassembled tensor is held at a time, and each
+shard's mapped pages are read ahead in bulk and released after use (convert/pages.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from convert import pages
 from convert.errors import ConvertError
 from convert.sharding import chunk_bounds
 from convert.tensors import to_numpy
@@ -176,10 +178,6 @@ class VerlCheckpoint:
     the config in `huggingface/config.json` (or `hf_dir`), and checked against the model file.
     """
 
-    # memory-mapped pages a reader touched stay resident (and count in RSS) while the file is
-    # mapped; past this many bytes read, the rank files are dropped and re-mapped
-    REMAP_BYTES = 1 << 30
-
     def __init__(self, path: str | Path, hf_dir: str | Path | None = None):
         from jscenegen.model.config import ModelConfigError, QwenConfig
         from jscenegen.model.params import param_shapes
@@ -199,7 +197,6 @@ class VerlCheckpoint:
         self.shapes = param_shapes(self.config)
         self.param_order = list(self.shapes)
         self.tied = self.config.tie_word_embeddings
-        self._bytes_since_map = 0
         self._check_keys()
 
     # ---- files -------------------------------------------------------------------------
@@ -260,19 +257,15 @@ class VerlCheckpoint:
                 if tuple(local.shape) != want:
                     raise ConvertError(f"{f}: {key} local shard {tuple(local.shape)}, expected {want} "
                                        f"(Shard({dim}) of {shape} over {n_shards} ranks)")
-            locals_.append(to_numpy(local))
-        full = np.array(locals_[0]) if dim is None or len(locals_) == 1 else np.concatenate(locals_, axis=dim)
-        del locals_
-        self._count_read(full.nbytes)
+            locals_.append(local)
+        spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in locals_]
+        for ptr, nbytes in spans:
+            pages.will_need(ptr, nbytes)  # one bulk read per shard instead of small faults
+        arrays = [to_numpy(t) for t in locals_]
+        full = np.array(arrays[0]) if len(arrays) == 1 else np.concatenate(arrays, axis=dim)
+        for ptr, nbytes in spans:
+            pages.dont_need(ptr, nbytes)  # the shard's mapped pages leave this process
         return full
-
-    def _count_read(self, nbytes: int) -> None:
-        """Unmap the rank files once REMAP_BYTES were read through them (bounds resident memory)."""
-        self._bytes_since_map += nbytes
-        if self._bytes_since_map > self.REMAP_BYTES:
-            self.__dict__.pop("_model_files", None)
-            self.__dict__.pop("_optim_files", None)
-            self._bytes_since_map = 0
 
     def _shard_dim(self, f: Path, key: str, t: Any) -> int | None:
         """Shard dim of DTensor `t` (None = Replicate); checks mesh names and size. `f` names the file."""
