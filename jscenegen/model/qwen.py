@@ -135,7 +135,13 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x, cos, sin, mask, kv=None):
-        """x [B,S,H]; mask [B,S,Sk]; kv = (k_cache, v_cache, write_offset) or None -> (out, (k, v))."""
+        """x [B,S,H]; mask [B,S,Sk] -> (out, kv).
+
+        kv = (k_all [L,B,Smax,Nkv,D], v_all, layer, offset) or None: the S new keys/values are
+        written into layer `layer` of the whole-model cache at slot `offset` (in place, inside
+        the layer loop's carry) and attention reads that layer's slots; the updated cache is
+        returned. Without a cache the keys/values of x are used and returned as (k, v).
+        """
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.nq, self.hd)
         k = self.k_proj(x).reshape(b, s, self.nkv, self.hd)
@@ -144,14 +150,20 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
-            k_cache, v_cache, offset = kv
-            k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), offset, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), offset, axis=1)
+            k_all, v_all, layer, offset = kv
+            start = (layer, 0, offset, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+            k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
+            new_kv = (k_all, v_all)
+        else:
+            new_kv = (k, v)
         # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
         q = constrain(q, BATCH_SEQ)
-        k_all, v_all = constrain(k, BATCH_ONLY), constrain(v, BATCH_ONLY)
-        out = attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, self.attn_impl)
-        return self.o_proj(out.reshape(b, s, self.nq * self.hd)), (k, v)
+        k_all_seq, v_all_seq = constrain(k, BATCH_ONLY), constrain(v, BATCH_ONLY)
+        out = attention(q, k_all_seq.astype(q.dtype), v_all_seq.astype(q.dtype), mask, self.attn_impl)
+        return self.o_proj(out.reshape(b, s, self.nq * self.hd)), new_kv
 
 
 class MLP(nnx.Module):
@@ -280,21 +292,27 @@ class QwenForCausalLM(nnx.Module):
 
         Storage stays one module per layer (HF names); stacking sharded parameters keeps them
         sharded, and the loop body gathers one layer's weights at a time, so the compiled step
-        holds one gathered layer (per direction), not the whole model.
+        holds one gathered layer (per direction), not the whole model. The KV cache [L, ...]
+        rides in the loop's carry and each layer writes only its new slots, so a decode step
+        never copies the cache.
         """
         graphdef, stacked = layers if layers is not None else self.stacked_layers()
 
-        def body(h, xs):
-            layer_state, k_cache, v_cache = xs
+        def body(carry, xs):
+            h, k_all, v_all = carry
+            layer_state, index = xs
             layer = nnx.merge(graphdef, layer_state)
-            kv = None if cache is None else (k_cache, v_cache, cache.length)
-            h, (k, v) = layer(h, cos, sin, attn_mask, kv)
-            return h, (None, None) if cache is None else (k, v)
+            kv = None if cache is None else (k_all, v_all, index, cache.length)
+            h, new_kv = layer(h, cos, sin, attn_mask, kv)
+            if cache is not None:
+                k_all, v_all = new_kv
+            return (h, k_all, v_all), None
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        caches = (None, None) if cache is None else (cache.k, cache.v)
-        x, (new_k, new_v) = jax.lax.scan(body, x, (stacked, *caches))
+        n = len(self.model.layers)
+        init = (x, None, None) if cache is None else (x, cache.k, cache.v)
+        (x, new_k, new_v), _ = jax.lax.scan(body, init, (stacked, jnp.arange(n)))
         return x, new_k, new_v
 
     def logits(self, hidden: jax.Array) -> jax.Array:
