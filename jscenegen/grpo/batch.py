@@ -16,7 +16,7 @@ from jscenegen.grpo.advantages import grpo_outcome_advantages
 from jscenegen.grpo.roles import role_loss_mask
 from jscenegen.grpo.rollout import Trajectory, trajectory_batch
 
-TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages")
+TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
 
 
 @dataclasses.dataclass

@@ -173,7 +173,7 @@ def param_names(params) -> list[str]:
     return names
 
 
-def _adam_state(opt_state) -> TorchAdamWState:
+def adam_state(opt_state) -> TorchAdamWState:
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TorchAdamWState))
              if isinstance(s, TorchAdamWState)]
     if len(found) != 1:
@@ -184,7 +184,7 @@ def _adam_state(opt_state) -> TorchAdamWState:
 def state_to_canonical(opt_state) -> dict:
     """{"count": int, "mu": {name: np.ndarray}, "nu": {name: np.ndarray}} (torch step/exp_avg/
     exp_avg_sq), names as `param_names`; arrays at their stored (possibly padded) shape."""
-    st = _adam_state(opt_state)
+    st = adam_state(opt_state)
     names = param_names(st.mu)
     return {
         "count": int(st.count),
@@ -199,7 +199,7 @@ def state_from_canonical(canonical: dict, opt_state):
     Each array must match the existing leaf's shape; it is placed with that leaf's sharding.
     Raises KeyError naming a missing parameter, ValueError for a shape mismatch.
     """
-    st = _adam_state(opt_state)
+    st = adam_state(opt_state)
     names = param_names(st.mu)
 
     def load(kind, tree):

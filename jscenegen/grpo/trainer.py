@@ -28,7 +28,7 @@ from jscenegen.grpo.batch import TRAIN_KEYS, build_group_batch
 from jscenegen.grpo.checkpoint import CheckpointStore, padded_target
 from jscenegen.grpo.group_metrics import group_metrics
 from jscenegen.grpo.metrics_log import MetricsLogger
-from jscenegen.grpo.optimizer import param_names, state_from_canonical, _adam_state
+from jscenegen.grpo.optimizer import adam_state, param_names, state_from_canonical
 from jscenegen.grpo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout import RolloutEngine
 from jscenegen.grpo.run_metadata import redact, training_metadata
@@ -80,7 +80,9 @@ class Trainer:
         graphdef, params = nnx.split(self.model, nnx.Param)
         self.step_fn = GRPOStep(nnx_hidden_fn(graphdef), cfg.loss, cfg.optim,
                                 temperature=cfg.sampling.temperature)
-        self.state: TrainState = init_train_state(params, cfg.optim)
+        # built under jit so the optimizer state carries the parameters' shardings: the train
+        # step's outputs then match its inputs and it compiles once, not twice
+        self.state: TrainState = jax.jit(lambda p: init_train_state(p, cfg.optim))(params)
         self.ref_params = self._reference_params(params) if cfg.loss.use_kl_loss else None
 
         self.scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
@@ -115,7 +117,7 @@ class Trainer:
         return dict(zip(names, jax.tree.leaves(self.state.params)))
 
     def _adam_by_name(self) -> dict:
-        st = _adam_state(self.state.opt_state)
+        st = adam_state(self.state.opt_state)
         names = param_names(st.mu)
         return {"count": st.count, "mu": dict(zip(names, jax.tree.leaves(st.mu))),
                 "nu": dict(zip(names, jax.tree.leaves(st.nu)))}
@@ -191,6 +193,7 @@ class Trainer:
         record = self.scenes[pos.scene_index]
         role = sched.role(pos)
         nnx.update(self.model, self.state.params)
+        self.engine.set_weights(self.model)
         t0 = time.perf_counter()
         group = self.engine.run_group(record, group_id=pos.attempts, seeds=sched.seeds(pos),
                                       judge=self.judge, scene_cfg=cfg.scene, judge_cfg=cfg.judge)
@@ -228,10 +231,7 @@ class Trainer:
                                                            arrays["attention_mask"])[0]
             self.state, metrics = self.step_fn.step(self.state, arrays)
         metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
-        mask = batch.arrays["loss_mask"]
-        drift = np.abs(batch.arrays["rollout_logp"] - np.asarray(old_logp)) * mask
-        metrics["train/logp_drift"] = float(drift.sum() / max(mask.sum(), 1.0))
-        metrics["train/optimizer_step"] = int(_adam_state(self.state.opt_state).count)
+        metrics["train/optimizer_step"] = int(adam_state(self.state.opt_state).count)
         return metrics
 
     def _dump(self, trajectories, pos: SchedulePosition) -> None:
@@ -270,7 +270,7 @@ class Trainer:
                 signal.signal(s, handler)
             self.logger.close()
         return RunSummary(attempts=self.pos.attempts, effective_updates=self.pos.effective_updates,
-                          optimizer_steps=int(_adam_state(self.state.opt_state).count),
+                          optimizer_steps=int(adam_state(self.state.opt_state).count),
                           checkpoint=str(last_saved) if last_saved else None,
                           stopped_by_signal=self._stop_signal is not None,
                           wall_s=time.perf_counter() - t0)

@@ -1,0 +1,130 @@
+"""The GRPO loop: a smoke run, exact resume after SIGTERM, refusals, and the CPU default config."""
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from chat_fixtures import chat_model_dir
+from jscenegen.config import ConfigError, load_config
+from jscenegen.grpo.checkpoint import CheckpointStore, check_step, read_train_state
+from jscenegen.grpo.trainer import ResumeError, Trainer
+from jscenegen.paths import resolve_data_path
+
+TIMING_KEYS = ("time/", "rollout/tokens_per_s", "judge/latency_s")
+
+
+def _cfg(**extra):
+    overrides = [
+        f"model.path={chat_model_dir()}", "mesh.fsdp=3", "mesh.sp=2",
+        "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
+        "sampling.buckets=[64,256,1024,2048,4096]",
+        "schedule.num_scenes=3", "schedule.group_size=2", "schedule.total_updates=4",
+        "schedule.roles=PPC",           # a random model never gets past the planner's first turn
+        "schedule.zero_spread=count",   # ... nor has signal: step anyway
+        "loss.entropy_coeff=0.01",      # ... with a real, non-zero gradient
+        "optim.lr=1e-3", "checkpoint.save_every=2", "checkpoint.keep_last=2",
+        "logging.swanlab_mode=disabled", "trainer.progress=false",
+    ] + [f"{k}={v}" for k, v in extra.items()]
+    return load_config(resolve_data_path("configs/cpu-default.yaml"), overrides)
+
+
+def _run(run_dir, *, resume=False, max_updates=None, sigterm_after=None, **extra):
+    trainer = Trainer(_cfg(**extra), run_dir, chat_model_dir(), resume=resume)
+
+    def progress(row):
+        if sigterm_after is not None and row["attempt"] + 1 == sigterm_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        return trainer, trainer.run(max_updates, progress=progress)
+    finally:
+        trainer.close()
+
+
+def _final(run_dir):
+    store = CheckpointStore(run_dir / "checkpoints")
+    ck = store.restore()
+    store.close()
+    return ck
+
+
+def _metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight")
+    _, summary = _run(run_dir)
+    return run_dir, summary
+
+
+def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
+    run_dir, summary = straight
+    assert summary.attempts == 4 and summary.effective_updates == 4
+    assert summary.optimizer_steps == 4
+    rows = _metrics(run_dir)
+    assert [r["attempt"] for r in rows] == [0, 1, 2, 3]
+    assert [r["role"] for r in rows] == ["planner", "planner", "critic", "planner"]
+    assert all(r["stepped"] for r in rows)
+    planner = [r for r in rows if r["role"] == "planner"]
+    assert all(r["trained_tokens"] > 0 and r["train/grad_norm"] > 0 for r in planner)
+    critic = [r for r in rows if r["role"] == "critic"]
+    assert all(r["trained_tokens"] == 0 and r["train/grad_norm"] == 0 for r in critic)
+    assert rows[0]["episodes"] == 2
+    steps = CheckpointStore(run_dir / "checkpoints").steps()
+    assert steps == [2, 4]  # save_every 2, keep_last 2
+    status = check_step(run_dir / "checkpoints" / "4")
+    assert status.valid, status.reason
+    meta = json.loads((run_dir / "checkpoints/4/training_metadata.json").read_text())
+    assert meta["optimizer_step"] == 4 and meta["effective_updates"] == 4
+    assert len(meta["protocol_hash"]) == 64 and len(meta["schedule_hash"]) == 64
+    assert meta["judge"]["backend"] == "rule"
+    assert json.loads((run_dir / "checkpoints/4/checksums.json").read_text())["files"]
+    state = read_train_state(run_dir / "checkpoints" / "4")
+    assert state["schedule"]["attempts"] == 4 and state["lr_step"] == 4
+
+
+def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tmp_path):
+    run_dir, _ = straight
+    _, first = _run(tmp_path, sigterm_after=2)
+    assert first.stopped_by_signal and first.attempts == 2
+    assert check_step(tmp_path / "checkpoints" / "2").valid
+    _, second = _run(tmp_path, resume=True)
+    assert second.attempts == 4
+    a, b = _final(run_dir), _final(tmp_path)
+    assert int(a.adam["count"]) == int(b.adam["count"]) == 4
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
+        np.testing.assert_array_equal(a.adam["mu"][name], b.adam["mu"][name], err_msg=name)
+        np.testing.assert_array_equal(a.adam["nu"][name], b.adam["nu"][name], err_msg=name)
+    assert np.abs(a.adam["mu"]["model.norm.weight"]).max() > 0  # the moments really moved
+    assert a.train_state["schedule"] == b.train_state["schedule"]
+    assert _metrics(run_dir) == _metrics(tmp_path)
+
+
+def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_factory):
+    import shutil
+
+    run_dir = tmp_path_factory.mktemp("copy") / "run"
+    shutil.copytree(straight[0], run_dir)
+    with pytest.raises(ResumeError, match="schedule_hash"):
+        Trainer(_cfg(**{"schedule.roles": "DDDPC"}), run_dir, chat_model_dir(), resume=True)
+    with pytest.raises(ResumeError, match="protocol changed"):  # the reward is part of it
+        Trainer(_cfg(**{"scene.reward.unit_penalty": 0.5}), run_dir, chat_model_dir(), resume=True)
+    with pytest.raises(ResumeError, match="already holds checkpoints"):
+        Trainer(_cfg(), run_dir, chat_model_dir(), resume=False)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="unknown key 'optim.learning_rate'"):
+        _cfg(**{"optim.learning_rate": 1})
+    with pytest.raises(ConfigError, match="schedule.group_size"):
+        _cfg(**{"schedule.group_size": "eight"})
+    from jscenegen.sharding.mesh import MeshError
+
+    with pytest.raises(MeshError, match="fsdp=4 x sp=2 = 8 does not match the 6 devices"):
+        Trainer(_cfg(**{"mesh.fsdp": 4}), "/tmp/never-written", chat_model_dir())
