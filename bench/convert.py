@@ -16,8 +16,9 @@ Measured, each in its own child process, whose VmHWM is that conversion's peak R
   output says so).
 - hf -> orbax (convert.orbax_directions.hf_to_orbax, fresh Adam state) on our HF output,
   when memory allows (CheckpointStore.save holds params and both moments in memory).
-MB/s counts the model's fp32 bytes (1e6 bytes per MB) over wall time; the input files are
-evicted from the page cache before each run (posix_fadvise DONTNEED), so both start cold. The last line is JSON
+MB/s counts the model's fp32 bytes (1e6 bytes per MB) over wall time, which ends when the
+output is fsync'ed; the input files are evicted from the page cache before each run
+(posix_fadvise DONTNEED), so every run starts cold and ends with its data on disk. The last line is JSON
 with "ratio" = our MB/s / baseline MB/s.
 """
 from __future__ import annotations
@@ -97,11 +98,22 @@ def child(mode: str, src: str, dst: str) -> None:
     elif mode == "verl":
         subprocess.run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                         "--local_dir", src, "--target_dir", dst], check=True)
+    _fsync_tree(Path(dst))  # done = on disk: no run may leave its writing in the page cache
     seconds = time.perf_counter() - t
     rss = _peak_rss()
     if mode == "verl":
         rss = max(rss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
     print(json.dumps({"seconds": seconds, "peak_rss_bytes": rss}))
+
+
+def _fsync_tree(root: Path) -> None:
+    for f in root.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _peak_rss() -> int:

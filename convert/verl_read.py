@@ -251,20 +251,27 @@ class VerlCheckpoint:
             if r >= n_shards:
                 continue  # HSDP: ranks beyond the first fsdp group are replicas
             local = t._local_tensor
+            want = shape
             if dim is not None:
                 lo, hi = chunk_bounds(shape[dim], n_shards, r)
                 want = shape[:dim] + (hi - lo,) + shape[dim + 1:]
-                if tuple(local.shape) != want:
-                    raise ConvertError(f"{f}: {key} local shard {tuple(local.shape)}, expected {want} "
-                                       f"(Shard({dim}) of {shape} over {n_shards} ranks)")
+            if tuple(local.shape) != want:
+                raise ConvertError(f"{f}: {key} local shard {tuple(local.shape)}, expected {want} "
+                                   f"({t.placements} of {shape} over {n_shards} ranks)")
             locals_.append(local)
-        spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in locals_]
-        for ptr, nbytes in spans:
-            pages.will_need(ptr, nbytes)  # one bulk read per shard instead of small faults
-        arrays = [to_numpy(t) for t in locals_]
-        full = np.array(arrays[0]) if len(arrays) == 1 else np.concatenate(arrays, axis=dim)
-        for ptr, nbytes in spans:
-            pages.dont_need(ptr, nbytes)  # the shard's mapped pages leave this process
+        full = np.empty(shape, dtype=to_numpy(locals_[0]).dtype)
+        start = 0
+        for t in locals_:  # shard by shard: one sequential bulk read each, then release it
+            storage = t.untyped_storage()
+            pages.will_need(storage.data_ptr(), storage.nbytes())
+            a = to_numpy(t)
+            if dim is None:  # Replicate: rank 0's copy is the tensor
+                full[...] = a
+            else:
+                stop = start + a.shape[dim]
+                full[(slice(None),) * dim + (slice(start, stop),)] = a
+                start = stop
+            pages.dont_need(storage.data_ptr(), storage.nbytes())
         return full
 
     def _shard_dim(self, f: Path, key: str, t: Any) -> int | None:
