@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 ROLE_CODES = {"planner": PLANNER, "designer": DESIGNER, "critic": CRITIC}
 ForcedPolicy = Callable[[Episode], str]
+TurnCallback = Callable[[int, dict, Episode], None]
 
 
 def episode_seed(scene_seed: int, member: int, redraw: int = 0) -> int:
@@ -118,6 +119,7 @@ class _Row:
     turns: list[dict] = field(default_factory=list)
     transcript: list[dict] = field(default_factory=list)
     cached: int = 0
+    shown: int = 0
 
     @property
     def active(self) -> bool:
@@ -200,12 +202,15 @@ class RolloutEngine:
     # ---- one group ------------------------------------------------------------------------
     def run_group(self, record: SceneRecord, *, group_id: int, seeds: Sequence[int], judge: Judge,
                   scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
-                  forced: ForcedPolicy | None = None) -> GroupRollout:
+                  forced: ForcedPolicy | None = None,
+                  on_turn: TurnCallback | None = None) -> GroupRollout:
         """Run len(seeds) episodes of `record` (member i uses seeds[i]) and judge them.
 
         `forced`: instead of sampling, each turn's text is `forced(episode)` (plus the
         end-of-turn token), appended through the same cache path with its log-probs under
-        the model (scripted drivers and protocol tests). Never raises for a failure inside
+        the model (scripted drivers and protocol tests). `on_turn(member, message, episode)`
+        is called with each new transcript message ({"role", "content", "actor"}) when its
+        round ends (interactive use: `jscenegen design`). Never raises for a failure inside
         one episode; see the module docstring for the causes.
         """
         cfg = self.cfg
@@ -228,6 +233,7 @@ class RolloutEngine:
             except Exception as err:  # our runtime or tokenizer: masked, not the policy's fault
                 log.exception("episode start failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
+        self._show(rows, on_turn)
         generated = rounds = 0
         while any(r.active for r in rows):
             rounds += 1
@@ -246,6 +252,7 @@ class RolloutEngine:
                 except Exception as err:
                     log.exception("turn processing failed")
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
+            self._show(rows, on_turn)
         self._judge([r.episode for r in rows], judge)
         wall = time.perf_counter() - t0
         stats = {"generated_tokens": generated, "wall_s": wall,
@@ -254,6 +261,15 @@ class RolloutEngine:
                  "batch_rows": len(rows) + pad}
         self._cache = self._last = None
         return GroupRollout([self._trajectory(r, group_id) for r in rows], stats)
+
+    @staticmethod
+    def _show(rows: list[_Row], on_turn: TurnCallback | None) -> None:
+        if on_turn is None:
+            return
+        for r in rows:
+            for message in r.transcript[r.shown:]:
+                on_turn(r.member, message, r.episode)
+            r.shown = len(r.transcript)
 
     def _limits(self, rows: list[_Row], pad: int) -> list[int]:
         cfg = self.cfg

@@ -1,0 +1,116 @@
+"""`jscenegen design`: furnish one room from a prompt with a trained model playing the three roles."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_ROOM_SEED = 90210999  # the generated bedroom used when no --room is given (not a dev/train seed)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("design", help="furnish one room from a prompt with a model (planner, designer, critic)")
+    p.add_argument("--model", required=True, metavar="HF_DIR_OR_CHECKPOINT",
+                   help="HF model directory or checkpoint step directory (RUN/checkpoints/N)")
+    p.add_argument("--prompt", required=True, help="what the room should be, in words")
+    p.add_argument("--room", default=None, help="room JSON (a scene file, its objects are kept, or a "
+                   "bare room object); default: a generated bedroom")
+    p.add_argument("-o", "--out", required=True, help="terminal scene JSON to write")
+    p.add_argument("--render", default=None, help="also draw the terminal scene to this PNG")
+    p.add_argument("--seed", type=int, default=0, help="episode seed (sampling keys)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
+    p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    p.set_defaults(func=run)
+
+
+def design_record(prompt: str, room_path: str | None, seed: int):
+    """The SceneRecord of one design request.
+
+    `room_path`: a scene JSON (`scenegen.scene/1`; its prompt is replaced by `prompt`) or a bare
+    room object (`floor_polygon`, `wall_height`, ...); None = the bedroom the generator draws for
+    DEFAULT_ROOM_SEED. `requested` is empty: the scene package has no prompt parser, so the
+    judge grades prompt following from the prompt text alone. Raises SceneError naming the file.
+    """
+    from pydantic import ValidationError
+
+    from jscenegen.scene.generator import make_record
+    from jscenegen.scene.schema import Room, Scene, SceneError, scene_from_json
+    from jscenegen.scene.sceneset import SceneRecord
+
+    if not prompt.strip():
+        raise SceneError("--prompt is empty")
+    if room_path is None:
+        room = make_record(DEFAULT_ROOM_SEED, "design").scene.room
+        scene = Scene(scene_id="design", prompt=prompt, room=room)
+    else:
+        try:
+            data = json.loads(Path(room_path).read_text())
+        except FileNotFoundError:
+            raise SceneError(f"--room {room_path}: no such file") from None
+        except json.JSONDecodeError as err:
+            raise SceneError(f"--room {room_path}: not valid JSON: {err}") from None
+        if isinstance(data, dict) and "room" in data:
+            scene = scene_from_json(data, room_path).model_copy(update={"prompt": prompt})
+        else:
+            try:
+                room = Room.model_validate(data)
+            except ValidationError as err:
+                raise SceneError(f"--room {room_path}: not a scene or room: "
+                                 f"{err.errors()[0]['loc']}: {err.errors()[0]['msg']}") from None
+            scene = Scene(scene_id="design", prompt=prompt, room=room)
+    return SceneRecord(scene, seed, ())
+
+
+def _print_turn(member: int, message: dict, episode) -> None:
+    if message["role"] == "system":
+        print(f"--- system prompt ({len(message['content'])} characters) ---", flush=True)
+        return
+    print(f"--- {message['actor']} ---\n{message['content']}", flush=True)
+
+
+def run(args) -> int:
+    from jscenegen.commands.eval import load_run_config
+    from jscenegen.config import ConfigError
+    from jscenegen.scene.schema import SceneError
+
+    try:
+        cfg = load_run_config(args.config, args.overrides, args.greedy)
+        record = design_record(args.prompt, args.room, args.seed)
+    except (ConfigError, SceneError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    from jscenegen.checksums import write_json_atomic
+    from jscenegen.grpo.checkpoint import CheckpointError
+    from jscenegen.grpo.evaluate import policy_engine
+    from jscenegen.scene.judge import make_judge
+
+    try:
+        engine = policy_engine(cfg, args.model)
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    episodes = {}
+
+    def on_turn(member, message, episode) -> None:
+        episodes[member] = episode
+        _print_turn(member, message, episode)
+
+    group = engine.run_group(record, group_id=0, seeds=[args.seed], judge=make_judge(cfg.judge, cfg.scene),
+                             scene_cfg=cfg.scene, judge_cfg=cfg.judge, on_turn=on_turn)
+    traj = group.trajectories[0]
+    scene = episodes[0].scene if 0 in episodes else record.scene  # no turn: the start failed
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, scene.to_json())
+    if args.render:
+        from jscenegen.scene.render import render_scene
+
+        render_scene(scene, args.render, cfg.scene)
+    print("--- result ---")
+    print(json.dumps({"reward": traj.reward, "failure_cause": traj.failure_cause,
+                      "masked": traj.masked, "units": traj.units, "grades": traj.grades,
+                      "metrics": traj.metrics, "objects": len(scene.objects), "scene": str(out),
+                      "render": args.render}, indent=2, default=str))
+    return 0

@@ -1,0 +1,91 @@
+"""`jscenegen eval`: a model (HF directory or checkpoint step) and the scripted expert on a scene set."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = "configs/cpu-default.yaml"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a model or checkpoint on the dev scenes (JSON report + PNG plot)")
+    p.add_argument("--model", required=True, metavar="DIR_OR_CHECKPOINT",
+                   help="HF model directory or checkpoint step directory (RUN/checkpoints/N)")
+    p.add_argument("--scenes", default="dev", help="dev, train, or a JSONL scene-set file (default: dev)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="episodes per scene (default: trainer.eval_samples)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
+    p.add_argument("--config", default=None, help=f"run config YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--out", default="eval-report.json", help="JSON report (default: eval-report.json)")
+    p.add_argument("--plot", default=None, help="PNG bar plot (default: the report's path with .png)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    p.set_defaults(func=run)
+
+
+def load_run_config(config: str | None, overrides: list[str], greedy: bool = False):
+    """The run config for eval/design: `config` (default the CPU default) with overrides;
+    `greedy` turns on argmax decoding and turns top-k/top-p off. Raises ConfigError."""
+    from jscenegen.config import load_config
+    from jscenegen.paths import resolve_data_path
+
+    overrides = list(overrides)
+    if greedy:
+        overrides += ["sampling.greedy=true", "sampling.top_k=0", "sampling.top_p=1.0"]
+    return load_config(config or resolve_data_path(DEFAULT_CONFIG), overrides)
+
+
+def scene_set_path(name: str, cfg) -> Path:
+    """`dev`/`train` -> the config's schedule.dev_set/train_set; anything else is a path."""
+    from jscenegen.paths import resolve_data_path
+
+    path = {"dev": cfg.schedule.dev_set, "train": cfg.schedule.train_set}.get(name, name)
+    return resolve_data_path(path)
+
+
+def run(args) -> int:
+    from jscenegen.config import ConfigError
+
+    try:
+        cfg = load_run_config(args.config, args.overrides, args.greedy)
+        scenes = scene_set_path(args.scenes, cfg)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
+    if samples < 1:
+        print(f"error: --samples must be >= 1, got {samples}", file=sys.stderr)
+        return 2
+
+    from jscenegen.checksums import write_json_atomic
+    from jscenegen.grpo.checkpoint import CheckpointError
+    from jscenegen.grpo.evaluate import evaluate, plot_report, policy_engine
+    from jscenegen.scene.judge import make_judge
+    from jscenegen.scene.sceneset import read_scene_set
+    from jscenegen.scene.schema import SceneError
+
+    try:
+        records = read_scene_set(scenes)
+        engine = policy_engine(cfg, args.model)
+    except (SceneError, CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    judge = make_judge(cfg.judge, cfg.scene)
+
+    def progress(row: dict) -> None:
+        m, e = row["model"], row["expert"]
+        print(json.dumps({"scene": row["scene_id"], "reward": m["reward"], "failure_causes":
+                          m["failure_causes"], "units": m["units"], "expert_reward": e["reward"]}),
+              flush=True)
+
+    report = evaluate(engine, records, judge=judge, scene_cfg=cfg.scene, judge_cfg=cfg.judge,
+                      samples=samples, progress=progress)
+    report.update(model=str(args.model), scene_set=str(scenes),
+                  sampling=cfg.sampling.model_dump(mode="json"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, report)
+    plot = plot_report(report, args.plot or out.with_suffix(".png"))
+    print(json.dumps({"event": "done", "report": str(out), "plot": str(plot),
+                      "overall": report["overall"]}))
+    return 0

@@ -1,0 +1,271 @@
+"""Evaluation of a policy on a scene set (issue 7 item 5), with the scripted expert as reference.
+
+Every scene is played `samples` times with the seeds `episode_seed(scene seed, member, 0)` (the
+schedule's derivation, so evaluation is repeatable and independent of batch neighbours), through
+the same `RolloutEngine` the trainer uses (greedy or the configured sampling), and judged by the
+configured judge. The scripted expert (`scene.expert.run_scripted_episode`) plays each scene once
+(it is deterministic) and is judged by the same judge: it is the reference row of the report.
+
+Statistics follow the trainer's rollout metrics (`grpo.group_metrics`): masked episodes (judge or
+infrastructure failures) are excluded from reward, units and failure rate and counted in
+`masked`; policy failures (reward -1) are included.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jscenegen.grpo.checkpoint import CheckpointError, HF_DIR, PARAMS_ITEM, check_step, iter_arrays
+from jscenegen.grpo.rollout import RolloutEngine
+from jscenegen.grpo.schedule import episode_seed
+from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+from jscenegen.scene.expert import run_scripted_episode
+from jscenegen.scene.judge import Judge
+from jscenegen.scene.sceneset import SceneRecord
+
+log = logging.getLogger(__name__)
+
+REPORT_SCHEMA = "jscenegen.eval/1"
+
+
+# ----------------------------------------------------------------------------- loading
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """True for a training checkpoint step directory (`params/` and `hf/config.json`)."""
+    p = Path(path)
+    return (p / PARAMS_ITEM).is_dir() and (p / HF_DIR / "config.json").is_file()
+
+
+def model_assets_dir(path: str | Path) -> Path:
+    """The directory holding config.json, tokenizer and chat template: `hf/` of a checkpoint
+    step, else `path` itself (an HF model directory)."""
+    p = Path(path)
+    return p / HF_DIR if is_checkpoint_dir(p) else p
+
+
+def load_policy(path: str | Path, mesh, *, param_dtype: str = "float32",
+                compute_dtype: str = "float32", attn_impl: str = "xla"):
+    """A QwenForCausalLM sharded on `mesh` from an HF directory or a checkpoint step directory.
+
+    HF directory: `sharding.layout.load_sharded` (the trainer's path). Checkpoint step
+    (`RUN/checkpoints/N/`): the step is verified against its checksums first, the model is
+    built from `hf/config.json` and every parameter is read at logical shape with
+    `checkpoint.iter_arrays` (one array in host memory at a time), cast to `param_dtype`,
+    zero-padded on dim 0 to a multiple of the mesh size and placed in the FSDP layout.
+    Raises CheckpointError for an incomplete or corrupt step or a parameter-name mismatch
+    (naming the step and the names), FileNotFoundError when `path` is neither.
+    """
+    from jscenegen.sharding.layout import load_sharded
+
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"--model {p}: no such directory")
+    if not is_checkpoint_dir(p):
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "
+                                    f"nor a checkpoint step directory (params/ and hf/)")
+        return load_sharded(p, mesh, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                            attn_impl=attn_impl)
+    return _load_checkpoint(p, mesh, param_dtype, compute_dtype, attn_impl)
+
+
+def _load_checkpoint(step_dir: Path, mesh, param_dtype: str, compute_dtype: str, attn_impl: str):
+    from flax import nnx
+
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.hf_io import NP_DTYPES, named_params, pad_dim0, place
+    from jscenegen.model.qwen import QwenForCausalLM
+    from jscenegen.sharding.layout import param_sharding
+
+    status = check_step(step_dir)
+    if not status.valid:
+        raise CheckpointError(f"checkpoint {step_dir} is not usable: {status.reason}")
+    cfg = QwenConfig.from_dir(step_dir / HF_DIR)
+    abstract = nnx.eval_shape(lambda: QwenForCausalLM(
+        cfg, rngs=nnx.Rngs(0), pad_multiple=mesh.size, param_dtype=param_dtype,
+        compute_dtype=compute_dtype, attn_impl=attn_impl))
+    targets = named_params(abstract)
+    sharding = param_sharding(mesh)
+    dtype = NP_DTYPES[param_dtype]
+    filled = set()
+    for name, arr in iter_arrays(step_dir, "params"):
+        if name not in targets:
+            raise CheckpointError(f"{step_dir}: parameter {name!r} does not belong to the model "
+                                  f"of {step_dir / HF_DIR / 'config.json'}")
+        targets[name].set_value(place(pad_dim0(np.asarray(arr).astype(dtype), mesh.size), sharding))
+        filled.add(name)
+    missing = sorted(set(targets) - filled)
+    if missing:
+        raise CheckpointError(f"{step_dir}: params lack {missing[:3]} ({len(missing)} missing)")
+    return abstract
+
+
+def policy_engine(cfg, model_path: str | Path) -> RolloutEngine:
+    """A RolloutEngine for `model_path` (HF directory or checkpoint step) built as the trainer
+    builds its own: mesh from `cfg.mesh`, dtypes/attention from `cfg.model`, sampling from
+    `cfg.sampling`, the tokenizer and chat template of the model's assets (checked to be
+    prefix-preserving; ValueError names the difference otherwise)."""
+    from jscenegen.model.tokenizer import ChatTokenizer
+    from jscenegen.sharding.mesh import make_mesh
+
+    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+    model = load_policy(model_path, mesh, param_dtype=cfg.model.param_dtype,
+                        compute_dtype=cfg.model.compute_dtype, attn_impl=cfg.model.attention)
+    chat = ChatTokenizer.from_dir(model_assets_dir(model_path), cfg.sampling.chat_template_path)
+    chat.check_prefix_preserving()
+    return RolloutEngine(model, chat, cfg.sampling, mesh)
+
+
+# ----------------------------------------------------------------------------- statistics
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
+    """Statistics of episode outcomes (`scene.reward.Outcome.to_json()` dicts).
+
+    Returns {"episodes", "masked", "reward" (mean over unmasked episodes, -1 failures
+    included), "reward_std", "quality" (mean over judged episodes), "unit_penalty", "grades"
+    {key: mean}, "units" (mean), "failure_rate" (unmasked episodes with a failure cause / all
+    unmasked), "failure_causes" {cause: count, masked causes included}, "reachable" (share of
+    episodes with measured terminal metrics whose scene is fully reachable; None without any)}.
+    Mirrors `grpo.group_metrics` (the training log's rollout metrics).
+    """
+    valid = [o for o in outcomes if not o["masked"]]
+    judged = [o for o in valid if o.get("grades")]
+    rewards = [o["reward"] for o in valid]
+    measured = [o["metrics"] for o in outcomes if o.get("metrics")]
+    return {
+        "episodes": len(outcomes),
+        "masked": len(outcomes) - len(valid),
+        "reward": _mean(rewards),
+        "reward_std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else None,
+        "quality": _mean(o.get("quality") for o in judged),
+        "unit_penalty": _mean(o.get("unit_penalty") for o in valid),
+        "grades": {k: _mean(o["grades"].get(k) for o in judged) for k in grade_keys},
+        "units": _mean(o["units"] for o in valid),
+        "failure_rate": (sum(1 for o in valid if o["failure_cause"]) / len(valid)) if valid else None,
+        "failure_causes": dict(sorted(Counter(o["failure_cause"] for o in outcomes
+                                              if o["failure_cause"]).items())),
+        "reachable": _mean(float(bool(m.get("reachable"))) for m in measured),
+    }
+
+
+def _episode_row(outcome: dict, **ids) -> dict:
+    m = outcome.get("metrics") or {}
+    return {**ids, "reward": outcome["reward"], "quality": outcome.get("quality"),
+            "unit_penalty": outcome.get("unit_penalty"), "units": outcome["units"],
+            "grades": outcome.get("grades"), "failure_cause": outcome["failure_cause"],
+            "masked": outcome["masked"], "reachable": m.get("reachable") if m else None}
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, judge: Judge,
+             scene_cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, samples: int = 1,
+             scene_ids: Sequence[str] | None = None, with_expert: bool = True,
+             progress: Callable[[dict], None] | None = None) -> dict:
+    """Evaluate the engine's model (and the scripted expert) on `records`.
+
+    Args:
+      engine: RolloutEngine holding the policy (None: expert only).
+      records: the scenes, each played with its own seed.
+      samples: episodes per scene; member m uses seed `episode_seed(record.seed, m, 0)`.
+      scene_ids: names for the report (default: each scene's `scene_id`, else its index).
+      progress: called with each finished scene's report row.
+    Returns the report dict (without file metadata): {"schema", "samples", "judge",
+    "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
+    summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
+    Summaries are `summarize(...)` dicts. Raises ValueError when samples < 1 or no records.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if not records:
+        raise ValueError("no scenes to evaluate")
+    keys = judge_cfg.grade_keys
+    t0 = time.perf_counter()
+    rows, all_model, all_expert = [], [], []
+    for i, record in enumerate(records):
+        sid = scene_ids[i] if scene_ids else (record.scene.scene_id or f"scene-{i}")
+        row = {"scene_id": sid, "seed": record.seed, "prompt": record.scene.prompt}
+        if engine is not None:
+            seeds = [episode_seed(record.seed, m, 0) for m in range(samples)]
+            group = engine.run_group(record, group_id=i, seeds=seeds, judge=judge,
+                                     scene_cfg=scene_cfg, judge_cfg=judge_cfg)
+            outs = [t.outcome for t in group.trajectories]
+            all_model += outs
+            row["model"] = {**summarize(outs, keys), "episodes": [
+                _episode_row(t.outcome, member=t.member, seed=t.seed, tokens=t.num_tokens)
+                for t in group.trajectories]}
+        if with_expert:
+            ep, _ = run_scripted_episode(record, scene_cfg, judge_cfg, judge)
+            out = ep.outcome.to_json()
+            all_expert.append(out)
+            row["expert"] = {**summarize([out], keys), "episodes": [_episode_row(out)]}
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    overall = {}
+    if engine is not None:
+        overall["model"] = summarize(all_model, keys)
+    if with_expert:
+        overall["expert"] = summarize(all_expert, keys)
+    return {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),
+            "scenes": rows, "overall": overall, "wall_s": time.perf_counter() - t0}
+
+
+def plot_report(report: dict, out: str | Path) -> Path:
+    """Bar plot of per-scene mean reward, model vs expert, written atomically as PNG to `out`.
+
+    Bars are in reward units ([-1, 1]); a scene whose model episodes all failed is marked
+    with its most frequent failure cause under the bar.
+    """
+    import os
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    rows = report["scenes"]
+    x = np.arange(len(rows))
+    series = [s for s in ("model", "expert") if all(s in r for r in rows)]
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4))
+    colours = {"model": "tab:blue", "expert": "tab:gray"}
+    for k, s in enumerate(series):
+        vals = [r[s]["reward"] if r[s]["reward"] is not None else 0.0 for r in rows]
+        ax.bar(x + (k - (len(series) - 1) / 2) * width, vals, width, label=s, color=colours[s])
+    if "model" in series:
+        for j, r in enumerate(rows):
+            m = r["model"]
+            if m["failure_rate"] == 1.0 and m["failure_causes"]:
+                cause = max(m["failure_causes"], key=m["failure_causes"].get)
+                ax.annotate(cause, (x[j], -1.0), ha="center", va="top", fontsize=6, rotation=30,
+                            annotation_clip=False)
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_ylim(-1.25, 1.05)
+    ax.set_xticks(x, [r["scene_id"] for r in rows], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("mean reward")
+    ax.set_title(f"dev reward per scene ({report['samples']} sample(s) per scene)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=110)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
+    return out

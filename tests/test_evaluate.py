@@ -1,0 +1,156 @@
+"""`jscenegen eval` / `jscenegen design`: evaluation report and plot, the expert reference row,
+checkpoint loading, and one designed room, with the tiny chat model on the 3 x 2 CPU mesh."""
+import json
+
+import numpy as np
+import pytest
+
+from chat_fixtures import chat_model_dir, dev_records
+from jscenegen.cli import main
+from jscenegen.commands.eval import load_run_config
+from jscenegen.grpo.evaluate import evaluate, load_policy, plot_report, policy_engine, summarize
+from jscenegen.grpo.schedule import episode_seed
+from jscenegen.scene.expert import run_scripted_episode
+from jscenegen.scene.judge import make_judge
+from jscenegen.scene.schema import scene_from_json
+
+# Tiny caps: the ~2,100-token prompt fits, every 8-token turn of a random model is truncated.
+TINY = ["sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560", "sampling.buckets=[128,1024]"]
+SCENES = 2
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_run_config(None, TINY, greedy=True)
+
+
+@pytest.fixture(scope="module")
+def engine(cfg):
+    return policy_engine(cfg, chat_model_dir())
+
+
+@pytest.fixture(scope="module")
+def report(engine, cfg):
+    judge = make_judge(cfg.judge, cfg.scene)
+    return evaluate(engine, dev_records()[:SCENES], judge=judge, scene_cfg=cfg.scene,
+                    judge_cfg=cfg.judge, samples=1)
+
+
+def test_report_structure_and_seeds(report, cfg):
+    assert report["schema"] == "jscenegen.eval/1" and report["samples"] == 1
+    assert [r["scene_id"] for r in report["scenes"]] == [r.scene.scene_id for r in dev_records()[:SCENES]]
+    for row, record in zip(report["scenes"], dev_records()):
+        assert row["seed"] == record.seed
+        (ep,) = row["model"]["episodes"]
+        assert ep["seed"] == episode_seed(record.seed, 0, 0) and ep["member"] == 0
+        assert set(row["model"]["grades"]) == set(cfg.judge.grade_keys)
+    json.dumps(report)  # the report is plain JSON
+
+
+def test_random_model_fails_with_its_cause(report):
+    for row in report["scenes"]:
+        m = row["model"]
+        assert m["reward"] == -1.0 and m["failure_rate"] == 1.0 and m["masked"] == 0
+        (ep,) = m["episodes"]
+        assert ep["failure_cause"] in ("truncated_generation", "truncated_action")
+        assert m["failure_causes"] == {ep["failure_cause"]: 1}
+        assert m["quality"] is None and ep["grades"] is None
+    overall = report["overall"]["model"]
+    assert overall["episodes"] == SCENES and overall["reward"] == -1.0
+    assert overall["failure_rate"] == 1.0 and overall["units"] == 0.0
+
+
+def test_expert_row_is_the_scripted_episode(report, cfg):
+    rewards = []
+    for row, record in zip(report["scenes"], dev_records()):
+        ep, _ = run_scripted_episode(record, cfg.scene, cfg.judge)
+        o = ep.outcome
+        e = row["expert"]
+        assert e["reward"] == pytest.approx(o.reward, abs=1e-12) and o.failure_cause is None
+        assert e["units"] == o.units > 0
+        assert e["grades"] == {k: float(v) for k, v in o.grades.items()}
+        assert e["quality"] == pytest.approx(o.quality) and e["unit_penalty"] == pytest.approx(o.unit_penalty)
+        assert e["reachable"] == float(bool(o.metrics["reachable"]))
+        rewards.append(o.reward)
+    assert report["overall"]["expert"]["reward"] == pytest.approx(np.mean(rewards))
+    assert report["overall"]["expert"]["failure_rate"] == 0.0
+
+
+def test_summarize_excludes_masked_and_counts_causes():
+    base = {"quality": None, "unit_penalty": 0.0, "grades": None, "metrics": None}
+    outs = [dict(base, reward=0.5, units=10, failure_cause=None, masked=False, quality=0.6,
+                 unit_penalty=0.1, grades={"a": 4}, metrics={"reachable": True}),
+            dict(base, reward=-1.0, units=4, failure_cause="truncated_action", masked=False),
+            dict(base, reward=0.0, units=7, failure_cause="judge_timeout", masked=True)]
+    s = summarize(outs, ["a"])
+    assert s["reward"] == pytest.approx(-0.25) and s["masked"] == 1 and s["units"] == 7.0
+    assert s["failure_rate"] == 0.5 and s["reachable"] == 1.0 and s["grades"] == {"a": 4.0}
+    assert s["failure_causes"] == {"judge_timeout": 1, "truncated_action": 1}
+
+
+def test_plot_is_a_png(report, tmp_path):
+    out = plot_report(report, tmp_path / "sub" / "report.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+    assert not [p for p in out.parent.iterdir() if p.name != "report.png"]  # no temp files left
+
+
+def test_checkpoint_step_loads_its_params(tmp_path, engine):
+    """A checkpoint step (params x 2) loads into the model built from its hf/config.json."""
+    from jscenegen.grpo.checkpoint import CheckpointStore
+    from jscenegen.grpo.run_metadata import training_metadata
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.hf_io import iter_hf_tensors, named_params
+    from jscenegen.model.params import param_shapes
+
+    hf = chat_model_dir()
+    params = {n: 2.0 * a.astype(np.float32) for n, a in iter_hf_tensors(hf)}
+    zeros = {n: np.zeros_like(a) for n, a in params.items()}
+    meta = training_metadata(config={}, protocol_hash="p", schedule_hash="s", optimizer_step=0,
+                             effective_updates=0, judge=None)
+    with CheckpointStore(tmp_path / "checkpoints") as store:
+        step = store.save(3, params=params, adam={"count": np.int32(0), "mu": zeros, "nu": zeros},
+                          train_state={}, metadata=meta, hf_assets_dir=hf,
+                          shapes=param_shapes(QwenConfig.from_dir(hf)))
+    mesh = engine.sampler.mesh
+    model = load_policy(step, mesh)
+    got = named_params(model)
+    assert set(got) == set(params)
+    for name, want in params.items():
+        arr = np.asarray(got[name][...])
+        np.testing.assert_array_equal(arr[: want.shape[0]], want)
+        assert not arr[want.shape[0]:].any()  # FSDP padding rows are zero
+        assert arr.shape[0] % mesh.size == 0
+    (step / "params" / "extra").write_text("x")  # an unlisted file: checksums refuse the step
+    with pytest.raises(Exception, match="not usable"):
+        load_policy(step, mesh)
+
+
+def test_eval_command_writes_report_and_plot(tmp_path, capsys):
+    scenes = tmp_path / "two.jsonl"
+    scenes.write_text("".join(json.dumps(r.to_json()) + "\n" for r in dev_records()[:1]))
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes), "--greedy",
+                 "--out", str(out), *TINY]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["model"] == str(chat_model_dir()) and rep["sampling"]["greedy"] is True
+    assert rep["overall"]["model"]["reward"] == -1.0 and len(rep["scenes"]) == 1
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", "--model", str(tmp_path), "--scenes", str(scenes), *TINY]) == 2
+    assert "neither an HF model directory" in capsys.readouterr().err
+
+
+def test_design_writes_the_terminal_scene(tmp_path, capsys):
+    out = tmp_path / "scene.json"
+    png = tmp_path / "scene.png"
+    assert main(["design", "--model", str(chat_model_dir()), "--prompt",
+                 "A small bedroom with a single bed and a desk.", "-o", str(out), "--render", str(png),
+                 "--greedy", *TINY]) == 0
+    scene = scene_from_json(json.loads(out.read_text()), str(out))
+    assert scene.prompt == "A small bedroom with a single bed and a desk." and scene.objects == ()
+    printed = capsys.readouterr().out
+    assert "--- planner ---" in printed and "--- environment ---" in printed
+    result = json.loads(printed.split("--- result ---\n", 1)[1])
+    assert result["reward"] == -1.0 and result["failure_cause"] in ("truncated_generation",
+                                                                   "truncated_action")
+    assert png.read_bytes()[:4] == b"\x89PNG"
