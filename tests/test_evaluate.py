@@ -95,7 +95,7 @@ def test_plot_is_a_png(report, tmp_path):
     assert not [p for p in out.parent.iterdir() if p.name != "report.png"]  # no temp files left
 
 
-def test_checkpoint_step_loads_its_params(tmp_path, engine):
+def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     """A checkpoint step (params x 2) loads into the model built from its hf/config.json."""
     from jscenegen.grpo.checkpoint import CheckpointStore
     from jscenegen.grpo.run_metadata import training_metadata
@@ -121,6 +121,9 @@ def test_checkpoint_step_loads_its_params(tmp_path, engine):
         np.testing.assert_array_equal(arr[: want.shape[0]], want)
         assert not arr[want.shape[0]:].any()  # FSDP padding rows are zero
         assert arr.shape[0] % mesh.size == 0
+    ck_engine = policy_engine(cfg, step)  # tokenizer and chat template from the step's hf/
+    assert ck_engine.chat.encode("<action>") == engine.chat.encode("<action>")
+    assert ck_engine.chat.eot_id == engine.chat.eot_id
     (step / "params" / "extra").write_text("x")  # an unlisted file: checksums refuse the step
     with pytest.raises(Exception, match="not usable"):
         load_policy(step, mesh)

@@ -221,8 +221,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
 def plot_report(report: dict, out: str | Path) -> Path:
     """Bar plot of per-scene mean reward, model vs expert, written atomically as PNG to `out`.
 
-    Bars are in reward units ([-1, 1]); a scene whose model episodes all failed is marked
-    with its most frequent failure cause under the bar.
+    Bars are in reward units ([-1, 1]); a scene whose model episodes all failed shows its
+    most frequent failure cause inside the model's bar.
     """
     import os
     import tempfile
@@ -242,19 +242,20 @@ def plot_report(report: dict, out: str | Path) -> Path:
     for k, s in enumerate(series):
         vals = [r[s]["reward"] if r[s]["reward"] is not None else 0.0 for r in rows]
         ax.bar(x + (k - (len(series) - 1) / 2) * width, vals, width, label=s, color=colours[s])
-    if "model" in series:
+    if "model" in series:  # a scene the model always failed: its main cause inside the bar
+        dx = (series.index("model") - (len(series) - 1) / 2) * width
         for j, r in enumerate(rows):
             m = r["model"]
             if m["failure_rate"] == 1.0 and m["failure_causes"]:
                 cause = max(m["failure_causes"], key=m["failure_causes"].get)
-                ax.annotate(cause, (x[j], -1.0), ha="center", va="top", fontsize=6, rotation=30,
-                            annotation_clip=False)
+                ax.text(x[j] + dx, -0.5, cause, ha="center", va="center", rotation=90,
+                        fontsize=7, color="white")
     ax.axhline(0.0, color="black", linewidth=0.6)
-    ax.set_ylim(-1.25, 1.05)
+    ax.set_ylim(-1.1, 1.3)
     ax.set_xticks(x, [r["scene_id"] for r in rows], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("mean reward")
     ax.set_title(f"dev reward per scene ({report['samples']} sample(s) per scene)")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", ncol=len(series), fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
