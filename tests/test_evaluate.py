@@ -157,3 +157,24 @@ def test_design_writes_the_terminal_scene(tmp_path, capsys):
     assert result["reward"] == -1.0 and result["failure_cause"] in ("truncated_generation",
                                                                    "truncated_action")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_design_record_rooms(tmp_path):
+    from jscenegen.commands.design import DEFAULT_ROOM_SEED, design_record
+    from jscenegen.scene.generator import make_record
+    from jscenegen.scene.schema import SceneError
+
+    rec = design_record("A calm bedroom.", None, 5)
+    assert rec.seed == 5 and rec.requested == () and rec.scene.prompt == "A calm bedroom."
+    assert rec.scene.room == make_record(DEFAULT_ROOM_SEED, "x").scene.room
+    dev = dev_records()[1].scene
+    (tmp_path / "scene.json").write_text(json.dumps(dev.to_json()))
+    (tmp_path / "room.json").write_text(json.dumps(dev.room.model_dump(mode="json")))
+    for name in ("scene.json", "room.json"):
+        rec = design_record("Two beds.", str(tmp_path / name), 0)
+        assert rec.scene.room == dev.room and rec.scene.prompt == "Two beds."
+    (tmp_path / "bad.json").write_text(json.dumps({"floor_polygon": [[0, 0], [1, 0]], "wall_height": 2.5}))
+    with pytest.raises(SceneError, match="bad.json.*floor_polygon"):
+        design_record("x", str(tmp_path / "bad.json"), 0)
+    with pytest.raises(SceneError, match="--prompt is empty"):
+        design_record("  ", None, 0)

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_ROOM_SEED = 90210999  # the generated bedroom used when no --room is given (not a dev/train seed)
+DEFAULT_ROOM_SEED = 7  # the generated bedroom used when no --room is given (no dev/train seed)
 
 
 def register(sub) -> None:
@@ -62,7 +62,7 @@ def design_record(prompt: str, room_path: str | None, seed: int):
     return SceneRecord(scene, seed, ())
 
 
-def _print_turn(member: int, message: dict, episode) -> None:
+def _print_turn(message: dict) -> None:
     if message["role"] == "system":
         print(f"--- system prompt ({len(message['content'])} characters) ---", flush=True)
         return
@@ -95,7 +95,7 @@ def run(args) -> int:
 
     def on_turn(member, message, episode) -> None:
         episodes[member] = episode
-        _print_turn(member, message, episode)
+        _print_turn(message)
 
     group = engine.run_group(record, group_id=0, seeds=[args.seed], judge=make_judge(cfg.judge, cfg.scene),
                              scene_cfg=cfg.scene, judge_cfg=cfg.judge, on_turn=on_turn)

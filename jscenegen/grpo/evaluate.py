@@ -12,7 +12,6 @@ infrastructure failures) are excluded from reward, units and failure rate and co
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,8 +26,6 @@ from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.sceneset import SceneRecord
-
-log = logging.getLogger(__name__)
 
 REPORT_SCHEMA = "jscenegen.eval/1"
 
