@@ -17,6 +17,9 @@ def register(sub) -> None:
     from jscenegen.grpo.parity_step import add_parser as add_grpo_step
 
     add_grpo_step(kinds)
+    from jscenegen.grpo.parity_train import add_parser as add_train
+
+    add_train(kinds)
 
 
 def run_logits(args) -> int:

@@ -1,0 +1,340 @@
+"""`jscenegen parity train`: N GRPO updates replayed in jscenegen and in the torch baseline.
+
+Both sides start from the same HF directory and replay the same recorded trajectories, one
+group per update (groups in file order, cycled), the role of update k being
+`roles[k mod len(roles)]` (D-D-D-P-C, as the trainer's schedule) for the loss mask. The
+batch of an update is `build_group_batch` (the trainer's own assembly; advantages from the
+group's rewards). Old log-probs are each side's own recompute with its current parameters
+plus one shared perturbation N(0, 0.3) on the trained tokens (as `parity grpo-step`, so the
+clip bounds are reached). jscenegen runs `GRPOStep.step` with its state carried across
+updates; torch runs `torch_reference.grpo_step` (transformers model, spec formulas,
+torch.optim.AdamW + LambdaLR) with one optimizer kept across updates.
+
+Recorded trajectories: a JSONL file, one trajectory a line:
+  {"group": int, "member": int, "tokens": [int], "roles": [int 0-3], "policy_mask": [0/1],
+   "logprobs": [float] (rollout log-probs, optional), "reward": float, "masked": bool}
+(`write_trajectories` writes it). Without a file they are made deterministically: the
+scripted expert's episodes on the SFT scenes tokenised with the model's chat template when
+the model directory has a tokenizer, else the synthetic token batches of `parity grpo-step`;
+rewards are a fixed spread per group with one policy failure (-1).
+
+Prints one JSON line per update (update, role, loss_diff, grad_norm_ratio, max_param_diff =
+max |p_jax - p_torch| / max(1, |p_torch|) over all parameters); exit 1 when after the last
+update max_param_diff > PARAM_TOL, loss_diff > LOSS_TOL or |grad_norm_ratio - 1| >
+GRAD_NORM_TOL (fp32), or when an update had no trained tokens (cut episodes too short).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
+from jscenegen.grpo.rollout import Trajectory
+
+PARAM_TOL = 1e-6
+LOSS_TOL = 1e-6
+GRAD_NORM_TOL = 1e-4  # |grad_norm_ratio - 1|
+REWARD_SPREAD = (0.8, -1.0, 0.35, 0.55)  # per member, cycled: three levels and a policy failure
+
+
+def make_trajectory(group: int, member: int, tokens, roles, policy_mask, reward: float,
+                    logprobs=None, masked: bool = False) -> Trajectory:
+    """A Trajectory holding only what an update reads (tokens [T] int32, roles [T] int8,
+    policy_mask [T] bool, logprobs [T] float32 (zeros when None), reward, masked)."""
+    tokens = np.asarray(tokens, np.int32)
+    lp = np.zeros(tokens.shape, np.float32) if logprobs is None else np.asarray(logprobs, np.float32)
+    return Trajectory(group_id=int(group), member=int(member), seed=0, tokens=tokens,
+                      roles=np.asarray(roles, np.int8), policy_mask=np.asarray(policy_mask, bool),
+                      logprobs=lp, turns=[], transcript=[], reward=float(reward),
+                      failure_cause=None, masked=bool(masked), units=0, grades=None,
+                      metrics=None, outcome={})
+
+
+def _reward(member: int) -> float:
+    return REWARD_SPREAD[member % len(REWARD_SPREAD)]
+
+
+def synthetic_trajectories(vocab: int, groups: int, group_size: int, seq: int = 48,
+                           seed: int = 0) -> list[Trajectory]:
+    """Token streams of `parity_step.synthetic_batch` (unpadded), the last policy turn of each
+    episode relabelled as the critic's so every role of D-D-D-P-C has tokens."""
+    from jscenegen.grpo.parity_step import synthetic_batch
+
+    out = []
+    for g in range(groups):
+        data = synthetic_batch(vocab, rows=group_size, seq=seq, group_size=group_size,
+                               seed=seed + g)
+        for m in range(group_size):
+            keep = data["attention_mask"][m] > 0
+            roles = data["roles"][m][keep].copy()
+            policy = data["policy_mask"][m][keep]
+            last = np.flatnonzero(roles == DESIGNER)
+            if last.size:
+                start = last[-1]
+                while start > 0 and roles[start - 1] == DESIGNER:
+                    start -= 1
+                roles[start:last[-1] + 1] = CRITIC
+            out.append(make_trajectory(g, m, data["input_ids"][m][keep], roles, policy,
+                                       _reward(m + g)))
+    return out
+
+
+def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
+                        max_tokens: int) -> list[Trajectory]:
+    """The scripted expert's episodes on SFT scenes (one scene per member), tokenised with the
+    model directory's chat template as a rollout builds them, cut to `max_tokens` tokens.
+    Raises the tokenizer's errors (ChatTemplateError for a template that is not
+    prefix-preserving)."""
+    from jscenegen.grpo.sft import build_demos, sft_records
+    from jscenegen.model.tokenizer import ChatTokenizer
+
+    chat = ChatTokenizer.from_dir(model_dir)
+    demos = build_demos(chat, sft_records(group_size))
+    out = []
+    for g in range(groups):
+        for m, d in enumerate(demos):
+            k = min(len(d.tokens), max_tokens)
+            out.append(make_trajectory(g, m, d.tokens[:k], d.roles[:k], d.policy_mask[:k],
+                                       _reward(m + g)))
+    return out
+
+
+def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> None:
+    """Write `trajectories` as the JSONL format of the module doc (atomically)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as f:
+        for t in trajectories:
+            f.write(json.dumps({"group": t.group_id, "member": t.member,
+                                "tokens": t.tokens.tolist(), "roles": t.roles.tolist(),
+                                "policy_mask": t.policy_mask.astype(int).tolist(),
+                                "logprobs": t.logprobs.tolist(), "reward": t.reward,
+                                "masked": t.masked}) + "\n")
+    os.replace(tmp, path)
+
+
+def read_trajectories(path: str | Path, vocab: int | None = None) -> list[Trajectory]:
+    """Read the JSONL format of the module doc. Raises ValueError naming file, line and field
+    for a missing key, a length that differs from `tokens`, a role code outside 0-3 or a
+    token id outside [0, vocab)."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON: {err}") from None
+            for key in ("group", "member", "tokens", "roles", "policy_mask", "reward"):
+                if key not in d:
+                    raise ValueError(f"{where}: trajectory has no {key!r}")
+            tokens = np.asarray(d["tokens"], np.int64)
+            if tokens.ndim != 1 or tokens.size < 2:
+                raise ValueError(f"{where}: 'tokens' must be a list of at least 2 token ids")
+            for key in ("roles", "policy_mask", "logprobs"):
+                if key in d and len(d[key]) != tokens.size:
+                    raise ValueError(f"{where}: {key!r} has {len(d[key])} entries, "
+                                     f"'tokens' has {tokens.size}")
+            roles = np.asarray(d["roles"], np.int64)
+            if roles.min() < ENVIRONMENT or roles.max() > CRITIC:
+                raise ValueError(f"{where}: 'roles' must be codes 0-3 (environment, planner, "
+                                 f"designer, critic), got {sorted(set(roles.tolist()))}")
+            if tokens.min() < 0 or (vocab is not None and tokens.max() >= vocab):
+                raise ValueError(f"{where}: 'tokens' must lie in [0, {vocab}), got "
+                                 f"[{tokens.min()}, {tokens.max()}]")
+            out.append(make_trajectory(d["group"], d["member"], tokens, roles, d["policy_mask"],
+                                       d["reward"], d.get("logprobs"), d.get("masked", False)))
+    if not out:
+        raise ValueError(f"{path}: no trajectories")
+    return out
+
+
+def group_trajectories(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories by group id, groups in order of first appearance."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    return list(groups.values())
+
+
+def _by_name(names, tree) -> dict[str, np.ndarray]:
+    import jax
+
+    return dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(tree))))
+
+
+def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, updates: int = 3,
+                 roles: str = "DDDPC", loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
+                 seed: int = 0, torch_perturbation: float = 0.0, col_multiple: int = 16):
+    """Yield one comparison dict per update (see module doc); the last one carries `ok`.
+
+    `torch_perturbation` is added to one element of torch's input embedding before the
+    first update (a self-check that the comparison can fail). Raises ValueError for
+    parameter names that differ between the two models, or a group whose length differs
+    from the first (one compile).
+    """
+    import jax
+    import torch
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from jscenegen.grpo import torch_reference as ref
+    from jscenegen.grpo.batch import build_group_batch
+    from jscenegen.grpo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.optimizer import param_names
+    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.model.hf_io import load_hf
+
+    loss_cfg = loss_cfg or LossConfig()
+    optim_cfg = optim_cfg or OptimConfig()
+    groups = group_trajectories(trajectories)
+    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    names = param_names(params)
+    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
+                    temperature=temperature, donate=False)
+    state = init_train_state(params, optim_cfg)
+
+    torch.manual_seed(0)
+    tmodel = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    if torch_perturbation:
+        with torch.no_grad():
+            tmodel.get_input_embeddings().weight[1, 0] += torch_perturbation
+    t_names = {n for n, _ in tmodel.named_parameters()}
+    if t_names != set(names):
+        raise ValueError("parameter names differ between jscenegen and transformers: "
+                         f"{sorted(t_names ^ set(names))}")
+    optimizer = scheduler = None
+    # one padded length for all updates (one compile)
+    length = max(t.num_tokens for t in trajectories)
+    length = -(-length // col_multiple) * col_multiple
+    rng = np.random.default_rng(seed)
+    untrained = 0  # updates whose role had no tokens (they compare nothing but weight decay)
+    for k in range(updates):
+        role = role_from_letter(roles[k % len(roles)])
+        group = [make_trajectory(t.group_id, t.member, t.tokens, t.roles, t.policy_mask,
+                                 t.reward, t.logprobs, t.masked)
+                 for t in groups[k % len(groups)]]
+        data = build_group_batch(group, role, row_multiple=1, col_multiple=length).arrays
+        on = data["loss_mask"] > 0
+        delta = rng.normal(0, 0.3, on.shape).astype(np.float32)
+
+        jax_old, _ = step.logprobs(state.params, data["input_ids"], data["attention_mask"])
+        batch = {key: data[key] for key in ("input_ids", "attention_mask", "loss_mask",
+                                            "advantages")}
+        batch["old_logp"] = np.where(on, np.asarray(jax_old) + delta, 0.0).astype(np.float32)
+        if loss_cfg.use_kl_loss:  # the reference is the initial model on both sides
+            batch["ref_logp"] = np.asarray(step.logprobs(params, data["input_ids"],
+                                                         data["attention_mask"])[0])
+        state, metrics = step.step(state, batch)
+
+        tb = {key: torch.from_numpy(np.asarray(data[key]).astype(np.int64))
+              for key in ("input_ids", "attention_mask")}
+        with torch.no_grad():
+            t_old, _ = ref.shifted_logprobs(tmodel, tb["input_ids"], tb["attention_mask"],
+                                            temperature)
+        for key in ("loss_mask", "advantages"):
+            tb[key] = torch.from_numpy(np.array(data[key], np.float32))
+        tb["old_logp"] = torch.from_numpy(
+            np.where(on, t_old.numpy() + delta, 0.0).astype(np.float32))
+        if loss_cfg.use_kl_loss:
+            tb["ref_logp"] = torch.from_numpy(batch["ref_logp"])
+        micro_rows = loss_cfg.ppo_micro_batch_size or len(group)
+        t_metrics, _, optimizer, scheduler = ref.grpo_step(
+            tmodel, tb, loss_cfg, optim_cfg, temperature=temperature,
+            num_micro_batches=len(group) // micro_rows, optimizer=optimizer, scheduler=scheduler)
+
+        jax_p = _by_name(names, state.params)
+        t_p = {n: p.detach().numpy() for n, p in tmodel.named_parameters()}
+        rel = {n: float(np.max(np.abs(jax_p[n] - t_p[n]) / np.maximum(1.0, np.abs(t_p[n]))))
+               for n in names}
+        worst = max(rel, key=rel.get)
+        result = {
+            "update": k + 1, "role": roles[k % len(roles)],
+            "trained_tokens": int(on.sum()),
+            "loss_jax": float(metrics["loss"]), "loss_torch": t_metrics["loss"],
+            "loss_diff": abs(float(metrics["loss"]) - t_metrics["loss"]),
+            "grad_norm_ratio": float(metrics["grad_norm"]) / t_metrics["grad_norm"]
+            if t_metrics["grad_norm"] else float("nan"),
+            "max_param_diff": rel[worst], "worst_param": worst,
+            "clipfrac": float(metrics["clipfrac"]),
+        }
+        untrained += int(not on.any())
+        if k == updates - 1:
+            result["untrained_updates"] = untrained
+            result["tolerances"] = {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL,
+                                    "grad_norm_ratio": GRAD_NORM_TOL}
+            result["ok"] = bool(untrained == 0 and result["loss_diff"] <= LOSS_TOL
+                                and result["max_param_diff"] <= PARAM_TOL
+                                and abs(result["grad_norm_ratio"] - 1) <= GRAD_NORM_TOL
+                                and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
+        yield result
+    jax.clear_caches()
+
+
+def default_trajectories(model_dir: str | Path, groups: int, group_size: int,
+                         max_tokens: int) -> list[Trajectory]:
+    """Expert episodes when `model_dir` has a tokenizer, else synthetic ones (module doc)."""
+    from jscenegen.model.config import QwenConfig
+
+    d = Path(model_dir)
+    if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists():
+        return expert_trajectories(d, groups, group_size, max_tokens)
+    vocab = QwenConfig.from_dir(d).vocab_size
+    return synthetic_trajectories(vocab, groups, group_size)
+
+
+def add_parser(kinds) -> None:
+    """Add the `train` kind to the `jscenegen parity` sub-parsers."""
+    p = kinds.add_parser("train", help="N GRPO updates on recorded trajectories vs transformers + torch AdamW")
+    p.add_argument("--model", required=True, help="HF model directory (Qwen2/Qwen3)")
+    p.add_argument("--updates", type=int, default=3)
+    p.add_argument("--trajectories", help="JSONL of recorded trajectories (default: made "
+                   "deterministically, see `jscenegen.grpo.parity_train`)")
+    p.add_argument("--write-trajectories", metavar="FILE",
+                   help="also write the trajectories used as JSONL")
+    p.add_argument("--groups", type=int, default=3, help="groups made without --trajectories")
+    p.add_argument("--group-size", type=int, default=4, help="episodes per made group")
+    p.add_argument("--max-tokens", type=int, default=3072,
+                   help="cut expert episodes to this many tokens (their prompt is ~2,100)")
+    p.add_argument("--roles", default="DDDPC", help="role schedule (letters P, D, C)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--perturb-torch", type=float, default=0.0,
+                   help="add this to one torch embedding weight first (shows the check can fail)")
+    p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE", help="LossConfig overrides")
+    p.add_argument("--optim", nargs="*", default=[], metavar="KEY=VALUE", help="OptimConfig overrides")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from jscenegen.config import apply_overrides, validate_config
+    from jscenegen.grpo.config import LossConfig, OptimConfig
+    from jscenegen.model.config import QwenConfig
+
+    if args.updates < 1:
+        raise SystemExit("--updates must be >= 1")
+    loss_cfg = validate_config(apply_overrides({}, args.loss), "--loss", LossConfig)
+    optim_cfg = validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig)
+    if args.trajectories:
+        trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)
+    else:
+        trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
+    if args.write_trajectories:
+        write_trajectories(args.write_trajectories, trajs)
+    ok = False
+    for result in train_parity(args.model, trajs, updates=args.updates, roles=args.roles,
+                               loss_cfg=loss_cfg, optim_cfg=optim_cfg,
+                               temperature=args.temperature, seed=args.seed,
+                               torch_perturbation=args.perturb_torch):
+        print(json.dumps(result), flush=True)
+        ok = result.get("ok", False)
+    return 0 if ok else 1
