@@ -15,16 +15,61 @@ from jscenegen.paths import cache_dir
 log = logging.getLogger(__name__)
 
 
-def default_model_dir(cfg) -> Path:
-    """The CPU default's tiny model (created once, reused from the cache)."""
-    from jscenegen.commands.init_model import tokenizer_corpus
-    from jscenegen.model.init_model import init_model_dir
+def default_model_dir(cfg, phases: dict) -> Path:
+    """The CPU default's policy: a tiny model (created once) warm-started by SFT on the
+    scripted expert's episodes (run once per SFT config and cached under `cache_dir()`)."""
+    import hashlib
 
-    out = cache_dir() / "models" / "tiny-qwen3"
+    from jscenegen.commands.init_model import tokenizer_corpus
+    from jscenegen.config import load_config
+    from jscenegen.grpo.sft import run_sft
+    from jscenegen.grpo.sft_config import SFTRunConfig
+    from jscenegen.model.init_model import init_model_dir
+    from jscenegen.paths import resolve_data_path
+
+    ws = cfg.warm_start
+    t0 = time.perf_counter()
+    base = cache_dir() / "models" / f"{ws.preset}-{ws.arch}"
+    if not (base / "config.json").is_file():
+        print(f"creating the {ws.preset} {ws.arch} model in {base} (first use)", flush=True)
+        init_model_dir(base, arch=ws.arch, preset=ws.preset, seed=0, texts=tokenizer_corpus())
+    phases["init_model_s"] = time.perf_counter() - t0
+    if ws.sft_config is None:
+        return base
+    sft_cfg = load_config(resolve_data_path(ws.sft_config), [f"model.path={base}"], model=SFTRunConfig)
+    key = hashlib.sha256(json.dumps(sft_cfg.model_dump(mode="json"), sort_keys=True).encode())
+    out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        print(f"creating the tiny Qwen3 model in {out} (first use)")
-        init_model_dir(out, arch="qwen3", preset="tiny", seed=0, texts=tokenizer_corpus())
+        print(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)", flush=True)
+        t1 = time.perf_counter()
+        run_sft(sft_cfg, base, out, log=_sft_log)
+        phases["sft_s"] = time.perf_counter() - t1
+    else:
+        print(f"reusing the SFT warm start {out}", flush=True)
     return out
+
+
+def _sft_log(row: dict) -> None:
+    if "step" in row:
+        print(f"  sft step {row['step']}: loss {row['loss']:.4f}", flush=True)
+
+
+def resume_model_dir(run_dir: Path) -> Path:
+    """Config and tokenizer of a run being resumed: the run's model directory, or else the `hf/`
+    assets of its newest complete checkpoint (a directory made by `convert --to orbax`)."""
+    from jscenegen.grpo.checkpoint import HF_DIR, CheckpointStore
+
+    run_json = run_dir / "run.json"
+    if run_json.is_file():
+        model_dir = Path(json.loads(run_json.read_text())["model_dir"])
+        if (model_dir / "config.json").is_file():
+            return model_dir
+    store = CheckpointStore(run_dir / "checkpoints")
+    step = store.latest_valid_step()
+    store.close()
+    if step is None:
+        raise SystemExit(f"error: {run_dir}/checkpoints holds no complete checkpoint")
+    return run_dir / "checkpoints" / str(step) / HF_DIR
 
 
 def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> None:
@@ -72,15 +117,13 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id)
     phases: dict[str, float] = {}
-    t0 = time.perf_counter()
     if resume:
-        model_dir = Path(json.loads((run_dir / "run.json").read_text())["model_dir"])
+        model_dir = resume_model_dir(run_dir)
     elif cfg.model.path:
         model_dir = Path(cfg.model.path)
     else:
-        model_dir = default_model_dir(cfg)
-    phases["prepare_model_s"] = time.perf_counter() - t0
-    if is_primary() and not resume:
+        model_dir = default_model_dir(cfg, phases)
+    if is_primary() and (not resume or not (run_dir / "config.yaml").is_file()):
         write_run_files(run_dir, cfg, model_dir, config_source)
     t1 = time.perf_counter()
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)

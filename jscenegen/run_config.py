@@ -30,6 +30,16 @@ class TrainerConfig(Section):
     progress: bool = True
 
 
+class WarmStartConfig(Section):
+    """How the CPU default gets a policy that can act when `model.path` is null: a tiny model
+    created once, then supervised on the scripted expert's episodes (cached by config hash)."""
+
+    arch: str = Field("qwen3", pattern="^(qwen2|qwen3)$")
+    preset: str = Field("tiny", pattern="^(tiny|small)$")
+    sft_config: str | None = Field("configs/sft-cpu.yaml", description="SFT run config; null: "
+                                   "train GRPO from the untrained model")
+
+
 class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -42,3 +52,4 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     trainer: TrainerConfig = TrainerConfig()
     logging: LoggingConfig = LoggingConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()

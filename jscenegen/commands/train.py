@@ -26,12 +26,11 @@ def run(args) -> int:
 
     if args.resume:
         run_dir = Path(args.resume)
-        saved = run_dir / "config.yaml"
-        if not saved.is_file():
-            print(f"error: {saved} not found: {run_dir} is not a jscenegen run directory",
-                  file=sys.stderr)
+        if not (run_dir / "checkpoints").is_dir():
+            print(f"error: {run_dir}/checkpoints not found: nothing to resume", file=sys.stderr)
             return 2
-        config_path = args.config or saved
+        saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
+        config_path = args.config or (saved if saved.is_file() else resolve_data_path(DEFAULT_CONFIG))
     else:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")

@@ -66,13 +66,37 @@ class Trainer:
     """One GRPO run in `run_dir` with the weights of `model_dir` (or a checkpoint to resume)."""
 
     def __init__(self, cfg, run_dir: str | Path, model_dir: str | Path, *, resume: bool = False):
+        """model_dir: the HF directory of the initial policy (weights, tokenizer, chat template);
+        with `resume`, only its config and tokenizer are used (a checkpoint's `hf/` will do) and
+        the weights come from the newest complete checkpoint in `run_dir/checkpoints`.
+
+        Raises ResumeError (changed protocol/reward/schedule, or checkpoints where a fresh run
+        was asked for), MeshError, CheckpointError, ChatTemplateError.
+        """
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.model_dir = Path(model_dir)
         self.mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+        self.scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
+        n = min(len(self.scenes), cfg.schedule.num_scenes or len(self.scenes))
+        self.schedule = Schedule([(f"train-{i:04d}", self.scenes[i].seed) for i in range(n)],
+                                 cfg.schedule)
+        self.judge = make_judge(cfg.judge, cfg.scene)
+        self.protocol_hash = protocol_hash(cfg.scene, cfg.judge, self.judge.identity())
+        self.pos = SchedulePosition()
+        self.store = CheckpointStore(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                                     async_save=cfg.checkpoint.async_save)
         m = cfg.model
-        self.model = load_sharded(self.model_dir, self.mesh, param_dtype=m.param_dtype,
-                                  compute_dtype=m.compute_dtype, remat=m.remat, attn_impl=m.attention)
+        model_kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
+                        attn_impl=m.attention)
+        if resume:
+            ck = self._read_checkpoint()
+            self.model = self._model_from_checkpoint(ck, model_kw)
+        else:
+            if self.store.latest_valid_step() is not None:
+                raise ResumeError(f"{self.run_dir} already holds checkpoints; pass --resume "
+                                  f"{self.run_dir} to continue it, or choose a new --run-dir")
+            self.model = load_sharded(self.model_dir, self.mesh, **model_kw)
         self.shapes = param_shapes(self.model.cfg)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
@@ -83,22 +107,9 @@ class Trainer:
         # built under jit so the optimizer state carries the parameters' shardings: the train
         # step's outputs then match its inputs and it compiles once, not twice
         self.state: TrainState = jax.jit(lambda p: init_train_state(p, cfg.optim))(params)
-        self.ref_params = self._reference_params(params) if cfg.loss.use_kl_loss else None
-
-        self.scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
-        n = min(len(self.scenes), cfg.schedule.num_scenes or len(self.scenes))
-        self.schedule = Schedule([(f"train-{i:04d}", self.scenes[i].seed) for i in range(n)],
-                                 cfg.schedule)
-        self.judge = make_judge(cfg.judge, cfg.scene)
-        self.protocol_hash = protocol_hash(cfg.scene, cfg.judge, self.judge.identity())
-        self.pos = SchedulePosition()
-        self.store = CheckpointStore(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
-                                     async_save=cfg.checkpoint.async_save)
         if resume:
-            self._restore()
-        elif self.store.latest_valid_step() is not None:
-            raise ResumeError(f"{self.run_dir} already holds checkpoints; pass --resume "
-                              f"{self.run_dir} to continue it, or choose a new --run-dir")
+            self._apply_checkpoint(ck)
+        self.ref_params = self._reference_params(params) if cfg.loss.use_kl_loss else None
         self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
                                     primary=is_primary())
         self._stop_signal: int | None = None
@@ -146,10 +157,22 @@ class Trainer:
                                train_state=self._train_state_json(), metadata=meta,
                                hf_assets_dir=self.model_dir, shapes=self.shapes)
 
-    def _restore(self) -> None:
+    def _read_checkpoint(self):
+        """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run.
+
+        A checkpoint converted from VERL or HF (train_state has `source_format`) carries no
+        protocol or schedule of ours: it starts this schedule at its global step.
+        """
+        from jscenegen.model.config import QwenConfig
+
+        shapes = param_shapes(QwenConfig.from_dir(self.model_dir))
         dtype = jnp.bfloat16 if self.cfg.model.param_dtype == "bfloat16" else jnp.float32
-        ck = self.store.restore(target=padded_target(self.shapes, self.mesh, dtype=dtype))
+        ck = self.store.restore(target=padded_target(shapes, self.mesh, dtype=dtype))
         saved = ck.train_state
+        if "source_format" in saved:
+            log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
+                        "schedule hash to check", saved["source_format"], saved.get("step"))
+            return ck
         if saved["protocol_hash"] != self.protocol_hash:
             raise ResumeError(f"resume refused: the protocol changed (checkpoint "
                               f"{saved['protocol_hash']}, now {self.protocol_hash})")
@@ -161,13 +184,36 @@ class Trainer:
             check_extension(saved, self.schedule)
         except ValueError as err:
             raise ResumeError(str(err)) from None
-        names = param_names(self.state.params)
-        params = jax.tree.unflatten(jax.tree.structure(self.state.params),
-                                    [ck.params[n] for n in names])
+        return ck
+
+    def _model_from_checkpoint(self, ck, model_kw):
+        """The policy with the checkpoint's (already sharded) weights; no HF weights are read."""
+        from jscenegen.model.config import QwenConfig
+        from jscenegen.model.qwen import QwenForCausalLM
+
+        cfg = QwenConfig.from_dir(self.model_dir)
+        abstract = nnx.eval_shape(lambda: QwenForCausalLM(
+            cfg, rngs=nnx.Rngs(0), pad_multiple=self.mesh.size, **model_kw))
+        graphdef, state = nnx.split(abstract)
+        names = param_names(state)
+        state = jax.tree.unflatten(jax.tree.structure(state), [ck.params[n] for n in names])
+        return nnx.merge(graphdef, state)
+
+    def _apply_checkpoint(self, ck) -> None:
+        saved = ck.train_state
         opt_state = state_from_canonical(ck.adam, self.state.opt_state)
-        self.state = TrainState(params, opt_state, jnp.asarray(saved["lr_step"], jnp.int32),
-                                jnp.asarray(saved["skipped_steps"], jnp.int32))
-        self.pos = SchedulePosition.from_json(saved["schedule"])
+        if "source_format" in saved:
+            step = int(saved.get("step", 0))
+            n = len(self.schedule.scene_seeds)
+            lr_step = int(saved.get("lr_schedule_count", step))
+            skipped = step - int(saved.get("optimizer_step", step))
+            self.pos = SchedulePosition(scene_index=step % n, epoch=step // n,
+                                        effective_updates=step, attempts=step)
+        else:
+            lr_step, skipped = saved["lr_step"], saved["skipped_steps"]
+            self.pos = SchedulePosition.from_json(saved["schedule"])
+        self.state = TrainState(self.state.params, opt_state, jnp.asarray(lr_step, jnp.int32),
+                                jnp.asarray(max(skipped, 0), jnp.int32))
         self._truncate_metrics(self.pos.attempts)
         log.info("resumed %s at attempt %d (%d effective updates)", self.run_dir,
                  self.pos.attempts, self.pos.effective_updates)
