@@ -137,9 +137,10 @@ class SFTStep:
     `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding [V, H])`
     as in train_step (`nnx_hidden_fn`). Batches: dict of [B, T] arrays input_ids int32,
     attention_mask 0/1, loss_mask float32.
-    `nll(params, batch) -> (loss, tokens)`: token-mean NLL over loss_mask (float32 []) and the
-    masked token count. `step(state, batch) -> (state, metrics)`: one AdamW update of that loss;
-    metrics: loss (before the update), grad_norm, lr, tokens, skipped (float32 scalars).
+    `step(state, batch) -> (state, metrics)`: one AdamW update of the token-mean NLL over
+    loss_mask; metrics: loss (the NLL before the update), grad_norm (before clipping), lr,
+    tokens (the masked token count), skipped (1.0 when a non-finite gradient skipped the update),
+    all float32 scalars.
     Raises ValueError (at trace time) when B does not split into micro-batches.
     """
 
@@ -150,7 +151,6 @@ class SFTStep:
         self.micro_batch_size = micro_batch_size
         self.logprob_chunk = logprob_chunk
         self.tx = make_optimizer(optim_cfg)
-        self.nll = jax.jit(self._nll)
         self.step = jax.jit(self._step, donate_argnums=0 if donate else ())
 
     def _num_micro(self, rows: int) -> int:
@@ -181,13 +181,6 @@ class SFTStep:
         zero = jnp.zeros((), jnp.float32)
         (grads, loss), _ = jax.lax.scan(body, (jax.tree.map(jnp.zeros_like, params), zero), micro)
         return grads, loss, n_tok
-
-    def _nll(self, params, batch):
-        k = self._num_micro(batch["input_ids"].shape[0])
-        micro = {key: _split(batch[key], k) for key in ("input_ids", "attention_mask", "loss_mask")}
-        sums = jax.lax.map(lambda mb: self._masked_logp_sum(params, mb), micro)
-        n_tok = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-        return -jnp.sum(sums) / jnp.maximum(n_tok, 1.0), n_tok
 
     def _step(self, state: TrainState, batch):
         grads, loss, n_tok = self._grads(state.params, batch)
@@ -237,7 +230,8 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
       out_dir: the HF directory written at the end (atomically; tokenizer files copied), with
         `sft_summary.json` (config, demo statistics, loss history, phase times).
       log: called with one dict per logged step ({"step", "loss", "grad_norm", "lr",
-        "tokens", "elapsed_s"}) and once with the demo statistics.
+        "tokens", "elapsed_s", "cpu_s": process CPU seconds, all threads}) and once with the
+        demo statistics.
 
     Returns the summary dict. Deterministic for a given config (demo scenes, order, weights).
     Raises ChatTemplateError (template), MeshError (mesh vs devices), ModelConfigError.
@@ -263,7 +257,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
                   "demo_build_s": time.perf_counter() - t0}
     log({"event": "demos", **demo_stats})
 
-    t1 = time.perf_counter()
+    t1, cpu1 = time.perf_counter(), time.process_time()
     model = load_sharded(model_dir, mesh, param_dtype=cfg.model.param_dtype,
                          compute_dtype=cfg.model.compute_dtype, remat=cfg.model.remat,
                          attn_impl=cfg.model.attention)
@@ -280,7 +274,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
             state, metrics = sft.step(state, batch)
             if step % sc.log_every == 0 or step == sc.steps - 1:
                 row = {"step": step, **{k: float(v) for k, v in metrics.items()},
-                       "elapsed_s": time.perf_counter() - t1}
+                       "elapsed_s": time.perf_counter() - t1, "cpu_s": time.process_time() - cpu1}
                 history.append(row)
                 log(row)
     train_s = time.perf_counter() - t1

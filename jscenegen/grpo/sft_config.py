@@ -45,6 +45,15 @@ class SFTConfig(Section):
         return self
 
 
+class SFTOptimConfig(OptimConfig):
+    """OptimConfig with defaults for fine-tuning a tiny fresh model (lr 1e-3, short warmup, no
+    weight decay) instead of GRPO's 1e-6."""
+
+    lr: float = Field(1e-3, ge=0)
+    warmup_steps: int = Field(4, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
 class SFTRunConfig(Section):
     """The whole file of `jscenegen sft --config`: model (model.path = the HF directory to start
     from; null = a fresh init-model), mesh, sft, optim (torch AdamW; tiny models want ~1e-3)
@@ -53,5 +62,5 @@ class SFTRunConfig(Section):
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     sft: SFTConfig = SFTConfig()
-    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=4, weight_decay=0.0)
+    optim: SFTOptimConfig = SFTOptimConfig()
     scene: SceneRuntimeConfig = SceneRuntimeConfig()
