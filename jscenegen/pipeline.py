@@ -125,16 +125,29 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         model_dir = default_model_dir(cfg, phases)
     if is_primary() and (not resume or not (run_dir / "config.yaml").is_file()):
         write_run_files(run_dir, cfg, model_dir, config_source)
-    t1 = time.perf_counter()
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)
-    progress = Progress(cfg.schedule.total_updates, cfg.trainer.progress and is_primary())
+    evals = {}
     try:
-        summary = trainer.run(max_updates, progress=progress)
+        if cfg.trainer.eval_before_after and not resume:
+            t2 = time.perf_counter()
+            evals["before"] = trainer.evaluate_dev("eval_before")["overall"]["model"]
+            phases["eval_before_s"] = time.perf_counter() - t2
+        t1 = time.perf_counter()
+        progress = Progress(cfg.schedule.total_updates, cfg.trainer.progress and is_primary())
+        try:
+            summary = trainer.run(max_updates, progress=progress)
+        finally:
+            progress.close()
+        phases["grpo_s"] = time.perf_counter() - t1
+        if cfg.trainer.eval_before_after:
+            t3 = time.perf_counter()
+            evals["after"] = trainer.evaluate_dev("eval_after")["overall"]["model"]
+            phases["eval_after_s"] = time.perf_counter() - t3
     finally:
-        progress.close()
         trainer.close()
-    phases["grpo_s"] = time.perf_counter() - t1
     if is_primary():
         out = dict(vars(summary), run_dir=str(run_dir), phases=phases)
+        for when, s in evals.items():
+            out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}
         print(json.dumps(out))
     return 0

@@ -20,11 +20,11 @@ def _cfg(**extra):
         f"model.path={chat_model_dir()}", "mesh.fsdp=3", "mesh.sp=2",
         "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
         "sampling.buckets=[64,256,1024,2048,4096]",
-        "schedule.num_scenes=3", "schedule.group_size=2", "schedule.total_updates=4",
+        "schedule.num_scenes=3", "schedule.group_size=2", "schedule.total_updates=3",
         "schedule.roles=PPC",           # a random model never gets past the planner's first turn
         "schedule.zero_spread=count",   # ... nor has signal: step anyway
         "loss.entropy_coeff=0.01",      # ... with a real, non-zero gradient
-        "optim.lr=1e-3", "checkpoint.save_every=2", "checkpoint.keep_last=2",
+        "optim.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
         "logging.swanlab_mode=disabled", "trainer.progress=false",
     ] + [f"{k}={v}" for k, v in extra.items()]
     return load_config(resolve_data_path("configs/cpu-default.yaml"), overrides)
@@ -64,11 +64,11 @@ def straight(tmp_path_factory):
 
 def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     run_dir, summary = straight
-    assert summary.attempts == 4 and summary.effective_updates == 4
-    assert summary.optimizer_steps == 4
+    assert summary.attempts == 3 and summary.effective_updates == 3
+    assert summary.optimizer_steps == 3
     rows = _metrics(run_dir)
-    assert [r["attempt"] for r in rows] == [0, 1, 2, 3]
-    assert [r["role"] for r in rows] == ["planner", "planner", "critic", "planner"]
+    assert [r["attempt"] for r in rows] == [0, 1, 2]
+    assert [r["role"] for r in rows] == ["planner", "planner", "critic"]
     assert all(r["stepped"] for r in rows)
     planner = [r for r in rows if r["role"] == "planner"]
     assert all(r["trained_tokens"] > 0 and r["train/grad_norm"] > 0 for r in planner)
@@ -76,27 +76,27 @@ def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     assert all(r["trained_tokens"] == 0 and r["train/grad_norm"] == 0 for r in critic)
     assert rows[0]["episodes"] == 2
     steps = CheckpointStore(run_dir / "checkpoints").steps()
-    assert steps == [2, 4]  # save_every 2, keep_last 2
-    status = check_step(run_dir / "checkpoints" / "4")
+    assert steps == [2, 3]  # save_every 1, keep_last 2
+    status = check_step(run_dir / "checkpoints" / "3")
     assert status.valid, status.reason
-    meta = json.loads((run_dir / "checkpoints/4/training_metadata.json").read_text())
-    assert meta["optimizer_step"] == 4 and meta["effective_updates"] == 4
+    meta = json.loads((run_dir / "checkpoints/3/training_metadata.json").read_text())
+    assert meta["optimizer_step"] == 3 and meta["effective_updates"] == 3
     assert len(meta["protocol_hash"]) == 64 and len(meta["schedule_hash"]) == 64
     assert meta["judge"]["backend"] == "rule"
-    assert json.loads((run_dir / "checkpoints/4/checksums.json").read_text())["files"]
-    state = read_train_state(run_dir / "checkpoints" / "4")
-    assert state["schedule"]["attempts"] == 4 and state["lr_step"] == 4
+    assert json.loads((run_dir / "checkpoints/3/checksums.json").read_text())["files"]
+    state = read_train_state(run_dir / "checkpoints" / "3")
+    assert state["schedule"]["attempts"] == 3 and state["lr_step"] == 3
 
 
 def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tmp_path):
     run_dir, _ = straight
-    _, first = _run(tmp_path, sigterm_after=2)
-    assert first.stopped_by_signal and first.attempts == 2
-    assert check_step(tmp_path / "checkpoints" / "2").valid
+    _, first = _run(tmp_path, sigterm_after=1)
+    assert first.stopped_by_signal and first.attempts == 1
+    assert check_step(tmp_path / "checkpoints" / "1").valid
     _, second = _run(tmp_path, resume=True)
-    assert second.attempts == 4
+    assert second.attempts == 3
     a, b = _final(run_dir), _final(tmp_path)
-    assert int(a.adam["count"]) == int(b.adam["count"]) == 4
+    assert int(a.adam["count"]) == int(b.adam["count"]) == 3
     for name in a.params:
         np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
         np.testing.assert_array_equal(a.adam["mu"][name], b.adam["mu"][name], err_msg=name)

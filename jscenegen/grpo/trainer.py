@@ -31,6 +31,7 @@ from jscenegen.grpo.metrics_log import MetricsLogger
 from jscenegen.grpo.optimizer import adam_state, param_names, state_from_canonical
 from jscenegen.grpo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout import RolloutEngine
+from jscenegen.checksums import write_json_atomic
 from jscenegen.grpo.run_metadata import redact, training_metadata
 from jscenegen.grpo.schedule import Schedule, SchedulePosition, check_extension
 from jscenegen.grpo.train_step import GRPOStep, TrainState, init_train_state, nnx_hidden_fn
@@ -287,6 +288,25 @@ class Trainer:
                                     "reward": t.reward, "failure_cause": t.failure_cause,
                                     "masked": t.masked, "transcript": t.transcript}) + "\n")
 
+    def evaluate_dev(self, name: str) -> dict:
+        """Play the dev scenes (`trainer.eval_samples` episodes each, their fixed seeds) with the
+        current weights; write `RUN_DIR/<name>.json` and `.png`; return the report."""
+        from jscenegen.grpo.evaluate import evaluate, plot_report
+        from jscenegen.scene.sceneset import read_scene_set
+
+        nnx.update(self.model, self.state.params)
+        self.engine.set_weights(self.model)
+        records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
+        report = evaluate(self.engine, records, judge=self.judge, scene_cfg=self.cfg.scene,
+                          judge_cfg=self.cfg.judge, samples=self.cfg.trainer.eval_samples,
+                          scene_ids=[f"dev-{i}" for i in range(len(records))], with_expert=False)
+        report["attempt"] = self.pos.attempts
+        report["effective_updates"] = self.pos.effective_updates
+        if is_primary():
+            write_json_atomic(self.run_dir / f"{name}.json", report)
+            plot_report(report, self.run_dir / f"{name}.png")
+        return report
+
     def run(self, max_updates: int | None = None, progress=None) -> RunSummary:
         """Run until `schedule.total_updates` effective updates or `max_updates` attempts.
 
@@ -308,6 +328,11 @@ class Trainer:
                     break
                 if self.pos.attempts % self.cfg.checkpoint.save_every == 0:
                     last_saved = self.save()
+                every = self.cfg.trainer.eval_every
+                if every and row["stepped"] and self.pos.effective_updates % every == 0:
+                    report = self.evaluate_dev(f"eval_update_{self.pos.effective_updates}")
+                    self.logger.log({"attempt": row["attempt"], "eval/reward":
+                                     report["overall"]["model"]["reward"]}, step=row["attempt"])
             if last_saved is None or int(last_saved.name) != self.pos.attempts:
                 last_saved = self.save()
             self.store.wait_until_finished()
