@@ -263,7 +263,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             "loss_jax": float(metrics["loss"]), "loss_torch": t_metrics["loss"],
             "loss_diff": abs(float(metrics["loss"]) - t_metrics["loss"]),
             "grad_norm_ratio": float(metrics["grad_norm"]) / t_metrics["grad_norm"]
-            if t_metrics["grad_norm"] else float("nan"),
+            if t_metrics["grad_norm"] else None,  # None: no trained token, both norms 0
             "max_param_diff": rel[worst], "worst_param": worst,
             "clipfrac": float(metrics["clipfrac"]),
         }
@@ -274,7 +274,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
                                     "grad_norm_ratio": GRAD_NORM_TOL}
             result["ok"] = bool(untrained == 0 and result["loss_diff"] <= LOSS_TOL
                                 and result["max_param_diff"] <= PARAM_TOL
-                                and abs(result["grad_norm_ratio"] - 1) <= GRAD_NORM_TOL
+                                and abs((result["grad_norm_ratio"] or 0.0) - 1) <= GRAD_NORM_TOL
                                 and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
         yield result
     jax.clear_caches()

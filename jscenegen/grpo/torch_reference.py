@@ -127,7 +127,7 @@ def shifted_logprobs(model, input_ids, attention_mask, temperature=1.0):
     pos = torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
     logp, ent = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
-    zero = torch.zeros(logp.shape[0], 1, dtype=logp.dtype)
+    zero = torch.zeros(logp.shape[0], 1, dtype=logp.dtype, device=logp.device)
     return torch.cat([zero, logp], 1), torch.cat([zero, ent], 1)
 
 
