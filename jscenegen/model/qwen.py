@@ -45,10 +45,10 @@ def _param(rngs: nnx.Rngs | None, shape, pad_multiple, dtype, init: str) -> nnx.
 
 def _read(p: nnx.Param, n: int, dtype) -> jax.Array:
     """The first n rows of a (possibly padded) parameter, cast to the compute dtype."""
-    w = p[...]
+    w = gather(p[...])  # all-gather the padded array, then slice the padding off
     if w.shape[0] != n:
         w = w[:n]
-    return gather(w).astype(dtype)
+    return w.astype(dtype)
 
 
 class Linear(nnx.Module):
