@@ -36,7 +36,8 @@ def default_model_dir(cfg, phases: dict) -> Path:
     phases["init_model_s"] = time.perf_counter() - t0
     if ws.sft_config is None:
         return base
-    sft_cfg = load_config(resolve_data_path(ws.sft_config), [f"model.path={base}"], model=SFTRunConfig)
+    sft_cfg = load_config(resolve_data_path(ws.sft_config), [f"model.path={base}", *ws.sft_overrides],
+                          model=SFTRunConfig)
     key = hashlib.sha256(json.dumps(sft_cfg.model_dump(mode="json"), sort_keys=True).encode())
     out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():

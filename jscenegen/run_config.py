@@ -40,6 +40,7 @@ class WarmStartConfig(Section):
     preset: str = Field("tiny", pattern="^(tiny|small)$")
     sft_config: str | None = Field("configs/sft-cpu.yaml", description="SFT run config; null: "
                                    "train GRPO from the untrained model")
+    sft_overrides: tuple[str, ...] = Field((), description="key=value overrides of the SFT config")
 
 
 class RunConfig(Section):
