@@ -229,16 +229,20 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model, xla attention (CPU dry run)")
     ap.add_argument("--engine", choices=["jscenegen", "torch"],
                     help="run one engine in this process (default: both, each in a subprocess)")
-    ap.add_argument("--batch", type=int, default=8, help="train rows")
-    ap.add_argument("--seq", type=int, default=2048, help="train tokens per row")
-    ap.add_argument("--decode-batch", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=256, help="decoded tokens per row")
+    for name, full, tiny, what in (("batch", 8, 2, "train rows"),
+                                   ("seq", 2048, 64, "train tokens per row"),
+                                   ("decode-batch", 64, 2, "decoded rows"),
+                                   ("prompt", 128, 16, "prompt tokens per decoded row"),
+                                   ("new", 256, 8, "decoded tokens per row")):
+        ap.add_argument(f"--{name}", type=int, help=f"{what} (default {full}; --tiny: {tiny})")
+        ap.set_defaults(**{f"_{name}": (full, tiny)})
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the device")
     args = ap.parse_args()
-    if args.tiny and "--seq" not in sys.argv:
-        args.seq, args.batch, args.decode_batch, args.prompt, args.new = 64, 2, 2, 16, 8
+    for name in ("batch", "seq", "decode_batch", "prompt", "new"):
+        if getattr(args, name) is None:
+            full, tiny = getattr(args, "_" + name.replace("_", "-"))
+            setattr(args, name, tiny if args.tiny else full)
     c = TINY if args.tiny else QWEN3_1_7B
     if args.engine:
         r = run_jscenegen(c, args) if args.engine == "jscenegen" else run_torch(c, args)
@@ -246,8 +250,7 @@ def main() -> None:
         return
     results = {}
     for engine in ("jscenegen", "torch"):
-        argv = [a for a in sys.argv[1:]]
-        proc = subprocess.run([sys.executable, __file__, "--engine", engine, *argv],
+        proc = subprocess.run([sys.executable, __file__, "--engine", engine, *sys.argv[1:]],
                               capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if proc.returncode or not lines:

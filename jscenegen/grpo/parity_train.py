@@ -176,9 +176,10 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     """Yield one comparison dict per update (see module doc); the last one carries `ok`.
 
     `torch_perturbation` is added to one element of torch's input embedding before the
-    first update (a self-check that the comparison can fail). Raises ValueError for
-    parameter names that differ between the two models, or a group whose length differs
-    from the first (one compile).
+    first update (a self-check that the comparison can fail). Every update is padded to the
+    longest trajectory (one compile per group size). Raises ValueError for parameter names
+    that differ between the two models, or GRPOStep's for a group that does not split into
+    `ppo_micro_batch_size` micro-batches.
     """
     import jax
     import torch
@@ -220,9 +221,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     untrained = 0  # updates whose role had no tokens (they compare nothing but weight decay)
     for k in range(updates):
         role = role_from_letter(roles[k % len(roles)])
-        group = [make_trajectory(t.group_id, t.member, t.tokens, t.roles, t.policy_mask,
-                                 t.reward, t.logprobs, t.masked)
-                 for t in groups[k % len(groups)]]
+        group = groups[k % len(groups)]
         data = build_group_batch(group, role, row_multiple=1, col_multiple=length).arrays
         on = data["loss_mask"] > 0
         delta = rng.normal(0, 0.3, on.shape).astype(np.float32)
