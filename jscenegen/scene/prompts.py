@@ -55,9 +55,15 @@ def load_templates(prompts_dir: str | None = None) -> PromptTemplates:
         for name in TEMPLATE_NAMES:
             texts[name] = root.joinpath(f"{name}.txt").read_text()
     else:
+        from jscenegen.paths import resolve_data_path
+
         source = str(prompts_dir)
+        try:
+            root_dir = resolve_data_path(prompts_dir)
+        except FileNotFoundError as err:
+            raise PromptError(f"scene.prompts_dir: {err}") from None
         for name in TEMPLATE_NAMES:
-            p = Path(prompts_dir) / f"{name}.txt"
+            p = root_dir / f"{name}.txt"
             if not p.is_file():
                 raise PromptError(f"{p}: template missing (needed: {', '.join(TEMPLATE_NAMES)})")
             texts[name] = p.read_text()
