@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import tempfile
-import time
 
 import numpy as np
+
+from common import grpo_batch, timed
 
 VOCAB, BATCH, SEQ = 8192, 8, 256
 
@@ -41,29 +41,8 @@ def build(tmp: str) -> None:
     save_hf(QwenForCausalLM(preset_config("qwen3", "tiny", vocab_size=VOCAB), rngs=nnx.Rngs(0)), tmp)
 
 
-def make_batch(seed: int = 0) -> dict[str, np.ndarray]:
-    """Random tokens, full attention, the second half of each row trained with a +-1 advantage,
-    old log-probs near the model's (log 1/V) so the ratio stays within the clip range."""
-    rng = np.random.default_rng(seed)
-    mask = np.zeros((BATCH, SEQ), np.float32)
-    mask[:, SEQ // 2:] = 1.0
-    adv = np.where(np.arange(BATCH) % 2 == 0, 1.0, -1.0).astype(np.float32)[:, None] * mask
-    return {"input_ids": rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
-            "attention_mask": np.ones((BATCH, SEQ), np.int32), "loss_mask": mask,
-            "advantages": adv,
-            "old_logp": (mask * (-np.log(VOCAB) + rng.normal(0, 0.05, (BATCH, SEQ)))).astype(np.float32)}
 
 
-def timed(fn, warmup: int, repeats: int) -> float:
-    """Median wall seconds of `fn()` over `repeats` runs after `warmup` untimed runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_jax(model_dir: str, batch: dict, repeats: int) -> dict:
@@ -125,7 +104,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     tokens = BATCH * SEQ
-    batch = make_batch()
+    batch = grpo_batch(VOCAB, BATCH, SEQ, trained_from=SEQ // 2)
     with tempfile.TemporaryDirectory() as tmp:
         build(tmp)
         jx = bench_jax(tmp, batch, args.repeats)

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
+
+sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
+from common import grpo_batch, timed  # noqa: E402
 
 QWEN3_1_7B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -52,26 +53,8 @@ def model_flops_per_token(c: dict, seq: int) -> float:
     return 6 * n + 3 * attn
 
 
-def make_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    mask = np.zeros((batch, seq), np.float32)
-    mask[:, seq // 4:] = 1.0
-    adv = np.where(np.arange(batch) % 2 == 0, 1.0, -1.0).astype(np.float32)[:, None] * mask
-    return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int32),
-            "attention_mask": np.ones((batch, seq), np.int32), "loss_mask": mask,
-            "advantages": adv,
-            "old_logp": (mask * (-np.log(vocab) + rng.normal(0, 0.05, (batch, seq)))).astype(np.float32)}
 
 
-def timed(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run_jscenegen(c: dict, args) -> dict:
@@ -109,7 +92,7 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     optim = OptimConfig()
     step = GRPOStep(nnx_hidden_fn(graphdef, *rest), LossConfig(), optim, donate=True)
     arrays = {k: jax.device_put(v) for k, v in
-              make_batch(c["vocab_size"], args.batch, args.seq).items()}
+              grpo_batch(c["vocab_size"], args.batch, args.seq, trained_from=args.seq // 4).items()}
     holder = {"state": init_train_state(params, optim)}
     del model, params
 
@@ -173,7 +156,7 @@ def run_torch(c: dict, args) -> dict:
     model.config.use_cache = False
     model.train()
     tb = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v).to(dev)
-          for k, v in make_batch(c["vocab_size"], args.batch, args.seq).items()}
+          for k, v in grpo_batch(c["vocab_size"], args.batch, args.seq, trained_from=args.seq // 4).items()}
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
                 else contextlib.nullcontext())
     opt = {"optimizer": None, "scheduler": None}
