@@ -149,6 +149,7 @@ def test_loss_matches_direct_nll_and_micro_batches(sharded, batch, mesh):
     assert float(np.abs(np.asarray(jax.tree.leaves(s1.opt_state)[-1])).max()) > 0
 
 
+@pytest.mark.slow  # ~150 s on 2 cores; the pipeline test runs SFT in the default run
 def test_sft_overfits_a_handful_of_demos(sharded, batch, mesh):
     params, _, _, whole = sharded
     _, placed = batch
