@@ -66,3 +66,11 @@ def test_extension_keeps_the_prefix_hash_and_refuses_a_changed_prefix():
         check_extension(saved, changed)
     with pytest.raises(ValueError, match="roles or group size"):
         check_extension(saved, Schedule(SCENES, ScheduleConfig(group_size=4)))
+
+
+def test_max_attempts_ends_a_run_without_signal():
+    s = Schedule(SCENES, ScheduleConfig(total_updates=5, max_attempts=3))
+    pos = SchedulePosition()
+    while not s.done(pos):
+        pos, _ = s.advance(pos, False)
+    assert pos.attempts == 3 and pos.effective_updates == 0

@@ -31,6 +31,9 @@ class ScheduleConfig(Section):
     total_updates: int = Field(100, ge=1, description="effective updates (optimizer steps with signal)")
     zero_spread: Literal["redraw", "skip", "count"] = "redraw"
     max_redraws: int = Field(2, ge=0)
+    max_attempts: int | None = Field(None, ge=1, description="stop after this many update "
+                                     "attempts even without total_updates effective ones "
+                                     "(a weak policy may never produce signal); None: no cap")
 
 
 @dataclasses.dataclass
@@ -92,7 +95,9 @@ class Schedule:
         return [episode_seed(seed, m, pos.redraw, pos.epoch) for m in range(self.cfg.group_size)]
 
     def done(self, pos: SchedulePosition) -> bool:
-        return pos.effective_updates >= self.cfg.total_updates
+        """total_updates effective updates reached, or max_attempts attempts made."""
+        cap = self.cfg.max_attempts
+        return pos.effective_updates >= self.cfg.total_updates or (cap is not None and pos.attempts >= cap)
 
     def advance(self, pos: SchedulePosition, has_signal: bool) -> tuple[SchedulePosition, bool]:
         """Position after an attempt and whether the optimizer steps for it.
