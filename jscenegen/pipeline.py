@@ -140,7 +140,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         finally:
             progress.close()
         phases["grpo_s"] = time.perf_counter() - t1
-        if cfg.trainer.eval_before_after:
+        if cfg.trainer.eval_before_after and not summary.stopped_by_signal:
             t3 = time.perf_counter()
             evals["after"] = trainer.evaluate_dev("eval_after")["overall"]["model"]
             phases["eval_after_s"] = time.perf_counter() - t3
