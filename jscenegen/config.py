@@ -34,6 +34,9 @@ class ModelConfig(Section):
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
     attention: Literal["xla", "cudnn"] = "xla"
+    causal_balance: bool = Field(False, description="reorder training sequences so each sp "
+                                 "shard gets equal causal attention work (lengths must be a "
+                                 "multiple of 2 x sp)")
 
 
 class MeshConfig(Section):

@@ -183,3 +183,23 @@ def test_kv_cache_decode_on_the_mesh_matches_unsharded(tiny_hf):
     inc = np.concatenate(outs, axis=1)[: ids.shape[0]]
     real = mask.astype(bool)
     np.testing.assert_allclose(inc[real], ref[real], atol=2e-5, rtol=1e-5)
+
+
+def test_causal_load_balanced_order_gives_the_same_logits(tiny_hf):
+    from jscenegen.model.hf_io import load_hf
+    from jscenegen.model.qwen import balanced_order
+
+    order = balanced_order(16, 2)
+    assert sorted(order) == list(range(16))
+    # shard 0 of 2 holds chunks 0 and 3, shard 1 chunks 1 and 2 (4 tokens each)
+    np.testing.assert_array_equal(order[:8], [0, 1, 2, 3, 12, 13, 14, 15])
+    ids, mask = _batch(1003)
+    ref = np.asarray(load_hf(tiny_hf["qwen3"])(jnp.asarray(ids), jnp.asarray(mask)))
+    mesh = make_mesh(3, 2)
+    model = load_sharded(tiny_hf["qwen3"], mesh, causal_balance=True)
+    assert model.balance_shards == 2
+    batch = shard_batch(pad_batch({"ids": ids, "mask": mask}, mesh, seq_multiple=4), mesh)
+    with jax.set_mesh(mesh):
+        logits = np.asarray(jax.jit(lambda i, m: model(i, m))(batch["ids"], batch["mask"]))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(logits[:3, :15][real], ref[real], atol=2e-5, rtol=1e-5)

@@ -90,6 +90,7 @@ class Trainer:
         m = cfg.model
         model_kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
                         attn_impl=m.attention)
+        balance = dict(causal_balance=True) if m.causal_balance else {}
         if resume:
             ck = self._read_checkpoint()
             self.model = self._model_from_checkpoint(ck, model_kw)
@@ -97,7 +98,7 @@ class Trainer:
             if self.store.latest_valid_step() is not None:
                 raise ResumeError(f"{self.run_dir} already holds checkpoints; pass --resume "
                                   f"{self.run_dir} to continue it, or choose a new --run-dir")
-            self.model = load_sharded(self.model_dir, self.mesh, **model_kw)
+            self.model = load_sharded(self.model_dir, self.mesh, **model_kw, **balance)
         self.shapes = param_shapes(self.model.cfg)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
@@ -193,8 +194,9 @@ class Trainer:
         from jscenegen.model.qwen import QwenForCausalLM
 
         cfg = QwenConfig.from_dir(self.model_dir)
+        balance = self.mesh.shape["sp"] if self.cfg.model.causal_balance else 1
         abstract = nnx.eval_shape(lambda: QwenForCausalLM(
-            cfg, rngs=nnx.Rngs(0), pad_multiple=self.mesh.size, **model_kw))
+            cfg, rngs=nnx.Rngs(0), pad_multiple=self.mesh.size, balance_shards=balance, **model_kw))
         graphdef, state = nnx.split(abstract)
         names = param_names(state)
         state = jax.tree.unflatten(jax.tree.structure(state), [ck.params[n] for n in names])

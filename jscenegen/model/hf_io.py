@@ -134,6 +134,7 @@ def place(arr: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
 
 def load_hf(path: str | Path, *, param_dtype: str = "float32", compute_dtype: str = "float32",
             pad_multiple: int = 1, remat: bool = False, attn_impl: str = "xla",
+            balance_shards: int = 1,
             sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding] | None = None,
             ) -> QwenForCausalLM:
     """Load an HF Qwen2/Qwen3 directory into a QwenForCausalLM.
@@ -142,6 +143,7 @@ def load_hf(path: str | Path, *, param_dtype: str = "float32", compute_dtype: st
       path: directory with config.json and safetensors.
       param_dtype: dtype the weights are cast to (explicitly, whatever the file holds).
       pad_multiple: dim-0 padding multiple (the device count for FSDP2-style sharding).
+      balance_shards: causal load balancing over this many sequence shards (see qwen.py).
       sharding_for: optional (hf_name, padded_shape) -> Sharding; tensors are placed directly
         into that layout, one at a time.
     Raises ModelConfigError (config) or CheckpointFormatError (tensors), naming file and key.
@@ -149,7 +151,8 @@ def load_hf(path: str | Path, *, param_dtype: str = "float32", compute_dtype: st
     cfg = QwenConfig.from_dir(path)
     abstract = nnx.eval_shape(lambda: QwenForCausalLM(
         cfg, rngs=nnx.Rngs(0), pad_multiple=pad_multiple, param_dtype=param_dtype,
-        compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl))
+        compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl,
+        balance_shards=balance_shards))
     graphdef, state = nnx.split(abstract)
     targets = named_params(abstract)
     dtype = NP_DTYPES[param_dtype]

@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jscenegen.model.attention import attention
@@ -90,6 +91,16 @@ class Embedding(nnx.Module):
 
     def logical(self, dtype) -> jax.Array:
         return _read(self.weight, self.vocab, dtype)
+
+
+def balanced_order(s: int, shards: int) -> np.ndarray:
+    """Token order for causal load balance: the sequence cut into 2 x shards chunks, shard i
+    holding chunks i and 2 x shards - 1 - i, so every shard gets equal causal attention work.
+    [s] int permutation; s must be a multiple of 2 x shards."""
+    chunks = 2 * shards
+    c = s // chunks
+    picks = [j for i in range(shards) for j in (i, chunks - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in picks])
 
 
 @jax.tree_util.register_dataclass
@@ -217,12 +228,15 @@ class QwenForCausalLM(nnx.Module):
       param_dtype / compute_dtype: "float32" or "bfloat16".
       remat: rematerialise each decoder layer in the backward pass (jax.checkpoint).
       attn_impl: "xla" (reference, CPU) or "cudnn" (GPU, bf16).
+      balance_shards: > 1 reorders a full sequence for causal load balance over that many
+        sequence shards (`balanced_order`); results are returned in the original order.
     """
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: bool = False, attn_impl: str = "xla"):
+                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1):
         self.cfg = cfg
+        self.balance_shards = balance_shards
         self.pad_multiple = pad_multiple
         self.compute_dtype = compute_dtype
         self.remat = remat
@@ -258,9 +272,15 @@ class QwenForCausalLM(nnx.Module):
         mask = attention_mask.astype(bool)
         b, s = input_ids.shape
         steps = jnp.cumsum(mask.astype(jnp.int32), axis=1)
+        order = None
         if cache is None:
             positions = jnp.maximum(steps - 1, 0)
-            causal = jnp.tril(jnp.ones((s, s), bool))
+            if self.balance_shards > 1 and s % (2 * self.balance_shards) == 0:
+                order = balanced_order(s, self.balance_shards)
+                input_ids, mask, positions = input_ids[:, order], mask[:, order], positions[:, order]
+                causal = order[None, :] <= order[:, None]  # key's original index <= query's
+            else:
+                causal = jnp.tril(jnp.ones((s, s), bool))
             attn_mask = causal[None] & mask[:, None, :]
         else:
             positions = jnp.maximum(cache.next_pos[:, None] + steps - 1, 0)
@@ -274,7 +294,7 @@ class QwenForCausalLM(nnx.Module):
         x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, layers)
         hidden = self.model.norm(x)
         if cache is None:
-            return hidden
+            return hidden if order is None else hidden[:, np.argsort(order)]
         new_cache = KVCache(
             k=new_k, v=new_v, valid=valid,
             next_pos=cache.next_pos + steps[:, -1], length=cache.length + s,

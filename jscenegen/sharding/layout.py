@@ -29,13 +29,15 @@ def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def load_sharded(path, mesh, **kwargs):
+def load_sharded(path, mesh, *, causal_balance: bool = False, **kwargs):
     """`load_hf` straight into the sharded layout: each tensor is padded and each device gets
-    only its own rows (no device ever holds a full replica)."""
+    only its own rows (no device ever holds a full replica). `causal_balance` reorders full
+    sequences for the mesh's `sp` shards (QwenForCausalLM `balance_shards`)."""
     from jscenegen.model.hf_io import load_hf
 
     sharding = param_sharding(mesh)
-    return load_hf(path, pad_multiple=mesh.size, sharding_for=lambda name, shape: sharding, **kwargs)
+    return load_hf(path, pad_multiple=mesh.size, sharding_for=lambda name, shape: sharding,
+                   balance_shards=mesh.shape["sp"] if causal_balance else 1, **kwargs)
 
 
 def shard_model(model: nnx.Module, mesh) -> nnx.Module:
