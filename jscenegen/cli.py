@@ -42,6 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input rather than a bug: reported as one line, exit 2."""
+    errors: list[type[BaseException]] = [ValueError, FileNotFoundError, NotADirectoryError,
+                                         IsADirectoryError, PermissionError]
+    for module, name in (("jscenegen.grpo.checkpoint", "CheckpointError"),
+                         ("convert.errors", "ConvertError")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
 def force_cpu_devices() -> None:
     """Give JAX's CPU backend $JSCENEGEN_CPU_DEVICES (default 6) devices, so the 3 x 2 mesh is
     real on a CPU-only machine; GPU/TPU backends are unaffected. Runs before JAX is imported."""
@@ -58,7 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as err:
+        # bad input (config, paths, model files, meshes): one line, no traceback;
+        # JSCENEGEN_DEBUG=1 shows the traceback
+        if os.environ.get("JSCENEGEN_DEBUG"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

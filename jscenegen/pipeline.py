@@ -116,7 +116,18 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     from jscenegen.grpo.trainer import Trainer
     from jscenegen.sharding.mesh import initialize_distributed, is_primary
 
+    import jax
+
+    from jscenegen.sharding.mesh import mesh_shape
+
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id)
+    try:  # refuse a mesh that does not fit before any model is made or file written
+        mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
+    except ValueError as err:
+        raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
+    if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
+                         "continue it, or choose a new --run-dir")
     phases: dict[str, float] = {}
     if resume:
         model_dir = resume_model_dir(run_dir)
@@ -124,9 +135,9 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         model_dir = Path(cfg.model.path)
     else:
         model_dir = default_model_dir(cfg, phases)
+    trainer = Trainer(cfg, run_dir, model_dir, resume=resume)
     if is_primary() and (not resume or not (run_dir / "config.yaml").is_file()):
         write_run_files(run_dir, cfg, model_dir, config_source)
-    trainer = Trainer(cfg, run_dir, model_dir, resume=resume)
     evals = {}
     try:
         if cfg.trainer.eval_before_after and not resume:

@@ -31,7 +31,7 @@ REDACTED = "<redacted>"
 # Words that make a key name a credential, matched on the `_`/`-`/`.`/camelCase parts of the
 # name (so `api_key`, `hf_token`, `clientSecret` are redacted but `max_new_tokens` and
 # `tokenizer` are not), plus substrings that are credentials wherever they appear.
-_CREDENTIAL_WORDS = {"key", "keys", "apikey", "token", "secret", "password", "passwd",
+_CREDENTIAL_WORDS = {"key", "apikey", "token", "secret", "password", "passwd",
                      "credential", "credentials", "auth", "authorization", "cookie"}
 _CREDENTIAL_SUBSTRINGS = ("secret", "password", "passwd", "apikey", "api_key")
 _MIN_ENV_SECRET_CHARS = 8
@@ -40,8 +40,14 @@ VERSION_PACKAGES = ("jscenegen", "jax", "jaxlib", "flax", "optax", "orbax-checkp
 
 
 def is_credential_name(name: str) -> bool:
-    """True if a key or environment-variable name denotes a credential (see module docstring)."""
+    """True if a key or environment-variable name denotes a credential (see module docstring).
+
+    A name ending in `_env` (e.g. `api_key_env`) names the variable that holds a credential,
+    not the credential, and `grade_keys` lists dictionary keys: neither is redacted.
+    """
     lower = name.lower()
+    if lower.endswith("_env"):
+        return False
     if any(s in lower for s in _CREDENTIAL_SUBSTRINGS):
         return True
     words = re.split(r"[_\-.\s]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name))
