@@ -6,7 +6,8 @@ import pytest
 
 from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
-from jscenegen.grpo.rollout import RolloutEngine, episode_seed, trajectory_batch
+from jscenegen.grpo.rollout import RolloutEngine, trajectory_batch
+from jscenegen.grpo.schedule import episode_seed
 from jscenegen.grpo.rollout_config import SamplingConfig
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer import ChatTokenizer

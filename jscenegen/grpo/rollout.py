@@ -31,7 +31,6 @@ Slots: a decode round takes `max_new_tokens` slots at most and an append the lon
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,12 +54,6 @@ log = logging.getLogger(__name__)
 ROLE_CODES = {"planner": PLANNER, "designer": DESIGNER, "critic": CRITIC}
 ForcedPolicy = Callable[[Episode], str]
 TurnCallback = Callable[[int, dict, Episode], None]
-
-
-def episode_seed(scene_seed: int, member: int, redraw: int = 0) -> int:
-    """Seed of one episode = hash(scene seed, member index, redraw index) (specs/grpo.md), 31 bits."""
-    h = hashlib.sha256(f"{scene_seed}:{member}:{redraw}".encode()).digest()
-    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass
