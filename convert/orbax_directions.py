@@ -27,7 +27,7 @@ from convert.directions import VerlState, sliced, copy_hf_metadata, write_verl_r
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader, write_safetensors_streaming
-from convert.staging import ArraySpill, spill_dir, staged_dir
+from convert.staging import staged_dir
 from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
@@ -131,24 +131,19 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
 def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
     """A VERL checkpoint as an orbax training checkpoint DST/<global step>/ (resumable).
 
-    Memory: each tensor is reassembled, spilled to a .npy beside DST and handed to orbax as a
-    read-only memory map (`staging.ArraySpill`), so the process holds about one tensor at a time.
+    Memory: the whole model, Adam moments included, is held once (CheckpointStore.save takes
+    in-memory trees), i.e. 3 x the fp32 model size.
     """
-    with spill_dir(dst) as spill:
-        return _verl_to_orbax(src, dst, dtype, spill)
-
-
-def _verl_to_orbax(src, dst, dtype, spill: ArraySpill) -> Path:
     ck = VerlCheckpoint(src)
-    params = {n: spill.put(cast(a, dtype)) for n, a in ck.iter_params()}
+    params = {n: cast(a, dtype) for n, a in ck.iter_params()}
     adam: dict[str, Any] = {"count": 0, "mu": {}, "nu": {}}
     if ck.has_optimizer():
         adam["count"] = ck.adam_step()
         for name, m, v in ck.iter_adam():
-            adam["mu"][name], adam["nu"][name] = spill.put(m), spill.put(v)
+            adam["mu"][name], adam["nu"][name] = m, v
     else:
-        adam["mu"] = {n: spill.zeros(a.shape) for n, a in params.items()}
-        adam["nu"] = {n: spill.zeros(a.shape) for n, a in params.items()}
+        adam["mu"] = {n: np.zeros_like(a, dtype=np.float32) for n, a in params.items()}
+        adam["nu"] = {n: np.zeros_like(a, dtype=np.float32) for n, a in params.items()}
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
     step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
     sched = ck.scheduler_step() if extras else None
@@ -179,26 +174,21 @@ def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
-    """An HF model as an orbax checkpoint at step 0 with fresh Adam state (zeros, count 0).
-
-    Memory: tensors are spilled to memory-mapped .npy files beside DST one at a time and the
-    zero moments are sparse files (`staging.ArraySpill`), as in `verl_to_orbax`.
-    """
+    """An HF model as an orbax checkpoint at step 0 with fresh Adam state (zeros, count 0)."""
     from convert.directions import hf_state
     from jscenegen.model.params import param_shapes
 
     state = hf_state(src)
     reader = SafetensorsReader(src)
+    params = {n: cast(reader.full(n), dtype) for n in param_shapes(state.config)}
+    adam = {"count": 0, "mu": {n: np.zeros(a.shape, np.float32) for n, a in params.items()},
+            "nu": {n: np.zeros(a.shape, np.float32) for n, a in params.items()}}
     files = sorted({str(p) for p in reader.files.values()})
-    with spill_dir(dst) as spill:
-        params = {n: spill.put(cast(reader.full(n), dtype)) for n in param_shapes(state.config)}
-        adam = {"count": 0, "mu": {n: spill.zeros(a.shape) for n, a in params.items()},
-                "nu": {n: spill.zeros(a.shape) for n, a in params.items()}}
-        return _save_orbax(Path(dst), step=0, cfg=state.config, hf_dir=Path(src), params=params,
-                           adam=adam, train_state={"step": 0, "lr_schedule_count": 0,
-                                                   "optimizer_step": 0, "source_format": "hf"},
-                           source={"format": "hf", "path": str(Path(src).resolve())},
-                           layout_files=[("params", files)], source_path=src, source_format="hf")
+    return _save_orbax(Path(dst), step=0, cfg=state.config, hf_dir=Path(src), params=params,
+                       adam=adam, train_state={"step": 0, "lr_schedule_count": 0,
+                                               "optimizer_step": 0, "source_format": "hf"},
+                       source={"format": "hf", "path": str(Path(src).resolve())},
+                       layout_files=[("params", files)], source_path=src, source_format="hf")
 
 
 def orbax_reader(step_dir: Path, group: str) -> Callable[[str], np.ndarray]:
