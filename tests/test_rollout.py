@@ -73,7 +73,7 @@ class RaisingJudge(MaskingJudge):
 @pytest.fixture(scope="module")
 def expert_group(model, chat, record, expert, rule_judge):
     engine = RolloutEngine(model, chat, FORCED)
-    return engine.run_group(record, group_id=7, seeds=[episode_seed(record.seed, m) for m in range(2)],
+    return engine.run_group(record, group_id=7, seeds=[episode_seed(record.seed, m, 0) for m in range(2)],
                             judge=MaskingJudge(rule_judge), forced=expert)
 
 
@@ -83,7 +83,7 @@ def test_expert_episode_reward_matches_the_scripted_runner(expert_group, record)
     assert a.failure_cause is None and not a.masked
     assert a.reward == pytest.approx(ep.outcome.reward) and a.units == ep.outcome.units > 0
     assert a.group_id == b.group_id == 7 and (a.member, b.member) == (0, 1)
-    assert a.seed == episode_seed(record.seed, 0) != b.seed
+    assert a.seed == episode_seed(record.seed, 0, 0) != b.seed
     # judge failure: masked, reward 0 (never -1, never NaN)
     assert b.masked and b.failure_cause == "judge_timeout" and b.reward == 0.0
     np.testing.assert_array_equal(a.tokens, b.tokens)
