@@ -35,7 +35,7 @@ def design_record(prompt: str, room_path: str | None, seed: int):
     from pydantic import ValidationError
 
     from jscenegen.scene.generator import make_record
-    from jscenegen.scene.schema import Room, Scene, SceneError, scene_from_json
+    from jscenegen.scene.schema import Room, Scene, SceneError, read_json_file, scene_from_json
     from jscenegen.scene.sceneset import SceneRecord
 
     if not prompt.strip():
@@ -44,12 +44,7 @@ def design_record(prompt: str, room_path: str | None, seed: int):
         room = make_record(DEFAULT_ROOM_SEED, "design").scene.room
         scene = Scene(scene_id="design", prompt=prompt, room=room)
     else:
-        try:
-            data = json.loads(Path(room_path).read_text())
-        except FileNotFoundError:
-            raise SceneError(f"--room {room_path}: no such file") from None
-        except json.JSONDecodeError as err:
-            raise SceneError(f"--room {room_path}: not valid JSON: {err}") from None
+        data = read_json_file(room_path, f"--room {room_path}")
         if isinstance(data, dict) and "room" in data:
             scene = scene_from_json(data, room_path).model_copy(update={"prompt": prompt})
         else:

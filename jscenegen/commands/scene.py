@@ -35,15 +35,10 @@ def _configs(path: str | None):
 
 def _load(path: str):
     """(scene, requested items) from a scene JSON file or a one-record scene-set file."""
-    from jscenegen.scene.schema import SceneError, scene_from_json
+    from jscenegen.scene.schema import read_json_file, scene_from_json
     from jscenegen.scene.sceneset import record_from_json
 
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SceneError(f"{path}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise SceneError(f"{path}: not valid JSON: {err}") from None
+    data = read_json_file(path)
     if isinstance(data, dict) and "scene" in data and "room" not in data:
         rec = record_from_json(data, path)
         return rec.scene, list(rec.requested)

@@ -44,7 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jscenegen.checksums import (CHECKSUMS_NAME, ChecksumError, verify_checksums,
+from jscenegen.checksums import (ChecksumError, verify_checksums,
                                  write_checksums, write_json_atomic)
 from jscenegen.grpo.run_metadata import redact
 from jscenegen.model.params import padded_shape

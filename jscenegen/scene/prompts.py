@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from string import Template
 
 PROMPTS_VERSION = "scenegen.prompts/1"

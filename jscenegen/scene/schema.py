@@ -213,15 +213,22 @@ def scene_from_json(data: dict, source: str = "<scene>") -> Scene:
         raise SceneError(_format_error(err, source)) from None
 
 
+def read_json_file(path: str | Path, label: str | None = None):
+    """Parsed JSON of `path`. Raises SceneError naming `label` (default: the path) when the file
+    is missing or not valid JSON."""
+    label = label or str(path)
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SceneError(f"{label}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise SceneError(f"{label}: not valid JSON: {err}") from None
+
+
 def load_scene(path: str | Path) -> Scene:
     """Read a scene JSON file (a bare scene, or a scene-set line `{"scene": ...}`)."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SceneError(f"{p}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise SceneError(f"{p}: not valid JSON: {err}") from None
+    data = read_json_file(p)
     if isinstance(data, dict) and "scene" in data and "room" not in data:
         data = data["scene"]
     return scene_from_json(data, str(p))
