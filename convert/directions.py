@@ -94,8 +94,8 @@ def verl_state(ck: VerlCheckpoint) -> VerlState:
     """Readers over an open VERL checkpoint (each tensor reassembled on demand)."""
     adam = None
     if ck.has_optimizer():
-        adam = AdamSource(exp_avg=sliced(lambda n: ck.read_adam(n)[0]),
-                          exp_avg_sq=sliced(lambda n: ck.read_adam(n)[1]),
+        adam = AdamSource(exp_avg=sliced(lambda n: ck.read_moment(n, "exp_avg")),
+                          exp_avg_sq=sliced(lambda n: ck.read_moment(n, "exp_avg_sq")),
                           step=ck.adam_step(), param_groups=ck.param_groups())
     extra = ck.extra_states() if "extra_state" in ck.layout.kinds else None
     step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)

@@ -18,6 +18,7 @@ What carries over (../shared/specs/verl-checkpoint.md, "What a converter must gu
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader, write_safetensors_streaming
 from convert.staging import staged_dir
-from convert.tensors import cast
+from convert.tensors import _np_dtype, cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
 from jscenegen.checksums import write_checksums
@@ -131,25 +132,29 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
 def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
     """A VERL checkpoint as an orbax training checkpoint DST/<global step>/ (resumable).
 
-    Memory: the whole model, Adam moments included, is held once (CheckpointStore.save takes
-    in-memory trees), i.e. 3 x the fp32 model size.
+    Streamed: each tensor and moment is reassembled from the rank files only when orbax writes
+    it (`LazyArray`), so peak memory is about one full tensor, not the model.
     """
+    from jscenegen.grpo.lazy_array import LazyArray
+
     ck = VerlCheckpoint(src)
-    params = {n: cast(a, dtype) for n, a in ck.iter_params()}
+    info = ck.tensor_info()
+    params = {n: lazy_cast(n, shape, _np_dtype(info[n].dtype), functools.partial(ck.read_param, n), dtype)
+              for n, shape in ck.shapes.items()}
     adam: dict[str, Any] = {"count": 0, "mu": {}, "nu": {}}
     if ck.has_optimizer():
         adam["count"] = ck.adam_step()
-        for name, m, v in ck.iter_adam():
-            adam["mu"][name], adam["nu"][name] = m, v
+        for group, moment in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+            adam[group] = {n: LazyArray(shape, np.float32, functools.partial(ck.read_moment, n, moment),
+                                        f"{moment} of {n}") for n, shape in ck.shapes.items()}
     else:
-        adam["mu"] = {n: np.zeros_like(a, dtype=np.float32) for n, a in params.items()}
-        adam["nu"] = {n: np.zeros_like(a, dtype=np.float32) for n, a in params.items()}
+        adam["mu"] = {n: LazyArray.zeros(s, name=n) for n, s in ck.shapes.items()}
+        adam["nu"] = {n: LazyArray.zeros(s, name=n) for n, s in ck.shapes.items()}
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
     step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
     sched = ck.scheduler_step() if extras else None
     train_state = {"step": step, "lr_schedule_count": sched if sched is not None else step,
                    "optimizer_step": int(adam["count"]), "source_format": "verl"}
-    info = ck.tensor_info()
     import torch
 
     source = {"format": "verl", "path": str(Path(src).resolve()), "layout": ck.layout.kind,
@@ -174,15 +179,21 @@ def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
-    """An HF model as an orbax checkpoint at step 0 with fresh Adam state (zeros, count 0)."""
+    """An HF model as an orbax checkpoint at step 0 with fresh Adam state (zeros, count 0).
+
+    Streamed: each tensor is read when orbax writes it (`LazyArray`); zeros are made per moment.
+    """
     from convert.directions import hf_state
+    from jscenegen.grpo.lazy_array import LazyArray
     from jscenegen.model.params import param_shapes
 
     state = hf_state(src)
     reader = SafetensorsReader(src)
-    params = {n: cast(reader.full(n), dtype) for n in param_shapes(state.config)}
-    adam = {"count": 0, "mu": {n: np.zeros(a.shape, np.float32) for n, a in params.items()},
-            "nu": {n: np.zeros(a.shape, np.float32) for n, a in params.items()}}
+    shapes = param_shapes(state.config)
+    params = {n: lazy_cast(n, s, reader.dtype(n), functools.partial(reader.full, n), dtype)
+              for n, s in shapes.items()}
+    adam = {"count": 0, "mu": {n: LazyArray.zeros(s, name=n) for n, s in shapes.items()},
+            "nu": {n: LazyArray.zeros(s, name=n) for n, s in shapes.items()}}
     files = sorted({str(p) for p in reader.files.values()})
     return _save_orbax(Path(dst), step=0, cfg=state.config, hf_dir=Path(src), params=params,
                        adam=adam, train_state={"step": 0, "lr_schedule_count": 0,

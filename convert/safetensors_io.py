@@ -1,109 +1,24 @@
-"""HF safetensors written and read one tensor at a time.
-
-Writing streams: all shapes and dtypes are known before any data (from the model config), so
-each file's header is written first and then every tensor's bytes as it arrives; memory is one
-tensor. The byte layout is the safetensors format (github.com/huggingface/safetensors, README
-"Format": u64 little-endian header size, JSON header {name: {dtype, shape, data_offsets}} with
-`__metadata__`, padded with spaces to 8 bytes, then the raw little-endian data). Shards follow
-transformers' naming: `model.safetensors`, or `model-0000i-of-0000n.safetensors` plus
-`model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}).
-"""
+"""HF safetensors read one tensor (or slice) at a time; writing is jscenegen.model.safetensors_stream."""
 from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
-import ml_dtypes
 import numpy as np
 
 from convert.errors import ConvertError
-
-INDEX = "model.safetensors.index.json"  # as jscenegen.model.hf_io.INDEX_NAME
-_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
-              np.dtype(np.float16): "F16"}
-
-
-def _st_dtype(dtype: np.dtype) -> str:
-    try:
-        return _ST_DTYPES[np.dtype(dtype)]
-    except KeyError:
-        raise ConvertError(f"dtype {dtype} cannot be written to safetensors here "
-                           "(float32, bfloat16, float16)") from None
-
-
-def plan_shards(specs: dict[str, tuple[tuple[int, ...], np.dtype]],
-                max_shard_bytes: int) -> list[list[str]]:
-    """Group tensor names (in order) into files of at most `max_shard_bytes` (one tensor may exceed)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, (shape, dtype) in specs.items():
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def write_safetensors_streaming(out_dir: str | Path,
-                                specs: dict[str, tuple[tuple[int, ...], np.dtype]],
-                                arrays: Iterable[tuple[str, np.ndarray]],
-                                max_shard_bytes: int = 5 << 30) -> list[str]:
-    """Write `arrays` (yielded in `specs` order) as HF safetensors under `out_dir`.
-
-    specs: ordered {name: (shape, dtype)} announced before the data; every yielded array must
-    match its spec (else ConvertError naming the tensor). Returns the written file names.
-    """
-    if sys.byteorder != "little":
-        raise ConvertError("writing safetensors needs a little-endian host")
-    out_dir = Path(out_dir)
-    shards = plan_shards(specs, max_shard_bytes)
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [
-        f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    it = iter(arrays)
-    weight_map = {}
-    total = 0
-    for fname, members in zip(names, shards):
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name in members:
-            shape, dtype = specs[name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            header[name] = {"dtype": _st_dtype(dtype), "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[name] = fname
-        total += offset
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(out_dir / fname, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name in members:
-                got_name, a = next(it)
-                shape, dtype = specs[name]
-                if got_name != name or tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
-                    raise ConvertError(f"tensor {got_name} {a.shape} {a.dtype} arrived where "
-                                       f"{name} {tuple(shape)} {np.dtype(dtype)} was announced")
-                f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)  # little-endian host
-    if next(it, None) is not None:
-        raise ConvertError("more tensors arrived than were announced")
-    if n > 1:
-        (out_dir / INDEX).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    return names + ([INDEX] if n > 1 else [])
+from jscenegen.model.safetensors_stream import ST_DTYPES, write_safetensors_streaming  # noqa: F401
 
 
 class SafetensorsReader:
     """Slices of tensors from an HF safetensors directory, read without loading whole files.
 
     `read(name, dim, start, stop)` is a `SliceReader` (convert/verl_write.py); `full(name)`
-    reads one whole tensor. Arrays are numpy (bf16 as ml_dtypes.bfloat16).
+    reads one whole tensor. Arrays are numpy (bf16 as ml_dtypes.bfloat16). Whole tensors and
+    dim-0 slices are read with plain file reads at the offsets of the file's header, not through
+    a memory map, so the file's pages never count towards this process's resident memory.
     """
 
     def __init__(self, hf_dir: str | Path):
@@ -115,6 +30,7 @@ class SafetensorsReader:
         except CheckpointFormatError as err:
             raise ConvertError(str(err)) from None
         self._open: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
 
     def _slice(self, name: str):
         from safetensors import safe_open
@@ -129,17 +45,62 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> np.dtype:
+        """The stored dtype of `name` (from the file header; no data read)."""
+        stored = self._slice(name).get_dtype()
+        for dt, code in ST_DTYPES.items():
+            if code == stored:
+                return dt
+        raise ConvertError(f"{self.files[name]}: {name} has dtype {stored}; supported: "
+                           f"{', '.join(ST_DTYPES.values())}")
+
+    def _header(self, path: Path) -> tuple[int, dict]:
+        if path not in self._headers:
+            try:
+                with open(path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    self._headers[path] = (8 + n, json.loads(f.read(n)))
+            except (OSError, struct.error, ValueError) as err:
+                raise ConvertError(f"{path}: not a readable safetensors file ({err})") from None
+        return self._headers[path]
+
+    def _read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of dim 0 of `name`, read from the file into a fresh array."""
+        path = self.files[name]
+        data_start, header = self._header(path)
+        shape, dtype = self.shape(name), self.dtype(name)
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        begin, end = header[name]["data_offsets"]
+        if end - begin != shape[0] * row:
+            raise ConvertError(f"{path}: {name} spans {end - begin} bytes, {dtype}{list(shape)} needs "
+                               f"{shape[0] * row}")
+        buf = np.empty((stop - start) * row, np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(data_start + begin + start * row)
+            view, got = memoryview(buf), 0
+            while got < buf.nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise ConvertError(f"{path}: truncated inside {name}")
+                got += n
+        return buf.view(dtype).reshape((stop - start, *shape[1:]))
+
     def read(self, name: str, dim: int, start: int, stop: int) -> np.ndarray:
         from convert.tensors import to_numpy
 
+        if dim == 0:
+            return self._read_rows(name, start, stop)
         sl = self._slice(name)
         idx = (slice(None),) * dim + (slice(start, stop),)
         return to_numpy(sl[idx]).copy()
 
     def full(self, name: str) -> np.ndarray:
-        from convert.tensors import to_numpy
+        shape = self.shape(name)
+        if not shape:
+            from convert.tensors import to_numpy
 
-        return to_numpy(self._slice(name)[:]).copy()
+            return to_numpy(self._slice(name)[:]).copy()
+        return self._read_rows(name, 0, shape[0])
 
     def names(self) -> Iterator[str]:
         return iter(self.files)

@@ -1,10 +1,13 @@
 """torch <-> numpy without copies where possible, bfloat16 included (via ml_dtypes, as JAX uses)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:
+    from jscenegen.grpo.lazy_array import LazyArray
 
 DTYPES = ("float32", "bfloat16")
 
@@ -34,6 +37,19 @@ def cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
     if dtype is None or a.dtype == np.dtype(_np_dtype(dtype)):
         return a
     return a.astype(_np_dtype(dtype))
+
+
+def cast_dtype(source: Any, dtype: str | None) -> np.dtype:
+    """The dtype `cast(a, dtype)` returns for an array of dtype `source`."""
+    return np.dtype(source) if dtype is None else np.dtype(_np_dtype(dtype))
+
+
+def lazy_cast(name: str, shape: tuple[int, ...], source_dtype: Any, load: Callable[[], np.ndarray],
+              dtype: str | None) -> "LazyArray":
+    """`cast(load(), dtype)` as a LazyArray: read from the source only when orbax writes it."""
+    from jscenegen.grpo.lazy_array import LazyArray
+
+    return LazyArray(tuple(shape), cast_dtype(source_dtype, dtype), lambda: cast(load(), dtype), name)
 
 
 def _np_dtype(name: str) -> Any:

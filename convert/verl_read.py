@@ -388,16 +388,20 @@ class VerlCheckpoint:
 
     def read_adam(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(exp_avg, exp_avg_sq) of one parameter, reassembled from every optim rank file."""
+        return self.read_moment(name, "exp_avg"), self.read_moment(name, "exp_avg_sq")
+
+    def read_moment(self, name: str, moment: str) -> np.ndarray:
+        """One AdamW moment ("exp_avg" or "exp_avg_sq") of one parameter, from every optim rank file."""
+        if moment not in ("exp_avg", "exp_avg_sq"):
+            raise ValueError(f"moment must be exp_avg or exp_avg_sq, got {moment!r}")
         i = self.param_order.index(name)
-        shape = self.shapes[name]
         states = [sd["state"][i] for sd in self._optim_files]
         for r, st in enumerate(states):
             if not isinstance(st, dict) or not {"exp_avg", "exp_avg_sq", "step"} <= set(st):
                 raise ConvertError(f"{self.layout.rank_file('optim', r)}: state {i} ({name}) lacks "
                                    "exp_avg/exp_avg_sq/step; not a torch AdamW state")
-        m = self._gather("optim", f"state[{i}].exp_avg ({name})", [s["exp_avg"] for s in states], shape)
-        v = self._gather("optim", f"state[{i}].exp_avg_sq ({name})", [s["exp_avg_sq"] for s in states], shape)
-        return m, v
+        return self._gather("optim", f"state[{i}].{moment} ({name})", [s[moment] for s in states],
+                            self.shapes[name])
 
     def adam_step(self) -> int:
         """AdamW's `step` (optimizer steps taken), checked equal on every rank and parameter."""

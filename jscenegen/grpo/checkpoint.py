@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jscenegen.checksums import (ChecksumError, verify_checksums,
                                  write_checksums, write_json_atomic)
+from jscenegen.grpo.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
 from jscenegen.grpo.run_metadata import redact
 from jscenegen.model.params import padded_shape
 
@@ -415,7 +416,9 @@ class CheckpointStore:
              hf_assets_dir: str | Path, shapes: Mapping[str, tuple[int, ...]]) -> Path:
         """Write checkpoint `step`; returns its directory.
 
-        params: {hf_name: array [n or padded n, ...]} (jax.Array on any mesh, or NumPy);
+        params: {hf_name: array [n or padded n, ...]} (jax.Array on any mesh, NumPy, or
+        `LazyArray`: loaded only when written, one at a time, so a converter's peak memory is
+        one array, not the model);
         adam: {"count": int scalar, "mu": {...}, "nu": {...}} same names, float32;
         shapes: {hf_name: logical shape} (`model.params.param_shapes(cfg)`); padding beyond it
         on dim 0 is dropped, never stored. train_state, metadata: JSON-able dicts (metadata is

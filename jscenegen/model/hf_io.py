@@ -23,11 +23,11 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from jscenegen.model.config import ModelConfigError, QwenConfig
 from jscenegen.model.params import padded_shape, param_shapes
 from jscenegen.model.qwen import QwenForCausalLM
+from jscenegen.model.safetensors_stream import INDEX_NAME, write_safetensors_streaming
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 TOKENIZER_FILES = (
@@ -35,7 +35,6 @@ TOKENIZER_FILES = (
     "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json",
     "generation_config.json",
 )
-INDEX_NAME = "model.safetensors.index.json"
 TIED_ALIAS = "lm_head.weight"
 
 
@@ -196,44 +195,18 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
                  max_shard_bytes: int = 2 * 1024**3) -> Path:
     """Write an HF directory from streamed (name, array) pairs; atomic (temp dir + rename).
 
-    Shards are `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more
+    `tensors` yields every parameter of `param_shapes(cfg)` in that order; each is written as
+    it arrives (`safetensors_stream`), so memory holds one tensor. Shards are `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more
     than one is needed, else `model.safetensors`. Tokenizer files and chat template are copied
     from `tokenizer_src` when given. Raises OSError on write failure (the old dir stays).
     """
     out = Path(out)
     tmp = _atomic_dir(out)
     try:
-        np_dtype = NP_DTYPES[dtype]
-        files: list[str] = []
-        current: dict[str, np.ndarray] = {}
-        current_bytes = total = 0
-
-        def flush():
-            files.append(f"part-{len(files)}.safetensors")
-            save_file(current, str(tmp / files[-1]), metadata={"format": "pt"})
-
-        for name, arr in tensors:
-            arr = np.ascontiguousarray(arr.astype(np_dtype))
-            if current and current_bytes + arr.nbytes > max_shard_bytes:
-                flush()
-                current, current_bytes = {}, 0
-            current[name] = arr
-            current_bytes += arr.nbytes
-            total += arr.nbytes
-        flush()
-        weight_map = {}
-        if len(files) == 1:
-            os.replace(tmp / files[0], tmp / "model.safetensors")
-        else:
-            n = len(files)
-            for i, f in enumerate(files):
-                final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                os.replace(tmp / f, tmp / final)
-                with safe_open(tmp / final, "np") as fh:
-                    weight_map.update({k: final for k in fh.keys()})
-            (tmp / INDEX_NAME).write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-                indent=2))
+        np_dtype = np.dtype(NP_DTYPES[dtype])
+        specs = {n: (tuple(s), np_dtype) for n, s in param_shapes(cfg).items()}
+        write_safetensors_streaming(tmp, specs, ((n, np.ascontiguousarray(a.astype(np_dtype)))
+                                                 for n, a in tensors), max_shard_bytes)
         hf = cfg.to_hf_dict()
         hf["torch_dtype"] = dtype
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
