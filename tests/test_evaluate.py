@@ -8,7 +8,8 @@ import pytest
 from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.cli import main
 from jscenegen.commands.eval import load_run_config
-from jscenegen.grpo.evaluate import evaluate, load_policy, plot_report, policy_engine, summarize
+from jscenegen.grpo.evaluate import evaluate, load_policy, plot_report, policy_engine
+from jscenegen.grpo.group_metrics import summarize
 from jscenegen.grpo.schedule import episode_seed
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import make_judge
@@ -86,6 +87,17 @@ def test_summarize_excludes_masked_and_counts_causes():
     assert s["reward"] == pytest.approx(-0.25) and s["masked"] == 1 and s["units"] == 7.0
     assert s["failure_rate"] == 0.5 and s["reachable"] == 1.0 and s["grades"] == {"a": 4.0}
     assert s["failure_causes"] == {"judge_timeout": 1, "truncated_action": 1}
+    assert s["zero_spread"] is False and s["collision"] == 0.0
+
+    from types import SimpleNamespace
+
+    from jscenegen.grpo.group_metrics import group_metrics
+
+    g = group_metrics([SimpleNamespace(outcome=o, num_tokens=100 + i) for i, o in enumerate(outs)], ["a"])
+    assert g["reward/mean"] == s["reward"] and g["masked_rate"] == pytest.approx(1 / 3)
+    assert g["failures/truncated_action"] == pytest.approx(1 / 3) and g["judge_failures"] == 1.0
+    assert g["zero_std_group"] == 0.0 and g["tokens/mean"] == 101.0 and g["grades/a"] == 4.0
+    assert g["scene/reachable_rate"] == 1.0 and g["failure_rate"] == 0.5
 
 
 def test_plot_is_a_png(report, tmp_path):

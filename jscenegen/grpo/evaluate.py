@@ -6,20 +6,20 @@ the same `RolloutEngine` the trainer uses (greedy or the configured sampling), a
 configured judge. The scripted expert (`scene.expert.run_scripted_episode`) plays each scene once
 (it is deterministic) and is judged by the same judge: it is the reference row of the report.
 
-Statistics follow the trainer's rollout metrics (`grpo.group_metrics`): masked episodes (judge or
+Statistics are the trainer's rollout metrics (`grpo.group_metrics.summarize`): masked episodes (judge or
 infrastructure failures) are excluded from reward, units and failure rate and counted in
 `masked`; policy failures (reward -1) are included.
 """
 from __future__ import annotations
 
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from jscenegen.grpo.checkpoint import CheckpointError, HF_DIR, PARAMS_ITEM, check_step, iter_arrays
+from jscenegen.grpo.group_metrics import summarize
 from jscenegen.grpo.rollout import RolloutEngine
 from jscenegen.grpo.schedule import episode_seed
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
@@ -118,41 +118,6 @@ def policy_engine(cfg, model_path: str | Path) -> RolloutEngine:
 
 
 # ----------------------------------------------------------------------------- statistics
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(np.mean(values)) if values else None
-
-
-def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
-    """Statistics of episode outcomes (`scene.reward.Outcome.to_json()` dicts).
-
-    Returns {"episodes", "masked", "reward" (mean over unmasked episodes, -1 failures
-    included), "reward_std", "quality" (mean over judged episodes), "unit_penalty", "grades"
-    {key: mean}, "units" (mean), "failure_rate" (unmasked episodes with a failure cause / all
-    unmasked), "failure_causes" {cause: count, masked causes included}, "reachable" (share of
-    episodes with measured terminal metrics whose scene is fully reachable; None without any)}.
-    Mirrors `grpo.group_metrics` (the training log's rollout metrics).
-    """
-    valid = [o for o in outcomes if not o["masked"]]
-    judged = [o for o in valid if o.get("grades")]
-    rewards = [o["reward"] for o in valid]
-    measured = [o["metrics"] for o in outcomes if o.get("metrics")]
-    return {
-        "episodes": len(outcomes),
-        "masked": len(outcomes) - len(valid),
-        "reward": _mean(rewards),
-        "reward_std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else None,
-        "quality": _mean(o.get("quality") for o in judged),
-        "unit_penalty": _mean(o.get("unit_penalty") for o in valid),
-        "grades": {k: _mean(o["grades"].get(k) for o in judged) for k in grade_keys},
-        "units": _mean(o["units"] for o in valid),
-        "failure_rate": (sum(1 for o in valid if o["failure_cause"]) / len(valid)) if valid else None,
-        "failure_causes": dict(sorted(Counter(o["failure_cause"] for o in outcomes
-                                              if o["failure_cause"]).items())),
-        "reachable": _mean(float(bool(m.get("reachable"))) for m in measured),
-    }
-
-
 def _episode_row(outcome: dict, **ids) -> dict:
     m = outcome.get("metrics") or {}
     return {**ids, "reward": outcome["reward"], "quality": outcome.get("quality"),

@@ -1,12 +1,18 @@
-"""Per-update rollout metrics (scene-protocol.md section 8) from one group of trajectories."""
+"""Rollout statistics (scene-protocol.md section 8): one function over episode outcomes, used by
+the trainer's per-update log (`group_metrics`) and the dev-scene evaluation (`summarize`).
+
+Masked episodes (judge or infrastructure failures) are excluded from reward statistics and
+counted separately; policy failures (-1) are included.
+"""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from jscenegen.grpo.rollout import Trajectory
+if TYPE_CHECKING:
+    from jscenegen.grpo.rollout import Trajectory
 
 
 def _mean(values) -> float | None:
@@ -14,40 +20,69 @@ def _mean(values) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def group_metrics(trajectories: Sequence[Trajectory], grade_keys: Sequence[str]) -> dict:
-    """Reward mean/std and its quality and unit-penalty parts, grade means, failure rate by
-    cause, judge failures, units, reachable/collision/OOB rates, zero-std flag.
+def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
+    """Statistics of episode outcomes (`scene.reward.Outcome.to_json()` dicts).
 
-    Masked episodes (judge/infrastructure failures) are excluded from reward statistics and
-    counted separately; policy failures (-1) are included.
+    Returns {"episodes", "masked", "reward" (mean over unmasked episodes, -1 failures
+    included), "reward_std", "zero_spread" (fewer than two unmasked rewards, or all equal),
+    "quality" (mean over judged episodes), "unit_penalty", "grades" {key: mean}, "units"
+    (mean), "failure_rate" (unmasked episodes with a failure cause / all unmasked),
+    "failure_causes" {cause: count, masked causes included}, "reachable", "collision",
+    "out_of_bounds" (shares of the episodes with measured terminal metrics whose scene is fully
+    reachable / has a colliding pair / an object out of the room; None without any),
+    "judge_latency_s" (mean over judged episodes that report it)}.
     """
-    n = len(trajectories)
-    valid = [t for t in trajectories if not t.masked]
-    rewards = np.array([t.reward for t in valid], np.float64)
-    causes = Counter(t.failure_cause for t in trajectories if t.failure_cause)
-    judged = [t for t in valid if t.grades]
+    valid = [o for o in outcomes if not o["masked"]]
+    judged = [o for o in valid if o.get("grades")]
+    rewards = [o["reward"] for o in valid]
+    measured = [o["metrics"] for o in outcomes if o.get("metrics")]
+    return {
+        "episodes": len(outcomes),
+        "masked": len(outcomes) - len(valid),
+        "reward": _mean(rewards),
+        "reward_std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else None,
+        "zero_spread": len(rewards) < 2 or float(np.ptp(rewards)) == 0.0,
+        "quality": _mean(o.get("quality") for o in judged),
+        "unit_penalty": _mean(o.get("unit_penalty") for o in valid),
+        "grades": {k: _mean(o["grades"].get(k) for o in judged) for k in grade_keys},
+        "units": _mean(o["units"] for o in valid),
+        "failure_rate": (sum(1 for o in valid if o["failure_cause"]) / len(valid)) if valid else None,
+        "failure_causes": dict(sorted(Counter(o["failure_cause"] for o in outcomes
+                                              if o["failure_cause"]).items())),
+        "reachable": _mean(float(bool(m.get("reachable"))) for m in measured),
+        "collision": _mean(float(bool(m.get("collision_pairs"))) for m in measured),
+        "out_of_bounds": _mean(float(bool(m.get("oob_objects"))) for m in measured),
+        "judge_latency_s": _mean((o.get("judge_info") or {}).get("latency_s") for o in judged),
+    }
+
+
+def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str]) -> dict:
+    """`summarize` of one group's outcomes as the training log's flat keys: reward/mean, /std,
+    /quality, /unit_penalty, zero_std_group, failure_rate, masked_rate, judge_failures,
+    units/mean, tokens/mean, grades/<key>, failures/<cause> (share of all episodes),
+    scene/reachable_rate, /collision_rate, /oob_rate (when any scene was measured) and
+    judge/latency_s."""
+    s = summarize([t.outcome for t in trajectories], grade_keys)
+    n = s["episodes"]
+    causes = s["failure_causes"]
     out: dict = {
         "episodes": n,
-        "reward/mean": float(rewards.mean()) if len(rewards) else None,
-        "reward/std": float(rewards.std(ddof=1)) if len(rewards) > 1 else None,
-        "reward/quality": _mean(t.outcome.get("quality") for t in judged),
-        "reward/unit_penalty": _mean(t.outcome.get("unit_penalty") for t in valid),
-        "zero_std_group": float(len(rewards) < 2 or np.ptp(rewards) == 0),
-        "failure_rate": float(sum(1 for t in valid if t.failure_cause) / max(len(valid), 1)),
-        "masked_rate": float((n - len(valid)) / max(n, 1)),
+        "reward/mean": s["reward"],
+        "reward/std": s["reward_std"],
+        "reward/quality": s["quality"],
+        "reward/unit_penalty": s["unit_penalty"],
+        "zero_std_group": float(s["zero_spread"]),
+        "failure_rate": s["failure_rate"] or 0.0,
+        "masked_rate": s["masked"] / max(n, 1),
         "judge_failures": float(sum(c for k, c in causes.items() if k.startswith("judge"))),
-        "units/mean": _mean(t.units for t in valid),
+        "units/mean": s["units"],
         "tokens/mean": _mean(t.num_tokens for t in trajectories),
     }
-    for key in grade_keys:
-        out[f"grades/{key}"] = _mean(t.grades.get(key) for t in judged)
-    for cause, count in sorted(causes.items()):
-        out[f"failures/{cause}"] = count / n
-    metrics = [t.metrics for t in judged if t.metrics]
-    if metrics:
-        out["scene/reachable_rate"] = _mean(float(bool(m.get("reachable"))) for m in metrics)
-        out["scene/collision_rate"] = _mean(float(bool(m.get("collision_pairs"))) for m in metrics)
-        out["scene/oob_rate"] = _mean(float(bool(m.get("oob_objects"))) for m in metrics)
-    latency = [t.outcome.get("judge_info", {}).get("latency_s") for t in judged]
-    out["judge/latency_s"] = _mean(latency)
+    out.update({f"grades/{k}": v for k, v in s["grades"].items()})
+    out.update({f"failures/{cause}": count / n for cause, count in causes.items()})
+    if s["reachable"] is not None:
+        out["scene/reachable_rate"] = s["reachable"]
+        out["scene/collision_rate"] = s["collision"]
+        out["scene/oob_rate"] = s["out_of_bounds"]
+    out["judge/latency_s"] = s["judge_latency_s"]
     return out
