@@ -102,7 +102,6 @@ def _jax_train(c: dict, args, attn: str) -> dict:
 
     out["train_step_s"] = timed(train, warmup=3, repeats=args.repeats)
     out["train_loss_finite"] = bool(np.isfinite(holder["loss"]))
-    del holder, step, arrays
     jax.clear_caches()
     return out
 
@@ -128,7 +127,6 @@ def _jax_decode(c: dict, args, attn: str) -> dict:
         assert (res["lengths"] == args.new).all(), res["lengths"]
 
     decode_s = timed(decode, warmup=1, repeats=args.repeats)
-    del sampler, model
     jax.clear_caches()
     return {"decode_s": decode_s}
 
@@ -170,7 +168,7 @@ def run_torch(c: dict, args) -> dict:
         out["train_loss_finite"] = bool(np.isfinite(metrics["loss"]))
 
     out["train_step_s"] = timed(train, warmup=2, repeats=args.repeats)
-    del model, opt, tb
+    model = opt = tb = None  # free the GPU memory before the decode model
     if cuda:
         torch.cuda.empty_cache()
 
