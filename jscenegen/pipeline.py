@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def default_model_dir(cfg, phases: dict) -> Path:
-    """The CPU default's policy: a tiny model (created once) warm-started by SFT on the
-    scripted expert's episodes (run once per SFT config and cached under `cache_dir()`)."""
+    """The CPU default's policy: a small fresh model (created once) warm-started by SFT on the
+    scripted expert's episodes (run once per SFT config and prompt set, cached under `cache_dir()`)."""
     import hashlib
 
     from jscenegen.commands.init_model import tokenizer_corpus
@@ -26,6 +26,8 @@ def default_model_dir(cfg, phases: dict) -> Path:
     from jscenegen.grpo.sft_config import SFTRunConfig
     from jscenegen.model.init_model import init_model_dir
     from jscenegen.paths import resolve_data_path
+    from jscenegen.scene import expert
+    from jscenegen.scene.prompts import load_templates
 
     ws = cfg.warm_start
     t0 = time.perf_counter()
@@ -38,7 +40,11 @@ def default_model_dir(cfg, phases: dict) -> Path:
         return base
     sft_cfg = load_config(resolve_data_path(ws.sft_config), [f"model.path={base}", *ws.sft_overrides],
                           model=SFTRunConfig)
-    key = hashlib.sha256(json.dumps(sft_cfg.model_dump(mode="json"), sort_keys=True).encode())
+    # The prompts and the expert's code enter the key: either changes the demonstrations.
+    key = hashlib.sha256(json.dumps([sft_cfg.model_dump(mode="json"),
+                                     load_templates(sft_cfg.scene.prompts_dir).digest(),
+                                     hashlib.sha256(Path(expert.__file__).read_bytes()).hexdigest()],
+                                    sort_keys=True).encode())
     out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
         print(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)", flush=True)
@@ -142,7 +148,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     try:
         if cfg.trainer.eval_before_after and not resume:
             t2 = time.perf_counter()
-            evals["before"] = trainer.evaluate_dev("eval_before")["overall"]["model"]
+            evals["before"] = trainer.evaluate_dev("eval_before")
             phases["eval_before_s"] = time.perf_counter() - t2
         t1 = time.perf_counter()
         progress = Progress(cfg.schedule.total_updates, cfg.trainer.progress and is_primary())
@@ -153,13 +159,26 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         phases["grpo_s"] = time.perf_counter() - t1
         if cfg.trainer.eval_before_after and not summary.stopped_by_signal:
             t3 = time.perf_counter()
-            evals["after"] = trainer.evaluate_dev("eval_after")["overall"]["model"]
+            evals["after"] = trainer.evaluate_dev("eval_after")
             phases["eval_after_s"] = time.perf_counter() - t3
     finally:
         trainer.close()
     if is_primary():
         out = dict(vars(summary), run_dir=str(run_dir), phases=phases)
-        for when, s in evals.items():
+        for when, report in evals.items():
+            s = report["overall"]["model"]
             out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}
+        if len(evals) == 2:
+            from jscenegen.grpo.evaluate import compare_reports, plot_report
+
+            try:
+                change = compare_reports(evals["before"], evals["after"])
+            except ValueError as err:  # e.g. every episode masked by judge failures
+                log.warning("no before/after comparison: %s", err)
+            else:
+                write_json_atomic(run_dir / "eval_change.json", change)
+                plot_report(evals["after"], run_dir / "eval_change.png", before=evals["before"],
+                            labels=("before GRPO", "after GRPO"))
+                out["dev_change"] = {k: change[k] for k in ("pairs", "diff", "diff_ci95")}
         print(json.dumps(out))
     return 0

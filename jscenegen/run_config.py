@@ -37,7 +37,7 @@ class WarmStartConfig(Section):
     created once, then supervised on the scripted expert's episodes (cached by config hash)."""
 
     arch: str = Field("qwen3", pattern="^(qwen2|qwen3)$")
-    preset: str = Field("tiny", pattern="^(tiny|small)$")
+    preset: str = Field("tiny", pattern="^(micro|tiny|small)$")
     sft_config: str | None = Field("configs/sft-cpu.yaml", description="SFT run config; null: "
                                    "train GRPO from the untrained model")
     sft_overrides: tuple[str, ...] = Field((), description="key=value overrides of the SFT config")

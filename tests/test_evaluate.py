@@ -190,3 +190,35 @@ def test_design_record_rooms(tmp_path):
         design_record("x", str(tmp_path / "bad.json"), 0)
     with pytest.raises(SceneError, match="--prompt is empty"):
         design_record("  ", None, 0)
+
+
+def test_compare_reports_pairs_episodes_by_scene_and_seed():
+    from jscenegen.grpo.evaluate import compare_reports
+
+    def report(rewards, masked=()):
+        return {"scenes": [{"scene_id": sid, "model": {"episodes": [
+            {"seed": seed, "reward": r, "masked": (sid, seed) in masked,
+             "failure_cause": "bad_json" if r == -1 else None} for seed, r in eps]}}
+            for sid, eps in rewards.items()]}
+
+    before = report({"a": [(1, -1.0), (2, 0.5)], "b": [(3, -1.0), (4, -1.0)]})
+    after = report({"a": [(2, 0.7), (1, 0.6)], "b": [(3, -1.0), (4, 0.2)]}, masked={("b", 3)})
+    c = compare_reports(before, after)
+    diffs = np.array([1.6, 0.2, 1.2])  # (a,1), (a,2), (b,4); (b,3) is masked after
+    assert c["pairs"] == 3 and c["diff"] == pytest.approx(diffs.mean())
+    half = 1.96 * diffs.std(ddof=1) / np.sqrt(3)
+    assert c["diff_ci95"] == pytest.approx([diffs.mean() - half, diffs.mean() + half])
+    assert c["per_scene"] == pytest.approx({"a": 0.9, "b": 1.2})
+    assert c["failure_rate_before"] == pytest.approx(2 / 3) and c["failure_rate_after"] == 0.0
+    with pytest.raises(ValueError, match="share no"):
+        compare_reports(before, report({"c": [(1, 0.0)]}))
+
+
+def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):
+    from jscenegen.grpo.evaluate import comparison_markdown, compare_reports
+
+    text = comparison_markdown(report, report)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(report["scenes"]) + 1
+    change = compare_reports(report, report)
+    assert change["diff"] == 0.0 and "diff +0.000, 95% CI [+0.000, +0.000]" in rows[-1]

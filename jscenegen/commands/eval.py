@@ -10,8 +10,12 @@ DEFAULT_CONFIG = "configs/cpu-default.yaml"
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on the dev scenes (JSON report + PNG plot)")
-    p.add_argument("--model", required=True, metavar="DIR_OR_CHECKPOINT",
+    p.add_argument("--model", metavar="DIR_OR_CHECKPOINT",
                    help="HF model directory or checkpoint step directory (RUN/checkpoints/N)")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="instead of evaluating: a Markdown table of two reports of the same scenes "
+                        "(e.g. RUN/eval_before.json RUN/eval_after.json) with the paired reward "
+                        "difference and its 95%% interval")
     p.add_argument("--scenes", default="dev", help="dev, train, or a JSONL scene-set file (default: dev)")
     p.add_argument("--samples", type=int, default=None,
                    help="episodes per scene (default: trainer.eval_samples)")
@@ -43,8 +47,30 @@ def scene_set_path(name: str, cfg) -> Path:
     return resolve_data_path(path)
 
 
+def compare(before: str, after: str, plot: str | None) -> int:
+    from jscenegen.grpo.evaluate import comparison_markdown, plot_report
+    from jscenegen.scene.schema import SceneError, read_json_file
+
+    try:
+        reports = read_json_file(before), read_json_file(after)
+        print(comparison_markdown(*reports))
+    except (SceneError, KeyError, ValueError) as err:
+        print(f"error: {before} vs {after}: not two evaluation reports of the same scenes ({err})",
+              file=sys.stderr)
+        return 2
+    if plot:
+        plot_report(reports[1], plot, before=reports[0])
+    return 0
+
+
 def run(args) -> int:
     from jscenegen.config import ConfigError
+
+    if args.compare:
+        return compare(*args.compare, args.plot)
+    if not args.model:
+        print("error: --model is required (or --compare BEFORE AFTER)", file=sys.stderr)
+        return 2
 
     try:
         cfg = load_run_config(args.config, args.overrides, args.greedy)

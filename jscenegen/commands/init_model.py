@@ -4,14 +4,19 @@ from __future__ import annotations
 import json
 
 
+COMPACT_PROMPTS = "configs/prompts-compact"
+
+
 def tokenizer_corpus() -> list[str]:
     """Text the tokenizer is trained on: the scene protocol's own text when the runtime
-    provides it (prompts, canonical scenes, scripted expert actions), else a built-in sample."""
+    provides it (prompts, canonical scenes, scripted expert actions; with the packaged prompts
+    and with the compact set the CPU default plays), else a built-in sample."""
     try:
+        from jscenegen.scene.config import SceneRuntimeConfig
         from jscenegen.scene.corpus import protocol_texts
     except ImportError:
         return _fallback_texts()
-    return list(protocol_texts())
+    return [*protocol_texts(), *protocol_texts(cfg=SceneRuntimeConfig(prompts_dir=COMPACT_PROMPTS))]
 
 
 def _fallback_texts() -> list[str]:
@@ -34,7 +39,7 @@ def register(sub) -> None:
     p = sub.add_parser("init-model", help="write a fresh tiny/small Qwen HF model directory")
     p.add_argument("out_dir")
     p.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen3", help="default: qwen3")
-    p.add_argument("--preset", choices=["tiny", "small"], default="tiny", help="default: tiny")
+    p.add_argument("--preset", choices=["micro", "tiny", "small"], default="tiny", help="default: tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.set_defaults(func=run)

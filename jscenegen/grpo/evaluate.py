@@ -180,8 +180,74 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
             "scenes": rows, "overall": overall, "wall_s": time.perf_counter() - t0}
 
 
-def plot_report(report: dict, out: str | Path) -> Path:
-    """Bar plot of per-scene mean reward, model vs expert, written atomically as PNG to `out`.
+def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
+    """Paired change of the model's dev reward between two `evaluate` reports.
+
+    Episodes are paired by (scene_id, seed): the same scenes and sampling seeds before and
+    after (the trainer's evaluations), both unmasked. Returns {"pairs", "reward_before",
+    "reward_after", "diff" (mean of after - before), "diff_ci95" [lo, hi] (normal
+    approximation, mean +- z * sd / sqrt(pairs), over scenes and sampling seeds), "per_scene"
+    {scene_id: diff}, "failure_rate_before", "failure_rate_after"}. Raises ValueError when no
+    episode pairs up.
+    """
+    def episodes(report):
+        return {(row["scene_id"], ep["seed"]): ep for row in report["scenes"]
+                for ep in row.get("model", {}).get("episodes", [])}
+
+    b, a = episodes(before), episodes(after)
+    keys = [k for k in b if k in a and not b[k]["masked"] and not a[k]["masked"]]
+    if not keys:
+        raise ValueError("the reports share no unmasked (scene_id, seed) episode")
+    diffs = np.array([a[k]["reward"] - b[k]["reward"] for k in keys], np.float64)
+    half = z * diffs.std(ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    per_scene: dict[str, list[float]] = {}
+    for k, d in zip(keys, diffs):
+        per_scene.setdefault(k[0], []).append(float(d))
+    failed = lambda eps: float(np.mean([e["failure_cause"] is not None for e in eps]))  # noqa: E731
+    return {"pairs": len(keys),
+            "reward_before": float(np.mean([b[k]["reward"] for k in keys])),
+            "reward_after": float(np.mean([a[k]["reward"] for k in keys])),
+            "diff": float(diffs.mean()), "diff_ci95": [float(diffs.mean() - half), float(diffs.mean() + half)],
+            "per_scene": {sid: float(np.mean(v)) for sid, v in per_scene.items()},
+            "failure_rate_before": failed([b[k] for k in keys]),
+            "failure_rate_after": failed([a[k] for k in keys])}
+
+
+def comparison_markdown(before: dict, after: dict) -> str:
+    """A Markdown table of two `evaluate` reports of the same scenes: per scene and overall,
+    mean reward, failure rate, mean units, reachable rate, and the reward's quality and unit
+    penalty parts, before -> after; the overall row adds the paired difference with its 95%
+    interval (`compare_reports`)."""
+    change = compare_reports(before, after)
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    def cells(b: dict, a: dict) -> list[str]:
+        return [f"{f(b['reward'])} -> {f(a['reward'])}", f"{f(b['failure_rate'])} -> {f(a['failure_rate'])}",
+                f"{f(b['units'], '{:.1f}')} -> {f(a['units'], '{:.1f}')}",
+                f"{f(b['reachable'])} -> {f(a['reachable'])}", f"{f(b['quality'])} -> {f(a['quality'])}",
+                f"{f(b['unit_penalty'], '{:.3f}')} -> {f(a['unit_penalty'], '{:.3f}')}"]
+
+    lines = ["| scene | reward | failure rate | units | reachable | quality | unit penalty |",
+             "|---|---|---|---|---|---|---|"]
+    after_rows = {r["scene_id"]: r for r in after["scenes"]}
+    for row in before["scenes"]:
+        other = after_rows.get(row["scene_id"])
+        if other is not None and "model" in row and "model" in other:
+            lines.append("| " + " | ".join([row["scene_id"], *cells(row["model"], other["model"])]) + " |")
+    lo, hi = change["diff_ci95"]
+    overall = cells(before["overall"]["model"], after["overall"]["model"])
+    overall[0] += f" (diff {change['diff']:+.3f}, 95% CI [{lo:+.3f}, {hi:+.3f}], {change['pairs']} pairs)"
+    lines.append("| **all** | " + " | ".join(overall) + " |")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
+                labels: tuple[str, str] = ("before", "after")) -> Path:
+    """Bar plot of per-scene mean reward, written atomically as PNG to `out`: the model (and the
+    expert when the report has it), or with `before` (a report of the same scenes) the model
+    before and after, labelled `labels`.
 
     Bars are in reward units ([-1, 1]); a scene whose model episodes all failed shows its
     most frequent failure cause inside the model's bar.
@@ -197,17 +263,24 @@ def plot_report(report: dict, out: str | Path) -> Path:
     out = Path(out)
     rows = report["scenes"]
     x = np.arange(len(rows))
-    series = [s for s in ("model", "expert") if all(s in r for r in rows)]
+    # (label, colour, per-scene summaries); the last "model" series gets the failure labels
+    if before is not None:
+        by_id = {r["scene_id"]: r for r in before["scenes"]}
+        series = [(labels[0], "tab:orange", [by_id[r["scene_id"]]["model"] for r in rows]),
+                  (labels[1], "tab:blue", [r["model"] for r in rows])]
+    else:
+        series = [(name, colour, [r[name] for r in rows])
+                  for name, colour in (("model", "tab:blue"), ("expert", "tab:gray"))
+                  if all(name in r for r in rows)]
     width = 0.8 / max(len(series), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4))
-    colours = {"model": "tab:blue", "expert": "tab:gray"}
-    for k, s in enumerate(series):
-        vals = [r[s]["reward"] if r[s]["reward"] is not None else 0.0 for r in rows]
-        ax.bar(x + (k - (len(series) - 1) / 2) * width, vals, width, label=s, color=colours[s])
-    if "model" in series:  # a scene the model always failed: its main cause inside the bar
-        dx = (series.index("model") - (len(series) - 1) / 2) * width
-        for j, r in enumerate(rows):
-            m = r["model"]
+    for k, (label, colour, summaries) in enumerate(series):
+        dx = (k - (len(series) - 1) / 2) * width
+        vals = [m["reward"] if m["reward"] is not None else 0.0 for m in summaries]
+        ax.bar(x + dx, vals, width, label=label, color=colour)
+        if label == "expert":
+            continue
+        for j, m in enumerate(summaries):  # a scene the model always failed: its main cause
             if m["failure_rate"] == 1.0 and m["failure_causes"]:
                 cause = max(m["failure_causes"], key=m["failure_causes"].get)
                 ax.text(x[j] + dx, -0.5, cause, ha="center", va="center", rotation=90,

@@ -98,13 +98,21 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict]) -> tupl
 
 
 def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
-                scene_cfg: SceneRuntimeConfig | None = None) -> list[Demo]:
-    """Run the scripted expert on each record (rule judge) and tokenise its episode."""
+                scene_cfg: SceneRuntimeConfig | None = None, *, noisy_fraction: float = 0.0,
+                noise_m: float = 0.3) -> list[Demo]:
+    """Run the scripted expert on each record (rule judge) and tokenise its episode.
+
+    Every record i with (i * noisy_fraction) crossing an integer (an even spread: 0.5 = every
+    second record) is played by the imperfect designer (`scene.expert.jitter_ops`, noise
+    `noise_m` metres, seed i), so the critic and planner also see flawed scenes.
+    """
     from jscenegen.scene.expert import run_scripted_episode
 
     demos = []
-    for record in records:
-        episode, transcript = run_scripted_episode(record, scene_cfg)
+    for i, record in enumerate(records):
+        noisy = int((i + 1) * noisy_fraction) > int(i * noisy_fraction)
+        episode, transcript = run_scripted_episode(record, scene_cfg, noise_m=noise_m if noisy else 0.0,
+                                                   noise_seed=i)
         tokens, roles, policy = tokenize_transcript(chat, transcript)
         reward = episode.outcome.reward if episode.outcome is not None else float("nan")
         demos.append(Demo(record.scene.scene_id, tokens, roles, policy, float(reward)))
@@ -246,7 +254,8 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     sc = cfg.sft
     t0 = time.perf_counter()
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
-    demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene)
+    demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
+                        noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m)
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     length = padded_length(demos, sc.max_seq_len, int(np.lcm(sc.seq_multiple, mesh.shape["sp"])))
     lengths = [len(d.tokens) for d in demos]

@@ -20,6 +20,10 @@ class SFTConfig(Section):
     num_demos: int = Field(48, ge=1, description="scripted-expert episodes on generated SFT scenes")
     scene_offset: int = Field(0, ge=0, description="index of the first SFT scene (seeds "
                               "SFT_SEED_BASE * 1000 + offset + i; never the train/dev sets)")
+    noisy_fraction: float = Field(0.0, ge=0, le=1, description="share of demos played by an "
+                                  "imperfect designer (positions jittered) so the critic and "
+                                  "planner also see flawed scenes")
+    noise_m: float = Field(0.3, ge=0, description="position jitter of the imperfect designer (m)")
     steps: int = Field(40, ge=1, description="optimizer steps (batches cycle over shuffled epochs)")
     batch_size: int = Field(3, ge=1, description="demos (rows) per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per micro-batch "
@@ -33,7 +37,7 @@ class SFTConfig(Section):
     seed: int = Field(0, description="demo order (shuffling) and a fresh model's weights")
     out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
     init_arch: Literal["qwen2", "qwen3"] = Field("qwen3", description="fresh model when model.path is null")
-    init_preset: Literal["tiny", "small"] = "tiny"
+    init_preset: Literal["micro", "tiny", "small"] = "tiny"
     host_devices: int | None = Field(6, ge=1, description="CPU devices forced on the host "
                                      "platform (XLA_FLAGS) when not already set; null = leave")
 

@@ -25,7 +25,7 @@ from .catalogue import Catalogue, catalogue_text, load_catalogue
 from .config import JudgeConfig, SceneRuntimeConfig
 from .judge import Judge, JudgeRequest, JudgeResult
 from .metrics import measure, metrics_text
-from .ops import SceneEditor, op_table
+from .ops import SceneEditor, op_costs_text, op_table
 from .prompts import PromptTemplates, load_templates
 from .reward import MASKED_FAILURES, POLICY_FAILURES, Outcome, failed_outcome, judged_outcome
 from .schema import Budget, Scene, canonical_text
@@ -98,6 +98,7 @@ class Episode:
             max_planner_turns=self.cfg.max_planner_turns,
             budget=self.cfg.budget_units,
             op_table=op_table(self.cfg),
+            op_costs=op_costs_text(self.cfg),
             grade_template=", ".join(f'"{k}": <0-10>' for k in self.judge_cfg.grade_keys),
             unit_penalty=r.unit_penalty,
             unit_norm=r.unit_norm,

@@ -36,7 +36,7 @@ from .sceneset import SceneRecord
 
 WALL_ITEMS = ("wardrobe", "dresser", "chest_of_drawers", "bookshelf", "tv_stand", "vanity", "desk", "standing_mirror")
 CORNER_ITEMS = ("plant", "floor_lamp", "armchair")
-GAP = 0.01
+GAP = 0.02
 
 
 def _yaw(d) -> float:
@@ -109,7 +109,7 @@ def _wall_poses(room, size, door_pts, prefer_far: bool, step: float = 0.1):
             dist = min((float(np.hypot(*(pos - d))) for d in door_pts), default=0.0)
             centred = abs(s - length / 2)
             score = (centred - 0.3 * dist) if prefer_far else (0.3 * centred - 0.01 * length)
-            out.append((score, i, j, (round(float(pos[0]), 4), round(float(pos[1]), 4)), _yaw(n)))
+            out.append((score, i, j, (round(float(pos[0]), 2), round(float(pos[1]), 2)), _yaw(n)))
     out.sort()
     return [(pos, yaw) for _, _, _, pos, yaw in out]
 
@@ -160,7 +160,7 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
         uo = np.array([fo[1], -fo[0]])
         half_o = abs(size[0] / 2 * float(uo @ d)) + abs(size[1] / 2 * float(fo @ d))
         pos = np.asarray(tgt.position) + d * (half_t + half_o + GAP) + tangent * along
-        pos = (round(float(pos[0]), 4), round(float(pos[1]), 4))
+        pos = (round(float(pos[0]), 2), round(float(pos[1]), 2))
         if not sim.fits(pos, yaw, size):
             return None
         return sim.try_add({"op": "add_object", "category": cat, "description": cat.replace("_", " "),
@@ -207,21 +207,40 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
             feet = box_corners(centre[0], centre[1], size[0], size[1], 0.0)
             if outside_fraction(feet, poly) < 1e-4 and sim.try_add(
                 {"op": "add_object", "category": "rug", "description": "rug", "size": list(size),
-                 "position": [round(float(centre[0]), 4), round(float(centre[1]), 4)], "yaw": 0.0}):
+                 "position": [round(float(centre[0]), 2), round(float(centre[1]), 2)], "yaw": 0.0}):
                 break
     return sim.ops
 
 
+def jitter_ops(ops: list[dict], noise_m: float, seed: int, share: float = 0.5) -> list[dict]:
+    """A copy of `ops` where each floor or wall placement moves, with probability `share`, by
+    uniform(-noise_m, noise_m) per axis (rounded to 1 cm): an imperfect designer, so SFT
+    demonstrations also show the critic and planner scenes with collisions and unreachable
+    objects (noise injection, as in DART; Laskey et al., 2017). Objects placed on a parent keep
+    their pose. Deterministic for a given seed."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for op in ops:
+        op = dict(op)
+        if "position" in op and op.get("mount") != "on" and rng.random() < share:
+            op["position"] = [round(float(v + rng.uniform(-noise_m, noise_m)), 2) for v in op["position"]]
+        out.append(op)
+    return out
+
+
 def expert_critique(metrics: dict, grades: dict[str, int]) -> dict:
-    """A critic answer built from the measured metrics (and the rule judge's grades as its estimate)."""
+    """A critic answer built from the measured metrics (and the rule judge's grades as its
+    estimate): counts of what is wrong, in a fixed order, so it is easy to imitate."""
     notes = []
     if metrics["collision_pairs"]:
-        notes.append(f"collisions: {metrics['collision_pairs']}")
+        notes.append(f"{len(metrics['collision_pairs'])} collisions")
+    if metrics["oob_objects"]:
+        notes.append(f"{len(metrics['oob_objects'])} objects out of the room")
     if not metrics["reachable"]:
-        notes.append(f"unreachable: {metrics['unreachable_objects']}")
+        notes.append(f"{len(metrics['unreachable_objects'])} unreachable objects")
     if metrics["window_warnings"]:
         notes.append("objects in front of windows")
-    text = "; ".join(notes) or "The layout is valid: no collisions, every object reachable from the door."
+    text = ("Problems: " + ", ".join(notes) + ".") if notes else "No collisions, every object reachable."
     return {"critique": text, "grades": grades}
 
 
@@ -230,8 +249,7 @@ def scripted_answers(ep: Episode, ops: list[dict]) -> str:
     role = ep.next_role
     if role == "planner":
         if ep.planner_turns == 0:
-            return format_action({"action": "design", "instruction": f"Furnish the room: {ep.scene.prompt}"},
-                                 "Plan: place the requested furniture in one batch, then ask for a critique.")
+            return format_action({"action": "design", "instruction": "Furnish the room as requested."})
         if ep.critique_rounds == 0:
             return format_action({"action": "critique"})
         return format_action({"action": "finish", "summary": f"Furnished with {len(ep.scene.objects)} objects."})
@@ -247,8 +265,13 @@ def run_scripted_episode(
     cfg: SceneRuntimeConfig | None = None,
     judge_cfg: JudgeConfig | None = None,
     judge: Judge | None = None,
+    noise_m: float = 0.0,
+    noise_seed: int = 0,
 ) -> tuple[Episode, list[dict]]:
     """Play planner, designer and critic with the expert; judge the result.
+
+    noise_m > 0 plays an imperfect designer (`jitter_ops` with `noise_seed`); the critic and
+    planner still answer as the expert does, from what the runtime measures.
 
     Returns (episode with its outcome, chat transcript [{"role", "content", "actor"}]) where
     actor is planner/designer/critic for assistant messages and "environment" otherwise.
@@ -257,6 +280,8 @@ def run_scripted_episode(
     judge_cfg = judge_cfg or JudgeConfig()
     ep = Episode(record, cfg, judge_cfg)
     ops = expert_ops(record, cfg, ep.catalogue)
+    if noise_m > 0:
+        ops = jitter_ops(ops, noise_m, noise_seed)
     chat = [
         {"role": "system", "content": ep.system_prompt(), "actor": "environment"},
         {"role": "user", "content": ep.first_user_message(), "actor": "environment"},

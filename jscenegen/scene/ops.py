@@ -146,6 +146,12 @@ def op_table(cfg: SceneRuntimeConfig) -> str:
     return "\n".join(f"  {name} ({costs[name]} units): {OP_ARGS[name]}" for name in OP_MODELS)
 
 
+def op_costs_text(cfg: SceneRuntimeConfig) -> str:
+    """One line of operation names and unit costs (for compact prompts without the full table)."""
+    costs = cfg.op_costs.model_dump()
+    return ", ".join(f"{name} {costs[name]}" for name in OP_MODELS)
+
+
 class OpError(ValueError):
     """A validation error of one operation: reported to the model, changes nothing."""
 
