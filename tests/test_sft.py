@@ -134,7 +134,7 @@ def batch(demos, mesh):
 def test_loss_matches_direct_nll_and_micro_batches(sharded, batch, mesh):
     params, rest, graphdef, whole = sharded
     arrays, placed = batch
-    assert arrays["loss_mask"].sum() > 150  # the first planner turns
+    assert arrays["loss_mask"].sum() > 50  # the first planner turns (~20 tokens each)
     micro = SFTStep(nnx_hidden_fn(graphdef, *rest), OPTIM, micro_batch_size=3, donate=False)
     with jax.set_mesh(mesh):
         s1, m1 = whole.step(init_train_state(params, OPTIM), placed)
@@ -178,7 +178,7 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
     assert rows[0]["event"] == "demos" and rows[0]["truncated"] == 2 and rows[0]["row_length"] == SEQ
     assert [r["step"] for r in rows[1:]] == [0, 1]
     vocab = ChatTokenizer.from_dir(chat_model_dir()).vocab_size
-    assert all(abs(r["loss"] - np.log(vocab)) < 0.5 and r["tokens"] > 100 for r in rows[1:])
+    assert all(abs(r["loss"] - np.log(vocab)) < 0.5 and r["tokens"] > 30 for r in rows[1:])  # 2 planner turns
     saved = json.loads((out / "sft_summary.json").read_text())
     assert saved["final_loss"] == summary["final_loss"] == rows[-1]["loss"]
     assert saved["config"]["sft"]["seed"] == 3
