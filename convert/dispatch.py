@@ -42,8 +42,10 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     source's (fp32 master weights), else "float32" | "bfloat16" for the model weights.
     mesh_device: the DeviceMesh device type pickled into VERL files: "cuda" for a GPU run,
     "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
-    Raises ConvertError for an unknown direction or a missing world size.
+    Raises ConvertError for a missing source, an unknown direction or a missing world size.
     """
+    if not Path(src).exists():
+        raise ConvertError(f"{src}: no such file or directory")
     for f in (src_format, dst_format):
         if f not in FORMATS:
             raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from convert.errors import ConvertError
+from jscenegen.paths import umask_mode
 
 
 @contextlib.contextmanager
@@ -30,6 +31,7 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
         yield tmp
         if dst.exists():
             dst.rmdir()
+        umask_mode(tmp)
         os.replace(tmp, dst)
     finally:
         if tmp.exists():

@@ -112,6 +112,8 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
     missing, resized, altered or unlisted file.
     """
     root = Path(root)
+    if not root.is_dir():
+        raise ChecksumError(f"{root}: no such directory")
     files = read_checksums(root, name)
     problems = []
     for rel, entry in sorted(files.items()):

@@ -25,3 +25,12 @@ def resolve_data_path(path: str | Path) -> Path:
 def cache_dir() -> Path:
     """Models the CPU default creates (tiny model, SFT warm start): $JSCENEGEN_CACHE or ~/.cache/jscenegen."""
     return Path(os.environ.get("JSCENEGEN_CACHE", Path.home() / ".cache" / "jscenegen"))
+
+
+def umask_mode(path: str | Path) -> None:
+    """Give `path` the permissions a plain open()/mkdir() would (0o666 or 0o777 minus the umask):
+    temporary files and directories are created private, so atomic writes call this before the
+    rename that publishes them."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)

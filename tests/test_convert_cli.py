@@ -37,7 +37,7 @@ def test_convert_inspect_verify(tmp_path, capsys):
         b = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([b[0] ^ 1]))
-    assert main(["convert", "--verify", str(out)]) == 1
+    assert main(["convert", "--verify", str(out)]) == 2
     assert "model.safetensors: SHA-256 differs" in capsys.readouterr().err
 
 
@@ -46,10 +46,10 @@ def test_cli_errors(tmp_path, capsys):
     hf = tmp_path / "hf"
     assert main(["convert", str(ckpt), str(hf), "--from", "verl", "--to", "hf"]) == 0
     # hf -> verl needs a world size; the refusal names the flag and writes nothing
-    assert main(["convert", str(hf), str(tmp_path / "v"), "--from", "hf", "--to", "verl"]) == 1
+    assert main(["convert", str(hf), str(tmp_path / "v"), "--from", "hf", "--to", "verl"]) == 2
     assert "--world-size" in capsys.readouterr().err and not (tmp_path / "v").exists()
     # an existing destination is never overwritten
-    assert main(["convert", str(ckpt), str(hf), "--from", "verl", "--to", "hf"]) == 1
+    assert main(["convert", str(ckpt), str(hf), "--from", "verl", "--to", "hf"]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main(["convert", "--verify", str(tmp_path)]) == 1
+    assert main(["convert", "--verify", str(tmp_path)]) == 2
     assert "checksums.json: missing" in capsys.readouterr().err

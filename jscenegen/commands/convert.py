@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(describe(args.inspect), indent=2, default=str))
             return 0
         if not (args.src and args.dst and args.src_format and args.dst_format):
-            print("jscenegen convert: need SRC DST --from F --to G (or --verify/--inspect DIR)",
+            print("error: convert needs SRC DST --from F --to G (or --verify/--inspect DIR)",
                   file=sys.stderr)
             return 2
         from convert.dispatch import convert
@@ -65,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})")
         return 0
     except (ConvertError, ChecksumError) as err:
-        print(f"jscenegen convert: {err}", file=sys.stderr)
-        return 1
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -53,10 +53,19 @@ def compare(before: str, after: str, plot: str | None) -> int:
 
     try:
         reports = read_json_file(before), read_json_file(after)
+    except SceneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path, report in zip((before, after), reports):
+        if not (isinstance(report, dict) and isinstance(report.get("scenes"), list)
+                and isinstance(report.get("overall"), dict) and "model" in report["overall"]):
+            print(f"error: {path}: not an evaluation report with model episodes (needs 'scenes' and "
+                  f"'overall.model'; made by `jscenegen eval` or `jscenegen train`)", file=sys.stderr)
+            return 2
+    try:
         print(comparison_markdown(*reports))
-    except (SceneError, KeyError, ValueError) as err:
-        print(f"error: {before} vs {after}: not two evaluation reports of the same scenes ({err})",
-              file=sys.stderr)
+    except (KeyError, TypeError, ValueError) as err:
+        print(f"error: {before} vs {after}: cannot compare ({err})", file=sys.stderr)
         return 2
     if plot:
         plot_report(reports[1], plot, before=reports[0])

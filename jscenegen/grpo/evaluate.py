@@ -18,10 +18,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jscenegen.grpo.checkpoint import CheckpointError, HF_DIR, PARAMS_ITEM, check_step, iter_arrays
+from jscenegen.grpo.checkpoint import (
+    HF_DIR,
+    PARAMS_ITEM,
+    CheckpointError,
+    check_step,
+    iter_arrays,
+)
 from jscenegen.grpo.group_metrics import summarize
 from jscenegen.grpo.rollout import RolloutEngine
 from jscenegen.grpo.schedule import episode_seed
+from jscenegen.paths import umask_mode
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
@@ -297,6 +304,7 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     os.close(fd)
     try:
         fig.savefig(tmp, format="png", dpi=110)
+        umask_mode(tmp)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):

@@ -35,6 +35,7 @@ import numpy as np
 
 from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout import Trajectory
+from jscenegen.paths import umask_mode
 
 PARAM_TOL = 1e-6
 LOSS_TOL = 1e-6
@@ -115,6 +116,7 @@ def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> 
                                 "policy_mask": t.policy_mask.astype(int).tolist(),
                                 "logprobs": t.logprobs.tolist(), "reward": t.reward,
                                 "masked": t.masked}) + "\n")
+    umask_mode(tmp)
     os.replace(tmp, path)
 
 

@@ -33,6 +33,7 @@ from jscenegen.grpo.optimizer import lr_at, make_optimizer, optimizer_step
 from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
 from jscenegen.grpo.train_step import HiddenFn, TrainState, init_train_state
 from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.paths import umask_mode
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.scene.generator import make_record
 from jscenegen.scene.sceneset import SceneRecord
@@ -223,6 +224,7 @@ def _write_json_atomic(path: Path, data) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=2)
+    umask_mode(tmp)
     os.replace(tmp, path)
 
 
@@ -246,10 +248,10 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     """
     from flax import nnx
 
+    from jscenegen.grpo.train_step import nnx_hidden_fn
     from jscenegen.model.hf_io import save_hf
     from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
     from jscenegen.sharding.mesh import make_mesh
-    from jscenegen.grpo.train_step import nnx_hidden_fn
 
     sc = cfg.sft
     t0 = time.perf_counter()

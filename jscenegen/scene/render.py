@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jscenegen.paths import umask_mode
+
 from .catalogue import Catalogue, load_catalogue
 from .config import SceneRuntimeConfig
 from .geometry import footprint, front_direction, opening_box
@@ -69,6 +71,7 @@ def render_scene(scene: Scene, out: str | Path, cfg: SceneRuntimeConfig | None =
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
+        umask_mode(tmp)
         os.replace(tmp, out)
     finally:
         plt.close(fig)

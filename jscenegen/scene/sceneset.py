@@ -12,6 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from jscenegen.paths import umask_mode
+
 from .schema import Scene, SceneError, scene_from_json
 
 SET_SCHEMA = "scenegen.sceneset/1"
@@ -80,6 +82,7 @@ def write_scene_set(path: str | Path, records: list[SceneRecord]) -> None:
         with os.fdopen(fd, "w") as f:
             for r in records:
                 f.write(json.dumps(r.to_json(), sort_keys=True, separators=(",", ":")) + "\n")
+        umask_mode(tmp)
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
