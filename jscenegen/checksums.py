@@ -16,6 +16,8 @@ import json
 import os
 from pathlib import Path
 
+from jscenegen.paths import atomic_file
+
 CHECKSUMS_NAME = "checksums.json"
 _CHUNK_BYTES = 1 << 20
 
@@ -63,14 +65,11 @@ def compute_checksums(root: str | Path, exclude: tuple[str, ...] = (CHECKSUMS_NA
 
 def write_json_atomic(path: str | Path, obj) -> None:
     """Write `obj` as indented JSON to `path` via a temporary file, fsync and rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict:

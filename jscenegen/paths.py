@@ -1,9 +1,13 @@
-"""Where the project's own files are: relative config/data paths resolve against the working
-directory first, then the checkout (the parent of the `jscenegen` package)."""
+"""Where files are and how they are written: relative config/data paths resolve against the
+working directory first, then the checkout (the parent of the `jscenegen` package); single files
+are written atomically (`atomic_file`: temporary file beside the target, then rename)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +29,24 @@ def resolve_data_path(path: str | Path) -> Path:
 def cache_dir() -> Path:
     """Models the CPU default creates (tiny model, SFT warm start): $JSCENEGEN_CACHE or ~/.cache/jscenegen."""
     return Path(os.environ.get("JSCENEGEN_CACHE", Path.home() / ".cache" / "jscenegen"))
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temporary path beside `path` to write; on success it gets the umask's
+    permissions and is renamed to `path` (atomic on one filesystem), on error it is deleted and
+    `path` is left as it was. The parent directory is created if needed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        umask_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def umask_mode(path: str | Path) -> None:

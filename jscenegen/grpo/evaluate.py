@@ -28,7 +28,7 @@ from jscenegen.grpo.checkpoint import (
 from jscenegen.grpo.group_metrics import summarize
 from jscenegen.grpo.rollout import RolloutEngine
 from jscenegen.grpo.schedule import episode_seed
-from jscenegen.paths import umask_mode
+from jscenegen.paths import atomic_file
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
@@ -259,8 +259,6 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     Bars are in reward units ([-1, 1]); a scene whose model episodes all failed shows its
     most frequent failure cause inside the model's bar.
     """
-    import os
-    import tempfile
 
     import matplotlib
 
@@ -299,17 +297,9 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     ax.set_title(f"dev reward per scene ({report['samples']} sample(s) per scene)")
     ax.legend(loc="upper left", ncol=len(series), fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        umask_mode(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        with atomic_file(out, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
     finally:
         plt.close(fig)
     return out

@@ -26,8 +26,6 @@ GRAD_NORM_TOL (fp32), or when an update had no trained tokens (cut episodes too 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -35,7 +33,7 @@ import numpy as np
 
 from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout import Trajectory
-from jscenegen.paths import umask_mode
+from jscenegen.paths import atomic_file
 
 PARAM_TOL = 1e-6
 LOSS_TOL = 1e-6
@@ -107,17 +105,13 @@ def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
 
 def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> None:
     """Write `trajectories` as the JSONL format of the module doc (atomically)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
         for t in trajectories:
             f.write(json.dumps({"group": t.group_id, "member": t.member,
                                 "tokens": t.tokens.tolist(), "roles": t.roles.tolist(),
                                 "policy_mask": t.policy_mask.astype(int).tolist(),
                                 "logprobs": t.logprobs.tolist(), "reward": t.reward,
                                 "masked": t.masked}) + "\n")
-    umask_mode(tmp)
-    os.replace(tmp, path)
 
 
 def read_trajectories(path: str | Path, vocab: int | None = None) -> list[Trajectory]:

@@ -16,8 +16,6 @@ normalisation as the GRPO step's token-mean), with the torch-exact AdamW (optimi
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jscenegen.checksums import write_json_atomic
 from jscenegen.grpo.config import OptimConfig
 from jscenegen.grpo.logprobs import shifted_token_logprobs
 from jscenegen.grpo.optimizer import lr_at, make_optimizer, optimizer_step
 from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
 from jscenegen.grpo.train_step import HiddenFn, TrainState, init_train_state
 from jscenegen.model.tokenizer import ChatTokenizer
-from jscenegen.paths import umask_mode
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.scene.generator import make_record
 from jscenegen.scene.sceneset import SceneRecord
@@ -220,14 +218,6 @@ def padded_length(demos: Sequence[Demo], max_seq_len: int, multiple: int) -> int
     return -(-longest // multiple) * multiple
 
 
-def _write_json_atomic(path: Path, data) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    umask_mode(tmp)
-    os.replace(tmp, path)
-
-
 def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
             log: Callable[[dict], None] = lambda row: print(json.dumps(row), flush=True),
             chat_template_path: str | Path | None = None) -> dict:
@@ -294,5 +284,5 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     summary = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir), **demo_stats,
                "history": history, "final_loss": history[-1]["loss"], "train_s": train_s,
                "total_s": time.perf_counter() - t0}
-    _write_json_atomic(Path(out_dir) / "sft_summary.json", summary)
+    write_json_atomic(Path(out_dir) / "sft_summary.json", summary)
     return summary

@@ -1,13 +1,11 @@
 """Top-view drawing of a scene with matplotlib: room, doors, windows, objects with fronts, reachable region."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from jscenegen.paths import umask_mode
+from jscenegen.paths import atomic_file
 
 from .catalogue import Catalogue, load_catalogue
 from .config import SceneRuntimeConfig
@@ -66,15 +64,9 @@ def render_scene(scene: Scene, out: str | Path, cfg: SceneRuntimeConfig | None =
     ax.set_title(f"{scene.scene_id or 'scene'}: reachable={metrics['reachable']}, regions={metrics['num_regions']}",
                  fontsize=9)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
-        umask_mode(tmp)
-        os.replace(tmp, out)
+        with atomic_file(out, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return metrics

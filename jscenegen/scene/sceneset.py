@@ -7,12 +7,10 @@ the prompt, read by the rule judge's prompt_following grade.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from jscenegen.paths import umask_mode
+from jscenegen.paths import atomic_file
 
 from .schema import Scene, SceneError, scene_from_json
 
@@ -75,16 +73,6 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
 
 def write_scene_set(path: str | Path, records: list[SceneRecord]) -> None:
     """Write records as JSONL atomically (temporary file in the same folder, then rename)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for r in records:
-                f.write(json.dumps(r.to_json(), sort_keys=True, separators=(",", ":")) + "\n")
-        umask_mode(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json(), sort_keys=True, separators=(",", ":")) + "\n")
