@@ -22,12 +22,13 @@ import numpy as np
 
 from convert.errors import ConvertError
 from convert.layout import write_layout
-from convert.safetensors_io import SafetensorsReader, write_safetensors_streaming
+from convert.safetensors_io import SafetensorsReader
 from convert.staging import staged_dir
 from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
 from jscenegen.checksums import write_checksums
+from jscenegen.model.safetensors_stream import write_safetensors_streaming
 
 # files of an HF directory that are weights (not copied into VERL's huggingface/ or re-emitted)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")

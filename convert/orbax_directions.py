@@ -24,15 +24,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from convert.directions import VerlState, sliced, copy_hf_metadata, write_verl_run
+from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_run
 from convert.errors import ConvertError
 from convert.layout import write_layout
-from convert.safetensors_io import SafetensorsReader, write_safetensors_streaming
+from convert.safetensors_io import SafetensorsReader
 from convert.staging import staged_dir
-from convert.tensors import _np_dtype, cast, lazy_cast
+from convert.tensors import cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
 from jscenegen.checksums import write_checksums
+from jscenegen.model.safetensors_stream import write_safetensors_streaming
 
 
 # ---------------------------------------------------------------- torch extra state <-> JSON
@@ -139,7 +140,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None)
 
     ck = VerlCheckpoint(src)
     info = ck.tensor_info()
-    params = {n: lazy_cast(n, shape, _np_dtype(info[n].dtype), functools.partial(ck.read_param, n), dtype)
+    params = {n: lazy_cast(n, shape, info[n].dtype, functools.partial(ck.read_param, n), dtype)
               for n, shape in ck.shapes.items()}
     adam: dict[str, Any] = {"count": 0, "mu": {}, "nu": {}}
     if ck.has_optimizer():

@@ -9,7 +9,7 @@ from typing import Iterator
 import numpy as np
 
 from convert.errors import ConvertError
-from jscenegen.model.safetensors_stream import ST_DTYPES, write_safetensors_streaming  # noqa: F401
+from jscenegen.model.safetensors_stream import ST_DTYPES
 
 
 class SafetensorsReader:
@@ -35,26 +35,16 @@ class SafetensorsReader:
     def _slice(self, name: str):
         from safetensors import safe_open
 
-        if name not in self.files:
-            raise ConvertError(f"{self.hf_dir}: tensor {name} not found in the safetensors files")
-        path = self.files[name]
+        path = self._entry(name)[0]
         if path not in self._open:
             self._open[path] = safe_open(path, framework="pt")
         return self._open[path].get_slice(name)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
-
-    def dtype(self, name: str) -> np.dtype:
-        """The stored dtype of `name` (from the file header; no data read)."""
-        stored = self._slice(name).get_dtype()
-        for dt, code in ST_DTYPES.items():
-            if code == stored:
-                return dt
-        raise ConvertError(f"{self.files[name]}: {name} has dtype {stored}; supported: "
-                           f"{', '.join(ST_DTYPES.values())}")
-
-    def _header(self, path: Path) -> tuple[int, dict]:
+    def _entry(self, name: str) -> tuple[Path, int, dict]:
+        """(file, byte offset of its data section, header entry {dtype, shape, data_offsets})."""
+        if name not in self.files:
+            raise ConvertError(f"{self.hf_dir}: tensor {name} not found in the safetensors files")
+        path = self.files[name]
         if path not in self._headers:
             try:
                 with open(path, "rb") as f:
@@ -62,18 +52,31 @@ class SafetensorsReader:
                     self._headers[path] = (8 + n, json.loads(f.read(n)))
             except (OSError, struct.error, ValueError) as err:
                 raise ConvertError(f"{path}: not a readable safetensors file ({err})") from None
-        return self._headers[path]
+        data_start, header = self._headers[path]
+        return path, data_start, header[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of `name` (from the file header; no data read)."""
+        return tuple(self._entry(name)[2]["shape"])
+
+    def dtype(self, name: str) -> np.dtype:
+        """The stored dtype of `name` (from the file header; no data read)."""
+        path, _, entry = self._entry(name)
+        for dt, code in ST_DTYPES.items():
+            if code == entry["dtype"]:
+                return dt
+        raise ConvertError(f"{path}: {name} has dtype {entry['dtype']}; supported: "
+                           f"{', '.join(ST_DTYPES.values())}")
 
     def _read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of dim 0 of `name`, read from the file into a fresh array."""
-        path = self.files[name]
-        data_start, header = self._header(path)
+        """Rows [start, stop) of dim 0 of `name` (a scalar is one row), read into a fresh array."""
+        path, data_start, entry = self._entry(name)
         shape, dtype = self.shape(name), self.dtype(name)
         row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        begin, end = header[name]["data_offsets"]
-        if end - begin != shape[0] * row:
+        begin, end = entry["data_offsets"]
+        if end - begin != (shape[0] if shape else 1) * row:
             raise ConvertError(f"{path}: {name} spans {end - begin} bytes, {dtype}{list(shape)} needs "
-                               f"{shape[0] * row}")
+                               f"{(shape[0] if shape else 1) * row}")
         buf = np.empty((stop - start) * row, np.uint8)
         with open(path, "rb", buffering=0) as f:
             f.seek(data_start + begin + start * row)
@@ -83,7 +86,7 @@ class SafetensorsReader:
                 if not n:
                     raise ConvertError(f"{path}: truncated inside {name}")
                 got += n
-        return buf.view(dtype).reshape((stop - start, *shape[1:]))
+        return buf.view(dtype).reshape((stop - start, *shape[1:]) if shape else ())
 
     def read(self, name: str, dim: int, start: int, stop: int) -> np.ndarray:
         from convert.tensors import to_numpy
@@ -96,11 +99,7 @@ class SafetensorsReader:
 
     def full(self, name: str) -> np.ndarray:
         shape = self.shape(name)
-        if not shape:
-            from convert.tensors import to_numpy
-
-            return to_numpy(self._slice(name)[:]).copy()
-        return self._read_rows(name, 0, shape[0])
+        return self._read_rows(name, 0, shape[0] if shape else 1)
 
     def names(self) -> Iterator[str]:
         return iter(self.files)

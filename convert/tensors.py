@@ -39,17 +39,15 @@ def cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
     return a.astype(_np_dtype(dtype))
 
 
-def cast_dtype(source: Any, dtype: str | None) -> np.dtype:
-    """The dtype `cast(a, dtype)` returns for an array of dtype `source`."""
-    return np.dtype(source) if dtype is None else np.dtype(_np_dtype(dtype))
-
-
 def lazy_cast(name: str, shape: tuple[int, ...], source_dtype: Any, load: Callable[[], np.ndarray],
               dtype: str | None) -> "LazyArray":
-    """`cast(load(), dtype)` as a LazyArray: read from the source only when orbax writes it."""
+    """`cast(load(), dtype)` as a LazyArray: read from the source only when orbax writes it.
+
+    source_dtype: what `load()` returns (an np.dtype or a name such as "bfloat16")."""
     from jscenegen.grpo.lazy_array import LazyArray
 
-    return LazyArray(tuple(shape), cast_dtype(source_dtype, dtype), lambda: cast(load(), dtype), name)
+    out = np.dtype(source_dtype) if dtype is None else np.dtype(_np_dtype(dtype))
+    return LazyArray(tuple(shape), out, lambda: cast(load(), dtype), name)
 
 
 def _np_dtype(name: str) -> Any:

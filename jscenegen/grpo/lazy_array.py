@@ -28,7 +28,8 @@ class LazyArray:
     """A host array known by shape and dtype, materialised by `load()` when orbax writes it.
 
     load: returns an np.ndarray of exactly `shape` and `dtype`; called once per save, on
-    orbax's writer thread. A mismatching result raises ValueError naming `name`.
+    orbax's writer thread. A mismatching result raises ValueError naming `name`. Converters
+    build LazyArrays at the logical shape (checkpoint.to_logical cannot slice padding off them).
     """
 
     shape: tuple[int, ...]
@@ -55,14 +56,6 @@ class LazyArray:
             raise ValueError(f"{self.name or 'LazyArray'}: loader returned {arr.dtype}{list(arr.shape)}, "
                              f"declared {self.dtype}{list(self.shape)}")
         return arr
-
-    def __getitem__(self, index) -> "LazyArray":
-        """Only `x[:n]` along dim 0 (what dropping FSDP padding needs), still lazy."""
-        if not (isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1)):
-            raise TypeError("LazyArray supports only x[:n]")
-        rows = len(range(*index.indices(self.shape[0])))
-        return LazyArray((rows, *self.shape[1:]), self.dtype,
-                         lambda: self.materialize()[:rows], self.name)
 
     @classmethod
     def zeros(cls, shape: Sequence[int], dtype=np.float32, name: str = "") -> "LazyArray":

@@ -196,7 +196,8 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
     """Write an HF directory from streamed (name, array) pairs; atomic (temp dir + rename).
 
     `tensors` yields every parameter of `param_shapes(cfg)` in that order; each is written as
-    it arrives (`safetensors_stream`), so memory holds one tensor. Shards are `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more
+    it arrives (`safetensors_stream`), so memory holds one tensor. Shards are
+    `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more
     than one is needed, else `model.safetensors`. Tokenizer files and chat template are copied
     from `tokenizer_src` when given. Raises OSError on write failure (the old dir stays).
     """
