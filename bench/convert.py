@@ -55,7 +55,7 @@ def make_source(work: Path, layers: int, vocab: int, world_size: int) -> tuple[P
     from convert.directions import hf_to_verl
     from jscenegen.model.safetensors_stream import write_safetensors_streaming
     from jscenegen.model.config import QwenConfig
-    from jscenegen.model.params import param_shapes
+    from jscenegen.model.weights import param_shapes
 
     hf = work / "hf_source"
     verl = work / "verl"
@@ -68,7 +68,7 @@ def make_source(work: Path, layers: int, vocab: int, world_size: int) -> tuple[P
         shutil.rmtree(verl, ignore_errors=True)
         hf.mkdir(parents=True)
         (hf / "config.json").write_text(json.dumps(_config(layers, vocab), indent=2))
-        from jscenegen.model.tokenizer_build import train_bpe_tokenizer
+        from jscenegen.model.tokenizer.build import train_bpe_tokenizer
 
         train_bpe_tokenizer(["a bed, a desk and a lamp"] * 4, vocab_size=300).save_pretrained(hf)
         rng = np.random.default_rng(0)

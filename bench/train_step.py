@@ -49,8 +49,8 @@ def bench_jax(model_dir: str, batch: dict, repeats: int) -> dict:
     import jax
     from flax import nnx
 
-    from jscenegen.grpo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
     from jscenegen.model.hf_io import load_hf
 
     model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
@@ -76,8 +76,8 @@ def bench_torch(model_dir: str, batch: dict, repeats: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jscenegen.grpo import torch_reference as ref
-    from jscenegen.grpo.config import LossConfig, OptimConfig
+    from jscenegen.parity import torch_reference as ref
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager")

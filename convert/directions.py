@@ -27,7 +27,7 @@ from convert.staging import staged_dir
 from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
-from jscenegen.checksums import write_checksums
+from jscenegen.checkpoint.checksums import write_checksums
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
 
 # files of an HF directory that are weights (not copied into VERL's huggingface/ or re-emitted)
@@ -138,7 +138,7 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     files (the published layout links `../..`). Returns (shard dir, [(written relpath,
     [sources])], layout fields).
     """
-    from jscenegen.model.params import param_shapes
+    from jscenegen.model.weights import param_shapes
 
     step_dir = root / f"global_step_{state.global_step}"
     shard_dir = step_dir if flattened else step_dir / "actor"
@@ -225,7 +225,7 @@ def _np_of(torch_dtype: str) -> Any:
 def hf_state(hf_dir: str | Path) -> VerlState:
     """Model-only VerlState over an HF safetensors directory (names and shapes checked)."""
     from jscenegen.model.config import ModelConfigError, QwenConfig
-    from jscenegen.model.params import param_shapes
+    from jscenegen.model.weights import param_shapes
 
     hf_dir = Path(hf_dir)
     try:

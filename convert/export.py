@@ -21,7 +21,7 @@ from convert.directions import write_verl_into
 from convert.layout import write_layout
 from convert.orbax_directions import orbax_step_dir, orbax_state, write_hf_into
 from convert.staging import staged_dir
-from jscenegen.checksums import write_checksums, write_json_atomic
+from jscenegen.checkpoint.checksums import write_checksums, write_json_atomic
 
 
 def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
@@ -34,8 +34,8 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     `placement` and a DeviceMesh of `device_type`. Raises ConvertError for an incomplete
     checkpoint or an existing non-empty `out`.
     """
-    from jscenegen.grpo import checkpoint as ckpt
-    from jscenegen.grpo.run_metadata import redact
+    from jscenegen.checkpoint import store as ckpt
+    from jscenegen.checkpoint.metadata import redact
 
     step_dir = orbax_step_dir(checkpoint)
     state = orbax_state(step_dir, world_size)

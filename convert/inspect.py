@@ -86,7 +86,7 @@ def describe_hf(path: Path) -> dict[str, Any]:
 
 def describe_orbax(path: Path) -> dict[str, Any]:
     """Summary of a jscenegen orbax step directory (orbax metadata only)."""
-    from jscenegen.grpo import checkpoint as ckpt
+    from jscenegen.checkpoint import store as ckpt
 
     shapes = ckpt.array_shapes(path, "params")
     meta = ckpt.read_metadata(path) if (path / ckpt.METADATA_NAME).is_file() else {}

@@ -1,4 +1,4 @@
-"""Conversions to and from jscenegen's orbax training checkpoints (jscenegen/grpo/checkpoint.py).
+"""Conversions to and from jscenegen's orbax training checkpoints (jscenegen/checkpoint/store.py).
 
 An orbax output DST is a checkpoint directory (what `CheckpointStore(DST)` manages) holding
 one step, `DST/<N>/`, plus `DST/checkpoint-layout.json` and `DST/checksums.json` (the step has
@@ -32,7 +32,7 @@ from convert.staging import staged_dir
 from convert.tensors import cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
-from jscenegen.checksums import write_checksums
+from jscenegen.checkpoint.checksums import write_checksums
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
 
 
@@ -84,7 +84,7 @@ def orbax_step_dir(path: str | Path) -> Path:
 
     Raises ConvertError naming the directory when no complete step (checksums verified) exists.
     """
-    from jscenegen.grpo import checkpoint as ckpt
+    from jscenegen.checkpoint import store as ckpt
 
     path = Path(path)
     if (path / ckpt.PARAMS_ITEM).is_dir():
@@ -107,9 +107,9 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
                 params: dict[str, np.ndarray], adam: dict[str, Any],
                 train_state: dict[str, Any], source: dict[str, Any], layout_files: list,
                 source_path: str | Path, source_format: str) -> Path:
-    from jscenegen.grpo.checkpoint import CheckpointError, CheckpointStore
-    from jscenegen.grpo.run_metadata import training_metadata
-    from jscenegen.model.params import param_shapes
+    from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
+    from jscenegen.checkpoint.metadata import training_metadata
+    from jscenegen.model.weights import param_shapes
 
     with staged_dir(dst) as tmp:
         meta = training_metadata(
@@ -136,7 +136,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None)
     Streamed: each tensor and moment is reassembled from the rank files only when orbax writes
     it (`LazyArray`), so peak memory is about one full tensor, not the model.
     """
-    from jscenegen.grpo.lazy_array import LazyArray
+    from jscenegen.checkpoint.lazy_array import LazyArray
 
     ck = VerlCheckpoint(src)
     info = ck.tensor_info()
@@ -185,8 +185,8 @@ def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -
     Streamed: each tensor is read when orbax writes it (`LazyArray`); zeros are made per moment.
     """
     from convert.directions import hf_state
-    from jscenegen.grpo.lazy_array import LazyArray
-    from jscenegen.model.params import param_shapes
+    from jscenegen.checkpoint.lazy_array import LazyArray
+    from jscenegen.model.weights import param_shapes
 
     state = hf_state(src)
     reader = SafetensorsReader(src)
@@ -205,7 +205,7 @@ def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -
 
 def orbax_reader(step_dir: Path, group: str) -> Callable[[str], np.ndarray]:
     """name -> full array of `group` ("params", "mu", "nu"), one partial orbax restore each."""
-    from jscenegen.grpo.checkpoint import iter_arrays
+    from jscenegen.checkpoint.store import iter_arrays
 
     def full(name: str) -> np.ndarray:
         ((_, arr),) = list(iter_arrays(step_dir, group, names=[name]))
@@ -216,9 +216,9 @@ def orbax_reader(step_dir: Path, group: str) -> Callable[[str], np.ndarray]:
 
 def orbax_state(src: str | Path, world_size: int) -> VerlState:
     """Readers over an orbax step, with the torch-only state rebuilt for `world_size` ranks."""
-    from jscenegen.grpo import checkpoint as ckpt
+    from jscenegen.checkpoint import store as ckpt
     from jscenegen.model.config import QwenConfig
-    from jscenegen.model.params import param_shapes
+    from jscenegen.model.weights import param_shapes
 
     step_dir = orbax_step_dir(src)
     hf = step_dir / ckpt.HF_DIR
@@ -291,9 +291,9 @@ def write_hf_into(step_dir: Path, out: Path, *, dtype: str | None) -> list[tuple
 
     Returns [(written name, [sources])] for the layout file.
     """
-    from jscenegen.grpo import checkpoint as ckpt
+    from jscenegen.checkpoint import store as ckpt
     from jscenegen.model.config import QwenConfig
-    from jscenegen.model.params import param_shapes
+    from jscenegen.model.weights import param_shapes
 
     hf = step_dir / ckpt.HF_DIR
     shapes = param_shapes(QwenConfig.from_dir(hf))

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 
 if TYPE_CHECKING:
-    from jscenegen.grpo.lazy_array import LazyArray
+    from jscenegen.checkpoint.lazy_array import LazyArray
 
 DTYPES = ("float32", "bfloat16")
 
@@ -44,7 +44,7 @@ def lazy_cast(name: str, shape: tuple[int, ...], source_dtype: Any, load: Callab
     """`cast(load(), dtype)` as a LazyArray: read from the source only when orbax writes it.
 
     source_dtype: what `load()` returns (an np.dtype or a name such as "bfloat16")."""
-    from jscenegen.grpo.lazy_array import LazyArray
+    from jscenegen.checkpoint.lazy_array import LazyArray
 
     out = np.dtype(source_dtype) if dtype is None else np.dtype(_np_dtype(dtype))
     return LazyArray(tuple(shape), out, lambda: cast(load(), dtype), name)

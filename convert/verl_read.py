@@ -174,13 +174,13 @@ class VerlCheckpoint:
     """A VERL checkpoint opened for streaming reads.
 
     `param_order`: HF names in `module.parameters()` order (tied head counted once), which is
-    the optimizer's integer index order; taken from `jscenegen.model.params.param_shapes` of
+    the optimizer's integer index order; taken from `jscenegen.model.weights.param_shapes` of
     the config in `huggingface/config.json` (or `hf_dir`), and checked against the model file.
     """
 
     def __init__(self, path: str | Path, hf_dir: str | Path | None = None):
         from jscenegen.model.config import ModelConfigError, QwenConfig
-        from jscenegen.model.params import param_shapes
+        from jscenegen.model.weights import param_shapes
 
         self.layout = find_verl(path)
         hf = Path(hf_dir) if hf_dir is not None else self.layout.hf_dir

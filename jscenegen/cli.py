@@ -46,7 +46,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input rather than a bug: reported as one line, exit 2."""
     errors: list[type[BaseException]] = [ValueError, FileNotFoundError, NotADirectoryError,
                                          IsADirectoryError, PermissionError]
-    for module, name in (("jscenegen.grpo.checkpoint", "CheckpointError"),
+    for module, name in (("jscenegen.checkpoint.store", "CheckpointError"),
                          ("convert.errors", "ConvertError")):
         try:
             errors.append(getattr(importlib.import_module(module), name))

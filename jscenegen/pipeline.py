@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from jscenegen.checksums import write_json_atomic
-from jscenegen.grpo.run_metadata import redact
+from jscenegen.checkpoint.checksums import write_json_atomic
+from jscenegen.checkpoint.metadata import redact
 from jscenegen.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -22,8 +22,8 @@ def default_model_dir(cfg, phases: dict) -> Path:
 
     from jscenegen.commands.init_model import tokenizer_corpus
     from jscenegen.config import load_config
-    from jscenegen.grpo.sft import run_sft
-    from jscenegen.grpo.sft_config import SFTRunConfig
+    from jscenegen.sft.run import run_sft
+    from jscenegen.sft.config import SFTRunConfig
     from jscenegen.model.init_model import init_model_dir
     from jscenegen.paths import resolve_data_path
     from jscenegen.scene import expert
@@ -64,7 +64,7 @@ def _sft_log(row: dict) -> None:
 def resume_model_dir(run_dir: Path) -> Path:
     """Config and tokenizer of a run being resumed: the run's model directory, or else the `hf/`
     assets of its newest complete checkpoint (a directory made by `convert --to orbax`)."""
-    from jscenegen.grpo.checkpoint import HF_DIR, CheckpointStore
+    from jscenegen.checkpoint.store import HF_DIR, CheckpointStore
 
     run_json = run_dir / "run.json"
     if run_json.is_file():
@@ -119,7 +119,7 @@ class Progress:
 
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
-    from jscenegen.grpo.trainer import Trainer
+    from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.sharding.mesh import initialize_distributed, is_primary
 
     import jax
@@ -169,7 +169,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             s = report["overall"]["model"]
             out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}
         if len(evals) == 2:
-            from jscenegen.grpo.evaluate import compare_reports, plot_report
+            from jscenegen.eval.evaluate import compare_reports, plot_report
 
             try:
                 change = compare_reports(evals["before"], evals["after"])

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from jscenegen.config import MeshConfig, ModelConfig, Section
-from jscenegen.grpo.config import LossConfig, OptimConfig
-from jscenegen.grpo.metrics_log import LoggingConfig
-from jscenegen.grpo.rollout_config import SamplingConfig
-from jscenegen.grpo.schedule import ScheduleConfig
+from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+from jscenegen.grpo.train.metrics import LoggingConfig
+from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.grpo.train.schedule import ScheduleConfig
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 
 

@@ -163,7 +163,7 @@ def _build_rank(rank: int, world_size: int, args, init_file: str) -> None:
             json.dump({"FSDP_version": 2, "world_size": W}, f, indent=4)
         hf_config.save_pretrained(actor / "huggingface")
         # VERL saves the tokenizer beside the config (a tiny byte-level BPE with ChatML here)
-        from jscenegen.model.tokenizer_build import train_bpe_tokenizer
+        from jscenegen.model.tokenizer.build import train_bpe_tokenizer
 
         texts = ["a small bedroom with a bed, a desk and a lamp by the window"] * 4
         train_bpe_tokenizer(texts, vocab_size=300).save_pretrained(actor / "huggingface")

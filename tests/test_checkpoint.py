@@ -1,4 +1,4 @@
-"""jscenegen/grpo/checkpoint.py: orbax training checkpoints saved on 3 x 2, restored anywhere."""
+"""jscenegen/checkpoint/store.py: orbax training checkpoints saved on 3 x 2, restored anywhere."""
 import json
 import os
 import signal
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jscenegen.grpo.checkpoint import (CheckpointError, CheckpointStore, array_shapes, check_step,
+from jscenegen.checkpoint.store import (CheckpointError, CheckpointStore, array_shapes, check_step,
                                        iter_arrays, padded_target, read_adam_count,
                                        read_train_state, storage_sharding, to_logical)
-from jscenegen.grpo.run_metadata import training_metadata
+from jscenegen.checkpoint.metadata import training_metadata
 from jscenegen.model.config import QwenConfig
-from jscenegen.model.params import param_shapes
+from jscenegen.model.weights import param_shapes
 
 # Sizes chosen so that no dim 0 divides 6 except by padding (13 vocab, 10 FFN, 4 head dim).
 CFG = QwenConfig(model_type="qwen2", vocab_size=13, hidden_size=8, intermediate_size=10,
@@ -298,8 +298,8 @@ _CHILD = textwrap.dedent("""
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
     import test_checkpoint as t
-    from jscenegen.grpo import checkpoint
-    from jscenegen.grpo.checkpoint import CheckpointStore
+    from jscenegen.checkpoint import store as checkpoint
+    from jscenegen.checkpoint.store import CheckpointStore
     run_dir, where = sys.argv[1], sys.argv[2]
     mesh = jax.make_mesh((3, 2), ("fsdp", "sp"))
     store = CheckpointStore(run_dir, keep_last=1)
@@ -365,7 +365,7 @@ def test_lazy_arrays_are_written_one_at_a_time_and_restore_bitwise(tmp_path, hf_
     time, and read back as the same bits as plain arrays."""
     import weakref
 
-    from jscenegen.grpo.lazy_array import LazyArray
+    from jscenegen.checkpoint.lazy_array import LazyArray
 
     params, mu, nu = logical_values(11)
     alive, peak = set(), [0]
@@ -393,7 +393,7 @@ def test_lazy_arrays_are_written_one_at_a_time_and_restore_bitwise(tmp_path, hf_
 
 
 def test_lazy_array_with_a_wrong_loader_is_refused_naming_it(tmp_path, hf_dir):
-    from jscenegen.grpo.lazy_array import LazyArray
+    from jscenegen.checkpoint.lazy_array import LazyArray
 
     params, mu, nu = logical_values(12)
     name = next(iter(SHAPES))

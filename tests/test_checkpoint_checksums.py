@@ -1,11 +1,11 @@
-"""jscenegen/checksums.py: the `checksums.json` format (SHA-256 + bytes per file) and its checks."""
+"""jscenegen/checkpoint/checksums.py: the `checksums.json` format (SHA-256 + bytes per file) and its checks."""
 import hashlib
 import json
 import os
 
 import pytest
 
-from jscenegen.checksums import (ChecksumError, compute_checksums, read_checksums,
+from jscenegen.checkpoint.checksums import (ChecksumError, compute_checksums, read_checksums,
                                  verify_checksums, write_checksums)
 
 

@@ -1,11 +1,11 @@
-"""jscenegen/grpo/run_metadata.py: training_metadata.json fields and credential redaction."""
+"""jscenegen/checkpoint/metadata.py: training_metadata.json fields and credential redaction."""
 import subprocess
 from pathlib import Path
 
 import jax
 import pytest
 
-from jscenegen.grpo.run_metadata import (REDACTED, git_commit, is_credential_name, redact,
+from jscenegen.checkpoint.metadata import (REDACTED, git_commit, is_credential_name, redact,
                                          training_metadata)
 
 

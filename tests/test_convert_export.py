@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 from convert.orbax_directions import verl_to_orbax
 from convert.verl_read import VerlCheckpoint
 from fsdp_fixtures import fixture_dir, run_script
-from jscenegen.checksums import verify_checksums
+from jscenegen.checkpoint.checksums import verify_checksums
 from jscenegen.cli import main
 
 

@@ -15,7 +15,7 @@ from convert.directions import hf_to_verl, verl_to_hf
 from convert.errors import ConvertError
 from convert.verl_read import VerlCheckpoint
 from fsdp_fixtures import fixture_dir
-from jscenegen.checksums import verify_checksums
+from jscenegen.checkpoint.checksums import verify_checksums
 
 NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0")
 

@@ -2,7 +2,7 @@
 
 - verl -> orbax -> verl is bitwise for every tensor, moment, step, scheduler state and RNG state;
 - the orbax checkpoint restores through jscenegen's CheckpointStore with the torch values;
-- one more AdamW step in torch and in jscenegen (jscenegen.grpo.optimizer) from the same VERL
+- one more AdamW step in torch and in jscenegen (jscenegen.grpo.algo.optimizer) from the same VERL
   state and the same gradient agree to <= 1e-7 (one fp32 ulp, 1.19e-7, on weights >= 1);
 - hf -> orbax -> hf is bitwise, with fresh Adam state.
 """
@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from convert.orbax_directions import hf_to_orbax, orbax_to_hf, orbax_to_verl, verl_to_orbax
 from convert.verl_read import VerlCheckpoint
 from fsdp_fixtures import fixture_dir
-from jscenegen.checksums import verify_checksums
+from jscenegen.checkpoint.checksums import verify_checksums
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def converted(tmp_path_factory):
 
 
 def test_verl_to_orbax_restores_torch_values(converted):
-    from jscenegen.grpo.checkpoint import CheckpointStore
+    from jscenegen.checkpoint.store import CheckpointStore
 
     assert converted["step"].name == "3"
     assert verify_checksums(converted["run"]) > 0
@@ -85,9 +85,9 @@ def test_one_more_adamw_step_matches_torch(converted):
     import jax.numpy as jnp
     import torch
 
-    from jscenegen.grpo.checkpoint import CheckpointStore
-    from jscenegen.grpo.config import OptimConfig
-    from jscenegen.grpo.optimizer import make_optimizer, optimizer_step, state_from_canonical
+    from jscenegen.checkpoint.store import CheckpointStore
+    from jscenegen.grpo.algo.config import OptimConfig
+    from jscenegen.grpo.algo.optimizer import make_optimizer, optimizer_step, state_from_canonical
 
     ck_verl = VerlCheckpoint(converted["src"] / "ckpt")
     names = ck_verl.param_order
@@ -132,7 +132,7 @@ def test_one_more_adamw_step_matches_torch(converted):
 
 def test_hf_orbax_hf_is_bitwise(tmp_path):
     from convert.directions import verl_to_hf
-    from jscenegen.grpo.checkpoint import CheckpointStore
+    from jscenegen.checkpoint.store import CheckpointStore
 
     src = tmp_path / "hf_src"  # tied qwen3 with a tokenizer, as VERL's huggingface/ carries one
     verl_to_hf(fixture_dir("qwen3_tied_dim0") / "ckpt", src)

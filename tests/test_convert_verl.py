@@ -18,7 +18,7 @@ from convert.errors import ConvertError
 from convert.sharding import chunk_bounds, shard_dim
 from convert.verl_read import VerlCheckpoint, find_verl
 from convert.verl_write import AdamSource, dict_reader
-from jscenegen.checksums import verify_checksums
+from jscenegen.checkpoint.checksums import verify_checksums
 from fsdp_fixtures import fixture_dir
 
 NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0")

@@ -8,9 +8,9 @@ import pytest
 from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.cli import main
 from jscenegen.commands.eval import load_run_config
-from jscenegen.grpo.evaluate import evaluate, load_policy, plot_report, policy_engine
-from jscenegen.grpo.group_metrics import summarize
-from jscenegen.grpo.schedule import episode_seed
+from jscenegen.eval.evaluate import evaluate, load_policy, plot_report, policy_engine
+from jscenegen.grpo.rollout.stats import summarize
+from jscenegen.grpo.train.schedule import episode_seed
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.schema import scene_from_json
@@ -91,7 +91,7 @@ def test_summarize_excludes_masked_and_counts_causes():
 
     from types import SimpleNamespace
 
-    from jscenegen.grpo.group_metrics import group_metrics
+    from jscenegen.grpo.rollout.stats import group_metrics
 
     g = group_metrics([SimpleNamespace(outcome=o, num_tokens=100 + i) for i, o in enumerate(outs)], ["a"])
     assert g["reward/mean"] == s["reward"] and g["masked_rate"] == pytest.approx(1 / 3)
@@ -109,11 +109,11 @@ def test_plot_is_a_png(report, tmp_path):
 
 def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     """A checkpoint step (params x 2) loads into the model built from its hf/config.json."""
-    from jscenegen.grpo.checkpoint import CheckpointStore
-    from jscenegen.grpo.run_metadata import training_metadata
+    from jscenegen.checkpoint.store import CheckpointStore
+    from jscenegen.checkpoint.metadata import training_metadata
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.hf_io import iter_hf_tensors, named_params
-    from jscenegen.model.params import param_shapes
+    from jscenegen.model.weights import param_shapes
 
     hf = chat_model_dir()
     params = {n: 2.0 * a.astype(np.float32) for n, a in iter_hf_tensors(hf)}
@@ -193,7 +193,7 @@ def test_design_record_rooms(tmp_path):
 
 
 def test_compare_reports_pairs_episodes_by_scene_and_seed():
-    from jscenegen.grpo.evaluate import compare_reports
+    from jscenegen.eval.evaluate import compare_reports
 
     def report(rewards, masked=()):
         return {"scenes": [{"scene_id": sid, "model": {"episodes": [
@@ -215,7 +215,7 @@ def test_compare_reports_pairs_episodes_by_scene_and_seed():
 
 
 def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):
-    from jscenegen.grpo.evaluate import comparison_markdown, compare_reports
+    from jscenegen.eval.evaluate import comparison_markdown, compare_reports
 
     text = comparison_markdown(report, report)
     rows = [line for line in text.splitlines() if line.startswith("| ")]

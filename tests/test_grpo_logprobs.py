@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from jscenegen.grpo import torch_reference as ref
-from jscenegen.grpo.logprobs import shifted_token_logprobs, token_logprobs
+from jscenegen.parity import torch_reference as ref
+from jscenegen.grpo.algo.logprobs import shifted_token_logprobs, token_logprobs
 
 B, T, H, V = 3, 11, 8, 37
 

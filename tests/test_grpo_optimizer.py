@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from jscenegen.grpo import torch_reference as ref
-from jscenegen.grpo.config import OptimConfig
-from jscenegen.grpo.optimizer import (
+from jscenegen.parity import torch_reference as ref
+from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.grpo.algo.optimizer import (
     lr_at, make_optimizer, optimizer_step, param_names, state_from_canonical, state_to_canonical,
 )
 

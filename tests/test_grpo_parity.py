@@ -4,9 +4,9 @@ import json
 import pytest
 
 from hf_fixtures import make_hf_dir
-from jscenegen.grpo.config import LossConfig
-from jscenegen.grpo.parity_step import PARAM_TOL, grpo_step_parity, synthetic_batch
-from jscenegen.grpo.roles import DESIGNER, PLANNER
+from jscenegen.grpo.algo.config import LossConfig
+from jscenegen.parity.grpo_step import PARAM_TOL, grpo_step_parity, synthetic_batch
+from jscenegen.grpo.algo.roles import DESIGNER, PLANNER
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +53,7 @@ def test_cli_qwen3_recipe_with_accumulation(tiny_dirs, capsys):
 
 def test_cli_exits_1_beyond_tolerance(tiny_dirs, capsys, monkeypatch):
     from jscenegen.cli import main
-    from jscenegen.grpo import parity_step
+    from jscenegen.parity import grpo_step as parity_step
 
     monkeypatch.setattr(parity_step, "LOSS_TOL", -1.0)
     rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--pad-rows", "1",
@@ -71,9 +71,9 @@ def test_sharded_step_equals_unsharded(tiny_dirs):
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
-    from jscenegen.grpo.config import OptimConfig
-    from jscenegen.grpo.optimizer import param_names
-    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.config import OptimConfig
+    from jscenegen.grpo.algo.optimizer import param_names
+    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
     from jscenegen.model.hf_io import load_hf
     from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
     from jscenegen.sharding.mesh import make_mesh

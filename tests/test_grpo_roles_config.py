@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from jscenegen.config import ConfigError, validate_config
-from jscenegen.grpo.config import LossConfig, OptimConfig
-from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_from_letter, role_loss_mask
+from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_from_letter, role_loss_mask
 
 
 def test_role_loss_mask_selects_policy_tokens_of_the_role():

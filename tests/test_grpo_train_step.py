@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jscenegen.grpo.config import LossConfig, OptimConfig
-from jscenegen.grpo.losses import kl_penalty
-from jscenegen.grpo.train_step import GRPOStep, init_train_state
+from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+from jscenegen.grpo.algo.losses import kl_penalty
+from jscenegen.grpo.train.step import GRPOStep, init_train_state
 
 B, T, H, V = 8, 12, 12, 24
 

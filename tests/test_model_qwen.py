@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 from hf_fixtures import make_hf_dir
 from jscenegen.model.config import ModelConfigError, QwenConfig
 from jscenegen.model.hf_io import CheckpointFormatError, hf_state_dict, load_hf, save_hf
-from jscenegen.model.parity import logits_parity, random_padded_batch
+from jscenegen.parity.logits import logits_parity, random_padded_batch
 from jscenegen.model.qwen import KVCache
 
 VARIANTS = {

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from chat_fixtures import chat_model_dir, dev_records
-from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
-from jscenegen.grpo.rollout import RolloutEngine, trajectory_batch
-from jscenegen.grpo.schedule import episode_seed
-from jscenegen.grpo.rollout_config import SamplingConfig
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
+from jscenegen.grpo.rollout.engine import RolloutEngine, trajectory_batch
+from jscenegen.grpo.train.schedule import episode_seed
+from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.model.hf_io import load_hf
-from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.actions import format_action
 from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers

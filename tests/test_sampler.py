@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jscenegen.grpo.config import LossConfig, OptimConfig
-from jscenegen.grpo.train_step import GRPOStep, nnx_hidden_fn
+from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+from jscenegen.grpo.train.step import GRPOStep, nnx_hidden_fn
 from jscenegen.model.hf_io import load_hf
-from jscenegen.model.sampler import (STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler, SamplingParams,
+from jscenegen.generate.sampler import (STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler, SamplingParams,
                                      build_stop_table, split_into_buckets, stop_string_step)
 
 BUCKETS = (16, 32, 64)

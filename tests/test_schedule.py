@@ -1,8 +1,8 @@
 """The D-D-D-P-C schedule, zero_spread policies, episode seeds and the schedule hash."""
 import pytest
 
-from jscenegen.grpo.roles import CRITIC, DESIGNER, PLANNER
-from jscenegen.grpo.schedule import (Schedule, ScheduleConfig, SchedulePosition, check_extension,
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, PLANNER
+from jscenegen.grpo.train.schedule import (Schedule, ScheduleConfig, SchedulePosition, check_extension,
                                      episode_seed)
 
 SCENES = [(f"train-{i:04d}", 100 + i) for i in range(4)]

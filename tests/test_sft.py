@@ -11,16 +11,16 @@ from flax import nnx
 
 from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.config import ConfigError, validate_config
-from jscenegen.grpo.config import OptimConfig
-from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
-from jscenegen.grpo.rollout import RolloutEngine
-from jscenegen.grpo.rollout_config import SamplingConfig
-from jscenegen.grpo.sft import (SFT_SEED_BASE, SFTStep, batch_order, build_demos, demo_batch, run_sft,
+from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.rollout.engine import RolloutEngine
+from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.sft.run import (SFT_SEED_BASE, SFTStep, batch_order, build_demos, demo_batch, run_sft,
                                 sft_records, tokenize_transcript)
-from jscenegen.grpo.sft_config import SFTRunConfig
-from jscenegen.grpo.train_step import init_train_state, nnx_hidden_fn
+from jscenegen.sft.config import SFTRunConfig
+from jscenegen.grpo.train.step import init_train_state, nnx_hidden_fn
 from jscenegen.model.hf_io import load_hf
-from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
 from jscenegen.scene.judge import make_judge

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jscenegen.model.config import preset_config
 from jscenegen.model.hf_io import named_params
-from jscenegen.model.params import param_shapes
+from jscenegen.model.weights import param_shapes
 from jscenegen.model.qwen import QwenForCausalLM
 from jscenegen.sharding.layout import layout_report, load_sharded, pad_batch, shard_batch, shard_model
 from jscenegen.sharding.mesh import MeshError, make_mesh, mesh_shape

@@ -4,8 +4,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from chat_fixtures import chat_model_dir
-from jscenegen.model.tokenizer import ChatTemplateError, ChatTokenizer
-from jscenegen.model.tokenizer_build import CHAT_TEMPLATE_FILE
+from jscenegen.model.tokenizer.chat import ChatTemplateError, ChatTokenizer
+from jscenegen.model.tokenizer.build import CHAT_TEMPLATE_FILE
 
 # Behaves like Qwen3's template for our purpose: assistant turns before the last user message
 # lose everything up to their </think>.

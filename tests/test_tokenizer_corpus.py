@@ -6,8 +6,8 @@ import json
 import pytest
 
 from chat_fixtures import dev_records
-from jscenegen.model.tokenizer import ChatTokenizer
-from jscenegen.model.tokenizer_build import train_bpe_tokenizer
+from jscenegen.model.tokenizer.chat import ChatTokenizer
+from jscenegen.model.tokenizer.build import train_bpe_tokenizer
 from jscenegen.scene.actions import format_action
 from jscenegen.scene.corpus import protocol_texts
 from jscenegen.scene.expert import run_scripted_episode

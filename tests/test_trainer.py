@@ -8,8 +8,8 @@ import pytest
 
 from chat_fixtures import chat_model_dir
 from jscenegen.config import ConfigError, load_config
-from jscenegen.grpo.checkpoint import CheckpointStore, check_step, read_train_state
-from jscenegen.grpo.trainer import ResumeError, Trainer
+from jscenegen.checkpoint.store import CheckpointStore, check_step, read_train_state
+from jscenegen.grpo.train.trainer import ResumeError, Trainer
 from jscenegen.paths import resolve_data_path
 
 TIMING_KEYS = ("time/", "rollout/tokens_per_s", "judge/latency_s")

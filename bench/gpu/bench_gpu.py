@@ -79,8 +79,8 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     import jax
     from flax import nnx
 
-    from jscenegen.grpo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.qwen import QwenForCausalLM
 
@@ -112,7 +112,7 @@ def _jax_decode(c: dict, args, attn: str) -> dict:
 
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.qwen import QwenForCausalLM
-    from jscenegen.model.sampler import Sampler, SamplingParams
+    from jscenegen.generate.sampler import Sampler, SamplingParams
 
     cfg = QwenConfig.from_hf_dict(c, "bench config")
     model = QwenForCausalLM(cfg, rngs=nnx.Rngs(1), param_dtype="bfloat16",
@@ -137,8 +137,8 @@ def run_torch(c: dict, args) -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from jscenegen.grpo import torch_reference as ref
-    from jscenegen.grpo.config import LossConfig, OptimConfig
+    from jscenegen.parity import torch_reference as ref
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:

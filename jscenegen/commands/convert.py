@@ -6,7 +6,7 @@
     jscenegen convert --inspect DIR       # what DIR holds, as JSON
 
 A thin layer over convert.dispatch.convert, convert.inspect.describe and
-jscenegen.checksums.verify_checksums.
+jscenegen.checkpoint.checksums.verify_checksums.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from convert.errors import ConvertError
-    from jscenegen.checksums import ChecksumError, verify_checksums
+    from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums
 
     try:
         if args.verify:

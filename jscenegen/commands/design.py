@@ -76,9 +76,9 @@ def run(args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    from jscenegen.checksums import write_json_atomic
-    from jscenegen.grpo.checkpoint import CheckpointError
-    from jscenegen.grpo.evaluate import policy_engine
+    from jscenegen.checkpoint.checksums import write_json_atomic
+    from jscenegen.checkpoint.store import CheckpointError
+    from jscenegen.eval.evaluate import policy_engine
     from jscenegen.scene.judge import make_judge
 
     try:

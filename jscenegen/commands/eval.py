@@ -48,7 +48,7 @@ def scene_set_path(name: str, cfg) -> Path:
 
 
 def compare(before: str, after: str, plot: str | None) -> int:
-    from jscenegen.grpo.evaluate import comparison_markdown, plot_report
+    from jscenegen.eval.evaluate import comparison_markdown, plot_report
     from jscenegen.scene.schema import SceneError, read_json_file
 
     try:
@@ -92,9 +92,9 @@ def run(args) -> int:
         print(f"error: --samples must be >= 1, got {samples}", file=sys.stderr)
         return 2
 
-    from jscenegen.checksums import write_json_atomic
-    from jscenegen.grpo.checkpoint import CheckpointError
-    from jscenegen.grpo.evaluate import evaluate, plot_report, policy_engine
+    from jscenegen.checkpoint.checksums import write_json_atomic
+    from jscenegen.checkpoint.store import CheckpointError
+    from jscenegen.eval.evaluate import evaluate, plot_report, policy_engine
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import read_scene_set
     from jscenegen.scene.schema import SceneError

@@ -14,16 +14,16 @@ def register(sub) -> None:
     lg.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     lg.add_argument("--seed", type=int, default=0)
     lg.set_defaults(func=run_logits)
-    from jscenegen.grpo.parity_step import add_parser as add_grpo_step
+    from jscenegen.parity.grpo_step import add_parser as add_grpo_step
 
     add_grpo_step(kinds)
-    from jscenegen.grpo.parity_train import add_parser as add_train
+    from jscenegen.parity.train import add_parser as add_train
 
     add_train(kinds)
 
 
 def run_logits(args) -> int:
-    from jscenegen.model.parity import logits_parity
+    from jscenegen.parity.logits import logits_parity
 
     result = logits_parity(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
                            seed=args.seed)

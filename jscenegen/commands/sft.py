@@ -27,12 +27,12 @@ def _force_host_devices(n: int | None) -> None:
 
 def run(args) -> int:
     from jscenegen.config import load_config
-    from jscenegen.grpo.sft_config import SFTRunConfig
+    from jscenegen.sft.config import SFTRunConfig
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
     _force_host_devices(cfg.sft.host_devices)  # before JAX is imported
 
-    from jscenegen.grpo.sft import run_sft
+    from jscenegen.sft.run import run_sft
 
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path

@@ -25,7 +25,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from jscenegen.model.config import ModelConfigError, QwenConfig
-from jscenegen.model.params import padded_shape, param_shapes
+from jscenegen.model.weights import padded_shape, param_shapes
 from jscenegen.model.qwen import QwenForCausalLM
 from jscenegen.model.safetensors_stream import INDEX_NAME, write_safetensors_streaming
 

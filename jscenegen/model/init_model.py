@@ -13,7 +13,7 @@ from flax import nnx
 from jscenegen.model.config import preset_config
 from jscenegen.model.hf_io import save_hf
 from jscenegen.model.qwen import QwenForCausalLM
-from jscenegen.model.tokenizer_build import train_bpe_tokenizer
+from jscenegen.model.tokenizer.build import train_bpe_tokenizer
 
 
 def init_model_dir(out: str | Path, *, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,

@@ -24,8 +24,8 @@ from flax import nnx
 
 from jscenegen.model.attention import attention
 from jscenegen.model.config import QwenConfig
-from jscenegen.model.params import padded_shape
-from jscenegen.model.partitioning import BATCH_ONLY, BATCH_SEQ, constrain, constrain_stacked, gather
+from jscenegen.model.weights import padded_shape
+from jscenegen.sharding.constraints import BATCH_ONLY, BATCH_SEQ, constrain, constrain_stacked, gather
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

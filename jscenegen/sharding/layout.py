@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jscenegen.model.config import QwenConfig
-from jscenegen.model.params import padded_shape, param_shapes
+from jscenegen.model.weights import padded_shape, param_shapes
 
 PARAM_SPEC = P(("fsdp", "sp"))
 BATCH_SPEC = P("fsdp", "sp")

@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 
-from jscenegen.grpo.roles import DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
 
 LOSS_TOL = 1e-5
 PARAM_TOL = 2.4e-7
@@ -34,8 +34,8 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
     loss_mask/advantages [rows, seq] float32 for role `selected`, plus old_delta/ref_delta
     [rows, seq] float32 perturbations (N(0, 0.3)) for the old/reference log-probs.
     """
-    from jscenegen.grpo.advantages import grpo_outcome_advantages
-    from jscenegen.grpo.roles import role_loss_mask
+    from jscenegen.grpo.algo.advantages import grpo_outcome_advantages
+    from jscenegen.grpo.algo.roles import role_loss_mask
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, (rows, seq)).astype(np.int32)
@@ -89,10 +89,10 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from jscenegen.grpo import torch_reference as ref
-    from jscenegen.grpo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.optimizer import param_names
-    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.parity import torch_reference as ref
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.algo.optimizer import param_names
+    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
     from jscenegen.model.hf_io import load_hf
 
     loss_cfg = loss_cfg or LossConfig()
@@ -194,7 +194,7 @@ def add_parser(kinds) -> None:
 
 def run(args) -> int:
     from jscenegen.config import apply_overrides, validate_config
-    from jscenegen.grpo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 
     loss_cfg = validate_config(apply_overrides({}, args.loss), "--loss", LossConfig)
     optim_cfg = validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig)

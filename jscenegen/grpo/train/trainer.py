@@ -24,19 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jscenegen.grpo.batch import TRAIN_KEYS, build_group_batch
-from jscenegen.grpo.checkpoint import CheckpointStore, padded_target
-from jscenegen.grpo.group_metrics import group_metrics
-from jscenegen.grpo.metrics_log import MetricsLogger
-from jscenegen.grpo.optimizer import adam_state, param_names, state_from_canonical
-from jscenegen.grpo.roles import ROLE_NAMES
-from jscenegen.grpo.rollout import RolloutEngine
-from jscenegen.checksums import write_json_atomic
-from jscenegen.grpo.run_metadata import redact, training_metadata
-from jscenegen.grpo.schedule import Schedule, SchedulePosition, check_extension
-from jscenegen.grpo.train_step import GRPOStep, TrainState, init_train_state, nnx_hidden_fn
-from jscenegen.model.params import param_shapes
-from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
+from jscenegen.checkpoint.store import CheckpointStore, padded_target
+from jscenegen.grpo.rollout.stats import group_metrics
+from jscenegen.grpo.train.metrics import MetricsLogger
+from jscenegen.grpo.algo.optimizer import adam_state, param_names, state_from_canonical
+from jscenegen.grpo.algo.roles import ROLE_NAMES
+from jscenegen.grpo.rollout.engine import RolloutEngine
+from jscenegen.checkpoint.checksums import write_json_atomic
+from jscenegen.checkpoint.metadata import redact, training_metadata
+from jscenegen.grpo.train.schedule import Schedule, SchedulePosition, check_extension
+from jscenegen.grpo.train.step import GRPOStep, TrainState, init_train_state, nnx_hidden_fn
+from jscenegen.model.weights import param_shapes
+from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.paths import resolve_data_path
 from jscenegen.scene.dataset import SceneSetSource
 from jscenegen.scene.judge import make_judge
@@ -293,7 +293,7 @@ class Trainer:
     def evaluate_dev(self, name: str) -> dict:
         """Play the dev scenes (`trainer.eval_samples` episodes each, their fixed seeds) with the
         current weights; write `RUN_DIR/<name>.json` and `.png`; return the report."""
-        from jscenegen.grpo.evaluate import evaluate, plot_report
+        from jscenegen.eval.evaluate import evaluate, plot_report
         from jscenegen.scene.sceneset import read_scene_set
 
         nnx.update(self.model, self.state.params)

@@ -12,9 +12,9 @@ from typing import Sequence
 
 import numpy as np
 
-from jscenegen.grpo.advantages import grpo_outcome_advantages
-from jscenegen.grpo.roles import role_loss_mask
-from jscenegen.grpo.rollout import Trajectory, trajectory_batch
+from jscenegen.grpo.algo.advantages import grpo_outcome_advantages
+from jscenegen.grpo.algo.roles import role_loss_mask
+from jscenegen.grpo.rollout.engine import Trajectory, trajectory_batch
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
 

@@ -29,10 +29,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jscenegen.grpo.config import LossConfig, OptimConfig
-from jscenegen.grpo.logprobs import shifted_token_logprobs
-from jscenegen.grpo.losses import grpo_loss
-from jscenegen.grpo.optimizer import lr_at, make_optimizer, optimizer_step
+from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
+from jscenegen.grpo.algo.losses import grpo_loss
+from jscenegen.grpo.algo.optimizer import lr_at, make_optimizer, optimizer_step
 
 HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 METRIC_KEYS = ("loss", "pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "ratio_max",

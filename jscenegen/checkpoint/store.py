@@ -7,10 +7,10 @@ One step directory (`CheckpointStore.directory/<step>/`)::
     train_state/            orbax JSON item: the trainer's JSON-able state
     _CHECKPOINT_METADATA    orbax's own step record
     hf/                     config.json, generation_config.json, tokenizer files, chat template
-    training_metadata.json  see jscenegen/grpo/run_metadata.py (credentials redacted)
-    checksums.json          SHA-256 + bytes of every other file (jscenegen/checksums.py)
+    training_metadata.json  see jscenegen/checkpoint/metadata.py (credentials redacted)
+    checksums.json          SHA-256 + bytes of every other file (jscenegen/checkpoint/checksums.py)
 
-Names are transformers' state-dict keys (`jscenegen.model.params.param_shapes` lists them in the
+Names are transformers' state-dict keys (`jscenegen.model.weights.param_shapes` lists them in the
 model's order; orbax and JAX keep dicts sorted by name, so restored dicts are sorted).
 `adam` is torch AdamW's state in optax terms: `count` = optimizer steps actually taken (torch
 `state[p]["step"]`, optax `ScaleByAdamState.count`), `mu` = `exp_avg`, `nu` = `exp_avg_sq`.
@@ -44,11 +44,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jscenegen.checksums import (ChecksumError, verify_checksums,
+from jscenegen.checkpoint.checksums import (ChecksumError, verify_checksums,
                                  write_checksums, write_json_atomic)
-from jscenegen.grpo.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
-from jscenegen.grpo.run_metadata import redact
-from jscenegen.model.params import padded_shape
+from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
+from jscenegen.checkpoint.metadata import redact
+from jscenegen.model.weights import padded_shape
 
 log = logging.getLogger(__name__)
 

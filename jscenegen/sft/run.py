@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jscenegen.checksums import write_json_atomic
-from jscenegen.grpo.config import OptimConfig
-from jscenegen.grpo.logprobs import shifted_token_logprobs
-from jscenegen.grpo.optimizer import lr_at, make_optimizer, optimizer_step
-from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
-from jscenegen.grpo.train_step import HiddenFn, TrainState, init_train_state
-from jscenegen.model.tokenizer import ChatTokenizer
+from jscenegen.checkpoint.checksums import write_json_atomic
+from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
+from jscenegen.grpo.algo.optimizer import lr_at, make_optimizer, optimizer_step
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.train.step import HiddenFn, TrainState, init_train_state
+from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.scene.generator import make_record
 from jscenegen.scene.sceneset import SceneRecord
@@ -238,7 +238,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     """
     from flax import nnx
 
-    from jscenegen.grpo.train_step import nnx_hidden_fn
+    from jscenegen.grpo.train.step import nnx_hidden_fn
     from jscenegen.model.hf_io import save_hf
     from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
     from jscenegen.sharding.mesh import make_mesh

@@ -17,7 +17,7 @@ from typing import Literal, Sequence
 from pydantic import Field
 
 from jscenegen.config import Section
-from jscenegen.grpo.roles import role_from_letter
+from jscenegen.grpo.algo.roles import role_from_letter
 
 
 class ScheduleConfig(Section):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from jscenegen.grpo.rollout import Trajectory
+    from jscenegen.grpo.rollout.engine import Trajectory
 
 
 def _mean(values) -> float | None:

@@ -18,16 +18,16 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jscenegen.grpo.checkpoint import (
+from jscenegen.checkpoint.store import (
     HF_DIR,
     PARAMS_ITEM,
     CheckpointError,
     check_step,
     iter_arrays,
 )
-from jscenegen.grpo.group_metrics import summarize
-from jscenegen.grpo.rollout import RolloutEngine
-from jscenegen.grpo.schedule import episode_seed
+from jscenegen.grpo.rollout.stats import summarize
+from jscenegen.grpo.rollout.engine import RolloutEngine
+from jscenegen.grpo.train.schedule import episode_seed
 from jscenegen.paths import atomic_file
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
@@ -113,7 +113,7 @@ def policy_engine(cfg, model_path: str | Path) -> RolloutEngine:
     builds its own: mesh from `cfg.mesh`, dtypes/attention from `cfg.model`, sampling from
     `cfg.sampling`, the tokenizer and chat template of the model's assets (checked to be
     prefix-preserving; ValueError names the difference otherwise)."""
-    from jscenegen.model.tokenizer import ChatTokenizer
+    from jscenegen.model.tokenizer.chat import ChatTokenizer
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)

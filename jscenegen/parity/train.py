@@ -31,8 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
-from jscenegen.grpo.rollout import Trajectory
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
+from jscenegen.grpo.rollout.engine import Trajectory
 from jscenegen.paths import atomic_file
 
 PARAM_TOL = 1e-6
@@ -62,7 +62,7 @@ def synthetic_trajectories(vocab: int, groups: int, group_size: int, seq: int = 
                            seed: int = 0) -> list[Trajectory]:
     """Token streams of `parity_step.synthetic_batch` (unpadded), the last policy turn of each
     episode relabelled as the critic's so every role of D-D-D-P-C has tokens."""
-    from jscenegen.grpo.parity_step import synthetic_batch
+    from jscenegen.parity.grpo_step import synthetic_batch
 
     out = []
     for g in range(groups):
@@ -89,8 +89,8 @@ def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
     model directory's chat template as a rollout builds them, cut to `max_tokens` tokens.
     Raises the tokenizer's errors (ChatTemplateError for a template that is not
     prefix-preserving)."""
-    from jscenegen.grpo.sft import build_demos, sft_records
-    from jscenegen.model.tokenizer import ChatTokenizer
+    from jscenegen.sft.run import build_demos, sft_records
+    from jscenegen.model.tokenizer.chat import ChatTokenizer
 
     chat = ChatTokenizer.from_dir(model_dir)
     demos = build_demos(chat, sft_records(group_size))
@@ -182,11 +182,11 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from jscenegen.grpo import torch_reference as ref
-    from jscenegen.grpo.batch import build_group_batch
-    from jscenegen.grpo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.optimizer import param_names
-    from jscenegen.grpo.train_step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.parity import torch_reference as ref
+    from jscenegen.grpo.train.batch import build_group_batch
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.algo.optimizer import param_names
+    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
     from jscenegen.model.hf_io import load_hf
 
     loss_cfg = loss_cfg or LossConfig()
@@ -293,7 +293,7 @@ def add_parser(kinds) -> None:
     p.add_argument("--model", required=True, help="HF model directory (Qwen2/Qwen3)")
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--trajectories", help="JSONL of recorded trajectories (default: made "
-                   "deterministically, see `jscenegen.grpo.parity_train`)")
+                   "deterministically, see `jscenegen.parity.train`)")
     p.add_argument("--write-trajectories", metavar="FILE",
                    help="also write the trajectories used as JSONL")
     p.add_argument("--groups", type=int, default=3, help="groups made without --trajectories")
@@ -312,7 +312,7 @@ def add_parser(kinds) -> None:
 
 def run(args) -> int:
     from jscenegen.config import apply_overrides, validate_config
-    from jscenegen.grpo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.model.config import QwenConfig
 
     if args.updates < 1:

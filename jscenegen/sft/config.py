@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jscenegen.config import MeshConfig, ModelConfig, Section
-from jscenegen.grpo.config import OptimConfig
+from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.scene.config import SceneRuntimeConfig
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jscenegen.grpo.config import OptimConfig
+from jscenegen.grpo.algo.config import OptimConfig
 
 TORCH_CLIP_EPS = 1e-6
 

@@ -38,11 +38,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jscenegen.grpo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
-from jscenegen.grpo.rollout_config import SamplingConfig
-from jscenegen.model.sampler import (STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler,
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.generate.sampler import (STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler,
                                      row_keys)
-from jscenegen.model.tokenizer import ChatTokenizer, Conversation
+from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
 from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import Episode, judge_episodes

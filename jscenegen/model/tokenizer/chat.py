@@ -13,7 +13,7 @@ the last user message, so the history the model saw during the rollout would dif
 template's view of the same conversation. `ChatTokenizer` probes the template for that at load
 time and refuses it (ChatTemplateError naming the directory and what changed), and every
 appended segment re-checks the prefix. A prefix-preserving template can be supplied instead
-(`chat_template_path`, e.g. jscenegen/model/templates/chatml.jinja).
+(`chat_template_path`, e.g. jscenegen/model/tokenizer/templates/chatml.jinja).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class ChatTokenizer:
             tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(f"{source}: the tokenizer has no chat template; pass "
-                                    "chat_template_path (e.g. jscenegen/model/templates/chatml.jinja)")
+                                    "chat_template_path (e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
         self.eot_token = self._find_eot()
         self.eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
         self.check_prefix_preserving()
@@ -189,7 +189,7 @@ class ChatTokenizer:
             f"changes earlier text at character {at} ({before[max(0, at - 30):at + 30]!r} became "
             f"{after[max(0, at - 30):at + 30]!r}). Templates that drop earlier <think> blocks "
             "(Qwen3's default) do this; use a prefix-preserving template "
-            "(rollout chat_template_path, e.g. jscenegen/model/templates/chatml.jinja)")
+            "(rollout chat_template_path, e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
 
     def _find_eot(self) -> str:
         """The special token the template writes right after an assistant message's content."""
@@ -223,6 +223,6 @@ class ChatTokenizer:
                     f"{self.source}: the chat template rewrites assistant content "
                     f"(expected the sampled text right after the generation prompt, got "
                     f"{(at or closed)[:80]!r}); use a prefix-preserving template "
-                    "(rollout chat_template_path, e.g. jscenegen/model/templates/chatml.jinja)")
+                    "(rollout chat_template_path, e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
             msgs = msgs + [{"role": "user", "content": f"probe user {turn + 2}"}]
             self.delta(closed, self.render(msgs, add_generation_prompt=True))

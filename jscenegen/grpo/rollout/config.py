@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from jscenegen.config import Section
-from jscenegen.model.sampler import DEFAULT_BUCKETS, SamplingParams
+from jscenegen.generate.sampler import DEFAULT_BUCKETS, SamplingParams
 
 
 class SamplingConfig(Section):
