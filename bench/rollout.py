@@ -40,7 +40,8 @@ def build(tmp: str):
 
 
 def bench_jscenegen(model, prompts, repeats: int) -> float:
-    from jscenegen.generate.sampler import Sampler, SamplingParams
+    from jscenegen.generate.sampler import Sampler
+    from jscenegen.generate.sampling import SamplingParams
 
     sampler = Sampler(model, SamplingParams(temperature=1.0, top_k=TOP_K), buckets=(PROMPT,))
     sampler.generate(prompts, NEW, seeds=range(BATCH))                       # compile

@@ -50,13 +50,15 @@ def bench_jax(model_dir: str, batch: dict, repeats: int) -> dict:
     from flax import nnx
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.train.step import GRPOStep
+    from jscenegen.model.functional import hidden_fn
     from jscenegen.model.hf_io import load_hf
 
     model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
     optim = OptimConfig()
-    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), LossConfig(), optim, donate=True)
+    step = GRPOStep(hidden_fn(graphdef, *rest), LossConfig(), optim, donate=True)
     arrays = {k: jax.device_put(v) for k, v in batch.items()}
     holder = {"state": init_train_state(params, optim)}
 

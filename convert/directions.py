@@ -14,7 +14,6 @@ only when complete, with `checkpoint-layout.json` and `checksums.json` written l
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,31 +22,22 @@ import numpy as np
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
-from convert.staging import staged_dir
 from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
 from jscenegen.checkpoint.checksums import write_checksums
+from jscenegen.model.assets import copy_non_weights
+from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
+from jscenegen.paths import atomic_dir
 
 # files of an HF directory that are weights (not copied into VERL's huggingface/ or re-emitted)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
-_WEIGHT_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
 def copy_hf_metadata(src_hf: Path, dst: Path) -> list[tuple[str, list[str]]]:
-    """Copy config, generation config, tokenizer and chat template files (not weights).
+    """Copy every non-weight file (config, tokenizer, chat template, processor files, ...).
 
     Returns [(written name, [source path])] for the layout file.
     """
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for p in sorted(Path(src_hf).iterdir()):
-        if not p.is_file() or p.name.endswith(_WEIGHT_SUFFIXES) or p.name in _WEIGHT_NAMES:
-            continue
-        shutil.copy2(p, dst / p.name)
-        copied.append((p.name, [str(p)]))
-    return copied
+    return [(p.name, [str(p)]) for p in copy_non_weights(src_hf, dst)]
 
 
 @dataclasses.dataclass
@@ -117,7 +107,7 @@ def write_verl_run(dst: str | Path, state: VerlState, *, world_size: int, placem
     (a rank's own source file is named when the source has the same rank). Raises
     ConvertError for an existing non-empty `dst` or bad arguments.
     """
-    with staged_dir(dst) as tmp:
+    with atomic_dir(dst, exists_error=ConvertError) as tmp:
         shard_dir, files, extra = write_verl_into(
             tmp, state, world_size=world_size, placement=placement, dtype=dtype,
             device_type=device_type, source=source, flattened=flattened,
@@ -201,7 +191,7 @@ def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     specs = {}
     for name, shape in ck.shapes.items():
         specs[name] = (shape, np.dtype(_np_of(dtype or info[name].dtype)))
-    with staged_dir(dst) as tmp:
+    with atomic_dir(dst, exists_error=ConvertError) as tmp:
         arrays = ((n, cast(a, dtype)) for n, a in ck.iter_params())
         names = write_safetensors_streaming(tmp, specs, arrays, max_shard_bytes)
         hf_files = copy_hf_metadata(ck.hf_dir, tmp)
@@ -214,12 +204,10 @@ def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
 
 
 def _np_of(torch_dtype: str) -> Any:
-    import ml_dtypes
-
-    table = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-    if torch_dtype not in table:
-        raise ConvertError(f"tensor dtype {torch_dtype} is not supported (float32, bfloat16, float16)")
-    return table[torch_dtype]
+    try:
+        return np_dtype(torch_dtype)
+    except ValueError as err:
+        raise ConvertError(f"tensor {err}") from None
 
 
 def hf_state(hf_dir: str | Path) -> VerlState:

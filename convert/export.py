@@ -20,8 +20,10 @@ from pathlib import Path
 from convert.directions import write_verl_into
 from convert.layout import write_layout
 from convert.orbax_directions import orbax_step_dir, orbax_state, write_hf_into
-from convert.staging import staged_dir
-from jscenegen.checkpoint.checksums import write_checksums, write_json_atomic
+from convert.errors import ConvertError
+from jscenegen.checkpoint.checksums import write_checksums
+from jscenegen.paths import write_json
+from jscenegen.paths import atomic_dir
 
 
 def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
@@ -39,7 +41,7 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
 
     step_dir = orbax_step_dir(checkpoint)
     state = orbax_state(step_dir, world_size)
-    with staged_dir(out) as tmp:
+    with atomic_dir(out, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)
         shard_dir, verl_files, extra = write_verl_into(
             tmp / "training_state", state, world_size=world_size, placement=placement,
@@ -51,7 +53,7 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
             hf_link="../..")
         files += [(f"training_state/{w}", s) for w, s in verl_files]
         meta = redact(json.loads((step_dir / ckpt.METADATA_NAME).read_text()))
-        write_json_atomic(tmp / "training_metadata.json", meta)
+        write_json(tmp / "training_metadata.json", meta)
         files.append(("training_metadata.json", [str(step_dir / ckpt.METADATA_NAME)]))
         write_layout(tmp, fmt="published", source=step_dir, source_format="orbax", files=files,
                      hf_dtype=dtype or "source", training_state=extra)

@@ -28,12 +28,12 @@ from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_r
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
-from convert.staging import staged_dir
 from convert.tensors import cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
 from jscenegen.checkpoint.checksums import write_checksums
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
+from jscenegen.paths import atomic_dir
 
 
 # ---------------------------------------------------------------- torch extra state <-> JSON
@@ -111,7 +111,7 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
     from jscenegen.checkpoint.metadata import training_metadata
     from jscenegen.model.weights import param_shapes
 
-    with staged_dir(dst) as tmp:
+    with atomic_dir(dst, exists_error=ConvertError) as tmp:
         meta = training_metadata(
             config={}, protocol_hash=None, schedule_hash=None,
             optimizer_step=int(adam["count"]), effective_updates=int(train_state.get("step", 0)),
@@ -278,7 +278,7 @@ def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placemen
 def orbax_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> list[str]:
     """The orbax step's params as an HF safetensors directory (streamed, atomic)."""
     step_dir = orbax_step_dir(src)
-    with staged_dir(dst) as tmp:
+    with atomic_dir(dst, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)
         write_layout(tmp, fmt="hf-safetensors", source=src, source_format="orbax", files=files,
                      dtype=dtype or "source")

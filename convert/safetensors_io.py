@@ -9,7 +9,7 @@ from typing import Iterator
 import numpy as np
 
 from convert.errors import ConvertError
-from jscenegen.model.safetensors_stream import ST_DTYPES
+from jscenegen.model.dtypes import SAFETENSORS, np_dtype
 
 
 class SafetensorsReader:
@@ -62,11 +62,11 @@ class SafetensorsReader:
     def dtype(self, name: str) -> np.dtype:
         """The stored dtype of `name` (from the file header; no data read)."""
         path, _, entry = self._entry(name)
-        for dt, code in ST_DTYPES.items():
+        for dt, code in SAFETENSORS.items():
             if code == entry["dtype"]:
-                return dt
+                return np_dtype(dt)
         raise ConvertError(f"{path}: {name} has dtype {entry['dtype']}; supported: "
-                           f"{', '.join(ST_DTYPES.values())}")
+                           f"{', '.join(SAFETENSORS.values())}")
 
     def _read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of dim 0 of `name` (a scalar is one row), read into a fresh array."""

@@ -6,11 +6,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import ml_dtypes
 import numpy as np
 
+from jscenegen.model.dtypes import COMPUTE, np_dtype
+
 if TYPE_CHECKING:
     from jscenegen.checkpoint.lazy_array import LazyArray
-
-DTYPES = ("float32", "bfloat16")
-
 
 def to_numpy(t: Any) -> np.ndarray:
     """A CPU torch tensor as a numpy array sharing its memory (bfloat16 -> ml_dtypes.bfloat16)."""
@@ -51,8 +50,6 @@ def lazy_cast(name: str, shape: tuple[int, ...], source_dtype: Any, load: Callab
 
 
 def _np_dtype(name: str) -> Any:
-    if name == "bfloat16":
-        return ml_dtypes.bfloat16
-    if name == "float32":
-        return np.float32
-    raise ValueError(f"dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    if name not in COMPUTE:
+        raise ValueError(f"dtype {name!r}: choose one of {', '.join(COMPUTE)}")
+    return np_dtype(name)

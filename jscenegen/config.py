@@ -1,16 +1,18 @@
 """Typed run configuration: YAML files validated into pydantic models, with dotted overrides.
 
-`load_config(path, overrides)` reads a YAML file, applies `key.sub=value` overrides (values
-parsed as YAML scalars, the convention VERL/Hydra users know) and validates the result into
-`RunConfig`. Unknown keys and bad values raise `ConfigError` naming the dotted key.
+`load_config(path, overrides, model)` reads a YAML file, applies `key.sub=value` overrides
+(values parsed as YAML scalars, the convention VERL/Hydra users know) and validates the result
+into a pydantic model (`run_config.RunConfig` for `jscenegen train`). Each section lives with
+its concern (`model.options.ModelConfig`, `sharding.mesh.MeshConfig`, ...); `Section` is their
+base. Unknown keys and bad values raise `ConfigError` naming the dotted key.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class ConfigError(ValueError):
@@ -21,42 +23,6 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(Section):
-    """Which weights to train and how to compute with them."""
-
-    path: str | None = Field(None, description="HF model directory (config.json + safetensors); "
-                             "null: the CPU default's tiny model, created on first use")
-    reference_path: str | None = Field(None, description="frozen reference model for the KL "
-                                       "term (default: the initial policy weights)")
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: bool = False
-    attention: Literal["xla", "cudnn"] = "xla"
-    causal_balance: bool = Field(False, description="reorder training sequences so each sp "
-                                 "shard gets equal causal attention work (lengths must be a "
-                                 "multiple of 2 x sp)")
-
-
-class MeshConfig(Section):
-    """Device mesh ("fsdp", "sp"); fsdp = -1 takes the remaining devices."""
-
-    fsdp: int = -1
-    sp: int = 2
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-
-
-def __getattr__(name: str):
-    # RunConfig composes every package's sections, which import `Section` from here: it lives
-    # in jscenegen.run_config and is re-exported lazily to keep the import graph acyclic.
-    if name == "RunConfig":
-        from jscenegen.run_config import RunConfig
-
-        return RunConfig
-    raise AttributeError(name)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -102,19 +68,17 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def validate_config(data: dict, source: str = "<config>", model: type[BaseModel] | None = None):
-    """Validate a plain dict into `model` (default RunConfig); errors name each bad key."""
-    from jscenegen.run_config import RunConfig
-
-    cls = model or RunConfig
+def validate_config(data: dict, source: str, model: type[BaseModel]):
+    """Validate a plain dict into the pydantic `model`; errors name `source` and each bad key."""
     try:
-        return cls.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
 
 
-def load_config(path: str | Path | None, overrides=(), model: type[BaseModel] | None = None):
-    """Read YAML `path` (or start empty), apply overrides, validate into `model`.
+def load_config(path: str | Path | None, overrides, model: type[BaseModel]):
+    """Read YAML `path` (or start empty), apply overrides, validate into `model` (e.g.
+    `run_config.RunConfig`, `sft.config.SFTRunConfig`).
 
     Raises ConfigError (missing file, YAML syntax, unknown key, wrong type).
     """

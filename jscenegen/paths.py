@@ -1,13 +1,20 @@
-"""Where files are and how they are written: relative config/data paths resolve against the
-working directory first, then the checkout (the parent of the `jscenegen` package); single files
-are written atomically (`atomic_file`: temporary file beside the target, then rename)."""
+"""Where files are and how they are written.
+
+Relative config/data paths resolve against the working directory first, then the checkout
+(the parent of the `jscenegen` package). Every file and directory jscenegen writes goes
+through the atomic writers here: a temporary sibling is written and renamed over the target
+(atomic on one filesystem) only when complete, with the permissions a plain open()/mkdir()
+would give (the umask's); a failure leaves the target as it was and removes the temporary.
+"""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,3 +63,48 @@ def umask_mode(path: str | Path) -> None:
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` atomically (temporary file, fsync, rename)."""
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write `obj` as indented, key-sorted JSON to `path` atomically."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, replace: bool = False,
+               exists_error: type[Exception] = FileExistsError) -> Iterator[Path]:
+    """Yield a temporary directory beside `path` to fill; on success it replaces `path`.
+
+    replace=False refuses (raising `exists_error`, before anything is written) when `path`
+    exists and is not an empty directory; replace=True swaps an existing `path` out and
+    deletes it only after the new one is in place. On error the temporary is removed and
+    `path` is untouched.
+    """
+    path = Path(path)
+    if not replace and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        yield tmp
+        umask_mode(tmp)
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from jscenegen.checkpoint.checksums import write_json_atomic
+from jscenegen.paths import write_json
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.paths import cache_dir
 
@@ -61,31 +61,13 @@ def _sft_log(row: dict) -> None:
         print(f"  sft step {row['step']}: loss {row['loss']:.4f}", flush=True)
 
 
-def resume_model_dir(run_dir: Path) -> Path:
-    """Config and tokenizer of a run being resumed: the run's model directory, or else the `hf/`
-    assets of its newest complete checkpoint (a directory made by `convert --to orbax`)."""
-    from jscenegen.checkpoint.store import HF_DIR, CheckpointStore
-
-    run_json = run_dir / "run.json"
-    if run_json.is_file():
-        model_dir = Path(json.loads(run_json.read_text())["model_dir"])
-        if (model_dir / "config.json").is_file():
-            return model_dir
-    store = CheckpointStore(run_dir / "checkpoints")
-    step = store.latest_valid_step()
-    store.close()
-    if step is None:
-        raise SystemExit(f"error: {run_dir}/checkpoints holds no complete checkpoint")
-    return run_dir / "checkpoints" / str(step) / HF_DIR
-
-
 def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> None:
     """config.yaml (the resolved config, credentials redacted) and run.json; atomic."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "config.yaml.tmp"
     tmp.write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
     tmp.replace(run_dir / "config.yaml")
-    write_json_atomic(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
+    write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
                                              "config_source": config_source})
 
 
@@ -136,6 +118,8 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                          "continue it, or choose a new --run-dir")
     phases: dict[str, float] = {}
     if resume:
+        from jscenegen.checkpoint.resume import resume_model_dir
+
         model_dir = resume_model_dir(run_dir)
     elif cfg.model.path:
         model_dir = Path(cfg.model.path)
@@ -169,14 +153,15 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             s = report["overall"]["model"]
             out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}
         if len(evals) == 2:
-            from jscenegen.eval.evaluate import compare_reports, plot_report
+            from jscenegen.eval.plots import plot_report
+            from jscenegen.eval.report import compare_reports
 
             try:
                 change = compare_reports(evals["before"], evals["after"])
             except ValueError as err:  # e.g. every episode masked by judge failures
                 log.warning("no before/after comparison: %s", err)
             else:
-                write_json_atomic(run_dir / "eval_change.json", change)
+                write_json(run_dir / "eval_change.json", change)
                 plot_report(evals["after"], run_dir / "eval_change.png", before=evals["before"],
                             labels=("before GRPO", "after GRPO"))
                 out["dev_change"] = {k: change[k] for k in ("pairs", "diff", "diff_ci95")}

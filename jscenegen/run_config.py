@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from jscenegen.config import MeshConfig, ModelConfig, Section
+from jscenegen.config import Section
+from jscenegen.model.options import ModelConfig
+from jscenegen.sharding.mesh import MeshConfig
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
 from jscenegen.grpo.rollout.config import SamplingConfig

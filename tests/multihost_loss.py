@@ -4,11 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
+from jscenegen.model.hf_io import load_hf
+from jscenegen.sharding.layout import pad_batch, shard_batch
 
 
 def sharded_loss(hf_dir, mesh) -> float:
-    model = load_sharded(hf_dir, mesh)
+    model = load_hf(hf_dir, mesh=mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     rng = np.random.default_rng(7)
     ids = rng.integers(0, model.cfg.vocab_size, (4, 17)).astype(np.int32)

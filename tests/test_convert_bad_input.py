@@ -128,15 +128,3 @@ def test_unexpected_tensor_names(actor, tmp_path):
     torch.save(sd, f)
     with pytest.raises(ConvertError, match=r"model_world_size_6_rank_1\.pt: keys do not match"):
         verl_to_hf(actor, tmp_path / "out")
-
-
-def test_staged_output_has_the_permissions_of_a_plain_mkdir(tmp_path):
-    import os
-
-    from convert.staging import staged_dir
-
-    with staged_dir(tmp_path / "out") as d:
-        (d / "f").write_text("x")
-    mask = os.umask(0)
-    os.umask(mask)
-    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~mask

@@ -8,9 +8,10 @@ import pytest
 from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.cli import main
 from jscenegen.commands.eval import load_run_config
-from jscenegen.eval.evaluate import evaluate, load_policy, plot_report, policy_engine
+from jscenegen.eval.evaluate import evaluate, load_policy, policy_engine
+from jscenegen.eval.plots import plot_report
 from jscenegen.grpo.rollout.stats import summarize
-from jscenegen.grpo.train.schedule import episode_seed
+from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.schema import scene_from_json
@@ -193,7 +194,7 @@ def test_design_record_rooms(tmp_path):
 
 
 def test_compare_reports_pairs_episodes_by_scene_and_seed():
-    from jscenegen.eval.evaluate import compare_reports
+    from jscenegen.eval.report import compare_reports
 
     def report(rewards, masked=()):
         return {"scenes": [{"scene_id": sid, "model": {"episodes": [
@@ -215,7 +216,7 @@ def test_compare_reports_pairs_episodes_by_scene_and_seed():
 
 
 def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):
-    from jscenegen.eval.evaluate import comparison_markdown, compare_reports
+    from jscenegen.eval.report import comparison_markdown, compare_reports
 
     text = comparison_markdown(report, report)
     rows = [line for line in text.splitlines() if line.startswith("| ")]

@@ -73,9 +73,11 @@ def test_sharded_step_equals_unsharded(tiny_dirs):
 
     from jscenegen.grpo.algo.config import OptimConfig
     from jscenegen.grpo.algo.optimizer import param_names
-    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.train.step import GRPOStep
+    from jscenegen.model.functional import hidden_fn
     from jscenegen.model.hf_io import load_hf
-    from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
+    from jscenegen.sharding.layout import pad_batch, shard_batch
     from jscenegen.sharding.mesh import make_mesh
 
     d = str(tiny_dirs["qwen3"])
@@ -88,11 +90,11 @@ def test_sharded_step_equals_unsharded(tiny_dirs):
     assert padded["input_ids"].shape[0] == 9
 
     g0, p0, *r0 = nnx.split(load_hf(d), nnx.Param, ...)
-    s0, m0 = GRPOStep(nnx_hidden_fn(g0, *r0), loss_cfg, optim_cfg, donate=False).step(
+    s0, m0 = GRPOStep(hidden_fn(g0, *r0), loss_cfg, optim_cfg, donate=False).step(
         init_train_state(p0, optim_cfg), padded)
     with jax.set_mesh(mesh):
-        g1, p1, *r1 = nnx.split(load_sharded(d, mesh), nnx.Param, ...)
-        s1, m1 = GRPOStep(nnx_hidden_fn(g1, *r1), loss_cfg, optim_cfg).step(
+        g1, p1, *r1 = nnx.split(load_hf(d, mesh=mesh), nnx.Param, ...)
+        s1, m1 = GRPOStep(hidden_fn(g1, *r1), loss_cfg, optim_cfg).step(
             init_train_state(p1, optim_cfg), shard_batch(padded, mesh))
     assert float(m1["loss"]) == pytest.approx(float(m0["loss"]), rel=1e-5)
     assert float(m1["grad_norm"]) == pytest.approx(float(m0["grad_norm"]), rel=1e-5)

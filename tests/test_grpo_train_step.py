@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.algo.losses import kl_penalty
-from jscenegen.grpo.train.step import GRPOStep, init_train_state
+from jscenegen.grpo.algo.optimizer import init_train_state
+from jscenegen.grpo.train.step import GRPOStep
 
 B, T, H, V = 8, 12, 12, 24
 

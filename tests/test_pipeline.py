@@ -4,6 +4,7 @@ import json
 import pytest
 
 from jscenegen.config import load_config
+from jscenegen.run_config import RunConfig
 from jscenegen.paths import resolve_data_path
 from jscenegen.pipeline import train_command
 from jscenegen.scene.sceneset import read_scene_set, write_scene_set
@@ -20,7 +21,7 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
         "schedule.total_updates=1", "schedule.zero_spread=skip",
         "sampling.max_new_tokens=8", "trainer.eval_samples=1", "trainer.progress=false",
         "logging.swanlab_mode=disabled",
-    ])
+    ], RunConfig)
     run_dir = tmp_path / "run"
     assert train_command(cfg, run_dir, resume=False, max_updates=1, config_source="test") == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -7,7 +7,7 @@ import pytest
 from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
 from jscenegen.grpo.rollout.engine import RolloutEngine, trajectory_batch
-from jscenegen.grpo.train.schedule import episode_seed
+from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer.chat import ChatTokenizer
@@ -205,11 +205,11 @@ def test_sampled_rollout_seeds_and_logprobs(sampled_engine, model, record, rule_
 
 
 def test_sampled_rollout_on_the_3x2_mesh_pads_rows(sampled_engine, chat, record, rule_judge):
-    from jscenegen.sharding.layout import load_sharded
+    from jscenegen.model.hf_io import load_hf
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(3, 2)
-    engine = RolloutEngine(load_sharded(chat_model_dir(), mesh), chat, SAMPLED, mesh=mesh)
+    engine = RolloutEngine(load_hf(chat_model_dir(), mesh=mesh), chat, SAMPLED, mesh=mesh)
     group = engine.run_group(record, group_id=3, seeds=[11, 12], judge=rule_judge)
     assert group.stats["batch_rows"] == 3
     unsharded = sampled_engine.run_group(record, group_id=3, seeds=[11, 12], judge=rule_judge)

@@ -9,10 +9,13 @@ import pytest
 from flax import nnx
 
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-from jscenegen.grpo.train.step import GRPOStep, nnx_hidden_fn
+from jscenegen.grpo.train.step import GRPOStep
+from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
-from jscenegen.generate.sampler import (STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler, SamplingParams,
-                                     build_stop_table, split_into_buckets, stop_string_step)
+from jscenegen.generate.sampler import (STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler,
+                                        split_into_buckets)
+from jscenegen.generate.sampling import SamplingParams
+from jscenegen.generate.stop import build_stop_table, stop_string_step
 
 BUCKETS = (16, 32, 64)
 PROMPT_LENS = (11, 5)
@@ -48,7 +51,7 @@ def full_logits(model, seqs, length=32):
 @functools.cache
 def _trainer(model, temperature):
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
-    return GRPOStep(nnx_hidden_fn(graphdef, *rest), LossConfig(), OptimConfig(),
+    return GRPOStep(hidden_fn(graphdef, *rest), LossConfig(), OptimConfig(),
                     temperature=temperature, donate=False), params
 
 
@@ -91,11 +94,11 @@ def test_sampled_logprobs_equal_trainer_recompute(model, prompts, params):
 
 
 def test_sampled_logprobs_on_the_3x2_mesh(tiny_hf, model, prompts):
-    from jscenegen.sharding.layout import load_sharded
+    from jscenegen.model.hf_io import load_hf
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(3, 2)
-    sharded = load_sharded(tiny_hf["qwen3"], mesh)
+    sharded = load_hf(tiny_hf["qwen3"], mesh=mesh)
     s = Sampler(sharded, SamplingParams(temperature=0.8), buckets=BUCKETS, mesh=mesh)
     with pytest.raises(ValueError, match="fsdp=3"):
         s.new_cache(2, 32)

@@ -2,8 +2,8 @@
 import pytest
 
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, PLANNER
-from jscenegen.grpo.train.schedule import (Schedule, ScheduleConfig, SchedulePosition, check_extension,
-                                     episode_seed)
+from jscenegen.grpo.rollout.seeds import episode_seed
+from jscenegen.grpo.train.schedule import Schedule, ScheduleConfig, SchedulePosition, check_extension
 
 SCENES = [(f"train-{i:04d}", 100 + i) for i in range(4)]
 

@@ -15,17 +15,20 @@ from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
 from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.config import SamplingConfig
-from jscenegen.sft.run import (SFT_SEED_BASE, SFTStep, batch_order, build_demos, demo_batch, run_sft,
-                                sft_records, tokenize_transcript)
+from jscenegen.sft.demos import (SFT_SEED_BASE, batch_order, build_demos, demo_batch, sft_records,
+                                  tokenize_transcript)
+from jscenegen.sft.run import run_sft
+from jscenegen.sft.step import SFTStep
 from jscenegen.sft.config import SFTRunConfig
-from jscenegen.grpo.train.step import init_train_state, nnx_hidden_fn
+from jscenegen.grpo.algo.optimizer import init_train_state
+from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.sceneset import read_scene_set
-from jscenegen.sharding.layout import load_sharded, pad_batch, shard_batch
+from jscenegen.sharding.layout import pad_batch, shard_batch
 from jscenegen.sharding.mesh import make_mesh
 
 SEQ = 2304  # rows truncated here: the 2.2k-token prompt and the first planner turn
@@ -119,9 +122,9 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, weight_decay=0.0)
 
 @pytest.fixture(scope="module")
 def sharded(mesh):
-    model = load_sharded(chat_model_dir(), mesh)
+    model = load_hf(chat_model_dir(), mesh=mesh)
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
-    whole = SFTStep(nnx_hidden_fn(graphdef, *rest), OPTIM, donate=False)
+    whole = SFTStep(hidden_fn(graphdef, *rest), OPTIM, donate=False)
     return params, rest, graphdef, whole
 
 
@@ -135,7 +138,7 @@ def test_loss_matches_direct_nll_and_micro_batches(sharded, batch, mesh):
     params, rest, graphdef, whole = sharded
     arrays, placed = batch
     assert arrays["loss_mask"].sum() > 50  # the first planner turns (~20 tokens each)
-    micro = SFTStep(nnx_hidden_fn(graphdef, *rest), OPTIM, micro_batch_size=3, donate=False)
+    micro = SFTStep(hidden_fn(graphdef, *rest), OPTIM, micro_batch_size=3, donate=False)
     with jax.set_mesh(mesh):
         s1, m1 = whole.step(init_train_state(params, OPTIM), placed)
         s2, m2 = micro.step(init_train_state(params, OPTIM), placed)
@@ -169,7 +172,7 @@ def test_sft_overfits_a_handful_of_demos(sharded, batch, mesh):
 def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
     cfg = validate_config({"sft": {"num_demos": 2, "steps": 2, "batch_size": 3, "max_seq_len": SEQ,
                                    "log_every": 1, "seed": 3},
-                           "optim": {"lr": 5e-3, "weight_decay": 0.0}}, model=SFTRunConfig)
+                           "optim": {"lr": 5e-3, "weight_decay": 0.0}}, "sft.yaml", SFTRunConfig)
     rows = []
     summary = run_sft(cfg, chat_model_dir(), tmp_path / "out", log=rows.append)
     out = tmp_path / "out"
@@ -193,8 +196,8 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
 
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="sft.batch_size"):
-        validate_config({"sft": {"batch_size": 0}}, model=SFTRunConfig)
+        validate_config({"sft": {"batch_size": 0}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="sft.nmu_demos"):
-        validate_config({"sft": {"nmu_demos": 3}}, model=SFTRunConfig)
+        validate_config({"sft": {"nmu_demos": 3}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="micro_batch_size"):
-        validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, model=SFTRunConfig)
+        validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, "sft.yaml", SFTRunConfig)

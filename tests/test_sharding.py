@@ -8,10 +8,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jscenegen.model.config import preset_config
-from jscenegen.model.hf_io import named_params
-from jscenegen.model.weights import param_shapes
+from jscenegen.model.hf_io import load_hf
+from jscenegen.model.weights import named_params, param_shapes
 from jscenegen.model.qwen import QwenForCausalLM
-from jscenegen.sharding.layout import layout_report, load_sharded, pad_batch, shard_batch, shard_model
+from jscenegen.sharding.layout import layout_report, pad_batch, shard_batch, shard_model
 from jscenegen.sharding.mesh import MeshError, make_mesh, mesh_shape
 
 MESHES = [(3, 2), (6, 1), (1, 2), None]
@@ -53,7 +53,7 @@ def test_every_param_is_dim0_sharded_over_all_devices_with_fsdp2_padding():
 
 def test_per_device_bytes_of_params_and_adam_fall_to_a_sixth(tiny_hf):
     mesh = make_mesh(3, 2)
-    model = load_sharded(tiny_hf["qwen2"], mesh)
+    model = load_hf(tiny_hf["qwen2"], mesh=mesh)
     shapes = param_shapes(model.cfg)
     total = sum(int(np.prod(s)) * 4 * 3 for s in shapes.values())  # params + mu + nu, fp32
     per_device = {d: 0 for d in mesh.devices.flat}
@@ -62,7 +62,7 @@ def test_per_device_bytes_of_params_and_adam_fall_to_a_sixth(tiny_hf):
             per_device[s.device] += s.data.nbytes * 3
     pad_allowance = sum(int(np.prod(s[1:])) * 4 * 3 for s in shapes.values())
     assert max(per_device.values()) <= 1.05 * total / 6 + pad_allowance
-    report = layout_report(model.cfg, 6, {"fsdp": 3, "sp": 2})
+    report = layout_report(param_shapes(model.cfg), 6, {"fsdp": 3, "sp": 2})
     assert report["total_bytes"] == total
     assert report["max_device_bytes"] == max(per_device.values())
 
@@ -78,12 +78,11 @@ def _batch(vocab):
 
 def _loss_and_grads(hf_dir, mesh_dims, ids, mask):
     if mesh_dims is None:
-        from jscenegen.model.hf_io import load_hf
         model, mesh = load_hf(hf_dir), None
     else:
         n = mesh_dims[0] * mesh_dims[1]
         mesh = make_mesh(*mesh_dims, devices=jax.devices()[:n])
-        model = load_sharded(hf_dir, mesh)
+        model = load_hf(hf_dir, mesh=mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     batch = {"ids": ids, "mask": mask}
     if mesh is not None:
@@ -160,13 +159,12 @@ def test_layers_gather_weights_just_in_time():
 
 
 def test_kv_cache_decode_on_the_mesh_matches_unsharded(tiny_hf):
-    from jscenegen.model.hf_io import load_hf
     from jscenegen.model.qwen import KVCache
 
     ids, mask = _batch(1003)
     ref = np.asarray(load_hf(tiny_hf["qwen2"])(jnp.asarray(ids), jnp.asarray(mask)))
     mesh = make_mesh(3, 2)
-    model = load_sharded(tiny_hf["qwen2"], mesh)
+    model = load_hf(tiny_hf["qwen2"], mesh=mesh)
     batch = pad_batch({"ids": ids, "mask": mask}, mesh, seq_multiple=1)
     cache = KVCache.create(model.cfg, batch=batch["ids"].shape[0], max_len=16)
     step = nnx.jit(lambda m, i, k, c: m(i, k, c))
@@ -186,7 +184,6 @@ def test_kv_cache_decode_on_the_mesh_matches_unsharded(tiny_hf):
 
 
 def test_causal_load_balanced_order_gives_the_same_logits(tiny_hf):
-    from jscenegen.model.hf_io import load_hf
     from jscenegen.model.qwen import balanced_order
 
     order = balanced_order(16, 2)
@@ -196,7 +193,7 @@ def test_causal_load_balanced_order_gives_the_same_logits(tiny_hf):
     ids, mask = _batch(1003)
     ref = np.asarray(load_hf(tiny_hf["qwen3"])(jnp.asarray(ids), jnp.asarray(mask)))
     mesh = make_mesh(3, 2)
-    model = load_sharded(tiny_hf["qwen3"], mesh, causal_balance=True)
+    model = load_hf(tiny_hf["qwen3"], mesh=mesh, causal_balance=True)
     assert model.balance_shards == 2
     batch = shard_batch(pad_batch({"ids": ids, "mask": mask}, mesh, seq_multiple=4), mesh)
     with jax.set_mesh(mesh):

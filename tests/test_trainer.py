@@ -8,8 +8,10 @@ import pytest
 
 from chat_fixtures import chat_model_dir
 from jscenegen.config import ConfigError, load_config
+from jscenegen.run_config import RunConfig
 from jscenegen.checkpoint.store import CheckpointStore, check_step, read_train_state
-from jscenegen.grpo.train.trainer import ResumeError, Trainer
+from jscenegen.checkpoint.resume import ResumeError
+from jscenegen.grpo.train.trainer import Trainer
 from jscenegen.paths import resolve_data_path
 
 TIMING_KEYS = ("time/", "rollout/tokens_per_s", "judge/latency_s")
@@ -27,7 +29,7 @@ def _cfg(**extra):
         "optim.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
         "logging.swanlab_mode=disabled", "trainer.progress=false",
     ] + [f"{k}={v}" for k, v in extra.items()]
-    return load_config(resolve_data_path("configs/cpu-default.yaml"), overrides)
+    return load_config(resolve_data_path("configs/cpu-default.yaml"), overrides, RunConfig)
 
 
 def _run(run_dir, *, resume=False, max_updates=None, sigterm_after=None, **extra):

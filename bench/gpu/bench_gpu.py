@@ -80,7 +80,9 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     from flax import nnx
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.train.step import GRPOStep
+    from jscenegen.model.functional import hidden_fn
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.qwen import QwenForCausalLM
 
@@ -90,7 +92,7 @@ def _jax_train(c: dict, args, attn: str) -> dict:
                             compute_dtype="bfloat16", remat=True, attn_impl=attn)
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
     optim = OptimConfig()
-    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), LossConfig(), optim, donate=True)
+    step = GRPOStep(hidden_fn(graphdef, *rest), LossConfig(), optim, donate=True)
     arrays = {k: jax.device_put(v) for k, v in
               grpo_batch(c["vocab_size"], args.batch, args.seq, trained_from=args.seq // 4).items()}
     holder = {"state": init_train_state(params, optim)}
@@ -112,7 +114,8 @@ def _jax_decode(c: dict, args, attn: str) -> dict:
 
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.qwen import QwenForCausalLM
-    from jscenegen.generate.sampler import Sampler, SamplingParams
+    from jscenegen.generate.sampler import Sampler
+    from jscenegen.generate.sampling import SamplingParams
 
     cfg = QwenConfig.from_hf_dict(c, "bench config")
     model = QwenForCausalLM(cfg, rngs=nnx.Rngs(1), param_dtype="bfloat16",

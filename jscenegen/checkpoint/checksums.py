@@ -16,10 +16,9 @@ import json
 import os
 from pathlib import Path
 
-from jscenegen.paths import atomic_file
+from jscenegen.paths import write_json
 
 CHECKSUMS_NAME = "checksums.json"
-_CHUNK_BYTES = 1 << 20
 
 
 class ChecksumError(ValueError):
@@ -27,12 +26,9 @@ class ChecksumError(ValueError):
 
 
 def file_sha256(path: str | Path) -> str:
-    """Hex SHA-256 of the file at `path`, read in 1 MiB chunks (memory does not grow with size)."""
-    digest = hashlib.sha256()
+    """Hex SHA-256 of the file at `path`, streamed (memory does not grow with size)."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def list_files(root: str | Path, exclude: tuple[str, ...] = (CHECKSUMS_NAME,)) -> list[str]:
@@ -63,19 +59,10 @@ def compute_checksums(root: str | Path, exclude: tuple[str, ...] = (CHECKSUMS_NA
     return {"files": files}
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write `obj` as indented JSON to `path` via a temporary file, fsync and rename."""
-    with atomic_file(path) as tmp, open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict:
     """Hash every file under `root` and write `root/name` atomically; returns the written dict."""
     table = compute_checksums(root, exclude=(name,))
-    write_json_atomic(Path(root) / name, table)
+    write_json(Path(root) / name, table)
     return table
 
 

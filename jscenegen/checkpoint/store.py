@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -42,13 +41,13 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from jscenegen.checkpoint.checksums import (ChecksumError, verify_checksums,
-                                 write_checksums, write_json_atomic)
+from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.model.weights import padded_shape
+from jscenegen.paths import write_json
+from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
 log = logging.getLogger(__name__)
 
@@ -102,24 +101,10 @@ class Checkpoint:
 # ----------------------------------------------------------------------------- layouts
 def storage_sharding(shape: tuple[int, ...], mesh: jax.sharding.Mesh,
                      padded: tuple[int, ...] | None = None) -> NamedSharding:
-    """A NamedSharding of a logical-shape array on `mesh` that JAX accepts (every split even).
-
-    Each mesh axis, in mesh order, joins the lowest dimension whose size (and the size in
-    `padded`, when given) it still divides; axes that divide no dimension replicate. For
-    Qwen sizes on 3 x 2 this keeps dim 0 split wherever it divides; otherwise the array is
-    partly replicated while it is written (extra memory: up to the replication factor, one
-    array at a time).
-    """
-    dims: list[list[str]] = [[] for _ in shape]
-    for axis in mesh.axis_names:
-        size = mesh.shape[axis]
-        for d, n in enumerate(shape):
-            split = math.prod(mesh.shape[a] for a in dims[d]) * size
-            if n % split == 0 and (padded is None or padded[d] % split == 0):
-                dims[d].append(axis)
-                break
-    spec = [None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims]
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    """The layout a logical-shape array is written in (`rules.storage_spec` on `mesh`): dim 0
+    stays split wherever it divides; otherwise the array is partly replicated while it is
+    written (extra memory: up to the replication factor, one array at a time)."""
+    return named(mesh, storage_spec(shape, mesh, padded))
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,10 +147,10 @@ def padded_target(shapes: Mapping[str, tuple[int, ...]], mesh: jax.sharding.Mesh
                   dtype: Any = np.float32) -> dict[str, jax.ShapeDtypeStruct]:
     """Abstract restore target in the trainer's FSDP layout.
 
-    Every array is split on dim 0 over all mesh axes (PartitionSpec((*mesh.axis_names,))),
-    dim 0 padded to a multiple of `mesh.size` (`model.params.padded_shape`), dtype `dtype`.
+    Every array is split on dim 0 over all mesh axes (`rules.PARAM`), dim 0 padded to a
+    multiple of `mesh.size` (`rules.padded_shape`), dtype `dtype`.
     """
-    sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+    sharding = named(mesh, PARAM)
     return {name: jax.ShapeDtypeStruct(padded_shape(tuple(s), mesh.size), dtype, sharding=sharding)
             for name, s in shapes.items()}
 
@@ -480,7 +465,7 @@ class CheckpointStore:
             if not ocp.step.is_path_finalized(path):
                 raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
             _copy_hf_assets(hf_dir, path / HF_DIR)
-            write_json_atomic(path / METADATA_NAME, meta)
+            write_json(path / METADATA_NAME, meta)
             write_checksums(path)
             self._collect_garbage(step)
         _barrier(f"jscenegen-checkpoint-{step}")
@@ -582,7 +567,7 @@ def _target_restore_args(target: Mapping[str, jax.ShapeDtypeStruct],
                                             dtype=np.float32, strict=False)
     first = next(iter(target.values())).sharding
     if isinstance(first, NamedSharding):
-        count_sharding = NamedSharding(first.mesh, PartitionSpec())
+        count_sharding = named(first.mesh, REPLICATED)
     else:
         count_sharding = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
     return p_args, m_args, count_sharding

@@ -76,7 +76,7 @@ def run(args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    from jscenegen.checkpoint.checksums import write_json_atomic
+    from jscenegen.paths import write_json
     from jscenegen.checkpoint.store import CheckpointError
     from jscenegen.eval.evaluate import policy_engine
     from jscenegen.scene.judge import make_judge
@@ -98,7 +98,7 @@ def run(args) -> int:
     scene = episodes[0].scene if 0 in episodes else record.scene  # no turn: the start failed
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out, scene.to_json())
+    write_json(out, scene.to_json())
     if args.render:
         from jscenegen.scene.render import render_scene
 

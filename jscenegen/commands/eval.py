@@ -31,12 +31,13 @@ def load_run_config(config: str | None, overrides: list[str], greedy: bool = Fal
     """The run config for eval/design: `config` (default the CPU default) with overrides;
     `greedy` turns on argmax decoding and turns top-k/top-p off. Raises ConfigError."""
     from jscenegen.config import load_config
+    from jscenegen.run_config import RunConfig
     from jscenegen.paths import resolve_data_path
 
     overrides = list(overrides)
     if greedy:
         overrides += ["sampling.greedy=true", "sampling.top_k=0", "sampling.top_p=1.0"]
-    return load_config(config or resolve_data_path(DEFAULT_CONFIG), overrides)
+    return load_config(config or resolve_data_path(DEFAULT_CONFIG), overrides, RunConfig)
 
 
 def scene_set_path(name: str, cfg) -> Path:
@@ -48,7 +49,8 @@ def scene_set_path(name: str, cfg) -> Path:
 
 
 def compare(before: str, after: str, plot: str | None) -> int:
-    from jscenegen.eval.evaluate import comparison_markdown, plot_report
+    from jscenegen.eval.plots import plot_report
+    from jscenegen.eval.report import comparison_markdown
     from jscenegen.scene.schema import SceneError, read_json_file
 
     try:
@@ -92,9 +94,10 @@ def run(args) -> int:
         print(f"error: --samples must be >= 1, got {samples}", file=sys.stderr)
         return 2
 
-    from jscenegen.checkpoint.checksums import write_json_atomic
+    from jscenegen.paths import write_json
     from jscenegen.checkpoint.store import CheckpointError
-    from jscenegen.eval.evaluate import evaluate, plot_report, policy_engine
+    from jscenegen.eval.evaluate import evaluate, policy_engine
+    from jscenegen.eval.plots import plot_report
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import read_scene_set
     from jscenegen.scene.schema import SceneError
@@ -119,7 +122,7 @@ def run(args) -> int:
                   sampling=cfg.sampling.model_dump(mode="json"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out, report)
+    write_json(out, report)
     plot = plot_report(report, args.plot or out.with_suffix(".png"))
     print(json.dumps({"event": "done", "report": str(out), "plot": str(plot),
                       "overall": report["overall"]}))

@@ -27,6 +27,7 @@ def _parse_mesh(text: str) -> dict[str, int]:
 
 def run(args) -> int:
     from jscenegen.model.config import QwenConfig
+    from jscenegen.model.weights import param_shapes
     from jscenegen.sharding.layout import layout_report
     from jscenegen.sharding.mesh import mesh_shape
 
@@ -39,7 +40,7 @@ def run(args) -> int:
     if n is None:
         raise SystemExit("--mesh fsdp=-1 needs --devices N")
     fsdp, sp = mesh_shape(n, fsdp, sp)
-    report = layout_report(cfg, n, {"fsdp": fsdp, "sp": sp})
+    report = layout_report(param_shapes(cfg), n, {"fsdp": fsdp, "sp": sp})
     if args.json:
         print(json.dumps(report))
         return 0

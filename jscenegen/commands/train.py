@@ -22,6 +22,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from jscenegen.config import ConfigError, load_config
+    from jscenegen.run_config import RunConfig
     from jscenegen.paths import resolve_data_path
 
     if args.resume:
@@ -35,7 +36,7 @@ def run(args) -> int:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        cfg = load_config(config_path, args.overrides)
+        cfg = load_config(config_path, args.overrides, RunConfig)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

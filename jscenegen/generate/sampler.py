@@ -1,23 +1,11 @@
 """Batched KV-cache sampling: jit-compiled appends (prefill, environment text, forced tokens) and a
 `lax.while_loop` decode over a preallocated cache, on the ("fsdp", "sp") mesh.
 
-Sampling follows transformers' logits processors in their `generate` order (temperature, then
-top-k, then top-p; `TopKLogitsWarper`, `TopPLogitsWarper` in transformers/generation/logits_process.py).
-The returned log-prob of a token is log softmax(logits / temperature)[token] in fp32: the
-tempered, *untruncated* distribution, which is what the trainer recomputes (VERL divides the
-logits by the rollout temperature; top-k/top-p only choose which token is drawn). Greedy picks
-argmax(logits) and still reports the tempered log-prob.
+Each step draws with `sampling.sample_tokens` (transformers' logits-processor order; per-row
+keys) and checks `stop.stop_string_step`.
 
-Randomness: each row has its own PRNG key; the token at RoPE position p of a row is drawn with
-`fold_in(row_key, p)`, so a row's samples depend on its key and its own tokens only, not on the
-other rows of the batch, the cache layout or the number of decode calls.
-
-Stopping: a row stops at a stop token id (the chat template's end of turn), at a stop string, or
-at its own `max_new` budget. Stop strings are matched on bytes inside the loop: a table gives each
-vocabulary entry's first and last K-1 bytes (K = longest stop string) and whether the entry itself
-contains a stop string, and each row keeps the last K-1 bytes it generated this turn. A stop
-string therefore matches however the tokenizer splits it (`</action>` as one token, as `</`
-`action` `>`, or merged with a following newline), which matching token-id sequences would miss.
+Stopping: a row stops at a stop token id (the chat template's end of turn), at a stop string
+(matched on bytes, see stop.py), or at its own `max_new` budget.
 
 Shapes are bucketed: appended chunks are left-padded and split into lengths from `buckets`
 (padding slots stay invalid and do not advance positions), and decode runs up to a static
@@ -25,7 +13,7 @@ Shapes are bucketed: appended chunks are left-padded and split into lengths from
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 from typing import NamedTuple, Sequence
 
@@ -33,40 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens
+from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
+from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.qwen import KVCache, QwenForCausalLM
+from jscenegen.sharding.rules import LAYER_ROWS, REPLICATED, ROWS, named
 
 STOP_NONE, STOP_TOKEN, STOP_STRING, STOP_LENGTH = 0, 1, 2, 3
 STOP_REASONS = {STOP_NONE: "none", STOP_TOKEN: "stop_token", STOP_STRING: "stop_string",
                 STOP_LENGTH: "length"}
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-_NO_BYTE = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How a token is drawn from the logits.
-
-    temperature > 0 divides the logits (also for the returned log-probs); top_k > 0 keeps the k
-    largest logits (ties with the k-th kept, as transformers); 0 < top_p <= 1 keeps the smallest
-    set of most likely tokens whose probability reaches top_p (after top-k); greedy takes argmax.
-    Raises ValueError for values outside those ranges.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
 
 
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
@@ -92,129 +57,6 @@ def split_into_buckets(n: int, buckets: Sequence[int]) -> list[int]:
         rest -= b
     return out
 
-
-# ---- logits processing ---------------------------------------------------------------------
-def top_p_threshold(probs: jax.Array, top_p: float, iters: int = 32) -> jax.Array:
-    """Per-row probability threshold t of the top-p nucleus: the largest t with
-    sum(probs[probs >= t]) >= top_p, found by bisection (no vocabulary sort).
-
-    Keeping probs >= t is transformers' TopPLogitsWarper (keep a token when the probability of
-    the tokens ranked above it is < top_p) up to ties. probs [B, V] float32 -> [B, 1].
-    """
-    lo = jnp.zeros(probs.shape[:1], jnp.float32)
-    hi = jnp.max(probs, axis=-1)
-
-    def body(_, bounds):
-        lo, hi = bounds
-        mid = 0.5 * (lo + hi)
-        mass = jnp.sum(jnp.where(probs >= mid[:, None], probs, 0.0), axis=-1)
-        ok = mass >= top_p
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo, hi = jax.lax.fori_loop(0, iters, body, (lo, hi))
-    # hi itself qualifies when the top token alone reaches top_p
-    top_alone = jnp.max(probs, axis=-1) >= top_p
-    return jnp.where(top_alone, hi, lo)[:, None]
-
-
-def _nucleus(z: jax.Array, top_p: float) -> jax.Array:
-    """z [B, n] tempered logits with tokens outside the top-p nucleus set to -inf."""
-    if top_p >= 1.0:
-        return z
-    probs = jax.nn.softmax(z, axis=-1)
-    return jnp.where(probs >= top_p_threshold(probs, top_p), z, -jnp.inf)
-
-
-def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
-                  params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row and its tempered log-prob.
-
-    logits [B, V] float32; keys [B, 2] uint32 raw PRNG key data (one per row); positions [B]
-    int32 (RoPE position of the token being drawn, folded into the row's key).
-    Order as transformers' generate: temperature, top-k (`TopKLogitsWarper`, here exactly the
-    k largest), top-p (`TopPLogitsWarper`); then a Gumbel-max draw over the survivors.
-    Returns (tokens [B] int32, logprobs [B] float32 = log_softmax(logits / T)[token]).
-    """
-    z = logits.astype(jnp.float32) / params.temperature
-    if params.greedy:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        if 0 < params.top_k < z.shape[-1]:
-            cand, idx = jax.lax.top_k(z, params.top_k)                  # [B, k]
-        else:
-            cand, idx = z, None
-        cand = _nucleus(cand, params.top_p)
-
-        def one(key_data, pos, row):
-            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), pos)
-            return jnp.argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
-
-        choice = jax.vmap(one)(keys, positions, cand)
-        tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
-        tok = tok.astype(jnp.int32)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[:, None], axis=-1)[:, 0]
-    return tok, logp
-
-
-# ---- stop strings ---------------------------------------------------------------------------
-class StopTable(NamedTuple):
-    """Device arrays for in-loop stop-string matching (see the module docstring).
-
-    head, tail: [V, K-1] int32, first / last K-1 bytes of each vocabulary entry (-1 = none);
-    length: [V] int32 bytes per entry; contains: [V] bool, the entry holds a whole stop string.
-    """
-
-    head: jax.Array
-    tail: jax.Array
-    length: jax.Array
-    contains: jax.Array
-
-
-def build_stop_table(stop_strings: Sequence[bytes], token_bytes: Sequence[bytes],
-                     vocab_size: int) -> StopTable:
-    """StopTable for byte strings `stop_strings` over a vocabulary whose entry i decodes to
-    `token_bytes[i]` (entries beyond len(token_bytes), e.g. padded vocabulary rows, are empty).
-    Raises ValueError for no or an empty stop string."""
-    if not stop_strings or any(len(s) == 0 for s in stop_strings):
-        raise ValueError(f"stop strings must be non-empty, got {list(stop_strings)}")
-    k1 = max(max(len(s) for s in stop_strings) - 1, 1)
-    head = np.full((vocab_size, k1), _NO_BYTE, np.int32)
-    tail = np.full((vocab_size, k1), _NO_BYTE, np.int32)
-    length = np.zeros(vocab_size, np.int32)
-    contains = np.zeros(vocab_size, bool)
-    for i, b in enumerate(token_bytes[:vocab_size]):
-        length[i] = len(b)
-        if b:
-            h, t = b[:k1], b[-k1:]
-            head[i, :len(h)] = list(h)
-            tail[i, k1 - len(t):] = list(t)
-            contains[i] = any(s in b for s in stop_strings)
-    return StopTable(jnp.asarray(head), jnp.asarray(tail), jnp.asarray(length),
-                     jnp.asarray(contains))
-
-
-def stop_string_step(table: StopTable, stop_strings: Sequence[bytes], tail_bytes: jax.Array,
-                     tok: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Did appending token `tok` [B] complete one of `stop_strings`?
-
-    tail_bytes [B, K-1] int32: the row's last K-1 generated bytes, right-aligned, -1 where the
-    turn has fewer. A match either lies inside the token (`contains`) or ends in the token's
-    first K-1 bytes and starts in the tail; -1 never equals a byte, so absent bytes never match.
-    Returns (hit [B] bool, new tail_bytes = last K-1 bytes of tail ++ token).
-    """
-    k1 = tail_bytes.shape[1]
-    n = table.length[tok]
-    window = jnp.concatenate([tail_bytes, table.head[tok]], axis=1)      # [B, 2(K-1)]
-    hit = table.contains[tok]
-    for s in stop_strings:
-        want = jnp.asarray(list(s), jnp.int32)
-        for end in range(k1, 2 * k1):                                      # ends inside the token
-            start = end - len(s) + 1
-            hit = hit | jnp.all(window[:, start:end + 1] == want, axis=1)
-    pos = jnp.clip(n[:, None] + jnp.arange(k1)[None, :], 0, 2 * k1 - 1)
-    short = jnp.take_along_axis(window, pos, axis=1)
-    new_tail = jnp.where((n >= k1)[:, None], table.tail[tok], short)
-    return hit, new_tail
 
 
 # ---- the compiled programs ------------------------------------------------------------------
@@ -300,7 +142,7 @@ def _decode_impl(graphdef, params, stop_strings, state, cache, last_logits, max_
         jnp.zeros((), jnp.int32), cache, last_logits,
         jnp.zeros((b, max_steps), jnp.int32), jnp.zeros((b, max_steps), jnp.float32),
         max_new <= 0, jnp.zeros((b,), jnp.int32), jnp.full((b,), STOP_NONE, jnp.int32),
-        jnp.full((b, k1), _NO_BYTE, jnp.int32),
+        jnp.full((b, k1), NO_BYTE, jnp.int32),
     )
     _, cache, logits, out_tok, out_lp, _, count, reason, _ = jax.lax.while_loop(cond, body, init)
     return DecodeResult(out_tok, out_lp, count, reason, cache, logits)
@@ -335,7 +177,7 @@ class Sampler:
         self.buckets = tuple(int(b) for b in buckets)
         self.mesh = mesh
         self.graphdef, self.state = nnx.split(model)
-        self.cache_dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[model.compute_dtype]
+        self.cache_dtype = np_dtype(model.compute_dtype)
         self.stop_ids = jnp.asarray(sorted(set(int(i) for i in stop_token_ids)) or [-1], jnp.int32)
         self.stop_strings = tuple(s.encode("utf-8") for s in stop_strings)
         self.stop_table = (build_stop_table(self.stop_strings, token_bytes, self.cfg.vocab_size)
@@ -367,14 +209,13 @@ class Sampler:
         """Rows must be a multiple of this (the mesh's fsdp size, 1 without a mesh)."""
         return 1 if self.mesh is None else self.mesh.shape["fsdp"]
 
-    def _put(self, x, spec=P("fsdp")):
+    def _put(self, x, spec=ROWS):
         x = np.asarray(x)
         if self.mesh is None:
             return jnp.asarray(x)
-        return jax.device_put(x, NamedSharding(self.mesh, spec))
+        return jax.device_put(x, named(self.mesh, spec))
 
     def _ctx(self):
-        import contextlib
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _check_rows(self, b: int):
@@ -389,11 +230,10 @@ class Sampler:
         last = jnp.zeros((batch, self.cfg.vocab_size), jnp.float32)
         if self.mesh is None:
             return cache, last
-        row = NamedSharding(self.mesh, P("fsdp"))
-        kv = NamedSharding(self.mesh, P(None, "fsdp"))
+        row, kv = named(self.mesh, ROWS), named(self.mesh, LAYER_ROWS)
         cache = KVCache(jax.device_put(cache.k, kv), jax.device_put(cache.v, kv),
                         jax.device_put(cache.valid, row), jax.device_put(cache.next_pos, row),
-                        jax.device_put(cache.length, NamedSharding(self.mesh, P())))
+                        jax.device_put(cache.length, named(self.mesh, REPLICATED)))
         return cache, jax.device_put(last, row)
 
     # ---- operations ---------------------------------------------------------------------
@@ -475,9 +315,3 @@ class Sampler:
         out = self.decode(cache, last, [max_new_tokens] * len(prompts), keys, max_new_tokens)
         return {"tokens": np.asarray(out.tokens), "logprobs": np.asarray(out.logprobs),
                 "lengths": np.asarray(out.lengths), "reason": np.asarray(out.reason)}
-
-
-def row_keys(seeds: Sequence[int]) -> np.ndarray:
-    """Raw PRNG key data [B, 2] uint32, one threefry key per integer seed."""
-    return np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s) & 0xFFFFFFFF)))
-                     for s in seeds]).astype(np.uint32)

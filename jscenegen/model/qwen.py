@@ -5,9 +5,10 @@ grouped-query attention (Qwen2: q/k/v biases; Qwen3: q_norm/k_norm over head_dim
 SwiGLU MLP, pre-norm decoder layers, optional tied output embedding.
 
 Parameters are `nnx.Param`s whose dotted paths are the HF names (`model.layers.0.mlp.up_proj.weight`)
-in HF orientation ([out, in]). Dim 0 of every parameter may be zero-padded to a multiple of
-`pad_multiple` (FSDP2-style sharding over all devices); modules slice the padding off right
-after reading a weight, so padded rows never reach the math and get zero gradients.
+in HF orientation ([out, in]), made from the one weight table (model/weights.py). Dim 0 of every
+parameter may be zero-padded to a multiple of `pad_multiple` (FSDP2-style sharding over all
+devices); `logical` slices the padding off right after the all-gather (the row count is the
+parameter's `rows` metadata), so padded rows never reach the math and get zero gradients.
 
 Positions come from the attention mask (cumulative sum), so left- and right-padded rows give
 the same logits as unpadded ones. One forward handles a full sequence, a prefill into a KV
@@ -24,73 +25,60 @@ from flax import nnx
 
 from jscenegen.model.attention import attention
 from jscenegen.model.config import QwenConfig
-from jscenegen.model.weights import padded_shape
-from jscenegen.sharding.constraints import BATCH_ONLY, BATCH_SEQ, constrain, constrain_stacked, gather
+from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.rope import apply_rope, rope_cos_sin
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _param(rngs: nnx.Rngs | None, shape, pad_multiple, dtype, init: str) -> nnx.Param:
-    padded = padded_shape(tuple(shape), pad_multiple)
-    if init == "ones":
-        value = jnp.zeros(padded, dtype).at[: shape[0]].set(1)
-    elif init == "zeros":
-        value = jnp.zeros(padded, dtype)
-    else:
-        value = jnp.zeros(padded, dtype).at[: shape[0]].set(
-            0.02 * jax.random.normal(rngs.params(), tuple(shape), dtype)
-        )
-    return nnx.Param(value)
+from jscenegen.model.weights import ParamFactory, weight_table
+from jscenegen.sharding.constraints import constrain, constrain_stacked, gather
+from jscenegen.sharding.rules import ACTIVATION, SEQ_GATHERED
 
 
-def _read(p: nnx.Param, n: int, dtype) -> jax.Array:
-    """The first n rows of a (possibly padded) parameter, cast to the compute dtype."""
-    w = gather(p[...])  # all-gather the padded array, then slice the padding off
-    if w.shape[0] != n:
-        w = w[:n]
+def logical(p: nnx.Param, dtype) -> jax.Array:
+    """A parameter at its logical rows, cast to `dtype`: all-gathered (FSDP), then the dim-0
+    padding (beyond the `rows` metadata) sliced off."""
+    w = gather(p[...])
+    if w.shape[0] != p.rows:
+        w = w[: p.rows]
     return w.astype(dtype)
 
 
 class Linear(nnx.Module):
-    """y = x W^T (+ b), W [out, in] as torch.nn.Linear stores it."""
+    """y = x W^T (+ b), W [out, in] as torch.nn.Linear stores it; `name` is the HF prefix
+    (`model.layers.0.mlp.up_proj`), the bias exists when the weight table lists one."""
 
-    def __init__(self, d_in, d_out, *, bias, rngs, pad_multiple, param_dtype):
-        self.d_out = d_out
-        self.weight = _param(rngs, (d_out, d_in), pad_multiple, param_dtype, "normal")
-        self.bias = _param(rngs, (d_out,), pad_multiple, param_dtype, "zeros") if bias else None
+    def __init__(self, make: ParamFactory, name: str):
+        self.weight = make(f"{name}.weight")
+        self.bias = make.optional(f"{name}.bias")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = _read(self.weight, self.d_out, x.dtype)
+        w = logical(self.weight, x.dtype)
         y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
         if self.bias is not None:
-            y = y + _read(self.bias, self.d_out, x.dtype)
+            y = y + logical(self.bias, x.dtype)
         return y
 
 
 class RMSNorm(nnx.Module):
     """weight * (x / sqrt(mean(x^2) + eps)), normalised in fp32 and cast back before the weight (as HF)."""
 
-    def __init__(self, dim, eps, *, pad_multiple, param_dtype):
-        self.dim, self.eps = dim, eps
-        self.weight = _param(None, (dim,), pad_multiple, param_dtype, "ones")
+    def __init__(self, make: ParamFactory, name: str, eps: float):
+        self.eps = eps
+        self.weight = make(f"{name}.weight")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return _read(self.weight, self.dim, x.dtype) * xf.astype(x.dtype)
+        return logical(self.weight, x.dtype) * xf.astype(x.dtype)
 
 
 class Embedding(nnx.Module):
-    def __init__(self, vocab, dim, *, rngs, pad_multiple, param_dtype):
-        self.vocab = vocab
-        self.weight = _param(rngs, (vocab, dim), pad_multiple, param_dtype, "normal")
+    def __init__(self, make: ParamFactory, name: str):
+        self.weight = make(f"{name}.weight")
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
         return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
 
     def logical(self, dtype) -> jax.Array:
-        return _read(self.weight, self.vocab, dtype)
+        return logical(self.weight, dtype)
 
 
 def balanced_order(s: int, shards: int) -> np.ndarray:
@@ -130,18 +118,16 @@ class KVCache:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: QwenConfig, *, rngs, pad_multiple, param_dtype, attn_impl):
-        h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        kw = dict(rngs=rngs, pad_multiple=pad_multiple, param_dtype=param_dtype)
-        self.nq, self.nkv, self.hd, self.attn_impl = nq, nkv, hd, attn_impl
-        self.q_proj = Linear(h, nq * hd, bias=cfg.qkv_bias, **kw)
-        self.k_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, **kw)
-        self.v_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, **kw)
-        self.o_proj = Linear(nq * hd, h, bias=False, **kw)
+    def __init__(self, cfg: QwenConfig, make: ParamFactory, name: str, attn_impl: str):
+        self.nq, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.attn_impl = attn_impl
+        self.q_proj = Linear(make, f"{name}.q_proj")
+        self.k_proj = Linear(make, f"{name}.k_proj")
+        self.v_proj = Linear(make, f"{name}.v_proj")
+        self.o_proj = Linear(make, f"{name}.o_proj")
         if cfg.qk_norm:
-            norm_kw = dict(pad_multiple=pad_multiple, param_dtype=param_dtype)
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm_kw)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm_kw)
+            self.q_norm = RMSNorm(make, f"{name}.q_norm", cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(make, f"{name}.k_norm", cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -171,51 +157,43 @@ class Attention(nnx.Module):
         else:
             new_kv = (k, v)
         # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
-        q = constrain(q, BATCH_SEQ)
-        k_all_seq, v_all_seq = constrain(k, BATCH_ONLY), constrain(v, BATCH_ONLY)
+        q = constrain(q, ACTIVATION)
+        k_all_seq, v_all_seq = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
         out = attention(q, k_all_seq.astype(q.dtype), v_all_seq.astype(q.dtype), mask, self.attn_impl)
         return self.o_proj(out.reshape(b, s, self.nq * self.hd)), new_kv
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: QwenConfig, *, rngs, pad_multiple, param_dtype):
-        kw = dict(bias=False, rngs=rngs, pad_multiple=pad_multiple, param_dtype=param_dtype)
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+    def __init__(self, make: ParamFactory, name: str):
+        self.gate_proj = Linear(make, f"{name}.gate_proj")
+        self.up_proj = Linear(make, f"{name}.up_proj")
+        self.down_proj = Linear(make, f"{name}.down_proj")
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: QwenConfig, *, rngs, pad_multiple, param_dtype, attn_impl):
-        norm_kw = dict(pad_multiple=pad_multiple, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
-        self.self_attn = Attention(cfg, rngs=rngs, pad_multiple=pad_multiple,
-                                   param_dtype=param_dtype, attn_impl=attn_impl)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
-        self.mlp = MLP(cfg, rngs=rngs, pad_multiple=pad_multiple, param_dtype=param_dtype)
+    def __init__(self, cfg: QwenConfig, make: ParamFactory, name: str, attn_impl: str):
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", eps)
+        self.self_attn = Attention(cfg, make, f"{name}.self_attn", attn_impl)
+        self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", eps)
+        self.mlp = MLP(make, f"{name}.mlp")
 
     def __call__(self, x, cos, sin, mask, kv=None):
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
-        x = constrain(x + attn_out, BATCH_SEQ)
-        x = constrain(x + self.mlp(self.post_attention_layernorm(x)), BATCH_SEQ)
+        x = constrain(x + attn_out, ACTIVATION)
+        x = constrain(x + self.mlp(self.post_attention_layernorm(x)), ACTIVATION)
         return x, new_kv
 
 
 class QwenModel(nnx.Module):
-    def __init__(self, cfg: QwenConfig, *, rngs, pad_multiple, param_dtype, attn_impl):
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs,
-                                      pad_multiple=pad_multiple, param_dtype=param_dtype)
-        self.layers = nnx.List([
-            DecoderLayer(cfg, rngs=rngs, pad_multiple=pad_multiple, param_dtype=param_dtype,
-                         attn_impl=attn_impl)
-            for _ in range(cfg.num_hidden_layers)
-        ])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pad_multiple=pad_multiple,
-                            param_dtype=param_dtype)
-
+    def __init__(self, cfg: QwenConfig, make: ParamFactory, attn_impl: str):
+        self.embed_tokens = Embedding(make, "model.embed_tokens")
+        self.layers = nnx.List([DecoderLayer(cfg, make, f"model.layers.{i}", attn_impl)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(make, "model.norm", cfg.rms_norm_eps)
 
 
 class QwenForCausalLM(nnx.Module):
@@ -237,24 +215,19 @@ class QwenForCausalLM(nnx.Module):
                  remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1):
         self.cfg = cfg
         self.balance_shards = balance_shards
-        self.pad_multiple = pad_multiple
         self.compute_dtype = compute_dtype
         self.remat = remat
-        pdt = DTYPES[param_dtype]
-        self.model = QwenModel(cfg, rngs=rngs, pad_multiple=pad_multiple, param_dtype=pdt,
-                               attn_impl=attn_impl)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, rngs=rngs,
-                                  pad_multiple=pad_multiple, param_dtype=pdt)
-        else:
-            self.lm_head = None
+        make = ParamFactory(weight_table(cfg), rngs=rngs, pad_multiple=pad_multiple,
+                            dtype=np_dtype(param_dtype))
+        self.model = QwenModel(cfg, make, attn_impl)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(make, "lm_head")
 
     def output_embedding(self) -> jax.Array:
         """The output projection [V, H] at logical size (padding rows sliced off), compute dtype."""
-        dt = DTYPES[self.compute_dtype]
+        dt = np_dtype(self.compute_dtype)
         if self.lm_head is None:
             return self.model.embed_tokens.logical(dt)
-        return _read(self.lm_head.weight, self.cfg.vocab_size, dt)
+        return logical(self.lm_head.weight, dt)
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
                       cache: KVCache | None = None, layers=None):
@@ -268,7 +241,7 @@ class QwenForCausalLM(nnx.Module):
         not re-stacked on every call.
         """
         cfg = self.cfg
-        dt = DTYPES[self.compute_dtype]
+        dt = np_dtype(self.compute_dtype)
         mask = attention_mask.astype(bool)
         b, s = input_ids.shape
         steps = jnp.cumsum(mask.astype(jnp.int32), axis=1)
@@ -290,7 +263,7 @@ class QwenForCausalLM(nnx.Module):
             causal = jnp.arange(smax)[None, :] <= q_slot[:, None]
             attn_mask = causal[None] & valid[:, None, :]
         cos, sin = rope_cos_sin(cfg, positions)
-        x = constrain(self.model.embed_tokens(input_ids, dt), BATCH_SEQ)
+        x = constrain(self.model.embed_tokens(input_ids, dt), ACTIVATION)
         x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, layers)
         hidden = self.model.norm(x)
         if cache is None:

@@ -16,20 +16,15 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-import ml_dtypes
 import numpy as np
 
+from jscenegen.model.dtypes import SAFETENSORS, dtype_name
+
 INDEX_NAME = "model.safetensors.index.json"
-ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
-             np.dtype(np.float16): "F16"}
 
 
 def _st_dtype(dtype: np.dtype) -> str:
-    try:
-        return ST_DTYPES[np.dtype(dtype)]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be written to safetensors here "
-                         "(float32, bfloat16, float16)") from None
+    return SAFETENSORS[dtype_name(dtype)]
 
 
 def plan_shards(specs: dict[str, tuple[tuple[int, ...], np.dtype]],

@@ -92,7 +92,9 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     from jscenegen.parity import torch_reference as ref
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.grpo.algo.optimizer import param_names
-    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.train.step import GRPOStep
+    from jscenegen.model.functional import hidden_fn
     from jscenegen.model.hf_io import load_hf
 
     loss_cfg = loss_cfg or LossConfig()
@@ -100,7 +102,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
     names = param_names(params)
-    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
+    step = GRPOStep(hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
                     temperature=temperature, donate=False)
     data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed, pad_rows=pad_rows)
     rows = rows + pad_rows

@@ -46,7 +46,7 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     from jscenegen.model.hf_io import load_hf
 
     model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)  # refuses a bad dir first
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = getattr(torch, dtype)  # torch spells dtypes as jscenegen.model.dtypes does
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype,
                                                attn_implementation="eager").eval()
     ids, mask = random_padded_batch(model.cfg.vocab_size, batch, seq, seed)

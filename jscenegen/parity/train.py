@@ -89,7 +89,7 @@ def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
     model directory's chat template as a rollout builds them, cut to `max_tokens` tokens.
     Raises the tokenizer's errors (ChatTemplateError for a template that is not
     prefix-preserving)."""
-    from jscenegen.sft.run import build_demos, sft_records
+    from jscenegen.sft.demos import build_demos, sft_records
     from jscenegen.model.tokenizer.chat import ChatTokenizer
 
     chat = ChatTokenizer.from_dir(model_dir)
@@ -186,7 +186,9 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     from jscenegen.grpo.train.batch import build_group_batch
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.grpo.algo.optimizer import param_names
-    from jscenegen.grpo.train.step import GRPOStep, init_train_state, nnx_hidden_fn
+    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.train.step import GRPOStep
+    from jscenegen.model.functional import hidden_fn
     from jscenegen.model.hf_io import load_hf
 
     loss_cfg = loss_cfg or LossConfig()
@@ -195,7 +197,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
     names = param_names(params)
-    step = GRPOStep(nnx_hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
+    step = GRPOStep(hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
                     temperature=temperature, donate=False)
     state = init_train_state(params, optim_cfg)
 

@@ -9,7 +9,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jscenegen.config import MeshConfig, ModelConfig, Section
+from jscenegen.config import Section
+from jscenegen.model.options import ModelConfig
+from jscenegen.sharding.mesh import MeshConfig
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.scene.config import SceneRuntimeConfig
 

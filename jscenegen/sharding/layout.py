@@ -3,41 +3,15 @@
 Every parameter and both Adam moments are split along dim 0 across all mesh devices
 (fsdp x sp), dim 0 zero-padded to a multiple of the device count: device r holds rows
 [r*c, (r+1)*c) with c = ceil(n / W), as torch FSDP2's `Shard(0)` does (the padding is its
-last ranks' empty tail). Batches: rows over `fsdp`, sequence over `sp`.
+last ranks' empty tail). Batches: rows over `fsdp`, sequence over `sp`. Specs: `rules`.
 """
 from __future__ import annotations
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jscenegen.model.config import QwenConfig
-from jscenegen.model.weights import padded_shape, param_shapes
-
-PARAM_SPEC = P(("fsdp", "sp"))
-BATCH_SPEC = P("fsdp", "sp")
-
-
-def param_sharding(mesh) -> NamedSharding:
-    """dim 0 over all devices (fsdp x sp), every other dim whole."""
-    return NamedSharding(mesh, PARAM_SPEC)
-
-
-def replicated(mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
-def load_sharded(path, mesh, *, causal_balance: bool = False, **kwargs):
-    """`load_hf` straight into the sharded layout: each tensor is padded and each device gets
-    only its own rows (no device ever holds a full replica). `causal_balance` reorders full
-    sequences for the mesh's `sp` shards (QwenForCausalLM `balance_shards`)."""
-    from jscenegen.model.hf_io import load_hf
-
-    sharding = param_sharding(mesh)
-    return load_hf(path, pad_multiple=mesh.size, sharding_for=lambda name, shape: sharding,
-                   balance_shards=mesh.shape["sp"] if causal_balance else 1, **kwargs)
+from jscenegen.sharding.rules import PARAM, batch_spec, named, padded_shape
 
 
 def shard_model(model: nnx.Module, mesh) -> nnx.Module:
@@ -45,7 +19,7 @@ def shard_model(model: nnx.Module, mesh) -> nnx.Module:
 
     Raises ValueError when a parameter's dim 0 is not a multiple of the device count.
     """
-    sharding = param_sharding(mesh)
+    sharding = named(mesh, PARAM)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var[...]
         if value.shape[0] % mesh.size:
@@ -84,25 +58,25 @@ def shard_batch(arrays: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
     """
     out = {}
     for k, a in arrays.items():
-        spec = BATCH_SPEC if a.ndim >= 2 else P("fsdp")
-        sharding = NamedSharding(mesh, spec)
+        sharding = named(mesh, batch_spec(a.ndim))
         out[k] = jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx])
     return out
 
 
-def layout_report(cfg: QwenConfig, n_devices: int, mesh_axes: dict[str, int]) -> dict:
+def layout_report(shapes: dict[str, tuple[int, ...]], n_devices: int,
+                  mesh_axes: dict[str, int]) -> dict:
     """Per-parameter global, padded and per-device shapes and bytes of params + Adam (fp32).
 
-    Shapes only (no arrays). `total_bytes` is params + two Adam moments at logical size;
-    `max_device_bytes` is the fullest device's share including padding.
+    shapes: {hf_name: logical shape} (`model.weights.param_shapes`); no arrays are made.
+    `total_bytes` is params + two Adam moments at logical size; `max_device_bytes` is the fullest device's share including padding.
     """
     rows = []
     total = 0
     device_bytes = np.zeros(n_devices, np.int64)
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in shapes.items():
         padded = padded_shape(shape, n_devices)
-        per_row = int(np.prod(shape[1:], dtype=np.int64)) * 4 * 3  # param + mu + nu, fp32
         c = padded[0] // n_devices
+        per_row = int(np.prod(shape[1:], dtype=np.int64)) * 4 * 3  # param + mu + nu, fp32
         for r in range(n_devices):
             device_bytes[r] += c * per_row
         total += shape[0] * per_row

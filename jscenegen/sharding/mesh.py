@@ -12,7 +12,20 @@ import os
 import jax
 from jax.sharding import AxisType, Mesh
 
-AXES = ("fsdp", "sp")
+from jscenegen.config import Section
+from jscenegen.sharding.rules import AXES
+
+
+
+class MeshConfig(Section):
+    """The `mesh:` section: device mesh ("fsdp", "sp"); fsdp = -1 takes the remaining devices;
+    the multi-host launch values (else from JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)."""
+
+    fsdp: int = -1
+    sp: int = 2
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 class MeshError(ValueError):

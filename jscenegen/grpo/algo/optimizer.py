@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.model.weights import named_leaves
 
 TORCH_CLIP_EPS = 1e-6
 
@@ -149,28 +150,41 @@ def optimizer_step(tx, grads, opt_state, params, learning_rate):
     )
 
 
-def param_names(params) -> list[str]:
-    """Dotted names of the leaves of a params pytree (nested dicts or an nnx.State).
+class TrainState(NamedTuple):
+    """params: model parameters (pytree); opt_state: the optax state (clip + torch AdamW);
+    lr_step: int32 [] LR-scheduler count (torch LambdaLR last_epoch; advances on skipped steps
+    too); skipped_steps: int32 [] updates skipped for a non-finite gradient."""
 
-    The trailing `.value` of nnx Variables is dropped, so an NNX model whose attributes
-    follow the HF layout yields `model.layers.0.self_attn.q_proj.weight`.
-    """
-    names = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        parts = []
-        for k in path:
-            if isinstance(k, jax.tree_util.DictKey):
-                parts.append(str(k.key))
-            elif isinstance(k, jax.tree_util.SequenceKey):
-                parts.append(str(k.idx))
-            elif isinstance(k, jax.tree_util.GetAttrKey):
-                parts.append(k.name)
-            else:
-                parts.append(str(k))
-        if parts and parts[-1] == "value":
-            parts.pop()
-        names.append(".".join(parts))
-    return names
+    params: Any
+    opt_state: Any
+    lr_step: jax.Array
+    skipped_steps: jax.Array
+
+
+def init_train_state(params, optim_cfg: OptimConfig, lr_step: int = 0) -> TrainState:
+    """Fresh optimizer state (zero moments, count 0) for `params`."""
+    tx = make_optimizer(optim_cfg)
+    return TrainState(params, tx.init(params), jnp.asarray(lr_step, jnp.int32),
+                      jnp.zeros((), jnp.int32))
+
+
+def apply_gradients(tx, optim_cfg: OptimConfig, state: TrainState, grads) -> tuple[TrainState, dict]:
+    """One guarded AdamW update of `state` at the LR of its scheduler count (`lr_at`), the
+    count advanced whether or not the step was skipped (torch LambdaLR). Returns (new state,
+    {"grad_norm": float32 [] before clipping, "skipped": float32 [] 1.0 when a non-finite
+    gradient skipped the step, "lr": float32 []})."""
+    lr = lr_at(optim_cfg, state.lr_step)
+    params, opt_state, grad_norm, skipped = optimizer_step(tx, grads, state.opt_state,
+                                                           state.params, lr)
+    new_state = TrainState(params, opt_state, state.lr_step + 1,
+                           state.skipped_steps + skipped.astype(jnp.int32))
+    return new_state, {"grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32), "lr": lr}
+
+
+def param_names(params) -> list[str]:
+    """HF names of the leaves of a params pytree (nested dicts, an nnx.State or an Adam
+    moment tree), in leaf order (`model.weights.param_name`)."""
+    return list(named_leaves(params))
 
 
 def adam_state(opt_state) -> TorchAdamWState:

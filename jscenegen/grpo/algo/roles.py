@@ -14,6 +14,7 @@ DESIGNER = 2
 CRITIC = 3
 
 ROLE_NAMES = {ENVIRONMENT: "environment", PLANNER: "planner", DESIGNER: "designer", CRITIC: "critic"}
+ROLE_CODES = {name: code for code, name in ROLE_NAMES.items() if code != ENVIRONMENT}  # policy roles
 POLICY_ROLES = (PLANNER, DESIGNER, CRITIC)
 _BY_LETTER = {"P": PLANNER, "D": DESIGNER, "C": CRITIC}
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from jscenegen.config import Section
-from jscenegen.generate.sampler import DEFAULT_BUCKETS, SamplingParams
+from jscenegen.generate.sampler import DEFAULT_BUCKETS
+from jscenegen.generate.sampling import SamplingParams
 
 
 class SamplingConfig(Section):

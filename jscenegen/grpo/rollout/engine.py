@@ -38,10 +38,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
 from jscenegen.grpo.rollout.config import SamplingConfig
-from jscenegen.generate.sampler import (STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler,
-                                     row_keys)
+from jscenegen.generate.sampler import STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler
+from jscenegen.generate.sampling import row_keys
 from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
 from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
@@ -51,7 +51,6 @@ from jscenegen.scene.sceneset import SceneRecord
 
 log = logging.getLogger(__name__)
 
-ROLE_CODES = {"planner": PLANNER, "designer": DESIGNER, "critic": CRITIC}
 ForcedPolicy = Callable[[Episode], str]
 TurnCallback = Callable[[int, dict, Episode], None]
 
@@ -124,7 +123,7 @@ class _Row:
         self.roles.extend([role] * len(ids))
         self.policy.extend([policy] * len(ids))
         self.logprobs.extend([0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs])
-        name = "environment" if role == ENVIRONMENT else {v: k for k, v in ROLE_CODES.items()}[role]
+        name = ROLE_NAMES[role]
         self.turns.append({"role": name, "start": start, "end": len(self.tokens), "stop": stop})
 
     def fail(self, cause: str, message: str = "") -> None:

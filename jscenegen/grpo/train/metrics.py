@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field
 
 from jscenegen.config import Section
+from jscenegen.paths import write_text
 
 
 class LoggingConfig(Section):
@@ -67,6 +68,16 @@ class MetricsLogger:
         if self._swanlab is not None:
             self._swanlab.finish()
             self._swanlab = None
+
+
+def truncate_metrics(run_dir: str | Path, attempts: int) -> None:
+    """Drop the rows of attempts >= `attempts` (written after the checkpoint a run resumes
+    from), so a resumed log equals a straight one."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.is_file():
+        rows = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["attempt"] < attempts]
+        write_text(path, "".join(r + "\n" for r in rows))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

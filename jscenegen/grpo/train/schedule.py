@@ -18,6 +18,7 @@ from pydantic import Field
 
 from jscenegen.config import Section
 from jscenegen.grpo.algo.roles import role_from_letter
+from jscenegen.grpo.rollout.seeds import episode_seed
 
 
 class ScheduleConfig(Section):
@@ -52,12 +53,6 @@ class SchedulePosition:
     @classmethod
     def from_json(cls, d: dict) -> "SchedulePosition":
         return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls)})
-
-
-def episode_seed(scene_seed: int, member: int, redraw: int, epoch: int = 0) -> int:
-    """hash(scene seed, member index, redraw index[, epoch]) -> a 31-bit seed (SHA-256 based)."""
-    key = f"{scene_seed}:{member}:{redraw}" + (f":{epoch}" if epoch else "")
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
 def schedule_hash(scene_seeds: Sequence[tuple[str, int]], roles: str, group_size: int) -> str:

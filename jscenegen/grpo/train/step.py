@@ -2,7 +2,7 @@
 
 Composes the pure pieces (logprobs, losses, optimizer); it owns no math of its own. The model
 enters as `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding
-[V, H])` over a params pytree (`nnx_hidden_fn` adapts a QwenForCausalLM), so parameters and
+[V, H])` over a params pytree (`model.functional.hidden_fn` adapts a QwenForCausalLM), so parameters and
 their optimizer state are plain pytrees that the caller shards; nothing here places arrays.
 
 Batch (dict of [B, T] arrays, entry t about token t, column 0 never trained):
@@ -24,67 +24,27 @@ dp_actor): each micro-batch is normalised by its own counts and weighted 1/k.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-
 import jax
 import jax.numpy as jnp
 
+from jscenegen.grpo.algo.accumulate import accumulate_grads, num_micro_batches, split_micro
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
 from jscenegen.grpo.algo.losses import grpo_loss
-from jscenegen.grpo.algo.optimizer import lr_at, make_optimizer, optimizer_step
+from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
+from jscenegen.model.functional import HiddenFn
 
-HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 METRIC_KEYS = ("loss", "pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "ratio_max",
                "entropy", "kl", "logprob_drift", "grad_norm", "skipped", "lr", "tokens")
+_SUM_KEYS = ("tokens", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "kl",
+             "ratio_max", "drift")
 
 
-class TrainState(NamedTuple):
-    """params: model parameters (pytree); opt_state: the optax state (clip + torch AdamW);
-    lr_step: int32 [] LR-scheduler count (torch LambdaLR last_epoch; advances on skipped steps
-    too); skipped_steps: int32 [] updates skipped for a non-finite gradient."""
-
-    params: Any
-    opt_state: Any
-    lr_step: jax.Array
-    skipped_steps: jax.Array
-
-
-def init_train_state(params, optim_cfg: OptimConfig, lr_step: int = 0) -> TrainState:
-    """Fresh optimizer state (zero moments, count 0) for `params`."""
-    tx = make_optimizer(optim_cfg)
-    return TrainState(params, tx.init(params), jnp.asarray(lr_step, jnp.int32),
-                      jnp.zeros((), jnp.int32))
-
-
-def nnx_hidden_fn(graphdef, *other_states) -> HiddenFn:
-    """Adapter for an NNX model split as `graphdef, params, *other = nnx.split(model, nnx.Param, ...)`.
-
-    The model must provide `hidden_states(input_ids, attention_mask)` and `output_embedding()`
-    (QwenForCausalLM does).
-    """
-    from flax import nnx
-
-    def fn(params, input_ids, attention_mask):
-        model = nnx.merge(graphdef, params, *other_states)
-        return model.hidden_states(input_ids, attention_mask), model.output_embedding()
-
-    return fn
-
-
-def _num_micro(rows: int, micro_rows: int | None) -> int:
-    if micro_rows is None or micro_rows >= rows:
-        return 1
-    if rows % micro_rows:
-        raise ValueError(
-            f"batch of {rows} rows does not split into micro-batches of ppo_micro_batch_size="
-            f"{micro_rows} rows"
-        )
-    return rows // micro_rows
-
-
-def _split(x, k):
-    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+def _combine(total: tuple, new: tuple) -> tuple:
+    """Accumulate (pg_loss, sums) over micro-batches: sums add, `ratio_max` is a max."""
+    sums = {key: (jnp.maximum(total[1][key], new[1][key]) if key == "ratio_max"
+                  else total[1][key] + new[1][key]) for key in total[1]}
+    return total[0] + new[0], sums
 
 
 class GRPOStep:
@@ -120,10 +80,13 @@ class GRPOStep:
         return shifted_token_logprobs(hidden, emb, input_ids, self.temperature,
                                       self.loss_cfg.logprob_chunk)
 
+    def _num_micro(self, rows: int) -> int:
+        return num_micro_batches(rows, self.loss_cfg.ppo_micro_batch_size, "ppo_micro_batch_size")
+
     def _logprobs(self, params, input_ids, attention_mask):
-        k = _num_micro(input_ids.shape[0], self.loss_cfg.ppo_micro_batch_size)
+        k = self._num_micro(input_ids.shape[0])
         out = jax.lax.map(lambda xs: self._micro_logprobs(params, *xs),
-                          (_split(input_ids, k), _split(attention_mask, k)))
+                          split_micro((input_ids, attention_mask), k))
         return tuple(x.reshape(input_ids.shape) for x in out)
 
     def _grads(self, params, batch: dict):
@@ -133,13 +96,11 @@ class GRPOStep:
                 raise ValueError(f"GRPO batch has no {key!r}")
         if cfg.use_kl_loss and "ref_logp" not in batch:
             raise ValueError("use_kl_loss is on but the GRPO batch has no 'ref_logp'")
-        rows = batch["input_ids"].shape[0]
-        k = _num_micro(rows, cfg.ppo_micro_batch_size)
+        k = self._num_micro(batch["input_ids"].shape[0])
         legacy = cfg.loss_scale == "legacy"
         mask = batch["loss_mask"].astype(jnp.float32)
         n_tok = jnp.sum(mask)
         n_seq = jnp.sum(jnp.any(batch["attention_mask"] != 0, axis=-1).astype(jnp.float32))
-        micro = {key: _split(v, k) for key, v in batch.items()}
 
         def micro_loss(params, mb):
             logp, ent = self._micro_logprobs(params, mb["input_ids"], mb["attention_mask"])
@@ -156,31 +117,16 @@ class GRPOStep:
             scale = 1.0 / k if legacy else 1.0
             return parts.loss * scale, (parts.pg_loss * scale, parts.sums)
 
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-        def body(carry, mb):
-            grads, loss, pg, sums = carry
-            (l, (p, s)), g = grad_fn(params, mb)
-            grads = jax.tree.map(jnp.add, grads, g)
-            sums = {key: (jnp.maximum(sums[key], s[key]) if key == "ratio_max"
-                          else sums[key] + s[key]) for key in sums}
-            return (grads, loss + l, pg + p, sums), None
-
         zero = jnp.zeros((), jnp.float32)
-        sums0 = {key: zero for key in ("tokens", "clipped", "clipped_lower", "neg_log_ratio",
-                                       "entropy", "kl", "ratio_max", "drift")}
-        grads0 = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss, pg, sums), _ = jax.lax.scan(body, (grads0, zero, zero, sums0), micro)
+        grads, loss, (pg, sums) = accumulate_grads(
+            micro_loss, params, split_micro(batch, k), (zero, {key: zero for key in _SUM_KEYS}),
+            _combine)
         return grads, loss, pg, sums
 
     def _step(self, state: TrainState, batch: dict):
         grads, loss, pg, sums = self._grads(state.params, batch)
+        new_state, update = apply_gradients(self.tx, self.optim_cfg, state, grads)
         n_tok = sums["tokens"]
-        lr = lr_at(self.optim_cfg, state.lr_step)
-        params, opt_state, grad_norm, skipped = optimizer_step(
-            self.tx, grads, state.opt_state, state.params, lr)
-        new_state = TrainState(params, opt_state, state.lr_step + 1,
-                               state.skipped_steps + skipped.astype(jnp.int32))
         denom = jnp.maximum(n_tok, 1.0)
         metrics = {
             "loss": loss, "pg_loss": pg,
@@ -188,7 +134,6 @@ class GRPOStep:
             "approx_kl": sums["neg_log_ratio"] / denom, "ratio_max": sums["ratio_max"],
             "entropy": sums["entropy"] / denom, "kl": sums["kl"] / denom,
             "logprob_drift": sums["drift"] / denom,
-            "grad_norm": grad_norm, "skipped": skipped.astype(jnp.float32), "lr": lr,
-            "tokens": n_tok,
+            **update, "tokens": n_tok,
         }
         return new_state, metrics

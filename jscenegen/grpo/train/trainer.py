@@ -24,33 +24,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
-from jscenegen.checkpoint.store import CheckpointStore, padded_target
-from jscenegen.grpo.rollout.stats import group_metrics
-from jscenegen.grpo.train.metrics import MetricsLogger
-from jscenegen.grpo.algo.optimizer import adam_state, param_names, state_from_canonical
+from jscenegen.checkpoint.metadata import redact, training_metadata
+from jscenegen.checkpoint.resume import (ResumeError, check_same_run, converted_position,
+                                         is_converted, restore_onto_mesh)
+from jscenegen.checkpoint.store import CheckpointStore
+from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
 from jscenegen.grpo.algo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout.engine import RolloutEngine
-from jscenegen.checkpoint.checksums import write_json_atomic
-from jscenegen.checkpoint.metadata import redact, training_metadata
+from jscenegen.grpo.rollout.stats import group_metrics
+from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
+from jscenegen.grpo.train.metrics import MetricsLogger, truncate_metrics
 from jscenegen.grpo.train.schedule import Schedule, SchedulePosition, check_extension
-from jscenegen.grpo.train.step import GRPOStep, TrainState, init_train_state, nnx_hidden_fn
-from jscenegen.model.weights import param_shapes
+from jscenegen.grpo.train.step import GRPOStep
+from jscenegen.model.config import QwenConfig
+from jscenegen.model.dtypes import np_dtype
+from jscenegen.model.functional import hidden_fn
+from jscenegen.model.hf_io import load_hf
+from jscenegen.model.loader import build_model
 from jscenegen.model.tokenizer.chat import ChatTokenizer
-from jscenegen.paths import resolve_data_path
+from jscenegen.model.weights import named_leaves, param_shapes
+from jscenegen.paths import resolve_data_path, write_json
 from jscenegen.scene.dataset import SceneSetSource
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash
-from jscenegen.sharding.layout import load_sharded, shard_batch
+from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh
 
 log = logging.getLogger(__name__)
 
 SEQ_BUCKET = 256  # training sequence lengths are padded to multiples of this (and of sp)
-
-
-class ResumeError(ValueError):
-    """A resume that would not continue the same run (protocol, reward or schedule changed)."""
 
 
 @dataclasses.dataclass
@@ -87,24 +89,23 @@ class Trainer:
         self.pos = SchedulePosition()
         self.store = CheckpointStore(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                                      async_save=cfg.checkpoint.async_save)
-        m = cfg.model
-        model_kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
-                        attn_impl=m.attention)
-        balance = dict(causal_balance=True) if m.causal_balance else {}
+        arch = QwenConfig.from_dir(self.model_dir)
+        self.shapes = param_shapes(arch)
+        options = cfg.model.build_options()
         if resume:
             ck = self._read_checkpoint()
-            self.model = self._model_from_checkpoint(ck, model_kw)
+            self.model = build_model(arch, ck.params.items(), mesh=self.mesh,
+                                     source=str(ck.path), **options)
         else:
             if self.store.latest_valid_step() is not None:
                 raise ResumeError(f"{self.run_dir} already holds checkpoints; pass --resume "
                                   f"{self.run_dir} to continue it, or choose a new --run-dir")
-            self.model = load_sharded(self.model_dir, self.mesh, **model_kw, **balance)
-        self.shapes = param_shapes(self.model.cfg)
+            self.model = load_hf(self.model_dir, mesh=self.mesh, **options)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh)
         graphdef, params = nnx.split(self.model, nnx.Param)
-        self.step_fn = GRPOStep(nnx_hidden_fn(graphdef), cfg.loss, cfg.optim,
+        self.step_fn = GRPOStep(hidden_fn(graphdef), cfg.loss, cfg.optim,
                                 temperature=cfg.sampling.temperature)
         # built under jit so the optimizer state carries the parameters' shardings: the train
         # step's outputs then match its inputs and it compiles once, not twice
@@ -120,20 +121,17 @@ class Trainer:
     def _reference_params(self, params):
         if self.cfg.model.reference_path is None:
             return jax.tree.map(jnp.copy, params)  # the initial policy, never donated
-        ref = load_sharded(self.cfg.model.reference_path, self.mesh,
-                           param_dtype=self.cfg.model.param_dtype,
-                           compute_dtype=self.cfg.model.compute_dtype)
+        m = self.cfg.model
+        ref = load_hf(m.reference_path, mesh=self.mesh, param_dtype=m.param_dtype,
+                      compute_dtype=m.compute_dtype)
         return nnx.split(ref, nnx.Param)[1]
 
     def params_by_name(self) -> dict[str, jax.Array]:
-        names = param_names(self.state.params)
-        return dict(zip(names, jax.tree.leaves(self.state.params)))
+        return named_leaves(self.state.params)
 
     def _adam_by_name(self) -> dict:
         st = adam_state(self.state.opt_state)
-        names = param_names(st.mu)
-        return {"count": st.count, "mu": dict(zip(names, jax.tree.leaves(st.mu))),
-                "nu": dict(zip(names, jax.tree.leaves(st.nu)))}
+        return {"count": st.count, "mu": named_leaves(st.mu), "nu": named_leaves(st.nu)}
 
     def _train_state_json(self) -> dict:
         return {
@@ -162,75 +160,42 @@ class Trainer:
     def _read_checkpoint(self):
         """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run.
 
-        A checkpoint converted from VERL or HF (train_state has `source_format`) carries no
-        protocol or schedule of ours: it starts this schedule at its global step.
+        A checkpoint converted from VERL or HF carries no protocol or schedule of ours: it
+        starts this schedule at its global step.
         """
-        from jscenegen.model.config import QwenConfig
-
-        shapes = param_shapes(QwenConfig.from_dir(self.model_dir))
-        dtype = jnp.bfloat16 if self.cfg.model.param_dtype == "bfloat16" else jnp.float32
-        ck = self.store.restore(target=padded_target(shapes, self.mesh, dtype=dtype))
+        dtype = np_dtype(self.cfg.model.param_dtype)
+        ck = restore_onto_mesh(self.store, self.shapes, self.mesh, dtype)
         saved = ck.train_state
-        if "source_format" in saved:
+        if is_converted(saved):
             log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
                         "schedule hash to check", saved["source_format"], saved.get("step"))
             return ck
-        if saved["protocol_hash"] != self.protocol_hash:
-            raise ResumeError(f"resume refused: the protocol changed (checkpoint "
-                              f"{saved['protocol_hash']}, now {self.protocol_hash})")
-        reward = self.cfg.scene.reward.model_dump(mode="json")
-        if saved["reward"] != reward:
-            raise ResumeError(f"resume refused: the reward configuration changed "
-                              f"(checkpoint {saved['reward']}, now {reward})")
+        check_same_run(saved, protocol_hash=self.protocol_hash,
+                       reward=self.cfg.scene.reward.model_dump(mode="json"))
         try:
             check_extension(saved, self.schedule)
         except ValueError as err:
             raise ResumeError(str(err)) from None
         return ck
 
-    def _model_from_checkpoint(self, ck, model_kw):
-        """The policy with the checkpoint's (already sharded) weights; no HF weights are read."""
-        from jscenegen.model.config import QwenConfig
-        from jscenegen.model.qwen import QwenForCausalLM
-
-        cfg = QwenConfig.from_dir(self.model_dir)
-        balance = self.mesh.shape["sp"] if self.cfg.model.causal_balance else 1
-        abstract = nnx.eval_shape(lambda: QwenForCausalLM(
-            cfg, rngs=nnx.Rngs(0), pad_multiple=self.mesh.size, balance_shards=balance, **model_kw))
-        graphdef, state = nnx.split(abstract)
-        names = param_names(state)
-        state = jax.tree.unflatten(jax.tree.structure(state), [ck.params[n] for n in names])
-        return nnx.merge(graphdef, state)
-
     def _apply_checkpoint(self, ck) -> None:
         saved = ck.train_state
         opt_state = state_from_canonical(ck.adam, self.state.opt_state)
-        if "source_format" in saved:
-            step = int(saved.get("step", 0))
+        if is_converted(saved):
+            at = converted_position(saved)
             n = len(self.schedule.scene_seeds)
-            lr_step = int(saved.get("lr_schedule_count", step))
-            skipped = step - int(saved.get("optimizer_step", step))
-            self.pos = SchedulePosition(scene_index=step % n, epoch=step // n,
-                                        effective_updates=step, attempts=step)
+            lr_step, skipped = at.lr_step, at.skipped_steps
+            self.pos = SchedulePosition(scene_index=at.step % n, epoch=at.step // n,
+                                        effective_updates=at.step, attempts=at.step)
         else:
             lr_step, skipped = saved["lr_step"], saved["skipped_steps"]
             self.pos = SchedulePosition.from_json(saved["schedule"])
         self.state = TrainState(self.state.params, opt_state, jnp.asarray(lr_step, jnp.int32),
                                 jnp.asarray(max(skipped, 0), jnp.int32))
-        self._truncate_metrics(self.pos.attempts)
+        if is_primary():
+            truncate_metrics(self.run_dir, self.pos.attempts)
         log.info("resumed %s at attempt %d (%d effective updates)", self.run_dir,
                  self.pos.attempts, self.pos.effective_updates)
-
-    def _truncate_metrics(self, attempts: int) -> None:
-        """Drop metric rows written after the checkpoint, so a resumed log equals a straight one."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.is_file() or not is_primary():
-            return
-        rows = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["attempt"] < attempts]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
-        tmp.replace(path)
 
     # ---- the loop ------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -293,7 +258,8 @@ class Trainer:
     def evaluate_dev(self, name: str) -> dict:
         """Play the dev scenes (`trainer.eval_samples` episodes each, their fixed seeds) with the
         current weights; write `RUN_DIR/<name>.json` and `.png`; return the report."""
-        from jscenegen.eval.evaluate import evaluate, plot_report
+        from jscenegen.eval.evaluate import evaluate
+        from jscenegen.eval.plots import plot_report
         from jscenegen.scene.sceneset import read_scene_set
 
         nnx.update(self.model, self.state.params)
@@ -305,7 +271,7 @@ class Trainer:
         report["attempt"] = self.pos.attempts
         report["effective_updates"] = self.pos.effective_updates
         if is_primary():
-            write_json_atomic(self.run_dir / f"{name}.json", report)
+            write_json(self.run_dir / f"{name}.json", report)
             plot_report(report, self.run_dir / f"{name}.png")
         return report
 

@@ -1,0 +1,63 @@
+"""Plots of evaluation reports (matplotlib, Agg backend, written atomically as PNG)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jscenegen.paths import atomic_file
+
+
+def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
+                labels: tuple[str, str] = ("before", "after")) -> Path:
+    """Bar plot of per-scene mean reward, written atomically as PNG to `out`: the model (and the
+    expert when the report has it), or with `before` (a report of the same scenes) the model
+    before and after, labelled `labels`.
+
+    Bars are in reward units ([-1, 1]); a scene whose model episodes all failed shows its
+    most frequent failure cause inside the model's bar.
+    """
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    rows = report["scenes"]
+    x = np.arange(len(rows))
+    # (label, colour, per-scene summaries); the last "model" series gets the failure labels
+    if before is not None:
+        by_id = {r["scene_id"]: r for r in before["scenes"]}
+        series = [(labels[0], "tab:orange", [by_id[r["scene_id"]]["model"] for r in rows]),
+                  (labels[1], "tab:blue", [r["model"] for r in rows])]
+    else:
+        series = [(name, colour, [r[name] for r in rows])
+                  for name, colour in (("model", "tab:blue"), ("expert", "tab:gray"))
+                  if all(name in r for r in rows)]
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4))
+    for k, (label, colour, summaries) in enumerate(series):
+        dx = (k - (len(series) - 1) / 2) * width
+        vals = [m["reward"] if m["reward"] is not None else 0.0 for m in summaries]
+        ax.bar(x + dx, vals, width, label=label, color=colour)
+        if label == "expert":
+            continue
+        for j, m in enumerate(summaries):  # a scene the model always failed: its main cause
+            if m["failure_rate"] == 1.0 and m["failure_causes"]:
+                cause = max(m["failure_causes"], key=m["failure_causes"].get)
+                ax.text(x[j] + dx, -0.5, cause, ha="center", va="center", rotation=90,
+                        fontsize=7, color="white")
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_ylim(-1.1, 1.3)
+    ax.set_xticks(x, [r["scene_id"] for r in rows], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("mean reward")
+    ax.set_title(f"dev reward per scene ({report['samples']} sample(s) per scene)")
+    ax.legend(loc="upper left", ncol=len(series), fontsize=8)
+    fig.tight_layout()
+    try:
+        with atomic_file(out, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    return out

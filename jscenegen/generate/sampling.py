@@ -1,0 +1,115 @@
+"""How a token is drawn: sampling parameters, top-k / top-p over the logits, per-row keys.
+
+Sampling follows transformers' logits processors in their `generate` order (temperature, then
+top-k, then top-p; `TopKLogitsWarper`, `TopPLogitsWarper` in transformers/generation/logits_process.py).
+The returned log-prob of a token is log softmax(logits / temperature)[token] in fp32: the
+tempered, *untruncated* distribution, which is what the trainer recomputes (VERL divides the
+logits by the rollout temperature; top-k/top-p only choose which token is drawn). Greedy picks
+argmax(logits) and still reports the tempered log-prob.
+
+Randomness: each row has its own PRNG key; the token at RoPE position p of a row is drawn with
+`fold_in(row_key, p)`, so a row's samples depend on its key and its own tokens only, not on the
+other rows of the batch, the cache layout or the number of decode calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn from the logits.
+
+    temperature > 0 divides the logits (also for the returned log-probs); top_k > 0 keeps the k
+    largest logits (ties with the k-th kept, as transformers); 0 < top_p <= 1 keeps the smallest
+    set of most likely tokens whose probability reaches top_p (after top-k); greedy takes argmax.
+    Raises ValueError for values outside those ranges.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+
+def top_p_threshold(probs: jax.Array, top_p: float, iters: int = 32) -> jax.Array:
+    """Per-row probability threshold t of the top-p nucleus: the largest t with
+    sum(probs[probs >= t]) >= top_p, found by bisection (no vocabulary sort).
+
+    Keeping probs >= t is transformers' TopPLogitsWarper (keep a token when the probability of
+    the tokens ranked above it is < top_p) up to ties. probs [B, V] float32 -> [B, 1].
+    """
+    lo = jnp.zeros(probs.shape[:1], jnp.float32)
+    hi = jnp.max(probs, axis=-1)
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = 0.5 * (lo + hi)
+        mass = jnp.sum(jnp.where(probs >= mid[:, None], probs, 0.0), axis=-1)
+        ok = mass >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, iters, body, (lo, hi))
+    # hi itself qualifies when the top token alone reaches top_p
+    top_alone = jnp.max(probs, axis=-1) >= top_p
+    return jnp.where(top_alone, hi, lo)[:, None]
+
+
+def _nucleus(z: jax.Array, top_p: float) -> jax.Array:
+    """z [B, n] tempered logits with tokens outside the top-p nucleus set to -inf."""
+    if top_p >= 1.0:
+        return z
+    probs = jax.nn.softmax(z, axis=-1)
+    return jnp.where(probs >= top_p_threshold(probs, top_p), z, -jnp.inf)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
+                  params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row and its tempered log-prob.
+
+    logits [B, V] float32; keys [B, 2] uint32 raw PRNG key data (one per row); positions [B]
+    int32 (RoPE position of the token being drawn, folded into the row's key).
+    Order as transformers' generate: temperature, top-k (`TopKLogitsWarper`, here exactly the
+    k largest), top-p (`TopPLogitsWarper`); then a Gumbel-max draw over the survivors.
+    Returns (tokens [B] int32, logprobs [B] float32 = log_softmax(logits / T)[token]).
+    """
+    z = logits.astype(jnp.float32) / params.temperature
+    if params.greedy:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        if 0 < params.top_k < z.shape[-1]:
+            cand, idx = jax.lax.top_k(z, params.top_k)                  # [B, k]
+        else:
+            cand, idx = z, None
+        cand = _nucleus(cand, params.top_p)
+
+        def one(key_data, pos, row):
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), pos)
+            return jnp.argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
+
+        choice = jax.vmap(one)(keys, positions, cand)
+        tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+        tok = tok.astype(jnp.int32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[:, None], axis=-1)[:, 0]
+    return tok, logp
+
+
+
+def row_keys(seeds: Sequence[int]) -> np.ndarray:
+    """Raw PRNG key data [B, 2] uint32, one threefry key per integer seed."""
+    return np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s) & 0xFFFFFFFF)))
+                     for s in seeds]).astype(np.uint32)

@@ -1,0 +1,53 @@
+"""Gradient accumulation over micro-batches inside one jit, shared by the GRPO and SFT steps.
+
+A batch of B rows is cut into k contiguous blocks of B / k rows (`split_micro`), a `lax.scan`
+runs `value_and_grad` on each and sums the gradients and losses, so the compiled program holds
+one micro-batch's activations. The loss of a micro-batch must already carry its share of the
+batch normaliser (VERL's global token/sequence counts, fixed before the loop): then the sum is
+the gradient of the whole batch's objective, exactly.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def num_micro_batches(rows: int, micro_rows: int | None, key: str = "micro_batch_size") -> int:
+    """k = rows / micro_rows (1 when micro_rows is None or covers the batch).
+
+    Raises ValueError naming the config `key` when micro_rows does not divide rows."""
+    if micro_rows is None or micro_rows >= rows:
+        return 1
+    if rows % micro_rows:
+        raise ValueError(f"batch of {rows} rows does not split into micro-batches of "
+                         f"{key}={micro_rows} rows")
+    return rows // micro_rows
+
+
+def split_micro(batch: Any, k: int) -> Any:
+    """Every [B, ...] leaf of `batch` reshaped to [k, B / k, ...] (contiguous row blocks)."""
+    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+
+def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]], params: Any,
+                     micro: Any, aux_init: Any,
+                     aux_combine: Callable[[Any, Any], Any] = lambda a, b: jax.tree.map(jnp.add, a, b),
+                     ) -> tuple[Any, jax.Array, Any]:
+    """Sum of gradients, losses and auxiliaries of `loss_fn` over the micro-batches.
+
+    loss_fn(params, micro_batch) -> (loss [] float32, aux pytree); micro: a `split_micro`
+    batch; aux_init: the auxiliaries' starting value; aux_combine(total, new): how they
+    accumulate (default: sum). Returns (grads like params, summed loss, combined aux).
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def body(carry, mb):
+        grads, loss, aux = carry
+        (value, new_aux), g = grad_fn(params, mb)
+        return (jax.tree.map(jnp.add, grads, g), loss + value, aux_combine(aux, new_aux)), None
+
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), aux_init)
+    (grads, loss, aux), _ = jax.lax.scan(body, init, micro)
+    return grads, loss, aux

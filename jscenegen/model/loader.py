@@ -1,0 +1,99 @@
+"""The one way a model gets its weights: `build_model(cfg, named arrays, mesh=...)`.
+
+HF directories (`hf_io.load_hf`), training checkpoints (the trainer's resume, `jscenegen eval`
+on a checkpoint step) and converters all hand (hf_name, array) pairs to `build_model`, which
+checks every name and shape against the weight table, casts, pads dim 0 for FSDP and places
+each array on its devices one at a time (host memory: one tensor; no device ever holds a full
+replica of a sharded model).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jscenegen.model.config import QwenConfig
+from jscenegen.model.dtypes import np_dtype
+from jscenegen.model.qwen import QwenForCausalLM
+from jscenegen.model.weights import CheckpointFormatError, named_params
+from jscenegen.sharding.rules import PARAM, named, padded_shape
+
+
+def pad_dim0(arr: np.ndarray, multiple: int) -> np.ndarray:
+    """`arr` zero-padded on dim 0 to a multiple of `multiple` (itself when already a multiple)."""
+    target = padded_shape(arr.shape, multiple)
+    if target == arr.shape:
+        return arr
+    out = np.zeros(target, arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
+
+
+def place(arr: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    """Put a host array on devices; with a sharding each device receives only its own slice."""
+    if sharding is None:
+        return jnp.asarray(arr)
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def abstract_model(cfg: QwenConfig, *, mesh: jax.sharding.Mesh | None = None,
+                   param_dtype: str = "float32", compute_dtype: str = "float32",
+                   remat: bool = False, attn_impl: str = "xla",
+                   causal_balance: bool = False) -> QwenForCausalLM:
+    """The model's structure with abstract parameters (no memory), padded for `mesh`'s devices.
+
+    `causal_balance` reorders full sequences for the mesh's `sp` shards (see qwen.py)."""
+    pad = mesh.size if mesh is not None else 1
+    balance = mesh.shape["sp"] if (causal_balance and mesh is not None) else 1
+    return nnx.eval_shape(lambda: QwenForCausalLM(
+        cfg, rngs=nnx.Rngs(0), pad_multiple=pad, param_dtype=param_dtype,
+        compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl, balance_shards=balance))
+
+
+def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
+                mesh: jax.sharding.Mesh | None = None, source: str = "weights",
+                **options: Any) -> QwenForCausalLM:
+    """A model of architecture `cfg` holding `arrays`.
+
+    arrays: (hf_name, array) pairs, every weight of `weight_table(cfg)` exactly once, each a
+      host array at its logical shape (cast to the param dtype, padded, placed in the FSDP
+      layout `rules.PARAM` on `mesh`) or a jax.Array already at the padded shape and dtype
+      (e.g. restored into `checkpoint.layout.padded_target`), used as it is.
+    mesh: the ("fsdp", "sp") mesh, or None for an unsharded model on the default device.
+    source: what the arrays come from, for error messages (a directory or file).
+    options: `abstract_model` keywords (param_dtype, compute_dtype, remat, attn_impl,
+      causal_balance).
+    Raises CheckpointFormatError naming `source` and the key for an unknown, duplicated,
+    mis-shaped or missing weight.
+    """
+    model = abstract_model(cfg, mesh=mesh, **options)
+    targets = named_params(model)
+    dtype = np_dtype(options.get("param_dtype", "float32"))
+    sharding = named(mesh, PARAM) if mesh is not None else None
+    filled: set[str] = set()
+    for name, arr in arrays:
+        target = targets.get(name)
+        if target is None:
+            raise CheckpointFormatError(f"{source}: unexpected tensor {name!r} for "
+                                        f"{cfg.model_type}")
+        if name in filled:
+            raise CheckpointFormatError(f"{source}: tensor {name!r} appears twice")
+        logical = (target.rows, *target.shape[1:])
+        if isinstance(arr, jax.Array) and tuple(arr.shape) == tuple(target.shape):
+            value = arr if arr.dtype == dtype else arr.astype(dtype)
+        elif tuple(arr.shape) == logical:
+            host = np.asarray(arr).astype(dtype, copy=False)
+            value = place(pad_dim0(host, mesh.size if mesh is not None else 1), sharding)
+        else:
+            raise CheckpointFormatError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, "
+                                        f"expected {logical}")
+        target.set_value(value)
+        filled.add(name)
+    missing = [n for n in targets if n not in filled]
+    if missing:
+        raise CheckpointFormatError(f"{source}: missing tensor(s) {missing[:5]}"
+                                    f"{' ...' if len(missing) > 5 else ''} ({len(missing)} missing)")
+    return model

@@ -1,0 +1,135 @@
+"""Demonstrations for the SFT warm start: the scripted expert's episodes, tokenised as rollouts.
+
+The scripted expert (scene/expert.py) plays planner, designer and critic on generated SFT
+scenes (`sft_records`: generator seeds of their own, never the train or dev sets). Each
+episode is tokenised exactly as a rollout builds it (`ChatTokenizer`: prompt, then per turn the
+answer's tokens + the end-of-turn token as the acting role's policy tokens, then the
+environment segment the template adds; the same as `RolloutEngine`'s forced turns), so SFT and
+GRPO see identical token streams.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES
+from jscenegen.model.tokenizer.chat import ChatTokenizer
+from jscenegen.scene.config import SceneRuntimeConfig
+from jscenegen.scene.generator import make_record
+from jscenegen.scene.sceneset import SceneRecord
+
+SFT_SEED_BASE = 41410  # scene seeds SFT_SEED_BASE * 1000 + i (train: 20260..., dev: 90210...)
+
+
+def sft_records(n: int, offset: int = 0) -> list[SceneRecord]:
+    """`n` generated bedroom scenes of the SFT split: record i has seed SFT_SEED_BASE * 1000 +
+    offset + i and id `sft_<offset + i>` (disjoint from the shipped train and dev sets)."""
+    if n < 0 or offset < 0:
+        raise ValueError(f"n and offset must be >= 0, got n={n}, offset={offset}")
+    return [make_record(SFT_SEED_BASE * 1000 + offset + i, f"sft_{offset + i:04d}") for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Demo:
+    """One demonstration episode as token arrays aligned with `tokens`.
+
+    tokens [T] int32; roles [T] int8 (grpo.roles codes, ENVIRONMENT for prompts, results and
+    template glue); policy_mask [T] bool (the roles' answers + their end-of-turn tokens);
+    reward: the judged reward of the expert's episode.
+    """
+
+    scene_id: str
+    tokens: np.ndarray
+    roles: np.ndarray
+    policy_mask: np.ndarray
+    reward: float
+
+
+def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens int32 [T], roles int8 [T], policy_mask bool [T]) of a chat transcript
+    [{"role", "content", "actor"}] (system, user, then assistant/user alternating) built
+    token-in/token-out with `chat` as a rollout builds it.
+
+    Raises ValueError for a transcript that does not start with system + user or whose
+    assistant messages lack a policy actor; ChatTemplateError for a template that is not
+    prefix-preserving.
+    """
+    if len(transcript) < 2 or [m["role"] for m in transcript[:2]] != ["system", "user"]:
+        raise ValueError("a transcript starts with a system and a user message")
+    conv, ids = chat.start(transcript[0]["content"], transcript[1]["content"])
+    tokens, roles, policy = list(ids), [ENVIRONMENT] * len(ids), [False] * len(ids)
+    for i, m in enumerate(transcript[2:], start=2):
+        if m["role"] == "assistant":
+            if m.get("actor") not in ROLE_CODES:
+                raise ValueError(f"transcript message {i}: assistant actor {m.get('actor')!r} "
+                                 f"is not one of {sorted(ROLE_CODES)}")
+            seg = chat.encode(m["content"]) + [chat.eot_id]
+            conv.add_assistant(m["content"], True)
+            code, is_policy = ROLE_CODES[m["actor"]], True
+        elif m["role"] == "user":
+            seg = conv.user_segment(m["content"])
+            code, is_policy = ENVIRONMENT, False
+        else:
+            raise ValueError(f"transcript message {i}: role {m['role']!r} after the prompt")
+        tokens += seg
+        roles += [code] * len(seg)
+        policy += [is_policy] * len(seg)
+    return np.asarray(tokens, np.int32), np.asarray(roles, np.int8), np.asarray(policy, bool)
+
+
+def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
+                scene_cfg: SceneRuntimeConfig | None = None, *, noisy_fraction: float = 0.0,
+                noise_m: float = 0.3) -> list[Demo]:
+    """Run the scripted expert on each record (rule judge) and tokenise its episode.
+
+    Every record i with (i * noisy_fraction) crossing an integer (an even spread: 0.5 = every
+    second record) is played by the imperfect designer (`scene.expert.jitter_ops`, noise
+    `noise_m` metres, seed i), so the critic and planner also see flawed scenes.
+    """
+    from jscenegen.scene.expert import run_scripted_episode
+
+    demos = []
+    for i, record in enumerate(records):
+        noisy = int((i + 1) * noisy_fraction) > int(i * noisy_fraction)
+        episode, transcript = run_scripted_episode(record, scene_cfg, noise_m=noise_m if noisy else 0.0,
+                                                   noise_seed=i)
+        tokens, roles, policy = tokenize_transcript(chat, transcript)
+        reward = episode.outcome.reward if episode.outcome is not None else float("nan")
+        demos.append(Demo(record.scene.scene_id, tokens, roles, policy, float(reward)))
+    return demos
+
+
+def demo_batch(demos: Sequence[Demo], length: int) -> dict[str, np.ndarray]:
+    """Right-padded [N, length] arrays: input_ids int32, attention_mask int32, loss_mask float32
+    (1 on policy tokens, 0 on environment tokens, padding and column 0). Demos longer than
+    `length` are truncated (their later tokens are dropped)."""
+    n = len(demos)
+    out = {"input_ids": np.zeros((n, length), np.int32), "attention_mask": np.zeros((n, length), np.int32),
+           "loss_mask": np.zeros((n, length), np.float32)}
+    for i, d in enumerate(demos):
+        k = min(len(d.tokens), length)
+        out["input_ids"][i, :k] = d.tokens[:k]
+        out["attention_mask"][i, :k] = 1
+        out["loss_mask"][i, :k] = d.policy_mask[:k]
+    out["loss_mask"][:, 0] = 0.0
+    return out
+
+
+def batch_order(num_demos: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
+    """[steps, batch_size] demo indices: consecutive epochs, each a fresh permutation drawn from
+    numpy's PCG64 seeded with (seed, epoch); batches may straddle an epoch boundary."""
+    need = steps * batch_size
+    order = []
+    epoch = 0
+    while len(order) < need:
+        order.extend(np.random.default_rng([seed, epoch]).permutation(num_demos).tolist())
+        epoch += 1
+    return np.asarray(order[:need], np.int64).reshape(steps, batch_size)
+
+
+def padded_length(demos: Sequence[Demo], max_seq_len: int, multiple: int) -> int:
+    """Row length of every batch: the longest demo (at most max_seq_len), rounded up to `multiple`."""
+    longest = min(max(len(d.tokens) for d in demos), max_seq_len)
+    return -(-longest // multiple) * multiple

@@ -1,0 +1,66 @@
+"""The SFT update: token-mean NLL over the policy tokens, micro-batched, guarded AdamW step.
+
+Objective: token-mean negative log-likelihood over the policy tokens of all three roles,
+  L = -sum_{b,t} m_bt log p(x_bt | x_b,<t) / sum_{b,t} m_bt,
+normalised by the whole batch's token count before the micro-batch loop (the same global
+normalisation as the GRPO step's token-mean), with the torch-exact AdamW (grpo/algo/optimizer.py)
+and the GRPO step's gradient accumulation (grpo/algo/accumulate.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jscenegen.grpo.algo.accumulate import accumulate_grads, num_micro_batches, split_micro
+from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
+from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
+from jscenegen.model.functional import HiddenFn
+
+BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+
+
+class SFTStep:
+    """Compiled SFT functions for one model and optimizer config.
+
+    `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding [V, H])`
+    (`model.functional.hidden_fn`). Batches: dict of [B, T] arrays input_ids int32,
+    attention_mask 0/1, loss_mask float32.
+    `step(state, batch) -> (state, metrics)`: one AdamW update of the token-mean NLL over
+    loss_mask; metrics: loss (the NLL before the update), grad_norm (before clipping), lr,
+    tokens (the masked token count), skipped (1.0 when a non-finite gradient skipped the update),
+    all float32 scalars.
+    Raises ValueError (at trace time) when B does not split into micro-batches.
+    """
+
+    def __init__(self, hidden_fn: HiddenFn, optim_cfg: OptimConfig, *,
+                 micro_batch_size: int | None = None, logprob_chunk: int = 256, donate: bool = True):
+        self.hidden_fn = hidden_fn
+        self.optim_cfg = optim_cfg
+        self.micro_batch_size = micro_batch_size
+        self.logprob_chunk = logprob_chunk
+        self.tx = make_optimizer(optim_cfg)
+        self.step = jax.jit(self._step, donate_argnums=0 if donate else ())
+
+    def _masked_logp_sum(self, params, mb):
+        hidden, emb = self.hidden_fn(params, mb["input_ids"], mb["attention_mask"])
+        logp, _ = shifted_token_logprobs(hidden, emb, mb["input_ids"], 1.0, self.logprob_chunk)
+        return jnp.sum(logp * mb["loss_mask"])
+
+    def _grads(self, params, batch):
+        k = num_micro_batches(batch["input_ids"].shape[0], self.micro_batch_size)
+        n_tok = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+        denom = jnp.maximum(n_tok, 1.0)
+
+        def micro_loss(params, mb):
+            return -self._masked_logp_sum(params, mb) / denom, ()
+
+        micro = split_micro({key: batch[key] for key in BATCH_KEYS}, k)
+        grads, loss, _ = accumulate_grads(micro_loss, params, micro, ())
+        return grads, loss, n_tok
+
+    def _step(self, state: TrainState, batch):
+        grads, loss, n_tok = self._grads(state.params, batch)
+        new_state, update = apply_gradients(self.tx, self.optim_cfg, state, grads)
+        return new_state, {"loss": loss, "grad_norm": update["grad_norm"], "lr": update["lr"],
+                           "tokens": n_tok, "skipped": update["skipped"]}
