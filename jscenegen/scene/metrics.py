@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from .blockers import leave_one_out
 from .catalogue import Catalogue, load_catalogue
 from .config import SceneRuntimeConfig
 from .geometry import (
@@ -61,16 +62,16 @@ def _reach_block(scene: Scene, rcfg: SceneRuntimeConfig, catalogue: Catalogue, b
         "door_walk_blocked": [d for d in range(n_doors) if not res.door_start_free[d]],
     }
     if blockers and (unreachable or res.num_regions > 1 or out["door_walk_blocked"]):
+        alt = leave_one_out(inp, spec)
         found = []
         for k in range(len(inp.object_ids)):
             if not inp.blocking[k]:
                 continue
-            alt = reach_numpy(inp, spec, skip=k)
             others = [i for i in counted if i != k]
             if (
-                alt.num_regions < res.num_regions
-                or sum(alt.object_reachable[i] for i in others) > sum(res.object_reachable[i] for i in others)
-                or alt.door_start_free[:n_doors].sum() > res.door_start_free[:n_doors].sum()
+                alt.num_regions[k] < res.num_regions
+                or alt.object_reachable[k, others].sum() > res.object_reachable[others].sum()
+                or alt.door_start_free[k, :n_doors].sum() > res.door_start_free[:n_doors].sum()
             ):
                 found.append(inp.object_ids[k])
         out["blockers"] = sorted(found, key=id_sort_key)
