@@ -92,6 +92,34 @@ def transform(s: Scene, angle_deg: float = 0.0, shift=(0.0, 0.0)) -> Scene:
     return scene_from_json(data)
 
 
+def enclosure() -> Scene:
+    """Four benches enclosing a 1.5 m square with a 1 m box in it: without the box the square's
+    inside is a walkable region of its own, cut off from the door (leaving it out adds a region)."""
+    return scene([
+        obj("bench_1", "bench", 1.65, 1.5, 0.2, 1.9, 0.45),
+        obj("bench_2", "bench", 3.35, 1.5, 0.2, 1.9, 0.45),
+        obj("bench_3", "bench", 2.5, 0.65, 1.5, 0.2, 0.45),
+        obj("bench_4", "bench", 2.5, 2.35, 1.5, 0.2, 0.45),
+        obj("dresser_1", "dresser", 2.5, 1.5, 1.0, 1.0, 0.8),
+    ])
+
+
+def crowded_scene(n: int, seed: int, w: float = 6.0, d: float = 5.0) -> Scene:
+    """n small random floor objects (0.1-0.5 m sides) in a w x d room with a door on walls 0 and 2."""
+    rng = np.random.default_rng(seed)
+    cats = ["chair", "wardrobe", "desk", "plant", "nightstand"]
+    objs = []
+    for k in range(n):
+        size = [round(rng.uniform(0.1, 0.5), 2), round(rng.uniform(0.1, 0.5), 2), round(rng.uniform(0.3, 2.0), 2)]
+        yaw = float(rng.choice([0, 90, 180, 270])) if rng.random() < 0.7 else float(rng.uniform(0, 360))
+        objs.append(obj(f"o_{k}", str(rng.choice(cats)), round(rng.uniform(0, w), 2), round(rng.uniform(0, d), 2),
+                        *size, yaw=yaw))
+    door = {"wall": 2, "offset": 3.0, "width": 0.9, "height": 2.1}
+    data = {"room": {**room(door_offset=1.0, w=w, d=d)}, "objects": objs}
+    data["room"]["doors"] = data["room"]["doors"] + [door]
+    return scene_from_json(data)
+
+
 KNOWN = {
     "empty": empty_room,
     "wardrobe_door": wardrobe_across_door,

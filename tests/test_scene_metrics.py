@@ -151,3 +151,31 @@ def test_out_of_bounds_against_a_concave_floor():
                                   "doors": [{"wall": 0, "offset": 1.0, "width": 0.9, "height": 2.1}]},
                          "objects": [obj("dresser_1", "dresser", 3.0, 2.0, 1.0, 0.5, 0.8)]})
     assert measure(s)["oob_cap_objects"] == ["dresser_1"]
+
+
+def test_measuring_refuses_more_objects_than_the_cap_before_any_geometry():
+    from jscenegen.scene.reach_inputs import ReachabilityError
+    from jscenegen.scene.schema import MAX_SCENE_OBJECTS
+
+    shelves = [obj(f"wall_shelf_{k}", "wall_shelf", 0.2 + 0.028 * k, 2.85, 0.3, 0.25, 0.3, mount="wall",
+                   elevation=1.6) for k in range(MAX_SCENE_OBJECTS - 1)]
+    at_cap = scene([obj("wardrobe_1", "wardrobe", 2.0, 0.31, 1.2, 0.6, 2.0), *shelves])
+    m = measure(at_cap, blockers=True)
+    assert m["object_count"] == MAX_SCENE_OBJECTS == 128
+    assert m["door_walk_blocked"] == [0] and m["blockers"] == ["wardrobe_1"]  # as without the shelves
+    # model_copy skips validation, as the editor's operations do: measure must count for itself
+    for n in (MAX_SCENE_OBJECTS + 1, 200_000):
+        big = at_cap.model_copy(update={"objects": at_cap.objects[:1] * n})
+        with pytest.raises(ReachabilityError, match=rf"^the scene has {n} objects; measuring allows at most 128 "):
+            measure(big, blockers=True)
+
+
+def test_a_room_without_a_door_is_not_measured():
+    """Reachability is anchored at doors: a doorless room used to measure 0 and score 0.66
+    silently. The schema refuses it when read; measure refuses one built without validation."""
+    from jscenegen.scene.reach_inputs import ReachabilityError
+
+    s = KNOWN["split"]()
+    doorless = s.model_copy(update={"room": s.room.model_copy(update={"doors": ()})})
+    with pytest.raises(ReachabilityError, match="the room has no door"):
+        measure(doorless)

@@ -46,13 +46,16 @@ def test_random_scenes_cover_the_interesting_cases(agreement_batch):
 
 def test_hard_bounds_refuse_degenerate_input():
     cat = load_catalogue()
-    big = scene_from_json({"room": {"floor_polygon": [[0, 0], [30, 0], [30, 3], [0, 3]], "wall_height": 2.6}})
+    door = [{"wall": 0, "offset": 1.0, "width": 0.9, "height": 2.1}]
+    big = scene_from_json({"room": {"floor_polygon": [[0, 0], [30, 0], [30, 3], [0, 3]], "wall_height": 2.6,
+                                    "doors": door}})
     with pytest.raises(ReachabilityError, match="exceeds"):
         encode_scene(big, CFG, cat, N_OBJ)
     many = random_scene(1).model_copy(update={"objects": tuple(random_scene(3).objects) * 3})
     with pytest.raises(ReachabilityError, match="objects"):
         encode_scene(many, CFG, cat, 2)
-    far = scene_from_json({"room": {"floor_polygon": [[0, 0], [3, 0], [3, 3], [0, 3]], "wall_height": 2.6},
+    far = scene_from_json({"room": {"floor_polygon": [[0, 0], [3, 0], [3, 3], [0, 3]], "wall_height": 2.6,
+                                    "doors": door},
                            "objects": [{"id": "x_1", "category": "rug", "position": [900.0, 0.0],
                                         "size": [1, 1, 0.01]}]})
     with pytest.raises(ReachabilityError, match="too far"):

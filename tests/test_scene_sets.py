@@ -1,5 +1,6 @@
 """Shipped scene sets, the deterministic generator, the grain data source, schema text and the CLI."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,24 @@ def test_cli_invalid_input_exits_non_zero_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "floor_polygon" in err
     assert main(["scene", "check", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize(
+    "name,text,why",
+    [
+        ("deep.json", "[" * 100_000 + "]" * 100_000, "not valid JSON: nested too deeply"),
+        ("doorless.json", json.dumps({"room": {**room(), "doors": []}}), "room.doors: .*at least one door"),
+        ("crowded.json", json.dumps({"room": room(), "objects": [{"id": "x"}] * 5000}),
+         "objects has 5000 entries; a scene holds at most 128"),
+    ],
+    ids=["nested", "doorless", "crowded"],
+)
+def test_cli_check_refuses_unmeasurable_scenes_in_one_line(tmp_path, capsys, name, text, why):
+    (tmp_path / name).write_text(text)
+    assert main(["scene", "check", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / name}: " in err
+    assert re.search(why, err), err
 
 
 def test_scene_runtime_imports_no_models_flax_grpo_or_jax():

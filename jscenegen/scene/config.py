@@ -11,6 +11,8 @@ from pydantic import Field, model_validator
 
 from jscenegen.config import Section
 
+from .schema import MAX_FLOOR_VERTICES, MAX_OPENINGS, MAX_SCENE_OBJECTS
+
 GRADE_KEYS = (
     "realism",
     "functionality",
@@ -58,8 +60,8 @@ class MetricsConfig(Section):
     wall_gap_m: float = Field(0.10, ge=0)
     chair_desk_m: float = Field(1.5, ge=0)
     grid_size: int = Field(128, ge=32, le=512, multiple_of=32)
-    max_polygon_vertices: int = Field(16, ge=3, le=64)
-    max_doors: int = Field(4, ge=1, le=16)
+    max_polygon_vertices: int = Field(16, ge=3, le=MAX_FLOOR_VERTICES)
+    max_doors: int = Field(4, ge=1, le=MAX_OPENINGS)
 
 
 class RewardConfig(Section):
@@ -75,7 +77,7 @@ class SceneRuntimeConfig(Section):
 
     op_costs: OpCosts = OpCosts()
     budget_units: int = Field(512, gt=0)
-    max_objects: int = Field(40, ge=1, le=128)
+    max_objects: int = Field(40, ge=1, le=MAX_SCENE_OBJECTS)
     max_planner_turns: int = Field(12, ge=1)
     max_critique_rounds: int = Field(3, ge=0)
     metrics: MetricsConfig = MetricsConfig()

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from .blockers import leave_one_out
 from .catalogue import Catalogue, load_catalogue
 from .config import SceneRuntimeConfig
 from .geometry import (
@@ -20,9 +21,9 @@ from .geometry import (
     penetration,
     point_in_polygon,
 )
-from .reach_inputs import GridSpec, blocks_walking, encode_scene, is_thin
+from .reach_inputs import GridSpec, ReachabilityError, blocks_walking, check_room_bounds, encode_scene, is_thin
 from .reachability import reach_numpy
-from .schema import Scene, id_sort_key
+from .schema import MAX_SCENE_OBJECTS, Scene, id_sort_key
 
 
 def _collisions(scene: Scene, feet: dict, catalogue: Catalogue, cfg) -> list[list[str]]:
@@ -45,7 +46,7 @@ def _collisions(scene: Scene, feet: dict, catalogue: Catalogue, cfg) -> list[lis
 def _reach_block(scene: Scene, rcfg: SceneRuntimeConfig, catalogue: Catalogue, blockers: bool):
     cfg = rcfg.metrics
     spec = GridSpec.from_config(cfg)
-    inp = encode_scene(scene, cfg, catalogue, max(rcfg.max_objects, len(scene.objects)))
+    inp = encode_scene(scene, cfg, catalogue, MAX_SCENE_OBJECTS)
     res = reach_numpy(inp, spec)
     n_doors = len(scene.room.doors)
     counted = [i for i in range(len(inp.object_ids)) if inp.counted[i]]
@@ -61,16 +62,16 @@ def _reach_block(scene: Scene, rcfg: SceneRuntimeConfig, catalogue: Catalogue, b
         "door_walk_blocked": [d for d in range(n_doors) if not res.door_start_free[d]],
     }
     if blockers and (unreachable or res.num_regions > 1 or out["door_walk_blocked"]):
+        alt = leave_one_out(inp, spec)
         found = []
         for k in range(len(inp.object_ids)):
             if not inp.blocking[k]:
                 continue
-            alt = reach_numpy(inp, spec, skip=k)
             others = [i for i in counted if i != k]
             if (
-                alt.num_regions < res.num_regions
-                or sum(alt.object_reachable[i] for i in others) > sum(res.object_reachable[i] for i in others)
-                or alt.door_start_free[:n_doors].sum() > res.door_start_free[:n_doors].sum()
+                alt.num_regions[k] < res.num_regions
+                or alt.object_reachable[k, others].sum() > res.object_reachable[others].sum()
+                or alt.door_start_free[k, :n_doors].sum() > res.door_start_free[:n_doors].sum()
             ):
                 found.append(inp.object_ids[k])
         out["blockers"] = sorted(found, key=id_sort_key)
@@ -94,11 +95,24 @@ def measure(
     largest_region_ratio, walkable_ratio, unreachable_objects [id], reachable bool, blockers [id]
     (only when asked and something is unreachable), front_to_wall_objects, storage_off_wall_objects,
     size_out_of_range_objects, chairs_not_at_desk, unknown_categories, missing_required,
-    object_count. Raises ReachabilityError beyond the grid's hard bounds.
+    object_count.
+
+    Raises ReachabilityError, before any geometry, for more than MAX_SCENE_OBJECTS (128) objects,
+    a room without a door or beyond metrics.max_doors / max_polygon_vertices; and for a room
+    larger than the grid. Within those bounds it takes well under a second (docs/scenes.md,
+    "Bounds"): the blocker search is one leave-one-out pass (blockers.leave_one_out), not a
+    reachability run per object.
     """
     rcfg = rcfg or SceneRuntimeConfig()
-    catalogue = catalogue or load_catalogue(rcfg.catalogue_path)
     cfg = rcfg.metrics
+    n_objects = len(scene.objects)
+    if n_objects > MAX_SCENE_OBJECTS:  # counted before any geometry: refusing is instant
+        raise ReachabilityError(
+            f"the scene has {n_objects} objects; measuring allows at most {MAX_SCENE_OBJECTS} "
+            "(jscenegen.scene.schema.MAX_SCENE_OBJECTS)"
+        )
+    check_room_bounds(scene, cfg)
+    catalogue = catalogue or load_catalogue(rcfg.catalogue_path)
     room = scene.room
     floor = np.asarray(room.floor_polygon, dtype=float)
     feet = {o.id: footprint(o) for o in scene.objects}
@@ -190,9 +204,7 @@ def measure(
         "unknown_categories": unknown,
         "missing_required": missing_required,
     }
-    out["reachable"] = bool(
-        not door_blocked and not out["unreachable_objects"] and out["num_regions"] == 1 and room.doors
-    )
+    out["reachable"] = bool(not door_blocked and not out["unreachable_objects"] and out["num_regions"] == 1)
     for k, v in out.items():
         if isinstance(v, float):
             out[k] = round(v, 6)

@@ -111,6 +111,21 @@ def _start_cells(v_mm: int, cell_mm: int) -> list[int]:
     return [base - 1, base] if v_mm % cell_mm == 0 else [base]
 
 
+def check_room_bounds(scene: Scene, cfg: MetricsConfig) -> None:
+    """Raise ReachabilityError unless the room has 1..max_doors doors and at most
+    max_polygon_vertices floor vertices. Counts only, so callers run it before any geometry."""
+    room = scene.room
+    if len(room.floor_polygon) > cfg.max_polygon_vertices:
+        raise ReachabilityError(
+            f"floor_polygon has {len(room.floor_polygon)} vertices, the grid allows {cfg.max_polygon_vertices}"
+        )
+    if not room.doors:
+        raise ReachabilityError("the room has no door: reachability is measured from the doors, so nothing "
+                                "would be reachable; add one to room.doors")
+    if len(room.doors) > cfg.max_doors:
+        raise ReachabilityError(f"{len(room.doors)} doors, the grid allows {cfg.max_doors}")
+
+
 def encode_scene(
     scene: Scene,
     cfg: MetricsConfig,
@@ -120,21 +135,16 @@ def encode_scene(
     """Encode `scene` for the reachability kernels. Raises ReachabilityError beyond the hard bounds.
 
     Bounds: the room's bounding box must fit grid_size cells per side, at most max_objects objects,
-    metrics.max_doors doors, metrics.max_polygon_vertices vertices, and every corner close enough to the
+    1..metrics.max_doors doors, metrics.max_polygon_vertices vertices, and every corner close enough to the
     room that int32 cross products cannot overflow (4 M (E + M) < 2^31, M the largest |coordinate|,
     E the padded grid extent, all in mm).
     """
     spec = GridSpec.from_config(cfg)
     room = scene.room
-    if len(room.floor_polygon) > cfg.max_polygon_vertices:
-        raise ReachabilityError(
-            f"floor_polygon has {len(room.floor_polygon)} vertices, the grid allows {cfg.max_polygon_vertices}"
-        )
+    check_room_bounds(scene, cfg)
     if len(scene.objects) > max_objects:
         raise ReachabilityError(f"{len(scene.objects)} objects, the grid allows {max_objects}")
     max_doors = cfg.max_doors
-    if len(room.doors) > max_doors:
-        raise ReachabilityError(f"{len(room.doors)} doors, the grid allows {max_doors}")
     poly_abs = np.array([[round(x * 1000), round(y * 1000)] for x, y in room.floor_polygon], dtype=np.int64)
     origin = poly_abs.min(axis=0)
     poly = poly_abs - origin

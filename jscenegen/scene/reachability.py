@@ -126,7 +126,9 @@ def _flood(free: np.ndarray, seeds: list[tuple[int, int]]) -> np.ndarray:
     return reached
 
 
-def _crop(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
+def crop_window(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
+    """(rows, cols) slices of the bounding box of `mask`'s cells widened by `margin` cells (clipped
+    to the grid), or None when `mask` is empty."""
     ys, xs = np.nonzero(mask)
     if len(ys) == 0:
         return None
@@ -137,10 +139,11 @@ def _crop(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
     )
 
 
-def reach_numpy(inp: ReachInputs, spec: GridSpec, skip: int | None = None) -> ReachResult:
-    """Reference reachability of one encoded scene; `skip` leaves one object out (blocker search).
+def reach_numpy(inp: ReachInputs, spec: GridSpec) -> ReachResult:
+    """Reference reachability of one encoded scene. Returns ReachResult with masks.
 
-    Returns ReachResult with masks. Cost: O(cells x disk) per blocking object plus BFS.
+    Cost: O(cells x disk) per object plus two breadth-first searches over the grid. The
+    leave-one-out pass (each object removed in turn) is blockers.leave_one_out, not N calls here.
     """
     nx, ny, cell = inp.nx, inp.ny, spec.cell_mm
     r_rows, ring_rows = spec.disk_rows(spec.radius_mm), spec.disk_rows(spec.ring_mm)
@@ -149,7 +152,7 @@ def reach_numpy(inp: ReachInputs, spec: GridSpec, skip: int | None = None) -> Re
     feet = [quad_mask(inp.corners[k], nx, ny, cell) for k in range(n_real)]
     obst = np.zeros((ny, nx), bool)
     for k in range(n_real):
-        if inp.blocking[k] and k != skip:
+        if inp.blocking[k]:
             obst |= feet[k]
     free = ~dilate(~floor, r_rows, outside=True) & ~dilate(obst, r_rows)
     door_free = np.zeros(len(inp.door_valid), bool)
@@ -167,9 +170,9 @@ def reach_numpy(inp: ReachInputs, spec: GridSpec, skip: int | None = None) -> Re
     reachable = np.zeros(len(inp.counted), bool)
     margin = spec.ring_mm // cell + 1
     for k in range(n_real):
-        if not inp.counted[k] or k == skip:
+        if not inp.counted[k]:
             continue
-        win = _crop(feet[k], margin)
+        win = crop_window(feet[k], margin)
         if win is None:
             continue
         f = feet[k][win]

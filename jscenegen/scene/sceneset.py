@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jscenegen.paths import atomic_file
 
-from .schema import Scene, SceneError, scene_from_json
+from .schema import Scene, SceneError, parse_json, scene_from_json
 
 SET_SCHEMA = "scenegen.sceneset/1"
 
@@ -63,10 +63,7 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SceneError(f"{p}:{n}: not valid JSON: {err}") from None
+        data = parse_json(line, f"{p}:{n}")
         out.append(record_from_json(data, f"{p}:{n}"))
     return out
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 SCHEMA_VERSION = "scenegen.scene/1"
 Mount = Literal["floor", "on", "wall", "ceiling"]
+
+# Hard bounds on what a scene may hold, so that reading and measuring any scene ends quickly
+# (docs/scenes.md, "Bounds"): counted before any validation or geometry. The config caps
+# (scene.max_objects = 40, scene.metrics.max_polygon_vertices and max_doors) may not exceed them.
+MAX_SCENE_OBJECTS = 128  # measuring 128 crowded objects takes ~0.3 s (bench/scene_measure.py)
+MAX_FLOOR_VERTICES = 64
+MAX_OPENINGS = 16  # doors, and windows, each
+MAX_JSON_FILE_BYTES = 4 * 2**20  # read_json_file refuses larger files unread; parsing 4 MiB takes ~0.2 s
 
 
 class SceneError(ValueError):
@@ -42,19 +52,33 @@ class Window(Door):
 
 
 class Room(_Model):
-    """Room shell: counter-clockwise simple floor polygon [[x, y], ...] (metres), walls, openings."""
+    """Room shell: counter-clockwise simple floor polygon [[x, y], ...] (metres), walls, openings.
+
+    At least one door (reachability starts at the doors); at most MAX_FLOOR_VERTICES vertices and
+    MAX_OPENINGS doors and windows each.
+    """
 
     type: str = "bedroom"
-    floor_polygon: tuple[tuple[float, float], ...] = Field(min_length=3)
+    floor_polygon: tuple[tuple[float, float], ...] = Field(min_length=3, max_length=MAX_FLOOR_VERTICES)
     wall_height: float = Field(gt=0)
-    doors: tuple[Door, ...] = ()
-    windows: tuple[Window, ...] = ()
+    doors: tuple[Door, ...] = Field((), max_length=MAX_OPENINGS, validate_default=True)
+    windows: tuple[Window, ...] = Field((), max_length=MAX_OPENINGS)
 
     @field_validator("floor_polygon")
     @classmethod
     def _simple_ccw(cls, poly):
         check_simple_ccw(poly)
         return poly
+
+    @field_validator("doors")
+    @classmethod
+    def _a_door(cls, doors):
+        if not doors:
+            raise ValueError(
+                "a room needs at least one door: reachability is measured from the doors "
+                "(scene-protocol.md section 4), and without one nothing is reachable"
+            )
+        return doors
 
     @model_validator(mode="after")
     def _openings_on_walls(self) -> "Room":
@@ -112,7 +136,7 @@ class Scene(_Model):
     scene_id: str = ""
     prompt: str = ""
     room: Room
-    objects: tuple[SceneObject, ...] = ()
+    objects: tuple[SceneObject, ...] = Field((), max_length=MAX_SCENE_OBJECTS)
     budget: Budget = Budget()
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
@@ -120,7 +144,7 @@ class Scene(_Model):
     @model_validator(mode="after")
     def _ids(self) -> "Scene":
         ids = [o.id for o in self.objects]
-        dup = {i for i in ids if ids.count(i) > 1}
+        dup = {i for i, n in Counter(ids).items() if n > 1}
         if dup:
             raise ValueError(f"duplicate object ids {sorted(dup)}")
         known = set(ids)
@@ -201,28 +225,74 @@ def _format_error(err: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {e['msg']}{more}"
 
 
+def check_counts(data: dict, source: str = "<scene>") -> None:
+    """Refuse a scene JSON dict holding more objects, floor vertices, doors or windows than the
+    hard bounds (MAX_SCENE_OBJECTS, MAX_FLOOR_VERTICES, MAX_OPENINGS) by counting its lists, before
+    any validation: validating or measuring an oversized scene is what would take long.
+    Raises SceneError naming `source`, the key, the count and the bound."""
+    room = data.get("room")
+    room = room if isinstance(room, dict) else {}
+    for key, items, bound, name in (
+        ("objects", data.get("objects"), MAX_SCENE_OBJECTS, "MAX_SCENE_OBJECTS"),
+        ("room.floor_polygon", room.get("floor_polygon"), MAX_FLOOR_VERTICES, "MAX_FLOOR_VERTICES"),
+        ("room.doors", room.get("doors"), MAX_OPENINGS, "MAX_OPENINGS"),
+        ("room.windows", room.get("windows"), MAX_OPENINGS, "MAX_OPENINGS"),
+    ):
+        if isinstance(items, (list, tuple)) and len(items) > bound:
+            raise SceneError(
+                f"{source}: {key} has {len(items)} entries; a scene holds at most {bound} "
+                f"(jscenegen.scene.schema.{name})"
+            )
+
+
 def scene_from_json(data: dict, source: str = "<scene>") -> Scene:
-    """Validate a JSON dict into a Scene. Raises SceneError naming `source` and the field."""
+    """Validate a JSON dict into a Scene. Raises SceneError naming `source` and the field, and
+    refuses a scene beyond the hard bounds (`check_counts`) before validating it."""
     if not isinstance(data, dict):
         raise SceneError(f"{source}: a scene must be a JSON object, got {type(data).__name__}")
     if data.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise SceneError(f"{source}: schema {data.get('schema')!r} is not {SCHEMA_VERSION!r}")
+    check_counts(data, source)
     try:
         return Scene.model_validate(data)
     except ValidationError as err:
         raise SceneError(_format_error(err, source)) from None
 
 
-def read_json_file(path: str | Path, label: str | None = None):
+def parse_json(text: str, label: str):
+    """json.loads(text), with every way JSON text can be bad (syntax, nesting deeper than the
+    parser's recursion limit, integers beyond Python's digit limit) as one SceneError naming
+    `label`."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise SceneError(f"{label}: not valid JSON: nested too deeply (a scene nests a few levels)") from None
+    except ValueError as err:  # json.JSONDecodeError, and the int digit limit
+        raise SceneError(f"{label}: not valid JSON: {err}") from None
+
+
+def read_json_file(path: str | Path, label: str | None = None, max_bytes: int = MAX_JSON_FILE_BYTES):
     """Parsed JSON of `path`. Raises SceneError naming `label` (default: the path) when the file
-    is missing or not valid JSON."""
+    is missing, larger than `max_bytes` (checked before reading), or not valid JSON (including
+    nesting too deep to parse)."""
     label = label or str(path)
     try:
-        return json.loads(Path(path).read_text())
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise SceneError(f"{label}: {size} bytes; a scene or report file may hold at most {max_bytes} bytes")
+            raw = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise SceneError(f"{label}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise SceneError(f"{label}: not valid JSON: {err}") from None
+    except IsADirectoryError:
+        raise SceneError(f"{label}: is a directory, not a JSON file") from None
+    if len(raw) > max_bytes:  # grew while we read it, or not a regular file
+        raise SceneError(f"{label}: more than {max_bytes} bytes; a scene or report file may hold at most that")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SceneError(f"{label}: not UTF-8 text: {err}") from None
+    return parse_json(text, label)
 
 
 def load_scene(path: str | Path) -> Scene:

@@ -1,0 +1,102 @@
+"""Reading scenes is bounded: file size, nesting depth and list lengths are refused up front,
+with a SceneError naming the file; a room needs a door."""
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from jscenegen.scene.schema import (
+    MAX_FLOOR_VERTICES,
+    MAX_JSON_FILE_BYTES,
+    MAX_OPENINGS,
+    MAX_SCENE_OBJECTS,
+    Room,
+    SceneError,
+    load_scene,
+    read_json_file,
+    scene_from_json,
+)
+from jscenegen.scene.sceneset import read_scene_set
+from scene_fixtures import obj, room
+
+DEEP = "[" * 100_000 + "]" * 100_000
+NESTED = {  # 100k levels: far beyond the parser's recursion limit
+    "array": DEEP,
+    "room": '{"room": ' + DEEP + "}",
+    "prompt": '{"prompt": ' + '{"a": ' * 100_000 + "1" + "}" * 100_001,
+}
+DEV = Path(__file__).resolve().parents[1] / "data" / "scenes" / "dev.jsonl"
+
+
+@pytest.mark.parametrize("name", sorted(NESTED))
+def test_deeply_nested_json_is_a_scene_error_naming_the_file(tmp_path, name):
+    path = tmp_path / "deep.json"
+    path.write_text(NESTED[name])
+    for read in (read_json_file, load_scene):
+        with pytest.raises(SceneError, match=rf"^{path}: not valid JSON: nested too deeply"):
+            read(path)
+    first = DEV.read_text().splitlines()[0]
+    (tmp_path / "deep.jsonl").write_text(first + "\n" + NESTED[name] + "\n")
+    with pytest.raises(SceneError, match=r"deep.jsonl:2: not valid JSON: nested too deeply"):
+        read_scene_set(tmp_path / "deep.jsonl")
+
+
+def test_a_file_over_the_size_bound_is_refused_before_reading(tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:  # sparse: the size without the bytes
+        f.truncate(MAX_JSON_FILE_BYTES + 1)
+    with pytest.raises(SceneError, match=rf"^{path}: {MAX_JSON_FILE_BYTES + 1} bytes; .* at most {MAX_JSON_FILE_BYTES}"):
+        load_scene(path)
+    path.write_text(json.dumps({"room": room(), "objects": []}))
+    assert load_scene(path).room.doors[0].offset == 2.0
+    with pytest.raises(SceneError, match="at most 10 bytes"):
+        read_json_file(path, max_bytes=10)
+
+
+def test_bad_text_is_one_scene_error(tmp_path):
+    for name, data, why in (("digits.json", b"1" * 5000, "not valid JSON"), ("latin.json", b'{"a": "\xe9"}', "not UTF-8")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(SceneError, match=f"{name}: {why}"):
+            read_json_file(tmp_path / name)
+    with pytest.raises(SceneError, match="is a directory"):
+        read_json_file(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key,bound,build",
+    [
+        ("objects", MAX_SCENE_OBJECTS, lambda d, n: d.update(objects=[{}] * n)),
+        ("room.floor_polygon", MAX_FLOOR_VERTICES, lambda d, n: d["room"].update(floor_polygon=[[0, 0]] * n)),
+        ("room.doors", MAX_OPENINGS, lambda d, n: d["room"].update(doors=[{}] * n)),
+        ("room.windows", MAX_OPENINGS, lambda d, n: d["room"].update(windows=[{}] * n)),
+    ],
+)
+def test_lists_beyond_the_bounds_are_refused_before_validation(key, bound, build):
+    # the entries are invalid: the count, not a validation error, must be what refuses them
+    for n in (bound + 1, 200_000):
+        data = {"room": room(), "objects": []}
+        build(data, n)
+        with pytest.raises(SceneError, match=rf"^x.json: {key} has {n} entries; a scene holds at most {bound} "):
+            scene_from_json(data, "x.json")
+
+
+def test_a_scene_at_the_object_bound_is_read():
+    objs = [obj(f"plant_{k}", "plant", 0.2 + 0.03 * k, 1.0, 0.02, 0.02, 0.5) for k in range(MAX_SCENE_OBJECTS)]
+    s = scene_from_json({"room": room(), "objects": objs})
+    assert len(s.objects) == MAX_SCENE_OBJECTS
+    with pytest.raises(SceneError, match=r"duplicate object ids \['plant_0'\]"):
+        scene_from_json({"room": room(), "objects": objs[:-1] + objs[:1]})
+
+
+@pytest.mark.parametrize("doors", [None, []])
+def test_a_room_without_a_door_is_refused(doors):
+    r = room()
+    if doors is None:
+        del r["doors"]
+    else:
+        r["doors"] = doors
+    with pytest.raises(SceneError, match=r"^s.json: room.doors: Value error, a room needs at least one door"):
+        scene_from_json({"room": r}, "s.json")
+    with pytest.raises(ValidationError, match="at least one door"):
+        Room.model_validate(r)  # a bare room (`jscenegen design --room`)
