@@ -53,8 +53,8 @@ def make_source(work: Path, layers: int, vocab: int, world_size: int) -> tuple[P
     import numpy as np
 
     from convert.directions import hf_to_verl
-    from jscenegen.model.safetensors_stream import write_safetensors_streaming
     from jscenegen.model.config import QwenConfig
+    from jscenegen.model.safetensors_stream import write_safetensors_streaming
     from jscenegen.model.weights import param_shapes
 
     hf = work / "hf_source"

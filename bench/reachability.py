@@ -20,8 +20,8 @@ import numpy as np
 def furnished_scenes(n: int, seed: int = 0):
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.geometry import point_in_polygon
-    from jscenegen.scene.schema import SceneObject
     from jscenegen.scene.sceneset import read_scene_set
+    from jscenegen.scene.schema import SceneObject
 
     records = read_scene_set(Path(__file__).resolve().parents[1] / "data" / "scenes" / "train.jsonl")
     cat = load_catalogue()

@@ -25,7 +25,6 @@ import json
 import tempfile
 
 import numpy as np
-
 from common import grpo_batch, timed
 
 VOCAB, BATCH, SEQ = 8192, 8, 256
@@ -78,8 +77,8 @@ def bench_torch(model_dir: str, batch: dict, repeats: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jscenegen.parity import torch_reference as ref
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+    from jscenegen.parity import torch_reference as ref
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager")

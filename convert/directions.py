@@ -31,6 +31,7 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
 from jscenegen.paths import atomic_dir
 
+
 # files of an HF directory that are weights (not copied into VERL's huggingface/ or re-emitted)
 def copy_hf_metadata(src_hf: Path, dst: Path) -> list[tuple[str, list[str]]]:
     """Copy every non-weight file (config, tokenizer, chat template, processor files, ...).

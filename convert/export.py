@@ -18,12 +18,11 @@ import json
 from pathlib import Path
 
 from convert.directions import write_verl_into
-from convert.layout import write_layout
-from convert.orbax_directions import orbax_step_dir, orbax_state, write_hf_into
 from convert.errors import ConvertError
+from convert.layout import write_layout
+from convert.orbax_directions import orbax_state, orbax_step_dir, write_hf_into
 from jscenegen.checkpoint.checksums import write_checksums
-from jscenegen.paths import write_json
-from jscenegen.paths import atomic_dir
+from jscenegen.paths import atomic_dir, write_json
 
 
 def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,

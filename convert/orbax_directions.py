@@ -107,8 +107,8 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
                 params: dict[str, np.ndarray], adam: dict[str, Any],
                 train_state: dict[str, Any], source: dict[str, Any], layout_files: list,
                 source_path: str | Path, source_format: str) -> Path:
-    from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
     from jscenegen.checkpoint.metadata import training_metadata
+    from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
     from jscenegen.model.weights import param_shapes
 
     with atomic_dir(dst, exists_error=ConvertError) as tmp:

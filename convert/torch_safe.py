@@ -20,7 +20,6 @@ import numpy as np
 
 from convert.errors import ConvertError
 
-
 _TELLING = ("Unsupported global", "but got", "GLOBAL", "zip archive", "central directory")
 
 

@@ -1,28 +1,22 @@
 """The `jscenegen` command: a thin argparse layer over library functions.
 
-Each subcommand lives in `jscenegen/commands/<module>.py` and exposes
-`register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+Each subcommand lives in `jscenegen/commands/<module>.py` and exposes `register(subparsers)`,
+which adds its parser and sets `func(args) -> int`; commands import their library code inside
+`func`, so building the parser (and `--help`) imports no JAX. Bad input anywhere (a config key,
+a path, a model file, a mesh that does not fit, a full disk) raises an exception; `main` is the
+one place that turns it into one line `error: ...` and exit code 2 (`JSCENEGEN_DEBUG=1` shows
+the traceback instead).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 
-# subcommand modules, imported lazily so `jscenegen scene ...` never imports JAX models.
-COMMAND_MODULES = (
-    "train",
-    "init_model",
-    "parity",
-    "mesh_report",
-    "scene",
-    "convert",
-    "export",
-    "eval",
-    "sft",
-    "design",
-)
+COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
+                   "eval", "sft", "design")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,40 +26,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"jscenegen.commands.{name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"jscenegen.commands.{name}":
-                continue  # not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"jscenegen.commands.{name}").register(sub)
     return parser
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input rather than a bug: reported as one line, exit 2."""
-    errors: list[type[BaseException]] = [ValueError, FileNotFoundError, NotADirectoryError,
-                                         IsADirectoryError, PermissionError]
-    for module, name in (("jscenegen.checkpoint.store", "CheckpointError"),
-                         ("convert.errors", "ConvertError")):
-        try:
-            errors.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
+def is_user_error(err: BaseException) -> bool:
+    """Bad input rather than a bug: every jscenegen/convert error class is a ValueError (the
+    checkpoint store's CheckpointError a RuntimeError of its own module); OSError covers
+    missing files, permissions and a full disk."""
+    if isinstance(err, (ValueError, OSError)):
+        return True
+    module = type(err).__module__
+    return module.startswith(("jscenegen.", "convert.")) and type(err).__name__.endswith("Error")
+
+
+def error_line(err: BaseException) -> str:
+    """One line for `err`: multi-line messages joined with '; ', OS errors with their file."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return f"no space left on device writing {err.filename or 'a file'}"
+    text = str(err) or type(err).__name__
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def force_cpu_devices() -> None:
     """Give JAX's CPU backend $JSCENEGEN_CPU_DEVICES (default 6) devices, so the 3 x 2 mesh is
-    real on a CPU-only machine; GPU/TPU backends are unaffected. Runs before JAX is imported."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        n = int(os.environ.get("JSCENEGEN_CPU_DEVICES", "6"))
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    real on a CPU-only machine (`jax_num_cpu_devices`, set through its environment variable so
+    nothing imports JAX here); GPU/TPU backends are unaffected. A device count already chosen
+    with XLA_FLAGS or JAX_NUM_CPU_DEVICES is kept."""
+    if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+            and "JAX_NUM_CPU_DEVICES" not in os.environ):
+        os.environ["JAX_NUM_CPU_DEVICES"] = os.environ.get("JSCENEGEN_CPU_DEVICES", "6")
 
 
 def main(argv: list[str] | None = None) -> int:
     force_cpu_devices()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" advice
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -73,12 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except _user_errors() as err:
-        # bad input (config, paths, model files, meshes): one line, no traceback;
-        # JSCENEGEN_DEBUG=1 shows the traceback
-        if os.environ.get("JSCENEGEN_DEBUG"):
+    except Exception as err:
+        if os.environ.get("JSCENEGEN_DEBUG") or not is_user_error(err):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {error_line(err)}", file=sys.stderr)
         return 2
 
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from jscenegen.paths import write_json
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.paths import cache_dir
+from jscenegen.paths import cache_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -20,14 +19,14 @@ def default_model_dir(cfg, phases: dict) -> Path:
     scripted expert's episodes (run once per SFT config and prompt set, cached under `cache_dir()`)."""
     import hashlib
 
-    from jscenegen.commands.init_model import tokenizer_corpus
     from jscenegen.config import load_config
-    from jscenegen.sft.run import run_sft
-    from jscenegen.sft.config import SFTRunConfig
     from jscenegen.model.init_model import init_model_dir
     from jscenegen.paths import resolve_data_path
     from jscenegen.scene import expert
+    from jscenegen.scene.corpus import tokenizer_corpus
     from jscenegen.scene.prompts import load_templates
+    from jscenegen.sft.config import SFTRunConfig
+    from jscenegen.sft.run import run_sft
 
     ws = cfg.warm_start
     t0 = time.perf_counter()
@@ -77,8 +76,8 @@ class Progress:
     def __init__(self, total: int, enabled: bool):
         self.bar = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
-            from rich.progress import TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
             self.bar = RichProgress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(),
                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn())
@@ -101,12 +100,10 @@ class Progress:
 
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
-    from jscenegen.grpo.train.trainer import Trainer
-    from jscenegen.sharding.mesh import initialize_distributed, is_primary
-
     import jax
 
-    from jscenegen.sharding.mesh import mesh_shape
+    from jscenegen.grpo.train.trainer import Trainer
+    from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
 
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id)
     try:  # refuse a mesh that does not fit before any model is made or file written

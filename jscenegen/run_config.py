@@ -5,16 +5,20 @@ key is read in one place: the section's owner.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Sequence
+
 from pydantic import Field
 
-from jscenegen.config import Section
-from jscenegen.model.options import ModelConfig
-from jscenegen.sharding.mesh import MeshConfig
+from jscenegen.config import Section, load_config
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-from jscenegen.grpo.train.metrics import LoggingConfig
 from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.grpo.train.metrics import LoggingConfig
 from jscenegen.grpo.train.schedule import ScheduleConfig
+from jscenegen.model.options import ModelConfig
+from jscenegen.paths import resolve_data_path
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+from jscenegen.sharding.mesh import MeshConfig
 
 
 class CheckpointConfig(Section):
@@ -58,3 +62,24 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     logging: LoggingConfig = LoggingConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
+
+
+DEFAULT_CONFIG = "configs/cpu-default.yaml"
+
+
+def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
+                    greedy: bool = False) -> RunConfig:
+    """The run config of `config` (default: the CPU default, `DEFAULT_CONFIG`) with dotted
+    overrides; `greedy` turns on argmax decoding and turns top-k/top-p off.
+    Raises ConfigError naming the file or override and the key."""
+    overrides = list(overrides)
+    if greedy:
+        overrides += ["sampling.greedy=true", "sampling.top_k=0", "sampling.top_p=1.0"]
+    return load_config(config or resolve_data_path(DEFAULT_CONFIG), overrides, RunConfig)
+
+
+def scene_set_path(name: str, cfg: RunConfig) -> Path:
+    """`dev`/`train` -> the config's schedule.dev_set/train_set; anything else is a path.
+    Raises FileNotFoundError naming where it looked."""
+    path = {"dev": cfg.schedule.dev_set, "train": cfg.schedule.train_set}.get(name, name)
+    return resolve_data_path(path)

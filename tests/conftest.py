@@ -1,18 +1,16 @@
 """Test session set-up: six forced CPU devices (a real 3 x 2 mesh) and a persistent compile cache.
 
-The environment must be set before JAX is imported anywhere, so this runs at conftest import.
+The device count must be set before JAX's backend starts, so this runs at conftest import.
 """
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6"
-).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
 
+jax.config.update("jax_num_cpu_devices", 6)
 _CACHE = os.environ.get(
     "JSCENEGEN_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jscenegen", "jax")
 )

@@ -11,12 +11,22 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jscenegen.checkpoint.store import (CheckpointError, CheckpointStore, array_shapes, check_step,
-                                       iter_arrays, padded_target, read_adam_count,
-                                       read_train_state, storage_sharding, to_logical)
 from jscenegen.checkpoint.metadata import training_metadata
+from jscenegen.checkpoint.store import (
+    CheckpointError,
+    CheckpointStore,
+    array_shapes,
+    check_step,
+    iter_arrays,
+    padded_target,
+    read_adam_count,
+    read_train_state,
+    storage_sharding,
+    to_logical,
+)
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.weights import param_shapes
 

@@ -5,8 +5,13 @@ import os
 
 import pytest
 
-from jscenegen.checkpoint.checksums import (ChecksumError, compute_checksums, read_checksums,
-                                 verify_checksums, write_checksums)
+from jscenegen.checkpoint.checksums import (
+    ChecksumError,
+    compute_checksums,
+    read_checksums,
+    verify_checksums,
+    write_checksums,
+)
 
 
 @pytest.fixture

@@ -5,8 +5,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jscenegen.checkpoint.metadata import (REDACTED, git_commit, is_credential_name, redact,
-                                         training_metadata)
+from jscenegen.checkpoint.metadata import REDACTED, git_commit, is_credential_name, redact, training_metadata
 
 
 @pytest.mark.parametrize("name", ["api_key", "OPENAI_API_KEY", "hf_token", "HF_TOKEN", "apiKey",

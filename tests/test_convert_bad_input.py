@@ -15,6 +15,7 @@ import pytest
 from convert.directions import verl_to_hf, verl_to_verl
 from convert.errors import ConvertError
 from convert.torch_safe import load_pt
+
 from fsdp_fixtures import fixture_dir
 
 

@@ -6,8 +6,9 @@ import json
 import numpy as np
 from safetensors.numpy import load_file
 
-from fsdp_fixtures import fixture_dir
 from jscenegen.cli import main
+
+from fsdp_fixtures import fixture_dir
 
 
 def test_convert_inspect_verify(tmp_path, capsys):

@@ -9,9 +9,10 @@ from safetensors.numpy import load_file
 
 from convert.orbax_directions import verl_to_orbax
 from convert.verl_read import VerlCheckpoint
-from fsdp_fixtures import fixture_dir, run_script
 from jscenegen.checkpoint.checksums import verify_checksums
 from jscenegen.cli import main
+
+from fsdp_fixtures import fixture_dir, run_script
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 
 from convert.directions import hf_to_verl, verl_to_hf
 from convert.orbax_directions import orbax_to_verl, verl_to_orbax
+
 from fsdp_fixtures import fixture_dir, run_script
 
 pytestmark = pytest.mark.slow

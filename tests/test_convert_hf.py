@@ -14,8 +14,9 @@ from safetensors.numpy import load_file
 from convert.directions import hf_to_verl, verl_to_hf
 from convert.errors import ConvertError
 from convert.verl_read import VerlCheckpoint
-from fsdp_fixtures import fixture_dir
 from jscenegen.checkpoint.checksums import verify_checksums
+
+from fsdp_fixtures import fixture_dir
 
 NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0")
 

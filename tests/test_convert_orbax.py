@@ -16,8 +16,9 @@ from safetensors.numpy import load_file
 
 from convert.orbax_directions import hf_to_orbax, orbax_to_hf, orbax_to_verl, verl_to_orbax
 from convert.verl_read import VerlCheckpoint
-from fsdp_fixtures import fixture_dir
 from jscenegen.checkpoint.checksums import verify_checksums
+
+from fsdp_fixtures import fixture_dir
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from convert.sharding import chunk_bounds, shard_dim
 from convert.verl_read import VerlCheckpoint, find_verl
 from convert.verl_write import AdamSource, dict_reader
 from jscenegen.checkpoint.checksums import verify_checksums
+
 from fsdp_fixtures import fixture_dir
 
 NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0")
@@ -49,10 +50,10 @@ def test_chunk_bounds_follow_torch_chunk():
 
 def test_mesh_info_reads_both_pickle_generations(fixture):
     """torch 2.13 meshes (from the fixture) and the attribute set older torch pickled."""
+    import torch
+
     from convert.torch_safe import load_pt
     from convert.verl_read import mesh_info
-
-    import torch
 
     sd = load_pt(fixture["ckpt"] / "global_step_3/actor/model_world_size_6_rank_0.pt")
     info = mesh_info(next(iter(sd.values())).device_mesh)

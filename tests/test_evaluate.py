@@ -5,16 +5,17 @@ import json
 import numpy as np
 import pytest
 
-from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.cli import main
-from jscenegen.commands.eval import load_run_config
 from jscenegen.eval.evaluate import evaluate, load_policy, policy_engine
 from jscenegen.eval.plots import plot_report
-from jscenegen.grpo.rollout.stats import summarize
 from jscenegen.grpo.rollout.seeds import episode_seed
+from jscenegen.grpo.rollout.stats import summarize
+from jscenegen.run_config import load_run_config
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.schema import scene_from_json
+
+from chat_fixtures import chat_model_dir, dev_records
 
 # Tiny caps: the ~2,100-token prompt fits, every 8-token turn of a random model is truncated.
 TINY = ["sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560", "sampling.buckets=[128,1024]"]
@@ -101,17 +102,41 @@ def test_summarize_excludes_masked_and_counts_causes():
     assert g["scene/reachable_rate"] == 1.0 and g["failure_rate"] == 0.5
 
 
-def test_plot_is_a_png(report, tmp_path):
-    out = plot_report(report, tmp_path / "sub" / "report.png")
-    data = out.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+def test_plot_draws_the_reports_rewards(report, tmp_path):
+    """The PNG decodes, and its bars are the report's rewards: one axes, a bar per scene and
+    series (model, expert) whose heights are the per-scene mean rewards."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    captured = {}
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        captured["fig"] = fig
+        return real_savefig(fig, *args, **kwargs)
+
+    plt.Figure.savefig = spy
+    try:
+        out = plot_report(report, tmp_path / "sub" / "report.png")
+    finally:
+        plt.Figure.savefig = real_savefig
+    image = mpimg.imread(out)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    (ax,) = captured["fig"].axes
+    heights = [b.get_height() for b in ax.patches]
+    want = [row[s]["reward"] if row[s]["reward"] is not None else 0.0
+            for s in ("model", "expert") for row in report["scenes"]]
+    np.testing.assert_allclose(heights, want, rtol=1e-6)
     assert not [p for p in out.parent.iterdir() if p.name != "report.png"]  # no temp files left
 
 
 def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     """A checkpoint step (params x 2) loads into the model built from its hf/config.json."""
-    from jscenegen.checkpoint.store import CheckpointStore
     from jscenegen.checkpoint.metadata import training_metadata
+    from jscenegen.checkpoint.store import CheckpointStore
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.hf_io import iter_hf_tensors, named_params
     from jscenegen.model.weights import param_shapes
@@ -216,7 +241,7 @@ def test_compare_reports_pairs_episodes_by_scene_and_seed():
 
 
 def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):
-    from jscenegen.eval.report import comparison_markdown, compare_reports
+    from jscenegen.eval.report import compare_reports, comparison_markdown
 
     text = comparison_markdown(report, report)
     rows = [line for line in text.splitlines() if line.startswith("| ")]

@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jscenegen.parity import torch_reference as ref
 from jscenegen.grpo.algo.advantages import check_group_sizes, grpo_outcome_advantages
 from jscenegen.grpo.algo.losses import policy_loss
+from jscenegen.parity import torch_reference as ref
 
 LAYOUTS = [
     [0, 0, 0, 0, 1, 1, 1, 1],  # 2 groups of 4 (the GRPO100 shape, halved)

@@ -5,12 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from jscenegen.parity import torch_reference as ref
 from jscenegen.grpo.algo.config import LossConfig
 from jscenegen.grpo.algo.losses import AGG_MODES, agg_loss, grpo_loss, kl_penalty, logprob_drift, policy_loss
+from jscenegen.parity import torch_reference as ref
 
 B, T = 4, 7
 KINDS = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+"]

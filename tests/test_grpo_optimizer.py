@@ -5,11 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from jscenegen.parity import torch_reference as ref
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.optimizer import (
-    lr_at, make_optimizer, optimizer_step, param_names, state_from_canonical, state_to_canonical,
+    lr_at,
+    make_optimizer,
+    optimizer_step,
+    param_names,
+    state_from_canonical,
+    state_to_canonical,
 )
+from jscenegen.parity import torch_reference as ref
 
 SHAPES = {"embed": (7, 5), "layer.bias": (5,), "norm": (5,)}
 

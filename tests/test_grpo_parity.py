@@ -3,10 +3,11 @@ import json
 
 import pytest
 
-from hf_fixtures import make_hf_dir
 from jscenegen.grpo.algo.config import LossConfig
-from jscenegen.parity.grpo_step import PARAM_TOL, grpo_step_parity, synthetic_batch
 from jscenegen.grpo.algo.roles import DESIGNER, PLANNER
+from jscenegen.parity.grpo_step import PARAM_TOL, grpo_step_parity, synthetic_batch
+
+from hf_fixtures import make_hf_dir
 
 
 @pytest.fixture(scope="session")
@@ -51,15 +52,17 @@ def test_cli_qwen3_recipe_with_accumulation(tiny_dirs, capsys):
     assert abs(r["grad_norm_ratio"] - 1) <= 1e-5 and r["update_max"] > 9e-7
 
 
-def test_cli_exits_1_beyond_tolerance(tiny_dirs, capsys, monkeypatch):
+def test_cli_exits_1_when_torch_differs(tiny_dirs, capsys):
+    """A real difference (one torch embedding weight moved by 1e-3) fails the comparison:
+    the parameter diff after the step is that 1e-3, far beyond the tolerance."""
     from jscenegen.cli import main
-    from jscenegen.parity import grpo_step as parity_step
 
-    monkeypatch.setattr(parity_step, "LOSS_TOL", -1.0)
     rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--pad-rows", "1",
-               "--loss", "ppo_micro_batch_size=3"])
+               "--loss", "ppo_micro_batch_size=3", "--perturb-torch", "1e-3"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and not r["ok"]
+    assert r["max_param_diff"] == pytest.approx(1e-3, rel=1e-2)
+    assert r["worst_param"].startswith("model.embed_tokens.weight[1, 0]")
 
 
 @pytest.mark.slow
@@ -72,8 +75,7 @@ def test_sharded_step_equals_unsharded(tiny_dirs):
     from jax.sharding import PartitionSpec as P
 
     from jscenegen.grpo.algo.config import OptimConfig
-    from jscenegen.grpo.algo.optimizer import param_names
-    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.algo.optimizer import init_train_state, param_names
     from jscenegen.grpo.train.step import GRPOStep
     from jscenegen.model.functional import hidden_fn
     from jscenegen.model.hf_io import load_hf

@@ -25,14 +25,24 @@ def test_role_loss_mask_selects_policy_tokens_of_the_role():
         role_from_letter("E")
 
 
-def test_config_defaults_are_the_grpo100_recipe():
-    loss, optim = LossConfig(), OptimConfig()
+def test_grpo100_config_holds_the_seed_recipe():
+    """configs/grpo100.yaml, as loaded, is the recipe of specs/seed.md: PPO clip 0.2/0.2, dual
+    clip 3, token-mean over the whole batch, no KL or entropy term; AdamW lr 1e-6, betas
+    (0.9, 0.999), eps 1e-8, weight decay 0.01, clip 1.0, constant LR; G = 8, D-D-D-P-C,
+    100 effective updates; rollouts at temperature 1.0, top-p 1.0."""
+    from jscenegen.paths import resolve_data_path
+    from jscenegen.run_config import load_run_config
+
+    cfg = load_run_config(resolve_data_path("configs/grpo100.yaml"))
+    loss, optim, sched = cfg.loss, cfg.optim, cfg.schedule
     assert (loss.clip_low, loss.clip_high, loss.clip_ratio_c) == (0.2, 0.2, 3.0)
     assert loss.loss_agg_mode == "token-mean" and loss.loss_scale == "global"
-    assert not loss.use_kl_loss and loss.entropy_coeff == 0.0 and loss.kl_loss_type == "low_var_kl"
+    assert not loss.use_kl_loss and loss.entropy_coeff == 0.0
     assert (optim.lr, optim.betas, optim.eps, optim.weight_decay, optim.grad_clip) == (
         1e-6, (0.9, 0.999), 1e-8, 0.01, 1.0)
     assert optim.lr_schedule == "constant" and optim.warmup_steps == 0
+    assert (sched.group_size, sched.roles, sched.total_updates) == (8, "DDDPC", 100)
+    assert (cfg.sampling.temperature, cfg.sampling.top_p) == (1.0, 1.0)
 
 
 def test_config_errors_name_the_key():

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.algo.losses import kl_penalty
@@ -48,8 +49,11 @@ def make_batch(seed=0):
             "old_logp": old, "ref_logp": ref}
 
 
+TEST_OPTIM = OptimConfig(lr=1e-2)
+
+
 @functools.lru_cache(maxsize=None)
-def steps(loss_cfg, optim_cfg=OptimConfig(lr=1e-2)):
+def steps(loss_cfg, optim_cfg=TEST_OPTIM):
     """One GRPOStep (and its compiled functions) per configuration, shared by the tests."""
     return GRPOStep(hidden_fn, loss_cfg, optim_cfg, temperature=0.9, donate=False)
 

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hf_fixtures import make_hf_dir
 from jscenegen.model.config import ModelConfigError, QwenConfig
 from jscenegen.model.hf_io import CheckpointFormatError, hf_state_dict, load_hf, save_hf
-from jscenegen.parity.logits import logits_parity, random_padded_batch
 from jscenegen.model.qwen import KVCache
+from jscenegen.parity.logits import logits_parity, random_padded_batch
+
+from hf_fixtures import make_hf_dir
 
 VARIANTS = {
     "qwen2": dict(arch="qwen2", rope_theta=10000.0),
@@ -19,6 +20,9 @@ VARIANTS = {
     "qwen3-yarn": dict(arch="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                    "original_max_position_embeddings": 32}),
     "qwen2-linear": dict(arch="qwen2", rope_scaling={"type": "linear", "factor": 2.0}),
+    # positions beyond max_position_embeddings (the parity batch has 48 tokens): the base grows
+    "qwen2-dynamic": dict(arch="qwen2", max_position_embeddings=32,
+                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
 }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jscenegen.sharding.mesh import make_mesh
+
 from multihost_loss import sharded_loss
 
 

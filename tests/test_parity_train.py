@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from jscenegen.cli import main
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, PLANNER
 from jscenegen.parity.train import (
     PARAM_TOL,
     read_trajectories,
     synthetic_trajectories,
     write_trajectories,
 )
-from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, PLANNER
 
 
 def _lines(out: str) -> list[dict]:

@@ -4,9 +4,9 @@ import json
 import pytest
 
 from jscenegen.config import load_config
-from jscenegen.run_config import RunConfig
 from jscenegen.paths import resolve_data_path
 from jscenegen.pipeline import train_command
+from jscenegen.run_config import RunConfig
 from jscenegen.scene.sceneset import read_scene_set, write_scene_set
 
 

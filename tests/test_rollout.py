@@ -3,19 +3,20 @@ model's cache path), failure causes, masking of judge/runtime failures, seeds, a
 log-probs against the trainer's recompute."""
 import numpy as np
 import pytest
+from test_sampler import trainer_logprobs
 
-from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
+from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.grpo.rollout.engine import RolloutEngine, trajectory_batch
 from jscenegen.grpo.rollout.seeds import episode_seed
-from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.actions import format_action
 from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
 from jscenegen.scene.judge import JudgeResult, make_judge
-from test_sampler import trainer_logprobs
+
+from chat_fixtures import chat_model_dir, dev_records
 
 BUCKETS = (128, 1024)          # few compiled shapes; long appends run as several chunks
 SLOTS = 6144 + 512 + 128       # one cache shape for every engine here

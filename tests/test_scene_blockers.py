@@ -10,6 +10,7 @@ from jscenegen.scene.config import MetricsConfig
 from jscenegen.scene.metrics import measure
 from jscenegen.scene.reach_inputs import GridSpec, encode_scene
 from jscenegen.scene.reachability import _components, reach_numpy
+
 from scene_fixtures import N_RANDOM_OBJECTS, crowded_scene, enclosure, random_scene
 
 CFG = MetricsConfig(grid_size=96)

@@ -3,7 +3,8 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jscenegen.scene.actions import parse_action
 from jscenegen.scene.config import GRADE_KEYS, JudgeConfig, RewardConfig, SceneRuntimeConfig
@@ -14,6 +15,7 @@ from jscenegen.scene.judge import JudgeResult, make_judge
 from jscenegen.scene.protocol import protocol_hash
 from jscenegen.scene.reward import failed_outcome, reward_from_grades
 from jscenegen.scene.sceneset import SceneRecord
+
 from scene_fixtures import empty_room
 
 GRADES = {k: 7 for k in GRADE_KEYS}

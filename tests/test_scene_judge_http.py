@@ -12,6 +12,7 @@ from jscenegen.scene.episode import Episode, judge_episodes
 from jscenegen.scene.judge import JudgeRequest, make_judge
 from jscenegen.scene.metrics import measure
 from jscenegen.scene.sceneset import SceneRecord
+
 from scene_fixtures import KNOWN
 
 KEY = "sk-test-SECRET-4f9a1c"

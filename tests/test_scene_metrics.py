@@ -1,12 +1,14 @@
 """Known-answer scenes for collisions, bounds, openings and reachability; rotation/shift invariance."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jscenegen.scene.judge_rule import rule_grades
 from jscenegen.scene.catalogue import load_catalogue
+from jscenegen.scene.judge_rule import rule_grades
 from jscenegen.scene.metrics import measure
 from jscenegen.scene.schema import scene_from_json
+
 from scene_fixtures import KNOWN, obj, random_scene, scene, transform
 
 EMPTY_WALKABLE = (74 * 54) / (80 * 60)  # floor eroded by 3 cells on each side of an 80 x 60 cell room

@@ -6,6 +6,7 @@ from jscenegen.scene.config import OpCosts, SceneRuntimeConfig
 from jscenegen.scene.geometry import footprint
 from jscenegen.scene.ops import OpSchemaError, SceneEditor, parse_op
 from jscenegen.scene.schema import Budget
+
 from scene_fixtures import empty_room
 
 

@@ -7,7 +7,9 @@ from jscenegen.scene.config import MetricsConfig
 from jscenegen.scene.reach_inputs import GridSpec, ReachabilityError, encode_scene
 from jscenegen.scene.reachability import reach_numpy
 from jscenegen.scene.schema import scene_from_json
-from scene_fixtures import N_RANDOM_OBJECTS as N_OBJ, random_scene
+
+from scene_fixtures import N_RANDOM_OBJECTS as N_OBJ
+from scene_fixtures import random_scene
 
 CFG = MetricsConfig(grid_size=96)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from jscenegen.scene.sceneset import read_scene_set
 from jscenegen.scene.schema import (
     MAX_FLOOR_VERTICES,
     MAX_JSON_FILE_BYTES,
@@ -17,7 +18,7 @@ from jscenegen.scene.schema import (
     read_json_file,
     scene_from_json,
 )
-from jscenegen.scene.sceneset import read_scene_set
+
 from scene_fixtures import obj, room
 
 DEEP = "[" * 100_000 + "]" * 100_000

@@ -8,8 +8,9 @@ import pytest
 from jscenegen.cli import main
 from jscenegen.scene.dataset import SceneSetSource, scene_iterator
 from jscenegen.scene.generator import make_scene_set
-from jscenegen.scene.schema import SceneError, canonical_text, scene_from_json
 from jscenegen.scene.sceneset import read_scene_set, write_scene_set
+from jscenegen.scene.schema import SceneError, canonical_text, scene_from_json
+
 from scene_fixtures import KNOWN, room, transform
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "scenes"

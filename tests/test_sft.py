@@ -9,18 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from chat_fixtures import chat_model_dir, dev_records
 from jscenegen.config import ConfigError, validate_config
 from jscenegen.grpo.algo.config import OptimConfig
-from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
-from jscenegen.grpo.rollout.engine import RolloutEngine
-from jscenegen.grpo.rollout.config import SamplingConfig
-from jscenegen.sft.demos import (SFT_SEED_BASE, batch_order, build_demos, demo_batch, sft_records,
-                                  tokenize_transcript)
-from jscenegen.sft.run import run_sft
-from jscenegen.sft.step import SFTStep
-from jscenegen.sft.config import SFTRunConfig
 from jscenegen.grpo.algo.optimizer import init_train_state
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer.chat import ChatTokenizer
@@ -28,8 +22,21 @@ from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.sceneset import read_scene_set
+from jscenegen.sft.config import SFTRunConfig
+from jscenegen.sft.demos import (
+    SFT_SEED_BASE,
+    batch_order,
+    build_demos,
+    demo_batch,
+    sft_records,
+    tokenize_transcript,
+)
+from jscenegen.sft.run import run_sft
+from jscenegen.sft.step import SFTStep
 from jscenegen.sharding.layout import pad_batch, shard_batch
 from jscenegen.sharding.mesh import make_mesh
+
+from chat_fixtures import chat_model_dir, dev_records
 
 SEQ = 2304  # rows truncated here: the 2.2k-token prompt and the first planner turn
 

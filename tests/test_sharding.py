@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from jscenegen.model.config import preset_config
 from jscenegen.model.hf_io import load_hf
-from jscenegen.model.weights import named_params, param_shapes
 from jscenegen.model.qwen import QwenForCausalLM
+from jscenegen.model.weights import named_params, param_shapes
 from jscenegen.sharding.layout import layout_report, pad_batch, shard_batch, shard_model
 from jscenegen.sharding.mesh import MeshError, make_mesh, mesh_shape
 

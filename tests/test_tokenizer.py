@@ -3,9 +3,10 @@ check (a Qwen3-style template that drops earlier <think> blocks is refused), tok
 import pytest
 from transformers import AutoTokenizer
 
-from chat_fixtures import chat_model_dir
-from jscenegen.model.tokenizer.chat import ChatTemplateError, ChatTokenizer
 from jscenegen.model.tokenizer.build import CHAT_TEMPLATE_FILE
+from jscenegen.model.tokenizer.chat import ChatTemplateError, ChatTokenizer
+
+from chat_fixtures import chat_model_dir
 
 # Behaves like Qwen3's template for our purpose: assistant turns before the last user message
 # lose everything up to their </think>.

@@ -5,13 +5,14 @@ import json
 
 import pytest
 
-from chat_fixtures import dev_records
-from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.model.tokenizer.build import train_bpe_tokenizer
+from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.actions import format_action
 from jscenegen.scene.corpus import protocol_texts
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.generator import make_scene_set
+
+from chat_fixtures import dev_records
 
 N_SCENES = 8
 

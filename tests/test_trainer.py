@@ -6,13 +6,14 @@ import signal
 import numpy as np
 import pytest
 
-from chat_fixtures import chat_model_dir
-from jscenegen.config import ConfigError, load_config
-from jscenegen.run_config import RunConfig
-from jscenegen.checkpoint.store import CheckpointStore, check_step, read_train_state
 from jscenegen.checkpoint.resume import ResumeError
+from jscenegen.checkpoint.store import CheckpointStore, check_step, read_train_state
+from jscenegen.config import ConfigError, load_config
 from jscenegen.grpo.train.trainer import Trainer
 from jscenegen.paths import resolve_data_path
+from jscenegen.run_config import RunConfig
+
+from chat_fixtures import chat_model_dir
 
 TIMING_KEYS = ("time/", "rollout/tokens_per_s", "judge/latency_s")
 

@@ -45,11 +45,11 @@ TOP_K = 50
 
 def model_flops_per_token(c: dict, seq: int) -> float:
     """Training FLOPs per token (forward + backward) of the decoder and output projection."""
-    h, l, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
+    h, layers, hd = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * c["intermediate_size"]
-    n = l * per_layer + c["vocab_size"] * h
-    attn = 2 * 2 * l * seq * q / 2  # QK^T and PV, causal half, forward
+    n = layers * per_layer + c["vocab_size"] * h
+    attn = 2 * 2 * layers * seq * q / 2  # QK^T and PV, causal half, forward
     return 6 * n + 3 * attn
 
 
@@ -82,8 +82,8 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.grpo.algo.optimizer import init_train_state
     from jscenegen.grpo.train.step import GRPOStep
-    from jscenegen.model.functional import hidden_fn
     from jscenegen.model.config import QwenConfig
+    from jscenegen.model.functional import hidden_fn
     from jscenegen.model.qwen import QwenForCausalLM
 
     cfg = QwenConfig.from_hf_dict(c, "bench config")
@@ -112,10 +112,10 @@ def _jax_decode(c: dict, args, attn: str) -> dict:
     import jax
     from flax import nnx
 
-    from jscenegen.model.config import QwenConfig
-    from jscenegen.model.qwen import QwenForCausalLM
     from jscenegen.generate.sampler import Sampler
     from jscenegen.generate.sampling import SamplingParams
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.qwen import QwenForCausalLM
 
     cfg = QwenConfig.from_hf_dict(c, "bench config")
     model = QwenForCausalLM(cfg, rngs=nnx.Rngs(1), param_dtype="bfloat16",
@@ -140,8 +140,8 @@ def run_torch(c: dict, args) -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from jscenegen.parity import torch_reference as ref
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+    from jscenegen.parity import torch_reference as ref
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def register(subparsers) -> None:
@@ -40,30 +39,23 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from convert.errors import ConvertError
-    from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums
+    from jscenegen.checkpoint.checksums import verify_checksums
 
-    try:
-        if args.verify:
-            n = verify_checksums(args.verify)
-            print(f"{args.verify}: {n} files verify against checksums.json")
-            return 0
-        if args.inspect:
-            from convert.inspect import describe
-
-            print(json.dumps(describe(args.inspect), indent=2, default=str))
-            return 0
-        if not (args.src and args.dst and args.src_format and args.dst_format):
-            print("error: convert needs SRC DST --from F --to G (or --verify/--inspect DIR)",
-                  file=sys.stderr)
-            return 2
-        from convert.dispatch import convert
-
-        convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
-                world_size=args.world_size, placement=args.placement, dtype=args.dtype,
-                mesh_device=args.mesh_device)
-        print(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})")
+    if args.verify:
+        n = verify_checksums(args.verify)
+        print(f"{args.verify}: {n} files verify against checksums.json")
         return 0
-    except (ConvertError, ChecksumError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.inspect:
+        from convert.inspect import describe
+
+        print(json.dumps(describe(args.inspect), indent=2, default=str))
+        return 0
+    if not (args.src and args.dst and args.src_format and args.dst_format):
+        raise ValueError("convert needs SRC DST --from F --to G (or --verify/--inspect DIR)")
+    from convert.dispatch import convert
+
+    convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+            world_size=args.world_size, placement=args.placement, dtype=args.dtype,
+            mesh_device=args.mesh_device)
+    print(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})")
+    return 0

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 DEFAULT_ROOM_SEED = 7  # the generated bedroom used when no --room is given (no dev/train seed)
@@ -35,8 +34,8 @@ def design_record(prompt: str, room_path: str | None, seed: int):
     from pydantic import ValidationError
 
     from jscenegen.scene.generator import make_record
-    from jscenegen.scene.schema import Room, Scene, SceneError, read_json_file, scene_from_json
     from jscenegen.scene.sceneset import SceneRecord
+    from jscenegen.scene.schema import Room, Scene, SceneError, read_json_file, scene_from_json
 
     if not prompt.strip():
         raise SceneError("--prompt is empty")
@@ -65,27 +64,16 @@ def _print_turn(message: dict) -> None:
 
 
 def run(args) -> int:
-    from jscenegen.commands.eval import load_run_config
-    from jscenegen.config import ConfigError
-    from jscenegen.scene.schema import SceneError
+    from jscenegen.run_config import load_run_config
 
-    try:
-        cfg = load_run_config(args.config, args.overrides, args.greedy)
-        record = design_record(args.prompt, args.room, args.seed)
-    except (ConfigError, SceneError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_run_config(args.config, args.overrides, args.greedy)
+    record = design_record(args.prompt, args.room, args.seed)
 
-    from jscenegen.paths import write_json
-    from jscenegen.checkpoint.store import CheckpointError
     from jscenegen.eval.evaluate import policy_engine
+    from jscenegen.paths import write_json
     from jscenegen.scene.judge import make_judge
 
-    try:
-        engine = policy_engine(cfg, args.model)
-    except (CheckpointError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    engine = policy_engine(cfg, args.model)
     episodes = {}
 
     def on_turn(member, message, episode) -> None:

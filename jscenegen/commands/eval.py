@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-DEFAULT_CONFIG = "configs/cpu-default.yaml"
 
 
 def register(sub) -> None:
@@ -20,94 +17,55 @@ def register(sub) -> None:
     p.add_argument("--samples", type=int, default=None,
                    help="episodes per scene (default: trainer.eval_samples)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
-    p.add_argument("--config", default=None, help=f"run config YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("--out", default="eval-report.json", help="JSON report (default: eval-report.json)")
     p.add_argument("--plot", default=None, help="PNG bar plot (default: the report's path with .png)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     p.set_defaults(func=run)
 
 
-def load_run_config(config: str | None, overrides: list[str], greedy: bool = False):
-    """The run config for eval/design: `config` (default the CPU default) with overrides;
-    `greedy` turns on argmax decoding and turns top-k/top-p off. Raises ConfigError."""
-    from jscenegen.config import load_config
-    from jscenegen.run_config import RunConfig
-    from jscenegen.paths import resolve_data_path
-
-    overrides = list(overrides)
-    if greedy:
-        overrides += ["sampling.greedy=true", "sampling.top_k=0", "sampling.top_p=1.0"]
-    return load_config(config or resolve_data_path(DEFAULT_CONFIG), overrides, RunConfig)
-
-
-def scene_set_path(name: str, cfg) -> Path:
-    """`dev`/`train` -> the config's schedule.dev_set/train_set; anything else is a path."""
-    from jscenegen.paths import resolve_data_path
-
-    path = {"dev": cfg.schedule.dev_set, "train": cfg.schedule.train_set}.get(name, name)
-    return resolve_data_path(path)
-
-
 def compare(before: str, after: str, plot: str | None) -> int:
     from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import comparison_markdown
-    from jscenegen.scene.schema import SceneError, read_json_file
+    from jscenegen.scene.schema import read_json_file
 
-    try:
-        reports = read_json_file(before), read_json_file(after)
-    except SceneError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    reports = read_json_file(before), read_json_file(after)
     for path, report in zip((before, after), reports):
         if not (isinstance(report, dict) and isinstance(report.get("scenes"), list)
                 and isinstance(report.get("overall"), dict) and "model" in report["overall"]):
-            print(f"error: {path}: not an evaluation report with model episodes (needs 'scenes' and "
-                  f"'overall.model'; made by `jscenegen eval` or `jscenegen train`)", file=sys.stderr)
-            return 2
+            raise ValueError(f"{path}: not an evaluation report with model episodes (needs "
+                             f"'scenes' and 'overall.model'; made by `jscenegen eval` or "
+                             f"`jscenegen train`)")
     try:
         print(comparison_markdown(*reports))
     except (KeyError, TypeError, ValueError) as err:
-        print(f"error: {before} vs {after}: cannot compare ({err})", file=sys.stderr)
-        return 2
+        raise ValueError(f"{before} vs {after}: cannot compare ({err})") from None
     if plot:
         plot_report(reports[1], plot, before=reports[0])
     return 0
 
 
 def run(args) -> int:
-    from jscenegen.config import ConfigError
+    from jscenegen.run_config import load_run_config, scene_set_path
 
     if args.compare:
         return compare(*args.compare, args.plot)
     if not args.model:
-        print("error: --model is required (or --compare BEFORE AFTER)", file=sys.stderr)
-        return 2
-
-    try:
-        cfg = load_run_config(args.config, args.overrides, args.greedy)
-        scenes = scene_set_path(args.scenes, cfg)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise ValueError("--model is required (or --compare BEFORE AFTER)")
+    cfg = load_run_config(args.config, args.overrides, args.greedy)
+    scenes = scene_set_path(args.scenes, cfg)
     samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
     if samples < 1:
-        print(f"error: --samples must be >= 1, got {samples}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--samples must be >= 1, got {samples}")
 
-    from jscenegen.paths import write_json
-    from jscenegen.checkpoint.store import CheckpointError
     from jscenegen.eval.evaluate import evaluate, policy_engine
     from jscenegen.eval.plots import plot_report
+    from jscenegen.paths import write_json
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import read_scene_set
-    from jscenegen.scene.schema import SceneError
 
-    try:
-        records = read_scene_set(scenes)
-        engine = policy_engine(cfg, args.model)
-    except (SceneError, CheckpointError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    records = read_scene_set(scenes)
+    engine = policy_engine(cfg, args.model)
     judge = make_judge(cfg.judge, cfg.scene)
 
     def progress(row: dict) -> None:

@@ -7,7 +7,6 @@ checksums.json. A thin layer over convert.export.export.
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def register(subparsers) -> None:
@@ -25,14 +24,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from convert.errors import ConvertError
     from convert.export import export
 
-    try:
-        step = export(args.checkpoint, args.out_dir, world_size=args.world_size,
-                      placement=args.placement, dtype=args.dtype, device_type=args.mesh_device)
-    except ConvertError as err:
-        print(f"jscenegen export: {err}", file=sys.stderr)
-        return 1
+    step = export(args.checkpoint, args.out_dir, world_size=args.world_size,
+                  placement=args.placement, dtype=args.dtype, device_type=args.mesh_device)
     print(f"exported {args.checkpoint} -> {args.out_dir} (training state: {step})")
     return 0

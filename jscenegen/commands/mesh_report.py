@@ -20,7 +20,7 @@ def _parse_mesh(text: str) -> dict[str, int]:
     for part in text.split(","):
         key, _, value = part.partition("=")
         if key.strip() not in ("fsdp", "sp") or not value:
-            raise SystemExit(f"--mesh: expected fsdp=N,sp=M, got {text!r}")
+            raise ValueError(f"--mesh: expected fsdp=N,sp=M, got {text!r}")
         out[key.strip()] = int(value)
     return out
 
@@ -38,7 +38,7 @@ def run(args) -> int:
     fsdp, sp = axes.get("fsdp", -1), axes.get("sp", 2)
     n = args.devices or (fsdp * sp if fsdp > 0 else None)
     if n is None:
-        raise SystemExit("--mesh fsdp=-1 needs --devices N")
+        raise ValueError("--mesh fsdp=-1 needs --devices N")
     fsdp, sp = mesh_shape(n, fsdp, sp)
     report = layout_report(param_shapes(cfg), n, {"fsdp": fsdp, "sp": sp})
     if args.json:

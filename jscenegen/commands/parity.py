@@ -1,4 +1,8 @@
-"""`jscenegen parity ...`: compare jscenegen against the torch baseline, one JSON line out."""
+"""`jscenegen parity logits|grpo-step|train`: numbers against the torch baseline, JSON lines out.
+
+Exit 0 when within the stated tolerances, 1 beyond them (the library functions in
+jscenegen/parity/ compute and judge; this module parses and prints).
+"""
 from __future__ import annotations
 
 import json
@@ -7,6 +11,7 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("parity", help="numbers against the torch baseline")
     kinds = p.add_subparsers(dest="parity_kind", metavar="KIND", required=True)
+
     lg = kinds.add_parser("logits", help="logits vs transformers' torch model")
     lg.add_argument("--model", required=True, help="HF model directory")
     lg.add_argument("--batch", type=int, default=2)
@@ -14,12 +19,54 @@ def register(sub) -> None:
     lg.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     lg.add_argument("--seed", type=int, default=0)
     lg.set_defaults(func=run_logits)
-    from jscenegen.parity.grpo_step import add_parser as add_grpo_step
 
-    add_grpo_step(kinds)
-    from jscenegen.parity.train import add_parser as add_train
+    gs = kinds.add_parser("grpo-step", help="one GRPO update vs transformers + torch AdamW")
+    gs.add_argument("--model", required=True, help="HF model directory")
+    gs.add_argument("--seed", type=int, default=0)
+    gs.add_argument("--rows", type=int, default=8, help="episodes (2 groups of rows/2)")
+    gs.add_argument("--seq", type=int, default=32, help="padded tokens per episode")
+    gs.add_argument("--pad-rows", type=int, default=0,
+                    help="extra all-padding rows (as for an fsdp axis that does not divide rows)")
+    gs.add_argument("--temperature", type=float, default=1.0)
+    gs.add_argument("--grads", action="store_true", help="also compare gradients element-wise")
+    _add_common(gs)
+    gs.set_defaults(func=run_grpo_step)
 
-    add_train(kinds)
+    tr = kinds.add_parser("train", help="N GRPO updates on recorded trajectories vs "
+                          "transformers + torch AdamW")
+    tr.add_argument("--model", required=True, help="HF model directory")
+    tr.add_argument("--updates", type=int, default=3)
+    tr.add_argument("--trajectories", help="JSONL of recorded trajectories (default: made "
+                    "deterministically, see `jscenegen.parity.train`)")
+    tr.add_argument("--write-trajectories", metavar="FILE",
+                    help="also write the trajectories used as JSONL")
+    tr.add_argument("--groups", type=int, default=3, help="groups made without --trajectories")
+    tr.add_argument("--group-size", type=int, default=4, help="episodes per made group")
+    tr.add_argument("--max-tokens", type=int, default=3072,
+                    help="cut expert episodes to this many tokens (their prompt is ~2,100)")
+    tr.add_argument("--roles", default="DDDPC", help="role schedule (letters P, D, C)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--temperature", type=float, default=1.0)
+    _add_common(tr)
+    tr.set_defaults(func=run_train)
+
+
+def _add_common(p) -> None:
+    p.add_argument("--perturb-torch", type=float, default=0.0,
+                   help="add this to one torch embedding weight first (shows the check can fail)")
+    p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="LossConfig overrides, e.g. loss_agg_mode=seq-mean-token-mean "
+                        "ppo_micro_batch_size=2 use_kl_loss=true")
+    p.add_argument("--optim", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="OptimConfig overrides, e.g. lr=1e-5")
+
+
+def _configs(args):
+    from jscenegen.config import apply_overrides, validate_config
+    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+
+    return (validate_config(apply_overrides({}, args.loss), "--loss", LossConfig),
+            validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig))
 
 
 def run_logits(args) -> int:
@@ -29,3 +76,43 @@ def run_logits(args) -> int:
                            seed=args.seed)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
+
+
+def run_grpo_step(args) -> int:
+    from jscenegen.parity.grpo_step import grpo_step_parity
+
+    loss_cfg, optim_cfg = _configs(args)
+    result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
+                              temperature=args.temperature, seed=args.seed, rows=args.rows,
+                              seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
+                              torch_perturbation=args.perturb_torch)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def run_train(args) -> int:
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.parity.train import (
+        default_trajectories,
+        read_trajectories,
+        train_parity,
+        write_trajectories,
+    )
+
+    if args.updates < 1:
+        raise ValueError(f"--updates must be >= 1, got {args.updates}")
+    loss_cfg, optim_cfg = _configs(args)
+    if args.trajectories:
+        trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)
+    else:
+        trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
+    if args.write_trajectories:
+        write_trajectories(args.write_trajectories, trajs)
+    ok = False
+    for result in train_parity(args.model, trajs, updates=args.updates, roles=args.roles,
+                               loss_cfg=loss_cfg, optim_cfg=optim_cfg,
+                               temperature=args.temperature, seed=args.seed,
+                               torch_perturbation=args.perturb_torch):
+        print(json.dumps(result), flush=True)
+        ok = result.get("ok", False)
+    return 0 if ok else 1

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -35,8 +34,8 @@ def _configs(path: str | None):
 
 def _load(path: str):
     """(scene, requested items) from a scene JSON file or a one-record scene-set file."""
-    from jscenegen.scene.schema import read_json_file, scene_from_json
     from jscenegen.scene.sceneset import record_from_json
+    from jscenegen.scene.schema import read_json_file, scene_from_json
 
     data = read_json_file(path)
     if isinstance(data, dict) and "scene" in data and "room" not in data:
@@ -46,8 +45,8 @@ def _load(path: str):
 
 
 def check(args) -> int:
-    from jscenegen.scene.judge_rule import rule_grades
     from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.judge_rule import rule_grades
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reward import reward_from_grades
 
@@ -89,6 +88,7 @@ def generate(args) -> int:
 
 
 def furnish(args) -> int:
+    from jscenegen.paths import write_json
     from jscenegen.scene.expert import run_scripted_episode
     from jscenegen.scene.sceneset import read_scene_set
 
@@ -98,10 +98,7 @@ def furnish(args) -> int:
         raise ValueError(f"--index {args.index} is outside {args.scene_set} ({len(records)} scenes)")
     ep, _ = run_scripted_episode(records[args.index], cfg, judge_cfg)
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(ep.scene.to_json(), indent=1) + "\n")
-    tmp.replace(out)
+    write_json(out, ep.scene.to_json())
     o = ep.outcome
     print(json.dumps({"output": str(out), "reward": o.reward, "grades": o.grades, "units": o.units,
                       "failure_cause": o.failure_cause}))
@@ -109,15 +106,7 @@ def furnish(args) -> int:
 
 
 def run(args) -> int:
-    from jscenegen.config import ConfigError
-    from jscenegen.scene.reach_inputs import ReachabilityError
-    from jscenegen.scene.schema import SceneError
-
-    try:
-        return {"check": check, "render": render, "generate": generate, "furnish": furnish}[args.scene_command](args)
-    except (SceneError, ReachabilityError, ConfigError, ValueError, OSError) as err:
-        print(f"jscenegen scene {args.scene_command}: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+    return {"check": check, "render": render, "generate": generate, "furnish": furnish}[args.scene_command](args)
 
 
 def register(subparsers) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 
@@ -18,27 +17,18 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _force_host_devices(n: int | None) -> None:
-    """Ask XLA for n host CPU devices (the 3 x 2 CPU mesh) unless the caller already chose."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def run(args) -> int:
     from jscenegen.config import load_config
     from jscenegen.sft.config import SFTRunConfig
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
-    _force_host_devices(cfg.sft.host_devices)  # before JAX is imported
-
     from jscenegen.sft.run import run_sft
 
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path
     if model_dir is None:
-        from jscenegen.commands.init_model import tokenizer_corpus
         from jscenegen.model.init_model import init_model_dir
+        from jscenegen.scene.corpus import tokenizer_corpus
 
         model_dir = out.parent / f"{out.name}-init"
         init_model_dir(model_dir, arch=cfg.sft.init_arch, preset=cfg.sft.init_preset,

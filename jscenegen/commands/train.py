@@ -1,16 +1,13 @@
 """`jscenegen train`: the GRPO job (the CPU default with no arguments)."""
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
-
-DEFAULT_CONFIG = "configs/cpu-default.yaml"
 
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="GRPO training (no arguments: the CPU default pipeline)")
-    p.add_argument("--config", default=None, help=f"run config YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("--run-dir", default=None, help="output directory (default: runs/<time>)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest complete checkpoint")
@@ -21,25 +18,19 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from jscenegen.config import ConfigError, load_config
-    from jscenegen.run_config import RunConfig
     from jscenegen.paths import resolve_data_path
+    from jscenegen.run_config import DEFAULT_CONFIG, load_run_config
 
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "checkpoints").is_dir():
-            print(f"error: {run_dir}/checkpoints not found: nothing to resume", file=sys.stderr)
-            return 2
+            raise FileNotFoundError(f"{run_dir}/checkpoints not found: nothing to resume")
         saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
         config_path = args.config or (saved if saved.is_file() else resolve_data_path(DEFAULT_CONFIG))
     else:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        cfg = load_config(config_path, args.overrides, RunConfig)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_run_config(config_path, args.overrides)
     from jscenegen.pipeline import train_command
 
     return train_command(cfg, run_dir, resume=bool(args.resume), max_updates=args.max_updates,

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-
 from jscenegen.checkpoint.store import (
     HF_DIR,
     PARAMS_ITEM,
@@ -24,9 +23,9 @@ from jscenegen.checkpoint.store import (
     check_step,
     iter_arrays,
 )
-from jscenegen.grpo.rollout.stats import summarize
 from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.seeds import episode_seed
+from jscenegen.grpo.rollout.stats import summarize
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge

@@ -13,8 +13,6 @@ parameter within 2.4e-7 x max(1, |p|) of torch's after the step (fp32).
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
@@ -74,11 +72,13 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
 
 def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
                      seed: int = 0, rows: int = 8, seq: int = 32, pad_rows: int = 0,
-                     compare_grads: bool = False) -> dict:
+                     compare_grads: bool = False, torch_perturbation: float = 0.0) -> dict:
     """Run one update both ways; returns the comparison (see module doc) with `ok`.
 
     With `compare_grads` the accumulated gradients are also compared element-wise
     (`grad_max_rel_diff` = max |g_jax - g_torch| / max |g_torch|; one more compile).
+    `torch_perturbation` is added to one element of torch's input embedding first (shows the
+    comparison can fail; `ref.perturb_embedding`).
 
     Micro-batching: jscenegen uses `loss_cfg.ppo_micro_batch_size`; torch uses the same row
     blocks, with VERL 0.9's global or the legacy per-micro-batch normalisation as configured.
@@ -89,13 +89,12 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from jscenegen.parity import torch_reference as ref
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.algo.optimizer import param_names
-    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.algo.optimizer import init_train_state, param_names
     from jscenegen.grpo.train.step import GRPOStep
     from jscenegen.model.functional import hidden_fn
     from jscenegen.model.hf_io import load_hf
+    from jscenegen.parity import torch_reference as ref
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
@@ -120,6 +119,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     torch.manual_seed(0)
     tmodel = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                   attn_implementation="eager").eval()
+    ref.perturb_embedding(tmodel, torch_perturbation)
     tb = {"input_ids": torch.from_numpy(data["input_ids"].astype(np.int64)),
           "attention_mask": torch.from_numpy(data["attention_mask"].astype(np.int64))}
     with torch.no_grad():
@@ -173,35 +173,3 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     result["ok"] = bool(loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL
                         and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
     return result
-
-
-def add_parser(kinds) -> None:
-    """Add the `grpo-step` kind to the `jscenegen parity` sub-parsers."""
-    p = kinds.add_parser("grpo-step", help="one GRPO update vs transformers + torch AdamW")
-    p.add_argument("--model", required=True, help="HF model directory (Qwen2/Qwen3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rows", type=int, default=8, help="episodes (2 groups of rows/2)")
-    p.add_argument("--seq", type=int, default=32, help="padded tokens per episode")
-    p.add_argument("--pad-rows", type=int, default=0,
-                   help="extra all-padding rows (as for an fsdp axis that does not divide rows)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--grads", action="store_true", help="also compare gradients element-wise")
-    p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="LossConfig overrides, e.g. loss_agg_mode=seq-mean-token-mean "
-                        "ppo_micro_batch_size=2 use_kl_loss=true")
-    p.add_argument("--optim", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="OptimConfig overrides, e.g. lr=1e-5")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from jscenegen.config import apply_overrides, validate_config
-    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-
-    loss_cfg = validate_config(apply_overrides({}, args.loss), "--loss", LossConfig)
-    optim_cfg = validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig)
-    result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
-                              temperature=args.temperature, seed=args.seed, rows=args.rows,
-                              seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads)
-    print(json.dumps(result))
-    return 0 if result["ok"] else 1

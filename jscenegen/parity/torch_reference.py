@@ -229,3 +229,12 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     scheduler.step()
     metrics = {"loss": total, "grad_norm": float(grad_norm), "skipped": skipped}
     return metrics, grads, optimizer, scheduler
+
+
+def perturb_embedding(model, delta: float) -> None:
+    """Add `delta` to element [1, 0] of a transformers model's input embedding (in place; a
+    no-op for 0). The parity commands use it to show their comparison can fail."""
+    if delta:
+        torch = _torch()
+        with torch.no_grad():
+            model.get_input_embeddings().weight[1, 0] += delta

@@ -89,8 +89,8 @@ def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
     model directory's chat template as a rollout builds them, cut to `max_tokens` tokens.
     Raises the tokenizer's errors (ChatTemplateError for a template that is not
     prefix-preserving)."""
-    from jscenegen.sft.demos import build_demos, sft_records
     from jscenegen.model.tokenizer.chat import ChatTokenizer
+    from jscenegen.sft.demos import build_demos, sft_records
 
     chat = ChatTokenizer.from_dir(model_dir)
     demos = build_demos(chat, sft_records(group_size))
@@ -182,14 +182,13 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from jscenegen.parity import torch_reference as ref
-    from jscenegen.grpo.train.batch import build_group_batch
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.algo.optimizer import param_names
-    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.algo.optimizer import init_train_state, param_names
+    from jscenegen.grpo.train.batch import build_group_batch
     from jscenegen.grpo.train.step import GRPOStep
     from jscenegen.model.functional import hidden_fn
     from jscenegen.model.hf_io import load_hf
+    from jscenegen.parity import torch_reference as ref
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
@@ -204,9 +203,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     torch.manual_seed(0)
     tmodel = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                   attn_implementation="eager").eval()
-    if torch_perturbation:
-        with torch.no_grad():
-            tmodel.get_input_embeddings().weight[1, 0] += torch_perturbation
+    ref.perturb_embedding(tmodel, torch_perturbation)
     t_names = {n for n, _ in tmodel.named_parameters()}
     if t_names != set(names):
         raise ValueError("parameter names differ between jscenegen and transformers: "
@@ -287,51 +284,3 @@ def default_trajectories(model_dir: str | Path, groups: int, group_size: int,
         return expert_trajectories(d, groups, group_size, max_tokens)
     vocab = QwenConfig.from_dir(d).vocab_size
     return synthetic_trajectories(vocab, groups, group_size)
-
-
-def add_parser(kinds) -> None:
-    """Add the `train` kind to the `jscenegen parity` sub-parsers."""
-    p = kinds.add_parser("train", help="N GRPO updates on recorded trajectories vs transformers + torch AdamW")
-    p.add_argument("--model", required=True, help="HF model directory (Qwen2/Qwen3)")
-    p.add_argument("--updates", type=int, default=3)
-    p.add_argument("--trajectories", help="JSONL of recorded trajectories (default: made "
-                   "deterministically, see `jscenegen.parity.train`)")
-    p.add_argument("--write-trajectories", metavar="FILE",
-                   help="also write the trajectories used as JSONL")
-    p.add_argument("--groups", type=int, default=3, help="groups made without --trajectories")
-    p.add_argument("--group-size", type=int, default=4, help="episodes per made group")
-    p.add_argument("--max-tokens", type=int, default=3072,
-                   help="cut expert episodes to this many tokens (their prompt is ~2,100)")
-    p.add_argument("--roles", default="DDDPC", help="role schedule (letters P, D, C)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--perturb-torch", type=float, default=0.0,
-                   help="add this to one torch embedding weight first (shows the check can fail)")
-    p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE", help="LossConfig overrides")
-    p.add_argument("--optim", nargs="*", default=[], metavar="KEY=VALUE", help="OptimConfig overrides")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from jscenegen.config import apply_overrides, validate_config
-    from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.model.config import QwenConfig
-
-    if args.updates < 1:
-        raise SystemExit("--updates must be >= 1")
-    loss_cfg = validate_config(apply_overrides({}, args.loss), "--loss", LossConfig)
-    optim_cfg = validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig)
-    if args.trajectories:
-        trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)
-    else:
-        trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
-    if args.write_trajectories:
-        write_trajectories(args.write_trajectories, trajs)
-    ok = False
-    for result in train_parity(args.model, trajs, updates=args.updates, roles=args.roles,
-                               loss_cfg=loss_cfg, optim_cfg=optim_cfg,
-                               temperature=args.temperature, seed=args.seed,
-                               torch_perturbation=args.perturb_torch):
-        print(json.dumps(result), flush=True)
-        ok = result.get("ok", False)
-    return 0 if ok else 1

@@ -18,6 +18,7 @@ from .judge import JudgeRequest, judge_messages
 from .prompts import load_templates
 
 DEFAULT_CORPUS_SCENES = 30
+COMPACT_PROMPTS = "configs/prompts-compact"  # the prompt set the CPU default plays
 
 
 def protocol_texts(n_scenes: int = DEFAULT_CORPUS_SCENES, cfg: SceneRuntimeConfig | None = None,
@@ -50,3 +51,9 @@ def protocol_texts(n_scenes: int = DEFAULT_CORPUS_SCENES, cfg: SceneRuntimeConfi
             request = JudgeRequest(episode.scene, record.requested, episode.terminal_metrics)
             for message in judge_messages(request, judge_cfg, templates):
                 yield message["content"]
+
+
+def tokenizer_corpus() -> list[str]:
+    """What a fresh model's tokenizer is trained on: `protocol_texts` with the packaged prompts
+    and with the compact prompt set the CPU default plays."""
+    return [*protocol_texts(), *protocol_texts(cfg=SceneRuntimeConfig(prompts_dir=COMPACT_PROMPTS))]

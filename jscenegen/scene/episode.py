@@ -28,8 +28,8 @@ from .metrics import measure, metrics_text
 from .ops import SceneEditor, op_costs_text, op_table
 from .prompts import PromptTemplates, load_templates
 from .reward import MASKED_FAILURES, POLICY_FAILURES, Outcome, failed_outcome, judged_outcome
-from .schema import Budget, Scene, canonical_text
 from .sceneset import SceneRecord
+from .schema import Budget, Scene, canonical_text
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from .geometry import polygon_area
-from .schema import Door, Room, Scene, Window, edge_length
 from .sceneset import SceneRecord
+from .schema import Door, Room, Scene, Window, edge_length
 
 SPLIT_BASE = {"train": 20260, "dev": 90210}
 STYLES = ("Scandinavian", "mid-century", "industrial", "cosy rustic", "minimalist", "coastal", "Japandi", "classic")

@@ -21,7 +21,14 @@ from .geometry import (
     penetration,
     point_in_polygon,
 )
-from .reach_inputs import GridSpec, ReachabilityError, blocks_walking, check_room_bounds, encode_scene, is_thin
+from .reach_inputs import (
+    GridSpec,
+    ReachabilityError,
+    blocks_walking,
+    check_room_bounds,
+    encode_scene,
+    is_thin,
+)
 from .reachability import reach_numpy
 from .schema import MAX_SCENE_OBJECTS, Scene, id_sort_key
 

@@ -10,10 +10,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jscenegen.config import Section
-from jscenegen.model.options import ModelConfig
-from jscenegen.sharding.mesh import MeshConfig
 from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.model.options import ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
+from jscenegen.sharding.mesh import MeshConfig
 
 
 class SFTConfig(Section):
@@ -40,8 +40,6 @@ class SFTConfig(Section):
     out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
     init_arch: Literal["qwen2", "qwen3"] = Field("qwen3", description="fresh model when model.path is null")
     init_preset: Literal["micro", "tiny", "small"] = "tiny"
-    host_devices: int | None = Field(6, ge=1, description="CPU devices forced on the host "
-                                     "platform (XLA_FLAGS) when not already set; null = leave")
 
     @model_validator(mode="after")
     def _check(self):

@@ -16,7 +16,6 @@ from jscenegen.config import Section
 from jscenegen.sharding.rules import AXES
 
 
-
 class MeshConfig(Section):
     """The `mesh:` section: device mesh ("fsdp", "sp"); fsdp = -1 takes the remaining devices;
     the multi-host launch values (else from JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)."""

@@ -72,17 +72,22 @@ def grpo_outcome_advantages(
 def _advantages(scores, group_ids, valid, eps, norm_by_std):
     ok = valid.astype(bool) & jnp.isfinite(scores)
     s = jnp.where(ok, scores, 0.0)
-    same = group_ids[:, None] == group_ids[None, :]  # [B, B]
-    members = same.sum(axis=1)  # declared size of each row's group
-    peers = same & ok[None, :]  # valid members of each row's group
-    n = peers.sum(axis=1).astype(jnp.float32)
-    # shift by the first valid member's score so equal scores centre to exactly 0
-    first = jnp.argmax(peers, axis=1)
-    shift = s[first]
-    d = jnp.where(peers, s[None, :] - shift[:, None], 0.0)
-    mean_d = d.sum(axis=1) / jnp.maximum(n, 1.0)
-    dev = jnp.where(peers, d - mean_d[:, None], 0.0)
-    var = (dev * dev).sum(axis=1) / jnp.maximum(n - 1.0, 1.0)
+    b = s.shape[0]
+    _, seg = jnp.unique(group_ids, return_inverse=True, size=b)  # dense group index per row
+    seg = seg.reshape(b)
+
+    def group_sum(x):  # per row: the sum of x over the row's group
+        return jax.ops.segment_sum(x, seg, num_segments=b)[seg]
+
+    members = group_sum(jnp.ones_like(s))  # declared size of each row's group
+    n = group_sum(ok.astype(jnp.float32))  # valid members of each row's group
+    # shift by the group's first valid score so equal scores centre to exactly 0
+    first = jax.ops.segment_min(jnp.where(ok, jnp.arange(b), b), seg, num_segments=b)[seg]
+    shift = s[jnp.minimum(first, b - 1)]
+    d = jnp.where(ok, s - shift, 0.0)
+    mean_d = group_sum(d) / jnp.maximum(n, 1.0)
+    dev = jnp.where(ok, d - mean_d, 0.0)
+    var = group_sum(dev * dev) / jnp.maximum(n - 1.0, 1.0)
     centred = (s - shift) - mean_d
     if norm_by_std:
         grouped = centred / (jnp.sqrt(var) + eps)

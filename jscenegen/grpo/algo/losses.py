@@ -9,15 +9,15 @@ computing with them, so a NaN or inf outside the mask changes neither values nor
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 
-AGG_MODES = (
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
-)
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+from jscenegen.grpo.algo.config import AggMode, KLType
+
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
+KL_TYPES: tuple[str, ...] = tuple(k for k in get_args(KLType) if not k.endswith("+"))  # "+": straight-through
 
 
 def masked_sum(x, mask):

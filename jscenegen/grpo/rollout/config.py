@@ -31,7 +31,6 @@ class SamplingConfig(Section):
     cache_tokens: int | None = Field(None, gt=0, description="KV-cache slots per row; None = "
                                      "max_episode_tokens + max_new_tokens, rounded up to the "
                                      "smallest bucket, plus one bucket")
-    group_size: int = Field(8, ge=1, description="episodes per scene (the GRPO group G)")
     chat_template_path: str | None = Field(None, description="replacement chat template (jinja); "
                                            "None = the model directory's own")
 

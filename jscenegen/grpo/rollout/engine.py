@@ -38,10 +38,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
-from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.generate.sampler import STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler
 from jscenegen.generate.sampling import row_keys
+from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
+from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
 from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig

@@ -25,8 +25,13 @@ import numpy as np
 from flax import nnx
 
 from jscenegen.checkpoint.metadata import redact, training_metadata
-from jscenegen.checkpoint.resume import (ResumeError, check_same_run, converted_position,
-                                         is_converted, restore_onto_mesh)
+from jscenegen.checkpoint.resume import (
+    ResumeError,
+    check_same_run,
+    converted_position,
+    is_converted,
+    restore_onto_mesh,
+)
 from jscenegen.checkpoint.store import CheckpointStore
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
 from jscenegen.grpo.algo.roles import ROLE_NAMES
