@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.paths import cache_dir, write_json
+from jscenegen.paths import cache_dir, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ def _sft_log(row: dict) -> None:
 def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> None:
     """config.yaml (the resolved config, credentials redacted) and run.json; atomic."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
-    tmp.replace(run_dir / "config.yaml")
+    write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
     write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
                                              "config_source": config_source})
 
