@@ -25,7 +25,6 @@ import os
 import statistics
 
 import numpy as np
-
 from common import timed
 
 HEADS, DK, DV, CHUNK = 16, 128, 128, 64
@@ -90,7 +89,9 @@ def peak_bytes(seq: int) -> int:
 
 def torch_runner(x: dict) -> dict:
     import torch
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+    )
 
     tx = [torch.from_numpy(x[n]).requires_grad_() for n in NAMES]
 

@@ -20,8 +20,8 @@ the model uses it for padded and masked positions.
 The chunked form (`gated_delta_chunked`) is the WY/UT-transform algorithm of the paper (sec.
 3.3) and of transformers' `torch_chunk_gated_delta_rule`: within a chunk of C positions, with
 c_i = sum_{s <= i} g_s (from the chunk start) and D_ij = exp(sum_{j < s <= i} g_s) for j <= i,
-the corrections u_i = beta_i (v_i - S_{i-1}'^T k_i) written into the state solve the unit
-lower-triangular system
+the corrections u_i = beta_i (v_i - exp(g_i) S_{i-1}^T k_i) written into the state
+(S_i = exp(g_i) S_{i-1} + k_i u_i^T) solve the unit lower-triangular system
 
     (I + A) U = beta V - (beta exp(c) K) S_0,      A_ij = beta_i (k_i . k_j) D_ij  (j < i)
 
@@ -96,9 +96,10 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
 
     starting from 1 x 1 blocks (= 1) and doubling the block size, all blocks of a level in one
     batched matmul; C is padded to a power of two with identity rows. Exact in exact arithmetic;
-    the tests compare it in fp32 with LAPACK's triangular solve (scipy). Used instead of `jax.scipy.linalg.solve_triangular`, whose CPU LAPACK trsm
-    call deadlocked the XLA intra-op thread pool on a 2-core host during the backward pass;
-    matmuls are also what accelerators run fastest and what autodiff differentiates plainly.
+    the tests compare it in fp32 with LAPACK's triangular solve (scipy). Used instead of
+    `jax.scipy.linalg.solve_triangular`, whose CPU LAPACK trsm call (jaxlib 0.10.2) deadlocks
+    XLA's intra-op thread pool on a 2-core host in a batched forward + backward; matmuls are
+    also what accelerators run fastest and what autodiff differentiates plainly.
     Returns [..., C, C] float32, unit lower triangular.
     """
     c = a.shape[-1]
@@ -142,8 +143,10 @@ def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
     g = beta = 0 positions (which leave the state unchanged). Memory is O(T * (C + Dk + Dv)):
     the intra-chunk matrices are [C, C] per chunk, never [T, T]. Differentiable by plain
     autodiff (a `lax.scan` over chunks; the triangular systems are inverted with matmuls only,
-    `unit_lower_inverse`).
+    `unit_lower_inverse`). Raises ValueError if chunk_size < 1.
     """
+    if chunk_size < 1:
+        raise ValueError(f"gated_delta_chunked: chunk_size must be >= 1, got {chunk_size}")
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     q, k, v, g, beta = _f32(q, k, v, g, beta)
