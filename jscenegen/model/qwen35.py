@@ -473,9 +473,9 @@ class Qwen35ForCausalLM(CausalLM):
                     continue
                 ids = [[base + g * period + run.start + r for r in range(length)] for g in range(count)]
                 splits = [[nnx.split(self.text.layers[i]) for i in row] for row in ids]
-                state = jax.tree.map(
-                    lambda *xs: constrain_grouped(jnp.stack(xs).reshape(count, length, *xs[0].shape)),
-                    *[st for row in splits for _, st in row])
+                rows = [jax.tree.map(lambda *xs: jnp.stack(xs), *[st for _, st in row])
+                        for row in splits]
+                state = jax.tree.map(lambda *xs: constrain_grouped(jnp.stack(xs)), *rows)
                 index = jnp.asarray(np.array([[ordinal[i] for i in row] for row in ids], np.int32))
                 segment.append((splits[0][0][0], state, index))
             segments.append(segment)
@@ -491,12 +491,19 @@ class Qwen35ForCausalLM(CausalLM):
         def apply(graphdef, h, caches, layer_state, index):
             return nnx.merge(graphdef, layer_state)(h, inputs, caches, index)
 
+        def apply_first(graphdef, h, caches, state, index):
+            return apply(graphdef, h, caches, jax.tree.map(lambda a: a[0], state), index[0])
+
         if self.remat:
+            # Each checkpointed call takes the scan's own slices (never a value computed
+            # outside it), so the backward pass keeps only those sharded slices and the
+            # carried activations, not a per-layer copy of anything gathered.
             apply = jax.checkpoint(apply, prevent_cse=False, static_argnums=(0,))
+            apply_first = jax.checkpoint(apply_first, prevent_cse=False, static_argnums=(0,))
 
         def run_layers(graphdef, h, caches, state, index):
             if index.shape[0] == 1:
-                return apply(graphdef, h, caches, jax.tree.map(lambda a: a[0], state), index[0])
+                return apply_first(graphdef, h, caches, state, index)
 
             def body(carry, xs):
                 return apply(graphdef, *carry, *xs), None
