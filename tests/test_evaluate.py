@@ -113,8 +113,8 @@ def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     from jscenegen.checkpoint.store import CheckpointStore
     from jscenegen.checkpoint.metadata import training_metadata
     from jscenegen.model.config import QwenConfig
-    from jscenegen.model.hf_io import iter_hf_tensors, named_params
-    from jscenegen.model.weights import param_shapes
+    from jscenegen.model.hf_io import iter_hf_tensors
+    from jscenegen.model.weights import named_params, param_shapes
 
     hf = chat_model_dir()
     params = {n: 2.0 * a.astype(np.float32) for n, a in iter_hf_tensors(hf)}

@@ -23,7 +23,7 @@ from jscenegen.model.config import ModelConfigError, QwenConfig, preset_config
 from jscenegen.model.hf_io import CheckpointFormatError, hf_state_dict, load_hf, save_hf
 from jscenegen.model.qwen35 import HybridCache, causal_conv, layer_plan
 from jscenegen.model.safetensors_stream import read_header, safetensors_files
-from jscenegen.model.weights import Carried, param_shapes, weight_table
+from jscenegen.model.weights import param_shapes, weight_table
 
 torch = pytest.importorskip("torch")
 
@@ -431,9 +431,10 @@ def test_round_trip_with_a_dtype_casts_parameters_but_never_carried_tensors(qwen
     src = qwen35_hf["release"]
     out = save_hf(load_hf(src, param_dtype="float32"), tmp_path / "f32", dtype="float32")
     before, after = read_header(next(iter(safetensors_files(src).values()))), read_header(out / "model.safetensors")
+    assert set(after) == set(before)
     for name, (dt, shape) in after.items():
         carried = name.startswith(("model.visual.", "mtp."))
-        assert dt == (before[name][0] if carried else "float32"), name
+        assert shape == before[name][1] and dt == (before[name][0] if carried else "float32"), name
     cfg = _read(out)
     assert cfg["dtype"] == "float32" and cfg["text_config"]["dtype"] == "float32"
     assert cfg["vision_config"] == _read(src)["vision_config"]
