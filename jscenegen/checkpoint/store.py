@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
+from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.paths import write_json
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
@@ -54,12 +55,11 @@ log = logging.getLogger(__name__)
 PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM = "params", "adam", "train_state"
 HF_DIR = "hf"
 METADATA_NAME = "training_metadata.json"
-# Copied from the model directory into `hf/` when present; config.json and one tokenizer
-# file are required. Weights never are (they live in `params/`).
-HF_ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                  "added_tokens.json", "chat_template.jinja", "chat_template.json")
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+# Copied from the model directory into `hf/` when present (the one asset list, processor
+# files of a Qwen3.5 checkpoint included); config.json and one tokenizer file are required.
+# Weights never are (they live in `params/`).
+HF_ASSET_FILES = ASSET_FILES
+_TOKENIZER_FILES = TOKENIZER_FILES
 _REQUIRED_ENTRIES = (PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM, METADATA_NAME, f"{HF_DIR}/config.json")
 # Fields every training_metadata.json has (values may be null, e.g. no protocol for an HF import).
 REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_step",

@@ -1,4 +1,4 @@
-"""`jscenegen init-model`: write a fresh micro/tiny/small Qwen HF directory with its own tokenizer."""
+"""`jscenegen init-model`: write a micro/tiny/small Qwen2, Qwen3 or Qwen3.5 HF directory with its own tokenizer."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,8 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("init-model", help="write a fresh micro/tiny/small Qwen HF model directory")
     p.add_argument("out_dir")
-    p.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen3", help="default: qwen3")
+    p.add_argument("--arch", choices=["qwen2", "qwen3", "qwen3_5"], default="qwen3",
+                   help="default: qwen3; qwen3_5 writes a Qwen3.5 VLM directory (tiny vision tower)")
     p.add_argument("--preset", choices=["micro", "tiny", "small"], default="tiny", help="default: tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=8192)

@@ -10,6 +10,11 @@ Stopping: a row stops at a stop token id (the chat template's end of turn), at a
 Shapes are bucketed: appended chunks are left-padded and split into lengths from `buckets`
 (padding slots stay invalid and do not advance positions), and decode runs up to a static
 `max_steps`, so the number of compiled programs is bounded by the bucket list, not by lengths.
+
+The cache is the model's own (`create_cache`: `qwen.KVCache` for Qwen2/Qwen3,
+`qwen35.HybridCache` with the Gated DeltaNet states for Qwen3.5), placed on the mesh by its
+`partition_specs()` (specs from `sharding.rules`); padding inside appended chunks and the masked
+slots of stopped rows leave every part of it unchanged, so the sampler is the same for both.
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ from flax import nnx
 from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens
 from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
-from jscenegen.model.qwen import KVCache, QwenForCausalLM
-from jscenegen.sharding.rules import LAYER_ROWS, REPLICATED, ROWS, named
+from jscenegen.model.qwen import CausalLM
+from jscenegen.sharding.rules import ROWS, named
 
 STOP_NONE, STOP_TOKEN, STOP_STRING, STOP_LENGTH = 0, 1, 2, 3
 STOP_REASONS = {STOP_NONE: "none", STOP_TOKEN: "stop_token", STOP_STRING: "stop_string",
@@ -64,14 +69,15 @@ class DecodeResult(NamedTuple):
     """Output of one decode call (device arrays).
 
     tokens [B, N] int32 (0 after a row stopped), logprobs [B, N] float32 (0 after a stop),
-    lengths [B] int32 tokens generated, reason [B] int32 STOP_* code, cache, last_logits [B, V].
+    lengths [B] int32 tokens generated, reason [B] int32 STOP_* code, cache (the model's cache
+    type), last_logits [B, V].
     """
 
     tokens: jax.Array
     logprobs: jax.Array
     lengths: jax.Array
     reason: jax.Array
-    cache: KVCache
+    cache: object
     last_logits: jax.Array
 
 
@@ -152,7 +158,7 @@ class Sampler:
     """Compiled prefill/append/decode for one model and one set of sampling parameters.
 
     Args:
-      model: a QwenForCausalLM (its parameters may already live on `mesh`).
+      model: a QwenForCausalLM or Qwen35ForCausalLM (its parameters may already live on `mesh`).
       params: SamplingParams.
       stop_token_ids: ids that end a row's turn (the chat template's end-of-turn token).
       stop_strings: strings that end a row's turn (matched on bytes, see module docstring);
@@ -164,7 +170,7 @@ class Sampler:
     Raises ValueError for stop strings without token_bytes or unsorted buckets.
     """
 
-    def __init__(self, model: QwenForCausalLM, params: SamplingParams, *,
+    def __init__(self, model: CausalLM, params: SamplingParams, *,
                  stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
                  token_bytes: Sequence[bytes] | None = None,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, mesh=None):
@@ -173,6 +179,7 @@ class Sampler:
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive lengths, got {buckets}")
         self.cfg = model.cfg
+        self.create_cache = type(model).create_cache
         self.params = params
         self.buckets = tuple(int(b) for b in buckets)
         self.mesh = mesh
@@ -192,7 +199,7 @@ class Sampler:
                                static_argnames=("max_steps",),
                                donate_argnums=(1,) if donate else ())
 
-    def set_weights(self, model: QwenForCausalLM) -> None:
+    def set_weights(self, model: CausalLM) -> None:
         """Sample from `model`'s current weights (after an optimizer step) without recompiling.
 
         Raises ValueError when `model` is not the same architecture/layout as the sampler's.
@@ -223,18 +230,18 @@ class Sampler:
             raise ValueError(f"{b} rows do not split over the mesh's fsdp={self.row_multiple}; "
                              "pad the batch with fully masked rows")
 
-    def new_cache(self, batch: int, max_len: int) -> tuple[KVCache, jax.Array]:
-        """An empty cache of `max_len` slots for `batch` rows and zero last-logits [B, V]."""
+    def new_cache(self, batch: int, max_len: int):
+        """An empty cache of `max_len` slots for `batch` rows (the model's cache type, placed
+        by its `partition_specs()`) and zero last-logits [B, V]."""
         self._check_rows(batch)
-        cache = KVCache.create(self.cfg, batch, max_len, self.cache_dtype)
+        cache = self.create_cache(self.cfg, batch, max_len, self.cache_dtype)
         last = jnp.zeros((batch, self.cfg.vocab_size), jnp.float32)
         if self.mesh is None:
             return cache, last
-        row, kv = named(self.mesh, ROWS), named(self.mesh, LAYER_ROWS)
-        cache = KVCache(jax.device_put(cache.k, kv), jax.device_put(cache.v, kv),
-                        jax.device_put(cache.valid, row), jax.device_put(cache.next_pos, row),
-                        jax.device_put(cache.length, named(self.mesh, REPLICATED)))
-        return cache, jax.device_put(last, row)
+        cache = jax.tree.map(lambda spec, a: jax.device_put(a, named(self.mesh, spec)),
+                             cache.partition_specs(), cache,
+                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        return cache, jax.device_put(last, named(self.mesh, ROWS))
 
     # ---- operations ---------------------------------------------------------------------
     def left_pad(self, rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -249,7 +256,7 @@ class Sampler:
                 mask[i, length - len(r):] = 1
         return ids, mask
 
-    def append(self, cache: KVCache, last_logits, rows: Sequence[Sequence[int]],
+    def append(self, cache, last_logits, rows: Sequence[Sequence[int]],
                with_logprobs: bool = False):
         """Append each row's tokens (left-padded, in bucket-sized chunks) to the cache.
 
@@ -285,7 +292,7 @@ class Sampler:
         n = max((len(r) for r in rows), default=0)
         return sum(split_into_buckets(n, self.buckets)) if n else 0
 
-    def decode(self, cache: KVCache, last_logits, max_new, keys, max_steps: int) -> DecodeResult:
+    def decode(self, cache, last_logits, max_new, keys, max_steps: int) -> DecodeResult:
         """Sample up to `max_steps` tokens per row, in one compiled `lax.while_loop`.
 
         max_new [B] int: per-row budget (0 = the row takes no part); keys [B, 2] uint32 raw

@@ -29,7 +29,7 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import ParamFactory, weight_table
 from jscenegen.sharding.constraints import constrain, constrain_stacked, gather
-from jscenegen.sharding.rules import ACTIVATION, SEQ_GATHERED
+from jscenegen.sharding.rules import ACTIVATION, LAYER_ROWS, REPLICATED, ROWS, SEQ_GATHERED
 
 
 def logical(p: nnx.Param, dtype) -> jax.Array:
@@ -91,6 +91,30 @@ def balanced_order(s: int, shards: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in picks])
 
 
+def full_sequence_inputs(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(positions [B, S] int32, attention mask [B, S, S] bool) of a full sequence, from its
+    token mask [B, S] bool: positions count real tokens (cumsum - 1, pads 0), so left- and
+    right-padded rows get the unpadded positions; a query attends to real keys at or before it."""
+    s = mask.shape[1]
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    return positions, causal[None] & mask[:, None, :]
+
+
+def cache_step_inputs(mask: jax.Array, cache) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(positions [B, S], attention mask [B, S, Smax], valid [B, Smax]) of S tokens appended at
+    slot `cache.length` of a cache with `valid` [B, Smax] and `next_pos` [B] (KVCache or
+    qwen35.HybridCache). mask [B, S] bool; padding slots stay invalid and take no position."""
+    s = mask.shape[1]
+    steps = jnp.cumsum(mask.astype(jnp.int32), axis=1)
+    positions = jnp.maximum(cache.next_pos[:, None] + steps - 1, 0)
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.length, axis=1)
+    smax = cache.valid.shape[1]
+    q_slot = cache.length + jnp.arange(s)
+    causal = jnp.arange(smax)[None, :] <= q_slot[:, None]
+    return positions, causal[None] & valid[:, None, :], valid
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -115,6 +139,12 @@ class KVCache:
             valid=jnp.zeros((batch, max_len), bool),
             next_pos=jnp.zeros((batch,), jnp.int32), length=jnp.zeros((), jnp.int32),
         )
+
+    @staticmethod
+    def partition_specs() -> "KVCache":
+        """Where each array lives on the mesh (`sharding.rules`): per-layer arrays [L, B, ...]
+        split rows over fsdp (LAYER_ROWS), per-row arrays ROWS, the slot counter REPLICATED."""
+        return KVCache(k=LAYER_ROWS, v=LAYER_ROWS, valid=ROWS, next_pos=ROWS, length=REPLICATED)
 
 
 class Attention(nnx.Module):
@@ -146,21 +176,34 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is not None:
-            k_all, v_all, layer, offset = kv
-            start = (layer, 0, offset, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-            k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)
-            v = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
-            new_kv = (k_all, v_all)
-        else:
-            new_kv = (k, v)
-        # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
-        q = constrain(q, ACTIVATION)
-        k_all_seq, v_all_seq = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
-        out = attention(q, k_all_seq.astype(q.dtype), v_all_seq.astype(q.dtype), mask, self.attn_impl)
+        out, new_kv = cached_attention(q, k, v, mask, kv, self.attn_impl)
         return self.o_proj(out.reshape(b, s, self.nq * self.hd)), new_kv
+
+
+def cached_attention(q, k, v, mask, kv, attn_impl: str):
+    """Attention of q [B,S,Nq,D] over the keys/values of k, v [B,S,Nkv,D] (no cache) or over
+    a whole-model cache after writing k, v into it.
+
+    kv = (k_all [L,B,Smax,Nkv,D], v_all, layer, offset) or None: the S new keys/values are
+    written into layer `layer` at slot `offset` (in place, inside the layer loop's carry) and
+    attention reads that layer's slots. mask [B,S,Sk] bool. Returns (out [B,S,Nq,D] in q's
+    dtype, (k_all, v_all) or (k, v) without a cache).
+    """
+    if kv is not None:
+        k_all, v_all, layer, offset = kv
+        start = (layer, 0, offset, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
+        new_kv = (k_all, v_all)
+    else:
+        new_kv = (k, v)
+    # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
+    q = constrain(q, ACTIVATION)
+    k_all_seq, v_all_seq = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
+    out = attention(q, k_all_seq.astype(q.dtype), v_all_seq.astype(q.dtype), mask, attn_impl)
+    return out, new_kv
 
 
 class MLP(nnx.Module):
@@ -196,7 +239,36 @@ class QwenModel(nnx.Module):
         self.norm = RMSNorm(make, "model.norm", cfg.rms_norm_eps)
 
 
-class QwenForCausalLM(nnx.Module):
+class CausalLM(nnx.Module):
+    """The output side every decoder shares (QwenForCausalLM, qwen35.Qwen35ForCausalLM).
+
+    Subclasses provide `text` (the module holding `embed_tokens` and `norm`), `lm_head`
+    (None when tied), `compute_dtype`, `hidden_states(input_ids, attention_mask, cache,
+    layers)`, `stacked_layers()` and `create_cache(cfg, batch, max_len, dtype)`.
+    """
+
+    def output_embedding(self) -> jax.Array:
+        """The output projection [V, H] at logical size (padding rows sliced off), compute dtype."""
+        dt = np_dtype(self.compute_dtype)
+        if self.lm_head is None:
+            return self.text.embed_tokens.logical(dt)
+        return logical(self.lm_head.weight, dt)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [B, S, H] -> logits [B, S, V] float32 (logical vocabulary)."""
+        w = self.output_embedding()
+        return jnp.einsum("bsh,vh->bsv", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
+                 cache=None):
+        """Logits [B, S, V] float32 (and the updated cache when one is given)."""
+        if cache is None:
+            return self.logits(self.hidden_states(input_ids, attention_mask))
+        hidden, cache = self.hidden_states(input_ids, attention_mask, cache)
+        return self.logits(hidden), cache
+
+
+class QwenForCausalLM(CausalLM):
     """A Qwen2/Qwen3 causal LM.
 
     Args:
@@ -222,12 +294,14 @@ class QwenForCausalLM(nnx.Module):
         self.model = QwenModel(cfg, make, attn_impl)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(make, "lm_head")
 
-    def output_embedding(self) -> jax.Array:
-        """The output projection [V, H] at logical size (padding rows sliced off), compute dtype."""
-        dt = np_dtype(self.compute_dtype)
-        if self.lm_head is None:
-            return self.model.embed_tokens.logical(dt)
-        return logical(self.lm_head.weight, dt)
+    @property
+    def text(self) -> QwenModel:
+        return self.model
+
+    @staticmethod
+    def create_cache(cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """An empty decode cache (`KVCache.create`)."""
+        return KVCache.create(cfg, batch, max_len, dtype)
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
                       cache: KVCache | None = None, layers=None):
@@ -247,21 +321,14 @@ class QwenForCausalLM(nnx.Module):
         steps = jnp.cumsum(mask.astype(jnp.int32), axis=1)
         order = None
         if cache is None:
-            positions = jnp.maximum(steps - 1, 0)
+            positions, attn_mask = full_sequence_inputs(mask)
             if self.balance_shards > 1 and s % (2 * self.balance_shards) == 0:
                 order = balanced_order(s, self.balance_shards)
                 input_ids, mask, positions = input_ids[:, order], mask[:, order], positions[:, order]
                 causal = order[None, :] <= order[:, None]  # key's original index <= query's
-            else:
-                causal = jnp.tril(jnp.ones((s, s), bool))
-            attn_mask = causal[None] & mask[:, None, :]
+                attn_mask = causal[None] & mask[:, None, :]
         else:
-            positions = jnp.maximum(cache.next_pos[:, None] + steps - 1, 0)
-            valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.length, axis=1)
-            smax = cache.valid.shape[1]
-            q_slot = cache.length + jnp.arange(s)
-            causal = jnp.arange(smax)[None, :] <= q_slot[:, None]
-            attn_mask = causal[None] & valid[:, None, :]
+            positions, attn_mask, valid = cache_step_inputs(mask, cache)
         cos, sin = rope_cos_sin(cfg, positions)
         x = constrain(self.model.embed_tokens(input_ids, dt), ACTIVATION)
         x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, layers)
@@ -307,16 +374,3 @@ class QwenForCausalLM(nnx.Module):
         init = (x, None, None) if cache is None else (x, cache.k, cache.v)
         (x, new_k, new_v), _ = jax.lax.scan(body, init, (stacked, jnp.arange(n)))
         return x, new_k, new_v
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [B, S, H] -> logits [B, S, V] float32 (logical vocabulary)."""
-        w = self.output_embedding()
-        return jnp.einsum("bsh,vh->bsv", hidden, w, preferred_element_type=jnp.float32)
-
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
-                 cache: KVCache | None = None):
-        """Logits [B, S, V] float32 (and the updated cache when one is given)."""
-        if cache is None:
-            return self.logits(self.hidden_states(input_ids, attention_mask))
-        hidden, cache = self.hidden_states(input_ids, attention_mask, cache)
-        return self.logits(hidden), cache

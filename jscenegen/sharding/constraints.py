@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jscenegen.sharding.rules import AXES, REPLICATED, STACKED_PARAM
+from jscenegen.sharding.rules import AXES, GROUPED_PARAM, REPLICATED, STACKED_PARAM
 
 
 def _active() -> bool:
@@ -26,6 +26,12 @@ def constrain(x: jax.Array, spec: P) -> jax.Array:
 def constrain_stacked(x: jax.Array) -> jax.Array:
     """Keep parameters stacked over layers [L, n, ...] sharded like their layers (`STACKED_PARAM`)."""
     return constrain(x, STACKED_PARAM)
+
+
+def constrain_grouped(x: jax.Array) -> jax.Array:
+    """Keep parameters stacked over layer groups and runs [G, R, n, ...] sharded like their
+    layers (`GROUPED_PARAM`; Qwen3.5's scan over its repeating layer pattern)."""
+    return constrain(x, GROUPED_PARAM)
 
 
 def gather(w: jax.Array) -> jax.Array:

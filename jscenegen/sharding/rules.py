@@ -17,10 +17,11 @@ AXES = ("fsdp", "sp")
 
 PARAM = P(AXES)                    # [n, ...] parameter / Adam moment: dim 0 over every device
 STACKED_PARAM = P(None, AXES)      # [L, n, ...] parameters stacked over layers (the layer scan)
+GROUPED_PARAM = P(None, None, AXES)  # [G, R, n, ...] stacked over layer groups and runs (hybrid scan)
 ACTIVATION = P("fsdp", "sp")       # [B, S, ...] rows over fsdp, positions over sp
 SEQ_GATHERED = P("fsdp")           # [B, S, ...] rows over fsdp, every position on each sp shard
 ROWS = P("fsdp")                   # [B, ...] per-row arrays (sampler state, per-row vectors)
-LAYER_ROWS = P(None, "fsdp")       # [L, B, ...] per-layer per-row arrays (the KV cache)
+LAYER_ROWS = P(None, "fsdp")       # [L, B, ...] per-layer per-row arrays (KV cache, GDN states)
 REPLICATED = P()                   # whole on every device (gathered weights, scalars)
 
 
