@@ -21,6 +21,9 @@ writes `checksums.json` LAST (temporary file + rename). A step is complete only 
 finalised it and `checksums.json` verifies, so a process killed at any point leaves either the
 previous complete step or an incomplete one that `latest_valid_step` skips and `save` replaces.
 Keep-last-k runs after the new step is complete, so a crash never removes a good checkpoint.
+A complete step that later fails its checksums (a flipped byte) is corrupt: a resume sets it
+aside as `<step>.corrupt-<UTC time>` (renamed, never deleted; `set_aside_corrupt`) and redoes
+the update from the step before, and `save` can write that step number again.
 
 Sharding: the trainer keeps every parameter and moment split on dim 0 over all mesh devices,
 padded to a multiple of the device count (torch FSDP2's layout, ../shared/DESIGN.md). JAX cannot
@@ -34,7 +37,9 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -43,7 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
+from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
@@ -65,6 +70,7 @@ _REQUIRED_ENTRIES = (PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM, METADATA_NAME, f"
 REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_step",
                      "effective_updates")
 ARRAY_GROUPS = ("params", "mu", "nu")
+CORRUPT_MARK = ".corrupt-"  # `<step>.corrupt-<UTC time>`: a corrupt step set aside, never deleted
 
 
 class CheckpointError(RuntimeError):
@@ -227,6 +233,10 @@ def _check_hf_assets(src: Path) -> None:
     if not any((src / f).is_file() for f in _TOKENIZER_FILES):
         raise CheckpointError(f"hf_assets_dir {src}: no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
                               f"; a checkpoint must carry its tokenizer")
+
+
+def _one_line(text: str | None) -> str:
+    return "; ".join(line.strip() for line in (text or "").splitlines() if line.strip())
 
 
 # ----------------------------------------------------------------------------- step checks
@@ -393,8 +403,45 @@ class CheckpointStore:
             status = check_step(self.step_path(step))
             if status.valid:
                 return step
-            log.warning("skipping checkpoint step %d: %s", step, status.reason)
+            log.warning("skipping checkpoint step %d: %s", step, _one_line(status.reason))
         return None
+
+    def set_aside_corrupt(self) -> list[Path]:
+        """Set aside every corrupt step newer than the newest valid one; return where they went.
+
+        Corrupt = its save completed (`checksums.json` was written, last) but it no longer
+        verifies (SHA-256 of every file): a flipped byte, a truncated or edited file. Such a
+        step is renamed `<step>.corrupt-<UTC time>` (kept for inspection, never deleted, no
+        longer a step), with a warning naming the failing files, so that a resumed run can
+        redo the update and save that step again. Incomplete steps (a save cut off before
+        `checksums.json`) are left for the next save of that number to replace. Called by
+        the resuming trainer (`checkpoint.resume.restore_onto_mesh`), never by readers.
+        """
+        moved = []
+        for step in reversed(self.steps()):
+            status = check_step(self.step_path(step))
+            if status.valid:
+                break
+            if (self.step_path(step) / CHECKSUMS_NAME).is_file():
+                moved.append(self._set_aside(step, status.reason))
+        return moved
+
+    def _set_aside(self, step: int, reason: str | None) -> Path:
+        path = self.step_path(step)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}")
+        n = 1
+        while dest.exists():
+            dest = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}-{n}")
+            n += 1
+        if jax.process_index() == 0:
+            os.replace(path, dest)
+            log.warning("checkpoint step %d is corrupt (%s); set aside as %s (kept, never "
+                        "deleted); it will be redone from an earlier step", step,
+                        _one_line(reason), dest)
+        _barrier(f"jscenegen-checkpoint-aside-{step}")
+        self._manager.reload()
+        return dest
 
     def save(self, step: int, *, params: Mapping[str, Any], adam: Mapping[str, Any],
              train_state: Mapping[str, Any], metadata: Mapping[str, Any],
@@ -412,7 +459,8 @@ class CheckpointStore:
         config, tokenizer and chat template are copied into `hf/`.
         Raises CheckpointError for a bad name/shape/dtype, non-JSON state, incomplete metadata,
         missing HF assets, or a complete checkpoint at `step` or after it (an incomplete one
-        at `step` is replaced; complete later ones mean this run already went further).
+        at `step` is replaced, a corrupt one set aside as `set_aside_corrupt` does; complete
+        later ones mean this run already went further).
         """
         self.wait_until_finished()
         step = int(step)
@@ -430,15 +478,19 @@ class CheckpointStore:
                                   f"{step} ({newer}); continue from the newest, or use a new run "
                                   f"directory to branch from an older step")
         path = self.step_path(step)
-        status = check_step(path, hash_files=False)
-        if status.valid:
+        # full hashes: a complete step that no longer verifies must not block its redo
+        status = check_step(path) if path.exists() else None
+        if status is not None and status.valid:
             raise CheckpointError(f"{path} already holds a complete checkpoint; "
                                   f"refusing to overwrite step {step}")
         logical_params = to_logical(params, shapes, "params")
         logical_adam = _adam_to_logical(adam, shapes)
-        if path.exists():
+        if status is not None and (path / CHECKSUMS_NAME).is_file():
+            self._set_aside(step, status.reason)  # corrupt: kept, never deleted
+        elif status is not None:
             if jax.process_index() == 0:
-                log.warning("replacing incomplete checkpoint step %d: %s", step, status.reason)
+                log.warning("replacing incomplete checkpoint step %d: %s", step,
+                            _one_line(status.reason))
                 self._delete(step)
             _barrier(f"jscenegen-checkpoint-replace-{step}")
             self._manager.reload()
