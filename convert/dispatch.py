@@ -32,6 +32,16 @@ def _directions() -> dict[tuple[str, str], Callable[..., Any]]:
     return table
 
 
+def refuse_nested(src: str | Path, dst: str | Path) -> None:
+    """Raise ConvertError when `dst` is `src`, lies inside it or contains it: the output would
+    be written into the checkpoint being read (and into later reads of it)."""
+    a, b = Path(src).resolve(), Path(dst).resolve()
+    if a == b or a in b.parents or b in a.parents:
+        where = "is" if a == b else "lies inside" if a in b.parents else "contains"
+        raise ConvertError(f"destination {dst} {where} the source {src}; choose a directory "
+                           "outside it")
+
+
 def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: str,
             world_size: int | None = None, placement: str = "dim0", dtype: str | None = None,
             mesh_device: str = "cuda") -> Any:
@@ -42,10 +52,12 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     source's (fp32 master weights), else "float32" | "bfloat16" for the model weights.
     mesh_device: the DeviceMesh device type pickled into VERL files: "cuda" for a GPU run,
     "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
-    Raises ConvertError for a missing source, an unknown direction or a missing world size.
+    Raises ConvertError for a missing source, a destination inside the source (or the other
+    way round), an unknown direction or a missing world size.
     """
     if not Path(src).exists():
         raise ConvertError(f"{src}: no such file or directory")
+    refuse_nested(src, dst)
     for f in (src_format, dst_format):
         if f not in FORMATS:
             raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")

@@ -62,8 +62,8 @@ def _sft_log(row: dict) -> None:
 
 def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> None:
     """config.yaml (the resolved config, credentials redacted) and run.json; atomic."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
+    write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
+                                                       sort_keys=False))
     write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
                                              "config_source": config_source})
 
@@ -98,9 +98,10 @@ class Progress:
 
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
+    """Run the GRPO job in `run_dir` (see the module docstring); holds `run_dir/run.lock`
+    throughout. Raises RunLockedError when another process holds it."""
     import jax
 
-    from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
 
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id)
@@ -108,6 +109,23 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
     except ValueError as err:
         raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
+    from jscenegen.run_lock import RunLock
+
+    lock = RunLock(run_dir)
+    if is_primary():  # one process per run directory (the holder is named to a second one)
+        lock.acquire()
+    try:
+        return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
+                             config_source=config_source)
+    finally:
+        lock.release()
+
+
+def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
+                  config_source: str) -> int:
+    from jscenegen.grpo.train.trainer import Trainer
+    from jscenegen.sharding.mesh import is_primary
+
     if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                          "continue it, or choose a new --run-dir")

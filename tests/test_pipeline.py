@@ -42,3 +42,14 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
     assert (run_dir / "eval_after.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_dir / "run.json").read_text())["model_dir"] == str(sft_dirs[0].resolve())
     assert (run_dir / "checkpoints" / "1" / "checksums.json").is_file()
+
+
+def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):
+    from jscenegen.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), f"model.path={tmp_path / 'no-model'}",
+                 "logging.swanlab_mode=disabled"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no-model" in err and err.count("\n") == 1
+    assert not run_dir.exists()  # no empty checkpoints/, no lock file left behind

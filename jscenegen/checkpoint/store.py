@@ -53,6 +53,7 @@ from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers 
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.paths import write_json
+from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
 log = logging.getLogger(__name__)
@@ -364,6 +365,9 @@ class CheckpointStore:
 
     Every process of a multi-host run calls every method; only process 0 writes hf/, the
     metadata and checksums, and the others wait for it (the directory must be shared).
+    `directory` is created by the first save, not before. Unfinished orbax saves
+    (`*.orbax-checkpoint-tmp-*`) found at start are deleted, unless another live process holds
+    the run directory's lock (`jscenegen.run_lock`; the directory's parent is the run).
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, async_save: bool = False):
@@ -374,11 +378,15 @@ class CheckpointStore:
         self.async_save = async_save
         self._pending: tuple[int, dict, Path] | None = None
         if self.directory.is_dir() and jax.process_index() == 0:
+            holder = live_holder(self.directory.parent)
             for tmp in sorted(self.directory.glob(f"*{ocp.step.TMP_DIR_SUFFIX}*")):
+                if holder is not None:  # maybe the save it is writing now: leave it alone
+                    log.warning("not deleting %s: the run is locked by %s", tmp, holder.describe())
+                    continue
                 log.warning("deleting %s: an orbax save that never finished", tmp)
                 shutil.rmtree(tmp)
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, create=True))
+            enable_async_checkpointing=async_save, create=False))  # made by the first save
 
     def step_path(self, step: int) -> Path:
         """Directory of `step` (whether or not it exists)."""
@@ -493,6 +501,9 @@ class CheckpointStore:
                             _one_line(status.reason))
                 self._delete(step)
             _barrier(f"jscenegen-checkpoint-replace-{step}")
+            self._manager.reload()
+        if not self.directory.is_dir():  # a run that fails before its first save leaves none
+            self.directory.mkdir(parents=True, exist_ok=True)
             self._manager.reload()
         saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
             PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),

@@ -20,7 +20,7 @@ def register(sub) -> None:
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
     p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
 
 
 def design_record(prompt: str, room_path: str | None, seed: int):

@@ -1,0 +1,64 @@
+"""jscenegen/cli.py: argument shape (overrides among options), one-line errors with exit 2, a
+`--help` that imports nothing heavy."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jscenegen.cli import build_parser, main, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "--model", "M", "a.b=1", "--out", "X", "c.d=2"],
+    ["train", "a.b=1", "--run-dir", "X", "c.d=2", "--max-updates", "3"],
+    ["design", "a.b=1", "--model", "M", "--prompt", "p", "c.d=2", "-o", "X"],
+    ["sft", "a.b=1", "--out", "X", "c.d=2"],
+])
+def test_overrides_may_come_before_between_and_after_options(argv):
+    args = parse_args(build_parser(), argv)
+    assert args.command == argv[0] and args.overrides == ["a.b=1", "c.d=2"]
+    assert args.func.__module__ == f"jscenegen.commands.{argv[0]}"
+
+
+def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path), "sampling.max_new_tokens=8", "--out",
+                 str(tmp_path / "r.json"), "sampling.temprature=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: override sampling.temprature=0.5: unknown key 'sampling.temprature'\n"
+
+
+def test_a_mesh_that_does_not_fit_lists_the_sizes_that_do(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "mesh.fsdp=5"]) == 2
+    err = capsys.readouterr().err
+    assert "fsdp=5 x sp=2 = 10 does not match the 6 devices" in err
+    assert "sizes that fit: fsdp=6 x sp=1, fsdp=3 x sp=2, fsdp=2 x sp=3, fsdp=1 x sp=6" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_and_convert_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "missing" in err
+    src = tmp_path / "model"
+    src.mkdir()
+    for dst in (src / "converted", src):
+        assert main(["convert", str(src), str(dst), "--from", "hf", "--to", "orbax"]) == 2
+        err = capsys.readouterr().err
+        assert f"destination {dst}" in err and f"the source {src}" in err
+    assert sorted(src.iterdir()) == []
+    assert main(["export", str(src), str(src / "published")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_help_builds_every_parser_without_importing_jax_or_transformers():
+    code = ("import sys; from jscenegen.cli import build_parser; p = build_parser(); p.format_help(); "
+            "[c.format_help() for c in p.commands.values()]; "
+            "print(sorted(m for m in ('jax', 'numpy', 'transformers', 'torch', 'swanlab', 'orbax', "
+            "'yaml', 'pydantic') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+    assert out.strip() == "[]"
