@@ -15,6 +15,8 @@ import importlib
 import os
 import sys
 
+from jscenegen.paths import DiskFullError
+
 COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
                    "eval", "sft", "design")
 
@@ -58,8 +60,9 @@ def is_user_error(err: BaseException) -> bool:
 
 def error_line(err: BaseException) -> str:
     """One line for `err`: multi-line messages joined with '; ', OS errors with their file."""
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return f"no space left on device writing {err.filename or 'a file'}"
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC and not isinstance(err, DiskFullError):
+        where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
+        return f"no space left on device{where} writing {err.filename or 'a file'}"
     text = str(err) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {text}"

@@ -299,6 +299,47 @@ def test_a_corrupt_step_is_set_aside_and_its_number_saved_again(tmp_path, mesh32
     assert len(list(tmp_path.glob("3.corrupt-*"))) == 1
 
 
+@pytest.mark.parametrize("where", ["orbax", "checksums"])
+def test_a_full_disk_names_the_directory_and_bytes_and_removes_the_failed_save(
+        tmp_path, mesh32, hf_dir, monkeypatch, where):
+    """ENOSPC while orbax commits the arrays (its temporary directory exists) or while the
+    step is completed (the step directory exists): DiskFullError, and neither is left."""
+    import errno
+
+    from orbax.checkpoint._src.path import atomicity
+
+    from jscenegen.checkpoint import store as checkpoint
+    from jscenegen.cli import error_line
+    from jscenegen.paths import DiskFullError
+
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "orbax":
+        async def finalize(self, *args, **kwargs):
+            assert list(store.directory.glob("2.orbax-checkpoint-tmp*"))  # arrays written
+            full()
+        monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    else:
+        monkeypatch.setattr(checkpoint, "write_checksums", full)
+    with pytest.raises(DiskFullError) as info:
+        save_step(store, 2, mesh32, hf_dir, seed=2)
+    n = sum(x.size for x in logical_values(0)[0].values())
+    assets = sum(p.stat().st_size for p in hf_dir.iterdir() if p.name != "model.safetensors")
+    assert info.value.needed_bytes == 3 * 4 * n + assets  # params + Adam moments, fp32, + hf/
+    line = error_line(info.value)
+    assert line.startswith(f"no space left on device in {store.directory}: checkpoint step 2 "
+                           f"needs {info.value.needed_bytes:,} bytes (")
+    assert "\n" not in line
+    assert sorted(p.name for p in store.directory.iterdir()) == ["1"]  # nothing of step 2 left
+    monkeypatch.undo()
+    save_step(store, 2, mesh32, hf_dir, seed=2)  # space freed: the same store saves the step
+    assert store.latest_valid_step() == 2
+
+
 def test_metadata_never_holds_a_credential(tmp_path, mesh32, hf_dir, monkeypatch):
     env_secret = "sk-env-FAKE-0123456789abcdef"
     cfg_secret = "sk-cfg-FAKE-fedcba9876543210"

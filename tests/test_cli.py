@@ -62,3 +62,18 @@ def test_help_builds_every_parser_without_importing_jax_or_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
     assert out.strip() == "[]"
+
+
+def test_a_full_disk_is_one_line_naming_the_directory_and_the_bytes(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # where a write to a full disk fails at the latest
+    out = tmp_path / "scenes" / "furnished.json"
+    assert main(["scene", "furnish", str(ROOT / "data/scenes/dev.jsonl"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no space left on device in {out.parent}: writing furnished.json "
+                          "needs ") and " bytes (" in err and err.count("\n") == 1
+    assert list(out.parent.iterdir()) == []  # the temporary file is gone

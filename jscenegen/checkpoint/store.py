@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -52,7 +53,7 @@ from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify
 from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
-from jscenegen.paths import write_json
+from jscenegen.paths import DiskFullError, is_disk_full, write_json
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
@@ -227,6 +228,13 @@ def _copy_hf_assets(src: Path, dst: Path) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
+def _step_bytes(params: Mapping[str, Any], adam: Mapping[str, Any], hf_dir: Path) -> int:
+    """About the bytes one step takes on disk: every array at logical shape plus the HF assets."""
+    arrays = [*params.values(), *adam["mu"].values(), *adam["nu"].values()]
+    total = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in arrays)
+    return total + sum((hf_dir / n).stat().st_size for n in HF_ASSET_FILES if (hf_dir / n).is_file())
+
+
 def _check_hf_assets(src: Path) -> None:
     if not (src / "config.json").is_file():
         raise CheckpointError(f"hf_assets_dir {src}: config.json not found; pass the HF model "
@@ -234,6 +242,38 @@ def _check_hf_assets(src: Path) -> None:
     if not any((src / f).is_file() for f in _TOKENIZER_FILES):
         raise CheckpointError(f"hf_assets_dir {src}: no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
                               f"; a checkpoint must carry its tokenizer")
+
+
+class _DiskFullRecords(logging.Filter):
+    """Drops orbax's own error records (with tracebacks, one per writer thread) for a full
+    disk: the store raises DiskFullError for it, which the command prints in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (is_disk_full(exc) or "No space left on device" in record.getMessage())
+
+
+_ORBAX_LOG = logging.getLogger("absl")
+if not any(isinstance(f, _DiskFullRecords) for f in _ORBAX_LOG.filters):
+    _ORBAX_LOG.addFilter(_DiskFullRecords())
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """When a save fails (a full disk), tensorstore's writes still in flight call back into the
+    event loop orbax has closed, each printing an 'Event loop is closed' traceback (unraisable:
+    nothing can catch it; hundreds of lines). Drop those; every other unraisable exception is
+    printed as before. Installed by the first CheckpointStore."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jscenegen_quiet", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._jscenegen_quiet = True
+    sys.unraisablehook = hook
 
 
 def _one_line(text: str | None) -> str:
@@ -373,10 +413,11 @@ class CheckpointStore:
     def __init__(self, directory: str | Path, *, keep_last: int = 3, async_save: bool = False):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
+        _quiet_closed_loop_callbacks()
         self.directory = Path(directory).absolute()
         self.keep_last = keep_last
         self.async_save = async_save
-        self._pending: tuple[int, dict, Path] | None = None
+        self._pending: tuple[int, dict, Path, int] | None = None  # step, metadata, hf dir, bytes
         if self.directory.is_dir() and jax.process_index() == 0:
             holder = live_holder(self.directory.parent)
             for tmp in sorted(self.directory.glob(f"*{ocp.step.TMP_DIR_SUFFIX}*")):
@@ -505,33 +546,61 @@ class CheckpointStore:
         if not self.directory.is_dir():  # a run that fails before its first save leaves none
             self.directory.mkdir(parents=True, exist_ok=True)
             self._manager.reload()
-        saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
-            PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
-            ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
-            TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
+        needed = _step_bytes(logical_params, logical_adam, hf_dir)
+        try:
+            saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
+                PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
+                ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
+                TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
+        except Exception as err:
+            self._raise_if_disk_full(err, step, needed)
+            raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
-        self._pending = (step, meta, hf_dir)
+        self._pending = (step, meta, hf_dir, needed)
         if not self.async_save:
             self.wait_until_finished()
         return path
 
     def wait_until_finished(self) -> None:
-        """Block until the last save is complete: arrays written, hf/, metadata, checksums, GC."""
-        self._manager.wait_until_finished()
-        if self._pending is None:
+        """Block until the last save is complete: arrays written, hf/, metadata, checksums, GC.
+
+        Raises DiskFullError (the directory and the bytes the step needs) when the disk filled
+        up during the save; the save's temporary and incomplete directories are removed then.
+        """
+        pending, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+            if pending is None:
+                return
+            step, meta, hf_dir, _ = pending
+            path = self.step_path(step)
+            if jax.process_index() == 0:
+                if not ocp.step.is_path_finalized(path):
+                    raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
+                _copy_hf_assets(hf_dir, path / HF_DIR)
+                write_json(path / METADATA_NAME, meta)
+                write_checksums(path)
+                self._collect_garbage(step)
+            _barrier(f"jscenegen-checkpoint-{step}")
+        except Exception as err:
+            if pending is not None:
+                self._raise_if_disk_full(err, pending[0], pending[3])
+            raise
+
+    def _raise_if_disk_full(self, err: Exception, step: int, needed: int) -> None:
+        """After a failed save of `step`: on a full disk, remove what the save left (orbax's
+        temporary directory, an incomplete step) and raise DiskFullError; else return."""
+        if not is_disk_full(err):
             return
-        step, meta, hf_dir = self._pending
-        self._pending = None
-        path = self.step_path(step)
         if jax.process_index() == 0:
-            if not ocp.step.is_path_finalized(path):
-                raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
-            _copy_hf_assets(hf_dir, path / HF_DIR)
-            write_json(path / METADATA_NAME, meta)
-            write_checksums(path)
-            self._collect_garbage(step)
-        _barrier(f"jscenegen-checkpoint-{step}")
+            for tmp in self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            path = self.step_path(step)
+            if path.exists() and not (path / CHECKSUMS_NAME).is_file():
+                shutil.rmtree(path, ignore_errors=True)
+        self._manager.reload()
+        raise DiskFullError(self.directory, needed, f"checkpoint step {step}") from None
 
     def close(self) -> None:
         """Finish any pending save and release orbax's resources."""
