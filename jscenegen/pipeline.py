@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -69,27 +70,34 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> 
 
 
 class Progress:
-    """A rich progress bar with reward, failure rate and tokens/s (process 0 only)."""
+    """GRPO progress on stderr (process 0 only): a rich progress bar with reward, failure rate
+    and tokens/s on a terminal; one line per update attempt otherwise (a log file, a pipe)."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
+    def __init__(self, total: int, enabled: bool, stream=None):
+        self.total, self.stream, self.bar = total, stream or sys.stderr, None
+        self.lines = enabled and not self.stream.isatty()
+        self.t0 = time.perf_counter()
+        if enabled and not self.lines:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as RichProgress
 
             self.bar = RichProgress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                    console=Console(file=self.stream))
             self.task = self.bar.add_task("updates", total=total, info="")
             self.bar.start()
 
     def __call__(self, row: dict) -> None:
-        if self.bar is None:
-            return
         reward = row.get("reward/mean")
         info = (f"attempt {row['attempt']} {row['role']:<8} reward "
                 f"{'n/a' if reward is None else f'{reward:+.3f}'} fail {row['failure_rate']:.2f} "
                 f"{row['rollout/tokens_per_s']:.0f} tok/s {'step' if row['stepped'] else 'no-signal'}")
-        self.bar.update(self.task, completed=row["effective_updates"], info=info)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=row["effective_updates"], info=info)
+        elif self.lines:
+            print(f"GRPO {row['effective_updates']}/{self.total} {info} "
+                  f"{time.perf_counter() - self.t0:.0f} s", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
