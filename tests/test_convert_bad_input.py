@@ -129,3 +129,38 @@ def test_unexpected_tensor_names(actor, tmp_path):
     torch.save(sd, f)
     with pytest.raises(ConvertError, match=r"model_world_size_6_rank_1\.pt: keys do not match"):
         verl_to_hf(actor, tmp_path / "out")
+
+
+def test_a_rank_file_copied_over_another_is_refused(actor, tmp_path, capsys):
+    """`cp rank_0 rank_1`: every shard still has the size rank 1's would have, but its DTensor
+    was saved by rank 0 (at rank 0's offset); converting would write wrong weights."""
+    from jscenegen.cli import main
+
+    shutil.copy(actor / "model_world_size_6_rank_0.pt", actor / "model_world_size_6_rank_1.pt")
+    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_1\.pt: holds the shard of "
+                                           r"rank 0 .*not of rank 1"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+    assert main(["convert", str(actor), str(tmp_path / "out"), "--from", "verl", "--to", "hf"]) == 2
+    assert "model_world_size_6_rank_1.pt: holds the shard of rank 0" in capsys.readouterr().err
+    _assert_nothing_written(tmp_path)
+
+
+def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, tmp_path):
+    from convert.dispatch import convert
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    root = actor.parent.parent  # global_step_3/actor/... listed by a checksums.json two levels up
+    write_checksums(root)
+    f = actor / "optim_world_size_6_rank_2.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) - 4096] ^= 0x01  # inside the last tensor's bytes: the file still loads
+    f.write_bytes(bytes(data))
+    with pytest.raises(ConvertError, match=r"does not match .*checksums\.json.*"
+                                           r"global_step_3/actor/optim_world_size_6_rank_2\.pt: SHA-256 differs"):
+        convert(actor, tmp_path / "out", src_format="verl", dst_format="verl", world_size=6)
+    _assert_nothing_written(tmp_path)
+    (root / "checksums.json").unlink()
+    write_checksums(root)  # the same bytes, now listed as they are: converted
+    convert(actor, tmp_path / "out", src_format="verl", dst_format="hf")
+    assert (tmp_path / "out" / "config.json").is_file()
