@@ -1,5 +1,6 @@
 """jscenegen/cli.py: argument shape (overrides among options), one-line errors with exit 2, a
 `--help` that imports nothing heavy."""
+import json
 import os
 import subprocess
 import sys
@@ -77,3 +78,21 @@ def test_a_full_disk_is_one_line_naming_the_directory_and_the_bytes(tmp_path, mo
     assert err.startswith(f"error: no space left on device in {out.parent}: writing furnished.json "
                           "needs ") and " bytes (" in err and err.count("\n") == 1
     assert list(out.parent.iterdir()) == []  # the temporary file is gone
+
+
+def test_init_model_help_states_the_preset_sizes_and_prints_progress(tmp_path, capsys):
+    from jscenegen.commands.init_model import PRESET_HELP
+    from jscenegen.model.config import PRESETS
+
+    assert list(PRESET_HELP) == list(PRESETS)
+    for name, shape in PRESETS.items():
+        assert PRESET_HELP[name].startswith(
+            f"hidden {shape['hidden_size']} x {shape['num_hidden_layers']} layers")
+    assert "CPU default" in PRESET_HELP["micro"]
+    help_text = build_parser().commands["init-model"].format_help()
+    assert "micro: hidden 128 x 2 layers, the CPU default's" in " ".join(help_text.split())
+    assert main(["init-model", str(tmp_path / "m"), "--preset", "micro", "--vocab-size", "512"]) == 0
+    out, err = capsys.readouterr()
+    steps = [line for line in err.splitlines() if line.startswith("init-model [")]
+    assert len(steps) == 3 and "tokenizer corpus" in steps[0] and "wrote" in steps[-1]
+    assert json.loads(out)["preset"] == "micro" and (tmp_path / "m" / "config.json").is_file()

@@ -98,6 +98,25 @@ class GroupRollout:
     stats: dict
 
 
+@dataclass
+class PlayedGroup:
+    """A group whose episodes have ended but are not judged yet (`RolloutEngine.play_group`):
+    judge `episodes`, then `result()` gives the GroupRollout."""
+
+    group_id: int
+    rows: list["_Row"]
+    stats: dict
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [r.episode for r in self.rows]
+
+    def result(self) -> GroupRollout:
+        """The trajectories (with the judged outcomes) and statistics; judge `episodes` first."""
+        return GroupRollout([RolloutEngine._trajectory(r, self.group_id) for r in self.rows],
+                            self.stats)
+
+
 @dataclass(eq=False)
 class _Row:
     member: int
@@ -205,6 +224,22 @@ class RolloutEngine:
         round ends (interactive use: `jscenegen design`). Never raises for a failure inside
         one episode; see the module docstring for the causes.
         """
+        t0 = time.perf_counter()
+        played = self.play_group(record, group_id=group_id, seeds=seeds, scene_cfg=scene_cfg,
+                                 judge_cfg=judge_cfg, forced=forced, on_turn=on_turn)
+        self._judge(played.episodes, judge)
+        wall = time.perf_counter() - t0
+        played.stats.update(wall_s=wall, tokens_per_s=played.stats["generated_tokens"] / wall
+                            if wall > 0 else 0.0)
+        return played.result()
+
+    def play_group(self, record: SceneRecord, *, group_id: int, seeds: Sequence[int],
+                   scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
+                   forced: ForcedPolicy | None = None,
+                   on_turn: TurnCallback | None = None) -> "PlayedGroup":
+        """`run_group` without the judging: the episodes end (finished or failed) unjudged, so a
+        caller can judge the episodes of many groups in one call (`scene.episode.judge_episodes`,
+        the judge's concurrency then spans them all) before `PlayedGroup.result()`."""
         cfg = self.cfg
         t0 = time.perf_counter()
         rows = [_Row(i, int(s), Episode(record, scene_cfg, judge_cfg)) for i, s in enumerate(seeds)]
@@ -245,14 +280,13 @@ class RolloutEngine:
                     log.exception("turn processing failed")
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
             self._show(rows, on_turn)
-        self._judge([r.episode for r in rows], judge)
         wall = time.perf_counter() - t0
         stats = {"generated_tokens": generated, "wall_s": wall,
                  "tokens_per_s": generated / wall if wall > 0 else 0.0, "rounds": rounds,
                  "cache_rebuilds": self._rebuilds, "cache_slots": self.slots,
                  "batch_rows": len(rows) + pad}
         self._cache = self._last = None
-        return GroupRollout([self._trajectory(r, group_id) for r in rows], stats)
+        return PlayedGroup(group_id, rows, stats)
 
     @staticmethod
     def _show(rows: list[_Row], on_turn: TurnCallback | None) -> None:
