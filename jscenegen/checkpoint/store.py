@@ -483,6 +483,7 @@ class CheckpointStore:
         while dest.exists():
             dest = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}-{n}")
             n += 1
+        _barrier(f"jscenegen-checkpoint-checked-{step}")  # every process has read it: now move it
         if jax.process_index() == 0:
             os.replace(path, dest)
             log.warning("checkpoint step %d is corrupt (%s); set aside as %s (kept, never "
