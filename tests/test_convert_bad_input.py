@@ -146,6 +146,20 @@ def test_a_rank_file_copied_over_another_is_refused(actor, tmp_path, capsys):
     _assert_nothing_written(tmp_path)
 
 
+def _flip_tensor_byte(f):
+    """Flip one bit in the middle of the largest tensor storage of torch file `f` (a zip)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(f) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(f.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26: info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
 def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, tmp_path):
     from convert.dispatch import convert
     from jscenegen.checkpoint.checksums import write_checksums
@@ -153,9 +167,7 @@ def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, t
     root = actor.parent.parent  # global_step_3/actor/... listed by a checksums.json two levels up
     write_checksums(root)
     f = actor / "optim_world_size_6_rank_2.pt"
-    data = bytearray(f.read_bytes())
-    data[len(data) - 4096] ^= 0x01  # inside the last tensor's bytes: the file still loads
-    f.write_bytes(bytes(data))
+    _flip_tensor_byte(f)  # the file still loads: only the checksums can tell
     with pytest.raises(ConvertError, match=r"does not match .*checksums\.json.*"
                                            r"global_step_3/actor/optim_world_size_6_rank_2\.pt: SHA-256 differs"):
         convert(actor, tmp_path / "out", src_format="verl", dst_format="verl", world_size=6)
