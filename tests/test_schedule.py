@@ -74,3 +74,14 @@ def test_max_attempts_ends_a_run_without_signal():
     while not s.done(pos):
         pos, _ = s.advance(pos, False)
     assert pos.attempts == 3 and pos.effective_updates == 0
+
+
+def test_run_seed_changes_every_episode_seed_and_the_hash_but_not_seed_zero():
+    base = Schedule(SCENES, ScheduleConfig(group_size=4))
+    other = Schedule(SCENES, ScheduleConfig(group_size=4, seed=1))
+    pos = SchedulePosition()
+    assert base.seeds(pos) == [episode_seed(100, m, 0) for m in range(4)]  # seed 0: as before
+    assert not set(base.seeds(pos)) & set(other.seeds(pos))
+    assert other.seeds(pos) == [episode_seed(100, m, 0, 0, 1) for m in range(4)]
+    assert base.hash() != other.hash()
+    assert base.hash() == Schedule(SCENES, ScheduleConfig(group_size=4, seed=0)).hash()
