@@ -3,7 +3,8 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+os.environ.pop("XLA_FLAGS", None)
+os.environ["JAX_NUM_CPU_DEVICES"] = "3"  # this process's share of the 6-device mesh
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -401,7 +401,8 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("where", ["orbax", "checksums"])
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mesh32, hf_dir, where):
     run_dir = tmp_path / "checkpoints"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=6", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="6", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
     script = _CHILD.format(tests=str(Path(__file__).parent))
     child = subprocess.Popen([sys.executable, "-c", script, str(run_dir), where, str(hf_dir)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

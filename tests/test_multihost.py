@@ -30,6 +30,7 @@ def test_two_process_run_computes_the_single_process_loss(tiny_hf):
                    JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
                    PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
         env.pop("XLA_FLAGS", None)
+        env.pop("JAX_NUM_CPU_DEVICES", None)  # an in-process CLI test may have set 6
         procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"),
                                        str(tiny_hf["qwen3"])], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
