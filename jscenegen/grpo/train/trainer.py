@@ -115,9 +115,10 @@ class Trainer:
         graphdef, params, frozen = split_params(self.model)
         self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), cfg.loss, cfg.optim,
                                 temperature=cfg.sampling.temperature)
-        # built under jit so the optimizer state carries the parameters' shardings: the train
-        # step's outputs then match its inputs and it compiles once, not twice
-        self.state: TrainState = jax.jit(lambda p: init_train_state(p, cfg.optim))(params)
+        # eager, so every moment carries its parameter's FSDP2 sharding (built under jit they
+        # came out replicated) and the counters are replicated: the train step's outputs then
+        # match its inputs and it compiles once
+        self.state: TrainState = init_train_state(params, cfg.optim)
         if resume:
             self._apply_checkpoint(ck)
         self.ref_params = self._reference_params(params) if cfg.loss.use_kl_loss else None
