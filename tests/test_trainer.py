@@ -184,6 +184,14 @@ def test_qwen35_sigterm_resume_is_bitwise_and_carried_tensors_never_move(straigh
         np.testing.assert_array_equal(a.params[name], source[name], err_msg=name)
     moved = [n for n in trained if not np.array_equal(a.params[n], source[n])]
     assert "model.language_model.layers.0.linear_attn.A_log" in moved  # the GDN trains
+    # `jscenegen eval` builds the policy from the step (every tensor in params/)
+    from jscenegen.eval.evaluate import load_policy
+    from jscenegen.model.weights import Carried, named_weights
+    from jscenegen.sharding.mesh import make_mesh
+
+    policy = load_policy(run_dir / "checkpoints" / "2", make_mesh(3, 2))
+    carried = {n for n, v in named_weights(policy).items() if isinstance(v, Carried)}
+    assert carried == set(frozen)
     # the live state after the compiled steps: every moment FSDP2-sharded like its parameter
     st = adam_state(trainer.state.opt_state)
     for group in (named_leaves(st.mu), named_leaves(st.nu)):
