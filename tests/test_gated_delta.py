@@ -21,7 +21,9 @@ import scipy.linalg
 
 from jscenegen.model.gated_delta import (
     gated_delta_chunked,
+    gated_delta_prefix,
     gated_delta_recurrent,
+    gated_delta_segment,
     gated_delta_state_map,
     gated_delta_step,
     unit_lower_inverse,
@@ -227,6 +229,27 @@ def test_state_map_is_the_affine_dependence_on_the_entering_state():
     o_full, f_full = case(130, 0.3)["recurrent"]
     assert rel(jnp.concatenate([o_1, o_2], axis=1), o_full) < TOL
     assert rel(f_2, f_full) < TOL
+
+
+def test_segments_composed_by_their_maps_equal_the_whole_sequence():
+    """Context parallelism over 3 shards (43 + 43 + 44 of the 130 tokens, an entering state):
+    each shard's `gated_delta_segment` from zero, the states composed in order by
+    `gated_delta_prefix`, outputs corrected by q_eff S_in: the recurrent reference's outputs and
+    final state. The segment's maps are `gated_delta_state_map`'s (one pass, extra columns)."""
+    x = case(130, 0.3)["x"]
+    cuts = [(0, 43), (43, 86), (86, 130)]
+    parts = [jax.jit(gated_delta_segment, static_argnames="chunk_size")(
+        *(x[n][:, a:b] for n in ("q", "k", "v", "g", "beta")), chunk_size=16) for a, b in cuts]
+    states = gated_delta_prefix(jnp.stack([p[3] for p in parts]), jnp.stack([p[1] for p in parts]),
+                                x["state"])
+    assert states.shape == (4, B, H, DK, DV)
+    np.testing.assert_array_equal(states[0], x["state"])
+    o = jnp.concatenate([p[0] + jnp.einsum("bthk,bhkv->bthv", p[2], s_in)
+                         for p, s_in in zip(parts, states[:3])], axis=1)
+    o_full, f_full = case(130, 0.3)["recurrent"]
+    assert rel(o, o_full) < TOL and rel(states[3], f_full) < TOL
+    q_eff, transition = state_map(*(x[n][:, 43:86] for n in ("q", "k", "g", "beta")), chunk_size=16)
+    assert rel(parts[1][2], q_eff) < TOL and rel(parts[1][3], transition) < TOL
 
 
 @pytest.mark.parametrize("c", [5, 64])

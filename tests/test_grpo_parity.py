@@ -108,3 +108,47 @@ def test_sharded_step_equals_unsharded(tiny_dirs):
         assert host.shape[0] % 6 == 0 and not host[n:].any(), name  # padding rows stay 0
         assert np.all(np.abs(host[:n] - a) <= PARAM_TOL * np.maximum(1.0, np.abs(a))), name
         assert b.sharding.spec == P(("fsdp", "sp")) and mu.sharding.spec == P(("fsdp", "sp")), name
+
+
+# ---- Qwen3.5: transformers' Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM -----------
+def test_cli_qwen35_step_matches_torch_and_leaves_frozen_tensors(qwen35_hf, capsys):
+    """The composite qwen3_5 (GDN + gated attention, untied head, carried vision tower and
+    mtp.*): 8 episodes + 1 padding row in 3 micro-batches, the GRPO100 loss and optimizer.
+    Trained: the 70 text tensors; the 33 vision + 15 mtp tensors stay bitwise as loaded."""
+    from jscenegen.cli import main
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.weights import param_shapes
+
+    d = qwen35_hf["qwen3_5"]
+    rc = main(["parity", "grpo-step", "--model", str(d), "--pad-rows", "1",
+               "--loss", "ppo_micro_batch_size=3"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg = QwenConfig.from_dir(d)
+    assert rc == 0 and r["ok"] and r["model_type"] == "qwen3_5", r
+    assert r["trained_tensors"] == len(param_shapes(cfg))
+    assert r["frozen_tensors"] == len(param_shapes(cfg, carried=True)) - len(param_shapes(cfg))
+    assert r["frozen_unchanged"] is True
+    assert r["loss_diff"] <= 1e-5 and r["max_param_diff"] <= PARAM_TOL
+    assert abs(r["grad_norm_ratio"] - 1) <= 1e-5 and r["update_max"] > 9e-7
+    assert 0 < r["clipfrac"] < 1
+
+
+@pytest.mark.slow  # a GRPO step compile and transformers' torch Qwen3.5 (~25 s on 2 idle cores)
+def test_qwen35_train_vision_decays_the_tower_as_torch_adamw(qwen35_hf):
+    """model.train_vision: the tower is trained with a zero gradient on both sides (VERL's
+    dummy image), so its whole update is AdamW's decay p (1 - lr wd). lr 1e-4, wd 0.1 make it
+    visible in fp32 (at the recipe's lr 1e-6, wd 0.01, 1 - 1e-8 rounds to 1 in fp32 on both
+    sides); eps 1e-3 keeps the text parameters' Adam step smooth in g, so they compare at
+    the usual tolerance too."""
+    import numpy as np
+
+    from jscenegen.grpo.algo.config import OptimConfig
+    from jscenegen.model.hf_io import iter_hf_tensors
+
+    optim = OptimConfig(lr=1e-4, weight_decay=0.1, eps=1e-3)
+    r = grpo_step_parity(str(qwen35_hf["qwen3_5"]), optim_cfg=optim, train_vision=True, rows=4)
+    assert r["ok"] and r["train_vision"] and r["frozen_tensors"] == 15, r  # only mtp.* frozen
+    biggest = max(float(np.abs(a).max()) for n, a in iter_hf_tensors(qwen35_hf["qwen3_5"])
+                  if n.startswith("model.visual."))
+    assert r["vision_update_max"] == pytest.approx(1e-4 * 0.1 * biggest, rel=1e-2)  # fp32 rounding
+    assert r["vision_update_max_diff"] <= 1e-6 * r["vision_update_max"]

@@ -391,6 +391,22 @@ def test_carried_tensors_are_not_parameters(models):
         abstract_model(model.cfg, mesh=make_mesh(3, 2), causal_balance=True)
 
 
+def test_train_vision_makes_the_tower_parameters_and_is_refused_without_one(qwen35_hf):
+    """model.train_vision: the tower's tensors become nnx.Params in the param dtype (a bf16
+    release is cast to fp32 masters, as VERL holds them); mtp.* stays carried. A model without
+    a tower refuses the option, naming it."""
+    from jscenegen.model.loader import abstract_model
+    from jscenegen.model.weights import Carried, named_weights
+
+    model = load_hf(qwen35_hf["release"], train_vision=True)
+    weights = named_weights(model)
+    vision = {n: v for n, v in weights.items() if n.startswith("model.visual.")}
+    assert vision and all(isinstance(v, nnx.Param) and v.dtype == np.float32 for v in vision.values())
+    assert all(isinstance(v, Carried) for n, v in weights.items() if n.startswith("mtp."))
+    with pytest.raises(ValueError, match="model.train_vision: true needs a model with a vision tower"):
+        abstract_model(load_hf(qwen35_hf["qwen3_5_text"]).cfg, train_vision=True)
+
+
 # ---- HF I/O -----------------------------------------------------------------------------------
 def _tensors(d):
     from jscenegen.model.safetensors_stream import read_tensor

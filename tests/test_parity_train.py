@@ -84,3 +84,20 @@ def test_bad_trajectory_file_names_line_and_field(tmp_path, edit, message):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(ValueError, match=r"t\.jsonl:2: .*" + re.escape(message)):
         read_trajectories(path, vocab=1003)
+
+
+@pytest.mark.slow  # per model: a GRPO step compile and 5 torch updates (~30 s on 2 idle cores)
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5"])
+def test_qwen35_five_dddpc_updates_match_torch(qwen35_hf, tmp_path, capsys, kind):
+    """5 updates D-D-D-P-C on replayed trajectories (3 groups of 4), one torch AdamW kept
+    across them: within 1e-6 of transformers' Qwen3.5 after the last, frozen tensors unchanged."""
+    path = tmp_path / "t.jsonl"
+    write_trajectories(path, synthetic_trajectories(389, groups=3, group_size=4, seq=48))
+    rc = main(["parity", "train", "--model", str(qwen35_hf[kind]), "--updates", "5",
+               "--trajectories", str(path)])
+    lines = _lines(capsys.readouterr().out)
+    assert rc == 0 and [r["role"] for r in lines] == list("DDDPC")
+    for r in lines:
+        assert r["trained_tokens"] > 0 and r["loss_diff"] <= 1e-6, r
+        assert abs(r["grad_norm_ratio"] - 1) <= 1e-4 and r["max_param_diff"] <= PARAM_TOL, r
+    assert lines[-1]["ok"] is True and lines[-1]["frozen_unchanged"] is True

@@ -140,3 +140,23 @@ def test_mesh_report_on_the_released_shapes(size, capsys):
     assert report["frozen_bytes"] == 2 * carried                       # bf16, no Adam
     assert report["total_bytes"] == 12 * (report["num_params"] - carried) + 2 * carried
     assert report["max_device_bytes"] <= 1.05 * report["ideal_device_bytes"]
+
+
+@pytest.mark.parametrize("size", ["4b", "9b"])
+def test_mesh_report_with_a_trained_vision_tower(size, capsys):
+    """--train-vision (model.train_vision): the tower is fp32 + Adam (12 bytes per element),
+    only mtp.* stays frozen in bf16; the fullest device still holds ~1/6 on fsdp=3,sp=2."""
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.weights import param_shapes
+
+    path = SHAPES / f"qwen3.5-{size}.json"
+    assert main(["mesh-report", "--model", str(path), "--json", "--train-vision"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cfg = QwenConfig.from_hf_dict(json.loads(path.read_text()))
+    trained = param_shapes(cfg, train_vision=True)
+    assert any(n.startswith("model.visual.") for n in trained)
+    frozen = {r["name"] for r in report["params"] if not r["trained"]}
+    assert frozen and all(n.startswith("mtp.") for n in frozen)
+    mtp = sum(int(np.prod(s)) for n, s in param_shapes(cfg, carried=True).items() if n in frozen)
+    assert report["total_bytes"] == 12 * (report["num_params"] - mtp) + 2 * mtp
+    assert report["max_device_bytes"] <= 1.05 * report["total_bytes"] / 6

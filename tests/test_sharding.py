@@ -1,4 +1,6 @@
 """FSDP2-style parameter sharding and sequence parallelism on real 6-device CPU meshes."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,3 +202,214 @@ def test_causal_load_balanced_order_gives_the_same_logits(tiny_hf):
         logits = np.asarray(jax.jit(lambda i, m: model(i, m))(batch["ids"], batch["mask"]))
     real = mask.astype(bool)
     np.testing.assert_allclose(logits[:3, :15][real], ref[real], atol=2e-5, rtol=1e-5)
+
+
+# ---- Qwen3.5: every tensor and both Adam moments, and sequence parallelism through the GDN ----
+def _shards_follow_fsdp2(arr, logical_rows: int, mesh, name: str) -> None:
+    """arr is split on dim 0 over all devices, FSDP2-padded: device r holds rows [r c, (r+1) c)."""
+    c = -(-logical_rows // mesh.size)
+    assert arr.sharding == NamedSharding(mesh, P(("fsdp", "sp"))), name
+    assert arr.shape[0] == mesh.size * c, name
+    shards = sorted(arr.addressable_shards, key=lambda s: s.index[0].start)
+    assert len({s.device for s in shards}) == mesh.size, name
+    for r, s in enumerate(shards):
+        assert s.data.shape == (c, *arr.shape[1:]) and s.index[0] == slice(r * c, (r + 1) * c), name
+    assert not np.asarray(arr[logical_rows:]).astype(np.float32).any(), f"{name}: padding not zero"
+
+
+def test_qwen35_params_carried_tensors_and_adam_moments_are_fsdp2_sharded(qwen35_hf):
+    """A_log/dt_bias [H_v], conv1d.weight [C, 1, K], in_proj_*, the gated q_proj, norms, the
+    carried vision tower and mtp.* (bf16 kept) and both Adam moments of every trainable one."""
+    from jscenegen.grpo.algo.config import OptimConfig
+    from jscenegen.grpo.algo.optimizer import adam_state, init_train_state
+    from jscenegen.model.functional import split_params
+    from jscenegen.model.weights import Carried, named_leaves, named_weights
+
+    mesh = make_mesh(3, 2)
+    model = load_hf(qwen35_hf["release"], mesh=mesh)  # bf16 storage: carried stay bf16
+    shapes = param_shapes(model.cfg, carried=True)
+    weights = named_weights(model)
+    assert set(weights) == set(shapes)
+    kinds = {"A_log": 0, "dt_bias": 0, "conv1d.weight": 0, "in_proj_qkv": 0, "in_proj_a": 0,
+             "self_attn.q_proj": 0, "model.visual.": 0, "mtp.": 0}
+    for name, var in weights.items():
+        _shards_follow_fsdp2(var[...], shapes[name][0], mesh, name)
+        assert (var[...].dtype == np.dtype("bfloat16")) == isinstance(var, Carried), name
+        for k in kinds:
+            kinds[k] += k in name
+    assert all(kinds.values()), kinds
+    assert shapes["model.language_model.layers.0.linear_attn.A_log"] == (4,)  # 4 -> 6 rows
+    _, params, _ = split_params(model)
+    state = init_train_state(params, OptimConfig())  # as the trainer builds it
+    moments = adam_state(state.opt_state)
+    trained = named_leaves(state.params)
+    assert set(trained) == set(param_shapes(model.cfg))  # no Adam state for carried tensors
+    for group in (named_leaves(moments.mu), named_leaves(moments.nu)):
+        assert set(group) == set(trained)
+        for name, arr in group.items():
+            assert arr.dtype == np.float32
+            _shards_follow_fsdp2(arr, shapes[name][0], mesh, name)
+
+
+# A 2-layer Qwen3.5 (one Gated DeltaNet layer, one gated attention layer, a carried vision
+# tower), small enough to compile on four meshes; every width distinct (hidden 44, conv 128,
+# H_v d_v 80, H_v d_k 48, K/V 32, vocab 389) so the HLO test can tell the arrays apart. Weights
+# drawn as tests/qwen35_fixtures.py draws them (no parameter trivially 0 or 1; decays in (0.05, 1)).
+QWEN35_SMALL = dict(vocab_size=389, num_hidden_layers=2, hidden_size=44, intermediate_size=70,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+                    linear_value_head_dim=20, full_attention_interval=2,
+                    layer_types=["linear_attention", "full_attention"])
+
+
+@pytest.fixture(scope="module")
+def qwen35_small():
+    """(config, {hf_name: np.ndarray}) of the 2-layer Qwen3.5 above."""
+    from jscenegen.model.config import preset_config
+    from jscenegen.model.weights import weight_table
+
+    overrides = dict(QWEN35_SMALL)
+    cfg = preset_config("qwen3_5", "micro", vocab_size=overrides.pop("vocab_size"), **overrides)
+    rng = np.random.default_rng(7)
+    arrays = {}
+    for name, spec in weight_table(cfg).items():
+        noise = rng.standard_normal(spec.shape).astype(np.float32)
+        if name.endswith("A_log"):
+            arrays[name] = np.log(rng.uniform(0.05, 1.0, spec.shape)).astype(np.float32)
+        elif name.endswith("dt_bias"):
+            arrays[name] = 0.5 * noise
+        elif name.endswith("linear_attn.norm.weight"):
+            arrays[name] = 1.0 + 0.3 * noise
+        elif "norm" in name and "visual" not in name:
+            arrays[name] = 0.3 * noise
+        elif name.endswith("conv1d.weight"):
+            arrays[name] = 0.4 * noise
+        else:
+            arrays[name] = 0.08 * noise
+    return cfg, arrays
+
+
+# Rows of 21 tokens (padded to 22 for sp = 2, 21 for sp = 3): row 1 has 2 real tokens in the
+# first sp = 2 shard (the conv state entering shard 1 mixes zeros and them), row 2 is right-
+# padded, row 3's first shard holds no real token.
+def _qwen35_batch():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 389, (4, 21)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, :9] = 0
+    mask[2, 17:] = 0
+    mask[3, :12] = 0
+    return ids, mask
+
+
+def _grad_program(graphdef, frozen):
+    def loss_fn(params, ids, mask):
+        def f(p):
+            logits = nnx.merge(graphdef, p, frozen)(ids, mask)[:, :-1]
+            ll = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), ids[:, 1:, None], -1)[..., 0]
+            w = (mask[:, 1:] * mask[:, :-1]).astype(jnp.float32)
+            return -(ll * w).sum() / w.sum(), logits
+        (loss, logits), g = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, logits, g
+    return jax.jit(loss_fn)
+
+
+_QWEN35_RUNS: dict = {}
+
+
+def _qwen35_run(small, dims):
+    """(loss, logits [4, 20], {name: grad}, compiled HLO text or None) of one mesh, memoised."""
+    from jscenegen.model.functional import split_params
+    from jscenegen.model.loader import build_model
+    from jscenegen.model.weights import named_leaves
+
+    if dims in _QWEN35_RUNS:
+        return _QWEN35_RUNS[dims]
+    cfg, arrays = small
+    ids, mask = _qwen35_batch()
+    if dims is None:
+        graphdef, params, frozen = split_params(build_model(cfg, arrays.items()))
+        loss, logits, grads = _grad_program(graphdef, frozen)(params, ids, mask)
+        hlo = None
+    else:
+        mesh = make_mesh(*dims, devices=jax.devices()[: dims[0] * dims[1]])
+        graphdef, params, frozen = split_params(build_model(cfg, arrays.items(), mesh=mesh))
+        batch = shard_batch(pad_batch({"ids": ids, "mask": mask}, mesh), mesh)
+        with jax.set_mesh(mesh):
+            compiled = _grad_program(graphdef, frozen).lower(params, batch["ids"],
+                                                             batch["mask"]).compile()
+            loss, logits, grads = compiled(params, batch["ids"], batch["mask"])
+        hlo = compiled.as_text()
+    out = (float(loss), np.asarray(logits)[:4, :20],
+           {n: np.asarray(g) for n, g in named_leaves(grads).items()}, hlo)
+    _QWEN35_RUNS[dims] = out
+    return out
+
+
+@pytest.mark.parametrize("dims", [(3, 2), (1, 2),
+                                  pytest.param((6, 1), marks=pytest.mark.slow),
+                                  pytest.param((2, 3), marks=pytest.mark.slow)])
+def test_qwen35_logits_and_gradients_do_not_depend_on_the_mesh(qwen35_small, dims):
+    """Context-parallel Gated DeltaNet (sp = 2, 3), FSDP only (6 x 1) vs one device: fp32
+    relative 1e-5 on logits and every gradient; padding rows of every parameter get none."""
+    ids, mask = _qwen35_batch()
+    ref_loss, ref_logits, ref_grads, _ = _qwen35_run(qwen35_small, None)
+    loss, logits, grads, _ = _qwen35_run(qwen35_small, dims)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    real = mask[:, :-1].astype(bool)
+    assert np.abs(logits - ref_logits)[real].max() <= 1e-5 * np.abs(ref_logits[real]).max()
+    assert set(grads) == set(ref_grads)
+    for name, g_ref in ref_grads.items():
+        n, g = g_ref.shape[0], grads[name]
+        assert np.abs(g[:n] - g_ref).max() <= 1e-5 * max(np.abs(g_ref).max(), 1e-12) + 1e-9, name
+        assert not g[n:].any(), f"{name}: padding rows got a gradient"
+
+
+_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(.*?replica_groups=(mesh\[[^\]]*\] \{[^}]*\}|\S+)")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _collective_group_size(groups: str) -> int:
+    """Devices per replica group of an HLO collective: explicit {{0,1},{2,3}} or the iota
+    form mesh['axis_0'=3,'axis_1'=2] {'axis_1'}."""
+    if groups.startswith("{{"):
+        return len(groups[2:].split("}")[0].split(","))
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", groups))
+    return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", groups.split("]", 1)[1])]))
+
+
+def _sp_collectives(hlo: str, sp: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every array a collective over groups of `sp` devices returns
+    (tuple results: each element)."""
+    out = []
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m and _collective_group_size(m.group(3)) == sp:
+            out += [(t, tuple(int(x) for x in dims.split(",") if x))
+                    for t, dims in _SHAPE.findall(m.group(1))]
+    return out
+
+
+def test_qwen35_gdn_layers_do_not_gather_the_sequence_over_sp(qwen35_small):
+    """The compiled 3 x 2 forward + backward: collectives over the sp pairs carry the
+    attention layer's K/V (and its key mask and positions, and the test loss's shifted
+    logits) over the sequence, and for the Gated DeltaNet layers only per-row summaries: conv tails [sp, rows, C, K-1], counts, and
+    the state maps [sp, rows, H_v, d_k, d_k] / [sp, rows, H_v, d_k, d_v] (forward gathers,
+    backward reduce-scatters). No float collective over sp has a [rows, S, width] shape
+    with a GDN or hidden width: the sequence is never replicated per sp shard."""
+    cfg = qwen35_small[0]
+    *_, hlo = _qwen35_run(qwen35_small, (3, 2))
+    s, rows = 22, 2                                # padded length; rows per fsdp shard
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    found = _sp_collectives(hlo, 2)
+    widths = {int(np.prod(sh)) // (rows * s) for t, sh in found if t == "f32" and s in sh}
+    assert kv in widths, f"the parser must see the attention layer's K/V gather: {found}"
+    # the GDN's input, conv channels, q/k/v heads, gates: none crosses sp over the sequence
+    # (the gathered design moved [rows, S, hidden] per layer, and back in the backward pass)
+    gdn = {cfg.hidden_size, cfg.conv_dim, hv * dv, hv * dk, hv}
+    assert not widths & gdn, (widths, gdn)
+    maps = {sh[-3:] for t, sh in found if t == "f32" and s not in sh}
+    assert (hv, dk, dk) in maps and (hv, dk, dv) in maps, maps
+    assert (cfg.conv_dim, cfg.linear_conv_kernel_dim - 1) in {m[-2:] for m in maps}, maps

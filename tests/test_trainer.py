@@ -33,8 +33,10 @@ def _cfg(**extra):
     return load_config(resolve_data_path("configs/cpu-default.yaml"), overrides, RunConfig)
 
 
-def _run(run_dir, *, resume=False, max_updates=None, sigterm_after=None, **extra):
-    trainer = Trainer(_cfg(**extra), run_dir, chat_model_dir(), resume=resume)
+def _run(run_dir, *, resume=False, max_updates=None, sigterm_after=None, model_dir=None, **extra):
+    model_dir = model_dir or chat_model_dir()
+    trainer = Trainer(_cfg(**{"model.path": str(model_dir), **extra}), run_dir, model_dir,
+                      resume=resume)
 
     def progress(row):
         if sigterm_after is not None and row["attempt"] + 1 == sigterm_after:
@@ -160,3 +162,67 @@ def test_config_errors_name_the_key():
 
     with pytest.raises(MeshError, match="fsdp=4 x sp=2 = 8 does not match the 6 devices"):
         Trainer(_cfg(**{"mesh.fsdp": 4}), "/tmp/never-written", chat_model_dir())
+
+
+# ---- a Qwen3.5 policy: carried vision tower and mtp.* frozen, Adam only for what trains -----
+def _run35(run_dir, **kw):
+    from chat_fixtures import qwen35_chat_model_dir
+
+    return _run(run_dir, model_dir=qwen35_chat_model_dir(), **{"schedule.total_updates": 2, **kw})
+
+
+@pytest.fixture(scope="module")
+def straight35(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight35")
+    trainer, summary = _run35(run_dir)
+    return run_dir, summary, trainer
+
+
+def test_qwen35_sigterm_resume_is_bitwise_and_carried_tensors_never_move(straight35, tmp_path):
+    from jax.sharding import PartitionSpec as P
+
+    from jscenegen.grpo.algo.optimizer import adam_state
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.hf_io import iter_hf_tensors
+    from jscenegen.model.weights import named_leaves, param_shapes
+
+    from chat_fixtures import qwen35_chat_model_dir
+
+    run_dir, summary, trainer = straight35
+    assert summary.optimizer_steps == 2
+    _, first = _run35(tmp_path, sigterm_after=1)
+    assert first.stopped_by_signal and first.attempts == 1
+    _, second = _run35(tmp_path, resume=True)
+    assert second.attempts == 2
+    a, b = _final(run_dir), _final(tmp_path)
+    cfg = QwenConfig.from_dir(qwen35_chat_model_dir())
+    every, trained = param_shapes(cfg, carried=True), param_shapes(cfg)
+    assert set(a.params) == set(every) and set(a.adam["mu"]) == set(a.adam["nu"]) == set(trained)
+    frozen = sorted(set(every) - set(trained))
+    assert any(n.startswith("model.visual.") for n in frozen) and any(n.startswith("mtp.") for n in frozen)
+    assert sorted(a.metadata["frozen_tensors"]) == frozen and sorted(a.frozen) == frozen
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
+    for name in trained:
+        np.testing.assert_array_equal(a.adam["mu"][name], b.adam["mu"][name], err_msg=name)
+        np.testing.assert_array_equal(a.adam["nu"][name], b.adam["nu"][name], err_msg=name)
+    assert _metrics(run_dir) == _metrics(tmp_path)
+    source = dict(iter_hf_tensors(qwen35_chat_model_dir(), cfg))
+    for name in frozen:  # carried through two runs and a resume, bitwise, in their stored dtype
+        assert a.params[name].dtype == source[name].dtype, name
+        np.testing.assert_array_equal(a.params[name], source[name], err_msg=name)
+    moved = [n for n in trained if not np.array_equal(a.params[n], source[n])]
+    assert "model.language_model.layers.0.linear_attn.A_log" in moved  # the GDN trains
+    # `jscenegen eval` builds the policy from the step (every tensor in params/)
+    from jscenegen.eval.evaluate import load_policy
+    from jscenegen.model.weights import Carried, named_weights
+    from jscenegen.sharding.mesh import make_mesh
+
+    policy = load_policy(run_dir / "checkpoints" / "2", make_mesh(3, 2))
+    carried = {n for n, v in named_weights(policy).items() if isinstance(v, Carried)}
+    assert carried == set(frozen)
+    # the live state after the compiled steps: every moment FSDP2-sharded like its parameter
+    st = adam_state(trainer.state.opt_state)
+    for group in (named_leaves(st.mu), named_leaves(st.nu)):
+        for name, arr in group.items():
+            assert arr.sharding.spec == P(("fsdp", "sp")) and arr.shape[0] % 6 == 0, name

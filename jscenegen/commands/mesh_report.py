@@ -2,7 +2,7 @@
 
 Any supported config works, composite Qwen3.5 ones included (configs/model-shapes/qwen3.5-*.json):
 their carried vision tower and MTP tensors are listed as frozen (held in their stored dtype,
-no Adam state).
+no Adam state); `--train-vision` counts the tower as trained (fp32 master weights + Adam).
 """
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def register(sub) -> None:
     p.add_argument("--devices", type=int, default=None,
                    help="device count to plan for (default: fsdp x sp)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--train-vision", action="store_true",
+                   help="Qwen3.5: the vision tower trained (fp32 + Adam, model.train_vision) "
+                        "instead of frozen in its stored dtype")
     p.set_defaults(func=run)
 
 
@@ -47,7 +50,8 @@ def run(args) -> int:
         raise ValueError("--mesh fsdp=-1 needs --devices N")
     fsdp, sp = mesh_shape(n, fsdp, sp)
     frozen = {name: np_dtype(cfg.stored_dtype(name)).itemsize
-              for name, spec in weight_table(cfg).items() if spec.carried}
+              for name, spec in weight_table(cfg, train_vision=args.train_vision).items()
+              if spec.carried}
     report = layout_report(param_shapes(cfg, carried=True), n, {"fsdp": fsdp, "sp": sp}, frozen)
     if args.json:
         print(json.dumps(report))

@@ -52,6 +52,9 @@ def register(sub) -> None:
 
 
 def _add_common(p) -> None:
+    p.add_argument("--train-vision", action="store_true",
+                   help="Qwen3.5: train the vision tower (zero gradient, AdamW state and decay, "
+                        "as VERL with freeze_vision_tower false); default frozen")
     p.add_argument("--perturb-torch", type=float, default=0.0,
                    help="add this to one torch embedding weight first (shows the check can fail)")
     p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE",
@@ -85,7 +88,7 @@ def run_grpo_step(args) -> int:
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
                               seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
-                              torch_perturbation=args.perturb_torch)
+                              torch_perturbation=args.perturb_torch, train_vision=args.train_vision)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 
@@ -112,7 +115,8 @@ def run_train(args) -> int:
     for result in train_parity(args.model, trajs, updates=args.updates, roles=args.roles,
                                loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                                temperature=args.temperature, seed=args.seed,
-                               torch_perturbation=args.perturb_torch):
+                               torch_perturbation=args.perturb_torch,
+                               train_vision=args.train_vision):
         print(json.dumps(result), flush=True)
         ok = result.get("ok", False)
     return 0 if ok else 1

@@ -207,3 +207,46 @@ def gated_delta_state_map(q: jax.Array, k: jax.Array, g: jax.Array, beta: jax.Ar
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, h, dk, dk))
     zeros = jnp.zeros(k.shape, jnp.float32)
     return gated_delta_chunked(q, k, zeros, g, beta, eye, chunk_size)
+
+
+def gated_delta_segment(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                        beta: jax.Array, chunk_size: int = 64
+                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One segment of a sequence, run from a zero state, with the affine map of the state
+    entering it: what a context-parallel shard computes before it knows that state.
+
+    q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]. Returns float32
+    (o0 [B, T, H, Dv], final0 [B, H, Dk, Dv], q_eff [B, T, H, Dk], transition [B, H, Dk, Dk])
+    such that for an entering state S [B, H, Dk, Dv] (`gated_delta_state_map`):
+
+        o(S)     = o0 + einsum("bthk,bhkv->bthv", q_eff, S)
+        final(S) = einsum("bhkj,bhjv->bhkv", transition, S) + final0
+
+    One chunked pass over Dv + Dk value columns: the rule is linear in (S, v) and each value
+    column evolves on its own, so columns [0, Dv) with v and S = 0 give (o0, final0) and
+    columns [Dv, Dv + Dk) with v = 0 and S = I give (q_eff, transition).
+    """
+    b, _, h, dk = k.shape
+    dv = v.shape[-1]
+    v_ext = jnp.concatenate([jnp.asarray(v, jnp.float32), jnp.zeros(k.shape, jnp.float32)], -1)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, h, dk, dk))
+    s0 = jnp.concatenate([jnp.zeros((b, h, dk, dv), jnp.float32), eye], -1)
+    o, final = gated_delta_chunked(q, k, v_ext, g, beta, s0, chunk_size)
+    return o[..., :dv], final[..., :dv], o[..., dv:], final[..., dv:]
+
+
+def gated_delta_prefix(transitions: jax.Array, finals: jax.Array,
+                       initial: jax.Array | None = None) -> jax.Array:
+    """States entering each of N consecutive segments, from their maps (`gated_delta_segment`).
+
+    transitions [N, B, H, Dk, Dk], finals [N, B, H, Dk, Dv] in sequence order; initial
+    [B, H, Dk, Dv] or None (zeros). S_0 = initial, S_{j+1} = transition_j S_j + final_j.
+    Returns [N + 1, B, H, Dk, Dv] float32: entry j enters segment j, entry N is the final state.
+    """
+    state = (jnp.zeros(finals.shape[1:], jnp.float32) if initial is None
+             else jnp.asarray(initial, jnp.float32))
+    out = [state]
+    for j in range(transitions.shape[0]):
+        state = _mm("bhkj,bhjv->bhkv", transitions[j], state) + finals[j]
+        out.append(state)
+    return jnp.stack(out)

@@ -40,9 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jscenegen.model.causal_conv import causal_conv, conv_state_prefix, last_real_inputs
 from jscenegen.model.config import FULL_ATTENTION, LINEAR_ATTENTION, QwenConfig
 from jscenegen.model.dtypes import np_dtype
-from jscenegen.model.gated_delta import gated_delta_chunked, gated_delta_step
+from jscenegen.model.gated_delta import (
+    gated_delta_chunked,
+    gated_delta_prefix,
+    gated_delta_segment,
+    gated_delta_step,
+)
 from jscenegen.model.qwen import (
     MLP,
     CausalLM,
@@ -55,8 +61,16 @@ from jscenegen.model.qwen import (
 )
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import CarriedTree, ParamFactory, weight_table
-from jscenegen.sharding.constraints import constrain, constrain_grouped
-from jscenegen.sharding.rules import ACTIVATION, LAYER_ROWS, REPLICATED, ROWS, SEQ_GATHERED
+from jscenegen.sharding.constraints import axis_size, constrain, constrain_grouped
+from jscenegen.sharding.rules import (
+    ACTIVATION,
+    FSDP,
+    LAYER_ROWS,
+    REPLICATED,
+    ROWS,
+    SEQ_GATHERED,
+    SP,
+)
 
 CHUNK_SIZE = 64       # the chunked delta rule's chunk (transformers' and FLA's default)
 L2NORM_EPS = 1e-6     # T `l2norm`: fixed, not rms_norm_eps
@@ -135,39 +149,6 @@ class GatedAttention(nnx.Module):
 
 
 # ---- Gated DeltaNet ---------------------------------------------------------------------------
-def causal_conv(u: jax.Array, mask: jax.Array, weight: jax.Array,
-                state: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Depthwise causal conv + SiLU over each row's real tokens (T `causal_conv1d_fn` /
-    `causal_conv1d_update` with `activation="silu"`).
-
-    u [B, S, C] inputs (values at padding ignored); mask [B, S] bool (True = real token);
-    weight [C, K] (`conv1d.weight[:, 0, :]`; column K-1 multiplies the current token, column 0
-    the one K-1 real tokens back); state [B, C, K-1]: the row's last K-1 real inputs before
-    this chunk, oldest first (zeros at a sequence start).
-
-    Real tokens are packed to the front of each row (stable), convolved after the state, and
-    scattered back, so a real token's window skips padding wherever it sits. Computed in fp32.
-    Returns (y [B, S, C] in u's dtype, 0 at padding; new state [B, C, K-1] in state's dtype:
-    the last K-1 real inputs including this chunk's, unchanged for a row without real tokens).
-    """
-    b, s, c = u.shape
-    k = weight.shape[-1]
-    dtype = u.dtype
-    u = jnp.where(mask[..., None], u, 0).astype(jnp.float32)
-    order = jnp.argsort(~mask, axis=1, stable=True)                      # real tokens first
-    packed = jnp.take_along_axis(u, order[..., None], axis=1)            # [B, S, C]
-    hist = jnp.concatenate([jnp.swapaxes(state, 1, 2).astype(jnp.float32), packed], axis=1)
-    w = weight.astype(jnp.float32)
-    y = sum(w[:, j] * hist[:, j: j + s] for j in range(k))               # [B, S, C] packed
-    y = jax.nn.silu(y)
-    rank = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
-    y = jnp.where(mask[..., None], jnp.take_along_axis(y, rank[..., None], axis=1), 0.0)
-    real = jnp.sum(mask.astype(jnp.int32), axis=1)                       # [B]
-    tail = real[:, None] + jnp.arange(k - 1)[None, :]                    # hist[n .. n+K-2]
-    new_state = jnp.take_along_axis(hist, tail[..., None], axis=1)       # [B, K-1, C]
-    return y.astype(dtype), jnp.swapaxes(new_state, 1, 2).astype(state.dtype)
-
-
 def l2norm(x: jax.Array) -> jax.Array:
     """x * rsqrt(sum(x^2) + 1e-6) over the last axis, in fp32 (T `l2norm`, FLA's convention)."""
     x = x.astype(jnp.float32)
@@ -216,12 +197,20 @@ class GatedDeltaNet(nnx.Module):
         [B, H_v, d_k, d_v] f32 entering this call (None: zeros, a sequence start).
         Returns (out [B, S, h], conv_state, rec_state) with the states after the real tokens.
 
-        The recurrence runs the whole sequence on every `sp` shard (SEQ_GATHERED) until
-        context-parallel state passing exists (issue 15).
+        Sequence parallelism: a full sequence (no states given) under a mesh with sp > 1
+        whose rows divide over fsdp and positions over sp runs context-parallel
+        (`_context_parallel`: every sp shard keeps its own positions; only per-row conv
+        tails and state maps move) and returns (out, None, None). Otherwise (a cache, a
+        single device, indivisible shapes) the sequence is gathered over sp
+        (SEQ_GATHERED) and the recurrence runs whole on each sp shard.
         """
         b, s, _ = x.shape
         dt = x.dtype
-        x = constrain(x, SEQ_GATHERED)
+        sp, fsdp = axis_size(SP), axis_size(FSDP)
+        context_parallel = (conv_state is None and rec_state is None and sp > 1
+                            and s % sp == 0 and b % fsdp == 0)
+        if not context_parallel:
+            x = constrain(x, SEQ_GATHERED)
         u = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(b, s, self.hv, self.dv)
         beta = jax.nn.sigmoid(self.in_proj_b(x))
@@ -231,27 +220,78 @@ class GatedDeltaNet(nnx.Module):
         beta = jnp.where(mask[..., None], beta, 0)
         g = jnp.where(mask[..., None], g, 0.0)
         weight = logical(self.conv1d.weight, jnp.float32)[:, 0, :]
-        if conv_state is None:
-            conv_state = jnp.zeros((b, weight.shape[0], weight.shape[1] - 1), dt)
-        u, conv_state = causal_conv(u, mask, weight, conv_state)
-        u = u.astype(dt)
+        if context_parallel:
+            o = self._context_parallel(u, mask, weight, g, beta, chunk=min(CHUNK_SIZE, s // sp))
+        else:
+            if conv_state is None:
+                conv_state = jnp.zeros((b, weight.shape[0], weight.shape[1] - 1), dt)
+            u, conv_state = causal_conv(u, mask, weight, conv_state)
+            q, k, v = self._heads(u.astype(dt))
+            if s == 1:
+                if rec_state is None:
+                    rec_state = jnp.zeros((b, self.hv, self.dk, self.dv), jnp.float32)
+                o, rec_state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                                rec_state)
+                o = o[:, None]
+            else:
+                o, rec_state = gated_delta_chunked(q, k, v, g, beta, rec_state,
+                                                   chunk_size=min(CHUNK_SIZE, s))
+        o = self.norm(o.astype(dt), z)
+        return self.out_proj(o.reshape(b, s, self.hv * self.dv)), conv_state, rec_state
+
+    def _heads(self, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """u [B, S, C] (after the conv, compute dtype) -> q, k [B, S, H_v, d_k] f32 (key heads
+        repeated to value heads, l2-normalised), v [B, S, H_v, d_v] (head-major splits)."""
+        b, s, _ = u.shape
         kd = self.hk * self.dk
         q = u[..., :kd].reshape(b, s, self.hk, self.dk)
         k = u[..., kd: 2 * kd].reshape(b, s, self.hk, self.dk)
         v = u[..., 2 * kd:].reshape(b, s, self.hv, self.dv)
         r = self.hv // self.hk
-        q, k = l2norm(jnp.repeat(q, r, axis=2)), l2norm(jnp.repeat(k, r, axis=2))
-        if s == 1:
-            if rec_state is None:
-                rec_state = jnp.zeros((b, self.hv, self.dk, self.dv), jnp.float32)
-            o, rec_state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                            rec_state)
-            o = o[:, None]
-        else:
-            o, rec_state = gated_delta_chunked(q, k, v, g, beta, rec_state,
-                                               chunk_size=min(CHUNK_SIZE, s))
-        o = self.norm(o.astype(dt), z)
-        return self.out_proj(o.reshape(b, s, self.hv * self.dv)), conv_state, rec_state
+        return l2norm(jnp.repeat(q, r, axis=2)), l2norm(jnp.repeat(k, r, axis=2)), v
+
+    def _context_parallel(self, u, mask, weight, g, beta, chunk: int) -> jax.Array:
+        """Conv + delta rule of a full sequence split over `sp` (docs/qwen35.md 8.6), from
+        zero states. u [B, S, C], mask [B, S], g/beta [B, S, H_v] sharded ACTIVATION (rows
+        over fsdp, positions over sp); weight [C, K] f32. Returns o [B, S, H_v, d_v] f32,
+        sharded ACTIVATION.
+
+        Per sp shard i (its segment of every row), inside `jax.shard_map`:
+          1. conv: its last K-1 real inputs and real count (`last_real_inputs`) are
+             all-gathered over sp; the state entering it folds shards 0..i-1
+             (`conv_state_prefix`), so each token's window holds the previous K-1 real tokens
+             of the whole row, as unsharded;
+          2. delta rule from a zero state plus the affine map of the entering state
+             (`gated_delta_segment`: o0, final0, q_eff, transition, one chunked pass);
+             (transition, final0) are all-gathered over sp and composed in order,
+             S_{j+1} = transition_j S_j + final0_j (`gated_delta_prefix`);
+          3. o = o0 + q_eff S_i.
+        What moves between sp shards per GDN layer and row: K-1 conv inputs x C channels and
+        a count, and H_v x d_k x (d_k + d_v) fp32 of maps; never the sequence.
+        """
+        dt = u.dtype
+        heads = self._heads
+
+        def body(u, mask, g, beta, weight):
+            i = jax.lax.axis_index(SP)
+            tail, count = last_real_inputs(u, mask, weight.shape[-1])
+            entering = conv_state_prefix(jax.lax.all_gather(tail, SP),
+                                         jax.lax.all_gather(count, SP))
+            conv_in = jax.lax.dynamic_index_in_dim(entering, i, keepdims=False)
+            y, _ = causal_conv(u, mask, weight, conv_in)
+            q, k, v = heads(y.astype(dt))
+            o0, final0, q_eff, transition = gated_delta_segment(q, k, v, g, beta, chunk)
+            states = gated_delta_prefix(jax.lax.all_gather(transition, SP),
+                                        jax.lax.all_gather(final0, SP))
+            s_in = jax.lax.dynamic_index_in_dim(states, i, keepdims=False)
+            return o0 + jnp.einsum("bthk,bhkv->bthv", q_eff, s_in,
+                                   precision=jax.lax.Precision.HIGHEST)
+
+        # check_vma off: the kernels start from constants (zero / identity states) that the
+        # varying-axes checker would want cast per carry; every output is per-shard anyway.
+        return jax.shard_map(body, in_specs=(ACTIVATION, ACTIVATION, ACTIVATION, ACTIVATION,
+                                             REPLICATED), out_specs=ACTIVATION,
+                             check_vma=False)(u, mask, g, beta, weight)
 
 
 # ---- decoder layer, cache, model ---------------------------------------------------------------
@@ -395,13 +435,18 @@ class Qwen35ForCausalLM(CausalLM):
     `Qwen3_5ForConditionalGeneration` (qwen3_5), with the vision tower and MTP head carried.
 
     Args as `qwen.QwenForCausalLM` (cfg, rngs, pad_multiple, param_dtype, compute_dtype, remat,
-    attn_impl). Raises ValueError for balance_shards > 1: the causal load-balanced token order
-    would feed the recurrence out of order (model.causal_balance must stay false).
+    attn_impl), and train_vision: hold the vision tower's tensors as trainable `nnx.Param`s
+    in the param dtype (zero gradient on text, AdamW state and decay, as VERL with
+    freeze_vision_tower false) instead of `Carried` ones (`weights.weight_table`).
+    Raises ValueError for balance_shards > 1 (the causal load-balanced token order would feed
+    the recurrence out of order: model.causal_balance must stay false) and for train_vision
+    on a config without a vision tower.
     """
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1):
+                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1,
+                 train_vision: bool = False):
         if not cfg.hybrid:
             raise ValueError(f"Qwen35ForCausalLM needs a qwen3_5 config, got {cfg.model_type!r}")
         if balance_shards > 1:
@@ -411,7 +456,7 @@ class Qwen35ForCausalLM(CausalLM):
         self.compute_dtype = compute_dtype
         self.remat = remat
         self.balance_shards = 1
-        make = ParamFactory(weight_table(cfg), rngs=rngs, pad_multiple=pad_multiple,
+        make = ParamFactory(weight_table(cfg, train_vision=train_vision), rngs=rngs, pad_multiple=pad_multiple,
                             dtype=np_dtype(param_dtype))
         if cfg.model_type == "qwen3_5":
             self.model = VisionLanguageModel(cfg, make, attn_impl)

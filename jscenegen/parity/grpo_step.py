@@ -1,7 +1,8 @@
 """`jscenegen parity grpo-step`: one GRPO update in jscenegen and in the torch baseline.
 
-The torch side is transformers' Qwen2/Qwen3 torch model on the same HF directory (fp32,
-eager attention, VERL's position ids for left padding), the spec formulas of
+The torch side is transformers' torch model on the same HF directory (Qwen2/Qwen3; Qwen3.5 as
+Qwen3_5ForConditionalGeneration or Qwen3_5ForCausalLM, text only; fp32, eager attention, VERL's
+position ids for left padding), the spec formulas of
 `torch_reference` and torch.optim.AdamW + clip_grad_norm_ + LambdaLR. The batch is fixed
 and synthetic: 2 groups of 4 episodes with random rewards (one policy failure, -1), left
 padding, environment text and two policy roles (Planner and Designer turns); the update
@@ -9,7 +10,8 @@ trains one role. Old log-probs are each side's own recompute plus one shared per
 (so the clip bounds are reached); the optional reference log-probs are shared likewise.
 
 Prints one JSON line; exit 1 when beyond the tolerances: |loss diff| <= 1e-5 and every
-parameter within 2.4e-7 x max(1, |p|) of torch's after the step (fp32).
+trained parameter within 2.4e-7 x max(1, |p|) of torch's after the step (fp32), every frozen
+tensor (Qwen3.5's carried vision tower and mtp.*) unchanged.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
 
 LOSS_TOL = 1e-5
 PARAM_TOL = 2.4e-7
+VISION_PREFIX = "model.visual."
 
 
 def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int = 4,
@@ -70,9 +73,47 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
     }
 
 
+def torch_policy(model_dir: str, model_type: str, *, train_vision: bool = False,
+                 perturbation: float = 0.0):
+    """transformers' torch model of `model_dir` as the torch baseline trains it: fp32, eager
+    attention (`logits.torch_model`: Qwen3_5ForConditionalGeneration for qwen3_5, fed text
+    only), the vision tower frozen (requires_grad False: no gradient, no AdamW state, as for
+    jscenegen's carried tower) unless `train_vision`, and `perturbation` added to one
+    embedding weight (`torch_reference.perturb_embedding`)."""
+    from jscenegen.parity import torch_reference as ref
+    from jscenegen.parity.logits import torch_model
+
+    tmodel = torch_model(str(model_dir), model_type, "float32")
+    for name, p in tmodel.named_parameters():
+        if name.startswith(VISION_PREFIX) and not train_vision:
+            p.requires_grad_(False)
+    ref.perturb_embedding(tmodel, perturbation)
+    return tmodel
+
+
+def trained_names(tmodel) -> set[str]:
+    """Names of the torch parameters the baseline trains (requires_grad)."""
+    return {n for n, p in tmodel.named_parameters() if p.requires_grad}
+
+
+def frozen_unchanged(model, model_dir: str, tmodel, torch_before: dict) -> bool:
+    """True when no frozen tensor moved: jscenegen's carried ones (vision tower, mtp.*) still
+    equal the HF file's bitwise (`hf_io.iter_hf_tensors`), and torch's frozen parameters
+    equal `torch_before` ({name: array} taken before the updates)."""
+    from jscenegen.model.hf_io import iter_hf_tensors
+    from jscenegen.model.weights import Carried, named_weights
+
+    carried = {n: v for n, v in named_weights(model).items() if isinstance(v, Carried)}
+    ok = all(np.array_equal(np.asarray(carried[n][...])[: carried[n].rows], a)
+             for n, a in iter_hf_tensors(model_dir, model.cfg) if n in carried)
+    return ok and all(np.array_equal(p.detach().numpy(), torch_before[n])
+                      for n, p in tmodel.named_parameters() if not p.requires_grad)
+
+
 def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
                      seed: int = 0, rows: int = 8, seq: int = 32, pad_rows: int = 0,
-                     compare_grads: bool = False, torch_perturbation: float = 0.0) -> dict:
+                     compare_grads: bool = False, torch_perturbation: float = 0.0,
+                     train_vision: bool = False) -> dict:
     """Run one update both ways; returns the comparison (see module doc) with `ok`.
 
     With `compare_grads` the accumulated gradients are also compared element-wise
@@ -80,28 +121,34 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     `torch_perturbation` is added to one element of torch's input embedding first (shows the
     comparison can fail; `ref.perturb_embedding`).
 
+    Qwen3.5: transformers' Qwen3_5ForConditionalGeneration (qwen3_5) or Qwen3_5ForCausalLM,
+    fed text with explicit position ids. The trained tensors are compared (`trained_tensors`);
+    the frozen ones (the vision tower unless `train_vision`, and mtp.*, which transformers
+    never builds) must be unchanged on both sides (`frozen_unchanged`). With `train_vision`
+    the tower is trained on both sides with a zero gradient (VERL's dummy image): AdamW
+    decays it, p (1 - lr wd), in both.
+
     Micro-batching: jscenegen uses `loss_cfg.ppo_micro_batch_size`; torch uses the same row
     blocks, with VERL 0.9's global or the legacy per-micro-batch normalisation as configured.
     Raises ImportError without torch, and the loaders' errors for a bad directory.
     """
     import jax
     import torch
-    from flax import nnx
-    from transformers import AutoModelForCausalLM
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.grpo.algo.optimizer import init_train_state, param_names
     from jscenegen.grpo.train.step import GRPOStep
-    from jscenegen.model.functional import hidden_fn
+    from jscenegen.model.functional import hidden_fn, split_params
     from jscenegen.model.hf_io import load_hf
     from jscenegen.parity import torch_reference as ref
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
-    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
-    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32",
+                    train_vision=train_vision)
+    graphdef, params, frozen = split_params(model)
     names = param_names(params)
-    step = GRPOStep(hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
+    step = GRPOStep(hidden_fn(graphdef, frozen), loss_cfg, optim_cfg,
                     temperature=temperature, donate=False)
     data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed, pad_rows=pad_rows)
     rows = rows + pad_rows
@@ -117,9 +164,10 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     jax_new = dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(state.params))))
 
     torch.manual_seed(0)
-    tmodel = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                  attn_implementation="eager").eval()
-    ref.perturb_embedding(tmodel, torch_perturbation)
+    tmodel = torch_policy(model_dir, model.cfg.model_type, train_vision=train_vision,
+                          perturbation=torch_perturbation)
+    torch_frozen = {n: p.detach().numpy().copy() for n, p in tmodel.named_parameters()
+                    if not p.requires_grad}
     tb = {"input_ids": torch.from_numpy(data["input_ids"].astype(np.int64)),
           "attention_mask": torch.from_numpy(data["attention_mask"].astype(np.int64))}
     with torch.no_grad():
@@ -135,11 +183,12 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     t_metrics, t_grads, _, _ = ref.grpo_step(
         tmodel, tb, loss_cfg, optim_cfg, temperature=temperature,
         num_micro_batches=rows // micro_rows, return_grads=compare_grads)
-    t_new = {n: p.detach().numpy() for n, p in tmodel.named_parameters()}
+    t_new = {n: p.detach().numpy() for n, p in tmodel.named_parameters() if p.requires_grad}
 
     missing = sorted(set(t_new) ^ set(jax_new))
     if missing:
-        raise ValueError(f"parameter names differ between jscenegen and transformers: {missing}")
+        raise ValueError(f"trained parameter names differ between jscenegen and transformers: "
+                         f"{missing[:5]}")
     rel = {n: np.abs(jax_new[n] - t_new[n]) / np.maximum(1.0, np.abs(t_new[n])) for n in names}
     worst = max(names, key=lambda n: float(rel[n].max()))
     worst_idx = np.unravel_index(int(np.argmax(rel[worst])), rel[worst].shape)
@@ -148,8 +197,10 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     upd_scale = max(float(np.max(np.abs(t_new[n] - p0[n]))) for n in names)
     upd_diff = max(float(np.max(np.abs((jax_new[n] - p0[n]) - (t_new[n] - p0[n])))) for n in names)
     loss_diff = abs(float(metrics["loss"]) - t_metrics["loss"])
+    from jscenegen.model.weights import named_weights
+
     result = {
-        "model_type": model.cfg.model_type,
+        "model_type": model.cfg.model_type, "train_vision": train_vision,
         "loss_jax": float(metrics["loss"]), "loss_torch": t_metrics["loss"], "loss_diff": loss_diff,
         "grad_norm_jax": float(metrics["grad_norm"]), "grad_norm_torch": t_metrics["grad_norm"],
         "grad_norm_ratio": float(metrics["grad_norm"]) / t_metrics["grad_norm"],
@@ -159,8 +210,15 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         "clipfrac": float(metrics["clipfrac"]), "trained_tokens": int(on.sum()),
         "loss_agg_mode": loss_cfg.loss_agg_mode, "loss_scale": loss_cfg.loss_scale,
         "micro_batches": rows // micro_rows, "rows": rows, "pad_rows": pad_rows, "lr": optim_cfg.lr,
+        "trained_tensors": len(names), "frozen_tensors": len(named_weights(model)) - len(names),
+        "frozen_unchanged": frozen_unchanged(model, model_dir, tmodel, torch_frozen),
         "tolerances": {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL},
     }
+    if train_vision:  # the tower's whole update is AdamW's decay, p (1 - lr wd), on both sides
+        vision = [n for n in names if n.startswith(VISION_PREFIX)]
+        result["vision_update_max"] = max(float(np.max(np.abs(t_new[n] - p0[n]))) for n in vision)
+        result["vision_update_max_diff"] = max(
+            float(np.max(np.abs((jax_new[n] - p0[n]) - (t_new[n] - p0[n])))) for n in vision)
     if compare_grads:
         grads = step.grads(params, batch)[0]
         jax_grads = dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(grads))))
@@ -171,5 +229,6 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         result["worst_param_grads"] = [float(jax_grads[worst][worst_idx]),
                                        float(t_grads[worst][worst_idx])]
     result["ok"] = bool(loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL
+                        and result["frozen_unchanged"]
                         and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
     return result

@@ -182,6 +182,10 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
               optimizer=None, scheduler=None, return_grads=False):
     """One GRPO update of a transformers model, VERL style.
 
+    The parameters with `requires_grad` are trained (a frozen vision tower is not: no
+    gradient, no AdamW state, no decay); a trained one the forward never reaches gets a zero
+    gradient (VERL's dummy image), so AdamW decays it.
+
     Returns (metrics {loss, grad_norm, skipped}, grads {name: np.ndarray before clipping} or
     None, optimizer, scheduler).
 
@@ -191,7 +195,7 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     losses are summed (VERL 0.9.1 engine); legacy divides each by its own counts and by k.
     """
     torch = _torch()
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen: no state
     params = [p for _, p in named]
     if optimizer is None:
         optimizer, scheduler = make_torch_optimizer(params, optim_cfg)
@@ -218,6 +222,12 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
             loss = loss / num_micro_batches
         loss.backward()
         total += float(loss.detach())
+    for _, p in named:
+        # A trained parameter the text forward never reaches (Qwen3.5's vision tower with
+        # train_vision) gets a zero gradient, as VERL gives it by running the tower on a dummy
+        # image: AdamW then keeps state for it and decays it (a None grad would skip it).
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     grads = ({n: p.grad.detach().numpy().copy() for n, p in named} if return_grads else None)
     max_norm = optim_cfg.grad_clip if optim_cfg.grad_clip and optim_cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -168,46 +168,50 @@ def _by_name(names, tree) -> dict[str, np.ndarray]:
 
 def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, updates: int = 3,
                  roles: str = "DDDPC", loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
-                 seed: int = 0, torch_perturbation: float = 0.0, col_multiple: int = 16):
+                 seed: int = 0, torch_perturbation: float = 0.0, col_multiple: int = 16,
+                 train_vision: bool = False):
     """Yield one comparison dict per update (see module doc); the last one carries `ok`.
 
     `torch_perturbation` is added to one element of torch's input embedding before the
     first update (a self-check that the comparison can fail). Every update is padded to the
-    longest trajectory (one compile per group size). Raises ValueError for parameter names
+    longest trajectory (one compile per group size). Qwen3.5 and `train_vision`: as
+    `grpo_step.grpo_step_parity` (trained tensors compared, frozen ones unchanged on both
+    sides, `frozen_unchanged` in the last line). Raises ValueError for parameter names
     that differ between the two models, or GRPOStep's for a group that does not split into
     `ppo_micro_batch_size` micro-batches.
     """
     import jax
     import torch
-    from flax import nnx
-    from transformers import AutoModelForCausalLM
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.grpo.algo.optimizer import init_train_state, param_names
     from jscenegen.grpo.train.batch import build_group_batch
     from jscenegen.grpo.train.step import GRPOStep
-    from jscenegen.model.functional import hidden_fn
+    from jscenegen.model.functional import hidden_fn, split_params
     from jscenegen.model.hf_io import load_hf
     from jscenegen.parity import torch_reference as ref
+    from jscenegen.parity.grpo_step import frozen_unchanged, torch_policy, trained_names
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
     groups = group_trajectories(trajectories)
-    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32")
-    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32",
+                    train_vision=train_vision)
+    graphdef, params, frozen = split_params(model)
     names = param_names(params)
-    step = GRPOStep(hidden_fn(graphdef, *rest), loss_cfg, optim_cfg,
+    step = GRPOStep(hidden_fn(graphdef, frozen), loss_cfg, optim_cfg,
                     temperature=temperature, donate=False)
     state = init_train_state(params, optim_cfg)
 
     torch.manual_seed(0)
-    tmodel = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                  attn_implementation="eager").eval()
-    ref.perturb_embedding(tmodel, torch_perturbation)
-    t_names = {n for n, _ in tmodel.named_parameters()}
+    tmodel = torch_policy(str(model_dir), model.cfg.model_type, train_vision=train_vision,
+                          perturbation=torch_perturbation)
+    torch_frozen = {n: p.detach().numpy().copy() for n, p in tmodel.named_parameters()
+                    if not p.requires_grad}
+    t_names = trained_names(tmodel)
     if t_names != set(names):
-        raise ValueError("parameter names differ between jscenegen and transformers: "
-                         f"{sorted(t_names ^ set(names))}")
+        raise ValueError("trained parameter names differ between jscenegen and transformers: "
+                         f"{sorted(t_names ^ set(names))[:5]}")
     optimizer = scheduler = None
     # one padded length for all updates (one compile)
     length = max(t.num_tokens for t in trajectories)
@@ -247,7 +251,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             num_micro_batches=len(group) // micro_rows, optimizer=optimizer, scheduler=scheduler)
 
         jax_p = _by_name(names, state.params)
-        t_p = {n: p.detach().numpy() for n, p in tmodel.named_parameters()}
+        t_p = {n: p.detach().numpy() for n, p in tmodel.named_parameters() if p.requires_grad}
         rel = {n: float(np.max(np.abs(jax_p[n] - t_p[n]) / np.maximum(1.0, np.abs(t_p[n]))))
                for n in names}
         worst = max(rel, key=rel.get)
@@ -264,9 +268,13 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
         untrained += int(not on.any())
         if k == updates - 1:
             result["untrained_updates"] = untrained
+            result["trained_tensors"] = len(names)
+            result["frozen_unchanged"] = frozen_unchanged(model, str(model_dir), tmodel,
+                                                          torch_frozen)
             result["tolerances"] = {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL,
                                     "grad_norm_ratio": GRAD_NORM_TOL}
             result["ok"] = bool(untrained == 0 and result["loss_diff"] <= LOSS_TOL
+                                and result["frozen_unchanged"]
                                 and result["max_param_diff"] <= PARAM_TOL
                                 and abs((result["grad_norm_ratio"] or 0.0) - 1) <= GRAD_NORM_TOL
                                 and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)

@@ -16,6 +16,13 @@ def _active() -> bool:
     return not mesh.empty and set(AXES) <= set(mesh.axis_names)
 
 
+def axis_size(name: str) -> int:
+    """Size of mesh axis `name` ("fsdp" or "sp") under an active ("fsdp", "sp") mesh, else 1."""
+    if not _active():
+        return 1
+    return jax.sharding.get_abstract_mesh().shape[name]
+
+
 def constrain(x: jax.Array, spec: P) -> jax.Array:
     """with_sharding_constraint(x, spec padded with None to x's rank) under an ("fsdp","sp") mesh."""
     if not _active():

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("fsdp", "sp")
+FSDP, SP = AXES                    # the axis names, for collectives inside shard_map
 
 PARAM = P(AXES)                    # [n, ...] parameter / Adam moment: dim 0 over every device
 STACKED_PARAM = P(None, AXES)      # [L, n, ...] parameters stacked over layers (the layer scan)

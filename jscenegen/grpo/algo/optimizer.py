@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.model.weights import named_leaves
@@ -162,10 +163,23 @@ class TrainState(NamedTuple):
 
 
 def init_train_state(params, optim_cfg: OptimConfig, lr_step: int = 0) -> TrainState:
-    """Fresh optimizer state (zero moments, count 0) for `params`."""
+    """Fresh optimizer state (zero moments, count 0) for `params`.
+
+    Called eagerly on parameters placed on a mesh (NamedSharding), every moment takes its
+    parameter's sharding (FSDP2: dim 0 over all devices, padded) and the counters are
+    replicated on that mesh, so the compiled step's outputs match its inputs and it compiles
+    once. (Under `jax.jit` the moments of `zeros_like` are laid out by propagation, which
+    replicated them: measured on the 3 x 2 mesh; do not build the state inside jit.)
+    """
     tx = make_optimizer(optim_cfg)
-    return TrainState(params, tx.init(params), jnp.asarray(lr_step, jnp.int32),
-                      jnp.zeros((), jnp.int32))
+    state = TrainState(params, tx.init(params), jnp.asarray(lr_step, jnp.int32),
+                       jnp.zeros((), jnp.int32))
+    leaves = jax.tree.leaves(params)
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    if isinstance(sharding, NamedSharding) and not isinstance(leaves[0], jax.core.Tracer):
+        replicated = NamedSharding(sharding.mesh, PartitionSpec())
+        state = jax.tree.map(lambda x: jax.device_put(x, replicated) if x.ndim == 0 else x, state)
+    return state
 
 
 def apply_gradients(tx, optim_cfg: OptimConfig, state: TrainState, grads) -> tuple[TrainState, dict]:
