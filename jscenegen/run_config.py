@@ -42,7 +42,8 @@ class WarmStartConfig(Section):
     """How the CPU default gets a policy that can act when `model.path` is null: a tiny model
     created once, then supervised on the scripted expert's episodes (cached by config hash)."""
 
-    arch: str = Field("qwen3", pattern="^(qwen2|qwen3)$")
+    arch: str = Field("qwen3", pattern="^(qwen2|qwen3|qwen3_5)$", description="qwen2, qwen3 "
+                      "or qwen3_5 (the hybrid with a vision tower, `init-model --arch qwen3_5`)")
     preset: str = Field("tiny", pattern="^(micro|tiny|small)$")
     sft_config: str | None = Field("configs/sft-cpu.yaml", description="SFT run config; null: "
                                    "train GRPO from the untrained model")

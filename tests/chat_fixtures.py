@@ -38,3 +38,20 @@ def chat_model_dir() -> Path:
     atexit.register(shutil.rmtree, root, True)
     return init_model_dir(root / "tiny", arch="qwen3", texts=scripted_texts(), vocab_size=2048,
                           seed=0, **TINY_MODEL)
+
+
+# A tiny Qwen3.5 (3 Gated DeltaNet layers + 1 gated attention layer, a carried vision tower and
+# MTP head) with the same protocol tokenizer: the trainer's Qwen3.5 tests.
+TINY_QWEN35 = dict(hidden_size=64, intermediate_size=128, head_dim=16, num_attention_heads=4,
+                   num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+@functools.cache
+def qwen35_chat_model_dir() -> Path:
+    from jscenegen.model.init_model import init_model_dir
+
+    root = Path(tempfile.mkdtemp(prefix="jscenegen-chat35-"))
+    atexit.register(shutil.rmtree, root, True)
+    return init_model_dir(root / "tiny35", arch="qwen3_5", preset="micro", texts=scripted_texts(),
+                          vocab_size=2048, seed=0, **TINY_QWEN35)

@@ -142,7 +142,7 @@ def test_restore_bitwise_on_another_mesh(saved, mesh_shape):
             np.testing.assert_array_equal(host[: SHAPES[n][0]], want[n])
             assert not host[SHAPES[n][0]:].any(), f"{n}: padding rows must be zero"
     assert ck.train_state == dict(TRAIN_STATE, update=7)
-    assert ck.metadata == meta(7)
+    assert ck.metadata == dict(meta(7), frozen_tensors=[])  # nothing frozen in a dense model
 
 
 def test_restore_without_mesh_gives_numpy(saved):
@@ -413,3 +413,102 @@ def test_lazy_array_with_a_wrong_loader_is_refused_naming_it(tmp_path, hf_dir):
         store.save(1, params=bad, adam={"count": np.int32(1), "mu": mu, "nu": nu},
                    train_state=TRAIN_STATE, metadata=meta(1), hf_assets_dir=hf_dir, shapes=SHAPES)
     assert not (tmp_path / "ckpt" / "1").exists() or not check_step(tmp_path / "ckpt" / "1").valid
+
+
+# ---- frozen (carried) tensors: params/ holds every tensor, adam/ only the trainable ones ----
+FROZEN = {"model.visual.blocks.0.attn.qkv.weight": (5, 3), "mtp.fc.weight": (7, 2)}
+
+
+def frozen_values(seed):
+    """Carried tensors as a Qwen3.5 release stores them: bf16, odd dim 0 (padded on 6)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s).astype(ml_dtypes.bfloat16) for n, s in FROZEN.items()}
+
+
+@pytest.fixture(scope="module")
+def saved_with_frozen(tmp_path_factory, mesh32, hf_dir):
+    """Step 4 from the 3 x 2 mesh: trainable fp32 params + moments, frozen bf16 tensors."""
+    import ml_dtypes
+
+    store = CheckpointStore(tmp_path_factory.mktemp("frozen") / "checkpoints")
+    params, mu, nu = logical_values(4)
+    frozen = frozen_values(4)
+    shapes = dict(SHAPES, **FROZEN)
+    target = padded_target(shapes, mesh32)
+    placed = {}
+    for n, x in frozen.items():
+        buf = np.zeros(target[n].shape, ml_dtypes.bfloat16)
+        buf[: x.shape[0]] = x
+        placed[n] = jax.device_put(buf, target[n].sharding)
+    store.save(4, params=dict(padded_on(mesh32, params), **placed),
+               adam={"count": np.int32(4), "mu": padded_on(mesh32, mu), "nu": padded_on(mesh32, nu)},
+               train_state=TRAIN_STATE, metadata=meta(4), hf_assets_dir=hf_dir, shapes=shapes,
+               trainable=list(SHAPES))
+    return store, (params, mu, nu, frozen)
+
+
+def test_frozen_tensors_are_stored_bitwise_without_adam_state(saved_with_frozen):
+    store, (params, mu, nu, frozen) = saved_with_frozen
+    path = store.step_path(4)
+    stored = array_shapes(path, "params")
+    assert set(stored) == set(SHAPES) | set(FROZEN)
+    assert all(str(stored[n][1]) == "bfloat16" and stored[n][0] == s for n, s in FROZEN.items())
+    assert set(array_shapes(path, "mu")) == set(array_shapes(path, "nu")) == set(SHAPES)
+    assert json.loads((path / "training_metadata.json").read_text())["frozen_tensors"] == list(FROZEN)
+    ck = store.restore(4)  # NumPy, logical shapes, stored dtypes
+    assert ck.frozen == tuple(sorted(FROZEN)) and set(ck.adam["mu"]) == set(SHAPES)
+    for n, x in frozen.items():
+        assert ck.params[n].dtype == x.dtype
+        np.testing.assert_array_equal(ck.params[n].view(np.uint16), x.view(np.uint16))
+
+
+@pytest.mark.parametrize("mesh_shape", [(3, 2), (1, 2)])
+def test_frozen_tensors_restore_in_their_dtype_placed_like_parameters(saved_with_frozen, mesh_shape):
+    store, (params, mu, _, frozen) = saved_with_frozen
+    n_dev = mesh_shape[0] * mesh_shape[1]
+    mesh = jax.make_mesh(mesh_shape, ("fsdp", "sp"), devices=jax.devices()[:n_dev])
+    target = padded_target(dict(SHAPES, **FROZEN), mesh)  # fp32 target: frozen ones are not cast
+    ck = store.restore(4, target=target)
+    for n, x in frozen.items():
+        got = ck.params[n]
+        assert got.dtype == x.dtype and got.shape == target[n].shape
+        assert got.shape[0] % n_dev == 0 and got.sharding == NamedSharding(mesh, P(("fsdp", "sp")))
+        host = np.asarray(got)
+        np.testing.assert_array_equal(host[: x.shape[0]].view(np.uint16), x.view(np.uint16))
+        assert not host[x.shape[0]:].astype(np.float32).any()
+    assert ck.params["lm_head.weight"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(ck.adam["mu"]["lm_head.weight"])[:13], mu["lm_head.weight"])
+    assert set(ck.adam["nu"]) == set(SHAPES)
+
+
+def test_adam_state_must_cover_exactly_the_trainable_tensors(tmp_path, hf_dir):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    params, mu, nu = logical_values(0)
+    frozen = frozen_values(0)
+    shapes = dict(SHAPES, **FROZEN)
+    good = dict(params=dict(params, **frozen), adam={"count": np.int32(1), "mu": mu, "nu": nu},
+                train_state={}, metadata=meta(1), hf_assets_dir=hf_dir, shapes=shapes,
+                trainable=list(SHAPES))
+    fp32 = {n: x.astype(np.float32) for n, x in frozen.items()}
+    with pytest.raises(CheckpointError, match=r"adam\['mu'\]: names differ from the trainable "
+                       r"tensors.*unexpected \['model\.visual"):
+        store.save(1, **dict(good, adam={"count": 1, "mu": dict(mu, **fp32), "nu": nu}))
+    with pytest.raises(CheckpointError, match=r"adam\['nu'\].*missing \['model\.visual"):
+        store.save(1, **dict(good, adam={"count": 1, "mu": dict(mu, **fp32), "nu": nu},
+                             trainable=list(shapes)))
+    with pytest.raises(CheckpointError, match=r"trainable names \['extra'\] are not in shapes"):
+        store.save(1, **dict(good, trainable=[*SHAPES, "extra"]))
+    assert store.steps() == []
+
+
+def test_resume_refuses_adam_state_for_other_tensors(saved_with_frozen, mesh32):
+    from jscenegen.checkpoint.resume import restore_onto_mesh
+
+    store, _ = saved_with_frozen
+    shapes = dict(SHAPES, **FROZEN)
+    ck = restore_onto_mesh(store, shapes, mesh32, np.float32, trainable=list(SHAPES))
+    assert ck.step == 4
+    with pytest.raises(CheckpointError, match=r"none for 2 it trains .*model\.train_vision"):
+        restore_onto_mesh(store, shapes, mesh32, np.float32, trainable=list(shapes))

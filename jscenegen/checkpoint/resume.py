@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
 
@@ -36,12 +36,28 @@ class ConvertedPosition:
 
 
 def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ...]],
-                      mesh: jax.sharding.Mesh, param_dtype: Any) -> Checkpoint:
-    """The newest complete, verified checkpoint of `store`, params in `param_dtype` and every
-    array padded and sharded as the trainer holds it (`padded_target` on `mesh`).
+                      mesh: jax.sharding.Mesh, param_dtype: Any,
+                      trainable: Iterable[str] | None = None) -> Checkpoint:
+    """The newest complete, verified checkpoint of `store`, every array padded and sharded as
+    the trainer holds it (`padded_target` on `mesh`): trainable params in `param_dtype`,
+    frozen (carried) tensors in their stored dtype, Adam moments for the trainable ones.
 
-    Raises CheckpointError when there is none or it does not fit `shapes`."""
-    return store.restore(target=padded_target(shapes, mesh, dtype=param_dtype))
+    shapes: every tensor the run holds (`param_shapes(cfg, carried=True)`); trainable: the
+    names the run's optimizer steps (default: all of `shapes`).
+    Raises CheckpointError when there is none, it does not fit `shapes`, or its Adam state
+    covers other tensors than `trainable` (e.g. a tower trained with `model.train_vision:
+    true`, resumed without it), naming the tensors that differ."""
+    ck = store.restore(target=padded_target(shapes, mesh, dtype=param_dtype))
+    want = set(shapes if trainable is None else trainable)
+    have = set(ck.adam["mu"])
+    if want != have:
+        extra, missing = sorted(have - want), sorted(want - have)
+        raise CheckpointError(
+            f"{ck.path}: the checkpoint's Adam state covers other tensors than this run trains: "
+            f"state for {len(extra)} tensor(s) this run keeps frozen {extra[:3]}, none for "
+            f"{len(missing)} it trains {missing[:3]}; set model.train_vision to what the "
+            f"checkpoint was trained with (its training_metadata.json lists frozen_tensors)")
+    return ck
 
 
 def is_converted(train_state: Mapping[str, Any]) -> bool:

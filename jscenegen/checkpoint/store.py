@@ -2,8 +2,13 @@
 
 One step directory (`CheckpointStore.directory/<step>/`)::
 
-    params/                 orbax PyTree {hf_name: array} at LOGICAL shape (no FSDP padding)
+    params/                 orbax PyTree {hf_name: array} at LOGICAL shape (no FSDP padding):
+                            EVERY tensor of the weight table, trainable parameters (in the
+                            param dtype) and frozen/carried tensors (Qwen3.5's vision tower
+                            and mtp.*, in the dtype they were stored in, bit-exact)
     adam/                   orbax PyTree {"count": int32 [], "mu": {hf_name: f32}, "nu": {...}}
+                            for the TRAINABLE tensors only (torch AdamW keeps no state for a
+                            parameter it never steps)
     train_state/            orbax JSON item: the trainer's JSON-able state
     _CHECKPOINT_METADATA    orbax's own step record
     hf/                     config.json, generation_config.json, tokenizer files, chat template
@@ -14,6 +19,8 @@ Names are transformers' state-dict keys (`jscenegen.model.weights.param_shapes` 
 model's order; orbax and JAX keep dicts sorted by name, so restored dicts are sorted).
 `adam` is torch AdamW's state in optax terms: `count` = optimizer steps actually taken (torch
 `state[p]["step"]`, optax `ScaleByAdamState.count`), `mu` = `exp_avg`, `nu` = `exp_avg_sq`.
+A tensor in `params/` without moments in `adam/` is frozen: `training_metadata.json` lists
+those names (`frozen_tensors`), and `restore` gives them back in their stored dtype.
 
 Atomicity: orbax writes the arrays into `<step>.orbax-checkpoint-tmp-*` and renames it only
 when every item is committed; this module then adds `hf/` and `training_metadata.json` and
@@ -36,7 +43,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -87,6 +94,7 @@ class Checkpoint:
 
     params: {hf_name: array} (jax.Array laid out as the target asked, or np.ndarray without one)
     adam: {"count": int32 scalar, "mu": {hf_name: f32 array}, "nu": {hf_name: f32 array}}
+    Frozen tensors (in params, not in mu/nu: `frozen`) come in their stored dtype.
     train_state: the JSON dict saved by the trainer; metadata: `training_metadata.json`.
     """
 
@@ -96,6 +104,11 @@ class Checkpoint:
     adam: dict[str, Any]
     train_state: dict[str, Any]
     metadata: dict[str, Any]
+
+    @property
+    def frozen(self) -> tuple[str, ...]:
+        """Names in `params` without Adam state (carried or frozen tensors), sorted."""
+        return tuple(n for n in self.params if n not in self.adam["mu"])
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -148,18 +161,35 @@ def padded_target(shapes: Mapping[str, tuple[int, ...]], mesh: jax.sharding.Mesh
     """Abstract restore target in the trainer's FSDP layout.
 
     Every array is split on dim 0 over all mesh axes (`rules.PARAM`), dim 0 padded to a
-    multiple of `mesh.size` (`rules.padded_shape`), dtype `dtype`.
+    multiple of `mesh.size` (`rules.padded_shape`), dtype `dtype`. `shapes` may list frozen
+    (carried) tensors too: they are placed the same way, and `CheckpointStore.restore` gives
+    them back in their stored dtype whatever `dtype` says (a frozen tensor is never cast).
     """
     sharding = named(mesh, PARAM)
     return {name: jax.ShapeDtypeStruct(padded_shape(tuple(s), mesh.size), dtype, sharding=sharding)
             for name, s in shapes.items()}
 
 
-def _check_names(arrays: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:
+def _trainable_shapes(shapes: Mapping[str, tuple[int, ...]],
+                      trainable: Iterable[str] | None) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the trainable names (all of `shapes` when `trainable` is None), in
+    `shapes` order. Raises CheckpointError for a trainable name `shapes` does not list."""
+    if trainable is None:
+        return dict(shapes)
+    names = set(trainable)
+    unknown = sorted(names - set(shapes))
+    if unknown:
+        raise CheckpointError(f"trainable names {unknown[:5]} are not in shapes (every tensor "
+                              f"saved in params/ must be listed in shapes)")
+    return {n: s for n, s in shapes.items() if n in names}
+
+
+def _check_names(arrays: Mapping[str, Any], expected: Mapping[str, Any], what: str,
+                 table: str = "the parameter table") -> None:
     missing = [n for n in expected if n not in arrays]
     unexpected = [n for n in arrays if n not in expected]
     if missing or unexpected:
-        raise CheckpointError(f"{what}: names differ from the parameter table; missing "
+        raise CheckpointError(f"{what}: names differ from {table}; missing "
                               f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
                               f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
 
@@ -187,6 +217,8 @@ def _adam_to_logical(adam: Mapping[str, Any], shapes: Mapping[str, tuple[int, ..
         raise CheckpointError(f"adam must have exactly the keys count, mu, nu; got {sorted(adam)}")
     out: dict[str, Any] = {"count": _scalar_count(adam["count"])}
     for moment in ("mu", "nu"):
+        _check_names(adam[moment], shapes, f"adam[{moment!r}]",
+                     "the trainable tensors (frozen tensors have no Adam state)")
         arrays = to_logical(adam[moment], shapes, f"adam[{moment!r}]")
         bad = [n for n, x in arrays.items() if np.dtype(x.dtype) != np.float32]
         if bad:
@@ -398,19 +430,28 @@ class CheckpointStore:
 
     def save(self, step: int, *, params: Mapping[str, Any], adam: Mapping[str, Any],
              train_state: Mapping[str, Any], metadata: Mapping[str, Any],
-             hf_assets_dir: str | Path, shapes: Mapping[str, tuple[int, ...]]) -> Path:
+             hf_assets_dir: str | Path, shapes: Mapping[str, tuple[int, ...]],
+             trainable: Iterable[str] | None = None) -> Path:
         """Write checkpoint `step`; returns its directory.
 
         params: {hf_name: array [n or padded n, ...]} (jax.Array on any mesh, NumPy, or
         `LazyArray`: loaded only when written, one at a time, so a converter's peak memory is
         one array, not the model);
-        adam: {"count": int scalar, "mu": {...}, "nu": {...}} same names, float32;
-        shapes: {hf_name: logical shape} (`model.params.param_shapes(cfg)`); padding beyond it
-        on dim 0 is dropped, never stored. train_state, metadata: JSON-able dicts (metadata is
+        shapes: {hf_name: logical shape} of EVERY tensor in `params`
+        (`model.weights.param_shapes(cfg, carried=True)` for a Qwen3.5 model with its vision
+        tower and mtp.*); padding beyond it on dim 0 is dropped, never stored. Each array is
+        stored in its own dtype (frozen tensors bit-exact).
+        trainable: the names AdamW steps (default: every name of `shapes`); the others are
+        frozen: they have no Adam state and `training_metadata.json` lists them under
+        `frozen_tensors`.
+        adam: {"count": int scalar, "mu": {...}, "nu": {...}}, mu/nu float32 for exactly the
+        trainable names;
+        train_state, metadata: JSON-able dicts (metadata is
         passed through `run_metadata.redact`, must have the `REQUIRED_METADATA` fields, and its
         `optimizer_step` must equal adam["count"]). hf_assets_dir: the HF model directory whose
         config, tokenizer and chat template are copied into `hf/`.
-        Raises CheckpointError for a bad name/shape/dtype, non-JSON state, incomplete metadata,
+        Raises CheckpointError for a bad name/shape/dtype (a trainable name not in `shapes`,
+        moments for a frozen tensor or none for a trainable one), non-JSON state, incomplete metadata,
         missing HF assets, or a complete checkpoint at `step` or after it (an incomplete one
         at `step` is replaced; complete later ones mean this run already went further).
         """
@@ -423,6 +464,8 @@ class CheckpointStore:
         state = _json_ready(dict(train_state), "train_state")
         meta = redact(_json_ready(dict(metadata), "metadata"))
         _check_metadata(meta, int(_scalar_count(adam.get("count", -1))))
+        trainable_shapes = _trainable_shapes(shapes, trainable)
+        meta["frozen_tensors"] = [n for n in shapes if n not in trainable_shapes]
         newer = [s for s in self.steps()
                  if s > step and check_step(self.step_path(s), hash_files=False).valid]
         if newer:
@@ -435,7 +478,7 @@ class CheckpointStore:
             raise CheckpointError(f"{path} already holds a complete checkpoint; "
                                   f"refusing to overwrite step {step}")
         logical_params = to_logical(params, shapes, "params")
-        logical_adam = _adam_to_logical(adam, shapes)
+        logical_adam = _adam_to_logical(adam, trainable_shapes)
         if path.exists():
             if jax.process_index() == 0:
                 log.warning("replacing incomplete checkpoint step %d: %s", step, status.reason)
@@ -502,11 +545,13 @@ class CheckpointStore:
                 target: Mapping[str, jax.ShapeDtypeStruct] | None = None) -> Checkpoint:
         """Verify and read checkpoint `step` (default: `latest_valid_step()`).
 
-        target: {hf_name: jax.ShapeDtypeStruct(shape, dtype, sharding=...)} for params, e.g.
-        `padded_target(shapes, mesh)`. `shape` is the logical shape or that shape padded on
-        dim 0 (padding rows are zero); params come back with the target's dtype and sharding,
-        `mu`/`nu` with the same shapes and shardings in float32, `count` replicated on the
-        target's mesh. Without a target every array comes back as NumPy at logical shape.
+        target: {hf_name: jax.ShapeDtypeStruct(shape, dtype, sharding=...)} for every tensor
+        in params/, e.g. `padded_target(shapes, mesh)`. `shape` is the logical shape or that
+        shape padded on dim 0 (padding rows are zero); trainable params come back with the
+        target's dtype and sharding, frozen ones (no Adam state) with the target's shape and
+        sharding in their STORED dtype (bit-exact), `mu`/`nu` (trainable names only) with
+        their param's shape and sharding in float32, `count` replicated on the target's mesh.
+        Without a target every array comes back as NumPy at logical shape, stored dtype.
         Raises CheckpointError if no complete step exists, the step fails verification
         (naming the failing files), or the target's names or shapes do not fit.
         """
@@ -521,12 +566,17 @@ class CheckpointStore:
         if not status.valid:
             raise CheckpointError(f"checkpoint step {step} is not usable: {status.reason}")
         stored = array_shapes(path, "params")
+        moments = array_shapes(path, "mu")
+        extra = [n for n in moments if n not in stored]
+        if extra:
+            raise CheckpointError(f"{path}: adam holds moments for {extra[:5]}, which params/ "
+                                  f"does not store")
         if target is None:
             p_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in stored}
-            m_args = p_args
+            m_args = {n: p_args[n] for n in moments}
             count_sharding = None
         else:
-            p_args, m_args, count_sharding = _target_restore_args(target, stored, path)
+            p_args, m_args, count_sharding = _target_restore_args(target, stored, moments, path)
         self._manager.reload()
         out = self._manager.restore(step, args=ocp.args.Composite(**{
             PARAMS_ITEM: ocp.args.PyTreeRestore(item=jax.tree.map(lambda _: 0, p_args),
@@ -542,18 +592,22 @@ class CheckpointStore:
         if count_sharding is not None:
             adam["count"] = jax.device_put(adam["count"], count_sharding)
         order = list(stored)
+        trained = [n for n in order if n in moments]
         return Checkpoint(step=step, path=path,
                           params={n: out[PARAMS_ITEM][n] for n in order},
-                          adam={"count": adam["count"], "mu": {n: adam["mu"][n] for n in order},
-                                "nu": {n: adam["nu"][n] for n in order}},
+                          adam={"count": adam["count"], "mu": {n: adam["mu"][n] for n in trained},
+                                "nu": {n: adam["nu"][n] for n in trained}},
                           train_state=dict(out[TRAIN_STATE_ITEM]), metadata=read_metadata(path))
 
 
 def _target_restore_args(target: Mapping[str, jax.ShapeDtypeStruct],
-                         stored: Mapping[str, tuple[tuple[int, ...], np.dtype]], path: Path):
-    _check_names(target, stored, f"restore target for {path}")
+                         stored: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                         moments: Mapping[str, Any], path: Path):
+    """Orbax restore args for params (trainable: target dtype; frozen: stored dtype) and for
+    the moments of the trainable names (float32), each at its target shape and sharding."""
+    _check_names(target, stored, f"restore target for {path}", f"the tensors {path} stores")
     p_args, m_args = {}, {}
-    for name, (shape, _dtype) in stored.items():
+    for name, (shape, stored_dtype) in stored.items():
         t = target[name]
         if t.sharding is None:
             raise CheckpointError(f"restore target {name!r} has no sharding")
@@ -561,10 +615,12 @@ def _target_restore_args(target: Mapping[str, jax.ShapeDtypeStruct],
         if len(tshape) != len(shape) or tshape[1:] != shape[1:] or tshape[0] < shape[0]:
             raise CheckpointError(f"restore target {name!r} has shape {tshape}; {path} stores "
                                   f"{shape} (the target may only pad dim 0)")
+        dtype = t.dtype if name in moments else stored_dtype
         p_args[name] = ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tshape,
-                                            dtype=t.dtype, strict=False)
-        m_args[name] = ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tshape,
-                                            dtype=np.float32, strict=False)
+                                            dtype=dtype, strict=False)
+        if name in moments:
+            m_args[name] = ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tshape,
+                                                dtype=np.float32, strict=False)
     first = next(iter(target.values())).sharding
     if isinstance(first, NamedSharding):
         count_sharding = named(first.mesh, REPLICATED)

@@ -4,6 +4,9 @@
 (`graphdef, params, *other = nnx.split(model, nnx.Param, ...)`) into
 `fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding [V, H])`, so
 parameters and optimizer state are plain pytrees the caller shards and differentiates.
+`split_params(model)` makes that split and replaces everything that is not a parameter
+(Qwen3.5's carried vision tower and MTP head) by abstract shapes, so the trained function
+provably never reads a carried tensor and no jit closes over one.
 """
 from __future__ import annotations
 
@@ -15,12 +18,23 @@ from flax import nnx
 HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, params, frozen) of a model: `params` the `nnx.Param` state (what the
+    optimizer steps), `frozen` every other variable (`Carried` tensors) as
+    jax.ShapeDtypeStruct leaves, for `hidden_fn(graphdef, frozen)`. The frozen values stay
+    in the model (`model.weights.named_weights`); reading one inside the function fails at
+    trace time, which is what they are: never computed with."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
+    return graphdef, params, abstract
+
+
 def hidden_fn(graphdef: nnx.GraphDef, *other_states: Any) -> HiddenFn:
     """The model's final normed hidden states and its output embedding (logical vocabulary
     rows, compute dtype) as a function of its parameters. The model must provide
     `hidden_states(input_ids, attention_mask)` and `output_embedding()` (qwen.CausalLM does:
     QwenForCausalLM, Qwen35ForCausalLM). A model with `Carried` tensors (Qwen3.5) is split
-    `nnx.split(model, nnx.Param, ...)` and its other state passed here."""
+    by `split_params` and its frozen state passed here."""
 
     def fn(params, input_ids, attention_mask):
         model = nnx.merge(graphdef, params, *other_states)

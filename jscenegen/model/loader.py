@@ -51,17 +51,19 @@ def model_class(cfg: QwenConfig) -> type[CausalLM]:
 def abstract_model(cfg: QwenConfig, *, mesh: jax.sharding.Mesh | None = None,
                    param_dtype: str = "float32", compute_dtype: str = "float32",
                    remat: bool = False, attn_impl: str = "xla",
-                   causal_balance: bool = False) -> CausalLM:
+                   causal_balance: bool = False, train_vision: bool = False) -> CausalLM:
     """The model's structure with abstract parameters (no memory), padded for `mesh`'s devices.
 
     `causal_balance` reorders full sequences for the mesh's `sp` shards (see qwen.py); Qwen3.5
-    refuses it (ValueError)."""
+    refuses it (ValueError). `train_vision` makes Qwen3.5's vision tower trainable
+    parameters (`weights.weight_table`; ValueError without a tower)."""
     pad = mesh.size if mesh is not None else 1
     balance = mesh.shape["sp"] if (causal_balance and mesh is not None) else 1
     cls = model_class(cfg)
     return nnx.eval_shape(lambda: cls(
         cfg, rngs=nnx.Rngs(0), pad_multiple=pad, param_dtype=param_dtype,
-        compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl, balance_shards=balance))
+        compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl, balance_shards=balance,
+        train_vision=train_vision))
 
 
 def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
@@ -77,7 +79,7 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
     mesh: the ("fsdp", "sp") mesh, or None for an unsharded model on the default device.
     source: what the arrays come from, for error messages (a directory or file).
     options: `abstract_model` keywords (param_dtype, compute_dtype, remat, attn_impl,
-      causal_balance).
+      causal_balance, train_vision).
     Raises CheckpointFormatError naming `source` and the key for an unknown, duplicated,
     mis-shaped or missing weight.
     """

@@ -22,8 +22,13 @@ class ModelConfig(Section):
     causal_balance: bool = Field(False, description="reorder training sequences so each sp "
                                  "shard gets equal causal attention work (lengths must be a "
                                  "multiple of 2 x sp)")
+    train_vision: bool = Field(False, description="Qwen3.5 (model_type qwen3_5): train the "
+                               "vision tower's tensors (zero gradient on text, but AdamW "
+                               "state and weight decay, as VERL with freeze_vision_tower "
+                               "false); false: carried frozen, no Adam state")
 
     def build_options(self) -> dict[str, Any]:
         """Keyword arguments of `loader.build_model` / `hf_io.load_hf` for this section."""
         return dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
-                    remat=self.remat, attn_impl=self.attention, causal_balance=self.causal_balance)
+                    remat=self.remat, attn_impl=self.attention, causal_balance=self.causal_balance,
+                    train_vision=self.train_vision)

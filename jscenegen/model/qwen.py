@@ -280,16 +280,18 @@ class QwenForCausalLM(CausalLM):
       attn_impl: "xla" (reference, CPU) or "cudnn" (GPU, bf16).
       balance_shards: > 1 reorders a full sequence for causal load balance over that many
         sequence shards (`balanced_order`); results are returned in the original order.
+      train_vision: only for Qwen3.5 (ValueError here: these models have no vision tower).
     """
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1):
+                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1,
+                 train_vision: bool = False):
         self.cfg = cfg
         self.balance_shards = balance_shards
         self.compute_dtype = compute_dtype
         self.remat = remat
-        make = ParamFactory(weight_table(cfg), rngs=rngs, pad_multiple=pad_multiple,
+        make = ParamFactory(weight_table(cfg, train_vision=train_vision), rngs=rngs, pad_multiple=pad_multiple,
                             dtype=np_dtype(param_dtype))
         self.model = QwenModel(cfg, make, attn_impl)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(make, "lm_head")

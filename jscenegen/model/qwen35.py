@@ -395,13 +395,18 @@ class Qwen35ForCausalLM(CausalLM):
     `Qwen3_5ForConditionalGeneration` (qwen3_5), with the vision tower and MTP head carried.
 
     Args as `qwen.QwenForCausalLM` (cfg, rngs, pad_multiple, param_dtype, compute_dtype, remat,
-    attn_impl). Raises ValueError for balance_shards > 1: the causal load-balanced token order
-    would feed the recurrence out of order (model.causal_balance must stay false).
+    attn_impl), and train_vision: hold the vision tower's tensors as trainable `nnx.Param`s
+    in the param dtype (zero gradient on text, AdamW state and decay, as VERL with
+    freeze_vision_tower false) instead of `Carried` ones (`weights.weight_table`).
+    Raises ValueError for balance_shards > 1 (the causal load-balanced token order would feed
+    the recurrence out of order: model.causal_balance must stay false) and for train_vision
+    on a config without a vision tower.
     """
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1):
+                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1,
+                 train_vision: bool = False):
         if not cfg.hybrid:
             raise ValueError(f"Qwen35ForCausalLM needs a qwen3_5 config, got {cfg.model_type!r}")
         if balance_shards > 1:
@@ -411,7 +416,7 @@ class Qwen35ForCausalLM(CausalLM):
         self.compute_dtype = compute_dtype
         self.remat = remat
         self.balance_shards = 1
-        make = ParamFactory(weight_table(cfg), rngs=rngs, pad_multiple=pad_multiple,
+        make = ParamFactory(weight_table(cfg, train_vision=train_vision), rngs=rngs, pad_multiple=pad_multiple,
                             dtype=np_dtype(param_dtype))
         if cfg.model_type == "qwen3_5":
             self.model = VisionLanguageModel(cfg, make, attn_impl)

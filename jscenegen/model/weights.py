@@ -57,8 +57,16 @@ class WeightSpec:
     carried: bool = False
 
 
-def weight_table(cfg: QwenConfig, *, include_tied_head: bool = False) -> dict[str, WeightSpec]:
+def weight_table(cfg: QwenConfig, *, include_tied_head: bool = False,
+                 train_vision: bool = False) -> dict[str, WeightSpec]:
     """Ordered {hf_name: WeightSpec} of every tensor of the model.
+
+    `train_vision` (the `model.train_vision` option) makes the vision tower's tensors
+    trainable parameters instead of carried ones: still never run on text, so their gradient
+    is zero, but AdamW keeps state for them and decays them, as VERL does when it runs the
+    tower on a dummy image with `freeze_vision_tower: false` (docs/qwen35.md 7.1). The MTP
+    head stays carried (transformers never builds it, so no torch run trains it).
+    Raises ValueError for `train_vision` on a config without a vision tower.
 
     The order is `torch.nn.Module.parameters()` order of transformers' Qwen{2,3}ForCausalLM,
     Qwen3_5ForCausalLM (qwen3_5_text) or Qwen3_5ForConditionalGeneration (qwen3_5: vision
@@ -67,11 +75,14 @@ def weight_table(cfg: QwenConfig, *, include_tied_head: bool = False) -> dict[st
     separate `lm_head.weight` parameter (`include_tied_head` lists it as the alias torch's
     state_dict() still reports).
     """
+    if train_vision and cfg.vision is None:
+        raise ValueError(f"model.train_vision: true needs a model with a vision tower "
+                         f"(model_type qwen3_5); this one is {cfg.model_type!r}")
     if not cfg.hybrid:
         return _dense_table(cfg, include_tied_head)
     table: dict[str, WeightSpec] = {}
     if cfg.vision is not None:
-        table.update(_vision_table(cfg))
+        table.update(_vision_table(cfg, carried=not train_vision))
     p = cfg.text_prefix
     table[p + "embed_tokens.weight"] = WeightSpec((cfg.vocab_size, cfg.hidden_size))
     for i, kind in enumerate(cfg.kinds):
@@ -155,26 +166,27 @@ def _gated_deltanet_table(cfg: QwenConfig, p: str) -> dict[str, WeightSpec]:
     }
 
 
-def _vision_table(cfg: QwenConfig) -> dict[str, WeightSpec]:
-    """Qwen3_5VisionModel's tensors (carried): patch embedding, position embedding, `depth`
-    blocks, merger: 12 * depth + 9 tensors (docs/qwen35.md section 3.2)."""
+def _vision_table(cfg: QwenConfig, carried: bool = True) -> dict[str, WeightSpec]:
+    """Qwen3_5VisionModel's tensors (carried unless `model.train_vision`): patch embedding,
+    position embedding, `depth` blocks, merger: 12 * depth + 9 tensors (docs/qwen35.md
+    section 3.2)."""
     v = cfg.vision
     d, i, m2 = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
     p = "model.visual."
 
     def linear(name: str, out: int, inp: int) -> dict[str, WeightSpec]:
-        return {f"{name}.weight": WeightSpec((out, inp), carried=True),
-                f"{name}.bias": WeightSpec((out,), "zeros", True)}
+        return {f"{name}.weight": WeightSpec((out, inp), carried=carried),
+                f"{name}.bias": WeightSpec((out,), "zeros", carried)}
 
     def layer_norm(name: str, n: int) -> dict[str, WeightSpec]:
-        return {f"{name}.weight": WeightSpec((n,), "ones", True),
-                f"{name}.bias": WeightSpec((n,), "zeros", True)}
+        return {f"{name}.weight": WeightSpec((n,), "ones", carried),
+                f"{name}.bias": WeightSpec((n,), "zeros", carried)}
 
     table = {
         p + "patch_embed.proj.weight": WeightSpec(
-            (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size), carried=True),
-        p + "patch_embed.proj.bias": WeightSpec((d,), "zeros", True),
-        p + "pos_embed.weight": WeightSpec((v.num_position_embeddings, d), carried=True),
+            (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size), carried=carried),
+        p + "patch_embed.proj.bias": WeightSpec((d,), "zeros", carried),
+        p + "pos_embed.weight": WeightSpec((v.num_position_embeddings, d), carried=carried),
     }
     for b in range(v.depth):
         q = f"{p}blocks.{b}."
@@ -208,11 +220,12 @@ def _mtp_table(cfg: QwenConfig) -> dict[str, WeightSpec]:
 
 
 def param_shapes(cfg: QwenConfig, *, include_tied_head: bool = False,
-                 carried: bool = False) -> dict[str, tuple[int, ...]]:
-    """Ordered {hf_name: logical shape} of `weight_table`: the trainable parameters, and with
-    `carried` the carried tensors too (every tensor of the HF file)."""
-    return {n: s.shape for n, s in weight_table(cfg, include_tied_head=include_tied_head).items()
-            if carried or not s.carried}
+                 carried: bool = False, train_vision: bool = False) -> dict[str, tuple[int, ...]]:
+    """Ordered {hf_name: logical shape} of `weight_table`: the trainable parameters (the
+    vision tower among them with `train_vision`), and with `carried` the carried tensors too
+    (every tensor of the HF file)."""
+    table = weight_table(cfg, include_tied_head=include_tied_head, train_vision=train_vision)
+    return {n: s.shape for n, s in table.items() if carried or not s.carried}
 
 
 class ParamFactory:

@@ -38,7 +38,8 @@ class SFTConfig(Section):
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
     seed: int = Field(0, description="demo order (shuffling) and a fresh model's weights")
     out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
-    init_arch: Literal["qwen2", "qwen3"] = Field("qwen3", description="fresh model when model.path is null")
+    init_arch: Literal["qwen2", "qwen3", "qwen3_5"] = Field("qwen3", description="fresh model "
+                                                             "when model.path is null")
     init_preset: Literal["micro", "tiny", "small"] = "tiny"
 
     @model_validator(mode="after")

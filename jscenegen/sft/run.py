@@ -40,7 +40,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     """
     from flax import nnx
 
-    from jscenegen.model.functional import hidden_fn
+    from jscenegen.model.functional import hidden_fn, split_params
     from jscenegen.model.hf_io import load_hf, save_hf
     from jscenegen.sharding.layout import pad_batch, shard_batch
     from jscenegen.sharding.mesh import make_mesh
@@ -62,8 +62,8 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
 
     t1, cpu1 = time.perf_counter(), time.process_time()
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())
-    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
-    sft = SFTStep(hidden_fn(graphdef, *rest), cfg.optim, micro_batch_size=sc.micro_batch_size,
+    graphdef, params, frozen = split_params(model)  # carried tensors (Qwen3.5) never train
+    sft = SFTStep(hidden_fn(graphdef, frozen), cfg.optim, micro_batch_size=sc.micro_batch_size,
                   logprob_chunk=sc.logprob_chunk)
     order = batch_order(len(demos), sc.batch_size, sc.steps, sc.seed)
     history = []

@@ -43,11 +43,11 @@ from jscenegen.grpo.train.schedule import Schedule, SchedulePosition, check_exte
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.dtypes import np_dtype
-from jscenegen.model.functional import hidden_fn
+from jscenegen.model.functional import hidden_fn, split_params
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.loader import build_model
 from jscenegen.model.tokenizer.chat import ChatTokenizer
-from jscenegen.model.weights import named_leaves, param_shapes
+from jscenegen.model.weights import Carried, named_leaves, named_weights, param_shapes
 from jscenegen.paths import resolve_data_path, write_json
 from jscenegen.scene.dataset import SceneSetSource
 from jscenegen.scene.judge import make_judge
@@ -95,7 +95,10 @@ class Trainer:
         self.store = CheckpointStore(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                                      async_save=cfg.checkpoint.async_save)
         arch = QwenConfig.from_dir(self.model_dir)
-        self.shapes = param_shapes(arch)
+        # every tensor the checkpoints hold, and the ones AdamW steps (not Qwen3.5's carried
+        # vision tower, unless model.train_vision, nor its MTP head)
+        self.shapes = param_shapes(arch, carried=True)
+        self.trainable = list(param_shapes(arch, train_vision=cfg.model.train_vision))
         options = cfg.model.build_options()
         if resume:
             ck = self._read_checkpoint()
@@ -109,8 +112,8 @@ class Trainer:
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh)
-        graphdef, params = nnx.split(self.model, nnx.Param)
-        self.step_fn = GRPOStep(hidden_fn(graphdef), cfg.loss, cfg.optim,
+        graphdef, params, frozen = split_params(self.model)
+        self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), cfg.loss, cfg.optim,
                                 temperature=cfg.sampling.temperature)
         # built under jit so the optimizer state carries the parameters' shardings: the train
         # step's outputs then match its inputs and it compiles once, not twice
@@ -129,10 +132,13 @@ class Trainer:
         m = self.cfg.model
         ref = load_hf(m.reference_path, mesh=self.mesh, param_dtype=m.param_dtype,
                       compute_dtype=m.compute_dtype)
-        return nnx.split(ref, nnx.Param)[1]
+        return split_params(ref)[1]
 
     def params_by_name(self) -> dict[str, jax.Array]:
-        return named_leaves(self.state.params)
+        """Every tensor a checkpoint stores: the trained parameters (current values) and the
+        model's carried tensors (unchanged since loading, stored dtype)."""
+        carried = {n: v[...] for n, v in named_weights(self.model).items() if isinstance(v, Carried)}
+        return {**named_leaves(self.state.params), **carried}
 
     def _adam_by_name(self) -> dict:
         st = adam_state(self.state.opt_state)
@@ -160,7 +166,8 @@ class Trainer:
             extra={"model_dir": str(self.model_dir)})
         return self.store.save(self.pos.attempts, params=self.params_by_name(), adam=adam,
                                train_state=self._train_state_json(), metadata=meta,
-                               hf_assets_dir=self.model_dir, shapes=self.shapes)
+                               hf_assets_dir=self.model_dir, shapes=self.shapes,
+                               trainable=self.trainable)
 
     def _read_checkpoint(self):
         """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run.
@@ -169,7 +176,7 @@ class Trainer:
         starts this schedule at its global step.
         """
         dtype = np_dtype(self.cfg.model.param_dtype)
-        ck = restore_onto_mesh(self.store, self.shapes, self.mesh, dtype)
+        ck = restore_onto_mesh(self.store, self.shapes, self.mesh, dtype, self.trainable)
         saved = ck.train_state
         if is_converted(saved):
             log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
