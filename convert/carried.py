@@ -40,7 +40,8 @@ class Complement:
 
     config: the output's config (`mtp_layers` = the MTP layers carried). names: the tensors
     taken from `source` (table order); read(name) -> array in its stored dtype; dtypes: their
-    stored dtypes. dropped: tensors the output loses. source: the HF directory read (or None).
+    stored dtypes. dropped: tensors the output loses. source: the HF directory read (or None);
+    files: its safetensors files that hold `names`.
     """
 
     config: object  # jscenegen.model.config.QwenConfig
@@ -49,6 +50,7 @@ class Complement:
     dtypes: dict[str, np.dtype] = dataclasses.field(default_factory=dict)
     dropped: tuple[str, ...] = ()
     source: Path | None = None
+    files: tuple[str, ...] = ()
 
     def layout_fields(self) -> dict:
         """Fields for checkpoint-layout.json: where carried tensors came from, what was lost."""
@@ -105,7 +107,8 @@ def _taken(cfg, reader, names: list[str], source: Path) -> Complement:
             raise ConvertError(f"{reader.files[n]}: {n} has shape {reader.shape(n)}, the VERL "
                                f"checkpoint's config implies {tuple(shapes[n])}")
     return Complement(config=cfg, names=tuple(names), read=reader.full,
-                      dtypes={n: reader.dtype(n) for n in names}, source=source)
+                      dtypes={n: reader.dtype(n) for n in names}, source=source,
+                      files=tuple(sorted({str(reader.files[n]) for n in names})))
 
 
 def _check_same_model(cfg, reader, ref: Path) -> None:
