@@ -174,3 +174,17 @@ def test_qwen35_training_state_resumes_in_fsdp2(exported35, tmp_path):
     meta = json.loads((tmp_path / "l/meta.json").read_text())
     assert meta["step_before"] == 3.0 and meta["step_after"] == 4.0
     assert meta["state_indices_loaded"] == exported35["meta"]["state_indices"]
+
+
+def test_qwen35_inspect(exported35):
+    from convert.inspect import describe
+
+    info = describe(exported35["out"])
+    frozen = len(exported35["meta"]["frozen"])
+    (ts,) = info["training_state"]
+    assert info["hf"]["tensors"] == 102 + 15 and info["hf"]["model_type"] == "qwen3_5"
+    assert ts["tensors"] == 103 and ts["no_adam_state"] == frozen  # tied alias, no mtp.*
+    assert ts["adam_state_tensors"] == 102 - frozen
+    run = describe(exported35["out"].parent / "run")["latest"]
+    assert run["tensors"] == 117 and run["frozen_tensors"] == frozen + 15
+    assert run["adam_state_tensors"] == 102 - frozen
