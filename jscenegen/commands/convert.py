@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import warnings
 
 
 def register(subparsers) -> None:
@@ -57,10 +59,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not (args.src and args.dst and args.src_format and args.dst_format):
         raise ValueError("convert needs SRC DST --from F --to G (or --verify/--inspect DIR)")
+    from convert.carried import ConversionWarning
     from convert.dispatch import convert
 
-    convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
-            world_size=args.world_size, placement=args.placement, dtype=args.dtype,
-            mesh_device=args.mesh_device, carried_from=args.carried_from)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConversionWarning)
+        convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                world_size=args.world_size, placement=args.placement, dtype=args.dtype,
+                mesh_device=args.mesh_device, carried_from=args.carried_from)
+    for w in caught:  # what the output lost, one line each; other warnings as Python shows them
+        if issubclass(w.category, ConversionWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})")
     return 0
