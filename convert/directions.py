@@ -22,7 +22,14 @@ import numpy as np
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
-from convert.tensor_sets import carried_names, embedding_name, hf_shapes, verl_absent, verl_shapes
+from convert.tensor_sets import (
+    carried_names,
+    embedding_name,
+    fix_config_file,
+    hf_shapes,
+    verl_absent,
+    verl_shapes,
+)
 from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
@@ -221,7 +228,7 @@ def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     with atomic_dir(dst, exists_error=ConvertError) as tmp:
         names = write_safetensors_streaming(tmp, specs, arrays(), max_shard_bytes)
         hf_files = copy_hf_metadata(ck.hf_dir, tmp)
-        _write_config(tmp, extra.config)
+        fix_config_file(tmp / "config.json", extra.config)
         model_files = [str(p) for p in sorted(ck.layout.shard_dir.glob("model_world_size_*.pt"))]
         write_layout(tmp, fmt="hf-safetensors", source=src, source_format="verl",
                      files=[(n, model_files) for n in names] + hf_files,
@@ -229,20 +236,6 @@ def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
                      **extra.layout_fields())
         write_checksums(tmp)
     return names
-
-
-def _write_config(out: Path, cfg: Any) -> None:
-    """Make `out/config.json` (copied from the source) agree with the MTP layers carried."""
-    import json
-
-    from convert.tensor_sets import config_json
-    from jscenegen.paths import write_text
-
-    f = out / "config.json"
-    doc = json.loads(f.read_text())
-    new = config_json(cfg, json.loads(f.read_text()))
-    if new != doc:
-        write_text(f, json.dumps(new, indent=2) + "\n")
 
 
 def _np_of(torch_dtype: str) -> Any:

@@ -34,7 +34,7 @@ from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_r
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
-from convert.tensor_sets import carried_names, hf_shapes, verl_shapes, with_tensors
+from convert.tensor_sets import carried_names, fix_config_file, hf_shapes, verl_shapes, with_tensors
 from convert.tensors import cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
@@ -145,20 +145,13 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
 
 
 def hf_assets(hf_dir: Path, cfg: Any, scratch: Path) -> Path:
-    """`hf_dir`, or a copy of its asset files in `scratch` whose config.json says how many
-    MTP layers `cfg` carries when `hf_dir`'s does not (a directory without weights, such as
-    an orbax step's `hf/`, is read by that number)."""
-    import json
-
-    from convert.tensor_sets import config_json
+    """`hf_dir`'s asset files copied into `scratch`, config.json saying how many MTP layers
+    `cfg` carries (a directory without weights, such as an orbax step's `hf/`, is read by
+    that number: `tensor_sets.fix_config_file`). Returns `scratch`."""
     from jscenegen.model.assets import copy_assets
 
-    doc = json.loads((hf_dir / "config.json").read_text())
-    fixed = config_json(cfg, json.loads((hf_dir / "config.json").read_text()))
-    if fixed == doc:
-        return hf_dir
     copy_assets(hf_dir, scratch)
-    (scratch / "config.json").write_text(json.dumps(fixed, indent=2) + "\n")
+    fix_config_file(scratch / "config.json", cfg)
     return scratch
 
 

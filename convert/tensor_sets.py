@@ -16,6 +16,8 @@ is the index order of VERL's optimizer state, then `mtp.*`.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Iterable
 
 from jscenegen.model.config import QwenConfig
@@ -77,3 +79,15 @@ def config_json(cfg: QwenConfig, hf_config: dict) -> dict:
     if isinstance(text, dict) and int(text.get("mtp_num_hidden_layers", 0) or 0) != cfg.mtp_layers:
         text["mtp_num_hidden_layers"] = cfg.mtp_layers
     return hf_config
+
+
+def fix_config_file(path: str | Path, cfg: QwenConfig) -> bool:
+    """Rewrite the config.json at `path` with `config_json` when it disagrees with the MTP
+    layers `cfg` carries; True when it was rewritten."""
+    path = Path(path)
+    doc = json.loads(path.read_text())
+    fixed = config_json(cfg, json.loads(path.read_text()))
+    if fixed == doc:
+        return False
+    path.write_text(json.dumps(fixed, indent=2) + "\n")
+    return True
