@@ -26,7 +26,8 @@ writes what torch holds (OUT/loaded_*.safetensors), takes one more AdamW step on
 VERL 0.6 - 0.8 placement ("first-divisible", verl/utils/fsdp_utils.py::get_shard_placement_fn):
 Shard on the first dimension divisible by W, else dim 0. VERL 0.9 ("dim0"): FSDP2's default.
 
-Qwen3.5 (`qwen35*` archs): the tiny `qwen3_5` VLM of tests/qwen35_fixtures.py is first written
+Qwen3.5 (`qwen35*` archs): the tiny `qwen3_5` VLM of tests/qwen35_fixtures.py (or the HF
+directory given with `--release`; its own tie and sizes then apply) is first written
 as a release would be (bf16 with fp32 A_log / gated norm, `mtp.*` tensors, processor files, the
 released shard name) to OUT/release; every rank loads it as VERL's actor does
 (`Qwen3_5ForConditionalGeneration.from_pretrained(..., dtype=float32)`: transformers drops
@@ -296,7 +297,8 @@ def _load_rank(rank: int, world_size: int, args, init_file: str) -> None:
 
         extra = load_pt(extra_file)
         sched.load_state_dict(extra["lr_scheduler"])
-        torch.set_rng_state(extra["rng"]["cpu"])
+        if "rng" in extra:  # VERL's load tolerates a missing rng (a run that trained in JAX)
+            torch.set_rng_state(extra["rng"]["cpu"])
     names = _names_by_param(model)
 
     def snapshot():
@@ -331,7 +333,7 @@ def _load_rank(rank: int, world_size: int, args, init_file: str) -> None:
                 "state_indices_after": sorted(opt.state_dict()["state"]),
                 "lr_after": opt.param_groups[0]["lr"],
                 "last_epoch_after": sched.last_epoch,
-                "rng_cpu_first_bytes": extra["rng"]["cpu"][:16].tolist(),
+                "rng_cpu_first_bytes": extra.get("rng", {}).get("cpu", torch.zeros(0))[:16].tolist(),
                 "placements": placements, "local_shapes": all_shapes}
         (out / "meta.json").write_text(json.dumps(meta, indent=1))
     dist.barrier()
@@ -420,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--world-size", type=int, default=6)
     b.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0")
     b.add_argument("--seed", type=int, default=0, help="Qwen3.5: the release's weight seed")
+    b.add_argument("--release", default=None,
+                   help="Qwen3.5: train from this HF directory instead of a generated one")
     ld = sub.add_parser("load")
     ld.add_argument("ckpt")
     ld.add_argument("out")
@@ -431,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    if args.mode == "build" and args.arch in ARCHS35:
+    if args.mode == "build" and args.arch in ARCHS35 and args.release:
+        import shutil
+
+        shutil.copytree(args.release, Path(args.out) / "release")
+    elif args.mode == "build" and args.arch in ARCHS35:
         from qwen35_fixtures import make_qwen35_dir
 
         spec = ARCHS35[args.arch]
