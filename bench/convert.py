@@ -1,10 +1,18 @@
 """Conversion throughput (MB/s) and peak RSS: VERL FSDP2 shards -> HF safetensors, HF -> orbax.
 
-    python bench/convert.py [--layers 2] [--vocab 152064] [--world-size 6] [--workdir DIR]
+    python bench/convert.py [--arch qwen2.5-7b|qwen3.5-4b] [--layers 2] [--vocab 152064]
+                            [--world-size 6] [--workdir DIR]
 
-Input: a Qwen2 model with Qwen2.5-7B widths (vocab 152064, hidden 3584, FFN 18944, 28 heads,
-4 KV heads; untied head) and `--layers` layers, random fp32 weights (about 6.2 GB at 2
-layers), written as W rank files by convert.directions.hf_to_verl (setup, also timed).
+Input (`qwen2.5-7b`, the default): a Qwen2 model with Qwen2.5-7B widths (vocab 152064, hidden
+3584, FFN 18944, 28 heads, 4 KV heads; untied head) and `--layers` layers, random fp32
+weights (about 6.2 GB at 2 layers), written as W rank files by convert.directions.hf_to_verl
+(setup, also timed).
+`qwen3.5-4b`: the Qwen3.5-4B vision-language model (configs/model-shapes/qwen3.5-4b.json:
+vocab 248320, hidden 2560, tied head, the whole 24-block vision tower, one MTP layer) with
+`--layers` text layers alternating Gated DeltaNet and gated attention, random fp32 weights
+(about 5.2 GB at 2 layers; the largest tensor is the 248320 x 2560 embedding, 2.54 GB). Its
+HF source (with `mtp.*`) is kept and passed as `carried_from` to the VERL -> HF / orbax runs,
+which take the MTP head from it as a user converting a run of the release would.
 
 Measured, each in its own child process, whose VmHWM is that conversion's peak RSS:
 - ours: convert.directions.verl_to_hf (streaming, fp32 kept).
@@ -41,33 +49,48 @@ WIDTHS = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
               num_attention_heads=28, num_key_value_heads=4, head_dim=128)
 
 
-def _config(layers: int, vocab: int) -> dict:
+ARCHS = ("qwen2.5-7b", "qwen3.5-4b")
+CARRIED_FROM = "JSCENEGEN_BENCH_CARRIED_FROM"  # child processes: the HF dir holding mtp.*
+
+
+def _config(layers: int, vocab: int, arch: str = "qwen2.5-7b") -> dict:
+    if arch == "qwen3.5-4b":
+        d = json.loads((ROOT / "configs/model-shapes/qwen3.5-4b.json").read_text())
+        d.pop("_jscenegen_provenance", None)
+        t = d["text_config"]
+        t.update(num_hidden_layers=layers, dtype="float32", vocab_size=vocab,
+                 layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(layers)])
+        d["dtype"] = "float32"
+        return d
     return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_hidden_layers=layers,
                 tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6,
                 max_position_embeddings=32768, hidden_act="silu", torch_dtype="float32",
                 **dict(WIDTHS, vocab_size=vocab))
 
 
-def make_source(work: Path, layers: int, vocab: int, world_size: int) -> tuple[Path, int, int]:
-    """Random HF model -> VERL rank files. Returns (verl dir, model bytes, largest tensor bytes)."""
+def make_source(work: Path, layers: int, vocab: int, world_size: int,
+                arch: str = "qwen2.5-7b") -> tuple[Path, int, int]:
+    """Random HF model -> VERL rank files. Returns (verl dir, model bytes, largest tensor bytes).
+
+    Qwen3.5 keeps the HF source (work/hf_source, with mtp.*) for `carried_from`."""
     import numpy as np
 
     from convert.directions import hf_to_verl
+    from convert.tensor_sets import hf_shapes
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.safetensors_stream import write_safetensors_streaming
-    from jscenegen.model.weights import param_shapes
 
     hf = work / "hf_source"
     verl = work / "verl"
-    cfg = QwenConfig.from_hf_dict(_config(layers, vocab))
-    shapes = param_shapes(cfg)
+    cfg = QwenConfig.from_hf_dict(_config(layers, vocab, arch))
+    shapes = hf_shapes(cfg)
     total = sum(int(np.prod(s)) * 4 for s in shapes.values())
     largest = max(int(np.prod(s)) * 4 for s in shapes.values())
     if not (verl / "checksums.json").is_file():
         shutil.rmtree(hf, ignore_errors=True)
         shutil.rmtree(verl, ignore_errors=True)
         hf.mkdir(parents=True)
-        (hf / "config.json").write_text(json.dumps(_config(layers, vocab), indent=2))
+        (hf / "config.json").write_text(json.dumps(_config(layers, vocab, arch), indent=2))
         from jscenegen.model.tokenizer.build import train_bpe_tokenizer
 
         train_bpe_tokenizer(["a bed, a desk and a lamp"] * 4, vocab_size=300).save_pretrained(hf)
@@ -78,17 +101,19 @@ def make_source(work: Path, layers: int, vocab: int, world_size: int) -> tuple[P
         t = time.perf_counter()
         hf_to_verl(hf, verl, world_size=world_size, device_type="cpu")
         print(f"setup: hf -> verl (W={world_size}) {total / 1e6 / (time.perf_counter() - t):.0f} MB/s")
-        shutil.rmtree(hf)
+        if not cfg.hybrid:
+            shutil.rmtree(hf)
     return verl, total, largest
 
 
 def child(mode: str, src: str, dst: str) -> None:
     """Run one conversion and print {"seconds", "peak_rss_bytes"} as JSON."""
     t = time.perf_counter()
+    carried_from = os.environ.get(CARRIED_FROM) or None
     if mode == "ours":
         from convert.directions import verl_to_hf
 
-        verl_to_hf(src, dst)
+        verl_to_hf(src, dst, carried_from=carried_from)
     elif mode == "hf2orbax":
         from convert.orbax_directions import hf_to_orbax
 
@@ -96,7 +121,7 @@ def child(mode: str, src: str, dst: str) -> None:
     elif mode == "verl2orbax":
         from convert.orbax_directions import verl_to_orbax
 
-        verl_to_orbax(src, dst)
+        verl_to_orbax(src, dst, carried_from=carried_from)
     elif mode == "naive":
         naive_merge(Path(src), Path(dst))
     elif mode == "verl":
@@ -151,7 +176,7 @@ def naive_merge(shard_dir: Path, dst: Path) -> None:
 
 def _evict(src: Path) -> None:
     """Drop the input files from the page cache, so every run starts cold (no root needed)."""
-    for f in src.rglob("*.pt"):
+    for f in [*src.rglob("*.pt"), *src.rglob("*.safetensors")]:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -160,12 +185,16 @@ def _evict(src: Path) -> None:
             os.close(fd)
 
 
-def measure(mode: str, src: Path, dst: Path, keep: bool = False) -> dict:
+def measure(mode: str, src: Path, dst: Path, keep: bool = False,
+            carried_from: Path | None = None) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
     _evict(src)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if carried_from is not None:
+        env[CARRIED_FROM] = str(carried_from)
     proc = subprocess.run([sys.executable, __file__, "--child", mode, str(src), str(dst)],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -183,8 +212,10 @@ def _mem_available() -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=ARCHS, default="qwen2.5-7b")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=WIDTHS["vocab_size"])
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary (default: the arch's, 152064 / 248320)")
     p.add_argument("--world-size", type=int, default=6)
     p.add_argument("--workdir", default="/tmp/jscenegen-bench-convert")
     p.add_argument("--keep", action="store_true", help="keep the generated VERL input")
@@ -194,10 +225,15 @@ def main() -> int:
         child(*args.child)
         return 0
     work = Path(args.workdir)
-    verl, total, largest = make_source(work, args.layers, args.vocab, args.world_size)
+    qwen35 = args.arch == "qwen3.5-4b"
+    vocab = args.vocab or (248320 if qwen35 else WIDTHS["vocab_size"])
+    verl, total, largest = make_source(work, args.layers, vocab, args.world_size, args.arch)
     shard_dir = verl / "global_step_0" / "actor"
+    carried = work / "hf_source" if qwen35 else None
     gb = 1 << 30
-    print(f"model: {args.layers} layers at Qwen2.5-7B widths (vocab {args.vocab}), {total / 1e9:.2f} GB fp32, "
+    what = ("Qwen3.5-4B widths with its vision tower and MTP head" if qwen35
+            else "Qwen2.5-7B widths")
+    print(f"model: {args.layers} layers at {what} (vocab {vocab}), {total / 1e9:.2f} GB fp32, "
           f"largest tensor {largest / 1e9:.2f} GB, W={args.world_size}")
     available = _mem_available()
     if available < total + largest + gb:
@@ -206,7 +242,7 @@ def main() -> int:
         return 1
     results = {}
     for mode, src in (("ours", verl), ("naive", shard_dir)):
-        r = measure(mode, src, work / f"out_{mode}", keep=mode == "ours")
+        r = measure(mode, src, work / f"out_{mode}", keep=mode == "ours", carried_from=carried)
         r["mb_per_s"] = total / 1e6 / r["seconds"]
         results[mode] = r
         print(f"{mode:>6}: {r['seconds']:.1f} s, {r['mb_per_s']:.0f} MB/s, peak RSS "
@@ -222,11 +258,11 @@ def main() -> int:
               "is the baseline")
     for mode, src, label in (("hf2orbax", work / "out_ours", "hf -> orbax"),
                              ("verl2orbax", verl, "verl -> orbax")):
-        r = measure(mode, src, work / f"out_{mode}")
+        r = measure(mode, src, work / f"out_{mode}", carried_from=carried)
         r["mb_per_s"] = total / 1e6 / r["seconds"]
         results[mode] = r
-        print(f"{label}: {r['seconds']:.1f} s, {r['mb_per_s']:.0f} MB/s of weights (and 2 x that of "
-              f"zero Adam moments written), peak RSS {r['peak_rss_bytes'] / gb:.2f} GiB "
+        print(f"{label}: {r['seconds']:.1f} s, {r['mb_per_s']:.0f} MB/s of weights (and the zero "
+              f"Adam moments of the trainable ones written), peak RSS {r['peak_rss_bytes'] / gb:.2f} GiB "
               f"({r['peak_rss_bytes'] / largest:.2f} x largest tensor)")
     shutil.rmtree(work / "out_ours", ignore_errors=True)
     budget = 3 * largest + gb
@@ -237,7 +273,8 @@ def main() -> int:
               f"({'met' if r['mb_per_s'] >= 200 else 'NOT met'})")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"ratio": results["ours"]["mb_per_s"] / results["naive"]["mb_per_s"],
+    print(json.dumps({"arch": args.arch,
+                      "ratio": results["ours"]["mb_per_s"] / results["naive"]["mb_per_s"],
                       "ours_mb_per_s": results["ours"]["mb_per_s"],
                       "baseline_mb_per_s": results["naive"]["mb_per_s"],
                       "ours_peak_rss_gib": results["ours"]["peak_rss_bytes"] / gb,

@@ -22,6 +22,14 @@ import numpy as np
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
+from convert.tensor_sets import (
+    carried_names,
+    embedding_name,
+    fix_config_file,
+    hf_shapes,
+    verl_absent,
+    verl_shapes,
+)
 from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
@@ -88,7 +96,8 @@ def verl_state(ck: VerlCheckpoint) -> VerlState:
     if ck.has_optimizer():
         adam = AdamSource(exp_avg=sliced(lambda n: ck.read_moment(n, "exp_avg")),
                           exp_avg_sq=sliced(lambda n: ck.read_moment(n, "exp_avg_sq")),
-                          step=ck.adam_step(), param_groups=ck.param_groups())
+                          step=ck.adam_step(), param_groups=ck.param_groups(),
+                          names=ck.trainable)
     extra = ck.extra_states() if "extra_state" in ck.layout.kinds else None
     step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
     return VerlState(config=ck.config, hf_dir=ck.hf_dir, params=sliced(ck.read_param), adam=adam,
@@ -129,13 +138,13 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     files (the published layout links `../..`). Returns (shard dir, [(written relpath,
     [sources])], layout fields).
     """
-    from jscenegen.model.weights import param_shapes
-
+    cfg = state.config
     step_dir = root / f"global_step_{state.global_step}"
     shard_dir = step_dir if flattened else step_dir / "actor"
-    dims = write_rank_files(shard_dir, shapes=param_shapes(state.config), params=state.params,
+    dims = write_rank_files(shard_dir, shapes=verl_shapes(cfg), params=state.params,
                             world_size=world_size, placement=placement,
-                            tied_alias=state.config.tie_word_embeddings, adam=state.adam,
+                            tied_alias=embedding_name(cfg) if cfg.tie_word_embeddings else None,
+                            adam=state.adam,
                             extra_states=state.extra_states, dtype=dtype, device_type=device_type)
     if hf_link is None:
         hf_files = copy_hf_metadata(state.hf_dir, shard_dir / "huggingface")
@@ -149,6 +158,10 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     files += [(f"{rel}/huggingface/{w}", s) for w, s in hf_files]
     extra = dict(world_size=world_size, placement=placement, shard_dims=dims,
                  device_type=device_type, global_step=state.global_step, dtype=dtype or "source")
+    if verl_absent(cfg):  # mtp.*: the torch model VERL trains has no place for them
+        extra["not_in_verl"] = verl_absent(cfg)
+    if state.adam is not None and state.adam.names is not None:
+        extra["no_adam_state"] = [n for n in dims if n not in set(state.adam.names)]
     return shard_dir, files, extra
 
 
@@ -181,25 +194,46 @@ def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement
 
 
 def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
-               max_shard_bytes: int = 5 << 30) -> list[str]:
+               max_shard_bytes: int = 5 << 30, carried_from: str | Path | None = None) -> list[str]:
     """Write the VERL checkpoint's model as an HF directory at `dst` (streaming, atomic).
 
-    Arrays are the files' own values (bitwise equal to torch's `full_tensor()`), cast only if
-    `dtype` is given. Returns the safetensors file names.
+    Arrays are the files' own values (bitwise equal to torch's `full_tensor()`), in the files'
+    dtype (fp32 master weights). `dtype` casts the trainable parameters only; carried tensors
+    (Qwen3.5's vision tower) keep the files' dtype, as `jscenegen.model.hf_io.save_hf` does.
+    Qwen3.5's `mtp.*`, which VERL files cannot hold, come from `carried_from` or the
+    checkpoint's `huggingface/` weights in their stored dtype, or are dropped with a warning
+    (convert/carried.py). Returns the safetensors file names.
     """
+    from convert.carried import verl_complement
+
     ck = VerlCheckpoint(src)
+    extra = verl_complement(ck.config, ck.hf_dir, carried_from)
     info = ck.tensor_info()
+    carried = carried_names(ck.config)
     specs = {}
-    for name, shape in ck.shapes.items():
-        specs[name] = (shape, np.dtype(_np_of(dtype or info[name].dtype)))
+    for name, shape in hf_shapes(extra.config).items():
+        if name in extra.names:
+            specs[name] = (shape, np.dtype(extra.dtypes[name]))
+        else:
+            keep = dtype is None or name in carried
+            specs[name] = (shape, np.dtype(_np_of(info[name].dtype if keep else dtype)))
+
+    def arrays():
+        for n in specs:
+            if n in extra.names:
+                yield n, extra.read(n)
+            else:
+                yield n, cast(ck.read_param(n), None if n in carried else dtype)
+
     with atomic_dir(dst, exists_error=ConvertError) as tmp:
-        arrays = ((n, cast(a, dtype)) for n, a in ck.iter_params())
-        names = write_safetensors_streaming(tmp, specs, arrays, max_shard_bytes)
+        names = write_safetensors_streaming(tmp, specs, arrays(), max_shard_bytes)
         hf_files = copy_hf_metadata(ck.hf_dir, tmp)
+        fix_config_file(tmp / "config.json", extra.config)
         model_files = [str(p) for p in sorted(ck.layout.shard_dir.glob("model_world_size_*.pt"))]
         write_layout(tmp, fmt="hf-safetensors", source=src, source_format="verl",
                      files=[(n, model_files) for n in names] + hf_files,
-                     dtype=dtype or "source", tied_head_dropped=ck.tied)
+                     dtype=dtype or "source", tied_head_dropped=ck.tied,
+                     **extra.layout_fields())
         write_checksums(tmp)
     return names
 
@@ -212,9 +246,12 @@ def _np_of(torch_dtype: str) -> Any:
 
 
 def hf_state(hf_dir: str | Path) -> VerlState:
-    """Model-only VerlState over an HF safetensors directory (names and shapes checked)."""
+    """Model-only VerlState over an HF safetensors directory (names and shapes checked).
+
+    Every tensor of the directory is checked (`tensor_sets.hf_shapes`: Qwen3.5's vision tower
+    and `mtp.*` included); the state reads the ones VERL files hold (`verl_shapes`).
+    """
     from jscenegen.model.config import ModelConfigError, QwenConfig
-    from jscenegen.model.weights import param_shapes
 
     hf_dir = Path(hf_dir)
     try:
@@ -222,7 +259,7 @@ def hf_state(hf_dir: str | Path) -> VerlState:
     except ModelConfigError as err:
         raise ConvertError(str(err)) from None
     reader = SafetensorsReader(hf_dir)
-    shapes = param_shapes(cfg)
+    shapes = hf_shapes(cfg)
     allowed = set(shapes) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     missing = sorted(set(shapes) - set(reader.files))
     unexpected = sorted(set(reader.files) - allowed)
@@ -238,7 +275,12 @@ def hf_state(hf_dir: str | Path) -> VerlState:
 
 def hf_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
                dtype: str | None = None, device_type: str = "cuda") -> Path:
-    """Write an HF model as VERL rank files (model only) for a torch run to start from."""
+    """Write an HF model as VERL rank files (model only) for a torch run to start from.
+
+    Qwen3.5: the vision tower is written (VERL trains the vision-language class); `mtp.*` are
+    not (VERL's model has no place for them; `checkpoint-layout.json` lists them under
+    `not_in_verl`, and VERL loading the HF directory itself drops them too).
+    """
     state = hf_state(src)
     files = sorted({str(p) for p in SafetensorsReader(src).files.values()})
     return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,

@@ -14,7 +14,8 @@ def _directions() -> dict[tuple[str, str], Callable[..., Any]]:
     from convert import directions as d
 
     table: dict[tuple[str, str], Callable[..., Any]] = {
-        ("verl", "hf"): lambda src, dst, o: d.verl_to_hf(src, dst, dtype=o["dtype"]),
+        ("verl", "hf"): lambda src, dst, o: d.verl_to_hf(src, dst, dtype=o["dtype"],
+                                                         carried_from=o["carried_from"]),
         ("hf", "verl"): lambda src, dst, o: d.hf_to_verl(
             src, dst, world_size=o["world_size"], placement=o["placement"], dtype=o["dtype"],
             device_type=o["mesh_device"]),
@@ -63,7 +64,7 @@ def verify_source(src: str | Path) -> None:
 
 def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: str,
             world_size: int | None = None, placement: str = "dim0", dtype: str | None = None,
-            mesh_device: str = "cuda") -> Any:
+            mesh_device: str = "cuda", carried_from: str | Path | None = None) -> Any:
     """Convert `src` (in `src_format`) to `dst` (in `dst_format`); returns the direction's result.
 
     world_size: W for a VERL output (default: the VERL source's own W, else required).
@@ -71,6 +72,8 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     source's (fp32 master weights), else "float32" | "bfloat16" for the model weights.
     mesh_device: the DeviceMesh device type pickled into VERL files: "cuda" for a GPU run,
     "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
+    carried_from: an HF directory holding the tensors VERL files cannot (Qwen3.5's `mtp.*`),
+    for a VERL source converted to HF or orbax (convert/carried.py); refused elsewhere.
     An HF or VERL source covered by a `checksums.json` is verified first (`verify_source`).
     Raises ConvertError for a missing source, a destination inside the source (or the other
     way round), a source that fails its checksums, an unknown direction or a missing world
@@ -94,5 +97,9 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
         from convert.verl_read import find_verl
 
         world_size = find_verl(src).world_size
-    opts = dict(world_size=world_size, placement=placement, dtype=dtype, mesh_device=mesh_device)
+    if carried_from is not None and not (src_format == "verl" and dst_format in ("hf", "orbax")):
+        raise ConvertError("--carried-from completes a VERL source converted to hf or orbax "
+                           f"(the tensors VERL files cannot hold); not {src_format} -> {dst_format}")
+    opts = dict(world_size=world_size, placement=placement, dtype=dtype, mesh_device=mesh_device,
+                carried_from=carried_from)
     return table[(src_format, dst_format)](src, dst, opts)

@@ -63,6 +63,8 @@ def describe_verl(path: Path) -> dict[str, Any]:
     out["mesh"] = ck.mesh()
     if ck.has_optimizer():
         out["adam_step"] = ck.adam_step()
+        out["adam_state_tensors"] = len(ck.trainable)
+        out["no_adam_state"] = len(ck.frozen)  # a frozen vision tower
         g = ck.param_groups()[0]
         out["optimizer"] = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay") if k in g}
     if "extra_state" in layout.kinds:
@@ -92,6 +94,8 @@ def describe_orbax(path: Path) -> dict[str, Any]:
     meta = ckpt.read_metadata(path) if (path / ckpt.METADATA_NAME).is_file() else {}
     return {"format": "orbax", "step": int(path.name) if path.name.isdigit() else None,
             "tensors": len(shapes), "dtypes": dict(Counter(str(d) for _, d in shapes.values())),
+            "adam_state_tensors": len(ckpt.array_shapes(path, "mu")),
+            "frozen_tensors": len(meta.get("frozen_tensors") or ()),
             "adam_count": ckpt.read_adam_count(path),
             "optimizer_step": meta.get("optimizer_step"),
             "source": meta.get("source")}

@@ -6,8 +6,14 @@ its own checksums.json, which restore verifies). An orbax source is a step direc
 checkpoint directory (its newest complete step is used).
 
 What carries over (../shared/specs/verl-checkpoint.md, "What a converter must guarantee"):
-- params {hf_name: array}, logical shapes, the source dtype (fp32 master weights);
-- Adam: torch `exp_avg` -> `mu`, `exp_avg_sq` -> `nu`, `step` -> `count` (bitwise);
+- params {hf_name: array}, logical shapes, the source dtype (fp32 master weights): every
+  tensor of the weight table (`tensor_sets.hf_shapes`), Qwen3.5's vision tower and `mtp.*`
+  included; `mtp.*`, which VERL files cannot hold, come from `carried_from` or the VERL
+  checkpoint's `huggingface/` weights, or are dropped with a warning (convert/carried.py);
+- Adam: torch `exp_avg` -> `mu`, `exp_avg_sq` -> `nu`, `step` -> `count` (bitwise), for the
+  parameters torch kept state for (`trainable`; a frozen vision tower has none, and the
+  store's `training_metadata.json` lists it under `frozen_tensors`); back to VERL, those get
+  state again and the frozen ones an index in `param_groups` only, as torch saves them;
 - the LR scheduler's `last_epoch` (global steps) -> train_state["lr_schedule_count"], the
   global step -> the checkpoint step and train_state["step"];
 - what has no JAX counterpart is kept verbatim in training_metadata.json["source"]["verl"]:
@@ -28,6 +34,7 @@ from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_r
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
+from convert.tensor_sets import carried_names, fix_config_file, hf_shapes, verl_shapes, with_tensors
 from convert.tensors import cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
@@ -104,12 +111,16 @@ def orbax_step_dir(path: str | Path) -> Path:
 
 
 def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
-                params: dict[str, np.ndarray], adam: dict[str, Any],
+                params: dict[str, np.ndarray], adam: dict[str, Any], trainable: list[str],
                 train_state: dict[str, Any], source: dict[str, Any], layout_files: list,
-                source_path: str | Path, source_format: str) -> Path:
+                source_path: str | Path, source_format: str, layout_extra: dict | None = None) -> Path:
+    """One orbax step at DST/<step> holding `params` (every tensor of `hf_shapes(cfg)`) and
+    Adam moments for `trainable`; `hf/` from `hf_dir`, its config.json made to agree with the
+    MTP layers `cfg` carries (`tensor_sets.config_json`)."""
+    import tempfile
+
     from jscenegen.checkpoint.metadata import training_metadata
     from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
-    from jscenegen.model.weights import param_shapes
 
     with atomic_dir(dst, exists_error=ConvertError) as tmp:
         meta = training_metadata(
@@ -118,39 +129,71 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
             judge=None, extra={"source": source})
         store = CheckpointStore(tmp, keep_last=1)
         try:
-            store.save(step, params=params, adam=adam, train_state=train_state, metadata=meta,
-                       hf_assets_dir=hf_dir, shapes=param_shapes(cfg))
+            with tempfile.TemporaryDirectory(prefix="jscenegen-hf-assets-") as assets:
+                store.save(step, params=params, adam=adam, train_state=train_state,
+                           metadata=meta, hf_assets_dir=hf_assets(hf_dir, cfg, Path(assets)),
+                           shapes=hf_shapes(cfg), trainable=trainable)
         except CheckpointError as err:
             raise ConvertError(str(err)) from None
         finally:
             store.close()
         write_layout(tmp, fmt="orbax", source=source_path, source_format=source_format,
-                     files=[(f"{step}/{w}", s) for w, s in layout_files], step=step)
+                     files=[(f"{step}/{w}", s) for w, s in layout_files], step=step,
+                     **(layout_extra or {}))
         write_checksums(tmp)
     return Path(dst) / str(step)
 
 
-def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
+def hf_assets(hf_dir: Path, cfg: Any, scratch: Path) -> Path:
+    """`hf_dir`'s asset files copied into `scratch`, config.json saying how many MTP layers
+    `cfg` carries (a directory without weights, such as an orbax step's `hf/`, is read by
+    that number: `tensor_sets.fix_config_file`). Returns `scratch`."""
+    from jscenegen.model.assets import copy_assets
+
+    copy_assets(hf_dir, scratch)
+    fix_config_file(scratch / "config.json", cfg)
+    return scratch
+
+
+def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
+                  carried_from: str | Path | None = None) -> Path:
     """A VERL checkpoint as an orbax training checkpoint DST/<global step>/ (resumable).
 
-    Streamed: each tensor and moment is reassembled from the rank files only when orbax writes
-    it (`LazyArray`), so peak memory is about one full tensor, not the model.
+    params: every tensor the VERL files hold (bitwise, their dtype; `dtype` casts the
+    trainable parameters, never carried ones) plus Qwen3.5's `mtp.*` from `carried_from` /
+    the checkpoint's `huggingface/` weights (stored dtype) or dropped with a warning. Adam:
+    the moments of the parameters torch kept state for; a model-only source gets zero moments
+    for the non-carried parameters. Streamed: each tensor and moment is reassembled from the
+    rank files only when orbax writes it (`LazyArray`), so peak memory is about one full
+    tensor, not the model.
     """
+    from convert.carried import verl_complement
     from jscenegen.checkpoint.lazy_array import LazyArray
 
     ck = VerlCheckpoint(src)
+    extra = verl_complement(ck.config, ck.hf_dir, carried_from)
+    cfg = extra.config
     info = ck.tensor_info()
-    params = {n: lazy_cast(n, shape, info[n].dtype, functools.partial(ck.read_param, n), dtype)
-              for n, shape in ck.shapes.items()}
+    carried = carried_names(cfg)
+    params = {}
+    for n, shape in hf_shapes(cfg).items():
+        if n in extra.names:
+            params[n] = LazyArray(shape, extra.dtypes[n], functools.partial(extra.read, n), n)
+        else:
+            params[n] = lazy_cast(n, shape, info[n].dtype, functools.partial(ck.read_param, n),
+                                  None if n in carried else dtype)
     adam: dict[str, Any] = {"count": 0, "mu": {}, "nu": {}}
     if ck.has_optimizer():
+        trainable = ck.trainable
         adam["count"] = ck.adam_step()
         for group, moment in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
-            adam[group] = {n: LazyArray(shape, np.float32, functools.partial(ck.read_moment, n, moment),
-                                        f"{moment} of {n}") for n, shape in ck.shapes.items()}
+            adam[group] = {n: LazyArray(ck.shapes[n], np.float32,
+                                        functools.partial(ck.read_moment, n, moment),
+                                        f"{moment} of {n}") for n in trainable}
     else:
-        adam["mu"] = {n: LazyArray.zeros(s, name=n) for n, s in ck.shapes.items()}
-        adam["nu"] = {n: LazyArray.zeros(s, name=n) for n, s in ck.shapes.items()}
+        trainable = [n for n in ck.shapes if n not in carried]
+        adam["mu"] = {n: LazyArray.zeros(ck.shapes[n], name=n) for n in trainable}
+        adam["nu"] = {n: LazyArray.zeros(ck.shapes[n], name=n) for n in trainable}
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
     step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
     sched = ck.scheduler_step() if extras else None
@@ -162,17 +205,20 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None)
               "world_size": ck.world_size, "global_step": ck.layout.global_step,
               "torch_version_reading": torch.__version__, "mesh": ck.mesh(),
               "shard_dims": {k: v.shard_dim for k, v in info.items()},
+              "no_adam_state": ck.frozen if ck.has_optimizer() else None,
+              "carried": extra.layout_fields(),
               "verl": {"param_groups": _json_groups(ck.param_groups()) if ck.has_optimizer() else None,
                        "extra_state": [extra_state_to_json(e) for e in extras]},
               "note": "torch RNG streams cannot be continued by JAX keys; recorded for a return to VERL"}
     files = [str(ck.layout.rank_file(k, r)) for k in ck.layout.kinds for r in range(ck.world_size)]
-    layout_files = [("params", [f for f in files if "/model_" in f]),
+    layout_files = [("params", [f for f in files if "/model_" in f] + list(extra.files)),
                     ("adam", [f for f in files if "/optim_" in f]),
                     ("train_state", [f for f in files if "/extra_state_" in f]),
                     ("hf/config.json", [str(ck.hf_dir / "config.json")])]
-    return _save_orbax(Path(dst), step=step, cfg=ck.config, hf_dir=ck.hf_dir, params=params,
-                       adam=adam, train_state=train_state, source=source,
-                       layout_files=layout_files, source_path=src, source_format="verl")
+    return _save_orbax(Path(dst), step=step, cfg=cfg, hf_dir=ck.hf_dir, params=params,
+                       adam=adam, trainable=trainable, train_state=train_state, source=source,
+                       layout_files=layout_files, source_path=src, source_format="verl",
+                       layout_extra=extra.layout_fields())
 
 
 def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -182,51 +228,103 @@ def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> Path:
     """An HF model as an orbax checkpoint at step 0 with fresh Adam state (zeros, count 0).
 
-    Streamed: each tensor is read when orbax writes it (`LazyArray`); zeros are made per moment.
+    params: every tensor of the directory (Qwen3.5's vision tower and `mtp.*` included), each
+    in its stored dtype; `dtype` casts the trainable parameters, never carried ones. Adam:
+    zero moments for the trainable parameters (not the carried tower: `model.train_vision`
+    is off by default). Streamed: each tensor is read when orbax writes it (`LazyArray`).
     """
     from convert.directions import hf_state
     from jscenegen.checkpoint.lazy_array import LazyArray
     from jscenegen.model.weights import param_shapes
 
     state = hf_state(src)
+    cfg = state.config
     reader = SafetensorsReader(src)
-    shapes = param_shapes(state.config)
-    params = {n: lazy_cast(n, s, reader.dtype(n), functools.partial(reader.full, n), dtype)
-              for n, s in shapes.items()}
-    adam = {"count": 0, "mu": {n: LazyArray.zeros(s, name=n) for n, s in shapes.items()},
-            "nu": {n: LazyArray.zeros(s, name=n) for n, s in shapes.items()}}
+    carried = carried_names(cfg)
+    params = {n: lazy_cast(n, s, reader.dtype(n), functools.partial(reader.full, n),
+                           None if n in carried else dtype)
+              for n, s in hf_shapes(cfg).items()}
+    trainable = param_shapes(cfg)
+    adam = {"count": 0, "mu": {n: LazyArray.zeros(s, name=n) for n, s in trainable.items()},
+            "nu": {n: LazyArray.zeros(s, name=n) for n, s in trainable.items()}}
     files = sorted({str(p) for p in reader.files.values()})
-    return _save_orbax(Path(dst), step=0, cfg=state.config, hf_dir=Path(src), params=params,
-                       adam=adam, train_state={"step": 0, "lr_schedule_count": 0,
-                                               "optimizer_step": 0, "source_format": "hf"},
+    return _save_orbax(Path(dst), step=0, cfg=cfg, hf_dir=Path(src), params=params,
+                       adam=adam, trainable=list(trainable),
+                       train_state={"step": 0, "lr_schedule_count": 0,
+                                    "optimizer_step": 0, "source_format": "hf"},
                        source={"format": "hf", "path": str(Path(src).resolve())},
                        layout_files=[("params", files)], source_path=src, source_format="hf")
 
 
-def orbax_reader(step_dir: Path, group: str) -> Callable[[str], np.ndarray]:
-    """name -> full array of `group` ("params", "mu", "nu"), one partial orbax restore each."""
+def orbax_reader(step_dir: Path, group: str, order: list[str]) -> Callable[[str], np.ndarray]:
+    """name -> full array of `group` ("params", "mu", "nu"), one partial orbax restore each.
+
+    `order`: the names in the order they will be asked for (the writer's parameter order,
+    once per rank). Reads stream through one `iter_arrays` pass over `order` (the group's
+    metadata is read once per pass, not once per tensor); a name asked out of turn starts a
+    new pass there. One array is held at a time.
+    """
     from jscenegen.checkpoint.store import iter_arrays
 
+    position = {n: i for i, n in enumerate(order)}
+    cursor: dict[str, Any] = {"it": None, "next": None}
+
     def full(name: str) -> np.ndarray:
-        ((_, arr),) = list(iter_arrays(step_dir, group, names=[name]))
+        if cursor["next"] != name:
+            cursor["it"] = iter_arrays(step_dir, group, names=order[position[name]:])
+        got, arr = next(cursor["it"])
+        i = position[got] + 1
+        cursor["next"] = order[i] if i < len(order) else None
         return np.asarray(arr)
 
     return full
 
 
-def orbax_state(src: str | Path, world_size: int) -> VerlState:
-    """Readers over an orbax step, with the torch-only state rebuilt for `world_size` ranks."""
+def orbax_config(step_dir: Path) -> Any:
+    """The model config of an orbax step: `hf/config.json`, with the MTP layers its `params/`
+    actually hold (`tensor_sets.with_tensors`), checked against every stored name and shape.
+    Raises ConvertError naming the step when they differ."""
     from jscenegen.checkpoint import store as ckpt
-    from jscenegen.model.config import QwenConfig
-    from jscenegen.model.weights import param_shapes
+    from jscenegen.model.config import ModelConfigError, QwenConfig
+
+    hf = step_dir / ckpt.HF_DIR
+    stored = ckpt.array_shapes(step_dir, "params")
+    try:
+        cfg = with_tensors(QwenConfig.from_dir(hf), stored)
+    except ModelConfigError as err:
+        raise ConvertError(str(err)) from None
+    shapes = hf_shapes(cfg)
+    if set(stored) != set(shapes):
+        missing, unexpected = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
+        raise ConvertError(f"{step_dir / ckpt.PARAMS_ITEM}: names differ from {hf / 'config.json'}"
+                           f" (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for n, shape in shapes.items():
+        if tuple(stored[n][0]) != tuple(shape):
+            raise ConvertError(f"{step_dir / ckpt.PARAMS_ITEM}: {n} has shape {stored[n][0]}, "
+                               f"{hf / 'config.json'} implies {tuple(shape)}")
+    return cfg
+
+
+def orbax_state(src: str | Path, world_size: int) -> VerlState:
+    """Readers over an orbax step, with the torch-only state rebuilt for `world_size` ranks.
+
+    Adam state is written for the step's trainable tensors (those with moments); the others
+    (a frozen tower) get an index in `param_groups` and no state. `mtp.*` are not VERL
+    tensors and are not read. Raises ConvertError for moments of a tensor VERL files cannot
+    hold.
+    """
+    from jscenegen.checkpoint import store as ckpt
 
     step_dir = orbax_step_dir(src)
     hf = step_dir / ckpt.HF_DIR
-    cfg = QwenConfig.from_dir(hf)
-    shapes = param_shapes(cfg)
-    stored = ckpt.array_shapes(step_dir, "params")
-    if set(stored) != set(shapes):
-        raise ConvertError(f"{step_dir / ckpt.PARAMS_ITEM}: names differ from {hf / 'config.json'}")
+    cfg = orbax_config(step_dir)
+    shapes = verl_shapes(cfg)
+    moments = ckpt.array_shapes(step_dir, "mu")
+    trainable = [n for n in shapes if n in moments]
+    stray = sorted(set(moments) - set(shapes))
+    if stray:
+        raise ConvertError(f"{step_dir / ckpt.ADAM_ITEM}: moments for {stray[:3]}, which VERL "
+                           "files cannot hold")
     meta = ckpt.read_metadata(step_dir)
     train_state = ckpt.read_train_state(step_dir)
     count = ckpt.read_adam_count(step_dir)
@@ -255,10 +353,10 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
         extras = [{"lr_scheduler": lambda_lr_state(float(groups[0].get("initial_lr", lr)),
                                                    sched_count, lr)}]
     return VerlState(
-        config=cfg, hf_dir=hf, params=sliced(orbax_reader(step_dir, "params")),
-        adam=AdamSource(exp_avg=sliced(orbax_reader(step_dir, "mu")),
-                        exp_avg_sq=sliced(orbax_reader(step_dir, "nu")), step=count,
-                        param_groups=groups),
+        config=cfg, hf_dir=hf, params=sliced(orbax_reader(step_dir, "params", list(shapes))),
+        adam=AdamSource(exp_avg=sliced(orbax_reader(step_dir, "mu", trainable)),
+                        exp_avg_sq=sliced(orbax_reader(step_dir, "nu", trainable)), step=count,
+                        param_groups=groups, names=trainable),
         extra_states=extras, global_step=int(train_state.get("step", int(step_dir.name))))
 
 
@@ -289,24 +387,28 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None) -
 def write_hf_into(step_dir: Path, out: Path, *, dtype: str | None) -> list[tuple[str, list[str]]]:
     """Safetensors (streamed, one array at a time) + the step's hf/ files into `out`.
 
-    Returns [(written name, [sources])] for the layout file.
+    Every tensor of the step (Qwen3.5's vision tower and `mtp.*` included) in its stored
+    dtype; `dtype` casts the trainable parameters, never carried tensors. Returns [(written
+    name, [sources])] for the layout file.
     """
     from jscenegen.checkpoint import store as ckpt
-    from jscenegen.model.config import QwenConfig
-    from jscenegen.model.weights import param_shapes
 
     hf = step_dir / ckpt.HF_DIR
-    shapes = param_shapes(QwenConfig.from_dir(hf))
+    cfg = orbax_config(step_dir)
+    shapes, carried = hf_shapes(cfg), carried_names(cfg)
     stored = ckpt.array_shapes(step_dir, "params")
-    specs = {n: (s, np.dtype(cast(np.zeros(1, stored[n][1]), dtype).dtype)) for n, s in shapes.items()}
-    arrays = ((n, cast(np.asarray(a), dtype))
+    out_dtype = {n: None if n in carried else dtype for n in shapes}
+    specs = {n: (s, np.dtype(cast(np.zeros(1, stored[n][1]), out_dtype[n]).dtype))
+             for n, s in shapes.items()}
+    arrays = ((n, cast(np.asarray(a), out_dtype[n]))
               for n, a in ckpt.iter_arrays(step_dir, "params", names=list(shapes)))
     names = write_safetensors_streaming(out, specs, arrays)
     return [(n, [str(step_dir / ckpt.PARAMS_ITEM)]) for n in names] + copy_hf_metadata(hf, out)
 
 
 DIRECTIONS: dict[tuple[str, str], Callable[..., Any]] = {
-    ("verl", "orbax"): lambda src, dst, o: verl_to_orbax(src, dst, dtype=o["dtype"]),
+    ("verl", "orbax"): lambda src, dst, o: verl_to_orbax(src, dst, dtype=o["dtype"],
+                                                         carried_from=o["carried_from"]),
     ("hf", "orbax"): lambda src, dst, o: hf_to_orbax(src, dst, dtype=o["dtype"]),
     ("orbax", "verl"): lambda src, dst, o: orbax_to_verl(
         src, dst, world_size=o["world_size"], placement=o["placement"], dtype=o["dtype"],

@@ -24,6 +24,7 @@ import numpy as np
 from convert import pages
 from convert.errors import ConvertError
 from convert.sharding import chunk_bounds
+from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
 from convert.torch_safe import load_pt
 
@@ -177,13 +178,19 @@ class VerlCheckpoint:
     """A VERL checkpoint opened for streaming reads.
 
     `param_order`: HF names in `module.parameters()` order (tied head counted once), which is
-    the optimizer's integer index order; taken from `jscenegen.model.weights.param_shapes` of
-    the config in `huggingface/config.json` (or `hf_dir`), and checked against the model file.
+    the optimizer's integer index order; taken from `convert.tensor_sets.verl_shapes` of the
+    config in `huggingface/config.json` (or `hf_dir`), and checked against the model file. For
+    Qwen3.5 that includes the vision tower (VERL trains the vision-language class), never
+    `mtp.*` (see convert/carried.py for where those come from).
+
+    Adam state may cover only some parameters: torch AdamW keeps `state` entries only for
+    parameters it stepped, while VERL builds it over all `module.parameters()`, so a frozen
+    vision tower (VERL's `freeze_vision_tower`) has indices in `param_groups` and no state.
+    `trainable` lists the parameters with state, `frozen` the others.
     """
 
     def __init__(self, path: str | Path, hf_dir: str | Path | None = None):
         from jscenegen.model.config import ModelConfigError, QwenConfig
-        from jscenegen.model.weights import param_shapes
 
         self.layout = find_verl(path)
         hf = Path(hf_dir) if hf_dir is not None else self.layout.hf_dir
@@ -197,9 +204,10 @@ class VerlCheckpoint:
             self.config = QwenConfig.from_dir(hf)
         except ModelConfigError as err:
             raise ConvertError(str(err)) from None
-        self.shapes = param_shapes(self.config)
+        self.shapes = verl_shapes(self.config)
         self.param_order = list(self.shapes)
         self.tied = self.config.tie_word_embeddings
+        self.embedding = embedding_name(self.config)
         self._check_keys()
 
     # ---- files -------------------------------------------------------------------------
@@ -358,11 +366,11 @@ class VerlCheckpoint:
         for name, shape in self.shapes.items():
             yield name, self.read_param(name, shape)
         if self.tied and include_tied_alias:
-            head = self.read_param("lm_head.weight", self.shapes["model.embed_tokens.weight"])
-            emb = self.read_param("model.embed_tokens.weight", head.shape)
+            head = self.read_param("lm_head.weight", self.shapes[self.embedding])
+            emb = self.read_param(self.embedding, head.shape)
             if not np.array_equal(head, emb):
                 raise ConvertError(f"{self.layout.rank_file('model', 0)}: lm_head.weight differs "
-                                   "from model.embed_tokens.weight although the config ties them")
+                                   f"from {self.embedding} although the config ties them")
             yield "lm_head.weight", head
 
     def read_param(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -382,25 +390,41 @@ class VerlCheckpoint:
             if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
                 raise ConvertError(f"{f}: not a torch optimizer state_dict (needs state, param_groups)")
             n = len(self.param_order)
-            if sorted(sd["state"]) != list(range(n)):
-                raise ConvertError(f"{f}: optimizer state has indices {sorted(sd['state'])[:5]}..., "
-                                   f"expected 0..{n - 1} for the {n} parameters of the config")
             params = [i for g in sd["param_groups"] for i in g.get("params", [])]
             if sorted(params) != list(range(n)):
                 raise ConvertError(f"{f}: param_groups cover indices {sorted(params)[:5]}..., "
-                                   f"expected 0..{n - 1}")
+                                   f"expected 0..{n - 1} for the {n} parameters of the config")
+            outside = sorted(set(sd["state"]) - set(range(n)))
+            if outside:
+                raise ConvertError(f"{f}: optimizer state has index {outside[0]}, outside "
+                                   f"0..{n - 1} for the {n} parameters of the config")
+            if files and sorted(sd["state"]) != sorted(files[0]["state"]):
+                raise ConvertError(f"{f}: optimizer state covers other parameters than rank 0's "
+                                   f"({len(sd['state'])} vs {len(files[0]['state'])} entries)")
             files.append(sd)
         return files
+
+    @property
+    def trainable(self) -> list[str]:
+        """Parameters with AdamW state (all of them unless some were frozen), in index order."""
+        return [self.param_order[i] for i in sorted(self._optim_files[0]["state"])]
+
+    @property
+    def frozen(self) -> list[str]:
+        """Parameters in `param_groups` without AdamW state (a frozen vision tower)."""
+        have = set(self._optim_files[0]["state"])
+        return [n for i, n in enumerate(self.param_order) if i not in have]
 
     def has_optimizer(self) -> bool:
         return "optim" in self.layout.kinds
 
     def iter_adam(self) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-        """Yield (hf_name, exp_avg, exp_avg_sq) in parameter order, full arrays (fp32).
+        """Yield (hf_name, exp_avg, exp_avg_sq) of the `trainable` parameters in parameter
+        order, full arrays (fp32).
 
         Index i of torch's AdamW state maps to `param_order[i]` (module.parameters() order).
         """
-        for name in self.param_order:
+        for name in self.trainable:
             yield (name, *self.read_adam(name))
 
     def read_adam(self, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -412,6 +436,9 @@ class VerlCheckpoint:
         if moment not in ("exp_avg", "exp_avg_sq"):
             raise ValueError(f"moment must be exp_avg or exp_avg_sq, got {moment!r}")
         i = self.param_order.index(name)
+        if i not in self._optim_files[0]["state"]:
+            raise ConvertError(f"{self.layout.rank_file('optim', 0)}: {name} (index {i}) has no "
+                               "AdamW state (a frozen parameter)")
         states = [sd["state"][i] for sd in self._optim_files]
         for r, st in enumerate(states):
             if not isinstance(st, dict) or not {"exp_avg", "exp_avg_sq", "step"} <= set(st):

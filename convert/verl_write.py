@@ -20,7 +20,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -47,13 +47,16 @@ class AdamSource:
     """Adam state to write: moments by HF name (SliceReaders, fp32), the step count, groups.
 
     `param_groups`: torch's list of group dicts (from `adamw_param_groups` or a VERL source);
-    their `params` must cover 0..P-1 in parameter order.
+    their `params` must cover 0..P-1 in parameter order. `names`: the parameters that have
+    state (None = all); the others (a frozen vision tower) get an index in `param_groups` and
+    no `state` entry, as torch AdamW saves parameters it never stepped.
     """
 
     exp_avg: SliceReader
     exp_avg_sq: SliceReader
     step: int
     param_groups: list[dict[str, Any]]
+    names: Sequence[str] | None = None
 
 
 def adamw_param_groups(n_params: int, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
@@ -109,16 +112,19 @@ def _dtensor(local: np.ndarray, mesh: Any, dim: int, shape: tuple[int, ...], dev
 
 def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, ...]],
                      params: SliceReader, world_size: int, placement: str = "dim0",
-                     tied_alias: bool = False, adam: AdamSource | None = None,
+                     tied_alias: str | None = None, adam: AdamSource | None = None,
                      extra_states: list[dict[str, Any]] | None = None, dtype: str | None = None,
                      device_type: str = "cuda") -> dict[str, int]:
     """Write `{model,optim,extra_state}_world_size_W_rank_R.pt` for R in 0..W-1 and fsdp_config.json.
 
-    shapes: ordered {hf_name: global shape} in parameter order (`param_shapes(cfg)`);
-    `tied_alias` adds `lm_head.weight` as a second DTensor over the embedding's shard (sharing
-    its storage, as torch's state_dict does). `dtype` casts the model weights only (Adam
-    moments stay fp32). `extra_states`: one dict per rank, or one for all ranks. Returns
-    {hf_name: shard dim}. Raises ConvertError on a W < 1 or a wrong extra_states count.
+    shapes: ordered {hf_name: global shape} in parameter order (`tensor_sets.verl_shapes`);
+    `tied_alias`: the embedding's name when the head is tied: `lm_head.weight` is added as a
+    second DTensor over its shard (sharing its storage, as torch's state_dict does). `dtype`
+    casts every model tensor (VERL's actor holds all of them, vision tower included, as fp32
+    parameters); Adam moments stay fp32. Adam `state` is keyed by the index in `shapes` and
+    written for `adam.names` only; `param_groups` are written as given. `extra_states`: one
+    dict per rank, or one for all ranks. Returns {hf_name: shard dim}. Raises ConvertError
+    on a W < 1, a wrong extra_states count, or Adam names outside `shapes`.
     """
     import torch
 
@@ -129,6 +135,10 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
         raise ConvertError(f"{len(extra_states)} extra states for world size {world_size} "
                            "(give one per rank, or one for all)")
     dims = {n: shard_dim(s, world_size, placement) for n, s in shapes.items()}
+    with_state = set(shapes) if adam is None or adam.names is None else set(adam.names)
+    if with_state - set(shapes):
+        raise ConvertError(f"Adam state for {sorted(with_state - set(shapes))[:3]}, which are not "
+                           "parameters of the model")
     shard_dir.mkdir(parents=True, exist_ok=True)
     W = world_size
     for r in range(W):
@@ -143,15 +153,16 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
                 model[name] = _dtensor(cast(local(params, name), dtype), mesh, dims[name],
                                        tuple(shape), device_type)
             if tied_alias:
-                emb = model["model.embed_tokens.weight"]
-                model["lm_head.weight"] = _tied_view(emb)
                 # state_dict order: lm_head comes last
+                model["lm_head.weight"] = _tied_view(model[tied_alias])
             torch.save(model, shard_dir / f"model_world_size_{W}_rank_{r}.pt")
             del model
             if adam is not None:
                 state = {}
                 step = torch.tensor(float(adam.step), dtype=torch.float32)
                 for i, (name, shape) in enumerate(shapes.items()):
+                    if name not in with_state:
+                        continue
                     state[i] = {
                         "step": step.clone(),
                         "exp_avg": _dtensor(cast(local(adam.exp_avg, name), "float32"), mesh,

@@ -144,19 +144,20 @@ def _redraw_constants(model, gen) -> None:
                 p.copy_(0.08 * noise)
 
 
-def _config(model_type: str, tok, tie: bool):
+def _config(model_type: str, tok, tie: bool, text_sizes: dict | None = None):
     from transformers import Qwen3_5Config, Qwen3_5TextConfig
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    text = dict(TEXT, tie_word_embeddings=tie, eos_token_id=ids["<|endoftext|>"],
-                vocab_size=max(TEXT["vocab_size"], len(tok)))
+    text = dict(TEXT, **(text_sizes or {}))
+    text.update(tie_word_embeddings=tie, eos_token_id=ids["<|endoftext|>"],
+                vocab_size=max(text["vocab_size"], len(tok)))
     assert text["vocab_size"] == TEXT["vocab_size"], f"tokenizer ({len(tok)}) outgrew the vocab"
     if model_type == "qwen3_5_text":
         return Qwen3_5TextConfig(**text)
     if model_type != "qwen3_5":
         raise ValueError(f"model_type must be 'qwen3_5' or 'qwen3_5_text', got {model_type!r}")
     return Qwen3_5Config(
-        text_config=text, vision_config=dict(VISION, out_hidden_size=TEXT["hidden_size"]),
+        text_config=text, vision_config=dict(VISION, out_hidden_size=text["hidden_size"]),
         tie_word_embeddings=tie, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"])
@@ -188,7 +189,7 @@ def _rewrite_weights(out: Path, extra: dict, dtype: str, release_layout: bool) -
 
 def make_qwen35_dir(root: str | Path, model_type: str = "qwen3_5", *, seed: int = 0,
                     mtp: bool = True, tie: bool | None = None, dtype: str = "float32",
-                    release_layout: bool = False) -> Path:
+                    release_layout: bool = False, text_sizes: dict | None = None) -> Path:
     """Write a tiny random Qwen3.5 HF directory under `root` and return it.
 
     Args:
@@ -203,6 +204,9 @@ def make_qwen35_dir(root: str | Path, model_type: str = "qwen3_5", *, seed: int 
         `linear_attn.A_log` and `linear_attn.norm.weight` kept fp32).
       release_layout: write `model.safetensors-00001-of-00001.safetensors` + index (as
         Qwen/Qwen3.5-0.8B and -2B ship) instead of `model.safetensors`.
+      text_sizes: overrides of `TEXT` (e.g. {"hidden_size": 48}, so that VERL 0.6 - 0.8's
+        first-divisible placement shards tensors on dim 1 at W = 6); the vision tower's
+        `out_hidden_size` follows `hidden_size`.
 
     The directory holds config.json, generation_config.json, the safetensors, tokenizer files,
     chat_template.jinja (the official Qwen3.5 template) and, for qwen3_5, the processor files.
@@ -216,7 +220,7 @@ def make_qwen35_dir(root: str | Path, model_type: str = "qwen3_5", *, seed: int 
         shutil.rmtree(out)
     tie = (model_type == "qwen3_5_text") if tie is None else tie
     tok = build_tokenizer()
-    config = _config(model_type, tok, tie)
+    config = _config(model_type, tok, tie, text_sizes)
     torch.manual_seed(seed)
     cls = Qwen3_5ForConditionalGeneration if model_type == "qwen3_5" else Qwen3_5ForCausalLM
     model = cls(config).eval()

@@ -54,3 +54,19 @@ def test_cli_errors(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert main(["convert", "--verify", str(tmp_path)]) == 2
     assert "checksums.json: missing" in capsys.readouterr().err
+
+
+def test_carried_from_flag(tmp_path, capsys):
+    """Qwen3.5: `--carried-from` supplies mtp.*; without it the warning reaches the user."""
+    src = fixture_dir("qwen35_tied_frozen_dim0")
+    assert main(["convert", str(src / "ckpt"), str(tmp_path / "with"), "--from", "verl",
+                 "--to", "hf", "--carried-from", str(src / "release")]) == 0
+    with_mtp = json.loads((tmp_path / "with/checkpoint-layout.json").read_text())
+    assert len(with_mtp["carried_from_tensors"]) == 15 and not with_mtp["dropped"]
+    capsys.readouterr()
+    assert main(["convert", str(src / "ckpt"), str(tmp_path / "without"), "--from", "verl",
+                 "--to", "hf"]) == 0
+    assert "--carried-from" in capsys.readouterr().err  # the ConversionWarning, on stderr
+    assert main(["convert", str(src / "release"), str(tmp_path / "v"), "--from", "hf", "--to",
+                 "verl", "--world-size", "2", "--carried-from", str(src / "release")]) == 2
+    assert "--carried-from completes a VERL source" in capsys.readouterr().err

@@ -90,3 +90,101 @@ def test_inspect_export_and_orbax(exported):
     run = describe(exported["out"].parent / "run")
     assert run["format"] == "orbax-run" and run["steps"] == [3]
     assert run["latest"]["adam_count"] == 3 and run["latest"]["source"]["world_size"] == 6
+
+
+# ---------------------------------------------------------------- Qwen3.5 VLM
+@pytest.fixture(scope="module")
+def exported35(tmp_path_factory):
+    """The tied Qwen3.5 fixture with a frozen tower (mtp.* from its release) exported."""
+    root = tmp_path_factory.mktemp("export35")
+    src = fixture_dir("qwen35_tied_frozen_dim0")
+    verl_to_orbax(src / "ckpt", root / "run", carried_from=src / "release")
+    assert main(["export", str(root / "run"), str(root / "pub"), "--world-size", "6",
+                 "--mesh-device", "cpu"]) == 0
+    return {"out": root / "pub", "src": src,
+            "params": load_file(str(src / "reference/params.safetensors")),
+            "meta": json.loads((src / "reference/meta.json").read_text())}
+
+
+def test_qwen35_published_layout(exported35):
+    """The HF model at the root with the processor files beside it, every tensor of the
+    release (tower, text, mtp.*) in it; the VERL training state without mtp.*."""
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.safetensors_stream import read_tensor, safetensors_files
+
+    out = exported35["out"]
+    assert verify_checksums(out) > 0
+    root = sorted(p.name for p in out.iterdir() if p.is_file())
+    assert root == sorted(["config.json", "generation_config.json", "model.safetensors",
+                           "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                           "preprocessor_config.json", "video_preprocessor_config.json",
+                           "training_metadata.json", "checkpoint-layout.json", "checksums.json"])
+    for f in ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.jinja"):
+        assert (out / f).read_bytes() == (exported35["src"] / "release" / f).read_bytes(), f
+    got = {n: read_tensor(f, n) for n, f in safetensors_files(out).items()}
+    release = {n: read_tensor(f, n) for n, f in safetensors_files(exported35["src"] / "release").items()}
+    assert set(got) == set(release)  # tied: no lm_head.weight in either
+    for n, a in got.items():
+        if n.startswith("mtp."):
+            np.testing.assert_array_equal(a.view(np.uint16), release[n].view(np.uint16))
+        else:
+            np.testing.assert_array_equal(a, exported35["params"][n], err_msg=n)
+    assert QwenConfig.from_dir(out).mtp_layers == 1
+    meta = json.loads((out / "training_metadata.json").read_text())
+    assert set(meta["frozen_tensors"]) == set(exported35["meta"]["frozen"]) | {
+        n for n in release if n.startswith("mtp.")}
+
+
+def test_qwen35_hf_root_loads_in_transformers(exported35):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(exported35["out"], dtype=torch.float32)
+    sd = model.state_dict()
+    assert set(sd) == set(exported35["params"])
+    for k, ref in exported35["params"].items():
+        assert torch.equal(sd[k], torch.from_numpy(ref)), k
+
+
+def test_qwen35_training_state_reads_back_with_mtp(exported35, tmp_path):
+    """The training state: torch's tensors and Adam state (none for the frozen tower); its
+    `huggingface` link is the root, whose weights give VERL -> HF the mtp.* with no flag."""
+    from convert.directions import verl_to_hf
+    from jscenegen.model.safetensors_stream import read_tensor, safetensors_files
+
+    ck = VerlCheckpoint(exported35["out"] / "training_state")
+    assert ck.frozen == exported35["meta"]["frozen"] and ck.adam_step() == 3
+    for name, a in ck.iter_params(include_tied_alias=True):
+        np.testing.assert_array_equal(a, exported35["params"][name], err_msg=name)
+    verl_to_hf(exported35["out"] / "training_state", tmp_path / "hf")
+    a = {n: read_tensor(f, n) for n, f in safetensors_files(tmp_path / "hf").items()}
+    b = {n: read_tensor(f, n) for n, f in safetensors_files(exported35["out"]).items()}
+    assert set(a) == set(b)
+    for n in a:
+        np.testing.assert_array_equal(a[n].view(np.uint8), b[n].view(np.uint8), err_msg=n)
+
+
+@pytest.mark.slow
+def test_qwen35_training_state_resumes_in_fsdp2(exported35, tmp_path):
+    run_script(["load", str(exported35["out"] / "training_state/global_step_3"), str(tmp_path / "l"),
+                "--world-size", "6", "--placement", "dim0", "--freeze-vision"])
+    loaded = load_file(str(tmp_path / "l/loaded_params.safetensors"))
+    for k, ref in exported35["params"].items():
+        np.testing.assert_array_equal(loaded[k], ref, err_msg=k)
+    meta = json.loads((tmp_path / "l/meta.json").read_text())
+    assert meta["step_before"] == 3.0 and meta["step_after"] == 4.0
+    assert meta["state_indices_loaded"] == exported35["meta"]["state_indices"]
+
+
+def test_qwen35_inspect(exported35):
+    from convert.inspect import describe
+
+    info = describe(exported35["out"])
+    frozen = len(exported35["meta"]["frozen"])
+    (ts,) = info["training_state"]
+    assert info["hf"]["tensors"] == 102 + 15 and info["hf"]["model_type"] == "qwen3_5"
+    assert ts["tensors"] == 103 and ts["no_adam_state"] == frozen  # tied alias, no mtp.*
+    assert ts["adam_state_tensors"] == 102 - frozen
+    run = describe(exported35["out"].parent / "run")["latest"]
+    assert run["tensors"] == 117 and run["frozen_tensors"] == frozen + 15
+    assert run["adam_state_tensors"] == 102 - frozen

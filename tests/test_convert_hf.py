@@ -1,7 +1,9 @@
 """verl -> hf and hf -> verl (convert/directions.py, convert/safetensors_io.py).
 
 Ground truth: torch's own `full_tensor()` of the FSDP2 fixture (tests/fsdp_fixtures.py), and
-transformers loading what we wrote.
+transformers loading what we wrote. The Qwen3.5 fixtures' `mtp.*` (which VERL files cannot
+hold) are covered by tests/test_convert_carried.py; here no reference is given, so they are
+dropped with a warning.
 """
 from __future__ import annotations
 
@@ -18,21 +20,38 @@ from jscenegen.checkpoint.checksums import verify_checksums
 
 from fsdp_fixtures import fixture_dir
 
-NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0")
+NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0", "qwen35_first_divisible",
+         "qwen35_tied_frozen_dim0")
 
 
 @pytest.fixture(scope="session", params=NAMES)
 def fixture(request):
     out = fixture_dir(request.param)
+    meta = json.loads((out / "reference/meta.json").read_text())
     return {"ckpt": out / "ckpt", "params": load_file(str(out / "reference/params.safetensors")),
-            "tied": request.param.startswith("qwen3")}
+            "tied": len(meta["state_dict_keys"]) > len(meta["param_order"]),
+            "qwen35": request.param.startswith("qwen35")}
 
 
 @pytest.fixture(scope="session")
 def hf_out(fixture, tmp_path_factory):
+    from convert.carried import ConversionWarning
+
     out = tmp_path_factory.mktemp("hf") / "model"
-    verl_to_hf(fixture["ckpt"], out)
+    if fixture["qwen35"]:
+        with pytest.warns(ConversionWarning, match=r"15 mtp\.\* tensors"):
+            verl_to_hf(fixture["ckpt"], out)
+    else:
+        verl_to_hf(fixture["ckpt"], out)
     return out
+
+
+def model_class(hf_dir):
+    """The transformers class VERL trains for this directory (the VLM for qwen3_5)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    qwen35 = json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_5"
+    return AutoModelForImageTextToText if qwen35 else AutoModelForCausalLM
 
 
 def _read_all(hf_dir):
@@ -58,13 +77,17 @@ def test_verl_to_hf_equals_torch_full_state_dict(fixture, hf_out):
     assert verify_checksums(hf_out) >= 3
     layout = json.loads((hf_out / "checkpoint-layout.json").read_text())
     assert layout["source_format"] == "verl" and len(layout["files"][0]["source"]) == 6
+    if fixture["qwen35"]:  # no mtp source: dropped, and the config says so
+        assert len(layout["dropped"]) == 15 and layout["carried_from"] is None
+        cfg = json.loads((hf_out / "config.json").read_text())
+        assert cfg["text_config"]["mtp_num_hidden_layers"] == 0
+        assert (hf_out / "preprocessor_config.json").is_file()
 
 
 def test_transformers_loads_the_output_bitwise(fixture, hf_out):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32)
+    model = model_class(hf_out).from_pretrained(hf_out, dtype=torch.float32)
     sd = model.state_dict()
     ref = fixture["params"]
     assert set(sd) == set(ref)

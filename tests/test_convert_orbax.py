@@ -160,3 +160,208 @@ def test_hf_to_orbax_without_tokenizer_is_refused(tiny_hf, tmp_path):
     with pytest.raises(ConvertError, match="no tokenizer"):
         hf_to_orbax(tiny_hf["qwen2"], tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- Qwen3.5: vision tower, mtp.*, frozen tensors
+QWEN35 = ("qwen35_first_divisible", "qwen35_tied_frozen_dim0")
+
+
+@pytest.fixture(scope="module", params=QWEN35)
+def converted35(request, tmp_path_factory):
+    """A Qwen3.5 VLM fixture converted to orbax once, mtp.* taken from its release."""
+    src = fixture_dir(request.param)
+    dst = tmp_path_factory.mktemp("orbax35") / "run"
+    verl_to_orbax(src / "ckpt", dst, carried_from=src / "release")
+    meta = json.loads((src / "reference/meta.json").read_text())
+    return {"src": src, "run": dst, "name": request.param, "meta": meta,
+            "params": load_file(str(src / "reference/params.safetensors")),
+            "optim": load_file(str(src / "reference/optim.safetensors"))}
+
+
+def _release(src):
+    from jscenegen.model.safetensors_stream import read_tensor, safetensors_files
+
+    return {n: read_tensor(f, n) for n, f in safetensors_files(src / "release").items()}
+
+
+def test_qwen35_verl_to_orbax_holds_every_tensor(converted35):
+    """params/: every tensor (tower and text as torch held them, mtp.* from the release in
+    bf16); adam/: exactly the tensors torch kept state for; frozen ones listed."""
+    from jscenegen.checkpoint.store import CheckpointStore
+    from jscenegen.model.config import QwenConfig
+
+    with CheckpointStore(converted35["run"]) as store:
+        ck = store.restore()
+    ref, release, meta = converted35["params"], _release(converted35["src"]), converted35["meta"]
+    trained = [meta["param_order"][i] for i in meta["state_indices"]]
+    assert set(ck.params) == set(meta["param_order"]) | {n for n in release if n.startswith("mtp.")}
+    for name, a in ck.params.items():
+        if name.startswith("mtp."):
+            assert a.dtype == release[name].dtype and str(a.dtype) == "bfloat16"
+            np.testing.assert_array_equal(a.view(np.uint16), release[name].view(np.uint16))
+        else:
+            assert a.dtype == np.float32
+            np.testing.assert_array_equal(a, ref[name], err_msg=name)
+    assert sorted(ck.adam["mu"]) == sorted(ck.adam["nu"]) == sorted(trained)
+    for name in trained:
+        np.testing.assert_array_equal(ck.adam["mu"][name], converted35["optim"][f"{name}.exp_avg"])
+        np.testing.assert_array_equal(ck.adam["nu"][name], converted35["optim"][f"{name}.exp_avg_sq"])
+    assert set(ck.frozen) == set(meta["frozen"]) | {n for n in release if n.startswith("mtp.")}
+    assert sorted(ck.metadata["frozen_tensors"]) == sorted(ck.frozen)
+    assert ck.metadata["source"]["no_adam_state"] == meta["frozen"]
+    assert int(ck.adam["count"]) == 3 and ck.train_state["lr_schedule_count"] == 3
+    hf = QwenConfig.from_dir(ck.path / "hf")  # the config a resumed run builds its model from
+    assert hf.mtp_layers == 1 and (ck.path / "hf/preprocessor_config.json").is_file()
+
+
+def test_qwen35_resumes_onto_the_mesh(converted35):
+    """What the trainer does on resume: every tensor onto the 3 x 2 mesh (frozen ones in
+    their stored dtype), Adam for exactly the tensors a run with the matching
+    `model.train_vision` trains; the other setting is refused."""
+    import jax
+
+    from jscenegen.checkpoint.resume import restore_onto_mesh
+    from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.weights import param_shapes
+    from jscenegen.sharding.mesh import make_mesh
+
+    step = next(p for p in converted35["run"].iterdir() if p.name.isdigit())
+    cfg = QwenConfig.from_dir(step / "hf")
+    mesh = make_mesh(fsdp=3, sp=2)
+    train_vision = not converted35["meta"]["frozen"]
+    with CheckpointStore(converted35["run"]) as store:
+        ck = restore_onto_mesh(store, param_shapes(cfg, carried=True), mesh, np.float32,
+                               param_shapes(cfg, train_vision=train_vision))
+        with pytest.raises(CheckpointError, match="train_vision"):
+            restore_onto_mesh(store, param_shapes(cfg, carried=True), mesh, np.float32,
+                              param_shapes(cfg, train_vision=not train_vision))
+    emb = ck.params["model.language_model.embed_tokens.weight"]
+    assert emb.shape[0] % 6 == 0 and len(emb.sharding.device_set) == 6
+    mtp = ck.params["mtp.fc.weight"]
+    assert str(mtp.dtype) == "bfloat16" and len(mtp.sharding.device_set) == 6
+    got = np.asarray(jax.device_get(emb))[: converted35["params"][
+        "model.language_model.embed_tokens.weight"].shape[0]]
+    np.testing.assert_array_equal(got, converted35["params"]["model.language_model.embed_tokens.weight"])
+
+
+def test_qwen35_verl_orbax_verl_is_bitwise(converted35, tmp_path):
+    """Back to VERL at W = 6 and the source's placement: every local shard, placement, moment
+    (none for the frozen tower), step, param_groups and RNG state as torch saved them."""
+    import torch
+
+    from convert.torch_safe import load_pt
+
+    placement = converted35["meta"]["placement"]
+    out = tmp_path / "back"
+    orbax_to_verl(converted35["run"], out, world_size=6, placement=placement, device_type="cpu")
+    layout = json.loads((out / "checkpoint-layout.json").read_text())
+    assert len(layout["not_in_verl"]) == 15 and layout["no_adam_state"] == converted35["meta"]["frozen"]
+    a_dir = converted35["src"] / "ckpt/global_step_3/actor"
+    b_dir = out / "global_step_3/actor"
+    for r in range(6):
+        a, b = load_pt(a_dir / f"model_world_size_6_rank_{r}.pt"), load_pt(b_dir / f"model_world_size_6_rank_{r}.pt")
+        assert list(a) == list(b)  # state_dict order: tower, text, head (tied alias last)
+        for k in a:
+            assert a[k].placements == b[k].placements and a[k].dtype == b[k].dtype, k
+            assert torch.equal(a[k].to_local(), b[k].to_local()), (r, k)
+        oa, ob = load_pt(a_dir / f"optim_world_size_6_rank_{r}.pt"), load_pt(b_dir / f"optim_world_size_6_rank_{r}.pt")
+        assert oa["param_groups"] == ob["param_groups"] and sorted(oa["state"]) == sorted(ob["state"])
+        for i, st in oa["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[key].to_local(), ob["state"][i][key].to_local()), (r, i, key)
+            assert torch.equal(st["step"], ob["state"][i]["step"])
+        ea, eb = load_pt(a_dir / f"extra_state_world_size_6_rank_{r}.pt"), load_pt(b_dir / f"extra_state_world_size_6_rank_{r}.pt")
+        assert ea["lr_scheduler"] == eb["lr_scheduler"] and torch.equal(ea["rng"]["cpu"], eb["rng"]["cpu"])
+    for f in ("config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
+        assert (b_dir / "huggingface" / f).read_bytes() == (a_dir / "huggingface" / f).read_bytes()
+
+
+def test_qwen35_orbax_to_hf_is_verl_to_hf(converted35, tmp_path):
+    """orbax -> HF gives the tensors VERL -> HF gives (mtp.* from the same release), bitwise
+    and in the same dtypes, and transformers' VLM loads them."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from convert.directions import verl_to_hf
+    from jscenegen.model.safetensors_stream import read_tensor, safetensors_files
+
+    orbax_to_hf(converted35["run"], tmp_path / "a")
+    verl_to_hf(converted35["src"] / "ckpt", tmp_path / "b", carried_from=converted35["src"] / "release")
+    a = {n: read_tensor(f, n) for n, f in safetensors_files(tmp_path / "a").items()}
+    b = {n: read_tensor(f, n) for n, f in safetensors_files(tmp_path / "b").items()}
+    assert set(a) == set(b) and len([n for n in a if n.startswith("mtp.")]) == 15
+    for n in a:
+        assert a[n].dtype == b[n].dtype, n
+        np.testing.assert_array_equal(a[n].view(np.uint8), b[n].view(np.uint8), err_msg=n)
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "a", dtype=torch.float32)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, torch.from_numpy(converted35["params"][k])), k
+
+
+def test_qwen35_without_mtp_source_the_checkpoint_says_so(tmp_path):
+    """No --carried-from and no weights in huggingface/: mtp.* dropped with a warning, and the
+    step's hf/config.json says mtp_num_hidden_layers 0, so a resumed run builds a model that
+    fits params/."""
+    from convert.carried import ConversionWarning
+    from jscenegen.checkpoint.store import array_shapes
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.weights import param_shapes
+
+    src = fixture_dir("qwen35_tied_frozen_dim0")
+    with pytest.warns(ConversionWarning, match="mtp"):
+        step = verl_to_orbax(src / "ckpt", tmp_path / "run")
+    cfg = QwenConfig.from_dir(step / "hf")
+    assert cfg.mtp_layers == 0
+    assert set(array_shapes(step, "params")) == set(param_shapes(cfg, carried=True))
+    layout = json.loads((tmp_path / "run/checkpoint-layout.json").read_text())
+    assert len(layout["dropped"]) == 15
+    orbax_to_hf(tmp_path / "run", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf/config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 0
+
+
+def test_qwen35_release_hf_orbax_hf_is_bitwise(tmp_path):
+    """The release (bf16 with fp32 A_log / gated norm, mtp.*, released shard name) -> orbax ->
+    HF: every tensor in its stored dtype, bit for bit; fresh Adam for the text only."""
+    from jscenegen.checkpoint.store import CheckpointStore
+    from jscenegen.model.safetensors_stream import read_tensor, safetensors_files
+
+    rel = fixture_dir("qwen35_tied_frozen_dim0") / "release"
+    release = {n: read_tensor(f, n) for n, f in safetensors_files(rel).items()}
+    hf_to_orbax(rel, tmp_path / "run")
+    with CheckpointStore(tmp_path / "run") as store:
+        ck = store.restore()
+    assert set(ck.params) == set(release)
+    assert set(ck.frozen) == {n for n in release if n.startswith(("model.visual.", "mtp."))}
+    assert all(not ck.adam["mu"][n].any() for n in ck.adam["mu"]) and int(ck.adam["count"]) == 0
+    for n, a in release.items():
+        assert ck.params[n].dtype == a.dtype, n
+    orbax_to_hf(tmp_path / "run", tmp_path / "hf")
+    got = {n: read_tensor(f, n) for n, f in safetensors_files(tmp_path / "hf").items()}
+    assert set(got) == set(release)
+    for n, a in release.items():
+        assert got[n].dtype == a.dtype, n
+        np.testing.assert_array_equal(got[n].view(np.uint8), a.view(np.uint8), err_msg=n)
+    for f in ("config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+              "chat_template.jinja"):
+        assert (tmp_path / "hf" / f).read_bytes() == (rel / f).read_bytes(), f
+
+
+def test_qwen35_transformers_dir_to_orbax_is_consistent(tmp_path):
+    """A directory transformers saved (no mtp.*, config still says 1 MTP layer): the
+    checkpoint's hf/config.json says 0, so readers of hf/ alone expect what params/ holds."""
+    from transformers import AutoModelForImageTextToText
+
+    from jscenegen.model.assets import copy_assets
+    from jscenegen.model.config import QwenConfig
+
+    rel = fixture_dir("qwen35_tied_frozen_dim0") / "release"
+    saved = tmp_path / "saved"
+    AutoModelForImageTextToText.from_pretrained(rel).save_pretrained(saved)
+    copy_assets(rel, saved, skip=("config.json",))
+    assert json.loads((saved / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
+    step = hf_to_orbax(saved, tmp_path / "run")
+    assert QwenConfig.from_dir(step / "hf").mtp_layers == 0
+    orbax_to_verl(tmp_path / "run", tmp_path / "verl", world_size=3, device_type="cpu")
+    assert VerlCheckpoint(tmp_path / "verl").frozen == [
+        n for n in VerlCheckpoint(tmp_path / "verl").param_order if n.startswith("model.visual.")]

@@ -1,7 +1,9 @@
 """convert/verl_read.py and convert/verl_write.py against checkpoints written by torch FSDP2.
 
 The fixtures (tests/fsdp_fixtures.py) are trained and saved by 6 real gloo ranks; their
-ground truth is torch's own `full_tensor()` of every parameter and Adam moment.
+ground truth is torch's own `full_tensor()` of every parameter and Adam moment. Qwen2 and
+Qwen3 (dense), and the Qwen3.5 vision-language model in both VERL placements: untied with a
+trained vision tower (Shard(1) tensors), and tied with a frozen tower (no Adam state for it).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from jscenegen.checkpoint.checksums import verify_checksums
 
 from fsdp_fixtures import fixture_dir
 
-NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0")
+NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0", "qwen35_first_divisible",
+         "qwen35_tied_frozen_dim0")
 
 
 @pytest.fixture(scope="session", params=NAMES)
@@ -101,19 +104,34 @@ def test_params_equal_torch_full_tensors(fixture):
     info = ck.tensor_info()
     assert {k: v.shard_dim for k, v in info.items()} == meta["placements"]
     if meta["placement"] == "first-divisible":
-        assert info["model.embed_tokens.weight"].shard_dim == 1
-        assert info["model.layers.0.mlp.gate_proj.weight"].shard_dim == 1
+        assert info[ck.embedding].shard_dim == 1
+        assert info[ck.config.text_prefix + "layers.0.mlp.gate_proj.weight"].shard_dim == 1
+    if ck.config.hybrid:  # the VLM: vision tower, text model, head; never mtp.*
+        assert ck.param_order[0] == "model.visual.patch_embed.proj.weight"
+        assert ck.embedding == "model.language_model.embed_tokens.weight"
+        assert not [n for n in got if n.startswith("mtp.")]
 
 
 def test_adam_state_and_extra_state(fixture):
     ck = VerlCheckpoint(fixture["ckpt"])
     ref, meta = fixture["optim"], fixture["meta"]
-    n = 0
+    names = []
     for name, m, v in ck.iter_adam():
         np.testing.assert_array_equal(m, ref[f"{name}.exp_avg"], err_msg=name)
         np.testing.assert_array_equal(v, ref[f"{name}.exp_avg_sq"], err_msg=name)
-        n += 1
-    assert n == len(meta["param_order"]) == len(ck.shapes)
+        names.append(name)
+    # torch keeps state only for parameters it stepped: a frozen tower has none
+    assert names == ck.trainable == [meta["param_order"][i] for i in meta["state_indices"]]
+    assert ck.frozen == meta["frozen"] and set(ref) == {f"{n}.{k}" for n in names
+                                                         for k in ("exp_avg", "exp_avg_sq")}
+    if fixture["name"] == "qwen35_tied_frozen_dim0":
+        assert ck.frozen and all(n.startswith("model.visual.") for n in ck.frozen)
+        with pytest.raises(ConvertError, match="no AdamW state"):
+            ck.read_moment(ck.frozen[0], "exp_avg")
+    else:
+        assert not ck.frozen
+    n = len(meta["param_order"])
+    assert n == len(ck.shapes)
     assert ck.adam_step() == int(meta["step"]) == 3
     groups = ck.param_groups()
     assert len(groups) == 1 and groups[0]["lr"] == meta["param_groups"][0]["lr"]
@@ -154,7 +172,8 @@ def test_round_trip_through_numpy_is_bitwise(fixture, tmp_path):
         mu[name], nu[name] = m, v
     state = verl_state(ck)
     state.params = dict_reader(params)
-    state.adam = AdamSource(dict_reader(mu), dict_reader(nu), ck.adam_step(), ck.param_groups())
+    state.adam = AdamSource(dict_reader(mu), dict_reader(nu), ck.adam_step(), ck.param_groups(),
+                            names=ck.trainable)
     placement = fixture["meta"]["placement"]
     out = tmp_path / "out"
     write_verl_run(out, state, world_size=6, placement=placement, device_type="cpu",

@@ -2,6 +2,7 @@
 
     jscenegen convert SRC DST --from verl --to hf [--dtype bfloat16]
     jscenegen convert SRC DST --from hf --to verl --world-size 6 [--placement first-divisible]
+    jscenegen convert SRC DST --from verl --to orbax [--carried-from RELEASE_DIR]   # Qwen3.5 mtp.*
     jscenegen convert --verify DIR        # DIR against its checksums.json
     jscenegen convert --inspect DIR       # what DIR holds, as JSON
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import warnings
 
 
 def register(subparsers) -> None:
@@ -32,6 +35,10 @@ def register(subparsers) -> None:
                    help="model weight dtype of the output (default: the source's)")
     p.add_argument("--mesh-device", choices=("cuda", "cpu"), default="cuda",
                    help="device type of the DeviceMesh in VERL files (cuda: GPU run; cpu: gloo)")
+    p.add_argument("--carried-from", metavar="HF_DIR", default=None,
+                   help="verl -> hf/orbax: take the tensors VERL files cannot hold (Qwen3.5's "
+                        "mtp.*) from this HF directory (the release the run started from); "
+                        "without it they are dropped with a warning")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--verify", metavar="DIR", help="check DIR against DIR/checksums.json")
     mode.add_argument("--inspect", metavar="DIR", help="describe DIR (format, W, placements, ...)")
@@ -52,10 +59,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not (args.src and args.dst and args.src_format and args.dst_format):
         raise ValueError("convert needs SRC DST --from F --to G (or --verify/--inspect DIR)")
+    from convert.carried import ConversionWarning
     from convert.dispatch import convert
 
-    convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
-            world_size=args.world_size, placement=args.placement, dtype=args.dtype,
-            mesh_device=args.mesh_device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConversionWarning)
+        convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                world_size=args.world_size, placement=args.placement, dtype=args.dtype,
+                mesh_device=args.mesh_device, carried_from=args.carried_from)
+    for w in caught:  # what the output lost, one line each; other warnings as Python shows them
+        if issubclass(w.category, ConversionWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})")
     return 0

@@ -1,0 +1,93 @@
+"""Which tensors each checkpoint format holds for a model config (one rule for every direction).
+
+All sets are ordered as `jscenegen.model.weights.weight_table`: transformers'
+`module.parameters()` order (for `qwen3_5`: the vision tower, the text model, `lm_head`), which
+is the index order of VERL's optimizer state, then `mtp.*`.
+
+- HF safetensors and orbax `params/`: every tensor of the table, trainable and carried
+  (`hf_shapes`): Qwen3.5's vision tower (`model.visual.*`) and MTP head (`mtp.*`) included.
+- VERL FSDP2 rank files: the state dict of the torch model VERL trains. For `qwen3_5` that is
+  `Qwen3_5ForConditionalGeneration` (VERL picks the vision-language class for a config with a
+  `vision_config`: verl/workers/fsdp_workers.py, `_build_model_optimizer`), which holds the
+  vision tower as ordinary parameters but never builds `mtp.*` (transformers ignores them on
+  load: `_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`), so `verl_shapes` is `hf_shapes`
+  without `mtp.*` and `verl_absent` names what a VERL checkpoint cannot hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Iterable
+
+from jscenegen.model.config import QwenConfig
+from jscenegen.model.weights import param_shapes, weight_table
+
+# Tensor-name prefixes the torch model VERL trains never holds.
+VERL_ABSENT_PREFIXES = ("mtp.",)
+
+
+def embedding_name(cfg: QwenConfig) -> str:
+    """The token embedding's name (`model.embed_tokens.weight`, or
+    `model.language_model.embed_tokens.weight` in the composite `qwen3_5` layout): the tensor a
+    tied `lm_head.weight` aliases."""
+    return cfg.text_prefix + "embed_tokens.weight"
+
+
+def hf_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """Ordered {name: shape} of every tensor an HF directory (and orbax `params/`) holds."""
+    return param_shapes(cfg, carried=True)
+
+
+def verl_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """Ordered {name: shape} of the parameters of the torch model VERL trains: the keys of its
+    rank files (plus the tied `lm_head.weight` alias) and, in this order, the indices of its
+    AdamW state."""
+    return {n: s for n, s in hf_shapes(cfg).items() if not n.startswith(VERL_ABSENT_PREFIXES)}
+
+
+def verl_absent(cfg: QwenConfig) -> list[str]:
+    """Names of `hf_shapes` that VERL rank files cannot hold (`mtp.*`), in table order."""
+    return [n for n in hf_shapes(cfg) if n.startswith(VERL_ABSENT_PREFIXES)]
+
+
+def carried_names(cfg: QwenConfig) -> set[str]:
+    """The carried tensors (`WeightSpec.carried`: Qwen3.5's vision tower and MTP head)."""
+    return {n for n, s in weight_table(cfg).items() if s.carried}
+
+
+def with_tensors(cfg: QwenConfig, names: Iterable[str]) -> QwenConfig:
+    """`cfg` describing exactly the MTP layers whose tensors are in `names` (Qwen3.5; a
+    directory without weights, such as a checkpoint's `hf/`, otherwise takes
+    `mtp_num_hidden_layers` from config.json). Dense configs are returned unchanged."""
+    if not cfg.hybrid:
+        return cfg
+    layers = {int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")}
+    return dataclasses.replace(cfg, mtp_layers=max(layers) + 1 if layers else 0)
+
+
+def config_json(cfg: QwenConfig, hf_config: dict) -> dict:
+    """config.json content `hf_config` made to agree with the MTP layers `cfg` carries.
+
+    Readers of a directory without weights (an orbax step's `hf/`, a resumed run) take the
+    MTP layer count from `text_config.mtp_num_hidden_layers` (top level for `qwen3_5_text`);
+    when a conversion could not carry the `mtp.*` tensors it must say 0 there. Unchanged
+    otherwise (and for dense configs)."""
+    if not cfg.hybrid:
+        return hf_config
+    text = hf_config.get("text_config") if cfg.model_type == "qwen3_5" else hf_config
+    if isinstance(text, dict) and int(text.get("mtp_num_hidden_layers", 0) or 0) != cfg.mtp_layers:
+        text["mtp_num_hidden_layers"] = cfg.mtp_layers
+    return hf_config
+
+
+def fix_config_file(path: str | Path, cfg: QwenConfig) -> bool:
+    """Rewrite the config.json at `path` with `config_json` when it disagrees with the MTP
+    layers `cfg` carries; True when it was rewritten."""
+    path = Path(path)
+    doc = json.loads(path.read_text())
+    fixed = config_json(cfg, json.loads(path.read_text()))
+    if fixed == doc:
+        return False
+    path.write_text(json.dumps(fixed, indent=2) + "\n")
+    return True
