@@ -92,24 +92,17 @@ def test_sampled_logprobs_equal_trainer_recompute(model, prompts, params):
         assert got.dtype == np.float32 and np.all(got < 0)
 
 
-def test_sampled_logprobs_on_the_3x2_mesh(tiny_hf, model, prompts):
-    from jscenegen.model.hf_io import load_hf
+def test_rows_must_split_over_the_layouts_data_parallel_size(tiny_hf):
+    # the layouts themselves (same tokens as here, on the 3 x 2 mesh) are tests/test_rollout_layout.py
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(3, 2)
     sharded = load_hf(tiny_hf["qwen3"], mesh=mesh)
-    s = Sampler(sharded, SamplingParams(temperature=0.8), buckets=BUCKETS, mesh=mesh)
-    with pytest.raises(ValueError, match="fsdp=3"):
-        s.new_cache(2, 32)
-    rows = prompts + [prompts[0][:3]]
-    out = s.generate(rows, 8, seeds=[5, 6, 7])
-    assert out["tokens"].shape == (3, 8)
-    seqs = [p + out["tokens"][i].tolist() for i, p in enumerate(rows)]
-    want = trainer_logprobs(model, seqs, 0.8)                    # unsharded trainer
-    for i, p in enumerate(rows):
-        np.testing.assert_allclose(out["logprobs"][i], want[i, len(p):len(p) + 8], atol=1e-5, rtol=0)
-    unsharded = Sampler(model, SamplingParams(temperature=0.8), buckets=BUCKETS).generate(rows, 8, [5, 6, 7])
-    np.testing.assert_array_equal(out["tokens"], unsharded["tokens"])
+    for layout, rows in (("replicated", 6), ("fsdp", 3)):
+        s = Sampler(sharded, SamplingParams(temperature=0.8), buckets=BUCKETS, mesh=mesh, layout=layout)
+        assert s.row_multiple == rows
+        with pytest.raises(ValueError, match=f"2 rows do not split over the rollout layout's {rows} "):
+            s.new_cache(2, 32)
 
 
 def test_logprobs_are_of_the_tempered_distribution(model, prompts):

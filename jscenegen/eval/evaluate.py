@@ -82,7 +82,7 @@ def load_policy(path: str | Path, mesh, **options):
 def policy_engine(cfg, model_path: str | Path) -> RolloutEngine:
     """A RolloutEngine for `model_path` (HF directory or checkpoint step) built as the trainer
     builds its own: mesh from `cfg.mesh`, dtypes/attention from `cfg.model`, sampling from
-    `cfg.sampling`, the tokenizer and chat template of the model's assets (checked to be
+    `cfg.sampling`, the rollout layout from `cfg.rollout`, the tokenizer and chat template of the model's assets (checked to be
     prefix-preserving; ValueError names the difference otherwise)."""
     from jscenegen.model.tokenizer.chat import ChatTokenizer
     from jscenegen.sharding.mesh import make_mesh
@@ -91,7 +91,7 @@ def policy_engine(cfg, model_path: str | Path) -> RolloutEngine:
     model = load_policy(model_path, mesh, **cfg.model.build_options())
     chat = ChatTokenizer.from_dir(model_assets_dir(model_path), cfg.sampling.chat_template_path)
     chat.check_prefix_preserving()
-    return RolloutEngine(model, chat, cfg.sampling, mesh)
+    return RolloutEngine(model, chat, cfg.sampling, mesh, cfg.rollout)
 
 
 # ----------------------------------------------------------------------------- statistics

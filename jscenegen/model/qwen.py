@@ -29,13 +29,19 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import ParamFactory, weight_table
 from jscenegen.sharding.constraints import constrain, constrain_stacked, gather
-from jscenegen.sharding.rules import ACTIVATION, SEQ_GATHERED
+from jscenegen.sharding.rules import ACTIVATION, CACHED_KV, HEADS, SEQ_GATHERED
 
 
 def logical(p: nnx.Param, dtype) -> jax.Array:
-    """A parameter at its logical rows, cast to `dtype`: all-gathered (FSDP), then the dim-0
-    padding (beyond the `rows` metadata) sliced off."""
-    w = gather(p[...])
+    """A parameter in HF orientation at its logical rows, cast to `dtype`: read as the active
+    layout wants it (`sharding.constraints.gather`: all-gathered under FSDP training, as placed
+    in a rollout layout), the dim-0 padding (beyond the `rows` metadata) sliced off. A rollout
+    copy stored [in, out] (metadata `transposed`) is read transposed; XLA folds that into the
+    matmul that consumes it."""
+    w = p[...]
+    if p.get_metadata().get("transposed", False):
+        w = w.T
+    w = gather(w)
     if w.shape[0] != p.rows:
         w = w[: p.rows]
     return w.astype(dtype)
@@ -75,6 +81,8 @@ class Embedding(nnx.Module):
         self.weight = make(f"{name}.weight")
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+        if self.weight.get_metadata().get("transposed", False):   # a rollout copy [H, V]
+            return jnp.moveaxis(jnp.take(self.weight[...], ids, axis=1), 0, -1).astype(dtype)
         return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
 
     def logical(self, dtype) -> jax.Array:
@@ -94,24 +102,28 @@ def balanced_order(s: int, shards: int) -> np.ndarray:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Preallocated keys/values for all layers.
+    """Preallocated keys/values, one array per layer.
 
-    k, v: [L, B, Smax, Nkv, D] compute dtype; valid: [B, Smax] bool (slot holds a real token);
+    k, v: tuples of L arrays [B, Nkv, Smax, D] compute dtype (head-major: attention reads a
+    layer's keys as they lie; one array per layer: no slice of a whole-model cache is copied
+    per layer and token); valid: [B, Smax] bool (slot holds a real token);
     next_pos: [B] int32 (RoPE position of the row's next real token); length: [] int32 (slots
     written so far; all rows write in lockstep, padding slots stay invalid).
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     valid: jax.Array
     next_pos: jax.Array
     length: jax.Array
 
     @classmethod
     def create(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        n = cfg.num_hidden_layers
         return cls(
-            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
             valid=jnp.zeros((batch, max_len), bool),
             next_pos=jnp.zeros((batch,), jnp.int32), length=jnp.zeros((), jnp.int32),
         )
@@ -134,10 +146,10 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask, kv=None):
         """x [B,S,H]; mask [B,S,Sk] -> (out, kv).
 
-        kv = (k_all [L,B,Smax,Nkv,D], v_all, layer, offset) or None: the S new keys/values are
-        written into layer `layer` of the whole-model cache at slot `offset` (in place, inside
-        the layer loop's carry) and attention reads that layer's slots; the updated cache is
-        returned. Without a cache the keys/values of x are used and returned as (k, v).
+        kv = (k_cache [B,Nkv,Smax,D], v_cache, offset) or None: the S new keys/values are
+        written into this layer's cache at slot `offset` (in place) and attention reads its
+        slots; the updated (k_cache, v_cache) are returned. Without a cache the keys/values of
+        x are used and returned as (k, v).
         """
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.nq, self.hd)
@@ -146,20 +158,21 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = constrain(q, HEADS)
         if kv is not None:
-            k_all, v_all, layer, offset = kv
-            start = (layer, 0, offset, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-            k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)
-            v = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
-            new_kv = (k_all, v_all)
-        else:
+            k_cache, v_cache, offset = kv
+            start = (0, 0, offset, 0)
+            k = jax.lax.dynamic_update_slice(k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), start)
+            v = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), start)
+            k, v = constrain(k, CACHED_KV), constrain(v, CACHED_KV)
+            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.attn_impl,
+                            heads_first=True)
             new_kv = (k, v)
-        # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
-        q = constrain(q, ACTIVATION)
-        k_all_seq, v_all_seq = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
-        out = attention(q, k_all_seq.astype(q.dtype), v_all_seq.astype(q.dtype), mask, self.attn_impl)
+        else:
+            # sequence parallelism: queries stay sharded over sp, keys/values gathered over sp
+            new_kv = (k, v)
+            k, v = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
+            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.attn_impl)
         return self.o_proj(out.reshape(b, s, self.nq * self.hd)), new_kv
 
 
@@ -230,15 +243,16 @@ class QwenForCausalLM(nnx.Module):
         return logical(self.lm_head.weight, dt)
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
-                      cache: KVCache | None = None, layers=None):
+                      cache: KVCache | None = None):
         """Final normed hidden states [B, S, H] (compute dtype).
 
         input_ids [B, S] int32; attention_mask [B, S] (1 = real token, 0 = padding).
         Without a cache: a full forward. With a cache: the S tokens are appended at slot
         `cache.length` (prefill, append or decode) and the updated cache is returned as
-        (hidden, cache). `layers`: the result of `stacked_layers()` computed once outside a
-        loop that calls the model repeatedly (the sampler's decode loop), so the weights are
-        not re-stacked on every call.
+        (hidden, cache); the layers then run as a Python loop over their own parameters and
+        cache arrays (no stacking per call, no per-layer slices inside the sampler's decode
+        loop), while a full forward runs them as a `lax.scan` over stacked parameters
+        (training: one layer's gathered weights in the compiled step).
         """
         cfg = self.cfg
         dt = np_dtype(self.compute_dtype)
@@ -264,7 +278,7 @@ class QwenForCausalLM(nnx.Module):
             attn_mask = causal[None] & valid[:, None, :]
         cos, sin = rope_cos_sin(cfg, positions)
         x = constrain(self.model.embed_tokens(input_ids, dt), ACTIVATION)
-        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, layers)
+        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache)
         hidden = self.model.norm(x)
         if cache is None:
             return hidden if order is None else hidden[:, np.argsort(order)]
@@ -280,33 +294,35 @@ class QwenForCausalLM(nnx.Module):
         stacked = jax.tree.map(lambda *xs: constrain_stacked(jnp.stack(xs)), *[s for _, s in splits])
         return splits[0][0], stacked
 
-    def _layers(self, x, cos, sin, attn_mask, cache, layers=None):
-        """Run the decoder stack as a `lax.scan` over the layers' parameters stacked on the fly.
+    def _layers(self, x, cos, sin, attn_mask, cache):
+        """Run the decoder stack.
 
-        Storage stays one module per layer (HF names); stacking sharded parameters keeps them
-        sharded, and the loop body gathers one layer's weights at a time, so the compiled step
-        holds one gathered layer (per direction), not the whole model. The KV cache [L, ...]
-        rides in the loop's carry and each layer writes only its new slots, so a decode step
-        never copies the cache.
+        Without a cache (training): a `lax.scan` over the layers' parameters stacked on the
+        fly. Storage stays one module per layer (HF names); stacking sharded parameters keeps
+        them sharded, and the loop body gathers one layer's weights at a time, so the compiled
+        step holds one gathered layer (per direction), not the whole model.
+        With a cache (the sampler): layer by layer over their own parameters and cache arrays,
+        each layer writing only its new slots in place, so a decode step copies neither
+        weights nor cache. Returns (x, new k tuple, new v tuple) (None, None without a cache).
         """
-        graphdef, stacked = layers if layers is not None else self.stacked_layers()
+        if cache is not None:
+            new_k, new_v = [], []
+            for layer, k, v in zip(self.model.layers, cache.k, cache.v):
+                x, (k, v) = layer(x, cos, sin, attn_mask, (k, v, cache.length))
+                new_k.append(k)
+                new_v.append(v)
+            return x, tuple(new_k), tuple(new_v)
+        graphdef, stacked = self.stacked_layers()
 
-        def body(carry, xs):
-            h, k_all, v_all = carry
-            layer_state, index = xs
+        def body(h, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            kv = None if cache is None else (k_all, v_all, index, cache.length)
-            h, new_kv = layer(h, cos, sin, attn_mask, kv)
-            if cache is not None:
-                k_all, v_all = new_kv
-            return (h, k_all, v_all), None
+            h, _ = layer(h, cos, sin, attn_mask)
+            return h, None
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        n = len(self.model.layers)
-        init = (x, None, None) if cache is None else (x, cache.k, cache.v)
-        (x, new_k, new_v), _ = jax.lax.scan(body, init, (stacked, jnp.arange(n)))
-        return x, new_k, new_v
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x, None, None
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, S, H] -> logits [B, S, V] float32 (logical vocabulary)."""

@@ -41,7 +41,7 @@ import numpy as np
 from jscenegen.generate.sampler import STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler
 from jscenegen.generate.sampling import row_keys
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
-from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
 from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
 from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
@@ -91,11 +91,21 @@ class Trajectory:
 
 @dataclass
 class GroupRollout:
-    """The trajectories of one group and rollout statistics (generated_tokens, wall_s,
-    tokens_per_s, rounds, cache_rebuilds, cache_slots)."""
+    """The trajectories of one group and rollout statistics: the group's generated_tokens and
+    its batch's wall_s, tokens_per_s, batch_generated_tokens, rounds, cache_rebuilds,
+    cache_slots, batch_rows, padding_rows, groups, layout."""
 
     trajectories: list[Trajectory]
     stats: dict
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One group to roll out: `len(seeds)` episodes of `record` (member i uses seeds[i])."""
+
+    record: SceneRecord
+    group_id: int
+    seeds: tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -103,6 +113,7 @@ class _Row:
     member: int
     seed: int
     episode: Episode
+    group_id: int = 0
     conv: Conversation | None = None
     tokens: list[int] = field(default_factory=list)
     roles: list[int] = field(default_factory=list)
@@ -138,22 +149,26 @@ class RolloutEngine:
       model: QwenForCausalLM (sharded on `mesh` when given).
       chat: the ChatTokenizer of the model directory.
       cfg: SamplingConfig.
-      mesh: ("fsdp", "sp") mesh or None; the batch is padded to a multiple of its fsdp size
-        with fully masked rows.
+      mesh: the training ("fsdp", "sp") mesh or None.
+      rollout: RolloutConfig (default: `auto` layout); the batch is padded with fully masked
+        rows to a multiple of the layout's data-parallel size.
     """
 
-    def __init__(self, model, chat: ChatTokenizer, cfg: SamplingConfig, mesh=None):
+    def __init__(self, model, chat: ChatTokenizer, cfg: SamplingConfig, mesh=None,
+                 rollout: RolloutConfig | None = None):
         self.chat = chat
         self.cfg = cfg
+        self.rollout = rollout or RolloutConfig()
         self.sampler = Sampler(model, cfg.params(), stop_token_ids=[chat.eot_id],
                                stop_strings=cfg.stop_strings,
                                token_bytes=chat.token_bytes() if cfg.stop_strings else None,
-                               buckets=cfg.buckets, mesh=mesh)
+                               buckets=cfg.buckets, mesh=mesh, **self.rollout.sampler_options())
         self.slots = cfg.cache_slots()
 
-    def set_weights(self, model) -> None:
-        """Roll out with `model`'s current weights (call after each optimizer step)."""
-        self.sampler.set_weights(model)
+    def set_weights(self, weights) -> dict:
+        """Roll out with new weights (a model or its parameter state; call after each optimizer
+        step): one reshard into the rollout layout. Returns {"reshard_s", "reshard_bytes"}."""
+        return self.sampler.set_weights(weights)
 
     # ---- the cache ------------------------------------------------------------------------
     def _sync(self, rows: list[_Row], pad: int, with_logprobs: bool = False):
@@ -205,9 +220,24 @@ class RolloutEngine:
         round ends (interactive use: `jscenegen design`). Never raises for a failure inside
         one episode; see the module docstring for the causes.
         """
+        return self.run_groups([GroupRequest(record, group_id, tuple(seeds))], judge=judge,
+                               scene_cfg=scene_cfg, judge_cfg=judge_cfg, forced=forced,
+                               on_turn=on_turn)[0]
+
+    def run_groups(self, groups: Sequence["GroupRequest"], *, judge: Judge,
+                   scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
+                   forced: ForcedPolicy | None = None,
+                   on_turn: TurnCallback | None = None) -> list[GroupRollout]:
+        """Run several groups in one batch (`rollout.groups_per_batch`): every episode of every
+        group is a row of the same cache and decode loop; each group is judged and returned on
+        its own, in order. An episode depends only on its record and seed, so a group's
+        trajectories are the same whether it runs alone or beside others. Rows are padded with
+        fully masked rows to the layout's `row_multiple`. See `run_group` for the rest.
+        """
         cfg = self.cfg
         t0 = time.perf_counter()
-        rows = [_Row(i, int(s), Episode(record, scene_cfg, judge_cfg)) for i, s in enumerate(seeds)]
+        rows = [_Row(i, int(s), Episode(g.record, scene_cfg, judge_cfg), g.group_id)
+                for g in groups for i, s in enumerate(g.seeds)]
         mult = self.sampler.row_multiple
         pad = -(-len(rows) // mult) * mult - len(rows)
         keys = np.concatenate([row_keys([r.seed for r in rows]), np.zeros((pad, 2), np.uint32)])
@@ -226,7 +256,8 @@ class RolloutEngine:
                 log.exception("episode start failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
         self._show(rows, on_turn)
-        generated = rounds = 0
+        generated = {g.group_id: 0 for g in groups}
+        rounds = 0
         while any(r.active for r in rows):
             rounds += 1
             try:
@@ -238,7 +269,7 @@ class RolloutEngine:
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
                 break
             for r, (ids, lps, reason) in turns.items():
-                generated += len(ids)
+                generated[r.group_id] += len(ids)
                 try:
                     self._consume(r, ids, lps, reason)
                 except Exception as err:
@@ -247,12 +278,16 @@ class RolloutEngine:
             self._show(rows, on_turn)
         self._judge([r.episode for r in rows], judge)
         wall = time.perf_counter() - t0
-        stats = {"generated_tokens": generated, "wall_s": wall,
-                 "tokens_per_s": generated / wall if wall > 0 else 0.0, "rounds": rounds,
+        total = sum(generated.values())
+        batch = {"wall_s": wall, "tokens_per_s": total / wall if wall > 0 else 0.0,
+                 "batch_generated_tokens": total, "rounds": rounds,
                  "cache_rebuilds": self._rebuilds, "cache_slots": self.slots,
-                 "batch_rows": len(rows) + pad}
+                 "batch_rows": len(rows) + pad, "padding_rows": pad, "groups": len(groups),
+                 "layout": self.sampler.layout.name}
         self._cache = self._last = None
-        return GroupRollout([self._trajectory(r, group_id) for r in rows], stats)
+        return [GroupRollout([self._trajectory(r, g.group_id) for r in rows if r.group_id == g.group_id],
+                             {"generated_tokens": generated[g.group_id], **batch})
+                for g in groups]
 
     @staticmethod
     def _show(rows: list[_Row], on_turn: TurnCallback | None) -> None:
