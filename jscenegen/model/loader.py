@@ -42,15 +42,19 @@ def place(arr: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
 def abstract_model(cfg: QwenConfig, *, mesh: jax.sharding.Mesh | None = None,
                    param_dtype: str = "float32", compute_dtype: str = "float32",
                    remat: bool = False, attn_impl: str = "xla",
-                   causal_balance: bool = False) -> QwenForCausalLM:
+                   causal_balance: bool = False, scan_layers: bool | None = None) -> QwenForCausalLM:
     """The model's structure with abstract parameters (no memory), padded for `mesh`'s devices.
 
-    `causal_balance` reorders full sequences for the mesh's `sp` shards (see qwen.py)."""
+    `causal_balance` reorders full sequences for the mesh's `sp` shards (see qwen.py);
+    `scan_layers` None: scan the layers on a mesh of several devices, loop on one."""
     pad = mesh.size if mesh is not None else 1
     balance = mesh.shape["sp"] if (causal_balance and mesh is not None) else 1
+    if scan_layers is None:
+        scan_layers = mesh is not None and mesh.size > 1
     return nnx.eval_shape(lambda: QwenForCausalLM(
         cfg, rngs=nnx.Rngs(0), pad_multiple=pad, param_dtype=param_dtype,
-        compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl, balance_shards=balance))
+        compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl, balance_shards=balance,
+        scan_layers=scan_layers))
 
 
 def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
@@ -65,7 +69,7 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
     mesh: the ("fsdp", "sp") mesh, or None for an unsharded model on the default device.
     source: what the arrays come from, for error messages (a directory or file).
     options: `abstract_model` keywords (param_dtype, compute_dtype, remat, attn_impl,
-      causal_balance).
+      causal_balance, scan_layers).
     Raises CheckpointFormatError naming `source` and the key for an unknown, duplicated,
     mis-shaped or missing weight.
     """

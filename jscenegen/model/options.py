@@ -22,8 +22,13 @@ class ModelConfig(Section):
     causal_balance: bool = Field(False, description="reorder training sequences so each sp "
                                  "shard gets equal causal attention work (lengths must be a "
                                  "multiple of 2 x sp)")
+    scan_layers: bool | None = Field(None, description="training forward as a lax.scan over "
+                                     "the layers (bounds FSDP's gathered weights to one layer) "
+                                     "or a Python loop; null: scan on a mesh of several "
+                                     "devices, loop on one")
 
     def build_options(self) -> dict[str, Any]:
         """Keyword arguments of `loader.build_model` / `hf_io.load_hf` for this section."""
         return dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
-                    remat=self.remat, attn_impl=self.attention, causal_balance=self.causal_balance)
+                    remat=self.remat, attn_impl=self.attention, causal_balance=self.causal_balance,
+                    scan_layers=self.scan_layers)

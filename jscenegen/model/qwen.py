@@ -104,9 +104,11 @@ def balanced_order(s: int, shards: int) -> np.ndarray:
 class KVCache:
     """Preallocated keys/values, one array per layer.
 
-    k, v: tuples of L arrays [B, Nkv, Smax, D] compute dtype (head-major: attention reads a
-    layer's keys as they lie; one array per layer: no slice of a whole-model cache is copied
-    per layer and token); valid: [B, Smax] bool (slot holds a real token);
+    k: tuple of L arrays [B, Nkv, D, Smax], v: tuple of L arrays [B, Nkv, Smax, D], compute
+    dtype. Head-major, keys transposed: both attention products then read the cache as it
+    lies, in the plain [M, K] x [K, N] form every matmul backend reads without repacking; one
+    array per layer: no slice of a whole-model cache is copied per layer and token.
+    valid: [B, Smax] bool (slot holds a real token);
     next_pos: [B] int32 (RoPE position of the row's next real token); length: [] int32 (slots
     written so far; all rows write in lockstep, padding slots stay invalid).
     """
@@ -119,11 +121,12 @@ class KVCache:
 
     @classmethod
     def create(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        k_shape = (batch, cfg.num_key_value_heads, cfg.head_dim, max_len)
+        v_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         n = cfg.num_hidden_layers
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+            k=tuple(jnp.zeros(k_shape, dtype) for _ in range(n)),
+            v=tuple(jnp.zeros(v_shape, dtype) for _ in range(n)),
             valid=jnp.zeros((batch, max_len), bool),
             next_pos=jnp.zeros((batch,), jnp.int32), length=jnp.zeros((), jnp.int32),
         )
@@ -146,7 +149,7 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask, kv=None):
         """x [B,S,H]; mask [B,S,Sk] -> (out, kv).
 
-        kv = (k_cache [B,Nkv,Smax,D], v_cache, offset) or None: the S new keys/values are
+        kv = (k_cache [B,Nkv,D,Smax], v_cache [B,Nkv,Smax,D], offset) or None: the S new keys/values are
         written into this layer's cache at slot `offset` (in place) and attention reads its
         slots; the updated (k_cache, v_cache) are returned. Without a cache the keys/values of
         x are used and returned as (k, v).
@@ -161,12 +164,13 @@ class Attention(nnx.Module):
         q = constrain(q, HEADS)
         if kv is not None:
             k_cache, v_cache, offset = kv
-            start = (0, 0, offset, 0)
-            k = jax.lax.dynamic_update_slice(k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), start)
-            v = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), start)
+            k = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
+                                             (0, 0, 0, offset))
+            v = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype),
+                                             (0, 0, offset, 0))
             k, v = constrain(k, CACHED_KV), constrain(v, CACHED_KV)
             out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.attn_impl,
-                            heads_first=True)
+                            cached=True)
             new_kv = (k, v)
         else:
             # sequence parallelism: queries stay sharded over sp, keys/values gathered over sp
@@ -218,6 +222,10 @@ class QwenForCausalLM(nnx.Module):
       pad_multiple: pad dim 0 of every parameter to a multiple of this (the mesh's device count).
       param_dtype / compute_dtype: "float32" or "bfloat16".
       remat: rematerialise each decoder layer in the backward pass (jax.checkpoint).
+      scan_layers: a full forward (training) runs the layers as a `lax.scan` over stacked
+        parameters (the compiled step holds one layer's gathered weights: needed under FSDP),
+        else as a Python loop over their own parameters (one device: no stacking, no
+        zero-filled per-layer residual buffers, no slicing; faster on CPU).
       attn_impl: "xla" (reference, CPU) or "cudnn" (GPU, bf16).
       balance_shards: > 1 reorders a full sequence for causal load balance over that many
         sequence shards (`balanced_order`); results are returned in the original order.
@@ -225,11 +233,13 @@ class QwenForCausalLM(nnx.Module):
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1):
+                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1,
+                 scan_layers: bool = True):
         self.cfg = cfg
         self.balance_shards = balance_shards
         self.compute_dtype = compute_dtype
         self.remat = remat
+        self.scan_layers = scan_layers
         make = ParamFactory(weight_table(cfg), rngs=rngs, pad_multiple=pad_multiple,
                             dtype=np_dtype(param_dtype))
         self.model = QwenModel(cfg, make, attn_impl)
@@ -300,7 +310,8 @@ class QwenForCausalLM(nnx.Module):
         Without a cache (training): a `lax.scan` over the layers' parameters stacked on the
         fly. Storage stays one module per layer (HF names); stacking sharded parameters keeps
         them sharded, and the loop body gathers one layer's weights at a time, so the compiled
-        step holds one gathered layer (per direction), not the whole model.
+        step holds one gathered layer (per direction), not the whole model. Without
+        `scan_layers`: a Python loop (one device).
         With a cache (the sampler): layer by layer over their own parameters and cache arrays,
         each layer writing only its new slots in place, so a decode step copies neither
         weights nor cache. Returns (x, new k tuple, new v tuple) (None, None without a cache).
@@ -312,6 +323,12 @@ class QwenForCausalLM(nnx.Module):
                 new_k.append(k)
                 new_v.append(v)
             return x, tuple(new_k), tuple(new_v)
+        if not self.scan_layers:
+            for layer in self.model.layers:
+                def run(h, layer=layer):
+                    return layer(h, cos, sin, attn_mask)[0]
+                x = jax.checkpoint(run, prevent_cse=False)(x) if self.remat else run(x)
+            return x, None, None
         graphdef, stacked = self.stacked_layers()
 
         def body(h, layer_state):

@@ -33,6 +33,7 @@ from jscenegen.checkpoint.resume import (
     restore_onto_mesh,
 )
 from jscenegen.checkpoint.store import CheckpointStore
+from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
 from jscenegen.grpo.algo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
@@ -252,15 +253,17 @@ class Trainer:
         return row
 
     def _step(self, batch) -> dict:
+        # logits of the trained tokens only: a static per-row capacity from the host mask
+        cap = selection_capacity(batch.arrays["loss_mask"])
         arrays = shard_batch({k: batch.arrays[k] for k in TRAIN_KEYS}, self.mesh)
+        ids, mask, select = arrays["input_ids"], arrays["attention_mask"], arrays["loss_mask"]
         with jax.set_mesh(self.mesh):
-            old_logp, _ = self.step_fn.logprobs(self.state.params, arrays["input_ids"],
-                                                arrays["attention_mask"])
-            arrays["old_logp"] = old_logp
+            arrays["old_logp"] = self.step_fn.logprobs(self.state.params, ids, mask, select,
+                                                       capacity=cap)[0]
             if self.ref_params is not None:
-                arrays["ref_logp"] = self.step_fn.logprobs(self.ref_params, arrays["input_ids"],
-                                                           arrays["attention_mask"])[0]
-            self.state, metrics = self.step_fn.step(self.state, arrays)
+                arrays["ref_logp"] = self.step_fn.logprobs(self.ref_params, ids, mask, select,
+                                                           capacity=cap)[0]
+            self.state, metrics = self.step_fn.step(self.state, arrays, capacity=cap)
         metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
         metrics["train/optimizer_step"] = int(adam_state(self.state.opt_state).count)
         return metrics
