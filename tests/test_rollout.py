@@ -127,6 +127,21 @@ def test_forced_logprobs_equal_trainer_recompute(expert_group, model):
     assert (tr.logprobs[~tr.policy_mask] == 0).all()
 
 
+def test_a_growing_cache_gives_the_fixed_caches_episodes(expert_group, model, chat, record, expert,
+                                                        rule_judge):
+    """Without `cache_tokens` the cache starts at the prompt plus one turn and grows (doubling,
+    contents kept) as the episode lengthens: same tokens and log-probs, fewer slots attended."""
+    engine = RolloutEngine(model, chat, FORCED.model_copy(update={"cache_tokens": None,
+                                                                  "buckets": (128, 256, 1024)}))
+    group = engine.run_group(record, group_id=7, seeds=[episode_seed(record.seed, m, 0) for m in range(2)],
+                             judge=MaskingJudge(rule_judge), forced=expert)
+    assert group.stats["cache_grows"] >= 1 and group.stats["cache_rebuilds"] == 0
+    assert group.stats["cache_slots"] < engine.slots
+    for tr, ref in zip(group.trajectories, expert_group.trajectories):
+        np.testing.assert_array_equal(tr.tokens, ref.tokens)
+        np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
 def test_malformed_and_truncated_outputs_are_policy_failures(model, chat, record, rule_judge):
     seen = {}
 

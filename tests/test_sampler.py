@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jscenegen.generate.sampler import STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler, split_into_buckets
-from jscenegen.generate.sampling import SamplingParams
+from jscenegen.generate.sampling import SamplingParams, row_keys
 from jscenegen.generate.stop import build_stop_table, stop_string_step
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.train.step import GRPOStep
@@ -235,3 +235,22 @@ def test_bucketed_appends_do_not_recompile(model):
     assert first >= 1 and len(traces) == first  # later appends of other lengths trace nothing
     assert int(cache.length) == 16 * 3
     assert np.asarray(cache.next_pos).tolist() == [28, 14]
+
+
+def test_a_grown_cache_decodes_as_a_big_one(model, prompts):
+    s = Sampler(model, SamplingParams(temperature=1.0), buckets=BUCKETS)
+    keys = row_keys([3, 4])
+    big, last = s.new_cache(2, 64)
+    big, last_b = s.append(big, last, prompts)
+    small, last = s.new_cache(2, 16)
+    small, last_s = s.append(small, last, prompts)
+    assert int(small.length) == 16
+    grown = s.grow_cache(small, 64)
+    assert grown.k[0].shape[-1] == grown.v[0].shape[-2] == grown.valid.shape[1] == 64
+    np.testing.assert_array_equal(np.asarray(grown.valid[:, :16]), np.asarray(small.valid))
+    a = s.decode(big, last_b, [6, 6], keys, 6)
+    b = s.decode(grown, last_s, [6, 6], keys, 6)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-6)
+    with pytest.raises(ValueError, match="8 slots < the cache's 16"):
+        s.grow_cache(small, 8)

@@ -120,6 +120,16 @@ def _append_logprobs_impl(graphdef, state, cache, last_logits, ids, mask, temper
     return cache, new_last, jnp.where(real, logp, 0.0)
 
 
+def _grow_impl(cache, *, extra):
+    def pad(x, axis, role):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return constrain(jnp.pad(x, widths), role)
+    return KVCache(tuple(pad(k, 3, CACHED_KV) for k in cache.k),
+                   tuple(pad(v, 2, CACHED_KV) for v in cache.v),
+                   pad(cache.valid, 1, ROWS), cache.next_pos, cache.length)
+
+
 def _decode_impl(graphdef, params, stop_strings, read_per_token, state, cache, last_logits,
                  max_new, keys, stop_ids, stop_table, *, max_steps):
     b = last_logits.shape[0]
@@ -246,6 +256,8 @@ class Sampler:
                                donate_argnums=(1,) if donate else ())
         self._append_lp = jax.jit(_with_specs(functools.partial(_append_logprobs_impl, gd), specs),
                                   static_argnums=(5,), donate_argnums=(1,) if donate else ())
+        self._grow = jax.jit(_with_specs(_grow_impl, specs), static_argnames=("extra",),
+                             donate_argnums=(0,) if donate else ())
         self._decode = jax.jit(
             _with_specs(functools.partial(_decode_impl, gd, params, self.stop_strings,
                                           layout.name == "fsdp"), specs),
@@ -303,6 +315,15 @@ class Sampler:
                         jax.device_put(cache.valid, row), jax.device_put(cache.next_pos, row),
                         jax.device_put(cache.length, named(self.layout.mesh, REPLICATED)))
         return cache, jax.device_put(last, row)
+
+    def grow_cache(self, cache: KVCache, max_len: int) -> KVCache:
+        """`cache` with `max_len` >= its slots, the new slots empty (one compiled program per
+        size pair; the rows' contents, positions and length unchanged)."""
+        old = cache.valid.shape[1]
+        if max_len < old:
+            raise ValueError(f"grow_cache: {max_len} slots < the cache's {old}")
+        with self._ctx():
+            return self._grow(cache, extra=max_len - old)
 
     # ---- operations ---------------------------------------------------------------------
     def left_pad(self, rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

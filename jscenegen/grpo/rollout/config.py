@@ -32,9 +32,11 @@ class SamplingConfig(Section):
         "end-of-turn token is then appended as environment (mask 0)")
     buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
                                      "(compiled shapes), increasing")
-    cache_tokens: int | None = Field(None, gt=0, description="KV-cache slots per row; None = "
-                                     "max_episode_tokens + max_new_tokens, rounded up to the "
-                                     "smallest bucket, plus one bucket")
+    cache_tokens: int | None = Field(None, gt=0, description="KV-cache slots per row, fixed; "
+                                     "None: the cache starts at the prompt plus one turn and "
+                                     "grows (doubling) up to max_episode_tokens + "
+                                     "max_new_tokens, rounded up to the smallest bucket, plus "
+                                     "one bucket")
     chat_template_path: str | None = Field(None, description="replacement chat template (jinja); "
                                            "None = the model directory's own")
 
@@ -58,7 +60,7 @@ class SamplingConfig(Section):
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.greedy)
 
     def cache_slots(self) -> int:
-        """KV-cache slots per row (see `cache_tokens`)."""
+        """The most KV-cache slots a row gets (see `cache_tokens`)."""
         if self.cache_tokens is not None:
             return self.cache_tokens
         step = self.buckets[0]

@@ -26,7 +26,10 @@ Failures: a truncated turn ("truncated_action" inside an open action block, else
 "rollout_error" (masked), a judge failure masks the row ("judge_*"); neither stops the batch.
 
 Slots: a decode round takes `max_new_tokens` slots at most and an append the longest segment
-(rounded to a bucket); when the cache is full, it is rebuilt from the rows' token histories
+(rounded to a bucket). With the derived `cache_tokens` the cache starts at the first prompt plus
+one turn (a bucket length) and, when full, grows (at least doubling, contents kept) up to
+`cache_slots()`, so attention reads about the slots an episode uses; at that maximum (or with
+an explicit `cache_tokens`) a full cache is rebuilt from the rows' token histories
 (left-aligned again, gaps of earlier rounds dropped) with the same append path.
 """
 from __future__ import annotations
@@ -38,7 +41,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jscenegen.generate.sampler import STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler
+from jscenegen.generate.sampler import (
+    STOP_LENGTH,
+    STOP_REASONS,
+    STOP_STRING,
+    STOP_TOKEN,
+    Sampler,
+    bucket_length,
+)
 from jscenegen.generate.sampling import row_keys
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
 from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
@@ -163,7 +173,10 @@ class RolloutEngine:
                                stop_strings=cfg.stop_strings,
                                token_bytes=chat.token_bytes() if cfg.stop_strings else None,
                                buckets=cfg.buckets, mesh=mesh, **self.rollout.sampler_options())
-        self.slots = cfg.cache_slots()
+        self.slots = cfg.cache_slots()          # the most KV-cache slots a row may get
+        # with the derived default the cache starts small and grows (attention reads only
+        # the slots the cache has; a 35k-slot cache for a 4k-token episode wastes 8x)
+        self.grows = cfg.cache_tokens is None
 
     def set_weights(self, weights) -> dict:
         """Roll out with new weights (a model or its parameter state; call after each optimizer
@@ -178,7 +191,7 @@ class RolloutEngine:
         """
         seqs = [r.tokens[r.cached:] if r.active else [] for r in rows] + [[]] * pad
         need = self.sampler.appended_slots(seqs)
-        if self._used + need > self.slots:
+        if self._used + need > self._capacity and not self._grow(self._used + need):
             self._rebuild(rows, pad)
             seqs = [r.tokens if r.active else [] for r in rows] + [[]] * pad
             need = self.sampler.appended_slots(seqs)
@@ -193,16 +206,27 @@ class RolloutEngine:
                 r.cached = len(r.tokens)
         return res[2] if with_logprobs else None
 
+    def _grow(self, slots: int) -> bool:
+        """Grow the cache to hold `slots` (at least doubling, to a bucket length, at most
+        `self.slots`) keeping its contents; False when it cannot grow that far."""
+        if not self.grows or slots > self.slots:
+            return False
+        new = min(self.slots, bucket_length(max(slots, 2 * self._capacity), self.cfg.buckets))
+        self._cache = self.sampler.grow_cache(self._cache, new)
+        self._capacity = new
+        self._grows += 1
+        return True
+
     def _rebuild(self, rows: list[_Row], pad: int):
-        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self.slots)
+        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self._capacity)
         self._used = 0
         self._rebuilds += 1
         for r in rows:
             r.cached = 0
 
     def _reserve(self, rows: list[_Row], pad: int, slots: int):
-        """Make room for `slots` more slots (rebuilding from the histories when needed)."""
-        if self._used + slots > self.slots:
+        """Make room for `slots` more slots (growing, else rebuilding from the histories)."""
+        if self._used + slots > self._capacity and not self._grow(self._used + slots):
             self._rebuild(rows, pad)
             self._sync(rows, pad)
 
@@ -241,8 +265,7 @@ class RolloutEngine:
         mult = self.sampler.row_multiple
         pad = -(-len(rows) // mult) * mult - len(rows)
         keys = np.concatenate([row_keys([r.seed for r in rows]), np.zeros((pad, 2), np.uint32)])
-        self._rebuilds, self._used = 0, 0
-        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self.slots)
+        self._rebuilds, self._grows, self._used = 0, 0, 0
         for r in rows:
             try:
                 system, user = r.episode.system_prompt(), r.episode.first_user_message()
@@ -255,6 +278,10 @@ class RolloutEngine:
             except Exception as err:  # our runtime or tokenizer: masked, not the policy's fault
                 log.exception("episode start failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
+        first = max((len(r.tokens) for r in rows), default=0)
+        self._capacity = (min(self.slots, bucket_length(first + cfg.max_new_tokens, cfg.buckets))
+                          if self.grows else self.slots)
+        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self._capacity)
         self._show(rows, on_turn)
         generated = {g.group_id: 0 for g in groups}
         rounds = 0
@@ -281,7 +308,8 @@ class RolloutEngine:
         total = sum(generated.values())
         batch = {"wall_s": wall, "tokens_per_s": total / wall if wall > 0 else 0.0,
                  "batch_generated_tokens": total, "rounds": rounds,
-                 "cache_rebuilds": self._rebuilds, "cache_slots": self.slots,
+                 "cache_rebuilds": self._rebuilds, "cache_grows": self._grows,
+                 "cache_slots": self._capacity,
                  "batch_rows": len(rows) + pad, "padding_rows": pad, "groups": len(groups),
                  "layout": self.sampler.layout.name}
         self._cache = self._last = None
