@@ -32,6 +32,35 @@ def _directions() -> dict[tuple[str, str], Callable[..., Any]]:
     return table
 
 
+def refuse_nested(src: str | Path, dst: str | Path) -> None:
+    """Raise ConvertError when `dst` is `src`, lies inside it or contains it: the output would
+    be written into the checkpoint being read (and into later reads of it)."""
+    a, b = Path(src).resolve(), Path(dst).resolve()
+    if a == b or a in b.parents or b in a.parents:
+        where = "is" if a == b else "lies inside" if a in b.parents else "contains"
+        raise ConvertError(f"destination {dst} {where} the source {src}; choose a directory "
+                           "outside it")
+
+
+def verify_source(src: str | Path) -> None:
+    """Verify the source against the `checksums.json` that covers it, when there is one (in
+    `src` or up to three directories above: a VERL rank directory inside a converted or
+    exported checkpoint), hashing every listed file under `src`. Raises ConvertError naming
+    each file that is missing, altered or unlisted."""
+    from jscenegen.checkpoint.checksums import ChecksumError, covering_checksums, verify_checksums
+
+    found = covering_checksums(src)
+    if found is None:
+        return
+    root, rel = found
+    try:
+        verify_checksums(root, under=rel or None)
+    except ChecksumError as err:
+        problems = "; ".join(line.strip() for line in str(err).splitlines()[1:]) or str(err)
+        raise ConvertError(f"{src}: refused, the source does not match {root / 'checksums.json'}: "
+                           f"{problems}") from None
+
+
 def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: str,
             world_size: int | None = None, placement: str = "dim0", dtype: str | None = None,
             mesh_device: str = "cuda") -> Any:
@@ -42,13 +71,19 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     source's (fp32 master weights), else "float32" | "bfloat16" for the model weights.
     mesh_device: the DeviceMesh device type pickled into VERL files: "cuda" for a GPU run,
     "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
-    Raises ConvertError for a missing source, an unknown direction or a missing world size.
+    An HF or VERL source covered by a `checksums.json` is verified first (`verify_source`).
+    Raises ConvertError for a missing source, a destination inside the source (or the other
+    way round), a source that fails its checksums, an unknown direction or a missing world
+    size.
     """
     if not Path(src).exists():
         raise ConvertError(f"{src}: no such file or directory")
+    refuse_nested(src, dst)
     for f in (src_format, dst_format):
         if f not in FORMATS:
             raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")
+    if src_format != "orbax":  # an orbax step is verified against its own checksums when read
+        verify_source(src)
     table = _directions()
     if (src_format, dst_format) not in table:
         have = ", ".join(f"{a}->{b}" for a, b in sorted(table))

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from convert.directions import write_verl_into
+from convert.dispatch import refuse_nested
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.orbax_directions import orbax_state, orbax_step_dir, write_hf_into
@@ -33,12 +34,13 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     The HF weights keep the checkpoint's dtype unless `dtype`; the VERL rank files always hold
     what the checkpoint holds (fp32 master weights and moments) for `world_size` ranks with
     `placement` and a DeviceMesh of `device_type`. Raises ConvertError for an incomplete
-    checkpoint or an existing non-empty `out`.
+    checkpoint, an existing non-empty `out` or one inside the checkpoint.
     """
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.checkpoint.metadata import redact
 
     step_dir = orbax_step_dir(checkpoint)
+    refuse_nested(checkpoint, out)
     state = orbax_state(step_dir, world_size)
     with atomic_dir(out, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from jscenegen.paths import write_text
 
 NAME = "checkpoint-layout.json"
 
@@ -30,8 +31,5 @@ def write_layout(root: str | Path, *, fmt: str, source: str | Path, source_forma
         "files": [{"written": w, "source": s} for w, s in files],
         **extra,
     }
-    root = Path(root)
-    tmp = root / f".{NAME}.tmp"
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, root / NAME)
+    write_text(Path(root) / NAME, json.dumps(doc, indent=1) + "\n")
     return doc

@@ -144,11 +144,12 @@ def _check_fsdp_config(f: Path, world_size: int) -> None:
 
 
 def mesh_info(mesh: Any) -> dict[str, Any]:
-    """{"dim_names", "sizes", "device_type"} of a unpickled DeviceMesh, from its attributes.
+    """{"dim_names", "sizes", "device_type", "rank", "coordinate"} of an unpickled DeviceMesh.
 
     Read from the pickled `__dict__` so that meshes pickled by other torch versions work:
     torch 2.13 stores `_layout`/`_mesh_dim_names`/`_device_type`, older torch a `mesh` rank
-    tensor and plain `mesh_dim_names`/`device_type` attributes.
+    tensor and plain `mesh_dim_names`/`device_type` attributes. `rank` (the global rank that
+    pickled it) and `coordinate` (its place on the mesh) are None where torch did not store them.
     """
     d = mesh.__dict__
     names = d.get("_mesh_dim_names", d.get("mesh_dim_names"))
@@ -158,7 +159,9 @@ def mesh_info(mesh: Any) -> dict[str, Any]:
         sizes = tuple(int(n) for n in old.shape)
     else:
         sizes = tuple(int(mesh.size(i)) for i in range(mesh.ndim))
-    return {"dim_names": tuple(names) if names else None, "sizes": sizes, "device_type": device_type}
+    coord = d.get("_coordinate_on_dim")
+    return {"dim_names": tuple(names) if names else None, "sizes": sizes, "device_type": device_type,
+            "rank": d.get("_rank"), "coordinate": tuple(int(c) for c in coord) if coord else None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +240,7 @@ class VerlCheckpoint:
         first = entries[0]
         if not isinstance(first, DTensor):
             return self._gather_plain(kind, key, entries, shape)
-        dim = self._shard_dim(self.layout.rank_file(kind, 0), key, first)
+        dim = self._shard_dim(self.layout.rank_file(kind, 0), key, first, rank=0)
         n_shards = mesh_info(first.device_mesh)["sizes"][-1] if dim is not None else 1
         locals_ = []
         for r, t in enumerate(entries):
@@ -246,7 +249,7 @@ class VerlCheckpoint:
                 raise ConvertError(f"{f}: {key} is a plain tensor on this rank but a DTensor on rank 0")
             if tuple(t.shape) != shape:
                 raise ConvertError(f"{f}: {key} has global shape {tuple(t.shape)}, expected {shape}")
-            if self._shard_dim(f, key, t) != dim:
+            if self._shard_dim(f, key, t, rank=r) != dim:
                 raise ConvertError(f"{f}: {key} placement {t.placements} differs from rank 0's")
             if r >= n_shards:
                 continue  # HSDP: ranks beyond the first fsdp group are replicas
@@ -274,8 +277,13 @@ class VerlCheckpoint:
             pages.dont_need(storage.data_ptr(), storage.nbytes())
         return full
 
-    def _shard_dim(self, f: Path, key: str, t: Any) -> int | None:
-        """Shard dim of DTensor `t` (None = Replicate); checks mesh names and size. `f` names the file."""
+    def _shard_dim(self, f: Path, key: str, t: Any, rank: int) -> int | None:
+        """Shard dim of DTensor `t` (None = Replicate) read from rank file `f` of `rank`.
+
+        Checks the mesh's names and size, and that the DTensor was saved by `rank`: its mesh
+        records the rank (and mesh coordinate) that pickled it, and a rank file copied or
+        renamed over another holds another rank's shard at another offset.
+        """
         from torch.distributed.tensor import Replicate, Shard
 
         mesh = mesh_info(t.device_mesh)
@@ -286,6 +294,14 @@ class VerlCheckpoint:
         if math.prod(mesh["sizes"]) != self.world_size:
             raise ConvertError(f"{f}: {key} mesh has {math.prod(mesh['sizes'])} ranks but the "
                                f"checkpoint has {self.world_size} rank files")
+        saved_by = mesh["rank"]
+        if saved_by is None and mesh["coordinate"] is not None:  # torch without `_rank`
+            saved_by = int(np.ravel_multi_index(mesh["coordinate"], mesh["sizes"]))
+        if saved_by is not None and saved_by != rank:
+            raise ConvertError(
+                f"{f}: holds the shard of rank {saved_by} (its DTensor {key} was saved on mesh "
+                f"coordinate {mesh['coordinate']}), not of rank {rank}: a rank file copied or "
+                f"renamed over another; the set of rank files is inconsistent")
         if len(t.placements) == 2 and not isinstance(t.placements[0], Replicate):
             raise ConvertError(f"{f}: {key} HSDP placement {t.placements} is not (Replicate, Shard)")
         p = t.placements[-1]
@@ -317,7 +333,8 @@ class VerlCheckpoint:
 
         out = {}
         for k, t in self._model_files[0].items():
-            dim = self._shard_dim(self.layout.rank_file("model", 0), k, t) if isinstance(t, DTensor) else None
+            dim = (self._shard_dim(self.layout.rank_file("model", 0), k, t, rank=0)
+                   if isinstance(t, DTensor) else None)
             out[k] = TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), dim)
         return out
 

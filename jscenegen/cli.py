@@ -15,6 +15,8 @@ import importlib
 import os
 import sys
 
+from jscenegen.paths import DiskFullError
+
 COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
                    "eval", "sft", "design")
 
@@ -27,7 +29,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"jscenegen.commands.{name}").register(sub)
+    parser.commands = sub.choices  # name -> its parser, for parse_args
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse `argv`; a command that takes `key=value` overrides (its parser's default
+    `intermixed` is True) is parsed with `parse_intermixed_args`, so overrides may come before,
+    between and after its options (`eval --model M a.b=1 --out X c.d=2`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = getattr(parser, "commands", {})
+    if argv and argv[0] in commands:
+        command = commands[argv[0]]
+        if command.get_default("intermixed"):
+            args = command.parse_intermixed_args(argv[1:])
+            args.command = argv[0]
+            return args
+    return parser.parse_args(argv)
 
 
 def is_user_error(err: BaseException) -> bool:
@@ -42,8 +60,9 @@ def is_user_error(err: BaseException) -> bool:
 
 def error_line(err: BaseException) -> str:
     """One line for `err`: multi-line messages joined with '; ', OS errors with their file."""
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return f"no space left on device writing {err.filename or 'a file'}"
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC and not isinstance(err, DiskFullError):
+        where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
+        return f"no space left on device{where} writing {err.filename or 'a file'}"
     text = str(err) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {text}"
@@ -64,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     force_cpu_devices()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" advice
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -57,43 +57,75 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     return out
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def _blame(loc: tuple, source: str, overrides: list[str]) -> str:
+    """Who set the value at `loc`: the last override whose key is `loc`, lies under it (a
+    section-level check) or above it (a list item), else the config `source`."""
+    key = [str(p) for p in loc]
+    for item in reversed(overrides):
+        parts = item.split("=", 1)[0].strip().split(".")
+        n = min(len(parts), len(key))
+        if parts[:n] == key[:n]:
+            return f"override {item}"
+    return source
+
+
+def _format_errors(err: ValidationError, source: str, overrides: list[str] = ()) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
+        where = _blame(tuple(e["loc"]), source, list(overrides))
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key {key!r}")
+            lines.append(f"{where}: unknown key {key!r}")
         else:
-            lines.append(f"{source}: {key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{where}: {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
 
 
-def validate_config(data: dict, source: str, model: type[BaseModel]):
-    """Validate a plain dict into the pydantic `model`; errors name `source` and each bad key."""
+def validate_config(data: dict, source: str, model: type[BaseModel],
+                    overrides: list[str] | tuple[str, ...] = ()):
+    """Validate a plain dict into the pydantic `model`; errors name each bad key and who set
+    it: the override that did (`override a.b=value`), else `source`."""
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(_format_errors(err, source, list(overrides))) from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in YAML file `path` (empty file: {}).
+
+    Raises ConfigError in one line: a missing file, a syntax error as `FILE:LINE:COLUMN: not
+    valid YAML: problem`, or a top level that is not a mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
+        if context and cmark is not None:
+            context += f" at line {cmark.line + 1}, column {cmark.column + 1}"
+        raise ConfigError(f"{where}: not valid YAML: {problem}"
+                          + (f" ({context})" if context else "")) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a text file ({err.reason})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
 
 
 def load_config(path: str | Path | None, overrides, model: type[BaseModel]):
     """Read YAML `path` (or start empty), apply overrides, validate into `model` (e.g.
     `run_config.RunConfig`, `sft.config.SFTRunConfig`).
 
-    Raises ConfigError (missing file, YAML syntax, unknown key, wrong type).
+    Raises ConfigError (missing file, YAML syntax, unknown key, wrong type), naming the
+    override that set a bad value, else the file.
     """
-    data: dict = {}
-    source = "<defaults>"
-    if path is not None:
-        source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {source} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{source}: not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: top level must be a mapping")
+    data: dict = {} if path is None else read_yaml(path)
+    source = "<defaults>" if path is None else str(path)
     data = apply_overrides(data, list(overrides))
-    return validate_config(data, source, model)
+    return validate_config(data, source, model, list(overrides))

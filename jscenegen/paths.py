@@ -5,10 +5,12 @@ Relative config/data paths resolve against the working directory first, then the
 through the atomic writers here: a temporary sibling is written and renamed over the target
 (atomic on one filesystem) only when complete, with the permissions a plain open()/mkdir()
 would give (the umask's); a failure leaves the target as it was and removes the temporary.
+A full disk is `DiskFullError`: one line naming the directory and the bytes needed.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -17,6 +19,45 @@ from pathlib import Path
 from typing import Any, Iterator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class DiskFullError(OSError):
+    """No space left on device (errno ENOSPC); the message names the directory, the bytes the
+    write needs (when known) and the bytes free."""
+
+    def __init__(self, directory: str | Path, needed_bytes: int | None, what: str = "the write"):
+        self.directory, self.needed_bytes = Path(directory), needed_bytes
+        try:
+            free = f"{shutil.disk_usage(_existing(self.directory)).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        needs = f"needs {needed_bytes:,} bytes" if needed_bytes is not None else "needs more space"
+        super().__init__(errno.ENOSPC, f"no space left on device in {self.directory}: {what} "
+                                       f"{needs} ({free}); free some space or write elsewhere")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """True when `err` or an exception it was raised from is a full disk: an OSError with errno
+    ENOSPC, or a library error carrying one in its text (tensorstore/orbax: "No space left on
+    device [os_error_code='28']")."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def resolve_data_path(path: str | Path) -> Path:
@@ -66,11 +107,20 @@ def umask_mode(path: str | Path) -> None:
 
 
 def write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` atomically (temporary file, fsync, rename)."""
-    with atomic_file(path) as tmp, open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write `text` to `path` atomically (temporary file, fsync, rename).
+
+    Raises DiskFullError (naming the directory and the bytes needed) when the disk is full;
+    `path` is then left as it was and the temporary removed.
+    """
+    try:
+        with atomic_file(path) as tmp, open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        if err.errno != errno.ENOSPC or isinstance(err, DiskFullError):
+            raise
+        raise DiskFullError(Path(path).parent, len(text.encode()), f"writing {Path(path).name}") from None
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
 import yaml
 
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.paths import cache_dir, write_json
+from jscenegen.paths import cache_dir, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -62,36 +63,41 @@ def _sft_log(row: dict) -> None:
 
 def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> None:
     """config.yaml (the resolved config, credentials redacted) and run.json; atomic."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
-    tmp.replace(run_dir / "config.yaml")
+    write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
+                                                       sort_keys=False))
     write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
                                              "config_source": config_source})
 
 
 class Progress:
-    """A rich progress bar with reward, failure rate and tokens/s (process 0 only)."""
+    """GRPO progress on stderr (process 0 only): a rich progress bar with reward, failure rate
+    and tokens/s on a terminal; one line per update attempt otherwise (a log file, a pipe)."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:
+    def __init__(self, total: int, enabled: bool, stream=None):
+        self.total, self.stream, self.bar = total, stream or sys.stderr, None
+        self.lines = enabled and not self.stream.isatty()
+        self.t0 = time.perf_counter()
+        if enabled and not self.lines:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as RichProgress
 
             self.bar = RichProgress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                    console=Console(file=self.stream))
             self.task = self.bar.add_task("updates", total=total, info="")
             self.bar.start()
 
     def __call__(self, row: dict) -> None:
-        if self.bar is None:
-            return
         reward = row.get("reward/mean")
         info = (f"attempt {row['attempt']} {row['role']:<8} reward "
                 f"{'n/a' if reward is None else f'{reward:+.3f}'} fail {row['failure_rate']:.2f} "
                 f"{row['rollout/tokens_per_s']:.0f} tok/s {'step' if row['stepped'] else 'no-signal'}")
-        self.bar.update(self.task, completed=row["effective_updates"], info=info)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=row["effective_updates"], info=info)
+        elif self.lines:
+            print(f"GRPO {row['effective_updates']}/{self.total} {info} "
+                  f"{time.perf_counter() - self.t0:.0f} s", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -100,9 +106,10 @@ class Progress:
 
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
+    """Run the GRPO job in `run_dir` (see the module docstring); holds `run_dir/run.lock`
+    throughout. Raises RunLockedError when another process holds it."""
     import jax
 
-    from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
 
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id)
@@ -110,6 +117,23 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
     except ValueError as err:
         raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
+    from jscenegen.run_lock import RunLock
+
+    lock = RunLock(run_dir)
+    if is_primary():  # one process per run directory (the holder is named to a second one)
+        lock.acquire()
+    try:
+        return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
+                             config_source=config_source)
+    finally:
+        lock.release()
+
+
+def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
+                  config_source: str) -> int:
+    from jscenegen.grpo.train.trainer import Trainer
+    from jscenegen.sharding.mesh import is_primary
+
     if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                          "continue it, or choose a new --run-dir")

@@ -39,8 +39,9 @@ class TrainerConfig(Section):
 
 
 class WarmStartConfig(Section):
-    """How the CPU default gets a policy that can act when `model.path` is null: a tiny model
-    created once, then supervised on the scripted expert's episodes (cached by config hash)."""
+    """How the CPU default gets a policy that can act when `model.path` is null: a fresh model
+    of `preset` (micro in configs/cpu-default.yaml) created once, then supervised on the
+    scripted expert's episodes (cached by config hash)."""
 
     arch: str = Field("qwen3", pattern="^(qwen2|qwen3)$")
     preset: str = Field("tiny", pattern="^(micro|tiny|small)$")

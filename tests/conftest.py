@@ -41,3 +41,17 @@ def tiny_hf(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_hf")
     return {arch: make_hf_dir(root / arch, arch) for arch in ("qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def qwen35_hf(tmp_path_factory):
+    """Tiny random Qwen3.5 HF dirs written by transformers (tests/qwen35_fixtures.py): the
+    composite `qwen3_5` (untied, vision tower, mtp), `qwen3_5_text` (tied, mtp) and the
+    released storage (`release`: bf16 with fp32 A_log / gated norm, sharded file name + index)."""
+    from qwen35_fixtures import make_qwen35_dir
+
+    root = tmp_path_factory.mktemp("qwen35_hf")
+    return {"qwen3_5": make_qwen35_dir(root, "qwen3_5"),
+            "qwen3_5_text": make_qwen35_dir(root, "qwen3_5_text"),
+            "release": make_qwen35_dir(root, "qwen3_5", seed=1, dtype="bfloat16",
+                                       release_layout=True)}

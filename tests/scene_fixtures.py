@@ -1,11 +1,16 @@
 """Hand-built scenes with known answers for the scene tests (4 m x 3 m room, door on wall 0)."""
 from __future__ import annotations
 
+import json
 import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
 from jscenegen.scene.catalogue import load_catalogue
+from jscenegen.scene.config import GRADE_KEYS
 from jscenegen.scene.schema import Scene, scene_from_json
 
 N_RANDOM_OBJECTS = 12
@@ -160,3 +165,64 @@ def random_scene(seed: int) -> Scene:
         objs.append({"id": f"o_{k}", "category": str(rng.choice(CATS)), "position": pos, "size": size,
                      "yaw": yaw, "mount": mount, "elevation": elev})
     return scene_from_json({"room": {"floor_polygon": poly, "wall_height": 2.6, "doors": doors}, "objects": objs})
+
+
+GOOD = {k: 8 for k in GRADE_KEYS}  # what JudgeServer answers
+
+
+class JudgeServer:
+    """A chat-completions server on 127.0.0.1 whose behaviour per request comes from `self.plan`
+    (the last entry repeats): "answer" (grades 8), "stall" (no answer for 1.5 s), "garbage",
+    "fenced", or an HTTP status such as "401"."""
+
+    def __init__(self, plan):
+        self.plan, self.calls, self.auth, self.inflight, self.max_inflight = list(plan), 0, [], 0, 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    mode = outer.plan[min(outer.calls, len(outer.plan) - 1)]
+                    outer.calls += 1
+                    outer.auth.append(self.headers.get("Authorization"))
+                    outer.inflight += 1
+                    outer.max_inflight = max(outer.max_inflight, outer.inflight)
+                try:
+                    assert body["messages"][0]["role"] == "system" and "caps" in body["messages"][0]["content"]
+                    if mode == "stall":
+                        time.sleep(1.5)
+                        return
+                    if mode.isdigit():  # an HTTP error status
+                        self.send_response(int(mode))
+                        self.end_headers()
+                        return
+                    time.sleep(0.05)
+                    content = {
+                        "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
+                        "garbage": "Sure! Here are my grades: realism 8/10 ...",
+                        "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
+                    }[mode]
+                    data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    with outer.lock:
+                        outer.inflight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

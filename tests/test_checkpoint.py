@@ -271,6 +271,75 @@ def test_corrupted_file_is_named_and_never_chosen(tmp_path, mesh32, hf_dir):
         store.restore()
 
 
+def test_a_corrupt_step_is_set_aside_and_its_number_saved_again(tmp_path, mesh32, hf_dir, caplog):
+    store = CheckpointStore(tmp_path, keep_last=1)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    save_step(store, 2, mesh32, hf_dir, seed=2)
+    victim = max((p for p in (store.step_path(2) / "adam").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    rel = victim.relative_to(store.step_path(2)).as_posix()
+    _corrupt(victim, offset=victim.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        store.restore()  # keep_last=1: step 1 is gone, step 2 is the only one and corrupt
+    with caplog.at_level("WARNING"):
+        (aside,) = store.set_aside_corrupt()
+    assert aside.name.startswith("2.corrupt-") and (aside / rel).read_bytes() != b""
+    assert rel in caplog.text and str(aside) in caplog.text
+    assert store.steps() == [] and store.set_aside_corrupt() == []
+    want = save_step(store, 2, mesh32, hf_dir, seed=22)  # the redo of the update saves step 2 again
+    ck = store.restore()
+    assert ck.step == 2
+    np.testing.assert_array_equal(ck.adam["nu"]["lm_head.weight"], want[2]["lm_head.weight"])
+    save_step(store, 3, mesh32, hf_dir, seed=3)  # keep_last deletes step 2, never the set-aside copy
+    assert store.steps() == [3] and aside.is_dir()
+    # save itself sets aside a corrupt step at the number it writes (no resume in between)
+    _corrupt(store.step_path(3) / "checksums.json", offset=5)
+    save_step(store, 3, mesh32, hf_dir, seed=33)
+    assert store.latest_valid_step() == 3
+    assert len(list(tmp_path.glob("3.corrupt-*"))) == 1
+
+
+@pytest.mark.parametrize("where", ["orbax", "checksums"])
+def test_a_full_disk_names_the_directory_and_bytes_and_removes_the_failed_save(
+        tmp_path, mesh32, hf_dir, monkeypatch, where):
+    """ENOSPC while orbax commits the arrays (its temporary directory exists) or while the
+    step is completed (the step directory exists): DiskFullError, and neither is left."""
+    import errno
+
+    from orbax.checkpoint._src.path import atomicity
+
+    from jscenegen.checkpoint import store as checkpoint
+    from jscenegen.cli import error_line
+    from jscenegen.paths import DiskFullError
+
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "orbax":
+        async def finalize(self, *args, **kwargs):
+            assert list(store.directory.glob("2.orbax-checkpoint-tmp*"))  # arrays written
+            full()
+        monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    else:
+        monkeypatch.setattr(checkpoint, "write_checksums", full)
+    with pytest.raises(DiskFullError) as info:
+        save_step(store, 2, mesh32, hf_dir, seed=2)
+    n = sum(x.size for x in logical_values(0)[0].values())
+    assets = sum(p.stat().st_size for p in hf_dir.iterdir() if p.name != "model.safetensors")
+    assert info.value.needed_bytes == 3 * 4 * n + assets  # params + Adam moments, fp32, + hf/
+    line = error_line(info.value)
+    assert line.startswith(f"no space left on device in {store.directory}: checkpoint step 2 "
+                           f"needs {info.value.needed_bytes:,} bytes (")
+    assert "\n" not in line
+    assert sorted(p.name for p in store.directory.iterdir()) == ["1"]  # nothing of step 2 left
+    monkeypatch.undo()
+    save_step(store, 2, mesh32, hf_dir, seed=2)  # space freed: the same store saves the step
+    assert store.latest_valid_step() == 2
+
+
 def test_metadata_never_holds_a_credential(tmp_path, mesh32, hf_dir, monkeypatch):
     env_secret = "sk-env-FAKE-0123456789abcdef"
     cfg_secret = "sk-cfg-FAKE-fedcba9876543210"

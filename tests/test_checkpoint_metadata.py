@@ -5,7 +5,15 @@ from pathlib import Path
 import jax
 import pytest
 
-from jscenegen.checkpoint.metadata import REDACTED, git_commit, is_credential_name, redact, training_metadata
+from jscenegen.checkpoint.metadata import (
+    REDACTED,
+    git_commit,
+    is_credential_name,
+    mask_credentials,
+    redact,
+    redact_argv,
+    training_metadata,
+)
 
 
 @pytest.mark.parametrize("name", ["api_key", "OPENAI_API_KEY", "hf_token", "HF_TOKEN", "apiKey",
@@ -29,6 +37,39 @@ def test_redact_keys_lists_and_environment_values(monkeypatch):
     assert redact(data) == {"judge": {"api_key": REDACTED, "urls": [REDACTED, "https://y"],
                                       "tokens": {"max_new_tokens": 5}},
                             "note": "abc", "pair": [1, 2]}
+
+
+def test_urls_with_credentials_are_redacted_without_any_environment_variable():
+    data = {"judge": {"base_url": "https://user:sk-abc@judge.example/v1",
+                      "proxy": "http://TOKEN123@proxy:8080", "mirror": "https://h/v1?api_key=x&n=1",
+                      "plain": "https://judge.example/v1?model=q&n=2", "path": "data/x://y"}}
+    assert redact(data) == {"judge": {"base_url": REDACTED, "proxy": REDACTED, "mirror": REDACTED,
+                                      "plain": "https://judge.example/v1?model=q&n=2",
+                                      "path": "data/x://y"}}
+
+
+def test_redact_argv_keeps_keys_and_reports_what_it_removed(monkeypatch):
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-env-0123456789")
+    argv = ["jscenegen", "train", "--run-dir", "r", "judge.base_url=https://u:pw-1@h/v1",
+            "judge.api_key=hunter22", "--token=abc", "https://t0k@h/x", "optim.lr=1e-5",
+            "note=sk-env-0123456789"]
+    out, removed = redact_argv(argv)
+    assert out == ["jscenegen", "train", "--run-dir", "r", f"judge.base_url={REDACTED}",
+                   f"judge.api_key={REDACTED}", f"--token={REDACTED}", REDACTED, "optim.lr=1e-5",
+                   f"note={REDACTED}"]
+    assert set(removed) == {"https://u:pw-1@h/v1", "hunter22", "abc", "https://t0k@h/x",
+                            "sk-env-0123456789"}
+
+
+def test_mask_credentials_keeps_lengths_in_every_file(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "meta.json").write_text('{"command": "train judge.base_url=https://u:pw-1@h"}')
+    (tmp_path / "log.bin").write_bytes(b"\x00\x17https://u:pw-1@h\x01")
+    (tmp_path / "clean.txt").write_text("nothing here")
+    changed = mask_credentials(tmp_path, ["https://u:pw-1@h"])
+    assert sorted(p.name for p in changed) == ["log.bin", "meta.json"]
+    assert (tmp_path / "log.bin").read_bytes() == b"\x00\x17" + b"*" * 16 + b"\x01"
+    assert "pw-1" not in (tmp_path / "a" / "meta.json").read_text()
 
 
 def test_training_metadata_fields():

@@ -129,3 +129,50 @@ def test_unexpected_tensor_names(actor, tmp_path):
     torch.save(sd, f)
     with pytest.raises(ConvertError, match=r"model_world_size_6_rank_1\.pt: keys do not match"):
         verl_to_hf(actor, tmp_path / "out")
+
+
+def test_a_rank_file_copied_over_another_is_refused(actor, tmp_path, capsys):
+    """`cp rank_0 rank_1`: every shard still has the size rank 1's would have, but its DTensor
+    was saved by rank 0 (at rank 0's offset); converting would write wrong weights."""
+    from jscenegen.cli import main
+
+    shutil.copy(actor / "model_world_size_6_rank_0.pt", actor / "model_world_size_6_rank_1.pt")
+    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_1\.pt: holds the shard of "
+                                           r"rank 0 .*not of rank 1"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+    assert main(["convert", str(actor), str(tmp_path / "out"), "--from", "verl", "--to", "hf"]) == 2
+    assert "model_world_size_6_rank_1.pt: holds the shard of rank 0" in capsys.readouterr().err
+    _assert_nothing_written(tmp_path)
+
+
+def _flip_tensor_byte(f):
+    """Flip one bit in the middle of the largest tensor storage of torch file `f` (a zip)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(f) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(f.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26: info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, tmp_path):
+    from convert.dispatch import convert
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    root = actor.parent.parent  # global_step_3/actor/... listed by a checksums.json two levels up
+    write_checksums(root)
+    f = actor / "optim_world_size_6_rank_2.pt"
+    _flip_tensor_byte(f)  # the file still loads: only the checksums can tell
+    with pytest.raises(ConvertError, match=r"does not match .*checksums\.json.*"
+                                           r"global_step_3/actor/optim_world_size_6_rank_2\.pt: SHA-256 differs"):
+        convert(actor, tmp_path / "out", src_format="verl", dst_format="verl", world_size=6)
+    _assert_nothing_written(tmp_path)
+    (root / "checksums.json").unlink()
+    write_checksums(root)  # the same bytes, now listed as they are: converted
+    convert(actor, tmp_path / "out", src_format="verl", dst_format="hf")
+    assert (tmp_path / "out" / "config.json").is_file()

@@ -55,15 +55,18 @@ def test_mesh_info_reads_both_pickle_generations(fixture):
     from convert.torch_safe import load_pt
     from convert.verl_read import mesh_info
 
-    sd = load_pt(fixture["ckpt"] / "global_step_3/actor/model_world_size_6_rank_0.pt")
+    sd = load_pt(fixture["ckpt"] / "global_step_3/actor/model_world_size_6_rank_4.pt")
     info = mesh_info(next(iter(sd.values())).device_mesh)
-    assert info == {"dim_names": ("fsdp",), "sizes": (6,), "device_type": "cpu"}
+    assert info == {"dim_names": ("fsdp",), "sizes": (6,), "device_type": "cpu", "rank": 4,
+                    "coordinate": (4,)}
 
     class OldMesh:  # torch <= 2.8: a rank tensor and plain attributes
         def __init__(self):
             self.device_type, self.mesh, self.mesh_dim_names = "cuda", torch.arange(6).view(2, 3), ("ddp", "fsdp")
+            self._coordinate_on_dim = [1, 2]
 
-    assert mesh_info(OldMesh()) == {"dim_names": ("ddp", "fsdp"), "sizes": (2, 3), "device_type": "cuda"}
+    assert mesh_info(OldMesh()) == {"dim_names": ("ddp", "fsdp"), "sizes": (2, 3), "device_type": "cuda",
+                                    "rank": None, "coordinate": (1, 2)}
 
 
 def test_layout_detection(fixture, tmp_path):

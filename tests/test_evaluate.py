@@ -139,8 +139,7 @@ def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     from jscenegen.checkpoint.store import CheckpointStore
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.hf_io import iter_hf_tensors
-    from jscenegen.model.weights import named_params
-    from jscenegen.model.weights import param_shapes
+    from jscenegen.model.weights import named_params, param_shapes
 
     hf = chat_model_dir()
     params = {n: 2.0 * a.astype(np.float32) for n, a in iter_hf_tensors(hf)}
@@ -249,3 +248,64 @@ def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):
     assert len(rows) == 1 + len(report["scenes"]) + 1
     change = compare_reports(report, report)
     assert change["diff"] == 0.0 and "diff +0.000, 95% CI [+0.000, +0.000]" in rows[-1]
+
+
+def test_a_hanging_judge_is_waited_for_once_for_all_scenes(cfg):
+    """Every scene's finished episodes go to the judge together: with a judge that never
+    answers, 4 scenes cost one timeout (4 requests in flight at once), not four in a row."""
+    from jscenegen.scene.config import JudgeConfig
+
+    from scene_fixtures import JudgeServer
+
+    server = JudgeServer(["stall"])
+    try:
+        judge_cfg = JudgeConfig(backend="http", base_url=server.url, model="judge", api_key_env=None,
+                                timeout_s=0.5, max_retries=0, concurrency=8)
+        report = evaluate(None, dev_records()[:4], judge=make_judge(judge_cfg, cfg.scene),
+                          scene_cfg=cfg.scene, judge_cfg=judge_cfg)
+    finally:
+        server.close()
+    assert server.calls == 4 and server.max_inflight == 4  # one scene after another: 1
+    assert [r["expert"]["episodes"][0]["failure_cause"] for r in report["scenes"]] == ["judge_timeout"] * 4
+    assert report["overall"]["expert"]["masked"] == 4
+
+
+def test_design_refuses_what_cannot_work_before_loading_the_model(tmp_path, capsys):
+    """A prompt that leaves no room for a turn, or a room the runtime cannot measure, is
+    refused up front, naming the limit: the model's weights (garbage here) are never read."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(chat_model_dir(), model)
+    (model / "model.safetensors").write_bytes(b"not weights")
+    long_prompt = "A bedroom with a bed, a desk and a wardrobe by the window. " * 300
+    assert main(["design", "--model", str(model), "--prompt", long_prompt, "-o",
+                 str(tmp_path / "s.json"), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "at or over sampling.max_episode_tokens=2560" in err and err.count("\n") == 1
+    room = dev_records()[0].scene.room.model_dump(mode="json")
+    (tmp_path / "room.json").write_text(json.dumps(dict(room, doors=[])))
+    assert main(["design", "--model", str(model), "--prompt", "A bedroom.", "--room",
+                 str(tmp_path / "room.json"), "-o", str(tmp_path / "s.json"), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "door" in err and "weights" not in err and "safetensors" not in err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_no_pytorch_advice_when_a_command_imports_transformers_without_torch(tmp_path):
+    """On a machine without torch (the lent GPU machines), transformers' import-time advice
+    "PyTorch was not found" is not printed by any command (cli sets TRANSFORMERS_VERBOSITY)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['torch'] = None; from jscenegen.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "design", "--model", str(chat_model_dir()), "--prompt",
+         "A bedroom. " * 2000, "-o", str(tmp_path / "s.json"), *TINY],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert proc.returncode == 2 and "max_episode_tokens" in proc.stderr  # transformers was used
+    assert "PyTorch was not found" not in proc.stderr + proc.stdout

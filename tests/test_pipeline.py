@@ -42,3 +42,54 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
     assert (run_dir / "eval_after.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_dir / "run.json").read_text())["model_dir"] == str(sft_dirs[0].resolve())
     assert (run_dir / "checkpoints" / "1" / "checksums.json").is_file()
+
+
+def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):
+    from jscenegen.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), f"model.path={tmp_path / 'no-model'}",
+                 "logging.swanlab_mode=disabled"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no-model" in err and err.count("\n") == 1
+    assert not run_dir.exists()  # no empty checkpoints/, no lock file left behind
+
+
+def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_path):
+    """`jscenegen train` as a user runs it (its own process, so the OS records the command
+    line swanlab reads) with a credential in judge.base_url on the command line: no file of
+    the run directory holds it; stderr (not a terminal) gets one line per update; swanlab's
+    banner is printed once; the run lock is gone at the end."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import jax
+
+    from chat_fixtures import chat_model_dir
+
+    secret = "sk-FAKE-d41d8cd98f00b204"
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jscenegen.cli", "train", "--run-dir", str(run_dir),
+         f"model.path={chat_model_dir()}", f"judge.base_url=https://user:{secret}@judge.invalid/v1",
+         "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
+         "sampling.buckets=[64,256,1024,2048,4096]", "schedule.num_scenes=2",
+         "schedule.group_size=2", "schedule.total_updates=2", "schedule.roles=PP",
+         "schedule.zero_spread=count", "trainer.eval_before_after=false", "checkpoint.save_every=1"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "swanlab-metadata.json" for p in files)
+    assert any(p.suffix == ".swanlab" for p in files)  # swanlab's binary record is checked too
+    leaked = [str(p.relative_to(run_dir)) for p in files if secret.encode() in p.read_bytes()]
+    assert leaked == []
+    assert "base_url: <redacted>" in (run_dir / "config.yaml").read_text()
+    updates = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("GRPO ")]
+    assert updates == ["1/2", "2/2"]
+    assert proc.stdout.count("swanlab sync") == 1
+    assert not (run_dir / "run.lock").exists()

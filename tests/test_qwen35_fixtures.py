@@ -10,13 +10,8 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    from qwen35_fixtures import make_qwen35_dir
-
-    root = tmp_path_factory.mktemp("qwen35")
-    return {"qwen3_5": make_qwen35_dir(root, "qwen3_5"),
-            "qwen3_5_text": make_qwen35_dir(root, "qwen3_5_text"),
-            "release": make_qwen35_dir(root, "qwen3_5", seed=1, dtype="bfloat16", release_layout=True)}
+def dirs(qwen35_hf):
+    return qwen35_hf   # conftest: the same three directories, built once per session
 
 
 def _header(path):

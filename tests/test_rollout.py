@@ -270,3 +270,29 @@ def test_turn_stopped_by_a_stop_string_gets_its_end_of_turn_as_environment(model
         assert closing == {"role": "environment", "start": policy["end"], "end": policy["end"] + 1, "stop": None}
         assert tr.tokens[-1] == chat.eot_id and tr.roles[-1] == ENVIRONMENT and not tr.policy_mask[-1]
         assert tr.failure_cause == "no_action_block" and tr.reward == -1.0
+
+
+@pytest.mark.slow   # a second model family through whole episodes (~6k tokens): minutes on 2 cores
+def test_qwen35_expert_group_through_the_hybrid_cache_with_rebuilds(record, expert, rule_judge, tmp_path):
+    """The rollout engine, unchanged, on a Qwen3.5 policy (init-model --arch qwen3_5, the
+    protocol template): a cache too small for the bucketed history forces rebuilds (fresh
+    HybridCache, history re-appended), and the forced turns' log-probs still equal the
+    trainer's full-sequence recompute."""
+    from jscenegen.model.init_model import init_model_dir
+
+    from chat_fixtures import scripted_texts
+
+    d = init_model_dir(tmp_path / "q35", arch="qwen3_5", preset="micro", texts=scripted_texts(),
+                       vocab_size=2048, seed=0, hidden_size=64, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       linear_key_head_dim=16, linear_value_head_dim=16)
+    chat = ChatTokenizer.from_dir(d)
+    model = load_hf(d)
+    cfg = FORCED.model_copy(update={"cache_tokens": 5120})
+    group = RolloutEngine(model, chat, cfg).run_group(
+        record, group_id=5, seeds=[1, 2], judge=rule_judge, forced=expert)
+    assert group.stats["cache_rebuilds"] >= 1
+    tr = group.trajectories[0]
+    assert tr.failure_cause is None and tr.policy_mask.sum() > 0
+    want = trainer_logprobs(model, [tr.tokens.tolist()], cfg.temperature)[0, :tr.num_tokens]
+    np.testing.assert_allclose(tr.logprobs[tr.policy_mask], want[tr.policy_mask], atol=1e-5, rtol=0)

@@ -254,3 +254,80 @@ def test_a_grown_cache_decodes_as_a_big_one(model, prompts):
     np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-6)
     with pytest.raises(ValueError, match="8 slots < the cache's 16"):
         s.grow_cache(small, 8)
+
+
+# ---- Qwen3.5: the same sampler over the hybrid cache (K/V + Gated DeltaNet states) -----------
+@pytest.fixture(scope="module")
+def qwen35(qwen35_hf):
+    return load_hf(qwen35_hf["qwen3_5"])
+
+
+@pytest.fixture(scope="module")
+def qwen35_prompts(qwen35):
+    rng = np.random.default_rng(8)
+    return [rng.integers(3, qwen35.cfg.vocab_size, n).tolist() for n in (*PROMPT_LENS, 3)]
+
+
+@pytest.fixture(scope="module")
+def qwen35_sampler(qwen35):
+    """One sampler (one set of compiled programs: 3 rows, 64 slots, 6 decode steps)."""
+    return Sampler(qwen35, SamplingParams(temperature=0.8), buckets=BUCKETS)
+
+
+def test_qwen35_cached_generation_equals_the_full_forward_at_every_step(qwen35, qwen35_prompts,
+                                                                        qwen35_sampler):
+    """Prefill (left-padded bucket), decode with per-row budgets (finished rows append
+    masked slots), then a cache rebuild (fresh cache, whole history re-appended, as the
+    rollout engine does when the cache is full) and more decoding: every sampled token's
+    log-prob is the tempered log-softmax of the full forward's logits at that position, and
+    the rebuilt cache continues exactly as the original one."""
+    s, prompts = qwen35_sampler, qwen35_prompts
+    keys = np.asarray([[1, 2], [3, 4], [5, 6]], np.uint32)
+    cache, last = s.new_cache(3, 64)
+    cache, last = s.append(cache, last, prompts)
+    first = s.decode(cache, last, [6, 3, 5], keys, max_steps=6)
+    lengths = np.asarray(first.lengths).tolist()
+    assert lengths == [6, 3, 5]
+    seqs = [p + np.asarray(first.tokens)[i, :n].tolist() for i, (p, n) in enumerate(zip(prompts, lengths))]
+    # continue in the same cache, and in a rebuilt one
+    more = s.decode(first.cache, first.last_logits, [4, 4, 2], keys + 7, max_steps=6)
+    cache2, last2 = s.new_cache(3, 64)
+    cache2, last2 = s.append(cache2, last2, seqs)
+    rebuilt = s.decode(cache2, last2, [4, 4, 2], keys + 7, max_steps=6)
+    np.testing.assert_array_equal(np.asarray(rebuilt.tokens), np.asarray(more.tokens))
+    np.testing.assert_allclose(np.asarray(rebuilt.logprobs), np.asarray(more.logprobs), atol=2e-5)
+    extra = np.asarray(more.lengths).tolist()
+    logits = full_logits(qwen35, [sq + np.asarray(more.tokens)[i, :extra[i]].tolist()
+                                  for i, sq in enumerate(seqs)])
+    for i, p in enumerate(prompts):
+        toks = np.asarray(first.tokens)[i, :lengths[i]].tolist() + np.asarray(more.tokens)[i, :extra[i]].tolist()
+        lps = np.asarray(first.logprobs)[i, :lengths[i]].tolist() + np.asarray(more.logprobs)[i, :extra[i]].tolist()
+        for k, (tok, lp) in enumerate(zip(toks, lps)):
+            z = logits[i, len(p) + k - 1].astype(np.float64) / 0.8
+            z -= z.max()
+            assert lp == pytest.approx(z[tok] - np.log(np.exp(z).sum()), abs=2e-5)
+        np.testing.assert_allclose(np.asarray(more.last_logits)[i], logits[i, len(p) + len(toks) - 1],
+                                   atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "replicated", "tp"])
+def test_qwen35_sampling_on_the_3x2_mesh_equals_unsharded(qwen35_hf, qwen35_prompts, qwen35_sampler,
+                                                         layout):
+    """The hybrid cache in the rollout layouts (its [L, B, ...] arrays rows over the layout's
+    data-parallel devices; the weights resharded: Gated DeltaNet and attention alike)."""
+    from jscenegen.sharding.mesh import make_mesh
+    from jscenegen.sharding.rules import LAYER_ROWS
+
+    mesh = make_mesh(3, 2)
+    s = Sampler(load_hf(qwen35_hf["qwen3_5"], mesh=mesh), SamplingParams(temperature=0.8),
+                buckets=BUCKETS, mesh=mesh, layout=layout)
+    reps = s.row_multiple // 3                 # fsdp, tp: 3 rows; replicated: 6 (prompts twice)
+    prompts, seeds = qwen35_prompts * reps, [5, 6, 7] * reps
+    cache, _ = s.new_cache(3 * reps, 64)
+    assert cache.state.sharding == s.layout.sharding(LAYER_ROWS) and cache.state.dtype == jnp.float32
+    assert cache.conv.shape == (4, 3 * reps, 136, 3) and cache.k.shape == (1, 3 * reps, 64, 2, 32)
+    out = s.generate(prompts, 6, seeds=seeds, cache_len=64)
+    ref = qwen35_sampler.generate(qwen35_prompts, 6, seeds=[5, 6, 7], cache_len=64)
+    for r in range(reps):
+        np.testing.assert_array_equal(out["tokens"][3 * r:3 * r + 3], ref["tokens"])
+        np.testing.assert_allclose(out["logprobs"][3 * r:3 * r + 3], ref["logprobs"], atol=1e-5, rtol=0)

@@ -1,83 +1,24 @@
 """HTTP judge against real servers on 127.0.0.1: answers, stalls, garbage, retries, concurrency, key hygiene."""
 import json
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from jscenegen.scene.config import GRADE_KEYS, JudgeConfig
+from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.episode import Episode, judge_episodes
 from jscenegen.scene.judge import JudgeRequest, make_judge
 from jscenegen.scene.metrics import measure
 from jscenegen.scene.sceneset import SceneRecord
 
-from scene_fixtures import KNOWN
+from scene_fixtures import GOOD, KNOWN, JudgeServer
 
 KEY = "sk-test-SECRET-4f9a1c"
-GOOD = {k: 8 for k in GRADE_KEYS}
-
-
-class Server:
-    """A chat-completions server whose behaviour per request comes from `self.plan` (cycled)."""
-
-    def __init__(self, plan):
-        self.plan, self.calls, self.auth, self.inflight, self.max_inflight = list(plan), 0, [], 0, 0
-        self.lock = threading.Lock()
-        outer = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    mode = outer.plan[min(outer.calls, len(outer.plan) - 1)]
-                    outer.calls += 1
-                    outer.auth.append(self.headers.get("Authorization"))
-                    outer.inflight += 1
-                    outer.max_inflight = max(outer.max_inflight, outer.inflight)
-                try:
-                    assert body["messages"][0]["role"] == "system" and "caps" in body["messages"][0]["content"]
-                    if mode == "stall":
-                        time.sleep(1.5)
-                        return
-                    if mode == "500":
-                        self.send_response(500)
-                        self.end_headers()
-                        return
-                    time.sleep(0.05)
-                    content = {
-                        "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
-                        "garbage": "Sure! Here are my grades: realism 8/10 ...",
-                        "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
-                    }[mode]
-                    data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                finally:
-                    with outer.lock:
-                        outer.inflight -= 1
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
 def server(request):
-    srv = Server(request.param)
+    srv = JudgeServer(request.param)
     yield srv
     srv.close()
 
@@ -112,6 +53,16 @@ def test_a_server_error_is_retried(server):
     assert res.failure is None and res.info["attempts"] == 2 and server.calls == 2
 
 
+@pytest.mark.parametrize("server,calls", [(["401"], 1), (["404"], 1), (["429", "answer"], 2),
+                                          (["408", "answer"], 2)], indirect=["server"])
+def test_a_refused_request_is_not_retried_but_408_and_429_are(server, calls):
+    (res,) = make_judge(cfg(server.url, api_key_env=None, max_retries=3)).grade(requests())
+    assert server.calls == calls and res.info["attempts"] == calls
+    assert (res.failure is None) == (calls == 2)
+    if calls == 1:
+        assert res.failure == "judge_error" and res.info["detail"] == f"HTTP {server.plan[0]}"
+
+
 @pytest.mark.parametrize("server,cause", [(["stall"], "judge_timeout"), (["garbage"], "judge_unparseable"),
                                           (["fenced"], "judge_unparseable")], indirect=["server"])
 def test_timeouts_and_garbage_become_masked_judge_failures(server, cause, monkeypatch, caplog, tmp_path):
@@ -136,3 +87,24 @@ def test_timeouts_and_garbage_become_masked_judge_failures(server, cause, monkey
     assert any(cause in r.getMessage() for r in caplog.records)
     for f in tmp_path.iterdir():
         assert KEY not in f.read_text()
+
+
+@pytest.mark.parametrize("server", [["answer"], ["401"]], indirect=True)
+def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, capsys):
+    """`scene check --config` with judge.backend: http asks that judge (never the rule judge
+    silently) and says which judge graded; a judge failure exits 1 with its cause."""
+    from jscenegen.cli import main
+
+    (tmp_path / "s.json").write_text(json.dumps(KNOWN["wardrobe_wall"]().to_json()))
+    (tmp_path / "judge.yaml").write_text(f"judge:\n  backend: http\n  base_url: {server.url}\n"
+                                         "  model: judge-27b\n  api_key_env: null\n  timeout_s: 5\n")
+    rc = main(["scene", "check", str(tmp_path / "s.json"), "--config", str(tmp_path / "judge.yaml"),
+               "--requested", "wardrobe:1"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["judge"] == {"backend": "http", "model": "judge-27b"} and server.calls == 1
+    if server.plan == ["answer"]:
+        assert rc == 0 and out["grades"] == {**GOOD, "functionality": 3, "completeness": 2}
+        assert out["reward"] is not None
+    else:
+        assert rc == 1 and out["grades"] is None and out["reward"] is None
+        assert out["judge_failure"] == "judge_error" and "HTTP 401" in out["warnings"][-1]

@@ -87,7 +87,8 @@ def test_cli_check_and_render_on_dev_scenes(tmp_path, capsys):
     (tmp_path / "rec.json").write_text(line)
     assert main(["scene", "check", str(tmp_path / "rec.json")]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"metrics", "grades", "reward", "warnings"}
+    assert set(out) == {"metrics", "judge", "grades", "reward", "warnings"}
+    assert out["judge"] == {"backend": "rule", "model": None}  # no --config: the rule judge
     assert out["metrics"]["reachable"] and out["grades"]["prompt_following"] == 0  # empty room, items requested
     assert out["grades"]["completeness"] == 0 and out["reward"] == pytest.approx(sum(out["grades"].values()) / 70)
     assert main(["scene", "render", str(tmp_path / "rec.json"), "-o", str(tmp_path / "r.png")]) == 0

@@ -106,3 +106,14 @@ def test_advantages_are_normalised_within_each_group_of_a_batch():
     assert batch.arrays["input_ids"].shape == (6, 8) and batch.has_signal
     with pytest.raises(ValueError, match="group size"):
         build_group_batch(trs[:3], PLANNER, row_multiple=3, col_multiple=8)
+
+
+def test_run_seed_changes_every_episode_seed_and_the_hash_but_not_seed_zero():
+    base = Schedule(SCENES, ScheduleConfig(group_size=4))
+    other = Schedule(SCENES, ScheduleConfig(group_size=4, seed=1))
+    pos = SchedulePosition()
+    assert base.seeds(pos) == [episode_seed(100, m, 0) for m in range(4)]  # seed 0: as before
+    assert not set(base.seeds(pos)) & set(other.seeds(pos))
+    assert other.seeds(pos) == [episode_seed(100, m, 0, 0, 1) for m in range(4)]
+    assert base.hash() != other.hash()
+    assert base.hash() == Schedule(SCENES, ScheduleConfig(group_size=4, seed=0)).hash()

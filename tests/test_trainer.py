@@ -118,6 +118,35 @@ def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tm
     assert _metrics(run_dir) == _metrics(tmp_path)
 
 
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, tmp_path, caplog):
+    """A flipped byte in the newest step: resume sets it aside (naming the file), redoes its
+    update from the step before (bitwise as the straight run), saves that step again, trains
+    past it, and resumes again."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight[0], run_dir)
+    victim = max((p for p in (run_dir / "checkpoints/3/params").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    rel = victim.relative_to(run_dir / "checkpoints/3").as_posix()
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        _, redo = _run(run_dir, resume=True)
+    (aside,) = (run_dir / "checkpoints").glob("3.corrupt-*")
+    assert f"{rel}: SHA-256 differs" in caplog.text and "set aside" in caplog.text
+    assert (aside / rel).read_bytes() == bytes(data)  # kept as it was, for inspection
+    assert redo.attempts == 3 and check_step(run_dir / "checkpoints/3").valid
+    a, b = _final(straight[0]), _final(run_dir)
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
+    assert _metrics(run_dir) == _metrics(straight[0])
+    _, more = _run(run_dir, resume=True, **{"schedule.total_updates": 4})
+    assert more.attempts == 4 and _final(run_dir).step == 4
+    assert aside.is_dir()  # keep-last-k never deletes a set-aside step
+
+
 def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_factory):
     import shutil
 

@@ -90,17 +90,20 @@ def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, di
 
 
 def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files: bool = True,
-                     allow_unlisted: bool = False) -> int:
+                     allow_unlisted: bool = False, under: str | None = None) -> int:
     """Check every file listed in `root/name` (size, then SHA-256); return the number checked.
 
     With `hash_files=False` only presence and byte sizes are checked (cheap). Files present on
-    disk but not listed are errors unless `allow_unlisted`. Raises ChecksumError naming each
+    disk but not listed are errors unless `allow_unlisted`. `under` (a relative POSIX path)
+    limits both checks to the files below that sub-directory. Raises ChecksumError naming each
     missing, resized, altered or unlisted file.
     """
     root = Path(root)
     if not root.is_dir():
         raise ChecksumError(f"{root}: no such directory")
     files = read_checksums(root, name)
+    if under:
+        files = {rel: e for rel, e in files.items() if rel.startswith(under.rstrip("/") + "/")}
     problems = []
     for rel, entry in sorted(files.items()):
         path = root / rel
@@ -114,8 +117,28 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
             problems.append(f"{rel}: SHA-256 differs from {name}")
     if not allow_unlisted:
         listed = set(files)
-        problems += [f"{rel}: not listed in {name}"
-                     for rel in list_files(root, (name,)) if rel not in listed]
+        on_disk = list_files(root, (name,)) if not under else [
+            f"{under.rstrip('/')}/{rel}" for rel in list_files(root / under, ())]
+        problems += [f"{rel}: not listed in {name}" for rel in on_disk if rel not in listed]
     if problems:
         raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}:\n  " + "\n  ".join(problems))
     return len(files)
+
+
+def covering_checksums(path: str | Path, levels: int = 3) -> tuple[Path, str] | None:
+    """(directory holding a `checksums.json` that lists files under `path`, `path` relative to
+    it) for `path` itself or one of its `levels` parents, the nearest first; None if none does
+    (e.g. a VERL rank directory inside an exported or converted checkpoint)."""
+    path = Path(path).resolve()
+    for root in [path, *path.parents][: levels + 1]:
+        if not (root / CHECKSUMS_NAME).is_file():
+            continue
+        rel = path.relative_to(root).as_posix()
+        rel = "" if rel == "." else rel
+        try:
+            listed = read_checksums(root)
+        except ChecksumError:
+            return root, rel  # unreadable: verify_checksums will say so
+        if not rel or any(f.startswith(rel + "/") for f in listed):
+            return root, rel
+    return None

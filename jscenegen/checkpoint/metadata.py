@@ -14,7 +14,9 @@ published GRPO100 checkpoint):
 - `created_utc`: ISO-8601 time of writing.
 
 Credentials never reach the file: keys that name a credential are replaced by `"<redacted>"`,
-and any string containing the value of a credential-named environment variable is too.
+and so is any string containing the value of a credential-named environment variable or a URL
+with a credential in it (`https://user:KEY@host`, `?api_key=...`). `redact_argv` does the same
+for a command line, `mask_credentials` for files a third party wrote (swanlab).
 """
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ import os
 import platform
 import re
 import subprocess
+import urllib.parse
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+from jscenegen.paths import atomic_file
 
 REDACTED = "<redacted>"
 # Words that make a key name a credential, matched on the `_`/`-`/`.`/camelCase parts of the
@@ -59,12 +64,30 @@ def _environment_secrets() -> list[str]:
             if is_credential_name(k) and len(v) >= _MIN_ENV_SECRET_CHARS]
 
 
+def url_has_credential(text: str) -> bool:
+    """True for a URL carrying a credential: user info (`https://user:KEY@host`,
+    `https://TOKEN@host`) or a credential-named query parameter (`?api_key=...`, `&token=...`)."""
+    if "://" not in text:
+        return False
+    try:
+        url = urllib.parse.urlsplit(text.strip())
+        query = urllib.parse.parse_qsl(url.query, keep_blank_values=True)
+    except ValueError:
+        return False
+    return bool(url.username or url.password) or any(is_credential_name(k) for k, _ in query)
+
+
+def _is_secret_string(text: str, secrets: list[str]) -> bool:
+    return any(s in text for s in secrets) or url_has_credential(text)
+
+
 def redact(obj: Any, _secrets: list[str] | None = None) -> Any:
     """Copy of a JSON-like `obj` with credentials replaced by "<redacted>".
 
     A mapping value whose key `is_credential_name` is replaced whatever its type; a string
     that contains the value of a credential-named environment variable (e.g. a URL with the
-    `OPENAI_API_KEY` inside) is replaced as a whole. Tuples become lists.
+    `OPENAI_API_KEY` inside) or is a URL with a credential in it (`url_has_credential`) is
+    replaced as a whole. Tuples become lists.
     """
     secrets = _environment_secrets() if _secrets is None else _secrets
     if isinstance(obj, Mapping):
@@ -72,9 +95,56 @@ def redact(obj: Any, _secrets: list[str] | None = None) -> Any:
                 for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact(v, secrets) for v in obj]
-    if isinstance(obj, str) and any(s in obj for s in secrets):
+    if isinstance(obj, str) and _is_secret_string(obj, secrets):
         return REDACTED
     return obj
+
+
+def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(argv with credentials replaced, the credential strings it held).
+
+    `key=value` and `--option=value` items keep their key: the value is replaced when the key
+    names a credential or the value is one (as `redact` decides); any other item that is a
+    credential is replaced whole. The second list is what was removed, longest first (to mask
+    copies that were written before redaction, see `mask_credentials`).
+    """
+    secrets = _environment_secrets()
+    out, removed = [], []
+    for item in argv:
+        key, eq, value = item.partition("=")
+        if eq and key and (is_credential_name(key.lstrip("-").split(".")[-1])
+                           or _is_secret_string(value, secrets)):
+            out.append(f"{key}={REDACTED}")
+            removed.append(value)
+        elif _is_secret_string(item, secrets):
+            out.append(REDACTED)
+            removed.append(item)
+        else:
+            out.append(item)
+    removed += [s for s in secrets if any(s in r for r in argv)]
+    return out, sorted({r for r in removed if r}, key=len, reverse=True)
+
+
+def mask_credentials(root: str | Path, credentials: Sequence[str]) -> list[Path]:
+    """Overwrite every occurrence of each credential in every file under `root` with as many
+    `*` (the length is kept, so binary records stay readable); return the files changed.
+
+    For copies written by code that cannot be given a redacted value (swanlab records the
+    process's command line from /proc/self/cmdline)."""
+    needles = [c.encode() for c in credentials if c]
+    changed = []
+    for path in sorted(Path(root).rglob("*")) if needles else []:
+        if not path.is_file() or path.is_symlink():
+            continue
+        data = path.read_bytes()
+        masked = data
+        for n in needles:
+            masked = masked.replace(n, b"*" * len(n))
+        if masked != data:
+            with atomic_file(path) as tmp:
+                tmp.write_bytes(masked)
+            changed.append(path)
+    return changed
 
 
 def git_commit(path: str | Path | None = None) -> str | None:

@@ -40,7 +40,11 @@ def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ..
     """The newest complete, verified checkpoint of `store`, params in `param_dtype` and every
     array padded and sharded as the trainer holds it (`padded_target` on `mesh`).
 
+    Newer steps that are corrupt (complete once, failing their checksums now) are set aside
+    first (`CheckpointStore.set_aside_corrupt`: renamed, with a warning naming the files), so
+    the resumed run redoes their updates and saves those steps again.
     Raises CheckpointError when there is none or it does not fit `shapes`."""
+    store.set_aside_corrupt()
     return store.restore(target=padded_target(shapes, mesh, dtype=param_dtype))
 
 

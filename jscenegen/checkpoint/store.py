@@ -21,6 +21,9 @@ writes `checksums.json` LAST (temporary file + rename). A step is complete only 
 finalised it and `checksums.json` verifies, so a process killed at any point leaves either the
 previous complete step or an incomplete one that `latest_valid_step` skips and `save` replaces.
 Keep-last-k runs after the new step is complete, so a crash never removes a good checkpoint.
+A complete step that later fails its checksums (a flipped byte) is corrupt: a resume sets it
+aside as `<step>.corrupt-<UTC time>` (renamed, never deleted; `set_aside_corrupt`) and redoes
+the update from the step before, and `save` can write that step number again.
 
 Sharding: the trainer keeps every parameter and moment split on dim 0 over all mesh devices,
 padded to a multiple of the device count (torch FSDP2's layout, ../shared/DESIGN.md). JAX cannot
@@ -34,7 +37,10 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -43,10 +49,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
+from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.paths import write_json
+from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
+from jscenegen.paths import DiskFullError, is_disk_full, write_json
+from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
 log = logging.getLogger(__name__)
@@ -54,17 +62,17 @@ log = logging.getLogger(__name__)
 PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM = "params", "adam", "train_state"
 HF_DIR = "hf"
 METADATA_NAME = "training_metadata.json"
-# Copied from the model directory into `hf/` when present; config.json and one tokenizer
-# file are required. Weights never are (they live in `params/`).
-HF_ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                  "added_tokens.json", "chat_template.jinja", "chat_template.json")
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+# Copied from the model directory into `hf/` when present (the one asset list, processor
+# files of a Qwen3.5 checkpoint included); config.json and one tokenizer file are required.
+# Weights never are (they live in `params/`).
+HF_ASSET_FILES = ASSET_FILES
+_TOKENIZER_FILES = TOKENIZER_FILES
 _REQUIRED_ENTRIES = (PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM, METADATA_NAME, f"{HF_DIR}/config.json")
 # Fields every training_metadata.json has (values may be null, e.g. no protocol for an HF import).
 REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_step",
                      "effective_updates")
 ARRAY_GROUPS = ("params", "mu", "nu")
+CORRUPT_MARK = ".corrupt-"  # `<step>.corrupt-<UTC time>`: a corrupt step set aside, never deleted
 
 
 class CheckpointError(RuntimeError):
@@ -220,6 +228,13 @@ def _copy_hf_assets(src: Path, dst: Path) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
+def _step_bytes(params: Mapping[str, Any], adam: Mapping[str, Any], hf_dir: Path) -> int:
+    """About the bytes one step takes on disk: every array at logical shape plus the HF assets."""
+    arrays = [*params.values(), *adam["mu"].values(), *adam["nu"].values()]
+    total = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in arrays)
+    return total + sum((hf_dir / n).stat().st_size for n in HF_ASSET_FILES if (hf_dir / n).is_file())
+
+
 def _check_hf_assets(src: Path) -> None:
     if not (src / "config.json").is_file():
         raise CheckpointError(f"hf_assets_dir {src}: config.json not found; pass the HF model "
@@ -227,6 +242,42 @@ def _check_hf_assets(src: Path) -> None:
     if not any((src / f).is_file() for f in _TOKENIZER_FILES):
         raise CheckpointError(f"hf_assets_dir {src}: no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
                               f"; a checkpoint must carry its tokenizer")
+
+
+class _DiskFullRecords(logging.Filter):
+    """Drops orbax's own error records (with tracebacks, one per writer thread) for a full
+    disk: the store raises DiskFullError for it, which the command prints in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (is_disk_full(exc) or "No space left on device" in record.getMessage())
+
+
+_ORBAX_LOG = logging.getLogger("absl")
+if not any(isinstance(f, _DiskFullRecords) for f in _ORBAX_LOG.filters):
+    _ORBAX_LOG.addFilter(_DiskFullRecords())
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """When a save fails (a full disk), tensorstore's writes still in flight call back into the
+    event loop orbax has closed, each printing an 'Event loop is closed' traceback (unraisable:
+    nothing can catch it; hundreds of lines). Drop those; every other unraisable exception is
+    printed as before. Installed by the first CheckpointStore."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jscenegen_quiet", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._jscenegen_quiet = True
+    sys.unraisablehook = hook
+
+
+def _one_line(text: str | None) -> str:
+    return "; ".join(line.strip() for line in (text or "").splitlines() if line.strip())
 
 
 # ----------------------------------------------------------------------------- step checks
@@ -354,21 +405,29 @@ class CheckpointStore:
 
     Every process of a multi-host run calls every method; only process 0 writes hf/, the
     metadata and checksums, and the others wait for it (the directory must be shared).
+    `directory` is created by the first save, not before. Unfinished orbax saves
+    (`*.orbax-checkpoint-tmp-*`) found at start are deleted, unless another live process holds
+    the run directory's lock (`jscenegen.run_lock`; the directory's parent is the run).
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, async_save: bool = False):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
+        _quiet_closed_loop_callbacks()
         self.directory = Path(directory).absolute()
         self.keep_last = keep_last
         self.async_save = async_save
-        self._pending: tuple[int, dict, Path] | None = None
+        self._pending: tuple[int, dict, Path, int] | None = None  # step, metadata, hf dir, bytes
         if self.directory.is_dir() and jax.process_index() == 0:
+            holder = live_holder(self.directory.parent)
             for tmp in sorted(self.directory.glob(f"*{ocp.step.TMP_DIR_SUFFIX}*")):
+                if holder is not None:  # maybe the save it is writing now: leave it alone
+                    log.warning("not deleting %s: the run is locked by %s", tmp, holder.describe())
+                    continue
                 log.warning("deleting %s: an orbax save that never finished", tmp)
                 shutil.rmtree(tmp)
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, create=True))
+            enable_async_checkpointing=async_save, create=False))  # made by the first save
 
     def step_path(self, step: int) -> Path:
         """Directory of `step` (whether or not it exists)."""
@@ -393,8 +452,46 @@ class CheckpointStore:
             status = check_step(self.step_path(step))
             if status.valid:
                 return step
-            log.warning("skipping checkpoint step %d: %s", step, status.reason)
+            log.warning("skipping checkpoint step %d: %s", step, _one_line(status.reason))
         return None
+
+    def set_aside_corrupt(self) -> list[Path]:
+        """Set aside every corrupt step newer than the newest valid one; return where they went.
+
+        Corrupt = its save completed (`checksums.json` was written, last) but it no longer
+        verifies (SHA-256 of every file): a flipped byte, a truncated or edited file. Such a
+        step is renamed `<step>.corrupt-<UTC time>` (kept for inspection, never deleted, no
+        longer a step), with a warning naming the failing files, so that a resumed run can
+        redo the update and save that step again. Incomplete steps (a save cut off before
+        `checksums.json`) are left for the next save of that number to replace. Called by
+        the resuming trainer (`checkpoint.resume.restore_onto_mesh`), never by readers.
+        """
+        moved = []
+        for step in reversed(self.steps()):
+            status = check_step(self.step_path(step))
+            if status.valid:
+                break
+            if (self.step_path(step) / CHECKSUMS_NAME).is_file():
+                moved.append(self._set_aside(step, status.reason))
+        return moved
+
+    def _set_aside(self, step: int, reason: str | None) -> Path:
+        path = self.step_path(step)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}")
+        n = 1
+        while dest.exists():
+            dest = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}-{n}")
+            n += 1
+        _barrier(f"jscenegen-checkpoint-checked-{step}")  # every process has read it: now move it
+        if jax.process_index() == 0:
+            os.replace(path, dest)
+            log.warning("checkpoint step %d is corrupt (%s); set aside as %s (kept, never "
+                        "deleted); it will be redone from an earlier step", step,
+                        _one_line(reason), dest)
+        _barrier(f"jscenegen-checkpoint-aside-{step}")
+        self._manager.reload()
+        return dest
 
     def save(self, step: int, *, params: Mapping[str, Any], adam: Mapping[str, Any],
              train_state: Mapping[str, Any], metadata: Mapping[str, Any],
@@ -412,7 +509,8 @@ class CheckpointStore:
         config, tokenizer and chat template are copied into `hf/`.
         Raises CheckpointError for a bad name/shape/dtype, non-JSON state, incomplete metadata,
         missing HF assets, or a complete checkpoint at `step` or after it (an incomplete one
-        at `step` is replaced; complete later ones mean this run already went further).
+        at `step` is replaced, a corrupt one set aside as `set_aside_corrupt` does; complete
+        later ones mean this run already went further).
         """
         self.wait_until_finished()
         step = int(step)
@@ -430,45 +528,80 @@ class CheckpointStore:
                                   f"{step} ({newer}); continue from the newest, or use a new run "
                                   f"directory to branch from an older step")
         path = self.step_path(step)
-        status = check_step(path, hash_files=False)
-        if status.valid:
+        # full hashes: a complete step that no longer verifies must not block its redo
+        status = check_step(path) if path.exists() else None
+        if status is not None and status.valid:
             raise CheckpointError(f"{path} already holds a complete checkpoint; "
                                   f"refusing to overwrite step {step}")
         logical_params = to_logical(params, shapes, "params")
         logical_adam = _adam_to_logical(adam, shapes)
-        if path.exists():
+        if status is not None and (path / CHECKSUMS_NAME).is_file():
+            self._set_aside(step, status.reason)  # corrupt: kept, never deleted
+        elif status is not None:
             if jax.process_index() == 0:
-                log.warning("replacing incomplete checkpoint step %d: %s", step, status.reason)
+                log.warning("replacing incomplete checkpoint step %d: %s", step,
+                            _one_line(status.reason))
                 self._delete(step)
             _barrier(f"jscenegen-checkpoint-replace-{step}")
             self._manager.reload()
-        saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
-            PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
-            ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
-            TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
+        if not self.directory.is_dir():  # a run that fails before its first save leaves none
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._manager.reload()
+        needed = _step_bytes(logical_params, logical_adam, hf_dir)
+        try:
+            saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
+                PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
+                ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
+                TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
+        except Exception as err:
+            self._raise_if_disk_full(err, step, needed)
+            raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
-        self._pending = (step, meta, hf_dir)
+        self._pending = (step, meta, hf_dir, needed)
         if not self.async_save:
             self.wait_until_finished()
         return path
 
     def wait_until_finished(self) -> None:
-        """Block until the last save is complete: arrays written, hf/, metadata, checksums, GC."""
-        self._manager.wait_until_finished()
-        if self._pending is None:
+        """Block until the last save is complete: arrays written, hf/, metadata, checksums, GC.
+
+        Raises DiskFullError (the directory and the bytes the step needs) when the disk filled
+        up during the save; the save's temporary and incomplete directories are removed then.
+        """
+        pending, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+            if pending is None:
+                return
+            step, meta, hf_dir, _ = pending
+            path = self.step_path(step)
+            if jax.process_index() == 0:
+                if not ocp.step.is_path_finalized(path):
+                    raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
+                _copy_hf_assets(hf_dir, path / HF_DIR)
+                write_json(path / METADATA_NAME, meta)
+                write_checksums(path)
+                self._collect_garbage(step)
+            _barrier(f"jscenegen-checkpoint-{step}")
+        except Exception as err:
+            if pending is not None:
+                self._raise_if_disk_full(err, pending[0], pending[3])
+            raise
+
+    def _raise_if_disk_full(self, err: Exception, step: int, needed: int) -> None:
+        """After a failed save of `step`: on a full disk, remove what the save left (orbax's
+        temporary directory, an incomplete step) and raise DiskFullError; else return."""
+        if not is_disk_full(err):
             return
-        step, meta, hf_dir = self._pending
-        self._pending = None
-        path = self.step_path(step)
         if jax.process_index() == 0:
-            if not ocp.step.is_path_finalized(path):
-                raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
-            _copy_hf_assets(hf_dir, path / HF_DIR)
-            write_json(path / METADATA_NAME, meta)
-            write_checksums(path)
-            self._collect_garbage(step)
-        _barrier(f"jscenegen-checkpoint-{step}")
+            for tmp in self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            path = self.step_path(step)
+            if path.exists() and not (path / CHECKSUMS_NAME).is_file():
+                shutil.rmtree(path, ignore_errors=True)
+        self._manager.reload()
+        raise DiskFullError(self.directory, needed, f"checkpoint step {step}") from None
 
     def close(self) -> None:
         """Finish any pending save and release orbax's resources."""

@@ -20,7 +20,7 @@ def register(sub) -> None:
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
     p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
 
 
 def design_record(prompt: str, room_path: str | None, seed: int):
@@ -69,11 +69,17 @@ def run(args) -> int:
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     record = design_record(args.prompt, args.room, args.seed)
 
-    from jscenegen.eval.evaluate import policy_engine
+    from jscenegen.eval.evaluate import check_episode_fits, policy_chat, policy_engine
     from jscenegen.paths import write_json
     from jscenegen.scene.judge import make_judge
+    from jscenegen.scene.metrics import measure
 
-    engine = policy_engine(cfg, args.model)
+    # refuse what cannot work before the model loads: a room the runtime cannot measure, a
+    # prompt that leaves the episode no room for a turn
+    measure(record.scene, cfg.scene)
+    chat = policy_chat(cfg, args.model)
+    check_episode_fits(chat, record, cfg)
+    engine = policy_engine(cfg, args.model, chat=chat)
     episodes = {}
 
     def on_turn(member, message, episode) -> None:

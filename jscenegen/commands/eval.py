@@ -21,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="eval-report.json", help="JSON report (default: eval-report.json)")
     p.add_argument("--plot", default=None, help="PNG bar plot (default: the report's path with .png)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
 
 
 def compare(before: str, after: str, plot: str | None) -> int:

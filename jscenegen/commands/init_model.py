@@ -1,28 +1,52 @@
-"""`jscenegen init-model`: write a fresh micro/tiny/small Qwen HF directory with its own tokenizer."""
+"""`jscenegen init-model`: write a micro/tiny/small Qwen2, Qwen3 or Qwen3.5 HF directory with its own tokenizer."""
 from __future__ import annotations
 
 import json
+import sys
+import time
+
+# hidden size x layers of each Qwen2/Qwen3 preset (jscenegen.model.config.PRESETS; a test keeps
+# them equal); qwen3_5 has its own (HYBRID_PRESETS: layers in multiples of 4)
+PRESET_HELP = {"micro": "hidden 128 x 2 layers, the CPU default's policy",
+               "tiny": "hidden 256 x 4 layers", "small": "hidden 512 x 8 layers"}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("init-model", help="write a fresh micro/tiny/small Qwen HF model directory")
+    p = sub.add_parser("init-model", help="write a fresh micro/tiny/small Qwen HF model directory "
+                       "(random weights, a tokenizer trained on the scene protocol's text)")
     p.add_argument("out_dir")
-    p.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen3", help="default: qwen3")
-    p.add_argument("--preset", choices=["micro", "tiny", "small"], default="tiny", help="default: tiny")
+    p.add_argument("--arch", choices=["qwen2", "qwen3", "qwen3_5"], default="qwen3",
+                   help="default: qwen3; qwen3_5 writes a Qwen3.5 VLM directory (tiny vision tower)")
+    p.add_argument("--preset", choices=list(PRESET_HELP), default="tiny",
+                   help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items())
+                   + " (qwen2/qwen3; qwen3_5 micro has 4 layers) (default: tiny)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from pathlib import Path
+def _say(text: str, t0: float) -> None:
+    print(f"init-model [{time.perf_counter() - t0:5.1f} s] {text}", file=sys.stderr, flush=True)
 
-    from jscenegen.model.init_model import init_model_dir
-    from jscenegen.scene.corpus import tokenizer_corpus
+
+def run(args) -> int:
+    """Progress goes to stderr (the corpus alone takes 15 s to 2 min on 2 cores); the result
+    is one JSON line on stdout."""
+    from pathlib import Path
 
     if Path(args.out_dir).exists() and any(Path(args.out_dir).iterdir()):
         raise ValueError(f"{args.out_dir} exists and is not empty; init-model never overwrites")
+    t0 = time.perf_counter()
+    _say("playing the scripted expert's episodes for the tokenizer corpus", t0)
+    from jscenegen.scene.corpus import tokenizer_corpus
+
+    texts = tokenizer_corpus()
+    _say(f"training a {args.vocab_size}-token BPE tokenizer on {len(texts)} texts, then "
+         f"initialising {args.arch}/{args.preset} weights (seed {args.seed})", t0)
+    from jscenegen.model.init_model import init_model_dir
+
     out = init_model_dir(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
-                         texts=tokenizer_corpus(), vocab_size=args.vocab_size)
+                         texts=texts, vocab_size=args.vocab_size)
+    _say(f"wrote {out}", t0)
     print(json.dumps({"model_dir": str(out), "arch": args.arch, "preset": args.preset}))
     return 0

@@ -1,4 +1,9 @@
-"""`jscenegen mesh-report`: per-parameter sharding and per-device bytes, from shapes alone."""
+"""`jscenegen mesh-report`: per-parameter sharding and per-device bytes, from shapes alone.
+
+Any supported config works, composite Qwen3.5 ones included (configs/model-shapes/qwen3.5-*.json):
+their carried vision tower and MTP tensors are listed as frozen (held in their stored dtype,
+no Adam state).
+"""
 from __future__ import annotations
 
 import json
@@ -27,7 +32,8 @@ def _parse_mesh(text: str) -> dict[str, int]:
 
 def run(args) -> int:
     from jscenegen.model.config import QwenConfig
-    from jscenegen.model.weights import param_shapes
+    from jscenegen.model.dtypes import np_dtype
+    from jscenegen.model.weights import param_shapes, weight_table
     from jscenegen.sharding.layout import layout_report
     from jscenegen.sharding.mesh import mesh_shape
 
@@ -40,17 +46,22 @@ def run(args) -> int:
     if n is None:
         raise ValueError("--mesh fsdp=-1 needs --devices N")
     fsdp, sp = mesh_shape(n, fsdp, sp)
-    report = layout_report(param_shapes(cfg), n, {"fsdp": fsdp, "sp": sp})
+    frozen = {name: np_dtype(cfg.stored_dtype(name)).itemsize
+              for name, spec in weight_table(cfg).items() if spec.carried}
+    report = layout_report(param_shapes(cfg, carried=True), n, {"fsdp": fsdp, "sp": sp}, frozen)
     if args.json:
         print(json.dumps(report))
         return 0
     gb = 1024 ** 3
     print(f"{'parameter':58s} {'shape':>16s} {'padded':>16s} {'rows/dev':>8s} {'MB/dev':>8s}")
     for r in report["params"]:
+        note = "" if r["trained"] else "  frozen"
         print(f"{r['name']:58s} {str(tuple(r['shape'])):>16s} {str(tuple(r['padded_shape'])):>16s} "
-              f"{r['rows_per_device']:8d} {r['device_bytes'] / 2**20:8.1f}")
+              f"{r['rows_per_device']:8d} {r['device_bytes'] / 2**20:8.1f}{note}")
     print(f"\nmesh fsdp={fsdp} x sp={sp} ({n} devices), sharding P(('fsdp','sp')) on dim 0 of every tensor")
     print(f"parameters: {report['num_params'] / 1e9:.2f} B; params + Adam (fp32): "
           f"{report['total_bytes'] / gb:.2f} GiB total, {report['max_device_bytes'] / gb:.2f} GiB on the "
           f"fullest device (ideal {report['ideal_device_bytes'] / gb:.2f} GiB)")
+    if report["frozen_bytes"]:
+        print(f"of which frozen (carried, stored dtype, no Adam): {report['frozen_bytes'] / gb:.2f} GiB")
     return 0

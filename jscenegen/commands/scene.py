@@ -18,16 +18,12 @@ def _requested(text: str | None) -> list[dict]:
 
 
 def _configs(path: str | None):
-    from jscenegen.config import ConfigError, validate_config
+    from jscenegen.config import read_yaml, validate_config
     from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 
     if path is None:
         return SceneRuntimeConfig(), JudgeConfig()
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
+    data = read_yaml(path)
     return (validate_config(data.get("scene", {}) or {}, f"{path}: scene", SceneRuntimeConfig),
             validate_config(data.get("judge", {}) or {}, f"{path}: judge", JudgeConfig))
 
@@ -45,8 +41,11 @@ def _load(path: str):
 
 
 def check(args) -> int:
+    """Grades come from the configured judge (`judge.backend`: the rule judge by default, the
+    HTTP judge when --config says so); the output's `judge` names it. A judge failure prints
+    the cause with no grades or reward and exits 1."""
     from jscenegen.scene.catalogue import load_catalogue
-    from jscenegen.scene.judge_rule import rule_grades
+    from jscenegen.scene.judge import JudgeRequest, make_judge
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reward import reward_from_grades
 
@@ -56,14 +55,22 @@ def check(args) -> int:
         req = _requested(args.requested)
     catalogue = load_catalogue(cfg.catalogue_path)
     metrics = measure(scene, cfg, catalogue, blockers=True)
-    grades = rule_grades(scene, req, metrics, catalogue)
-    grades = {k: grades[k] for k in judge_cfg.grade_keys}
-    units = scene.budget.used_units if args.requested_units is None else args.requested_units
-    reward, _, _ = reward_from_grades(grades, units, cfg.reward)
+    judge = make_judge(judge_cfg, cfg)
+    (result,) = judge.grade([JudgeRequest(scene, tuple(req), metrics)])
+    identity = {k: v for k, v in judge.identity().items() if k != "rubric_hash"}
     warnings = [f"unknown category {o.category!r} ({o.id})" for o in scene.objects if catalogue.get(o.category) is None]
     warnings += [f"{o} size outside its catalogue range" for o in metrics["size_out_of_range_objects"]]
     warnings += [f"{w['object']} blocks window_{w['window']}" for w in metrics["window_warnings"]]
-    print(json.dumps({"metrics": metrics, "grades": grades, "reward": round(reward, 6), "warnings": warnings}))
+    if result.grades is None:
+        warnings.append(f"the {identity['backend']} judge failed: {result.failure} "
+                        f"({result.info.get('detail', '')})")
+        print(json.dumps({"metrics": metrics, "judge": identity, "grades": None, "reward": None,
+                          "judge_failure": result.failure, "warnings": warnings}))
+        return 1
+    units = scene.budget.used_units if args.requested_units is None else args.requested_units
+    reward, _, _ = reward_from_grades(result.grades, units, cfg.reward)
+    print(json.dumps({"metrics": metrics, "judge": identity, "grades": result.grades,
+                      "reward": round(reward, 6), "warnings": warnings}))
     return 0
 
 
@@ -112,11 +119,13 @@ def run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("scene", help="measure, render and generate scenes")
     sub = p.add_subparsers(dest="scene_command", metavar="ACTION", required=True)
-    c = sub.add_parser("check", help="print metrics, rule-judge grades and reward of a scene JSON")
+    c = sub.add_parser("check", help="print metrics, the configured judge's grades (the rule judge "
+                       "unless --config sets judge.backend: http) and reward of a scene JSON")
     c.add_argument("scene", help="scene JSON (or one scene-set record)")
     c.add_argument("--requested-units", type=int, default=None, help="units for the reward (default: budget used)")
     c.add_argument("--requested", default=None, help="requested items, e.g. 'bed:1,nightstand:2'")
-    c.add_argument("--config", default=None, help="YAML with optional scene: and judge: sections")
+    c.add_argument("--config", default=None, help="YAML with optional scene: and judge: sections "
+                   "(judge.backend: http grades with that server)")
     r = sub.add_parser("render", help="draw the top view (room, openings, objects, reachable region)")
     r.add_argument("scene")
     r.add_argument("-o", "--output", required=True, help="output PNG")

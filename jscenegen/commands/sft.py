@@ -14,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--chat-template", default=None, help="replacement prefix-preserving chat "
                    "template (jinja), e.g. for Qwen3 directories")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sft.steps=10")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
 
 
 def run(args) -> int:

@@ -14,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--max-updates", type=int, default=None,
                    help="stop after N update attempts (smoke runs)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
 
 
 def run(args) -> int:

@@ -2,9 +2,11 @@
 
 Every scene is played `samples` times with the seeds `episode_seed(scene seed, member, 0)` (the
 schedule's derivation, so evaluation is repeatable and independent of batch neighbours), through
-the same `RolloutEngine` the trainer uses (greedy or the configured sampling), and judged by the
-configured judge. The scripted expert (`scene.expert.run_scripted_episode`) plays each scene once
-(it is deterministic) and is judged by the same judge: it is the reference row of the report.
+the same `RolloutEngine` the trainer uses (greedy or the configured sampling). The scripted expert
+(`scene.expert.run_scripted_episode`) plays each scene once (it is deterministic): it is the
+reference row of the report. The finished episodes of all scenes, the model's and the expert's,
+are then judged in one call to the configured judge, so a slow (or hanging) HTTP judge is waited
+for once, with up to `judge.concurrency` requests in flight, not once per scene.
 
 Statistics are the trainer's rollout metrics (`grpo.group_metrics.summarize`): masked episodes (judge or
 infrastructure failures) are excluded from reward, units and failure rate and counted in
@@ -27,6 +29,7 @@ from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+from jscenegen.scene.episode import judge_episodes
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.sceneset import SceneRecord
@@ -79,19 +82,53 @@ def load_policy(path: str | Path, mesh, **options):
                        source=str(p), **options)
 
 
-def policy_engine(cfg, model_path: str | Path) -> RolloutEngine:
+def policy_chat(cfg, model_path: str | Path):
+    """The ChatTokenizer of `model_path`'s assets (HF directory or checkpoint step's `hf/`) with
+    `sampling.chat_template_path`, checked to be prefix-preserving (ValueError names the
+    difference otherwise). Loads no weights."""
+    from jscenegen.model.tokenizer.chat import ChatTokenizer
+
+    p = Path(model_path)
+    if not (model_assets_dir(p) / "config.json").is_file():
+        raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "
+                                f"nor a checkpoint step directory (params/ and hf/)")
+    chat = ChatTokenizer.from_dir(model_assets_dir(p), cfg.sampling.chat_template_path)
+    chat.check_prefix_preserving()
+    return chat
+
+
+def policy_engine(cfg, model_path: str | Path, chat=None) -> RolloutEngine:
     """A RolloutEngine for `model_path` (HF directory or checkpoint step) built as the trainer
     builds its own: mesh from `cfg.mesh`, dtypes/attention from `cfg.model`, sampling from
-    `cfg.sampling`, the rollout layout from `cfg.rollout`, the tokenizer and chat template of the model's assets (checked to be
-    prefix-preserving; ValueError names the difference otherwise)."""
-    from jscenegen.model.tokenizer.chat import ChatTokenizer
+    `cfg.sampling`, the rollout layout from `cfg.rollout`, the tokenizer and chat template of
+    the model's assets (`policy_chat`, unless `chat` is given)."""
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     model = load_policy(model_path, mesh, **cfg.model.build_options())
-    chat = ChatTokenizer.from_dir(model_assets_dir(model_path), cfg.sampling.chat_template_path)
-    chat.check_prefix_preserving()
+    chat = chat if chat is not None else policy_chat(cfg, model_path)
     return RolloutEngine(model, chat, cfg.sampling, mesh, cfg.rollout)
+
+
+def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
+    """Tokens the episode of `record` starts with (the system prompt and the first user
+    message, which carries the prompt and the room) under `chat`; returns the count.
+
+    Raises ValueError naming `sampling.max_episode_tokens` when they reach it: the episode
+    could not take a single turn (it would fail with `episode_token_cap`).
+    """
+    from jscenegen.scene.episode import Episode
+
+    ep = Episode(record, cfg.scene, cfg.judge)
+    _, ids = chat.start(ep.system_prompt(), ep.first_user_message())
+    cap = cfg.sampling.max_episode_tokens
+    if len(ids) >= cap:
+        prompt = len(chat.encode(record.scene.prompt))
+        raise ValueError(f"the prompt ({prompt} tokens) makes the episode start at {len(ids)} "
+                         f"tokens with the system prompt and the room, at or over "
+                         f"sampling.max_episode_tokens={cap}; shorten the prompt by at least "
+                         f"{len(ids) - cap + 1} tokens or raise sampling.max_episode_tokens")
+    return len(ids)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -115,7 +152,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       records: the scenes, each played with its own seed.
       samples: episodes per scene; member m uses seed `episode_seed(record.seed, m, 0)`.
       scene_ids: names for the report (default: each scene's `scene_id`, else its index).
-      progress: called with each finished scene's report row.
+      progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
     summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
@@ -127,22 +164,30 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
         raise ValueError("no scenes to evaluate")
     keys = judge_cfg.grade_keys
     t0 = time.perf_counter()
+    played, experts = [], []
+    for i, record in enumerate(records):
+        if engine is not None:
+            seeds = [episode_seed(record.seed, m, 0) for m in range(samples)]
+            played.append(engine.play_group(record, group_id=i, seeds=seeds,
+                                            scene_cfg=scene_cfg, judge_cfg=judge_cfg))
+        if with_expert:
+            experts.append(run_scripted_episode(record, scene_cfg, judge_cfg, judged=False)[0])
+    # every scene's finished episodes in one call: a slow judge's requests overlap, up to
+    # judge.concurrency, instead of waiting scene after scene
+    judge_episodes([ep for g in played for ep in g.episodes] + experts, judge)
     rows, all_model, all_expert = [], [], []
     for i, record in enumerate(records):
         sid = scene_ids[i] if scene_ids else (record.scene.scene_id or f"scene-{i}")
         row = {"scene_id": sid, "seed": record.seed, "prompt": record.scene.prompt}
         if engine is not None:
-            seeds = [episode_seed(record.seed, m, 0) for m in range(samples)]
-            group = engine.run_group(record, group_id=i, seeds=seeds, judge=judge,
-                                     scene_cfg=scene_cfg, judge_cfg=judge_cfg)
+            group = played[i].result()
             outs = [t.outcome for t in group.trajectories]
             all_model += outs
             row["model"] = {**summarize(outs, keys), "episodes": [
                 _episode_row(t.outcome, member=t.member, seed=t.seed, tokens=t.num_tokens)
                 for t in group.trajectories]}
         if with_expert:
-            ep, _ = run_scripted_episode(record, scene_cfg, judge_cfg, judge)
-            out = ep.outcome.to_json()
+            out = experts[i].outcome.to_json()
             all_expert.append(out)
             row["expert"] = {**summarize([out], keys), "episodes": [_episode_row(out)]}
         rows.append(row)

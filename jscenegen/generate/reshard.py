@@ -7,7 +7,8 @@ so (`RolloutLayout.transposed`, XLA:CPU) and writes the result in the parameter'
 sharding (`rules.rollout_param_spec`: whole, column-, row- or vocabulary-split), so XLA emits
 one all-gather (or a slice of one) per parameter. The training arrays are inputs only: nothing
 of them is kept or donated. Under the `fsdp` layout the training arrays themselves are used
-(cast when the rollout dtype differs): no copy, no reshard.
+(cast when the rollout dtype differs): no copy, no reshard. Variables that are not `nnx.Param`
+(Qwen3.5's carried vision tower and MTP head, never computed with) pass through as they are.
 
 Memory during a reshard: the training arrays (unchanged), the new rollout weights (their
 layout's bytes per device) and XLA's temporaries (`memory` below, from the compiled program);
@@ -61,11 +62,13 @@ class Reshard:
         self.layout = layout
         self.dtype = np.dtype(dtype)
         flat, self._treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
+        self._params = [i for i, (_, v) in enumerate(flat) if isinstance(v, nnx.Param)]
+        flat = [flat[i] for i in self._params]
         # abstract inputs only: holding the arrays would keep the first weights alive
         self._inputs = [jax.ShapeDtypeStruct(v.shape, v.dtype,
                                              sharding=getattr(v[...], "sharding", None))
                         for _, v in flat]
-        self._plan = []   # (rows, transposed) per leaf
+        self._plan = []   # (rows, transposed) per parameter
         shardings = []
         for path, v in flat:
             name = param_name(path)
@@ -115,10 +118,11 @@ class Reshard:
         t0 = time.perf_counter()
         if self.identity:
             return state, {"reshard_s": 0.0, "reshard_bytes": 0}
-        arrays = self._fn([v[...] for _, v in flat])
+        arrays = self._fn([flat[i][1][...] for i in self._params])
         jax.block_until_ready(arrays)
         wall = time.perf_counter() - t0
-        leaves = [v.replace(a, transposed=t) if t else v.replace(a)
-                  for (_, v), a, (_, t) in zip(flat, arrays, self._plan)]
+        leaves = [v for _, v in flat]
+        for i, a, (_, t) in zip(self._params, arrays, self._plan):
+            leaves[i] = leaves[i].replace(a, transposed=t) if t else leaves[i].replace(a)
         return (jax.tree_util.tree_unflatten(treedef, leaves),
                 {"reshard_s": wall, "reshard_bytes": device_bytes(arrays)})

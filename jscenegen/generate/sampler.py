@@ -3,8 +3,9 @@
 
 Weights: the sampler decodes on its own copy of the weights in the rollout layout (`replicated`:
 whole on every device, `tp`: tensor-parallel, `fsdp`: the training arrays themselves), made by
-one jitted reshard per optimizer step (`set_weights`, generate/reshard.py). The layers run
-unrolled over their own parameters, so a decode step reads every weight in place: under
+one jitted reshard per optimizer step (`set_weights`, generate/reshard.py). Qwen2/Qwen3 run
+their layers over their own parameters (Qwen3.5 scans its stacked layer pattern, stacked once
+per call outside the decode loop), so a decode step reads every weight in place: under
 `replicated` and `tp` no weight byte crosses devices while decoding.
 
 Each step draws with `sampling.sample_tokens` (transformers' logits-processor order; per-row
@@ -16,6 +17,13 @@ Stopping: a row stops at a stop token id (the chat template's end of turn), at a
 Shapes are bucketed: appended chunks are left-padded and split into lengths from `buckets`
 (padding slots stay invalid and do not advance positions), and decode runs up to a static
 `max_steps`, so the number of compiled programs is bounded by the bucket list, not by lengths.
+
+The cache is the model's own (`create_cache`: `qwen.KVCache` for Qwen2/Qwen3,
+`qwen35.HybridCache` with the Gated DeltaNet states for Qwen3.5), placed by its
+`partition_specs()` (`sharding.rules` roles, resolved by the layout); padding inside appended
+chunks and the masked slots of stopped rows leave every part of it unchanged, so the sampler is
+the same for both. A cache with a `grown(extra)` method (KVCache) can grow in place of a
+rebuild (`grow_cache`).
 """
 from __future__ import annotations
 
@@ -33,10 +41,10 @@ from jscenegen.generate.reshard import Reshard
 from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens
 from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
-from jscenegen.model.qwen import KVCache, QwenForCausalLM
+from jscenegen.model.qwen import CausalLM
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout
-from jscenegen.sharding.rules import CACHED_KV, REPLICATED, ROWS, named
+from jscenegen.sharding.rules import ROWS, named
 
 log = logging.getLogger(__name__)
 
@@ -76,20 +84,27 @@ class DecodeResult(NamedTuple):
     """Output of one decode call (device arrays).
 
     tokens [B, N] int32 (0 after a row stopped), logprobs [B, N] float32 (0 after a stop),
-    lengths [B] int32 tokens generated, reason [B] int32 STOP_* code, cache, last_logits [B, V].
+    lengths [B] int32 tokens generated, reason [B] int32 STOP_* code, cache (the model's cache
+    type), last_logits [B, V].
     """
 
     tokens: jax.Array
     logprobs: jax.Array
     lengths: jax.Array
     reason: jax.Array
-    cache: KVCache
+    cache: object
     last_logits: jax.Array
 
 
-def _forward(graphdef, state, cache, ids, mask):
+def _is_spec(x) -> bool:
+    return isinstance(x, (str, jax.sharding.PartitionSpec))
+
+
+def _forward(graphdef, state, cache, ids, mask, layers=None):
     model = nnx.merge(graphdef, state)
-    hidden, cache = model.hidden_states(ids, mask, cache)
+    if layers is None:
+        layers = model.decode_layers()
+    hidden, cache = model.hidden_states(ids, mask, cache, layers)
     return model, hidden, cache
 
 
@@ -121,19 +136,16 @@ def _append_logprobs_impl(graphdef, state, cache, last_logits, ids, mask, temper
 
 
 def _grow_impl(cache, *, extra):
-    def pad(x, axis, role):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, extra)
-        return constrain(jnp.pad(x, widths), role)
-    return KVCache(tuple(pad(k, 3, CACHED_KV) for k in cache.k),
-                   tuple(pad(v, 2, CACHED_KV) for v in cache.v),
-                   pad(cache.valid, 1, ROWS), cache.next_pos, cache.length)
+    grown = cache.grown(extra)
+    return jax.tree.map(lambda role, a: a if role is None else constrain(a, role),
+                        grown.partition_specs(), grown, is_leaf=_is_spec)
 
 
 def _decode_impl(graphdef, params, stop_strings, read_per_token, state, cache, last_logits,
                  max_new, keys, stop_ids, stop_table, *, max_steps):
     b = last_logits.shape[0]
     k1 = stop_table.head.shape[1] if stop_table is not None else 1
+    layers = nnx.merge(graphdef, state).decode_layers()   # once, outside the loop (or None)
 
     def cond(c):
         step, done = c[0], c[5]
@@ -165,7 +177,7 @@ def _decode_impl(graphdef, params, stop_strings, read_per_token, state, cache, l
             # whole weights on every device for the whole decode
             weights, _ = jax.lax.optimization_barrier((state, step))
         model, hidden, cache = _forward(graphdef, weights, cache, tok[:, None],
-                                        active[:, None].astype(jnp.int32))
+                                        active[:, None].astype(jnp.int32), layers)
         new_logits = _logits(model, hidden)[:, 0]
         logits = jnp.where(active[:, None], new_logits, logits)
         return step + 1, cache, logits, out_tok, out_lp, done, count, reason, tail
@@ -201,7 +213,8 @@ class Sampler:
     """Compiled prefill/append/decode for one model and one set of sampling parameters.
 
     Args:
-      model: a QwenForCausalLM (its parameters may live on `mesh` in the training layout).
+      model: a QwenForCausalLM or Qwen35ForCausalLM (its parameters may live on `mesh` in the
+        training layout).
       params: SamplingParams.
       stop_token_ids: ids that end a row's turn (the chat template's end-of-turn token).
       stop_strings: strings that end a row's turn (matched on bytes, see module docstring);
@@ -218,7 +231,7 @@ class Sampler:
     does not fit the mesh and the model's heads.
     """
 
-    def __init__(self, model: QwenForCausalLM, params: SamplingParams, *,
+    def __init__(self, model: CausalLM, params: SamplingParams, *,
                  stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
                  token_bytes: Sequence[bytes] | None = None,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, mesh=None,
@@ -229,13 +242,17 @@ class Sampler:
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive lengths, got {buckets}")
         self.cfg = model.cfg
+        self.create_cache = type(model).create_cache
+        self._can_grow = hasattr(type(jax.eval_shape(
+            lambda: self.create_cache(model.cfg, 1, 1, jnp.float32))), "grown")
         self.params = params
         self.buckets = tuple(int(b) for b in buckets)
         self.weight_dtype = np_dtype(dtype or model.compute_dtype)
         self.graphdef, state = nnx.split(model)
         if isinstance(layout, str):
             n_params = sum(int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
-                           for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+                           for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+                           if isinstance(v, nnx.Param))
             layout = choose_rollout_layout(
                 mesh, layout, weight_bytes=n_params * self.weight_dtype.itemsize,
                 divides=tp_divides(self.cfg), tp=tp, memory_fraction=memory_fraction)
@@ -302,21 +319,30 @@ class Sampler:
                              f"{self.row_multiple} data-parallel shards ({self.layout.name}); "
                              "pad the batch with fully masked rows")
 
-    def new_cache(self, batch: int, max_len: int) -> tuple[KVCache, jax.Array]:
-        """An empty cache of `max_len` slots for `batch` rows and zero last-logits [B, V]."""
+    def new_cache(self, batch: int, max_len: int):
+        """An empty cache of `max_len` slots for `batch` rows (the model's cache type, placed
+        by its `partition_specs()`) and zero last-logits [B, V]."""
         self._check_rows(batch)
-        cache = KVCache.create(self.cfg, batch, max_len, self.cache_dtype)
+        cache = self.create_cache(self.cfg, batch, max_len, self.cache_dtype)
         last = jnp.zeros((batch, self.cfg.vocab_size), jnp.float32)
         if self.layout.mesh is None:
             return cache, last
-        row, kv = self.layout.sharding(ROWS), self.layout.sharding(CACHED_KV)
-        cache = KVCache(tuple(jax.device_put(k, kv) for k in cache.k),
-                        tuple(jax.device_put(v, kv) for v in cache.v),
-                        jax.device_put(cache.valid, row), jax.device_put(cache.next_pos, row),
-                        jax.device_put(cache.length, named(self.layout.mesh, REPLICATED)))
-        return cache, jax.device_put(last, row)
+        cache = jax.tree.map(lambda spec, a: jax.device_put(a, self._sharding(spec)),
+                             cache.partition_specs(), cache, is_leaf=_is_spec)
+        return cache, jax.device_put(last, self.layout.sharding(ROWS))
 
-    def grow_cache(self, cache: KVCache, max_len: int) -> KVCache:
+    def _sharding(self, spec):
+        """A role or PartitionSpec as a NamedSharding on the rollout mesh."""
+        if isinstance(spec, str):
+            return self.layout.sharding(spec)
+        return named(self.layout.mesh, spec)
+
+    @property
+    def can_grow(self) -> bool:
+        """Whether the model's cache can grow in place (`grow_cache`), else it is rebuilt."""
+        return self._can_grow
+
+    def grow_cache(self, cache, max_len: int):
         """`cache` with `max_len` >= its slots, the new slots empty (one compiled program per
         size pair; the rows' contents, positions and length unchanged)."""
         old = cache.valid.shape[1]
@@ -338,7 +364,7 @@ class Sampler:
                 mask[i, length - len(r):] = 1
         return ids, mask
 
-    def append(self, cache: KVCache, last_logits, rows: Sequence[Sequence[int]],
+    def append(self, cache, last_logits, rows: Sequence[Sequence[int]],
                with_logprobs: bool = False):
         """Append each row's tokens (left-padded, in bucket-sized chunks) to the cache.
 
@@ -374,7 +400,7 @@ class Sampler:
         n = max((len(r) for r in rows), default=0)
         return sum(split_into_buckets(n, self.buckets)) if n else 0
 
-    def decode(self, cache: KVCache, last_logits, max_new, keys, max_steps: int) -> DecodeResult:
+    def decode(self, cache, last_logits, max_new, keys, max_steps: int) -> DecodeResult:
         """Sample up to `max_steps` tokens per row, in one compiled `lax.while_loop`.
 
         max_new [B] int: per-row budget (0 = the row takes no part); keys [B, 2] uint32 raw

@@ -1,9 +1,17 @@
-"""`QwenConfig`: the architecture of a Qwen2/2.5/3 decoder, read from an HF `config.json`.
+"""`QwenConfig`: the architecture of a Qwen2/2.5/3 or Qwen3.5 decoder, read from an HF `config.json`.
 
 Every field that changes the math is read from the file (rope_theta, rope scaling, norms,
 biases, tied head); nothing is assumed. Mirrors transformers' `Qwen2Config` / `Qwen3Config`
 (transformers/models/qwen{2,3}/configuration_qwen{2,3}.py), including both spellings of RoPE
 parameters: 4.x top-level `rope_theta` + `rope_scaling`, and 5.x `rope_parameters`.
+
+Qwen3.5 (`qwen3_5`, the composite vision-language config with `text_config` and
+`vision_config`, and `qwen3_5_text`) is the same dataclass with its hybrid fields set
+(`layer_types`, partial RoPE, the Gated DeltaNet sizes, the vision tower's shapes): one config
+type keeps the one weight table, the one loader, the converters and the mesh report
+architecture-agnostic. transformers' `Qwen3_5Config` / `Qwen3_5TextConfig`
+(models/qwen3_5/configuration_qwen3_5.py) give the defaults; docs/qwen35.md section 1 lists
+every field and why it matters. The file read is kept (`hf_config`) and written back unchanged.
 """
 from __future__ import annotations
 
@@ -12,9 +20,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("qwen2", "qwen3")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 
 class ModelConfigError(ValueError):
@@ -22,12 +33,48 @@ class ModelConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionShapes:
+    """The Qwen3.5 vision tower's sizes, read only to check and create its (carried) tensors.
+
+    Fields and defaults are transformers' `Qwen3_5VisionConfig`; the tower is never run.
+    """
+
+    depth: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    out_hidden_size: int = 3584
+
+
+@dataclasses.dataclass(frozen=True)
 class QwenConfig:
     """Architecture hyper-parameters of a Qwen-family causal LM.
 
-    `qkv_bias` is implied by model_type qwen2 (Qwen2/2.5 carry q/k/v biases); `qk_norm` by qwen3
-    (RMSNorm over head_dim on q and k before RoPE). `rope_scaling` is the normalised dict of
-    transformers' `rope_parameters` minus `rope_theta` (keys: rope_type, factor, ...), or None.
+    Dense (qwen2, qwen3): `qkv_bias` is implied by model_type qwen2 (Qwen2/2.5 carry q/k/v
+    biases); `qk_norm` by qwen3 (RMSNorm over head_dim on q and k before RoPE). `rope_scaling`
+    is the normalised dict of transformers' `rope_parameters` minus `rope_theta` (keys:
+    rope_type, factor, ...), or None.
+
+    Hybrid (qwen3_5, qwen3_5_text; empty/zero defaults for dense models):
+      layer_types: per layer "linear_attention" (Gated DeltaNet) or "full_attention" (gated
+        attention); from `layer_types`, else the legacy `full_attention_interval`.
+      partial_rotary_factor: RoPE rotates the first int(head_dim * factor) dims of each head.
+      linear_*: the Gated DeltaNet sizes (conv kernel K, key/value head dims d_k/d_v, key and
+        value head counts H_k/H_v).
+      mrope_section / mrope_interleaved: multimodal RoPE layout; with text positions (the
+        only ones jscenegen builds) it reduces exactly to plain partial RoPE.
+      mtp_layers: multi-token-prediction layers whose `mtp.*` tensors the model carries
+        (opaque, never run): `mtp_num_hidden_layers` of the file, or 0 when the directory's
+        weights hold none (a directory transformers wrote).
+      vision: the vision tower's shapes (qwen3_5 only; carried, never run).
+      hf_config: the config.json read (JSON text), written back unchanged; not compared.
+      stored_dtypes: ((name, dtype), ...) of tensors the source directory stores in a dtype
+        other than `torch_dtype` (Qwen3.5 releases keep A_log and the gated norm fp32 in a
+        bf16 file), so `save_hf` writes each tensor back as it was stored; not compared.
     """
 
     model_type: str
@@ -47,6 +94,25 @@ class QwenConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     torch_dtype: str = "float32"
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
+    mtp_layers: int = 0
+    vision: VisionShapes | None = None
+    hf_config: str = dataclasses.field(default="", compare=False, repr=False)
+    stored_dtypes: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False,
+                                                                   repr=False)
+
+    @property
+    def hybrid(self) -> bool:
+        """Qwen3.5: Gated DeltaNet + gated attention layers, zero-centred norms."""
+        return self.model_type in HYBRID_MODEL_TYPES
 
     @property
     def qkv_bias(self) -> bool:
@@ -54,7 +120,36 @@ class QwenConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", *HYBRID_MODEL_TYPES)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's token mixer: `layer_types`, or full attention everywhere (dense)."""
+        return self.layer_types or (FULL_ATTENTION,) * self.num_hidden_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones): int(head_dim * factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def text_prefix(self) -> str:
+        """Prefix of the decoder's tensor names: `model.language_model.` in the composite
+        qwen3_5 layout (Qwen3_5ForConditionalGeneration), else `model.`."""
+        return "model.language_model." if self.model_type == "qwen3_5" else "model."
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet's causal conv: [q | k | v] = 2 H_k d_k + H_v d_v."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
 
     @property
     def rope_params(self) -> dict[str, Any]:
@@ -71,39 +166,35 @@ class QwenConfig:
 
         Raises ModelConfigError (naming `source` and the field) for an unsupported
         model_type, `auto_map` (remote code), an active sliding window, an unknown RoPE type
-        or activation, or a missing required field.
+        or activation, or a missing required field; for Qwen3.5 also for the fields listed
+        in `_read_qwen35`.
         """
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
                 f"{source}: model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2, Qwen2.5, Qwen3 dense)"
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2, Qwen2.5, Qwen3 dense, "
+                "Qwen3.5 dense hybrid; not the qwen3_5_moe mixture of experts)"
             )
         if "auto_map" in d:
             raise ModelConfigError(
                 f"{source}: needs trust_remote_code (auto_map {sorted(d['auto_map'])}); "
                 "jscenegen refuses remote code. Supported: " + ", ".join(SUPPORTED_MODEL_TYPES)
             )
+        if model_type in HYBRID_MODEL_TYPES:
+            return _read_qwen35(d, source)
         if d.get("use_sliding_window", False) and d.get("sliding_window"):
             raise ModelConfigError(
                 f"{source}: use_sliding_window=true (sliding_window={d['sliding_window']}) "
                 "is not supported; only full attention"
             )
-        act = d.get("hidden_act", "silu")
-        if act not in SUPPORTED_ACTIVATIONS:
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (silu)")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads"):
-            if not isinstance(d.get(key), int) or d[key] <= 0:
-                raise ModelConfigError(f"{source}: {key} must be a positive integer, got {d.get(key)!r}")
+        act = _activation(d, source)
+        _require_sizes(d, source)
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ModelConfigError(
-                f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-            )
+        _check_heads(heads, kv_heads, source)
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        theta, scaling = _read_rope(d, source)
+        theta, scaling, _ = _read_rope(d, source, 1_000_000.0)
         eos = d.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -127,7 +218,16 @@ class QwenConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "QwenConfig":
-        """Read `path/config.json`. Raises ModelConfigError if missing or unparsable."""
+        """Read `path/config.json`, and what the directory's weights say about storage.
+
+        When the directory holds safetensors weights, their headers (not the data) give
+        `stored_dtypes` and, for Qwen3.5, whether `mtp.*` tensors are present (`mtp_layers`
+        is 0 when not: transformers drops them on save). A directory without weights (a
+        checkpoint's `hf/`) keeps the config's values.
+        Raises ModelConfigError if config.json is missing or unparsable.
+        """
+        from jscenegen.model.safetensors_stream import stored_tensors
+
         f = Path(path) / "config.json"
         if not f.is_file():
             raise ModelConfigError(f"{f}: no config.json in model directory {path}")
@@ -135,10 +235,37 @@ class QwenConfig:
             d = json.loads(f.read_text())
         except json.JSONDecodeError as err:
             raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
-        return cls.from_hf_dict(d, str(f))
+        cfg = cls.from_hf_dict(d, str(f))
+        stored = stored_tensors(path)
+        if stored is None:
+            return cfg
+        return cfg.with_storage({name: dtype for name, (dtype, _) in stored.items()})
+
+    def with_storage(self, dtypes: dict[str, str]) -> "QwenConfig":
+        """This config with what a directory's weights hold: {tensor name: dtype name}.
+
+        Sets `stored_dtypes` (the tensors stored in a dtype other than `torch_dtype`) and, for
+        Qwen3.5, `mtp_layers` from the `mtp.layers.N.` names present (0 without `mtp.*`).
+        """
+        exceptions = tuple(sorted((n, dt) for n, dt in dtypes.items() if dt != self.torch_dtype))
+        mtp = self.mtp_layers
+        if self.hybrid:
+            layers = {int(n.split(".")[2]) for n in dtypes if n.startswith("mtp.layers.")}
+            mtp = max(layers) + 1 if layers else 0
+        return dataclasses.replace(self, stored_dtypes=exceptions, mtp_layers=mtp)
+
+    def stored_dtype(self, name: str) -> str:
+        """The dtype the source directory stores tensor `name` in (default `torch_dtype`)."""
+        return dict(self.stored_dtypes).get(name, self.torch_dtype)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The HF `config.json` content (transformers 4.x spelling, readable by 4.x and 5.x)."""
+        """The HF `config.json` content.
+
+        Qwen3.5: the dict that was read (`hf_config`), unchanged, vision_config and all.
+        Dense: transformers 4.x spelling, readable by 4.x and 5.x.
+        """
+        if self.hybrid:
+            return json.loads(self.hf_config)
         arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
         d: dict[str, Any] = {
             "architectures": [arch],
@@ -172,27 +299,185 @@ class QwenConfig:
         return d
 
 
-def _read_rope(d: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, scaling params) from either config spelling; validates the RoPE type."""
+def _activation(d: dict[str, Any], source: str) -> str:
+    act = d.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (silu)")
+    return act
+
+
+def _require_sizes(d: dict[str, Any], source: str, prefix: str = "") -> None:
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        if not isinstance(d.get(key), int) or d[key] <= 0:
+            raise ModelConfigError(f"{source}: {prefix}{key} must be a positive integer, "
+                                   f"got {d.get(key)!r}")
+
+
+def _check_heads(heads: int, kv_heads: int, source: str, prefix: str = "",
+                 names: tuple[str, str] = ("num_attention_heads", "num_key_value_heads")) -> None:
+    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise ModelConfigError(f"{source}: {prefix}{names[0]} {heads} is not a multiple of "
+                               f"{prefix}{names[1]} {kv_heads}")
+
+
+def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
+    """A Qwen3.5 config (composite `qwen3_5` or `qwen3_5_text`), defaults as transformers'
+    `Qwen3_5TextConfig` / `Qwen3_5VisionConfig`.
+
+    Raises ModelConfigError naming the field for: a composite config without `text_config` or
+    whose `text_config.model_type` is not qwen3_5_text; top-level and text_config
+    `tie_word_embeddings` that disagree (transformers' two classes would tie differently);
+    `attn_output_gate: false` (transformers always builds the gate, so such a file's weights
+    would be misread); `attention_bias: true`; a `layer_types` entry other than
+    linear_attention/full_attention or of the wrong length; linear value heads not a multiple
+    of the key heads; a rotary dim that is odd or exceeds head_dim.
+    """
+    model_type = d["model_type"]
+    vision = None
+    if model_type == "qwen3_5":
+        t = d.get("text_config")
+        if not isinstance(t, dict):
+            raise ModelConfigError(f"{source}: model_type qwen3_5 needs a text_config object")
+        if t.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+            raise ModelConfigError(f"{source}: text_config.model_type {t.get('model_type')!r} is "
+                                   "not supported; expected qwen3_5_text")
+        prefix = "text_config."
+        tie = bool(d.get("tie_word_embeddings", False))
+        if "tie_word_embeddings" in t and bool(t["tie_word_embeddings"]) != tie:
+            raise ModelConfigError(
+                f"{source}: tie_word_embeddings ({tie}) and text_config.tie_word_embeddings "
+                f"({bool(t['tie_word_embeddings'])}) disagree; transformers ties the head by the "
+                "top-level value in Qwen3_5ForConditionalGeneration and by text_config's in "
+                "Qwen3_5ForCausalLM, so the weights would mean different models. Set both to "
+                "the same value")
+        v = d.get("vision_config") or {}
+        defaults = VisionShapes()
+        vision = VisionShapes(**{f.name: v.get(f.name, getattr(defaults, f.name))
+                                 for f in dataclasses.fields(VisionShapes)})
+        for f in dataclasses.fields(VisionShapes):
+            value = getattr(vision, f.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"{source}: vision_config.{f.name} must be a positive "
+                                       f"integer, got {value!r}")
+    else:
+        t, prefix = d, ""
+        tie = bool(d.get("tie_word_embeddings", False))
+    act = _activation(t, source)
+    _require_sizes(t, source, prefix)
+    if t.get("attn_output_gate", True) is not True:
+        raise ModelConfigError(
+            f"{source}: {prefix}attn_output_gate={t['attn_output_gate']!r} is not supported: "
+            "transformers' Qwen3.5 attention always has the output gate (q_proj is 2 x wide) "
+            "and ignores this field, so the weights would be misread; only true")
+    if t.get("attention_bias", False):
+        raise ModelConfigError(f"{source}: {prefix}attention_bias=true is not supported "
+                               "(no released Qwen3.5 has attention biases)")
+    layers = t["num_hidden_layers"]
+    if t.get("layer_types") is not None:
+        kinds = tuple(t["layer_types"])
+        where = f"{prefix}layer_types"
+    else:
+        interval = t.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or interval <= 0:
+            raise ModelConfigError(f"{source}: {prefix}full_attention_interval must be a "
+                                   f"positive integer, got {interval!r}")
+        kinds = tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
+                      for i in range(layers))
+        where = f"{prefix}full_attention_interval"
+    bad = sorted({k for k in kinds if k not in (FULL_ATTENTION, LINEAR_ATTENTION)})
+    if bad or len(kinds) != layers:
+        raise ModelConfigError(
+            f"{source}: {where} must give {layers} entries ({prefix}num_hidden_layers), each "
+            f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}; got {len(kinds)} entries"
+            + (f" with {bad}" if bad else ""))
+    heads = t["num_attention_heads"]
+    kv_heads = t.get("num_key_value_heads", 4)
+    _check_heads(heads, kv_heads, source, prefix)
+    linear = {}
+    for key, default in (("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128),
+                         ("linear_value_head_dim", 128), ("linear_num_key_heads", 16),
+                         ("linear_num_value_heads", 32)):
+        linear[key] = t.get(key, default)
+        if not isinstance(linear[key], int) or linear[key] <= 0:
+            raise ModelConfigError(f"{source}: {prefix}{key} must be a positive integer, "
+                                   f"got {linear[key]!r}")
+    _check_heads(linear["linear_num_value_heads"], linear["linear_num_key_heads"], source,
+                 prefix, ("linear_num_value_heads", "linear_num_key_heads"))
+    head_dim = t.get("head_dim", 256)
+    theta, scaling, extra = _read_rope(t, source, 10_000.0, prefix)
+    factor = float(extra.get("partial_rotary_factor", 0.25))
+    rotary = int(head_dim * factor)
+    if rotary <= 0 or rotary > head_dim or rotary % 2:
+        raise ModelConfigError(f"{source}: {prefix}partial_rotary_factor {factor} with head_dim "
+                               f"{head_dim} gives {rotary} rotary dims; need an even number in "
+                               f"(0, head_dim]")
+    mrope = extra.get("mrope_section")
+    eos = t.get("eos_token_id")
+    dtype = d.get("dtype") or d.get("torch_dtype") or t.get("dtype") or t.get("torch_dtype")
+    return QwenConfig(
+        model_type=model_type,
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        intermediate_size=t["intermediate_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        tie_word_embeddings=tie,
+        hidden_act=act,
+        max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+        bos_token_id=t.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        torch_dtype=str(dtype or "float32"),
+        layer_types=kinds,
+        partial_rotary_factor=factor,
+        mrope_section=tuple(mrope) if mrope is not None else None,
+        mrope_interleaved=bool(extra.get("mrope_interleaved", False)),
+        mtp_layers=int(t.get("mtp_num_hidden_layers", 0) or 0),
+        vision=vision,
+        hf_config=json.dumps(d),
+        **linear,
+    )
+
+
+ROPE_EXTRAS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def _read_rope(d: dict[str, Any], source: str, default_theta: float,
+               prefix: str = "") -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """(rope_theta, scaling params, extras) from either config spelling; validates the RoPE type.
+
+    extras: `ROPE_EXTRAS` found inside `rope_parameters` (which wins, as transformers'
+    `RotaryEmbeddingConfigMixin` folds top-level values in only when absent there) or at the
+    top level. `default_theta` applies when no rope_theta is given anywhere (transformers:
+    10000 for Qwen3.5; jscenegen keeps 1e6 for Qwen2/3 as before).
+    """
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params:
         if any(isinstance(v, dict) for v in params.values()):
-            raise ModelConfigError(f"{source}: per-layer-type rope_parameters are not supported")
+            raise ModelConfigError(f"{source}: per-layer-type {prefix}rope_parameters are not supported")
         params = dict(params)
-        theta = params.pop("rope_theta", d.get("rope_theta", 1_000_000.0))
+        theta = params.pop("rope_theta", d.get("rope_theta", default_theta))
     else:
-        theta = d.get("rope_theta", 1_000_000.0)
+        theta = d.get("rope_theta", default_theta)
         params = dict(d.get("rope_scaling") or {})
+    extras = {k: params.pop(k) if k in params else d[k] for k in ROPE_EXTRAS
+              if k in params or k in d}
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.pop("type", None)
     rope_type = params.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
-            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: {prefix}rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type != "default" and "factor" not in params:
-        raise ModelConfigError(f"{source}: rope scaling {rope_type!r} needs a 'factor'")
+        raise ModelConfigError(f"{source}: {prefix}rope scaling {rope_type!r} needs a 'factor'")
     if rope_type == "yarn":
         params.setdefault(
             "original_max_position_embeddings",
@@ -200,7 +485,7 @@ def _read_rope(d: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
         )
     if rope_type == "default":
         params = {}
-    return float(theta), params
+    return float(theta), params, extras
 
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -214,10 +499,70 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+# Qwen3.5 presets (init-model --arch qwen3_5): 3 Gated DeltaNet layers then 1 gated attention
+# layer, repeated, as the releases; GDN value heads outnumber key heads as in 4B..27B.
+HYBRID_PRESETS: dict[str, dict[str, int]] = {
+    "micro": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, intermediate_size=384,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                  linear_value_head_dim=32),
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, intermediate_size=768,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                 linear_value_head_dim=64),
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, intermediate_size=1536,
+                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                  linear_value_head_dim=64),
+}
+# The presets' vision tower: the released geometry (patch 16, temporal patch 2, merge 2, so the
+# released processor files apply) at a tiny width; carried, never run by jscenegen.
+PRESET_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3,
+                     patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                     num_position_embeddings=64, hidden_act="gelu_pytorch_tanh",
+                     deepstack_visual_indexes=[], initializer_range=0.02, model_type="qwen3_5")
+# Keys of a composite qwen3_5 config.json that live at the top level, not in text_config.
+COMPOSITE_TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",
+                      "vision_end_token_id", "tie_word_embeddings")
+
+
+def qwen35_preset_dict(preset: str, vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    """The composite `qwen3_5` config.json of an init-model preset, laid out as the releases'.
+
+    `overrides` go into text_config, except `COMPOSITE_TOP_KEYS` (top level; a tied head is
+    written at both levels, as the releases do). Raises ModelConfigError for an unknown preset.
+    """
+    if preset not in HYBRID_PRESETS:
+        raise ModelConfigError(f"unknown preset {preset!r}; choose from {', '.join(HYBRID_PRESETS)}")
+    top = {k: overrides.pop(k) for k in COMPOSITE_TOP_KEYS if k in overrides}
+    tie = bool(top.pop("tie_word_embeddings", True))
+    p = HYBRID_PRESETS[preset]
+    layers = overrides.get("num_hidden_layers", p["num_hidden_layers"])
+    text = dict(
+        model_type="qwen3_5_text", vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-6,
+        max_position_embeddings=32768, attention_bias=False, attention_dropout=0.0,
+        attn_output_gate=True, linear_conv_kernel_dim=4, full_attention_interval=4,
+        layer_types=[LINEAR_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(layers)],
+        mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, mamba_ssm_dtype="float32",
+        initializer_range=0.02, use_cache=True, dtype="float32", tie_word_embeddings=tie,
+        rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0,
+                             partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                             mrope_interleaved=True),
+        **p)
+    text.update(overrides)
+    vision = dict(PRESET_VISION, out_hidden_size=text["hidden_size"])
+    return dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
+                text_config=text, vision_config=vision, tie_word_embeddings=tie, **top)
+
+
 def preset_config(arch: str, preset: str, vocab_size: int, **overrides: Any) -> QwenConfig:
-    """A QwenConfig for `jscenegen init-model` presets (`PRESETS`: micro, tiny, small).
+    """A QwenConfig for `jscenegen init-model` presets (`PRESETS`: micro, tiny, small; for
+    arch qwen3_5 `HYBRID_PRESETS` through `qwen35_preset_dict`).
 
     Raises ModelConfigError for an unknown preset or an invalid config."""
+    if arch == "qwen3_5":
+        return QwenConfig.from_hf_dict(qwen35_preset_dict(preset, vocab_size, **overrides),
+                                       f"preset {arch}/{preset}")
     if preset not in PRESETS:
         raise ModelConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     d = dict(model_type=arch, vocab_size=vocab_size, rms_norm_eps=1e-6, rope_theta=1_000_000.0,

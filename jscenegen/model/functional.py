@@ -18,7 +18,9 @@ HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 def hidden_fn(graphdef: nnx.GraphDef, *other_states: Any) -> HiddenFn:
     """The model's final normed hidden states and its output embedding (logical vocabulary
     rows, compute dtype) as a function of its parameters. The model must provide
-    `hidden_states(input_ids, attention_mask)` and `output_embedding()` (QwenForCausalLM does)."""
+    `hidden_states(input_ids, attention_mask)` and `output_embedding()` (qwen.CausalLM does:
+    QwenForCausalLM, Qwen35ForCausalLM). A model with `Carried` tensors (Qwen3.5) is split
+    `nnx.split(model, nnx.Param, ...)` and its other state passed here."""
 
     def fn(params, input_ids, attention_mask):
         model = nnx.merge(graphdef, params, *other_states)

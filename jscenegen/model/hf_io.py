@@ -1,79 +1,52 @@
-"""Hugging Face model directories <-> `QwenForCausalLM`, tensor by tensor, without torch.
+"""Hugging Face model directories <-> jscenegen models, tensor by tensor, without torch.
 
-`load_hf` reads `config.json` and `model.safetensors` (or shards listed in
-`model.safetensors.index.json`), checks every tensor against the weight table
-(`weights.weight_table`) and hands them to the one loader (`loader.build_model`), which refuses
-missing, unexpected or mis-shaped keys by name and places each tensor on its own, so host
-memory stays bounded by the largest tensor. `save_hf` writes config, sharded safetensors +
-index, generation_config.json and the model's other assets (`assets.ASSET_FILES`). Formats
-follow transformers' `save_pretrained` (modeling_utils.py).
+`load_hf` reads `config.json` and `model.safetensors` (or the shards listed in
+`model.safetensors.index.json`, whatever they are called), checks every tensor against the
+weight table (`weights.weight_table`) and hands them to the one loader (`loader.build_model`),
+which refuses missing, unexpected or mis-shaped keys by name and places each tensor on its own,
+so host memory stays bounded by the largest tensor. `save_hf` writes config, sharded
+safetensors + index, generation_config.json and the model's other assets
+(`assets.ASSET_FILES`: tokenizer, chat template, processor files). Formats follow
+transformers' `save_pretrained` (modeling_utils.py).
+
+Nothing is lost for Qwen3.5: the vision tower (`model.visual.*`) and the MTP head (`mtp.*`),
+which transformers drops on save, are carried and written back bit-exactly in the dtype they
+were stored in; by default every other tensor is also written in its stored dtype (a release
+keeps `A_log` and the gated norm fp32 inside a bf16 file), and `config.json` is written back
+as it was read.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import jax
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from jscenegen.model.assets import copy_assets
 from jscenegen.model.config import QwenConfig
-from jscenegen.model.dtypes import np_dtype
+from jscenegen.model.dtypes import dtype_name, np_dtype
 from jscenegen.model.loader import build_model
-from jscenegen.model.qwen import QwenForCausalLM
-from jscenegen.model.safetensors_stream import INDEX_NAME, write_safetensors_streaming
-from jscenegen.model.weights import CheckpointFormatError, named_params, param_shapes
+from jscenegen.model.qwen import CausalLM
+from jscenegen.model.safetensors_stream import read_tensor, safetensors_files, write_safetensors_streaming
+from jscenegen.model.weights import Carried, CheckpointFormatError, named_weights, param_shapes
 from jscenegen.paths import atomic_dir
 
 TIED_ALIAS = "lm_head.weight"
 
 
-def safetensors_files(path: str | Path) -> dict[str, Path]:
-    """{tensor name: file} for a single-file or index-sharded HF directory.
-
-    Raises CheckpointFormatError when neither exists or the index is malformed.
-    """
-    path = Path(path)
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointFormatError(f"{index}: malformed index ({err})") from None
-        return {name: path / fname for name, fname in weight_map.items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointFormatError(f"{path}: no model.safetensors or {INDEX_NAME}")
-    return {name: single for name in _keys(single)}
-
-
-def _keys(file: Path) -> list[str]:
-    try:
-        with safe_open(file, "np") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
-
-
-def _read_tensor(file: Path, name: str) -> np.ndarray:
-    try:
-        with safe_open(file, "np") as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointFormatError(f"{file}: cannot read tensor {name!r} ({err})") from None
-
-
 def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (hf_name, array) in table order after checking names and shapes.
 
-    Raises CheckpointFormatError naming the missing, unexpected or mis-shaped key and its file.
-    A tied model's file may carry the `lm_head.weight` alias; it is skipped.
+    Every tensor of the file: parameters and carried tensors (`param_shapes(cfg, carried=True)`),
+    each in its stored dtype. Raises CheckpointFormatError naming the missing, unexpected or
+    mis-shaped key and its file. A tied model's file may carry the `lm_head.weight` alias; it
+    is skipped.
     """
     path = Path(path)
     cfg = cfg or QwenConfig.from_dir(path)
-    shapes = param_shapes(cfg)
+    shapes = param_shapes(cfg, carried=True)
     files = safetensors_files(path)
     names = set(files)
     if cfg.tie_word_embeddings:
@@ -87,7 +60,7 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
             f"{files[unexpected[0]]}: unexpected tensor(s) {unexpected[:5]} for {cfg.model_type}"
         )
     for name, shape in shapes.items():
-        arr = _read_tensor(files[name], name)
+        arr = read_tensor(files[name], name)
         if tuple(arr.shape) != shape:
             raise CheckpointFormatError(
                 f"{files[name]}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}"
@@ -96,49 +69,81 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
 
 
 def load_hf(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
-            **options: Any) -> QwenForCausalLM:
-    """Load an HF Qwen2/Qwen3 directory (`loader.build_model` of its tensors).
+            **options: Any) -> CausalLM:
+    """Load an HF Qwen2/Qwen3/Qwen3.5 directory (`loader.build_model` of its tensors).
 
     mesh: place the weights in the FSDP layout on this ("fsdp", "sp") mesh (None: unsharded).
-    options: param_dtype (the weights are cast to it, whatever the file holds),
-      compute_dtype, remat, attn_impl, causal_balance (see `loader.abstract_model`).
+    options: param_dtype (parameters are cast to it, whatever the file holds; carried tensors
+      keep their stored dtype), compute_dtype, remat, attn_impl, causal_balance (see
+      `loader.abstract_model`).
     Raises ModelConfigError (config) or CheckpointFormatError (tensors), naming file and key.
     """
     cfg = QwenConfig.from_dir(path)
     return build_model(cfg, iter_hf_tensors(path, cfg), mesh=mesh, source=str(path), **options)
 
 
-def hf_state_dict(model: QwenForCausalLM, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (hf_name, host array at logical shape) in table order, one tensor at a time."""
-    shapes = param_shapes(model.cfg)
-    params = named_params(model)
-    for name, shape in shapes.items():
-        arr = np.asarray(jax.device_get(params[name][...]))[: shape[0]]
-        yield name, (arr.astype(np_dtype(dtype)) if dtype else arr)
+def tensor_dtypes(model: CausalLM, dtype: str | None = None) -> dict[str, str]:
+    """{hf_name: dtype name} a model's tensors are written in, in table order.
+
+    Carried tensors: the dtype the model holds them in (the file's). Parameters: `dtype`, or
+    with None the dtype the source directory stored each in (`QwenConfig.stored_dtype`:
+    config.json's dtype and the per-tensor exceptions read from the weights' headers).
+    """
+    weights = named_weights(model)
+    out = {}
+    for name in param_shapes(model.cfg, carried=True):
+        var = weights[name]
+        if isinstance(var, Carried):
+            out[name] = dtype_name(var.dtype)
+        else:
+            out[name] = dtype or model.cfg.stored_dtype(name)
+    return out
+
+
+def hf_state_dict(model: CausalLM, dtype: str | Mapping[str, str] | None = None
+                  ) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (hf_name, host array at logical shape) in table order, one tensor at a time:
+    parameters and carried tensors. dtype: one dtype name for the parameters, a {name: dtype}
+    mapping (`tensor_dtypes`), or None (as held in memory). Carried tensors are never cast
+    by a single dtype name."""
+    weights = named_weights(model)
+    for name, shape in param_shapes(model.cfg, carried=True).items():
+        var = weights[name]
+        arr = np.asarray(jax.device_get(var[...]))[: shape[0]]
+        if isinstance(dtype, Mapping):
+            arr = arr.astype(np_dtype(dtype[name]), copy=False)
+        elif dtype is not None and not isinstance(var, Carried):
+            arr = arr.astype(np_dtype(dtype), copy=False)
+        yield name, arr
 
 
 def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
-                 dtype: str = "float32", tokenizer_src: str | Path | None = None,
+                 dtype: str | Mapping[str, str] = "float32", config_dtype: str | None = None,
+                 tokenizer_src: str | Path | None = None,
                  max_shard_bytes: int = 2 * 1024**3) -> Path:
     """Write an HF directory from streamed (name, array) pairs; atomic (temp dir + rename).
 
-    `tensors` yields every parameter of `param_shapes(cfg)` in that order; each is written as
-    it arrives (`safetensors_stream`), so memory holds one tensor. Shards are
-    `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more
-    than one is needed, else `model.safetensors`. The model's other assets (tokenizer, chat
-    template, processor files; `assets.ASSET_FILES` except config.json) are copied from
-    `tokenizer_src` when given. An existing `out` is replaced only once the new directory is
-    complete. Raises OSError on write failure (the old dir stays).
+    `tensors` yields every tensor of `param_shapes(cfg, carried=True)` in that order; each is
+    written as it arrives (`safetensors_stream`), so memory holds one tensor. dtype: one dtype
+    for every tensor, or {name: dtype} (`tensor_dtypes`); config_dtype: the dtype config.json
+    declares (default: `dtype` when it is one name, else the config's own). Shards are
+    `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more than one
+    is needed, else `model.safetensors`. config.json: `cfg.to_hf_dict()` (Qwen3.5: the file
+    that was read, its dtype fields changed only when config_dtype differs from it). The model's other assets (tokenizer, chat template, processor files;
+    `assets.ASSET_FILES` except config.json) are copied from `tokenizer_src` when given. An
+    existing `out` is replaced only once the new directory is complete. Raises OSError on
+    write failure (the old dir stays).
     """
     out = Path(out)
+    shapes = param_shapes(cfg, carried=True)
+    dtypes = dict(dtype) if isinstance(dtype, Mapping) else {n: dtype for n in shapes}
     with atomic_dir(out, replace=True) as tmp:
-        dt = np_dtype(dtype)
-        specs = {n: (tuple(s), dt) for n, s in param_shapes(cfg).items()}
-        write_safetensors_streaming(tmp, specs, ((n, np.ascontiguousarray(a.astype(dt)))
+        specs = {n: (tuple(s), np_dtype(dtypes[n])) for n, s in shapes.items()}
+        write_safetensors_streaming(tmp, specs, ((n, np.ascontiguousarray(a.astype(specs[n][1])))
                                                  for n, a in tensors), max_shard_bytes)
-        hf = cfg.to_hf_dict()
-        hf["torch_dtype"] = dtype
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        if config_dtype is None and isinstance(dtype, str):
+            config_dtype = dtype
+        (tmp / "config.json").write_text(json.dumps(_config_json(cfg, config_dtype), indent=2))
         if tokenizer_src is not None:
             copy_assets(tokenizer_src, tmp, skip=("config.json",))
         if not (tmp / "generation_config.json").exists():
@@ -150,8 +155,28 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
     return out
 
 
-def save_hf(model: QwenForCausalLM, out: str | Path, *, dtype: str = "float32",
+def _config_json(cfg: QwenConfig, dtype: str | None) -> dict:
+    """config.json for weights written in `dtype` (None: as stored)."""
+    hf = cfg.to_hf_dict()
+    if not cfg.hybrid:
+        hf["torch_dtype"] = dtype or cfg.torch_dtype
+    elif dtype is not None and dtype != cfg.torch_dtype:
+        for d in (hf, hf.get("text_config")):
+            if isinstance(d, dict):
+                d.pop("torch_dtype", None)
+                d["dtype"] = dtype
+    return hf
+
+
+def save_hf(model: CausalLM, out: str | Path, *, dtype: str | None = None,
             tokenizer_src: str | Path | None = None, max_shard_bytes: int = 2 * 1024**3) -> Path:
-    """Save a model as an HF directory transformers can load (see `write_hf_dir`)."""
-    return write_hf_dir(out, model.cfg, hf_state_dict(model), dtype=dtype,
-                        tokenizer_src=tokenizer_src, max_shard_bytes=max_shard_bytes)
+    """Save a model as an HF directory transformers can load (see `write_hf_dir`).
+
+    dtype: None writes every tensor in the dtype its source stored it (`tensor_dtypes`; a
+    model made from scratch: its config's dtype); a name casts every parameter to it. Carried
+    tensors are always written as they were stored.
+    """
+    dtypes = tensor_dtypes(model, dtype)
+    return write_hf_dir(out, model.cfg, hf_state_dict(model, dtypes), dtype=dtypes,
+                        config_dtype=dtype, tokenizer_src=tokenizer_src,
+                        max_shard_bytes=max_shard_bytes)

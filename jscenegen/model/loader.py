@@ -4,7 +4,9 @@ HF directories (`hf_io.load_hf`), training checkpoints (the trainer's resume, `j
 on a checkpoint step) and converters all hand (hf_name, array) pairs to `build_model`, which
 checks every name and shape against the weight table, casts, pads dim 0 for FSDP and places
 each array on its devices one at a time (host memory: one tensor; no device ever holds a full
-replica of a sharded model).
+replica of a sharded model). The architecture picks the module (`model_class`): Qwen2/Qwen3
+`QwenForCausalLM`, Qwen3.5 `Qwen35ForCausalLM`. Carried tensors (Qwen3.5's vision tower and
+MTP head) keep the dtype they arrive in; parameters are cast to `param_dtype`.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from flax import nnx
 
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.dtypes import np_dtype
-from jscenegen.model.qwen import QwenForCausalLM
-from jscenegen.model.weights import CheckpointFormatError, named_params
+from jscenegen.model.qwen import CausalLM, QwenForCausalLM
+from jscenegen.model.qwen35 import Qwen35ForCausalLM
+from jscenegen.model.weights import Carried, CheckpointFormatError, named_weights
 from jscenegen.sharding.rules import PARAM, named, padded_shape
 
 
@@ -39,33 +42,43 @@ def place(arr: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
     return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
 
+def model_class(cfg: QwenConfig) -> type[CausalLM]:
+    """The module class of an architecture: Qwen35ForCausalLM for qwen3_5/qwen3_5_text,
+    QwenForCausalLM for qwen2/qwen3."""
+    return Qwen35ForCausalLM if cfg.hybrid else QwenForCausalLM
+
+
 def abstract_model(cfg: QwenConfig, *, mesh: jax.sharding.Mesh | None = None,
                    param_dtype: str = "float32", compute_dtype: str = "float32",
                    remat: bool = False, attn_impl: str = "xla",
-                   causal_balance: bool = False, scan_layers: bool | None = None) -> QwenForCausalLM:
+                   causal_balance: bool = False, scan_layers: bool | None = None) -> CausalLM:
     """The model's structure with abstract parameters (no memory), padded for `mesh`'s devices.
 
-    `causal_balance` reorders full sequences for the mesh's `sp` shards (see qwen.py);
-    `scan_layers` None: scan the layers on a mesh of several devices, loop on one."""
+    `causal_balance` reorders full sequences for the mesh's `sp` shards (see qwen.py); Qwen3.5
+    refuses it (ValueError). `scan_layers` (Qwen2/Qwen3): None scans the layers on a mesh of
+    several devices and loops on one (Qwen3.5 always scans its layer pattern)."""
     pad = mesh.size if mesh is not None else 1
     balance = mesh.shape["sp"] if (causal_balance and mesh is not None) else 1
-    if scan_layers is None:
-        scan_layers = mesh is not None and mesh.size > 1
-    return nnx.eval_shape(lambda: QwenForCausalLM(
+    cls = model_class(cfg)
+    extra = {}
+    if cls is QwenForCausalLM:
+        extra["scan_layers"] = (mesh is not None and mesh.size > 1) if scan_layers is None else scan_layers
+    return nnx.eval_shape(lambda: cls(
         cfg, rngs=nnx.Rngs(0), pad_multiple=pad, param_dtype=param_dtype,
         compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl, balance_shards=balance,
-        scan_layers=scan_layers))
+        **extra))
 
 
 def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
                 mesh: jax.sharding.Mesh | None = None, source: str = "weights",
-                **options: Any) -> QwenForCausalLM:
+                **options: Any) -> CausalLM:
     """A model of architecture `cfg` holding `arrays`.
 
     arrays: (hf_name, array) pairs, every weight of `weight_table(cfg)` exactly once, each a
       host array at its logical shape (cast to the param dtype, padded, placed in the FSDP
       layout `rules.PARAM` on `mesh`) or a jax.Array already at the padded shape and dtype
-      (e.g. restored into `checkpoint.layout.padded_target`), used as it is.
+      (e.g. restored into `checkpoint.layout.padded_target`), used as it is. Carried tensors
+      are never cast: they keep the dtype they arrive in.
     mesh: the ("fsdp", "sp") mesh, or None for an unsharded model on the default device.
     source: what the arrays come from, for error messages (a directory or file).
     options: `abstract_model` keywords (param_dtype, compute_dtype, remat, attn_impl,
@@ -74,7 +87,7 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
     mis-shaped or missing weight.
     """
     model = abstract_model(cfg, mesh=mesh, **options)
-    targets = named_params(model)
+    targets = named_weights(model)
     dtype = np_dtype(options.get("param_dtype", "float32"))
     sharding = named(mesh, PARAM) if mesh is not None else None
     filled: set[str] = set()
@@ -86,10 +99,11 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
         if name in filled:
             raise CheckpointFormatError(f"{source}: tensor {name!r} appears twice")
         logical = (target.rows, *target.shape[1:])
+        want = arr.dtype if isinstance(target, Carried) else dtype
         if isinstance(arr, jax.Array) and tuple(arr.shape) == tuple(target.shape):
-            value = arr if arr.dtype == dtype else arr.astype(dtype)
+            value = arr if arr.dtype == want else arr.astype(want)
         elif tuple(arr.shape) == logical:
-            host = np.asarray(arr).astype(dtype, copy=False)
+            host = np.asarray(arr).astype(want, copy=False)
             value = place(pad_dim0(host, mesh.size if mesh is not None else 1), sharding)
         else:
             raise CheckpointFormatError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, "

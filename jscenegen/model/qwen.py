@@ -29,7 +29,7 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import ParamFactory, weight_table
 from jscenegen.sharding.constraints import constrain, constrain_stacked, gather
-from jscenegen.sharding.rules import ACTIVATION, CACHED_KV, HEADS, SEQ_GATHERED
+from jscenegen.sharding.rules import ACTIVATION, CACHED_KV, HEADS, REPLICATED, ROWS, SEQ_GATHERED
 
 
 def logical(p: nnx.Param, dtype) -> jax.Array:
@@ -99,6 +99,30 @@ def balanced_order(s: int, shards: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in picks])
 
 
+def full_sequence_inputs(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(positions [B, S] int32, attention mask [B, S, S] bool) of a full sequence, from its
+    token mask [B, S] bool: positions count real tokens (cumsum - 1, pads 0), so left- and
+    right-padded rows get the unpadded positions; a query attends to real keys at or before it."""
+    s = mask.shape[1]
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    return positions, causal[None] & mask[:, None, :]
+
+
+def cache_step_inputs(mask: jax.Array, cache) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(positions [B, S], attention mask [B, S, Smax], valid [B, Smax]) of S tokens appended at
+    slot `cache.length` of a cache with `valid` [B, Smax] and `next_pos` [B] (KVCache or
+    qwen35.HybridCache). mask [B, S] bool; padding slots stay invalid and take no position."""
+    s = mask.shape[1]
+    steps = jnp.cumsum(mask.astype(jnp.int32), axis=1)
+    positions = jnp.maximum(cache.next_pos[:, None] + steps - 1, 0)
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.length, axis=1)
+    smax = cache.valid.shape[1]
+    q_slot = cache.length + jnp.arange(s)
+    causal = jnp.arange(smax)[None, :] <= q_slot[:, None]
+    return positions, causal[None] & valid[:, None, :], valid
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -131,6 +155,22 @@ class KVCache:
             next_pos=jnp.zeros((batch,), jnp.int32), length=jnp.zeros((), jnp.int32),
         )
 
+    def partition_specs(self) -> "KVCache":
+        """Where each array lives (`sharding.rules` roles, resolved by the active layout): the
+        layers' arrays CACHED_KV (rows, and heads under tensor parallelism), per-row arrays
+        ROWS, the slot counter REPLICATED."""
+        return KVCache(k=tuple(CACHED_KV for _ in self.k), v=tuple(CACHED_KV for _ in self.v),
+                       valid=ROWS, next_pos=ROWS, length=REPLICATED)
+
+    def grown(self, extra: int) -> "KVCache":
+        """This cache with `extra` more empty slots (contents, positions and length kept)."""
+        def pad(x, axis):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, extra)
+            return jnp.pad(x, widths)
+        return KVCache(tuple(pad(k, 3) for k in self.k), tuple(pad(v, 2) for v in self.v),
+                       pad(self.valid, 1), self.next_pos, self.length)
+
 
 class Attention(nnx.Module):
     def __init__(self, cfg: QwenConfig, make: ParamFactory, name: str, attn_impl: str):
@@ -161,23 +201,45 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = constrain(q, HEADS)
-        if kv is not None:
-            k_cache, v_cache, offset = kv
-            k = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
-                                             (0, 0, 0, offset))
-            v = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype),
-                                             (0, 0, offset, 0))
-            k, v = constrain(k, CACHED_KV), constrain(v, CACHED_KV)
-            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.attn_impl,
-                            cached=True)
-            new_kv = (k, v)
-        else:
-            # sequence parallelism: queries stay sharded over sp, keys/values gathered over sp
-            new_kv = (k, v)
-            k, v = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
-            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.attn_impl)
+        out, new_kv = cached_attention(q, k, v, mask, kv, self.attn_impl)
         return self.o_proj(out.reshape(b, s, self.nq * self.hd)), new_kv
+
+
+def cached_attention(q, k, v, mask, kv, attn_impl: str):
+    """Attention of q [B,S,Nq,D] over the keys/values of k, v [B,S,Nkv,D] (no cache) or over
+    a cache after writing k, v into it.
+
+    kv = None, or (k_cache [B,Nkv,D,Smax], v_cache [B,Nkv,Smax,D], offset): one layer's
+    head-major cache (`KVCache`, keys transposed): the S new keys/values are written at slot
+    `offset` and attention reads the slots as they lie; or (k_all [L,B,Smax,Nkv,D], v_all,
+    layer, offset): a whole-model cache (Qwen3.5's `HybridCache`, inside its layer scan), layer
+    `layer` written and read. mask [B,S,Sk] bool. Returns (out [B,S,Nq,D] in q's dtype, the
+    updated cache arrays, or (k, v) without a cache).
+    """
+    q = constrain(q, HEADS)
+    if kv is not None and len(kv) == 3:
+        k_cache, v_cache, offset = kv
+        k = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
+                                         (0, 0, 0, offset))
+        v = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype),
+                                         (0, 0, offset, 0))
+        k, v = constrain(k, CACHED_KV), constrain(v, CACHED_KV)
+        out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, attn_impl, cached=True)
+        return out, (k, v)
+    if kv is not None:
+        k_all, v_all, layer, offset = kv
+        start = (layer, 0, offset, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
+        new_kv = (k_all, v_all)
+    else:
+        new_kv = (k, v)
+    # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
+    k, v = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
+    out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, attn_impl)
+    return out, new_kv
 
 
 class MLP(nnx.Module):
@@ -213,7 +275,42 @@ class QwenModel(nnx.Module):
         self.norm = RMSNorm(make, "model.norm", cfg.rms_norm_eps)
 
 
-class QwenForCausalLM(nnx.Module):
+class CausalLM(nnx.Module):
+    """The output side every decoder shares (QwenForCausalLM, qwen35.Qwen35ForCausalLM).
+
+    Subclasses provide `text` (the module holding `embed_tokens` and `norm`), `lm_head`
+    (None when tied), `compute_dtype`, `hidden_states(input_ids, attention_mask, cache,
+    layers)`, `stacked_layers()` and `create_cache(cfg, batch, max_len, dtype)`.
+    """
+
+    def decode_layers(self):
+        """What `hidden_states(..., layers=)` takes in a decode loop, computed once outside it:
+        `stacked_layers()` (Qwen3.5's scan), or None where the cached path runs the layers
+        over their own weights (Qwen2/Qwen3)."""
+        return self.stacked_layers()
+
+    def output_embedding(self) -> jax.Array:
+        """The output projection [V, H] at logical size (padding rows sliced off), compute dtype."""
+        dt = np_dtype(self.compute_dtype)
+        if self.lm_head is None:
+            return self.text.embed_tokens.logical(dt)
+        return logical(self.lm_head.weight, dt)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [B, S, H] -> logits [B, S, V] float32 (logical vocabulary)."""
+        w = self.output_embedding()
+        return jnp.einsum("bsh,vh->bsv", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
+                 cache=None):
+        """Logits [B, S, V] float32 (and the updated cache when one is given)."""
+        if cache is None:
+            return self.logits(self.hidden_states(input_ids, attention_mask))
+        hidden, cache = self.hidden_states(input_ids, attention_mask, cache)
+        return self.logits(hidden), cache
+
+
+class QwenForCausalLM(CausalLM):
     """A Qwen2/Qwen3 causal LM.
 
     Args:
@@ -245,15 +342,21 @@ class QwenForCausalLM(nnx.Module):
         self.model = QwenModel(cfg, make, attn_impl)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(make, "lm_head")
 
-    def output_embedding(self) -> jax.Array:
-        """The output projection [V, H] at logical size (padding rows sliced off), compute dtype."""
-        dt = np_dtype(self.compute_dtype)
-        if self.lm_head is None:
-            return self.model.embed_tokens.logical(dt)
-        return logical(self.lm_head.weight, dt)
+    @property
+    def text(self) -> QwenModel:
+        return self.model
+
+    @staticmethod
+    def create_cache(cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """An empty decode cache (`KVCache.create`)."""
+        return KVCache.create(cfg, batch, max_len, dtype)
+
+    def decode_layers(self):
+        """None: the cached path runs the layers over their own weights (no stacking)."""
+        return None
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
-                      cache: KVCache | None = None):
+                      cache: KVCache | None = None, layers=None):
         """Final normed hidden states [B, S, H] (compute dtype).
 
         input_ids [B, S] int32; attention_mask [B, S] (1 = real token, 0 = padding).
@@ -262,7 +365,8 @@ class QwenForCausalLM(nnx.Module):
         (hidden, cache); the layers then run as a Python loop over their own parameters and
         cache arrays (no stacking per call, no per-layer slices inside the sampler's decode
         loop), while a full forward runs them as a `lax.scan` over stacked parameters
-        (training: one layer's gathered weights in the compiled step).
+        (training: one layer's gathered weights in the compiled step). `layers` is accepted
+        for the decoders' common signature and unused (`decode_layers` is None).
         """
         cfg = self.cfg
         dt = np_dtype(self.compute_dtype)
@@ -271,21 +375,14 @@ class QwenForCausalLM(nnx.Module):
         steps = jnp.cumsum(mask.astype(jnp.int32), axis=1)
         order = None
         if cache is None:
-            positions = jnp.maximum(steps - 1, 0)
+            positions, attn_mask = full_sequence_inputs(mask)
             if self.balance_shards > 1 and s % (2 * self.balance_shards) == 0:
                 order = balanced_order(s, self.balance_shards)
                 input_ids, mask, positions = input_ids[:, order], mask[:, order], positions[:, order]
                 causal = order[None, :] <= order[:, None]  # key's original index <= query's
-            else:
-                causal = jnp.tril(jnp.ones((s, s), bool))
-            attn_mask = causal[None] & mask[:, None, :]
+                attn_mask = causal[None] & mask[:, None, :]
         else:
-            positions = jnp.maximum(cache.next_pos[:, None] + steps - 1, 0)
-            valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, cache.length, axis=1)
-            smax = cache.valid.shape[1]
-            q_slot = cache.length + jnp.arange(s)
-            causal = jnp.arange(smax)[None, :] <= q_slot[:, None]
-            attn_mask = causal[None] & valid[:, None, :]
+            positions, attn_mask, valid = cache_step_inputs(mask, cache)
         cos, sin = rope_cos_sin(cfg, positions)
         x = constrain(self.model.embed_tokens(input_ids, dt), ACTIVATION)
         x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache)
@@ -340,16 +437,3 @@ class QwenForCausalLM(nnx.Module):
             body = jax.checkpoint(body, prevent_cse=False)
         x, _ = jax.lax.scan(body, x, stacked)
         return x, None, None
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [B, S, H] -> logits [B, S, V] float32 (logical vocabulary)."""
-        w = self.output_embedding()
-        return jnp.einsum("bsh,vh->bsv", hidden, w, preferred_element_type=jnp.float32)
-
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
-                 cache: KVCache | None = None):
-        """Logits [B, S, V] float32 (and the updated cache when one is given)."""
-        if cache is None:
-            return self.logits(self.hidden_states(input_ids, attention_mask))
-        hidden, cache = self.hidden_states(input_ids, attention_mask, cache)
-        return self.logits(hidden), cache

@@ -1,5 +1,13 @@
 """Rotary position embedding (rotate-half convention) with default, linear, dynamic-NTK and YaRN scaling.
 
+Partial rotary (Qwen3.5, `partial_rotary_factor`): only the first `cfg.rotary_dim` =
+int(head_dim * factor) dims of each head rotate, with frequencies computed for that width;
+the rest pass through (transformers' `apply_rotary_pos_emb` in modeling_qwen3_5.py, which
+splits `x[..., :rotary_dim]` and applies `rotate_half` to that part only). Dense Qwen models
+have factor 1. Qwen3.5's multimodal RoPE (mrope_section) gives every frequency the same
+position for text tokens, so it is this plain partial RoPE with 1-D positions; image and
+video positions are not built.
+
 Frequencies follow transformers' `modeling_rope_utils.py` (`_compute_default_rope_parameters`,
 `_compute_linear_scaling_rope_parameters`, `_compute_dynamic_ntk_parameters`,
 `_compute_yarn_parameters`). Angles are computed in fp32 at highest precision; positions are
@@ -21,12 +29,12 @@ def _base_exponents(dim: int) -> np.ndarray:
 
 
 def static_inv_freq(cfg: QwenConfig) -> tuple[np.ndarray, float]:
-    """(inv_freq [head_dim/2] float32, attention_scaling) for the non-dynamic RoPE types.
+    """(inv_freq [rotary_dim/2] float32, attention_scaling) for the non-dynamic RoPE types.
 
     For `dynamic` this returns the unscaled frequencies (used while the sequence fits in
     max_position_embeddings); `inv_freq_for_length` handles longer sequences.
     """
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     p = cfg.rope_params
     base = np.float32(cfg.rope_theta)
     inv = (1.0 / (base ** _base_exponents(dim))).astype(np.float32)
@@ -75,7 +83,7 @@ def _yarn(cfg: QwenConfig, dim: int, base: float, factor: float, p: dict) -> tup
 
 
 def inv_freq_for_length(cfg: QwenConfig, seq_len: jax.Array) -> jax.Array:
-    """inv_freq [head_dim/2] float32 for a traced sequence length (dynamic NTK; else static).
+    """inv_freq [rotary_dim/2] float32 for a traced sequence length (dynamic NTK; else static).
 
     Dynamic NTK (transformers' `_compute_dynamic_ntk_parameters`): for seq_len beyond
     max_position_embeddings, base' = base * (factor * L / Lmax - (factor - 1)) ** (d / (d - 2)).
@@ -85,7 +93,7 @@ def inv_freq_for_length(cfg: QwenConfig, seq_len: jax.Array) -> jax.Array:
     inv, _ = static_inv_freq(cfg)
     if cfg.rope_type != "dynamic":
         return jnp.asarray(inv)
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     factor = float(cfg.rope_params["factor"])
     lmax = cfg.max_position_embeddings
     length = jnp.maximum(seq_len.astype(jnp.float32), float(lmax))
@@ -94,7 +102,7 @@ def inv_freq_for_length(cfg: QwenConfig, seq_len: jax.Array) -> jax.Array:
 
 
 def rope_cos_sin(cfg: QwenConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, S, head_dim] float32 for integer positions [B, S] (attention scaling folded in)."""
+    """cos, sin [B, S, rotary_dim] float32 for integer positions [B, S] (attention scaling folded in)."""
     _, scaling = static_inv_freq(cfg)
     inv = inv_freq_for_length(cfg, jnp.max(positions) + 1)
     angles = jnp.einsum(
@@ -105,9 +113,13 @@ def rope_cos_sin(cfg: QwenConfig, positions: jax.Array) -> tuple[jax.Array, jax.
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on x [B, S, N, D] with cos/sin [B, S, D]; result in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    """Rotate-half RoPE on x [B, S, N, D] with cos/sin [B, S, R], R <= D: the first R dims
+    rotate (dim i paired with i + R/2), the other D - R pass through; result in x's dtype."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     c = cos[:, :, None, :].astype(x.dtype)
     s = sin[:, :, None, :].astype(x.dtype)
-    return x * c + rotated * s
+    out = x_rot * c + rotated * s
+    return out if r == x.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)

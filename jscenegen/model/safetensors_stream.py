@@ -7,10 +7,17 @@ The byte layout is the safetensors format (github.com/huggingface/safetensors, R
 `__metadata__`, padded with spaces to 8 bytes, then the raw little-endian data). Shards follow
 transformers' naming: `model.safetensors`, or `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}).
+
+Reading: `safetensors_files` maps tensor names to files through the index (whatever the shard
+files are called: Qwen3.5 releases name them `model.safetensors-0000k-of-0000n.safetensors`)
+or the single `model.safetensors`; `read_header` / `stored_tensors` read names, dtypes and
+shapes from the headers alone.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -18,9 +25,131 @@ from typing import Iterable
 
 import numpy as np
 
-from jscenegen.model.dtypes import SAFETENSORS, dtype_name
+from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
+from jscenegen.model.weights import CheckpointFormatError
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024   # the format's own limit (safetensors README)
+_DTYPE_NAMES = {code: name for name, code in SAFETENSORS.items()}
+
+
+def safetensors_files(path: str | Path) -> dict[str, Path]:
+    """{tensor name: file} for a single-file or index-sharded HF directory.
+
+    The index (`model.safetensors.index.json`) wins when present; its file names are used as
+    written, never globbed. Raises CheckpointFormatError when neither exists or the index is
+    malformed.
+    """
+    path = Path(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {str(name): path / str(fname) for name, fname in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointFormatError(f"{index}: malformed index ({err})") from None
+    single = path / SINGLE_NAME
+    if not single.is_file():
+        raise CheckpointFormatError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}")
+    return {name: single for name in read_header(single)}
+
+
+def _raw_header(file: str | Path) -> tuple[int, dict]:
+    """(byte offset of the data section, header dict without `__metadata__`) of one file,
+    parsed once per file version (the cache key holds its size and modification time).
+    Raises CheckpointFormatError naming the file when the header cannot be read."""
+    try:
+        st = os.stat(file)
+    except OSError as err:
+        raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
+    return _parse_header(str(file), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise ValueError(f"header of {n} bytes")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        header.pop("__metadata__", None)
+        return 8 + n, header
+    except (OSError, ValueError, struct.error) as err:
+        raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
+
+
+def _dtype_name(file: str | Path, name: str, entry: dict) -> str:
+    code = entry.get("dtype") if isinstance(entry, dict) else None
+    if code not in _DTYPE_NAMES:
+        raise CheckpointFormatError(f"{file}: tensor {name!r} has dtype {code}; supported: "
+                                    f"{', '.join(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[code]
+
+
+def read_header(file: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype name, shape)} of one safetensors file, from its header only.
+
+    Dtype names are `dtypes.NUMPY`'s ("float32", "bfloat16", "float16"). Raises
+    CheckpointFormatError naming the file for an unreadable header, and naming the tensor
+    for a dtype jscenegen does not handle.
+    """
+    _, header = _raw_header(file)
+    try:
+        return {name: (_dtype_name(file, name, e), tuple(int(x) for x in e["shape"]))
+                for name, e in header.items()}
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
+
+
+def read_tensor(file: str | Path, name: str) -> np.ndarray:
+    """Tensor `name` of one safetensors file as a NumPy array in its stored dtype (bfloat16 as
+    `ml_dtypes.bfloat16`, which safetensors' own NumPy reader cannot give), read with one
+    plain file read at the header's offsets. Raises CheckpointFormatError naming the file and
+    tensor when it is absent, its byte range does not fit its shape, or the file is short."""
+    data_start, header = _raw_header(file)
+    if name not in header:
+        raise CheckpointFormatError(f"{file}: no tensor {name!r}")
+    entry = header[name]
+    dtype = np_dtype(_dtype_name(file, name, entry))
+    try:
+        shape = tuple(int(x) for x in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointFormatError(f"{file}: tensor {name!r}: malformed header entry ({err})") from None
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointFormatError(f"{file}: tensor {name!r} spans {end - begin} bytes, "
+                                    f"{dtype}{list(shape)} needs {nbytes}")
+    with open(file, "rb") as f:
+        f.seek(data_start + begin)
+        raw = f.read(nbytes)
+    if len(raw) != nbytes:
+        raise CheckpointFormatError(f"{file}: tensor {name!r} is cut short ({len(raw)} of "
+                                    f"{nbytes} bytes)")
+    return np.frombuffer(raw, dtype).reshape(shape).copy()
+
+
+def stored_tensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """{tensor name: (dtype name, shape)} of an HF directory's weights, or None when it holds
+    no safetensors weights (no index, no model.safetensors). Headers only; raises
+    CheckpointFormatError as `safetensors_files` / `read_header`, and for an index naming a
+    tensor its file does not hold."""
+    path = Path(path)
+    if not (path / INDEX_NAME).is_file() and not (path / SINGLE_NAME).is_file():
+        return None
+    files = safetensors_files(path)
+    headers = {f: read_header(f) for f in sorted(set(files.values()))}
+    out = {}
+    for name, f in files.items():
+        if name not in headers[f]:
+            raise CheckpointFormatError(f"{path / INDEX_NAME}: tensor {name!r} is listed in "
+                                        f"{f.name}, which does not hold it")
+        out[name] = headers[f][name]
+    return out
 
 
 def _st_dtype(dtype: np.dtype) -> str:

@@ -1,8 +1,11 @@
 """Logits parity against transformers' torch Qwen model on the same random, left-padded batch.
 
-The torch side is the real thing (`AutoModelForCausalLM` on CPU, eager attention), given the
-same position ids jscenegen derives from the mask (cumsum - 1), as transformers' `generate`
-does for left padding. Only real (unpadded) tokens are compared.
+The torch side is the real thing on CPU with eager attention: `AutoModelForCausalLM` for
+Qwen2/Qwen3 and `qwen3_5_text` (Qwen3_5ForCausalLM), and `Qwen3_5ForConditionalGeneration`
+(the class a `qwen3_5` directory declares) for `qwen3_5`, fed text only. It is given the same
+position ids jscenegen derives from the mask (cumsum - 1), as transformers' `generate` does
+for left padding (its plain forward would use `arange`; docs/qwen35.md section 2.3). Only
+real (unpadded) tokens are compared.
 """
 from __future__ import annotations
 
@@ -32,6 +35,19 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
+def torch_model(model_dir: str, model_type: str, dtype: str):
+    """transformers' torch model of an HF directory in `dtype`, eager attention, eval mode:
+    Qwen3_5ForConditionalGeneration for qwen3_5, else AutoModelForCausalLM."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM
+    if model_type == "qwen3_5":
+        from transformers import Qwen3_5ForConditionalGeneration as cls
+    torch_dtype = getattr(torch, dtype)  # torch spells dtypes as jscenegen.model.dtypes does
+    return cls.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="eager").eval()
+
+
 def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str = "float32",
                   seed: int = 0) -> dict:
     """Compare jscenegen and transformers logits; returns max_abs_diff, mean_kl, top1_agreement, ok.
@@ -39,16 +55,14 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     `ok` applies the tolerances: fp32 max |diff| <= 1e-4; bf16 mean KL(torch || jax) <= 1e-3.
     Raises ImportError without torch, and the loaders' errors for a bad directory.
     """
-    import jax.numpy as jnp
+    import jax
     import torch
-    from transformers import AutoModelForCausalLM
+    from flax import nnx
 
     from jscenegen.model.hf_io import load_hf
 
     model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)  # refuses a bad dir first
-    torch_dtype = getattr(torch, dtype)  # torch spells dtypes as jscenegen.model.dtypes does
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype,
-                                               attn_implementation="eager").eval()
+    ref = torch_model(model_dir, model.cfg.model_type, dtype)
     ids, mask = random_padded_batch(model.cfg.vocab_size, batch, seq, seed)
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     with torch.no_grad():
@@ -56,7 +70,9 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
                          attention_mask=torch.from_numpy(mask.astype(np.int64)),
                          position_ids=torch.from_numpy(positions.astype(np.int64))).logits
     ref_logits = ref_logits.float().numpy()
-    ours = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)), np.float32)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda st, i, m: nnx.merge(graphdef, st)(i, m))
+    ours = np.asarray(forward(state, ids, mask), np.float32)
     real = mask.astype(bool)
     diff = np.abs(ours - ref_logits)[real]
     kl = _kl(ref_logits[real], ours[real])

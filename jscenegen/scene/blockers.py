@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .reach_inputs import GridSpec, ReachInputs
-from .reachability import beyond_front, crop_window, dilate, floor_mask, quad_mask
+from .reachability import access_ring, crop_window, dilate, floor_mask, quad_mask
 
 
 @dataclass(frozen=True)
@@ -162,15 +162,11 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
     ring_u = np.zeros((n_slots, n_u), bool)
     ring_margin = spec.ring_mm // cell + 1
     for k in range(n_real):
-        if not inp.counted[k]:
+        found = (access_ring(inp, k, feet[k], nx, ny, cell, r_rows, ring_rows, ring_margin)
+                 if inp.counted[k] else None)
+        if found is None:
             continue
-        win = crop_window(feet[k], ring_margin)
-        if win is None:
-            continue
-        f = feet[k][win]
-        ring = dilate(f, ring_rows) & ~dilate(f, r_rows)
-        if inp.front_only[k]:
-            ring &= beyond_front(inp.corners[k], nx, ny, cell)[win]
+        win, ring = found
         ring_f[k] = _touching(lf[win], ring, n_free)
         ring_u[k] = _touching(lu[win], ring, n_u)
 

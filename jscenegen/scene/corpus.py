@@ -9,6 +9,7 @@ BPE trained on this sees each piece of the protocol in the proportions an episod
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 from .config import JudgeConfig, SceneRuntimeConfig
@@ -55,5 +56,11 @@ def protocol_texts(n_scenes: int = DEFAULT_CORPUS_SCENES, cfg: SceneRuntimeConfi
 
 def tokenizer_corpus() -> list[str]:
     """What a fresh model's tokenizer is trained on: `protocol_texts` with the packaged prompts
-    and with the compact prompt set the CPU default plays."""
-    return [*protocol_texts(), *protocol_texts(cfg=SceneRuntimeConfig(prompts_dir=COMPACT_PROMPTS))]
+    and with the compact prompt set the CPU default plays (made once per process: ~25 s of
+    CPU, the same texts every time)."""
+    return list(_tokenizer_corpus())
+
+
+@functools.cache
+def _tokenizer_corpus() -> tuple[str, ...]:
+    return (*protocol_texts(), *protocol_texts(cfg=SceneRuntimeConfig(prompts_dir=COMPACT_PROMPTS)))

@@ -267,11 +267,13 @@ def run_scripted_episode(
     judge: Judge | None = None,
     noise_m: float = 0.0,
     noise_seed: int = 0,
+    judged: bool = True,
 ) -> tuple[Episode, list[dict]]:
     """Play planner, designer and critic with the expert; judge the result.
 
     noise_m > 0 plays an imperfect designer (`jitter_ops` with `noise_seed`); the critic and
-    planner still answer as the expert does, from what the runtime measures.
+    planner still answer as the expert does, from what the runtime measures. judged=False
+    leaves the finished episode unjudged (the caller judges many at once, `judge_episodes`).
 
     Returns (episode with its outcome, chat transcript [{"role", "content", "actor"}]) where
     actor is planner/designer/critic for assistant messages and "environment" otherwise.
@@ -293,5 +295,6 @@ def run_scripted_episode(
         res = ep.step(text)
         if res.env_message is not None:
             chat.append({"role": "user", "content": res.env_message, "actor": "environment"})
-    judge_episodes([ep], judge or make_judge(judge_cfg, cfg))
+    if judged:
+        judge_episodes([ep], judge or make_judge(judge_cfg, cfg))
     return ep, chat

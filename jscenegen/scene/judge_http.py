@@ -3,8 +3,10 @@
 POST {base_url}/chat/completions with the judge messages; the reply's message content must be one
 JSON object {"grades": {key: int 0..10 for exactly the configured keys}, "comments": {...}?}
 (strict: no code fences, no extra text). Each request is tried 1 + max_retries times with
-exponential back-off (backoff_s x 2^attempt); at most `concurrency` requests are in flight. A
-timeout or an unparseable answer after the last try is a judge failure (masked by the reward).
+exponential back-off (backoff_s x 2^attempt), except after an HTTP 4xx other than 408 and 429
+(a bad key, an unknown model: no retry can help); at most `concurrency` requests are in
+flight, over all requests of one `grade` call. A timeout, an unparseable answer or an error
+after the last try is a judge failure (masked by the reward).
 The API key comes only from the environment variable named by `api_key_env`; it is sent in the
 Authorization header and never logged, printed or stored in results.
 """
@@ -26,6 +28,8 @@ from .judge import JudgeRequest, JudgeResult, judge_messages, rubric_hash
 from .prompts import PromptTemplates
 
 log = logging.getLogger(__name__)
+
+RETRIED_4XX = (408, 429)  # request timeout, too many requests: the only 4xx worth retrying
 
 
 class JudgeAnswerError(ValueError):
@@ -113,6 +117,8 @@ class HttpJudge:
                     continue
             if resp.status_code != 200:
                 cause, detail = "judge_error", f"HTTP {resp.status_code}"
+                if 400 <= resp.status_code < 500 and resp.status_code not in RETRIED_4XX:
+                    break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
                 content = resp.json()["choices"][0]["message"]["content"]

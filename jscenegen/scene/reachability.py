@@ -139,6 +139,22 @@ def crop_window(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
     )
 
 
+def access_ring(inp: ReachInputs, k: int, foot: np.ndarray, nx: int, ny: int, cell: int,
+                r_rows, ring_rows, margin: int) -> tuple[tuple[slice, slice], np.ndarray] | None:
+    """Object k's access ring, cropped: (window, ring [window] bool), None when its footprint
+    `foot` [ny, nx] covers no cell. The ring is the footprint dilated by the ring distance
+    minus the footprint dilated by the agent radius, in front of the object only when it is
+    front-only (`beyond_front`)."""
+    win = crop_window(foot, margin)
+    if win is None:
+        return None
+    f = foot[win]
+    ring = dilate(f, ring_rows) & ~dilate(f, r_rows)
+    if inp.front_only[k]:
+        ring &= beyond_front(inp.corners[k], nx, ny, cell)[win]
+    return win, ring
+
+
 def reach_numpy(inp: ReachInputs, spec: GridSpec) -> ReachResult:
     """Reference reachability of one encoded scene. Returns ReachResult with masks.
 
@@ -170,16 +186,10 @@ def reach_numpy(inp: ReachInputs, spec: GridSpec) -> ReachResult:
     reachable = np.zeros(len(inp.counted), bool)
     margin = spec.ring_mm // cell + 1
     for k in range(n_real):
-        if not inp.counted[k]:
-            continue
-        win = crop_window(feet[k], margin)
-        if win is None:
-            continue
-        f = feet[k][win]
-        ring = dilate(f, ring_rows) & ~dilate(f, r_rows)
-        if inp.front_only[k]:
-            ring &= beyond_front(inp.corners[k], nx, ny, cell)[win]
-        reachable[k] = bool((ring & reached[win]).any())
+        found = access_ring(inp, k, feet[k], nx, ny, cell, r_rows, ring_rows, margin) if inp.counted[k] else None
+        if found is not None:
+            win, ring = found
+            reachable[k] = bool((ring & reached[win]).any())
     return ReachResult(
         floor_cells=int(floor.sum()),
         free_cells=int(free.sum()),

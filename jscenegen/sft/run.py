@@ -80,7 +80,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
                 log(row)
     train_s = time.perf_counter() - t1
     nnx.update(model, state.params)
-    save_hf(model, out_dir, tokenizer_src=model_dir)
+    save_hf(model, out_dir, dtype="float32", tokenizer_src=model_dir)  # fp32 master weights
     summary = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir), **demo_stats,
                "history": history, "final_loss": history[-1]["loss"], "train_s": train_s,
                "total_s": time.perf_counter() - t0}

@@ -15,7 +15,7 @@ from typing import Iterator
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jscenegen.sharding.rules import STACKED, TRAINING_SPECS, WEIGHT, ActivationSpecs
+from jscenegen.sharding.rules import GROUPED, STACKED, TRAINING_SPECS, WEIGHT, ActivationSpecs
 
 _SPECS: contextvars.ContextVar[ActivationSpecs] = contextvars.ContextVar(
     "jscenegen_activation_specs", default=TRAINING_SPECS)
@@ -52,6 +52,12 @@ def constrain(x: jax.Array, role: str | P) -> jax.Array:
 def constrain_stacked(x: jax.Array) -> jax.Array:
     """Keep parameters stacked over layers [L, n, ...] sharded like their layers (`STACKED`)."""
     return constrain(x, STACKED)
+
+
+def constrain_grouped(x: jax.Array) -> jax.Array:
+    """Keep parameters stacked over layer groups and runs [G, R, n, ...] sharded like their
+    layers (`GROUPED`; Qwen3.5's scan over its repeating layer pattern)."""
+    return constrain(x, GROUPED)
 
 
 def gather(w: jax.Array) -> jax.Array:

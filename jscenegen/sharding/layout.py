@@ -64,28 +64,37 @@ def shard_batch(arrays: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
 
 
 def layout_report(shapes: dict[str, tuple[int, ...]], n_devices: int,
-                  mesh_axes: dict[str, int]) -> dict:
+                  mesh_axes: dict[str, int], frozen: dict[str, int] | None = None) -> dict:
     """Per-parameter global, padded and per-device shapes and bytes of params + Adam (fp32).
 
-    shapes: {hf_name: logical shape} (`model.weights.param_shapes`); no arrays are made.
-    `total_bytes` is params + two Adam moments at logical size; `max_device_bytes` is the fullest device's share including padding.
+    shapes: {hf_name: logical shape} (`model.weights.param_shapes`, with `carried=True` to
+    include carried tensors); no arrays are made. frozen: {hf_name: bytes per element} of
+    tensors that are held but not trained (Qwen3.5's carried vision tower and MTP head, in
+    their stored dtype): no Adam moments. `total_bytes` is params (+ two Adam moments for
+    trained ones) at logical size; `max_device_bytes` is the fullest device's share including
+    padding; `frozen_bytes` the part of total_bytes that is frozen.
     """
+    frozen = frozen or {}
     rows = []
-    total = 0
+    total = frozen_total = 0
     device_bytes = np.zeros(n_devices, np.int64)
     for name, shape in shapes.items():
         padded = padded_shape(shape, n_devices)
         c = padded[0] // n_devices
-        per_row = int(np.prod(shape[1:], dtype=np.int64)) * 4 * 3  # param + mu + nu, fp32
+        elements = int(np.prod(shape[1:], dtype=np.int64))
+        per_row = elements * (frozen[name] if name in frozen else 4 * 3)  # param + mu + nu, fp32
         for r in range(n_devices):
             device_bytes[r] += c * per_row
         total += shape[0] * per_row
+        if name in frozen:
+            frozen_total += shape[0] * per_row
         rows.append({"name": name, "shape": list(shape), "padded_shape": list(padded),
                      "spec": "P(('fsdp','sp'))", "rows_per_device": c,
-                     "device_bytes": c * per_row})
+                     "device_bytes": c * per_row, "trained": name not in frozen})
     return {
         "mesh": mesh_axes, "devices": n_devices, "params": rows,
         "num_params": int(sum(np.prod(r["shape"]) for r in rows)),
-        "total_bytes": int(total), "max_device_bytes": int(device_bytes.max()),
+        "total_bytes": int(total), "frozen_bytes": int(frozen_total),
+        "max_device_bytes": int(device_bytes.max()),
         "ideal_device_bytes": int(total // n_devices),
     }

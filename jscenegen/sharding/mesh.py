@@ -34,7 +34,8 @@ class MeshError(ValueError):
 def mesh_shape(n_devices: int, fsdp: int = -1, sp: int = 2) -> tuple[int, int]:
     """Resolve (fsdp, sp) for `n_devices`; fsdp = -1 takes the remaining devices.
 
-    Raises MeshError when the sizes are not positive or do not multiply to the device count.
+    Raises MeshError when the sizes are not positive or do not multiply to the device count
+    (listing the sizes that would).
     """
     if sp < 1 or (fsdp != -1 and fsdp < 1):
         raise MeshError(f"mesh sizes must be positive (fsdp={fsdp}, sp={sp}); fsdp=-1 means the rest")
@@ -44,7 +45,10 @@ def mesh_shape(n_devices: int, fsdp: int = -1, sp: int = 2) -> tuple[int, int]:
                             f"choose sp from {[d for d in range(1, n_devices + 1) if n_devices % d == 0]}")
         fsdp = n_devices // sp
     if fsdp * sp != n_devices:
-        raise MeshError(f"mesh fsdp={fsdp} x sp={sp} = {fsdp * sp} does not match the {n_devices} devices")
+        fits = ", ".join(f"fsdp={n_devices // d} x sp={d}" for d in range(1, n_devices + 1)
+                         if n_devices % d == 0)
+        raise MeshError(f"mesh fsdp={fsdp} x sp={sp} = {fsdp * sp} does not match the {n_devices} "
+                        f"devices; sizes that fit: {fits} (fsdp=-1 takes the rest)")
     return fsdp, sp
 
 

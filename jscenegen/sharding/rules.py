@@ -15,7 +15,7 @@ rollout layout by adding rows, not code. The `fsdp` rollout layout decodes on th
 arrays themselves (one weight all-gather per layer per token; kept for comparison).
 
 The model constrains activations by role (`ACTIVATION`, `HEADS`, `SEQ_GATHERED`, `CACHED_KV`,
-`WEIGHT`, `STACKED`, `ROWS`); `TRAINING_SPECS` and `ROLLOUT_SPECS` map each role to the
+`WEIGHT`, `STACKED`, `GROUPED`, `ROWS`, `LAYER_ROWS`); `TRAINING_SPECS` and `ROLLOUT_SPECS` map each role to the
 spec of that layout (`sharding.constraints` picks the active one). Everything else that places
 an array (the loader, the checkpoint store, the sampler, the batch layout) takes its spec from
 here.
@@ -33,6 +33,7 @@ ROLLOUT_AXES = ("data", "tp")      # the rollout mesh: rows over data, tensor pa
 
 PARAM = P(AXES)                    # [n, ...] parameter / Adam moment: dim 0 over every device
 STACKED_PARAM = P(None, AXES)      # [L, n, ...] parameters stacked over layers (the layer scan)
+GROUPED_PARAM = P(None, None, AXES)  # [G, R, n, ...] stacked over layer groups and runs (hybrid scan)
 BATCH = P("fsdp", "sp")            # [B, T, ...] host batches: rows over fsdp, positions over sp
 BATCH_ROWS = P("fsdp")             # [B] per-row host arrays
 REPLICATED = P()                   # whole on every device (gathered weights, scalars)
@@ -40,11 +41,13 @@ REPLICATED = P()                   # whole on every device (gathered weights, sc
 # ---- activation roles: the model constrains by role, each layout maps a role to a spec --------
 ACTIVATION = "activation"          # [B, S, H, ...] hidden states
 HEADS = "heads"                    # [B, S, N, D] per-head projections (queries)
-SEQ_GATHERED = "seq_gathered"      # [B, S, Nkv, D] keys/values: every position on each device
+SEQ_GATHERED = "seq_gathered"      # [B, S, ...] every position on each device (keys/values)
 CACHED_KV = "cached_kv"            # [B, Nkv, ...] one layer's KV cache (head-major)
 WEIGHT = "weight"                  # a parameter as a layer reads it (None: as placed)
 STACKED = "stacked"                # [L, n, ...] parameters stacked over the layers
+GROUPED = "grouped"                # [G, R, n, ...] stacked over layer groups and runs (Qwen3.5)
 ROWS = "rows"                      # [B, ...] per-row arrays (sampler state, logits)
+LAYER_ROWS = "layer_rows"          # [L, B, ...] per-layer per-row arrays (Qwen3.5's cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +62,13 @@ TRAINING_SPECS = ActivationSpecs(AXES, {
     ACTIVATION: P("fsdp", "sp"), HEADS: P("fsdp", "sp"), SEQ_GATHERED: P("fsdp"),
     CACHED_KV: P("fsdp"),
     WEIGHT: REPLICATED,            # FSDP: all-gathered just before use, one layer at a time
-    STACKED: STACKED_PARAM, ROWS: P("fsdp"),
+    STACKED: STACKED_PARAM, GROUPED: GROUPED_PARAM, ROWS: P("fsdp"), LAYER_ROWS: P(None, "fsdp"),
 })
 ROLLOUT_SPECS = ActivationSpecs(ROLLOUT_AXES, {
-    ACTIVATION: P("data"), HEADS: P("data", None, "tp"), SEQ_GATHERED: P("data", None, "tp"),
+    ACTIVATION: P("data"), HEADS: P("data", None, "tp"), SEQ_GATHERED: P("data"),
     CACHED_KV: P("data", "tp"),
     WEIGHT: None,                  # already in its decoding layout: never gathered
-    STACKED: None, ROWS: P("data"),
+    STACKED: None, GROUPED: None, ROWS: P("data"), LAYER_ROWS: P(None, "data"),
 })
 
 # ---- rollout parameter kinds (Megatron tensor parallelism over `tp`) --------------------------

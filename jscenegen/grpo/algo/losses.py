@@ -128,6 +128,17 @@ def ppo_clip_terms(logp, old_logp, advantages, clip_low, clip_high, clip_c) -> C
     return ClipTerms(loss, log_ratio, ratio, l2 > l1, negative & (l_clip > l3))
 
 
+def _masked_clip_terms(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c):
+    """(mask float32, mask bool, logp with 0 outside the mask, `ppo_clip_terms` of the masked
+    inputs): entries outside `mask` become 0 first, so NaN there never reaches the math."""
+    m = jnp.asarray(mask, jnp.float32)
+    on = m != 0
+    logp = jnp.where(on, logp, 0.0)
+    terms = ppo_clip_terms(logp, jnp.where(on, old_logp, 0.0), jnp.where(on, advantages, 0.0),
+                           clip_low, clip_high, clip_c)
+    return m, on, logp, terms
+
+
 def policy_loss(
     logp, old_logp, advantages, mask, clip_low, clip_high, clip_c, agg_mode,
     global_token_count=None, global_seq_count=None, horizon=None, *, legacy: bool = False,
@@ -145,13 +156,8 @@ def policy_loss(
       metrics as masked means over this call's mask (ratio_max: max over masked tokens, 0
       for an empty mask).
     """
-    m = jnp.asarray(mask, jnp.float32)
-    on = m != 0
-    logp_s = jnp.where(on, logp, 0.0)
-    terms = ppo_clip_terms(
-        logp_s, jnp.where(on, old_logp, 0.0), jnp.where(on, advantages, 0.0),
-        clip_low, clip_high, clip_c,
-    )
+    m, on, _, terms = _masked_clip_terms(logp, old_logp, advantages, mask, clip_low, clip_high,
+                                         clip_c)
     loss = agg_loss(
         terms.loss, m, agg_mode, global_token_count, global_seq_count, horizon, legacy=legacy
     )
@@ -217,13 +223,8 @@ def grpo_loss(
     With `rollout_logp` (the sampler's log-probs) `sums["drift"]` is the masked sum of
     |rollout_logp - old_logp| (see `logprob_drift`), else 0.
     """
-    m = jnp.asarray(mask, jnp.float32)
-    on = m != 0
-    logp = jnp.where(on, logp, 0.0)
-    terms = ppo_clip_terms(
-        logp, jnp.where(on, old_logp, 0.0), jnp.where(on, advantages, 0.0),
-        clip_low, clip_high, clip_c,
-    )
+    m, on, logp, terms = _masked_clip_terms(logp, old_logp, advantages, mask, clip_low, clip_high,
+                                            clip_c)
     agg = lambda x: agg_loss(  # noqa: E731
         x, m, agg_mode, global_token_count, global_seq_count, horizon, legacy=legacy
     )

@@ -118,6 +118,25 @@ class GroupRequest:
     seeds: tuple[int, ...]
 
 
+@dataclass
+class PlayedGroup:
+    """A group whose episodes have ended but are not judged yet (`RolloutEngine.play_group`,
+    `play_groups`): judge `episodes`, then `result()` gives the GroupRollout."""
+
+    group_id: int
+    rows: list["_Row"]
+    stats: dict
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [r.episode for r in self.rows]
+
+    def result(self) -> GroupRollout:
+        """The trajectories (with the judged outcomes) and statistics; judge `episodes` first."""
+        return GroupRollout([RolloutEngine._trajectory(r, self.group_id) for r in self.rows],
+                            self.stats)
+
+
 @dataclass(eq=False)
 class _Row:
     member: int
@@ -176,7 +195,7 @@ class RolloutEngine:
         self.slots = cfg.cache_slots()          # the most KV-cache slots a row may get
         # with the derived default the cache starts small and grows (attention reads only
         # the slots the cache has; a 35k-slot cache for a 4k-token episode wastes 8x)
-        self.grows = cfg.cache_tokens is None
+        self.grows = cfg.cache_tokens is None and self.sampler.can_grow
 
     def set_weights(self, weights) -> dict:
         """Roll out with new weights (a model or its parameter state; call after each optimizer
@@ -252,12 +271,39 @@ class RolloutEngine:
                    scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
                    forced: ForcedPolicy | None = None,
                    on_turn: TurnCallback | None = None) -> list[GroupRollout]:
-        """Run several groups in one batch (`rollout.groups_per_batch`): every episode of every
-        group is a row of the same cache and decode loop; each group is judged and returned on
-        its own, in order. An episode depends only on its record and seed, so a group's
-        trajectories are the same whether it runs alone or beside others. Rows are padded with
-        fully masked rows to the layout's `row_multiple`. See `run_group` for the rest.
+        """Run several groups in one batch (`rollout.groups_per_batch`) and judge them all in
+        one call: every episode of every group is a row of the same cache and decode loop;
+        each group is returned on its own, in order. An episode depends only on its record and
+        seed, so a group's trajectories are the same whether it runs alone or beside others.
+        Rows are padded with fully masked rows to the layout's `row_multiple`. See `run_group`
+        for the rest; the stats' wall_s / tokens_per_s include the judging.
         """
+        t0 = time.perf_counter()
+        played = self.play_groups(groups, scene_cfg=scene_cfg, judge_cfg=judge_cfg,
+                                  forced=forced, on_turn=on_turn)
+        self._judge([ep for p in played for ep in p.episodes], judge)
+        wall = time.perf_counter() - t0
+        for p in played:
+            p.stats.update(wall_s=wall, tokens_per_s=p.stats["batch_generated_tokens"] / wall
+                           if wall > 0 else 0.0)
+        return [p.result() for p in played]
+
+    def play_group(self, record: SceneRecord, *, group_id: int, seeds: Sequence[int],
+                   scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
+                   forced: ForcedPolicy | None = None,
+                   on_turn: TurnCallback | None = None) -> "PlayedGroup":
+        """`run_group` without the judging: the episodes end (finished or failed) unjudged, so a
+        caller can judge the episodes of many groups in one call (`scene.episode.judge_episodes`,
+        the judge's concurrency then spans them all) before `PlayedGroup.result()`."""
+        return self.play_groups([GroupRequest(record, group_id, tuple(seeds))],
+                                scene_cfg=scene_cfg, judge_cfg=judge_cfg, forced=forced,
+                                on_turn=on_turn)[0]
+
+    def play_groups(self, groups: Sequence["GroupRequest"], *,
+                    scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
+                    forced: ForcedPolicy | None = None,
+                    on_turn: TurnCallback | None = None) -> list["PlayedGroup"]:
+        """`run_groups` without the judging (see `play_group`)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         rows = [_Row(i, int(s), Episode(g.record, scene_cfg, judge_cfg), g.group_id)
@@ -303,7 +349,6 @@ class RolloutEngine:
                     log.exception("turn processing failed")
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
             self._show(rows, on_turn)
-        self._judge([r.episode for r in rows], judge)
         wall = time.perf_counter() - t0
         total = sum(generated.values())
         batch = {"wall_s": wall, "tokens_per_s": total / wall if wall > 0 else 0.0,
@@ -313,8 +358,8 @@ class RolloutEngine:
                  "batch_rows": len(rows) + pad, "padding_rows": pad, "groups": len(groups),
                  "layout": self.sampler.layout.name}
         self._cache = self._last = None
-        return [GroupRollout([self._trajectory(r, g.group_id) for r in rows if r.group_id == g.group_id],
-                             {"generated_tokens": generated[g.group_id], **batch})
+        return [PlayedGroup(g.group_id, [r for r in rows if r.group_id == g.group_id],
+                            {"generated_tokens": generated[g.group_id], **batch})
                 for g in groups]
 
     @staticmethod

@@ -3,18 +3,21 @@
 swanlab runs `offline` by default (files under `RUN_DIR/swanlab`, no network; open them with
 `swanlab watch RUN_DIR/swanlab`, which needs `pip install "swanlab[dashboard]"`), `local`,
 `online` (cloud, only when configured; the API key comes from swanlab's own login/environment)
-or `disabled`. Only process 0 logs. The config handed to swanlab is the redacted one.
+or `disabled`. Only process 0 logs. No credential reaches swanlab's files (see MetricsLogger).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
+from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
 from jscenegen.config import Section
 from jscenegen.paths import write_text
 
@@ -31,25 +34,77 @@ def _clean(value):
     return value
 
 
+def command_line() -> list[str]:
+    """This process's command line as the OS records it (/proc/self/cmdline, what swanlab
+    >= 0.10 stores), else `sys.argv`."""
+    try:
+        raw = Path("/proc/self/cmdline").read_bytes()
+    except OSError:
+        return list(sys.argv)
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _private_settings(swanlab):
+    """swanlab settings that keep the command line out of its files (swanlab >= 0.10's runtime
+    probe records it); None where this swanlab has no such setting."""
+    try:
+        return swanlab.Settings(probe={"runtime": False})
+    except Exception:  # other swanlab versions: their Settings differ
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_swanlab():
+    """Silence swanlab's console while it finishes: its start banner already said where the
+    run is (it would print the same `swanlab sync`/`watch` hint a second time)."""
+    try:
+        from swanlab.sdk.internal.pkg import console  # swanlab >= 0.10
+        rich_console = console.c
+        quiet = rich_console.quiet
+    except (ImportError, AttributeError):
+        yield
+        return
+    rich_console.quiet = True
+    try:
+        yield
+    finally:
+        rich_console.quiet = quiet
+
+
 class MetricsLogger:
-    """Append metrics rows to JSONL (flushed per row) and forward numbers to swanlab."""
+    """Append metrics rows to JSONL (flushed per row) and forward numbers to swanlab.
+
+    Credentials never reach swanlab's files: the config it gets is redacted, it sees a redacted
+    `sys.argv` and no command line where it would record the OS's copy, and when the run
+    finishes any credential of the command line left in `RUN_DIR/swanlab` is masked.
+    """
 
     def __init__(self, run_dir: str | Path, cfg: LoggingConfig, config_dict: dict, *,
                  primary: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.swanlab_dir = Path(run_dir) / "swanlab"
         self.primary = primary
         self._swanlab = None
+        self._credentials: list[str] = []
         if not primary:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.swanlab_mode != "disabled":
             import swanlab
 
-            self._swanlab = swanlab.init(
-                project=cfg.project, name=cfg.experiment or Path(run_dir).name,
-                mode=cfg.swanlab_mode, log_dir=str(Path(run_dir) / "swanlab"),
-                config=config_dict, reinit=True,
-            )
+            argv, removed = redact_argv(sys.argv)
+            self._credentials = sorted({*removed, *redact_argv(command_line())[1]}, key=len,
+                                       reverse=True)
+            saved_argv, sys.argv = sys.argv, argv  # swanlab < 0.10 records sys.argv
+            try:
+                self._swanlab = swanlab.init(
+                    project=cfg.project, name=cfg.experiment or Path(run_dir).name,
+                    mode=cfg.swanlab_mode, log_dir=str(self.swanlab_dir),
+                    config=redact(config_dict), reinit=True,
+                    settings=_private_settings(swanlab) if self._credentials else None,
+                )
+            finally:
+                sys.argv = saved_argv
 
     def log(self, row: dict, step: int) -> None:
         if not self.primary:
@@ -66,8 +121,10 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._swanlab is not None:
-            self._swanlab.finish()
+            with _quiet_swanlab():
+                self._swanlab.finish()
             self._swanlab = None
+            mask_credentials(self.swanlab_dir, self._credentials)
 
 
 def truncate_metrics(run_dir: str | Path, attempts: int) -> None:

@@ -39,6 +39,9 @@ class ScheduleConfig(Section):
     max_attempts: int | None = Field(None, ge=1, description="stop after this many update "
                                      "attempts even without total_updates effective ones "
                                      "(a weak policy may never produce signal); None: no cap")
+    seed: int = Field(0, ge=0, description="run-level seed: enters every rollout's episode "
+                      "seeds (0 = the seeds of earlier releases); the scene order, the SFT warm "
+                      "start and the dev evaluation's seeds do not depend on it")
 
 
 @dataclasses.dataclass
@@ -59,10 +62,14 @@ class SchedulePosition:
         return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls)})
 
 
-def schedule_hash(scene_seeds: Sequence[tuple[str, int]], roles: str, group_size: int) -> str:
-    """SHA-256 of canonical JSON {scenes: [[scene_id, seed], ...], roles, group_size}."""
+def schedule_hash(scene_seeds: Sequence[tuple[str, int]], roles: str, group_size: int,
+                  run_seed: int = 0) -> str:
+    """SHA-256 of canonical JSON {scenes: [[scene_id, seed], ...], roles, group_size[, seed]}
+    (the run seed enters only when it is not 0, so seed-0 hashes are those of earlier releases)."""
     payload = {"scenes": [[sid, int(seed)] for sid, seed in scene_seeds], "roles": roles,
                "group_size": int(group_size)}
+    if run_seed:
+        payload["seed"] = int(run_seed)
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -79,7 +86,7 @@ class Schedule:
     def hash(self, prefix: int | None = None) -> str:
         """Schedule hash over the first `prefix` scenes (default: all)."""
         scenes = self.scene_seeds if prefix is None else self.scene_seeds[:prefix]
-        return schedule_hash(scenes, self.cfg.roles, self.cfg.group_size)
+        return schedule_hash(scenes, self.cfg.roles, self.cfg.group_size, self.cfg.seed)
 
     def role(self, pos: SchedulePosition) -> int:
         """Role code trained by the next effective update."""
@@ -93,7 +100,8 @@ class Schedule:
         j: the scene j places later in the order, across an epoch boundary)."""
         index, epoch = self.scene_at(pos, offset)
         seed = self.scene_seeds[index][1]
-        return [episode_seed(seed, m, pos.redraw, epoch) for m in range(self.cfg.group_size)]
+        return [episode_seed(seed, m, pos.redraw, epoch, self.cfg.seed)
+                for m in range(self.cfg.group_size)]
 
     def scene_at(self, pos: SchedulePosition, offset: int = 0) -> tuple[int, int]:
         """(scene index, epoch) `offset` places after the current scene."""

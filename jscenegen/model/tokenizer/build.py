@@ -16,6 +16,12 @@ QWEN_SPLIT_PATTERN = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE_FILE = Path(__file__).with_name("templates") / "chatml.jinja"
+QWEN35_PROTOCOL_TEMPLATE = Path(__file__).with_name("templates") / "qwen3_5_protocol.jinja"
+# The Qwen3.5 tokenizer's special tokens that its config and chat template refer to (vision
+# placeholders for the config's image/video token ids), and its added (non-special) tokens.
+QWEN35_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN35_ADDED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                       "</tool_response>")
 
 
 def chatml_template() -> str:
@@ -49,3 +55,14 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
     )
     fast.chat_template = chatml_template()
     return fast
+
+
+def train_qwen35_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
+    """`train_bpe_tokenizer` plus the Qwen3.5 special and added tokens (`QWEN35_*`), with the
+    prefix-preserving Qwen3.5 protocol template (templates/qwen3_5_protocol.jinja) as its chat
+    template: the tokenizer `jscenegen init-model --arch qwen3_5` writes."""
+    tok = train_bpe_tokenizer(texts, vocab_size=vocab_size)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *QWEN35_SPECIAL_TOKENS]})
+    tok.add_tokens(list(QWEN35_ADDED_TOKENS), special_tokens=False)
+    tok.chat_template = QWEN35_PROTOCOL_TEMPLATE.read_text()
+    return tok

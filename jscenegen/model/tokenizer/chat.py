@@ -14,13 +14,28 @@ template's view of the same conversation. `ChatTokenizer` probes the template fo
 time and refuses it (ChatTemplateError naming the directory and what changed), and every
 appended segment re-checks the prefix. A prefix-preserving template can be supplied instead
 (`chat_template_path`, e.g. jscenegen/model/tokenizer/templates/chatml.jinja).
+
+Qwen3.5: the official template is not prefix-preserving (docs/qwen35.md section 5: it
+rewrites assistant turns in thinking mode, trims them, and drops the empty think block of
+earlier turns). For a Qwen3.5 directory (`model_type` qwen3_5 / qwen3_5_text) whose own
+template fails the check and no `chat_template_path` is given, `from_dir` uses the bundled
+variant templates/qwen3_5_protocol.jinja (the official non-thinking format, made
+prefix-preserving) and logs a warning naming both; `template_source` records which template
+is in use. Other directories are refused as before.
 """
 from __future__ import annotations
 
 import functools
+import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+log = logging.getLogger(__name__)
+TEMPLATES_DIR = Path(__file__).with_name("templates")
+QWEN35_PROTOCOL_TEMPLATE = TEMPLATES_DIR / "qwen3_5_protocol.jinja"
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
 class ChatTemplateError(ValueError):
@@ -45,6 +60,14 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _PROBE_THINK = "<think>\nprobe reasoning\n</think>\n\nprobe answer <action>{}</action>"
+
+
+def _model_type(path: str | Path) -> str | None:
+    """config.json's model_type of a model directory, or None when it has no readable one."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 @dataclass
@@ -104,6 +127,7 @@ class ChatTokenizer:
     def __init__(self, tokenizer, chat_template: str | None = None, source: str = "<tokenizer>"):
         self.tokenizer = tokenizer
         self.source = source
+        self.template_source = "replacement" if chat_template is not None else "tokenizer"
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
@@ -115,13 +139,31 @@ class ChatTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template_path: str | Path | None = None) -> "ChatTokenizer":
-        """Load the tokenizer of an HF model directory (never with remote code)."""
+        """Load the tokenizer of an HF model directory (never with remote code).
+
+        With no `chat_template_path`, a Qwen3.5 directory whose own template is refused gets
+        the bundled protocol template (module docstring). Raises ChatTemplateError as the
+        constructor does for any other directory, or for a refused replacement template.
+        """
         from transformers import AutoTokenizer
 
         template = Path(chat_template_path).read_text() if chat_template_path else None
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         src = str(path) + (f" (template {chat_template_path})" if chat_template_path else "")
-        return cls(tok, template, src)
+        try:
+            chat = cls(tok, template, src)
+        except ChatTemplateError as err:
+            if chat_template_path or _model_type(path) not in QWEN35_MODEL_TYPES:
+                raise
+            log.warning("%s; using the Qwen3.5 protocol template %s instead (set "
+                        "chat_template_path to choose another)", err, QWEN35_PROTOCOL_TEMPLATE)
+            chat = cls(tok, QWEN35_PROTOCOL_TEMPLATE.read_text(),
+                       f"{path} (template {QWEN35_PROTOCOL_TEMPLATE}: its own is not prefix-preserving)")
+            chat.template_source = str(QWEN35_PROTOCOL_TEMPLATE)
+        else:
+            if chat_template_path:
+                chat.template_source = str(chat_template_path)
+        return chat
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,195 @@
+"""One process per run directory: `RUN_DIR/run.lock` names the process that writes the run.
+
+`jscenegen train` takes the lock before it reads or writes anything in the run directory
+(checkpoints, `metrics.jsonl`, `config.yaml`, swanlab) and removes it when it ends, however it
+ends short of SIGKILL. The file is JSON: {"pid", "host", "started_utc", "start_ticks"} (the
+kernel's start time of the process, to tell a reused pid from the holder).
+
+- A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
+- A stale lock (on this host, and its pid is gone, a zombie, or now another process) is taken
+  over with a warning. A lock held on another host cannot be checked from here: it is refused,
+  and the message says which file to delete once that process is known to be gone.
+- `live_holder(run_dir)` lets readers (e.g. `CheckpointStore`, which deletes unfinished orbax
+  saves it finds) leave the files of a live holder alone.
+
+Multi-host runs take the lock on process 0 only (the run directory is shared).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "run.lock"
+
+
+class RunLockedError(ValueError):
+    """The run directory is locked by another live process (named in the message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """What a lock file says about the process that holds it."""
+
+    pid: int
+    host: str
+    started_utc: str = "?"
+    start_ticks: int | None = None
+
+    def is_this_process(self) -> bool:
+        return self.host == socket.gethostname() and self.pid == os.getpid()
+
+    def alive(self) -> bool | None:
+        """True/False on this host (a zombie or a reused pid is not the holder); None on
+        another host (cannot be checked from here)."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # another user's process: alive
+        stat = _proc_stat(self.pid)
+        if stat is None:
+            return True
+        state, ticks = stat
+        if state in ("Z", "X"):
+            return False
+        return self.start_ticks is None or ticks == self.start_ticks
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.host} (since {self.started_utc})"
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of `pid` from /proc, None where there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # after "pid (comm) "
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def read_holder(run_dir: str | Path) -> Holder | None:
+    """The holder named by `run_dir/run.lock`; None when there is no lock file.
+
+    A lock file that is not the documented JSON reads as a holder with pid -1 (never alive on
+    this host, so it is taken over as stale).
+    """
+    return _read(Path(run_dir) / LOCK_NAME)
+
+
+def _read(path: Path) -> Holder | None:
+    try:
+        data = json.loads(path.read_text())
+        return Holder(int(data["pid"]), str(data["host"]), str(data.get("started_utc", "?")),
+                      data.get("start_ticks"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return Holder(-1, socket.gethostname(), "?", None)
+
+
+def live_holder(run_dir: str | Path) -> Holder | None:
+    """The holder of `run_dir`'s lock when it is another process that is (or may be) alive."""
+    holder = read_holder(run_dir)
+    if holder is None or holder.is_this_process() or holder.alive() is False:
+        return None
+    return holder
+
+
+class RunLock:
+    """The lock on one run directory; `acquire` takes it, `release` (or `with`) gives it back."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._created_dir = False
+        self._held = False
+
+    def acquire(self) -> "RunLock":
+        """Take the lock (creating the run directory if needed).
+
+        Raises RunLockedError naming the holder when another live process holds it, or when
+        this process already does.
+        """
+        if not self.run_dir.exists():
+            self.run_dir.mkdir(parents=True)
+            self._created_dir = True
+        stat = _proc_stat(os.getpid())
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "start_ticks": stat[1] if stat else None}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self._held = True
+            return self
+        raise RunLockedError(f"{self.run_dir}: could not take {self.path} (another process "
+                             "keeps taking it); try again")
+
+    def _take_over_if_stale(self) -> None:
+        holder = read_holder(self.run_dir)
+        if holder is None:
+            return  # released meanwhile: try again
+        if holder.is_this_process():
+            raise RunLockedError(f"{self.run_dir} is already locked by this process "
+                                 f"({self.path}); one trainer per run directory")
+        alive = holder.alive()
+        if alive is None:
+            raise RunLockedError(f"{self.run_dir} is in use by {holder.describe()}; it cannot "
+                                 f"be checked from this host: wait for it to end, use another "
+                                 f"--run-dir, or delete {self.path} once that process is gone")
+        if alive:
+            raise RunLockedError(f"{self.run_dir} is in use by {holder.describe()}; wait for it "
+                                 f"to end or use another --run-dir")
+        stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
+        try:
+            os.replace(self.path, stale)
+        except FileNotFoundError:
+            return
+        if _read(stale) != holder:  # another process took it meanwhile: put it back
+            os.replace(stale, self.path)
+            return
+        stale.unlink()
+        log.warning("%s: taking over the stale lock of %s (that process is gone)",
+                    self.run_dir, holder.describe())
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours; remove the run directory too when this
+        lock created it and nothing else was written there."""
+        if not self._held:
+            return
+        self._held = False
+        holder = read_holder(self.run_dir)
+        if holder is not None and holder.is_this_process():
+            self.path.unlink(missing_ok=True)
+        if self._created_dir:
+            try:
+                self.run_dir.rmdir()  # only when empty
+            except OSError:
+                pass
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

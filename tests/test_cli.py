@@ -1,0 +1,98 @@
+"""jscenegen/cli.py: argument shape (overrides among options), one-line errors with exit 2, a
+`--help` that imports nothing heavy."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jscenegen.cli import build_parser, main, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "--model", "M", "a.b=1", "--out", "X", "c.d=2"],
+    ["train", "a.b=1", "--run-dir", "X", "c.d=2", "--max-updates", "3"],
+    ["design", "a.b=1", "--model", "M", "--prompt", "p", "c.d=2", "-o", "X"],
+    ["sft", "a.b=1", "--out", "X", "c.d=2"],
+])
+def test_overrides_may_come_before_between_and_after_options(argv):
+    args = parse_args(build_parser(), argv)
+    assert args.command == argv[0] and args.overrides == ["a.b=1", "c.d=2"]
+    assert args.func.__module__ == f"jscenegen.commands.{argv[0]}"
+
+
+def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path), "sampling.max_new_tokens=8", "--out",
+                 str(tmp_path / "r.json"), "sampling.temprature=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: override sampling.temprature=0.5: unknown key 'sampling.temprature'\n"
+
+
+def test_a_mesh_that_does_not_fit_lists_the_sizes_that_do(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "mesh.fsdp=5"]) == 2
+    err = capsys.readouterr().err
+    assert "fsdp=5 x sp=2 = 10 does not match the 6 devices" in err
+    assert "sizes that fit: fsdp=6 x sp=1, fsdp=3 x sp=2, fsdp=2 x sp=3, fsdp=1 x sp=6" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_and_convert_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "missing" in err
+    src = tmp_path / "model"
+    src.mkdir()
+    for dst in (src / "converted", src):
+        assert main(["convert", str(src), str(dst), "--from", "hf", "--to", "orbax"]) == 2
+        err = capsys.readouterr().err
+        assert f"destination {dst}" in err and f"the source {src}" in err
+    assert sorted(src.iterdir()) == []
+    assert main(["export", str(src), str(src / "published")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_help_builds_every_parser_without_importing_jax_or_transformers():
+    code = ("import sys; from jscenegen.cli import build_parser; p = build_parser(); p.format_help(); "
+            "[c.format_help() for c in p.commands.values()]; "
+            "print(sorted(m for m in ('jax', 'numpy', 'transformers', 'torch', 'swanlab', 'orbax', "
+            "'yaml', 'pydantic') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_full_disk_is_one_line_naming_the_directory_and_the_bytes(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # where a write to a full disk fails at the latest
+    out = tmp_path / "scenes" / "furnished.json"
+    assert main(["scene", "furnish", str(ROOT / "data/scenes/dev.jsonl"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no space left on device in {out.parent}: writing furnished.json "
+                          "needs ") and " bytes (" in err and err.count("\n") == 1
+    assert list(out.parent.iterdir()) == []  # the temporary file is gone
+
+
+def test_init_model_help_states_the_preset_sizes_and_prints_progress(tmp_path, capsys):
+    from jscenegen.commands.init_model import PRESET_HELP
+    from jscenegen.model.config import PRESETS
+
+    assert list(PRESET_HELP) == list(PRESETS)
+    for name, shape in PRESETS.items():
+        assert PRESET_HELP[name].startswith(
+            f"hidden {shape['hidden_size']} x {shape['num_hidden_layers']} layers")
+    assert "CPU default" in PRESET_HELP["micro"]
+    help_text = build_parser().commands["init-model"].format_help()
+    assert "micro: hidden 128 x 2 layers, the CPU default's" in " ".join(help_text.split())
+    assert main(["init-model", str(tmp_path / "m"), "--preset", "micro", "--vocab-size", "512"]) == 0
+    out, err = capsys.readouterr()
+    steps = [line for line in err.splitlines() if line.startswith("init-model [")]
+    assert len(steps) == 3 and "tokenizer corpus" in steps[0] and "wrote" in steps[-1]
+    assert json.loads(out)["preset"] == "micro" and (tmp_path / "m" / "config.json").is_file()

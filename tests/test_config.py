@@ -1,0 +1,34 @@
+"""jscenegen/config.py: YAML errors in one line with file, line and column; errors blame the
+override that set a bad value, not the config file."""
+import pytest
+
+from jscenegen.config import ConfigError, load_config, read_yaml
+from jscenegen.run_config import RunConfig
+
+
+def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("optim:\n  lr: 1.0e-5\nschedule:\n  roles: [D, P\n  group_size: 8\n")
+    with pytest.raises(ConfigError) as info:
+        read_yaml(f)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{f}:5:13: not valid YAML: expected ',' or ']', but got ':'")
+    assert "line 4, column 10" in msg  # where the unclosed sequence starts
+    f.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping of sections, got list"):
+        load_config(f, [], RunConfig)
+
+
+def test_errors_blame_the_override_that_set_the_value(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("optim:\n  lr: 1.0e-5\nschedule:\n  group_size: two\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(f, ["optim.lr=fast", "sampling.buckets=[64,x]", "optim.learning_rate=1"], RunConfig)
+    lines = str(info.value).splitlines()
+    assert any(line.startswith("override optim.lr=fast: optim.lr: ") for line in lines)
+    assert any(line.startswith("override sampling.buckets=[64,x]: sampling.buckets.1: ") for line in lines)
+    assert "override optim.learning_rate=1: unknown key 'optim.learning_rate'" in lines
+    assert any(line.startswith(f"{f}: schedule.group_size: ") for line in lines)  # the file's own
+    with pytest.raises(ConfigError, match=r"^override judge.backend=http: judge: .*needs judge.base_url"):
+        load_config(None, ["judge.backend=http"], RunConfig)

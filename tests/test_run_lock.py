@@ -1,0 +1,86 @@
+"""jscenegen/run_lock.py: one process per run directory; stale locks are taken over."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jscenegen.checkpoint.store import CheckpointStore
+from jscenegen.cli import main
+from jscenegen.run_lock import LOCK_NAME, RunLock, RunLockedError, read_holder
+
+ROOT = Path(__file__).resolve().parents[1]
+HOLD = ("import sys, time; from jscenegen.run_lock import RunLock; "
+        "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another live process holding the lock of tmp_path/run."""
+    run_dir = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert child.stdout.readline() == "held\n"
+        yield run_dir, child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_second_process_is_refused_with_the_holder_named(holder, capsys):
+    run_dir, child = holder
+    who = f"pid {child.pid} on host {socket.gethostname()}"
+    with pytest.raises(RunLockedError, match=f"in use by {who}"):
+        RunLock(run_dir).acquire()
+    # the command refuses before it reads or writes anything in the run directory
+    assert main(["train", "--run-dir", str(run_dir), "logging.swanlab_mode=disabled"]) == 2
+    assert f"in use by {who}" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]
+    # an unfinished orbax save of the live holder is not deleted by a store opened meanwhile
+    tmp = run_dir / "checkpoints" / "4.orbax-checkpoint-tmp-1700000000"
+    tmp.mkdir(parents=True)
+    CheckpointStore(run_dir / "checkpoints").close()
+    assert tmp.is_dir()
+    child.kill()
+    child.wait()
+    CheckpointStore(run_dir / "checkpoints").close()  # holder gone: the leftover is cleaned
+    assert not tmp.exists()
+
+
+def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+                                                  "started_utc": "then"}))
+    with caplog.at_level("WARNING"), RunLock(tmp_path):
+        held = read_holder(tmp_path)
+        assert (held.pid, held.host) == (os.getpid(), socket.gethostname())
+        with pytest.raises(RunLockedError, match="already locked by this process"):
+            RunLock(tmp_path).acquire()
+    assert f"stale lock of pid {dead.pid}" in caplog.text
+    assert not (tmp_path / LOCK_NAME).exists()  # released
+    # a live pid that is no longer the holder (its start time differs): stale too
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                                  "started_utc": "then", "start_ticks": 1}))
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).pid == os.getpid()
+
+
+def test_a_lock_on_another_host_is_refused_with_the_file_to_delete(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere-7"}))
+    with pytest.raises(RunLockedError, match=f"pid 1 on host elsewhere-7.*delete {tmp_path / LOCK_NAME}"):
+        RunLock(tmp_path).acquire()
+    assert read_holder(tmp_path).host == "elsewhere-7"  # left as it was
+
+
+def test_a_lock_that_created_the_run_directory_removes_it_when_nothing_was_written(tmp_path):
+    with RunLock(tmp_path / "new"):
+        assert (tmp_path / "new" / LOCK_NAME).is_file()
+    assert not (tmp_path / "new").exists()
+    with RunLock(tmp_path / "kept"):
+        (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["metrics.jsonl"]
