@@ -1,8 +1,10 @@
-"""Pieces the benchmarks share: a synthetic GRPO batch and a median timer."""
+"""Pieces the benchmarks share: a synthetic GRPO batch, timers, interleaved rounds, machine load."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -31,3 +33,30 @@ def timed(fn, warmup: int, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def rounds(engines: dict[str, Callable[[int], None]], n_rounds: int, warmup: int = 1) -> dict:
+    """Time every engine once per round, engines interleaved (a load spike on a shared machine
+    then hits all of them alike). engines: {name: fn(round_index)}. Returns {name: {"wall_s":
+    [per round], "cpu_s": [per round]}}; cpu_s is this process's CPU time (all threads), which
+    other jobs on the machine barely change."""
+    for fn in engines.values():
+        for w in range(warmup):
+            fn(-1 - w)
+    out = {name: {"wall_s": [], "cpu_s": []} for name in engines}
+    for r in range(n_rounds):
+        for name, fn in engines.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn(r)
+            out[name]["wall_s"].append(time.perf_counter() - t0)
+            out[name]["cpu_s"].append(time.process_time() - c0)
+    return out
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def load_average() -> list[float]:
+    """The machine's 1/5/15-minute load averages (how busy the shared machine was)."""
+    return [round(x, 2) for x in os.getloadavg()]

@@ -1,106 +1,239 @@
-"""Rollout throughput: jscenegen's KV-cache sampler vs transformers `generate`, same weights.
+"""Rollout throughput, every ratio from one run.
 
-Shape (issue 6): a tiny random Qwen3 (vocab 8192, hidden 256, 4 layers), batch 8, 64-token
-prompts, 128 new tokens per row, top-k 50 sampling (generate's default top-k), temperature 1,
-no stop token (every row generates exactly 128 tokens). Both run on CPU in this process: torch
-with its default threads, JAX on the process's default devices (no forced device count).
-Each side is warmed up once (jscenegen: compilation), then timed over --repeats runs; the best
-run counts. Tunix's sampler is measured only when `tunix` is importable (it is not part of
-jscenegen's dependencies).
+One device (this process's default JAX device, no forced count): jscenegen's sampler vs
+transformers `generate` vs Tunix 0.1.7's `Sampler` (the optional `bench` extra) on the same
+random Qwen3 weights: `tiny` shape (vocab 8192, hidden 256, 4 layers, 4 heads, 2 kv heads,
+tied), fp32, batch 8, 64-token prompts, 128 new tokens per row, top-k 50, temperature 1, no
+stop token (every row generates exactly 128 tokens), log-probs returned where the engine can.
 
-    python bench/rollout.py [--repeats 3]
+The 3 x 2 CPU mesh (a subprocess with six forced CPU devices on the same cores): jscenegen's
+rollout layouts `fsdp` (decode on the training shards), `replicated` and `tp` (tp = 2) on the
+`small` shape (vocab 8192, hidden 512, 8 layers), 12 rows (G = 8 padded for 6 devices), 64-token
+prompts, 64 new tokens, the same prompts and seeds in every layout.
 
-Prints one line per engine and, last, a JSON line with "ratio" = jscenegen / transformers
-generated tokens per second.
+Each engine is warmed up (compiled) once, then timed once per round with the engines
+interleaved, so a load spike on the shared machine hits all of them; the median over
+--rounds counts. CPU seconds (all threads of the process) are printed beside wall seconds:
+other jobs barely change them, so their ratios are the stable ones on a busy machine.
+
+    python bench/rollout.py [--rounds 5] [--skip-mesh]
+
+Prints every figure and, last, one JSON line with the ratios: `vs_transformers` and `vs_tunix`
+(jscenegen over the other, generated tokens/s), `replicated_vs_fsdp`, `tp_vs_fsdp`, the same
+from CPU time (`cpu_*`), and the machine's load average before and after.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import tempfile
-import time
 
 import numpy as np
+from common import load_average, median, rounds
 
 VOCAB, BATCH, PROMPT, NEW, TOP_K = 8192, 8, 64, 128, 50
+MESH_ROWS, MESH_NEW = 12, 64
 
 
-def build(tmp: str):
+def build(tmp: str, preset: str = "tiny"):
     from flax import nnx
 
     from jscenegen.model.config import preset_config
     from jscenegen.model.hf_io import save_hf
     from jscenegen.model.qwen import QwenForCausalLM
 
-    cfg = preset_config("qwen3", "tiny", vocab_size=VOCAB)
-    model = QwenForCausalLM(cfg, rngs=nnx.Rngs(0))
+    model = QwenForCausalLM(preset_config("qwen3", preset, vocab_size=VOCAB), rngs=nnx.Rngs(0))
     save_hf(model, tmp)
     return model
 
 
-def bench_jscenegen(model, prompts, repeats: int) -> float:
+def jscenegen_engine(model, prompts, new, mesh=None, layout="auto"):
     from jscenegen.generate.sampler import Sampler
     from jscenegen.generate.sampling import SamplingParams
 
-    sampler = Sampler(model, SamplingParams(temperature=1.0, top_k=TOP_K), buckets=(PROMPT,))
-    sampler.generate(prompts, NEW, seeds=range(BATCH))                       # compile
-    best = float("inf")
-    for r in range(repeats):
-        t = time.perf_counter()
-        out = sampler.generate(prompts, NEW, seeds=[r * BATCH + i for i in range(BATCH)])
-        best = min(best, time.perf_counter() - t)
-        assert (out["lengths"] == NEW).all()
-    return BATCH * NEW / best
+    sampler = Sampler(model, SamplingParams(temperature=1.0, top_k=TOP_K), buckets=(PROMPT,),
+                      mesh=mesh, layout=layout)
+    rows = len(prompts)
+
+    def run(r):
+        out = sampler.generate(prompts, new, seeds=[1000 * (r + 2) + i for i in range(rows)])
+        assert (out["lengths"] == new).all()
+    return run, sampler
 
 
-def bench_transformers(path: str, prompts, repeats: int) -> float:
+def transformers_engine(path: str, prompts):
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor(prompts, dtype=torch.long)
-    mask = torch.ones_like(ids)
     kw = dict(do_sample=True, top_k=TOP_K, top_p=1.0, temperature=1.0, max_new_tokens=NEW,
-              min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, **kw)               # warm-up
-        best = float("inf")
-        for r in range(repeats):
-            torch.manual_seed(r)
-            t = time.perf_counter()
-            out = model.generate(input_ids=ids, attention_mask=mask, **kw)
-            best = min(best, time.perf_counter() - t)
-            assert out.shape == (BATCH, PROMPT + NEW)
-    return BATCH * NEW / best
+              min_new_tokens=NEW, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    def run(r):
+        torch.manual_seed(r + 2)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, **kw)
+        assert out.shape == (BATCH, PROMPT + NEW)
+    return run
+
+
+class _IdTokenizer:
+    """Token ids as space-separated text, for Tunix's string-in sampler (pad and bos 0: no bos
+    is added, padding is masked; eos beyond the vocabulary: never sampled)."""
+
+    def encode(self, s, **kw):
+        return [int(x) for x in s.split()]
+
+    def decode(self, ids, **kw):
+        return " ".join(map(str, ids))
+
+    def bos_id(self):
+        return 0
+
+    def eos_id(self):
+        return VOCAB + 7
+
+    def pad_id(self):
+        return 0
+
+
+def tunix_engine(path: str, cfg, prompts):
+    """Tunix 0.1.7's Sampler on its own Qwen3 module, loaded from the same safetensors."""
+    from tunix.generate.sampler import CacheConfig, Sampler
+    from tunix.models.qwen3 import model as tmodel
+    from tunix.models.qwen3 import params as tparams
+
+    tcfg = tmodel.ModelConfig(
+        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
+        hidden_dim=cfg.intermediate_size, num_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads,
+        rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_norm_eps,
+        use_tied_embedding=cfg.tie_word_embeddings)
+    model = tparams.create_model_from_safe_tensors(path, tcfg)
+    sampler = Sampler(model, _IdTokenizer(), CacheConfig(
+        cache_size=PROMPT + NEW, num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim))
+    text = [" ".join(map(str, p)) for p in prompts]
+
+    def run(r):
+        out = sampler(text, max_generation_steps=NEW, max_prompt_length=PROMPT, temperature=1.0,
+                      top_p=1.0, top_k=TOP_K, seed=r + 2, return_logprobs=True)
+        assert all(len(t) == NEW for t in out.tokens)
+    return run
+
+
+def one_device(n_rounds: int) -> dict:
+    import jax
+    import torch
+
+    print(f"one device: jax {jax.devices()}; torch threads {torch.get_num_threads()}")
+    print(f"shape: qwen3 tiny vocab {VOCAB} hidden 256 layers 4, batch {BATCH}, prompt {PROMPT}, "
+          f"new {NEW}, top-k {TOP_K}, fp32")
+    prompts = np.random.default_rng(0).integers(3, VOCAB, (BATCH, PROMPT)).tolist()
+    engines = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(tmp)
+        engines["jscenegen"] = jscenegen_engine(model, prompts, NEW)[0]
+        engines["transformers"] = transformers_engine(tmp, prompts)
+        if importlib.util.find_spec("tunix") is not None:
+            engines["tunix"] = tunix_engine(tmp, model.cfg, prompts)
+        else:
+            print("tunix: not installed (pip install -e '.[bench]'); its sampler is not measured")
+        times = rounds(engines, n_rounds)
+    return _report(times, BATCH * NEW)
+
+
+def _report(times: dict, tokens: int) -> dict:
+    out = {}
+    for name, t in times.items():
+        wall, cpu = median(t["wall_s"]), median(t["cpu_s"])
+        out[name] = {"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
+                     "wall_s": wall, "cpu_s": cpu,
+                     "rounds_tokens_per_s": [round(tokens / w) for w in t["wall_s"]]}
+        print(f"  {name:24s} {tokens / wall:9,.0f} generated tok/s (median)  "
+              f"{tokens / cpu:9,.0f} tok per CPU-s   rounds {out[name]['rounds_tokens_per_s']}")
+    return out
+
+
+def mesh_layouts(n_rounds: int) -> dict:
+    """Runs in a subprocess with six forced CPU devices."""
+    import jax
+
+    from jscenegen.model.hf_io import load_hf
+    from jscenegen.sharding.mesh import make_mesh
+
+    mesh = make_mesh(3, 2)
+    print(f"3 x 2 mesh of {jax.device_count()} CPU devices; shape: qwen3 small vocab {VOCAB} "
+          f"hidden 512 layers 8, {MESH_ROWS} rows, prompt {PROMPT}, new {MESH_NEW}, fp32")
+    prompts = np.random.default_rng(1).integers(3, VOCAB, (MESH_ROWS, PROMPT)).tolist()
+    engines, samplers = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        build(tmp, "small")
+        model = load_hf(tmp, mesh=mesh)              # the training layout: FSDP2 shards
+        for layout in ("fsdp", "replicated", "tp"):
+            run, samplers[layout] = jscenegen_engine(model, prompts, MESH_NEW, mesh, layout)
+            engines[layout] = run
+        times = rounds(engines, n_rounds)
+    out = _report(times, MESH_ROWS * MESH_NEW)
+    for layout, s in samplers.items():
+        out[layout]["layout"] = s.layout.describe()
+        out[layout]["reshard_bytes"] = s.reshard_stats["reshard_bytes"]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--skip-mesh", action="store_true", help="only the one-device comparison")
+    ap.add_argument("--mesh-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    import jax
-    import torch
-
-    print(f"devices: jax {jax.devices()} (default devices, none forced); torch threads "
-          f"{torch.get_num_threads()}")
-    print(f"shape: qwen3 tiny vocab {VOCAB} hidden 256 layers 4, batch {BATCH}, prompt {PROMPT}, "
-          f"new {NEW}, top-k {TOP_K}")
-    prompts = np.random.default_rng(0).integers(3, VOCAB, (BATCH, PROMPT)).tolist()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build(tmp)
-        ours = bench_jscenegen(model, prompts, args.repeats)
-        print(f"jscenegen sampler: {ours:,.0f} generated tokens/s")
-        theirs = bench_transformers(tmp, prompts, args.repeats)
-        print(f"transformers generate: {theirs:,.0f} generated tokens/s")
-    result = {"ratio": ours / theirs, "jscenegen_tokens_per_s": ours,
-              "transformers_tokens_per_s": theirs, "batch": BATCH, "prompt": PROMPT, "new": NEW}
-    if importlib.util.find_spec("tunix") is None:
-        print("tunix: not installed (google-tunix); its sampler was not measured")
-        result["tunix"] = "not installed"
+    if args.mesh_only:
+        print("MESH " + json.dumps(mesh_layouts(args.rounds)))
+        return
+    load_before = load_average()
+    print(f"load average before: {load_before}")
+    single = one_device(args.rounds)
+    mesh = None
+    if not args.skip_mesh:
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                              " --xla_force_host_platform_device_count=6").strip())
+        proc = subprocess.run([sys.executable, __file__, "--mesh-only", "--rounds", str(args.rounds)],
+                              env=env, capture_output=True, text=True)
+        lines = proc.stdout.splitlines()
+        print("\n".join(x for x in lines if not x.startswith("MESH ")))
+        found = [x for x in lines if x.startswith("MESH ")]
+        if proc.returncode or not found:
+            print(proc.stderr[-3000:])
+        else:
+            mesh = json.loads(found[-1][5:])
+    load_after = load_average()
+    print(f"load average after: {load_after}")
+    ours = single["jscenegen"]
+    result = {"bench": "rollout", "rounds": args.rounds, "load_before": load_before,
+              "load_after": load_after,
+              "jscenegen_tokens_per_s": ours["tokens_per_s"],
+              "transformers_tokens_per_s": single["transformers"]["tokens_per_s"],
+              "vs_transformers": ours["tokens_per_s"] / single["transformers"]["tokens_per_s"],
+              "cpu_vs_transformers": ours["tokens_per_cpu_s"] / single["transformers"]["tokens_per_cpu_s"]}
+    if "tunix" in single:
+        result.update(tunix_tokens_per_s=single["tunix"]["tokens_per_s"],
+                      vs_tunix=ours["tokens_per_s"] / single["tunix"]["tokens_per_s"],
+                      cpu_vs_tunix=ours["tokens_per_cpu_s"] / single["tunix"]["tokens_per_cpu_s"])
     else:
-        print("tunix: installed, but its sampler needs its own model classes; not measured here")
-        result["tunix"] = "installed, not measured"
+        result["tunix"] = "not installed"
+    if mesh is not None:
+        for layout in ("fsdp", "replicated", "tp"):
+            result[f"mesh_{layout}_tokens_per_s"] = mesh[layout]["tokens_per_s"]
+        for layout in ("replicated", "tp"):
+            result[f"{layout}_vs_fsdp"] = mesh[layout]["tokens_per_s"] / mesh["fsdp"]["tokens_per_s"]
+            result[f"cpu_{layout}_vs_fsdp"] = (mesh[layout]["tokens_per_cpu_s"] /
+                                              mesh["fsdp"]["tokens_per_cpu_s"])
     print(json.dumps(result))
 
 

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from jscenegen.config import Section, load_config
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
 from jscenegen.grpo.train.schedule import ScheduleConfig
 from jscenegen.model.options import ModelConfig
@@ -57,6 +57,7 @@ class RunConfig(Section):
     scene: SceneRuntimeConfig = SceneRuntimeConfig()
     judge: JudgeConfig = JudgeConfig()
     sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()

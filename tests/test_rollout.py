@@ -127,6 +127,21 @@ def test_forced_logprobs_equal_trainer_recompute(expert_group, model):
     assert (tr.logprobs[~tr.policy_mask] == 0).all()
 
 
+def test_a_growing_cache_gives_the_fixed_caches_episodes(expert_group, model, chat, record, expert,
+                                                        rule_judge):
+    """Without `cache_tokens` the cache starts at the prompt plus one turn and grows (doubling,
+    contents kept) as the episode lengthens: same tokens and log-probs, fewer slots attended."""
+    engine = RolloutEngine(model, chat, FORCED.model_copy(update={"cache_tokens": None,
+                                                                  "buckets": (128, 256, 1024)}))
+    group = engine.run_group(record, group_id=7, seeds=[episode_seed(record.seed, m, 0) for m in range(2)],
+                             judge=MaskingJudge(rule_judge), forced=expert)
+    assert group.stats["cache_grows"] >= 1 and group.stats["cache_rebuilds"] == 0
+    assert group.stats["cache_slots"] < engine.slots
+    for tr, ref in zip(group.trajectories, expert_group.trajectories):
+        np.testing.assert_array_equal(tr.tokens, ref.tokens)
+        np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
 def test_malformed_and_truncated_outputs_are_policy_failures(model, chat, record, rule_judge):
     seen = {}
 
@@ -205,19 +220,40 @@ def test_sampled_rollout_seeds_and_logprobs(sampled_engine, model, record, rule_
         np.testing.assert_allclose(tr.logprobs[tr.policy_mask], want[tr.policy_mask], atol=1e-5, rtol=0)
 
 
-def test_sampled_rollout_on_the_3x2_mesh_pads_rows(sampled_engine, chat, record, rule_judge):
-    from jscenegen.model.hf_io import load_hf
+@pytest.mark.parametrize("layout,rows", [("replicated", 6), ("tp", 3)])
+def test_sampled_rollout_on_the_3x2_mesh_pads_rows(sampled_engine, chat, record, rule_judge,
+                                                   layout, rows):
+    from jscenegen.grpo.rollout.config import RolloutConfig
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(3, 2)
-    engine = RolloutEngine(load_hf(chat_model_dir(), mesh=mesh), chat, SAMPLED, mesh=mesh)
+    engine = RolloutEngine(load_hf(chat_model_dir(), mesh=mesh), chat, SAMPLED, mesh=mesh,
+                           rollout=RolloutConfig(layout=layout))
     group = engine.run_group(record, group_id=3, seeds=[11, 12], judge=rule_judge)
-    assert group.stats["batch_rows"] == 3
+    assert group.stats["batch_rows"] == rows and group.stats["layout"] == layout
     unsharded = sampled_engine.run_group(record, group_id=3, seeds=[11, 12], judge=rule_judge)
     for tr, ref in zip(group.trajectories, unsharded.trajectories):
         np.testing.assert_array_equal(tr.tokens, ref.tokens)
         np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
         assert tr.reward == -1.0 and 1 <= tr.policy_mask.sum() <= SAMPLED.max_new_tokens
+
+
+def test_several_groups_in_one_batch_are_the_groups_run_alone(sampled_engine, record, rule_judge):
+    from jscenegen.grpo.rollout.engine import GroupRequest
+
+    other = dev_records()[1]
+    both = sampled_engine.run_groups([GroupRequest(record, 7, (11, 12)), GroupRequest(other, 8, (5, 6))],
+                                     judge=rule_judge)
+    alone = [sampled_engine.run_group(record, group_id=7, seeds=[11, 12], judge=rule_judge),
+             sampled_engine.run_group(other, group_id=8, seeds=[5, 6], judge=rule_judge)]
+    assert [g.stats["groups"] for g in both] == [2, 2] and both[0].stats["batch_rows"] == 4
+    assert both[0].stats["batch_generated_tokens"] == sum(g.stats["generated_tokens"] for g in both)
+    for together, single in zip(both, alone):
+        assert [t.group_id for t in together.trajectories] == [single.trajectories[0].group_id] * 2
+        for tr, ref in zip(together.trajectories, single.trajectories):
+            np.testing.assert_array_equal(tr.tokens, ref.tokens)
+            np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+            assert tr.reward == ref.reward and tr.seed == ref.seed
 
 
 def test_turn_stopped_by_a_stop_string_gets_its_end_of_turn_as_environment(model, chat, record, rule_judge):

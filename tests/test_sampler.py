@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jscenegen.generate.sampler import STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler, split_into_buckets
-from jscenegen.generate.sampling import SamplingParams
+from jscenegen.generate.sampling import SamplingParams, row_keys
 from jscenegen.generate.stop import build_stop_table, stop_string_step
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.train.step import GRPOStep
@@ -92,24 +92,17 @@ def test_sampled_logprobs_equal_trainer_recompute(model, prompts, params):
         assert got.dtype == np.float32 and np.all(got < 0)
 
 
-def test_sampled_logprobs_on_the_3x2_mesh(tiny_hf, model, prompts):
-    from jscenegen.model.hf_io import load_hf
+def test_rows_must_split_over_the_layouts_data_parallel_size(tiny_hf):
+    # the layouts themselves (same tokens as here, on the 3 x 2 mesh) are tests/test_rollout_layout.py
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(3, 2)
     sharded = load_hf(tiny_hf["qwen3"], mesh=mesh)
-    s = Sampler(sharded, SamplingParams(temperature=0.8), buckets=BUCKETS, mesh=mesh)
-    with pytest.raises(ValueError, match="fsdp=3"):
-        s.new_cache(2, 32)
-    rows = prompts + [prompts[0][:3]]
-    out = s.generate(rows, 8, seeds=[5, 6, 7])
-    assert out["tokens"].shape == (3, 8)
-    seqs = [p + out["tokens"][i].tolist() for i, p in enumerate(rows)]
-    want = trainer_logprobs(model, seqs, 0.8)                    # unsharded trainer
-    for i, p in enumerate(rows):
-        np.testing.assert_allclose(out["logprobs"][i], want[i, len(p):len(p) + 8], atol=1e-5, rtol=0)
-    unsharded = Sampler(model, SamplingParams(temperature=0.8), buckets=BUCKETS).generate(rows, 8, [5, 6, 7])
-    np.testing.assert_array_equal(out["tokens"], unsharded["tokens"])
+    for layout, rows in (("replicated", 6), ("fsdp", 3)):
+        s = Sampler(sharded, SamplingParams(temperature=0.8), buckets=BUCKETS, mesh=mesh, layout=layout)
+        assert s.row_multiple == rows
+        with pytest.raises(ValueError, match=f"2 rows do not split over the rollout layout's {rows} "):
+            s.new_cache(2, 32)
 
 
 def test_logprobs_are_of_the_tempered_distribution(model, prompts):
@@ -244,6 +237,25 @@ def test_bucketed_appends_do_not_recompile(model):
     assert np.asarray(cache.next_pos).tolist() == [28, 14]
 
 
+def test_a_grown_cache_decodes_as_a_big_one(model, prompts):
+    s = Sampler(model, SamplingParams(temperature=1.0), buckets=BUCKETS)
+    keys = row_keys([3, 4])
+    big, last = s.new_cache(2, 64)
+    big, last_b = s.append(big, last, prompts)
+    small, last = s.new_cache(2, 16)
+    small, last_s = s.append(small, last, prompts)
+    assert int(small.length) == 16
+    grown = s.grow_cache(small, 64)
+    assert grown.k[0].shape[-1] == grown.v[0].shape[-2] == grown.valid.shape[1] == 64
+    np.testing.assert_array_equal(np.asarray(grown.valid[:, :16]), np.asarray(small.valid))
+    a = s.decode(big, last_b, [6, 6], keys, 6)
+    b = s.decode(grown, last_s, [6, 6], keys, 6)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-6)
+    with pytest.raises(ValueError, match="8 slots < the cache's 16"):
+        s.grow_cache(small, 8)
+
+
 # ---- Qwen3.5: the same sampler over the hybrid cache (K/V + Gated DeltaNet states) -----------
 @pytest.fixture(scope="module")
 def qwen35(qwen35_hf):
@@ -298,17 +310,24 @@ def test_qwen35_cached_generation_equals_the_full_forward_at_every_step(qwen35, 
                                    atol=2e-5)
 
 
-def test_qwen35_sampling_on_the_3x2_mesh_equals_unsharded(qwen35_hf, qwen35_prompts, qwen35_sampler):
+@pytest.mark.parametrize("layout", ["fsdp", "replicated", "tp"])
+def test_qwen35_sampling_on_the_3x2_mesh_equals_unsharded(qwen35_hf, qwen35_prompts, qwen35_sampler,
+                                                         layout):
+    """The hybrid cache in the rollout layouts (its [L, B, ...] arrays rows over the layout's
+    data-parallel devices; the weights resharded: Gated DeltaNet and attention alike)."""
     from jscenegen.sharding.mesh import make_mesh
-    from jscenegen.sharding.rules import LAYER_ROWS, named
+    from jscenegen.sharding.rules import LAYER_ROWS
 
     mesh = make_mesh(3, 2)
     s = Sampler(load_hf(qwen35_hf["qwen3_5"], mesh=mesh), SamplingParams(temperature=0.8),
-                buckets=BUCKETS, mesh=mesh)
-    cache, _ = s.new_cache(3, 64)
-    assert cache.state.sharding == named(mesh, LAYER_ROWS) and cache.state.dtype == jnp.float32
-    assert cache.conv.shape == (4, 3, 136, 3) and cache.k.shape == (1, 3, 64, 2, 32)
-    out = s.generate(qwen35_prompts, 6, seeds=[5, 6, 7], cache_len=64)
+                buckets=BUCKETS, mesh=mesh, layout=layout)
+    reps = s.row_multiple // 3                 # fsdp, tp: 3 rows; replicated: 6 (prompts twice)
+    prompts, seeds = qwen35_prompts * reps, [5, 6, 7] * reps
+    cache, _ = s.new_cache(3 * reps, 64)
+    assert cache.state.sharding == s.layout.sharding(LAYER_ROWS) and cache.state.dtype == jnp.float32
+    assert cache.conv.shape == (4, 3 * reps, 136, 3) and cache.k.shape == (1, 3 * reps, 64, 2, 32)
+    out = s.generate(prompts, 6, seeds=seeds, cache_len=64)
     ref = qwen35_sampler.generate(qwen35_prompts, 6, seeds=[5, 6, 7], cache_len=64)
-    np.testing.assert_array_equal(out["tokens"], ref["tokens"])
-    np.testing.assert_allclose(out["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
+    for r in range(reps):
+        np.testing.assert_array_equal(out["tokens"][3 * r:3 * r + 3], ref["tokens"])
+        np.testing.assert_allclose(out["logprobs"][3 * r:3 * r + 3], ref["logprobs"], atol=1e-5, rtol=0)

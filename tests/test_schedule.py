@@ -76,6 +76,38 @@ def test_max_attempts_ends_a_run_without_signal():
     assert pos.attempts == 3 and pos.effective_updates == 0
 
 
+def test_several_groups_per_attempt_take_the_next_scenes_across_the_epoch():
+    s = Schedule(SCENES, ScheduleConfig(group_size=2))
+    pos = SchedulePosition(scene_index=3, epoch=1, redraw=1)
+    assert [s.scene_at(pos, j) for j in range(3)] == [(3, 1), (0, 2), (1, 2)]
+    assert s.seeds(pos, 1) == [episode_seed(100, m, 1, 2) for m in range(2)]
+    nxt, stepped = s.advance(pos, True, scenes=3)
+    assert stepped and (nxt.scene_index, nxt.epoch, nxt.redraw) == (2, 2, 0)
+    same, stepped = s.advance(pos, False, scenes=3)       # redraw all three together
+    assert not stepped and (same.scene_index, same.epoch, same.redraw) == (3, 1, 2)
+
+
+def test_advantages_are_normalised_within_each_group_of_a_batch():
+    import numpy as np
+
+    from jscenegen.grpo.rollout.engine import Trajectory
+    from jscenegen.grpo.train.batch import build_group_batch
+
+    def tr(group, member, reward):
+        n = 6
+        return Trajectory(group, member, 0, np.arange(n, dtype=np.int32), np.full(n, PLANNER, np.int8),
+                          np.ones(n, bool), np.zeros(n, np.float32), [], [], reward, None, False,
+                          0, None, None, {})
+
+    trs = [tr(5, 0, 1.0), tr(5, 1, 3.0), tr(9, 0, -1.0), tr(9, 1, -1.0)]
+    batch = build_group_batch(trs, PLANNER, row_multiple=3, col_multiple=8)
+    # group 5: rewards 1, 3 -> -0.707, +0.707 (std ddof 1); group 9: no spread -> 0
+    np.testing.assert_allclose(batch.episode_advantages, [-0.7071063, 0.7071063, 0, 0], atol=1e-5)
+    assert batch.arrays["input_ids"].shape == (6, 8) and batch.has_signal
+    with pytest.raises(ValueError, match="group size"):
+        build_group_batch(trs[:3], PLANNER, row_multiple=3, col_multiple=8)
+
+
 def test_run_seed_changes_every_episode_seed_and_the_hash_but_not_seed_zero():
     base = Schedule(SCENES, ScheduleConfig(group_size=4))
     other = Schedule(SCENES, ScheduleConfig(group_size=4, seed=1))

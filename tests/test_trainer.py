@@ -10,12 +10,14 @@ from jscenegen.checkpoint.resume import ResumeError
 from jscenegen.checkpoint.store import CheckpointStore, check_step, read_train_state
 from jscenegen.config import ConfigError, load_config
 from jscenegen.grpo.train.trainer import Trainer
+from jscenegen.model.config import QwenConfig
+from jscenegen.model.weights import param_shapes
 from jscenegen.paths import resolve_data_path
 from jscenegen.run_config import RunConfig
 
 from chat_fixtures import chat_model_dir
 
-TIMING_KEYS = ("time/", "rollout/tokens_per_s", "judge/latency_s")
+TIMING_KEYS = ("time/", "rollout/tokens_per_s", "rollout/reshard_s", "judge/latency_s")
 
 
 def _cfg(**extra):
@@ -80,6 +82,13 @@ def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     critic = [r for r in rows if r["role"] == "critic"]
     assert all(r["trained_tokens"] == 0 and r["train/grad_norm"] == 0 for r in critic)
     assert rows[0]["episodes"] == 2
+    # 2 episodes on the replicated layout of 6 devices: 6 rows, 4 of them padding; after each
+    # step one reshard writes the whole weights (fp32) onto each of the 6 devices
+    assert rows[0]["rollout/batch_rows"] == 6 and rows[0]["rollout/padding_rows"] == 4
+    n_params = sum(int(np.prod(s)) for s in param_shapes(QwenConfig.from_dir(chat_model_dir())).values())
+    raw = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout/reshard_bytes"] == 6 * 4 * n_params and r["rollout/reshard_s"] > 0
+               for r in raw)
     steps = CheckpointStore(run_dir / "checkpoints").steps()
     assert steps == [2, 3]  # save_every 1, keep_last 2
     status = check_step(run_dir / "checkpoints" / "3")
@@ -162,6 +171,14 @@ def test_config_errors_name_the_key():
 
     with pytest.raises(MeshError, match="fsdp=4 x sp=2 = 8 does not match the 6 devices"):
         Trainer(_cfg(**{"mesh.fsdp": 4}), "/tmp/never-written", chat_model_dir())
+
+
+def test_groups_per_batch_trains_two_scenes_in_one_step(tmp_path):
+    trainer, summary = _run(tmp_path, max_updates=1, **{"rollout.groups_per_batch": 2})
+    assert summary.attempts == 1 and summary.optimizer_steps == 1
+    row = _metrics(tmp_path)[0]
+    assert row["episodes"] == 4 and row["rollout/batch_rows"] == 6 and row["trained_tokens"] > 0
+    assert trainer.pos.scene_index == 2 and trainer.pos.effective_updates == 1
 
 
 # ---- a Qwen3.5 policy: carried vision tower and mtp.* frozen, Adam only for what trains -----

@@ -1,4 +1,5 @@
-"""One-GPU benchmark: bf16 GRPO train-step MFU and decode tokens/s, jscenegen vs torch.
+"""One-GPU benchmark: bf16 GRPO train-step MFU, decode tokens/s and HBM-bandwidth use,
+jscenegen vs torch (transformers) vs Tunix 0.1.7.
 
 Model: a random Qwen3-1.7B-shaped decoder (hidden 2048, 28 layers, 16 heads, 8 kv heads,
 head_dim 128, FFN 6144, vocab 151936, tied embeddings). jscenegen: fp32 parameters and AdamW
@@ -8,7 +9,15 @@ with bf16 weights and KV cache (top-k 50, temperature 1, no stop token). torch (
 with CUDA): transformers Qwen3ForCausalLM with the same config, fp32 parameters under
 `torch.autocast(bfloat16)`, SDPA attention, gradient checkpointing, `torch_reference.grpo_step`
 (the same spec formulas and torch.optim.AdamW); decode: `generate` in bf16 with the same
-sampling. Each engine runs in its own process (JAX preallocates GPU memory).
+sampling. Tunix (only when `tunix` is importable there; the lent GPU machines reach no package
+registry, so bring the wheel): decode with its `Sampler` on its own Qwen3 module, random bf16
+weights of the same shape, the same batch, prompt length, new tokens and top-k. Each engine
+runs in its own process (JAX preallocates GPU memory).
+
+Decode HBM-bandwidth utilisation = bytes a decode step must read (the bf16 weights once, plus
+the KV cache of every row up to its current length, averaged over the run) x steps/s / the
+device's peak HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s, A100 2.0 TB/s or --peak-hbm-tbs).
+Decode of a 1.7B-4B model at batch 64 is bandwidth-bound, so this is its roofline share.
 
 MFU = model FLOPs per step / step time / peak bf16 FLOP/s, model FLOPs = 6 N T (N: matmul
 parameters incl. the output projection, T: tokens) + 6 L S d_q T / 2 x 2 (causal attention
@@ -19,7 +28,8 @@ kind (H100/H200 989 TFLOP/s dense bf16, A100 312) or --peak-tflops.
     python bench/gpu/bench_gpu.py --tiny        # CPU dry run: tiny model, xla attention
 
 Prints one JSON line per engine and, last, a JSON line with "ratio" = jscenegen / torch train
-tokens/s (and "decode_ratio"); ratio is null when torch could not run.
+tokens/s, "decode_ratio" (jscenegen / torch) and "decode_vs_tunix"; a ratio is null when that
+engine could not run. `--shape 4b` uses a Qwen3-4B shape instead of 1.7B.
 """
 from __future__ import annotations
 
@@ -39,7 +49,26 @@ QWEN3_1_7B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, inter
                   tie_word_embeddings=True, max_position_embeddings=40960)
 TINY = dict(QWEN3_1_7B, vocab_size=1024, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+QWEN3_4B = dict(QWEN3_1_7B, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def param_count(c: dict) -> int:
+    """Parameters of the decoder (tied embedding counted once)."""
+    h, hd, f = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h + 2 * hd
+    head = 0 if c["tie_word_embeddings"] else c["vocab_size"] * h
+    return c["num_hidden_layers"] * per_layer + c["vocab_size"] * h + head + h
+
+
+def decode_bytes_per_step(c: dict, rows: int, prompt: int, new: int) -> float:
+    """bf16 bytes one decode step reads: the weights once and every row's KV cache at its mean
+    length over the run (prompt + new / 2)."""
+    kv = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2
+    return 2 * param_count(c) + rows * (prompt + new / 2) * kv
 TOP_K = 50
 
 
@@ -193,14 +222,73 @@ def run_torch(c: dict, args) -> dict:
     return out
 
 
+def run_tunix(c: dict, args) -> dict:
+    """Tunix 0.1.7's Sampler decode on its own Qwen3 module (random bf16 weights)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tunix") is None:
+        return {"engine": "tunix", "skipped": "tunix is not installed here"}
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.generate.sampler import CacheConfig, Sampler
+    from tunix.models.qwen3 import model as tmodel
+
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    tcfg = tmodel.ModelConfig(
+        num_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"], embed_dim=c["hidden_size"],
+        hidden_dim=c["intermediate_size"], num_heads=c["num_attention_heads"],
+        head_dim=c["head_dim"], num_kv_heads=c["num_key_value_heads"],
+        rope_theta=int(c["rope_theta"]), norm_eps=c["rms_norm_eps"],
+        use_tied_embedding=c["tie_word_embeddings"], dtype=dtype, param_dtype=dtype)
+    model = tmodel.Qwen3(tcfg, rngs=nnx.Rngs(1))
+
+    class Ids:   # token ids as text; pad/bos 0 (no bos added), eos beyond the vocabulary
+        def encode(self, s, **kw):
+            return [int(x) for x in s.split()]
+
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+        def bos_id(self):
+            return 0
+
+        def eos_id(self):
+            return c["vocab_size"] + 7
+
+        def pad_id(self):
+            return 0
+
+    sampler = Sampler(model, Ids(), CacheConfig(
+        cache_size=args.prompt + args.new, num_layers=c["num_hidden_layers"],
+        num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"]))
+    prompts = np.random.default_rng(0).integers(1, c["vocab_size"], (args.decode_batch, args.prompt))
+    text = [" ".join(map(str, p)) for p in prompts]
+
+    def decode():
+        out = sampler(text, max_generation_steps=args.new, max_prompt_length=args.prompt,
+                      temperature=1.0, top_p=1.0, top_k=TOP_K, seed=0, return_logprobs=True)
+        assert all(len(t) == args.new for t in out.tokens)
+
+    return {"engine": "tunix", "device": jax.devices()[0].device_kind,
+            "decode_s": timed(decode, warmup=1, repeats=args.repeats)}
+
+
 def finish(r: dict, c: dict, args) -> dict:
-    """Add tokens/s and MFU to one engine's raw timings."""
+    """Add tokens/s, MFU and decode HBM-bandwidth utilisation to one engine's raw timings."""
+    kind = r.get("device", "")
+    if "decode_s" in r:
+        r["decode_tokens_per_s"] = args.decode_batch * args.new / r["decode_s"]
+        hbm = args.peak_hbm_tbs * 1e12 if args.peak_hbm_tbs else next(
+            (v for k, v in PEAK_HBM.items() if k in kind), None)
+        step_bytes = decode_bytes_per_step(c, args.decode_batch, args.prompt, args.new)
+        r["decode_bytes_per_step"] = step_bytes
+        r["decode_hbm_tb_per_s"] = step_bytes * args.new / r["decode_s"] / 1e12
+        r["decode_hbm_util"] = None if hbm is None else r["decode_hbm_tb_per_s"] * 1e12 / hbm
     if "train_step_s" not in r:
         return r
     tokens = args.batch * args.seq
     r["train_tokens_per_s"] = tokens / r["train_step_s"]
-    r["decode_tokens_per_s"] = args.decode_batch * args.new / r["decode_s"]
-    kind = r.get("device", "")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else next(
         (v for k, v in PEAK_BF16.items() if k in kind), None)
     r["model_tflops_per_s"] = model_flops_per_token(c, args.seq) * r["train_tokens_per_s"] / 1e12
@@ -211,7 +299,7 @@ def finish(r: dict, c: dict, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model, xla attention (CPU dry run)")
-    ap.add_argument("--engine", choices=["jscenegen", "torch"],
+    ap.add_argument("--engine", choices=["jscenegen", "torch", "tunix"],
                     help="run one engine in this process (default: both, each in a subprocess)")
     for name, full, tiny, what in (("batch", 8, 2, "train rows"),
                                    ("seq", 2048, 64, "train tokens per row"),
@@ -222,18 +310,20 @@ def main() -> None:
         ap.set_defaults(**{f"_{name}": (full, tiny)})
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the device")
+    ap.add_argument("--peak-hbm-tbs", type=float, help="peak HBM bandwidth of the device, TB/s")
+    ap.add_argument("--shape", choices=["1.7b", "4b"], default="1.7b", help="model shape")
     args = ap.parse_args()
     for name in ("batch", "seq", "decode_batch", "prompt", "new"):
         if getattr(args, name) is None:
             full, tiny = getattr(args, "_" + name.replace("_", "-"))
             setattr(args, name, tiny if args.tiny else full)
-    c = TINY if args.tiny else QWEN3_1_7B
+    c = TINY if args.tiny else (QWEN3_4B if args.shape == "4b" else QWEN3_1_7B)
     if args.engine:
-        r = run_jscenegen(c, args) if args.engine == "jscenegen" else run_torch(c, args)
-        print(json.dumps(finish(r, c, args)), flush=True)
+        run = {"jscenegen": run_jscenegen, "torch": run_torch, "tunix": run_tunix}[args.engine]
+        print(json.dumps(finish(run(c, args), c, args)), flush=True)
         return
     results = {}
-    for engine in ("jscenegen", "torch"):
+    for engine in ("jscenegen", "torch", "tunix"):
         proc = subprocess.run([sys.executable, __file__, "--engine", engine, *sys.argv[1:]],
                               capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -242,16 +332,25 @@ def main() -> None:
         else:
             results[engine] = json.loads(lines[-1])
         print(json.dumps(results[engine]), flush=True)
-    jx, th = results["jscenegen"], results["torch"]
-    both = "train_tokens_per_s" in jx and "train_tokens_per_s" in th
+    jx, th, tx = results["jscenegen"], results["torch"], results["tunix"]
+
+    def ratio(a, b, key):
+        return a[key] / b[key] if key in a and key in b else None
+
     print(json.dumps({
-        "bench": "gpu", "tiny": args.tiny, "batch": args.batch, "seq": args.seq,
+        "bench": "gpu", "tiny": args.tiny, "shape": "tiny" if args.tiny else args.shape,
+        "params": param_count(c), "batch": args.batch, "seq": args.seq,
         "decode_batch": args.decode_batch, "prompt": args.prompt, "new": args.new,
         "jscenegen_mfu": jx.get("mfu"), "torch_mfu": th.get("mfu"),
         "jscenegen_decode_tokens_per_s": jx.get("decode_tokens_per_s"),
         "torch_decode_tokens_per_s": th.get("decode_tokens_per_s"),
-        "decode_ratio": jx["decode_tokens_per_s"] / th["decode_tokens_per_s"] if both else None,
-        "ratio": jx["train_tokens_per_s"] / th["train_tokens_per_s"] if both else None,
+        "tunix_decode_tokens_per_s": tx.get("decode_tokens_per_s"),
+        "jscenegen_decode_hbm_util": jx.get("decode_hbm_util"),
+        "torch_decode_hbm_util": th.get("decode_hbm_util"),
+        "tunix_decode_hbm_util": tx.get("decode_hbm_util"),
+        "decode_ratio": ratio(jx, th, "decode_tokens_per_s"),
+        "decode_vs_tunix": ratio(jx, tx, "decode_tokens_per_s"),
+        "ratio": ratio(jx, th, "train_tokens_per_s"),
     }))
 
 

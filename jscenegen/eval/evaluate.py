@@ -100,14 +100,14 @@ def policy_chat(cfg, model_path: str | Path):
 def policy_engine(cfg, model_path: str | Path, chat=None) -> RolloutEngine:
     """A RolloutEngine for `model_path` (HF directory or checkpoint step) built as the trainer
     builds its own: mesh from `cfg.mesh`, dtypes/attention from `cfg.model`, sampling from
-    `cfg.sampling`, the tokenizer and chat template of the model's assets (`policy_chat`,
-    unless `chat` is given)."""
+    `cfg.sampling`, the rollout layout from `cfg.rollout`, the tokenizer and chat template of
+    the model's assets (`policy_chat`, unless `chat` is given)."""
     from jscenegen.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     model = load_policy(model_path, mesh, **cfg.model.build_options())
     chat = chat if chat is not None else policy_chat(cfg, model_path)
-    return RolloutEngine(model, chat, cfg.sampling, mesh)
+    return RolloutEngine(model, chat, cfg.sampling, mesh, cfg.rollout)
 
 
 def check_episode_fits(chat, record: SceneRecord, cfg) -> int:

@@ -1,5 +1,12 @@
 """Batched KV-cache sampling: jit-compiled appends (prefill, environment text, forced tokens) and a
-`lax.while_loop` decode over a preallocated cache, on the ("fsdp", "sp") mesh.
+`lax.while_loop` decode over a preallocated cache, in a rollout layout (sharding/rollout.py).
+
+Weights: the sampler decodes on its own copy of the weights in the rollout layout (`replicated`:
+whole on every device, `tp`: tensor-parallel, `fsdp`: the training arrays themselves), made by
+one jitted reshard per optimizer step (`set_weights`, generate/reshard.py). Qwen2/Qwen3 run
+their layers over their own parameters (Qwen3.5 scans its stacked layer pattern, stacked once
+per call outside the decode loop), so a decode step reads every weight in place: under
+`replicated` and `tp` no weight byte crosses devices while decoding.
 
 Each step draws with `sampling.sample_tokens` (transformers' logits-processor order; per-row
 keys) and checks `stop.stop_string_step`.
@@ -12,14 +19,17 @@ Shapes are bucketed: appended chunks are left-padded and split into lengths from
 `max_steps`, so the number of compiled programs is bounded by the bucket list, not by lengths.
 
 The cache is the model's own (`create_cache`: `qwen.KVCache` for Qwen2/Qwen3,
-`qwen35.HybridCache` with the Gated DeltaNet states for Qwen3.5), placed on the mesh by its
-`partition_specs()` (specs from `sharding.rules`); padding inside appended chunks and the masked
-slots of stopped rows leave every part of it unchanged, so the sampler is the same for both.
+`qwen35.HybridCache` with the Gated DeltaNet states for Qwen3.5), placed by its
+`partition_specs()` (`sharding.rules` roles, resolved by the layout); padding inside appended
+chunks and the masked slots of stopped rows leave every part of it unchanged, so the sampler is
+the same for both. A cache with a `grown(extra)` method (KVCache) can grow in place of a
+rebuild (`grow_cache`).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import NamedTuple, Sequence
 
 import jax
@@ -27,11 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jscenegen.generate.reshard import Reshard
 from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens
 from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.qwen import CausalLM
+from jscenegen.sharding.constraints import constrain, use_specs
+from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout
 from jscenegen.sharding.rules import ROWS, named
+
+log = logging.getLogger(__name__)
 
 STOP_NONE, STOP_TOKEN, STOP_STRING, STOP_LENGTH = 0, 1, 2, 3
 STOP_REASONS = {STOP_NONE: "none", STOP_TOKEN: "stop_token", STOP_STRING: "stop_string",
@@ -81,22 +96,34 @@ class DecodeResult(NamedTuple):
     last_logits: jax.Array
 
 
+def _is_spec(x) -> bool:
+    return isinstance(x, (str, jax.sharding.PartitionSpec))
+
+
 def _forward(graphdef, state, cache, ids, mask, layers=None):
     model = nnx.merge(graphdef, state)
+    if layers is None:
+        layers = model.decode_layers()
     hidden, cache = model.hidden_states(ids, mask, cache, layers)
     return model, hidden, cache
 
 
+def _logits(model, hidden):
+    """Logits [B, S, V] float32, rows split like the batch (a `tp` layout gathers the
+    vocabulary shards here: activation bytes, not weights)."""
+    return constrain(model.logits(hidden), ROWS)
+
+
 def _append_impl(graphdef, state, cache, last_logits, ids, mask):
     model, hidden, cache = _forward(graphdef, state, cache, ids, mask)
-    new_last = model.logits(hidden[:, -1:])[:, 0]
+    new_last = _logits(model, hidden[:, -1:])[:, 0]
     keep = jnp.any(mask != 0, axis=1)[:, None]
     return cache, jnp.where(keep, new_last, last_logits)
 
 
 def _append_logprobs_impl(graphdef, state, cache, last_logits, ids, mask, temperature):
     model, hidden, cache = _forward(graphdef, state, cache, ids, mask)
-    logits = model.logits(hidden)                                       # [B, S, V]
+    logits = _logits(model, hidden)                                     # [B, S, V]
     real = mask != 0
     prev_real = jnp.concatenate([jnp.zeros_like(real[:, :1]), real[:, :-1]], axis=1)
     prev = jnp.concatenate([last_logits[:, None], logits[:, :-1]], axis=1)
@@ -108,16 +135,21 @@ def _append_logprobs_impl(graphdef, state, cache, last_logits, ids, mask, temper
     return cache, new_last, jnp.where(real, logp, 0.0)
 
 
-def _decode_impl(graphdef, params, stop_strings, state, cache, last_logits, max_new, keys,
-                 stop_ids, stop_table, *, max_steps):
+def _grow_impl(cache, *, extra):
+    grown = cache.grown(extra)
+    return jax.tree.map(lambda role, a: a if role is None else constrain(a, role),
+                        grown.partition_specs(), grown, is_leaf=_is_spec)
+
+
+def _decode_impl(graphdef, params, stop_strings, read_per_token, state, cache, last_logits,
+                 max_new, keys, stop_ids, stop_table, *, max_steps):
     b = last_logits.shape[0]
     k1 = stop_table.head.shape[1] if stop_table is not None else 1
+    layers = nnx.merge(graphdef, state).decode_layers()   # once, outside the loop (or None)
 
     def cond(c):
         step, done = c[0], c[5]
         return (step < max_steps) & ~jnp.all(done)
-
-    layers = nnx.merge(graphdef, state).stacked_layers()   # once, outside the loop
 
     def body(c):
         step, cache, logits, out_tok, out_lp, done, count, reason, tail = c
@@ -138,9 +170,15 @@ def _decode_impl(graphdef, params, stop_strings, state, cache, last_logits, max_
         reason = jnp.where(hit_tok, STOP_TOKEN, jnp.where(hit_str, STOP_STRING,
                                                           jnp.where(hit_len, STOP_LENGTH, reason)))
         done = done | hit_tok | hit_str | hit_len
-        model, hidden, cache = _forward(graphdef, state, cache, tok[:, None],
+        weights = state
+        if read_per_token:
+            # the fsdp layout reads the training shards every token, as an FSDP engine does:
+            # without this XLA hoists the weight all-gathers out of the loop and holds the
+            # whole weights on every device for the whole decode
+            weights, _ = jax.lax.optimization_barrier((state, step))
+        model, hidden, cache = _forward(graphdef, weights, cache, tok[:, None],
                                         active[:, None].astype(jnp.int32), layers)
-        new_logits = model.logits(hidden)[:, 0]
+        new_logits = _logits(model, hidden)[:, 0]
         logits = jnp.where(active[:, None], new_logits, logits)
         return step + 1, cache, logits, out_tok, out_lp, done, count, reason, tail
 
@@ -154,80 +192,131 @@ def _decode_impl(graphdef, params, stop_strings, state, cache, last_logits, max_
     return DecodeResult(out_tok, out_lp, count, reason, cache, logits)
 
 
+def tp_divides(cfg) -> tuple[int, ...]:
+    """Sizes a tensor-parallel split of `cfg`'s weights must divide: the head counts (a head is
+    never split) and the FFN size; Qwen3.5's linear-attention heads where the config has them."""
+    names = ("num_key_value_heads", "num_attention_heads", "intermediate_size",
+             "linear_num_key_heads", "linear_num_value_heads")
+    return tuple(int(getattr(cfg, n)) for n in names if getattr(cfg, n, None))
+
+
+def _with_specs(fn, specs):
+    """`fn` traced under the layout's role -> spec table (read at trace time)."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with use_specs(specs):
+            return fn(*args, **kwargs)
+    return traced
+
+
 class Sampler:
     """Compiled prefill/append/decode for one model and one set of sampling parameters.
 
     Args:
-      model: a QwenForCausalLM or Qwen35ForCausalLM (its parameters may already live on `mesh`).
+      model: a QwenForCausalLM or Qwen35ForCausalLM (its parameters may live on `mesh` in the
+        training layout).
       params: SamplingParams.
       stop_token_ids: ids that end a row's turn (the chat template's end-of-turn token).
       stop_strings: strings that end a row's turn (matched on bytes, see module docstring);
         they need `token_bytes`.
       token_bytes: the bytes each vocabulary id decodes to (ChatTokenizer.token_bytes()).
       buckets: increasing chunk lengths for appends.
-      mesh: a ("fsdp", "sp") mesh or None; rows must then be a multiple of its fsdp size.
+      mesh: the training ("fsdp", "sp") mesh or None (one device).
+      layout: a RolloutLayout, or the `rollout.layout` choice ("auto", "replicated", "tp",
+        "fsdp") resolved by `sharding.rollout.choose_rollout_layout` with `tp` and
+        `memory_fraction`; rows must be a multiple of `row_multiple`.
+      dtype: the rollout weights' dtype name (None: the model's compute dtype).
 
-    Raises ValueError for stop strings without token_bytes or unsorted buckets.
+    Raises ValueError for stop strings without token_bytes, unsorted buckets or a layout that
+    does not fit the mesh and the model's heads.
     """
 
     def __init__(self, model: CausalLM, params: SamplingParams, *,
                  stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
                  token_bytes: Sequence[bytes] | None = None,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS, mesh=None):
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, mesh=None,
+                 layout: RolloutLayout | str = "auto", tp: int | None = None,
+                 memory_fraction: float = 0.25, dtype: str | None = None):
         if stop_strings and token_bytes is None:
             raise ValueError("stop_strings need token_bytes (the bytes of every vocabulary id)")
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive lengths, got {buckets}")
         self.cfg = model.cfg
         self.create_cache = type(model).create_cache
+        self._can_grow = hasattr(type(jax.eval_shape(
+            lambda: self.create_cache(model.cfg, 1, 1, jnp.float32))), "grown")
         self.params = params
         self.buckets = tuple(int(b) for b in buckets)
-        self.mesh = mesh
-        self.graphdef, self.state = nnx.split(model)
+        self.weight_dtype = np_dtype(dtype or model.compute_dtype)
+        self.graphdef, state = nnx.split(model)
+        if isinstance(layout, str):
+            n_params = sum(int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
+                           for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+                           if isinstance(v, nnx.Param))
+            layout = choose_rollout_layout(
+                mesh, layout, weight_bytes=n_params * self.weight_dtype.itemsize,
+                divides=tp_divides(self.cfg), tp=tp, memory_fraction=memory_fraction)
+        self.layout = layout
+        self.mesh = mesh                      # the training mesh; the rollout's is layout.mesh
+        log.info("rollout layout: %s", layout.describe())
+        self._reshard = Reshard(state, layout, self.weight_dtype)
+        self.state, self.reshard_stats = self._reshard(state)
+        del state
         self.cache_dtype = np_dtype(model.compute_dtype)
         self.stop_ids = jnp.asarray(sorted(set(int(i) for i in stop_token_ids)) or [-1], jnp.int32)
         self.stop_strings = tuple(s.encode("utf-8") for s in stop_strings)
         self.stop_table = (build_stop_table(self.stop_strings, token_bytes, self.cfg.vocab_size)
                            if stop_strings else None)
         donate = jax.default_backend() != "cpu"
-        gd = self.graphdef
-        self._append = jax.jit(functools.partial(_append_impl, gd),
+        gd, specs = self.graphdef, layout.specs
+        self._append = jax.jit(_with_specs(functools.partial(_append_impl, gd), specs),
                                donate_argnums=(1,) if donate else ())
-        self._append_lp = jax.jit(functools.partial(_append_logprobs_impl, gd),
+        self._append_lp = jax.jit(_with_specs(functools.partial(_append_logprobs_impl, gd), specs),
                                   static_argnums=(5,), donate_argnums=(1,) if donate else ())
-        self._decode = jax.jit(functools.partial(_decode_impl, gd, params, self.stop_strings),
-                               static_argnames=("max_steps",),
-                               donate_argnums=(1,) if donate else ())
+        self._grow = jax.jit(_with_specs(_grow_impl, specs), static_argnames=("extra",),
+                             donate_argnums=(0,) if donate else ())
+        self._decode = jax.jit(
+            _with_specs(functools.partial(_decode_impl, gd, params, self.stop_strings,
+                                          layout.name == "fsdp"), specs),
+            static_argnames=("max_steps",), donate_argnums=(1,) if donate else ())
 
-    def set_weights(self, model: CausalLM) -> None:
-        """Sample from `model`'s current weights (after an optimizer step) without recompiling.
+    def set_weights(self, weights) -> dict:
+        """Sample from new weights (after an optimizer step) without recompiling: one jitted
+        reshard from the training layout into the rollout layout (generate/reshard.py).
 
-        Raises ValueError when `model` is not the same architecture/layout as the sampler's.
+        weights: a QwenForCausalLM or its `nnx.State` (the training parameters). The previous
+        rollout weights are released first. Returns {"reshard_s", "reshard_bytes"}.
+        Raises ValueError when the structure differs from the sampler's model.
         """
-        graphdef, state = nnx.split(model)
-        if graphdef != self.graphdef:
-            raise ValueError("set_weights: the model's structure differs from the sampler's "
-                             "(build a new Sampler for another architecture or padding)")
-        self.state = state
+        if isinstance(weights, nnx.Module):
+            graphdef, weights = nnx.split(weights)
+            if graphdef != self.graphdef:
+                raise ValueError("set_weights: the model's structure differs from the sampler's "
+                                 "(build a new Sampler for another architecture or padding)")
+        self.state = None
+        self.state, self.reshard_stats = self._reshard(weights)
+        return dict(self.reshard_stats)
 
     # ---- placement ----------------------------------------------------------------------
     @property
     def row_multiple(self) -> int:
-        """Rows must be a multiple of this (the mesh's fsdp size, 1 without a mesh)."""
-        return 1 if self.mesh is None else self.mesh.shape["fsdp"]
+        """Rows must be a multiple of this (the layout's data-parallel size, 1 without a mesh)."""
+        return self.layout.row_multiple
 
-    def _put(self, x, spec=ROWS):
+    def _put(self, x, role=ROWS):
         x = np.asarray(x)
-        if self.mesh is None:
+        if self.layout.mesh is None:
             return jnp.asarray(x)
-        return jax.device_put(x, named(self.mesh, spec))
+        return jax.device_put(x, self.layout.sharding(role))
 
     def _ctx(self):
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+        mesh = self.layout.mesh
+        return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
     def _check_rows(self, b: int):
         if b % self.row_multiple:
-            raise ValueError(f"{b} rows do not split over the mesh's fsdp={self.row_multiple}; "
+            raise ValueError(f"{b} rows do not split over the rollout layout's "
+                             f"{self.row_multiple} data-parallel shards ({self.layout.name}); "
                              "pad the batch with fully masked rows")
 
     def new_cache(self, batch: int, max_len: int):
@@ -236,12 +325,31 @@ class Sampler:
         self._check_rows(batch)
         cache = self.create_cache(self.cfg, batch, max_len, self.cache_dtype)
         last = jnp.zeros((batch, self.cfg.vocab_size), jnp.float32)
-        if self.mesh is None:
+        if self.layout.mesh is None:
             return cache, last
-        cache = jax.tree.map(lambda spec, a: jax.device_put(a, named(self.mesh, spec)),
-                             cache.partition_specs(), cache,
-                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        return cache, jax.device_put(last, named(self.mesh, ROWS))
+        cache = jax.tree.map(lambda spec, a: jax.device_put(a, self._sharding(spec)),
+                             cache.partition_specs(), cache, is_leaf=_is_spec)
+        return cache, jax.device_put(last, self.layout.sharding(ROWS))
+
+    def _sharding(self, spec):
+        """A role or PartitionSpec as a NamedSharding on the rollout mesh."""
+        if isinstance(spec, str):
+            return self.layout.sharding(spec)
+        return named(self.layout.mesh, spec)
+
+    @property
+    def can_grow(self) -> bool:
+        """Whether the model's cache can grow in place (`grow_cache`), else it is rebuilt."""
+        return self._can_grow
+
+    def grow_cache(self, cache, max_len: int):
+        """`cache` with `max_len` >= its slots, the new slots empty (one compiled program per
+        size pair; the rows' contents, positions and length unchanged)."""
+        old = cache.valid.shape[1]
+        if max_len < old:
+            raise ValueError(f"grow_cache: {max_len} slots < the cache's {old}")
+        with self._ctx():
+            return self._grow(cache, extra=max_len - old)
 
     # ---- operations ---------------------------------------------------------------------
     def left_pad(self, rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -90,11 +90,14 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
     z = logits.astype(jnp.float32) / params.temperature
     if params.greedy:
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        top = jnp.take_along_axis(z, tok[:, None], axis=-1)          # the row's max, exactly
     else:
         if 0 < params.top_k < z.shape[-1]:
             cand, idx = jax.lax.top_k(z, params.top_k)                  # [B, k]
+            top = jnp.max(cand, axis=-1, keepdims=True)                 # the row's max, exactly
         else:
             cand, idx = z, None
+            top = jnp.max(z, axis=-1, keepdims=True)
         cand = _nucleus(cand, params.top_p)
 
         def one(key_data, pos, row):
@@ -104,7 +107,10 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
         choice = jax.vmap(one)(keys, positions, cand)
         tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
         tok = tok.astype(jnp.int32)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tok[:, None], axis=-1)[:, 0]
+    # log_softmax(z)[tok] as jax.nn.log_softmax computes it (shift by the max, which the draw
+    # already found), without a second pass for the max over the vocabulary
+    shifted = jnp.take_along_axis(z, tok[:, None], axis=-1) - top
+    logp = (shifted - jnp.log(jnp.sum(jnp.exp(z - top), axis=-1, keepdims=True)))[:, 0]
     return tok, logp
 
 

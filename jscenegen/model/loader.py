@@ -51,19 +51,25 @@ def model_class(cfg: QwenConfig) -> type[CausalLM]:
 def abstract_model(cfg: QwenConfig, *, mesh: jax.sharding.Mesh | None = None,
                    param_dtype: str = "float32", compute_dtype: str = "float32",
                    remat: bool = False, attn_impl: str = "xla",
-                   causal_balance: bool = False, train_vision: bool = False) -> CausalLM:
+                   causal_balance: bool = False, train_vision: bool = False,
+                   scan_layers: bool | None = None) -> CausalLM:
     """The model's structure with abstract parameters (no memory), padded for `mesh`'s devices.
 
     `causal_balance` reorders full sequences for the mesh's `sp` shards (see qwen.py); Qwen3.5
     refuses it (ValueError). `train_vision` makes Qwen3.5's vision tower trainable
-    parameters (`weights.weight_table`; ValueError without a tower)."""
+    parameters (`weights.weight_table`; ValueError without a tower). `scan_layers`
+    (Qwen2/Qwen3): None scans the layers on a mesh of several devices and loops on one
+    (Qwen3.5 always scans its layer pattern)."""
     pad = mesh.size if mesh is not None else 1
     balance = mesh.shape["sp"] if (causal_balance and mesh is not None) else 1
     cls = model_class(cfg)
+    extra = {}
+    if cls is QwenForCausalLM:
+        extra["scan_layers"] = (mesh is not None and mesh.size > 1) if scan_layers is None else scan_layers
     return nnx.eval_shape(lambda: cls(
         cfg, rngs=nnx.Rngs(0), pad_multiple=pad, param_dtype=param_dtype,
         compute_dtype=compute_dtype, remat=remat, attn_impl=attn_impl, balance_shards=balance,
-        train_vision=train_vision))
+        train_vision=train_vision, **extra))
 
 
 def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
@@ -79,7 +85,7 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
     mesh: the ("fsdp", "sp") mesh, or None for an unsharded model on the default device.
     source: what the arrays come from, for error messages (a directory or file).
     options: `abstract_model` keywords (param_dtype, compute_dtype, remat, attn_impl,
-      causal_balance, train_vision).
+      causal_balance, train_vision, scan_layers).
     Raises CheckpointFormatError naming `source` and the key for an unknown, duplicated,
     mis-shaped or missing weight.
     """

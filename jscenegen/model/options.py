@@ -26,9 +26,13 @@ class ModelConfig(Section):
                                "vision tower's tensors (zero gradient on text, but AdamW "
                                "state and weight decay, as VERL with freeze_vision_tower "
                                "false); false: carried frozen, no Adam state")
+    scan_layers: bool | None = Field(None, description="training forward as a lax.scan over "
+                                     "the layers (bounds FSDP's gathered weights to one layer) "
+                                     "or a Python loop; null: scan on a mesh of several "
+                                     "devices, loop on one")
 
     def build_options(self) -> dict[str, Any]:
         """Keyword arguments of `loader.build_model` / `hf_io.load_hf` for this section."""
         return dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
                     remat=self.remat, attn_impl=self.attention, causal_balance=self.causal_balance,
-                    train_vision=self.train_vision)
+                    train_vision=self.train_vision, scan_layers=self.scan_layers)

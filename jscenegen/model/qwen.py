@@ -29,13 +29,19 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import ParamFactory, weight_table
 from jscenegen.sharding.constraints import constrain, constrain_stacked, gather
-from jscenegen.sharding.rules import ACTIVATION, LAYER_ROWS, REPLICATED, ROWS, SEQ_GATHERED
+from jscenegen.sharding.rules import ACTIVATION, CACHED_KV, HEADS, REPLICATED, ROWS, SEQ_GATHERED
 
 
 def logical(p: nnx.Param, dtype) -> jax.Array:
-    """A parameter at its logical rows, cast to `dtype`: all-gathered (FSDP), then the dim-0
-    padding (beyond the `rows` metadata) sliced off."""
-    w = gather(p[...])
+    """A parameter in HF orientation at its logical rows, cast to `dtype`: read as the active
+    layout wants it (`sharding.constraints.gather`: all-gathered under FSDP training, as placed
+    in a rollout layout), the dim-0 padding (beyond the `rows` metadata) sliced off. A rollout
+    copy stored [in, out] (metadata `transposed`) is read transposed; XLA folds that into the
+    matmul that consumes it."""
+    w = p[...]
+    if p.get_metadata().get("transposed", False):
+        w = w.T
+    w = gather(w)
     if w.shape[0] != p.rows:
         w = w[: p.rows]
     return w.astype(dtype)
@@ -75,6 +81,8 @@ class Embedding(nnx.Module):
         self.weight = make(f"{name}.weight")
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+        if self.weight.get_metadata().get("transposed", False):   # a rollout copy [H, V]
+            return jnp.moveaxis(jnp.take(self.weight[...], ids, axis=1), 0, -1).astype(dtype)
         return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
 
     def logical(self, dtype) -> jax.Array:
@@ -118,33 +126,50 @@ def cache_step_inputs(mask: jax.Array, cache) -> tuple[jax.Array, jax.Array, jax
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Preallocated keys/values for all layers.
+    """Preallocated keys/values, one array per layer.
 
-    k, v: [L, B, Smax, Nkv, D] compute dtype; valid: [B, Smax] bool (slot holds a real token);
+    k: tuple of L arrays [B, Nkv, D, Smax], v: tuple of L arrays [B, Nkv, Smax, D], compute
+    dtype. Head-major, keys transposed: both attention products then read the cache as it
+    lies, in the plain [M, K] x [K, N] form every matmul backend reads without repacking; one
+    array per layer: no slice of a whole-model cache is copied per layer and token.
+    valid: [B, Smax] bool (slot holds a real token);
     next_pos: [B] int32 (RoPE position of the row's next real token); length: [] int32 (slots
     written so far; all rows write in lockstep, padding slots stay invalid).
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     valid: jax.Array
     next_pos: jax.Array
     length: jax.Array
 
     @classmethod
     def create(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        k_shape = (batch, cfg.num_key_value_heads, cfg.head_dim, max_len)
+        v_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        n = cfg.num_hidden_layers
         return cls(
-            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(k_shape, dtype) for _ in range(n)),
+            v=tuple(jnp.zeros(v_shape, dtype) for _ in range(n)),
             valid=jnp.zeros((batch, max_len), bool),
             next_pos=jnp.zeros((batch,), jnp.int32), length=jnp.zeros((), jnp.int32),
         )
 
-    @staticmethod
-    def partition_specs() -> "KVCache":
-        """Where each array lives on the mesh (`sharding.rules`): per-layer arrays [L, B, ...]
-        split rows over fsdp (LAYER_ROWS), per-row arrays ROWS, the slot counter REPLICATED."""
-        return KVCache(k=LAYER_ROWS, v=LAYER_ROWS, valid=ROWS, next_pos=ROWS, length=REPLICATED)
+    def partition_specs(self) -> "KVCache":
+        """Where each array lives (`sharding.rules` roles, resolved by the active layout): the
+        layers' arrays CACHED_KV (rows, and heads under tensor parallelism), per-row arrays
+        ROWS, the slot counter REPLICATED."""
+        return KVCache(k=tuple(CACHED_KV for _ in self.k), v=tuple(CACHED_KV for _ in self.v),
+                       valid=ROWS, next_pos=ROWS, length=REPLICATED)
+
+    def grown(self, extra: int) -> "KVCache":
+        """This cache with `extra` more empty slots (contents, positions and length kept)."""
+        def pad(x, axis):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, extra)
+            return jnp.pad(x, widths)
+        return KVCache(tuple(pad(k, 3) for k in self.k), tuple(pad(v, 2) for v in self.v),
+                       pad(self.valid, 1), self.next_pos, self.length)
 
 
 class Attention(nnx.Module):
@@ -164,10 +189,10 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask, kv=None):
         """x [B,S,H]; mask [B,S,Sk] -> (out, kv).
 
-        kv = (k_all [L,B,Smax,Nkv,D], v_all, layer, offset) or None: the S new keys/values are
-        written into layer `layer` of the whole-model cache at slot `offset` (in place, inside
-        the layer loop's carry) and attention reads that layer's slots; the updated cache is
-        returned. Without a cache the keys/values of x are used and returned as (k, v).
+        kv = (k_cache [B,Nkv,D,Smax], v_cache [B,Nkv,Smax,D], offset) or None: the S new keys/values are
+        written into this layer's cache at slot `offset` (in place) and attention reads its
+        slots; the updated (k_cache, v_cache) are returned. Without a cache the keys/values of
+        x are used and returned as (k, v).
         """
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.nq, self.hd)
@@ -182,13 +207,25 @@ class Attention(nnx.Module):
 
 def cached_attention(q, k, v, mask, kv, attn_impl: str):
     """Attention of q [B,S,Nq,D] over the keys/values of k, v [B,S,Nkv,D] (no cache) or over
-    a whole-model cache after writing k, v into it.
+    a cache after writing k, v into it.
 
-    kv = (k_all [L,B,Smax,Nkv,D], v_all, layer, offset) or None: the S new keys/values are
-    written into layer `layer` at slot `offset` (in place, inside the layer loop's carry) and
-    attention reads that layer's slots. mask [B,S,Sk] bool. Returns (out [B,S,Nq,D] in q's
-    dtype, (k_all, v_all) or (k, v) without a cache).
+    kv = None, or (k_cache [B,Nkv,D,Smax], v_cache [B,Nkv,Smax,D], offset): one layer's
+    head-major cache (`KVCache`, keys transposed): the S new keys/values are written at slot
+    `offset` and attention reads the slots as they lie; or (k_all [L,B,Smax,Nkv,D], v_all,
+    layer, offset): a whole-model cache (Qwen3.5's `HybridCache`, inside its layer scan), layer
+    `layer` written and read. mask [B,S,Sk] bool. Returns (out [B,S,Nq,D] in q's dtype, the
+    updated cache arrays, or (k, v) without a cache).
     """
+    q = constrain(q, HEADS)
+    if kv is not None and len(kv) == 3:
+        k_cache, v_cache, offset = kv
+        k = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
+                                         (0, 0, 0, offset))
+        v = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype),
+                                         (0, 0, offset, 0))
+        k, v = constrain(k, CACHED_KV), constrain(v, CACHED_KV)
+        out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, attn_impl, cached=True)
+        return out, (k, v)
     if kv is not None:
         k_all, v_all, layer, offset = kv
         start = (layer, 0, offset, 0, 0)
@@ -200,9 +237,8 @@ def cached_attention(q, k, v, mask, kv, attn_impl: str):
     else:
         new_kv = (k, v)
     # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
-    q = constrain(q, ACTIVATION)
-    k_all_seq, v_all_seq = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
-    out = attention(q, k_all_seq.astype(q.dtype), v_all_seq.astype(q.dtype), mask, attn_impl)
+    k, v = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
+    out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, attn_impl)
     return out, new_kv
 
 
@@ -247,6 +283,12 @@ class CausalLM(nnx.Module):
     layers)`, `stacked_layers()` and `create_cache(cfg, batch, max_len, dtype)`.
     """
 
+    def decode_layers(self):
+        """What `hidden_states(..., layers=)` takes in a decode loop, computed once outside it:
+        `stacked_layers()` (Qwen3.5's scan), or None where the cached path runs the layers
+        over their own weights (Qwen2/Qwen3)."""
+        return self.stacked_layers()
+
     def output_embedding(self) -> jax.Array:
         """The output projection [V, H] at logical size (padding rows sliced off), compute dtype."""
         dt = np_dtype(self.compute_dtype)
@@ -277,6 +319,10 @@ class QwenForCausalLM(CausalLM):
       pad_multiple: pad dim 0 of every parameter to a multiple of this (the mesh's device count).
       param_dtype / compute_dtype: "float32" or "bfloat16".
       remat: rematerialise each decoder layer in the backward pass (jax.checkpoint).
+      scan_layers: a full forward (training) runs the layers as a `lax.scan` over stacked
+        parameters (the compiled step holds one layer's gathered weights: needed under FSDP),
+        else as a Python loop over their own parameters (one device: no stacking, no
+        zero-filled per-layer residual buffers, no slicing; faster on CPU).
       attn_impl: "xla" (reference, CPU) or "cudnn" (GPU, bf16).
       balance_shards: > 1 reorders a full sequence for causal load balance over that many
         sequence shards (`balanced_order`); results are returned in the original order.
@@ -286,11 +332,12 @@ class QwenForCausalLM(CausalLM):
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
                  remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1,
-                 train_vision: bool = False):
+                 train_vision: bool = False, scan_layers: bool = True):
         self.cfg = cfg
         self.balance_shards = balance_shards
         self.compute_dtype = compute_dtype
         self.remat = remat
+        self.scan_layers = scan_layers
         make = ParamFactory(weight_table(cfg, train_vision=train_vision), rngs=rngs, pad_multiple=pad_multiple,
                             dtype=np_dtype(param_dtype))
         self.model = QwenModel(cfg, make, attn_impl)
@@ -305,6 +352,10 @@ class QwenForCausalLM(CausalLM):
         """An empty decode cache (`KVCache.create`)."""
         return KVCache.create(cfg, batch, max_len, dtype)
 
+    def decode_layers(self):
+        """None: the cached path runs the layers over their own weights (no stacking)."""
+        return None
+
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
                       cache: KVCache | None = None, layers=None):
         """Final normed hidden states [B, S, H] (compute dtype).
@@ -312,9 +363,11 @@ class QwenForCausalLM(CausalLM):
         input_ids [B, S] int32; attention_mask [B, S] (1 = real token, 0 = padding).
         Without a cache: a full forward. With a cache: the S tokens are appended at slot
         `cache.length` (prefill, append or decode) and the updated cache is returned as
-        (hidden, cache). `layers`: the result of `stacked_layers()` computed once outside a
-        loop that calls the model repeatedly (the sampler's decode loop), so the weights are
-        not re-stacked on every call.
+        (hidden, cache); the layers then run as a Python loop over their own parameters and
+        cache arrays (no stacking per call, no per-layer slices inside the sampler's decode
+        loop), while a full forward runs them as a `lax.scan` over stacked parameters
+        (training: one layer's gathered weights in the compiled step). `layers` is accepted
+        for the decoders' common signature and unused (`decode_layers` is None).
         """
         cfg = self.cfg
         dt = np_dtype(self.compute_dtype)
@@ -333,7 +386,7 @@ class QwenForCausalLM(CausalLM):
             positions, attn_mask, valid = cache_step_inputs(mask, cache)
         cos, sin = rope_cos_sin(cfg, positions)
         x = constrain(self.model.embed_tokens(input_ids, dt), ACTIVATION)
-        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, layers)
+        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache)
         hidden = self.model.norm(x)
         if cache is None:
             return hidden if order is None else hidden[:, np.argsort(order)]
@@ -349,30 +402,39 @@ class QwenForCausalLM(CausalLM):
         stacked = jax.tree.map(lambda *xs: constrain_stacked(jnp.stack(xs)), *[s for _, s in splits])
         return splits[0][0], stacked
 
-    def _layers(self, x, cos, sin, attn_mask, cache, layers=None):
-        """Run the decoder stack as a `lax.scan` over the layers' parameters stacked on the fly.
+    def _layers(self, x, cos, sin, attn_mask, cache):
+        """Run the decoder stack.
 
-        Storage stays one module per layer (HF names); stacking sharded parameters keeps them
-        sharded, and the loop body gathers one layer's weights at a time, so the compiled step
-        holds one gathered layer (per direction), not the whole model. The KV cache [L, ...]
-        rides in the loop's carry and each layer writes only its new slots, so a decode step
-        never copies the cache.
+        Without a cache (training): a `lax.scan` over the layers' parameters stacked on the
+        fly. Storage stays one module per layer (HF names); stacking sharded parameters keeps
+        them sharded, and the loop body gathers one layer's weights at a time, so the compiled
+        step holds one gathered layer (per direction), not the whole model. Without
+        `scan_layers`: a Python loop (one device).
+        With a cache (the sampler): layer by layer over their own parameters and cache arrays,
+        each layer writing only its new slots in place, so a decode step copies neither
+        weights nor cache. Returns (x, new k tuple, new v tuple) (None, None without a cache).
         """
-        graphdef, stacked = layers if layers is not None else self.stacked_layers()
+        if cache is not None:
+            new_k, new_v = [], []
+            for layer, k, v in zip(self.model.layers, cache.k, cache.v):
+                x, (k, v) = layer(x, cos, sin, attn_mask, (k, v, cache.length))
+                new_k.append(k)
+                new_v.append(v)
+            return x, tuple(new_k), tuple(new_v)
+        if not self.scan_layers:
+            for layer in self.model.layers:
+                def run(h, layer=layer):
+                    return layer(h, cos, sin, attn_mask)[0]
+                x = jax.checkpoint(run, prevent_cse=False)(x) if self.remat else run(x)
+            return x, None, None
+        graphdef, stacked = self.stacked_layers()
 
-        def body(carry, xs):
-            h, k_all, v_all = carry
-            layer_state, index = xs
+        def body(h, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            kv = None if cache is None else (k_all, v_all, index, cache.length)
-            h, new_kv = layer(h, cos, sin, attn_mask, kv)
-            if cache is not None:
-                k_all, v_all = new_kv
-            return (h, k_all, v_all), None
+            h, _ = layer(h, cos, sin, attn_mask)
+            return h, None
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        n = len(self.model.layers)
-        init = (x, None, None) if cache is None else (x, cache.k, cache.v)
-        (x, new_k, new_v), _ = jax.lax.scan(body, init, (stacked, jnp.arange(n)))
-        return x, new_k, new_v
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x, None, None

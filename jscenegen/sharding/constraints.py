@@ -1,48 +1,76 @@
-"""Sharding constraints inside jitted code, active only under a mesh with axes ("fsdp", "sp").
+"""Sharding constraints inside jitted code, by role, in the active layout.
 
-The model calls these at block boundaries; without such a mesh they are the identity, so the
-same module runs unsharded. Specs come from `sharding.rules`.
+The model constrains activations by role (`rules.ACTIVATION`, `HEADS`, `SEQ_GATHERED`, ...);
+the active layout maps the role to a spec. By default that is the training layout
+(`rules.TRAINING_SPECS`) under a mesh with axes ("fsdp", "sp"); the sampler traces its programs
+under `use_specs(rules.ROLLOUT_SPECS)` and the rollout mesh. Without a mesh holding the
+layout's axes every constraint is the identity, so the same module runs unsharded.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jscenegen.sharding.rules import AXES, GROUPED_PARAM, REPLICATED, STACKED_PARAM
+from jscenegen.sharding.rules import AXES, GROUPED, STACKED, TRAINING_SPECS, WEIGHT, ActivationSpecs
+
+_SPECS: contextvars.ContextVar[ActivationSpecs] = contextvars.ContextVar(
+    "jscenegen_activation_specs", default=TRAINING_SPECS)
 
 
-def _active() -> bool:
+@contextlib.contextmanager
+def use_specs(specs: ActivationSpecs) -> Iterator[None]:
+    """Trace the enclosed code with `specs` as the role -> spec table (read at trace time)."""
+    token = _SPECS.set(specs)
+    try:
+        yield
+    finally:
+        _SPECS.reset(token)
+
+
+def _resolve(role: str | P) -> P | None:
+    specs = _SPECS.get()
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and set(AXES) <= set(mesh.axis_names)
+    if mesh.empty or not set(specs.axes) <= set(mesh.axis_names):
+        return None
+    return role if isinstance(role, P) else specs.specs[role]
 
 
 def axis_size(name: str) -> int:
     """Size of mesh axis `name` ("fsdp" or "sp") under an active ("fsdp", "sp") mesh, else 1."""
-    if not _active():
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names):
         return 1
-    return jax.sharding.get_abstract_mesh().shape[name]
+    return mesh.shape[name]
 
 
-def constrain(x: jax.Array, spec: P) -> jax.Array:
-    """with_sharding_constraint(x, spec padded with None to x's rank) under an ("fsdp","sp") mesh."""
-    if not _active():
+def constrain(x: jax.Array, role: str | P) -> jax.Array:
+    """with_sharding_constraint(x, the active layout's spec for `role`, padded with None to x's
+    rank); the identity when the layout leaves the role free or no matching mesh is active.
+    `role` may also be a PartitionSpec (used as it is)."""
+    spec = _resolve(role)
+    if spec is None:
         return x
     return jax.lax.with_sharding_constraint(x, P(*spec, *([None] * (x.ndim - len(spec)))))
 
 
 def constrain_stacked(x: jax.Array) -> jax.Array:
-    """Keep parameters stacked over layers [L, n, ...] sharded like their layers (`STACKED_PARAM`)."""
-    return constrain(x, STACKED_PARAM)
+    """Keep parameters stacked over layers [L, n, ...] sharded like their layers (`STACKED`)."""
+    return constrain(x, STACKED)
 
 
 def constrain_grouped(x: jax.Array) -> jax.Array:
     """Keep parameters stacked over layer groups and runs [G, R, n, ...] sharded like their
-    layers (`GROUPED_PARAM`; Qwen3.5's scan over its repeating layer pattern)."""
-    return constrain(x, GROUPED_PARAM)
+    layers (`GROUPED`; Qwen3.5's scan over its repeating layer pattern)."""
+    return constrain(x, GROUPED)
 
 
 def gather(w: jax.Array) -> jax.Array:
-    """A weight all-gathered just before use (FSDP): whole on every device, activations stay
-    batch/sequence-sharded. Without this, XLA may instead shard the matmul's output features
-    and reshard activations, which it does by full rematerialisation."""
-    return constrain(w, REPLICATED)
+    """A weight as a layer reads it. Training: all-gathered just before use (FSDP), whole on
+    every device while activations stay batch/sequence-sharded (without this, XLA may instead
+    shard the matmul's output features and reshard activations, by full rematerialisation).
+    Rollout: left in its decoding layout (replicated or tensor-parallel), never gathered."""
+    return constrain(w, WEIGHT)

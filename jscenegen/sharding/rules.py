@@ -1,29 +1,129 @@
-"""Every PartitionSpec jscenegen uses, in one table, on the ("fsdp", "sp") mesh.
+"""Every PartitionSpec jscenegen uses, in one table: the training layout and the rollout layouts.
 
-Parameters and both Adam moments follow torch FSDP2's `Shard(0)` over all devices (dim 0 split
-over fsdp x sp, padded to a multiple of the device count: ../shared/DESIGN.md "Parameter
-sharding"); activations split batch rows over `fsdp` and sequence positions over `sp`.
-Everything else that places an array (the loader, the checkpoint store, the sampler, the
-batch layout, the activation constraints) takes its spec from here.
+Training (mesh axes ("fsdp", "sp")): parameters and both Adam moments follow torch FSDP2's
+`Shard(0)` over all devices (dim 0 split over fsdp x sp, padded to a multiple of the device
+count: ../shared/DESIGN.md "Parameter sharding"); activations split batch rows over `fsdp` and
+sequence positions over `sp`.
+
+Rollout (mesh axes ("data", "tp") over the same devices, `ROLLOUT_AXES`): the sampler's weights
+are a second copy, made once per optimizer step, laid out so that decoding moves no weight
+bytes: whole on every device (`tp` = 1, the `replicated` layout) or Megatron-split over the
+tensor axis (`tp` > 1: `COLUMN` weights split their output features, `ROW` weights their input
+features, `VOCAB` the vocabulary), rows data-parallel over `data`. Which parameter is which
+kind is the table `ROLLOUT_PARAM_KINDS` (HF-name suffixes), so another decoder family gets its
+rollout layout by adding rows, not code. The `fsdp` rollout layout decodes on the training
+arrays themselves (one weight all-gather per layer per token; kept for comparison).
+
+The model constrains activations by role (`ACTIVATION`, `HEADS`, `SEQ_GATHERED`, `CACHED_KV`,
+`WEIGHT`, `STACKED`, `GROUPED`, `ROWS`, `LAYER_ROWS`); `TRAINING_SPECS` and `ROLLOUT_SPECS` map each role to the
+spec of that layout (`sharding.constraints` picks the active one). Everything else that places
+an array (the loader, the checkpoint store, the sampler, the batch layout) takes its spec from
+here.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("fsdp", "sp")
+AXES = ("fsdp", "sp")              # the training mesh
 FSDP, SP = AXES                    # the axis names, for collectives inside shard_map
+ROLLOUT_AXES = ("data", "tp")      # the rollout mesh: rows over data, tensor parallelism over tp
 
 PARAM = P(AXES)                    # [n, ...] parameter / Adam moment: dim 0 over every device
 STACKED_PARAM = P(None, AXES)      # [L, n, ...] parameters stacked over layers (the layer scan)
 GROUPED_PARAM = P(None, None, AXES)  # [G, R, n, ...] stacked over layer groups and runs (hybrid scan)
-ACTIVATION = P("fsdp", "sp")       # [B, S, ...] rows over fsdp, positions over sp
-SEQ_GATHERED = P("fsdp")           # [B, S, ...] rows over fsdp, every position on each sp shard
-ROWS = P("fsdp")                   # [B, ...] per-row arrays (sampler state, per-row vectors)
-LAYER_ROWS = P(None, "fsdp")       # [L, B, ...] per-layer per-row arrays (KV cache, GDN states)
+BATCH = P("fsdp", "sp")            # [B, T, ...] host batches: rows over fsdp, positions over sp
+BATCH_ROWS = P("fsdp")             # [B] per-row host arrays
 REPLICATED = P()                   # whole on every device (gathered weights, scalars)
+
+# ---- activation roles: the model constrains by role, each layout maps a role to a spec --------
+ACTIVATION = "activation"          # [B, S, H, ...] hidden states
+HEADS = "heads"                    # [B, S, N, D] per-head projections (queries)
+SEQ_GATHERED = "seq_gathered"      # [B, S, ...] every position on each device (keys/values)
+CACHED_KV = "cached_kv"            # [B, Nkv, ...] one layer's KV cache (head-major)
+WEIGHT = "weight"                  # a parameter as a layer reads it (None: as placed)
+STACKED = "stacked"                # [L, n, ...] parameters stacked over the layers
+GROUPED = "grouped"                # [G, R, n, ...] stacked over layer groups and runs (Qwen3.5)
+ROWS = "rows"                      # [B, ...] per-row arrays (sampler state, logits)
+LAYER_ROWS = "layer_rows"          # [L, B, ...] per-layer per-row arrays (Qwen3.5's cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSpecs:
+    """Role -> PartitionSpec (None: leave the array as XLA places it) on a mesh with `axes`."""
+
+    axes: tuple[str, ...]
+    specs: dict[str, P | None]
+
+
+TRAINING_SPECS = ActivationSpecs(AXES, {
+    ACTIVATION: P("fsdp", "sp"), HEADS: P("fsdp", "sp"), SEQ_GATHERED: P("fsdp"),
+    CACHED_KV: P("fsdp"),
+    WEIGHT: REPLICATED,            # FSDP: all-gathered just before use, one layer at a time
+    STACKED: STACKED_PARAM, GROUPED: GROUPED_PARAM, ROWS: P("fsdp"), LAYER_ROWS: P(None, "fsdp"),
+})
+ROLLOUT_SPECS = ActivationSpecs(ROLLOUT_AXES, {
+    ACTIVATION: P("data"), HEADS: P("data", None, "tp"), SEQ_GATHERED: P("data"),
+    CACHED_KV: P("data", "tp"),
+    WEIGHT: None,                  # already in its decoding layout: never gathered
+    STACKED: None, GROUPED: None, ROWS: P("data"), LAYER_ROWS: P(None, "data"),
+})
+
+# ---- rollout parameter kinds (Megatron tensor parallelism over `tp`) --------------------------
+COLUMN = "column"   # [out, ...]: output features split (q/k/v, gate/up; their biases)
+ROW = "row"         # [out, in]: input features split; the layer's output is all-reduced
+VOCAB = "vocab"     # [V, H]: vocabulary rows split (embedding lookup and output head)
+WHOLE = "whole"     # replicated (norms, q/k norms, anything not listed)
+
+# (HF-name suffix, kind, transposable): the first matching suffix wins; no match is WHOLE.
+# `transposable`: the module reads it through `model.qwen.logical` (or handles `transposed`
+# itself), so the rollout may store it [in, out] where the platform's matmul reads that faster.
+ROLLOUT_PARAM_KINDS: tuple[tuple[str, str, bool], ...] = (
+    ("self_attn.q_proj.weight", COLUMN, True), ("self_attn.q_proj.bias", COLUMN, False),
+    ("self_attn.k_proj.weight", COLUMN, True), ("self_attn.k_proj.bias", COLUMN, False),
+    ("self_attn.v_proj.weight", COLUMN, True), ("self_attn.v_proj.bias", COLUMN, False),
+    ("self_attn.o_proj.weight", ROW, True),
+    ("mlp.gate_proj.weight", COLUMN, True), ("mlp.up_proj.weight", COLUMN, True),
+    ("mlp.down_proj.weight", ROW, True),
+    # Qwen3.5 Gated DeltaNet layers: split like the attention projections (heads over tp)
+    ("linear_attn.in_proj_qkv.weight", COLUMN, False), ("linear_attn.in_proj_z.weight", COLUMN, False),
+    ("linear_attn.in_proj_b.weight", COLUMN, False), ("linear_attn.in_proj_a.weight", COLUMN, False),
+    ("linear_attn.conv1d.weight", COLUMN, False), ("linear_attn.dt_bias", COLUMN, False),
+    ("linear_attn.A_log", COLUMN, False), ("linear_attn.out_proj.weight", ROW, False),
+    ("embed_tokens.weight", VOCAB, True), ("lm_head.weight", VOCAB, True),
+)
+
+
+def rollout_kind(name: str) -> tuple[str, bool]:
+    """(kind, transposable) of the parameter `name` (an HF name) from `ROLLOUT_PARAM_KINDS`."""
+    for suffix, kind, transposable in ROLLOUT_PARAM_KINDS:
+        if name.endswith(suffix):
+            return kind, transposable
+    return WHOLE, False
+
+
+def rollout_param_spec(name: str, shape: tuple[int, ...], tp: int, transposed: bool = False) -> P:
+    """Spec of parameter `name` at its logical `shape` (HF orientation [out, in, ...]) in a
+    rollout layout with tensor-parallel size `tp`; `transposed`: stored [in, out].
+
+    A `VOCAB` parameter whose vocabulary `tp` does not divide stays whole (memory only); a
+    `COLUMN` or `ROW` one raises ValueError (choose a tp dividing the head counts and FFN size).
+    """
+    kind, _ = rollout_kind(name)
+    if tp == 1 or kind == WHOLE:
+        return REPLICATED
+    dim = 1 if kind == ROW else 0
+    if dim >= len(shape) or (kind == VOCAB and shape[dim] % tp):
+        return REPLICATED
+    if shape[dim] % tp:
+        raise ValueError(f"rollout layout tp={tp}: {name} {shape} cannot split dim {dim} "
+                         f"({shape[dim]}) over {tp} devices; choose rollout.tp dividing it")
+    if transposed and len(shape) == 2:
+        dim = 1 - dim
+    return P(*([None] * dim), "tp")
 
 
 def padded_shape(shape: tuple[int, ...], multiple: int) -> tuple[int, ...]:
@@ -39,8 +139,8 @@ def named(mesh: Mesh, spec: P) -> NamedSharding:
 
 
 def batch_spec(ndim: int) -> P:
-    """Spec of a host batch array of rank `ndim`: [B, T, ...] -> ACTIVATION, [B] -> ROWS."""
-    return ACTIVATION if ndim >= 2 else ROWS
+    """Spec of a host batch array of rank `ndim`: [B, T, ...] -> BATCH, [B] -> BATCH_ROWS."""
+    return BATCH if ndim >= 2 else BATCH_ROWS
 
 
 def storage_spec(shape: tuple[int, ...], mesh: Mesh, padded: tuple[int, ...] | None = None) -> P:

@@ -2,14 +2,26 @@
 
 The [B, T, V] fp32 logits of a 152k vocabulary never exist: the token axis is split into
 chunks, each chunk's logits are made, reduced to (logprob, entropy) and dropped, under
-`jax.checkpoint` so the backward pass recomputes them instead of storing them.
+`jax.checkpoint` so the backward pass recomputes them instead of storing them. When all the
+chunks' logits together are small (at most `REMAT_LOGITS_BYTES`, e.g. a small vocabulary on
+CPU) the backward pass keeps them instead: one output-projection matmul fewer per step.
 Formulas: VERL verl/utils/torch_functional.py (`logprobs_from_logits`, `entropy_from_logits`);
 logits are divided by the sampling temperature first (VERL `logits.div_(temperature)`).
+
+Only where they are needed: an update trains a fraction of its tokens (the selected role's
+policy tokens; prompts and environment messages never), so `shifted_token_logprobs` can take
+the loss mask and a static per-row capacity and make logits for those tokens only (VERL
+computes the response's logits only; Tunix slices the completion's). The others get 0.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jscenegen.sharding.constraints import constrain
+from jscenegen.sharding.rules import ACTIVATION
+
+REMAT_LOGITS_BYTES = 256 * 2**20   # above this the chunks' logits are recomputed, not stored
 
 
 def _chunk_stats(h, w, tok, temperature):
@@ -65,10 +77,12 @@ def token_logprobs(hidden, output_embedding, tokens, temperature: float = 1.0, c
     ts = tokens.reshape(b, n, c).swapaxes(0, 1)
     w = output_embedding.astype(hidden.dtype)
 
-    @jax.checkpoint
     def one(args):
         hc, tc = args
         return _chunk_stats(hc, w, tc, temperature)
+
+    if b * n * c * w.shape[0] * 4 > REMAT_LOGITS_BYTES:
+        one = jax.checkpoint(one)
 
     logp, ent = jax.lax.map(one, (hs, ts))
     logp = logp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
@@ -76,14 +90,55 @@ def token_logprobs(hidden, output_embedding, tokens, temperature: float = 1.0, c
     return logp, ent
 
 
-def shifted_token_logprobs(hidden, output_embedding, input_ids, temperature=1.0, chunk=256):
+def selection_capacity(select, multiple: int = 64) -> int:
+    """The static per-row capacity `shifted_token_logprobs` needs for the host mask `select`
+    [..., B, T] (any leading micro-batch axes): the largest selected count of a row, rounded up
+    to a power-of-two multiple of `multiple` (few compiled shapes), at most T."""
+    import numpy as np
+
+    sel = np.asarray(select) != 0
+    most = int(sel.sum(axis=-1).max()) if sel.size else 0
+    cap = multiple
+    while cap < most:
+        cap *= 2
+    return max(1, min(cap, sel.shape[-1]))
+
+
+def shifted_token_logprobs(hidden, output_embedding, input_ids, temperature=1.0, chunk=256,
+                           select=None, capacity: int | None = None):
     """Per-token log-probs/entropies aligned with `input_ids`: entry t = log p(id_t | ids_<t).
 
     hidden [B, T, H] from the model on `input_ids` [B, T]; returns ([B, T], [B, T]) float32
     with column 0 set to 0 (no hidden state predicts the first token).
+    With `select` [B, T] (nonzero: needed; column 0 never) and a static `capacity` >= the
+    selected count of every row (`selection_capacity`): only the selected entries are
+    computed (each row's selected positions gathered, in order, into [B, capacity]), the
+    others are 0. A row with more selected tokens than `capacity` makes every output NaN, so
+    a wrong capacity cannot go unnoticed (the train step then skips the update).
     """
+    if capacity is not None:
+        return _selected_logprobs(hidden, output_embedding, input_ids, temperature, chunk,
+                                  select, capacity)
     logp, ent = token_logprobs(
         hidden[:, :-1], output_embedding, input_ids[:, 1:], temperature, chunk
     )
     zero = jnp.zeros((logp.shape[0], 1), jnp.float32)
     return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)
+
+
+def _selected_logprobs(hidden, output_embedding, input_ids, temperature, chunk, select, capacity):
+    b, t, _ = hidden.shape
+    sel = select != 0
+    # each row's selected positions first, in order (stable), then the rest: [B, capacity]
+    order = jnp.argsort(jnp.where(sel, 0, 1), axis=1, stable=True)[:, :capacity]
+    valid = jnp.take_along_axis(sel, order, axis=1)
+    h = constrain(jnp.take_along_axis(hidden, jnp.maximum(order - 1, 0)[..., None], axis=1),
+                  ACTIVATION)
+    tok = constrain(jnp.take_along_axis(input_ids, order, axis=1), ACTIVATION)
+    logp, ent = token_logprobs(h, output_embedding, tok, temperature, chunk)
+    rows = jnp.arange(b)[:, None]
+    out_lp = jnp.zeros((b, t), jnp.float32).at[rows, order].set(jnp.where(valid, logp, 0.0))
+    out_ent = jnp.zeros((b, t), jnp.float32).at[rows, order].set(jnp.where(valid, ent, 0.0))
+    overflow = jnp.any(jnp.sum(sel, axis=1) > capacity)
+    poison = jnp.where(overflow, jnp.nan, 0.0)
+    return out_lp + poison, out_ent + poison

@@ -1,9 +1,13 @@
-"""Config section of rollout sampling (`sampling:`; merged into RunConfig by the lead).
+"""Config sections of rollouts: how tokens are sampled (`sampling:`) and where the sampler
+computes (`rollout:`).
 
 Defaults are the GRPO100 recipe's (specs/grpo.md): temperature 1.0, top-p 1.0, no top-k,
-2,048 new tokens per turn, 32,768 tokens per episode, groups of 8 episodes.
+2,048 new tokens per turn, 32,768 tokens per episode, groups of 8 episodes, one group per
+update; the rollout layout is chosen automatically (docs/rollout.md "Layouts").
 """
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -28,9 +32,11 @@ class SamplingConfig(Section):
         "end-of-turn token is then appended as environment (mask 0)")
     buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
                                      "(compiled shapes), increasing")
-    cache_tokens: int | None = Field(None, gt=0, description="KV-cache slots per row; None = "
-                                     "max_episode_tokens + max_new_tokens, rounded up to the "
-                                     "smallest bucket, plus one bucket")
+    cache_tokens: int | None = Field(None, gt=0, description="KV-cache slots per row, fixed; "
+                                     "None: the cache starts at the prompt plus one turn and "
+                                     "grows (doubling) up to max_episode_tokens + "
+                                     "max_new_tokens, rounded up to the smallest bucket, plus "
+                                     "one bucket")
     chat_template_path: str | None = Field(None, description="replacement chat template (jinja); "
                                            "None = the model directory's own")
 
@@ -54,8 +60,32 @@ class SamplingConfig(Section):
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.greedy)
 
     def cache_slots(self) -> int:
-        """KV-cache slots per row (see `cache_tokens`)."""
+        """The most KV-cache slots a row gets (see `cache_tokens`)."""
         if self.cache_tokens is not None:
             return self.cache_tokens
         step = self.buckets[0]
         return -(-(self.max_episode_tokens + self.max_new_tokens) // step) * step + step
+
+
+class RolloutConfig(Section):
+    """Where the sampler computes (sharding/rollout.py) and how many groups share a batch."""
+
+    layout: Literal["auto", "replicated", "tp", "fsdp"] = Field(
+        "auto", description="replicated: weights whole on every device, rows over all devices; "
+        "tp: tensor-parallel over rollout.tp devices, rows over the rest; fsdp: decode on the "
+        "training shards (all-gathers every layer per token; for comparison); auto: replicated "
+        "when the weights fit memory_fraction of a device, else tp")
+    tp: int | None = Field(None, ge=1, description="tensor-parallel size of the tp layout; "
+                           "None: the smallest that fits and divides the heads")
+    memory_fraction: float = Field(0.25, gt=0, le=1, description="share of one device's memory "
+                                   "the replicated rollout weights may take (auto)")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="rollout weights' dtype; None: model.compute_dtype (what the train "
+        "step computes with, so the recomputed log-probs match)")
+    groups_per_batch: int = Field(1, ge=1, description="groups (scenes) rolled out together in "
+                                  "one batch and trained in one optimizer step; the recipe: 1")
+
+    def sampler_options(self) -> dict:
+        """Keyword arguments of `generate.sampler.Sampler` for this section."""
+        return dict(layout=self.layout, tp=self.tp, memory_fraction=self.memory_fraction,
+                    dtype=self.dtype)

@@ -26,7 +26,10 @@ Failures: a truncated turn ("truncated_action" inside an open action block, else
 "rollout_error" (masked), a judge failure masks the row ("judge_*"); neither stops the batch.
 
 Slots: a decode round takes `max_new_tokens` slots at most and an append the longest segment
-(rounded to a bucket); when the cache is full, it is rebuilt from the rows' token histories
+(rounded to a bucket). With the derived `cache_tokens` the cache starts at the first prompt plus
+one turn (a bucket length) and, when full, grows (at least doubling, contents kept) up to
+`cache_slots()`, so attention reads about the slots an episode uses; at that maximum (or with
+an explicit `cache_tokens`) a full cache is rebuilt from the rows' token histories
 (left-aligned again, gaps of earlier rounds dropped) with the same append path.
 """
 from __future__ import annotations
@@ -38,10 +41,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jscenegen.generate.sampler import STOP_LENGTH, STOP_REASONS, STOP_STRING, STOP_TOKEN, Sampler
+from jscenegen.generate.sampler import (
+    STOP_LENGTH,
+    STOP_REASONS,
+    STOP_STRING,
+    STOP_TOKEN,
+    Sampler,
+    bucket_length,
+)
 from jscenegen.generate.sampling import row_keys
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
-from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
 from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
 from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
@@ -91,17 +101,27 @@ class Trajectory:
 
 @dataclass
 class GroupRollout:
-    """The trajectories of one group and rollout statistics (generated_tokens, wall_s,
-    tokens_per_s, rounds, cache_rebuilds, cache_slots)."""
+    """The trajectories of one group and rollout statistics: the group's generated_tokens and
+    its batch's wall_s, tokens_per_s, batch_generated_tokens, rounds, cache_rebuilds,
+    cache_slots, batch_rows, padding_rows, groups, layout."""
 
     trajectories: list[Trajectory]
     stats: dict
 
 
+@dataclass(frozen=True)
+class GroupRequest:
+    """One group to roll out: `len(seeds)` episodes of `record` (member i uses seeds[i])."""
+
+    record: SceneRecord
+    group_id: int
+    seeds: tuple[int, ...]
+
+
 @dataclass
 class PlayedGroup:
-    """A group whose episodes have ended but are not judged yet (`RolloutEngine.play_group`):
-    judge `episodes`, then `result()` gives the GroupRollout."""
+    """A group whose episodes have ended but are not judged yet (`RolloutEngine.play_group`,
+    `play_groups`): judge `episodes`, then `result()` gives the GroupRollout."""
 
     group_id: int
     rows: list["_Row"]
@@ -122,6 +142,7 @@ class _Row:
     member: int
     seed: int
     episode: Episode
+    group_id: int = 0
     conv: Conversation | None = None
     tokens: list[int] = field(default_factory=list)
     roles: list[int] = field(default_factory=list)
@@ -157,22 +178,29 @@ class RolloutEngine:
       model: QwenForCausalLM (sharded on `mesh` when given).
       chat: the ChatTokenizer of the model directory.
       cfg: SamplingConfig.
-      mesh: ("fsdp", "sp") mesh or None; the batch is padded to a multiple of its fsdp size
-        with fully masked rows.
+      mesh: the training ("fsdp", "sp") mesh or None.
+      rollout: RolloutConfig (default: `auto` layout); the batch is padded with fully masked
+        rows to a multiple of the layout's data-parallel size.
     """
 
-    def __init__(self, model, chat: ChatTokenizer, cfg: SamplingConfig, mesh=None):
+    def __init__(self, model, chat: ChatTokenizer, cfg: SamplingConfig, mesh=None,
+                 rollout: RolloutConfig | None = None):
         self.chat = chat
         self.cfg = cfg
+        self.rollout = rollout or RolloutConfig()
         self.sampler = Sampler(model, cfg.params(), stop_token_ids=[chat.eot_id],
                                stop_strings=cfg.stop_strings,
                                token_bytes=chat.token_bytes() if cfg.stop_strings else None,
-                               buckets=cfg.buckets, mesh=mesh)
-        self.slots = cfg.cache_slots()
+                               buckets=cfg.buckets, mesh=mesh, **self.rollout.sampler_options())
+        self.slots = cfg.cache_slots()          # the most KV-cache slots a row may get
+        # with the derived default the cache starts small and grows (attention reads only
+        # the slots the cache has; a 35k-slot cache for a 4k-token episode wastes 8x)
+        self.grows = cfg.cache_tokens is None and self.sampler.can_grow
 
-    def set_weights(self, model) -> None:
-        """Roll out with `model`'s current weights (call after each optimizer step)."""
-        self.sampler.set_weights(model)
+    def set_weights(self, weights) -> dict:
+        """Roll out with new weights (a model or its parameter state; call after each optimizer
+        step): one reshard into the rollout layout. Returns {"reshard_s", "reshard_bytes"}."""
+        return self.sampler.set_weights(weights)
 
     # ---- the cache ------------------------------------------------------------------------
     def _sync(self, rows: list[_Row], pad: int, with_logprobs: bool = False):
@@ -182,7 +210,7 @@ class RolloutEngine:
         """
         seqs = [r.tokens[r.cached:] if r.active else [] for r in rows] + [[]] * pad
         need = self.sampler.appended_slots(seqs)
-        if self._used + need > self.slots:
+        if self._used + need > self._capacity and not self._grow(self._used + need):
             self._rebuild(rows, pad)
             seqs = [r.tokens if r.active else [] for r in rows] + [[]] * pad
             need = self.sampler.appended_slots(seqs)
@@ -197,16 +225,27 @@ class RolloutEngine:
                 r.cached = len(r.tokens)
         return res[2] if with_logprobs else None
 
+    def _grow(self, slots: int) -> bool:
+        """Grow the cache to hold `slots` (at least doubling, to a bucket length, at most
+        `self.slots`) keeping its contents; False when it cannot grow that far."""
+        if not self.grows or slots > self.slots:
+            return False
+        new = min(self.slots, bucket_length(max(slots, 2 * self._capacity), self.cfg.buckets))
+        self._cache = self.sampler.grow_cache(self._cache, new)
+        self._capacity = new
+        self._grows += 1
+        return True
+
     def _rebuild(self, rows: list[_Row], pad: int):
-        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self.slots)
+        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self._capacity)
         self._used = 0
         self._rebuilds += 1
         for r in rows:
             r.cached = 0
 
     def _reserve(self, rows: list[_Row], pad: int, slots: int):
-        """Make room for `slots` more slots (rebuilding from the histories when needed)."""
-        if self._used + slots > self.slots:
+        """Make room for `slots` more slots (growing, else rebuilding from the histories)."""
+        if self._used + slots > self._capacity and not self._grow(self._used + slots):
             self._rebuild(rows, pad)
             self._sync(rows, pad)
 
@@ -224,14 +263,30 @@ class RolloutEngine:
         round ends (interactive use: `jscenegen design`). Never raises for a failure inside
         one episode; see the module docstring for the causes.
         """
+        return self.run_groups([GroupRequest(record, group_id, tuple(seeds))], judge=judge,
+                               scene_cfg=scene_cfg, judge_cfg=judge_cfg, forced=forced,
+                               on_turn=on_turn)[0]
+
+    def run_groups(self, groups: Sequence["GroupRequest"], *, judge: Judge,
+                   scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
+                   forced: ForcedPolicy | None = None,
+                   on_turn: TurnCallback | None = None) -> list[GroupRollout]:
+        """Run several groups in one batch (`rollout.groups_per_batch`) and judge them all in
+        one call: every episode of every group is a row of the same cache and decode loop;
+        each group is returned on its own, in order. An episode depends only on its record and
+        seed, so a group's trajectories are the same whether it runs alone or beside others.
+        Rows are padded with fully masked rows to the layout's `row_multiple`. See `run_group`
+        for the rest; the stats' wall_s / tokens_per_s include the judging.
+        """
         t0 = time.perf_counter()
-        played = self.play_group(record, group_id=group_id, seeds=seeds, scene_cfg=scene_cfg,
-                                 judge_cfg=judge_cfg, forced=forced, on_turn=on_turn)
-        self._judge(played.episodes, judge)
+        played = self.play_groups(groups, scene_cfg=scene_cfg, judge_cfg=judge_cfg,
+                                  forced=forced, on_turn=on_turn)
+        self._judge([ep for p in played for ep in p.episodes], judge)
         wall = time.perf_counter() - t0
-        played.stats.update(wall_s=wall, tokens_per_s=played.stats["generated_tokens"] / wall
-                            if wall > 0 else 0.0)
-        return played.result()
+        for p in played:
+            p.stats.update(wall_s=wall, tokens_per_s=p.stats["batch_generated_tokens"] / wall
+                           if wall > 0 else 0.0)
+        return [p.result() for p in played]
 
     def play_group(self, record: SceneRecord, *, group_id: int, seeds: Sequence[int],
                    scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
@@ -240,14 +295,23 @@ class RolloutEngine:
         """`run_group` without the judging: the episodes end (finished or failed) unjudged, so a
         caller can judge the episodes of many groups in one call (`scene.episode.judge_episodes`,
         the judge's concurrency then spans them all) before `PlayedGroup.result()`."""
+        return self.play_groups([GroupRequest(record, group_id, tuple(seeds))],
+                                scene_cfg=scene_cfg, judge_cfg=judge_cfg, forced=forced,
+                                on_turn=on_turn)[0]
+
+    def play_groups(self, groups: Sequence["GroupRequest"], *,
+                    scene_cfg: SceneRuntimeConfig | None = None, judge_cfg: JudgeConfig | None = None,
+                    forced: ForcedPolicy | None = None,
+                    on_turn: TurnCallback | None = None) -> list["PlayedGroup"]:
+        """`run_groups` without the judging (see `play_group`)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        rows = [_Row(i, int(s), Episode(record, scene_cfg, judge_cfg)) for i, s in enumerate(seeds)]
+        rows = [_Row(i, int(s), Episode(g.record, scene_cfg, judge_cfg), g.group_id)
+                for g in groups for i, s in enumerate(g.seeds)]
         mult = self.sampler.row_multiple
         pad = -(-len(rows) // mult) * mult - len(rows)
         keys = np.concatenate([row_keys([r.seed for r in rows]), np.zeros((pad, 2), np.uint32)])
-        self._rebuilds, self._used = 0, 0
-        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self.slots)
+        self._rebuilds, self._grows, self._used = 0, 0, 0
         for r in rows:
             try:
                 system, user = r.episode.system_prompt(), r.episode.first_user_message()
@@ -260,8 +324,13 @@ class RolloutEngine:
             except Exception as err:  # our runtime or tokenizer: masked, not the policy's fault
                 log.exception("episode start failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
+        first = max((len(r.tokens) for r in rows), default=0)
+        self._capacity = (min(self.slots, bucket_length(first + cfg.max_new_tokens, cfg.buckets))
+                          if self.grows else self.slots)
+        self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self._capacity)
         self._show(rows, on_turn)
-        generated = rounds = 0
+        generated = {g.group_id: 0 for g in groups}
+        rounds = 0
         while any(r.active for r in rows):
             rounds += 1
             try:
@@ -273,7 +342,7 @@ class RolloutEngine:
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
                 break
             for r, (ids, lps, reason) in turns.items():
-                generated += len(ids)
+                generated[r.group_id] += len(ids)
                 try:
                     self._consume(r, ids, lps, reason)
                 except Exception as err:
@@ -281,12 +350,17 @@ class RolloutEngine:
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
             self._show(rows, on_turn)
         wall = time.perf_counter() - t0
-        stats = {"generated_tokens": generated, "wall_s": wall,
-                 "tokens_per_s": generated / wall if wall > 0 else 0.0, "rounds": rounds,
-                 "cache_rebuilds": self._rebuilds, "cache_slots": self.slots,
-                 "batch_rows": len(rows) + pad}
+        total = sum(generated.values())
+        batch = {"wall_s": wall, "tokens_per_s": total / wall if wall > 0 else 0.0,
+                 "batch_generated_tokens": total, "rounds": rounds,
+                 "cache_rebuilds": self._rebuilds, "cache_grows": self._grows,
+                 "cache_slots": self._capacity,
+                 "batch_rows": len(rows) + pad, "padding_rows": pad, "groups": len(groups),
+                 "layout": self.sampler.layout.name}
         self._cache = self._last = None
-        return PlayedGroup(group_id, rows, stats)
+        return [PlayedGroup(g.group_id, [r for r in rows if r.group_id == g.group_id],
+                            {"generated_tokens": generated[g.group_id], **batch})
+                for g in groups]
 
     @staticmethod
     def _show(rows: list[_Row], on_turn: TurnCallback | None) -> None:

@@ -1,7 +1,9 @@
-"""From one group of finished episodes to the padded [B, T] arrays of a GRPO update.
+"""From the finished episodes of an update (one group, or `rollout.groups_per_batch` groups)
+to the padded [B, T] arrays of a GRPO update.
 
-Every array is aligned with the token sequence (entry t concerns token t). Rows are the G
-episodes, padded with all-zero rows to a multiple of the mesh's `fsdp` axis; columns are padded
+Every array is aligned with the token sequence (entry t concerns token t). Rows are the
+episodes (group by group), padded with all-zero rows to a multiple of the mesh's `fsdp` axis;
+advantages are normalised within each group (its `group_id`); columns are padded
 to a multiple of `col_multiple` (fewer recompilations; the `sp` axis must divide it). Padding
 has attention_mask 0 and loss_mask 0, so it counts in no normaliser.
 """
@@ -24,7 +26,7 @@ class GroupBatch:
     """Host arrays of one update and what the trainer logs about them.
 
     arrays: input_ids int32, attention_mask int32, loss_mask float32, advantages float32
-    (A_b * loss_mask), rollout_logp float32, all [rows, T]; episode_advantages [G] float32;
+    (A_b * loss_mask), rollout_logp float32, all [rows, T]; episode_advantages [N] float32;
     has_signal: some trained token has a non-zero advantage (specs/grpo.md "effective update").
     """
 
@@ -41,20 +43,24 @@ def round_up(n: int, multiple: int) -> int:
 def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
                       row_multiple: int, col_multiple: int, eps: float = 1e-6,
                       norm_by_std: bool = True) -> GroupBatch:
-    """Assemble the update of one group (all `trajectories` share one scene and group id).
+    """Assemble the update of one or more groups (trajectories in group order; a group is the
+    trajectories sharing a `group_id`, all of one size G).
 
     Masked episodes (judge or infrastructure failures) and non-finite rewards get advantage 0
-    and stay out of the group statistics; policy failures (-1) are ordinary members.
+    and stay out of their group's statistics; policy failures (-1) are ordinary members.
+    Raises ValueError when the groups differ in size.
     """
     g = len(trajectories)
+    order = {gid: i for i, gid in enumerate(dict.fromkeys(tr.group_id for tr in trajectories))}
+    group_ids = np.asarray([order[tr.group_id] for tr in trajectories], np.int32)
     t = round_up(max(tr.num_tokens for tr in trajectories), col_multiple)
     arr = trajectory_batch(trajectories, length=t, rows=round_up(g, row_multiple))
     mask = np.asarray(role_loss_mask(arr["roles"], arr["policy_mask"], selected_role), np.float32)
     scores = arr["reward"][:g]
     valid = ~arr["masked"][:g] & np.isfinite(scores)
-    adv = np.asarray(grpo_outcome_advantages(np.where(valid, scores, 0.0), np.zeros(g, np.int32),
-                                             valid, eps=eps, norm_by_std=norm_by_std, group_size=g),
-                     np.float32)
+    adv = np.asarray(grpo_outcome_advantages(np.where(valid, scores, 0.0), group_ids, valid,
+                                             eps=eps, norm_by_std=norm_by_std,
+                                             group_size=g // len(order)), np.float32)
     rows_adv = np.zeros(arr["input_ids"].shape[0], np.float32)
     rows_adv[:g] = adv
     advantages = rows_adv[:, None] * mask

@@ -6,6 +6,10 @@ when a trained token has a non-zero advantage. For an attempt without signal the
 policy decides: `redraw` (same scene, next seeds, at most `max_redraws` times, then the next
 scene without a step), `skip` (next scene at once) or `count` (step anyway; it counts).
 When every scene has been used, the order starts again (epoch + 1, which enters the seeds).
+
+With `rollout.groups_per_batch` = k > 1 an attempt takes the next k scenes of the order (their
+groups rolled out in one batch and trained in one optimizer step); redraws and the advance
+then apply to all k together. k = 1 is the recipe.
 """
 from __future__ import annotations
 
@@ -91,19 +95,28 @@ class Schedule:
     def role_letter(self, pos: SchedulePosition) -> str:
         return self.cfg.roles[pos.effective_updates % len(self.cfg.roles)]
 
-    def seeds(self, pos: SchedulePosition) -> list[int]:
-        """Episode seeds of the G members of the current attempt."""
-        seed = self.scene_seeds[pos.scene_index][1]
-        return [episode_seed(seed, m, pos.redraw, pos.epoch, self.cfg.seed)
+    def seeds(self, pos: SchedulePosition, offset: int = 0) -> list[int]:
+        """Episode seeds of the G members of the attempt's group `offset` (0: the current scene;
+        j: the scene j places later in the order, across an epoch boundary)."""
+        index, epoch = self.scene_at(pos, offset)
+        seed = self.scene_seeds[index][1]
+        return [episode_seed(seed, m, pos.redraw, epoch, self.cfg.seed)
                 for m in range(self.cfg.group_size)]
+
+    def scene_at(self, pos: SchedulePosition, offset: int = 0) -> tuple[int, int]:
+        """(scene index, epoch) `offset` places after the current scene."""
+        n = len(self.scene_seeds)
+        flat = pos.scene_index + offset
+        return flat % n, pos.epoch + flat // n
 
     def done(self, pos: SchedulePosition) -> bool:
         """total_updates effective updates reached, or max_attempts attempts made."""
         cap = self.cfg.max_attempts
         return pos.effective_updates >= self.cfg.total_updates or (cap is not None and pos.attempts >= cap)
 
-    def advance(self, pos: SchedulePosition, has_signal: bool) -> tuple[SchedulePosition, bool]:
-        """Position after an attempt and whether the optimizer steps for it.
+    def advance(self, pos: SchedulePosition, has_signal: bool,
+                scenes: int = 1) -> tuple[SchedulePosition, bool]:
+        """Position after an attempt over `scenes` scenes and whether the optimizer steps for it.
 
         `has_signal`: some trained token has a non-zero advantage.
         """
@@ -115,9 +128,7 @@ class Schedule:
             nxt.redraw += 1
             return nxt, False
         nxt.redraw = 0
-        nxt.scene_index += 1
-        if nxt.scene_index == len(self.scene_seeds):
-            nxt.scene_index, nxt.epoch = 0, nxt.epoch + 1
+        nxt.scene_index, nxt.epoch = self.scene_at(pos, scenes)
         return nxt, step
 
 

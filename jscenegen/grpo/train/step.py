@@ -15,8 +15,12 @@ Batch (dict of [B, T] arrays, entry t about token t, column 0 never trained):
   float32 (optional: the sampler's log-probs, for the `logprob_drift` metric = mean
   |rollout_logp - old_logp| over trained tokens). Entries outside loss_mask may be NaN.
 
+Only the trained tokens' logits are made when the caller passes `capacity` (static, from the
+host loss mask: `selection_capacity`): the loss, its metrics and the old/reference log-probs
+concern those tokens only (the log-probs of the others come back 0).
+
 Micro-batches are contiguous row blocks of `ppo_micro_batch_size` rows, run in one jit by
-`lax.scan`, gradients summed. loss_scale global (VERL 0.9 engine): every micro-batch divides by
+`lax.scan` (one micro-batch: no loop), gradients summed. loss_scale global (VERL 0.9 engine): every micro-batch divides by
 the token count (token-mean) or episode count (sequence modes) of the whole batch, both fixed
 before the loop; the episode count is the number of rows with any attention, so all-padding
 rows (added to fill the mesh) count in no normaliser. loss_scale legacy (VERL 0.4-0.8
@@ -50,11 +54,14 @@ def _combine(total: tuple, new: tuple) -> tuple:
 class GRPOStep:
     """Compiled functions of one GRPO configuration.
 
-    `logprobs(params, input_ids, attention_mask) -> (logp, entropy)` [B, T] float32, column
-    0 = 0: the old/reference log-prob recompute, micro-batched like the loss pass.
-    `grads(params, batch) -> (grads, loss, pg_loss, sums)`: the accumulated gradient of the
-    objective and masked metric sums, without an update.
-    `step(state, batch) -> (state, metrics)`: one update; metrics are float32 scalars named
+    `logprobs(params, input_ids, attention_mask, select=None, capacity=None) -> (logp,
+    entropy)` [B, T] float32, column 0 = 0: the old/reference log-prob recompute,
+    micro-batched like the loss pass; with `select` (the loss mask) and a static `capacity`,
+    only the selected entries (others 0).
+    `grads(params, batch, capacity=None) -> (grads, loss, pg_loss, sums)`: the accumulated
+    gradient of the objective and masked metric sums, without an update.
+    `step(state, batch, capacity=None) -> (state, metrics)`: one update (`capacity`: logits
+    of the trained tokens only, see the module docstring); metrics are float32 scalars named
     in METRIC_KEYS (clipfrac, approx_kl, entropy, kl are means over all trained tokens).
     With `donate` the input state's buffers are reused for the output: do not read them after
     the call, nor the NNX model the params were split from (`nnx.update(model, state.params)`
@@ -71,25 +78,27 @@ class GRPOStep:
         self.optim_cfg = optim_cfg
         self.temperature = float(temperature)
         self.tx = make_optimizer(optim_cfg)
-        self.logprobs = jax.jit(self._logprobs)
-        self.grads = jax.jit(self._grads)
-        self.step = jax.jit(self._step, donate_argnums=0 if donate else ())
+        self.logprobs = jax.jit(self._logprobs, static_argnames=("capacity",))
+        self.grads = jax.jit(self._grads, static_argnames=("capacity",))
+        self.step = jax.jit(self._step, donate_argnums=0 if donate else (),
+                            static_argnames=("capacity",))
 
-    def _micro_logprobs(self, params, input_ids, attention_mask):
+    def _micro_logprobs(self, params, input_ids, attention_mask, select=None, capacity=None):
         hidden, emb = self.hidden_fn(params, input_ids, attention_mask)
         return shifted_token_logprobs(hidden, emb, input_ids, self.temperature,
-                                      self.loss_cfg.logprob_chunk)
+                                      self.loss_cfg.logprob_chunk, select, capacity)
 
     def _num_micro(self, rows: int) -> int:
         return num_micro_batches(rows, self.loss_cfg.ppo_micro_batch_size, "ppo_micro_batch_size")
 
-    def _logprobs(self, params, input_ids, attention_mask):
+    def _logprobs(self, params, input_ids, attention_mask, select=None, capacity=None):
         k = self._num_micro(input_ids.shape[0])
-        out = jax.lax.map(lambda xs: self._micro_logprobs(params, *xs),
-                          split_micro((input_ids, attention_mask), k))
+        select = attention_mask if select is None else select
+        out = jax.lax.map(lambda xs: self._micro_logprobs(params, *xs, capacity=capacity),
+                          split_micro((input_ids, attention_mask, select), k))
         return tuple(x.reshape(input_ids.shape) for x in out)
 
-    def _grads(self, params, batch: dict):
+    def _grads(self, params, batch: dict, capacity=None):
         cfg = self.loss_cfg
         for key in ("input_ids", "attention_mask", "loss_mask", "advantages"):
             if key not in batch:
@@ -103,7 +112,8 @@ class GRPOStep:
         n_seq = jnp.sum(jnp.any(batch["attention_mask"] != 0, axis=-1).astype(jnp.float32))
 
         def micro_loss(params, mb):
-            logp, ent = self._micro_logprobs(params, mb["input_ids"], mb["attention_mask"])
+            logp, ent = self._micro_logprobs(params, mb["input_ids"], mb["attention_mask"],
+                                             mb["loss_mask"], capacity)
             old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
             parts = grpo_loss(
                 logp, ent, old, mb["advantages"], mb["loss_mask"], mb.get("ref_logp"),
@@ -123,8 +133,8 @@ class GRPOStep:
             _combine)
         return grads, loss, pg, sums
 
-    def _step(self, state: TrainState, batch: dict):
-        grads, loss, pg, sums = self._grads(state.params, batch)
+    def _step(self, state: TrainState, batch: dict, capacity=None):
+        grads, loss, pg, sums = self._grads(state.params, batch, capacity)
         new_state, update = apply_gradients(self.tx, self.optim_cfg, state, grads)
         n_tok = sums["tokens"]
         denom = jnp.maximum(n_tok, 1.0)

@@ -22,7 +22,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jscenegen.checkpoint.metadata import redact, training_metadata
 from jscenegen.checkpoint.resume import (
@@ -33,9 +32,10 @@ from jscenegen.checkpoint.resume import (
     restore_onto_mesh,
 )
 from jscenegen.checkpoint.store import CheckpointStore
+from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
 from jscenegen.grpo.algo.roles import ROLE_NAMES
-from jscenegen.grpo.rollout.engine import RolloutEngine
+from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
 from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
 from jscenegen.grpo.train.metrics import MetricsLogger, truncate_metrics
@@ -111,7 +111,10 @@ class Trainer:
             self.model = load_hf(self.model_dir, mesh=self.mesh, **options)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
-        self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh)
+        # the sampler's own copy of the weights, in the rollout layout (sharding/rollout.py);
+        # resharded once after every optimizer step (`_step`)
+        self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh, cfg.rollout)
+        log.info("rollout layout: %s", self.engine.sampler.layout.describe())
         graphdef, params, frozen = split_params(self.model)
         self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), cfg.loss, cfg.optim,
                                 temperature=cfg.sampling.temperature)
@@ -215,48 +218,59 @@ class Trainer:
         self._stop_signal = signum
 
     def update(self) -> dict:
-        """One attempt: roll out the current scene's group and step when it has signal."""
+        """One attempt: roll out the current scene's group (with `rollout.groups_per_batch` = k,
+        the next k scenes' groups in one batch) and step when it has signal; after a step the
+        sampler's weights are resharded once (`rollout/reshard_s`, `rollout/reshard_bytes`)."""
         pos, sched, cfg = self.pos, self.schedule, self.cfg
-        record = self.scenes[pos.scene_index]
+        k = cfg.rollout.groups_per_batch
         role = sched.role(pos)
-        nnx.update(self.model, self.state.params)
-        self.engine.set_weights(self.model)
+        requests = [GroupRequest(self.scenes[sched.scene_at(pos, j)[0]], pos.attempts * k + j,
+                                 tuple(sched.seeds(pos, j))) for j in range(k)]
         t0 = time.perf_counter()
-        group = self.engine.run_group(record, group_id=pos.attempts, seeds=sched.seeds(pos),
-                                      judge=self.judge, scene_cfg=cfg.scene, judge_cfg=cfg.judge)
+        groups = self.engine.run_groups(requests, judge=self.judge, scene_cfg=cfg.scene,
+                                        judge_cfg=cfg.judge)
         rollout_s = time.perf_counter() - t0
-        batch = build_group_batch(group.trajectories, role,
+        trajectories = [t for g in groups for t in g.trajectories]
+        batch = build_group_batch(trajectories, role,
                                   row_multiple=self.mesh.shape["fsdp"],
                                   col_multiple=np.lcm(SEQ_BUCKET, self.mesh.shape["sp"]),
                                   eps=cfg.loss.adv_eps, norm_by_std=cfg.loss.norm_adv_by_std)
-        new_pos, do_step = sched.advance(pos, batch.has_signal)
+        new_pos, do_step = sched.advance(pos, batch.has_signal, k)
+        stats = groups[0].stats
         row = {"attempt": pos.attempts, "scene_index": pos.scene_index, "epoch": pos.epoch,
                "redraw": pos.redraw, "role": ROLE_NAMES[role], "stepped": do_step,
                "has_signal": batch.has_signal, "trained_tokens": batch.trained_tokens,
                "effective_updates": new_pos.effective_updates,
-               "rollout/tokens_per_s": group.stats["tokens_per_s"],
-               "rollout/generated_tokens": group.stats["generated_tokens"],
+               "rollout/tokens_per_s": stats["tokens_per_s"],
+               "rollout/generated_tokens": stats["batch_generated_tokens"],
+               "rollout/batch_rows": stats["batch_rows"],
+               "rollout/padding_rows": stats["padding_rows"],
                "time/rollout_s": rollout_s}
-        row.update(group_metrics(group.trajectories, cfg.judge.grade_keys))
+        row.update(group_metrics(trajectories, cfg.judge.grade_keys))
         if do_step:
             t1 = time.perf_counter()
             row.update(self._step(batch))
             row["time/train_s"] = time.perf_counter() - t1
+            reshard = self.engine.set_weights(self.state.params)
+            row["rollout/reshard_s"] = reshard["reshard_s"]
+            row["rollout/reshard_bytes"] = reshard["reshard_bytes"]
         self.pos = new_pos
         if cfg.trainer.dump_trajectories and is_primary():
-            self._dump(group.trajectories, pos)
+            self._dump(trajectories, pos)
         return row
 
     def _step(self, batch) -> dict:
+        # logits of the trained tokens only: a static per-row capacity from the host mask
+        cap = selection_capacity(batch.arrays["loss_mask"])
         arrays = shard_batch({k: batch.arrays[k] for k in TRAIN_KEYS}, self.mesh)
+        ids, mask, select = arrays["input_ids"], arrays["attention_mask"], arrays["loss_mask"]
         with jax.set_mesh(self.mesh):
-            old_logp, _ = self.step_fn.logprobs(self.state.params, arrays["input_ids"],
-                                                arrays["attention_mask"])
-            arrays["old_logp"] = old_logp
+            arrays["old_logp"] = self.step_fn.logprobs(self.state.params, ids, mask, select,
+                                                       capacity=cap)[0]
             if self.ref_params is not None:
-                arrays["ref_logp"] = self.step_fn.logprobs(self.ref_params, arrays["input_ids"],
-                                                           arrays["attention_mask"])[0]
-            self.state, metrics = self.step_fn.step(self.state, arrays)
+                arrays["ref_logp"] = self.step_fn.logprobs(self.ref_params, ids, mask, select,
+                                                           capacity=cap)[0]
+            self.state, metrics = self.step_fn.step(self.state, arrays, capacity=cap)
         metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
         metrics["train/optimizer_step"] = int(adam_state(self.state.opt_state).count)
         return metrics
@@ -275,8 +289,6 @@ class Trainer:
         from jscenegen.eval.plots import plot_report
         from jscenegen.scene.sceneset import read_scene_set
 
-        nnx.update(self.model, self.state.params)
-        self.engine.set_weights(self.model)
         records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
         report = evaluate(self.engine, records, judge=self.judge, scene_cfg=self.cfg.scene,
                           judge_cfg=self.cfg.judge, samples=self.cfg.trainer.eval_samples,

@@ -1,0 +1,128 @@
+"""The sampler's weights: the training parameters resharded into the rollout layout, once per
+optimizer step, by one jitted function.
+
+From each FSDP2-padded training array (dim 0 split over every device) the function slices the
+padding off, casts to the rollout dtype, stores matmul weights [in, out] where the layout says
+so (`RolloutLayout.transposed`, XLA:CPU) and writes the result in the parameter's rollout
+sharding (`rules.rollout_param_spec`: whole, column-, row- or vocabulary-split), so XLA emits
+one all-gather (or a slice of one) per parameter. The training arrays are inputs only: nothing
+of them is kept or donated. Under the `fsdp` layout the training arrays themselves are used
+(cast when the rollout dtype differs): no copy, no reshard. Variables that are not `nnx.Param`
+(Qwen3.5's carried vision tower and MTP head, never computed with) pass through as they are.
+
+Memory during a reshard: the training arrays (unchanged), the new rollout weights (their
+layout's bytes per device) and XLA's temporaries (`memory` below, from the compiled program);
+the previous rollout weights are dropped by the caller before it reshards.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jscenegen.model.weights import param_name
+from jscenegen.sharding.rollout import RolloutLayout
+from jscenegen.sharding.rules import named, rollout_kind, rollout_param_spec
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def device_bytes(arrays) -> int:
+    """Bytes of `arrays` summed over every device shard (replicas counted on each device)."""
+    total = 0
+    for a in jax.tree.leaves(arrays):
+        if isinstance(a, jax.Array):
+            total += sum(s.data.nbytes for s in a.addressable_shards)
+        else:
+            total += np.asarray(a).nbytes
+    return int(total)
+
+
+class Reshard:
+    """The jitted training -> rollout weight function for one model structure and layout.
+
+    Args:
+      state: the model's `nnx.State` (from `nnx.split(model)`; arrays or ShapeDtypeStructs)
+        with the training layout; its Variables' `rows` metadata give the logical dim 0.
+      layout: the RolloutLayout.
+      dtype: the rollout dtype (numpy dtype), e.g. the compute dtype.
+    `__call__(state) -> (rollout_state, stats)`: stats {"reshard_s": wall seconds including
+    the transfer, "reshard_bytes": bytes of the rollout weights summed over devices}.
+    `memory`: the compiled program's {"argument_bytes", "output_bytes", "temp_bytes"} per
+    device (None under `fsdp` without a cast, or where XLA does not report it).
+    Raises ValueError when the layout's tensor size does not divide a split dimension.
+    """
+
+    def __init__(self, state: nnx.State, layout: RolloutLayout, dtype: Any):
+        self.layout = layout
+        self.dtype = np.dtype(dtype)
+        flat, self._treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
+        self._params = [i for i, (_, v) in enumerate(flat) if isinstance(v, nnx.Param)]
+        flat = [flat[i] for i in self._params]
+        # abstract inputs only: holding the arrays would keep the first weights alive
+        self._inputs = [jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                             sharding=getattr(v[...], "sharding", None))
+                        for _, v in flat]
+        self._plan = []   # (rows, transposed) per parameter
+        shardings = []
+        for path, v in flat:
+            name = param_name(path)
+            rows = v.get_metadata().get("rows", v.shape[0])
+            logical = (rows, *v.shape[1:])
+            _, transposable = rollout_kind(name)
+            transposed = bool(layout.transposed and transposable and len(logical) == 2
+                              and layout.name != "fsdp")
+            self._plan.append((rows, transposed))
+            if layout.mesh is None:
+                shardings.append(None)
+            elif layout.name == "fsdp":
+                shardings.append(getattr(v[...], "sharding", None))
+            else:
+                shardings.append(named(layout.mesh, rollout_param_spec(name, logical, layout.tp,
+                                                                       transposed)))
+        self.identity = layout.name == "fsdp" and all(a.dtype == self.dtype for a in self._inputs)
+        self._fn = None if self.identity else jax.jit(
+            self._impl, out_shardings=None if layout.mesh is None else shardings)
+        self.memory = None if self.identity else self._memory()
+
+    def _impl(self, arrays: list) -> list:
+        out = []
+        for a, (rows, transposed) in zip(arrays, self._plan):
+            if self.layout.name != "fsdp" and a.shape[0] != rows:
+                a = a[:rows]
+            a = a.astype(self.dtype)
+            out.append(a.T if transposed else a)
+        return out
+
+    def _memory(self) -> dict | None:
+        try:
+            m = self._fn.lower(self._inputs).compile().memory_analysis()
+        except Exception:  # memory analysis is best effort; the reshard itself still runs
+            return None
+        if m is None:
+            return None
+        return {"argument_bytes": int(m.argument_size_in_bytes),
+                "output_bytes": int(m.output_size_in_bytes),
+                "temp_bytes": int(m.temp_size_in_bytes)}
+
+    def __call__(self, state: nnx.State) -> tuple[nnx.State, dict]:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
+        if treedef != self._treedef:
+            raise ValueError("reshard: the parameters' structure differs from the sampler's "
+                             "(build a new Sampler for another architecture or padding)")
+        t0 = time.perf_counter()
+        if self.identity:
+            return state, {"reshard_s": 0.0, "reshard_bytes": 0}
+        arrays = self._fn([flat[i][1][...] for i in self._params])
+        jax.block_until_ready(arrays)
+        wall = time.perf_counter() - t0
+        leaves = [v for _, v in flat]
+        for i, a, (_, t) in zip(self._params, arrays, self._plan):
+            leaves[i] = leaves[i].replace(a, transposed=t) if t else leaves[i].replace(a)
+        return (jax.tree_util.tree_unflatten(treedef, leaves),
+                {"reshard_s": wall, "reshard_bytes": device_bytes(arrays)})

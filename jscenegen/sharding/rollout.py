@@ -1,0 +1,161 @@
+"""The rollout layout: where the sampler's weights and rows live, chosen once per run.
+
+Three layouts (rules.py has the specs):
+  - `replicated`: the weights whole on every device in the rollout dtype, batch rows split
+    over all devices (mesh ("data", "tp") = (devices, 1)). Decoding moves no weight bytes.
+  - `tp`: Megatron tensor parallelism over a `tp` axis of `tp` devices (column/row split of
+    q/k/v/o and the MLP, vocabulary split of the embedding), rows over the other
+    devices / tp. Per token only activations cross devices: two all-reduces of [rows, hidden]
+    per layer and one gather of the logits.
+  - `fsdp`: decode on the training arrays (FSDP2 dim-0 shards over all devices): every layer's
+    weights are all-gathered for every token. Today's behaviour, kept for comparison.
+`auto` picks `replicated` when the weights in the rollout dtype fit `memory_fraction` of one
+device's memory, else `tp` with the smallest tensor size that fits and divides the heads.
+
+The rollout mesh uses the training mesh's devices in the same order (a jit may read training
+arrays and write rollout arrays), reshaped to ("data", "tp") with tp-adjacent devices grouped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Literal
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from jscenegen.sharding.rules import ROLLOUT_AXES, ROLLOUT_SPECS, TRAINING_SPECS, ActivationSpecs
+
+log = logging.getLogger(__name__)
+
+LayoutName = Literal["replicated", "tp", "fsdp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLayout:
+    """Where the sampler computes.
+
+    name: "replicated" | "tp" | "fsdp"; mesh: the mesh its arrays live on (the rollout mesh
+    ("data", "tp"), the training mesh for fsdp, or None: one device, no sharding); tp: tensor
+    size; transposed: matmul weights stored [in, out] (the faster orientation of XLA:CPU's
+    matmul; GPU/TPU read either); reason: why it was chosen (logged).
+    """
+
+    name: LayoutName
+    mesh: Mesh | None
+    tp: int = 1
+    transposed: bool = False
+    reason: str = ""
+
+    @property
+    def specs(self) -> ActivationSpecs:
+        return TRAINING_SPECS if self.name == "fsdp" else ROLLOUT_SPECS
+
+    @property
+    def row_multiple(self) -> int:
+        """Batch rows must be a multiple of this (rows are split over it)."""
+        if self.mesh is None:
+            return 1
+        return self.mesh.shape["fsdp"] if self.name == "fsdp" else self.mesh.shape["data"]
+
+    def sharding(self, role: str) -> NamedSharding | None:
+        """The NamedSharding of activation role `role` (rules.ROWS, CACHED_KV, ...), or None
+        without a mesh."""
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, self.specs.specs[role])
+
+    def describe(self) -> str:
+        shape = "" if self.mesh is None else " " + "x".join(
+            f"{a}={n}" for a, n in self.mesh.shape.items())
+        return f"{self.name}{shape} ({self.reason})" if self.reason else f"{self.name}{shape}"
+
+
+def rollout_mesh(mesh: Mesh, tp: int) -> Mesh:
+    """The training mesh's devices, in order, as a ("data", "tp") mesh with tensor size `tp`.
+
+    Raises ValueError when tp does not divide the device count."""
+    devices = np.asarray(mesh.devices).reshape(-1)
+    if tp < 1 or devices.size % tp:
+        raise ValueError(f"rollout.tp={tp} must divide the {devices.size} devices")
+    return Mesh(devices.reshape(devices.size // tp, tp), ROLLOUT_AXES,
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def device_memory_bytes(device: jax.Device | None = None) -> int | None:
+    """Memory of one device (its allocator limit on GPU/TPU; on CPU the host's RAM divided by the
+    local devices), or None when unknown."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+        return int(total // max(1, jax.local_device_count()))
+    return None
+
+
+def tp_candidates(n_devices: int, divides: tuple[int, ...]) -> list[int]:
+    """Tensor sizes that divide the device count and every size in `divides` (head counts,
+    FFN size), increasing."""
+    return [t for t in range(1, n_devices + 1)
+            if n_devices % t == 0 and all(d % t == 0 for d in divides)]
+
+
+def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_bytes: int,
+                          divides: tuple[int, ...] = (), tp: int | None = None,
+                          memory_fraction: float = 0.25, device_bytes: int | None = None,
+                          platform: str | None = None) -> RolloutLayout:
+    """Resolve the `rollout.layout` choice.
+
+    mesh: the training mesh (None: one device, the unsharded sampler). choice: "auto",
+    "replicated", "tp" or "fsdp". weight_bytes: the weights' size in the rollout dtype.
+    divides: sizes a tensor split must divide (kv heads, heads, FFN size). tp: the tensor size
+    for "tp" (None: the smallest candidate > 1 that fits; "auto" with nothing fitting takes the
+    largest). memory_fraction: the share of one device's memory (`device_bytes`, default
+    `device_memory_bytes()`) the rollout weights may take under `replicated`.
+    Raises ValueError for an unknown choice or a tp that does not fit the mesh and heads.
+    """
+    platform = platform or jax.default_backend()
+    transposed = platform == "cpu"
+    if mesh is None:
+        return RolloutLayout("replicated", None, 1, transposed, "one device")
+    if choice == "fsdp":
+        return RolloutLayout("fsdp", mesh, 1, False, "configured")
+    n = mesh.size
+    cands = tp_candidates(n, divides)
+    if tp is not None and tp not in cands:
+        raise ValueError(f"rollout.tp={tp} must divide the {n} devices and {divides} "
+                         f"(kv heads, heads, FFN); choose from {cands}")
+    if choice == "replicated":
+        return RolloutLayout("replicated", rollout_mesh(mesh, 1), 1, transposed, "configured")
+    budget = None
+    if choice == "auto":
+        device_bytes = device_bytes if device_bytes is not None else device_memory_bytes()
+        budget = None if device_bytes is None else memory_fraction * device_bytes
+        if budget is None or weight_bytes <= budget:
+            why = ("device memory unknown" if budget is None else
+                   f"weights {weight_bytes / 2**30:.2f} GiB <= {memory_fraction:g} x "
+                   f"{device_bytes / 2**30:.1f} GiB per device")
+            return RolloutLayout("replicated", rollout_mesh(mesh, 1), 1, transposed, why)
+    elif choice != "tp":
+        raise ValueError(f"rollout.layout must be auto, replicated, tp or fsdp, got {choice!r}")
+    if tp is None:
+        split = [t for t in cands if t > 1]
+        if not split:
+            raise ValueError(f"no tensor size > 1 divides the {n} devices and {divides}; "
+                             "use rollout.layout=replicated or fsdp")
+        fits = [t for t in split if budget is None or weight_bytes / t <= budget]
+        tp = fits[0] if fits else split[-1]
+    why = "configured" if choice == "tp" else (
+        f"weights {weight_bytes / 2**30:.2f} GiB > {memory_fraction:g} x device memory; "
+        f"1/{tp} per device")
+    return RolloutLayout("tp", rollout_mesh(mesh, tp), tp, transposed, why)

@@ -1,0 +1,198 @@
+"""Rollout layouts (sharding/rollout.py, generate/reshard.py) on the 3 x 2 mesh: the choice,
+where the resharded weights live, the same samples as the unsharded sampler in every layout,
+the compiled decode loop's collectives (no weight bytes per token), and one reshard per step."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jscenegen.generate.sampler import Sampler
+from jscenegen.generate.sampling import SamplingParams, row_keys
+from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+from jscenegen.grpo.train.step import GRPOStep
+from jscenegen.model.functional import hidden_fn
+from jscenegen.model.hf_io import load_hf
+from jscenegen.model.weights import named_leaves, param_shapes
+from jscenegen.sharding.hlo import loop_collectives
+from jscenegen.sharding.mesh import make_mesh
+from jscenegen.sharding.rollout import choose_rollout_layout, tp_candidates
+from jscenegen.sharding.rules import rollout_kind
+
+LAYOUTS = ("replicated", "tp", "fsdp")
+BUCKETS = (16, 32)
+ROWS = 6           # a multiple of every layout's data-parallel size on 3 x 2 (6, 3, 3)
+NEW = 8
+GiB = 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh(3, 2)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_hf, mesh):
+    """The tiny Qwen2 (q/k/v biases, untied head) and Qwen3 (q/k norms, tied) in the training
+    layout (FSDP2 shards, padded) and unsharded."""
+    return {arch: (load_hf(tiny_hf[arch], mesh=mesh), load_hf(tiny_hf[arch])) for arch in tiny_hf}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 1003, n).tolist() for n in (11, 5, 14, 3, 9, 7)]
+
+
+@functools.cache
+def _sampler(model, layout, greedy, mesh=None):
+    params = SamplingParams(greedy=True) if greedy else SamplingParams(temperature=0.9, top_k=40)
+    return Sampler(model, params, buckets=BUCKETS, mesh=mesh, layout=layout)
+
+
+def test_auto_picks_replicated_when_the_weights_fit_else_the_smallest_tp(mesh):
+    heads = (2, 4, 96)                                    # kv heads, heads, FFN of the fixture
+    lay = choose_rollout_layout(mesh, "auto", weight_bytes=GiB, divides=heads,
+                                device_bytes=8 * GiB, platform="cpu")
+    assert (lay.name, lay.tp, lay.row_multiple) == ("replicated", 1, 6)
+    assert dict(lay.mesh.shape) == {"data": 6, "tp": 1} and lay.transposed
+    assert "1.00 GiB <= 0.25 x 8.0 GiB" in lay.reason
+    assert list(lay.mesh.devices.flat) == list(mesh.devices.flat)   # same devices, same order
+    lay = choose_rollout_layout(mesh, "auto", weight_bytes=3 * GiB, divides=heads,
+                                device_bytes=8 * GiB, platform="gpu")
+    assert (lay.name, lay.tp, lay.row_multiple, lay.transposed) == ("tp", 2, 3, False)
+    assert "> 0.25 x device memory" in lay.reason
+    # nothing fits: the largest tensor size the heads allow
+    lay = choose_rollout_layout(mesh, "auto", weight_bytes=64 * GiB, divides=heads,
+                                device_bytes=8 * GiB)
+    assert lay.tp == 2 and tp_candidates(6, heads) == [1, 2]
+    assert choose_rollout_layout(mesh, "fsdp", weight_bytes=1).row_multiple == 3
+    assert choose_rollout_layout(None, "tp", weight_bytes=1).name == "replicated"
+    with pytest.raises(ValueError, match="rollout.tp=3 must divide the 6 devices and"):
+        choose_rollout_layout(mesh, "tp", weight_bytes=1, divides=heads, tp=3)
+    with pytest.raises(ValueError, match="no tensor size > 1"):
+        choose_rollout_layout(mesh, "tp", weight_bytes=1, divides=(1,))
+
+
+@pytest.mark.parametrize("layout", ["replicated", "tp"])
+def test_resharded_weights_are_unpadded_in_their_layout_and_training_arrays_untouched(
+        trained, mesh, layout):
+    model, _ = trained["qwen2"]
+    before = {n: (v.sharding, np.asarray(v)) for n, v in named_leaves(nnx.split(model)[1]).items()}
+    s = _sampler(model, layout, True, mesh)
+    shapes = param_shapes(model.cfg)
+    rollout = named_leaves(s.state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert set(rollout) == set(shapes)
+    expected_bytes = 0
+    for name, var in rollout.items():
+        arr, meta = var[...], var.get_metadata()
+        kind, transposable = rollout_kind(name)
+        transposed = transposable and len(shapes[name]) == 2      # XLA:CPU reads [in, out]
+        assert meta.get("transposed", False) == transposed, name
+        assert arr.shape == (shapes[name][::-1] if transposed else shapes[name]), name
+        spec = arr.sharding.spec
+        if layout == "replicated" or kind == "whole" or (kind == "vocab" and shapes[name][0] % 2):
+            assert spec == P(), (name, spec)                 # vocab 1003 does not split in two
+        else:
+            split = 1 if kind == "row" else 0
+            assert spec == P(*[None] * (1 - split if transposed else split), "tp"), (name, spec)
+        per_device = {s.device: s.data for s in arr.addressable_shards}
+        assert len(per_device) == 6
+        expected_bytes += sum(d.nbytes for d in per_device.values())
+        logical = np.asarray(arr).T if transposed else np.asarray(arr)
+        np.testing.assert_array_equal(logical, before[name][1][: shapes[name][0]], err_msg=name)
+    assert s.reshard_stats["reshard_bytes"] == expected_bytes
+    for name, v in named_leaves(nnx.split(model)[1]).items():   # training arrays unchanged
+        assert v.sharding == before[name][0]
+        np.testing.assert_array_equal(np.asarray(v), before[name][1])
+
+
+@functools.cache
+def _trainer_logprobs(model):
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+    step = GRPOStep(hidden_fn(graphdef, *rest), LossConfig(), OptimConfig(), temperature=0.9,
+                    donate=False)
+    return step, params
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_samples_the_unsharded_tokens(trained, mesh, prompts, layout, greedy):
+    sharded, single = trained["qwen3"]
+    seeds = list(range(40, 40 + ROWS))
+    ref = _sampler(single, "auto", greedy).generate(prompts, NEW, seeds)
+    out = _sampler(sharded, layout, greedy, mesh).generate(prompts, NEW, seeds)
+    np.testing.assert_array_equal(out["tokens"], ref["tokens"])
+    np.testing.assert_allclose(out["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out["lengths"], ref["lengths"])
+    if greedy:
+        return
+    # the trainer's recompute (unsharded, the train step's own program) agrees: drift ~ 0
+    step, params = _trainer_logprobs(single)
+    ids = np.zeros((ROWS, 32), np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        seq = p + out["tokens"][i].tolist()
+        ids[i, :len(seq)], mask[i, :len(seq)] = seq, 1
+    want = np.asarray(step.logprobs(params, jnp.asarray(ids), jnp.asarray(mask))[0])
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(out["logprobs"][i], want[i, len(p):len(p) + NEW], atol=1e-5)
+
+
+def _loop_bytes(s: Sampler, rows: int) -> tuple[list, int]:
+    """The collectives of the compiled decode loop and the bytes they move per step per device."""
+    cache, last = s.new_cache(rows, 32)
+    with s._ctx():
+        hlo = s._decode.lower(s.state, cache, last, s._put(np.full(rows, NEW, np.int32)),
+                              s._put(row_keys(range(rows))), s.stop_ids, s.stop_table,
+                              max_steps=NEW).compile().as_text()
+    found = loop_collectives(hlo)
+    return found, sum(c.bytes for c in found)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_the_decode_loop_moves_no_weight_bytes(trained, mesh, arch):
+    """Parse the compiled decode loop on the 3 x 2 mesh. replicated: nothing but the loop's
+    `all rows done` flag crosses devices. tp: per step at most two all-reduces of the local
+    rows' hidden states per layer, one for the embedding lookup and a gather of the logits:
+    (2 L + 1) x b x H x 4 + b x V x 4 bytes, b = rows / data. fsdp: the same parse finds the
+    weight all-gathers: every layer's and the output head's bytes per step (the input embedding
+    is looked up from its shards), so the check can fail."""
+    model, _ = trained[arch]
+    cfg = model.cfg
+    weight_bytes = 4 * sum(int(np.prod(s)) for s in param_shapes(cfg).values())
+    found, moved = _loop_bytes(_sampler(model, "replicated", True, mesh), ROWS)
+    assert moved <= 8 and all(c.shapes in ((("pred", ()),),) for c in found), found
+    found, moved = _loop_bytes(_sampler(model, "tp", True, mesh), ROWS)
+    b = ROWS // 3
+    bound = (2 * cfg.num_hidden_layers + 1) * b * cfg.hidden_size * 4 + b * cfg.vocab_size * 4 + 8
+    assert 0 < moved <= bound, (moved, bound, found)
+    assert moved < weight_bytes / 50
+    assert not any(c.op == "all-gather" and c.bytes >= cfg.hidden_size * 16 for c in found), found
+    found, moved = _loop_bytes(_sampler(model, "fsdp", True, mesh), ROWS)
+    gathered = sum(c.bytes for c in found if c.op == "all-gather")
+    lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 4
+    assert gathered >= weight_bytes - lookup, (gathered, weight_bytes, lookup)
+
+
+def test_set_weights_reshards_the_new_training_arrays(trained, mesh, prompts, tiny_hf):
+    sharded, single = trained["qwen3"]
+    s = Sampler(sharded, SamplingParams(greedy=True), buckets=BUCKETS, mesh=mesh, layout="tp")
+    first = s.generate(prompts, NEW, list(range(ROWS)))
+    _, params = nnx.split(sharded, nnx.Param)
+    scaled = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.5, p))(params)   # "an optimizer step"
+    stats = s.set_weights(scaled)
+    assert stats["reshard_s"] > 0 and stats["reshard_bytes"] == s.reshard_stats["reshard_bytes"]
+    new = s.generate(prompts, NEW, list(range(ROWS)))
+    ref_model = load_hf(tiny_hf["qwen3"])
+    _, ref_params = nnx.split(ref_model, nnx.Param)
+    nnx.update(ref_model, jax.tree.map(lambda x: x * 1.5, ref_params))
+    ref = Sampler(ref_model, SamplingParams(greedy=True), buckets=BUCKETS).generate(
+        prompts, NEW, list(range(ROWS)))
+    np.testing.assert_array_equal(new["tokens"], ref["tokens"])
+    assert (new["tokens"] != first["tokens"]).any()
+    with pytest.raises(ValueError, match="structure differs"):
+        s.set_weights(nnx.split(trained["qwen2"][0], nnx.Param)[1])
