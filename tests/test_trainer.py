@@ -195,7 +195,7 @@ def straight35(tmp_path_factory):
     return run_dir, summary, trainer
 
 
-def test_qwen35_sigterm_resume_is_bitwise_and_carried_tensors_never_move(straight35, tmp_path):
+def test_qwen35_sigterm_resume_extend_is_bitwise_and_carried_tensors_never_move(straight35, tmp_path):
     from jax.sharding import PartitionSpec as P
 
     from jscenegen.grpo.algo.optimizer import adam_state
@@ -209,9 +209,11 @@ def test_qwen35_sigterm_resume_is_bitwise_and_carried_tensors_never_move(straigh
     assert summary.optimizer_steps == 2
     _, first = _run35(tmp_path, sigterm_after=1)
     assert first.stopped_by_signal and first.attempts == 1
-    _, second = _run35(tmp_path, resume=True)
+    # the resume also extends the scene list (3 -> 4 scenes): the prefix's schedule hash holds
+    _, second = _run35(tmp_path, resume=True, **{"schedule.num_scenes": 4})
     assert second.attempts == 2
     a, b = _final(run_dir), _final(tmp_path)
+    assert (a.train_state["num_scenes"], b.train_state["num_scenes"]) == (3, 4)
     cfg = QwenConfig.from_dir(qwen35_chat_model_dir())
     every, trained = param_shapes(cfg, carried=True), param_shapes(cfg)
     assert set(a.params) == set(every) and set(a.adam["mu"]) == set(a.adam["nu"]) == set(trained)

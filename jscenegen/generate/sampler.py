@@ -41,6 +41,7 @@ from jscenegen.generate.reshard import Reshard
 from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens
 from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
+from jscenegen.model.functional import split_params
 from jscenegen.model.qwen import CausalLM
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout
@@ -100,8 +101,15 @@ def _is_spec(x) -> bool:
     return isinstance(x, (str, jax.sharding.PartitionSpec))
 
 
-def _forward(graphdef, state, cache, ids, mask, layers=None):
-    model = nnx.merge(graphdef, state)
+def _merge(structure, state):
+    """The model from `structure` = (graphdef, frozen: abstract `Carried` state, never read
+    while decoding; `functional.split_params`) and the rollout weights `state`."""
+    graphdef, frozen = structure
+    return nnx.merge(graphdef, state, frozen)
+
+
+def _forward(structure, state, cache, ids, mask, layers=None):
+    model = _merge(structure, state)
     if layers is None:
         layers = model.decode_layers()
     hidden, cache = model.hidden_states(ids, mask, cache, layers)
@@ -114,15 +122,15 @@ def _logits(model, hidden):
     return constrain(model.logits(hidden), ROWS)
 
 
-def _append_impl(graphdef, state, cache, last_logits, ids, mask):
-    model, hidden, cache = _forward(graphdef, state, cache, ids, mask)
+def _append_impl(structure, state, cache, last_logits, ids, mask):
+    model, hidden, cache = _forward(structure, state, cache, ids, mask)
     new_last = _logits(model, hidden[:, -1:])[:, 0]
     keep = jnp.any(mask != 0, axis=1)[:, None]
     return cache, jnp.where(keep, new_last, last_logits)
 
 
-def _append_logprobs_impl(graphdef, state, cache, last_logits, ids, mask, temperature):
-    model, hidden, cache = _forward(graphdef, state, cache, ids, mask)
+def _append_logprobs_impl(structure, state, cache, last_logits, ids, mask, temperature):
+    model, hidden, cache = _forward(structure, state, cache, ids, mask)
     logits = _logits(model, hidden)                                     # [B, S, V]
     real = mask != 0
     prev_real = jnp.concatenate([jnp.zeros_like(real[:, :1]), real[:, :-1]], axis=1)
@@ -141,11 +149,11 @@ def _grow_impl(cache, *, extra):
                         grown.partition_specs(), grown, is_leaf=_is_spec)
 
 
-def _decode_impl(graphdef, params, stop_strings, read_per_token, state, cache, last_logits,
+def _decode_impl(structure, params, stop_strings, read_per_token, state, cache, last_logits,
                  max_new, keys, stop_ids, stop_table, *, max_steps):
     b = last_logits.shape[0]
     k1 = stop_table.head.shape[1] if stop_table is not None else 1
-    layers = nnx.merge(graphdef, state).decode_layers()   # once, outside the loop (or None)
+    layers = _merge(structure, state).decode_layers()   # once, outside the loop (or None)
 
     def cond(c):
         step, done = c[0], c[5]
@@ -176,7 +184,7 @@ def _decode_impl(graphdef, params, stop_strings, read_per_token, state, cache, l
             # without this XLA hoists the weight all-gathers out of the loop and holds the
             # whole weights on every device for the whole decode
             weights, _ = jax.lax.optimization_barrier((state, step))
-        model, hidden, cache = _forward(graphdef, weights, cache, tok[:, None],
+        model, hidden, cache = _forward(structure, weights, cache, tok[:, None],
                                         active[:, None].astype(jnp.int32), layers)
         new_logits = _logits(model, hidden)[:, 0]
         logits = jnp.where(active[:, None], new_logits, logits)
@@ -248,7 +256,9 @@ class Sampler:
         self.params = params
         self.buckets = tuple(int(b) for b in buckets)
         self.weight_dtype = np_dtype(dtype or model.compute_dtype)
-        self.graphdef, state = nnx.split(model)
+        # the rollout weights are the `nnx.Param`s; Carried tensors (Qwen3.5's vision tower,
+        # mtp.*) stay abstract: decoding never reads them
+        self.graphdef, state, frozen = split_params(model)
         if isinstance(layout, str):
             n_params = sum(int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
                            for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -268,7 +278,7 @@ class Sampler:
         self.stop_table = (build_stop_table(self.stop_strings, token_bytes, self.cfg.vocab_size)
                            if stop_strings else None)
         donate = jax.default_backend() != "cpu"
-        gd, specs = self.graphdef, layout.specs
+        gd, specs = (self.graphdef, frozen), layout.specs
         self._append = jax.jit(_with_specs(functools.partial(_append_impl, gd), specs),
                                donate_argnums=(1,) if donate else ())
         self._append_lp = jax.jit(_with_specs(functools.partial(_append_logprobs_impl, gd), specs),
@@ -284,12 +294,13 @@ class Sampler:
         """Sample from new weights (after an optimizer step) without recompiling: one jitted
         reshard from the training layout into the rollout layout (generate/reshard.py).
 
-        weights: a QwenForCausalLM or its `nnx.State` (the training parameters). The previous
+        weights: a model of the sampler's structure or its `nnx.Param` state (the training
+        parameters; `functional.split_params`). The previous
         rollout weights are released first. Returns {"reshard_s", "reshard_bytes"}.
         Raises ValueError when the structure differs from the sampler's model.
         """
         if isinstance(weights, nnx.Module):
-            graphdef, weights = nnx.split(weights)
+            graphdef, weights, _ = split_params(weights)
             if graphdef != self.graphdef:
                 raise ValueError("set_weights: the model's structure differs from the sampler's "
                                  "(build a new Sampler for another architecture or padding)")

@@ -25,6 +25,11 @@ Decode state (`HybridCache`): K/V for the full-attention layers only; per Gated 
 the last K-1 real conv inputs [B, conv_dim, K-1] (compute dtype) and the recurrent state
 [B, H_v, d_k, d_v] (fp32).
 
+Sequence parallelism: under a mesh with sp > 1 a full sequence stays split over `sp` through
+the Gated DeltaNet layers too: each shard runs its positions from zero states and corrects
+them with the exchanged conv tails and state maps (`GatedDeltaNet._context_parallel`,
+docs/qwen35.md 8.6); the gated attention layers gather K/V over `sp` as the dense decoder does.
+
 Layers run as a `lax.scan` over the repeating unit of `layer_types` (3 x GDN + 1 attention in
 the releases), each run of same-type layers inside the unit a nested scan, so one layer's
 weights are gathered at a time (`stacked_layers`). A tail that is not a whole unit (the test
@@ -70,6 +75,7 @@ from jscenegen.sharding.rules import (
     ROWS,
     SEQ_GATHERED,
     SP,
+    TRAINING_SPECS,
 )
 
 CHUNK_SIZE = 64       # the chunked delta rule's chunk (transformers' and FLA's default)
@@ -289,8 +295,8 @@ class GatedDeltaNet(nnx.Module):
 
         # check_vma off: the kernels start from constants (zero / identity states) that the
         # varying-axes checker would want cast per carry; every output is per-shard anyway.
-        return jax.shard_map(body, in_specs=(ACTIVATION, ACTIVATION, ACTIVATION, ACTIVATION,
-                                             REPLICATED), out_specs=ACTIVATION,
+        seq = TRAINING_SPECS.specs[ACTIVATION]  # only the training mesh has an sp axis
+        return jax.shard_map(body, in_specs=(seq, seq, seq, seq, REPLICATED), out_specs=seq,
                              check_vma=False)(u, mask, g, beta, weight)
 
 
