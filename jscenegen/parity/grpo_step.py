@@ -110,6 +110,23 @@ def frozen_unchanged(model, model_dir: str, tmodel, torch_before: dict) -> bool:
                       for n, p in tmodel.named_parameters() if not p.requires_grad)
 
 
+def jax_policy(model_dir: str, loss_cfg, optim_cfg, temperature: float, train_vision: bool):
+    """(model, params, names, step): the fp32 jscenegen side of a parity run, loaded from
+    `model_dir`, its trainable `nnx.Param` state, their HF names and the uncompiled GRPOStep
+    (no donation: the caller keeps the parameters to compare)."""
+    from jscenegen.grpo.algo.optimizer import param_names
+    from jscenegen.grpo.train.step import GRPOStep
+    from jscenegen.model.functional import hidden_fn, split_params
+    from jscenegen.model.hf_io import load_hf
+
+    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32",
+                    train_vision=train_vision)
+    graphdef, params, frozen = split_params(model)
+    step = GRPOStep(hidden_fn(graphdef, frozen), loss_cfg, optim_cfg,
+                    temperature=temperature, donate=False)
+    return model, params, param_names(params), step
+
+
 def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
                      seed: int = 0, rows: int = 8, seq: int = 32, pad_rows: int = 0,
                      compare_grads: bool = False, torch_perturbation: float = 0.0,
@@ -136,20 +153,13 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     import torch
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.algo.optimizer import init_train_state, param_names
-    from jscenegen.grpo.train.step import GRPOStep
-    from jscenegen.model.functional import hidden_fn, split_params
-    from jscenegen.model.hf_io import load_hf
+    from jscenegen.grpo.algo.optimizer import init_train_state
     from jscenegen.parity import torch_reference as ref
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
-    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32",
-                    train_vision=train_vision)
-    graphdef, params, frozen = split_params(model)
-    names = param_names(params)
-    step = GRPOStep(hidden_fn(graphdef, frozen), loss_cfg, optim_cfg,
-                    temperature=temperature, donate=False)
+    model, params, names, step = jax_policy(model_dir, loss_cfg, optim_cfg, temperature,
+                                            train_vision)
     data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed, pad_rows=pad_rows)
     rows = rows + pad_rows
     on = data["loss_mask"] > 0

@@ -184,23 +184,21 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     import torch
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.algo.optimizer import init_train_state, param_names
+    from jscenegen.grpo.algo.optimizer import init_train_state
     from jscenegen.grpo.train.batch import build_group_batch
-    from jscenegen.grpo.train.step import GRPOStep
-    from jscenegen.model.functional import hidden_fn, split_params
-    from jscenegen.model.hf_io import load_hf
     from jscenegen.parity import torch_reference as ref
-    from jscenegen.parity.grpo_step import frozen_unchanged, torch_policy, trained_names
+    from jscenegen.parity.grpo_step import (
+        frozen_unchanged,
+        jax_policy,
+        torch_policy,
+        trained_names,
+    )
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
     groups = group_trajectories(trajectories)
-    model = load_hf(model_dir, param_dtype="float32", compute_dtype="float32",
-                    train_vision=train_vision)
-    graphdef, params, frozen = split_params(model)
-    names = param_names(params)
-    step = GRPOStep(hidden_fn(graphdef, frozen), loss_cfg, optim_cfg,
-                    temperature=temperature, donate=False)
+    model, params, names, step = jax_policy(model_dir, loss_cfg, optim_cfg, temperature,
+                                            train_vision)
     state = init_train_state(params, optim_cfg)
 
     torch.manual_seed(0)
