@@ -60,3 +60,39 @@ def median(xs) -> float:
 def load_average() -> list[float]:
     """The machine's 1/5/15-minute load averages (how busy the shared machine was)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def tunix_qwen3_config(c, **extra):
+    """Tunix 0.1.7's `tunix.models.qwen3.model.ModelConfig` for a Qwen3 shape `c` (anything
+    with QwenConfig's attribute names; extra: e.g. dtype, param_dtype)."""
+    from tunix.models.qwen3 import model as tmodel
+
+    return tmodel.ModelConfig(
+        num_layers=c.num_hidden_layers, vocab_size=c.vocab_size, embed_dim=c.hidden_size,
+        hidden_dim=c.intermediate_size, num_heads=c.num_attention_heads,
+        head_dim=c.head_dim, num_kv_heads=c.num_key_value_heads,
+        rope_theta=int(c.rope_theta), norm_eps=c.rms_norm_eps,
+        use_tied_embedding=c.tie_word_embeddings, **extra)
+
+
+class IdTokenizer:
+    """Token ids as space-separated text, for Tunix's string-in sampler: pad and bos 0 (no bos
+    is added, padding is masked), eos beyond the vocabulary (never sampled)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, s, **kw):
+        return [int(x) for x in s.split()]
+
+    def decode(self, ids, **kw):
+        return " ".join(map(str, ids))
+
+    def bos_id(self):
+        return 0
+
+    def pad_id(self):
+        return 0
+
+    def eos_id(self):
+        return self.vocab_size + 7

@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 import numpy as np
-from common import load_average, median, rounds
+from common import IdTokenizer, load_average, median, rounds, tunix_qwen3_config
 
 VOCAB, BATCH, PROMPT, NEW, TOP_K = 8192, 8, 64, 128, 50
 MESH_ROWS, MESH_NEW = 12, 64
@@ -82,40 +82,14 @@ def transformers_engine(path: str, prompts):
     return run
 
 
-class _IdTokenizer:
-    """Token ids as space-separated text, for Tunix's string-in sampler (pad and bos 0: no bos
-    is added, padding is masked; eos beyond the vocabulary: never sampled)."""
-
-    def encode(self, s, **kw):
-        return [int(x) for x in s.split()]
-
-    def decode(self, ids, **kw):
-        return " ".join(map(str, ids))
-
-    def bos_id(self):
-        return 0
-
-    def eos_id(self):
-        return VOCAB + 7
-
-    def pad_id(self):
-        return 0
-
-
 def tunix_engine(path: str, cfg, prompts):
     """Tunix 0.1.7's Sampler on its own Qwen3 module, loaded from the same safetensors."""
     from tunix.generate.sampler import CacheConfig, Sampler
-    from tunix.models.qwen3 import model as tmodel
     from tunix.models.qwen3 import params as tparams
 
-    tcfg = tmodel.ModelConfig(
-        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
-        hidden_dim=cfg.intermediate_size, num_heads=cfg.num_attention_heads,
-        head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads,
-        rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_norm_eps,
-        use_tied_embedding=cfg.tie_word_embeddings)
+    tcfg = tunix_qwen3_config(cfg)
     model = tparams.create_model_from_safe_tensors(path, tcfg)
-    sampler = Sampler(model, _IdTokenizer(), CacheConfig(
+    sampler = Sampler(model, IdTokenizer(VOCAB), CacheConfig(
         cache_size=PROMPT + NEW, num_layers=cfg.num_hidden_layers,
         num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim))
     text = [" ".join(map(str, p)) for p in prompts]

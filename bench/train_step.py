@@ -33,7 +33,7 @@ import json
 import tempfile
 
 import numpy as np
-from common import grpo_batch, load_average, median, rounds
+from common import grpo_batch, load_average, median, rounds, tunix_qwen3_config
 
 VOCAB, BATCH, SEQ = 8192, 8, 256
 
@@ -110,19 +110,13 @@ def tunix_engine(model_dir: str, cfg, batch: dict):
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from tunix.models.qwen3 import model as tmodel
     from tunix.models.qwen3 import params as tparams
     from tunix.rl import algo_core, common
     from tunix.rl.grpo.grpo_learner import GRPOConfig
 
     from jscenegen.grpo.algo.config import OptimConfig
 
-    tcfg = tmodel.ModelConfig(
-        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
-        hidden_dim=cfg.intermediate_size, num_heads=cfg.num_attention_heads,
-        head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads,
-        rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_norm_eps,
-        use_tied_embedding=cfg.tie_word_embeddings)
+    tcfg = tunix_qwen3_config(cfg)
     model = tparams.create_model_from_safe_tensors(model_dir, tcfg)
     half = SEQ // 2
     example = common.TrainExample(

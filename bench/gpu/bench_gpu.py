@@ -37,11 +37,12 @@ import argparse
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
-from common import grpo_batch, timed  # noqa: E402
+from common import IdTokenizer, grpo_batch, timed, tunix_qwen3_config  # noqa: E402
 
 QWEN3_1_7B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -235,31 +236,10 @@ def run_tunix(c: dict, args) -> dict:
     from tunix.models.qwen3 import model as tmodel
 
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    tcfg = tmodel.ModelConfig(
-        num_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"], embed_dim=c["hidden_size"],
-        hidden_dim=c["intermediate_size"], num_heads=c["num_attention_heads"],
-        head_dim=c["head_dim"], num_kv_heads=c["num_key_value_heads"],
-        rope_theta=int(c["rope_theta"]), norm_eps=c["rms_norm_eps"],
-        use_tied_embedding=c["tie_word_embeddings"], dtype=dtype, param_dtype=dtype)
+    tcfg = tunix_qwen3_config(SimpleNamespace(**c), dtype=dtype, param_dtype=dtype)
     model = tmodel.Qwen3(tcfg, rngs=nnx.Rngs(1))
 
-    class Ids:   # token ids as text; pad/bos 0 (no bos added), eos beyond the vocabulary
-        def encode(self, s, **kw):
-            return [int(x) for x in s.split()]
-
-        def decode(self, ids, **kw):
-            return " ".join(map(str, ids))
-
-        def bos_id(self):
-            return 0
-
-        def eos_id(self):
-            return c["vocab_size"] + 7
-
-        def pad_id(self):
-            return 0
-
-    sampler = Sampler(model, Ids(), CacheConfig(
+    sampler = Sampler(model, IdTokenizer(c["vocab_size"]), CacheConfig(
         cache_size=args.prompt + args.new, num_layers=c["num_hidden_layers"],
         num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"]))
     prompts = np.random.default_rng(0).integers(1, c["vocab_size"], (args.decode_batch, args.prompt))
