@@ -96,3 +96,14 @@ class IdTokenizer:
 
     def eos_id(self):
         return self.vocab_size + 7
+
+
+def versus(name: str, ours: dict, other: dict | None) -> dict:
+    """JSON fields comparing `ours` with engine `name` (each {"tokens_per_s",
+    "tokens_per_cpu_s"}): its tokens/s, `vs_<name>` (wall) and `cpu_vs_<name>` (CPU time);
+    {name: "not installed"} when `other` is None."""
+    if other is None:
+        return {name: "not installed"}
+    return {f"{name}_tokens_per_s": other["tokens_per_s"],
+            f"vs_{name}": ours["tokens_per_s"] / other["tokens_per_s"],
+            f"cpu_vs_{name}": ours["tokens_per_cpu_s"] / other["tokens_per_cpu_s"]}

@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 import numpy as np
-from common import IdTokenizer, load_average, median, rounds, tunix_qwen3_config
+from common import IdTokenizer, load_average, median, rounds, tunix_qwen3_config, versus
 
 VOCAB, BATCH, PROMPT, NEW, TOP_K = 8192, 8, 64, 128, 50
 MESH_ROWS, MESH_NEW = 12, 64
@@ -192,15 +192,8 @@ def main() -> None:
     result = {"bench": "rollout", "rounds": args.rounds, "load_before": load_before,
               "load_after": load_after,
               "jscenegen_tokens_per_s": ours["tokens_per_s"],
-              "transformers_tokens_per_s": single["transformers"]["tokens_per_s"],
-              "vs_transformers": ours["tokens_per_s"] / single["transformers"]["tokens_per_s"],
-              "cpu_vs_transformers": ours["tokens_per_cpu_s"] / single["transformers"]["tokens_per_cpu_s"]}
-    if "tunix" in single:
-        result.update(tunix_tokens_per_s=single["tunix"]["tokens_per_s"],
-                      vs_tunix=ours["tokens_per_s"] / single["tunix"]["tokens_per_s"],
-                      cpu_vs_tunix=ours["tokens_per_cpu_s"] / single["tunix"]["tokens_per_cpu_s"])
-    else:
-        result["tunix"] = "not installed"
+              **versus("transformers", ours, single["transformers"]),
+              **versus("tunix", ours, single.get("tunix"))}
     if mesh is not None:
         for layout in ("fsdp", "replicated", "tp"):
             result[f"mesh_{layout}_tokens_per_s"] = mesh[layout]["tokens_per_s"]

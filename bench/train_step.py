@@ -33,7 +33,7 @@ import json
 import tempfile
 
 import numpy as np
-from common import grpo_batch, load_average, median, rounds, tunix_qwen3_config
+from common import grpo_batch, load_average, median, rounds, tunix_qwen3_config, versus
 
 VOCAB, BATCH, SEQ = 8192, 8, 256
 
@@ -195,12 +195,7 @@ def main() -> None:
            "jscenegen_forward_s": jx["forward_s"], "torch_forward_s": th["forward_s"],
            "ratio": jx["tokens_per_s"] / th["tokens_per_s"],
            "cpu_ratio": jx["tokens_per_cpu_s"] / th["tokens_per_cpu_s"]}
-    if "tunix" in res:
-        out.update(tunix_tokens_per_s=res["tunix"]["tokens_per_s"],
-                   vs_tunix=jx["tokens_per_s"] / res["tunix"]["tokens_per_s"],
-                   cpu_vs_tunix=jx["tokens_per_cpu_s"] / res["tunix"]["tokens_per_cpu_s"])
-    else:
-        out["tunix"] = "not installed"
+    out.update(versus("tunix", jx, res.get("tunix")))
     print(json.dumps(out))
 
 
