@@ -128,6 +128,14 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExistsError) -> None:
+    """Raise `exists_error` naming `path` when it exists and is not an empty directory: a
+    destination that must not replace anything (checked before any work is done)."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, *, replace: bool = False,
                exists_error: type[Exception] = FileExistsError) -> Iterator[Path]:
@@ -139,8 +147,8 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
     `path` is untouched.
     """
     path = Path(path)
-    if not replace and path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
+    if not replace:
+        require_new_dir(path, exists_error)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:

@@ -2,6 +2,7 @@
 real episodes, the NLL against a direct computation, micro-batching, the overfit check on the
 3 x 2 mesh, and the HF directory it writes."""
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,22 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
     w1 = np.asarray(after.model.embed_tokens.weight[...])
     assert w0.shape == w1.shape and not np.allclose(w0, w1)
     assert ChatTokenizer.from_dir(out).encode("<action>") == ChatTokenizer.from_dir(chat_model_dir()).encode("<action>")
+
+
+def test_run_sft_never_replaces_an_existing_directory(tmp_path):
+    cfg = validate_config({"sft": {"num_demos": 2, "steps": 1, "batch_size": 3, "max_seq_len": SEQ}},
+                          "sft.yaml", SFTRunConfig)
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "keep.txt").write_text("precious")
+    rows = []
+    with pytest.raises(FileExistsError, match=f"{out}: already exists and is not empty"):
+        run_sft(cfg, chat_model_dir(), out, log=rows.append)
+    assert rows == [] and (out / "keep.txt").read_text() == "precious" and (out / "sub").is_dir()
+    # an --out above the model directory is not empty either: the model is never touched
+    with pytest.raises(FileExistsError):
+        run_sft(cfg, chat_model_dir(), Path(chat_model_dir()).parent, log=rows.append)
+    assert (Path(chat_model_dir()) / "config.json").is_file()
 
 
 def test_config_errors_name_the_key():

@@ -10,7 +10,7 @@ def register(sub) -> None:
     p.add_argument("--config", default=None, help="YAML file (e.g. configs/sft-cpu.yaml)")
     p.add_argument("--model", default=None, help="HF model directory to start from "
                    "(overrides model.path; default: a fresh init-model next to --out)")
-    p.add_argument("--out", default=None, help="output HF directory (overrides sft.out_dir)")
+    p.add_argument("--out", default=None, help="output HF directory, new or empty (overrides sft.out_dir)")
     p.add_argument("--chat-template", default=None, help="replacement prefix-preserving chat "
                    "template (jinja), e.g. for Qwen3 directories")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sft.steps=10")
@@ -19,12 +19,14 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from jscenegen.config import load_config
+    from jscenegen.paths import require_new_dir
     from jscenegen.sft.config import SFTRunConfig
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
     from jscenegen.sft.run import run_sft
 
     out = Path(args.out or cfg.sft.out_dir)
+    require_new_dir(out)  # before a fresh init-model or any demonstration is built
     model_dir = args.model or cfg.model.path
     if model_dir is None:
         from jscenegen.model.init_model import init_model_dir

@@ -15,7 +15,7 @@ import numpy as np
 
 from jscenegen.grpo.algo.optimizer import init_train_state
 from jscenegen.model.tokenizer.chat import ChatTokenizer
-from jscenegen.paths import write_json
+from jscenegen.paths import require_new_dir, write_json
 from jscenegen.sft.demos import batch_order, build_demos, demo_batch, padded_length, sft_records
 from jscenegen.sft.step import SFTStep
 
@@ -36,7 +36,10 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
         demo statistics.
 
     Returns the summary dict. Deterministic for a given config (demo scenes, order, weights).
-    Raises ChatTemplateError (template), MeshError (mesh vs devices), ModelConfigError.
+    Raises FileExistsError for an `out_dir` that exists and is not empty (before any work:
+    `paths.require_new_dir`),
+    ChatTemplateError (template), MeshError (mesh vs devices), ModelConfigError and the
+    loader's errors for a bad `model_dir`.
     """
     from flax import nnx
 
@@ -47,10 +50,12 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
 
     sc = cfg.sft
     t0 = time.perf_counter()
+    require_new_dir(out_dir)
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
+    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+    model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
                         noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m)
-    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     length = padded_length(demos, sc.max_seq_len, int(np.lcm(sc.seq_multiple, mesh.shape["sp"])))
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
@@ -61,7 +66,6 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     log({"event": "demos", **demo_stats})
 
     t1, cpu1 = time.perf_counter(), time.process_time()
-    model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())
     graphdef, params, frozen = split_params(model)  # carried tensors (Qwen3.5) never train
     sft = SFTStep(hidden_fn(graphdef, frozen), cfg.optim, micro_batch_size=sc.micro_batch_size,
                   logprob_chunk=sc.logprob_chunk)
