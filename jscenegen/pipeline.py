@@ -62,11 +62,14 @@ def _sft_log(row: dict) -> None:
 
 
 def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> None:
-    """config.yaml (the resolved config, credentials redacted) and run.json; atomic."""
+    """config.yaml (the resolved config, credentials redacted: on a resume the config it
+    continues with, overrides such as an extension included) and run.json (the run's origin,
+    written once); atomic."""
     write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
                                                        sort_keys=False))
-    write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
-                                             "config_source": config_source})
+    if not (run_dir / "run.json").is_file():
+        write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
+                                          "config_source": config_source})
 
 
 class Progress:
@@ -146,8 +149,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         model_dir = Path(cfg.model.path)
     else:
         model_dir = default_model_dir(cfg, phases)
-    trainer = Trainer(cfg, run_dir, model_dir, resume=resume)
-    if is_primary() and (not resume or not (run_dir / "config.yaml").is_file()):
+    trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
+    if is_primary():
         write_run_files(run_dir, cfg, model_dir, config_source)
     evals = {}
     try:

@@ -32,6 +32,19 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
     assert err == "error: override sampling.temprature=0.5: unknown key 'sampling.temprature'\n"
 
 
+def test_resume_refuses_another_run_dir_or_config(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("schedule:\n  total_updates: 5\n")
+    assert main(["train", "--resume", str(run), "--run-dir", str(tmp_path / "other")]) == 2
+    assert "a resumed run stays in its own directory; drop --run-dir" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--config", "configs/cpu-qwen35.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert f"continues with its own {run / 'config.yaml'}; pass changes as key=value overrides" in err
+    assert not (tmp_path / "other").exists() and sorted(p.name for p in run.iterdir()) == [
+        "checkpoints", "config.yaml"]
+
+
 def test_a_mesh_that_does_not_fit_lists_the_sizes_that_do(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path / "run"), "mesh.fsdp=5"]) == 2
     err = capsys.readouterr().err

@@ -93,3 +93,14 @@ def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_pa
     assert updates == ["1/2", "2/2"]
     assert proc.stdout.count("swanlab sync") == 1
     assert not (run_dir / "run.lock").exists()
+    # an extending resume writes the config it continues with back to config.yaml
+    origin = (run_dir / "run.json").read_text()
+    from jscenegen.cli import main
+
+    assert main(["train", "--resume", str(run_dir), "schedule.total_updates=3",
+                 "trainer.progress=false", "logging.swanlab_mode=disabled"]) == 0
+    import yaml
+
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["schedule"]["total_updates"] == 3 and saved["judge"]["base_url"] == "<redacted>"
+    assert (run_dir / "run.json").read_text() == origin

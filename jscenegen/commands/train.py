@@ -10,9 +10,11 @@ def register(sub) -> None:
     p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("--run-dir", default=None, help="output directory (default: runs/<time>)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its newest complete checkpoint")
+                   help="continue the run in RUN_DIR from its newest complete checkpoint, with its "
+                        "config.yaml and any key=value overrides (written back to config.yaml)")
     p.add_argument("--max-updates", type=int, default=None,
-                   help="stop after N update attempts (smoke runs)")
+                   help="stop after N update attempts of this invocation (a resumed run counts "
+                        "from its resume; smoke runs)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
 
@@ -23,9 +25,15 @@ def run(args) -> int:
 
     if args.resume:
         run_dir = Path(args.resume)
+        if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
+            raise ValueError(f"--run-dir {args.run_dir} with --resume {args.resume}: a resumed run "
+                             "stays in its own directory; drop --run-dir")
         if not (run_dir / "checkpoints").is_dir():
             raise FileNotFoundError(f"{run_dir}/checkpoints not found: nothing to resume")
         saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
+        if args.config and saved.is_file():
+            raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "
+                             f"with its own {saved}; pass changes as key=value overrides")
         config_path = args.config or (saved if saved.is_file() else resolve_data_path(DEFAULT_CONFIG))
     else:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
