@@ -281,12 +281,15 @@ def test_a_corrupt_step_is_set_aside_and_its_number_saved_again(tmp_path, mesh32
     _corrupt(victim, offset=victim.stat().st_size // 2)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         store.restore()  # keep_last=1: step 1 is gone, step 2 is the only one and corrupt
+    # nothing valid to go back to: a resume refuses, naming the step and file, and moves nothing
+    with pytest.raises(CheckpointError, match=f"no valid checkpoint to resume from; corrupt: step 2 .*{rel}"):
+        store.set_aside_corrupt()
+    assert store.steps() == [2]
     with caplog.at_level("WARNING"):
-        (aside,) = store.set_aside_corrupt()
-    assert aside.name.startswith("2.corrupt-") and (aside / rel).read_bytes() != b""
+        want = save_step(store, 2, mesh32, hf_dir, seed=22)  # a redo of the update saves step 2 again
+    (aside,) = tmp_path.glob("2.corrupt-*")  # ... setting the corrupt one aside first
+    assert (aside / rel).read_bytes() != b""
     assert rel in caplog.text and str(aside) in caplog.text
-    assert store.steps() == [] and store.set_aside_corrupt() == []
-    want = save_step(store, 2, mesh32, hf_dir, seed=22)  # the redo of the update saves step 2 again
     ck = store.restore()
     assert ck.step == 2
     np.testing.assert_array_equal(ck.adam["nu"]["lm_head.weight"], want[2]["lm_head.weight"])

@@ -497,15 +497,22 @@ class CheckpointStore:
         redo the update and save that step again. Incomplete steps (a save cut off before
         `checksums.json`) are left for the next save of that number to replace. Called by
         the resuming trainer (`checkpoint.resume.restore_onto_mesh`), never by readers.
+        Raises CheckpointError, moving nothing, when no valid step precedes the corrupt ones.
         """
-        moved = []
+        corrupt = []
         for step in reversed(self.steps()):
             status = check_step(self.step_path(step))
             if status.valid:
                 break
             if (self.step_path(step) / CHECKSUMS_NAME).is_file():
-                moved.append(self._set_aside(step, status.reason))
-        return moved
+                corrupt.append((step, status.reason))
+        else:  # no valid step to go back to: leave everything where it is
+            if corrupt:
+                raise CheckpointError(
+                    f"{self.directory}: no valid checkpoint to resume from; corrupt: "
+                    + "; ".join(f"step {s} ({_one_line(r)})" for s, r in corrupt)
+                    + " (left in place: restore the files or start a new run)")
+        return [self._set_aside(step, reason) for step, reason in corrupt]
 
     def _set_aside(self, step: int, reason: str | None) -> Path:
         path = self.step_path(step)
