@@ -20,9 +20,10 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are immutable."""
+    """Base of every config section: unknown keys are errors, values are immutable, floats
+    finite (inf and nan are refused with the key named)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _parse_scalar(text: str) -> Any:

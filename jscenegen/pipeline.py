@@ -107,6 +107,19 @@ class Progress:
             self.bar.stop()
 
 
+def check_scene_sets(cfg) -> None:
+    """Read the train scene set (and the dev set when the run evaluates) before any model is
+    made: a wrong path or more scenes asked than the set holds fails in seconds, not after
+    the SFT warm start. Raises the readers' errors and `trainer.train_scenes`'."""
+    from jscenegen.grpo.train.trainer import train_scenes
+    from jscenegen.paths import resolve_data_path
+    from jscenegen.scene.sceneset import read_scene_set
+
+    train_scenes(cfg)
+    if cfg.trainer.eval_before_after or cfg.trainer.eval_every:
+        read_scene_set(resolve_data_path(cfg.schedule.dev_set))
+
+
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
     """Run the GRPO job in `run_dir` (see the module docstring); holds `run_dir/run.lock`
@@ -120,6 +133,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
     except ValueError as err:
         raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
+    check_scene_sets(cfg)
     from jscenegen.run_lock import RunLock
 
     lock = RunLock(run_dir)

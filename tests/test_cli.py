@@ -32,6 +32,18 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
     assert err == "error: override sampling.temprature=0.5: unknown key 'sampling.temprature'\n"
 
 
+@pytest.mark.parametrize("override, message", [
+    ("schedule.train_set=/nonexistent.jsonl", "/nonexistent.jsonl: no such scene set"),
+    ("schedule.num_scenes=1000", "schedule.num_scenes=1000: data/scenes/train.jsonl holds only 100 scenes"),
+    ("schedule.dev_set=/nonexistent-dev.jsonl", "/nonexistent-dev.jsonl: no such scene set"),
+    ("optim.lr=inf", "optim.lr: Input should be a finite number"),
+])
+def test_train_refuses_bad_scene_sets_and_values_before_any_model(tmp_path, capsys, override, message):
+    assert main(["train", "--run-dir", str(tmp_path / "run"), override]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_refuses_another_run_dir_or_config(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

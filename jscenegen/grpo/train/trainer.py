@@ -70,6 +70,18 @@ class RunSummary:
     wall_s: float
 
 
+def train_scenes(cfg) -> tuple[SceneSetSource, int]:
+    """The train scene set (`schedule.train_set`) and how many of its scenes the schedule uses
+    (`schedule.num_scenes`, default all). Raises ValueError naming the key when num_scenes
+    exceeds the set, and the scene-set reader's errors for a missing or malformed file."""
+    scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
+    n = cfg.schedule.num_scenes or len(scenes)
+    if n > len(scenes):
+        raise ValueError(f"schedule.num_scenes={n}: {cfg.schedule.train_set} holds only "
+                         f"{len(scenes)} scenes")
+    return scenes, n
+
+
 class Trainer:
     """One GRPO run in `run_dir` with the weights of `model_dir` (or a checkpoint to resume)."""
 
@@ -85,8 +97,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.model_dir = Path(model_dir)
         self.mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
-        self.scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
-        n = min(len(self.scenes), cfg.schedule.num_scenes or len(self.scenes))
+        self.scenes, n = train_scenes(cfg)
         self.schedule = Schedule([(f"train-{i:04d}", self.scenes[i].seed) for i in range(n)],
                                  cfg.schedule)
         self.judge = make_judge(cfg.judge, cfg.scene)
