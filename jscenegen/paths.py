@@ -74,6 +74,34 @@ def resolve_data_path(path: str | Path) -> Path:
     raise FileNotFoundError(f"{path}: not found in {Path.cwd()} nor in {PROJECT_ROOT}")
 
 
+def refuse_same_file(output: str | Path, output_label: str, inputs: dict[str, str | Path | None]) -> None:
+    """Raise ValueError, before anything is written, when `output` is the same file as one of
+    `inputs` ({label: path}; None entries are skipped): writing it would overwrite the input.
+    Compares the files themselves (os.path.samefile: links and `..` included) when both exist."""
+    for label, path in inputs.items():
+        if path is None:
+            continue
+        try:
+            same = os.path.samefile(output, path)
+        except OSError:  # one of them does not exist (yet): not the same file
+            same = Path(output).resolve() == Path(path).resolve()
+        if same:
+            raise ValueError(f"{output_label} {output} is the same file as {label} {path}: "
+                             f"writing it would overwrite the input; write elsewhere")
+
+
+def check_output_file(path: str | Path, label: str) -> None:
+    """Raise ValueError, before any work, when a file cannot be written at `path`: it is a
+    directory, or its nearest existing ancestor is not a directory (missing parents are created
+    by the writers)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{label} {path}: is a directory; give a file path")
+    parent = _existing(p.absolute().parent)
+    if not parent.is_dir():
+        raise ValueError(f"{label} {path}: {parent} is not a directory")
+
+
 def cache_dir() -> Path:
     """Models the CPU default creates (tiny model, SFT warm start): $JSCENEGEN_CACHE or ~/.cache/jscenegen."""
     return Path(os.environ.get("JSCENEGEN_CACHE", Path.home() / ".cache" / "jscenegen"))

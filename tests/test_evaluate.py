@@ -1,6 +1,7 @@
 """`jscenegen eval` / `jscenegen design`: evaluation report and plot, the expert reference row,
 checkpoint loading, and one designed room, with the tiny chat model on the 3 x 2 CPU mesh."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -241,8 +242,10 @@ def test_compare_reports_pairs_episodes_by_scene_and_seed():
 
 
 def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):
-    from jscenegen.eval.report import compare_reports, comparison_markdown
+    from jscenegen.eval.report import check_report, check_same_episodes, compare_reports, comparison_markdown
 
+    check_report(report, "report.json")  # what `eval --compare` checks first holds for a real report
+    check_same_episodes(report, report, ("before.json", "after.json"))
     text = comparison_markdown(report, report)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + len(report["scenes"]) + 1
@@ -309,3 +312,63 @@ def test_no_pytorch_advice_when_a_command_imports_transformers_without_torch(tmp
         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
     assert proc.returncode == 2 and "max_episode_tokens" in proc.stderr  # transformers was used
     assert "PyTorch was not found" not in proc.stderr + proc.stdout
+
+
+def _synthetic_report(scenes=("a", "b"), seeds=(1, 2)) -> dict:
+    stats = {"reward": 0.5, "failure_rate": 0.0, "units": 10.0, "reachable": 1.0, "quality": 0.6,
+             "unit_penalty": 0.1}
+    return {"scenes": [{"scene_id": sid, "model": dict(stats, episodes=[
+                {"seed": s, "reward": 0.5, "masked": False, "failure_cause": None} for s in seeds])}
+                       for sid in scenes],
+            "overall": {"model": dict(stats)}}
+
+
+def _compare(tmp_path, capsys, before, after):
+    for name, rep in (("before.json", before), ("after.json", after)):
+        (tmp_path / name).write_text(json.dumps(rep))
+    rc = main(["eval", "--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json")])
+    captured = capsys.readouterr()
+    return rc, captured.err.strip()
+
+
+def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tmp_path, capsys):
+    good = _synthetic_report()
+    assert _compare(tmp_path, capsys, good, good) == (0, "")
+    damaged = [(lambda r: r["scenes"].append(5), "scenes[2] must be an object"),
+               (lambda r: r["scenes"][0].update(scene_id=None), "scenes[0].scene_id must be a string"),
+               (lambda r: r["scenes"][1]["model"]["episodes"].__setitem__(1, "x"),
+                "scenes[1].model.episodes[1] must be an object"),
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].pop("seed"),
+                "scenes[0].model.episodes[0].seed must be an integer"),
+               (lambda r: r["overall"]["model"].update(reward="high"), "overall.model.reward must be a number")]
+    for damage, why in damaged:
+        rep = json.loads(json.dumps(good))
+        damage(rep)
+        rc, err = _compare(tmp_path, capsys, good, rep)
+        assert rc == 2 and len(err.splitlines()) == 1 and "after.json" in err and why in err, err
+    no_model = _synthetic_report()
+    del no_model["scenes"][1]["model"]
+    for after, why in ((_synthetic_report(scenes=("a",)), r"1 scene\(s\) only in .*before.json: b"),
+                       (_synthetic_report(seeds=(1,)), "scene a has model episodes of different seeds"),
+                       (no_model, "scene b has no model episodes in .*after.json")):
+        rc, err = _compare(tmp_path, capsys, good, after)
+        assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
+
+
+def test_outputs_are_checked_before_any_work(tmp_path, capsys):
+    """design -o over its --room, and eval --out naming a directory, are refused before the
+    model (garbage here) is read."""
+    room = tmp_path / "room.json"
+    room.write_text(json.dumps(dev_records()[0].scene.room.model_dump(mode="json")))
+    before = room.read_text()
+    assert main(["design", "--model", str(tmp_path / "nowhere"), "--prompt", "A bedroom.", "--room",
+                 str(room), "-o", str(room), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"-o {room} is the same file as --room {room}" in err and err.count("\n") == 0
+    assert room.read_text() == before
+    (tmp_path / "outdir").mkdir()
+    assert main(["eval", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "outdir"), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--out {tmp_path / 'outdir'}: is a directory" in err and err.count("\n") == 0
+    assert main(["eval", "--model", str(tmp_path / "nowhere"), "--out", str(room / "r.json"), *TINY]) == 2
+    assert f"--out {room / 'r.json'}: {room} is not a directory" in capsys.readouterr().err

@@ -101,3 +101,26 @@ def test_a_room_without_a_door_is_refused(doors):
         scene_from_json({"room": r}, "s.json")
     with pytest.raises(ValidationError, match="at least one door"):
         Room.model_validate(r)  # a bare room (`jscenegen design --room`)
+
+
+@pytest.mark.parametrize("field,value", [("position", [1e30, 1e30]), ("size", [1e30, 1.0, 1.0]),
+                                         ("elevation", -1e30), ("yaw", 1e30)])
+def test_coordinates_beyond_the_bound_are_refused_naming_object_and_field(field, value):
+    o = dict(obj("bed_1", "bed", 1.0, 1.0, 1.0, 1.0, 0.5), **{field: value})
+    with pytest.raises(SceneError, match=rf"^s.json: objects.0: .*object bed_1: {field} .* is beyond"):
+        scene_from_json({"room": room(), "objects": [o]}, "s.json")
+    far = dict(room(), floor_polygon=[[0, 0], [1e30, 0], [1e30, 1e30], [0, 1e30]])
+    with pytest.raises(SceneError, match=r"^s.json: room.floor_polygon: .*vertex 1 .* is beyond"):
+        scene_from_json({"room": far}, "s.json")
+
+
+def test_parents_that_are_the_object_itself_or_form_a_cycle_are_refused():
+    def on(oid, parent):
+        return obj(oid, "plant", 1.0, 1.0, 0.2, 0.2, 0.2, mount="on", elevation=0.5, parent=parent)
+
+    with pytest.raises(SceneError, match=r"^s.json: objects.0: .*object a: parent is the object itself"):
+        scene_from_json({"room": room(), "objects": [on("a", "a")]}, "s.json")
+    with pytest.raises(SceneError, match=r"^s.json: .*objects b -> c -> d -> b: parents form a cycle"):
+        scene_from_json({"room": room(), "objects": [on("a", "b"), on("b", "c"), on("c", "d"), on("d", "b")]},
+                        "s.json")
+    assert len(scene_from_json({"room": room(), "objects": [on("a", "b"), obj("b", "desk", 1, 1, 1, 1, 0.5)]}).objects) == 2

@@ -149,3 +149,49 @@ def test_scene_runtime_imports_no_models_flax_grpo_or_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+def test_cli_refuses_far_objects_in_check_and_render(tmp_path, capsys):
+    s = KNOWN["split"]().to_json()
+    s["objects"][0]["position"] = [1e30, 1e30]
+    (tmp_path / "far.json").write_text(json.dumps(s))
+    assert main(["scene", "check", str(tmp_path / "far.json")]) == 2
+    assert re.search(r"far.json: objects.0: .*position .* is beyond", _one_line_error(capsys))
+    assert main(["scene", "render", str(tmp_path / "far.json"), "-o", str(tmp_path / "far.png")]) == 2
+    assert "position" in _one_line_error(capsys) and not (tmp_path / "far.png").exists()
+
+
+def test_cli_refuses_negative_units_and_empty_sets(tmp_path, capsys):
+    (tmp_path / "rec.json").write_text((DATA / "dev.jsonl").read_text().splitlines()[0])
+    assert main(["scene", "check", str(tmp_path / "rec.json"), "--requested-units", "-5"]) == 2
+    assert "--requested-units must be >= 0, got -5" in _one_line_error(capsys)
+    assert main(["scene", "generate", "--split", "dev", "--n", "-1", "-o", str(tmp_path / "g.jsonl")]) == 2
+    assert "--n" in _one_line_error(capsys) and not (tmp_path / "g.jsonl").exists()
+
+
+def test_cli_never_writes_over_its_input(tmp_path, capsys):
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text((DATA / "dev.jsonl").read_text())
+    for out in (dev, tmp_path / "." / "dev.jsonl"):
+        assert main(["scene", "furnish", str(dev), "--index", "0", "-o", str(out)]) == 2
+        err = _one_line_error(capsys)
+        assert f"-o {out} is the same file as the scene set {dev}" in err
+    assert dev.read_text() == (DATA / "dev.jsonl").read_text()
+    assert main(["scene", "render", str(dev), "-o", str(dev)]) == 2
+    assert "same file" in _one_line_error(capsys) and dev.read_text() == (DATA / "dev.jsonl").read_text()
+
+
+def test_cli_furnish_names_a_binary_file_and_finds_shipped_sets_from_anywhere(tmp_path, capsys, monkeypatch):
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00\x81 not text")
+    assert main(["scene", "furnish", str(tmp_path / "bin.json"), "-o", str(tmp_path / "o.json")]) == 2
+    assert f"{tmp_path / 'bin.json'}: not UTF-8 text" in _one_line_error(capsys)
+    monkeypatch.chdir(tmp_path)  # outside the checkout: data/... resolves under it
+    assert main(["scene", "furnish", "data/scenes/dev.jsonl", "--index", "1", "-o", "f.json"]) == 0
+    assert json.loads(capsys.readouterr().out)["output"] == "f.json"
+    assert scene_from_json(json.loads((tmp_path / "f.json").read_text())).objects

@@ -26,16 +26,17 @@ def register(sub) -> None:
 
 def compare(before: str, after: str, plot: str | None) -> int:
     from jscenegen.eval.plots import plot_report
-    from jscenegen.eval.report import comparison_markdown
+    from jscenegen.eval.report import check_report, check_same_episodes, comparison_markdown
+    from jscenegen.paths import check_output_file, refuse_same_file
     from jscenegen.scene.schema import read_json_file
 
+    if plot:
+        check_output_file(plot, "--plot")
+        refuse_same_file(plot, "--plot", {"BEFORE": before, "AFTER": after})
     reports = read_json_file(before), read_json_file(after)
     for path, report in zip((before, after), reports):
-        if not (isinstance(report, dict) and isinstance(report.get("scenes"), list)
-                and isinstance(report.get("overall"), dict) and "model" in report["overall"]):
-            raise ValueError(f"{path}: not an evaluation report with model episodes (needs "
-                             f"'scenes' and 'overall.model'; made by `jscenegen eval` or "
-                             f"`jscenegen train`)")
+        check_report(report, f"{path} (an evaluation report made by `jscenegen eval` or `jscenegen train`)")
+    check_same_episodes(*reports, (before, after))
     try:
         print(comparison_markdown(*reports))
     except (KeyError, TypeError, ValueError) as err:
@@ -46,6 +47,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
 
 
 def run(args) -> int:
+    from jscenegen.paths import check_output_file, refuse_same_file
     from jscenegen.run_config import load_run_config, scene_set_path
 
     if args.compare:
@@ -57,6 +59,12 @@ def run(args) -> int:
     samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
+    # the outputs are written after the whole evaluation: refuse what cannot be written now
+    plot_path = args.plot or Path(args.out).with_suffix(".png")
+    check_output_file(args.out, "--out")
+    check_output_file(plot_path, "--plot")
+    refuse_same_file(args.out, "--out", {"--scenes": scenes})
+    refuse_same_file(plot_path, "--plot", {"--scenes": scenes, "--out": args.out})
 
     from jscenegen.eval.evaluate import evaluate, policy_engine
     from jscenegen.eval.plots import plot_report
@@ -81,7 +89,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, report)
-    plot = plot_report(report, args.plot or out.with_suffix(".png"))
+    plot = plot_report(report, plot_path)
     print(json.dumps({"event": "done", "report": str(out), "plot": str(plot),
                       "overall": report["overall"]}))
     return 0

@@ -28,6 +28,13 @@ def _configs(path: str | None):
             validate_config(data.get("judge", {}) or {}, f"{path}: judge", JudgeConfig))
 
 
+def _input(path: str) -> str:
+    """A scene or scene-set path as given, else under the checkout (`resolve_data_path`)."""
+    from jscenegen.paths import resolve_data_path
+
+    return str(resolve_data_path(path))
+
+
 def _load(path: str):
     """(scene, requested items) from a scene JSON file or a one-record scene-set file."""
     from jscenegen.scene.sceneset import record_from_json
@@ -49,8 +56,10 @@ def check(args) -> int:
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reward import reward_from_grades
 
+    if args.requested_units is not None and args.requested_units < 0:
+        raise ValueError(f"--requested-units must be >= 0, got {args.requested_units}")
     cfg, judge_cfg = _configs(args.config)
-    scene, req = _load(args.scene)
+    scene, req = _load(_input(args.scene))
     if args.requested is not None:
         req = _requested(args.requested)
     catalogue = load_catalogue(cfg.catalogue_path)
@@ -75,10 +84,14 @@ def check(args) -> int:
 
 
 def render(args) -> int:
+    from jscenegen.paths import check_output_file, refuse_same_file
     from jscenegen.scene.render import render_scene
 
+    path = _input(args.scene)
+    check_output_file(args.output, "-o")
+    refuse_same_file(args.output, "-o", {"the scene": path})
     cfg, _ = _configs(args.config)
-    scene, _ = _load(args.scene)
+    scene, _ = _load(path)
     metrics = render_scene(scene, args.output, cfg)
     print(json.dumps({"output": str(args.output), "reachable": metrics["reachable"]}))
     return 0
@@ -95,14 +108,17 @@ def generate(args) -> int:
 
 
 def furnish(args) -> int:
-    from jscenegen.paths import write_json
+    from jscenegen.paths import check_output_file, refuse_same_file, write_json
     from jscenegen.scene.expert import run_scripted_episode
     from jscenegen.scene.sceneset import read_scene_set
 
+    scene_set = _input(args.scene_set)
+    check_output_file(args.output, "-o")
+    refuse_same_file(args.output, "-o", {"the scene set": scene_set})
     cfg, judge_cfg = _configs(args.config)
-    records = read_scene_set(args.scene_set)
+    records = read_scene_set(scene_set)
     if not 0 <= args.index < len(records):
-        raise ValueError(f"--index {args.index} is outside {args.scene_set} ({len(records)} scenes)")
+        raise ValueError(f"--index {args.index} is outside {scene_set} ({len(records)} scenes)")
     ep, _ = run_scripted_episode(records[args.index], cfg, judge_cfg)
     out = Path(args.output)
     write_json(out, ep.scene.to_json())

@@ -4,6 +4,92 @@ from __future__ import annotations
 
 import numpy as np
 
+_STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_report(report, source: str) -> None:
+    """Raise ValueError naming `source` and the field unless `report` has the structure that
+    `comparison_markdown` reads: `scenes` a list of objects, each with a string `scene_id`
+    and optional `model` statistics (`reward`, `failure_rate`, `units`, `reachable`, `quality`,
+    `unit_penalty`: numbers or null) whose `episodes` are objects with an integer `seed`, a
+    number `reward`, a boolean `masked` and a `failure_cause`; `overall.model` statistics."""
+    def stats(m, where: str, episodes: bool) -> None:
+        if not isinstance(m, dict):
+            raise ValueError(f"{source}: {where} must be an object, got {type(m).__name__}")
+        for key in _STATS:
+            if key not in m or not (m[key] is None or _number(m[key])):
+                raise ValueError(f"{source}: {where}.{key} must be a number or null, got {m.get(key)!r}")
+        if not episodes:
+            return
+        eps = m.get("episodes")
+        if not isinstance(eps, list):
+            raise ValueError(f"{source}: {where}.episodes must be a list, got {type(eps).__name__}")
+        for j, ep in enumerate(eps):
+            at = f"{where}.episodes[{j}]"
+            if not isinstance(ep, dict):
+                raise ValueError(f"{source}: {at} must be an object, got {type(ep).__name__}")
+            if isinstance(ep.get("seed"), bool) or not isinstance(ep.get("seed"), int):
+                raise ValueError(f"{source}: {at}.seed must be an integer, got {ep.get('seed')!r}")
+            if not _number(ep.get("reward")):
+                raise ValueError(f"{source}: {at}.reward must be a number, got {ep.get('reward')!r}")
+            if not isinstance(ep.get("masked"), bool):
+                raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
+            if "failure_cause" not in ep:
+                raise ValueError(f"{source}: {at}.failure_cause is missing")
+
+    if not isinstance(report, dict):
+        raise ValueError(f"{source}: an evaluation report must be a JSON object, got {type(report).__name__}")
+    scenes = report.get("scenes")
+    if not isinstance(scenes, list):
+        raise ValueError(f"{source}: scenes must be a list, got {type(scenes).__name__}")
+    for i, row in enumerate(scenes):
+        if not isinstance(row, dict):
+            raise ValueError(f"{source}: scenes[{i}] must be an object, got {type(row).__name__} {row!r}")
+        if not isinstance(row.get("scene_id"), str):
+            raise ValueError(f"{source}: scenes[{i}].scene_id must be a string, got {row.get('scene_id')!r}")
+        if "model" in row:
+            stats(row["model"], f"scenes[{i}].model", episodes=True)
+    overall = report.get("overall")
+    if not isinstance(overall, dict) or "model" not in overall:
+        raise ValueError(f"{source}: overall.model is missing (not a report with model episodes)")
+    stats(overall["model"], "overall.model", episodes=False)
+
+
+def _coverage(report) -> dict[str, list[int] | None]:
+    """{scene_id: sorted episode seeds of the model, or None for a scene without `model`}."""
+    return {row["scene_id"]: (sorted(ep["seed"] for ep in row["model"]["episodes"]) if "model" in row else None)
+            for row in report["scenes"]}
+
+
+def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> None:
+    """Raise ValueError naming both files and what differs unless the two (checked) reports
+    cover the same scenes, each with model episodes of the same sampling seeds: a comparison of
+    part of the episodes would be silently biased."""
+    b, a = _coverage(before), _coverage(after)
+    where = f"{names[0]} vs {names[1]}"
+
+    def listed(ids) -> str:
+        ids = sorted(ids)
+        return ", ".join(ids[:5]) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
+
+    if set(b) != set(a):
+        only_b, only_a = set(b) - set(a), set(a) - set(b)
+        parts = ([f"{len(only_b)} scene(s) only in {names[0]}: {listed(only_b)}"] if only_b else []) + (
+            [f"{len(only_a)} scene(s) only in {names[1]}: {listed(only_a)}"] if only_a else [])
+        raise ValueError(f"{where}: the reports do not cover the same scenes ({len(b)} and {len(a)}); "
+                         + "; ".join(parts))
+    for sid in b:
+        for path, seeds in zip(names, (b[sid], a[sid])):
+            if seeds is None:
+                raise ValueError(f"{where}: scene {sid} has no model episodes in {path}")
+        if b[sid] != a[sid]:
+            raise ValueError(f"{where}: scene {sid} has model episodes of different seeds "
+                             f"({len(b[sid])} in {names[0]}, {len(a[sid])} in {names[1]})")
+
 
 def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
     """Paired change of the model's dev reward between two `evaluate` reports.

@@ -116,5 +116,7 @@ def make_scene_set(split: str, n: int) -> list[SceneRecord]:
     """`n` records of a split ("train" or "dev"); record i has seed SPLIT_BASE[split] * 1000 + i."""
     if split not in SPLIT_BASE:
         raise ValueError(f"split must be one of {sorted(SPLIT_BASE)}, got {split!r}")
+    if n < 1:
+        raise ValueError(f"n (the number of scenes, --n) must be >= 1, got {n}")
     base = SPLIT_BASE[split] * 1000
     return [make_record(base + i, f"{split}_{i:04d}") for i in range(n)]

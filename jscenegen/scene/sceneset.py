@@ -59,8 +59,12 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     p = Path(path)
     if not p.is_file():
         raise SceneError(f"{p}: no such scene set")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SceneError(f"{p}: not UTF-8 text: {err}") from None
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         data = parse_json(line, f"{p}:{n}")

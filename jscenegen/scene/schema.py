@@ -26,6 +26,10 @@ MAX_SCENE_OBJECTS = 128  # measuring 128 crowded objects takes ~0.3 s (bench/sce
 MAX_FLOOR_VERTICES = 64
 MAX_OPENINGS = 16  # doors, and windows, each
 MAX_JSON_FILE_BYTES = 4 * 2**20  # read_json_file refuses larger files unread; parsing 4 MiB takes ~0.2 s
+# Every length and coordinate (metres) lies within +-MAX_COORDINATE_M: far beyond any room, and small
+# enough that the geometry (rounding, grids, float32 on the device) stays exact and finite.
+MAX_COORDINATE_M = 1000.0
+MAX_YAW_DEG = 36000.0  # yaw is read modulo 360; a larger magnitude loses its degrees to rounding
 
 
 class SceneError(ValueError):
@@ -60,13 +64,17 @@ class Room(_Model):
 
     type: str = "bedroom"
     floor_polygon: tuple[tuple[float, float], ...] = Field(min_length=3, max_length=MAX_FLOOR_VERTICES)
-    wall_height: float = Field(gt=0)
+    wall_height: float = Field(gt=0, le=MAX_COORDINATE_M)
     doors: tuple[Door, ...] = Field((), max_length=MAX_OPENINGS, validate_default=True)
     windows: tuple[Window, ...] = Field((), max_length=MAX_OPENINGS)
 
     @field_validator("floor_polygon")
     @classmethod
     def _simple_ccw(cls, poly):
+        for i, (x, y) in enumerate(poly):
+            if abs(x) > MAX_COORDINATE_M or abs(y) > MAX_COORDINATE_M:
+                raise ValueError(f"vertex {i} {[x, y]} is beyond +-{MAX_COORDINATE_M:g} m "
+                                 f"(jscenegen.scene.schema.MAX_COORDINATE_M)")
         check_simple_ccw(poly)
         return poly
 
@@ -119,6 +127,20 @@ class SceneObject(_Model):
     def _parent(self) -> "SceneObject":
         if self.mount == "on" and not self.parent:
             raise ValueError(f"object {self.id}: mount 'on' needs a parent")
+        if self.parent == self.id:
+            raise ValueError(f"object {self.id}: parent is the object itself")
+        return self
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "SceneObject":
+        for name, values in (("position", self.position), ("elevation", (self.elevation,)),
+                             ("size", self.size)):
+            if any(abs(v) > MAX_COORDINATE_M for v in values):
+                shown = list(values) if len(values) > 1 else values[0]
+                raise ValueError(f"object {self.id}: {name} {shown} is beyond +-{MAX_COORDINATE_M:g} m "
+                                 f"(jscenegen.scene.schema.MAX_COORDINATE_M)")
+        if abs(self.yaw) > MAX_YAW_DEG:
+            raise ValueError(f"object {self.id}: yaw {self.yaw} is beyond +-{MAX_YAW_DEG:g} degrees")
         return self
 
 
@@ -151,6 +173,15 @@ class Scene(_Model):
         for o in self.objects:
             if o.parent is not None and o.parent not in known:
                 raise ValueError(f"object {o.id}: parent {o.parent!r} is not an object id")
+        parents = {o.id: o.parent for o in self.objects}
+        for o in self.objects:  # follow each parent chain; coming back to an object is a cycle
+            chain, at = [o.id], o.parent
+            while at is not None and at not in chain:
+                chain.append(at)
+                at = parents[at]
+            if at is not None:
+                cycle = chain[chain.index(at):]
+                raise ValueError(f"objects {' -> '.join(cycle + [at])}: parents form a cycle")
         return self
 
     def object(self, object_id: str) -> SceneObject | None:
