@@ -52,6 +52,13 @@ class SafetensorsReader:
                     self._headers[path] = (8 + n, json.loads(f.read(n)))
             except (OSError, struct.error, ValueError) as err:
                 raise ConvertError(f"{path}: not a readable safetensors file ({err})") from None
+            data_start, header = self._headers[path]
+            size = path.stat().st_size  # a cut file fails here, before any tensor is written out
+            short = [k for k, e in header.items() if k != "__metadata__"
+                     and data_start + int(e["data_offsets"][1]) > size]
+            if short:
+                raise ConvertError(f"{path}: truncated: {len(short)} tensor(s) end beyond the "
+                                   f"file's {size} bytes, e.g. {sorted(short)[0]}")
         data_start, header = self._headers[path]
         return path, data_start, header[name]
 

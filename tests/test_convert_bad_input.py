@@ -176,3 +176,15 @@ def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, t
     write_checksums(root)  # the same bytes, now listed as they are: converted
     convert(actor, tmp_path / "out", src_format="verl", dst_format="hf")
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_a_truncated_safetensors_file_is_refused_before_orbax_writes(tiny_hf, tmp_path):
+    from convert.orbax_directions import hf_to_orbax
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_hf["qwen3"], src)
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ConvertError, match=r"model\.safetensors: truncated: \d+ tensor\(s\) end beyond"):
+        hf_to_orbax(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
