@@ -92,17 +92,34 @@ def validate_config(data: dict, source: str, model: type[BaseModel],
         raise ConfigError(_format_errors(err, source, list(overrides))) from None
 
 
-def read_yaml(path: str | Path) -> dict:
-    """The mapping in YAML file `path` (empty file: {}).
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
 
-    Raises ConfigError in one line: a missing file, a syntax error as `FILE:LINE:COLUMN: not
-    valid YAML: problem`, or a top level that is not a mapping.
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in YAML file `path`.
+
+    Raises ConfigError in one line: a missing or non-regular file, a syntax error as
+    `FILE:LINE:COLUMN: not valid YAML: problem` (a key given twice in one mapping included),
+    an empty file, or a top level that is not a mapping.
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if not p.is_file():
+        raise ConfigError(f"config file {path} is not a regular file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -114,6 +131,9 @@ def read_yaml(path: str | Path) -> dict:
                           + (f" ({context})" if context else "")) from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not a text file ({err.reason})") from None
+    if data is None:
+        raise ConfigError(f"{path}: empty config file (no sections); give at least one section, "
+                          "or leave out --config for the CPU default")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
     return data

@@ -18,6 +18,16 @@ def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path):
     f.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="top level must be a mapping of sections, got list"):
         load_config(f, [], RunConfig)
+    f.write_text("optim:\n  lr: 1.0e-5\n  lr: 1.0e-3\n")  # PyYAML alone keeps the last
+    with pytest.raises(ConfigError, match=f"^{f}:3:3: not valid YAML: duplicate key 'lr'$"):
+        read_yaml(f)
+    f.write_text("# nothing but a comment\n")
+    with pytest.raises(ConfigError, match="empty config file"):
+        load_config(f, [], RunConfig)
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is not a regular file"):
+        read_yaml(tmp_path)
+    with pytest.raises(ConfigError, match="schedule.group_size"):
+        load_config(None, ["schedule.group_size=1"], RunConfig)
 
 
 def test_errors_blame_the_override_that_set_the_value(tmp_path):
