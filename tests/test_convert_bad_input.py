@@ -176,3 +176,16 @@ def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, t
     write_checksums(root)  # the same bytes, now listed as they are: converted
     convert(actor, tmp_path / "out", src_format="verl", dst_format="hf")
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_hf_to_orbax_names_the_source_without_a_tokenizer(tmp_path):
+    from convert.orbax_directions import hf_to_orbax
+
+    from hf_fixtures import make_hf_dir
+
+    src = make_hf_dir(tmp_path / "hf", "qwen3")
+    assert not (src / "tokenizer.json").exists()
+    with pytest.raises(ConvertError, match=rf"^{src}: no tokenizer") as err:
+        hf_to_orbax(src, tmp_path / "out")
+    assert "jscenegen-hf-assets" not in str(err.value)
+    _assert_nothing_written(tmp_path)
