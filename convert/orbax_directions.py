@@ -121,7 +121,12 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
 
     from jscenegen.checkpoint.metadata import training_metadata
     from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
+    from jscenegen.model.assets import TOKENIZER_FILES
 
+    # the store checks its assets copy (a temporary directory); name the user's directory
+    if not any((hf_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise ConvertError(f"{hf_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); an "
+                           "orbax checkpoint carries the model's tokenizer in hf/")
     with atomic_dir(dst, exists_error=ConvertError) as tmp:
         meta = training_metadata(
             config={}, protocol_hash=None, schedule_hash=None,

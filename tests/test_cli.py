@@ -121,3 +121,87 @@ def test_init_model_help_states_the_preset_sizes_and_prints_progress(tmp_path, c
     steps = [line for line in err.splitlines() if line.startswith("init-model [")]
     assert len(steps) == 3 and "tokenizer corpus" in steps[0] and "wrote" in steps[-1]
     assert json.loads(out)["preset"] == "micro" and (tmp_path / "m" / "config.json").is_file()
+    vocab = json.loads((tmp_path / "m" / "config.json").read_text())["vocab_size"]
+    assert steps[-1].endswith(f"(vocabulary: {vocab} tokens)") and "512-token" not in err
+
+
+SHAPES = dict(model_type="qwen3", vocab_size=1003, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("[1, 2]", "expected a JSON object"),
+    ("{bad", "not valid JSON"),
+    (json.dumps(dict(SHAPES, rope_theta="big")), "rope_theta must be a positive number"),
+    (json.dumps(dict(SHAPES, num_hidden_layers=100_000_000)), "num_hidden_layers 100000000 is "
+                                                              "above the sanity bound 10,000"),
+])
+def test_mesh_report_names_a_bad_config_file_in_one_line(tmp_path, capsys, content, expected):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(content)
+    assert main(["mesh-report", "--model", str(cfg)]) == 2
+    err = _one_error_line(capsys)
+    assert str(cfg) in err and expected in err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(content)
+    assert main(["mesh-report", "--model", str(model)]) == 2
+    err = _one_error_line(capsys)
+    assert str(model / "config.json") in err and expected in err
+
+
+def test_convert_names_a_config_json_that_is_a_list(tmp_path, capsys):
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("[1, 2]")
+    assert main(["convert", str(src), str(tmp_path / "out"), "--from", "hf", "--to", "orbax"]) == 2
+    assert f"{src / 'config.json'}: expected a JSON object" in _one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--mesh", "fsdp=abc,sp=2"], "--mesh: 'fsdp=abc' is not an integer size"),
+    (["--mesh", "fsdp=0,sp=2"], "--mesh: 'fsdp=0': sizes must be positive, or -1"),
+    (["--mesh", "fsdp=3,sp=-2"], "--mesh: 'sp=-2': sizes must be positive, or -1"),
+    (["--mesh", "fsdp=3,sp=2,sp=3"], "--mesh: sp given twice"),
+    (["--mesh", "fsdp=3,tp=2"], "--mesh: expected fsdp=N,sp=M, got 'tp=2'"),
+    (["--devices", "-6"], "--devices -6: must be a positive device count"),
+    (["--devices", "0"], "--devices 0: must be a positive device count"),
+])
+def test_mesh_report_refuses_bad_mesh_and_device_flags(tmp_path, capsys, argv, expected):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(SHAPES))
+    assert main(["mesh-report", "--model", str(cfg), *argv]) == 2
+    assert expected in _one_error_line(capsys)
+
+
+def test_mesh_report_resolves_a_relative_configs_path_against_the_checkout(tmp_path, monkeypatch,
+                                                                           capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["mesh-report", "--model", "configs/model-shapes/qwen2.5-7b.json", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_params"] > 7e9
+
+
+@pytest.mark.parametrize("size", ["-5", "0", "255", "20000000"])
+def test_init_model_refuses_a_bad_vocab_size_before_any_work(tmp_path, capsys, size):
+    assert main(["init-model", str(tmp_path / "m"), "--vocab-size", size]) == 2
+    err = _one_error_line(capsys)
+    assert f"--vocab-size {size}: must be from 256" in err and "init-model [" not in err
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for dest, expected in ((tmp_path / "afile" / "sub", f"{tmp_path / 'afile'} is not a directory"),
+                           (tmp_path / "afile", "exists and is not a directory"),
+                           (Path("/proc/nope"), "cannot create a directory in /proc")):
+        assert main(["init-model", str(dest)]) == 2
+        err = _one_error_line(capsys)
+        assert err.startswith(f"error: {dest}: ") and expected in err and "partial" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -188,3 +188,16 @@ def test_a_truncated_safetensors_file_is_refused_before_orbax_writes(tiny_hf, tm
     with pytest.raises(ConvertError, match=r"model\.safetensors: truncated: \d+ tensor\(s\) end beyond"):
         hf_to_orbax(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_to_orbax_names_the_source_without_a_tokenizer(tmp_path):
+    from convert.orbax_directions import hf_to_orbax
+
+    from hf_fixtures import make_hf_dir
+
+    src = make_hf_dir(tmp_path / "hf", "qwen3")
+    assert not (src / "tokenizer.json").exists()
+    with pytest.raises(ConvertError, match=rf"^{src}: no tokenizer") as err:
+        hf_to_orbax(src, tmp_path / "out")
+    assert "jscenegen-hf-assets" not in str(err.value)
+    _assert_nothing_written(tmp_path)

@@ -170,3 +170,42 @@ def test_corrupt_safetensors_header_is_named(hf_dirs, tmp_path):
     (d / "model.safetensors").write_bytes(raw[:8] + b"{not json" + raw[17:])
     with pytest.raises(CheckpointFormatError, match=r"model.safetensors: unreadable"):
         load_hf(d)
+
+
+DENSE = dict(model_type="qwen3", vocab_size=1003, hidden_size=64, intermediate_size=96,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rope_theta", "big"), ("rms_norm_eps", -1), ("rms_norm_eps", "x"),
+    ("max_position_embeddings", -1), ("max_position_embeddings", 1.5),
+    ("tie_word_embeddings", "yes"), ("num_hidden_layers", 0), ("num_hidden_layers", True),
+    ("vocab_size", -5), ("head_dim", "16"),
+])
+def test_config_refuses_a_bad_numeric_field_naming_file_and_key(key, value):
+    with pytest.raises(ModelConfigError, match=rf"^cfg\.json: {key} must be "):
+        QwenConfig.from_hf_dict(dict(DENSE, **{key: value}), "cfg.json")
+
+
+@pytest.mark.parametrize("key,value,bound", [
+    ("num_hidden_layers", 100_000_000, "10,000"), ("hidden_size", 2_000_000, "1,000,000"),
+    ("vocab_size", 20_000_000, "10,000,000"), ("intermediate_size", 10**12, "10,000,000"),
+    ("num_attention_heads", 10**6, "100,000"),
+])
+def test_config_refuses_absurd_sizes_stating_the_bound(key, value, bound):
+    with pytest.raises(ModelConfigError, match=rf"^cfg\.json: {key} {value} is above the "
+                                               rf"sanity bound {bound}"):
+        QwenConfig.from_hf_dict(dict(DENSE, **{key: value}), "cfg.json")
+
+
+def test_config_file_that_is_not_a_json_object_is_named(tmp_path):
+    from jscenegen.model.config import read_config_file
+
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match=r"config\.json: expected a JSON object.*list"):
+        QwenConfig.from_dir(tmp_path)
+    with pytest.raises(ModelConfigError, match=r"^list: expected a JSON object"):
+        QwenConfig.from_hf_dict([1, 2], "list")
+    (tmp_path / "config.json").write_text("{bad")
+    with pytest.raises(ModelConfigError, match=rf"^{tmp_path}/config\.json: not valid JSON"):
+        read_config_file(tmp_path / "config.json")

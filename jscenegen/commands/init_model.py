@@ -11,6 +11,9 @@ PRESET_HELP = {"micro": "hidden 128 x 2 layers, the CPU default's policy",
                "tiny": "hidden 256 x 4 layers", "small": "hidden 512 x 8 layers"}
 
 
+MIN_VOCAB = 256  # the byte-level BPE's alphabet: a smaller --vocab-size cannot be honoured
+
+
 def register(sub) -> None:
     p = sub.add_parser("init-model", help="write a fresh micro/tiny/small Qwen HF model directory "
                        "(random weights, a tokenizer trained on the scene protocol's text)")
@@ -32,21 +35,28 @@ def _say(text: str, t0: float) -> None:
 def run(args) -> int:
     """Progress goes to stderr (the corpus alone takes 15 s to 2 min on 2 cores); the result
     is one JSON line on stdout."""
-    from pathlib import Path
+    from jscenegen.model.config import SIZE_LIMITS
+    from jscenegen.paths import check_new_dir_destination
 
-    if Path(args.out_dir).exists() and any(Path(args.out_dir).iterdir()):
-        raise ValueError(f"{args.out_dir} exists and is not empty; init-model never overwrites")
+    limit = SIZE_LIMITS["vocab_size"]
+    if not MIN_VOCAB <= args.vocab_size <= limit:
+        raise ValueError(f"--vocab-size {args.vocab_size}: must be from {MIN_VOCAB} (the "
+                         f"byte-level alphabet) to {limit:,}")
+    check_new_dir_destination(args.out_dir)  # init-model never overwrites
     t0 = time.perf_counter()
     _say("playing the scripted expert's episodes for the tokenizer corpus", t0)
     from jscenegen.scene.corpus import tokenizer_corpus
 
     texts = tokenizer_corpus()
-    _say(f"training a {args.vocab_size}-token BPE tokenizer on {len(texts)} texts, then "
+    _say(f"training a BPE tokenizer (at most {args.vocab_size} tokens) on {len(texts)} texts, then "
          f"initialising {args.arch}/{args.preset} weights (seed {args.seed})", t0)
     from jscenegen.model.init_model import init_model_dir
 
     out = init_model_dir(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
                          texts=texts, vocab_size=args.vocab_size)
-    _say(f"wrote {out}", t0)
+    from jscenegen.model.config import QwenConfig
+
+    vocab = QwenConfig.from_dir(out).vocab_size
+    _say(f"wrote {out} (vocabulary: {vocab} tokens)", t0)
     print(json.dumps({"model_dir": str(out), "arch": args.arch, "preset": args.preset}))
     return 0

@@ -7,7 +7,6 @@ no Adam state); `--train-vision` counts the tower as trained (fp32 master weight
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def register(sub) -> None:
@@ -24,30 +23,47 @@ def register(sub) -> None:
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
-    out = {}
+    """{"fsdp": N, "sp": M} from `--mesh`; each size positive or -1 ("the rest"), each axis once.
+    Raises ValueError naming --mesh and the bad item."""
+    out: dict[str, int] = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in ("fsdp", "sp") or not value:
-            raise ValueError(f"--mesh: expected fsdp=N,sp=M, got {text!r}")
-        out[key.strip()] = int(value)
+        key = key.strip()
+        if key not in ("fsdp", "sp") or not value.strip():
+            raise ValueError(f"--mesh: expected fsdp=N,sp=M, got {part!r} in {text!r}")
+        if key in out:
+            raise ValueError(f"--mesh: {key} given twice in {text!r}")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh: {part.strip()!r} is not an integer size in {text!r}") from None
+        if size < 1 and size != -1:
+            raise ValueError(f"--mesh: {part.strip()!r}: sizes must be positive, or -1 for "
+                             "the rest of the devices")
+        out[key] = size
     return out
 
 
 def run(args) -> int:
-    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.config import QwenConfig, read_config_file
     from jscenegen.model.dtypes import np_dtype
     from jscenegen.model.weights import param_shapes, weight_table
+    from jscenegen.paths import resolve_data_path
     from jscenegen.sharding.layout import layout_report
     from jscenegen.sharding.mesh import mesh_shape
 
-    path = Path(args.model)
-    cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
-        json.loads(path.read_text()), str(path))
     axes = _parse_mesh(args.mesh)
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"--devices {args.devices}: must be a positive device count")
     fsdp, sp = axes.get("fsdp", -1), axes.get("sp", 2)
+    if sp == -1:
+        raise ValueError("--mesh sp=-1: only fsdp may take the rest of the devices")
     n = args.devices or (fsdp * sp if fsdp > 0 else None)
     if n is None:
         raise ValueError("--mesh fsdp=-1 needs --devices N")
+    path = resolve_data_path(args.model)
+    cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
+        read_config_file(path), str(path))
     fsdp, sp = mesh_shape(n, fsdp, sp)
     frozen = {name: np_dtype(cfg.stored_dtype(name)).itemsize
               for name, spec in weight_table(cfg, train_vision=args.train_vision).items()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,56 @@ FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 class ModelConfigError(ValueError):
     """An HF config that jscenegen cannot run; the message names the file and field."""
+
+
+# Sanity bounds on the sizes a config.json may give, far above any real model (Qwen3-235B:
+# 94 layers, hidden 4096, vocab 151936), so that a typo is refused at once instead of
+# planning (or allocating) an absurd model.
+SIZE_LIMITS = {"vocab_size": 10_000_000, "hidden_size": 1_000_000,
+               "intermediate_size": 10_000_000, "num_hidden_layers": 10_000,
+               "num_attention_heads": 100_000, "head_dim": 100_000}
+OTHER_SIZE_LIMIT = 1_000_000  # the Gated DeltaNet sizes
+
+
+def _positive(value: Any, key: str, source: str, prefix: str = "", *,
+              integer: bool = False, limit: float | None = None) -> Any:
+    """`value` if it is a positive integer (`integer`) or finite positive number, not above
+    `limit`; else ModelConfigError naming `source` and `prefix + key`."""
+    kind = "integer" if integer else "number"
+    if (isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or value <= 0):
+        raise ModelConfigError(f"{source}: {prefix}{key} must be a positive {kind}, "
+                               f"got {value!r}")
+    if limit is not None and value > limit:
+        raise ModelConfigError(f"{source}: {prefix}{key} {value} is above the sanity bound "
+                               f"{limit:,}; no real model is that large")
+    return value
+
+
+def _flag(d: dict[str, Any], key: str, source: str, prefix: str = "") -> bool:
+    """`d[key]` (default false) if it is a JSON boolean; else ModelConfigError naming it."""
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        raise ModelConfigError(f"{source}: {prefix}{key} must be true or false, got {value!r}")
+    return value
+
+
+def read_config_file(f: str | Path) -> dict[str, Any]:
+    """The JSON object in config file `f`. Raises ModelConfigError naming `f` when it is not
+    valid JSON or not an object (OSError, which names the file, when it cannot be read)."""
+    try:
+        d = json.loads(Path(f).read_bytes())
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
+    if not isinstance(d, dict):
+        raise ModelConfigError(f"{f}: expected a JSON object (an HF config.json), "
+                               f"got a JSON {_json_kind(d)}")
+    return d
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +220,9 @@ class QwenConfig:
         or activation, or a missing required field; for Qwen3.5 also for the fields listed
         in `_read_qwen35`.
         """
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"{source}: expected a JSON object (an HF config.json), "
+                                   f"got a JSON {_json_kind(d)}")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
@@ -193,7 +247,8 @@ class QwenConfig:
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         _check_heads(heads, kv_heads, source)
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        head_dim = _positive(d.get("head_dim") or d["hidden_size"] // heads, "head_dim", source,
+                             integer=True, limit=SIZE_LIMITS["head_dim"])
         theta, scaling, _ = _read_rope(d, source, 1_000_000.0)
         eos = d.get("eos_token_id")
         return cls(
@@ -205,12 +260,13 @@ class QwenConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(_positive(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", source)),
             rope_theta=theta,
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(d, "tie_word_embeddings", source),
             hidden_act=act,
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            max_position_embeddings=_positive(d.get("max_position_embeddings", 32768),
+                                              "max_position_embeddings", source, integer=True),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
@@ -231,11 +287,7 @@ class QwenConfig:
         f = Path(path) / "config.json"
         if not f.is_file():
             raise ModelConfigError(f"{f}: no config.json in model directory {path}")
-        try:
-            d = json.loads(f.read_text())
-        except json.JSONDecodeError as err:
-            raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
-        cfg = cls.from_hf_dict(d, str(f))
+        cfg = cls.from_hf_dict(read_config_file(f), str(f))
         stored = stored_tensors(path)
         if stored is None:
             return cfg
@@ -309,9 +361,7 @@ def _activation(d: dict[str, Any], source: str) -> str:
 def _require_sizes(d: dict[str, Any], source: str, prefix: str = "") -> None:
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):
-        if not isinstance(d.get(key), int) or d[key] <= 0:
-            raise ModelConfigError(f"{source}: {prefix}{key} must be a positive integer, "
-                                   f"got {d.get(key)!r}")
+        _positive(d.get(key), key, source, prefix, integer=True, limit=SIZE_LIMITS[key])
 
 
 def _check_heads(heads: int, kv_heads: int, source: str, prefix: str = "",
@@ -343,8 +393,8 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
             raise ModelConfigError(f"{source}: text_config.model_type {t.get('model_type')!r} is "
                                    "not supported; expected qwen3_5_text")
         prefix = "text_config."
-        tie = bool(d.get("tie_word_embeddings", False))
-        if "tie_word_embeddings" in t and bool(t["tie_word_embeddings"]) != tie:
+        tie = _flag(d, "tie_word_embeddings", source)
+        if "tie_word_embeddings" in t and _flag(t, "tie_word_embeddings", source, prefix) != tie:
             raise ModelConfigError(
                 f"{source}: tie_word_embeddings ({tie}) and text_config.tie_word_embeddings "
                 f"({bool(t['tie_word_embeddings'])}) disagree; transformers ties the head by the "
@@ -362,7 +412,7 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                                        f"integer, got {value!r}")
     else:
         t, prefix = d, ""
-        tie = bool(d.get("tie_word_embeddings", False))
+        tie = _flag(d, "tie_word_embeddings", source)
     act = _activation(t, source)
     _require_sizes(t, source, prefix)
     if t.get("attn_output_gate", True) is not True:
@@ -398,15 +448,15 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
     for key, default in (("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128),
                          ("linear_value_head_dim", 128), ("linear_num_key_heads", 16),
                          ("linear_num_value_heads", 32)):
-        linear[key] = t.get(key, default)
-        if not isinstance(linear[key], int) or linear[key] <= 0:
-            raise ModelConfigError(f"{source}: {prefix}{key} must be a positive integer, "
-                                   f"got {linear[key]!r}")
+        linear[key] = _positive(t.get(key, default), key, source, prefix, integer=True,
+                                limit=OTHER_SIZE_LIMIT)
     _check_heads(linear["linear_num_value_heads"], linear["linear_num_key_heads"], source,
                  prefix, ("linear_num_value_heads", "linear_num_key_heads"))
-    head_dim = t.get("head_dim", 256)
+    head_dim = _positive(t.get("head_dim", 256), "head_dim", source, prefix, integer=True,
+                         limit=SIZE_LIMITS["head_dim"])
     theta, scaling, extra = _read_rope(t, source, 10_000.0, prefix)
-    factor = float(extra.get("partial_rotary_factor", 0.25))
+    factor = float(_positive(extra.get("partial_rotary_factor", 0.25), "partial_rotary_factor",
+                             source, prefix))
     rotary = int(head_dim * factor)
     if rotary <= 0 or rotary > head_dim or rotary % 2:
         raise ModelConfigError(f"{source}: {prefix}partial_rotary_factor {factor} with head_dim "
@@ -424,12 +474,13 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(_positive(t.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, prefix)),
         rope_theta=theta,
         rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
         tie_word_embeddings=tie,
         hidden_act=act,
-        max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+        max_position_embeddings=_positive(t.get("max_position_embeddings", 32768),
+                                          "max_position_embeddings", source, prefix, integer=True),
         bos_token_id=t.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         torch_dtype=str(dtype or "float32"),
@@ -437,11 +488,19 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
         partial_rotary_factor=factor,
         mrope_section=tuple(mrope) if mrope is not None else None,
         mrope_interleaved=bool(extra.get("mrope_interleaved", False)),
-        mtp_layers=int(t.get("mtp_num_hidden_layers", 0) or 0),
+        mtp_layers=_mtp_layers(t, source, prefix),
         vision=vision,
         hf_config=json.dumps(d),
         **linear,
     )
+
+
+def _mtp_layers(t: dict[str, Any], source: str, prefix: str) -> int:
+    value = t.get("mtp_num_hidden_layers", 0) or 0
+    if value == 0 and not isinstance(value, bool):
+        return 0
+    return _positive(value, "mtp_num_hidden_layers", source, prefix, integer=True,
+                     limit=SIZE_LIMITS["num_hidden_layers"])
 
 
 ROPE_EXTRAS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -485,7 +544,7 @@ def _read_rope(d: dict[str, Any], source: str, default_theta: float,
         )
     if rope_type == "default":
         params = {}
-    return float(theta), params, extras
+    return float(_positive(theta, "rope_theta", source, prefix)), params, extras
 
 
 PRESETS: dict[str, dict[str, int]] = {
