@@ -45,28 +45,6 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def check_new_dir_destination(path: str | Path) -> None:
-    """Refuse, before any work, a destination directory `path` that cannot be created: an
-    existing non-directory or non-empty directory, or a nearest existing ancestor that is not
-    a directory or not writable (tried with an empty temporary directory, removed at once, so
-    root on a read-only or pseudo filesystem such as /proc is caught too). Raises ValueError
-    naming `path`."""
-    p = Path(path)
-    if p.exists():
-        if not p.is_dir():
-            raise ValueError(f"{path}: exists and is not a directory")
-        if any(p.iterdir()):
-            raise ValueError(f"{path}: exists and is not empty; choose a new destination")
-    parent = _existing(p.absolute().parent)
-    if not parent.is_dir():
-        raise ValueError(f"{path}: cannot create it, {parent} is not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".jscenegen-write-check-", dir=parent))
-    except OSError as err:
-        raise ValueError(f"{path}: cannot create a directory in {parent} "
-                         f"({err.strerror or err})") from None
-
-
 def is_disk_full(err: BaseException | None) -> bool:
     """True when `err` or an exception it was raised from is a full disk: an OSError with errno
     ENOSPC, or a library error carrying one in its text (tensorstore/orbax: "No space left on
@@ -179,11 +157,25 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExistsError) -> None:
-    """Raise `exists_error` naming `path` when it exists and is not an empty directory: a
-    destination that must not replace anything (checked before any work is done)."""
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
+    """Refuse, before any work, a destination directory `path` that must not replace anything
+    or cannot be created: an existing file, a non-empty directory, or a nearest existing
+    ancestor that is not a directory or not writable (tried with an empty temporary directory,
+    removed at once, so root on a read-only or pseudo filesystem such as /proc is caught too).
+    Raises `exists_error` naming `path`."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise exists_error(f"{path}: exists and is not a directory")
+        if any(p.iterdir()):
+            raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
+    parent = _existing(p.absolute().parent)
+    if not parent.is_dir():
+        raise exists_error(f"{path}: cannot create it, {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jscenegen-write-check-", dir=parent))
+    except OSError as err:
+        raise exists_error(f"{path}: cannot create a directory in {parent} "
+                           f"({err.strerror or err})") from None
 
 
 @contextlib.contextmanager

@@ -36,13 +36,13 @@ def run(args) -> int:
     """Progress goes to stderr (the corpus alone takes 15 s to 2 min on 2 cores); the result
     is one JSON line on stdout."""
     from jscenegen.model.config import SIZE_LIMITS
-    from jscenegen.paths import check_new_dir_destination
+    from jscenegen.paths import require_new_dir
 
     limit = SIZE_LIMITS["vocab_size"]
     if not MIN_VOCAB <= args.vocab_size <= limit:
         raise ValueError(f"--vocab-size {args.vocab_size}: must be from {MIN_VOCAB} (the "
                          f"byte-level alphabet) to {limit:,}")
-    check_new_dir_destination(args.out_dir)  # init-model never overwrites
+    require_new_dir(args.out_dir)  # init-model never overwrites
     t0 = time.perf_counter()
     _say("playing the scripted expert's episodes for the tokenizer corpus", t0)
     from jscenegen.scene.corpus import tokenizer_corpus
