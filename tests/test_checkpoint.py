@@ -66,12 +66,12 @@ def logical_values(seed):
             for _ in range(3)]
 
 
-def padded_on(mesh, arrays):
+def padded_on(mesh, arrays, shapes=SHAPES, dtype=np.float32):
     """The trainer's layout: dim 0 zero-padded to a multiple of mesh.size, split over all axes."""
-    target = padded_target(SHAPES, mesh)
+    target = padded_target(shapes, mesh)
     out = {}
     for n, x in arrays.items():
-        buf = np.zeros(target[n].shape, np.float32)
+        buf = np.zeros(target[n].shape, dtype)
         buf[: x.shape[0]] = x
         out[n] = jax.device_put(buf, target[n].sharding)
     return out
@@ -509,12 +509,7 @@ def saved_with_frozen(tmp_path_factory, mesh32, hf_dir):
     params, mu, nu = logical_values(4)
     frozen = frozen_values(4)
     shapes = dict(SHAPES, **FROZEN)
-    target = padded_target(shapes, mesh32)
-    placed = {}
-    for n, x in frozen.items():
-        buf = np.zeros(target[n].shape, ml_dtypes.bfloat16)
-        buf[: x.shape[0]] = x
-        placed[n] = jax.device_put(buf, target[n].sharding)
+    placed = padded_on(mesh32, frozen, shapes, ml_dtypes.bfloat16)
     store.save(4, params=dict(padded_on(mesh32, params), **placed),
                adam={"count": np.int32(4), "mu": padded_on(mesh32, mu), "nu": padded_on(mesh32, nu)},
                train_state=TRAIN_STATE, metadata=meta(4), hf_assets_dir=hf_dir, shapes=shapes,
