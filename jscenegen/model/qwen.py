@@ -25,6 +25,7 @@ from flax import nnx
 
 from jscenegen.model.attention import attention
 from jscenegen.model.config import QwenConfig
+from jscenegen.model.dense import dense
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import ParamFactory, weight_table
@@ -56,8 +57,7 @@ class Linear(nnx.Module):
         self.bias = make.optional(f"{name}.bias")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = logical(self.weight, x.dtype)
-        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = dense(x, logical(self.weight, x.dtype))
         if self.bias is not None:
             y = y + logical(self.bias, x.dtype)
         return y
@@ -298,8 +298,7 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, S, H] -> logits [B, S, V] float32 (logical vocabulary)."""
-        w = self.output_embedding()
-        return jnp.einsum("bsh,vh->bsv", hidden, w, preferred_element_type=jnp.float32)
+        return dense(hidden, self.output_embedding(), jnp.float32)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array,
                  cache=None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jscenegen.model.dense import dense
 from jscenegen.sharding.constraints import constrain
 from jscenegen.sharding.rules import ACTIVATION
 
@@ -26,8 +27,7 @@ REMAT_LOGITS_BYTES = 256 * 2**20   # above this the chunks' logits are recompute
 
 def _chunk_stats(h, w, tok, temperature):
     """h [B, C, H], w [V, H], tok [B, C] -> (logp [B, C], entropy [B, C]) in float32."""
-    logits = jnp.einsum("bch,vh->bcv", h, w, preferred_element_type=jnp.float32)
-    z = logits.astype(jnp.float32) / temperature
+    z = dense(h, w, jnp.float32) / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     z_tok = jnp.take_along_axis(z, tok[..., None], axis=-1)[..., 0]
     logp_all = z - lse[..., None]

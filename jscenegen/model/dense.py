@@ -1,0 +1,45 @@
+"""y = x W^T, the projection of every linear layer and of the output head, with a backward
+pass that transposes the narrower operand.
+
+The weight gradient dW = dy^T x contracts over the tokens. A matmul library that reads its
+left operand row-major only (XLA:CPU's YNNPACK dots) gets the token-contracted operand as a
+transposed copy: autodiff's dW [out, in] = dot(dy, x) copies dy [T, out]. For a layer whose
+output is wider than its input (q/k/v, gate/up, the output head) the copy of x [T, in] is
+smaller, and x is shared by the projections that read the same input, so the copy is made
+once for q, k and v (and once for gate and up): this computes dW^T = x^T dy there and
+transposes the weight-sized result. The numbers are the same sums as autodiff's (fp32
+accumulation), in another order. Measured on the CPU train step (bench/train_step.py):
+docs/results-bench.md.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., in] times w [out, in] (torch.nn.functional.linear without bias) -> [..., out],
+    accumulated in float32, returned in `out_dtype` (default x's dtype; the output head asks
+    for float32 logits)."""
+    y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or x.dtype)
+
+
+def _dense_fwd(x, w, out_dtype):
+    return dense(x, w, out_dtype), (x, w)
+
+
+def _dense_bwd(out_dtype, residuals, dy):
+    x, w = residuals
+    dx = jnp.einsum("...o,oi->...i", dy, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if x.shape[-1] < dy.shape[-1]:
+        dw = jnp.einsum("...i,...o->io", x, dy, preferred_element_type=jnp.float32).T
+    else:
+        dw = jnp.einsum("...o,...i->oi", dy, x, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
