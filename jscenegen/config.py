@@ -8,22 +8,42 @@ base. Unknown keys and bad values raise `ConfigError` naming the dotted key.
 """
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the file and key."""
 
 
+def _number_type(annotation) -> bool:
+    """Whether a field annotated `annotation` holds an int or float (optionally None)."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_number_type(a) for a in typing.get_args(annotation) if a is not type(None))
+    return False
+
+
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are immutable, floats
-    finite (inf and nan are refused with the key named)."""
+    finite (inf and nan are refused with the key named), and a number is never a boolean
+    (pydantic would read `fsdp: true` as 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value, info):
+        field = cls.model_fields.get(info.field_name)
+        if isinstance(value, bool) and field is not None and _number_type(field.annotation):
+            raise ValueError(f"expected a number, got the boolean {value}")
+        return value
 
 
 def _parse_scalar(text: str) -> Any:

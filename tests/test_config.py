@@ -42,3 +42,15 @@ def test_errors_blame_the_override_that_set_the_value(tmp_path):
     assert any(line.startswith(f"{f}: schedule.group_size: ") for line in lines)  # the file's own
     with pytest.raises(ConfigError, match=r"^override judge.backend=http: judge: .*needs judge.base_url"):
         load_config(None, ["judge.backend=http"], RunConfig)
+
+
+def test_a_boolean_is_not_a_number(tmp_path):
+    """pydantic reads `true` as 1 for an int field; a config must say the number."""
+    with pytest.raises(ConfigError, match="override mesh.fsdp=true: mesh.fsdp: .*boolean True"):
+        load_config(None, ["mesh.fsdp=true"], RunConfig)
+    f = tmp_path / "run.yaml"
+    f.write_text("optim:\n  lr: false\n")
+    with pytest.raises(ConfigError, match=f"{f}: optim.lr: .*boolean False"):
+        load_config(f, [], RunConfig)
+    assert load_config(None, ["mesh.fsdp=3", "optim.lr=1"], RunConfig).optim.lr == 1.0
+    assert load_config(None, ["sampling.greedy=true", "sampling.top_p=1.0"], RunConfig).sampling.greedy
