@@ -21,19 +21,32 @@ class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the file and key."""
 
 
-def _number_type(annotation) -> bool:
-    """Whether a field annotated `annotation` holds an int or float (optionally None)."""
+SEED_MAX = 2**32 - 1   # seeds are 32-bit: PRNG keys and NumPy generators take them whole
+
+
+
+def _numbers_within(annotation) -> bool:
+    """Whether a field annotated `annotation` holds numbers: an int or float, optionally None,
+    or a tuple/list of them."""
     if annotation in (int, float):
         return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_number_type(a) for a in typing.get_args(annotation) if a is not type(None))
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, tuple, list):
+        return any(_numbers_within(a) for a in typing.get_args(annotation)
+                   if a is not type(None) and a is not Ellipsis)
     return False
+
+
+def _has_bool(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_bool(v) for v in value)
+    return isinstance(value, bool)
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are immutable, floats
-    finite (inf and nan are refused with the key named), and a number is never a boolean
-    (pydantic would read `fsdp: true` as 1)."""
+    finite (inf and nan are refused with the key named), and a number is never a boolean, alone
+    or in a list (pydantic would read `fsdp: true` as 1 and `betas: [false, 0.999]` as 0.0)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -41,8 +54,8 @@ class Section(BaseModel):
     @classmethod
     def _no_bool_numbers(cls, value, info):
         field = cls.model_fields.get(info.field_name)
-        if isinstance(value, bool) and field is not None and _number_type(field.annotation):
-            raise ValueError(f"expected a number, got the boolean {value}")
+        if field is not None and _numbers_within(field.annotation) and _has_bool(value):
+            raise ValueError("expected a number, not a boolean")
         return value
 
 

@@ -15,31 +15,49 @@ from jscenegen.paths import cache_dir, write_json, write_text
 log = logging.getLogger(__name__)
 
 
+def _base_model_dir(cfg) -> Path:
+    return cache_dir() / "models" / f"{cfg.warm_start.preset}-{cfg.warm_start.arch}"
+
+
+def warm_start_sft_config(cfg):
+    """The SFT warm start's config (`warm_start.sft_config` with `warm_start.sft_overrides`),
+    or None without one. Raises ConfigError naming the warm_start keys."""
+    from jscenegen.config import ConfigError, load_config
+    from jscenegen.paths import resolve_data_path
+    from jscenegen.sft.config import SFTRunConfig
+
+    ws = cfg.warm_start
+    if ws.sft_config is None:
+        return None
+    try:
+        return load_config(resolve_data_path(ws.sft_config),
+                           [f"model.path={_base_model_dir(cfg)}", *ws.sft_overrides],
+                           model=SFTRunConfig)
+    except ConfigError as e:
+        raise ConfigError(f"warm_start (sft_config {ws.sft_config}, sft_overrides): {e}") from None
+
+
 def default_model_dir(cfg, phases: dict) -> Path:
     """The CPU default's policy: a small fresh model (created once) warm-started by SFT on the
     scripted expert's episodes (run once per SFT config and prompt set, cached under `cache_dir()`)."""
     import hashlib
 
-    from jscenegen.config import load_config
     from jscenegen.model.init_model import init_model_dir
-    from jscenegen.paths import resolve_data_path
     from jscenegen.scene import expert
     from jscenegen.scene.corpus import tokenizer_corpus
     from jscenegen.scene.prompts import load_templates
-    from jscenegen.sft.config import SFTRunConfig
     from jscenegen.sft.run import run_sft
 
     ws = cfg.warm_start
     t0 = time.perf_counter()
-    base = cache_dir() / "models" / f"{ws.preset}-{ws.arch}"
+    base = _base_model_dir(cfg)
+    sft_cfg = warm_start_sft_config(cfg)
     if not (base / "config.json").is_file():
         print(f"creating the {ws.preset} {ws.arch} model in {base} (first use)", flush=True)
         init_model_dir(base, arch=ws.arch, preset=ws.preset, seed=0, texts=tokenizer_corpus())
     phases["init_model_s"] = time.perf_counter() - t0
-    if ws.sft_config is None:
+    if sft_cfg is None:
         return base
-    sft_cfg = load_config(resolve_data_path(ws.sft_config), [f"model.path={base}", *ws.sft_overrides],
-                          model=SFTRunConfig)
     # The prompts and the expert's code enter the key: either changes the demonstrations.
     key = hashlib.sha256(json.dumps([sft_cfg.model_dump(mode="json"),
                                      load_templates(sft_cfg.scene.prompts_dir).digest(),
@@ -134,6 +152,8 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     except ValueError as err:
         raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
     check_scene_sets(cfg)
+    if not resume and not cfg.model.path:
+        warm_start_sft_config(cfg)
     from jscenegen.run_lock import RunLock
 
     lock = RunLock(run_dir)

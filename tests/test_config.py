@@ -1,8 +1,12 @@
 """jscenegen/config.py: YAML errors in one line with file, line and column; errors blame the
 override that set a bad value, not the config file."""
+import argparse
+import re
+
 import pytest
 
-from jscenegen.config import ConfigError, load_config, read_yaml
+from jscenegen.commands import seed_arg
+from jscenegen.config import SEED_MAX, ConfigError, load_config, read_yaml
 from jscenegen.run_config import RunConfig
 
 
@@ -46,11 +50,40 @@ def test_errors_blame_the_override_that_set_the_value(tmp_path):
 
 def test_a_boolean_is_not_a_number(tmp_path):
     """pydantic reads `true` as 1 for an int field; a config must say the number."""
-    with pytest.raises(ConfigError, match="override mesh.fsdp=true: mesh.fsdp: .*boolean True"):
+    with pytest.raises(ConfigError, match="override mesh.fsdp=true: mesh.fsdp: .*not a boolean"):
         load_config(None, ["mesh.fsdp=true"], RunConfig)
     f = tmp_path / "run.yaml"
     f.write_text("optim:\n  lr: false\n")
-    with pytest.raises(ConfigError, match=f"{f}: optim.lr: .*boolean False"):
+    with pytest.raises(ConfigError, match=f"{f}: optim.lr: .*not a boolean"):
         load_config(f, [], RunConfig)
+    for item in ("optim.betas=[false,0.999]", "sampling.buckets=[true,64]"):   # inside lists too
+        with pytest.raises(ConfigError, match=f"override {re.escape(item)}: .*not a boolean"):
+            load_config(None, [item], RunConfig)
     assert load_config(None, ["mesh.fsdp=3", "optim.lr=1"], RunConfig).optim.lr == 1.0
     assert load_config(None, ["sampling.greedy=true", "sampling.top_p=1.0"], RunConfig).sampling.greedy
+
+
+def test_seeds_and_token_counts_are_bounded():
+    """Seeds are 32-bit and token counts at most 2^20: a huge value fails at load, naming the
+    key, not as an overflow or an allocation deep inside a run."""
+    assert load_config(None, [f"schedule.seed={SEED_MAX}"], RunConfig).schedule.seed == SEED_MAX
+    for item, key in [(f"schedule.seed={SEED_MAX + 1}", "schedule.seed"),
+                      ("schedule.seed=-1", "schedule.seed"),
+                      ("sampling.max_new_tokens=99999999999999999999", "sampling.max_new_tokens"),
+                      ("sampling.cache_tokens=99999999999999999999", "sampling.cache_tokens"),
+                      ("sampling.buckets=[32,99999999999]", "sampling")]:
+        with pytest.raises(ConfigError, match=f"override {re.escape(item)}: {key}: "):
+            load_config(None, [item], RunConfig)
+    assert seed_arg("7") == 7
+    for text in ("-1", str(SEED_MAX + 1), "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            seed_arg(text)
+
+
+def test_warm_start_sft_overrides_are_checked_with_their_origin_named():
+    from jscenegen.pipeline import warm_start_sft_config
+
+    cfg = load_config(None, ["warm_start.sft_overrides=[sft.steps=true]"], RunConfig)
+    with pytest.raises(ConfigError, match=r"^warm_start \(sft_config .*sft.steps: .*not a boolean"):
+        warm_start_sft_config(cfg)
+    assert warm_start_sft_config(load_config(None, [], RunConfig)).sft.steps > 0

@@ -1,0 +1,18 @@
+"""The subcommands of `jscenegen`, one module each, and the argument types they share."""
+from __future__ import annotations
+
+import argparse
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of a `--seed`: an integer in [0, config.SEED_MAX] (argparse names the flag).
+    pydantic is imported when a seed is parsed, not when the parsers are built (`--help`)."""
+    from jscenegen.config import SEED_MAX
+
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= seed <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{seed} is outside [0, {SEED_MAX}]")
+    return seed

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jscenegen.commands import seed_arg
+
 DEFAULT_ROOM_SEED = 7  # the generated bedroom used when no --room is given (no dev/train seed)
 
 
@@ -16,7 +18,7 @@ def register(sub) -> None:
                    "bare room object); default: a generated bedroom")
     p.add_argument("-o", "--out", required=True, help="terminal scene JSON to write")
     p.add_argument("--render", default=None, help="also draw the terminal scene to this PNG")
-    p.add_argument("--seed", type=int, default=0, help="episode seed (sampling keys)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="episode seed (sampling keys)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
     p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")

@@ -5,6 +5,8 @@ import json
 import sys
 import time
 
+from jscenegen.commands import seed_arg
+
 # hidden size x layers of each Qwen2/Qwen3 preset (jscenegen.model.config.PRESETS; a test keeps
 # them equal); qwen3_5 has its own (HYBRID_PRESETS: layers in multiples of 4)
 PRESET_HELP = {"micro": "hidden 128 x 2 layers, the CPU default's policy",
@@ -23,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--preset", choices=list(PRESET_HELP), default="tiny",
                    help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items())
                    + " (qwen2/qwen3; qwen3_5 micro has 4 layers) (default: tiny)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.set_defaults(func=run)
 

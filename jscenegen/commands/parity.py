@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+from jscenegen.commands import seed_arg
+
 
 def register(sub) -> None:
     p = sub.add_parser("parity", help="numbers against the torch baseline")
@@ -17,12 +19,12 @@ def register(sub) -> None:
     lg.add_argument("--batch", type=int, default=2)
     lg.add_argument("--seq", type=int, default=64)
     lg.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    lg.add_argument("--seed", type=int, default=0)
+    lg.add_argument("--seed", type=seed_arg, default=0)
     lg.set_defaults(func=run_logits)
 
     gs = kinds.add_parser("grpo-step", help="one GRPO update vs transformers + torch AdamW")
     gs.add_argument("--model", required=True, help="HF model directory")
-    gs.add_argument("--seed", type=int, default=0)
+    gs.add_argument("--seed", type=seed_arg, default=0)
     gs.add_argument("--rows", type=int, default=8, help="episodes (2 groups of rows/2)")
     gs.add_argument("--seq", type=int, default=32, help="padded tokens per episode")
     gs.add_argument("--pad-rows", type=int, default=0,
@@ -45,7 +47,7 @@ def register(sub) -> None:
     tr.add_argument("--max-tokens", type=int, default=3072,
                     help="cut expert episodes to this many tokens (their prompt is ~2,100)")
     tr.add_argument("--roles", default="DDDPC", help="role schedule (letters P, D, C)")
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seed", type=seed_arg, default=0)
     tr.add_argument("--temperature", type=float, default=1.0)
     _add_common(tr)
     tr.set_defaults(func=run_train)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jscenegen.config import Section
+from jscenegen.config import SEED_MAX, Section
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.model.options import ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
@@ -36,7 +36,7 @@ class SFTConfig(Section):
                               "(and of mesh.sp): one compiled shape")
     logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
-    seed: int = Field(0, description="demo order (shuffling) and a fresh model's weights")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling) and a fresh model's weights")
     out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
     init_arch: Literal["qwen2", "qwen3", "qwen3_5"] = Field("qwen3", description="fresh model "
                                                              "when model.path is null")

@@ -15,6 +15,8 @@ from jscenegen.config import Section
 from jscenegen.generate.sampler import DEFAULT_BUCKETS
 from jscenegen.generate.sampling import SamplingParams
 
+TOKENS_MAX = 1 << 20   # tokens of one turn, episode or bucket: beyond any context Qwen serves
+
 
 class SamplingConfig(Section):
     """How rollouts sample: the distribution, the stops, the caps and the compiled shapes."""
@@ -24,15 +26,15 @@ class SamplingConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass; 1.0 = off")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
     greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")
-    max_new_tokens: int = Field(2048, ge=1, description="tokens one assistant turn may generate")
-    max_episode_tokens: int = Field(32768, ge=16, description="context cap of one episode "
+    max_new_tokens: int = Field(2048, ge=1, le=TOKENS_MAX, description="tokens one assistant turn may generate")
+    max_episode_tokens: int = Field(32768, ge=16, le=TOKENS_MAX, description="context cap of one episode "
                                     "(prompt, every turn and every environment message)")
     stop_strings: tuple[str, ...] = Field(
         ("</action>",), description="a turn also ends when its text contains one of these; the "
         "end-of-turn token is then appended as environment (mask 0)")
     buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
                                      "(compiled shapes), increasing")
-    cache_tokens: int | None = Field(None, gt=0, description="KV-cache slots per row, fixed; "
+    cache_tokens: int | None = Field(None, gt=0, le=3 * TOKENS_MAX, description="KV-cache slots per row, fixed; "
                                      "None: the cache starts at the prompt plus one turn and "
                                      "grows (doubling) up to max_episode_tokens + "
                                      "max_new_tokens, rounded up to the smallest bucket, plus "
@@ -43,8 +45,9 @@ class SamplingConfig(Section):
     @model_validator(mode="after")
     def _check(self):
         b = self.buckets
-        if not b or list(b) != sorted(set(b)) or b[0] < 1:
-            raise ValueError(f"buckets must be increasing positive lengths, got {list(b)}")
+        if not b or list(b) != sorted(set(b)) or b[0] < 1 or b[-1] > TOKENS_MAX:
+            raise ValueError(f"buckets must be increasing positive lengths up to {TOKENS_MAX}, "
+                             f"got {list(b)}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must not contain an empty string")
         if self.greedy and (self.top_k or self.top_p < 1):
