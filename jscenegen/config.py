@@ -24,7 +24,6 @@ class ConfigError(ValueError):
 SEED_MAX = 2**32 - 1   # seeds are 32-bit: PRNG keys and NumPy generators take them whole
 
 
-
 def _numbers_within(annotation) -> bool:
     """Whether a field annotated `annotation` holds numbers: an int or float, optionally None,
     or a tuple/list of them."""

@@ -65,17 +65,14 @@ def _flag(d: dict[str, Any], key: str, source: str, prefix: str = "") -> bool:
     return value
 
 
-def read_config_file(f: str | Path) -> dict[str, Any]:
-    """The JSON object in config file `f`. Raises ModelConfigError naming `f` when it is not
-    valid JSON or not an object (OSError, which names the file, when it cannot be read)."""
+def read_config_file(f: str | Path) -> Any:
+    """The parsed JSON of config file `f`, for `QwenConfig.from_hf_dict` (which refuses
+    anything but an object). Raises ModelConfigError naming `f` when it is not valid JSON
+    (OSError, which names the file, when it cannot be read)."""
     try:
-        d = json.loads(Path(f).read_bytes())
+        return json.loads(Path(f).read_bytes())
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
-    if not isinstance(d, dict):
-        raise ModelConfigError(f"{f}: expected a JSON object (an HF config.json), "
-                               f"got a JSON {_json_kind(d)}")
-    return d
 
 
 def _json_kind(value: Any) -> str:
