@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jscenegen.generate.sampler import Sampler
-from jscenegen.generate.sampling import SamplingParams, row_keys
+from jscenegen.generate.sampling import SamplingParams
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.functional import hidden_fn
@@ -144,12 +144,7 @@ def test_every_layout_samples_the_unsharded_tokens(trained, mesh, prompts, layou
 
 def _loop_bytes(s: Sampler, rows: int) -> tuple[list, int]:
     """The collectives of the compiled decode loop and the bytes they move per step per device."""
-    cache, last = s.new_cache(rows, 32)
-    with s._ctx():
-        hlo = s._decode.lower(s.state, cache, last, s._put(np.full(rows, NEW, np.int32)),
-                              s._put(row_keys(range(rows))), s.stop_ids, s.stop_table,
-                              max_steps=NEW).compile().as_text()
-    found = loop_collectives(hlo)
+    found = loop_collectives(s.decode_hlo(rows, 32, NEW))
     return found, sum(c.bytes for c in found)
 
 

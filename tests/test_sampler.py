@@ -331,3 +331,49 @@ def test_qwen35_sampling_on_the_3x2_mesh_equals_unsharded(qwen35_hf, qwen35_prom
     for r in range(reps):
         np.testing.assert_array_equal(out["tokens"][3 * r:3 * r + 3], ref["tokens"])
         np.testing.assert_allclose(out["logprobs"][3 * r:3 * r + 3], ref["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_a_turn_decoded_in_segments_is_the_turn_decoded_in_one_call(model, prompts):
+    """Short segments (the cache, prompt + one segment of slots, growing after the first) give
+    the tokens, log-probs, lengths and stop reasons of one 8-step call, greedy and sampled: a
+    stop string spanning the last token of a segment and the first of the next still stops
+    row 0; row 1 runs to its budget of 7."""
+    ref = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS).generate(prompts, 8, [0, 0])["tokens"]
+    vocab = [f"<{i}>".encode() for i in range(model.cfg.vocab_size)]
+    stop = f"{int(ref[0, 2])}><{int(ref[0, 3])}"      # ends in a token's first bytes
+    text0, text1 = (b"".join(vocab[t] for t in row).decode() for row in ref)
+    end = text0.index(stop) + len(stop)
+    expect = next(k + 1 for k in range(8) if len(b"".join(vocab[t] for t in ref[0, :k + 1])) >= end)
+    assert 2 <= expect <= 4 and stop not in text1
+    short = expect - 1                                 # a segment ends inside the stop string
+    prompt = 16                                        # both prompts in one 16-slot bucket
+    outs = {}
+    for segment in (short, 16):
+        for params in (SamplingParams(greedy=True), SamplingParams(temperature=1.0)):
+            s = Sampler(model, params, stop_strings=[stop], token_bytes=vocab, buckets=BUCKETS,
+                        segment=segment)
+            cache, last = s.new_cache(2, prompt + min(segment, 8))
+            cache, last = s.append(cache, last, prompts)
+            out = s.decode(cache, last, [8, 7], row_keys([5, 6]), 8, max_slots=prompt + 8)
+            outs[segment, params.greedy] = out
+            assert s.cache_grows == (segment < 8)
+            assert int(out.cache.length) == prompt + max(np.asarray(out.lengths))
+    for greedy in (True, False):
+        a, b = outs[short, greedy], outs[16, greedy]
+        np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+        np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+        np.testing.assert_array_equal(np.asarray(a.reason), np.asarray(b.reason))
+    greedy = outs[short, True]
+    assert np.asarray(greedy.reason).tolist() == [STOP_STRING, STOP_LENGTH]
+    assert np.asarray(greedy.lengths).tolist() == [expect, 7]
+
+
+def test_a_decode_that_does_not_fit_the_cache_says_so(model, prompts):
+    s = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS)
+    cache, last = s.new_cache(2, 16)
+    cache, last = s.append(cache, last, prompts)
+    with pytest.raises(ValueError, match="6 more steps need 22 cache slots; the cache has 16 nor grow past 20"):
+        s.decode(cache, last, [6, 6], row_keys([1, 2]), 6, max_slots=20)
+    with pytest.raises(ValueError, match="the cache has 16 \\(make room"):
+        s.decode(cache, last, [6, 6], row_keys([1, 2]), 6)

@@ -27,9 +27,10 @@ Failures: a truncated turn ("truncated_action" inside an open action block, else
 
 Slots: a decode round takes `max_new_tokens` slots at most and an append the longest segment
 (rounded to a bucket). With the derived `cache_tokens` the cache starts at the first prompt plus
-one turn (a bucket length) and, when full, grows (at least doubling, contents kept) up to
-`cache_slots()`, so attention reads about the slots an episode uses; at that maximum (or with
-an explicit `cache_tokens`) a full cache is rebuilt from the rows' token histories
+one decode segment (a bucket length) and grows as appends and decode segments reach its end
+(`sampler.grown_slots`: at least doubling, contents kept) up to `cache_slots()`, so attention
+reads about the slots an episode uses; when a round could not fit even at that maximum (or
+with an explicit `cache_tokens`) the cache is first rebuilt from the rows' token histories
 (left-aligned again, gaps of earlier rounds dropped) with the same append path.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ from jscenegen.generate.sampler import (
     STOP_TOKEN,
     Sampler,
     bucket_length,
+    grown_slots,
 )
 from jscenegen.generate.sampling import row_keys
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
@@ -226,14 +228,13 @@ class RolloutEngine:
         return res[2] if with_logprobs else None
 
     def _grow(self, slots: int) -> bool:
-        """Grow the cache to hold `slots` (at least doubling, to a bucket length, at most
-        `self.slots`) keeping its contents; False when it cannot grow that far."""
+        """Grow the cache to hold `slots` (`grown_slots`, at most `self.slots`) keeping its
+        contents; False when it cannot grow that far."""
         if not self.grows or slots > self.slots:
             return False
-        new = min(self.slots, bucket_length(max(slots, 2 * self._capacity), self.cfg.buckets))
+        new = grown_slots(slots, self._capacity, self.slots, self.cfg.buckets)
         self._cache = self.sampler.grow_cache(self._cache, new)
         self._capacity = new
-        self._grows += 1
         return True
 
     def _rebuild(self, rows: list[_Row], pad: int):
@@ -244,8 +245,9 @@ class RolloutEngine:
             r.cached = 0
 
     def _reserve(self, rows: list[_Row], pad: int, slots: int):
-        """Make room for `slots` more slots (growing, else rebuilding from the histories)."""
-        if self._used + slots > self._capacity and not self._grow(self._used + slots):
+        """Rebuild the cache from the histories when `slots` more would not fit even grown to
+        its maximum (the appends and the decode grow it as they go)."""
+        if self._used + slots > (self.slots if self.grows else self._capacity):
             self._rebuild(rows, pad)
             self._sync(rows, pad)
 
@@ -311,7 +313,8 @@ class RolloutEngine:
         mult = self.sampler.row_multiple
         pad = -(-len(rows) // mult) * mult - len(rows)
         keys = np.concatenate([row_keys([r.seed for r in rows]), np.zeros((pad, 2), np.uint32)])
-        self._rebuilds, self._grows, self._used = 0, 0, 0
+        self._rebuilds, self._used = 0, 0
+        grows_before = self.sampler.cache_grows
         for r in rows:
             try:
                 system, user = r.episode.system_prompt(), r.episode.first_user_message()
@@ -325,7 +328,7 @@ class RolloutEngine:
                 log.exception("episode start failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
         first = max((len(r.tokens) for r in rows), default=0)
-        self._capacity = (min(self.slots, bucket_length(first + cfg.max_new_tokens, cfg.buckets))
+        self._capacity = (min(self.slots, bucket_length(first + self.sampler.segment, cfg.buckets))
                           if self.grows else self.slots)
         self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self._capacity)
         self._show(rows, on_turn)
@@ -353,7 +356,8 @@ class RolloutEngine:
         total = sum(generated.values())
         batch = {"wall_s": wall, "tokens_per_s": total / wall if wall > 0 else 0.0,
                  "batch_generated_tokens": total, "rounds": rounds,
-                 "cache_rebuilds": self._rebuilds, "cache_grows": self._grows,
+                 "cache_rebuilds": self._rebuilds,
+                 "cache_grows": self.sampler.cache_grows - grows_before,
                  "cache_slots": self._capacity,
                  "batch_rows": len(rows) + pad, "padding_rows": pad, "groups": len(groups),
                  "layout": self.sampler.layout.name}
@@ -379,9 +383,10 @@ class RolloutEngine:
     def _sampled_turns(self, rows, pad, keys) -> dict:
         limits = self._limits(rows, pad)
         self._reserve(rows, pad, self.cfg.max_new_tokens)
-        out = self.sampler.decode(self._cache, self._last, limits, keys, self.cfg.max_new_tokens)
+        out = self.sampler.decode(self._cache, self._last, limits, keys, self.cfg.max_new_tokens,
+                                  max_slots=self.slots if self.grows else None)
         self._cache, self._last = out.cache, out.last_logits
-        self._used = int(out.cache.length)
+        self._used, self._capacity = int(out.cache.length), out.cache.valid.shape[1]
         tokens, lps = np.asarray(out.tokens), np.asarray(out.logprobs)
         lengths, reasons = np.asarray(out.lengths), np.asarray(out.reason)
         turns = {}
