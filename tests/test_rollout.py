@@ -238,6 +238,30 @@ def test_sampled_rollout_on_the_3x2_mesh_pads_rows(sampled_engine, chat, record,
         assert tr.reward == -1.0 and 1 <= tr.policy_mask.sum() <= SAMPLED.max_new_tokens
 
 
+def test_a_turn_decoded_in_segments_through_a_growing_cache(sampled_engine, chat, model, record,
+                                                            rule_judge):
+    """8-step decode segments and a cache that starts at the prompt plus one segment (a bucket
+    made to fit it exactly), so the second segment of the first turn grows it: the episodes are
+    the fixed cache's, token for token."""
+    from jscenegen.scene.episode import Episode
+
+    start = Episode(record)
+    first = len(chat.start(start.system_prompt(), start.first_user_message())[1])
+    tight = -(-first // 8) * 8 + 8
+    cfg = SAMPLED.model_copy(update={"buckets": (8, 128, 1024, tight), "cache_tokens": None})
+    engine = RolloutEngine(model, chat, cfg)
+    assert engine.sampler.segment == 8
+    group = engine.run_group(record, group_id=0, seeds=[11, 12], judge=rule_judge)
+    assert group.stats["cache_grows"] >= 1 and group.stats["cache_rebuilds"] == 0
+    assert group.stats["cache_slots"] > tight
+    ref = sampled_engine.run_group(record, group_id=0, seeds=[11, 12], judge=rule_judge)
+    for tr, want in zip(group.trajectories, ref.trajectories):
+        assert tr.policy_mask.sum() > 8                 # the turn ran past the first segment
+        np.testing.assert_array_equal(tr.tokens, want.tokens)
+        np.testing.assert_allclose(tr.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        assert tr.failure_cause == want.failure_cause
+
+
 def test_several_groups_in_one_batch_are_the_groups_run_alone(sampled_engine, record, rule_judge):
     from jscenegen.grpo.rollout.engine import GroupRequest
 

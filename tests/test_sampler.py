@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jscenegen.generate.sampler import STOP_LENGTH, STOP_STRING, STOP_TOKEN, Sampler, split_into_buckets
+from jscenegen.generate.sampler import (
+    STOP_LENGTH,
+    STOP_NONE,
+    STOP_STRING,
+    STOP_TOKEN,
+    Sampler,
+    split_into_buckets,
+)
 from jscenegen.generate.sampling import SamplingParams, row_keys
 from jscenegen.generate.stop import build_stop_table, stop_string_step
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
@@ -337,7 +344,8 @@ def test_a_turn_decoded_in_segments_is_the_turn_decoded_in_one_call(model, promp
     """Short segments (the cache, prompt + one segment of slots, growing after the first) give
     the tokens, log-probs, lengths and stop reasons of one 8-step call, greedy and sampled: a
     stop string spanning the last token of a segment and the first of the next still stops
-    row 0; row 1 runs to its budget of 7."""
+    row 0; row 1 runs to its budget of 7. A budget beyond max_steps leaves the row running
+    (reason none), as one call does."""
     ref = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS).generate(prompts, 8, [0, 0])["tokens"]
     vocab = [f"<{i}>".encode() for i in range(model.cfg.vocab_size)]
     stop = f"{int(ref[0, 2])}><{int(ref[0, 3])}"      # ends in a token's first bytes
@@ -348,7 +356,7 @@ def test_a_turn_decoded_in_segments_is_the_turn_decoded_in_one_call(model, promp
     short = expect - 1                                 # a segment ends inside the stop string
     prompt = 16                                        # both prompts in one 16-slot bucket
     outs = {}
-    for segment in (short, 16):
+    for segment in sorted({short, 3, 16}):             # 3: 3 + 3 + a shorter last segment
         for params in (SamplingParams(greedy=True), SamplingParams(temperature=1.0)):
             s = Sampler(model, params, stop_strings=[stop], token_bytes=vocab, buckets=BUCKETS,
                         segment=segment)
@@ -358,8 +366,8 @@ def test_a_turn_decoded_in_segments_is_the_turn_decoded_in_one_call(model, promp
             outs[segment, params.greedy] = out
             assert s.cache_grows == (segment < 8)
             assert int(out.cache.length) == prompt + max(np.asarray(out.lengths))
-    for greedy in (True, False):
-        a, b = outs[short, greedy], outs[16, greedy]
+    for (segment, greedy), a in outs.items():
+        b = outs[16, greedy]
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
         np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-6)
         np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
@@ -367,13 +375,19 @@ def test_a_turn_decoded_in_segments_is_the_turn_decoded_in_one_call(model, promp
     greedy = outs[short, True]
     assert np.asarray(greedy.reason).tolist() == [STOP_STRING, STOP_LENGTH]
     assert np.asarray(greedy.lengths).tolist() == [expect, 7]
+    s = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS, segment=3)
+    cache, last = s.new_cache(2, prompt + 8)
+    cache, last = s.append(cache, last, prompts)
+    out = s.decode(cache, last, [100, 8], row_keys([5, 6]), 8)
+    assert np.asarray(out.reason).tolist() == [STOP_NONE, STOP_LENGTH]
+    assert np.asarray(out.lengths).tolist() == [8, 8]
 
 
 def test_a_decode_that_does_not_fit_the_cache_says_so(model, prompts):
     s = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS)
     cache, last = s.new_cache(2, 16)
     cache, last = s.append(cache, last, prompts)
-    with pytest.raises(ValueError, match="6 more steps need 22 cache slots; the cache has 16 nor grow past 20"):
+    with pytest.raises(ValueError, match="6 steps need 22 cache slots; the cache has 16 and may grow to 20"):
         s.decode(cache, last, [6, 6], row_keys([1, 2]), 6, max_slots=20)
     with pytest.raises(ValueError, match="the cache has 16 \\(make room"):
         s.decode(cache, last, [6, 6], row_keys([1, 2]), 6)
