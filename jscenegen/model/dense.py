@@ -9,7 +9,9 @@ smaller, and x is shared by the projections that read the same input, so the cop
 once for q, k and v (and once for gate and up): this computes dW^T = x^T dy there and
 transposes the weight-sized result. The numbers are the same sums as autodiff's (fp32
 accumulation), in another order. Measured on the CPU train step (bench/train_step.py):
-docs/results-bench.md.
+docs/results-bench.md. Only fp32 operands take that form: with bf16 ones XLA:CPU folds the
+transpose into a dot that its fallback kernel cannot run (bf16 x bf16 -> f32, "Unsupported
+element type for DotThunk"), and accelerators gain nothing from it.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _dense_fwd(x, w, out_dtype):
 def _dense_bwd(out_dtype, residuals, dy):
     x, w = residuals
     dx = jnp.einsum("...o,oi->...i", dy, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    if x.shape[-1] < dy.shape[-1]:
+    if x.shape[-1] < dy.shape[-1] and x.dtype == jnp.float32:
         dw = jnp.einsum("...i,...o->io", x, dy, preferred_element_type=jnp.float32).T
     else:
         dw = jnp.einsum("...o,...i->oi", dy, x, preferred_element_type=jnp.float32)
