@@ -434,11 +434,12 @@ class Sampler:
         """Sample up to `max_steps` tokens per row (one turn), `segment` steps per compiled call.
 
         max_new [B] int: per-row budget (0 = the row takes no part; a row still running after
-        max_steps keeps reason STOP_NONE); keys [B, 2] uint32 raw key data per row. Each step samples every running row, records
-        token and tempered log-prob, stops rows (stop id, stop string, budget) and appends the
-        sampled tokens with one forward (stopped rows append a masked slot). A call of the
-        compiled `lax.while_loop` runs at most `segment` steps and ends when every row has
-        stopped; the next call continues where it ended, so the tokens are those of one loop.
+        max_steps keeps reason STOP_NONE); keys [B, 2] uint32 raw key data per row. Each step
+        samples every running row, records token and tempered log-prob, stops rows (stop id,
+        stop string, budget) and appends the sampled tokens with one forward (stopped rows
+        append a masked slot). A call of the compiled `lax.while_loop` runs at most `segment`
+        steps and ends when every row has stopped; the next call continues where it ended, so
+        the tokens are those of one loop.
 
         Slots: a call takes as many slots as it runs steps. The cache must have room for
         max_steps more, or (with `max_slots` and a cache that can grow, `can_grow`) be able to

@@ -25,13 +25,13 @@ Failures: a truncated turn ("truncated_action" inside an open action block, else
 (reward -1); an exception in our runtime, tokenizer or sampler marks the affected rows
 "rollout_error" (masked), a judge failure masks the row ("judge_*"); neither stops the batch.
 
-Slots: a decode round takes `max_new_tokens` slots at most and an append the longest row's new
-tokens (rounded to a bucket). With the derived `cache_tokens` the cache starts at the first prompt plus
-one decode segment (a bucket length) and grows as appends and decode segments reach its end
-(`sampler.grown_slots`: at least doubling, contents kept) up to `cache_slots()`, so attention
-reads about the slots an episode uses; when a round could not fit even at that maximum (or
-with an explicit `cache_tokens`) the cache is first rebuilt from the rows' token histories
-(left-aligned again, gaps of earlier rounds dropped) with the same append path.
+Slots: a decode round takes `max_new_tokens` slots at most and an append the longest row's
+new tokens (rounded to a bucket). With the derived `cache_tokens` the cache starts at the first
+prompt plus one decode segment (a bucket length) and grows as appends and decode segments
+reach its end (`sampler.grown_slots`: at least doubling, contents kept) up to `cache_slots()`,
+so attention reads about the slots an episode uses; when a round could not fit even at that
+maximum (or with an explicit `cache_tokens`) the cache is first rebuilt from the rows' token
+histories (left-aligned again, gaps of earlier rounds dropped) with the same append path.
 """
 from __future__ import annotations
 
