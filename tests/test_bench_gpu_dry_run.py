@@ -1,0 +1,29 @@
+"""bench/gpu's CPU dry run (`bench_gpu.py --tiny`): the GPU benchmark's own code paths (a bf16
+GRPO step with remat, the sampler's decode, the torch and Tunix engines where installed) run on
+CPU and report their figures, so the script a GPU session runs first is known to work."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_bench_dry_run_reports_every_engine():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "bench_gpu.py"), "--tiny"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    engines = {x["engine"]: x for x in lines if "engine" in x}
+    ours = engines["jscenegen"]
+    assert "error" not in ours, ours.get("error")
+    assert ours["train_loss_finite"] is True and ours["train_step_s"] > 0
+    assert ours["decode_tokens_per_s"] > 0
+    summary = lines[-1]
+    assert summary["bench"] == "gpu" and summary["tiny"] is True
+    assert summary["jscenegen_decode_tokens_per_s"] == pytest.approx(ours["decode_tokens_per_s"])
+    assert "error" not in engines["torch"] and summary["decode_ratio"] is not None
