@@ -454,8 +454,7 @@ class Sampler:
         self._check_room(cache, max_steps, max_slots)
         lengths = np.zeros(b, np.int64)
         reason = np.full(b, STOP_NONE, np.int32)
-        keys = self._put(np.asarray(keys, np.uint32))
-        tail = self._put(np.full((b, self._tail_width), NO_BYTE, np.int32))
+        keys, tail = self._put(np.asarray(keys, np.uint32)), self._fresh_tail(b)
         tokens, logprobs, steps_run = [], [], 0
         with self._ctx():
             while steps_run < max_steps:
@@ -463,11 +462,11 @@ class Sampler:
                 if not (left > 0).any():
                     break
                 steps = min(self.segment, max_steps - steps_run)
-                if int(cache.length) + steps > cache.valid.shape[1]:
-                    cache = self.grow_cache(cache, grown_slots(
-                        int(cache.length) + steps, cache.valid.shape[1], max_slots, self.buckets))
-                out = self._decode(self.state, cache, last_logits, self._put(left.astype(np.int32)),
-                                   keys, self.stop_ids, self.stop_table, tail, max_steps=steps)
+                need, capacity = int(cache.length) + steps, cache.valid.shape[1]
+                if need > capacity:
+                    cache = self.grow_cache(cache, grown_slots(need, capacity, max_slots, self.buckets))
+                out = self._decode(*self._decode_inputs(cache, last_logits, left, keys, tail),
+                                   max_steps=steps)
                 cache, last_logits, tail = out.cache, out.last_logits, out.tail
                 tokens.append(out.tokens)
                 logprobs.append(out.logprobs)
@@ -487,11 +486,21 @@ class Sampler:
         `sharding.hlo.loop_collectives` parse."""
         cache, last = self.new_cache(rows, slots)
         with self._ctx():
-            return self._decode.lower(
-                self.state, cache, last, self._put(np.full(rows, steps, np.int32)),
-                self._put(np.zeros((rows, 2), np.uint32)), self.stop_ids, self.stop_table,
-                self._put(np.full((rows, self._tail_width), NO_BYTE, np.int32)),
-                max_steps=steps).compile().as_text()
+            inputs = self._decode_inputs(cache, last, np.full(rows, steps), np.zeros((rows, 2)),
+                                         self._fresh_tail(rows))
+            return self._decode.lower(*inputs, max_steps=steps).compile().as_text()
+
+    def _fresh_tail(self, rows: int) -> jax.Array:
+        """The stop-string matcher's state at a turn's start: no bytes yet, [B, K-1] int32."""
+        return self._put(np.full((rows, self._tail_width), NO_BYTE, np.int32))
+
+    def _decode_inputs(self, cache, last_logits, left, keys, tail) -> tuple:
+        """The compiled decode's positional inputs (left [B] int32 budgets, keys [B, 2] uint32,
+        tail [B, K-1] int32); host arrays are placed by rows."""
+        def rows(x, dtype):
+            return x if isinstance(x, jax.Array) else self._put(np.asarray(x, dtype))
+        return (self.state, cache, last_logits, rows(left, np.int32), rows(keys, np.uint32),
+                self.stop_ids, self.stop_table, tail)
 
     def _check_room(self, cache, steps: int, max_slots: int | None):
         """Raise ValueError, before any step, when `steps` more slots fit neither the cache nor

@@ -26,17 +26,20 @@ class SamplingConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass; 1.0 = off")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
     greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")
-    max_new_tokens: int = Field(2048, ge=1, le=TOKENS_MAX, description="tokens one assistant turn may generate")
-    max_episode_tokens: int = Field(32768, ge=16, le=TOKENS_MAX, description="context cap of one episode "
-                                    "(prompt, every turn and every environment message)")
+    max_new_tokens: int = Field(2048, ge=1, le=TOKENS_MAX,
+                                description="tokens one assistant turn may generate")
+    max_episode_tokens: int = Field(32768, ge=16, le=TOKENS_MAX,
+                                    description="context cap of one episode (prompt, every turn "
+                                    "and every environment message)")
     stop_strings: tuple[str, ...] = Field(
         ("</action>",), description="a turn also ends when its text contains one of these; the "
         "end-of-turn token is then appended as environment (mask 0)")
     buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
                                      "(compiled shapes), increasing")
-    cache_tokens: int | None = Field(None, gt=0, le=3 * TOKENS_MAX, description="KV-cache slots per row, fixed; "
-                                     "None: the cache starts at the prompt plus one turn and "
-                                     "grows (doubling) up to max_episode_tokens + "
+    cache_tokens: int | None = Field(None, gt=0, le=3 * TOKENS_MAX,
+                                     description="KV-cache slots per row, fixed; None: the cache "
+                                     "starts at the prompt plus one decode segment (the smallest "
+                                     "bucket) and grows (doubling) up to max_episode_tokens + "
                                      "max_new_tokens, rounded up to the smallest bucket, plus "
                                      "one bucket")
     chat_template_path: str | None = Field(None, description="replacement chat template (jinja); "

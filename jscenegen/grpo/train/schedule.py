@@ -40,9 +40,9 @@ class ScheduleConfig(Section):
     max_attempts: int | None = Field(None, ge=1, description="stop after this many update "
                                      "attempts even without total_updates effective ones "
                                      "(a weak policy may never produce signal); None: no cap")
-    seed: int = Field(0, ge=0, le=SEED_MAX, description="run-level seed: enters every rollout's episode "
-                      "seeds (0 = the seeds of earlier releases); the scene order, the SFT warm "
-                      "start and the dev evaluation's seeds do not depend on it")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="run-level seed: enters every rollout's "
+                      "episode seeds (0 = the seeds of earlier releases); the scene order, the SFT "
+                      "warm start and the dev evaluation's seeds do not depend on it")
 
 
 @dataclasses.dataclass
