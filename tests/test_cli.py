@@ -10,6 +10,8 @@ import pytest
 
 from jscenegen.cli import build_parser, main, parse_args
 
+from cli_errors import one_error_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -129,12 +131,6 @@ SHAPES = dict(model_type="qwen3", vocab_size=1003, hidden_size=64, intermediate_
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
-
-
 @pytest.mark.parametrize("content,expected", [
     ("[1, 2]", "expected a JSON object"),
     ("{bad", "not valid JSON"),
@@ -146,13 +142,13 @@ def test_mesh_report_names_a_bad_config_file_in_one_line(tmp_path, capsys, conte
     cfg = tmp_path / "cfg.json"
     cfg.write_text(content)
     assert main(["mesh-report", "--model", str(cfg)]) == 2
-    err = _one_error_line(capsys)
+    err = one_error_line(capsys)
     assert str(cfg) in err and expected in err
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(content)
     assert main(["mesh-report", "--model", str(model)]) == 2
-    err = _one_error_line(capsys)
+    err = one_error_line(capsys)
     assert str(model / "config.json") in err and expected in err
 
 
@@ -161,7 +157,7 @@ def test_convert_names_a_config_json_that_is_a_list(tmp_path, capsys):
     src.mkdir()
     (src / "config.json").write_text("[1, 2]")
     assert main(["convert", str(src), str(tmp_path / "out"), "--from", "hf", "--to", "orbax"]) == 2
-    assert f"{src / 'config.json'}: expected a JSON object" in _one_error_line(capsys)
+    assert f"{src / 'config.json'}: expected a JSON object" in one_error_line(capsys)
     assert not (tmp_path / "out").exists()
 
 
@@ -178,7 +174,7 @@ def test_mesh_report_refuses_bad_mesh_and_device_flags(tmp_path, capsys, argv, e
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(SHAPES))
     assert main(["mesh-report", "--model", str(cfg), *argv]) == 2
-    assert expected in _one_error_line(capsys)
+    assert expected in one_error_line(capsys)
 
 
 def test_mesh_report_resolves_a_relative_configs_path_against_the_checkout(tmp_path, monkeypatch,
@@ -191,7 +187,7 @@ def test_mesh_report_resolves_a_relative_configs_path_against_the_checkout(tmp_p
 @pytest.mark.parametrize("size", ["-5", "0", "255", "20000000"])
 def test_init_model_refuses_a_bad_vocab_size_before_any_work(tmp_path, capsys, size):
     assert main(["init-model", str(tmp_path / "m"), "--vocab-size", size]) == 2
-    err = _one_error_line(capsys)
+    err = one_error_line(capsys)
     assert f"--vocab-size {size}: must be from 256" in err and "init-model [" not in err
     assert sorted(tmp_path.iterdir()) == []
 
@@ -202,6 +198,6 @@ def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, 
                            (tmp_path / "afile", "exists and is not a directory"),
                            (Path("/proc/nope"), "cannot create a directory in /proc")):
         assert main(["init-model", str(dest)]) == 2
-        err = _one_error_line(capsys)
+        err = one_error_line(capsys)
         assert err.startswith(f"error: {dest}: ") and expected in err and "partial" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -11,6 +11,7 @@ from jscenegen.scene.generator import make_scene_set
 from jscenegen.scene.sceneset import read_scene_set, write_scene_set
 from jscenegen.scene.schema import SceneError, canonical_text, scene_from_json
 
+from cli_errors import one_error_line
 from scene_fixtures import KNOWN, room, transform
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "scenes"
@@ -151,28 +152,22 @@ def test_scene_runtime_imports_no_models_flax_grpo_or_jax():
     assert out.stdout.strip() == "[]"
 
 
-def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
-
-
 def test_cli_refuses_far_objects_in_check_and_render(tmp_path, capsys):
     s = KNOWN["split"]().to_json()
     s["objects"][0]["position"] = [1e30, 1e30]
     (tmp_path / "far.json").write_text(json.dumps(s))
     assert main(["scene", "check", str(tmp_path / "far.json")]) == 2
-    assert re.search(r"far.json: objects.0: .*position .* is beyond", _one_line_error(capsys))
+    assert re.search(r"far.json: objects.0: .*position .* is beyond", one_error_line(capsys))
     assert main(["scene", "render", str(tmp_path / "far.json"), "-o", str(tmp_path / "far.png")]) == 2
-    assert "position" in _one_line_error(capsys) and not (tmp_path / "far.png").exists()
+    assert "position" in one_error_line(capsys) and not (tmp_path / "far.png").exists()
 
 
 def test_cli_refuses_negative_units_and_empty_sets(tmp_path, capsys):
     (tmp_path / "rec.json").write_text((DATA / "dev.jsonl").read_text().splitlines()[0])
     assert main(["scene", "check", str(tmp_path / "rec.json"), "--requested-units", "-5"]) == 2
-    assert "--requested-units must be >= 0, got -5" in _one_line_error(capsys)
+    assert "--requested-units must be >= 0, got -5" in one_error_line(capsys)
     assert main(["scene", "generate", "--split", "dev", "--n", "-1", "-o", str(tmp_path / "g.jsonl")]) == 2
-    assert "--n" in _one_line_error(capsys) and not (tmp_path / "g.jsonl").exists()
+    assert "--n" in one_error_line(capsys) and not (tmp_path / "g.jsonl").exists()
 
 
 def test_cli_never_writes_over_its_input(tmp_path, capsys):
@@ -180,17 +175,17 @@ def test_cli_never_writes_over_its_input(tmp_path, capsys):
     dev.write_text((DATA / "dev.jsonl").read_text())
     for out in (dev, tmp_path / "." / "dev.jsonl"):
         assert main(["scene", "furnish", str(dev), "--index", "0", "-o", str(out)]) == 2
-        err = _one_line_error(capsys)
+        err = one_error_line(capsys)
         assert f"-o {out} is the same file as the scene set {dev}" in err
     assert dev.read_text() == (DATA / "dev.jsonl").read_text()
     assert main(["scene", "render", str(dev), "-o", str(dev)]) == 2
-    assert "same file" in _one_line_error(capsys) and dev.read_text() == (DATA / "dev.jsonl").read_text()
+    assert "same file" in one_error_line(capsys) and dev.read_text() == (DATA / "dev.jsonl").read_text()
 
 
 def test_cli_furnish_names_a_binary_file_and_finds_shipped_sets_from_anywhere(tmp_path, capsys, monkeypatch):
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00\x81 not text")
     assert main(["scene", "furnish", str(tmp_path / "bin.json"), "-o", str(tmp_path / "o.json")]) == 2
-    assert f"{tmp_path / 'bin.json'}: not UTF-8 text" in _one_line_error(capsys)
+    assert f"{tmp_path / 'bin.json'}: not UTF-8 text" in one_error_line(capsys)
     monkeypatch.chdir(tmp_path)  # outside the checkout: data/... resolves under it
     assert main(["scene", "furnish", "data/scenes/dev.jsonl", "--index", "1", "-o", "f.json"]) == 0
     assert json.loads(capsys.readouterr().out)["output"] == "f.json"
