@@ -319,6 +319,7 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
     hold.
     """
     from jscenegen.checkpoint import store as ckpt
+    from jscenegen.checkpoint.resume import checkpoint_position
 
     step_dir = orbax_step_dir(src)
     hf = step_dir / ckpt.HF_DIR
@@ -343,7 +344,8 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
                                     betas=tuple(optim.get("betas", (0.9, 0.999))),
                                     eps=float(optim.get("eps", 1e-8)),
                                     weight_decay=float(optim.get("weight_decay", 0.01)))
-    sched_count = int(train_state.get("lr_schedule_count", train_state.get("step", 0)))
+    at = checkpoint_position(train_state)
+    sched_count = at.lr_step
     extras_json = verl_src.get("extra_state") or []
     if extras_json:
         extras = [extra_state_from_json(e) for e in extras_json]
@@ -362,7 +364,7 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
         adam=AdamSource(exp_avg=sliced(orbax_reader(step_dir, "mu", trainable)),
                         exp_avg_sq=sliced(orbax_reader(step_dir, "nu", trainable)), step=count,
                         param_groups=groups, names=trainable),
-        extra_states=extras, global_step=int(train_state.get("step", int(step_dir.name))))
+        extra_states=extras, global_step=at.step)
 
 
 def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",

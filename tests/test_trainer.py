@@ -102,6 +102,18 @@ def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     assert state["schedule"]["attempts"] == 3 and state["lr_step"] == 3
 
 
+def test_a_trainer_checkpoint_keeps_its_lr_scheduler_position_in_verl_files(straight):
+    """The trainer's train state names its LR count `lr_step` (converted ones
+    `lr_schedule_count`): the VERL scheduler state must carry it, not restart at 0."""
+    from convert.orbax_directions import orbax_state
+
+    run_dir, _ = straight
+    state = orbax_state(run_dir / "checkpoints" / "3", 4)
+    assert state.global_step == 3 and state.adam.step == 3
+    (extra,) = state.extra_states
+    assert extra["lr_scheduler"]["last_epoch"] == 3 and extra["lr_scheduler"]["_step_count"] == 4
+
+
 def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tmp_path):
     run_dir, _ = straight
     _, first = _run(tmp_path, sigterm_after=1)

@@ -2,8 +2,9 @@
 
 `restore_onto_mesh` reads the newest verified step straight into the trainer's FSDP layout;
 `check_same_run` refuses a checkpoint whose protocol or reward differ from the resuming run's;
-`converted_position` reads where a checkpoint converted from VERL or HF (`convert --to orbax`,
-train_state with `source_format`) stands, which carries no protocol or schedule of ours;
+`checkpoint_position` reads where a checkpoint stands (updates done, LR-scheduler count,
+skipped optimizer steps), from the trainer's own train state or from one converted from VERL or
+HF (`convert --to orbax`, train_state with `source_format`: no protocol or schedule of ours);
 `resume_model_dir` finds the config and tokenizer a resumed run uses.
 """
 from __future__ import annotations
@@ -26,9 +27,10 @@ class ResumeError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvertedPosition:
-    """Where a converted (VERL/HF) checkpoint stands: `step` updates done, `lr_step` the
-    LR-scheduler count, `skipped_steps` updates whose optimizer step was skipped."""
+class CheckpointPosition:
+    """Where a checkpoint stands: `step` updates done (VERL's global step: the trainer's update
+    attempts), `lr_step` the LR-scheduler count (torch LambdaLR `last_epoch`), `skipped_steps`
+    updates whose optimizer step was skipped."""
 
     step: int
     lr_step: int
@@ -69,11 +71,22 @@ def is_converted(train_state: Mapping[str, Any]) -> bool:
     return "source_format" in train_state
 
 
-def converted_position(train_state: Mapping[str, Any]) -> ConvertedPosition:
-    """The step, LR count and skipped steps a converted checkpoint records."""
-    step = int(train_state.get("step", 0))
-    return ConvertedPosition(step=step, lr_step=int(train_state.get("lr_schedule_count", step)),
-                             skipped_steps=max(step - int(train_state.get("optimizer_step", step)), 0))
+def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
+    """Where the checkpoint whose orbax `train_state` item this is stands: the trainer's own
+    (`schedule.attempts`, `lr_step`, `skipped_steps`) or a converted one (`step`,
+    `lr_schedule_count`, `optimizer_step`). Raises CheckpointError naming the missing key."""
+    try:
+        if is_converted(train_state):
+            step = int(train_state.get("step", 0))
+            return CheckpointPosition(
+                step=step, lr_step=int(train_state.get("lr_schedule_count", step)),
+                skipped_steps=max(step - int(train_state.get("optimizer_step", step)), 0))
+        return CheckpointPosition(step=int(train_state["schedule"]["attempts"]),
+                                  lr_step=int(train_state["lr_step"]),
+                                  skipped_steps=int(train_state["skipped_steps"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"train_state: no usable {err} (neither the trainer's position "
+                              "nor a converted checkpoint's)") from None
 
 
 def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,

@@ -27,7 +27,7 @@ from jscenegen.checkpoint.metadata import redact, training_metadata
 from jscenegen.checkpoint.resume import (
     ResumeError,
     check_same_run,
-    converted_position,
+    checkpoint_position,
     is_converted,
     restore_onto_mesh,
 )
@@ -208,14 +208,13 @@ class Trainer:
     def _apply_checkpoint(self, ck) -> None:
         saved = ck.train_state
         opt_state = state_from_canonical(ck.adam, self.state.opt_state)
+        at = checkpoint_position(saved)
+        lr_step, skipped = at.lr_step, at.skipped_steps
         if is_converted(saved):
-            at = converted_position(saved)
             n = len(self.schedule.scene_seeds)
-            lr_step, skipped = at.lr_step, at.skipped_steps
             self.pos = SchedulePosition(scene_index=at.step % n, epoch=at.step // n,
                                         effective_updates=at.step, attempts=at.step)
         else:
-            lr_step, skipped = saved["lr_step"], saved["skipped_steps"]
             self.pos = SchedulePosition.from_json(saved["schedule"])
         self.state = TrainState(self.state.params, opt_state, jnp.asarray(lr_step, jnp.int32),
                                 jnp.asarray(max(skipped, 0), jnp.int32))
