@@ -97,6 +97,10 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
         from convert.verl_read import find_verl
 
         world_size = find_verl(src).world_size
+    if dst_format == "verl":
+        from convert.verl_write import check_world_size
+
+        check_world_size(world_size)
     if carried_from is not None and not (src_format == "verl" and dst_format in ("hf", "orbax")):
         raise ConvertError("--carried-from completes a VERL source converted to hf or orbax "
                            f"(the tensors VERL files cannot hold); not {src_format} -> {dst_format}")

@@ -22,6 +22,7 @@ from convert.dispatch import refuse_nested
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.orbax_directions import orbax_state, orbax_step_dir, write_hf_into
+from convert.verl_write import check_world_size
 from jscenegen.checkpoint.checksums import write_checksums
 from jscenegen.paths import atomic_dir, write_json
 
@@ -34,11 +35,13 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     The HF weights keep the checkpoint's dtype unless `dtype`; the VERL rank files always hold
     what the checkpoint holds (fp32 master weights and moments) for `world_size` ranks with
     `placement` and a DeviceMesh of `device_type`. Raises ConvertError for an incomplete
-    checkpoint, an existing non-empty `out` or one inside the checkpoint.
+    checkpoint, an existing non-empty `out` or one inside the checkpoint, a world size outside
+    [1, MAX_WORLD_SIZE].
     """
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.checkpoint.metadata import redact
 
+    check_world_size(world_size)
     step_dir = orbax_step_dir(checkpoint)
     refuse_nested(checkpoint, out)
     state = orbax_state(step_dir, world_size)

@@ -209,6 +209,7 @@ class VerlCheckpoint:
         self.tied = self.config.tie_word_embeddings
         self.embedding = embedding_name(self.config)
         self._check_keys()
+        self._check_owners()
 
     # ---- files -------------------------------------------------------------------------
     @property
@@ -239,6 +240,25 @@ class VerlCheckpoint:
                     f"{self.layout.rank_file('model', r)}: keys do not match {self.hf_dir / 'config.json'}"
                     f" (missing {missing[:5]}, unexpected {unexpected[:5]})"
                 )
+
+    def _check_owners(self) -> None:
+        """Before any tensor is read: every rank file's first DTensor (model, and the first
+        moment of an optim file) was saved by the rank the file is named for (`_shard_dim`)."""
+        from torch.distributed.tensor import DTensor
+
+        for r, sd in enumerate(self._model_files):
+            key, t = next(((k, v) for k, v in sd.items() if isinstance(v, DTensor)), (None, None))
+            if t is not None:
+                self._shard_dim(self.layout.rank_file("model", r), key, t, rank=r)
+        if "optim" not in self.layout.kinds:
+            return
+        for r, sd in enumerate(self._optim_files):
+            moments = ((f"state[{i}].{m}", v) for i, st in sd["state"].items()
+                       for m, v in (st.items() if isinstance(st, dict) else ())
+                       if isinstance(v, DTensor))
+            key, t = next(moments, (None, None))
+            if t is not None:
+                self._shard_dim(self.layout.rank_file("optim", r), key, t, rank=r)
 
     # ---- reassembly --------------------------------------------------------------------
     def _gather(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...]) -> np.ndarray:

@@ -110,6 +110,16 @@ def _dtensor(local: np.ndarray, mesh: Any, dim: int, shape: tuple[int, ...], dev
     return DTensor(t, spec, requires_grad=False)
 
 
+MAX_WORLD_SIZE = 8192  # 3 files a rank; a larger W is a typo, not a run (and takes O(W^2) to write)
+
+
+def check_world_size(world_size: int) -> None:
+    """Raise ConvertError unless 1 <= world_size <= MAX_WORLD_SIZE (VERL ranks to write)."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ConvertError(f"world size {world_size}: must lie in [1, {MAX_WORLD_SIZE:,}] "
+                           f"(VERL writes three files per rank)")
+
+
 def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, ...]],
                      params: SliceReader, world_size: int, placement: str = "dim0",
                      tied_alias: str | None = None, adam: AdamSource | None = None,
@@ -124,13 +134,12 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
     parameters); Adam moments stay fp32. Adam `state` is keyed by the index in `shapes` and
     written for `adam.names` only; `param_groups` are written as given. `extra_states`: one
     dict per rank, or one for all ranks. Returns {hf_name: shard dim}. Raises ConvertError
-    on a W < 1, a wrong extra_states count, or Adam names outside `shapes`.
+    on a W outside [1, MAX_WORLD_SIZE], a wrong extra_states count, or Adam names outside `shapes`.
     """
     import torch
 
     shard_dir = Path(shard_dir)
-    if world_size < 1:
-        raise ConvertError(f"world size {world_size}: must be >= 1")
+    check_world_size(world_size)
     if extra_states is not None and len(extra_states) not in (1, world_size):
         raise ConvertError(f"{len(extra_states)} extra states for world size {world_size} "
                            "(give one per rank, or one for all)")

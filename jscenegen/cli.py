@@ -5,7 +5,10 @@ which adds its parser and sets `func(args) -> int`; commands import their librar
 `func`, so building the parser (and `--help`) imports no JAX. Bad input anywhere (a config key,
 a path, a model file, a mesh that does not fit, a full disk) raises an exception; `main` is the
 one place that turns it into one line `error: ...` and exit code 2 (`JSCENEGEN_DEBUG=1` shows
-the traceback instead).
+the traceback instead); a usage error (an unknown option, a value argparse refuses) is one line
+and exit 2 too. SIGTERM is handled like Ctrl-C: the command unwinds, so a run's lock is released
+and a half-written output is removed, then it exits with 143 (130 for Ctrl-C) and one line; a
+second SIGTERM, or 60 s without unwinding, ends the process at once.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from jscenegen.paths import DiskFullError
 
@@ -21,8 +26,31 @@ COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "con
                    "eval", "sft", "design")
 
 
+UNWIND_GRACE_S = 60
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one `error: ...` line (exit 2), like every
+    other refusal, instead of the usage block; `--help` still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so `finally` blocks and context managers run."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    watchdog = threading.Timer(UNWIND_GRACE_S, os._exit, args=(128 + signal.SIGTERM,))
+    watchdog.daemon = True
+    watchdog.start()
+    raise Terminated
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="jscenegen",
         description="GRPO post-training of a Qwen-style scene-design agent in JAX.",
     )
@@ -34,17 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse `argv`; a command that takes `key=value` overrides (its parser's default
-    `intermixed` is True) is parsed with `parse_intermixed_args`, so overrides may come before,
-    between and after its options (`eval --model M a.b=1 --out X c.d=2`)."""
+    """Parse `argv` with its command's own parser; a command that takes `key=value` overrides
+    (its parser's default `intermixed` is True) is parsed with `parse_intermixed_args`, so
+    overrides may come before, between and after its options (`eval --model M a.b=1 --out X
+    c.d=2`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     commands = getattr(parser, "commands", {})
-    if argv and argv[0] in commands:
+    if argv and argv[0] in commands:  # the command's own parser: its usage errors name it
         command = commands[argv[0]]
-        if command.get_default("intermixed"):
-            args = command.parse_intermixed_args(argv[1:])
-            args.command = argv[0]
-            return args
+        parse = (command.parse_intermixed_args if command.get_default("intermixed")
+                 else command.parse_args)
+        args = parse(argv[1:])
+        args.command = argv[0]
+        return args
     return parser.parse_args(argv)
 
 
@@ -87,8 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("error: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as err:
         if os.environ.get("JSCENEGEN_DEBUG") or not is_user_error(err):
             raise

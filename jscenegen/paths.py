@@ -74,17 +74,27 @@ def resolve_data_path(path: str | Path) -> Path:
     raise FileNotFoundError(f"{path}: not found in {Path.cwd()} nor in {PROJECT_ROOT}")
 
 
-def refuse_same_file(output: str | Path, output_label: str, inputs: dict[str, str | Path | None]) -> None:
-    """Raise ValueError, before anything is written, when `output` is the same file as one of
-    `inputs` ({label: path}; None entries are skipped): writing it would overwrite the input.
-    Compares the files themselves (os.path.samefile: links and `..` included) when both exist."""
+def refuse_overwriting_input(output: str | Path, output_label: str,
+                             inputs: dict[str, str | Path | None]) -> None:
+    """Raise ValueError, before anything is written, when writing `output` would change one of
+    `inputs` ({label: path}; None entries are skipped): it is the same file (os.path.samefile:
+    links and `..` included), or it lies inside an input that is a directory (a model or
+    checkpoint directory: a report written into it would replace or add files its loaders and
+    checksums read)."""
+    out = Path(output)
     for label, path in inputs.items():
         if path is None:
             continue
+        src = Path(path)
+        if src.is_dir():
+            if out.resolve().is_relative_to(src.resolve()):
+                raise ValueError(f"{output_label} {output} lies inside {label} {path}: writing it "
+                                 f"would change that input; write elsewhere")
+            continue
         try:
-            same = os.path.samefile(output, path)
+            same = os.path.samefile(out, src)
         except OSError:  # one of them does not exist (yet): not the same file
-            same = Path(output).resolve() == Path(path).resolve()
+            same = out.resolve() == src.resolve()
         if same:
             raise ValueError(f"{output_label} {output} is the same file as {label} {path}: "
                              f"writing it would overwrite the input; write elsewhere")
@@ -156,26 +166,33 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def check_output_dir(path: str | Path, error: type[Exception] = ValueError, label: str = "") -> None:
+    """Refuse, before any work, a directory `path` that cannot be written: an existing file, or
+    (the directory itself when it exists, else its nearest existing ancestor) a place that is
+    not a directory or not writable (tried with an empty temporary directory, removed at once,
+    so root on a read-only or pseudo filesystem such as /proc is caught too). Raises `error`
+    naming `path` (after `label`, e.g. the option that gave it)."""
+    p = Path(path)
+    name = f"{label} {path}" if label else str(path)
+    if p.exists() and not p.is_dir():
+        raise error(f"{name}: exists and is not a directory")
+    where = _existing(p.absolute())
+    if not where.is_dir():
+        raise error(f"{name}: cannot create it, {where} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jscenegen-write-check-", dir=where))
+    except OSError as err:
+        raise error(f"{name}: cannot create a directory in {where} ({err.strerror or err})") from None
+
+
 def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExistsError) -> None:
     """Refuse, before any work, a destination directory `path` that must not replace anything
-    or cannot be created: an existing file, a non-empty directory, or a nearest existing
-    ancestor that is not a directory or not writable (tried with an empty temporary directory,
-    removed at once, so root on a read-only or pseudo filesystem such as /proc is caught too).
-    Raises `exists_error` naming `path`."""
+    or cannot be created: a non-empty directory, or what `check_output_dir` refuses. Raises
+    `exists_error` naming `path`."""
     p = Path(path)
-    if p.exists():
-        if not p.is_dir():
-            raise exists_error(f"{path}: exists and is not a directory")
-        if any(p.iterdir()):
-            raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
-    parent = _existing(p.absolute().parent)
-    if not parent.is_dir():
-        raise exists_error(f"{path}: cannot create it, {parent} is not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".jscenegen-write-check-", dir=parent))
-    except OSError as err:
-        raise exists_error(f"{path}: cannot create a directory in {parent} "
-                           f"({err.strerror or err})") from None
+    if p.is_dir() and any(p.iterdir()):
+        raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
+    check_output_dir(p, exists_error)
 
 
 @contextlib.contextmanager

@@ -201,3 +201,104 @@ def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, 
         err = one_error_line(capsys)
         assert err.startswith(f"error: {dest}: ") and expected in err and "partial" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def _model_copy(src: Path, dst: Path) -> dict[str, bytes]:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return {p.name: p.read_bytes() for p in dst.iterdir()}
+
+
+@pytest.mark.parametrize("argv,label", [
+    (["eval", "--model", "{m}", "--out", "{m}/config.json"], "--out"),
+    (["eval", "--model", "{m}", "--out", "{m}/report.json"], "--out"),
+    (["design", "--model", "{m}", "--prompt", "a bedroom", "-o", "{m}/config.json"], "-o"),
+    (["design", "--model", "{m}", "--prompt", "a bedroom", "-o", "{o}/s.json",
+      "--render", "{m}/model.safetensors"], "--render"),
+    (["sft", "--config", "configs/sft-cpu.yaml", "--model", "{m}", "--out", "{m}/sub"], "--out"),
+    (["train", "--run-dir", "{m}/run", "model.path={m}"], "--run-dir"),
+])
+def test_no_command_writes_into_the_model_it_reads(tiny_hf, tmp_path, capsys, argv, label):
+    """An output inside the model (or checkpoint) directory would replace its files or break
+    its checksums: refused before any work, the directory left byte for byte."""
+    model = tmp_path / "m"
+    before = _model_copy(tiny_hf["qwen3"], model)
+    argv = [a.format(m=model, o=tmp_path / "out") for a in argv]
+    assert main([a if a != "configs/sft-cpu.yaml" else str(ROOT / a) for a in argv]) == 2
+    err = one_error_line(capsys)
+    assert f"{label} {model}/" in err and "lies inside" in err and str(model) in err, err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["train", "--max-updates", "0"], "argument --max-updates: 0 must be >= 1"),
+    (["train", "--max-updates", "-1"], "argument --max-updates: -1 must be >= 1"),
+    (["init-model", "m", "--seed", "-1"], "argument --seed: -1 is outside"),
+    (["convert", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_usage_error_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = one_error_line(capsys)
+    assert expected in err and f"see jscenegen {argv[0]} --help" in err, err
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for run_dir, expected in ((tmp_path / "afile", "exists and is not a directory"),
+                              (tmp_path / "afile" / "run", "is not a directory"),
+                              (Path("/proc/self/nope"), "cannot create a directory in /proc/self")):
+        assert main(["train", "--run-dir", str(run_dir)]) == 2
+        err = one_error_line(capsys)
+        assert err.startswith(f"error: --run-dir {run_dir}: ") and expected in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_mesh_report_refuses_a_mesh_beyond_any_machine_at_once(capsys):
+    shapes = str(ROOT / "configs/model-shapes/qwen2.5-7b.json")
+    assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=100000000,sp=100000000"]) == 2
+    assert "10000000000000000 devices: plans cover 1 to 1,048,576 devices" in one_error_line(capsys)
+    assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=-1,sp=7",
+                 "--devices", "1048576"]) == 2
+    assert "choose sp from [1, 2, 4, 8," in one_error_line(capsys)
+    assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=1024,sp=1024", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["devices"] == 2**20 and report["max_device_bytes"] >= report["ideal_device_bytes"]
+
+
+def test_convert_refuses_an_absurd_world_size_before_writing(tiny_hf, tmp_path, capsys):
+    out = tmp_path / "v"
+    assert main(["convert", str(tiny_hf["qwen3"]), str(out), "--from", "hf", "--to", "verl",
+                 "--world-size", "100000000"]) == 2
+    assert "world size 100000000: must lie in [1, 8,192]" in one_error_line(capsys)
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_sigterm_unwinds_a_command_releasing_its_lock_with_one_line(tmp_path):
+    """SIGTERM before the GRPO loop (here: while the CPU default builds its model in a fresh
+    cache) ends the command like Ctrl-C: exit 143, one line, no run.lock, no traceback."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JSCENEGEN_CACHE=str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir)],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "run.lock").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "no run.lock after 300 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == "error: terminated (SIGTERM)" and "Traceback" not in err
+    assert not (run_dir / "run.lock").exists() and out == ""

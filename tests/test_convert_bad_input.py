@@ -146,6 +146,27 @@ def test_a_rank_file_copied_over_another_is_refused(actor, tmp_path, capsys):
     _assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["model", "optim"])
+def test_a_copied_rank_file_is_refused_before_any_write_in_every_direction(actor, tmp_path, capsys,
+                                                                           kind):
+    """The rank-file set is checked when the checkpoint is opened, before a direction writes:
+    the orbax direction (threads writing as tensors are read) then fails with one line too."""
+    from convert.verl_read import VerlCheckpoint
+    from jscenegen.cli import main
+
+    shutil.copy(actor / f"{kind}_world_size_6_rank_1.pt", actor / f"{kind}_world_size_6_rank_2.pt")
+    with pytest.raises(ConvertError, match=rf"{kind}_world_size_6_rank_2\.pt: holds the shard of "
+                                           r"rank 1 .*not of rank 2"):
+        VerlCheckpoint(actor)
+    for to in ("orbax", "hf", "verl"):
+        out = tmp_path / f"out-{to}"
+        assert main(["convert", str(actor), str(out), "--from", "verl", "--to", to,
+                     "--world-size", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"{kind}_world_size_6_rank_2.pt: holds the shard" in err, err
+        _assert_nothing_written(tmp_path, out.name)
+
+
 def _flip_tensor_byte(f):
     """Flip one bit in the middle of the largest tensor storage of torch file `f` (a zip)."""
     import struct

@@ -59,7 +59,8 @@ def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_pa
     """`jscenegen train` as a user runs it (its own process, so the OS records the command
     line swanlab reads) with a credential in judge.base_url on the command line: no file of
     the run directory holds it; stderr (not a terminal) gets one line per update; swanlab's
-    banner is printed once; the run lock is gone at the end."""
+    banner is printed once, to stderr (stdout holds JSON lines only); the run lock is gone at
+    the end."""
     import os
     import subprocess
     import sys
@@ -91,7 +92,9 @@ def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_pa
     assert "base_url: <redacted>" in (run_dir / "config.yaml").read_text()
     updates = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("GRPO ")]
     assert updates == ["1/2", "2/2"]
-    assert proc.stdout.count("swanlab sync") == 1
+    assert proc.stderr.count("swanlab sync") == 1
+    stdout = [json.loads(line) for line in proc.stdout.splitlines()]  # JSON lines only (`| jq`)
+    assert stdout[-1]["effective_updates"] == 2
     assert not (run_dir / "run.lock").exists()
     # an extending resume writes the config it continues with back to config.yaml
     origin = (run_dir / "run.json").read_text()

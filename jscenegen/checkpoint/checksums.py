@@ -100,7 +100,7 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
     """
     root = Path(root)
     if not root.is_dir():
-        raise ChecksumError(f"{root}: no such directory")
+        raise ChecksumError(f"{root}: not a directory" if root.exists() else f"{root}: no such directory")
     files = read_checksums(root, name)
     if under:
         files = {rel: e for rel, e in files.items() if rel.startswith(under.rstrip("/") + "/")}
@@ -121,7 +121,7 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
             f"{under.rstrip('/')}/{rel}" for rel in list_files(root / under, ())]
         problems += [f"{rel}: not listed in {name}" for rel in on_disk if rel not in listed]
     if problems:
-        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}:\n  " + "\n  ".join(problems))
+        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}: " + "; ".join(problems))
     return len(files)
 
 

@@ -16,3 +16,14 @@ def seed_arg(text: str) -> int:
     if not 0 <= seed <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"{seed} is outside [0, {SEED_MAX}]")
     return seed
+
+
+def positive_int_arg(text: str) -> int:
+    """argparse type of a count that must be >= 1 (argparse names the flag)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
+    return n

@@ -66,14 +66,15 @@ def _print_turn(message: dict) -> None:
 
 
 def run(args) -> int:
-    from jscenegen.paths import check_output_file, refuse_same_file
+    from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import load_run_config
 
     check_output_file(args.out, "-o")
-    refuse_same_file(args.out, "-o", {"--room": args.room})
+    inputs = {"--model": args.model, "--room": args.room, "--config": args.config}
+    refuse_overwriting_input(args.out, "-o", inputs)
     if args.render:
         check_output_file(args.render, "--render")
-        refuse_same_file(args.render, "--render", {"--room": args.room, "-o": args.out})
+        refuse_overwriting_input(args.render, "--render", {**inputs, "-o": args.out})
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     record = design_record(args.prompt, args.room, args.seed)
 

@@ -27,12 +27,12 @@ def register(sub) -> None:
 def compare(before: str, after: str, plot: str | None) -> int:
     from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import check_report, check_same_episodes, comparison_markdown
-    from jscenegen.paths import check_output_file, refuse_same_file
+    from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.scene.schema import read_json_file
 
     if plot:
         check_output_file(plot, "--plot")
-        refuse_same_file(plot, "--plot", {"BEFORE": before, "AFTER": after})
+        refuse_overwriting_input(plot, "--plot", {"BEFORE": before, "AFTER": after})
     reports = read_json_file(before), read_json_file(after)
     for path, report in zip((before, after), reports):
         check_report(report, f"{path} (an evaluation report made by `jscenegen eval` or `jscenegen train`)")
@@ -47,7 +47,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
 
 
 def run(args) -> int:
-    from jscenegen.paths import check_output_file, refuse_same_file
+    from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import load_run_config, scene_set_path
 
     if args.compare:
@@ -63,8 +63,9 @@ def run(args) -> int:
     plot_path = args.plot or Path(args.out).with_suffix(".png")
     check_output_file(args.out, "--out")
     check_output_file(plot_path, "--plot")
-    refuse_same_file(args.out, "--out", {"--scenes": scenes})
-    refuse_same_file(plot_path, "--plot", {"--scenes": scenes, "--out": args.out})
+    inputs = {"--model": args.model, "--scenes": scenes, "--config": args.config}
+    refuse_overwriting_input(args.out, "--out", inputs)
+    refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
     from jscenegen.eval.evaluate import evaluate, policy_engine
     from jscenegen.eval.plots import plot_report

@@ -84,12 +84,12 @@ def check(args) -> int:
 
 
 def render(args) -> int:
-    from jscenegen.paths import check_output_file, refuse_same_file
+    from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.scene.render import render_scene
 
     path = _input(args.scene)
     check_output_file(args.output, "-o")
-    refuse_same_file(args.output, "-o", {"the scene": path})
+    refuse_overwriting_input(args.output, "-o", {"the scene": path})
     cfg, _ = _configs(args.config)
     scene, _ = _load(path)
     metrics = render_scene(scene, args.output, cfg)
@@ -108,13 +108,13 @@ def generate(args) -> int:
 
 
 def furnish(args) -> int:
-    from jscenegen.paths import check_output_file, refuse_same_file, write_json
+    from jscenegen.paths import check_output_file, refuse_overwriting_input, write_json
     from jscenegen.scene.expert import run_scripted_episode
     from jscenegen.scene.sceneset import read_scene_set
 
     scene_set = _input(args.scene_set)
     check_output_file(args.output, "-o")
-    refuse_same_file(args.output, "-o", {"the scene set": scene_set})
+    refuse_overwriting_input(args.output, "-o", {"the scene set": scene_set})
     cfg, judge_cfg = _configs(args.config)
     records = read_scene_set(scene_set)
     if not 0 <= args.index < len(records):

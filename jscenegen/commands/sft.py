@@ -19,7 +19,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from jscenegen.config import load_config
-    from jscenegen.paths import require_new_dir
+    from jscenegen.paths import refuse_overwriting_input, require_new_dir
     from jscenegen.sft.config import SFTRunConfig
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
@@ -28,6 +28,7 @@ def run(args) -> int:
     out = Path(args.out or cfg.sft.out_dir)
     require_new_dir(out)  # before a fresh init-model or any demonstration is built
     model_dir = args.model or cfg.model.path
+    refuse_overwriting_input(out, "--out", {"--model": model_dir, "--config": args.config})
     if model_dir is None:
         from jscenegen.model.init_model import init_model_dir
         from jscenegen.scene.corpus import tokenizer_corpus

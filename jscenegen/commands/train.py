@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from jscenegen.commands import positive_int_arg
+
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="GRPO training (no arguments: the CPU default pipeline)")
@@ -12,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest complete checkpoint, with its "
                         "config.yaml and any key=value overrides (written back to config.yaml)")
-    p.add_argument("--max-updates", type=int, default=None,
+    p.add_argument("--max-updates", type=positive_int_arg, default=None,
                    help="stop after N update attempts of this invocation (a resumed run counts "
                         "from its resume; smoke runs)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
@@ -20,7 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from jscenegen.paths import resolve_data_path
+    from jscenegen.paths import check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, load_run_config
 
     if args.resume:
@@ -39,6 +41,8 @@ def run(args) -> int:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = load_run_config(config_path, args.overrides)
+    check_output_dir(run_dir, label="--run-dir")
+    refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path})
     from jscenegen.pipeline import train_command
 
     return train_command(cfg, run_dir, resume=bool(args.resume), max_updates=args.max_updates,

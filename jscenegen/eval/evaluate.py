@@ -8,7 +8,7 @@ reference row of the report. The finished episodes of all scenes, the model's an
 are then judged in one call to the configured judge, so a slow (or hanging) HTTP judge is waited
 for once, with up to `judge.concurrency` requests in flight, not once per scene.
 
-Statistics are the trainer's rollout metrics (`grpo.group_metrics.summarize`): masked episodes (judge or
+Statistics are the trainer's rollout metrics (`grpo.rollout.stats.summarize`): masked episodes (judge or
 infrastructure failures) are excluded from reward, units and failure rate and counted in
 `masked`; policy failures (reward -1) are included.
 """
@@ -69,7 +69,8 @@ def load_policy(path: str | Path, mesh, **options):
 
     p = Path(path)
     if not p.is_dir():
-        raise FileNotFoundError(f"--model {p}: no such directory")
+        raise FileNotFoundError(f"--model {p}: " + ("not a directory (give the model or checkpoint "
+                                                     "directory)" if p.exists() else "no such directory"))
     if not is_checkpoint_dir(p):
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "

@@ -76,15 +76,13 @@ def layout_report(shapes: dict[str, tuple[int, ...]], n_devices: int,
     """
     frozen = frozen or {}
     rows = []
-    total = frozen_total = 0
-    device_bytes = np.zeros(n_devices, np.int64)
+    total = frozen_total = device_bytes = 0   # every device holds the same padded rows
     for name, shape in shapes.items():
         padded = padded_shape(shape, n_devices)
         c = padded[0] // n_devices
         elements = int(np.prod(shape[1:], dtype=np.int64))
         per_row = elements * (frozen[name] if name in frozen else 4 * 3)  # param + mu + nu, fp32
-        for r in range(n_devices):
-            device_bytes[r] += c * per_row
+        device_bytes += c * per_row
         total += shape[0] * per_row
         if name in frozen:
             frozen_total += shape[0] * per_row
@@ -95,6 +93,6 @@ def layout_report(shapes: dict[str, tuple[int, ...]], n_devices: int,
         "mesh": mesh_axes, "devices": n_devices, "params": rows,
         "num_params": int(sum(np.prod(r["shape"]) for r in rows)),
         "total_bytes": int(total), "frozen_bytes": int(frozen_total),
-        "max_device_bytes": int(device_bytes.max()),
+        "max_device_bytes": int(device_bytes),
         "ideal_device_bytes": int(total // n_devices),
     }

@@ -7,6 +7,7 @@ everywhere. Tests assert the resulting shardings of every parameter.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -31,22 +32,32 @@ class MeshError(ValueError):
     """A mesh request the devices cannot satisfy; the message says what would fit."""
 
 
+MAX_DEVICES = 1 << 20
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order (O(sqrt n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def mesh_shape(n_devices: int, fsdp: int = -1, sp: int = 2) -> tuple[int, int]:
     """Resolve (fsdp, sp) for `n_devices`; fsdp = -1 takes the remaining devices.
 
     Raises MeshError when the sizes are not positive or do not multiply to the device count
-    (listing the sizes that would).
+    (listing the sizes that would), or the count lies outside [1, MAX_DEVICES].
     """
+    if not 1 <= n_devices <= MAX_DEVICES:
+        raise MeshError(f"{n_devices} devices: plans cover 1 to {MAX_DEVICES:,} devices")
     if sp < 1 or (fsdp != -1 and fsdp < 1):
         raise MeshError(f"mesh sizes must be positive (fsdp={fsdp}, sp={sp}); fsdp=-1 means the rest")
     if fsdp == -1:
         if n_devices % sp:
             raise MeshError(f"mesh.sp={sp} does not divide the {n_devices} devices; "
-                            f"choose sp from {[d for d in range(1, n_devices + 1) if n_devices % d == 0]}")
+                            f"choose sp from {_divisors(n_devices)}")
         fsdp = n_devices // sp
     if fsdp * sp != n_devices:
-        fits = ", ".join(f"fsdp={n_devices // d} x sp={d}" for d in range(1, n_devices + 1)
-                         if n_devices % d == 0)
+        fits = ", ".join(f"fsdp={n_devices // d} x sp={d}" for d in _divisors(n_devices))
         raise MeshError(f"mesh fsdp={fsdp} x sp={sp} = {fsdp * sp} does not match the {n_devices} "
                         f"devices; sizes that fit: {fits} (fsdp=-1 takes the rest)")
     return fsdp, sp

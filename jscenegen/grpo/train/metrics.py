@@ -53,6 +53,11 @@ def _private_settings(swanlab):
         return None
 
 
+def _to_stderr():
+    """swanlab prints its banner and hints to stdout; a run's stdout is its JSON lines only."""
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 @contextlib.contextmanager
 def _quiet_swanlab():
     """Silence swanlab's console while it finishes: its start banner already said where the
@@ -97,12 +102,13 @@ class MetricsLogger:
                                        reverse=True)
             saved_argv, sys.argv = sys.argv, argv  # swanlab < 0.10 records sys.argv
             try:
-                self._swanlab = swanlab.init(
-                    project=cfg.project, name=cfg.experiment or Path(run_dir).name,
-                    mode=cfg.swanlab_mode, log_dir=str(self.swanlab_dir),
-                    config=redact(config_dict), reinit=True,
-                    settings=_private_settings(swanlab) if self._credentials else None,
-                )
+                with _to_stderr():
+                    self._swanlab = swanlab.init(
+                        project=cfg.project, name=cfg.experiment or Path(run_dir).name,
+                        mode=cfg.swanlab_mode, log_dir=str(self.swanlab_dir),
+                        config=redact(config_dict), reinit=True,
+                        settings=_private_settings(swanlab) if self._credentials else None,
+                    )
             finally:
                 sys.argv = saved_argv
 
@@ -117,11 +123,12 @@ class MetricsLogger:
         if self._swanlab is not None:
             numbers = {k: v for k, v in row.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
-            self._swanlab.log(numbers, step=step)
+            with _to_stderr():
+                self._swanlab.log(numbers, step=step)
 
     def close(self) -> None:
         if self._swanlab is not None:
-            with _quiet_swanlab():
+            with _quiet_swanlab(), _to_stderr():
                 self._swanlab.finish()
             self._swanlab = None
             mask_credentials(self.swanlab_dir, self._credentials)
