@@ -6,9 +6,9 @@ which adds its parser and sets `func(args) -> int`; commands import their librar
 a path, a model file, a mesh that does not fit, a full disk) raises an exception; `main` is the
 one place that turns it into one line `error: ...` and exit code 2 (`JSCENEGEN_DEBUG=1` shows
 the traceback instead); a usage error (an unknown option, a value argparse refuses) is one line
-and exit 2 too. SIGTERM is handled like Ctrl-C: the command unwinds, so a run's lock is released
-and a half-written output is removed, then it exits with 143 (130 for Ctrl-C) and one line; a
-second SIGTERM, or 60 s without unwinding, ends the process at once.
+and exit 2 too. SIGTERM is handled like Ctrl-C (`jscenegen.signals`): the command unwinds, so a
+run's lock is released and a half-written output is removed, then it exits with 143 (130 for
+Ctrl-C) and one line.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import importlib
 import os
 import signal
 import sys
-import threading
 
 from jscenegen.paths import DiskFullError
+from jscenegen.signals import Terminated, UnwindOnSignals
 
 COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
                    "eval", "sft", "design")
@@ -35,18 +35,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so `finally` blocks and context managers run."""
-
-
-def _on_sigterm(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    watchdog = threading.Timer(UNWIND_GRACE_S, os._exit, args=(128 + signal.SIGTERM,))
-    watchdog.daemon = True
-    watchdog.start()
-    raise Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return int(args.func(args) or 0)
+        with UnwindOnSignals(UNWIND_GRACE_S):
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C)", file=sys.stderr)
         return 130

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -226,4 +227,11 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                             labels=("before GRPO", "after GRPO"))
                 out["dev_change"] = {k: change[k] for k in ("pairs", "diff", "diff_ci95")}
         print(json.dumps(out))
+    if summary.stopped_by_signal:  # a scheduler must not read a stop as "finished"
+        stopped = signal.Signals[summary.stopped_by_signal]
+        if is_primary():
+            print(f"stopped by {stopped.name} after attempt {summary.attempts}; checkpoint "
+                  f"{summary.checkpoint}; continue with: jscenegen train --resume {run_dir}",
+                  file=sys.stderr, flush=True)
+        return 128 + stopped
     return 0

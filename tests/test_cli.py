@@ -262,7 +262,8 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
 def test_mesh_report_refuses_a_mesh_beyond_any_machine_at_once(capsys):
     shapes = str(ROOT / "configs/model-shapes/qwen2.5-7b.json")
     assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=100000000,sp=100000000"]) == 2
-    assert "10000000000000000 devices: plans cover 1 to 1,048,576 devices" in one_error_line(capsys)
+    assert ("--mesh fsdp=100000000,sp=100000000: 10,000,000,000,000,000 devices: plans cover "
+            "1 to 1,048,576 devices") in one_error_line(capsys)
     assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=-1,sp=7",
                  "--devices", "1048576"]) == 2
     assert "choose sp from [1, 2, 4, 8," in one_error_line(capsys)

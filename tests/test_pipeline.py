@@ -107,3 +107,51 @@ def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_pa
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["schedule"]["total_updates"] == 3 and saved["judge"]["base_url"] == "<redacted>"
     assert (run_dir / "run.json").read_text() == origin
+
+
+@pytest.mark.slow
+def test_sigterm_inside_the_grpo_loop_saves_and_exits_143_with_the_resume_command(tmp_path):
+    """A scheduler that sends SIGTERM must not read the stop as "finished": the run saves a
+    checkpoint after the current update, prints its JSON line, one stderr line naming the
+    signal, the checkpoint and the resume command, and exits 128 + 15."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import jax
+
+    from chat_fixtures import chat_model_dir
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir),
+         f"model.path={chat_model_dir()}", "sampling.max_new_tokens=8",
+         "sampling.max_episode_tokens=2560", "sampling.buckets=[64,256,1024,2048,4096]",
+         "schedule.num_scenes=2", "schedule.group_size=2", "schedule.total_updates=50",
+         "schedule.roles=PP", "schedule.zero_spread=count", "trainer.eval_before_after=false",
+         "checkpoint.save_every=100", "logging.swanlab_mode=disabled", "trainer.progress=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped_by_signal"] == "SIGTERM" and summary["attempts"] < 50
+    step = run_dir / "checkpoints" / str(summary["attempts"])
+    assert summary["checkpoint"] == str(step) and (step / "checksums.json").is_file()
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM after attempt {summary['attempts']}; checkpoint {step}; "
+        f"continue with: jscenegen train --resume {run_dir}")
+    assert not (run_dir / "run.lock").exists()

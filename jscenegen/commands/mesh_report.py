@@ -64,7 +64,11 @@ def run(args) -> int:
     path = resolve_data_path(args.model)
     cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
         read_config_file(path), str(path))
-    fsdp, sp = mesh_shape(n, fsdp, sp)
+    try:
+        fsdp, sp = mesh_shape(n, fsdp, sp)
+    except ValueError as err:
+        raise ValueError(f"--mesh {args.mesh}" + (f" --devices {args.devices}" if args.devices else "")
+                         + f": {err}") from None
     frozen = {name: np_dtype(cfg.stored_dtype(name)).itemsize
               for name, spec in weight_table(cfg, train_vision=args.train_vision).items()
               if spec.carried}

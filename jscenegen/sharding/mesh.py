@@ -48,7 +48,7 @@ def mesh_shape(n_devices: int, fsdp: int = -1, sp: int = 2) -> tuple[int, int]:
     (listing the sizes that would), or the count lies outside [1, MAX_DEVICES].
     """
     if not 1 <= n_devices <= MAX_DEVICES:
-        raise MeshError(f"{n_devices} devices: plans cover 1 to {MAX_DEVICES:,} devices")
+        raise MeshError(f"{n_devices:,} devices: plans cover 1 to {MAX_DEVICES:,} devices")
     if sp < 1 or (fsdp != -1 and fsdp < 1):
         raise MeshError(f"mesh sizes must be positive (fsdp={fsdp}, sp={sp}); fsdp=-1 means the rest")
     if fsdp == -1:

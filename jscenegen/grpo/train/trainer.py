@@ -66,7 +66,7 @@ class RunSummary:
     effective_updates: int
     optimizer_steps: int
     checkpoint: str | None
-    stopped_by_signal: bool
+    stopped_by_signal: str | None  # the signal's name (SIGTERM, SIGINT) when one stopped the run
     wall_s: float
 
 
@@ -346,7 +346,8 @@ class Trainer:
         return RunSummary(attempts=self.pos.attempts, effective_updates=self.pos.effective_updates,
                           optimizer_steps=int(adam_state(self.state.opt_state).count),
                           checkpoint=str(last_saved) if last_saved else None,
-                          stopped_by_signal=self._stop_signal is not None,
+                          stopped_by_signal=(signal.Signals(self._stop_signal).name
+                                             if self._stop_signal is not None else None),
                           wall_s=time.perf_counter() - t0)
 
     def close(self) -> None:
