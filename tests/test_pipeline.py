@@ -55,14 +55,10 @@ def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):
     assert not run_dir.exists()  # no empty checkpoints/, no lock file left behind
 
 
-def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_path):
-    """`jscenegen train` as a user runs it (its own process, so the OS records the command
-    line swanlab reads) with a credential in judge.base_url on the command line: no file of
-    the run directory holds it; stderr (not a terminal) gets one line per update; swanlab's
-    banner is printed once, to stderr (stdout holds JSON lines only); the run lock is gone at
-    the end."""
+def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:
+    """argv and environment of `jscenegen train` as a user runs it (its own process), on the
+    chat fixture model with small rollouts, sharing the tests' JAX compilation cache."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -70,19 +66,31 @@ def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_pa
 
     from chat_fixtures import chat_model_dir
 
-    secret = "sk-FAKE-d41d8cd98f00b204"
-    run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
-    proc = subprocess.run(
-        [sys.executable, "-m", "jscenegen.cli", "train", "--run-dir", str(run_dir),
-         f"model.path={chat_model_dir()}", f"judge.base_url=https://user:{secret}@judge.invalid/v1",
-         "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
-         "sampling.buckets=[64,256,1024,2048,4096]", "schedule.num_scenes=2",
-         "schedule.group_size=2", "schedule.total_updates=2", "schedule.roles=PP",
-         "schedule.zero_spread=count", "trainer.eval_before_after=false", "checkpoint.save_every=1"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    argv = [sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir),
+            f"model.path={chat_model_dir()}", "sampling.max_new_tokens=8",
+            "sampling.max_episode_tokens=2560", "sampling.buckets=[64,256,1024,2048,4096]",
+            "schedule.num_scenes=2", "schedule.group_size=2", "schedule.roles=PP",
+            "schedule.zero_spread=count", "trainer.eval_before_after=false", *overrides]
+    return argv, env
+
+
+def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_path):
+    """`jscenegen train` as a user runs it (its own process, so the OS records the command
+    line swanlab reads) with a credential in judge.base_url on the command line: no file of
+    the run directory holds it; stderr (not a terminal) gets one line per update; swanlab's
+    banner is printed once, to stderr (stdout holds JSON lines only); the run lock is gone at
+    the end."""
+    import subprocess
+
+    secret = "sk-FAKE-d41d8cd98f00b204"
+    run_dir = tmp_path / "run"
+    argv, env = _train_in_a_process(
+        run_dir, f"judge.base_url=https://user:{secret}@judge.invalid/v1",
+        "schedule.total_updates=2", "checkpoint.save_every=1")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = [p for p in run_dir.rglob("*") if p.is_file()]
     assert any(p.name == "swanlab-metadata.json" for p in files)
@@ -114,29 +122,16 @@ def test_sigterm_inside_the_grpo_loop_saves_and_exits_143_with_the_resume_comman
     """A scheduler that sends SIGTERM must not read the stop as "finished": the run saves a
     checkpoint after the current update, prints its JSON line, one stderr line naming the
     signal, the checkpoint and the resume command, and exits 128 + 15."""
-    import os
     import signal
     import subprocess
-    import sys
     import time
-    from pathlib import Path
-
-    import jax
-
-    from chat_fixtures import chat_model_dir
 
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir),
-         f"model.path={chat_model_dir()}", "sampling.max_new_tokens=8",
-         "sampling.max_episode_tokens=2560", "sampling.buckets=[64,256,1024,2048,4096]",
-         "schedule.num_scenes=2", "schedule.group_size=2", "schedule.total_updates=50",
-         "schedule.roles=PP", "schedule.zero_spread=count", "trainer.eval_before_after=false",
-         "checkpoint.save_every=100", "logging.swanlab_mode=disabled", "trainer.progress=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    argv, env = _train_in_a_process(run_dir, "schedule.total_updates=50",
+                                    "checkpoint.save_every=100", "logging.swanlab_mode=disabled",
+                                    "trainer.progress=false")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
     try:
         deadline = time.monotonic() + 600
         while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
