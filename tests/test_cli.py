@@ -303,3 +303,10 @@ def test_sigterm_unwinds_a_command_releasing_its_lock_with_one_line(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     assert err.strip().splitlines()[-1] == "error: terminated (SIGTERM)" and "Traceback" not in err
     assert not (run_dir / "run.lock").exists() and out == ""
+
+
+def test_convert_without_its_arguments_says_what_it_needs(capsys):
+    assert main(["convert"]) == 2
+    err = one_error_line(capsys)
+    assert "jscenegen convert: needs SRC DST --from F --to G" in err
+    assert "see jscenegen convert --help" in err

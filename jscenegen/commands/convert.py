@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(describe(args.inspect), indent=2, default=str))
         return 0
     if not (args.src and args.dst and args.src_format and args.dst_format):
-        raise ValueError("convert needs SRC DST --from F --to G (or --verify/--inspect DIR)")
+        raise ValueError("jscenegen convert: needs SRC DST --from F --to G, or --verify/--inspect DIR "
+                         "(see jscenegen convert --help)")
     from convert.carried import ConversionWarning
     from convert.dispatch import convert
 
