@@ -345,7 +345,6 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
                                     eps=float(optim.get("eps", 1e-8)),
                                     weight_decay=float(optim.get("weight_decay", 0.01)))
     at = checkpoint_position(train_state)
-    sched_count = at.lr_step
     extras_json = verl_src.get("extra_state") or []
     if extras_json:
         extras = [extra_state_from_json(e) for e in extras_json]
@@ -353,12 +352,12 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
             extras = extras[:1]
         for e in extras:
             if e.get("lr_scheduler"):
-                e["lr_scheduler"]["last_epoch"] = sched_count
-                e["lr_scheduler"]["_step_count"] = sched_count + 1
+                e["lr_scheduler"]["last_epoch"] = at.lr_step
+                e["lr_scheduler"]["_step_count"] = at.lr_step + 1
     else:
         lr = float(groups[0]["lr"])
         extras = [{"lr_scheduler": lambda_lr_state(float(groups[0].get("initial_lr", lr)),
-                                                   sched_count, lr)}]
+                                                   at.lr_step, lr)}]
     return VerlState(
         config=cfg, hf_dir=hf, params=sliced(orbax_reader(step_dir, "params", list(shapes))),
         adam=AdamSource(exp_avg=sliced(orbax_reader(step_dir, "mu", trainable)),

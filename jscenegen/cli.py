@@ -26,8 +26,6 @@ COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "con
                    "eval", "sft", "design")
 
 
-UNWIND_GRACE_S = 60
-
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one `error: ...` line (exit 2), like every
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with UnwindOnSignals(UNWIND_GRACE_S):
+        with UnwindOnSignals():
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C)", file=sys.stderr)

@@ -4,15 +4,19 @@ from __future__ import annotations
 import argparse
 
 
+def _int_arg(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
 def seed_arg(text: str) -> int:
     """argparse type of a `--seed`: an integer in [0, config.SEED_MAX] (argparse names the flag).
     pydantic is imported when a seed is parsed, not when the parsers are built (`--help`)."""
     from jscenegen.config import SEED_MAX
 
-    try:
-        seed = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    seed = _int_arg(text)
     if not 0 <= seed <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"{seed} is outside [0, {SEED_MAX}]")
     return seed
@@ -20,10 +24,7 @@ def seed_arg(text: str) -> int:
 
 def positive_int_arg(text: str) -> int:
     """argparse type of a count that must be >= 1 (argparse names the flag)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    n = _int_arg(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} must be >= 1")
     return n
