@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+from jscenegen import __version__
 from jscenegen.paths import DiskFullError
 from jscenegen.signals import Terminated, UnwindOnSignals
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jscenegen",
         description="GRPO post-training of a Qwen-style scene-design agent in JAX.",
     )
+    parser.add_argument("--version", action="version", version=f"jscenegen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"jscenegen.commands.{name}").register(sub)
@@ -56,12 +58,25 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     commands = getattr(parser, "commands", {})
     if argv and argv[0] in commands:  # the command's own parser: its usage errors name it
         command = commands[argv[0]]
-        parse = (command.parse_intermixed_args if command.get_default("intermixed")
-                 else command.parse_args)
-        args = parse(argv[1:])
+        parse = (command.parse_known_intermixed_args if command.get_default("intermixed")
+                 else command.parse_known_args)
+        args, unknown = parse(argv[1:])
+        if unknown:
+            _chosen_subcommand(command, args).error(f"unrecognized arguments: {' '.join(unknown)}")
         args.command = argv[0]
         return args
     return parser.parse_args(argv)
+
+
+def _chosen_subcommand(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The innermost parser `args` went through (`scene check` inside `scene`), so a usage error
+    names the action the user typed."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _chosen_subcommand(chosen, args)
+    return parser
 
 
 def is_user_error(err: BaseException) -> bool:

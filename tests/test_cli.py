@@ -1,5 +1,6 @@
 """jscenegen/cli.py: argument shape (overrides among options), one-line errors with exit 2, a
 `--help` that imports nothing heavy."""
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -232,20 +233,37 @@ def test_no_command_writes_into_the_model_it_reads(tiny_hf, tmp_path, capsys, ar
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["train", "--max-updates", "0"], "argument --max-updates: 0 must be >= 1"),
-    (["train", "--max-updates", "-1"], "argument --max-updates: -1 must be >= 1"),
-    (["init-model", "m", "--seed", "-1"], "argument --seed: -1 is outside"),
-    (["convert", "--bogus"], "unrecognized arguments: --bogus"),
+@pytest.mark.parametrize("argv,command,expected", [
+    (["train", "--max-updates", "0"], "train", "argument --max-updates: 0 must be >= 1"),
+    (["train", "--max-updates", "-1"], "train", "argument --max-updates: -1 must be >= 1"),
+    (["init-model", "m", "--seed", "-1"], "init-model", "argument --seed: -1 is outside"),
+    (["convert", "--bogus"], "convert", "unrecognized arguments: --bogus"),
+    # the bound comes before the (missing) source is looked at
+    (["convert", "nowhere", "out", "--world-size", "0"], "convert",
+     "argument --world-size: world size 0: must lie in [1, 8,192]"),
+    (["export", "nowhere", "out", "--world-size", "100000000"], "export",
+     "argument --world-size: world size 100000000: must lie in [1, 8,192]"),
+    # a nested action's unknown option names the action, not its parent
+    (["scene", "check", "x.json", "--bogus"], "scene check", "unrecognized arguments: --bogus"),
+    (["eval", "a.b=1", "--bogus", "c.d=2"], "eval", "unrecognized arguments: --bogus"),
 ])
-def test_a_usage_error_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch, argv, expected):
+def test_a_usage_error_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch, argv, command,
+                                               expected):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
     err = one_error_line(capsys)
-    assert expected in err and f"see jscenegen {argv[0]} --help" in err, err
+    assert err.startswith(f"error: jscenegen {command}: {expected}"), err
+    assert err.endswith(f"(see jscenegen {command} --help)"), err
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_version_is_the_installed_distributions(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"jscenegen {importlib.metadata.version('jscenegen')}"
 
 
 def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, capsys):
@@ -270,14 +288,6 @@ def test_mesh_report_refuses_a_mesh_beyond_any_machine_at_once(capsys):
     assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=1024,sp=1024", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["devices"] == 2**20 and report["max_device_bytes"] >= report["ideal_device_bytes"]
-
-
-def test_convert_refuses_an_absurd_world_size_before_writing(tiny_hf, tmp_path, capsys):
-    out = tmp_path / "v"
-    assert main(["convert", str(tiny_hf["qwen3"]), str(out), "--from", "hf", "--to", "verl",
-                 "--world-size", "100000000"]) == 2
-    assert "world size 100000000: must lie in [1, 8,192]" in one_error_line(capsys)
-    assert sorted(tmp_path.iterdir()) == []
 
 
 def test_sigterm_unwinds_a_command_releasing_its_lock_with_one_line(tmp_path):

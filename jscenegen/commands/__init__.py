@@ -28,3 +28,17 @@ def positive_int_arg(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} must be >= 1")
     return n
+
+
+def world_size_arg(text: str) -> int:
+    """argparse type of a `--world-size` (VERL ranks to write): the bound of
+    `convert.verl_write.check_world_size`, checked before any file is read."""
+    from convert.errors import ConvertError
+    from convert.verl_write import check_world_size
+
+    n = _int_arg(text)
+    try:
+        check_world_size(n)
+    except ConvertError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return n

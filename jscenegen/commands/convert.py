@@ -16,6 +16,8 @@ import json
 import sys
 import warnings
 
+from jscenegen.commands import world_size_arg
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -26,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("dst", nargs="?", help="destination directory (must not exist or be empty)")
     p.add_argument("--from", dest="src_format", choices=("hf", "orbax", "verl"))
     p.add_argument("--to", dest="dst_format", choices=("hf", "orbax", "verl"))
-    p.add_argument("--world-size", type=int, default=None,
+    p.add_argument("--world-size", type=world_size_arg, default=None,
                    help="VERL output ranks W (default: the VERL source's W)")
     p.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0",
                    help="VERL shard dim per tensor: dim0 (VERL 0.9) or first dim divisible by W "

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 
+from jscenegen.commands import world_size_arg
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a checkpoint in the published layout",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="orbax step directory, or a run's checkpoints/ directory")
     p.add_argument("out_dir", help="destination (must not exist or be empty)")
-    p.add_argument("--world-size", type=int, default=6, help="VERL ranks W (default 6)")
+    p.add_argument("--world-size", type=world_size_arg, default=6, help="VERL ranks W (default 6)")
     p.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="dtype of the HF weights at the root (default: the checkpoint's)")
