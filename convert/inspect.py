@@ -9,35 +9,70 @@ tensor data.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from convert.errors import ConvertError
+from convert.verl_read import looks_like_verl
 
 
 def describe(path: str | Path) -> dict[str, Any]:
     """A JSON-able summary: format, layout, world size, placements, dtypes, step.
 
-    Raises ConvertError if `path` is none of the recognised formats.
+    Raises ConvertError if `path` is none of the recognised formats (naming the checkpoints
+    among its subdirectories, when it holds some).
     """
     path = Path(path)
     if not path.is_dir():
         raise ConvertError(f"{path}: not a directory")
-    if (path / "training_state").is_dir() and (path / "config.json").is_file():
+    kind = checkpoint_format(path)
+    if kind == "export":
         steps = sorted((path / "training_state").glob("global_step_*"))
         return {"format": "export", "hf": describe_hf(path),
                 "training_state": [describe_verl(s) for s in steps]}
-    if (path / "params").is_dir() and (path / "adam").is_dir():
+    if kind == "orbax":
         return describe_orbax(path)
-    steps = [p for p in path.iterdir() if p.name.isdigit() and (p / "params").is_dir()]
-    if steps:
+    if kind == "orbax-run":
+        steps = _orbax_steps(path)
         latest = max(steps, key=lambda p: int(p.name))
         return {"format": "orbax-run", "steps": sorted(int(p.name) for p in steps),
                 "latest": describe_orbax(latest)}
+    if kind == "hf":
+        return describe_hf(path)
+    if kind == "verl":
+        return describe_verl(path)
+    inside = [p.name for p in islice(sorted(path.iterdir()), _SCAN_LIMIT)
+              if p.is_dir() and checkpoint_format(p)]
+    hint = (f"; it holds checkpoints ({', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}):"
+            " inspect one of them" if inside else "")
+    raise ConvertError(f"{path}: not a checkpoint (recognised: an HF safetensors directory, an "
+                       f"orbax step or run directory, an export, VERL FSDP2 rank files){hint}")
+
+
+_SCAN_LIMIT = 10_000  # directory entries looked at for the hint (a huge directory never hangs)
+
+
+def _orbax_steps(path: Path) -> list[Path]:
+    return [p for p in islice(path.iterdir(), _SCAN_LIMIT)
+            if p.name.isdigit() and (p / "params").is_dir()]
+
+
+def checkpoint_format(path: Path) -> str | None:
+    """Which recognised layout the directory `path` holds, from its file names only: "export",
+    "orbax" (a step), "orbax-run" (step directories), "hf", "verl", or None."""
+    if (path / "training_state").is_dir() and (path / "config.json").is_file():
+        return "export"
+    if (path / "params").is_dir() and (path / "adam").is_dir():
+        return "orbax"
+    if _orbax_steps(path):
+        return "orbax-run"
     if (path / "config.json").is_file() and (
             (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
-        return describe_hf(path)
-    return describe_verl(path)
+        return "hf"
+    if looks_like_verl(path):
+        return "verl"
+    return None
 
 
 def describe_verl(path: Path) -> dict[str, Any]:

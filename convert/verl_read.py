@@ -95,6 +95,13 @@ def find_verl(path: str | Path) -> VerlLayout:
                       world_size=world_size, kinds=kinds)
 
 
+def looks_like_verl(path: Path) -> bool:
+    """Whether `path` holds what `find_verl` starts from: rank files (here or in actor/) or a
+    run's latest_checkpointed_iteration.txt (names only; nothing is checked)."""
+    return (_has_rank_files(path) or _has_rank_files(path / "actor")
+            or (path / "latest_checkpointed_iteration.txt").is_file())
+
+
 def _has_rank_files(d: Path) -> bool:
     return d.is_dir() and any(_RANK_FILE.match(p.name) for p in d.iterdir())
 

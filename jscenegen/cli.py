@@ -8,7 +8,8 @@ one place that turns it into one line `error: ...` and exit code 2 (`JSCENEGEN_D
 the traceback instead); a usage error (an unknown option, a value argparse refuses) is one line
 and exit 2 too. SIGTERM is handled like Ctrl-C (`jscenegen.signals`): the command unwinds, so a
 run's lock is released and a half-written output is removed, then it exits with 143 (130 for
-Ctrl-C) and one line.
+Ctrl-C) and one line. Output piped into a reader that stops early (`| head`) ends the command
+quietly with 141, as SIGPIPE ends a Unix tool.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import errno
 import importlib
 import os
+import select
 import signal
 import sys
 
@@ -100,6 +102,16 @@ def error_line(err: BaseException) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def force_cpu_devices() -> None:
     """Give JAX's CPU backend $JSCENEGEN_CPU_DEVICES (default 6) devices, so the 3 x 2 mesh is
     real on a CPU-only machine (`jax_num_cpu_devices`, set through its environment variable so
@@ -127,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print("error: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise
+        # `jscenegen ... | head`: end quietly, as a Unix tool killed by SIGPIPE does; stdout goes
+        # to /dev/null so the interpreter's last flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as err:
         if os.environ.get("JSCENEGEN_DEBUG") or not is_user_error(err):
             raise

@@ -290,6 +290,20 @@ def test_mesh_report_refuses_a_mesh_beyond_any_machine_at_once(capsys):
     assert report["devices"] == 2**20 and report["max_device_bytes"] >= report["ideal_device_bytes"]
 
 
+def test_a_closed_stdout_pipe_ends_the_command_quietly_with_141(tmp_path):
+    """`jscenegen convert --inspect M | head -1`: the reader is gone before the JSON is written."""
+    assert main(["init-model", str(tmp_path / "m"), "--arch", "qwen3", "--preset", "micro"]) == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "jscenegen", "convert", "--inspect",
+                               str(tmp_path / "m")], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120, cwd=tmp_path)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr)
+
+
 def test_sigterm_unwinds_a_command_releasing_its_lock_with_one_line(tmp_path):
     """SIGTERM before the GRPO loop (here: while the CPU default builds its model in a fresh
     cache) ends the command like Ctrl-C: exit 143, one line, no run.lock, no traceback."""

@@ -42,6 +42,21 @@ def test_convert_inspect_verify(tmp_path, capsys):
     assert "model.safetensors: SHA-256 differs" in capsys.readouterr().err
 
 
+def test_inspect_names_the_checkpoints_inside_a_directory_that_is_none(tmp_path, capsys):
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    parent = tmp_path / "runs"
+    assert main(["convert", str(ckpt), str(parent / "hf_a"), "--from", "verl", "--to", "hf"]) == 0
+    (parent / "notes").mkdir()
+    capsys.readouterr()
+    assert main(["convert", "--inspect", str(parent)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {parent}: not a checkpoint (recognised: an HF safetensors directory, "
+                   "an orbax step or run directory, an export, VERL FSDP2 rank files); it holds "
+                   "checkpoints (hf_a): inspect one of them"), err
+    assert main(["convert", "--inspect", str(parent / "notes")]) == 2
+    assert capsys.readouterr().err.strip().endswith("VERL FSDP2 rank files)")
+
+
 def test_cli_errors(tmp_path, capsys):
     ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
     hf = tmp_path / "hf"
