@@ -153,7 +153,7 @@ def test_layer_plan():
 
 # ---- components against transformers' torch modules -------------------------------------------
 def _t(x):
-    return torch.from_numpy(np.asarray(x, np.float32))
+    return torch.from_numpy(np.array(x, np.float32))  # a writable copy
 
 
 def _layers(models, torch_models, kind="qwen3_5"):
