@@ -3,8 +3,10 @@
 Relative config/data paths resolve against the working directory first, then the checkout
 (the parent of the `jscenegen` package). Every file and directory jscenegen writes goes
 through the atomic writers here: a temporary sibling is written and renamed over the target
-(atomic on one filesystem) only when complete, with the permissions a plain open()/mkdir()
-would give (the umask's); a failure leaves the target as it was and removes the temporary.
+(atomic on one filesystem) only when complete, with the permissions of the file it replaces
+or, for a new one, those a plain open()/mkdir() would give (the umask's); a failure leaves the
+target as it was and removes the temporary. A target that is not a regular file (a symbolic
+link, a device such as /dev/null, a named pipe) is refused, never replaced.
 A full disk is `DiskFullError`: one line naming the directory and the bytes needed.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -102,14 +105,44 @@ def refuse_overwriting_input(output: str | Path, output_label: str,
 
 def check_output_file(path: str | Path, label: str) -> None:
     """Raise ValueError, before any work, when a file cannot be written at `path`: it is a
-    directory, or its nearest existing ancestor is not a directory (missing parents are created
-    by the writers)."""
+    directory or anything else that is not a regular file (`refuse_non_regular`), its nearest
+    existing ancestor is not a directory, or no file can be created there (tried with an empty
+    temporary file, removed at once, so root on a read-only or pseudo filesystem such as /proc
+    is caught too). Missing parents are created by the writers."""
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and not p.is_symlink():
         raise ValueError(f"{label} {path}: is a directory; give a file path")
+    refuse_non_regular(p, f"{label} {path}")
     parent = _existing(p.absolute().parent)
     if not parent.is_dir():
         raise ValueError(f"{label} {path}: {parent} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jscenegen-write-check-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{label} {path}: cannot create a file in {parent} "
+                         f"({err.strerror or err})") from None
+
+
+_NOT_REGULAR = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+                (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def refuse_non_regular(path: str | Path, name: str | None = None) -> None:
+    """Raise ValueError when `path` exists and is not a regular file (a symbolic link, device,
+    named pipe, socket or directory): an atomic write renames a new file over its target, so it
+    would replace the link or the device node itself (`-o /dev/null` as root) instead of
+    writing through it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    for is_kind, kind in _NOT_REGULAR:
+        if is_kind(mode):
+            raise ValueError(f"{name or path}: is {kind}, not a regular file; jscenegen writes a "
+                             f"new file and renames it over the target, so give a file path")
 
 
 def cache_dir() -> Path:
@@ -119,16 +152,22 @@ def cache_dir() -> Path:
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
-    """Yield a temporary path beside `path` to write; on success it gets the umask's
-    permissions and is renamed to `path` (atomic on one filesystem), on error it is deleted and
-    `path` is left as it was. The parent directory is created if needed."""
+    """Yield a temporary path beside `path` to write; on success it gets the permissions of the
+    file it replaces (the umask's for a new file) and is renamed to `path` (atomic on one
+    filesystem), on error it is deleted and `path` is left as it was. The parent directory is
+    created if needed. Raises ValueError, before anything is written, when `path` exists and is
+    not a regular file (`refuse_non_regular`)."""
     path = Path(path)
+    refuse_non_regular(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     os.close(fd)
     try:
         yield Path(tmp)
-        umask_mode(tmp)
+        if path.is_file():
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        else:
+            umask_mode(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -1,9 +1,11 @@
 """The atomic writers of jscenegen/paths.py: permissions, replacement, failure."""
 import os
+import stat
+from pathlib import Path
 
 import pytest
 
-from jscenegen.paths import atomic_dir, write_json
+from jscenegen.paths import atomic_dir, check_output_file, write_json
 
 
 def _umask() -> int:
@@ -47,3 +49,34 @@ def test_write_json_has_umask_permissions_and_sorted_keys(tmp_path):
     write_json(tmp_path / "a.json", {"b": 1, "a": 2})
     assert (tmp_path / "a.json").read_text() == '{\n  "a": 2,\n  "b": 1\n}\n'
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_a_replaced_file_keeps_its_permissions(tmp_path):
+    secret = tmp_path / "report.json"
+    secret.write_text("{}")
+    secret.chmod(0o600)
+    write_json(secret, {"a": 1})
+    assert secret.stat().st_mode & 0o777 == 0o600 and '"a": 1' in secret.read_text()
+
+
+def test_a_target_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_path):
+    fifo, link, target = tmp_path / "fifo", tmp_path / "link", tmp_path / "target.json"
+    os.mkfifo(fifo)
+    target.write_text("kept")
+    link.symlink_to(target)
+    for path, kind in ((fifo, "a named pipe"), (link, "a symbolic link"),
+                       (Path(os.devnull), "a character device")):
+        with pytest.raises(ValueError, match=f"{path}: is {kind}, not a regular file"):
+            write_json(path, {"a": 1})
+        with pytest.raises(ValueError, match=f"-o {path}: is {kind}"):
+            check_output_file(path, "-o")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and link.is_symlink()
+    assert stat.S_ISCHR(os.lstat(os.devnull).st_mode) and target.read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link", "target.json"]
+
+
+def test_check_output_file_tries_to_create_a_file_where_it_would_write(tmp_path):
+    with pytest.raises(ValueError, match=r"--out /proc/r.json: cannot create a file in /proc"):
+        check_output_file("/proc/r.json", "--out")
+    check_output_file(tmp_path / "new" / "r.json", "--out")   # missing parents are fine
+    assert sorted(tmp_path.iterdir()) == []

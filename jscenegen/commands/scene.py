@@ -98,9 +98,11 @@ def render(args) -> int:
 
 
 def generate(args) -> int:
+    from jscenegen.paths import check_output_file
     from jscenegen.scene.generator import make_scene_set
     from jscenegen.scene.sceneset import write_scene_set
 
+    check_output_file(args.output, "-o")
     records = make_scene_set(args.split, args.n)
     write_scene_set(args.output, records)
     print(json.dumps({"output": str(args.output), "scenes": len(records)}))

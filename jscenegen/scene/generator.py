@@ -15,6 +15,7 @@ from .sceneset import SceneRecord
 from .schema import Door, Room, Scene, Window, edge_length
 
 SPLIT_BASE = {"train": 20260, "dev": 90210}
+MAX_SCENES = 1_000_000  # per set: train seeds then end far below dev's
 STYLES = ("Scandinavian", "mid-century", "industrial", "cosy rustic", "minimalist", "coastal", "Japandi", "classic")
 WORDS = {
     "single_bed": "a single bed", "double_bed": "a double bed", "queen_bed": "a queen bed", "king_bed": "a king bed",
@@ -113,10 +114,12 @@ def make_record(seed: int, scene_id: str) -> SceneRecord:
 
 
 def make_scene_set(split: str, n: int) -> list[SceneRecord]:
-    """`n` records of a split ("train" or "dev"); record i has seed SPLIT_BASE[split] * 1000 + i."""
+    """`n` records of a split ("train" or "dev"); record i has seed SPLIT_BASE[split] * 1000 + i.
+    Raises ValueError for an unknown split or n outside [1, MAX_SCENES]."""
     if split not in SPLIT_BASE:
         raise ValueError(f"split must be one of {sorted(SPLIT_BASE)}, got {split!r}")
-    if n < 1:
-        raise ValueError(f"n (the number of scenes, --n) must be >= 1, got {n}")
+    if not 1 <= n <= MAX_SCENES:
+        raise ValueError(f"n (the number of scenes, --n) must lie in [1, {MAX_SCENES:,}] (a split's "
+                         f"seeds stay apart from the other's), got {n:,}")
     base = SPLIT_BASE[split] * 1000
     return [make_record(base + i, f"{split}_{i:04d}") for i in range(n)]
