@@ -68,15 +68,21 @@ def _parse_scalar(text: str) -> Any:
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Return a copy of `data` with each `a.b.c=value` override set (value parsed as YAML).
 
-    Raises ConfigError for an override without `=` or one that descends into a non-mapping.
+    Raises ConfigError for an override without `=`, a key given twice, or one that descends
+    into a non-mapping.
     """
     import copy
 
     out = copy.deepcopy(data)
+    given: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+            raise ConfigError(f"override {_cut(repr(item))} is not of the form key.sub=value")
         key, value = item.split("=", 1)
+        if key.strip() in given:
+            raise ConfigError(f"override {_cut(item)}: {_cut(key.strip())} is already set by "
+                              f"override {_cut(given[key.strip()])}; give each key once")
+        given[key.strip()] = item
         node = out
         parts = key.strip().split(".")
         for i, part in enumerate(parts[:-1]):
@@ -98,8 +104,14 @@ def _blame(loc: tuple, source: str, overrides: list[str]) -> str:
         parts = item.split("=", 1)[0].strip().split(".")
         n = min(len(parts), len(key))
         if parts[:n] == key[:n]:
-            return f"override {item}"
+            return f"override {_cut(item)}"
     return source
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters: an error line echoes what it refuses, not a megabyte
+    of it."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _format_errors(err: ValidationError, source: str, overrides: list[str] = ()) -> str:
@@ -110,7 +122,7 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
         if e["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key {key!r}")
         else:
-            lines.append(f"{where}: {key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{where}: {key}: {e['msg']} (got {_cut(repr(e.get('input')))})")
     return "\n".join(lines)
 
 
@@ -125,11 +137,14 @@ def validate_config(data: dict, source: str, model: type[BaseModel],
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last);
+    merge keys (`<<: *defaults`) merge as YAML says, the mapping's own keys winning."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -138,12 +153,51 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+MAX_YAML_NODES = 1_000_000   # values after aliases are expanded: far above any config
+
+
+def _expanded_nodes(root: yaml.Node, limit: int) -> int:
+    """How many values the document holds once every alias is expanded, counted without
+    expanding (each node's count is computed once), stopping past `limit` ("billion laughs":
+    a few lines whose aliases expand to 10^9 values)."""
+    counts: dict[int, int] = {}
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in counts:
+            continue
+        kids = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if children_done:
+            counts[id(node)] = min(limit + 1, 1 + sum(counts.get(id(k), 0) for k in kids))
+        else:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in counts)
+    return counts[id(root)]
+
+
+def _load_yaml(text: str, path) -> Any:
+    """The document in `text`; raises ConfigError when its aliases expand past MAX_YAML_NODES."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_nodes(node, MAX_YAML_NODES) > MAX_YAML_NODES:
+            raise ConfigError(f"{path}: its aliases expand to more than {MAX_YAML_NODES:,} "
+                              "values (a YAML bomb?); write the values out")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping in YAML file `path`.
 
     Raises ConfigError in one line: a missing or non-regular file, a syntax error as
     `FILE:LINE:COLUMN: not valid YAML: problem` (a key given twice in one mapping included),
-    an empty file, or a top level that is not a mapping.
+    aliases that expand past MAX_YAML_NODES values, an empty file, or a top level that is not
+    a mapping.
     """
     p = Path(path)
     if not p.exists():
@@ -151,7 +205,7 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file {path} is not a regular file")
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+        data = _load_yaml(p.read_text(), path)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -71,9 +71,13 @@ def test_seeds_and_token_counts_are_bounded():
                       ("schedule.seed=-1", "schedule.seed"),
                       ("sampling.max_new_tokens=99999999999999999999", "sampling.max_new_tokens"),
                       ("sampling.cache_tokens=99999999999999999999", "sampling.cache_tokens"),
-                      ("sampling.buckets=[32,99999999999]", "sampling")]:
+                      ("sampling.buckets=[32,99999999999]", "sampling"),
+                      ("schedule.group_size=100000000000", "schedule.group_size")]:
         with pytest.raises(ConfigError, match=f"override {re.escape(item)}: {key}: "):
             load_config(None, [item], RunConfig)
+    from jscenegen.sft.config import SFTRunConfig
+    with pytest.raises(ConfigError, match="override sft.max_seq_len=99999999: sft.max_seq_len: "):
+        load_config(None, ["sft.max_seq_len=99999999"], SFTRunConfig)
     assert seed_arg("7") == 7
     for text in ("-1", str(SEED_MAX + 1), "x"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -87,3 +91,34 @@ def test_warm_start_sft_overrides_are_checked_with_their_origin_named():
     with pytest.raises(ConfigError, match=r"^warm_start \(sft_config .*sft.steps: .*not a boolean"):
         warm_start_sft_config(cfg)
     assert warm_start_sft_config(load_config(None, [], RunConfig)).sft.steps > 0
+
+
+def test_a_yaml_bomb_is_refused_before_it_expands(tmp_path):
+    """"Billion laughs": nine lines whose aliases expand to 9^9 values. Refused by counting the
+    expanded values over the composed nodes (each once), in well under a second."""
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    f = tmp_path / "bomb.yaml"
+    f.write_text("\n".join(lines + ["model: {remat: *i}"]) + "\n")
+    with pytest.raises(ConfigError, match=rf"^{f}: its aliases expand to more than 1,000,000 values"):
+        read_yaml(f)
+    f.write_text("\n".join(lines[:5] + ["optim: {lr: 1.0e-5}"]) + "\n")   # 9^5 values: fine
+    assert read_yaml(f)["optim"] == {"lr": 1.0e-5}
+
+
+def test_merge_keys_merge_and_the_mappings_own_keys_win(tmp_path):
+    f = tmp_path / "merge.yaml"
+    f.write_text("optim:\n  <<: &base {lr: 1.0e-5, weight_decay: 0.1}\n  weight_decay: 0.0\n")
+    assert load_config(f, [], RunConfig).optim.lr == 1.0e-5
+    assert load_config(f, [], RunConfig).optim.weight_decay == 0.0
+
+
+def test_an_override_given_twice_is_refused_and_a_long_bad_value_is_cut(tmp_path):
+    with pytest.raises(ConfigError, match=r"^override model.remat=false: model.remat is already "
+                                          r"set by override model.remat=true; give each key once$"):
+        load_config(None, ["model.remat=true", "model.remat=false"], RunConfig)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["schedule.roles=" + "[" + ",".join(["D"] * 10000) + "]"], RunConfig)
+    msg = str(info.value)
+    assert len(msg) < 600 and "... (" in msg and "characters)" in msg, msg

@@ -56,6 +56,17 @@ def test_config_reads_both_rope_spellings(hf_dirs):
     assert cfg4.rope_theta == 123.0 and cfg4.rope_params == {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     assert QwenConfig.from_hf_dict(dict(d, sliding_window=4096, use_sliding_window=False))
+    # a zero or negative factor divides the frequencies by zero (NaN logits): refused, named
+    for scaling, key in (({"type": "linear", "factor": 0}, "rope_scaling.factor"),
+                         ({"type": "yarn", "factor": -2.0}, "rope_scaling.factor"),
+                         ({"type": "yarn", "factor": 4.0, "beta_fast": float("nan")},
+                          "rope_scaling.beta_fast"),
+                         ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0},
+                          "rope_scaling.original_max_position_embeddings")):
+        with pytest.raises(ModelConfigError, match=rf"^cfg\.json: {key} must be a positive"):
+            QwenConfig.from_hf_dict(dict(v4, rope_scaling=scaling), source="cfg.json")
+    with pytest.raises(ModelConfigError, match=r"rope_parameters\.factor must be a positive"):
+        QwenConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "linear", "factor": 0.0}))
     with pytest.raises(ModelConfigError, match="use_sliding_window"):
         QwenConfig.from_hf_dict(dict(d, sliding_window=4096, use_sliding_window=True))
 

@@ -513,6 +513,7 @@ def _read_rope(d: dict[str, Any], source: str, default_theta: float,
     10000 for Qwen3.5; jscenegen keeps 1e6 for Qwen2/3 as before).
     """
     params = d.get("rope_parameters")
+    section = "rope_parameters" if isinstance(params, dict) and params else "rope_scaling"
     if isinstance(params, dict) and params:
         if any(isinstance(v, dict) for v in params.values()):
             raise ModelConfigError(f"{source}: per-layer-type {prefix}rope_parameters are not supported")
@@ -534,6 +535,13 @@ def _read_rope(d: dict[str, Any], source: str, default_theta: float,
         )
     if rope_type != "default" and "factor" not in params:
         raise ModelConfigError(f"{source}: {prefix}rope scaling {rope_type!r} needs a 'factor'")
+    if rope_type != "default":  # a factor of 0 divides the frequencies by zero: NaN logits
+        for key in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            if params.get(key) is not None:
+                _positive(params[key], f"{section}.{key}", source, prefix)
+        if params.get("original_max_position_embeddings") is not None:
+            _positive(params["original_max_position_embeddings"],
+                      f"{section}.original_max_position_embeddings", source, prefix, integer=True)
     if rope_type == "yarn":
         params.setdefault(
             "original_max_position_embeddings",

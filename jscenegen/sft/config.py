@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 
 from jscenegen.config import SEED_MAX, Section
 from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.grpo.rollout.config import TOKENS_MAX
 from jscenegen.model.options import ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig
@@ -30,9 +31,9 @@ class SFTConfig(Section):
     batch_size: int = Field(3, ge=1, description="demos (rows) per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per micro-batch "
                                          "(gradient accumulation); None = the whole batch")
-    max_seq_len: int = Field(3072, ge=16, description="tokens per row; longer demos are "
+    max_seq_len: int = Field(3072, ge=16, le=TOKENS_MAX, description="tokens per row; longer demos are "
                              "truncated (their tail turns are lost; counted in the log)")
-    seq_multiple: int = Field(128, ge=1, description="rows are padded to a multiple of this "
+    seq_multiple: int = Field(128, ge=1, le=TOKENS_MAX, description="rows are padded to a multiple of this "
                               "(and of mesh.sp): one compiled shape")
     logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")

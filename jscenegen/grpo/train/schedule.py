@@ -24,6 +24,8 @@ from jscenegen.config import SEED_MAX, Section
 from jscenegen.grpo.algo.roles import role_from_letter
 from jscenegen.grpo.rollout.seeds import episode_seed
 
+GROUP_MAX = 4096   # episodes of one scene per update: far beyond any GRPO recipe (VERL n <= 64)
+
 
 class ScheduleConfig(Section):
     """Which scenes, in which order, and how updates are counted."""
@@ -32,8 +34,8 @@ class ScheduleConfig(Section):
     dev_set: str = Field("data/scenes/dev.jsonl", description="dev scenes for evaluation")
     num_scenes: int | None = Field(None, gt=0, description="use the first N scenes (None: all)")
     roles: str = Field("DDDPC", pattern=r"^[DPC]+$")
-    group_size: int = Field(8, ge=2, description="episodes per scene (GRPO's group; one "
-                            "episode has no advantage signal)")
+    group_size: int = Field(8, ge=2, le=GROUP_MAX, description="episodes per scene (GRPO's "
+                            "group; one episode has no advantage signal)")
     total_updates: int = Field(100, ge=1, description="effective updates (optimizer steps with signal)")
     zero_spread: Literal["redraw", "skip", "count"] = "redraw"
     max_redraws: int = Field(2, ge=0)
