@@ -187,10 +187,10 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     else:
         model_dir = default_model_dir(cfg, phases)
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
-    if is_primary():
-        write_run_files(run_dir, cfg, model_dir, config_source)
     evals = {}
     try:
+        if is_primary():
+            write_run_files(run_dir, cfg, model_dir, config_source)
         if cfg.trainer.eval_before_after and not resume:
             t2 = time.perf_counter()
             evals["before"] = trainer.evaluate_dev("eval_before")

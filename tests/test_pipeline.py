@@ -33,7 +33,8 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
     assert len(summary["history"]) >= 2 and summary["final_loss"] > 0
     before = json.loads((run_dir / "eval_before.json").read_text())
     after = json.loads((run_dir / "eval_after.json").read_text())
-    assert [s["scene_id"] for s in before["scenes"]] == ["dev-0", "dev-1"]
+    # the scenes' own ids, as `jscenegen eval` names them, so its reports compare with these
+    assert [s["scene_id"] for s in before["scenes"]] == ["dev_0000", "dev_0001"]
     assert before["overall"]["model"]["episodes"] == after["overall"]["model"]["episodes"] == 2
     assert out["dev_before"]["reward"] == before["overall"]["model"]["reward"]
     change = json.loads((run_dir / "eval_change.json").read_text())
@@ -53,6 +54,31 @@ def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no-model" in err and err.count("\n") == 1
     assert not run_dir.exists()  # no empty checkpoints/, no lock file left behind
+
+
+def test_a_train_that_fails_after_its_start_finishes_swanlab_and_keeps_stdout_clean(
+        tmp_path, capsys, monkeypatch):
+    """A failure after the trainer started (here: the first dev evaluation) still finishes the
+    swanlab run (else its exit hook prints a `swanlab sync` hint on stdout, breaking `| jq`)."""
+    import swanlab
+
+    from jscenegen.cli import main
+    from jscenegen.grpo.train.trainer import Trainer
+
+    from chat_fixtures import chat_model_dir
+
+    def fail(self, name):
+        raise ValueError(f"{name}: the judge is down")
+
+    monkeypatch.setattr(Trainer, "evaluate_dev", fail)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), f"model.path={chat_model_dir()}",
+                 "schedule.num_scenes=1", "trainer.eval_before_after=true",
+                 "trainer.progress=false", "logging.swanlab_mode=offline"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("error: eval_before: the judge is down\n"), (out, err)
+    assert (run_dir / "swanlab").is_dir() and not swanlab.has_run()
+    assert not (run_dir / "run.lock").exists()
 
 
 def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:

@@ -124,3 +124,12 @@ def test_parents_that_are_the_object_itself_or_form_a_cycle_are_refused():
         scene_from_json({"room": room(), "objects": [on("a", "b"), on("b", "c"), on("c", "d"), on("d", "b")]},
                         "s.json")
     assert len(scene_from_json({"room": room(), "objects": [on("a", "b"), obj("b", "desk", 1, 1, 1, 1, 0.5)]}).objects) == 2
+
+
+def test_an_empty_scene_set_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(SceneError, match=rf"^{path}: no scenes \(an empty scene set"):
+        read_scene_set(path)
+    path.write_text(DEV.read_text().splitlines()[0] + "\n")
+    assert len(read_scene_set(path)) == 1

@@ -144,7 +144,7 @@ def _episode_row(outcome: dict, **ids) -> dict:
 # ----------------------------------------------------------------------------- evaluation
 def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, judge: Judge,
              scene_cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, samples: int = 1,
-             scene_ids: Sequence[str] | None = None, with_expert: bool = True,
+             with_expert: bool = True,
              progress: Callable[[dict], None] | None = None) -> dict:
     """Evaluate the engine's model (and the scripted expert) on `records`.
 
@@ -152,7 +152,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       engine: RolloutEngine holding the policy (None: expert only).
       records: the scenes, each played with its own seed.
       samples: episodes per scene; member m uses seed `episode_seed(record.seed, m, 0)`.
-      scene_ids: names for the report (default: each scene's `scene_id`, else its index).
+      Scenes are named in the report by their `scene_id` (else `scene-<index>`), so reports of
+      `jscenegen eval` and of a run's evaluations compare (`eval --compare`).
       progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
@@ -178,7 +179,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     judge_episodes([ep for g in played for ep in g.episodes] + experts, judge)
     rows, all_model, all_expert = [], [], []
     for i, record in enumerate(records):
-        sid = scene_ids[i] if scene_ids else (record.scene.scene_id or f"scene-{i}")
+        sid = record.scene.scene_id or f"scene-{i}"
         row = {"scene_id": sid, "seed": record.seed, "prompt": record.scene.prompt}
         if engine is not None:
             group = played[i].result()

@@ -55,7 +55,8 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
 
 
 def read_scene_set(path: str | Path) -> list[SceneRecord]:
-    """All records of a JSONL scene set. Raises SceneError naming file and line."""
+    """All records of a JSONL scene set (at least one). Raises SceneError naming file and line,
+    or the file when it holds no record."""
     p = Path(path)
     if not p.is_file():
         raise SceneError(f"{p}: no such scene set")
@@ -69,6 +70,8 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
             continue
         data = parse_json(line, f"{p}:{n}")
         out.append(record_from_json(data, f"{p}:{n}"))
+    if not out:
+        raise SceneError(f"{p}: no scenes (an empty scene set: one JSON record per line)")
     return out
 
 

@@ -302,7 +302,7 @@ class Trainer:
         records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
         report = evaluate(self.engine, records, judge=self.judge, scene_cfg=self.cfg.scene,
                           judge_cfg=self.cfg.judge, samples=self.cfg.trainer.eval_samples,
-                          scene_ids=[f"dev-{i}" for i in range(len(records))], with_expert=False)
+                          with_expert=False)
         report["attempt"] = self.pos.attempts
         report["effective_updates"] = self.pos.effective_updates
         if is_primary():
@@ -351,4 +351,9 @@ class Trainer:
                           wall_s=time.perf_counter() - t0)
 
     def close(self) -> None:
-        self.store.close()
+        """End the run's logging (swanlab finished, its console kept off stdout) and the
+        checkpoint store; also after a failure, so nothing prints at interpreter exit."""
+        try:
+            self.logger.close()
+        finally:
+            self.store.close()
