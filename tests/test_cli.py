@@ -246,6 +246,11 @@ def test_no_command_writes_into_the_model_it_reads(tiny_hf, tmp_path, capsys, ar
     # a nested action's unknown option names the action, not its parent
     (["scene", "check", "x.json", "--bogus"], "scene check", "unrecognized arguments: --bogus"),
     (["eval", "a.b=1", "--bogus", "c.d=2"], "eval", "unrecognized arguments: --bogus"),
+    # sizes a command allocates from are bounded before anything is built
+    (["parity", "logits", "--model", "m", "--batch", "0"], "parity logits",
+     "argument --batch: 0 is outside [1, 4,096]"),
+    (["parity", "logits", "--model", "m", "--seq", "100000000"], "parity logits",
+     "argument --seq: 100000000 is outside [1, 65,536]"),
 ])
 def test_a_usage_error_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch, argv, command,
                                                expected):

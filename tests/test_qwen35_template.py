@@ -106,3 +106,13 @@ def test_protocol_template_is_the_official_nonthinking_format(tok):
 def test_protocol_template_refuses_what_the_protocol_does_not_use(tok, message):
     with pytest.raises(Exception, match="supported"):
         render(tok, PROTOCOL, [{"role": "user", "content": "u"}, message], False)
+
+
+def test_a_template_jinja_refuses_is_a_chat_template_error_naming_the_line(tok, tmp_path):
+    with pytest.raises(ChatTemplateError, match=r"^bad\.jinja: the chat template fails in jinja at "
+                                                r"line 2: unexpected end of template"):
+        ChatTokenizer(tok, "{% for m in messages %}\n{{ garbage\n", "bad.jinja")
+    with pytest.raises(ChatTemplateError, match=r"^raises: the chat template fails in jinja: no"):
+        ChatTokenizer(tok, "{{ raise_exception('no') }}", "raises")
+    with pytest.raises(ChatTemplateError, match=rf"^chat_template_path {tmp_path}: cannot be read"):
+        ChatTokenizer.from_dir(tmp_path, chat_template_path=tmp_path)

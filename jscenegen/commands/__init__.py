@@ -22,12 +22,20 @@ def seed_arg(text: str) -> int:
     return seed
 
 
-def positive_int_arg(text: str) -> int:
-    """argparse type of a count that must be >= 1 (argparse names the flag)."""
-    n = _int_arg(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
-    return n
+def int_in(lo: int, hi: int | None = None):
+    """argparse type of an integer in [lo, hi] (hi None: no upper bound; argparse names the
+    flag): sizes a command allocates from are bounded before anything is built."""
+    def parse(text: str) -> int:
+        n = _int_arg(text)
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"{n} must be >= {lo}" if hi is None
+                                             else f"{n} is outside [{lo}, {hi:,}]")
+        return n
+    parse.__name__ = "integer"
+    return parse
+
+
+positive_int_arg = int_in(1)
 
 
 def world_size_arg(text: str) -> int:

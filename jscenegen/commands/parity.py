@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 
-from jscenegen.commands import seed_arg
+from jscenegen.commands import int_in, seed_arg
+
+COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
+TOKENS = int_in(1, 65536)        # tokens per row
 
 
 def register(sub) -> None:
@@ -16,8 +19,8 @@ def register(sub) -> None:
 
     lg = kinds.add_parser("logits", help="logits vs transformers' torch model")
     lg.add_argument("--model", required=True, help="HF model directory")
-    lg.add_argument("--batch", type=int, default=2)
-    lg.add_argument("--seq", type=int, default=64)
+    lg.add_argument("--batch", type=COUNT, default=2)
+    lg.add_argument("--seq", type=TOKENS, default=64)
     lg.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     lg.add_argument("--seed", type=seed_arg, default=0)
     lg.set_defaults(func=run_logits)
@@ -25,9 +28,9 @@ def register(sub) -> None:
     gs = kinds.add_parser("grpo-step", help="one GRPO update vs transformers + torch AdamW")
     gs.add_argument("--model", required=True, help="HF model directory")
     gs.add_argument("--seed", type=seed_arg, default=0)
-    gs.add_argument("--rows", type=int, default=8, help="episodes (2 groups of rows/2)")
-    gs.add_argument("--seq", type=int, default=32, help="padded tokens per episode")
-    gs.add_argument("--pad-rows", type=int, default=0,
+    gs.add_argument("--rows", type=COUNT, default=8, help="episodes (2 groups of rows/2)")
+    gs.add_argument("--seq", type=TOKENS, default=32, help="padded tokens per episode")
+    gs.add_argument("--pad-rows", type=int_in(0, 4096), default=0,
                     help="extra all-padding rows (as for an fsdp axis that does not divide rows)")
     gs.add_argument("--temperature", type=float, default=1.0)
     gs.add_argument("--grads", action="store_true", help="also compare gradients element-wise")
@@ -37,14 +40,14 @@ def register(sub) -> None:
     tr = kinds.add_parser("train", help="N GRPO updates on recorded trajectories vs "
                           "transformers + torch AdamW")
     tr.add_argument("--model", required=True, help="HF model directory")
-    tr.add_argument("--updates", type=int, default=3)
+    tr.add_argument("--updates", type=COUNT, default=3)
     tr.add_argument("--trajectories", help="JSONL of recorded trajectories (default: made "
                     "deterministically, see `jscenegen.parity.train`)")
     tr.add_argument("--write-trajectories", metavar="FILE",
                     help="also write the trajectories used as JSONL")
-    tr.add_argument("--groups", type=int, default=3, help="groups made without --trajectories")
-    tr.add_argument("--group-size", type=int, default=4, help="episodes per made group")
-    tr.add_argument("--max-tokens", type=int, default=3072,
+    tr.add_argument("--groups", type=COUNT, default=3, help="groups made without --trajectories")
+    tr.add_argument("--group-size", type=COUNT, default=4, help="episodes per made group")
+    tr.add_argument("--max-tokens", type=TOKENS, default=3072,
                     help="cut expert episodes to this many tokens (their prompt is ~2,100)")
     tr.add_argument("--roles", default="DDDPC", help="role schedule (letters P, D, C)")
     tr.add_argument("--seed", type=seed_arg, default=0)

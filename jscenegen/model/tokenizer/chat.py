@@ -120,8 +120,9 @@ class ChatTokenizer:
 
     Attributes: eot_token / eot_id (the template's end of assistant turn, e.g. `<|im_end|>`),
     vocab_size (len(tokenizer)).
-    Raises ChatTemplateError: no template, an assistant turn without an end-of-turn special
-    token, or a template that is not prefix-preserving (see the module docstring).
+    Raises ChatTemplateError: no template, a template jinja refuses (syntax, or an error while
+    rendering), an assistant turn without an end-of-turn special token, or a template that is
+    not prefix-preserving (see the module docstring).
     """
 
     def __init__(self, tokenizer, chat_template: str | None = None, source: str = "<tokenizer>"):
@@ -133,9 +134,16 @@ class ChatTokenizer:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(f"{source}: the tokenizer has no chat template; pass "
                                     "chat_template_path (e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
-        self.eot_token = self._find_eot()
-        self.eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
-        self.check_prefix_preserving()
+        from jinja2 import TemplateError
+
+        try:
+            self.eot_token = self._find_eot()
+            self.eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
+            self.check_prefix_preserving()
+        except TemplateError as err:  # a syntax error, or one raised while rendering
+            line = getattr(err, "lineno", None)
+            raise ChatTemplateError(f"{source}: the chat template fails in jinja"
+                                    f"{f' at line {line}' if line else ''}: {err}") from None
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template_path: str | Path | None = None) -> "ChatTokenizer":
@@ -147,7 +155,11 @@ class ChatTokenizer:
         """
         from transformers import AutoTokenizer
 
-        template = Path(chat_template_path).read_text() if chat_template_path else None
+        try:
+            template = Path(chat_template_path).read_text() if chat_template_path else None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ChatTemplateError(f"chat_template_path {chat_template_path}: cannot be read "
+                                    f"({getattr(err, 'strerror', None) or err})") from None
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         src = str(path) + (f" (template {chat_template_path})" if chat_template_path else "")
         try:
