@@ -154,6 +154,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 MAX_YAML_NODES = 1_000_000   # values after aliases are expanded: far above any config
+MAX_CONFIG_BYTES = 4 * 2**20  # the shipped configs are ~2-5 KB; parsing 4 MiB of YAML takes seconds
 
 
 def _expanded_nodes(root: yaml.Node, limit: int) -> int:
@@ -196,14 +197,18 @@ def read_yaml(path: str | Path) -> dict:
 
     Raises ConfigError in one line: a missing or non-regular file, a syntax error as
     `FILE:LINE:COLUMN: not valid YAML: problem` (a key given twice in one mapping included),
-    aliases that expand past MAX_YAML_NODES values, an empty file, or a top level that is not
-    a mapping.
+    a file over MAX_CONFIG_BYTES, aliases that expand past MAX_YAML_NODES values, an empty
+    file, or a top level that is not a mapping.
     """
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file {path} does not exist")
     if not p.is_file():
         raise ConfigError(f"config file {path} is not a regular file")
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path}: {size:,} bytes; a config is at most "
+                          f"{MAX_CONFIG_BYTES:,} (refused unread)")
     try:
         data = _load_yaml(p.read_text(), path)
     except yaml.YAMLError as err:

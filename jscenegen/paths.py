@@ -74,7 +74,9 @@ def resolve_data_path(path: str | Path) -> Path:
     q = PROJECT_ROOT / p
     if q.exists():
         return q
-    raise FileNotFoundError(f"{path}: not found in {Path.cwd()} nor in {PROJECT_ROOT}")
+    places = (f"in {Path.cwd()}" if Path.cwd().resolve() == PROJECT_ROOT.resolve()
+              else f"in {Path.cwd()} nor in {PROJECT_ROOT}")
+    raise FileNotFoundError(f"{path}: not found {places}")
 
 
 def refuse_overwriting_input(output: str | Path, output_label: str,
@@ -229,6 +231,8 @@ def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExists
     or cannot be created: a non-empty directory, or what `check_output_dir` refuses. Raises
     `exists_error` naming `path`."""
     p = Path(path)
+    if not str(path).strip():
+        raise exists_error("an empty destination path; give a directory to create")
     if p.is_dir() and any(p.iterdir()):
         raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
     check_output_dir(p, exists_error)

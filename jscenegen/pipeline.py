@@ -31,8 +31,9 @@ def warm_start_sft_config(cfg):
     if ws.sft_config is None:
         return None
     try:
-        return load_config(resolve_data_path(ws.sft_config),
-                           [f"model.path={_base_model_dir(cfg)}", *ws.sft_overrides],
+        given = {item.split("=", 1)[0].strip() for item in ws.sft_overrides}
+        base = [] if "model.path" in given else [f"model.path={_base_model_dir(cfg)}"]
+        return load_config(resolve_data_path(ws.sft_config), [*base, *ws.sft_overrides],
                            model=SFTRunConfig)
     except ConfigError as e:
         raise ConfigError(f"warm_start (sft_config {ws.sft_config}, sft_overrides): {e}") from None

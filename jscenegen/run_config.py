@@ -75,10 +75,11 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
     """The run config of `config` (default: the CPU default, `DEFAULT_CONFIG`) with dotted
     overrides; `greedy` turns on argmax decoding and turns top-k/top-p off.
     Raises ConfigError naming the file or override and the key."""
-    overrides = list(overrides)
+    cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
     if greedy:
-        overrides += ["sampling.greedy=true", "sampling.top_k=0", "sampling.top_p=1.0"]
-    return load_config(config or resolve_data_path(DEFAULT_CONFIG), overrides, RunConfig)
+        sampling = cfg.sampling.model_copy(update={"greedy": True, "top_k": 0, "top_p": 1.0})
+        cfg = cfg.model_copy(update={"sampling": sampling})
+    return cfg
 
 
 def scene_set_path(name: str, cfg: RunConfig) -> Path:

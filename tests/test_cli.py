@@ -282,6 +282,21 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["mesh-report", "--model", "/nonexistent", "--mesh", "fsdp=3,sp=2"],
+     "error: --model /nonexistent: no such model directory or config.json"),
+    (["init-model", ""], "error: an empty destination path; give a directory to create"),
+    (["eval", "--compare", "a.json", "b.json", "--model", "m"],
+     "error: --compare reads two reports only; --model would be ignored (run the evaluation "
+     "first, then compare)"),
+])
+def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert one_error_line(capsys) == expected
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_mesh_report_refuses_a_mesh_beyond_any_machine_at_once(capsys):
     shapes = str(ROOT / "configs/model-shapes/qwen2.5-7b.json")
     assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=100000000,sp=100000000"]) == 2

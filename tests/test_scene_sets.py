@@ -118,6 +118,13 @@ def test_cli_invalid_input_exits_non_zero_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "floor_polygon" in err
     assert main(["scene", "check", str(tmp_path / "missing.json")]) == 2
+    capsys.readouterr()
+    s = KNOWN["split"]().to_json()
+    (tmp_path / "s.json").write_text(json.dumps(s))
+    (tmp_path / "typo.yaml").write_text("modle: {}\nscene: {}\n")   # a misspelt section
+    assert main(["scene", "check", str(tmp_path / "s.json"), "--config",
+                 str(tmp_path / "typo.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'typo.yaml'}: unknown key 'modle'"
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,31 @@ def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tm
     assert _metrics(run_dir) == _metrics(tmp_path)
 
 
+def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(tmp_path, caplog):
+    """The first SIGTERM asks for a stop after the current update; a second one (a user who
+    will not wait for a long update) unwinds at once: no new checkpoint, the saved ones kept."""
+    from jscenegen.signals import Terminated
+
+    trainer = Trainer(_cfg(), tmp_path, chat_model_dir())   # saves every update
+    sent = []
+
+    def progress(row):
+        if row["attempt"] == 1:       # after the second update (the first one was saved)
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        with pytest.raises(Terminated):
+            trainer.run(5, progress=progress)
+    finally:
+        trainer.close()
+    assert sent and "SIGTERM: stopping after the current update" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+    assert check_step(tmp_path / "checkpoints" / "1").valid
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the run's handler is gone
+
+
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, tmp_path, caplog):
     """A flipped byte in the newest step: resume sets it aside (naming the file), redoes its
     update from the step before (bitwise as the straight run), saves that step again, trains

@@ -51,6 +51,12 @@ def run(args) -> int:
     from jscenegen.run_config import load_run_config, scene_set_path
 
     if args.compare:
+        given = [flag for flag, value in (("--model", args.model), ("--samples", args.samples),
+                                          ("--config", args.config)) if value is not None]
+        given += ["--greedy"] if args.greedy else []
+        if given or args.overrides:
+            raise ValueError(f"--compare reads two reports only; {', '.join(given) or 'overrides'}"
+                             " would be ignored (run the evaluation first, then compare)")
         return compare(*args.compare, args.plot)
     if not args.model:
         raise ValueError("--model is required (or --compare BEFORE AFTER)")

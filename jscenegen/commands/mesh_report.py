@@ -61,7 +61,12 @@ def run(args) -> int:
     n = args.devices or (fsdp * sp if fsdp > 0 else None)
     if n is None:
         raise ValueError("--mesh fsdp=-1 needs --devices N")
-    path = resolve_data_path(args.model)
+    try:
+        path = resolve_data_path(args.model)
+    except FileNotFoundError as err:
+        raise ValueError(f"--model {err}") from None
+    if not path.exists():
+        raise ValueError(f"--model {path}: no such model directory or config.json")
     cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
         read_config_file(path), str(path))
     try:

@@ -18,14 +18,16 @@ def _requested(text: str | None) -> list[dict]:
 
 
 def _configs(path: str | None):
-    from jscenegen.config import read_yaml, validate_config
+    """(scene, judge) sections of the run config `path` (a run's own config.yaml or any
+    config file: its other sections are checked too, so a misspelt section is refused)."""
+    from jscenegen.config import load_config
+    from jscenegen.run_config import RunConfig
     from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 
     if path is None:
         return SceneRuntimeConfig(), JudgeConfig()
-    data = read_yaml(path)
-    return (validate_config(data.get("scene", {}) or {}, f"{path}: scene", SceneRuntimeConfig),
-            validate_config(data.get("judge", {}) or {}, f"{path}: judge", JudgeConfig))
+    cfg = load_config(path, [], RunConfig)
+    return cfg.scene, cfg.judge
 
 
 def _input(path: str) -> str:

@@ -54,6 +54,7 @@ from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash
 from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh
+from jscenegen.signals import Terminated
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
                                     primary=is_primary())
         self._stop_signal: int | None = None
+        self._replaced_handlers: dict = {}
 
     # ---- state ---------------------------------------------------------------------------
     def _reference_params(self, params):
@@ -225,7 +227,19 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
+        """The first SIGTERM/SIGINT stops the run after the current update (with a checkpoint);
+        a second one stops it at once through the handler the run replaced (the unwinding one
+        of `jscenegen.signals` under the CLI): the update in flight is lost, the checkpoints
+        already written are kept."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
+            log.warning("%s: stopping after the current update, with a checkpoint (send it again "
+                        "to stop at once, losing that update)", signal.Signals(signum).name)
+            return
+        previous = self._replaced_handlers.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
     def update(self) -> dict:
         """One attempt: roll out the current scene's group (with `rollout.groups_per_batch` = k,
@@ -314,10 +328,12 @@ class Trainer:
         """Run until `schedule.total_updates` effective updates or `max_updates` attempts.
 
         Saves every `checkpoint.save_every` attempts, at the end, and on SIGTERM/SIGINT
-        (then returns with `stopped_by_signal`). `progress(row)` is called after each attempt.
+        (then returns with `stopped_by_signal`); a second signal raises `Terminated` /
+        KeyboardInterrupt at once, without a new checkpoint. `progress(row)` is called after each attempt.
         """
         t0 = time.perf_counter()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._replaced_handlers = old
         attempts = 0
         last_saved = None
         try:
