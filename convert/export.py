@@ -24,7 +24,7 @@ from convert.layout import write_layout
 from convert.orbax_directions import orbax_state, orbax_step_dir, write_hf_into
 from convert.verl_write import check_world_size
 from jscenegen.checkpoint.checksums import write_checksums
-from jscenegen.paths import atomic_dir, write_json
+from jscenegen.paths import atomic_dir, require_new_dir, write_json
 
 
 def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
@@ -44,6 +44,7 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     check_world_size(world_size)
     step_dir = orbax_step_dir(checkpoint)
     refuse_nested(checkpoint, out)
+    require_new_dir(out, ConvertError)   # before the checkpoint is read (seconds to minutes)
     state = orbax_state(step_dir, world_size)
     with atomic_dir(out, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)
