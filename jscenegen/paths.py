@@ -139,7 +139,7 @@ def refuse_non_regular(path: str | Path, name: str | None = None) -> None:
     writing through it."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (yet) to replace
         return
     for is_kind, kind in _NOT_REGULAR:
         if is_kind(mode):
