@@ -31,8 +31,11 @@ def _cfg(**extra):
         "loss.entropy_coeff=0.01",      # ... with a real, non-zero gradient
         "optim.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
         "logging.swanlab_mode=disabled", "trainer.progress=false",
-    ] + [f"{k}={v}" for k, v in extra.items()]
-    return load_config(resolve_data_path("configs/cpu-default.yaml"), overrides, RunConfig)
+    ]
+    settings = dict(item.split("=", 1) for item in overrides)   # `extra` replaces a default
+    settings.update({k: str(v) for k, v in extra.items()})
+    return load_config(resolve_data_path("configs/cpu-default.yaml"),
+                       [f"{k}={v}" for k, v in settings.items()], RunConfig)
 
 
 def _run(run_dir, *, resume=False, max_updates=None, sigterm_after=None, model_dir=None, **extra):
