@@ -25,6 +25,7 @@ from jscenegen import __version__
 from jscenegen.paths import DiskFullError
 from jscenegen.signals import Terminated, UnwindOnSignals
 
+MAX_ERROR_CHARS = 2000
 COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
                    "eval", "sft", "design")
 
@@ -92,14 +93,18 @@ def is_user_error(err: BaseException) -> bool:
 
 
 def error_line(err: BaseException) -> str:
-    """One line for `err`: multi-line messages joined with '; ', OS errors with their file."""
+    """One line for `err`: multi-line messages joined with '; ', OS errors with their file, at
+    most MAX_ERROR_CHARS characters."""
     if isinstance(err, OSError) and err.errno == errno.ENOSPC and not isinstance(err, DiskFullError):
         where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
         return f"no space left on device{where} writing {err.filename or 'a file'}"
     text = str(err) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {text}"
-    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+    line = "; ".join(part.strip() for part in text.splitlines() if part.strip())
+    # a message that echoes a huge input (a 100 KB path or key) stays readable
+    return line if len(line) <= MAX_ERROR_CHARS else (
+        f"{line[:MAX_ERROR_CHARS]}... ({len(line):,} characters)")
 
 
 def stdout_reader_gone() -> bool:

@@ -58,9 +58,10 @@ class Section(BaseModel):
         return value
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_value(text: str, item: str) -> Any:
+    """An override's value as YAML (with the config files' guards), else the text itself."""
     try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text, f"override {_cut(item)}")
     except yaml.YAMLError:
         return text
 
@@ -92,7 +93,7 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
                     f"override {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section"
                 )
             node = child
-        node[parts[-1]] = _parse_scalar(value)
+        node[parts[-1]] = _parse_value(value, item)
     return out
 
 
@@ -120,7 +121,7 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
         key = ".".join(str(p) for p in e["loc"])
         where = _blame(tuple(e["loc"]), source, list(overrides))
         if e["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key {key!r}")
+            lines.append(f"{where}: unknown key {_cut(repr(key))}")
         else:
             lines.append(f"{where}: {key}: {e['msg']} (got {_cut(repr(e.get('input')))})")
     return "\n".join(lines)
@@ -146,6 +147,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key that is not a scalar ({type(key).__name__})",
+                    key_node.start_mark) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -157,11 +164,13 @@ MAX_YAML_NODES = 1_000_000   # values after aliases are expanded: far above any 
 MAX_CONFIG_BYTES = 4 * 2**20  # the shipped configs are ~2-5 KB; parsing 4 MiB of YAML takes seconds
 
 
-def _expanded_nodes(root: yaml.Node, limit: int) -> int:
+def _expanded_nodes(root: yaml.Node, limit: int) -> int | None:
     """How many values the document holds once every alias is expanded, counted without
     expanding (each node's count is computed once), stopping past `limit` ("billion laughs":
-    a few lines whose aliases expand to 10^9 values)."""
+    a few lines whose aliases expand to 10^9 values); None when a node contains itself (`&a
+    [*a]`, a mapping that merges itself)."""
     counts: dict[int, int] = {}
+    open_nodes: set[int] = set()   # on the current path from the root: met again = a cycle
     stack = [(root, False)]
     while stack:
         node, children_done = stack.pop()
@@ -170,24 +179,36 @@ def _expanded_nodes(root: yaml.Node, limit: int) -> int:
         kids = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
                 else node.value if isinstance(node, yaml.SequenceNode) else [])
         if children_done:
-            counts[id(node)] = min(limit + 1, 1 + sum(counts.get(id(k), 0) for k in kids))
+            counts[id(node)] = min(limit + 1, 1 + sum(counts[id(k)] for k in kids))
+            open_nodes.discard(id(node))
+        elif id(node) in open_nodes:
+            return None
         else:
+            open_nodes.add(id(node))
             stack.append((node, True))
             stack.extend((k, False) for k in kids if id(k) not in counts)
     return counts[id(root)]
 
 
-def _load_yaml(text: str, path) -> Any:
-    """The document in `text`; raises ConfigError when its aliases expand past MAX_YAML_NODES."""
+def load_yaml_text(text: str, where: str) -> Any:
+    """The document in `text` (safe tags only, a key given twice refused). Raises yaml.YAMLError
+    for bad syntax, ConfigError (naming `where`) when its aliases expand past MAX_YAML_NODES
+    values or contain themselves, or it nests too deeply for the parser."""
     loader = _UniqueKeyLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        if _expanded_nodes(node, MAX_YAML_NODES) > MAX_YAML_NODES:
-            raise ConfigError(f"{path}: its aliases expand to more than {MAX_YAML_NODES:,} "
+        size = _expanded_nodes(node, MAX_YAML_NODES)
+        if size is None:
+            raise ConfigError(f"{where}: an alias refers to a value that contains it (a "
+                              "recursive structure); write the values out")
+        if size > MAX_YAML_NODES:
+            raise ConfigError(f"{where}: its aliases expand to more than {MAX_YAML_NODES:,} "
                               "values (a YAML bomb?); write the values out")
         return loader.construct_document(node)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
     finally:
         loader.dispose()
 
@@ -210,7 +231,7 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file {path}: {size:,} bytes; a config is at most "
                           f"{MAX_CONFIG_BYTES:,} (refused unread)")
     try:
-        data = _load_yaml(p.read_text(), path)
+        data = load_yaml_text(p.read_text(), str(path))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -354,3 +354,10 @@ def test_convert_without_its_arguments_says_what_it_needs(capsys):
     err = one_error_line(capsys)
     assert "jscenegen convert: needs SRC DST --from F --to G" in err
     assert "see jscenegen convert --help" in err
+
+
+def test_an_error_line_that_echoes_a_huge_input_is_cut():
+    from jscenegen.cli import MAX_ERROR_CHARS, error_line
+
+    line = error_line(OSError(36, "File name too long", "/tmp/" + "z" * 100000))
+    assert len(line) < MAX_ERROR_CHARS + 40 and line.endswith("... (100,038 characters)"), line[-60:]

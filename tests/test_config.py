@@ -126,3 +126,27 @@ def test_an_override_given_twice_is_refused_and_a_long_bad_value_is_cut(tmp_path
         load_config(None, ["schedule.roles=" + "[" + ",".join(["D"] * 10000) + "]"], RunConfig)
     msg = str(info.value)
     assert len(msg) < 600 and "... (" in msg and "characters)" in msg, msg
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("schedule:\n  roles: &a [*a]\n", "an alias refers to a value that contains it"),
+    ("schedule: &s\n  seed: 1\n  <<: *s\n", "an alias refers to a value that contains it"),
+    ("schedule:\n  ? [a, b]\n  : 1\n", r"2:5: not valid YAML: a key that is not a scalar \(list\)"),
+    ("schedule:\n  roles: " + "[" * 50000 + "]" * 50000 + "\n", "nested too deeply"),
+])
+def test_recursive_unhashable_or_deep_yaml_is_one_line_at_once(tmp_path, text, expected):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{f}:? ?{expected}"):
+        read_yaml(f)
+
+
+def test_an_override_value_has_the_config_files_guards():
+    deep = "schedule.seed=" + "[" * 30000 + "]" * 30000
+    with pytest.raises(ConfigError, match=r"^override schedule\.seed=\[+\.\.\. \(60,014 characters\): nested too deeply$"):
+        load_config(None, [deep], RunConfig)
+    with pytest.raises(ConfigError, match="an alias refers to a value that contains it"):
+        load_config(None, ["schedule.roles=&a [*a]"], RunConfig)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["schedule." + "a" * 100000 + "=1"], RunConfig)
+    assert len(str(info.value)) < 600
