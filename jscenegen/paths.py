@@ -115,6 +115,7 @@ def check_output_file(path: str | Path, label: str) -> None:
     if p.is_dir() and not p.is_symlink():
         raise ValueError(f"{label} {path}: is a directory; give a file path")
     refuse_non_regular(p, f"{label} {path}")
+    refuse_inside_checkpoint(p, f"{label} {path}")
     parent = _existing(p.absolute().parent)
     if not parent.is_dir():
         raise ValueError(f"{label} {path}: {parent} is not a directory")
@@ -125,6 +126,22 @@ def check_output_file(path: str | Path, label: str) -> None:
     except OSError as err:
         raise ValueError(f"{label} {path}: cannot create a file in {parent} "
                          f"({err.strerror or err})") from None
+
+
+def refuse_inside_checkpoint(path: str | Path, name: str) -> None:
+    """Raise ValueError when writing at `path` would change a checkpoint: it lies inside a
+    directory that holds `checksums.json` (a trainer step, an export: its verification would
+    fail on the new files), or it would be a numbered step of a run's checkpoint directory
+    (the trainer would read it as one of its own steps)."""
+    p = Path(path).resolve()
+    for ancestor in p.parents:
+        if (ancestor / "checksums.json").is_file():
+            raise ValueError(f"{name}: lies inside the checkpoint {ancestor}; writing there "
+                             "would make its checksums fail; write elsewhere")
+    if p.name.isdigit() and p.parent.is_dir() and any(
+            (q / "checksums.json").is_file() for q in p.parent.iterdir() if q.name.isdigit()):
+        raise ValueError(f"{name}: would be a step of the run's checkpoint directory "
+                         f"{p.parent}; write elsewhere")
 
 
 _NOT_REGULAR = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a character device"),
@@ -217,6 +234,10 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     name = f"{label} {path}" if label else str(path)
     if p.exists() and not p.is_dir():
         raise error(f"{name}: exists and is not a directory")
+    try:
+        refuse_inside_checkpoint(p, name)
+    except ValueError as err:
+        raise error(str(err)) from None
     where = _existing(p.absolute())
     if not where.is_dir():
         raise error(f"{name}: cannot create it, {where} is not a directory")

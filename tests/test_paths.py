@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from jscenegen.paths import atomic_dir, check_output_file, write_json
+from jscenegen.paths import atomic_dir, check_output_dir, check_output_file, require_new_dir, write_json
 
 
 def _umask() -> int:
@@ -80,3 +80,19 @@ def test_check_output_file_tries_to_create_a_file_where_it_would_write(tmp_path)
         check_output_file("/proc/r.json", "--out")
     check_output_file(tmp_path / "new" / "r.json", "--out")   # missing parents are fine
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_outputs_never_land_inside_a_checkpoint_or_become_a_run_step(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "1"
+    step.mkdir(parents=True)
+    (step / "checksums.json").write_text("{}")
+    for out in (step / "run", step / "deeper" / "x"):
+        with pytest.raises(ValueError, match=rf"--run-dir {out}: lies inside the checkpoint {step};"):
+            check_output_dir(out, label="--run-dir")
+    with pytest.raises(ValueError, match=rf"--out {step / 'r.json'}: lies inside the checkpoint"):
+        check_output_file(step / "r.json", "--out")
+    with pytest.raises(FileExistsError, match=r"would be a step of the run's checkpoint directory"):
+        require_new_dir(step.parent / "2")
+    check_output_dir(step.parent / "exported")        # a name the trainer does not read as a step
+    check_output_dir(tmp_path / "run" / "other")      # beside the checkpoints: fine
+    assert sorted(p.name for p in step.parent.iterdir()) == ["1"]
