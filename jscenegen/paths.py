@@ -112,6 +112,8 @@ def check_output_file(path: str | Path, label: str) -> None:
     temporary file, removed at once, so root on a read-only or pseudo filesystem such as /proc
     is caught too). Missing parents are created by the writers."""
     p = Path(path)
+    if not str(path).strip():
+        raise ValueError(f"{label}: an empty path; give a file path")
     if p.is_dir() and not p.is_symlink():
         raise ValueError(f"{label} {path}: is a directory; give a file path")
     refuse_non_regular(p, f"{label} {path}")

@@ -286,9 +286,16 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (["mesh-report", "--model", "/nonexistent", "--mesh", "fsdp=3,sp=2"],
      "error: --model /nonexistent: no such model directory or config.json"),
     (["init-model", ""], "error: an empty destination path; give a directory to create"),
+    (["train", "--run-dir", ""],
+     "error: --run-dir: an empty path; give a directory (or leave it out: runs/<time>)"),
+    (["scene", "generate", "--split", "dev", "--n", "2", "-o", ""],
+     "error: -o: an empty path; give a file path"),
     (["eval", "--compare", "a.json", "b.json", "--model", "m"],
-     "error: --compare reads two reports only; --model would be ignored (run the evaluation "
-     "first, then compare)"),
+     "error: --compare reads two reports only (it prints the table, --plot draws it); --model "
+     "would be ignored (run the evaluation first, then compare)"),
+    (["eval", "--compare", "a.json", "b.json", "--out", "c.json", "--scenes", "train"],
+     "error: --compare reads two reports only (it prints the table, --plot draws it); --out, "
+     "--scenes would be ignored (run the evaluation first, then compare)"),
 ])
 def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
@@ -361,3 +368,16 @@ def test_an_error_line_that_echoes_a_huge_input_is_cut():
 
     line = error_line(OSError(36, "File name too long", "/tmp/" + "z" * 100000))
     assert len(line) < MAX_ERROR_CHARS + 40 and line.endswith("... (100,038 characters)"), line[-60:]
+
+
+def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
+    """A run made by `jscenegen train` (run.json) without its config.yaml would continue on the
+    CPU default's settings, losing the run's own: refused, naming the file and the way out."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {run / 'config.yaml'} is missing: the run's config is unknown (a run made by "
+        "`jscenegen train` keeps it there); restore it, or continue with another one: --config FILE")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run.json"]

@@ -133,3 +133,14 @@ def test_an_empty_scene_set_is_refused_naming_the_file(tmp_path):
         read_scene_set(path)
     path.write_text(DEV.read_text().splitlines()[0] + "\n")
     assert len(read_scene_set(path)) == 1
+
+
+def test_a_named_pipe_given_as_input_is_refused_without_blocking(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)          # opening it for reading would wait for a writer forever
+    with pytest.raises(SceneError, match=rf"^{fifo}: not a regular file"):
+        read_json_file(fifo)
+    with pytest.raises(SceneError, match=rf"^{fifo}: not a regular file$"):
+        read_scene_set(fifo)

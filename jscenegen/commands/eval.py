@@ -13,12 +13,12 @@ def register(sub) -> None:
                    help="instead of evaluating: a Markdown table of two reports of the same scenes "
                         "(e.g. RUN/eval_before.json RUN/eval_after.json) with the paired reward "
                         "difference and its 95%% interval")
-    p.add_argument("--scenes", default="dev", help="dev, train, or a JSONL scene-set file (default: dev)")
+    p.add_argument("--scenes", default=None, help="dev, train, or a JSONL scene-set file (default: dev)")
     p.add_argument("--samples", type=int, default=None,
                    help="episodes per scene (default: trainer.eval_samples)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
     p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
-    p.add_argument("--out", default="eval-report.json", help="JSON report (default: eval-report.json)")
+    p.add_argument("--out", default=None, help="JSON report (default: eval-report.json)")
     p.add_argument("--plot", default=None, help="PNG bar plot (default: the report's path with .png)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
@@ -52,14 +52,18 @@ def run(args) -> int:
 
     if args.compare:
         given = [flag for flag, value in (("--model", args.model), ("--samples", args.samples),
-                                          ("--config", args.config)) if value is not None]
+                                          ("--config", args.config), ("--out", args.out),
+                                          ("--scenes", args.scenes)) if value is not None]
         given += ["--greedy"] if args.greedy else []
         if given or args.overrides:
-            raise ValueError(f"--compare reads two reports only; {', '.join(given) or 'overrides'}"
-                             " would be ignored (run the evaluation first, then compare)")
+            raise ValueError(f"--compare reads two reports only (it prints the table, --plot draws "
+                             f"it); {', '.join(given) or 'overrides'} would be ignored (run the "
+                             "evaluation first, then compare)")
         return compare(*args.compare, args.plot)
     if not args.model:
         raise ValueError("--model is required (or --compare BEFORE AFTER)")
+    args.out = args.out or "eval-report.json"
+    args.scenes = args.scenes or "dev"
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     scenes = scene_set_path(args.scenes, cfg)
     samples = args.samples if args.samples is not None else cfg.trainer.eval_samples

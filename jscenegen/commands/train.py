@@ -25,6 +25,8 @@ def run(args) -> int:
     from jscenegen.paths import check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, load_run_config
 
+    if args.run_dir is not None and not args.run_dir.strip():
+        raise ValueError("--run-dir: an empty path; give a directory (or leave it out: runs/<time>)")
     if args.resume:
         run_dir = Path(args.resume)
         if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
@@ -36,6 +38,10 @@ def run(args) -> int:
         if args.config and saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "
                              f"with its own {saved}; pass changes as key=value overrides")
+        if not args.config and not saved.is_file() and (run_dir / "run.json").is_file():
+            raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
+                             "`jscenegen train` keeps it there); restore it, or continue with "
+                             "another one: --config FILE")
         config_path = args.config or (saved if saved.is_file() else resolve_data_path(DEFAULT_CONFIG))
     else:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)

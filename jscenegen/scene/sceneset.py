@@ -59,7 +59,7 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     or the file when it holds no record."""
     p = Path(path)
     if not p.is_file():
-        raise SceneError(f"{p}: no such scene set")
+        raise SceneError(f"{p}: not a regular file" if p.exists() else f"{p}: no such scene set")
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:

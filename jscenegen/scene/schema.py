@@ -307,6 +307,8 @@ def read_json_file(path: str | Path, label: str | None = None, max_bytes: int = 
     is missing, larger than `max_bytes` (checked before reading), or not valid JSON (including
     nesting too deep to parse)."""
     label = label or str(path)
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
+        raise SceneError(f"{label}: not a regular file (a named pipe or device would block the read)")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

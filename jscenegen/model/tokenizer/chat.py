@@ -155,6 +155,8 @@ class ChatTokenizer:
         """
         from transformers import AutoTokenizer
 
+        if chat_template_path and Path(chat_template_path).exists() and not Path(chat_template_path).is_file():
+            raise ChatTemplateError(f"chat_template_path {chat_template_path}: not a regular file")
         try:
             template = Path(chat_template_path).read_text() if chat_template_path else None
         except (OSError, UnicodeDecodeError) as err:
