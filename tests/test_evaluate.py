@@ -6,8 +6,9 @@ import re
 import numpy as np
 import pytest
 
+from jscenegen.checkpoint.store import CheckpointError
 from jscenegen.cli import main
-from jscenegen.eval.evaluate import evaluate, load_policy, policy_engine
+from jscenegen.eval.evaluate import evaluate, load_policy, policy_chat, policy_engine
 from jscenegen.eval.plots import plot_report
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize
@@ -166,6 +167,10 @@ def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     (step / "params" / "extra").write_text("x")  # an unlisted file: checksums refuse the step
     with pytest.raises(Exception, match="not usable"):
         load_policy(step, mesh)
+    (step / "params" / "extra").unlink()
+    (step / "hf" / "tokenizer.json").write_text("{}")  # transformers alone: a KeyError
+    with pytest.raises(CheckpointError, match="not usable"):  # verified before it is read
+        policy_chat(cfg, step)
 
 
 def test_eval_command_writes_report_and_plot(tmp_path, capsys):

@@ -76,11 +76,27 @@ def load_policy(path: str | Path, mesh, **options):
             raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "
                                     f"nor a checkpoint step directory (params/ and hf/)")
         return load_hf(p, mesh=mesh, **options)
-    status = check_step(p)
-    if not status.valid:
-        raise CheckpointError(f"checkpoint {p} is not usable: {status.reason}")
+    verify_step(p)
     return build_model(QwenConfig.from_dir(p / HF_DIR), iter_arrays(p, "params"), mesh=mesh,
                        source=str(p), **options)
+
+
+_VERIFIED: set[tuple] = set()   # (step, its files' names, sizes and mtimes) verified here
+
+
+def verify_step(step: Path) -> None:
+    """Raise CheckpointError unless the checkpoint step's files match its checksums. The chat
+    and the weights read the same step: it is hashed once per process while no file of it
+    changes (name, size, modification time)."""
+    files = sorted((str(f.relative_to(step)), f.stat().st_size, f.stat().st_mtime_ns)
+                   for f in step.rglob("*") if f.is_file())
+    key = (step.resolve(), tuple(files))
+    if key in _VERIFIED:
+        return
+    status = check_step(step)
+    if not status.valid:
+        raise CheckpointError(f"checkpoint {step} is not usable: {status.reason}")
+    _VERIFIED.add(key)
 
 
 def policy_chat(cfg, model_path: str | Path):
@@ -93,6 +109,8 @@ def policy_chat(cfg, model_path: str | Path):
     if not (model_assets_dir(p) / "config.json").is_file():
         raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "
                                 f"nor a checkpoint step directory (params/ and hf/)")
+    if is_checkpoint_dir(p):
+        verify_step(p)   # before its tokenizer is read
     chat = ChatTokenizer.from_dir(model_assets_dir(p), cfg.sampling.chat_template_path)
     chat.check_prefix_preserving()
     return chat

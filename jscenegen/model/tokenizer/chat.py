@@ -162,7 +162,12 @@ class ChatTokenizer:
         except (OSError, UnicodeDecodeError) as err:
             raise ChatTemplateError(f"chat_template_path {chat_template_path}: cannot be read "
                                     f"({getattr(err, 'strerror', None) or err})") from None
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        except Exception as err:  # transformers' parsers raise anything on a malformed file
+            raise ChatTemplateError(f"{path}: the tokenizer cannot be loaded ({type(err).__name__}: "
+                                    f"{err}); tokenizer.json and tokenizer_config.json must be "
+                                    "those of the model") from None
         src = str(path) + (f" (template {chat_template_path})" if chat_template_path else "")
         try:
             chat = cls(tok, template, src)
