@@ -114,6 +114,8 @@ def check_output_file(path: str | Path, label: str) -> None:
     p = Path(path)
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
+    if str(path).endswith(os.sep):
+        raise ValueError(f"{label} {path}: ends with {os.sep}, the name of a directory; give a file path")
     if p.is_dir() and not p.is_symlink():
         raise ValueError(f"{label} {path}: is a directory; give a file path")
     refuse_non_regular(p, f"{label} {path}")

@@ -79,6 +79,8 @@ def test_check_output_file_tries_to_create_a_file_where_it_would_write(tmp_path)
     with pytest.raises(ValueError, match=r"--out /proc/r.json: cannot create a file in /proc"):
         check_output_file("/proc/r.json", "--out")
     check_output_file(tmp_path / "new" / "r.json", "--out")   # missing parents are fine
+    with pytest.raises(ValueError, match=r"ends with /, the name of a directory"):
+        check_output_file(f"{tmp_path}/new.json/", "-o")
     assert sorted(tmp_path.iterdir()) == []
 
 

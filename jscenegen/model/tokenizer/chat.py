@@ -252,6 +252,12 @@ class ChatTokenizer:
             "(Qwen3's default) do this; use a prefix-preserving template "
             "(rollout chat_template_path, e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
 
+    def special_tokens_in(self, text: str) -> list[str]:
+        """The tokenizer's special (added) tokens written out in `text`: `encode` would read
+        them as the tokens themselves (`<|im_end|>` in a prompt would end the user's turn)."""
+        return sorted({t.content for t in self.tokenizer.added_tokens_decoder.values()
+                       if t.special and t.content in text})
+
     def _find_eot(self) -> str:
         """The special token the template writes right after an assistant message's content."""
         marker = "\u2063probe-content\u2063"
