@@ -181,22 +181,25 @@ def _flip_tensor_byte(f):
     f.write_bytes(bytes(data))
 
 
-def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, tmp_path):
+def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, tmp_path_factory):
     from convert.dispatch import convert
     from jscenegen.checkpoint.checksums import write_checksums
 
     root = actor.parent.parent  # global_step_3/actor/... listed by a checksums.json two levels up
     write_checksums(root)
+    out = tmp_path_factory.mktemp("dst")   # outside the checksummed tree (refused inside it)
     f = actor / "optim_world_size_6_rank_2.pt"
     _flip_tensor_byte(f)  # the file still loads: only the checksums can tell
     with pytest.raises(ConvertError, match=r"does not match .*checksums\.json.*"
                                            r"global_step_3/actor/optim_world_size_6_rank_2\.pt: SHA-256 differs"):
-        convert(actor, tmp_path / "out", src_format="verl", dst_format="verl", world_size=6)
-    _assert_nothing_written(tmp_path)
+        convert(actor, out / "out", src_format="verl", dst_format="verl", world_size=6)
+    _assert_nothing_written(out)
     (root / "checksums.json").unlink()
     write_checksums(root)  # the same bytes, now listed as they are: converted
-    convert(actor, tmp_path / "out", src_format="verl", dst_format="hf")
-    assert (tmp_path / "out" / "config.json").is_file()
+    convert(actor, out / "out", src_format="verl", dst_format="hf")
+    assert (out / "out" / "config.json").is_file()
+    with pytest.raises(ConvertError, match=r"lies inside the checkpoint"):   # would break it
+        convert(actor, root / "out", src_format="verl", dst_format="hf")
 
 
 def test_a_truncated_safetensors_file_is_refused_before_orbax_writes(tiny_hf, tmp_path):
