@@ -191,11 +191,18 @@ DENSE = dict(model_type="qwen3", vocab_size=1003, hidden_size=64, intermediate_s
     ("rope_theta", "big"), ("rms_norm_eps", -1), ("rms_norm_eps", "x"),
     ("max_position_embeddings", -1), ("max_position_embeddings", 1.5),
     ("tie_word_embeddings", "yes"), ("num_hidden_layers", 0), ("num_hidden_layers", True),
-    ("vocab_size", -5), ("head_dim", "16"),
+    ("vocab_size", -5), ("head_dim", "16"), ("head_dim", 0),
 ])
 def test_config_refuses_a_bad_numeric_field_naming_file_and_key(key, value):
     with pytest.raises(ModelConfigError, match=rf"^cfg\.json: {key} must be "):
         QwenConfig.from_hf_dict(dict(DENSE, **{key: value}), "cfg.json")
+
+
+def test_config_refuses_zero_kv_heads_instead_of_defaulting_them():
+    with pytest.raises(ModelConfigError, match=r"^cfg\.json: num_attention_heads 4 is not a multiple "
+                                               r"of num_key_value_heads 0$"):
+        QwenConfig.from_hf_dict(dict(DENSE, num_key_value_heads=0), "cfg.json")
+    assert QwenConfig.from_hf_dict(dict(DENSE, num_key_value_heads=None)).num_key_value_heads == 4
 
 
 @pytest.mark.parametrize("key,value,bound", [

@@ -242,9 +242,11 @@ class QwenConfig:
         act = _activation(d, source)
         _require_sizes(d, source)
         heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
+        kv_heads = d.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else kv_heads   # 0 is refused, not defaulted
         _check_heads(heads, kv_heads, source)
-        head_dim = _positive(d.get("head_dim") or d["hidden_size"] // heads, "head_dim", source,
+        given = d.get("head_dim")   # transformers: None means hidden_size // heads, 0 is 0
+        head_dim = _positive(given if given is not None else d["hidden_size"] // heads, "head_dim", source,
                              integer=True, limit=SIZE_LIMITS["head_dim"])
         theta, scaling, _ = _read_rope(d, source, 1_000_000.0)
         eos = d.get("eos_token_id")
