@@ -101,10 +101,11 @@ def error_line(err: BaseException) -> str:
     text = str(err) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {text}"
-    line = "; ".join(part.strip() for part in text.splitlines() if part.strip())
+    from jscenegen.config import clip_text  # only on an error: `--help` stays light
+
     # a message that echoes a huge input (a 100 KB path or key) stays readable
-    return line if len(line) <= MAX_ERROR_CHARS else (
-        f"{line[:MAX_ERROR_CHARS]}... ({len(line):,} characters)")
+    return clip_text("; ".join(part.strip() for part in text.splitlines() if part.strip()),
+                     MAX_ERROR_CHARS)
 
 
 def stdout_reader_gone() -> bool:

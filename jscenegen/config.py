@@ -61,7 +61,7 @@ class Section(BaseModel):
 def _parse_value(text: str, item: str) -> Any:
     """An override's value as YAML (with the config files' guards), else the text itself."""
     try:
-        return load_yaml_text(text, f"override {_cut(item)}")
+        return load_yaml_text(text, f"override {clip_text(item)}")
     except yaml.YAMLError:
         return text
 
@@ -78,14 +78,14 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     given: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {_cut(repr(item))} is not of the form key.sub=value")
-        key, value = item.split("=", 1)
-        if key.strip() in given:
-            raise ConfigError(f"override {_cut(item)}: {_cut(key.strip())} is already set by "
-                              f"override {_cut(given[key.strip()])}; give each key once")
-        given[key.strip()] = item
+            raise ConfigError(f"override {clip_text(repr(item))} is not of the form key.sub=value")
+        key, value = override_key(item), item.split("=", 1)[1]
+        if key in given:
+            raise ConfigError(f"override {clip_text(item)}: {clip_text(key)} is already set by "
+                              f"override {clip_text(given[key])}; give each key once")
+        given[key] = item
         node = out
-        parts = key.strip().split(".")
+        parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
@@ -102,17 +102,22 @@ def _blame(loc: tuple, source: str, overrides: list[str]) -> str:
     section-level check) or above it (a list item), else the config `source`."""
     key = [str(p) for p in loc]
     for item in reversed(overrides):
-        parts = item.split("=", 1)[0].strip().split(".")
+        parts = override_key(item).split(".")
         n = min(len(parts), len(key))
         if parts[:n] == key[:n]:
-            return f"override {_cut(item)}"
+            return f"override {clip_text(item)}"
     return source
 
 
-def _cut(text: str, limit: int = 200) -> str:
-    """`text` cut to `limit` characters: an error line echoes what it refuses, not a megabyte
-    of it."""
+def clip_text(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters, its full length said: an error line echoes what it
+    refuses, not a megabyte of it."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def override_key(item: str) -> str:
+    """The dotted key of a `key.sub=value` override (`item` holds "=")."""
+    return item.split("=", 1)[0].strip()
 
 
 def _format_errors(err: ValidationError, source: str, overrides: list[str] = ()) -> str:
@@ -121,9 +126,9 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
         key = ".".join(str(p) for p in e["loc"])
         where = _blame(tuple(e["loc"]), source, list(overrides))
         if e["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key {_cut(repr(key))}")
+            lines.append(f"{where}: unknown key {clip_text(repr(key))}")
         else:
-            lines.append(f"{where}: {key}: {e['msg']} (got {_cut(repr(e.get('input')))})")
+            lines.append(f"{where}: {key}: {e['msg']} (got {clip_text(repr(e.get('input')))})")
     return "\n".join(lines)
 
 

@@ -88,8 +88,8 @@ def verify_step(step: Path) -> None:
     """Raise CheckpointError unless the checkpoint step's files match its checksums. The chat
     and the weights read the same step: it is hashed once per process while no file of it
     changes (name, size, modification time)."""
-    files = sorted((str(f.relative_to(step)), f.stat().st_size, f.stat().st_mtime_ns)
-                   for f in step.rglob("*") if f.is_file())
+    files = sorted((str(f.relative_to(step)), st.st_size, st.st_mtime_ns)
+                   for f in step.rglob("*") if f.is_file() for st in [f.stat()])
     key = (step.resolve(), tuple(files))
     if key in _VERIFIED:
         return

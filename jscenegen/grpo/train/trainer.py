@@ -332,8 +332,8 @@ class Trainer:
         KeyboardInterrupt at once, without a new checkpoint. `progress(row)` is called after each attempt.
         """
         t0 = time.perf_counter()
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        self._replaced_handlers = old
+        self._replaced_handlers = {s: signal.signal(s, self._on_signal)
+                                   for s in (signal.SIGTERM, signal.SIGINT)}
         attempts = 0
         last_saved = None
         try:
@@ -356,7 +356,7 @@ class Trainer:
                 last_saved = self.save()
             self.store.wait_until_finished()
         finally:
-            for s, handler in old.items():
+            for s, handler in self._replaced_handlers.items():
                 signal.signal(s, handler)
             self.logger.close()
         return RunSummary(attempts=self.pos.attempts, effective_updates=self.pos.effective_updates,
