@@ -134,16 +134,11 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
     message, which carries the prompt and the room) under `chat`; returns the count.
 
     Raises ValueError naming `sampling.max_episode_tokens` when they reach it: the episode
-    could not take a single turn (it would fail with `episode_token_cap`); or naming the
-    tokenizer's special tokens the prompt writes out (`<|im_end|>` would end the user's turn).
+    could not take a single turn (it would fail with `episode_token_cap`). A prompt that
+    spells out the tokenizer's special tokens is text like any other (`ChatTokenizer.encode_turns`).
     """
     from jscenegen.scene.episode import Episode
 
-    specials = chat.special_tokens_in(record.scene.prompt)
-    if specials:
-        raise ValueError(f"the prompt holds the tokenizer's special token(s) "
-                         f"{', '.join(specials)}: they would be read as chat structure (a turn "
-                         "boundary), not text; remove them")
     ep = Episode(record, cfg.scene, cfg.judge)
     _, ids = chat.start(ep.system_prompt(), ep.first_user_message())
     cap = cfg.sampling.max_episode_tokens

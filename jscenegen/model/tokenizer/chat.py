@@ -15,6 +15,11 @@ time and refuses it (ChatTemplateError naming the directory and what changed), a
 appended segment re-checks the prefix. A prefix-preserving template can be supplied instead
 (`chat_template_path`, e.g. jscenegen/model/tokenizer/templates/chatml.jinja).
 
+Message contents are text, never chat structure: a content that spells out a special token
+(a plan the Planner wrote with `<|im_end|>` in it, echoed to the Designer) is encoded with that
+token's text split into ordinary tokens, while the template's own text keeps its special tokens
+(`encode_turns`), so no message can open or close a turn.
+
 Qwen3.5: the official template is not prefix-preserving (docs/qwen35.md section 5: it
 rewrites assistant turns in thinking mode, trims them, and drops the empty think block of
 earlier turns). For a Qwen3.5 directory (`model_type` qwen3_5 / qwen3_5_text) whose own
@@ -28,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -96,8 +102,7 @@ class Conversation:
         Raises ChatTemplateError when rendering the longer conversation changes earlier text.
         """
         messages = self.messages + [{"role": "user", "content": content}]
-        full = self.chat.render(messages, add_generation_prompt=True)
-        ids = self.chat.encode(self.chat.delta(self.text, full))
+        full, ids = self.chat.encode_turns(self.text, messages, new=1)
         self.messages, self.text = messages, full
         return ids
 
@@ -204,6 +209,16 @@ class ChatTokenizer:
             raise ChatTemplateError(f"{self.source}: tokenising {text[:60]!r}... does not round-trip")
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with every special token it spells out read as ordinary text
+        (tokenizers' `split_special_tokens`); raises ChatTemplateError when they do not decode
+        back to `text`."""
+        ids = list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        if self.decode(ids) != text:
+            raise ChatTemplateError(f"{self.source}: tokenising {text[:60]!r}... as plain text "
+                                    "does not round-trip")
+        return ids
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens included, no clean-up."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False,
@@ -237,8 +252,65 @@ class ChatTokenizer:
     def start(self, system: str, user: str) -> tuple[Conversation, list[int]]:
         """A new conversation and its prompt tokens (system, user, generation prompt)."""
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        text = self.render(messages, add_generation_prompt=True)
-        return Conversation(self, messages, text), self.encode(text)
+        text, ids = self.encode_turns("", messages, new=2)
+        return Conversation(self, messages, text), ids
+
+    def encode_turns(self, before: str, messages: Sequence[dict], new: int) -> tuple[str, list[int]]:
+        """The rendering of `messages` with the generation prompt, and the ids of its text after
+        `before` (the rendering so far), in which the last `new` messages are written.
+
+        The template's own text is encoded with its special tokens; the contents of the `new`
+        messages never are: text a model wrote (a plan echoed to the next role, an action
+        quoted back) that spells out `<|im_end|>` stays ordinary text instead of becoming a turn
+        boundary (`encode_plain`). Contents without special-token text are encoded with the
+        template's text in one piece, exactly as tokenising the whole rendering would.
+        Raises ChatTemplateError when `before` is not a prefix of the rendering, or when the
+        template writes a content in a way that depends on the other contents.
+        """
+        full = self.render(messages, add_generation_prompt=True)
+        delta = self.delta(before, full)
+        contents = [m["content"] for m in messages[len(messages) - new:]]
+        if not any(self.special_tokens_in(c) for c in contents):
+            return full, self.encode(delta)
+        ids = []
+        for piece, is_content in self._content_spans(before, messages, new, delta):
+            ids += self.encode_plain(piece) if is_content else self.encode(piece)
+        return full, ids
+
+    def _content_spans(self, before: str, messages: Sequence[dict], new: int,
+                       delta: str) -> list[tuple[str, bool]]:
+        """`delta` cut into (text, is_content) pieces: the template's text and, in order, the
+        last `new` messages' contents as rendered (a template may trim them). Each content is
+        found by rendering it alone among unique markers standing for the others."""
+        first = len(messages) - new
+        marks = [f"\u2063content-{uuid.uuid4().hex}\u2063" for _ in range(new)]
+
+        def render_with(real: int | None) -> str:
+            shown = [dict(m, content=m["content"] if i - first == real else marks[i - first])
+                     if i >= first else m for i, m in enumerate(messages)]
+            return self.delta(before, self.render(shown, add_generation_prompt=True))
+
+        marked = render_with(None)
+        cuts = [marked.find(m) for m in marks]
+        refused = ChatTemplateError(f"{self.source}: the chat template does not write each "
+                                    "message's content once and on its own, so contents that "
+                                    "spell out special tokens cannot be kept as text")
+        if any(marked.count(m) != 1 for m in marks) or cuts != sorted(cuts):
+            raise refused
+        structure = [marked[:cuts[0]]] + [
+            marked[cut + len(mark):(cuts[k + 1] if k + 1 < new else len(marked))]
+            for k, (mark, cut) in enumerate(zip(marks, cuts))]
+        pieces = [(structure[0], False)]
+        for k, (mark, cut) in enumerate(zip(marks, cuts)):
+            alone = render_with(k)
+            prefix, suffix = marked[:cut], marked[cut + len(mark):]
+            if not (alone.startswith(prefix) and alone.endswith(suffix)
+                    and len(alone) >= len(prefix) + len(suffix)):
+                raise refused
+            pieces += [(alone[len(prefix):len(alone) - len(suffix)], True), (structure[k + 1], False)]
+        if "".join(p for p, _ in pieces) != delta:
+            raise refused
+        return [(p, c) for p, c in pieces if p]
 
     def delta(self, before: str, after: str) -> str:
         """`after` minus its prefix `before`; raises ChatTemplateError when `before` is not one."""
