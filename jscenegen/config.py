@@ -89,9 +89,10 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(
-                    f"override {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section"
-                )
+                section = ".".join(parts[: i + 1])
+                setter = f" set by override {clip_text(given[section])}" if section in given else ""
+                raise ConfigError(f"override {clip_text(repr(key))}: {clip_text(section)} is a "
+                                  f"value{setter}, not a section")
             node = child
         node[parts[-1]] = _parse_value(value, item)
     return out

@@ -122,6 +122,9 @@ def test_an_override_given_twice_is_refused_and_a_long_bad_value_is_cut(tmp_path
     with pytest.raises(ConfigError, match=r"^override model.remat=false: model.remat is already "
                                           r"set by override model.remat=true; give each key once$"):
         load_config(None, ["model.remat=true", "model.remat=false"], RunConfig)
+    with pytest.raises(ConfigError, match=r"^override 'schedule.train_set': schedule is a value "
+                                          r"set by override schedule=5, not a section$"):
+        load_config(None, ["schedule=5", "schedule.train_set=x"], RunConfig)
     with pytest.raises(ConfigError) as info:
         load_config(None, ["schedule.roles=" + "[" + ",".join(["D"] * 10000) + "]"], RunConfig)
     msg = str(info.value)
