@@ -76,12 +76,15 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     for a VERL source converted to HF or orbax (convert/carried.py); refused elsewhere.
     An HF or VERL source covered by a `checksums.json` is verified first (`verify_source`).
     Raises ConvertError for a missing source, a destination inside the source (or the other
-    way round), a source that fails its checksums, an unknown direction or a missing world
-    size.
+    way round) or one that exists and is not empty (or is a symbolic link), a source that
+    fails its checksums, an unknown direction or a missing world size.
     """
+    from jscenegen.paths import require_new_dir
+
     if not Path(src).exists():
         raise ConvertError(f"{src}: no such file or directory")
     refuse_nested(src, dst)
+    require_new_dir(dst, ConvertError)
     for f in (src_format, dst_format):
         if f not in FORMATS:
             raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")
@@ -91,6 +94,9 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     if (src_format, dst_format) not in table:
         have = ", ".join(f"{a}->{b}" for a, b in sorted(table))
         raise ConvertError(f"{src_format} -> {dst_format} is not available (have: {have})")
+    if world_size is not None and dst_format != "verl":
+        raise ConvertError(f"--world-size sets the ranks of a VERL output; --to {dst_format} "
+                           "writes none (leave it out)")
     if dst_format == "verl" and world_size is None:
         if src_format != "verl":
             raise ConvertError("--world-size is required to write VERL rank files")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -49,16 +50,11 @@ class SafetensorsReader:
             try:
                 with open(path, "rb") as f:
                     (n,) = struct.unpack("<Q", f.read(8))
-                    self._headers[path] = (8 + n, json.loads(f.read(n)))
-            except (OSError, struct.error, ValueError) as err:
+                    header = (8 + n, json.loads(f.read(n)))
+            except (OSError, struct.error, ValueError, RecursionError) as err:
                 raise ConvertError(f"{path}: not a readable safetensors file ({err})") from None
-            data_start, header = self._headers[path]
-            size = path.stat().st_size  # a cut file fails here, before any tensor is written out
-            short = [k for k, e in header.items() if k != "__metadata__"
-                     and data_start + int(e["data_offsets"][1]) > size]
-            if short:
-                raise ConvertError(f"{path}: truncated: {len(short)} tensor(s) end beyond the "
-                                   f"file's {size} bytes, e.g. {sorted(short)[0]}")
+            _check_header(path, *header)
+            self._headers[path] = header
         data_start, header = self._headers[path]
         return path, data_start, header[name]
 
@@ -69,11 +65,7 @@ class SafetensorsReader:
     def dtype(self, name: str) -> np.dtype:
         """The stored dtype of `name` (from the file header; no data read)."""
         path, _, entry = self._entry(name)
-        for dt, code in SAFETENSORS.items():
-            if code == entry["dtype"]:
-                return np_dtype(dt)
-        raise ConvertError(f"{path}: {name} has dtype {entry['dtype']}; supported: "
-                           f"{', '.join(SAFETENSORS.values())}")
+        return _entry_dtype(path, name, entry)
 
     def _read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of dim 0 of `name` (a scalar is one row), read into a fresh array."""
@@ -110,3 +102,44 @@ class SafetensorsReader:
 
     def names(self) -> Iterator[str]:
         return iter(self.files)
+
+
+def _entry_dtype(path: Path, name: str, entry: dict) -> np.dtype:
+    for dt, code in SAFETENSORS.items():
+        if code == entry.get("dtype"):
+            return np_dtype(dt)
+    raise ConvertError(f"{path}: {name} has dtype {str(entry.get('dtype'))[:40]}; supported: "
+                       f"{', '.join(SAFETENSORS.values())}")
+
+
+def _check_header(path: Path, data_start: int, header: object) -> None:
+    """Refuse a header whose entries are not {dtype, shape, data_offsets} with byte ranges
+    that hold exactly their dtype x shape, lie inside the file and do not overlap (the rules
+    the safetensors format states; a cut file fails here, before any tensor is written out)."""
+    if not isinstance(header, dict):
+        raise ConvertError(f"{path}: the safetensors header is not a JSON object")
+    size = path.stat().st_size
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
+                and all(type(x) is int and x >= 0 for x in offsets + shape)
+                and offsets[0] <= offsets[1]):
+            raise ConvertError(f"{path}: {name}: the header entry needs dtype, shape (sizes >= 0) "
+                               "and data_offsets [begin, end] with 0 <= begin <= end")
+        nbytes = math.prod(shape) * _entry_dtype(path, name, entry).itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise ConvertError(f"{path}: {name} spans {offsets[1] - offsets[0]} bytes, "
+                               f"{entry['dtype']}{shape} needs {nbytes}")
+        spans.append((offsets[0], offsets[1], name))
+    short = sorted(name for _, end, name in spans if data_start + end > size)
+    if short:
+        raise ConvertError(f"{path}: truncated: {len(short)} tensor(s) end beyond the file's "
+                           f"{size} bytes, e.g. {short[0]}")
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ConvertError(f"{path}: the data of {a} and {b} overlap")

@@ -67,16 +67,33 @@ def load_pt(path: str | Path, *, mmap: bool = True) -> Any:
     return obj
 
 
-def _check_numpy(obj: Any, path: Path, depth: int = 0) -> None:
-    """Refuse numpy arrays of object/void dtype anywhere in `obj` (a nested container)."""
-    if depth > 32:
-        raise ConvertError(f"{path}: nesting deeper than 32 levels")
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.kind not in "biuf":
-            raise ConvertError(f"{path}: numpy array of dtype {obj.dtype} refused (numbers only)")
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _check_numpy(v, path, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _check_numpy(v, path, depth + 1)
+MAX_NODES = 1_000_000
+
+
+def _check_numpy(obj: Any, path: Path) -> None:
+    """Refuse numpy arrays of object/void dtype anywhere in `obj` (a nested container), and
+    containers nested deeper than 32 levels or holding more than MAX_NODES distinct values.
+    A container reached twice is walked once: a pickle can share one list many times over, a
+    few KB that would expand exponentially if walked as a tree."""
+    seen: set[int] = set()
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > 32:
+            raise ConvertError(f"{path}: nesting deeper than 32 levels")
+        if isinstance(node, np.ndarray):
+            if node.dtype.kind not in "biuf":
+                raise ConvertError(f"{path}: numpy array of dtype {node.dtype} refused (numbers only)")
+            continue
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) + len(stack) + len(children) > MAX_NODES:
+            raise ConvertError(f"{path}: refused: more than {MAX_NODES:,} nested values")
+        stack.extend((c, depth + 1) for c in children)

@@ -135,13 +135,92 @@ def _check_rank_files(d: Path) -> tuple[int, tuple[str, ...]]:
     return world_size, tuple(k for k in KINDS if k in found)
 
 
+def _check_float(f: Path, key: str, t: Any, first: Any) -> None:
+    """Refuse a shard that is not floating point, or whose dtype differs from rank 0's
+    (`first`; None on rank 0): one tensor is saved in one dtype on every rank."""
+    if not t.is_floating_point():
+        raise ConvertError(f"{f}: {key} has dtype {t.dtype}; weights and AdamW moments are "
+                           "floating point")
+    if first is not None and t.dtype != first.dtype:
+        raise ConvertError(f"{f}: {key} has dtype {t.dtype} on this rank but {first.dtype} on "
+                           "rank 0")
+
+
+def _check_optim_structure(f: Path, sd: dict) -> None:
+    """Refuse an optimizer file whose `state` / `param_groups` are not torch AdamW's shapes:
+    state {int index: {"exp_avg", "exp_avg_sq", "step": a finite number}}, param_groups
+    [{"params": [int, ...], ...}]."""
+    import torch
+
+    groups, state = sd["param_groups"], sd["state"]
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in g["params"])
+            for g in groups):
+        raise ConvertError(f"{f}: param_groups must be a list of dicts, each with a list of "
+                           "integer parameter indices under 'params'")
+    if not isinstance(state, dict):
+        raise ConvertError(f"{f}: state is a {type(state).__name__}, expected a dict of "
+                           "parameter index -> AdamW state")
+    for i, st in state.items():
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ConvertError(f"{f}: state key {i!r} is not a parameter index")
+        if not isinstance(st, dict) or not {"exp_avg", "exp_avg_sq", "step"} <= set(st):
+            raise ConvertError(f"{f}: state[{i}] lacks exp_avg/exp_avg_sq/step; not a torch "
+                               "AdamW state")
+        step = st["step"]
+        if isinstance(step, torch.Tensor):
+            step = step.item() if step.numel() == 1 else None
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+            raise ConvertError(f"{f}: state[{i}].step is {st['step']!r:.80}, expected one finite "
+                               "number")
+
+
+def _check_extra_state(f: Path, st: dict) -> None:
+    """Refuse VERL extra state whose scheduler or RNG states are not the shapes torch, numpy
+    and Python write (verl/utils/checkpoint/checkpoint_manager.py: get_rng_state)."""
+    import torch
+
+    sched = st.get("lr_scheduler")
+    if sched is not None:
+        if not isinstance(sched, dict):
+            raise ConvertError(f"{f}: lr_scheduler is a {type(sched).__name__}, expected a "
+                               "scheduler state_dict")
+        epoch = sched.get("last_epoch")
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise ConvertError(f"{f}: lr_scheduler.last_epoch is {epoch!r:.80}, expected an integer "
+                               "(the steps a torch scheduler state_dict has taken)")
+    rng = st.get("rng")
+    if rng is None:
+        return
+    if not isinstance(rng, dict):
+        raise ConvertError(f"{f}: rng is a {type(rng).__name__}, expected a dict")
+    for dev, state in rng.items():
+        if dev == "numpy":
+            ok = (isinstance(state, tuple) and len(state) == 5 and isinstance(state[0], str)
+                  and isinstance(state[1], np.ndarray) and state[1].dtype.kind in "iu"
+                  and all(isinstance(x, (int, float)) for x in state[2:]))
+            what = "numpy.random.get_state()'s 5-tuple (kind, key array, pos, has_gauss, gauss)"
+        elif dev == "random":
+            ok = (isinstance(state, tuple) and len(state) == 3 and isinstance(state[1], tuple)
+                  and all(isinstance(x, int) for x in state[1]))
+            what = "random.getstate()'s 3-tuple (version, internal state, gauss)"
+        else:
+            ok = isinstance(state, torch.Tensor) and state.dtype == torch.uint8
+            what = "a torch uint8 generator state"
+        if not ok:
+            raise ConvertError(f"{f}: rng[{dev!r}] is not {what}")
+
+
 def _check_fsdp_config(f: Path, world_size: int) -> None:
     if not f.is_file():
         return  # checkpoints before VERL 0.4.1 lack it; the file names carry W
     try:
         cfg = json.loads(f.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise ConvertError(f"{f}: not valid JSON: {err}") from None
+    if not isinstance(cfg, dict):
+        raise ConvertError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
     if cfg.get("world_size") != world_size:
         raise ConvertError(
             f"{f}: world_size {cfg.get('world_size')!r} contradicts the rank files "
@@ -217,6 +296,7 @@ class VerlCheckpoint:
         self.embedding = embedding_name(self.config)
         self._check_keys()
         self._check_owners()
+        self.check_tensors()
 
     # ---- files -------------------------------------------------------------------------
     @property
@@ -272,9 +352,32 @@ class VerlCheckpoint:
         """Reassemble one tensor from its per-rank entries (DTensor or plain tensor)."""
         from torch.distributed.tensor import DTensor
 
-        first = entries[0]
-        if not isinstance(first, DTensor):
+        if not isinstance(entries[0], DTensor):
             return self._gather_plain(kind, key, entries, shape)
+        dim, locals_ = self._local_shards(kind, key, entries, shape)
+        full = np.empty(shape, dtype=to_numpy(locals_[0]).dtype)
+        start = 0
+        for t in locals_:  # shard by shard: one sequential bulk read each, then release it
+            storage = t.untyped_storage()
+            pages.will_need(storage.data_ptr(), storage.nbytes())
+            a = to_numpy(t)
+            if dim is None:  # Replicate: rank 0's copy is the tensor
+                full[...] = a
+            else:
+                stop = start + a.shape[dim]
+                full[(slice(None),) * dim + (slice(start, stop),)] = a
+                start = stop
+            pages.dont_need(storage.data_ptr(), storage.nbytes())
+        return full
+
+    def _local_shards(self, kind: str, key: str, entries: list[Any],
+                      shape: tuple[int, ...]) -> tuple[int | None, list[Any]]:
+        """(shard dim or None, the local tensors to reassemble) of one DTensor's per-rank
+        entries, every rank's placement, global and local shape and dtype checked (metadata
+        only: no data is read)."""
+        from torch.distributed.tensor import DTensor
+
+        first = entries[0]
         dim = self._shard_dim(self.layout.rank_file(kind, 0), key, first, rank=0)
         n_shards = mesh_info(first.device_mesh)["sizes"][-1] if dim is not None else 1
         locals_ = []
@@ -296,21 +399,38 @@ class VerlCheckpoint:
             if tuple(local.shape) != want:
                 raise ConvertError(f"{f}: {key} local shard {tuple(local.shape)}, expected {want} "
                                    f"({t.placements} of {shape} over {n_shards} ranks)")
+            _check_float(f, key, local, locals_[0] if locals_ else None)
             locals_.append(local)
-        full = np.empty(shape, dtype=to_numpy(locals_[0]).dtype)
-        start = 0
-        for t in locals_:  # shard by shard: one sequential bulk read each, then release it
-            storage = t.untyped_storage()
-            pages.will_need(storage.data_ptr(), storage.nbytes())
-            a = to_numpy(t)
-            if dim is None:  # Replicate: rank 0's copy is the tensor
-                full[...] = a
-            else:
-                stop = start + a.shape[dim]
-                full[(slice(None),) * dim + (slice(start, stop),)] = a
-                start = stop
-            pages.dont_need(storage.data_ptr(), storage.nbytes())
-        return full
+        return dim, locals_
+
+    def check_tensors(self) -> None:
+        """Every model entry and AdamW moment checked as reading it would check it, from the
+        files' metadata alone (`_local_shards`; plain tensors: type, shape, dtype): a writer
+        that reads lazily (orbax) then meets no malformed entry half-way. Raises ConvertError."""
+        from torch.distributed.tensor import DTensor
+
+        names = dict(self.shapes)
+        if self.tied:
+            names["lm_head.weight"] = self.shapes[self.embedding]
+        entries = [("model", key, [sd[key] for sd in self._model_files], shape)
+                   for key, shape in names.items()]
+        if self.has_optimizer():
+            for name in self.trainable:
+                i = self.param_order.index(name)
+                states = [sd["state"].get(i) for sd in self._optim_files]
+                for r, st in enumerate(states):
+                    if not isinstance(st, dict):
+                        raise ConvertError(f"{self.layout.rank_file('optim', r)}: no AdamW "
+                                           f"state for index {i} ({name})")
+                entries += [("optim", f"state[{i}].{m} ({name})", [st[m] for st in states],
+                             self.shapes[name]) for m in ("exp_avg", "exp_avg_sq")]
+        for kind, key, values, shape in entries:
+            if isinstance(values[0], DTensor):
+                self._local_shards(kind, key, values, tuple(shape))
+                continue
+            for r, t in enumerate(values):
+                self._check_plain(self.layout.rank_file(kind, r), key, t, tuple(shape),
+                                  values[0] if r else None)
 
     def _shard_dim(self, f: Path, key: str, t: Any, rank: int) -> int | None:
         """Shard dim of DTensor `t` (None = Replicate) read from rank file `f` of `rank`.
@@ -352,14 +472,21 @@ class VerlCheckpoint:
         first = entries[0]
         for r, t in enumerate(entries):
             f = self.layout.rank_file(kind, r)
-            if not isinstance(t, torch.Tensor):
-                raise ConvertError(f"{f}: {key} is a {type(t).__name__}, expected a tensor")
-            if tuple(t.shape) != shape:
-                raise ConvertError(f"{f}: {key} has shape {tuple(t.shape)}, expected {shape} "
-                                   "(plain tensors must be replicated whole on every rank)")
+            self._check_plain(f, key, t, shape, first if r else None)
             if r and not torch.equal(t, first):
                 raise ConvertError(f"{f}: replicated {key} differs from rank 0's copy")
         return np.array(to_numpy(first))
+
+    @staticmethod
+    def _check_plain(f: Path, key: str, t: Any, shape: tuple[int, ...], first: Any) -> None:
+        import torch
+
+        if not isinstance(t, torch.Tensor):
+            raise ConvertError(f"{f}: {key} is a {type(t).__name__}, expected a tensor")
+        if tuple(t.shape) != shape:
+            raise ConvertError(f"{f}: {key} has shape {tuple(t.shape)}, expected {shape} "
+                               "(plain tensors must be replicated whole on every rank)")
+        _check_float(f, key, t, first)
 
     # ---- model -------------------------------------------------------------------------
     def tensor_info(self) -> dict[str, TensorInfo]:
@@ -393,16 +520,21 @@ class VerlCheckpoint:
         for name, shape in self.shapes.items():
             yield name, self.read_param(name, shape)
         if self.tied and include_tied_alias:
-            head = self.read_param("lm_head.weight", self.shapes[self.embedding])
-            emb = self.read_param(self.embedding, head.shape)
-            if not np.array_equal(head, emb):
-                raise ConvertError(f"{self.layout.rank_file('model', 0)}: lm_head.weight differs "
-                                   f"from {self.embedding} although the config ties them")
-            yield "lm_head.weight", head
+            yield "lm_head.weight", self._read_entry("lm_head.weight", self.shapes[self.embedding])
 
     def read_param(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The full array of one model entry."""
+        """The full array of one model entry. With tied embeddings, reading the embedding
+        also reads the files' `lm_head.weight` alias and raises ConvertError when it differs
+        (a converted checkpoint keeps one of the two)."""
         shape = tuple(shape or self.shapes[name])
+        full = self._read_entry(name, shape)
+        if self.tied and name == self.embedding:
+            if not np.array_equal(self._read_entry("lm_head.weight", shape), full):
+                raise ConvertError(f"{self.layout.rank_file('model', 0)}: lm_head.weight differs "
+                                   f"from {self.embedding} although the config ties them")
+        return full
+
+    def _read_entry(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return self._gather("model", name, [sd[name] for sd in self._model_files], shape)
 
     # ---- optimizer ---------------------------------------------------------------------
@@ -416,6 +548,7 @@ class VerlCheckpoint:
             sd = self._load("optim", r)
             if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
                 raise ConvertError(f"{f}: not a torch optimizer state_dict (needs state, param_groups)")
+            _check_optim_structure(f, sd)
             n = len(self.param_order)
             params = [i for g in sd["param_groups"] for i in g.get("params", [])]
             if sorted(params) != list(range(n)):
@@ -479,7 +612,7 @@ class VerlCheckpoint:
         steps = set()
         for r, sd in enumerate(self._optim_files):
             for i, st in sd["state"].items():
-                steps.add(float(st["step"]))
+                steps.add(float(st["step"]))   # one finite number (_check_optim_structure)
         if len(steps) != 1:
             raise ConvertError(f"{self.layout.shard_dir}: optimizer step differs across ranks/params: {sorted(steps)}")
         (step,) = steps
@@ -503,6 +636,7 @@ class VerlCheckpoint:
             if not isinstance(st, dict) or not set(st) <= {"lr_scheduler", "rng"}:
                 raise ConvertError(f"{f}: expected keys lr_scheduler, rng; got "
                                    f"{sorted(st) if isinstance(st, dict) else type(st).__name__}")
+            _check_extra_state(f, st)
             out.append(st)
         return out
 

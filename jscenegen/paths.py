@@ -258,6 +258,8 @@ def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExists
     p = Path(path)
     if not str(path).strip():
         raise exists_error("an empty destination path; give a directory to create")
+    if p.is_symlink():
+        raise exists_error(f"{path}: is a symbolic link; give the directory's own path")
     if p.is_dir() and any(p.iterdir()):
         raise exists_error(f"{path}: already exists and is not empty; choose a new destination")
     check_output_dir(p, exists_error)
@@ -276,8 +278,10 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
     path = Path(path)
     if not replace:
         require_new_dir(path, exists_error)
+    created = [a for a in reversed(path.absolute().parents) if not a.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    done = False
     try:
         yield tmp
         umask_mode(tmp)
@@ -290,6 +294,11 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        done = True
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if not done:  # the parents this call created, deepest first, while still empty
+            for d in reversed(created):
+                with contextlib.suppress(OSError):
+                    d.rmdir()

@@ -73,3 +73,27 @@ def test_missing_or_malformed_checksum_file(tree):
     (tree / "checksums.json").write_text(json.dumps({"files": {"a.txt": {"sha256": "00"}}}))
     with pytest.raises(ChecksumError, match="entry 'a.txt'"):
         read_checksums(tree)
+
+
+@pytest.mark.parametrize("rel", ["../outside.txt", "sub/../../outside.txt", "/etc/hostname",
+                                 "./a.txt", "sub//b.bin"])
+def test_an_entry_outside_the_directory_is_refused_before_any_file_is_read(tree, rel):
+    (tree.parent / "outside.txt").write_bytes(b"not ours")
+    write_checksums(tree)
+    doc = json.loads((tree / "checksums.json").read_text())
+    doc["files"][rel] = {"sha256": "0" * 64, "bytes": 8}
+    (tree / "checksums.json").write_text(json.dumps(doc))
+    with pytest.raises(ChecksumError, match=r"is not a relative POSIX path inside"):
+        verify_checksums(tree)
+
+
+@pytest.mark.parametrize("text,message", [("[]", "training metadata must be a JSON object, got list"),
+                                          (b"\xff", "cannot read training metadata"),
+                                          ("[" * 100000, "cannot read training metadata")])
+def test_malformed_training_metadata_is_one_error_naming_the_file(tmp_path, text, message):
+    from jscenegen.checkpoint.store import CheckpointError, read_metadata
+
+    f = tmp_path / "training_metadata.json"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(CheckpointError, match=rf"training_metadata\.json: {message}"):
+        read_metadata(tmp_path)

@@ -160,8 +160,8 @@ def test_a_copied_rank_file_is_refused_before_any_write_in_every_direction(actor
         VerlCheckpoint(actor)
     for to in ("orbax", "hf", "verl"):
         out = tmp_path / f"out-{to}"
-        assert main(["convert", str(actor), str(out), "--from", "verl", "--to", to,
-                     "--world-size", "2"]) == 2
+        ranks = ["--world-size", "2"] if to == "verl" else []
+        assert main(["convert", str(actor), str(out), "--from", "verl", "--to", to, *ranks]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and f"{kind}_world_size_6_rank_2.pt: holds the shard" in err, err
         _assert_nothing_written(tmp_path, out.name)
@@ -225,3 +225,132 @@ def test_hf_to_orbax_names_the_source_without_a_tokenizer(tmp_path):
         hf_to_orbax(src, tmp_path / "out")
     assert "jscenegen-hf-assets" not in str(err.value)
     _assert_nothing_written(tmp_path)
+
+
+def _edit(f, change):
+    import torch
+
+    sd = load_pt(f, mmap=False)  # never rewrite a file that is memory-mapped
+    change(sd)
+    torch.save(sd, f)
+
+
+def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
+    """A few KB whose shared lists expand to 2^30 leaves when walked as a tree: each list is
+    checked once (the RNG state's own check then refuses it); nesting past 32 is refused."""
+    import torch
+
+    nested: list = []
+    for _ in range(30):
+        nested = [nested, nested]
+    f = tmp_path / "extra_state_world_size_1_rank_0.pt"
+    torch.save({"rng": {"numpy": nested}, "lr_scheduler": None}, f)
+    assert f.stat().st_size < 10_000
+    loaded = load_pt(f)["rng"]["numpy"]          # seconds, not the hours of a tree walk
+    assert loaded[0] is loaded[1]
+    deep = {"rng": {"random": [[[]]] * 3}}
+    for _ in range(40):
+        deep = {"x": deep}
+    torch.save(deep, f)
+    with pytest.raises(ConvertError, match="nesting deeper than 32 levels"):
+        load_pt(f)
+
+
+@pytest.mark.parametrize("kind,change,message", [
+    ("optim", lambda sd: sd["state"][0].__setitem__("step", __import__("torch").tensor(float("inf"))),
+     r"optim_world_size_6_rank_0\.pt: state\[0\]\.step is tensor\(inf\), expected one finite number"),
+    ("optim", lambda sd: sd["state"][0].__setitem__("step", __import__("torch").tensor([1.0, 2.0])),
+     r"state\[0\]\.step is tensor\(\[1\., 2\.\]\)"),
+    ("optim", lambda sd: sd.__setitem__("state", list(sd["state"].values())),
+     r"state is a list, expected a dict of parameter index"),
+    ("optim", lambda sd: sd.__setitem__("param_groups", [1, 2]),
+     r"param_groups must be a list of dicts"),
+    ("extra_state", lambda sd: sd["lr_scheduler"].pop("last_epoch"),
+     r"extra_state_world_size_6_rank_0\.pt: lr_scheduler\.last_epoch is None, expected an integer"),
+    ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", 1)),
+     r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple"),
+    ("extra_state", lambda sd: sd["rng"].__setitem__("random", [3, [1], None]),
+     r"rng\['random'\] is not random\.getstate\(\)'s 3-tuple"),
+])
+def test_malformed_optimizer_or_extra_state_fields_are_named(actor, tmp_path, kind, change, message):
+    from convert.orbax_directions import verl_to_orbax
+
+    _edit(actor / f"{kind}_world_size_6_rank_0.pt", change)
+    with pytest.raises(ConvertError, match=message):
+        verl_to_orbax(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_a_shard_of_another_dtype_or_an_integer_weight_is_refused(actor, tmp_path):
+    import torch
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def to(dtype):
+        def change(sd):
+            t = sd[name]
+            sd[name] = type(t).from_local(t._local_tensor.to(dtype), t.device_mesh, t.placements,
+                                          shape=t.shape, stride=t.stride())
+        return change
+
+    _edit(actor / "model_world_size_6_rank_1.pt", to(torch.bfloat16))
+    with pytest.raises(ConvertError, match=rf"rank_1\.pt: {name} has dtype torch\.bfloat16 on "
+                                           r"this rank but torch\.float32 on rank 0"):
+        verl_to_hf(actor, tmp_path / "out")
+    for r in range(6):
+        _edit(actor / f"model_world_size_6_rank_{r}.pt", to(torch.int32))
+    with pytest.raises(ConvertError, match=rf"rank_0\.pt: {name} has dtype torch\.int32; weights"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path):
+    def change(sd):  # a head of its own (FSDP2 saves a tied head as the embedding's storage)
+        t = sd["lm_head.weight"]
+        sd["lm_head.weight"] = type(t).from_local(t._local_tensor + 1.0, t.device_mesh, t.placements,
+                                                  shape=t.shape, stride=t.stride())
+
+    for r in range(6):
+        _edit(actor / f"model_world_size_6_rank_{r}.pt", change)
+    with pytest.raises(ConvertError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda h, q: h[q].__setitem__("data_offsets", [0, h[q]["data_offsets"][1] - h[q]["data_offsets"][0]]),
+     r"the data of .* overlap"),
+    (lambda h, q: h[q].pop("data_offsets"), r"the header entry needs dtype, shape"),
+    (lambda h, q: h[q].__setitem__("data_offsets", [-4, 0]), r"the header entry needs dtype, shape"),
+    (lambda h, q: h[q].__setitem__("data_offsets", [1.5, 2]), r"the header entry needs dtype, shape"),
+    (lambda h, q: h[q].__setitem__("dtype", "F7"), r"has dtype F7; supported"),
+])
+def test_a_malformed_safetensors_header_is_refused_naming_file_and_tensor(tiny_hf, tmp_path, change,
+                                                                         message):
+    import struct
+
+    from convert.dispatch import convert
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_hf["qwen3"], src)
+    f = src / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    change(header, q)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    for fmt in ("verl", "orbax"):
+        with pytest.raises(ValueError, match=rf"model\.safetensors: .*{message}"):
+            convert(src, tmp_path / "out", src_format="hf", dst_format=fmt,
+                    world_size=2 if fmt == "verl" else None)
+        _assert_nothing_written(tmp_path)
+
+
+def test_world_size_is_refused_for_an_output_without_ranks(actor, tmp_path):
+    from convert.dispatch import convert
+
+    with pytest.raises(ConvertError, match=r"--world-size sets the ranks of a VERL output; --to hf"):
+        convert(actor, tmp_path / "out", src_format="verl", dst_format="hf", world_size=2)

@@ -98,3 +98,24 @@ def test_outputs_never_land_inside_a_checkpoint_or_become_a_run_step(tmp_path):
     check_output_dir(step.parent / "exported")        # a name the trainer does not read as a step
     check_output_dir(tmp_path / "run" / "other")      # beside the checkpoints: fine
     assert sorted(p.name for p in step.parent.iterdir()) == ["1"]
+
+
+def test_a_failed_atomic_dir_removes_the_parents_it_created_and_a_link_is_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_dir(tmp_path / "a" / "b" / "c" / "out") as tmp:
+            (tmp / "f").write_text("x")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError):
+        with atomic_dir(tmp_path / "kept" / "new" / "out"):
+            raise RuntimeError("boom")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and not any((tmp_path / "kept").iterdir())
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for name in ("link", "dangling"):
+        with pytest.raises(FileExistsError, match=rf"{name}: is a symbolic link"):
+            with atomic_dir(tmp_path / name):
+                pass
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()

@@ -77,12 +77,16 @@ def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, di
         raise ChecksumError(f"{path}: missing (no checksums were written, or the write was cut off)")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise ChecksumError(f"{path}: not valid JSON: {err}") from None
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise ChecksumError(f"{path}: expected an object with key 'files' mapping path -> entry")
     for rel, entry in files.items():
+        parts = rel.split("/")
+        if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ChecksumError(f"{path}: entry {rel[:200]!r} is not a relative POSIX path inside "
+                                f"{Path(root)} (no '..', '.', empty or absolute parts)")
         if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
                 or not isinstance(entry.get("bytes"), int)):
             raise ChecksumError(f"{path}: entry {rel!r} must be {{'sha256': str, 'bytes': int}}")

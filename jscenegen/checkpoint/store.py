@@ -40,6 +40,7 @@ padded, sharded abstract target (orbax fills the padding rows with zeros), on an
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -341,15 +342,39 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
     """`training_metadata.json` of a step directory. Raises CheckpointError if absent/invalid."""
     path = Path(step_dir) / METADATA_NAME
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(f"{path}: cannot read training metadata: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: training metadata must be a JSON object, got "
+                              f"{type(meta).__name__}")
+    return meta
 
 
 def read_train_state(step_dir: str | Path) -> dict[str, Any]:
-    """The trainer's JSON state of a step directory (the orbax `train_state` item)."""
+    """The trainer's JSON state of a step directory (the orbax `train_state` item). Raises
+    CheckpointError naming the item when orbax cannot read it or it is not an object."""
     path = _item_dir(Path(step_dir), TRAIN_STATE_ITEM)
-    return ocp.JsonCheckpointHandler().restore(path, args=ocp.args.JsonRestore())
+    with _orbax_reading(path):
+        state = ocp.JsonCheckpointHandler().restore(path, args=ocp.args.JsonRestore())
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: the train state must be a JSON object, got "
+                              f"{type(state).__name__}")
+    return state
+
+
+@contextlib.contextmanager
+def _orbax_reading(path: Path):
+    """Turn an orbax/tensorstore failure while reading `path` into one CheckpointError naming
+    it (a step whose checksums verify but whose files another program wrote malformed)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as err:  # orbax and tensorstore raise anything on a malformed item
+        detail = " ".join(str(err).split())[:300]
+        raise CheckpointError(f"{path}: orbax cannot read this item ({type(err).__name__}: "
+                              f"{detail})") from None
 
 
 def _item_dir(step_dir: Path, item: str) -> Path:
@@ -365,21 +390,28 @@ def _read_pytree(step_dir: Path, item: str, restore_args: dict) -> dict:
     Uses the item's handler directly (a step directory read by a converter need not have
     been written by a CheckpointManager in this process).
     """
+    path = _item_dir(step_dir, item)
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return handler.restore(_item_dir(step_dir, item), args=ocp.args.PyTreeRestore(
-            item=jax.tree.map(lambda _: 0, restore_args), restore_args=restore_args,
-            partial_restore=True))
+        with _orbax_reading(path):
+            return handler.restore(path, args=ocp.args.PyTreeRestore(
+                item=jax.tree.map(lambda _: 0, restore_args), restore_args=restore_args,
+                partial_restore=True))
     finally:
         handler.close()
 
 
 def _item_tree(step_dir: Path, item: str) -> dict:
+    path = _item_dir(step_dir, item)
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return handler.metadata(_item_dir(step_dir, item)).tree
+        with _orbax_reading(path):
+            tree = handler.metadata(path).tree
     finally:
         handler.close()
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path}: the item's tree is a {type(tree).__name__}, expected a dict")
+    return tree
 
 
 def array_shapes(step_dir: str | Path, group: str = "params") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
