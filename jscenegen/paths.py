@@ -192,6 +192,10 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
         else:
             umask_mode(tmp)
         os.replace(tmp, path)
+    except OSError as err:
+        if err.errno == errno.ENOSPC and not err.filename:  # a write() names no file: say which
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -129,17 +129,43 @@ class Progress:
             self.bar.stop()
 
 
-def check_scene_sets(cfg) -> None:
-    """Read the train scene set (and the dev set when the run evaluates) before any model is
-    made: a wrong path or more scenes asked than the set holds fails in seconds, not after
-    the SFT warm start. Raises the readers' errors and `trainer.train_scenes`'."""
+def check_run_inputs(cfg) -> None:
+    """Read the run's own input files before any model is made: the train scene set (and the
+    dev set when the run evaluates), the scene runtime's prompt templates and catalogue, and
+    the replacement chat template; a wrong path or more scenes asked than the set holds fails
+    in seconds, not after the SFT warm start. Raises the readers' errors (naming the file and
+    key) and `trainer.train_scenes`'."""
     from jscenegen.grpo.train.trainer import train_scenes
     from jscenegen.paths import resolve_data_path
+    from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.prompts import load_templates
     from jscenegen.scene.sceneset import read_scene_set
 
     train_scenes(cfg)
     if cfg.trainer.eval_before_after or cfg.trainer.eval_every:
         read_scene_set(resolve_data_path(cfg.schedule.dev_set))
+    load_templates(cfg.scene.prompts_dir)
+    load_catalogue(cfg.scene.catalogue_path)
+    template = cfg.sampling.chat_template_path
+    if template and not Path(template).is_file():
+        raise FileNotFoundError(f"sampling.chat_template_path {template}: not a file")
+
+
+def _saved_report(path: Path) -> dict | None:
+    """The evaluation report at `path` (a resumed run's `eval_before.json`), or None with a
+    warning when it is missing or not a report: the run then writes no eval_change."""
+    from jscenegen.eval.report import check_report
+    from jscenegen.scene.schema import read_json_file
+
+    if not path.is_file():
+        return None
+    try:
+        report = read_json_file(path)
+        check_report(report, str(path))
+    except ValueError as err:
+        log.warning("no before/after comparison: %s", err)
+        return None
+    return report
 
 
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
@@ -155,7 +181,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
     except ValueError as err:
         raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
-    check_scene_sets(cfg)
+    check_run_inputs(cfg)
     if not resume and not cfg.model.path:
         warm_start_sft_config(cfg)
     from jscenegen.run_lock import RunLock
@@ -207,6 +233,10 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             t3 = time.perf_counter()
             evals["after"] = trainer.evaluate_dev("eval_after")
             phases["eval_after_s"] = time.perf_counter() - t3
+            if resume and "before" not in evals:  # the run's first start evaluated "before"
+                evals["before"] = _saved_report(run_dir / "eval_before.json")
+                if evals["before"] is None:
+                    del evals["before"]
     finally:
         trainer.close()
     if is_primary():

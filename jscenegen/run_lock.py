@@ -47,9 +47,12 @@ class Holder:
 
     def alive(self) -> bool | None:
         """True/False on this host (a zombie or a reused pid is not the holder); None on
-        another host (cannot be checked from here)."""
+        another host (cannot be checked from here). A pid <= 0 (an unreadable lock file) names
+        no process: `os.kill` would signal a whole process group or every process."""
         if self.host != socket.gethostname():
             return None
+        if self.pid <= 0:
+            return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:

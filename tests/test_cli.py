@@ -40,6 +40,13 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
     ("schedule.num_scenes=1000", "schedule.num_scenes=1000: data/scenes/train.jsonl holds only 100 scenes"),
     ("schedule.dev_set=/nonexistent-dev.jsonl", "/nonexistent-dev.jsonl: no such scene set"),
     ("optim.lr=inf", "optim.lr: Input should be a finite number"),
+    ("scene.prompts_dir=/nonexistent", "/nonexistent/system.txt: template missing"),
+    ("scene.catalogue_path=/nonexistent.json",
+     "scene.catalogue_path /nonexistent.json: cannot be read as JSON (No such file or directory)"),
+    ("sampling.chat_template_path=/nonexistent.jinja",
+     "sampling.chat_template_path /nonexistent.jinja: not a file"),
+    ("rollout.groups_per_batch=1000", "rollout.groups_per_batch=1000: more scenes per batch than "
+                                      "the schedule's 100"),
 ])
 def test_train_refuses_bad_scene_sets_and_values_before_any_model(tmp_path, capsys, override, message):
     assert main(["train", "--run-dir", str(tmp_path / "run"), override]) == 2
@@ -381,3 +388,25 @@ def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
         f"error: {run / 'config.yaml'} is missing: the run's config is unknown (a run made by "
         "`jscenegen train` keeps it there); restore it, or continue with another one: --config FILE")
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run.json"]
+
+
+def test_train_refuses_a_run_dir_inside_the_warm_start_model_cache(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "cache" / "models" / "micro-qwen3-sft-0123"
+    model.mkdir(parents=True)
+    assert main(["train", "--run-dir", str(model)]) == 2
+    assert (f"--run-dir {model} lies inside the warm-start model cache {tmp_path / 'cache' / 'models'}"
+            in capsys.readouterr().err)
+    assert list(model.iterdir()) == []
+
+
+def test_a_resume_says_which_settings_its_overrides_change(tmp_path, caplog):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("optim:\n  lr: 1.0e-06\n")
+    with caplog.at_level("WARNING"):
+        main(["train", "--resume", str(run), "optim.lr=2e-6", "model.path=/elsewhere",
+              "logging.swanlab_mode=disabled"])
+    assert ("resume changes model.path None -> '/elsewhere'; optim.lr 1e-06 -> 2e-06; "
+            "logging.swanlab_mode 'offline' -> 'disabled'") in caplog.messages
+    assert "model.path is not read on resume" in caplog.text

@@ -119,3 +119,18 @@ def test_a_failed_atomic_dir_removes_the_parents_it_created_and_a_link_is_refuse
             with atomic_dir(tmp_path / name):
                 pass
     assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()
+
+
+def test_a_full_disk_while_writing_names_the_file(tmp_path):
+    import errno
+
+    from jscenegen.cli import error_line
+    from jscenegen.paths import atomic_file
+
+    with pytest.raises(OSError) as info:
+        with atomic_file(tmp_path / "scene.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")   # what write() raises
+    assert info.value.filename == str(tmp_path / "scene.json")
+    assert error_line(info.value) == (f"no space left on device in {tmp_path} writing "
+                                      f"{tmp_path / 'scene.json'}")
+    assert list(tmp_path.iterdir()) == []

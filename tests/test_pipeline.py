@@ -43,6 +43,16 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
     assert (run_dir / "eval_after.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_dir / "run.json").read_text())["model_dir"] == str(sft_dirs[0].resolve())
     assert (run_dir / "checkpoints" / "1" / "checksums.json").is_file()
+    # a resume evaluates "after" again and compares it with the run's own "before"
+    more = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"total_updates": 2})})
+    assert train_command(more, run_dir, resume=True, max_updates=1, config_source="test") == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    after2 = json.loads((run_dir / "eval_after.json").read_text())
+    change2 = json.loads((run_dir / "eval_change.json").read_text())
+    assert out["attempts"] == 2 and json.loads((run_dir / "eval_before.json").read_text()) == before
+    assert change2["reward_after"] == pytest.approx(after2["overall"]["model"]["reward"])
+    assert change2["reward_before"] == change["reward_before"]
+    assert out["dev_change"]["diff"] == change2["diff"]
 
 
 def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):

@@ -70,6 +70,17 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
         assert read_holder(tmp_path).pid == os.getpid()
 
 
+@pytest.mark.parametrize("text", ["", "garbage{", json.dumps({"pid": 0, "host": socket.gethostname()}),
+                                  json.dumps({"pid": -1, "host": socket.gethostname()})])
+def test_an_empty_or_unreadable_lock_is_stale(tmp_path, text):
+    """What a kill between creating the lock file and writing it leaves: taken over (pid -1 or
+    0 would make `os.kill` signal a process group and read as alive)."""
+    (tmp_path / LOCK_NAME).write_text(text)
+    assert read_holder(tmp_path).alive() is False
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).pid == os.getpid()
+
+
 def test_a_lock_on_another_host_is_refused_with_the_file_to_delete(tmp_path):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere-7"}))
     with pytest.raises(RunLockedError, match=f"pid 1 on host elsewhere-7.*delete {tmp_path / LOCK_NAME}"):

@@ -140,7 +140,10 @@ def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(tmp
     will not wait for a long update) unwinds at once: no new checkpoint, the saved ones kept."""
     from jscenegen.signals import Terminated
 
+    # rows a start that stopped before its first checkpoint left: dropped by this fresh start
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"attempt": 0, "stale": True}) + "\n")
     trainer = Trainer(_cfg(), tmp_path, chat_model_dir())   # saves every update
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
     sent = []
 
     def progress(row):
@@ -186,6 +189,11 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, 
     assert _metrics(run_dir) == _metrics(straight[0])
     _, more = _run(run_dir, resume=True, **{"schedule.total_updates": 4})
     assert more.attempts == 4 and _final(run_dir).step == 4
+    caplog.clear()
+    with caplog.at_level("WARNING"):   # a finished run: said so, nothing redone or overwritten
+        _, again = _run(run_dir, resume=True, **{"schedule.total_updates": 4})
+    assert again.attempts == 4 and again.checkpoint == str(run_dir / "checkpoints" / "4")
+    assert "already finished its schedule (4 of 4 effective updates" in caplog.text
     assert aside.is_dir()  # keep-last-k never deletes a set-aside step
 
 
@@ -207,6 +215,17 @@ def test_config_errors_name_the_key():
         _cfg(**{"optim.learning_rate": 1})
     with pytest.raises(ConfigError, match="schedule.group_size"):
         _cfg(**{"schedule.group_size": "eight"})
+    with pytest.raises(ConfigError, match=r"sampling\.temperature: Input should be greater than "
+                                          r"or equal to 0\.00001"):
+        _cfg(**{"sampling.temperature": 1e-40})   # logits / T would overflow to NaN
+    from jscenegen.grpo.train.trainer import train_scenes
+
+    with pytest.raises(ValueError, match=r"rollout\.groups_per_batch=4: more scenes per batch "
+                                         r"than the schedule's 3"):
+        train_scenes(_cfg(**{"rollout.groups_per_batch": 4}))
+    with pytest.raises(ValueError, match=r"groups_per_batch=3 x schedule\.group_size=2000 "
+                                         r"episodes per batch: at most 4096"):
+        train_scenes(_cfg(**{"rollout.groups_per_batch": 3, "schedule.group_size": 2000}))
     from jscenegen.sharding.mesh import MeshError
 
     with pytest.raises(MeshError, match="fsdp=4 x sp=2 = 8 does not match the 6 devices"):
@@ -285,3 +304,18 @@ def test_qwen35_sigterm_resume_extend_is_bitwise_and_carried_tensors_never_move(
     for group in (named_leaves(st.mu), named_leaves(st.nu)):
         for name, arr in group.items():
             assert arr.sharding.spec == P(("fsdp", "sp")) and arr.shape[0] % 6 == 0, name
+
+
+def test_run_logs_are_cut_back_to_the_resumed_attempt_and_a_torn_last_row_dropped(tmp_path):
+    from jscenegen.grpo.train.metrics import truncate_run_logs
+
+    rows = [json.dumps({"attempt": a, "x": a}) for a in (0, 1, 1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"attempt": 3, "tor')
+    (tmp_path / "trajectories.jsonl").write_text("\n".join(rows) + "\n")
+    truncate_run_logs(tmp_path, 2)
+    for name in ("metrics.jsonl", "trajectories.jsonl"):
+        assert (tmp_path / name).read_text() == "\n".join(rows[:3]) + "\n", name
+    (tmp_path / "metrics.jsonl").write_text('{"attempt": 0}\nnot json\n{"attempt": 1}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON row"):
+        truncate_run_logs(tmp_path, 1)
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3   # left as it was

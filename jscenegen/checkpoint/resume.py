@@ -108,7 +108,12 @@ def resume_model_dir(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     run_json = run_dir / "run.json"
     if run_json.is_file():
-        model_dir = Path(json.loads(run_json.read_text())["model_dir"])
+        try:
+            model_dir = Path(json.loads(run_json.read_text())["model_dir"])
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{run_json}: not the run's record ({type(err).__name__}: "
+                                  f"{err}); it holds {{\"model_dir\": ...}}, written when the "
+                                  "run started") from None
         if (model_dir / "config.json").is_file():
             return model_dir
     with CheckpointStore(run_dir / "checkpoints") as store:

@@ -100,12 +100,18 @@ def run(args) -> int:
     traj = group.trajectories[0]
     scene = episodes[0].scene if 0 in episodes else record.scene  # no turn: the start failed
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, scene.to_json())
-    if args.render:
+    rendered_new = False
+    if args.render:   # first: a render that fails (a full disk) leaves no scene file behind
         from jscenegen.scene.render import render_scene
 
+        rendered_new = not Path(args.render).exists()
         render_scene(scene, args.render, cfg.scene)
+    try:
+        write_json(out, scene.to_json())
+    except BaseException:
+        if rendered_new:
+            Path(args.render).unlink(missing_ok=True)
+        raise
     print("--- result ---")
     print(json.dumps({"reward": traj.reward, "failure_cause": traj.failure_cause,
                       "masked": traj.masked, "units": traj.units, "grades": traj.grades,

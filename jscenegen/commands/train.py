@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from jscenegen.paths import check_output_dir, refuse_overwriting_input, resolve_data_path
+    from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, load_run_config
 
     if args.run_dir is not None and not args.run_dir.strip():
@@ -47,9 +47,37 @@ def run(args) -> int:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = load_run_config(config_path, args.overrides)
+    if args.resume and args.overrides:
+        _say_changed_settings(load_run_config(config_path), cfg)
     check_output_dir(run_dir, label="--run-dir")
-    refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path})
+    # without model.path the run starts from (and may create) a model in the cache
+    models = None if cfg.model.path else cache_dir() / "models"
+    refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path,
+                                                   "the warm-start model cache": models})
     from jscenegen.pipeline import train_command
 
     return train_command(cfg, run_dir, resume=bool(args.resume), max_updates=args.max_updates,
                          config_source=str(config_path))
+
+
+def _say_changed_settings(saved, cfg) -> None:
+    """Warn, on stderr, which settings a resume's overrides change from the run's config (a
+    resume checks that the schedule and reward stay compatible; the rest is taken as asked),
+    and that `model.path` is never read on resume (the weights are the newest checkpoint's)."""
+    import logging
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    before = dict(flat(saved.model_dump(mode="json")))
+    changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in flat(cfg.model_dump(mode="json"))
+               if before.get(k) != v]
+    log = logging.getLogger(__name__)
+    if changed:
+        log.warning("resume changes %s", "; ".join(changed))
+    if saved.model.path != cfg.model.path:
+        log.warning("model.path is not read on resume: the weights are the run's newest checkpoint")

@@ -20,12 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+MIN_TEMPERATURE = 1e-5   # below it float32 logits / T can overflow (vLLM: greedy below 1e-5)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How a token is drawn from the logits.
 
-    temperature > 0 divides the logits (also for the returned log-probs); top_k > 0 keeps the k
+    temperature >= MIN_TEMPERATURE divides the logits (also for the returned log-probs; use
+    greedy for argmax); top_k > 0 keeps the k
     largest logits (ties with the k-th kept, as transformers); 0 < top_p <= 1 keeps the smallest
     set of most likely tokens whose probability reaches top_p (after top-k); greedy takes argmax.
     Raises ValueError for values outside those ranges.
@@ -37,8 +40,9 @@ class SamplingParams:
     greedy: bool = False
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} (greedy for argmax), "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:

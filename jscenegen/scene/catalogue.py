@@ -104,14 +104,17 @@ def _parse(doc: dict, source: str) -> Catalogue:
 
 @functools.lru_cache(maxsize=8)
 def load_catalogue(path: str | None = None) -> Catalogue:
-    """The packaged catalogue, or the JSON file at `path`. Raises ValueError naming the bad key."""
+    """The packaged catalogue, or the JSON file at `path` (`scene.catalogue_path`). Raises
+    ValueError naming the file and the bad key, or a file that cannot be read as JSON."""
     if path is None:
         text = resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text()
-        source = "jscenegen/scene/data/catalogue.json"
-    else:
-        text = Path(path).read_text()
-        source = str(path)
-    return _parse(json.loads(text), source)
+        return _parse(json.loads(text), "jscenegen/scene/data/catalogue.json")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"scene.catalogue_path {path}: cannot be read as JSON "
+                         f"({getattr(err, 'strerror', None) or err})") from None
+    return _parse(data, str(path))
 
 
 def catalogue_text(catalogue: Catalogue) -> str:

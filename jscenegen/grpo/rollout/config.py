@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from jscenegen.config import Section
 from jscenegen.generate.sampler import DEFAULT_BUCKETS
-from jscenegen.generate.sampling import SamplingParams
+from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams
 
 TOKENS_MAX = 1 << 20   # tokens of one turn, episode or bucket: beyond any context Qwen serves
 
@@ -21,8 +21,9 @@ TOKENS_MAX = 1 << 20   # tokens of one turn, episode or bucket: beyond any conte
 class SamplingConfig(Section):
     """How rollouts sample: the distribution, the stops, the caps and the compiled shapes."""
 
-    temperature: float = Field(1.0, gt=0, description="logits are divided by it; the rollout "
-                               "log-probs and the trainer's recompute use the same value")
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, description="logits are divided by it; "
+                               "the rollout log-probs and the trainer's recompute use the same "
+                               "value (greedy: true for argmax)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass; 1.0 = off")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
     greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")

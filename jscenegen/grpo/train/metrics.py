@@ -19,7 +19,7 @@ from pydantic import Field
 
 from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
 from jscenegen.config import Section
-from jscenegen.paths import write_text
+from jscenegen.paths import atomic_file
 
 
 class LoggingConfig(Section):
@@ -134,14 +134,33 @@ class MetricsLogger:
             mask_credentials(self.swanlab_dir, self._credentials)
 
 
-def truncate_metrics(run_dir: str | Path, attempts: int) -> None:
-    """Drop the rows of attempts >= `attempts` (written after the checkpoint a run resumes
-    from), so a resumed log equals a straight one."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["attempt"] < attempts]
-        write_text(path, "".join(r + "\n" for r in rows))
+RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
+
+
+def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
+    """Drop the rows of attempts >= `attempts` from the run's JSONL logs (RUN_LOGS): those
+    written after the checkpoint a run resumes from (or, with 0, by a start that stopped before
+    its first checkpoint), so a resumed log equals a straight one. A torn last line (the
+    process killed mid-write) is dropped too. Streams each file into its replacement
+    (`atomic_file`); raises ValueError naming the file and line for any other unreadable row."""
+    for name in RUN_LOGS:
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        with open(path, "rb") as src, atomic_file(path) as tmp, open(tmp, "wb") as dst:
+            pending = None              # a row that does not parse: fatal unless it is the last
+            for number, line in enumerate(src, 1):
+                if pending is not None:
+                    raise ValueError(f"{path}:{pending}: not a JSON row; fix or remove the line")
+                if not line.strip():
+                    continue
+                try:
+                    keep = json.loads(line)["attempt"] < attempts
+                except (ValueError, KeyError, TypeError):
+                    pending = number
+                    continue
+                if keep:
+                    dst.write(line if line.endswith(b"\n") else line + b"\n")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

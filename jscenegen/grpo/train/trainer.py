@@ -31,15 +31,15 @@ from jscenegen.checkpoint.resume import (
     is_converted,
     restore_onto_mesh,
 )
-from jscenegen.checkpoint.store import CheckpointStore
+from jscenegen.checkpoint.store import CheckpointStore, check_step
 from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
 from jscenegen.grpo.algo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
 from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
-from jscenegen.grpo.train.metrics import MetricsLogger, truncate_metrics
-from jscenegen.grpo.train.schedule import Schedule, SchedulePosition, check_extension
+from jscenegen.grpo.train.metrics import MetricsLogger, truncate_run_logs
+from jscenegen.grpo.train.schedule import GROUP_MAX, Schedule, SchedulePosition, check_extension
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.dtypes import np_dtype
@@ -74,12 +74,21 @@ class RunSummary:
 def train_scenes(cfg) -> tuple[SceneSetSource, int]:
     """The train scene set (`schedule.train_set`) and how many of its scenes the schedule uses
     (`schedule.num_scenes`, default all). Raises ValueError naming the key when num_scenes
-    exceeds the set, and the scene-set reader's errors for a missing or malformed file."""
+    exceeds the set, or when `rollout.groups_per_batch` asks for more scenes than the schedule
+    uses or more episodes per batch than GROUP_MAX, and the scene-set reader's errors for a
+    missing or malformed file."""
     scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
     n = cfg.schedule.num_scenes or len(scenes)
     if n > len(scenes):
         raise ValueError(f"schedule.num_scenes={n}: {cfg.schedule.train_set} holds only "
                          f"{len(scenes)} scenes")
+    k = cfg.rollout.groups_per_batch
+    if k > n:
+        raise ValueError(f"rollout.groups_per_batch={k}: more scenes per batch than the "
+                         f"schedule's {n}")
+    if k * cfg.schedule.group_size > GROUP_MAX:
+        raise ValueError(f"rollout.groups_per_batch={k} x schedule.group_size="
+                         f"{cfg.schedule.group_size} episodes per batch: at most {GROUP_MAX}")
     return scenes, n
 
 
@@ -136,6 +145,8 @@ class Trainer:
         self.state: TrainState = init_train_state(params, cfg.optim)
         if resume:
             self._apply_checkpoint(ck)
+        elif is_primary():  # the logs of a start that stopped before its first checkpoint
+            truncate_run_logs(self.run_dir, 0)
         self.ref_params = self._reference_params(params) if cfg.loss.use_kl_loss else None
         self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
                                     primary=is_primary())
@@ -221,7 +232,7 @@ class Trainer:
         self.state = TrainState(self.state.params, opt_state, jnp.asarray(lr_step, jnp.int32),
                                 jnp.asarray(max(skipped, 0), jnp.int32))
         if is_primary():
-            truncate_metrics(self.run_dir, self.pos.attempts)
+            truncate_run_logs(self.run_dir, self.pos.attempts)
         log.info("resumed %s at attempt %d (%d effective updates)", self.run_dir,
                  self.pos.attempts, self.pos.effective_updates)
 
@@ -336,6 +347,11 @@ class Trainer:
                                    for s in (signal.SIGTERM, signal.SIGINT)}
         attempts = 0
         last_saved = None
+        if self.schedule.done(self.pos):
+            log.warning("%s already finished its schedule (%d of %d effective updates, %d "
+                        "attempts); raise schedule.total_updates (or schedule.max_attempts) to "
+                        "extend it", self.run_dir, self.pos.effective_updates,
+                        self.cfg.schedule.total_updates, self.pos.attempts)
         try:
             while not self.schedule.done(self.pos) and (max_updates is None or attempts < max_updates):
                 row = self.update()
@@ -352,7 +368,10 @@ class Trainer:
                     report = self.evaluate_dev(f"eval_update_{self.pos.effective_updates}")
                     self.logger.log({"attempt": row["attempt"], "eval/reward":
                                      report["overall"]["model"]["reward"]}, step=row["attempt"])
-            if last_saved is None or int(last_saved.name) != self.pos.attempts:
+            resumed_from = self.store.step_path(self.pos.attempts)
+            if attempts == 0 and check_step(resumed_from, hash_files=False).valid:
+                last_saved = resumed_from     # nothing ran: the step resumed from is the last
+            elif last_saved is None or int(last_saved.name) != self.pos.attempts:
                 last_saved = self.save()
             self.store.wait_until_finished()
         finally:
