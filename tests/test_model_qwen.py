@@ -198,6 +198,12 @@ def test_config_refuses_a_bad_numeric_field_naming_file_and_key(key, value):
         QwenConfig.from_hf_dict(dict(DENSE, **{key: value}), "cfg.json")
 
 
+@pytest.mark.parametrize("value", ["linear", ["linear", 2.0], 2.0])
+def test_config_refuses_a_rope_scaling_that_is_not_an_object(value):
+    with pytest.raises(ModelConfigError, match=r"^cfg\.json: rope_scaling must be an object"):
+        QwenConfig.from_hf_dict(dict(DENSE, rope_scaling=value), "cfg.json")
+
+
 def test_config_refuses_zero_kv_heads_instead_of_defaulting_them():
     with pytest.raises(ModelConfigError, match=r"^cfg\.json: num_attention_heads 4 is not a multiple "
                                                r"of num_key_value_heads 0$"):

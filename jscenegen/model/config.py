@@ -523,7 +523,11 @@ def _read_rope(d: dict[str, Any], source: str, default_theta: float,
         theta = params.pop("rope_theta", d.get("rope_theta", default_theta))
     else:
         theta = d.get("rope_theta", default_theta)
-        params = dict(d.get("rope_scaling") or {})
+        scaling = d.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ModelConfigError(f"{source}: {prefix}rope_scaling must be an object (rope_type, "
+                                   f"factor, ...) or null, got {str(scaling)[:80]!r}")
+        params = dict(scaling)
     extras = {k: params.pop(k) if k in params else d[k] for k in ROPE_EXTRAS
               if k in params or k in d}
     if "type" in params and "rope_type" not in params:
