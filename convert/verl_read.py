@@ -186,6 +186,9 @@ def _check_extra_state(f: Path, st: dict) -> None:
         if not isinstance(sched, dict):
             raise ConvertError(f"{f}: lr_scheduler is a {type(sched).__name__}, expected a "
                                "scheduler state_dict")
+        if _tree_values(sched, budget=100_000, depth=6) is None:
+            raise ConvertError(f"{f}: lr_scheduler holds more than 100,000 values or nests deeper "
+                               "than 6 levels when written out; not a torch scheduler state_dict")
         epoch = sched.get("last_epoch")
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise ConvertError(f"{f}: lr_scheduler.last_epoch is {epoch!r:.80}, expected an integer "
@@ -210,6 +213,22 @@ def _check_extra_state(f: Path, st: dict) -> None:
             what = "a torch uint8 generator state"
         if not ok:
             raise ConvertError(f"{f}: rng[{dev!r}] is not {what}")
+
+
+def _tree_values(obj: Any, budget: int, depth: int) -> int | None:
+    """Values in `obj` counted as a tree (shared containers once per reference, as JSON would
+    write them), or None past `budget` values or `depth` levels of dicts/lists/tuples."""
+    count, stack = 0, [(obj, 0)]
+    while stack:
+        node, level = stack.pop()
+        count += 1
+        if count > budget or level > depth:
+            return None
+        if isinstance(node, dict):
+            stack.extend((v, level + 1) for v in node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, level + 1) for v in node)
+    return count
 
 
 def _check_fsdp_config(f: Path, world_size: int) -> None:
@@ -405,8 +424,9 @@ class VerlCheckpoint:
 
     def check_tensors(self) -> None:
         """Every model entry and AdamW moment checked as reading it would check it, from the
-        files' metadata alone (`_local_shards`; plain tensors: type, shape, dtype): a writer
-        that reads lazily (orbax) then meets no malformed entry half-way. Raises ConvertError."""
+        files' metadata alone (`_local_shards`; plain tensors: type, shape, dtype), and a tied
+        `lm_head.weight` equal to the embedding (both read once): a writer that reads lazily
+        (orbax) then meets no malformed entry half-way. Raises ConvertError."""
         from torch.distributed.tensor import DTensor
 
         names = dict(self.shapes)
@@ -431,6 +451,12 @@ class VerlCheckpoint:
             for r, t in enumerate(values):
                 self._check_plain(self.layout.rank_file(kind, r), key, t, tuple(shape),
                                   values[0] if r else None)
+        if self.tied:  # a converted checkpoint keeps one of the two: they must be equal
+            shape = tuple(self.shapes[self.embedding])
+            if not np.array_equal(self._read_entry("lm_head.weight", shape),
+                                  self._read_entry(self.embedding, shape)):
+                raise ConvertError(f"{self.layout.rank_file('model', 0)}: lm_head.weight differs "
+                                   f"from {self.embedding} although the config ties them")
 
     def _shard_dim(self, f: Path, key: str, t: Any, rank: int) -> int | None:
         """Shard dim of DTensor `t` (None = Replicate) read from rank file `f` of `rank`.
@@ -523,16 +549,9 @@ class VerlCheckpoint:
             yield "lm_head.weight", self._read_entry("lm_head.weight", self.shapes[self.embedding])
 
     def read_param(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The full array of one model entry. With tied embeddings, reading the embedding
-        also reads the files' `lm_head.weight` alias and raises ConvertError when it differs
-        (a converted checkpoint keeps one of the two)."""
+        """The full array of one model entry."""
         shape = tuple(shape or self.shapes[name])
-        full = self._read_entry(name, shape)
-        if self.tied and name == self.embedding:
-            if not np.array_equal(self._read_entry("lm_head.weight", shape), full):
-                raise ConvertError(f"{self.layout.rank_file('model', 0)}: lm_head.weight differs "
-                                   f"from {self.embedding} although the config ties them")
-        return full
+        return self._read_entry(name, shape)
 
     def _read_entry(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return self._gather("model", name, [sd[name] for sd in self._model_files], shape)

@@ -235,14 +235,20 @@ def _edit(f, change):
     torch.save(sd, f)
 
 
+def _shared_list(levels: int) -> list:
+    """A list of two references to one list, `levels` deep: 2^levels leaves written out."""
+    nested: list = []
+    for _ in range(levels):
+        nested = [nested, nested]
+    return nested
+
+
 def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
     """A few KB whose shared lists expand to 2^30 leaves when walked as a tree: each list is
     checked once (the RNG state's own check then refuses it); nesting past 32 is refused."""
     import torch
 
-    nested: list = []
-    for _ in range(30):
-        nested = [nested, nested]
+    nested = _shared_list(30)
     f = tmp_path / "extra_state_world_size_1_rank_0.pt"
     torch.save({"rng": {"numpy": nested}, "lr_scheduler": None}, f)
     assert f.stat().st_size < 10_000
@@ -267,6 +273,10 @@ def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
      r"param_groups must be a list of dicts"),
     ("extra_state", lambda sd: sd["lr_scheduler"].pop("last_epoch"),
      r"extra_state_world_size_6_rank_0\.pt: lr_scheduler\.last_epoch is None, expected an integer"),
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("_last_lr", _shared_list(30)),
+     r"lr_scheduler holds more than 100,000 values or nests deeper than 6 levels"),
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("_last_lr", [[0.0] * 1000] * 1000),
+     r"lr_scheduler holds more than 100,000 values"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", 1)),
      r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("random", [3, [1], None]),
@@ -304,7 +314,9 @@ def test_a_shard_of_another_dtype_or_an_integer_weight_is_refused(actor, tmp_pat
     _assert_nothing_written(tmp_path)
 
 
-def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path):
+def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path, capsys):
+    from jscenegen.cli import main
+
     def change(sd):  # a head of its own (FSDP2 saves a tied head as the embedding's storage)
         t = sd["lm_head.weight"]
         sd["lm_head.weight"] = type(t).from_local(t._local_tensor + 1.0, t.device_mesh, t.placements,
@@ -314,6 +326,11 @@ def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path)
         _edit(actor / f"model_world_size_6_rank_{r}.pt", change)
     with pytest.raises(ConvertError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
         verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+    # refused when the checkpoint opens: the orbax write never starts (one line, no thread logs)
+    assert main(["convert", str(actor), str(tmp_path / "out"), "--from", "verl", "--to", "orbax"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lm_head.weight differs" in err, err
     _assert_nothing_written(tmp_path)
 
 
