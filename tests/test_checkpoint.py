@@ -580,3 +580,13 @@ def test_resume_refuses_adam_state_for_other_tensors(saved_with_frozen, mesh32):
     assert ck.step == 4
     with pytest.raises(CheckpointError, match=r"none for 2 it trains .*model\.train_vision"):
         restore_onto_mesh(store, shapes, mesh32, np.float32, trainable=list(shapes))
+
+
+@pytest.mark.parametrize("text", ["{}", '{"model_dir": "/x', "[1]"])
+def test_a_damaged_run_json_is_named(tmp_path, text):
+    from jscenegen.checkpoint.resume import resume_model_dir
+    from jscenegen.checkpoint.store import CheckpointError
+
+    (tmp_path / "run.json").write_text(text)
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'run.json'}: not the run's record"):
+        resume_model_dir(tmp_path)

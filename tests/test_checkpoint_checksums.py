@@ -97,3 +97,4 @@ def test_malformed_training_metadata_is_one_error_naming_the_file(tmp_path, text
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(CheckpointError, match=rf"training_metadata\.json: {message}"):
         read_metadata(tmp_path)
+
