@@ -159,6 +159,7 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
             for g in groups):
         raise ConvertError(f"{f}: param_groups must be a list of dicts, each with a list of "
                            "integer parameter indices under 'params'")
+    _check_json_size(f, "param_groups", groups)
     if not isinstance(state, dict):
         raise ConvertError(f"{f}: state is a {type(state).__name__}, expected a dict of "
                            "parameter index -> AdamW state")
@@ -186,9 +187,7 @@ def _check_extra_state(f: Path, st: dict) -> None:
         if not isinstance(sched, dict):
             raise ConvertError(f"{f}: lr_scheduler is a {type(sched).__name__}, expected a "
                                "scheduler state_dict")
-        if _tree_values(sched, budget=100_000, depth=6) is None:
-            raise ConvertError(f"{f}: lr_scheduler holds more than 100,000 values or nests deeper "
-                               "than 6 levels when written out; not a torch scheduler state_dict")
+        _check_json_size(f, "lr_scheduler", sched)
         epoch = sched.get("last_epoch")
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise ConvertError(f"{f}: lr_scheduler.last_epoch is {epoch!r:.80}, expected an integer "
@@ -215,20 +214,26 @@ def _check_extra_state(f: Path, st: dict) -> None:
             raise ConvertError(f"{f}: rng[{dev!r}] is not {what}")
 
 
-def _tree_values(obj: Any, budget: int, depth: int) -> int | None:
-    """Values in `obj` counted as a tree (shared containers once per reference, as JSON would
-    write them), or None past `budget` values or `depth` levels of dicts/lists/tuples."""
+JSON_VALUES_MAX, JSON_DEPTH_MAX = 100_000, 6
+
+
+def _check_json_size(f: Path, label: str, obj: Any) -> None:
+    """Refuse `obj` (the optimizer's param_groups, the scheduler's state: what a conversion
+    copies into JSON metadata) when written out as a tree it holds more than JSON_VALUES_MAX
+    values or nests deeper than JSON_DEPTH_MAX: a pickle can share one list many times over, a
+    few KB that every tree walk (redaction, JSON) would expand exponentially."""
     count, stack = 0, [(obj, 0)]
     while stack:
         node, level = stack.pop()
         count += 1
-        if count > budget or level > depth:
-            return None
+        if count > JSON_VALUES_MAX or level > JSON_DEPTH_MAX:
+            raise ConvertError(f"{f}: {label} holds more than {JSON_VALUES_MAX:,} values or nests "
+                               f"deeper than {JSON_DEPTH_MAX} levels when written out; not what "
+                               "torch saves")
         if isinstance(node, dict):
             stack.extend((v, level + 1) for v in node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend((v, level + 1) for v in node)
-    return count
 
 
 def _check_fsdp_config(f: Path, world_size: int) -> None:

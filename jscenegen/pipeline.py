@@ -233,10 +233,9 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             t3 = time.perf_counter()
             evals["after"] = trainer.evaluate_dev("eval_after")
             phases["eval_after_s"] = time.perf_counter() - t3
-            if resume and "before" not in evals:  # the run's first start evaluated "before"
-                evals["before"] = _saved_report(run_dir / "eval_before.json")
-                if evals["before"] is None:
-                    del evals["before"]
+            saved = _saved_report(run_dir / "eval_before.json") if resume else None
+            if saved is not None:  # the run's first start evaluated "before"
+                evals["before"] = saved
     finally:
         trainer.close()
     if is_primary():

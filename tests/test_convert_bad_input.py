@@ -277,6 +277,8 @@ def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
      r"lr_scheduler holds more than 100,000 values or nests deeper than 6 levels"),
     ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("_last_lr", [[0.0] * 1000] * 1000),
      r"lr_scheduler holds more than 100,000 values"),
+    ("optim", lambda sd: sd["param_groups"][0].__setitem__("betas", _shared_list(25)),
+     r"optim_world_size_6_rank_0\.pt: param_groups holds more than 100,000 values or nests"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", 1)),
      r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("random", [3, [1], None]),

@@ -368,10 +368,10 @@ class Trainer:
                     report = self.evaluate_dev(f"eval_update_{self.pos.effective_updates}")
                     self.logger.log({"attempt": row["attempt"], "eval/reward":
                                      report["overall"]["model"]["reward"]}, step=row["attempt"])
-            resumed_from = self.store.step_path(self.pos.attempts)
-            if attempts == 0 and check_step(resumed_from, hash_files=False).valid:
-                last_saved = resumed_from     # nothing ran: the step resumed from is the last
-            elif last_saved is None or int(last_saved.name) != self.pos.attempts:
+            current = self.store.step_path(self.pos.attempts)
+            if attempts == 0 and check_step(current, hash_files=False).valid:
+                last_saved = current     # nothing ran: the step resumed from is the last
+            elif last_saved is None or last_saved != current:
                 last_saved = self.save()
             self.store.wait_until_finished()
         finally:

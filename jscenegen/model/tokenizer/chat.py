@@ -291,19 +291,20 @@ class ChatTokenizer:
             return self.delta(before, self.render(shown, add_generation_prompt=True))
 
         marked = render_with(None)
-        cuts = [marked.find(m) for m in marks]
         refused = ChatTemplateError(f"{self.source}: the chat template does not write each "
                                     "message's content once and on its own, so contents that "
                                     "spell out special tokens cannot be kept as text")
-        if any(marked.count(m) != 1 for m in marks) or cuts != sorted(cuts):
-            raise refused
-        structure = [marked[:cuts[0]]] + [
-            marked[cut + len(mark):(cuts[k + 1] if k + 1 < new else len(marked))]
-            for k, (mark, cut) in enumerate(zip(marks, cuts))]
+        structure, rest = [], marked       # the template's text around the marks, in order
+        for mark in marks:
+            head, found, rest = rest.partition(mark)
+            if not found or mark in rest:   # once each; one out of order is not found
+                raise refused
+            structure.append(head)
+        structure.append(rest)
         pieces = [(structure[0], False)]
-        for k, (mark, cut) in enumerate(zip(marks, cuts)):
+        for k, mark in enumerate(marks):
             alone = render_with(k)
-            prefix, suffix = marked[:cut], marked[cut + len(mark):]
+            prefix, _, suffix = marked.partition(mark)
             if not (alone.startswith(prefix) and alone.endswith(suffix)
                     and len(alone) >= len(prefix) + len(suffix)):
                 raise refused
