@@ -14,7 +14,7 @@ from jscenegen.config import Section, load_config
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
-from jscenegen.grpo.train.schedule import ScheduleConfig
+from jscenegen.grpo.train.schedule import GROUP_MAX, ScheduleConfig
 from jscenegen.model.options import ModelConfig
 from jscenegen.paths import resolve_data_path
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
@@ -30,7 +30,8 @@ class CheckpointConfig(Section):
 class TrainerConfig(Section):
     eval_every: int = Field(0, ge=0, description="evaluate the dev scenes every N effective "
                             "updates (0: never during training)")
-    eval_samples: int = Field(1, ge=1, description="episodes per dev scene in an evaluation")
+    eval_samples: int = Field(1, ge=1, le=GROUP_MAX,
+                              description="episodes per dev scene in an evaluation")
     eval_before_after: bool = Field(False, description="evaluate the dev scenes before the "
                                     "first and after the last update (eval_before/after.json)")
     dump_trajectories: bool = Field(False, description="write every episode to "

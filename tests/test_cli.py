@@ -42,7 +42,7 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
     ("optim.lr=inf", "optim.lr: Input should be a finite number"),
     ("scene.prompts_dir=/nonexistent", "/nonexistent/system.txt: template missing"),
     ("scene.catalogue_path=/nonexistent.json",
-     "scene.catalogue_path /nonexistent.json: cannot be read as JSON (No such file or directory)"),
+     "scene.catalogue_path /nonexistent.json: no such file"),
     ("sampling.chat_template_path=/nonexistent.jinja",
      "sampling.chat_template_path /nonexistent.jinja: not a file"),
     ("rollout.groups_per_batch=1000", "rollout.groups_per_batch=1000: more scenes per batch than "
@@ -303,6 +303,14 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (["eval", "--compare", "a.json", "b.json", "--out", "c.json", "--scenes", "train"],
      "error: --compare reads two reports only (it prints the table, --plot draws it); --out, "
      "--scenes would be ignored (run the evaluation first, then compare)"),
+    # before any model is looked for: a bound that holds every episode of a scene in memory
+    (["eval", "--model", "/nonexistent", "--samples", "100000000"],
+     "error: --samples: samples must lie in 1..4096 episodes per scene, got 100000000"),
+    (["eval", "--model", "/nonexistent", "--samples", "0"],
+     "error: --samples: samples must lie in 1..4096 episodes per scene, got 0"),
+    (["eval", "--model", "/nonexistent", "trainer.eval_samples=5000"],
+     "error: override trainer.eval_samples=5000: trainer.eval_samples: Input should be less "
+     "than or equal to 4096 (got 5000)"),
 ])
 def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)

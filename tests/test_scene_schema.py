@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from jscenegen.scene.catalogue import load_catalogue
 from jscenegen.scene.sceneset import read_scene_set
 from jscenegen.scene.schema import (
     MAX_FLOOR_VERTICES,
@@ -144,3 +145,5 @@ def test_a_named_pipe_given_as_input_is_refused_without_blocking(tmp_path):
         read_json_file(fifo)
     with pytest.raises(SceneError, match=rf"^{fifo}: not a regular file$"):
         read_scene_set(fifo)
+    with pytest.raises(SceneError, match=rf"^scene.catalogue_path {fifo}: not a regular file"):
+        load_catalogue(str(fifo))

@@ -47,6 +47,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
 
 
 def run(args) -> int:
+    from jscenegen.eval.evaluate import check_samples, evaluate, policy_engine
     from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import load_run_config, scene_set_path
 
@@ -67,8 +68,10 @@ def run(args) -> int:
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     scenes = scene_set_path(args.scenes, cfg)
     samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
-    if samples < 1:
-        raise ValueError(f"--samples must be >= 1, got {samples}")
+    try:
+        check_samples(samples)
+    except ValueError as err:
+        raise ValueError(f"--samples: {err}" if args.samples is not None else str(err)) from None
     # the outputs are written after the whole evaluation: refuse what cannot be written now
     plot_path = args.plot or Path(args.out).with_suffix(".png")
     check_output_file(args.out, "--out")
@@ -77,7 +80,6 @@ def run(args) -> int:
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
-    from jscenegen.eval.evaluate import evaluate, policy_engine
     from jscenegen.eval.plots import plot_report
     from jscenegen.paths import write_json
     from jscenegen.scene.judge import make_judge

@@ -28,6 +28,7 @@ from jscenegen.checkpoint.store import (
 from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize
+from jscenegen.grpo.train.schedule import GROUP_MAX
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import judge_episodes
 from jscenegen.scene.expert import run_scripted_episode
@@ -161,6 +162,13 @@ def _episode_row(outcome: dict, **ids) -> dict:
 
 
 # ----------------------------------------------------------------------------- evaluation
+def check_samples(samples: int) -> None:
+    """Raise ValueError unless 1 <= samples <= GROUP_MAX episodes per scene (a scene's episodes
+    are one rollout group, bounded as the trainer's `schedule.group_size`)."""
+    if not 1 <= samples <= GROUP_MAX:
+        raise ValueError(f"samples must lie in 1..{GROUP_MAX} episodes per scene, got {samples}")
+
+
 def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, judge: Judge,
              scene_cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, samples: int = 1,
              with_expert: bool = True,
@@ -177,10 +185,10 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
     summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
-    Summaries are `summarize(...)` dicts. Raises ValueError when samples < 1 or no records.
+    Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside
+    1..GROUP_MAX (`check_samples`) or there are no records.
     """
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
+    check_samples(samples)
     if not records:
         raise ValueError("no scenes to evaluate")
     keys = judge_cfg.grade_keys

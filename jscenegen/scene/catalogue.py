@@ -10,7 +10,8 @@ import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+
+from jscenegen.scene.schema import read_json_file
 
 CATALOGUE_VERSION = "scenegen.catalogue/1"
 
@@ -105,16 +106,12 @@ def _parse(doc: dict, source: str) -> Catalogue:
 @functools.lru_cache(maxsize=8)
 def load_catalogue(path: str | None = None) -> Catalogue:
     """The packaged catalogue, or the JSON file at `path` (`scene.catalogue_path`). Raises
-    ValueError naming the file and the bad key, or a file that cannot be read as JSON."""
+    ValueError naming the file and the bad key, or a file that cannot be read as JSON
+    (`schema.read_json_file`: missing, not a regular file, too large, not UTF-8 JSON)."""
     if path is None:
         text = resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text()
         return _parse(json.loads(text), "jscenegen/scene/data/catalogue.json")
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError) as err:
-        raise ValueError(f"scene.catalogue_path {path}: cannot be read as JSON "
-                         f"({getattr(err, 'strerror', None) or err})") from None
-    return _parse(data, str(path))
+    return _parse(read_json_file(path, f"scene.catalogue_path {path}"), str(path))
 
 
 def catalogue_text(catalogue: Catalogue) -> str:
