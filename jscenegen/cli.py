@@ -9,13 +9,15 @@ the traceback instead); a usage error (an unknown option, a value argparse refus
 and exit 2 too. SIGTERM is handled like Ctrl-C (`jscenegen.signals`): the command unwinds, so a
 run's lock is released and a half-written output is removed, then it exits with 143 (130 for
 Ctrl-C) and one line. Output piped into a reader that stops early (`| head`) ends the command
-quietly with 141, as SIGPIPE ends a Unix tool.
+quietly with 141, as SIGPIPE ends a Unix tool. Warnings (Python logging, ours and the
+libraries') print as `warning: ...` lines on stderr, like the error line.
 """
 from __future__ import annotations
 
 import argparse
 import errno
 import importlib
+import logging
 import os
 import select
 import signal
@@ -128,8 +130,32 @@ def force_cpu_devices() -> None:
         os.environ["JAX_NUM_CPU_DEVICES"] = os.environ.get("JSCENEGEN_CPU_DEVICES", "6")
 
 
+class StderrLogHandler(logging.Handler):
+    """Log records as `warning: message` lines on the current sys.stderr (looked up at each
+    record, so a replaced stderr is followed), with the exception's text when there is one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{record.levelname.lower()}: {record.getMessage()}"
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            print(text, file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
+def install_log_handler() -> None:
+    """One format for every warning, whoever logs it and when: without a root handler Python
+    prints a bare message until some library (orbax, on import) calls `logging.basicConfig`,
+    after which it prints `WARNING:name:message`. A program that configured logging itself
+    (a root handler already there) keeps its own."""
+    if not logging.root.handlers:
+        logging.root.addHandler(StderrLogHandler())
+
+
 def main(argv: list[str] | None = None) -> int:
     force_cpu_devices()
+    install_log_handler()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" advice
     parser = build_parser()
     args = parse_args(parser, argv)

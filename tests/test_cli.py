@@ -418,3 +418,13 @@ def test_a_resume_says_which_settings_its_overrides_change(tmp_path, caplog):
     assert ("resume changes model.path None -> '/elsewhere'; optim.lr 1e-06 -> 2e-06; "
             "logging.swanlab_mode 'offline' -> 'disabled'") in caplog.messages
     assert "model.path is not read on resume" in caplog.text
+
+
+def test_warnings_print_in_one_format_before_and_after_a_library_configures_logging():
+    """orbax calls logging.basicConfig on import: without the CLI's handler a warning before it
+    is a bare message and one after it `WARNING:name:message`."""
+    code = ("import logging; from jscenegen.cli import install_log_handler; install_log_handler(); "
+            "logging.getLogger('jscenegen.a').warning('before %s', 1); import orbax.checkpoint; "
+            "logging.getLogger('jscenegen.b').warning('after'); logging.getLogger('c').info('quiet')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "warning: before 1\nwarning: after\n", proc.stderr
