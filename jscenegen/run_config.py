@@ -12,9 +12,9 @@ from pydantic import Field
 
 from jscenegen.config import Section, load_config
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
+from jscenegen.grpo.rollout.config import GROUP_MAX, RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
-from jscenegen.grpo.train.schedule import GROUP_MAX, ScheduleConfig
+from jscenegen.grpo.train.schedule import ScheduleConfig
 from jscenegen.model.options import ModelConfig
 from jscenegen.paths import resolve_data_path
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig

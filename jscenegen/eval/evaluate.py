@@ -25,10 +25,10 @@ from jscenegen.checkpoint.store import (
     check_step,
     iter_arrays,
 )
+from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize
-from jscenegen.grpo.train.schedule import GROUP_MAX
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import judge_episodes
 from jscenegen.scene.expert import run_scripted_episode

@@ -15,6 +15,7 @@ from jscenegen.config import Section
 from jscenegen.generate.sampler import DEFAULT_BUCKETS
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams
 
+GROUP_MAX = 4096       # episodes of one scene per batch: far beyond any GRPO recipe (VERL n <= 64)
 TOKENS_MAX = 1 << 20   # tokens of one turn, episode or bucket: beyond any context Qwen serves
 
 

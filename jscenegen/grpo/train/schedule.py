@@ -22,9 +22,8 @@ from pydantic import Field
 
 from jscenegen.config import SEED_MAX, Section
 from jscenegen.grpo.algo.roles import role_from_letter
+from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.seeds import episode_seed
-
-GROUP_MAX = 4096   # episodes of one scene per update: far beyond any GRPO recipe (VERL n <= 64)
 
 
 class ScheduleConfig(Section):

@@ -35,11 +35,12 @@ from jscenegen.checkpoint.store import CheckpointStore, check_step
 from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
 from jscenegen.grpo.algo.roles import ROLE_NAMES
+from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
 from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
 from jscenegen.grpo.train.metrics import MetricsLogger, truncate_run_logs
-from jscenegen.grpo.train.schedule import GROUP_MAX, Schedule, SchedulePosition, check_extension
+from jscenegen.grpo.train.schedule import Schedule, SchedulePosition, check_extension
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.dtypes import np_dtype
