@@ -7,9 +7,9 @@ import pytest
 
 from jscenegen.cli import main
 from jscenegen.scene.dataset import SceneSetSource, scene_iterator
-from jscenegen.scene.generator import make_scene_set
+from jscenegen.scene.generator import SPLIT_BASE, make_record, make_scene_set
 from jscenegen.scene.sceneset import read_scene_set, write_scene_set
-from jscenegen.scene.schema import SceneError, canonical_text, scene_from_json
+from jscenegen.scene.schema import SceneError, canonical_text, edge_length, scene_from_json
 
 from cli_errors import one_error_line
 from scene_fixtures import KNOWN, room, transform
@@ -26,6 +26,16 @@ def test_shipped_sets_match_the_generator():
     assert all(r.scene.objects == () and r.requested and r.scene.room.doors for r in train + dev)
     assert len({r.scene.room.floor_polygon for r in train}) > 50
     assert any(len(r.scene.room.floor_polygon) > 4 for r in train)
+
+
+@pytest.mark.parametrize("split, index", [("train", 1736), ("train", 19722), ("dev", 5110)])
+def test_an_opening_on_a_wall_exactly_its_width_plus_margins_long_is_placed(split, index):
+    """These seeds draw a window or door for a wall whose length equals the opening plus both
+    margins: rounding put the upper end of the offset range below the lower (numpy raised)."""
+    scene = make_record(SPLIT_BASE[split] * 1000 + index, f"{split}-{index}").scene
+    for opening in scene.room.doors + scene.room.windows:
+        wall = edge_length(scene.room.floor_polygon, opening.wall)
+        assert opening.width / 2 <= opening.offset <= wall - opening.width / 2 + 1e-9
 
 
 def test_write_is_atomic_and_round_trips(tmp_path):

@@ -46,7 +46,8 @@ def _room(rng: np.random.Generator) -> Room:
         walls = [i for i in range(n) if lengths[i] >= width + 2 * margin]
         for _ in range(20):
             i = int(rng.choice(walls))
-            off = _q(rng.uniform(margin + width / 2, lengths[i] - margin - width / 2))
+            low = margin + width / 2   # a wall exactly width + 2 margins long: high rounds below it
+            off = _q(rng.uniform(low, max(low, lengths[i] - margin - width / 2)))
             if all(abs(off - o) >= (width + ow) / 2 + 0.3 for o, ow in used.get(i, [])):
                 used.setdefault(i, []).append((off, width))
                 return i, off
