@@ -83,6 +83,34 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
     return cfg
 
 
+def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path | None]:
+    """What a command run with `cfg` (read from `config`, None: the default) reads besides its
+    model, {label: path} for `paths.refuse_overwriting_input`: the config file, the prompt
+    templates, the catalogue, the chat template, the scene sets, the reference model, and the
+    installed jscenegen package (the packaged templates and catalogue live there). A path that
+    does not exist is left out (None): nothing there to overwrite."""
+    import jscenegen
+
+    def found(path):
+        if path is None:
+            return None
+        try:
+            return resolve_data_path(path)
+        except FileNotFoundError:
+            return None
+
+    return {
+        "--config" if config else "the default config": found(config or DEFAULT_CONFIG),
+        "scene.prompts_dir": found(cfg.scene.prompts_dir),
+        "scene.catalogue_path": found(cfg.scene.catalogue_path),
+        "sampling.chat_template_path": found(cfg.sampling.chat_template_path),
+        "schedule.train_set": found(cfg.schedule.train_set),
+        "schedule.dev_set": found(cfg.schedule.dev_set),
+        "model.reference_path": found(cfg.model.reference_path),
+        "the jscenegen package": Path(jscenegen.__file__).resolve().parent,
+    }
+
+
 def scene_set_path(name: str, cfg: RunConfig) -> Path:
     """`dev`/`train` -> the config's schedule.dev_set/train_set; anything else is a path.
     Raises FileNotFoundError naming where it looked."""

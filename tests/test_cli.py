@@ -211,6 +211,33 @@ def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
+    """The config file (given or the default), the prompt templates, the catalogue and the
+    installed package are inputs too, as the model is: refused before any model is looked for."""
+    import jscenegen
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    package = Path(jscenegen.__file__).resolve().parent
+    default = (ROOT / "configs/cpu-default.yaml").resolve()
+    before = default.read_bytes()
+    cases = [
+        (["design", "--model", "/nonexistent", "--prompt", "x", "-o", str(default)],
+         f"-o {default} is the same file as the default config"),
+        (["design", "--model", "/nonexistent", "--prompt", "x", "-o", str(prompts / "planner.txt"),
+          f"scene.prompts_dir={prompts}"], f"lies inside scene.prompts_dir {prompts}"),
+        (["eval", "--model", "/nonexistent", "--out", str(package / "r.json")],
+         f"lies inside the jscenegen package {package}"),
+        (["train", "--run-dir", str(prompts / "run"), f"scene.prompts_dir={prompts}"],
+         f"lies inside scene.prompts_dir {prompts}"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2
+        assert expected in one_error_line(capsys), argv
+    assert default.read_bytes() == before and list(prompts.iterdir()) == []
+    assert not (package / "r.json").exists()
+
+
 def _model_copy(src: Path, dst: Path) -> dict[str, bytes]:
     import shutil
 

@@ -67,15 +67,15 @@ def _print_turn(message: dict) -> None:
 
 def run(args) -> int:
     from jscenegen.paths import check_output_file, refuse_overwriting_input
-    from jscenegen.run_config import load_run_config
+    from jscenegen.run_config import config_inputs, load_run_config
 
+    cfg = load_run_config(args.config, args.overrides, args.greedy)
     check_output_file(args.out, "-o")
-    inputs = {"--model": args.model, "--room": args.room, "--config": args.config}
+    inputs = {"--model": args.model, "--room": args.room, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "-o", inputs)
     if args.render:
         check_output_file(args.render, "--render")
         refuse_overwriting_input(args.render, "--render", {**inputs, "-o": args.out})
-    cfg = load_run_config(args.config, args.overrides, args.greedy)
     record = design_record(args.prompt, args.room, args.seed)
 
     from jscenegen.eval.evaluate import check_episode_fits, policy_chat, policy_engine

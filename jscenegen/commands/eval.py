@@ -49,7 +49,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
 def run(args) -> int:
     from jscenegen.eval.evaluate import check_samples, evaluate, policy_engine
     from jscenegen.paths import check_output_file, refuse_overwriting_input
-    from jscenegen.run_config import load_run_config, scene_set_path
+    from jscenegen.run_config import config_inputs, load_run_config, scene_set_path
 
     if args.compare:
         given = [flag for flag, value in (("--model", args.model), ("--samples", args.samples),
@@ -76,7 +76,7 @@ def run(args) -> int:
     plot_path = args.plot or Path(args.out).with_suffix(".png")
     check_output_file(args.out, "--out")
     check_output_file(plot_path, "--plot")
-    inputs = {"--model": args.model, "--scenes": scenes, "--config": args.config}
+    inputs = {"--model": args.model, "--scenes": scenes, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 

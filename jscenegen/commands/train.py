@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
-    from jscenegen.run_config import DEFAULT_CONFIG, load_run_config
+    from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
 
     if args.run_dir is not None and not args.run_dir.strip():
         raise ValueError("--run-dir: an empty path; give a directory (or leave it out: runs/<time>)")
@@ -53,7 +53,8 @@ def run(args) -> int:
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
     refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path,
-                                                   "the warm-start model cache": models})
+                                                   "the warm-start model cache": models,
+                                                   **config_inputs(cfg, config_path)})
     from jscenegen.pipeline import train_command
 
     return train_command(cfg, run_dir, resume=bool(args.resume), max_updates=args.max_updates,
