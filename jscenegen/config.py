@@ -42,6 +42,12 @@ def _has_bool(value) -> bool:
     return isinstance(value, bool)
 
 
+def bool_for_number(annotation, value) -> bool:
+    """Whether `value` puts a boolean where a field annotated `annotation` holds numbers (alone
+    or in a list): pydantic would read `true` as 1 and `[false, 0.999]` as [0.0, 0.999]."""
+    return _numbers_within(annotation) and _has_bool(value)
+
+
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are immutable, floats
     finite (inf and nan are refused with the key named), and a number is never a boolean, alone
@@ -53,7 +59,7 @@ class Section(BaseModel):
     @classmethod
     def _no_bool_numbers(cls, value, info):
         field = cls.model_fields.get(info.field_name)
-        if field is not None and _numbers_within(field.annotation) and _has_bool(value):
+        if field is not None and bool_for_number(field.annotation, value):
             raise ValueError("expected a number, not a boolean")
         return value
 

@@ -330,6 +330,9 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (["eval", "--compare", "a.json", "b.json", "--out", "c.json", "--scenes", "train"],
      "error: --compare reads two reports only (it prints the table, --plot draws it); --out, "
      "--scenes would be ignored (run the evaluation first, then compare)"),
+    # bytes that are not UTF-8 on the command line (Python's surrogate escapes)
+    (["design", "--model", "/nonexistent", "--prompt", "bed \udcff room", "-o", "x.json"],
+     "error: --prompt: character 4 is a lone surrogate '\\udcff', not Unicode text"),
     # before any model is looked for: a bound that holds every episode of a scene in memory
     (["eval", "--model", "/nonexistent", "--samples", "100000000"],
      "error: --samples: samples must lie in 1..4096 episodes per scene, got 100000000"),

@@ -84,6 +84,16 @@ def test_canonical_text_is_deterministic_and_rounded():
         (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
                                         "mount": "on"}), "parent"),
         (lambda d: d.update(schema="scenegen.scene/0"), "schema"),
+        # a boolean is not a number (pydantic would read true as 1), alone or in a list
+        (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
+                                        "yaw": True}), "objects.0.yaw: .*not a boolean"),
+        (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [True, 1], "size": [1, 1, 1]}),
+         "objects.0.position: .*not a boolean"),
+        (lambda d: d["room"]["doors"][0].update(width=True), r"room.doors.0.width: .*not a boolean"),
+        # a JSON "\udcff" escape: text that is not Unicode (the tokenizer cannot encode it)
+        (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
+                                        "description": "\udcff bed"}), "objects.0.description: .*lone surrogate"),
+        (lambda d: d.update(prompt="a \udcff bedroom"), "prompt: .*lone surrogate"),
     ],
 )
 def test_schema_errors_name_the_field(mutate, field):

@@ -37,10 +37,19 @@ def design_record(prompt: str, room_path: str | None, seed: int):
 
     from jscenegen.scene.generator import make_record
     from jscenegen.scene.sceneset import SceneRecord
-    from jscenegen.scene.schema import Room, Scene, SceneError, read_json_file, scene_from_json
+    from jscenegen.scene.schema import (
+        Room,
+        Scene,
+        SceneError,
+        not_unicode,
+        read_json_file,
+        scene_from_json,
+    )
 
     if not prompt.strip():
         raise SceneError("--prompt is empty")
+    if why := not_unicode(prompt):
+        raise SceneError(f"--prompt: {why}")
     if room_path is None:
         room = make_record(DEFAULT_ROOM_SEED, "design").scene.room
         scene = Scene(scene_id="design", prompt=prompt, room=room)

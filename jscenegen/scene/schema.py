@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jscenegen.config import bool_for_number
+
 SCHEMA_VERSION = "scenegen.scene/1"
 Mount = Literal["floor", "on", "wall", "ceiling"]
 
@@ -36,8 +38,31 @@ class SceneError(ValueError):
     """A scene (file or JSON) that does not satisfy the schema; the message names the field."""
 
 
+def not_unicode(text: str) -> str | None:
+    """Why `text` is not Unicode text (a lone surrogate: what Python makes of bytes that are not
+    UTF-8 in a command line or a JSON `\\udcff` escape), or None when it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"character {err.start} is a lone surrogate {text[err.start]!r}, not Unicode text"
+    return None
+
+
 class _Model(BaseModel):
+    """Base of the scene models: unknown keys refused, values immutable and finite, a number
+    never a boolean (`"yaw": true` would be 1 degree), every string Unicode text."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_values(cls, value, info):
+        field = cls.model_fields.get(info.field_name)
+        if field is not None and bool_for_number(field.annotation, value):
+            raise ValueError("expected a number, not a boolean")
+        if isinstance(value, str) and (why := not_unicode(value)):
+            raise ValueError(why)
+        return value
 
 
 class Door(_Model):
