@@ -238,6 +238,20 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
     assert not (package / "r.json").exists()
 
 
+@pytest.mark.parametrize("command", ["design", "eval"])
+def test_a_bad_config_json_field_is_named_before_the_tokenizer_loads(tiny_hf, tmp_path, capsys, command):
+    """transformers' tokenizer loader reads config.json too: its error blamed the tokenizer."""
+    model = tmp_path / "m"
+    _model_copy(tiny_hf["qwen3"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": "128"}))
+    argv = {"design": ["design", "--model", str(model), "--prompt", "x", "-o", str(tmp_path / "s.json")],
+            "eval": ["eval", "--model", str(model), "--out", str(tmp_path / "r.json")]}[command]
+    assert main(argv) == 2
+    assert one_error_line(capsys) == (f"error: {model}/config.json: hidden_size must be a positive "
+                                      "integer, got '128'")
+
+
 def _model_copy(src: Path, dst: Path) -> dict[str, bytes]:
     import shutil
 

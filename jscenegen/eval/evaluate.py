@@ -103,15 +103,20 @@ def verify_step(step: Path) -> None:
 def policy_chat(cfg, model_path: str | Path):
     """The ChatTokenizer of `model_path`'s assets (HF directory or checkpoint step's `hf/`) with
     `sampling.chat_template_path`, checked to be prefix-preserving (ValueError names the
-    difference otherwise). Loads no weights."""
+    difference otherwise), after `config.json` (ModelConfigError naming it and the key). Loads
+    no weights."""
+    from jscenegen.model.config import QwenConfig, read_config_file
     from jscenegen.model.tokenizer.chat import ChatTokenizer
 
     p = Path(model_path)
-    if not (model_assets_dir(p) / "config.json").is_file():
+    config = model_assets_dir(p) / "config.json"
+    if not config.is_file():
         raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "
                                 f"nor a checkpoint step directory (params/ and hf/)")
     if is_checkpoint_dir(p):
         verify_step(p)   # before its tokenizer is read
+    # transformers' tokenizer loader reads config.json too, and its errors would blame the tokenizer
+    QwenConfig.from_hf_dict(read_config_file(config), str(config))
     chat = ChatTokenizer.from_dir(model_assets_dir(p), cfg.sampling.chat_template_path)
     chat.check_prefix_preserving()
     return chat
