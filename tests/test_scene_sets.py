@@ -94,6 +94,12 @@ def test_canonical_text_is_deterministic_and_rounded():
         (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
                                         "description": "\udcff bed"}), "objects.0.description: .*lone surrogate"),
         (lambda d: d.update(prompt="a \udcff bedroom"), "prompt: .*lone surrogate"),
+        # what the add operation refuses, a file may not hold either
+        (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
+                                        "mount": "wall", "elevation": -3.0}), "a_1: elevation -3.0 puts its bottom below"),
+        (lambda d: d["objects"].extend([{"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1]},
+                                        {"id": "b_1", "category": "x", "position": [2, 2], "size": [1, 1, 1],
+                                         "parent": "a_1"}]), "b_1: a parent is only for mount 'on', not 'floor'"),
     ],
 )
 def test_schema_errors_name_the_field(mutate, field):

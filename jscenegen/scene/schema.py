@@ -129,7 +129,8 @@ class Room(_Model):
 
 
 class SceneObject(_Model):
-    """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw` degrees."""
+    """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
+    degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
 
     id: str = Field(min_length=1)
     category: str = Field(min_length=1)
@@ -152,6 +153,8 @@ class SceneObject(_Model):
     def _parent(self) -> "SceneObject":
         if self.mount == "on" and not self.parent:
             raise ValueError(f"object {self.id}: mount 'on' needs a parent")
+        if self.mount != "on" and self.parent is not None:   # as the add operation refuses it
+            raise ValueError(f"object {self.id}: a parent is only for mount 'on', not {self.mount!r}")
         if self.parent == self.id:
             raise ValueError(f"object {self.id}: parent is the object itself")
         return self
@@ -166,6 +169,9 @@ class SceneObject(_Model):
                                  f"(jscenegen.scene.schema.MAX_COORDINATE_M)")
         if abs(self.yaw) > MAX_YAW_DEG:
             raise ValueError(f"object {self.id}: yaw {self.yaw} is beyond +-{MAX_YAW_DEG:g} degrees")
+        if self.elevation < 0:
+            raise ValueError(f"object {self.id}: elevation {self.elevation} puts its bottom below "
+                             "the floor (metres above the floor, >= 0)")
         return self
 
 
