@@ -132,20 +132,25 @@ class Progress:
 def check_run_inputs(cfg) -> None:
     """Read the run's own input files before any model is made: the train scene set (and the
     dev set when the run evaluates), the scene runtime's prompt templates and catalogue, and
-    the replacement chat template; a wrong path or more scenes asked than the set holds fails
+    the replacement chat template (a scene requesting what the catalogue does not know is
+    refused: `check_requests_known`); a wrong path or more scenes asked than the set holds fails
     in seconds, not after the SFT warm start. Raises the readers' errors (naming the file and
     key) and `trainer.train_scenes`'."""
     from jscenegen.grpo.train.trainer import train_scenes
     from jscenegen.paths import resolve_data_path
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.prompts import load_templates
-    from jscenegen.scene.sceneset import read_scene_set
+    from jscenegen.scene.sceneset import check_requests_known, read_scene_set
 
     train_scenes(cfg)
+    catalogue = load_catalogue(cfg.scene.catalogue_path)
+    sets = [cfg.schedule.train_set]
     if cfg.trainer.eval_before_after or cfg.trainer.eval_every:
-        read_scene_set(resolve_data_path(cfg.schedule.dev_set))
+        sets.append(cfg.schedule.dev_set)
+    for name in sets:
+        path = resolve_data_path(name)
+        check_requests_known(read_scene_set(path), catalogue, str(path))
     load_templates(cfg.scene.prompts_dir)
-    load_catalogue(cfg.scene.catalogue_path)
     template = cfg.sampling.chat_template_path
     if template and not Path(template).is_file():
         raise FileNotFoundError(f"sampling.chat_template_path {template}: not a file")

@@ -8,7 +8,7 @@ import pytest
 from jscenegen.cli import main
 from jscenegen.scene.dataset import SceneSetSource, scene_iterator
 from jscenegen.scene.generator import SPLIT_BASE, make_record, make_scene_set
-from jscenegen.scene.sceneset import read_scene_set, write_scene_set
+from jscenegen.scene.sceneset import read_scene_set, record_from_json, write_scene_set
 from jscenegen.scene.schema import SceneError, canonical_text, edge_length, scene_from_json
 
 from cli_errors import one_error_line
@@ -223,3 +223,37 @@ def test_cli_furnish_names_a_binary_file_and_finds_shipped_sets_from_anywhere(tm
     assert main(["scene", "furnish", "data/scenes/dev.jsonl", "--index", "1", "-o", "f.json"]) == 0
     assert json.loads(capsys.readouterr().out)["output"] == "f.json"
     assert scene_from_json(json.loads((tmp_path / "f.json").read_text())).objects
+
+
+@pytest.mark.parametrize("requested, why", [
+    ([{"category": "bed", "count": 1}, {"category": "bed", "count": 2}],
+     r"requested\[1\]: category 'bed' is requested twice"),
+    ([{"category": "bed", "count": 0}], r"requested\[0\] must be .*1\.\.128"),
+    ([{"category": "bed", "count": 10**23}], r"requested\[0\] must be .*1\.\.128"),
+    ([{"category": "", "count": 1}], r"requested\[0\] must be"),
+    ([{"category": "b\udcffed", "count": 1}], r"requested\[0\]\.category: .*lone surrogate"),
+])
+def test_a_records_requested_items_are_checked(requested, why):
+    data = {"scene": {"room": room(), "objects": []}, "seed": 1, "requested": requested}
+    with pytest.raises(SceneError, match=why):
+        record_from_json(data, "set.jsonl:3")
+
+
+def test_requests_the_catalogue_does_not_know_are_refused_or_flagged(tmp_path, capsys):
+    """A typo in a request can never be satisfied: prompt_following dropped silently."""
+    record = json.loads((DATA / "dev.jsonl").read_text().splitlines()[1])
+    (tmp_path / "rec.json").write_text(json.dumps(record))
+    assert main(["scene", "check", str(tmp_path / "rec.json"), "--requested", "queen_bed:1,nightstnd:2"]) == 2
+    assert one_error_line(capsys) == (
+        "error: --requested item 'nightstnd:2': 'nightstnd' is neither a category nor a group of "
+        "the catalogue (groups: bed, lamp, seating)")
+    record["requested"].append({"category": "spaceship", "count": 1})
+    (tmp_path / "rec.json").write_text(json.dumps(record))
+    assert main(["scene", "check", str(tmp_path / "rec.json")]) == 0
+    assert "requested 'spaceship' is neither a category nor a group" in json.loads(capsys.readouterr().out)["warnings"]
+    (tmp_path / "set.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["train", "--run-dir", str(tmp_path / "run"), f"schedule.train_set={tmp_path / 'set.jsonl'}"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {tmp_path / 'set.jsonl'}: scene 1 ({record['scene']['scene_id']}) requests 'spaceship': "
+        "neither a category nor a group of the catalogue")
+    assert not (tmp_path / "run").exists()

@@ -82,10 +82,12 @@ def run(args) -> int:
 
     from jscenegen.eval.plots import plot_report
     from jscenegen.paths import write_json
+    from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
-    from jscenegen.scene.sceneset import read_scene_set
+    from jscenegen.scene.sceneset import check_requests_known, read_scene_set
 
     records = read_scene_set(scenes)
+    check_requests_known(records, load_catalogue(cfg.scene.catalogue_path), str(scenes))
     engine = policy_engine(cfg, args.model)
     judge = make_judge(cfg.judge, cfg.scene)
 

@@ -5,16 +5,27 @@ import json
 from pathlib import Path
 
 
-def _requested(text: str | None) -> list[dict]:
+def _requested(text: str | None, catalogue) -> list[dict]:
+    """`--requested 'bed:1,nightstand:2'` as requested items, checked as a record's are, each
+    name a category or group of `catalogue` (a typo would silently lower prompt_following)."""
+    from jscenegen.config import clip_text
+    from jscenegen.scene.sceneset import requested_items
+
     if not text:
         return []
     out = []
     for part in text.split(","):
         cat, _, count = part.strip().partition(":")
-        if not cat or not count.strip().isdigit() or int(count) < 1:
-            raise ValueError(f"--requested item {part.strip()!r} is not category:count")
+        count = count.strip()
+        if not cat or not count.isdigit() or len(count) > 9:
+            raise ValueError(f"--requested item {clip_text(repr(part.strip()))} is not "
+                             "category:count (a count of at most 9 digits)")
+        if not catalogue.knows(cat.strip()):
+            raise ValueError(f"--requested item {clip_text(repr(part.strip()))}: "
+                             f"{clip_text(repr(cat.strip()))} is neither a category nor a group of "
+                             f"the catalogue (groups: {', '.join(sorted(catalogue.groups))})")
         out.append({"category": cat.strip(), "count": int(count)})
-    return out
+    return list(requested_items(out, "--requested"))
 
 
 def _configs(path: str | None):
@@ -61,15 +72,17 @@ def check(args) -> int:
     if args.requested_units is not None and args.requested_units < 0:
         raise ValueError(f"--requested-units must be >= 0, got {args.requested_units}")
     cfg, judge_cfg = _configs(args.config)
+    catalogue = load_catalogue(cfg.catalogue_path)
     scene, req = _load(_input(args.scene))
     if args.requested is not None:
-        req = _requested(args.requested)
-    catalogue = load_catalogue(cfg.catalogue_path)
+        req = _requested(args.requested, catalogue)
     metrics = measure(scene, cfg, catalogue, blockers=True)
     judge = make_judge(judge_cfg, cfg)
     (result,) = judge.grade([JudgeRequest(scene, tuple(req), metrics)])
     identity = {k: v for k, v in judge.identity().items() if k != "rubric_hash"}
     warnings = [f"unknown category {o.category!r} ({o.id})" for o in scene.objects if catalogue.get(o.category) is None]
+    warnings += [f"requested {r['category']!r} is neither a category nor a group"
+                 for r in req if not catalogue.knows(r["category"])]
     warnings += [f"{o} size outside its catalogue range" for o in metrics["size_out_of_range_objects"]]
     warnings += [f"{w['object']} blocks window_{w['window']}" for w in metrics["window_warnings"]]
     if result.grades is None:

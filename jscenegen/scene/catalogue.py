@@ -48,6 +48,10 @@ class Catalogue:
     def get(self, name: str) -> Category | None:
         return self.categories.get(name)
 
+    def knows(self, name: str) -> bool:
+        """Whether a request may name `name`: a category or a group of categories."""
+        return name in self.categories or name in self.groups
+
     def members(self, name: str) -> tuple[str, ...]:
         """Categories a requested name stands for: a group's members, or the category itself."""
         return self.groups.get(name, (name,))
@@ -73,6 +77,8 @@ class Catalogue:
 
 
 def _parse(doc: dict, source: str) -> Catalogue:
+    if not isinstance(doc, dict) or not isinstance(doc.get("categories"), dict):
+        raise ValueError(f"{source}: expected a JSON object with a 'categories' object")
     if doc.get("version") != CATALOGUE_VERSION:
         raise ValueError(f"{source}: version must be {CATALOGUE_VERSION!r}, got {doc.get('version')!r}")
     cats = {}

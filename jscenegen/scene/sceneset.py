@@ -10,9 +10,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from jscenegen.config import clip_text
 from jscenegen.paths import atomic_file
 
-from .schema import Scene, SceneError, parse_json, scene_from_json
+from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, not_unicode, parse_json, scene_from_json
 
 SET_SCHEMA = "scenegen.sceneset/1"
 
@@ -42,16 +43,43 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
     seed = data.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise SceneError(f"{source}: seed must be an integer, got {seed!r}")
-    req = data.get("requested", [])
+    items = requested_items(data.get("requested", []), f"{source}: requested")
+    return SceneRecord(scene_from_json(data.get("scene"), f"{source}: scene"), seed, items)
+
+
+def requested_items(req, source: str) -> tuple[dict, ...]:
+    """A record's `requested` checked: a list of {"category": Unicode text, "count": int in
+    1..MAX_SCENE_OBJECTS} (a scene holds no more objects), each category once. Whether the
+    categories are known depends on the catalogue: `check_requests_known`. Raises SceneError
+    naming `source` and the item."""
     if not isinstance(req, list):
-        raise SceneError(f"{source}: requested must be a list")
-    items = []
+        raise SceneError(f"{source} must be a list")
+    items, seen = [], set()
     for i, r in enumerate(req):
         ok = isinstance(r, dict) and set(r) == {"category", "count"} and isinstance(r["category"], str)
-        if not ok or isinstance(r["count"], bool) or not isinstance(r["count"], int) or r["count"] < 1:
-            raise SceneError(f"{source}: requested[{i}] must be {{'category': str, 'count': int >= 1}}, got {r!r}")
+        if (not ok or not r["category"] or isinstance(r["count"], bool) or not isinstance(r["count"], int)
+                or not 1 <= r["count"] <= MAX_SCENE_OBJECTS):
+            raise SceneError(f"{source}[{i}] must be {{'category': str, 'count': int in "
+                             f"1..{MAX_SCENE_OBJECTS}}}, got {clip_text(repr(r))}")
+        if why := not_unicode(r["category"]):
+            raise SceneError(f"{source}[{i}].category: {why}")
+        if r["category"] in seen:
+            raise SceneError(f"{source}[{i}]: category {r['category']!r} is requested twice")
+        seen.add(r["category"])
         items.append({"category": r["category"], "count": r["count"]})
-    return SceneRecord(scene_from_json(data.get("scene"), f"{source}: scene"), seed, tuple(items))
+    return tuple(items)
+
+
+def check_requests_known(records: list[SceneRecord], catalogue, source: str) -> None:
+    """Raise SceneError naming `source`, the scene and the name when a record requests a name
+    that is neither a category nor a group of `catalogue` (no object can satisfy it, so the
+    prompt-following grade would drop for every episode of that scene)."""
+    for i, record in enumerate(records):
+        for item in record.requested:
+            if not catalogue.knows(item["category"]):
+                raise SceneError(f"{source}: scene {i + 1} ({record.scene.scene_id or 'no id'}) "
+                                 f"requests {clip_text(repr(item['category']))}: neither a "
+                                 "category nor a group of the catalogue")
 
 
 def read_scene_set(path: str | Path) -> list[SceneRecord]:
