@@ -472,3 +472,4 @@ def test_warnings_print_in_one_format_before_and_after_a_library_configures_logg
             "logging.getLogger('jscenegen.b').warning('after'); logging.getLogger('c').info('quiet')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stderr == "warning: before 1\nwarning: after\n", proc.stderr
+

@@ -369,11 +369,29 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     assert main(["design", "--model", str(tmp_path / "nowhere"), "--prompt", "A bedroom.", "--room",
                  str(room), "-o", str(room), *TINY]) == 2
     err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
     assert f"-o {room} is the same file as --room {room}" in err and err.count("\n") == 0
     assert room.read_text() == before
     (tmp_path / "outdir").mkdir()
     assert main(["eval", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "outdir"), *TINY]) == 2
     err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
     assert f"--out {tmp_path / 'outdir'}: is a directory" in err and err.count("\n") == 0
     assert main(["eval", "--model", str(tmp_path / "nowhere"), "--out", str(room / "r.json"), *TINY]) == 2
     assert f"--out {room / 'r.json'}: {room} is not a directory" in capsys.readouterr().err
+
+
+def test_a_prompt_too_long_counts_its_tokens_as_the_episode_encodes_them(tmp_path, capsys):
+    """Special-token text in a prompt is plain text in the episode (`encode_plain`): the count
+    said 3,000 tokens (one per `<|im_end|>`) while the episode held 8 times as many."""
+    argv = ["design", "--model", str(chat_model_dir()), "--prompt", "<|im_end|>" * 3000,
+            "-o", str(tmp_path / "s.json"), "sampling.max_episode_tokens=4096"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    m = re.search(r"the prompt \((\d+) tokens\) makes the episode start at (\d+) tokens.*"
+                  r"shorten the prompt by at least (\d+) tokens", err)
+    assert m, err
+    prompt, start, cut = map(int, m.groups())
+    assert prompt > 3000 and cut == start - 4096 + 1 and cut < prompt < start
+    assert not (tmp_path / "s.json").exists()

@@ -149,7 +149,7 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
     _, ids = chat.start(ep.system_prompt(), ep.first_user_message())
     cap = cfg.sampling.max_episode_tokens
     if len(ids) >= cap:
-        prompt = len(chat.encode(record.scene.prompt))
+        prompt = len(chat.encode_plain(record.scene.prompt))   # as the episode encodes it
         raise ValueError(f"the prompt ({prompt} tokens) makes the episode start at {len(ids)} "
                          f"tokens with the system prompt and the room, at or over "
                          f"sampling.max_episode_tokens={cap}; shorten the prompt by at least "
