@@ -105,15 +105,20 @@ def refuse_overwriting_input(output: str | Path, output_label: str,
                              f"writing it would overwrite the input; write elsewhere")
 
 
-def check_output_file(path: str | Path, label: str) -> None:
+def check_output_file(path: str | Path, label: str, suffix: str | None = None) -> None:
     """Raise ValueError, before any work, when a file cannot be written at `path`: it is a
     directory or anything else that is not a regular file (`refuse_non_regular`), its nearest
-    existing ancestor is not a directory, or no file can be created there (tried with an empty
+    existing ancestor is not a directory, no file can be created there (tried with an empty
     temporary file, removed at once, so root on a read-only or pseudo filesystem such as /proc
-    is caught too). Missing parents are created by the writers."""
+    is caught too), or its name does not end in `suffix` (case ignored; for a writer whose
+    format does not follow the name: a PNG named `.jpg` would be PNG bytes). Missing parents
+    are created by the writers."""
     p = Path(path)
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
+    if suffix and p.suffix.lower() != suffix:
+        raise ValueError(f"{label} {path}: the file is written as {suffix[1:].upper()}; give a "
+                         f"name ending in {suffix}")
     if str(path).endswith(os.sep):
         raise ValueError(f"{label} {path}: ends with {os.sep}, the name of a directory; give a file path")
     if p.is_dir() and not p.is_symlink():

@@ -264,7 +264,7 @@ def _model_copy(src: Path, dst: Path) -> dict[str, bytes]:
     (["eval", "--model", "{m}", "--out", "{m}/report.json"], "--out"),
     (["design", "--model", "{m}", "--prompt", "a bedroom", "-o", "{m}/config.json"], "-o"),
     (["design", "--model", "{m}", "--prompt", "a bedroom", "-o", "{o}/s.json",
-      "--render", "{m}/model.safetensors"], "--render"),
+      "--render", "{m}/view.png"], "--render"),
     (["sft", "--config", "configs/sft-cpu.yaml", "--model", "{m}", "--out", "{m}/sub"], "--out"),
     (["train", "--run-dir", "{m}/run", "model.path={m}"], "--run-dir"),
 ])

@@ -214,7 +214,8 @@ def test_design_record_rooms(tmp_path):
     dev = dev_records()[1].scene
     (tmp_path / "scene.json").write_text(json.dumps(dev.to_json()))
     (tmp_path / "room.json").write_text(json.dumps(dev.room.model_dump(mode="json")))
-    for name in ("scene.json", "room.json"):
+    (tmp_path / "record.json").write_text(json.dumps(dev_records()[1].to_json()))  # a scene-set line
+    for name in ("scene.json", "room.json", "record.json"):
         rec = design_record("Two beds.", str(tmp_path / name), 0)
         assert rec.scene.room == dev.room and rec.scene.prompt == "Two beds."
     (tmp_path / "bad.json").write_text(json.dumps({"floor_polygon": [[0, 0], [1, 0]], "wall_height": 2.5}))

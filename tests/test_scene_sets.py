@@ -94,6 +94,8 @@ def test_canonical_text_is_deterministic_and_rounded():
         (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
                                         "description": "\udcff bed"}), "objects.0.description: .*lone surrogate"),
         (lambda d: d.update(prompt="a \udcff bedroom"), "prompt: .*lone surrogate"),
+        (lambda d: d.update(budget={"total_units": 512, "used_units": 10**30}),
+         "budget: .*used_units 1000000000000000000000000000000 exceeds total_units 512"),
         # what the add operation refuses, a file may not hold either
         (lambda d: d["objects"].append({"id": "a_1", "category": "x", "position": [1, 1], "size": [1, 1, 1],
                                         "mount": "wall", "elevation": -3.0}), "a_1: elevation -3.0 puts its bottom below"),
@@ -211,8 +213,10 @@ def test_cli_never_writes_over_its_input(tmp_path, capsys):
         err = one_error_line(capsys)
         assert f"-o {out} is the same file as the scene set {dev}" in err
     assert dev.read_text() == (DATA / "dev.jsonl").read_text()
-    assert main(["scene", "render", str(dev), "-o", str(dev)]) == 2
-    assert "same file" in one_error_line(capsys) and dev.read_text() == (DATA / "dev.jsonl").read_text()
+    record = tmp_path / "record.png"           # a scene file whose name a render could take
+    record.write_text(dev.read_text().splitlines()[0])
+    assert main(["scene", "render", str(record), "-o", str(record)]) == 2
+    assert "same file" in one_error_line(capsys) and record.read_text() == dev.read_text().splitlines()[0]
 
 
 def test_cli_furnish_names_a_binary_file_and_finds_shipped_sets_from_anywhere(tmp_path, capsys, monkeypatch):
@@ -257,3 +261,28 @@ def test_requests_the_catalogue_does_not_know_are_refused_or_flagged(tmp_path, c
         f"error: {tmp_path / 'set.jsonl'}: scene 1 ({record['scene']['scene_id']}) requests 'spaceship': "
         "neither a category nor a group of the catalogue")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_scene_set_holds_each_scene_id_once(tmp_path):
+    """Reports name scenes by id: two scenes of one id would be one row of `eval --compare`."""
+    lines = (DATA / "dev.jsonl").read_text().splitlines()
+    (tmp_path / "set.jsonl").write_text("\n".join([lines[0], lines[1], lines[0]]) + "\n")
+    scene_id = json.loads(lines[0])["scene"]["scene_id"]
+    with pytest.raises(SceneError, match=rf"set.jsonl:3: scene_id '{scene_id}' is already the id of line 1$"):
+        read_scene_set(tmp_path / "set.jsonl")
+
+
+def test_render_names_its_format_and_measuring_errors_name_the_file(tmp_path, capsys):
+    s = KNOWN["split"]().to_json()
+    (tmp_path / "s.json").write_text(json.dumps(s))
+    assert main(["scene", "render", str(tmp_path / "s.json"), "-o", str(tmp_path / "s.jpg")]) == 2
+    assert one_error_line(capsys) == (f"error: -o {tmp_path / 's.jpg'}: the file is written as PNG; "
+                                      "give a name ending in .png")
+    s["objects"][0]["position"] = [600.0, 600.0]      # inside the schema's bound, beyond the grid's
+    (tmp_path / "far.json").write_text(json.dumps(s))
+    for argv in (["check", str(tmp_path / "far.json")],
+                 ["render", str(tmp_path / "far.json"), "-o", str(tmp_path / "far.png")]):
+        assert main(["scene", *argv]) == 2
+        err = one_error_line(capsys)
+        assert err.startswith(f"error: {tmp_path / 'far.json'}: ") and "lies too far" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["far.json", "s.json"]

@@ -14,8 +14,8 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, metavar="HF_DIR_OR_CHECKPOINT",
                    help="HF model directory or checkpoint step directory (RUN/checkpoints/N)")
     p.add_argument("--prompt", required=True, help="what the room should be, in words")
-    p.add_argument("--room", default=None, help="room JSON (a scene file, its objects are kept, or a "
-                   "bare room object); default: a generated bedroom")
+    p.add_argument("--room", default=None, help="room JSON (a scene file, its objects are kept; a "
+                   "scene-set record; or a bare room object); default: a generated bedroom")
     p.add_argument("-o", "--out", required=True, help="terminal scene JSON to write")
     p.add_argument("--render", default=None, help="also draw the terminal scene to this PNG")
     p.add_argument("--seed", type=seed_arg, default=0, help="episode seed (sampling keys)")
@@ -28,15 +28,16 @@ def register(sub) -> None:
 def design_record(prompt: str, room_path: str | None, seed: int):
     """The SceneRecord of one design request.
 
-    `room_path`: a scene JSON (`scenegen.scene/1`; its prompt is replaced by `prompt`) or a bare
-    room object (`floor_polygon`, `wall_height`, ...); None = the bedroom the generator draws for
+    `room_path`: a scene JSON (`scenegen.scene/1`; its prompt is replaced by `prompt`), a
+    scene-set record (its scene; its requested items are not used), or a bare room object
+    (`floor_polygon`, `wall_height`, ...); None = the bedroom the generator draws for
     DEFAULT_ROOM_SEED. `requested` is empty: the scene package has no prompt parser, so the
     judge grades prompt following from the prompt text alone. Raises SceneError naming the file.
     """
     from pydantic import ValidationError
 
     from jscenegen.scene.generator import make_record
-    from jscenegen.scene.sceneset import SceneRecord
+    from jscenegen.scene.sceneset import SceneRecord, record_from_json
     from jscenegen.scene.schema import (
         Room,
         Scene,
@@ -55,6 +56,8 @@ def design_record(prompt: str, room_path: str | None, seed: int):
         scene = Scene(scene_id="design", prompt=prompt, room=room)
     else:
         data = read_json_file(room_path, f"--room {room_path}")
+        if isinstance(data, dict) and "scene" in data and "room" not in data:   # a scene-set record
+            data = record_from_json(data, f"--room {room_path}").scene.to_json()
         if isinstance(data, dict) and "room" in data:
             scene = scene_from_json(data, room_path).model_copy(update={"prompt": prompt})
         else:
@@ -83,7 +86,7 @@ def run(args) -> int:
     inputs = {"--model": args.model, "--room": args.room, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "-o", inputs)
     if args.render:
-        check_output_file(args.render, "--render")
+        check_output_file(args.render, "--render", suffix=".png")
         refuse_overwriting_input(args.render, "--render", {**inputs, "-o": args.out})
     record = design_record(args.prompt, args.room, args.seed)
 

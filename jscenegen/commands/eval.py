@@ -31,7 +31,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
     from jscenegen.scene.schema import read_json_file
 
     if plot:
-        check_output_file(plot, "--plot")
+        check_output_file(plot, "--plot", suffix=".png")
         refuse_overwriting_input(plot, "--plot", {"BEFORE": before, "AFTER": after})
     reports = read_json_file(before), read_json_file(after)
     for path, report in zip((before, after), reports):
@@ -75,7 +75,7 @@ def run(args) -> int:
     # the outputs are written after the whole evaluation: refuse what cannot be written now
     plot_path = args.plot or Path(args.out).with_suffix(".png")
     check_output_file(args.out, "--out")
-    check_output_file(plot_path, "--plot")
+    check_output_file(plot_path, "--plot", suffix=".png")
     inputs = {"--model": args.model, "--scenes": scenes, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})

@@ -103,7 +103,7 @@ def render(args) -> int:
     from jscenegen.scene.render import render_scene
 
     path = _input(args.scene)
-    check_output_file(args.output, "-o")
+    check_output_file(args.output, "-o", suffix=".png")
     refuse_overwriting_input(args.output, "-o", {"the scene": path})
     cfg, _ = _configs(args.config)
     scene, _ = _load(path)
@@ -146,11 +146,20 @@ def furnish(args) -> int:
 
 
 def run(args) -> int:
-    return {"check": check, "render": render, "generate": generate, "furnish": furnish}[args.scene_command](args)
+    from jscenegen.scene.reach_inputs import ReachabilityError
+
+    action = {"check": check, "render": render, "generate": generate, "furnish": furnish}[args.scene_command]
+    try:
+        return action(args)
+    except ReachabilityError as err:   # the runtime cannot measure the scene: say which file
+        if getattr(args, "scene", None) is None:
+            raise
+        raise ReachabilityError(f"{args.scene}: {err}") from None
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("scene", help="measure, render and generate scenes")
+    p = subparsers.add_parser("scene", help="check (measure and grade), render, generate and "
+                              "furnish scenes")
     sub = p.add_subparsers(dest="scene_command", metavar="ACTION", required=True)
     c = sub.add_parser("check", help="print metrics, the configured judge's grades (the rule judge "
                        "unless --config sets judge.backend: http) and reward of a scene JSON")
@@ -161,7 +170,7 @@ def register(subparsers) -> None:
                    "(judge.backend: http grades with that server)")
     r = sub.add_parser("render", help="draw the top view (room, openings, objects, reachable region)")
     r.add_argument("scene")
-    r.add_argument("-o", "--output", required=True, help="output PNG")
+    r.add_argument("-o", "--output", required=True, help="output PNG (the name ends in .png)")
     r.add_argument("--config", default=None)
     g = sub.add_parser("generate", help="write a deterministic scene set (JSONL)")
     g.add_argument("--split", choices=("train", "dev"), required=True)

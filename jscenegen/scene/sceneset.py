@@ -83,8 +83,8 @@ def check_requests_known(records: list[SceneRecord], catalogue, source: str) -> 
 
 
 def read_scene_set(path: str | Path) -> list[SceneRecord]:
-    """All records of a JSONL scene set (at least one). Raises SceneError naming file and line,
-    or the file when it holds no record."""
+    """All records of a JSONL scene set (at least one, every non-empty `scene_id` once). Raises
+    SceneError naming file and line, or the file when it holds no record."""
     p = Path(path)
     if not p.is_file():
         raise SceneError(f"{p}: not a regular file" if p.exists() else f"{p}: no such scene set")
@@ -92,12 +92,18 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise SceneError(f"{p}: not UTF-8 text: {err}") from None
-    out = []
+    out, lines = [], {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         data = parse_json(line, f"{p}:{n}")
-        out.append(record_from_json(data, f"{p}:{n}"))
+        record = record_from_json(data, f"{p}:{n}")
+        scene_id = record.scene.scene_id
+        if scene_id and scene_id in lines:   # reports name scenes by id: they would clash
+            raise SceneError(f"{p}:{n}: scene_id {clip_text(repr(scene_id))} is already the id of "
+                             f"line {lines[scene_id]}")
+        lines[scene_id] = n
+        out.append(record)
     if not out:
         raise SceneError(f"{p}: no scenes (an empty scene set: one JSON record per line)")
     return out

@@ -176,10 +176,17 @@ class SceneObject(_Model):
 
 
 class Budget(_Model):
-    """Unit budget of an episode: total units and units charged so far."""
+    """Unit budget of an episode: total units and units charged so far (never more than the
+    total: an operation that would go over it is refused, not charged)."""
 
     total_units: int = Field(512, ge=0)
     used_units: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _within(self) -> "Budget":
+        if self.used_units > self.total_units:
+            raise ValueError(f"used_units {self.used_units} exceeds total_units {self.total_units}")
+        return self
 
 
 class Scene(_Model):
