@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 import stat
@@ -230,6 +231,21 @@ def write_text(path: str | Path, text: str) -> None:
         if err.errno != errno.ENOSPC or isinstance(err, DiskFullError):
             raise
         raise DiskFullError(Path(path).parent, len(text.encode()), f"writing {Path(path).name}") from None
+
+
+def json_line(obj: Any, **kwargs) -> str:
+    """`obj` as one line of strict JSON (a JSON Lines row, a command's stdout line): a float
+    that is not finite (a skipped step's NaN grad_norm) becomes null, as JSON has no NaN and
+    strict parsers (`jq`) refuse Python's `NaN`. `kwargs` go to json.dumps."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -473,3 +473,16 @@ def test_warnings_print_in_one_format_before_and_after_a_library_configures_logg
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stderr == "warning: before 1\nwarning: after\n", proc.stderr
 
+
+
+def test_sft_never_replaces_a_directory_beside_its_output(tmp_path, capsys):
+    """Without --model, sft makes a fresh model in OUT-init: an existing one was replaced."""
+    (tmp_path / "o-init").mkdir()
+    (tmp_path / "o-init" / "precious").write_text("keep")
+    argv = ["sft", "--config", str(ROOT / "configs/sft-cpu.yaml"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert one_error_line(capsys) == (
+        f"error: {tmp_path / 'o-init'}: the fresh model sft makes next to --out (no --model "
+        "given) already exists; start from it with --model, or choose another --out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o-init"]
+    assert (tmp_path / "o-init" / "precious").read_text() == "keep"

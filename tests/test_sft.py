@@ -19,6 +19,7 @@ from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer.chat import ChatTokenizer
+from jscenegen.paths import json_line
 from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
 from jscenegen.scene.judge import make_judge
@@ -218,6 +219,29 @@ def test_run_sft_never_replaces_an_existing_directory(tmp_path):
     assert (Path(chat_model_dir()) / "config.json").is_file()
 
 
+def test_run_sft_refuses_what_would_not_train_and_warns_when_nothing_moved(tmp_path, caplog):
+    """Exit 0 with a "trained" model that is not: rows too short for any policy token, weights
+    that diverged (lr 1e30: the first update blows them up, every later step is skipped), a
+    single step inside the warmup (lr 0)."""
+    def cfg(sft=None, optim=None):
+        return validate_config({"sft": {"num_demos": 2, "steps": 2, "batch_size": 3, "max_seq_len": SEQ,
+                                        "log_every": 1, **(sft or {})},
+                                "optim": {"lr": 5e-3, "weight_decay": 0.0, **(optim or {})}},
+                               "sft.yaml", SFTRunConfig)
+    with pytest.raises(ValueError, match=r"sft.max_seq_len=16: no demonstration has a policy token"):
+        run_sft(cfg({"max_seq_len": 16, "seq_multiple": 16}), chat_model_dir(), tmp_path / "short")
+    rows = []
+    with pytest.raises(ValueError, match=r"the last step's gradient is not finite: training diverged "
+                                         r"\(1 of 2 steps skipped.*optim.lr=1e\+30\); nothing written"):
+        run_sft(cfg(optim={"lr": 1e30, "warmup_steps": 0}), chat_model_dir(), tmp_path / "diverged",
+                log=rows.append)
+    assert json.loads(json_line(rows[-1]))["grad_norm"] is None      # strict JSON: NaN is null
+    with caplog.at_level("WARNING"):
+        run_sft(cfg({"steps": 1}), chat_model_dir(), tmp_path / "still", log=rows.append)
+    assert "every step ran at learning rate 0 (sft.steps=1, optim.warmup_steps=4" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["still"]
+
+
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="sft.batch_size"):
         validate_config({"sft": {"batch_size": 0}}, "sft.yaml", SFTRunConfig)
@@ -225,3 +249,7 @@ def test_config_errors_name_the_key():
         validate_config({"sft": {"nmu_demos": 3}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="micro_batch_size"):
         validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(ConfigError, match="batch_size 100000 x max_seq_len 3072 = 307,200,000 tokens"):
+        validate_config({"sft": {"batch_size": 100000, "micro_batch_size": 1}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(ConfigError, match="scene_offset 999999 \\+ num_demos 2 passes"):
+        validate_config({"sft": {"num_demos": 2, "scene_offset": 999999}}, "sft.yaml", SFTRunConfig)

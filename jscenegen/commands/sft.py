@@ -19,25 +19,31 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from jscenegen.config import load_config
-    from jscenegen.paths import refuse_overwriting_input, require_new_dir
+    from jscenegen.paths import json_line, refuse_overwriting_input, require_new_dir
     from jscenegen.sft.config import SFTRunConfig
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
     from jscenegen.sft.run import run_sft
 
     out = Path(args.out or cfg.sft.out_dir)
-    require_new_dir(out)  # before a fresh init-model or any demonstration is built
     model_dir = args.model or cfg.model.path
+    # before anything is written (write checks create a probe file beside the output)
     refuse_overwriting_input(out, "--out", {"--model": model_dir, "--config": args.config})
+    require_new_dir(out)  # before a fresh init-model or any demonstration is built
     if model_dir is None:
         from jscenegen.model.init_model import init_model_dir
         from jscenegen.scene.corpus import tokenizer_corpus
 
         model_dir = out.parent / f"{out.name}-init"
+        if model_dir.exists() and not (model_dir.is_dir() and not any(model_dir.iterdir())):
+            raise FileExistsError(f"{model_dir}: the fresh model sft makes next to --out (no "
+                                  "--model given) already exists; start from it with --model, "
+                                  "or choose another --out")
+        require_new_dir(model_dir)
         init_model_dir(model_dir, arch=cfg.sft.init_arch, preset=cfg.sft.init_preset,
                        seed=cfg.sft.seed, texts=tokenizer_corpus())
         print(json.dumps({"event": "init_model", "model_dir": str(model_dir)}), flush=True)
     summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
-    print(json.dumps({"event": "done", "out_dir": str(out), "final_loss": summary["final_loss"],
+    print(json_line({"event": "done", "out_dir": str(out), "final_loss": summary["final_loss"],
                       "train_s": round(summary["train_s"], 1), "total_s": round(summary["total_s"], 1)}))
     return 0

@@ -120,7 +120,7 @@ def hf_state_dict(model: CausalLM, dtype: str | Mapping[str, str] | None = None
 def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
                  dtype: str | Mapping[str, str] = "float32", config_dtype: str | None = None,
                  tokenizer_src: str | Path | None = None,
-                 max_shard_bytes: int = 2 * 1024**3) -> Path:
+                 max_shard_bytes: int = 2 * 1024**3, replace: bool = False) -> Path:
     """Write an HF directory from streamed (name, array) pairs; atomic (temp dir + rename).
 
     `tensors` yields every tensor of `param_shapes(cfg, carried=True)` in that order; each is
@@ -130,14 +130,15 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
     `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more than one
     is needed, else `model.safetensors`. config.json: `cfg.to_hf_dict()` (Qwen3.5: the file
     that was read, its dtype fields changed only when config_dtype differs from it). The model's other assets (tokenizer, chat template, processor files;
-    `assets.ASSET_FILES` except config.json) are copied from `tokenizer_src` when given. An
-    existing `out` is replaced only once the new directory is complete. Raises OSError on
-    write failure (the old dir stays).
+    `assets.ASSET_FILES` except config.json) are copied from `tokenizer_src` when given. `out`
+    must be new or empty (FileExistsError before anything is written); with `replace`, an
+    existing `out` is replaced once the new directory is complete. Raises OSError on write
+    failure (the old dir stays).
     """
     out = Path(out)
     shapes = param_shapes(cfg, carried=True)
     dtypes = dict(dtype) if isinstance(dtype, Mapping) else {n: dtype for n in shapes}
-    with atomic_dir(out, replace=True) as tmp:
+    with atomic_dir(out, replace=replace) as tmp:
         specs = {n: (tuple(s), np_dtype(dtypes[n])) for n, s in shapes.items()}
         write_safetensors_streaming(tmp, specs, ((n, np.ascontiguousarray(a.astype(specs[n][1])))
                                                  for n, a in tensors), max_shard_bytes)
@@ -169,7 +170,8 @@ def _config_json(cfg: QwenConfig, dtype: str | None) -> dict:
 
 
 def save_hf(model: CausalLM, out: str | Path, *, dtype: str | None = None,
-            tokenizer_src: str | Path | None = None, max_shard_bytes: int = 2 * 1024**3) -> Path:
+            tokenizer_src: str | Path | None = None, max_shard_bytes: int = 2 * 1024**3,
+            replace: bool = False) -> Path:
     """Save a model as an HF directory transformers can load (see `write_hf_dir`).
 
     dtype: None writes every tensor in the dtype its source stored it (`tensor_dtypes`; a
@@ -179,4 +181,4 @@ def save_hf(model: CausalLM, out: str | Path, *, dtype: str | None = None,
     dtypes = tensor_dtypes(model, dtype)
     return write_hf_dir(out, model.cfg, hf_state_dict(model, dtypes), dtype=dtypes,
                         config_dtype=dtype, tokenizer_src=tokenizer_src,
-                        max_shard_bytes=max_shard_bytes)
+                        max_shard_bytes=max_shard_bytes, replace=replace)

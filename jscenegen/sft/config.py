@@ -16,12 +16,16 @@ from jscenegen.model.options import ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig
 
+SFT_SCENES_MAX = 1_000_000   # SFT scene indices (scene_offset + i): the generator's bound per set
+BATCH_TOKENS_MAX = 1 << 24   # rows x tokens of one step: 8 x a large SFT batch (256 rows of 8,192)
+
 
 class SFTConfig(Section):
     """Demonstrations, batch shape and loop length of supervised fine-tuning on expert episodes."""
 
-    num_demos: int = Field(48, ge=1, description="scripted-expert episodes on generated SFT scenes")
-    scene_offset: int = Field(0, ge=0, description="index of the first SFT scene (seeds "
+    num_demos: int = Field(48, ge=1, le=SFT_SCENES_MAX,
+                           description="scripted-expert episodes on generated SFT scenes")
+    scene_offset: int = Field(0, ge=0, le=SFT_SCENES_MAX, description="index of the first SFT scene (seeds "
                               "SFT_SEED_BASE * 1000 + offset + i; never the train/dev sets)")
     noisy_fraction: float = Field(0.0, ge=0, le=1, description="share of demos played by an "
                                   "imperfect designer (positions jittered) so the critic and "
@@ -48,6 +52,13 @@ class SFTConfig(Section):
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of "
                              f"micro_batch_size {self.micro_batch_size}")
+        if self.scene_offset + self.num_demos > SFT_SCENES_MAX:
+            raise ValueError(f"scene_offset {self.scene_offset} + num_demos {self.num_demos} "
+                             f"passes the {SFT_SCENES_MAX:,} SFT scenes the generator makes")
+        if self.batch_size * self.max_seq_len > BATCH_TOKENS_MAX:
+            raise ValueError(f"batch_size {self.batch_size} x max_seq_len {self.max_seq_len} = "
+                             f"{self.batch_size * self.max_seq_len:,} tokens per step: at most "
+                             f"{BATCH_TOKENS_MAX:,} (host arrays of that many tokens per step)")
         return self
 
 

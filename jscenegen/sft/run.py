@@ -5,7 +5,6 @@ Builds the demonstrations (sft/demos.py), loads the model in the FSDP2 layout on
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,13 +14,13 @@ import numpy as np
 
 from jscenegen.grpo.algo.optimizer import init_train_state
 from jscenegen.model.tokenizer.chat import ChatTokenizer
-from jscenegen.paths import require_new_dir, write_json
+from jscenegen.paths import json_line, require_new_dir, write_json
 from jscenegen.sft.demos import batch_order, build_demos, demo_batch, padded_length, sft_records
 from jscenegen.sft.step import SFTStep
 
 
 def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
-            log: Callable[[dict], None] = lambda row: print(json.dumps(row), flush=True),
+            log: Callable[[dict], None] = lambda row: print(json_line(row), flush=True),
             chat_template_path: str | Path | None = None) -> dict:
     """Fine-tune the HF model at `model_dir` on expert demonstrations and write `out_dir`.
 
@@ -37,7 +36,9 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
 
     Returns the summary dict. Deterministic for a given config (demo scenes, order, weights).
     Raises FileExistsError for an `out_dir` that exists and is not empty (before any work:
-    `paths.require_new_dir`),
+    `paths.require_new_dir`), ValueError when no demonstration has a policy token within the
+    row length (before training) or the last step's loss is not finite (diverged: nothing is
+    written),
     ChatTemplateError (template), MeshError (mesh vs devices), ModelConfigError and the
     loader's errors for a bad `model_dir`.
     """
@@ -64,6 +65,10 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
                   "expert_mean_reward": float(np.nanmean([d.reward for d in demos])),
                   "demo_build_s": time.perf_counter() - t0}
     log({"event": "demos", **demo_stats})
+    if not any(d.policy_mask[:length].any() for d in demos):
+        raise ValueError(f"sft.max_seq_len={sc.max_seq_len}: no demonstration has a policy token "
+                         f"within its first {length} tokens (the system prompt and the room come "
+                         f"first: {min(lengths)} tokens in the shortest demo); nothing would train")
 
     t1, cpu1 = time.perf_counter(), time.process_time()
     graphdef, params, frozen = split_params(model)  # carried tensors (Qwen3.5) never train
@@ -83,6 +88,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
                 history.append(row)
                 log(row)
     train_s = time.perf_counter() - t1
+    _check_trained(cfg, history[-1], int(state.skipped_steps))
     nnx.update(model, state.params)
     save_hf(model, out_dir, dtype="float32", tokenizer_src=model_dir)  # fp32 master weights
     summary = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir), **demo_stats,
@@ -90,3 +96,31 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
                "total_s": time.perf_counter() - t0}
     write_json(Path(out_dir) / "sft_summary.json", summary)
     return summary
+
+
+def _check_trained(cfg, last: dict, skipped: int) -> None:
+    """Refuse to write weights that diverged: the last step's (`last`, its log row) loss is
+    not finite or its gradient was (the step was skipped: the weights as they are give no
+    finite gradient). Warn when earlier steps were skipped, or when every step ran at learning
+    rate 0 (a warmup longer than the run: `sft.steps=1` with any `optim.warmup_steps`), so the
+    weights written are the input's."""
+    import logging
+    import math
+
+    from jscenegen.grpo.algo.optimizer import lr_at
+
+    log = logging.getLogger(__name__)
+    steps, optim = cfg.sft.steps, cfg.optim
+    if not math.isfinite(last["loss"]) or last["skipped"]:
+        what = (f"loss is {last['loss']}" if not math.isfinite(last["loss"])
+                else "gradient is not finite")
+        raise ValueError(f"sft: the last step's {what}: training diverged ({skipped} of {steps} "
+                         f"steps skipped for non-finite gradients; optim.lr={optim.lr:g}); "
+                         "nothing written")
+    if skipped:
+        log.warning("sft: %d of %d steps were skipped (non-finite gradients)", skipped, steps)
+    # the learning rate peaks at the end of the warmup (or at the last step, within it)
+    if float(lr_at(optim, min(steps - 1, optim.warmup_steps))) == 0.0:
+        log.warning("sft: every step ran at learning rate 0 (sft.steps=%d, optim.warmup_steps=%d, "
+                    "optim.lr=%g): the weights written are the input's", steps,
+                    optim.warmup_steps, optim.lr)

@@ -19,19 +19,13 @@ from pydantic import Field
 
 from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file
+from jscenegen.paths import atomic_file, json_line
 
 
 class LoggingConfig(Section):
     swanlab_mode: Literal["offline", "local", "online", "disabled"] = "offline"
     project: str = "jscenegen"
     experiment: str | None = Field(None, description="run name (default: the run directory's name)")
-
-
-def _clean(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def command_line() -> list[str]:
@@ -115,14 +109,13 @@ class MetricsLogger:
     def log(self, row: dict, step: int) -> None:
         if not self.primary:
             return
-        row = {k: _clean(v) for k, v in row.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.write(json_line(row, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
         if self._swanlab is not None:
             numbers = {k: v for k, v in row.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
             with _to_stderr():
                 self._swanlab.log(numbers, step=step)
 
