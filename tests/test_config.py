@@ -153,3 +153,17 @@ def test_an_override_value_has_the_config_files_guards():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["schedule." + "a" * 100000 + "=1"], RunConfig)
     assert len(str(info.value)) < 600
+
+
+def test_cudnn_attention_runs_as_xla_off_gpu_with_a_warning(caplog):
+    """configs/grpo100.yaml asks for cudnn and promises xla on CPU: on CPU every episode of an
+    eval failed with "cuDNN is not detected" (a masked report, exit 0)."""
+    import jax
+
+    from jscenegen.model.options import ModelConfig
+
+    assert jax.default_backend() == "cpu"
+    with caplog.at_level("WARNING"):
+        assert ModelConfig(attention="cudnn").build_options()["attn_impl"] == "xla"
+    assert "model.attention=cudnn needs a GPU; the cpu backend runs xla attention" in caplog.text
+    assert ModelConfig().build_options()["attn_impl"] == "xla"

@@ -1,6 +1,7 @@
 """The `model:` section of a run config: which weights to train and how to compute with them."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import Field
@@ -18,7 +19,9 @@ class ModelConfig(Section):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
-    attention: Literal["xla", "cudnn"] = "xla"
+    attention: Literal["xla", "cudnn"] = Field("xla", description="attention kernel: xla (any "
+                                               "backend) or cudnn (GPU; xla elsewhere, with a "
+                                               "warning)")
     causal_balance: bool = Field(False, description="reorder training sequences so each sp "
                                  "shard gets equal causal attention work (lengths must be a "
                                  "multiple of 2 x sp)")
@@ -34,5 +37,23 @@ class ModelConfig(Section):
     def build_options(self) -> dict[str, Any]:
         """Keyword arguments of `loader.build_model` / `hf_io.load_hf` for this section."""
         return dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
-                    remat=self.remat, attn_impl=self.attention, causal_balance=self.causal_balance,
+                    remat=self.remat, attn_impl=attention_for_backend(self.attention),
+                    causal_balance=self.causal_balance,
                     train_vision=self.train_vision, scan_layers=self.scan_layers)
+
+
+def attention_for_backend(attention: str) -> str:
+    """The kernel `attention` names on this process's JAX backend: cuDNN's fused attention
+    exists on GPU only (`jax.nn.dot_product_attention(implementation="cudnn")` raises
+    "cuDNN is not detected" elsewhere), so `cudnn` runs as `xla` on CPU and TPU, with a
+    warning, and one config serves both (configs/grpo100.yaml)."""
+    if attention != "cudnn":
+        return attention
+    import jax
+
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return attention
+    logging.getLogger(__name__).warning("model.attention=cudnn needs a GPU; the %s backend "
+                                        "runs xla attention", backend)
+    return "xla"
