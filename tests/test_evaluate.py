@@ -12,6 +12,7 @@ from jscenegen.eval.evaluate import evaluate, load_policy, policy_chat, policy_e
 from jscenegen.eval.plots import plot_report
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize
+from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.run_config import load_run_config
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import make_judge
@@ -396,3 +397,20 @@ def test_a_prompt_too_long_counts_its_tokens_as_the_episode_encodes_them(tmp_pat
     prompt, start, cut = map(int, m.groups())
     assert prompt > 3000 and cut == start - 4096 + 1 and cut < prompt < start
     assert not (tmp_path / "s.json").exists()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, capsys):
+    """Ids past the embedding rows: eval ran with exit 0 on them, sft trained on a NaN loss."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(chat_model_dir(), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 600}))
+    argv = ["design", "--model", str(model), "--prompt", "x", "-o", str(tmp_path / "s.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    tokens = ChatTokenizer.from_dir(model).vocab_size
+    assert tokens > 600 and err == (
+        f"error: {model}: the tokenizer has {tokens} tokens, more than the model's vocab_size 600; "
+        "tokenizer and weights must come from the same model"), err

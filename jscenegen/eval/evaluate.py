@@ -116,8 +116,9 @@ def policy_chat(cfg, model_path: str | Path):
     if is_checkpoint_dir(p):
         verify_step(p)   # before its tokenizer is read
     # transformers' tokenizer loader reads config.json too, and its errors would blame the tokenizer
-    QwenConfig.from_hf_dict(read_config_file(config), str(config))
+    model_cfg = QwenConfig.from_hf_dict(read_config_file(config), str(config))
     chat = ChatTokenizer.from_dir(model_assets_dir(p), cfg.sampling.chat_template_path)
+    chat.check_fits(model_cfg.vocab_size, str(p))
     chat.check_prefix_preserving()
     return chat
 

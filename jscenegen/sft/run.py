@@ -55,6 +55,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
+    chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
                         noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m)
     length = padded_length(demos, sc.max_seq_len, int(np.lcm(sc.seq_multiple, mesh.shape["sp"])))

@@ -187,6 +187,7 @@ class RolloutEngine:
 
     def __init__(self, model, chat: ChatTokenizer, cfg: SamplingConfig, mesh=None,
                  rollout: RolloutConfig | None = None):
+        chat.check_fits(model.cfg.vocab_size, "the policy")
         self.chat = chat
         self.cfg = cfg
         self.rollout = rollout or RolloutConfig()

@@ -193,6 +193,16 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    def check_fits(self, model_vocab_size: int, source: str) -> None:
+        """Raise ChatTemplateError naming `source` (the model) when the tokenizer has more
+        tokens than the model's embedding rows: its ids past them have no embedding (a gather
+        out of range reads garbage, a loss over them is NaN). Fewer is normal (Qwen pads its
+        vocabulary to a multiple of 128)."""
+        if self.vocab_size > model_vocab_size:
+            raise ChatTemplateError(f"{source}: the tokenizer has {self.vocab_size} tokens, more "
+                                    f"than the model's vocab_size {model_vocab_size}; "
+                                    "tokenizer and weights must come from the same model")
+
     # ---- text <-> tokens ----------------------------------------------------------------
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         """The chat template applied to `messages` as text."""
