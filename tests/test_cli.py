@@ -344,6 +344,22 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (["eval", "--compare", "a.json", "b.json", "--out", "c.json", "--scenes", "train"],
      "error: --compare reads two reports only (it prints the table, --plot draws it); --out, "
      "--scenes would be ignored (run the evaluation first, then compare)"),
+    # parity: refused before any model is looked for
+    (["parity", "logits", "--model", "/nonexistent", "--batch", "4096", "--seq", "65536"],
+     "error: --batch x --seq: 4,096 x 65,536 = 268,435,456 tokens; a parity batch holds at most 1,048,576"),
+    (["parity", "grpo-step", "--model", "/nonexistent", "--rows", "3"],
+     "error: --rows 3: the rows form 2 groups of rows/2; give an even number"),
+    (["parity", "grpo-step", "--model", "/nonexistent", "--optim", "lr"],
+     "error: --optim 'lr': not of the form KEY=VALUE (e.g. lr=1e-5)"),
+    (["parity", "grpo-step", "--model", "/nonexistent", "--temperature", "nan"],
+     "error: --temperature must be a finite number >= 1e-05, got nan"),
+    (["parity", "train", "--model", "/nonexistent", "--roles", ""],
+     "error: --roles: an empty role schedule; give letters P, D, C (e.g. DDDPC)"),
+    (["parity", "train", "--model", "/nonexistent", "--roles", "DXP"],
+     "error: --roles 'DXP': unknown role letter 'X'; expected one of P, D, C"),
+    (["parity", "train", "--model", "/nonexistent", "--trajectories", "t.jsonl", "--write-trajectories",
+      "./t.jsonl"], "error: --write-trajectories ./t.jsonl is the same file as --trajectories t.jsonl: "
+                    "writing it would overwrite the input; write elsewhere"),
     # bytes that are not UTF-8 on the command line (Python's surrogate escapes)
     (["design", "--model", "/nonexistent", "--prompt", "bed \udcff room", "-o", "x.json"],
      "error: --prompt: character 4 is a lone surrogate '\\udcff', not Unicode text"),

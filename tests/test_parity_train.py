@@ -86,6 +86,15 @@ def test_bad_trajectory_file_names_line_and_field(tmp_path, edit, message):
         read_trajectories(path, vocab=1003)
 
 
+def test_a_trajectory_path_that_is_no_file_is_named(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")           # opening it would wait for a writer forever
+    for name, why in (("fifo", "not a regular file"), (".", "not a regular file"), ("none", "no such file")):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / name))}: {why}$"):
+            read_trajectories(tmp_path / name)
+
+
 @pytest.mark.slow  # per model: a GRPO step compile and 5 torch updates (~30 s on 2 idle cores)
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5"])
 def test_qwen35_five_dddpc_updates_match_torch(qwen35_hf, tmp_path, capsys, kind):

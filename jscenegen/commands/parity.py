@@ -13,6 +13,25 @@ COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
 TOKENS = int_in(1, 65536)        # tokens per row
 
 
+def _check_tokens(rows: int, seq: int, flags: str) -> None:
+    """Refuse, before any model loads, a batch of more than TOKENS_MAX (2^20) tokens: both
+    engines hold [rows, seq, vocab] logits."""
+    from jscenegen.grpo.rollout.config import TOKENS_MAX
+
+    if rows * seq > TOKENS_MAX:
+        raise ValueError(f"{flags}: {rows:,} x {seq:,} = {rows * seq:,} tokens; a parity batch "
+                         f"holds at most {TOKENS_MAX:,}")
+
+
+def _check_temperature(value: float) -> None:
+    import math
+
+    from jscenegen.generate.sampling import MIN_TEMPERATURE
+
+    if not (math.isfinite(value) and value >= MIN_TEMPERATURE):
+        raise ValueError(f"--temperature must be a finite number >= {MIN_TEMPERATURE}, got {value}")
+
+
 def register(sub) -> None:
     p = sub.add_parser("parity", help="numbers against the torch baseline")
     kinds = p.add_subparsers(dest="parity_kind", metavar="KIND", required=True)
@@ -73,6 +92,11 @@ def _configs(args):
     from jscenegen.config import apply_overrides, validate_config
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 
+    for flag, items in (("--loss", args.loss), ("--optim", args.optim)):
+        for item in items:
+            if "=" not in item:
+                raise ValueError(f"{flag} {item!r}: not of the form KEY=VALUE (e.g. lr=1e-5)")
+    _check_temperature(args.temperature)
     return (validate_config(apply_overrides({}, args.loss), "--loss", LossConfig),
             validate_config(apply_overrides({}, args.optim), "--optim", OptimConfig))
 
@@ -80,6 +104,7 @@ def _configs(args):
 def run_logits(args) -> int:
     from jscenegen.parity.logits import logits_parity
 
+    _check_tokens(args.batch, args.seq, "--batch x --seq")
     result = logits_parity(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
                            seed=args.seed)
     print(json.dumps(result))
@@ -89,6 +114,9 @@ def run_logits(args) -> int:
 def run_grpo_step(args) -> int:
     from jscenegen.parity.grpo_step import grpo_step_parity
 
+    if args.rows % 2:
+        raise ValueError(f"--rows {args.rows}: the rows form 2 groups of rows/2; give an even number")
+    _check_tokens(args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq")
     loss_cfg, optim_cfg = _configs(args)
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
@@ -99,6 +127,7 @@ def run_grpo_step(args) -> int:
 
 
 def run_train(args) -> int:
+    from jscenegen.grpo.algo.roles import role_from_letter
     from jscenegen.model.config import QwenConfig
     from jscenegen.parity.train import (
         default_trajectories,
@@ -106,9 +135,19 @@ def run_train(args) -> int:
         train_parity,
         write_trajectories,
     )
+    from jscenegen.paths import check_output_file, refuse_overwriting_input
 
-    if args.updates < 1:
-        raise ValueError(f"--updates must be >= 1, got {args.updates}")
+    if not args.roles:
+        raise ValueError("--roles: an empty role schedule; give letters P, D, C (e.g. DDDPC)")
+    for letter in args.roles:
+        try:
+            role_from_letter(letter)
+        except ValueError as err:
+            raise ValueError(f"--roles {args.roles!r}: {err}") from None
+    if args.write_trajectories:   # written before the updates run: refuse what would fail now
+        check_output_file(args.write_trajectories, "--write-trajectories")
+        refuse_overwriting_input(args.write_trajectories, "--write-trajectories",
+                                 {"--trajectories": args.trajectories, "--model": args.model})
     loss_cfg, optim_cfg = _configs(args)
     if args.trajectories:
         trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)

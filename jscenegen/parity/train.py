@@ -116,8 +116,10 @@ def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> 
 
 def read_trajectories(path: str | Path, vocab: int | None = None) -> list[Trajectory]:
     """Read the JSONL format of the module doc. Raises ValueError naming file, line and field
-    for a missing key, a length that differs from `tokens`, a role code outside 0-3 or a
-    token id outside [0, vocab)."""
+    for a missing or non-regular file, a missing key, a length that differs from `tokens`, a
+    role code outside 0-3 or a token id outside [0, vocab)."""
+    if not Path(path).is_file():   # a directory, or a named pipe that would block the read
+        raise ValueError(f"{path}: " + ("not a regular file" if Path(path).exists() else "no such file"))
     out = []
     with open(path) as f:
         for n, line in enumerate(f, start=1):
