@@ -324,7 +324,7 @@ def test_no_pytorch_advice_when_a_command_imports_transformers_without_torch(tmp
 def _synthetic_report(scenes=("a", "b"), seeds=(1, 2)) -> dict:
     stats = {"reward": 0.5, "failure_rate": 0.0, "units": 10.0, "reachable": 1.0, "quality": 0.6,
              "unit_penalty": 0.1}
-    return {"scenes": [{"scene_id": sid, "model": dict(stats, episodes=[
+    return {"schema": "jscenegen.eval/1", "scenes": [{"scene_id": sid, "model": dict(stats, episodes=[
                 {"seed": s, "reward": 0.5, "masked": False, "failure_cause": None} for s in seeds])}
                        for sid in scenes],
             "overall": {"model": dict(stats)}}
@@ -347,7 +347,13 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                 "scenes[1].model.episodes[1] must be an object"),
                (lambda r: r["scenes"][0]["model"]["episodes"][0].pop("seed"),
                 "scenes[0].model.episodes[0].seed must be an integer"),
-               (lambda r: r["overall"]["model"].update(reward="high"), "overall.model.reward must be a number")]
+               (lambda r: r["overall"]["model"].update(reward="high"), "overall.model.reward must be a finite number"),
+               # Python's json reads NaN, Infinity and 1e999 (inf): a report never holds them
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=float("nan")),
+                "scenes[0].model.episodes[0].reward must be a finite number, got nan"),
+               (lambda r: r["overall"]["model"].update(units=float("inf")),
+                "overall.model.units must be a finite number or null, got inf"),
+               (lambda r: r.update(schema="other/2"), "schema 'other/2' is not 'jscenegen.eval/1'")]
     for damage, why in damaged:
         rep = json.loads(json.dumps(good))
         damage(rep)

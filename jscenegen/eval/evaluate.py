@@ -25,6 +25,7 @@ from jscenegen.checkpoint.store import (
     check_step,
     iter_arrays,
 )
+from jscenegen.eval.report import REPORT_SCHEMA
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.seeds import episode_seed
@@ -34,8 +35,6 @@ from jscenegen.scene.episode import judge_episodes
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.sceneset import SceneRecord
-
-REPORT_SCHEMA = "jscenegen.eval/1"
 
 
 # ----------------------------------------------------------------------------- loading

@@ -2,27 +2,36 @@
 (scene, sampling seed) with a normal-approximation 95% interval, and a Markdown table."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from jscenegen.config import clip_text
 
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
 
 
+REPORT_SCHEMA = "jscenegen.eval/1"
+
+
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite JSON number (Python's json reads NaN and Infinity; a report never holds them)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def check_report(report, source: str) -> None:
     """Raise ValueError naming `source` and the field unless `report` has the structure that
     `comparison_markdown` reads: `scenes` a list of objects, each with a string `scene_id`
     and optional `model` statistics (`reward`, `failure_rate`, `units`, `reachable`, `quality`,
-    `unit_penalty`: numbers or null) whose `episodes` are objects with an integer `seed`, a
-    number `reward`, a boolean `masked` and a `failure_cause`; `overall.model` statistics."""
+    `unit_penalty`: finite numbers or null) whose `episodes` are objects with an integer
+    `seed`, a finite number `reward`, a boolean `masked` and a `failure_cause`; `overall.model`
+    statistics; `schema` REPORT_SCHEMA."""
     def stats(m, where: str, episodes: bool) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"{source}: {where} must be an object, got {type(m).__name__}")
         for key in _STATS:
             if key not in m or not (m[key] is None or _number(m[key])):
-                raise ValueError(f"{source}: {where}.{key} must be a number or null, got {m.get(key)!r}")
+                raise ValueError(f"{source}: {where}.{key} must be a finite number or null, got {m.get(key)!r}")
         if not episodes:
             return
         eps = m.get("episodes")
@@ -35,7 +44,7 @@ def check_report(report, source: str) -> None:
             if isinstance(ep.get("seed"), bool) or not isinstance(ep.get("seed"), int):
                 raise ValueError(f"{source}: {at}.seed must be an integer, got {ep.get('seed')!r}")
             if not _number(ep.get("reward")):
-                raise ValueError(f"{source}: {at}.reward must be a number, got {ep.get('reward')!r}")
+                raise ValueError(f"{source}: {at}.reward must be a finite number, got {ep.get('reward')!r}")
             if not isinstance(ep.get("masked"), bool):
                 raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
             if "failure_cause" not in ep:
@@ -43,6 +52,9 @@ def check_report(report, source: str) -> None:
 
     if not isinstance(report, dict):
         raise ValueError(f"{source}: an evaluation report must be a JSON object, got {type(report).__name__}")
+    if report.get("schema") != REPORT_SCHEMA:
+        raise ValueError(f"{source}: schema {clip_text(repr(report.get('schema')))} is not "
+                         f"{REPORT_SCHEMA!r} (not a jscenegen evaluation report)")
     scenes = report.get("scenes")
     if not isinstance(scenes, list):
         raise ValueError(f"{source}: scenes must be a list, got {type(scenes).__name__}")
