@@ -159,6 +159,22 @@ _NOT_REGULAR = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a character d
                 (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
+def not_a_file(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a regular file ("no such file", "is a directory", "is a
+    broken symbolic link", "is a named pipe", a link loop, ...), following links as a reader
+    does; None when it is one."""
+    p = Path(path)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        return "is a broken symbolic link" if p.is_symlink() else "no such file"
+    except OSError as err:        # a link loop, a path through a file, no permission
+        return err.strerror or str(err)
+    if stat.S_ISREG(mode):
+        return None
+    return next(f"is {kind}" for is_kind, kind in _NOT_REGULAR if is_kind(mode))
+
+
 def refuse_non_regular(path: str | Path, name: str | None = None) -> None:
     """Raise ValueError when `path` exists and is not a regular file (a symbolic link, device,
     named pipe, socket or directory): an atomic write renames a new file over its target, so it

@@ -502,3 +502,19 @@ def test_sft_never_replaces_a_directory_beside_its_output(tmp_path, capsys):
         "given) already exists; start from it with --model, or choose another --out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o-init"]
     assert (tmp_path / "o-init" / "precious").read_text() == "keep"
+
+
+def test_a_model_file_that_is_no_file_says_what_it_is(tiny_hf, tmp_path, capsys):
+    """A directory or a dangling link where config.json or the weights belong was "no
+    config.json" / "no model.safetensors"."""
+    for name, make, why in (
+            ("config.json", lambda p: p.mkdir(), "is a directory; model directory {m} needs its config.json"),
+            ("config.json", lambda p: p.symlink_to(tmp_path / "gone"), "is a broken symbolic link; model "
+                                                                        "directory {m} needs its config.json"),
+            ("model.safetensors", lambda p: p.symlink_to(tmp_path / "gone"), "is a broken symbolic link")):
+        model = tmp_path / f"m-{len(list(tmp_path.iterdir()))}"
+        _model_copy(tiny_hf["qwen3"], model)
+        (model / name).unlink()
+        make(model / name)
+        assert main(["parity", "logits", "--model", str(model)]) == 2
+        assert one_error_line(capsys) == f"error: {model / name}: {why.format(m=model)}"

@@ -21,6 +21,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jscenegen.paths import not_a_file
+
 DENSE_MODEL_TYPES = ("qwen2", "qwen3")
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
@@ -284,8 +286,8 @@ class QwenConfig:
         from jscenegen.model.safetensors_stream import stored_tensors
 
         f = Path(path) / "config.json"
-        if not f.is_file():
-            raise ModelConfigError(f"{f}: no config.json in model directory {path}")
+        if why := not_a_file(f):
+            raise ModelConfigError(f"{f}: {why}; model directory {path} needs its config.json")
         cfg = cls.from_hf_dict(read_config_file(f), str(f))
         stored = stored_tensors(path)
         if stored is None:

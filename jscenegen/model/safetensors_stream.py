@@ -27,6 +27,7 @@ import numpy as np
 
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
+from jscenegen.paths import not_a_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -51,7 +52,9 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
             raise CheckpointFormatError(f"{index}: malformed index ({err})") from None
     single = path / SINGLE_NAME
     if not single.is_file():
-        raise CheckpointFormatError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}")
+        why = not_a_file(single) if single.exists() or single.is_symlink() else None
+        raise CheckpointFormatError(f"{single}: {why}" if why else
+                                    f"{path}: no {SINGLE_NAME} or {INDEX_NAME}")
     return {name: single for name in read_header(single)}
 
 
