@@ -246,6 +246,8 @@ def test_compare_reports_pairs_episodes_by_scene_and_seed():
     assert c["failure_rate_before"] == pytest.approx(2 / 3) and c["failure_rate_after"] == 0.0
     with pytest.raises(ValueError, match="share no"):
         compare_reports(before, report({"c": [(1, 0.0)]}))
+    one = compare_reports(before, report({"a": [(2, 0.7)]}))   # one pair has no spread: no interval
+    assert one["pairs"] == 1 and one["diff"] == pytest.approx(0.2) and one["diff_ci95"] is None
 
 
 def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):

@@ -109,7 +109,8 @@ def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
     Episodes are paired by (scene_id, seed): the same scenes and sampling seeds before and
     after (the trainer's evaluations), both unmasked. Returns {"pairs", "reward_before",
     "reward_after", "diff" (mean of after - before), "diff_ci95" [lo, hi] (normal
-    approximation, mean +- z * sd / sqrt(pairs), over scenes and sampling seeds), "per_scene"
+    approximation, mean +- z * sd / sqrt(pairs), over scenes and sampling seeds; null for a
+    single pair, which has no spread), "per_scene"
     {scene_id: diff}, "failure_rate_before", "failure_rate_after"}. Raises ValueError when no
     episode pairs up.
     """
@@ -122,7 +123,8 @@ def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
     if not keys:
         raise ValueError("the reports share no unmasked (scene_id, seed) episode")
     diffs = np.array([a[k]["reward"] - b[k]["reward"] for k in keys], np.float64)
-    half = z * diffs.std(ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    mean = float(diffs.mean())
+    half = float(z * diffs.std(ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None
     per_scene: dict[str, list[float]] = {}
     for k, d in zip(keys, diffs):
         per_scene.setdefault(k[0], []).append(float(d))
@@ -130,7 +132,7 @@ def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
     return {"pairs": len(keys),
             "reward_before": float(np.mean([b[k]["reward"] for k in keys])),
             "reward_after": float(np.mean([a[k]["reward"] for k in keys])),
-            "diff": float(diffs.mean()), "diff_ci95": [float(diffs.mean() - half), float(diffs.mean() + half)],
+            "diff": mean, "diff_ci95": None if half is None else [mean - half, mean + half],
             "per_scene": {sid: float(np.mean(v)) for sid, v in per_scene.items()},
             "failure_rate_before": failed([b[k] for k in keys]),
             "failure_rate_after": failed([a[k] for k in keys])}
@@ -159,8 +161,9 @@ def comparison_markdown(before: dict, after: dict) -> str:
         other = after_rows.get(row["scene_id"])
         if other is not None and "model" in row and "model" in other:
             lines.append("| " + " | ".join([row["scene_id"], *cells(row["model"], other["model"])]) + " |")
-    lo, hi = change["diff_ci95"]
+    ci = change["diff_ci95"]
+    interval = "95% CI n/a" if ci is None else f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]"
     overall = cells(before["overall"]["model"], after["overall"]["model"])
-    overall[0] += f" (diff {change['diff']:+.3f}, 95% CI [{lo:+.3f}, {hi:+.3f}], {change['pairs']} pairs)"
+    overall[0] += f" (diff {change['diff']:+.3f}, {interval}, {change['pairs']} pairs)"
     lines.append("| **all** | " + " | ".join(overall) + " |")
     return "\n".join(lines)
