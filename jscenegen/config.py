@@ -105,15 +105,22 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
 
 
 def _blame(loc: tuple, source: str, overrides: list[str]) -> str:
-    """Who set the value at `loc`: the last override whose key is `loc`, lies under it (a
-    section-level check) or above it (a list item), else the config `source`."""
+    """Who set the value at `loc`: the last override whose key is `loc` or lies above it (a
+    list item); for a section-level check (`loc` a section), every override under it, as the
+    check may read any of them; else the config `source`."""
     key = [str(p) for p in loc]
+    under = []
     for item in reversed(overrides):
         parts = override_key(item).split(".")
         n = min(len(parts), len(key))
-        if parts[:n] == key[:n]:
+        if parts[:n] != key[:n]:
+            continue
+        if len(parts) <= len(key):
             return f"override {clip_text(item)}"
-    return source
+        under.append(clip_text(item))
+    if len(under) > 1:
+        return f"overrides {', '.join(reversed(under))}"
+    return f"override {under[0]}" if under else source
 
 
 def clip_text(text: str, limit: int = 200) -> str:
@@ -135,7 +142,9 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
         if e["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key {clip_text(repr(key))}")
         else:
-            lines.append(f"{where}: {key}: {e['msg']} (got {clip_text(repr(e.get('input')))})")
+            got = e.get("input")   # a section-level check's input is the whole section: not echoed
+            shown = "" if isinstance(got, dict) else f" (got {clip_text(repr(got))})"
+            lines.append(f"{where}: {key}: {e['msg']}{shown}")
     return "\n".join(lines)
 
 

@@ -46,6 +46,11 @@ def test_errors_blame_the_override_that_set_the_value(tmp_path):
     assert any(line.startswith(f"{f}: schedule.group_size: ") for line in lines)  # the file's own
     with pytest.raises(ConfigError, match=r"^override judge.backend=http: judge: .*needs judge.base_url"):
         load_config(None, ["judge.backend=http"], RunConfig)
+    # a section-level check may read any override under it: all are named, the section not echoed
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["judge.backend=http", "judge.timeout_s=5"], RunConfig)
+    assert str(info.value).startswith("overrides judge.backend=http, judge.timeout_s=5: judge: ")
+    assert "(got" not in str(info.value)
 
 
 def test_a_boolean_is_not_a_number(tmp_path):
