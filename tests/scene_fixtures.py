@@ -173,7 +173,8 @@ GOOD = {k: 8 for k in GRADE_KEYS}  # what JudgeServer answers
 class JudgeServer:
     """A chat-completions server on 127.0.0.1 whose behaviour per request comes from `self.plan`
     (the last entry repeats): "answer" (grades 8), "stall" (no answer for 1.5 s), "garbage",
-    "fenced", or an HTTP status such as "401"."""
+    "fenced", "flood" (a 200 whose body never ends: 64 KiB chunks until the client hangs up),
+    or an HTTP status such as "401"."""
 
     def __init__(self, plan):
         self.plan, self.calls, self.auth, self.inflight, self.max_inflight = list(plan), 0, [], 0, 0
@@ -197,6 +198,15 @@ class JudgeServer:
                     if mode == "stall":
                         time.sleep(1.5)
                         return
+                    if mode == "flood":
+                        self.send_response(200)
+                        self.send_header("Content-Type", "application/json")
+                        self.end_headers()
+                        try:
+                            while True:
+                                self.wfile.write(b" " * 65536)
+                        except OSError:      # the client stopped reading and closed
+                            return
                     if mode.isdigit():  # an HTTP error status
                         self.send_response(int(mode))
                         self.end_headers()

@@ -64,7 +64,9 @@ def test_a_refused_request_is_not_retried_but_408_and_429_are(server, calls):
 
 
 @pytest.mark.parametrize("server,cause", [(["stall"], "judge_timeout"), (["garbage"], "judge_unparseable"),
-                                          (["fenced"], "judge_unparseable")], indirect=["server"])
+                                          (["fenced"], "judge_unparseable"),
+                                          # a body without end: read up to 1 MiB, not until the timeout
+                                          (["flood"], "judge_unparseable")], indirect=["server"])
 def test_timeouts_and_garbage_become_masked_judge_failures(server, cause, monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
     caplog.set_level(logging.DEBUG)

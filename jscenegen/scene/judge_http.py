@@ -5,8 +5,9 @@ JSON object {"grades": {key: int 0..10 for exactly the configured keys}, "commen
 (strict: no code fences, no extra text). Each request is tried 1 + max_retries times with
 exponential back-off (backoff_s x 2^attempt), except after an HTTP 4xx other than 408 and 429
 (a bad key, an unknown model: no retry can help); at most `concurrency` requests are in
-flight, over all requests of one `grade` call. A timeout, an unparseable answer or an error
-after the last try is a judge failure (masked by the reward).
+flight, over all requests of one `grade` call. An answer is read up to MAX_ANSWER_BYTES (1 MiB).
+A timeout, an unparseable or oversized answer or an error after the last try is a judge
+failure (masked by the reward).
 The API key comes only from the environment variable named by `api_key_env`; it is sent in the
 Authorization header and never logged, printed or stored in results.
 """
@@ -30,6 +31,25 @@ from .prompts import PromptTemplates
 log = logging.getLogger(__name__)
 
 RETRIED_4XX = (408, 429)  # request timeout, too many requests: the only 4xx worth retrying
+MAX_ANSWER_BYTES = 1 << 20  # a grade object is a few hundred bytes: read no more than 1 MiB
+
+
+class JudgeAnswerTooLarge(Exception):
+    """The server sent more than MAX_ANSWER_BYTES: the rest is not read."""
+
+
+async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, bytes]:
+    """(status, body bytes) of one chat-completions request, reading at most MAX_ANSWER_BYTES
+    (a server that streams without end would otherwise fill the memory before the timeout).
+    Raises JudgeAnswerTooLarge past the bound, httpx errors as httpx raises them."""
+    async with client.stream("POST", "/chat/completions", json=body) as resp:
+        chunks, size = [], 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise JudgeAnswerTooLarge(f"answer over {MAX_ANSWER_BYTES} bytes")
+            chunks.append(chunk)
+        return resp.status_code, b"".join(chunks)
 
 
 class JudgeAnswerError(ValueError):
@@ -108,20 +128,23 @@ class HttpJudge:
             attempts += 1
             async with sem:
                 try:
-                    resp = await asyncio.wait_for(client.post("/chat/completions", json=body), self.cfg.timeout_s)
+                    status, raw = await asyncio.wait_for(_post(client, body), self.cfg.timeout_s)
                 except (httpx.TimeoutException, asyncio.TimeoutError):
                     cause, detail = "judge_timeout", f"no answer within {self.cfg.timeout_s} s"
+                    continue
+                except JudgeAnswerTooLarge as err:
+                    cause, detail = "judge_unparseable", str(err)
                     continue
                 except httpx.HTTPError as err:
                     cause, detail = "judge_error", type(err).__name__
                     continue
-            if resp.status_code != 200:
-                cause, detail = "judge_error", f"HTTP {resp.status_code}"
-                if 400 <= resp.status_code < 500 and resp.status_code not in RETRIED_4XX:
+            if status != 200:
+                cause, detail = "judge_error", f"HTTP {status}"
+                if 400 <= status < 500 and status not in RETRIED_4XX:
                     break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
-                content = resp.json()["choices"][0]["message"]["content"]
+                content = json.loads(raw)["choices"][0]["message"]["content"]
                 grades, comments = parse_judge_content(content, self.cfg.grade_keys)
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
                 cause, detail = "judge_unparseable", str(err)[:200]
