@@ -48,20 +48,38 @@ def bool_for_number(annotation, value) -> bool:
     return _numbers_within(annotation) and _has_bool(value)
 
 
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are immutable, floats
-    finite (inf and nan are refused with the key named), and a number is never a boolean, alone
-    or in a list (pydantic would read `fsdp: true` as 1 and `betas: [false, 0.999]` as 0.0)."""
+def not_unicode(text: str) -> str | None:
+    """Why `text` is not Unicode text (a lone surrogate: what Python makes of bytes that are not
+    UTF-8 in a command line or of a JSON `\\udcff` escape), or None when it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"character {err.start} is a lone surrogate {text[err.start]!r}, not Unicode text"
+    return None
+
+
+class PlainModel(BaseModel):
+    """Base of every validated document (config sections, scene files): unknown keys are
+    errors, values are immutable, floats finite (inf and nan are refused with the key named), a
+    number is never a boolean, alone or in a list (pydantic would read `fsdp: true` as 1,
+    `betas: [false, 0.999]` as 0.0 and `"yaw": true` as 1 degree), and every string is Unicode
+    text (no lone surrogate, which no tokenizer or file encodes)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, value, info):
+    def _plain_values(cls, value, info):
         field = cls.model_fields.get(info.field_name)
         if field is not None and bool_for_number(field.annotation, value):
             raise ValueError("expected a number, not a boolean")
+        if isinstance(value, str) and (why := not_unicode(value)):
+            raise ValueError(why)
         return value
+
+
+class Section(PlainModel):
+    """Base of every config section (`PlainModel`'s rules)."""
 
 
 def _parse_value(text: str, item: str) -> Any:

@@ -64,6 +64,13 @@ def test_a_boolean_is_not_a_number(tmp_path):
     for item in ("optim.betas=[false,0.999]", "sampling.buckets=[true,64]"):   # inside lists too
         with pytest.raises(ConfigError, match=f"override {re.escape(item)}: .*not a boolean"):
             load_config(None, [item], RunConfig)
+
+
+def test_a_string_is_unicode_text():
+    """Bytes that are not UTF-8 on a command line arrive as lone surrogates: no file or
+    tokenizer can encode them, so they are refused where they are given."""
+    with pytest.raises(ConfigError, match=r"scene.prompts_dir: .*character 2 is a lone surrogate"):
+        load_config(None, ["scene.prompts_dir=ab\udcffc"], RunConfig)
     assert load_config(None, ["mesh.fsdp=3", "optim.lr=1"], RunConfig).optim.lr == 1.0
     assert load_config(None, ["sampling.greedy=true", "sampling.top_p=1.0"], RunConfig).sampling.greedy
 

@@ -36,16 +36,10 @@ def design_record(prompt: str, room_path: str | None, seed: int):
     """
     from pydantic import ValidationError
 
+    from jscenegen.config import not_unicode
     from jscenegen.scene.generator import make_record
     from jscenegen.scene.sceneset import SceneRecord, record_from_json
-    from jscenegen.scene.schema import (
-        Room,
-        Scene,
-        SceneError,
-        not_unicode,
-        read_json_file,
-        scene_from_json,
-    )
+    from jscenegen.scene.schema import Room, Scene, SceneError, read_json_file, scene_from_json
 
     if not prompt.strip():
         raise SceneError("--prompt is empty")

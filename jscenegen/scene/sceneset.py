@@ -10,10 +10,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jscenegen.config import clip_text
+from jscenegen.config import clip_text, not_unicode
 from jscenegen.paths import atomic_file
 
-from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, not_unicode, parse_json, scene_from_json
+from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, parse_json, scene_from_json
 
 SET_SCHEMA = "scenegen.sceneset/1"
 

@@ -14,9 +14,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jscenegen.config import bool_for_number
+from jscenegen.config import PlainModel
 
 SCHEMA_VERSION = "scenegen.scene/1"
 Mount = Literal["floor", "on", "wall", "ceiling"]
@@ -38,34 +38,7 @@ class SceneError(ValueError):
     """A scene (file or JSON) that does not satisfy the schema; the message names the field."""
 
 
-def not_unicode(text: str) -> str | None:
-    """Why `text` is not Unicode text (a lone surrogate: what Python makes of bytes that are not
-    UTF-8 in a command line or a JSON `\\udcff` escape), or None when it is."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        return f"character {err.start} is a lone surrogate {text[err.start]!r}, not Unicode text"
-    return None
-
-
-class _Model(BaseModel):
-    """Base of the scene models: unknown keys refused, values immutable and finite, a number
-    never a boolean (`"yaw": true` would be 1 degree), every string Unicode text."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _plain_values(cls, value, info):
-        field = cls.model_fields.get(info.field_name)
-        if field is not None and bool_for_number(field.annotation, value):
-            raise ValueError("expected a number, not a boolean")
-        if isinstance(value, str) and (why := not_unicode(value)):
-            raise ValueError(why)
-        return value
-
-
-class Door(_Model):
+class Door(PlainModel):
     """A door on edge `wall` (vertex wall -> wall+1), centred `offset` metres along that edge."""
 
     wall: int = Field(ge=0)
@@ -80,7 +53,7 @@ class Window(Door):
     sill: float = Field(ge=0)
 
 
-class Room(_Model):
+class Room(PlainModel):
     """Room shell: counter-clockwise simple floor polygon [[x, y], ...] (metres), walls, openings.
 
     At least one door (reachability starts at the doors); at most MAX_FLOOR_VERTICES vertices and
@@ -128,7 +101,7 @@ class Room(_Model):
         return self
 
 
-class SceneObject(_Model):
+class SceneObject(PlainModel):
     """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
     degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
 
@@ -175,7 +148,7 @@ class SceneObject(_Model):
         return self
 
 
-class Budget(_Model):
+class Budget(PlainModel):
     """Unit budget of an episode: total units and units charged so far (never more than the
     total: an operation that would go over it is refused, not charged)."""
 
@@ -189,7 +162,7 @@ class Budget(_Model):
         return self
 
 
-class Scene(_Model):
+class Scene(PlainModel):
     """A scene: room, prompt, objects and budget, schema `scenegen.scene/1`."""
 
     schema_: Literal["scenegen.scene/1"] = Field(SCHEMA_VERSION, alias="schema")
@@ -199,7 +172,7 @@ class Scene(_Model):
     objects: tuple[SceneObject, ...] = Field((), max_length=MAX_SCENE_OBJECTS)
     budget: Budget = Budget()
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(**PlainModel.model_config, populate_by_name=True)
 
     @model_validator(mode="after")
     def _ids(self) -> "Scene":
