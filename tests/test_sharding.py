@@ -28,6 +28,24 @@ def test_mesh_shape_resolution_and_errors():
         mesh_shape(6, 4, 2)
 
 
+@pytest.mark.parametrize("env, why", [
+    ({"JSCENEGEN_NUM_PROCESSES": "two"}, "JSCENEGEN_NUM_PROCESSES='two' is not an integer"),
+    ({"JSCENEGEN_PROCESS_ID": "2"}, "process_id 2 must lie in 0..1"),
+    ({"JSCENEGEN_PROCESS_ID": "-1"}, "process_id -1 must lie in 0..1"),
+    ({"JSCENEGEN_COORDINATOR": "host0"}, "coordinator address 'host0' is not host:port"),
+    ({"JSCENEGEN_COORDINATOR": "host0:99999"}, "coordinator address 'host0:99999' is not host:port"),
+])
+def test_a_multi_host_launch_is_checked_before_jax_waits_for_other_processes(monkeypatch, env, why):
+    """jax.distributed.initialize would wait minutes for processes that can never join."""
+    from jscenegen.sharding.mesh import initialize_distributed
+
+    for key, value in {"JSCENEGEN_COORDINATOR": "host0:8476", "JSCENEGEN_NUM_PROCESSES": "2",
+                       "JSCENEGEN_PROCESS_ID": "1", **env}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(MeshError, match=re.escape(why)):
+        initialize_distributed()
+
+
 def test_every_param_is_dim0_sharded_over_all_devices_with_fsdp2_padding():
     # sizes chosen not to divide by 6: vocab 1003, hidden 100, FFN 250, kv rows 2*25
     cfg = preset_config("qwen2", "tiny", vocab_size=1003, hidden_size=100, intermediate_size=250,

@@ -12,6 +12,7 @@ import os
 
 import jax
 from jax.sharding import AxisType, Mesh
+from pydantic import Field
 
 from jscenegen.config import Section
 from jscenegen.sharding.rules import AXES
@@ -24,8 +25,8 @@ class MeshConfig(Section):
     fsdp: int = -1
     sp: int = 2
     coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = Field(None, ge=1, le=1 << 20)
+    process_id: int | None = Field(None, ge=0, lt=1 << 20)
 
 
 class MeshError(ValueError):
@@ -77,9 +78,11 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     Values come from the arguments (the run config's `mesh` section) or the environment
     (`JSCENEGEN_COORDINATOR`, `JSCENEGEN_NUM_PROCESSES`, `JSCENEGEN_PROCESS_ID`). Returns True
     when `jax.distributed.initialize` was called. On CPU, cross-process collectives use gloo.
-    Raises MeshError when only some of the three values are given.
+    Raises MeshError when only some of the three values are given, an environment value is
+    not an integer, the process id is outside 0..num_processes-1 or the address is not
+    host:port. A process then waits for the others as long as JAX's initialization timeout.
     """
-    addr = coordinator_address or os.environ.get("JSCENEGEN_COORDINATOR")
+    addr = coordinator_address or os.environ.get("JSCENEGEN_COORDINATOR") or None
     n = num_processes or _env_int("JSCENEGEN_NUM_PROCESSES")
     pid = process_id if process_id is not None else _env_int("JSCENEGEN_PROCESS_ID")
     given = [v is not None for v in (addr, n, pid)]
@@ -88,6 +91,13 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if not all(given):
         raise MeshError("multi-host launch needs coordinator_address, num_processes and process_id "
                         "(mesh.* config keys or JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)")
+    if not 1 <= n or not 0 <= pid < n:
+        raise MeshError(f"multi-host launch: process_id {pid} must lie in 0..{n - 1} "
+                        f"(num_processes {n})")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MeshError(f"multi-host launch: coordinator address {addr!r} is not host:port "
+                        "(e.g. host0:8476)")
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
@@ -96,7 +106,12 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
 
 def _env_int(name: str) -> int | None:
     v = os.environ.get(name)
-    return int(v) if v not in (None, "") else None
+    if v in (None, ""):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise MeshError(f"environment variable {name}={v[:40]!r} is not an integer") from None
 
 
 def is_primary() -> bool:
