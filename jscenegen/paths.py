@@ -103,7 +103,7 @@ def refuse_overwriting_input(output: str | Path, output_label: str,
             same = out.resolve() == src.resolve()
         if same:
             raise ValueError(f"{output_label} {output} is the same file as {label} {path}: "
-                             f"writing it would overwrite the input; write elsewhere")
+                             f"writing it would overwrite {label}; write elsewhere")
 
 
 def check_output_file(path: str | Path, label: str, suffix: str | None = None) -> None:

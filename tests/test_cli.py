@@ -359,7 +359,7 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
      "error: --roles 'DXP': unknown role letter 'X'; expected one of P, D, C"),
     (["parity", "train", "--model", "/nonexistent", "--trajectories", "t.jsonl", "--write-trajectories",
       "./t.jsonl"], "error: --write-trajectories ./t.jsonl is the same file as --trajectories t.jsonl: "
-                    "writing it would overwrite the input; write elsewhere"),
+                    "writing it would overwrite --trajectories; write elsewhere"),
     # bytes that are not UTF-8 on the command line (Python's surrogate escapes)
     (["design", "--model", "/nonexistent", "--prompt", "bed \udcff room", "-o", "x.json"],
      "error: --prompt: character 4 is a lone surrogate '\\udcff', not Unicode text"),
