@@ -1,6 +1,7 @@
 """HTTP judge against real servers on 127.0.0.1: answers, stalls, garbage, retries, concurrency, key hygiene."""
 import json
 import logging
+import re
 import time
 
 import pytest
@@ -110,3 +111,18 @@ def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, cap
     else:
         assert rc == 1 and out["grades"] is None and out["reward"] is None
         assert out["judge_failure"] == "judge_error" and "HTTP 401" in out["warnings"][-1]
+
+
+@pytest.mark.parametrize("override, why", [
+    ({"base_url": "notaurl"}, "judge.base_url 'notaurl' is not an http(s) URL"),
+    ({"base_url": "ftp://host/v1"}, "judge.base_url 'ftp://host/v1' is not an http(s) URL"),
+    ({"max_retries": 10**9}, "max_retries"),     # back-offs of 2^attempt seconds: years
+    ({"concurrency": 10**6}, "concurrency"),
+])
+def test_judge_settings_that_cannot_work_are_refused_at_once(override, why):
+    """Every episode would be masked as judge_error (UnsupportedProtocol), or one request
+    could back off for years."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=re.escape(why)):
+        cfg("http://127.0.0.1:1/v1", **override)

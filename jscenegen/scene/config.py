@@ -6,6 +6,7 @@ The lead adds both sections to `RunConfig` as `scene:` and `judge:`; this module
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -102,10 +103,12 @@ class JudgeConfig(Section):
     base_url: str | None = None
     model: str | None = None
     api_key_env: str | None = "JSCENEGEN_JUDGE_API_KEY"
-    timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(2, ge=0)
-    backoff_s: float = Field(1.0, ge=0)
-    concurrency: int = Field(8, ge=1)
+    # bounded so that one request's worst case (1 + max_retries timeouts and back-offs of
+    # backoff_s x 2^attempt) stays hours, not years
+    timeout_s: float = Field(120.0, gt=0, le=3600)
+    max_retries: int = Field(2, ge=0, le=10)
+    backoff_s: float = Field(1.0, ge=0, le=60)
+    concurrency: int = Field(8, ge=1, le=1024)
     temperature: float = Field(0.0, ge=0)
     max_tokens: int = Field(1024, ge=16)
 
@@ -115,4 +118,9 @@ class JudgeConfig(Section):
             raise ValueError(f"grade_keys must be distinct and non-empty, got {self.grade_keys}")
         if self.backend == "http" and (not self.base_url or not self.model):
             raise ValueError("judge.backend 'http' needs judge.base_url and judge.model")
+        if self.base_url is not None:
+            url = urlsplit(self.base_url)
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise ValueError(f"judge.base_url {self.base_url[:200]!r} is not an http(s) URL "
+                                 "(e.g. http://host:8000/v1)")
         return self
