@@ -116,6 +116,9 @@ def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, cap
 @pytest.mark.parametrize("override, why", [
     ({"base_url": "notaurl"}, "judge.base_url 'notaurl' is not an http(s) URL"),
     ({"base_url": "ftp://host/v1"}, "judge.base_url 'ftp://host/v1' is not an http(s) URL"),
+    # a resumed run's saved config: the credential-bearing URL was redacted, not lost silently
+    ({"base_url": "<redacted>"}, "judge.base_url held a credential, so the run's saved config has "
+                                 "<redacted> in its place: give it again as an override"),
     ({"max_retries": 10**9}, "max_retries"),     # back-offs of 2^attempt seconds: years
     ({"concurrency": 10**6}, "concurrency"),
 ])

@@ -30,9 +30,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from jscenegen.config import REDACTED
 from jscenegen.paths import atomic_file
 
-REDACTED = "<redacted>"
 # Words that make a key name a credential, matched on the `_`/`-`/`.`/camelCase parts of the
 # name (so `api_key`, `hf_token`, `clientSecret` are redacted but `max_new_tokens` and
 # `tokenizer` are not), plus substrings that are credentials wherever they appear.

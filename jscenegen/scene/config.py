@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
-from jscenegen.config import Section
+from jscenegen.config import REDACTED, Section
 
 from .schema import MAX_FLOOR_VERTICES, MAX_OPENINGS, MAX_SCENE_OBJECTS
 
@@ -118,9 +118,12 @@ class JudgeConfig(Section):
             raise ValueError(f"grade_keys must be distinct and non-empty, got {self.grade_keys}")
         if self.backend == "http" and (not self.base_url or not self.model):
             raise ValueError("judge.backend 'http' needs judge.base_url and judge.model")
-        if self.base_url is not None:
-            url = urlsplit(self.base_url)
-            if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError(f"judge.base_url {self.base_url[:200]!r} is not an http(s) URL "
-                                 "(e.g. http://host:8000/v1)")
+        if self.backend == "http" and self.base_url == REDACTED:
+            raise ValueError("judge.base_url held a credential, so the run's saved config has "
+                             f"{REDACTED} in its place: give it again as an override "
+                             "(judge.base_url=https://...)")
+        url = urlsplit(self.base_url or "")
+        if self.backend == "http" and (url.scheme not in ("http", "https") or not url.netloc):
+            raise ValueError(f"judge.base_url {self.base_url[:200]!r} is not an http(s) URL "
+                             "(e.g. http://host:8000/v1)")
         return self
