@@ -21,8 +21,8 @@ class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the file and key."""
 
 
-SEED_MAX = 2**32 - 1
-REDACTED = "<redacted>"   # what a saved config or metadata file holds in place of a credential   # seeds are 32-bit: PRNG keys and NumPy generators take them whole
+SEED_MAX = 2**32 - 1      # seeds are 32-bit: PRNG keys and NumPy generators take them whole
+REDACTED = "<redacted>"   # what a saved config or metadata file holds in place of a credential
 
 
 def _numbers_within(annotation) -> bool:

@@ -8,10 +8,8 @@ import numpy as np
 
 from jscenegen.config import clip_text
 
-_STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
-
-
 REPORT_SCHEMA = "jscenegen.eval/1"
+_STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
 
 
 def _number(x) -> bool:
