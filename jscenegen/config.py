@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from jscenegen.paths import not_a_file
+
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the file and key."""
@@ -262,10 +264,8 @@ def read_yaml(path: str | Path) -> dict:
     file, or a top level that is not a mapping.
     """
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file {path} does not exist")
-    if not p.is_file():
-        raise ConfigError(f"config file {path} is not a regular file")
+    if why := not_a_file(p):
+        raise ConfigError(f"config file {path}: {why}")
     size = p.stat().st_size
     if size > MAX_CONFIG_BYTES:
         raise ConfigError(f"config file {path}: {size:,} bytes; a config is at most "

@@ -36,9 +36,9 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("schedule.train_set=/nonexistent.jsonl", "/nonexistent.jsonl: no such scene set"),
+    ("schedule.train_set=/nonexistent.jsonl", "scene set /nonexistent.jsonl: no such file"),
     ("schedule.num_scenes=1000", "schedule.num_scenes=1000: data/scenes/train.jsonl holds only 100 scenes"),
-    ("schedule.dev_set=/nonexistent-dev.jsonl", "/nonexistent-dev.jsonl: no such scene set"),
+    ("schedule.dev_set=/nonexistent-dev.jsonl", "scene set /nonexistent-dev.jsonl: no such file"),
     ("optim.lr=inf", "optim.lr: Input should be a finite number"),
     ("scene.prompts_dir=/nonexistent", "/nonexistent/system.txt: template missing"),
     ("scene.catalogue_path=/nonexistent.json",

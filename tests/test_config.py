@@ -28,7 +28,7 @@ def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path):
     f.write_text("# nothing but a comment\n")
     with pytest.raises(ConfigError, match="empty config file"):
         load_config(f, [], RunConfig)
-    with pytest.raises(ConfigError, match=f"config file {tmp_path} is not a regular file"):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path}: is a directory"):
         read_yaml(tmp_path)
     with pytest.raises(ConfigError, match="schedule.group_size"):
         load_config(None, ["schedule.group_size=1"], RunConfig)

@@ -90,7 +90,7 @@ def test_a_trajectory_path_that_is_no_file_is_named(tmp_path):
     import os
 
     os.mkfifo(tmp_path / "fifo")           # opening it would wait for a writer forever
-    for name, why in (("fifo", "not a regular file"), (".", "not a regular file"), ("none", "no such file")):
+    for name, why in (("fifo", "is a named pipe"), (".", "is a directory"), ("none", "no such file")):
         with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / name))}: {why}$"):
             read_trajectories(tmp_path / name)
 

@@ -114,5 +114,5 @@ def test_a_template_jinja_refuses_is_a_chat_template_error_naming_the_line(tok, 
         ChatTokenizer(tok, "{% for m in messages %}\n{{ garbage\n", "bad.jinja")
     with pytest.raises(ChatTemplateError, match=r"^raises: the chat template fails in jinja: no"):
         ChatTokenizer(tok, "{{ raise_exception('no') }}", "raises")
-    with pytest.raises(ChatTemplateError, match=rf"^chat_template_path {tmp_path}: not a regular file"):
+    with pytest.raises(ChatTemplateError, match=rf"^chat_template_path {tmp_path}: is a directory"):
         ChatTokenizer.from_dir(tmp_path, chat_template_path=tmp_path)

@@ -141,9 +141,9 @@ def test_a_named_pipe_given_as_input_is_refused_without_blocking(tmp_path):
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)          # opening it for reading would wait for a writer forever
-    with pytest.raises(SceneError, match=rf"^{fifo}: not a regular file"):
+    with pytest.raises(SceneError, match=rf"^{fifo}: is a named pipe$"):
         read_json_file(fifo)
-    with pytest.raises(SceneError, match=rf"^{fifo}: not a regular file$"):
+    with pytest.raises(SceneError, match=rf"^scene set {fifo}: is a named pipe$"):
         read_scene_set(fifo)
-    with pytest.raises(SceneError, match=rf"^scene.catalogue_path {fifo}: not a regular file"):
+    with pytest.raises(SceneError, match=rf"^scene.catalogue_path {fifo}: is a named pipe$"):
         load_catalogue(str(fifo))

@@ -33,7 +33,7 @@ import numpy as np
 
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout.engine import Trajectory
-from jscenegen.paths import atomic_file
+from jscenegen.paths import atomic_file, not_a_file
 
 PARAM_TOL = 1e-6
 LOSS_TOL = 1e-6
@@ -118,8 +118,8 @@ def read_trajectories(path: str | Path, vocab: int | None = None) -> list[Trajec
     """Read the JSONL format of the module doc. Raises ValueError naming file, line and field
     for a missing or non-regular file, a missing key, a length that differs from `tokens`, a
     role code outside 0-3 or a token id outside [0, vocab)."""
-    if not Path(path).is_file():   # a directory, or a named pipe that would block the read
-        raise ValueError(f"{path}: " + ("not a regular file" if Path(path).exists() else "no such file"))
+    if why := not_a_file(path):   # a named pipe would block the read
+        raise ValueError(f"{path}: {why}")
     out = []
     with open(path) as f:
         for n, line in enumerate(f, start=1):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jscenegen.config import clip_text, not_unicode
-from jscenegen.paths import atomic_file
+from jscenegen.paths import atomic_file, not_a_file
 
 from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, parse_json, scene_from_json
 
@@ -86,8 +86,8 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     """All records of a JSONL scene set (at least one, every non-empty `scene_id` once). Raises
     SceneError naming file and line, or the file when it holds no record."""
     p = Path(path)
-    if not p.is_file():
-        raise SceneError(f"{p}: not a regular file" if p.exists() else f"{p}: no such scene set")
+    if why := not_a_file(p):
+        raise SceneError(f"scene set {p}: {why}")
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:

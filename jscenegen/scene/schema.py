@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jscenegen.config import PlainModel
+from jscenegen.paths import not_a_file
 
 SCHEMA_VERSION = "scenegen.scene/1"
 Mount = Literal["floor", "on", "wall", "ceiling"]
@@ -318,18 +319,16 @@ def read_json_file(path: str | Path, label: str | None = None, max_bytes: int = 
     is missing, larger than `max_bytes` (checked before reading), or not valid JSON (including
     nesting too deep to parse)."""
     label = label or str(path)
-    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
-        raise SceneError(f"{label}: not a regular file (a named pipe or device would block the read)")
+    if why := not_a_file(path):
+        raise SceneError(f"{label}: {why}")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:
                 raise SceneError(f"{label}: {size} bytes; a scene or report file may hold at most {max_bytes} bytes")
             raw = f.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise SceneError(f"{label}: no such file") from None
-    except IsADirectoryError:
-        raise SceneError(f"{label}: is a directory, not a JSON file") from None
+    except OSError as err:     # removed or replaced since the check
+        raise SceneError(f"{label}: {err.strerror or err}") from None
     if len(raw) > max_bytes:  # grew while we read it, or not a regular file
         raise SceneError(f"{label}: more than {max_bytes} bytes; a scene or report file may hold at most that")
     try:

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from jscenegen.paths import not_a_file
+
 log = logging.getLogger(__name__)
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 QWEN35_PROTOCOL_TEMPLATE = TEMPLATES_DIR / "qwen3_5_protocol.jinja"
@@ -160,8 +162,8 @@ class ChatTokenizer:
         """
         from transformers import AutoTokenizer
 
-        if chat_template_path and Path(chat_template_path).exists() and not Path(chat_template_path).is_file():
-            raise ChatTemplateError(f"chat_template_path {chat_template_path}: not a regular file")
+        if chat_template_path and (why := not_a_file(chat_template_path)):
+            raise ChatTemplateError(f"chat_template_path {chat_template_path}: {why}")
         try:
             template = Path(chat_template_path).read_text() if chat_template_path else None
         except (OSError, UnicodeDecodeError) as err:
