@@ -40,6 +40,14 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, recording in `usage_parser` the innermost parser that read the
+        arguments (`scene check` inside `scene`): a later usage error names what was typed."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if getattr(namespace, "usage_parser", None) is None:
+            namespace.usage_parser = self
+        return namespace, extras
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
@@ -67,21 +75,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
                  else command.parse_known_args)
         args, unknown = parse(argv[1:])
         if unknown:
-            _chosen_subcommand(command, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+            args.usage_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.command = argv[0]
         return args
     return parser.parse_args(argv)
-
-
-def _chosen_subcommand(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """The innermost parser `args` went through (`scene check` inside `scene`), so a usage error
-    names the action the user typed."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            chosen = action.choices.get(getattr(args, action.dest, None) or "")
-            if chosen is not None:
-                return _chosen_subcommand(chosen, args)
-    return parser
 
 
 def is_user_error(err: BaseException) -> bool:
