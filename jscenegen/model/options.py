@@ -1,6 +1,7 @@
 """The `model:` section of a run config: which weights to train and how to compute with them."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Literal
 
@@ -42,6 +43,7 @@ class ModelConfig(Section):
                     train_vision=self.train_vision, scan_layers=self.scan_layers)
 
 
+@functools.cache   # one warning per process, however many models a command builds
 def attention_for_backend(attention: str) -> str:
     """The kernel `attention` names on this process's JAX backend: cuDNN's fused attention
     exists on GPU only (`jax.nn.dot_product_attention(implementation="cudnn")` raises
