@@ -365,3 +365,37 @@ def test_qwen35_transformers_dir_to_orbax_is_consistent(tmp_path):
     orbax_to_verl(tmp_path / "run", tmp_path / "verl", world_size=3, device_type="cpu")
     assert VerlCheckpoint(tmp_path / "verl").frozen == [
         n for n in VerlCheckpoint(tmp_path / "verl").param_order if n.startswith("model.visual.")]
+
+
+def test_an_interrupted_orbax_write_leaves_no_partial_destination(tmp_path, monkeypatch):
+    """Ctrl-C while orbax's threads write: the unfinished destination beside DST used to be
+    removed while they still wrote into it (they create directories as they go), so part of it
+    stayed behind, with pages of their tracebacks. The writes not begun are cancelled, the one
+    in hand finished, then the destination removed."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from jscenegen.checkpoint.lazy_array import LazyArray
+
+    loaded = []
+    materialize = LazyArray.materialize
+
+    def slow_materialize(self):
+        loaded.append(self.name)
+        if len(loaded) == 2:   # Ctrl-C while this array is in hand, then finish writing it
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+        return materialize(self)
+
+    monkeypatch.setattr(LazyArray, "materialize", slow_materialize)
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt):
+        verl_to_orbax(fixture_dir("qwen2_first_divisible") / "ckpt", tmp_path / "run")
+        time.sleep(10)   # (not reached: the interrupt ends the save)
+    for t in set(threading.enumerate()) - before:  # anything still writing would leave files
+        if not t.daemon:
+            threading.Thread.join(t, 10)
+    assert os.listdir(tmp_path) == []
+    assert 2 <= len(loaded) <= 3        # the model's other arrays were never loaded

@@ -53,3 +53,48 @@ def test_other_unraisable_exceptions_reach_the_previous_hook(monkeypatch):
         _RaisesWhenCollected(ValueError)
         _bytecodes(0.1)
     assert seen == [ValueError]
+
+
+def test_a_repeat_within_the_window_is_the_same_request():
+    from jscenegen.signals import REPEAT_WINDOW_S, RepeatFilter
+
+    repeats = RepeatFilter(window_s=0.2)
+    assert not repeats.is_repeat(signal.SIGTERM)
+    assert repeats.is_repeat(signal.SIGTERM)          # `timeout`'s second delivery
+    assert not repeats.is_repeat(signal.SIGINT)       # another kind of signal
+    time.sleep(0.25)
+    assert not repeats.is_repeat(signal.SIGTERM)      # a new request
+    assert REPEAT_WINDOW_S >= 0.5
+
+
+_SECOND_SIGTERM = """
+import os, signal, sys, time
+from jscenegen.signals import Terminated, UnwindOnSignals
+with UnwindOnSignals(grace_s=600):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    except Terminated:
+        print("unwinding", flush=True)
+    time.sleep(float(sys.argv[1]))
+    os.kill(os.getpid(), signal.SIGTERM)     # the same request again, or a second one
+    time.sleep(0.5)
+print("cleaned up", flush=True)
+"""
+
+
+@pytest.mark.parametrize("pause, alive", [(0.0, True), (1.2, False)])
+def test_a_second_sigterm_ends_at_once_but_a_repeat_does_not(pause, alive):
+    """coreutils `timeout` signals the command, then its process group: both reach the command.
+    Taken for a second request, the repeat killed conversions in their cleanup (a partial
+    destination left behind)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGTERM, str(pause)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[0] == "unwinding"
+    if alive:
+        assert proc.returncode == 0 and proc.stdout.splitlines() == ["unwinding", "cleaned up"]
+    else:
+        assert proc.returncode == -signal.SIGTERM and "cleaned up" not in proc.stdout

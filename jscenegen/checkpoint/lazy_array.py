@@ -13,11 +13,12 @@ buffers for it (measured by bench/convert.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from orbax.checkpoint import type_handlers
@@ -76,12 +77,29 @@ class _SequentialNumpyHandler(type_handlers.NumpyHandler):
             # own event loop: a process-wide lock, acquired without blocking this loop.
             await asyncio.get_running_loop().run_in_executor(None, _WRITE_LOCK.acquire)
             try:
+                if _CANCELLED.is_set():   # orbax ends a cancelled writer without logging it
+                    raise asyncio.CancelledError(f"{info.name}: the save was interrupted")
                 await super()._background_serialize([value.materialize()], [info], [arg])
             finally:
                 _WRITE_LOCK.release()
 
 
 _WRITE_LOCK = threading.Lock()
+_CANCELLED = threading.Event()
+
+
+@contextlib.contextmanager
+def cancel_on_interrupt() -> Iterator[None]:
+    """Within it, an interrupt of the main thread (Ctrl-C, `signals.Terminated`) stops the
+    LazyArray writes that have not begun: the writer threads then end after the array in
+    hand instead of loading and writing the rest of the model."""
+    _CANCELLED.clear()
+    try:
+        yield
+    except BaseException as err:
+        if not isinstance(err, Exception):
+            _CANCELLED.set()
+        raise
 
 
 def _register() -> None:

@@ -48,6 +48,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -58,7 +59,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify_checksums, write_checksums
-from jscenegen.checkpoint.lazy_array import LazyArray  # noqa: F401  (registers orbax's handler)
+from jscenegen.checkpoint.lazy_array import LazyArray, cancel_on_interrupt  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.paths import DiskFullError, is_disk_full, write_json
@@ -457,6 +458,21 @@ def read_adam_count(step_dir: str | Path) -> int:
     return int(out["count"])
 
 
+WRITER_WAIT_S = 30.0
+
+
+def _wait_for_writers(before: set[threading.Thread], timeout_s: float = WRITER_WAIT_S) -> None:
+    """After an interrupt inside an orbax save: wait, up to `timeout_s` in all, for the
+    non-daemon threads the save started (orbax writes each item on its own thread, creating
+    directories as it goes), so the caller's cleanup of the unfinished directory does not
+    race them and leave part of it behind."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread not in before and not thread.daemon and thread is not threading.current_thread():
+            # the plain wait: orbax's threads override join() to re-raise their own error
+            threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+
+
 # ----------------------------------------------------------------------------- the store
 class CheckpointStore:
     """Saves and restores training checkpoints under `directory` (one sub-directory per step).
@@ -630,13 +646,18 @@ class CheckpointStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._manager.reload()
         needed = _step_bytes(logical_params, logical_adam, hf_dir)
+        before = set(threading.enumerate())
         try:
-            saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
-                PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
-                ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
-                TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
+            with cancel_on_interrupt():
+                saved = self._manager.save(step, force=True, args=ocp.args.Composite(**{
+                    PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
+                    ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
+                    TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
         except Exception as err:
             self._raise_if_disk_full(err, step, needed)
+            raise
+        except BaseException:   # Ctrl-C or SIGTERM while orbax's threads write
+            _wait_for_writers(before)
             raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")

@@ -55,7 +55,7 @@ from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash
 from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh
-from jscenegen.signals import Terminated
+from jscenegen.signals import RepeatFilter, Terminated
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,10 @@ class Trainer:
         """The first SIGTERM/SIGINT stops the run after the current update (with a checkpoint);
         a second one stops it at once through the handler the run replaced (the unwinding one
         of `jscenegen.signals` under the CLI): the update in flight is lost, the checkpoints
-        already written are kept."""
+        already written are kept. A repeat of the same request (`signals.RepeatFilter`) is
+        ignored."""
+        if self._signal_repeats.is_repeat(signum):
+            return
         if self._stop_signal is None:
             self._stop_signal = signum
             log.warning("%s: stopping after the current update, with a checkpoint (send it again "
@@ -344,6 +347,7 @@ class Trainer:
         KeyboardInterrupt at once, without a new checkpoint. `progress(row)` is called after each attempt.
         """
         t0 = time.perf_counter()
+        self._signal_repeats = RepeatFilter()
         self._replaced_handlers = {s: signal.signal(s, self._on_signal)
                                    for s in (signal.SIGTERM, signal.SIGINT)}
         attempts = 0
