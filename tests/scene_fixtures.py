@@ -174,10 +174,12 @@ class JudgeServer:
     """A chat-completions server on 127.0.0.1 whose behaviour per request comes from `self.plan`
     (the last entry repeats): "answer" (grades 8), "stall" (no answer for 1.5 s), "garbage",
     "fenced", "flood" (a 200 whose body never ends: 64 KiB chunks until the client hangs up),
-    or an HTTP status such as "401"."""
+    "deep" / "deep_content" (a body / message content of 200,000 nested brackets), "429after"
+    (429 with Retry-After: 1), or an HTTP status such as "401". `times`: when each request came."""
 
     def __init__(self, plan):
         self.plan, self.calls, self.auth, self.inflight, self.max_inflight = list(plan), 0, [], 0, 0
+        self.times = []
         self.lock = threading.Lock()
         outer = self
 
@@ -190,6 +192,7 @@ class JudgeServer:
                 with outer.lock:
                     mode = outer.plan[min(outer.calls, len(outer.plan) - 1)]
                     outer.calls += 1
+                    outer.times.append(time.monotonic())
                     outer.auth.append(self.headers.get("Authorization"))
                     outer.inflight += 1
                     outer.max_inflight = max(outer.max_inflight, outer.inflight)
@@ -207,17 +210,23 @@ class JudgeServer:
                                 self.wfile.write(b" " * 65536)
                         except OSError:      # the client stopped reading and closed
                             return
-                    if mode.isdigit():  # an HTTP error status
-                        self.send_response(int(mode))
+                    if mode.isdigit() or mode == "429after":  # an HTTP error status
+                        self.send_response(429 if mode == "429after" else int(mode))
+                        if mode == "429after":
+                            self.send_header("Retry-After", "1")
                         self.end_headers()
                         return
                     time.sleep(0.05)
+                    deep = "[" * 200_000 + "]" * 200_000
                     content = {
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
+                        "deep": "", "deep_content": deep,
                     }[mode]
                     data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+                    if mode == "deep":
+                        data = deep.encode()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))

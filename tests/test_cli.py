@@ -480,6 +480,22 @@ def test_a_resume_says_which_settings_its_overrides_change(tmp_path, caplog):
     assert "model.path is not read on resume" in caplog.text
 
 
+def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog):
+    """A run whose judge.base_url held a credential saves `<redacted>`; the resume must accept
+    the URL given again (the comparison with the saved config refused it) and never print it."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("judge:\n  backend: http\n  model: judge-27b\n"
+                                     "  base_url: <redacted>\n")
+    secret = "http://user:sk-URLSECRET999@127.0.0.1:8000/v1"
+    with caplog.at_level("WARNING"):
+        code = main(["train", "--resume", str(run), f"judge.base_url={secret}",
+                     "schedule.train_set=/nonexistent.jsonl"])   # ends before any model
+    assert code == 2
+    assert "resume changes judge.base_url '<redacted>' -> '<redacted>'" in caplog.text
+    assert "held a credential" not in caplog.text and "sk-URLSECRET999" not in caplog.text
+
+
 def test_warnings_print_in_one_format_before_and_after_a_library_configures_logging():
     """orbax calls logging.basicConfig on import: without the CLI's handler a warning before it
     is a bare message and one after it `WARNING:name:message`."""

@@ -66,6 +66,10 @@ def test_a_refused_request_is_not_retried_but_408_and_429_are(server, calls):
 
 @pytest.mark.parametrize("server,cause", [(["stall"], "judge_timeout"), (["garbage"], "judge_unparseable"),
                                           (["fenced"], "judge_unparseable"),
+                                          # nested past the parser's recursion limit: this
+                                          # episode's failure, not a crash of the whole batch
+                                          (["deep"], "judge_unparseable"),
+                                          (["deep_content"], "judge_unparseable"),
                                           # a body without end: read up to 1 MiB, not until the timeout
                                           (["flood"], "judge_unparseable")], indirect=["server"])
 def test_timeouts_and_garbage_become_masked_judge_failures(server, cause, monkeypatch, caplog, tmp_path):
@@ -120,6 +124,10 @@ def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, cap
     ({"base_url": "<redacted>"}, "judge.base_url held a credential, so the run's saved config has "
                                  "<redacted> in its place: give it again as an override"),
     ({"max_retries": 10**9}, "max_retries"),     # back-offs of 2^attempt seconds: years
+    # httpx raised OverflowError / InvalidURL on every call: each episode a traceback
+    ({"base_url": "http://127.0.0.1:99999/v1"}, "is not an http(s) URL with a host and a port"),
+    ({"base_url": "http://127.0.0.1:abc/v1"}, "is not an http(s) URL with a host and a port"),
+    ({"base_url": "http://:8000/v1"}, "is not an http(s) URL with a host and a port"),
     ({"concurrency": 10**6}, "concurrency"),
 ])
 def test_judge_settings_that_cannot_work_are_refused_at_once(override, why):
@@ -129,3 +137,21 @@ def test_judge_settings_that_cannot_work_are_refused_at_once(override, why):
 
     with pytest.raises(ValidationError, match=re.escape(why)):
         cfg("http://127.0.0.1:1/v1", **override)
+
+
+@pytest.mark.parametrize("server", [["429after", "answer"]], indirect=True)
+def test_a_retry_waits_as_long_as_retry_after_asks(server):
+    (res,) = make_judge(cfg(server.url, api_key_env=None, timeout_s=5)).grade(requests())
+    assert res.failure is None and server.calls == 2
+    assert server.times[1] - server.times[0] >= 0.95      # not backoff_s (0.01 s)
+
+
+@pytest.mark.parametrize("key", ["sk-SECRÉT", "sk-secret\n", "sk secret"])
+def test_an_api_key_no_http_header_can_carry_is_refused_naming_its_variable(key, monkeypatch):
+    """Every request failed (a UnicodeEncodeError naming nothing, or LocalProtocolError):
+    every episode of the run masked."""
+    monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", key)
+    with pytest.raises(ValueError, match="^environment variable JSCENEGEN_TEST_JUDGE_KEY "
+                                         r"\(judge.api_key_env\): the API key holds") as info:
+        make_judge(cfg("http://127.0.0.1:1/v1"))
+    assert key.strip() not in str(info.value)

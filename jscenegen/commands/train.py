@@ -22,6 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from jscenegen.config import ConfigError, read_yaml
     from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
 
@@ -48,7 +49,10 @@ def run(args) -> int:
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = load_run_config(config_path, args.overrides)
     if args.resume and args.overrides:
-        _say_changed_settings(load_run_config(config_path), cfg)
+        try:
+            _say_changed_settings(load_run_config(config_path).model_dump(mode="json"), cfg)
+        except ConfigError:   # not valid alone (a redacted judge.base_url): the keys it holds
+            _say_changed_settings(read_yaml(config_path), cfg, only_saved_keys=True)
     check_output_dir(run_dir, label="--run-dir")
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
@@ -61,11 +65,14 @@ def run(args) -> int:
                          config_source=str(config_path))
 
 
-def _say_changed_settings(saved, cfg) -> None:
-    """Warn, on stderr, which settings a resume's overrides change from the run's config (a
-    resume checks that the schedule and reward stay compatible; the rest is taken as asked),
+def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False) -> None:
+    """Warn, on stderr, which settings a resume's overrides change from the run's config
+    `saved` (a mapping; only its own keys with `only_saved_keys`; a resume checks that the
+    schedule and reward stay compatible; the rest is taken as asked), credentials redacted,
     and that `model.path` is never read on resume (the weights are the newest checkpoint's)."""
     import logging
+
+    from jscenegen.checkpoint.metadata import redact
 
     def flat(d, prefix=""):
         for k, v in d.items():
@@ -74,11 +81,13 @@ def _say_changed_settings(saved, cfg) -> None:
             else:
                 yield f"{prefix}{k}", v
 
-    before = dict(flat(saved.model_dump(mode="json")))
-    changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in flat(cfg.model_dump(mode="json"))
-               if before.get(k) != v]
+    before = dict(flat(saved))
+    after = dict(flat(cfg.model_dump(mode="json")))
+    shown_before, shown_after = dict(flat(redact(saved))), dict(flat(redact(after)))
+    changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
+               if before.get(k) != v and (k in before or not only_saved_keys)]
     log = logging.getLogger(__name__)
     if changed:
         log.warning("resume changes %s", "; ".join(changed))
-    if saved.model.path != cfg.model.path:
+    if before.get("model.path", cfg.model.path if only_saved_keys else None) != cfg.model.path:
         log.warning("model.path is not read on resume: the weights are the run's newest checkpoint")

@@ -122,8 +122,16 @@ class JudgeConfig(Section):
             raise ValueError("judge.base_url held a credential, so the run's saved config has "
                              f"{REDACTED} in its place: give it again as an override "
                              "(judge.base_url=https://...)")
-        url = urlsplit(self.base_url or "")
-        if self.backend == "http" and (url.scheme not in ("http", "https") or not url.netloc):
-            raise ValueError(f"judge.base_url {self.base_url[:200]!r} is not an http(s) URL "
-                             "(e.g. http://host:8000/v1)")
+        if self.backend == "http" and not _is_http_url(self.base_url):
+            raise ValueError(f"judge.base_url {self.base_url[:200]!r} is not an http(s) URL with "
+                             "a host and a port in 1-65535, if any (e.g. http://host:8000/v1)")
         return self
+
+
+def _is_http_url(text: str) -> bool:
+    try:
+        url = urlsplit(text)
+        port = url.port            # ValueError when not a number in 0-65535
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname) and port != 0

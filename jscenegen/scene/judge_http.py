@@ -4,7 +4,8 @@ POST {base_url}/chat/completions with the judge messages; the reply's message co
 JSON object {"grades": {key: int 0..10 for exactly the configured keys}, "comments": {...}?}
 (strict: no code fences, no extra text). Each request is tried 1 + max_retries times with
 exponential back-off (backoff_s x 2^attempt), except after an HTTP 4xx other than 408 and 429
-(a bad key, an unknown model: no retry can help); at most `concurrency` requests are in
+(a bad key, an unknown model: no retry can help), and no sooner than a Retry-After header in
+seconds asks (up to MAX_RETRY_AFTER_S); at most `concurrency` requests are in
 flight, over all requests of one `grade` call. An answer is read up to MAX_ANSWER_BYTES (1 MiB).
 A timeout, an unparseable or oversized answer or an error after the last try is a judge
 failure (masked by the reward).
@@ -16,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import threading
 import time
 from typing import Sequence
 
 import httpx
+
+from jscenegen.config import clip_text
 
 from .caps import apply_caps
 from .config import JudgeConfig
@@ -32,16 +36,18 @@ log = logging.getLogger(__name__)
 
 RETRIED_4XX = (408, 429)  # request timeout, too many requests: the only 4xx worth retrying
 MAX_ANSWER_BYTES = 1 << 20  # a grade object is a few hundred bytes: read no more than 1 MiB
+MAX_RETRY_AFTER_S = 60.0    # as judge.backoff_s: a server's Retry-After waits no longer
 
 
 class JudgeAnswerTooLarge(Exception):
     """The server sent more than MAX_ANSWER_BYTES: the rest is not read."""
 
 
-async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, bytes]:
-    """(status, body bytes) of one chat-completions request, reading at most MAX_ANSWER_BYTES
-    (a server that streams without end would otherwise fill the memory before the timeout).
-    Raises JudgeAnswerTooLarge past the bound, httpx errors as httpx raises them."""
+async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, bytes, float | None]:
+    """(status, body bytes, Retry-After seconds or None) of one chat-completions request,
+    reading at most MAX_ANSWER_BYTES (a server that streams without end would otherwise fill
+    the memory before the timeout). Raises JudgeAnswerTooLarge past the bound, httpx errors as
+    httpx raises them."""
     async with client.stream("POST", "/chat/completions", json=body) as resp:
         chunks, size = [], 0
         async for chunk in resp.aiter_bytes():
@@ -49,7 +55,17 @@ async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, bytes]:
             if size > MAX_ANSWER_BYTES:
                 raise JudgeAnswerTooLarge(f"answer over {MAX_ANSWER_BYTES} bytes")
             chunks.append(chunk)
-        return resp.status_code, b"".join(chunks)
+        return resp.status_code, b"".join(chunks), retry_after_s(resp.headers.get("retry-after"))
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header given in seconds (RFC 9110 10.2.3), bounded by MAX_RETRY_AFTER_S;
+    None when absent or an HTTP date (then the back-off applies)."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S) if 0 <= seconds else None
 
 
 class JudgeAnswerError(ValueError):
@@ -62,11 +78,16 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
         obj = json.loads(content.strip())
     except (json.JSONDecodeError, AttributeError) as err:
         raise JudgeAnswerError(f"not JSON: {err}") from None
+    except RecursionError:
+        raise JudgeAnswerError("not JSON: nested too deeply to parse") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("grades"), dict):
         raise JudgeAnswerError("answer must be an object with a 'grades' object")
     grades = obj["grades"]
     if set(grades) != set(grade_keys):
-        raise JudgeAnswerError(f"grade keys {sorted(grades)} differ from {sorted(grade_keys)}")
+        missing = sorted(set(grade_keys) - set(grades))
+        extra = sorted(map(str, set(grades) - set(grade_keys)))
+        raise JudgeAnswerError(f"grade keys differ: missing {missing}, not asked for "
+                               f"{clip_text(repr(extra), 100)}")
     for k, v in grades.items():
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10:
             raise JudgeAnswerError(f"grade {k!r} = {v!r} is not an integer 0..10")
@@ -82,6 +103,11 @@ class HttpJudge:
             raise ValueError("judge.base_url and judge.model are required for the http judge")
         self.cfg, self.templates = cfg, templates
         self._api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        if self._api_key and not all(c.isascii() and c.isprintable() and not c.isspace()
+                                     for c in self._api_key):
+            raise ValueError(f"environment variable {cfg.api_key_env} (judge.api_key_env): the "
+                             "API key holds a space, a control or a non-ASCII character; sent "
+                             "in the Authorization header it would fail every request")
         if cfg.api_key_env and not self._api_key:
             log.warning("judge: environment variable %s is not set; sending no Authorization header", cfg.api_key_env)
 
@@ -122,20 +148,24 @@ class HttpJudge:
         t0 = time.monotonic()
         cause, detail = "judge_error", ""
         attempts = 0
+        retry_after = None
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
+                backoff = self.cfg.backoff_s * 2 ** (attempt - 1)
+                await asyncio.sleep(backoff if retry_after is None else max(backoff, retry_after))
             attempts += 1
+            retry_after = None
             async with sem:
                 try:
-                    status, raw = await asyncio.wait_for(_post(client, body), self.cfg.timeout_s)
+                    status, raw, retry_after = await asyncio.wait_for(_post(client, body),
+                                                                      self.cfg.timeout_s)
                 except (httpx.TimeoutException, asyncio.TimeoutError):
                     cause, detail = "judge_timeout", f"no answer within {self.cfg.timeout_s} s"
                     continue
                 except JudgeAnswerTooLarge as err:
                     cause, detail = "judge_unparseable", str(err)
                     continue
-                except httpx.HTTPError as err:
+                except (httpx.HTTPError, httpx.InvalidURL) as err:
                     cause, detail = "judge_error", type(err).__name__
                     continue
             if status != 200:
@@ -146,8 +176,11 @@ class HttpJudge:
             try:
                 content = json.loads(raw)["choices"][0]["message"]["content"]
                 grades, comments = parse_judge_content(content, self.cfg.grade_keys)
+            except RecursionError:
+                cause, detail = "judge_unparseable", "answer nested too deeply to parse"
+                continue
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
-                cause, detail = "judge_unparseable", str(err)[:200]
+                cause, detail = "judge_unparseable", clip_text(str(err), 300)
                 continue
             if self.cfg.enforce_caps:
                 grades = apply_caps(grades, req.metrics)
