@@ -199,22 +199,31 @@ def _check_extra_state(f: Path, st: dict) -> None:
         raise ConvertError(f"{f}: rng is a {type(rng).__name__}, expected a dict")
     for dev, state in rng.items():
         if dev == "numpy":
-            ok = (isinstance(state, tuple) and len(state) == 5 and isinstance(state[0], str)
+            ok = (isinstance(state, tuple) and len(state) == 5 and state[0] == "MT19937"
                   and isinstance(state[1], np.ndarray) and state[1].dtype.kind in "iu"
+                  and state[1].shape == (MT19937_WORDS,)
                   and all(isinstance(x, (int, float)) for x in state[2:]))
-            what = "numpy.random.get_state()'s 5-tuple (kind, key array, pos, has_gauss, gauss)"
+            what = (f"numpy.random.get_state()'s 5-tuple ('MT19937', {MT19937_WORDS} key words, "
+                    "pos, has_gauss, gauss)")
         elif dev == "random":
             ok = (isinstance(state, tuple) and len(state) == 3 and isinstance(state[1], tuple)
-                  and all(isinstance(x, int) for x in state[1]))
-            what = "random.getstate()'s 3-tuple (version, internal state, gauss)"
+                  and len(state[1]) == MT19937_WORDS + 1 and all(isinstance(x, int) for x in state[1]))
+            what = f"random.getstate()'s 3-tuple (version, {MT19937_WORDS + 1} ints, gauss)"
         else:
-            ok = isinstance(state, torch.Tensor) and state.dtype == torch.uint8
-            what = "a torch uint8 generator state"
+            size = TORCH_RNG_BYTES.get(dev)
+            ok = (isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.ndim == 1
+                  and (size is None or state.numel() == size))
+            what = (f"a torch uint8 generator state of {size} bytes (torch.{dev}.get_rng_state())"
+                    if size else "a torch uint8 generator state")
         if not ok:
             raise ConvertError(f"{f}: rng[{dev!r}] is not {what}")
 
 
 JSON_VALUES_MAX, JSON_DEPTH_MAX = 100_000, 6
+MT19937_WORDS = 624          # numpy's and Python's Mersenne Twister state
+# torch generator states by device: CPU a Mersenne Twister (5,056 bytes), CUDA Philox seed and
+# offset (16 bytes); torch.set_rng_state refuses any other size, so a resume would fail
+TORCH_RNG_BYTES = {"cpu": 5056, "cuda": 16}
 
 
 def _check_json_size(f: Path, label: str, obj: Any) -> None:

@@ -283,6 +283,12 @@ def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
      r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("random", [3, [1], None]),
      r"rng\['random'\] is not random\.getstate\(\)'s 3-tuple"),
+    # a state torch.set_rng_state refuses: carried into new VERL files, it broke the resume
+    ("extra_state", lambda sd: sd["rng"].__setitem__("cpu", sd["rng"]["cpu"][:3].clone()),
+     r"rng\['cpu'\] is not a torch uint8 generator state of 5056 bytes"),
+    ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", sd["rng"]["numpy"][1][:3],
+                                                                0, 0, 0.0)),
+     r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple \('MT19937', 624 key words"),
 ])
 def test_malformed_optimizer_or_extra_state_fields_are_named(actor, tmp_path, kind, change, message):
     from convert.orbax_directions import verl_to_orbax
