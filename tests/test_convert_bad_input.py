@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -212,6 +213,26 @@ def test_a_truncated_safetensors_file_is_refused_before_orbax_writes(tiny_hf, tm
     with pytest.raises(ConvertError, match=r"model\.safetensors: truncated: \d+ tensor\(s\) end beyond"):
         hf_to_orbax(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["../elsewhere/model.safetensors", "/abs/model.safetensors",
+                                   "sub/model.safetensors", ".."])
+def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(tiny_hf, tmp_path, where):
+    """The index could read weights from anywhere on the disk (an absolute or `../` path)."""
+    from safetensors.numpy import load_file
+
+    from convert.directions import hf_to_verl
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_hf["qwen3"], src)
+    names = list(load_file(str(src / "model.safetensors")))
+    weight_map = {n: "model.safetensors" for n in names}
+    weight_map[names[0]] = where
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=rf"model\.safetensors\.index\.json: weight_map\['{re.escape(names[0])}'\] "
+                                           rf"is '{re.escape(where)}'; a shard is a file name"):
+        hf_to_verl(src, tmp_path / "out", world_size=2)
+    _assert_nothing_written(tmp_path)
 
 
 def test_hf_to_orbax_names_the_source_without_a_tokenizer(tmp_path):

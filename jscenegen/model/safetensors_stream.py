@@ -39,17 +39,23 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     """{tensor name: file} for a single-file or index-sharded HF directory.
 
     The index (`model.safetensors.index.json`) wins when present; its file names are used as
-    written, never globbed. Raises CheckpointFormatError when neither exists or the index is
-    malformed.
+    written, never globbed, and must name files of `path` itself. Raises CheckpointFormatError
+    when neither exists, the index is malformed or names a file elsewhere.
     """
     path = Path(path)
     index = path / INDEX_NAME
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            return {str(name): path / str(fname) for name, fname in weight_map.items()}
+            files = {str(name): str(fname) for name, fname in weight_map.items()}
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointFormatError(f"{index}: malformed index ({err})") from None
+        for name, fname in files.items():
+            if Path(fname).name != fname or fname in ("", ".", ".."):
+                raise CheckpointFormatError(
+                    f"{index}: weight_map[{name!r}] is {fname[:200]!r}; a shard is a file name "
+                    "in the model's own directory (no path)")
+        return {name: path / fname for name, fname in files.items()}
     single = path / SINGLE_NAME
     if not single.is_file():
         why = not_a_file(single) if single.exists() or single.is_symlink() else None
