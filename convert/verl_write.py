@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ import numpy as np
 from convert.errors import ConvertError
 from convert.sharding import chunk_bounds, shard_dim
 from convert.tensors import cast, to_torch
+from jscenegen.paths import naming_write_errors
 
 # (name, dim, start, stop) -> the slice [start, stop) of tensor `name` along `dim`
 SliceReader = Callable[[str, int, int, int], np.ndarray]
@@ -164,7 +166,7 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
             if tied_alias:
                 # state_dict order: lm_head comes last
                 model["lm_head.weight"] = _tied_view(model[tied_alias])
-            torch.save(model, shard_dir / f"model_world_size_{W}_rank_{r}.pt")
+            _save(model, shard_dir / f"model_world_size_{W}_rank_{r}.pt")
             del model
             if adam is not None:
                 state = {}
@@ -179,15 +181,28 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
                         "exp_avg_sq": _dtensor(cast(local(adam.exp_avg_sq, name), "float32"), mesh,
                                                dims[name], tuple(shape), device_type),
                     }
-                torch.save({"state": state, "param_groups": adam.param_groups},
-                           shard_dir / f"optim_world_size_{W}_rank_{r}.pt")
+                _save({"state": state, "param_groups": adam.param_groups},
+                      shard_dir / f"optim_world_size_{W}_rank_{r}.pt")
                 del state
             if extra_states is not None:
                 extra = extra_states[r if len(extra_states) == W else 0]
-                torch.save(extra, shard_dir / f"extra_state_world_size_{W}_rank_{r}.pt")
+                _save(extra, shard_dir / f"extra_state_world_size_{W}_rank_{r}.pt")
     (shard_dir / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": W},
                                                            indent=4))
     return dims
+
+
+def _save(obj: Any, file: Path) -> None:
+    """torch.save, a failed write naming `file`: torch's zip writer reports one as a
+    RuntimeError ("[enforce fail at inline_container.cc] . unexpected pos ...")."""
+    import torch
+
+    with naming_write_errors(file):
+        try:
+            torch.save(obj, file)
+        except RuntimeError as err:
+            first = (str(err).splitlines() or [""])[0][:200]
+            raise OSError(errno.EIO, f"torch.save could not write the file ({first})", str(file)) from None
 
 
 def _tied_view(emb: Any) -> Any:

@@ -97,10 +97,13 @@ def error_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.errno == errno.ENOSPC and not isinstance(err, DiskFullError):
         where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
         return f"no space left on device{where} writing {err.filename or 'a file'}"
-    text = str(err) or type(err).__name__
-    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
-        text = f"{err.filename}: {text}"
     from jscenegen.config import clip_text  # only on an error: `--help` stays light
+
+    text = str(err) or type(err).__name__
+    if isinstance(err, OSError) and err.filename and err.strerror and err.filename2 is None:
+        text = f"{clip_text(str(err.filename), MAX_ERROR_CHARS // 2)}: {err.strerror}"
+    elif isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
 
     # a message that echoes a huge input (a 100 KB path or key) stays readable
     return clip_text("; ".join(part.strip() for part in text.splitlines() if part.strip()),
@@ -129,12 +132,16 @@ def force_cpu_devices() -> None:
 
 class StderrLogHandler(logging.Handler):
     """Log records as `warning: message` lines on the current sys.stderr (looked up at each
-    record, so a replaced stderr is followed), with the exception's text when there is one."""
+    record, so a replaced stderr is followed), at most MAX_ERROR_CHARS characters each; the
+    traceback of a logged exception only with JSCENEGEN_DEBUG=1 (a library's writer threads
+    log one per thread, pages of them for one failure)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             text = f"{record.levelname.lower()}: {record.getMessage()}"
-            if record.exc_info:
+            if len(text) > MAX_ERROR_CHARS:
+                text = text[:MAX_ERROR_CHARS] + " ..."
+            if record.exc_info and os.environ.get("JSCENEGEN_DEBUG"):
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
             print(text, file=sys.stderr, flush=True)
         except Exception:

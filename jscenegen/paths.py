@@ -215,12 +215,28 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
             umask_mode(tmp)
         os.replace(tmp, path)
     except OSError as err:
-        if err.errno == errno.ENOSPC and not err.filename:  # a write() names no file: say which
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
-        raise
+        raise_naming(err, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def raise_naming(err: OSError, path: str | Path) -> None:
+    """Raise `err`, as an OSError of its errno naming `path` when it names no file (a write()
+    on an open file fails with "[Errno 27] File too large" or "No space left on device" and
+    no name)."""
+    if err.filename is None and err.errno is not None:
+        raise OSError(err.errno, err.strerror or os.strerror(err.errno), str(path)) from None
+    raise err
+
+
+@contextlib.contextmanager
+def naming_write_errors(path: str | Path) -> Iterator[None]:
+    """Within it, an OSError that names no file is raised naming `path` (`raise_naming`)."""
+    try:
+        yield
+    except OSError as err:
+        raise_naming(err, path)
 
 
 def umask_mode(path: str | Path) -> None:
@@ -336,6 +352,10 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
         else:
             os.replace(tmp, path)
         done = True
+    except OSError as err:   # name the destination, not the temporary the user never sees
+        if err.filename is not None and Path(err.filename).is_relative_to(tmp) and err.filename2 is None:
+            raise OSError(err.errno, err.strerror, str(path / Path(err.filename).relative_to(tmp))) from None
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

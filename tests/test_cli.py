@@ -442,7 +442,8 @@ def test_an_error_line_that_echoes_a_huge_input_is_cut():
     from jscenegen.cli import MAX_ERROR_CHARS, error_line
 
     line = error_line(OSError(36, "File name too long", "/tmp/" + "z" * 100000))
-    assert len(line) < MAX_ERROR_CHARS + 40 and line.endswith("... (100,038 characters)"), line[-60:]
+    assert len(line) < MAX_ERROR_CHARS + 40, line[-60:]
+    assert line.endswith("... (100,005 characters): File name too long"), line[-60:]   # the reason kept
 
 
 def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
@@ -534,3 +535,30 @@ def test_a_model_file_that_is_no_file_says_what_it_is(tiny_hf, tmp_path, capsys)
         make(model / name)
         assert main(["parity", "logits", "--model", str(model)]) == 2
         assert one_error_line(capsys) == f"error: {model / name}: {why.format(m=model)}"
+
+
+def test_a_logged_exception_is_one_clipped_line_unless_debugging(capsys, monkeypatch):
+    """orbax's writer threads each log their failure with its traceback: one failed write
+    printed pages (the tensorstore spec in every message)."""
+    import logging
+
+    from jscenegen.cli import MAX_ERROR_CHARS, StderrLogHandler
+
+    log = logging.getLogger("jscenegen.test_handler")
+    log.propagate, handler = False, StderrLogHandler()
+    log.addHandler(handler)
+    try:
+        for debug in ("", "1"):
+            monkeypatch.setenv("JSCENEGEN_DEBUG", debug)
+            try:
+                raise ValueError("NOT_FOUND: " + "spec " * 2000)
+            except ValueError:
+                log.exception("writer raised an exception: %s", "NOT_FOUND: " + "spec " * 2000)
+            err = capsys.readouterr().err
+            if not debug:
+                assert err.count("\n") == 1 and err.startswith("error: writer raised an exception")
+                assert len(err) <= MAX_ERROR_CHARS + 10
+            else:
+                assert "Traceback (most recent call last)" in err
+    finally:
+        log.removeHandler(handler)

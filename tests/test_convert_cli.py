@@ -85,3 +85,34 @@ def test_carried_from_flag(tmp_path, capsys):
     assert main(["convert", str(src / "release"), str(tmp_path / "v"), "--from", "hf", "--to",
                  "verl", "--world-size", "2", "--carried-from", str(src / "release")]) == 2
     assert "--carried-from completes a VERL source" in capsys.readouterr().err
+
+
+_LIMITED_WRITE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))   # Python ignores SIGXFSZ: EFBIG
+from jscenegen.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_failed_write_is_one_line_naming_the_file(tmp_path):
+    """A file-size limit (as a full disk would) made torch.save raise a 42-line RuntimeError
+    traceback and the safetensors writer print "[Errno 27] File too large" naming nothing."""
+    import os
+    import subprocess
+    import sys
+
+    src = fixture_dir("qwen2_first_divisible") / "ckpt"
+    cases = [(["convert", str(src), str(tmp_path / "hf"), "--from", "verl", "--to", "hf"],
+              rf"{tmp_path / 'hf'}/\.?.*model\.safetensors"),
+             (["convert", str(src), str(tmp_path / "verl"), "--from", "verl", "--to", "verl",
+               "--world-size", "2"], r"model_world_size_2_rank_0\.pt")]
+    for argv, where in cases:
+        proc = subprocess.run([sys.executable, "-c", _LIMITED_WRITE, *argv], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        import re
+        assert re.search(rf"^error: \S*{where}\S*: .*(File too large|torch\.save could not write)",
+                         lines[0]), lines[0]
+    assert sorted(os.listdir(tmp_path)) == []          # no partial destination

@@ -27,7 +27,7 @@ import numpy as np
 
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
-from jscenegen.paths import not_a_file
+from jscenegen.paths import naming_write_errors, not_a_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -214,7 +214,7 @@ def write_safetensors_streaming(out_dir: str | Path,
         total += offset
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        with open(out_dir / fname, "wb") as f:
+        with naming_write_errors(out_dir / fname), open(out_dir / fname, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for name in members:
