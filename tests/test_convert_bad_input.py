@@ -400,3 +400,16 @@ def test_world_size_is_refused_for_an_output_without_ranks(actor, tmp_path):
 
     with pytest.raises(ConvertError, match=r"--world-size sets the ranks of a VERL output; --to hf"):
         convert(actor, tmp_path / "out", src_format="verl", dst_format="hf", world_size=2)
+
+
+def test_a_non_finite_optimizer_setting_is_named_by_its_key(actor, tmp_path):
+    """lr NaN in torch's param_groups: the refusal said 'Out of range float values are not
+    JSON compliant', naming neither the file's field nor the key."""
+    from convert.orbax_directions import verl_to_orbax
+
+    for r in range(6):
+        _edit(actor / f"optim_world_size_6_rank_{r}.pt",
+              lambda sd: sd["param_groups"][0].__setitem__("lr", float("nan")))
+    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\]\['lr'\] = nan"):
+        verl_to_orbax(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)

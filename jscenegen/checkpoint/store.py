@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -208,8 +209,29 @@ def _json_ready(obj: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(obj, allow_nan=False))
     except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{what} must be JSON-serialisable (plain dicts, lists, numbers, "
-                              f"strings): {err}") from None
+        where = _first_unserialisable(obj, what)
+        raise CheckpointError(f"{what} must be JSON-serialisable (plain dicts, lists, finite "
+                              f"numbers, strings): {where or err}") from None
+
+
+def _first_unserialisable(obj: Any, path: str, depth: int = 0) -> str | None:
+    """`path[key][...] = value` of the first value JSON cannot hold (NaN, infinity, an
+    object), or None."""
+    if depth > 64:
+        return None
+    items = (obj.items() if isinstance(obj, dict) else
+             enumerate(obj) if isinstance(obj, (list, tuple)) else None)
+    if items is None:
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return f"{path} = {obj}"
+        if obj is None or isinstance(obj, (str, int, float)):
+            return None
+        return f"{path} is a {type(obj).__name__}"
+    for key, value in items:
+        found = _first_unserialisable(value, f"{path}[{key!r}]", depth + 1)
+        if found:
+            return found
+    return None
 
 
 def _scalar_count(count: Any) -> np.ndarray:
