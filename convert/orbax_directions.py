@@ -99,12 +99,16 @@ def orbax_step_dir(path: str | Path) -> Path:
     else:
         steps = sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True) \
             if path.is_dir() else []
+        newest = None
         for s in steps:
             status = ckpt.check_step(path / str(s))
             if status.valid:
                 break
+            newest = newest or status
         else:
-            raise ConvertError(f"{path}: no complete orbax checkpoint step here")
+            why = (f"; the newest, step {newest.path.name}: {newest.reason}" if newest else
+                   " (no numbered step directory)")
+            raise ConvertError(f"{path}: no complete orbax checkpoint step here{why}")
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
     return status.path

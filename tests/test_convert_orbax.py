@@ -399,3 +399,19 @@ def test_an_interrupted_orbax_write_leaves_no_partial_destination(tmp_path, monk
             threading.Thread.join(t, 10)
     assert os.listdir(tmp_path) == []
     assert 2 <= len(loaded) <= 3        # the model's other arrays were never loaded
+
+
+def test_a_run_directory_without_a_complete_step_says_why_its_newest_is_not(converted, tmp_path):
+    import shutil
+
+    from convert.errors import ConvertError
+    from convert.orbax_directions import orbax_step_dir
+
+    run = tmp_path / "run"
+    shutil.copytree(converted["run"], run)
+    shutil.rmtree(run / "3" / "adam")
+    with pytest.raises(ConvertError, match=rf"^{run}: no complete orbax checkpoint step here; "
+                                           r"the newest, step 3: .*adam"):
+        orbax_step_dir(run)
+    with pytest.raises(ConvertError, match=r"\(no numbered step directory\)"):
+        orbax_step_dir(tmp_path)
