@@ -63,21 +63,23 @@ def verify_source(src: str | Path) -> None:
 
 
 def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: str,
-            world_size: int | None = None, placement: str = "dim0", dtype: str | None = None,
-            mesh_device: str = "cuda", carried_from: str | Path | None = None) -> Any:
+            world_size: int | None = None, placement: str | None = None, dtype: str | None = None,
+            mesh_device: str | None = None, carried_from: str | Path | None = None) -> Any:
     """Convert `src` (in `src_format`) to `dst` (in `dst_format`); returns the direction's result.
 
     world_size: W for a VERL output (default: the VERL source's own W, else required).
-    placement: "dim0" (VERL 0.9) | "first-divisible" (VERL 0.6 - 0.8). dtype: None keeps the
+    placement (VERL outputs only): "dim0" (VERL 0.9, the default) | "first-divisible" (VERL
+    0.6 - 0.8). dtype: None keeps the
     source's (fp32 master weights), else "float32" | "bfloat16" for the model weights.
-    mesh_device: the DeviceMesh device type pickled into VERL files: "cuda" for a GPU run,
-    "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
+    mesh_device (VERL outputs only): the DeviceMesh device type pickled into VERL files:
+    "cuda" (the default) for a GPU run, "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
     carried_from: an HF directory holding the tensors VERL files cannot (Qwen3.5's `mtp.*`),
     for a VERL source converted to HF or orbax (convert/carried.py); refused elsewhere.
     An HF or VERL source covered by a `checksums.json` is verified first (`verify_source`).
     Raises ConvertError for a missing source, a destination inside the source (or the other
     way round) or one that exists and is not empty (or is a symbolic link), a source that
-    fails its checksums, an unknown direction or a missing world size.
+    fails its checksums, an unknown direction, a missing world size, or a VERL-output
+    option (world size, placement, mesh device) for another output.
     """
     from jscenegen.paths import require_new_dir
 
@@ -94,9 +96,13 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     if (src_format, dst_format) not in table:
         have = ", ".join(f"{a}->{b}" for a, b in sorted(table))
         raise ConvertError(f"{src_format} -> {dst_format} is not available (have: {have})")
-    if world_size is not None and dst_format != "verl":
-        raise ConvertError(f"--world-size sets the ranks of a VERL output; --to {dst_format} "
-                           "writes none (leave it out)")
+    verl_options = {"--world-size": world_size, "--placement": placement,
+                    "--mesh-device": mesh_device}
+    for flag, value in verl_options.items():
+        if value is not None and dst_format != "verl":
+            raise ConvertError(f"{flag} shapes the rank files of a VERL output; --to {dst_format} "
+                               "writes none (leave it out)")
+    placement, mesh_device = placement or "dim0", mesh_device or "cuda"
     if dst_format == "verl" and world_size is None:
         if src_format != "verl":
             raise ConvertError("--world-size is required to write VERL rank files")

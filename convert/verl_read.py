@@ -315,8 +315,9 @@ class VerlCheckpoint:
         hf = Path(hf_dir) if hf_dir is not None else self.layout.hf_dir
         if hf is None:
             raise ConvertError(
-                f"{self.layout.shard_dir / 'huggingface'}: no config.json; pass the model's HF "
-                "directory (hf_dir) to name the parameters"
+                f"{self.layout.shard_dir / 'huggingface'}: no config.json; VERL's checkpoint "
+                "manager saves the model's config there, and the parameters are named by it: "
+                "copy the model's config.json (and tokenizer) into that directory"
             )
         self.hf_dir = hf
         try:

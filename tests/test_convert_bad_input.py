@@ -395,11 +395,15 @@ def test_a_malformed_safetensors_header_is_refused_naming_file_and_tensor(tiny_h
         _assert_nothing_written(tmp_path)
 
 
-def test_world_size_is_refused_for_an_output_without_ranks(actor, tmp_path):
+@pytest.mark.parametrize("option, flag", [({"world_size": 2}, "--world-size"),
+                                          ({"placement": "first-divisible"}, "--placement"),
+                                          ({"mesh_device": "cpu"}, "--mesh-device")])
+def test_verl_output_options_are_refused_for_an_output_without_ranks(actor, tmp_path, option, flag):
+    """--placement and --mesh-device were ignored silently for --to hf/orbax."""
     from convert.dispatch import convert
 
-    with pytest.raises(ConvertError, match=r"--world-size sets the ranks of a VERL output; --to hf"):
-        convert(actor, tmp_path / "out", src_format="verl", dst_format="hf", world_size=2)
+    with pytest.raises(ConvertError, match=rf"^{flag} shapes the rank files of a VERL output; --to hf"):
+        convert(actor, tmp_path / "out", src_format="verl", dst_format="hf", **option)
 
 
 def test_a_non_finite_optimizer_setting_is_named_by_its_key(actor, tmp_path):

@@ -29,14 +29,16 @@ def register(subparsers) -> None:
     p.add_argument("--from", dest="src_format", choices=("hf", "orbax", "verl"))
     p.add_argument("--to", dest="dst_format", choices=("hf", "orbax", "verl"))
     p.add_argument("--world-size", type=world_size_arg, default=None,
-                   help="VERL output ranks W (default: the VERL source's W)")
-    p.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0",
-                   help="VERL shard dim per tensor: dim0 (VERL 0.9) or first dim divisible by W "
-                        "(VERL 0.6-0.8)")
+                   help="VERL output ranks W (from a VERL source: its W by default; from hf or "
+                        "orbax: required)")
+    p.add_argument("--placement", choices=("dim0", "first-divisible"), default=None,
+                   help="VERL output shard dim per tensor: dim0 (VERL 0.9, the default) or "
+                        "first dim divisible by W (VERL 0.6-0.8)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="model weight dtype of the output (default: the source's)")
-    p.add_argument("--mesh-device", choices=("cuda", "cpu"), default="cuda",
-                   help="device type of the DeviceMesh in VERL files (cuda: GPU run; cpu: gloo)")
+    p.add_argument("--mesh-device", choices=("cuda", "cpu"), default=None,
+                   help="device type of the DeviceMesh in VERL output files (cuda, the default: "
+                        "GPU run; cpu: gloo)")
     p.add_argument("--carried-from", metavar="HF_DIR", default=None,
                    help="verl -> hf/orbax: take the tensors VERL files cannot hold (Qwen3.5's "
                         "mtp.*) from this HF directory (the release the run started from); "
