@@ -1,9 +1,7 @@
 """HF safetensors read one tensor (or slice) at a time; writing is jscenegen.model.safetensors_stream."""
 from __future__ import annotations
 
-import json
 import math
-import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -47,12 +45,13 @@ class SafetensorsReader:
             raise ConvertError(f"{self.hf_dir}: tensor {name} not found in the safetensors files")
         path = self.files[name]
         if path not in self._headers:
+            from jscenegen.model.safetensors_stream import raw_header
+            from jscenegen.model.weights import CheckpointFormatError
+
             try:
-                with open(path, "rb") as f:
-                    (n,) = struct.unpack("<Q", f.read(8))
-                    header = (8 + n, json.loads(f.read(n)))
-            except (OSError, struct.error, ValueError, RecursionError) as err:
-                raise ConvertError(f"{path}: not a readable safetensors file ({err})") from None
+                header = raw_header(path)
+            except CheckpointFormatError as err:
+                raise ConvertError(str(err)) from None
             _check_header(path, *header)
             self._headers[path] = header
         data_start, header = self._headers[path]
@@ -112,24 +111,14 @@ def _entry_dtype(path: Path, name: str, entry: dict) -> np.dtype:
                        f"{', '.join(SAFETENSORS.values())}")
 
 
-def _check_header(path: Path, data_start: int, header: object) -> None:
-    """Refuse a header whose entries are not {dtype, shape, data_offsets} with byte ranges
-    that hold exactly their dtype x shape, lie inside the file and do not overlap (the rules
+def _check_header(path: Path, data_start: int, header: dict) -> None:
+    """Refuse a header (entries well-formed: `safetensors_stream.raw_header`) whose byte
+    ranges do not hold exactly their dtype x shape, lie outside the file or overlap (the rules
     the safetensors format states; a cut file fails here, before any tensor is written out)."""
-    if not isinstance(header, dict):
-        raise ConvertError(f"{path}: the safetensors header is not a JSON object")
     size = path.stat().st_size
     spans = []
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
-                and all(type(x) is int and x >= 0 for x in offsets + shape)
-                and offsets[0] <= offsets[1]):
-            raise ConvertError(f"{path}: {name}: the header entry needs dtype, shape (sizes >= 0) "
-                               "and data_offsets [begin, end] with 0 <= begin <= end")
+        offsets, shape = entry["data_offsets"], entry["shape"]
         nbytes = math.prod(shape) * _entry_dtype(path, name, entry).itemsize
         if offsets[1] - offsets[0] != nbytes:
             raise ConvertError(f"{path}: {name} spans {offsets[1] - offsets[0]} bytes, "

@@ -366,10 +366,15 @@ def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path,
 @pytest.mark.parametrize("change,message", [
     (lambda h, q: h[q].__setitem__("data_offsets", [0, h[q]["data_offsets"][1] - h[q]["data_offsets"][0]]),
      r"the data of .* overlap"),
-    (lambda h, q: h[q].pop("data_offsets"), r"the header entry needs dtype, shape"),
-    (lambda h, q: h[q].__setitem__("data_offsets", [-4, 0]), r"the header entry needs dtype, shape"),
-    (lambda h, q: h[q].__setitem__("data_offsets", [1.5, 2]), r"the header entry needs dtype, shape"),
+    (lambda h, q: h[q].pop("data_offsets"), r"tensor '.*q_proj.weight': an entry holds exactly"),
+    (lambda h, q: h[q].__setitem__("data_offsets", [-4, 0]), r"q_proj.weight': data_offsets must be"),
+    (lambda h, q: h[q].__setitem__("data_offsets", [1.5, 2]), r"q_proj.weight': data_offsets must be"),
     (lambda h, q: h[q].__setitem__("dtype", "F7"), r"has dtype F7; supported"),
+    # what the safetensors library refuses too (and raw Python errors naming no tensor)
+    (lambda h, q: h[q].__setitem__("shape", ["a", 2]), r"q_proj.weight': dtype must be a string and shape"),
+    (lambda h, q: h[q].__setitem__("extra", 1), r"q_proj.weight': an entry holds exactly"),
+    (lambda h, q: h.__setitem__("__metadata__", {"format": 1}), r"__metadata__ must map strings"),
+    (lambda h, q: h.__setitem__("__metadata__", ["pt"]), r"__metadata__ must map strings"),
 ])
 def test_a_malformed_safetensors_header_is_refused_naming_file_and_tensor(tiny_hf, tmp_path, change,
                                                                          message):
@@ -417,3 +422,18 @@ def test_a_non_finite_optimizer_setting_is_named_by_its_key(actor, tmp_path):
     with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\]\['lr'\] = nan"):
         verl_to_orbax(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
+
+
+def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path):
+    """json.loads keeps the last of two equal keys: the first tensor's bytes were unread."""
+    import struct
+
+    from jscenegen.model.safetensors_stream import read_header
+
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    raw = f'{{"w": {entry}, "w": {entry}}}'.encode()
+    raw += b" " * (-len(raw) % 8)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
+    with pytest.raises(ValueError, match=r"model\.safetensors: .*the header names 'w' twice"):
+        read_header(f)

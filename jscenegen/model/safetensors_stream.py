@@ -64,10 +64,12 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     return {name: single for name in read_header(single)}
 
 
-def _raw_header(file: str | Path) -> tuple[int, dict]:
+def raw_header(file: str | Path) -> tuple[int, dict]:
     """(byte offset of the data section, header dict without `__metadata__`) of one file,
-    parsed once per file version (the cache key holds its size and modification time).
-    Raises CheckpointFormatError naming the file when the header cannot be read."""
+    parsed once per file version (the cache key holds its size and modification time). Every
+    entry is {dtype: str, shape: [int >= 0], data_offsets: [begin, end]} with 0 <= begin <=
+    end, `__metadata__` maps strings to strings, no key twice. Raises CheckpointFormatError
+    naming the file (and the tensor) when the header cannot be read or breaks those rules."""
     try:
         st = os.stat(file)
     except OSError as err:
@@ -82,13 +84,52 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
                 raise ValueError(f"header of {n} bytes")
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=_no_duplicate_keys)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
-        header.pop("__metadata__", None)
+        _check_metadata(header.pop("__metadata__", None))
+        for name, entry in header.items():
+            _check_entry(name, entry)
         return 8 + n, header
-    except (OSError, ValueError, struct.error) as err:
+    except (OSError, ValueError, struct.error, RecursionError) as err:
         raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"the header names {twice[0][:200]!r} twice")
+    return dict(pairs)
+
+
+def _check_metadata(metadata: object) -> None:
+    """`__metadata__` is a string -> string map (the safetensors format; its library refuses
+    anything else)."""
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(v, str) for v in metadata.values())):
+        raise ValueError("__metadata__ must map strings to strings")
+
+
+def _is_index(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_entry(name: str, entry: object) -> None:
+    """One tensor's header entry: exactly dtype (a string), shape (non-negative integers) and
+    data_offsets (two non-negative integers)."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(f"tensor {name[:200]!r}: an entry holds exactly dtype, shape and "
+                         "data_offsets")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(entry["dtype"], str) or not isinstance(shape, list) or not all(
+            map(_is_index, shape)):
+        raise ValueError(f"tensor {name[:200]!r}: dtype must be a string and shape a list of "
+                         "non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_index, offsets))
+            and offsets[0] <= offsets[1]):
+        raise ValueError(f"tensor {name[:200]!r}: data_offsets must be [begin, end] byte "
+                         "offsets, 0 <= begin <= end")
 
 
 def _dtype_name(file: str | Path, name: str, entry: dict) -> str:
@@ -106,7 +147,7 @@ def read_header(file: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     CheckpointFormatError naming the file for an unreadable header, and naming the tensor
     for a dtype jscenegen does not handle.
     """
-    _, header = _raw_header(file)
+    _, header = raw_header(file)
     try:
         return {name: (_dtype_name(file, name, e), tuple(int(x) for x in e["shape"]))
                 for name, e in header.items()}
@@ -119,7 +160,7 @@ def read_tensor(file: str | Path, name: str) -> np.ndarray:
     `ml_dtypes.bfloat16`, which safetensors' own NumPy reader cannot give), read with one
     plain file read at the header's offsets. Raises CheckpointFormatError naming the file and
     tensor when it is absent, its byte range does not fit its shape, or the file is short."""
-    data_start, header = _raw_header(file)
+    data_start, header = raw_header(file)
     if name not in header:
         raise CheckpointFormatError(f"{file}: no tensor {name!r}")
     entry = header[name]
