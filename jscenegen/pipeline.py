@@ -134,7 +134,8 @@ def check_run_inputs(cfg) -> None:
     dev set when the run evaluates), the scene runtime's prompt templates and catalogue, and
     the replacement chat template (a scene requesting what the catalogue does not know is
     refused: `check_requests_known`), and the judge (an http judge's API key, read from the
-    environment, must fit an HTTP header); a wrong path or more scenes asked than the set holds fails
+    environment, must fit an HTTP header, and the server must not refuse it:
+    `Judge.check_reachable`); a wrong path or more scenes asked than the set holds fails
     in seconds, not after the SFT warm start. Raises the readers' errors (naming the file and
     key) and `trainer.train_scenes`'."""
     from jscenegen.grpo.train.trainer import train_scenes
@@ -153,7 +154,7 @@ def check_run_inputs(cfg) -> None:
         path = resolve_data_path(name)
         check_requests_known(read_scene_set(path), catalogue, str(path))
     load_templates(cfg.scene.prompts_dir)
-    make_judge(cfg.judge, cfg.scene)        # the http judge's API key, from the environment
+    make_judge(cfg.judge, cfg.scene).check_reachable()   # the http judge takes the run's key
     template = cfg.sampling.chat_template_path
     if template and not Path(template).is_file():
         raise FileNotFoundError(f"sampling.chat_template_path {template}: not a file")

@@ -187,6 +187,14 @@ class JudgeServer:
             def log_message(self, *a):
                 pass
 
+            def do_GET(self):   # GET /models: 401/403 when the plan starts with one, else a list
+                status = int(outer.plan[0]) if outer.plan[0] in ("401", "403") else 200
+                data = json.dumps({"object": "list", "data": [{"id": "judge-27b"}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with outer.lock:

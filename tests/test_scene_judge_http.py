@@ -155,3 +155,25 @@ def test_an_api_key_no_http_header_can_carry_is_refused_naming_its_variable(key,
                                          r"\(judge.api_key_env\): the API key holds") as info:
         make_judge(cfg("http://127.0.0.1:1/v1"))
     assert key.strip() not in str(info.value)
+
+
+@pytest.mark.parametrize("server", [["answer"], ["401"]], indirect=True)
+def test_a_judge_that_refuses_the_key_is_refused_before_the_run(server, monkeypatch, caplog):
+    """A bad key masked every episode of the run, each update with one warning, for hours."""
+    monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
+    url = server.url.replace("http://", "http://user:sk-INURL@")
+    judge = make_judge(cfg(url))
+    if server.plan == ["answer"]:
+        judge.check_reachable()
+        assert caplog.text == ""
+        return
+    with pytest.raises(ValueError, match=r"^judge at http://127\.0\.0\.1:\d+/v1 refuses the API key "
+                                         r"from JSCENEGEN_TEST_JUDGE_KEY \(HTTP 401") as info:
+        judge.check_reachable()
+    assert KEY not in str(info.value) and "sk-INURL" not in str(info.value)
+    assert server.calls == 0          # GET /models only: no grading request was spent
+
+
+def test_an_unreachable_judge_is_a_warning_before_the_run(caplog):
+    make_judge(cfg("http://127.0.0.1:1/v1", api_key_env=None)).check_reachable()
+    assert "judge at http://127.0.0.1:1/v1 is not reachable now (ConnectError)" in caplog.text

@@ -46,6 +46,10 @@ class Judge(Protocol):
     def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         """Grade every request; never raises for a bad answer, returns failures instead."""
 
+    def check_reachable(self) -> None:
+        """Before a run: raise ValueError when the judge cannot grade at all (a server that
+        refuses the API key), warn when it cannot grade now; nothing for an in-process judge."""
+
 
 def requested_text(requested) -> str:
     return ", ".join(f"{r['category']} x{r['count']}" for r in requested) or "none"

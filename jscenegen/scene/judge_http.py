@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from typing import Sequence
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -37,6 +38,18 @@ log = logging.getLogger(__name__)
 RETRIED_4XX = (408, 429)  # request timeout, too many requests: the only 4xx worth retrying
 MAX_ANSWER_BYTES = 1 << 20  # a grade object is a few hundred bytes: read no more than 1 MiB
 MAX_RETRY_AFTER_S = 60.0    # as judge.backoff_s: a server's Retry-After waits no longer
+PROBE_TIMEOUT_S = 10.0
+
+
+def shown_url(url: str) -> str:
+    """`url` without user info or query (where a credential can sit), for messages."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 class JudgeAnswerTooLarge(Exception):
@@ -129,10 +142,36 @@ class HttpJudge:
         t.join()
         return box[0]
 
-    async def grade_async(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
+    def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
+        return headers
+
+    def check_reachable(self) -> None:
+        """One GET {base_url}/models (where OpenAI-compatible servers, vLLM and SGLang list
+        their models) with the run's key, at most PROBE_TIMEOUT_S: HTTP 401/403 raises
+        ValueError (a refused key masks every episode of the run); no answer or another
+        status is a warning (a server still starting may come up later)."""
+        shown = shown_url(self.cfg.base_url)
+        try:
+            resp = httpx.get(self.cfg.base_url.rstrip("/") + "/models", headers=self._headers(),
+                             timeout=min(self.cfg.timeout_s, PROBE_TIMEOUT_S))
+        except (httpx.HTTPError, httpx.InvalidURL) as err:
+            log.warning("judge at %s is not reachable now (%s); its episodes are masked as "
+                        "judge failures until it is", shown, type(err).__name__)
+            return
+        if resp.status_code in (401, 403):
+            key = (f"the API key from {self.cfg.api_key_env}" if self._api_key else
+                   f"requests without an API key (set {self.cfg.api_key_env or 'judge.api_key_env'})")
+            raise ValueError(f"judge at {shown} refuses {key} (HTTP {resp.status_code} to GET "
+                             "/models): every episode would be masked")
+        if resp.status_code != 200:
+            log.warning("judge at %s answered GET /models with HTTP %d (not an OpenAI-compatible "
+                        "model list; grading is tried anyway)", shown, resp.status_code)
+
+    async def grade_async(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
+        headers = self._headers()
         sem = asyncio.Semaphore(self.cfg.concurrency)
         timeout = httpx.Timeout(self.cfg.timeout_s)
         async with httpx.AsyncClient(base_url=self.cfg.base_url.rstrip("/"), headers=headers, timeout=timeout) as client:

@@ -82,6 +82,9 @@ class RuleJudge:
     def identity(self) -> dict:
         return {"backend": "rule", "model": None, "rubric_hash": rubric_hash(self.cfg, self.templates)}
 
+    def check_reachable(self) -> None:
+        """In-process: always reachable."""
+
     def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         out = []
         for req in requests:
