@@ -322,3 +322,28 @@ def test_run_logs_are_cut_back_to_the_resumed_attempt_and_a_torn_last_row_droppe
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON row"):
         truncate_run_logs(tmp_path, 1)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3   # left as it was
+
+
+def test_a_judge_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """A judge that went down masked every episode, update after update, until max_attempts."""
+    from types import SimpleNamespace
+
+    from jscenegen.grpo.train.trainer import JudgeDownError
+
+    def ep(cause):
+        return SimpleNamespace(failure_cause=cause)
+
+    fake = SimpleNamespace(_judge_down=[])
+    for batch, down in [([ep("judge_timeout"), ep("bad_json")], 1),    # every judged one failed
+                        ([ep("bad_json")], 1),                          # nothing judged: no news
+                        ([ep("judge_error"), ep("judge_error")], 2),
+                        ([ep("judge_error"), ep(None)], 0)]:            # graded once: the judge is up
+        Trainer._note_judge(fake, batch)
+        assert len(fake._judge_down) == down
+
+    monkeypatch.setattr(Trainer, "_note_judge", lambda self, t: self._judge_down.append("judge_error"))
+    with pytest.raises(JudgeDownError, match=r"failed every episode it was asked to grade in the "
+                                             r"last 2 updates \(mostly judge_error; "
+                                             r"judge.max_failed_updates=2\); stopped with a checkpoint"):
+        _run(tmp_path, max_updates=5, **{"judge.max_failed_updates": 2, "checkpoint.save_every": 10})
+    assert check_step(tmp_path / "checkpoints" / "2").valid

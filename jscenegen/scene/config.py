@@ -111,6 +111,10 @@ class JudgeConfig(Section):
     concurrency: int = Field(8, ge=1, le=1024)
     temperature: float = Field(0.0, ge=0)
     max_tokens: int = Field(1024, ge=16)
+    max_failed_updates: int = Field(
+        5, ge=0, description="train stops (with a checkpoint, exit 2) after this many updates in "
+        "a row in which the judge failed every episode it was asked to grade (a judge that is "
+        "down masks them all); 0: never")
 
     @model_validator(mode="after")
     def _check(self) -> "JudgeConfig":

@@ -28,7 +28,8 @@ POLICY_FAILURES = (
     "invalid_terminal_scene",
 )
 # not the policy's fault (masked out of the loss, logged)
-MASKED_FAILURES = ("judge_timeout", "judge_unparseable", "judge_error", "runtime_error", "rollout_error")
+JUDGE_FAILURES = ("judge_timeout", "judge_unparseable", "judge_error")
+MASKED_FAILURES = JUDGE_FAILURES + ("runtime_error", "rollout_error")
 
 
 @dataclass(frozen=True)

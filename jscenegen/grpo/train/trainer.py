@@ -53,6 +53,7 @@ from jscenegen.paths import resolve_data_path, write_json
 from jscenegen.scene.dataset import SceneSetSource
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash
+from jscenegen.scene.reward import JUDGE_FAILURES
 from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh
 from jscenegen.signals import RepeatFilter, Terminated
@@ -60,6 +61,10 @@ from jscenegen.signals import RepeatFilter, Terminated
 log = logging.getLogger(__name__)
 
 SEQ_BUCKET = 256  # training sequence lengths are padded to multiples of this (and of sp)
+
+
+class JudgeDownError(RuntimeError):
+    """The judge failed every episode it graded for `judge.max_failed_updates` updates in a row."""
 
 
 @dataclasses.dataclass
@@ -153,6 +158,7 @@ class Trainer:
                                     primary=is_primary())
         self._stop_signal: int | None = None
         self._replaced_handlers: dict = {}
+        self._judge_down: list[str] = []     # the judge failures of the updates in a row it failed
 
     # ---- state ---------------------------------------------------------------------------
     def _reference_params(self, params):
@@ -286,6 +292,7 @@ class Trainer:
                "rollout/padding_rows": stats["padding_rows"],
                "time/rollout_s": rollout_s}
         row.update(group_metrics(trajectories, cfg.judge.grade_keys))
+        self._note_judge(trajectories)
         if do_step:
             t1 = time.perf_counter()
             row.update(self._step(batch))
@@ -297,6 +304,26 @@ class Trainer:
         if cfg.trainer.dump_trajectories and is_primary():
             self._dump(trajectories, pos)
         return row
+
+    def _note_judge(self, trajectories) -> None:
+        """Count the updates in a row whose judged episodes all failed in the judge."""
+        causes = [t.failure_cause for t in trajectories]
+        failed = [c for c in causes if c in JUDGE_FAILURES]
+        if any(c is None for c in causes):
+            self._judge_down = []
+        elif failed:
+            self._judge_down.append(max(set(failed), key=failed.count))
+
+    def _check_judge(self) -> None:
+        """Raise JudgeDownError after `judge.max_failed_updates` updates in a row in which the
+        judge failed every episode it graded."""
+        limit = self.cfg.judge.max_failed_updates
+        if limit and len(self._judge_down) >= limit:
+            raise JudgeDownError(
+                f"the judge failed every episode it was asked to grade in the last "
+                f"{len(self._judge_down)} updates (mostly {self._judge_down[-1]}; "
+                f"judge.max_failed_updates={limit}); stopped with a checkpoint: fix the judge, "
+                f"then jscenegen train --resume {self.run_dir}")
 
     def _step(self, batch) -> dict:
         # logits of the trained tokens only: a static per-row capacity from the host mask
@@ -366,6 +393,12 @@ class Trainer:
                     progress(row)
                 if self._stop_signal is not None:
                     break
+                try:
+                    self._check_judge()
+                except JudgeDownError:
+                    self.save()
+                    self.store.wait_until_finished()
+                    raise
                 if self.pos.attempts % self.cfg.checkpoint.save_every == 0:
                     last_saved = self.save()
                 every = self.cfg.trainer.eval_every
