@@ -116,3 +116,11 @@ def test_a_failed_write_is_one_line_naming_the_file(tmp_path):
         assert re.search(rf"^error: \S*{where}\S*: .*(File too large|torch\.save could not write)",
                          lines[0]), lines[0]
     assert sorted(os.listdir(tmp_path)) == []          # no partial destination
+    # orbax's writer threads outlived the failed save and wrote its manifest after the cleanup
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_WRITE, "convert", str(src),
+                           str(tmp_path / "orbax"), "--from", "verl", "--to", "orbax"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "File too large" in proc.stderr.splitlines()[-1]
+    assert sorted(os.listdir(tmp_path)) == []

@@ -177,3 +177,12 @@ def test_a_judge_that_refuses_the_key_is_refused_before_the_run(server, monkeypa
 def test_an_unreachable_judge_is_a_warning_before_the_run(caplog):
     make_judge(cfg("http://127.0.0.1:1/v1", api_key_env=None)).check_reachable()
     assert "judge at http://127.0.0.1:1/v1 is not reachable now (ConnectError)" in caplog.text
+
+
+def test_a_refused_base_url_is_shown_without_its_credential():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        cfg("http://u:sk-URLSECRET@127.0.0.1:99999/v1?api_key=sk-QUERY")
+    assert "'http://127.0.0.1:99999/v1' is not an http(s) URL" in str(info.value)
+    assert "URLSECRET" not in str(info.value) and "sk-QUERY" not in str(info.value)

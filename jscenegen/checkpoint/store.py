@@ -675,11 +675,10 @@ class CheckpointStore:
                     PARAMS_ITEM: ocp.args.PyTreeSave(logical_params),
                     ADAM_ITEM: ocp.args.PyTreeSave(logical_adam),
                     TRAIN_STATE_ITEM: ocp.args.JsonSave(state)}))
-        except Exception as err:
-            self._raise_if_disk_full(err, step, needed)
-            raise
-        except BaseException:   # Ctrl-C or SIGTERM while orbax's threads write
+        except BaseException as err:   # a failed write, Ctrl-C or SIGTERM: orbax's threads may still write
             _wait_for_writers(before)
+            if isinstance(err, Exception):
+                self._raise_if_disk_full(err, step, needed)
             raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")

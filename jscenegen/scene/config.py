@@ -127,9 +127,23 @@ class JudgeConfig(Section):
                              f"{REDACTED} in its place: give it again as an override "
                              "(judge.base_url=https://...)")
         if self.backend == "http" and not _is_http_url(self.base_url):
-            raise ValueError(f"judge.base_url {self.base_url[:200]!r} is not an http(s) URL with "
+            raise ValueError(f"judge.base_url {shown_url(self.base_url)[:200]!r} is not an http(s) URL with "
                              "a host and a port in 1-65535, if any (e.g. http://host:8000/v1)")
         return self
+
+
+def shown_url(url: str) -> str:
+    """`url` without user info or query (where a credential can sit), for messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<not a URL>"
+    host = parts.hostname or ""
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:       # not a number in 0-65535: shown as given, without user info
+        port = ":" + parts.netloc.rpartition(":")[2]
+    return f"{parts.scheme}://{host}{port}{parts.path}" if parts.scheme else parts.path
 
 
 def _is_http_url(text: str) -> bool:

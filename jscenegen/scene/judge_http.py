@@ -22,14 +22,13 @@ import os
 import threading
 import time
 from typing import Sequence
-from urllib.parse import urlsplit
 
 import httpx
 
 from jscenegen.config import clip_text
 
 from .caps import apply_caps
-from .config import JudgeConfig
+from .config import JudgeConfig, shown_url
 from .judge import JudgeRequest, JudgeResult, judge_messages, rubric_hash
 from .prompts import PromptTemplates
 
@@ -39,17 +38,6 @@ RETRIED_4XX = (408, 429)  # request timeout, too many requests: the only 4xx wor
 MAX_ANSWER_BYTES = 1 << 20  # a grade object is a few hundred bytes: read no more than 1 MiB
 MAX_RETRY_AFTER_S = 60.0    # as judge.backoff_s: a server's Retry-After waits no longer
 PROBE_TIMEOUT_S = 10.0
-
-
-def shown_url(url: str) -> str:
-    """`url` without user info or query (where a credential can sit), for messages."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 class JudgeAnswerTooLarge(Exception):
