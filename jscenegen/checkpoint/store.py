@@ -484,7 +484,7 @@ WRITER_WAIT_S = 30.0
 
 
 def _wait_for_writers(before: set[threading.Thread], timeout_s: float = WRITER_WAIT_S) -> None:
-    """After an interrupt inside an orbax save: wait, up to `timeout_s` in all, for the
+    """After an orbax save failed or was interrupted: wait, up to `timeout_s` in all, for the
     non-daemon threads the save started (orbax writes each item on its own thread, creating
     directories as it goes), so the caller's cleanup of the unfinished directory does not
     race them and leave part of it behind."""
