@@ -69,10 +69,11 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
 
     world_size: W for a VERL output (default: the VERL source's own W, else required).
     placement (VERL outputs only): "dim0" (VERL 0.9, the default) | "first-divisible" (VERL
-    0.6 - 0.8). dtype: None keeps the
-    source's (fp32 master weights), else "float32" | "bfloat16" for the model weights.
+    0.6 - 0.8). dtype: None keeps the source's (fp32 master weights), else "float32" |
+    "bfloat16" for the model weights.
     mesh_device (VERL outputs only): the DeviceMesh device type pickled into VERL files:
-    "cuda" (the default) for a GPU run, "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of different types.
+    "cuda" (the default) for a GPU run, "cpu" for a CPU (gloo) run; torch refuses to copy
+    between meshes of different types.
     carried_from: an HF directory holding the tensors VERL files cannot (Qwen3.5's `mtp.*`),
     for a VERL source converted to HF or orbax (convert/carried.py); refused elsewhere.
     An HF or VERL source covered by a `checksums.json` is verified first (`verify_source`).

@@ -8,7 +8,7 @@ from typing import Iterator
 import numpy as np
 
 from convert.errors import ConvertError
-from jscenegen.model.dtypes import SAFETENSORS, np_dtype
+from jscenegen.model.dtypes import np_dtype
 
 
 class SafetensorsReader:
@@ -104,11 +104,13 @@ class SafetensorsReader:
 
 
 def _entry_dtype(path: Path, name: str, entry: dict) -> np.dtype:
-    for dt, code in SAFETENSORS.items():
-        if code == entry.get("dtype"):
-            return np_dtype(dt)
-    raise ConvertError(f"{path}: {name} has dtype {str(entry.get('dtype'))[:40]}; supported: "
-                       f"{', '.join(SAFETENSORS.values())}")
+    from jscenegen.model.safetensors_stream import entry_dtype_name
+    from jscenegen.model.weights import CheckpointFormatError
+
+    try:
+        return np_dtype(entry_dtype_name(path, name, entry))
+    except CheckpointFormatError as err:
+        raise ConvertError(str(err)) from None
 
 
 def _check_header(path: Path, data_start: int, header: dict) -> None:

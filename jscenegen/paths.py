@@ -20,7 +20,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -221,7 +221,7 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
             os.unlink(tmp)
 
 
-def raise_naming(err: OSError, path: str | Path) -> None:
+def raise_naming(err: OSError, path: str | Path) -> NoReturn:
     """Raise `err`, as an OSError of its errno naming `path` when it names no file (a write()
     on an open file fails with "[Errno 27] File too large" or "No space left on device" and
     no name)."""
@@ -353,7 +353,8 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
             os.replace(tmp, path)
         done = True
     except OSError as err:   # name the destination, not the temporary the user never sees
-        if err.filename is not None and Path(err.filename).is_relative_to(tmp) and err.filename2 is None:
+        if (isinstance(err.filename, str) and err.filename2 is None
+                and Path(err.filename).is_relative_to(tmp)):
             raise OSError(err.errno, err.strerror, str(path / Path(err.filename).relative_to(tmp))) from None
         raise
     finally:

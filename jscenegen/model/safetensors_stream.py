@@ -132,10 +132,13 @@ def _check_entry(name: str, entry: object) -> None:
                          "offsets, 0 <= begin <= end")
 
 
-def _dtype_name(file: str | Path, name: str, entry: dict) -> str:
-    code = entry.get("dtype") if isinstance(entry, dict) else None
+def entry_dtype_name(file: str | Path, name: str, entry: dict) -> str:
+    """The dtype name (`dtypes.NUMPY`'s: "float32", "bfloat16", "float16") of tensor `name`'s
+    header entry (as `raw_header` returns it). Raises CheckpointFormatError naming the file
+    and tensor for a dtype code jscenegen does not handle."""
+    code = entry["dtype"]
     if code not in _DTYPE_NAMES:
-        raise CheckpointFormatError(f"{file}: tensor {name!r} has dtype {code}; supported: "
+        raise CheckpointFormatError(f"{file}: tensor {name!r} has dtype {code[:40]}; supported: "
                                     f"{', '.join(_DTYPE_NAMES)}")
     return _DTYPE_NAMES[code]
 
@@ -148,11 +151,7 @@ def read_header(file: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     for a dtype jscenegen does not handle.
     """
     _, header = raw_header(file)
-    try:
-        return {name: (_dtype_name(file, name, e), tuple(int(x) for x in e["shape"]))
-                for name, e in header.items()}
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
+    return {name: (entry_dtype_name(file, name, e), tuple(e["shape"])) for name, e in header.items()}
 
 
 def read_tensor(file: str | Path, name: str) -> np.ndarray:
@@ -164,12 +163,8 @@ def read_tensor(file: str | Path, name: str) -> np.ndarray:
     if name not in header:
         raise CheckpointFormatError(f"{file}: no tensor {name!r}")
     entry = header[name]
-    dtype = np_dtype(_dtype_name(file, name, entry))
-    try:
-        shape = tuple(int(x) for x in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointFormatError(f"{file}: tensor {name!r}: malformed header entry ({err})") from None
+    dtype = np_dtype(entry_dtype_name(file, name, entry))
+    shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if end - begin != nbytes:
         raise CheckpointFormatError(f"{file}: tensor {name!r} spans {end - begin} bytes, "

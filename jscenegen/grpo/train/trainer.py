@@ -314,16 +314,17 @@ class Trainer:
         elif failed:
             self._judge_down.append(max(set(failed), key=failed.count))
 
-    def _check_judge(self) -> None:
-        """Raise JudgeDownError after `judge.max_failed_updates` updates in a row in which the
-        judge failed every episode it graded."""
+    def _judge_down_error(self) -> JudgeDownError | None:
+        """The error to stop with after `judge.max_failed_updates` updates in a row in which
+        the judge failed every episode it graded, else None."""
         limit = self.cfg.judge.max_failed_updates
-        if limit and len(self._judge_down) >= limit:
-            raise JudgeDownError(
-                f"the judge failed every episode it was asked to grade in the last "
-                f"{len(self._judge_down)} updates (mostly {self._judge_down[-1]}; "
-                f"judge.max_failed_updates={limit}); stopped with a checkpoint: fix the judge, "
-                f"then jscenegen train --resume {self.run_dir}")
+        if not limit or len(self._judge_down) < limit:
+            return None
+        return JudgeDownError(
+            f"the judge failed every episode it was asked to grade in the last "
+            f"{len(self._judge_down)} updates (mostly {self._judge_down[-1]}; "
+            f"judge.max_failed_updates={limit}); stopped with a checkpoint: fix the judge, "
+            f"then jscenegen train --resume {self.run_dir}")
 
     def _step(self, batch) -> dict:
         # logits of the trained tokens only: a static per-row capacity from the host mask
@@ -393,12 +394,10 @@ class Trainer:
                     progress(row)
                 if self._stop_signal is not None:
                     break
-                try:
-                    self._check_judge()
-                except JudgeDownError:
+                if (judge_down := self._judge_down_error()) is not None:
                     self.save()
                     self.store.wait_until_finished()
-                    raise
+                    raise judge_down
                 if self.pos.attempts % self.cfg.checkpoint.save_every == 0:
                     last_saved = self.save()
                 every = self.cfg.trainer.eval_every
