@@ -1,4 +1,7 @@
-"""One process of a 2-process x 3-CPU-device run (launched by test_multihost.py)."""
+"""One process of a 2-process x 3-CPU-device run (launched by test_multihost.py).
+
+`multihost_worker.py loss HF_DIR`: print the sharded loss; `multihost_worker.py judge`: print
+what `PrimaryJudge` returns for a judge that grades differently on each process."""
 import json
 import os
 import sys
@@ -12,15 +15,46 @@ import jax  # noqa: E402
 from jscenegen.sharding.mesh import initialize_distributed, make_mesh  # noqa: E402
 
 
-def main(hf_dir: str) -> None:
-    assert initialize_distributed()  # from JSCENEGEN_* environment variables
-    assert jax.device_count() == 6 and jax.local_device_count() == 3
+def loss(hf_dir: str) -> None:
     from multihost_loss import sharded_loss
 
-    loss = sharded_loss(hf_dir, make_mesh(3, 2))
+    value = sharded_loss(hf_dir, make_mesh(3, 2))
     if jax.process_index() == 0:
-        print(json.dumps({"loss": loss, "processes": jax.process_count()}))
+        print(json.dumps({"loss": value, "processes": jax.process_count()}))
+
+
+class ProcessJudge:
+    """Grades each request with this process's index (a judge that samples would differ too);
+    raises on process 0 when asked to."""
+
+    def grade(self, requests):
+        from jscenegen.scene.judge import JudgeResult
+
+        if requests and requests[0] == "raise" and jax.process_index() == 0:
+            raise ConnectionError("judge down")
+        return [JudgeResult({"layout": jax.process_index()}, None, {"n": i})
+                for i in range(len(requests))]
+
+
+def judge() -> None:
+    from jscenegen.grpo.rollout.primary_judge import for_processes
+
+    graded = for_processes(ProcessJudge())
+    results = graded.grade(["a", "b", "c"])
+    try:
+        graded.grade(["raise"])
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    print(json.dumps({"process": jax.process_index(), "raised": raised,
+                      "results": [[r.grades, r.failure, r.info] for r in results]}))
+
+
+def main(mode: str, *args: str) -> None:
+    assert initialize_distributed()  # from JSCENEGEN_* environment variables
+    assert jax.device_count() == 6 and jax.local_device_count() == 3
+    {"loss": loss, "judge": judge}[mode](*args)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

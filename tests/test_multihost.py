@@ -1,9 +1,12 @@
-"""Two processes x 3 CPU devices with JAX's distributed runtime == one process with 6 devices."""
+"""Two processes x 3 CPU devices with JAX's distributed runtime == one process with 6 devices:
+the sharded loss, and a whole GRPO run with a stop and a resume."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +22,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_process_run_computes_the_single_process_loss(tiny_hf):
-    expected = sharded_loss(tiny_hf["qwen3"], make_mesh(3, 2))
+def _two_processes(*args: str) -> list[str]:
+    """stdout of `multihost_worker.py ARGS` on 2 processes x 3 CPU devices (each must exit 0)."""
     port = _free_port()
     here = Path(__file__).parent
     procs = []
@@ -31,12 +33,116 @@ def test_two_process_run_computes_the_single_process_loss(tiny_hf):
                    PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
         env.pop("XLA_FLAGS", None)
         env.pop("JAX_NUM_CPU_DEVICES", None)  # an in-process CLI test may have set 6
-        procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"),
-                                       str(tiny_hf["qwen3"])], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"), *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    return [out for out, _ in outs]
+
+
+def _last_json(out: str) -> dict:
+    """The last JSON line of a stdout (gloo, the CPU collectives, prints lines of its own)."""
+    return next(json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{"))
+
+
+@pytest.mark.slow
+def test_two_process_run_computes_the_single_process_loss(tiny_hf):
+    expected = sharded_loss(tiny_hf["qwen3"], make_mesh(3, 2))
+    result = _last_json(_two_processes("loss", str(tiny_hf["qwen3"]))[0])
     assert result["processes"] == 2
     assert abs(result["loss"] - expected) <= 1e-5 * abs(expected)
+
+
+@pytest.mark.slow
+def test_every_process_gets_the_grades_of_process_0_and_its_judge_errors():
+    outs = [_last_json(out) for out in _two_processes("judge")]
+    assert [o["process"] for o in outs] == [0, 1]
+    for o in outs:
+        assert o["results"] == [[{"layout": 0}, None, {"n": i}] for i in range(3)]
+        assert o["raised"] == "the judge raised ConnectionError on process 0"
+
+TIMING_KEYS = ("time/", "rollout/tokens_per_s", "rollout/reshard_s", "judge/latency_s")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows]
+
+
+@pytest.mark.slow
+def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tmp_path):
+    """`jscenegen train` on 2 processes x 3 devices: a SIGTERM that reaches one process only
+    stops both after the same update (exit 143, one checkpoint); the resumed run's metrics and
+    final parameters equal a 6-device single-process run's (the judge graded once, on process 0)."""
+    import jax
+    import numpy as np
+
+    from jscenegen.checkpoint.store import CheckpointStore
+
+    from chat_fixtures import chat_model_dir
+
+    base = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+                JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir)
+    base.pop("XLA_FLAGS", None)
+    overrides = [f"model.path={chat_model_dir()}", "sampling.max_new_tokens=8",
+                 "sampling.max_episode_tokens=2560", "sampling.buckets=[64,256,1024,2048,4096]",
+                 "schedule.num_scenes=3", "schedule.group_size=2", "schedule.roles=PPC",
+                 "schedule.zero_spread=count", "schedule.total_updates=4", "loss.entropy_coeff=0.01",
+                 "optim.lr=1e-3", "checkpoint.save_every=1", "trainer.eval_before_after=false",
+                 "trainer.progress=false", "logging.swanlab_mode=disabled"]
+
+    def train(run_dir, *flags, processes=1):
+        port, procs = _free_port(), []
+        for pid in range(processes):
+            env = dict(base, JAX_NUM_CPU_DEVICES=str(6 // processes))
+            if processes > 1:
+                env.update(JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                           JSCENEGEN_NUM_PROCESSES=str(processes), JSCENEGEN_PROCESS_ID=str(pid))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir), *flags,
+                 *overrides], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True))
+        return procs
+
+    def finish(procs):
+        outs = [p.communicate(timeout=600) for p in procs]
+        return [(p.returncode, _last_json(out) if "{" in out else None, err[-3000:])
+                for p, (out, err) in zip(procs, outs)]
+
+    [(rc, single, err)] = finish(train(tmp_path / "single"))
+    assert rc == 0 and single["effective_updates"] == 4, err
+
+    multi = tmp_path / "multi"
+    procs = train(multi, processes=2)
+    try:
+        deadline = time.monotonic() + 600
+        while not (multi / "checkpoints" / "1" / "checksums.json").is_file():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)      # process 0 is never signalled
+        stopped = finish(procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [rc for rc, _, _ in stopped] == [128 + signal.SIGTERM] * 2, stopped[0][2] + stopped[1][2]
+    summary = stopped[0][1]              # process 0 prints the summary and the resume line
+    assert summary["stopped_by_signal"] == "SIGTERM" and summary["attempts"] < 4
+    step = multi / "checkpoints" / str(summary["attempts"])
+    assert summary["checkpoint"] == str(step) and (step / "checksums.json").is_file()
+    assert stopped[0][2].strip().splitlines()[-1].startswith(
+        f"stopped by SIGTERM after attempt {summary['attempts']}")
+
+    resumed = finish(train(multi, "--resume", str(multi), processes=2))
+    assert [rc for rc, _, _ in resumed] == [0, 0], resumed[0][2] + resumed[1][2]
+    ours, theirs = _metrics(multi), _metrics(tmp_path / "single")
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs):    # gloo's all-reduce may sum in another order: fp32 ulps
+        assert a == pytest.approx(b, rel=1e-5, nan_ok=True), {
+            k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    ours, theirs = (CheckpointStore(d / "checkpoints").restore() for d in (multi, tmp_path / "single"))
+    assert ours.params.keys() == theirs.params.keys()
+    for name in ours.params:
+        np.testing.assert_allclose(np.asarray(ours.params[name]), np.asarray(theirs.params[name]),
+                                   rtol=1e-5, atol=1e-7, err_msg=name)

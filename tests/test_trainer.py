@@ -333,17 +333,48 @@ def test_a_judge_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_pa
     def ep(cause):
         return SimpleNamespace(failure_cause=cause)
 
-    fake = SimpleNamespace(_judge_down=[])
+    fake = SimpleNamespace(_judge_down=[], _rollout_down=[])
     for batch, down in [([ep("judge_timeout"), ep("bad_json")], 1),    # every judged one failed
                         ([ep("bad_json")], 1),                          # nothing judged: no news
                         ([ep("judge_error"), ep("judge_error")], 2),
                         ([ep("judge_error"), ep(None)], 0)]:            # graded once: the judge is up
-        Trainer._note_judge(fake, batch)
+        Trainer._note_failures(fake, batch)
         assert len(fake._judge_down) == down
 
-    monkeypatch.setattr(Trainer, "_note_judge", lambda self, t: self._judge_down.append("judge_error"))
+    monkeypatch.setattr(Trainer, "_note_failures", lambda self, t: self._judge_down.append("judge_error"))
     with pytest.raises(JudgeDownError, match=r"failed every episode it was asked to grade in the "
                                              r"last 2 updates \(mostly judge_error; "
                                              r"judge.max_failed_updates=2\); stopped with a checkpoint"):
         _run(tmp_path, max_updates=5, **{"judge.max_failed_updates": 2, "checkpoint.save_every": 10})
+    assert check_step(tmp_path / "checkpoints" / "2").valid
+
+
+def test_a_sampler_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
+    """A rollout that raises in our own sampler masked every episode ("rollout_error") and the
+    run went on to exit 0 with nothing trained (how a multi-host launch once failed)."""
+    from types import SimpleNamespace
+
+    from jscenegen.generate.sampler import Sampler
+    from jscenegen.grpo.train.trainer import RolloutDownError
+
+    def ep(cause):
+        return SimpleNamespace(failure_cause=cause, failure_message="RuntimeError: x")
+
+    fake = SimpleNamespace(_judge_down=[], _rollout_down=[])
+    for batch, down in [([ep("rollout_error"), ep("runtime_error")], 1),
+                        ([ep("rollout_error"), ep("bad_json")], 0),      # the policy failed one
+                        ([ep("rollout_error")], 1), ([ep("rollout_error")], 2),
+                        ([ep("rollout_error"), ep(None)], 0)]:
+        Trainer._note_failures(fake, batch)
+        assert len(fake._rollout_down) == down
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("Fetching value for `jax.Array` that spans non-addressable devices")
+
+    monkeypatch.setattr(Sampler, "decode", broken)
+    with pytest.raises(RolloutDownError, match=r"every episode of the last 2 updates failed in the "
+                                               r"rollout itself, not the policy \(last: rollout_error: "
+                                               r"RuntimeError: Fetching value .*rollout.max_failed_"
+                                               r"updates=2\); stopped with a checkpoint"):
+        _run(tmp_path, max_updates=5, **{"rollout.max_failed_updates": 2, "checkpoint.save_every": 10})
     assert check_step(tmp_path / "checkpoints" / "2").valid

@@ -708,6 +708,7 @@ class CheckpointStore:
                 write_checksums(path)
                 self._collect_garbage(step)
             _barrier(f"jscenegen-checkpoint-{step}")
+            self._manager.reload()
         except Exception as err:
             if pending is not None:
                 self._raise_if_disk_full(err, pending[0], pending[3])
@@ -739,10 +740,9 @@ class CheckpointStore:
         self.close()
 
     def _delete(self, step: int) -> None:
-        self._manager.reload()
-        if step in self._manager.all_steps():
-            self._manager.delete(step)
-        if self.step_path(step).exists():  # a step dir orbax does not list as a step
+        """Remove step `step`'s directory. Process 0 alone calls this (orbax's own `delete` is
+        a collective); every process reloads the manager after the barrier that follows."""
+        if self.step_path(step).exists():
             shutil.rmtree(self.step_path(step))
 
     def _collect_garbage(self, newest: int) -> None:

@@ -16,6 +16,7 @@ the previous rollout weights are dropped by the caller before it reshards.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -33,11 +34,13 @@ def _is_var(x) -> bool:
 
 
 def device_bytes(arrays) -> int:
-    """Bytes of `arrays` summed over every device shard (replicas counted on each device)."""
+    """Bytes of `arrays` summed over every device shard of every process (replicas counted
+    on each device; rollout weights shard evenly, so one shard's shape gives them all)."""
     total = 0
     for a in jax.tree.leaves(arrays):
         if isinstance(a, jax.Array):
-            total += sum(s.data.nbytes for s in a.addressable_shards)
+            shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+            total += shard * len(a.sharding.device_set)
         else:
             total += np.asarray(a).nbytes
     return int(total)

@@ -48,6 +48,7 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.functional import split_params
 from jscenegen.model.qwen import CausalLM
 from jscenegen.sharding.constraints import constrain, use_specs
+from jscenegen.sharding.mesh import host_array
 from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout
 from jscenegen.sharding.rules import ROWS, named
 
@@ -414,7 +415,7 @@ class Sampler:
                         self._put(mask[:, chunk]))
                 if with_logprobs:
                     cache, last_logits, lp = self._append_lp(*args, self.params.temperature)
-                    lps.append(np.asarray(lp))
+                    lps.append(host_array(lp))
                 else:
                     cache, last_logits = self._append(*args)
                 start += size
@@ -470,8 +471,8 @@ class Sampler:
                 cache, last_logits, tail = out.cache, out.last_logits, out.tail
                 tokens.append(out.tokens)
                 logprobs.append(out.logprobs)
-                lengths += np.asarray(out.lengths)
-                seg_reason = np.asarray(out.reason)
+                lengths += host_array(out.lengths)
+                seg_reason = host_array(out.reason)
                 reason = np.where(seg_reason != STOP_NONE, seg_reason, reason)
                 steps_run += steps
             tokens.append(self._put(np.zeros((b, max_steps - steps_run), np.int32)))
@@ -529,5 +530,5 @@ class Sampler:
         keys = row_keys(seeds)
         out = self.decode(cache, last, [max_new_tokens] * len(prompts), keys, max_new_tokens,
                           max_slots=cache_len or need)
-        return {"tokens": np.asarray(out.tokens), "logprobs": np.asarray(out.logprobs),
-                "lengths": np.asarray(out.lengths), "reason": np.asarray(out.reason)}
+        return {"tokens": host_array(out.tokens), "logprobs": host_array(out.logprobs),
+                "lengths": host_array(out.lengths), "reason": host_array(out.reason)}

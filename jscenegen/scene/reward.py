@@ -29,7 +29,8 @@ POLICY_FAILURES = (
 )
 # not the policy's fault (masked out of the loss, logged)
 JUDGE_FAILURES = ("judge_timeout", "judge_unparseable", "judge_error")
-MASKED_FAILURES = JUDGE_FAILURES + ("runtime_error", "rollout_error")
+RUNTIME_FAILURES = ("runtime_error", "rollout_error")   # our scene runtime or sampler failed
+MASKED_FAILURES = JUDGE_FAILURES + RUNTIME_FAILURES
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import math
 import os
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 from pydantic import Field
 
@@ -117,3 +119,40 @@ def _env_int(name: str) -> int | None:
 def is_primary() -> bool:
     """True on the process that writes metadata and logs (process 0)."""
     return jax.process_index() == 0
+
+
+# The helpers below are collectives in a multi-process run: every process calls them at the
+# same point of the same program (each process runs the whole trainer on the same data).
+
+def host_array(x) -> np.ndarray:
+    """The whole value of `x` as a NumPy array on this host.
+
+    A jax.Array that spans devices of other processes (rows split over a multi-host mesh) is
+    all-gathered across processes (`multihost_utils.process_allgather`); an array this process
+    holds entirely, or holds a full replica of, is read as it is (no collective).
+    """
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value` (int32 range); `value` itself in one process."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+def bytes_from_primary(data: bytes | None) -> bytes:
+    """Process 0's `data` on every process (the others pass None); `data` in one process.
+
+    Two broadcasts: the length, then the bytes (`multihost_utils.broadcast_one_to_all`).
+    """
+    if jax.process_count() == 1:
+        return data or b""
+    payload = np.frombuffer(data, np.uint8) if is_primary() else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int64(payload.size)))
+    if n == 0:
+        return b""
+    buf = payload if is_primary() else np.zeros(n, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes()

@@ -224,7 +224,8 @@ def state_to_canonical(opt_state) -> dict:
 def state_from_canonical(canonical: dict, opt_state):
     """Return `opt_state` with count/mu/nu replaced from a canonical dict.
 
-    Each array must match the existing leaf's shape; it is placed with that leaf's sharding.
+    Each array (NumPy, or a jax.Array on any mesh) must match the existing leaf's shape; it is
+    copied into that leaf's dtype and sharding, never aliased.
     Raises KeyError naming a missing parameter, ValueError for a shape mismatch.
     """
     st = adam_state(opt_state)
@@ -236,10 +237,13 @@ def state_from_canonical(canonical: dict, opt_state):
         for name, old in zip(names, leaves):
             if name not in canonical[kind]:
                 raise KeyError(f"optimizer state {kind!r} has no entry for parameter {name!r}")
-            arr = np.array(canonical[kind][name], dtype=old.dtype, copy=True)  # never alias
+            arr = canonical[kind][name]
             if arr.shape != old.shape:
                 raise ValueError(f"optimizer state {kind}[{name!r}]: shape {arr.shape}, expected {old.shape}")
-            out.append(jax.device_put(arr, old.sharding))
+            if isinstance(arr, jax.Array):  # placed on device copies (may span other processes)
+                out.append(jax.device_put(arr.astype(old.dtype), old.sharding, may_alias=False))
+            else:
+                out.append(jax.device_put(np.array(arr, dtype=old.dtype, copy=True), old.sharding))
         return jax.tree.unflatten(jax.tree.structure(tree), out)
 
     new = TorchAdamWState(

@@ -92,6 +92,10 @@ class RolloutConfig(Section):
         "step computes with, so the recomputed log-probs match)")
     groups_per_batch: int = Field(1, ge=1, description="groups (scenes) rolled out together in "
                                   "one batch and trained in one optimizer step; the recipe: 1")
+    max_failed_updates: int = Field(
+        3, ge=0, description="train stops (with a checkpoint, exit 2) after this many updates in "
+        "a row in which every episode failed in our own runtime or sampler (rollout_error, "
+        "runtime_error: masked, not the policy's fault); 0: never")
 
     def sampler_options(self) -> dict:
         """Keyword arguments of `generate.sampler.Sampler` for this section."""

@@ -54,12 +54,14 @@ from jscenegen.generate.sampler import (
 from jscenegen.generate.sampling import row_keys
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
 from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
+from jscenegen.grpo.rollout.primary_judge import for_processes
 from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
 from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import Episode, judge_episodes
 from jscenegen.scene.judge import Judge, JudgeResult
 from jscenegen.scene.sceneset import SceneRecord
+from jscenegen.sharding.mesh import host_array
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class Trajectory:
     turns: one dict per segment {"role", "start", "end", "stop"} (token range [start, end),
     stop = the sampler's stop reason for policy turns); transcript: chat messages {"role",
     "content", "actor"}; reward / failure_cause / masked / units / grades / metrics from the
-    episode's Outcome; group_id, member, seed identify the sample.
+    episode's Outcome, failure_message its detail (the exception of a masked runtime failure); group_id, member, seed identify the sample.
     """
 
     group_id: int
@@ -95,6 +97,7 @@ class Trajectory:
     grades: dict | None
     metrics: dict | None
     outcome: dict
+    failure_message: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -388,8 +391,8 @@ class RolloutEngine:
                                   max_slots=self.slots if self.grows else None)
         self._cache, self._last = out.cache, out.last_logits
         self._used, self._capacity = int(out.cache.length), out.cache.valid.shape[1]
-        tokens, lps = np.asarray(out.tokens), np.asarray(out.logprobs)
-        lengths, reasons = np.asarray(out.lengths), np.asarray(out.reason)
+        tokens, lps = host_array(out.tokens), host_array(out.logprobs)
+        lengths, reasons = host_array(out.lengths), host_array(out.reason)
         turns = {}
         for i, r in enumerate(rows):
             if r.active:
@@ -455,7 +458,7 @@ class RolloutEngine:
     @staticmethod
     def _judge(episodes: list[Episode], judge: Judge):
         try:
-            judge_episodes(episodes, judge)
+            judge_episodes(episodes, for_processes(judge))
         except Exception as err:  # judge_episodes masks judge exceptions itself; this is a backstop
             log.exception("judging failed")
             for ep in episodes:
@@ -471,6 +474,7 @@ class RolloutEngine:
             policy_mask=np.asarray(r.policy, bool), logprobs=np.asarray(r.logprobs, np.float32),
             turns=r.turns, transcript=r.transcript, reward=o.reward, failure_cause=o.failure_cause,
             masked=o.masked, units=o.units, grades=o.grades, metrics=o.metrics, outcome=o.to_json(),
+            failure_message=r.episode.failure_message,
         )
 
 

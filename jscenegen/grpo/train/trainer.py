@@ -53,9 +53,9 @@ from jscenegen.paths import resolve_data_path, write_json
 from jscenegen.scene.dataset import SceneSetSource
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash
-from jscenegen.scene.reward import JUDGE_FAILURES
+from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
 from jscenegen.sharding.layout import shard_batch
-from jscenegen.sharding.mesh import is_primary, make_mesh
+from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes
 from jscenegen.signals import RepeatFilter, Terminated
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,11 @@ SEQ_BUCKET = 256  # training sequence lengths are padded to multiples of this (a
 
 class JudgeDownError(RuntimeError):
     """The judge failed every episode it graded for `judge.max_failed_updates` updates in a row."""
+
+
+class RolloutDownError(RuntimeError):
+    """Every episode failed in our runtime or sampler for `rollout.max_failed_updates` updates
+    in a row."""
 
 
 @dataclasses.dataclass
@@ -159,6 +164,7 @@ class Trainer:
         self._stop_signal: int | None = None
         self._replaced_handlers: dict = {}
         self._judge_down: list[str] = []     # the judge failures of the updates in a row it failed
+        self._rollout_down: list[str] = []   # the runtime failures of the updates in a row they took
 
     # ---- state ---------------------------------------------------------------------------
     def _reference_params(self, params):
@@ -292,7 +298,7 @@ class Trainer:
                "rollout/padding_rows": stats["padding_rows"],
                "time/rollout_s": rollout_s}
         row.update(group_metrics(trajectories, cfg.judge.grade_keys))
-        self._note_judge(trajectories)
+        self._note_failures(trajectories)
         if do_step:
             t1 = time.perf_counter()
             row.update(self._step(batch))
@@ -305,26 +311,40 @@ class Trainer:
             self._dump(trajectories, pos)
         return row
 
-    def _note_judge(self, trajectories) -> None:
-        """Count the updates in a row whose judged episodes all failed in the judge."""
+    def _note_failures(self, trajectories) -> None:
+        """Count the updates in a row whose judged episodes all failed in the judge, and those
+        whose episodes all failed in our runtime or sampler (kept with the first one's detail)."""
         causes = [t.failure_cause for t in trajectories]
         failed = [c for c in causes if c in JUDGE_FAILURES]
         if any(c is None for c in causes):
             self._judge_down = []
         elif failed:
             self._judge_down.append(max(set(failed), key=failed.count))
+        if causes and all(c in RUNTIME_FAILURES for c in causes):
+            self._rollout_down.append(f"{causes[0]}: {trajectories[0].failure_message[:300]}")
+        else:
+            self._rollout_down = []
 
-    def _judge_down_error(self) -> JudgeDownError | None:
+    def _failed_updates_error(self) -> RuntimeError | None:
         """The error to stop with after `judge.max_failed_updates` updates in a row in which
-        the judge failed every episode it graded, else None."""
+        the judge failed every episode it graded, or `rollout.max_failed_updates` in which every
+        episode failed in our runtime or sampler; else None."""
         limit = self.cfg.judge.max_failed_updates
-        if not limit or len(self._judge_down) < limit:
-            return None
-        return JudgeDownError(
-            f"the judge failed every episode it was asked to grade in the last "
-            f"{len(self._judge_down)} updates (mostly {self._judge_down[-1]}; "
-            f"judge.max_failed_updates={limit}); stopped with a checkpoint: fix the judge, "
-            f"then jscenegen train --resume {self.run_dir}")
+        if limit and len(self._judge_down) >= limit:
+            return JudgeDownError(
+                f"the judge failed every episode it was asked to grade in the last "
+                f"{len(self._judge_down)} updates (mostly {self._judge_down[-1]}; "
+                f"judge.max_failed_updates={limit}); stopped with a checkpoint: fix the judge, "
+                f"then jscenegen train --resume {self.run_dir}")
+        limit = self.cfg.rollout.max_failed_updates
+        if limit and len(self._rollout_down) >= limit:
+            return RolloutDownError(
+                f"every episode of the last {len(self._rollout_down)} updates failed in the "
+                f"rollout itself, not the policy (last: {self._rollout_down[-1]}; "
+                f"rollout.max_failed_updates={limit}); stopped with a checkpoint "
+                f"(JSCENEGEN_DEBUG=1 shows the traceback), then jscenegen train --resume "
+                f"{self.run_dir}")
+        return None
 
     def _step(self, batch) -> dict:
         # logits of the trained tokens only: a static per-row capacity from the host mask
@@ -392,12 +412,14 @@ class Trainer:
                 self.logger.log(row, step=row["attempt"])
                 if progress is not None:
                     progress(row)
-                if self._stop_signal is not None:
+                # every process stops at the same update (a signal may reach one host later)
+                if (agreed := max_over_processes(self._stop_signal or 0)):
+                    self._stop_signal = agreed
                     break
-                if (judge_down := self._judge_down_error()) is not None:
+                if (failed := self._failed_updates_error()) is not None:
                     self.save()
                     self.store.wait_until_finished()
-                    raise judge_down
+                    raise failed
                 if self.pos.attempts % self.cfg.checkpoint.save_every == 0:
                     last_saved = self.save()
                 every = self.cfg.trainer.eval_every

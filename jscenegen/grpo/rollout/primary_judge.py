@@ -1,0 +1,56 @@
+"""One judge call per batch in a multi-process run.
+
+Every process plays the same episodes (same seeds, same weights, tokens read back whole with
+`sharding.mesh.host_array`), so every process would grade them too: N times the judge's cost,
+and with a sampling judge (or a retry that succeeds on one host only) N different rewards,
+advantages and batches for what must be one global batch. `PrimaryJudge` lets process 0 grade
+and hands its results to the others.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import jax
+
+from jscenegen.scene.judge import Judge, JudgeRequest, JudgeResult
+from jscenegen.sharding.mesh import bytes_from_primary, is_primary
+
+
+class PrimaryJudge:
+    """A `scene.judge.Judge` whose `grade` runs on process 0 only; every process returns
+    process 0's results (JSON over `sharding.mesh.bytes_from_primary`, a collective: every
+    process calls `grade` at the same point with the same number of requests). `identity` and
+    `check_reachable` are the wrapped judge's."""
+
+    def __init__(self, judge: Judge):
+        self.judge = judge
+
+    def identity(self) -> dict:
+        return self.judge.identity()
+
+    def check_reachable(self) -> None:
+        self.judge.check_reachable()
+
+    def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
+        """Process 0's `judge.grade(requests)` on every process. Raises RuntimeError on every
+        process when it raised there (naming its type), or returned another count."""
+        payload = None
+        if is_primary():
+            try:
+                rows = [[r.grades, r.failure, r.info] for r in self.judge.grade(requests)]
+            except Exception as err:  # the others wait for this broadcast: send the failure
+                rows = {"error": type(err).__name__}
+            payload = json.dumps(rows, default=str).encode()
+        rows = json.loads(bytes_from_primary(payload))
+        if isinstance(rows, dict):
+            raise RuntimeError(f"the judge raised {rows['error']} on process 0")
+        if len(rows) != len(requests):
+            raise RuntimeError(f"process 0 graded {len(rows)} episodes, this process "
+                               f"{jax.process_index()} asked for {len(requests)}")
+        return [JudgeResult(grades, failure, info) for grades, failure, info in rows]
+
+
+def for_processes(judge: Judge) -> Judge:
+    """`judge` itself in one process, else a PrimaryJudge around it."""
+    return judge if jax.process_count() == 1 else PrimaryJudge(judge)
