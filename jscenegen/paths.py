@@ -80,6 +80,16 @@ def resolve_data_path(path: str | Path) -> Path:
     raise FileNotFoundError(f"{path}: not found {places}")
 
 
+def data_path_arg(value: str) -> str:
+    """argparse `type` of options naming a file that ships with the checkout (`--config
+    configs/grpo100.yaml`): `resolve_data_path(value)` where one of its places exists, else
+    `value` as given (its reader then says it is missing)."""
+    try:
+        return str(resolve_data_path(value)) if value.strip() else value
+    except FileNotFoundError:
+        return value
+
+
 def refuse_overwriting_input(output: str | Path, output_label: str,
                              inputs: dict[str, str | Path | None]) -> None:
     """Raise ValueError, before anything is written, when writing `output` would change one of

@@ -185,11 +185,17 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
     from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
 
-    initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id)
+    initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id,
+                           announce=lambda line: print(line, file=sys.stderr, flush=True),
+                           timeout_s=cfg.mesh.init_timeout_s)
     try:  # refuse a mesh that does not fit before any model is made or file written
         mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
     except ValueError as err:
         raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
+    if jax.process_count() > 1 and not resume and not cfg.model.path:
+        raise ValueError("model.path: a multi-host run starts from a model directory every host "
+                         "can read; the SFT warm start runs in one process (jscenegen sft, or "
+                         "jscenegen train once on one host), then give its model as model.path")
     check_run_inputs(cfg)
     if not resume and not cfg.model.path:
         warm_start_sft_config(cfg)

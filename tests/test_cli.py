@@ -371,12 +371,33 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (["eval", "--model", "/nonexistent", "trainer.eval_samples=5000"],
      "error: override trainer.eval_samples=5000: trainer.eval_samples: Input should be less "
      "than or equal to 4096 (got 5000)"),
+    # a multi-host launch is for train: on every host these would write the same outputs
+    (["sft", "--config", "configs/sft-cpu.yaml", "--model", "/nonexistent", "--out", "o",
+      "mesh.num_processes=2", "mesh.process_id=1"],
+     "error: jscenegen sft runs in one process; mesh.num_processes=2, mesh.process_id=1 ask for "
+     "a multi-host launch, which is for jscenegen train (unset it here)"),
+    (["eval", "--model", "/nonexistent", "mesh.coordinator_address=host0:8476"],
+     "error: jscenegen eval runs in one process; mesh.coordinator_address=host0:8476 asks for "
+     "a multi-host launch, which is for jscenegen train (unset it here)"),
+    (["design", "--model", "/nonexistent", "--prompt", "x", "-o", "x.json", "mesh.num_processes=4"],
+     "error: jscenegen design runs in one process; mesh.num_processes=4 asks for a multi-host "
+     "launch, which is for jscenegen train (unset it here)"),
+    (["sft", "--config", "configs/sft-cpu.yaml", "--model", "/nonexistent", "--out", ""],
+     "error: --out: an empty path; give a directory (or leave it out: sft.out_dir)"),
 ])
 def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     assert one_error_line(capsys) == expected
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_eval_refuses_a_multi_host_environment(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JSCENEGEN_NUM_PROCESSES", "2")
+    assert main(["eval", "--model", "/nonexistent", "--out", str(tmp_path / "r.json")]) == 2
+    assert one_error_line(capsys) == (
+        "error: jscenegen eval runs in one process; JSCENEGEN_NUM_PROCESSES=2 asks for a "
+        "multi-host launch, which is for jscenegen train (unset it here)")
 
 
 def test_mesh_report_refuses_a_mesh_beyond_any_machine_at_once(capsys):

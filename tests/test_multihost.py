@@ -1,7 +1,9 @@
 """Two processes x 3 CPU devices with JAX's distributed runtime == one process with 6 devices:
-the sharded loss, and a whole GRPO run with a stop and a resume."""
+the sharded loss, a process's judge, and a whole GRPO run with a stop and a resume; a process
+whose peers never join."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -146,3 +148,44 @@ def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tm
     for name in ours.params:
         np.testing.assert_allclose(np.asarray(ours.params[name]), np.asarray(theirs.params[name]),
                                    rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _train_waiting_alone(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`jscenegen train` as process 1 of 2 whose coordinator (process 0) never starts."""
+    env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{_free_port()}",
+               JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID="1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return subprocess.Popen([sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir),
+                             *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_a_process_waiting_for_the_others_says_so_and_ends_on_sigterm(tmp_path):
+    """JAX's initialization blocks the main thread in native code for minutes: the first
+    SIGTERM of a scheduler used to wait for it, with nothing printed."""
+    proc = _train_waiting_alone(tmp_path / "run")
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("process 1 of 2: waiting for the others at 127.0.0.1:")
+        assert line.rstrip().endswith("(at most 300 s)")
+        time.sleep(1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and time.monotonic() - t0 < 10
+    assert err.strip().splitlines()[-1] == "error: terminated (SIGTERM)"
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_that_never_join_end_the_wait_with_one_line_after_init_timeout_s(tmp_path):
+    proc = _train_waiting_alone(tmp_path / "run", "mesh.init_timeout_s=2")
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2
+    assert re.fullmatch(r"error: multi-host launch: the 2 processes did not all join at "
+                        r"127\.0\.0\.1:\d+ within 2 s \(mesh\.init_timeout_s\)",
+                        err.strip().splitlines()[-1])

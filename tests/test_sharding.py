@@ -34,6 +34,10 @@ def test_mesh_shape_resolution_and_errors():
     ({"JSCENEGEN_PROCESS_ID": "-1"}, "process_id -1 must lie in 0..1"),
     ({"JSCENEGEN_COORDINATOR": "host0"}, "coordinator address 'host0' is not host:port"),
     ({"JSCENEGEN_COORDINATOR": "host0:99999"}, "coordinator address 'host0:99999' is not host:port"),
+    ({"JSCENEGEN_NUM_PROCESSES": "0"}, "num_processes 0 must be >= 1"),
+    ({"JSCENEGEN_NUM_PROCESSES": "1", "JSCENEGEN_PROCESS_ID": "7"}, "process_id 7 must lie in 0..0"),
+    ({"JSCENEGEN_COORDINATOR": "nosuchhost.invalid:8476"},
+     "the coordinator host 'nosuchhost.invalid' does not resolve"),
 ])
 def test_a_multi_host_launch_is_checked_before_jax_waits_for_other_processes(monkeypatch, env, why):
     """jax.distributed.initialize would wait minutes for processes that can never join."""

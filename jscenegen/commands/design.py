@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from jscenegen.commands import seed_arg
+from jscenegen.paths import data_path_arg
 
 DEFAULT_ROOM_SEED = 7  # the generated bedroom used when no --room is given (no dev/train seed)
 
@@ -20,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--render", default=None, help="also draw the terminal scene to this PNG")
     p.add_argument("--seed", type=seed_arg, default=0, help="episode seed (sampling keys)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
-    p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
+    p.add_argument("--config", default=None, type=data_path_arg, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     p.set_defaults(func=run, intermixed=True)  # overrides anywhere among the options
 
@@ -74,8 +75,10 @@ def _print_turn(message: dict) -> None:
 def run(args) -> int:
     from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import config_inputs, load_run_config
+    from jscenegen.sharding.mesh import refuse_multi_host
 
     cfg = load_run_config(args.config, args.overrides, args.greedy)
+    refuse_multi_host("design", cfg.mesh)
     check_output_file(args.out, "-o")
     inputs = {"--model": args.model, "--room": args.room, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "-o", inputs)

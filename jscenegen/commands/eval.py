@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jscenegen.paths import data_path_arg
+
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on the dev scenes (JSON report + PNG plot)")
@@ -17,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--samples", type=int, default=None,
                    help="episodes per scene (default: trainer.eval_samples)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
-    p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
+    p.add_argument("--config", default=None, type=data_path_arg, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("--out", default=None, help="JSON report (default: eval-report.json)")
     p.add_argument("--plot", default=None, help="PNG bar plot (default: the report's path with .png)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
@@ -50,6 +52,7 @@ def run(args) -> int:
     from jscenegen.eval.evaluate import check_samples, evaluate, policy_engine
     from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import config_inputs, load_run_config, scene_set_path
+    from jscenegen.sharding.mesh import refuse_multi_host
 
     if args.compare:
         given = [flag for flag, value in (("--model", args.model), ("--samples", args.samples),
@@ -66,6 +69,7 @@ def run(args) -> int:
     args.out = args.out or "eval-report.json"
     args.scenes = args.scenes or "dev"
     cfg = load_run_config(args.config, args.overrides, args.greedy)
+    refuse_multi_host("eval", cfg.mesh)
     scenes = scene_set_path(args.scenes, cfg)
     samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
     try:

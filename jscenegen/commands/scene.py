@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jscenegen.paths import data_path_arg
+
 
 def _requested(text: str | None, catalogue) -> list[dict]:
     """`--requested 'bed:1,nightstand:2'` as requested items, checked as a record's are, each
@@ -166,12 +168,12 @@ def register(subparsers) -> None:
     c.add_argument("scene", help="scene JSON (or one scene-set record)")
     c.add_argument("--requested-units", type=int, default=None, help="units for the reward (default: budget used)")
     c.add_argument("--requested", default=None, help="requested items, e.g. 'bed:1,nightstand:2'")
-    c.add_argument("--config", default=None, help="YAML with optional scene: and judge: sections "
+    c.add_argument("--config", default=None, type=data_path_arg, help="YAML with optional scene: and judge: sections "
                    "(judge.backend: http grades with that server)")
     r = sub.add_parser("render", help="draw the top view (room, openings, objects, reachable region)")
     r.add_argument("scene")
     r.add_argument("-o", "--output", required=True, help="output PNG (the name ends in .png)")
-    r.add_argument("--config", default=None)
+    r.add_argument("--config", default=None, type=data_path_arg)
     g = sub.add_parser("generate", help="write a deterministic scene set (JSONL)")
     g.add_argument("--split", choices=("train", "dev"), required=True)
     g.add_argument("--n", type=int, required=True)
@@ -180,5 +182,5 @@ def register(subparsers) -> None:
     f.add_argument("scene_set", help="JSONL scene set")
     f.add_argument("--index", type=int, default=0)
     f.add_argument("-o", "--output", required=True)
-    f.add_argument("--config", default=None)
+    f.add_argument("--config", default=None, type=data_path_arg)
     p.set_defaults(func=run)

@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jscenegen.paths import data_path_arg
+
 
 def register(sub) -> None:
     p = sub.add_parser("sft", help="SFT warm start on scripted-expert demonstrations (all three roles)")
-    p.add_argument("--config", default=None, help="YAML file (e.g. configs/sft-cpu.yaml)")
+    p.add_argument("--config", default=None, type=data_path_arg, help="YAML file (e.g. configs/sft-cpu.yaml)")
     p.add_argument("--model", default=None, help="HF model directory to start from "
                    "(overrides model.path; default: a fresh init-model next to --out)")
     p.add_argument("--out", default=None, help="output HF directory, new or empty (overrides sft.out_dir)")
@@ -21,10 +23,14 @@ def run(args) -> int:
     from jscenegen.config import load_config
     from jscenegen.paths import json_line, refuse_overwriting_input, require_new_dir
     from jscenegen.sft.config import SFTRunConfig
+    from jscenegen.sharding.mesh import refuse_multi_host
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
+    refuse_multi_host("sft", cfg.mesh)
     from jscenegen.sft.run import run_sft
 
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out: an empty path; give a directory (or leave it out: sft.out_dir)")
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path
     # before anything is written (write checks create a probe file beside the output)

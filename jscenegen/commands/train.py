@@ -5,11 +5,12 @@ import time
 from pathlib import Path
 
 from jscenegen.commands import positive_int_arg
+from jscenegen.paths import data_path_arg
 
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="GRPO training (no arguments: the CPU default pipeline)")
-    p.add_argument("--config", default=None, help="run config YAML (default: configs/cpu-default.yaml)")
+    p.add_argument("--config", default=None, type=data_path_arg, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("--run-dir", default=None, help="output directory (default: runs/<time>)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest complete checkpoint, with its "

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import threading
+import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -29,6 +33,8 @@ class MeshConfig(Section):
     coordinator_address: str | None = None
     num_processes: int | None = Field(None, ge=1, le=1 << 20)
     process_id: int | None = Field(None, ge=0, lt=1 << 20)
+    init_timeout_s: int = Field(300, ge=1, le=86400, description="how long each process of a "
+                                "multi-host launch waits for the others to join")
 
 
 class MeshError(ValueError):
@@ -74,36 +80,95 @@ def make_mesh(fsdp: int = -1, sp: int = 2, devices=None) -> Mesh:
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> bool:
+                           process_id: int | None = None, *,
+                           announce: Callable[[str], None] | None = None,
+                           timeout_s: int = 300) -> bool:
     """Start JAX's multi-controller runtime when a multi-process launch is configured.
 
-    Values come from the arguments (the run config's `mesh` section) or the environment
+    Values come from the arguments (the run config's `mesh` section), else the environment
     (`JSCENEGEN_COORDINATOR`, `JSCENEGEN_NUM_PROCESSES`, `JSCENEGEN_PROCESS_ID`). Returns True
-    when `jax.distributed.initialize` was called. On CPU, cross-process collectives use gloo.
+    when `jax.distributed.initialize` was called (False for one process). On CPU,
+    cross-process collectives use gloo. Before waiting, `announce` gets one line saying what
+    this process waits for; the wait (at most `timeout_s`, JAX's initialization timeout) keeps
+    the main thread free, so Ctrl-C and SIGTERM end it.
+
     Raises MeshError when only some of the three values are given, an environment value is
-    not an integer, the process id is outside 0..num_processes-1 or the address is not
-    host:port. A process then waits for the others as long as JAX's initialization timeout.
+    not an integer, num_processes < 1, the process id is outside 0..num_processes-1, the
+    address is not host:port or its host does not resolve, or the processes did not all join
+    in time.
     """
     addr = coordinator_address or os.environ.get("JSCENEGEN_COORDINATOR") or None
-    n = num_processes or _env_int("JSCENEGEN_NUM_PROCESSES")
+    n = num_processes if num_processes is not None else _env_int("JSCENEGEN_NUM_PROCESSES")
     pid = process_id if process_id is not None else _env_int("JSCENEGEN_PROCESS_ID")
+    if n is not None and n < 1:
+        raise MeshError(f"multi-host launch: num_processes {n} must be >= 1")
+    if n is not None and pid is not None and not 0 <= pid < n:
+        raise MeshError(f"multi-host launch: process_id {pid} must lie in 0..{n - 1} "
+                        f"(num_processes {n})")
     given = [v is not None for v in (addr, n, pid)]
     if not any(given) or (n == 1 and addr is None):
         return False
     if not all(given):
         raise MeshError("multi-host launch needs coordinator_address, num_processes and process_id "
                         "(mesh.* config keys or JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)")
-    if not 1 <= n or not 0 <= pid < n:
-        raise MeshError(f"multi-host launch: process_id {pid} must lie in 0..{n - 1} "
-                        f"(num_processes {n})")
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise MeshError(f"multi-host launch: coordinator address {addr!r} is not host:port "
                         "(e.g. host0:8476)")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except OSError as err:
+        raise MeshError(f"multi-host launch: the coordinator host {host!r} does not resolve "
+                        f"({err.strerror or err})") from None
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
+    if announce is not None:
+        announce(f"process {pid} of {n}: waiting for the others at {addr} (at most {timeout_s} s)")
+    # JAX's own deadline comes later: when it passes, its client ends the process with a
+    # native stack trace rather than an exception
+    _wait_interruptibly(lambda: jax.distributed.initialize(
+        coordinator_address=addr, num_processes=n, process_id=pid,
+        initialization_timeout=timeout_s + 60), timeout_s,
+        f"the {n} processes did not all join at {addr}")
     return True
+
+
+def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str) -> None:
+    """Run `call` in a daemon thread while the main thread waits in short joins, so a signal
+    handler (Ctrl-C, SIGTERM) runs during a wait that blocks in native code. Raises MeshError
+    naming `failure` when `call` raised or took longer than `timeout_s`."""
+    errors: list[BaseException] = []
+
+    def target():
+        try:
+            call()
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            errors.append(err)
+    thread = threading.Thread(target=target, name="jscenegen-distributed-init", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(0.2)
+    if thread.is_alive():
+        raise MeshError(f"multi-host launch: {failure} within {timeout_s} s (mesh.init_timeout_s)")
+    if errors:
+        raise MeshError(f"multi-host launch: {failure} ({type(errors[0]).__name__}: "
+                        f"{str(errors[0]).splitlines()[0] if str(errors[0]) else ''})") from None
+
+
+def refuse_multi_host(command: str, cfg: MeshConfig) -> None:
+    """Raise MeshError when `cfg` (its `mesh.*` launch keys) or the environment
+    (JSCENEGEN_NUM_PROCESSES) asks for several processes: `command` runs in one process, and
+    the same command on every host would write the same outputs."""
+    asked = [f"mesh.{key}={value}" for key in ("coordinator_address", "num_processes", "process_id")
+             if (value := getattr(cfg, key)) is not None and not (key == "num_processes" and value == 1)]
+    env = os.environ.get("JSCENEGEN_NUM_PROCESSES", "").strip()
+    if env not in ("", "1"):
+        asked.append(f"JSCENEGEN_NUM_PROCESSES={env[:40]}")
+    if asked:
+        verb = "asks" if len(asked) == 1 else "ask"
+        raise MeshError(f"jscenegen {command} runs in one process; {', '.join(asked)} {verb} for "
+                        "a multi-host launch, which is for jscenegen train (unset it here)")
 
 
 def _env_int(name: str) -> int | None:
