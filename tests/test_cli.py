@@ -238,18 +238,28 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
     assert not (package / "r.json").exists()
 
 
-@pytest.mark.parametrize("command", ["design", "eval"])
-def test_a_bad_config_json_field_is_named_before_the_tokenizer_loads(tiny_hf, tmp_path, capsys, command):
-    """transformers' tokenizer loader reads config.json too: its error blamed the tokenizer."""
+@pytest.mark.parametrize("field,value,why", [
+    ("hidden_size", "128", "hidden_size must be a positive integer, got '128'"),
+    ("eos_token_id", "x", "eos_token_id must be a token id in 0..{last} or a list of them, got 'x'"),
+    ("bos_token_id", 10**9, "bos_token_id must be a token id in 0..{last} or a list of them, got "
+                            "1000000000"),
+    ("torch_dtype", "float8", "torch_dtype must be one of float32, bfloat16, float16, got 'float8'"),
+])
+@pytest.mark.parametrize("command", ["design", "eval", "parity"])
+def test_a_bad_config_json_field_is_named_before_the_tokenizer_loads(tiny_hf, tmp_path, capsys, command,
+                                                                    field, value, why):
+    """transformers' tokenizer loader reads config.json too: its error blamed the tokenizer
+    (design) or printed transformers' traceback (parity)."""
     model = tmp_path / "m"
     _model_copy(tiny_hf["qwen3"], model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "hidden_size": "128"}))
+    (model / "config.json").write_text(json.dumps({**config, field: value}))
     argv = {"design": ["design", "--model", str(model), "--prompt", "x", "-o", str(tmp_path / "s.json")],
-            "eval": ["eval", "--model", str(model), "--out", str(tmp_path / "r.json")]}[command]
+            "eval": ["eval", "--model", str(model), "--out", str(tmp_path / "r.json")],
+            "parity": ["parity", "logits", "--model", str(model)]}[command]
     assert main(argv) == 2
-    assert one_error_line(capsys) == (f"error: {model}/config.json: hidden_size must be a positive "
-                                      "integer, got '128'")
+    last = config["vocab_size"] - 1
+    assert one_error_line(capsys) == f"error: {model}/config.json: {why.format(last=last)}"
 
 
 def _model_copy(src: Path, dst: Path) -> dict[str, bytes]:

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jscenegen.model.dtypes import SAFETENSORS
 from jscenegen.paths import not_a_file
 
 DENSE_MODEL_TYPES = ("qwen2", "qwen3")
@@ -65,6 +66,31 @@ def _flag(d: dict[str, Any], key: str, source: str, prefix: str = "") -> bool:
     if not isinstance(value, bool):
         raise ModelConfigError(f"{source}: {prefix}{key} must be true or false, got {value!r}")
     return value
+
+
+def _token_ids(d: dict[str, Any], key: str, vocab: int, source: str, prefix: str = ""):
+    """`d[key]`: None, a token id in 0..vocab-1 or a list of them (as a tuple); else
+    ModelConfigError naming it."""
+    value = d.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool)
+                                     and 0 <= i < vocab for i in ids):
+        raise ModelConfigError(f"{source}: {prefix}{key} must be a token id in 0..{vocab - 1} or "
+                               f"a list of them, got {value!r}")
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _weights_dtype(*sections: dict[str, Any], source: str) -> str:
+    """The first `dtype` / `torch_dtype` the sections give (default float32). Each one given
+    must be a dtype jscenegen stores (transformers reads either); else ModelConfigError naming
+    the field."""
+    given = [(key, section[key]) for section in sections for key in ("dtype", "torch_dtype")
+             if section.get(key) is not None]
+    for key, value in given:
+        if value not in SAFETENSORS:
+            raise ModelConfigError(f"{source}: {key} must be one of {', '.join(SAFETENSORS)}, "
+                                   f"got {value!r}")
+    return given[0][1] if given else "float32"
 
 
 def read_config_file(f: str | Path) -> Any:
@@ -251,7 +277,6 @@ class QwenConfig:
         head_dim = _positive(given if given is not None else d["hidden_size"] // heads, "head_dim", source,
                              integer=True, limit=SIZE_LIMITS["head_dim"])
         theta, scaling, _ = _read_rope(d, source, 1_000_000.0)
-        eos = d.get("eos_token_id")
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -268,9 +293,9 @@ class QwenConfig:
             hidden_act=act,
             max_position_embeddings=_positive(d.get("max_position_embeddings", 32768),
                                               "max_position_embeddings", source, integer=True),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            bos_token_id=_token_ids(d, "bos_token_id", d["vocab_size"], source),
+            eos_token_id=_token_ids(d, "eos_token_id", d["vocab_size"], source),
+            torch_dtype=_weights_dtype(d, source=source),
         )
 
     @classmethod
@@ -464,8 +489,6 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                                f"{head_dim} gives {rotary} rotary dims; need an even number in "
                                f"(0, head_dim]")
     mrope = extra.get("mrope_section")
-    eos = t.get("eos_token_id")
-    dtype = d.get("dtype") or d.get("torch_dtype") or t.get("dtype") or t.get("torch_dtype")
     return QwenConfig(
         model_type=model_type,
         vocab_size=t["vocab_size"],
@@ -482,9 +505,9 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
         hidden_act=act,
         max_position_embeddings=_positive(t.get("max_position_embeddings", 32768),
                                           "max_position_embeddings", source, prefix, integer=True),
-        bos_token_id=t.get("bos_token_id"),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-        torch_dtype=str(dtype or "float32"),
+        bos_token_id=_token_ids(t, "bos_token_id", t["vocab_size"], source, prefix),
+        eos_token_id=_token_ids(t, "eos_token_id", t["vocab_size"], source, prefix),
+        torch_dtype=_weights_dtype(d, t, source=source),
         layer_types=kinds,
         partial_rotary_factor=factor,
         mrope_section=tuple(mrope) if mrope is not None else None,
