@@ -309,6 +309,8 @@ def test_no_command_writes_into_the_model_it_reads(tiny_hf, tmp_path, capsys, ar
      "argument --batch: 0 is outside [1, 4,096]"),
     (["parity", "logits", "--model", "m", "--seq", "100000000"], "parity logits",
      "argument --seq: 100000000 is outside [1, 65,536]"),
+    (["parity", "train", "--model", "m", "--perturb-torch", "nan"], "parity train",
+     "argument --perturb-torch: 'nan' is not a finite number"),
 ])
 def test_a_usage_error_is_one_line_with_exit_2(tmp_path, capsys, monkeypatch, argv, command,
                                                expected):
@@ -394,6 +396,8 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
      "launch, which is for jscenegen train (unset it here)"),
     (["sft", "--config", "configs/sft-cpu.yaml", "--model", "/nonexistent", "--out", ""],
      "error: --out: an empty path; give a directory (or leave it out: sft.out_dir)"),
+    (["parity", "train", "--model", "/nonexistent", "--write-trajectories", ""],
+     "error: --write-trajectories: an empty path; give a file path"),
 ])
 def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)

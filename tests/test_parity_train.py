@@ -71,7 +71,14 @@ def test_synthetic_trajectories_give_every_role_tokens_and_a_reward_spread():
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d.pop("reward"), "no 'reward'"),
+    (lambda d: d.pop("reward"), "'reward': Field required"),
+    (lambda d: d.update(masked="no"), "'masked': Input should be a valid boolean (got 'no')"),
+    (lambda d: d.update(reward=float("nan")), "'reward': Input should be a finite number"),
+    (lambda d: d.update(reward="high"), "'reward': Input should be a valid number (got 'high')"),
+    (lambda d: d.update(group="a"), "'group': Input should be a valid integer (got 'a')"),
+    (lambda d: d["tokens"].__setitem__(3, 1.5), "'tokens'[3]: Input should be a valid integer"),
+    (lambda d: d["logprobs"].__setitem__(0, float("nan")), "'logprobs'[0]: Input should be a finite number"),
+    (lambda d: d["policy_mask"].__setitem__(0, 2), "'policy_mask'[0]"),
     (lambda d: d.update(roles=d["roles"][:-1]), "'roles' has"),
     (lambda d: d.update(roles=[7] * len(d["tokens"])), "codes 0-3"),
     (lambda d: d.update(tokens=[5000] * len(d["tokens"])), "[0, 1003)"),
@@ -84,6 +91,13 @@ def test_bad_trajectory_file_names_line_and_field(tmp_path, edit, message):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(ValueError, match=r"t\.jsonl:2: .*" + re.escape(message)):
         read_trajectories(path, vocab=1003)
+
+
+def test_a_trajectory_file_that_is_not_text_is_named_with_its_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'\n\xad\xff binary\n')
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: not UTF-8 text \(invalid start byte at byte 0\)"):
+        read_trajectories(path)
 
 
 def test_a_trajectory_path_that_is_no_file_is_named(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def _int_arg(text: str) -> int:
@@ -36,6 +37,17 @@ def int_in(lo: int, hi: int | None = None):
 
 
 positive_int_arg = int_in(1)
+
+
+def finite_float_arg(text: str) -> float:
+    """argparse type of a finite number (nan and inf are refused; argparse names the flag)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a finite number")
+    return x
 
 
 def world_size_arg(text: str) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from jscenegen.commands import int_in, seed_arg
+from jscenegen.commands import finite_float_arg, int_in, seed_arg
 
 COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
 TOKENS = int_in(1, 65536)        # tokens per row
@@ -79,7 +79,7 @@ def _add_common(p) -> None:
     p.add_argument("--train-vision", action="store_true",
                    help="Qwen3.5: train the vision tower (zero gradient, AdamW state and decay, "
                         "as VERL with freeze_vision_tower false); default frozen")
-    p.add_argument("--perturb-torch", type=float, default=0.0,
+    p.add_argument("--perturb-torch", type=finite_float_arg, default=0.0,
                    help="add this to one torch embedding weight first (shows the check can fail)")
     p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE",
                    help="LossConfig overrides, e.g. loss_agg_mode=seq-mean-token-mean "
@@ -144,7 +144,7 @@ def run_train(args) -> int:
             role_from_letter(letter)
         except ValueError as err:
             raise ValueError(f"--roles {args.roles!r}: {err}") from None
-    if args.write_trajectories:   # written before the updates run: refuse what would fail now
+    if args.write_trajectories is not None:   # written before the updates run: refuse what would fail now
         check_output_file(args.write_trajectories, "--write-trajectories")
         refuse_overwriting_input(args.write_trajectories, "--write-trajectories",
                                  {"--trajectories": args.trajectories, "--model": args.model})
@@ -153,7 +153,7 @@ def run_train(args) -> int:
         trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)
     else:
         trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
-    if args.write_trajectories:
+    if args.write_trajectories is not None:
         write_trajectories(args.write_trajectories, trajs)
     ok = False
     for result in train_parity(args.model, trajs, updates=args.updates, roles=args.roles,

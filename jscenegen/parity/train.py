@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Annotated, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout.engine import Trajectory
@@ -114,41 +115,65 @@ def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> 
                                 "masked": t.masked}) + "\n")
 
 
+class TrajectoryLine(BaseModel):
+    """One line of a trajectories file (the module doc's format), strictly typed: no string for
+    a number or a flag, finite floats."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    group: int
+    member: int
+    tokens: list[int] = Field(min_length=2)
+    roles: list[int]
+    policy_mask: list[Annotated[int, Field(ge=0, le=1)]]
+    reward: float
+    logprobs: list[float] | None = None
+    masked: bool = False
+
+
+def _field_error(err: ValidationError) -> str:
+    """The first error of `err` as `'field'[index]: message`."""
+    e = err.errors()[0]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f"{p!r}" for p in e["loc"][:2])
+    return f"{where}: {e['msg']} (got {e['input']!r:.60})" if "input" in e else f"{where}: {e['msg']}"
+
+
 def read_trajectories(path: str | Path, vocab: int | None = None) -> list[Trajectory]:
     """Read the JSONL format of the module doc. Raises ValueError naming file, line and field
-    for a missing or non-regular file, a missing key, a length that differs from `tokens`, a
-    role code outside 0-3 or a token id outside [0, vocab)."""
+    for a missing or non-regular file, text that is not UTF-8 JSON, a missing key or a value
+    of the wrong type (strict: `"masked": "no"` is not a flag, NaN is not a reward), a length
+    that differs from `tokens`, a role code outside 0-3 or a token id outside [0, vocab)."""
     if why := not_a_file(path):   # a named pipe would block the read
         raise ValueError(f"{path}: {why}")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
             where = f"{path}:{n}"
             try:
-                d = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON: {err}") from None
-            for key in ("group", "member", "tokens", "roles", "policy_mask", "reward"):
-                if key not in d:
-                    raise ValueError(f"{where}: trajectory has no {key!r}")
-            tokens = np.asarray(d["tokens"], np.int64)
-            if tokens.ndim != 1 or tokens.size < 2:
-                raise ValueError(f"{where}: 'tokens' must be a list of at least 2 token ids")
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            if not line.strip():
+                continue
+            try:
+                d = TrajectoryLine.model_validate_json(line)
+            except ValidationError as err:
+                raise ValueError(f"{where}: {_field_error(err)}") from None
+            tokens = np.asarray(d.tokens, np.int64)
             for key in ("roles", "policy_mask", "logprobs"):
-                if key in d and len(d[key]) != tokens.size:
-                    raise ValueError(f"{where}: {key!r} has {len(d[key])} entries, "
+                values = getattr(d, key)
+                if values is not None and len(values) != tokens.size:
+                    raise ValueError(f"{where}: {key!r} has {len(values)} entries, "
                                      f"'tokens' has {tokens.size}")
-            roles = np.asarray(d["roles"], np.int64)
+            roles = np.asarray(d.roles, np.int64)
             if roles.min() < ENVIRONMENT or roles.max() > CRITIC:
                 raise ValueError(f"{where}: 'roles' must be codes 0-3 (environment, planner, "
                                  f"designer, critic), got {sorted(set(roles.tolist()))}")
             if tokens.min() < 0 or (vocab is not None and tokens.max() >= vocab):
                 raise ValueError(f"{where}: 'tokens' must lie in [0, {vocab}), got "
                                  f"[{tokens.min()}, {tokens.max()}]")
-            out.append(make_trajectory(d["group"], d["member"], tokens, roles, d["policy_mask"],
-                                       d["reward"], d.get("logprobs"), d.get("masked", False)))
+            out.append(make_trajectory(d.group, d.member, tokens, roles, d.policy_mask,
+                                       d.reward, d.logprobs, d.masked))
     if not out:
         raise ValueError(f"{path}: no trajectories")
     return out
