@@ -326,10 +326,18 @@ def test_no_pytorch_advice_when_a_command_imports_transformers_without_torch(tmp
 def _synthetic_report(scenes=("a", "b"), seeds=(1, 2)) -> dict:
     stats = {"reward": 0.5, "failure_rate": 0.0, "units": 10.0, "reachable": 1.0, "quality": 0.6,
              "unit_penalty": 0.1}
-    return {"schema": "jscenegen.eval/1", "scenes": [{"scene_id": sid, "model": dict(stats, episodes=[
+    return {"schema": "jscenegen.eval/1", "samples": len(seeds),
+            "judge": {"backend": "rule", "model": None, "rubric_hash": "e8178fedbec1139e"},
+            "scenes": [{"scene_id": sid, "seed": 7, "prompt": f"a room {sid}", "model": dict(stats, episodes=[
                 {"seed": s, "reward": 0.5, "masked": False, "failure_cause": None} for s in seeds])}
                        for sid in scenes],
             "overall": {"model": dict(stats)}}
+
+
+def _edited(edit) -> dict:
+    rep = _synthetic_report()
+    edit(rep)
+    return rep
 
 
 def _compare(tmp_path, capsys, before, after):
@@ -355,7 +363,9 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                 "scenes[0].model.episodes[0].reward must be a finite number, got nan"),
                (lambda r: r["overall"]["model"].update(units=float("inf")),
                 "overall.model.units must be a finite number or null, got inf"),
-               (lambda r: r.update(schema="other/2"), "schema 'other/2' is not 'jscenegen.eval/1'")]
+               (lambda r: r.update(schema="other/2"), "schema 'other/2' is not 'jscenegen.eval/1'"),
+               (lambda r: r["scenes"].append(r["scenes"][0]), "scenes[2].scene_id 'a' is also scenes[0]'s"),
+               (lambda r: r.update(samples=5), "scenes[0].model has 2 episodes, samples says 5")]
     for damage, why in damaged:
         rep = json.loads(json.dumps(good))
         damage(rep)
@@ -365,7 +375,14 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
     del no_model["scenes"][1]["model"]
     for after, why in ((_synthetic_report(scenes=("a",)), r"1 scene\(s\) only in .*before.json: b"),
                        (_synthetic_report(seeds=(1,)), "scene a has model episodes of different seeds"),
-                       (no_model, "scene b has no model episodes in .*after.json")):
+                       (no_model, "scene b has no model episodes in .*after.json"),
+                       (_edited(lambda r: r["judge"].update(backend="http", model="Qwen3-27B")),
+                        "graded by different judges \\(rule rubric e8178fedbec1 and http Qwen3-27B "
+                        "rubric e8178fedbec1\\): their rewards do not compare"),
+                       (_edited(lambda r: r["scenes"][1].update(seed=8)),
+                        r"scene b differs in its seed \(another scene set under the same ids\)"),
+                       (_edited(lambda r: r["scenes"][0].update(prompt="a kitchen")),
+                        "scene a differs in its prompt")):
         rc, err = _compare(tmp_path, capsys, good, after)
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
 

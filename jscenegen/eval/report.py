@@ -22,8 +22,8 @@ def check_report(report, source: str) -> None:
     `comparison_markdown` reads: `scenes` a list of objects, each with a string `scene_id`
     and optional `model` statistics (`reward`, `failure_rate`, `units`, `reachable`, `quality`,
     `unit_penalty`: finite numbers or null) whose `episodes` are objects with an integer
-    `seed`, a finite number `reward`, a boolean `masked` and a `failure_cause`; `overall.model`
-    statistics; `schema` REPORT_SCHEMA."""
+    `seed`, a finite number `reward`, a boolean `masked` and a `failure_cause`, as many as
+    `samples` says, each `scene_id` once; `overall.model` statistics; `schema` REPORT_SCHEMA."""
     def stats(m, where: str, episodes: bool) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"{source}: {where} must be an object, got {type(m).__name__}")
@@ -56,13 +56,21 @@ def check_report(report, source: str) -> None:
     scenes = report.get("scenes")
     if not isinstance(scenes, list):
         raise ValueError(f"{source}: scenes must be a list, got {type(scenes).__name__}")
+    seen: dict[str, int] = {}
     for i, row in enumerate(scenes):
         if not isinstance(row, dict):
             raise ValueError(f"{source}: scenes[{i}] must be an object, got {type(row).__name__} {row!r}")
         if not isinstance(row.get("scene_id"), str):
             raise ValueError(f"{source}: scenes[{i}].scene_id must be a string, got {row.get('scene_id')!r}")
+        if (first := seen.setdefault(row["scene_id"], i)) != i:
+            raise ValueError(f"{source}: scenes[{i}].scene_id {clip_text(repr(row['scene_id']))} "
+                             f"is also scenes[{first}]'s (each scene once)")
         if "model" in row:
             stats(row["model"], f"scenes[{i}].model", episodes=True)
+            n = len(row["model"]["episodes"])
+            if "samples" in report and n != report["samples"]:
+                raise ValueError(f"{source}: scenes[{i}].model has {n} episodes, samples says "
+                                 f"{clip_text(repr(report['samples']))}")
     overall = report.get("overall")
     if not isinstance(overall, dict) or "model" not in overall:
         raise ValueError(f"{source}: overall.model is missing (not a report with model episodes)")
@@ -77,10 +85,14 @@ def _coverage(report) -> dict[str, list[int] | None]:
 
 def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> None:
     """Raise ValueError naming both files and what differs unless the two (checked) reports
-    cover the same scenes, each with model episodes of the same sampling seeds: a comparison of
-    part of the episodes would be silently biased."""
+    were graded by the same judge (backend, model, rubric) and cover the same scenes (same
+    seeds and prompts), each with model episodes of the same sampling seeds: a comparison of
+    part of the episodes, or of rewards on other scales, would be silently biased."""
     b, a = _coverage(before), _coverage(after)
     where = f"{names[0]} vs {names[1]}"
+    if before.get("judge") != after.get("judge"):
+        raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
+                         f"{_judge_name(after)}): their rewards do not compare")
 
     def listed(ids) -> str:
         ids = sorted(ids)
@@ -99,6 +111,20 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
         if b[sid] != a[sid]:
             raise ValueError(f"{where}: scene {sid} has model episodes of different seeds "
                              f"({len(b[sid])} in {names[0]}, {len(a[sid])} in {names[1]})")
+    rows_b, rows_a = ({row["scene_id"]: row for row in r["scenes"]} for r in (before, after))
+    for sid in b:
+        for key in ("seed", "prompt"):
+            if rows_b[sid].get(key) != rows_a[sid].get(key):
+                raise ValueError(f"{where}: scene {sid} differs in its {key} (another scene set "
+                                 "under the same ids)")
+
+
+def _judge_name(report: dict) -> str:
+    judge = report.get("judge")
+    if not isinstance(judge, dict):
+        return "an unnamed judge"
+    rubric = str(judge.get("rubric_hash") or "")[:12]
+    return f"{judge.get('backend')} {judge.get('model') or ''} rubric {rubric}".replace("  ", " ")
 
 
 def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
