@@ -10,7 +10,7 @@ from typing import Sequence
 
 from pydantic import Field
 
-from jscenegen.config import Section, load_config
+from jscenegen.config import ConfigError, Section, load_config, override_key
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.rollout.config import GROUP_MAX, RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
@@ -77,6 +77,11 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
     overrides; `greedy` turns on argmax decoding and turns top-k/top-p off.
     Raises ConfigError naming the file or override and the key."""
     cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
+    given = [o for o in overrides
+             if override_key(o) in ("sampling.greedy", "sampling.top_k", "sampling.top_p")]
+    if greedy and given:
+        raise ConfigError(f"--greedy sets sampling.greedy, top_k and top_p itself; the override "
+                          f"{given[0]} contradicts or repeats it (give one of the two)")
     if greedy:
         sampling = cfg.sampling.model_copy(update={"greedy": True, "top_k": 0, "top_p": 1.0})
         cfg = cfg.model_copy(update={"sampling": sampling})

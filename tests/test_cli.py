@@ -396,6 +396,12 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
      "launch, which is for jscenegen train (unset it here)"),
     (["sft", "--config", "configs/sft-cpu.yaml", "--model", "/nonexistent", "--out", ""],
      "error: --out: an empty path; give a directory (or leave it out: sft.out_dir)"),
+    (["design", "--model", "/nonexistent", "--prompt", "x", "-o", "x.json", "--greedy",
+      "sampling.greedy=false"],
+     "error: --greedy sets sampling.greedy, top_k and top_p itself; the override "
+     "sampling.greedy=false contradicts or repeats it (give one of the two)"),
+    (["sft", "--config", "configs/sft-cpu.yaml", "--model", "nowhere", "--out", "o"],
+     "error: nowhere/config.json: no such file; model directory nowhere needs its config.json"),
     (["parity", "train", "--model", "/nonexistent", "--write-trajectories", ""],
      "error: --write-trajectories: an empty path; give a file path"),
 ])

@@ -295,6 +295,13 @@ def test_design_refuses_what_cannot_work_before_loading_the_model(tmp_path, caps
                  str(tmp_path / "s.json"), *TINY]) == 2
     err = capsys.readouterr().err
     assert "at or over sampling.max_episode_tokens=2560" in err and err.count("\n") == 1
+    assert "shorten the prompt by at least" in err
+    # a short prompt: the system prompt and the room are what does not fit
+    assert main(["design", "--model", str(model), "--prompt", "A bedroom.", "-o",
+                 str(tmp_path / "s.json"), *TINY[:1], TINY[2], "sampling.max_episode_tokens=64"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"at or over sampling.max_episode_tokens=64; the rest alone takes \d+: raise "
+                     r"sampling.max_episode_tokens$", err.strip()) and "shorten" not in err, err
     room = dev_records()[0].scene.room.model_dump(mode="json")
     (tmp_path / "room.json").write_text(json.dumps(dict(room, doors=[])))
     assert main(["design", "--model", str(model), "--prompt", "A bedroom.", "--room",

@@ -150,10 +150,13 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
     cap = cfg.sampling.max_episode_tokens
     if len(ids) >= cap:
         prompt = len(chat.encode_plain(record.scene.prompt))   # as the episode encodes it
+        over = len(ids) - cap + 1
+        fix = (f"shorten the prompt by at least {over} tokens or raise "
+               "sampling.max_episode_tokens" if over < prompt else
+               f"the rest alone takes {len(ids) - prompt}: raise sampling.max_episode_tokens")
         raise ValueError(f"the prompt ({prompt} tokens) makes the episode start at {len(ids)} "
                          f"tokens with the system prompt and the room, at or over "
-                         f"sampling.max_episode_tokens={cap}; shorten the prompt by at least "
-                         f"{len(ids) - cap + 1} tokens or raise sampling.max_episode_tokens")
+                         f"sampling.max_episode_tokens={cap}; {fix}")
     return len(ids)
 
 

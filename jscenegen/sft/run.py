@@ -44,6 +44,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     """
     from flax import nnx
 
+    from jscenegen.model.config import QwenConfig
     from jscenegen.model.functional import hidden_fn, split_params
     from jscenegen.model.hf_io import load_hf, save_hf
     from jscenegen.sharding.layout import pad_batch, shard_batch
@@ -52,6 +53,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     sc = cfg.sft
     t0 = time.perf_counter()
     require_new_dir(out_dir)
+    QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
