@@ -177,6 +177,9 @@ def test_convert_names_a_config_json_that_is_a_list(tmp_path, capsys):
     (["--mesh", "fsdp=3,tp=2"], "--mesh: expected fsdp=N,sp=M, got 'tp=2'"),
     (["--devices", "-6"], "--devices -6: must be a positive device count"),
     (["--devices", "0"], "--devices 0: must be a positive device count"),
+    (["--mesh", "fsdp=\uff13"], "--mesh: 'fsdp=\uff13' is not an integer size"),   # a full-width 3
+    (["--mesh", "sp=2"], "--mesh sp=2 gives no fsdp (fsdp=-1: the rest of the devices): say how "
+                         "many devices with --devices N"),
 ])
 def test_mesh_report_refuses_bad_mesh_and_device_flags(tmp_path, capsys, argv, expected):
     cfg = tmp_path / "cfg.json"

@@ -12,7 +12,8 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("mesh-report", help="how a model's params + Adam state shard over a mesh")
     p.add_argument("--model", required=True, help="HF model directory or its config.json")
-    p.add_argument("--mesh", default="fsdp=3,sp=2", help="e.g. fsdp=3,sp=2 (fsdp=-1: the rest)")
+    p.add_argument("--mesh", default="fsdp=3,sp=2", help="fsdp=N,sp=M (default fsdp=3,sp=2; an "
+                   "axis left out: fsdp=-1, the rest of --devices, and sp=2)")
     p.add_argument("--devices", type=int, default=None,
                    help="device count to plan for (default: fsdp x sp)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -33,10 +34,10 @@ def _parse_mesh(text: str) -> dict[str, int]:
             raise ValueError(f"--mesh: expected fsdp=N,sp=M, got {part!r} in {text!r}")
         if key in out:
             raise ValueError(f"--mesh: {key} given twice in {text!r}")
-        try:
-            size = int(value)
-        except ValueError:
-            raise ValueError(f"--mesh: {part.strip()!r} is not an integer size in {text!r}") from None
+        digits = value.strip()
+        if not (digits.isascii() and digits.removeprefix("-").isdigit()):
+            raise ValueError(f"--mesh: {part.strip()!r} is not an integer size in {text!r}")
+        size = int(digits)
         if size < 1 and size != -1:
             raise ValueError(f"--mesh: {part.strip()!r}: sizes must be positive, or -1 for "
                              "the rest of the devices")
@@ -60,7 +61,8 @@ def run(args) -> int:
         raise ValueError("--mesh sp=-1: only fsdp may take the rest of the devices")
     n = args.devices or (fsdp * sp if fsdp > 0 else None)
     if n is None:
-        raise ValueError("--mesh fsdp=-1 needs --devices N")
+        given = "fsdp=-1" if "fsdp" in axes else "no fsdp (fsdp=-1: the rest of the devices)"
+        raise ValueError(f"--mesh {args.mesh} gives {given}: say how many devices with --devices N")
     try:
         path = resolve_data_path(args.model)
     except FileNotFoundError as err:
