@@ -144,6 +144,7 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.prompts import load_templates
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
+    from jscenegen.sharding.mesh import is_primary
 
     train_scenes(cfg)
     catalogue = load_catalogue(cfg.scene.catalogue_path)
@@ -154,7 +155,9 @@ def check_run_inputs(cfg) -> None:
         path = resolve_data_path(name)
         check_requests_known(read_scene_set(path), catalogue, str(path))
     load_templates(cfg.scene.prompts_dir)
-    make_judge(cfg.judge, cfg.scene).check_reachable()   # the http judge takes the run's key
+    judge = make_judge(cfg.judge, cfg.scene)
+    if is_primary():             # the process that grades (rollout.primary_judge)
+        judge.check_reachable()  # the http judge takes the run's key
     template = cfg.sampling.chat_template_path
     if template and not Path(template).is_file():
         raise FileNotFoundError(f"sampling.chat_template_path {template}: not a file")
