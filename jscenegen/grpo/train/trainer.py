@@ -329,21 +329,18 @@ class Trainer:
         """The error to stop with after `judge.max_failed_updates` updates in a row in which
         the judge failed every episode it graded, or `rollout.max_failed_updates` in which every
         episode failed in our runtime or sampler; else None."""
-        limit = self.cfg.judge.max_failed_updates
-        if limit and len(self._judge_down) >= limit:
-            return JudgeDownError(
-                f"the judge failed every episode it was asked to grade in the last "
-                f"{len(self._judge_down)} updates (mostly {self._judge_down[-1]}; "
-                f"judge.max_failed_updates={limit}); stopped with a checkpoint: fix the judge, "
-                f"then jscenegen train --resume {self.run_dir}")
-        limit = self.cfg.rollout.max_failed_updates
-        if limit and len(self._rollout_down) >= limit:
-            return RolloutDownError(
-                f"every episode of the last {len(self._rollout_down)} updates failed in the "
-                f"rollout itself, not the policy (last: {self._rollout_down[-1]}; "
-                f"rollout.max_failed_updates={limit}); stopped with a checkpoint "
-                f"(JSCENEGEN_DEBUG=1 shows the traceback), then jscenegen train --resume "
-                f"{self.run_dir}")
+        for error, streak, key, limit, what, advice in (
+                (JudgeDownError, self._judge_down, "judge.max_failed_updates",
+                 self.cfg.judge.max_failed_updates, "the judge failed every episode it was asked "
+                 "to grade in the last {n} updates (mostly {last}", "fix the judge"),
+                (RolloutDownError, self._rollout_down, "rollout.max_failed_updates",
+                 self.cfg.rollout.max_failed_updates, "every episode of the last {n} updates "
+                 "failed in the rollout itself, not the policy (last: {last}",
+                 "JSCENEGEN_DEBUG=1 shows the traceback")):
+            if limit and len(streak) >= limit:
+                return error(f"{what.format(n=len(streak), last=streak[-1])}; {key}={limit}); "
+                             f"stopped with a checkpoint: {advice}, then jscenegen train "
+                             f"--resume {self.run_dir}")
         return None
 
     def _step(self, batch) -> dict:
