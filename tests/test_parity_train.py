@@ -98,6 +98,9 @@ def test_a_trajectory_file_that_is_not_text_is_named_with_its_line(tmp_path):
     path.write_bytes(b'\n\xad\xff binary\n')
     with pytest.raises(ValueError, match=r"t\.jsonl:2: not UTF-8 text \(invalid start byte at byte 0\)"):
         read_trajectories(path)
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: Invalid JSON: expected ident at line 1 column 2$"):
+        read_trajectories(path)
 
 
 def test_a_trajectory_path_that_is_no_file_is_named(tmp_path):

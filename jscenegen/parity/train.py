@@ -135,7 +135,8 @@ def _field_error(err: ValidationError) -> str:
     """The first error of `err` as `'field'[index]: message`."""
     e = err.errors()[0]
     where = "".join(f"[{p}]" if isinstance(p, int) else f"{p!r}" for p in e["loc"][:2])
-    return f"{where}: {e['msg']} (got {e['input']!r:.60})" if "input" in e else f"{where}: {e['msg']}"
+    text = f"{e['msg']} (got {e['input']!r:.60})" if e["loc"] and "input" in e else e["msg"]
+    return f"{where}: {text}" if where else text
 
 
 def read_trajectories(path: str | Path, vocab: int | None = None) -> list[Trajectory]:
