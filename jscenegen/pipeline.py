@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -180,17 +181,39 @@ def _saved_report(path: Path) -> dict | None:
     return report
 
 
+def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) -> dict[str, str]:
+    """What every process of a multi-host run must agree on: each config key (the launch keys
+    aside: given as keys or environment variables), the run directory, --resume and
+    --max-updates, and the process count each was told (JAX does not compare them)."""
+    import jax
+
+    def flat(d, prefix=""):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", json.dumps(value, sort_keys=True)
+    launch = {"process_id", "num_processes", "coordinator_address", "init_timeout_s"}
+    settings = dict(flat(cfg.model_dump(mode="json", exclude={"mesh": launch})))
+    n = cfg.mesh.num_processes or os.environ.get("JSCENEGEN_NUM_PROCESSES")
+    settings.update({"--run-dir": str(run_dir.absolute()), "--resume": str(resume),
+                     "--max-updates": str(max_updates), "num_processes": str(n),
+                     "jax.process_count": str(jax.process_count())})
+    return settings
+
+
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
     """Run the GRPO job in `run_dir` (see the module docstring); holds `run_dir/run.lock`
     throughout. Raises RunLockedError when another process holds it."""
     import jax
 
-    from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
+    from jscenegen.sharding.mesh import check_same_settings, initialize_distributed, is_primary, mesh_shape
 
-    initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id,
-                           announce=lambda line: print(line, file=sys.stderr, flush=True),
-                           timeout_s=cfg.mesh.init_timeout_s)
+    if initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
+                              cfg.mesh.process_id, timeout_s=cfg.mesh.init_timeout_s,
+                              announce=lambda line: print(line, file=sys.stderr, flush=True)):
+        check_same_settings(_launch_settings(cfg, run_dir, resume, max_updates))
     try:  # refuse a mesh that does not fit before any model is made or file written
         mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
     except ValueError as err:

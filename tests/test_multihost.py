@@ -189,3 +189,41 @@ def test_processes_that_never_join_end_the_wait_with_one_line_after_init_timeout
     assert re.fullmatch(r"error: multi-host launch: the 2 processes did not all join at "
                         r"127\.0\.0\.1:\d+ within 2 s \(mesh\.init_timeout_s\)",
                         err.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differ, named", [
+    ({"argv": ["schedule.group_size=4"]}, "schedule.group_size"),
+    ({"argv": ["--run-dir", "other"]}, "--run-dir"),
+    ({"env": {"JSCENEGEN_NUM_PROCESSES": "3"}}, "num_processes"),
+])
+def test_processes_given_other_settings_are_refused_before_any_model(tmp_path, differ, named):
+    """Another group size deadlocked in the first differing collective; another run directory
+    in the first checkpoint save (SIGTERM could not end either); another process count went
+    unnoticed."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}", JSCENEGEN_NUM_PROCESSES="2",
+                   JSCENEGEN_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="3",
+                   PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        env.pop("XLA_FLAGS", None)
+        argv = ["--run-dir", "run", "model.path=nowhere"]
+        if pid == 1:
+            env.update(differ.get("env", {}))
+            argv = argv + differ.get("argv", [])
+        procs.append(subprocess.Popen([sys.executable, "-m", "jscenegen", "train", *argv], env=env,
+                                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert errs[1].strip().splitlines()[-1].startswith(
+        f"error: multi-host launch: process 1 was given another {named}")
+    assert errs[0].strip().splitlines()[-1] == (
+        "error: multi-host launch: another process was given other settings than this one (its "
+        "error names them); start every process with the same command")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -7,6 +7,7 @@ everywhere. Tests assert the resulting shardings of every parameter.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -154,6 +155,28 @@ def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str
     if errors:
         raise MeshError(f"multi-host launch: {failure} ({type(errors[0]).__name__}: "
                         f"{str(errors[0]).splitlines()[0] if str(errors[0]) else ''})") from None
+
+
+def check_same_settings(settings: dict[str, str]) -> None:
+    """Raise MeshError on every process unless every process of a multi-process run was given
+    the same `settings` (flat {name: value}; a no-op in one process): processes that disagree
+    (another run directory, group size or process count) would train different batches as one
+    and deadlock in the first collective that differs. The process that differs names the
+    first setting; the others say that another process differs. Values are not printed (they
+    may hold credentials)."""
+    if jax.process_count() == 1:
+        return
+    theirs = json.loads(bytes_from_primary(json.dumps(settings).encode() if is_primary() else None))
+    differ = sorted(k for k in settings.keys() | theirs.keys() if settings.get(k) != theirs.get(k))
+    if not max_over_processes(int(bool(differ))):
+        return
+    if differ:
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise MeshError(f"multi-host launch: process {jax.process_index()} was given another "
+                        f"{differ[0]}{more} than process 0; start every process with the same "
+                        "command and settings (only JSCENEGEN_PROCESS_ID differs)")
+    raise MeshError("multi-host launch: another process was given other settings than this one "
+                    "(its error names them); start every process with the same command")
 
 
 def refuse_multi_host(command: str, cfg: MeshConfig) -> None:
