@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -182,11 +181,9 @@ def _saved_report(path: Path) -> dict | None:
 
 
 def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) -> dict[str, str]:
-    """What every process of a multi-host run must agree on: each config key (the launch keys
-    aside: given as keys or environment variables), the run directory, --resume and
-    --max-updates, and the process count each was told (JAX does not compare them)."""
-    import jax
-
+    """What every process of a multi-host run must agree on besides the process count: each
+    config key (the launch keys aside: given as keys or environment variables), the run
+    directory, --resume and --max-updates."""
     def flat(d, prefix=""):
         for key, value in d.items():
             if isinstance(value, dict):
@@ -195,10 +192,8 @@ def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) 
                 yield f"{prefix}{key}", json.dumps(value, sort_keys=True)
     launch = {"process_id", "num_processes", "coordinator_address", "init_timeout_s"}
     settings = dict(flat(cfg.model_dump(mode="json", exclude={"mesh": launch})))
-    n = cfg.mesh.num_processes or os.environ.get("JSCENEGEN_NUM_PROCESSES")
     settings.update({"--run-dir": str(run_dir.absolute()), "--resume": str(resume),
-                     "--max-updates": str(max_updates), "num_processes": str(n),
-                     "jax.process_count": str(jax.process_count())})
+                     "--max-updates": str(max_updates)})
     return settings
 
 
@@ -208,12 +203,12 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     throughout. Raises RunLockedError when another process holds it."""
     import jax
 
-    from jscenegen.sharding.mesh import check_same_settings, initialize_distributed, is_primary, mesh_shape
+    from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
 
-    if initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
-                              cfg.mesh.process_id, timeout_s=cfg.mesh.init_timeout_s,
-                              announce=lambda line: print(line, file=sys.stderr, flush=True)):
-        check_same_settings(_launch_settings(cfg, run_dir, resume, max_updates))
+    initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id,
+                           timeout_s=cfg.mesh.init_timeout_s,
+                           announce=lambda line: print(line, file=sys.stderr, flush=True),
+                           same=_launch_settings(cfg, run_dir, resume, max_updates))
     try:  # refuse a mesh that does not fit before any model is made or file written
         mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
     except ValueError as err:

@@ -107,6 +107,9 @@ def test_config_spellings_and_defaults(qwen35_hf):
     (lambda d: d["text_config"].update(attention_bias=True), r"text_config.attention_bias=true"),
     (lambda d: d.pop("text_config"), r"needs a text_config"),
     (lambda d: d["vision_config"].update(depth=0), r"vision_config.depth must be a positive integer"),
+    (lambda d: d["text_config"].update(torch_dtype="float8"),
+     r"text_config.torch_dtype must be one of float32, bfloat16, float16, got 'float8'"),
+    (lambda d: d["text_config"].update(eos_token_id=-1), r"text_config.eos_token_id must be a token id"),
 ])
 def test_config_refusals_name_the_field(qwen35_hf, edit, message):
     d = _read(qwen35_hf["qwen3_5"])

@@ -80,12 +80,12 @@ def _token_ids(d: dict[str, Any], key: str, vocab: int, source: str, prefix: str
     return tuple(value) if isinstance(value, list) else value
 
 
-def _weights_dtype(*sections: dict[str, Any], source: str) -> str:
-    """The first `dtype` / `torch_dtype` the sections give (default float32). Each one given
-    must be a dtype jscenegen stores (transformers reads either); else ModelConfigError naming
-    the field."""
-    given = [(key, section[key]) for section in sections for key in ("dtype", "torch_dtype")
-             if section.get(key) is not None]
+def _weights_dtype(*sections: tuple[dict[str, Any], str], source: str) -> str:
+    """The first `dtype` / `torch_dtype` the (section, key prefix) pairs give (default
+    float32). Each one given must be a dtype jscenegen stores (transformers reads either); else
+    ModelConfigError naming the field."""
+    given = [(prefix + key, section[key]) for section, prefix in sections
+             for key in ("dtype", "torch_dtype") if section.get(key) is not None]
     for key, value in given:
         if value not in SAFETENSORS:
             raise ModelConfigError(f"{source}: {key} must be one of {', '.join(SAFETENSORS)}, "
@@ -295,7 +295,7 @@ class QwenConfig:
                                               "max_position_embeddings", source, integer=True),
             bos_token_id=_token_ids(d, "bos_token_id", d["vocab_size"], source),
             eos_token_id=_token_ids(d, "eos_token_id", d["vocab_size"], source),
-            torch_dtype=_weights_dtype(d, source=source),
+            torch_dtype=_weights_dtype((d, ""), source=source),
         )
 
     @classmethod
@@ -507,7 +507,7 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                                           "max_position_embeddings", source, prefix, integer=True),
         bos_token_id=_token_ids(t, "bos_token_id", t["vocab_size"], source, prefix),
         eos_token_id=_token_ids(t, "eos_token_id", t["vocab_size"], source, prefix),
-        torch_dtype=_weights_dtype(d, t, source=source),
+        torch_dtype=_weights_dtype((d, ""), (t, prefix), source=source),
         layer_types=kinds,
         partial_rotary_factor=factor,
         mrope_section=tuple(mrope) if mrope is not None else None,

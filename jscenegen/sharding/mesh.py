@@ -85,7 +85,7 @@ def make_mesh(fsdp: int = -1, sp: int = 2, devices=None) -> Mesh:
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, *,
                            announce: Callable[[str], None] | None = None,
-                           timeout_s: int = 300) -> bool:
+                           timeout_s: int = 300, same: dict[str, str] | None = None) -> bool:
     """Start JAX's multi-controller runtime when a multi-process launch is configured.
 
     Values come from the arguments (the run config's `mesh` section), else the environment
@@ -93,12 +93,13 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     when `jax.distributed.initialize` was called (False for one process). On CPU,
     cross-process collectives use gloo. Before waiting, `announce` gets one line saying what
     this process waits for; the wait (at most `timeout_s`, JAX's initialization timeout) keeps
-    the main thread free, so Ctrl-C and SIGTERM end it.
+    the main thread free, so Ctrl-C and SIGTERM end it. Once joined, the processes check that
+    each was given the same settings `same` and the same process count (`check_same_settings`).
 
     Raises MeshError when only some of the three values are given, an environment value is
     not an integer, num_processes < 1, the process id is outside 0..num_processes-1, the
     address is not host:port or its host does not resolve, or the processes did not all join
-    in time.
+    in time, or when the processes were given other settings.
     """
     addr = coordinator_address or os.environ.get("JSCENEGEN_COORDINATOR") or None
     n = num_processes if num_processes is not None else _env_int("JSCENEGEN_NUM_PROCESSES")
@@ -133,6 +134,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         coordinator_address=addr, num_processes=n, process_id=pid,
         initialization_timeout=timeout_s + 60), timeout_s,
         f"the {n} processes did not all join at {addr}")
+    check_same_settings({**(same or {}), "num_processes": str(n)})  # JAX does not compare them
     return True
 
 
