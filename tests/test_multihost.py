@@ -187,7 +187,8 @@ def test_processes_that_never_join_end_the_wait_with_one_line_after_init_timeout
         proc.kill()
     assert proc.returncode == 2
     assert re.fullmatch(r"error: multi-host launch: the 2 processes did not all join at "
-                        r"127\.0\.0\.1:\d+ within 2 s \(mesh\.init_timeout_s\)",
+                        r"127\.0\.0\.1:\d+ within 2 s \(mesh\.init_timeout_s\); one that was not "
+                        r"started or failed before joining says so in its own output",
                         err.strip().splitlines()[-1])
 
 

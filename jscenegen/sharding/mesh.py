@@ -133,15 +133,18 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     _wait_interruptibly(lambda: jax.distributed.initialize(
         coordinator_address=addr, num_processes=n, process_id=pid,
         initialization_timeout=timeout_s + 60), timeout_s,
-        f"the {n} processes did not all join at {addr}")
+        f"the {n} processes did not all join at {addr}",
+        "; one that was not started or failed before joining says so in its own output")
     check_same_settings({**(same or {}), "num_processes": str(n)})  # JAX does not compare them
     return True
 
 
-def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str) -> None:
+def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str,
+                        timeout_hint: str = "") -> None:
     """Run `call` in a daemon thread while the main thread waits in short joins, so a signal
     handler (Ctrl-C, SIGTERM) runs during a wait that blocks in native code. Raises MeshError
-    naming `failure` when `call` raised or took longer than `timeout_s`."""
+    naming `failure` when `call` raised, or naming `failure` and `timeout_hint` when it took
+    longer than `timeout_s`."""
     errors: list[BaseException] = []
 
     def target():
@@ -155,7 +158,8 @@ def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str
     while thread.is_alive() and time.monotonic() < deadline:
         thread.join(0.2)
     if thread.is_alive():
-        raise MeshError(f"multi-host launch: {failure} within {timeout_s} s (mesh.init_timeout_s)")
+        raise MeshError(f"multi-host launch: {failure} within {timeout_s} s "
+                        f"(mesh.init_timeout_s){timeout_hint}")
     if errors:
         raise MeshError(f"multi-host launch: {failure} ({type(errors[0]).__name__}: "
                         f"{str(errors[0]).splitlines()[0] if str(errors[0]) else ''})") from None
