@@ -250,6 +250,9 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     else:
         model_dir = default_model_dir(cfg, phases)
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
+    layout = trainer.engine.sampler.layout.describe()
+    if is_primary():
+        print(f"rollout layout: {layout}", file=sys.stderr, flush=True)
     evals = {}
     try:
         if is_primary():
@@ -275,7 +278,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     finally:
         trainer.close()
     if is_primary():
-        out = dict(vars(summary), run_dir=str(run_dir), phases=phases)
+        out = dict(vars(summary), run_dir=str(run_dir), rollout_layout=layout, phases=phases)
         for when, report in evals.items():
             s = report["overall"]["model"]
             out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}

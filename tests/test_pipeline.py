@@ -116,7 +116,8 @@ def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:
 def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_path):
     """`jscenegen train` as a user runs it (its own process, so the OS records the command
     line swanlab reads) with a credential in judge.base_url on the command line: no file of
-    the run directory holds it; stderr (not a terminal) gets one line per update; swanlab's
+    the run directory holds it; stderr (not a terminal) gets the rollout layout and one line
+    per update; swanlab's
     banner is printed once, to stderr (stdout holds JSON lines only); the run lock is gone at
     the end."""
     import subprocess
@@ -139,6 +140,10 @@ def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_pa
     assert proc.stderr.count("swanlab sync") == 1
     stdout = [json.loads(line) for line in proc.stdout.splitlines()]  # JSON lines only (`| jq`)
     assert stdout[-1]["effective_updates"] == 2
+    # the rollout layout `auto` chose (one device here: replicated), on stderr and in the summary
+    layouts = [line for line in proc.stderr.splitlines() if line.startswith("rollout layout: ")]
+    assert layouts == [f"rollout layout: {stdout[-1]['rollout_layout']}"]
+    assert stdout[-1]["rollout_layout"].startswith("replicated ")
     assert not (run_dir / "run.lock").exists()
     # an extending resume writes the config it continues with back to config.yaml
     origin = (run_dir / "run.json").read_text()

@@ -146,7 +146,6 @@ class Trainer:
         # the sampler's own copy of the weights, in the rollout layout (sharding/rollout.py);
         # resharded once after every optimizer step (`_step`)
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh, cfg.rollout)
-        log.info("rollout layout: %s", self.engine.sampler.layout.describe())
         graphdef, params, frozen = split_params(self.model)
         self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), cfg.loss, cfg.optim,
                                 temperature=cfg.sampling.temperature)
