@@ -85,6 +85,53 @@ class Section(PlainModel):
     """Base of every config section (`PlainModel`'s rules)."""
 
 
+def config_fields(model: type[BaseModel], values: BaseModel | None = None,
+                  prefix: str = "") -> list[tuple[str, str, Any, Any, str]]:
+    """Every leaf key of the config schema `model`, depth first in declaration order:
+    (dotted key, its type as the YAML takes it, the code's default, its value in `values` (an
+    instance of `model`, e.g. a shipped config; None: not given), the field's description).
+    A field whose type is itself a model is walked into, not listed."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key, value = prefix + name, getattr(values, name) if values is not None else None
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            rows += config_fields(field.annotation, value, key + ".")
+            continue
+        rows.append((key, _type_text(field.annotation, field.metadata), field.get_default(),
+                     value, field.description or ""))
+    return rows
+
+
+def _type_text(annotation, metadata=()) -> str:
+    """A field's type as a config file writes it: `int >= 1`, `a | b` for choices, `list of
+    str`, `... or null`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        text = " | ".join(str(a) for a in args)
+    elif origin in (typing.Union, types.UnionType):
+        kept = [a for a in args if a is not type(None)]
+        text = " or ".join(_type_text(a) for a in kept)
+        if len(kept) < len(args):
+            text += " or null"
+    elif origin in (tuple, list):
+        items = [a for a in args if a is not Ellipsis]
+        if len(items) == 1 or (origin is list and items):
+            text = f"list of {_type_text(items[0])}"
+        else:
+            text = f"[{', '.join(_type_text(a) for a in items)}]"
+    elif origin is dict:
+        text = f"map of {_type_text(args[0])} to {_type_text(args[1])}" if args else "map"
+    else:
+        text = getattr(annotation, "__name__", str(annotation))
+    bounds = [f"{sign} {getattr(m, attr)}" for m in metadata
+              for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+              if getattr(m, attr, None) is not None]
+    pattern = [getattr(m, "pattern") for m in metadata if getattr(m, "pattern", None)]
+    if pattern and pattern[0].startswith("^(") and pattern[0].endswith(")$"):
+        text = " | ".join(pattern[0][2:-2].split("|"))
+    return " ".join([text, ", ".join(bounds)]).strip() if bounds else text
+
+
 def _parse_value(text: str, item: str) -> Any:
     """An override's value as YAML (with the config files' guards), else the text itself."""
     try:

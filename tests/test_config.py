@@ -181,3 +181,24 @@ def test_cudnn_attention_runs_as_xla_off_gpu_with_a_warning(caplog):
             assert ModelConfig(attention="cudnn").build_options()["attn_impl"] == "xla"
     assert caplog.text.count("model.attention=cudnn needs a GPU; the cpu backend runs xla attention") == 1
     assert ModelConfig().build_options()["attn_impl"] == "xla"
+
+
+def test_docs_config_md_lists_every_key_with_its_meaning_and_is_current():
+    """docs/config.md is the generated reference: every leaf key of RunConfig, each with a
+    description, its default and the CPU default's value; regenerate it with
+    `python -m jscenegen.run_config > docs/config.md` after a schema change."""
+    from pathlib import Path
+
+    from jscenegen.config import config_fields
+    from jscenegen.run_config import REFERENCE_PATH, config_reference, load_run_config
+
+    rows = config_fields(RunConfig, load_run_config(None))
+    assert [key for key, *_, description in rows if not description] == []
+    text = config_reference()
+    for key, _, default, cpu, _ in rows:
+        line = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
+        assert (line.split(" | ")[3] == "=") == (cpu == default), line
+    assert "| `optim.lr` | float >= 0 | 1e-06 | 5e-05 |" in text  # cpu-default.yaml's lr
+    assert "| `loss.loss_agg_mode` | token-mean \\| seq-mean-token-sum" in text
+    path = Path(__file__).resolve().parents[1] / REFERENCE_PATH
+    assert path.read_text() == text, f"{REFERENCE_PATH} is stale: python -m jscenegen.run_config > {REFERENCE_PATH}"

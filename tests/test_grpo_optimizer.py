@@ -84,6 +84,47 @@ def test_one_step_with_active_clip_moves_parameters():
     assert np.all(moved > 5e-4)  # Adam's first step is ~lr per coordinate
 
 
+def test_bf16_parameters_keep_fp32_moments_and_round_torchs_fp32_update():
+    """model.param_dtype=bfloat16: the moments stay float32 (a checkpoint holds fp32 Adam
+    state; they were bf16 and the first save failed) and each step is torch AdamW's on the
+    fp32 values of the bf16 parameters, rounded to bf16 (the reference rounds its parameters
+    back to bf16 after every step)."""
+    import ml_dtypes
+
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0)   # steps above bf16's spacing
+    p0 = {k: v.astype(ml_dtypes.bfloat16) for k, v in _params().items()}
+    tparams = {k: torch.nn.Parameter(torch.tensor(v.astype(np.float32))) for k, v in p0.items()}
+    opt, sched = ref.make_torch_optimizer(list(tparams.values()), cfg)
+    tx = make_optimizer(cfg)
+    params = jax.tree.map(jnp.asarray, p0)
+    state = tx.init(params)
+    assert {str(x.dtype) for x in jax.tree.leaves(state) if x.ndim} == {"float32"}
+    step = jax.jit(lambda g, s, p, lr: optimizer_step(tx, g, s, p, lr))
+    for i in range(3):
+        g = _grads(i)
+        for k, tp in tparams.items():
+            tp.grad = torch.tensor(g[k].astype(ml_dtypes.bfloat16).astype(np.float32))
+        torch.nn.utils.clip_grad_norm_(list(tparams.values()), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for tp in tparams.values():
+                tp.copy_(tp.bfloat16().float())
+        bf16_grads = {k: jnp.asarray(v, jnp.bfloat16) for k, v in g.items()}
+        params, state, _, skipped = step(bf16_grads, state, params, lr_at(cfg, i))
+        assert not bool(skipped)
+    canon = state_to_canonical(state)
+    for k, tp in tparams.items():
+        assert params[k].dtype == jnp.bfloat16
+        want = tp.detach().numpy()
+        got = np.asarray(params[k].astype(jnp.float32))
+        ulp = np.abs(want) * 2.0 ** -7   # one bf16 rounding step either way
+        assert np.all(np.abs(got - want) <= ulp), k
+        assert (got != _params()[k].astype(ml_dtypes.bfloat16).astype(np.float32)).any(), k
+        assert canon["mu"][k].dtype == np.float32
+        np.testing.assert_allclose(canon["mu"][k], opt.state[tp]["exp_avg"].numpy(), rtol=1e-5)
+
+
 def test_non_finite_gradient_is_skipped_and_state_unchanged():
     cfg = OptimConfig(lr=1e-3)
     tx = make_optimizer(cfg)

@@ -106,6 +106,21 @@ def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     assert state["schedule"]["attempts"] == 3 and state["lr_step"] == 3
 
 
+def test_bf16_parameters_train_save_and_resume_with_fp32_adam_moments(tmp_path):
+    """model.param_dtype=bfloat16 (the README's "fp32 or bf16 params"): the moments were
+    created bf16, and the first checkpoint save refused them after the update had run."""
+    bf16 = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16",
+            "schedule.total_updates": 1}
+    _, summary = _run(tmp_path / "run", **bf16)
+    assert summary.optimizer_steps == 1 and summary.checkpoint is not None
+    ck = _final(tmp_path / "run")
+    assert {str(a.dtype) for a in ck.params.values()} == {"bfloat16"}
+    assert {str(a.dtype) for a in ck.adam["mu"].values()} == {"float32"}
+    assert any(np.abs(np.asarray(a)).max() > 0 for a in ck.adam["mu"].values())
+    _, resumed = _run(tmp_path / "run", resume=True, **{**bf16, "schedule.total_updates": 2})
+    assert resumed.optimizer_steps == 2
+
+
 def test_a_trainer_checkpoint_keeps_its_lr_scheduler_position_in_verl_files(straight):
     """The trainer's train state names its LR count `lr_step` (converted ones
     `lr_schedule_count`): the VERL scheduler state must carry it, not restart at 0."""
@@ -134,6 +149,32 @@ def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tm
     assert np.abs(a.adam["mu"]["model.norm.weight"]).max() > 0  # the moments really moved
     assert a.train_state["schedule"] == b.train_state["schedule"]
     assert _metrics(run_dir) == _metrics(tmp_path)
+
+
+def test_a_resumed_run_keeps_the_initial_policy_as_its_kl_reference(tmp_path):
+    """use_kl_loss without model.reference_path: the reference is the initial policy, on
+    resume too (it was the checkpoint's weights, so the resumed updates' KL restarted at 0):
+    stopped after 1 update and resumed equals 2 straight updates bitwise; a resumed run whose
+    model directory lost its weights is refused, naming model.reference_path."""
+    kl = {"loss.use_kl_loss": "true", "loss.kl_coef": 1.0, "loss.kl_loss_type": "k3",
+          "schedule.total_updates": 2}
+    _, straight = _run(tmp_path / "straight", **kl)
+    _, first = _run(tmp_path / "resumed", max_updates=1, **kl)
+    assert first.attempts == 1
+    _, second = _run(tmp_path / "resumed", resume=True, **kl)
+    assert straight.attempts == second.attempts == 2
+    a, b = _final(tmp_path / "straight"), _final(tmp_path / "resumed")
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
+    rows = _metrics(tmp_path / "straight")
+    assert rows[1]["train/kl"] > 0 and rows == _metrics(tmp_path / "resumed")
+    import shutil
+
+    moved = shutil.copytree(chat_model_dir(), tmp_path / "assets",
+                            ignore=shutil.ignore_patterns("*.safetensors*"))
+    with pytest.raises(ResumeError, match="model.reference_path"):
+        _run(tmp_path / "resumed", resume=True, model_dir=moved,
+             **{**kl, "schedule.total_updates": 3})
 
 
 def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(tmp_path, caplog):

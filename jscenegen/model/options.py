@@ -17,9 +17,17 @@ class ModelConfig(Section):
                              "null: the CPU default's tiny model, created on first use")
     reference_path: str | None = Field(None, description="frozen reference model for the KL "
                                        "term (default: the initial policy weights)")
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: bool = False
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype the trained parameters are held in (the AdamW moments and "
+        "the update are float32 either way); weights are cast to it on loading whatever the file stores (carried "
+        "tensors keep their stored dtype); the reference model is loaded in it too")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the activations and matmul operands (weights are "
+        "cast to it; products accumulate in float32, logits are float32); also the sampler's "
+        "KV-cache dtype, and its weights' unless rollout.dtype is set")
+    remat: bool = Field(False, description="rematerialise each decoder layer (jax.checkpoint): "
+                        "the backward pass recomputes the layer's forward instead of keeping its "
+                        "activations (less memory, more compute)")
     attention: Literal["xla", "cudnn"] = Field("xla", description="attention kernel: xla (any "
                                                "backend) or cudnn (GPU; xla elsewhere, with a "
                                                "warning)")

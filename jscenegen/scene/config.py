@@ -28,15 +28,24 @@ GRADE_KEYS = (
 class OpCosts(Section):
     """Unit cost of each designer operation (scene-protocol.md section 3)."""
 
-    add_object: int = Field(8, ge=0)
-    replace_object: int = Field(8, ge=0)
-    resize_object: int = Field(3, ge=0)
-    move_object: int = Field(2, ge=0)
-    remove_object: int = Field(2, ge=0)
-    snap_to_wall: int = Field(2, ge=0)
-    snap_to_object: int = Field(2, ge=0)
-    rotate_object: int = Field(1, ge=0)
-    get_scene: int = Field(0, ge=0)
+    add_object: int = Field(8, ge=0, description="units of budget one add_object costs (charged "
+                            "when requested, also when it then fails validation)")
+    replace_object: int = Field(8, ge=0, description="units of budget one replace_object costs "
+                                "(charged when requested)")
+    resize_object: int = Field(3, ge=0, description="units of budget one resize_object costs "
+                               "(charged when requested)")
+    move_object: int = Field(2, ge=0, description="units of budget one move_object costs "
+                             "(charged when requested)")
+    remove_object: int = Field(2, ge=0, description="units of budget one remove_object costs "
+                               "(charged when requested; its children go with it)")
+    snap_to_wall: int = Field(2, ge=0, description="units of budget one snap_to_wall costs "
+                              "(charged when requested)")
+    snap_to_object: int = Field(2, ge=0, description="units of budget one snap_to_object costs "
+                                "(charged when requested)")
+    rotate_object: int = Field(1, ge=0, description="units of budget one rotate_object costs "
+                               "(charged when requested)")
+    get_scene: int = Field(0, ge=0, description="units of budget one get_scene costs (charged "
+                           "when requested)")
 
 
 class MetricsConfig(Section):
@@ -47,40 +56,78 @@ class MetricsConfig(Section):
     refused.
     """
 
-    cell_m: float = Field(0.05, gt=0)
-    agent_radius_m: float = Field(0.15, ge=0)
-    access_margin_m: float = Field(0.10, ge=0)
-    block_height_m: float = Field(1.5, gt=0)
-    thin_height_m: float = Field(0.03, ge=0)
-    min_region_m2: float = Field(0.1, ge=0)
-    penetration_m: float = Field(0.01, ge=0)
-    oob_fraction: float = Field(0.01, ge=0, le=1)
-    oob_cap_fraction: float = Field(0.05, ge=0, le=1)
-    door_clearance_m: float = Field(0.8, ge=0)
-    window_clearance_m: float = Field(0.5, ge=0)
-    wall_gap_m: float = Field(0.10, ge=0)
-    chair_desk_m: float = Field(1.5, ge=0)
-    grid_size: int = Field(128, ge=32, le=512, multiple_of=32)
-    max_polygon_vertices: int = Field(16, ge=3, le=MAX_FLOOR_VERTICES)
-    max_doors: int = Field(4, ge=1, le=MAX_OPENINGS)
+    cell_m: float = Field(0.05, gt=0, description="side of one reachability grid cell (m); must be "
+                          "a whole even number of millimetres")
+    agent_radius_m: float = Field(0.15, ge=0, description="radius of the walking agent (m): free "
+                                  "space is the floor eroded by it minus the blocking footprints "
+                                  "dilated by it")
+    access_margin_m: float = Field(0.10, ge=0, description="access ring width (m): an object is "
+                                   "reachable when the ring between its footprint dilated by "
+                                   "agent_radius_m and by agent_radius_m + this touches the reached "
+                                   "cells; their sum is also the front-to-wall probe distance")
+    block_height_m: float = Field(1.5, gt=0, description="an object whose bottom (elevation) is at "
+                                  "or above this height (m) never blocks walking")
+    thin_height_m: float = Field(0.03, ge=0, description="an object at most this tall (m), or a "
+                                 "catalogue `thin` category, is a thin covering (rug, mat): it "
+                                 "neither blocks walking nor collides")
+    min_region_m2: float = Field(0.1, ge=0, description="free-space components count as regions "
+                                 "(num_regions) only when larger than this area (m^2)")
+    penetration_m: float = Field(0.01, ge=0, description="footprint overlap depth (m) from which two "
+                                 "objects collide, and an object enters a door clearance or window "
+                                 "box")
+    oob_fraction: float = Field(0.01, ge=0, le=1, description="share of an object's footprint "
+                                "outside the floor above which it is out of bounds, as is one above "
+                                "the walls (oob_objects: -3 physical_plausibility each, rule judge)")
+    oob_cap_fraction: float = Field(0.05, ge=0, le=1, description="share of a footprint outside "
+                                    "the floor above which the object caps physical_plausibility "
+                                    "at 4 (oob_cap_objects; so does one above the walls)")
+    door_clearance_m: float = Field(0.8, ge=0, description="depth (m) into the room of each door's "
+                                    "clearance box (the door's width): a blocking object in it "
+                                    "blocks the door")
+    window_clearance_m: float = Field(0.5, ge=0, description="depth (m) into the room of each "
+                                      "window's box (the window's width): a non-thin object in it "
+                                      "whose top is above the sill and bottom below the window's "
+                                      "top is a window warning")
+    wall_gap_m: float = Field(0.10, ge=0, description="a storage piece farther than this (m) from "
+                              "every wall is off the wall (storage_off_wall_objects: -1 realism "
+                              "each in the rule judge)")
+    chair_desk_m: float = Field(1.5, ge=0, description="a chair is at a desk when a desk-like "
+                                "object's centre lies within this distance (m) of its centre and "
+                                "within 60 degrees of its front (else -2 functionality)")
+    grid_size: int = Field(128, ge=32, le=512, multiple_of=32, description="side of the fixed "
+                           "padded reachability grid in cells (times cell_m: the longest room "
+                           "bounding-box side); a larger room is refused")
+    max_polygon_vertices: int = Field(16, ge=3, le=MAX_FLOOR_VERTICES, description="most floor "
+                                      "polygon vertices a measured room may have (the grid's "
+                                      "padded size); more are refused")
+    max_doors: int = Field(4, ge=1, le=MAX_OPENINGS, description="most doors a measured room may "
+                           "have (the grid's padded size); more are refused")
 
 
 class RewardConfig(Section):
     """R = mean(grades) / 10 - unit_penalty * min(units, unit_norm) / unit_norm; failure -> failure_reward."""
 
-    unit_penalty: float = 0.8
-    unit_norm: int = Field(512, gt=0)
-    failure_reward: float = -1.0
+    unit_penalty: float = Field(0.8, description="weight of the budget term: the reward loses "
+                                "unit_penalty x min(units used, unit_norm) / unit_norm")
+    unit_norm: int = Field(512, gt=0, description="units of budget at which the unit penalty "
+                           "reaches its full weight (used units beyond it cost nothing more)")
+    failure_reward: float = Field(-1.0, description="reward of an episode that ends in a policy "
+                                  "failure (judge and runtime failures are masked instead, reward 0)")
 
 
 class SceneRuntimeConfig(Section):
     """The SceneGen environment: operation costs, budget, caps, metrics, reward, prompts."""
 
     op_costs: OpCosts = OpCosts()
-    budget_units: int = Field(512, gt=0)
-    max_objects: int = Field(40, ge=1, le=MAX_SCENE_OBJECTS)
-    max_planner_turns: int = Field(12, ge=1)
-    max_critique_rounds: int = Field(3, ge=0)
+    budget_units: int = Field(512, gt=0, description="units of budget per episode; an operation "
+                              "that would pass it is refused, uncharged, and ends its batch")
+    max_objects: int = Field(40, ge=1, le=MAX_SCENE_OBJECTS, description="most objects a scene "
+                             "may hold: add_object on a scene that has this many fails validation "
+                             "(still charged)")
+    max_planner_turns: int = Field(12, ge=1, description="planner turns per episode; the last must "
+                                   "be finish, else the episode fails (planner_turn_cap)")
+    max_critique_rounds: int = Field(3, ge=0, description="critic turns per episode; a further "
+                                     "critique request is refused with a message, not failed")
     metrics: MetricsConfig = MetricsConfig()
     reward: RewardConfig = RewardConfig()
     prompts_dir: str | None = Field(
@@ -97,20 +144,38 @@ class JudgeConfig(Section):
     The API key is never a config value: `api_key_env` names the environment variable holding it.
     """
 
-    backend: Literal["rule", "http"] = "rule"
-    grade_keys: tuple[str, ...] = GRADE_KEYS
+    backend: Literal["rule", "http"] = Field("rule", description="rule: grades computed from the "
+                                             "measured metrics, deterministic and offline; http: "
+                                             "an OpenAI-compatible chat-completions server "
+                                             "(base_url, model)")
+    grade_keys: tuple[str, ...] = Field(GRADE_KEYS, description="grades the judge and the critic "
+                                        "give (integers 0-10); the reward's quality is their "
+                                        "mean / 10; the rule judge knows only the default seven")
     enforce_caps: bool = Field(True, description="Apply the metric caps to a model judge's grades too.")
-    base_url: str | None = None
-    model: str | None = None
-    api_key_env: str | None = "JSCENEGEN_JUDGE_API_KEY"
+    base_url: str | None = Field(None, description="http judge: the server's API root (requests "
+                                 "go to {base_url}/chat/completions; train first probes "
+                                 "{base_url}/models); required with backend http")
+    model: str | None = Field(None, description="http judge: the model name sent in each request "
+                              "(whatever the server serves); required with backend http")
+    api_key_env: str | None = Field("JSCENEGEN_JUDGE_API_KEY", description="name of the "
+                                    "environment variable holding the http judge's API key (sent "
+                                    "as a Bearer token); null or unset: no Authorization header")
     # bounded so that one request's worst case (1 + max_retries timeouts and back-offs of
     # backoff_s x 2^attempt) stays hours, not years
-    timeout_s: float = Field(120.0, gt=0, le=3600)
-    max_retries: int = Field(2, ge=0, le=10)
-    backoff_s: float = Field(1.0, ge=0, le=60)
-    concurrency: int = Field(8, ge=1, le=1024)
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int = Field(1024, ge=16)
+    timeout_s: float = Field(120.0, gt=0, le=3600, description="seconds each try of an http judge "
+                             "request may take before it counts as judge_timeout")
+    max_retries: int = Field(2, ge=0, le=10, description="further tries of a failed http judge "
+                             "request (none after an HTTP 4xx other than 408 and 429); then the "
+                             "episode is masked as a judge failure")
+    backoff_s: float = Field(1.0, ge=0, le=60, description="seconds before the first retry, "
+                             "doubled for each further one (a longer Retry-After in seconds, up "
+                             "to 60, wins)")
+    concurrency: int = Field(8, ge=1, le=1024, description="most http judge requests in flight at "
+                             "once within one grading call")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature sent to the http "
+                               "judge's server")
+    max_tokens: int = Field(1024, ge=16, description="max_tokens sent to the http judge's server "
+                            "(the most tokens its answer may have)")
     max_failed_updates: int = Field(
         5, ge=0, description="train stops (with a checkpoint, exit 2) after this many updates in "
         "a row in which the judge failed every episode it was asked to grade (a judge that is "

@@ -31,11 +31,22 @@ class MeshConfig(Section):
     """The `mesh:` section: device mesh ("fsdp", "sp"); fsdp = -1 takes the remaining devices;
     the multi-host launch values (else from JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)."""
 
-    fsdp: int = -1
-    sp: int = 2
-    coordinator_address: str | None = None
-    num_processes: int | None = Field(None, ge=1, le=1 << 20)
-    process_id: int | None = Field(None, ge=0, lt=1 << 20)
+    fsdp: int = Field(-1, description="devices on the fsdp axis (training batch rows split over it; "
+                      "parameters and Adam moments shard dim 0 over fsdp x sp); -1: the device "
+                      "count / sp; fsdp x sp must equal the devices of all processes")
+    sp: int = Field(2, description="devices on the sp (sequence-parallel) axis: training sequence "
+                    "positions split over it; must divide the device count")
+    coordinator_address: str | None = Field(None, description="host:port of process 0's JAX "
+                                            "coordinator for a multi-host launch (jscenegen "
+                                            "train only; give all three launch values, as keys "
+                                            "or variables, or none); null: $JSCENEGEN_COORDINATOR")
+    num_processes: int | None = Field(None, ge=1, le=1 << 20, description="processes (one per "
+                                      "host) of a multi-host launch; null: "
+                                      "$JSCENEGEN_NUM_PROCESSES; 1 without a coordinator "
+                                      "address: one process")
+    process_id: int | None = Field(None, ge=0, lt=1 << 20, description="this process's index "
+                                   "in 0..num_processes-1 (0 writes the run files); null: "
+                                   "$JSCENEGEN_PROCESS_ID")
     init_timeout_s: int = Field(300, ge=1, le=86400, description="how long each process of a "
                                 "multi-host launch waits for the others to join")
 

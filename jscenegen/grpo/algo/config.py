@@ -23,7 +23,11 @@ class LossConfig(Section):
     clip_low: float = Field(0.2, gt=0, lt=1, description="epsilon_low: ratio clipped at 1 - clip_low")
     clip_high: float = Field(0.2, gt=0, description="epsilon_high: ratio clipped at 1 + clip_high")
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for A < 0 (VERL clip_ratio_c)")
-    loss_agg_mode: AggMode = "token-mean"
+    loss_agg_mode: AggMode = Field(
+        "token-mean", description="how per-token losses (policy, entropy and KL alike) reduce to "
+        "a scalar, as VERL's actor.loss_agg_mode: token-mean sum/tokens; seq-mean-token-sum "
+        "per-episode sums averaged over episodes; seq-mean-token-mean per-episode means averaged; "
+        "seq-mean-token-sum-norm per-episode sums / episodes / horizon; token-sum the plain sum")
     loss_scale: Literal["global", "legacy"] = Field(
         "global",
         description="global: VERL 0.9 engine (mini-batch-wide token/sequence counts); "
@@ -32,10 +36,19 @@ class LossConfig(Section):
     horizon: int | None = Field(
         None, gt=0, description="seq-mean-token-sum-norm divisor; None = padded length T"
     )
-    use_kl_loss: bool = False
+    use_kl_loss: bool = Field(False, description="add kl_coef x the aggregated KL to a frozen "
+                              "reference to the loss (VERL actor.use_kl_loss); the reference: "
+                              "model.reference_path, else the run's initial policy (on --resume "
+                              "read again from the run's model directory)")
     kl_coef: float = Field(0.001, ge=0, description="beta of the KL loss term (VERL kl_loss_coef)")
-    kl_loss_type: KLType = "low_var_kl"
-    entropy_coeff: float = 0.0
+    kl_loss_type: KLType = Field(
+        "low_var_kl", description="per-token KL estimator, VERL's kl_loss_type (d = logp - "
+        "ref_logp): kl/k1 d; abs |d|; mse/k2 d^2/2; low_var_kl/k3 exp(-d) + d - 1 (clamped as "
+        "VERL); k1+/k3+/low_var_kl+ the base estimator's value with k2's gradient "
+        "(straight-through, VERL >= 0.6)")
+    entropy_coeff: float = Field(0.0, description="weight of the entropy bonus: the loss subtracts "
+                                 "entropy_coeff x the aggregated entropy of the temperature-scaled "
+                                 "distribution (VERL actor.entropy_coeff); 0: no entropy term")
     ppo_micro_batch_size: int | None = Field(
         None, gt=0, description="rows per micro-batch (gradient accumulation); None = whole batch"
     )
@@ -56,16 +69,32 @@ class LossConfig(Section):
 class OptimConfig(Section):
     """AdamW + grad-norm clip + LR schedule, the torch.optim.AdamW update (specs/grpo.md)."""
 
-    lr: float = Field(1e-6, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
+    lr: float = Field(1e-6, ge=0, description="base learning rate; the schedule multiplies it "
+                      "(VERL actor.optim.lr)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2): decay "
+                                       "rates of the first and second moment estimates, each in "
+                                       "[0, 1) (torch.optim.AdamW betas)")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon, added to the bias-corrected sqrt of "
+                       "the second moment (torch.optim.AdamW eps)")
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay: each step scales "
+                                "every parameter by 1 - lr x weight_decay (torch.optim.AdamW; "
+                                "no parameter is exempt, as in VERL)")
     grad_clip: float | None = Field(1.0, description="max global grad norm; null or <= 0: no clip")
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="LR multiplier after the warmup (VERL's lr_scheduler_type, "
+        "formerly warmup_style): constant: 1; cosine: max(m, (1 + m)/2 + (1 - m)/2 cos(2 pi "
+        "num_cycles p)), m = min_lr_ratio, p = (step - warmup_steps) / (total_steps - warmup_steps) "
+        "(VERL's get_cosine_schedule_with_warmup: transformers' cosine with warmup plus the floor)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup: the step at "
+                              "scheduler count s < warmup_steps uses lr x s / warmup_steps (the "
+                              "first at 0, as VERL); VERL's lr_warmup_steps")
     total_steps: int | None = Field(None, gt=0, description="schedule length (cosine needs it)")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    num_cycles: float = 0.5
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the LR's floor as a "
+                                "fraction of lr, reached at total_steps with num_cycles 0.5 "
+                                "(VERL min_lr_ratio)")
+    num_cycles: float = Field(0.5, description="cosine: cosine periods over the steps after warmup "
+                              "(0.5: one half-cosine from lr down to min_lr_ratio x lr; "
+                              "transformers/VERL num_cycles)")
 
     @model_validator(mode="after")
     def _check(self):

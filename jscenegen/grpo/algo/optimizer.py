@@ -42,7 +42,9 @@ class TorchAdamWState(NamedTuple):
 
 
 def torch_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """`clip_grad_norm_`: g * min(1, max_norm / (global L2 norm + 1e-6)) (optax omits the 1e-6)."""
+    """`clip_grad_norm_`: g * min(1, max_norm / (global L2 norm + 1e-6)) (optax omits the 1e-6),
+    in float32 (a bf16 gradient is scaled in fp32, as torch scales the fp32 gradients of VERL's
+    master weights)."""
 
     def init_fn(params):
         del params
@@ -50,9 +52,10 @@ def torch_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
+        updates = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
         norm = optax.tree_utils.tree_norm(updates)
         coef = jnp.minimum(max_norm / (norm + TORCH_CLIP_EPS), 1.0)
-        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+        return jax.tree.map(lambda g: g * coef, updates), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -60,12 +63,18 @@ def torch_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 def torch_adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01) -> optax.GradientTransformationExtraArgs:
     """torch.optim.AdamW as an optax transformation; `update(..., params, learning_rate=lr)`.
 
-    Needs `params`. The returned updates are p_new - p with p_new computed in torch's order.
+    Needs `params`. The moments are float32 whatever the parameters' dtype (as VERL's fp32
+    master weights keep them; a checkpoint holds fp32 moments), and the update is computed in
+    float32; the returned updates are float32 p_new - p, p_new computed in torch's order and
+    rounded to the parameter's dtype, so `optax.apply_updates` lands on p_new exactly (torch's
+    arithmetic, bit for bit, for fp32 parameters).
     """
 
     def init_fn(params):
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return TorchAdamWState(jnp.zeros((), jnp.int32), zeros, jax.tree.map(jnp.zeros_like, params))
+        def zeros(p):
+            return jnp.zeros_like(p, dtype=jnp.float32)
+        return TorchAdamWState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params),
+                               jax.tree.map(zeros, params))
 
     def update_fn(updates, state, params=None, *, learning_rate, **extra):
         del extra
@@ -79,11 +88,12 @@ def torch_adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01) -> optax.Gradient
         decay = 1.0 - lr * weight_decay
 
         def one(g, p, m, v):
+            g, p32 = g.astype(jnp.float32), p.astype(jnp.float32)
             m = m + (1.0 - b1) * (g - m)
             v = v * b2 + ((1.0 - b2) * g) * g
-            denom = jnp.sqrt(v) / bc2_sqrt.astype(v.dtype) + eps
-            p_new = p * decay.astype(p.dtype) + ((-step_size).astype(p.dtype) * m) / denom
-            return p_new - p, m, v
+            denom = jnp.sqrt(v) / bc2_sqrt + eps
+            p_new = p32 * decay + (-step_size * m) / denom
+            return p_new.astype(p.dtype).astype(jnp.float32) - p32, m, v   # exact: p + u = p_new
 
         out = jax.tree.map(one, updates, params, state.mu, state.nu)
         treedef = jax.tree.structure(updates)
@@ -138,7 +148,7 @@ def optimizer_step(tx, grads, opt_state, params, learning_rate):
     gradient norm (before clipping, as clip_grad_norm_ returns it) is not finite, params and
     opt_state come back unchanged and skipped is True.
     """
-    grad_norm = optax.tree_utils.tree_norm(grads)
+    grad_norm = optax.tree_utils.tree_norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     skipped = ~jnp.isfinite(grad_norm)
     updates, new_state = tx.update(grads, opt_state, params, learning_rate=learning_rate)
     new_params = optax.apply_updates(params, updates)

@@ -23,8 +23,13 @@ from jscenegen.paths import atomic_file, json_line
 
 
 class LoggingConfig(Section):
-    swanlab_mode: Literal["offline", "local", "online", "disabled"] = "offline"
-    project: str = "jscenegen"
+    swanlab_mode: Literal["offline", "local", "online", "disabled"] = Field(
+        "offline", description="swanlab.init's mode (process 0 only): offline: files under "
+        "RUN_DIR/swanlab, no network (view with swanlab watch); local: swanlab's local mode, "
+        "also under RUN_DIR/swanlab; online: syncs to the SwanLab cloud (swanlab's own login); "
+        "disabled: swanlab is not started (metrics.jsonl is written either way)")
+    project: str = Field("jscenegen", description="swanlab project the run is logged under "
+                         "(swanlab.init project)")
     experiment: str | None = Field(None, description="run name (default: the run directory's name)")
 
 

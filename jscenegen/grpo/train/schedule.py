@@ -32,12 +32,18 @@ class ScheduleConfig(Section):
     train_set: str = Field("data/scenes/train.jsonl", description="JSONL scene set (file order = order)")
     dev_set: str = Field("data/scenes/dev.jsonl", description="dev scenes for evaluation")
     num_scenes: int | None = Field(None, gt=0, description="use the first N scenes (None: all)")
-    roles: str = Field("DDDPC", pattern=r"^[DPC]+$")
+    roles: str = Field("DDDPC", pattern=r"^[DPC]+$", description="role cycle: effective update k "
+                       "trains only the sampled tokens of role roles[k mod len(roles)] (D designer, "
+                       "P planner, C critic); enters the schedule hash")
     group_size: int = Field(8, ge=2, le=GROUP_MAX, description="episodes per scene (GRPO's "
                             "group; one episode has no advantage signal)")
     total_updates: int = Field(100, ge=1, description="effective updates (optimizer steps with signal)")
-    zero_spread: Literal["redraw", "skip", "count"] = "redraw"
-    max_redraws: int = Field(2, ge=0)
+    zero_spread: Literal["redraw", "skip", "count"] = Field(
+        "redraw", description="an attempt whose trained tokens all have zero advantage: redraw "
+        "(no step; the same scene with the next seeds, up to max_redraws times, then the next "
+        "scene), skip (no step; the next scene), count (step anyway; it counts as effective)")
+    max_redraws: int = Field(2, ge=0, description="zero_spread redraw: most redraws of an "
+                             "attempt's scene(s) before the schedule moves on without a step")
     max_attempts: int | None = Field(None, ge=1, description="stop after this many update "
                                      "attempts even without total_updates effective ones "
                                      "(a weak policy may never produce signal); None: no cap")

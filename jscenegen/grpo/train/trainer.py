@@ -48,7 +48,13 @@ from jscenegen.model.functional import hidden_fn, split_params
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.loader import build_model
 from jscenegen.model.tokenizer.chat import ChatTokenizer
-from jscenegen.model.weights import Carried, named_leaves, named_weights, param_shapes
+from jscenegen.model.weights import (
+    Carried,
+    CheckpointFormatError,
+    named_leaves,
+    named_weights,
+    param_shapes,
+)
 from jscenegen.paths import resolve_data_path, write_json
 from jscenegen.scene.dataset import SceneSetSource
 from jscenegen.scene.judge import make_judge
@@ -157,7 +163,7 @@ class Trainer:
             self._apply_checkpoint(ck)
         elif is_primary():  # the logs of a start that stopped before its first checkpoint
             truncate_run_logs(self.run_dir, 0)
-        self.ref_params = self._reference_params(params) if cfg.loss.use_kl_loss else None
+        self.ref_params = self._reference_params(params, resume) if cfg.loss.use_kl_loss else None
         self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
                                     primary=is_primary())
         self._stop_signal: int | None = None
@@ -166,12 +172,22 @@ class Trainer:
         self._rollout_down: list[str] = []   # the runtime failures of the updates in a row they took
 
     # ---- state ---------------------------------------------------------------------------
-    def _reference_params(self, params):
-        if self.cfg.model.reference_path is None:
-            return jax.tree.map(jnp.copy, params)  # the initial policy, never donated
-        m = self.cfg.model
-        ref = load_hf(m.reference_path, mesh=self.mesh, param_dtype=m.param_dtype,
-                      compute_dtype=m.compute_dtype)
+    def _reference_params(self, params, resume: bool):
+        """The KL term's frozen reference: `model.reference_path`, else the initial policy
+        (a copy of `params` at a fresh start; the run's model directory on resume, not the
+        checkpoint's weights). Raises ResumeError when a resumed run's model directory holds
+        no weights (a run converted from VERL) and no reference_path is given."""
+        path = self.cfg.model.reference_path
+        if path is None and not resume:
+            return jax.tree.map(jnp.copy, params)  # never donated
+        try:
+            ref = load_hf(path or self.model_dir, mesh=self.mesh, **self.cfg.model.build_options())
+        except CheckpointFormatError as err:
+            if path is not None:
+                raise
+            raise ResumeError(f"loss.use_kl_loss: the KL reference is the run's initial policy, "
+                              f"whose weights are not in {self.model_dir} ({err}); give its HF "
+                              "directory as model.reference_path") from None
         return split_params(ref)[1]
 
     def params_by_name(self) -> dict[str, jax.Array]:
