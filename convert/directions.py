@@ -27,6 +27,7 @@ from convert.tensor_sets import (
     embedding_name,
     fix_config_file,
     hf_shapes,
+    text_weights_dtype,
     verl_absent,
     verl_shapes,
 )
@@ -228,7 +229,7 @@ def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     with atomic_dir(dst, exists_error=ConvertError) as tmp:
         names = write_safetensors_streaming(tmp, specs, arrays(), max_shard_bytes)
         hf_files = copy_hf_metadata(ck.hf_dir, tmp)
-        fix_config_file(tmp / "config.json", extra.config)
+        fix_config_file(tmp / "config.json", extra.config, text_weights_dtype(specs, extra.config))
         model_files = [str(p) for p in sorted(ck.layout.shard_dir.glob("model_world_size_*.pt"))]
         write_layout(tmp, fmt="hf-safetensors", source=src, source_format="verl",
                      files=[(n, model_files) for n in names] + hf_files,

@@ -34,7 +34,14 @@ from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_r
 from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
-from convert.tensor_sets import carried_names, fix_config_file, hf_shapes, verl_shapes, with_tensors
+from convert.tensor_sets import (
+    carried_names,
+    fix_config_file,
+    hf_shapes,
+    text_weights_dtype,
+    verl_shapes,
+    with_tensors,
+)
 from convert.tensors import cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
@@ -413,7 +420,9 @@ def write_hf_into(step_dir: Path, out: Path, *, dtype: str | None) -> list[tuple
     arrays = ((n, cast(np.asarray(a), out_dtype[n]))
               for n, a in ckpt.iter_arrays(step_dir, "params", names=list(shapes)))
     names = write_safetensors_streaming(out, specs, arrays)
-    return [(n, [str(step_dir / ckpt.PARAMS_ITEM)]) for n in names] + copy_hf_metadata(hf, out)
+    assets = copy_hf_metadata(hf, out)
+    fix_config_file(out / "config.json", cfg, text_weights_dtype(specs, cfg))
+    return [(n, [str(step_dir / ckpt.PARAMS_ITEM)]) for n in names] + assets
 
 
 DIRECTIONS: dict[tuple[str, str], Callable[..., Any]] = {

@@ -20,7 +20,9 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from jscenegen.model.config import QwenConfig
+import numpy as np
+
+from jscenegen.model.config import QwenConfig, config_with_dtype
 from jscenegen.model.weights import param_shapes, weight_table
 
 # Tensor-name prefixes the torch model VERL trains never holds.
@@ -81,12 +83,28 @@ def config_json(cfg: QwenConfig, hf_config: dict) -> dict:
     return hf_config
 
 
-def fix_config_file(path: str | Path, cfg: QwenConfig) -> bool:
+def text_weights_dtype(specs: dict[str, tuple[tuple[int, ...], np.dtype]], cfg: QwenConfig) -> str:
+    """The dtype name most elements of the trained (not carried) tensors of `specs` ({name:
+    (shape, dtype)}, what an HF directory is written with) are stored in: what its config.json
+    must say (a Qwen3.5 release keeps A_log fp32 among bf16 weights and says bfloat16)."""
+    carried = carried_names(cfg)
+    counts: dict[str, int] = {}
+    for name, (shape, dtype) in specs.items():
+        if name not in carried:
+            counts[np.dtype(dtype).name] = counts.get(np.dtype(dtype).name, 0) + int(np.prod(shape))
+    return max(counts, key=counts.get)
+
+
+def fix_config_file(path: str | Path, cfg: QwenConfig, dtype: str | None = None) -> bool:
     """Rewrite the config.json at `path` with `config_json` when it disagrees with the MTP
-    layers `cfg` carries; True when it was rewritten."""
+    layers `cfg` carries or, given `dtype` (the text weights' dtype written beside it), with
+    that dtype (`model.config.config_with_dtype`: transformers loads the weights in the dtype
+    the config says); True when it was rewritten."""
     path = Path(path)
     doc = json.loads(path.read_text())
     fixed = config_json(cfg, json.loads(path.read_text()))
+    if dtype is not None:
+        fixed = config_with_dtype(fixed, dtype)
     if fixed == doc:
         return False
     path.write_text(json.dumps(fixed, indent=2) + "\n")

@@ -100,6 +100,12 @@ def test_dtype_casts_text_parameters_only(untied, tmp_path):
             want = torch.from_numpy(untied["params"][name]).to(torch.bfloat16)
             assert a.dtype == ml_dtypes.bfloat16, name
             np.testing.assert_array_equal(a.view(np.int16), want.view(torch.int16).numpy())
+    doc = json.loads((out / "config.json").read_text())   # transformers loads what it says
+    assert doc["dtype"] == doc["text_config"]["dtype"] == "bfloat16"
+    f32 = tmp_path / "fp32"
+    verl_to_hf(untied["ckpt"], f32, dtype="float32", carried_from=untied["release"])
+    doc = json.loads((f32 / "config.json").read_text())
+    assert doc["dtype"] == doc["text_config"]["dtype"] == "float32"
 
 
 def test_release_round_trip_through_verl(untied, tmp_path):

@@ -18,7 +18,7 @@ from convert.errors import ConvertError
 from convert.verl_read import VerlCheckpoint
 from jscenegen.checkpoint.checksums import verify_checksums
 
-from fsdp_fixtures import fixture_dir
+from fsdp_fixtures import GLOBAL_STEP, fixture_dir
 
 NAMES = ("qwen2_first_divisible", "qwen3_tied_dim0", "qwen35_first_divisible",
          "qwen35_tied_frozen_dim0")
@@ -115,6 +115,12 @@ def test_bf16_and_sharded_output(tmp_path):
     for k, t in got.items():
         assert t.dtype == torch.bfloat16
         assert torch.equal(t, torch.from_numpy(ref[k]).to(torch.bfloat16)), k
+    # config.json says so: transformers loads the weights in the dtype it names
+    from transformers import AutoConfig
+
+    assert json.loads((src / f"ckpt/global_step_{GLOBAL_STEP}/actor/huggingface/config.json").read_text()).get(
+        "torch_dtype", "float32") == "float32"
+    assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
 
 
 def test_hf_to_verl_model_only(fixture, hf_out, tmp_path):

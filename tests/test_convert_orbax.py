@@ -152,6 +152,10 @@ def test_hf_orbax_hf_is_bitwise(tmp_path):
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
     assert verify_checksums(tmp_path / "hf") > 0
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+    # --dtype: config.json names the dtype written (transformers loads the weights in it)
+    orbax_to_hf(tmp_path / "run", tmp_path / "hf16", dtype="bfloat16")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_hf_to_orbax_without_tokenizer_is_refused(tiny_hf, tmp_path):

@@ -93,6 +93,21 @@ def _weights_dtype(*sections: tuple[dict[str, Any], str], source: str) -> str:
     return given[0][1] if given else "float32"
 
 
+def config_with_dtype(doc: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """config.json content `doc` saying its (text) weights are stored in `dtype`, as
+    transformers' `save_pretrained` writes it: every `dtype` / `torch_dtype` key given, at the
+    top level and in `text_config`, set to `dtype`; `dtype` added at the top when neither is.
+    transformers loads weights in that dtype by default, whatever the files hold."""
+    sections = [d for d in (doc, doc.get("text_config")) if isinstance(d, dict)]
+    for section in sections:
+        for key in ("dtype", "torch_dtype"):
+            if key in section:
+                section[key] = dtype
+    if not any(key in doc for key in ("dtype", "torch_dtype")):
+        doc["dtype"] = dtype
+    return doc
+
+
 def read_config_file(f: str | Path) -> Any:
     """The parsed JSON of config file `f`, for `QwenConfig.from_hf_dict` (which refuses
     anything but an object). Raises ModelConfigError naming `f` when it is not valid JSON

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jscenegen.model.assets import copy_assets
-from jscenegen.model.config import QwenConfig
+from jscenegen.model.config import QwenConfig, config_with_dtype
 from jscenegen.model.dtypes import dtype_name, np_dtype
 from jscenegen.model.loader import build_model
 from jscenegen.model.qwen import CausalLM
@@ -158,15 +158,7 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
 
 def _config_json(cfg: QwenConfig, dtype: str | None) -> dict:
     """config.json for weights written in `dtype` (None: as stored)."""
-    hf = cfg.to_hf_dict()
-    if not cfg.hybrid:
-        hf["torch_dtype"] = dtype or cfg.torch_dtype
-    elif dtype is not None and dtype != cfg.torch_dtype:
-        for d in (hf, hf.get("text_config")):
-            if isinstance(d, dict):
-                d.pop("torch_dtype", None)
-                d["dtype"] = dtype
-    return hf
+    return config_with_dtype(cfg.to_hf_dict(), dtype or cfg.torch_dtype)
 
 
 def save_hf(model: CausalLM, out: str | Path, *, dtype: str | None = None,
