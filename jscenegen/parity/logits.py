@@ -13,6 +13,16 @@ import numpy as np
 
 TOLERANCE_FP32_MAX_ABS = 1e-4
 TOLERANCE_BF16_MEAN_KL = 1e-3
+BF16_KL_TO_FP32_VS_TORCH = 2.0   # jscenegen's bf16 error may be at most twice torch's own
+
+
+def bf16_within_tolerance(mean_kl: float, kl_to_fp32: dict[str, float]) -> bool:
+    """bf16 parity: KL(torch bf16 || jscenegen bf16) <= 1e-3, or, where bf16 rounding alone
+    moves logits further (large weights: torch's own bf16 logits then differ from its fp32 ones
+    by more than 1e-3 too), jscenegen's bf16 KL to torch's fp32 logits at most
+    BF16_KL_TO_FP32_VS_TORCH times torch bf16's. `kl_to_fp32`: {"jscenegen": .., "torch": ..}."""
+    return mean_kl <= TOLERANCE_BF16_MEAN_KL or (
+        kl_to_fp32["jscenegen"] <= BF16_KL_TO_FP32_VS_TORCH * kl_to_fp32["torch"])
 
 
 def random_padded_batch(vocab: int, batch: int, seq: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +62,8 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
                   seed: int = 0) -> dict:
     """Compare jscenegen and transformers logits; returns max_abs_diff, mean_kl, top1_agreement, ok.
 
-    `ok` applies the tolerances: fp32 max |diff| <= 1e-4; bf16 mean KL(torch || jax) <= 1e-3.
+    `ok` applies the tolerances: fp32 max |diff| <= 1e-4; bf16 `bf16_within_tolerance`, with
+    `kl_to_fp32` (each side's bf16 mean KL to torch's fp32 logits) in the result.
     Raises ImportError without torch, and the loaders' errors for a bad directory.
     """
     import jax
@@ -62,14 +73,18 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     from jscenegen.model.hf_io import load_hf
 
     model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)  # refuses a bad dir first
-    ref = torch_model(model_dir, model.cfg.model_type, dtype)
     ids, mask = random_padded_batch(model.cfg.vocab_size, batch, seq, seed)
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    with torch.no_grad():
-        ref_logits = ref(input_ids=torch.from_numpy(ids.astype(np.int64)),
-                         attention_mask=torch.from_numpy(mask.astype(np.int64)),
-                         position_ids=torch.from_numpy(positions.astype(np.int64))).logits
-    ref_logits = ref_logits.float().numpy()
+
+    def torch_logits(torch_dtype: str) -> np.ndarray:
+        ref = torch_model(model_dir, model.cfg.model_type, torch_dtype)
+        with torch.no_grad():
+            out = ref(input_ids=torch.from_numpy(ids.astype(np.int64)),
+                      attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                      position_ids=torch.from_numpy(positions.astype(np.int64))).logits
+        return out.float().numpy()
+
+    ref_logits = torch_logits(dtype)
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda st, i, m: nnx.merge(graphdef, st)(i, m))
     ours = np.asarray(forward(state, ids, mask), np.float32)
@@ -85,5 +100,8 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     if dtype == "float32":
         result["ok"] = result["max_abs_diff"] <= TOLERANCE_FP32_MAX_ABS
     else:
-        result["ok"] = result["mean_kl"] <= TOLERANCE_BF16_MEAN_KL
+        truth = torch_logits("float32")[real]
+        result["kl_to_fp32"] = {"jscenegen": float(_kl(truth, ours[real]).mean()),
+                                "torch": float(_kl(truth, ref_logits[real]).mean())}
+        result["ok"] = bf16_within_tolerance(result["mean_kl"], result["kl_to_fp32"])
     return result
