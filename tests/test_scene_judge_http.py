@@ -186,3 +186,22 @@ def test_a_refused_base_url_is_shown_without_its_credential():
         cfg("http://u:sk-URLSECRET@127.0.0.1:99999/v1?api_key=sk-QUERY")
     assert "'http://127.0.0.1:99999/v1' is not an http(s) URL" in str(info.value)
     assert "URLSECRET" not in str(info.value) and "sk-QUERY" not in str(info.value)
+
+
+def test_the_judge_prompt_states_the_configured_cap_threshold():
+    """The out-of-bounds cap's text names scene.metrics.oob_cap_fraction (it said 5% whatever
+    the config held); the default's text, and so every protocol hash, is unchanged."""
+    from jscenegen.scene.caps import CAPS, cap_text
+    from jscenegen.scene.config import MetricsConfig, SceneRuntimeConfig
+    from jscenegen.scene.judge import judge_messages
+    from jscenegen.scene.prompts import load_templates
+
+    oob = next(c for c in CAPS if c.condition == "oob_or_door_clearance")
+    assert cap_text(oob, MetricsConfig()).startswith("an object more than 5% outside the floor")
+    loose = SceneRuntimeConfig(metrics=MetricsConfig(oob_cap_fraction=0.2))
+    (system, _) = judge_messages(requests()[0], cfg("http://127.0.0.1:1/v1"),
+                                 load_templates(None), loose.metrics)
+    assert "more than 20% outside the floor" in system["content"] and "5%" not in system["content"]
+    ids = [make_judge(cfg("http://127.0.0.1:1/v1", api_key_env=None), runtime).identity()
+           for runtime in (SceneRuntimeConfig(), loose)]
+    assert ids[0]["rubric_hash"] != ids[1]["rubric_hash"]

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import MetricsConfig
+
 
 @dataclass(frozen=True)
 class Cap:
-    """`grade` is bounded above (kind "max") or below ("min") by `value` when `condition` holds."""
+    """`grade` is bounded above (kind "max") or below ("min") by `value` when `condition` holds;
+    `text` may name `scene.metrics` values as format fields (`{oob_cap_fraction:.0%}`)."""
 
     grade: str
     kind: str
@@ -27,7 +30,7 @@ CAPS: tuple[Cap, ...] = (
     Cap("reachability", "min", 7, "fully_reachable", "a fully reachable scene gets reachability at least 7"),
     Cap(
         "physical_plausibility", "max", 4, "oob_or_door_clearance",
-        "an object more than 5% outside the floor or above the wall height, or a blocked door "
+        "an object more than {oob_cap_fraction:.0%} outside the floor or above the wall height, or a blocked door "
         "clearance box, caps physical_plausibility at 4",
     ),
     Cap("completeness", "max", 2, "missing_required", "a bedroom without a bed caps completeness at 2"),
@@ -63,6 +66,11 @@ def apply_caps(grades: dict[str, int], metrics: dict) -> dict[str, int]:
     return out
 
 
-def caps_table() -> list[dict]:
-    """The cap table as JSON-able data (for the protocol hash and the docs)."""
-    return [c.__dict__.copy() for c in CAPS]
+def cap_text(cap: Cap, metrics: MetricsConfig) -> str:
+    """The cap's text with the run's metric thresholds filled in (what the judge reads)."""
+    return cap.text.format(**metrics.model_dump())
+
+
+def caps_table(metrics: MetricsConfig) -> list[dict]:
+    """The cap table as JSON-able data, texts filled in (for the protocol hash and the docs)."""
+    return [dict(c.__dict__, text=cap_text(c, metrics)) for c in CAPS]

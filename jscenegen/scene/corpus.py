@@ -50,7 +50,7 @@ def protocol_texts(n_scenes: int = DEFAULT_CORPUS_SCENES, cfg: SceneRuntimeConfi
             yield message["content"]
         if episode.finished:
             request = JudgeRequest(episode.scene, record.requested, episode.terminal_metrics)
-            for message in judge_messages(request, judge_cfg, templates):
+            for message in judge_messages(request, judge_cfg, templates, cfg.metrics):
                 yield message["content"]
 
 

@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from .caps import CAPS, active_caps
+from .caps import CAPS, active_caps, cap_text, caps_table
 from .catalogue import load_catalogue
-from .config import JudgeConfig, SceneRuntimeConfig
+from .config import JudgeConfig, MetricsConfig, SceneRuntimeConfig
 from .metrics import metrics_text
 from .prompts import PromptTemplates, load_templates
 from .schema import Scene, canonical_text
@@ -55,11 +55,14 @@ def requested_text(requested) -> str:
     return ", ".join(f"{r['category']} x{r['count']}" for r in requested) or "none"
 
 
-def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplates) -> list[dict]:
-    """Chat messages (system + user) for an LLM judge: rubric, caps, scene text and metrics."""
+def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplates,
+                   metrics_cfg: MetricsConfig) -> list[dict]:
+    """Chat messages (system + user) for an LLM judge: rubric, caps (their thresholds from
+    `metrics_cfg`, the run's `scene.metrics`), scene text and metrics."""
     grade_template = ", ".join(f'"{k}": <0-10>' for k in cfg.grade_keys)
-    caps = "\n".join(f"- {c.text}" for c in CAPS if c.grade in cfg.grade_keys)
-    active = "; ".join(c.text for c in active_caps(req.metrics) if c.grade in cfg.grade_keys) or "none"
+    caps = "\n".join(f"- {cap_text(c, metrics_cfg)}" for c in CAPS if c.grade in cfg.grade_keys)
+    active = "; ".join(cap_text(c, metrics_cfg) for c in active_caps(req.metrics)
+                       if c.grade in cfg.grade_keys) or "none"
     return [
         {"role": "system", "content": templates.render("judge_system", grade_template=grade_template, caps=caps)},
         {
@@ -76,12 +79,12 @@ def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplat
     ]
 
 
-def rubric_hash(cfg: JudgeConfig, templates: PromptTemplates) -> str:
-    """SHA-256 of the judge templates, grade keys and cap table."""
+def rubric_hash(cfg: JudgeConfig, templates: PromptTemplates, metrics_cfg: MetricsConfig) -> str:
+    """SHA-256 of the judge templates, grade keys and cap table (texts filled in)."""
     h = hashlib.sha256()
     for name in ("judge_system", "judge_user"):
         h.update(templates.texts[name].encode())
-    h.update(json.dumps([list(cfg.grade_keys), [c.__dict__ for c in CAPS]], sort_keys=True).encode())
+    h.update(json.dumps([list(cfg.grade_keys), caps_table(metrics_cfg)], sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -92,7 +95,7 @@ def make_judge(cfg: JudgeConfig, runtime: SceneRuntimeConfig | None = None) -> J
     if cfg.backend == "rule":
         from .judge_rule import RuleJudge
 
-        return RuleJudge(cfg, load_catalogue(runtime.catalogue_path), templates)
+        return RuleJudge(cfg, load_catalogue(runtime.catalogue_path), templates, runtime.metrics)
     from .judge_http import HttpJudge
 
-    return HttpJudge(cfg, templates)
+    return HttpJudge(cfg, templates, runtime.metrics)

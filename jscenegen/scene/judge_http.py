@@ -28,7 +28,7 @@ import httpx
 from jscenegen.config import clip_text
 
 from .caps import apply_caps
-from .config import JudgeConfig, shown_url
+from .config import JudgeConfig, MetricsConfig, shown_url
 from .judge import JudgeRequest, JudgeResult, judge_messages, rubric_hash
 from .prompts import PromptTemplates
 
@@ -99,10 +99,10 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
 class HttpJudge:
     """Judge backend talking to an OpenAI-compatible server; see the module docstring."""
 
-    def __init__(self, cfg: JudgeConfig, templates: PromptTemplates):
+    def __init__(self, cfg: JudgeConfig, templates: PromptTemplates, metrics_cfg: MetricsConfig):
         if not cfg.base_url or not cfg.model:
             raise ValueError("judge.base_url and judge.model are required for the http judge")
-        self.cfg, self.templates = cfg, templates
+        self.cfg, self.templates, self.metrics_cfg = cfg, templates, metrics_cfg
         self._api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         if self._api_key and not all(c.isascii() and c.isprintable() and not c.isspace()
                                      for c in self._api_key):
@@ -116,7 +116,8 @@ class HttpJudge:
         return f"HttpJudge(base_url={self.cfg.base_url!r}, model={self.cfg.model!r})"
 
     def identity(self) -> dict:
-        return {"backend": "http", "model": self.cfg.model, "rubric_hash": rubric_hash(self.cfg, self.templates)}
+        return {"backend": "http", "model": self.cfg.model, "rubric_hash": rubric_hash(self.cfg, self.templates,
+                                                                                self.metrics_cfg)}
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         """Grade all requests concurrently; safe to call from inside a running event loop."""
@@ -168,7 +169,7 @@ class HttpJudge:
     async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, req: JudgeRequest) -> JudgeResult:
         body = {
             "model": self.cfg.model,
-            "messages": judge_messages(req, self.cfg, self.templates),
+            "messages": judge_messages(req, self.cfg, self.templates, self.metrics_cfg),
             "temperature": self.cfg.temperature,
             "max_tokens": self.cfg.max_tokens,
         }

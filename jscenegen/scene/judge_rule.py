@@ -17,7 +17,7 @@ from typing import Sequence
 
 from .caps import apply_caps
 from .catalogue import Catalogue
-from .config import GRADE_KEYS, JudgeConfig
+from .config import GRADE_KEYS, JudgeConfig, MetricsConfig
 from .judge import JudgeRequest, JudgeResult, rubric_hash
 from .prompts import PromptTemplates
 from .schema import Scene
@@ -73,14 +73,17 @@ def rule_grades(scene: Scene, requested, metrics: dict, catalogue: Catalogue) ->
 class RuleJudge:
     """Judge backend computing `rule_grades`; never fails on a valid request."""
 
-    def __init__(self, cfg: JudgeConfig, catalogue: Catalogue, templates: PromptTemplates):
+    def __init__(self, cfg: JudgeConfig, catalogue: Catalogue, templates: PromptTemplates,
+                 metrics_cfg: MetricsConfig):
         unknown = set(cfg.grade_keys) - set(GRADE_KEYS)
         if unknown:
             raise ValueError(f"judge.grade_keys {sorted(unknown)} have no rule; the rule judge knows {GRADE_KEYS}")
         self.cfg, self.catalogue, self.templates = cfg, catalogue, templates
+        self.metrics_cfg = metrics_cfg
 
     def identity(self) -> dict:
-        return {"backend": "rule", "model": None, "rubric_hash": rubric_hash(self.cfg, self.templates)}
+        return {"backend": "rule", "model": None, "rubric_hash": rubric_hash(self.cfg, self.templates,
+                                                                    self.metrics_cfg)}
 
     def check_reachable(self) -> None:
         """In-process: always reachable."""

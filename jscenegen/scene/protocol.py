@@ -36,7 +36,7 @@ def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_iden
         "metrics": cfg.metrics.model_dump(),
         "catalogue": load_catalogue(cfg.catalogue_path).raw,
         "grade_keys": list(judge_cfg.grade_keys),
-        "caps": caps_table(),
+        "caps": caps_table(cfg.metrics),
         "judge": identity,
     }
 
