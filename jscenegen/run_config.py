@@ -98,11 +98,12 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
 REFERENCE_PATH = "docs/config.md"
 
 
-def config_reference() -> str:
-    """docs/config.md: every key of `RunConfig`, one table per section, with its type, the
-    code's default (what a `--config` file leaves out gets), the value in `DEFAULT_CONFIG`
-    (what `jscenegen train` without `--config` runs) and its description. Written by
-    `python -m jscenegen.run_config > docs/config.md`; a test keeps the file equal to it."""
+SFT_CONFIG = "configs/sft-cpu.yaml"
+
+
+def _reference_tables(schema, shipped, column: str, sections=None) -> list[str]:
+    """Markdown tables of `config_fields(schema, shipped)`, one per top-level section (only
+    `sections` when given), each under its name and its section docstring's first paragraph."""
     def shown(value) -> str:   # as YAML writes it
         if isinstance(value, (tuple, list)):
             return "[" + ", ".join(shown(v) for v in value) + "]"
@@ -113,26 +114,47 @@ def config_reference() -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
-    default = load_run_config(None)
-    lines = ["# Config reference", "",
-             f"Every key of a `jscenegen train` config (`{DEFAULT_CONFIG}` and the other shipped",
-             "configs set a subset; a key a `--config` file leaves out takes the *default*",
-             "column, the CPU default run reads the *cpu-default* column). Override any key",
-             "as `section.key=value`. Generated from the schema by `python -m",
-             f"jscenegen.run_config > {REFERENCE_PATH}`; a test checks it is current."]
-    section = None
-    for key, kind, code, cpu, description in config_fields(RunConfig, default):
+    lines, section = [], None
+    for key, kind, code, given, description in config_fields(schema, shipped):
         top = key.split(".", 1)[0]
+        if sections is not None and top not in sections:
+            continue
         if top != section:
             section = top
-            doc = vars(RunConfig.model_fields[top].annotation).get("__doc__") or ""
+            doc = vars(schema.model_fields[top].annotation).get("__doc__") or ""
             lines += ["", f"## {top}", ""]
             if doc:   # the section's own docstring, its first paragraph
                 lines += [" ".join(doc.split("\n\n")[0].split()), ""]
-            lines += ["| key | type | default | cpu-default | meaning |", "|---|---|---|---|---|"]
+            lines += [f"| key | type | default | {column} | meaning |", "|---|---|---|---|---|"]
         lines.append(f"| `{key}` | {cell(kind)} | {cell(shown(code))} | "
-                     f"{cell(shown(cpu)) if cpu != code else '='} | {cell(description)} |")
-    return "\n".join(lines) + "\n"
+                     f"{cell(shown(given)) if given != code else '='} | {cell(description)} |")
+    return lines
+
+
+def config_reference() -> str:
+    """docs/config.md: every key of `RunConfig`, one table per section, with its type, the
+    code's default (what a `--config` file leaves out gets), the value in `DEFAULT_CONFIG`
+    (what `jscenegen train` without `--config` runs) and its description; then the `sft` and
+    `optim` sections of `jscenegen sft --config` (`SFTRunConfig`) against `SFT_CONFIG`.
+    Written by `python -m jscenegen.run_config > docs/config.md`; a test keeps the file equal
+    to it."""
+    from jscenegen.sft.config import SFTRunConfig
+
+    sft = load_config(resolve_data_path(SFT_CONFIG), [], SFTRunConfig)
+    return "\n".join([
+        "# Config reference", "",
+        f"Every key of a `jscenegen train` config (`{DEFAULT_CONFIG}` and the other shipped",
+        "configs set a subset; a key a `--config` file leaves out takes the *default*",
+        "column, the CPU default run reads the *cpu-default* column). Override any key",
+        "as `section.key=value`. Generated from the schema by `python -m",
+        f"jscenegen.run_config > {REFERENCE_PATH}`; a test checks it is current.",
+        *_reference_tables(RunConfig, load_run_config(None), "cpu-default"),
+        "", "# `jscenegen sft --config`", "",
+        "Its `model`, `mesh` and `scene` sections are the ones above; `sft` and `optim` (AdamW",
+        f"with fine-tuning defaults) are its own. The *sft-cpu* column is `{SFT_CONFIG}`, which",
+        "the CPU default's warm start runs (`warm_start.sft_config`).",
+        *_reference_tables(SFTRunConfig, sft, "sft-cpu", sections=("sft", "optim")),
+    ]) + "\n"
 
 
 def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path | None]:

@@ -191,14 +191,17 @@ def test_docs_config_md_lists_every_key_with_its_meaning_and_is_current():
 
     from jscenegen.config import config_fields
     from jscenegen.run_config import REFERENCE_PATH, config_reference, load_run_config
+    from jscenegen.sft.config import SFTRunConfig
 
     rows = config_fields(RunConfig, load_run_config(None))
     assert [key for key, *_, description in rows if not description] == []
+    assert [key for key, *_, description in config_fields(SFTRunConfig) if not description] == []
     text = config_reference()
     for key, _, default, cpu, _ in rows:
         line = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
         assert (line.split(" | ")[3] == "=") == (cpu == default), line
     assert "| `optim.lr` | float >= 0 | 1e-06 | 5e-05 |" in text  # cpu-default.yaml's lr
     assert "| `loss.loss_agg_mode` | token-mean \\| seq-mean-token-sum" in text
+    assert "| `sft.steps` | int >= 1 | 40 | 300 |" in text   # configs/sft-cpu.yaml's steps
     path = Path(__file__).resolve().parents[1] / REFERENCE_PATH
     assert path.read_text() == text, f"{REFERENCE_PATH} is stale: python -m jscenegen.run_config > {REFERENCE_PATH}"

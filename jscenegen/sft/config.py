@@ -43,9 +43,11 @@ class SFTConfig(Section):
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling) and a fresh model's weights")
     out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
-    init_arch: Literal["qwen2", "qwen3", "qwen3_5"] = Field("qwen3", description="fresh model "
-                                                             "when model.path is null")
-    init_preset: Literal["micro", "tiny", "small"] = "tiny"
+    init_arch: Literal["qwen2", "qwen3", "qwen3_5"] = Field(
+        "qwen3", description="architecture of the fresh model `jscenegen sft` creates when "
+        "model.path is null (the train warm start creates its own from warm_start.arch)")
+    init_preset: Literal["micro", "tiny", "small"] = Field(
+        "tiny", description="preset of that fresh model (the train warm start: warm_start.preset)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -66,9 +68,11 @@ class SFTOptimConfig(OptimConfig):
     """OptimConfig with defaults for fine-tuning a tiny fresh model (lr 1e-3, short warmup, no
     weight decay) instead of GRPO's 1e-6."""
 
-    lr: float = Field(1e-3, ge=0)
-    warmup_steps: int = Field(4, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(1e-3, ge=0, description=OptimConfig.model_fields["lr"].description)
+    warmup_steps: int = Field(4, ge=0,
+                              description=OptimConfig.model_fields["warmup_steps"].description)
+    weight_decay: float = Field(0.0, ge=0,
+                                description=OptimConfig.model_fields["weight_decay"].description)
 
 
 class SFTRunConfig(Section):
