@@ -5,7 +5,7 @@ The lead adds both sections to `RunConfig` as `scene:` and `judge:`; this module
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
@@ -25,27 +25,24 @@ GRADE_KEYS = (
 )
 
 
+def _op_cost(units: int, also: str = "") -> Any:
+    """A designer operation's cost field: `units` of budget by default."""
+    return Field(units, ge=0, description=f"units of budget the operation costs, charged when "
+                 f"requested{also}")
+
+
 class OpCosts(Section):
     """Unit cost of each designer operation (scene-protocol.md section 3)."""
 
-    add_object: int = Field(8, ge=0, description="units of budget one add_object costs (charged "
-                            "when requested, also when it then fails validation)")
-    replace_object: int = Field(8, ge=0, description="units of budget one replace_object costs "
-                                "(charged when requested)")
-    resize_object: int = Field(3, ge=0, description="units of budget one resize_object costs "
-                               "(charged when requested)")
-    move_object: int = Field(2, ge=0, description="units of budget one move_object costs "
-                             "(charged when requested)")
-    remove_object: int = Field(2, ge=0, description="units of budget one remove_object costs "
-                               "(charged when requested; its children go with it)")
-    snap_to_wall: int = Field(2, ge=0, description="units of budget one snap_to_wall costs "
-                              "(charged when requested)")
-    snap_to_object: int = Field(2, ge=0, description="units of budget one snap_to_object costs "
-                                "(charged when requested)")
-    rotate_object: int = Field(1, ge=0, description="units of budget one rotate_object costs "
-                               "(charged when requested)")
-    get_scene: int = Field(0, ge=0, description="units of budget one get_scene costs (charged "
-                           "when requested)")
+    add_object: int = _op_cost(8, ", also when it then fails validation")
+    replace_object: int = _op_cost(8)
+    resize_object: int = _op_cost(3)
+    move_object: int = _op_cost(2)
+    remove_object: int = _op_cost(2, "; its children go with it")
+    snap_to_wall: int = _op_cost(2)
+    snap_to_object: int = _op_cost(2)
+    rotate_object: int = _op_cost(1)
+    get_scene: int = _op_cost(0)
 
 
 class MetricsConfig(Section):
