@@ -106,12 +106,16 @@ def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     assert state["schedule"]["attempts"] == 3 and state["lr_step"] == 3
 
 
-def test_bf16_parameters_train_save_and_resume_with_fp32_adam_moments(tmp_path):
+def test_bf16_parameters_train_save_and_resume_with_fp32_adam_moments(tmp_path, caplog):
     """model.param_dtype=bfloat16 (the README's "fp32 or bf16 params"): the moments were
-    created bf16, and the first checkpoint save refused them after the update had run."""
+    created bf16, and the first checkpoint save refused them after the update had run. The
+    run warns that bf16 weights round small steps away (no fp32 master weights)."""
     bf16 = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16",
             "schedule.total_updates": 1}
-    _, summary = _run(tmp_path / "run", **bf16)
+    with caplog.at_level("WARNING"):
+        _, summary = _run(tmp_path / "run", **bf16)
+    assert any("no fp32 master weights" in r.getMessage() and "0.001" in r.getMessage()
+               for r in caplog.records)
     assert summary.optimizer_steps == 1 and summary.checkpoint is not None
     ck = _final(tmp_path / "run")
     assert {str(a.dtype) for a in ck.params.values()} == {"bfloat16"}
@@ -175,6 +179,34 @@ def test_a_resumed_run_keeps_the_initial_policy_as_its_kl_reference(tmp_path):
     with pytest.raises(ResumeError, match="model.reference_path"):
         _run(tmp_path / "resumed", resume=True, model_dir=moved,
              **{**kl, "schedule.total_updates": 3})
+
+
+def test_a_reference_of_another_size_is_refused_before_a_resume_rewrites_its_config(straight, tmp_path, capsys):
+    """model.reference_path of another architecture or size failed at the first update
+    ("Incorrect number of leaves"), after a resume had written its overrides to config.yaml
+    (every later resume then failed the same way); now it is refused first, naming the key
+    and the first tensor that differs, and config.yaml is left as it was."""
+    import shutil
+
+    from jscenegen.cli import main
+
+    other = shutil.copytree(chat_model_dir(), tmp_path / "wider")
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=2 * cfg["intermediate_size"])))
+    import yaml
+
+    run = shutil.copytree(straight[0], tmp_path / "run")   # made by Trainer: no config.yaml yet
+    (run / "config.yaml").write_text(yaml.safe_dump(_cfg().model_dump(mode="json")))
+    saved = (run / "config.yaml").read_text()
+    assert main(["train", "--resume", str(run), "loss.use_kl_loss=true",
+                 f"model.reference_path={other}", "schedule.total_updates=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: model.reference_path {other}: the KL reference must have")
+    import re
+
+    assert re.search(r"model\.layers\.0\.mlp\.gate_proj\.weight is \(\d+, \d+\) there, \(\d+, "
+                     r"\d+\) in the policy \(6 tensors differ\)$", err), err
+    assert (run / "config.yaml").read_text() == saved
 
 
 def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(tmp_path, caplog):

@@ -138,6 +138,12 @@ class Trainer:
         self.shapes = param_shapes(arch, carried=True)
         self.trainable = list(param_shapes(arch, train_vision=cfg.model.train_vision))
         options = cfg.model.build_options()
+        if cfg.model.param_dtype == "bfloat16":
+            log.warning("model.param_dtype=bfloat16 keeps no fp32 master weights: a step smaller "
+                        "than half a bf16 spacing of its weight (|w| x 2^-9, 4e-5 at |w| = 0.02) "
+                        "rounds away, and AdamW moves a weight by about optim.lr = %g per step; "
+                        "for VERL's numerics keep param_dtype float32 (compute_dtype bfloat16 "
+                        "still computes in bf16)", cfg.optim.lr)
         if resume:
             ck = self._read_checkpoint()
             self.model = build_model(arch, ck.params.items(), mesh=self.mesh,
@@ -180,6 +186,8 @@ class Trainer:
         path = self.cfg.model.reference_path
         if path is None and not resume:
             return jax.tree.map(jnp.copy, params)  # never donated
+        if path is not None:
+            self._check_reference(path)
         try:
             ref = load_hf(path or self.model_dir, mesh=self.mesh, **self.cfg.model.build_options())
         except CheckpointFormatError as err:
@@ -189,6 +197,24 @@ class Trainer:
                               f"whose weights are not in {self.model_dir} ({err}); give its HF "
                               "directory as model.reference_path") from None
         return split_params(ref)[1]
+
+    def _check_reference(self, path: str) -> None:
+        """Raise ValueError naming model.reference_path when its config.json describes other
+        trained tensors (names or shapes) than the policy's: read before any weight, so a
+        wrong reference fails before the run writes a file."""
+        train_vision = self.cfg.model.train_vision
+        want = param_shapes(QwenConfig.from_dir(self.model_dir), train_vision=train_vision)
+        got = param_shapes(QwenConfig.from_dir(path), train_vision=train_vision)
+        if got == want:
+            return
+        only = sorted(set(want) ^ set(got))
+        reshaped = [n for n in want if n in got and tuple(got[n]) != tuple(want[n])]
+        first = (f"{only[0]} is only in the {'policy' if only[0] in want else 'reference'}"
+                 if only else f"{reshaped[0]} is {tuple(got[reshaped[0]])} there, "
+                 f"{tuple(want[reshaped[0]])} in the policy")
+        raise ValueError(f"model.reference_path {path}: the KL reference must have the policy's "
+                         f"architecture and size; {first} ({len(only) + len(reshaped)} tensors "
+                         "differ)")
 
     def params_by_name(self) -> dict[str, jax.Array]:
         """Every tensor a checkpoint stores: the trained parameters (current values) and the
