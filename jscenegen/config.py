@@ -103,8 +103,8 @@ def config_fields(model: type[BaseModel], values: BaseModel | None = None,
 
 
 def _type_text(annotation, metadata=()) -> str:
-    """A field's type as a config file writes it: `int >= 1`, `a | b` for choices, `list of
-    str`, `... or null`."""
+    """A field's type as a config file writes it: `int >= 1`, `int a multiple of 32`, `a | b`
+    for choices, `list of str`, `... or null`."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         text = " | ".join(str(a) for a in args)
@@ -124,7 +124,8 @@ def _type_text(annotation, metadata=()) -> str:
     else:
         text = getattr(annotation, "__name__", str(annotation))
     bounds = [f"{sign} {getattr(m, attr)}" for m in metadata
-              for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+              for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"),
+                                 ("multiple_of", "a multiple of"))
               if getattr(m, attr, None) is not None]
     pattern = [getattr(m, "pattern") for m in metadata if getattr(m, "pattern", None)]
     if pattern and pattern[0].startswith("^(") and pattern[0].endswith(")$"):

@@ -205,3 +205,16 @@ def test_docs_config_md_lists_every_key_with_its_meaning_and_is_current():
     assert "| `sft.steps` | int >= 1 | 40 | 300 |" in text   # configs/sft-cpu.yaml's steps
     path = Path(__file__).resolve().parents[1] / REFERENCE_PATH
     assert path.read_text() == text, f"{REFERENCE_PATH} is stale: python -m jscenegen.run_config > {REFERENCE_PATH}"
+
+
+def test_a_reachability_cell_that_is_not_whole_even_millimetres_is_refused_by_the_config():
+    """scene.metrics.cell_m=0.015 was accepted, then every episode failed at its start (and the
+    trainer raised IndexError on the empty batch); the config refuses it, naming the key."""
+    from jscenegen.run_config import load_run_config
+
+    for bad in ("0.015", "0.051", "0.0105"):
+        with pytest.raises(ConfigError, match=rf"override scene.metrics.cell_m={bad}: "
+                                              r"scene.metrics.cell_m: .*not a whole even number "
+                                              r"of millimetres"):
+            load_run_config(None, [f"scene.metrics.cell_m={bad}"])
+    assert load_run_config(None, ["scene.metrics.cell_m=0.04"]).scene.metrics.cell_m == 0.04

@@ -1,4 +1,5 @@
 """The GRPO loop: a smoke run, exact resume after SIGTERM, refusals, and the CPU default config."""
+import functools
 import json
 import os
 import signal
@@ -207,6 +208,19 @@ def test_a_reference_of_another_size_is_refused_before_a_resume_rewrites_its_con
     assert re.search(r"model\.layers\.0\.mlp\.gate_proj\.weight is \(\d+, \d+\) there, \(\d+, "
                      r"\d+\) in the policy \(6 tensors differ\)$", err), err
     assert (run / "config.yaml").read_text() == saved
+    # the same shapes computed otherwise, a missing directory: refused, the key named
+    from types import SimpleNamespace
+
+    check = functools.partial(Trainer._check_reference,
+                              SimpleNamespace(cfg=_cfg(), model_dir=chat_model_dir()))
+    rope = shutil.copytree(chat_model_dir(), tmp_path / "rope")
+    (rope / "config.json").write_text(json.dumps(dict(cfg, rope_theta=2 * cfg["rope_theta"])))
+    with pytest.raises(ValueError, match=r"model.reference_path .*policy's modules, but its "
+                                         r"rope_theta is \d+.0 there"):
+        check(str(rope))
+    with pytest.raises(ValueError, match=r"^model.reference_path: .*nowhere.*config.json"):
+        check(str(tmp_path / "nowhere"))
+    check(str(chat_model_dir()))
 
 
 def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(tmp_path, caplog):
@@ -449,5 +463,23 @@ def test_a_sampler_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_
                                                r"rollout itself, not the policy \(last: rollout_error: "
                                                r"RuntimeError: Fetching value .*rollout.max_failed_"
                                                r"updates=2\); stopped with a checkpoint"):
+        _run(tmp_path, max_updates=5, **{"rollout.max_failed_updates": 2, "checkpoint.save_every": 10})
+    assert check_step(tmp_path / "checkpoints" / "2").valid
+
+
+def test_episodes_that_all_fail_at_their_start_stop_the_run_like_any_rollout_failure(tmp_path, monkeypatch):
+    """Every episode failing before its first token (a scene runtime that cannot start: an
+    invalid scene.metrics.cell_m did it) left a batch of empty rows, and the role mask raised
+    IndexError on it; now such updates count as rollout failures like any other."""
+    from jscenegen.grpo.train.trainer import RolloutDownError
+    from jscenegen.scene.episode import Episode
+
+    def broken(self):
+        raise RuntimeError("the scene runtime cannot start")
+
+    chat_model_dir()   # made (once) from scripted episodes, before the runtime breaks
+    monkeypatch.setattr(Episode, "first_user_message", broken)
+    with pytest.raises(RolloutDownError, match=r"rollout_error: RuntimeError: the scene runtime "
+                                               r"cannot start"):
         _run(tmp_path, max_updates=5, **{"rollout.max_failed_updates": 2, "checkpoint.save_every": 10})
     assert check_step(tmp_path / "checkpoints" / "2").valid

@@ -14,7 +14,8 @@ from .config import MetricsConfig
 @dataclass(frozen=True)
 class Cap:
     """`grade` is bounded above (kind "max") or below ("min") by `value` when `condition` holds;
-    `text` may name `scene.metrics` values as format fields (`{oob_cap_fraction:.0%}`)."""
+    `text` may name `scene.metrics` values as format fields, and `oob_cap_percent` (the
+    fraction in per cent, as many digits as it has)."""
 
     grade: str
     kind: str
@@ -30,7 +31,7 @@ CAPS: tuple[Cap, ...] = (
     Cap("reachability", "min", 7, "fully_reachable", "a fully reachable scene gets reachability at least 7"),
     Cap(
         "physical_plausibility", "max", 4, "oob_or_door_clearance",
-        "an object more than {oob_cap_fraction:.0%} outside the floor or above the wall height, or a blocked door "
+        "an object more than {oob_cap_percent}% outside the floor or above the wall height, or a blocked door "
         "clearance box, caps physical_plausibility at 4",
     ),
     Cap("completeness", "max", 2, "missing_required", "a bedroom without a bed caps completeness at 2"),
@@ -68,7 +69,8 @@ def apply_caps(grades: dict[str, int], metrics: dict) -> dict[str, int]:
 
 def cap_text(cap: Cap, metrics: MetricsConfig) -> str:
     """The cap's text with the run's metric thresholds filled in (what the judge reads)."""
-    return cap.text.format(**metrics.model_dump())
+    return cap.text.format(**metrics.model_dump(),
+                           oob_cap_percent=f"{metrics.oob_cap_fraction * 100:g}")
 
 
 def caps_table(metrics: MetricsConfig) -> list[dict]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from jscenegen.config import REDACTED, Section
 
@@ -99,6 +99,15 @@ class MetricsConfig(Section):
                                       "padded size); more are refused")
     max_doors: int = Field(4, ge=1, le=MAX_OPENINGS, description="most doors a measured room may "
                            "have (the grid's padded size); more are refused")
+
+    @field_validator("cell_m")
+    @classmethod
+    def _whole_even_millimetres(cls, value: float) -> float:
+        """The grid's cell centres lie on whole millimetres (scene/reach_inputs.py)."""
+        mm = round(value * 1000)
+        if mm % 2 or abs(mm - value * 1000) > 1e-6:
+            raise ValueError(f"{value} m is not a whole even number of millimetres")
+        return value
 
 
 class RewardConfig(Section):

@@ -39,9 +39,7 @@ class GridSpec:
 
     @staticmethod
     def from_config(cfg: MetricsConfig) -> "GridSpec":
-        cell_mm = round(cfg.cell_m * 1000)
-        if cell_mm % 2 or abs(cell_mm - cfg.cell_m * 1000) > 1e-6:
-            raise ReachabilityError(f"metrics.cell_m {cfg.cell_m} must be a whole even number of millimetres")
+        cell_mm = round(cfg.cell_m * 1000)   # a whole even number: MetricsConfig checks it
         # regions "larger than" min_region_m2: strictly more cells than this many
         min_cells = math.floor(cfg.min_region_m2 * 1e6 / cell_mm**2 + 1e-9)
         return GridSpec(

@@ -53,7 +53,8 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     g = len(trajectories)
     order = {gid: i for i, gid in enumerate(dict.fromkeys(tr.group_id for tr in trajectories))}
     group_ids = np.asarray([order[tr.group_id] for tr in trajectories], np.int32)
-    t = round_up(max(tr.num_tokens for tr in trajectories), col_multiple)
+    # at least one column: episodes that all failed before their first token still make a batch
+    t = round_up(max(1, *(tr.num_tokens for tr in trajectories)), col_multiple)
     arr = trajectory_batch(trajectories, length=t, rows=round_up(g, row_multiple))
     mask = np.asarray(role_loss_mask(arr["roles"], arr["policy_mask"], selected_role), np.float32)
     scores = arr["reward"][:g]

@@ -200,12 +200,28 @@ class Trainer:
 
     def _check_reference(self, path: str) -> None:
         """Raise ValueError naming model.reference_path when its config.json describes other
-        trained tensors (names or shapes) than the policy's: read before any weight, so a
-        wrong reference fails before the run writes a file."""
+        trained tensors (names or shapes) than the policy's, or computes them otherwise (RoPE,
+        norms, activation, layer types: the reference runs on the policy's modules): read
+        before any weight, so a wrong reference fails before the run writes a file."""
         train_vision = self.cfg.model.train_vision
-        want = param_shapes(QwenConfig.from_dir(self.model_dir), train_vision=train_vision)
-        got = param_shapes(QwenConfig.from_dir(path), train_vision=train_vision)
+        policy = QwenConfig.from_dir(self.model_dir)
+        try:
+            reference = QwenConfig.from_dir(path)
+        except (OSError, ValueError) as err:   # a missing or malformed config.json
+            raise ValueError(f"model.reference_path: {err}") from None
+        want = param_shapes(policy, train_vision=train_vision)
+        got = param_shapes(reference, train_vision=train_vision)
         if got == want:
+            ignored = {"bos_token_id", "eos_token_id", "torch_dtype", "mtp_layers", "vision",
+                       "hf_config", "stored_dtypes"}   # ids, storage and carried tensors
+            for field in dataclasses.fields(QwenConfig):
+                if field.name not in ignored and (
+                        getattr(reference, field.name) != getattr(policy, field.name)):
+                    raise ValueError(
+                        f"model.reference_path {path}: the KL reference is computed with the "
+                        f"policy's modules, but its {field.name} is "
+                        f"{getattr(reference, field.name)!r} there, "
+                        f"{getattr(policy, field.name)!r} in the policy")
             return
         only = sorted(set(want) ^ set(got))
         reshaped = [n for n in want if n in got and tuple(got[n]) != tuple(want[n])]
