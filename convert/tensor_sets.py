@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
@@ -88,11 +89,11 @@ def text_weights_dtype(specs: dict[str, tuple[tuple[int, ...], np.dtype]], cfg: 
     (shape, dtype)}, what an HF directory is written with) are stored in: what its config.json
     must say (a Qwen3.5 release keeps A_log fp32 among bf16 weights and says bfloat16)."""
     carried = carried_names(cfg)
-    counts: dict[str, int] = {}
+    counts: Counter[str] = Counter()
     for name, (shape, dtype) in specs.items():
         if name not in carried:
-            counts[np.dtype(dtype).name] = counts.get(np.dtype(dtype).name, 0) + int(np.prod(shape))
-    return max(counts, key=counts.get)
+            counts[np.dtype(dtype).name] += int(np.prod(shape))
+    return counts.most_common(1)[0][0]
 
 
 def fix_config_file(path: str | Path, cfg: QwenConfig, dtype: str | None = None) -> bool:

@@ -85,6 +85,18 @@ class Section(PlainModel):
     """Base of every config section (`PlainModel`'s rules)."""
 
 
+def dotted_items(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping flattened to {"section.key": value} (what an override names); a value
+    that is not a mapping (a list included) is a leaf."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(dotted_items(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def config_fields(model: type[BaseModel], values: BaseModel | None = None,
                   prefix: str = "") -> list[tuple[str, str, Any, Any, str]]:
     """Every leaf key of the config schema `model`, depth first in declaration order:

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from jscenegen.checkpoint.metadata import redact
+from jscenegen.config import dotted_items
 from jscenegen.paths import cache_dir, write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -184,14 +185,9 @@ def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) 
     """What every process of a multi-host run must agree on besides the process count: each
     config key (the launch keys aside: given as keys or environment variables), the run
     directory, --resume and --max-updates."""
-    def flat(d, prefix=""):
-        for key, value in d.items():
-            if isinstance(value, dict):
-                yield from flat(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", json.dumps(value, sort_keys=True)
     launch = {"process_id", "num_processes", "coordinator_address", "init_timeout_s"}
-    settings = dict(flat(cfg.model_dump(mode="json", exclude={"mesh": launch})))
+    settings = {key: json.dumps(value, sort_keys=True) for key, value in
+                dotted_items(cfg.model_dump(mode="json", exclude={"mesh": launch})).items()}
     settings.update({"--run-dir": str(run_dir.absolute()), "--resume": str(resume),
                      "--max-updates": str(max_updates)})
     return settings

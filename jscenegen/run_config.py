@@ -96,8 +96,6 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
 
 
 REFERENCE_PATH = "docs/config.md"
-
-
 SFT_CONFIG = "configs/sft-cpu.yaml"
 
 

@@ -212,7 +212,7 @@ def test_a_reference_of_another_size_is_refused_before_a_resume_rewrites_its_con
     from types import SimpleNamespace
 
     check = functools.partial(Trainer._check_reference,
-                              SimpleNamespace(cfg=_cfg(), model_dir=chat_model_dir()))
+                              SimpleNamespace(cfg=_cfg(), arch=QwenConfig.from_dir(chat_model_dir())))
     rope = shutil.copytree(chat_model_dir(), tmp_path / "rope")
     (rope / "config.json").write_text(json.dumps(dict(cfg, rope_theta=2 * cfg["rope_theta"])))
     with pytest.raises(ValueError, match=r"model.reference_path .*policy's modules, but its "

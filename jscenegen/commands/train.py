@@ -74,17 +74,11 @@ def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False) -> No
     import logging
 
     from jscenegen.checkpoint.metadata import redact
+    from jscenegen.config import dotted_items
 
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-
-    before = dict(flat(saved))
-    after = dict(flat(cfg.model_dump(mode="json")))
-    shown_before, shown_after = dict(flat(redact(saved))), dict(flat(redact(after)))
+    before = dotted_items(saved)
+    after = dotted_items(cfg.model_dump(mode="json"))
+    shown_before, shown_after = dotted_items(redact(saved)), redact(after)
     changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
                if before.get(k) != v and (k in before or not only_saved_keys)]
     log = logging.getLogger(__name__)

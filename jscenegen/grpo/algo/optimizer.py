@@ -41,6 +41,12 @@ class TorchAdamWState(NamedTuple):
     nu: Any
 
 
+def as_float32(tree):
+    """Every leaf of `tree` cast to float32 (gradients of bf16 parameters are clipped, normed
+    and stepped in fp32)."""
+    return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+
+
 def torch_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """`clip_grad_norm_`: g * min(1, max_norm / (global L2 norm + 1e-6)) (optax omits the 1e-6),
     in float32 (a bf16 gradient is scaled in fp32, as torch scales the fp32 gradients of VERL's
@@ -52,7 +58,7 @@ def torch_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
-        updates = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
+        updates = as_float32(updates)
         norm = optax.tree_utils.tree_norm(updates)
         coef = jnp.minimum(max_norm / (norm + TORCH_CLIP_EPS), 1.0)
         return jax.tree.map(lambda g: g * coef, updates), state
@@ -148,7 +154,7 @@ def optimizer_step(tx, grads, opt_state, params, learning_rate):
     gradient norm (before clipping, as clip_grad_norm_ returns it) is not finite, params and
     opt_state come back unchanged and skipped is True.
     """
-    grad_norm = optax.tree_utils.tree_norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+    grad_norm = optax.tree_utils.tree_norm(as_float32(grads))
     skipped = ~jnp.isfinite(grad_norm)
     updates, new_state = tx.update(grads, opt_state, params, learning_rate=learning_rate)
     new_params = optax.apply_updates(params, updates)

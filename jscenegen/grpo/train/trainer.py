@@ -132,7 +132,7 @@ class Trainer:
         self.pos = SchedulePosition()
         self.store = CheckpointStore(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                                      async_save=cfg.checkpoint.async_save)
-        arch = QwenConfig.from_dir(self.model_dir)
+        self.arch = arch = QwenConfig.from_dir(self.model_dir)   # the policy's architecture
         # every tensor the checkpoints hold, and the ones AdamW steps (not Qwen3.5's carried
         # vision tower, unless model.train_vision, nor its MTP head)
         self.shapes = param_shapes(arch, carried=True)
@@ -203,34 +203,29 @@ class Trainer:
         trained tensors (names or shapes) than the policy's, or computes them otherwise (RoPE,
         norms, activation, layer types: the reference runs on the policy's modules): read
         before any weight, so a wrong reference fails before the run writes a file."""
-        train_vision = self.cfg.model.train_vision
-        policy = QwenConfig.from_dir(self.model_dir)
         try:
             reference = QwenConfig.from_dir(path)
         except (OSError, ValueError) as err:   # a missing or malformed config.json
             raise ValueError(f"model.reference_path: {err}") from None
-        want = param_shapes(policy, train_vision=train_vision)
-        got = param_shapes(reference, train_vision=train_vision)
-        if got == want:
-            ignored = {"bos_token_id", "eos_token_id", "torch_dtype", "mtp_layers", "vision",
-                       "hf_config", "stored_dtypes"}   # ids, storage and carried tensors
-            for field in dataclasses.fields(QwenConfig):
-                if field.name not in ignored and (
-                        getattr(reference, field.name) != getattr(policy, field.name)):
-                    raise ValueError(
-                        f"model.reference_path {path}: the KL reference is computed with the "
-                        f"policy's modules, but its {field.name} is "
-                        f"{getattr(reference, field.name)!r} there, "
-                        f"{getattr(policy, field.name)!r} in the policy")
-            return
+        want = param_shapes(self.arch, train_vision=self.cfg.model.train_vision)
+        got = param_shapes(reference, train_vision=self.cfg.model.train_vision)
         only = sorted(set(want) ^ set(got))
         reshaped = [n for n in want if n in got and tuple(got[n]) != tuple(want[n])]
-        first = (f"{only[0]} is only in the {'policy' if only[0] in want else 'reference'}"
-                 if only else f"{reshaped[0]} is {tuple(got[reshaped[0]])} there, "
-                 f"{tuple(want[reshaped[0]])} in the policy")
-        raise ValueError(f"model.reference_path {path}: the KL reference must have the policy's "
-                         f"architecture and size; {first} ({len(only) + len(reshaped)} tensors "
-                         "differ)")
+        if only or reshaped:
+            first = (f"{only[0]} is only in the {'policy' if only[0] in want else 'reference'}"
+                     if only else f"{reshaped[0]} is {tuple(got[reshaped[0]])} there, "
+                     f"{tuple(want[reshaped[0]])} in the policy")
+            raise ValueError(f"model.reference_path {path}: the KL reference must have the "
+                             f"policy's architecture and size; {first} ({len(only) + len(reshaped)} "
+                             "tensors differ)")
+        ignored = {"bos_token_id", "eos_token_id", "torch_dtype", "mtp_layers", "vision",
+                   "hf_config", "stored_dtypes"}   # ids, storage and carried tensors
+        for name in (f.name for f in dataclasses.fields(QwenConfig) if f.name not in ignored):
+            if getattr(reference, name) != getattr(self.arch, name):
+                raise ValueError(f"model.reference_path {path}: the KL reference is computed with "
+                                 f"the policy's modules, but its {name} is "
+                                 f"{getattr(reference, name)!r} there, "
+                                 f"{getattr(self.arch, name)!r} in the policy")
 
     def params_by_name(self) -> dict[str, jax.Array]:
         """Every tensor a checkpoint stores: the trained parameters (current values) and the
