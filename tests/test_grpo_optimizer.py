@@ -1,4 +1,7 @@
 """optax torch-AdamW + clip + schedules against torch.optim.AdamW, clip_grad_norm_, LambdaLR."""
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +10,8 @@ import torch
 
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.optimizer import (
+    apply_gradients,
+    init_train_state,
     lr_at,
     make_optimizer,
     optimizer_step,
@@ -138,6 +143,21 @@ def test_non_finite_gradient_is_skipped_and_state_unchanged():
         assert bool(skipped) and not np.isfinite(float(norm))
         for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p2, s2))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_donated_update_copies_no_parameter_or_moment():
+    """Each moment is read by one fusion and updated in place: XLA used to recompute the moments
+    inside the parameters' fusions and so copied every mu and nu before the update."""
+    cfg = OptimConfig(lr=1e-3)
+    state = init_train_state(jax.tree.map(jnp.asarray, _params()), cfg)
+    step = jax.jit(functools.partial(apply_gradients, make_optimizer(cfg), cfg), donate_argnums=0)
+    hlo = step.lower(state, _grads(0)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    inputs = dict(re.findall(r"%(\S+) = (\S+)\{?[^ ]* parameter\(\d+\)", entry))
+    copied = {name for name in re.findall(r" copy\(%(\S+)\)", entry)
+              if name in inputs and not inputs[name].endswith("[]")}
+    assert len(inputs) == 1 + 3 * len(SHAPES) + 2 + len(SHAPES)   # count, params/mu/nu, 2 counters, grads
+    assert copied == set()
 
 
 @pytest.mark.parametrize("cfg", [

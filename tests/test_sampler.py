@@ -227,6 +227,15 @@ def test_same_seed_same_tokens_and_rows_are_independent(model, prompts):
     np.testing.assert_array_equal(a["tokens"][0], d["tokens"][0])
 
 
+def test_row_keys_are_the_per_seed_keys_of_jax():
+    seeds = [0, 7, 2**31 - 1, 2**31, 2**32 - 1, -1, 2**40 + 5]
+    want = [np.asarray(jax.random.key_data(jax.random.key(s & 0xFFFFFFFF))) for s in seeds]
+    got = row_keys(seeds)
+    assert got.dtype == np.uint32 and got.shape == (len(seeds), 2)
+    np.testing.assert_array_equal(got, np.stack(want))
+    np.testing.assert_array_equal(got[2], [0, 2**31 - 1])
+
+
 def test_bucketed_appends_do_not_recompile(model):
     assert split_into_buckets(5, BUCKETS) == [16]
     assert split_into_buckets(70, BUCKETS) == [64, 16]

@@ -74,6 +74,12 @@ def torch_adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01) -> optax.Gradient
     float32; the returned updates are float32 p_new - p, p_new computed in torch's order and
     rounded to the parameter's dtype, so `optax.apply_updates` lands on p_new exactly (torch's
     arithmetic, bit for bit, for fp32 parameters).
+
+    `skip` (bool [], optional extra arg): when True the count and moments keep their values and
+    every update is 0 (a step skipped for a non-finite gradient). The guarded moments pass an
+    optimization barrier before the parameter update reads them, so each moment is read by one
+    fusion and, donated, updated in place: otherwise XLA recomputes them inside the parameter's
+    fusion from the old values and first copies every moment (one copy of mu and nu per step).
     """
 
     def init_fn(params):
@@ -82,23 +88,25 @@ def torch_adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01) -> optax.Gradient
         return TorchAdamWState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params),
                                jax.tree.map(zeros, params))
 
-    def update_fn(updates, state, params=None, *, learning_rate, **extra):
+    def update_fn(updates, state, params=None, *, learning_rate, skip=None, **extra):
         del extra
         if params is None:
             raise ValueError("torch_adamw needs params (decoupled weight decay)")
-        count = state.count + 1
-        t = count.astype(jnp.float32)
+        skip = jnp.zeros((), bool) if skip is None else skip
+        count = jnp.where(skip, state.count, state.count + 1)
+        t = (state.count + 1).astype(jnp.float32)
         lr = jnp.asarray(learning_rate, jnp.float32)
         step_size = lr / (1.0 - jnp.float32(b1) ** t)
         bc2_sqrt = jnp.sqrt(1.0 - jnp.float32(b2) ** t)
         decay = 1.0 - lr * weight_decay
 
-        def one(g, p, m, v):
+        def one(g, p, m_old, v_old):
             g, p32 = g.astype(jnp.float32), p.astype(jnp.float32)
-            m = m + (1.0 - b1) * (g - m)
-            v = v * b2 + ((1.0 - b2) * g) * g
+            m = jnp.where(skip, m_old, m_old + (1.0 - b1) * (g - m_old))
+            v = jnp.where(skip, v_old, v_old * b2 + ((1.0 - b2) * g) * g)
+            m, v = jax.lax.optimization_barrier((m, v))
             denom = jnp.sqrt(v) / bc2_sqrt + eps
-            p_new = p32 * decay + (-step_size * m) / denom
+            p_new = jnp.where(skip, p32, p32 * decay + (-step_size * m) / denom)
             return p_new.astype(p.dtype).astype(jnp.float32) - p32, m, v   # exact: p + u = p_new
 
         out = jax.tree.map(one, updates, params, state.mu, state.nu)
@@ -152,19 +160,16 @@ def optimizer_step(tx, grads, opt_state, params, learning_rate):
 
     Returns (params, opt_state, grad_norm float32 [], skipped bool []): when the global
     gradient norm (before clipping, as clip_grad_norm_ returns it) is not finite, params and
-    opt_state come back unchanged and skipped is True.
+    opt_state come back unchanged and skipped is True (`tx` takes the `skip` extra arg, as
+    `make_optimizer`'s does).
     """
     grad_norm = optax.tree_utils.tree_norm(as_float32(grads))
     skipped = ~jnp.isfinite(grad_norm)
-    updates, new_state = tx.update(grads, opt_state, params, learning_rate=learning_rate)
+    updates, new_state = tx.update(grads, opt_state, params, learning_rate=learning_rate,
+                                   skip=skipped)
     new_params = optax.apply_updates(params, updates)
-    keep = lambda old, new: jnp.where(skipped, old, new)  # noqa: E731
-    return (
-        jax.tree.map(keep, params, new_params),
-        jax.tree.map(keep, opt_state, new_state),
-        grad_norm,
-        skipped,
-    )
+    keep = lambda old, new: jnp.where(skipped, old, new)  # noqa: E731  (-0.0 + 0 is +0.0)
+    return jax.tree.map(keep, params, new_params), new_state, grad_norm, skipped
 
 
 class TrainState(NamedTuple):
