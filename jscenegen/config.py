@@ -81,6 +81,26 @@ class PlainModel(BaseModel):
         return value
 
 
+def _has_str(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_str(v) for v in value)
+    return isinstance(value, str)
+
+
+class JsonDocument(PlainModel):
+    """Base of documents read from JSON (scene files): `PlainModel`'s rules, and a number is a
+    JSON number, never a string (pydantic would read `"yaw": "90"` as 90 degrees; YAML configs
+    keep that leniency, as YAML 1.1 reads `1e-6` as a string)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_numbers(cls, value, info):
+        field = cls.model_fields.get(info.field_name)
+        if field is not None and _numbers_within(field.annotation) and _has_str(value):
+            raise ValueError("expected a number, not a string")
+        return value
+
+
 class Section(PlainModel):
     """Base of every config section (`PlainModel`'s rules)."""
 

@@ -290,6 +290,17 @@ def json_line(obj: Any, **kwargs) -> str:
     return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """`json.loads` object_pairs_hook refusing a key repeated within one object (JSON readers
+    differ on which value wins; Python's keeps the last silently). Raises ValueError naming it."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"the key {key[:200]!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """Write `obj` as indented, key-sorted JSON to `path` atomically."""
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -215,8 +215,9 @@ def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, 
 
 
 def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
-    """The config file (given or the default), the prompt templates, the catalogue and the
-    installed package are inputs too, as the model is: refused before any model is looked for."""
+    """The config file (given or the default), the prompt templates, the catalogue, the scene
+    sets and the installed package are inputs too, as the model is: refused before any model is
+    looked for (scene furnish/render/generate too)."""
     import jscenegen
 
     prompts = tmp_path / "prompts"
@@ -224,6 +225,14 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
     package = Path(jscenegen.__file__).resolve().parent
     default = (ROOT / "configs/cpu-default.yaml").resolve()
     before = default.read_bytes()
+    dev = str(ROOT / "data/scenes/dev.jsonl")
+    config, png_config = tmp_path / "c.yaml", tmp_path / "c.png"
+    config.write_bytes(before)
+    png_config.write_bytes(before)
+    scene = tmp_path / "scene.json"
+    assert main(["scene", "furnish", dev, "-o", str(scene)]) == 0
+    capsys.readouterr()
+    shipped = (Path(dev).read_bytes(), before, before)
     cases = [
         (["design", "--model", "/nonexistent", "--prompt", "x", "-o", str(default)],
          f"-o {default} is the same file as the default config"),
@@ -233,12 +242,21 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
          f"lies inside the jscenegen package {package}"),
         (["train", "--run-dir", str(prompts / "run"), f"scene.prompts_dir={prompts}"],
          f"lies inside scene.prompts_dir {prompts}"),
+        (["scene", "furnish", dev, "-o", str(package / "cli.py")],
+         f"lies inside the jscenegen package {package}"),
+        (["scene", "furnish", dev, "-o", str(config), "--config", str(config)],
+         f"-o {config} is the same file as --config {config}"),
+        (["scene", "render", str(scene), "-o", str(png_config), "--config", str(png_config)],
+         f"-o {png_config} is the same file as --config {png_config}"),
+        (["scene", "generate", "--split", "dev", "--n", "2", "-o", dev],
+         f"-o {dev} is the same file as schedule.dev_set"),
     ]
     for argv, expected in cases:
         assert main(argv) == 2
         assert expected in one_error_line(capsys), argv
     assert default.read_bytes() == before and list(prompts.iterdir()) == []
     assert not (package / "r.json").exists()
+    assert (Path(dev).read_bytes(), config.read_bytes(), png_config.read_bytes()) == shipped
 
 
 @pytest.mark.parametrize("field,value,why", [
@@ -413,6 +431,12 @@ def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expec
     assert main(argv) == 2
     assert one_error_line(capsys) == expected
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_scene_set_not_found_names_the_option(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--model", "/nonexistent", "--scenes", "nope"]) == 2
+    assert one_error_line(capsys).startswith(f"error: --scenes nope: not found in {tmp_path} nor in ")
 
 
 def test_eval_refuses_a_multi_host_environment(tmp_path, capsys, monkeypatch):

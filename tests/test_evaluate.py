@@ -308,6 +308,13 @@ def test_design_refuses_what_cannot_work_before_loading_the_model(tmp_path, caps
                  str(tmp_path / "room.json"), "-o", str(tmp_path / "s.json"), *TINY]) == 2
     err = capsys.readouterr().err
     assert "door" in err and "weights" not in err and "safetensors" not in err
+    far = dev_records()[0].scene.to_json()
+    far["objects"] = [{"id": "bed_1", "category": "bed", "position": [100.0, 100.0], "size": [1.0, 1.0, 0.5]}]
+    (tmp_path / "far.json").write_text(json.dumps(far))
+    assert main(["design", "--model", str(model), "--prompt", "A bedroom.", "--room",
+                 str(tmp_path / "far.json"), "-o", str(tmp_path / "s.json"), *TINY]) == 2
+    assert f"error: --room {tmp_path / 'far.json'}: object bed_1 lies too far from the room" in \
+        capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
 
 
@@ -355,6 +362,14 @@ def _compare(tmp_path, capsys, before, after):
     return rc, captured.err.strip()
 
 
+def test_a_scene_id_is_one_markdown_cell():
+    from jscenegen.eval.report import comparison_markdown
+
+    rep = _synthetic_report(scenes=("a|b\nc",))
+    rows = comparison_markdown(rep, rep).splitlines()
+    assert rows[2].startswith("| a\\|b c | 0.50 -> 0.50 |") and len(rows) == 4
+
+
 def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tmp_path, capsys):
     good = _synthetic_report()
     assert _compare(tmp_path, capsys, good, good) == (0, "")
@@ -372,12 +387,33 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                 "overall.model.units must be a finite number or null, got inf"),
                (lambda r: r.update(schema="other/2"), "schema 'other/2' is not 'jscenegen.eval/1'"),
                (lambda r: r["scenes"].append(r["scenes"][0]), "scenes[2].scene_id 'a' is also scenes[0]'s"),
-               (lambda r: r.update(samples=5), "scenes[0].model has 2 episodes, samples says 5")]
+               (lambda r: r.update(samples=5), "scenes[0].model has 2 episodes, samples says 5"),
+               # an edited report: its summaries no longer are its episodes'
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=0.9),
+                "scenes[0].model.reward is 0.5 but its episodes give 0.7"),
+               (lambda r: r["overall"]["model"].update(reward=0.9),
+                "overall.model.reward is 0.9 but its episodes give 0.5"),
+               (lambda r: r["scenes"][1]["model"]["episodes"][1].update(failure_cause="bad_json"),
+                "scenes[1].model.failure_rate is 0.0 but its episodes give 0.5"),
+               (lambda r: r["scenes"][0]["model"]["episodes"][1].update(seed=1),
+                "scenes[0].model.episodes hold seed 1 more than once"),
+               (lambda r: r["scenes"][0]["model"]["episodes"][1].update(seed=2**70),
+                "scenes[0].model.episodes[1].seed must be an integer in 0..4294967295, got "
+                "1180591620717411303424")]
     for damage, why in damaged:
         rep = json.loads(json.dumps(good))
         damage(rep)
         rc, err = _compare(tmp_path, capsys, good, rep)
         assert rc == 2 and len(err.splitlines()) == 1 and "after.json" in err and why in err, err
+    sampled = {"temperature": 1.0, "top_k": 0, "buckets": [64, 256]}
+    good = _edited(lambda r: r.update(sampling=sampled))
+    # the decode layout changes no token: reports that differ in it compare
+    assert _compare(tmp_path, capsys, good, _edited(
+        lambda r: r.update(sampling=dict(sampled, buckets=[32])))) == (0, "")
+    (tmp_path / "after.json").write_text(json.dumps(good)[:-1] + ', "overall": {}}')
+    assert main(["eval", "--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json")]) == 2
+    assert "after.json: not valid JSON: the key 'overall' appears twice in one object" in \
+        capsys.readouterr().err
     no_model = _synthetic_report()
     del no_model["scenes"][1]["model"]
     for after, why in ((_synthetic_report(scenes=("a",)), r"1 scene\(s\) only in .*before.json: b"),
@@ -389,7 +425,10 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                        (_edited(lambda r: r["scenes"][1].update(seed=8)),
                         r"scene b differs in its seed \(another scene set under the same ids\)"),
                        (_edited(lambda r: r["scenes"][0].update(prompt="a kitchen")),
-                        "scene a differs in its prompt")):
+                        "scene a differs in its prompt"),
+                       (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1))),
+                        r"sampled otherwise \(sampling.temperature 1.0 and 0.1\): the same seeds "
+                        "draw other tokens")):
         rc, err = _compare(tmp_path, capsys, good, after)
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
 

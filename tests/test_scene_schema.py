@@ -115,6 +115,28 @@ def test_coordinates_beyond_the_bound_are_refused_naming_object_and_field(field,
         scene_from_json({"room": far}, "s.json")
 
 
+@pytest.mark.parametrize("where,edit", [
+    ("objects.0.yaw", lambda s: s["objects"][0].update(yaw="90")),
+    ("objects.0.position", lambda s: s["objects"][0].update(position=["1.0", 1.0])),
+    ("room.wall_height", lambda s: s["room"].update(wall_height="2.7")),
+])
+def test_a_number_written_as_a_string_is_refused_naming_the_field(where, edit):
+    scene = {"room": room(), "objects": [obj("bed_1", "bed", 1.0, 1.0, 1.0, 1.0, 0.5)]}
+    assert scene_from_json(json.loads(json.dumps(scene))).objects[0].yaw == 0.0
+    edit(scene)
+    with pytest.raises(SceneError, match=rf"^s.json: {where}: Value error, expected a number, not a string"):
+        scene_from_json(scene, "s.json")
+
+
+def test_a_key_repeated_in_one_object_is_refused(tmp_path):
+    """Python's json keeps the last value: an appended `"objects": []` would empty the room."""
+    text = json.dumps({"room": room(), "objects": [obj("bed_1", "bed", 1.0, 1.0, 1.0, 1.0, 0.5)]})
+    path = tmp_path / "s.json"
+    path.write_text(text[:-1] + ', "objects": []}')
+    with pytest.raises(SceneError, match=r"s.json: not valid JSON: the key 'objects' appears twice"):
+        load_scene(path)
+
+
 def test_parents_that_are_the_object_itself_or_form_a_cycle_are_refused():
     def on(oid, parent):
         return obj(oid, "plant", 1.0, 1.0, 0.2, 0.2, 0.2, mount="on", elevation=0.5, parent=parent)

@@ -91,10 +91,14 @@ def run(args) -> int:
     from jscenegen.paths import write_json
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.metrics import measure
+    from jscenegen.scene.reach_inputs import ReachabilityError
 
     # refuse what cannot work before the model loads: a room the runtime cannot measure, a
     # prompt that leaves the episode no room for a turn
-    measure(record.scene, cfg.scene)
+    try:
+        measure(record.scene, cfg.scene)
+    except ReachabilityError as err:
+        raise ReachabilityError(f"--room {args.room}: {err}" if args.room else str(err)) from None
     chat = policy_chat(cfg, args.model)
     check_episode_fits(chat, record, cfg)
     engine = policy_engine(cfg, args.model, chat=chat)

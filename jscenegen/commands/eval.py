@@ -70,7 +70,10 @@ def run(args) -> int:
     args.scenes = args.scenes or "dev"
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     refuse_multi_host("eval", cfg.mesh)
-    scenes = scene_set_path(args.scenes, cfg)
+    try:
+        scenes = scene_set_path(args.scenes, cfg)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--scenes {err}") from None
     samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
     try:
         check_samples(samples)
@@ -103,8 +106,7 @@ def run(args) -> int:
 
     report = evaluate(engine, records, judge=judge, scene_cfg=cfg.scene, judge_cfg=cfg.judge,
                       samples=samples, progress=progress)
-    report.update(model=str(args.model), scene_set=str(scenes),
-                  sampling=cfg.sampling.model_dump(mode="json"))
+    report.update(model=str(args.model), scene_set=str(scenes))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, report)

@@ -30,17 +30,23 @@ def _requested(text: str | None, catalogue) -> list[dict]:
     return list(requested_items(out, "--requested"))
 
 
-def _configs(path: str | None):
-    """(scene, judge) sections of the run config `path` (a run's own config.yaml or any
-    config file: its other sections are checked too, so a misspelt section is refused)."""
+def _run_config(path: str | None):
+    """The run config `path` (a run's own config.yaml or any config file: all its sections
+    are checked, so a misspelt section is refused); None: the schema's defaults."""
     from jscenegen.config import load_config
     from jscenegen.run_config import RunConfig
-    from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 
-    if path is None:
-        return SceneRuntimeConfig(), JudgeConfig()
-    cfg = load_config(path, [], RunConfig)
-    return cfg.scene, cfg.judge
+    return RunConfig() if path is None else load_config(path, [], RunConfig)
+
+
+def _refuse_overwriting(output: str, cfg, config: str | None, inputs: dict) -> None:
+    """Refuse an `-o` that is one of `inputs` or of what the config reads or names (the
+    config file, its catalogue, templates and scene sets, the installed package:
+    `run_config.config_inputs`)."""
+    from jscenegen.paths import refuse_overwriting_input
+    from jscenegen.run_config import config_inputs
+
+    refuse_overwriting_input(output, "-o", {**inputs, **config_inputs(cfg, config)})
 
 
 def _input(path: str) -> str:
@@ -73,7 +79,8 @@ def check(args) -> int:
 
     if args.requested_units is not None and args.requested_units < 0:
         raise ValueError(f"--requested-units must be >= 0, got {args.requested_units}")
-    cfg, judge_cfg = _configs(args.config)
+    run_cfg = _run_config(args.config)
+    cfg, judge_cfg = run_cfg.scene, run_cfg.judge
     catalogue = load_catalogue(cfg.catalogue_path)
     scene, req = _load(_input(args.scene))
     if args.requested is not None:
@@ -101,15 +108,15 @@ def check(args) -> int:
 
 
 def render(args) -> int:
-    from jscenegen.paths import check_output_file, refuse_overwriting_input
+    from jscenegen.paths import check_output_file
     from jscenegen.scene.render import render_scene
 
     path = _input(args.scene)
     check_output_file(args.output, "-o", suffix=".png")
-    refuse_overwriting_input(args.output, "-o", {"the scene": path})
-    cfg, _ = _configs(args.config)
+    run_cfg = _run_config(args.config)
+    _refuse_overwriting(args.output, run_cfg, args.config, {"the scene": path})
     scene, _ = _load(path)
-    metrics = render_scene(scene, args.output, cfg)
+    metrics = render_scene(scene, args.output, run_cfg.scene)
     print(json.dumps({"output": str(args.output), "reachable": metrics["reachable"]}))
     return 0
 
@@ -120,6 +127,7 @@ def generate(args) -> int:
     from jscenegen.scene.sceneset import write_scene_set
 
     check_output_file(args.output, "-o")
+    _refuse_overwriting(args.output, _run_config(None), None, {})
     records = make_scene_set(args.split, args.n)
     write_scene_set(args.output, records)
     print(json.dumps({"output": str(args.output), "scenes": len(records)}))
@@ -127,14 +135,15 @@ def generate(args) -> int:
 
 
 def furnish(args) -> int:
-    from jscenegen.paths import check_output_file, refuse_overwriting_input, write_json
+    from jscenegen.paths import check_output_file, write_json
     from jscenegen.scene.expert import run_scripted_episode
     from jscenegen.scene.sceneset import read_scene_set
 
     scene_set = _input(args.scene_set)
     check_output_file(args.output, "-o")
-    refuse_overwriting_input(args.output, "-o", {"the scene set": scene_set})
-    cfg, judge_cfg = _configs(args.config)
+    run_cfg = _run_config(args.config)
+    _refuse_overwriting(args.output, run_cfg, args.config, {"the scene set": scene_set})
+    cfg, judge_cfg = run_cfg.scene, run_cfg.judge
     records = read_scene_set(scene_set)
     if not 0 <= args.index < len(records):
         raise ValueError(f"--index {args.index} is outside {scene_set} ({len(records)} scenes)")

@@ -191,6 +191,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       `jscenegen eval` and of a run's evaluations compare (`eval --compare`).
       progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
+    "sampling" (the engine's `sampling` config, with an engine),
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
     summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
     Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside
@@ -235,5 +236,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
         overall["model"] = summarize(all_model, keys)
     if with_expert:
         overall["expert"] = summarize(all_expert, keys)
-    return {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),
-            "scenes": rows, "overall": overall, "wall_s": time.perf_counter() - t0}
+    report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),
+              "scenes": rows, "overall": overall, "wall_s": time.perf_counter() - t0}
+    if engine is not None:
+        report["sampling"] = engine.cfg.model_dump(mode="json")
+    return report

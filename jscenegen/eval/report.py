@@ -6,10 +6,12 @@ import math
 
 import numpy as np
 
-from jscenegen.config import clip_text
+from jscenegen.config import SEED_MAX, clip_text
 
 REPORT_SCHEMA = "jscenegen.eval/1"
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
+# `sampling` keys that change no token (decode segments, cache size): reports may differ in them
+_SAMPLING_LAYOUT_KEYS = ("buckets", "cache_tokens")
 
 
 def _number(x) -> bool:
@@ -22,8 +24,10 @@ def check_report(report, source: str) -> None:
     `comparison_markdown` reads: `scenes` a list of objects, each with a string `scene_id`
     and optional `model` statistics (`reward`, `failure_rate`, `units`, `reachable`, `quality`,
     `unit_penalty`: finite numbers or null) whose `episodes` are objects with an integer
-    `seed`, a finite number `reward`, a boolean `masked` and a `failure_cause`, as many as
-    `samples` says, each `scene_id` once; `overall.model` statistics; `schema` REPORT_SCHEMA."""
+    `seed` (32-bit, each once), a finite number `reward`, a boolean `masked` and a
+    `failure_cause`, as many as `samples` says, each `scene_id` once; `overall.model`
+    statistics; the `reward` and `failure_rate` of each summary those of its episodes;
+    `schema` REPORT_SCHEMA."""
     def stats(m, where: str, episodes: bool) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"{source}: {where} must be an object, got {type(m).__name__}")
@@ -39,14 +43,35 @@ def check_report(report, source: str) -> None:
             at = f"{where}.episodes[{j}]"
             if not isinstance(ep, dict):
                 raise ValueError(f"{source}: {at} must be an object, got {type(ep).__name__}")
-            if isinstance(ep.get("seed"), bool) or not isinstance(ep.get("seed"), int):
-                raise ValueError(f"{source}: {at}.seed must be an integer, got {ep.get('seed')!r}")
+            seed = ep.get("seed")
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+                raise ValueError(f"{source}: {at}.seed must be an integer in 0..{SEED_MAX}, "
+                                 f"got {clip_text(repr(seed))}")
             if not _number(ep.get("reward")):
                 raise ValueError(f"{source}: {at}.reward must be a finite number, got {ep.get('reward')!r}")
             if not isinstance(ep.get("masked"), bool):
                 raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
             if "failure_cause" not in ep:
                 raise ValueError(f"{source}: {at}.failure_cause is missing")
+        seeds = [ep["seed"] for ep in eps]
+        if len(set(seeds)) != len(seeds):
+            twice = next(x for x in seeds if seeds.count(x) > 1)
+            raise ValueError(f"{source}: {where}.episodes hold seed {twice} more than once "
+                             "(each sampling seed is one episode)")
+        _agrees(m, eps, where)
+
+    def _agrees(m: dict, eps: list, where: str) -> None:
+        """The summary's reward and failure rate are those of its episodes (`summarize`)."""
+        valid = [ep for ep in eps if not ep["masked"]]
+        want = {"reward": float(np.mean([ep["reward"] for ep in valid])) if valid else None,
+                "failure_rate": (sum(1 for ep in valid if ep["failure_cause"]) / len(valid)
+                                 if valid else None)}
+        for key, value in want.items():
+            got = m[key]
+            if (got is None) != (value is None) or (
+                    value is not None and not math.isclose(got, value, rel_tol=1e-9, abs_tol=1e-12)):
+                raise ValueError(f"{source}: {where}.{key} is {got!r} but its episodes give "
+                                 f"{value!r} (an edited report?)")
 
     if not isinstance(report, dict):
         raise ValueError(f"{source}: an evaluation report must be a JSON object, got {type(report).__name__}")
@@ -75,6 +100,8 @@ def check_report(report, source: str) -> None:
     if not isinstance(overall, dict) or "model" not in overall:
         raise ValueError(f"{source}: overall.model is missing (not a report with model episodes)")
     stats(overall["model"], "overall.model", episodes=False)
+    _agrees(overall["model"], [ep for row in scenes if "model" in row
+                               for ep in row["model"]["episodes"]], "overall.model")
 
 
 def _coverage(report) -> dict[str, list[int] | None]:
@@ -86,13 +113,26 @@ def _coverage(report) -> dict[str, list[int] | None]:
 def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> None:
     """Raise ValueError naming both files and what differs unless the two (checked) reports
     were graded by the same judge (backend, model, rubric) and cover the same scenes (same
-    seeds and prompts), each with model episodes of the same sampling seeds: a comparison of
-    part of the episodes, or of rewards on other scales, would be silently biased."""
+    seeds and prompts), each with model episodes of the same sampling seeds, drawn with the same
+    `sampling` settings where both reports record them (all but the decode layout's `buckets`
+    and `cache_tokens`): a comparison of part of the episodes, of rewards on other scales or
+    of other sampling rules would be silently biased."""
     b, a = _coverage(before), _coverage(after)
     where = f"{names[0]} vs {names[1]}"
     if before.get("judge") != after.get("judge"):
         raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
                          f"{_judge_name(after)}): their rewards do not compare")
+
+    shaping = [dict(r.get("sampling") or {}) for r in (before, after)]
+    for d in shaping:
+        for key in _SAMPLING_LAYOUT_KEYS:
+            d.pop(key, None)
+    if all(shaping) and shaping[0] != shaping[1]:
+        key = next(k for k in sorted(set(shaping[0]) | set(shaping[1]))
+                   if shaping[0].get(k) != shaping[1].get(k))
+        raise ValueError(f"{where}: sampled otherwise (sampling.{key} "
+                         f"{clip_text(repr(shaping[0].get(key)))} and "
+                         f"{clip_text(repr(shaping[1].get(key)))}): the same seeds draw other tokens")
 
     def listed(ids) -> str:
         ids = sorted(ids)
@@ -162,6 +202,11 @@ def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
             "failure_rate_after": failed([a[k] for k in keys])}
 
 
+def _cell_text(text: str) -> str:
+    """`text` as one Markdown table cell: pipes escaped, line breaks as spaces, cut to 80."""
+    return clip_text(" ".join(text.splitlines()).replace("|", "\\|"), 80)
+
+
 def comparison_markdown(before: dict, after: dict) -> str:
     """A Markdown table of two `evaluate` reports of the same scenes: per scene and overall,
     mean reward, failure rate, mean units, reachable rate, and the reward's quality and unit
@@ -184,7 +229,8 @@ def comparison_markdown(before: dict, after: dict) -> str:
     for row in before["scenes"]:
         other = after_rows.get(row["scene_id"])
         if other is not None and "model" in row and "model" in other:
-            lines.append("| " + " | ".join([row["scene_id"], *cells(row["model"], other["model"])]) + " |")
+            lines.append("| " + " | ".join([_cell_text(row["scene_id"]),
+                                            *cells(row["model"], other["model"])]) + " |")
     ci = change["diff_ci95"]
     interval = "95% CI n/a" if ci is None else f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]"
     overall = cells(before["overall"]["model"], after["overall"]["model"])

@@ -27,7 +27,7 @@ import numpy as np
 
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
-from jscenegen.paths import naming_write_errors, not_a_file
+from jscenegen.paths import naming_write_errors, not_a_file, unique_keys
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -84,7 +84,7 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
                 raise ValueError(f"header of {n} bytes")
-            header = json.loads(f.read(n), object_pairs_hook=_no_duplicate_keys)
+            header = json.loads(f.read(n), object_pairs_hook=unique_keys)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         _check_metadata(header.pop("__metadata__", None))
@@ -93,14 +93,6 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
         return 8 + n, header
     except (OSError, ValueError, struct.error, RecursionError) as err:
         raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        twice = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"the header names {twice[0][:200]!r} twice")
-    return dict(pairs)
 
 
 def _check_metadata(metadata: object) -> None:

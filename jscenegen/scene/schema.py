@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jscenegen.config import PlainModel
-from jscenegen.paths import not_a_file
+from jscenegen.config import JsonDocument
+from jscenegen.paths import not_a_file, unique_keys
 
 SCHEMA_VERSION = "scenegen.scene/1"
 Mount = Literal["floor", "on", "wall", "ceiling"]
@@ -39,7 +39,7 @@ class SceneError(ValueError):
     """A scene (file or JSON) that does not satisfy the schema; the message names the field."""
 
 
-class Door(PlainModel):
+class Door(JsonDocument):
     """A door on edge `wall` (vertex wall -> wall+1), centred `offset` metres along that edge."""
 
     wall: int = Field(ge=0)
@@ -54,7 +54,7 @@ class Window(Door):
     sill: float = Field(ge=0)
 
 
-class Room(PlainModel):
+class Room(JsonDocument):
     """Room shell: counter-clockwise simple floor polygon [[x, y], ...] (metres), walls, openings.
 
     At least one door (reachability starts at the doors); at most MAX_FLOOR_VERTICES vertices and
@@ -102,7 +102,7 @@ class Room(PlainModel):
         return self
 
 
-class SceneObject(PlainModel):
+class SceneObject(JsonDocument):
     """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
     degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
 
@@ -149,7 +149,7 @@ class SceneObject(PlainModel):
         return self
 
 
-class Budget(PlainModel):
+class Budget(JsonDocument):
     """Unit budget of an episode: total units and units charged so far (never more than the
     total: an operation that would go over it is refused, not charged)."""
 
@@ -163,7 +163,7 @@ class Budget(PlainModel):
         return self
 
 
-class Scene(PlainModel):
+class Scene(JsonDocument):
     """A scene: room, prompt, objects and budget, schema `scenegen.scene/1`."""
 
     schema_: Literal["scenegen.scene/1"] = Field(SCHEMA_VERSION, alias="schema")
@@ -173,7 +173,7 @@ class Scene(PlainModel):
     objects: tuple[SceneObject, ...] = Field((), max_length=MAX_SCENE_OBJECTS)
     budget: Budget = Budget()
 
-    model_config = ConfigDict(**PlainModel.model_config, populate_by_name=True)
+    model_config = ConfigDict(**JsonDocument.model_config, populate_by_name=True)
 
     @model_validator(mode="after")
     def _ids(self) -> "Scene":
@@ -304,10 +304,10 @@ def scene_from_json(data: dict, source: str = "<scene>") -> Scene:
 
 def parse_json(text: str, label: str):
     """json.loads(text), with every way JSON text can be bad (syntax, nesting deeper than the
-    parser's recursion limit, integers beyond Python's digit limit) as one SceneError naming
-    `label`."""
+    parser's recursion limit, integers beyond Python's digit limit, a key repeated within one
+    object) as one SceneError naming `label`."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except RecursionError:
         raise SceneError(f"{label}: not valid JSON: nested too deeply (a scene nests a few levels)") from None
     except ValueError as err:  # json.JSONDecodeError, and the int digit limit
