@@ -47,6 +47,10 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
      "sampling.chat_template_path /nonexistent.jinja: not a file"),
     ("rollout.groups_per_batch=1000", "rollout.groups_per_batch=1000: more scenes per batch than "
                                       "the schedule's 100"),
+    # 8 episodes pad to 9 rows on the 3 x 2 mesh: 8 does not divide them
+    ("loss.ppo_micro_batch_size=8", "loss.ppo_micro_batch_size=8: rollout.groups_per_batch x "
+     "schedule.group_size = 8 rows, padded to 9 (a multiple of mesh.fsdp=3), do not split into "
+     "micro-batches of 8 rows; choose one of 1, 3, 9"),
 ])
 def test_train_refuses_bad_scene_sets_and_values_before_any_model(tmp_path, capsys, override, message):
     assert main(["train", "--run-dir", str(tmp_path / "run"), override]) == 2
@@ -382,6 +386,12 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
      "error: --batch x --seq: 4,096 x 65,536 = 268,435,456 tokens; a parity batch holds at most 1,048,576"),
     (["parity", "grpo-step", "--model", "/nonexistent", "--rows", "3"],
      "error: --rows 3: the rows form 2 groups of rows/2; give an even number"),
+    (["parity", "grpo-step", "--model", "/nonexistent", "--seq", "4"],
+     "error: --seq 4: the synthetic episodes reach their first designer token within 17 tokens; "
+     "give --seq >= 17"),
+    (["parity", "grpo-step", "--model", "/nonexistent", "--optim", "warmup_steps=2"],
+     "error: the update's learning rate is 0 (optim lr=1e-06, warmup_steps=2): no parameter "
+     "moves, so nothing would be compared; give a learning rate > 0 at step 0"),
     (["parity", "grpo-step", "--model", "/nonexistent", "--optim", "lr"],
      "error: --optim 'lr': not of the form KEY=VALUE (e.g. lr=1e-5)"),
     (["parity", "grpo-step", "--model", "/nonexistent", "--temperature", "nan"],

@@ -1,6 +1,7 @@
 """`parity grpo-step` on tiny transformers Qwen2/Qwen3 directories: loss and parameters vs torch."""
 import json
 
+import numpy as np
 import pytest
 
 from jscenegen.grpo.algo.config import LossConfig
@@ -50,6 +51,31 @@ def test_cli_qwen3_recipe_with_accumulation(tiny_dirs, capsys):
     assert rc == 0 and r["ok"] and r["loss_scale"] == "global" and r["micro_batches"] == 3, r
     assert r["loss_diff"] <= 1e-5 and r["max_param_diff"] <= PARAM_TOL
     assert abs(r["grad_norm_ratio"] - 1) <= 1e-5 and r["update_max"] > 9e-7
+
+
+def test_cli_dr_grpo_with_repeated_flags_and_a_micro_batch_covering_the_rows(tiny_dirs, capsys):
+    """`--loss` may repeat (both lists count); a micro-batch as large as the batch is one
+    micro-batch on both sides; Dr. GRPO advantages reach the batch and match torch's loops."""
+    from jscenegen.cli import main
+
+    rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--loss",
+               "loss_agg_mode=token-sum", "--loss", "norm_adv_by_std=false", "ppo_micro_batch_size=16"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and r["ok"] and r["micro_batches"] == 1, r
+    assert r["loss_agg_mode"] == "token-sum" and r["norm_adv_by_std"] is False
+    assert r["advantages_max_diff"] <= 1e-6
+
+
+def test_synthetic_advantages_follow_the_loss_settings():
+    std = synthetic_batch(100, seed=1, rows=8)
+    dr = synthetic_batch(100, seed=1, rows=8, norm_adv_by_std=False)
+    scores = std["scores"]
+    for g in (slice(0, 4), slice(4, 8)):    # two groups of rows / 2
+        np.testing.assert_allclose(dr["episode_advantages"][g], scores[g] - scores[g].mean(), atol=1e-6)
+        np.testing.assert_allclose(std["episode_advantages"][g],
+                                   (scores[g] - scores[g].mean()) / (scores[g].std(ddof=1) + 1e-6),
+                                   rtol=1e-5)
+    assert synthetic_batch(100, seed=1, rows=16)["group_ids"].tolist() == [0] * 8 + [1] * 8
 
 
 def test_cli_exits_1_when_torch_differs(tiny_dirs, capsys):

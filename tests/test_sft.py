@@ -107,6 +107,10 @@ def test_demo_masks_on_real_episodes(demos, chat):
         assert not batch["loss_mask"][i, n:].any() and batch["attention_mask"][i].sum() == n
     short = demo_batch(demos, 100)
     assert short["input_ids"].shape == (3, 100) and not short["loss_mask"].any()  # prompt only
+    # rows padded beyond sft.max_seq_len hold max_seq_len real tokens at most
+    capped = demo_batch(demos, 128, max_tokens=100)
+    assert capped["input_ids"].shape == (3, 128) and (capped["attention_mask"].sum(1) == 100).all()
+    np.testing.assert_array_equal(capped["input_ids"][:, :100], short["input_ids"])
 
 
 def test_batch_order_cycles_epochs_deterministically():
@@ -228,6 +232,9 @@ def test_run_sft_refuses_what_would_not_train_and_warns_when_nothing_moved(tmp_p
                                         "log_every": 1, **(sft or {})},
                                 "optim": {"lr": 5e-3, "weight_decay": 0.0, **(optim or {})}},
                                "sft.yaml", SFTRunConfig)
+    with pytest.raises(ValueError, match=r"^sft.micro_batch_size=4: sft.batch_size = 4 rows, padded "
+                                         r"to 6 \(a multiple of mesh.fsdp=3\), do not split"):
+        run_sft(cfg({"batch_size": 4, "micro_batch_size": 4}), "/nonexistent", tmp_path / "padded")
     with pytest.raises(ValueError, match=r"sft.max_seq_len=16: no demonstration has a policy token"):
         run_sft(cfg({"max_seq_len": 16, "seq_multiple": 16}), chat_model_dir(), tmp_path / "short")
     rows = []
@@ -251,5 +258,11 @@ def test_config_errors_name_the_key():
         validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="batch_size 100000 x max_seq_len 3072 = 307,200,000 tokens"):
         validate_config({"sft": {"batch_size": 100000, "micro_batch_size": 1}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(ConfigError, match=r"batch_size 4100 x max_seq_len 3000 padded to 4096 \(a "
+                                          r"multiple of seq_multiple 2048\) = 16,793,600 tokens"):
+        validate_config({"sft": {"batch_size": 4100, "max_seq_len": 3000, "seq_multiple": 2048}},
+                        "sft.yaml", SFTRunConfig)
+    with pytest.raises(ConfigError, match="seq_multiple 1048576 exceeds max_seq_len 3072"):
+        validate_config({"sft": {"batch_size": 1, "seq_multiple": 2**20}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="scene_offset 999999 \\+ num_demos 2 passes"):
         validate_config({"sft": {"num_demos": 2, "scene_offset": 999999}}, "sft.yaml", SFTRunConfig)

@@ -81,11 +81,11 @@ def _add_common(p) -> None:
                         "as VERL with freeze_vision_tower false); default frozen")
     p.add_argument("--perturb-torch", type=finite_float_arg, default=0.0,
                    help="add this to one torch embedding weight first (shows the check can fail)")
-    p.add_argument("--loss", nargs="*", default=[], metavar="KEY=VALUE",
+    p.add_argument("--loss", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="LossConfig overrides, e.g. loss_agg_mode=seq-mean-token-mean "
-                        "ppo_micro_batch_size=2 use_kl_loss=true")
-    p.add_argument("--optim", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="OptimConfig overrides, e.g. lr=1e-5")
+                        "ppo_micro_batch_size=2 use_kl_loss=true (may be repeated)")
+    p.add_argument("--optim", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="OptimConfig overrides, e.g. lr=1e-5 (may be repeated)")
 
 
 def _configs(args):
@@ -112,10 +112,13 @@ def run_logits(args) -> int:
 
 
 def run_grpo_step(args) -> int:
-    from jscenegen.parity.grpo_step import grpo_step_parity
+    from jscenegen.parity.grpo_step import MIN_SEQ, grpo_step_parity
 
     if args.rows % 2:
         raise ValueError(f"--rows {args.rows}: the rows form 2 groups of rows/2; give an even number")
+    if args.seq < MIN_SEQ:
+        raise ValueError(f"--seq {args.seq}: the synthetic episodes reach their first designer "
+                         f"token within {MIN_SEQ} tokens; give --seq >= {MIN_SEQ}")
     _check_tokens(args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq")
     loss_cfg, optim_cfg = _configs(args)
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,

@@ -21,17 +21,24 @@ from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
 
 LOSS_TOL = 1e-5
 PARAM_TOL = 2.4e-7
+ADV_TOL = 1e-6   # advantages (unit scale), jscenegen's vectorised formula vs the torch loops
+# a synthetic episode's first designer token lies within its first MIN_SEQ tokens (left padding
+# <= 6, a 3-token prompt, a planner turn <= 5 tokens, 2 environment tokens)
+MIN_SEQ = 17
 VISION_PREFIX = "model.visual."
 
 
-def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int = 4,
-                    selected: int = DESIGNER, seed: int = 0, pad_rows: int = 0) -> dict:
+def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int | None = None,
+                    selected: int = DESIGNER, seed: int = 0, pad_rows: int = 0,
+                    adv_eps: float = 1e-6, norm_adv_by_std: bool = True) -> dict:
     """A fixed GRPO batch as numpy arrays.
 
-    `rows` episodes in groups of `group_size`, then `pad_rows` all-padding rows (zero
+    `rows` episodes in groups of `group_size` (default rows / 2: two groups; advantages with
+    `adv_eps` and `norm_adv_by_std` as `loss.*` sets them), then `pad_rows` all-padding rows (zero
     attention and loss masks, as rows are padded to a multiple of the mesh's fsdp axis).
     Returns input_ids/attention_mask [R, seq] int32 (left padding of 0-6 tokens), roles
-    [rows, seq] int32, policy_mask [rows, seq] bool, scores/valid/group_ids [rows], and
+    [rows, seq] int32, policy_mask [rows, seq] bool, scores/valid/group_ids/episode_advantages
+    [rows], and
     loss_mask/advantages [rows, seq] float32 for role `selected`, plus old_delta/ref_delta
     [rows, seq] float32 perturbations (N(0, 0.3)) for the old/reference log-probs.
     """
@@ -53,12 +60,15 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
             roles[r, t:t + turn] = role
             policy[r, t:t + turn] = True
             t += turn + 2  # environment observation after each turn
+    group_size = group_size or max(rows // 2, 1)
     groups = np.repeat(np.arange(rows // group_size), group_size)
     scores = rng.uniform(0, 1, rows).astype(np.float32)
     scores[1] = -1.0  # a policy failure is an ordinary member
     valid = np.ones(rows, bool)
-    adv = np.asarray(grpo_outcome_advantages(scores, groups, valid, group_size=group_size))
+    adv = np.asarray(grpo_outcome_advantages(scores, groups, valid, eps=adv_eps,
+                                             norm_by_std=norm_adv_by_std, group_size=group_size))
     loss_mask = np.asarray(role_loss_mask(roles, policy, selected)) * mask
+    episode_adv = adv
     adv = adv[:, None] * loss_mask
     if pad_rows:
         extra = lambda a: np.concatenate([a, np.zeros((pad_rows, *a.shape[1:]), a.dtype)])  # noqa: E731
@@ -66,6 +76,7 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
     return {
         "input_ids": ids, "attention_mask": mask, "roles": roles, "policy_mask": policy,
         "scores": scores, "valid": valid, "group_ids": groups,
+        "episode_advantages": episode_adv.astype(np.float32),
         "loss_mask": loss_mask.astype(np.float32),
         "advantages": adv.astype(np.float32),
         "old_delta": rng.normal(0, 0.3, (rows + pad_rows, seq)).astype(np.float32),
@@ -145,22 +156,40 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     the tower is trained on both sides with a zero gradient (VERL's dummy image): AdamW
     decays it, p (1 - lr wd), in both.
 
-    Micro-batching: jscenegen uses `loss_cfg.ppo_micro_batch_size`; torch uses the same row
-    blocks, with VERL 0.9's global or the legacy per-micro-batch normalisation as configured.
-    Raises ImportError without torch, and the loaders' errors for a bad directory.
+    Micro-batching: jscenegen uses `loss_cfg.ppo_micro_batch_size` (one micro-batch when it
+    covers the rows); torch uses the same row blocks, with VERL 0.9's global or the legacy
+    per-micro-batch normalisation as configured. Advantages follow `loss_cfg.adv_eps` and
+    `norm_adv_by_std`; both sides train on jscenegen's, and the torch loops' own are compared
+    (`advantages_max_diff`). `lr` is the rate the update used (the schedule at step 0).
+    Raises ValueError when that rate is 0 (nothing would move), for `seq` < MIN_SEQ (no token
+    trained) and a micro-batch size that does not divide the rows; ImportError without
+    torch, and the loaders' errors for a bad directory.
     """
     import jax
     import torch
 
+    from jscenegen.grpo.algo.accumulate import num_micro_batches
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.algo.optimizer import init_train_state, lr_at
     from jscenegen.parity import torch_reference as ref
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
+    lr = float(lr_at(optim_cfg, 0))
+    if lr == 0.0:
+        raise ValueError(f"the update's learning rate is 0 (optim lr={optim_cfg.lr}, "
+                         f"warmup_steps={optim_cfg.warmup_steps}): no parameter moves, so nothing "
+                         "would be compared; give a learning rate > 0 at step 0")
+    if seq < MIN_SEQ:
+        raise ValueError(f"seq {seq}: the synthetic episodes need >= {MIN_SEQ} tokens to train one")
+    k = num_micro_batches(rows + pad_rows, loss_cfg.ppo_micro_batch_size, "ppo_micro_batch_size")
     model, params, names, step = jax_policy(model_dir, loss_cfg, optim_cfg, temperature,
                                             train_vision)
-    data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed, pad_rows=pad_rows)
+    data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed, pad_rows=pad_rows,
+                           adv_eps=loss_cfg.adv_eps, norm_adv_by_std=loss_cfg.norm_adv_by_std)
+    t_adv = ref.grpo_advantages(data["scores"], data["group_ids"], data["valid"],
+                                loss_cfg.adv_eps, loss_cfg.norm_adv_by_std).numpy()
+    adv_diff = float(np.max(np.abs(data["episode_advantages"] - t_adv)))
     rows = rows + pad_rows
     on = data["loss_mask"] > 0
 
@@ -189,10 +218,9 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     if loss_cfg.use_kl_loss:
         tb["ref_logp"] = torch.from_numpy(
             np.where(on, t_old + data["ref_delta"], 0.0).astype(np.float32))
-    micro_rows = loss_cfg.ppo_micro_batch_size or rows
     t_metrics, t_grads, _, _ = ref.grpo_step(
         tmodel, tb, loss_cfg, optim_cfg, temperature=temperature,
-        num_micro_batches=rows // micro_rows, return_grads=compare_grads)
+        num_micro_batches=k, return_grads=compare_grads)
     t_new = {n: p.detach().numpy() for n, p in tmodel.named_parameters() if p.requires_grad}
 
     missing = sorted(set(t_new) ^ set(jax_new))
@@ -219,10 +247,12 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         "old_logp_max_diff": float(np.max(np.abs(jax_old - t_old)[data["attention_mask"] > 0])),
         "clipfrac": float(metrics["clipfrac"]), "trained_tokens": int(on.sum()),
         "loss_agg_mode": loss_cfg.loss_agg_mode, "loss_scale": loss_cfg.loss_scale,
-        "micro_batches": rows // micro_rows, "rows": rows, "pad_rows": pad_rows, "lr": optim_cfg.lr,
+        "micro_batches": k, "rows": rows, "pad_rows": pad_rows, "lr": lr,
+        "norm_adv_by_std": loss_cfg.norm_adv_by_std, "advantages_max_diff": adv_diff,
         "trained_tensors": len(names), "frozen_tensors": len(named_weights(model)) - len(names),
         "frozen_unchanged": frozen_unchanged(model, model_dir, tmodel, torch_frozen),
-        "tolerances": {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL},
+        "tolerances": {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL,
+                       "advantages_max_diff": ADV_TOL},
     }
     if train_vision:  # the tower's whole update is AdamW's decay, p (1 - lr wd), on both sides
         vision = [n for n in names if n.startswith(VISION_PREFIX)]
@@ -238,7 +268,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         # Adam's first step is lr g / (|g| + eps): near g = 0 a grad difference is amplified
         result["worst_param_grads"] = [float(jax_grads[worst][worst_idx]),
                                        float(t_grads[worst][worst_idx])]
-    result["ok"] = bool(loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL
+    result["ok"] = bool(loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL and adv_diff <= ADV_TOL
                         and result["frozen_unchanged"]
                         and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
     return result

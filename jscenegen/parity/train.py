@@ -211,6 +211,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     import jax
     import torch
 
+    from jscenegen.grpo.algo.accumulate import num_micro_batches
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.grpo.algo.optimizer import init_train_state
     from jscenegen.grpo.train.batch import build_group_batch
@@ -247,7 +248,8 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     for k in range(updates):
         role = role_from_letter(roles[k % len(roles)])
         group = groups[k % len(groups)]
-        data = build_group_batch(group, role, row_multiple=1, col_multiple=length).arrays
+        data = build_group_batch(group, role, row_multiple=1, col_multiple=length,
+                                 eps=loss_cfg.adv_eps, norm_by_std=loss_cfg.norm_adv_by_std).arrays
         on = data["loss_mask"] > 0
         delta = rng.normal(0, 0.3, on.shape).astype(np.float32)
 
@@ -271,10 +273,11 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             np.where(on, t_old.numpy() + delta, 0.0).astype(np.float32))
         if loss_cfg.use_kl_loss:
             tb["ref_logp"] = torch.from_numpy(batch["ref_logp"])
-        micro_rows = loss_cfg.ppo_micro_batch_size or len(group)
         t_metrics, _, optimizer, scheduler = ref.grpo_step(
             tmodel, tb, loss_cfg, optim_cfg, temperature=temperature,
-            num_micro_batches=len(group) // micro_rows, optimizer=optimizer, scheduler=scheduler)
+            num_micro_batches=num_micro_batches(len(group), loss_cfg.ppo_micro_batch_size,
+                                                "ppo_micro_batch_size"),
+            optimizer=optimizer, scheduler=scheduler)
 
         jax_p = _by_name(names, state.params)
         t_p = {n: p.detach().numpy() for n, p in tmodel.named_parameters() if p.requires_grad}

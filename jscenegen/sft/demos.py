@@ -101,15 +101,17 @@ def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
     return demos
 
 
-def demo_batch(demos: Sequence[Demo], length: int) -> dict[str, np.ndarray]:
+def demo_batch(demos: Sequence[Demo], length: int, max_tokens: int | None = None) -> dict[str, np.ndarray]:
     """Right-padded [N, length] arrays: input_ids int32, attention_mask int32, loss_mask float32
     (1 on policy tokens, 0 on environment tokens, padding and column 0). Demos longer than
-    `length` are truncated (their later tokens are dropped)."""
+    `max_tokens` (default `length`; `sft.max_seq_len`, which `length` rounds up) are truncated
+    there (their later tokens are dropped)."""
     n = len(demos)
+    keep = length if max_tokens is None else min(length, max_tokens)
     out = {"input_ids": np.zeros((n, length), np.int32), "attention_mask": np.zeros((n, length), np.int32),
            "loss_mask": np.zeros((n, length), np.float32)}
     for i, d in enumerate(demos):
-        k = min(len(d.tokens), length)
+        k = min(len(d.tokens), keep)
         out["input_ids"][i, :k] = d.tokens[:k]
         out["attention_mask"][i, :k] = 1
         out["loss_mask"][i, :k] = d.policy_mask[:k]

@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.optimizer import init_train_state
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.paths import json_line, require_new_dir, write_json
@@ -53,9 +54,11 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     sc = cfg.sft
     t0 = time.perf_counter()
     require_new_dir(out_dir)
+    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+    check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
+                               "sft.batch_size", "sft.micro_batch_size")
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
-    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
     chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
@@ -63,14 +66,16 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     length = padded_length(demos, sc.max_seq_len, int(np.lcm(sc.seq_multiple, mesh.shape["sp"])))
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
-                  "max_tokens": int(max(lengths)), "truncated": int(sum(n > length for n in lengths)),
+                  "max_tokens": int(max(lengths)),
+                  "truncated": int(sum(n > sc.max_seq_len for n in lengths)),
                   "policy_tokens_per_demo": float(np.mean([d.policy_mask.sum() for d in demos])),
                   "expert_mean_reward": float(np.nanmean([d.reward for d in demos])),
                   "demo_build_s": time.perf_counter() - t0}
     log({"event": "demos", **demo_stats})
-    if not any(d.policy_mask[:length].any() for d in demos):
+    kept = min(length, sc.max_seq_len)
+    if not any(d.policy_mask[:kept].any() for d in demos):
         raise ValueError(f"sft.max_seq_len={sc.max_seq_len}: no demonstration has a policy token "
-                         f"within its first {length} tokens (the system prompt and the room come "
+                         f"within its first {kept} tokens (the system prompt and the room come "
                          f"first: {min(lengths)} tokens in the shortest demo); nothing would train")
 
     t1, cpu1 = time.perf_counter(), time.process_time()
@@ -82,7 +87,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     with jax.set_mesh(mesh):
         state = init_train_state(params, cfg.optim)
         for step in range(sc.steps):
-            arrays = demo_batch([demos[i] for i in order[step]], length)
+            arrays = demo_batch([demos[i] for i in order[step]], length, sc.max_seq_len)
             batch = shard_batch(pad_batch(arrays, mesh, seq_multiple=length), mesh)
             state, metrics = sft.step(state, batch)
             if step % sc.log_every == 0 or step == sc.steps - 1:

@@ -26,6 +26,22 @@ def num_micro_batches(rows: int, micro_rows: int | None, key: str = "micro_batch
     return rows // micro_rows
 
 
+def check_padded_micro_batches(rows: int, fsdp: int, micro_rows: int | None, rows_text: str,
+                               key: str) -> int:
+    """`num_micro_batches` of a batch of `rows` rows once padded to a multiple of `fsdp` (the
+    mesh's fsdp axis pads the batch's rows before the step splits them), checked from the
+    config before any work. Raises ValueError naming `rows_text` (what sets the rows), the
+    padding and `key` with the sizes that would divide."""
+    padded = -(-rows // fsdp) * fsdp
+    if micro_rows is None or micro_rows >= padded or padded % micro_rows == 0:
+        return num_micro_batches(padded, micro_rows, key)
+    divisors = [d for d in range(1, padded + 1) if padded % d == 0]
+    pad = f", padded to {padded} (a multiple of mesh.fsdp={fsdp})," if padded != rows else ""
+    raise ValueError(f"{key}={micro_rows}: {rows_text} = {rows} rows{pad} do not split into "
+                     f"micro-batches of {micro_rows} rows; choose one of "
+                     f"{', '.join(map(str, divisors[:12]))}{' ...' if len(divisors) > 12 else ''}")
+
+
 def split_micro(batch: Any, k: int) -> Any:
     """Every [B, ...] leaf of `batch` reshaped to [k, B / k, ...] (contiguous row blocks)."""
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)

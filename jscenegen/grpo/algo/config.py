@@ -50,7 +50,9 @@ class LossConfig(Section):
                                  "entropy_coeff x the aggregated entropy of the temperature-scaled "
                                  "distribution (VERL actor.entropy_coeff); 0: no entropy term")
     ppo_micro_batch_size: int | None = Field(
-        None, gt=0, description="rows per micro-batch (gradient accumulation); None = whole batch"
+        None, gt=0, description="rows per micro-batch (gradient accumulation); None = whole "
+        "batch; must divide the batch's rows (groups_per_batch x group_size) padded to a multiple "
+        "of mesh.fsdp (8 episodes on fsdp=3: 9 rows)"
     )
     logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
     norm_adv_by_std: bool = Field(True, description="GRPO (true) or Dr. GRPO (false) advantages")

@@ -32,6 +32,7 @@ from jscenegen.checkpoint.resume import (
     restore_onto_mesh,
 )
 from jscenegen.checkpoint.store import CheckpointStore, check_step
+from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
 from jscenegen.grpo.algo.roles import ROLE_NAMES
@@ -61,7 +62,7 @@ from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
 from jscenegen.sharding.layout import shard_batch
-from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes
+from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes, mesh_shape
 from jscenegen.signals import RepeatFilter, Terminated
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,9 @@ def train_scenes(cfg) -> tuple[SceneSetSource, int]:
     """The train scene set (`schedule.train_set`) and how many of its scenes the schedule uses
     (`schedule.num_scenes`, default all). Raises ValueError naming the key when num_scenes
     exceeds the set, or when `rollout.groups_per_batch` asks for more scenes than the schedule
-    uses or more episodes per batch than GROUP_MAX, and the scene-set reader's errors for a
-    missing or malformed file."""
+    uses or more episodes per batch than GROUP_MAX, or when `loss.ppo_micro_batch_size` does
+    not divide the batch's rows padded for `mesh.fsdp`, and the scene-set reader's errors for
+    a missing or malformed file."""
     scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
     n = cfg.schedule.num_scenes or len(scenes)
     if n > len(scenes):
@@ -106,6 +108,11 @@ def train_scenes(cfg) -> tuple[SceneSetSource, int]:
     if k * cfg.schedule.group_size > GROUP_MAX:
         raise ValueError(f"rollout.groups_per_batch={k} x schedule.group_size="
                          f"{cfg.schedule.group_size} episodes per batch: at most {GROUP_MAX}")
+    fsdp, _ = mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
+    check_padded_micro_batches(k * cfg.schedule.group_size, fsdp,
+                               cfg.loss.ppo_micro_batch_size,
+                               "rollout.groups_per_batch x schedule.group_size",
+                               "loss.ppo_micro_batch_size")
     return scenes, n
 
 
