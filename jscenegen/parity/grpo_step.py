@@ -19,13 +19,19 @@ import numpy as np
 
 from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
 
-LOSS_TOL = 1e-5
+LOSS_TOL = 1e-5   # on `loss_gap`: relative to the loss once |loss| > 1 (token-sum grows with tokens)
 PARAM_TOL = 2.4e-7
 ADV_TOL = 1e-6   # advantages (unit scale), jscenegen's vectorised formula vs the torch loops
 # a synthetic episode's first designer token lies within its first MIN_SEQ tokens (left padding
 # <= 6, a 3-token prompt, a planner turn <= 5 tokens, 2 environment tokens)
 MIN_SEQ = 17
 VISION_PREFIX = "model.visual."
+
+
+def loss_gap(loss_jax: float, loss_torch: float) -> float:
+    """|loss_jax - loss_torch| / max(1, |loss_torch|): absolute for losses of order one (the
+    token-mean modes), relative for sums that grow with the batch (token-sum)."""
+    return abs(loss_jax - loss_torch) / max(1.0, abs(loss_torch))
 
 
 def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int | None = None,
@@ -234,7 +240,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     p0 = dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(params))))
     upd_scale = max(float(np.max(np.abs(t_new[n] - p0[n]))) for n in names)
     upd_diff = max(float(np.max(np.abs((jax_new[n] - p0[n]) - (t_new[n] - p0[n])))) for n in names)
-    loss_diff = abs(float(metrics["loss"]) - t_metrics["loss"])
+    loss_diff = loss_gap(float(metrics["loss"]), t_metrics["loss"])
     from jscenegen.model.weights import named_weights
 
     result = {

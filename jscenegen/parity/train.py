@@ -19,7 +19,8 @@ the model directory has a tokenizer, else the synthetic token batches of `parity
 rewards are a fixed spread per group with one policy failure (-1).
 
 Prints one JSON line per update (update, role, loss_diff, grad_norm_ratio, max_param_diff =
-max |p_jax - p_torch| / max(1, |p_torch|) over all parameters); exit 1 when after the last
+max |p_jax - p_torch| / max(1, |p_torch|) over all parameters; loss_diff likewise relative
+once |loss| > 1, `grpo_step.loss_gap`); exit 1 when after the last
 update max_param_diff > PARAM_TOL, loss_diff > LOSS_TOL or |grad_norm_ratio - 1| >
 GRAD_NORM_TOL (fp32), or when an update had no trained tokens (cut episodes too short).
 """
@@ -219,6 +220,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     from jscenegen.parity.grpo_step import (
         frozen_unchanged,
         jax_policy,
+        loss_gap,
         torch_policy,
         trained_names,
     )
@@ -288,7 +290,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             "update": k + 1, "role": roles[k % len(roles)],
             "trained_tokens": int(on.sum()),
             "loss_jax": float(metrics["loss"]), "loss_torch": t_metrics["loss"],
-            "loss_diff": abs(float(metrics["loss"]) - t_metrics["loss"]),
+            "loss_diff": loss_gap(float(metrics["loss"]), t_metrics["loss"]),
             "grad_norm_ratio": float(metrics["grad_norm"]) / t_metrics["grad_norm"]
             if t_metrics["grad_norm"] else None,  # None: no trained token, both norms 0
             "max_param_diff": rel[worst], "worst_param": worst,
