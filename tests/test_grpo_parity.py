@@ -6,7 +6,7 @@ import pytest
 
 from jscenegen.grpo.algo.config import LossConfig
 from jscenegen.grpo.algo.roles import DESIGNER, PLANNER
-from jscenegen.parity.grpo_step import PARAM_TOL, grpo_step_parity, synthetic_batch
+from jscenegen.parity.grpo_step import PARAM_TOL, grpo_step_parity, loss_gap, synthetic_batch
 
 from hf_fixtures import make_hf_dir
 
@@ -64,6 +64,12 @@ def test_cli_dr_grpo_with_repeated_flags_and_a_micro_batch_covering_the_rows(tin
     assert rc == 0 and r["ok"] and r["micro_batches"] == 1, r
     assert r["loss_agg_mode"] == "token-sum" and r["norm_adv_by_std"] is False
     assert r["advantages_max_diff"] <= 1e-6
+
+
+def test_loss_gap_is_absolute_below_one_and_relative_above():
+    assert loss_gap(0.25, 0.25 + 4e-6) == pytest.approx(4e-6)
+    assert loss_gap(-0.5, -0.5 - 4e-6) == pytest.approx(4e-6)
+    assert loss_gap(200.002, 200.0) == pytest.approx(1e-5)     # a token-sum over many tokens
 
 
 def test_synthetic_advantages_follow_the_loss_settings():
