@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_FOLDERS = ("configs", "data")   # under PROJECT_ROOT: files no command output may replace
 
 
 class DiskFullError(OSError):
@@ -96,7 +97,8 @@ def refuse_overwriting_input(output: str | Path, output_label: str,
     `inputs` ({label: path}; None entries are skipped): it is the same file (os.path.samefile:
     links and `..` included), or it lies inside an input that is a directory (a model or
     checkpoint directory: a report written into it would replace or add files its loaders and
-    checksums read)."""
+    checksums read), or it is a file the checkout ships under configs/ or data/ (any config's
+    scene sets and defaults, whichever config this command read)."""
     out = Path(output)
     for label, path in inputs.items():
         if path is None:
@@ -114,6 +116,12 @@ def refuse_overwriting_input(output: str | Path, output_label: str,
         if same:
             raise ValueError(f"{output_label} {output} is the same file as {label} {path}: "
                              f"writing it would overwrite {label}; write elsewhere")
+    for folder in SHIPPED_FOLDERS:
+        shipped = PROJECT_ROOT / folder
+        if out.is_file() and out.resolve().is_relative_to(shipped.resolve()):
+            raise ValueError(f"{output_label} {output} is a file the checkout ships "
+                             f"({out.resolve().relative_to(PROJECT_ROOT.resolve())}): writing it "
+                             f"would change it for every run; write elsewhere")
 
 
 def check_output_file(path: str | Path, label: str, suffix: str | None = None) -> None:

@@ -5,6 +5,7 @@ YAML keys mirror these sections one to one (docs/config.md lists every key, gene
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Sequence
 
@@ -157,10 +158,12 @@ def config_reference() -> str:
 
 def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path | None]:
     """What a command run with `cfg` (read from `config`, None: the default) reads besides its
-    model, {label: path} for `paths.refuse_overwriting_input`: the config file, the prompt
-    templates, the catalogue, the chat template, the scene sets, the reference model, and the
-    installed jscenegen package (the packaged templates and catalogue live there). A path that
-    does not exist is left out (None): nothing there to overwrite."""
+    model, {label: path} for `paths.refuse_overwriting_input`: the config file, the warm
+    start's SFT config, the prompt templates, the catalogue, the chat template, the scene sets,
+    the reference model, the installed jscenegen and convert packages (the packaged templates
+    and catalogue live there; the files the checkout ships under configs/ and data/ are refused
+    by `refuse_overwriting_input` itself). A path that does not exist is left out (None):
+    nothing there to overwrite."""
     import jscenegen
 
     def found(path):
@@ -171,8 +174,11 @@ def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path |
         except FileNotFoundError:
             return None
 
+    convert = importlib.util.find_spec("convert")   # the sibling package `pip install` adds
+    warm_start = getattr(cfg, "warm_start", None)
     return {
         "--config" if config else "the default config": found(config or DEFAULT_CONFIG),
+        "warm_start.sft_config": found(warm_start.sft_config) if warm_start else None,
         "scene.prompts_dir": found(cfg.scene.prompts_dir),
         "scene.catalogue_path": found(cfg.scene.catalogue_path),
         "sampling.chat_template_path": found(cfg.sampling.chat_template_path),
@@ -180,6 +186,8 @@ def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path |
         "schedule.dev_set": found(cfg.schedule.dev_set),
         "model.reference_path": found(cfg.model.reference_path),
         "the jscenegen package": Path(jscenegen.__file__).resolve().parent,
+        "the convert package": (Path(convert.origin).resolve().parent
+                                if convert and convert.origin else None),
     }
 
 

@@ -230,7 +230,9 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
     default = (ROOT / "configs/cpu-default.yaml").resolve()
     before = default.read_bytes()
     dev = str(ROOT / "data/scenes/dev.jsonl")
-    config, png_config = tmp_path / "c.yaml", tmp_path / "c.png"
+    config, png_config, other = tmp_path / "c.yaml", tmp_path / "c.png", tmp_path / "other.yaml"
+    (tmp_path / "s.jsonl").write_bytes(Path(dev).read_bytes())
+    other.write_text(f"schedule:\n  train_set: {tmp_path / 's.jsonl'}\n  dev_set: {tmp_path / 's.jsonl'}\n")
     config.write_bytes(before)
     png_config.write_bytes(before)
     scene = tmp_path / "scene.json"
@@ -254,6 +256,11 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
          f"-o {png_config} is the same file as --config {png_config}"),
         (["scene", "generate", "--split", "dev", "--n", "2", "-o", dev],
          f"-o {dev} is the same file as schedule.dev_set"),
+        # a config naming other scene sets does not make the shipped ones writable
+        (["scene", "furnish", str(tmp_path / "s.jsonl"), "--config", str(other), "-o", dev],
+         f"-o {dev} is a file the checkout ships (data/scenes/dev.jsonl)"),
+        (["scene", "furnish", dev, "-o", str(ROOT / "convert" / "inspect.py")],
+         "lies inside the convert package"),
     ]
     for argv, expected in cases:
         assert main(argv) == 2
@@ -385,7 +392,11 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (["parity", "logits", "--model", "/nonexistent", "--batch", "4096", "--seq", "65536"],
      "error: --batch x --seq: 4,096 x 65,536 = 268,435,456 tokens; a parity batch holds at most 1,048,576"),
     (["parity", "grpo-step", "--model", "/nonexistent", "--rows", "3"],
-     "error: --rows 3: the rows form 2 groups of rows/2; give an even number"),
+     "error: --rows 3: the rows form 2 groups of rows/2; give an even number >= 4 (a group of "
+     "one has advantage 0: nothing would be compared)"),
+    (["parity", "grpo-step", "--model", "/nonexistent", "--rows", "2"],
+     "error: --rows 2: the rows form 2 groups of rows/2; give an even number >= 4 (a group of "
+     "one has advantage 0: nothing would be compared)"),
     (["parity", "grpo-step", "--model", "/nonexistent", "--seq", "4"],
      "error: --seq 4: the synthetic episodes reach their first designer token within 17 tokens; "
      "give --seq >= 17"),

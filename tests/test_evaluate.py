@@ -410,6 +410,9 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
     # the decode layout changes no token: reports that differ in it compare
     assert _compare(tmp_path, capsys, good, _edited(
         lambda r: r.update(sampling=dict(sampled, buckets=[32])))) == (0, "")
+    greedy = _edited(lambda r: r.update(sampling=dict(sampled, greedy=True)))   # argmax: T unused
+    assert _compare(tmp_path, capsys, greedy, _edited(
+        lambda r: r.update(sampling=dict(sampled, greedy=True, temperature=0.7)))) == (0, "")
     (tmp_path / "after.json").write_text(json.dumps(good)[:-1] + ', "overall": {}}')
     assert main(["eval", "--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json")]) == 2
     assert "after.json: not valid JSON: the key 'overall' appears twice in one object" in \

@@ -262,7 +262,9 @@ def test_config_errors_name_the_key():
                                           r"multiple of seq_multiple 2048\) = 16,793,600 tokens"):
         validate_config({"sft": {"batch_size": 4100, "max_seq_len": 3000, "seq_multiple": 2048}},
                         "sft.yaml", SFTRunConfig)
-    with pytest.raises(ConfigError, match="seq_multiple 1048576 exceeds max_seq_len 3072"):
-        validate_config({"sft": {"batch_size": 1, "seq_multiple": 2**20}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(ConfigError, match=r"batch_size 17 x max_seq_len 3072 padded to 1048576"):
+        validate_config({"sft": {"batch_size": 17, "seq_multiple": 2**20}}, "sft.yaml", SFTRunConfig)
+    # a short max_seq_len keeps the default multiple (rows of 128 slots, 64 real tokens)
+    assert validate_config({"sft": {"max_seq_len": 64}}, "sft.yaml", SFTRunConfig).sft.seq_multiple == 128
     with pytest.raises(ConfigError, match="scene_offset 999999 \\+ num_demos 2 passes"):
         validate_config({"sft": {"num_demos": 2, "scene_offset": 999999}}, "sft.yaml", SFTRunConfig)

@@ -114,8 +114,9 @@ def run_logits(args) -> int:
 def run_grpo_step(args) -> int:
     from jscenegen.parity.grpo_step import MIN_SEQ, grpo_step_parity
 
-    if args.rows % 2:
-        raise ValueError(f"--rows {args.rows}: the rows form 2 groups of rows/2; give an even number")
+    if args.rows % 2 or args.rows < 4:
+        raise ValueError(f"--rows {args.rows}: the rows form 2 groups of rows/2; give an even "
+                         "number >= 4 (a group of one has advantage 0: nothing would be compared)")
     if args.seq < MIN_SEQ:
         raise ValueError(f"--seq {args.seq}: the synthetic episodes reach their first designer "
                          f"token within {MIN_SEQ} tokens; give --seq >= {MIN_SEQ}")

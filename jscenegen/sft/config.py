@@ -39,7 +39,8 @@ class SFTConfig(Section):
     max_seq_len: int = Field(3072, ge=16, le=TOKENS_MAX, description="tokens per row; longer demos are "
                              "truncated (their tail turns are lost; counted in the log)")
     seq_multiple: int = Field(128, ge=1, le=TOKENS_MAX, description="rows are padded to a multiple of this "
-                              "(and of mesh.sp): one compiled shape; at most max_seq_len")
+                              "(and of mesh.sp): one compiled shape (they still hold at most "
+                              "max_seq_len real tokens)")
     logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling) and a fresh model's weights")
@@ -58,9 +59,6 @@ class SFTConfig(Section):
         if self.scene_offset + self.num_demos > SFT_SCENES_MAX:
             raise ValueError(f"scene_offset {self.scene_offset} + num_demos {self.num_demos} "
                              f"passes the {SFT_SCENES_MAX:,} SFT scenes the generator makes")
-        if self.seq_multiple > self.max_seq_len:
-            raise ValueError(f"seq_multiple {self.seq_multiple} exceeds max_seq_len "
-                             f"{self.max_seq_len}: rows would be padded beyond any demo they hold")
         row = -(-self.max_seq_len // self.seq_multiple) * self.seq_multiple   # padded row length
         if self.batch_size * row > BATCH_TOKENS_MAX:
             padded = (f" padded to {row} (a multiple of seq_multiple {self.seq_multiple})"

@@ -16,6 +16,7 @@ from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.optimizer import init_train_state
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.paths import json_line, require_new_dir, write_json
+from jscenegen.sft.config import BATCH_TOKENS_MAX
 from jscenegen.sft.demos import batch_order, build_demos, demo_batch, padded_length, sft_records
 from jscenegen.sft.step import SFTStep
 
@@ -57,6 +58,13 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
                                "sft.batch_size", "sft.micro_batch_size")
+    row = -(-sc.max_seq_len // int(np.lcm(sc.seq_multiple, mesh.shape["sp"])))
+    row *= int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))
+    rows = -(-sc.batch_size // mesh.shape["fsdp"]) * mesh.shape["fsdp"]
+    if rows * row > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
+        raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "
+                         f"{rows} rows x {row} tokens once padded for the mesh = {rows * row:,} "
+                         f"tokens per step: at most {BATCH_TOKENS_MAX:,}")
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first

@@ -72,8 +72,11 @@ def torch_adamw(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01) -> optax.Gradient
     Needs `params`. The moments are float32 whatever the parameters' dtype (as VERL's fp32
     master weights keep them; a checkpoint holds fp32 moments), and the update is computed in
     float32; the returned updates are float32 p_new - p, p_new computed in torch's order and
-    rounded to the parameter's dtype, so `optax.apply_updates` lands on p_new exactly (torch's
-    arithmetic, bit for bit, for fp32 parameters).
+    rounded to the parameter's dtype, so `optax.apply_updates` lands on p_new exactly. torch's
+    operation order, not its bits: XLA fuses each leaf's update and may contract a multiply and
+    an add, so elements differ from torch.optim.AdamW by about an ulp (tests bound it at
+    2.4e-7 x max(1, |p|)); how XLA fuses it (the barrier below changed it) moves a few
+    elements by an ulp too.
 
     `skip` (bool [], optional extra arg): when True the count and moments keep their values and
     every update is 0 (a step skipped for a non-finite gradient). The guarded moments pass an
