@@ -58,20 +58,20 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
                                "sft.batch_size", "sft.micro_batch_size")
-    row = -(-sc.max_seq_len // int(np.lcm(sc.seq_multiple, mesh.shape["sp"])))
-    row *= int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))
+    multiple = int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))   # of every row's length
+    longest = -(-sc.max_seq_len // multiple) * multiple
     rows = -(-sc.batch_size // mesh.shape["fsdp"]) * mesh.shape["fsdp"]
-    if rows * row > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
+    if rows * longest > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
         raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "
-                         f"{rows} rows x {row} tokens once padded for the mesh = {rows * row:,} "
-                         f"tokens per step: at most {BATCH_TOKENS_MAX:,}")
+                         f"{rows} rows x {longest} tokens once padded for the mesh = "
+                         f"{rows * longest:,} tokens per step: at most {BATCH_TOKENS_MAX:,}")
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
     chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
                         noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m)
-    length = padded_length(demos, sc.max_seq_len, int(np.lcm(sc.seq_multiple, mesh.shape["sp"])))
+    length = padded_length(demos, sc.max_seq_len, multiple)
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
                   "max_tokens": int(max(lengths)),
