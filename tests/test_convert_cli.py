@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from jscenegen.cli import main
@@ -95,6 +96,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # three processes, ~25 s on 2 cores
 def test_a_failed_write_is_one_line_naming_the_file(tmp_path):
     """A file-size limit (as a full disk would) made torch.save raise a 42-line RuntimeError
     traceback and the safetensors writer print "[Errno 27] File too large" naming nothing."""

@@ -182,6 +182,12 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
                  "--out", str(out), *TINY]) == 0
     rep = json.loads(out.read_text())
     assert rep["model"] == str(chat_model_dir()) and rep["sampling"]["greedy"] is True
+    import hashlib
+
+    from jscenegen.model.tokenizer.build import chatml_template
+
+    assert rep["sampling"]["chat_template_sha256"] == hashlib.sha256(
+        chatml_template().encode()).hexdigest()   # the fixture tokenizer's own template
     assert rep["overall"]["model"]["reward"] == -1.0 and len(rep["scenes"]) == 1
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "--model", str(tmp_path), "--scenes", str(scenes), *TINY]) == 2
@@ -410,6 +416,11 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
     # the decode layout changes no token: reports that differ in it compare
     assert _compare(tmp_path, capsys, good, _edited(
         lambda r: r.update(sampling=dict(sampled, buckets=[32])))) == (0, "")
+    # the template is compared by its text's hash: one file named by two paths compares
+    assert _compare(tmp_path, capsys, _edited(lambda r: r.update(sampling=dict(
+        sampled, chat_template_path="t.jinja", chat_template_sha256="ab"))), _edited(
+        lambda r: r.update(sampling=dict(sampled, chat_template_path="./t.jinja",
+                                         chat_template_sha256="ab")))) == (0, "")
     greedy = _edited(lambda r: r.update(sampling=dict(sampled, greedy=True)))   # argmax: T unused
     assert _compare(tmp_path, capsys, greedy, _edited(
         lambda r: r.update(sampling=dict(sampled, greedy=True, temperature=0.7)))) == (0, "")
@@ -429,6 +440,8 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                         r"scene b differs in its seed \(another scene set under the same ids\)"),
                        (_edited(lambda r: r["scenes"][0].update(prompt="a kitchen")),
                         "scene a differs in its prompt"),
+                       (_edited(lambda r: r.update(sampling=dict(sampled, chat_template_sha256="cd"))),
+                        r"sampled otherwise \(sampling.chat_template_sha256 None and 'cd'\)"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1))),
                         r"sampled otherwise \(sampling.temperature 1.0 and 0.1\): the same seeds "
                         "draw other tokens")):

@@ -113,6 +113,7 @@ def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:
     return argv, env
 
 
+@pytest.mark.slow  # its own process, ~45 s on 2 cores
 def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_path):
     """`jscenegen train` as a user runs it (its own process, so the OS records the command
     line swanlab reads) with a credential in judge.base_url on the command line: no file of

@@ -74,7 +74,7 @@ def test_enclosure_blockers():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_labels_partition_like_breadth_first_search(seed):
+def test_labels_partition_like_scipy_labelling(seed):
     rng = np.random.default_rng(seed)
     mask = rng.random((37, 53)) < 0.55
     labels, count = label_components(mask.astype(np.int8))

@@ -20,7 +20,8 @@ from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.paths import json_line
-from jscenegen.scene.config import JudgeConfig
+from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+from jscenegen.scene.corpus import COMPACT_PROMPTS
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.sceneset import read_scene_set
@@ -40,7 +41,10 @@ from jscenegen.sharding.mesh import make_mesh
 
 from chat_fixtures import chat_model_dir, dev_records
 
-SEQ = 2304  # rows truncated here: the 2.2k-token prompt and the first planner turn
+# The compact prompt set the CPU default plays (0.6k-token prompt; the packaged one is 2.2k), rows
+# truncated after the first planner turns: a third of the tokens, a ninth of the attention.
+SCENE = {"prompts_dir": COMPACT_PROMPTS}
+SEQ = 768
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def chat():
 
 @pytest.fixture(scope="module")
 def demos(chat):
-    return build_demos(chat, sft_records(3))
+    return build_demos(chat, sft_records(3), SceneRuntimeConfig(**SCENE))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +103,7 @@ def test_demo_masks_on_real_episodes(demos, chat):
             assert chat.decode(d.tokens[:s].tolist()).endswith("<|im_end|>\n<|im_start|>assistant\n")
             text = chat.decode(d.tokens[s:e].tolist())
             assert text.endswith("</action><|im_end|>") and "<|im_start|>" not in text
-        assert chat.decode(d.tokens[:20].tolist()).startswith("<|im_start|>system\nYou furnish rooms.")
+        assert chat.decode(d.tokens[:20].tolist()).startswith("<|im_start|>system\nYou furnish rooms as Planner")
     batch = demo_batch(demos, 6000)
     for i, d in enumerate(demos):
         n = len(d.tokens)
@@ -123,7 +127,8 @@ def test_batch_order_cycles_epochs_deterministically():
 
 
 def _direct_nll(model, batch):
-    logits = model(jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]))
+    forward = nnx.jit(lambda m, ids, mask: m(ids, mask))   # eager: each op dispatched alone
+    logits = forward(model, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]))
     logp = jax.nn.log_softmax(np.asarray(logits, np.float64)[:, :-1], axis=-1)
     tok = np.take_along_axis(np.asarray(logp), batch["input_ids"][:, 1:, None], -1)[..., 0]
     m = batch["loss_mask"][:, 1:]
@@ -184,7 +189,7 @@ def test_sft_overfits_a_handful_of_demos(sharded, batch, mesh):
 
 def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
     cfg = validate_config({"sft": {"num_demos": 2, "steps": 2, "batch_size": 3, "max_seq_len": SEQ,
-                                   "log_every": 1, "seed": 3},
+                                   "log_every": 1, "seed": 3}, "scene": SCENE,
                            "optim": {"lr": 5e-3, "weight_decay": 0.0}}, "sft.yaml", SFTRunConfig)
     rows = []
     summary = run_sft(cfg, chat_model_dir(), tmp_path / "out", log=rows.append)
@@ -208,8 +213,8 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
 
 
 def test_run_sft_never_replaces_an_existing_directory(tmp_path):
-    cfg = validate_config({"sft": {"num_demos": 2, "steps": 1, "batch_size": 3, "max_seq_len": SEQ}},
-                          "sft.yaml", SFTRunConfig)
+    cfg = validate_config({"sft": {"num_demos": 2, "steps": 1, "batch_size": 3, "max_seq_len": SEQ},
+                           "scene": SCENE}, "sft.yaml", SFTRunConfig)
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
     (out / "keep.txt").write_text("precious")
@@ -229,7 +234,7 @@ def test_run_sft_refuses_what_would_not_train_and_warns_when_nothing_moved(tmp_p
     single step inside the warmup (lr 0)."""
     def cfg(sft=None, optim=None):
         return validate_config({"sft": {"num_demos": 2, "steps": 2, "batch_size": 3, "max_seq_len": SEQ,
-                                        "log_every": 1, **(sft or {})},
+                                        "log_every": 1, **(sft or {})}, "scene": SCENE,
                                 "optim": {"lr": 5e-3, "weight_decay": 0.0, **(optim or {})}},
                                "sft.yaml", SFTRunConfig)
     with pytest.raises(ValueError, match=r"^sft.micro_batch_size=4: sft.batch_size = 4 rows, padded "

@@ -14,6 +14,7 @@ infrastructure failures) are excluded from reward, units and failure rate and co
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -191,7 +192,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       `jscenegen eval` and of a run's evaluations compare (`eval --compare`).
       progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
-    "sampling" (the engine's `sampling` config, with an engine),
+    "sampling" (the engine's `sampling` config plus `chat_template_sha256`, the SHA-256 of the
+    template text the episodes were rendered with, with an engine),
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
     summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
     Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside
@@ -239,5 +241,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),
               "scenes": rows, "overall": overall, "wall_s": time.perf_counter() - t0}
     if engine is not None:
-        report["sampling"] = engine.cfg.model_dump(mode="json")
+        template = engine.chat.tokenizer.chat_template.encode()
+        report["sampling"] = {**engine.cfg.model_dump(mode="json"),
+                              "chat_template_sha256": hashlib.sha256(template).hexdigest()}
     return report

@@ -10,8 +10,9 @@ from jscenegen.config import SEED_MAX, clip_text
 
 REPORT_SCHEMA = "jscenegen.eval/1"
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
-# `sampling` keys that change no token (decode segments, cache size): reports may differ in them
-_SAMPLING_LAYOUT_KEYS = ("buckets", "cache_tokens")
+# `sampling` keys that change no token (decode segments, cache size) or that name what another
+# key records (the template file's path: `chat_template_sha256` holds the text rendered)
+_UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
 _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
 
 
@@ -116,7 +117,8 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     were graded by the same judge (backend, model, rubric) and cover the same scenes (same
     seeds and prompts), each with model episodes of the same sampling seeds, drawn with the same
     `sampling` settings where both reports record them (all but the decode layout's `buckets`
-    and `cache_tokens`, and temperature/top-k/top-p when both decoded greedily): a comparison of part of the episodes, of rewards on other scales or
+    and `cache_tokens`, the chat template compared by the SHA-256 of its text rather than its
+    path, and temperature/top-k/top-p when both decoded greedily): a comparison of part of the episodes, of rewards on other scales or
     of other sampling rules would be silently biased."""
     b, a = _coverage(before), _coverage(after)
     where = f"{names[0]} vs {names[1]}"
@@ -127,7 +129,7 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     shaping = [dict(r.get("sampling") or {}) for r in (before, after)]
     both_greedy = all(d.get("greedy") is True for d in shaping)
     for d in shaping:
-        for key in _SAMPLING_LAYOUT_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
+        for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
             d.pop(key, None)
     if all(shaping) and shaping[0] != shaping[1]:
         key = next(k for k in sorted(set(shaping[0]) | set(shaping[1]))

@@ -6,15 +6,15 @@ ring between its footprint dilated by r and by r + margin touches the reached re
 front-used objects only the ring strictly beyond the front face's line counts). Regions are the
 4-connected components of free with more than `min_region_cells` cells. The method follows
 PhyScene's door-anchored reachability with SceneEval's front accessibility; this module is the
-plain reference (breadth-first search, literal rings) the JAX kernel in reachability_jax.py must
+plain reference (connected-component labelling, literal rings) the JAX kernel in reachability_jax.py must
 match exactly.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.ndimage
 
 from .reach_inputs import GridSpec, ReachInputs
 
@@ -32,6 +32,9 @@ class ReachResult:
     object_reachable: np.ndarray  # [N] bool, False for padding and non-counted objects
     free: np.ndarray | None = None
     reached: np.ndarray | None = None
+
+
+_FOUR_NEIGHBOURS = np.array([[0, 1, 0], [1, 1, 1], [0, 1, 0]], bool)
 
 
 def _cell_centres(nx: int, ny: int, cell_mm: int) -> tuple[np.ndarray, np.ndarray]:
@@ -79,51 +82,18 @@ def beyond_front(corners: np.ndarray, nx: int, ny: int, cell_mm: int) -> np.ndar
 
 def dilate(mask: np.ndarray, rows, outside: bool = False) -> np.ndarray:
     """Union of `mask` shifted by every disk offset; cells beyond the array read as `outside`."""
-    ny, nx = mask.shape
-    out = np.zeros_like(mask)
+    if not rows:
+        return np.zeros_like(mask)
+    reach = max(max(abs(dy), w) for dy, w in rows)
+    disk = np.zeros((2 * reach + 1, 2 * reach + 1), bool)
     for dy, w in rows:
-        for dx in range(-w, w + 1):
-            src = np.full((ny + 2 * abs(dy), nx + 2 * abs(dx)), outside)
-            src[abs(dy) : abs(dy) + ny, abs(dx) : abs(dx) + nx] = mask
-            out |= src[abs(dy) - dy : abs(dy) - dy + ny, abs(dx) - dx : abs(dx) - dx + nx]
-    return out
+        disk[reach + dy, reach - w : reach + w + 1] = True
+    return scipy.ndimage.binary_dilation(mask, structure=disk, border_value=outside)
 
 
 def _components(free: np.ndarray) -> np.ndarray:
-    """[ny, nx] int32 labels 1..k of the 4-connected components of `free` (0 elsewhere), by BFS."""
-    ny, nx = free.shape
-    labels = np.zeros((ny, nx), np.int32)
-    k = 0
-    for y0, x0 in zip(*np.nonzero(free)):
-        if labels[y0, x0]:
-            continue
-        k += 1
-        labels[y0, x0] = k
-        queue = deque([(y0, x0)])
-        while queue:
-            y, x = queue.popleft()
-            for yy, xx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
-                if 0 <= yy < ny and 0 <= xx < nx and free[yy, xx] and not labels[yy, xx]:
-                    labels[yy, xx] = k
-                    queue.append((yy, xx))
-    return labels
-
-
-def _flood(free: np.ndarray, seeds: list[tuple[int, int]]) -> np.ndarray:
-    reached = np.zeros_like(free)
-    queue = deque()
-    for y, x in seeds:
-        if not reached[y, x]:
-            reached[y, x] = True
-            queue.append((y, x))
-    ny, nx = free.shape
-    while queue:
-        y, x = queue.popleft()
-        for yy, xx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
-            if 0 <= yy < ny and 0 <= xx < nx and free[yy, xx] and not reached[yy, xx]:
-                reached[yy, xx] = True
-                queue.append((yy, xx))
-    return reached
+    """[ny, nx] int32 labels 1..k of the 4-connected components of `free` (0 elsewhere)."""
+    return scipy.ndimage.label(free, structure=_FOUR_NEIGHBOURS)[0].astype(np.int32)
 
 
 def crop_window(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
@@ -158,7 +128,7 @@ def access_ring(inp: ReachInputs, k: int, foot: np.ndarray, nx: int, ny: int, ce
 def reach_numpy(inp: ReachInputs, spec: GridSpec) -> ReachResult:
     """Reference reachability of one encoded scene. Returns ReachResult with masks.
 
-    Cost: O(cells x disk) per object plus two breadth-first searches over the grid. The
+    Cost: O(cells x disk) per object plus one connected-component labelling of the grid. The
     leave-one-out pass (each object removed in turn) is blockers.leave_one_out, not N calls here.
     """
     nx, ny, cell = inp.nx, inp.ny, spec.cell_mm
@@ -180,8 +150,9 @@ def reach_numpy(inp: ReachInputs, spec: GridSpec) -> ReachResult:
                 if free[iy, ix]:
                     door_free[d] = True
                     seeds.append((iy, ix))
-    reached = _flood(free, seeds)
     labels = _components(free)
+    # the flood fill from the doors' free start cells reaches exactly their components
+    reached = np.isin(labels, [labels[y, x] for y, x in seeds]) & free
     sizes = np.bincount(labels.ravel())[1:] if labels.max() > 0 else np.zeros(0, int)
     reachable = np.zeros(len(inp.counted), bool)
     margin = spec.ring_mm // cell + 1
