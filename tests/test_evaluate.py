@@ -441,7 +441,8 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                        (_edited(lambda r: r["scenes"][0].update(prompt="a kitchen")),
                         "scene a differs in its prompt"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, chat_template_sha256="cd"))),
-                        r"sampled otherwise \(sampling.chat_template_sha256 None and 'cd'\)"),
+                        r"sampling.chat_template_sha256 is recorded by one report only \(\S*before.json "
+                        r"has none: .*re-run `jscenegen eval` for that report"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1))),
                         r"sampled otherwise \(sampling.temperature 1.0 and 0.1\): the same seeds "
                         "draw other tokens")):
