@@ -558,16 +558,24 @@ def test_train_refuses_a_run_dir_inside_the_warm_start_model_cache(tmp_path, cap
     assert list(model.iterdir()) == []
 
 
-def test_a_resume_says_which_settings_its_overrides_change(tmp_path, caplog):
+def test_a_resume_says_which_settings_its_overrides_change_and_keeps_its_model_path(
+        tmp_path, caplog, monkeypatch):
+    import jscenegen.pipeline
+
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    (run / "config.yaml").write_text("optim:\n  lr: 1.0e-06\n")
+    (run / "config.yaml").write_text("optim:\n  lr: 1.0e-06\nmodel:\n  path: /started/here\n")
+    taken = {}
+    monkeypatch.setattr(jscenegen.pipeline, "train_command",
+                        lambda cfg, run_dir, **kw: taken.update(cfg=cfg) or 0)
     with caplog.at_level("WARNING"):
-        main(["train", "--resume", str(run), "optim.lr=2e-6", "model.path=/elsewhere",
-              "logging.swanlab_mode=disabled"])
-    assert ("resume changes model.path None -> '/elsewhere'; optim.lr 1e-06 -> 2e-06; "
+        assert main(["train", "--resume", str(run), "optim.lr=2e-6", "model.path=/elsewhere",
+                     "logging.swanlab_mode=disabled"]) == 0
+    assert ("resume changes optim.lr 1e-06 -> 2e-06; "
             "logging.swanlab_mode 'offline' -> 'disabled'") in caplog.messages
-    assert "model.path is not read on resume" in caplog.text
+    assert ("model.path is not read on resume: the weights are the run's newest checkpoint "
+            "(config.yaml keeps model.path '/started/here')") in caplog.messages
+    assert taken["cfg"].model.path == "/started/here" and taken["cfg"].optim.lr == 2e-6
 
 
 def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog):

@@ -51,9 +51,11 @@ def run(args) -> int:
     cfg = load_run_config(config_path, args.overrides)
     if args.resume and args.overrides:
         try:
-            _say_changed_settings(load_run_config(config_path).model_dump(mode="json"), cfg)
+            saved, only_saved_keys = load_run_config(config_path).model_dump(mode="json"), False
         except ConfigError:   # not valid alone (a redacted judge.base_url): the keys it holds
-            _say_changed_settings(read_yaml(config_path), cfg, only_saved_keys=True)
+            saved, only_saved_keys = read_yaml(config_path), True
+        cfg = _keep_saved_model_path(saved, cfg)
+        _say_changed_settings(saved, cfg, only_saved_keys)
     check_output_dir(run_dir, label="--run-dir")
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
@@ -66,11 +68,27 @@ def run(args) -> int:
                          config_source=str(config_path))
 
 
+def _keep_saved_model_path(saved: dict, cfg):
+    """`cfg` with the run's own `model.path` when a resume's override changes it, with a
+    warning: a resume never reads it (the weights are the run's newest checkpoint), so the
+    config.yaml written back keeps the model the run started from. `saved`: the run's config
+    as a mapping (a partial one keeps an unlisted path as given)."""
+    import logging
+
+    model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+    kept = model.get("path", cfg.model.path)
+    if kept == cfg.model.path:
+        return cfg
+    logging.getLogger(__name__).warning(
+        "model.path is not read on resume: the weights are the run's newest checkpoint "
+        "(config.yaml keeps model.path %r)", kept)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": kept})})
+
+
 def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False) -> None:
     """Warn, on stderr, which settings a resume's overrides change from the run's config
     `saved` (a mapping; only its own keys with `only_saved_keys`; a resume checks that the
-    schedule and reward stay compatible; the rest is taken as asked), credentials redacted,
-    and that `model.path` is never read on resume (the weights are the newest checkpoint's)."""
+    schedule and reward stay compatible; the rest is taken as asked), credentials redacted."""
     import logging
 
     from jscenegen.checkpoint.metadata import redact
@@ -81,8 +99,5 @@ def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False) -> No
     shown_before, shown_after = dotted_items(redact(saved)), redact(after)
     changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
                if before.get(k) != v and (k in before or not only_saved_keys)]
-    log = logging.getLogger(__name__)
     if changed:
-        log.warning("resume changes %s", "; ".join(changed))
-    if before.get("model.path", cfg.model.path if only_saved_keys else None) != cfg.model.path:
-        log.warning("model.path is not read on resume: the weights are the run's newest checkpoint")
+        logging.getLogger(__name__).warning("resume changes %s", "; ".join(changed))
