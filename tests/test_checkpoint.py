@@ -176,7 +176,11 @@ def test_step_is_self_contained(saved, hf_dir):
     assert sorted(p.name for p in (path / "hf").iterdir()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json",
         "tokenizer_config.json"]
-    assert (path / "hf" / "config.json").read_text() == (hf_dir / "config.json").read_text()
+    copied, source = (json.loads((d / "config.json").read_text()) for d in (path / "hf", hf_dir))
+    weights = {str(a.dtype) for a in store.restore(7).params.values()}
+    assert {k: v for k, v in copied.items() if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")}
+    assert {copied.get("dtype"), copied.get("torch_dtype", copied.get("dtype"))} == weights
     listed = json.loads((path / "checksums.json").read_text())["files"]
     assert "training_metadata.json" in listed and "hf/tokenizer.json" in listed
     assert any(k.startswith("params/") for k in listed) and any(k.startswith("adam/") for k in listed)

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +123,8 @@ def test_bf16_parameters_train_save_and_resume_with_fp32_adam_moments(tmp_path, 
     assert {str(a.dtype) for a in ck.params.values()} == {"bfloat16"}
     assert {str(a.dtype) for a in ck.adam["mu"].values()} == {"float32"}
     assert any(np.abs(np.asarray(a)).max() > 0 for a in ck.adam["mu"].values())
+    hf_config = json.loads((Path(summary.checkpoint) / "hf" / "config.json").read_text())
+    assert {hf_config[k] for k in ("dtype", "torch_dtype") if k in hf_config} == {"bfloat16"}
     _, resumed = _run(tmp_path / "run", resume=True, **{**bf16, "schedule.total_updates": 2})
     assert resumed.optimizer_steps == 2
 

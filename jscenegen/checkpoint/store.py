@@ -63,6 +63,7 @@ from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify
 from jscenegen.checkpoint.lazy_array import LazyArray, cancel_on_interrupt  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
+from jscenegen.model.config import config_with_dtype
 from jscenegen.paths import DiskFullError, is_disk_full, write_json
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
@@ -277,11 +278,26 @@ def _check_metadata(meta: Mapping[str, Any], count: int) -> None:
                               f"adam['count'] ({count}); both count AdamW steps taken")
 
 
-def _copy_hf_assets(src: Path, dst: Path) -> None:
+def _copy_hf_assets(src: Path, dst: Path, weights_dtype: str) -> None:
+    """The HF assets of `src` into `dst`, config.json saying the weights are `weights_dtype`
+    (the dtype the step stores them in, which a bf16 run or a cast conversion changes)."""
     dst.mkdir(parents=True, exist_ok=True)
     for name in HF_ASSET_FILES:
-        if (src / name).is_file():
+        if name == "config.json":
+            doc = json.loads((src / name).read_text(encoding="utf-8"))
+            write_json(dst / name, config_with_dtype(doc, weights_dtype) if isinstance(doc, dict) else doc)
+        elif (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
+
+
+def _weights_dtype(params: Mapping[str, Any]) -> str:
+    """The dtype that most parameter elements are stored in (a Qwen3.5 release keeps a few
+    small tensors in float32 beside bf16 weights)."""
+    elements: dict[str, int] = {}
+    for x in params.values():
+        name = np.dtype(x.dtype).name
+        elements[name] = elements.get(name, 0) + int(np.prod(x.shape))
+    return max(elements, key=elements.get)
 
 
 def _step_bytes(params: Mapping[str, Any], adam: Mapping[str, Any], hf_dir: Path) -> int:
@@ -682,7 +698,7 @@ class CheckpointStore:
             raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
-        self._pending = (step, meta, hf_dir, needed)
+        self._pending = (step, meta, hf_dir, needed, _weights_dtype(logical_params))
         if not self.async_save:
             self.wait_until_finished()
         return path
@@ -698,12 +714,12 @@ class CheckpointStore:
             self._manager.wait_until_finished()
             if pending is None:
                 return
-            step, meta, hf_dir, _ = pending
+            step, meta, hf_dir, _, weights_dtype = pending
             path = self.step_path(step)
             if jax.process_index() == 0:
                 if not ocp.step.is_path_finalized(path):
                     raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
-                _copy_hf_assets(hf_dir, path / HF_DIR)
+                _copy_hf_assets(hf_dir, path / HF_DIR, weights_dtype)
                 write_json(path / METADATA_NAME, meta)
                 write_checksums(path)
                 self._collect_garbage(step)
