@@ -152,7 +152,7 @@ def reach_numpy(inp: ReachInputs, spec: GridSpec) -> ReachResult:
                     seeds.append((iy, ix))
     labels = _components(free)
     # the flood fill from the doors' free start cells reaches exactly their components
-    reached = np.isin(labels, [labels[y, x] for y, x in seeds]) & free
+    reached = np.isin(labels, [labels[y, x] for y, x in seeds])
     sizes = np.bincount(labels.ravel())[1:] if labels.max() > 0 else np.zeros(0, int)
     reachable = np.zeros(len(inp.counted), bool)
     margin = spec.ring_mm // cell + 1
