@@ -84,11 +84,19 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def is_user_error(err: BaseException) -> bool:
     """Bad input rather than a bug: every jscenegen/convert error class is a ValueError (the
     checkpoint store's CheckpointError a RuntimeError of its own module); OSError covers
-    missing files, permissions and a full disk."""
-    if isinstance(err, (ValueError, OSError)):
+    missing files, permissions and a full disk; pathlib's "Symlink loop" RuntimeError (Python
+    < 3.13) a path given as a loop of links."""
+    if isinstance(err, (ValueError, OSError)) or _symlink_loop(err) is not None:
         return True
     module = type(err).__module__
     return module.startswith(("jscenegen.", "convert.")) and type(err).__name__.endswith("Error")
+
+
+def _symlink_loop(err: BaseException) -> str | None:
+    """The path of pathlib's `RuntimeError("Symlink loop from '...'")`, else None."""
+    prefix = "Symlink loop from "
+    text = str(err)
+    return text[len(prefix):].strip("'\"") if type(err) is RuntimeError and text.startswith(prefix) else None
 
 
 def error_line(err: BaseException) -> str:
@@ -100,6 +108,8 @@ def error_line(err: BaseException) -> str:
     from jscenegen.config import clip_text  # only on an error: `--help` stays light
 
     text = str(err) or type(err).__name__
+    if _symlink_loop(err) is not None:
+        text = f"{_symlink_loop(err)}: a loop of symbolic links (it leads back to itself)"
     if isinstance(err, OSError) and err.filename and err.strerror and err.filename2 is None:
         text = f"{clip_text(str(err.filename), MAX_ERROR_CHARS // 2)}: {err.strerror}"
     elif isinstance(err, OSError) and err.filename and str(err.filename) not in text:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import shutil
@@ -351,29 +352,70 @@ def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExists
     check_output_dir(p, exists_error)
 
 
+def _warn_of_leftovers(path: Path) -> None:
+    """Warn of the temporaries a killed writer of `path` left beside it (SIGKILL or a power
+    cut skip the cleanup); they are not removed: one may belong to a writer still running."""
+    with contextlib.suppress(OSError):
+        left = sorted(p.name for p in path.parent.iterdir()
+                      if p.name.startswith((f".{path.name}.partial-", f".{path.name}.old-")))
+        if left:
+            logging.getLogger(__name__).warning(
+                "%s holds %s, left by an earlier write of %s that was killed (or one still "
+                "running): remove %s once no command writes there", path.parent,
+                ", ".join(left[:3]) + (f" (+{len(left) - 3} more)" if len(left) > 3 else ""),
+                path.name, "it" if len(left) == 1 else "them")
+
+
+def _publish_new(tmp: Path, path: Path, exists_error: type[Exception]) -> None:
+    """Rename the filled `tmp` to `path`, which must still be absent or an empty directory.
+    The rename is atomic and fails on a non-empty directory, so nothing that appeared at
+    `path` while the output was written (another command's output, a user's files) is ever
+    replaced; `exists_error` names `path` then."""
+    late = (" (it was empty when this command started: something else wrote there meanwhile; "
+            "this command's output was not kept)")
+    try:
+        require_new_dir(path, exists_error)
+    except exists_error as err:
+        raise exists_error(f"{err}{late}") from None
+    try:
+        if path.is_dir():
+            path.rmdir()
+        os.replace(tmp, path)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise exists_error(f"{path}: already exists and is not empty{late}") from None
+        raise
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, *, replace: bool = False,
                exists_error: type[Exception] = FileExistsError) -> Iterator[Path]:
     """Yield a temporary directory beside `path` to fill; on success it replaces `path`.
 
-    replace=False refuses (raising `exists_error`, before anything is written) when `path`
-    exists and is not an empty directory; replace=True swaps an existing `path` out and
-    deletes it only after the new one is in place. On error the temporary is removed and
-    `path` is untouched.
+    replace=False refuses (raising `exists_error`) when `path` exists and is not an empty
+    directory: before anything is written, and again when publishing, so a destination that
+    something else filled meanwhile (another conversion, a user) is never replaced: the
+    rename onto it is atomic and fails on a non-empty directory, and the output is dropped.
+    replace=True swaps an existing `path` out and deletes it only after the new one is in
+    place. On error the temporary is removed and `path` is untouched.
     """
     path = Path(path)
     if not replace:
         require_new_dir(path, exists_error)
     created = [a for a in reversed(path.absolute().parents) if not a.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
+    _warn_of_leftovers(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     done = False
     try:
         yield tmp
         umask_mode(tmp)
-        if path.is_dir() and not any(path.iterdir()):
+        if not replace:
+            _publish_new(tmp, path, exists_error)
+        elif path.is_dir() and not any(path.iterdir()):
             path.rmdir()
-        if path.exists():
+            os.replace(tmp, path)
+        elif path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.replace(path, old / path.name)
             os.replace(tmp, path)

@@ -634,6 +634,17 @@ def test_a_model_file_that_is_no_file_says_what_it_is(tiny_hf, tmp_path, capsys)
         assert one_error_line(capsys) == f"error: {model / name}: {why.format(m=model)}"
 
 
+def test_a_destination_that_is_a_loop_of_links_is_one_line(tiny_hf, tmp_path, capsys):
+    """pathlib raises RuntimeError("Symlink loop from ...") on Python < 3.13: a traceback."""
+    (tmp_path / "loopA").symlink_to(tmp_path / "loopB")
+    (tmp_path / "loopB").symlink_to(tmp_path / "loopA")
+    assert main(["convert", str(tiny_hf["qwen3"]), str(tmp_path / "loopA"), "--from", "hf",
+                 "--to", "orbax"]) == 2
+    assert one_error_line(capsys) in (
+        f"error: {tmp_path / 'loopA'}: a loop of symbolic links (it leads back to itself)",
+        f"error: {tmp_path / 'loopA'}: Too many levels of symbolic links")   # Python >= 3.13
+
+
 def test_a_logged_exception_is_one_clipped_line_unless_debugging(capsys, monkeypatch):
     """orbax's writer threads each log their failure with its traceback: one failed write
     printed pages (the tensorstore spec in every message)."""

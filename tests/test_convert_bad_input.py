@@ -235,6 +235,24 @@ def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(tiny_hf,
     _assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("index,why", [
+    ({"weight_map": {"model.norm.weight": 5}}, r"weight_map\['model\.norm\.weight'\] is 5; a shard is a file name \(a string\)"),
+    ("[" * 100_000 + "]" * 100_000, r"malformed index \(maximum recursion depth exceeded"),
+    (b'{"weight_map": "\xe9"}', r"malformed index \('utf-8' codec can't decode")])
+def test_a_malformed_index_is_named(tiny_hf, tmp_path, index, why):
+    """A number where a shard's file name belongs was read as the file "5"; a deeply nested or
+    non-UTF-8 index ended in a traceback."""
+    from convert.directions import hf_to_verl
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_hf["qwen3"], src)
+    data = index if isinstance(index, bytes) else (index if isinstance(index, str) else json.dumps(index)).encode()
+    (src / "model.safetensors.index.json").write_bytes(data)
+    with pytest.raises(ValueError, match=rf"^{src}/model\.safetensors\.index\.json: {why}"):
+        hf_to_verl(src, tmp_path / "out", world_size=2)
+    _assert_nothing_written(tmp_path)
+
+
 def test_hf_to_orbax_names_the_source_without_a_tokenizer(tmp_path):
     from convert.orbax_directions import hf_to_orbax
 

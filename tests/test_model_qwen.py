@@ -257,6 +257,7 @@ def test_config_file_that_is_not_a_json_object_is_named(tmp_path):
         QwenConfig.from_dir(tmp_path)
     with pytest.raises(ModelConfigError, match=r"^list: expected a JSON object"):
         QwenConfig.from_hf_dict([1, 2], "list")
-    (tmp_path / "config.json").write_text("{bad")
-    with pytest.raises(ModelConfigError, match=rf"^{tmp_path}/config\.json: not valid JSON"):
-        read_config_file(tmp_path / "config.json")
+    for bad in ("{bad", "[" * 100_000 + "]" * 100_000):   # the deep one was a RecursionError traceback
+        (tmp_path / "config.json").write_text(bad)
+        with pytest.raises(ModelConfigError, match=rf"^{tmp_path}/config\.json: not valid JSON"):
+            read_config_file(tmp_path / "config.json")

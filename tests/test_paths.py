@@ -29,6 +29,41 @@ def test_atomic_dir_refuses_a_non_empty_destination_before_writing(tmp_path):
     assert (tmp_path / "out" / "keep").read_text() == "old"
 
 
+@pytest.mark.parametrize("appears", ["files", "file", "empty dir"])
+def test_atomic_dir_never_replaces_what_appeared_at_the_destination_while_writing(tmp_path, appears):
+    """Two conversions to one new destination, or a user's files put there meanwhile: the
+    late one is refused at publish time and nothing that is there is deleted."""
+    out = tmp_path / "out"
+    if appears == "empty dir":   # an empty directory is a new destination: replaced
+        with atomic_dir(out) as d:
+            out.mkdir()
+            (d / "new").write_text("whole")
+        assert sorted(p.name for p in out.iterdir()) == ["new"]
+        return
+    with pytest.raises(FileExistsError, match="something else wrote there meanwhile"):
+        with atomic_dir(out) as d:
+            (d / "new").write_text("whole")
+            if appears == "files":
+                out.mkdir()
+                (out / "keep").write_text("precious")
+            else:
+                out.write_text("precious")
+    kept = out / "keep" if appears == "files" else out
+    assert kept.read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]   # the temporary is removed
+
+
+def test_atomic_dir_warns_of_a_killed_writers_temporary_and_keeps_it(tmp_path, caplog):
+    left = tmp_path / ".out.partial-abc123"
+    (left / "0").mkdir(parents=True)
+    with caplog.at_level("WARNING"), atomic_dir(tmp_path / "out") as d:
+        (d / "f").write_text("x")
+    assert caplog.messages == [
+        f"{tmp_path} holds .out.partial-abc123, left by an earlier write of out that was killed "
+        "(or one still running): remove it once no command writes there"]
+    assert left.is_dir() and (tmp_path / "out" / "f").read_text() == "x"
+
+
 def test_atomic_dir_replace_swaps_only_a_complete_directory(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -114,7 +114,7 @@ def read_config_file(f: str | Path) -> Any:
     (OSError, which names the file, when it cannot be read)."""
     try:
         return json.loads(Path(f).read_bytes())
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
 
 

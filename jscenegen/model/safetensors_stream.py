@@ -25,6 +25,7 @@ from typing import Iterable
 
 import numpy as np
 
+from jscenegen.config import clip_text
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
 from jscenegen.paths import naming_write_errors, not_a_file, unique_keys
@@ -46,11 +47,15 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {str(name): str(fname) for name, fname in weight_map.items()}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise CheckpointFormatError(f"{index}: malformed index ({err})") from None
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            files = dict(weight_map.items())
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+            raise CheckpointFormatError(f"{index}: malformed index ({clip_text(str(err))})") from None
         for name, fname in files.items():
+            if not isinstance(fname, str):
+                raise CheckpointFormatError(
+                    f"{index}: weight_map[{name[:200]!r}] is {clip_text(repr(fname))}; a shard is a "
+                    "file name (a string)")
             if Path(fname).name != fname or fname in ("", ".", ".."):
                 raise CheckpointFormatError(
                     f"{index}: weight_map[{name!r}] is {fname[:200]!r}; a shard is a file name "
