@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 
 
 SEED_MAX = 2**32 - 1      # seeds are 32-bit: PRNG keys and NumPy generators take them whole
+STEPS_MAX = 2**31 - 1     # update/step counts: int32 (orbax and VERL's step counters, torch's LambdaLR)
 REDACTED = "<redacted>"   # what a saved config or metadata file holds in place of a credential
 
 

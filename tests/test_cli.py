@@ -578,6 +578,17 @@ def test_a_resume_says_which_settings_its_overrides_change_and_keeps_its_model_p
     assert taken["cfg"].model.path == "/started/here" and taken["cfg"].optim.lr == 2e-6
 
 
+def test_a_resume_of_what_is_no_run_directory_says_so(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for where, why in (("afile", "not a directory (a run directory holds config.yaml and checkpoints/)"),
+                       ("empty", None)):
+        assert main(["train", "--resume", str(tmp_path / where)]) == 2
+        expected = (f"--resume {tmp_path / where}: {why}" if why else
+                    f"{tmp_path / where}/checkpoints not found: nothing to resume")
+        assert one_error_line(capsys) == f"error: {expected}"
+
+
 def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog):
     """A run whose judge.base_url held a credential saves `<redacted>`; the resume must accept
     the URL given again (the comparison with the saved config refused it) and never print it."""

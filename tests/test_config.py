@@ -75,8 +75,8 @@ def test_a_string_is_unicode_text():
     assert load_config(None, ["sampling.greedy=true", "sampling.top_p=1.0"], RunConfig).sampling.greedy
 
 
-def test_seeds_and_token_counts_are_bounded():
-    """Seeds are 32-bit and token counts at most 2^20: a huge value fails at load, naming the
+def test_seeds_step_and_token_counts_are_bounded():
+    """Seeds are 32-bit, step counts int32 and token counts at most 2^20: a huge value fails at load, naming the
     key, not as an overflow or an allocation deep inside a run."""
     assert load_config(None, [f"schedule.seed={SEED_MAX}"], RunConfig).schedule.seed == SEED_MAX
     for item, key in [(f"schedule.seed={SEED_MAX + 1}", "schedule.seed"),
@@ -84,7 +84,10 @@ def test_seeds_and_token_counts_are_bounded():
                       ("sampling.max_new_tokens=99999999999999999999", "sampling.max_new_tokens"),
                       ("sampling.cache_tokens=99999999999999999999", "sampling.cache_tokens"),
                       ("sampling.buckets=[32,99999999999]", "sampling"),
-                      ("schedule.group_size=100000000000", "schedule.group_size")]:
+                      ("schedule.group_size=100000000000", "schedule.group_size"),
+                      ("schedule.total_updates=99999999999999999999999", "schedule.total_updates"),
+                      (f"schedule.max_attempts={2**31}", "schedule.max_attempts"),
+                      (f"optim.total_steps={2**31}", "optim.total_steps")]:
         with pytest.raises(ConfigError, match=f"override {re.escape(item)}: {key}: "):
             load_config(None, [item], RunConfig)
     from jscenegen.sft.config import SFTRunConfig

@@ -195,15 +195,18 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
 
 
 def test_design_writes_the_terminal_scene(tmp_path, capsys):
+    """The transcript escapes control characters (an ANSI sequence in the prompt coloured the
+    terminal); the scene keeps the prompt as given."""
     out = tmp_path / "scene.json"
     png = tmp_path / "scene.png"
-    assert main(["design", "--model", str(chat_model_dir()), "--prompt",
-                 "A small bedroom with a single bed and a desk.", "-o", str(out), "--render", str(png),
-                 "--greedy", *TINY]) == 0
+    prompt = "A small \x1b[31mbedroom\x07 with a single bed and a desk."
+    assert main(["design", "--model", str(chat_model_dir()), "--prompt", prompt, "-o", str(out),
+                 "--render", str(png), "--greedy", *TINY]) == 0
     scene = scene_from_json(json.loads(out.read_text()), str(out))
-    assert scene.prompt == "A small bedroom with a single bed and a desk." and scene.objects == ()
+    assert scene.prompt == prompt and scene.objects == ()
     printed = capsys.readouterr().out
     assert "--- planner ---" in printed and "--- environment ---" in printed
+    assert "A small \\x1b[31mbedroom\\x07 with" in printed and "\x1b" not in printed
     result = json.loads(printed.split("--- result ---\n", 1)[1])
     assert result["reward"] == -1.0 and result["failure_cause"] in ("truncated_generation",
                                                                    "truncated_action")

@@ -34,6 +34,9 @@ def run(args) -> int:
         if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
             raise ValueError(f"--run-dir {args.run_dir} with --resume {args.resume}: a resumed run "
                              "stays in its own directory; drop --run-dir")
+        if run_dir.exists() and not run_dir.is_dir():
+            raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
+                                     "holds config.yaml and checkpoints/)")
         if not (run_dir / "checkpoints").is_dir():
             raise FileNotFoundError(f"{run_dir}/checkpoints not found: nothing to resume")
         saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jscenegen.config import Section
+from jscenegen.config import STEPS_MAX, Section
 
 AggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
@@ -87,10 +87,10 @@ class OptimConfig(Section):
         "formerly warmup_style): constant: 1; cosine: max(m, (1 + m)/2 + (1 - m)/2 cos(2 pi "
         "num_cycles p)), m = min_lr_ratio, p = (step - warmup_steps) / (total_steps - warmup_steps) "
         "(VERL's get_cosine_schedule_with_warmup: transformers' cosine with warmup plus the floor)")
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup: the step at "
+    warmup_steps: int = Field(0, ge=0, le=STEPS_MAX, description="optimizer steps of linear warmup: the step at "
                               "scheduler count s < warmup_steps uses lr x s / warmup_steps (the "
                               "first at 0, as VERL); VERL's lr_warmup_steps")
-    total_steps: int | None = Field(None, gt=0, description="schedule length (cosine needs it)")
+    total_steps: int | None = Field(None, gt=0, le=STEPS_MAX, description="schedule length (cosine needs it)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the LR's floor as a "
                                 "fraction of lr, reached at total_steps with num_cycles 0.5 "
                                 "(VERL min_lr_ratio)")

@@ -20,7 +20,7 @@ from typing import Literal, Sequence
 
 from pydantic import Field
 
-from jscenegen.config import SEED_MAX, Section
+from jscenegen.config import SEED_MAX, STEPS_MAX, Section
 from jscenegen.grpo.algo.roles import role_from_letter
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.seeds import episode_seed
@@ -37,14 +37,14 @@ class ScheduleConfig(Section):
                        "P planner, C critic); enters the schedule hash")
     group_size: int = Field(8, ge=2, le=GROUP_MAX, description="episodes per scene (GRPO's "
                             "group; one episode has no advantage signal)")
-    total_updates: int = Field(100, ge=1, description="effective updates (optimizer steps with signal)")
+    total_updates: int = Field(100, ge=1, le=STEPS_MAX, description="effective updates (optimizer steps with signal)")
     zero_spread: Literal["redraw", "skip", "count"] = Field(
         "redraw", description="an attempt whose trained tokens all have zero advantage: redraw "
         "(no step; the same scene with the next seeds, up to max_redraws times, then the next "
         "scene), skip (no step; the next scene), count (step anyway; it counts as effective)")
-    max_redraws: int = Field(2, ge=0, description="zero_spread redraw: most redraws of an "
+    max_redraws: int = Field(2, ge=0, le=STEPS_MAX, description="zero_spread redraw: most redraws of an "
                              "attempt's scene(s) before the schedule moves on without a step")
-    max_attempts: int | None = Field(None, ge=1, description="stop after this many update "
+    max_attempts: int | None = Field(None, ge=1, le=STEPS_MAX, description="stop after this many update "
                                      "attempts even without total_updates effective ones "
                                      "(a weak policy may never produce signal); None: no cap")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="run-level seed: enters every rollout's "
