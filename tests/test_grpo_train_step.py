@@ -221,3 +221,30 @@ def test_logits_of_the_trained_tokens_only_give_the_same_update(micro):
     # a capacity below a row's trained count cannot pass unnoticed: the update is skipped
     _, met = st.step(init_train_state(params, st.optim_cfg), batch, capacity=2)
     assert float(met["skipped"]) == 1
+
+
+def test_steps_of_equal_models_and_configs_share_their_compiled_functions():
+    """A second trainer of one run in a process (a resume) re-traced and re-lowered every
+    step function (~5 s for the tiny model): equal model structures and configs now share
+    them; any difference (config, temperature, concrete frozen arrays) does not."""
+    from flax import nnx
+
+    from jscenegen.model.config import preset_config
+    from jscenegen.model.functional import hidden_fn as model_hidden_fn
+    from jscenegen.model.functional import split_params
+    from jscenegen.model.qwen import QwenForCausalLM
+
+    def step_of(seed, loss=None, temperature=1.0):
+        model = QwenForCausalLM(preset_config("qwen3", "micro", vocab_size=256), rngs=nnx.Rngs(seed))
+        graphdef, _, frozen = split_params(model)
+        return GRPOStep(model_hidden_fn(graphdef, frozen), loss or LossConfig(), OptimConfig(),
+                        temperature=temperature)
+
+    first = step_of(0)
+    assert step_of(1).step is first.step and step_of(2).logprobs is first.logprobs
+    assert step_of(3, loss=LossConfig(clip_high=0.28)).step is not first.step
+    assert step_of(4, temperature=0.7).step is not first.step
+    graphdef = split_params(QwenForCausalLM(preset_config("qwen3", "micro", vocab_size=256),
+                                            rngs=nnx.Rngs(5)))[0]
+    concrete = {"x": jnp.zeros(3)}
+    assert model_hidden_fn(graphdef, concrete) != model_hidden_fn(graphdef, concrete)

@@ -347,6 +347,7 @@ def straight35(tmp_path_factory):
     return run_dir, summary, trainer
 
 
+@pytest.mark.slow   # three Qwen3.5 trainers, each tracing its steps: 60-80 s on 2 cores
 def test_qwen35_sigterm_resume_extend_is_bitwise_and_carried_tensors_never_move(straight35, tmp_path):
     from jax.sharding import PartitionSpec as P
 

@@ -29,15 +29,40 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]
     return graphdef, params, abstract
 
 
+class _ModelHidden:
+    """`hidden_fn`'s function. Two of them compare (and hash) equal when their models have
+    the same structure (graphdef) and the same abstract frozen state, so compiled code keyed
+    by the function (`GRPOStep`) is traced once per process for every trainer of one model
+    and config; with concrete arrays among the other states it is equal only to itself."""
+
+    def __init__(self, graphdef: nnx.GraphDef, other_states: tuple):
+        self.graphdef, self.other_states = graphdef, other_states
+        leaves, treedef = jax.tree.flatten(other_states)
+        key = (graphdef, treedef, tuple(leaves))
+        try:
+            hash(key)
+        except TypeError:   # arrays: no value equality
+            key = None
+        self._key = key
+
+    def __call__(self, params, input_ids, attention_mask):
+        model = nnx.merge(self.graphdef, params, *self.other_states)
+        return model.hidden_states(input_ids, attention_mask), model.output_embedding()
+
+    def __eq__(self, other) -> bool:
+        if self._key is None or not isinstance(other, _ModelHidden):
+            return self is other
+        return self._key == other._key
+
+    def __hash__(self) -> int:
+        return id(self) if self._key is None else hash(self._key)
+
+
 def hidden_fn(graphdef: nnx.GraphDef, *other_states: Any) -> HiddenFn:
     """The model's final normed hidden states and its output embedding (logical vocabulary
     rows, compute dtype) as a function of its parameters. The model must provide
     `hidden_states(input_ids, attention_mask)` and `output_embedding()` (qwen.CausalLM does:
     QwenForCausalLM, Qwen35ForCausalLM). A model with `Carried` tensors (Qwen3.5) is split
-    by `split_params` and its frozen state passed here."""
-
-    def fn(params, input_ids, attention_mask):
-        model = nnx.merge(graphdef, params, *other_states)
-        return model.hidden_states(input_ids, attention_mask), model.output_embedding()
-
-    return fn
+    by `split_params` and its frozen state passed here. Functions of equally structured
+    models compare equal (see `_ModelHidden`)."""
+    return _ModelHidden(graphdef, other_states)

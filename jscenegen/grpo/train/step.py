@@ -44,6 +44,13 @@ _SUM_KEYS = ("tokens", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "
              "ratio_max", "drift")
 
 
+# GRPOSteps of one (model function, loss, optimizer, temperature, donation) share their jitted
+# functions: a second trainer of the same run in one process (a resume, the tests) neither
+# re-traces nor re-lowers them. The most recently built few are kept.
+_COMPILED: dict[tuple, "GRPOStep"] = {}
+_COMPILED_KEPT = 4
+
+
 def _combine(total: tuple, new: tuple) -> tuple:
     """Accumulate (pg_loss, sums) over micro-batches: sums add, `ratio_max` is a max."""
     sums = {key: (jnp.maximum(total[1][key], new[1][key]) if key == "ratio_max"
@@ -52,7 +59,10 @@ def _combine(total: tuple, new: tuple) -> tuple:
 
 
 class GRPOStep:
-    """Compiled functions of one GRPO configuration.
+    """Compiled functions of one GRPO configuration, shared by every GRPOStep of an equal
+    model function (`model.functional.hidden_fn` of the same model structure), loss and
+    optimizer config, temperature and donation: a second one in the process reuses the first
+    one's traces and executables.
 
     `logprobs(params, input_ids, attention_mask, select=None, capacity=None) -> (logp,
     entropy)` [B, T] float32, column 0 = 0: the old/reference log-prob recompute,
@@ -78,10 +88,19 @@ class GRPOStep:
         self.optim_cfg = optim_cfg
         self.temperature = float(temperature)
         self.tx = make_optimizer(optim_cfg)
-        self.logprobs = jax.jit(self._logprobs, static_argnames=("capacity",))
-        self.grads = jax.jit(self._grads, static_argnames=("capacity",))
-        self.step = jax.jit(self._step, donate_argnums=0 if donate else (),
-                            static_argnames=("capacity",))
+        key = (hidden_fn, loss_cfg.model_dump_json(), optim_cfg.model_dump_json(),
+               self.temperature, donate)
+        owner = _COMPILED.pop(key, None) or self   # an equal step's traces and executables
+        _COMPILED[key] = owner
+        while len(_COMPILED) > _COMPILED_KEPT:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        if owner is self:
+            self.logprobs = jax.jit(self._logprobs, static_argnames=("capacity",))
+            self.grads = jax.jit(self._grads, static_argnames=("capacity",))
+            self.step = jax.jit(self._step, donate_argnums=0 if donate else (),
+                                static_argnames=("capacity",))
+        else:
+            self.logprobs, self.grads, self.step = owner.logprobs, owner.grads, owner.step
 
     def _micro_logprobs(self, params, input_ids, attention_mask, select=None, capacity=None):
         hidden, emb = self.hidden_fn(params, input_ids, attention_mask)
