@@ -10,6 +10,7 @@ from jscenegen.run_config import RunConfig
 from jscenegen.scene.sceneset import read_scene_set, write_scene_set
 
 
+@pytest.mark.slow  # SFT, GRPO and two dev evaluations in one test: 22-55 s on 2 cores
 def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
     dev = tmp_path / "dev.jsonl"

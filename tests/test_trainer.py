@@ -159,6 +159,7 @@ def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tm
     assert _metrics(run_dir) == _metrics(tmp_path)
 
 
+@pytest.mark.slow  # three trainers with a KL reference each: 22-28 s on 2 cores
 def test_a_resumed_run_keeps_the_initial_policy_as_its_kl_reference(tmp_path):
     """use_kl_loss without model.reference_path: the reference is the initial policy, on
     resume too (it was the checkpoint's weights, so the resumed updates' KL restarted at 0):
