@@ -100,24 +100,26 @@ def _symlink_loop(err: BaseException) -> str | None:
 
 
 def error_line(err: BaseException) -> str:
-    """One line for `err`: multi-line messages joined with '; ', OS errors with their file, at
-    most MAX_ERROR_CHARS characters."""
+    """One line for `err`: multi-line messages joined with '; ', OS errors with their file,
+    control characters escaped, at most MAX_ERROR_CHARS characters."""
     if isinstance(err, OSError) and err.errno == errno.ENOSPC and not isinstance(err, DiskFullError):
         where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
         return f"no space left on device{where} writing {err.filename or 'a file'}"
-    from jscenegen.config import clip_text  # only on an error: `--help` stays light
+    from jscenegen.config import clip_text, terminal_text  # only on an error: `--help` stays light
 
     text = str(err) or type(err).__name__
-    if _symlink_loop(err) is not None:
-        text = f"{_symlink_loop(err)}: a loop of symbolic links (it leads back to itself)"
+    loop = _symlink_loop(err)
+    if loop is not None:
+        text = f"{loop}: a loop of symbolic links (it leads back to itself)"
     if isinstance(err, OSError) and err.filename and err.strerror and err.filename2 is None:
         text = f"{clip_text(str(err.filename), MAX_ERROR_CHARS // 2)}: {err.strerror}"
     elif isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {text}"
 
-    # a message that echoes a huge input (a 100 KB path or key) stays readable
-    return clip_text("; ".join(part.strip() for part in text.splitlines() if part.strip()),
-                     MAX_ERROR_CHARS)
+    # a message that echoes a huge input (a 100 KB path or key) stays readable, and one that
+    # echoes control characters cannot drive the terminal
+    return clip_text(terminal_text("; ".join(part.strip() for part in text.splitlines()
+                                             if part.strip())), MAX_ERROR_CHARS)
 
 
 def stdout_reader_gone() -> bool:

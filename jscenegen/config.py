@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 import typing
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,14 @@ def clip_text(text: str, limit: int = 200) -> str:
     """`text` cut to `limit` characters, its full length said: an error line echoes what it
     refuses, not a megabyte of it."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def terminal_text(text: str) -> str:
+    """`text` safe to print: control characters (Unicode category Cc) other than newline and
+    tab written as escapes (`\\x1b`), so an escape sequence in a prompt, a sampled token or a
+    refused input cannot drive the terminal; files keep the text itself."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
+                   for c in text)
 
 
 def override_key(item: str) -> str:

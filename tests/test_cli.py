@@ -645,6 +645,13 @@ def test_a_model_file_that_is_no_file_says_what_it_is(tiny_hf, tmp_path, capsys)
         assert one_error_line(capsys) == f"error: {model / name}: {why.format(m=model)}"
 
 
+def test_an_error_line_escapes_the_control_characters_it_echoes(capsys):
+    """An override key holding an ANSI escape was echoed raw into the terminal."""
+    assert main(["train", "no\x1b[31mkey=1"]) == 2
+    line = one_error_line(capsys)
+    assert "no\\x1b[31mkey" in line and "\x1b" not in line
+
+
 def test_a_destination_that_is_a_loop_of_links_is_one_line(tiny_hf, tmp_path, capsys):
     """pathlib raises RuntimeError("Symlink loop from ...") on Python < 3.13: a traceback."""
     (tmp_path / "loopA").symlink_to(tmp_path / "loopB")

@@ -290,7 +290,7 @@ def _copy_hf_assets(src: Path, dst: Path, weights_dtype: str) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
-def _weights_dtype(params: Mapping[str, Any]) -> str:
+def _stored_dtype(params: Mapping[str, Any]) -> str:
     """The dtype that most parameter elements are stored in (a Qwen3.5 release keeps a few
     small tensors in float32 beside bf16 weights)."""
     elements: dict[str, int] = {}
@@ -698,7 +698,7 @@ class CheckpointStore:
             raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
-        self._pending = (step, meta, hf_dir, needed, _weights_dtype(logical_params))
+        self._pending = (step, meta, hf_dir, needed, _stored_dtype(logical_params))
         if not self.async_save:
             self.wait_until_finished()
         return path

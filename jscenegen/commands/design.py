@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import unicodedata
 from pathlib import Path
 
 from jscenegen.commands import seed_arg
@@ -66,18 +65,12 @@ def design_record(prompt: str, room_path: str | None, seed: int):
     return SceneRecord(scene, seed, ())
 
 
-def terminal_text(text: str) -> str:
-    """`text` safe to print: control characters other than newline and tab (an escape
-    sequence in a prompt or a sampled token would drive the terminal) written as escapes
-    (`\\x1b`); the scene JSON keeps the text itself."""
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
-                   for c in text)
-
-
 def _print_turn(message: dict) -> None:
     if message["role"] == "system":
         print(f"--- system prompt ({len(message['content'])} characters) ---", flush=True)
         return
+    from jscenegen.config import terminal_text
+
     print(f"--- {message['actor']} ---\n{terminal_text(message['content'])}", flush=True)
 
 
