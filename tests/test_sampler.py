@@ -86,6 +86,24 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(model, prompts):
         assert out["tokens"][i].tolist() == seqs[i][len(p):]
 
 
+def test_samplers_of_one_structure_share_compiled_functions_not_weights(model, prompts, tiny_hf):
+    """Every Trainer's sampler re-traced and re-lowered its prefill/decode (~1.5 s for the
+    tiny model per instance): equally structured models with the same options share them
+    now (other options do not), and each sampler still decodes with its own weights."""
+    greedy = SamplingParams(greedy=True)
+    first = Sampler(model, greedy, buckets=BUCKETS)
+    other = load_hf(tiny_hf["qwen3"])
+    nnx.update(other, jax.tree.map(lambda x: x + 0.05 * jnp.cos(jnp.arange(x.size).reshape(x.shape)),
+                                   nnx.state(other, nnx.Param)))
+    second = Sampler(other, greedy, buckets=BUCKETS)
+    assert second._decode is first._decode and second._append is first._append
+    assert Sampler(model, SamplingParams(temperature=0.7), buckets=BUCKETS)._decode is not first._decode
+    want = first.generate(prompts, 6, seeds=[0, 1])["tokens"]
+    assert not np.array_equal(second.generate(prompts, 6, seeds=[0, 1])["tokens"], want)
+    second.set_weights(model)
+    np.testing.assert_array_equal(second.generate(prompts, 6, seeds=[0, 1])["tokens"], want)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
 def test_sampled_logprobs_equal_trainer_recompute(model, prompts, params):

@@ -157,6 +157,9 @@ def test_loss_matches_direct_nll_and_micro_batches(sharded, batch, mesh):
     arrays, placed = batch
     assert arrays["loss_mask"].sum() > 50  # the first planner turns (~20 tokens each)
     micro = SFTStep(hidden_fn(graphdef, *rest), OPTIM, micro_batch_size=3, donate=False)
+    # steps of one model structure and options share their compiled function (a resume)
+    assert SFTStep(hidden_fn(graphdef, *rest), OPTIM, donate=False).step is whole.step
+    assert micro.step is not whole.step
     with jax.set_mesh(mesh):
         s1, m1 = whole.step(init_train_state(params, OPTIM), placed)
         s2, m2 = micro.step(init_train_state(params, OPTIM), placed)

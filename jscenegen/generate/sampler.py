@@ -45,7 +45,7 @@ from jscenegen.generate.reshard import Reshard
 from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens
 from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
-from jscenegen.model.functional import split_params
+from jscenegen.model.functional import shared, split_params, structure_key
 from jscenegen.model.qwen import CausalLM
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.mesh import host_array
@@ -230,6 +230,9 @@ def _with_specs(fn, specs):
 
 class Sampler:
     """Compiled prefill/append/decode for one model and one set of sampling parameters.
+    Samplers of equally structured models with the same sampling parameters, stop strings and
+    layout share these compiled functions (`model.functional.shared`); each holds its own
+    weights.
 
     Args:
       model: a QwenForCausalLM or Qwen35ForCausalLM (its parameters may live on `mesh` in the
@@ -297,16 +300,19 @@ class Sampler:
         self._tail_width = self.stop_table.head.shape[1] if self.stop_table is not None else 1
         donate = jax.default_backend() != "cpu"
         gd, specs = (self.graphdef, frozen), layout.specs
-        self._append = jax.jit(_with_specs(functools.partial(_append_impl, gd), specs),
-                               donate_argnums=(1,) if donate else ())
-        self._append_lp = jax.jit(_with_specs(functools.partial(_append_logprobs_impl, gd), specs),
-                                  static_argnums=(5,), donate_argnums=(1,) if donate else ())
-        self._grow = jax.jit(_with_specs(_grow_impl, specs), static_argnames=("extra",),
-                             donate_argnums=(0,) if donate else ())
-        self._decode = jax.jit(
-            _with_specs(functools.partial(_decode_impl, gd, params, self.stop_strings,
-                                          layout.name == "fsdp"), specs),
-            static_argnames=("max_steps",), donate_argnums=(1,) if donate else ())
+        key = ("sampler", structure_key(self.graphdef, frozen), params, self.stop_strings,
+               layout.name, layout.mesh, layout.tp, layout.transposed, donate)
+        # Samplers of one model structure, layout and sampling options share their traces
+        self._append, self._append_lp, self._grow, self._decode = shared(key, lambda: (
+            jax.jit(_with_specs(functools.partial(_append_impl, gd), specs),
+                    donate_argnums=(1,) if donate else ()),
+            jax.jit(_with_specs(functools.partial(_append_logprobs_impl, gd), specs),
+                    static_argnums=(5,), donate_argnums=(1,) if donate else ()),
+            jax.jit(_with_specs(_grow_impl, specs), static_argnames=("extra",),
+                    donate_argnums=(0,) if donate else ()),
+            jax.jit(_with_specs(functools.partial(_decode_impl, gd, params, self.stop_strings,
+                                                  layout.name == "fsdp"), specs),
+                    static_argnames=("max_steps",), donate_argnums=(1,) if donate else ())))
 
     def set_weights(self, weights) -> dict:
         """Sample from new weights (after an optimizer step) without recompiling: one jitted

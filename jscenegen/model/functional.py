@@ -7,15 +7,47 @@ parameters and optimizer state are plain pytrees the caller shards and different
 `split_params(model)` makes that split and replaces everything that is not a parameter
 (Qwen3.5's carried vision tower and MTP head) by abstract shapes, so the trained function
 provably never reads a carried tensor and no jit closes over one.
+`shared(key, build)` keeps the jitted functions built for one model structure and
+configuration, so a second trainer or sampler of the same run in one process (a resume, the
+tests) neither re-traces nor re-lowers them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import jax
 from flax import nnx
 
 HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+_SHARED: dict[Hashable, Any] = {}
+SHARED_KEPT = 8      # the most recently used builds kept (their executables stay alive)
+
+
+def shared(key: Hashable | None, build: Callable[[], Any]) -> Any:
+    """`build()`, or the value an earlier call with an equal `key` built (None: never shared).
+    Callers key their jitted functions by everything the traced code closes over: the model
+    structure (`structure_key`), configs, static options, the sharding layout."""
+    if key is None:
+        return build()
+    value = _SHARED.pop(key) if key in _SHARED else build()
+    _SHARED[key] = value
+    while len(_SHARED) > SHARED_KEPT:
+        _SHARED.pop(next(iter(_SHARED)))
+    return value
+
+
+def structure_key(graphdef: nnx.GraphDef, *states: Any) -> Hashable | None:
+    """A key equal for equally structured models: the graphdef and the states' tree and
+    leaves, which compare by value when abstract (`split_params`' frozen state); None when a
+    leaf is a concrete array (no value equality: such a model equals only itself)."""
+    leaves, treedef = jax.tree.flatten(states)
+    key = (graphdef, treedef, tuple(leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -37,13 +69,7 @@ class _ModelHidden:
 
     def __init__(self, graphdef: nnx.GraphDef, other_states: tuple):
         self.graphdef, self.other_states = graphdef, other_states
-        leaves, treedef = jax.tree.flatten(other_states)
-        key = (graphdef, treedef, tuple(leaves))
-        try:
-            hash(key)
-        except TypeError:   # arrays: no value equality
-            key = None
-        self._key = key
+        self._key = structure_key(graphdef, *other_states)
 
     def __call__(self, params, input_ids, attention_mask):
         model = nnx.merge(self.graphdef, params, *self.other_states)

@@ -15,13 +15,14 @@ from jscenegen.grpo.algo.accumulate import accumulate_grads, num_micro_batches, 
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
 from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
-from jscenegen.model.functional import HiddenFn
+from jscenegen.model.functional import HiddenFn, shared
 
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
 
 
 class SFTStep:
-    """Compiled SFT functions for one model and optimizer config.
+    """Compiled SFT functions for one model and optimizer config (shared, like GRPOStep's, by
+    every SFTStep of an equal model function and the same options).
 
     `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding [V, H])`
     (`model.functional.hidden_fn`). Batches: dict of [B, T] arrays input_ids int32,
@@ -40,7 +41,9 @@ class SFTStep:
         self.micro_batch_size = micro_batch_size
         self.logprob_chunk = logprob_chunk
         self.tx = make_optimizer(optim_cfg)
-        self.step = jax.jit(self._step, donate_argnums=0 if donate else ())
+        key = ("sft_step", hidden_fn, optim_cfg.model_dump_json(), micro_batch_size,
+               logprob_chunk, donate)
+        self.step = shared(key, lambda: jax.jit(self._step, donate_argnums=0 if donate else ()))
 
     def _masked_logp_sum(self, params, mb):
         hidden, emb = self.hidden_fn(params, mb["input_ids"], mb["attention_mask"])

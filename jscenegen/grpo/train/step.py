@@ -36,19 +36,12 @@ from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
 from jscenegen.grpo.algo.losses import grpo_loss
 from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
-from jscenegen.model.functional import HiddenFn
+from jscenegen.model.functional import HiddenFn, shared
 
 METRIC_KEYS = ("loss", "pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "ratio_max",
                "entropy", "kl", "logprob_drift", "grad_norm", "skipped", "lr", "tokens")
 _SUM_KEYS = ("tokens", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "kl",
              "ratio_max", "drift")
-
-
-# GRPOSteps of one (model function, loss, optimizer, temperature, donation) share their jitted
-# functions: a second trainer of the same run in one process (a resume, the tests) neither
-# re-traces nor re-lowers them. The most recently built few are kept.
-_COMPILED: dict[tuple, "GRPOStep"] = {}
-_COMPILED_KEPT = 4
 
 
 def _combine(total: tuple, new: tuple) -> tuple:
@@ -88,19 +81,13 @@ class GRPOStep:
         self.optim_cfg = optim_cfg
         self.temperature = float(temperature)
         self.tx = make_optimizer(optim_cfg)
-        key = (hidden_fn, loss_cfg.model_dump_json(), optim_cfg.model_dump_json(),
+        key = ("grpo_step", hidden_fn, loss_cfg.model_dump_json(), optim_cfg.model_dump_json(),
                self.temperature, donate)
-        owner = _COMPILED.pop(key, None) or self   # an equal step's traces and executables
-        _COMPILED[key] = owner
-        while len(_COMPILED) > _COMPILED_KEPT:
-            _COMPILED.pop(next(iter(_COMPILED)))
-        if owner is self:
-            self.logprobs = jax.jit(self._logprobs, static_argnames=("capacity",))
-            self.grads = jax.jit(self._grads, static_argnames=("capacity",))
-            self.step = jax.jit(self._step, donate_argnums=0 if donate else (),
-                                static_argnames=("capacity",))
-        else:
-            self.logprobs, self.grads, self.step = owner.logprobs, owner.grads, owner.step
+        # an equal step's traces and executables (they read only what the key holds)
+        self.logprobs, self.grads, self.step = shared(key, lambda: (
+            jax.jit(self._logprobs, static_argnames=("capacity",)),
+            jax.jit(self._grads, static_argnames=("capacity",)),
+            jax.jit(self._step, donate_argnums=0 if donate else (), static_argnames=("capacity",))))
 
     def _micro_logprobs(self, params, input_ids, attention_mask, select=None, capacity=None):
         hidden, emb = self.hidden_fn(params, input_ids, attention_mask)
