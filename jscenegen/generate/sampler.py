@@ -300,9 +300,11 @@ class Sampler:
         self._tail_width = self.stop_table.head.shape[1] if self.stop_table is not None else 1
         donate = jax.default_backend() != "cpu"
         gd, specs = (self.graphdef, frozen), layout.specs
-        key = ("sampler", structure_key(self.graphdef, frozen), params, self.stop_strings,
-               layout.name, layout.mesh, layout.tp, layout.transposed, donate)
         # Samplers of one model structure, layout and sampling options share their traces
+        structure = structure_key(self.graphdef, frozen)
+        key = None if structure is None else (
+            "sampler", structure, params, self.stop_strings, layout.name, layout.mesh,
+            layout.tp, layout.transposed, donate)
         self._append, self._append_lp, self._grow, self._decode = shared(key, lambda: (
             jax.jit(_with_specs(functools.partial(_append_impl, gd), specs),
                     donate_argnums=(1,) if donate else ()),

@@ -20,7 +20,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     if not cached:
         # the same products as over a cache: with k [B, S, Nkv, D] as given, XLA:CPU makes the
         # scores transposed (keys x queries) and copies q into a [D, queries] layout inside
-        # the fusion that normalises and rotates it, a strided write (~4% of a train step)
+        # the fusion that normalises and rotates it, a strided write (~5% of a train step)
         k, v = k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)
     b, s, nq, d = q.shape
     nkv = k.shape[1]
