@@ -315,11 +315,15 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+TEMPORARY_NAME_EXTRA = len("..partial-") + 8   # atomic_dir's `.NAME.partial-XXXXXXXX`
+
+
 def check_output_dir(path: str | Path, error: type[Exception] = ValueError, label: str = "") -> None:
     """Refuse, before any work, a directory `path` that cannot be written: an existing file, or
     (the directory itself when it exists, else its nearest existing ancestor) a place that is
     not a directory or not writable (tried with an empty temporary directory, removed at once,
-    so root on a read-only or pseudo filesystem such as /proc is caught too). Raises `error`
+    so root on a read-only or pseudo filesystem such as /proc is caught too), or a name too
+    long to leave room for `atomic_dir`'s temporary beside it. Raises `error`
     naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
@@ -336,6 +340,15 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
         os.rmdir(tempfile.mkdtemp(prefix=".jscenegen-write-check-", dir=where))
     except OSError as err:
         raise error(f"{name}: cannot create a directory in {where} ({err.strerror or err})") from None
+    try:
+        name_max = os.pathconf(where, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    length = len(os.fsencode(p.name))
+    if length + TEMPORARY_NAME_EXTRA > name_max:
+        raise error(f"{name}: the name is {length} bytes, at most {name_max - TEMPORARY_NAME_EXTRA} "
+                    f"here (the file system allows {name_max}; the temporary written beside it "
+                    f"adds {TEMPORARY_NAME_EXTRA})")
 
 
 def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExistsError) -> None:

@@ -211,7 +211,10 @@ def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, 
     (tmp_path / "afile").write_text("x")
     for dest, expected in ((tmp_path / "afile" / "sub", f"{tmp_path / 'afile'} is not a directory"),
                            (tmp_path / "afile", "exists and is not a directory"),
-                           (Path("/proc/nope"), "cannot create a directory in /proc")):
+                           (Path("/proc/nope"), "cannot create a directory in /proc"),
+                           # fine alone, too long for the hidden `.NAME.partial-XXXXXXXX` beside
+                           # it: that failed after the corpus work, naming the temporary
+                           (tmp_path / ("a" * 240), "the name is 240 bytes, at most 237 here")):
         assert main(["init-model", str(dest)]) == 2
         err = one_error_line(capsys)
         assert err.startswith(f"error: {dest}: ") and expected in err and "partial" not in err
@@ -643,6 +646,23 @@ def test_a_model_file_that_is_no_file_says_what_it_is(tiny_hf, tmp_path, capsys)
         make(model / name)
         assert main(["parity", "logits", "--model", str(model)]) == 2
         assert one_error_line(capsys) == f"error: {model / name}: {why.format(m=model)}"
+
+
+def test_parity_logits_of_non_finite_weights_is_valid_json_without_a_top1_figure(tiny_hf, tmp_path,
+                                                                                 capsys):
+    """A NaN weight printed `NaN` (not JSON) and a top-1 agreement of 1.0 (argmax of NaN rows)."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "m"
+    _model_copy(tiny_hf["qwen3"], model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"], np.nan)
+    save_file(tensors, model / "model.safetensors")
+    assert main(["parity", "logits", "--model", str(model), "--batch", "1", "--seq", "8"]) == 1
+    result = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
+    assert result["max_abs_diff"] is None and result["top1_agreement"] is None
+    assert result["finite_logits"] is False and result["ok"] is False
 
 
 def test_an_error_line_escapes_the_control_characters_it_echoes(capsys):

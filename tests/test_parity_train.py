@@ -82,6 +82,8 @@ def test_synthetic_trajectories_give_every_role_tokens_and_a_reward_spread():
     (lambda d: d.update(roles=d["roles"][:-1]), "'roles' has"),
     (lambda d: d.update(roles=[7] * len(d["tokens"])), "codes 0-3"),
     (lambda d: d.update(tokens=[5000] * len(d["tokens"])), "[0, 1003)"),
+    (lambda d: d["tokens"].__setitem__(0, 10**30), "'tokens'[0]: Input should be less than 2147483648"),
+    (lambda d: d.update(tokens=[3] * 65537), "'tokens': List should have at most 65536 items"),
 ])
 def test_bad_trajectory_file_names_line_and_field(tmp_path, edit, message):
     path = tmp_path / "t.jsonl"
@@ -91,6 +93,23 @@ def test_bad_trajectory_file_names_line_and_field(tmp_path, edit, message):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(ValueError, match=r"t\.jsonl:2: .*" + re.escape(message)):
         read_trajectories(path, vocab=1003)
+
+
+def test_a_group_too_large_for_one_parity_batch_is_refused_before_any_model_loads(tiny_hf, tmp_path,
+                                                                                  capsys):
+    """17 rows of 61,681 tokens: each row is allowed, the group's batch (one update) is over
+    2^20 tokens; it went on to load both models and ran out of memory."""
+    from jscenegen.cli import main
+
+    path = tmp_path / "t.jsonl"
+    n = 61_681
+    line = {"group": 4, "member": 0, "tokens": [3] * n, "roles": [2] * n, "policy_mask": [1] * n,
+            "reward": 0.5}
+    path.write_text("".join(json.dumps({**line, "member": m}) + "\n" for m in range(17)))
+    rc = main(["parity", "train", "--model", str(tiny_hf["qwen2"]), "--trajectories", str(path)])
+    assert rc == 2
+    assert "group 4: 17 x 61,681 = 1,048,577 tokens; a parity batch holds at most 1,048,576" in \
+        capsys.readouterr().err
 
 
 def test_a_trajectory_file_that_is_not_text_is_named_with_its_line(tmp_path):

@@ -6,11 +6,13 @@ jscenegen/parity/ compute and judge; this module parses and prints).
 from __future__ import annotations
 
 import json
+import math
 
 from jscenegen.commands import finite_float_arg, int_in, seed_arg
+from jscenegen.parity import ROW_TOKENS_MAX
 
 COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
-TOKENS = int_in(1, 65536)        # tokens per row
+TOKENS = int_in(1, ROW_TOKENS_MAX)
 
 
 def _check_tokens(rows: int, seq: int, flags: str) -> None:
@@ -21,6 +23,20 @@ def _check_tokens(rows: int, seq: int, flags: str) -> None:
     if rows * seq > TOKENS_MAX:
         raise ValueError(f"{flags}: {rows:,} x {seq:,} = {rows * seq:,} tokens; a parity batch "
                          f"holds at most {TOKENS_MAX:,}")
+
+
+def _json_line(result) -> str:
+    """`result` as one line of valid JSON: a NaN or infinite number (non-finite logits or
+    losses) is written as null, which JSON can hold, where `json.dumps` would write `NaN`."""
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+    return json.dumps(finite(result))
 
 
 def _check_temperature(value: float) -> None:
@@ -107,7 +123,7 @@ def run_logits(args) -> int:
     _check_tokens(args.batch, args.seq, "--batch x --seq")
     result = logits_parity(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
                            seed=args.seed)
-    print(json.dumps(result))
+    print(_json_line(result))
     return 0 if result["ok"] else 1
 
 
@@ -126,7 +142,7 @@ def run_grpo_step(args) -> int:
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
                               seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
                               torch_perturbation=args.perturb_torch, train_vision=args.train_vision)
-    print(json.dumps(result))
+    print(_json_line(result))
     return 0 if result["ok"] else 1
 
 
@@ -135,6 +151,7 @@ def run_train(args) -> int:
     from jscenegen.model.config import QwenConfig
     from jscenegen.parity.train import (
         default_trajectories,
+        group_trajectories,
         read_trajectories,
         train_parity,
         write_trajectories,
@@ -155,6 +172,9 @@ def run_train(args) -> int:
     loss_cfg, optim_cfg = _configs(args)
     if args.trajectories:
         trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)
+        for group in group_trajectories(trajs):   # one group is one update's batch
+            _check_tokens(len(group), max(len(t.tokens) for t in group),
+                          f"{args.trajectories}: group {group[0].group_id}")
     else:
         trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
     if args.write_trajectories is not None:
@@ -165,6 +185,6 @@ def run_train(args) -> int:
                                temperature=args.temperature, seed=args.seed,
                                torch_perturbation=args.perturb_torch,
                                train_vision=args.train_vision):
-        print(json.dumps(result), flush=True)
+        print(_json_line(result), flush=True)
         ok = result.get("ok", False)
     return 0 if ok else 1

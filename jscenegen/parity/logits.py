@@ -60,7 +60,8 @@ def torch_model(model_dir: str, model_type: str, dtype: str):
 
 def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str = "float32",
                   seed: int = 0) -> dict:
-    """Compare jscenegen and transformers logits; returns max_abs_diff, mean_kl, top1_agreement, ok.
+    """Compare jscenegen and transformers logits; returns max_abs_diff, mean_kl, top1_agreement
+    (None when a logit is not finite), finite_logits, ok.
 
     `ok` applies the tolerances: fp32 max |diff| <= 1e-4; bf16 `bf16_within_tolerance`, with
     `kl_to_fp32` (each side's bf16 mean KL to torch's fp32 logits) in the result.
@@ -91,10 +92,14 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     real = mask.astype(bool)
     diff = np.abs(ours - ref_logits)[real]
     kl = _kl(ref_logits[real], ours[real])
+    finite = bool(np.isfinite(ours[real]).all() and np.isfinite(ref_logits[real]).all())
     result = {
         "max_abs_diff": float(diff.max()),
         "mean_kl": float(kl.mean()),
-        "top1_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1))[real].mean()),
+        # the argmax of a NaN row is no prediction
+        "top1_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1))[real].mean())
+        if finite else None,
+        "finite_logits": finite,
         "dtype": dtype, "batch": batch, "seq": seq, "model_type": model.cfg.model_type,
     }
     if dtype == "float32":
@@ -103,5 +108,5 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
         truth = torch_logits("float32")[real]
         result["kl_to_fp32"] = {"jscenegen": float(_kl(truth, ours[real]).mean()),
                                 "torch": float(_kl(truth, ref_logits[real]).mean())}
-        result["ok"] = bf16_within_tolerance(result["mean_kl"], result["kl_to_fp32"])
+        result["ok"] = finite and bf16_within_tolerance(result["mean_kl"], result["kl_to_fp32"])
     return result

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout.engine import Trajectory
+from jscenegen.parity import ROW_TOKENS_MAX
 from jscenegen.paths import atomic_file, not_a_file
 
 PARAM_TOL = 1e-6
@@ -124,7 +125,7 @@ class TrajectoryLine(BaseModel):
 
     group: int
     member: int
-    tokens: list[int] = Field(min_length=2)
+    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=2, max_length=ROW_TOKENS_MAX)
     roles: list[int]
     policy_mask: list[Annotated[int, Field(ge=0, le=1)]]
     reward: float
