@@ -261,3 +261,20 @@ def test_config_file_that_is_not_a_json_object_is_named(tmp_path):
         (tmp_path / "config.json").write_text(bad)
         with pytest.raises(ModelConfigError, match=rf"^{tmp_path}/config\.json: not valid JSON"):
             read_config_file(tmp_path / "config.json")
+
+
+def test_a_stored_head_of_a_tied_config_must_be_the_embedding(tiny_hf, tmp_path):
+    """tie_word_embeddings: true beside a stored lm_head.weight that differs from the
+    embedding loaded silently without that head (parity logits then blamed the numbers)."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_hf["qwen2"], model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(CheckpointFormatError, match=r"model\.safetensors: 'lm_head\.weight' differs "
+                       r"from 'model\.embed_tokens\.weight' but config\.json says tie_word_embeddings"):
+        load_hf(model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, model / "model.safetensors")
+    loaded = load_hf(model)      # the alias equal to the embedding: loads tied
+    assert loaded.lm_head is None

@@ -42,7 +42,7 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
     Every tensor of the file: parameters and carried tensors (`param_shapes(cfg, carried=True)`),
     each in its stored dtype. Raises CheckpointFormatError naming the missing, unexpected or
     mis-shaped key and its file. A tied model's file may carry the `lm_head.weight` alias; it
-    is skipped.
+    is skipped when it equals the embedding, refused when it differs.
     """
     path = Path(path)
     cfg = cfg or QwenConfig.from_dir(path)
@@ -65,7 +65,21 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
             raise CheckpointFormatError(
                 f"{files[name]}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}"
             )
+        if (cfg.tie_word_embeddings and TIED_ALIAS in files
+                and name == f"{cfg.text_prefix}embed_tokens.weight"):
+            _check_tied_alias(files[TIED_ALIAS], name, arr)
         yield name, arr
+
+
+def _check_tied_alias(file: Path, embedding_name: str, embedding: np.ndarray) -> None:
+    """A stored `lm_head.weight` of a tied model must be the embedding: a different one is a
+    trained head that loading as tied would silently drop."""
+    head = read_tensor(file, TIED_ALIAS)
+    if head.shape != embedding.shape or not np.array_equal(head, embedding, equal_nan=True):
+        raise CheckpointFormatError(
+            f"{file}: {TIED_ALIAS!r} differs from {embedding_name!r} but config.json says "
+            "tie_word_embeddings: true (loading it tied would drop this head); set "
+            "tie_word_embeddings to false to keep it, or remove the tensor")
 
 
 def load_hf(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
