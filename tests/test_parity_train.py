@@ -61,6 +61,23 @@ def test_perturbed_torch_side_fails_on_replayed_file(tiny_hf, tmp_path, capsys):
     assert last["worst_param"] == "model.embed_tokens.weight"
 
 
+def test_an_update_without_gradient_compares_nothing_and_says_so(tiny_hf, tmp_path, capsys):
+    """Every row masked: both gradients are 0, so the update compares only weight decay; it
+    failed with grad_norm_ratio null and "untrained_updates": 0, no reason given."""
+    from jscenegen.cli import main
+
+    path = tmp_path / "t.jsonl"
+    write_trajectories(path, synthetic_trajectories(1003, groups=1, group_size=2))
+    rows = [{**json.loads(x), "masked": True} for x in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = main(["parity", "train", "--model", str(tiny_hf["qwen2"]), "--updates", "1",
+               "--trajectories", str(path)])
+    (last,) = _lines(capsys.readouterr().out)
+    assert rc == 1 and last["ok"] is False
+    assert last["trained_tokens"] > 0 and last["grad_norm_ratio"] is None
+    assert last["untrained_updates"] == 1
+
+
 def test_synthetic_trajectories_give_every_role_tokens_and_a_reward_spread():
     trajs = synthetic_trajectories(1003, groups=2, group_size=4)
     for t in trajs:

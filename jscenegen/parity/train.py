@@ -22,7 +22,9 @@ Prints one JSON line per update (update, role, loss_diff, grad_norm_ratio, max_p
 max |p_jax - p_torch| / max(1, |p_torch|) over all parameters; loss_diff likewise relative
 once |loss| > 1, `grpo_step.loss_gap`); exit 1 when after the last
 update max_param_diff > PARAM_TOL, loss_diff > LOSS_TOL or |grad_norm_ratio - 1| >
-GRAD_NORM_TOL (fp32), or when an update had no trained tokens (cut episodes too short).
+GRAD_NORM_TOL (fp32), or when an update compared nothing (`untrained_updates`): no trained
+tokens (cut episodes too short) or a zero gradient (every trained row masked or of zero
+advantage, e.g. equal rewards).
 """
 from __future__ import annotations
 
@@ -247,7 +249,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     length = max(t.num_tokens for t in trajectories)
     length = -(-length // col_multiple) * col_multiple
     rng = np.random.default_rng(seed)
-    untrained = 0  # updates whose role had no tokens (they compare nothing but weight decay)
+    untrained = 0  # updates without tokens or gradient (they compare nothing but weight decay)
     for k in range(updates):
         role = role_from_letter(roles[k % len(roles)])
         group = groups[k % len(groups)]
@@ -297,7 +299,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             "max_param_diff": rel[worst], "worst_param": worst,
             "clipfrac": float(metrics["clipfrac"]),
         }
-        untrained += int(not on.any())
+        untrained += int(not on.any() or not t_metrics["grad_norm"])
         if k == updates - 1:
             result["untrained_updates"] = untrained
             result["trained_tensors"] = len(names)
