@@ -96,6 +96,11 @@ def test_config_reads_both_rope_spellings(hf_dirs):
         QwenConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "linear", "factor": 0.0}))
     with pytest.raises(ModelConfigError, match="use_sliding_window"):
         QwenConfig.from_hf_dict(dict(d, sliding_window=4096, use_sliding_window=True))
+    # transformers follows layer_types even with use_sliding_window false (and then fails)
+    n = d["num_hidden_layers"]
+    assert QwenConfig.from_hf_dict(dict(d, layer_types=["full_attention"] * n))
+    with pytest.raises(ModelConfigError, match=r"layer_types holds \['sliding_attention'\]; only"):
+        QwenConfig.from_hf_dict(dict(d, layer_types=["sliding_attention"] * n, use_sliding_window=False))
 
 
 def test_padded_rows_match_unpadded(qwen3_model, qwen3_call):

@@ -282,6 +282,13 @@ class QwenConfig:
                 f"{source}: use_sliding_window=true (sliding_window={d['sliding_window']}) "
                 "is not supported; only full attention"
             )
+        types = d.get("layer_types")
+        if types is not None and (not isinstance(types, list)
+                                  or any(t != "full_attention" for t in types)):
+            other = types if not isinstance(types, list) else sorted(
+                {str(t) for t in types if t != "full_attention"})
+            raise ModelConfigError(f"{source}: layer_types holds {str(other)[:200]}; only "
+                                   "'full_attention' layers are supported")
         act = _activation(d, source)
         _require_sizes(d, source)
         heads = d["num_attention_heads"]

@@ -73,7 +73,7 @@ def raw_header(file: str | Path) -> tuple[int, dict]:
     """(byte offset of the data section, header dict without `__metadata__`) of one file,
     parsed once per file version (the cache key holds its size and modification time). Every
     entry is {dtype: str, shape: [int >= 0], data_offsets: [begin, end]} with 0 <= begin <=
-    end, `__metadata__` maps strings to strings, no key twice. Raises CheckpointFormatError
+    end, no two spans overlap, `__metadata__` maps strings to strings, no key twice. Raises CheckpointFormatError
     naming the file (and the tensor) when the header cannot be read or breaks those rules."""
     try:
         st = os.stat(file)
@@ -95,9 +95,21 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
         _check_metadata(header.pop("__metadata__", None))
         for name, entry in header.items():
             _check_entry(name, entry)
+        _check_disjoint(header)
         return 8 + n, header
     except (OSError, ValueError, struct.error, RecursionError) as err:
         raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
+
+
+def _check_disjoint(header: dict) -> None:
+    """No two tensors share bytes (the safetensors library refuses such a file; read here,
+    one tensor would silently hold another's values)."""
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in header.items()
+                   if e["data_offsets"][1] > e["data_offsets"][0])
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {first[:200]!r} and {second[:200]!r} share bytes "
+                             f"(data_offsets overlap at {begin})")
 
 
 def _check_metadata(metadata: object) -> None:
