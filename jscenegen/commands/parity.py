@@ -5,11 +5,9 @@ jscenegen/parity/ compute and judge; this module parses and prints).
 """
 from __future__ import annotations
 
-import json
-import math
-
 from jscenegen.commands import finite_float_arg, int_in, seed_arg
 from jscenegen.parity import ROW_TOKENS_MAX
+from jscenegen.paths import json_line
 
 COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
 TOKENS = int_in(1, ROW_TOKENS_MAX)
@@ -23,20 +21,6 @@ def _check_tokens(rows: int, seq: int, flags: str) -> None:
     if rows * seq > TOKENS_MAX:
         raise ValueError(f"{flags}: {rows:,} x {seq:,} = {rows * seq:,} tokens; a parity batch "
                          f"holds at most {TOKENS_MAX:,}")
-
-
-def _json_line(result) -> str:
-    """`result` as one line of valid JSON: a NaN or infinite number (non-finite logits or
-    losses) is written as null, which JSON can hold, where `json.dumps` would write `NaN`."""
-    def finite(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [finite(v) for v in x]
-        return x
-    return json.dumps(finite(result))
 
 
 def _check_temperature(value: float) -> None:
@@ -123,7 +107,7 @@ def run_logits(args) -> int:
     _check_tokens(args.batch, args.seq, "--batch x --seq")
     result = logits_parity(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
                            seed=args.seed)
-    print(_json_line(result))
+    print(json_line(result))
     return 0 if result["ok"] else 1
 
 
@@ -142,7 +126,7 @@ def run_grpo_step(args) -> int:
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
                               seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
                               torch_perturbation=args.perturb_torch, train_vision=args.train_vision)
-    print(_json_line(result))
+    print(json_line(result))
     return 0 if result["ok"] else 1
 
 
@@ -185,6 +169,6 @@ def run_train(args) -> int:
                                temperature=args.temperature, seed=args.seed,
                                torch_perturbation=args.perturb_torch,
                                train_vision=args.train_vision):
-        print(_json_line(result), flush=True)
+        print(json_line(result), flush=True)
         ok = result.get("ok", False)
     return 0 if ok else 1
