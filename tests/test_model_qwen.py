@@ -96,6 +96,9 @@ def test_config_reads_both_rope_spellings(hf_dirs):
         QwenConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "linear", "factor": 0.0}))
     with pytest.raises(ModelConfigError, match="use_sliding_window"):
         QwenConfig.from_hf_dict(dict(d, sliding_window=4096, use_sliding_window=True))
+    assert d["model_type"] == "qwen3"   # biases the weight table has no place for: refused
+    with pytest.raises(ModelConfigError, match=r"attention_bias=true is not supported for qwen3"):
+        QwenConfig.from_hf_dict(dict(d, attention_bias=True))
     # transformers follows layer_types even with use_sliding_window false (and then fails)
     n = d["num_hidden_layers"]
     assert QwenConfig.from_hf_dict(dict(d, layer_types=["full_attention"] * n))

@@ -282,6 +282,9 @@ class QwenConfig:
                 f"{source}: use_sliding_window=true (sliding_window={d['sliding_window']}) "
                 "is not supported; only full attention"
             )
+        if model_type == "qwen3" and d.get("attention_bias", False):
+            raise ModelConfigError(f"{source}: attention_bias=true is not supported for qwen3 "
+                                   "(no released Qwen3 has attention biases)")
         types = d.get("layer_types")
         if types is not None and (not isinstance(types, list)
                                   or any(t != "full_attention" for t in types)):
