@@ -47,10 +47,15 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_bytes())["weight_map"]
-            files = dict(weight_map.items())
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+            doc = json.loads(index.read_bytes())
+        except (ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"{index}: malformed index ({clip_text(str(err))})") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointFormatError(
+                f"{index}: malformed index: it needs a 'weight_map' object (tensor name -> "
+                f"shard file), got {clip_text(repr(weight_map))}")
+        files = dict(weight_map)
         for name, fname in files.items():
             if not isinstance(fname, str):
                 raise CheckpointFormatError(
