@@ -234,10 +234,11 @@ def clip_text(text: str, limit: int = 200) -> str:
 
 def terminal_text(text: str) -> str:
     """`text` safe to print: control characters (Unicode category Cc) other than newline and
-    tab written as escapes (`\\x1b`), so an escape sequence in a prompt, a sampled token or a
-    refused input cannot drive the terminal; files keep the text itself."""
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
-                   for c in text)
+    tab, and lone surrogates (argv bytes that are not UTF-8), written as escapes (`\\x1b`,
+    `\\udcff`), so an escape sequence in a prompt, a sampled token or a refused input cannot
+    drive the terminal and any stream can encode the line; files keep the text itself."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cs") and c not in "\n\t"
+                   else c for c in text)
 
 
 def override_key(item: str) -> str:

@@ -322,11 +322,17 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     """Refuse, before any work, a directory `path` that cannot be written: an existing file, or
     (the directory itself when it exists, else its nearest existing ancestor) a place that is
     not a directory or not writable (tried with an empty temporary directory, removed at once,
-    so root on a read-only or pseudo filesystem such as /proc is caught too), or a name too
-    long to leave room for `atomic_dir`'s temporary beside it. Raises `error`
+    so root on a read-only or pseudo filesystem such as /proc is caught too), a name too
+    long to leave room for `atomic_dir`'s temporary beside it, or a path that is not UTF-8. Raises `error`
     naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError as err:   # argv bytes that are not UTF-8 (surrogate-escaped)
+        raise error(f"{name}: the path is not UTF-8 "
+                    f"text (byte {err.object[err.start].encode('utf-8', 'surrogateescape')!r} "
+                    f"at {err.start}); give a UTF-8 name") from None
     if p.exists() and not p.is_dir():
         raise error(f"{name}: exists and is not a directory")
     try:

@@ -208,16 +208,21 @@ def test_init_model_refuses_a_bad_vocab_size_before_any_work(tmp_path, capsys, s
 
 
 def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, capsys):
+    from jscenegen.config import terminal_text
+
     (tmp_path / "afile").write_text("x")
     for dest, expected in ((tmp_path / "afile" / "sub", f"{tmp_path / 'afile'} is not a directory"),
                            (tmp_path / "afile", "exists and is not a directory"),
                            (Path("/proc/nope"), "cannot create a directory in /proc"),
                            # fine alone, too long for the hidden `.NAME.partial-XXXXXXXX` beside
                            # it: that failed after the corpus work, naming the temporary
-                           (tmp_path / ("a" * 240), "the name is 240 bytes, at most 237 here")):
+                           (tmp_path / ("a" * 240), "the name is 240 bytes, at most 237 here"),
+                           # argv bytes that are not UTF-8 arrive surrogate-escaped
+                           (tmp_path / "bad\udcffname", r"the path is not UTF-8 text (byte b'\xff' at")):
         assert main(["init-model", str(dest)]) == 2
         err = one_error_line(capsys)
-        assert err.startswith(f"error: {dest}: ") and expected in err and "partial" not in err
+        assert err.startswith(f"error: {terminal_text(str(dest))}: ") and expected in err
+        assert "partial" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
