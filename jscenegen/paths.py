@@ -315,7 +315,13 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-TEMPORARY_NAME_EXTRA = len("..partial-") + 8   # atomic_dir's `.NAME.partial-XXXXXXXX`
+def _partial_prefix(name: str) -> str:
+    """The name start of `atomic_dir`'s temporary for destination `name`; mkdtemp adds 8
+    random characters."""
+    return f".{name}.partial-"
+
+
+TEMPORARY_NAME_EXTRA = len(_partial_prefix("")) + 8   # bytes a temporary's name adds to NAME
 
 
 def check_output_dir(path: str | Path, error: type[Exception] = ValueError, label: str = "") -> None:
@@ -323,8 +329,8 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     (the directory itself when it exists, else its nearest existing ancestor) a place that is
     not a directory or not writable (tried with an empty temporary directory, removed at once,
     so root on a read-only or pseudo filesystem such as /proc is caught too), a name too
-    long to leave room for `atomic_dir`'s temporary beside it, or a path that is not UTF-8. Raises `error`
-    naming `path` (after `label`, e.g. the option that gave it)."""
+    long to leave room for `atomic_dir`'s temporary beside it, or a path that is not UTF-8.
+    Raises `error` naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
     try:
@@ -376,7 +382,7 @@ def _warn_of_leftovers(path: Path) -> None:
     cut skip the cleanup); they are not removed: one may belong to a writer still running."""
     with contextlib.suppress(OSError):
         left = sorted(p.name for p in path.parent.iterdir()
-                      if p.name.startswith((f".{path.name}.partial-", f".{path.name}.old-")))
+                      if p.name.startswith((_partial_prefix(path.name), f".{path.name}.old-")))
         if left:
             logging.getLogger(__name__).warning(
                 "%s holds %s, left by an earlier write of %s that was killed (or one still "
@@ -424,7 +430,7 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
     created = [a for a in reversed(path.absolute().parents) if not a.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     _warn_of_leftovers(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(path.name), dir=path.parent))
     done = False
     try:
         yield tmp

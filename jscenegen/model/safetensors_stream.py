@@ -78,8 +78,9 @@ def raw_header(file: str | Path) -> tuple[int, dict]:
     """(byte offset of the data section, header dict without `__metadata__`) of one file,
     parsed once per file version (the cache key holds its size and modification time). Every
     entry is {dtype: str, shape: [int >= 0], data_offsets: [begin, end]} with 0 <= begin <=
-    end, no two spans overlap, `__metadata__` maps strings to strings, no key twice. Raises CheckpointFormatError
-    naming the file (and the tensor) when the header cannot be read or breaks those rules."""
+    end, no two spans overlap, `__metadata__` maps strings to strings, no key twice. Raises
+    CheckpointFormatError naming the file (and the tensor) when the header cannot be read or
+    breaks those rules."""
     try:
         st = os.stat(file)
     except OSError as err:
