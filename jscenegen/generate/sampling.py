@@ -92,16 +92,16 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
     Returns (tokens [B] int32, logprobs [B] float32 = log_softmax(logits / T)[token]).
     """
     z = logits.astype(jnp.float32) / params.temperature
+    # the normaliser reads only z, so XLA computes it beside the top-k and the draw
+    top = jnp.max(z, axis=-1, keepdims=True)
+    log_norm = jnp.log(jnp.sum(jnp.exp(z - top), axis=-1, keepdims=True))
     if params.greedy:
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        top = jnp.take_along_axis(z, tok[:, None], axis=-1)          # the row's max, exactly
     else:
         if 0 < params.top_k < z.shape[-1]:
             cand, idx = jax.lax.top_k(z, params.top_k)                  # [B, k]
-            top = jnp.max(cand, axis=-1, keepdims=True)                 # the row's max, exactly
         else:
             cand, idx = z, None
-            top = jnp.max(z, axis=-1, keepdims=True)
         cand = _nucleus(cand, params.top_p)
 
         def one(key_data, pos, row):
@@ -111,10 +111,8 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
         choice = jax.vmap(one)(keys, positions, cand)
         tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
         tok = tok.astype(jnp.int32)
-    # log_softmax(z)[tok] as jax.nn.log_softmax computes it (shift by the max, which the draw
-    # already found), without a second pass for the max over the vocabulary
-    shifted = jnp.take_along_axis(z, tok[:, None], axis=-1) - top
-    logp = (shifted - jnp.log(jnp.sum(jnp.exp(z - top), axis=-1, keepdims=True)))[:, 0]
+    # log_softmax(z)[tok] as jax.nn.log_softmax computes it (shifted by the row's max)
+    logp = (jnp.take_along_axis(z, tok[:, None], axis=-1) - top - log_norm)[:, 0]
     return tok, logp
 
 
