@@ -76,9 +76,24 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         args, unknown = parse(argv[1:])
         if unknown:
             args.usage_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _refuse_empty_values(args.usage_parser, args)
         args.command = argv[0]
         return args
     return parser.parse_args(argv)
+
+
+def _refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error for an argument given as "" (or only spaces, as `--model "$UNSET"` gives):
+    every text argument names a path, a model, a scene set or a value to parse, and an empty
+    path reads as the current directory."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if any(isinstance(v, str) and not v.strip()
+               for v in (value if isinstance(value, list) else [value])):
+            if action.option_strings:
+                parser.error(f"argument {'/'.join(action.option_strings)}: an empty value "
+                             "(leave the option out for its default)")
+            parser.error(f"argument {action.dest}: an empty value")
 
 
 def is_user_error(err: BaseException) -> bool:

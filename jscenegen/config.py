@@ -256,6 +256,8 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
         else:
             got = e.get("input")   # a section-level check's input is the whole section: not echoed
             shown = "" if isinstance(got, dict) else f" (got {clip_text(repr(got))})"
+            if got is None and where.startswith("override ") and where.rstrip().endswith("="):
+                shown = " (got no value: `key=` reads as null)"
             lines.append(f"{where}: {key}: {e['msg']}{shown}")
     return "\n".join(lines)
 

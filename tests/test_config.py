@@ -51,6 +51,10 @@ def test_errors_blame_the_override_that_set_the_value(tmp_path):
         load_config(None, ["judge.backend=http", "judge.timeout_s=5"], RunConfig)
     assert str(info.value).startswith("overrides judge.backend=http, judge.timeout_s=5: judge: ")
     assert "(got" not in str(info.value)
+    # `key=` is YAML null: "(got None)" did not say where the None came from
+    with pytest.raises(ConfigError, match=r"^override schedule.roles=: schedule.roles: Input should "
+                                          r"be a valid string \(got no value: `key=` reads as null\)$"):
+        load_config(None, ["schedule.roles="], RunConfig)
 
 
 def test_a_boolean_is_not_a_number(tmp_path):

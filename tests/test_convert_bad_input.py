@@ -240,7 +240,9 @@ def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(tiny_hf,
     ("[" * 100_000 + "]" * 100_000, r"malformed index \(maximum recursion depth exceeded"),
     (b'{"weight_map": "\xe9"}', r"malformed index \('utf-8' codec can't decode"),
     ({"metadata": {}}, r"malformed index: it needs a 'weight_map' object \(tensor name -> shard file\), got None"),
-    ({"weight_map": ["model.safetensors"]}, r"malformed index: it needs a 'weight_map' object .*got \['model\.safetensors'\]")])
+    ({"weight_map": ["model.safetensors"]}, r"malformed index: it needs a 'weight_map' object .*got \['model\.safetensors'\]"),
+    ('{"weight_map": {"model.norm.weight": "a.safetensors", "model.norm.weight": "model.safetensors"}}',
+     r"malformed index \(the key 'model\.norm\.weight' appears twice in one object\)")])
 def test_a_malformed_index_is_named(tiny_hf, tmp_path, index, why):
     """A number where a shard's file name belongs was read as the file "5"; a deeply nested or
     non-UTF-8 index ended in a traceback."""

@@ -269,6 +269,11 @@ def test_config_file_that_is_not_a_json_object_is_named(tmp_path):
         (tmp_path / "config.json").write_text(bad)
         with pytest.raises(ModelConfigError, match=rf"^{tmp_path}/config\.json: not valid JSON"):
             read_config_file(tmp_path / "config.json")
+    # a repeated key was last-wins (transformers' reader too), so which value ran was a guess
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 64, "hidden_size": 128}')
+    with pytest.raises(ModelConfigError, match=r"config\.json: not valid JSON: the key 'hidden_size' "
+                                               r"appears twice in one object"):
+        QwenConfig.from_dir(tmp_path)
 
 
 def test_a_stored_head_of_a_tied_config_must_be_the_embedding(tiny_hf, tmp_path):

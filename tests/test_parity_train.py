@@ -163,3 +163,17 @@ def test_qwen35_five_dddpc_updates_match_torch(qwen35_hf, tmp_path, capsys, kind
         assert r["trained_tokens"] > 0 and r["loss_diff"] <= 1e-6, r
         assert abs(r["grad_norm_ratio"] - 1) <= 1e-4 and r["max_param_diff"] <= PARAM_TOL, r
     assert lines[-1]["ok"] is True and lines[-1]["frozen_unchanged"] is True
+
+
+def test_a_byte_order_mark_before_the_first_trajectory_is_ignored(tmp_path):
+    """Editors on Windows save UTF-8 with a BOM; the first line read as "Invalid JSON"."""
+    path = tmp_path / "t.jsonl"
+    made = synthetic_trajectories(1003, groups=1, group_size=2)
+    write_trajectories(path, made)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    again = read_trajectories(path, vocab=1003)
+    assert [t.tokens.tolist() for t in again] == [t.tokens.tolist() for t in made]
+    lines = path.read_bytes().split(b"\n")   # elsewhere a BOM is still not JSON
+    path.write_bytes(b"\n".join([lines[0], b"\xef\xbb\xbf" + lines[1]] + lines[2:]))
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: Invalid JSON"):
+        read_trajectories(path, vocab=1003)

@@ -52,6 +52,8 @@ def test_a_file_over_the_size_bound_is_refused_before_reading(tmp_path):
         load_scene(path)
     path.write_text(json.dumps({"room": room(), "objects": []}))
     assert load_scene(path).room.doors[0].offset == 2.0
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())   # a UTF-8 byte-order mark is not JSON
+    assert load_scene(path).room.doors[0].offset == 2.0
     with pytest.raises(SceneError, match="at most 10 bytes"):
         read_json_file(path, max_bytes=10)
 

@@ -43,6 +43,9 @@ def test_write_is_atomic_and_round_trips(tmp_path):
     write_scene_set(tmp_path / "s.jsonl", recs)
     assert [r.to_json() for r in read_scene_set(tmp_path / "s.jsonl")] == [r.to_json() for r in recs]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"]
+    bom = tmp_path / "bom.jsonl"   # a UTF-8 byte-order mark (Windows editors) is not JSON
+    bom.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "s.jsonl").read_bytes())
+    assert [r.to_json() for r in read_scene_set(bom)] == [r.to_json() for r in recs]
     (tmp_path / "bad.jsonl").write_text('{"scene": {"room": {}}, "seed": 1}\n')
     with pytest.raises(SceneError, match=r"bad.jsonl:1: scene: room.floor_polygon"):
         read_scene_set(tmp_path / "bad.jsonl")

@@ -142,8 +142,6 @@ def run_train(args) -> int:
     )
     from jscenegen.paths import check_output_file, refuse_overwriting_input
 
-    if not args.roles:
-        raise ValueError("--roles: an empty role schedule; give letters P, D, C (e.g. DDDPC)")
     for letter in args.roles:
         try:
             role_from_letter(letter)

@@ -29,8 +29,6 @@ def run(args) -> int:
     refuse_multi_host("sft", cfg.mesh)
     from jscenegen.sft.run import run_sft
 
-    if args.out is not None and not args.out.strip():
-        raise ValueError("--out: an empty path; give a directory (or leave it out: sft.out_dir)")
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path
     # before anything is written (write checks create a probe file beside the output)

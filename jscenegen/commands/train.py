@@ -27,8 +27,6 @@ def run(args) -> int:
     from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
 
-    if args.run_dir is not None and not args.run_dir.strip():
-        raise ValueError("--run-dir: an empty path; give a directory (or leave it out: runs/<time>)")
     if args.resume:
         run_dir = Path(args.resume)
         if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jscenegen.model.dtypes import SAFETENSORS
-from jscenegen.paths import not_a_file
+from jscenegen.paths import not_a_file, unique_keys
 
 DENSE_MODEL_TYPES = ("qwen2", "qwen3")
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -110,10 +110,10 @@ def config_with_dtype(doc: dict[str, Any], dtype: str) -> dict[str, Any]:
 
 def read_config_file(f: str | Path) -> Any:
     """The parsed JSON of config file `f`, for `QwenConfig.from_hf_dict` (which refuses
-    anything but an object). Raises ModelConfigError naming `f` when it is not valid JSON
-    (OSError, which names the file, when it cannot be read)."""
+    anything but an object). Raises ModelConfigError naming `f` when it is not valid JSON or
+    repeats a key within one object (OSError, which names the file, when it cannot be read)."""
     try:
-        return json.loads(Path(f).read_bytes())
+        return json.loads(Path(f).read_bytes(), object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
 

@@ -47,7 +47,7 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            doc = json.loads(index.read_bytes())
+            doc = json.loads(index.read_bytes(), object_pairs_hook=unique_keys)
         except (ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"{index}: malformed index ({clip_text(str(err))})") from None
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

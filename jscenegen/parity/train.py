@@ -155,7 +155,7 @@ def read_trajectories(path: str | Path, vocab: int | None = None) -> list[Trajec
         for n, raw in enumerate(f, start=1):
             where = f"{path}:{n}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")   # a leading byte-order mark is not JSON
             except UnicodeDecodeError as err:
                 raise ValueError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start})") from None
             if not line.strip():

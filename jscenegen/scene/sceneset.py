@@ -89,7 +89,7 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     if why := not_a_file(p):
         raise SceneError(f"scene set {p}: {why}")
     try:
-        text = p.read_bytes().decode("utf-8")
+        text = p.read_bytes().decode("utf-8-sig")   # a leading byte-order mark is not JSON (RFC 8259 8.1)
     except UnicodeDecodeError as err:
         raise SceneError(f"{p}: not UTF-8 text: {err}") from None
     out, lines = [], {}

@@ -332,7 +332,7 @@ def read_json_file(path: str | Path, label: str | None = None, max_bytes: int = 
     if len(raw) > max_bytes:  # grew while we read it, or not a regular file
         raise SceneError(f"{label}: more than {max_bytes} bytes; a scene or report file may hold at most that")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")   # a leading byte-order mark is not JSON (RFC 8259 8.1)
     except UnicodeDecodeError as err:
         raise SceneError(f"{label}: not UTF-8 text: {err}") from None
     return parse_json(text, label)
