@@ -15,6 +15,8 @@ libraries') print as `warning: ...` lines on stderr, like the error line.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import errno
 import importlib
 import logging
@@ -184,7 +186,27 @@ def install_log_handler() -> None:
         logging.root.addHandler(StderrLogHandler())
 
 
+def _default_interrupt_at_exit() -> None:
+    """Ctrl-C while the interpreter shuts down (JAX's atexit clean-up) ends the process as the
+    signal's default action does, after flushing what the command printed, instead of raising
+    KeyboardInterrupt inside a clean-up callback (a traceback after the command's last line)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    finally:
+        # atexit runs the last-registered callback first: registered after the command, when
+        # JAX (imported by the command) has registered its clean-up
+        atexit.unregister(_default_interrupt_at_exit)
+        atexit.register(_default_interrupt_at_exit)
+
+
+def _run(argv: list[str] | None) -> int:
     force_cpu_devices()
     install_log_handler()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" advice

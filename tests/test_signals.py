@@ -3,6 +3,7 @@ callback (a finaliser, JAX's gc callback) is delivered again instead of being lo
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,26 @@ def test_a_second_sigterm_ends_at_once_but_a_repeat_does_not(pause, alive):
         assert proc.returncode == 0 and proc.stdout.splitlines() == ["unwinding", "cleaned up"]
     else:
         assert proc.returncode == -signal.SIGTERM and "cleaned up" not in proc.stdout
+
+
+_CTRL_C_AT_EXIT = """
+import atexit, os, signal, sys
+atexit.register(os.kill, os.getpid(), signal.SIGINT)   # runs after every later-registered one
+from jscenegen.cli import main
+assert "jax" not in sys.modules   # the command imports JAX, which registers its clean-up then
+sys.exit(main(["mesh-report", "--model", sys.argv[1]]))
+"""
+
+
+def test_ctrl_c_while_the_interpreter_exits_prints_no_traceback_and_loses_no_output():
+    """A Ctrl-C during JAX's atexit clean-up printed "Exception ignored in atexit callback"
+    and a KeyboardInterrupt traceback after the command had finished."""
+    import subprocess
+    import sys
+
+    shapes = Path(__file__).parent.parent / "configs/model-shapes/qwen2.5-7b.json"
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AT_EXIT, str(shapes)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGINT
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert "model.embed_tokens.weight" in proc.stdout   # the report, printed into a pipe, was flushed
