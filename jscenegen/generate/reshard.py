@@ -16,6 +16,7 @@ the previous rollout weights are dropped by the caller before it reshards.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jscenegen.model.functional import shared
 from jscenegen.model.weights import param_name
 from jscenegen.sharding.rollout import RolloutLayout
 from jscenegen.sharding.rules import named, rollout_kind, rollout_param_spec
@@ -44,6 +46,29 @@ def device_bytes(arrays) -> int:
         else:
             total += np.asarray(a).nbytes
     return int(total)
+
+
+def _reshard_arrays(plan: tuple, unpad: bool, dtype: np.dtype, arrays: list) -> list:
+    out = []
+    for a, (rows, transposed) in zip(arrays, plan):
+        if unpad and a.shape[0] != rows:
+            a = a[:rows]
+        a = a.astype(dtype)
+        out.append(a.T if transposed else a)
+    return out
+
+
+def _compiled(fn, inputs: list) -> tuple:
+    """(fn, XLA's memory figures of fn on `inputs`: argument/output/temp bytes, or None)."""
+    try:
+        m = fn.lower(inputs).compile().memory_analysis()
+    except Exception:  # memory analysis is best effort; the reshard itself still runs
+        return fn, None
+    if m is None:
+        return fn, None
+    return fn, {"argument_bytes": int(m.argument_size_in_bytes),
+                "output_bytes": int(m.output_size_in_bytes),
+                "temp_bytes": int(m.temp_size_in_bytes)}
 
 
 class Reshard:
@@ -89,29 +114,15 @@ class Reshard:
                 shardings.append(named(layout.mesh, rollout_param_spec(name, logical, layout.tp,
                                                                        transposed)))
         self.identity = layout.name == "fsdp" and all(a.dtype == self.dtype for a in self._inputs)
-        self._fn = None if self.identity else jax.jit(
-            self._impl, out_shardings=None if layout.mesh is None else shardings)
-        self.memory = None if self.identity else self._memory()
-
-    def _impl(self, arrays: list) -> list:
-        out = []
-        for a, (rows, transposed) in zip(arrays, self._plan):
-            if self.layout.name != "fsdp" and a.shape[0] != rows:
-                a = a[:rows]
-            a = a.astype(self.dtype)
-            out.append(a.T if transposed else a)
-        return out
-
-    def _memory(self) -> dict | None:
-        try:
-            m = self._fn.lower(self._inputs).compile().memory_analysis()
-        except Exception:  # memory analysis is best effort; the reshard itself still runs
-            return None
-        if m is None:
-            return None
-        return {"argument_bytes": int(m.argument_size_in_bytes),
-                "output_bytes": int(m.output_size_in_bytes),
-                "temp_bytes": int(m.temp_size_in_bytes)}
+        self._fn, self.memory = None, None
+        if not self.identity:
+            # reshards of one structure, layout and dtype (every trainer's sampler) share it
+            plan, unpad = tuple(self._plan), layout.name != "fsdp"
+            out_shardings = None if layout.mesh is None else tuple(shardings)
+            key = ("reshard", plan, unpad, self.dtype.str, out_shardings, tuple(self._inputs))
+            self._fn, self.memory = shared(key, lambda: _compiled(
+                jax.jit(functools.partial(_reshard_arrays, plan, unpad, self.dtype),
+                        out_shardings=out_shardings and list(out_shardings)), self._inputs))
 
     def __call__(self, state: nnx.State) -> tuple[nnx.State, dict]:
         flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
