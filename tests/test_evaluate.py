@@ -408,7 +408,15 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                 "scenes[0].model.episodes hold seed 1 more than once"),
                (lambda r: r["scenes"][0]["model"]["episodes"][1].update(seed=2**70),
                 "scenes[0].model.episodes[1].seed must be an integer in 0..4294967295, got "
-                "1180591620717411303424")]
+                "1180591620717411303424"),
+               # an integer beyond any float: an OverflowError traceback
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=10**400),
+                "scenes[0].model.episodes[0].reward must be a finite number, got 1000"),
+               (lambda r: r["overall"]["model"].update(units=-10**400),
+                "overall.model.units must be a finite number or null, got -1000"),
+               # `true` compared as the seed 1 ("differs in its seed")
+               (lambda r: r["scenes"][0].update(seed=True), "scenes[0].seed must be an integer in "
+                                                            "0..4294967295, got True")]
     for damage, why in damaged:
         rep = json.loads(json.dumps(good))
         damage(rep)

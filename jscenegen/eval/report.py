@@ -17,8 +17,19 @@ _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding read
 
 
 def _number(x) -> bool:
-    """A finite JSON number (Python's json reads NaN and Infinity; a report never holds them)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite JSON number (Python's json reads NaN and Infinity, and integers beyond any
+    float; a report never holds them)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _seed(x) -> bool:
+    """A 32-bit seed: an integer (JSON `true` is not one) in 0..SEED_MAX."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= SEED_MAX
 
 
 def check_report(report, source: str) -> None:
@@ -35,7 +46,8 @@ def check_report(report, source: str) -> None:
             raise ValueError(f"{source}: {where} must be an object, got {type(m).__name__}")
         for key in _STATS:
             if key not in m or not (m[key] is None or _number(m[key])):
-                raise ValueError(f"{source}: {where}.{key} must be a finite number or null, got {m.get(key)!r}")
+                raise ValueError(f"{source}: {where}.{key} must be a finite number or null, "
+                                 f"got {clip_text(repr(m.get(key)))}")
         if not episodes:
             return
         eps = m.get("episodes")
@@ -45,12 +57,12 @@ def check_report(report, source: str) -> None:
             at = f"{where}.episodes[{j}]"
             if not isinstance(ep, dict):
                 raise ValueError(f"{source}: {at} must be an object, got {type(ep).__name__}")
-            seed = ep.get("seed")
-            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+            if not _seed(ep.get("seed")):
                 raise ValueError(f"{source}: {at}.seed must be an integer in 0..{SEED_MAX}, "
-                                 f"got {clip_text(repr(seed))}")
+                                 f"got {clip_text(repr(ep.get('seed')))}")
             if not _number(ep.get("reward")):
-                raise ValueError(f"{source}: {at}.reward must be a finite number, got {ep.get('reward')!r}")
+                raise ValueError(f"{source}: {at}.reward must be a finite number, "
+                                 f"got {clip_text(repr(ep.get('reward')))}")
             if not isinstance(ep.get("masked"), bool):
                 raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
             if "failure_cause" not in ep:
@@ -89,6 +101,9 @@ def check_report(report, source: str) -> None:
             raise ValueError(f"{source}: scenes[{i}] must be an object, got {type(row).__name__} {row!r}")
         if not isinstance(row.get("scene_id"), str):
             raise ValueError(f"{source}: scenes[{i}].scene_id must be a string, got {row.get('scene_id')!r}")
+        if "seed" in row and not _seed(row["seed"]):
+            raise ValueError(f"{source}: scenes[{i}].seed must be an integer in 0..{SEED_MAX}, "
+                             f"got {clip_text(repr(row['seed']))}")
         if (first := seen.setdefault(row["scene_id"], i)) != i:
             raise ValueError(f"{source}: scenes[{i}].scene_id {clip_text(repr(row['scene_id']))} "
                              f"is also scenes[{first}]'s (each scene once)")
