@@ -131,11 +131,12 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     existing ancestor is not a directory, no file can be created there (tried with an empty
     temporary file, removed at once, so root on a read-only or pseudo filesystem such as /proc
     is caught too), or its name does not end in `suffix` (case ignored; for a writer whose
-    format does not follow the name: a PNG named `.jpg` would be PNG bytes). Missing parents
-    are created by the writers."""
+    format does not follow the name: a PNG named `.jpg` would be PNG bytes), or the path is not
+    UTF-8. Missing parents are created by the writers."""
     p = Path(path)
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
+    _refuse_non_utf8(path, f"{label} {path}")
     if suffix and p.suffix.lower() != suffix:
         raise ValueError(f"{label} {path}: the file is written as {suffix[1:].upper()}; give a "
                          f"name ending in {suffix}")
@@ -324,6 +325,17 @@ def _partial_prefix(name: str) -> str:
 TEMPORARY_NAME_EXTRA = len(_partial_prefix("")) + 8   # bytes a temporary's name adds to NAME
 
 
+def _refuse_non_utf8(path: str | Path, name: str, error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming `name` when `path` is not UTF-8 text (argv bytes that are not
+    UTF-8 arrive surrogate-escaped): the outputs' names are echoed and recorded as text."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise error(f"{name}: the path is not UTF-8 "
+                    f"text (byte {err.object[err.start].encode('utf-8', 'surrogateescape')!r} "
+                    f"at {err.start}); give a UTF-8 name") from None
+
+
 def check_output_dir(path: str | Path, error: type[Exception] = ValueError, label: str = "") -> None:
     """Refuse, before any work, a directory `path` that cannot be written: an existing file, or
     (the directory itself when it exists, else its nearest existing ancestor) a place that is
@@ -333,12 +345,7 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     Raises `error` naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError as err:   # argv bytes that are not UTF-8 (surrogate-escaped)
-        raise error(f"{name}: the path is not UTF-8 "
-                    f"text (byte {err.object[err.start].encode('utf-8', 'surrogateescape')!r} "
-                    f"at {err.start}); give a UTF-8 name") from None
+    _refuse_non_utf8(path, name, error)
     if p.exists() and not p.is_dir():
         raise error(f"{name}: exists and is not a directory")
     try:

@@ -226,6 +226,22 @@ def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+def test_an_output_file_path_that_is_not_utf8_is_refused_before_any_work(tmp_path, capsys):
+    """`scene render`/`generate` wrote a file named by the surrogate-escaped bytes (the
+    README: refused where given, output paths included); directories already were refused."""
+    from jscenegen.config import terminal_text
+
+    bad = str(tmp_path / "bad\udcff.png")
+    scene = str(ROOT / "data/scenes/dev.jsonl")
+    for argv in (["scene", "render", scene, "-o", bad],
+                 ["scene", "generate", "--split", "dev", "--n", "1", "-o", bad[:-4] + ".jsonl"]):
+        assert main(argv) == 2
+        err = one_error_line(capsys)
+        assert err.startswith(f"error: -o {terminal_text(argv[-1])}: the path is not UTF-8 text "
+                              "(byte b'\\xff' at"), err
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
     """The config file (given or the default), the prompt templates, the catalogue, the scene
     sets and the installed package are inputs too, as the model is: refused before any model is
