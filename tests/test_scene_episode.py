@@ -210,5 +210,5 @@ def test_replaced_prompt_templates_change_the_hash_and_bad_ones_are_named(tmp_pa
     with pytest.raises(PromptError, match=r"system.txt: placeholder \$not_provided"):
         Episode(record(), changed).system_prompt()
     (tmp_path / "critic.txt").unlink()
-    with pytest.raises(PromptError, match="critic.txt: template missing"):
+    with pytest.raises(PromptError, match=rf"^scene.prompts_dir {tmp_path}: critic.txt is missing \(needed: system"):
         load_templates(str(tmp_path))

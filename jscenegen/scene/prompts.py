@@ -61,9 +61,13 @@ def load_templates(prompts_dir: str | None = None) -> PromptTemplates:
             root_dir = resolve_data_path(prompts_dir)
         except FileNotFoundError as err:
             raise PromptError(f"scene.prompts_dir: {err}") from None
+        if not root_dir.is_dir():
+            raise PromptError(f"scene.prompts_dir {prompts_dir}: not a directory (it holds the "
+                              f"templates {', '.join(f'{n}.txt' for n in TEMPLATE_NAMES)})")
         for name in TEMPLATE_NAMES:
             p = root_dir / f"{name}.txt"
             if not p.is_file():
-                raise PromptError(f"{p}: template missing (needed: {', '.join(TEMPLATE_NAMES)})")
+                raise PromptError(f"scene.prompts_dir {prompts_dir}: {p.name} is missing "
+                                  f"(needed: {', '.join(TEMPLATE_NAMES)})")
             texts[name] = p.read_text()
     return PromptTemplates(texts, source)
