@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
@@ -298,6 +299,22 @@ def json_line(obj: Any, **kwargs) -> str:
             return [finite(v) for v in value]
         return value
     return json.dumps(finite(obj), allow_nan=False, **kwargs)
+
+
+def loads_json(data: str | bytes) -> Any:
+    """`json.loads(data)` refusing a key repeated within one object (`unique_keys`). Every way
+    JSON text can be bad is a ValueError whose text says what in words: the parser's syntax
+    message, bytes that are not UTF-8, a repeated key, "nested too deeply" (past the
+    interpreter's recursion limit) or "an integer of more than N digits" (Python's
+    int_max_str_digits, whose own message advises a call only a programmer can make)."""
+    try:
+        return json.loads(data, object_pairs_hook=unique_keys)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as err:
+        if "int_max_str_digits" in str(err):
+            raise ValueError(f"an integer of more than {sys.get_int_max_str_digits():,} digits") from None
+        raise
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict:

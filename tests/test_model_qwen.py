@@ -265,9 +265,11 @@ def test_config_file_that_is_not_a_json_object_is_named(tmp_path):
         QwenConfig.from_dir(tmp_path)
     with pytest.raises(ModelConfigError, match=r"^list: expected a JSON object"):
         QwenConfig.from_hf_dict([1, 2], "list")
-    for bad in ("{bad", "[" * 100_000 + "]" * 100_000):   # the deep one was a RecursionError traceback
+    for bad, why in (("{bad", "Expecting property name"),
+                     ("[" * 100_000 + "]" * 100_000, "nested too deeply$"),   # was a traceback
+                     ('{"hidden_size": ' + "1" * 5000 + "}", "an integer of more than 4,300 digits$")):
         (tmp_path / "config.json").write_text(bad)
-        with pytest.raises(ModelConfigError, match=rf"^{tmp_path}/config\.json: not valid JSON"):
+        with pytest.raises(ModelConfigError, match=rf"^{tmp_path}/config\.json: not valid JSON: {why}"):
             read_config_file(tmp_path / "config.json")
     # a repeated key was last-wins (transformers' reader too), so which value ran was a guess
     (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 64, "hidden_size": 128}')

@@ -59,7 +59,7 @@ def test_a_file_over_the_size_bound_is_refused_before_reading(tmp_path):
 
 
 def test_bad_text_is_one_scene_error(tmp_path):
-    for name, data, why in (("digits.json", b"1" * 5000, "not valid JSON"), ("latin.json", b'{"a": "\xe9"}', "not UTF-8")):
+    for name, data, why in (("digits.json", b"1" * 5000, "not valid JSON: an integer of more than 4,300 digits"), ("latin.json", b'{"a": "\xe9"}', "not UTF-8")):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(SceneError, match=f"{name}: {why}"):
             read_json_file(tmp_path / name)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jscenegen.model.dtypes import SAFETENSORS
-from jscenegen.paths import not_a_file, unique_keys
+from jscenegen.paths import loads_json, not_a_file
 
 DENSE_MODEL_TYPES = ("qwen2", "qwen3")
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -113,8 +113,8 @@ def read_config_file(f: str | Path) -> Any:
     anything but an object). Raises ModelConfigError naming `f` when it is not valid JSON or
     repeats a key within one object (OSError, which names the file, when it cannot be read)."""
     try:
-        return json.loads(Path(f).read_bytes(), object_pairs_hook=unique_keys)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, too deep
+        return loads_json(Path(f).read_bytes())
+    except ValueError as err:
         raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
 
 

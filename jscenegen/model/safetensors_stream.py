@@ -28,7 +28,7 @@ import numpy as np
 from jscenegen.config import clip_text
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
-from jscenegen.paths import naming_write_errors, not_a_file, unique_keys
+from jscenegen.paths import loads_json, naming_write_errors, not_a_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -47,8 +47,8 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            doc = json.loads(index.read_bytes(), object_pairs_hook=unique_keys)
-        except (ValueError, RecursionError) as err:
+            doc = loads_json(index.read_bytes())
+        except ValueError as err:
             raise CheckpointFormatError(f"{index}: malformed index ({clip_text(str(err))})") from None
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict):
@@ -95,7 +95,7 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
                 raise ValueError(f"header of {n} bytes")
-            header = json.loads(f.read(n), object_pairs_hook=unique_keys)
+            header = loads_json(f.read(n))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         _check_metadata(header.pop("__metadata__", None))
@@ -103,7 +103,7 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
             _check_entry(name, entry)
         _check_disjoint(header)
         return 8 + n, header
-    except (OSError, ValueError, struct.error, RecursionError) as err:
+    except (OSError, ValueError, struct.error) as err:
         raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
 
 

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jscenegen.config import JsonDocument
-from jscenegen.paths import not_a_file, unique_keys
+from jscenegen.paths import loads_json, not_a_file
 
 SCHEMA_VERSION = "scenegen.scene/1"
 Mount = Literal["floor", "on", "wall", "ceiling"]
@@ -307,10 +307,8 @@ def parse_json(text: str, label: str):
     parser's recursion limit, integers beyond Python's digit limit, a key repeated within one
     object) as one SceneError naming `label`."""
     try:
-        return json.loads(text, object_pairs_hook=unique_keys)
-    except RecursionError:
-        raise SceneError(f"{label}: not valid JSON: nested too deeply (a scene nests a few levels)") from None
-    except ValueError as err:  # json.JSONDecodeError, and the int digit limit
+        return loads_json(text)
+    except ValueError as err:
         raise SceneError(f"{label}: not valid JSON: {err}") from None
 
 
