@@ -225,3 +225,14 @@ def test_a_reachability_cell_that_is_not_whole_even_millimetres_is_refused_by_th
                                               r"of millimetres"):
             load_run_config(None, [f"scene.metrics.cell_m={bad}"])
     assert load_run_config(None, ["scene.metrics.cell_m=0.04"]).scene.metrics.cell_m == 0.04
+
+
+def test_a_config_with_many_errors_lists_the_first_twenty_and_counts_the_rest(tmp_path):
+    """200,000 unknown keys built a 10 MB message (then cut to 2 KB) after ~30 s of work."""
+    f = tmp_path / "run.yaml"
+    f.write_text("schedule:\n" + "".join(f"  k{i}: {i}\n" for i in range(30)))
+    with pytest.raises(ConfigError) as info:
+        load_config(f, [], RunConfig)
+    lines = str(info.value).splitlines()
+    assert lines[:2] == [f"{f}: unknown key 'schedule.k0'", f"{f}: unknown key 'schedule.k1'"]
+    assert len(lines) == 21 and lines[-1] == "... and 10 more errors"
