@@ -21,7 +21,8 @@ from flax import nnx
 HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 _SHARED: dict[Hashable, Any] = {}
-SHARED_KEPT = 8      # the most recently used builds kept (their executables stay alive)
+SHARED_KEPT = 12     # the most recently used builds kept (their executables stay alive): a
+                     # trainer holds three (train step, sampler, reshard)
 
 
 def shared(key: Hashable | None, build: Callable[[], Any]) -> Any:
