@@ -108,11 +108,8 @@ def rope_cos_sin(cfg: QwenConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     angles = jnp.einsum(
         "bs,d->bsd", positions.astype(jnp.float32), inv, precision=jax.lax.Precision.HIGHEST
     )
-    cos, sin = jnp.cos(angles) * scaling, jnp.sin(angles) * scaling
-    # computed once for every layer: without the barrier XLA fuses them into each layer's RoPE
-    # and evaluates the transcendentals once per layer (a tenth of an XLA:CPU decode step)
-    return jax.lax.optimization_barrier((jnp.concatenate([cos, cos], axis=-1),
-                                         jnp.concatenate([sin, sin], axis=-1)))
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb) * scaling, jnp.sin(emb) * scaling
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
