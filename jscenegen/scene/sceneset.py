@@ -13,7 +13,7 @@ from pathlib import Path
 from jscenegen.config import clip_text, not_unicode
 from jscenegen.paths import atomic_file, not_a_file
 
-from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, parse_json, scene_from_json
+from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, json_text, parse_json, scene_from_json
 
 SET_SCHEMA = "scenegen.sceneset/1"
 
@@ -88,10 +88,7 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     p = Path(path)
     if why := not_a_file(p):
         raise SceneError(f"scene set {p}: {why}")
-    try:
-        text = p.read_bytes().decode("utf-8-sig")   # a leading byte-order mark is not JSON (RFC 8259 8.1)
-    except UnicodeDecodeError as err:
-        raise SceneError(f"{p}: not UTF-8 text: {err}") from None
+    text = json_text(p.read_bytes(), str(p))
     out, lines = [], {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -329,11 +329,17 @@ def read_json_file(path: str | Path, label: str | None = None, max_bytes: int = 
         raise SceneError(f"{label}: {err.strerror or err}") from None
     if len(raw) > max_bytes:  # grew while we read it, or not a regular file
         raise SceneError(f"{label}: more than {max_bytes} bytes; a scene or report file may hold at most that")
+    return parse_json(json_text(raw, label), label)
+
+
+def json_text(raw: bytes, label: str) -> str:
+    """The text of a JSON or JSONL file's bytes, a leading UTF-8 byte-order mark dropped (it is
+    not JSON; RFC 8259 8.1 lets a reader ignore it). Raises SceneError naming `label` for bytes
+    that are not UTF-8."""
     try:
-        text = raw.decode("utf-8-sig")   # a leading byte-order mark is not JSON (RFC 8259 8.1)
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise SceneError(f"{label}: not UTF-8 text: {err}") from None
-    return parse_json(text, label)
 
 
 def load_scene(path: str | Path) -> Scene:
