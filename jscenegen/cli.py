@@ -92,10 +92,8 @@ def _refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespa
         value = getattr(args, action.dest, None)
         if any(isinstance(v, str) and not v.strip()
                for v in (value if isinstance(value, list) else [value])):
-            if action.option_strings:
-                parser.error(f"argument {'/'.join(action.option_strings)}: an empty value "
-                             "(leave the option out for its default)")
-            parser.error(f"argument {action.dest}: an empty value")
+            parser.error(f"argument {'/'.join(action.option_strings) or action.dest}: "
+                         "an empty value")
 
 
 def is_user_error(err: BaseException) -> bool:
@@ -210,13 +208,13 @@ def _run(argv: list[str] | None) -> int:
     force_cpu_devices()
     install_log_handler()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" advice
-    parser = build_parser()
-    args = parse_args(parser, argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
-        with UnwindOnSignals():
+        with UnwindOnSignals():   # parsing imports what option types need (numpy, ml_dtypes)
+            parser = build_parser()
+            args = parse_args(parser, argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                return 2
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C)", file=sys.stderr)

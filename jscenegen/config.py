@@ -8,6 +8,7 @@ base. Unknown keys and bad values raise `ConfigError` naming the dotted key.
 """
 from __future__ import annotations
 
+import json
 import types
 import typing
 import unicodedata
@@ -232,6 +233,26 @@ def clip_text(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
+def validation_message(error: dict) -> str:
+    """One entry of pydantic's `ValidationError.errors()` as the sentence to print: the
+    validator's own text without pydantic's "Value error, " / "Assertion failed, " prefix."""
+    msg = error["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def shown_value(value: Any) -> str:
+    """A refused input as the user wrote it in YAML or JSON (`true`, `null`, `"text"`, `[1, 2]`),
+    cut by `clip_text`; Python's spelling for what JSON cannot write."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):   # bytes, non-finite floats, objects
+        text = repr(value)
+    return clip_text(text)
+
+
 def terminal_text(text: str) -> str:
     """`text` safe to print: control characters (Unicode category Cc) other than newline and
     tab, and lone surrogates (argv bytes that are not UTF-8), written as escapes (`\\x1b`,
@@ -261,10 +282,10 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
             lines.append(f"{where}: unknown key {clip_text(repr(key))}")
         else:
             got = e.get("input")   # a section-level check's input is the whole section: not echoed
-            shown = "" if isinstance(got, dict) else f" (got {clip_text(repr(got))})"
+            shown = "" if isinstance(got, dict) else f" (got {shown_value(got)})"
             if got is None and where.startswith("override ") and where.rstrip().endswith("="):
                 shown = " (got no value: `key=` reads as null)"
-            lines.append(f"{where}: {key}: {e['msg']}{shown}")
+            lines.append(f"{where}: {key}: {validation_message(e)}{shown}")
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"... and {len(errors) - MAX_ERROR_LINES:,} more errors")
     return "\n".join(lines)

@@ -359,12 +359,16 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     not a directory or not writable (tried with an empty temporary directory, removed at once,
     so root on a read-only or pseudo filesystem such as /proc is caught too), a name too
     long to leave room for `atomic_dir`'s temporary beside it, or a path that is not UTF-8.
+    A dangling symbolic link is refused too (creating the directory would fail on it).
     Raises `error` naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
     _refuse_non_utf8(path, name, error)
     if p.exists() and not p.is_dir():
         raise error(f"{name}: exists and is not a directory")
+    if p.is_symlink() and not p.exists():
+        raise error(f"{name}: a symbolic link to {os.readlink(p)}, which does not exist; "
+                    "create its target or give another path")
     try:
         refuse_inside_checkpoint(p, name)
     except ValueError as err:

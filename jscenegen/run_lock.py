@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,10 @@ class Holder:
             return False
         except PermissionError:
             pass  # another user's process: alive
-        stat = _proc_stat(self.pid)
-        if stat is None:
+        proc = _proc_stat(self.pid)
+        if proc is None:
             return True
-        state, ticks = stat
+        state, ticks = proc
         if state in ("Z", "X"):
             return False
         return self.start_ticks is None or ticks == self.start_ticks
@@ -130,14 +131,15 @@ class RunLock:
         if not self.run_dir.exists():
             self.run_dir.mkdir(parents=True)
             self._created_dir = True
-        stat = _proc_stat(os.getpid())
+        proc = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "start_ticks": stat[1] if stat else None}
+              "start_ticks": proc[1] if proc else None}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
+                self._refuse_a_foreign_entry()
                 self._take_over_if_stale()
                 continue
             with os.fdopen(fd, "w") as f:
@@ -148,6 +150,20 @@ class RunLock:
             return self
         raise RunLockedError(f"{self.run_dir}: could not take {self.path} (another process "
                              "keeps taking it); try again")
+
+    def _refuse_a_foreign_entry(self) -> None:
+        """A directory, a symbolic link or another non-file named run.lock is not a lock this
+        code wrote: taking it over would rename the user's entry aside, and a dangling link
+        reads as a lock released meanwhile, forever."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else
+                    "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file")
+            raise RunLockedError(f"{self.path} is {kind}, not a lock file this code writes; "
+                                 "move it away, then start again")
 
     def _take_over_if_stale(self) -> None:
         holder = read_holder(self.run_dir)

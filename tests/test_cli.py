@@ -200,6 +200,14 @@ def test_mesh_report_resolves_a_relative_configs_path_against_the_checkout(tmp_p
     assert json.loads(capsys.readouterr().out)["num_params"] > 7e9
 
 
+@pytest.mark.parametrize("shape, count", [("qwen2.5-7b", "7.62 B (7,615,616,512)"),
+                                          ("qwen3.5-0.8b", "873.44 M (873,438,784)")])
+def test_mesh_report_counts_parameters_in_the_unit_that_shows_them(capsys, shape, count):
+    """A model under a billion parameters read as "0.00 B" (a micro model's whole count)."""
+    assert main(["mesh-report", "--model", f"configs/model-shapes/{shape}.json"]) == 0
+    assert f"\nparameters: {count}; params + Adam (fp32): " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("size", ["-5", "0", "255", "20000000"])
 def test_init_model_refuses_a_bad_vocab_size_before_any_work(tmp_path, capsys, size):
     assert main(["init-model", str(tmp_path / "m"), "--vocab-size", size]) == 2
@@ -369,7 +377,7 @@ def test_no_command_writes_into_the_model_it_reads(tiny_hf, tmp_path, capsys, ar
     (["parity", "train", "--model", "m", "--perturb-torch", "nan"], "parity train",
      "argument --perturb-torch: 'nan' is not a finite number"),
     # an empty path read as the current directory (`--model ""` loaded ./config.json)
-    (["eval", "--model", ""], "eval", "argument --model: an empty value (leave the option out"),
+    (["eval", "--model", ""], "eval", "argument --model: an empty value (see jscenegen eval --help)"),
     (["parity", "logits", "--model", " "], "parity logits", "argument --model: an empty value"),
     (["init-model", ""], "init-model", "argument out_dir: an empty value"),
     (["convert", "src", ""], "convert", "argument dst: an empty value"),
@@ -406,13 +414,16 @@ def test_version_is_the_installed_distributions(capsys):
 
 def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")    # was "File exists" from mkdir
     for run_dir, expected in ((tmp_path / "afile", "exists and is not a directory"),
                               (tmp_path / "afile" / "run", "is not a directory"),
+                              (tmp_path / "dangling", f"a symbolic link to {tmp_path / 'gone'}, "
+                               "which does not exist"),
                               (Path("/proc/self/nope"), "cannot create a directory in /proc/self")):
         assert main(["train", "--run-dir", str(run_dir)]) == 2
         err = one_error_line(capsys)
         assert err.startswith(f"error: --run-dir {run_dir}: ") and expected in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling"]
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -735,3 +746,28 @@ def test_a_logged_exception_is_one_clipped_line_unless_debugging(capsys, monkeyp
                 assert "Traceback (most recent call last)" in err
     finally:
         log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("exc, code, line", [(KeyboardInterrupt, 130, "error: interrupted (Ctrl-C)"),
+                                              ("sigterm", 143, "error: terminated (SIGTERM)")])
+def test_a_signal_while_the_arguments_are_parsed_ends_with_one_line(monkeypatch, capsys, exc, code,
+                                                                    line):
+    """Option types import what they check with (`convert --world-size` imports the VERL
+    writer: numpy, ml_dtypes), so a signal in the first second of a command arrived while
+    parsing, outside the command's unwinding: a 50-line traceback."""
+    import signal
+    import time
+
+    import jscenegen.cli as cli
+
+    def interrupted(parser, argv):
+        if exc is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:   # bytecode boundaries: the handler runs here
+            pass
+        raise AssertionError("SIGTERM was not delivered")
+    monkeypatch.setattr(cli, "parse_args", interrupted)
+    assert main(["convert", "a", "b", "--from", "hf", "--to", "verl", "--world-size", "3"]) == code
+    assert one_error_line(capsys) == line

@@ -57,9 +57,19 @@ def test_errors_blame_the_override_that_set_the_value(tmp_path):
         load_config(None, ["schedule.roles="], RunConfig)
 
 
+def test_an_empty_coordinator_address_is_refused_not_read_as_unset():
+    """`mesh.coordinator_address=""` fell back to $JSCENEGEN_COORDINATOR silently."""
+    with pytest.raises(ConfigError, match=r'^override mesh.coordinator_address="": '
+                                          r"mesh.coordinator_address: String should have at least 1 "
+                                          r'character \(got ""\)$'):
+        load_config(None, ['mesh.coordinator_address=""'], RunConfig)
+
+
 def test_a_boolean_is_not_a_number(tmp_path):
     """pydantic reads `true` as 1 for an int field; a config must say the number."""
-    with pytest.raises(ConfigError, match="override mesh.fsdp=true: mesh.fsdp: .*not a boolean"):
+    # as the user wrote it: no pydantic "Value error, " prefix, `true` not Python's `True`
+    with pytest.raises(ConfigError, match=r"^override mesh.fsdp=true: mesh.fsdp: expected a number, "
+                                          r"not a boolean \(got true\)$"):
         load_config(None, ["mesh.fsdp=true"], RunConfig)
     f = tmp_path / "run.yaml"
     f.write_text("optim:\n  lr: false\n")

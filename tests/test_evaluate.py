@@ -316,7 +316,8 @@ def test_design_refuses_what_cannot_work_before_loading_the_model(tmp_path, caps
     assert main(["design", "--model", str(model), "--prompt", "A bedroom.", "--room",
                  str(tmp_path / "room.json"), "-o", str(tmp_path / "s.json"), *TINY]) == 2
     err = capsys.readouterr().err
-    assert "door" in err and "weights" not in err and "safetensors" not in err
+    assert f"--room {tmp_path / 'room.json'}: not a scene or room: doors: a room needs at least " \
+        "one door" in err and "weights" not in err and "safetensors" not in err, err
     far = dev_records()[0].scene.to_json()
     far["objects"] = [{"id": "bed_1", "category": "bed", "position": [100.0, 100.0], "size": [1.0, 1.0, 0.5]}]
     (tmp_path / "far.json").write_text(json.dumps(far))

@@ -89,10 +89,10 @@ def test_synthetic_trajectories_give_every_role_tokens_and_a_reward_spread():
 
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.pop("reward"), "'reward': Field required"),
-    (lambda d: d.update(masked="no"), "'masked': Input should be a valid boolean (got 'no')"),
+    (lambda d: d.update(masked="no"), """'masked': Input should be a valid boolean (got "no")"""),
     (lambda d: d.update(reward=float("nan")), "'reward': Input should be a finite number"),
-    (lambda d: d.update(reward="high"), "'reward': Input should be a valid number (got 'high')"),
-    (lambda d: d.update(group="a"), "'group': Input should be a valid integer (got 'a')"),
+    (lambda d: d.update(reward="high"), """'reward': Input should be a valid number (got "high")"""),
+    (lambda d: d.update(group="a"), """'group': Input should be a valid integer (got "a")"""),
     (lambda d: d["tokens"].__setitem__(3, 1.5), "'tokens'[3]: Input should be a valid integer"),
     (lambda d: d["logprobs"].__setitem__(0, float("nan")), "'logprobs'[0]: Input should be a finite number"),
     (lambda d: d["policy_mask"].__setitem__(0, 2), "'policy_mask'[0]"),

@@ -89,7 +89,9 @@ def test_official_template_falls_back_to_the_protocol_variant(qwen35_hf, tmp_pat
 
 def _parity(capsys, model_dir, *args):
     rc = main(["parity", "logits", "--model", str(model_dir), "--batch", "4", "--seq", "24", *args])
-    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    assert "Loading weights" not in captured.err, captured.err   # transformers' progress bar
+    return rc, json.loads(captured.out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_text"])

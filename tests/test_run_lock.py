@@ -81,6 +81,23 @@ def test_an_empty_or_unreadable_lock_is_stale(tmp_path, text):
         assert read_holder(tmp_path).pid == os.getpid()
 
 
+@pytest.mark.parametrize("kind", ["a directory", "a symbolic link"])
+def test_an_entry_this_code_did_not_write_is_refused_and_left_in_place(tmp_path, kind):
+    """A directory named run.lock was renamed aside as run.lock.stale-PID ("Is a directory");
+    a dangling link read as a lock released meanwhile ("another process keeps taking it")."""
+    lock = tmp_path / LOCK_NAME
+    if kind == "a directory":
+        lock.mkdir()
+        (lock / "keep").write_text("x")
+    else:
+        lock.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(RunLockedError, match=f"^{lock} is {kind}, not a lock file this code "
+                                             "writes; move it away"):
+        RunLock(tmp_path).acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+    assert lock.is_symlink() or (lock / "keep").read_text() == "x"
+
+
 def test_a_lock_on_another_host_is_refused_with_the_file_to_delete(tmp_path):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere-7"}))
     with pytest.raises(RunLockedError, match=f"pid 1 on host elsewhere-7.*delete {tmp_path / LOCK_NAME}"):

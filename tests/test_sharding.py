@@ -30,14 +30,22 @@ def test_mesh_shape_resolution_and_errors():
 
 @pytest.mark.parametrize("env, why", [
     ({"JSCENEGEN_NUM_PROCESSES": "two"}, "JSCENEGEN_NUM_PROCESSES='two' is not an integer"),
-    ({"JSCENEGEN_PROCESS_ID": "2"}, "process_id 2 must lie in 0..1"),
-    ({"JSCENEGEN_PROCESS_ID": "-1"}, "process_id -1 must lie in 0..1"),
-    ({"JSCENEGEN_COORDINATOR": "host0"}, "coordinator address 'host0' is not host:port"),
-    ({"JSCENEGEN_COORDINATOR": "host0:99999"}, "coordinator address 'host0:99999' is not host:port"),
-    ({"JSCENEGEN_NUM_PROCESSES": "0"}, "num_processes 0 must be >= 1"),
-    ({"JSCENEGEN_NUM_PROCESSES": "1", "JSCENEGEN_PROCESS_ID": "7"}, "process_id 7 must lie in 0..0"),
+    ({"JSCENEGEN_NUM_PROCESSES": "\uff12"}, "JSCENEGEN_NUM_PROCESSES='\uff12' is not an integer"),
+    ({"JSCENEGEN_PROCESS_ID": "2"},
+     "JSCENEGEN_PROCESS_ID=2 must lie in 0..1 (JSCENEGEN_NUM_PROCESSES=2)"),
+    ({"JSCENEGEN_PROCESS_ID": "-1"}, "JSCENEGEN_PROCESS_ID=-1 must lie in 0..1"),
+    ({"JSCENEGEN_COORDINATOR": "host0"}, "JSCENEGEN_COORDINATOR='host0' is not host:port"),
+    ({"JSCENEGEN_COORDINATOR": "host0:99999"}, "JSCENEGEN_COORDINATOR='host0:99999' is not host:port"),
+    ({"JSCENEGEN_COORDINATOR": "host0:\uff18\uff14"},   # full-width digits are no port
+     "JSCENEGEN_COORDINATOR='host0:\uff18\uff14' is not host:port"),
+    ({"JSCENEGEN_NUM_PROCESSES": "0"}, "JSCENEGEN_NUM_PROCESSES=0 must lie in 1..1,048,576"),
+    # JAX's own argument check failed on it after the announced wait (a TypeError)
+    ({"JSCENEGEN_NUM_PROCESSES": "9" * 23},
+     f"JSCENEGEN_NUM_PROCESSES={'9' * 23} must lie in 1..1,048,576"),
+    ({"JSCENEGEN_NUM_PROCESSES": "1", "JSCENEGEN_PROCESS_ID": "7"},
+     "JSCENEGEN_PROCESS_ID=7 must lie in 0..0"),
     ({"JSCENEGEN_COORDINATOR": "nosuchhost.invalid:8476"},
-     "the coordinator host 'nosuchhost.invalid' does not resolve"),
+     "the coordinator host 'nosuchhost.invalid' (JSCENEGEN_COORDINATOR) does not resolve"),
 ])
 def test_a_multi_host_launch_is_checked_before_jax_waits_for_other_processes(monkeypatch, env, why):
     """jax.distributed.initialize would wait minutes for processes that can never join."""
@@ -48,6 +56,30 @@ def test_a_multi_host_launch_is_checked_before_jax_waits_for_other_processes(mon
         monkeypatch.setenv(key, value)
     with pytest.raises(MeshError, match=re.escape(why)):
         initialize_distributed()
+
+
+def test_launch_values_from_the_config_are_named_by_their_keys(monkeypatch):
+    from jscenegen.sharding.mesh import initialize_distributed
+
+    monkeypatch.delenv("JSCENEGEN_COORDINATOR", raising=False)
+    with pytest.raises(MeshError, match=re.escape("mesh.process_id=3 must lie in 0..1 "
+                                                  "(mesh.num_processes=2)")):
+        initialize_distributed("host0:8476", 2, 3)
+
+
+def test_process_0_refuses_a_coordinator_port_in_use(monkeypatch):
+    """JAX reported a busy port as "the processes did not all join" after the full wait."""
+    import socket
+
+    from jscenegen.sharding.mesh import initialize_distributed
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(MeshError, match=f"port {port} of mesh.coordinator_address is in use "
+                                            "on this host"):
+            initialize_distributed(f"127.0.0.1:{port}", 2, 0, timeout_s=1)
 
 
 def test_every_param_is_dim0_sharded_over_all_devices_with_fsdp2_padding():

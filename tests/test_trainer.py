@@ -296,10 +296,15 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
 
     run_dir = tmp_path_factory.mktemp("copy") / "run"
     shutil.copytree(straight[0], run_dir)
-    with pytest.raises(ResumeError, match="schedule_hash"):
+    with pytest.raises(ResumeError, match=r"schedule.roles, schedule.group_size or schedule.seed "
+                                          r"changed \(checkpoint schedule_hash"):
         Trainer(_cfg(**{"schedule.roles": "DDDPC"}), run_dir, chat_model_dir(), resume=True)
-    with pytest.raises(ResumeError, match="protocol changed"):  # the reward is part of it
+    # the reward is part of the protocol too: the key that changed is named
+    with pytest.raises(ResumeError, match=r"reward configuration changed \(scene.reward.unit_penalty: "
+                                          r"[0-9.e-]+ in the checkpoint, now 0.5\)$"):
         Trainer(_cfg(**{"scene.reward.unit_penalty": 0.5}), run_dir, chat_model_dir(), resume=True)
+    with pytest.raises(ResumeError, match="the scene protocol changed"):
+        Trainer(_cfg(**{"scene.max_objects": 7}), run_dir, chat_model_dir(), resume=True)
     with pytest.raises(ResumeError, match="already holds checkpoints"):
         Trainer(_cfg(), run_dir, chat_model_dir(), resume=False)
 

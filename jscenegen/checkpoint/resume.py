@@ -93,12 +93,18 @@ def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
                    reward: Mapping[str, Any]) -> None:
     """Raise ResumeError when the checkpoint's protocol hash or reward configuration differ
     from the resuming run's (its updates would not mean the same thing)."""
+    if train_state["reward"] != dict(reward):   # also in the protocol hash: named first
+        changed = sorted(k for k in set(train_state["reward"]) | set(reward)
+                         if train_state["reward"].get(k) != reward.get(k))
+        raise ResumeError("resume refused: the reward configuration changed ("
+                          + ", ".join(f"scene.reward.{k}: {train_state['reward'].get(k)!r} in the "
+                                      f"checkpoint, now {reward.get(k)!r}" for k in changed[:3])
+                          + ")")
     if train_state["protocol_hash"] != protocol_hash:
-        raise ResumeError(f"resume refused: the protocol changed (checkpoint "
-                          f"{train_state['protocol_hash']}, now {protocol_hash})")
-    if train_state["reward"] != dict(reward):
-        raise ResumeError(f"resume refused: the reward configuration changed "
-                          f"(checkpoint {train_state['reward']}, now {dict(reward)})")
+        raise ResumeError("resume refused: the scene protocol changed (prompts, action grammar, "
+                          "operation costs, budget, caps, metrics, catalogue, grade keys or the "
+                          "judge: the `scene` and `judge` settings; checkpoint "
+                          f"{train_state['protocol_hash'][:12]}, now {protocol_hash[:12]})")
 
 
 def resume_model_dir(run_dir: str | Path) -> Path:

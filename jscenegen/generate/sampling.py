@@ -28,8 +28,8 @@ class SamplingParams:
     """How a token is drawn from the logits.
 
     temperature >= MIN_TEMPERATURE divides the logits (also for the returned log-probs; use
-    greedy for argmax); top_k > 0 keeps the k
-    largest logits (ties with the k-th kept, as transformers); 0 < top_p <= 1 keeps the smallest
+    greedy for argmax); top_k > 0 keeps exactly the k largest logits (of values tied with the
+    k-th, the lowest token ids; transformers keeps every tie); 0 < top_p <= 1 keeps the smallest
     set of most likely tokens whose probability reaches top_p (after top-k); greedy takes argmax.
     Raises ValueError for values outside those ranges.
     """

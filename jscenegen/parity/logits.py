@@ -47,13 +47,17 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 
 def torch_model(model_dir: str, model_type: str, dtype: str):
     """transformers' torch model of an HF directory in `dtype`, eager attention, eval mode:
-    Qwen3_5ForConditionalGeneration for qwen3_5, else AutoModelForCausalLM."""
+    Qwen3_5ForConditionalGeneration for qwen3_5, else AutoModelForCausalLM. Turns off
+    transformers' progress bars for the process (the command's stderr is its errors)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     cls = AutoModelForCausalLM
     if model_type == "qwen3_5":
         from transformers import Qwen3_5ForConditionalGeneration as cls
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()   # its "Loading weights" bar on stderr
     torch_dtype = getattr(torch, dtype)  # torch spells dtypes as jscenegen.model.dtypes does
     return cls.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="eager").eval()
 

@@ -35,6 +35,7 @@ from typing import Annotated, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jscenegen.config import shown_value, validation_message
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout.engine import Trajectory
 from jscenegen.parity import ROW_TOKENS_MAX
@@ -139,7 +140,9 @@ def _field_error(err: ValidationError) -> str:
     """The first error of `err` as `'field'[index]: message`."""
     e = err.errors()[0]
     where = "".join(f"[{p}]" if isinstance(p, int) else f"{p!r}" for p in e["loc"][:2])
-    text = f"{e['msg']} (got {e['input']!r:.60})" if e["loc"] and "input" in e else e["msg"]
+    text = validation_message(e)
+    if e["loc"] and "input" in e:
+        text += f" (got {shown_value(e['input'])})"
     return f"{where}: {text}" if where else text
 
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jscenegen.config import JsonDocument
+from jscenegen.config import JsonDocument, validation_message
 from jscenegen.paths import loads_json, not_a_file
 
 SCHEMA_VERSION = "scenegen.scene/1"
@@ -265,7 +265,7 @@ def _format_error(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e["loc"]) or "<scene>"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{source}: {loc}: {e['msg']}{more}"
+    return f"{source}: {loc}: {validation_message(e)}{more}"
 
 
 def check_counts(data: dict, source: str = "<scene>") -> None:

@@ -9,6 +9,7 @@ everywhere. Tests assert the resulting shardings of every parameter.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -23,8 +24,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 from pydantic import Field
 
-from jscenegen.config import Section
+from jscenegen.config import Section, clip_text
 from jscenegen.sharding.rules import AXES
+
+MAX_PROCESSES = 1 << 20
 
 
 class MeshConfig(Section):
@@ -36,15 +39,15 @@ class MeshConfig(Section):
                       "count / sp; fsdp x sp must equal the devices of all processes")
     sp: int = Field(2, description="devices on the sp (sequence-parallel) axis: training sequence "
                     "positions split over it; must divide the device count")
-    coordinator_address: str | None = Field(None, description="host:port of process 0's JAX "
+    coordinator_address: str | None = Field(None, min_length=1, description="host:port of process 0's JAX "
                                             "coordinator for a multi-host launch (jscenegen "
                                             "train only; give all three launch values, as keys "
                                             "or variables, or none); null: $JSCENEGEN_COORDINATOR")
-    num_processes: int | None = Field(None, ge=1, le=1 << 20, description="processes (one per "
+    num_processes: int | None = Field(None, ge=1, le=MAX_PROCESSES, description="processes (one per "
                                       "host) of a multi-host launch; null: "
                                       "$JSCENEGEN_NUM_PROCESSES; 1 without a coordinator "
                                       "address: one process")
-    process_id: int | None = Field(None, ge=0, lt=1 << 20, description="this process's index "
+    process_id: int | None = Field(None, ge=0, lt=MAX_PROCESSES, description="this process's index "
                                    "in 0..num_processes-1 (0 writes the run files); null: "
                                    "$JSCENEGEN_PROCESS_ID")
     init_timeout_s: int = Field(300, ge=1, le=86400, description="how long each process of a "
@@ -107,19 +110,22 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     the main thread free, so Ctrl-C and SIGTERM end it. Once joined, the processes check that
     each was given the same settings `same` and the same process count (`check_same_settings`).
 
-    Raises MeshError when only some of the three values are given, an environment value is
-    not an integer, num_processes < 1, the process id is outside 0..num_processes-1, the
-    address is not host:port or its host does not resolve, or the processes did not all join
-    in time, or when the processes were given other settings.
+    Raises MeshError, naming the config key or environment variable, when only some of the
+    three values are given, an environment value is not an integer, num_processes is outside
+    1..MAX_PROCESSES, the process id is outside 0..num_processes-1, the address is not host:port
+    or its host does not resolve, or (process 0) its port is in use on this host; and when the
+    processes did not all join in time, or were given other settings.
     """
-    addr = coordinator_address or os.environ.get("JSCENEGEN_COORDINATOR") or None
-    n = num_processes if num_processes is not None else _env_int("JSCENEGEN_NUM_PROCESSES")
-    pid = process_id if process_id is not None else _env_int("JSCENEGEN_PROCESS_ID")
-    if n is not None and n < 1:
-        raise MeshError(f"multi-host launch: num_processes {n} must be >= 1")
+    addr, addr_from = ((coordinator_address, "mesh.coordinator_address") if coordinator_address
+                       else (os.environ.get("JSCENEGEN_COORDINATOR") or None, "JSCENEGEN_COORDINATOR"))
+    n, n_from = _launch_value(num_processes, "num_processes", "JSCENEGEN_NUM_PROCESSES")
+    pid, pid_from = _launch_value(process_id, "process_id", "JSCENEGEN_PROCESS_ID")
+    if n is not None and not 1 <= n <= MAX_PROCESSES:
+        raise MeshError(f"multi-host launch: {n_from}={clip_text(str(n), 40)} must lie in "
+                        f"1..{MAX_PROCESSES:,}")
     if n is not None and pid is not None and not 0 <= pid < n:
-        raise MeshError(f"multi-host launch: process_id {pid} must lie in 0..{n - 1} "
-                        f"(num_processes {n})")
+        raise MeshError(f"multi-host launch: {pid_from}={clip_text(str(pid), 40)} must lie in 0..{n - 1} "
+                        f"({n_from}={n})")
     given = [v is not None for v in (addr, n, pid)]
     if not any(given) or (n == 1 and addr is None):
         return False
@@ -127,14 +133,16 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         raise MeshError("multi-host launch needs coordinator_address, num_processes and process_id "
                         "(mesh.* config keys or JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)")
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise MeshError(f"multi-host launch: coordinator address {addr!r} is not host:port "
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise MeshError(f"multi-host launch: {addr_from}={addr!r} is not host:port "
                         "(e.g. host0:8476)")
     try:
         socket.getaddrinfo(host.strip("[]"), int(port))
     except OSError as err:
-        raise MeshError(f"multi-host launch: the coordinator host {host!r} does not resolve "
-                        f"({err.strerror or err})") from None
+        raise MeshError(f"multi-host launch: the coordinator host {host!r} ({addr_from}) does not "
+                        f"resolve ({err.strerror or err})") from None
+    if pid == 0:
+        _check_port_free(int(port), addr_from)
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if announce is not None:
@@ -213,14 +221,34 @@ def refuse_multi_host(command: str, cfg: MeshConfig) -> None:
                         "a multi-host launch, which is for jscenegen train (unset it here)")
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
+def _launch_value(value: int | None, key: str, variable: str) -> tuple[int | None, str]:
+    """A launch count or index and where it came from: the `mesh.<key>` config value, else the
+    environment `variable` (an integer in ASCII digits; empty: unset). Raises MeshError naming
+    the variable when it is not one."""
+    if value is not None:
+        return value, f"mesh.{key}"
+    v = os.environ.get(variable)
     if v in (None, ""):
-        return None
+        return None, variable
+    text = v.strip()
+    if not (text.isascii() and text.removeprefix("-").isdigit() and len(text) <= 4000):
+        raise MeshError(f"environment variable {variable}={v[:40]!r} is not an integer")
+    return int(text), variable
+
+
+def _check_port_free(port: int, source: str) -> None:
+    """Raise MeshError when `port` has a listener on this host: process 0 serves the coordinator
+    there, and JAX would report only that the processes "did not all join"."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return int(v)
-    except ValueError:
-        raise MeshError(f"environment variable {name}={v[:40]!r} is not an integer") from None
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("", port))
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise MeshError(f"multi-host launch: port {port} of {source} is in use on this host, "
+                            "where process 0 serves the coordinator; choose a free port") from None
+    finally:
+        probe.close()
 
 
 def is_primary() -> bool:

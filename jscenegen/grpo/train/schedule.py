@@ -152,6 +152,7 @@ def check_extension(saved: dict, schedule: Schedule) -> None:
     ours = schedule.hash(n)
     if ours != saved["schedule_hash"]:
         raise ValueError(
-            f"resume refused: the schedule's first {n} scenes, roles or group size changed "
-            f"(checkpoint schedule_hash {saved['schedule_hash']}, now {ours})"
+            f"resume refused: the schedule's first {n} scenes or their seeds (schedule.train_set), "
+            "schedule.roles, schedule.group_size or schedule.seed changed (checkpoint "
+            f"schedule_hash {saved['schedule_hash'][:12]}, now {ours[:12]})"
         )
