@@ -219,9 +219,9 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     from jscenegen.run_lock import RunLock
 
     lock = RunLock(run_dir)
-    if is_primary():  # one process per run directory (the holder is named to a second one)
-        lock.acquire()
     try:
+        if is_primary():  # one process per run directory (the holder is named to a second one)
+            lock.acquire()
         return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
                              config_source=config_source)
     finally:

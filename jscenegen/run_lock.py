@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -126,8 +128,17 @@ class RunLock:
         """Take the lock (creating the run directory if needed).
 
         Raises RunLockedError naming the holder when another live process holds it, or when
-        this process already does.
+        this process already does. Whatever interrupts it (SIGTERM, Ctrl-C) leaves neither a
+        lock file of this process nor a run directory it created.
         """
+        try:
+            return self._acquire()
+        except BaseException:
+            self._held = True   # release() removes what is this process's, and nothing else
+            self.release()
+            raise
+
+    def _acquire(self) -> "RunLock":
         if not self.run_dir.exists():
             self.run_dir.mkdir(parents=True)
             self._created_dir = True
@@ -137,19 +148,42 @@ class RunLock:
               "start_ticks": proc[1] if proc else None}
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                self._create(json.dumps(me) + "\n")
             except FileExistsError:
                 self._refuse_a_foreign_entry()
                 self._take_over_if_stale()
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
             self._held = True
             return self
         raise RunLockedError(f"{self.run_dir}: could not take {self.path} (another process "
                              "keeps taking it); try again")
+
+    def _create(self, text: str) -> None:
+        """Create the lock file with `text` in one step (written beside it, then hard-linked
+        to its name, which fails when the name exists), so it never exists empty or half
+        written: a process interrupted at any point can tell it is its own. Where hard links
+        are not supported, created exclusively and then written."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_NAME}.", dir=self.run_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, self.path)
+                return
+            except FileExistsError:
+                raise
+            except OSError as err:
+                if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                    raise
+        finally:
+            os.unlink(tmp)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
 
     def _refuse_a_foreign_entry(self) -> None:
         """A directory, a symbolic link or another non-file named run.lock is not a lock this

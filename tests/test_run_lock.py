@@ -112,3 +112,23 @@ def test_a_lock_that_created_the_run_directory_removes_it_when_nothing_was_writt
     with RunLock(tmp_path / "kept"):
         (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["metrics.jsonl"]
+
+
+def test_an_interrupt_while_taking_the_lock_leaves_no_lock_and_no_run_directory(tmp_path,
+                                                                               monkeypatch):
+    """SIGTERM between creating the lock file and marking it held left run.lock behind (the
+    caller's release saw a lock not held; seen under load in the CLI's SIGTERM test)."""
+    created = RunLock._create
+
+    def create_then_interrupted(self, text):
+        created(self, text)
+        assert read_holder(self.run_dir).is_this_process()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(RunLock, "_create", create_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        RunLock(tmp_path / "new").acquire()
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        RunLock(tmp_path / "kept").acquire()
+    assert list((tmp_path / "kept").iterdir()) == []
