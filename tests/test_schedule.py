@@ -64,7 +64,7 @@ def test_extension_keeps_the_prefix_hash_and_refuses_a_changed_prefix():
     changed = Schedule([SCENES[0], ("train-0001", 999)] + SCENES[2:], ScheduleConfig())
     with pytest.raises(ValueError, match=short.hash()):
         check_extension(saved, changed)
-    with pytest.raises(ValueError, match="roles or group size"):
+    with pytest.raises(ValueError, match="schedule.roles, schedule.group_size or schedule.seed changed"):
         check_extension(saved, Schedule(SCENES, ScheduleConfig(group_size=4)))
 
 

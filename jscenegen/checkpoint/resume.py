@@ -104,7 +104,7 @@ def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
         raise ResumeError("resume refused: the scene protocol changed (prompts, action grammar, "
                           "operation costs, budget, caps, metrics, catalogue, grade keys or the "
                           "judge: the `scene` and `judge` settings; checkpoint "
-                          f"{train_state['protocol_hash'][:12]}, now {protocol_hash[:12]})")
+                          f"{train_state['protocol_hash']}, now {protocol_hash})")
 
 
 def resume_model_dir(run_dir: str | Path) -> Path:

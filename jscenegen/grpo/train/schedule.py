@@ -154,5 +154,5 @@ def check_extension(saved: dict, schedule: Schedule) -> None:
         raise ValueError(
             f"resume refused: the schedule's first {n} scenes or their seeds (schedule.train_set), "
             "schedule.roles, schedule.group_size or schedule.seed changed (checkpoint "
-            f"schedule_hash {saved['schedule_hash'][:12]}, now {ours[:12]})"
+            f"schedule_hash {saved['schedule_hash']}, now {ours})"
         )
