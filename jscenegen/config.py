@@ -9,6 +9,7 @@ base. Unknown keys and bad values raise `ConfigError` naming the dotted key.
 from __future__ import annotations
 
 import json
+import re
 import types
 import typing
 import unicodedata
@@ -208,10 +209,11 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     return out
 
 
-def _blame(loc: tuple, source: str, overrides: list[str]) -> str:
+def _blame(loc: tuple, source: str, overrides: list[str], message: str = "") -> str:
     """Who set the value at `loc`: the last override whose key is `loc` or lies above it (a
-    list item); for a section-level check (`loc` a section), every override under it, as the
-    check may read any of them; else the config `source`."""
+    list item); for a section-level check (`loc` a section), the overrides under it whose keys
+    its `message` names, else every override under it, as the check may read any of them;
+    else the config `source`."""
     key = [str(p) for p in loc]
     under = []
     for item in reversed(overrides):
@@ -222,6 +224,9 @@ def _blame(loc: tuple, source: str, overrides: list[str]) -> str:
         if len(parts) <= len(key):
             return f"override {clip_text(item)}"
         under.append(clip_text(item))
+    named = [item for item in under
+             if re.search(rf"(?<![\w.]){re.escape(override_key(item))}(?![\w])", message)]
+    under = named or under
     if len(under) > 1:
         return f"overrides {', '.join(reversed(under))}"
     return f"override {under[0]}" if under else source
@@ -277,7 +282,8 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
     errors = err.errors(include_url=False)
     for e in errors[:MAX_ERROR_LINES]:
         key = ".".join(str(p) for p in e["loc"])
-        where = _blame(tuple(e["loc"]), source, list(overrides))
+        message = validation_message(e)
+        where = _blame(tuple(e["loc"]), source, list(overrides), message)
         if e["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key {clip_text(repr(key))}")
         else:
@@ -285,7 +291,13 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
             shown = "" if isinstance(got, dict) else f" (got {shown_value(got)})"
             if got is None and where.startswith("override ") and where.rstrip().endswith("="):
                 shown = " (got no value: `key=` reads as null)"
-            lines.append(f"{where}: {key}: {validation_message(e)}{shown}")
+            if isinstance(got, dict):   # a section-level check: it names the keys it read
+                nulls = [o for o in overrides if o.endswith("=") and o[:-1].strip() in message]
+                null_note = f" (`{nulls[0]}` reads as null)" if nulls else ""
+                head = "" if message.startswith(f"{key}.") else f"{key}: "
+                lines.append(f"{where}: {head}{message}{null_note}")
+            else:
+                lines.append(f"{where}: {key}: {message}{shown}")
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"... and {len(errors) - MAX_ERROR_LINES:,} more errors")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,14 @@ def test_mesh_report_counts_parameters_in_the_unit_that_shows_them(capsys, shape
     """A model under a billion parameters read as "0.00 B" (a micro model's whole count)."""
     assert main(["mesh-report", "--model", f"configs/model-shapes/{shape}.json"]) == 0
     assert f"\nparameters: {count}; params + Adam (fp32): " in capsys.readouterr().out
+
+
+def test_mesh_report_reads_a_checkpoint_steps_model_config(tmp_path, capsys):
+    (tmp_path / "4/hf").mkdir(parents=True)
+    (tmp_path / "4/params").mkdir()
+    shutil.copy(ROOT / "configs/model-shapes/qwen2.5-7b.json", tmp_path / "4/hf/config.json")
+    assert main(["mesh-report", "--model", str(tmp_path / "4")]) == 0
+    assert "\nparameters: 7.62 B (7,615,616,512); " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("size", ["-5", "0", "255", "20000000"])

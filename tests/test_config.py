@@ -44,13 +44,23 @@ def test_errors_blame_the_override_that_set_the_value(tmp_path):
     assert any(line.startswith("override sampling.buckets=[64,x]: sampling.buckets.1: ") for line in lines)
     assert "override optim.learning_rate=1: unknown key 'optim.learning_rate'" in lines
     assert any(line.startswith(f"{f}: schedule.group_size: ") for line in lines)  # the file's own
-    with pytest.raises(ConfigError, match=r"^override judge.backend=http: judge: .*needs judge.base_url"):
+    with pytest.raises(ConfigError, match=r"^override judge.backend=http: judge.backend 'http' "
+                                          r"needs judge.base_url"):
         load_config(None, ["judge.backend=http"], RunConfig)
-    # a section-level check may read any override under it: all are named, the section not echoed
+    # a section-level check may read any override under it: those its message names are blamed
+    # (all six judge overrides were, with "judge: judge.base_url ..." echoing the section)
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["judge.backend=http", "judge.timeout_s=5"], RunConfig)
-    assert str(info.value).startswith("overrides judge.backend=http, judge.timeout_s=5: judge: ")
+        load_config(None, ["judge.backend=http", "judge.model=m", "judge.timeout_s=5",
+                           "judge.base_url=127.0.0.1:8000/v1"], RunConfig)
+    assert str(info.value).startswith("override judge.base_url=127.0.0.1:8000/v1: judge.base_url "
+                                      "'127.0.0.1:8000/v1' is not an http(s) URL"), str(info.value)
     assert "(got" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"^overrides judge.backend=http, judge.base_url=: "
+                                          r"judge.backend 'http' needs judge.base_url and "
+                                          r"judge.model \(`judge.base_url=` reads as null\)$"):
+        load_config(None, ["judge.backend=http", "judge.timeout_s=5", "judge.base_url="], RunConfig)
+    with pytest.raises(ConfigError, match=r"^override judge.backend=http: judge.backend"):
+        load_config(None, ["judge.backend=http", "judge.timeout_s=5"], RunConfig)
     # `key=` is YAML null: "(got None)" did not say where the None came from
     with pytest.raises(ConfigError, match=r"^override schedule.roles=: schedule.roles: Input should "
                                           r"be a valid string \(got no value: `key=` reads as null\)$"):

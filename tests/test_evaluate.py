@@ -514,3 +514,19 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, caps
     assert tokens > 600 and err == (
         f"error: {model}: the tokenizer has {tokens} tokens, more than the model's vocab_size 600; "
         "tokenizer and weights must come from the same model"), err
+
+
+@pytest.mark.parametrize("given", ["run", "run/checkpoints"])
+def test_a_run_or_its_checkpoints_directory_as_model_points_at_the_newest_step(tmp_path, capsys,
+                                                                             given):
+    for step in ("3", "12", "7.corrupt-20261203T000000Z"):
+        (tmp_path / "run/checkpoints" / step / "params").mkdir(parents=True)
+        (tmp_path / "run/checkpoints" / step / "hf").mkdir()
+        (tmp_path / "run/checkpoints" / step / "hf/config.json").write_text("{}")
+    for command in (["eval", "--model", str(tmp_path / given)],
+                    ["design", "--model", str(tmp_path / given), "--prompt", "A bedroom.", "-o",
+                     str(tmp_path / "s.json")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.strip().endswith("nor a checkpoint step directory (params/ and hf/); its newest "
+                                    f"checkpoint step is {tmp_path / 'run/checkpoints/12'}"), err

@@ -91,7 +91,10 @@ def test_timeouts_and_garbage_become_masked_judge_failures(server, cause, monkey
     (tmp_path / "outcomes.json").write_text(json.dumps([o.to_json() for o in outs]))
     (tmp_path / "judge.txt").write_text(repr(judge) + json.dumps(judge.identity()))
     assert KEY not in caplog.text
-    assert any(cause in r.getMessage() for r in caplog.records)
+    scene_id = eps[0].scene.scene_id
+    # the warning says which judge and which scene failed ("after 2 attempts" said neither)
+    assert any(r.getMessage().startswith(f"judge at {server.url} failed for scene {scene_id} after "
+                                         f"2 attempts: {cause} (") for r in caplog.records), caplog.text
     for f in tmp_path.iterdir():
         assert KEY not in f.read_text()
 

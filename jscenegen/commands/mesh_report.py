@@ -11,7 +11,8 @@ import json
 
 def register(sub) -> None:
     p = sub.add_parser("mesh-report", help="how a model's params + Adam state shard over a mesh")
-    p.add_argument("--model", required=True, help="HF model directory or its config.json")
+    p.add_argument("--model", required=True, help="HF model directory, its config.json, or a "
+                   "checkpoint step directory")
     p.add_argument("--mesh", default="fsdp=3,sp=2", help="fsdp=N,sp=M (default fsdp=3,sp=2; an "
                    "axis left out: fsdp=-1, the rest of --devices, and sp=2)")
     p.add_argument("--devices", type=int, default=None,
@@ -69,6 +70,10 @@ def run(args) -> int:
         raise ValueError(f"--model {err}") from None
     if not path.exists():
         raise ValueError(f"--model {path}: no such model directory or config.json")
+    from jscenegen.checkpoint.store import HF_DIR
+
+    if path.is_dir() and not (path / "config.json").exists() and (path / HF_DIR / "config.json").is_file():
+        path = path / HF_DIR   # a checkpoint step: its model's config
     cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
         read_config_file(path), str(path))
     try:

@@ -74,12 +74,25 @@ def load_policy(path: str | Path, mesh, **options):
                                                      "directory)" if p.exists() else "no such directory"))
     if not is_checkpoint_dir(p):
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "
-                                    f"nor a checkpoint step directory (params/ and hf/)")
+            raise _not_a_model(p)
         return load_hf(p, mesh=mesh, **options)
     verify_step(p)
     return build_model(QwenConfig.from_dir(p / HF_DIR), iter_arrays(p, "params"), mesh=mesh,
                        source=str(p), **options)
+
+
+def _not_a_model(p: Path) -> FileNotFoundError:
+    """The error for a `--model` directory that is neither an HF model nor a checkpoint step,
+    pointing at the newest step when it is a run's `checkpoints/` directory or the run itself."""
+    hint = ""
+    for steps_dir in (p, p / "checkpoints"):
+        steps = sorted(int(c.name) for c in steps_dir.glob("[0-9]*")
+                       if c.name.isdigit() and is_checkpoint_dir(c)) if steps_dir.is_dir() else []
+        if steps:
+            hint = f"; its newest checkpoint step is {steps_dir / str(steps[-1])}"
+            break
+    return FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) nor a "
+                             f"checkpoint step directory (params/ and hf/){hint}")
 
 
 _VERIFIED: set[tuple] = set()   # (step, its files' names, sizes and mtimes) verified here
@@ -111,8 +124,7 @@ def policy_chat(cfg, model_path: str | Path):
     p = Path(model_path)
     config = model_assets_dir(p) / "config.json"
     if not config.is_file():
-        raise FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) "
-                                f"nor a checkpoint step directory (params/ and hf/)")
+        raise _not_a_model(p)
     if is_checkpoint_dir(p):
         verify_step(p)   # before its tokenizer is read
     # transformers' tokenizer loader reads config.json too, and its errors would blame the tokenizer

@@ -96,6 +96,9 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
     return {k: grades[k] for k in grade_keys}, comments if isinstance(comments, dict) else {}
 
 
+_WARNED_UNSET: set[str] = set()
+
+
 class HttpJudge:
     """Judge backend talking to an OpenAI-compatible server; see the module docstring."""
 
@@ -109,7 +112,8 @@ class HttpJudge:
             raise ValueError(f"environment variable {cfg.api_key_env} (judge.api_key_env): the "
                              "API key holds a space, a control or a non-ASCII character; sent "
                              "in the Authorization header it would fail every request")
-        if cfg.api_key_env and not self._api_key:
+        if cfg.api_key_env and not self._api_key and cfg.api_key_env not in _WARNED_UNSET:
+            _WARNED_UNSET.add(cfg.api_key_env)   # once per process: a run makes several judges
             log.warning("judge: environment variable %s is not set; sending no Authorization header", cfg.api_key_env)
 
     def __repr__(self) -> str:
@@ -214,6 +218,8 @@ class HttpJudge:
                 grades = apply_caps(grades, req.metrics)
             info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts, "comments": comments}
             return JudgeResult(grades, None, info)
-        log.warning("judge failed after %d attempts: %s (%s)", attempts, cause, detail)
+        log.warning("judge at %s failed for scene %s after %d attempt%s: %s (%s)",
+                    shown_url(self.cfg.base_url), req.scene.scene_id, attempts,
+                    "" if attempts == 1 else "s", cause, detail)
         return JudgeResult(None, cause, {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
                                          "detail": detail})
