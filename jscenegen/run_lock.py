@@ -3,7 +3,8 @@
 `jscenegen train` takes the lock before it reads or writes anything in the run directory
 (checkpoints, `metrics.jsonl`, `config.yaml`, swanlab) and removes it when it ends, however it
 ends short of SIGKILL. The file is JSON: {"pid", "host", "started_utc", "start_ticks"} (the
-kernel's start time of the process, to tell a reused pid from the holder).
+kernel's start time of the process, to tell a reused pid from the holder) and a random "token"
+that tells the `RunLock` that wrote it, so releasing removes only its own file.
 
 - A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
 - A stale lock (on this host, and its pid is gone, a zombie, or now another process) is taken
@@ -22,6 +23,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import socket
 import stat
 import tempfile
@@ -123,6 +125,7 @@ class RunLock:
         self.path = self.run_dir / LOCK_NAME
         self._created_dir = False
         self._held = False
+        self._token = secrets.token_hex(8)
 
     def acquire(self) -> "RunLock":
         """Take the lock (creating the run directory if needed).
@@ -134,7 +137,7 @@ class RunLock:
         try:
             return self._acquire()
         except BaseException:
-            self._held = True   # release() removes what is this process's, and nothing else
+            self._held = True   # release() removes only the file this lock wrote (its token)
             self.release()
             raise
 
@@ -145,7 +148,7 @@ class RunLock:
         proc = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "start_ticks": proc[1] if proc else None}
+              "start_ticks": proc[1] if proc else None, "token": self._token}
         for _ in range(3):
             try:
                 self._create(json.dumps(me) + "\n")
@@ -227,13 +230,16 @@ class RunLock:
                     self.run_dir, holder.describe())
 
     def release(self) -> None:
-        """Remove the lock file if it is still ours; remove the run directory too when this
-        lock created it and nothing else was written there."""
+        """Remove the lock file if it is still the one this lock wrote (its token); remove the
+        run directory too when this lock created it and nothing else was written there."""
         if not self._held:
             return
         self._held = False
-        holder = read_holder(self.run_dir)
-        if holder is not None and holder.is_this_process():
+        try:
+            ours = json.loads(self.path.read_text()).get("token") == self._token
+        except (OSError, ValueError, AttributeError):   # gone, unreadable, not an object
+            ours = False
+        if ours:
             self.path.unlink(missing_ok=True)
         if self._created_dir:
             try:

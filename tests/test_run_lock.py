@@ -132,3 +132,12 @@ def test_an_interrupt_while_taking_the_lock_leaves_no_lock_and_no_run_directory(
     with pytest.raises(KeyboardInterrupt):
         RunLock(tmp_path / "kept").acquire()
     assert list((tmp_path / "kept").iterdir()) == []
+
+
+def test_a_second_lock_of_this_process_is_refused_and_leaves_the_first_ones_file(tmp_path):
+    with RunLock(tmp_path) as first:
+        with pytest.raises(RunLockedError, match="already locked by this process"):
+            RunLock(tmp_path).acquire()
+        assert read_holder(tmp_path).is_this_process()   # the refused one removed nothing
+        assert (tmp_path / LOCK_NAME).is_file() and first._held
+    assert not (tmp_path / LOCK_NAME).exists()
