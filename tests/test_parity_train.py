@@ -129,6 +129,22 @@ def test_a_group_too_large_for_one_parity_batch_is_refused_before_any_model_load
         capsys.readouterr().err
 
 
+def test_a_token_cap_inside_the_expert_prompts_is_refused_before_any_update(tmp_path, capsys):
+    """--max-tokens 1024 cut every expert episode inside its prompt: both sides ran 3 updates
+    of 0 trained tokens and ended "ok": false with nothing said."""
+    from chat_fixtures import chat_model_dir  # the protocol tokenizer: expert episodes
+
+    out = tmp_path / "t.jsonl"
+    rc = main(["parity", "train", "--model", str(chat_model_dir()), "--max-tokens", "64",
+               "--write-trajectories", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == "", captured.out
+    assert captured.err.strip().splitlines()[-1] == (
+        "error: --max-tokens 64: the expert episodes' first 64 tokens hold no policy token "
+        "(their prompt comes first), so no update would train; raise it"), captured.err
+    assert not out.exists()
+
+
 def test_a_trajectory_file_that_is_not_text_is_named_with_its_line(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_bytes(b'\n\xad\xff binary\n')

@@ -159,6 +159,10 @@ def run_train(args) -> int:
                           f"{args.trajectories}: group {group[0].group_id}")
     else:
         trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
+        if not any(t.policy_mask.any() for t in trajs):   # every update would train nothing
+            raise ValueError(f"--max-tokens {args.max_tokens}: the expert episodes' first "
+                             f"{args.max_tokens} tokens hold no policy token (their prompt comes "
+                             "first), so no update would train; raise it")
     if args.write_trajectories is not None:
         write_trajectories(args.write_trajectories, trajs)
     ok = False
