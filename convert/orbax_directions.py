@@ -104,10 +104,8 @@ def orbax_step_dir(path: str | Path) -> Path:
     if (path / ckpt.PARAMS_ITEM).is_dir():
         status = ckpt.check_step(path)
     else:
-        steps = sorted((int(p.name) for p in path.iterdir() if p.name.isdigit()), reverse=True) \
-            if path.is_dir() else []
         newest = None
-        for s in steps:
+        for s in reversed(ckpt.step_numbers(path)):
             status = ckpt.check_step(path / str(s))
             if status.valid:
                 break

@@ -224,12 +224,16 @@ def _blame(loc: tuple, source: str, overrides: list[str], message: str = "") -> 
         if len(parts) <= len(key):
             return f"override {clip_text(item)}"
         under.append(clip_text(item))
-    named = [item for item in under
-             if re.search(rf"(?<![\w.]){re.escape(override_key(item))}(?![\w])", message)]
+    named = [item for item in under if _names_key(message, override_key(item))]
     under = named or under
     if len(under) > 1:
         return f"overrides {', '.join(reversed(under))}"
     return f"override {under[0]}" if under else source
+
+
+def _names_key(message: str, key: str) -> bool:
+    """Whether `message` names the dotted `key` itself (not a longer key it begins)."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message) is not None
 
 
 def clip_text(text: str, limit: int = 200) -> str:
@@ -292,7 +296,7 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
             if got is None and where.startswith("override ") and where.rstrip().endswith("="):
                 shown = " (got no value: `key=` reads as null)"
             if isinstance(got, dict):   # a section-level check: it names the keys it read
-                nulls = [o for o in overrides if o.endswith("=") and o[:-1].strip() in message]
+                nulls = [o for o in overrides if o.endswith("=") and _names_key(message, override_key(o))]
                 null_note = f" (`{nulls[0]}` reads as null)" if nulls else ""
                 head = "" if message.startswith(f"{key}.") else f"{key}: "
                 lines.append(f"{where}: {head}{message}{null_note}")

@@ -353,6 +353,28 @@ def _one_line(text: str | None) -> str:
 
 
 # ----------------------------------------------------------------------------- step checks
+def step_numbers(directory: str | Path) -> list[int]:
+    """The numbered step directories under `directory` (complete or not), ascending; [] when
+    it is not a directory."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """True for a training checkpoint step directory (`params/` and `hf/config.json`)."""
+    p = Path(path)
+    return (p / PARAMS_ITEM).is_dir() and (p / HF_DIR / "config.json").is_file()
+
+
+def model_assets_dir(path: str | Path) -> Path:
+    """The directory holding config.json, tokenizer and chat template: `hf/` of a checkpoint
+    step, else `path` itself (an HF model directory)."""
+    p = Path(path)
+    return p / HF_DIR if is_checkpoint_dir(p) else p
+
+
 def check_step(path: str | Path, *, hash_files: bool = True) -> StepStatus:
     """Is `path` (a step directory) a complete checkpoint? Never raises for a bad directory.
 
@@ -553,9 +575,7 @@ class CheckpointStore:
 
     def steps(self) -> list[int]:
         """Every step directory on disk, complete or not, ascending."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+        return step_numbers(self.directory)
 
     def scan(self, *, hash_files: bool = True) -> list[StepStatus]:
         """`check_step` of every step directory, newest first."""

@@ -37,10 +37,17 @@ def design_record(prompt: str, room_path: str | None, seed: int):
     """
     from pydantic import ValidationError
 
-    from jscenegen.config import not_unicode, validation_message
+    from jscenegen.config import not_unicode
     from jscenegen.scene.generator import make_record
     from jscenegen.scene.sceneset import SceneRecord, record_from_json
-    from jscenegen.scene.schema import Room, Scene, SceneError, read_json_file, scene_from_json
+    from jscenegen.scene.schema import (
+        Room,
+        Scene,
+        SceneError,
+        first_error_line,
+        read_json_file,
+        scene_from_json,
+    )
 
     if not prompt.strip():
         raise SceneError("--prompt is empty")
@@ -59,10 +66,8 @@ def design_record(prompt: str, room_path: str | None, seed: int):
             try:
                 room = Room.model_validate(data)
             except ValidationError as err:
-                first = err.errors()[0]
-                where = ".".join(str(p) for p in first["loc"]) or "<room>"
-                raise SceneError(f"--room {room_path}: not a scene or room: {where}: "
-                                 f"{validation_message(first)}") from None
+                raise SceneError(first_error_line(err, f"--room {room_path}: not a scene or room",
+                                                  "<room>")) from None
             scene = Scene(scene_id="design", prompt=prompt, room=room)
     return SceneRecord(scene, seed, ())
 

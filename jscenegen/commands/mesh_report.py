@@ -70,10 +70,9 @@ def run(args) -> int:
         raise ValueError(f"--model {err}") from None
     if not path.exists():
         raise ValueError(f"--model {path}: no such model directory or config.json")
-    from jscenegen.checkpoint.store import HF_DIR
+    from jscenegen.checkpoint.store import model_assets_dir
 
-    if path.is_dir() and not (path / "config.json").exists() and (path / HF_DIR / "config.json").is_file():
-        path = path / HF_DIR   # a checkpoint step: its model's config
+    path = model_assets_dir(path)   # a checkpoint step: its hf/ directory
     cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
         read_config_file(path), str(path))
     try:

@@ -21,10 +21,12 @@ from typing import Callable, Sequence
 
 from jscenegen.checkpoint.store import (
     HF_DIR,
-    PARAMS_ITEM,
     CheckpointError,
     check_step,
+    is_checkpoint_dir,
     iter_arrays,
+    model_assets_dir,
+    step_numbers,
 )
 from jscenegen.eval.report import REPORT_SCHEMA
 from jscenegen.grpo.rollout.config import GROUP_MAX
@@ -39,19 +41,6 @@ from jscenegen.scene.sceneset import SceneRecord
 
 
 # ----------------------------------------------------------------------------- loading
-def is_checkpoint_dir(path: str | Path) -> bool:
-    """True for a training checkpoint step directory (`params/` and `hf/config.json`)."""
-    p = Path(path)
-    return (p / PARAMS_ITEM).is_dir() and (p / HF_DIR / "config.json").is_file()
-
-
-def model_assets_dir(path: str | Path) -> Path:
-    """The directory holding config.json, tokenizer and chat template: `hf/` of a checkpoint
-    step, else `path` itself (an HF model directory)."""
-    p = Path(path)
-    return p / HF_DIR if is_checkpoint_dir(p) else p
-
-
 def load_policy(path: str | Path, mesh, **options):
     """A QwenForCausalLM sharded on `mesh` from an HF directory or a checkpoint step directory.
 
@@ -86,8 +75,7 @@ def _not_a_model(p: Path) -> FileNotFoundError:
     pointing at the newest step when it is a run's `checkpoints/` directory or the run itself."""
     hint = ""
     for steps_dir in (p, p / "checkpoints"):
-        steps = sorted(int(c.name) for c in steps_dir.glob("[0-9]*")
-                       if c.name.isdigit() and is_checkpoint_dir(c)) if steps_dir.is_dir() else []
+        steps = [s for s in step_numbers(steps_dir) if is_checkpoint_dir(steps_dir / str(s))]
         if steps:
             hint = f"; its newest checkpoint step is {steps_dir / str(steps[-1])}"
             break

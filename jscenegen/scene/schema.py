@@ -261,9 +261,11 @@ def check_simple_ccw(poly) -> None:
         raise ValueError("floor_polygon must be counter-clockwise (positive area)")
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def first_error_line(err: ValidationError, source: str, root: str = "<scene>") -> str:
+    """`source: dotted.key: message (+N more)` for the first error of a scene-file validation
+    (`root` names a whole-document error)."""
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"]) or "<scene>"
+    loc = ".".join(str(p) for p in e["loc"]) or root
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{source}: {loc}: {validation_message(e)}{more}"
 
@@ -299,7 +301,7 @@ def scene_from_json(data: dict, source: str = "<scene>") -> Scene:
     try:
         return Scene.model_validate(data)
     except ValidationError as err:
-        raise SceneError(_format_error(err, source)) from None
+        raise SceneError(first_error_line(err, source)) from None
 
 
 def parse_json(text: str, label: str):
