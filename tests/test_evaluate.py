@@ -19,6 +19,7 @@ from jscenegen.scene.judge import make_judge
 from jscenegen.scene.schema import scene_from_json
 
 from chat_fixtures import chat_model_dir, dev_records
+from scene_fixtures import JudgeServer
 
 # Tiny caps: the ~2,100-token prompt fits, every 8-token turn of a random model is truncated.
 TINY = ["sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560", "sampling.buckets=[128,1024]"]
@@ -192,6 +193,48 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "--model", str(tmp_path), "--scenes", str(scenes), *TINY]) == 2
     assert "neither an HF model directory" in capsys.readouterr().err
+
+
+def test_eval_with_a_judge_that_grades_nothing_fails_after_writing_the_report(tmp_path, capsys):
+    """A judge that refuses the key stops eval before the model loads; one that answers every
+    grading request with HTTP 500 leaves a report (every episode a judge failure) and exit 1."""
+    scenes = tmp_path / "one.jsonl"
+    scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+    out = tmp_path / "r.json"
+    for plan, code in ((["401"], 2), (["500"], 1)):
+        server = JudgeServer(plan)
+        try:
+            got = main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes),
+                        "--greedy", "--out", str(out), *TINY, "judge.backend=http",
+                        f"judge.base_url={server.url}", "judge.model=judge-27b",
+                        "judge.max_retries=0", "judge.timeout_s=5"])
+        finally:
+            server.close()
+        err = capsys.readouterr().err
+        assert got == code, err
+        if code == 2:
+            assert "refuses requests without an API key" in err and "(HTTP 401 to GET /models)" in err
+            assert server.calls == 0 and not out.exists()
+    assert "the judge graded none of the episodes it was sent (judge_error x1)" in err
+    rep = json.loads(out.read_text())
+    assert rep["overall"]["expert"]["failure_causes"] == {"judge_error": 1}
+    assert rep["overall"]["expert"]["quality"] is None
+
+
+def test_ungraded_judge_failures_counts_only_when_nothing_was_graded():
+    from jscenegen.eval.report import ungraded_judge_failures
+
+    def summary(quality, causes):
+        return {"quality": quality, "failure_causes": causes}
+
+    both_failed = {"overall": {"model": summary(None, {"judge_timeout": 2, "truncated_action": 1}),
+                               "expert": summary(None, {"judge_error": 1})}}
+    assert ungraded_judge_failures(both_failed) == "judge_error x1, judge_timeout x2"
+    one_graded = {"overall": {"model": summary(None, {"judge_timeout": 2}),
+                              "expert": summary(7.5, {})}}
+    assert ungraded_judge_failures(one_graded) == ""
+    never_judged = {"overall": {"model": summary(None, {"truncated_action": 3})}}
+    assert ungraded_judge_failures(never_judged) == ""
 
 
 def test_design_writes_the_terminal_scene(tmp_path, capsys):

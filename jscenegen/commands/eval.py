@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from jscenegen.paths import data_path_arg
@@ -88,6 +89,7 @@ def run(args) -> int:
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
     from jscenegen.eval.plots import plot_report
+    from jscenegen.eval.report import ungraded_judge_failures
     from jscenegen.paths import write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
@@ -95,8 +97,9 @@ def run(args) -> int:
 
     records = read_scene_set(scenes)
     check_requests_known(records, load_catalogue(cfg.scene.catalogue_path), str(scenes))
-    engine = policy_engine(cfg, args.model)
     judge = make_judge(cfg.judge, cfg.scene)
+    judge.check_reachable()
+    engine = policy_engine(cfg, args.model)
 
     def progress(row: dict) -> None:
         m, e = row["model"], row["expert"]
@@ -113,4 +116,11 @@ def run(args) -> int:
     plot = plot_report(report, plot_path)
     print(json.dumps({"event": "done", "report": str(out), "plot": str(plot),
                       "overall": report["overall"]}))
+    ungraded = ungraded_judge_failures(report)
+    if ungraded:
+        print(f"error: the judge graded none of the episodes it was sent ({ungraded}); the "
+              f"report {out} records them (check judge.base_url and the judge's log)",
+              file=sys.stderr)
+        return 1
     return 0
+

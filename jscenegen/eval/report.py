@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 
 from jscenegen.config import SEED_MAX, clip_text
+from jscenegen.scene.reward import JUDGE_FAILURES
 
 REPORT_SCHEMA = "jscenegen.eval/1"
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
@@ -261,3 +263,15 @@ def comparison_markdown(before: dict, after: dict) -> str:
     overall[0] += f" (diff {change['diff']:+.3f}, {interval}, {change['pairs']} pairs)"
     lines.append("| **all** | " + " | ".join(overall) + " |")
     return "\n".join(lines)
+
+
+def ungraded_judge_failures(report: dict) -> str:
+    """'judge_timeout x3, ...' when the report's episodes met the judge only as failures (no
+    episode graded, at least one judge failure), else ''."""
+    summaries = report["overall"].values()
+    if any(s["quality"] is not None for s in summaries):
+        return ""
+    failed = Counter()
+    for s in summaries:
+        failed.update({k: c for k, c in s["failure_causes"].items() if k in JUDGE_FAILURES})
+    return ", ".join(f"{k} x{c}" for k, c in sorted(failed.items()))

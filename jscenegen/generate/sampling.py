@@ -117,13 +117,9 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
 
 
 
-@jax.jit
-def _keys_from_seeds(seeds: jax.Array) -> jax.Array:
-    return jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(seeds)
-
-
 def row_keys(seeds: Sequence[int]) -> np.ndarray:
-    """Raw PRNG key data [B, 2] uint32, one threefry key per integer seed (its low 32 bits),
-    made in one compiled call (one eager `jax.random.key` per seed cost ~5 ms each)."""
-    low = np.asarray([int(s) & 0xFFFFFFFF for s in seeds], np.uint32)
-    return np.asarray(_keys_from_seeds(low)).astype(np.uint32)
+    """Raw PRNG key data [B, 2] uint32, one threefry key per integer seed (its low 32 bits):
+    `jax.random.key(s)` of a 32-bit seed is threefry2x32's [0, s] (jax/_src/prng.py,
+    `threefry_seed`), built here on the host, for any number of rows without a compile."""
+    low = np.asarray([int(s) & 0xFFFFFFFF for s in seeds], np.uint32).reshape(-1)
+    return np.stack([np.zeros_like(low), low], axis=1)
