@@ -48,6 +48,14 @@ def A(obj) -> str:
         (A({"critique": "ok", "grades": {**GRADES, "realism": 7.5}}), "critic", "schema_violation"),
         (A({"critique": "ok", "grades": {"realism": 7}}), "critic", "schema_violation"),
         (A({"action": "critique"}), "critic", "role_violation"),
+        # JSON that Python parses but no scene text can hold: a lone surrogate escape, a
+        # number past the digit limit (json.loads raises ValueError), a key given twice
+        ('<action>{"action": "design", "instruction": "a \\ud800 b"}</action>', "planner", "bad_json"),
+        ('<action>{"critique": "\\udfff", "grades": {}}</action>', "critic", "bad_json"),
+        ('<action>{"ops": [{"op": "add_object", "category": "bed", "description": "\\ud83d",'
+         ' "position": [1, 1]}]}</action>', "designer", "bad_json"),
+        ('<action>{"action": "finish", "summary": "s", "n": ' + "1" * 5000 + "}</action>", "planner", "bad_json"),
+        ('<action>{"action": "design", "action": "finish", "summary": "s"}</action>', "planner", "bad_json"),
     ],
 )
 def test_malformed_actions_give_the_right_cause(text, role, cause):
@@ -60,6 +68,8 @@ def test_well_formed_actions_parse():
     ops = parse_action(A({"ops": [{"op": "get_scene"}]}), "designer", GRADE_KEYS).payload
     assert [o.op for o in ops] == ["get_scene"]
     assert parse_action(A({"critique": "c", "grades": GRADES}), "critic", GRADE_KEYS).payload["grades"] == GRADES
+    paired = '<action>{"action": "design", "instruction": "\\ud83d\\ude00 a sofa"}</action>'
+    assert parse_action(paired, "planner", GRADE_KEYS).payload["instruction"] == "\U0001F600 a sofa"
 
 
 @settings(max_examples=60, deadline=None)

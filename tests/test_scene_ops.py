@@ -5,7 +5,7 @@ from jscenegen.scene.catalogue import load_catalogue
 from jscenegen.scene.config import OpCosts, SceneRuntimeConfig
 from jscenegen.scene.geometry import footprint
 from jscenegen.scene.ops import OpSchemaError, SceneEditor, parse_op
-from jscenegen.scene.schema import Budget
+from jscenegen.scene.schema import Budget, Scene
 
 from scene_fixtures import empty_room
 
@@ -73,6 +73,62 @@ def test_validation_errors_change_nothing():
     assert all(": error:" in line for line in lines), lines
     assert ed.scene.objects == before
     assert "maximum of 1 objects" in lines[0] and "outside the floor" in lines[1]
+
+
+def test_results_no_scene_file_could_hold_are_op_errors():
+    """A yaw or offset far out of range, or a rotation whose carried child would leave the yaw
+    range, is a per-op error (charged, nothing changed); every object stays valid."""
+    ed = editor()
+    run(ed, {"op": "add_object", "category": "queen_bed", "position": [2.0, 1.5]},
+        {"op": "add_object", "category": "nightstand", "position": [0.5, 0.5], "yaw": 35999},
+        {"op": "add_object", "category": "table_lamp", "position": [0.5, 0.5], "mount": "on",
+         "parent": "nightstand_1", "yaw": -35999})
+    before = ed.scene.objects
+    lines, _ = run(
+        ed,
+        {"op": "add_object", "category": "chair", "position": [1, 1], "yaw": 1e9},
+        {"op": "rotate_object", "id": "queen_bed_1", "yaw": 1.7e308},
+        {"op": "move_object", "id": "queen_bed_1", "position": [2, 1.5], "yaw": -1e200},
+        {"op": "rotate_object", "id": "nightstand_1", "yaw": -35999},   # the lamp: -35999 - 71998
+        {"op": "snap_to_object", "id": "nightstand_1", "target": "queen_bed_1", "side": "left",
+         "offset": 1e308},
+        {"op": "snap_to_wall", "id": "nightstand_1", "wall": int("9" * 400)},
+    )
+    assert all(": error:" in line for line in lines), lines
+    assert ed.scene.objects == before
+    assert "yaw 1000000000.0 is beyond +-36000 degrees" in lines[0]
+    assert "yaw 1.7e+308 is beyond" in lines[1] and "yaw -1e+200 is beyond" in lines[2]
+    assert "object table_lamp_1: yaw -107997.0 is beyond" in lines[3]
+    assert "centre [1.00154, 1e+308] is outside the floor" in lines[4]
+    assert "... (427 characters) [2 units charged]" in lines[5] and len(lines[5]) < 500
+    assert Scene.model_validate(ed.scene.model_dump())
+
+
+def test_resize_and_replace_keep_wall_and_ceiling_objects_in_the_room():
+    ed = editor()
+    wall = ed.scene.room.wall_height
+    run(ed, {"op": "add_object", "category": "ceiling_light", "position": [2, 1.5], "mount": "ceiling"},
+        {"op": "add_object", "category": "wall_art", "position": [0.3, 1.5], "mount": "wall",
+         "elevation": wall - 0.6, "size": [0.5, 0.05, 0.5]})
+    lines, _ = run(ed, {"op": "resize_object", "id": "ceiling_light_1", "size": [0.5, 0.5, 0.45]},
+                   {"op": "resize_object", "id": "wall_art_1", "size": [0.5, 0.05, 0.9]},
+                   {"op": "replace_object", "id": "wall_art_1", "size": [0.6, 0.05, 0.95]},
+                   {"op": "replace_object", "id": "wall_art_1", "size": [0.6, 0.05, 0.55]})
+    assert [": ok" in line for line in lines] == [True, False, False, True], lines
+    light, art = ed.scene.objects
+    assert light.elevation == pytest.approx(wall - 0.45)          # still hangs from the ceiling
+    assert art.elevation + art.size[2] <= wall
+    assert "outside 0..wall_height" in lines[1] and "outside 0..wall_height" in lines[2]
+
+
+def test_ids_with_a_non_ascii_digit_suffix_do_not_count():
+    """'chair_²' is a valid id; `str.isdigit` accepts '²' but int() does not."""
+    from scene_fixtures import obj, scene
+
+    s = scene([obj("chair_\u00b2", "chair", 1, 1, 0.5, 0.5, 0.9), obj("chair_4", "chair", 2, 1, 0.5, 0.5, 0.9)])
+    ed = SceneEditor(s, SceneRuntimeConfig(), load_catalogue())
+    lines, _ = run(ed, {"op": "add_object", "category": "chair", "position": [3, 1]})
+    assert lines == ["1. add_object: ok -> chair_5 [8 units]"]
 
 
 def test_remove_takes_children_and_ids_are_not_reused():

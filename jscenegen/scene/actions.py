@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jscenegen.paths import loads_json
+
 from .ops import OpSchemaError, parse_op
 
 OPEN, CLOSE = "<action>", "</action>"
@@ -56,6 +58,27 @@ def extract_block(text: str) -> tuple[str | None, str | None, str]:
     return text[start + len(OPEN): end], None, ""
 
 
+def _lone_surrogate(obj) -> str | None:
+    """Where in parsed JSON a string (value or key) holds a lone surrogate, which JSON's
+    \\uXXXX escapes can make but no UTF-8 text (a prompt, a tokenizer input) can carry; None
+    when there is none. Walks without recursion (the parser already bounded the depth)."""
+    todo = [("the object", obj)]
+    while todo:
+        where, x = todo.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                todo.append((f"key {k[:40]!r}", k))
+                todo.append((f"field {k[:40]!r}", v))
+        elif isinstance(x, list):
+            todo.extend((where, v) for v in x)
+    return None
+
+
 def _role_of(obj: dict) -> str | None:
     if "action" in obj:
         return "planner"
@@ -74,9 +97,12 @@ def parse_action(text: str, role: str, grade_keys: tuple[str, ...]) -> ParsedAct
     if cause:
         return _fail(role, cause, msg)
     try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError) as err:
+        obj = loads_json(body)
+    except ValueError as err:
         return _fail(role, "bad_json", f"action block is not valid JSON: {err}")
+    if (where := _lone_surrogate(obj)) is not None:
+        return _fail(role, "bad_json", f"action block: {where} holds a lone UTF-16 surrogate "
+                                       "escape (\\ud800-\\udfff not part of a pair), which is no text")
     if not isinstance(obj, dict):
         return _fail(role, "bad_json", f"action block must be a JSON object, got {type(obj).__name__}")
     other = _role_of(obj)

@@ -16,10 +16,12 @@ from typing import Annotated, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from jscenegen.config import clip_text, validation_message
+
 from .catalogue import Catalogue
 from .config import SceneRuntimeConfig
 from .geometry import footprint, front_direction, point_in_polygon, wall_frame
-from .schema import Mount, Scene, SceneObject, id_sort_key
+from .schema import MAX_YAW_DEG, Mount, Scene, SceneObject, id_sort_key
 
 SNAP_GAP_M = 0.01
 Vec2 = tuple[float, float]
@@ -156,6 +158,18 @@ class OpError(ValueError):
     """A validation error of one operation: reported to the model, changes nothing."""
 
 
+MAX_ERROR_CHARS = 400   # an error line echoes what it refuses, clipped: it enters the next prompt
+
+
+def _valid(obj: SceneObject) -> SceneObject:
+    """`obj` checked against the scene schema (model_copy skips validation): an operation
+    whose result no scene file could hold (a yaw or coordinate out of range) is an OpError."""
+    try:
+        return SceneObject.model_validate(obj.model_dump())
+    except ValidationError as err:
+        raise OpError(validation_message(err.errors()[0])) from None
+
+
 def _r(x: float) -> float:
     return round(float(x), 6)
 
@@ -177,7 +191,7 @@ class SceneEditor:
     def __post_init__(self):
         for o in self.scene.objects:
             cat, _, n = o.id.rpartition("_")
-            if n.isdigit():
+            if n.isascii() and n.isdigit():
                 self.counters[cat] = max(self.counters.get(cat, 0), int(n))
 
     # ---- batch -----------------------------------------------------------------------------
@@ -199,7 +213,8 @@ class SceneEditor:
                 msg = getattr(self, "_" + op.op)(op)
                 lines.append(f"{i + 1}. {op.op}: ok{(' ' + msg) if msg else ''} [{cost} units]")
             except OpError as err:
-                lines.append(f"{i + 1}. {op.op}: error: {err} [{cost} units charged]")
+                lines.append(f"{i + 1}. {op.op}: error: {clip_text(str(err), MAX_ERROR_CHARS)} "
+                             f"[{cost} units charged]")
         return lines, False
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -212,7 +227,7 @@ class SceneEditor:
 
     def _inside(self, pos) -> None:
         if not point_in_polygon(pos[0], pos[1], self.scene.room.floor_polygon):
-            raise OpError(f"centre [{pos[0]:.2f}, {pos[1]:.2f}] is outside the floor")
+            raise OpError(f"centre [{pos[0]:.6g}, {pos[1]:.6g}] is outside the floor")
 
     def _check_size(self, category: str, size) -> None:
         cat = self.catalogue.get(category)
@@ -230,6 +245,7 @@ class SceneEditor:
         return out
 
     def _replace_objects(self, changed: dict[str, SceneObject], removed: set[str] = frozenset()) -> None:
+        changed = {k: _valid(o) for k, o in changed.items()}
         objs = tuple(changed.get(o.id, o) for o in self.scene.objects if o.id not in removed)
         objs += tuple(o for k, o in changed.items() if self.scene.object(k) is None)
         self.scene = self.scene.model_copy(update={"objects": objs})
@@ -237,6 +253,8 @@ class SceneEditor:
     def _rigid(self, obj: SceneObject, pos, yaw: float) -> None:
         """Move `obj` to pos/yaw and carry its descendants with the same rigid motion."""
         self._inside(pos)
+        if not abs(yaw) <= MAX_YAW_DEG:
+            raise OpError(f"yaw {yaw:.6g} is beyond +-{MAX_YAW_DEG:g} degrees")
         dyaw = yaw - obj.yaw
         c, s = math.cos(math.radians(dyaw)), math.sin(math.radians(dyaw))
         old = np.asarray(obj.position)
@@ -247,6 +265,29 @@ class SceneEditor:
             new = np.array([c * rel[0] - s * rel[1], c * rel[1] + s * rel[0]]) + np.asarray(pos)
             changed[kid_id] = kid.model_copy(update={"position": (_r(new[0]), _r(new[1])), "yaw": _r(kid.yaw + dyaw)})
         self._replace_objects(changed)
+
+    def _mounted_elevation(self, mount: str, elevation: float, height: float) -> float:
+        """Elevation of a wall-mounted object (as given, its top at most the wall height) or a
+        ceiling-mounted one (its top at the ceiling); raises OpError when it leaves the wall."""
+        wall_height = self.scene.room.wall_height
+        if mount == "ceiling":
+            elevation = wall_height - height
+        if elevation < 0 or elevation + height > wall_height + 1e-9:
+            raise OpError(f"elevation {elevation:.6g} with height {height:.6g} puts the object "
+                          f"outside 0..wall_height ({wall_height:g})")
+        return elevation
+
+    def _resized(self, o: SceneObject, size) -> dict[str, SceneObject]:
+        """`o` with `size` (a ceiling object stays at the ceiling, a wall object must stay on the
+        wall) and the objects on it lifted to its new top."""
+        elevation = o.elevation
+        if o.mount in ("wall", "ceiling"):
+            elevation = _r(self._mounted_elevation(o.mount, o.elevation, size[2]))
+        changed = {o.id: o.model_copy(update={"size": tuple(size), "elevation": elevation})}
+        for kid in self.scene.objects:
+            if kid.parent == o.id:
+                changed[kid.id] = kid.model_copy(update={"elevation": _r(elevation + size[2])})
+        return changed
 
     def _new_id(self, category: str) -> str:
         self.counters[category] = self.counters.get(category, 0) + 1
@@ -276,15 +317,13 @@ class SceneEditor:
             elevation, parent = p.elevation + p.size[2], p.id
         elif op.parent:
             raise OpError(f"parent is only allowed with mount 'on', not {op.mount!r}")
-        elif op.mount == "wall":
-            elevation = op.elevation if op.elevation is not None else (cat.default_elevation or 1.5)
-            if elevation < 0 or elevation + size[2] > self.scene.room.wall_height:
-                raise OpError(f"elevation {elevation} puts the object outside 0..wall_height")
-        elif op.mount == "ceiling":
-            elevation = self.scene.room.wall_height - size[2]
+        elif op.mount in ("wall", "ceiling"):
+            default = cat.default_elevation or 1.5
+            elevation = self._mounted_elevation(op.mount, op.elevation if op.elevation is not None
+                                                else default, size[2])
         else:
             elevation = 0.0
-        new = SceneObject(
+        new = SceneObject.model_construct(
             id=self._new_id(op.category), category=op.category, description=op.description,
             position=(_r(op.position[0]), _r(op.position[1])), elevation=_r(elevation), size=tuple(size),
             yaw=_r(op.yaw), mount=op.mount, parent=parent,
@@ -302,15 +341,15 @@ class SceneEditor:
             raise OpError(f"{category} cannot be mounted {old.mount!r}")
         size = op.size or (cat.default_size if (op.category and op.category != old.category) else old.size)
         self._check_size(category, size)
+        changed = self._resized(old, size)
         new_id = old.id if category == old.category else self._new_id(category)
-        new = old.model_copy(update={
-            "id": new_id, "category": category, "size": tuple(size),
+        changed[old.id] = changed[old.id].model_copy(update={
+            "id": new_id, "category": category,
             "description": op.description if op.description is not None else old.description,
         })
-        kids = {o.id: o.model_copy(update={"parent": new_id, "elevation": _r(old.elevation + size[2])})
-                for o in self.scene.objects if o.parent == old.id}
-        objs = tuple(new if o.id == old.id else kids.get(o.id, o) for o in self.scene.objects)
-        self.scene = self.scene.model_copy(update={"objects": objs})
+        for kid_id in changed.keys() - {old.id}:
+            changed[kid_id] = changed[kid_id].model_copy(update={"parent": new_id})
+        self._replace_objects(changed)
         return f"-> {new_id}"
 
     def _resize_object(self, op: ResizeObject) -> str:
@@ -325,11 +364,7 @@ class SceneEditor:
         if min(size) <= 0:
             raise OpError("sizes must be positive")
         self._check_size(o.category, size)
-        changed = {o.id: o.model_copy(update={"size": tuple(size)})}
-        for kid in self.scene.objects:
-            if kid.parent == o.id:
-                changed[kid.id] = kid.model_copy(update={"elevation": _r(o.elevation + size[2])})
-        self._replace_objects(changed)
+        self._replace_objects(self._resized(o, size))
         return ""
 
     def _move_object(self, op: MoveObject) -> str:

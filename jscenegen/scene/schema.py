@@ -94,6 +94,10 @@ class Room(JsonDocument):
             for i, op in enumerate(items):
                 if op.wall >= n:
                     raise ValueError(f"{kind}[{i}].wall {op.wall} is not an edge index (polygon has {n} edges)")
+                top = op.height + getattr(op, "sill", 0.0)
+                if top > self.wall_height + 1e-9:
+                    raise ValueError(f"{kind}[{i}]: its top at {top:g} m is above wall_height "
+                                     f"{self.wall_height:g}")
                 length = edge_length(self.floor_polygon, op.wall)
                 if op.offset - op.width / 2 < -1e-9 or op.offset + op.width / 2 > length + 1e-9:
                     raise ValueError(
