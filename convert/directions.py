@@ -100,7 +100,7 @@ def verl_state(ck: VerlCheckpoint) -> VerlState:
                           step=ck.adam_step(), param_groups=ck.param_groups(),
                           names=ck.trainable)
     extra = ck.extra_states() if "extra_state" in ck.layout.kinds else None
-    step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
+    step = ck.global_step()
     return VerlState(config=ck.config, hf_dir=ck.hf_dir, params=sliced(ck.read_param), adam=adam,
                      extra_states=extra, global_step=step)
 

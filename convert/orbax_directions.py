@@ -209,8 +209,8 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
         adam["mu"] = {n: LazyArray.zeros(ck.shapes[n], name=n) for n in trainable}
         adam["nu"] = {n: LazyArray.zeros(ck.shapes[n], name=n) for n in trainable}
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
-    step = ck.layout.global_step if ck.layout.global_step is not None else (ck.scheduler_step() or 0)
-    sched = ck.scheduler_step() if extras else None
+    step = ck.global_step()
+    sched = ck.scheduler_step()
     train_state = {"step": step, "lr_schedule_count": sched if sched is not None else step,
                    "optimizer_step": int(adam["count"]), "source_format": "verl"}
     import torch

@@ -26,7 +26,7 @@ from convert.errors import ConvertError
 from convert.sharding import chunk_bounds
 from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
-from convert.torch_safe import load_pt
+from convert.torch_safe import StorageCrcs, load_pt
 
 KINDS = ("model", "optim", "extra_state")
 _RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -69,7 +69,7 @@ def find_verl(path: str | Path) -> VerlLayout:
     latest = src / "latest_checkpointed_iteration.txt"
     if not _has_rank_files(src) and latest.is_file():
         text = latest.read_text().strip()
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):
             raise ConvertError(f"{latest}: expected a step number, got {text[:40]!r}")
         step_dir = src / f"global_step_{int(text)}"
         if not step_dir.is_dir():
@@ -135,12 +135,15 @@ def _check_rank_files(d: Path) -> tuple[int, tuple[str, ...]]:
     return world_size, tuple(k for k in KINDS if k in found)
 
 
+SHARD_DTYPES = ("float32", "bfloat16", "float16")   # what a VERL run saves weights and moments in
+
+
 def _check_float(f: Path, key: str, t: Any, first: Any) -> None:
-    """Refuse a shard that is not floating point, or whose dtype differs from rank 0's
-    (`first`; None on rank 0): one tensor is saved in one dtype on every rank."""
-    if not t.is_floating_point():
+    """Refuse a shard that is not float32, bfloat16 or float16, or whose dtype differs from
+    rank 0's (`first`; None on rank 0): one tensor is saved in one dtype on every rank."""
+    if str(t.dtype).removeprefix("torch.") not in SHARD_DTYPES:
         raise ConvertError(f"{f}: {key} has dtype {t.dtype}; weights and AdamW moments are "
-                           "floating point")
+                           f"{', '.join(SHARD_DTYPES)}")
     if first is not None and t.dtype != first.dtype:
         raise ConvertError(f"{f}: {key} has dtype {t.dtype} on this rank but {first.dtype} on "
                            "rank 0")
@@ -149,7 +152,8 @@ def _check_float(f: Path, key: str, t: Any, first: Any) -> None:
 def _check_optim_structure(f: Path, sd: dict) -> None:
     """Refuse an optimizer file whose `state` / `param_groups` are not torch AdamW's shapes:
     state {int index: {"exp_avg", "exp_avg_sq", "step": a finite number}}, param_groups
-    [{"params": [int, ...], ...}]."""
+    [{"params": [int, ...], ...}] without AMSGrad or `maximize` (their state or sign is not
+    AdamW's, which jscenegen keeps)."""
     import torch
 
     groups, state = sd["param_groups"], sd["state"]
@@ -160,6 +164,11 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
         raise ConvertError(f"{f}: param_groups must be a list of dicts, each with a list of "
                            "integer parameter indices under 'params'")
     _check_json_size(f, "param_groups", groups)
+    for g, group in enumerate(groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ConvertError(f"{f}: param_groups[{g}].{flag} is {group[flag]!r:.20}; only "
+                                   "plain AdamW state (exp_avg, exp_avg_sq, step) converts")
     if not isinstance(state, dict):
         raise ConvertError(f"{f}: state is a {type(state).__name__}, expected a dict of "
                            "parameter index -> AdamW state")
@@ -169,6 +178,9 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
         if not isinstance(st, dict) or not {"exp_avg", "exp_avg_sq", "step"} <= set(st):
             raise ConvertError(f"{f}: state[{i}] lacks exp_avg/exp_avg_sq/step; not a torch "
                                "AdamW state")
+        if other := sorted(set(st) - {"exp_avg", "exp_avg_sq", "step"}, key=str):
+            raise ConvertError(f"{f}: state[{i}] also holds {str(other)[:80]} (AMSGrad keeps "
+                               "max_exp_avg_sq); only plain AdamW state converts")
         step = st["step"]
         if isinstance(step, torch.Tensor):
             step = step.item() if step.numel() == 1 else None
@@ -254,7 +266,7 @@ def _check_fsdp_config(f: Path, world_size: int) -> None:
         raise ConvertError(f"{f}: not valid JSON: {err}") from None
     if not isinstance(cfg, dict):
         raise ConvertError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
-    if cfg.get("world_size") != world_size:
+    if type(cfg.get("world_size")) is not int or cfg["world_size"] != world_size:
         raise ConvertError(
             f"{f}: world_size {cfg.get('world_size')!r} contradicts the rank files "
             f"(*_world_size_{world_size}_rank_*.pt)"
@@ -312,6 +324,7 @@ class VerlCheckpoint:
         from jscenegen.model.config import ModelConfigError, QwenConfig
 
         self.layout = find_verl(path)
+        self._crcs: dict[tuple[str, int], StorageCrcs] = {}   # per loaded model/optim file
         hf = Path(hf_dir) if hf_dir is not None else self.layout.hf_dir
         if hf is None:
             raise ConvertError(
@@ -338,7 +351,11 @@ class VerlCheckpoint:
         return self.layout.world_size
 
     def _load(self, kind: str, rank: int) -> Any:
-        return load_pt(self.layout.rank_file(kind, rank))
+        f = self.layout.rank_file(kind, rank)
+        obj = load_pt(f)
+        if kind in ("model", "optim"):
+            self._crcs[(kind, rank)] = StorageCrcs(f, obj)
+        return obj
 
     @cached_property
     def _model_files(self) -> list[dict[str, Any]]:
@@ -389,11 +406,14 @@ class VerlCheckpoint:
         if not isinstance(entries[0], DTensor):
             return self._gather_plain(kind, key, entries, shape)
         dim, locals_ = self._local_shards(kind, key, entries, shape)
+        if dim is None:
+            self._check_replicas(kind, key, [e._local_tensor for e in entries])
         full = np.empty(shape, dtype=to_numpy(locals_[0]).dtype)
         start = 0
-        for t in locals_:  # shard by shard: one sequential bulk read each, then release it
+        for r, t in enumerate(locals_):  # shard by shard: one sequential bulk read each, then release it
             storage = t.untyped_storage()
             pages.will_need(storage.data_ptr(), storage.nbytes())
+            self._crcs[(kind, r)].check(storage, key)
             a = to_numpy(t)
             if dim is None:  # Replicate: rank 0's copy is the tensor
                 full[...] = a
@@ -512,11 +532,20 @@ class VerlCheckpoint:
 
         first = entries[0]
         for r, t in enumerate(entries):
-            f = self.layout.rank_file(kind, r)
-            self._check_plain(f, key, t, shape, first if r else None)
-            if r and not torch.equal(t, first):
-                raise ConvertError(f"{f}: replicated {key} differs from rank 0's copy")
+            self._check_plain(self.layout.rank_file(kind, r), key, t, shape, first if r else None)
+        self._check_replicas(kind, key, entries)
+        self._crcs[(kind, 0)].check(first.untyped_storage(), key)
         return np.array(to_numpy(first))
+
+    def _check_replicas(self, kind: str, key: str, copies: list[Any]) -> None:
+        """Refuse a replicated tensor (a plain one, or a Replicate() DTensor's local copies)
+        whose copy on some rank differs from rank 0's."""
+        import torch
+
+        for r, t in enumerate(copies[1:], 1):
+            if not torch.equal(t, copies[0]):
+                raise ConvertError(f"{self.layout.rank_file(kind, r)}: replicated {key} differs "
+                                   "from rank 0's copy")
 
     @staticmethod
     def _check_plain(f: Path, key: str, t: Any, shape: tuple[int, ...], first: Any) -> None:
@@ -626,7 +655,8 @@ class VerlCheckpoint:
         return self.read_moment(name, "exp_avg"), self.read_moment(name, "exp_avg_sq")
 
     def read_moment(self, name: str, moment: str) -> np.ndarray:
-        """One AdamW moment ("exp_avg" or "exp_avg_sq") of one parameter, from every optim rank file."""
+        """One AdamW moment ("exp_avg" or "exp_avg_sq") of one parameter, from every optim
+        rank file, as float32 (bfloat16 and float16 moments widen exactly)."""
         if moment not in ("exp_avg", "exp_avg_sq"):
             raise ValueError(f"moment must be exp_avg or exp_avg_sq, got {moment!r}")
         i = self.param_order.index(name)
@@ -639,7 +669,7 @@ class VerlCheckpoint:
                 raise ConvertError(f"{self.layout.rank_file('optim', r)}: state {i} ({name}) lacks "
                                    "exp_avg/exp_avg_sq/step; not a torch AdamW state")
         return self._gather("optim", f"state[{i}].{moment} ({name})", [s[moment] for s in states],
-                            self.shapes[name])
+                            self.shapes[name]).astype(np.float32, copy=False)
 
     def adam_step(self) -> int:
         """AdamW's `step` (optimizer steps taken), checked equal on every rank and parameter."""
@@ -671,12 +701,28 @@ class VerlCheckpoint:
                 raise ConvertError(f"{f}: expected keys lr_scheduler, rng; got "
                                    f"{sorted(st) if isinstance(st, dict) else type(st).__name__}")
             _check_extra_state(f, st)
+            if out and st.get("lr_scheduler") != out[0].get("lr_scheduler"):
+                raise ConvertError(f"{f}: lr_scheduler differs from rank 0's (every rank steps "
+                                   "the same schedule)")
             out.append(st)
         return out
 
     def scheduler_step(self) -> int | None:
-        """The LR scheduler's `last_epoch` (= global steps taken), None if no scheduler state."""
+        """The LR scheduler's `last_epoch` (= global steps taken), None without extra state
+        files or scheduler state."""
+        if "extra_state" not in self.layout.kinds:
+            return None
         sched = self.extra_states()[0].get("lr_scheduler")
         if not sched:
             return None
         return int(sched["last_epoch"])
+
+    def global_step(self) -> int:
+        """The trainer's global step: N of a `global_step_N` directory, else the scheduler's
+        `last_epoch`, else AdamW's step (VERL takes one of each per update), else 0."""
+        if self.layout.global_step is not None:
+            return self.layout.global_step
+        sched = self.scheduler_step()
+        if sched is not None:
+            return sched
+        return self.adam_step() if self.has_optimizer() else 0

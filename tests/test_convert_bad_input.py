@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -182,6 +183,26 @@ def _flip_tensor_byte(f):
     f.write_bytes(bytes(data))
 
 
+def test_a_flipped_bit_without_checksums_fails_the_zip_crc(actor, tmp_path):
+    """VERL writes no checksums.json: the CRC-32 each zip record carries catches a corrupted
+    storage as it is read (it converted silently and the output's checksums vouched for it)."""
+    from convert.orbax_directions import verl_to_orbax
+
+    f = actor / "model_world_size_6_rank_1.pt"
+    _flip_tensor_byte(f)
+    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_1\.pt: \S+weight: its bytes "
+                                           r"fail the CRC-32 the file records for them \(\S+/data/\d+\); "
+                                           r"the file is corrupt"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+    _flip_tensor_byte(f)                                   # mended: converts
+    g = actor / "optim_world_size_6_rank_3.pt"
+    _flip_tensor_byte(g)
+    with pytest.raises(ConvertError, match=r"optim_world_size_6_rank_3\.pt: state\[\d+\]\.exp_avg"):
+        verl_to_orbax(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
 def test_a_source_that_fails_its_checksums_is_refused_before_converting(actor, tmp_path_factory):
     from convert.dispatch import convert
     from jscenegen.checkpoint.checksums import write_checksums
@@ -333,6 +354,14 @@ def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
     ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", sd["rng"]["numpy"][1][:3],
                                                                 0, 0, 0.0)),
      r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple \('MT19937', 624 key words"),
+    # AMSGrad's extra moment, or its flag: converted, the state lost max_exp_avg_sq silently
+    # and the VERL files written back made torch's step() raise KeyError
+    ("optim", lambda sd: sd["state"][0].__setitem__("max_exp_avg_sq", sd["state"][0]["exp_avg_sq"]),
+     r"rank_0\.pt: state\[0\] also holds \['max_exp_avg_sq'\] \(AMSGrad"),
+    ("optim", lambda sd: sd["param_groups"][0].__setitem__("amsgrad", True),
+     r"rank_0\.pt: param_groups\[0\]\.amsgrad is True; only plain AdamW state"),
+    ("optim", lambda sd: sd["param_groups"][0].__setitem__("maximize", True),
+     r"param_groups\[0\]\.maximize is True"),
 ])
 def test_malformed_optimizer_or_extra_state_fields_are_named(actor, tmp_path, kind, change, message):
     from convert.orbax_directions import verl_to_orbax
@@ -460,3 +489,107 @@ def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path):
     f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
     with pytest.raises(ValueError, match=r"model\.safetensors: .*the key 'w' appears twice in one object"):
         read_header(f)
+
+
+def test_per_rank_copies_that_disagree_are_refused(actor, tmp_path):
+    """Rank 1's scheduler, or a Replicate() DTensor's copy on rank 1, differing from rank 0's
+    (both were taken from rank 0 unseen)."""
+    import torch
+    from torch.distributed.tensor import Replicate
+
+    from convert.orbax_directions import verl_to_orbax
+
+    _edit(actor / "extra_state_world_size_6_rank_1.pt",
+          lambda sd: sd["lr_scheduler"].__setitem__("last_epoch", 99))
+    with pytest.raises(ConvertError, match=r"extra_state_world_size_6_rank_1\.pt: lr_scheduler "
+                                           r"differs from rank 0's"):
+        verl_to_orbax(actor, tmp_path / "out")
+    name = "model.norm.weight"
+    full = torch.cat([load_pt(actor / f"model_world_size_6_rank_{r}.pt", mmap=False)[name]._local_tensor
+                      for r in range(6)])
+
+    def replicated(r):
+        def change(sd):
+            t = sd[name]
+            sd[name] = type(t).from_local(full + (r == 4), t.device_mesh, [Replicate()],
+                                          shape=t.shape, stride=t.stride())
+        return change
+
+    for r in range(6):
+        _edit(actor / f"model_world_size_6_rank_{r}.pt", replicated(r))
+    with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_4\.pt: replicated {name} "
+                                           r"differs from rank 0's copy"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_half_precision_moments_widen_and_float64_shards_are_named(actor, tmp_path):
+    import torch
+
+    from convert.orbax_directions import verl_to_orbax
+    from convert.verl_read import VerlCheckpoint
+
+    want = VerlCheckpoint(actor).read_moment("model.norm.weight", "exp_avg")
+
+    def to_bf16(sd):
+        for st in sd["state"].values():
+            for m in ("exp_avg", "exp_avg_sq"):
+                t = st[m]
+                st[m] = type(t).from_local(t._local_tensor.to(torch.bfloat16), t.device_mesh,
+                                           t.placements, shape=t.shape, stride=t.stride())
+
+    for r in range(6):
+        _edit(actor / f"optim_world_size_6_rank_{r}.pt", to_bf16)
+    got = VerlCheckpoint(actor).read_moment("model.norm.weight", "exp_avg")
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want.astype(ml_dtypes.bfloat16).astype(np.float32))
+    verl_to_orbax(actor, tmp_path / "orbax")        # moments declared float32 are float32
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def to_f64(sd):
+        t = sd[name]
+        sd[name] = type(t).from_local(t._local_tensor.double(), t.device_mesh, t.placements,
+                                      shape=t.shape, stride=t.stride())
+
+    for r in range(6):
+        _edit(actor / f"model_world_size_6_rank_{r}.pt", to_f64)
+    with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_0\.pt: {name} has dtype "
+                                           r"torch\.float64; weights and AdamW moments are float32, "
+                                           r"bfloat16, float16"):
+        verl_to_hf(actor, tmp_path / "out")
+
+
+def test_the_global_step_falls_back_to_the_adam_step(actor):
+    """Outside a global_step_N directory and without scheduler state, the step is AdamW's
+    (it was 0); a step file holding a non-ASCII digit is named."""
+    from convert.verl_read import VerlCheckpoint, find_verl
+
+    flat = actor.parent.parent / "flat"
+    shutil.copytree(actor, flat)
+    for r in range(6):
+        _edit(flat / f"extra_state_world_size_6_rank_{r}.pt", lambda sd: sd.__setitem__("lr_scheduler", None))
+    ck = VerlCheckpoint(flat)
+    assert ck.layout.global_step is None and ck.scheduler_step() is None
+    assert ck.global_step() == ck.adam_step() == 3
+    run = actor.parent.parent
+    (run / "latest_checkpointed_iteration.txt").write_text("\u00b3")
+    with pytest.raises(ConvertError, match=r"latest_checkpointed_iteration\.txt: expected a step "
+                                           r"number, got '\u00b3'"):
+        find_verl(run)
+
+
+def test_an_fsdp1_sharded_state_dict_is_named(tmp_path):
+    """FSDP1's SHARDED_STATE_DICT pickles torch ShardedTensors, which weights_only refuses; the
+    error said to allowlist them."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    class Pickles:       # a stand-in that pickles as a ShardedTensor reference
+        def __reduce__(self):
+            return (ShardedTensor, ())
+
+    f = tmp_path / "model_world_size_1_rank_0.pt"
+    torch.save({"model.norm.weight": Pickles()}, f)
+    with pytest.raises(ConvertError, match=r"rank_0\.pt: holds torch ShardedTensors: an FSDP1 "
+                                           r"SHARDED_STATE_DICT checkpoint"):
+        load_pt(f)
