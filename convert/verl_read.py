@@ -528,7 +528,6 @@ class VerlCheckpoint:
         raise ConvertError(f"{f}: {key} placement {p} is not supported (Shard or Replicate only)")
 
     def _gather_plain(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...]) -> np.ndarray:
-        import torch
 
         first = entries[0]
         for r, t in enumerate(entries):
