@@ -328,9 +328,14 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     return dict(pairs)
 
 
+def json_document(obj: Any) -> str:
+    """`obj` as the indented, key-sorted JSON text of a file (with its final newline)."""
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """Write `obj` as indented, key-sorted JSON to `path` atomically."""
-    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_text(path, json_document(obj))
 
 
 def _partial_prefix(name: str) -> str:

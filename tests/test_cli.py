@@ -780,3 +780,24 @@ def test_a_signal_while_the_arguments_are_parsed_ends_with_one_line(monkeypatch,
     monkeypatch.setattr(cli, "parse_args", interrupted)
     assert main(["convert", "a", "b", "--from", "hf", "--to", "verl", "--world-size", "3"]) == code
     assert one_error_line(capsys) == line
+
+
+def test_a_failed_sft_removes_the_fresh_model_it_made(tmp_path, capsys):
+    """Without --model, a run that failed after making OUT-init left it behind, and the same
+    command then refused to start; a checkpoint step as --model is named as such."""
+    bad = tmp_path / "catalogue.json"
+    bad.write_text('{"version": "scenegen.catalogue/1", "categories": {"chair": []}}')
+    argv = ["sft", "--config", str(ROOT / "configs/sft-cpu.yaml"), "--out", str(tmp_path / "o"),
+            f"scene.catalogue_path={bad}"]
+    assert main(argv) == 2
+    assert one_error_line(capsys) == f"error: {bad}: categories.chair: must be an object, got list"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["catalogue.json"]
+    step = tmp_path / "run" / "checkpoints" / "3"
+    (step / "params").mkdir(parents=True)
+    (step / "hf").mkdir()
+    (step / "hf" / "config.json").write_text("{}")
+    assert main(["sft", "--config", str(ROOT / "configs/sft-cpu.yaml"), "--model", str(step),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --model {step}: a checkpoint step; sft starts from an HF model directory (write "
+        f"one: jscenegen convert {step} OUT --from orbax --to hf)")

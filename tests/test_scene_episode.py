@@ -222,3 +222,7 @@ def test_replaced_prompt_templates_change_the_hash_and_bad_ones_are_named(tmp_pa
     (tmp_path / "critic.txt").unlink()
     with pytest.raises(PromptError, match=rf"^scene.prompts_dir {tmp_path}: critic.txt is missing \(needed: system"):
         load_templates(str(tmp_path))
+    (tmp_path / "critic.txt").write_bytes(b"Grade \xff\xfe it.")
+    with pytest.raises(PromptError, match=rf"^scene.prompts_dir {tmp_path}: critic.txt is not UTF-8 "
+                                          r"text \(byte 6: invalid start byte\)$"):
+        load_templates(str(tmp_path))

@@ -171,3 +171,38 @@ def test_a_named_pipe_given_as_input_is_refused_without_blocking(tmp_path):
         read_scene_set(fifo)
     with pytest.raises(SceneError, match=rf"^scene.catalogue_path {fifo}: is a named pipe$"):
         load_catalogue(str(fifo))
+
+
+def _packaged_catalogue() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text())
+
+
+@pytest.mark.parametrize("change,message", [
+    # every bed category gone while the bed group still names them: the expert crashed
+    (lambda d: [d["categories"].pop(k) for k in ("single_bed", "double_bed", "queen_bed", "king_bed")],
+     r"groups\.bed names 'single_bed', which is not a category"),
+    (lambda d: d["categories"]["chair"].__setitem__("width_range", ["a", "b"]),
+     r"categories\.chair: width_range must be a list of 2 numbers, got \[\"a\", \"b\"\]"),
+    (lambda d: d["categories"]["chair"].update(default_size=[-0.5, -0.5, -0.9], width_range=[-3, -1]),
+     r"categories\.chair: width_range \[-3, -1\] must lie in \(0, 1000\] metres"),
+    (lambda d: d["categories"]["chair"].update(default_size=[0, 0, 0]),
+     r"categories\.chair: default_size \[0, 0, 0\] must lie in \(0, 1000\]"),
+    (lambda d: d["categories"]["chair"].update(height_range=[1.2, 0.4]),
+     r"categories\.chair: height_range \[1\.2, 0\.4\] runs backwards"),
+    (lambda d: d["categories"]["wall_art"].update(default_elevation="high"),
+     r"categories\.wall_art: default_elevation must be a number of metres >= 0, got \"high\""),
+    (lambda d: d["categories"]["chair"].update(mounts=["floor", "sky"]),
+     r"categories\.chair: mounts must be a non-empty list of floor, on, wall, ceiling"),
+    (lambda d: d["categories"]["chair"].update(storage="yes"), r"categories\.chair: storage must be true or false"),
+    (lambda d: d["room_types"]["bedroom"].update(required_group="beds"),
+     r"room_types\.bedroom\.required_group 'beds' is not a group"),
+])
+def test_a_catalogue_file_is_checked_key_by_key(tmp_path, change, message):
+    doc = _packaged_catalogue()
+    change(doc)
+    path = tmp_path / "catalogue.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=rf"^{path}: {message}"):
+        load_catalogue(str(path))

@@ -28,7 +28,7 @@ from jscenegen.scene.sceneset import read_scene_set
 from jscenegen.sft.config import SFTRunConfig
 from jscenegen.sft.demos import (
     SFT_SEED_BASE,
-    batch_order,
+    batch_indices,
     build_demos,
     demo_batch,
     sft_records,
@@ -117,13 +117,19 @@ def test_demo_masks_on_real_episodes(demos, chat):
     np.testing.assert_array_equal(capped["input_ids"][:, :100], short["input_ids"])
 
 
-def test_batch_order_cycles_epochs_deterministically():
-    order = batch_order(5, 3, 4, seed=1)
-    assert order.shape == (4, 3)
-    flat = order.ravel()
+def test_batch_indices_cycle_epochs_deterministically():
+    from itertools import islice
+
+    def order(seed, steps=4):
+        return np.stack(list(islice(batch_indices(5, 3, seed=seed), steps)))
+
+    got = order(1)
+    assert got.shape == (4, 3)
+    flat = got.ravel()
     assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))
-    np.testing.assert_array_equal(order, batch_order(5, 3, 4, seed=1))
-    assert not np.array_equal(order, batch_order(5, 3, 4, seed=2))
+    np.testing.assert_array_equal(got, order(1))
+    assert not np.array_equal(got, order(2))
+    np.testing.assert_array_equal(order(1, 10**5)[:4], got)   # many steps: made as taken
 
 
 def _direct_nll(model, batch):
@@ -251,6 +257,12 @@ def test_run_sft_refuses_what_would_not_train_and_warns_when_nothing_moved(tmp_p
         run_sft(cfg(optim={"lr": 1e30, "warmup_steps": 0}), chat_model_dir(), tmp_path / "diverged",
                 log=rows.append)
     assert json.loads(json_line(rows[-1]))["grad_norm"] is None      # strict JSON: NaN is null
+    # one step: its logged loss (before the update) is finite, the weights written are not
+    with pytest.raises(ValueError, match=r"at the weights after the last step its batch has loss "
+                                         r"\S+ and gradient norm (nan|inf): the last update diverged"):
+        run_sft(cfg({"steps": 1}, optim={"lr": 1e30, "warmup_steps": 0}), chat_model_dir(),
+                tmp_path / "one", log=rows.append)
+    assert not (tmp_path / "one").exists()
     with caplog.at_level("WARNING"):
         run_sft(cfg({"steps": 1}), chat_model_dir(), tmp_path / "still", log=rows.append)
     assert "every step ran at learning rate 0 (sft.steps=1, optim.warmup_steps=4" in caplog.text
@@ -266,13 +278,12 @@ def test_config_errors_name_the_key():
         validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="batch_size 100000 x max_seq_len 3072 = 307,200,000 tokens"):
         validate_config({"sft": {"batch_size": 100000, "micro_batch_size": 1}}, "sft.yaml", SFTRunConfig)
-    with pytest.raises(ConfigError, match=r"batch_size 4100 x max_seq_len 3000 padded to 4096 \(a "
-                                          r"multiple of seq_multiple 2048\) = 16,793,600 tokens"):
-        validate_config({"sft": {"batch_size": 4100, "max_seq_len": 3000, "seq_multiple": 2048}},
-                        "sft.yaml", SFTRunConfig)
-    with pytest.raises(ConfigError, match=r"batch_size 17 x max_seq_len 3072 padded to 1048576"):
-        validate_config({"sft": {"batch_size": 17, "seq_multiple": 2**20}}, "sft.yaml", SFTRunConfig)
-    # a short max_seq_len keeps the default multiple (rows of 128 slots, 64 real tokens)
+    with pytest.raises(ConfigError, match=r"batch_size 5600 x max_seq_len 3000 = 16,800,000 tokens"):
+        validate_config({"sft": {"batch_size": 5600, "max_seq_len": 3000}}, "sft.yaml", SFTRunConfig)
+    # rows are padded to the multiple but never past max_seq_len: a multiple of 2^20 (rows of
+    # 2^20 tokens ran out of memory) is harmless, as is the default 128 beside a short max_seq_len
+    assert validate_config({"sft": {"batch_size": 17, "seq_multiple": 2**20}}, "sft.yaml",
+                           SFTRunConfig).sft.seq_multiple == 2**20
     assert validate_config({"sft": {"max_seq_len": 64}}, "sft.yaml", SFTRunConfig).sft.seq_multiple == 128
     with pytest.raises(ConfigError, match="scene_offset 999999 \\+ num_demos 2 passes"):
         validate_config({"sft": {"num_demos": 2, "scene_offset": 999999}}, "sft.yaml", SFTRunConfig)

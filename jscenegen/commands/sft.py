@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from jscenegen.paths import data_path_arg
@@ -20,6 +21,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from jscenegen.checkpoint.store import is_checkpoint_dir
     from jscenegen.config import load_config
     from jscenegen.paths import json_line, refuse_overwriting_input, require_new_dir
     from jscenegen.sft.config import SFTRunConfig
@@ -31,6 +33,10 @@ def run(args) -> int:
 
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path
+    if model_dir is not None and is_checkpoint_dir(Path(model_dir)):
+        raise ValueError(f"--model {model_dir}: a checkpoint step; sft starts from an HF model "
+                         f"directory (write one: jscenegen convert {model_dir} OUT --from orbax "
+                         "--to hf)")
     # before anything is written (write checks create a probe file beside the output)
     refuse_overwriting_input(out, "--out", {"--model": model_dir, "--config": args.config})
     require_new_dir(out)  # before a fresh init-model or any demonstration is built
@@ -47,7 +53,13 @@ def run(args) -> int:
         init_model_dir(model_dir, arch=cfg.sft.init_arch, preset=cfg.sft.init_preset,
                        seed=cfg.sft.seed, texts=tokenizer_corpus())
         print(json.dumps({"event": "init_model", "model_dir": str(model_dir)}), flush=True)
-    summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
+        try:
+            summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
+        except BaseException:   # the same command, run again, makes it afresh
+            shutil.rmtree(model_dir, ignore_errors=True)
+            raise
+    else:
+        summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
     print(json_line({"event": "done", "out_dir": str(out), "final_loss": summary["final_loss"],
                       "train_s": round(summary["train_s"], 1), "total_s": round(summary["total_s"], 1)}))
     return 0

@@ -134,7 +134,8 @@ def hf_state_dict(model: CausalLM, dtype: str | Mapping[str, str] | None = None
 def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
                  dtype: str | Mapping[str, str] = "float32", config_dtype: str | None = None,
                  tokenizer_src: str | Path | None = None,
-                 max_shard_bytes: int = 2 * 1024**3, replace: bool = False) -> Path:
+                 max_shard_bytes: int = 2 * 1024**3, replace: bool = False,
+                 extra_files: Mapping[str, str] | None = None) -> Path:
     """Write an HF directory from streamed (name, array) pairs; atomic (temp dir + rename).
 
     `tensors` yields every tensor of `param_shapes(cfg, carried=True)` in that order; each is
@@ -146,8 +147,9 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
     that was read, its dtype fields changed only when config_dtype differs from it). The model's other assets (tokenizer, chat template, processor files;
     `assets.ASSET_FILES` except config.json) are copied from `tokenizer_src` when given. `out`
     must be new or empty (FileExistsError before anything is written); with `replace`, an
-    existing `out` is replaced once the new directory is complete. Raises OSError on write
-    failure (the old dir stays).
+    existing `out` is replaced once the new directory is complete. `extra_files` {name: text}
+    are written inside it too (a run's summary: present exactly when the weights are). Raises
+    OSError on write failure (the old dir stays).
     """
     out = Path(out)
     shapes = param_shapes(cfg, carried=True)
@@ -167,6 +169,8 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
                 eos = cfg.eos_token_id
                 gen["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return out
 
 
@@ -177,7 +181,7 @@ def _config_json(cfg: QwenConfig, dtype: str | None) -> dict:
 
 def save_hf(model: CausalLM, out: str | Path, *, dtype: str | None = None,
             tokenizer_src: str | Path | None = None, max_shard_bytes: int = 2 * 1024**3,
-            replace: bool = False) -> Path:
+            replace: bool = False, extra_files: Mapping[str, str] | None = None) -> Path:
     """Save a model as an HF directory transformers can load (see `write_hf_dir`).
 
     dtype: None writes every tensor in the dtype its source stored it (`tensor_dtypes`; a
@@ -187,4 +191,4 @@ def save_hf(model: CausalLM, out: str | Path, *, dtype: str | None = None,
     dtypes = tensor_dtypes(model, dtype)
     return write_hf_dir(out, model.cfg, hf_state_dict(model, dtypes), dtype=dtypes,
                         config_dtype=dtype, tokenizer_src=tokenizer_src,
-                        max_shard_bytes=max_shard_bytes, replace=replace)
+                        max_shard_bytes=max_shard_bytes, replace=replace, extra_files=extra_files)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
+from typing import get_args
 
-from jscenegen.scene.schema import read_json_file
+from jscenegen.scene.schema import MAX_COORDINATE_M, Mount, read_json_file
 
 CATALOGUE_VERSION = "scenegen.catalogue/1"
 
@@ -76,7 +78,54 @@ class Catalogue:
         return self.members(group) if group else ()
 
 
+MOUNTS = get_args(Mount)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _sizes(x, n: int, what: str) -> tuple[float, ...]:
+    """`x` as n finite lengths in (0, MAX_COORDINATE_M]; ValueError saying what is wrong."""
+    if not (isinstance(x, list) and len(x) == n and all(_number(v) for v in x)):
+        raise ValueError(f"{what} must be a list of {n} numbers, got {json.dumps(x)[:80]}")
+    if not all(0 < v <= MAX_COORDINATE_M for v in x):
+        raise ValueError(f"{what} {x} must lie in (0, {MAX_COORDINATE_M:g}] metres")
+    return tuple(float(v) for v in x)
+
+
+def _category(name: str, e) -> Category:
+    if not isinstance(e, dict):
+        raise ValueError(f"must be an object, got {type(e).__name__}")
+    ranges = []
+    for key in ("width_range", "depth_range", "height_range"):
+        lo, hi = _sizes(e.get(key), 2, key)
+        if lo > hi:
+            raise ValueError(f"{key} [{lo:g}, {hi:g}] runs backwards")
+        ranges.append((lo, hi))
+    mounts = e.get("mounts")
+    if not (isinstance(mounts, list) and mounts and all(m in MOUNTS for m in mounts)):
+        raise ValueError(f"mounts must be a non-empty list of {', '.join(MOUNTS)}, got "
+                         f"{json.dumps(mounts)[:80]}")
+    elevation = e.get("default_elevation")
+    if elevation is not None and not (_number(elevation) and 0 <= elevation <= MAX_COORDINATE_M):
+        raise ValueError(f"default_elevation must be a number of metres >= 0, got {json.dumps(elevation)[:80]}")
+    flags = {k: e.get(k, False) for k in ("front_used", "storage", "thin")}
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{k} must be true or false, got {json.dumps(v)[:80]}")
+    cat = Category(name=name, default_size=_sizes(e.get("default_size"), 3, "default_size"),
+                   size_range=tuple(ranges), mounts=tuple(mounts), default_elevation=elevation,
+                   **flags)
+    if not cat.size_ok(cat.default_size):
+        raise ValueError("default_size outside its ranges")
+    return cat
+
+
 def _parse(doc: dict, source: str) -> Catalogue:
+    """The catalogue in `doc`; raises ValueError naming `source` and the key: sizes must be
+    finite and positive, ranges ordered, mounts known, and every name a group, `desk_like`,
+    `chair_like` or a room type lists must be a category (or, for a room type, a group)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("categories"), dict):
         raise ValueError(f"{source}: expected a JSON object with a 'categories' object")
     if doc.get("version") != CATALOGUE_VERSION:
@@ -84,27 +133,38 @@ def _parse(doc: dict, source: str) -> Catalogue:
     cats = {}
     for name, e in doc["categories"].items():
         try:
-            cats[name] = Category(
-                name=name,
-                default_size=tuple(float(v) for v in e["default_size"]),
-                size_range=(tuple(e["width_range"]), tuple(e["depth_range"]), tuple(e["height_range"])),
-                mounts=tuple(e["mounts"]),
-                front_used=bool(e.get("front_used", False)),
-                storage=bool(e.get("storage", False)),
-                thin=bool(e.get("thin", False)),
-                default_elevation=e.get("default_elevation"),
-            )
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{source}: categories.{name}: {err!r}") from None
-        if not cats[name].size_ok(cats[name].default_size):
-            raise ValueError(f"{source}: categories.{name}: default_size outside its ranges")
-    groups = {k: tuple(v) for k, v in doc.get("groups", {}).items()}
+            cats[name] = _category(name, e)
+        except ValueError as err:
+            raise ValueError(f"{source}: categories.{name}: {err}") from None
+
+    def names(key: str, value, allowed) -> tuple[str, ...]:
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"{source}: {key} must be a list of names, got {json.dumps(value)[:80]}")
+        unknown = [v for v in value if v not in allowed]
+        if unknown:
+            raise ValueError(f"{source}: {key} names {unknown[0]!r}, which is not a category of "
+                             "the catalogue")
+        return tuple(value)
+
+    raw_groups = doc.get("groups", {})
+    if not isinstance(raw_groups, dict):
+        raise ValueError(f"{source}: groups must be an object of name -> [categories]")
+    groups = {k: names(f"groups.{k}", v, cats) for k, v in raw_groups.items()}
+    room_types = doc.get("room_types", {})
+    if not isinstance(room_types, dict) or not all(isinstance(v, dict) for v in room_types.values()):
+        raise ValueError(f"{source}: room_types must be an object of room type -> object")
+    for rt, spec in room_types.items():
+        for i, alts in enumerate(spec.get("expected", [])):
+            names(f"room_types.{rt}.expected[{i}]", alts, cats.keys() | groups.keys())
+        required = spec.get("required_group")
+        if required is not None and required not in groups:
+            raise ValueError(f"{source}: room_types.{rt}.required_group {required!r} is not a group")
     return Catalogue(
         categories=cats,
         groups=groups,
-        desk_like=tuple(doc.get("desk_like", ())),
-        chair_like=tuple(doc.get("chair_like", ())),
-        room_types=doc.get("room_types", {}),
+        desk_like=names("desk_like", doc.get("desk_like", []), cats),
+        chair_like=names("chair_like", doc.get("chair_like", []), cats),
+        room_types=room_types,
         raw=doc,
     )
 

@@ -69,5 +69,9 @@ def load_templates(prompts_dir: str | None = None) -> PromptTemplates:
             if not p.is_file():
                 raise PromptError(f"scene.prompts_dir {prompts_dir}: {p.name} is missing "
                                   f"(needed: {', '.join(TEMPLATE_NAMES)})")
-            texts[name] = p.read_text()
+            try:
+                texts[name] = p.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise PromptError(f"scene.prompts_dir {prompts_dir}: {p.name} is not UTF-8 text "
+                                  f"(byte {err.start}: {err.reason})") from None
     return PromptTemplates(texts, source)

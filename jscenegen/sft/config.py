@@ -39,8 +39,8 @@ class SFTConfig(Section):
     max_seq_len: int = Field(3072, ge=16, le=TOKENS_MAX, description="tokens per row; longer demos are "
                              "truncated (their tail turns are lost; counted in the log)")
     seq_multiple: int = Field(128, ge=1, le=TOKENS_MAX, description="rows are padded to a multiple of this "
-                              "(and of mesh.sp): one compiled shape (they still hold at most "
-                              "max_seq_len real tokens)")
+                              "(and of mesh.sp), but to no more than max_seq_len (rounded up to "
+                              "mesh.sp): one compiled shape")
     logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling) and a fresh model's weights")
@@ -59,12 +59,9 @@ class SFTConfig(Section):
         if self.scene_offset + self.num_demos > SFT_SCENES_MAX:
             raise ValueError(f"scene_offset {self.scene_offset} + num_demos {self.num_demos} "
                              f"passes the {SFT_SCENES_MAX:,} SFT scenes the generator makes")
-        row = -(-self.max_seq_len // self.seq_multiple) * self.seq_multiple   # padded row length
-        if self.batch_size * row > BATCH_TOKENS_MAX:
-            padded = (f" padded to {row} (a multiple of seq_multiple {self.seq_multiple})"
-                      if row != self.max_seq_len else "")
-            raise ValueError(f"batch_size {self.batch_size} x max_seq_len {self.max_seq_len}{padded} = "
-                             f"{self.batch_size * row:,} tokens per step: at most "
+        if self.batch_size * self.max_seq_len > BATCH_TOKENS_MAX:   # rows are at most max_seq_len
+            raise ValueError(f"batch_size {self.batch_size} x max_seq_len {self.max_seq_len} = "
+                             f"{self.batch_size * self.max_seq_len:,} tokens per step: at most "
                              f"{BATCH_TOKENS_MAX:,} (host arrays of that many tokens per step)")
         return self
 

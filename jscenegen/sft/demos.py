@@ -10,7 +10,7 @@ GRPO see identical token streams.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -119,19 +119,22 @@ def demo_batch(demos: Sequence[Demo], length: int, max_tokens: int | None = None
     return out
 
 
-def batch_order(num_demos: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
-    """[steps, batch_size] demo indices: consecutive epochs, each a fresh permutation drawn from
-    numpy's PCG64 seeded with (seed, epoch); batches may straddle an epoch boundary."""
-    need = steps * batch_size
-    order = []
+def batch_indices(num_demos: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+    """Endless [batch_size] demo-index batches: consecutive epochs, each a fresh permutation
+    drawn from numpy's PCG64 seeded with (seed, epoch); batches may straddle an epoch boundary.
+    Made as they are taken, so any number of steps costs nothing up front."""
+    pending: list[int] = []
     epoch = 0
-    while len(order) < need:
-        order.extend(np.random.default_rng([seed, epoch]).permutation(num_demos).tolist())
-        epoch += 1
-    return np.asarray(order[:need], np.int64).reshape(steps, batch_size)
+    while True:
+        while len(pending) < batch_size:
+            pending.extend(np.random.default_rng([seed, epoch]).permutation(num_demos).tolist())
+            epoch += 1
+        yield np.asarray(pending[:batch_size], np.int64)
+        del pending[:batch_size]
 
 
-def padded_length(demos: Sequence[Demo], max_seq_len: int, multiple: int) -> int:
-    """Row length of every batch: the longest demo (at most max_seq_len), rounded up to `multiple`."""
+def padded_length(demos: Sequence[Demo], max_seq_len: int, multiple: int, cap: int) -> int:
+    """Row length of every batch: the longest demo (at most max_seq_len) rounded up to
+    `multiple`, but no longer than `cap` (max_seq_len rounded up to what the mesh needs)."""
     longest = min(max(len(d.tokens) for d in demos), max_seq_len)
-    return -(-longest // multiple) * multiple
+    return min(-(-longest // multiple) * multiple, cap)

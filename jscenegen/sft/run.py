@@ -15,9 +15,9 @@ import numpy as np
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.optimizer import init_train_state
 from jscenegen.model.tokenizer.chat import ChatTokenizer
-from jscenegen.paths import json_line, require_new_dir, write_json
+from jscenegen.paths import json_document, json_line, require_new_dir
 from jscenegen.sft.config import BATCH_TOKENS_MAX
-from jscenegen.sft.demos import batch_order, build_demos, demo_batch, padded_length, sft_records
+from jscenegen.sft.demos import batch_indices, build_demos, demo_batch, padded_length, sft_records
 from jscenegen.sft.step import SFTStep
 
 
@@ -49,6 +49,8 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.functional import hidden_fn, split_params
     from jscenegen.model.hf_io import load_hf, save_hf
+    from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.prompts import load_templates
     from jscenegen.sharding.layout import pad_batch, shard_batch
     from jscenegen.sharding.mesh import make_mesh
 
@@ -59,19 +61,21 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
                                "sft.batch_size", "sft.micro_batch_size")
     multiple = int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))   # of every row's length
-    longest = -(-sc.max_seq_len // multiple) * multiple
+    longest = -(-sc.max_seq_len // mesh.shape["sp"]) * mesh.shape["sp"]   # rows' cap
     rows = -(-sc.batch_size // mesh.shape["fsdp"]) * mesh.shape["fsdp"]
     if rows * longest > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
         raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "
                          f"{rows} rows x {longest} tokens once padded for the mesh = "
                          f"{rows * longest:,} tokens per step: at most {BATCH_TOKENS_MAX:,}")
+    load_catalogue(cfg.scene.catalogue_path)   # the scene inputs, before the model loads
+    load_templates(cfg.scene.prompts_dir)
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
     chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
                         noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m)
-    length = padded_length(demos, sc.max_seq_len, multiple)
+    length = padded_length(demos, sc.max_seq_len, multiple, longest)
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
                   "max_tokens": int(max(lengths)),
@@ -90,12 +94,12 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     graphdef, params, frozen = split_params(model)  # carried tensors (Qwen3.5) never train
     sft = SFTStep(hidden_fn(graphdef, frozen), cfg.optim, micro_batch_size=sc.micro_batch_size,
                   logprob_chunk=sc.logprob_chunk)
-    order = batch_order(len(demos), sc.batch_size, sc.steps, sc.seed)
+    order = batch_indices(len(demos), sc.batch_size, sc.seed)
     history = []
     with jax.set_mesh(mesh):
         state = init_train_state(params, cfg.optim)
         for step in range(sc.steps):
-            arrays = demo_batch([demos[i] for i in order[step]], length, sc.max_seq_len)
+            arrays = demo_batch([demos[i] for i in next(order)], length, sc.max_seq_len)
             batch = shard_batch(pad_batch(arrays, mesh, seq_multiple=length), mesh)
             state, metrics = sft.step(state, batch)
             if step % sc.log_every == 0 or step == sc.steps - 1:
@@ -103,21 +107,24 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
                        "elapsed_s": time.perf_counter() - t1, "cpu_s": time.process_time() - cpu1}
                 history.append(row)
                 log(row)
+        after = [float(x) for x in sft.check(state.params, batch)]   # the weights to be written
     train_s = time.perf_counter() - t1
-    _check_trained(cfg, history[-1], int(state.skipped_steps))
+    _check_trained(cfg, history[-1], int(state.skipped_steps), *after)
     nnx.update(model, state.params)
-    save_hf(model, out_dir, dtype="float32", tokenizer_src=model_dir)  # fp32 master weights
     summary = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir), **demo_stats,
-               "history": history, "final_loss": history[-1]["loss"], "train_s": train_s,
+               "history": history, "final_loss": history[-1]["loss"],
+               "loss_after_last_step": after[0], "train_s": train_s,
                "total_s": time.perf_counter() - t0}
-    write_json(Path(out_dir) / "sft_summary.json", summary)
+    save_hf(model, out_dir, dtype="float32", tokenizer_src=model_dir,   # fp32 master weights
+            extra_files={"sft_summary.json": json_document(summary)})
     return summary
 
 
-def _check_trained(cfg, last: dict, skipped: int) -> None:
+def _check_trained(cfg, last: dict, skipped: int, loss_after: float, grad_norm_after: float) -> None:
     """Refuse to write weights that diverged: the last step's (`last`, its log row) loss is
     not finite or its gradient was (the step was skipped: the weights as they are give no
-    finite gradient). Warn when earlier steps were skipped, or when every step ran at learning
+    finite gradient), or the last batch's loss or gradient at the updated weights (what is
+    written; the logged values come before each update) is not finite. Warn when earlier steps were skipped, or when every step ran at learning
     rate 0 (a warmup longer than the run: `sft.steps=1` with any `optim.warmup_steps`), so the
     weights written are the input's."""
     import logging
@@ -133,6 +140,11 @@ def _check_trained(cfg, last: dict, skipped: int) -> None:
         raise ValueError(f"sft: the last step's {what}: training diverged ({skipped} of {steps} "
                          f"steps skipped for non-finite gradients; optim.lr={optim.lr:g}); "
                          "nothing written")
+    if not (math.isfinite(loss_after) and math.isfinite(grad_norm_after)):
+        raise ValueError(f"sft: at the weights after the last step its batch has loss "
+                         f"{loss_after} and gradient norm {grad_norm_after}: the last update "
+                         f"diverged (optim.lr={optim.lr:g}, optim.weight_decay="
+                         f"{optim.weight_decay:g}); nothing written")
     if skipped:
         log.warning("sft: %d of %d steps were skipped (non-finite gradients)", skipped, steps)
     # the learning rate peaks at the end of the warmup (or at the last step, within it)

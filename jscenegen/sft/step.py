@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jscenegen.grpo.algo.accumulate import accumulate_grads, num_micro_batches, split_micro
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
-from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
+from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, as_float32, make_optimizer
 from jscenegen.model.functional import HiddenFn, shared
 
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
@@ -30,7 +31,8 @@ class SFTStep:
     `step(state, batch) -> (state, metrics)`: one AdamW update of the token-mean NLL over
     loss_mask; metrics: loss (the NLL before the update), grad_norm (before clipping), lr,
     tokens (the masked token count), skipped (1.0 when a non-finite gradient skipped the update),
-    all float32 scalars.
+    all float32 scalars. `check(params, batch) -> (loss, grad_norm)`: the same without an
+    update (what an SFT run asks of the weights it writes).
     Raises ValueError (at trace time) when B does not split into micro-batches.
     """
 
@@ -44,6 +46,7 @@ class SFTStep:
         key = ("sft_step", hidden_fn, optim_cfg.model_dump_json(), micro_batch_size,
                logprob_chunk, donate)
         self.step = shared(key, lambda: jax.jit(self._step, donate_argnums=0 if donate else ()))
+        self.check = shared(key + ("check",), lambda: jax.jit(self._check))
 
     def _masked_logp_sum(self, params, mb):
         hidden, emb = self.hidden_fn(params, mb["input_ids"], mb["attention_mask"])
@@ -61,6 +64,11 @@ class SFTStep:
         micro = split_micro({key: batch[key] for key in BATCH_KEYS}, k)
         grads, loss, _ = accumulate_grads(micro_loss, params, micro, ())
         return grads, loss, n_tok
+
+    def _check(self, params, batch) -> tuple[jax.Array, jax.Array]:
+        """(loss, gradient norm) of `batch` at `params`, float32 [] each, without an update."""
+        grads, loss, _ = self._grads(params, batch)
+        return loss, optax.tree_utils.tree_norm(as_float32(grads))
 
     def _step(self, state: TrainState, batch):
         grads, loss, n_tok = self._grads(state.params, batch)

@@ -169,6 +169,10 @@ class ChatTokenizer:
         except (OSError, UnicodeDecodeError) as err:
             raise ChatTemplateError(f"chat_template_path {chat_template_path}: cannot be read "
                                     f"({getattr(err, 'strerror', None) or err})") from None
+        if template is not None and not template.strip():
+            raise ChatTemplateError(f"chat_template_path {chat_template_path}: the file is empty "
+                                    "(a jinja chat template, e.g. jscenegen/model/tokenizer/"
+                                    "templates/chatml.jinja)")
         try:
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         except Exception as err:  # transformers' parsers raise anything on a malformed file
