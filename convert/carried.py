@@ -26,12 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from convert.errors import ConvertError
+from convert.errors import ConversionWarning, ConvertError
 from convert.tensor_sets import hf_shapes, verl_absent, verl_shapes, with_tensors
-
-
-class ConversionWarning(UserWarning):
-    """A conversion that had to leave something out (named in the message)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,10 @@
-"""The one exception type of convert/: every refusal names the file (and key) at fault."""
+"""The exception and warning types of convert/: every refusal names the file (and key) at fault."""
 
 
 class ConvertError(ValueError):
     """A checkpoint that cannot be read or written as asked; the message names the file and key."""
+
+
+class ConversionWarning(UserWarning):
+    """A conversion that had to leave something out, or could not check something (named in
+    the message); `jscenegen convert` prints each as one `warning:` line."""

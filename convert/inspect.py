@@ -96,6 +96,7 @@ def describe_verl(path: Path) -> dict[str, Any]:
                                      for i in info.values()))
     out["sharded_on_dim1"] = sorted(k for k, i in info.items() if i.shard_dim == 1)
     out["mesh"] = ck.mesh()
+    out["global_step"] = ck.global_step()   # the directory name's, else the scheduler's or Adam's
     if ck.has_optimizer():
         out["adam_step"] = ck.adam_step()
         out["adam_state_tensors"] = len(ck.trainable)

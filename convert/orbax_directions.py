@@ -216,7 +216,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     import torch
 
     source = {"format": "verl", "path": str(Path(src).resolve()), "layout": ck.layout.kind,
-              "world_size": ck.world_size, "global_step": ck.layout.global_step,
+              "world_size": ck.world_size, "global_step": step,
               "torch_version_reading": torch.__version__, "mesh": ck.mesh(),
               "shard_dims": {k: v.shard_dim for k, v in info.items()},
               "no_adam_state": ck.frozen if ck.has_optimizer() else None,

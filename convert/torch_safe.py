@@ -12,6 +12,7 @@ hold numbers only (an object-dtype array could smuggle values past the allowlist
 from __future__ import annotations
 
 import logging
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from convert.errors import ConvertError
+from convert.errors import ConversionWarning, ConvertError
 
 _TELLING = ("Unsupported global", "but got", "GLOBAL", "zip archive", "central directory")
 
@@ -123,7 +124,8 @@ class StorageCrcs:
         records = {}
         with open(path, "rb") as f, zipfile.ZipFile(f) as zf:
             for info in zf.infolist():
-                if "/data/" not in info.filename or info.compress_type != zipfile.ZIP_STORED:
+                if ("/data/" not in info.filename or info.compress_type != zipfile.ZIP_STORED
+                        or not info.file_size):   # empty storages have no bytes to map or check
                     continue
                 f.seek(info.header_offset + 26)
                 name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
@@ -134,6 +136,10 @@ class StorageCrcs:
             base = min(storages) - min(records)
             if all(records.get(p - base, (0, -1))[1] == n for p, n in storages.items()):
                 self.base, self.records = base, records
+            else:
+                warnings.warn(f"{path}: its tensors do not lie at its zip records' offsets (a "
+                              "torch that loads differently?): their CRC-32 is not checked",
+                              ConversionWarning, stacklevel=2)
 
     def check(self, storage: Any, label: str) -> None:
         """Raise ConvertError naming the file and `label` when `storage`'s bytes differ from

@@ -538,11 +538,14 @@ class VerlCheckpoint:
 
     def _check_replicas(self, kind: str, key: str, copies: list[Any]) -> None:
         """Refuse a replicated tensor (a plain one, or a Replicate() DTensor's local copies)
-        whose copy on some rank differs from rank 0's."""
+        whose copy on some rank differs from rank 0's; when one of the two fails its CRC-32,
+        that file is named instead."""
         import torch
 
         for r, t in enumerate(copies[1:], 1):
             if not torch.equal(t, copies[0]):
+                for rank, copy in ((0, copies[0]), (r, t)):
+                    self._crcs[(kind, rank)].check(copy.untyped_storage(), key)
                 raise ConvertError(f"{self.layout.rank_file(kind, r)}: replicated {key} differs "
                                    "from rank 0's copy")
 

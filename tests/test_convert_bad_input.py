@@ -169,13 +169,15 @@ def test_a_copied_rank_file_is_refused_before_any_write_in_every_direction(actor
         _assert_nothing_written(tmp_path, out.name)
 
 
-def _flip_tensor_byte(f):
-    """Flip one bit in the middle of the largest tensor storage of torch file `f` (a zip)."""
+def _flip_tensor_byte(f, record=None):
+    """Flip one bit in the middle of the largest tensor storage of torch file `f` (a zip), or
+    of the zip record named `record`."""
     import struct
     import zipfile
 
     with zipfile.ZipFile(f) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        info = (z.getinfo(record) if record else
+                max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size))
     data = bytearray(f.read_bytes())
     name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26: info.header_offset + 30])
     start = info.header_offset + 30 + name_len + extra_len
@@ -593,3 +595,31 @@ def test_an_fsdp1_sharded_state_dict_is_named(tmp_path):
     with pytest.raises(ConvertError, match=r"rank_0\.pt: holds torch ShardedTensors: an FSDP1 "
                                            r"SHARDED_STATE_DICT checkpoint"):
         load_pt(f)
+
+
+def test_the_crc_check_anchors_past_empty_storages_and_names_a_corrupt_replica(tmp_path, actor):
+    """An empty tensor first in a file switched the check off for the whole file; a flipped
+    bit in rank 0's copy of a replicated tensor blamed rank 1's file for differing."""
+    import torch
+
+    from convert.torch_safe import StorageCrcs
+
+    f = tmp_path / "two.pt"
+    torch.save({"a": torch.empty(0), "b": torch.randn(64, 64)}, f)
+    _flip_tensor_byte(f)
+    obj = load_pt(f)
+    with pytest.raises(ConvertError, match=r"two\.pt: b: its bytes fail the CRC-32"):
+        StorageCrcs(f, obj).check(obj["b"].untyped_storage(), "b")
+    name = "model.norm.weight"
+    full = torch.cat([load_pt(actor / f"model_world_size_6_rank_{r}.pt", mmap=False)[name]._local_tensor
+                      for r in range(6)])
+    for r in range(6):
+        _edit(actor / f"model_world_size_6_rank_{r}.pt", lambda sd: sd.__setitem__(name, full.clone()))
+    rank0 = actor / "model_world_size_6_rank_0.pt"
+    sd = load_pt(rank0)
+    crcs = StorageCrcs(rank0, sd)
+    record = crcs.records[sd[name].untyped_storage().data_ptr() - crcs.base][2]
+    del sd, crcs
+    _flip_tensor_byte(rank0, record)
+    with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_0\.pt: {name}: its bytes fail"):
+        verl_to_hf(actor, tmp_path / "out")

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from convert.carried import ConversionWarning
 from convert.directions import hf_to_verl, verl_to_hf
 from convert.dispatch import convert
-from convert.errors import ConvertError
+from convert.errors import ConversionWarning, ConvertError
 from convert.tensor_sets import carried_names, config_json, hf_shapes, verl_absent, verl_shapes
 from convert.verl_read import VerlCheckpoint
 from jscenegen.model.config import QwenConfig

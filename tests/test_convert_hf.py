@@ -35,7 +35,7 @@ def fixture(request):
 
 @pytest.fixture(scope="session")
 def hf_out(fixture, tmp_path_factory):
-    from convert.carried import ConversionWarning
+    from convert.errors import ConversionWarning
 
     out = tmp_path_factory.mktemp("hf") / "model"
     if fixture["qwen35"]:

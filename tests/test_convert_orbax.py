@@ -307,7 +307,7 @@ def test_qwen35_without_mtp_source_the_checkpoint_says_so(tmp_path):
     """No --carried-from and no weights in huggingface/: mtp.* dropped with a warning, and the
     step's hf/config.json says mtp_num_hidden_layers 0, so a resumed run builds a model that
     fits params/."""
-    from convert.carried import ConversionWarning
+    from convert.errors import ConversionWarning
     from jscenegen.checkpoint.store import array_shapes
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.weights import param_shapes

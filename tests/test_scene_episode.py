@@ -191,6 +191,23 @@ def test_scripted_expert_scores_well_on_dev_scenes():
             "planner", "designer", "planner", "critic", "planner"]
 
 
+def test_the_expert_needs_no_category_a_scene_does_not_request(tmp_path):
+    """It read the nightstand's size after placing any bed: a catalogue without nightstands
+    crashed it on a scene asking only for a bed."""
+    from importlib import resources
+
+    doc = json.loads(resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text())
+    del doc["categories"]["nightstand"]
+    doc["room_types"]["bedroom"]["expected"] = [g for g in doc["room_types"]["bedroom"]["expected"]
+                                                if "nightstand" not in g]
+    path = tmp_path / "catalogue.json"
+    path.write_text(json.dumps(doc))
+    rec = SceneRecord(empty_room(), seed=3, requested=({"category": "bed", "count": 1},))
+    ep, _ = run_scripted_episode(rec, SceneRuntimeConfig(catalogue_path=str(path)))
+    assert ep.outcome.failure_cause is None
+    assert [o.category for o in ep.scene.objects if o.category.endswith("bed")]
+
+
 def test_protocol_hash_tracks_every_ingredient():
     base = protocol_hash(SceneRuntimeConfig(), JudgeConfig())
     assert base == protocol_hash(SceneRuntimeConfig(), JudgeConfig())

@@ -160,15 +160,21 @@ def test_an_api_key_no_http_header_can_carry_is_refused_naming_its_variable(key,
     assert key.strip() not in str(info.value)
 
 
-@pytest.mark.parametrize("server", [["answer"], ["401"]], indirect=True)
+@pytest.mark.parametrize("server", [["answer"], ["403", "answer"], ["401"]], indirect=True)
 def test_a_judge_that_refuses_the_key_is_refused_before_the_run(server, monkeypatch, caplog):
-    """A bad key masked every episode of the run, each update with one warning, for hours."""
+    """A bad key masked every episode of the run, each update with one warning, for hours. A
+    403 to the model list alone is a warning: OpenAI's restricted keys may grade but not list."""
     monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
     url = server.url.replace("http://", "http://user:sk-INURL@")
     judge = make_judge(cfg(url))
     if server.plan == ["answer"]:
         judge.check_reachable()
         assert caplog.text == ""
+        return
+    if server.plan[0] == "403":
+        judge.check_reachable()
+        assert "forbids GET /models with the API key from JSCENEGEN_TEST_JUDGE_KEY (HTTP 403)" in caplog.text
+        assert KEY not in caplog.text
         return
     with pytest.raises(ValueError, match=r"^judge at http://127\.0\.0\.1:\d+/v1 refuses the API key "
                                          r"from JSCENEGEN_TEST_JUDGE_KEY \(HTTP 401") as info:

@@ -186,7 +186,7 @@ def _packaged_catalogue() -> dict:
     (lambda d: d["categories"]["chair"].__setitem__("width_range", ["a", "b"]),
      r"categories\.chair: width_range must be a list of 2 numbers, got \[\"a\", \"b\"\]"),
     (lambda d: d["categories"]["chair"].update(default_size=[-0.5, -0.5, -0.9], width_range=[-3, -1]),
-     r"categories\.chair: width_range \[-3, -1\] must lie in \(0, 1000\] metres"),
+     r"categories\.chair: width_range \[-3, -1\] must lie in \[0, 1000\] metres"),
     (lambda d: d["categories"]["chair"].update(default_size=[0, 0, 0]),
      r"categories\.chair: default_size \[0, 0, 0\] must lie in \(0, 1000\]"),
     (lambda d: d["categories"]["chair"].update(height_range=[1.2, 0.4]),

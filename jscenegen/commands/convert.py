@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if not (args.src and args.dst and args.src_format and args.dst_format):
         raise ValueError("jscenegen convert: needs SRC DST --from F --to G, or --verify/--inspect DIR "
                          "(see jscenegen convert --help)")
-    from convert.carried import ConversionWarning
     from convert.dispatch import convert
+    from convert.errors import ConversionWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)

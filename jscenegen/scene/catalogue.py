@@ -85,12 +85,13 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _sizes(x, n: int, what: str) -> tuple[float, ...]:
-    """`x` as n finite lengths in (0, MAX_COORDINATE_M]; ValueError saying what is wrong."""
+def _sizes(x, n: int, what: str, low: str = "(") -> tuple[float, ...]:
+    """`x` as n finite lengths in (0, MAX_COORDINATE_M] (`low` "[": [0, ...]); ValueError
+    saying what is wrong."""
     if not (isinstance(x, list) and len(x) == n and all(_number(v) for v in x)):
         raise ValueError(f"{what} must be a list of {n} numbers, got {json.dumps(x)[:80]}")
-    if not all(0 < v <= MAX_COORDINATE_M for v in x):
-        raise ValueError(f"{what} {x} must lie in (0, {MAX_COORDINATE_M:g}] metres")
+    if not all((0 <= v if low == "[" else 0 < v) and v <= MAX_COORDINATE_M for v in x):
+        raise ValueError(f"{what} {x} must lie in {low}0, {MAX_COORDINATE_M:g}] metres")
     return tuple(float(v) for v in x)
 
 
@@ -99,7 +100,7 @@ def _category(name: str, e) -> Category:
         raise ValueError(f"must be an object, got {type(e).__name__}")
     ranges = []
     for key in ("width_range", "depth_range", "height_range"):
-        lo, hi = _sizes(e.get(key), 2, key)
+        lo, hi = _sizes(e.get(key), 2, key, low="[")
         if lo > hi:
             raise ValueError(f"{key} [{lo:g}, {hi:g}] runs backwards")
         ranges.append((lo, hi))

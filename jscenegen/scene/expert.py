@@ -168,7 +168,7 @@ def expert_ops(record: SceneRecord, cfg: SceneRuntimeConfig | None = None, catal
 
     bed_id = place_on_walls(beds[0], prefer_far=True) if beds else None
     stands = []
-    if bed_id:
+    if bed_id and want.get("nightstand"):
         bed = sim.editor.scene.object(bed_id)
         ns = catalogue.get("nightstand").default_size
         head = -(bed.size[1] / 2 - ns[1] / 2 - GAP)

@@ -143,9 +143,10 @@ class HttpJudge:
 
     def check_reachable(self) -> None:
         """One GET {base_url}/models (where OpenAI-compatible servers, vLLM and SGLang list
-        their models) with the run's key, at most PROBE_TIMEOUT_S: HTTP 401/403 raises
-        ValueError (a refused key masks every episode of the run); no answer or another
-        status is a warning (a server still starting may come up later)."""
+        their models) with the run's key, at most PROBE_TIMEOUT_S: HTTP 401 raises ValueError
+        (a missing or invalid key masks every episode of the run); 403, no answer or another
+        status is a warning (a key may be allowed chat completions but not the model list, as
+        OpenAI's restricted keys are; a server still starting may come up later)."""
         shown = shown_url(self.cfg.base_url)
         try:
             resp = httpx.get(self.cfg.base_url.rstrip("/") + "/models", headers=self._headers(),
@@ -154,14 +155,22 @@ class HttpJudge:
             log.warning("judge at %s is not reachable now (%s); its episodes are masked as "
                         "judge failures until it is", shown, type(err).__name__)
             return
-        if resp.status_code in (401, 403):
-            key = (f"the API key from {self.cfg.api_key_env}" if self._api_key else
-                   f"requests without an API key (set {self.cfg.api_key_env or 'judge.api_key_env'})")
-            raise ValueError(f"judge at {shown} refuses {key} (HTTP {resp.status_code} to GET "
+        if resp.status_code == 403:
+            log.warning("judge at %s forbids GET /models with %s (HTTP 403): a key restricted to "
+                        "chat completions? Grading is tried anyway; if it is refused too, every "
+                        "episode is masked", shown, self._key_text())
+            return
+        if resp.status_code == 401:
+            raise ValueError(f"judge at {shown} refuses {self._key_text()} (HTTP 401 to GET "
                              "/models): every episode would be masked")
         if resp.status_code != 200:
             log.warning("judge at %s answered GET /models with HTTP %d (not an OpenAI-compatible "
                         "model list; grading is tried anyway)", shown, resp.status_code)
+
+    def _key_text(self) -> str:
+        """How the requests authenticate, for messages (never the key itself)."""
+        return (f"the API key from {self.cfg.api_key_env}" if self._api_key else
+                f"requests without an API key (set {self.cfg.api_key_env or 'judge.api_key_env'})")
 
     async def grade_async(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         headers = self._headers()
