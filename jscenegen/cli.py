@@ -157,13 +157,21 @@ def force_cpu_devices() -> None:
         os.environ["JAX_NUM_CPU_DEVICES"] = os.environ.get("JSCENEGEN_CPU_DEVICES", "6")
 
 
+# orbax's writer threads log every exception they then hand to the caller
+# (orbax/checkpoint/_src/futures/future.py, _SignalingThread.run)
+RERAISED_BY_ORBAX = "_SignalingThread.run() raised an exception"
+
+
 class StderrLogHandler(logging.Handler):
     """Log records as `warning: message` lines on the current sys.stderr (looked up at each
     record, so a replaced stderr is followed), at most MAX_ERROR_CHARS characters each; the
     traceback of a logged exception only with JSCENEGEN_DEBUG=1 (a library's writer threads
-    log one per thread, pages of them for one failure)."""
+    log one per thread, pages of them for one failure); orbax's logged copies of an exception
+    it re-raises are left out."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and RERAISED_BY_ORBAX in str(record.msg):
+            return   # the exception reaches the command, which prints it once
         try:
             text = f"{record.levelname.lower()}: {record.getMessage()}"
             if len(text) > MAX_ERROR_CHARS:

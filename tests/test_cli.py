@@ -753,6 +753,14 @@ def test_a_logged_exception_is_one_clipped_line_unless_debugging(capsys, monkeyp
                 assert len(err) <= MAX_ERROR_CHARS + 10
             else:
                 assert "Traceback (most recent call last)" in err
+        monkeypatch.setenv("JSCENEGEN_DEBUG", "")
+        try:      # what orbax's threads log before handing the exception to the caller
+            raise ValueError("a.pt: bad CRC")
+        except ValueError as err:
+            log.exception("[process=%d][thread=%s][operation_id=%s] _SignalingThread.run() raised "
+                          "an exception: %s", 0, "np_type_handler", 1, err)
+        log.error("a plain error")
+        assert capsys.readouterr().err == "error: a plain error\n"
     finally:
         log.removeHandler(handler)
 
