@@ -158,6 +158,11 @@ def test_a_train_keeps_credentials_out_of_every_file_and_logs_each_update(tmp_pa
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["schedule"]["total_updates"] == 3 and saved["judge"]["base_url"] == "<redacted>"
     assert (run_dir / "run.json").read_text() == origin
+    # a total below the updates done was written back to config.yaml (the run "finished" at 1)
+    config = (run_dir / "config.yaml").read_text()
+    assert main(["train", "--resume", str(run_dir), "schedule.total_updates=1",
+                 "trainer.progress=false", "logging.swanlab_mode=disabled"]) == 2
+    assert (run_dir / "config.yaml").read_text() == config
 
 
 @pytest.mark.slow
