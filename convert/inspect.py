@@ -15,6 +15,7 @@ from typing import Any
 
 from convert.errors import ConvertError
 from convert.verl_read import looks_like_verl
+from jscenegen.paths import is_decimal
 
 
 def describe(path: str | Path) -> dict[str, Any]:
@@ -55,7 +56,7 @@ _SCAN_LIMIT = 10_000  # directory entries looked at for the hint (a huge directo
 
 def _orbax_steps(path: Path) -> list[Path]:
     return [p for p in islice(path.iterdir(), _SCAN_LIMIT)
-            if p.name.isdigit() and (p / "params").is_dir()]
+            if is_decimal(p.name) and (p / "params").is_dir()]
 
 
 def checkpoint_format(path: Path) -> str | None:
@@ -128,7 +129,7 @@ def describe_orbax(path: Path) -> dict[str, Any]:
 
     shapes = ckpt.array_shapes(path, "params")
     meta = ckpt.read_metadata(path) if (path / ckpt.METADATA_NAME).is_file() else {}
-    return {"format": "orbax", "step": int(path.name) if path.name.isdigit() else None,
+    return {"format": "orbax", "step": int(path.name) if is_decimal(path.name) else None,
             "tensors": len(shapes), "dtypes": dict(Counter(str(d) for _, d in shapes.values())),
             "adam_state_tensors": len(ckpt.array_shapes(path, "mu")),
             "frozen_tensors": len(meta.get("frozen_tensors") or ()),

@@ -27,6 +27,7 @@ from convert.sharding import chunk_bounds
 from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
 from convert.torch_safe import StorageCrcs, load_pt
+from jscenegen.paths import finite_number, is_decimal
 
 KINDS = ("model", "optim", "extra_state")
 _RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -69,7 +70,7 @@ def find_verl(path: str | Path) -> VerlLayout:
     latest = src / "latest_checkpointed_iteration.txt"
     if not _has_rank_files(src) and latest.is_file():
         text = latest.read_text().strip()
-        if not (text.isascii() and text.isdigit()):
+        if not is_decimal(text):
             raise ConvertError(f"{latest}: expected a step number, got {text[:40]!r}")
         step_dir = src / f"global_step_{int(text)}"
         if not step_dir.is_dir():
@@ -184,7 +185,7 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
         step = st["step"]
         if isinstance(step, torch.Tensor):
             step = step.item() if step.numel() == 1 else None
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        if not finite_number(step):
             raise ConvertError(f"{f}: state[{i}].step is {st['step']!r:.80}, expected one finite "
                                "number")
 

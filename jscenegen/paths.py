@@ -169,8 +169,8 @@ def refuse_inside_checkpoint(path: str | Path, name: str) -> None:
         if (ancestor / "checksums.json").is_file():
             raise ValueError(f"{name}: lies inside the checkpoint {ancestor}; writing there "
                              "would make its checksums fail; write elsewhere")
-    if p.name.isdigit() and p.parent.is_dir() and any(
-            (q / "checksums.json").is_file() for q in p.parent.iterdir() if q.name.isdigit()):
+    if is_decimal(p.name) and p.parent.is_dir() and any(
+            (q / "checksums.json").is_file() for q in p.parent.iterdir() if is_decimal(q.name)):
         raise ValueError(f"{name}: would be a step of the run's checkpoint directory "
                          f"{p.parent}; write elsewhere")
 
@@ -284,6 +284,23 @@ def write_text(path: str | Path, text: str) -> None:
         if err.errno != errno.ENOSPC or isinstance(err, DiskFullError):
             raise
         raise DiskFullError(Path(path).parent, len(text.encode()), f"writing {Path(path).name}") from None
+
+
+def is_decimal(text: str) -> bool:
+    """Whether `text` is a non-empty run of ASCII digits 0-9 (`str.isdigit` also accepts '³'
+    and other Unicode digits, which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
+def finite_number(x: Any) -> bool:
+    """Whether `x` is a finite number as JSON reads one: an int or float, not a bool (JSON
+    `true`), not NaN or infinite, and not an integer too large for a float."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def json_line(obj: Any, **kwargs) -> str:

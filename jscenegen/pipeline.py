@@ -251,11 +251,6 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         print(f"rollout layout: {layout}", file=sys.stderr, flush=True)
     evals = {}
     try:
-        done = trainer.pos.effective_updates
-        if resume and cfg.schedule.total_updates < done:   # before config.yaml takes it
-            raise ValueError(f"schedule.total_updates={cfg.schedule.total_updates} is below the "
-                             f"{done} effective updates {run_dir} has done; leave it out to keep "
-                             "the run's total, or raise it to extend the run")
         if is_primary():
             write_run_files(run_dir, cfg, model_dir, config_source)
         if cfg.trainer.eval_before_after and not resume:

@@ -594,3 +594,14 @@ def test_a_damaged_run_json_is_named(tmp_path, text):
     (tmp_path / "run.json").write_text(text)
     with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'run.json'}: not the run's record"):
         resume_model_dir(tmp_path)
+
+
+def test_step_numbers_are_ascii_digit_names_only(tmp_path):
+    """A directory named '\u00b3' passed str.isdigit and int() raised on it."""
+    from jscenegen.checkpoint.store import step_numbers
+
+    for name in ("2", "10", "\u00b3", "\u0663", "07x", "tmp"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "5").write_text("a file, not a step")
+    assert step_numbers(tmp_path) == [2, 10]
+    assert step_numbers(tmp_path / "missing") == []

@@ -187,6 +187,9 @@ def _packaged_catalogue() -> dict:
      r"categories\.chair: width_range must be a list of 2 numbers, got \[\"a\", \"b\"\]"),
     (lambda d: d["categories"]["chair"].update(default_size=[-0.5, -0.5, -0.9], width_range=[-3, -1]),
      r"categories\.chair: width_range \[-3, -1\] must lie in \[0, 1000\] metres"),
+    # an integer no float holds: math.isfinite raised OverflowError (a traceback)
+    (lambda d: d["categories"]["chair"].update(default_size=[int("9" * 400), 1, 1]),
+     r"categories\.chair: default_size must be a list of 3 numbers, got \[9999"),
     (lambda d: d["categories"]["chair"].update(default_size=[0, 0, 0]),
      r"categories\.chair: default_size \[0, 0, 0\] must lie in \(0, 1000\]"),
     (lambda d: d["categories"]["chair"].update(height_range=[1.2, 0.4]),

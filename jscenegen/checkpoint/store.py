@@ -64,7 +64,7 @@ from jscenegen.checkpoint.lazy_array import LazyArray, cancel_on_interrupt  # no
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.model.config import config_with_dtype
-from jscenegen.paths import DiskFullError, is_disk_full, write_json
+from jscenegen.paths import DiskFullError, is_decimal, is_disk_full, write_json
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
@@ -359,7 +359,7 @@ def step_numbers(directory: str | Path) -> list[int]:
     d = Path(directory)
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+    return sorted(int(p.name) for p in d.iterdir() if is_decimal(p.name) and p.is_dir())
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
@@ -383,7 +383,7 @@ def check_step(path: str | Path, *, hash_files: bool = True) -> StepStatus:
     `hash_files`), with no unlisted files. `reason` names the first failing check and files.
     """
     path = Path(path)
-    step = int(path.name) if path.name.isdigit() else -1
+    step = int(path.name) if is_decimal(path.name) else -1
     if not path.is_dir():
         return StepStatus(step, path, False, f"{path} does not exist")
     if not ocp.step.is_path_finalized(path):

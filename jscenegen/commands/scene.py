@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jscenegen.paths import data_path_arg
+from jscenegen.paths import data_path_arg, is_decimal
 
 
 def _requested(text: str | None, catalogue) -> list[dict]:
@@ -19,7 +19,7 @@ def _requested(text: str | None, catalogue) -> list[dict]:
     for part in text.split(","):
         cat, _, count = part.strip().partition(":")
         count = count.strip()
-        if not cat or not count.isdigit() or len(count) > 9:
+        if not cat or not is_decimal(count) or len(count) > 9:
             raise ValueError(f"--requested item {clip_text(repr(part.strip()))} is not "
                              "category:count (a count of at most 9 digits)")
         if not catalogue.knows(cat.strip()):

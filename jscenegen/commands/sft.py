@@ -40,7 +40,8 @@ def run(args) -> int:
     # before anything is written (write checks create a probe file beside the output)
     refuse_overwriting_input(out, "--out", {"--model": model_dir, "--config": args.config})
     require_new_dir(out)  # before a fresh init-model or any demonstration is built
-    if model_dir is None:
+    fresh = model_dir is None
+    if fresh:
         from jscenegen.model.init_model import init_model_dir
         from jscenegen.scene.corpus import tokenizer_corpus
 
@@ -53,13 +54,12 @@ def run(args) -> int:
         init_model_dir(model_dir, arch=cfg.sft.init_arch, preset=cfg.sft.init_preset,
                        seed=cfg.sft.seed, texts=tokenizer_corpus())
         print(json.dumps({"event": "init_model", "model_dir": str(model_dir)}), flush=True)
-        try:
-            summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
-        except BaseException:   # the same command, run again, makes it afresh
-            shutil.rmtree(model_dir, ignore_errors=True)
-            raise
-    else:
+    try:
         summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
+    except BaseException:
+        if fresh:   # the same command, run again, makes it afresh
+            shutil.rmtree(model_dir, ignore_errors=True)
+        raise
     print(json_line({"event": "done", "out_dir": str(out), "final_loss": summary["final_loss"],
                       "train_s": round(summary["train_s"], 1), "total_s": round(summary["total_s"], 1)}))
     return 0

@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 
 from jscenegen.config import SEED_MAX, clip_text
+from jscenegen.paths import finite_number
 from jscenegen.scene.reward import JUDGE_FAILURES
 
 REPORT_SCHEMA = "jscenegen.eval/1"
@@ -16,17 +17,6 @@ _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penal
 # key records (the template file's path: `chat_template_sha256` holds the text rendered)
 _UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
 _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
-
-
-def _number(x) -> bool:
-    """A finite JSON number (Python's json reads NaN and Infinity, and integers beyond any
-    float; a report never holds them)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:
-        return False
 
 
 def _seed(x) -> bool:
@@ -47,7 +37,7 @@ def check_report(report, source: str) -> None:
         if not isinstance(m, dict):
             raise ValueError(f"{source}: {where} must be an object, got {type(m).__name__}")
         for key in _STATS:
-            if key not in m or not (m[key] is None or _number(m[key])):
+            if key not in m or not (m[key] is None or finite_number(m[key])):
                 raise ValueError(f"{source}: {where}.{key} must be a finite number or null, "
                                  f"got {clip_text(repr(m.get(key)))}")
         if not episodes:
@@ -62,7 +52,7 @@ def check_report(report, source: str) -> None:
             if not _seed(ep.get("seed")):
                 raise ValueError(f"{source}: {at}.seed must be an integer in 0..{SEED_MAX}, "
                                  f"got {clip_text(repr(ep.get('seed')))}")
-            if not _number(ep.get("reward")):
+            if not finite_number(ep.get("reward")):
                 raise ValueError(f"{source}: {at}.reward must be a finite number, "
                                  f"got {clip_text(repr(ep.get('reward')))}")
             if not isinstance(ep.get("masked"), bool):

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass
 from importlib import resources
 from typing import get_args
 
+from jscenegen.paths import finite_number
 from jscenegen.scene.schema import MAX_COORDINATE_M, Mount, read_json_file
 
 CATALOGUE_VERSION = "scenegen.catalogue/1"
@@ -81,17 +81,14 @@ class Catalogue:
 MOUNTS = get_args(Mount)
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _sizes(x, n: int, what: str, low: str = "(") -> tuple[float, ...]:
-    """`x` as n finite lengths in (0, MAX_COORDINATE_M] (`low` "[": [0, ...]); ValueError
-    saying what is wrong."""
-    if not (isinstance(x, list) and len(x) == n and all(_number(v) for v in x)):
+def _sizes(x, n: int, what: str, *, zero_ok: bool = False) -> tuple[float, ...]:
+    """`x` as n finite lengths in (0, MAX_COORDINATE_M] ([0, ...] when `zero_ok`: a range's
+    lower bound); ValueError saying what is wrong."""
+    if not (isinstance(x, list) and len(x) == n and all(finite_number(v) for v in x)):
         raise ValueError(f"{what} must be a list of {n} numbers, got {json.dumps(x)[:80]}")
-    if not all((0 <= v if low == "[" else 0 < v) and v <= MAX_COORDINATE_M for v in x):
-        raise ValueError(f"{what} {x} must lie in {low}0, {MAX_COORDINATE_M:g}] metres")
+    if not all((0 <= v if zero_ok else 0 < v) and v <= MAX_COORDINATE_M for v in x):
+        raise ValueError(f"{what} {x} must lie in {'[' if zero_ok else '('}0, "
+                         f"{MAX_COORDINATE_M:g}] metres")
     return tuple(float(v) for v in x)
 
 
@@ -100,7 +97,7 @@ def _category(name: str, e) -> Category:
         raise ValueError(f"must be an object, got {type(e).__name__}")
     ranges = []
     for key in ("width_range", "depth_range", "height_range"):
-        lo, hi = _sizes(e.get(key), 2, key, low="[")
+        lo, hi = _sizes(e.get(key), 2, key, zero_ok=True)
         if lo > hi:
             raise ValueError(f"{key} [{lo:g}, {hi:g}] runs backwards")
         ranges.append((lo, hi))
@@ -109,7 +106,7 @@ def _category(name: str, e) -> Category:
         raise ValueError(f"mounts must be a non-empty list of {', '.join(MOUNTS)}, got "
                          f"{json.dumps(mounts)[:80]}")
     elevation = e.get("default_elevation")
-    if elevation is not None and not (_number(elevation) and 0 <= elevation <= MAX_COORDINATE_M):
+    if elevation is not None and not (finite_number(elevation) and 0 <= elevation <= MAX_COORDINATE_M):
         raise ValueError(f"default_elevation must be a number of metres >= 0, got {json.dumps(elevation)[:80]}")
     flags = {k: e.get(k, False) for k in ("front_used", "storage", "thin")}
     for k, v in flags.items():

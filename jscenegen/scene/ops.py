@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from jscenegen.config import clip_text, validation_message
+from jscenegen.paths import is_decimal
 
 from .catalogue import Catalogue
 from .config import SceneRuntimeConfig
@@ -191,7 +192,7 @@ class SceneEditor:
     def __post_init__(self):
         for o in self.scene.objects:
             cat, _, n = o.id.rpartition("_")
-            if n.isascii() and n.isdigit():
+            if is_decimal(n):
                 self.counters[cat] = max(self.counters.get(cat, 0), int(n))
 
     # ---- batch -----------------------------------------------------------------------------

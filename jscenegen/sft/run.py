@@ -51,7 +51,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     from jscenegen.model.hf_io import load_hf, save_hf
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.prompts import load_templates
-    from jscenegen.sharding.layout import pad_batch, shard_batch
+    from jscenegen.sharding.layout import pad_batch, pad_rows, shard_batch
     from jscenegen.sharding.mesh import make_mesh
 
     sc = cfg.sft
@@ -62,7 +62,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
                                "sft.batch_size", "sft.micro_batch_size")
     multiple = int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))   # of every row's length
     longest = -(-sc.max_seq_len // mesh.shape["sp"]) * mesh.shape["sp"]   # rows' cap
-    rows = -(-sc.batch_size // mesh.shape["fsdp"]) * mesh.shape["fsdp"]
+    rows = pad_rows(sc.batch_size, mesh)
     if rows * longest > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
         raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "
                          f"{rows} rows x {longest} tokens once padded for the mesh = "

@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh
 from pydantic import Field
 
 from jscenegen.config import Section, clip_text
+from jscenegen.paths import is_decimal
 from jscenegen.sharding.rules import AXES
 
 MAX_PROCESSES = 1 << 20
@@ -133,7 +134,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         raise MeshError("multi-host launch needs coordinator_address, num_processes and process_id "
                         "(mesh.* config keys or JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)")
     host, _, port = addr.rpartition(":")
-    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    if not host or not is_decimal(port) or not 0 < int(port) < 65536:
         raise MeshError(f"multi-host launch: {addr_from}={addr!r} is not host:port "
                         "(e.g. host0:8476)")
     try:

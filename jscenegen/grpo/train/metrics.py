@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pydantic import Field
 
 from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file, json_line
+from jscenegen.paths import atomic_file, finite_number, json_line
 
 
 class LoggingConfig(Section):
@@ -119,8 +118,7 @@ class MetricsLogger:
             f.flush()
             os.fsync(f.fileno())
         if self._swanlab is not None:
-            numbers = {k: v for k, v in row.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            numbers = {k: v for k, v in row.items() if finite_number(v)}
             with _to_stderr():
                 self._swanlab.log(numbers, step=step)
 

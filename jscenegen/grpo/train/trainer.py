@@ -124,8 +124,9 @@ class Trainer:
         with `resume`, only its config and tokenizer are used (a checkpoint's `hf/` will do) and
         the weights come from the newest complete checkpoint in `run_dir/checkpoints`.
 
-        Raises ResumeError (changed protocol/reward/schedule, or checkpoints where a fresh run
-        was asked for), MeshError, CheckpointError, ChatTemplateError.
+        Raises ResumeError (changed protocol/reward/schedule, a schedule.total_updates below the
+        effective updates done, or checkpoints where a fresh run was asked for), MeshError,
+        CheckpointError, ChatTemplateError.
         """
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -301,6 +302,11 @@ class Trainer:
                                         effective_updates=at.step, attempts=at.step)
         else:
             self.pos = SchedulePosition.from_json(saved["schedule"])
+        if self.cfg.schedule.total_updates < self.pos.effective_updates:
+            raise ResumeError(f"schedule.total_updates={self.cfg.schedule.total_updates} is below "
+                              f"the {self.pos.effective_updates} effective updates {self.run_dir} "
+                              "has done; leave it out to keep the run's total, or raise it to "
+                              "extend the run")
         self.state = TrainState(self.state.params, opt_state, jnp.asarray(lr_step, jnp.int32),
                                 jnp.asarray(max(skipped, 0), jnp.int32))
         if is_primary():
