@@ -35,10 +35,11 @@ from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
 from jscenegen.checkpoint.checksums import write_checksums
+from jscenegen.checkpoint.resume import RUN_STATE_FILE
 from jscenegen.model.assets import copy_non_weights
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
-from jscenegen.paths import atomic_dir
+from jscenegen.paths import atomic_dir, write_json
 
 
 # files of an HF directory that are weights (not copied into VERL's huggingface/ or re-emitted)
@@ -55,7 +56,9 @@ class VerlState:
     """What a VERL checkpoint holds, as readers: enough to write one for any W.
 
     params: SliceReader over full HF-shaped arrays; adam: moments, step, param_groups (None =
-    model only); extra_states: per-rank `{"lr_scheduler", "rng"}` (None = none written).
+    model only); extra_states: per-rank `{"lr_scheduler", "rng"}` (None = none written);
+    train_state: our trainer's train state of this step, written beside the rank files as
+    `RUN_STATE_FILE` so that converting back keeps the run's identity (None = none).
     """
 
     config: Any  # jscenegen.model.config.QwenConfig
@@ -64,6 +67,7 @@ class VerlState:
     adam: AdamSource | None = None
     extra_states: list[dict[str, Any]] | None = None
     global_step: int = 0
+    train_state: dict[str, Any] | None = None
 
 
 CACHE_BYTES = 1 << 30
@@ -156,6 +160,9 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     rel = shard_dir.relative_to(root).as_posix()
     files = [(f"{rel}/{p.name}", _sources_of(p.name, source_files, source))
              for p in sorted(shard_dir.glob("*_world_size_*.pt"))]
+    if state.train_state is not None:
+        write_json(shard_dir / RUN_STATE_FILE, state.train_state)
+        files.append((f"{rel}/{RUN_STATE_FILE}", (source_files or {}).get("train_state", [str(source)])))
     files += [(f"{rel}/huggingface/{w}", s) for w, s in hf_files]
     extra = dict(world_size=world_size, placement=placement, shard_dims=dims,
                  device_type=device_type, global_step=state.global_step, dtype=dtype or "source")

@@ -4,7 +4,9 @@
                                       tokenizer files, chat template, generation config
     OUT/training_state/latest_checkpointed_iteration.txt
     OUT/training_state/global_step_N/ VERL FSDP2 rank files (model, Adam, extra state) for W
-                                      ranks, fsdp_config.json, huggingface -> ../.. (symlink)
+                                      ranks, fsdp_config.json, huggingface -> ../.. (symlink),
+                                      jscenegen_train_state.json (the run's position and
+                                      identity, for `convert --to orbax` back)
     OUT/training_metadata.json        the checkpoint's metadata (credentials redacted again)
     OUT/checkpoint-layout.json        written path <- source paths, torch version
     OUT/checksums.json                SHA-256 + bytes of every file (the symlink is not followed)
@@ -54,7 +56,8 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
             source_files={"model": [str(step_dir / ckpt.PARAMS_ITEM)],
                           "optim": [str(step_dir / ckpt.ADAM_ITEM)],
                           "extra_state": [str(step_dir / ckpt.TRAIN_STATE_ITEM),
-                                          str(step_dir / ckpt.METADATA_NAME)]},
+                                          str(step_dir / ckpt.METADATA_NAME)],
+                          "train_state": [str(step_dir / ckpt.TRAIN_STATE_ITEM)]},
             hf_link="../..")
         files += [(f"training_state/{w}", s) for w, s in verl_files]
         meta = redact(json.loads((step_dir / ckpt.METADATA_NAME).read_text()))

@@ -25,13 +25,14 @@ What carries over (../shared/specs/verl-checkpoint.md, "What a converter must gu
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_run
-from convert.errors import ConvertError
+from convert.errors import ConversionWarning, ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
 from convert.tensor_sets import (
@@ -138,8 +139,11 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
                            "orbax checkpoint carries the model's tokenizer in hf/")
     with atomic_dir(dst, exists_error=ConvertError) as tmp:
         meta = training_metadata(
-            config={}, protocol_hash=None, schedule_hash=None,
-            optimizer_step=int(adam["count"]), effective_updates=int(train_state.get("step", 0)),
+            config={}, protocol_hash=train_state.get("protocol_hash"),
+            schedule_hash=train_state.get("schedule_hash"),
+            optimizer_step=int(adam["count"]),
+            effective_updates=int(train_state["schedule"]["effective_updates"]
+                                  if "schedule" in train_state else train_state.get("step", 0)),
             judge=None, extra={"source": source})
         store = CheckpointStore(tmp, keep_last=1)
         try:
@@ -211,8 +215,10 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
     step = ck.global_step()
     sched = ck.scheduler_step()
-    train_state = {"step": step, "lr_schedule_count": sched if sched is not None else step,
-                   "optimizer_step": int(adam["count"]), "source_format": "verl"}
+    train_state = _run_train_state(ck, step, sched if sched is not None else step) or {
+        "step": step, "lr_schedule_count": sched if sched is not None else step,
+        "optimizer_step": int(adam["count"])}
+    train_state["source_format"] = "verl"
     import torch
 
     source = {"format": "verl", "path": str(Path(src).resolve()), "layout": ck.layout.kind,
@@ -233,6 +239,31 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
                        adam=adam, trainable=trainable, train_state=train_state, source=source,
                        layout_files=layout_files, source_path=src, source_format="verl",
                        layout_extra=extra.layout_fields())
+
+
+def _run_train_state(ck: VerlCheckpoint, step: int, lr_step: int) -> dict[str, Any] | None:
+    """The train state our trainer saved for this step, when the VERL files were written from
+    one of our checkpoints and still stand where it did (same global step and LR count;
+    a step VERL trained on to has no such file). Else None, with a warning when the file names
+    another step."""
+    from jscenegen.checkpoint.resume import RUN_STATE_FILE, checkpoint_position
+    from jscenegen.checkpoint.store import CheckpointError
+
+    run = ck.run_train_state()
+    if run is None:
+        return None
+    f = ck.layout.shard_dir / RUN_STATE_FILE
+    try:
+        at = checkpoint_position(run)
+    except CheckpointError as err:
+        raise ConvertError(f"{f}: {err}") from None
+    if (at.step, at.lr_step) != (step, lr_step):
+        warnings.warn(ConversionWarning(
+            f"{f}: names step {at.step} (LR count {at.lr_step}), not this checkpoint's {step} "
+            f"({lr_step}); ignored: the run's identity (hashes, schedule position) is not "
+            "carried and a resume starts the schedule at the global step"), stacklevel=3)
+        return None
+    return dict(run)
 
 
 def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -328,7 +359,7 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
     hold.
     """
     from jscenegen.checkpoint import store as ckpt
-    from jscenegen.checkpoint.resume import checkpoint_position
+    from jscenegen.checkpoint.resume import checkpoint_position, has_run_identity
 
     step_dir = orbax_step_dir(src)
     hf = step_dir / ckpt.HF_DIR
@@ -372,7 +403,9 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
         adam=AdamSource(exp_avg=sliced(orbax_reader(step_dir, "mu", trainable)),
                         exp_avg_sq=sliced(orbax_reader(step_dir, "nu", trainable)), step=count,
                         param_groups=groups, names=trainable),
-        extra_states=extras, global_step=at.step)
+        extra_states=extras, global_step=at.step,
+        train_state=({k: v for k, v in train_state.items() if k != "source_format"}
+                     if has_run_identity(train_state) else None))
 
 
 def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
@@ -385,7 +418,8 @@ def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placemen
                           source_files={"model": [str(step_dir / "params")],
                                         "optim": [str(step_dir / "adam")],
                                         "extra_state": [str(step_dir / "train_state"),
-                                                        str(step_dir / "training_metadata.json")]})
+                                                        str(step_dir / "training_metadata.json")],
+                                        "train_state": [str(step_dir / "train_state")]})
 
 
 def orbax_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> list[str]:

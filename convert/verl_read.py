@@ -27,9 +27,11 @@ from convert.sharding import chunk_bounds
 from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
 from convert.torch_safe import StorageCrcs, load_pt
-from jscenegen.paths import finite_number, is_decimal
+from jscenegen.checkpoint.resume import RUN_IDENTITY_KEYS, RUN_STATE_FILE, has_run_identity
+from jscenegen.paths import finite_number, is_decimal, loads_json
 
 KINDS = ("model", "optim", "extra_state")
+MAX_RUN_STATE_BYTES = 1 << 20   # the trainer's train state is about 1 KB
 _RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 
@@ -719,6 +721,25 @@ class VerlCheckpoint:
         if not sched:
             return None
         return int(sched["last_epoch"])
+
+    def run_train_state(self) -> dict[str, Any] | None:
+        """Our trainer's train state of this step, from `RUN_STATE_FILE` beside the rank files
+        (written by `export` and `convert --to verl` from one of our checkpoints), or None
+        when there is none. Raises ConvertError naming the file when it is over 1 MiB, not
+        JSON or lacks a key of `RUN_IDENTITY_KEYS`."""
+        f = self.layout.shard_dir / RUN_STATE_FILE
+        if not f.is_file():
+            return None
+        if f.stat().st_size > MAX_RUN_STATE_BYTES:
+            raise ConvertError(f"{f}: {f.stat().st_size:,} bytes; a train state is about 1 KB")
+        try:
+            doc = loads_json(f.read_bytes())
+        except ValueError as err:
+            raise ConvertError(f"{f}: not valid JSON: {err}") from None
+        if not isinstance(doc, dict) or not has_run_identity(doc):
+            raise ConvertError(f"{f}: not a jscenegen train state (an object with keys "
+                               f"{', '.join(RUN_IDENTITY_KEYS)})")
+        return doc
 
     def global_step(self) -> int:
         """The trainer's global step: N of a `global_step_N` directory, else the scheduler's

@@ -139,6 +139,7 @@ def test_a_trainer_checkpoint_keeps_its_lr_scheduler_position_in_verl_files(stra
     assert state.global_step == 3 and state.adam.step == 3
     (extra,) = state.extra_states
     assert extra["lr_scheduler"]["last_epoch"] == 3 and extra["lr_scheduler"]["_step_count"] == 4
+    assert state.train_state == read_train_state(run_dir / "checkpoints" / "3")  # the run's identity
 
 
 def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tmp_path):
@@ -307,6 +308,65 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
         Trainer(_cfg(**{"scene.max_objects": 7}), run_dir, chat_model_dir(), resume=True)
     with pytest.raises(ResumeError, match="already holds checkpoints"):
         Trainer(_cfg(), run_dir, chat_model_dir(), resume=False)
+
+
+def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_path, caplog):
+    """export -> `convert --from verl --to orbax` kept weights and moments but dropped the run's
+    identity: the resume took any schedule and restarted its position from the global step.
+    The trainer's train state now travels beside the VERL rank files: the converted step
+    resumes exactly as the original (bitwise) and refuses a changed schedule; a state file
+    naming another step (VERL trained on) is ignored with a warning, a malformed one named."""
+    import shutil
+
+    from convert.dispatch import verify_source
+    from convert.errors import ConversionWarning, ConvertError
+    from convert.orbax_directions import verl_to_orbax
+    from jscenegen.checkpoint.checksums import verify_checksums, write_checksums
+    from jscenegen.checkpoint.resume import RUN_STATE_FILE
+    from jscenegen.cli import main
+
+    original = read_train_state(straight[0] / "checkpoints/3")
+    assert main(["export", str(straight[0] / "checkpoints/3"), str(tmp_path / "pub"),
+                 "--world-size", "2", "--mesh-device", "cpu"]) == 0
+    shard = tmp_path / "pub/training_state/global_step_3"
+    assert verify_checksums(tmp_path / "pub") > 0
+    assert json.loads((shard / RUN_STATE_FILE).read_text()) == original
+    assert main(["convert", str(shard), str(tmp_path / "back/checkpoints"),
+                 "--from", "verl", "--to", "orbax"]) == 0
+    back = read_train_state(tmp_path / "back/checkpoints/3")
+    assert back == {**original, "source_format": "verl"}
+    meta = json.loads((tmp_path / "back/checkpoints/3/training_metadata.json").read_text())
+    assert meta["schedule_hash"] == original["schedule_hash"] and meta["effective_updates"] == 3
+    with pytest.raises(ResumeError, match="schedule.roles, schedule.group_size or schedule.seed"):
+        Trainer(_cfg(**{"schedule.roles": "DDDPC"}), tmp_path / "back", chat_model_dir(), resume=True)
+    with pytest.raises(ResumeError, match="the scene protocol changed"):
+        Trainer(_cfg(**{"scene.max_objects": 7}), tmp_path / "back", chat_model_dir(), resume=True)
+    reference = shutil.copytree(straight[0], tmp_path / "reference")
+    extend = {"schedule.total_updates": 4}
+    _, a = _run(reference, resume=True, **extend)
+    _, b = _run(tmp_path / "back", resume=True, **extend)
+    assert a.attempts == b.attempts == 4
+    fa, fb = _final(reference), _final(tmp_path / "back")
+    assert fa.train_state["schedule"] == fb.train_state["schedule"]
+    for name in fa.params:
+        np.testing.assert_array_equal(fa.params[name], fb.params[name], err_msg=name)
+        np.testing.assert_array_equal(fa.adam["nu"][name], fb.adam["nu"][name], err_msg=name)
+
+    copy = shutil.copytree(tmp_path / "pub", tmp_path / "edited", symlinks=True)
+    moved = copy / "training_state/global_step_3"
+    (moved / RUN_STATE_FILE).write_text(json.dumps(dict(original, lr_step=2)))
+    with pytest.raises(ConvertError, match=rf"{RUN_STATE_FILE}: \d+ bytes, expected"):
+        verify_source(moved)   # the export's checksums cover it (`convert` checks them first)
+    write_checksums(copy)
+    with pytest.warns(ConversionWarning, match=rf"{RUN_STATE_FILE}: names step 3 \(LR count 2\), "
+                                               r"not this checkpoint's 3 \(3\); ignored"):
+        verl_to_orbax(moved, tmp_path / "plain")
+    assert "schedule" not in read_train_state(tmp_path / "plain/3")
+    (moved / RUN_STATE_FILE).write_text(json.dumps({"schedule": {}}))
+    write_checksums(copy)
+    with pytest.raises(ConvertError, match=rf"{RUN_STATE_FILE}: not a jscenegen train state"):
+        verl_to_orbax(moved, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_config_errors_name_the_key():

@@ -4,8 +4,11 @@
 `check_same_run` refuses a checkpoint whose protocol or reward differ from the resuming run's;
 `checkpoint_position` reads where a checkpoint stands (updates done, LR-scheduler count,
 skipped optimizer steps), from the trainer's own train state or from one converted from VERL or
-HF (`convert --to orbax`, train_state with `source_format`: no protocol or schedule of ours);
-`resume_model_dir` finds the config and tokenizer a resumed run uses.
+HF (`convert --to orbax`, train_state with `source_format`); a converted checkpoint has the
+run's identity (`has_run_identity`: schedule position, protocol and schedule hashes, reward)
+only when its VERL files came from ours and carry the trainer's train state beside them
+(`RUN_STATE_FILE`, written by `export` and `convert --to verl`); `resume_model_dir` finds the
+config and tokenizer a resumed run uses.
 """
 from __future__ import annotations
 
@@ -66,17 +69,28 @@ def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ..
     return ck
 
 
-def is_converted(train_state: Mapping[str, Any]) -> bool:
-    """True for a checkpoint written by `convert` from VERL or HF (no run identity of ours)."""
-    return "source_format" in train_state
+RUN_STATE_FILE = "jscenegen_train_state.json"
+"""Beside VERL rank files written from one of our checkpoints: its train_state item as JSON
+(VERL's loader reads only the rank files; a step VERL saves later has none)."""
+
+RUN_IDENTITY_KEYS = ("schedule", "lr_step", "skipped_steps", "num_scenes", "schedule_hash",
+                     "protocol_hash", "reward")
+
+
+def has_run_identity(train_state: Mapping[str, Any]) -> bool:
+    """True when `train_state` holds what a resume checks and continues from (the trainer's
+    schedule position, hashes and reward: `RUN_IDENTITY_KEYS`); False for one converted from
+    VERL or HF files that did not come from our checkpoints."""
+    return all(k in train_state for k in RUN_IDENTITY_KEYS)
 
 
 def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
     """Where the checkpoint whose orbax `train_state` item this is stands: the trainer's own
-    (`schedule.attempts`, `lr_step`, `skipped_steps`) or a converted one (`step`,
-    `lr_schedule_count`, `optimizer_step`). Raises CheckpointError naming the missing key."""
+    (`schedule.attempts`, `lr_step`, `skipped_steps`) or a converted one without the run's
+    identity (`step`, `lr_schedule_count`, `optimizer_step`). Raises CheckpointError naming
+    the missing key."""
     try:
-        if is_converted(train_state):
+        if not has_run_identity(train_state):
             step = int(train_state.get("step", 0))
             return CheckpointPosition(
                 step=step, lr_step=int(train_state.get("lr_schedule_count", step)),

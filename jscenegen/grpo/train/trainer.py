@@ -28,7 +28,7 @@ from jscenegen.checkpoint.resume import (
     ResumeError,
     check_same_run,
     checkpoint_position,
-    is_converted,
+    has_run_identity,
     restore_onto_mesh,
 )
 from jscenegen.checkpoint.store import CheckpointStore, check_step
@@ -273,13 +273,13 @@ class Trainer:
     def _read_checkpoint(self):
         """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run.
 
-        A checkpoint converted from VERL or HF carries no protocol or schedule of ours: it
-        starts this schedule at its global step.
+        A checkpoint converted from VERL or HF files that did not come from ours carries no
+        protocol or schedule of ours: it starts this schedule at its global step.
         """
         dtype = np_dtype(self.cfg.model.param_dtype)
         ck = restore_onto_mesh(self.store, self.shapes, self.mesh, dtype, self.trainable)
         saved = ck.train_state
-        if is_converted(saved):
+        if not has_run_identity(saved):
             log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
                         "schedule hash to check", saved["source_format"], saved.get("step"))
             return ck
@@ -296,7 +296,7 @@ class Trainer:
         opt_state = state_from_canonical(ck.adam, self.state.opt_state)
         at = checkpoint_position(saved)
         lr_step, skipped = at.lr_step, at.skipped_steps
-        if is_converted(saved):
+        if not has_run_identity(saved):
             n = len(self.schedule.scene_seeds)
             self.pos = SchedulePosition(scene_index=at.step % n, epoch=at.step // n,
                                         effective_updates=at.step, attempts=at.step)
