@@ -50,7 +50,7 @@ from jscenegen.model.qwen import CausalLM
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.mesh import host_array
 from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout
-from jscenegen.sharding.rules import ROWS, named
+from jscenegen.sharding.rules import ROWS, named, round_up
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def bucket_length(n: int, buckets: Sequence[int]) -> int:
         if b >= n:
             return b
     top = buckets[-1]
-    return -(-n // top) * top
+    return round_up(n, top)
 
 
 def grown_slots(need: int, capacity: int, max_slots: int, buckets: Sequence[int]) -> int:
@@ -81,7 +81,7 @@ def split_into_buckets(n: int, buckets: Sequence[int]) -> list[int]:
     Greedy largest-first, so a long append costs a few compiled shapes, not one per length.
     """
     step = buckets[0]
-    rest = -(-n // step) * step
+    rest = round_up(n, step)
     out = []
     while rest > 0:
         b = max(x for x in buckets if x <= rest) if rest >= step else step

@@ -40,6 +40,7 @@ from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_l
 from jscenegen.grpo.rollout.engine import Trajectory
 from jscenegen.parity import ROW_TOKENS_MAX
 from jscenegen.paths import atomic_file, not_a_file
+from jscenegen.sharding.rules import round_up
 
 PARAM_TOL = 1e-6
 LOSS_TOL = 1e-6
@@ -250,7 +251,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
     optimizer = scheduler = None
     # one padded length for all updates (one compile)
     length = max(t.num_tokens for t in trajectories)
-    length = -(-length // col_multiple) * col_multiple
+    length = round_up(length, col_multiple)
     rng = np.random.default_rng(seed)
     untrained = 0  # updates without tokens or gradient (they compare nothing but weight decay)
     for k in range(updates):

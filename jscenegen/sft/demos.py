@@ -19,6 +19,7 @@ from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.scene.generator import make_record
 from jscenegen.scene.sceneset import SceneRecord
+from jscenegen.sharding.rules import round_up
 
 SFT_SEED_BASE = 41410  # scene seeds SFT_SEED_BASE * 1000 + i (train: 20260..., dev: 90210...)
 
@@ -137,4 +138,4 @@ def padded_length(demos: Sequence[Demo], max_seq_len: int, multiple: int, cap: i
     """Row length of every batch: the longest demo (at most max_seq_len) rounded up to
     `multiple`, but no longer than `cap` (max_seq_len rounded up to what the mesh needs)."""
     longest = min(max(len(d.tokens) for d in demos), max_seq_len)
-    return min(-(-longest // multiple) * multiple, cap)
+    return min(round_up(longest, multiple), cap)

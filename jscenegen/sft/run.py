@@ -19,6 +19,7 @@ from jscenegen.paths import json_document, json_line, require_new_dir
 from jscenegen.sft.config import BATCH_TOKENS_MAX
 from jscenegen.sft.demos import batch_indices, build_demos, demo_batch, padded_length, sft_records
 from jscenegen.sft.step import SFTStep
+from jscenegen.sharding.rules import round_up
 
 
 def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
@@ -61,7 +62,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
                                "sft.batch_size", "sft.micro_batch_size")
     multiple = int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))   # of every row's length
-    longest = -(-sc.max_seq_len // mesh.shape["sp"]) * mesh.shape["sp"]   # rows' cap
+    longest = round_up(sc.max_seq_len, mesh.shape["sp"])   # rows' cap
     rows = pad_rows(sc.batch_size, mesh)
     if rows * longest > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
         raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "

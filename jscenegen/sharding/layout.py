@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jscenegen.sharding.rules import PARAM, batch_spec, named, padded_shape
+from jscenegen.sharding.rules import PARAM, batch_spec, named, padded_shape, round_up
 
 
 def shard_model(model: nnx.Module, mesh) -> nnx.Module:
@@ -33,7 +33,7 @@ def shard_model(model: nnx.Module, mesh) -> nnx.Module:
 def pad_rows(n: int, mesh) -> int:
     """Rows after padding a batch of n to a multiple of the fsdp axis."""
     f = mesh.shape["fsdp"]
-    return -(-n // f) * f
+    return round_up(n, f)
 
 
 def pad_batch(arrays: dict[str, np.ndarray], mesh, seq_multiple: int | None = None) -> dict[str, np.ndarray]:
@@ -46,7 +46,7 @@ def pad_batch(arrays: dict[str, np.ndarray], mesh, seq_multiple: int | None = No
         rows = pad_rows(a.shape[0], mesh) - a.shape[0]
         widths = [(0, rows)] + [(0, 0)] * (a.ndim - 1)
         if a.ndim >= 2:
-            widths[1] = (0, -(-a.shape[1] // seq_multiple) * seq_multiple - a.shape[1])
+            widths[1] = (0, round_up(a.shape[1], seq_multiple) - a.shape[1])
         out[k] = np.pad(a, widths)
     return out
 

@@ -126,11 +126,17 @@ def rollout_param_spec(name: str, shape: tuple[int, ...], tp: int, transposed: b
     return P(*([None] * dim), "tp")
 
 
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` (> 0) that is >= n: the padded length of n rows or
+    tokens on an axis split `multiple` ways."""
+    return -(-n // multiple) * multiple
+
+
 def padded_shape(shape: tuple[int, ...], multiple: int) -> tuple[int, ...]:
     """`shape` with dim 0 rounded up to a multiple of `multiple`: FSDP2's padding for `PARAM`
     (device r of W holds rows [r*c, (r+1)*c), c = ceil(n / W))."""
     n = shape[0]
-    return (-(-n // multiple) * multiple, *shape[1:])
+    return (round_up(n, multiple), *shape[1:])
 
 
 def named(mesh: Mesh, spec: P) -> NamedSharding:

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jscenegen.sharding.rules import round_up
+
 
 def num_micro_batches(rows: int, micro_rows: int | None, key: str = "micro_batch_size") -> int:
     """k = rows / micro_rows (1 when micro_rows is None or covers the batch).
@@ -32,7 +34,7 @@ def check_padded_micro_batches(rows: int, fsdp: int, micro_rows: int | None, row
     mesh's fsdp axis pads the batch's rows before the step splits them), checked from the
     config before any work. Raises ValueError naming `rows_text` (what sets the rows), the
     padding and `key` with the sizes that would divide."""
-    padded = -(-rows // fsdp) * fsdp
+    padded = round_up(rows, fsdp)
     if micro_rows is None or micro_rows >= padded or padded % micro_rows == 0:
         return num_micro_batches(padded, micro_rows, key)
     divisors = [d for d in range(1, padded + 1) if padded % d == 0]

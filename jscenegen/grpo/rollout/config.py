@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from jscenegen.config import Section
 from jscenegen.generate.sampler import DEFAULT_BUCKETS
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams
+from jscenegen.sharding.rules import round_up
 
 GROUP_MAX = 4096       # episodes of one scene per batch: far beyond any GRPO recipe (VERL n <= 64)
 TOKENS_MAX = 1 << 20   # tokens of one turn, episode or bucket: beyond any context Qwen serves
@@ -72,7 +73,7 @@ class SamplingConfig(Section):
         if self.cache_tokens is not None:
             return self.cache_tokens
         step = self.buckets[0]
-        return -(-(self.max_episode_tokens + self.max_new_tokens) // step) * step + step
+        return round_up(self.max_episode_tokens + self.max_new_tokens, step) + step
 
 
 class RolloutConfig(Section):

@@ -62,6 +62,7 @@ from jscenegen.scene.episode import Episode, judge_episodes
 from jscenegen.scene.judge import Judge, JudgeResult
 from jscenegen.scene.sceneset import SceneRecord
 from jscenegen.sharding.mesh import host_array
+from jscenegen.sharding.rules import round_up
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +316,7 @@ class RolloutEngine:
         rows = [_Row(i, int(s), Episode(g.record, scene_cfg, judge_cfg), g.group_id)
                 for g in groups for i, s in enumerate(g.seeds)]
         mult = self.sampler.row_multiple
-        pad = -(-len(rows) // mult) * mult - len(rows)
+        pad = round_up(len(rows), mult) - len(rows)
         keys = np.concatenate([row_keys([r.seed for r in rows]), np.zeros((pad, 2), np.uint32)])
         self._rebuilds, self._used = 0, 0
         grows_before = self.sampler.cache_grows

@@ -17,6 +17,7 @@ import numpy as np
 from jscenegen.grpo.algo.advantages import grpo_outcome_advantages
 from jscenegen.grpo.algo.roles import role_loss_mask
 from jscenegen.grpo.rollout.engine import Trajectory, trajectory_batch
+from jscenegen.sharding.rules import round_up
 
 TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
 
@@ -34,10 +35,6 @@ class GroupBatch:
     episode_advantages: np.ndarray
     has_signal: bool
     trained_tokens: int
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
