@@ -292,7 +292,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, 
     assert aside.is_dir()  # keep-last-k never deletes a set-aside step
 
 
-def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_factory):
+def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_factory, caplog):
     import shutil
 
     run_dir = tmp_path_factory.mktemp("copy") / "run"
@@ -308,6 +308,12 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
         Trainer(_cfg(**{"scene.max_objects": 7}), run_dir, chat_model_dir(), resume=True)
     with pytest.raises(ResumeError, match="already holds checkpoints"):
         Trainer(_cfg(), run_dir, chat_model_dir(), resume=False)
+    # not refused (the LR schedule is the optimizer's), but a cosine shorter than the run
+    # would climb back up past its end
+    with caplog.at_level("WARNING"):
+        Trainer(_cfg(**{"optim.lr_schedule": "cosine", "optim.total_steps": 2}), run_dir,
+                chat_model_dir(), resume=True).close()
+    assert "optim.total_steps=2 is below schedule.total_updates=3" in caplog.text
 
 
 def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_path, caplog):

@@ -152,6 +152,11 @@ class Trainer:
                         "rounds away, and AdamW moves a weight by about optim.lr = %g per step; "
                         "for VERL's numerics keep param_dtype float32 (compute_dtype bfloat16 "
                         "still computes in bf16)", cfg.optim.lr)
+        if cfg.optim.lr_schedule == "cosine" and cfg.optim.total_steps < cfg.schedule.total_updates:
+            log.warning("optim.total_steps=%d is below schedule.total_updates=%d: past it the "
+                        "cosine LR climbs back towards optim.lr (VERL sizes the schedule to the "
+                        "run's steps); raise optim.total_steps with the run's length",
+                        cfg.optim.total_steps, cfg.schedule.total_updates)
         if resume:
             ck = self._read_checkpoint()
             self.model = build_model(arch, ck.params.items(), mesh=self.mesh,
