@@ -30,9 +30,11 @@ from jscenegen.paths import atomic_dir, require_new_dir, write_json
 
 
 def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
-           placement: str = "dim0", dtype: str | None = None, device_type: str = "cuda") -> Path:
-    """Export an orbax training checkpoint (a step directory, or a run's checkpoint directory:
-    its newest complete step) to `out`. Returns the training_state step directory.
+           placement: str = "dim0", dtype: str | None = None, device_type: str = "cuda",
+           ) -> tuple[Path, Path]:
+    """Export an orbax training checkpoint (a step directory, or a run's directory or its
+    `checkpoints/`: the newest complete step) to `out`. Returns (the step directory exported,
+    the training_state step directory written).
 
     The HF weights keep the checkpoint's dtype unless `dtype`; the VERL rank files always hold
     what the checkpoint holds (fp32 master weights and moments) for `world_size` ranks with
@@ -66,4 +68,4 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
         write_layout(tmp, fmt="published", source=step_dir, source_format="orbax", files=files,
                      hf_dtype=dtype or "source", training_state=extra)
         write_checksums(tmp)
-    return Path(out) / shard_dir.relative_to(tmp)
+    return step_dir, Path(out) / shard_dir.relative_to(tmp)

@@ -3,7 +3,7 @@
 An orbax output DST is a checkpoint directory (what `CheckpointStore(DST)` manages) holding
 one step, `DST/<N>/`, plus `DST/checkpoint-layout.json` and `DST/checksums.json` (the step has
 its own checksums.json, which restore verifies). An orbax source is a step directory, or a
-checkpoint directory (its newest complete step is used).
+checkpoint directory or a training run's directory (its newest complete step is used).
 
 What carries over (../shared/specs/verl-checkpoint.md, "What a converter must guarantee"):
 - params {hf_name: array}, logical shapes, the source dtype (fp32 master weights): every
@@ -95,13 +95,17 @@ def extra_state_from_json(doc: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- orbax side
 def orbax_step_dir(path: str | Path) -> Path:
-    """The complete step directory at `path` (itself, or the newest complete step under it).
+    """The complete step directory at `path`: itself, or the newest complete step under it or
+    under its `checkpoints/` (a training run's directory).
 
     Raises ConvertError naming the directory when no complete step (checksums verified) exists.
     """
+    from jscenegen.checkpoint import RUN_CHECKPOINTS
     from jscenegen.checkpoint import store as ckpt
 
     path = Path(path)
+    if not ckpt.step_numbers(path) and (path / RUN_CHECKPOINTS).is_dir():
+        path = path / RUN_CHECKPOINTS
     if (path / ckpt.PARAMS_ITEM).is_dir():
         status = ckpt.check_step(path)
     else:

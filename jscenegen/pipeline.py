@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.config import dotted_items
 from jscenegen.paths import cache_dir, write_json, write_text
@@ -233,7 +234,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.sharding.mesh import is_primary
 
-    if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+    checkpoints = run_dir / RUN_CHECKPOINTS
+    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                          "continue it, or choose a new --run-dir")
     phases: dict[str, float] = {}

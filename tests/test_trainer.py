@@ -316,7 +316,7 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
     assert "optim.total_steps=2 is below schedule.total_updates=3" in caplog.text
 
 
-def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_path, caplog):
+def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_path, capsys):
     """export -> `convert --from verl --to orbax` kept weights and moments but dropped the run's
     identity: the resume took any schedule and restarted its position from the global step.
     The trainer's train state now travels beside the VERL rank files: the converted step
@@ -332,8 +332,9 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     from jscenegen.cli import main
 
     original = read_train_state(straight[0] / "checkpoints/3")
-    assert main(["export", str(straight[0] / "checkpoints/3"), str(tmp_path / "pub"),
+    assert main(["export", str(straight[0]), str(tmp_path / "pub"),   # the run: its newest step
                  "--world-size", "2", "--mesh-device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith(f"exported {straight[0] / 'checkpoints/3'} -> ")
     shard = tmp_path / "pub/training_state/global_step_3"
     assert verify_checksums(tmp_path / "pub") > 0
     assert json.loads((shard / RUN_STATE_FILE).read_text()) == original

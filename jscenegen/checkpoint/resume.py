@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import jax
 
+from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.store import HF_DIR, Checkpoint, CheckpointError, CheckpointStore, padded_target
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,8 @@ def resume_model_dir(run_dir: str | Path) -> Path:
                                   "run started") from None
         if (model_dir / "config.json").is_file():
             return model_dir
-    with CheckpointStore(run_dir / "checkpoints") as store:
+    with CheckpointStore(run_dir / RUN_CHECKPOINTS) as store:
         step = store.latest_valid_step()
     if step is None:
         raise CheckpointError(f"{run_dir}/checkpoints holds no complete checkpoint")
-    return run_dir / "checkpoints" / str(step) / HF_DIR
+    return run_dir / RUN_CHECKPOINTS / str(step) / HF_DIR

@@ -14,7 +14,8 @@ from jscenegen.commands import world_size_arg
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a checkpoint in the published layout",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="orbax step directory, or a run's checkpoints/ directory")
+    p.add_argument("checkpoint", help="orbax step directory, or a run directory or its "
+                   "checkpoints/ (the newest complete step)")
     p.add_argument("out_dir", help="destination (must not exist or be empty)")
     p.add_argument("--world-size", type=world_size_arg, default=6, help="VERL ranks W (default 6)")
     p.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0")
@@ -28,7 +29,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from convert.export import export
 
-    step = export(args.checkpoint, args.out_dir, world_size=args.world_size,
-                  placement=args.placement, dtype=args.dtype, device_type=args.mesh_device)
-    print(f"exported {args.checkpoint} -> {args.out_dir} (training state: {step})")
+    source, step = export(args.checkpoint, args.out_dir, world_size=args.world_size,
+                          placement=args.placement, dtype=args.dtype, device_type=args.mesh_device)
+    print(f"exported {source} -> {args.out_dir} (training state: {step})")
     return 0

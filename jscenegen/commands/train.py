@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.commands import positive_int_arg
 from jscenegen.paths import data_path_arg
 
@@ -35,8 +36,8 @@ def run(args) -> int:
         if run_dir.exists() and not run_dir.is_dir():
             raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
                                      "holds config.yaml and checkpoints/)")
-        if not (run_dir / "checkpoints").is_dir():
-            raise FileNotFoundError(f"{run_dir}/checkpoints not found: nothing to resume")
+        if not (run_dir / RUN_CHECKPOINTS).is_dir():
+            raise FileNotFoundError(f"{run_dir / RUN_CHECKPOINTS} not found: nothing to resume")
         saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
         if args.config and saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.store import (
     HF_DIR,
     CheckpointError,
@@ -74,7 +75,7 @@ def _not_a_model(p: Path) -> FileNotFoundError:
     """The error for a `--model` directory that is neither an HF model nor a checkpoint step,
     pointing at the newest step when it is a run's `checkpoints/` directory or the run itself."""
     hint = ""
-    for steps_dir in (p, p / "checkpoints"):
+    for steps_dir in (p, p / RUN_CHECKPOINTS):
         steps = [s for s in step_numbers(steps_dir) if is_checkpoint_dir(steps_dir / str(s))]
         if steps:
             hint = f"; its newest checkpoint step is {steps_dir / str(steps[-1])}"

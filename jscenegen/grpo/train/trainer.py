@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.metadata import redact, training_metadata
 from jscenegen.checkpoint.resume import (
     ResumeError,
@@ -138,7 +139,7 @@ class Trainer:
         self.judge = make_judge(cfg.judge, cfg.scene)
         self.protocol_hash = protocol_hash(cfg.scene, cfg.judge, self.judge.identity())
         self.pos = SchedulePosition()
-        self.store = CheckpointStore(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+        self.store = CheckpointStore(self.run_dir / RUN_CHECKPOINTS, keep_last=cfg.checkpoint.keep_last,
                                      async_save=cfg.checkpoint.async_save)
         self.arch = arch = QwenConfig.from_dir(self.model_dir)   # the policy's architecture
         # every tensor the checkpoints hold, and the ones AdamW steps (not Qwen3.5's carried
