@@ -276,7 +276,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     finally:
         trainer.close()
     if is_primary():
-        out = dict(vars(summary), run_dir=str(run_dir), rollout_layout=layout, phases=phases)
+        out = dict(vars(summary), run_dir=str(run_dir.absolute()), rollout_layout=layout,
+                   phases=phases)
         for when, report in evals.items():
             s = report["overall"]["model"]
             out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}
