@@ -111,11 +111,12 @@ class StorageCrcs:
     against the bytes of a storage of its memory-mapped load.
 
     torch maps the whole file and cuts each storage at its record's data offset
-    (torch/serialization.py, `get_record_offset`), so a storage's address minus the lowest
-    storage address is its record's offset minus the lowest record offset. Only the
-    central directory and each record's local header are read here; `check` reads the
-    storage (the bytes a conversion reads anyway). When the storages do not map onto the
-    records one to one (a torch that loads otherwise), nothing is checked.
+    (torch/serialization.py, `get_record_offset`), so storage addresses are record offsets
+    plus one base. The lowest storage lies at one of the lowest records: records that no
+    reachable tensor uses (a DeviceMesh's own tensors) can come first. Only the central
+    directory and each record's local header are read here; `check` reads the storage (the
+    bytes a conversion reads anyway). When no base maps every storage onto a record of its
+    size (a torch that loads otherwise), nothing is checked.
     """
 
     def __init__(self, path: Path, obj: Any):
@@ -133,9 +134,12 @@ class StorageCrcs:
                                                                            info.filename)
         self.records: dict[int, tuple[int, int, str]] | None = None
         if storages and records:
-            base = min(storages) - min(records)
-            if all(records.get(p - base, (0, -1))[1] == n for p, n in storages.items()):
-                self.base, self.records = base, records
+            lowest = min(storages)
+            for offset in sorted(records)[:max(len(records) - len(storages) + 1, 0)]:
+                base = lowest - offset
+                if all(records.get(p - base, (0, -1))[1] == n for p, n in storages.items()):
+                    self.base, self.records = base, records
+                    break
             else:
                 warnings.warn(f"{path}: its tensors do not lie at its zip records' offsets (a "
                               "torch that loads differently?): their CRC-32 is not checked",

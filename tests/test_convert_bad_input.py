@@ -597,6 +597,32 @@ def test_an_fsdp1_sharded_state_dict_is_named(tmp_path):
         load_pt(f)
 
 
+def test_the_crc_check_anchors_past_a_device_mesh_record(tmp_path):
+    """Rank 40 of 64 holds an empty shard of the first tensor, so its first non-empty zip
+    record is the DeviceMesh's `_rank_map` (no reachable tensor): the check anchored the
+    lowest storage there and switched itself off for ranks 32-63 of an `export --world-size
+    64`, with a warning, and a flipped bit converted silently."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from convert.torch_safe import StorageCrcs
+    from convert.verl_write import _dtensor, _fake_rank
+
+    f = tmp_path / "model_world_size_64_rank_40.pt"
+    with _fake_rank(40, 64, "cpu") as mesh:
+        torch.save({"first": _dtensor(np.zeros((0, 4), np.float32), mesh, 0, (32, 4), "cpu"),
+                    "second": _dtensor(np.ones((2, 64), np.float32), mesh, 0, (128, 64), "cpu")}, f)
+    _flip_tensor_byte(f)
+    sd = load_pt(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no "do not lie at its zip records' offsets"
+        crcs = StorageCrcs(f, sd)
+    with pytest.raises(ConvertError, match=r"rank_40\.pt: second: its bytes fail the CRC-32"):
+        crcs.check(sd["second"]._local_tensor.untyped_storage(), "second")
+
+
 def test_the_crc_check_anchors_past_empty_storages_and_names_a_corrupt_replica(tmp_path, actor):
     """An empty tensor first in a file switched the check off for the whole file; a flipped
     bit in rank 0's copy of a replicated tensor blamed rank 1's file for differing."""
