@@ -106,7 +106,7 @@ def verl_state(ck: VerlCheckpoint) -> VerlState:
     extra = ck.extra_states() if "extra_state" in ck.layout.kinds else None
     step = ck.global_step()
     return VerlState(config=ck.config, hf_dir=ck.hf_dir, params=sliced(ck.read_param), adam=adam,
-                     extra_states=extra, global_step=step)
+                     extra_states=extra, global_step=step, train_state=ck.run_train_state())
 
 
 def write_verl_run(dst: str | Path, state: VerlState, *, world_size: int, placement: str = "dim0",
@@ -195,10 +195,13 @@ def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement
     state = verl_state(ck)
     if state.extra_states is not None and world_size != ck.world_size:
         state.extra_states = state.extra_states[:1]
+    files = {k: [str(ck.layout.rank_file(k, r)) for r in range(ck.world_size)]
+             for k in ck.layout.kinds}
+    if state.train_state is not None:
+        files["train_state"] = [str(ck.layout.shard_dir / RUN_STATE_FILE)]
     return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
                           device_type=device_type, source=src, source_format="verl",
-                          source_files={k: [str(ck.layout.rank_file(k, r)) for r in range(ck.world_size)]
-                                        for k in ck.layout.kinds})
+                          source_files=files)
 
 
 def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,

@@ -25,14 +25,13 @@ What carries over (../shared/specs/verl-checkpoint.md, "What a converter must gu
 from __future__ import annotations
 
 import functools
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_run
-from convert.errors import ConversionWarning, ConvertError
+from convert.errors import ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
 from convert.tensor_sets import (
@@ -191,6 +190,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     """
     from convert.carried import verl_complement
     from jscenegen.checkpoint.lazy_array import LazyArray
+    from jscenegen.checkpoint.resume import RUN_STATE_FILE
 
     ck = VerlCheckpoint(src)
     extra = verl_complement(ck.config, ck.hf_dir, carried_from)
@@ -219,7 +219,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
     step = ck.global_step()
     sched = ck.scheduler_step()
-    train_state = _run_train_state(ck, step, sched if sched is not None else step) or {
+    train_state = ck.run_train_state() or {
         "step": step, "lr_schedule_count": sched if sched is not None else step,
         "optimizer_step": int(adam["count"])}
     train_state["source_format"] = "verl"
@@ -237,37 +237,13 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     files = [str(ck.layout.rank_file(k, r)) for k in ck.layout.kinds for r in range(ck.world_size)]
     layout_files = [("params", [f for f in files if "/model_" in f] + list(extra.files)),
                     ("adam", [f for f in files if "/optim_" in f]),
-                    ("train_state", [f for f in files if "/extra_state_" in f]),
+                    ("train_state", [f for f in files if "/extra_state_" in f]
+                     + ([str(ck.layout.shard_dir / RUN_STATE_FILE)] if "schedule" in train_state else [])),
                     ("hf/config.json", [str(ck.hf_dir / "config.json")])]
     return _save_orbax(Path(dst), step=step, cfg=cfg, hf_dir=ck.hf_dir, params=params,
                        adam=adam, trainable=trainable, train_state=train_state, source=source,
                        layout_files=layout_files, source_path=src, source_format="verl",
                        layout_extra=extra.layout_fields())
-
-
-def _run_train_state(ck: VerlCheckpoint, step: int, lr_step: int) -> dict[str, Any] | None:
-    """The train state our trainer saved for this step, when the VERL files were written from
-    one of our checkpoints and still stand where it did (same global step and LR count;
-    a step VERL trained on to has no such file). Else None, with a warning when the file names
-    another step."""
-    from jscenegen.checkpoint.resume import RUN_STATE_FILE, checkpoint_position
-    from jscenegen.checkpoint.store import CheckpointError
-
-    run = ck.run_train_state()
-    if run is None:
-        return None
-    f = ck.layout.shard_dir / RUN_STATE_FILE
-    try:
-        at = checkpoint_position(run)
-    except CheckpointError as err:
-        raise ConvertError(f"{f}: {err}") from None
-    if (at.step, at.lr_step) != (step, lr_step):
-        warnings.warn(ConversionWarning(
-            f"{f}: names step {at.step} (LR count {at.lr_step}), not this checkpoint's {step} "
-            f"({lr_step}); ignored: the run's identity (hashes, schedule position) is not "
-            "carried and a resume starts the schedule at the global step"), stacklevel=3)
-        return None
-    return dict(run)
 
 
 def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,12 +23,17 @@ from typing import Any, Iterator
 import numpy as np
 
 from convert import pages
-from convert.errors import ConvertError
+from convert.errors import ConversionWarning, ConvertError
 from convert.sharding import chunk_bounds
 from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
 from convert.torch_safe import StorageCrcs, load_pt
-from jscenegen.checkpoint.resume import RUN_IDENTITY_KEYS, RUN_STATE_FILE, has_run_identity
+from jscenegen.checkpoint.resume import (
+    RUN_IDENTITY_KEYS,
+    RUN_STATE_FILE,
+    check_run_identity,
+    has_run_identity,
+)
 from jscenegen.paths import finite_number, is_decimal, loads_json
 
 KINDS = ("model", "optim", "extra_state")
@@ -724,12 +730,16 @@ class VerlCheckpoint:
 
     def run_train_state(self) -> dict[str, Any] | None:
         """Our trainer's train state of this step, from `RUN_STATE_FILE` beside the rank files
-        (written by `export` and `convert --to verl` from one of our checkpoints), or None
-        when there is none. Raises ConvertError naming the file when it is over 1 MiB, not
-        JSON or lacks a key of `RUN_IDENTITY_KEYS`."""
+        (written by `export` and `convert --to verl` from one of our checkpoints), or None when
+        there is none or it names another global step or LR count than these files (a step
+        VERL trained on from it: warned). Raises ConvertError naming the file and key when it
+        is not a regular file, over 1 MiB, not JSON or not a train state
+        (`checkpoint.resume.check_run_identity`)."""
         f = self.layout.shard_dir / RUN_STATE_FILE
-        if not f.is_file():
+        if not f.exists() and not f.is_symlink():
             return None
+        if not f.is_file():
+            raise ConvertError(f"{f}: not a regular file (the run's train state is a JSON file)")
         if f.stat().st_size > MAX_RUN_STATE_BYTES:
             raise ConvertError(f"{f}: {f.stat().st_size:,} bytes; a train state is about 1 KB")
         try:
@@ -739,6 +749,19 @@ class VerlCheckpoint:
         if not isinstance(doc, dict) or not has_run_identity(doc):
             raise ConvertError(f"{f}: not a jscenegen train state (an object with keys "
                                f"{', '.join(RUN_IDENTITY_KEYS)})")
+        try:
+            check_run_identity(doc)
+        except ValueError as err:
+            raise ConvertError(f"{f}: {err}") from None
+        step, sched = self.global_step(), self.scheduler_step()
+        lr_step = step if sched is None else sched
+        if (doc["schedule"]["attempts"], doc["lr_step"]) != (step, lr_step):
+            warnings.warn(ConversionWarning(
+                f"{f}: names step {doc['schedule']['attempts']} (LR count {doc['lr_step']}), not "
+                f"this checkpoint's {step} ({lr_step}); ignored: the run's identity (hashes, "
+                "schedule position) is not carried and a resume starts the schedule at the "
+                "global step"), stacklevel=2)
+            return None
         return doc
 
     def global_step(self) -> int:

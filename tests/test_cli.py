@@ -596,6 +596,13 @@ def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
         f"error: {run / 'config.yaml'} is missing: the run's config is unknown (a run made by "
         "`jscenegen train` keeps it there); restore it, or continue with another one: --config FILE")
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run.json"]
+    # a directory `convert --to orbax` made (no run.json either) went on with the CPU default,
+    # whose schedule hash then refused a converted step of ours as "changed"
+    (run / "run.json").unlink()
+    assert main(["train", "--resume", str(run)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {run / 'config.yaml'} is missing: {run} holds checkpoints without a run's config "
+        "(a directory made by `convert --to orbax`); say what to continue with: --config FILE")
 
 
 def test_train_refuses_a_run_dir_inside_the_warm_start_model_cache(tmp_path, capsys, monkeypatch):

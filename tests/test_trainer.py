@@ -324,7 +324,7 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     naming another step (VERL trained on) is ignored with a warning, a malformed one named."""
     import shutil
 
-    from convert.dispatch import verify_source
+    from convert.dispatch import convert, verify_source
     from convert.errors import ConversionWarning, ConvertError
     from convert.orbax_directions import verl_to_orbax
     from jscenegen.checkpoint.checksums import verify_checksums, write_checksums
@@ -369,11 +369,25 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
                                                r"not this checkpoint's 3 \(3\); ignored"):
         verl_to_orbax(moved, tmp_path / "plain")
     assert "schedule" not in read_train_state(tmp_path / "plain/3")
-    (moved / RUN_STATE_FILE).write_text(json.dumps({"schedule": {}}))
-    write_checksums(copy)
-    with pytest.raises(ConvertError, match=rf"{RUN_STATE_FILE}: not a jscenegen train state"):
+    for edit, why in (({"schedule": {}}, "not a jscenegen train state"),
+                      ({"reward": 5}, "reward: Input should be a valid dictionary"),
+                      ({"schedule": {"attempts": 3}}, "schedule.scene_index: missing"),
+                      ({"num_scenes": "x"}, r'num_scenes: Input should be a valid integer \(got "x"\)'),
+                      ({"lr_step": 3.5}, "lr_step: Input should be a valid integer")):
+        (moved / RUN_STATE_FILE).write_text(json.dumps(edit if "not a" in why else {**original, **edit}))
+        write_checksums(copy)
+        with pytest.raises(ConvertError, match=rf"{RUN_STATE_FILE}: {why}"):
+            verl_to_orbax(moved, tmp_path / "bad")
+        assert not (tmp_path / "bad").exists()
+    (moved / RUN_STATE_FILE).unlink()
+    (moved / RUN_STATE_FILE).mkdir()
+    with pytest.raises(ConvertError, match=rf"{RUN_STATE_FILE}: not a regular file"):
         verl_to_orbax(moved, tmp_path / "bad")
-    assert not (tmp_path / "bad").exists()
+    # a VERL -> VERL reshard keeps it (it dropped it: converted back, the identity was gone)
+    convert(shard, tmp_path / "w3", src_format="verl", dst_format="verl", world_size=3,
+            mesh_device="cpu")
+    (w3,) = (tmp_path / "w3").glob(f"global_step_3/actor/{RUN_STATE_FILE}")
+    assert json.loads(w3.read_text()) == original
 
 
 def test_config_errors_name_the_key():

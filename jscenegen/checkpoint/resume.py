@@ -16,12 +16,14 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Annotated, Any, Iterable, Mapping
 
 import jax
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.store import HF_DIR, Checkpoint, CheckpointError, CheckpointStore, padded_target
+from jscenegen.config import shown_value, validation_message
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,26 @@ RUN_STATE_FILE = "jscenegen_train_state.json"
 
 RUN_IDENTITY_KEYS = ("schedule", "lr_step", "skipped_steps", "num_scenes", "schedule_hash",
                      "protocol_hash", "reward")
+SCHEDULE_POSITION_KEYS = ("scene_index", "epoch", "redraw", "effective_updates", "attempts")
+"""The fields of `grpo.train.schedule.SchedulePosition`, the train state's `schedule`."""
+
+_Count = Annotated[StrictInt, Field(ge=0)]
+_SchedulePosition = create_model(
+    "schedule", __config__=ConfigDict(extra="forbid"),
+    **{k: (_Count, ...) for k in SCHEDULE_POSITION_KEYS})
+
+
+class _RunIdentity(BaseModel):
+    """The keys of a train state that a resume reads (others, such as `source_format`, pass)."""
+
+    model_config = ConfigDict(extra="allow")
+    schedule: _SchedulePosition
+    lr_step: _Count
+    skipped_steps: _Count
+    num_scenes: Annotated[StrictInt, Field(gt=0)]
+    schedule_hash: StrictStr
+    protocol_hash: StrictStr
+    reward: dict[str, Annotated[float, Field(allow_inf_nan=False, strict=True)]]
 
 
 def has_run_identity(train_state: Mapping[str, Any]) -> bool:
@@ -83,6 +105,20 @@ def has_run_identity(train_state: Mapping[str, Any]) -> bool:
     schedule position, hashes and reward: `RUN_IDENTITY_KEYS`); False for one converted from
     VERL or HF files that did not come from our checkpoints."""
     return all(k in train_state for k in RUN_IDENTITY_KEYS)
+
+
+def check_run_identity(train_state: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first key of `train_state`'s run identity that is missing
+    or not of its type (non-negative integer counts and schedule position, a positive
+    num_scenes, string hashes, a reward of finite numbers): what a train state must hold
+    before a resume reads it."""
+    try:
+        _RunIdentity.model_validate(dict(train_state))
+    except ValidationError as err:
+        e = err.errors()[0]
+        where = ".".join(str(p) for p in e["loc"]) or "train state"
+        raise ValueError(f"{where}: {validation_message(e)} (got {shown_value(e.get('input'))})"
+                         if e["type"] != "missing" else f"{where}: missing") from None
 
 
 def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:

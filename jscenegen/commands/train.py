@@ -42,11 +42,15 @@ def run(args) -> int:
         if args.config and saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "
                              f"with its own {saved}; pass changes as key=value overrides")
-        if not args.config and not saved.is_file() and (run_dir / "run.json").is_file():
-            raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
-                             "`jscenegen train` keeps it there); restore it, or continue with "
-                             "another one: --config FILE")
-        config_path = args.config or (saved if saved.is_file() else resolve_data_path(DEFAULT_CONFIG))
+        if not args.config and not saved.is_file():
+            if (run_dir / "run.json").is_file():
+                raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
+                                 "`jscenegen train` keeps it there); restore it, or continue with "
+                                 "another one: --config FILE")
+            raise ValueError(f"{saved} is missing: {run_dir} holds checkpoints without a run's "
+                             "config (a directory made by `convert --to orbax`); say what to "
+                             "continue with: --config FILE")
+        config_path = args.config or saved
     else:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")

@@ -27,12 +27,13 @@ from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.metadata import redact, training_metadata
 from jscenegen.checkpoint.resume import (
     ResumeError,
+    check_run_identity,
     check_same_run,
     checkpoint_position,
     has_run_identity,
     restore_onto_mesh,
 )
-from jscenegen.checkpoint.store import CheckpointStore, check_step
+from jscenegen.checkpoint.store import TRAIN_STATE_ITEM, CheckpointError, CheckpointStore, check_step
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
@@ -289,6 +290,10 @@ class Trainer:
             log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
                         "schedule hash to check", saved["source_format"], saved.get("step"))
             return ck
+        try:
+            check_run_identity(saved)
+        except ValueError as err:
+            raise CheckpointError(f"{ck.path / TRAIN_STATE_ITEM}: {err}") from None
         check_same_run(saved, protocol_hash=self.protocol_hash,
                        reward=self.cfg.scene.reward.model_dump(mode="json"))
         try:
