@@ -117,3 +117,20 @@ def test_run_seed_changes_every_episode_seed_and_the_hash_but_not_seed_zero():
     assert other.seeds(pos) == [episode_seed(100, m, 0, 0, 1) for m in range(4)]
     assert base.hash() != other.hash()
     assert base.hash() == Schedule(SCENES, ScheduleConfig(group_size=4, seed=0)).hash()
+
+
+def test_the_saved_position_is_what_a_resume_validates():
+    """convert checks a train state's `schedule` against SCHEDULE_POSITION_KEYS (it may not
+    import training code): the two lists are one."""
+    import dataclasses
+
+    from jscenegen.checkpoint.resume import SCHEDULE_POSITION_KEYS, check_run_identity
+
+    pos = SchedulePosition(scene_index=1, epoch=2, redraw=0, effective_updates=7, attempts=9)
+    assert tuple(f.name for f in dataclasses.fields(SchedulePosition)) == SCHEDULE_POSITION_KEYS
+    state = {"schedule": pos.to_json(), "lr_step": 9, "skipped_steps": 2, "num_scenes": 4,
+             "schedule_hash": "s", "protocol_hash": "p", "reward": {"unit_penalty": 0.8}}
+    check_run_identity(state)
+    with pytest.raises(ValueError, match=r"^schedule\.attempts: Input should be greater than or "
+                                         r"equal to 0 \(got -1\)$"):
+        check_run_identity({**state, "schedule": {**pos.to_json(), "attempts": -1}})
