@@ -77,7 +77,8 @@ def checkpoint_format(path: Path) -> str | None:
 
 
 def describe_verl(path: Path) -> dict[str, Any]:
-    """Summary of a VERL checkpoint (rank 0's tensor specs, optimizer step, scheduler step)."""
+    """Summary of a VERL checkpoint (rank 0's tensor specs, optimizer step, scheduler step,
+    the run identity our train state beside the rank files carries, else None)."""
     from convert.verl_read import VerlCheckpoint, find_verl
 
     layout = find_verl(path)
@@ -107,6 +108,11 @@ def describe_verl(path: Path) -> dict[str, Any]:
     if "extra_state" in layout.kinds:
         out["scheduler_last_epoch"] = ck.scheduler_step()
         out["rng_keys"] = sorted(ck.extra_states()[0].get("rng") or {})
+    run = ck.run_train_state()   # written from one of our steps: a resume checks the run
+    out["run_identity"] = None if run is None else {
+        "attempts": run["schedule"]["attempts"],
+        "effective_updates": run["schedule"]["effective_updates"],
+        "schedule_hash": run["schedule_hash"], "protocol_hash": run["protocol_hash"]}
     return out
 
 

@@ -87,6 +87,7 @@ def test_inspect_export_and_orbax(exported):
     (ts,) = info["training_state"]
     assert ts["layout"] == "flattened" and ts["world_size"] == 6 and ts["adam_step"] == 3
     assert ts["placements"] == {"Shard(0)": 25} and ts["mesh"]["device_type"] == "cpu"
+    assert ts["run_identity"] is None   # exported from a step converted from plain VERL files
     run = describe(exported["out"].parent / "run")
     assert run["format"] == "orbax-run" and run["steps"] == [3]
     assert run["latest"]["adam_count"] == 3 and run["latest"]["source"]["world_size"] == 6

@@ -325,6 +325,7 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     import shutil
 
     from convert.dispatch import convert, verify_source
+    from convert.inspect import describe
     from convert.errors import ConversionWarning, ConvertError
     from convert.orbax_directions import verl_to_orbax
     from jscenegen.checkpoint.checksums import verify_checksums, write_checksums
@@ -338,6 +339,10 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     shard = tmp_path / "pub/training_state/global_step_3"
     assert verify_checksums(tmp_path / "pub") > 0
     assert json.loads((shard / RUN_STATE_FILE).read_text()) == original
+    (described,) = describe(tmp_path / "pub")["training_state"]
+    assert described["run_identity"] == {"attempts": 3, "effective_updates": 3,
+                                         "schedule_hash": original["schedule_hash"],
+                                         "protocol_hash": original["protocol_hash"]}
     assert main(["convert", str(shard), str(tmp_path / "back/checkpoints"),
                  "--from", "verl", "--to", "orbax"]) == 0
     back = read_train_state(tmp_path / "back/checkpoints/3")
