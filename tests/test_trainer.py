@@ -325,8 +325,8 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     import shutil
 
     from convert.dispatch import convert, verify_source
-    from convert.inspect import describe
     from convert.errors import ConversionWarning, ConvertError
+    from convert.inspect import describe
     from convert.orbax_directions import verl_to_orbax
     from jscenegen.checkpoint.checksums import verify_checksums, write_checksums
     from jscenegen.checkpoint.resume import RUN_STATE_FILE
