@@ -258,6 +258,23 @@ def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(tmp
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the run's handler is gone
 
 
+def test_a_signal_during_a_save_stops_the_run_after_that_save(tmp_path, monkeypatch):
+    """The stop request was read only right after an update: a SIGTERM that arrived while the
+    checkpoint was written ran one more whole update (rollout and step) before stopping."""
+    real = Trainer.save
+
+    def save(self):
+        out = real(self)
+        if self.pos.attempts == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "save", save)
+    _, summary = _run(tmp_path)
+    assert summary.stopped_by_signal == "SIGTERM" and summary.attempts == 1
+    assert CheckpointStore(tmp_path / "checkpoints").steps() == [1]
+
+
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, tmp_path, caplog):
     """A flipped byte in the newest step: resume sets it aside (naming the file), redoes its
     update from the step before (bitwise as the straight run), saves that step again, trains

@@ -485,9 +485,7 @@ class Trainer:
                 self.logger.log(row, step=row["attempt"])
                 if progress is not None:
                     progress(row)
-                # every process stops at the same update (a signal may reach one host later)
-                if (agreed := max_over_processes(self._stop_signal or 0)):
-                    self._stop_signal = agreed
+                if self._stop_agreed():
                     break
                 if (failed := self._failed_updates_error()) is not None:
                     self.save()
@@ -500,6 +498,8 @@ class Trainer:
                     report = self.evaluate_dev(f"eval_update_{self.pos.effective_updates}")
                     self.logger.log({"attempt": row["attempt"], "eval/reward":
                                      report["overall"]["model"]["reward"]}, step=row["attempt"])
+                if self._stop_agreed():   # a signal during the save or the evaluation
+                    break
             current = self.store.step_path(self.pos.attempts)
             if attempts == 0 and check_step(current, hash_files=False).valid:
                 last_saved = current     # nothing ran: the step resumed from is the last
@@ -516,6 +516,13 @@ class Trainer:
                           stopped_by_signal=(signal.Signals(self._stop_signal).name
                                              if self._stop_signal is not None else None),
                           wall_s=time.perf_counter() - t0)
+
+    def _stop_agreed(self) -> bool:
+        """Whether a stop signal reached any process (all stop at the same update: a signal
+        may reach one host later); a collective, so every process calls it at the same points."""
+        if (agreed := max_over_processes(self._stop_signal or 0)):
+            self._stop_signal = agreed
+        return bool(agreed)
 
     def close(self) -> None:
         """End the run's logging (swanlab finished, its console kept off stdout) and the
