@@ -412,6 +412,28 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     assert json.loads(w3.read_text()) == original
 
 
+def test_a_step_that_is_a_link_or_a_file_is_refused_before_the_first_update(straight, tmp_path):
+    """A symlinked step failed keep_last's delete after the run's last save (rc 2, no path
+    named); a file named like the next step failed that step's save after its update ran."""
+    import shutil
+
+    from jscenegen.checkpoint.store import CheckpointError
+
+    run = shutil.copytree(straight[0], tmp_path / "run")
+    shutil.move(run / "checkpoints/3", tmp_path / "elsewhere")
+    (run / "checkpoints/3").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match=rf"^{run / 'checkpoints/3'}: a symbolic link, named "
+                                              r"like a checkpoint step \(1 such entry\)"):
+        Trainer(_cfg(), run, chat_model_dir(), resume=True)
+    (run / "checkpoints/3").unlink()
+    shutil.move(tmp_path / "elsewhere", run / "checkpoints/3")
+    (run / "checkpoints/7").write_text("junk")
+    with pytest.raises(CheckpointError, match=rf"^{run / 'checkpoints/7'}: not a directory"):
+        Trainer(_cfg(), run, chat_model_dir(), resume=True)
+    assert not check_step(run / "checkpoints/7").valid
+    assert check_step(run / "checkpoints/7").reason.endswith("is not a directory")
+
+
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="unknown key 'optim.learning_rate'"):
         _cfg(**{"optim.learning_rate": 1})

@@ -362,6 +362,25 @@ def step_numbers(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if is_decimal(p.name) and p.is_dir())
 
 
+def check_step_entries(directory: str | Path) -> None:
+    """Raise CheckpointError naming an entry of `directory` named like a step (`<N>`) that is a
+    symbolic link or not a directory: a writing run deletes and replaces its steps (keep_last,
+    an incomplete step's redo), which it cannot do to those, and would fail only after the
+    update that reaches them. Called before a run's first update."""
+    d = Path(directory)
+    if not d.is_dir():
+        return
+    bad = sorted((p for p in d.iterdir() if is_decimal(p.name) and (p.is_symlink() or not p.is_dir())),
+                 key=lambda p: int(p.name))
+    if bad:
+        what = "a symbolic link" if bad[0].is_symlink() else "not a directory"
+        raise CheckpointError(
+            f"{bad[0]}: {what}, named like a checkpoint step ({len(bad)} such entr"
+            f"{'y' if len(bad) == 1 else 'ies'}); a run deletes and replaces its steps, so each "
+            "must be a directory of its own: move it away, or move the step it links to back "
+            "in its place")
+
+
 def is_checkpoint_dir(path: str | Path) -> bool:
     """True for a training checkpoint step directory (`params/` and `hf/config.json`)."""
     p = Path(path)
@@ -385,7 +404,8 @@ def check_step(path: str | Path, *, hash_files: bool = True) -> StepStatus:
     path = Path(path)
     step = int(path.name) if is_decimal(path.name) else -1
     if not path.is_dir():
-        return StepStatus(step, path, False, f"{path} does not exist")
+        return StepStatus(step, path, False, f"{path} is not a directory" if path.exists()
+                          else f"{path} does not exist")
     if not ocp.step.is_path_finalized(path):
         return StepStatus(step, path, False, f"{path}: orbax did not finalise this save")
     missing = [e for e in _REQUIRED_ENTRIES if not (path / e).exists()]

@@ -33,7 +33,13 @@ from jscenegen.checkpoint.resume import (
     has_run_identity,
     restore_onto_mesh,
 )
-from jscenegen.checkpoint.store import TRAIN_STATE_ITEM, CheckpointError, CheckpointStore, check_step
+from jscenegen.checkpoint.store import (
+    TRAIN_STATE_ITEM,
+    CheckpointError,
+    CheckpointStore,
+    check_step,
+    check_step_entries,
+)
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
@@ -140,6 +146,7 @@ class Trainer:
         self.judge = make_judge(cfg.judge, cfg.scene)
         self.protocol_hash = protocol_hash(cfg.scene, cfg.judge, self.judge.identity())
         self.pos = SchedulePosition()
+        check_step_entries(self.run_dir / RUN_CHECKPOINTS)
         self.store = CheckpointStore(self.run_dir / RUN_CHECKPOINTS, keep_last=cfg.checkpoint.keep_last,
                                      async_save=cfg.checkpoint.async_save)
         self.arch = arch = QwenConfig.from_dir(self.model_dir)   # the policy's architecture
