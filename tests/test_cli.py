@@ -644,6 +644,12 @@ def test_a_resume_of_what_is_no_run_directory_says_so(tmp_path, capsys):
         expected = (f"--resume {tmp_path / where}: {why}" if why else
                     f"{tmp_path / where}/checkpoints not found: nothing to resume")
         assert one_error_line(capsys) == f"error: {expected}"
+    step = tmp_path / "run/checkpoints/3"
+    step.mkdir(parents=True)
+    for given in (step, step.parent):   # a step or the store, not the run
+        assert main(["train", "--resume", str(given)]) == 2
+        assert one_error_line(capsys) == (f"error: {given}/checkpoints not found: nothing to resume "
+                                          f"(--resume takes the run's directory: {tmp_path / 'run'})")
 
 
 def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog):

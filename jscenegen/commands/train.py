@@ -37,7 +37,9 @@ def run(args) -> int:
             raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
                                      "holds config.yaml and checkpoints/)")
         if not (run_dir / RUN_CHECKPOINTS).is_dir():
-            raise FileNotFoundError(f"{run_dir / RUN_CHECKPOINTS} not found: nothing to resume")
+            run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
+            hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
+            raise FileNotFoundError(f"{run_dir / RUN_CHECKPOINTS} not found: nothing to resume{hint}")
         saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
         if args.config and saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "
