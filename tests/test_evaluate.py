@@ -155,6 +155,8 @@ def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
                           train_state={}, metadata=meta, hf_assets_dir=hf,
                           shapes=param_shapes(QwenConfig.from_dir(hf)))
     mesh = engine.sampler.mesh
+    with pytest.raises(FileNotFoundError, match=rf"a checkpoint step's assets .*: give the step, {step}$"):
+        load_policy(step / "hf", mesh)   # said "no model.safetensors", naming no way out
     model = load_policy(step, mesh)
     got = named_params(model)
     assert set(got) == set(params)

@@ -65,6 +65,9 @@ def load_policy(path: str | Path, mesh, **options):
     if not is_checkpoint_dir(p):
         if not (p / "config.json").is_file():
             raise _not_a_model(p)
+        if p.name == HF_DIR and is_checkpoint_dir(p.parent):   # assets only: the weights are beside
+            raise FileNotFoundError(f"--model {p}: a checkpoint step's assets (config, tokenizer; "
+                                    f"its weights are in params/): give the step, {p.parent}")
         return load_hf(p, mesh=mesh, **options)
     verify_step(p)
     return build_model(QwenConfig.from_dir(p / HF_DIR), iter_arrays(p, "params"), mesh=mesh,
