@@ -133,6 +133,7 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
     import tempfile
 
     from jscenegen.checkpoint.metadata import training_metadata
+    from jscenegen.checkpoint.resume import has_run_identity
     from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
     from jscenegen.model.assets import TOKENIZER_FILES
 
@@ -146,7 +147,7 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
             schedule_hash=train_state.get("schedule_hash"),
             optimizer_step=int(adam["count"]),
             effective_updates=int(train_state["schedule"]["effective_updates"]
-                                  if "schedule" in train_state else train_state.get("step", 0)),
+                                  if has_run_identity(train_state) else train_state.get("step", 0)),
             judge=None, extra={"source": source})
         store = CheckpointStore(tmp, keep_last=1)
         try:
@@ -190,7 +191,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     """
     from convert.carried import verl_complement
     from jscenegen.checkpoint.lazy_array import LazyArray
-    from jscenegen.checkpoint.resume import RUN_STATE_FILE
+    from jscenegen.checkpoint.resume import RUN_STATE_FILE, has_run_identity
 
     ck = VerlCheckpoint(src)
     extra = verl_complement(ck.config, ck.hf_dir, carried_from)
@@ -238,7 +239,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     layout_files = [("params", [f for f in files if "/model_" in f] + list(extra.files)),
                     ("adam", [f for f in files if "/optim_" in f]),
                     ("train_state", [f for f in files if "/extra_state_" in f]
-                     + ([str(ck.layout.shard_dir / RUN_STATE_FILE)] if "schedule" in train_state else [])),
+                     + ([str(ck.layout.shard_dir / RUN_STATE_FILE)] if has_run_identity(train_state) else [])),
                     ("hf/config.json", [str(ck.hf_dir / "config.json")])]
     return _save_orbax(Path(dst), step=step, cfg=cfg, hf_dir=ck.hf_dir, params=params,
                        adam=adam, trainable=trainable, train_state=train_state, source=source,

@@ -176,5 +176,5 @@ def resume_model_dir(run_dir: str | Path) -> Path:
     with CheckpointStore(run_dir / RUN_CHECKPOINTS) as store:
         step = store.latest_valid_step()
     if step is None:
-        raise CheckpointError(f"{run_dir}/checkpoints holds no complete checkpoint")
+        raise CheckpointError(f"{run_dir / RUN_CHECKPOINTS} holds no complete checkpoint")
     return run_dir / RUN_CHECKPOINTS / str(step) / HF_DIR
