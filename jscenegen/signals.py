@@ -8,15 +8,25 @@ as "Exception ignored" and the signal would be lost. `UnwindOnSignals` catches t
 `sys.unraisablehook` and delivers the signal to the main thread again. A second SIGTERM, or
 `grace_s` seconds without finishing the unwind, ends the process at once (exit 143).
 
+Python runs a handler only when the main thread is back in bytecode, and several arrivals of
+one signal before that run it once. JAX's compile and its waits for results run handlers while
+they wait; a native call that does not (a large safetensors or torch read, a blocking library
+call) holds them back until it returns. `StopRequests` therefore learns of each arrival from the C-level handler itself
+(`signal.set_wakeup_fd`, read by a thread): it groups arrivals into requests by arrival time,
+tells a handler how many requests it has to act on, and ends the process (exit 128 + signal)
+when a second request is not taken by the main thread within EXIT_UNTAKEN_S.
+
 One request can arrive as two signals: coreutils `timeout` signals the command and then its
 process group, which holds the command again. A repeat within REPEAT_WINDOW_S of the first
-is that same request (`RepeatFilter`); taken for a second one, it would end the process in
-the middle of its cleanup.
+is that same request; taken for a second one, it would end the process in the middle of its
+cleanup.
 """
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -24,27 +34,172 @@ import time
 
 REDELIVERY_DELAY_S = 0.01
 REPEAT_WINDOW_S = 1.0
+EXIT_UNTAKEN_S = 2.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_WAKE_READER = b"\0"   # no signal has number 0: tells the reader thread to end
 
 
-class RepeatFilter:
-    """Tells a signal delivered again for the same request from a new request: a delivery
-    within `window_s` of the first of its kind is a repeat."""
+class StopRequests:
+    """Process-wide record of SIGTERM/SIGINT arrivals, as the C-level handler reports them.
 
-    def __init__(self, window_s: float = REPEAT_WINDOW_S):
+    An arrival within `window_s` of the first arrival of a request of the same signal is a
+    repeat of that request. `take(signum)` (from a Python handler) returns how many requests of
+    that signal arrived since the last take. From the second request on (of either signal), a
+    request still not taken `exit_untaken_s` after its arrival ends the process with exit code
+    128 + signal: the main thread is inside a native call and cannot unwind.
+
+    `open()` / `close()` (main thread only; counted, so nested users share one reader; the
+    record starts afresh with the first) install and restore the wakeup fd. `open()` raises
+    ValueError outside the main thread.
+    """
+
+    def __init__(self, window_s: float = REPEAT_WINDOW_S, exit_untaken_s: float = EXIT_UNTAKEN_S):
         self.window_s = window_s
-        self._first: dict[int, float] = {}
+        self.exit_untaken_s = exit_untaken_s
+        self._lock = threading.Lock()
+        self._users = 0
+        self._read_fd: int | None = None
+        self._write_fd: int | None = None
+        self._previous_fd = -1
+        self._session = 0
+        self._reset()
 
-    def is_repeat(self, signum: int) -> bool:
-        now = time.monotonic()
-        first = self._first.get(signum)
-        if first is not None and now - first < self.window_s:
+    def _reset(self) -> None:
+        self._session += 1      # a timer from an earlier session finds nothing to do
+        self._requests = 0
+        self._first_arrival: dict[int, float] = {}
+        self._untaken: dict[int, list[int]] = {s: [] for s in STOP_SIGNALS}
+
+    def open(self) -> None:
+        if self._users == 0:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(read_fd, False)
+            os.set_blocking(write_fd, False)
+            try:
+                self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            except BaseException:
+                os.close(read_fd)
+                os.close(write_fd)
+                raise
+            with self._lock:
+                self._reset()
+                self._read_fd, self._write_fd = read_fd, write_fd
+            threading.Thread(target=self._read_arrivals, args=(read_fd, write_fd),
+                             name="stop-requests", daemon=True).start()
+        self._users += 1
+
+    def close(self) -> None:
+        self._users -= 1
+        if self._users > 0 or self._write_fd is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        with self._lock:
+            write_fd, self._read_fd, self._write_fd = self._write_fd, None, None
+            self._reset()
+        with contextlib.suppress(BlockingIOError):
+            os.write(write_fd, _WAKE_READER)   # the reader ends and closes both ends
+
+    def take(self, signum: int) -> int:
+        """The number of new requests of `signum` to act on (0: a repeat of one taken before).
+        A handler that runs before its arrival was read counts as a request arriving now."""
+        with self._lock:
+            if self._read_fd is not None:
+                self._drain(self._read_fd)
+            untaken = self._untaken.get(signum, [])
+            if untaken:
+                count = len(untaken)
+                untaken.clear()
+                return count
+            first = self._first_arrival.get(signum)
+            if first is not None and time.monotonic() - first < self.window_s:
+                return 0
+            self._first_arrival[signum] = time.monotonic()
+            self._requests += 1
+            return 1
+
+    def _read_arrivals(self, read_fd: int, write_fd: int) -> None:
+        try:
+            while True:
+                select.select([read_fd], [], [])
+                with self._lock:
+                    if not self._drain(read_fd):
+                        return
+        finally:
+            os.close(read_fd)
+            os.close(write_fd)
+
+    def _drain(self, read_fd: int) -> bool:
+        """Record the arrivals waiting in the pipe (lock held); False once told to end."""
+        try:
+            data = os.read(read_fd, 4096)
+        except BlockingIOError:
             return True
-        self._first[signum] = now
-        return False
+        if read_fd == self._read_fd:
+            now = time.monotonic()
+            for signum in data:
+                if signum in self._untaken:
+                    self._arrived(signum, now)
+        return _WAKE_READER[0] not in data
+
+    def _arrived(self, signum: int, now: float) -> None:
+        first = self._first_arrival.get(signum)
+        if first is not None and now - first < self.window_s:
+            return
+        self._first_arrival[signum] = now
+        self._requests += 1
+        self._untaken[signum].append(self._requests)
+        if self._requests >= 2:
+            timer = threading.Timer(self.exit_untaken_s, self._exit_if_untaken,
+                                    args=(signum, self._session, self._requests))
+            timer.daemon = True
+            timer.start()
+
+    def _exit_if_untaken(self, signum: int, session: int, request: int) -> None:
+        with self._lock:
+            if session != self._session or request not in self._untaken[signum]:
+                return
+            name = signal.Signals(signum).name
+            os.write(2, f"error: {name} again while the main thread is inside a native call: "
+                        f"ending now, without unwinding (checkpoints already written are kept)\n".encode())
+            os._exit(128 + signum)
+
+
+STOP_REQUESTS = StopRequests()
 
 
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread like KeyboardInterrupt for Ctrl-C."""
+
+
+_unwinding: "UnwindOnSignals | None" = None
+
+
+def _exception(signum: int) -> type[BaseException]:
+    return KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+
+def _end_now(signum: int) -> None:
+    """End the process as the signal's default action does (main thread only)."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def unwind(signum: int) -> None:
+    """Raise the signal's exception (`Terminated`, KeyboardInterrupt) in the calling (main)
+    thread, as the active `UnwindOnSignals` does (its grace timer armed): a handler that took a
+    request itself (the GRPO trainer's second one) hands it on here."""
+    if _unwinding is not None:
+        _unwinding.unwind(signum)
+    raise _exception(signum)
+
+
+def raise_if_redelivered(signum: int) -> None:
+    """Raise the signal's exception again if this handler call is the active `UnwindOnSignals`
+    delivering one a callback swallowed (no new request: `StopRequests` does not count it).
+    Every handler installed under `UnwindOnSignals` calls it first."""
+    if _unwinding is not None and signum in _unwinding._redelivered:
+        _unwinding._redelivered.discard(signum)
+        raise _exception(signum)
 
 
 class UnwindOnSignals:
@@ -57,43 +212,50 @@ class UnwindOnSignals:
         self.grace_s = grace_s
         self._watchdog: threading.Timer | None = None
         self._active = False
-        self._repeats = RepeatFilter()
         self._redelivered: set[int] = set()
 
     def __enter__(self) -> "UnwindOnSignals":
+        global _unwinding
         self._active = threading.current_thread() is threading.main_thread()
         if self._active:
-            self._previous_handlers = {s: signal.signal(s, self._on_signal)
-                                       for s in (signal.SIGTERM, signal.SIGINT)}
+            STOP_REQUESTS.open()
+            self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
             self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._on_unraisable
+            self._outer, _unwinding = _unwinding, self
         return self
 
     def __exit__(self, *exc) -> None:
+        global _unwinding
         if not self._active:
             return
         self._active = False
+        _unwinding = self._outer
         if self._watchdog is not None:
             self._watchdog.cancel()
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         sys.unraisablehook = self._previous_hook
+        STOP_REQUESTS.close()
 
     def _on_signal(self, signum, frame):
-        exc = KeyboardInterrupt if signum == signal.SIGINT else Terminated
-        if signum in self._redelivered:   # swallowed by a callback before: raise it again
-            self._redelivered.discard(signum)
-            raise exc
-        if self._repeats.is_repeat(signum):
-            return
+        raise_if_redelivered(signum)
+        requests = STOP_REQUESTS.take(signum)
+        if requests > 1 and signum == signal.SIGTERM:   # two during one native call
+            _end_now(signum)
+        elif requests:
+            self.unwind(signum)
+
+    def unwind(self, signum: int) -> None:
+        """Raise the signal's exception; for SIGTERM, end the process if the unwind takes
+        `grace_s`, or at once if it is already unwinding from one."""
         if signum == signal.SIGTERM:
             if self._watchdog is not None:     # a second SIGTERM: end at once
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
+                _end_now(signum)
                 return
             self._watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signal.SIGTERM,))
             self._watchdog.daemon = True
             self._watchdog.start()
-        raise exc
+        raise _exception(signum)
 
     def _on_unraisable(self, unraisable) -> None:
         if isinstance(unraisable.exc_value, Terminated):

@@ -56,16 +56,86 @@ def test_other_unraisable_exceptions_reach_the_previous_hook(monkeypatch):
     assert seen == [ValueError]
 
 
-def test_a_repeat_within_the_window_is_the_same_request():
-    from jscenegen.signals import REPEAT_WINDOW_S, RepeatFilter
+def _send_from_another_thread(*plan):
+    """Send SIGTERM at each of `plan`'s delays (s, after the previous one) from a thread, while
+    the main thread blocks SIGTERM: it stays in its C call (a sleep here, a native call that
+    does not run handlers in a command), as the kernel delivers each signal to another thread. Python runs
+    the handler as soon as the main thread runs bytecode, wherever the signal was delivered."""
+    import threading
 
-    repeats = RepeatFilter(window_s=0.2)
-    assert not repeats.is_repeat(signal.SIGTERM)
-    assert repeats.is_repeat(signal.SIGTERM)          # `timeout`'s second delivery
-    assert not repeats.is_repeat(signal.SIGINT)       # another kind of signal
-    time.sleep(0.25)
-    assert not repeats.is_repeat(signal.SIGTERM)      # a new request
+    def send():
+        for delay in plan:
+            time.sleep(delay)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+def test_requests_are_counted_by_arrival_while_the_main_thread_is_in_a_c_call():
+    """Python runs a handler once for all the arrivals it missed: two requests sent during
+    one native call used to count as one (and a repeat by when the handler ran)."""
+    from jscenegen.signals import StopRequests
+
+    requests = StopRequests(window_s=1.0, exit_untaken_s=600)
+    taken = []
+    requests.open()
+    previous = signal.signal(signal.SIGTERM, lambda s, f: taken.append(requests.take(s)))
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            sender = _send_from_another_thread(0.2, 0.05, 1.1)   # a request, its repeat, another
+            time.sleep(1.9)          # one C call: the sender starts once it runs, ends before
+            assert not sender.is_alive()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _bytecodes(0.05)
+        assert taken == [2]
+        os.kill(os.getpid(), signal.SIGTERM)      # within the window of the second: a repeat
+        _bytecodes(0.05)
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)      # a new request
+        _bytecodes(0.1)
+        assert taken == [2, 0, 1]
+        assert requests.take(signal.SIGINT) == 1  # a handler ahead of its arrival: one request
+        assert requests.take(signal.SIGINT) == 0  # ... whose arrival is then its repeat
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        requests.close()
+    from jscenegen.signals import REPEAT_WINDOW_S
     assert REPEAT_WINDOW_S >= 0.5
+
+
+_UNTAKEN_SECOND_SIGTERM = """
+import os, signal, threading, time
+from jscenegen.signals import UnwindOnSignals
+
+def send():
+    for delay in (0.0, 1.3):
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+with UnwindOnSignals(grace_s=600):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})   # as in a native call: no handler runs
+    threading.Thread(target=send, daemon=True).start()
+    time.sleep(60)
+print("returned", flush=True)
+"""
+
+
+def test_a_second_sigterm_the_main_thread_cannot_take_ends_the_process():
+    """A second request during a long native call acted only when it returned
+    (minutes for a large read): now the process ends 2 s after it, without unwinding."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _UNTAKEN_SECOND_SIGTERM], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "SIGTERM again while the main thread is inside a native call" in proc.stderr
+    assert "returned" not in proc.stdout and time.monotonic() - t0 < 30
 
 
 _SECOND_SIGTERM = """

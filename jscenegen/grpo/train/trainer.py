@@ -71,7 +71,7 @@ from jscenegen.scene.protocol import protocol_hash
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
 from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes, mesh_shape
-from jscenegen.signals import RepeatFilter, Terminated
+from jscenegen.signals import STOP_REQUESTS, raise_if_redelivered, unwind
 
 log = logging.getLogger(__name__)
 
@@ -335,21 +335,24 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
         """The first SIGTERM/SIGINT stops the run after the current update (with a checkpoint);
-        a second one stops it at once through the handler the run replaced (the unwinding one
-        of `jscenegen.signals` under the CLI): the update in flight is lost, the checkpoints
-        already written are kept. A repeat of the same request (`signals.RepeatFilter`) is
-        ignored."""
-        if self._signal_repeats.is_repeat(signum):
+        a second one stops it at once by unwinding (`signals.unwind`): the update in flight is
+        lost, the checkpoints already written are kept. Requests are counted by arrival
+        (`signals.STOP_REQUESTS`): a repeat of the same request is ignored, and two that
+        arrived during one native call (one handler call) count as two."""
+        raise_if_redelivered(signum)
+        requests = STOP_REQUESTS.take(signum)
+        if not requests:
             return
+        name = signal.Signals(signum).name
         if self._stop_signal is None:
             self._stop_signal = signum
-            log.warning("%s: stopping after the current update, with a checkpoint (send it again "
-                        "to stop at once, losing that update)", signal.Signals(signum).name)
-            return
-        previous = self._replaced_handlers.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+            if requests == 1:
+                log.warning("%s: stopping after the current update, with a checkpoint (send it "
+                            "again to stop at once, losing that update)", name)
+                return
+            log.warning("%s: two stop requests arrived during one native call: "
+                        "stopping at once", name)
+        unwind(signum)
 
     def update(self) -> dict:
         """One attempt: roll out the current scene's group (with `rollout.groups_per_batch` = k,
@@ -472,10 +475,12 @@ class Trainer:
 
         Saves every `checkpoint.save_every` attempts, at the end, and on SIGTERM/SIGINT
         (then returns with `stopped_by_signal`); a second signal raises `Terminated` /
-        KeyboardInterrupt at once, without a new checkpoint. `progress(row)` is called after each attempt.
+        KeyboardInterrupt at once, without a new checkpoint (and ends the process if the main
+        thread cannot take it, `signals.StopRequests`). Must run in the main thread.
+        `progress(row)` is called after each attempt.
         """
         t0 = time.perf_counter()
-        self._signal_repeats = RepeatFilter()
+        STOP_REQUESTS.open()
         self._replaced_handlers = {s: signal.signal(s, self._on_signal)
                                    for s in (signal.SIGTERM, signal.SIGINT)}
         attempts = 0
@@ -516,6 +521,7 @@ class Trainer:
         finally:
             for s, handler in self._replaced_handlers.items():
                 signal.signal(s, handler)
+            STOP_REQUESTS.close()
             self.logger.close()
         return RunSummary(attempts=self.pos.attempts, effective_updates=self.pos.effective_updates,
                           optimizer_steps=int(adam_state(self.state.opt_state).count),
