@@ -164,7 +164,22 @@ class StopRequests:
             os._exit(128 + signum)
 
 
+    def _forget_in_child(self) -> None:
+        """In a forked child (torch's and multiprocessing's fork workers): the parent's pipe
+        is not the child's; a signal sent to a worker would count as the parent's request."""
+        self._lock = threading.Lock()     # a reader holding it at the fork never releases it
+        if self._write_fd is None:
+            return
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        for fd in (self._read_fd, self._write_fd):
+            os.close(fd)
+        self._users, self._read_fd, self._write_fd = 0, None, None
+        self._reset()
+
+
 STOP_REQUESTS = StopRequests()
+os.register_at_fork(after_in_child=STOP_REQUESTS._forget_in_child)
 
 
 class Terminated(BaseException):

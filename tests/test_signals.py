@@ -107,6 +107,25 @@ def test_requests_are_counted_by_arrival_while_the_main_thread_is_in_a_c_call():
     assert REPEAT_WINDOW_S >= 0.5
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")   # the child only exits
+def test_a_forked_child_does_not_report_its_signals_to_the_parent():
+    """torch's fork workers inherited the wakeup fd: a SIGTERM that ended a worker was counted
+    as the parent's request (and a second one ended the parent)."""
+    from jscenegen.signals import STOP_REQUESTS, StopRequests
+
+    assert isinstance(STOP_REQUESTS, StopRequests)
+    STOP_REQUESTS.open()
+    try:
+        pid = os.fork()
+        if pid == 0:      # the child: its wakeup fd is unset, its record empty
+            os._exit(0 if signal.set_wakeup_fd(-1) == -1 and STOP_REQUESTS._users == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert signal.set_wakeup_fd(STOP_REQUESTS._write_fd) == STOP_REQUESTS._write_fd  # kept here
+    finally:
+        STOP_REQUESTS.close()
+
+
 _UNTAKEN_SECOND_SIGTERM = """
 import os, signal, threading, time
 from jscenegen.signals import UnwindOnSignals
