@@ -275,6 +275,24 @@ def test_corrupted_file_is_named_and_never_chosen(tmp_path, mesh32, hf_dir):
         store.restore()
 
 
+def test_an_empty_step_directory_is_reported_by_the_store_alone(tmp_path, mesh32, hf_dir,
+                                                                   caplog):
+    """orbax logged "Metadata file does not exist" at every listing and restore (three lines
+    for one resume) beside the store's own line naming the step and what it lacks."""
+    store = CheckpointStore(tmp_path, keep_last=3)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    store.close()
+    store.step_path(2).mkdir()
+    with caplog.at_level("WARNING"):
+        store = CheckpointStore(tmp_path, keep_last=3)
+        assert store.restore().step == 1
+        save_step(store, 2, mesh32, hf_dir, seed=2)
+    assert "Metadata file does not exist" not in caplog.text
+    assert caplog.text.count("checkpoint step 2: ") == 2     # restore's skip, save's replace
+    assert "missing params, adam" in caplog.text
+    assert store.latest_valid_step() == 2
+
+
 def test_a_corrupt_step_is_set_aside_and_its_number_saved_again(tmp_path, mesh32, hf_dir, caplog):
     store = CheckpointStore(tmp_path, keep_last=1)
     save_step(store, 1, mesh32, hf_dir, seed=1)

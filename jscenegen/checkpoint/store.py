@@ -316,18 +316,22 @@ def _check_hf_assets(src: Path) -> None:
                               f"; a checkpoint must carry its tokenizer")
 
 
-class _DiskFullRecords(logging.Filter):
-    """Drops orbax's own error records (with tracebacks, one per writer thread) for a full
-    disk: the store raises DiskFullError for it, which the command prints in one line."""
+class _RecordsTheStoreReports(logging.Filter):
+    """Drops orbax records for what the store reports itself, in one line: a full disk (its
+    error records, with tracebacks, one per writer thread; the store raises DiskFullError) and
+    a step directory without orbax's metadata (logged at every listing and restore; the store
+    names the incomplete step and what it lacks)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (is_disk_full(exc) or "No space left on device" in record.getMessage())
+        message = record.getMessage()
+        return not (is_disk_full(exc) or "No space left on device" in message
+                    or message.startswith("Metadata file does not exist"))
 
 
 _ORBAX_LOG = logging.getLogger("absl")
-if not any(isinstance(f, _DiskFullRecords) for f in _ORBAX_LOG.filters):
-    _ORBAX_LOG.addFilter(_DiskFullRecords())
+if not any(isinstance(f, _RecordsTheStoreReports) for f in _ORBAX_LOG.filters):
+    _ORBAX_LOG.addFilter(_RecordsTheStoreReports())
 
 
 def _quiet_closed_loop_callbacks() -> None:
