@@ -159,10 +159,10 @@ class StopRequests:
             if session != self._session or request not in self._untaken[signum]:
                 return
             name = signal.Signals(signum).name
-            os.write(2, f"error: {name} again while the main thread is inside a native call: "
-                        f"ending now, without unwinding (checkpoints already written are kept)\n".encode())
+            with contextlib.suppress(OSError):   # stderr closed: end all the same
+                os.write(2, f"error: {name} again while the main thread is inside a native "
+                            f"call: ending now, without unwinding\n".encode())
             os._exit(128 + signum)
-
 
     def _forget_in_child(self) -> None:
         """In a forked child (torch's and multiprocessing's fork workers): the parent's pipe
