@@ -69,6 +69,13 @@ class StopRequests:
         self._requests = 0
         self._first_arrival: dict[int, float] = {}
         self._untaken: dict[int, list[int]] = {s: [] for s in STOP_SIGNALS}
+        self._redeliveries: dict[int, int] = {s: 0 for s in STOP_SIGNALS}
+
+    def expect_redelivery(self, signum: int) -> None:
+        """The next arrival of `signum` is `_thread.interrupt_main` delivering again a signal
+        a callback swallowed (CPython writes its wakeup byte too): not a new request."""
+        with self._lock:
+            self._redeliveries[signum] += 1
 
     def open(self) -> None:
         if self._users == 0:
@@ -142,6 +149,9 @@ class StopRequests:
         return _WAKE_READER[0] not in data
 
     def _arrived(self, signum: int, now: float) -> None:
+        if self._redeliveries[signum]:
+            self._redeliveries[signum] -= 1
+            return
         first = self._first_arrival.get(signum)
         if first is not None and now - first < self.window_s:
             return
@@ -285,6 +295,7 @@ class UnwindOnSignals:
         def resend():
             if self._active:  # not once the command has ended
                 self._redelivered.add(signum)
+                STOP_REQUESTS.expect_redelivery(signum)
                 _thread.interrupt_main(signum)
 
         timer = threading.Timer(REDELIVERY_DELAY_S, resend)

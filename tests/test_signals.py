@@ -45,6 +45,34 @@ def test_a_signal_swallowed_by_a_finaliser_is_delivered_again(exc):
             _bytecodes()
 
 
+def test_a_signal_delivered_again_is_not_a_second_request(monkeypatch):
+    """`_thread.interrupt_main` writes the wakeup byte too: the redelivery of a SIGTERM that a
+    finaliser swallowed (more than 1 s after it arrived) counted as a second request, and 2 s
+    later the process ended in the middle of its cleanup."""
+    from jscenegen.signals import REPEAT_WINDOW_S, STOP_REQUESTS
+
+    monkeypatch.setattr(STOP_REQUESTS, "exit_untaken_s", 600.0)
+
+    class SwallowsLate:
+        def __del__(self):   # the signal arrives in a native call; the handler runs here
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                sender = _send_from_another_thread(0.1)
+                time.sleep(REPEAT_WINDOW_S + 0.4)
+                sender.join()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            _bytecodes(0.2)
+
+    with UnwindOnSignals(grace_s=600):
+        with pytest.raises(Terminated):
+            SwallowsLate()
+            _bytecodes()
+        time.sleep(0.2)
+        assert STOP_REQUESTS._requests == 1
+        assert not any(STOP_REQUESTS._untaken.values())
+
+
 def test_other_unraisable_exceptions_reach_the_previous_hook(monkeypatch):
     import sys
 
