@@ -11,10 +11,11 @@ as "Exception ignored" and the signal would be lost. `UnwindOnSignals` catches t
 Python runs a handler only when the main thread is back in bytecode, and several arrivals of
 one signal before that run it once. JAX's compile and its waits for results run handlers while
 they wait; a native call that does not (a large safetensors or torch read, a blocking library
-call) holds them back until it returns. `StopRequests` therefore learns of each arrival from the C-level handler itself
-(`signal.set_wakeup_fd`, read by a thread): it groups arrivals into requests by arrival time,
-tells a handler how many requests it has to act on, and ends the process (exit 128 + signal)
-when a second request is not taken by the main thread within EXIT_UNTAKEN_S.
+call) holds them back until it returns. `StopRequests` therefore learns of each arrival from
+the C-level handler itself (`signal.set_wakeup_fd`, read by a thread): it groups arrivals into
+requests by arrival time, tells a handler how many requests it has to act on, and ends the
+process (exit 128 + signal) when a second request is not taken by the main thread within
+EXIT_UNTAKEN_S.
 
 One request can arrive as two signals: coreutils `timeout` signals the command and then its
 process group, which holds the command again. A repeat within REPEAT_WINDOW_S of the first
@@ -117,12 +118,7 @@ class StopRequests:
                 count = len(untaken)
                 untaken.clear()
                 return count
-            first = self._first_arrival.get(signum)
-            if first is not None and time.monotonic() - first < self.window_s:
-                return 0
-            self._first_arrival[signum] = time.monotonic()
-            self._requests += 1
-            return 1
+            return int(self._new_request(signum, time.monotonic()) is not None)
 
     def _read_arrivals(self, read_fd: int, write_fd: int) -> None:
         try:
@@ -152,17 +148,26 @@ class StopRequests:
         if self._redeliveries[signum]:
             self._redeliveries[signum] -= 1
             return
-        first = self._first_arrival.get(signum)
-        if first is not None and now - first < self.window_s:
+        request = self._new_request(signum, now)
+        if request is None:
             return
-        self._first_arrival[signum] = now
-        self._requests += 1
-        self._untaken[signum].append(self._requests)
-        if self._requests >= 2:
+        self._untaken[signum].append(request)
+        if request >= 2:
             timer = threading.Timer(self.exit_untaken_s, self._exit_if_untaken,
-                                    args=(signum, self._session, self._requests))
+                                    args=(signum, self._session, request))
             timer.daemon = True
             timer.start()
+
+    def _new_request(self, signum: int, now: float) -> int | None:
+        """The number of the request an arrival at `now` starts (1, 2, ...; lock held), or
+        None for a repeat: within `window_s` of the first arrival of the last request of its
+        signal."""
+        first = self._first_arrival.get(signum)
+        if first is not None and now - first < self.window_s:
+            return None
+        self._first_arrival[signum] = now
+        self._requests += 1
+        return self._requests
 
     def _exit_if_untaken(self, signum: int, session: int, request: int) -> None:
         with self._lock:

@@ -87,8 +87,9 @@ def test_other_unraisable_exceptions_reach_the_previous_hook(monkeypatch):
 def _send_from_another_thread(*plan):
     """Send SIGTERM at each of `plan`'s delays (s, after the previous one) from a thread, while
     the main thread blocks SIGTERM: it stays in its C call (a sleep here, a native call that
-    does not run handlers in a command), as the kernel delivers each signal to another thread. Python runs
-    the handler as soon as the main thread runs bytecode, wherever the signal was delivered."""
+    does not run handlers in a command), as the kernel delivers each signal to another
+    thread. Python runs the handler as soon as the main thread runs bytecode, wherever the
+    signal was delivered."""
     import threading
 
     def send():
@@ -164,7 +165,7 @@ def send():
         os.kill(os.getpid(), signal.SIGTERM)
 
 with UnwindOnSignals(grace_s=600):
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})   # as in a native call: no handler runs
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})   # as in a native call
     threading.Thread(target=send, daemon=True).start()
     time.sleep(60)
 print("returned", flush=True)

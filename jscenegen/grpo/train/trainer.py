@@ -71,7 +71,7 @@ from jscenegen.scene.protocol import protocol_hash
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
 from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes, mesh_shape
-from jscenegen.signals import STOP_REQUESTS, raise_if_redelivered, unwind
+from jscenegen.signals import STOP_REQUESTS, STOP_SIGNALS, raise_if_redelivered, unwind
 
 log = logging.getLogger(__name__)
 
@@ -481,8 +481,7 @@ class Trainer:
         """
         t0 = time.perf_counter()
         STOP_REQUESTS.open()
-        self._replaced_handlers = {s: signal.signal(s, self._on_signal)
-                                   for s in (signal.SIGTERM, signal.SIGINT)}
+        self._replaced_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         attempts = 0
         last_saved = None
         if self.schedule.done(self.pos):
