@@ -10,8 +10,8 @@ as "Exception ignored" and the signal would be lost. `UnwindOnSignals` catches t
 
 Python runs a handler only when the main thread is back in bytecode, and several arrivals of
 one signal before that run it once. JAX's compile and its waits for results run handlers while
-they wait; a native call that does not (a large safetensors or torch read, a blocking library
-call) holds them back until it returns. `StopRequests` therefore learns of each arrival from
+they wait; a native call that does not (a blocking library call; a large safetensors or torch
+read may be one) holds them back until it returns. `StopRequests` therefore learns of each arrival from
 the C-level handler itself (`signal.set_wakeup_fd`, read by a thread): it groups arrivals into
 requests by arrival time, tells a handler how many requests it has to act on, and ends the
 process (exit 128 + signal) when a second request is not taken by the main thread within
