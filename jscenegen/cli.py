@@ -27,7 +27,7 @@ import sys
 
 from jscenegen import __version__
 from jscenegen.paths import DiskFullError
-from jscenegen.signals import Terminated, UnwindOnSignals
+from jscenegen.signals import Terminated, UnwindOnSignals, install_after_repeats
 
 MAX_ERROR_CHARS = 2000
 COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
@@ -199,7 +199,7 @@ def _default_interrupt_at_exit() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    install_after_repeats(signal.SIGINT, signal.SIG_DFL)   # a repeat of a taken Ctrl-C: still ignored
 
 
 def main(argv: list[str] | None = None) -> int:

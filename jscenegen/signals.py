@@ -107,6 +107,13 @@ class StopRequests:
         with contextlib.suppress(BlockingIOError):
             os.write(write_fd, _WAKE_READER)   # the reader ends and closes both ends
 
+    def repeats_until(self, signum: int) -> float | None:
+        """When (`time.monotonic()`) a repeat of the last request of `signum` stops being one;
+        None if none arrived since `open()`."""
+        with self._lock:
+            first = self._first_arrival.get(signum)
+        return None if first is None else first + self.window_s
+
     def take(self, signum: int) -> int:
         """The number of new requests of `signum` to act on (0: a repeat of one taken before).
         A handler that runs before its arrival was read counts as a request arriving now."""
@@ -223,6 +230,37 @@ def unwind(signum: int) -> None:
     raise _exception(signum)
 
 
+class _RepeatsIgnored:
+    """The handler `UnwindOnSignals` leaves after a command that took a stop request, until the
+    interpreter exits: a repeat of that request arriving after the unwind (before `until`) is
+    ignored, as it is during the unwind, instead of meeting the handler the command found (the
+    default action ends the process by the signal, skipping atexit). Later arrivals get
+    `action`, that handler."""
+
+    def __init__(self, action, until: float):
+        self.action = action
+        self.until = until
+
+    def __call__(self, signum, frame) -> None:
+        if time.monotonic() < self.until:
+            return
+        signal.signal(signum, self.action)
+        if self.action == signal.SIG_DFL:
+            _end_now(signum)
+        elif callable(self.action):
+            self.action(signum, frame)
+
+
+def install_after_repeats(signum: int, action) -> None:
+    """Install `action` (a handler, SIG_DFL or SIG_IGN) for `signum`; while a repeat of a
+    request the command took is still ignored, `action` follows the end of that window."""
+    current = signal.getsignal(signum)
+    if isinstance(current, _RepeatsIgnored) and time.monotonic() < current.until:
+        current.action = action
+    else:
+        signal.signal(signum, action)
+
+
 def raise_if_redelivered(signum: int) -> None:
     """Raise the signal's exception again if this handler call is the active `UnwindOnSignals`
     delivering one a callback swallowed (no new request: `StopRequests` does not count it).
@@ -263,8 +301,12 @@ class UnwindOnSignals:
         if self._watchdog is not None:
             self._watchdog.cancel()
         for signum, handler in self._previous_handlers.items():
+            until = STOP_REQUESTS.repeats_until(signum)
+            if until is not None and until > time.monotonic():
+                handler = _RepeatsIgnored(handler, until)
             signal.signal(signum, handler)
-        sys.unraisablehook = self._previous_hook
+        if sys.unraisablehook == self._on_unraisable:  # else a later hook wraps this one: keep it
+            sys.unraisablehook = self._previous_hook
         STOP_REQUESTS.close()
 
     def _on_signal(self, signum, frame):
@@ -288,7 +330,9 @@ class UnwindOnSignals:
         raise _exception(signum)
 
     def _on_unraisable(self, unraisable) -> None:
-        if isinstance(unraisable.exc_value, Terminated):
+        if not self._active:
+            self._previous_hook(unraisable)
+        elif isinstance(unraisable.exc_value, Terminated):
             self._deliver_again(signal.SIGTERM)
         elif isinstance(unraisable.exc_value, KeyboardInterrupt):
             self._deliver_again(signal.SIGINT)

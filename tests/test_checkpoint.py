@@ -293,6 +293,39 @@ def test_an_empty_step_directory_is_reported_by_the_store_alone(tmp_path, mesh32
     assert store.latest_valid_step() == 2
 
 
+def test_tensorstore_callbacks_into_a_closed_loop_print_nothing_once_the_store_is_imported():
+    """A read or write cut short (a stop signal, a full disk) leaves tensorstore futures whose
+    done callback posts to the event loop orbax has closed; tensorstore reports each failure as
+    an unraisable exception, a bare 'Event loop is closed' traceback. The store's filter is
+    installed when its module is imported (convert's reads never make a CheckpointStore), and
+    it survives the command's `UnwindOnSignals`, which was entered before the import."""
+    script = textwrap.dedent("""
+        import asyncio, sys
+        import tensorstore as ts
+
+        def callback_into_a_closed_loop(then_raise=None):
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            promise, future = ts.Promise.new()
+            future.__await__()             # what `await future` registers: a post to `loop`
+            if then_raise:
+                future.add_done_callback(lambda f: (_ for _ in ()).throw(then_raise))
+            loop.close()
+            promise.set_result(1)
+
+        callback_into_a_closed_loop()      # printed: no filter yet
+        from jscenegen.signals import UnwindOnSignals
+        with UnwindOnSignals():
+            import jscenegen.checkpoint.store  # noqa: F401
+        callback_into_a_closed_loop(then_raise=ValueError("other failures still print"))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("RuntimeError: Event loop is closed") == 1, out.stderr
+    assert "ValueError: other failures still print" in out.stderr
+
+
 def test_a_corrupt_step_is_set_aside_and_its_number_saved_again(tmp_path, mesh32, hf_dir, caplog):
     store = CheckpointStore(tmp_path, keep_last=1)
     save_step(store, 1, mesh32, hf_dir, seed=1)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jscenegen.signals import Terminated, UnwindOnSignals
+from jscenegen.signals import Terminated, UnwindOnSignals, _RepeatsIgnored
 
 
 def _bytecodes(seconds: float = 5.0) -> None:
@@ -33,7 +33,11 @@ def test_sigterm_raises_terminated_and_the_handler_is_restored_after():
         with UnwindOnSignals(grace_s=600) as guard:
             os.kill(os.getpid(), signal.SIGTERM)
             _bytecodes()
-    assert signal.getsignal(signal.SIGTERM) is before
+    after = signal.getsignal(signal.SIGTERM)   # repeats of that request ignored, then `before`
+    assert isinstance(after, _RepeatsIgnored) and after.action is before
+    with UnwindOnSignals(grace_s=600):
+        pass
+    assert signal.getsignal(signal.SIGTERM) is after    # no request: what it found
     assert guard._watchdog is not None and guard._watchdog.finished.is_set()  # cancelled
 
 
@@ -82,6 +86,26 @@ def test_other_unraisable_exceptions_reach_the_previous_hook(monkeypatch):
         _RaisesWhenCollected(ValueError)
         _bytecodes(0.1)
     assert seen == [ValueError]
+
+
+def test_a_hook_installed_inside_survives_the_exit_and_still_reaches_the_one_before(monkeypatch):
+    """A module imported while the command runs (the checkpoint store's filter of tensorstore's
+    closed-loop callbacks) wraps the hook in place; the exit kept only the hook it had found,
+    so those callbacks printed their tracebacks again once the command had unwound."""
+    import sys
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(type(u.exc_value)))
+    with UnwindOnSignals(grace_s=600):
+        inner = sys.unraisablehook
+        later = lambda u: None if isinstance(u.exc_value, OSError) else inner(u)  # noqa: E731
+        sys.unraisablehook = later
+    assert sys.unraisablehook is later
+    _RaisesWhenCollected(OSError)
+    _RaisesWhenCollected(ValueError)
+    _RaisesWhenCollected(Terminated)   # after the exit: printed as before, not delivered again
+    _bytecodes(0.1)
+    assert seen == [ValueError, Terminated]
 
 
 def _send_from_another_thread(*plan):
@@ -217,6 +241,44 @@ def test_a_second_sigterm_ends_at_once_but_a_repeat_does_not(pause, alive):
         assert proc.returncode == 0 and proc.stdout.splitlines() == ["unwinding", "cleaned up"]
     else:
         assert proc.returncode == -signal.SIGTERM and "cleaned up" not in proc.stdout
+
+
+_REPEAT_AFTER_THE_UNWIND = """
+import atexit, os, signal, sys, time
+from jscenegen.signals import REPEAT_WINDOW_S, Terminated, UnwindOnSignals
+atexit.register(print, "atexit ran", flush=True)
+with UnwindOnSignals(grace_s=600):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    except Terminated:
+        print("unwound", flush=True)
+first = time.monotonic()
+os.kill(os.getpid(), signal.SIGTERM)     # the same request, arriving after the unwind
+time.sleep(0.2)
+print("repeat ignored", flush=True)
+time.sleep(max(0.0, first + REPEAT_WINDOW_S + 0.2 - time.monotonic()))
+if sys.argv[1] == "again":
+    os.kill(os.getpid(), signal.SIGTERM)  # a new request: the default action, as before
+    time.sleep(5)
+    print("survived a new request", flush=True)
+"""
+
+
+@pytest.mark.parametrize("then", ["exit", "again"])
+def test_a_repeat_arriving_after_the_unwind_is_ignored_and_a_new_request_is_not(then):
+    """`kill` twice a few ms apart: the unwind finished between them and the repeat met the
+    default handler the exit had put back (the process died by the signal, atexit skipped)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _REPEAT_AFTER_THE_UNWIND, then],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[:2] == ["unwound", "repeat ignored"], proc.stderr
+    if then == "exit":
+        assert proc.returncode == 0 and proc.stdout.splitlines()[2:] == ["atexit ran"]
+    else:
+        assert proc.returncode == -signal.SIGTERM and len(proc.stdout.splitlines()) == 2
 
 
 _CTRL_C_AT_EXIT = """

@@ -335,10 +335,11 @@ if not any(isinstance(f, _RecordsTheStoreReports) for f in _ORBAX_LOG.filters):
 
 
 def _quiet_closed_loop_callbacks() -> None:
-    """When a save fails (a full disk), tensorstore's writes still in flight call back into the
-    event loop orbax has closed, each printing an 'Event loop is closed' traceback (unraisable:
-    nothing can catch it; hundreds of lines). Drop those; every other unraisable exception is
-    printed as before. Installed by the first CheckpointStore."""
+    """Tensorstore reads and writes still in flight when orbax closes its event loop (a failed
+    save on a full disk, a read or write cut short by a stop signal) call back into that loop,
+    each printing an 'Event loop is closed' traceback (unraisable: nothing can catch it; hundreds
+    of lines for a save). Drop those; every other unraisable exception reaches the hook that was
+    in place before. Installed once, when this module is imported."""
     previous = sys.unraisablehook
     if getattr(previous, "_jscenegen_quiet", False):
         return
@@ -350,6 +351,9 @@ def _quiet_closed_loop_callbacks() -> None:
 
     hook._jscenegen_quiet = True
     sys.unraisablehook = hook
+
+
+_quiet_closed_loop_callbacks()
 
 
 def _one_line(text: str | None) -> str:
@@ -577,7 +581,6 @@ class CheckpointStore:
     def __init__(self, directory: str | Path, *, keep_last: int = 3, async_save: bool = False):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
-        _quiet_closed_loop_callbacks()
         self.directory = Path(directory).absolute()
         self.keep_last = keep_last
         self.async_save = async_save
