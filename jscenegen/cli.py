@@ -202,10 +202,20 @@ def _default_interrupt_at_exit() -> None:
     install_after_repeats(signal.SIGINT, signal.SIG_DFL)   # a repeat of a taken Ctrl-C: still ignored
 
 
+def _forget_caught_interrupt() -> None:
+    """CPython marks a KeyboardInterrupt that leaves an `exec()` of a string as unhandled even
+    when the command catches it (a Ctrl-C landing in code that dataclasses or typing generate,
+    as while torch imports), and `python -m` then ends the process by SIGINT after the
+    interpreter exits (Python/pythonrun.c `run_eval_code_obj`, Modules/main.c `exit_sigint`):
+    the exit code the command returned (130) was lost. Every exec of a string clears the mark."""
+    exec("")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     finally:
+        _forget_caught_interrupt()
         # atexit runs the last-registered callback first: registered after the command, when
         # JAX (imported by the command) has registered its clean-up
         atexit.unregister(_default_interrupt_at_exit)

@@ -281,6 +281,33 @@ def test_a_repeat_arriving_after_the_unwind_is_ignored_and_a_new_request_is_not(
         assert proc.returncode == -signal.SIGTERM and len(proc.stdout.splitlines()) == 2
 
 
+_CTRL_C_INSIDE_EXEC = """
+import sys
+from jscenegen import cli
+
+def interrupted_inside_exec():
+    exec("raise KeyboardInterrupt")   # a Ctrl-C landing in code that dataclasses generate
+
+cli.build_parser = interrupted_inside_exec
+sys.exit(cli.main([]))
+"""
+
+
+def test_a_ctrl_c_caught_after_it_left_an_exec_still_exits_130(tmp_path):
+    """`python -m jscenegen.cli`: CPython took a KeyboardInterrupt out of exec() for one nobody
+    caught and killed the process by SIGINT after it had printed its line and returned 130
+    (1 in 6 Ctrl-Cs sent during `export`'s torch import)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ctrl_c_inside_exec.py").write_text(_CTRL_C_INSIDE_EXEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parent.parent)])}
+    proc = subprocess.run([sys.executable, "-m", "ctrl_c_inside_exec"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.stderr.strip() == "error: interrupted (Ctrl-C)"
+    assert proc.returncode == 130
+
+
 _CTRL_C_AT_EXIT = """
 import atexit, os, signal, sys
 atexit.register(os.kill, os.getpid(), signal.SIGINT)   # runs after every later-registered one
