@@ -14,6 +14,7 @@ from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.config import dotted_items
 from jscenegen.paths import cache_dir, write_json, write_text
+from jscenegen.signals import Terminated
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,14 @@ def _sft_log(row: dict) -> None:
         print(f"  sft step {row['step']}: loss {row['loss']:.4f}", file=sys.stderr, flush=True)
 
 
-def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str) -> None:
+def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
+                    resume: bool) -> None:
     """config.yaml (the resolved config, credentials redacted: on a resume the config it
     continues with, overrides such as an extension included) and run.json (the run's origin,
-    written once); atomic."""
+    written by each start, kept by a resume); atomic."""
     write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
                                                        sort_keys=False))
-    if not (run_dir / "run.json").is_file():
+    if not resume or not (run_dir / "run.json").is_file():
         write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
                                           "config_source": config_source})
 
@@ -254,7 +256,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     evals = {}
     try:
         if is_primary():
-            write_run_files(run_dir, cfg, model_dir, config_source)
+            write_run_files(run_dir, cfg, model_dir, config_source, resume=resume)
         if cfg.trainer.eval_before_after and not resume:
             t2 = time.perf_counter()
             evals["before"] = trainer.evaluate_dev("eval_before")
@@ -273,6 +275,11 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             saved = _saved_report(run_dir / "eval_before.json") if resume else None
             if saved is not None:  # the run's first start evaluated "before"
                 evals["before"] = saved
+    except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
+        if is_primary() and (run_dir / "run.json").is_file():
+            print(f"stopped; continue with: jscenegen train --resume {run_dir}", file=sys.stderr,
+                  flush=True)
+        raise
     finally:
         trainer.close()
     if is_primary():

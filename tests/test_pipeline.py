@@ -92,6 +92,52 @@ def test_a_train_that_fails_after_its_start_finishes_swanlab_and_keeps_stdout_cl
     assert not (run_dir / "run.lock").exists()
 
 
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_resume(tmp_path, capsys,
+                                                                          monkeypatch):
+    """A stop during the first dev evaluation left config.yaml and run.json but no
+    checkpoints/: `--resume` refused ("nothing to resume"), and a fresh start there with
+    another model kept the first start's run.json, which the next resume then read."""
+    import jscenegen.pipeline
+    from jscenegen.cli import main
+    from jscenegen.grpo.train.trainer import Trainer
+    from jscenegen.signals import Terminated
+
+    from chat_fixtures import chat_model_dir
+
+    def stopped(self, name):
+        raise Terminated
+
+    monkeypatch.setattr(Trainer, "evaluate_dev", stopped)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), f"model.path={chat_model_dir()}",
+                 "schedule.num_scenes=1", "trainer.eval_before_after=true", "optim.lr=3e-6",
+                 "trainer.progress=false", "logging.swanlab_mode=disabled"]) == 143
+    assert capsys.readouterr().err.endswith(
+        f"stopped; continue with: jscenegen train --resume {run_dir}\nerror: terminated (SIGTERM)\n")
+    assert not (run_dir / "checkpoints").exists()
+    record = json.loads((run_dir / "run.json").read_text())
+
+    taken = {}
+    monkeypatch.setattr(jscenegen.pipeline, "train_command",
+                        lambda cfg, run_dir, **kw: taken.update(cfg=cfg, **kw) or 0)
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert "has no checkpoint (stopped before its first update): starting it again" in capsys.readouterr().err
+    assert taken["resume"] is False and taken["config_source"] == record["config_source"]
+    assert taken["cfg"].optim.lr == 3e-6 and taken["cfg"].model.path == str(chat_model_dir())
+
+
+def test_each_start_writes_the_run_record_and_a_resume_keeps_it(tmp_path):
+    from jscenegen.pipeline import write_run_files
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [], RunConfig)
+    write_run_files(tmp_path, cfg, tmp_path / "first", "a.yaml", resume=False)
+    write_run_files(tmp_path, cfg, tmp_path / "second", "b.yaml", resume=False)
+    assert json.loads((tmp_path / "run.json").read_text()) == {
+        "model_dir": str((tmp_path / "second").resolve()), "config_source": "b.yaml"}
+    write_run_files(tmp_path, cfg, tmp_path / "third", "c.yaml", resume=True)
+    assert json.loads((tmp_path / "run.json").read_text())["config_source"] == "b.yaml"
+
+
 def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:
     """argv and environment of `jscenegen train` as a user runs it (its own process), on the
     chat fixture model with small rollouts, sharing the tests' JAX compilation cache."""

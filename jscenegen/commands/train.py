@@ -1,6 +1,7 @@
 """`jscenegen train`: the GRPO job (the CPU default with no arguments)."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def run(args) -> int:
         if run_dir.exists() and not run_dir.is_dir():
             raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
                                      "holds config.yaml and checkpoints/)")
-        if not (run_dir / RUN_CHECKPOINTS).is_dir():
+        afresh = _started_without_checkpoint(run_dir)
+        if not afresh and not (run_dir / RUN_CHECKPOINTS).is_dir():
             run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
             hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
             raise FileNotFoundError(f"{run_dir / RUN_CHECKPOINTS} not found: nothing to resume{hint}")
@@ -53,8 +55,14 @@ def run(args) -> int:
                              "config (a directory made by `convert --to orbax`); say what to "
                              "continue with: --config FILE")
         config_path = args.config or saved
+        config_source = afresh["config_source"] if afresh else str(config_path)
+        if afresh:
+            print(f"{run_dir} has no checkpoint (stopped before its first update): starting it "
+                  "again with its config.yaml", file=sys.stderr, flush=True)
     else:
+        afresh = None
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
+        config_source = str(config_path)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = load_run_config(config_path, args.overrides)
     if args.resume and args.overrides:
@@ -72,8 +80,24 @@ def run(args) -> int:
                                                    **config_inputs(cfg, config_path)})
     from jscenegen.pipeline import train_command
 
-    return train_command(cfg, run_dir, resume=bool(args.resume), max_updates=args.max_updates,
-                         config_source=str(config_path))
+    return train_command(cfg, run_dir, resume=bool(args.resume) and not afresh,
+                         max_updates=args.max_updates, config_source=config_source)
+
+
+def _started_without_checkpoint(run_dir: Path) -> dict | None:
+    """The run record (`run.json`) of a run `jscenegen train` started in `run_dir` that stopped
+    before its first checkpoint (no `checkpoints/`): `--resume` starts it again from the
+    beginning with its config.yaml. None for anything else."""
+    import json
+
+    record = run_dir / "run.json"
+    if (run_dir / RUN_CHECKPOINTS).exists() or not (record.is_file() and (run_dir / "config.yaml").is_file()):
+        return None
+    try:
+        run = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(run, dict) and isinstance(run.get("config_source"), str) else None
 
 
 def _keep_saved_model_path(saved: dict, cfg):
