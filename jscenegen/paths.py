@@ -477,11 +477,16 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
     path = Path(path)
     if not replace:
         require_new_dir(path, exists_error)
-    created = [a for a in reversed(path.absolute().parents) if not a.exists()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _warn_of_leftovers(path)
+    with new_parents_removed_on_error(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _warn_of_leftovers(path)
+        with _filled_and_published(path, replace, exists_error) as tmp:
+            yield tmp
+
+
+@contextlib.contextmanager
+def _filled_and_published(path: Path, replace: bool, exists_error: type[Exception]) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(path.name), dir=path.parent))
-    done = False
     try:
         yield tmp
         umask_mode(tmp)
@@ -497,7 +502,6 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        done = True
     except OSError as err:   # name the destination, not the temporary the user never sees
         if (isinstance(err.filename, str) and err.filename2 is None
                 and Path(err.filename).is_relative_to(tmp)):
@@ -506,7 +510,18 @@ def atomic_dir(path: str | Path, *, replace: bool = False,
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        if not done:  # the parents this call created, deepest first, while still empty
-            for d in reversed(created):
-                with contextlib.suppress(OSError):
-                    d.rmdir()
+
+
+@contextlib.contextmanager
+def new_parents_removed_on_error(path: str | Path) -> Iterator[None]:
+    """The directories above `path` that do not exist yet are removed again (deepest first,
+    while still empty) when the block raises (an error, a stop signal): a command that wrote
+    nothing leaves no directory it created."""
+    created = [a for a in reversed(Path(path).absolute().parents) if not a.exists()]
+    try:
+        yield
+    except BaseException:
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise

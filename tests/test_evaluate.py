@@ -197,6 +197,32 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
     assert "neither an HF model directory" in capsys.readouterr().err
 
 
+def test_an_eval_stopped_while_writing_leaves_both_outputs_or_neither(tmp_path, monkeypatch):
+    """A stop between the report and its plot left the report alone (and the plot of an
+    earlier run beside it); the directories it had made for them stayed too."""
+    import jscenegen.paths
+    from jscenegen.signals import Terminated
+
+    scenes = tmp_path / "one.jsonl"
+    scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+
+    def stopped(path, obj):
+        raise Terminated
+
+    monkeypatch.setattr(jscenegen.paths, "write_json", stopped)
+    fresh = tmp_path / "new" / "sub" / "r.json"
+    earlier = tmp_path / "r.json"
+    earlier.write_text("earlier report")
+    earlier.with_suffix(".png").write_bytes(b"earlier plot")
+    for out in (fresh, earlier):
+        assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes),
+                     "--greedy", "--out", str(out), *TINY]) == 143
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "r.json", "r.png"]
+    assert earlier.read_text() == "earlier report"
+    assert earlier.with_suffix(".png").read_bytes() == b"earlier plot"
+
+
 def test_eval_with_a_judge_that_grades_nothing_fails_after_writing_the_report(tmp_path, capsys):
     """A judge that refuses the key stops eval before the model loads; one that answers every
     grading request with HTTP 500 leaves a report (every episode a judge failure) and exit 1."""

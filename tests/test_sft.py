@@ -221,6 +221,21 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
     assert ChatTokenizer.from_dir(out).encode("<action>") == ChatTokenizer.from_dir(chat_model_dir()).encode("<action>")
 
 
+def test_an_sft_stopped_leaves_no_directory_it_made(tmp_path, monkeypatch):
+    """`sft --out NEW/model` without --model, stopped during the SFT: the fresh model beside
+    the output was removed, NEW itself stayed."""
+    import jscenegen.sft.run
+    from jscenegen.cli import main
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jscenegen.sft.run, "run_sft", stopped)
+    assert main(["sft", "--config", "configs/sft-cpu.yaml", "--out",
+                 str(tmp_path / "new" / "model")]) == 130
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_run_sft_never_replaces_an_existing_directory(tmp_path):
     cfg = validate_config({"sft": {"num_demos": 2, "steps": 1, "batch_size": 3, "max_seq_len": SEQ},
                            "scene": SCENE}, "sft.yaml", SFTRunConfig)

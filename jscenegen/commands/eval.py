@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def run(args) -> int:
 
     from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import ungraded_judge_failures
-    from jscenegen.paths import write_json
+    from jscenegen.paths import new_parents_removed_on_error, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
@@ -110,10 +111,16 @@ def run(args) -> int:
     report = evaluate(engine, records, judge=judge, scene_cfg=cfg.scene, judge_cfg=cfg.judge,
                       samples=samples, progress=progress)
     report.update(model=str(args.model), scene_set=str(scenes))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, report)
-    plot = plot_report(report, plot_path)
+    out, plot = Path(args.out), Path(plot_path)
+    # both or neither: the plot waits beside its place until the report is written
+    pending = plot.with_name(f".{plot.name}.pending.png")
+    with new_parents_removed_on_error(out), new_parents_removed_on_error(plot):
+        try:
+            plot_report(report, pending)
+            write_json(out, report)
+            os.replace(pending, plot)
+        finally:
+            pending.unlink(missing_ok=True)
     print(json.dumps({"event": "done", "report": str(out), "plot": str(plot),
                       "overall": report["overall"]}))
     ungraded = ungraded_judge_failures(report)

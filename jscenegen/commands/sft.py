@@ -23,14 +23,17 @@ def register(sub) -> None:
 def run(args) -> int:
     from jscenegen.checkpoint.store import is_checkpoint_dir
     from jscenegen.config import load_config
-    from jscenegen.paths import json_line, refuse_overwriting_input, require_new_dir
+    from jscenegen.paths import (
+        json_line,
+        new_parents_removed_on_error,
+        refuse_overwriting_input,
+        require_new_dir,
+    )
     from jscenegen.sft.config import SFTRunConfig
     from jscenegen.sharding.mesh import refuse_multi_host
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
     refuse_multi_host("sft", cfg.mesh)
-    from jscenegen.sft.run import run_sft
-
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path
     if model_dir is not None and is_checkpoint_dir(Path(model_dir)):
@@ -40,6 +43,19 @@ def run(args) -> int:
     # before anything is written (write checks create a probe file beside the output)
     refuse_overwriting_input(out, "--out", {"--model": model_dir, "--config": args.config})
     require_new_dir(out)  # before a fresh init-model or any demonstration is built
+    with new_parents_removed_on_error(out):
+        summary = _train(cfg, args, out, model_dir)
+    print(json_line({"event": "done", "out_dir": str(out), "final_loss": summary["final_loss"],
+                      "train_s": round(summary["train_s"], 1), "total_s": round(summary["total_s"], 1)}))
+    return 0
+
+
+def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
+    """SFT into `out` from `model_dir`, or from a fresh model made beside `out` (removed again
+    when the SFT does not finish); returns run_sft's summary."""
+    from jscenegen.paths import require_new_dir
+    from jscenegen.sft.run import run_sft
+
     fresh = model_dir is None
     if fresh:
         from jscenegen.model.init_model import init_model_dir
@@ -55,11 +71,8 @@ def run(args) -> int:
                        seed=cfg.sft.seed, texts=tokenizer_corpus())
         print(json.dumps({"event": "init_model", "model_dir": str(model_dir)}), flush=True)
     try:
-        summary = run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
+        return run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
     except BaseException:
         if fresh:   # the same command, run again, makes it afresh
             shutil.rmtree(model_dir, ignore_errors=True)
         raise
-    print(json_line({"event": "done", "out_dir": str(out), "final_loss": summary["final_loss"],
-                      "train_s": round(summary["train_s"], 1), "total_s": round(summary["total_s"], 1)}))
-    return 0
