@@ -243,6 +243,7 @@ def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"attempt": 0, "stale": True}) + "\n")
     trainer = Trainer(_cfg(), tmp_path, chat_model_dir())   # saves every update
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+    before = signal.getsignal(signal.SIGTERM)
     plan = (0.2, 0.0, REPEAT_WINDOW_S + 0.1)   # a request, `timeout`'s repeat, a second request
     sent = []
 
@@ -278,7 +279,7 @@ def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(
     assert expected in caplog.text
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
     assert check_step(tmp_path / "checkpoints" / "1").valid
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # the run's handler is gone
+    assert signal.getsignal(signal.SIGTERM) is before   # the run's handler is gone
 
 
 def test_a_signal_during_a_save_stops_the_run_after_that_save(tmp_path, monkeypatch):
