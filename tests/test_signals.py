@@ -210,75 +210,52 @@ def test_a_second_sigterm_the_main_thread_cannot_take_ends_the_process():
     assert "returned" not in proc.stdout and time.monotonic() - t0 < 30
 
 
-_SECOND_SIGTERM = """
-import os, signal, sys, time
-from jscenegen.signals import Terminated, UnwindOnSignals
-with UnwindOnSignals(grace_s=600):
-    try:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
-    except Terminated:
-        print("unwinding", flush=True)
-    time.sleep(float(sys.argv[1]))
-    os.kill(os.getpid(), signal.SIGTERM)     # the same request again, or a second one
-    time.sleep(0.5)
-print("cleaned up", flush=True)
-"""
-
-
-@pytest.mark.parametrize("pause, alive", [(0.0, True), (1.2, False)])
-def test_a_second_sigterm_ends_at_once_but_a_repeat_does_not(pause, alive):
-    """coreutils `timeout` signals the command, then its process group: both reach the command.
-    Taken for a second request, the repeat killed conversions in their cleanup (a partial
-    destination left behind)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGTERM, str(pause)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.stdout.splitlines()[0] == "unwinding"
-    if alive:
-        assert proc.returncode == 0 and proc.stdout.splitlines() == ["unwinding", "cleaned up"]
-    else:
-        assert proc.returncode == -signal.SIGTERM and "cleaned up" not in proc.stdout
-
-
-_REPEAT_AFTER_THE_UNWIND = """
+_SIGTERM_AGAIN = """
 import atexit, os, signal, sys, time
 from jscenegen.signals import REPEAT_WINDOW_S, Terminated, UnwindOnSignals
+when, pause = sys.argv[1], float(sys.argv[2])
 atexit.register(print, "atexit ran", flush=True)
 with UnwindOnSignals(grace_s=600):
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     except Terminated:
-        print("unwound", flush=True)
-first = time.monotonic()
-os.kill(os.getpid(), signal.SIGTERM)     # the same request, arriving after the unwind
-time.sleep(0.2)
-print("repeat ignored", flush=True)
-time.sleep(max(0.0, first + REPEAT_WINDOW_S + 0.2 - time.monotonic()))
-if sys.argv[1] == "again":
-    os.kill(os.getpid(), signal.SIGTERM)  # a new request: the default action, as before
-    time.sleep(5)
-    print("survived a new request", flush=True)
+        print("unwinding", flush=True)
+    first = time.monotonic()
+    if when == "unwinding":
+        time.sleep(pause)
+        os.kill(os.getpid(), signal.SIGTERM)     # the same request again, or a second one
+        time.sleep(0.5)
+print("cleaned up", flush=True)
+if when == "after":
+    os.kill(os.getpid(), signal.SIGTERM)         # the same request, after the unwind
+    time.sleep(0.2)
+    print("repeat ignored", flush=True)
+    if pause:
+        time.sleep(max(0.0, first + REPEAT_WINDOW_S + 0.2 - time.monotonic()))
+        os.kill(os.getpid(), signal.SIGTERM)     # a new request: the default action, as before
+        time.sleep(5)
+        print("survived a new request", flush=True)
 """
 
 
-@pytest.mark.parametrize("then", ["exit", "again"])
-def test_a_repeat_arriving_after_the_unwind_is_ignored_and_a_new_request_is_not(then):
-    """`kill` twice a few ms apart: the unwind finished between them and the repeat met the
-    default handler the exit had put back (the process died by the signal, atexit skipped)."""
+@pytest.mark.parametrize("when, pause, rc, lines", [
+    ("unwinding", 0.0, 0, ["unwinding", "cleaned up", "atexit ran"]),
+    ("unwinding", 1.2, -signal.SIGTERM, ["unwinding"]),
+    ("after", 0.0, 0, ["unwinding", "cleaned up", "repeat ignored", "atexit ran"]),
+    ("after", 1.0, -signal.SIGTERM, ["unwinding", "cleaned up", "repeat ignored"]),
+])
+def test_a_second_sigterm_ends_at_once_but_a_repeat_does_not(when, pause, rc, lines):
+    """coreutils `timeout` signals the command, then its process group: both reach the command.
+    Taken for a second request, the repeat killed conversions in their cleanup (a partial
+    destination left behind); arriving after the unwind (`kill` twice a few ms apart), it met
+    the default handler the exit had put back (the process died by it, atexit skipped)."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _REPEAT_AFTER_THE_UNWIND, then],
+    proc = subprocess.run([sys.executable, "-c", _SIGTERM_AGAIN, when, str(pause)],
                           capture_output=True, text=True, timeout=60)
-    assert proc.stdout.splitlines()[:2] == ["unwound", "repeat ignored"], proc.stderr
-    if then == "exit":
-        assert proc.returncode == 0 and proc.stdout.splitlines()[2:] == ["atexit ran"]
-    else:
-        assert proc.returncode == -signal.SIGTERM and len(proc.stdout.splitlines()) == 2
+    assert (proc.returncode, proc.stdout.splitlines()) == (rc, lines), proc.stderr
 
 
 _CTRL_C_INSIDE_EXEC = """
