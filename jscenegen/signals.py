@@ -20,7 +20,8 @@ EXIT_UNTAKEN_S.
 One request can arrive as two signals: coreutils `timeout` signals the command and then its
 process group, which holds the command again. A repeat within REPEAT_WINDOW_S of the first
 is that same request; taken for a second one, it would end the process in the middle of its
-cleanup.
+cleanup. One arriving after the unwind has finished is ignored too (`_RepeatsIgnored`), not met
+by the default action the command found.
 """
 from __future__ import annotations
 
