@@ -27,7 +27,7 @@ import sys
 
 from jscenegen import __version__
 from jscenegen.paths import DiskFullError
-from jscenegen.signals import Terminated, UnwindOnSignals, install_after_repeats
+from jscenegen.signals import Terminated, UnwindOnSignals, ignore_repeats_at_exit
 
 MAX_ERROR_CHARS = 2000
 COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
@@ -199,7 +199,8 @@ def _default_interrupt_at_exit() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    install_after_repeats(signal.SIGINT, signal.SIG_DFL)   # a repeat of a taken Ctrl-C: still ignored
+    if signal.SIGINT not in ignore_repeats_at_exit():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _forget_caught_interrupt() -> None:

@@ -252,14 +252,19 @@ class _RepeatsIgnored:
             self.action(signum, frame)
 
 
-def install_after_repeats(signum: int, action) -> None:
-    """Install `action` (a handler, SIG_DFL or SIG_IGN) for `signum`; while a repeat of a
-    request the command took is still ignored, `action` follows the end of that window."""
-    current = signal.getsignal(signum)
-    if isinstance(current, _RepeatsIgnored) and time.monotonic() < current.until:
-        current.action = action
-    else:
-        signal.signal(signum, action)
+def ignore_repeats_at_exit() -> set[int]:
+    """At the interpreter's exit (atexit): ignore each stop signal whose taken request may still
+    repeat (a `_RepeatsIgnored` within its window) for the rest of the process, and return
+    those signals. CPython resets Python handlers to the default action after atexit, and a
+    repeat during JAX's last second of shutdown would end the process by the signal; SIG_IGN
+    is left in place, and the process is already ending with that request's exit code."""
+    ignored = set()
+    for signum in STOP_SIGNALS:
+        current = signal.getsignal(signum)
+        if isinstance(current, _RepeatsIgnored) and time.monotonic() < current.until:
+            signal.signal(signum, signal.SIG_IGN)
+            ignored.add(signum)
+    return ignored
 
 
 def raise_if_redelivered(signum: int) -> None:

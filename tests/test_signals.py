@@ -258,6 +258,42 @@ def test_a_second_sigterm_ends_at_once_but_a_repeat_does_not(when, pause, rc, li
     assert (proc.returncode, proc.stdout.splitlines()) == (rc, lines), proc.stderr
 
 
+_REPEAT_DURING_SHUTDOWN = """
+import atexit, os, signal, sys, time
+from jscenegen import cli
+from jscenegen.signals import Terminated, UnwindOnSignals
+
+class SlowToFinalise:          # finalised after CPython reset the handlers, as JAX's shutdown
+    def __del__(self):
+        time.sleep(1.0)
+
+keep = SlowToFinalise()
+with UnwindOnSignals(grace_s=600):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    except Terminated:
+        pass
+atexit.register(print, "exiting", flush=True)
+atexit.register(cli._default_interrupt_at_exit)   # as cli.main registers it: runs first
+sys.exit(143)
+"""
+
+
+def test_a_repeat_during_the_interpreter_shutdown_does_not_kill_the_process():
+    """After atexit CPython resets Python handlers to the default action; a repeat sent 0.3 s
+    later, during the last second of shutdown, ended train/eval/sft by the signal."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _REPEAT_DURING_SHUTDOWN],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "exiting"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+
+
 _CTRL_C_INSIDE_EXEC = """
 import sys
 from jscenegen import cli
