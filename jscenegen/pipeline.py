@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS
+from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.config import dotted_items
 from jscenegen.paths import cache_dir, write_json, write_text
@@ -93,8 +93,8 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
     written by each start, kept by a resume); atomic."""
     write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
                                                        sort_keys=False))
-    if not resume or not (run_dir / "run.json").is_file():
-        write_json(run_dir / "run.json", {"model_dir": str(model_dir.resolve()),
+    if not resume or not (run_dir / RUN_RECORD).is_file():
+        write_json(run_dir / RUN_RECORD, {"model_dir": str(model_dir.resolve()),
                                           "config_source": config_source})
 
 
@@ -233,11 +233,11 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
 def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
+    from jscenegen.checkpoint.store import kept_entries
     from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.sharding.mesh import is_primary
 
-    checkpoints = run_dir / RUN_CHECKPOINTS
-    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if not resume and kept_entries(run_dir / RUN_CHECKPOINTS):  # unfinished saves are replaced
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                          "continue it, or choose a new --run-dir")
     phases: dict[str, float] = {}
@@ -253,10 +253,11 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     layout = trainer.engine.sampler.layout.describe()
     if is_primary():
         print(f"rollout layout: {layout}", file=sys.stderr, flush=True)
-    evals = {}
+    evals, run_files_written = {}, False
     try:
         if is_primary():
             write_run_files(run_dir, cfg, model_dir, config_source, resume=resume)
+            run_files_written = True
         if cfg.trainer.eval_before_after and not resume:
             t2 = time.perf_counter()
             evals["before"] = trainer.evaluate_dev("eval_before")
@@ -276,7 +277,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             if saved is not None:  # the run's first start evaluated "before"
                 evals["before"] = saved
     except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
-        if is_primary() and (run_dir / "run.json").is_file():
+        if run_files_written:   # config.yaml holds this invocation's settings
             print(f"stopped; continue with: jscenegen train --resume {run_dir}", file=sys.stderr,
                   flush=True)
         raise

@@ -590,7 +590,7 @@ def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
     CPU default's settings, losing the run's own: refused, naming the file and the way out."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    (run / "run.json").write_text("{}")
+    (run / "run.json").write_text('{"model_dir": "/m", "config_source": "c.yaml"}')
     assert main(["train", "--resume", str(run)]) == 2
     assert one_error_line(capsys) == (
         f"error: {run / 'config.yaml'} is missing: the run's config is unknown (a run made by "
@@ -603,6 +603,74 @@ def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
     assert one_error_line(capsys) == (
         f"error: {run / 'config.yaml'} is missing: {run} holds checkpoints without a run's config "
         "(a directory made by `convert --to orbax`); say what to continue with: --config FILE")
+
+
+def _stopped_run(tmp_path: Path, model: str = "/started/here") -> Path:
+    """A run `jscenegen train` started (config.yaml, run.json) that has no checkpoint yet."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"optim:\n  lr: 3.0e-06\nmodel:\n  path: {model}\n")
+    (run / "run.json").write_text(json.dumps({"model_dir": model, "config_source": "mine.yaml"}))
+    return run
+
+
+def _taken_by_train_command(monkeypatch) -> dict:
+    import jscenegen.pipeline
+
+    taken = {}
+    monkeypatch.setattr(jscenegen.pipeline, "train_command",
+                        lambda cfg, run_dir, **kw: taken.update(cfg=cfg, **kw) or 0)
+    return taken
+
+
+def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys, caplog, monkeypatch):
+    """A SIGKILL during the first checkpoint save leaves only an unfinished save: the resume
+    deleted it and then failed ("no complete checkpoint") on every try. Such a run starts again
+    with its config, and a model.path override is taken (nothing was trained from the old one)."""
+    run = _stopped_run(tmp_path)
+    (run / "checkpoints/1.orbax-checkpoint-tmp-1733300000").mkdir(parents=True)
+    (run / "checkpoints/1/params").mkdir(parents=True)   # finalised by orbax, no checksums.json
+    taken = _taken_by_train_command(monkeypatch)
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--resume", str(run), "model.path=/elsewhere"]) == 0
+    assert capsys.readouterr().err == (f"{run} has no checkpoint (stopped before its first was "
+                                       "saved): starting it again with its config.yaml\n")
+    assert taken["resume"] is False and taken["config_source"] == "mine.yaml"
+    assert taken["cfg"].model.path == "/elsewhere" and taken["cfg"].optim.lr == 3e-6
+    assert "model.path is not read on resume" not in caplog.text
+    # one finished save (checksums.json is written last) makes it a run to continue
+    (run / "checkpoints/1/checksums.json").write_text("{}")
+    assert main(["train", "--resume", str(run)]) == 0
+    assert taken["resume"] is True and capsys.readouterr().err == ""
+
+
+def test_a_resume_names_what_is_wrong_with_the_run_directory(tmp_path, capsys, monkeypatch):
+    """A damaged run.json, a missing config.yaml or a `checkpoints` file was reported as
+    "checkpoints not found: nothing to resume"; a dangling `checkpoints` link let the run go on
+    until its first save."""
+    _taken_by_train_command(monkeypatch)
+    run = _stopped_run(tmp_path)
+    (run / "run.json").write_text('{"model_dir": 3}')
+    assert main(["train", "--resume", str(run)]) == 2
+    assert one_error_line(capsys).startswith(
+        f"error: {run / 'run.json'}: not the run's record (model_dir: Input should be a valid string)")
+    (run / "run.json").write_text(json.dumps({"model_dir": "/m", "config_source": "c.yaml"}))
+    (run / "config.yaml").unlink()
+    assert main(["train", "--resume", str(run)]) == 2
+    assert one_error_line(capsys).startswith(f"error: {run / 'config.yaml'} is missing: the run's "
+                                             "config is unknown")
+    (run / "checkpoints").write_text("a file")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert one_error_line(capsys) == (f"error: {run / 'checkpoints'}: not a directory (a run keeps "
+                                      "its checkpoint steps there)")
+    (run / "checkpoints").unlink()
+    (run / "checkpoints").symlink_to(tmp_path / "gone")
+    for args in (["--resume", str(run)], ["--run-dir", str(run)]):
+        assert main(["train", *args]) == 2
+        assert one_error_line(capsys) == (
+            f"error: {run / 'checkpoints'}: a symbolic link to {tmp_path / 'gone'}, which does "
+            "not exist; the run saves its checkpoints there: create that directory, or remove "
+            "the link")
 
 
 def test_train_refuses_a_run_dir_inside_the_warm_start_model_cache(tmp_path, capsys, monkeypatch):

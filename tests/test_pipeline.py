@@ -121,9 +121,32 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_resume(tmp_pa
     monkeypatch.setattr(jscenegen.pipeline, "train_command",
                         lambda cfg, run_dir, **kw: taken.update(cfg=cfg, **kw) or 0)
     assert main(["train", "--resume", str(run_dir)]) == 0
-    assert "has no checkpoint (stopped before its first update): starting it again" in capsys.readouterr().err
+    assert "has no checkpoint (stopped before its first was saved): starting it again" in capsys.readouterr().err
     assert taken["resume"] is False and taken["config_source"] == record["config_source"]
     assert taken["cfg"].optim.lr == 3e-6 and taken["cfg"].model.path == str(chat_model_dir())
+
+
+def test_a_stop_before_the_run_files_are_written_gives_no_resume_hint(tmp_path, capsys,
+                                                                      monkeypatch):
+    """The hint was printed whenever an older run.json was there, although config.yaml did
+    not hold this start's settings yet (a stop while they were being written)."""
+    import jscenegen.pipeline
+    from jscenegen.cli import main
+
+    from chat_fixtures import chat_model_dir
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jscenegen.pipeline, "write_run_files", stopped)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text('{"model_dir": "/m", "config_source": "c.yaml"}')
+    assert main(["train", "--run-dir", str(run_dir), f"model.path={chat_model_dir()}",
+                 "schedule.num_scenes=1", "trainer.progress=false",
+                 "logging.swanlab_mode=disabled"]) == 130
+    err = capsys.readouterr().err
+    assert err.endswith("error: interrupted (Ctrl-C)\n") and "continue with" not in err, err
 
 
 def test_each_start_writes_the_run_record_and_a_resume_keeps_it(tmp_path):

@@ -2,3 +2,7 @@
 
 RUN_CHECKPOINTS = "checkpoints"
 """A training run's checkpoint directory, `RUN_DIR/checkpoints/<step>/` (the store's root)."""
+
+RUN_RECORD = "run.json"
+"""`RUN_DIR/run.json`, written by each start of `jscenegen train` (`pipeline.write_run_files`):
+{"model_dir": the model the run started from, "config_source": the config it was given}."""

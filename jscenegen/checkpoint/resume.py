@@ -13,7 +13,6 @@ config and tokenizer a resumed run uses.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Mapping
@@ -21,9 +20,10 @@ from typing import Annotated, Any, Iterable, Mapping
 import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS
+from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.store import HF_DIR, Checkpoint, CheckpointError, CheckpointStore, padded_target
 from jscenegen.config import shown_value, validation_message
+from jscenegen.paths import loads_json, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -158,21 +158,49 @@ def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
                           f"{train_state['protocol_hash']}, now {protocol_hash})")
 
 
+MAX_RUN_RECORD_BYTES = 1 << 20
+
+
+class _RunRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model_dir: StrictStr
+    config_source: StrictStr | None = None
+
+
+def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run record (`RUN_RECORD`) of `run_dir`, or None when it has none (a directory made
+    by `convert --to orbax`). Raises CheckpointError naming the file when it is not a readable
+    regular file of at most 1 MiB holding {"model_dir": str, "config_source": str}."""
+    path = Path(run_dir) / RUN_RECORD
+    why = not_a_file(path)
+    if why == "no such file":
+        return None
+    try:
+        if why:
+            raise OSError(why)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RUN_RECORD_BYTES + 1)
+        if len(raw) > MAX_RUN_RECORD_BYTES:
+            raise ValueError(f"more than {MAX_RUN_RECORD_BYTES} bytes")
+        return _RunRecord.model_validate(loads_json(raw)).model_dump()
+    except ValidationError as err:
+        first = err.errors()[0]
+        reason = f"{'.'.join(map(str, first['loc'])) or 'the record'}: {validation_message(first)}"
+    except (OSError, ValueError, RecursionError) as err:
+        reason = f"{type(err).__name__}: {getattr(err, 'strerror', None) or err}"
+    raise CheckpointError(f"{path}: not the run's record ({reason}); it holds "
+                          "{\"model_dir\": ..., \"config_source\": ...}, written when the run started")
+
+
 def resume_model_dir(run_dir: str | Path) -> Path:
     """Config and tokenizer of a run being resumed: the run's model directory (`run.json`),
     or else the `hf/` assets of its newest complete checkpoint (a directory made by
-    `convert --to orbax`). Raises CheckpointError when the run has no complete checkpoint."""
+    `convert --to orbax`). Raises CheckpointError when the run has no complete checkpoint or
+    its record is damaged (`read_run_record`)."""
     run_dir = Path(run_dir)
-    run_json = run_dir / "run.json"
-    if run_json.is_file():
-        try:
-            model_dir = Path(json.loads(run_json.read_text())["model_dir"])
-        except (OSError, ValueError, RecursionError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{run_json}: not the run's record ({type(err).__name__}: "
-                                  f"{err}); it holds {{\"model_dir\": ...}}, written when the "
-                                  "run started") from None
-        if (model_dir / "config.json").is_file():
-            return model_dir
+    record = read_run_record(run_dir)
+    if record is not None and (Path(record["model_dir"]) / "config.json").is_file():
+        return Path(record["model_dir"])
     with CheckpointStore(run_dir / RUN_CHECKPOINTS) as store:
         step = store.latest_valid_step()
     if step is None:

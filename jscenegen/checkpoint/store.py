@@ -370,6 +370,34 @@ def step_numbers(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if is_decimal(p.name) and p.is_dir())
 
 
+def kept_entries(directory: str | Path) -> list[Path]:
+    """The entries of a run's checkpoint directory that a fresh start there must not overwrite:
+    all but unfinished saves (orbax's `<N>.orbax-checkpoint-tmp-*`, and step directories
+    without `checksums.json`, which a save writes last), which the store deletes or replaces.
+    [] when `directory` is not a directory (a run stopped before its first checkpoint)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+
+    def unfinished(p: Path) -> bool:
+        if p.is_symlink() or not p.is_dir():
+            return False
+        return ocp.step.TMP_DIR_SUFFIX in p.name or (
+            is_decimal(p.name) and not (p / CHECKSUMS_NAME).exists())
+
+    return sorted(p for p in d.iterdir() if not unfinished(p))
+
+
+def refuse_dangling_checkpoints(directory: str | Path) -> None:
+    """Raise CheckpointError when a run's checkpoint directory is a symbolic link to nothing:
+    the run would fail at its first save, after its first update."""
+    d = Path(directory)
+    if d.is_symlink() and not d.exists():
+        raise CheckpointError(f"{d}: a symbolic link to {os.readlink(d)}, which does not exist; "
+                              "the run saves its checkpoints there: create that directory, or "
+                              "remove the link")
+
+
 def check_step_entries(directory: str | Path) -> None:
     """Raise CheckpointError naming an entry of `directory` named like a step (`<N>`) that is a
     symbolic link or not a directory: a writing run deletes and replaces its steps (keep_last,

@@ -25,6 +25,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from jscenegen.checkpoint.resume import read_run_record
+    from jscenegen.checkpoint.store import kept_entries, refuse_dangling_checkpoints
     from jscenegen.config import ConfigError, read_yaml
     from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
@@ -37,17 +39,23 @@ def run(args) -> int:
         if run_dir.exists() and not run_dir.is_dir():
             raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
                                      "holds config.yaml and checkpoints/)")
-        afresh = _started_without_checkpoint(run_dir)
-        if not afresh and not (run_dir / RUN_CHECKPOINTS).is_dir():
+        checkpoints = run_dir / RUN_CHECKPOINTS
+        refuse_dangling_checkpoints(checkpoints)
+        if checkpoints.exists() and not checkpoints.is_dir():
+            raise NotADirectoryError(f"{checkpoints}: not a directory (a run keeps its checkpoint "
+                                     "steps there)")
+        record = read_run_record(run_dir)    # refuses a damaged one, naming it
+        afresh = record is not None and not kept_entries(checkpoints)
+        if not afresh and not checkpoints.is_dir():
             run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
             hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
-            raise FileNotFoundError(f"{run_dir / RUN_CHECKPOINTS} not found: nothing to resume{hint}")
+            raise FileNotFoundError(f"{checkpoints} not found: nothing to resume{hint}")
         saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
         if args.config and saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "
                              f"with its own {saved}; pass changes as key=value overrides")
         if not args.config and not saved.is_file():
-            if (run_dir / "run.json").is_file():
+            if record is not None:
                 raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
                                  "`jscenegen train` keeps it there); restore it, or continue with "
                                  "another one: --config FILE")
@@ -55,22 +63,27 @@ def run(args) -> int:
                              "config (a directory made by `convert --to orbax`); say what to "
                              "continue with: --config FILE")
         config_path = args.config or saved
-        config_source = afresh["config_source"] if afresh else str(config_path)
-        if afresh:
-            print(f"{run_dir} has no checkpoint (stopped before its first update): starting it "
-                  "again with its config.yaml", file=sys.stderr, flush=True)
+        config_source = str(config_path)
+        if afresh:   # stopped before its first checkpoint: a new start with the run's config
+            if not args.config:
+                config_source = record["config_source"] or config_source
+            print(f"{run_dir} has no checkpoint (stopped before its first was saved): starting it "
+                  f"again with {'its config.yaml' if not args.config else args.config}",
+                  file=sys.stderr, flush=True)
     else:
-        afresh = None
+        afresh = False
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         config_source = str(config_path)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        refuse_dangling_checkpoints(run_dir / RUN_CHECKPOINTS)
     cfg = load_run_config(config_path, args.overrides)
     if args.resume and args.overrides:
         try:
             saved, only_saved_keys = load_run_config(config_path).model_dump(mode="json"), False
         except ConfigError:   # not valid alone (a redacted judge.base_url): the keys it holds
             saved, only_saved_keys = read_yaml(config_path), True
-        cfg = _keep_saved_model_path(saved, cfg)
+        if not afresh:   # a new start takes the model it is given
+            cfg = _keep_saved_model_path(saved, cfg)
         _say_changed_settings(saved, cfg, only_saved_keys)
     check_output_dir(run_dir, label="--run-dir")
     # without model.path the run starts from (and may create) a model in the cache
@@ -82,22 +95,6 @@ def run(args) -> int:
 
     return train_command(cfg, run_dir, resume=bool(args.resume) and not afresh,
                          max_updates=args.max_updates, config_source=config_source)
-
-
-def _started_without_checkpoint(run_dir: Path) -> dict | None:
-    """The run record (`run.json`) of a run `jscenegen train` started in `run_dir` that stopped
-    before its first checkpoint (no `checkpoints/`): `--resume` starts it again from the
-    beginning with its config.yaml. None for anything else."""
-    import json
-
-    record = run_dir / "run.json"
-    if (run_dir / RUN_CHECKPOINTS).exists() or not (record.is_file() and (run_dir / "config.yaml").is_file()):
-        return None
-    try:
-        run = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return None
-    return run if isinstance(run, dict) and isinstance(run.get("config_source"), str) else None
 
 
 def _keep_saved_model_path(saved: dict, cfg):
