@@ -223,6 +223,31 @@ def test_an_eval_stopped_while_writing_leaves_both_outputs_or_neither(tmp_path, 
     assert earlier.with_suffix(".png").read_bytes() == b"earlier plot"
 
 
+def test_an_eval_whose_plot_path_became_a_directory_keeps_the_earlier_report(tmp_path, capsys,
+                                                                           monkeypatch):
+    """The report was replaced, then the plot's rename failed naming the hidden pending file."""
+    import jscenegen.eval.plots
+
+    scenes = tmp_path / "one.jsonl"
+    scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    out.write_text("earlier report")
+    drawn = jscenegen.eval.plots.plot_report
+
+    def drawn_while_someone_makes_a_directory(report, path):
+        plot.mkdir()
+        return drawn(report, path)
+
+    monkeypatch.setattr(jscenegen.eval.plots, "plot_report", drawn_while_someone_makes_a_directory)
+    assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes), "--greedy",
+                 "--out", str(out), *TINY]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --plot {plot}: is a directory, not a regular file; jscenegen writes a new file "
+        "and renames it over the target, so give a file path")
+    assert out.read_text() == "earlier report" and plot.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "r.json", "r.png"]
+
+
 def test_eval_with_a_judge_that_grades_nothing_fails_after_writing_the_report(tmp_path, capsys):
     """A judge that refuses the key stops eval before the model loads; one that answers every
     grading request with HTTP 500 leaves a report (every episode a judge failure) and exit 1."""

@@ -223,7 +223,7 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
 
 def test_an_sft_stopped_leaves_no_directory_it_made(tmp_path, monkeypatch):
     """`sft --out NEW/model` without --model, stopped during the SFT: the fresh model beside
-    the output was removed, NEW itself stayed."""
+    the output was removed, NEW itself stayed; an empty `model-init` given for it stays."""
     import jscenegen.sft.run
     from jscenegen.cli import main
 
@@ -234,6 +234,10 @@ def test_an_sft_stopped_leaves_no_directory_it_made(tmp_path, monkeypatch):
     assert main(["sft", "--config", "configs/sft-cpu.yaml", "--out",
                  str(tmp_path / "new" / "model")]) == 130
     assert list(tmp_path.iterdir()) == []
+    # an empty directory that was there for the fresh model stays (it was removed)
+    (tmp_path / "model-init").mkdir()
+    assert main(["sft", "--config", "configs/sft-cpu.yaml", "--out", str(tmp_path / "model")]) == 130
+    assert [(p.name, list(p.iterdir())) for p in tmp_path.iterdir()] == [("model-init", [])]
 
 
 def test_run_sft_never_replaces_an_existing_directory(tmp_path):

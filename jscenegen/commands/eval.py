@@ -91,7 +91,7 @@ def run(args) -> int:
 
     from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import ungraded_judge_failures
-    from jscenegen.paths import new_parents_removed_on_error, write_json
+    from jscenegen.paths import new_parents_removed_on_error, refuse_non_regular, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
@@ -117,6 +117,7 @@ def run(args) -> int:
     with new_parents_removed_on_error(out), new_parents_removed_on_error(plot):
         try:
             plot_report(report, pending)
+            refuse_non_regular(plot, f"--plot {plot}")   # made a directory while eval ran
             write_json(out, report)
             os.replace(pending, plot)
         finally:

@@ -57,6 +57,7 @@ def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
     from jscenegen.sft.run import run_sft
 
     fresh = model_dir is None
+    made_here = False   # an empty directory given for it stays when the SFT does not finish
     if fresh:
         from jscenegen.model.init_model import init_model_dir
         from jscenegen.scene.corpus import tokenizer_corpus
@@ -67,6 +68,7 @@ def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
                                   "--model given) already exists; start from it with --model, "
                                   "or choose another --out")
         require_new_dir(model_dir)
+        made_here = not model_dir.exists()
         init_model_dir(model_dir, arch=cfg.sft.init_arch, preset=cfg.sft.init_preset,
                        seed=cfg.sft.seed, texts=tokenizer_corpus())
         print(json.dumps({"event": "init_model", "model_dir": str(model_dir)}), flush=True)
@@ -75,4 +77,6 @@ def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
     except BaseException:
         if fresh:   # the same command, run again, makes it afresh
             shutil.rmtree(model_dir, ignore_errors=True)
+            if not made_here:
+                model_dir.mkdir(exist_ok=True)
         raise
