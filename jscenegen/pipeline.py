@@ -233,11 +233,11 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
 def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
-    from jscenegen.checkpoint.store import kept_entries
+    from jscenegen.checkpoint.store import finished_saves
     from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.sharding.mesh import is_primary
 
-    if not resume and kept_entries(run_dir / RUN_CHECKPOINTS):  # unfinished saves are replaced
+    if not resume and finished_saves(run_dir / RUN_CHECKPOINTS):  # unfinished saves are replaced
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
                          "continue it, or choose a new --run-dir")
     phases: dict[str, float] = {}

@@ -647,6 +647,28 @@ def test_a_damaged_run_json_is_named(tmp_path, text):
         resume_model_dir(tmp_path)
 
 
+def test_a_store_removes_an_unfinished_save_that_is_a_file(tmp_path):
+    """rmtree raised NotADirectoryError on a file named like orbax's temporary, after the
+    warning that it was being deleted."""
+    from jscenegen.checkpoint.store import CheckpointStore
+
+    (tmp_path / "1.orbax-checkpoint-tmp").write_text("x")
+    (tmp_path / "2.orbax-checkpoint-tmp-1733300000").mkdir()
+    CheckpointStore(tmp_path).close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finished_saves_are_what_a_fresh_start_must_not_overwrite(tmp_path):
+    from jscenegen.checkpoint.store import finished_saves
+
+    for name in ("1.orbax-checkpoint-tmp-1", "2", "3", "3.corrupt-20261204T120000Z", "x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "3" / "checksums.json").write_text("{}")
+    (tmp_path / ".DS_Store").write_text("")
+    assert [p.name for p in finished_saves(tmp_path)] == ["3", "3.corrupt-20261204T120000Z"]
+    assert finished_saves(tmp_path / "missing") == []
+
+
 def test_step_numbers_are_ascii_digit_names_only(tmp_path):
     """A directory named '\u00b3' passed str.isdigit and int() raised on it."""
     from jscenegen.checkpoint.store import step_numbers

@@ -630,6 +630,7 @@ def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys,
     run = _stopped_run(tmp_path)
     (run / "checkpoints/1.orbax-checkpoint-tmp-1733300000").mkdir(parents=True)
     (run / "checkpoints/1/params").mkdir(parents=True)   # finalised by orbax, no checksums.json
+    (run / "checkpoints/.DS_Store").write_text("a stray file is no checkpoint")
     taken = _taken_by_train_command(monkeypatch)
     with caplog.at_level("WARNING"):
         assert main(["train", "--resume", str(run), "model.path=/elsewhere"]) == 0
@@ -637,7 +638,7 @@ def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys,
                                        "saved): starting it again with its config.yaml\n")
     assert taken["resume"] is False and taken["config_source"] == "mine.yaml"
     assert taken["cfg"].model.path == "/elsewhere" and taken["cfg"].optim.lr == 3e-6
-    assert "model.path is not read on resume" not in caplog.text
+    assert caplog.messages == ["the restart changes model.path '/started/here' -> '/elsewhere'"]
     # one finished save (checksums.json is written last) makes it a run to continue
     (run / "checkpoints/1/checksums.json").write_text("{}")
     assert main(["train", "--resume", str(run)]) == 0
@@ -659,10 +660,16 @@ def test_a_resume_names_what_is_wrong_with_the_run_directory(tmp_path, capsys, m
     assert main(["train", "--resume", str(run)]) == 2
     assert one_error_line(capsys).startswith(f"error: {run / 'config.yaml'} is missing: the run's "
                                              "config is unknown")
-    (run / "checkpoints").write_text("a file")
+    (run / "config.yaml").mkdir()
     assert main(["train", "--resume", str(run)]) == 2
-    assert one_error_line(capsys) == (f"error: {run / 'checkpoints'}: not a directory (a run keeps "
-                                      "its checkpoint steps there)")
+    assert one_error_line(capsys) == (f"error: {run / 'config.yaml'}: is a directory; the run's "
+                                      "config is a YAML file written when it started")
+    (run / "config.yaml").rmdir()
+    (run / "checkpoints").write_text("a file")
+    for args in (["--resume", str(run)], ["--run-dir", str(run)]):
+        assert main(["train", *args]) == 2
+        assert one_error_line(capsys) == (f"error: {run / 'checkpoints'}: not a directory (a run "
+                                          "keeps its checkpoint steps there)")
     (run / "checkpoints").unlink()
     (run / "checkpoints").symlink_to(tmp_path / "gone")
     for args in (["--resume", str(run)], ["--run-dir", str(run)]):

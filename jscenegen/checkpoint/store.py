@@ -370,32 +370,31 @@ def step_numbers(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if is_decimal(p.name) and p.is_dir())
 
 
-def kept_entries(directory: str | Path) -> list[Path]:
-    """The entries of a run's checkpoint directory that a fresh start there must not overwrite:
-    all but unfinished saves (orbax's `<N>.orbax-checkpoint-tmp-*`, and step directories
-    without `checksums.json`, which a save writes last), which the store deletes or replaces.
-    [] when `directory` is not a directory (a run stopped before its first checkpoint)."""
+def finished_saves(directory: str | Path) -> list[Path]:
+    """What a fresh start in a run's checkpoint directory must not overwrite: the step
+    directories whose save finished (`checksums.json`, written last; complete or damaged since)
+    and the corrupt steps set aside (`<N>.corrupt-*`). Unfinished saves (orbax's
+    `<N>.orbax-checkpoint-tmp-*`, steps without `checksums.json`), which the store deletes or
+    replaces, and anything else there (a stray file) do not count. [] when `directory` is not a
+    directory: a run stopped before its first checkpoint."""
     d = Path(directory)
     if not d.is_dir():
         return []
-
-    def unfinished(p: Path) -> bool:
-        if p.is_symlink() or not p.is_dir():
-            return False
-        return ocp.step.TMP_DIR_SUFFIX in p.name or (
-            is_decimal(p.name) and not (p / CHECKSUMS_NAME).exists())
-
-    return sorted(p for p in d.iterdir() if not unfinished(p))
+    return sorted(p for p in d.iterdir() if CORRUPT_MARK in p.name
+                  or (is_decimal(p.name) and (p / CHECKSUMS_NAME).exists()))
 
 
-def refuse_dangling_checkpoints(directory: str | Path) -> None:
-    """Raise CheckpointError when a run's checkpoint directory is a symbolic link to nothing:
-    the run would fail at its first save, after its first update."""
+def check_checkpoints_dir(directory: str | Path) -> None:
+    """Raise CheckpointError when a run's checkpoint directory cannot hold its steps: a file,
+    or a symbolic link to nothing; the run would fail at its first save, after its first
+    update."""
     d = Path(directory)
     if d.is_symlink() and not d.exists():
         raise CheckpointError(f"{d}: a symbolic link to {os.readlink(d)}, which does not exist; "
                               "the run saves its checkpoints there: create that directory, or "
                               "remove the link")
+    if d.exists() and not d.is_dir():
+        raise CheckpointError(f"{d}: not a directory (a run keeps its checkpoint steps there)")
 
 
 def check_step_entries(directory: str | Path) -> None:
@@ -620,7 +619,10 @@ class CheckpointStore:
                     log.warning("not deleting %s: the run is locked by %s", tmp, holder.describe())
                     continue
                 log.warning("deleting %s: an orbax save that never finished", tmp)
-                shutil.rmtree(tmp)
+                if tmp.is_dir() and not tmp.is_symlink():
+                    shutil.rmtree(tmp)
+                else:
+                    tmp.unlink()
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, create=False))  # made by the first save
 

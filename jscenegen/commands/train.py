@@ -26,9 +26,15 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from jscenegen.checkpoint.resume import read_run_record
-    from jscenegen.checkpoint.store import kept_entries, refuse_dangling_checkpoints
+    from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
     from jscenegen.config import ConfigError, read_yaml
-    from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
+    from jscenegen.paths import (
+        cache_dir,
+        check_output_dir,
+        not_a_file,
+        refuse_overwriting_input,
+        resolve_data_path,
+    )
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
 
     if args.resume:
@@ -40,12 +46,9 @@ def run(args) -> int:
             raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
                                      "holds config.yaml and checkpoints/)")
         checkpoints = run_dir / RUN_CHECKPOINTS
-        refuse_dangling_checkpoints(checkpoints)
-        if checkpoints.exists() and not checkpoints.is_dir():
-            raise NotADirectoryError(f"{checkpoints}: not a directory (a run keeps its checkpoint "
-                                     "steps there)")
+        check_checkpoints_dir(checkpoints)
         record = read_run_record(run_dir)    # refuses a damaged one, naming it
-        afresh = record is not None and not kept_entries(checkpoints)
+        afresh = record is not None and not finished_saves(checkpoints)
         if not afresh and not checkpoints.is_dir():
             run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
             hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
@@ -54,6 +57,9 @@ def run(args) -> int:
         if args.config and saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "
                              f"with its own {saved}; pass changes as key=value overrides")
+        if not args.config and (why := not_a_file(saved)) != "no such file" and why:
+            raise ValueError(f"{saved}: {why}; the run's config is a YAML file written when it "
+                             "started")
         if not args.config and not saved.is_file():
             if record is not None:
                 raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
@@ -75,7 +81,7 @@ def run(args) -> int:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         config_source = str(config_path)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        refuse_dangling_checkpoints(run_dir / RUN_CHECKPOINTS)
+        check_checkpoints_dir(run_dir / RUN_CHECKPOINTS)
     cfg = load_run_config(config_path, args.overrides)
     if args.resume and args.overrides:
         try:
@@ -84,7 +90,7 @@ def run(args) -> int:
             saved, only_saved_keys = read_yaml(config_path), True
         if not afresh:   # a new start takes the model it is given
             cfg = _keep_saved_model_path(saved, cfg)
-        _say_changed_settings(saved, cfg, only_saved_keys)
+        _say_changed_settings(saved, cfg, only_saved_keys, "the restart" if afresh else "resume")
     check_output_dir(run_dir, label="--run-dir")
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
@@ -114,10 +120,12 @@ def _keep_saved_model_path(saved: dict, cfg):
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": kept})})
 
 
-def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False) -> None:
+def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
+                          what: str = "resume") -> None:
     """Warn, on stderr, which settings a resume's overrides change from the run's config
     `saved` (a mapping; only its own keys with `only_saved_keys`; a resume checks that the
-    schedule and reward stay compatible; the rest is taken as asked), credentials redacted."""
+    schedule and reward stay compatible; the rest is taken as asked), credentials redacted.
+    `what`: "resume", or "the restart" of a run stopped before its first checkpoint."""
     import logging
 
     from jscenegen.checkpoint.metadata import redact
@@ -129,4 +137,4 @@ def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False) -> No
     changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
                if before.get(k) != v and (k in before or not only_saved_keys)]
     if changed:
-        logging.getLogger(__name__).warning("resume changes %s", "; ".join(changed))
+        logging.getLogger(__name__).warning("%s changes %s", what, "; ".join(changed))
