@@ -25,57 +25,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from jscenegen.checkpoint.resume import read_run_record
-    from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
+    from jscenegen.checkpoint.store import check_checkpoints_dir
     from jscenegen.config import ConfigError, read_yaml
-    from jscenegen.paths import (
-        cache_dir,
-        check_output_dir,
-        not_a_file,
-        refuse_overwriting_input,
-        resolve_data_path,
-    )
+    from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
 
     if args.resume:
         run_dir = Path(args.resume)
-        if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
-            raise ValueError(f"--run-dir {args.run_dir} with --resume {args.resume}: a resumed run "
-                             "stays in its own directory; drop --run-dir")
-        if run_dir.exists() and not run_dir.is_dir():
-            raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
-                                     "holds config.yaml and checkpoints/)")
-        checkpoints = run_dir / RUN_CHECKPOINTS
-        check_checkpoints_dir(checkpoints)
-        record = read_run_record(run_dir)    # refuses a damaged one, naming it
-        afresh = record is not None and not finished_saves(checkpoints)
-        if not afresh and not checkpoints.is_dir():
-            run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
-            hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
-            raise FileNotFoundError(f"{checkpoints} not found: nothing to resume{hint}")
-        saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
-        if args.config and saved.is_file():
-            raise ValueError(f"--config {args.config} with --resume {args.resume}: the run continues "
-                             f"with its own {saved}; pass changes as key=value overrides")
-        if not args.config and (why := not_a_file(saved)) != "no such file" and why:
-            raise ValueError(f"{saved}: {why}; the run's config is a YAML file written when it "
-                             "started")
-        if not args.config and not saved.is_file():
-            if record is not None:
-                raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
-                                 "`jscenegen train` keeps it there); restore it, or continue with "
-                                 "another one: --config FILE")
-            raise ValueError(f"{saved} is missing: {run_dir} holds checkpoints without a run's "
-                             "config (a directory made by `convert --to orbax`); say what to "
-                             "continue with: --config FILE")
-        config_path = args.config or saved
-        config_source = str(config_path)
-        if afresh:   # stopped before its first checkpoint: a new start with the run's config
-            if not args.config:
-                config_source = record["config_source"] or config_source
-            print(f"{run_dir} has no checkpoint (stopped before its first was saved): starting it "
-                  f"again with {'its config.yaml' if not args.config else args.config}",
-                  file=sys.stderr, flush=True)
+        config_path, config_source, afresh = _what_to_resume(args, run_dir)
     else:
         afresh = False
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
@@ -101,6 +58,54 @@ def run(args) -> int:
 
     return train_command(cfg, run_dir, resume=bool(args.resume) and not afresh,
                          max_updates=args.max_updates, config_source=config_source)
+
+
+def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
+    """(config path, config source for run.json, afresh) of `--resume RUN_DIR`: afresh when
+    the run stopped before its first checkpoint was saved (it starts again with its config).
+    Raises, naming the file, for what cannot be resumed: no run directory, a `checkpoints`
+    that cannot hold steps, a damaged run.json, a config.yaml missing or not a file."""
+    from jscenegen.checkpoint.resume import read_run_record
+    from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
+    from jscenegen.paths import not_a_file
+
+    if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
+        raise ValueError(f"--run-dir {args.run_dir} with --resume {args.resume}: a resumed run "
+                         "stays in its own directory; drop --run-dir")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
+                                 "holds config.yaml and checkpoints/)")
+    checkpoints = run_dir / RUN_CHECKPOINTS
+    check_checkpoints_dir(checkpoints)
+    record = read_run_record(run_dir)
+    afresh = record is not None and not finished_saves(checkpoints)
+    if not afresh and not checkpoints.is_dir():
+        run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
+        hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
+        raise FileNotFoundError(f"{checkpoints} not found: nothing to resume{hint}")
+    saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
+    if args.config:
+        if saved.is_file():
+            raise ValueError(f"--config {args.config} with --resume {args.resume}: the run "
+                             f"continues with its own {saved}; pass changes as key=value overrides")
+    elif (why := not_a_file(saved)) and why != "no such file":
+        raise ValueError(f"{saved}: {why}; the run's config is a YAML file written when it started")
+    elif why and record is not None:
+        raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
+                         "`jscenegen train` keeps it there); restore it, or continue with "
+                         "another one: --config FILE")
+    elif why:
+        raise ValueError(f"{saved} is missing: {run_dir} holds checkpoints without a run's "
+                         "config (a directory made by `convert --to orbax`); say what to "
+                         "continue with: --config FILE")
+    config_path = args.config or saved
+    config_source = str(config_path)
+    if afresh:   # a new start with the run's config
+        if not args.config:
+            config_source = record["config_source"] or config_source
+        print(f"{run_dir} has no checkpoint (stopped before its first was saved): starting it "
+              f"again with {args.config or 'its config.yaml'}", file=sys.stderr, flush=True)
+    return config_path, config_source, afresh
 
 
 def _keep_saved_model_path(saved: dict, cfg):
