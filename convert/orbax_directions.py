@@ -47,7 +47,7 @@ from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
 from jscenegen.checkpoint.checksums import write_checksums
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
-from jscenegen.paths import atomic_dir
+from jscenegen.paths import atomic_dir, not_a_file
 
 
 # ---------------------------------------------------------------- torch extra state <-> JSON
@@ -138,6 +138,9 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
     from jscenegen.model.assets import TOKENIZER_FILES
 
     # the store checks its assets copy (a temporary directory); name the user's directory
+    for name in TOKENIZER_FILES:
+        if ((hf_dir / name).exists() or (hf_dir / name).is_symlink()) and (why := not_a_file(hf_dir / name)):
+            raise ConvertError(f"{hf_dir / name}: {why}")
     if not any((hf_dir / f).is_file() for f in TOKENIZER_FILES):
         raise ConvertError(f"{hf_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); an "
                            "orbax checkpoint carries the model's tokenizer in hf/")

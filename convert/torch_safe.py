@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from convert.errors import ConversionWarning, ConvertError
+from jscenegen.paths import not_a_file
 
 _TELLING = ("Unsupported global", "but got", "GLOBAL", "zip archive", "central directory")
 
@@ -44,8 +45,8 @@ def load_pt(path: str | Path, *, mmap: bool = True) -> Any:
     import torch.distributed.tensor  # noqa: F401  (registers DTensor types as safe globals)
 
     path = Path(path)
-    if not path.is_file():
-        raise ConvertError(f"{path}: file not found")
+    if why := not_a_file(path):
+        raise ConvertError(f"{path}: {why}")
     if not zipfile.is_zipfile(path):
         raise ConvertError(f"{path}: refused: not a complete torch zip archive "
                            f"({path.stat().st_size} bytes; truncated, or not written by torch.save)")

@@ -34,7 +34,7 @@ from jscenegen.checkpoint.resume import (
     check_run_identity,
     has_run_identity,
 )
-from jscenegen.paths import finite_number, is_decimal, loads_json
+from jscenegen.paths import finite_number, is_decimal, loads_json, not_a_file
 
 KINDS = ("model", "optim", "extra_state")
 MAX_RUN_STATE_BYTES = 1 << 20   # the trainer's train state is about 1 KB
@@ -76,8 +76,11 @@ def find_verl(path: str | Path) -> VerlLayout:
         raise ConvertError(f"{src}: not a directory")
     shard_dir = src
     latest = src / "latest_checkpointed_iteration.txt"
-    if not _has_rank_files(src) and latest.is_file():
-        text = latest.read_text().strip()
+    if not _has_rank_files(src) and _named(latest):
+        if why := not_a_file(latest):
+            raise ConvertError(f"{latest}: {why}")
+        with open(latest, "rb") as f:   # VERL writes the number alone
+            text = f.read(64).decode("utf-8", "replace").strip()
         if not is_decimal(text):
             raise ConvertError(f"{latest}: expected a step number, got {text[:40]!r}")
         step_dir = src / f"global_step_{int(text)}"
@@ -108,7 +111,12 @@ def looks_like_verl(path: Path) -> bool:
     """Whether `path` holds what `find_verl` starts from: rank files (here or in actor/) or a
     run's latest_checkpointed_iteration.txt (names only; nothing is checked)."""
     return (_has_rank_files(path) or _has_rank_files(path / "actor")
-            or (path / "latest_checkpointed_iteration.txt").is_file())
+            or _named(path / "latest_checkpointed_iteration.txt"))
+
+
+def _named(path: Path) -> bool:
+    """Whether an entry named `path` is there, whatever it is (a broken link included)."""
+    return path.exists() or path.is_symlink()
 
 
 def _has_rank_files(d: Path) -> bool:
@@ -267,8 +275,10 @@ def _check_json_size(f: Path, label: str, obj: Any) -> None:
 
 
 def _check_fsdp_config(f: Path, world_size: int) -> None:
-    if not f.is_file():
+    if not _named(f):
         return  # checkpoints before VERL 0.4.1 lack it; the file names carry W
+    if why := not_a_file(f):
+        raise ConvertError(f"{f}: {why}")
     try:
         cfg = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:

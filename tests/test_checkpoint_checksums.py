@@ -75,6 +75,17 @@ def test_missing_or_malformed_checksum_file(tree):
         read_checksums(tree)
 
 
+def test_a_checksum_file_that_is_not_a_regular_file_is_not_skipped(tree):
+    """A checksums.json that was a named pipe or a link to a directory read as "missing", and
+    a conversion then went on without verifying its source."""
+    from jscenegen.checkpoint.checksums import covering_checksums
+
+    os.mkfifo(tree / "checksums.json")
+    with pytest.raises(ChecksumError, match=r"checksums.json: is a named pipe$"):
+        verify_checksums(tree)
+    assert covering_checksums(tree / "sub" / "b.bin") == (tree.resolve(), "sub/b.bin")
+
+
 @pytest.mark.parametrize("rel", ["../outside.txt", "sub/../../outside.txt", "/etc/hostname",
                                  "./a.txt", "sub//b.bin"])
 def test_an_entry_outside_the_directory_is_refused_before_any_file_is_read(tree, rel):

@@ -577,6 +577,22 @@ def test_convert_without_its_arguments_says_what_it_needs(capsys):
     assert "see jscenegen convert --help" in err
 
 
+def test_convert_takes_its_destination_after_the_options():
+    args = parse_args(build_parser(), ["convert", "SRC", "--from", "hf", "--to", "orbax", "DST"])
+    assert (args.src, args.dst, args.src_format, args.dst_format) == ("SRC", "DST", "hf", "orbax")
+
+
+def test_a_success_line_escapes_control_characters_in_a_path(tmp_path, capsys):
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    tree = tmp_path / "a\x1b]0;title\x07"
+    tree.mkdir()
+    (tree / "f").write_text("x")
+    write_checksums(tree)
+    assert main(["convert", "--verify", str(tree)]) == 0
+    assert capsys.readouterr().out == f"{tmp_path}/a\\x1b]0;title\\x07: 1 files verify against checksums.json\n"
+
+
 def test_an_error_line_that_echoes_a_huge_input_is_cut():
     from jscenegen.cli import MAX_ERROR_CHARS, error_line
 

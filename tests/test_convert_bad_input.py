@@ -294,6 +294,35 @@ def test_hf_to_orbax_names_the_source_without_a_tokenizer(tmp_path):
     _assert_nothing_written(tmp_path)
 
 
+def test_inputs_that_are_not_regular_files_are_named_as_what_they_are(actor, tmp_path):
+    """A rank file, VERL's step pointer or fsdp_config.json that is a named pipe read as
+    "file not found" or "no rank files"; a tokenizer.json that is one as "no tokenizer"."""
+    from convert.orbax_directions import hf_to_orbax
+    from convert.verl_read import find_verl
+
+    from hf_fixtures import make_hf_dir
+
+    rank = actor / "model_world_size_6_rank_3.pt"
+    rank.unlink()
+    os.mkfifo(rank)
+    with pytest.raises(ConvertError, match=rf"^{rank}: is a named pipe"):
+        load_pt(rank)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "latest_checkpointed_iteration.txt")
+    with pytest.raises(ConvertError, match=r"latest_checkpointed_iteration\.txt: is a named pipe$"):
+        find_verl(run)
+    (actor / "fsdp_config.json").unlink()
+    os.mkfifo(actor / "fsdp_config.json")
+    with pytest.raises(ConvertError, match=r"fsdp_config\.json: is a named pipe$"):
+        find_verl(actor)
+    src = make_hf_dir(tmp_path / "hf", "qwen3")
+    os.mkfifo(src / "tokenizer.json")
+    with pytest.raises(ConvertError, match=rf"^{src / 'tokenizer.json'}: is a named pipe$"):
+        hf_to_orbax(src, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
 def _edit(f, change):
     import torch
 

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from jscenegen.paths import write_json
+from jscenegen.paths import not_a_file, write_json
 
 CHECKSUMS_NAME = "checksums.json"
 
@@ -73,8 +73,11 @@ def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, di
     (the message names the file and the offending entry).
     """
     path = Path(root) / name
-    if not path.is_file():
+    why = not_a_file(path)
+    if why == "no such file":
         raise ChecksumError(f"{path}: missing (no checksums were written, or the write was cut off)")
+    if why:
+        raise ChecksumError(f"{path}: {why}")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
@@ -135,8 +138,8 @@ def covering_checksums(path: str | Path, levels: int = 3) -> tuple[Path, str] | 
     (e.g. a VERL rank directory inside an exported or converted checkpoint)."""
     path = Path(path).resolve()
     for root in [path, *path.parents][: levels + 1]:
-        if not (root / CHECKSUMS_NAME).is_file():
-            continue
+        if not root.is_dir() or not_a_file(root / CHECKSUMS_NAME) == "no such file":
+            continue  # one that is there but not a file: verify_checksums names it
         rel = path.relative_to(root).as_posix()
         rel = "" if rel == "." else rel
         try:

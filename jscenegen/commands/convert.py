@@ -46,15 +46,16 @@ def register(subparsers) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--verify", metavar="DIR", help="check DIR against DIR/checksums.json")
     mode.add_argument("--inspect", metavar="DIR", help="describe DIR (format, W, placements, ...)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, intermixed=True)  # SRC and DST before, between or after the options
 
 
 def run(args: argparse.Namespace) -> int:
     from jscenegen.checkpoint.checksums import verify_checksums
+    from jscenegen.config import terminal_text
 
     if args.verify:
         n = verify_checksums(args.verify)
-        print(f"{args.verify}: {n} files verify against checksums.json")
+        print(terminal_text(f"{args.verify}: {n} files verify against checksums.json"))
         return 0
     if args.inspect:
         from convert.inspect import describe
@@ -74,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
                 mesh_device=args.mesh_device, carried_from=args.carried_from)
     for w in caught:  # what the output lost, one line each; other warnings as Python shows them
         if issubclass(w.category, ConversionWarning):
-            print(f"warning: {w.message}", file=sys.stderr)
+            print(terminal_text(f"warning: {w.message}"), file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    print(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})")
+    print(terminal_text(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})"))
     return 0

@@ -89,6 +89,7 @@ def run(args) -> int:
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
+    from jscenegen.config import terminal_text
     from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import ungraded_judge_failures
     from jscenegen.paths import new_parents_removed_on_error, refuse_non_regular, write_json
@@ -126,9 +127,9 @@ def run(args) -> int:
                       "overall": report["overall"]}))
     ungraded = ungraded_judge_failures(report)
     if ungraded:
-        print(f"error: the judge graded none of the episodes it was sent ({ungraded}); the "
-              f"report {out} records them (check judge.base_url and the judge's log)",
-              file=sys.stderr)
+        print(terminal_text(f"error: the judge graded none of the episodes it was sent "
+                            f"({ungraded}); the report {out} records them (check "
+                            "judge.base_url and the judge's log)"), file=sys.stderr)
         return 1
     return 0
 

@@ -31,7 +31,10 @@ def register(sub) -> None:
 
 
 def _say(text: str, t0: float) -> None:
-    print(f"init-model [{time.perf_counter() - t0:5.1f} s] {text}", file=sys.stderr, flush=True)
+    from jscenegen.config import terminal_text
+
+    print(terminal_text(f"init-model [{time.perf_counter() - t0:5.1f} s] {text}"), file=sys.stderr,
+          flush=True)
 
 
 def run(args) -> int:
