@@ -138,8 +138,8 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
     from jscenegen.model.assets import TOKENIZER_FILES
 
     # the store checks its assets copy (a temporary directory); name the user's directory
-    for name in TOKENIZER_FILES:
-        if ((hf_dir / name).exists() or (hf_dir / name).is_symlink()) and (why := not_a_file(hf_dir / name)):
+    for name in TOKENIZER_FILES:   # one that is there but cannot be read is named
+        if (why := not_a_file(hf_dir / name)) and why != "no such file":
             raise ConvertError(f"{hf_dir / name}: {why}")
     if not any((hf_dir / f).is_file() for f in TOKENIZER_FILES):
         raise ConvertError(f"{hf_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); an "

@@ -58,8 +58,8 @@ def default_model_dir(cfg, phases: dict) -> Path:
     base = _base_model_dir(cfg)
     sft_cfg = warm_start_sft_config(cfg)
     if not (base / "config.json").is_file():
-        print(terminal_text(f"creating the {ws.preset} {ws.arch} model in {base} (first use)"), file=sys.stderr,
-              flush=True)
+        print(terminal_text(f"creating the {ws.preset} {ws.arch} model in {base} (first use)"),
+              file=sys.stderr, flush=True)
         init_model_dir(base, arch=ws.arch, preset=ws.preset, seed=0, texts=tokenizer_corpus())
     phases["init_model_s"] = time.perf_counter() - t0
     if sft_cfg is None:
@@ -71,8 +71,8 @@ def default_model_dir(cfg, phases: dict) -> Path:
                                     sort_keys=True).encode())
     out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        print(terminal_text(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)"), file=sys.stderr,
-              flush=True)
+        print(terminal_text(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)"),
+              file=sys.stderr, flush=True)
         t1 = time.perf_counter()
         run_sft(sft_cfg, base, out, log=_sft_log)
         phases["sft_s"] = time.perf_counter() - t1
@@ -278,8 +278,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                 evals["before"] = saved
     except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
         if run_files_written:   # config.yaml holds this invocation's settings
-            print(terminal_text(f"stopped; continue with: jscenegen train --resume {run_dir}"), file=sys.stderr,
-                  flush=True)
+            print(terminal_text(f"stopped; continue with: jscenegen train --resume {run_dir}"),
+                  file=sys.stderr, flush=True)
         raise
     finally:
         trainer.close()
