@@ -25,6 +25,7 @@ What carries over (../shared/specs/verl-checkpoint.md, "What a converter must gu
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -139,7 +140,7 @@ def _save_orbax(dst: Path, *, step: int, cfg: Any, hf_dir: Path,
 
     # the store checks its assets copy (a temporary directory); name the user's directory
     for name in TOKENIZER_FILES:   # one that is there but cannot be read is named
-        if (why := not_a_file(hf_dir / name)) and why != "no such file":
+        if os.path.lexists(hf_dir / name) and (why := not_a_file(hf_dir / name)):
             raise ConvertError(f"{hf_dir / name}: {why}")
     if not any((hf_dir / f).is_file() for f in TOKENIZER_FILES):
         raise ConvertError(f"{hf_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); an "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import warnings
 from functools import cached_property
@@ -76,7 +77,7 @@ def find_verl(path: str | Path) -> VerlLayout:
         raise ConvertError(f"{src}: not a directory")
     shard_dir = src
     latest = src / "latest_checkpointed_iteration.txt"
-    if not _has_rank_files(src) and _named(latest):
+    if not _has_rank_files(src) and os.path.lexists(latest):
         if why := not_a_file(latest):
             raise ConvertError(f"{latest}: {why}")
         with open(latest, "rb") as f:   # VERL writes the number alone
@@ -111,12 +112,7 @@ def looks_like_verl(path: Path) -> bool:
     """Whether `path` holds what `find_verl` starts from: rank files (here or in actor/) or a
     run's latest_checkpointed_iteration.txt (names only; nothing is checked)."""
     return (_has_rank_files(path) or _has_rank_files(path / "actor")
-            or _named(path / "latest_checkpointed_iteration.txt"))
-
-
-def _named(path: Path) -> bool:
-    """Whether an entry named `path` is there, whatever it is (a broken link included)."""
-    return path.exists() or path.is_symlink()
+            or os.path.lexists(path / "latest_checkpointed_iteration.txt"))
 
 
 def _has_rank_files(d: Path) -> bool:
@@ -275,7 +271,7 @@ def _check_json_size(f: Path, label: str, obj: Any) -> None:
 
 
 def _check_fsdp_config(f: Path, world_size: int) -> None:
-    if not _named(f):
+    if not os.path.lexists(f):
         return  # checkpoints before VERL 0.4.1 lack it; the file names carry W
     if why := not_a_file(f):
         raise ConvertError(f"{f}: {why}")
@@ -746,7 +742,7 @@ class VerlCheckpoint:
         is not a regular file, over 1 MiB, not JSON or not a train state
         (`checkpoint.resume.check_run_identity`)."""
         f = self.layout.shard_dir / RUN_STATE_FILE
-        if not f.exists() and not f.is_symlink():
+        if not os.path.lexists(f):
             return None
         if not f.is_file():
             raise ConvertError(f"{f}: not a regular file (the run's train state is a JSON file)")

@@ -73,10 +73,9 @@ def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, di
     (the message names the file and the offending entry).
     """
     path = Path(root) / name
-    why = not_a_file(path)
-    if why == "no such file":
+    if not os.path.lexists(path):
         raise ChecksumError(f"{path}: missing (no checksums were written, or the write was cut off)")
-    if why:
+    if why := not_a_file(path):
         raise ChecksumError(f"{path}: {why}")
     try:
         data = json.loads(path.read_text())
@@ -138,7 +137,7 @@ def covering_checksums(path: str | Path, levels: int = 3) -> tuple[Path, str] | 
     (e.g. a VERL rank directory inside an exported or converted checkpoint)."""
     path = Path(path).resolve()
     for root in [path, *path.parents][: levels + 1]:
-        if not root.is_dir() or not_a_file(root / CHECKSUMS_NAME) == "no such file":
+        if not root.is_dir() or not os.path.lexists(root / CHECKSUMS_NAME):
             continue  # one that is there but not a file: verify_checksums names it
         rel = path.relative_to(root).as_posix()
         rel = "" if rel == "." else rel

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Mapping
 
@@ -172,11 +173,10 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
     by `convert --to orbax`). Raises CheckpointError naming the file when it is not a readable
     regular file of at most 1 MiB holding {"model_dir": str, "config_source": str}."""
     path = Path(run_dir) / RUN_RECORD
-    why = not_a_file(path)
-    if why == "no such file":
+    if not os.path.lexists(path):
         return None
     try:
-        if why:
+        if why := not_a_file(path):
             raise OSError(why)
         with open(path, "rb") as f:
             raw = f.read(MAX_RUN_RECORD_BYTES + 1)

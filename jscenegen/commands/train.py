@@ -1,6 +1,7 @@
 """`jscenegen train`: the GRPO job (the CPU default with no arguments)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -89,16 +90,16 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
         if saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run "
                              f"continues with its own {saved}; pass changes as key=value overrides")
-    elif (why := not_a_file(saved)) and why != "no such file":
-        raise ValueError(f"{saved}: {why}; the run's config is a YAML file written when it started")
-    elif why and record is not None:
+    elif not os.path.lexists(saved) and record is not None:
         raise ValueError(f"{saved} is missing: the run's config is unknown (a run made by "
                          "`jscenegen train` keeps it there); restore it, or continue with "
                          "another one: --config FILE")
-    elif why:
+    elif not os.path.lexists(saved):
         raise ValueError(f"{saved} is missing: {run_dir} holds checkpoints without a run's "
                          "config (a directory made by `convert --to orbax`); say what to "
                          "continue with: --config FILE")
+    elif why := not_a_file(saved):
+        raise ValueError(f"{saved}: {why}; the run's config is a YAML file written when it started")
     config_path = args.config or saved
     config_source = str(config_path)
     if afresh:   # a new start with the run's config
