@@ -513,7 +513,14 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                 "overall.model.units must be a finite number or null, got -1000"),
                # `true` compared as the seed 1 ("differs in its seed")
                (lambda r: r["scenes"][0].update(seed=True), "scenes[0].seed must be an integer in "
-                                                            "0..4294967295, got True")]
+                                                            "0..4294967295, got True"),
+               # a list there raised a TypeError traceback, a string an error naming nothing
+               (lambda r: r.update(sampling=[1, 2]), "sampling must be an object (the settings "
+                                                     "the episodes were drawn with), got [1, 2]"),
+               (lambda r: r.update(sampling="oops"), "sampling must be an object"),
+               # counted as a failure
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(failure_cause=5),
+                "scenes[0].model.episodes[0].failure_cause must be a string or null, got 5")]
     for damage, why in damaged:
         rep = json.loads(json.dumps(good))
         damage(rep)

@@ -30,7 +30,8 @@ def check_report(report, source: str) -> None:
     and optional `model` statistics (`reward`, `failure_rate`, `units`, `reachable`, `quality`,
     `unit_penalty`: finite numbers or null) whose `episodes` are objects with an integer
     `seed` (32-bit, each once), a finite number `reward`, a boolean `masked` and a
-    `failure_cause`, as many as `samples` says, each `scene_id` once; `overall.model`
+    `failure_cause` (a string or null), as many as `samples` says, each `scene_id` once;
+    `sampling` an object when present; `overall.model`
     statistics; the `reward` and `failure_rate` of each summary those of its episodes;
     `schema` REPORT_SCHEMA."""
     def stats(m, where: str, episodes: bool) -> None:
@@ -59,6 +60,9 @@ def check_report(report, source: str) -> None:
                 raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
             if "failure_cause" not in ep:
                 raise ValueError(f"{source}: {at}.failure_cause is missing")
+            if not (ep["failure_cause"] is None or isinstance(ep["failure_cause"], str)):
+                raise ValueError(f"{source}: {at}.failure_cause must be a string or null, "
+                                 f"got {clip_text(repr(ep['failure_cause']))}")
         seeds = [ep["seed"] for ep in eps]
         if len(set(seeds)) != len(seeds):
             twice = next(x for x in seeds if seeds.count(x) > 1)
@@ -84,6 +88,9 @@ def check_report(report, source: str) -> None:
     if report.get("schema") != REPORT_SCHEMA:
         raise ValueError(f"{source}: schema {clip_text(repr(report.get('schema')))} is not "
                          f"{REPORT_SCHEMA!r} (not a jscenegen evaluation report)")
+    if report.get("sampling") is not None and not isinstance(report["sampling"], dict):
+        raise ValueError(f"{source}: sampling must be an object (the settings the episodes were "
+                         f"drawn with), got {clip_text(repr(report['sampling']))}")
     scenes = report.get("scenes")
     if not isinstance(scenes, list):
         raise ValueError(f"{source}: scenes must be a list, got {type(scenes).__name__}")
