@@ -208,10 +208,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                            timeout_s=cfg.mesh.init_timeout_s,
                            announce=lambda line: print(line, file=sys.stderr, flush=True),
                            same=_launch_settings(cfg, run_dir, resume, max_updates))
-    try:  # refuse a mesh that does not fit before any model is made or file written
-        mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)
-    except ValueError as err:
-        raise ValueError(f"mesh.fsdp/mesh.sp: {err}") from None
+    mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)  # refused before any model or file
     if jax.process_count() > 1 and not resume and not cfg.model.path:
         raise ValueError("model.path: a multi-host run starts from a model directory every host "
                          "can read; the SFT warm start runs in one process (jscenegen sft, or "

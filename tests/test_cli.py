@@ -76,7 +76,7 @@ def test_resume_refuses_another_run_dir_or_config(tmp_path, capsys):
 def test_a_mesh_that_does_not_fit_lists_the_sizes_that_do(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path / "run"), "mesh.fsdp=5"]) == 2
     err = capsys.readouterr().err
-    assert "fsdp=5 x sp=2 = 10 does not match the 6 devices" in err
+    assert "error: mesh.fsdp=5 x mesh.sp=2 = 10 does not match the 6 devices" in err
     assert "sizes that fit: fsdp=6 x sp=1, fsdp=3 x sp=2, fsdp=2 x sp=3, fsdp=1 x sp=6" in err
     assert not (tmp_path / "run").exists()
 
@@ -525,7 +525,7 @@ def test_mesh_report_refuses_a_mesh_beyond_any_machine_at_once(capsys):
             "1 to 1,048,576 devices") in one_error_line(capsys)
     assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=-1,sp=7",
                  "--devices", "1048576"]) == 2
-    assert "choose sp from [1, 2, 4, 8," in one_error_line(capsys)
+    assert "choose mesh.sp from [1, 2, 4, 8," in one_error_line(capsys)
     assert main(["mesh-report", "--model", shapes, "--mesh", "fsdp=1024,sp=1024", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["devices"] == 2**20 and report["max_device_bytes"] >= report["ideal_device_bytes"]

@@ -22,10 +22,13 @@ MESHES = [(3, 2), (6, 1), (1, 2), None]
 def test_mesh_shape_resolution_and_errors():
     assert mesh_shape(6, -1, 2) == (3, 2)
     assert mesh_shape(6, 6, 1) == (6, 1)
-    with pytest.raises(MeshError, match="sp=4 does not divide the 6 devices"):
+    with pytest.raises(MeshError, match="mesh.sp=4 does not divide the 6 devices"):
         mesh_shape(6, -1, 4)
-    with pytest.raises(MeshError, match="fsdp=4 x sp=2 = 8 does not match the 6 devices"):
+    with pytest.raises(MeshError, match="mesh.fsdp=4 x mesh.sp=2 = 8 does not match the 6 devices"):
         mesh_shape(6, 4, 2)
+    # eval and design name the keys as train does (they had "mesh sizes must be positive")
+    with pytest.raises(MeshError, match=r"^mesh.fsdp=0, mesh.sp=2: mesh sizes must be positive"):
+        mesh_shape(6, 0, 2)
 
 
 @pytest.mark.parametrize("env, why", [

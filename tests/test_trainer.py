@@ -476,7 +476,7 @@ def test_config_errors_name_the_key():
         train_scenes(_cfg(**{"rollout.groups_per_batch": 3, "schedule.group_size": 2000}))
     from jscenegen.sharding.mesh import MeshError
 
-    with pytest.raises(MeshError, match="fsdp=4 x sp=2 = 8 does not match the 6 devices"):
+    with pytest.raises(MeshError, match="mesh.fsdp=4 x mesh.sp=2 = 8 does not match the 6 devices"):
         Trainer(_cfg(**{"mesh.fsdp": 4}), "/tmp/never-written", chat_model_dir())
 
 

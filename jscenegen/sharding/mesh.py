@@ -77,16 +77,17 @@ def mesh_shape(n_devices: int, fsdp: int = -1, sp: int = 2) -> tuple[int, int]:
     if not 1 <= n_devices <= MAX_DEVICES:
         raise MeshError(f"{n_devices:,} devices: plans cover 1 to {MAX_DEVICES:,} devices")
     if sp < 1 or (fsdp != -1 and fsdp < 1):
-        raise MeshError(f"mesh sizes must be positive (fsdp={fsdp}, sp={sp}); fsdp=-1 means the rest")
+        raise MeshError(f"mesh.fsdp={fsdp}, mesh.sp={sp}: mesh sizes must be positive; "
+                        "mesh.fsdp=-1 takes the rest")
     if fsdp == -1:
         if n_devices % sp:
             raise MeshError(f"mesh.sp={sp} does not divide the {n_devices} devices; "
-                            f"choose sp from {_divisors(n_devices)}")
+                            f"choose mesh.sp from {_divisors(n_devices)}")
         fsdp = n_devices // sp
     if fsdp * sp != n_devices:
         fits = ", ".join(f"fsdp={n_devices // d} x sp={d}" for d in _divisors(n_devices))
-        raise MeshError(f"mesh fsdp={fsdp} x sp={sp} = {fsdp * sp} does not match the {n_devices} "
-                        f"devices; sizes that fit: {fits} (fsdp=-1 takes the rest)")
+        raise MeshError(f"mesh.fsdp={fsdp} x mesh.sp={sp} = {fsdp * sp} does not match the "
+                        f"{n_devices} devices; sizes that fit: {fits} (mesh.fsdp=-1 takes the rest)")
     return fsdp, sp
 
 
