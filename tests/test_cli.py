@@ -708,14 +708,10 @@ def test_train_refuses_a_run_dir_inside_the_warm_start_model_cache(tmp_path, cap
 
 def test_a_resume_says_which_settings_its_overrides_change_and_keeps_its_model_path(
         tmp_path, caplog, monkeypatch):
-    import jscenegen.pipeline
-
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("optim:\n  lr: 1.0e-06\nmodel:\n  path: /started/here\n")
-    taken = {}
-    monkeypatch.setattr(jscenegen.pipeline, "train_command",
-                        lambda cfg, run_dir, **kw: taken.update(cfg=cfg) or 0)
+    taken = _taken_by_train_command(monkeypatch)
     with caplog.at_level("WARNING"):
         assert main(["train", "--resume", str(run), "optim.lr=2e-6", "model.path=/elsewhere",
                      "logging.swanlab_mode=disabled"]) == 0
