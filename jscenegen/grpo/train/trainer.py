@@ -39,6 +39,7 @@ from jscenegen.checkpoint.store import (
     CheckpointStore,
     check_step,
     check_step_entries,
+    finished_saves,
 )
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.logprobs import selection_capacity
@@ -133,7 +134,8 @@ class Trainer:
         the weights come from the newest complete checkpoint in `run_dir/checkpoints`.
 
         Raises ResumeError (changed protocol/reward/schedule, a schedule.total_updates below the
-        effective updates done, or checkpoints where a fresh run was asked for), MeshError,
+        effective updates done, or a finished save where a fresh run was asked for:
+        `store.finished_saves`), MeshError,
         CheckpointError, ChatTemplateError.
         """
         self.cfg = cfg
@@ -171,7 +173,7 @@ class Trainer:
             self.model = build_model(arch, ck.params.items(), mesh=self.mesh,
                                      source=str(ck.path), **options)
         else:
-            if self.store.latest_valid_step() is not None:
+            if finished_saves(self.store.directory):   # the rule `train` refuses by, too
                 raise ResumeError(f"{self.run_dir} already holds checkpoints; pass --resume "
                                   f"{self.run_dir} to continue it, or choose a new --run-dir")
             self.model = load_hf(self.model_dir, mesh=self.mesh, **options)
