@@ -292,6 +292,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the device")
     ap.add_argument("--peak-hbm-tbs", type=float, help="peak HBM bandwidth of the device, TB/s")
     ap.add_argument("--shape", choices=["1.7b", "4b"], default="1.7b", help="model shape")
+    ap.add_argument("--engine-timeout", type=float, default=None,
+                    help="seconds one engine's process may run before it is recorded as timed out")
     args = ap.parse_args()
     for name in ("batch", "seq", "decode_batch", "prompt", "new"):
         if getattr(args, name) is None:
@@ -304,8 +306,14 @@ def main() -> None:
         return
     results = {}
     for engine in ("jscenegen", "torch", "tunix"):
-        proc = subprocess.run([sys.executable, __file__, "--engine", engine, *sys.argv[1:]],
-                              capture_output=True, text=True)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--engine", engine, *sys.argv[1:]],
+                                  capture_output=True, text=True, timeout=args.engine_timeout)
+        except subprocess.TimeoutExpired:
+            results[engine] = {"engine": engine,
+                               "error": f"timed out after {args.engine_timeout} s"}
+            print(json.dumps(results[engine]), flush=True)
+            continue
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if proc.returncode or not lines:
             results[engine] = {"engine": engine, "error": proc.stderr.strip()[-2000:]}

@@ -9,12 +9,12 @@ cd "$(dirname "$0")/../.."
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 export TOKENIZERS_PARALLELISM=false
-python - <<'PY'
+python3 - <<'PY'
 import jax
-assert jax.default_backend() == "gpu", f"JAX sees no GPU (backend {jax.default_backend()}); install jax[cuda12]"
+assert jax.default_backend() == "gpu", f"JAX sees no GPU (backend {jax.default_backend()}); install jax[cuda13]"
 print("jax", jax.__version__, jax.devices()[0].device_kind)
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
 out="bench/gpu/result-$(date -u +%Y%m%dT%H%M%SZ).jsonl"
-python bench/gpu/bench_gpu.py "$@" | tee "$out"
+python3 bench/gpu/bench_gpu.py "$@" | tee "$out"
 echo "wrote $out"
