@@ -16,7 +16,7 @@ from jscenegen.generate.sampler import (
     Sampler,
     split_into_buckets,
 )
-from jscenegen.generate.sampling import SamplingParams, row_keys
+from jscenegen.generate.sampling import SamplingParams, chunked_top_k, row_keys, top_k
 from jscenegen.generate.stop import build_stop_table, stop_string_step
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.train.step import GRPOStep
@@ -252,6 +252,27 @@ def test_row_keys_are_the_per_seed_keys_of_jax():
     assert got.dtype == np.uint32 and got.shape == (len(seeds), 2)
     np.testing.assert_array_equal(got, np.stack(want))
     np.testing.assert_array_equal(got[2], [0, 2**31 - 1])
+
+
+@pytest.mark.parametrize("vocab,k,chunk", [(1000, 7, 64), (4096, 50, 1024), (3001, 64, 64)])
+def test_chunked_top_k_is_lax_top_k_ties_and_padding_included(vocab, k, chunk):
+    rng = np.random.default_rng(vocab)
+    z = rng.normal(size=(5, vocab)).astype(np.float32)
+    z[0, 10:200] = z[0, 3]                        # ties across chunk boundaries
+    z[1] = np.round(z[1])                         # a handful of values, many ties each
+    z[2, k // 2:] = -np.inf                       # fewer finite values than k
+    z[3, -chunk // 2:] = 9.0                      # the maxima in the padded last chunk
+    want = jax.lax.top_k(jnp.asarray(z), k)
+    got = jax.jit(functools.partial(chunked_top_k, k=k, chunk=chunk))(jnp.asarray(z))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_top_k_takes_the_chunked_path_on_gpu_only():
+    z = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
+    fn = jax.jit(lambda z: top_k(z, 50))
+    ops = {p: fn.trace(z).lower(lowering_platforms=(p,)).as_text().count("top_k") for p in ("cpu", "cuda")}
+    assert ops == {"cpu": 1, "cuda": 2}, ops
 
 
 def test_bucketed_appends_do_not_recompile(model):
