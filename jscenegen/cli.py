@@ -214,13 +214,27 @@ def _forget_caught_interrupt() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _run(argv)
+        code = _run(argv)
     finally:
         _forget_caught_interrupt()
         # atexit runs the last-registered callback first: registered after the command, when
         # JAX (imported by the command) has registered its clean-up
         atexit.unregister(_default_interrupt_at_exit)
         atexit.register(_default_interrupt_at_exit)
+    mesh = sys.modules.get("jscenegen.sharding.mesh")   # imported only by a multi-host launch path
+    if mesh is not None and mesh.init_wait_abandoned():
+        _end_without_clean_up(code)
+    return code
+
+
+def _end_without_clean_up(code: int) -> None:
+    """End the process now, after flushing what the command printed: JAX's initialization is
+    still blocked in another thread, and the interpreter's clean-up would wait for it and log
+    native lines after the command's error (`mesh.init_wait_abandoned`)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _run(argv: list[str] | None) -> int:

@@ -150,23 +150,26 @@ def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tm
                                    rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-def _train_waiting_alone(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`jscenegen train` as process 1 of 2 whose coordinator (process 0) never starts."""
+def _train_waiting_alone(run_dir: Path, *overrides: str, process_id: int = 1) -> subprocess.Popen:
+    """`jscenegen train` as one process of 2 whose other process never starts (process 1: its
+    coordinator is missing; process 0: it runs the coordination service itself)."""
     env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{_free_port()}",
-               JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID="1", JAX_PLATFORMS="cpu",
+               JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(process_id), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     return subprocess.Popen([sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir),
                              *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
-def test_a_process_waiting_for_the_others_says_so_and_ends_on_sigterm(tmp_path):
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_process_waiting_for_the_others_says_so_and_ends_on_sigterm(tmp_path, process_id):
     """JAX's initialization blocks the main thread in native code for minutes: the first
-    SIGTERM of a scheduler used to wait for it, with nothing printed."""
-    proc = _train_waiting_alone(tmp_path / "run")
+    SIGTERM of a scheduler used to wait for it, with nothing printed; process 0 then went on
+    logging the coordination service's aborted barrier after its error line."""
+    proc = _train_waiting_alone(tmp_path / "run", process_id=process_id)
     try:
         line = proc.stderr.readline()
-        assert line.startswith("process 1 of 2: waiting for the others at 127.0.0.1:")
+        assert line.startswith(f"process {process_id} of 2: waiting for the others at 127.0.0.1:")
         assert line.rstrip().endswith("(at most 300 s)")
         time.sleep(1)
         t0 = time.monotonic()
@@ -179,17 +182,22 @@ def test_a_process_waiting_for_the_others_says_so_and_ends_on_sigterm(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_processes_that_never_join_end_the_wait_with_one_line_after_init_timeout_s(tmp_path):
-    proc = _train_waiting_alone(tmp_path / "run", "mesh.init_timeout_s=2")
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_processes_that_never_join_end_the_wait_with_one_line_after_init_timeout_s(tmp_path,
+                                                                                    process_id):
+    """Process 0 used to go on for seconds after its error: the interpreter's clean-up waited
+    for the coordination service's aborted barrier and printed four native log lines."""
+    proc = _train_waiting_alone(tmp_path / "run", "mesh.init_timeout_s=2", process_id=process_id)
     try:
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 2
+    waiting, error = err.strip().splitlines()
+    assert waiting.startswith(f"process {process_id} of 2: waiting for the others at 127.0.0.1:")
     assert re.fullmatch(r"error: multi-host launch: the 2 processes did not all join at "
                         r"127\.0\.0\.1:\d+ within 2 s \(mesh\.init_timeout_s\); one that was not "
-                        r"started or failed before joining says so in its own output",
-                        err.strip().splitlines()[-1])
+                        r"started or failed before joining says so in its own output", error)
 
 
 @pytest.mark.slow

@@ -160,25 +160,44 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     return True
 
 
+_init_thread_left_running = False
+
+
+def init_wait_abandoned() -> bool:
+    """True when `initialize_distributed` stopped waiting (timeout, Ctrl-C, SIGTERM) while JAX's
+    initialization still blocks in native code. The process should then end without the
+    interpreter's clean-up: the coordination service's teardown waits for that call and logs
+    its aborted barrier (seconds of native log lines after the command's own error)."""
+    return _init_thread_left_running
+
+
 def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str,
                         timeout_hint: str = "") -> None:
-    """Run `call` in a daemon thread while the main thread waits in short joins, so a signal
+    """Run `call` in a daemon thread while the main thread waits in short steps, so a signal
     handler (Ctrl-C, SIGTERM) runs during a wait that blocks in native code. Raises MeshError
     naming `failure` when `call` raised, or naming `failure` and `timeout_hint` when it took
     longer than `timeout_s`."""
+    global _init_thread_left_running
     errors: list[BaseException] = []
+    # an Event, not Thread.is_alive: a join interrupted by Ctrl-C can leave a live thread
+    # reported as ended (CPython 3.11)
+    finished = threading.Event()
 
     def target():
         try:
             call()
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             errors.append(err)
-    thread = threading.Thread(target=target, name="jscenegen-distributed-init", daemon=True)
-    thread.start()
+        finally:
+            finished.set()
+    threading.Thread(target=target, name="jscenegen-distributed-init", daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    while thread.is_alive() and time.monotonic() < deadline:
-        thread.join(0.2)
-    if thread.is_alive():
+    try:
+        while not finished.is_set() and time.monotonic() < deadline:
+            finished.wait(0.2)
+    finally:
+        _init_thread_left_running = not finished.is_set()
+    if _init_thread_left_running:
         raise MeshError(f"multi-host launch: {failure} within {timeout_s} s "
                         f"(mesh.init_timeout_s){timeout_hint}")
     if errors:
