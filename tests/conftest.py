@@ -55,3 +55,15 @@ def qwen35_hf(tmp_path_factory):
             "qwen3_5_text": make_qwen35_dir(root, "qwen3_5_text"),
             "release": make_qwen35_dir(root, "qwen3_5", seed=1, dtype="bfloat16",
                                        release_layout=True)}
+
+
+@pytest.fixture
+def train_command_calls(monkeypatch) -> dict:
+    """`pipeline.train_command` replaced by a stub returning 0: the dict it returns gets the
+    `cfg` and keyword arguments (resume, max_updates, config_source) of the last call."""
+    import jscenegen.pipeline
+
+    taken = {}
+    monkeypatch.setattr(jscenegen.pipeline, "train_command",
+                        lambda cfg, run_dir, **kw: taken.update(cfg=cfg, **kw) or 0)
+    return taken

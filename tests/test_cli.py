@@ -630,16 +630,8 @@ def _stopped_run(tmp_path: Path, model: str = "/started/here") -> Path:
     return run
 
 
-def _taken_by_train_command(monkeypatch) -> dict:
-    import jscenegen.pipeline
-
-    taken = {}
-    monkeypatch.setattr(jscenegen.pipeline, "train_command",
-                        lambda cfg, run_dir, **kw: taken.update(cfg=cfg, **kw) or 0)
-    return taken
-
-
-def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys, caplog, monkeypatch):
+def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys, caplog,
+                                                               train_command_calls):
     """A SIGKILL during the first checkpoint save leaves only an unfinished save: the resume
     deleted it and then failed ("no complete checkpoint") on every try. Such a run starts again
     with its config, and a model.path override is taken (nothing was trained from the old one)."""
@@ -647,7 +639,7 @@ def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys,
     (run / "checkpoints/1.orbax-checkpoint-tmp-1733300000").mkdir(parents=True)
     (run / "checkpoints/1/params").mkdir(parents=True)   # finalised by orbax, no checksums.json
     (run / "checkpoints/.DS_Store").write_text("a stray file is no checkpoint")
-    taken = _taken_by_train_command(monkeypatch)
+    taken = train_command_calls
     with caplog.at_level("WARNING"):
         assert main(["train", "--resume", str(run), "model.path=/elsewhere"]) == 0
     assert capsys.readouterr().err == (f"{run} has no checkpoint (stopped before its first was "
@@ -661,11 +653,11 @@ def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys,
     assert taken["resume"] is True and capsys.readouterr().err == ""
 
 
-def test_a_resume_names_what_is_wrong_with_the_run_directory(tmp_path, capsys, monkeypatch):
+def test_a_resume_names_what_is_wrong_with_the_run_directory(tmp_path, capsys,
+                                                             train_command_calls):
     """A damaged run.json, a missing config.yaml or a `checkpoints` file was reported as
     "checkpoints not found: nothing to resume"; a dangling `checkpoints` link let the run go on
     until its first save."""
-    _taken_by_train_command(monkeypatch)
     run = _stopped_run(tmp_path)
     (run / "run.json").write_text('{"model_dir": 3}')
     assert main(["train", "--resume", str(run)]) == 2
@@ -707,11 +699,11 @@ def test_train_refuses_a_run_dir_inside_the_warm_start_model_cache(tmp_path, cap
 
 
 def test_a_resume_says_which_settings_its_overrides_change_and_keeps_its_model_path(
-        tmp_path, caplog, monkeypatch):
+        tmp_path, caplog, train_command_calls):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("optim:\n  lr: 1.0e-06\nmodel:\n  path: /started/here\n")
-    taken = _taken_by_train_command(monkeypatch)
+    taken = train_command_calls
     with caplog.at_level("WARNING"):
         assert main(["train", "--resume", str(run), "optim.lr=2e-6", "model.path=/elsewhere",
                      "logging.swanlab_mode=disabled"]) == 0

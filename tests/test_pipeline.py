@@ -93,11 +93,10 @@ def test_a_train_that_fails_after_its_start_finishes_swanlab_and_keeps_stdout_cl
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_resume(tmp_path, capsys,
-                                                                          monkeypatch):
+                                                                          monkeypatch, request):
     """A stop during the first dev evaluation left config.yaml and run.json but no
     checkpoints/: `--resume` refused ("nothing to resume"), and a fresh start there with
     another model kept the first start's run.json, which the next resume then read."""
-    import jscenegen.pipeline
     from jscenegen.cli import main
     from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.signals import Terminated
@@ -117,9 +116,7 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_resume(tmp_pa
     assert not (run_dir / "checkpoints").exists()
     record = json.loads((run_dir / "run.json").read_text())
 
-    taken = {}
-    monkeypatch.setattr(jscenegen.pipeline, "train_command",
-                        lambda cfg, run_dir, **kw: taken.update(cfg=cfg, **kw) or 0)
+    taken = request.getfixturevalue("train_command_calls")   # the resume's call, not the start's
     assert main(["train", "--resume", str(run_dir)]) == 0
     assert "has no checkpoint (stopped before its first was saved): starting it again" in capsys.readouterr().err
     assert taken["resume"] is False and taken["config_source"] == record["config_source"]
