@@ -123,6 +123,19 @@ def test_seeds_step_and_token_counts_are_bounded():
             seed_arg(text)
 
 
+def test_a_turn_longer_than_its_episode_is_refused():
+    """sampling.max_new_tokens=2^20 with a 2,048-token episode passed, then sized a Qwen3.5
+    fixed cache for a million slots a row: the process was killed for memory, with no message."""
+    cfg = load_config(None, ["sampling.max_new_tokens=2048", "sampling.max_episode_tokens=2048"],
+                      RunConfig)
+    assert cfg.sampling.cache_slots() == 2048 + 2048 + 64
+    with pytest.raises(ConfigError, match=r"sampling.max_new_tokens=2049: sampling: "
+                       r"max_new_tokens 2049 exceeds max_episode_tokens 2048: a turn cannot "
+                       r"outgrow its episode"):
+        load_config(None, ["sampling.max_episode_tokens=2048", "sampling.max_new_tokens=2049"],
+                    RunConfig)
+
+
 def test_warm_start_sft_overrides_are_checked_with_their_origin_named():
     from jscenegen.pipeline import warm_start_sft_config
 

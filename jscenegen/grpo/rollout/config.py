@@ -30,7 +30,8 @@ class SamplingConfig(Section):
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
     greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")
     max_new_tokens: int = Field(2048, ge=1, le=TOKENS_MAX,
-                                description="tokens one assistant turn may generate")
+                                description="tokens one assistant turn may generate (at most "
+                                "max_episode_tokens)")
     max_episode_tokens: int = Field(32768, ge=16, le=TOKENS_MAX,
                                     description="context cap of one episode (prompt, every turn "
                                     "and every environment message)")
@@ -58,6 +59,11 @@ class SamplingConfig(Section):
             raise ValueError("stop_strings must not contain an empty string")
         if self.greedy and (self.top_k or self.top_p < 1):
             raise ValueError("greedy sampling ignores top_k/top_p; leave them off")
+        if self.max_new_tokens > self.max_episode_tokens:
+            # the cache is sized for an episode plus a turn: a turn longer than any episode can
+            # hold only inflates it (a fixed-size Qwen3.5 cache by the whole difference)
+            raise ValueError(f"max_new_tokens {self.max_new_tokens} exceeds max_episode_tokens "
+                             f"{self.max_episode_tokens}: a turn cannot outgrow its episode")
         need = self.max_episode_tokens + self.max_new_tokens + b[0]
         if self.cache_tokens is not None and self.cache_tokens < need:
             raise ValueError(f"cache_tokens {self.cache_tokens} must be at least max_episode_tokens "
