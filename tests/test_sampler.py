@@ -311,6 +311,18 @@ def test_a_grown_cache_decodes_as_a_big_one(model, prompts):
         s.grow_cache(small, 8)
 
 
+def test_a_cache_beyond_the_devices_memory_is_refused_before_it_is_made(model):
+    """Asked for 2^33 slots a row, the cache was allocated until the process was killed."""
+    s = Sampler(model, SamplingParams(temperature=1.0), buckets=BUCKETS)
+    with pytest.raises(ValueError, match=r"a KV cache of 2 rows x 8,589,934,592 slots needs "
+                       r"[\d,.]+ GiB per device, more than the [\d,.]+ GiB one has: lower the "
+                       r"episode and turn caps \(sampling.max_episode_tokens"):
+        s.new_cache(2, 2**33)
+    small, _ = s.new_cache(2, 16)
+    with pytest.raises(ValueError, match=r"a KV cache of 2 rows x 8,589,934,592 slots"):
+        s.grow_cache(small, 2**33)
+
+
 # ---- Qwen3.5: the same sampler over the hybrid cache (K/V + Gated DeltaNet states) -----------
 @pytest.fixture(scope="module")
 def qwen35(qwen35_hf):
@@ -327,6 +339,23 @@ def qwen35_prompts(qwen35):
 def qwen35_sampler(qwen35):
     """One sampler (one set of compiled programs: 3 rows, 64 slots, 6 decode steps)."""
     return Sampler(qwen35, SamplingParams(temperature=0.8), buckets=BUCKETS)
+
+
+def test_a_grown_qwen35_cache_decodes_as_a_big_one(qwen35, qwen35_prompts):
+    """The hybrid cache had no `grown`: the rollout sized it for the whole episode cap at once
+    (attention over every slot; 2^20 slots took the process past the host's memory)."""
+    s = Sampler(qwen35, SamplingParams(temperature=1.0), buckets=BUCKETS)
+    assert s.can_grow
+    rows, keys = len(qwen35_prompts), row_keys(range(len(qwen35_prompts)))
+    big, last_b = s.append(*s.new_cache(rows, 64), qwen35_prompts)
+    small, last_s = s.append(*s.new_cache(rows, 16), qwen35_prompts)
+    grown = s.grow_cache(small, 64)
+    assert grown.k.shape[2] == grown.v.shape[2] == grown.valid.shape[1] == 64
+    np.testing.assert_array_equal(np.asarray(grown.state), np.asarray(small.state))
+    a = s.decode(big, last_b, [6] * rows, keys, 6)
+    b = s.decode(grown, last_s, [6] * rows, keys, 6)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-6)
 
 
 def test_qwen35_cached_generation_equals_the_full_forward_at_every_step(qwen35, qwen35_prompts,

@@ -49,7 +49,7 @@ from jscenegen.model.functional import shared, split_params, structure_key
 from jscenegen.model.qwen import CausalLM
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.mesh import host_array
-from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout
+from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout, device_memory_bytes
 from jscenegen.sharding.rules import ROWS, named, round_up
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ class Sampler:
         self.stop_table = (build_stop_table(self.stop_strings, token_bytes, self.cfg.vocab_size)
                            if stop_strings else None)
         self._tail_width = self.stop_table.head.shape[1] if self.stop_table is not None else 1
-        donate = jax.default_backend() != "cpu"
+        donate = self._donate = jax.default_backend() != "cpu"
         gd, specs = (self.graphdef, frozen), layout.specs
         # Samplers of one model structure, layout and sampling options share their traces
         structure = structure_key(self.graphdef, frozen)
@@ -358,15 +358,36 @@ class Sampler:
 
     def new_cache(self, batch: int, max_len: int):
         """An empty cache of `max_len` slots for `batch` rows (the model's cache type, placed
-        by its `partition_specs()`) and zero last-logits [B, V]."""
+        by its `partition_specs()`) and zero last-logits [B, V]. Raises ValueError when the
+        cache cannot fit the rollout devices' memory (`_check_cache_fits`)."""
         self._check_rows(batch)
-        cache = self.create_cache(self.cfg, batch, max_len, self.cache_dtype)
+        make = functools.partial(self.create_cache, self.cfg, batch, max_len, self.cache_dtype)
+        shapes = jax.eval_shape(make)
+        self._check_cache_fits(shapes, batch, max_len)
         last = jnp.zeros((batch, self.cfg.vocab_size), jnp.float32)
         if self.layout.mesh is None:
-            return cache, last
-        cache = jax.tree.map(lambda spec, a: jax.device_put(a, self._sharding(spec)),
-                             cache.partition_specs(), cache, is_leaf=_is_spec)
-        return cache, jax.device_put(last, self.layout.sharding(ROWS))
+            return make(), last
+        # made in place on the mesh: built whole on one device first, a cache sized for every
+        # row's episode would have to fit that one device
+        shardings = jax.tree.map(lambda spec, _: self._sharding(spec), shapes.partition_specs(),
+                                 shapes, is_leaf=_is_spec)
+        return jax.jit(make, out_shardings=shardings)(), jax.device_put(last, self.layout.sharding(ROWS))
+
+    def _check_cache_fits(self, shapes, batch: int, max_len: int) -> None:
+        """Raise ValueError when a cache of `batch` rows x `max_len` slots (`shapes`: its
+        ShapeDtypeStructs) cannot fit: its bytes spread evenly over the rollout devices (the
+        least any one of them holds), twice that without buffer donation (CPU: a call's input
+        and output caches are alive together), exceed one device's memory
+        (`device_memory_bytes`; on CPU the host's RAM per device). Without it such a cache is
+        allocated until the process is killed for memory, with no message."""
+        total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        need = total * (1 if self._donate else 2) / (1 if self.layout.mesh is None else self.layout.mesh.size)
+        limit = device_memory_bytes()
+        if limit is not None and need > limit:
+            raise ValueError(f"a KV cache of {batch} rows x {max_len:,} slots needs "
+                             f"{need / 2**30:,.1f} GiB per device, more than the "
+                             f"{limit / 2**30:,.1f} GiB one has: lower the episode and turn caps "
+                             "(sampling.max_episode_tokens, max_new_tokens, cache_tokens) or the rows")
 
     def _sharding(self, spec):
         """A role or PartitionSpec as a NamedSharding on the rollout mesh."""
@@ -381,10 +402,13 @@ class Sampler:
 
     def grow_cache(self, cache, max_len: int):
         """`cache` with `max_len` >= its slots, the new slots empty (one compiled program per
-        size pair; the rows' contents, positions and length unchanged)."""
-        old = cache.valid.shape[1]
+        size pair; the rows' contents, positions and length unchanged). Raises ValueError when
+        max_len is below its slots or the grown cache cannot fit (`new_cache`)."""
+        rows, old = cache.valid.shape
         if max_len < old:
             raise ValueError(f"grow_cache: {max_len} slots < the cache's {old}")
+        self._check_cache_fits(jax.eval_shape(lambda: self.create_cache(
+            self.cfg, rows, max_len, self.cache_dtype)), rows, max_len)
         self.cache_grows += 1
         with self._ctx():
             return self._grow(cache, extra=max_len - old)

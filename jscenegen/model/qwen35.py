@@ -393,6 +393,16 @@ class HybridCache:
         return HybridCache(k=LAYER_ROWS, v=LAYER_ROWS, conv=LAYER_ROWS, state=LAYER_ROWS,
                            valid=ROWS, next_pos=ROWS, length=REPLICATED)
 
+    def grown(self, extra: int) -> "HybridCache":
+        """This cache with `extra` more empty K/V slots (contents, the GDN states, positions and
+        length kept): the recurrent layers' states have no slot axis."""
+        def pad(x, axis):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, extra)
+            return jnp.pad(x, widths)
+        return HybridCache(pad(self.k, 2), pad(self.v, 2), self.conv, self.state,
+                           pad(self.valid, 1), self.next_pos, self.length)
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
