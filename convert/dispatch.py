@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,8 +47,10 @@ def refuse_nested(src: str | Path, dst: str | Path) -> None:
 def verify_source(src: str | Path) -> None:
     """Verify the source against the `checksums.json` that covers it, when there is one (in
     `src` or up to three directories above: a VERL rank directory inside a converted or
-    exported checkpoint), hashing every listed file under `src`. Raises ConvertError naming
-    each file that is missing, altered or unlisted."""
+    exported checkpoint), hashing every listed file under `src` and the files directly in each
+    directory that a link inside `src` leads to elsewhere in that checkpoint (an export's
+    `huggingface -> ../..`: the config and tokenizer the conversion reads). Raises ConvertError
+    naming each file that is missing, altered or unlisted."""
     from jscenegen.checkpoint.checksums import ChecksumError, covering_checksums, verify_checksums
 
     found = covering_checksums(src)
@@ -56,10 +59,29 @@ def verify_source(src: str | Path) -> None:
     root, rel = found
     try:
         verify_checksums(root, under=rel or None)
+        for linked in _linked_dirs(Path(src).resolve(), root):
+            verify_checksums(root, under=linked, flat=True)
     except ChecksumError as err:
         problems = "; ".join(line.strip() for line in str(err).splitlines()[1:]) or str(err)
         raise ConvertError(f"{src}: refused, the source does not match {root / 'checksums.json'}: "
                            f"{problems}") from None
+
+
+def _linked_dirs(src: Path, root: Path) -> list[str]:
+    """Directories, relative to `root`, that symbolic links inside `src` lead to: those inside
+    `root` but outside `src` (whose files `src`'s own check already hashed)."""
+    found = set()
+    for dirpath, dirnames, _files in os.walk(src, followlinks=False):
+        for name in dirnames:
+            link = Path(dirpath) / name
+            if not link.is_symlink():
+                continue
+            target = link.resolve()
+            if target.is_dir() and (target == root or root in target.parents) and not (
+                    target == src or src in target.parents):
+                rel = target.relative_to(root).as_posix()
+                found.add("" if rel == "." else rel)
+    return sorted(found)
 
 
 def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: str,

@@ -79,6 +79,24 @@ def test_training_state_resumes_in_fsdp2(exported, tmp_path):
     assert meta["step_before"] == 3.0 and meta["step_after"] == 4.0 and meta["last_epoch_after"] == 4
 
 
+def test_the_export_files_a_training_state_reads_through_its_link_are_verified(exported,
+                                                                               tmp_path, capsys):
+    """The config at an export's root, read through `huggingface -> ../..`, was not hashed when
+    the training state was the source: an altered one was converted without a word."""
+    import shutil
+
+    copy = tmp_path / "pub"
+    shutil.copytree(exported["out"], copy, symlinks=True)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    src = copy / "training_state/global_step_3"
+    assert main(["convert", str(src), str(tmp_path / "hf"), "--from", "verl", "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src}: refused, the source does not match "
+                          f"{copy / 'checksums.json'}: ") and "config.json: " in err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_inspect_export_and_orbax(exported):
     from convert.inspect import describe
 

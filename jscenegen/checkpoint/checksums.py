@@ -96,20 +96,25 @@ def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, di
 
 
 def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files: bool = True,
-                     allow_unlisted: bool = False, under: str | None = None) -> int:
+                     allow_unlisted: bool = False, under: str | None = None,
+                     flat: bool = False) -> int:
     """Check every file listed in `root/name` (size, then SHA-256); return the number checked.
 
     With `hash_files=False` only presence and byte sizes are checked (cheap). Files present on
     disk but not listed are errors unless `allow_unlisted`. `under` (a relative POSIX path)
-    limits both checks to the files below that sub-directory. Raises ChecksumError naming each
-    missing, resized, altered or unlisted file.
+    limits both checks to the files below that sub-directory; with `flat`, to the files
+    directly in it ("" or None: `root` itself). Raises ChecksumError naming each missing,
+    resized, altered or unlisted file.
     """
     root = Path(root)
     if not root.is_dir():
         raise ChecksumError(f"{root}: not a directory" if root.exists() else f"{root}: no such directory")
     files = read_checksums(root, name)
-    if under:
-        files = {rel: e for rel, e in files.items() if rel.startswith(under.rstrip("/") + "/")}
+    where = (under or "").rstrip("/")
+    if flat:
+        files = {rel: e for rel, e in files.items() if rel.rpartition("/")[0] == where}
+    elif where:
+        files = {rel: e for rel, e in files.items() if rel.startswith(where + "/")}
     problems = []
     for rel, entry in sorted(files.items()):
         path = root / rel
@@ -123,8 +128,13 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
             problems.append(f"{rel}: SHA-256 differs from {name}")
     if not allow_unlisted:
         listed = set(files)
-        on_disk = list_files(root, (name,)) if not under else [
-            f"{under.rstrip('/')}/{rel}" for rel in list_files(root / under, ())]
+        prefix = where + "/" if where else ""
+        if flat:
+            on_disk = [prefix + entry for entry in sorted(os.listdir(root / where))
+                       if (root / where / entry).is_file() and prefix + entry != name]
+        else:
+            on_disk = list_files(root, (name,)) if not where else [
+                prefix + rel for rel in list_files(root / where, ())]
         problems += [f"{rel}: not listed in {name}" for rel in on_disk if rel not in listed]
     if problems:
         raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}: " + "; ".join(problems))
