@@ -34,6 +34,17 @@ def _numpy_allowlist() -> list[Any]:
             (_reconstruct, "numpy.core.multiarray._reconstruct")]
 
 
+def check_torch_zip(path: Path) -> None:
+    """Raise ConvertError naming `path` unless it is a regular file holding a complete zip
+    archive (what torch.save writes; its central directory is at the end, so a truncated file
+    fails). Reads only the archive's end."""
+    if why := not_a_file(path):
+        raise ConvertError(f"{path}: {why}")
+    if not zipfile.is_zipfile(path):
+        raise ConvertError(f"{path}: refused: not a complete torch zip archive "
+                           f"({path.stat().st_size} bytes; truncated, or not written by torch.save)")
+
+
 def load_pt(path: str | Path, *, mmap: bool = True) -> Any:
     """Load one torch file safely, tensors on CPU (memory-mapped when `mmap`).
 
@@ -45,11 +56,7 @@ def load_pt(path: str | Path, *, mmap: bool = True) -> Any:
     import torch.distributed.tensor  # noqa: F401  (registers DTensor types as safe globals)
 
     path = Path(path)
-    if why := not_a_file(path):
-        raise ConvertError(f"{path}: {why}")
-    if not zipfile.is_zipfile(path):
-        raise ConvertError(f"{path}: refused: not a complete torch zip archive "
-                           f"({path.stat().st_size} bytes; truncated, or not written by torch.save)")
+    check_torch_zip(path)
     mesh_log = logging.getLogger("torch.distributed.device_mesh")
     level = mesh_log.level
     mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs": expected

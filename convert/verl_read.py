@@ -28,7 +28,7 @@ from convert.errors import ConversionWarning, ConvertError
 from convert.sharding import chunk_bounds
 from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
-from convert.torch_safe import StorageCrcs, load_pt
+from convert.torch_safe import StorageCrcs, check_torch_zip, load_pt
 from jscenegen.checkpoint.resume import (
     RUN_IDENTITY_KEYS,
     RUN_STATE_FILE,
@@ -145,6 +145,9 @@ def _check_rank_files(d: Path) -> tuple[int, tuple[str, ...]]:
                 f"{d / f'{kind}_world_size_{world_size}_rank_{extra[0]}.pt'}: rank {extra[0]} "
                 f"is outside world size {world_size}"
             )
+    for kind in found:   # complete archives, whichever kinds the direction reads
+        for rank in range(world_size):
+            check_torch_zip(d / f"{kind}_world_size_{world_size}_rank_{rank}.pt")
     return world_size, tuple(k for k in KINDS if k in found)
 
 

@@ -67,11 +67,15 @@ def test_mesh_size_contradicts_file_count(actor, tmp_path):
     _assert_nothing_written(tmp_path)
 
 
-def test_truncated_file(actor, tmp_path):
-    f = actor / "model_world_size_6_rank_2.pt"
+@pytest.mark.parametrize("kind", ["model", "extra_state"])
+def test_truncated_file(actor, tmp_path, kind):
+    """A truncated extra_state file passed `--to hf` (which reads none of them) while a
+    missing one was refused: every present rank file must be a complete archive."""
+    f = actor / f"{kind}_world_size_6_rank_2.pt"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ConvertError, match=r"model_world_size_6_rank_2\.pt: refused"):
+    with pytest.raises(ConvertError, match=rf"{kind}_world_size_6_rank_2\.pt: refused: not a "
+                       "complete torch zip archive"):
         verl_to_hf(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
 
@@ -302,20 +306,22 @@ def test_inputs_that_are_not_regular_files_are_named_as_what_they_are(actor, tmp
 
     from hf_fixtures import make_hf_dir
 
+    (actor / "fsdp_config.json").unlink()
+    os.mkfifo(actor / "fsdp_config.json")
+    with pytest.raises(ConvertError, match=r"fsdp_config\.json: is a named pipe$"):
+        find_verl(actor)
     rank = actor / "model_world_size_6_rank_3.pt"
     rank.unlink()
     os.mkfifo(rank)
     with pytest.raises(ConvertError, match=rf"^{rank}: is a named pipe"):
         load_pt(rank)
+    with pytest.raises(ConvertError, match=rf"^{rank}: is a named pipe"):
+        find_verl(actor)
     run = tmp_path / "run"
     run.mkdir()
     os.mkfifo(run / "latest_checkpointed_iteration.txt")
     with pytest.raises(ConvertError, match=r"latest_checkpointed_iteration\.txt: is a named pipe$"):
         find_verl(run)
-    (actor / "fsdp_config.json").unlink()
-    os.mkfifo(actor / "fsdp_config.json")
-    with pytest.raises(ConvertError, match=r"fsdp_config\.json: is a named pipe$"):
-        find_verl(actor)
     src = make_hf_dir(tmp_path / "hf", "qwen3")
     os.mkfifo(src / "tokenizer.json")
     with pytest.raises(ConvertError, match=rf"^{src / 'tokenizer.json'}: is a named pipe$"):
