@@ -14,12 +14,13 @@ only when complete, with `checkpoint-layout.json` and `checksums.json` written l
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from convert.errors import ConvertError
+from convert.errors import ConversionWarning, ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
 from convert.tensor_sets import (
@@ -36,7 +37,7 @@ from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
 from jscenegen.checkpoint.checksums import write_checksums
 from jscenegen.checkpoint.resume import RUN_STATE_FILE
-from jscenegen.model.assets import copy_non_weights
+from jscenegen.model.assets import TOKENIZER_FILES, copy_non_weights
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
 from jscenegen.paths import atomic_dir, write_json
@@ -213,11 +214,17 @@ def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     (Qwen3.5's vision tower) keep the files' dtype, as `jscenegen.model.hf_io.save_hf` does.
     Qwen3.5's `mtp.*`, which VERL files cannot hold, come from `carried_from` or the
     checkpoint's `huggingface/` weights in their stored dtype, or are dropped with a warning
-    (convert/carried.py). Returns the safetensors file names.
+    (convert/carried.py). Warns (ConversionWarning) when `huggingface/` holds no tokenizer.
+    Returns the safetensors file names.
     """
     from convert.carried import verl_complement
 
     ck = VerlCheckpoint(src)
+    if not any((ck.hf_dir / f).is_file() for f in TOKENIZER_FILES):
+        warnings.warn(ConversionWarning(
+            f"{ck.hf_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); the HF model written "
+            f"to {dst} has none either: copy the model's tokenizer files in before using it"),
+            stacklevel=2)
     extra = verl_complement(ck.config, ck.hf_dir, carried_from)
     info = ck.tensor_info()
     carried = carried_names(ck.config)

@@ -284,7 +284,11 @@ def _check_fsdp_config(f: Path, world_size: int) -> None:
         raise ConvertError(f"{f}: not valid JSON: {err}") from None
     if not isinstance(cfg, dict):
         raise ConvertError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
-    if type(cfg.get("world_size")) is not int or cfg["world_size"] != world_size:
+    if "world_size" not in cfg:
+        raise ConvertError(f"{f}: no world_size key (the rank files say {world_size})")
+    if type(cfg["world_size"]) is not int:
+        raise ConvertError(f"{f}: world_size must be an integer, got {json.dumps(cfg['world_size'])}")
+    if cfg["world_size"] != world_size:
         raise ConvertError(
             f"{f}: world_size {cfg.get('world_size')!r} contradicts the rank files "
             f"(*_world_size_{world_size}_rank_*.pt)"
@@ -345,11 +349,18 @@ class VerlCheckpoint:
         self._crcs: dict[tuple[str, int], StorageCrcs] = {}   # per loaded model/optim file
         hf = Path(hf_dir) if hf_dir is not None else self.layout.hf_dir
         if hf is None:
+            where = self.layout.shard_dir / "huggingface"
+            if not os.path.lexists(where):
+                state = "missing"
+            elif where.is_dir():
+                why = not_a_file(where / "config.json")
+                state = "no config.json" if why == "no such file" else f"config.json {why}"
+            else:
+                state = f"{not_a_file(where) or 'is a file'}, not a directory"
             raise ConvertError(
-                f"{self.layout.shard_dir / 'huggingface'}: no config.json; VERL's checkpoint "
-                "manager saves the model's config there, and the parameters are named by it: "
-                "copy the model's config.json (and tokenizer) into that directory"
-            )
+                f"{where}: {state}; VERL's checkpoint manager saves the model's config there, "
+                "and the parameters are named by it: copy the model's config.json (and "
+                "tokenizer) into that directory")
         self.hf_dir = hf
         try:
             self.config = QwenConfig.from_dir(hf)

@@ -684,3 +684,45 @@ def test_the_crc_check_anchors_past_empty_storages_and_names_a_corrupt_replica(t
     _flip_tensor_byte(rank0, record)
     with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_0\.pt: {name}: its bytes fail"):
         verl_to_hf(actor, tmp_path / "out")
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda cfg: cfg.pop("world_size"), r"no world_size key \(the rank files say 6\)"),
+    (lambda cfg: cfg.update(world_size=True), r"world_size must be an integer, got true"),
+    (lambda cfg: cfg.update(world_size=6.0), r"world_size must be an integer, got 6\.0"),
+])
+def test_an_fsdp_config_world_size_that_is_absent_or_no_integer_says_so(actor, tmp_path, change,
+                                                                       message):
+    """These read as "world_size None (True, 6.0) contradicts the rank files"."""
+    f = actor / "fsdp_config.json"
+    cfg = json.loads(f.read_text())
+    change(cfg)
+    f.write_text(json.dumps(cfg))
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(f))}: {message}$"):
+        verl_to_hf(actor, tmp_path / "out")
+
+
+@pytest.mark.parametrize("make,state", [
+    (lambda hf: hf.write_text("not a directory"), "is a file, not a directory"),
+    (lambda hf: hf.symlink_to("nowhere"), "is a broken symbolic link, not a directory"),
+    (lambda hf: None, "missing"),
+    (lambda hf: hf.mkdir(), "no config.json"),
+])
+def test_a_huggingface_entry_that_holds_no_config_is_named_for_what_it_is(actor, tmp_path, make,
+                                                                          state):
+    """A file or a dangling link there read as "no config.json"."""
+    hf = actor / "huggingface"
+    shutil.rmtree(hf)
+    make(hf)
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(hf))}: {state}; VERL's checkpoint"):
+        verl_to_hf(actor, tmp_path / "out")
+
+
+def test_a_verl_source_without_a_tokenizer_converts_to_hf_with_a_warning(actor, tmp_path):
+    from convert.errors import ConversionWarning
+
+    (actor / "huggingface/tokenizer.json").unlink()
+    (actor / "huggingface/tokenizer_config.json").unlink()
+    with pytest.warns(ConversionWarning, match=r"huggingface: no tokenizer \(tokenizer\.json"):
+        verl_to_hf(actor, tmp_path / "out")
+    assert (tmp_path / "out/config.json").is_file()
