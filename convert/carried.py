@@ -69,7 +69,7 @@ def verl_complement(cfg, hf_dir: Path | None, carried_from: str | Path | None) -
         try:
             ref_cfg = QwenConfig.from_dir(ref)
         except ModelConfigError as err:
-            raise ConvertError(f"carried_from: {err}") from None
+            raise ConvertError(f"--carried-from (an HF model directory): {err}") from None
         wanted = verl_absent(ref_cfg)
         if not wanted:
             raise ConvertError(f"{ref}: carried_from holds no mtp.* tensors (its weights were "

@@ -166,7 +166,10 @@ def test_refusals(untied, tmp_path):
     with pytest.raises(ConvertError, match="--carried-from completes a VERL source"):
         convert(untied["release"], tmp_path / "c", src_format="hf", dst_format="verl",
                 world_size=2, carried_from=untied["release"])
-    for name in ("a", "b", "c"):
+    with pytest.raises(ConvertError, match=r"^--carried-from \(an HF model directory\): "
+                       rf"{tmp_path / 'nowhere' / 'config.json'}: no such file"):
+        verl_to_hf(untied["ckpt"], tmp_path / "d", carried_from=tmp_path / "nowhere")
+    for name in ("a", "b", "c", "d"):
         assert not (tmp_path / name).exists()
 
 

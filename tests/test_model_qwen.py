@@ -216,6 +216,10 @@ def test_corrupt_safetensors_header_is_named(hf_dirs, tmp_path):
     (d / "model.safetensors").write_bytes(raw[:8] + b"{not json" + raw[17:])
     with pytest.raises(CheckpointFormatError, match=r"model.safetensors: unreadable"):
         load_hf(d)
+    (d / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointFormatError, match=r"model.safetensors: unreadable safetensors "
+                       r"file \(0 bytes: shorter than the 8-byte header length it starts with\)"):
+        load_hf(d)
 
 
 DENSE = dict(model_type="qwen3", vocab_size=1003, hidden_size=64, intermediate_size=96,

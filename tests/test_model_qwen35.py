@@ -102,6 +102,8 @@ def test_config_spellings_and_defaults(qwen35_hf):
      r"text_config.layer_types must give 5 entries"),
     (lambda d: d["text_config"].update(layer_types=["linear_attention"] * 4 + ["sliding_attention"]),
      r"layer_types .* with \['sliding_attention'\]"),
+    (lambda d: d["text_config"].update(layer_types="full_attention"),
+     r"text_config.layer_types must be a list \(one entry per layer\), got str"),
     (lambda d: d["text_config"].update(linear_num_value_heads=3),
      r"text_config.linear_num_value_heads 3 is not a multiple of text_config.linear_num_key_heads 2"),
     (lambda d: d["text_config"].update(attention_bias=True), r"text_config.attention_bias=true"),

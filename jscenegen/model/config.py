@@ -476,6 +476,9 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                                "(no released Qwen3.5 has attention biases)")
     layers = t["num_hidden_layers"]
     if t.get("layer_types") is not None:
+        if not isinstance(t["layer_types"], list):
+            raise ModelConfigError(f"{source}: {prefix}layer_types must be a list (one entry per "
+                                   f"layer), got {type(t['layer_types']).__name__}")
         kinds = tuple(t["layer_types"])
         where = f"{prefix}layer_types"
     else:

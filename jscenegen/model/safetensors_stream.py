@@ -91,6 +91,8 @@ def raw_header(file: str | Path) -> tuple[int, dict]:
 @functools.lru_cache(maxsize=64)
 def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
     try:
+        if size < 8:
+            raise ValueError(f"{size} bytes: shorter than the 8-byte header length it starts with")
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
