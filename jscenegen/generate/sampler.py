@@ -310,8 +310,9 @@ class Sampler:
                     donate_argnums=(1,) if donate else ()),
             jax.jit(_with_specs(functools.partial(_append_logprobs_impl, gd), specs),
                     static_argnums=(5,), donate_argnums=(1,) if donate else ()),
-            jax.jit(_with_specs(_grow_impl, specs), static_argnames=("extra",),
-                    donate_argnums=(0,) if donate else ()),
+            # not donated: every slot-sized array changes shape, so XLA could reuse no buffer
+            # (and said so in a warning on GPU at each growth)
+            jax.jit(_with_specs(_grow_impl, specs), static_argnames=("extra",)),
             jax.jit(_with_specs(functools.partial(_decode_impl, gd, params, self.stop_strings,
                                                   layout.name == "fsdp"), specs),
                     static_argnames=("max_steps",), donate_argnums=(1,) if donate else ())))
