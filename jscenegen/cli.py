@@ -24,6 +24,7 @@ import os
 import select
 import signal
 import sys
+import traceback
 
 from jscenegen import __version__
 from jscenegen.paths import DiskFullError
@@ -236,22 +237,36 @@ def _forget_caught_interrupt() -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _run(argv)
+    except Exception:   # a bug's traceback; in a joined run, then no shutdown barrier either
+        if _must_skip_clean_up(1):
+            traceback.print_exc()
+            _end_without_clean_up(1)
+        raise
     finally:
         _forget_caught_interrupt()
         # atexit runs the last-registered callback first: registered after the command, when
         # JAX (imported by the command) has registered its clean-up
         atexit.unregister(_default_interrupt_at_exit)
         atexit.register(_default_interrupt_at_exit)
-    mesh = sys.modules.get("jscenegen.sharding.mesh")   # imported only by a multi-host launch path
-    if mesh is not None and mesh.init_wait_abandoned():
+    if _must_skip_clean_up(code):
         _end_without_clean_up(code)
     return code
 
 
+def _must_skip_clean_up(code: int) -> bool:
+    """Whether ending with `code` must skip the interpreter's clean-up (`_end_without_clean_up`)."""
+    mesh = sys.modules.get("jscenegen.sharding.mesh")   # imported only by a multi-host launch path
+    return mesh is not None and (mesh.init_wait_abandoned()
+                                 or (code != 0 and mesh.joined_other_processes()))
+
+
 def _end_without_clean_up(code: int) -> None:
-    """End the process now, after flushing what the command printed: JAX's initialization is
-    still blocked in another thread, and the interpreter's clean-up would wait for it and log
-    native lines after the command's error (`mesh.init_wait_abandoned`)."""
+    """End the process now, after flushing what the command printed, skipping the interpreter's
+    clean-up: JAX's initialization is still blocked in another thread
+    (`mesh.init_wait_abandoned`), or this process of a multi-process run failed or stopped and
+    JAX's shutdown barrier would wait minutes for processes blocked in a collective with it
+    (`mesh.joined_other_processes`); they end on their own when their collective or heartbeat
+    loses this process."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -50,6 +50,24 @@ def judge() -> None:
                       "results": [[r.grades, r.failure, r.info] for r in results]}))
 
 
+def fails_alone(run_dir: str) -> int:
+    """`jscenegen train` whose command joins the run, then fails on process 1 only while
+    process 0 waits for it in a collective; returns the CLI's exit code."""
+    import jscenegen.cli
+    import jscenegen.pipeline
+    from jscenegen.sharding.mesh import max_over_processes
+
+    def command(cfg, run_dir, **kwargs):
+        assert initialize_distributed()
+        if jax.process_index() == 1:
+            raise ValueError("process 1 fails alone")
+        return max_over_processes(1)   # never answered: process 1 has gone
+
+    jscenegen.pipeline.train_command = command
+    return jscenegen.cli.main(["train", "--run-dir", run_dir, "model.path=nowhere",
+                               "logging.swanlab_mode=disabled"])
+
+
 def main(mode: str, *args: str) -> None:
     assert initialize_distributed()  # from JSCENEGEN_* environment variables
     assert jax.device_count() == 6 and jax.local_device_count() == 3
@@ -57,4 +75,6 @@ def main(mode: str, *args: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "fails-alone":
+        sys.exit(fails_alone(*sys.argv[2:]))
     main(*sys.argv[1:])

@@ -150,6 +150,36 @@ def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tm
                                    rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+@pytest.mark.slow
+def test_a_process_that_fails_alone_after_joining_ends_both_without_jax_shutdown_barrier(tmp_path):
+    """One process of a joined run that failed (or was stopped at once by a second SIGTERM)
+    sat in JAX's shutdown barrier for 5 minutes after its error line, its peer blocked in a
+    collective with it, and both then died with native stack traces."""
+    port, here, procs = _free_port(), Path(__file__).parent, []
+    for pid in range(2):
+        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
+                   PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]))
+        env.pop("JAX_NUM_CPU_DEVICES", None)
+        procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"),
+                                       "fails-alone", str(tmp_path / "run")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    t0 = time.monotonic()
+    try:
+        err1 = procs[1].communicate(timeout=400)[1]
+        ended1 = time.monotonic() - t0
+        err0 = procs[0].communicate(timeout=400)[1]
+        ended0 = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 2 and ended1 < 60, (ended1, err1[-3000:])
+    assert err1.strip().splitlines()[-1] == "error: process 1 fails alone"
+    # process 0, blocked in the collective, is ended by JAX's heartbeat timeout (about 100 s;
+    # its own native abort, documented) instead of waiting out both barriers
+    assert procs[0].returncode != 0 and ended0 < 150, (ended0, err0[-3000:])
+
+
 def _train_waiting_alone(run_dir: Path, *overrides: str, process_id: int = 1) -> subprocess.Popen:
     """`jscenegen train` as one process of 2 whose other process never starts (process 1: its
     coordinator is missing; process 0: it runs the coordination service itself)."""
@@ -205,6 +235,7 @@ def test_processes_that_never_join_end_the_wait_with_one_line_after_init_timeout
     ({"argv": ["schedule.group_size=4"]}, "schedule.group_size"),
     ({"argv": ["--run-dir", "other"]}, "--run-dir"),
     ({"env": {"JSCENEGEN_NUM_PROCESSES": "3"}}, "num_processes"),
+    ({"env": {"JAX_NUM_CPU_DEVICES": "4"}}, None),
 ])
 def test_processes_given_other_settings_are_refused_before_any_model(tmp_path, differ, named):
     """Another group size deadlocked in the first differing collective; another run directory
@@ -230,6 +261,13 @@ def test_processes_given_other_settings_are_refused_before_any_model(tmp_path, d
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [2, 2], errs
+    if named is None:   # another device count: a numpy reshape error named nothing
+        for err in errs:
+            assert err.strip().splitlines()[-1] == (
+                "error: multi-host launch: the processes have different numbers of devices "
+                "(process 0: 3, process 1: 4); give each the same (on CPU, JSCENEGEN_CPU_DEVICES)")
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+        return
     assert errs[1].strip().splitlines()[-1].startswith(
         f"error: multi-host launch: process 1 was given another {named}")
     assert errs[0].strip().splitlines()[-1] == (

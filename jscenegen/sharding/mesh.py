@@ -9,6 +9,7 @@ everywhere. Tests assert the resulting shardings of every parameter.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import math
@@ -171,6 +172,14 @@ def init_wait_abandoned() -> bool:
     return _init_thread_left_running
 
 
+def joined_other_processes() -> bool:
+    """Whether this process joined a multi-process run (`jax.distributed` initialized, more
+    than one process). Such a process that fails or stops should end without JAX's shutdown
+    barrier: it waits up to 5 minutes for every other process, which may be blocked in a
+    collective waiting for this one."""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
 def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str,
                         timeout_hint: str = "") -> None:
     """Run `call` in a daemon thread while the main thread waits in short steps, so a signal
@@ -214,6 +223,13 @@ def check_same_settings(settings: dict[str, str]) -> None:
     may hold credentials)."""
     if jax.process_count() == 1:
         return
+    # every process sees every device, so each finds a mismatch alone (the exchange below
+    # needs the same number of devices in every process)
+    per_process = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(per_process.values())) > 1:
+        counts = ", ".join(f"process {i}: {n}" for i, n in sorted(per_process.items()))
+        raise MeshError(f"multi-host launch: the processes have different numbers of devices "
+                        f"({counts}); give each the same (on CPU, JSCENEGEN_CPU_DEVICES)")
     theirs = json.loads(bytes_from_primary(json.dumps(settings).encode() if is_primary() else None))
     differ = sorted(k for k in settings.keys() | theirs.keys() if settings.get(k) != theirs.get(k))
     if not max_over_processes(int(bool(differ))):
