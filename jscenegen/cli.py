@@ -80,28 +80,32 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         if unknown:
             args.usage_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         _refuse_empty_values(args.usage_parser, args)
-        _refuse_link_loops(args.usage_parser, args)
+        _refuse_broken_links(args.usage_parser, args)
         args.command = argv[0]
         return args
     return parser.parse_args(argv)
 
 
-def _refuse_link_loops(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Raise ValueError for an argument that is a path through a loop of symbolic links: the
-    commands' own checks (`is_dir`, `exists`) read such a path as missing or as no directory,
-    each in its own words."""
+def _refuse_broken_links(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Raise ValueError for an argument that is a path through a loop of symbolic links or is
+    itself a symbolic link to nothing: the commands' own checks (`is_dir`, `exists`) read such
+    a path as missing or as no directory, each in its own words. (No input or output of any
+    command may be either.)"""
     for action in parser._actions:
         value = getattr(args, action.dest, None)
         for v in value if isinstance(value, list) else [value]:
             if not isinstance(v, str):
                 continue
+            name = "/".join(action.option_strings) or action.dest
             try:
                 os.stat(v)
             except OSError as err:
                 if err.errno == errno.ELOOP:
                     raise ValueError(f"{v}: a loop of symbolic links (it leads back to itself; "
-                                     f"argument {'/'.join(action.option_strings) or action.dest})"
-                                     ) from None
+                                     f"argument {name})") from None
+                if err.errno == errno.ENOENT and os.path.islink(v):
+                    raise ValueError(f"{v}: a broken symbolic link (to {os.readlink(v)}, which "
+                                     f"does not exist; argument {name})") from None
             except ValueError:   # an embedded NUL: the command names it
                 continue
 

@@ -426,12 +426,14 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")    # was "File exists" from mkdir
     for run_dir, expected in ((tmp_path / "afile", "exists and is not a directory"),
                               (tmp_path / "afile" / "run", "is not a directory"),
-                              (tmp_path / "dangling", f"a symbolic link to {tmp_path / 'gone'}, "
-                               "which does not exist"),
                               (Path("/proc/self/nope"), "cannot create a directory in /proc/self")):
         assert main(["train", "--run-dir", str(run_dir)]) == 2
         err = one_error_line(capsys)
         assert err.startswith(f"error: --run-dir {run_dir}: ") and expected in err, err
+    assert main(["train", "--run-dir", str(tmp_path / "dangling")]) == 2
+    assert one_error_line(capsys) == (f"error: {tmp_path / 'dangling'}: a broken symbolic link "
+                                      f"(to {tmp_path / 'gone'}, which does not exist; argument "
+                                      "--run-dir)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dangling"]
 
 
@@ -929,3 +931,17 @@ def test_a_path_through_a_loop_of_links_is_named_as_one_by_every_command(tmp_pat
     path = next(a for a in argv if a.startswith(loop))
     assert one_error_line(capsys) == (f"error: {path}: a loop of symbolic links (it leads back "
                                       f"to itself; argument {name})")
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["train", "--resume", "{link}"], "--resume"),
+    (["eval", "--model", "{link}"], "--model"),
+    (["convert", "--verify", "{link}"], "--verify"),
+    (["sft", "--model", "{link}", "--out", "{tmp}/out"], "--model"),
+])
+def test_a_path_argument_that_is_a_broken_link_is_named_as_one(tmp_path, capsys, argv, name):
+    """These said "checkpoints not found", "no such directory" or "config.json: no such file"."""
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    assert main([a.format(link=tmp_path / "link", tmp=tmp_path) for a in argv]) == 2
+    assert one_error_line(capsys) == (f"error: {tmp_path / 'link'}: a broken symbolic link (to "
+                                      f"{tmp_path / 'gone'}, which does not exist; argument {name})")
