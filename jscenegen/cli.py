@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _must_skip_clean_up(code: int) -> bool:
     """Whether ending with `code` must skip the interpreter's clean-up (`_end_without_clean_up`)."""
-    mesh = sys.modules.get("jscenegen.sharding.mesh")   # imported only by a multi-host launch path
+    mesh = sys.modules.get("jscenegen.sharding.mesh")   # not imported here: a command without JAX stays light
     return mesh is not None and (mesh.init_wait_abandoned()
                                  or (code != 0 and mesh.joined_other_processes()))
 
