@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -299,6 +299,7 @@ class Sampler:
                            if stop_strings else None)
         self._tail_width = self.stop_table.head.shape[1] if self.stop_table is not None else 1
         donate = self._donate = jax.default_backend() != "cpu"
+        self._cache_makers: dict[tuple[int, int], Callable] = {}   # see _cache_maker
         gd, specs = (self.graphdef, frozen), layout.specs
         # Samplers of one model structure, layout and sampling options share their traces
         structure = structure_key(self.graphdef, frozen)
@@ -362,17 +363,27 @@ class Sampler:
         by its `partition_specs()`) and zero last-logits [B, V]. Raises ValueError when the
         cache cannot fit the rollout devices' memory (`_check_cache_fits`)."""
         self._check_rows(batch)
-        make = functools.partial(self.create_cache, self.cfg, batch, max_len, self.cache_dtype)
-        shapes = jax.eval_shape(make)
-        self._check_cache_fits(shapes, batch, max_len)
+        make = self._cache_maker(batch, max_len)
         last = jnp.zeros((batch, self.cfg.vocab_size), jnp.float32)
         if self.layout.mesh is None:
             return make(), last
-        # made in place on the mesh: built whole on one device first, a cache sized for every
-        # row's episode would have to fit that one device
-        shardings = jax.tree.map(lambda spec, _: self._sharding(spec), shapes.partition_specs(),
-                                 shapes, is_leaf=_is_spec)
-        return jax.jit(make, out_shardings=shardings)(), jax.device_put(last, self.layout.sharding(ROWS))
+        return make(), jax.device_put(last, self.layout.sharding(ROWS))
+
+    def _cache_maker(self, batch: int, max_len: int) -> Callable:
+        """The function that makes an empty cache of `batch` rows x `max_len` slots, checked to
+        fit (`_check_cache_fits`) once per shape; on a mesh jitted to make it in place (built
+        whole on one device first, a cache sized for every row's episode would have to fit
+        that one device)."""
+        if (batch, max_len) not in self._cache_makers:
+            make = functools.partial(self.create_cache, self.cfg, batch, max_len, self.cache_dtype)
+            shapes = jax.eval_shape(make)
+            self._check_cache_fits(shapes, batch, max_len)
+            if self.layout.mesh is not None:
+                shardings = jax.tree.map(lambda spec, _: self._sharding(spec),
+                                         shapes.partition_specs(), shapes, is_leaf=_is_spec)
+                make = jax.jit(make, out_shardings=shardings)
+            self._cache_makers[batch, max_len] = make
+        return self._cache_makers[batch, max_len]
 
     def _check_cache_fits(self, shapes, batch: int, max_len: int) -> None:
         """Raise ValueError when a cache of `batch` rows x `max_len` slots (`shapes`: its
@@ -408,8 +419,7 @@ class Sampler:
         rows, old = cache.valid.shape
         if max_len < old:
             raise ValueError(f"grow_cache: {max_len} slots < the cache's {old}")
-        self._check_cache_fits(jax.eval_shape(lambda: self.create_cache(
-            self.cfg, rows, max_len, self.cache_dtype)), rows, max_len)
+        self._cache_maker(rows, max_len)   # raises when the grown cache cannot fit
         self.cache_grows += 1
         with self._ctx():
             return self._grow(cache, extra=max_len - old)
