@@ -290,7 +290,7 @@ def _check_fsdp_config(f: Path, world_size: int) -> None:
         raise ConvertError(f"{f}: world_size must be an integer, got {json.dumps(cfg['world_size'])}")
     if cfg["world_size"] != world_size:
         raise ConvertError(
-            f"{f}: world_size {cfg.get('world_size')!r} contradicts the rank files "
+            f"{f}: world_size {cfg['world_size']} contradicts the rank files "
             f"(*_world_size_{world_size}_rank_*.pt)"
         )
     if cfg.get("FSDP_version", 2) != 2:
@@ -353,8 +353,9 @@ class VerlCheckpoint:
             if not os.path.lexists(where):
                 state = "missing"
             elif where.is_dir():
-                why = not_a_file(where / "config.json")
-                state = "no config.json" if why == "no such file" else f"config.json {why}"
+                config = where / "config.json"
+                state = ("no config.json" if not os.path.lexists(config)
+                         else f"config.json {not_a_file(config)}")
             else:
                 state = f"{not_a_file(where) or 'is a file'}, not a directory"
             raise ConvertError(

@@ -164,12 +164,17 @@ class KVCache:
 
     def grown(self, extra: int) -> "KVCache":
         """This cache with `extra` more empty slots (contents, positions and length kept)."""
-        def pad(x, axis):
-            widths = [(0, 0)] * x.ndim
-            widths[axis] = (0, extra)
-            return jnp.pad(x, widths)
-        return KVCache(tuple(pad(k, 3) for k in self.k), tuple(pad(v, 2) for v in self.v),
-                       pad(self.valid, 1), self.next_pos, self.length)
+        return KVCache(tuple(with_empty_slots(k, 3, extra) for k in self.k),
+                       tuple(with_empty_slots(v, 2, extra) for v in self.v),
+                       with_empty_slots(self.valid, 1, extra), self.next_pos, self.length)
+
+
+def with_empty_slots(x: jax.Array, axis: int, extra: int) -> jax.Array:
+    """`x` with `extra` zero entries appended along its slot axis `axis` (a cache's growth:
+    zero K/V and `valid` False are empty slots)."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
 
 
 class Attention(nnx.Module):

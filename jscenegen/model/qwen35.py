@@ -63,6 +63,7 @@ from jscenegen.model.qwen import (
     cached_attention,
     full_sequence_inputs,
     logical,
+    with_empty_slots,
 )
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import CarriedTree, ParamFactory, weight_table
@@ -396,12 +397,9 @@ class HybridCache:
     def grown(self, extra: int) -> "HybridCache":
         """This cache with `extra` more empty K/V slots (contents, the GDN states, positions and
         length kept): the recurrent layers' states have no slot axis."""
-        def pad(x, axis):
-            widths = [(0, 0)] * x.ndim
-            widths[axis] = (0, extra)
-            return jnp.pad(x, widths)
-        return HybridCache(pad(self.k, 2), pad(self.v, 2), self.conv, self.state,
-                           pad(self.valid, 1), self.next_pos, self.length)
+        return HybridCache(with_empty_slots(self.k, 2, extra), with_empty_slots(self.v, 2, extra),
+                           self.conv, self.state, with_empty_slots(self.valid, 1, extra),
+                           self.next_pos, self.length)
 
 
 @dataclasses.dataclass(frozen=True)

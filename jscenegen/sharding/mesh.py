@@ -215,8 +215,9 @@ def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str
 
 
 def check_same_settings(settings: dict[str, str]) -> None:
-    """Raise MeshError on every process unless every process of a multi-process run was given
-    the same `settings` (flat {name: value}; a no-op in one process): processes that disagree
+    """Raise MeshError on every process unless every process of a multi-process run has the
+    same number of devices (the exchange needs it) and was given the same `settings` (flat
+    {name: value}; a no-op in one process): processes that disagree
     (another run directory, group size or process count) would train different batches as one
     and deadlock in the first collective that differs. The process that differs names the
     first setting; the others say that another process differs. Values are not printed (they
