@@ -27,3 +27,19 @@ def test_the_gpu_bench_dry_run_reports_every_engine():
     assert summary["bench"] == "gpu" and summary["tiny"] is True
     assert summary["jscenegen_decode_tokens_per_s"] == pytest.approx(ours["decode_tokens_per_s"])
     assert "error" not in engines["torch"] and summary["decode_ratio"] is not None
+
+
+def test_the_decode_probe_dry_run_times_and_summarises_a_trace(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "decode_probe.py"), "--tiny",
+                           "--rows", "2", "3", "--new", "8", "--prompt", "16", "--repeats", "1",
+                           "--label", "dry", "--trace", str(tmp_path / "trace")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    timed = [x for x in lines if "ms_per_step" in x]
+    assert [x["rows"] for x in timed] == [2, 3] and all(x["label"] == "dry" for x in timed)
+    assert all(0 < x["prefill_s"] < x["decode_s"] for x in timed)
+    traced = [x for x in lines if "busy_us" in x]
+    assert traced and all(x["rows"] == 2 and x["events"] > 0 for x in traced)
+    kernels = {name for x in traced for name, _count, _us in x["top"]}
+    assert any("while" in name for name in kernels), sorted(kernels)[:20]

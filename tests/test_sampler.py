@@ -16,7 +16,7 @@ from jscenegen.generate.sampler import (
     Sampler,
     split_into_buckets,
 )
-from jscenegen.generate.sampling import SamplingParams, chunked_top_k, row_keys, top_k
+from jscenegen.generate.sampling import SamplingParams, block_max_top_k, chunked_top_k, row_keys, top_k
 from jscenegen.generate.stop import build_stop_table, stop_string_step
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.train.step import GRPOStep
@@ -268,11 +268,47 @@ def test_chunked_top_k_is_lax_top_k_ties_and_padding_included(vocab, k, chunk):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
-def test_top_k_takes_the_chunked_path_on_gpu_only():
+def _marked_fallback(z, k):
+    """A fallback whose result no top-k can return: shows which branch block_max_top_k took."""
+    return jnp.full((z.shape[0], k), jnp.nan, z.dtype), jnp.full((z.shape[0], k), -1, jnp.int32)
+
+
+@pytest.mark.parametrize("vocab,k,block", [(5000, 50, 64), (3001, 7, 32), (4096, 20, 16)])
+def test_block_max_top_k_is_lax_top_k_without_its_fallback(vocab, k, block):
+    rng = np.random.default_rng(vocab)
+    z = rng.normal(size=(6, vocab)).astype(np.float32)
+    z[0, 10:200] = z[0, 3] + 5                    # ties, many blocks' maxima equal, in the top k
+    z[1] = np.round(z[1] * 8) / 8                 # many ties everywhere
+    z[2, 700:700 + 4 * k] = 7.0                   # the whole top k in a few adjacent blocks
+    z[3, -(vocab % block or block):] = 9.0        # the maxima in the (padded) last block
+    z[4, : 3 * block] = -np.inf                   # -inf blocks
+    fn = jax.jit(functools.partial(block_max_top_k, k=k, block=block, fallback=_marked_fallback))
+    got = fn(jnp.asarray(z))
+    want = jax.lax.top_k(jnp.asarray(z), k)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_block_max_top_k_falls_back_on_a_tie_at_the_threshold():
+    z = np.random.default_rng(1).normal(size=(3, 4096)).astype(np.float32)
+    z[1] = 0.0                                    # every block's maximum ties: no block is ruled out
+    fast = jax.jit(functools.partial(block_max_top_k, k=20, block=16, fallback=_marked_fallback))
+    assert np.isnan(np.asarray(fast(jnp.asarray(z))[0])).all()   # the whole batch fell back
+    got = jax.jit(functools.partial(block_max_top_k, k=20, block=16))(jnp.asarray(z))
+    want = jax.lax.top_k(jnp.asarray(z), 20)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    with pytest.raises(ValueError, match="blocks"):
+        block_max_top_k(jnp.asarray(z), k=250, block=16)
+
+
+def test_top_k_takes_the_block_max_path_on_gpu_only():
     z = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
     fn = jax.jit(lambda z: top_k(z, 50))
     ops = {p: fn.trace(z).lower(lowering_platforms=(p,)).as_text().count("top_k") for p in ("cpu", "cuda")}
-    assert ops == {"cpu": 1, "cuda": 2}, ops
+    # cuda: the block maxima's and the candidates' top-k, then chunked_top_k's two (the fallback)
+    assert ops == {"cpu": 1, "cuda": 4}, ops
+    small = jax.jit(lambda z: top_k(z, 50)).trace(jax.ShapeDtypeStruct((8, 4096), jnp.float32))
+    assert small.lower(lowering_platforms=("cuda",)).as_text().count("top_k") == 1
 
 
 def test_bucketed_appends_do_not_recompile(model):

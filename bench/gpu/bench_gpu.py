@@ -138,8 +138,9 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     return out
 
 
-def _jax_decode(c: dict, args, attn: str) -> dict:
-    import jax
+def decode_setup(c: dict, rows: int, prompt: int, attn: str):
+    """The jscenegen side of the decode: (Sampler over a random bf16 model of shape `c`, top-k
+    TOP_K, temperature 1; `rows` random prompts of `prompt` tokens; one seed per row)."""
     from flax import nnx
 
     from jscenegen.generate.sampler import Sampler
@@ -150,10 +151,15 @@ def _jax_decode(c: dict, args, attn: str) -> dict:
     cfg = QwenConfig.from_hf_dict(c, "bench config")
     model = QwenForCausalLM(cfg, rngs=nnx.Rngs(1), param_dtype="bfloat16",
                             compute_dtype="bfloat16", attn_impl=attn)
-    sampler = Sampler(model, SamplingParams(temperature=1.0, top_k=TOP_K), buckets=(args.prompt,))
-    prompts = np.random.default_rng(0).integers(0, c["vocab_size"],
-                                                (args.decode_batch, args.prompt)).tolist()
-    seeds = list(range(args.decode_batch))
+    sampler = Sampler(model, SamplingParams(temperature=1.0, top_k=TOP_K), buckets=(prompt,))
+    prompts = np.random.default_rng(0).integers(0, c["vocab_size"], (rows, prompt)).tolist()
+    return sampler, prompts, list(range(rows))
+
+
+def _jax_decode(c: dict, args, attn: str) -> dict:
+    import jax
+
+    sampler, prompts, seeds = decode_setup(c, args.decode_batch, args.prompt, attn)
 
     def decode():
         res = sampler.generate(prompts, args.new, seeds=seeds)

@@ -220,11 +220,15 @@ def tp_divides(cfg) -> tuple[int, ...]:
 
 
 def _with_specs(fn, specs):
-    """`fn` traced under the layout's role -> spec table (read at trace time)."""
-    @functools.wraps(fn)
+    """`fn` traced under the layout's role -> spec table (read at trace time); named after the
+    function under `fn`'s partials, so dumps and profiles name its module (`jit__decode_impl`)."""
     def traced(*args, **kwargs):
         with use_specs(specs):
             return fn(*args, **kwargs)
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    traced.__name__ = traced.__qualname__ = inner.__name__
     return traced
 
 

@@ -73,7 +73,9 @@ def top_p_threshold(probs: jax.Array, top_p: float, iters: int = 32) -> jax.Arra
     return jnp.where(top_alone, hi, lo)[:, None]
 
 
-TOP_K_CHUNK = 2048   # GPU two-stage top-k: the vocabulary is cut into chunks of this many logits
+TOP_K_CHUNK = 2048   # chunked_top_k: the vocabulary is cut into chunks of this many logits
+TOP_K_BLOCK = 64     # block_max_top_k's block width and spare blocks (H200, 1.7B decode: 64
+TOP_K_SPARE = 14     # of 32/64/128 was fastest; bench/gpu/topk.py)
 
 
 def chunked_top_k(z: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
@@ -96,14 +98,58 @@ def chunked_top_k(z: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.A
     return values, jnp.take_along_axis(idx.reshape(batch, chunks * k), pick, axis=-1)
 
 
+def block_max_top_k(z: jax.Array, k: int, block: int = TOP_K_BLOCK, spare: int = TOP_K_SPARE,
+                    fallback=None) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(z, k)` read from the few blocks that can hold the top k.
+
+    The last axis is cut into `block`-wide blocks; each block's maximum is one logit, so the
+    k largest maxima are k distinct logits and every top-k logit lies in a block whose maximum
+    is at least the k-th largest. The k + `spare` blocks with the largest maxima are searched
+    (in index order, so ties go to the lower index as in `lax.top_k`); the result is exact
+    when the next block's maximum is below the k-th value found, i.e. no other block holds a
+    logit that could enter. Where that fails in any row (a tie across `spare` + 1 block maxima
+    at the threshold: constant or masked logits), the whole batch takes `fallback(z, k)`
+    (default `lax.top_k`) through `lax.cond`. One reduce over the logits and two top-k's over
+    short rows replace a top-k over the whole vocabulary.
+
+    z [B, V] float -> (values [B, k] z.dtype, indices [B, k] int32). Raises ValueError when
+    fewer than k + spare + 1 blocks fit in V.
+    """
+    batch, vocab = z.shape
+    blocks = -(-vocab // block)
+    searched = k + spare
+    if blocks <= searched:
+        raise ValueError(f"block_max_top_k: {blocks} blocks of {block} for {vocab} logits; "
+                         f"k + spare = {searched} needs more")
+    padded = jnp.pad(z, ((0, 0), (0, blocks * block - vocab)), constant_values=-jnp.inf)
+    padded = padded.reshape(batch, blocks, block)
+    maxima, order = jax.lax.top_k(jnp.max(padded, axis=-1), searched + 1)     # [B, k+spare+1]
+    picked = jnp.sort(order[:, :searched], axis=-1)
+    cand = jnp.take_along_axis(padded, picked[:, :, None], axis=1).reshape(batch, -1)
+    ids = (picked[:, :, None] * block + jnp.arange(block, dtype=picked.dtype)).reshape(batch, -1)
+    values, pos = jax.lax.top_k(cand, k)
+    exact = jnp.all(maxima[:, searched] < values[:, -1])
+    fallback = fallback or (lambda z, k: tuple(jax.lax.top_k(z, k)))
+    return jax.lax.cond(exact, lambda: (values, jnp.take_along_axis(ids, pos, axis=-1)),
+                        lambda: tuple(fallback(z, k)))
+
+
 def top_k(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The k largest of z [B, V] along the last axis, as `jax.lax.top_k` returns them: on GPU
-    through `chunked_top_k` when the row is longer than two chunks, elsewhere `lax.top_k`
-    (the platform is chosen when the computation is lowered: `lax.platform_dependent`)."""
-    if z.shape[-1] <= 2 * TOP_K_CHUNK or k > TOP_K_CHUNK:
-        return jax.lax.top_k(z, k)
-    return jax.lax.platform_dependent(z, cuda=lambda z: chunked_top_k(z, k),
-                                      default=lambda z: tuple(jax.lax.top_k(z, k)))
+    """The k largest of z [B, V] along the last axis, as `jax.lax.top_k` returns them.
+
+    On GPU through `block_max_top_k` (falling back to `chunked_top_k`) when the k + spare
+    blocks searched are at most a quarter of the row; elsewhere, and on every other platform,
+    `lax.top_k` (XLA:CPU's partial sort beats both there). The platform is chosen when the
+    computation is lowered (`lax.platform_dependent`).
+    """
+    blocks = -(-z.shape[-1] // TOP_K_BLOCK)
+    if 4 * (k + TOP_K_SPARE) > blocks:
+        return tuple(jax.lax.top_k(z, k))
+    exact = (chunked_top_k if z.shape[-1] > 2 * TOP_K_CHUNK and k <= TOP_K_CHUNK
+             else lambda z, k: tuple(jax.lax.top_k(z, k)))
+    return jax.lax.platform_dependent(
+        z, cuda=lambda z: block_max_top_k(z, k, fallback=exact),
+        default=lambda z: tuple(jax.lax.top_k(z, k)))
 
 
 def _nucleus(z: jax.Array, top_p: float) -> jax.Array:
