@@ -282,6 +282,7 @@ def test_block_max_top_k_is_lax_top_k_without_its_fallback(vocab, k, block):
     z[2, 700:700 + 4 * k] = 7.0                   # the whole top k in a few adjacent blocks
     z[3, -(vocab % block or block):] = 9.0        # the maxima in the (padded) last block
     z[4, : 3 * block] = -np.inf                   # -inf blocks
+    z[5, [17, vocab // 2]] = np.nan               # lax.top_k ranks NaN above every number
     fn = jax.jit(functools.partial(block_max_top_k, k=k, block=block, fallback=_marked_fallback))
     got = fn(jnp.asarray(z))
     want = jax.lax.top_k(jnp.asarray(z), k)

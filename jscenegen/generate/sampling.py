@@ -104,7 +104,8 @@ def block_max_top_k(z: jax.Array, k: int, block: int = TOP_K_BLOCK, spare: int =
 
     The last axis is cut into `block`-wide blocks; each block's maximum is one logit, so the
     k largest maxima are k distinct logits and every top-k logit lies in a block whose maximum
-    is at least the k-th largest. The k + `spare` blocks with the largest maxima are searched
+    is at least the k-th largest (a block holding a NaN ranks first, as `lax.top_k` ranks NaN
+    above every number). The k + `spare` blocks with the largest maxima are searched
     (in index order, so ties go to the lower index as in `lax.top_k`); the result is exact
     when the next block's maximum is below the k-th value found, i.e. no other block holds a
     logit that could enter. Where that fails in any row (a tie across `spare` + 1 block maxima
@@ -123,7 +124,9 @@ def block_max_top_k(z: jax.Array, k: int, block: int = TOP_K_BLOCK, spare: int =
                          f"k + spare = {searched} needs more")
     padded = jnp.pad(z, ((0, 0), (0, blocks * block - vocab)), constant_values=-jnp.inf)
     padded = padded.reshape(batch, blocks, block)
-    maxima, order = jax.lax.top_k(jnp.max(padded, axis=-1), searched + 1)     # [B, k+spare+1]
+    # a NaN block ranks first, as lax.top_k ranks NaN (XLA:CPU's fused max drops NaNs)
+    ranked = jnp.where(jnp.isnan(padded), jnp.inf, padded)
+    maxima, order = jax.lax.top_k(jnp.max(ranked, axis=-1), searched + 1)      # [B, k+spare+1]
     picked = jnp.sort(order[:, :searched], axis=-1)
     cand = jnp.take_along_axis(padded, picked[:, :, None], axis=1).reshape(batch, -1)
     ids = (picked[:, :, None] * block + jnp.arange(block, dtype=picked.dtype)).reshape(batch, -1)
