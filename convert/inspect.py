@@ -76,6 +76,32 @@ def checkpoint_format(path: Path) -> str | None:
     return None
 
 
+def source_format(path: str | Path) -> str:
+    """The `--from` format of a conversion source, from its file names: "hf", "orbax" (a step,
+    a checkpoint directory or a training run's directory) or "verl".
+
+    Raises ConvertError when `path` is not a directory, is an export (an HF model at its root
+    and a VERL checkpoint under training_state/: the caller must choose), or is no recognised
+    checkpoint.
+    """
+    from jscenegen.checkpoint import RUN_CHECKPOINTS
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConvertError(f"{path}: not a directory")
+    kind = checkpoint_format(path)
+    if kind is None and (path / RUN_CHECKPOINTS).is_dir() and _orbax_steps(path / RUN_CHECKPOINTS):
+        kind = "orbax-run"
+    if kind == "export":
+        steps = sorted((path / "training_state").glob("global_step_*"))
+        state = steps[-1] if steps else path / "training_state"
+        raise ConvertError(f"{path}: an export; its root is an HF model (--from hf) and its "
+                           f"training state a VERL checkpoint (convert {state})")
+    if kind is None:
+        describe(path)    # raises the not-a-checkpoint error, with its hint
+    return {"orbax": "orbax", "orbax-run": "orbax", "hf": "hf", "verl": "verl"}[kind]
+
+
 def describe_verl(path: Path) -> dict[str, Any]:
     """Summary of a VERL checkpoint (rank 0's tensor specs, optimizer step, scheduler step,
     the run identity our train state beside the rank files carries, else None)."""

@@ -575,7 +575,7 @@ def test_sigterm_unwinds_a_command_releasing_its_lock_with_one_line(tmp_path):
 def test_convert_without_its_arguments_says_what_it_needs(capsys):
     assert main(["convert"]) == 2
     err = one_error_line(capsys)
-    assert "jscenegen convert: needs SRC DST --from F --to G" in err
+    assert "jscenegen convert: needs SRC DST --to G [--from F]" in err
     assert "see jscenegen convert --help" in err
 
 

@@ -111,6 +111,29 @@ def test_inspect_export_and_orbax(exported):
     assert run["latest"]["adam_count"] == 3 and run["latest"]["source"]["world_size"] == 6
 
 
+def test_convert_reads_its_source_format_from_the_file_names(exported, tmp_path, capsys):
+    from convert.inspect import source_format
+
+    run, pub = exported["out"].parent / "run", exported["out"]
+    assert source_format(run) == "orbax" and source_format(next(run.iterdir())) == "orbax"
+    assert source_format(exported["src"] / "ckpt") == "verl"
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert f"{run}: read as --from orbax" in capsys.readouterr().err
+    assert source_format(tmp_path / "hf") == "hf"
+    # an export holds an HF model and a VERL checkpoint: the user says which
+    assert main(["convert", str(pub), str(tmp_path / "x"), "--to", "orbax"]) == 2
+    err = capsys.readouterr().err.strip()
+    state = pub / "training_state" / "global_step_3"
+    assert err == (f"error: {pub}: an export; its root is an HF model (--from hf) and its "
+                   f"training state a VERL checkpoint (convert {state})"), err
+    assert not (tmp_path / "x").exists()
+    assert main(["convert", str(state), str(tmp_path / "y"), "--to", "orbax"]) == 0
+    assert f"{state}: read as --from verl" in capsys.readouterr().err
+    assert main(["convert", str(pub), str(tmp_path / "w"), "--from", "hf", "--to", "orbax"]) == 0
+    assert main(["convert", str(tmp_path), str(tmp_path / "z"), "--to", "hf"]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- Qwen3.5 VLM
 @pytest.fixture(scope="module")
 def exported35(tmp_path_factory):

@@ -3,6 +3,7 @@
     jscenegen convert SRC DST --from verl --to hf [--dtype bfloat16]
     jscenegen convert SRC DST --from hf --to verl --world-size 6 [--placement first-divisible]
     jscenegen convert SRC DST --from verl --to orbax [--carried-from RELEASE_DIR]   # Qwen3.5 mtp.*
+    jscenegen convert SRC DST --to hf     # --from left out: read from SRC's file names
     jscenegen convert --verify DIR        # DIR against its checksums.json
     jscenegen convert --inspect DIR       # what DIR holds, as JSON
 
@@ -26,7 +27,9 @@ def register(subparsers) -> None:
         epilog="\n\n".join(__doc__.split("\n\n")[1:2]))
     p.add_argument("src", nargs="?", help="source directory")
     p.add_argument("dst", nargs="?", help="destination directory (must not exist or be empty)")
-    p.add_argument("--from", dest="src_format", choices=("hf", "orbax", "verl"))
+    p.add_argument("--from", dest="src_format", choices=("hf", "orbax", "verl"),
+                   help="the source's format (default: from SRC's file names, as --inspect "
+                        "reads them; an export holds two and needs it)")
     p.add_argument("--to", dest="dst_format", choices=("hf", "orbax", "verl"))
     p.add_argument("--world-size", type=world_size_arg, default=None,
                    help="VERL output ranks W (from a VERL source: its W by default; from hf or "
@@ -62,10 +65,15 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(describe(args.inspect), indent=2, default=str))
         return 0
-    if not (args.src and args.dst and args.src_format and args.dst_format):
-        raise ValueError("jscenegen convert: needs SRC DST --from F --to G, or --verify/--inspect DIR "
-                         "(see jscenegen convert --help)")
+    if not (args.src and args.dst and args.dst_format):
+        raise ValueError("jscenegen convert: needs SRC DST --to G [--from F], or --verify/--inspect "
+                         "DIR (see jscenegen convert --help)")
     from convert.dispatch import convert
+    from convert.inspect import source_format
+
+    if args.src_format is None:
+        args.src_format = source_format(args.src)
+        print(terminal_text(f"{args.src}: read as --from {args.src_format}"), file=sys.stderr)
     from convert.errors import ConversionWarning
 
     with warnings.catch_warnings(record=True) as caught:
