@@ -3,7 +3,8 @@ jscenegen vs torch (transformers) vs Tunix 0.1.7.
 
 Model: a random Qwen3-1.7B-shaped decoder (hidden 2048, 28 layers, 16 heads, 8 kv heads,
 head_dim 128, FFN 6144, vocab 151936, tied embeddings). jscenegen: fp32 parameters and AdamW
-state, bf16 compute, cuDNN attention (`attn_impl="cudnn"`), per-layer remat, one `GRPOStep.step`
+state, bf16 compute, cuDNN attention (`attn_impl="cudnn"`), per-layer remat (`--remat full`,
+the default; `minimal` keeps the projections' outputs; `none`), one `GRPOStep.step`
 (forward + backward + clip + AdamW, token-mean, old log-probs given); decode: `Sampler.generate`
 with bf16 weights and KV cache (top-k 50, temperature 1, no stop token). torch (when importable
 with CUDA): transformers Qwen3ForCausalLM with the same config, fp32 parameters under
@@ -119,7 +120,8 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     cfg = QwenConfig.from_hf_dict(c, "bench config")
     out = {"device": jax.devices()[0].device_kind}
     model = QwenForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype="float32",
-                            compute_dtype="bfloat16", remat=True, attn_impl=attn)
+                            compute_dtype="bfloat16", attn_impl=attn,
+                            remat=False if args.remat == "none" else args.remat)
     graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
     optim = OptimConfig()
     step = GRPOStep(hidden_fn(graphdef, *rest), LossConfig(), optim, donate=True)
@@ -133,6 +135,7 @@ def _jax_train(c: dict, args, attn: str) -> dict:
         holder["loss"] = float(metrics["loss"])
 
     out["train_step_s"] = timed(train, warmup=3, repeats=args.repeats)
+    out["train_remat"] = args.remat
     out["train_loss_finite"] = bool(np.isfinite(holder["loss"]))
     jax.clear_caches()
     return out
@@ -295,6 +298,8 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, help=f"{what} (default {full}; --tiny: {tiny})")
         ap.set_defaults(**{f"_{name}": (full, tiny)})
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--remat", choices=["full", "minimal", "none"], default="full",
+                    help="jscenegen's train-step rematerialisation (model.remat_policy)")
     ap.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the device")
     ap.add_argument("--peak-hbm-tbs", type=float, help="peak HBM bandwidth of the device, TB/s")
     ap.add_argument("--shape", choices=["1.7b", "4b"], default="1.7b", help="model shape")

@@ -19,19 +19,27 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+PROJECTION = "projection"   # the name of every dense output, for remat policies (model/remat.py)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [..., in] times w [out, in] (torch.nn.functional.linear without bias) -> [..., out],
     accumulated in float32, returned in `out_dtype` (default x's dtype; the output head asks
-    for float32 logits)."""
+    for float32 logits). The output is named PROJECTION (`checkpoint_name`): the backward pass
+    is a custom_vjp, opaque to policies that look for dots."""
+    return checkpoint_name(_dense(x, w, out_dtype), PROJECTION)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
     return y.astype(out_dtype or x.dtype)
 
 
 def _dense_fwd(x, w, out_dtype):
-    return dense(x, w, out_dtype), (x, w)
+    return _dense(x, w, out_dtype), (x, w)
 
 
 def _dense_bwd(out_dtype, residuals, dy):
@@ -44,4 +52,4 @@ def _dense_bwd(out_dtype, residuals, dy):
     return dx, dw.astype(w.dtype)
 
 
-dense.defvjp(_dense_fwd, _dense_bwd)
+_dense.defvjp(_dense_fwd, _dense_bwd)

@@ -50,7 +50,7 @@ def model_class(cfg: QwenConfig) -> type[CausalLM]:
 
 def abstract_model(cfg: QwenConfig, *, mesh: jax.sharding.Mesh | None = None,
                    param_dtype: str = "float32", compute_dtype: str = "float32",
-                   remat: bool = False, attn_impl: str = "xla",
+                   remat: bool | str = False, attn_impl: str = "xla",
                    causal_balance: bool = False, train_vision: bool = False,
                    scan_layers: bool | None = None) -> CausalLM:
     """The model's structure with abstract parameters (no memory), padded for `mesh`'s devices.

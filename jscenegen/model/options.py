@@ -29,6 +29,11 @@ class ModelConfig(Section):
     remat: bool = Field(False, description="rematerialise each decoder layer (jax.checkpoint): "
                         "the backward pass recomputes the layer's forward instead of keeping its "
                         "activations (less memory, more compute)")
+    remat_policy: Literal["full", "minimal"] = Field(
+        "full", description="what a rematerialised layer keeps (with remat: true; MaxText's "
+        "names): full keeps nothing and recomputes the whole layer; minimal keeps the "
+        "projections' outputs (matmuls without batch dimensions) and recomputes the rest, so "
+        "no projection runs twice")
     attention: Literal["xla", "cudnn"] = Field("xla", description="attention kernel: xla (any "
                                                "backend) or cudnn (GPU; xla elsewhere, with a "
                                                "warning)")
@@ -47,7 +52,8 @@ class ModelConfig(Section):
     def build_options(self) -> dict[str, Any]:
         """Keyword arguments of `loader.build_model` / `hf_io.load_hf` for this section."""
         return dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
-                    remat=self.remat, attn_impl=attention_for_backend(self.attention),
+                    remat=self.remat and self.remat_policy,
+                    attn_impl=attention_for_backend(self.attention),
                     causal_balance=self.causal_balance,
                     train_vision=self.train_vision, scan_layers=self.scan_layers)
 

@@ -27,6 +27,7 @@ from jscenegen.model.attention import attention
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.dense import dense
 from jscenegen.model.dtypes import np_dtype
+from jscenegen.model.remat import checkpointed, remat_policy
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import ParamFactory, weight_table
 from jscenegen.sharding.constraints import constrain, constrain_stacked, gather
@@ -322,7 +323,8 @@ class QwenForCausalLM(CausalLM):
       rngs: initialisation PRNGs (random weights; `load_hf` replaces them).
       pad_multiple: pad dim 0 of every parameter to a multiple of this (the mesh's device count).
       param_dtype / compute_dtype: "float32" or "bfloat16".
-      remat: rematerialise each decoder layer in the backward pass (jax.checkpoint).
+      remat: rematerialise each decoder layer in the backward pass: False, True ("full") or
+        "minimal" (the projections' outputs kept; `model.remat`).
       scan_layers: a full forward (training) runs the layers as a `lax.scan` over stacked
         parameters (the compiled step holds one layer's gathered weights: needed under FSDP),
         else as a Python loop over their own parameters (one device: no stacking, no
@@ -335,12 +337,12 @@ class QwenForCausalLM(CausalLM):
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1,
+                 remat: bool | str = False, attn_impl: str = "xla", balance_shards: int = 1,
                  train_vision: bool = False, scan_layers: bool = True):
         self.cfg = cfg
         self.balance_shards = balance_shards
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = remat_policy(remat)
         self.scan_layers = scan_layers
         make = ParamFactory(weight_table(cfg, train_vision=train_vision), rngs=rngs, pad_multiple=pad_multiple,
                             dtype=np_dtype(param_dtype))
@@ -434,7 +436,7 @@ class QwenForCausalLM(CausalLM):
             for layer in self.model.layers:
                 def run(h, layer=layer):
                     return layer(h, cos, sin, attn_mask)[0]
-                x = jax.checkpoint(run, prevent_cse=False)(x) if self.remat else run(x)
+                x = checkpointed(run, self.remat, prevent_cse=False)(x)
             return x, None, None
         graphdef, stacked = self.stacked_layers()
 
@@ -443,7 +445,5 @@ class QwenForCausalLM(CausalLM):
             h, _ = layer(h, cos, sin, attn_mask)
             return h, None
 
-        if self.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, stacked)
+        x, _ = jax.lax.scan(checkpointed(body, self.remat, prevent_cse=False), x, stacked)
         return x, None, None

@@ -65,6 +65,7 @@ from jscenegen.model.qwen import (
     logical,
     with_empty_slots,
 )
+from jscenegen.model.remat import checkpointed, remat_policy
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import CarriedTree, ParamFactory, weight_table
 from jscenegen.sharding.constraints import axis_size, constrain, constrain_grouped
@@ -459,7 +460,7 @@ class Qwen35ForCausalLM(CausalLM):
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, pad_multiple: int = 1,
                  param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: bool = False, attn_impl: str = "xla", balance_shards: int = 1,
+                 remat: bool | str = False, attn_impl: str = "xla", balance_shards: int = 1,
                  train_vision: bool = False):
         if not cfg.hybrid:
             raise ValueError(f"Qwen35ForCausalLM needs a qwen3_5 config, got {cfg.model_type!r}")
@@ -468,7 +469,7 @@ class Qwen35ForCausalLM(CausalLM):
                              "DeltaNet recurrence needs the tokens in order; set it to false")
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = remat_policy(remat)
         self.balance_shards = 1
         make = ParamFactory(weight_table(cfg, train_vision=train_vision), rngs=rngs, pad_multiple=pad_multiple,
                             dtype=np_dtype(param_dtype))
@@ -561,12 +562,12 @@ class Qwen35ForCausalLM(CausalLM):
         def apply_first(graphdef, h, caches, state, index):
             return apply(graphdef, h, caches, jax.tree.map(lambda a: a[0], state), index[0])
 
-        if self.remat:
-            # Each checkpointed call takes the scan's own slices (never a value computed
-            # outside it), so the backward pass keeps only those sharded slices and the
-            # carried activations, not a per-layer copy of anything gathered.
-            apply = jax.checkpoint(apply, prevent_cse=False, static_argnums=(0,))
-            apply_first = jax.checkpoint(apply_first, prevent_cse=False, static_argnums=(0,))
+        # Each checkpointed call takes the scan's own slices (never a value computed outside
+        # it), so the backward pass keeps only those sharded slices and the carried
+        # activations (and, under "minimal", the projections' outputs), not a per-layer copy
+        # of anything gathered.
+        apply = checkpointed(apply, self.remat, prevent_cse=False, static_argnums=(0,))
+        apply_first = checkpointed(apply_first, self.remat, prevent_cse=False, static_argnums=(0,))
 
         def run_layers(graphdef, h, caches, state, index):
             if index.shape[0] == 1:
