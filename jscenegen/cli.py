@@ -190,8 +190,8 @@ RERAISED_BY_ORBAX = "_SignalingThread.run() raised an exception"
 
 class StderrLogHandler(logging.Handler):
     """Log records as `warning: message` lines on the current sys.stderr (looked up at each
-    record, so a replaced stderr is followed), at most MAX_ERROR_CHARS characters each; the
-    traceback of a logged exception only with JSCENEGEN_DEBUG=1 (a library's writer threads
+    record, so a replaced stderr is followed), at most MAX_ERROR_CHARS characters each; a logged
+    exception adds `(Type: its first line)`, its traceback only with JSCENEGEN_DEBUG=1 (a library's writer threads
     log one per thread, pages of them for one failure); orbax's logged copies of an exception
     it re-raises are left out."""
 
@@ -200,6 +200,10 @@ class StderrLogHandler(logging.Handler):
             return   # the exception reaches the command, which prints it once
         try:
             text = f"{record.levelname.lower()}: {record.getMessage()}"
+            err = record.exc_info[1] if record.exc_info else None
+            first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "") if err else ""
+            if err is not None and not (first and first in text):   # the cause, in one line
+                text += f" ({type(err).__name__}{': ' + first if first else ''})"
             if len(text) > MAX_ERROR_CHARS:
                 text = text[:MAX_ERROR_CHARS] + " ..."
             if record.exc_info and os.environ.get("JSCENEGEN_DEBUG"):
@@ -241,9 +245,14 @@ def _forget_caught_interrupt() -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _run(argv)
-    except Exception:   # a bug's traceback; in a joined run, then no shutdown barrier either
+    except Exception as err:   # a bug's traceback; in a joined run, then no shutdown barrier either
         if _must_skip_clean_up(1):
-            traceback.print_exc()
+            if _runtime_error(err) and not os.environ.get("JSCENEGEN_DEBUG"):
+                print(f"error: {type(err).__name__}: {error_line(err)} (a computation of this "
+                      "multi-process run failed; when another process stopped first, its output "
+                      "says why; JSCENEGEN_DEBUG=1 prints the traceback)", file=sys.stderr)
+            else:
+                traceback.print_exc()
             _end_without_clean_up(1)
         raise
     finally:
@@ -255,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     if _must_skip_clean_up(code):
         _end_without_clean_up(code)
     return code
+
+
+def _runtime_error(err: BaseException) -> bool:
+    """Whether `err` is JAX's runtime error (a failed computation or collective, e.g. gloo's
+    "Connection closed by peer" when another process of the run died), not a Python bug."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(err, jax.errors.JaxRuntimeError)
 
 
 def _must_skip_clean_up(code: int) -> bool:

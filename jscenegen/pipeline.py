@@ -230,6 +230,8 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
 def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str) -> int:
+    import jax
+
     from jscenegen.checkpoint.store import finished_saves
     from jscenegen.grpo.train.trainer import Trainer
     from jscenegen.sharding.mesh import is_primary
@@ -302,9 +304,10 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         print(json.dumps(out))
     if summary.stopped_by_signal:  # a scheduler must not read a stop as "finished"
         stopped = signal.Signals[summary.stopped_by_signal]
-        if is_primary():
-            print(terminal_text(f"stopped by {stopped.name} after attempt {summary.attempts}; "
-                                f"checkpoint {summary.checkpoint}; continue with: jscenegen "
-                                f"train --resume {run_dir}"), file=sys.stderr, flush=True)
+        # every process says so: a peer of the signalled one otherwise ends with 143, silent
+        where = "" if is_primary() else f"process {jax.process_index()}: "
+        print(terminal_text(f"{where}stopped by {stopped.name} after attempt {summary.attempts}; "
+                            f"checkpoint {summary.checkpoint}; continue with: jscenegen "
+                            f"train --resume {run_dir}"), file=sys.stderr, flush=True)
         return 128 + stopped
     return 0

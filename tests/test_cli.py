@@ -860,6 +860,13 @@ def test_a_logged_exception_is_one_clipped_line_unless_debugging(capsys, monkeyp
                           "an exception: %s", 0, "np_type_handler", 1, err)
         log.error("a plain error")
         assert capsys.readouterr().err == "error: a plain error\n"
+        try:      # a message without the exception's text gets its type and first line
+            raise RuntimeError("\nINTERNAL: Gloo collective permute failed: Connection closed by "
+                               "peer\nmore detail")
+        except RuntimeError:
+            log.exception("rollout engine error")
+        assert capsys.readouterr().err == ("error: rollout engine error (RuntimeError: INTERNAL: Gloo "
+                                           "collective permute failed: Connection closed by peer)\n")
     finally:
         log.removeHandler(handler)
 
@@ -945,3 +952,39 @@ def test_a_path_argument_that_is_a_broken_link_is_named_as_one(tmp_path, capsys,
     assert main([a.format(link=tmp_path / "link", tmp=tmp_path) for a in argv]) == 2
     assert one_error_line(capsys) == (f"error: {tmp_path / 'link'}: a broken symbolic link (to "
                                       f"{tmp_path / 'gone'}, which does not exist; argument {name})")
+
+
+@pytest.mark.parametrize("error, traceback_shown", [
+    ("runtime", False),    # a collective lost its peer: what the run says, not a bug's traceback
+    ("bug", True),
+])
+def test_a_joined_process_that_fails_says_why_in_one_line_unless_it_is_a_bug(
+        monkeypatch, capsys, error, traceback_shown):
+    import jax
+
+    import jscenegen.cli as cli
+
+    def failing_command(argv):
+        if error == "runtime":
+            raise jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Gloo "
+                                             "collective permute failed: Connection closed by peer"
+                                             "\nmore detail")
+        raise KeyError("a bug")
+
+    def ended(code):
+        raise SystemExit(code)
+
+    monkeypatch.delenv("JSCENEGEN_DEBUG", raising=False)
+    monkeypatch.setattr(cli, "_run", failing_command)
+    monkeypatch.setattr(cli, "_must_skip_clean_up", lambda code: True)   # a joined run
+    monkeypatch.setattr(cli, "_end_without_clean_up", ended)
+    with pytest.raises(SystemExit) as stop:
+        main(["train"])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert ("Traceback (most recent call last)" in err) == traceback_shown
+    if not traceback_shown:
+        assert err.count("\n") == 1 and err.startswith(
+            "error: JaxRuntimeError: INTERNAL: Error dispatching computation: Gloo collective "
+            "permute failed: Connection closed by peer; more detail (a computation of this "
+            "multi-process run failed; when another process stopped first, its output says why"), err

@@ -49,6 +49,12 @@ def test_mesh_shape_resolution_and_errors():
      "JSCENEGEN_PROCESS_ID=7 must lie in 0..0"),
     ({"JSCENEGEN_COORDINATOR": "nosuchhost.invalid:8476"},
      "the coordinator host 'nosuchhost.invalid' (JSCENEGEN_COORDINATOR) does not resolve"),
+    # JAX waited out the whole timeout for these, both processes saying only "did not all join"
+    ({"JSCENEGEN_COORDINATOR": "::1:8476"},
+     "JSCENEGEN_COORDINATOR='::1:8476': an IPv6 host is written in brackets ([::1]:8476)"),
+    ({"JSCENEGEN_COORDINATOR": "[127.0.0.1]:8476"},
+     "JSCENEGEN_COORDINATOR='[127.0.0.1]:8476': an IPv6 host is written in brackets ([::1]:8476), "
+     "and only an IPv6 host"),
 ])
 def test_a_multi_host_launch_is_checked_before_jax_waits_for_other_processes(monkeypatch, env, why):
     """jax.distributed.initialize would wait minutes for processes that can never join."""
@@ -82,6 +88,20 @@ def test_process_0_refuses_a_coordinator_port_in_use(monkeypatch):
         port = busy.getsockname()[1]
         with pytest.raises(MeshError, match=f"port {port} of mesh.coordinator_address is in use "
                                             "on this host"):
+            initialize_distributed(f"127.0.0.1:{port}", 2, 0, timeout_s=1)
+
+
+def test_process_0_refuses_a_coordinator_port_an_ipv6_listener_holds():
+    import socket
+
+    from jscenegen.sharding.mesh import initialize_distributed
+
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        busy.bind(("::1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(MeshError, match=f"port {port} of mesh.coordinator_address is in use"):
             initialize_distributed(f"127.0.0.1:{port}", 2, 0, timeout_s=1)
 
 

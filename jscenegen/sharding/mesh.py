@@ -139,6 +139,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if not host or not is_decimal(port) or not 0 < int(port) < 65536:
         raise MeshError(f"multi-host launch: {addr_from}={addr!r} is not host:port "
                         "(e.g. host0:8476)")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if (":" in host) != bracketed or (bracketed and ":" not in host[1:-1]):
+        raise MeshError(f"multi-host launch: {addr_from}={addr!r}: an IPv6 host is written in "
+                        "brackets ([::1]:8476), and only an IPv6 host")
     try:
         socket.getaddrinfo(host.strip("[]"), int(port))
     except OSError as err:
@@ -275,18 +279,25 @@ def _launch_value(value: int | None, key: str, variable: str) -> tuple[int | Non
 
 
 def _check_port_free(port: int, source: str) -> None:
-    """Raise MeshError when `port` has a listener on this host: process 0 serves the coordinator
-    there, and JAX would report only that the processes "did not all join"."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(("", port))
-    except OSError as err:
-        if err.errno == errno.EADDRINUSE:
-            raise MeshError(f"multi-host launch: port {port} of {source} is in use on this host, "
-                            "where process 0 serves the coordinator; choose a free port") from None
-    finally:
-        probe.close()
+    """Raise MeshError when `port` has a listener on this host (IPv4 or IPv6): process 0 serves
+    the coordinator there, and JAX would report only that the processes "did not all join"."""
+    for family, anywhere in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:   # a host without IPv6
+            continue
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind((anywhere, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise MeshError(f"multi-host launch: port {port} of {source} is in use on this "
+                                "host, where process 0 serves the coordinator; choose a free "
+                                "port") from None
+        finally:
+            probe.close()
 
 
 def is_primary() -> bool:
