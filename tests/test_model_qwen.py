@@ -96,6 +96,10 @@ def test_config_reads_both_rope_spellings(hf_dirs):
         QwenConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "linear", "factor": 0.0}))
     with pytest.raises(ModelConfigError, match="use_sliding_window"):
         QwenConfig.from_hf_dict(dict(d, sliding_window=4096, use_sliding_window=True))
+    # an odd head_dim loaded, then failed in transformers' tokenizer-side RoPE check, blamed on
+    # the tokenizer files (design), or printed a whole mesh report
+    with pytest.raises(ModelConfigError, match=r"^cfg\.json: head_dim 7 must be even \(RoPE"):
+        QwenConfig.from_hf_dict(dict(d, head_dim=7), source="cfg.json")
     assert d["model_type"] == "qwen3"   # biases the weight table has no place for: refused
     with pytest.raises(ModelConfigError, match=r"attention_bias=true is not supported for qwen3"):
         QwenConfig.from_hf_dict(dict(d, attention_bias=True))

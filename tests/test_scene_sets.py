@@ -235,6 +235,18 @@ def test_cli_furnish_names_a_binary_file_and_finds_shipped_sets_from_anywhere(tm
     assert scene_from_json(json.loads((tmp_path / "f.json").read_text())).objects
 
 
+def test_cli_furnish_refuses_a_request_the_catalogue_cannot_satisfy(tmp_path, capsys):
+    """It played the episode and exited 0 with failure_cause invalid_terminal_scene; eval
+    refused the same file."""
+    record = json.loads((Path(__file__).resolve().parents[1] / "data/scenes/dev.jsonl").read_text().splitlines()[0])
+    record["requested"] = [{"category": "spaceship", "count": 1}]
+    (tmp_path / "set.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["scene", "furnish", str(tmp_path / "set.jsonl"), "-o", str(tmp_path / "x.json")]) == 2
+    assert one_error_line(capsys).endswith(
+        "requests 'spaceship': neither a category nor a group of the catalogue")
+    assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.parametrize("requested, why", [
     ([{"category": "bed", "count": 1}, {"category": "bed", "count": 2}],
      r"requested\[1\]: category 'bed' is requested twice"),

@@ -306,3 +306,24 @@ def test_config_errors_name_the_key():
     assert validate_config({"sft": {"max_seq_len": 64}}, "sft.yaml", SFTRunConfig).sft.seq_multiple == 128
     with pytest.raises(ConfigError, match="scene_offset 999999 \\+ num_demos 2 passes"):
         validate_config({"sft": {"num_demos": 2, "scene_offset": 999999}}, "sft.yaml", SFTRunConfig)
+
+
+def test_a_cosine_schedule_shorter_than_the_sft_steps_is_warned_before_any_work(tmp_path, caplog):
+    """Past optim.total_steps the cosine climbs back towards optim.lr (`train` warned; `sft`
+    ran on silently: sft.steps=600 with configs/sft-cpu.yaml's total_steps=300)."""
+    from jscenegen.sharding.mesh import MeshError
+
+    cfg = validate_config({"sft": {"steps": 600}, "mesh": {"fsdp": 5, "sp": 1},
+                           "optim": {"lr_schedule": "cosine", "total_steps": 300}},
+                          "sft.yaml", SFTRunConfig)
+    with pytest.raises(MeshError):        # the mesh is checked after the warning: no model loads
+        run_sft(cfg, tmp_path / "no-model", tmp_path / "out")
+    assert "optim.total_steps=300 is below sft.steps=600: past it the cosine LR climbs back" \
+        in caplog.text
+    caplog.clear()
+    fits = validate_config({"sft": {"steps": 300}, "mesh": {"fsdp": 5, "sp": 1},
+                            "optim": {"lr_schedule": "cosine", "total_steps": 300}},
+                           "sft.yaml", SFTRunConfig)
+    with pytest.raises(MeshError):
+        run_sft(fits, tmp_path / "no-model", tmp_path / "out2")
+    assert "total_steps" not in caplog.text

@@ -106,9 +106,9 @@ def test_process_0_refuses_a_coordinator_port_an_ipv6_listener_holds():
 
 
 def test_every_param_is_dim0_sharded_over_all_devices_with_fsdp2_padding():
-    # sizes chosen not to divide by 6: vocab 1003, hidden 100, FFN 250, kv rows 2*25
+    # sizes chosen not to divide by 6: vocab 1003, hidden 100, FFN 250, kv rows 2*26 (head_dim must be even: RoPE)
     cfg = preset_config("qwen2", "tiny", vocab_size=1003, hidden_size=100, intermediate_size=250,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=25,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=26,
                         num_hidden_layers=2)
     mesh = make_mesh(3, 2)
     model = shard_model(QwenForCausalLM(cfg, rngs=nnx.Rngs(0), pad_multiple=6), mesh)

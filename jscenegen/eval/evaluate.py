@@ -77,6 +77,8 @@ def load_policy(path: str | Path, mesh, **options):
 def _not_a_model(p: Path) -> FileNotFoundError:
     """The error for a `--model` directory that is neither an HF model nor a checkpoint step,
     pointing at the newest step when it is a run's `checkpoints/` directory or the run itself."""
+    if not p.exists():
+        return FileNotFoundError(f"--model {p}: no such file or directory")
     hint = ""
     for steps_dir in (p, p / RUN_CHECKPOINTS):
         steps = [s for s in step_numbers(steps_dir) if is_checkpoint_dir(steps_dir / str(s))]

@@ -301,6 +301,9 @@ class QwenConfig:
         given = d.get("head_dim")   # transformers: None means hidden_size // heads, 0 is 0
         head_dim = _positive(given if given is not None else d["hidden_size"] // heads, "head_dim", source,
                              integer=True, limit=SIZE_LIMITS["head_dim"])
+        if head_dim % 2:
+            raise ModelConfigError(f"{source}: head_dim {head_dim} must be even (RoPE rotates "
+                                   "pairs of each head's dims)")
         theta, scaling, _ = _read_rope(d, source, 1_000_000.0)
         return cls(
             model_type=model_type,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jscenegen.config import SEED_MAX, Section
+from jscenegen.config import SEED_MAX, STEPS_MAX, Section
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.rollout.config import TOKENS_MAX
 from jscenegen.model.options import ModelConfig
@@ -31,7 +31,8 @@ class SFTConfig(Section):
                                   "imperfect designer (positions jittered) so the critic and "
                                   "planner also see flawed scenes")
     noise_m: float = Field(0.3, ge=0, description="position jitter of the imperfect designer (m)")
-    steps: int = Field(40, ge=1, description="optimizer steps (batches cycle over shuffled epochs)")
+    steps: int = Field(40, ge=1, le=STEPS_MAX, description="optimizer steps (batches cycle over "
+                       "shuffled epochs; a cosine optim.total_steps below it is warned)")
     batch_size: int = Field(3, ge=1, description="demos (rows) per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per micro-batch "
                                          "(gradient accumulation); None = the whole batch; must "

@@ -5,6 +5,7 @@ Builds the demonstrations (sft/demos.py), loads the model in the FSDP2 layout on
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Callable
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
-from jscenegen.grpo.algo.optimizer import init_train_state
+from jscenegen.grpo.algo.optimizer import init_train_state, schedule_ends_early
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.paths import json_document, json_line, require_new_dir
 from jscenegen.sft.config import BATCH_TOKENS_MAX
@@ -58,6 +59,9 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     sc = cfg.sft
     t0 = time.perf_counter()
     require_new_dir(out_dir)
+    early = schedule_ends_early(cfg.optim, sc.steps, "sft.steps")
+    if early:
+        logging.getLogger(__name__).warning("%s", early)
     mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
     check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
                                "sft.batch_size", "sft.micro_batch_size")
@@ -128,7 +132,6 @@ def _check_trained(cfg, last: dict, skipped: int, loss_after: float, grad_norm_a
     written; the logged values come before each update) is not finite. Warn when earlier steps were skipped, or when every step ran at learning
     rate 0 (a warmup longer than the run: `sft.steps=1` with any `optim.warmup_steps`), so the
     weights written are the input's."""
-    import logging
     import math
 
     from jscenegen.grpo.algo.optimizer import lr_at

@@ -153,6 +153,17 @@ def lr_multiplier(cfg: OptimConfig, step):
     return jnp.where(s < warm, warmup, after)
 
 
+def schedule_ends_early(cfg: OptimConfig, steps: int, steps_key: str) -> str | None:
+    """The warning for a cosine schedule shorter than the run's `steps` optimizer steps (named
+    by config key `steps_key`): past optim.total_steps the cosine climbs back towards optim.lr;
+    None when the schedule covers the run."""
+    if cfg.lr_schedule != "cosine" or cfg.total_steps is None or cfg.total_steps >= steps:
+        return None
+    return (f"optim.total_steps={cfg.total_steps} is below {steps_key}={steps}: past it the "
+            "cosine LR climbs back towards optim.lr (VERL sizes the schedule to the run's "
+            "steps); raise optim.total_steps with the run's length")
+
+
 def lr_at(cfg: OptimConfig, step):
     """Learning rate used by the optimizer step taken at scheduler count `step` (float32)."""
     return cfg.lr * lr_multiplier(cfg, step)

@@ -43,7 +43,13 @@ from jscenegen.checkpoint.store import (
 )
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.logprobs import selection_capacity
-from jscenegen.grpo.algo.optimizer import TrainState, adam_state, init_train_state, state_from_canonical
+from jscenegen.grpo.algo.optimizer import (
+    TrainState,
+    adam_state,
+    init_train_state,
+    schedule_ends_early,
+    state_from_canonical,
+)
 from jscenegen.grpo.algo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
@@ -163,11 +169,9 @@ class Trainer:
                         "rounds away, and AdamW moves a weight by about optim.lr = %g per step; "
                         "for VERL's numerics keep param_dtype float32 (compute_dtype bfloat16 "
                         "still computes in bf16)", cfg.optim.lr)
-        if cfg.optim.lr_schedule == "cosine" and cfg.optim.total_steps < cfg.schedule.total_updates:
-            log.warning("optim.total_steps=%d is below schedule.total_updates=%d: past it the "
-                        "cosine LR climbs back towards optim.lr (VERL sizes the schedule to the "
-                        "run's steps); raise optim.total_steps with the run's length",
-                        cfg.optim.total_steps, cfg.schedule.total_updates)
+        early = schedule_ends_early(cfg.optim, cfg.schedule.total_updates, "schedule.total_updates")
+        if early:
+            log.warning("%s", early)
         if resume:
             ck = self._read_checkpoint()
             self.model = build_model(arch, ck.params.items(), mesh=self.mesh,
