@@ -191,9 +191,9 @@ RERAISED_BY_ORBAX = "_SignalingThread.run() raised an exception"
 class StderrLogHandler(logging.Handler):
     """Log records as `warning: message` lines on the current sys.stderr (looked up at each
     record, so a replaced stderr is followed), at most MAX_ERROR_CHARS characters each; a logged
-    exception adds `(Type: its first line)`, its traceback only with JSCENEGEN_DEBUG=1 (a library's writer threads
-    log one per thread, pages of them for one failure); orbax's logged copies of an exception
-    it re-raises are left out."""
+    exception adds `(Type: its first line)` unless the message holds it, and its traceback only
+    with JSCENEGEN_DEBUG=1 (a library's writer threads log one per thread, pages of them for
+    one failure); orbax's logged copies of an exception it re-raises are left out."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.exc_info and RERAISED_BY_ORBAX in str(record.msg):
