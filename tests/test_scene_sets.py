@@ -304,3 +304,19 @@ def test_render_names_its_format_and_measuring_errors_name_the_file(tmp_path, ca
         err = one_error_line(capsys)
         assert err.startswith(f"error: {tmp_path / 'far.json'}: ") and "lies too far" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["far.json", "s.json"]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**40, True, 1.5])
+def test_a_records_seed_is_32_bits(seed):
+    data = {"scene": {"room": room(), "objects": []}, "seed": seed, "requested": []}
+    with pytest.raises(SceneError, match=r"^set.jsonl:3: seed must be an integer in 0..4294967295"):
+        record_from_json(data, "set.jsonl:3")
+
+
+def test_a_pretty_printed_scene_given_as_a_scene_set_is_told_the_format(tmp_path):
+    record = {"scene": {"room": room(), "objects": []}, "seed": 1, "requested": []}
+    path = tmp_path / "set.json"
+    path.write_text(json.dumps(record, indent=2))
+    with pytest.raises(SceneError, match=r"set.json:1: not valid JSON: .*\(a scene set holds one "
+                                         r"JSON record per line: JSONL\)$"):
+        read_scene_set(path)

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jscenegen.config import clip_text, not_unicode
+from jscenegen.config import SEED_MAX, clip_text, not_unicode
 from jscenegen.paths import atomic_file, not_a_file
 
 from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, json_text, parse_json, scene_from_json
@@ -41,8 +41,9 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
     if extra:
         raise SceneError(f"{source}: unknown keys {sorted(extra)}")
     seed = data.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise SceneError(f"{source}: seed must be an integer, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise SceneError(f"{source}: seed must be an integer in 0..{SEED_MAX} (32 bits), got "
+                         f"{clip_text(repr(seed))}")
     items = requested_items(data.get("requested", []), f"{source}: requested")
     return SceneRecord(scene_from_json(data.get("scene"), f"{source}: scene"), seed, items)
 
@@ -93,7 +94,11 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        data = parse_json(line, f"{p}:{n}")
+        try:
+            data = parse_json(line, f"{p}:{n}")
+        except SceneError as err:   # a pretty-printed JSON file breaks on its first line
+            hint = "" if len(out) else " (a scene set holds one JSON record per line: JSONL)"
+            raise SceneError(f"{err}{hint}") from None
         record = record_from_json(data, f"{p}:{n}")
         scene_id = record.scene.scene_id
         if scene_id and scene_id in lines:   # reports name scenes by id: they would clash
