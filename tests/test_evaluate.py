@@ -19,6 +19,7 @@ from jscenegen.scene.judge import make_judge
 from jscenegen.scene.schema import scene_from_json
 
 from chat_fixtures import chat_model_dir, dev_records
+from cli_errors import one_error_line
 from scene_fixtures import JudgeServer
 
 # Tiny caps: the ~2,100-token prompt fits, every 8-token turn of a random model is truncated.
@@ -327,6 +328,11 @@ def test_design_record_rooms(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"floor_polygon": [[0, 0], [1, 0]], "wall_height": 2.5}))
     with pytest.raises(SceneError, match="bad.json.*floor_polygon"):
         design_record("x", str(tmp_path / "bad.json"), 0)
+    broken = dev.to_json()
+    broken["room"]["wall_height"] = -1.0       # a scene file's error names --room as the others do
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(SceneError, match=rf"^--room {re.escape(str(tmp_path / 'broken.json'))}: "):
+        design_record("x", str(tmp_path / "broken.json"), 0)
     with pytest.raises(SceneError, match="--prompt is empty"):
         design_record("  ", None, 0)
 
@@ -479,6 +485,9 @@ def test_a_scene_id_is_one_markdown_cell():
 def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tmp_path, capsys):
     good = _synthetic_report()
     assert _compare(tmp_path, capsys, good, good) == (0, "")
+    (tmp_path / "one.json").write_text(json.dumps(good))
+    assert main(["eval", "--compare", str(tmp_path / "one.json"), str(tmp_path / "one.json")]) == 2
+    assert one_error_line(capsys).endswith("BEFORE and AFTER are the same file")
     damaged = [(lambda r: r["scenes"].append(5), "scenes[2] must be an object"),
                (lambda r: r["scenes"][0].update(scene_id=None), "scenes[0].scene_id must be a string"),
                (lambda r: r["scenes"][1]["model"]["episodes"].__setitem__(1, "x"),

@@ -61,7 +61,7 @@ def design_record(prompt: str, room_path: str | None, seed: int):
         if isinstance(data, dict) and "scene" in data and "room" not in data:   # a scene-set record
             data = record_from_json(data, f"--room {room_path}").scene.to_json()
         if isinstance(data, dict) and "room" in data:
-            scene = scene_from_json(data, room_path).model_copy(update={"prompt": prompt})
+            scene = scene_from_json(data, f"--room {room_path}").model_copy(update={"prompt": prompt})
         else:
             try:
                 room = Room.model_validate(data)

@@ -1,6 +1,7 @@
 """`jscenegen eval`: a model (HF directory or checkpoint step) and the scripted expert on a scene set."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -37,6 +38,9 @@ def compare(before: str, after: str, plot: str | None) -> int:
     if plot:
         check_output_file(plot, "--plot", suffix=".png")
         refuse_overwriting_input(plot, "--plot", {"BEFORE": before, "AFTER": after})
+    with contextlib.suppress(OSError):   # a missing file is named when it is read
+        if os.path.samefile(before, after):
+            raise ValueError(f"--compare {before} {after}: BEFORE and AFTER are the same file")
     reports = read_json_file(before), read_json_file(after)
     for path, report in zip((before, after), reports):
         check_report(report, f"{path} (an evaluation report made by `jscenegen eval` or `jscenegen train`)")
