@@ -69,12 +69,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("jscenegen convert: needs SRC DST --to G [--from F], or --verify/--inspect "
                          "DIR (see jscenegen convert --help)")
     from convert.dispatch import convert
+    from convert.errors import ConversionWarning
     from convert.inspect import source_format
 
     if args.src_format is None:
         args.src_format = source_format(args.src)
         print(terminal_text(f"{args.src}: read as --from {args.src_format}"), file=sys.stderr)
-    from convert.errors import ConversionWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)

@@ -562,10 +562,10 @@ class Qwen35ForCausalLM(CausalLM):
         def apply_first(graphdef, h, caches, state, index):
             return apply(graphdef, h, caches, jax.tree.map(lambda a: a[0], state), index[0])
 
-        # Each checkpointed call takes the scan's own slices (never a value computed outside
-        # it), so the backward pass keeps only those sharded slices and the carried
-        # activations (and, under "minimal", the projections' outputs), not a per-layer copy
-        # of anything gathered.
+        # With remat, each checkpointed call takes the scan's own slices (never a value
+        # computed outside it), so the backward pass keeps only those sharded slices and the
+        # carried activations (and, under "minimal", the projections' outputs), not a
+        # per-layer copy of anything gathered.
         apply = checkpointed(apply, self.remat, prevent_cse=False, static_argnums=(0,))
         apply_first = checkpointed(apply_first, self.remat, prevent_cse=False, static_argnums=(0,))
 

@@ -97,7 +97,7 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
         try:
             data = parse_json(line, f"{p}:{n}")
         except SceneError as err:   # a pretty-printed JSON file breaks on its first line
-            hint = "" if len(out) else " (a scene set holds one JSON record per line: JSONL)"
+            hint = "" if out else " (a scene set holds one JSON record per line: JSONL)"
             raise SceneError(f"{err}{hint}") from None
         record = record_from_json(data, f"{p}:{n}")
         scene_id = record.scene.scene_id
