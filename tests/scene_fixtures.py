@@ -151,7 +151,9 @@ def random_scene(seed: int) -> Scene:
     doors = []
     for _ in range(int(rng.integers(1, 3))):
         i = int(rng.choice([k for k, L in enumerate(lengths) if L > 1.0]))
-        doors.append({"wall": i, "offset": round(rng.uniform(0.45, lengths[i] - 0.45), 2), "width": 0.8, "height": 2.1})
+        off = round(rng.uniform(0.45, lengths[i] - 0.45), 2)
+        if all(d["wall"] != i or abs(d["offset"] - off) >= 0.8 for d in doors):   # apart (schema)
+            doors.append({"wall": i, "offset": off, "width": 0.8, "height": 2.1})
     objs = []
     for k in range(int(rng.integers(0, N_RANDOM_OBJECTS + 1))):
         on_cm = rng.random() < 0.5

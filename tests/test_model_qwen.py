@@ -185,6 +185,22 @@ def test_missing_tensor_is_named(hf_dirs, tmp_path):
         load_hf(d)
 
 
+def test_non_finite_weights_are_named_in_a_warning(hf_dirs, tmp_path, caplog):
+    d = _copy(hf_dirs["qwen2"], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    tensors["model.norm.weight"][0] = -np.inf
+    save_file(tensors, d / "model.safetensors")
+    with caplog.at_level("WARNING", logger="jscenegen.model.loader"):
+        load_hf(hf_dirs["qwen2"])
+        assert not caplog.records                     # finite weights: no warning
+        load_hf(d)
+    (record,) = caplog.records
+    assert "2 tensor(s) hold NaN or Inf" in record.getMessage()
+    assert "model.layers.1.mlp.up_proj.weight" in record.getMessage()
+    assert "model.norm.weight" in record.getMessage()
+
+
 def test_unexpected_tensor_is_named(hf_dirs, tmp_path):
     d = _copy(hf_dirs["qwen2"], tmp_path / "m")
     tensors = load_file(d / "model.safetensors")

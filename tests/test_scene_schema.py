@@ -106,6 +106,34 @@ def test_a_room_without_a_door_is_refused(doors):
         Room.model_validate(r)  # a bare room (`jscenegen design --room`)
 
 
+DOOR = {"wall": 0, "offset": 2.0, "width": 0.9, "height": 2.1}
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"doors": [DOOR]}, r"doors\[1\] overlaps doors\[0\] on wall 0 \(0.900 m"),
+    ({"doors": [dict(DOOR, offset=2.5)]}, r"doors\[1\] overlaps doors\[0\] on wall 0 \(0.400 m"),
+    ({"windows": [dict(DOOR, offset=1.8, height=1.0, sill=1.5)]}, r"windows\[0\] overlaps doors\[0\]"),
+])
+def test_openings_sharing_wall_area_are_refused(extra, message):
+    r = room()
+    r["doors"] += extra.get("doors", [])
+    r["windows"] += extra.get("windows", [])
+    with pytest.raises(SceneError, match=rf"^s.json: room: .*{message}"):
+        scene_from_json({"room": r}, "s.json")
+
+
+@pytest.mark.parametrize("extra", [
+    {"doors": [dict(DOOR, offset=2.9)]},                       # touching edge to edge
+    {"doors": [dict(DOOR, wall=1, offset=1.5)]},               # another wall
+    {"windows": [dict(DOOR, height=0.4, sill=2.1)]},           # above the door
+])
+def test_openings_apart_are_accepted(extra):
+    r = room()
+    r["doors"] += extra.get("doors", [])
+    r["windows"] += extra.get("windows", [])
+    assert scene_from_json({"room": r}, "s.json").room.doors[0].offset == 2.0
+
+
 @pytest.mark.parametrize("field,value", [("position", [1e30, 1e30]), ("size", [1e30, 1.0, 1.0]),
                                          ("elevation", -1e30), ("yaw", 1e30)])
 def test_coordinates_beyond_the_bound_are_refused_naming_object_and_field(field, value):

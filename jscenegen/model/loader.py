@@ -10,6 +10,7 @@ MTP head) keep the dtype they arrive in; parameters are cast to `param_dtype`.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 import jax
@@ -23,6 +24,8 @@ from jscenegen.model.qwen import CausalLM, QwenForCausalLM
 from jscenegen.model.qwen35 import Qwen35ForCausalLM
 from jscenegen.model.weights import Carried, CheckpointFormatError, named_weights
 from jscenegen.sharding.rules import PARAM, named, padded_shape
+
+log = logging.getLogger(__name__)
 
 
 def pad_dim0(arr: np.ndarray, multiple: int) -> np.ndarray:
@@ -87,7 +90,8 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
     options: `abstract_model` keywords (param_dtype, compute_dtype, remat, attn_impl,
       causal_balance, train_vision, scan_layers).
     Raises CheckpointFormatError naming `source` and the key for an unknown, duplicated,
-    mis-shaped or missing weight.
+    mis-shaped or missing weight. Logs a warning naming the tensors that hold NaN or Inf
+    (`non_finite_tensors`): the model loads, but training from it skips every update.
     """
     model = abstract_model(cfg, mesh=mesh, **options)
     targets = named_weights(model)
@@ -117,4 +121,20 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
     if missing:
         raise CheckpointFormatError(f"{source}: missing tensor(s) {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''} ({len(missing)} missing)")
+    bad = non_finite_tensors({name: t.get_value() for name, t in targets.items()})
+    if bad:
+        log.warning("%s: %d tensor(s) hold NaN or Inf values: %s%s (every update from these "
+                    "weights would be skipped for a non-finite gradient)", source, len(bad),
+                    ", ".join(bad[:5]), " ..." if len(bad) > 5 else "")
     return model
+
+
+def non_finite_tensors(arrays: dict[str, jax.Array]) -> list[str]:
+    """Names of the floating-point arrays holding a NaN or an infinity, in `arrays`' order.
+
+    One reduction per array on the devices that hold it (a sharded array is never gathered);
+    integer arrays are skipped.
+    """
+    floating = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.inexact)}
+    flags = jax.device_get({n: jnp.all(jnp.isfinite(a)) for n, a in floating.items()})
+    return [n for n in floating if not bool(flags[n])]

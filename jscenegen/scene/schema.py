@@ -103,7 +103,25 @@ class Room(JsonDocument):
                     raise ValueError(
                         f"{kind}[{i}]: offset {op.offset} +- width/2 leaves wall {op.wall} (length {length:.3f})"
                     )
+        self._openings_apart()
         return self
+
+    def _openings_apart(self) -> None:
+        """Refuse two openings on one wall that share wall area: their spans along the wall
+        (offset +- width/2) and their heights (sill to sill + height; a door's sill is the
+        floor) both overlap by more than 1e-9 m. Touching openings are accepted."""
+        openings = [(f"doors[{i}]", d, 0.0) for i, d in enumerate(self.doors)]
+        openings += [(f"windows[{i}]", w, w.sill) for i, w in enumerate(self.windows)]
+        for j, (name_b, b, sill_b) in enumerate(openings):
+            for name_a, a, sill_a in openings[:j]:
+                if a.wall != b.wall:
+                    continue
+                along = (min(a.offset + a.width / 2, b.offset + b.width / 2)
+                         - max(a.offset - a.width / 2, b.offset - b.width / 2))
+                up = min(sill_a + a.height, sill_b + b.height) - max(sill_a, sill_b)
+                if along > 1e-9 and up > 1e-9:
+                    raise ValueError(f"{name_b} overlaps {name_a} on wall {b.wall} "
+                                     f"({along:.3f} m along the wall)")
 
 
 class SceneObject(JsonDocument):
