@@ -90,12 +90,17 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
                     resume: bool) -> None:
     """config.yaml (the resolved config, credentials redacted: on a resume the config it
     continues with, overrides such as an extension included) and run.json (the run's origin,
-    written by each start, kept by a resume); atomic."""
+    written by each start; a resume keeps its config_source and records the model directory
+    it resumed with, `resume_model_dir`); atomic."""
+    from jscenegen.checkpoint.resume import read_run_record
+
     write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
                                                        sort_keys=False))
-    if not resume or not (run_dir / RUN_RECORD).is_file():
-        write_json(run_dir / RUN_RECORD, {"model_dir": str(model_dir.resolve()),
-                                          "config_source": config_source})
+    record = read_run_record(run_dir) if resume else None
+    if record is None or record["model_dir"] != str(model_dir.resolve()):
+        write_json(run_dir / RUN_RECORD, {
+            "model_dir": str(model_dir.resolve()),
+            "config_source": record["config_source"] if record else config_source})
 
 
 class Progress:

@@ -11,6 +11,7 @@ from jscenegen.model.config import ModelConfigError, QwenConfig
 from jscenegen.model.hf_io import CheckpointFormatError, hf_state_dict, load_hf, save_hf
 from jscenegen.model.qwen import KVCache
 from jscenegen.parity.logits import logits_parity, random_padded_batch
+from jscenegen.sharding.mesh import make_mesh
 
 from hf_fixtures import make_hf_dir
 
@@ -195,10 +196,12 @@ def test_non_finite_weights_are_named_in_a_warning(hf_dirs, tmp_path, caplog):
         load_hf(hf_dirs["qwen2"])
         assert not caplog.records                     # finite weights: no warning
         load_hf(d)
-    (record,) = caplog.records
-    assert "2 tensor(s) hold NaN or Inf" in record.getMessage()
-    assert "model.layers.1.mlp.up_proj.weight" in record.getMessage()
-    assert "model.norm.weight" in record.getMessage()
+        load_hf(d, mesh=make_mesh(3, 2))              # sharded: checked where the shards lie
+    assert len(caplog.records) == 2
+    for record in caplog.records:
+        assert "2 tensor(s) hold NaN or Inf" in record.getMessage()
+        assert "model.layers.1.mlp.up_proj.weight" in record.getMessage()
+        assert "model.norm.weight" in record.getMessage()
 
 
 def test_unexpected_tensor_is_named(hf_dirs, tmp_path):

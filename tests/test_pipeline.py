@@ -146,7 +146,7 @@ def test_a_stop_before_the_run_files_are_written_gives_no_resume_hint(tmp_path, 
     assert err.endswith("error: interrupted (Ctrl-C)\n") and "continue with" not in err, err
 
 
-def test_each_start_writes_the_run_record_and_a_resume_keeps_it(tmp_path):
+def test_each_start_writes_the_run_record_and_a_resume_keeps_its_config_source(tmp_path):
     from jscenegen.pipeline import write_run_files
 
     cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [], RunConfig)
@@ -155,7 +155,8 @@ def test_each_start_writes_the_run_record_and_a_resume_keeps_it(tmp_path):
     assert json.loads((tmp_path / "run.json").read_text()) == {
         "model_dir": str((tmp_path / "second").resolve()), "config_source": "b.yaml"}
     write_run_files(tmp_path, cfg, tmp_path / "third", "c.yaml", resume=True)
-    assert json.loads((tmp_path / "run.json").read_text())["config_source"] == "b.yaml"
+    assert json.loads((tmp_path / "run.json").read_text()) == {   # the model it resumed with
+        "model_dir": str((tmp_path / "third").resolve()), "config_source": "b.yaml"}
 
 
 def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:

@@ -24,20 +24,22 @@ from chat_fixtures import chat_model_dir
 TIMING_KEYS = ("time/", "rollout/tokens_per_s", "rollout/reshard_s", "judge/latency_s")
 
 
+_OVERRIDES = (
+    "mesh.fsdp=3", "mesh.sp=2",
+    "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
+    "sampling.buckets=[64,256,1024,2048,4096]",
+    "schedule.num_scenes=3", "schedule.group_size=2", "schedule.total_updates=3",
+    "schedule.roles=PPC",           # a random model never gets past the planner's first turn
+    "schedule.zero_spread=count",   # ... nor has signal: step anyway
+    "loss.entropy_coeff=0.01",      # ... with a real, non-zero gradient
+    "optim.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
+    "logging.swanlab_mode=disabled", "trainer.progress=false",
+)
+
+
 def _cfg(**extra):
-    overrides = [
-        f"model.path={chat_model_dir()}", "mesh.fsdp=3", "mesh.sp=2",
-        "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
-        "sampling.buckets=[64,256,1024,2048,4096]",
-        "schedule.num_scenes=3", "schedule.group_size=2", "schedule.total_updates=3",
-        "schedule.roles=PPC",           # a random model never gets past the planner's first turn
-        "schedule.zero_spread=count",   # ... nor has signal: step anyway
-        "loss.entropy_coeff=0.01",      # ... with a real, non-zero gradient
-        "optim.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.swanlab_mode=disabled", "trainer.progress=false",
-    ]
-    settings = dict(item.split("=", 1) for item in overrides)   # `extra` replaces a default
-    settings.update({k: str(v) for k, v in extra.items()})
+    settings = dict(item.split("=", 1) for item in (f"model.path={chat_model_dir()}", *_OVERRIDES))
+    settings.update({k: str(v) for k, v in extra.items()})   # `extra` replaces a default
     return load_config(resolve_data_path("configs/cpu-default.yaml"),
                        [f"{k}={v}" for k, v in settings.items()], RunConfig)
 
@@ -355,6 +357,31 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
         Trainer(_cfg(**{"optim.lr_schedule": "cosine", "optim.total_steps": 2}), run_dir,
                 chat_model_dir(), resume=True).close()
     assert "optim.total_steps=2 is below schedule.total_updates=3" in caplog.text
+
+
+def test_a_run_without_a_model_directory_resumes_past_its_first_steps_deletion(straight, tmp_path,
+                                                                             capsys):
+    """A converted run (checkpoints only, no run.json) took the newest step's hf/ as its model
+    directory; once `keep_last` newer steps replaced that step, the next save found no
+    config.json and the run crashed, and so did every later resume. The resume now copies the
+    assets to RUN/hf_assets once and records it in run.json."""
+    import shutil
+
+    from jscenegen.checkpoint import RUN_ASSETS
+    from jscenegen.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(straight[0] / "checkpoints", run / "checkpoints")   # steps 2 and 3
+    overrides = [o for o in _OVERRIDES if not o.startswith("schedule.total_updates=")]
+    assert main(["train", "--resume", str(run), "--config", "configs/cpu-default.yaml", *overrides,
+                 "schedule.total_updates=6", "trainer.eval_before_after=false"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["5", "6"]
+    assert json.loads((run / "run.json").read_text())["model_dir"] == str((run / RUN_ASSETS).resolve())
+    assert (run / RUN_ASSETS / "config.json").read_bytes() == \
+        (straight[0] / "checkpoints/3/hf/config.json").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "schedule.total_updates=7"]) == 0
+    assert _final(run).step == 7
 
 
 def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_path, capsys):

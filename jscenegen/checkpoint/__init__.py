@@ -6,3 +6,8 @@ RUN_CHECKPOINTS = "checkpoints"
 RUN_RECORD = "run.json"
 """`RUN_DIR/run.json`, written by each start of `jscenegen train` (`pipeline.write_run_files`):
 {"model_dir": the model the run started from, "config_source": the config it was given}."""
+
+RUN_ASSETS = "hf_assets"
+"""`RUN_DIR/hf_assets/`: a resumed run's config and tokenizer when it has no model directory of
+its own (a run made by `convert --to orbax`): copied once from the newest step's `hf/`, which
+the store deletes when newer steps replace it (`checkpoint.resume.resume_model_dir`)."""

@@ -15,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Mapping
 
 import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
-from jscenegen.checkpoint.store import HF_DIR, Checkpoint, CheckpointError, CheckpointStore, padded_target
+from jscenegen.checkpoint import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD
+from jscenegen.checkpoint.store import (
+    HF_ASSET_FILES, HF_DIR, Checkpoint, CheckpointError, CheckpointStore, padded_target)
 from jscenegen.config import shown_value, validation_message
 from jscenegen.paths import loads_json, not_a_file
 
@@ -193,16 +196,48 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def resume_model_dir(run_dir: str | Path) -> Path:
-    """Config and tokenizer of a run being resumed: the run's model directory (`run.json`),
-    or else the `hf/` assets of its newest complete checkpoint (a directory made by
-    `convert --to orbax`). Raises CheckpointError when the run has no complete checkpoint or
-    its record is damaged (`read_run_record`)."""
+    """Config and tokenizer of a run being resumed: the run's model directory (`run.json`)
+    when it still holds a config.json and lies outside the run's checkpoints, else `RUN_ASSETS`
+    (copied from the `hf/` assets of the newest complete checkpoint when it does not exist
+    yet: a directory made by `convert --to orbax`, or a model directory deleted since). A
+    step's own `hf/` is never used: the store deletes it once `checkpoint.keep_last` newer
+    steps exist, and the run's later saves copy their assets from this directory.
+    Raises CheckpointError when the run needs the copy and has no complete checkpoint, or its
+    record is damaged (`read_run_record`)."""
     run_dir = Path(run_dir)
     record = read_run_record(run_dir)
-    if record is not None and (Path(record["model_dir"]) / "config.json").is_file():
+    if record is not None and (Path(record["model_dir"]) / "config.json").is_file() \
+            and not _inside(Path(record["model_dir"]), run_dir / RUN_CHECKPOINTS):
         return Path(record["model_dir"])
+    assets = run_dir / RUN_ASSETS
+    if (assets / "config.json").is_file():
+        return assets
     with CheckpointStore(run_dir / RUN_CHECKPOINTS) as store:
         step = store.latest_valid_step()
     if step is None:
         raise CheckpointError(f"{run_dir / RUN_CHECKPOINTS} holds no complete checkpoint")
-    return run_dir / RUN_CHECKPOINTS / str(step) / HF_DIR
+    _copy_assets(run_dir / RUN_CHECKPOINTS / str(step) / HF_DIR, assets)
+    log.info("resume: config and tokenizer copied from checkpoint step %d to %s", step, assets)
+    return assets
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def _copy_assets(src: Path, dst: Path) -> None:
+    """The HF asset files of `src` into a new directory `dst`, atomically: copied into a
+    temporary sibling, then renamed (another process of a multi-host run that renamed its copy
+    first wins; the contents are the same)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        for name in HF_ASSET_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        try:
+            os.rename(tmp, dst)
+        except OSError:
+            if not (dst / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -132,9 +132,18 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
 def non_finite_tensors(arrays: dict[str, jax.Array]) -> list[str]:
     """Names of the floating-point arrays holding a NaN or an infinity, in `arrays`' order.
 
-    One reduction per array on the devices that hold it (a sharded array is never gathered);
-    integer arrays are skipped.
+    One compiled program reduces every array where its shards lie (a sharded array is never
+    gathered; its per-device flags meet in one all-reduce per array inside that program: many
+    separate collectives in flight can stall XLA:CPU's thread pool on a small host). Integer
+    arrays are skipped.
     """
-    floating = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.inexact)}
-    flags = jax.device_get({n: jnp.all(jnp.isfinite(a)) for n, a in floating.items()})
-    return [n for n in floating if not bool(flags[n])]
+    names = [n for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.inexact)]
+    if not names:
+        return []
+    flags = jax.device_get(_all_finite([arrays[n] for n in names]))
+    return [n for n, ok in zip(names, flags) if not ok]
+
+
+@jax.jit
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays])
