@@ -57,12 +57,16 @@ class Complement:
 def verl_complement(cfg, hf_dir: Path | None, carried_from: str | Path | None) -> Complement:
     """The tensors a VERL checkpoint of `cfg` (read with its `huggingface/` dir `hf_dir`)
     lacks, and where they come from (module docstring). Raises ConvertError for a
-    `carried_from` that is not an HF directory, holds no `mtp.*`, or describes another model."""
+    `carried_from` that is not an HF directory, holds no `mtp.*`, or describes another model,
+    and for any `carried_from` when `cfg` is no Qwen3.5 (its VERL files hold every tensor)."""
     from convert.safetensors_io import SafetensorsReader
     from jscenegen.model.config import ModelConfigError, QwenConfig
     from jscenegen.model.safetensors_stream import stored_tensors
 
     if not cfg.hybrid:
+        if carried_from is not None:
+            raise ConvertError(f"--carried-from completes a Qwen3.5 (qwen3_5) source; this one is "
+                               f"{cfg.model_type}, whose VERL files hold every tensor")
         return Complement(config=cfg)
     if carried_from is not None:
         ref = Path(carried_from)

@@ -35,10 +35,14 @@ def describe(path: str | Path) -> dict[str, Any]:
     if kind == "orbax":
         return describe_orbax(path)
     if kind == "orbax-run":
-        steps = _orbax_steps(path)
-        latest = max(steps, key=lambda p: int(p.name))
-        return {"format": "orbax-run", "steps": sorted(int(p.name) for p in steps),
-                "latest": describe_orbax(latest)}
+        from jscenegen.checkpoint.store import check_step
+
+        steps = sorted(_orbax_steps(path), key=lambda p: int(p.name))
+        status = {int(p.name): check_step(p, hash_files=False) for p in steps}
+        complete = [p for p in steps if status[int(p.name)].valid]
+        return {"format": "orbax-run", "steps": [int(p.name) for p in steps],
+                "incomplete": {s: st.reason for s, st in status.items() if not st.valid},
+                "latest": describe_orbax(complete[-1]) if complete else None}
     if kind == "hf":
         return describe_hf(path)
     if kind == "verl":

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_run
-from convert.errors import ConvertError
+from convert.errors import ConversionWarning, ConvertError
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
 from convert.tensor_sets import (
@@ -96,7 +97,8 @@ def extra_state_from_json(doc: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- orbax side
 def orbax_step_dir(path: str | Path) -> Path:
     """The complete step directory at `path`: itself, or the newest complete step under it or
-    under its `checkpoints/` (a training run's directory).
+    under its `checkpoints/` (a training run's directory); a ConversionWarning names each newer
+    step it skips and why.
 
     Raises ConvertError naming the directory when no complete step (checksums verified) exists.
     """
@@ -109,16 +111,20 @@ def orbax_step_dir(path: str | Path) -> Path:
     if (path / ckpt.PARAMS_ITEM).is_dir():
         status = ckpt.check_step(path)
     else:
-        newest = None
+        skipped = []
         for s in reversed(ckpt.step_numbers(path)):
             status = ckpt.check_step(path / str(s))
             if status.valid:
                 break
-            newest = newest or status
+            skipped.append(status)
         else:
-            why = (f"; the newest, step {newest.path.name}: {newest.reason}" if newest else
-                   " (no numbered step directory)")
+            why = (f"; the newest, step {skipped[0].path.name}: {skipped[0].reason}" if skipped
+                   else " (no numbered step directory)")
             raise ConvertError(f"{path}: no complete orbax checkpoint step here{why}")
+        for bad in skipped:
+            warnings.warn(f"{path}: skipping step {bad.path.name} ({bad.reason}); converting "
+                          f"step {status.path.name}, the newest complete one",
+                          ConversionWarning, stacklevel=2)
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
     return status.path

@@ -40,6 +40,11 @@ def check_torch_zip(path: Path) -> None:
     fails). Reads only the archive's end."""
     if why := not_a_file(path):
         raise ConvertError(f"{path}: {why}")
+    try:   # is_zipfile reads an unreadable file as "not a zip"
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        raise ConvertError(f"{path}: unreadable ({err.strerror or err})") from None
     if not zipfile.is_zipfile(path):
         raise ConvertError(f"{path}: refused: not a complete torch zip archive "
                            f"({path.stat().st_size} bytes; truncated, or not written by torch.save)")

@@ -271,6 +271,12 @@ def terminal_text(text: str) -> str:
                    else c for c in text)
 
 
+def terminal_line(text: str) -> str:
+    """`terminal_text` for a one-line message: newlines and tabs escaped too (`\\n`), so a
+    path or name holding them cannot break the line a script reads."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cs") else c for c in text)
+
+
 def override_key(item: str) -> str:
     """The dotted key of a `key.sub=value` override (`item` holds "=")."""
     return item.split("=", 1)[0].strip()

@@ -12,7 +12,7 @@ import yaml
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.config import dotted_items, terminal_text
+from jscenegen.config import dotted_items, terminal_line
 from jscenegen.paths import cache_dir, write_json, write_text
 from jscenegen.signals import Terminated
 
@@ -58,7 +58,7 @@ def default_model_dir(cfg, phases: dict) -> Path:
     base = _base_model_dir(cfg)
     sft_cfg = warm_start_sft_config(cfg)
     if not (base / "config.json").is_file():
-        print(terminal_text(f"creating the {ws.preset} {ws.arch} model in {base} (first use)"),
+        print(terminal_line(f"creating the {ws.preset} {ws.arch} model in {base} (first use)"),
               file=sys.stderr, flush=True)
         init_model_dir(base, arch=ws.arch, preset=ws.preset, seed=0, texts=tokenizer_corpus())
     phases["init_model_s"] = time.perf_counter() - t0
@@ -71,13 +71,13 @@ def default_model_dir(cfg, phases: dict) -> Path:
                                     sort_keys=True).encode())
     out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        print(terminal_text(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)"),
+        print(terminal_line(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)"),
               file=sys.stderr, flush=True)
         t1 = time.perf_counter()
         run_sft(sft_cfg, base, out, log=_sft_log)
         phases["sft_s"] = time.perf_counter() - t1
     else:
-        print(terminal_text(f"reusing the SFT warm start {out}"), file=sys.stderr, flush=True)
+        print(terminal_line(f"reusing the SFT warm start {out}"), file=sys.stderr, flush=True)
     return out
 
 
@@ -282,7 +282,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                 evals["before"] = saved
     except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
         if run_files_written:   # config.yaml holds this invocation's settings
-            print(terminal_text(f"stopped; continue with: jscenegen train --resume {run_dir}"),
+            print(terminal_line(f"stopped; continue with: jscenegen train --resume {run_dir}"),
                   file=sys.stderr, flush=True)
         raise
     finally:
@@ -311,7 +311,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         stopped = signal.Signals[summary.stopped_by_signal]
         # every process says so: a peer of the signalled one otherwise ends with 143, silent
         where = "" if is_primary() else f"process {jax.process_index()}: "
-        print(terminal_text(f"{where}stopped by {stopped.name} after attempt {summary.attempts}; "
+        print(terminal_line(f"{where}stopped by {stopped.name} after attempt {summary.attempts}; "
                             f"checkpoint {summary.checkpoint}; continue with: jscenegen "
                             f"train --resume {run_dir}"), file=sys.stderr, flush=True)
         return 128 + stopped

@@ -80,6 +80,27 @@ def test_truncated_file(actor, tmp_path, kind):
     _assert_nothing_written(tmp_path)
 
 
+def test_an_unreadable_rank_file_is_named_unreadable(actor, tmp_path, monkeypatch):
+    """A rank file the user may not read was reported as a truncated archive. (The tests run as
+    root, whom chmod does not stop: the refusal of `open` is simulated.)"""
+    import builtins
+
+    import convert.torch_safe
+
+    locked = actor / "optim_world_size_6_rank_1.pt"
+
+    def refusing_open(file, *args, **kwargs):
+        if str(file) == str(locked):
+            raise PermissionError(13, "Permission denied", str(file))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(convert.torch_safe, "open", refusing_open, raising=False)
+    with pytest.raises(ConvertError, match=r"optim_world_size_6_rank_1\.pt: unreadable "
+                                           r"\(Permission denied\)$"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
 class _Payload:
     """Pickles as a call to os.system: what an untrusted checkpoint could carry."""
 
@@ -252,8 +273,9 @@ def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(tiny_hf,
 
     src = tmp_path / "hf"
     shutil.copytree(tiny_hf["qwen3"], src)
-    names = list(load_file(str(src / "model.safetensors")))
-    weight_map = {n: "model.safetensors" for n in names}
+    shard = (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+    names = list(load_file(str(shard)))
+    weight_map = {n: shard.name for n in names}
     weight_map[names[0]] = where
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ValueError, match=rf"model\.safetensors\.index\.json: weight_map\['{re.escape(names[0])}'\] "
@@ -278,6 +300,7 @@ def test_a_malformed_index_is_named(tiny_hf, tmp_path, index, why):
 
     src = tmp_path / "hf"
     shutil.copytree(tiny_hf["qwen3"], src)
+    (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")   # the index is read
     data = index if isinstance(index, bytes) else (index if isinstance(index, str) else json.dumps(index)).encode()
     (src / "model.safetensors.index.json").write_bytes(data)
     with pytest.raises(ValueError, match=rf"^{src}/model\.safetensors\.index\.json: {why}"):

@@ -169,7 +169,11 @@ def test_refusals(untied, tmp_path):
     with pytest.raises(ConvertError, match=r"^--carried-from \(an HF model directory\): "
                        rf"{tmp_path / 'nowhere' / 'config.json'}: no such file"):
         verl_to_hf(untied["ckpt"], tmp_path / "d", carried_from=tmp_path / "nowhere")
-    for name in ("a", "b", "c", "d"):
+    dense = fixture_dir("qwen3_tied_dim0") / "ckpt"   # all its tensors are in VERL files: it was ignored
+    with pytest.raises(ConvertError, match=r"^--carried-from completes a Qwen3.5 \(qwen3_5\) source; "
+                                           "this one is qwen3"):
+        verl_to_hf(dense, tmp_path / "e", carried_from=untied["release"])
+    for name in ("a", "b", "c", "d", "e"):
         assert not (tmp_path / name).exists()
 
 

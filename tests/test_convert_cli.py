@@ -126,3 +126,36 @@ def test_a_failed_write_is_one_line_naming_the_file(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "File too large" in proc.stderr.splitlines()[-1]
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_success_lines_escape_a_newline_in_a_path(tmp_path, capsys):
+    """A destination named 'new\\nline' printed its success line as two lines."""
+    out = tmp_path / "new\nline"
+    assert main(["convert", str(fixture_dir("qwen2_first_divisible") / "ckpt"), str(out),
+                 "--to", "hf"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{fixture_dir('qwen2_first_divisible') / 'ckpt'} (verl) -> {tmp_path}/new\\nline (hf)\n"
+    assert (out / "model.safetensors").is_file()
+
+
+def test_an_incomplete_newer_step_is_named_when_a_run_directory_is_converted(tmp_path, capsys):
+    """`convert RUN` took the newest complete step without a word, while --inspect called the
+    incomplete newer one "latest"."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert main(["convert", str(fixture_dir("qwen2_first_divisible") / "ckpt"), str(run),
+                 "--to", "orbax"]) == 0
+    (step,) = [p for p in run.iterdir() if p.name.isdigit()]
+    shutil.copytree(step, run / "9")
+    (run / "9/commit_success.txt").unlink()
+    capsys.readouterr()
+    assert main(["convert", "--inspect", str(run)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["steps"] == [int(step.name), 9] and list(info["incomplete"]) == ["9"]
+    assert "commit_success.txt: missing" in info["incomplete"]["9"]
+    assert info["latest"]["adam_count"] == int(step.name)
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {run}: skipping step 9 (" in err
+    assert f"converting step {step.name}, the newest complete one\n" in err

@@ -204,6 +204,29 @@ def test_non_finite_weights_are_named_in_a_warning(hf_dirs, tmp_path, caplog):
         assert "model.norm.weight" in record.getMessage()
 
 
+def test_a_directory_with_a_single_file_and_an_index_reads_the_single_file_as_transformers(
+        hf_dirs, tmp_path, caplog):
+    """jscenegen read the index where transformers reads model.safetensors: a different model."""
+    import transformers
+
+    d = _copy(hf_dirs["qwen2"], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    save_file(tensors, d / "model-00001-of-00001.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in tensors}}))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1.0   # the single file differs
+    save_file(tensors, d / "model.safetensors")
+    with caplog.at_level("WARNING", logger="jscenegen.model.safetensors_stream"):
+        ours = load_hf(d)
+    assert "holds both model.safetensors and model.safetensors.index.json: reading " \
+           "model.safetensors, as transformers does" in caplog.text
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(d)
+    np.testing.assert_array_equal(np.asarray(ours.model.norm.weight.get_value()),
+                                  theirs.model.norm.weight.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(ours.model.norm.weight.get_value()),
+                                  tensors["model.norm.weight"])
+
+
 def test_unexpected_tensor_is_named(hf_dirs, tmp_path):
     d = _copy(hf_dirs["qwen2"], tmp_path / "m")
     tensors = load_file(d / "model.safetensors")

@@ -131,6 +131,9 @@ def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, cap
     ({"base_url": "http://127.0.0.1:99999/v1"}, "is not an http(s) URL with a host and a port"),
     ({"base_url": "http://127.0.0.1:abc/v1"}, "is not an http(s) URL with a host and a port"),
     ({"base_url": "http://:8000/v1"}, "is not an http(s) URL with a host and a port"),
+    # a control character: httpx raised InvalidURL (a traceback) or every episode was masked
+    ({"base_url": "http://127.0.0.1:8000/v1\x1b[31mRED"}, "v1\\x1b[31mRED' is not an http(s) URL"),
+    ({"base_url": "http://exa mple.com:8000/v1"}, "without spaces"),
     ({"concurrency": 10**6}, "concurrency"),
 ])
 def test_judge_settings_that_cannot_work_are_refused_at_once(override, why):

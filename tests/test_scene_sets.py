@@ -320,3 +320,22 @@ def test_a_pretty_printed_scene_given_as_a_scene_set_is_told_the_format(tmp_path
     with pytest.raises(SceneError, match=r"set.json:1: not valid JSON: .*\(a scene set holds one "
                                          r"JSON record per line: JSONL\)$"):
         read_scene_set(path)
+
+
+def test_scene_set_lines_split_at_newlines_only(tmp_path):
+    """A record whose prompt holds a raw U+2028 (json.dumps(ensure_ascii=False) writes one) was
+    cut in two by str.splitlines and refused; CRLF endings still read, and line numbers are an
+    editor's (a lone CR or a form feed does not start a line)."""
+    rec = make_record(0, "a").to_json()
+    rec["scene"]["prompt"] = "A room\u2028with\u0085odd\x0cbreaks"
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps(rec, ensure_ascii=False) + "\r\n", encoding="utf-8", newline="")
+    (record,) = read_scene_set(path)
+    assert record.scene.prompt == "A room\u2028with\u0085odd\x0cbreaks"
+    other = make_record(1, "b").to_json()
+    path.write_text(json.dumps(rec) + "\r" + json.dumps(other) + "\n\x0c\n{", newline="")
+    with pytest.raises(SceneError, match=rf"^{re.escape(str(path))}:1: not valid JSON"):
+        read_scene_set(path)
+    path.write_text(json.dumps(rec) + "\n\x0c\n" + json.dumps(other) + "\n{", newline="")
+    with pytest.raises(SceneError, match=rf"^{re.escape(str(path))}:4: not valid JSON"):
+        read_scene_set(path)

@@ -25,7 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from jscenegen.checkpoint import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.store import (
-    HF_ASSET_FILES, HF_DIR, Checkpoint, CheckpointError, CheckpointStore, padded_target)
+    HF_ASSET_FILES,
+    HF_DIR,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    padded_target,
+)
 from jscenegen.config import shown_value, validation_message
 from jscenegen.paths import loads_json, not_a_file
 

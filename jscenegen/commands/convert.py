@@ -54,11 +54,11 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jscenegen.checkpoint.checksums import verify_checksums
-    from jscenegen.config import terminal_text
+    from jscenegen.config import terminal_line
 
     if args.verify:
         n = verify_checksums(args.verify)
-        print(terminal_text(f"{args.verify}: {n} files verify against checksums.json"))
+        print(terminal_line(f"{args.verify}: {n} files verify against checksums.json"))
         return 0
     if args.inspect:
         from convert.inspect import describe
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.src_format is None:
         args.src_format = source_format(args.src)
-        print(terminal_text(f"{args.src}: read as --from {args.src_format}"), file=sys.stderr)
+        print(terminal_line(f"{args.src}: read as --from {args.src_format}"), file=sys.stderr)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)
@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
                 mesh_device=args.mesh_device, carried_from=args.carried_from)
     for w in caught:  # what the output lost, one line each; other warnings as Python shows them
         if issubclass(w.category, ConversionWarning):
-            print(terminal_text(f"warning: {w.message}"), file=sys.stderr)
+            print(terminal_line(f"warning: {w.message}"), file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    print(terminal_text(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})"))
+    print(terminal_line(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})"))
     return 0

@@ -31,9 +31,9 @@ def register(sub) -> None:
 
 
 def _say(text: str, t0: float) -> None:
-    from jscenegen.config import terminal_text
+    from jscenegen.config import terminal_line
 
-    print(terminal_text(f"init-model [{time.perf_counter() - t0:5.1f} s] {text}"), file=sys.stderr,
+    print(terminal_line(f"init-model [{time.perf_counter() - t0:5.1f} s] {text}"), file=sys.stderr,
           flush=True)
 
 

@@ -68,7 +68,7 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     that cannot hold steps, a damaged run.json, a config.yaml missing or not a file."""
     from jscenegen.checkpoint.resume import read_run_record
     from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
-    from jscenegen.config import terminal_text
+    from jscenegen.config import terminal_line
     from jscenegen.paths import not_a_file
 
     if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
@@ -105,7 +105,7 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     if afresh:   # a new start with the run's config
         if not args.config:
             config_source = record["config_source"] or config_source
-        print(terminal_text(f"{run_dir} has no checkpoint (stopped before its first was saved): "
+        print(terminal_line(f"{run_dir} has no checkpoint (stopped before its first was saved): "
                             f"starting it again with {args.config or 'its config.yaml'}"),
               file=sys.stderr, flush=True)
     return config_path, config_source, afresh

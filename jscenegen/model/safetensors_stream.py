@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import struct
 import sys
@@ -30,6 +31,8 @@ from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
 from jscenegen.paths import loads_json, naming_write_errors, not_a_file
 
+log = logging.getLogger(__name__)
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024   # the format's own limit (safetensors README)
@@ -39,13 +42,19 @@ _DTYPE_NAMES = {code: name for name, code in SAFETENSORS.items()}
 def safetensors_files(path: str | Path) -> dict[str, Path]:
     """{tensor name: file} for a single-file or index-sharded HF directory.
 
-    The index (`model.safetensors.index.json`) wins when present; its file names are used as
-    written, never globbed, and must name files of `path` itself. Raises CheckpointFormatError
-    when neither exists, the index is malformed or names a file elsewhere.
+    `model.safetensors` wins when both it and the index (`model.safetensors.index.json`) are
+    present, as in transformers' `from_pretrained` (modeling_utils.py), with a warning naming
+    the index it ignores. The index's file names are used as written, never globbed, and must
+    name files of `path` itself. Raises CheckpointFormatError when neither exists, the index is
+    malformed or names a file elsewhere.
     """
     path = Path(path)
-    index = path / INDEX_NAME
-    if index.is_file():
+    index, single = path / INDEX_NAME, path / SINGLE_NAME
+    if index.is_file() and single.is_file():
+        log.warning("%s holds both %s and %s: reading %s, as transformers does (the index and "
+                    "its shards are ignored; delete whichever is stale)", path, SINGLE_NAME,
+                    INDEX_NAME, SINGLE_NAME)
+    elif index.is_file():
         try:
             doc = loads_json(index.read_bytes())
         except ValueError as err:
@@ -66,7 +75,6 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
                     f"{index}: weight_map[{name!r}] is {fname[:200]!r}; a shard is a file name "
                     "in the model's own directory (no path)")
         return {name: path / fname for name, fname in files.items()}
-    single = path / SINGLE_NAME
     if not single.is_file():
         why = not_a_file(single) if single.exists() or single.is_symlink() else None
         raise CheckpointFormatError(f"{single}: {why}" if why else

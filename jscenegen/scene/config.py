@@ -199,7 +199,8 @@ class JudgeConfig(Section):
                              "(judge.base_url=https://...)")
         if self.backend == "http" and not _is_http_url(self.base_url):
             raise ValueError(f"judge.base_url {shown_url(self.base_url)[:200]!r} is not an http(s) URL with "
-                             "a host and a port in 1-65535, if any (e.g. http://host:8000/v1)")
+                             "a host and a port in 1-65535, if any, in printable ASCII without "
+                             "spaces (e.g. http://host:8000/v1)")
         return self
 
 
@@ -218,6 +219,11 @@ def shown_url(url: str) -> str:
 
 
 def _is_http_url(text: str) -> bool:
+    """An http(s) URL with a host and a port in 1-65535, if any, in printable ASCII without
+    spaces (httpx refuses control characters only when it sends, and would send a space in the
+    host as %20)."""
+    if any(not 0x20 < ord(c) < 0x7F for c in text):
+        return False
     try:
         url = urlsplit(text)
         port = url.port            # ValueError when not a number in 0-65535

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jscenegen.config import SEED_MAX, clip_text, not_unicode
-from jscenegen.paths import atomic_file, not_a_file
+from jscenegen.paths import atomic_file, jsonl_lines, not_a_file
 
 from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, json_text, parse_json, scene_from_json
 
@@ -91,7 +91,7 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
         raise SceneError(f"scene set {p}: {why}")
     text = json_text(p.read_bytes(), str(p))
     out, lines = [], {}
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(jsonl_lines(text), 1):
         if not line.strip():
             continue
         try:

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file, finite_number, json_line
+from jscenegen.paths import atomic_file, finite_number, json_line, jsonl_lines
 
 
 class LoggingConfig(Section):
@@ -163,4 +163,4 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in jsonl_lines(path.read_text()) if line.strip()]
