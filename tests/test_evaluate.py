@@ -555,7 +555,7 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
     no_model = _synthetic_report()
     del no_model["scenes"][1]["model"]
     for after, why in ((_synthetic_report(scenes=("a",)), r"1 scene\(s\) only in .*before.json: b"),
-                       (_synthetic_report(seeds=(1,)), "scene a has model episodes of different seeds"),
+                       (_synthetic_report(seeds=(1,)), r"scene a has model episodes of different seeds \(seeds \[1, 2\] in .*before.json, seeds \[1\] in .*after.json\)"),
                        (no_model, "scene b has no model episodes in .*after.json"),
                        (_edited(lambda r: r["judge"].update(backend="http", model="Qwen3-27B")),
                         "graded by different judges \\(rule rubric e8178fedbec1 and http Qwen3-27B "

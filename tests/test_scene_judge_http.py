@@ -135,6 +135,8 @@ def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, cap
     ({"base_url": "http://127.0.0.1:8000/v1\x1b[31mRED"}, "v1\\x1b[31mRED' is not an http(s) URL"),
     ({"base_url": "http://exa mple.com:8000/v1"}, "without spaces"),
     ({"concurrency": 10**6}, "concurrency"),
+    ({"max_tokens": 10**23}, "max_tokens"),          # sent to the server as it was
+    ({"api_key_env": ""}, "api_key_env"),            # read the variable named '' (never set)
 ])
 def test_judge_settings_that_cannot_work_are_refused_at_once(override, why):
     """Every episode would be masked as judge_error (UnsupportedProtocol), or one request
@@ -219,3 +221,16 @@ def test_the_judge_prompt_states_the_configured_cap_threshold():
     ids = [make_judge(cfg("http://127.0.0.1:1/v1", api_key_env=None), runtime).identity()
            for runtime in (SceneRuntimeConfig(), loose)]
     assert ids[0]["rubric_hash"] != ids[1]["rubric_hash"]
+
+
+@pytest.mark.parametrize("body", [[], {}, {"choices": []}, {"choices": [{"message": None}]},
+                                  {"choices": [{"message": {"content": None}}]}, "text"])
+def test_a_body_that_is_no_chat_completion_is_named_so(body):
+    """`[]` was reported as "list indices must be integers or slices, not str", a null content
+    as "'NoneType' object has no attribute 'strip'"."""
+    from jscenegen.scene.judge_http import JudgeAnswerError, message_content
+
+    with pytest.raises(JudgeAnswerError, match=r"^not a chat completion: the body has no "
+                                               r"choices\[0\]\.message\.content text \(got "):
+        message_content(body)
+    assert message_content({"choices": [{"message": {"content": "{}"}}]}) == "{}"

@@ -120,6 +120,12 @@ def check_report(report, source: str) -> None:
                                for ep in row["model"]["episodes"]], "overall.model")
 
 
+def _seed_list(seeds: list[int]) -> str:
+    """Sorted seeds for a message: the first 5, then how many more."""
+    more = f", ... {len(seeds) - 5} more" if len(seeds) > 5 else ""
+    return "seeds [" + ", ".join(str(x) for x in seeds[:5]) + more + "]"
+
+
 def _coverage(report) -> dict[str, list[int] | None]:
     """{scene_id: sorted episode seeds of the model, or None for a scene without `model`}."""
     return {row["scene_id"]: (sorted(ep["seed"] for ep in row["model"]["episodes"]) if "model" in row else None)
@@ -173,7 +179,8 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
                 raise ValueError(f"{where}: scene {sid} has no model episodes in {path}")
         if b[sid] != a[sid]:
             raise ValueError(f"{where}: scene {sid} has model episodes of different seeds "
-                             f"({len(b[sid])} in {names[0]}, {len(a[sid])} in {names[1]})")
+                             f"({_seed_list(b[sid])} in {names[0]}, {_seed_list(a[sid])} in "
+                             f"{names[1]})")
     rows_b, rows_a = ({row["scene_id"]: row for row in r["scenes"]} for r in (before, after))
     for sid in b:
         for key in ("seed", "prompt"):

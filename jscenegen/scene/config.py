@@ -163,9 +163,10 @@ class JudgeConfig(Section):
                                  "{base_url}/models); required with backend http")
     model: str | None = Field(None, description="http judge: the model name sent in each request "
                               "(whatever the server serves); required with backend http")
-    api_key_env: str | None = Field("JSCENEGEN_JUDGE_API_KEY", description="name of the "
-                                    "environment variable holding the http judge's API key (sent "
-                                    "as a Bearer token); null or unset: no Authorization header")
+    api_key_env: str | None = Field("JSCENEGEN_JUDGE_API_KEY", min_length=1, pattern=r"^[^=\x00]+$",
+                                    description="name of the environment variable holding the "
+                                    "http judge's API key (sent as a Bearer token); null or unset: "
+                                    "no Authorization header")
     # bounded so that one request's worst case (1 + max_retries timeouts and back-offs of
     # backoff_s x 2^attempt) stays hours, not years
     timeout_s: float = Field(120.0, gt=0, le=3600, description="seconds each try of an http judge "
@@ -180,8 +181,8 @@ class JudgeConfig(Section):
                              "once within one grading call")
     temperature: float = Field(0.0, ge=0, description="sampling temperature sent to the http "
                                "judge's server")
-    max_tokens: int = Field(1024, ge=16, description="max_tokens sent to the http judge's server "
-                            "(the most tokens its answer may have)")
+    max_tokens: int = Field(1024, ge=16, le=1 << 20, description="max_tokens sent to the http "
+                            "judge's server (the most tokens its answer may have)")
     max_failed_updates: int = Field(
         5, ge=0, description="train stops (with a checkpoint, exit 2) after this many updates in "
         "a row in which the judge failed every episode it was asked to grade (a judge that is "

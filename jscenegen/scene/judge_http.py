@@ -73,11 +73,24 @@ class JudgeAnswerError(ValueError):
     """The judge's answer is not the strict JSON grade object."""
 
 
+def message_content(answer) -> str:
+    """The message text of an OpenAI chat-completion answer (the decoded response body):
+    `choices[0].message.content`. Raises JudgeAnswerError saying what the body lacks."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices else None
+    message = first.get("message") if isinstance(first, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        raise JudgeAnswerError("not a chat completion: the body has no choices[0].message.content "
+                               f"text (got {clip_text(repr(answer), 120)})")
+    return content
+
+
 def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]:
     """(grades, comments) from a judge's message content. Raises JudgeAnswerError."""
     try:
         obj = json.loads(content.strip())
-    except (json.JSONDecodeError, AttributeError) as err:
+    except json.JSONDecodeError as err:
         raise JudgeAnswerError(f"not JSON: {err}") from None
     except RecursionError:
         raise JudgeAnswerError("not JSON: nested too deeply to parse") from None
@@ -215,7 +228,7 @@ class HttpJudge:
                     break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
-                content = json.loads(raw)["choices"][0]["message"]["content"]
+                content = message_content(json.loads(raw))
                 grades, comments = parse_judge_content(content, self.cfg.grade_keys)
             except RecursionError:
                 cause, detail = "judge_unparseable", "answer nested too deeply to parse"
