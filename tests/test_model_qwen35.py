@@ -120,6 +120,22 @@ def test_config_refusals_name_the_field(qwen35_hf, edit, message):
         QwenConfig.from_hf_dict(d, "config.json")
 
 
+@pytest.mark.parametrize("layers", [0, 2])
+def test_a_config_and_weights_of_different_mtp_layer_counts_are_refused(qwen35_hf, tmp_path, layers):
+    """The weights' count won silently and the converted config.json was rewritten to it; a
+    directory with no mtp.* at all (what transformers saves) still reads, with 0 layers."""
+    import shutil
+
+    d = shutil.copytree(qwen35_hf["qwen3_5"], tmp_path / "m")
+    doc = _read(d)
+    assert QwenConfig.from_dir(d).mtp_layers == doc["text_config"]["mtp_num_hidden_layers"] == 1
+    doc["text_config"]["mtp_num_hidden_layers"] = layers
+    (d / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(ModelConfigError, match=rf"^{d / 'config.json'}: mtp_num_hidden_layers is "
+                       rf"{layers}, but the weights beside it hold 1 MTP layer\(s\) \(mtp.layers.0-0\)"):
+        QwenConfig.from_dir(d)
+
+
 def test_weight_table_is_transformers_parameter_order(qwen35_hf, torch_models):
     from qwen35_fixtures import TEXT, mtp_shapes
 

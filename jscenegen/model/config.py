@@ -334,7 +334,8 @@ class QwenConfig:
         `stored_dtypes` and, for Qwen3.5, whether `mtp.*` tensors are present (`mtp_layers`
         is 0 when not: transformers drops them on save). A directory without weights (a
         checkpoint's `hf/`) keeps the config's values.
-        Raises ModelConfigError if config.json is missing or unparsable.
+        Raises ModelConfigError if config.json is missing or unparsable, or when the weights
+        hold `mtp.*` tensors of another number of MTP layers than config.json says.
         """
         from jscenegen.model.safetensors_stream import stored_tensors
 
@@ -345,7 +346,13 @@ class QwenConfig:
         stored = stored_tensors(path)
         if stored is None:
             return cfg
-        return cfg.with_storage({name: dtype for name, (dtype, _) in stored.items()})
+        held = cfg.with_storage({name: dtype for name, (dtype, _) in stored.items()})
+        if held.mtp_layers not in (0, cfg.mtp_layers):
+            raise ModelConfigError(
+                f"{f}: mtp_num_hidden_layers is {cfg.mtp_layers}, but the weights beside it hold "
+                f"{held.mtp_layers} MTP layer(s) (mtp.layers.0-{held.mtp_layers - 1}): they "
+                "describe different models")
+        return held
 
     def with_storage(self, dtypes: dict[str, str]) -> "QwenConfig":
         """This config with what a directory's weights hold: {tensor name: dtype name}.
