@@ -237,3 +237,15 @@ def test_a_catalogue_file_is_checked_key_by_key(tmp_path, change, message):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=rf"^{path}: {message}"):
         load_catalogue(str(path))
+
+
+def test_a_long_object_id_is_refused_by_its_length_not_clipped_away():
+    """A 10,000-character id filled the clipped error line, so its cause (a parent that is no
+    object id) was cut off; ids and categories now have a length bound named by field."""
+    o = obj("x" * 10_000, "bed", 1.0, 1.0, 1.0, 1.0, 0.5)
+    with pytest.raises(SceneError, match=r"^s.json: objects.0.id: String should have at most 144 "
+                                         r"characters"):
+        scene_from_json({"room": room(), "objects": [o]}, "s.json")
+    o = obj("bed_1", "b" * 129, 1.0, 1.0, 1.0, 1.0, 0.5)
+    with pytest.raises(SceneError, match=r"^s.json: objects.0.category: String should have at most"):
+        scene_from_json({"room": room(), "objects": [o]}, "s.json")

@@ -28,6 +28,7 @@ Mount = Literal["floor", "on", "wall", "ceiling"]
 MAX_SCENE_OBJECTS = 128  # measuring 128 crowded objects takes ~0.3 s (bench/scene_measure.py)
 MAX_FLOOR_VERTICES = 64
 MAX_OPENINGS = 16  # doors, and windows, each
+MAX_NAME_CHARS = 128  # an object's category; its id (`<category>_<n>`) up to 16 more
 MAX_JSON_FILE_BYTES = 4 * 2**20  # read_json_file refuses larger files unread; parsing 4 MiB takes ~0.2 s
 # Every length and coordinate (metres) lies within +-MAX_COORDINATE_M: far beyond any room, and small
 # enough that the geometry (rounding, grids, float32 on the device) stays exact and finite.
@@ -128,8 +129,8 @@ class SceneObject(JsonDocument):
     """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
     degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
 
-    id: str = Field(min_length=1)
-    category: str = Field(min_length=1)
+    id: str = Field(min_length=1, max_length=MAX_NAME_CHARS + 16)
+    category: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     description: str = ""
     position: tuple[float, float]
     elevation: float = 0.0
