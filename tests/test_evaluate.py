@@ -425,7 +425,7 @@ def test_design_refuses_what_cannot_work_before_loading_the_model(tmp_path, caps
     (tmp_path / "far.json").write_text(json.dumps(far))
     assert main(["design", "--model", str(model), "--prompt", "A bedroom.", "--room",
                  str(tmp_path / "far.json"), "-o", str(tmp_path / "s.json"), *TINY]) == 2
-    assert f"error: --room {tmp_path / 'far.json'}: object bed_1 lies too far from the room" in \
+    assert f"error: --room {tmp_path / 'far.json'}: object bed_1: a corner lies 10" in \
         capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
 

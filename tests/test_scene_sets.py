@@ -302,7 +302,7 @@ def test_render_names_its_format_and_measuring_errors_name_the_file(tmp_path, ca
                  ["render", str(tmp_path / "far.json"), "-o", str(tmp_path / "far.png")]):
         assert main(["scene", *argv]) == 2
         err = one_error_line(capsys)
-        assert err.startswith(f"error: {tmp_path / 'far.json'}: ") and "lies too far" in err, err
+        assert err.startswith(f"error: {tmp_path / 'far.json'}: ") and "the measuring grid's 32-bit arithmetic reaches" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["far.json", "s.json"]
 
 

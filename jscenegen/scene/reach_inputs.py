@@ -164,7 +164,11 @@ def encode_scene(
         corners[k] = quantised_corners(obj) - origin
         m = int(np.abs(corners[k]).max())
         if 4 * m * (grid_mm + m) >= INT32_LIMIT:
-            raise ReachabilityError(f"object {obj.id} lies too far from the room for the integer grid")
+            reach_mm = (math.sqrt(grid_mm ** 2 + INT32_LIMIT) - grid_mm) / 2
+            raise ReachabilityError(
+                f"object {obj.id}: a corner lies {m / 1000:,.1f} m from the room's grid origin; "
+                f"the measuring grid's 32-bit arithmetic reaches {reach_mm / 1000:,.1f} m "
+                "(move the object into or near the room)")
         blocking[k] = blocks_walking(obj, catalogue, cfg)
         counted[k] = blocking[k] and obj.mount == "floor"
         cat = catalogue.get(obj.category)
