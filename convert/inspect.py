@@ -24,9 +24,9 @@ def describe(path: str | Path) -> dict[str, Any]:
     Raises ConvertError if `path` is none of the recognised formats (naming the checkpoints
     among its subdirectories, when it holds some).
     """
-    path = Path(path)
+    path = run_checkpoints(path) or Path(path)
     if not path.is_dir():
-        raise ConvertError(f"{path}: not a directory")
+        raise ConvertError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
     kind = checkpoint_format(path)
     if kind == "export":
         steps = sorted((path / "training_state").glob("global_step_*"))
@@ -56,6 +56,45 @@ def describe(path: str | Path) -> dict[str, Any]:
 
 
 _SCAN_LIMIT = 10_000  # directory entries looked at for the hint (a huge directory never hangs)
+
+
+def run_checkpoints(path: str | Path) -> Path | None:
+    """The directory of orbax steps that `path` names, when it is one without a manifest of its
+    own at its root (a training run's `checkpoints/`, or a converted one a run resumed in) or a
+    run directory holding one (`RUN/checkpoints`); None otherwise."""
+    from jscenegen.checkpoint import RUN_CHECKPOINTS
+
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if not checkpoint_format(path) and (path / RUN_CHECKPOINTS).is_dir():
+        path = path / RUN_CHECKPOINTS
+    if checkpoint_format(path) != "orbax-run" or (path / "checksums.json").exists():
+        return None
+    return path
+
+
+def verify_run(path: Path) -> tuple[list[int], list[int], int]:
+    """(steps verified, unfinished steps, files checked) of a directory of orbax steps: every
+    step whose save finished (its `checksums.json` written, last) against that manifest
+    (SHA-256); unfinished ones, which a run skips and redoes, are only listed. Raises
+    ConvertError naming the first finished step that fails, or when no step finished."""
+    from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums
+
+    verified, unfinished, files = [], [], 0
+    for step in sorted(_orbax_steps(path), key=lambda p: int(p.name)):
+        if not (step / "checksums.json").is_file():
+            unfinished.append(int(step.name))
+            continue
+        try:
+            files += verify_checksums(step)
+        except ChecksumError as err:
+            raise ConvertError(str(err)) from None
+        verified.append(int(step.name))
+    if not verified:
+        raise ConvertError(f"{path}: no finished checkpoint step to verify (unfinished: "
+                           f"{unfinished})")
+    return verified, unfinished, files
 
 
 def _orbax_steps(path: Path) -> list[Path]:
@@ -90,9 +129,9 @@ def source_format(path: str | Path) -> str:
     """
     from jscenegen.checkpoint import RUN_CHECKPOINTS
 
-    path = Path(path)
+    path = run_checkpoints(path) or Path(path)
     if not path.is_dir():
-        raise ConvertError(f"{path}: not a directory")
+        raise ConvertError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
     kind = checkpoint_format(path)
     if kind is None and (path / RUN_CHECKPOINTS).is_dir() and _orbax_steps(path / RUN_CHECKPOINTS):
         kind = "orbax-run"

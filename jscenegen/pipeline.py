@@ -91,15 +91,18 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
     """config.yaml (the resolved config, credentials redacted: on a resume the config it
     continues with, overrides such as an extension included) and run.json (the run's origin,
     written by each start; a resume keeps its config_source and records the model directory
-    it resumed with, `resume_model_dir`); atomic."""
+    it resumed with, `resume_model_dir`, relative to the run when inside it); atomic."""
     from jscenegen.checkpoint.resume import read_run_record
 
     write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
                                                        sort_keys=False))
     record = read_run_record(run_dir) if resume else None
-    if record is None or record["model_dir"] != str(model_dir.resolve()):
+    model = model_dir.resolve()
+    if model.is_relative_to(run_dir.resolve()):   # the run's own assets: a copy of the run uses its own
+        model = model.relative_to(run_dir.resolve())
+    if record is None or record["model_dir"] != str(model):
         write_json(run_dir / RUN_RECORD, {
-            "model_dir": str(model_dir.resolve()),
+            "model_dir": str(model),
             "config_source": record["config_source"] if record else config_source})
 
 

@@ -150,13 +150,18 @@ def test_each_start_writes_the_run_record_and_a_resume_keeps_its_config_source(t
     from jscenegen.pipeline import write_run_files
 
     cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [], RunConfig)
-    write_run_files(tmp_path, cfg, tmp_path / "first", "a.yaml", resume=False)
-    write_run_files(tmp_path, cfg, tmp_path / "second", "b.yaml", resume=False)
-    assert json.loads((tmp_path / "run.json").read_text()) == {
+    run = tmp_path / "run"
+    run.mkdir()
+    write_run_files(run, cfg, tmp_path / "first", "a.yaml", resume=False)
+    write_run_files(run, cfg, tmp_path / "second", "b.yaml", resume=False)
+    assert json.loads((run / "run.json").read_text()) == {
         "model_dir": str((tmp_path / "second").resolve()), "config_source": "b.yaml"}
-    write_run_files(tmp_path, cfg, tmp_path / "third", "c.yaml", resume=True)
-    assert json.loads((tmp_path / "run.json").read_text()) == {   # the model it resumed with
+    write_run_files(run, cfg, tmp_path / "third", "c.yaml", resume=True)
+    assert json.loads((run / "run.json").read_text()) == {   # the model it resumed with
         "model_dir": str((tmp_path / "third").resolve()), "config_source": "b.yaml"}
+    write_run_files(run, cfg, run / "hf_assets", "c.yaml", resume=True)
+    assert json.loads((run / "run.json").read_text()) == {   # inside the run: relative to it
+        "model_dir": "hf_assets", "config_source": "b.yaml"}
 
 
 def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:

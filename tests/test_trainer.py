@@ -359,6 +359,21 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
     assert "optim.total_steps=2 is below schedule.total_updates=3" in caplog.text
 
 
+def test_a_run_ended_by_its_attempt_cap_says_so_and_names_the_cap(tmp_path, caplog):
+    """A run whose attempts never stepped ended at schedule.max_attempts with rc 0 and no word;
+    its resume then advised raising total_updates, which cannot help."""
+    cap = {"schedule.zero_spread": "skip", "schedule.max_attempts": 2}   # no reward spread: no step
+    with caplog.at_level("WARNING"):
+        _, summary = _run(tmp_path, **cap)
+    assert summary.attempts == 2 and summary.effective_updates == 0
+    assert "stopped at schedule.max_attempts=2 attempts with 0 of 3 effective updates" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _run(tmp_path, resume=True, **cap)
+    assert "already finished its schedule (0 of 3 effective updates, 2 attempts); raise " \
+           "schedule.max_attempts to extend it" in caplog.text
+
+
 def test_a_run_without_a_model_directory_resumes_past_its_first_steps_deletion(straight, tmp_path,
                                                                              capsys):
     """A converted run (checkpoints only, no run.json) took the newest step's hf/ as its model
@@ -368,20 +383,31 @@ def test_a_run_without_a_model_directory_resumes_past_its_first_steps_deletion(s
     import shutil
 
     from jscenegen.checkpoint import RUN_ASSETS
+    from jscenegen.checkpoint.checksums import write_checksums
+    from jscenegen.checkpoint.resume import CONVERTED_MANIFEST
     from jscenegen.cli import main
 
     run = tmp_path / "run"
     shutil.copytree(straight[0] / "checkpoints", run / "checkpoints")   # steps 2 and 3
+    write_checksums(run / "checkpoints")    # as `convert --to orbax` leaves its output
     overrides = [o for o in _OVERRIDES if not o.startswith("schedule.total_updates=")]
     assert main(["train", "--resume", str(run), "--config", "configs/cpu-default.yaml", *overrides,
                  "schedule.total_updates=6", "trainer.eval_before_after=false"]) == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["5", "6"]
-    assert json.loads((run / "run.json").read_text())["model_dir"] == str((run / RUN_ASSETS).resolve())
+    assert json.loads((run / "run.json").read_text())["model_dir"] == RUN_ASSETS   # the run's own
     assert (run / RUN_ASSETS / "config.json").read_bytes() == \
         (straight[0] / "checkpoints/3/hf/config.json").read_bytes()
+    # the converter's manifest named steps 2 and 3, deleted since: retired, so the run verifies
+    assert (run / "checkpoints" / CONVERTED_MANIFEST).is_file()
+    assert not (run / "checkpoints/checksums.json").exists()
     capsys.readouterr()
-    assert main(["train", "--resume", str(run), "schedule.total_updates=7"]) == 0
-    assert _final(run).step == 7
+    assert main(["convert", "--verify", str(run)]) == 0
+    assert capsys.readouterr().out.startswith(f"{run}: steps 5, 6: ")
+    assert main(["convert", "--inspect", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == [5, 6]
+    copy = shutil.copytree(run, tmp_path / "copy")   # a copy of the run reads its own assets
+    assert main(["train", "--resume", str(copy), "schedule.total_updates=7"]) == 0
+    assert _final(copy).step == 7
 
 
 def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_path, capsys):

@@ -137,7 +137,9 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
                 prefix + rel for rel in list_files(root / where, ())]
         problems += [f"{rel}: not listed in {name}" for rel in on_disk if rel not in listed]
     if problems:
-        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}: " + "; ".join(problems))
+        more = f"; ... {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}: "
+                            + "; ".join(problems[:10]) + more)
     return len(files)
 
 

@@ -198,7 +198,9 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
     except (OSError, ValueError, RecursionError) as err:
         reason = f"{type(err).__name__}: {getattr(err, 'strerror', None) or err}"
     raise CheckpointError(f"{path}: not the run's record ({reason}); it holds "
-                          "{\"model_dir\": ..., \"config_source\": ...}, written when the run started")
+                          "{\"model_dir\": ..., \"config_source\": ...}, written when the run started "
+                          "(repair it, or delete it: a resume then takes the config and tokenizer "
+                          "of the newest checkpoint)")
 
 
 def resume_model_dir(run_dir: str | Path) -> Path:
@@ -212,9 +214,10 @@ def resume_model_dir(run_dir: str | Path) -> Path:
     record is damaged (`read_run_record`)."""
     run_dir = Path(run_dir)
     record = read_run_record(run_dir)
-    if record is not None and (Path(record["model_dir"]) / "config.json").is_file() \
-            and not _inside(Path(record["model_dir"]), run_dir / RUN_CHECKPOINTS):
-        return Path(record["model_dir"])
+    recorded = None if record is None else run_dir / record["model_dir"]   # relative: in the run
+    if recorded is not None and (recorded / "config.json").is_file() \
+            and not _inside(recorded, run_dir / RUN_CHECKPOINTS):
+        return recorded
     assets = run_dir / RUN_ASSETS
     if (assets / "config.json").is_file():
         return assets
@@ -225,6 +228,26 @@ def resume_model_dir(run_dir: str | Path) -> Path:
     _copy_assets(run_dir / RUN_CHECKPOINTS / str(step) / HF_DIR, assets)
     log.info("resume: config and tokenizer copied from checkpoint step %d to %s", step, assets)
     return assets
+
+
+CONVERTED_MANIFEST = "checksums.converted.json"
+
+
+def retire_converted_manifest(checkpoints: str | Path) -> Path | None:
+    """Rename the `checksums.json` that `convert --to orbax` wrote at the root of a checkpoint
+    directory (covering the steps it wrote) to CONVERTED_MANIFEST, when a run resumes there;
+    return its new path, or None when there is none. The run deletes those steps once
+    `checkpoint.keep_last` newer ones exist, and each of its steps carries its own
+    checksums.json: left in place, the root manifest named the deleted files as missing, so
+    `convert --verify` and every `convert` of the run refused it."""
+    root = Path(checkpoints)
+    manifest = root / "checksums.json"
+    if not manifest.is_file():
+        return None
+    os.replace(manifest, root / CONVERTED_MANIFEST)
+    log.info("resume: %s renamed %s (each step keeps its own checksums.json)", manifest,
+             CONVERTED_MANIFEST)
+    return root / CONVERTED_MANIFEST
 
 
 def _inside(path: Path, folder: Path) -> bool:

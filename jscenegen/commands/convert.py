@@ -47,7 +47,8 @@ def register(subparsers) -> None:
                         "mtp.*) from this HF directory (the release the run started from); "
                         "without it they are dropped with a warning")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--verify", metavar="DIR", help="check DIR against DIR/checksums.json")
+    mode.add_argument("--verify", metavar="DIR", help="check DIR against DIR/checksums.json (a "
+                      "run or its checkpoints/: each finished step against its own)")
     mode.add_argument("--inspect", metavar="DIR", help="describe DIR (format, W, placements, ...)")
     p.set_defaults(func=run, intermixed=True)  # SRC and DST before, between or after the options
 
@@ -57,6 +58,17 @@ def run(args: argparse.Namespace) -> int:
     from jscenegen.config import terminal_line
 
     if args.verify:
+        from convert.inspect import run_checkpoints, verify_run
+
+        if (steps_dir := run_checkpoints(args.verify)) is not None:   # a run: each step's manifest
+            verified, unfinished, n = verify_run(steps_dir)
+            for step in unfinished:
+                print(terminal_line(f"warning: {steps_dir / str(step)}: an unfinished save (no "
+                                    "checksums.json): a run skips it and saves that step again"),
+                      file=sys.stderr)
+            print(terminal_line(f"{args.verify}: steps {', '.join(map(str, verified))}: {n} files "
+                                "verify against their checksums.json"))
+            return 0
         n = verify_checksums(args.verify)
         print(terminal_line(f"{args.verify}: {n} files verify against checksums.json"))
         return 0

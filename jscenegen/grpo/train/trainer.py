@@ -32,6 +32,7 @@ from jscenegen.checkpoint.resume import (
     checkpoint_position,
     has_run_identity,
     restore_onto_mesh,
+    retire_converted_manifest,
 )
 from jscenegen.checkpoint.store import (
     TRAIN_STATE_ITEM,
@@ -174,6 +175,8 @@ class Trainer:
             log.warning("%s", early)
         if resume:
             ck = self._read_checkpoint()
+            if is_primary():
+                retire_converted_manifest(self.store.directory)
             self.model = build_model(arch, ck.params.items(), mesh=self.mesh,
                                      source=str(ck.path), **options)
         else:
@@ -491,10 +494,12 @@ class Trainer:
         attempts = 0
         last_saved = None
         if self.schedule.done(self.pos):
+            capped = self.pos.effective_updates < self.cfg.schedule.total_updates
             log.warning("%s already finished its schedule (%d of %d effective updates, %d "
-                        "attempts); raise schedule.total_updates (or schedule.max_attempts) to "
-                        "extend it", self.run_dir, self.pos.effective_updates,
-                        self.cfg.schedule.total_updates, self.pos.attempts)
+                        "attempts); raise %s to extend it", self.run_dir,
+                        self.pos.effective_updates, self.cfg.schedule.total_updates,
+                        self.pos.attempts,
+                        "schedule.max_attempts" if capped else "schedule.total_updates")
         try:
             while not self.schedule.done(self.pos) and (max_updates is None or attempts < max_updates):
                 row = self.update()
@@ -523,6 +528,13 @@ class Trainer:
             elif last_saved is None or last_saved != current:
                 last_saved = self.save()
             self.store.wait_until_finished()
+            if (attempts and self._stop_signal is None and self.schedule.done(self.pos)
+                    and self.pos.effective_updates < self.cfg.schedule.total_updates):
+                log.warning("stopped at schedule.max_attempts=%d attempts with %d of %d effective "
+                            "updates (an attempt without an optimizer step had no reward spread "
+                            "or no trained token: metrics.jsonl's failures/* say why); raise "
+                            "schedule.max_attempts to go on", self.cfg.schedule.max_attempts,
+                            self.pos.effective_updates, self.cfg.schedule.total_updates)
         finally:
             for s, handler in self._replaced_handlers.items():
                 signal.signal(s, handler)
