@@ -359,6 +359,17 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
     assert "optim.total_steps=2 is below schedule.total_updates=3" in caplog.text
 
 
+def test_scenes_whose_episodes_cannot_take_a_turn_are_refused_before_the_weights(tmp_path):
+    """With the prompts over sampling.max_episode_tokens every episode failed with
+    episode_token_cap, and the run made its attempts without a word (eval and design refuse
+    the same case up front)."""
+    with pytest.raises(ValueError, match=r"train.jsonl: train_\d+: the prompt \(\d+ tokens\) makes the "
+                       r"episode start at \d+ tokens .* sampling.max_episode_tokens=128; .* \(the "
+                       r"first 3 scene\(s\) of the schedule all do: every episode would fail\)"):
+        Trainer(_cfg(**{"sampling.max_episode_tokens": 128}), tmp_path / "run", chat_model_dir())
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_run_ended_by_its_attempt_cap_says_so_and_names_the_cap(tmp_path, caplog):
     """A run whose attempts never stepped ended at schedule.max_attempts with rc 0 and no word;
     its resume then advised raising total_updates, which cannot help."""
