@@ -13,6 +13,7 @@ import pytest
 from jscenegen.cli import build_parser, main, parse_args
 
 from cli_errors import one_error_line
+from fsdp_fixtures import fixture_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -731,6 +732,13 @@ def test_a_resume_of_what_is_no_run_directory_says_so(tmp_path, capsys):
         assert main(["train", "--resume", str(given)]) == 2
         assert one_error_line(capsys) == (f"error: {given}/checkpoints not found: nothing to resume "
                                           f"(--resume takes the run's directory: {tmp_path / 'run'})")
+    assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert one_error_line(capsys) == f"error: --resume {tmp_path / 'nowhere'}: no such directory"
+    verl = fixture_dir("qwen3_tied_dim0") / "ckpt"      # a VERL run: convert it first
+    assert main(["train", "--resume", str(verl)]) == 2
+    assert one_error_line(capsys) == (f"error: {verl}/checkpoints not found: nothing to resume ({verl} "
+                                      f"is a verl checkpoint: convert it first, `jscenegen convert {verl} "
+                                      "RUN/checkpoints --to orbax`, then --resume RUN)")
 
 
 def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog):

@@ -77,13 +77,20 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     if run_dir.exists() and not run_dir.is_dir():
         raise NotADirectoryError(f"--resume {args.resume}: not a directory (a run directory "
                                  "holds config.yaml and checkpoints/)")
+    if not os.path.lexists(run_dir):
+        raise FileNotFoundError(f"--resume {args.resume}: no such directory")
     checkpoints = run_dir / RUN_CHECKPOINTS
     check_checkpoints_dir(checkpoints)
     record = read_run_record(run_dir)
     afresh = record is not None and not finished_saves(checkpoints)
     if not afresh and not checkpoints.is_dir():
+        from convert.inspect import checkpoint_format
+
         run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
         hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
+        if not hint and (kind := checkpoint_format(run_dir)) in ("verl", "export", "hf"):
+            hint = (f" ({run_dir} is a {kind} checkpoint: convert it first, `jscenegen convert "
+                    f"{run_dir} RUN/checkpoints --to orbax`, then --resume RUN)")
         raise FileNotFoundError(f"{checkpoints} not found: nothing to resume{hint}")
     saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
     if args.config:
