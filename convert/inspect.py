@@ -15,6 +15,7 @@ from typing import Any
 
 from convert.errors import ConvertError
 from convert.verl_read import looks_like_verl
+from jscenegen.checkpoint.checksums import CHECKSUMS_NAME
 from jscenegen.paths import is_decimal
 
 
@@ -69,7 +70,7 @@ def run_checkpoints(path: str | Path) -> Path | None:
         return None
     if not checkpoint_format(path) and (path / RUN_CHECKPOINTS).is_dir():
         path = path / RUN_CHECKPOINTS
-    if checkpoint_format(path) != "orbax-run" or (path / "checksums.json").exists():
+    if checkpoint_format(path) != "orbax-run" or (path / CHECKSUMS_NAME).exists():
         return None
     return path
 
@@ -83,7 +84,7 @@ def verify_run(path: Path) -> tuple[list[int], list[int], int]:
 
     verified, unfinished, files = [], [], 0
     for step in sorted(_orbax_steps(path), key=lambda p: int(p.name)):
-        if not (step / "checksums.json").is_file():
+        if not (step / CHECKSUMS_NAME).is_file():
             unfinished.append(int(step.name))
             continue
         try:

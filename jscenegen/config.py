@@ -262,19 +262,20 @@ def shown_value(value: Any) -> str:
     return clip_text(text)
 
 
-def terminal_text(text: str) -> str:
-    """`text` safe to print: control characters (Unicode category Cc) other than newline and
-    tab, and lone surrogates (argv bytes that are not UTF-8), written as escapes (`\\x1b`,
-    `\\udcff`), so an escape sequence in a prompt, a sampled token or a refused input cannot
-    drive the terminal and any stream can encode the line; files keep the text itself."""
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cs") and c not in "\n\t"
+def terminal_text(text: str, keep: str = "\n\t") -> str:
+    """`text` safe to print: control characters (Unicode category Cc) other than those in
+    `keep` (newline and tab), and lone surrogates (argv bytes that are not UTF-8), written as
+    escapes (`\\x1b`, `\\udcff`), so an escape sequence in a prompt, a sampled token or a
+    refused input cannot drive the terminal and any stream can encode the line; files keep the
+    text itself."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cs") and c not in keep
                    else c for c in text)
 
 
 def terminal_line(text: str) -> str:
     """`terminal_text` for a one-line message: newlines and tabs escaped too (`\\n`), so a
     path or name holding them cannot break the line a script reads."""
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cs") else c for c in text)
+    return terminal_text(text, keep="")
 
 
 def override_key(item: str) -> str:

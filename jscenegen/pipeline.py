@@ -97,9 +97,9 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
     write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
                                                        sort_keys=False))
     record = read_run_record(run_dir) if resume else None
-    model = model_dir.resolve()
-    if model.is_relative_to(run_dir.resolve()):   # the run's own assets: a copy of the run uses its own
-        model = model.relative_to(run_dir.resolve())
+    model, run = model_dir.resolve(), run_dir.resolve()
+    if model.is_relative_to(run):   # the run's own assets: a copy of the run uses its own
+        model = model.relative_to(run)
     if record is None or record["model_dir"] != str(model):
         write_json(run_dir / RUN_RECORD, {
             "model_dir": str(model),

@@ -24,6 +24,7 @@ import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
 
 from jscenegen.checkpoint import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD
+from jscenegen.checkpoint.checksums import CHECKSUMS_NAME
 from jscenegen.checkpoint.store import (
     HF_ASSET_FILES,
     HF_DIR,
@@ -241,7 +242,7 @@ def retire_converted_manifest(checkpoints: str | Path) -> Path | None:
     checksums.json: left in place, the root manifest named the deleted files as missing, so
     `convert --verify` and every `convert` of the run refused it."""
     root = Path(checkpoints)
-    manifest = root / "checksums.json"
+    manifest = root / CHECKSUMS_NAME
     if not manifest.is_file():
         return None
     os.replace(manifest, root / CONVERTED_MANIFEST)

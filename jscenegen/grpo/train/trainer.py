@@ -301,8 +301,8 @@ class Trainer:
         and no update could step); warn naming them when only some do."""
         from jscenegen.eval.evaluate import check_episode_fits
 
-        failing = []
-        for i in range(min(n, sample)):
+        failing, checked = [], min(n, sample)
+        for i in range(checked):
             try:
                 check_episode_fits(self.chat, self.scenes[i], self.cfg)
             except ValueError as err:
@@ -312,11 +312,11 @@ class Trainer:
         if not failing:
             return
         where = f"{self.cfg.schedule.train_set}: {failing[0][0]}"
-        if len(failing) == min(n, sample):
+        if len(failing) == checked:
             raise ValueError(f"{where}: {failing[0][1]} (the first {len(failing)} scene(s) of "
                              "the schedule all do: every episode would fail)")
         log.warning("%s: %s (%d of the first %d scenes; their episodes fail with "
-                    "episode_token_cap)", where, failing[0][1], len(failing), min(n, sample))
+                    "episode_token_cap)", where, failing[0][1], len(failing), checked)
 
     def _read_checkpoint(self):
         """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run.
