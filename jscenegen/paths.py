@@ -132,8 +132,10 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     existing ancestor is not a directory, no file can be created there (tried with an empty
     temporary file, removed at once, so root on a read-only or pseudo filesystem such as /proc
     is caught too), or its name does not end in `suffix` (case ignored; for a writer whose
-    format does not follow the name: a PNG named `.jpg` would be PNG bytes), or the path is not
-    UTF-8. Missing parents are created by the writers."""
+    format does not follow the name: a PNG named `.jpg` would be PNG bytes), or, for a writer
+    of text (no `suffix`), it ends in `.png`, the pictures' name here (`scene furnish -o x.png`
+    would be JSON in a file named as the render), or the path is not UTF-8. Missing parents are
+    created by the writers."""
     p = Path(path)
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
@@ -141,6 +143,10 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     if suffix and p.suffix.lower() != suffix:
         raise ValueError(f"{label} {path}: the file is written as {suffix[1:].upper()}; give a "
                          f"name ending in {suffix}")
+    if not suffix and p.suffix.lower() == ".png":
+        raise ValueError(f"{label} {path}: this file is written as text (JSON), not a picture; "
+                         "give another name (a .png name is for the top views of scene render, "
+                         "--render and --plot)")
     if str(path).endswith(os.sep):
         raise ValueError(f"{label} {path}: ends with {os.sep}, the name of a directory; give a file path")
     if p.is_dir() and not p.is_symlink():

@@ -261,6 +261,21 @@ def test_an_output_file_path_that_is_not_utf8_is_refused_before_any_work(tmp_pat
     assert sorted(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv", [
+    ["scene", "furnish", "data/scenes/dev.jsonl", "-o", "{d}/x.PNG"],
+    ["scene", "generate", "--split", "dev", "--n", "1", "-o", "{d}/x.png"],
+    ["design", "--model", "/nonexistent", "--prompt", "x", "-o", "{d}/x.png"],
+    ["eval", "--model", "/nonexistent", "--out", "{d}/x.png"],
+])
+def test_a_text_output_named_as_a_picture_is_refused(tmp_path, capsys, argv):
+    """A JSON/JSONL writer given a .png name (as `scene render -o` takes) is refused before any
+    work: it wrote JSON into x.png."""
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    assert "is written as text (JSON), not a picture" in one_error_line(capsys)
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
     """The config file (given or the default), the prompt templates, the catalogue, the scene
     sets and the installed package are inputs too, as the model is: refused before any model is
