@@ -92,9 +92,11 @@ def _has_str(value) -> bool:
 
 
 class JsonDocument(PlainModel):
-    """Base of documents read from JSON (scene files): `PlainModel`'s rules, and a number is a
+    """Base of documents read from JSON (scene files): `PlainModel`'s rules, a number is a
     JSON number, never a string (pydantic would read `"yaw": "90"` as 90 degrees; YAML configs
-    keep that leniency, as YAML 1.1 reads `1e-6` as a string)."""
+    keep that leniency, as YAML 1.1 reads `1e-6` as a string), and an integer field (an edge
+    index, a unit count) takes an integer literal, not `0.0` (pydantic reads a whole float as
+    its integer)."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -102,6 +104,8 @@ class JsonDocument(PlainModel):
         field = cls.model_fields.get(info.field_name)
         if field is not None and _numbers_within(field.annotation) and _has_str(value):
             raise ValueError("expected a number, not a string")
+        if field is not None and field.annotation is int and isinstance(value, float):
+            raise ValueError(f"expected an integer, not {value!r}")
         return value
 
 

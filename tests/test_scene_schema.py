@@ -158,6 +158,19 @@ def test_a_number_written_as_a_string_is_refused_naming_the_field(where, edit):
         scene_from_json(scene, "s.json")
 
 
+@pytest.mark.parametrize("where,edit", [
+    ("room.doors.0.wall", lambda s: s["room"]["doors"][0].update(wall=0.0)),
+    ("budget.total_units", lambda s: s.update(budget={"total_units": 512.0, "used_units": 0})),
+])
+def test_an_integer_field_written_as_a_float_is_refused_naming_the_field(where, edit):
+    """An edge index or a unit count is an integer literal: pydantic reads 0.0 as 0."""
+    scene = {"room": room(), "objects": [], "budget": {"total_units": 512, "used_units": 0}}
+    assert scene_from_json(json.loads(json.dumps(scene))).budget.total_units == 512
+    edit(scene)
+    with pytest.raises(SceneError, match=rf"^s.json: {where}: expected an integer, not "):
+        scene_from_json(scene, "s.json")
+
+
 def test_a_key_repeated_in_one_object_is_refused(tmp_path):
     """Python's json keeps the last value: an appended `"objects": []` would empty the room."""
     text = json.dumps({"room": room(), "objects": [obj("bed_1", "bed", 1.0, 1.0, 1.0, 1.0, 0.5)]})
