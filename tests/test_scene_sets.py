@@ -273,10 +273,10 @@ def test_requests_the_catalogue_does_not_know_are_refused_or_flagged(tmp_path, c
     (tmp_path / "rec.json").write_text(json.dumps(record))
     assert main(["scene", "check", str(tmp_path / "rec.json")]) == 0
     assert "requested 'spaceship' is neither a category nor a group" in json.loads(capsys.readouterr().out)["warnings"]
-    (tmp_path / "set.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "set.jsonl").write_text("\n" + json.dumps(record) + "\n")   # named by its line, 2
     assert main(["train", "--run-dir", str(tmp_path / "run"), f"schedule.train_set={tmp_path / 'set.jsonl'}"]) == 2
     assert one_error_line(capsys) == (
-        f"error: {tmp_path / 'set.jsonl'}: scene 1 ({record['scene']['scene_id']}) requests 'spaceship': "
+        f"error: {tmp_path / 'set.jsonl'}:2: scene {record['scene']['scene_id']} requests 'spaceship': "
         "neither a category nor a group of the catalogue")
     assert not (tmp_path / "run").exists()
 

@@ -7,7 +7,7 @@ the prompt, read by the rule judge's prompt_following grade.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from jscenegen.config import SEED_MAX, clip_text, not_unicode
@@ -20,11 +20,13 @@ SET_SCHEMA = "scenegen.sceneset/1"
 
 @dataclass(frozen=True)
 class SceneRecord:
-    """One scene of a set: the empty scene, its seed and its requested items."""
+    """One scene of a set: the empty scene, its seed and its requested items; `line`, the
+    line of the scene-set file it was read from (0: not read from one), names it in errors."""
 
     scene: Scene
     seed: int
     requested: tuple[dict, ...] = ()
+    line: int = field(default=0, compare=False)
 
     def to_json(self) -> dict:
         return {"schema": SET_SCHEMA, "scene": self.scene.to_json(), "seed": self.seed,
@@ -76,9 +78,10 @@ def check_requests_known(records: list[SceneRecord], catalogue, source: str) -> 
     that is neither a category nor a group of `catalogue` (no object can satisfy it, so the
     prompt-following grade would drop for every episode of that scene)."""
     for i, record in enumerate(records):
+        where = f"{source}:{record.line}" if record.line else f"{source}: scene {i + 1}"
         for item in record.requested:
             if not catalogue.knows(item["category"]):
-                raise SceneError(f"{source}: scene {i + 1} ({record.scene.scene_id or 'no id'}) "
+                raise SceneError(f"{where}: scene {record.scene.scene_id or '(no id)'} "
                                  f"requests {clip_text(repr(item['category']))}: neither a "
                                  "category nor a group of the catalogue")
 
@@ -99,7 +102,7 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
         except SceneError as err:   # a pretty-printed JSON file breaks on its first line
             hint = "" if out else " (a scene set holds one JSON record per line: JSONL)"
             raise SceneError(f"{err}{hint}") from None
-        record = record_from_json(data, f"{p}:{n}")
+        record = replace(record_from_json(data, f"{p}:{n}"), line=n)
         scene_id = record.scene.scene_id
         if scene_id and scene_id in lines:   # reports name scenes by id: they would clash
             raise SceneError(f"{p}:{n}: scene_id {clip_text(repr(scene_id))} is already the id of "
