@@ -205,9 +205,10 @@ def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) 
 
 
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
-                  config_source: str) -> int:
+                  config_source: str, settings_notice: str | None = None) -> int:
     """Run the GRPO job in `run_dir` (see the module docstring); holds `run_dir/run.lock`
-    throughout. Raises RunLockedError when another process holds it."""
+    throughout. `settings_notice`: a warning (the settings a resume's overrides change) logged
+    once the trainer has accepted the run. Raises RunLockedError when another process holds it."""
     import jax
 
     from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
@@ -231,13 +232,13 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         if is_primary():  # one process per run directory (the holder is named to a second one)
             lock.acquire()
         return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
-                             config_source=config_source)
+                             config_source=config_source, settings_notice=settings_notice)
     finally:
         lock.release()
 
 
 def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
-                  config_source: str) -> int:
+                  config_source: str, settings_notice: str | None) -> int:
     import jax
 
     from jscenegen.checkpoint.store import finished_saves
@@ -259,6 +260,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
     layout = trainer.engine.sampler.layout.describe()
     if is_primary():
+        if settings_notice:
+            log.warning("%s", settings_notice)
         print(f"rollout layout: {layout}", file=sys.stderr, flush=True)
     evals, run_files_written = {}, False
     try:

@@ -664,7 +664,7 @@ def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys,
                                        "saved): starting it again with its config.yaml\n")
     assert taken["resume"] is False and taken["config_source"] == "mine.yaml"
     assert taken["cfg"].model.path == "/elsewhere" and taken["cfg"].optim.lr == 3e-6
-    assert caplog.messages == ["the restart changes model.path '/started/here' -> '/elsewhere'"]
+    assert taken["settings_notice"] == "the restart changes model.path '/started/here' -> '/elsewhere'"
     # one finished save (checksums.json is written last) makes it a run to continue
     (run / "checkpoints/1/checksums.json").write_text("{}")
     assert main(["train", "--resume", str(run)]) == 0
@@ -725,8 +725,8 @@ def test_a_resume_says_which_settings_its_overrides_change_and_keeps_its_model_p
     with caplog.at_level("WARNING"):
         assert main(["train", "--resume", str(run), "optim.lr=2e-6", "model.path=/elsewhere",
                      "logging.swanlab_mode=disabled"]) == 0
-    assert ("resume changes optim.lr 1e-06 -> 2e-06; "
-            "logging.swanlab_mode 'offline' -> 'disabled'") in caplog.messages
+    assert taken["settings_notice"] == ("resume changes optim.lr 1e-06 -> 2e-06; "
+                                        "logging.swanlab_mode 'offline' -> 'disabled'")
     assert ("model.path is not read on resume: the weights are the run's newest checkpoint "
             "(config.yaml keeps model.path '/started/here')") in caplog.messages
     assert taken["cfg"].model.path == "/started/here" and taken["cfg"].optim.lr == 2e-6
@@ -756,7 +756,8 @@ def test_a_resume_of_what_is_no_run_directory_says_so(tmp_path, capsys):
                                       "RUN/checkpoints --to orbax`, then --resume RUN)")
 
 
-def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog):
+def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog,
+                                                               train_command_calls):
     """A run whose judge.base_url held a credential saves `<redacted>`; the resume must accept
     the URL given again (the comparison with the saved config refused it) and never print it."""
     run = tmp_path / "run"
@@ -765,10 +766,10 @@ def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog
                                      "  base_url: <redacted>\n")
     secret = "http://user:sk-URLSECRET999@127.0.0.1:8000/v1"
     with caplog.at_level("WARNING"):
-        code = main(["train", "--resume", str(run), f"judge.base_url={secret}",
-                     "schedule.train_set=/nonexistent.jsonl"])   # ends before any model
-    assert code == 2
-    assert "resume changes judge.base_url '<redacted>' -> '<redacted>'" in caplog.text
+        assert main(["train", "--resume", str(run), f"judge.base_url={secret}"]) == 0
+    notice = train_command_calls["settings_notice"]
+    assert notice == "resume changes judge.base_url '<redacted>' -> '<redacted>'"
+    assert train_command_calls["cfg"].judge.base_url == secret
     assert "held a credential" not in caplog.text and "sk-URLSECRET999" not in caplog.text
 
 

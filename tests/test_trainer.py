@@ -359,6 +359,29 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
     assert "optim.total_steps=2 is below schedule.total_updates=3" in caplog.text
 
 
+def test_a_refused_resume_does_not_say_its_overrides_change_anything(straight, tmp_path_factory,
+                                                                    capsys, caplog):
+    """`train --resume RUN key=value` warned "resume changes ..." and then refused the resume:
+    the notice now comes once the trainer has accepted it."""
+    import shutil
+
+    import yaml
+
+    from jscenegen.cli import main
+
+    run_dir = tmp_path_factory.mktemp("refused") / "run"
+    shutil.copytree(straight[0], run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(_cfg().model_dump(mode="json")))
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--resume", str(run_dir), "schedule.roles=DDDPC"]) == 2
+    err = capsys.readouterr().err
+    assert "schedule.roles, schedule.group_size or schedule.seed changed" in err
+    assert "changes" not in caplog.text and "changes" not in err
+    with caplog.at_level("WARNING"):    # accepted (the run has finished its schedule: no step)
+        assert main(["train", "--resume", str(run_dir), "optim.lr=0.002"]) == 0
+    assert "resume changes optim.lr 0.001 -> 0.002" in caplog.messages
+
+
 def test_scenes_whose_episodes_cannot_take_a_turn_are_refused_before_the_weights(tmp_path):
     """With the prompts over sampling.max_episode_tokens every episode failed with
     episode_token_cap, and the run made its attempts without a word (eval and design refuse

@@ -48,7 +48,10 @@ def run(args) -> int:
             saved, only_saved_keys = read_yaml(config_path), True
         if not afresh:   # a new start takes the model it is given
             cfg = _keep_saved_model_path(saved, cfg)
-        _say_changed_settings(saved, cfg, only_saved_keys, "the restart" if afresh else "resume")
+        settings_notice = _changed_settings(saved, cfg, only_saved_keys,
+                                            "the restart" if afresh else "resume")
+    else:
+        settings_notice = None
     check_output_dir(run_dir, label="--run-dir")
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
@@ -58,7 +61,8 @@ def run(args) -> int:
     from jscenegen.pipeline import train_command
 
     return train_command(cfg, run_dir, resume=bool(args.resume) and not afresh,
-                         max_updates=args.max_updates, config_source=config_source)
+                         max_updates=args.max_updates, config_source=config_source,
+                         settings_notice=settings_notice)
 
 
 def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
@@ -135,14 +139,14 @@ def _keep_saved_model_path(saved: dict, cfg):
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": kept})})
 
 
-def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
-                          what: str = "resume") -> None:
-    """Warn, on stderr, which settings a resume's overrides change from the run's config
-    `saved` (a mapping; only its own keys with `only_saved_keys`; a resume checks that the
-    schedule and reward stay compatible; the rest is taken as asked), credentials redacted.
-    `what`: "resume", or "the restart" of a run stopped before its first checkpoint."""
-    import logging
-
+def _changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
+                      what: str = "resume") -> str | None:
+    """The warning naming the settings a resume's overrides change from the run's config
+    `saved` (a mapping; only its own keys with `only_saved_keys`), credentials redacted; None
+    when none changes. `train_command` logs it once the trainer has accepted the resume (it
+    checks that the schedule and reward stay compatible; the rest is taken as asked), so a
+    refused resume does not say it changed anything. `what`: "resume", or "the restart" of a
+    run stopped before its first checkpoint."""
     from jscenegen.checkpoint.metadata import redact
     from jscenegen.config import dotted_items
 
@@ -151,5 +155,4 @@ def _say_changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
     shown_before, shown_after = dotted_items(redact(saved)), redact(after)
     changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
                if before.get(k) != v and (k in before or not only_saved_keys)]
-    if changed:
-        logging.getLogger(__name__).warning("%s changes %s", what, "; ".join(changed))
+    return f"{what} changes {'; '.join(changed)}" if changed else None
