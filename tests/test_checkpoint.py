@@ -637,6 +637,25 @@ def test_resume_refuses_adam_state_for_other_tensors(saved_with_frozen, mesh32):
         restore_onto_mesh(store, shapes, mesh32, np.float32, trainable=list(shapes))
 
 
+def test_a_resume_names_a_corrupt_newest_step_once(tmp_path, mesh32, hf_dir, caplog):
+    """A run without a model directory (convert --to orbax) takes its assets from the newest
+    complete step: that search and the restore's set-aside each warned about the same step."""
+    from jscenegen.checkpoint.resume import resume_model_dir, restore_onto_mesh
+
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    save_step(store, 2, mesh32, hf_dir, seed=2)
+    victim = max((p for p in (store.step_path(2) / "adam").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    _corrupt(victim, offset=victim.stat().st_size // 2)
+    with caplog.at_level("WARNING"):
+        assert resume_model_dir(tmp_path) == tmp_path / "hf_assets"
+        assert restore_onto_mesh(store, SHAPES, mesh32, np.float32).step == 1
+    said = [m for m in caplog.messages if "step 2" in m]
+    assert len(said) == 1 and "is corrupt" in said[0] and "set aside" in said[0], said
+    store.close()
+
+
 @pytest.mark.parametrize("text", ["{}", '{"model_dir": "/x', "[1]"])
 def test_a_damaged_run_json_is_named(tmp_path, text):
     from jscenegen.checkpoint.resume import resume_model_dir

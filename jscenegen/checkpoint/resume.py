@@ -222,8 +222,8 @@ def resume_model_dir(run_dir: str | Path) -> Path:
     assets = run_dir / RUN_ASSETS
     if (assets / "config.json").is_file():
         return assets
-    with CheckpointStore(run_dir / RUN_CHECKPOINTS) as store:
-        step = store.latest_valid_step()
+    with CheckpointStore(run_dir / RUN_CHECKPOINTS) as store:   # the restore names skipped steps
+        step = store.latest_valid_step(say_skipped=False)
     if step is None:
         raise CheckpointError(f"{run_dir / RUN_CHECKPOINTS} holds no complete checkpoint")
     _copy_assets(run_dir / RUN_CHECKPOINTS / str(step) / HF_DIR, assets)

@@ -638,16 +638,19 @@ class CheckpointStore:
         """`check_step` of every step directory, newest first."""
         return [check_step(self.step_path(s), hash_files=hash_files) for s in reversed(self.steps())]
 
-    def latest_valid_step(self) -> int | None:
+    def latest_valid_step(self, *, say_skipped: bool = True) -> int | None:
         """Newest step whose checkpoint is complete and verifies (full SHA-256), or None.
 
-        Incomplete or corrupted newer steps are skipped with a logged warning giving the reason.
+        Incomplete or corrupted newer steps are skipped, with a logged warning giving the
+        reason unless `say_skipped` is False (a caller whose later `restore` or
+        `set_aside_corrupt` reports the same steps).
         """
         for step in reversed(self.steps()):
             status = check_step(self.step_path(step))
             if status.valid:
                 return step
-            log.warning("skipping checkpoint step %d: %s", step, _one_line(status.reason))
+            if say_skipped:
+                log.warning("skipping checkpoint step %d: %s", step, _one_line(status.reason))
         return None
 
     def set_aside_corrupt(self) -> list[Path]:
