@@ -640,7 +640,7 @@ def test_resume_refuses_adam_state_for_other_tensors(saved_with_frozen, mesh32):
 def test_a_resume_names_a_corrupt_newest_step_once(tmp_path, mesh32, hf_dir, caplog):
     """A run without a model directory (convert --to orbax) takes its assets from the newest
     complete step: that search and the restore's set-aside each warned about the same step."""
-    from jscenegen.checkpoint.resume import resume_model_dir, restore_onto_mesh
+    from jscenegen.checkpoint.resume import restore_onto_mesh, resume_model_dir
 
     store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
     save_step(store, 1, mesh32, hf_dir, seed=1)
