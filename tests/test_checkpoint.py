@@ -656,6 +656,31 @@ def test_a_resume_names_a_corrupt_newest_step_once(tmp_path, mesh32, hf_dir, cap
     store.close()
 
 
+def test_a_damaged_copy_of_the_runs_assets_is_named_with_the_cure(tmp_path, mesh32, hf_dir):
+    """RUN/hf_assets (a resume's copy of a step's hf/ assets) is verified on every resume: a
+    damaged copy failed later, in the tokenizer or config reader, without saying it can go."""
+    import shutil
+
+    from jscenegen.checkpoint.resume import resume_model_dir
+    from jscenegen.checkpoint.store import CheckpointError
+
+    with CheckpointStore(tmp_path / "checkpoints") as store:
+        save_step(store, 1, mesh32, hf_dir, seed=1)
+    assets = resume_model_dir(tmp_path)
+    step_hf = tmp_path / "checkpoints" / "1" / "hf"
+    assert (assets / "config.json").read_bytes() == (step_hf / "config.json").read_bytes()
+    (assets / "tokenizer.json").write_text("{ damaged")
+    cure = rf"\({assets} is the run's copy of a checkpoint's hf/ assets: delete it, and the resume"
+    with pytest.raises(CheckpointError, match=rf"^{assets}: 1 file\(s\) fail .*tokenizer.json.* {cure}"):
+        resume_model_dir(tmp_path)
+    (assets / "tokenizer.json").unlink()
+    (assets / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"config.json: missing; tokenizer.json: missing {cure}"):
+        resume_model_dir(tmp_path)
+    shutil.rmtree(assets)
+    assert resume_model_dir(tmp_path) == assets and (assets / "tokenizer.json").read_text() == "{}"
+
+
 @pytest.mark.parametrize("text", ["{}", '{"model_dir": "/x', "[1]"])
 def test_a_damaged_run_json_is_named(tmp_path, text):
     from jscenegen.checkpoint.resume import resume_model_dir

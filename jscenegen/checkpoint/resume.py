@@ -24,7 +24,7 @@ import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
 
 from jscenegen.checkpoint import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD
-from jscenegen.checkpoint.checksums import CHECKSUMS_NAME
+from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.store import (
     HF_ASSET_FILES,
     HF_DIR,
@@ -220,7 +220,13 @@ def resume_model_dir(run_dir: str | Path) -> Path:
             and not _inside(recorded, run_dir / RUN_CHECKPOINTS):
         return recorded
     assets = run_dir / RUN_ASSETS
-    if (assets / "config.json").is_file():
+    if os.path.lexists(assets):
+        try:
+            verify_checksums(assets)
+        except ChecksumError as err:
+            raise CheckpointError(f"{err} ({assets} is the run's copy of a checkpoint's hf/ "
+                                  "assets: delete it, and the resume copies them again from the "
+                                  "newest complete checkpoint)") from None
         return assets
     with CheckpointStore(run_dir / RUN_CHECKPOINTS) as store:   # the restore names skipped steps
         step = store.latest_valid_step(say_skipped=False)
@@ -256,14 +262,16 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def _copy_assets(src: Path, dst: Path) -> None:
-    """The HF asset files of `src` into a new directory `dst`, atomically: copied into a
-    temporary sibling, then renamed (another process of a multi-host run that renamed its copy
-    first wins; the contents are the same)."""
+    """The HF asset files of `src` into a new directory `dst` with their `checksums.json`
+    (a resume verifies the copy), atomically: copied into a temporary sibling, then renamed
+    (another process of a multi-host run that renamed its copy first wins; the contents are
+    the same)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
         for name in HF_ASSET_FILES:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
+        write_checksums(tmp)
         try:
             os.rename(tmp, dst)
         except OSError:
