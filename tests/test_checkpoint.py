@@ -679,6 +679,16 @@ def test_a_damaged_copy_of_the_runs_assets_is_named_with_the_cure(tmp_path, mesh
         resume_model_dir(tmp_path)
     shutil.rmtree(assets)
     assert resume_model_dir(tmp_path) == assets and (assets / "tokenizer.json").read_text() == "{}"
+    # the run's record names its copy (relative), verified too; an absolute path in a copied
+    # run's record names the other run's copy: never followed
+    (tmp_path / "run.json").write_text('{"model_dir": "hf_assets", "config_source": "c.yaml"}')
+    (assets / "tokenizer.json").write_text("{ damaged")
+    with pytest.raises(CheckpointError, match=cure):
+        resume_model_dir(tmp_path)
+    other = tmp_path / "other_run"
+    shutil.copytree(tmp_path / "checkpoints", other / "checkpoints")
+    (other / "run.json").write_text(json.dumps({"model_dir": str(assets), "config_source": "c.yaml"}))
+    assert resume_model_dir(other) == other / "hf_assets"
 
 
 @pytest.mark.parametrize("text", ["{}", '{"model_dir": "/x', "[1]"])

@@ -206,20 +206,23 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
 
 def resume_model_dir(run_dir: str | Path) -> Path:
     """Config and tokenizer of a run being resumed: the run's model directory (`run.json`)
-    when it still holds a config.json and lies outside the run's checkpoints, else `RUN_ASSETS`
-    (copied from the `hf/` assets of the newest complete checkpoint when it does not exist
-    yet: a directory made by `convert --to orbax`, or a model directory deleted since). A
-    step's own `hf/` is never used: the store deletes it once `checkpoint.keep_last` newer
-    steps exist, and the run's later saves copy their assets from this directory.
+    when it still holds a config.json, lies outside the run's checkpoints and is no run's
+    `RUN_ASSETS` (an absolute path in a copied run's record names the other run's), else this
+    run's `RUN_ASSETS`, verified against its checksums (copied from the `hf/` assets of the
+    newest complete checkpoint when it does not exist yet: a directory made by `convert --to
+    orbax`, or a model directory deleted since). A step's own `hf/` is never used: the store
+    deletes it once `checkpoint.keep_last` newer steps exist, and the run's later saves copy
+    their assets from this directory.
     Raises CheckpointError when the run needs the copy and has no complete checkpoint, or its
     record is damaged (`read_run_record`)."""
     run_dir = Path(run_dir)
     record = read_run_record(run_dir)
     recorded = None if record is None else run_dir / record["model_dir"]   # relative: in the run
-    if recorded is not None and (recorded / "config.json").is_file() \
-            and not _inside(recorded, run_dir / RUN_CHECKPOINTS):
-        return recorded
     assets = run_dir / RUN_ASSETS
+    if recorded is not None and (recorded / "config.json").is_file() \
+            and not _inside(recorded, run_dir / RUN_CHECKPOINTS) \
+            and recorded.name != RUN_ASSETS:
+        return recorded    # a run's copy is verified below: its own, never another run's
     if os.path.lexists(assets):
         try:
             verify_checksums(assets)
