@@ -243,21 +243,20 @@ def resume_model_dir(run_dir: str | Path) -> Path:
 CONVERTED_MANIFEST = "checksums.converted.json"
 
 
-def retire_converted_manifest(checkpoints: str | Path) -> Path | None:
+def retire_converted_manifest(checkpoints: str | Path) -> None:
     """Rename the `checksums.json` that `convert --to orbax` wrote at the root of a checkpoint
-    directory (covering the steps it wrote) to CONVERTED_MANIFEST, when a run resumes there;
-    return its new path, or None when there is none. The run deletes those steps once
+    directory (covering the steps it wrote), if any, to CONVERTED_MANIFEST, when a run resumes
+    there. The run deletes those steps once
     `checkpoint.keep_last` newer ones exist, and each of its steps carries its own
     checksums.json: left in place, the root manifest named the deleted files as missing, so
     `convert --verify` and every `convert` of the run refused it."""
     root = Path(checkpoints)
     manifest = root / CHECKSUMS_NAME
     if not manifest.is_file():
-        return None
+        return
     os.replace(manifest, root / CONVERTED_MANIFEST)
     log.info("resume: %s renamed %s (each step keeps its own checksums.json)", manifest,
              CONVERTED_MANIFEST)
-    return root / CONVERTED_MANIFEST
 
 
 def _inside(path: Path, folder: Path) -> bool:
