@@ -138,18 +138,16 @@ def furnish(args) -> int:
     from jscenegen.paths import check_output_file, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.expert import run_scripted_episode
-    from jscenegen.scene.sceneset import check_requests_known, read_scene_set
+    from jscenegen.scene.sceneset import check_requests_known, read_scene_record
 
     scene_set = _input(args.scene_set)
     check_output_file(args.output, "-o")
     run_cfg = _run_config(args.config)
     _refuse_overwriting(args.output, run_cfg, args.config, {"the scene set": scene_set})
     cfg, judge_cfg = run_cfg.scene, run_cfg.judge
-    records = read_scene_set(scene_set)
-    if not 0 <= args.index < len(records):
-        raise ValueError(f"--index {args.index} is outside {scene_set} ({len(records)} scenes)")
-    check_requests_known(records, load_catalogue(cfg.catalogue_path), str(scene_set))
-    ep, _ = run_scripted_episode(records[args.index], cfg, judge_cfg)
+    record = read_scene_record(scene_set, args.index)
+    check_requests_known([record], load_catalogue(cfg.catalogue_path), str(scene_set))
+    ep, _ = run_scripted_episode(record, cfg, judge_cfg)
     out = Path(args.output)
     write_json(out, ep.scene.to_json())
     o = ep.outcome

@@ -86,32 +86,53 @@ def check_requests_known(records: list[SceneRecord], catalogue, source: str) -> 
                                  "category nor a group of the catalogue")
 
 
+def _record_lines(p: Path) -> list[tuple[int, str]]:
+    """(line number, text) of each non-blank line of the JSONL file `p`. Raises SceneError
+    naming the file when it is no regular file, is not UTF-8 or holds no record."""
+    if why := not_a_file(p):
+        raise SceneError(f"scene set {p}: {why}")
+    lines = [(n, line) for n, line in enumerate(jsonl_lines(json_text(p.read_bytes(), str(p))), 1)
+             if line.strip()]
+    if not lines:
+        raise SceneError(f"{p}: no scenes (an empty scene set: one JSON record per line)")
+    return lines
+
+
+def _parse_record(p: Path, n: int, line: str, first: bool) -> SceneRecord:
+    try:
+        data = parse_json(line, f"{p}:{n}")
+    except SceneError as err:   # a pretty-printed JSON file breaks on its first line
+        hint = " (a scene set holds one JSON record per line: JSONL)" if first else ""
+        raise SceneError(f"{err}{hint}") from None
+    return replace(record_from_json(data, f"{p}:{n}"), line=n)
+
+
 def read_scene_set(path: str | Path) -> list[SceneRecord]:
     """All records of a JSONL scene set (at least one, every non-empty `scene_id` once). Raises
     SceneError naming file and line, or the file when it holds no record."""
     p = Path(path)
-    if why := not_a_file(p):
-        raise SceneError(f"scene set {p}: {why}")
-    text = json_text(p.read_bytes(), str(p))
     out, lines = [], {}
-    for n, line in enumerate(jsonl_lines(text), 1):
-        if not line.strip():
-            continue
-        try:
-            data = parse_json(line, f"{p}:{n}")
-        except SceneError as err:   # a pretty-printed JSON file breaks on its first line
-            hint = "" if out else " (a scene set holds one JSON record per line: JSONL)"
-            raise SceneError(f"{err}{hint}") from None
-        record = replace(record_from_json(data, f"{p}:{n}"), line=n)
+    for n, line in _record_lines(p):
+        record = _parse_record(p, n, line, first=not out)
         scene_id = record.scene.scene_id
         if scene_id and scene_id in lines:   # reports name scenes by id: they would clash
             raise SceneError(f"{p}:{n}: scene_id {clip_text(repr(scene_id))} is already the id of "
                              f"line {lines[scene_id]}")
         lines[scene_id] = n
         out.append(record)
-    if not out:
-        raise SceneError(f"{p}: no scenes (an empty scene set: one JSON record per line)")
     return out
+
+
+def read_scene_record(path: str | Path, index: int) -> SceneRecord:
+    """Record `index` (0-based, blank lines not counted) of a JSONL scene set, the only one
+    parsed and checked (`scene furnish` of one scene of a large set: every record costs ~0.2
+    ms to validate). Raises SceneError naming file and line, or naming the number of records
+    when `index` is outside them."""
+    p = Path(path)
+    lines = _record_lines(p)
+    if not 0 <= index < len(lines):
+        raise SceneError(f"--index {index} is outside {p} ({len(lines)} scenes)")
+    return _parse_record(p, *lines[index], first=index == 0)
 
 
 def write_scene_set(path: str | Path, records: list[SceneRecord]) -> None:
