@@ -195,7 +195,8 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     trainable parameters, never carried ones) plus Qwen3.5's `mtp.*` from `carried_from` /
     the checkpoint's `huggingface/` weights (stored dtype) or dropped with a warning. Adam:
     the moments of the parameters torch kept state for; a model-only source gets zero moments
-    for the non-carried parameters. Streamed: each tensor and moment is reassembled from the
+    for the non-carried parameters (warned past global step 0: the updates' moments are lost,
+    and `source.adam` in the metadata says so). Streamed: each tensor and moment is reassembled from the
     rank files only when orbax writes it (`LazyArray`), so peak memory is about one full
     tensor, not the model.
     """
@@ -230,7 +231,14 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
     step = ck.global_step()
     sched = ck.scheduler_step()
-    train_state = ck.run_train_state() or {
+    run_state = ck.run_train_state()
+    if not ck.has_optimizer() and step > 0:   # trained, saved without "optimizer" in save_contents
+        warnings.warn(ConversionWarning(
+            f"{ck.layout.shard_dir}: no optim_world_size_{ck.world_size}_rank_*.pt files (the "
+            "model was saved without its optimizer): Adam starts afresh (zero moments, count 0)"
+            + ("; a resume continues the run's schedule, not its updates bit for bit"
+               if run_state else "")), stacklevel=2)
+    train_state = run_state or {
         "step": step, "lr_schedule_count": sched if sched is not None else step,
         "optimizer_step": int(adam["count"])}
     train_state["source_format"] = "verl"
@@ -241,6 +249,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
               "torch_version_reading": torch.__version__, "mesh": ck.mesh(),
               "shard_dims": {k: v.shard_dim for k, v in info.items()},
               "no_adam_state": ck.frozen if ck.has_optimizer() else None,
+              "adam": "from the optim rank files" if ck.has_optimizer() else "fresh: no optim rank files",
               "carried": extra.layout_fields(),
               "verl": {"param_groups": _json_groups(ck.param_groups()) if ck.has_optimizer() else None,
                        "extra_state": [extra_state_to_json(e) for e in extras]},

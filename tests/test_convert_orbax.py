@@ -53,6 +53,28 @@ def test_verl_to_orbax_restores_torch_values(converted):
     assert layout["source_format"] == "verl" and layout["step"] == 3
 
 
+def test_a_trained_verl_step_saved_without_its_optimizer_says_adam_starts_afresh(tmp_path):
+    """VERL saves the model alone when `save_contents` leaves out "optimizer": the conversion
+    gave zero moments without a word, and its metadata did not say so."""
+    import shutil
+
+    from convert.errors import ConversionWarning
+    from jscenegen.checkpoint.store import CheckpointStore
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(fixture_dir("qwen2_first_divisible") / "ckpt", src)
+    for f in (src / "global_step_3" / "actor").glob("optim_world_size_6_rank_*.pt"):
+        f.unlink()
+    with pytest.warns(ConversionWarning, match=r"global_step_3/actor: no optim_world_size_6_rank_\*\.pt "
+                      r"files \(the model was saved without its optimizer\): Adam starts afresh"):
+        verl_to_orbax(src, tmp_path / "run")
+    with CheckpointStore(tmp_path / "run") as store:
+        ck = store.restore()
+    assert ck.step == 3 and int(ck.adam["count"]) == 0
+    assert not any(np.any(m) for m in ck.adam["mu"].values())
+    assert ck.metadata["source"]["adam"] == "fresh: no optim rank files"
+
+
 def test_verl_orbax_verl_is_bitwise(converted, tmp_path):
     import torch
 
