@@ -8,3 +8,12 @@ class ConvertError(ValueError):
 class ConversionWarning(UserWarning):
     """A conversion that had to leave something out, or could not check something (named in
     the message); `jscenegen convert` prints each as one `warning:` line."""
+
+
+def require_source_dir(path) -> None:
+    """Raise ConvertError naming `path` when it is no directory: "no such directory", or "not
+    a directory" (a checkpoint source is one)."""
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        raise ConvertError(f"{path}: not a directory" if Path(path).exists() else f"{path}: no such directory")

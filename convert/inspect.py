@@ -13,7 +13,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from convert.errors import ConvertError
+from convert.errors import ConvertError, require_source_dir
 from convert.verl_read import looks_like_verl
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME
 from jscenegen.paths import is_decimal
@@ -26,8 +26,7 @@ def describe(path: str | Path) -> dict[str, Any]:
     among its subdirectories, when it holds some).
     """
     path = run_checkpoints(path) or Path(path)
-    if not path.is_dir():
-        raise ConvertError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
+    require_source_dir(path)
     kind = checkpoint_format(path)
     if kind == "export":
         steps = sorted((path / "training_state").glob("global_step_*"))
@@ -131,8 +130,7 @@ def source_format(path: str | Path) -> str:
     from jscenegen.checkpoint import RUN_CHECKPOINTS
 
     path = run_checkpoints(path) or Path(path)
-    if not path.is_dir():
-        raise ConvertError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
+    require_source_dir(path)
     kind = checkpoint_format(path)
     if kind is None and (path / RUN_CHECKPOINTS).is_dir() and _orbax_steps(path / RUN_CHECKPOINTS):
         kind = "orbax-run"

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from convert.directions import VerlState, copy_hf_metadata, sliced, write_verl_run
-from convert.errors import ConversionWarning, ConvertError
+from convert.errors import ConversionWarning, ConvertError, require_source_dir
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
 from convert.tensor_sets import (
@@ -106,6 +106,7 @@ def orbax_step_dir(path: str | Path) -> Path:
     from jscenegen.checkpoint import store as ckpt
 
     path = Path(path)
+    require_source_dir(path)
     if not ckpt.step_numbers(path) and (path / RUN_CHECKPOINTS).is_dir():
         path = path / RUN_CHECKPOINTS
     if (path / ckpt.PARAMS_ITEM).is_dir():

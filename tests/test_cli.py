@@ -84,8 +84,10 @@ def test_a_mesh_that_does_not_fit_lists_the_sizes_that_do(tmp_path, capsys):
 
 def test_export_and_convert_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "missing" in err
+    assert one_error_line(capsys) == f"error: {tmp_path / 'missing'}: no such directory"
+    (tmp_path / "afile").write_text("x")
+    assert main(["export", str(tmp_path / "afile"), str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys) == f"error: {tmp_path / 'afile'}: not a directory"
     src = tmp_path / "model"
     src.mkdir()
     for dst in (src / "converted", src):
@@ -208,6 +210,8 @@ def test_mesh_report_counts_parameters_in_the_unit_that_shows_them(capsys, shape
     """A model under a billion parameters read as "0.00 B" (a micro model's whole count)."""
     assert main(["mesh-report", "--model", f"configs/model-shapes/{shape}.json"]) == 0
     assert f"\nparameters: {count}; params + Adam (fp32): " in capsys.readouterr().out
+    assert main(["mesh-report", "--model", f"configs/model-shapes/{shape}.json", "--mesh", "fsdp=1,sp=1"]) == 0
+    assert "\nmesh fsdp=1 x sp=1 (1 device), sharding" in capsys.readouterr().out
 
 
 def test_mesh_report_reads_a_checkpoint_steps_model_config(tmp_path, capsys):

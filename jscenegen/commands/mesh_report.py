@@ -93,7 +93,7 @@ def run(args) -> int:
         note = "" if r["trained"] else "  frozen"
         print(f"{r['name']:58s} {str(tuple(r['shape'])):>16s} {str(tuple(r['padded_shape'])):>16s} "
               f"{r['rows_per_device']:8d} {r['device_bytes'] / 2**20:8.1f}{note}")
-    print(f"\nmesh fsdp={fsdp} x sp={sp} ({n} devices), sharding P(('fsdp','sp')) on dim 0 of every tensor")
+    print(f"\nmesh fsdp={fsdp} x sp={sp} ({n} device{'s' if n != 1 else ''}), sharding P(('fsdp','sp')) on dim 0 of every tensor")
     count = report["num_params"]
     count_text = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
     print(f"parameters: {count_text} ({count:,}); params + Adam (fp32): "
