@@ -801,6 +801,26 @@ def test_sft_never_replaces_a_directory_beside_its_output(tmp_path, capsys):
     assert (tmp_path / "o-init" / "precious").read_text() == "keep"
 
 
+def test_tokenizer_refusals_name_the_option_each_command_takes(tiny_hf, tmp_path, capsys):
+    """The refusals said "pass chat_template_path", a key no command takes (`sft` takes
+    --chat-template, the others sampling.chat_template_path); a model directory without
+    tokenizer files was blamed on sentencepiece not being installed."""
+    empty = tmp_path / "empty.jinja"
+    empty.write_text(" ")
+    model = tiny_hf["qwen3"]
+    assert main(["sft", "--config", "configs/sft-cpu.yaml", "--model", str(model), "--out",
+                 str(tmp_path / "o"), "--chat-template", str(empty)]) == 2
+    assert one_error_line(capsys).startswith(f"error: --chat-template {empty}: the file is empty")
+    assert main(["eval", "--model", str(model), "--out", str(tmp_path / "r.json"),
+                 f"sampling.chat_template_path={empty}"]) == 2
+    assert one_error_line(capsys).startswith(
+        f"error: sampling.chat_template_path {empty}: the file is empty")
+    assert main(["eval", "--model", str(model), "--out", str(tmp_path / "r.json")]) == 2
+    assert one_error_line(capsys) == (f"error: {model}: no tokenizer file (tokenizer.json, "
+                                      "vocab.json, tokenizer.model); copy the model's tokenizer "
+                                      "files into it")
+
+
 def test_a_model_file_that_is_no_file_says_what_it_is(tiny_hf, tmp_path, capsys):
     """A directory or a dangling link where config.json or the weights belong was "no
     config.json" / "no model.safetensors"."""

@@ -114,9 +114,9 @@ def test_a_template_jinja_refuses_is_a_chat_template_error_naming_the_line(tok, 
         ChatTokenizer(tok, "{% for m in messages %}\n{{ garbage\n", "bad.jinja")
     with pytest.raises(ChatTemplateError, match=r"^raises: the chat template fails in jinja: no"):
         ChatTokenizer(tok, "{{ raise_exception('no') }}", "raises")
-    with pytest.raises(ChatTemplateError, match=rf"^chat_template_path {tmp_path}: is a directory"):
+    with pytest.raises(ChatTemplateError, match=rf"^sampling.chat_template_path {tmp_path}: is a directory"):
         ChatTokenizer.from_dir(tmp_path, chat_template_path=tmp_path)
     empty = tmp_path / "empty.jinja"
     empty.write_text("\n")             # was "the tokenizer has no chat template; pass chat_template_path"
-    with pytest.raises(ChatTemplateError, match=rf"^chat_template_path {empty}: the file is empty"):
-        ChatTokenizer.from_dir(tmp_path, chat_template_path=empty)
+    with pytest.raises(ChatTemplateError, match=rf"^--chat-template {empty}: the file is empty"):
+        ChatTokenizer.from_dir(tmp_path, chat_template_path=empty, option="--chat-template")

@@ -100,8 +100,14 @@ def test_qwen3_style_template_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(ChatTemplateError, match="rewrites assistant content"):
         ChatTokenizer(tok, STRIPS, source="strips")
     tok.chat_template = None
-    with pytest.raises(ChatTemplateError, match="no chat template"):
+    with pytest.raises(ChatTemplateError, match=r"no chat template; pass one with "
+                                                r"sampling.chat_template_path \(e.g. "):
         ChatTokenizer(tok, source="none")
+    with pytest.raises(ChatTemplateError, match=r"no chat template; pass one with --chat-template"):
+        ChatTokenizer(tok, source="none", option="--chat-template")
+    # a directory without any tokenizer file is named as such (transformers blamed sentencepiece)
+    with pytest.raises(ChatTemplateError, match=rf"^{tmp_path}: no tokenizer file \(tokenizer.json, "):
+        ChatTokenizer.from_dir(tmp_path)
     # the directory's template replaced by a prefix-preserving one is accepted
     (tmp_path / "bad.jinja").write_text(DROPS_THINK)
     with pytest.raises(ChatTemplateError):

@@ -75,7 +75,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     load_catalogue(cfg.scene.catalogue_path)   # the scene inputs, before the model loads
     load_templates(cfg.scene.prompts_dir)
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
-    chat = ChatTokenizer.from_dir(model_dir, chat_template_path)
+    chat = ChatTokenizer.from_dir(model_dir, chat_template_path, option="--chat-template")
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
     chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,

@@ -43,6 +43,10 @@ from jscenegen.paths import not_a_file
 log = logging.getLogger(__name__)
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 QWEN35_PROTOCOL_TEMPLATE = TEMPLATES_DIR / "qwen3_5_protocol.jinja"
+TEMPLATE_OPTION = "sampling.chat_template_path"
+"""How a replacement chat template is passed: the run config's key (`sft` takes --chat-template)."""
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+"""The files one of which a model directory's tokenizer is built from (fast, BPE, SentencePiece)."""
 QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
@@ -124,6 +128,7 @@ class ChatTokenizer:
       tokenizer: a transformers tokenizer with a chat template.
       chat_template: a replacement template (jinja text); None keeps the tokenizer's own.
       source: where it came from (for error messages).
+      option: how the command's user passes a replacement template (named in the errors).
 
     Attributes: eot_token / eot_id (the template's end of assistant turn, e.g. `<|im_end|>`),
     vocab_size (len(tokenizer)).
@@ -132,15 +137,17 @@ class ChatTokenizer:
     not prefix-preserving (see the module docstring).
     """
 
-    def __init__(self, tokenizer, chat_template: str | None = None, source: str = "<tokenizer>"):
+    def __init__(self, tokenizer, chat_template: str | None = None, source: str = "<tokenizer>",
+                 option: str = TEMPLATE_OPTION):
         self.tokenizer = tokenizer
         self.source = source
+        self.option = option
         self.template_source = "replacement" if chat_template is not None else "tokenizer"
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
-            raise ChatTemplateError(f"{source}: the tokenizer has no chat template; pass "
-                                    "chat_template_path (e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
+            raise ChatTemplateError(f"{source}: the tokenizer has no chat template; pass one with "
+                                    f"{option} (e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
         from jinja2 import TemplateError
 
         try:
@@ -153,26 +160,32 @@ class ChatTokenizer:
                                     f"{f' at line {line}' if line else ''}: {err}") from None
 
     @classmethod
-    def from_dir(cls, path: str | Path, chat_template_path: str | Path | None = None) -> "ChatTokenizer":
+    def from_dir(cls, path: str | Path, chat_template_path: str | Path | None = None,
+                 option: str = TEMPLATE_OPTION) -> "ChatTokenizer":
         """Load the tokenizer of an HF model directory (never with remote code).
 
         With no `chat_template_path`, a Qwen3.5 directory whose own template is refused gets
-        the bundled protocol template (module docstring). Raises ChatTemplateError as the
-        constructor does for any other directory, or for a refused replacement template.
+        the bundled protocol template (module docstring). `option`: how the command's user
+        passes `chat_template_path` (the config key, or `--chat-template` of `sft`), named in
+        the errors. Raises ChatTemplateError as the constructor does for any other directory,
+        for a refused replacement template, or for a directory without tokenizer files.
         """
         from transformers import AutoTokenizer
 
         if chat_template_path and (why := not_a_file(chat_template_path)):
-            raise ChatTemplateError(f"chat_template_path {chat_template_path}: {why}")
+            raise ChatTemplateError(f"{option} {chat_template_path}: {why}")
         try:
             template = Path(chat_template_path).read_text() if chat_template_path else None
         except (OSError, UnicodeDecodeError) as err:
-            raise ChatTemplateError(f"chat_template_path {chat_template_path}: cannot be read "
+            raise ChatTemplateError(f"{option} {chat_template_path}: cannot be read "
                                     f"({getattr(err, 'strerror', None) or err})") from None
         if template is not None and not template.strip():
-            raise ChatTemplateError(f"chat_template_path {chat_template_path}: the file is empty "
+            raise ChatTemplateError(f"{option} {chat_template_path}: the file is empty "
                                     "(a jinja chat template, e.g. jscenegen/model/tokenizer/"
                                     "templates/chatml.jinja)")
+        if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+            raise ChatTemplateError(f"{path}: no tokenizer file ({', '.join(TOKENIZER_FILES)}); "
+                                    "copy the model's tokenizer files into it")
         try:
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         except Exception as err:  # transformers' parsers raise anything on a malformed file
@@ -181,14 +194,15 @@ class ChatTokenizer:
                                     "those of the model") from None
         src = str(path) + (f" (template {chat_template_path})" if chat_template_path else "")
         try:
-            chat = cls(tok, template, src)
+            chat = cls(tok, template, src, option)
         except ChatTemplateError as err:
             if chat_template_path or _model_type(path) not in QWEN35_MODEL_TYPES:
                 raise
-            log.warning("%s; using the Qwen3.5 protocol template %s instead (set "
-                        "chat_template_path to choose another)", err, QWEN35_PROTOCOL_TEMPLATE)
+            log.warning("%s; using the Qwen3.5 protocol template %s instead (set %s to choose "
+                        "another)", err, QWEN35_PROTOCOL_TEMPLATE, option)
             chat = cls(tok, QWEN35_PROTOCOL_TEMPLATE.read_text(),
-                       f"{path} (template {QWEN35_PROTOCOL_TEMPLATE}: its own is not prefix-preserving)")
+                       f"{path} (template {QWEN35_PROTOCOL_TEMPLATE}: its own is not prefix-preserving)",
+                       option)
             chat.template_source = str(QWEN35_PROTOCOL_TEMPLATE)
         else:
             if chat_template_path:
@@ -339,7 +353,7 @@ class ChatTokenizer:
             f"changes earlier text at character {at} ({before[max(0, at - 30):at + 30]!r} became "
             f"{after[max(0, at - 30):at + 30]!r}). Templates that drop earlier <think> blocks "
             "(Qwen3's default) do this; use a prefix-preserving template "
-            "(rollout chat_template_path, e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
+            f"({self.option}, e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
 
     def special_tokens_in(self, text: str) -> list[str]:
         """The tokenizer's special (added) tokens written out in `text`: `encode` would read
@@ -379,6 +393,6 @@ class ChatTokenizer:
                     f"{self.source}: the chat template rewrites assistant content "
                     f"(expected the sampled text right after the generation prompt, got "
                     f"{(at or closed)[:80]!r}); use a prefix-preserving template "
-                    "(rollout chat_template_path, e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
+                    f"({self.option}, e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
             msgs = msgs + [{"role": "user", "content": f"probe user {turn + 2}"}]
             self.delta(closed, self.render(msgs, add_generation_prompt=True))
