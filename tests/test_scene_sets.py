@@ -144,6 +144,15 @@ def test_cli_check_furnished_scene_with_overrides(tmp_path, capsys):
     assert out["grades"]["reachability"] <= 6
     assert out["reward"] == pytest.approx(sum(out["grades"].values()) / 70 - 0.4)
     assert out["warnings"] == ["unknown category 'ufo' (ufo_1)"]
+    # without requested items (a furnished scene file holds none) an empty room scored full
+    # prompt_following without a word
+    s["objects"] = []
+    (tmp_path / "s.json").write_text(json.dumps(s))
+    assert main(["scene", "check", str(tmp_path / "s.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["grades"]["prompt_following"] == 10 and out["warnings"] == [
+        "no requested items (a scene file holds none; give --requested, or check a scene-set "
+        "record): prompt_following counts nothing asked as met"]
 
 
 def test_cli_invalid_input_exits_non_zero_with_one_line(tmp_path, capsys):

@@ -92,6 +92,9 @@ def check(args) -> int:
     warnings = [f"unknown category {o.category!r} ({o.id})" for o in scene.objects if catalogue.get(o.category) is None]
     warnings += [f"requested {r['category']!r} is neither a category nor a group"
                  for r in req if not catalogue.knows(r["category"])]
+    if not req:
+        warnings.append("no requested items (a scene file holds none; give --requested, or check "
+                        "a scene-set record): prompt_following counts nothing asked as met")
     warnings += [f"{o} size outside its catalogue range" for o in metrics["size_out_of_range_objects"]]
     warnings += [f"{w['object']} blocks window_{w['window']}" for w in metrics["window_warnings"]]
     if result.grades is None:
