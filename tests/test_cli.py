@@ -222,12 +222,22 @@ def test_mesh_report_reads_a_checkpoint_steps_model_config(tmp_path, capsys):
     assert "\nparameters: 7.62 B (7,615,616,512); " in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("size", ["-5", "0", "255", "20000000"])
+@pytest.mark.parametrize("size", ["-5", "0", "258", "20000000"])
 def test_init_model_refuses_a_bad_vocab_size_before_any_work(tmp_path, capsys, size):
     assert main(["init-model", str(tmp_path / "m"), "--vocab-size", size]) == 2
     err = one_error_line(capsys)
-    assert f"--vocab-size {size}: must be from 256" in err and "init-model [" not in err
+    assert (f"--vocab-size {size}: must be from 259 (the byte-level alphabet and 3 special "
+            "tokens)") in err and "init-model [" not in err
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_the_smallest_vocab_size_init_model_takes_is_honoured():
+    """--vocab-size 256 wrote 259 tokens: the three special tokens come on top of the bytes."""
+    from jscenegen.commands.init_model import MIN_VOCAB
+    from jscenegen.model.tokenizer.build import SPECIAL_TOKENS, train_bpe_tokenizer
+
+    assert MIN_VOCAB == 256 + len(SPECIAL_TOKENS)
+    assert len(train_bpe_tokenizer(["a bed by the window", "two nightstands"], MIN_VOCAB)) == MIN_VOCAB
 
 
 def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, capsys):

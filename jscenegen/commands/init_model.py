@@ -13,7 +13,9 @@ PRESET_HELP = {"micro": "hidden 128 x 2 layers, the CPU default's policy",
                "tiny": "hidden 256 x 4 layers", "small": "hidden 512 x 8 layers"}
 
 
-MIN_VOCAB = 256  # the byte-level BPE's alphabet: a smaller --vocab-size cannot be honoured
+# the byte-level BPE's alphabet (256) and its three special tokens: a smaller --vocab-size
+# cannot be honoured (model.tokenizer.build; a test keeps them equal)
+MIN_VOCAB = 259
 
 
 def register(sub) -> None:
@@ -46,14 +48,15 @@ def run(args) -> int:
     limit = SIZE_LIMITS["vocab_size"]
     if not MIN_VOCAB <= args.vocab_size <= limit:
         raise ValueError(f"--vocab-size {args.vocab_size}: must be from {MIN_VOCAB} (the "
-                         f"byte-level alphabet) to {limit:,}")
+                         f"byte-level alphabet and 3 special tokens) to {limit:,}")
     require_new_dir(args.out_dir)  # init-model never overwrites
     t0 = time.perf_counter()
     _say("playing the scripted expert's episodes for the tokenizer corpus", t0)
     from jscenegen.scene.corpus import tokenizer_corpus
 
     texts = tokenizer_corpus()
-    _say(f"training a BPE tokenizer (at most {args.vocab_size} tokens) on {len(texts)} texts, then "
+    extra = " and the Qwen3.5 vision and tool tokens" if args.arch == "qwen3_5" else ""
+    _say(f"training a BPE tokenizer (at most {args.vocab_size} tokens{extra}) on {len(texts)} texts, then "
          f"initialising {args.arch}/{args.preset} weights (seed {args.seed})", t0)
     from jscenegen.model.init_model import init_model_dir
 
