@@ -393,6 +393,25 @@ def test_a_hanging_judge_is_waited_for_once_for_all_scenes(cfg):
     assert report["overall"]["expert"]["masked"] == 4
 
 
+def test_eval_refuses_scenes_whose_episodes_cannot_start_before_loading_the_model(tmp_path, capsys):
+    """eval played such a set to rewards of -1 (episode_token_cap) and exited 0; design and
+    train refused the same case up front. The weights (garbage here) are never read."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(chat_model_dir(), model)
+    (model / "model.safetensors").write_bytes(b"not weights")
+    record = dev_records()[0].to_json()
+    record["scene"]["prompt"] = "A bedroom with a bed, a desk and a wardrobe by the window. " * 300
+    (tmp_path / "long.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["eval", "--model", str(model), "--scenes", str(tmp_path / "long.jsonl"),
+                 "--out", str(tmp_path / "r.json"), *TINY]) == 2
+    err = one_error_line(capsys)
+    assert err.startswith(f"error: {tmp_path / 'long.jsonl'}: {record['scene']['scene_id']}: the "
+                          "prompt (") and "(the first 1 scene(s) all do: every episode would fail)" in err
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_design_refuses_what_cannot_work_before_loading_the_model(tmp_path, capsys):
     """A prompt that leaves no room for a turn, or a room the runtime cannot measure, is
     refused up front, naming the limit: the model's weights (garbage here) are never read."""

@@ -55,7 +55,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
 
 
 def run(args) -> int:
-    from jscenegen.eval.evaluate import check_samples, evaluate, policy_engine
+    from jscenegen.eval.evaluate import check_samples, check_scenes_fit, evaluate, policy_chat, policy_engine
     from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import config_inputs, load_run_config, scene_set_path
     from jscenegen.sharding.mesh import refuse_multi_host
@@ -105,7 +105,9 @@ def run(args) -> int:
     check_requests_known(records, load_catalogue(cfg.scene.catalogue_path), str(scenes))
     judge = make_judge(cfg.judge, cfg.scene)
     judge.check_reachable()
-    engine = policy_engine(cfg, args.model)
+    chat = policy_chat(cfg, args.model)
+    check_scenes_fit(chat, records, cfg, str(scenes))   # before the model loads
+    engine = policy_engine(cfg, args.model, chat=chat)
 
     def progress(row: dict) -> None:
         m, e = row["model"], row["expert"]

@@ -15,6 +15,7 @@ infrastructure failures) are excluded from reward, units and failure rate and co
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -39,6 +40,8 @@ from jscenegen.scene.episode import judge_episodes
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.sceneset import SceneRecord
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -165,6 +168,29 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
                          f"tokens with the system prompt and the room, at or over "
                          f"sampling.max_episode_tokens={cap}; {fix}")
     return len(ids)
+
+
+def check_scenes_fit(chat, records: list[SceneRecord], cfg, source: str, sample: int = 8) -> None:
+    """Refuse scenes that cannot take a single turn: when the first `sample` of `records` all
+    start their episodes at or over `sampling.max_episode_tokens` (`check_episode_fits`; every
+    episode would fail with episode_token_cap), raise ValueError naming `source` (the scene
+    set) and the first; when only some do, warn naming the first and their count."""
+    failing, checked = [], min(len(records), sample)
+    for i in range(checked):
+        try:
+            check_episode_fits(chat, records[i], cfg)
+        except ValueError as err:
+            failing.append((records[i].scene.scene_id or f"scene {i + 1}", err))
+        except Exception:   # an episode that cannot start at all: the rollout reports it
+            return
+    if not failing:
+        return
+    where = f"{source}: {failing[0][0]}"
+    if len(failing) == checked:
+        raise ValueError(f"{where}: {failing[0][1]} (the first {len(failing)} scene(s) "
+                         "all do: every episode would fail)")
+    log.warning("%s: %s (%d of the first %d scenes; their episodes fail with "
+                "episode_token_cap)", where, failing[0][1], len(failing), checked)
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -175,7 +175,9 @@ class Trainer:
             log.warning("%s", early)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
-        self._check_episodes_fit(n)   # before any weights are read
+        from jscenegen.eval.evaluate import check_scenes_fit
+
+        check_scenes_fit(self.chat, self.scenes[:n], cfg, str(cfg.schedule.train_set))  # before any weights
         if resume:
             ck = self._read_checkpoint()
             if is_primary():
@@ -293,30 +295,6 @@ class Trainer:
                                train_state=self._train_state_json(), metadata=meta,
                                hf_assets_dir=self.model_dir, shapes=self.shapes,
                                trainable=self.trainable)
-
-    def _check_episodes_fit(self, n: int, sample: int = 8) -> None:
-        """Refuse a run whose scenes cannot take a single turn: the first `sample` scenes of the
-        train set the schedule uses all start their episodes at or over `sampling.max_episode_tokens`
-        (`eval.evaluate.check_episode_fits`; every episode would fail with episode_token_cap
-        and no update could step); warn naming them when only some do."""
-        from jscenegen.eval.evaluate import check_episode_fits
-
-        failing, checked = [], min(n, sample)
-        for i in range(checked):
-            try:
-                check_episode_fits(self.chat, self.scenes[i], self.cfg)
-            except ValueError as err:
-                failing.append((self.scenes[i].scene.scene_id or f"scene {i + 1}", err))
-            except Exception:   # an episode that cannot start at all: the rollout reports it
-                return
-        if not failing:
-            return
-        where = f"{self.cfg.schedule.train_set}: {failing[0][0]}"
-        if len(failing) == checked:
-            raise ValueError(f"{where}: {failing[0][1]} (the first {len(failing)} scene(s) of "
-                             "the schedule all do: every episode would fail)")
-        log.warning("%s: %s (%d of the first %d scenes; their episodes fail with "
-                    "episode_token_cap)", where, failing[0][1], len(failing), checked)
 
     def _read_checkpoint(self):
         """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run.
