@@ -540,6 +540,10 @@ def test_a_scene_set_not_found_names_the_option(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--model", "/nonexistent", "--scenes", "nope"]) == 2
     assert one_error_line(capsys).startswith(f"error: --scenes nope: not found in {tmp_path} nor in ")
+    # a directory is named as such, not blamed on an --out inside it
+    assert main(["eval", "--model", "/nonexistent", "--scenes", str(tmp_path), "--out",
+                 str(tmp_path / "r.json")]) == 2
+    assert one_error_line(capsys) == f"error: scene set {tmp_path}: is a directory"
 
 
 def test_eval_refuses_a_multi_host_environment(tmp_path, capsys, monkeypatch):

@@ -58,6 +58,7 @@ def run(args) -> int:
     from jscenegen.eval.evaluate import check_samples, check_scenes_fit, evaluate, policy_chat, policy_engine
     from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import config_inputs, load_run_config, scene_set_path
+    from jscenegen.scene.sceneset import require_scene_set_file
     from jscenegen.sharding.mesh import refuse_multi_host
 
     if args.compare:
@@ -80,6 +81,7 @@ def run(args) -> int:
         scenes = scene_set_path(args.scenes, cfg)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"--scenes {err}") from None
+    require_scene_set_file(scenes)   # before the outputs are checked against it
     samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
     try:
         check_samples(samples)

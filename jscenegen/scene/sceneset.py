@@ -86,11 +86,16 @@ def check_requests_known(records: list[SceneRecord], catalogue, source: str) -> 
                                  "category nor a group of the catalogue")
 
 
+def require_scene_set_file(p: str | Path) -> None:
+    """Raise SceneError naming `p` when it is no regular file (missing, a directory, a pipe)."""
+    if why := not_a_file(p):
+        raise SceneError(f"scene set {p}: {why}")
+
+
 def _record_lines(p: Path) -> list[tuple[int, str]]:
     """(line number, text) of each non-blank line of the JSONL file `p`. Raises SceneError
     naming the file when it is no regular file, is not UTF-8 or holds no record."""
-    if why := not_a_file(p):
-        raise SceneError(f"scene set {p}: {why}")
+    require_scene_set_file(p)
     lines = [(n, line) for n, line in enumerate(jsonl_lines(json_text(p.read_bytes(), str(p))), 1)
              if line.strip()]
     if not lines:
