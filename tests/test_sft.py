@@ -327,3 +327,21 @@ def test_a_cosine_schedule_shorter_than_the_sft_steps_is_warned_before_any_work(
     with pytest.raises(MeshError):
         run_sft(fits, tmp_path / "no-model", tmp_path / "out2")
     assert "total_steps" not in caplog.text
+
+
+def test_a_warmup_longer_than_the_run_is_warned_before_any_work(tmp_path, caplog):
+    """sft.steps=300 with optim.warmup_steps=1000 trained at 30% of optim.lr at most, silently."""
+    from jscenegen.sharding.mesh import MeshError
+
+    cfg = validate_config({"sft": {"steps": 300}, "mesh": {"fsdp": 5, "sp": 1},
+                           "optim": {"warmup_steps": 1000}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(MeshError):        # the mesh is checked after the warning: no model loads
+        run_sft(cfg, tmp_path / "no-model", tmp_path / "out")
+    assert ("optim.warmup_steps=1000 is at or over sft.steps=300: the run ends inside its "
+            "warmup, its last step at 30% of optim.lr") in caplog.text
+    caplog.clear()
+    fits = validate_config({"sft": {"steps": 300}, "mesh": {"fsdp": 5, "sp": 1},
+                            "optim": {"warmup_steps": 299}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(MeshError):
+        run_sft(fits, tmp_path / "no-model", tmp_path / "out2")
+    assert "warmup" not in caplog.text

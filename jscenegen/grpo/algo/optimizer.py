@@ -154,14 +154,20 @@ def lr_multiplier(cfg: OptimConfig, step):
 
 
 def schedule_ends_early(cfg: OptimConfig, steps: int, steps_key: str) -> str | None:
-    """The warning for a cosine schedule shorter than the run's `steps` optimizer steps (named
-    by config key `steps_key`): past optim.total_steps the cosine climbs back towards optim.lr;
-    None when the schedule covers the run."""
-    if cfg.lr_schedule != "cosine" or cfg.total_steps is None or cfg.total_steps >= steps:
-        return None
-    return (f"optim.total_steps={cfg.total_steps} is below {steps_key}={steps}: past it the "
-            "cosine LR climbs back towards optim.lr (VERL sizes the schedule to the run's "
-            "steps); raise optim.total_steps with the run's length")
+    """The warning for an LR schedule that does not fit the run's `steps` optimizer steps
+    (named by config key `steps_key`): a warmup the run never finishes (it never trains at
+    optim.lr), or a cosine schedule shorter than the run (past optim.total_steps the cosine
+    climbs back towards optim.lr); None when the schedule fits the run."""
+    said = []
+    if steps > 1 and cfg.warmup_steps >= steps:   # the last step's scheduler count is steps - 1
+        said.append(f"optim.warmup_steps={cfg.warmup_steps} is at or over {steps_key}={steps}: "
+                    f"the run ends inside its warmup, its last step at "
+                    f"{100 * (steps - 1) / cfg.warmup_steps:.0f}% of optim.lr")
+    if cfg.lr_schedule == "cosine" and cfg.total_steps is not None and cfg.total_steps < steps:
+        said.append(f"optim.total_steps={cfg.total_steps} is below {steps_key}={steps}: past it "
+                    "the cosine LR climbs back towards optim.lr (VERL sizes the schedule to the "
+                    "run's steps); raise optim.total_steps with the run's length")
+    return "; ".join(said) or None
 
 
 def lr_at(cfg: OptimConfig, step):
