@@ -1,4 +1,5 @@
 """The exception and warning types of convert/: every refusal names the file (and key) at fault."""
+from pathlib import Path
 
 
 class ConvertError(ValueError):
@@ -13,7 +14,5 @@ class ConversionWarning(UserWarning):
 def require_source_dir(path) -> None:
     """Raise ConvertError naming `path` when it is no directory: "no such directory", or "not
     a directory" (a checkpoint source is one)."""
-    from pathlib import Path
-
     if not Path(path).is_dir():
         raise ConvertError(f"{path}: not a directory" if Path(path).exists() else f"{path}: no such directory")

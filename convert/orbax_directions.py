@@ -197,9 +197,9 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     the checkpoint's `huggingface/` weights (stored dtype) or dropped with a warning. Adam:
     the moments of the parameters torch kept state for; a model-only source gets zero moments
     for the non-carried parameters (warned past global step 0: the updates' moments are lost,
-    and `source.adam` in the metadata says so). Streamed: each tensor and moment is reassembled from the
-    rank files only when orbax writes it (`LazyArray`), so peak memory is about one full
-    tensor, not the model.
+    and `source.adam` in the metadata says so). Streamed: each tensor and moment is
+    reassembled from the rank files only when orbax writes it (`LazyArray`), so peak memory is
+    about one full tensor, not the model.
     """
     from convert.carried import verl_complement
     from jscenegen.checkpoint.lazy_array import LazyArray

@@ -246,10 +246,9 @@ CONVERTED_MANIFEST = "checksums.converted.json"
 def retire_converted_manifest(checkpoints: str | Path) -> None:
     """Rename the `checksums.json` that `convert --to orbax` wrote at the root of a checkpoint
     directory (covering the steps it wrote), if any, to CONVERTED_MANIFEST, when a run resumes
-    there. The run deletes those steps once
-    `checkpoint.keep_last` newer ones exist, and each of its steps carries its own
-    checksums.json: left in place, the root manifest named the deleted files as missing, so
-    `convert --verify` and every `convert` of the run refused it."""
+    there. The run deletes those steps once `checkpoint.keep_last` newer ones exist, and each
+    of its steps carries its own checksums.json: left in place, the root manifest named the
+    deleted files as missing, so `convert --verify` and every `convert` of the run refused it."""
     root = Path(checkpoints)
     manifest = root / CHECKSUMS_NAME
     if not manifest.is_file():
