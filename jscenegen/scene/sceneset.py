@@ -78,7 +78,7 @@ def check_requests_known(records: list[SceneRecord], catalogue, source: str) -> 
     that is neither a category nor a group of `catalogue` (no object can satisfy it, so the
     prompt-following grade would drop for every episode of that scene)."""
     for i, record in enumerate(records):
-        where = f"{source}:{record.line}" if record.line else f"{source}: scene {i + 1}"
+        where = f"{source}:{record.line}" if record.line else f"{source}: record {i + 1}"
         for item in record.requested:
             if not catalogue.knows(item["category"]):
                 raise SceneError(f"{where}: scene {record.scene.scene_id or '(no id)'} "
