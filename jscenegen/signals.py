@@ -37,6 +37,7 @@ import time
 REDELIVERY_DELAY_S = 0.01
 REPEAT_WINDOW_S = 1.0
 EXIT_UNTAKEN_S = 2.0
+TAKE_WAIT_S = 0.2       # the reader and the exit timer hold the lock for microseconds
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _WAKE_READER = b"\0"   # no signal has number 0: tells the reader thread to end
 
@@ -117,8 +118,15 @@ class StopRequests:
 
     def take(self, signum: int) -> int:
         """The number of new requests of `signum` to act on (0: a repeat of one taken before).
-        A handler that runs before its arrival was read counts as a request arriving now."""
-        with self._lock:
+        A handler that runs before its arrival was read counts as a request arriving now.
+
+        A handler can run inside another one's `take` (or `close`), in the main thread that
+        holds the lock: a signal repeated microseconds later, as coreutils `timeout` sends
+        it. Waiting for the lock there would wait forever (and stall the reader and the exit
+        timer), so such a call gives up after TAKE_WAIT_S and counts as a repeat."""
+        if not self._lock.acquire(timeout=TAKE_WAIT_S):
+            return 0
+        try:
             if self._read_fd is not None:
                 self._drain(self._read_fd)
             untaken = self._untaken.get(signum, [])
@@ -127,6 +135,8 @@ class StopRequests:
                 untaken.clear()
                 return count
             return int(self._new_request(signum, time.monotonic()) is not None)
+        finally:
+            self._lock.release()
 
     def _read_arrivals(self, read_fd: int, write_fd: int) -> None:
         try:

@@ -342,3 +342,34 @@ def test_ctrl_c_while_the_interpreter_exits_prints_no_traceback_and_loses_no_out
     assert proc.returncode == -signal.SIGINT
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
     assert "model.embed_tokens.weight" in proc.stdout   # the report, printed into a pipe, was flushed
+
+
+_REPEAT_INSIDE_A_TAKE = """
+import os, signal, time
+from jscenegen.signals import STOP_REQUESTS, UnwindOnSignals
+
+with UnwindOnSignals(grace_s=600):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        print("unwinding", flush=True)
+    with STOP_REQUESTS._lock:              # where the main thread is during a handler's take
+        os.kill(os.getpid(), signal.SIGINT)  # the repeat, microseconds later (coreutils timeout)
+        deadline = time.monotonic() + 1
+        while time.monotonic() < deadline:   # bytecodes: the handler runs in here
+            pass
+print("cleaned up", flush=True)
+"""
+
+
+def test_a_repeat_whose_handler_runs_inside_a_take_does_not_hang_the_process():
+    """The handler's `take` waited for the lock the main thread itself held (a plain Lock):
+    the process hung, deaf to SIGTERM and SIGINT, until SIGKILL (helper-68, caught in gdb)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _REPEAT_INSIDE_A_TAKE], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["unwinding", "cleaned", "up"]
