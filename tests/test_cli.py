@@ -724,6 +724,28 @@ def test_a_resume_names_what_is_wrong_with_the_run_directory(tmp_path, capsys,
             "the link")
 
 
+def test_a_new_run_refuses_a_directory_of_other_files(tmp_path, capsys, train_command_calls):
+    """`train --config D/config.yaml --run-dir D` replaced the user's config with the resolved
+    one, and a directory of the user's files (or the checkout's configs/) had its config.yaml,
+    run.json and metrics.jsonl replaced without a word (helper-68)."""
+    mine = tmp_path / "proj"
+    mine.mkdir()
+    (mine / "config.yaml").write_bytes((ROOT / "configs/cpu-default.yaml").read_bytes())
+    before = (mine / "config.yaml").read_bytes()
+    assert main(["train", "--config", str(mine / "config.yaml"), "--run-dir", str(mine)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --run-dir {mine}: holds files that are not a run's (config.yaml); a new run "
+        "starts in a new or empty directory (a run writes config.yaml, run.json and "
+        "metrics.jsonl there)")
+    assert (mine / "config.yaml").read_bytes() == before and not train_command_calls
+    # an empty directory, or a run stopped before its first checkpoint (its run.json), is taken
+    (tmp_path / "empty").mkdir()
+    stopped = _stopped_run(tmp_path)
+    for run in (tmp_path / "empty", stopped):
+        assert main(["train", "--run-dir", str(run)]) == 0
+        assert train_command_calls["resume"] is False
+
+
 def test_train_refuses_a_run_dir_inside_the_warm_start_model_cache(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
     model = tmp_path / "cache" / "models" / "micro-qwen3-sft-0123"

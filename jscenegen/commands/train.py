@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS
+from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.commands import positive_int_arg
 from jscenegen.paths import data_path_arg
 
@@ -53,6 +53,8 @@ def run(args) -> int:
     else:
         settings_notice = None
     check_output_dir(run_dir, label="--run-dir")
+    if not args.resume:
+        _refuse_a_directory_of_other_files(run_dir)
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
     refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path,
@@ -63,6 +65,24 @@ def run(args) -> int:
     return train_command(cfg, run_dir, resume=bool(args.resume) and not afresh,
                          max_updates=args.max_updates, config_source=config_source,
                          settings_notice=settings_notice)
+
+
+RUN_OWNED = {RUN_CHECKPOINTS, "run.lock"}   # what a start leaves before its run.json
+
+
+def _refuse_a_directory_of_other_files(run_dir: Path) -> None:
+    """A new run writes config.yaml, run.json, metrics.jsonl, ... into `run_dir`: refuse one
+    that holds other things and no run record (`RUN_RECORD`; a run stopped before its first
+    checkpoint has one and starts again there), so that nothing of the user's, a config
+    given with --config included, is overwritten."""
+    if not run_dir.is_dir() or (run_dir / RUN_RECORD).exists():
+        return
+    others = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_OWNED)
+    if others:
+        shown = ", ".join(others[:5]) + (f", ... ({len(others)} in all)" if len(others) > 5 else "")
+        raise ValueError(f"--run-dir {run_dir}: holds files that are not a run's ({shown}); a new "
+                         "run starts in a new or empty directory (a run writes config.yaml, "
+                         "run.json and metrics.jsonl there)")
 
 
 def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
