@@ -321,8 +321,20 @@ def _run(argv: list[str] | None) -> int:
     except Exception as err:
         if os.environ.get("JSCENEGEN_DEBUG") or not is_user_error(err):
             raise
-        print(f"error: {error_line(err)}", file=sys.stderr)
+        print(f"error: {_without_credentials(error_line(err), argv)}", file=sys.stderr)
         return 2
+
+
+def _without_credentials(text: str, argv: list[str] | None) -> str:
+    """`text` with every credential the command line holds (a judge URL's password, an
+    `api_key=` value: `checkpoint.metadata.redact_argv`) replaced by `<redacted>`: a refusal
+    that echoes an override would print it into the job's log."""
+    from jscenegen.checkpoint.metadata import redact_argv
+    from jscenegen.config import REDACTED
+
+    for secret in redact_argv(sys.argv[1:] if argv is None else argv)[1]:
+        text = text.replace(secret, REDACTED)
+    return text
 
 
 if __name__ == "__main__":

@@ -813,6 +813,16 @@ def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog
     assert "held a credential" not in caplog.text and "sk-URLSECRET999" not in caplog.text
 
 
+def test_a_refusal_that_echoes_a_credential_prints_it_redacted(tmp_path, capsys):
+    """The override naming the judge URL was echoed with its password into stderr (helper-68)."""
+    secret = "http://user:sk-ECHOED777@127.0.0.1:9/v1"
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "judge.backend=http",
+                 f"judge.base_url={secret}"]) == 2
+    err = one_error_line(capsys)
+    assert err == ("error: overrides judge.backend=http, judge.base_url=<redacted>: "
+                   "judge.backend 'http' needs judge.base_url and judge.model")
+
+
 def test_warnings_print_in_one_format_before_and_after_a_library_configures_logging():
     """orbax calls logging.basicConfig on import: without the CLI's handler a warning before it
     is a bare message and one after it `WARNING:name:message`."""
