@@ -648,6 +648,13 @@ def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
         f"error: {run / 'config.yaml'} is missing: the run's config is unknown (a run made by "
         "`jscenegen train` keeps it there); restore it, or continue with another one: --config FILE")
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run.json"]
+    (run / "config.yaml").write_text("\n")    # emptied: it advised leaving out --config
+    assert main(["train", "--resume", str(run)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {run / 'config.yaml'} is empty: the run's config is unknown (`jscenegen train` "
+        "writes it whole when the run starts); restore it, or delete it and continue with "
+        "another one: --config FILE")
+    (run / "config.yaml").unlink()
     # a directory `convert --to orbax` made (no run.json either) went on with the CPU default,
     # whose schedule hash then refused a converted step of ours as "changed"
     (run / "run.json").unlink()

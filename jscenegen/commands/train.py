@@ -131,6 +131,10 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
                          "continue with: --config FILE")
     elif why := not_a_file(saved):
         raise ValueError(f"{saved}: {why}; the run's config is a YAML file written when it started")
+    elif _is_blank(saved):
+        raise ValueError(f"{saved} is empty: the run's config is unknown (`jscenegen train` "
+                         "writes it whole when the run starts); restore it, or delete it and "
+                         "continue with another one: --config FILE")
     config_path = args.config or saved
     config_source = str(config_path)
     if afresh:   # a new start with the run's config
@@ -140,6 +144,12 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
                             f"starting it again with {args.config or 'its config.yaml'}"),
               file=sys.stderr, flush=True)
     return config_path, config_source, afresh
+
+
+def _is_blank(path: Path) -> bool:
+    """Whether the file at `path` holds nothing but whitespace (read at most 4 KiB)."""
+    with open(path, "rb") as f:
+        return not f.read(4096).strip()
 
 
 def _keep_saved_model_path(saved: dict, cfg):
