@@ -32,6 +32,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "run.lock"
+UNREADABLE_PID = -1   # the holder a lock file that is not our JSON reads as
 
 
 class RunLockedError(ValueError):
@@ -73,6 +74,8 @@ class Holder:
         return self.start_ticks is None or ticks == self.start_ticks
 
     def describe(self) -> str:
+        if self.pid == UNREADABLE_PID:
+            return "an unreadable lock file (not the JSON this code writes)"
         return f"pid {self.pid} on host {self.host} (since {self.started_utc})"
 
 
@@ -92,8 +95,8 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
 def read_holder(run_dir: str | Path) -> Holder | None:
     """The holder named by `run_dir/run.lock`; None when there is no lock file.
 
-    A lock file that is not the documented JSON reads as a holder with pid -1 (never alive on
-    this host, so it is taken over as stale).
+    A lock file that is not the documented JSON reads as a holder with pid UNREADABLE_PID
+    (never alive on this host, so it is taken over as stale).
     """
     return _read(Path(run_dir) / LOCK_NAME)
 
@@ -106,7 +109,7 @@ def _read(path: Path) -> Holder | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return Holder(-1, socket.gethostname(), "?", None)
+        return Holder(UNREADABLE_PID, socket.gethostname(), "?", None)
 
 
 def live_holder(run_dir: str | Path) -> Holder | None:
@@ -226,8 +229,8 @@ class RunLock:
             os.replace(stale, self.path)
             return
         stale.unlink()
-        log.warning("%s: taking over the stale lock of %s (that process is gone)",
-                    self.run_dir, holder.describe())
+        gone = "" if holder.pid == UNREADABLE_PID else " (that process is gone)"
+        log.warning("%s: taking over the stale lock of %s%s", self.run_dir, holder.describe(), gone)
 
     def release(self) -> None:
         """Remove the lock file if it is still the one this lock wrote (its token); remove the

@@ -72,13 +72,17 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
 
 @pytest.mark.parametrize("text", ["", "garbage{", json.dumps({"pid": 0, "host": socket.gethostname()}),
                                   json.dumps({"pid": -1, "host": socket.gethostname()})])
-def test_an_empty_or_unreadable_lock_is_stale(tmp_path, text):
+def test_an_empty_or_unreadable_lock_is_stale(tmp_path, text, caplog):
     """What a kill between creating the lock file and writing it leaves: taken over (pid -1 or
-    0 would make `os.kill` signal a process group and read as alive)."""
+    0 would make `os.kill` signal a process group and read as alive); an unreadable one is
+    named as such, not as "pid -1 on host ... (since ?)" (helper-68)."""
     (tmp_path / LOCK_NAME).write_text(text)
     assert read_holder(tmp_path).alive() is False
-    with RunLock(tmp_path):
+    with caplog.at_level("WARNING"), RunLock(tmp_path):
         assert read_holder(tmp_path).pid == os.getpid()
+    if text in ("", "garbage{"):
+        assert caplog.messages == [f"{tmp_path}: taking over the stale lock of an unreadable lock "
+                                   "file (not the JSON this code writes)"]
 
 
 @pytest.mark.parametrize("kind", ["a directory", "a symbolic link"])
