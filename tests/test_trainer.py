@@ -642,15 +642,29 @@ def test_qwen35_sigterm_resume_extend_is_bitwise_and_carried_tensors_never_move(
             assert arr.sharding.spec == P(("fsdp", "sp")) and arr.shape[0] % 6 == 0, name
 
 
-def test_run_logs_are_cut_back_to_the_resumed_attempt_and_a_torn_last_row_dropped(tmp_path):
+def test_run_logs_are_cut_back_to_the_resumed_attempt_and_a_torn_last_row_dropped(tmp_path, caplog):
     from jscenegen.grpo.train.metrics import truncate_run_logs
 
     rows = [json.dumps({"attempt": a, "x": a}) for a in (0, 1, 1, 2)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"attempt": 3, "tor')
     (tmp_path / "trajectories.jsonl").write_text("\n".join(rows) + "\n")
-    truncate_run_logs(tmp_path, 2)
+    with caplog.at_level("WARNING"):
+        truncate_run_logs(tmp_path, 2)
     for name in ("metrics.jsonl", "trajectories.jsonl"):
         assert (tmp_path / name).read_text() == "\n".join(rows[:3]) + "\n", name
+    assert caplog.messages == []
+    # rows of attempts before the checkpoint lost (a file cut short, or deleted): said, not silent
+    (tmp_path / "metrics.jsonl").write_text(rows[0] + "\n" + rows[3] + "\n")
+    with caplog.at_level("WARNING"):
+        truncate_run_logs(tmp_path, 3)
+    assert caplog.messages == [f"{tmp_path / 'metrics.jsonl'} has no row for attempt(s) 1 of the 3 "
+                               "before the checkpoint (lost or torn): the resumed log has a gap there"]
+    caplog.clear()
+    # a log that begins later (a run resumed from a converted step at attempt 2) has no gap
+    (tmp_path / "metrics.jsonl").write_text(rows[3] + "\n")
+    with caplog.at_level("WARNING"):
+        truncate_run_logs(tmp_path, 3)
+    assert caplog.messages == []
     (tmp_path / "metrics.jsonl").write_text('{"attempt": 0}\nnot json\n{"attempt": 1}\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON row"):
         truncate_run_logs(tmp_path, 1)

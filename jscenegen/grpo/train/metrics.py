@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
 from jscenegen.config import Section
 from jscenegen.paths import atomic_file, finite_number, json_line, jsonl_lines
 
+log = logging.getLogger(__name__)
 
 class LoggingConfig(Section):
     swanlab_mode: Literal["offline", "local", "online", "disabled"] = Field(
@@ -130,7 +132,8 @@ class MetricsLogger:
             mask_credentials(self.swanlab_dir, self._credentials)
 
 
-RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
+METRICS_LOG = "metrics.jsonl"
+RUN_LOGS = (METRICS_LOG, "trajectories.jsonl")
 
 
 def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
@@ -138,7 +141,10 @@ def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
     written after the checkpoint a run resumes from (or, with 0, by a start that stopped before
     its first checkpoint), so a resumed log equals a straight one. A torn last line (the
     process killed mid-write) is dropped too. Streams each file into its replacement
-    (`atomic_file`); raises ValueError naming the file and line for any other unreadable row."""
+    (`atomic_file`); raises ValueError naming the file and line for any other unreadable row.
+    Warns when metrics.jsonl (one row per attempt) lacks the rows of some attempts between its
+    first row and `attempts` (a torn or edited file): the resumed log has a gap there."""
+    kept: set[int] = set()
     for name in RUN_LOGS:
         path = Path(run_dir) / name
         if not path.is_file():
@@ -151,12 +157,23 @@ def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
                 if not line.strip():
                     continue
                 try:
-                    keep = json.loads(line)["attempt"] < attempts
+                    attempt = json.loads(line)["attempt"]
+                    keep = attempt < attempts
                 except (ValueError, KeyError, TypeError):
                     pending = number
                     continue
                 if keep:
                     dst.write(line if line.endswith(b"\n") else line + b"\n")
+                    if name == METRICS_LOG:
+                        kept.add(attempt)
+    # from the log's first row on: a run resumed from a converted step starts its log there
+    missing = [a for a in range(min(kept), attempts) if a not in kept] if kept else []
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (f", ... ({len(missing)} in all)"
+                                                     if len(missing) > 10 else "")
+        log.warning("%s has no row for attempt(s) %s of the %d before the checkpoint (lost or "
+                    "torn): the resumed log has a gap there", Path(run_dir) / METRICS_LOG, shown,
+                    attempts)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
