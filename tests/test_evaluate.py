@@ -517,6 +517,8 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                # Python's json reads NaN, Infinity and 1e999 (inf): a report never holds them
                (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=float("nan")),
                 "scenes[0].model.episodes[0].reward must be a finite number, got nan"),
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=5.0),
+                "scenes[0].model.episodes[0].reward 5.0 is above 1, the most a reward can be"),
                (lambda r: r["overall"]["model"].update(units=float("inf")),
                 "overall.model.units must be a finite number or null, got inf"),
                (lambda r: r.update(schema="other/2"), "schema 'other/2' is not 'jscenegen.eval/1'"),

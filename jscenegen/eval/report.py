@@ -56,6 +56,9 @@ def check_report(report, source: str) -> None:
             if not finite_number(ep.get("reward")):
                 raise ValueError(f"{source}: {at}.reward must be a finite number, "
                                  f"got {clip_text(repr(ep.get('reward')))}")
+            if ep["reward"] > 1 + 1e-9:
+                raise ValueError(f"{source}: {at}.reward {ep['reward']!r} is above 1, the most "
+                                 "a reward can be (all seven grades 10, nothing spent)")
             if not isinstance(ep.get("masked"), bool):
                 raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
             if "failure_cause" not in ep:
