@@ -74,6 +74,10 @@ def verl_complement(cfg, hf_dir: Path | None, carried_from: str | Path | None) -
             ref_cfg = QwenConfig.from_dir(ref)
         except ModelConfigError as err:
             raise ConvertError(f"--carried-from (an HF model directory): {err}") from None
+        if not ref_cfg.hybrid:
+            raise ConvertError(f"{ref}: carried_from is a {ref_cfg.model_type} model, not the "
+                               f"Qwen3.5 ({cfg.model_type}) the VERL checkpoint holds; pass the "
+                               "released model directory")
         wanted = verl_absent(ref_cfg)
         if not wanted:
             raise ConvertError(f"{ref}: carried_from holds no mtp.* tensors (its weights were "

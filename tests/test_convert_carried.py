@@ -173,7 +173,11 @@ def test_refusals(untied, tmp_path):
     with pytest.raises(ConvertError, match=r"^--carried-from completes a Qwen3.5 \(qwen3_5\) source; "
                                            "this one is qwen3"):
         verl_to_hf(dense, tmp_path / "e", carried_from=untied["release"])
-    for name in ("a", "b", "c", "d", "e"):
+    # a dense model given as the release: it said "holds no mtp.* tensors (written by transformers)"
+    with pytest.raises(ConvertError, match=r"carried_from is a qwen3 model, not the Qwen3\.5 "
+                                           r"\(qwen3_5\) the VERL checkpoint holds"):
+        verl_to_hf(untied["ckpt"], tmp_path / "f", carried_from=dense / "global_step_3/actor/huggingface")
+    for name in ("a", "b", "c", "d", "e", "f"):
         assert not (tmp_path / name).exists()
 
 
