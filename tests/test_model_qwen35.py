@@ -588,3 +588,16 @@ def test_layers_gather_weights_just_in_time_on_the_mesh():
     # per extra layer: its sharded stacked copies (params and grads, ~0.45 of a gathered
     # layer here); a gathered layer kept per layer (the bug this guards) measured 0.8
     assert (temp12 - temp4) / 8 < 0.6 * layer_bytes, temps
+
+
+def test_a_qwen3_5_config_over_text_only_names_says_which_names_it_expects(qwen35_hf, tmp_path):
+    """Weights saved as `qwen3_5_text` (model.layers.*) under a `qwen3_5` config.json were
+    reported only as missing tensors (helper-69)."""
+    d = tmp_path / "mixed"
+    shutil.copytree(qwen35_hf["qwen3_5_text"], d)
+    shutil.copy(qwen35_hf["qwen3_5"] / "config.json", d / "config.json")
+    with pytest.raises(CheckpointFormatError, match=r"missing tensor\(s\) \['model\.visual\..*; "
+                       r"the files hold 69 tensor\(s\) it does not name, e\.g\. \['model\.embed_tokens.*"
+                       r"\(config\.json's model_type qwen3_5 names its text tensors "
+                       r"model\.language_model\.\*\)"):
+        load_hf(d)

@@ -54,7 +54,11 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
     missing = [n for n in shapes if n not in names]
     unexpected = sorted(names - set(shapes))
     if missing:
-        raise CheckpointFormatError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        other = (f"; the files hold {len(unexpected)} tensor(s) it does not name, e.g. "
+                 f"{unexpected[:3]} (config.json's model_type {cfg.model_type} names its text "
+                 f"tensors {cfg.text_prefix}*)" if unexpected else "")
+        raise CheckpointFormatError(f"{path}: missing tensor(s) {missing[:5]}"
+                                    f"{' ...' if len(missing) > 5 else ''}{other}")
     if unexpected:
         raise CheckpointFormatError(
             f"{files[unexpected[0]]}: unexpected tensor(s) {unexpected[:5]} for {cfg.model_type}"
