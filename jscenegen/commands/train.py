@@ -9,6 +9,7 @@ from pathlib import Path
 from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.commands import positive_int_arg
 from jscenegen.paths import data_path_arg
+from jscenegen.run_lock import LOCK_NAME
 
 
 def register(sub) -> None:
@@ -67,7 +68,7 @@ def run(args) -> int:
                          settings_notice=settings_notice)
 
 
-RUN_OWNED = {RUN_CHECKPOINTS, "run.lock"}   # what a start leaves before its run.json
+RUN_OWNED = {RUN_CHECKPOINTS, LOCK_NAME}   # what a start leaves before its run.json
 
 
 def _refuse_a_directory_of_other_files(run_dir: Path) -> None:
