@@ -491,6 +491,9 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (["parity", "grpo-step", "--model", "/nonexistent", "--optim", "warmup_steps=2"],
      "error: the update's learning rate is 0 (optim lr=1e-06, warmup_steps=2): no parameter "
      "moves, so nothing would be compared; give a learning rate > 0 at step 0"),
+    (["parity", "train", "--model", "/nonexistent", "--optim", "lr=0"],
+     "error: the learning rate is 0 at all 3 updates (optim lr=0.0, warmup_steps=0): no parameter "
+     "moves, so nothing would be compared; give a learning rate > 0 within them"),
     (["parity", "grpo-step", "--model", "/nonexistent", "--optim", "lr"],
      "error: --optim 'lr': not of the form KEY=VALUE (e.g. lr=1e-5)"),
     (["parity", "grpo-step", "--model", "/nonexistent", "--temperature", "nan"],

@@ -125,7 +125,18 @@ def test_a_group_too_large_for_one_parity_batch_is_refused_before_any_model_load
     path.write_text("".join(json.dumps({**line, "member": m}) + "\n" for m in range(17)))
     rc = main(["parity", "train", "--model", str(tiny_hf["qwen2"]), "--trajectories", str(path)])
     assert rc == 2
-    assert "group 4: 17 x 61,681 = 1,048,577 tokens; a parity batch holds at most 1,048,576" in \
+    assert "group 4 (padded to the file's longest trajectory): 17 x 61,681 = 1,048,577 tokens; a " \
+        "parity batch holds at most 1,048,576" in capsys.readouterr().err
+    # 17 short rows and 2 long ones in another group: every update is padded to the longest
+    # row of the file, so the short group's batch is over the cap too (it was let through and
+    # ran out of memory, helper-70)
+    short = {"group": 0, "member": 0, "tokens": [3] * 16, "roles": [2] * 16, "policy_mask": [1] * 16,
+             "reward": 0.5}
+    path.write_text("".join(json.dumps({**short, "member": m}) + "\n" for m in range(17))
+                    + "".join(json.dumps({**line, "member": m}) + "\n" for m in range(2)))
+    rc = main(["parity", "train", "--model", str(tiny_hf["qwen2"]), "--trajectories", str(path)])
+    assert rc == 2
+    assert "group 0 (padded to the file's longest trajectory): 17 x 61,681 = 1,048,577 tokens" in \
         capsys.readouterr().err
 
 

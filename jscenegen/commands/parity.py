@@ -133,6 +133,7 @@ def run_grpo_step(args) -> int:
 def run_train(args) -> int:
     from jscenegen.grpo.algo.roles import role_from_letter
     from jscenegen.model.config import QwenConfig
+    from jscenegen.parity.grpo_step import require_a_learning_rate
     from jscenegen.parity.train import (
         default_trajectories,
         group_trajectories,
@@ -152,11 +153,13 @@ def run_train(args) -> int:
         refuse_overwriting_input(args.write_trajectories, "--write-trajectories",
                                  {"--trajectories": args.trajectories, "--model": args.model})
     loss_cfg, optim_cfg = _configs(args)
+    require_a_learning_rate(optim_cfg, args.updates)
     if args.trajectories:
         trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)
+        longest = max(len(t.tokens) for t in trajs)   # every update is padded to it (one compile)
         for group in group_trajectories(trajs):   # one group is one update's batch
-            _check_tokens(len(group), max(len(t.tokens) for t in group),
-                          f"{args.trajectories}: group {group[0].group_id}")
+            _check_tokens(len(group), longest, f"{args.trajectories}: group {group[0].group_id} "
+                          "(padded to the file's longest trajectory)")
     else:
         trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
         if not any(t.policy_mask.any() for t in trajs):   # every update would train nothing

@@ -144,6 +144,21 @@ def jax_policy(model_dir: str, loss_cfg, optim_cfg, temperature: float, train_vi
     return model, params, param_names(params), step
 
 
+def require_a_learning_rate(optim_cfg, updates: int) -> None:
+    """Raise ValueError when the learning rate (`lr_at`) is 0 at every one of the first
+    `updates` scheduler steps: no parameter would move, so a parity run would compare nothing
+    and pass."""
+    from jscenegen.grpo.algo.optimizer import lr_at
+
+    if any(float(lr_at(optim_cfg, k)) != 0.0 for k in range(updates)):
+        return
+    which = ("the update's learning rate is 0" if updates == 1 else
+             f"the learning rate is 0 at all {updates} updates")
+    raise ValueError(f"{which} (optim lr={optim_cfg.lr}, warmup_steps={optim_cfg.warmup_steps}): "
+                     "no parameter moves, so nothing would be compared; give a learning rate > 0 "
+                     + ("at step 0" if updates == 1 else "within them"))
+
+
 def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
                      seed: int = 0, rows: int = 8, seq: int = 32, pad_rows: int = 0,
                      compare_grads: bool = False, torch_perturbation: float = 0.0,
@@ -181,11 +196,8 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
+    require_a_learning_rate(optim_cfg, 1)
     lr = float(lr_at(optim_cfg, 0))
-    if lr == 0.0:
-        raise ValueError(f"the update's learning rate is 0 (optim lr={optim_cfg.lr}, "
-                         f"warmup_steps={optim_cfg.warmup_steps}): no parameter moves, so nothing "
-                         "would be compared; give a learning rate > 0 at step 0")
     if seq < MIN_SEQ:
         raise ValueError(f"seq {seq}: the synthetic episodes need >= {MIN_SEQ} tokens to train one")
     k = num_micro_batches(rows + pad_rows, loss_cfg.ppo_micro_batch_size, "ppo_micro_batch_size")

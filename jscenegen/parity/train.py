@@ -228,12 +228,14 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
         frozen_unchanged,
         jax_policy,
         loss_gap,
+        require_a_learning_rate,
         torch_policy,
         trained_names,
     )
 
     loss_cfg = loss_cfg or LossConfig()
     optim_cfg = optim_cfg or OptimConfig()
+    require_a_learning_rate(optim_cfg, updates)
     groups = group_trajectories(trajectories)
     model, params, names, step = jax_policy(model_dir, loss_cfg, optim_cfg, temperature,
                                             train_vision)
