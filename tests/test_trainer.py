@@ -743,3 +743,20 @@ def test_episodes_that_all_fail_at_their_start_stop_the_run_like_any_rollout_fai
                                                r"cannot start"):
         _run(tmp_path, max_updates=5, **{"rollout.max_failed_updates": 2, "checkpoint.save_every": 10})
     assert check_step(tmp_path / "checkpoints" / "2").valid
+
+
+def test_swanlab_online_without_a_login_is_one_error_naming_the_setting(tmp_path, monkeypatch):
+    """swanlab.init raised RuntimeError ("no TTY is available for interactive login"): a
+    36-line traceback and exit 1 (helper-70)."""
+    import swanlab
+
+    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger
+
+    def no_login(**kwargs):
+        raise RuntimeError("Failed to initialize SwanLab in online mode: no TTY is available")
+
+    monkeypatch.setattr(swanlab, "init", no_login)
+    with pytest.raises(ValueError, match=r"^logging\.swanlab_mode=online: swanlab could not start "
+                       r"\(Failed to initialize SwanLab .*\); log in first \(`swanlab login`, or "
+                       r"the SWANLAB_API_KEY environment variable\), or use offline$"):
+        MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})

@@ -109,6 +109,10 @@ class MetricsLogger:
                         config=redact(config_dict), reinit=True,
                         settings=_private_settings(swanlab) if self._credentials else None,
                     )
+            except RuntimeError as err:   # online without a login and no terminal to ask on
+                raise ValueError(f"logging.swanlab_mode={cfg.swanlab_mode}: swanlab could not "
+                                 f"start ({err}); log in first (`swanlab login`, or the "
+                                 "SWANLAB_API_KEY environment variable), or use offline") from None
             finally:
                 sys.argv = saved_argv
 
