@@ -12,6 +12,7 @@ from jscenegen.cli import main
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, PLANNER
 from jscenegen.parity.train import (
     PARAM_TOL,
+    default_trajectories,
     read_trajectories,
     synthetic_trajectories,
     write_trajectories,
@@ -204,3 +205,21 @@ def test_a_byte_order_mark_before_the_first_trajectory_is_ignored(tmp_path):
     path.write_bytes(b"\n".join([lines[0], b"\xef\xbb\xbf" + lines[1]] + lines[2:]))
     with pytest.raises(ValueError, match=r"t\.jsonl:2: Invalid JSON"):
         read_trajectories(path, vocab=1003)
+
+
+def test_a_model_without_a_chat_template_is_told_where_to_put_one(tmp_path):
+    """parity train advised `sampling.chat_template_path`, which it does not take (helper-70)."""
+    import shutil
+
+    from chat_fixtures import chat_model_dir
+    from jscenegen.model.tokenizer.chat import ChatTemplateError
+
+    model = tmp_path / "model"
+    shutil.copytree(chat_model_dir(), model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError, match="no chat template; pass one with a "
+                                                "chat_template.jinja in the model directory"):
+        default_trajectories(model, 1, 2, 3000)

@@ -99,7 +99,8 @@ def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
     from jscenegen.model.tokenizer.chat import ChatTokenizer
     from jscenegen.sft.demos import build_demos, sft_records
 
-    chat = ChatTokenizer.from_dir(model_dir)
+    # parity train takes no template option: the model directory's own is the one to fix
+    chat = ChatTokenizer.from_dir(model_dir, option="a chat_template.jinja in the model directory")
     demos = build_demos(chat, sft_records(group_size))
     out = []
     for g in range(groups):
