@@ -211,8 +211,9 @@ def test_a_model_without_a_chat_template_is_told_where_to_put_one(tmp_path):
     """parity train advised `sampling.chat_template_path`, which it does not take (helper-70)."""
     import shutil
 
-    from chat_fixtures import chat_model_dir
     from jscenegen.model.tokenizer.chat import ChatTemplateError
+
+    from chat_fixtures import chat_model_dir
 
     model = tmp_path / "model"
     shutil.copytree(chat_model_dir(), model)
