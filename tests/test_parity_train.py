@@ -92,6 +92,9 @@ def test_synthetic_trajectories_give_every_role_tokens_and_a_reward_spread():
     (lambda d: d.pop("reward"), "'reward': Field required"),
     (lambda d: d.update(masked="no"), """'masked': Input should be a valid boolean (got "no")"""),
     (lambda d: d.update(reward=float("nan")), "'reward': Input should be a finite number"),
+    # finite, but inf in float32: it was masked, with a numpy overflow warning (helper-70)
+    (lambda d: d.update(reward=1e308), "'reward': 1e+308 is beyond float32's range"),
+    (lambda d: d["logprobs"].__setitem__(0, -1e300), "'logprobs'[0]: -1e+300 is beyond float32's range"),
     (lambda d: d.update(reward="high"), """'reward': Input should be a valid number (got "high")"""),
     (lambda d: d.update(group="a"), """'group': Input should be a valid integer (got "a")"""),
     (lambda d: d["tokens"].__setitem__(3, 1.5), "'tokens'[3]: Input should be a valid integer"),

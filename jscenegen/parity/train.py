@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Annotated, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from jscenegen.config import shown_value, validation_message
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
@@ -122,9 +122,19 @@ def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> 
                                 "masked": t.masked}) + "\n")
 
 
+def _within_float32(x: float) -> float:
+    if abs(x) > float(np.finfo(np.float32).max):
+        raise ValueError(f"{x!r} is beyond float32's range (+-3.4e38), in which both engines read it")
+    return x
+
+
+_Float32 = Annotated[float, AfterValidator(_within_float32)]
+
+
 class TrajectoryLine(BaseModel):
     """One line of a trajectories file (the module doc's format), strictly typed: no string for
-    a number or a flag, finite floats."""
+    a number or a flag, finite floats within float32's range (both engines read them as
+    float32: 1e308 would become inf)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -133,8 +143,8 @@ class TrajectoryLine(BaseModel):
     tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=2, max_length=ROW_TOKENS_MAX)
     roles: list[int]
     policy_mask: list[Annotated[int, Field(ge=0, le=1)]]
-    reward: float
-    logprobs: list[float] | None = None
+    reward: _Float32
+    logprobs: list[_Float32] | None = None
     masked: bool = False
 
 
