@@ -877,6 +877,14 @@ def test_tokenizer_refusals_name_the_option_each_command_takes(tiny_hf, tmp_path
                                       "files into it")
 
 
+def test_a_model_path_that_is_its_config_file_names_the_directory(tiny_hf, capsys):
+    """`--model DIR/config.json` was named "DIR/config.json/config.json: Not a directory"."""
+    given = tiny_hf["qwen3"] / "config.json"
+    assert main(["parity", "logits", "--model", str(given)]) == 2
+    assert one_error_line(capsys) == (f"error: {given}: a file; give the model directory that "
+                                      f"holds it ({tiny_hf['qwen3']})")
+
+
 def test_a_model_file_that_is_no_file_says_what_it_is(tiny_hf, tmp_path, capsys):
     """A directory or a dangling link where config.json or the weights belong was "no
     config.json" / "no model.safetensors"."""

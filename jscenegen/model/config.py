@@ -339,6 +339,9 @@ class QwenConfig:
         """
         from jscenegen.model.safetensors_stream import stored_tensors
 
+        if Path(path).is_file():   # `--model DIR/config.json`: it said DIR/config.json/config.json
+            raise ModelConfigError(f"{path}: a file; give the model directory that holds it "
+                                   f"({Path(path).parent})")
         f = Path(path) / "config.json"
         if why := not_a_file(f):
             raise ModelConfigError(f"{f}: {why}; model directory {path} needs its config.json")
