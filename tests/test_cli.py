@@ -734,6 +734,33 @@ def test_a_resume_names_what_is_wrong_with_the_run_directory(tmp_path, capsys,
             "the link")
 
 
+def test_a_run_log_that_is_no_file_is_refused_before_the_model_loads(tmp_path, capsys,
+                                                                    train_command_calls):
+    """A metrics.jsonl or trajectories.jsonl that is a directory failed at the first row, after
+    the model loaded and a rollout ran (and a swanlab run was started each try: helper-70)."""
+    new = _stopped_run(tmp_path)          # a new start in the directory of one that stopped
+    run = shutil.copytree(new, tmp_path / "saved")
+    (run / "checkpoints/1").mkdir(parents=True)
+    (run / "checkpoints/1/checksums.json").write_text("{}")
+    for name in ("metrics.jsonl", "trajectories.jsonl"):
+        for args in (["--resume", str(run)], ["--run-dir", str(new)]):
+            log = Path(args[1]) / name
+            log.mkdir()
+            assert main(["train", *args]) == 2
+            assert one_error_line(capsys) == (
+                f"error: {log}: is a directory; the run appends its rows to this file (move it "
+                "away, or start the run in another --run-dir)")
+            log.rmdir()
+        (run / name).symlink_to(tmp_path / "gone")
+        assert main(["train", "--resume", str(run)]) == 2
+        assert one_error_line(capsys).startswith(f"error: {run / name}: is a broken symbolic link")
+        (run / name).unlink()
+    assert not train_command_calls
+    (run / "metrics.jsonl").write_text("")   # a file, empty or not, is the run's log
+    assert main(["train", "--resume", str(run)]) == 0
+    assert train_command_calls["resume"] is True
+
+
 def test_a_new_run_refuses_a_directory_of_other_files(tmp_path, capsys, train_command_calls):
     """`train --config D/config.yaml --run-dir D` replaced the user's config with the resolved
     one, and a directory of the user's files (or the checkout's configs/) had its config.yaml,

@@ -29,6 +29,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from jscenegen.checkpoint.store import check_checkpoints_dir
     from jscenegen.config import ConfigError, read_yaml
+    from jscenegen.grpo.train.metrics import check_run_logs
     from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
 
@@ -56,6 +57,7 @@ def run(args) -> int:
     check_output_dir(run_dir, label="--run-dir")
     if not args.resume:
         _refuse_a_directory_of_other_files(run_dir)
+    check_run_logs(run_dir)
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
     refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path,

@@ -19,9 +19,13 @@ from pydantic import Field
 
 from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file, finite_number, json_line, jsonl_lines
+from jscenegen.paths import atomic_file, finite_number, json_line, jsonl_lines, not_a_file
 
 log = logging.getLogger(__name__)
+
+METRICS_LOG = "metrics.jsonl"
+RUN_LOGS = (METRICS_LOG, "trajectories.jsonl")
+
 
 class LoggingConfig(Section):
     swanlab_mode: Literal["offline", "local", "online", "disabled"] = Field(
@@ -86,7 +90,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, cfg: LoggingConfig, config_dict: dict, *,
                  primary: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_LOG
         self.swanlab_dir = Path(run_dir) / "swanlab"
         self.primary = primary
         self._swanlab = None
@@ -136,8 +140,15 @@ class MetricsLogger:
             mask_credentials(self.swanlab_dir, self._credentials)
 
 
-METRICS_LOG = "metrics.jsonl"
-RUN_LOGS = (METRICS_LOG, "trajectories.jsonl")
+def check_run_logs(run_dir: str | Path) -> None:
+    """Raise ValueError naming the file when one of the run's JSONL logs (RUN_LOGS) exists but
+    cannot be appended to as a file (a directory, a broken link, a pipe): checked before the
+    model loads, not at the first row after a rollout."""
+    for name in RUN_LOGS:
+        path = Path(run_dir) / name
+        if os.path.lexists(path) and (why := not_a_file(path)):
+            raise ValueError(f"{path}: {why}; the run appends its rows to this file (move it "
+                             "away, or start the run in another --run-dir)")
 
 
 def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
@@ -181,7 +192,7 @@ def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_LOG
     if not path.is_file():
         return []
     return [json.loads(line) for line in jsonl_lines(path.read_text()) if line.strip()]
