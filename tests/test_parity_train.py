@@ -227,3 +227,52 @@ def test_a_model_without_a_chat_template_is_told_where_to_put_one(tmp_path):
     with pytest.raises(ChatTemplateError, match="no chat template; pass one with a "
                                                 "chat_template.jinja in the model directory"):
         default_trajectories(model, 1, 2, 3000)
+
+
+def test_torch_memory_floor_counts_logits_and_the_attention_weights_of_full_attention_layers(
+        tiny_hf, qwen35_hf):
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.parity import torch_memory_floor
+
+    dense = QwenConfig.from_dir(tiny_hf["qwen2"])
+    logits = 4 * 3 * 100 * dense.vocab_size
+    weights = 4 * 3 * dense.num_attention_heads * 100 * 100
+    assert torch_memory_floor(dense, 3, 100, backward=False) == logits + weights
+    assert torch_memory_floor(dense, 3, 100, backward=True) == \
+        logits + weights * dense.num_hidden_layers
+    hybrid = QwenConfig.from_dir(qwen35_hf["qwen3_5"])   # Gated DeltaNet layers hold no seq^2
+    full = hybrid.kinds.count("full_attention")
+    assert 0 < full < hybrid.num_hidden_layers
+    assert torch_memory_floor(hybrid, 2, 50, backward=True) == 4 * (
+        2 * 50 * hybrid.vocab_size + 2 * hybrid.num_attention_heads * 50 * 50 * full)
+
+
+def test_a_batch_whose_torch_attention_weights_exceed_the_host_memory_is_refused(
+        tiny_hf, tmp_path, capsys, monkeypatch):
+    """2 rows of 65,536 tokens are within the token caps, but torch's eager attention holds
+    rows x heads x seq^2 fp32 weights per layer: the run was killed for memory (helper-70)."""
+    import jscenegen.sharding.rollout
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.parity import torch_memory_floor
+
+    monkeypatch.setattr(jscenegen.sharding.rollout, "host_memory_bytes", lambda: 8 << 30)
+    model = tiny_hf["qwen2"]
+    n = 65_536
+    path = tmp_path / "t.jsonl"
+    line = {"group": 4, "member": 0, "tokens": [3] * n, "roles": [2] * n, "policy_mask": [1] * n,
+            "reward": 0.5}
+    path.write_text("".join(json.dumps({**line, "member": m}) + "\n" for m in range(2)))
+    need = torch_memory_floor(QwenConfig.from_dir(model), 2, n, backward=True)
+    assert main(["parity", "train", "--model", str(model), "--trajectories", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {path}: group 4 (padded to the file's longest trajectory): 2 x 65,536 tokens "
+        f"need at least {need / 2**30:,.1f} GiB for the torch baseline's logits and eager "
+        "attention weights (seq^2 per head and attention layer); this host has 8.0 GiB: give "
+        "fewer or shorter rows")
+    for kind, rows, seq in (("logits", 1, 65_536), ("grpo-step", 4, 16_384)):
+        need = torch_memory_floor(QwenConfig.from_dir(model), rows, seq, kind != "logits")
+        assert need > 8 << 30
+        flag = "--batch" if kind == "logits" else "--rows"
+        assert main(["parity", kind, flag, str(rows), "--seq", str(seq), "--model", str(model)]) == 2
+        assert f"{rows} x {seq:,} tokens need at least {need / 2**30:,.1f} GiB" in \
+            capsys.readouterr().err

@@ -13,14 +13,26 @@ COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
 TOKENS = int_in(1, ROW_TOKENS_MAX)
 
 
-def _check_tokens(rows: int, seq: int, flags: str) -> None:
-    """Refuse, before any model loads, a batch of more than TOKENS_MAX (2^20) tokens: both
-    engines hold [rows, seq, vocab] logits."""
+def _check_batch(model_dir, rows: int, seq: int, flags: str, *, backward: bool = True) -> None:
+    """Refuse, before any model loads, a batch of more than TOKENS_MAX (2^20) tokens, or one whose
+    torch baseline would need more than the host's memory (`torch_memory_floor`: the logits and
+    eager attention's seq^2 weights), naming `flags` and the figures. `model_dir`: the HF model
+    directory, or its `QwenConfig`."""
     from jscenegen.grpo.rollout.config import TOKENS_MAX
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.parity import torch_memory_floor
+    from jscenegen.sharding.rollout import host_memory_bytes
 
     if rows * seq > TOKENS_MAX:
         raise ValueError(f"{flags}: {rows:,} x {seq:,} = {rows * seq:,} tokens; a parity batch "
                          f"holds at most {TOKENS_MAX:,}")
+    cfg = model_dir if isinstance(model_dir, QwenConfig) else QwenConfig.from_dir(model_dir)
+    need, have = torch_memory_floor(cfg, rows, seq, backward), host_memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"{flags}: {rows:,} x {seq:,} tokens need at least {need / 2**30:,.1f} "
+                         f"GiB for the torch baseline's logits and eager attention weights "
+                         f"(seq^2 per head{' and attention layer' if backward else ''}); this "
+                         f"host has {have / 2**30:,.1f} GiB: give fewer or shorter rows")
 
 
 def _check_temperature(value: float) -> None:
@@ -80,7 +92,9 @@ def _add_common(p) -> None:
                    help="Qwen3.5: train the vision tower (zero gradient, AdamW state and decay, "
                         "as VERL with freeze_vision_tower false); default frozen")
     p.add_argument("--perturb-torch", type=finite_float_arg, default=0.0,
-                   help="add this to one torch embedding weight first (shows the check can fail)")
+                   help="add this to one torch embedding weight before the first forward: the "
+                        "torch side then differs from the start, so exit 1 shows the comparison "
+                        "is live (not which later step would diverge)")
     p.add_argument("--loss", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="LossConfig overrides, e.g. loss_agg_mode=seq-mean-token-mean "
                         "ppo_micro_batch_size=2 use_kl_loss=true (may be repeated)")
@@ -104,7 +118,7 @@ def _configs(args):
 def run_logits(args) -> int:
     from jscenegen.parity.logits import logits_parity
 
-    _check_tokens(args.batch, args.seq, "--batch x --seq")
+    _check_batch(args.model, args.batch, args.seq, "--batch x --seq", backward=False)
     result = logits_parity(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
                            seed=args.seed)
     print(json_line(result))
@@ -120,7 +134,7 @@ def run_grpo_step(args) -> int:
     if args.seq < MIN_SEQ:
         raise ValueError(f"--seq {args.seq}: the synthetic episodes reach their first designer "
                          f"token within {MIN_SEQ} tokens; give --seq >= {MIN_SEQ}")
-    _check_tokens(args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq")
+    _check_batch(args.model, args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq")
     loss_cfg, optim_cfg = _configs(args)
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
@@ -154,18 +168,20 @@ def run_train(args) -> int:
                                  {"--trajectories": args.trajectories, "--model": args.model})
     loss_cfg, optim_cfg = _configs(args)
     require_a_learning_rate(optim_cfg, args.updates)
+    model_cfg = QwenConfig.from_dir(args.model)
     if args.trajectories:
-        trajs = read_trajectories(args.trajectories, QwenConfig.from_dir(args.model).vocab_size)
-        longest = max(len(t.tokens) for t in trajs)   # every update is padded to it (one compile)
-        for group in group_trajectories(trajs):   # one group is one update's batch
-            _check_tokens(len(group), longest, f"{args.trajectories}: group {group[0].group_id} "
-                          "(padded to the file's longest trajectory)")
+        trajs = read_trajectories(args.trajectories, model_cfg.vocab_size)
+        where = (f"{args.trajectories}: group ", " (padded to the file's longest trajectory)")
     else:
         trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
         if not any(t.policy_mask.any() for t in trajs):   # every update would train nothing
             raise ValueError(f"--max-tokens {args.max_tokens}: the expert episodes' first "
                              f"{args.max_tokens} tokens hold no policy token (their prompt comes "
                              "first), so no update would train; raise it")
+        where = ("--group-size x --max-tokens: group ", " (padded to the longest episode)")
+    longest = max(len(t.tokens) for t in trajs)   # every update is padded to it (one compile)
+    for group in group_trajectories(trajs):       # one group is one update's batch
+        _check_batch(model_cfg, len(group), longest, f"{where[0]}{group[0].group_id}{where[1]}")
     if args.write_trajectories is not None:
         write_trajectories(args.write_trajectories, trajs)
     ok = False

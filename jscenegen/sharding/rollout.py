@@ -94,13 +94,17 @@ def device_memory_bytes(device: jax.Device | None = None) -> int | None:
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    if device.platform == "cpu":
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return None
-        return int(total // max(1, jax.local_device_count()))
+    if device.platform == "cpu" and (total := host_memory_bytes()) is not None:
+        return total // max(1, jax.local_device_count())
     return None
+
+
+def host_memory_bytes() -> int | None:
+    """The host's physical memory in bytes (sysconf), or None when the OS does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def tp_candidates(n_devices: int, divides: tuple[int, ...]) -> list[int]:
