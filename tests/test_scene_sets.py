@@ -8,7 +8,7 @@ import pytest
 from jscenegen.cli import main
 from jscenegen.scene.dataset import SceneSetSource, scene_iterator
 from jscenegen.scene.generator import SPLIT_BASE, make_record, make_scene_set
-from jscenegen.scene.sceneset import read_scene_set, record_from_json, write_scene_set
+from jscenegen.scene.sceneset import read_scene_record, read_scene_set, record_from_json, write_scene_set
 from jscenegen.scene.schema import SceneError, canonical_text, edge_length, scene_from_json
 
 from cli_errors import one_error_line
@@ -256,6 +256,9 @@ def test_cli_furnish_reads_only_the_scene_it_plays(tmp_path, capsys):
     assert f"error: {tmp_path / 'set.jsonl'}:3: not valid JSON" in one_error_line(capsys)
     assert main(["scene", "furnish", str(tmp_path / "set.jsonl"), "--index", "2", "-o", str(out)]) == 2
     assert one_error_line(capsys) == f"error: --index 2 is outside {tmp_path / 'set.jsonl'} (2 scenes)"
+    # the library names no command-line flag (it said --index to every caller)
+    with pytest.raises(IndexError, match=r"^-1 is outside .*set\.jsonl \(2 scenes\)$"):
+        read_scene_record(tmp_path / "set.jsonl", -1)
 
 
 def test_cli_furnish_refuses_a_request_the_catalogue_cannot_satisfy(tmp_path, capsys):

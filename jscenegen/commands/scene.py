@@ -148,7 +148,10 @@ def furnish(args) -> int:
     run_cfg = _run_config(args.config)
     _refuse_overwriting(args.output, run_cfg, args.config, {"the scene set": scene_set})
     cfg, judge_cfg = run_cfg.scene, run_cfg.judge
-    record = read_scene_record(scene_set, args.index)
+    try:
+        record = read_scene_record(scene_set, args.index)
+    except IndexError as err:
+        raise ValueError(f"--index {err}") from None
     check_requests_known([record], load_catalogue(cfg.catalogue_path), str(scene_set))
     ep, _ = run_scripted_episode(record, cfg, judge_cfg)
     out = Path(args.output)
