@@ -112,19 +112,14 @@ def orbax_step_dir(path: str | Path) -> Path:
     if (path / ckpt.PARAMS_ITEM).is_dir():
         status = ckpt.check_step(path)
     else:
-        skipped = []
-        for s in reversed(ckpt.step_numbers(path)):
-            status = ckpt.check_step(path / str(s))
-            if status.valid:
-                break
-            skipped.append(status)
-        else:
-            why = (f"; the newest, step {skipped[0].path.name}: {skipped[0].reason}" if skipped
+        status, skipped = ckpt.newest_complete_step(path)
+        if status is None:
+            why = (f"; the newest, step {skipped[0].step}: {skipped[0].reason}" if skipped
                    else " (no numbered step directory)")
             raise ConvertError(f"{path}: no complete orbax checkpoint step here{why}")
         for bad in skipped:
-            warnings.warn(f"{path}: skipping step {bad.path.name} ({bad.reason}); converting "
-                          f"step {status.path.name}, the newest complete one",
+            warnings.warn(f"{path}: skipping step {bad.step} ({bad.reason}); converting "
+                          f"step {status.step}, the newest complete one",
                           ConversionWarning, stacklevel=2)
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")

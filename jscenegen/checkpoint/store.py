@@ -384,6 +384,20 @@ def finished_saves(directory: str | Path) -> list[Path]:
                   or (is_decimal(p.name) and (p / CHECKSUMS_NAME).exists()))
 
 
+def newest_complete_step(directory: str | Path) -> tuple[StepStatus | None, list[StepStatus]]:
+    """(the newest complete step under `directory`, `check_step` with full SHA-256, or None;
+    the statuses of the newer steps passed over, newest first). The one walk behind resume
+    (`CheckpointStore.latest_valid_step`, `set_aside_corrupt`) and conversion
+    (`convert.orbax_directions.orbax_step_dir`), each reporting the passed-over steps its way."""
+    skipped = []
+    for step in reversed(step_numbers(directory)):
+        status = check_step(Path(directory) / str(step))
+        if status.valid:
+            return status, skipped
+        skipped.append(status)
+    return None, skipped
+
+
 def check_checkpoints_dir(directory: str | Path) -> None:
     """Raise CheckpointError when a run's checkpoint directory cannot hold its steps: a file,
     or a symbolic link to nothing; the run would fail at its first save, after its first
@@ -645,13 +659,10 @@ class CheckpointStore:
         reason unless `say_skipped` is False (a caller whose later `restore` or
         `set_aside_corrupt` reports the same steps).
         """
-        for step in reversed(self.steps()):
-            status = check_step(self.step_path(step))
-            if status.valid:
-                return step
-            if say_skipped:
-                log.warning("skipping checkpoint step %d: %s", step, _one_line(status.reason))
-        return None
+        valid, skipped = newest_complete_step(self.directory)
+        for status in skipped if say_skipped else ():
+            log.warning("skipping checkpoint step %d: %s", status.step, _one_line(status.reason))
+        return None if valid is None else valid.step
 
     def set_aside_corrupt(self) -> list[Path]:
         """Set aside every corrupt step newer than the newest valid one; return where they went.
@@ -665,20 +676,14 @@ class CheckpointStore:
         the resuming trainer (`checkpoint.resume.restore_onto_mesh`), never by readers.
         Raises CheckpointError, moving nothing, when no valid step precedes the corrupt ones.
         """
-        corrupt = []
-        for step in reversed(self.steps()):
-            status = check_step(self.step_path(step))
-            if status.valid:
-                break
-            if (self.step_path(step) / CHECKSUMS_NAME).is_file():
-                corrupt.append((step, status.reason))
-        else:  # no valid step to go back to: leave everything where it is
-            if corrupt:
-                raise CheckpointError(
-                    f"{self.directory}: no valid checkpoint to resume from; corrupt: "
-                    + "; ".join(f"step {s} ({_one_line(r)})" for s, r in corrupt)
-                    + " (left in place: restore the files or start a new run)")
-        return [self._set_aside(step, reason) for step, reason in corrupt]
+        valid, skipped = newest_complete_step(self.directory)
+        corrupt = [s for s in skipped if (s.path / CHECKSUMS_NAME).is_file()]
+        if valid is None and corrupt:   # no valid step to go back to: leave everything in place
+            raise CheckpointError(
+                f"{self.directory}: no valid checkpoint to resume from; corrupt: "
+                + "; ".join(f"step {s.step} ({_one_line(s.reason)})" for s in corrupt)
+                + " (left in place: restore the files or start a new run)")
+        return [self._set_aside(s.step, s.reason) for s in corrupt]
 
     def _set_aside(self, step: int, reason: str | None) -> Path:
         path = self.step_path(step)
