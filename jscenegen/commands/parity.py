@@ -126,7 +126,7 @@ def run_logits(args) -> int:
 
 
 def run_grpo_step(args) -> int:
-    from jscenegen.parity.grpo_step import MIN_SEQ, grpo_step_parity
+    from jscenegen.parity.grpo_step import MIN_SEQ, grpo_step_parity, require_a_learning_rate
 
     if args.rows % 2 or args.rows < 4:
         raise ValueError(f"--rows {args.rows}: the rows form 2 groups of rows/2; give an even "
@@ -134,8 +134,9 @@ def run_grpo_step(args) -> int:
     if args.seq < MIN_SEQ:
         raise ValueError(f"--seq {args.seq}: the synthetic episodes reach their first designer "
                          f"token within {MIN_SEQ} tokens; give --seq >= {MIN_SEQ}")
-    _check_batch(args.model, args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq")
     loss_cfg, optim_cfg = _configs(args)
+    require_a_learning_rate(optim_cfg, 1)   # before the model's config.json is read
+    _check_batch(args.model, args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq")
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
                               seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
