@@ -177,11 +177,17 @@ class JudgeServer:
     (the last entry repeats): "answer" (grades 8), "stall" (no answer for 1.5 s), "garbage",
     "fenced", "flood" (a 200 whose body never ends: 64 KiB chunks until the client hangs up),
     "deep" / "deep_content" (a body / message content of 200,000 nested brackets), "429after"
-    (429 with Retry-After: 1), or an HTTP status such as "401". `times`: when each request came."""
+    (429 with Retry-After: 1), "echo" (a 200 quoting the request's Authorization header as an
+    error, not a chat completion), "echo_comments" (grades whose comments quote it), or an HTTP
+    status such as "401". GET /models answers 401/403 when the plan starts with one;
+    "models_trickle" first: a 200 announcing 200 MB sent 1 KiB per 0.2 s; "models_slow_headers":
+    a status line, then one header byte per 0.2 s without end. `times`: when each
+    request came; `paths`: each request's method and path (query included); `auth`: each
+    POST's Authorization header, `models_auth` each GET's."""
 
     def __init__(self, plan):
         self.plan, self.calls, self.auth, self.inflight, self.max_inflight = list(plan), 0, [], 0, 0
-        self.times = []
+        self.times, self.paths, self.models_auth = [], [], []
         self.lock = threading.Lock()
         outer = self
 
@@ -190,6 +196,29 @@ class JudgeServer:
                 pass
 
             def do_GET(self):   # GET /models: 401/403 when the plan starts with one, else a list
+                with outer.lock:
+                    outer.paths.append(("GET", self.path))
+                    outer.models_auth.append(self.headers.get("Authorization"))
+                if outer.plan[0] == "models_slow_headers":   # each read gets a byte in time
+                    try:
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                        while True:
+                            self.wfile.write(b"X")
+                            self.wfile.flush()
+                            time.sleep(0.2)
+                    except OSError:
+                        return
+                if outer.plan[0] == "models_trickle":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(200 << 20))
+                    self.end_headers()
+                    try:
+                        while True:
+                            self.wfile.write(b" " * 1024)
+                            self.wfile.flush()
+                            time.sleep(0.2)
+                    except OSError:      # the client hung up
+                        return
                 status = int(outer.plan[0]) if outer.plan[0] in ("401", "403") else 200
                 data = json.dumps({"object": "list", "data": [{"id": "judge-27b"}]}).encode()
                 self.send_response(status)
@@ -204,6 +233,7 @@ class JudgeServer:
                     outer.calls += 1
                     outer.times.append(time.monotonic())
                     outer.auth.append(self.headers.get("Authorization"))
+                    outer.paths.append(("POST", self.path))
                     outer.inflight += 1
                     outer.max_inflight = max(outer.max_inflight, outer.inflight)
                 try:
@@ -228,7 +258,11 @@ class JudgeServer:
                         return
                     time.sleep(0.05)
                     deep = "[" * 200_000 + "]" * 200_000
+                    auth = self.headers.get("Authorization", "")
                     content = {
+                        "echo": "",
+                        "echo_comments": json.dumps({"grades": GOOD, "comments": {
+                            "realism": f"your header was {auth}"}}),
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
@@ -237,6 +271,8 @@ class JudgeServer:
                     data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
                     if mode == "deep":
                         data = deep.encode()
+                    if mode == "echo":
+                        data = json.dumps({"error": {"message": f"invalid api key {auth}"}}).encode()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))

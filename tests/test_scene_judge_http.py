@@ -170,7 +170,7 @@ def test_a_judge_that_refuses_the_key_is_refused_before_the_run(server, monkeypa
     """A bad key masked every episode of the run, each update with one warning, for hours. A
     403 to the model list alone is a warning: OpenAI's restricted keys may grade but not list."""
     monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
-    url = server.url.replace("http://", "http://user:sk-INURL@")
+    url = server.url + "?api_key=sk-INURL"
     judge = make_judge(cfg(url))
     if server.plan == ["answer"]:
         judge.check_reachable()
@@ -234,3 +234,69 @@ def test_a_body_that_is_no_chat_completion_is_named_so(body):
                                                r"choices\[0\]\.message\.content text \(got "):
         message_content(body)
     assert message_content({"choices": [{"message": {"content": "{}"}}]}) == "{}"
+
+
+@pytest.mark.parametrize("server", [["answer"]], indirect=True)
+def test_a_base_url_with_a_query_gets_the_endpoint_in_its_path(server):
+    """`{base_url}/chat/completions` was joined as strings: with `?api_key=K` in base_url the
+    requests went to `/v1?api_key=K/chat/completions` (helper-72)."""
+    judge = make_judge(cfg(server.url + "?api_key=sk-QUERY", api_key_env=None))
+    judge.check_reachable()
+    (res,) = judge.grade(requests())
+    assert res.failure is None
+    assert server.paths == [("GET", "/v1/models?api_key=sk-QUERY"),
+                            ("POST", "/v1/chat/completions?api_key=sk-QUERY")]
+
+
+@pytest.mark.parametrize("server", [["answer"]], indirect=True)
+def test_user_info_in_base_url_is_basic_auth_and_refused_beside_an_api_key(server, monkeypatch):
+    """httpx sends a URL's user info as Basic auth in place of the Bearer key: the key from
+    judge.api_key_env was dropped without a word (helper-72)."""
+    url = server.url.replace("http://", "http://user:sk-INURL@")
+    monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
+    with pytest.raises(ValueError) as info:
+        make_judge(cfg(url))
+    assert str(info.value) == (
+        f"judge.base_url {server.url} carries a user name (HTTP Basic auth) and "
+        "JSCENEGEN_TEST_JUDGE_KEY (judge.api_key_env) holds an API key (a Bearer token): a "
+        "request has one Authorization header; drop one of them")
+    monkeypatch.delenv("JSCENEGEN_TEST_JUDGE_KEY")
+    judge = make_judge(cfg(url))
+    judge.check_reachable()
+    (res,) = judge.grade(requests())
+    assert res.failure is None
+    assert server.models_auth == server.auth == ["Basic dXNlcjpzay1JTlVSTA=="]   # user:sk-INURL
+
+
+@pytest.mark.parametrize("server", [["echo"], ["echo_comments"]], indirect=True)
+def test_a_judge_answer_quoting_the_key_never_carries_it_further(server, monkeypatch, caplog):
+    """A server that echoed the Authorization header in a 200 had the key printed in the
+    failure's warning (and captured into RUN_DIR/swanlab); in the comments it went on into
+    trajectories and reports (helper-72)."""
+    monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
+    (res,) = make_judge(cfg(server.url, max_retries=0)).grade(requests())
+    if server.plan == ["echo"]:
+        assert res.failure == "judge_unparseable"
+        assert "invalid api key Bearer <redacted>" in res.info["detail"]
+        assert "invalid api key Bearer <redacted>" in caplog.text
+    else:
+        assert res.failure is None
+        assert res.info["comments"] == {"realism": "your header was Bearer <redacted>"}
+    assert KEY not in caplog.text and KEY not in json.dumps(res.info)
+
+
+@pytest.mark.parametrize("server", [["models_trickle"], ["models_slow_headers"]], indirect=True)
+def test_the_reachability_probe_is_bounded_in_time_and_reads_no_body(server, caplog):
+    """A GET /models answer announcing 200 MB and sent 1 KiB at a time: the probe's timeout
+    was per read, never in all (a run never started), and it read the whole body into memory.
+    Now the status alone is read, and the whole probe takes at most judge.timeout_s."""
+    judge = make_judge(cfg(server.url, api_key_env=None, timeout_s=1.0))
+    t0 = time.monotonic()
+    judge.check_reachable()
+    took = time.monotonic() - t0
+    assert server.paths == [("GET", "/v1/models")]
+    if server.plan == ["models_trickle"]:
+        assert took < 0.9 and caplog.text == ""
+    else:
+        assert 0.9 < took < 2.0, took
+        assert "is not reachable now (TimeoutError)" in caplog.text

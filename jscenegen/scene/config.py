@@ -160,7 +160,9 @@ class JudgeConfig(Section):
     enforce_caps: bool = Field(True, description="Apply the metric caps to a model judge's grades too.")
     base_url: str | None = Field(None, description="http judge: the server's API root (requests "
                                  "go to {base_url}/chat/completions; train first probes "
-                                 "{base_url}/models); required with backend http")
+                                 "{base_url}/models; the path goes before any query string; "
+                                 "user info is sent as HTTP Basic auth, so not together with an "
+                                 "API key); required with backend http")
     model: str | None = Field(None, description="http judge: the model name sent in each request "
                               "(whatever the server serves); required with backend http")
     api_key_env: str | None = Field("JSCENEGEN_JUDGE_API_KEY", min_length=1, pattern=r"^[^=\x00]+$",

@@ -22,10 +22,11 @@ import os
 import threading
 import time
 from typing import Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from jscenegen.config import clip_text
+from jscenegen.config import REDACTED, clip_text
 
 from .caps import apply_caps
 from .config import JudgeConfig, MetricsConfig, shown_url
@@ -44,12 +45,20 @@ class JudgeAnswerTooLarge(Exception):
     """The server sent more than MAX_ANSWER_BYTES: the rest is not read."""
 
 
-async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, bytes, float | None]:
-    """(status, body bytes, Retry-After seconds or None) of one chat-completions request,
-    reading at most MAX_ANSWER_BYTES (a server that streams without end would otherwise fill
-    the memory before the timeout). Raises JudgeAnswerTooLarge past the bound, httpx errors as
-    httpx raises them."""
-    async with client.stream("POST", "/chat/completions", json=body) as resp:
+def endpoint(base_url: str, name: str) -> str:
+    """`{base_url}/{name}` with the name added to the URL's path, before any query string
+    (`https://host/v1?api_key=K` -> `https://host/v1/chat/completions?api_key=K`; joining the
+    strings put the path into the query)."""
+    parts = urlsplit(base_url)
+    return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, bytes, float | None]:
+    """(status, body bytes, Retry-After seconds or None) of one chat-completions request to
+    `url`, reading at most MAX_ANSWER_BYTES (a server that streams without end would otherwise
+    fill the memory before the timeout). Raises JudgeAnswerTooLarge past the bound, httpx errors
+    as httpx raises them."""
+    async with client.stream("POST", url, json=body) as resp:
         chunks, size = [], 0
         async for chunk in resp.aiter_bytes():
             size += len(chunk)
@@ -112,6 +121,30 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
 _WARNED_UNSET: set[str] = set()
 
 
+def _run_async(make_coroutine):
+    """Run the coroutine `make_coroutine()` makes to its end and return its result, also from
+    inside a running event loop (then on a thread of its own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make_coroutine())
+    box: list = []
+
+    def run():
+        try:
+            box.append((True, asyncio.run(make_coroutine())))
+        except BaseException as err:   # re-raised in the caller's thread
+            box.append((False, err))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
 class HttpJudge:
     """Judge backend talking to an OpenAI-compatible server; see the module docstring."""
 
@@ -125,6 +158,12 @@ class HttpJudge:
             raise ValueError(f"environment variable {cfg.api_key_env} (judge.api_key_env): the "
                              "API key holds a space, a control or a non-ASCII character; sent "
                              "in the Authorization header it would fail every request")
+        if self._api_key and urlsplit(cfg.base_url).username is not None:
+            raise ValueError(f"judge.base_url {shown_url(cfg.base_url)} carries a user name "
+                             f"(HTTP Basic auth) and {cfg.api_key_env} (judge.api_key_env) holds "
+                             "an API key (a Bearer token): a request has one Authorization "
+                             "header; drop one of them")
+        self._chat_url = endpoint(cfg.base_url, "chat/completions")
         if cfg.api_key_env and not self._api_key and cfg.api_key_env not in _WARNED_UNSET:
             _WARNED_UNSET.add(cfg.api_key_env)   # once per process: a run makes several judges
             log.warning("judge: environment variable %s is not set; sending no Authorization header", cfg.api_key_env)
@@ -138,15 +177,7 @@ class HttpJudge:
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         """Grade all requests concurrently; safe to call from inside a running event loop."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.grade_async(requests))
-        box: list = []
-        t = threading.Thread(target=lambda: box.append(asyncio.run(self.grade_async(requests))))
-        t.start()
-        t.join()
-        return box[0]
+        return _run_async(lambda: self.grade_async(requests))
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -156,29 +187,41 @@ class HttpJudge:
 
     def check_reachable(self) -> None:
         """One GET {base_url}/models (where OpenAI-compatible servers, vLLM and SGLang list
-        their models) with the run's key, at most PROBE_TIMEOUT_S: HTTP 401 raises ValueError
-        (a missing or invalid key masks every episode of the run); 403, no answer or another
+        their models) with the run's key, at most PROBE_TIMEOUT_S in all (or judge.timeout_s
+        when shorter), the status only (the body is not read): HTTP 401 raises ValueError (a
+        missing or invalid key masks every episode of the run); 403, no answer or another
         status is a warning (a key may be allowed chat completions but not the model list, as
         OpenAI's restricted keys are; a server still starting may come up later)."""
         shown = shown_url(self.cfg.base_url)
+        limit = min(self.cfg.timeout_s, PROBE_TIMEOUT_S)
         try:
-            resp = httpx.get(self.cfg.base_url.rstrip("/") + "/models", headers=self._headers(),
-                             timeout=min(self.cfg.timeout_s, PROBE_TIMEOUT_S))
-        except (httpx.HTTPError, httpx.InvalidURL) as err:
+            status = _run_async(lambda: asyncio.wait_for(self._models_status(limit), limit))
+        except (httpx.HTTPError, httpx.InvalidURL, asyncio.TimeoutError) as err:
             log.warning("judge at %s is not reachable now (%s); its episodes are masked as "
                         "judge failures until it is", shown, type(err).__name__)
             return
-        if resp.status_code == 403:
+        if status == 403:
             log.warning("judge at %s forbids GET /models with %s (HTTP 403): a key restricted to "
                         "chat completions? Grading is tried anyway; if it is refused too, every "
                         "episode is masked", shown, self._key_text())
             return
-        if resp.status_code == 401:
+        if status == 401:
             raise ValueError(f"judge at {shown} refuses {self._key_text()} (HTTP 401 to GET "
                              "/models): every episode would be masked")
-        if resp.status_code != 200:
+        if status != 200:
             log.warning("judge at %s answered GET /models with HTTP %d (not an OpenAI-compatible "
-                        "model list; grading is tried anyway)", shown, resp.status_code)
+                        "model list; grading is tried anyway)", shown, status)
+
+    async def _models_status(self, timeout_s: float) -> int:
+        async with httpx.AsyncClient(headers=self._headers(), timeout=timeout_s) as client:
+            async with client.stream("GET", endpoint(self.cfg.base_url, "models")) as resp:
+                return resp.status_code
+
+    def _masked(self, raw: bytes) -> bytes:
+        """A judge's answer `raw` without the API key: a server that echoes the request's
+        Authorization header would put it, quoted in a failure's detail or in the comments,
+        into the run's logs and trajectories."""
+        return raw.replace(self._api_key.encode(), REDACTED.encode()) if self._api_key else raw
 
     def _key_text(self) -> str:
         """How the requests authenticate, for messages (never the key itself)."""
@@ -189,7 +232,7 @@ class HttpJudge:
         headers = self._headers()
         sem = asyncio.Semaphore(self.cfg.concurrency)
         timeout = httpx.Timeout(self.cfg.timeout_s)
-        async with httpx.AsyncClient(base_url=self.cfg.base_url.rstrip("/"), headers=headers, timeout=timeout) as client:
+        async with httpx.AsyncClient(headers=headers, timeout=timeout) as client:
             return list(await asyncio.gather(*(self._one(client, sem, r) for r in requests)))
 
     async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, req: JudgeRequest) -> JudgeResult:
@@ -211,8 +254,8 @@ class HttpJudge:
             retry_after = None
             async with sem:
                 try:
-                    status, raw, retry_after = await asyncio.wait_for(_post(client, body),
-                                                                      self.cfg.timeout_s)
+                    status, raw, retry_after = await asyncio.wait_for(
+                        _post(client, self._chat_url, body), self.cfg.timeout_s)
                 except (httpx.TimeoutException, asyncio.TimeoutError):
                     cause, detail = "judge_timeout", f"no answer within {self.cfg.timeout_s} s"
                     continue
@@ -228,7 +271,7 @@ class HttpJudge:
                     break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
-                content = message_content(json.loads(raw))
+                content = message_content(json.loads(self._masked(raw)))
                 grades, comments = parse_judge_content(content, self.cfg.grade_keys)
             except RecursionError:
                 cause, detail = "judge_unparseable", "answer nested too deeply to parse"
@@ -238,7 +281,8 @@ class HttpJudge:
                 continue
             if self.cfg.enforce_caps:
                 grades = apply_caps(grades, req.metrics)
-            info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts, "comments": comments}
+            info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
+                    "comments": comments}
             return JudgeResult(grades, None, info)
         log.warning("judge at %s failed for scene %s after %d attempt%s: %s (%s)",
                     shown_url(self.cfg.base_url), req.scene.scene_id, attempts,
