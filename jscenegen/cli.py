@@ -41,7 +41,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
     other refusal, instead of the usage block; `--help` still shows the usage."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+        from jscenegen.checkpoint.metadata import redact_argv
+
+        shown = " ".join(redact_argv(message.split(" "))[0])   # an echoed argument's credential
+        self.exit(2, f"error: {self.prog}: {shown} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
         """As argparse's, recording in `usage_parser` the innermost parser that read the
@@ -243,6 +246,7 @@ def _forget_caught_interrupt() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.excepthook = _traceback_without_credentials(argv)
     try:
         code = _run(argv)
     except Exception as err:   # a bug's traceback; in a joined run, then no shutdown barrier either
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                       "multi-process run failed; when another process stopped first, its output "
                       "says why; JSCENEGEN_DEBUG=1 prints the traceback)", file=sys.stderr)
             else:
-                traceback.print_exc()
+                sys.excepthook(type(err), err, err.__traceback__)
             _end_without_clean_up(1)
         raise
     finally:
@@ -323,6 +327,18 @@ def _run(argv: list[str] | None) -> int:
             raise
         print(f"error: {_without_credentials(error_line(err), argv)}", file=sys.stderr)
         return 2
+
+
+def _traceback_without_credentials(argv: list[str] | None):
+    """A `sys.excepthook` printing the traceback of an uncaught exception (a bug, or any error
+    under JSCENEGEN_DEBUG=1) with the command line's credentials redacted: an error that quotes
+    an override holds its value."""
+    def print_traceback(kind, value, tb) -> None:
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write(_without_credentials(text, argv))
+        sys.stderr.flush()
+
+    return print_traceback
 
 
 def _without_credentials(text: str, argv: list[str] | None) -> str:

@@ -860,6 +860,33 @@ def test_a_refusal_that_echoes_a_credential_prints_it_redacted(tmp_path, capsys)
                    "judge.backend 'http' needs judge.base_url and judge.model")
 
 
+def test_a_usage_error_that_echoes_a_credential_prints_it_redacted(capsys):
+    """argparse's "unrecognized arguments" line echoed a judge URL's password, an
+    `--api-key=` value and a query's api_key into stderr (helper-72)."""
+    with pytest.raises(SystemExit):
+        main(["scene", "check", "x.json", "judge.base_url=http://user:SECRETPW@127.0.0.1:9/v1",
+              "--api-key=sk-SECRET123456", "http://h/v1?api_key=QSECRET999"])
+    assert one_error_line(capsys) == (
+        "error: jscenegen scene check: unrecognized arguments: judge.base_url=<redacted> "
+        "--api-key=<redacted> http://h/v1?api_key=<redacted> (see jscenegen scene check --help)")
+
+
+def test_a_debug_traceback_prints_command_line_credentials_redacted(tmp_path):
+    """JSCENEGEN_DEBUG=1 lets the error through as a traceback, whose ConfigError quoted the
+    override with the judge URL's password (helper-72)."""
+    env = {**os.environ, "JSCENEGEN_DEBUG": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jscenegen.cli", "train", "--run-dir", str(tmp_path / "r"),
+         "judge.backend=http", "judge.model=j",
+         "judge.base_url=http://user:SECRETPW@127.0.0.1:99999/v1"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(
+        "jscenegen.config.ConfigError: override judge.base_url=<redacted>: judge.base_url "
+        "'http://127.0.0.1:99999/v1' is not an http(s) URL")
+    assert "SECRETPW" not in proc.stderr + proc.stdout
+
+
 def test_warnings_print_in_one_format_before_and_after_a_library_configures_logging():
     """orbax calls logging.basicConfig on import: without the CLI's handler a warning before it
     is a bare message and one after it `WARNING:name:message`."""

@@ -3,6 +3,7 @@ import functools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -758,5 +759,57 @@ def test_swanlab_online_without_a_login_is_one_error_naming_the_setting(tmp_path
     monkeypatch.setattr(swanlab, "init", no_login)
     with pytest.raises(ValueError, match=r"^logging\.swanlab_mode=online: swanlab could not start "
                        r"\(Failed to initialize SwanLab .*\); log in first \(`swanlab login`, or "
-                       r"the SWANLAB_API_KEY environment variable\), or use offline$"):
+                       r"the SWANLAB_API_KEY environment variable\) with the SwanLab cloud "
+                       r"reachable, or use offline$"):
         MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})
+
+
+def test_swanlab_refusing_the_login_is_one_error_and_leaves_no_swanlab_directory(tmp_path,
+                                                                                  monkeypatch):
+    """A key but no reachable cloud: swanlab raised its AuthenticationError (no RuntimeError),
+    a traceback, and the swanlab/ it had made blocked a new start in that --run-dir
+    (helper-72)."""
+    import swanlab
+
+    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger
+
+    class AuthenticationError(Exception):
+        pass
+
+    def refused(**kwargs):
+        Path(kwargs["log_dir"]).mkdir(parents=True)
+        raise AuthenticationError("Failed to initialize the SwanLab client: sk-SWANKEY-0123456789")
+
+    monkeypatch.setenv("SWANLAB_API_KEY", "sk-SWANKEY-0123456789")
+    monkeypatch.setattr(swanlab, "init", refused)
+    with pytest.raises(ValueError) as info:
+        MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})
+    assert str(info.value).startswith("logging.swanlab_mode=online: swanlab could not start (Failed "
+                                      "to initialize the SwanLab client: <redacted>); log in first")
+    assert sorted(tmp_path.iterdir()) == []
+    (tmp_path / "swanlab").mkdir()          # one that was there before is not swanlab's to remove
+    with pytest.raises(ValueError):
+        MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})
+    assert (tmp_path / "swanlab").is_dir()
+
+
+def test_a_credential_from_the_environment_is_masked_in_what_swanlab_recorded(tmp_path,
+                                                                               monkeypatch, capsys):
+    """swanlab records the run's stderr and warnings in RUN_DIR/swanlab; only the command
+    line's credentials were masked there, so a judge key a server echoed into a warning stayed
+    (helper-72)."""
+    import logging
+
+    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger
+
+    secret = "sk-ENVSECRET-4f9a1c"
+    monkeypatch.setenv("JSCENEGEN_JUDGE_API_KEY", secret)
+    logger = MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="offline"), {})
+    logging.getLogger("jscenegen.test").warning("judge said: invalid key Bearer %s", secret)
+    print(f"stderr line with {secret}", file=sys.stderr, flush=True)
+    logger.log({"reward": 0.5}, step=0)
+    logger.close()
+    files = [p for p in (tmp_path / "swanlab").rglob("*") if p.is_file()]
+    assert files and not [p for p in files if secret.encode() in p.read_bytes()]
+    masked = b"*" * len(secret)
+    assert any(masked in p.read_bytes() for p in files)   # it was recorded, masked

@@ -59,7 +59,9 @@ def is_credential_name(name: str) -> bool:
     return any(w.lower() in _CREDENTIAL_WORDS for w in words if w)
 
 
-def _environment_secrets() -> list[str]:
+def environment_secrets() -> list[str]:
+    """The values (8 characters or more) of this process's credential-named environment
+    variables (`is_credential_name`: JSCENEGEN_JUDGE_API_KEY, SWANLAB_API_KEY, HF_TOKEN)."""
     return [v for k, v in os.environ.items()
             if is_credential_name(k) and len(v) >= _MIN_ENV_SECRET_CHARS]
 
@@ -89,7 +91,7 @@ def redact(obj: Any, _secrets: list[str] | None = None) -> Any:
     `OPENAI_API_KEY` inside) or is a URL with a credential in it (`url_has_credential`) is
     replaced as a whole. Tuples become lists.
     """
-    secrets = _environment_secrets() if _secrets is None else _secrets
+    secrets = environment_secrets() if _secrets is None else _secrets
     if isinstance(obj, Mapping):
         return {str(k): REDACTED if is_credential_name(str(k)) else redact(v, secrets)
                 for k, v in obj.items()}
@@ -108,7 +110,7 @@ def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     credential is replaced whole. The second list is what was removed, longest first (to mask
     copies that were written before redaction, see `mask_credentials`).
     """
-    secrets = _environment_secrets()
+    secrets = environment_secrets()
     out, removed = [], []
     for item in argv:
         key, eq, value = item.partition("=")

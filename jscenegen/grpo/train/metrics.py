@@ -11,14 +11,15 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
-from jscenegen.checkpoint.metadata import mask_credentials, redact, redact_argv
-from jscenegen.config import Section
+from jscenegen.checkpoint.metadata import environment_secrets, mask_credentials, redact, redact_argv
+from jscenegen.config import REDACTED, Section
 from jscenegen.paths import atomic_file, finite_number, json_line, jsonl_lines, not_a_file
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,12 @@ def _private_settings(swanlab):
         return swanlab.Settings(probe={"runtime": False})
     except Exception:  # other swanlab versions: their Settings differ
         return None
+
+
+def _masked(text: str, credentials: list[str]) -> str:
+    for secret in credentials:
+        text = text.replace(secret, REDACTED)
+    return text
 
 
 def _to_stderr():
@@ -102,9 +109,11 @@ class MetricsLogger:
             import swanlab
 
             argv, removed = redact_argv(sys.argv)
-            self._credentials = sorted({*removed, *redact_argv(command_line())[1]}, key=len,
-                                       reverse=True)
+            # what the run's stderr may carry (swanlab records it) and the command lines hold
+            self._credentials = sorted({*removed, *redact_argv(command_line())[1],
+                                        *environment_secrets()}, key=len, reverse=True)
             saved_argv, sys.argv = sys.argv, argv  # swanlab < 0.10 records sys.argv
+            made_dir = not os.path.lexists(self.swanlab_dir)
             try:
                 with _to_stderr():
                     self._swanlab = swanlab.init(
@@ -113,10 +122,14 @@ class MetricsLogger:
                         config=redact(config_dict), reinit=True,
                         settings=_private_settings(swanlab) if self._credentials else None,
                     )
-            except RuntimeError as err:   # online without a login and no terminal to ask on
+            except Exception as err:   # online: no login and no terminal, a key refused, no network
+                if made_dir:           # a new run's directory is left as it was (empty)
+                    shutil.rmtree(self.swanlab_dir, ignore_errors=True)
                 raise ValueError(f"logging.swanlab_mode={cfg.swanlab_mode}: swanlab could not "
-                                 f"start ({err}); log in first (`swanlab login`, or the "
-                                 "SWANLAB_API_KEY environment variable), or use offline") from None
+                                 f"start ({_masked(str(err), self._credentials)}); log in first "
+                                 "(`swanlab login`, or the SWANLAB_API_KEY environment "
+                                 "variable) with the SwanLab cloud reachable, or use offline"
+                                 ) from None
             finally:
                 sys.argv = saved_argv
 
