@@ -199,7 +199,7 @@ def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) 
     launch = {"process_id", "num_processes", "coordinator_address", "init_timeout_s"}
     settings = {key: json.dumps(value, sort_keys=True) for key, value in
                 dotted_items(cfg.model_dump(mode="json", exclude={"mesh": launch})).items()}
-    settings.update({"--run-dir": str(run_dir.absolute()), "--resume": str(resume),
+    settings.update({"--run-dir": str(run_dir.resolve()), "--resume": str(resume),
                      "--max-updates": str(max_updates)})
     return settings
 
@@ -211,7 +211,12 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     once the trainer has accepted the run. Raises RunLockedError when another process holds it."""
     import jax
 
-    from jscenegen.sharding.mesh import initialize_distributed, is_primary, mesh_shape
+    from jscenegen.sharding.mesh import (
+        bytes_from_primary,
+        initialize_distributed,
+        is_primary,
+        mesh_shape,
+    )
 
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id,
                            timeout_s=cfg.mesh.init_timeout_s,
@@ -225,12 +230,23 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     check_run_inputs(cfg)
     if not resume and not cfg.model.path:
         warm_start_sft_config(cfg)
-    from jscenegen.run_lock import RunLock
+    from jscenegen.run_lock import RunLock, RunLockedError
 
     lock = RunLock(run_dir)
     try:
+        refusal = None
         if is_primary():  # one process per run directory (the holder is named to a second one)
-            lock.acquire()
+            try:
+                lock.acquire()
+            except RunLockedError as err:
+                refusal = err
+        # every process learns process 0's outcome: the others would go on into a collective
+        # that process 0 never joins
+        shared = bytes_from_primary(str(refusal).encode() if refusal else b"")
+        if refusal is not None:
+            raise refusal
+        if shared:
+            raise RunLockedError(shared.decode())
         return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
                              config_source=config_source, settings_notice=settings_notice)
     finally:
@@ -287,9 +303,11 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             if saved is not None:  # the run's first start evaluated "before"
                 evals["before"] = saved
     except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
-        if run_files_written:   # config.yaml holds this invocation's settings
-            print(terminal_line(f"stopped; continue with: jscenegen train --resume {run_dir}"),
-                  file=sys.stderr, flush=True)
+        # config.yaml holds this invocation's settings (process 0 wrote them, with run.json last)
+        if run_files_written or (not is_primary() and (run_dir / RUN_RECORD).is_file()):
+            where = "" if is_primary() else f"process {jax.process_index()}: "
+            print(terminal_line(f"{where}stopped; continue with: jscenegen train --resume "
+                                f"{run_dir}"), file=sys.stderr, flush=True)
         raise
     finally:
         trainer.close()

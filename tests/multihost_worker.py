@@ -1,7 +1,8 @@
 """One process of a 2-process x 3-CPU-device run (launched by test_multihost.py).
 
 `multihost_worker.py loss HF_DIR`: print the sharded loss; `multihost_worker.py judge`: print
-what `PrimaryJudge` returns for a judge that grades differently on each process."""
+what `PrimaryJudge` returns for a judge that grades differently on each process;
+`multihost_worker.py sigterm`: whether a SIGTERM after joining unwinds the command."""
 import json
 import os
 import sys
@@ -68,6 +69,27 @@ def fails_alone(run_dir: str) -> int:
                                "logging.swanlab_mode=disabled"])
 
 
+def sigterm() -> None:
+    """The CLI's signal handlers installed, then the run joined (as `jscenegen train` does),
+    then a SIGTERM to this process: print whether the command unwound (JAX's preemption
+    notifier, installed natively by `jax.distributed.initialize`, caught it and the run went
+    on)."""
+    import signal
+    import time
+
+    from jscenegen.signals import Terminated, UnwindOnSignals
+
+    unwound = False
+    try:
+        with UnwindOnSignals():
+            assert initialize_distributed()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    except Terminated:
+        unwound = True
+    print(json.dumps({"process": jax.process_index(), "unwound": unwound}))
+
+
 def main(mode: str, *args: str) -> None:
     assert initialize_distributed()  # from JSCENEGEN_* environment variables
     assert jax.device_count() == 6 and jax.local_device_count() == 3
@@ -77,4 +99,6 @@ def main(mode: str, *args: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "fails-alone":
         sys.exit(fails_alone(*sys.argv[2:]))
+    if sys.argv[1] == "sigterm":
+        sys.exit(sigterm())
     main(*sys.argv[1:])

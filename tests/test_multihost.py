@@ -65,6 +65,15 @@ def test_every_process_gets_the_grades_of_process_0_and_its_judge_errors():
         assert o["results"] == [[{"layout": 0}, None, {"n": i}] for i in range(3)]
         assert o["raised"] == "the judge raised ConnectionError on process 0"
 
+@pytest.mark.slow
+def test_a_sigterm_after_joining_reaches_the_command():
+    """JAX's preemption service installs a native SIGTERM handler at `jax.distributed.initialize`:
+    a SIGTERM between joining and the trainer's own handlers (model load, evaluation, restore)
+    was swallowed and the run trained to its end, exit 0 (helper-71)."""
+    outs = [_last_json(out) for out in _two_processes("sigterm")]
+    assert outs == [{"process": 0, "unwound": True}, {"process": 1, "unwound": True}]
+
+
 TIMING_KEYS = ("time/", "rollout/tokens_per_s", "rollout/reshard_s", "judge/latency_s")
 
 
@@ -182,10 +191,11 @@ def test_a_process_that_fails_alone_after_joining_ends_both_without_jax_shutdown
     assert procs[0].returncode != 0 and ended0 < 150, (ended0, err0[-3000:])
 
 
-def _train_waiting_alone(run_dir: Path, *overrides: str, process_id: int = 1) -> subprocess.Popen:
+def _train_waiting_alone(run_dir: Path, *overrides: str, process_id: int = 1,
+                         host: str = "127.0.0.1") -> subprocess.Popen:
     """`jscenegen train` as one process of 2 whose other process never starts (process 1: its
     coordinator is missing; process 0: it runs the coordination service itself)."""
-    env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{_free_port()}",
+    env = dict(os.environ, JSCENEGEN_COORDINATOR=f"{host}:{_free_port()}",
                JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(process_id), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     return subprocess.Popen([sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run_dir),
@@ -232,6 +242,24 @@ def test_processes_that_never_join_end_the_wait_with_one_line_after_init_timeout
                         r"started or failed before joining says so in its own output", error)
 
 
+def test_process_0_given_an_address_not_of_its_host_says_so_when_no_one_joins(tmp_path):
+    """Process 0 serves the coordinator: an address of another machine (192.0.2.1, TEST-NET)
+    waited out init_timeout_s and said only that the processes did not all join (helper-71)."""
+    proc = _train_waiting_alone(tmp_path / "run", "mesh.init_timeout_s=2", process_id=0,
+                                host="192.0.2.1")
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2
+    assert re.fullmatch(r"error: multi-host launch: the 2 processes did not all join at "
+                        r"192\.0\.2\.1:(\d+) within 2 s \(mesh\.init_timeout_s\); one that was "
+                        r"not started or failed before joining says so in its own output; process "
+                        r"0 serves the coordinator, and 192\.0\.2\.1 is not an address of this "
+                        r"host: check that 192\.0\.2\.1:\1 reaches it",
+                        err.strip().splitlines()[-1]), err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("differ, named", [
     ({"argv": ["schedule.group_size=4"]}, "schedule.group_size"),
@@ -276,3 +304,40 @@ def test_processes_given_other_settings_are_refused_before_any_model(tmp_path, d
         "error: multi-host launch: another process was given other settings than this one (its "
         "error names them); start every process with the same command")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_run_directory_in_use_is_refused_on_every_process_however_it_is_spelled(tmp_path):
+    """Process 0 alone took run.lock: when it was held, process 0 refused and process 1 went on
+    into a collective and ended in JAX's fatal error; and the same directory given as a
+    relative path from another working directory was refused as "another --run-dir"
+    (helper-71)."""
+    from jscenegen.run_lock import RunLock
+
+    from chat_fixtures import chat_model_dir
+
+    run = tmp_path / "a" / "run"
+    (tmp_path / "b").mkdir()
+    held = RunLock(run).acquire()          # this test's process holds it
+    port = _free_port()
+    procs = []
+    try:
+        for pid, (cwd, given) in enumerate([(tmp_path / "a", "run"), (tmp_path / "b", "../a/run")]):
+            env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                       JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
+                       JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="3",
+                       PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+            env.pop("XLA_FLAGS", None)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jscenegen", "train", "--run-dir", given,
+                 f"model.path={chat_model_dir()}", "logging.swanlab_mode=disabled"],
+                env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        held.release()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    lines = [err.strip().splitlines()[-1] for err in errs]
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(f"error: run is in use by pid {os.getpid()} "), lines  # process 0's

@@ -123,6 +123,35 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_resume(tmp_pa
     assert taken["cfg"].optim.lr == 3e-6 and taken["cfg"].model.path == str(chat_model_dir())
 
 
+def test_a_process_other_than_0_stopped_before_the_updates_gives_the_resume_hint(
+        tmp_path, capsys, monkeypatch):
+    """Process 0 writes the run's files; a multi-process run's process 1 stopped by Ctrl-C in the
+    first dev evaluation printed no `--resume` hint, since it had not written them (helper-71)."""
+    import jax
+
+    import jscenegen.sharding.mesh
+    from jscenegen.cli import main
+    from jscenegen.grpo.train.trainer import Trainer
+
+    from chat_fixtures import chat_model_dir
+
+    def stopped(self, name):
+        raise KeyboardInterrupt
+
+    args = ["train", "--run-dir", str(tmp_path / "run"), f"model.path={chat_model_dir()}",
+            "schedule.num_scenes=1", "trainer.eval_before_after=true", "trainer.progress=false",
+            "logging.swanlab_mode=disabled"]
+    monkeypatch.setattr(Trainer, "evaluate_dev", stopped)
+    assert main(args) == 130             # as process 0: the run's files are written, then the stop
+    capsys.readouterr()
+    monkeypatch.setattr(jscenegen.sharding.mesh, "is_primary", lambda: False)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert main(args) == 130
+    assert capsys.readouterr().err.endswith(
+        f"process 1: stopped; continue with: jscenegen train --resume {tmp_path / 'run'}\n"
+        "error: interrupted (Ctrl-C)\n")
+
+
 def test_a_stop_before_the_run_files_are_written_gives_no_resume_hint(tmp_path, capsys,
                                                                       monkeypatch):
     """The hint was printed whenever an older run.json was there, although config.yaml did

@@ -181,6 +181,29 @@ def test_runtime_and_judge_exceptions_are_masked_not_raised(model, chat, record,
     assert trs[1].units == 8
 
 
+def test_a_failed_collective_of_a_multi_process_run_is_raised_not_masked(model, chat, record, rule_judge,
+                                                                         expert, monkeypatch):
+    """A peer that stopped (Ctrl-C on process 1 during the dev evaluation) failed process 0's
+    next collective: the engine masked every row as rollout_error, went on, and the run ended
+    with two error lines; alone, the same error still masks the rows (helper-71)."""
+    import jax
+
+    import jscenegen.sharding.mesh
+
+    engine = RolloutEngine(model, chat, FORCED)
+
+    def lost_peer(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: Gloo AllGather failed: Connection closed by peer")
+
+    monkeypatch.setattr(engine.sampler, "append", lost_peer)
+    (tr,) = engine.run_group(record, group_id=0, seeds=[1], judge=rule_judge,
+                             forced=expert).trajectories
+    assert tr.failure_cause == "rollout_error" and tr.masked
+    monkeypatch.setattr(jscenegen.sharding.mesh, "joined_other_processes", lambda: True)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Connection closed by peer"):
+        engine.run_group(record, group_id=0, seeds=[1], judge=rule_judge, forced=expert)
+
+
 def test_episode_token_cap_is_a_policy_failure(model, chat, record, expert):
     _, prompt = chat.start(*_prompts(record))
     cfg = FORCED.model_copy(update={"max_episode_tokens": len(prompt) + 20})

@@ -148,10 +148,18 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     except OSError as err:
         raise MeshError(f"multi-host launch: the coordinator host {host!r} ({addr_from}) does not "
                         f"resolve ({err.strerror or err})") from None
+    hint = "; one that was not started or failed before joining says so in its own output"
     if pid == 0:
         _check_port_free(int(port), addr_from)
+        if not _is_an_address_here(host.strip("[]")):   # may still route here (a cluster service)
+            hint += (f"; process 0 serves the coordinator, and {host} is not an address of "
+                     f"this host: check that {addr} reaches it")
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service installs a native SIGTERM handler that only marks a sync point
+    # (orbax saves there, treating a disabled service as no preemption): the CLI's own handlers
+    # stop a run, and a SIGTERM between joining and the trainer's loop was lost
+    jax.config.update("jax_enable_preemption_service", False)
     if announce is not None:
         announce(f"process {pid} of {n}: waiting for the others at {addr} (at most {timeout_s} s)")
     # JAX's own deadline comes later: when it passes, its client ends the process with a
@@ -159,8 +167,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     _wait_interruptibly(lambda: jax.distributed.initialize(
         coordinator_address=addr, num_processes=n, process_id=pid,
         initialization_timeout=timeout_s + 60), timeout_s,
-        f"the {n} processes did not all join at {addr}",
-        "; one that was not started or failed before joining says so in its own output")
+        f"the {n} processes did not all join at {addr}", hint)
     check_same_settings({**(same or {}), "num_processes": str(n)})  # JAX does not compare them
     return True
 
@@ -182,6 +189,13 @@ def joined_other_processes() -> bool:
     barrier: it waits up to 5 minutes for every other process, which may be blocked in a
     collective waiting for this one."""
     return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def fails_the_joined_run(err: BaseException) -> bool:
+    """Whether `err` is JAX's runtime error (a failed computation or collective: a peer gone)
+    in a process of a multi-process run: the processes are then out of step, so no caller may
+    mask it and go on (the next collective would fail again, or wait)."""
+    return isinstance(err, jax.errors.JaxRuntimeError) and joined_other_processes()
 
 
 def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str,
@@ -276,6 +290,22 @@ def _launch_value(value: int | None, key: str, variable: str) -> tuple[int | Non
     if not (text.isascii() and text.removeprefix("-").isdigit() and len(text) <= 4000):
         raise MeshError(f"environment variable {variable}={v[:40]!r} is not an integer")
     return int(text), variable
+
+
+def _is_an_address_here(host: str) -> bool:
+    """Whether some address `host` resolves to belongs to this machine (a socket binds to it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0) + tuple(address[2:]))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _check_port_free(port: int, source: str) -> None:

@@ -61,7 +61,7 @@ from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import Episode, judge_episodes
 from jscenegen.scene.judge import Judge, JudgeResult
 from jscenegen.scene.sceneset import SceneRecord
-from jscenegen.sharding.mesh import host_array
+from jscenegen.sharding.mesh import fails_the_joined_run, host_array
 from jscenegen.sharding.rules import round_up
 
 log = logging.getLogger(__name__)
@@ -345,6 +345,8 @@ class RolloutEngine:
                 self._sync(rows, pad)
                 turns = self._forced_turns(rows, pad, forced) if forced else self._sampled_turns(rows, pad, keys)
             except Exception as err:  # the engine itself failed: every running row is masked
+                if fails_the_joined_run(err):
+                    raise
                 log.exception("rollout engine error")
                 for r in rows:
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
