@@ -294,6 +294,9 @@ def _end_without_clean_up(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    mesh = sys.modules.get("jscenegen.sharding.mesh")
+    if mesh is not None:
+        mesh.end_after_peers_that_end()
     os._exit(code)
 
 

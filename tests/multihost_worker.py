@@ -69,6 +69,25 @@ def fails_alone(run_dir: str) -> int:
                                "logging.swanlab_mode=disabled"])
 
 
+def both_refuse(run_dir: str) -> int:
+    """`jscenegen train` whose command joins the run, then refuses on both processes, process 1
+    a second after process 0 (as a shared refusal does under load); returns the exit code."""
+    import time
+
+    import jscenegen.cli
+    import jscenegen.pipeline
+
+    def command(cfg, run_dir, **kwargs):
+        assert initialize_distributed()
+        if jax.process_index() == 1:
+            time.sleep(1.0)
+        raise ValueError(f"process {jax.process_index()} refuses")
+
+    jscenegen.pipeline.train_command = command
+    return jscenegen.cli.main(["train", "--run-dir", run_dir, "model.path=nowhere",
+                               "logging.swanlab_mode=disabled"])
+
+
 def sigterm() -> None:
     """The CLI's signal handlers installed, then the run joined (as `jscenegen train` does),
     then a SIGTERM to this process: print whether the command unwound (JAX's preemption
@@ -99,6 +118,8 @@ def main(mode: str, *args: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "fails-alone":
         sys.exit(fails_alone(*sys.argv[2:]))
+    if sys.argv[1] == "both-refuse":
+        sys.exit(both_refuse(*sys.argv[2:]))
     if sys.argv[1] == "sigterm":
         sys.exit(sigterm())
     main(*sys.argv[1:])

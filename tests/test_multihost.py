@@ -191,6 +191,33 @@ def test_a_process_that_fails_alone_after_joining_ends_both_without_jax_shutdown
     assert procs[0].returncode != 0 and ended0 < 150, (ended0, err0[-3000:])
 
 
+@pytest.mark.slow
+def test_process_0_ends_after_peers_that_refuse_for_the_same_reason(tmp_path):
+    """Process 0 hosts JAX's coordination service: when it ended first (os._exit) a peer still
+    on its way out lost the service and was aborted by JAX's fatal error (exit -6, a native stack
+    trace after its error line), seen under load in the device-count refusal."""
+    port = _free_port()
+    here = Path(__file__).parent
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
+                   JAX_NUM_CPU_DEVICES="3",
+                   PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"),
+                                       "both-refuse", str(tmp_path / "run")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    for pid, err in enumerate(errs):
+        assert err.strip().splitlines()[-1] == f"error: process {pid} refuses", err[-2000:]
+
+
 def _train_waiting_alone(run_dir: Path, *overrides: str, process_id: int = 1,
                          host: str = "127.0.0.1") -> subprocess.Popen:
     """`jscenegen train` as one process of 2 whose other process never starts (process 1: its

@@ -191,6 +191,37 @@ def joined_other_processes() -> bool:
     return jax.distributed.is_initialized() and jax.process_count() > 1
 
 
+PEERS_ENDING_WAIT_S = 5.0
+
+
+def end_after_peers_that_end(timeout_s: float = PEERS_ENDING_WAIT_S) -> None:
+    """Call before a process of a joined run ends without JAX's clean-up (`os._exit`): it says
+    so in the coordination service, and process 0, which hosts the service, waits (at most
+    `timeout_s`) for every other process to say so too. A process still on its way out when
+    the service goes (as after a refusal every process makes) is aborted by JAX with a native
+    stack trace, exit -6, instead of its own exit code; a process that does not end (blocked in
+    a collective) costs process 0 the wait."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if _init_thread_left_running or client is None or not joined_other_processes():
+        return   # (an abandoned join: its client never connected)
+    pid = jax.process_index()
+    try:
+        client.key_value_set(f"jscenegen/ending/{pid}", "1")
+        if pid != 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        for other in range(1, jax.process_count()):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return
+            client.blocking_key_value_get(f"jscenegen/ending/{other}", left_ms)
+    except Exception:   # a timeout or the service gone: end now
+        return
+    time.sleep(0.1)     # their exit right after the key
+
+
 def fails_the_joined_run(err: BaseException) -> bool:
     """Whether `err` is JAX's runtime error (a failed computation or collective: a peer gone)
     in a process of a multi-process run: the processes are then out of step, so no caller may
