@@ -25,7 +25,7 @@ def describe(path: str | Path) -> dict[str, Any]:
     Raises ConvertError if `path` is none of the recognised formats (naming the checkpoints
     among its subdirectories, when it holds some).
     """
-    path = run_checkpoints(path) or Path(path)
+    path = orbax_steps_dir(path) or Path(path)
     require_source_dir(path)
     kind = checkpoint_format(path)
     if kind == "export":
@@ -58,10 +58,9 @@ def describe(path: str | Path) -> dict[str, Any]:
 _SCAN_LIMIT = 10_000  # directory entries looked at for the hint (a huge directory never hangs)
 
 
-def run_checkpoints(path: str | Path) -> Path | None:
-    """The directory of orbax steps that `path` names, when it is one without a manifest of its
-    own at its root (a training run's `checkpoints/`, or a converted one a run resumed in) or a
-    run directory holding one (`RUN/checkpoints`); None otherwise."""
+def orbax_steps_dir(path: str | Path) -> Path | None:
+    """The directory of orbax steps that `path` names: itself, or the `checkpoints/` of a run
+    directory (one `train` made, or one `convert --to orbax` wrote); None otherwise."""
     from jscenegen.checkpoint import RUN_CHECKPOINTS
 
     path = Path(path)
@@ -69,9 +68,15 @@ def run_checkpoints(path: str | Path) -> Path | None:
         return None
     if not checkpoint_format(path) and (path / RUN_CHECKPOINTS).is_dir():
         path = path / RUN_CHECKPOINTS
-    if checkpoint_format(path) != "orbax-run" or (path / CHECKSUMS_NAME).exists():
-        return None
-    return path
+    return path if checkpoint_format(path) == "orbax-run" else None
+
+
+def run_checkpoints(path: str | Path) -> Path | None:
+    """`orbax_steps_dir(path)` when that directory has no manifest of its own at its root (a
+    training run's `checkpoints/`, or a converted one a run resumed in: each step is verified
+    against its own); None otherwise (a converter's output has one for the whole tree)."""
+    steps = orbax_steps_dir(path)
+    return None if steps is None or (steps / CHECKSUMS_NAME).exists() else steps
 
 
 def verify_run(path: Path) -> tuple[list[int], list[int], int]:
@@ -127,13 +132,9 @@ def source_format(path: str | Path) -> str:
     and a VERL checkpoint under training_state/: the caller must choose), or is no recognised
     checkpoint.
     """
-    from jscenegen.checkpoint import RUN_CHECKPOINTS
-
-    path = run_checkpoints(path) or Path(path)
+    path = orbax_steps_dir(path) or Path(path)
     require_source_dir(path)
     kind = checkpoint_format(path)
-    if kind is None and (path / RUN_CHECKPOINTS).is_dir() and _orbax_steps(path / RUN_CHECKPOINTS):
-        kind = "orbax-run"
     if kind == "export":
         steps = sorted((path / "training_state").glob("global_step_*"))
         state = steps[-1] if steps else path / "training_state"

@@ -43,6 +43,22 @@ def test_convert_inspect_verify(tmp_path, capsys):
     assert "model.safetensors: SHA-256 differs" in capsys.readouterr().err
 
 
+def test_inspect_and_verify_take_the_run_directory_convert_to_orbax_writes(tmp_path, capsys):
+    """The README converts into RUN/checkpoints; `convert RUN` read it, while `--inspect RUN`
+    said "not a checkpoint" and `--verify RUN` looked for RUN/checksums.json (helper-73)."""
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    run = tmp_path / "r5"
+    assert main(["convert", str(ckpt), str(run / "checkpoints"), "--to", "orbax"]) == 0
+    capsys.readouterr()
+    assert main(["convert", "--inspect", str(run)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "orbax-run" and info["steps"] == [3] and info["incomplete"] == {}
+    assert main(["convert", "--verify", str(run)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"{run / 'checkpoints'}: ") and out.endswith(
+        " files verify against checksums.json"), out
+
+
 def test_inspect_names_the_checkpoints_inside_a_directory_that_is_none(tmp_path, capsys):
     ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
     parent = tmp_path / "runs"

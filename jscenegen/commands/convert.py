@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from jscenegen.config import terminal_line
 
     if args.verify:
-        from convert.inspect import run_checkpoints, verify_run
+        from convert.inspect import orbax_steps_dir, run_checkpoints, verify_run
 
         if (steps_dir := run_checkpoints(args.verify)) is not None:   # a run: each step's manifest
             verified, unfinished, n = verify_run(steps_dir)
@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
             print(terminal_line(f"{args.verify}: steps {', '.join(map(str, verified))}: {n} files "
                                 "verify against their checksums.json"))
             return 0
-        n = verify_checksums(args.verify)
-        print(terminal_line(f"{args.verify}: {n} files verify against checksums.json"))
+        tree = orbax_steps_dir(args.verify) or args.verify   # RUN: its converted checkpoints/
+        n = verify_checksums(tree)
+        print(terminal_line(f"{tree}: {n} files verify against checksums.json"))
         return 0
     if args.inspect:
         from convert.inspect import describe
