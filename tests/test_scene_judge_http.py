@@ -249,7 +249,8 @@ def test_a_base_url_with_a_query_gets_the_endpoint_in_its_path(server):
 
 
 @pytest.mark.parametrize("server", [["answer"]], indirect=True)
-def test_user_info_in_base_url_is_basic_auth_and_refused_beside_an_api_key(server, monkeypatch):
+def test_user_info_in_base_url_is_basic_auth_and_refused_beside_an_api_key(server, monkeypatch,
+                                                                           caplog):
     """httpx sends a URL's user info as Basic auth in place of the Bearer key: the key from
     judge.api_key_env was dropped without a word (helper-72)."""
     url = server.url.replace("http://", "http://user:sk-INURL@")
@@ -261,7 +262,10 @@ def test_user_info_in_base_url_is_basic_auth_and_refused_beside_an_api_key(serve
         "JSCENEGEN_TEST_JUDGE_KEY (judge.api_key_env) holds an API key (a Bearer token): a "
         "request has one Authorization header; drop one of them")
     monkeypatch.delenv("JSCENEGEN_TEST_JUDGE_KEY")
-    judge = make_judge(cfg(url))
+    monkeypatch.setattr("jscenegen.scene.judge_http._WARNED_UNSET", set())
+    with caplog.at_level(logging.WARNING):
+        judge = make_judge(cfg(url))
+    assert "not set" not in caplog.text   # it said "sending no Authorization header" (helper-73)
     judge.check_reachable()
     (res,) = judge.grade(requests())
     assert res.failure is None

@@ -158,13 +158,15 @@ class HttpJudge:
             raise ValueError(f"environment variable {cfg.api_key_env} (judge.api_key_env): the "
                              "API key holds a space, a control or a non-ASCII character; sent "
                              "in the Authorization header it would fail every request")
-        if self._api_key and urlsplit(cfg.base_url).username is not None:
+        basic_auth = urlsplit(cfg.base_url).username is not None   # httpx sends user info
+        if self._api_key and basic_auth:
             raise ValueError(f"judge.base_url {shown_url(cfg.base_url)} carries a user name "
                              f"(HTTP Basic auth) and {cfg.api_key_env} (judge.api_key_env) holds "
                              "an API key (a Bearer token): a request has one Authorization "
                              "header; drop one of them")
         self._chat_url = endpoint(cfg.base_url, "chat/completions")
-        if cfg.api_key_env and not self._api_key and cfg.api_key_env not in _WARNED_UNSET:
+        if (cfg.api_key_env and not self._api_key and not basic_auth
+                and cfg.api_key_env not in _WARNED_UNSET):
             _WARNED_UNSET.add(cfg.api_key_env)   # once per process: a run makes several judges
             log.warning("judge: environment variable %s is not set; sending no Authorization header", cfg.api_key_env)
 
