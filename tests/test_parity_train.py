@@ -237,7 +237,10 @@ def test_torch_memory_floor_counts_logits_and_the_attention_weights_of_full_atte
     dense = QwenConfig.from_dir(tiny_hf["qwen2"])
     logits = 4 * 3 * 100 * dense.vocab_size
     weights = 4 * 3 * dense.num_attention_heads * 100 * 100
-    assert torch_memory_floor(dense, 3, 100, backward=False) == logits + weights
+    # forward only: a layer's scores and their softmax, or the logits, at a time
+    assert torch_memory_floor(dense, 3, 100, backward=False) == max(logits, 2 * weights)
+    assert torch_memory_floor(dense, 3, 4000, backward=False) == \
+        2 * 4 * 3 * dense.num_attention_heads * 4000 * 4000
     assert torch_memory_floor(dense, 3, 100, backward=True) == \
         logits + weights * dense.num_hidden_layers
     hybrid = QwenConfig.from_dir(qwen35_hf["qwen3_5"])   # Gated DeltaNet layers hold no seq^2
@@ -268,7 +271,7 @@ def test_a_batch_whose_torch_attention_weights_exceed_the_host_memory_is_refused
         f"error: {path}: group 4 (padded to the file's longest trajectory): 2 x 65,536 tokens "
         f"need at least {need / 2**30:,.1f} GiB for the torch baseline's logits and eager "
         "attention weights (seq^2 per head and attention layer); this host has 8.0 GiB: give "
-        "fewer or shorter rows")
+        "fewer or shorter rows, or smaller micro-batches")
     for kind, rows, seq in (("logits", 1, 65_536), ("grpo-step", 4, 16_384)):
         need = torch_memory_floor(QwenConfig.from_dir(model), rows, seq, kind != "logits")
         assert need > 8 << 30
@@ -276,3 +279,24 @@ def test_a_batch_whose_torch_attention_weights_exceed_the_host_memory_is_refused
         assert main(["parity", kind, flag, str(rows), "--seq", str(seq), "--model", str(model)]) == 2
         assert f"{rows} x {seq:,} tokens need at least {need / 2**30:,.1f} GiB" in \
             capsys.readouterr().err
+
+
+def test_the_batch_memory_check_counts_one_micro_batch(tiny_hf, monkeypatch):
+    """The torch reference runs one micro-batch of ppo_micro_batch_size rows at a time: a
+    batch that fits so was refused as a whole (helper-74)."""
+    import jscenegen.sharding.rollout
+    from jscenegen.commands.parity import _check_batch
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.parity import torch_memory_floor
+
+    cfg = QwenConfig.from_dir(tiny_hf["qwen2"])
+    have = 16 << 30
+    monkeypatch.setattr(jscenegen.sharding.rollout, "host_memory_bytes", lambda: have)
+    assert torch_memory_floor(cfg, 1, 16_384, True) < have < torch_memory_floor(cfg, 4, 16_384, True)
+    with pytest.raises(ValueError, match=r"^x: 4 x 16,384 tokens need at least .* GiB"):
+        _check_batch(cfg, 4, 16_384, "x")
+    _check_batch(cfg, 4, 16_384, "x", micro_rows=1)     # one row at a time fits
+    monkeypatch.setattr(jscenegen.sharding.rollout, "host_memory_bytes", lambda: 8 << 30)
+    with pytest.raises(ValueError, match=r"^x: 4 x 16,384 tokens \(1 at a time: --loss "
+                                         r"ppo_micro_batch_size\) need at least "):
+        _check_batch(cfg, 4, 16_384, "x", micro_rows=1)

@@ -13,11 +13,13 @@ COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
 TOKENS = int_in(1, ROW_TOKENS_MAX)
 
 
-def _check_batch(model_dir, rows: int, seq: int, flags: str, *, backward: bool = True) -> None:
+def _check_batch(model, rows: int, seq: int, flags: str, *, micro_rows: int | None = None,
+                 backward: bool = True) -> None:
     """Refuse, before any model loads, a batch of more than TOKENS_MAX (2^20) tokens, or one whose
-    torch baseline would need more than the host's memory (`torch_memory_floor`: the logits and
-    eager attention's seq^2 weights), naming `flags` and the figures. `model_dir`: the HF model
-    directory, or its `QwenConfig`."""
+    torch baseline would need more than the host's memory (`torch_memory_floor` of one
+    micro-batch of `micro_rows` rows: the logits and eager attention's seq^2 weights), naming
+    `flags` and the figures. `model`: the HF model directory, or its `QwenConfig`."""
+    from jscenegen.grpo.algo.accumulate import num_micro_batches
     from jscenegen.grpo.rollout.config import TOKENS_MAX
     from jscenegen.model.config import QwenConfig
     from jscenegen.parity import torch_memory_floor
@@ -26,13 +28,17 @@ def _check_batch(model_dir, rows: int, seq: int, flags: str, *, backward: bool =
     if rows * seq > TOKENS_MAX:
         raise ValueError(f"{flags}: {rows:,} x {seq:,} = {rows * seq:,} tokens; a parity batch "
                          f"holds at most {TOKENS_MAX:,}")
-    cfg = model_dir if isinstance(model_dir, QwenConfig) else QwenConfig.from_dir(model_dir)
-    need, have = torch_memory_floor(cfg, rows, seq, backward), host_memory_bytes()
+    cfg = model if isinstance(model, QwenConfig) else QwenConfig.from_dir(model)
+    at_once = rows // num_micro_batches(rows, micro_rows, "ppo_micro_batch_size")
+    need, have = torch_memory_floor(cfg, at_once, seq, backward), host_memory_bytes()
     if have is not None and need > have:
-        raise ValueError(f"{flags}: {rows:,} x {seq:,} tokens need at least {need / 2**30:,.1f} "
-                         f"GiB for the torch baseline's logits and eager attention weights "
-                         f"(seq^2 per head{' and attention layer' if backward else ''}); this "
-                         f"host has {have / 2**30:,.1f} GiB: give fewer or shorter rows")
+        per = f" ({at_once:,} at a time: --loss ppo_micro_batch_size)" if at_once < rows else ""
+        raise ValueError(f"{flags}: {rows:,} x {seq:,} tokens{per} need at least "
+                         f"{need / 2**30:,.1f} GiB for the torch baseline's logits and eager "
+                         f"attention weights (seq^2 per head"
+                         f"{' and attention layer' if backward else ''}); this host has "
+                         f"{have / 2**30:,.1f} GiB: give fewer or shorter rows"
+                         f"{', or smaller micro-batches' if backward else ''}")
 
 
 def _check_temperature(value: float) -> None:
@@ -136,7 +142,8 @@ def run_grpo_step(args) -> int:
                          f"token within {MIN_SEQ} tokens; give --seq >= {MIN_SEQ}")
     loss_cfg, optim_cfg = _configs(args)
     require_a_learning_rate(optim_cfg, 1)   # before the model's config.json is read
-    _check_batch(args.model, args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq")
+    _check_batch(args.model, args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq",
+                 micro_rows=loss_cfg.ppo_micro_batch_size)
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
                               seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
@@ -172,17 +179,20 @@ def run_train(args) -> int:
     model_cfg = QwenConfig.from_dir(args.model)
     if args.trajectories:
         trajs = read_trajectories(args.trajectories, model_cfg.vocab_size)
-        where = (f"{args.trajectories}: group ", " (padded to the file's longest trajectory)")
+        def where(group_id) -> str:
+            return f"{args.trajectories}: group {group_id} (padded to the file's longest trajectory)"
     else:
         trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
         if not any(t.policy_mask.any() for t in trajs):   # every update would train nothing
             raise ValueError(f"--max-tokens {args.max_tokens}: the expert episodes' first "
                              f"{args.max_tokens} tokens hold no policy token (their prompt comes "
                              "first), so no update would train; raise it")
-        where = ("--group-size x --max-tokens: group ", " (padded to the longest episode)")
+        def where(group_id) -> str:
+            return f"--group-size x --max-tokens: group {group_id} (padded to the longest episode)"
     longest = max(len(t.tokens) for t in trajs)   # every update is padded to it (one compile)
     for group in group_trajectories(trajs):       # one group is one update's batch
-        _check_batch(model_cfg, len(group), longest, f"{where[0]}{group[0].group_id}{where[1]}")
+        _check_batch(model_cfg, len(group), longest, where(group[0].group_id),
+                     micro_rows=loss_cfg.ppo_micro_batch_size)
     if args.write_trajectories is not None:
         write_trajectories(args.write_trajectories, trajs)
     ok = False

@@ -99,12 +99,26 @@ def device_memory_bytes(device: jax.Device | None = None) -> int | None:
     return None
 
 
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max",                     # cgroup v2
+                        "/sys/fs/cgroup/memory/memory.limit_in_bytes")   # cgroup v1
+
+
 def host_memory_bytes() -> int | None:
-    """The host's physical memory in bytes (sysconf), or None when the OS does not say."""
+    """The memory this process may use, in bytes: the host's physical memory (sysconf), or
+    the container's cgroup limit when lower; None when the OS says neither."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        limits = [int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))]
     except (ValueError, OSError, AttributeError):
-        return None
+        limits = []
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read(64).strip()
+        except OSError:
+            continue
+        if text.isdigit():     # "max": no limit
+            limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def tp_candidates(n_devices: int, divides: tuple[int, ...]) -> list[int]:
