@@ -204,6 +204,31 @@ def test_a_failed_collective_of_a_multi_process_run_is_raised_not_masked(model, 
         engine.run_group(record, group_id=0, seeds=[1], judge=rule_judge, forced=expert)
 
 
+def test_a_failed_collective_while_judging_ends_a_multi_process_run(model, chat, record,
+                                                                    rule_judge, expert,
+                                                                    monkeypatch):
+    """Process 0's grades reach the others by a collective: with a peer gone it raised inside
+    `judge_episodes`, which masked every episode as judge_error, and the run went on into its
+    next collective (helper-74)."""
+    import jax
+
+    import jscenegen.grpo.rollout.engine as engine_module
+    import jscenegen.grpo.rollout.primary_judge as primary_judge
+    import jscenegen.sharding.mesh
+
+    engine = RolloutEngine(model, chat, FORCED)
+    played = engine.play_group(record, group_id=0, seeds=[1], forced=expert)
+
+    def lost_peer(payload):
+        raise jax.errors.JaxRuntimeError("INTERNAL: Gloo Broadcast failed: Connection closed by peer")
+
+    monkeypatch.setattr(primary_judge, "bytes_from_primary", lost_peer)
+    monkeypatch.setattr(engine_module, "for_processes", primary_judge.PrimaryJudge)
+    monkeypatch.setattr(jscenegen.sharding.mesh, "joined_other_processes", lambda: True)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Connection closed by peer"):
+        engine._judge(played.episodes, rule_judge)
+
+
 def test_episode_token_cap_is_a_policy_failure(model, chat, record, expert):
     _, prompt = chat.start(*_prompts(record))
     cfg = FORCED.model_copy(update={"max_episode_tokens": len(prompt) + 20})

@@ -460,13 +460,18 @@ class RolloutEngine:
 
     @staticmethod
     def _judge(episodes: list[Episode], judge: Judge):
+        graded = for_processes(judge)
         try:
-            judge_episodes(episodes, for_processes(judge))
+            judge_episodes(episodes, graded)
         except Exception as err:  # judge_episodes masks judge exceptions itself; this is a backstop
+            if fails_the_joined_run(err):
+                raise
             log.exception("judging failed")
             for ep in episodes:
                 if ep.judge_request() is not None:
                     ep.set_judgement(JudgeResult(None, "judge_error", {"detail": type(err).__name__}))
+        if getattr(graded, "run_broken", None) is not None:   # masked per episode above: end the run
+            raise graded.run_broken
 
     @staticmethod
     def _trajectory(r: _Row, group_id: int) -> Trajectory:

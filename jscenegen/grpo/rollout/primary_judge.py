@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 
 from jscenegen.scene.judge import Judge, JudgeRequest, JudgeResult
-from jscenegen.sharding.mesh import bytes_from_primary, is_primary
+from jscenegen.sharding.mesh import bytes_from_primary, fails_the_joined_run, is_primary
 
 
 class PrimaryJudge:
@@ -25,6 +25,9 @@ class PrimaryJudge:
 
     def __init__(self, judge: Judge):
         self.judge = judge
+        # the collective's own failure (a peer gone): the caller's per-episode masking
+        # (`scene.episode.judge_episodes`) would catch it, so the engine re-raises it from here
+        self.run_broken: BaseException | None = None
 
     def identity(self) -> dict:
         return self.judge.identity()
@@ -42,7 +45,13 @@ class PrimaryJudge:
             except Exception as err:  # the others wait for this broadcast: send the failure
                 rows = {"error": type(err).__name__}
             payload = json.dumps(rows, default=str).encode()
-        rows = json.loads(bytes_from_primary(payload))
+        try:
+            shared = bytes_from_primary(payload)
+        except Exception as err:
+            if fails_the_joined_run(err):
+                self.run_broken = err
+            raise
+        rows = json.loads(shared)
         if isinstance(rows, dict):
             raise RuntimeError(f"the judge raised {rows['error']} on process 0")
         if len(rows) != len(requests):
