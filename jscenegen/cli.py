@@ -41,10 +41,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
     other refusal, instead of the usage block; `--help` still shows the usage."""
 
     def error(self, message: str):
-        from jscenegen.checkpoint.metadata import redact_argv
-
-        shown = " ".join(redact_argv(message.split(" "))[0])   # an echoed argument's credential
-        self.exit(2, f"error: {self.prog}: {shown} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {self.prog}: {_echoed_words_redacted(message)} "
+                     f"(see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
         """As argparse's, recording in `usage_parser` the innermost parser that read the
@@ -53,6 +51,20 @@ class OneLineErrorParser(argparse.ArgumentParser):
         if getattr(namespace, "usage_parser", None) is None:
             namespace.usage_parser = self
         return namespace, extras
+
+
+def _echoed_words_redacted(message: str) -> str:
+    """`message` (argparse's, echoing arguments, some quoted: `invalid choice: 'x'`) with each
+    word that is or holds a credential (`checkpoint.metadata.redact_argv`) redacted."""
+    from jscenegen.checkpoint.metadata import redact_argv
+
+    words = []
+    for word in message.split(" "):
+        bare = word.strip("'\",")
+        if bare:
+            word = word.replace(bare, redact_argv([bare])[0][0])
+        words.append(word)
+    return " ".join(words)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,7 +258,8 @@ def _forget_caught_interrupt() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.excepthook = _traceback_without_credentials(argv)
+    if argv is None:   # the program itself (not a caller's test): its uncaught tracebacks
+        sys.excepthook = _traceback_without_credentials(argv)
     try:
         code = _run(argv)
     except Exception as err:   # a bug's traceback; in a joined run, then no shutdown barrier either
@@ -348,12 +361,9 @@ def _without_credentials(text: str, argv: list[str] | None) -> str:
     """`text` with every credential the command line holds (a judge URL's password, an
     `api_key=` value: `checkpoint.metadata.redact_argv`) replaced by `<redacted>`: a refusal
     that echoes an override would print it into the job's log."""
-    from jscenegen.checkpoint.metadata import redact_argv
-    from jscenegen.config import REDACTED
+    from jscenegen.checkpoint.metadata import mask_text, redact_argv
 
-    for secret in redact_argv(sys.argv[1:] if argv is None else argv)[1]:
-        text = text.replace(secret, REDACTED)
-    return text
+    return mask_text(text, redact_argv(sys.argv[1:] if argv is None else argv)[1])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -199,7 +200,7 @@ def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) 
     launch = {"process_id", "num_processes", "coordinator_address", "init_timeout_s"}
     settings = {key: json.dumps(value, sort_keys=True) for key, value in
                 dotted_items(cfg.model_dump(mode="json", exclude={"mesh": launch})).items()}
-    settings.update({"--run-dir": str(run_dir.resolve()), "--resume": str(resume),
+    settings.update({"--run-dir": os.path.normpath(run_dir.absolute()), "--resume": str(resume),
                      "--max-updates": str(max_updates)})
     return settings
 
@@ -238,14 +239,16 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         if is_primary():  # one process per run directory (the holder is named to a second one)
             try:
                 lock.acquire()
-            except RunLockedError as err:
+            except Exception as err:   # RunLockedError, or an OSError making the lock file
                 refusal = err
         # every process learns process 0's outcome: the others would go on into a collective
         # that process 0 never joins
-        shared = bytes_from_primary(str(refusal).encode() if refusal else b"")
+        shown = ("" if refusal is None else str(refusal) if isinstance(refusal, RunLockedError)
+                 else f"{type(refusal).__name__}: {refusal}")
+        shared = bytes_from_primary(shown.encode())
         if refusal is not None:
             raise refusal
-        if shared:
+        if shared:    # in process 0's words
             raise RunLockedError(shared.decode())
         return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
                              config_source=config_source, settings_notice=settings_notice)
@@ -259,7 +262,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
     from jscenegen.checkpoint.store import finished_saves
     from jscenegen.grpo.train.trainer import Trainer
-    from jscenegen.sharding.mesh import is_primary
+    from jscenegen.sharding.mesh import bytes_from_primary, is_primary
 
     if not resume and finished_saves(run_dir / RUN_CHECKPOINTS):  # unfinished saves are replaced
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
@@ -283,7 +286,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     try:
         if is_primary():
             write_run_files(run_dir, cfg, model_dir, config_source, resume=resume)
-            run_files_written = True
+        # every process learns that this start's files are written (its --resume hint)
+        run_files_written = bytes_from_primary(b"written" if is_primary() else None) == b"written"
         if cfg.trainer.eval_before_after and not resume:
             t2 = time.perf_counter()
             evals["before"] = trainer.evaluate_dev("eval_before")
@@ -303,8 +307,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             if saved is not None:  # the run's first start evaluated "before"
                 evals["before"] = saved
     except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
-        # config.yaml holds this invocation's settings (process 0 wrote them, with run.json last)
-        if run_files_written or (not is_primary() and (run_dir / RUN_RECORD).is_file()):
+        if run_files_written:   # config.yaml holds this invocation's settings
             where = "" if is_primary() else f"process {jax.process_index()}: "
             print(terminal_line(f"{where}stopped; continue with: jscenegen train --resume "
                                 f"{run_dir}"), file=sys.stderr, flush=True)

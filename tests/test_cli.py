@@ -869,6 +869,11 @@ def test_a_usage_error_that_echoes_a_credential_prints_it_redacted(capsys):
     assert one_error_line(capsys) == (
         "error: jscenegen scene check: unrecognized arguments: judge.base_url=<redacted> "
         "--api-key=<redacted> http://h/v1?api_key=<redacted> (see jscenegen scene check --help)")
+    # argparse quotes the value it refuses (helper-74)
+    with pytest.raises(SystemExit):
+        main(["train", "--max-updates", "https://user:SECRETPW@host/v1"])
+    assert one_error_line(capsys) == ("error: jscenegen train: argument --max-updates: "
+                                      "'<redacted>' is not an integer (see jscenegen train --help)")
 
 
 def test_a_debug_traceback_prints_command_line_credentials_redacted(tmp_path):

@@ -287,6 +287,13 @@ def test_a_judge_answer_quoting_the_key_never_carries_it_further(server, monkeyp
         assert res.failure is None
         assert res.info["comments"] == {"realism": "your header was Bearer <redacted>"}
     assert KEY not in caplog.text and KEY not in json.dumps(res.info)
+    # Basic auth from the URL's user info: its token and password are masked the same way
+    monkeypatch.delenv("JSCENEGEN_TEST_JUDGE_KEY")
+    url = server.url.replace("http://", "http://user:sk-INURL@")
+    (res,) = make_judge(cfg(url, max_retries=0)).grade(requests())
+    token = "dXNlcjpzay1JTlVSTA=="   # base64 of user:sk-INURL
+    assert token not in caplog.text + json.dumps(res.info)
+    assert "Basic <redacted>" in json.dumps(res.info)
 
 
 @pytest.mark.parametrize("server", [["models_trickle"], ["models_slow_headers"]], indirect=True)
@@ -302,5 +309,5 @@ def test_the_reachability_probe_is_bounded_in_time_and_reads_no_body(server, cap
     if server.plan == ["models_trickle"]:
         assert took < 0.9 and caplog.text == ""
     else:
-        assert 0.9 < took < 2.0, took
+        assert 0.9 < took < 5.0, took   # the bound is 1 s; the rest is a loaded host's slack
         assert "is not reachable now (TimeoutError)" in caplog.text

@@ -758,7 +758,7 @@ def test_swanlab_online_without_a_login_is_one_error_naming_the_setting(tmp_path
 
     monkeypatch.setattr(swanlab, "init", no_login)
     with pytest.raises(ValueError, match=r"^logging\.swanlab_mode=online: swanlab could not start "
-                       r"\(Failed to initialize SwanLab .*\); log in first \(`swanlab login`, or "
+                       r"\(RuntimeError: Failed to initialize SwanLab .*\); log in first \(`swanlab login`, or "
                        r"the SWANLAB_API_KEY environment variable\) with the SwanLab cloud "
                        r"reachable, or use offline$"):
         MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})
@@ -777,20 +777,22 @@ def test_swanlab_refusing_the_login_is_one_error_and_leaves_no_swanlab_directory
         pass
 
     def refused(**kwargs):
-        Path(kwargs["log_dir"]).mkdir(parents=True)
+        Path(kwargs["log_dir"]).mkdir(parents=True, exist_ok=True)
         raise AuthenticationError("Failed to initialize the SwanLab client: sk-SWANKEY-0123456789")
 
     monkeypatch.setenv("SWANLAB_API_KEY", "sk-SWANKEY-0123456789")
     monkeypatch.setattr(swanlab, "init", refused)
     with pytest.raises(ValueError) as info:
         MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})
-    assert str(info.value).startswith("logging.swanlab_mode=online: swanlab could not start (Failed "
-                                      "to initialize the SwanLab client: <redacted>); log in first")
+    assert str(info.value).startswith("logging.swanlab_mode=online: swanlab could not start "
+                                      "(AuthenticationError: Failed to initialize the SwanLab "
+                                      "client: <redacted>); log in first")
     assert sorted(tmp_path.iterdir()) == []
     (tmp_path / "swanlab").mkdir()          # one that was there before is not swanlab's to remove
-    with pytest.raises(ValueError):
-        MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})
+    with pytest.raises(ValueError) as info:  # offline: no login to advise (a full disk, a bug)
+        MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="offline"), {})
     assert (tmp_path / "swanlab").is_dir()
+    assert str(info.value).endswith("<redacted>); JSCENEGEN_DEBUG=1 shows where")
 
 
 def test_a_credential_from_the_environment_is_masked_in_what_swanlab_recorded(tmp_path,

@@ -127,6 +127,14 @@ def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return out, sorted({r for r in removed if r}, key=len, reverse=True)
 
 
+def mask_text(text: str, credentials: Sequence[str]) -> str:
+    """`text` with every occurrence of each of `credentials` (longest first) replaced by
+    `<redacted>`: for messages that quote what a credential reached (an argument, an answer)."""
+    for secret in sorted(filter(None, credentials), key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
 def mask_credentials(root: str | Path, credentials: Sequence[str]) -> list[Path]:
     """Overwrite every occurrence of each credential in every file under `root` with as many
     `*` (the length is kept, so binary records stay readable); return the files changed.

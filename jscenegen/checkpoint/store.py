@@ -386,9 +386,8 @@ def finished_saves(directory: str | Path) -> list[Path]:
 
 def newest_complete_step(directory: str | Path) -> tuple[StepStatus | None, list[StepStatus]]:
     """(the newest complete step under `directory`, `check_step` with full SHA-256, or None;
-    the statuses of the newer steps passed over, newest first). The one walk behind resume
-    (`CheckpointStore.latest_valid_step`, `set_aside_corrupt`) and conversion
-    (`convert.orbax_directions.orbax_step_dir`), each reporting the passed-over steps its way."""
+    the statuses of the newer steps passed over, newest first): callers report the passed-over
+    steps their own way (a warning, a set-aside)."""
     skipped = []
     for step in reversed(step_numbers(directory)):
         status = check_step(Path(directory) / str(step))

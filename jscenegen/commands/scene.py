@@ -141,7 +141,7 @@ def furnish(args) -> int:
     from jscenegen.paths import check_output_file, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.expert import run_scripted_episode
-    from jscenegen.scene.sceneset import check_requests_known, read_scene_record
+    from jscenegen.scene.sceneset import RecordIndexError, check_requests_known, read_scene_record
 
     scene_set = _input(args.scene_set)
     check_output_file(args.output, "-o")
@@ -150,7 +150,7 @@ def furnish(args) -> int:
     cfg, judge_cfg = run_cfg.scene, run_cfg.judge
     try:
         record = read_scene_record(scene_set, args.index)
-    except IndexError as err:
+    except RecordIndexError as err:
         raise ValueError(f"--index {err}") from None
     check_requests_known([record], load_catalogue(cfg.catalogue_path), str(scene_set))
     ep, _ = run_scripted_episode(record, cfg, judge_cfg)

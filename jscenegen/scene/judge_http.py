@@ -15,6 +15,7 @@ Authorization header and never logged, printed or stored in results.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ import os
 import threading
 import time
 from typing import Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import httpx
 
@@ -121,6 +122,18 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
 _WARNED_UNSET: set[str] = set()
 
 
+def _sent_credentials(api_key: str | None, url) -> list[str]:
+    """What a request to the split URL `url` carries that is a credential, longest first: the
+    API key, the URL's password and its Basic-auth token (base64 of user:password), the query's
+    values of 8 characters or more (a `?api_key=...`; shorter ones would mask common words)."""
+    found = [api_key] if api_key else []
+    if url.username or url.password:
+        found.append(url.password or "")
+        found.append(base64.b64encode(f"{url.username or ''}:{url.password or ''}".encode()).decode())
+    found += [v for _, v in parse_qsl(url.query) if len(v) >= 8]
+    return sorted({s for s in found if s}, key=len, reverse=True)
+
+
 def _run_async(make_coroutine):
     """Run the coroutine `make_coroutine()` makes to its end and return its result, also from
     inside a running event loop (then on a thread of its own)."""
@@ -158,13 +171,15 @@ class HttpJudge:
             raise ValueError(f"environment variable {cfg.api_key_env} (judge.api_key_env): the "
                              "API key holds a space, a control or a non-ASCII character; sent "
                              "in the Authorization header it would fail every request")
-        basic_auth = urlsplit(cfg.base_url).username is not None   # httpx sends user info
+        parts = urlsplit(cfg.base_url)
+        basic_auth = bool(parts.username or parts.password)   # httpx sends user info
         if self._api_key and basic_auth:
             raise ValueError(f"judge.base_url {shown_url(cfg.base_url)} carries a user name "
                              f"(HTTP Basic auth) and {cfg.api_key_env} (judge.api_key_env) holds "
                              "an API key (a Bearer token): a request has one Authorization "
                              "header; drop one of them")
         self._chat_url = endpoint(cfg.base_url, "chat/completions")
+        self._secrets = _sent_credentials(self._api_key, parts)
         if (cfg.api_key_env and not self._api_key and not basic_auth
                 and cfg.api_key_env not in _WARNED_UNSET):
             _WARNED_UNSET.add(cfg.api_key_env)   # once per process: a run makes several judges
@@ -220,10 +235,12 @@ class HttpJudge:
                 return resp.status_code
 
     def _masked(self, raw: bytes) -> bytes:
-        """A judge's answer `raw` without the API key: a server that echoes the request's
-        Authorization header would put it, quoted in a failure's detail or in the comments,
-        into the run's logs and trajectories."""
-        return raw.replace(self._api_key.encode(), REDACTED.encode()) if self._api_key else raw
+        """A judge's answer `raw` without the credentials the requests carry (`_secrets`): a
+        server that echoes the request's Authorization header or URL would put them, quoted in
+        a failure's detail or in the comments, into the run's logs and trajectories."""
+        for secret in self._secrets:
+            raw = raw.replace(secret.encode(), REDACTED.encode())
+        return raw
 
     def _key_text(self) -> str:
         """How the requests authenticate, for messages (never the key itself)."""
@@ -279,7 +296,7 @@ class HttpJudge:
                 cause, detail = "judge_unparseable", "answer nested too deeply to parse"
                 continue
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
-                cause, detail = "judge_unparseable", clip_text(str(err), 300)
+                cause, detail = "judge_unparseable", clip_text(self._masked(str(err).encode()).decode(), 300)
                 continue
             if self.cfg.enforce_caps:
                 grades = apply_caps(grades, req.metrics)

@@ -128,15 +128,19 @@ def read_scene_set(path: str | Path) -> list[SceneRecord]:
     return out
 
 
+class RecordIndexError(SceneError, IndexError):
+    """A record number outside a scene set (`read_scene_record`)."""
+
+
 def read_scene_record(path: str | Path, index: int) -> SceneRecord:
     """Record `index` (0-based, blank lines not counted) of a JSONL scene set, the only one
     parsed and checked (`scene furnish` of one scene of a large set: every record costs ~0.2
-    ms to validate). Raises SceneError naming file and line, or IndexError naming the number of
-    records when `index` is outside them."""
+    ms to validate). Raises SceneError naming file and line, or RecordIndexError naming the
+    number of records when `index` is outside them."""
     p = Path(path)
     lines = _record_lines(p)
     if not 0 <= index < len(lines):
-        raise IndexError(f"{index} is outside {p} ({len(lines)} scenes)")
+        raise RecordIndexError(f"{index} is outside {p} ({len(lines)} scenes)")
     return _parse_record(p, *lines[index], first=index == 0)
 
 

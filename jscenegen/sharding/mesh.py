@@ -389,7 +389,8 @@ def max_over_processes(value: int) -> int:
 
 
 def bytes_from_primary(data: bytes | None) -> bytes:
-    """Process 0's `data` on every process (the others pass None); `data` in one process.
+    """Process 0's `data` on every process (the others' `data` is not read); `data` in one
+    process.
 
     Two broadcasts: the length, then the bytes (`multihost_utils.broadcast_one_to_all`).
     """

@@ -18,14 +18,21 @@ from typing import Literal
 
 from pydantic import Field
 
-from jscenegen.checkpoint.metadata import environment_secrets, mask_credentials, redact, redact_argv
-from jscenegen.config import REDACTED, Section
+from jscenegen.checkpoint.metadata import (
+    environment_secrets,
+    mask_credentials,
+    mask_text,
+    redact,
+    redact_argv,
+)
+from jscenegen.config import Section
 from jscenegen.paths import atomic_file, finite_number, json_line, jsonl_lines, not_a_file
 
 log = logging.getLogger(__name__)
 
 METRICS_LOG = "metrics.jsonl"
-RUN_LOGS = (METRICS_LOG, "trajectories.jsonl")
+TRAJECTORIES_LOG = "trajectories.jsonl"   # with trainer.dump_trajectories
+RUN_LOGS = (METRICS_LOG, TRAJECTORIES_LOG)
 
 
 class LoggingConfig(Section):
@@ -56,12 +63,6 @@ def _private_settings(swanlab):
         return swanlab.Settings(probe={"runtime": False})
     except Exception:  # other swanlab versions: their Settings differ
         return None
-
-
-def _masked(text: str, credentials: list[str]) -> str:
-    for secret in credentials:
-        text = text.replace(secret, REDACTED)
-    return text
 
 
 def _to_stderr():
@@ -109,9 +110,10 @@ class MetricsLogger:
             import swanlab
 
             argv, removed = redact_argv(sys.argv)
-            # what the run's stderr may carry (swanlab records it) and the command lines hold
-            self._credentials = sorted({*removed, *redact_argv(command_line())[1],
-                                        *environment_secrets()}, key=len, reverse=True)
+            in_command_line = {*removed, *redact_argv(command_line())[1]}
+            # and what the run's stderr may carry (swanlab records it)
+            self._credentials = sorted({*in_command_line, *environment_secrets()}, key=len,
+                                       reverse=True)
             saved_argv, sys.argv = sys.argv, argv  # swanlab < 0.10 records sys.argv
             made_dir = not os.path.lexists(self.swanlab_dir)
             try:
@@ -120,16 +122,19 @@ class MetricsLogger:
                         project=cfg.project, name=cfg.experiment or Path(run_dir).name,
                         mode=cfg.swanlab_mode, log_dir=str(self.swanlab_dir),
                         config=redact(config_dict), reinit=True,
-                        settings=_private_settings(swanlab) if self._credentials else None,
+                        settings=_private_settings(swanlab) if in_command_line else None,
                     )
             except Exception as err:   # online: no login and no terminal, a key refused, no network
                 if made_dir:           # a new run's directory is left as it was (empty)
                     shutil.rmtree(self.swanlab_dir, ignore_errors=True)
+                if os.environ.get("JSCENEGEN_DEBUG"):
+                    raise
+                advice = ("log in first (`swanlab login`, or the SWANLAB_API_KEY environment "
+                          "variable) with the SwanLab cloud reachable, or use offline"
+                          if cfg.swanlab_mode == "online" else "JSCENEGEN_DEBUG=1 shows where")
                 raise ValueError(f"logging.swanlab_mode={cfg.swanlab_mode}: swanlab could not "
-                                 f"start ({_masked(str(err), self._credentials)}); log in first "
-                                 "(`swanlab login`, or the SWANLAB_API_KEY environment "
-                                 "variable) with the SwanLab cloud reachable, or use offline"
-                                 ) from None
+                                 f"start ({type(err).__name__}: "
+                                 f"{mask_text(str(err), self._credentials)}); {advice}") from None
             finally:
                 sys.argv = saved_argv
 

@@ -56,7 +56,7 @@ from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
 from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
-from jscenegen.grpo.train.metrics import MetricsLogger, truncate_run_logs
+from jscenegen.grpo.train.metrics import TRAJECTORIES_LOG, MetricsLogger, truncate_run_logs
 from jscenegen.grpo.train.schedule import Schedule, SchedulePosition, check_extension
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.config import QwenConfig
@@ -458,7 +458,7 @@ class Trainer:
         return metrics
 
     def _dump(self, trajectories, pos: SchedulePosition) -> None:
-        with open(self.run_dir / "trajectories.jsonl", "a") as f:
+        with open(self.run_dir / TRAJECTORIES_LOG, "a") as f:
             for t in trajectories:
                 f.write(json.dumps({"attempt": pos.attempts, "member": t.member, "seed": t.seed,
                                     "reward": t.reward, "failure_cause": t.failure_cause,
