@@ -24,6 +24,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+HERE = Path(__file__).resolve().parent
+
+
+def _pair(command_of, *, env_of=lambda pid: {}, cwd_of=lambda pid: None) -> tuple[list[int], list[str]]:
+    """(exit codes, stderrs) of processes 0 and 1 of a 2 x 3-CPU-device run, process i running
+    `command_of(i)` (argv) in `cwd_of(i)` with `env_of(i)` on top of the launch variables."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
+                   JAX_NUM_CPU_DEVICES="3", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+        env.pop("XLA_FLAGS", None)
+        env.update(env_of(pid))
+        procs.append(subprocess.Popen(command_of(pid), env=env, cwd=cwd_of(pid),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], errs
+
+
 def _two_processes(*args: str) -> list[str]:
     """stdout of `multihost_worker.py ARGS` on 2 processes x 3 CPU devices (each must exit 0)."""
     port = _free_port()
@@ -196,24 +220,9 @@ def test_process_0_ends_after_peers_that_refuse_for_the_same_reason(tmp_path):
     """Process 0 hosts JAX's coordination service: when it ended first (os._exit) a peer still
     on its way out lost the service and was aborted by JAX's fatal error (exit -6, a native stack
     trace after its error line), seen under load in the device-count refusal."""
-    port = _free_port()
-    here = Path(__file__).parent
-    procs = []
-    for pid in range(2):
-        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
-                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
-                   JAX_NUM_CPU_DEVICES="3",
-                   PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
-        env.pop("XLA_FLAGS", None)
-        procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"),
-                                       "both-refuse", str(tmp_path / "run")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    codes, errs = _pair(lambda pid: [sys.executable, str(HERE / "multihost_worker.py"),
+                                     "both-refuse", str(tmp_path / "run")])
+    assert codes == [2, 2], errs
     for pid, err in enumerate(errs):
         assert err.strip().splitlines()[-1] == f"error: process {pid} refuses", err[-2000:]
 
@@ -298,26 +307,11 @@ def test_processes_given_other_settings_are_refused_before_any_model(tmp_path, d
     """Another group size deadlocked in the first differing collective; another run directory
     in the first checkpoint save (SIGTERM could not end either); another process count went
     unnoticed."""
-    port = _free_port()
-    procs = []
-    for pid in range(2):
-        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}", JSCENEGEN_NUM_PROCESSES="2",
-                   JSCENEGEN_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="3",
-                   PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-        env.pop("XLA_FLAGS", None)
-        argv = ["--run-dir", "run", "model.path=nowhere"]
-        if pid == 1:
-            env.update(differ.get("env", {}))
-            argv = argv + differ.get("argv", [])
-        procs.append(subprocess.Popen([sys.executable, "-m", "jscenegen", "train", *argv], env=env,
-                                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--run-dir", "run",
+                                     "model.path=nowhere", *(differ.get("argv", []) if pid else [])],
+                        env_of=lambda pid: differ.get("env", {}) if pid else {},
+                        cwd_of=lambda pid: tmp_path)
+    assert codes == [2, 2], errs
     if named is None:   # another device count: a numpy reshape error named nothing
         for err in errs:
             assert err.strip().splitlines()[-1] == (
@@ -346,25 +340,15 @@ def test_a_run_directory_in_use_is_refused_on_every_process_however_it_is_spelle
     run = tmp_path / "a" / "run"
     (tmp_path / "b").mkdir()
     held = RunLock(run).acquire()          # this test's process holds it
-    port = _free_port()
-    procs = []
+    model = chat_model_dir()
     try:
-        for pid, (cwd, given) in enumerate([(tmp_path / "a", "run"), (tmp_path / "b", "../a/run")]):
-            env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
-                       JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
-                       JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="3",
-                       PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-            env.pop("XLA_FLAGS", None)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jscenegen", "train", "--run-dir", given,
-                 f"model.path={chat_model_dir()}", "logging.swanlab_mode=disabled"],
-                env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        errs = [p.communicate(timeout=120)[1] for p in procs]
+        codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--run-dir",
+                                         ["run", "../a/run"][pid], f"model.path={model}",
+                                         "logging.swanlab_mode=disabled"],
+                            cwd_of=lambda pid: tmp_path / "ab"[pid])
     finally:
-        for p in procs:
-            p.kill()
         held.release()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    assert codes == [2, 2], errs
     lines = [err.strip().splitlines()[-1] for err in errs]
     assert lines[0] == lines[1], lines
     assert lines[0].startswith(f"error: run is in use by pid {os.getpid()} "), lines  # process 0's
