@@ -71,14 +71,6 @@ def orbax_steps_dir(path: str | Path) -> Path | None:
     return path if checkpoint_format(path) == "orbax-run" else None
 
 
-def run_checkpoints(path: str | Path) -> Path | None:
-    """`orbax_steps_dir(path)` when that directory has no manifest of its own at its root (a
-    training run's `checkpoints/`, or a converted one a run resumed in: each step is verified
-    against its own); None otherwise (a converter's output has one for the whole tree)."""
-    steps = orbax_steps_dir(path)
-    return None if steps is None or (steps / CHECKSUMS_NAME).exists() else steps
-
-
 def verify_run(path: Path) -> tuple[list[int], list[int], int]:
     """(steps verified, unfinished steps, files checked) of a directory of orbax steps: every
     step whose save finished (its `checksums.json` written, last) against that manifest

@@ -235,16 +235,16 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
     lock = RunLock(run_dir)
     try:
-        refusal = None
+        refusal, shown = None, ""
         if is_primary():  # one process per run directory (the holder is named to a second one)
             try:
                 lock.acquire()
-            except Exception as err:   # RunLockedError, or an OSError making the lock file
-                refusal = err
+            except RunLockedError as err:
+                refusal, shown = err, str(err)
+            except Exception as err:   # an OSError making the lock file, or a bug
+                refusal, shown = err, f"{type(err).__name__}: {err}"
         # every process learns process 0's outcome: the others would go on into a collective
         # that process 0 never joins
-        shown = ("" if refusal is None else str(refusal) if isinstance(refusal, RunLockedError)
-                 else f"{type(refusal).__name__}: {refusal}")
         shared = bytes_from_primary(shown.encode())
         if refusal is not None:
             raise refusal

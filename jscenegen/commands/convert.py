@@ -54,13 +54,15 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jscenegen.checkpoint.checksums import verify_checksums
+    from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, verify_checksums
     from jscenegen.config import terminal_line
 
     if args.verify:
-        from convert.inspect import orbax_steps_dir, run_checkpoints, verify_run
+        from convert.inspect import orbax_steps_dir, verify_run
 
-        if (steps_dir := run_checkpoints(args.verify)) is not None:   # a run: each step's manifest
+        steps_dir = orbax_steps_dir(args.verify)
+        # a run: each step against its own manifest; a converter's output: its one manifest
+        if steps_dir is not None and not (steps_dir / CHECKSUMS_NAME).exists():
             verified, unfinished, n = verify_run(steps_dir)
             for step in unfinished:
                 print(terminal_line(f"warning: {steps_dir / str(step)}: an unfinished save (no "
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             print(terminal_line(f"{args.verify}: steps {', '.join(map(str, verified))}: {n} files "
                                 "verify against their checksums.json"))
             return 0
-        tree = orbax_steps_dir(args.verify) or args.verify   # RUN: its converted checkpoints/
+        tree = steps_dir or args.verify
         n = verify_checksums(tree)
         print(terminal_line(f"{tree}: {n} files verify against checksums.json"))
         return 0

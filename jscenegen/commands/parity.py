@@ -179,19 +179,18 @@ def run_train(args) -> int:
     model_cfg = QwenConfig.from_dir(args.model)
     if args.trajectories:
         trajs = read_trajectories(args.trajectories, model_cfg.vocab_size)
-        def where(group_id) -> str:
-            return f"{args.trajectories}: group {group_id} (padded to the file's longest trajectory)"
+        source, padded_to = f"{args.trajectories}:", "the file's longest trajectory"
     else:
         trajs = default_trajectories(args.model, args.groups, args.group_size, args.max_tokens)
         if not any(t.policy_mask.any() for t in trajs):   # every update would train nothing
             raise ValueError(f"--max-tokens {args.max_tokens}: the expert episodes' first "
                              f"{args.max_tokens} tokens hold no policy token (their prompt comes "
                              "first), so no update would train; raise it")
-        def where(group_id) -> str:
-            return f"--group-size x --max-tokens: group {group_id} (padded to the longest episode)"
+        source, padded_to = "--group-size x --max-tokens:", "the longest episode"
     longest = max(len(t.tokens) for t in trajs)   # every update is padded to it (one compile)
     for group in group_trajectories(trajs):       # one group is one update's batch
-        _check_batch(model_cfg, len(group), longest, where(group[0].group_id),
+        _check_batch(model_cfg, len(group), longest,
+                     f"{source} group {group[0].group_id} (padded to {padded_to})",
                      micro_rows=loss_cfg.ppo_micro_batch_size)
     if args.write_trajectories is not None:
         write_trajectories(args.write_trajectories, trajs)
