@@ -1,0 +1,66 @@
+"""How fast one device streams a decode step's weights, by working-set size and dtype.
+
+A jitted loop of 50 steps; each step multiplies an [8, 256] activation (the rollout bench's 8
+rows) by every one of N weights [256, 1024] in turn, so a step reads all N weights once, as a
+decode step reads the model's. Printed per working set (MB of weights) and dtype: ms per step
+and the weight bytes streamed per second (best of 5 runs). On a CPU the rate falls where the
+working set outgrows the last-level cache; the rollout bench's decode step reads ~21 MB of fp32
+weights and ~4-6 MB of KV cache.
+
+    python bench/weight_stream.py [--sizes 4 8 12 16 24 32 48] [--dtypes float32 bfloat16]
+
+No baseline: this is the bound the sampler is measured against, not a target.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROWS, IN, OUT, STEPS = 8, 256, 1024, 50
+
+
+def step_seconds(megabytes: float, dtype) -> tuple[float, int]:
+    """Best-of-5 seconds per step and the weight bytes a step reads."""
+    itemsize = jnp.dtype(dtype).itemsize
+    count = max(1, round(megabytes * 1e6 / (IN * OUT * itemsize)))
+    rng = np.random.default_rng(0)
+    weights = [jnp.asarray(rng.random((IN, OUT), np.float32), dtype) for _ in range(count)]
+
+    @jax.jit
+    def loop(x, weights):
+        def body(_, x):
+            for w in weights:
+                x = x + (x @ w)[:, :IN] * 1e-3
+            return x
+        return jax.lax.fori_loop(0, STEPS, body, x)
+
+    x = jnp.ones((ROWS, IN), dtype)
+    loop(x, weights).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        loop(x, weights).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best / STEPS, count * IN * OUT * itemsize
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[4, 8, 12, 16, 24, 32, 48],
+                        help="working sets, MB of weights")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = parser.parse_args()
+    print(f"device: {jax.devices()[0]}")
+    for dtype in args.dtypes:
+        for megabytes in args.sizes:
+            seconds, nbytes = step_seconds(megabytes, jnp.dtype(dtype))
+            print(f"  {dtype:9s} {nbytes / 1e6:6.1f} MB  {seconds * 1e3:7.3f} ms/step  "
+                  f"{nbytes / seconds / 1e9:5.1f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
