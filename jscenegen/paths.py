@@ -140,10 +140,10 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
     _refuse_non_utf8(path, f"{label} {path}")
-    if suffix and p.suffix.lower() != suffix:
+    if suffix and not p.name.lower().endswith(suffix):   # Path(".png").suffix is ""
         raise ValueError(f"{label} {path}: the file is written as {suffix[1:].upper()}; give a "
                          f"name ending in {suffix}")
-    if not suffix and p.suffix.lower() == ".png":
+    if not suffix and p.name.lower().endswith(".png"):
         raise ValueError(f"{label} {path}: this file is written as text (JSON), not a picture; "
                          "give another name (a .png name is for the top views of scene render, "
                          "--render and --plot)")
@@ -232,7 +232,9 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     path = Path(path)
     refuse_non_regular(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    # the name's first 100 bytes: a name near the file system's limit leaves no room for more
+    short_name = os.fsdecode(os.fsencode(path.name)[:100])
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{short_name}.", suffix=suffix)
     os.close(fd)
     try:
         yield Path(tmp)

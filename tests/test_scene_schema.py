@@ -67,6 +67,22 @@ def test_bad_text_is_one_scene_error(tmp_path):
         read_json_file(tmp_path)
 
 
+def test_a_jsonl_file_given_for_one_document_is_named_as_such(tmp_path):
+    """`scene check data/scenes/dev.jsonl` or `design --room` a whole set said only "Extra data:
+    line 2 column 1"; trailing junk on the first line keeps the plain message."""
+    lines = DEV.read_text().splitlines()
+    (tmp_path / "set.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    with pytest.raises(SceneError, match=r"set.jsonl: not valid JSON: Extra data: line 2 column 1 "
+                                         r".*\(a second JSON document starts on line 2: a JSONL "
+                                         r"file such as a scene set\? this input is one JSON "
+                                         r"document, e.g. one line of a set\)$"):
+        read_json_file(tmp_path / "set.jsonl")
+    (tmp_path / "junk.json").write_text(lines[0] + " x")
+    with pytest.raises(SceneError, match=r"junk.json: not valid JSON: Extra data: line 1 column \d+ "
+                                         r"\(char \d+\)$"):
+        read_json_file(tmp_path / "junk.json")
+
+
 @pytest.mark.parametrize(
     "key,bound,build",
     [
@@ -262,3 +278,11 @@ def test_a_long_object_id_is_refused_by_its_length_not_clipped_away():
     o = obj("bed_1", "b" * 129, 1.0, 1.0, 1.0, 1.0, 0.5)
     with pytest.raises(SceneError, match=r"^s.json: objects.0.category: String should have at most"):
         scene_from_json({"room": room(), "objects": [o]}, "s.json")
+
+
+def test_a_long_scene_id_is_refused_by_its_length():
+    """A 100,000-character scene_id passed: `scene render` drew it as the title, a PNG 900,241
+    pixels wide (2.4 GB of memory; 400,000 characters ended in matplotlib's MemoryError)."""
+    with pytest.raises(SceneError, match=r"^s.json: scene_id: String should have at most 144 "):
+        scene_from_json({"scene_id": "x" * 145, "room": room()}, "s.json")
+    assert scene_from_json({"scene_id": "x" * 144, "room": room()}, "s.json").scene_id == "x" * 144

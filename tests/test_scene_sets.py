@@ -287,6 +287,17 @@ def test_a_records_requested_items_are_checked(requested, why):
         record_from_json(data, "set.jsonl:3")
 
 
+@pytest.mark.parametrize("prompt", ["", "  \n\t"])
+def test_a_records_prompt_is_not_blank(prompt):
+    """eval ran a set whose record had `"prompt": ""` (the planner given no request) while
+    `design --prompt ""` is refused."""
+    data = {"scene": {"room": room(), "prompt": prompt}, "seed": 1, "requested": []}
+    with pytest.raises(SceneError, match=r"^set.jsonl:3: scene.prompt: empty; a record's prompt "):
+        record_from_json(data, "set.jsonl:3")
+    data["scene"]["prompt"] = "a bed"
+    assert record_from_json(data, "set.jsonl:3").scene.prompt == "a bed"
+
+
 def test_requests_the_catalogue_does_not_know_are_refused_or_flagged(tmp_path, capsys):
     """A typo in a request can never be satisfied: prompt_following dropped silently."""
     record = json.loads((DATA / "dev.jsonl").read_text().splitlines()[1])
@@ -295,6 +306,9 @@ def test_requests_the_catalogue_does_not_know_are_refused_or_flagged(tmp_path, c
     assert one_error_line(capsys) == (
         "error: --requested item 'nightstnd:2': 'nightstnd' is neither a category nor a group of "
         "the catalogue (groups: bed, lamp, seating)")
+    assert main(["scene", "check", str(tmp_path / "rec.json"), "--requested", "nightstand:-2"]) == 2
+    assert one_error_line(capsys) == (   # said "a count of at most 9 digits"
+        "error: --requested item 'nightstand:-2' is not category:count (a count in 1..128)")
     record["requested"].append({"category": "spaceship", "count": 1})
     (tmp_path / "rec.json").write_text(json.dumps(record))
     assert main(["scene", "check", str(tmp_path / "rec.json")]) == 0
@@ -365,3 +379,20 @@ def test_scene_set_lines_split_at_newlines_only(tmp_path):
     path.write_text(json.dumps(rec) + "\n\x0c\n" + json.dumps(other) + "\n{", newline="")
     with pytest.raises(SceneError, match=rf"^{re.escape(str(path))}:4: not valid JSON"):
         read_scene_set(path)
+
+
+def test_render_draws_any_id_as_text_under_any_legal_file_name(tmp_path, capsys):
+    """matplotlib parsed `$...$` in an object id as math (`\\sqrt$` ended the render with a
+    ParseSyntaxException) and warned of missing glyphs for control characters; the atomic
+    writer's hidden temporary, `.NAME.XXXXXXXX.png`, made a legal 251-byte name fail with
+    "File name too long"; `-o .png` was refused as "not ending in .png"."""
+    s = KNOWN["split"]().to_json()
+    s["scene_id"] = "id\x1bwith\x00control$\\sqrt$"
+    s["objects"][0]["id"] = "odd$\\frac{$x"
+    (tmp_path / "s.json").write_text(json.dumps(s))
+    for name in ("a" * 251 + ".png", ".png"):
+        assert main(["scene", "render", str(tmp_path / "s.json"), "-o", str(tmp_path / name)]) == 0
+        captured = capsys.readouterr()
+        assert captured.err == "" and json.loads(captured.out)["output"] == str(tmp_path / name)
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".png", "a" * 251 + ".png", "s.json"]

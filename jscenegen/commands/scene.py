@@ -12,6 +12,7 @@ def _requested(text: str | None, catalogue) -> list[dict]:
     name a category or group of `catalogue` (a typo would silently lower prompt_following)."""
     from jscenegen.config import clip_text
     from jscenegen.scene.sceneset import requested_items
+    from jscenegen.scene.schema import MAX_SCENE_OBJECTS
 
     if not text:
         return []
@@ -21,7 +22,7 @@ def _requested(text: str | None, catalogue) -> list[dict]:
         count = count.strip()
         if not cat or not is_decimal(count) or len(count) > 9:
             raise ValueError(f"--requested item {clip_text(repr(part.strip()))} is not "
-                             "category:count (a count of at most 9 digits)")
+                             f"category:count (a count in 1..{MAX_SCENE_OBJECTS})")
         if not catalogue.knows(cat.strip()):
             raise ValueError(f"--requested item {clip_text(repr(part.strip()))}: "
                              f"{clip_text(repr(cat.strip()))} is neither a category nor a group of "

@@ -101,8 +101,9 @@ def measure(
     within 2 cm), reachable_object_ratio, door_connected_ratio, num_regions,
     largest_region_ratio, walkable_ratio, unreachable_objects [id], reachable bool, blockers [id]
     (only when asked and something is unreachable), front_to_wall_objects, storage_off_wall_objects,
-    size_out_of_range_objects, chairs_not_at_desk, unknown_categories, missing_required,
-    object_count.
+    size_out_of_range_objects, chairs_not_at_desk, unknown_categories [id] (the objects whose
+    category the catalogue does not know: ids, as every object list here; the key's name is the
+    prompts' and stays), missing_required, object_count.
 
     Raises ReachabilityError, before any geometry, for more than MAX_SCENE_OBJECTS (128) objects,
     a room without a door or beyond metrics.max_doors / max_polygon_vertices; and for a room

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .catalogue import Catalogue
-from .config import MetricsConfig
+from .config import INT32_LIMIT, MAX_GRID_MM, MetricsConfig
 from .geometry import box_corners, opening_centre
 from .schema import Scene, SceneObject
-
-INT32_LIMIT = 2**31 - 1
 
 
 class ReachabilityError(ValueError):
@@ -152,7 +150,8 @@ def encode_scene(
         raise ReachabilityError(
             f"room bounding box {extent[0] / 1000:.2f} x {extent[1] / 1000:.2f} m exceeds the "
             f"{spec.grid_size} x {spec.grid_size} cell grid ({spec.grid_size * spec.cell_mm / 1000:.2f} m); "
-            "raise scene.metrics.grid_size"
+            "raise scene.metrics.grid_size (at most 512) or cell_m (grid_size x cell_m at most "
+            f"{MAX_GRID_MM / 1000:.2f} m)"
         )
     n = max_objects
     corners = np.zeros((n, 4, 2), np.int64)

@@ -57,12 +57,13 @@ def render_scene(scene: Scene, out: str | Path, cfg: SceneRuntimeConfig | None =
         ax.add_patch(Polygon(corners, closed=True, fill=True, alpha=0.5, ec="black", fc=colour, lw=1))
         f = front_direction(o.yaw) * min(0.3, o.size[1] / 2)
         ax.arrow(o.position[0], o.position[1], f[0], f[1], head_width=0.06, color="black", length_includes_head=True)
-        ax.text(o.position[0], o.position[1], o.id, fontsize=6, ha="center", va="top")
+        ax.text(o.position[0], o.position[1], _label(o.id), fontsize=6, ha="center", va="top",
+                parse_math=False)
     ax.set_xlim(poly[:, 0].min() - 0.2, poly[:, 0].max() + 0.2)
     ax.set_ylim(poly[:, 1].min() - 0.2, poly[:, 1].max() + 0.2)
     ax.set_aspect("equal")
-    ax.set_title(f"{scene.scene_id or 'scene'}: reachable={metrics['reachable']}, regions={metrics['num_regions']}",
-                 fontsize=9)
+    ax.set_title(f"{_label(scene.scene_id) or 'scene'}: reachable={metrics['reachable']}, "
+                 f"regions={metrics['num_regions']}", fontsize=9, parse_math=False)
     out = Path(out)
     try:
         with atomic_file(out, suffix=".png") as tmp:
@@ -70,3 +71,9 @@ def render_scene(scene: Scene, out: str | Path, cfg: SceneRuntimeConfig | None =
     finally:
         plt.close(fig)
     return metrics
+
+
+def _label(text: str) -> str:
+    """`text` as drawn: characters a font cannot show (control characters) as `?`; `$` stays
+    literal (the labels are drawn with matplotlib's math parsing off)."""
+    return "".join(c if c.isprintable() else "?" for c in text)

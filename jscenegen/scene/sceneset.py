@@ -34,7 +34,8 @@ class SceneRecord:
 
 
 def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
-    """Validate one JSONL record. Raises SceneError naming `source` and the field."""
+    """Validate one JSONL record (its scene's prompt not blank). Raises SceneError naming
+    `source` and the field."""
     if not isinstance(data, dict):
         raise SceneError(f"{source}: a record must be a JSON object")
     if data.get("schema", SET_SCHEMA) != SET_SCHEMA:
@@ -47,7 +48,11 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
         raise SceneError(f"{source}: seed must be an integer in 0..{SEED_MAX} (32 bits), got "
                          f"{clip_text(repr(seed))}")
     items = requested_items(data.get("requested", []), f"{source}: requested")
-    return SceneRecord(scene_from_json(data.get("scene"), f"{source}: scene"), seed, items)
+    scene = scene_from_json(data.get("scene"), f"{source}: scene")
+    if not scene.prompt.strip():   # `design --prompt ""` is refused the same way
+        raise SceneError(f"{source}: scene.prompt: empty; a record's prompt is the request the "
+                         "planner is given")
+    return SceneRecord(scene, seed, items)
 
 
 def requested_items(req, source: str) -> tuple[dict, ...]:

@@ -29,6 +29,7 @@ MAX_SCENE_OBJECTS = 128  # measuring 128 crowded objects takes ~0.3 s (bench/sce
 MAX_FLOOR_VERTICES = 64
 MAX_OPENINGS = 16  # doors, and windows, each
 MAX_NAME_CHARS = 128  # an object's category; its id (`<category>_<n>`) up to 16 more
+MAX_ID_CHARS = MAX_NAME_CHARS + 16  # an object's id and a scene's scene_id
 MAX_JSON_FILE_BYTES = 4 * 2**20  # read_json_file refuses larger files unread; parsing 4 MiB takes ~0.2 s
 # Every length and coordinate (metres) lies within +-MAX_COORDINATE_M: far beyond any room, and small
 # enough that the geometry (rounding, grids, float32 on the device) stays exact and finite.
@@ -129,7 +130,7 @@ class SceneObject(JsonDocument):
     """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
     degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
 
-    id: str = Field(min_length=1, max_length=MAX_NAME_CHARS + 16)
+    id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     category: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     description: str = ""
     position: tuple[float, float]
@@ -190,7 +191,7 @@ class Scene(JsonDocument):
     """A scene: room, prompt, objects and budget, schema `scenegen.scene/1`."""
 
     schema_: Literal["scenegen.scene/1"] = Field(SCHEMA_VERSION, alias="schema")
-    scene_id: str = ""
+    scene_id: str = Field("", max_length=MAX_ID_CHARS)
     prompt: str = ""
     room: Room
     objects: tuple[SceneObject, ...] = Field((), max_length=MAX_SCENE_OBJECTS)
@@ -334,7 +335,11 @@ def parse_json(text: str, label: str):
     try:
         return loads_json(text)
     except ValueError as err:
-        raise SceneError(f"{label}: not valid JSON: {err}") from None
+        hint = ""
+        if isinstance(err, json.JSONDecodeError) and err.msg == "Extra data" and err.colno == 1:
+            hint = (f" (a second JSON document starts on line {err.lineno}: a JSONL file such as "
+                    "a scene set? this input is one JSON document, e.g. one line of a set)")
+        raise SceneError(f"{label}: not valid JSON: {err}{hint}") from None
 
 
 def read_json_file(path: str | Path, label: str | None = None, max_bytes: int = MAX_JSON_FILE_BYTES):
