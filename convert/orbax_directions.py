@@ -97,8 +97,8 @@ def extra_state_from_json(doc: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- orbax side
 def orbax_step_dir(path: str | Path) -> Path:
     """The complete step directory at `path`: itself, or the newest complete step under it or
-    under its `checkpoints/` (a training run's directory); a ConversionWarning names each newer
-    step it skips and why.
+    under its `checkpoints/` (a training run's directory); one ConversionWarning names every
+    newer step it skips and why.
 
     Raises ConvertError naming the directory when no complete step (checksums verified) exists.
     """
@@ -117,10 +117,10 @@ def orbax_step_dir(path: str | Path) -> Path:
             why = (f"; the newest, step {skipped[0].step}: {skipped[0].reason}" if skipped
                    else " (no numbered step directory)")
             raise ConvertError(f"{path}: no complete orbax checkpoint step here{why}")
-        for bad in skipped:
-            warnings.warn(f"{path}: skipping step {bad.step} ({bad.reason}); converting "
-                          f"step {status.step}, the newest complete one",
-                          ConversionWarning, stacklevel=2)
+        if skipped:
+            steps = ", ".join(f"step {bad.step} ({bad.reason})" for bad in skipped)
+            warnings.warn(f"{path}: skipping {steps}; converting step {status.step}, the newest "
+                          "complete one", ConversionWarning, stacklevel=2)
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
     return status.path

@@ -25,6 +25,7 @@ import select
 import signal
 import sys
 import traceback
+import warnings
 
 from jscenegen import __version__
 from jscenegen.paths import DiskFullError
@@ -257,9 +258,23 @@ def _forget_caught_interrupt() -> None:
     exec("")
 
 
+_PYTHON_SHOW_WARNING = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` for the program: a warning is a `warning: message` line like a
+    logged one (StderrLogHandler), without Python's file, line number and source line (with
+    JSCENEGEN_DEBUG=1 it keeps them)."""
+    if os.environ.get("JSCENEGEN_DEBUG"):
+        _PYTHON_SHOW_WARNING(message, category, filename, lineno, file, line)
+    else:
+        logging.getLogger("py.warnings").warning("%s", message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:   # the program itself (not a caller's test): its uncaught tracebacks
+    if argv is None:   # the program itself (not a caller's test): its uncaught tracebacks, warnings
         sys.excepthook = _traceback_without_credentials(argv)
+        warnings.showwarning = _show_warning
     try:
         code = _run(argv)
     except Exception as err:   # a bug's traceback; in a joined run, then no shutdown barrier either

@@ -902,6 +902,22 @@ def test_warnings_print_in_one_format_before_and_after_a_library_configures_logg
     assert proc.returncode == 0 and proc.stderr == "warning: before 1\nwarning: after\n", proc.stderr
 
 
+def test_the_programs_python_warnings_are_one_line_each():
+    """A Python warning (a ConversionWarning of `export`, matplotlib's) printed as Python shows
+    it: the file and line of the code that warned, and that source line under it."""
+    code = ("import contextlib, sys, warnings; from jscenegen.cli import main\n"
+            "sys.argv = ['jscenegen', '--version']\n"
+            "with contextlib.suppress(SystemExit): main()\n"
+            "warnings.warn('a run skipped step 7', UserWarning)")
+    env = {k: v for k, v in os.environ.items() if k != "JSCENEGEN_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0 and proc.stderr == "warning: a run skipped step 7\n", proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env, "JSCENEGEN_DEBUG": "1"})
+    assert proc.stderr.startswith("<string>:4: UserWarning: a run skipped step 7"), proc.stderr
+
+
 
 def test_sft_never_replaces_a_directory_beside_its_output(tmp_path, capsys):
     """Without --model, sft makes a fresh model in OUT-init: an existing one was replaced."""
