@@ -541,6 +541,14 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                 "scenes[0].model.episodes[0].reward must be a finite number, got 1000"),
                (lambda r: r["overall"]["model"].update(units=-10**400),
                 "overall.model.units must be a finite number or null, got -1000"),
+               # out of range: the table showed them
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(units=-5),
+                "scenes[0].model.episodes[0].units must be a number >= 0 (budget units spent) or "
+                "null, got -5"),
+               (lambda r: r["scenes"][1]["model"].update(units=-5.0),
+                "scenes[1].model.units -5.0 is outside the units a run can spend (>= 0)"),
+               (lambda r: r["overall"]["model"].update(reachable=1.5),
+                "overall.model.reachable 1.5 is outside [0, 1]"),
                # `true` compared as the seed 1 ("differs in its seed")
                (lambda r: r["scenes"][0].update(seed=True), "scenes[0].seed must be an integer in "
                                                             "0..4294967295, got True"),

@@ -254,6 +254,10 @@ def test_unsupported_model_type_and_remote_code(hf_dirs, tmp_path):
     (d / "config.json").write_text(json.dumps(dict(cfg, auto_map={"AutoModel": "x.Y"})))
     with pytest.raises(ModelConfigError, match="trust_remote_code"):
         load_hf(d)
+    # was "model_type None is not supported"
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "model_type"}))
+    with pytest.raises(ModelConfigError, match=r"config.json: has no model_type; supported: qwen2"):
+        load_hf(d)
 
 
 def test_corrupt_safetensors_header_is_named(hf_dirs, tmp_path):
@@ -290,8 +294,8 @@ def test_config_refuses_a_rope_scaling_that_is_not_an_object(value):
 
 
 def test_config_refuses_zero_kv_heads_instead_of_defaulting_them():
-    with pytest.raises(ModelConfigError, match=r"^cfg\.json: num_attention_heads 4 is not a multiple "
-                                               r"of num_key_value_heads 0$"):
+    with pytest.raises(ModelConfigError, match=r"^cfg\.json: num_key_value_heads must be a positive "
+                                               r"integer, got 0$"):   # was "not a multiple of 0"
         QwenConfig.from_hf_dict(dict(DENSE, num_key_value_heads=0), "cfg.json")
     assert QwenConfig.from_hf_dict(dict(DENSE, num_key_value_heads=None)).num_key_value_heads == 4
 

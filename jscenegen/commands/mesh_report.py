@@ -88,14 +88,14 @@ def run(args) -> int:
         print(json.dumps(report))
         return 0
     gb = 1024 ** 3
-    print(f"{'parameter':58s} {'shape':>16s} {'padded':>16s} {'rows/dev':>8s} {'MB/dev':>8s}")
+    print(f"{'parameter':58s} {'shape':>16s} {'padded':>16s} {'rows/dev':>8s} {'MiB/dev':>8s}")
     for r in report["params"]:
         note = "" if r["trained"] else "  frozen"
         print(f"{r['name']:58s} {str(tuple(r['shape'])):>16s} {str(tuple(r['padded_shape'])):>16s} "
               f"{r['rows_per_device']:8d} {r['device_bytes'] / 2**20:8.1f}{note}")
     print(f"\nmesh fsdp={fsdp} x sp={sp} ({n} device{'s' if n != 1 else ''}), sharding P(('fsdp','sp')) on dim 0 of every tensor")
     count = report["num_params"]
-    count_text = f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
+    count_text = f"{count / 1e9:,.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
     print(f"parameters: {count_text} ({count:,}); params + Adam (fp32): "
           f"{report['total_bytes'] / gb:.2f} GiB total, {report['max_device_bytes'] / gb:.2f} GiB on the "
           f"fullest device (ideal {report['ideal_device_bytes'] / gb:.2f} GiB)")

@@ -41,6 +41,10 @@ def check_report(report, source: str) -> None:
             if key not in m or not (m[key] is None or finite_number(m[key])):
                 raise ValueError(f"{source}: {where}.{key} must be a finite number or null, "
                                  f"got {clip_text(repr(m.get(key)))}")
+        for key, most in (("units", math.inf), ("failure_rate", 1), ("reachable", 1)):
+            if m[key] is not None and not 0 <= m[key] <= most:
+                raise ValueError(f"{source}: {where}.{key} {m[key]!r} is outside "
+                                 f"{'[0, 1]' if most == 1 else 'the units a run can spend (>= 0)'}")
         if not episodes:
             return
         eps = m.get("episodes")
@@ -59,6 +63,9 @@ def check_report(report, source: str) -> None:
             if ep["reward"] > 1 + 1e-9:
                 raise ValueError(f"{source}: {at}.reward {ep['reward']!r} is above 1, the most "
                                  "a reward can be (all seven grades 10, nothing spent)")
+            if ep.get("units") is not None and not (finite_number(ep["units"]) and ep["units"] >= 0):
+                raise ValueError(f"{source}: {at}.units must be a number >= 0 (budget units "
+                                 f"spent) or null, got {clip_text(repr(ep['units']))}")
             if not isinstance(ep.get("masked"), bool):
                 raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
             if "failure_cause" not in ep:

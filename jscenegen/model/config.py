@@ -265,8 +265,9 @@ class QwenConfig:
                                    f"got a JSON {_json_kind(d)}")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
+            named = "has no model_type" if model_type is None else f"model_type {model_type!r} is not supported"
             raise ModelConfigError(
-                f"{source}: model_type {model_type!r} is not supported; "
+                f"{source}: {named}; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2, Qwen2.5, Qwen3 dense, "
                 "Qwen3.5 dense hybrid; not the qwen3_5_moe mixture of experts)"
             )
@@ -430,7 +431,8 @@ def _require_sizes(d: dict[str, Any], source: str, prefix: str = "") -> None:
 
 def _check_heads(heads: int, kv_heads: int, source: str, prefix: str = "",
                  names: tuple[str, str] = ("num_attention_heads", "num_key_value_heads")) -> None:
-    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+    _positive(kv_heads, names[1], source, prefix, integer=True)
+    if heads % kv_heads:
         raise ModelConfigError(f"{source}: {prefix}{names[0]} {heads} is not a multiple of "
                                f"{prefix}{names[1]} {kv_heads}")
 
