@@ -809,6 +809,34 @@ def test_a_resume_says_which_settings_its_overrides_change_and_keeps_its_model_p
     assert taken["cfg"].model.path == "/started/here" and taken["cfg"].optim.lr == 2e-6
 
 
+def test_a_resume_names_what_differs_from_the_config_its_checkpoint_trained_with(
+        tmp_path, caplog, train_command_calls):
+    """A hand edit of RUN/config.yaml (optim.lr) changed the resumed run's numbers with no
+    warning: only overrides were compared, with config.yaml. The newest finished save's
+    recorded config is the baseline now; an override of the warm start (warm_start.preset:
+    the weights stay the run's) is dropped as model.path is."""
+    from jscenegen.run_config import RunConfig
+
+    run = tmp_path / "run"
+    trained = RunConfig().model_dump(mode="json")
+    trained["optim"]["lr"] = 5e-5
+    for step, lr in ((8, 5e-5), (10, 5e-5), (9, 1.0)):   # 10, not 9: numeric order
+        (run / f"checkpoints/{step}").mkdir(parents=True)
+        (run / f"checkpoints/{step}/checksums.json").write_text("{}")
+        recorded = json.loads(json.dumps(trained))
+        recorded["optim"]["lr"] = lr
+        (run / f"checkpoints/{step}/training_metadata.json").write_text(json.dumps({"config": recorded}))
+    (run / "config.yaml").write_text("optim:\n  lr: 7.0e-05\nwarm_start:\n  preset: micro\n")
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--resume", str(run)]) == 0
+    taken = train_command_calls
+    assert taken["settings_notice"] == "resume changes optim.lr 5e-05 -> 7e-05"
+    assert main(["train", "--resume", str(run), "warm_start.preset=tiny", "optim.lr=5e-5"]) == 0
+    assert taken["settings_notice"] is None and taken["cfg"].warm_start.preset == "micro"
+    assert ("warm_start.preset is not read on resume: the weights are the run's newest checkpoint "
+            "(config.yaml keeps warm_start.preset 'micro')") in caplog.messages
+
+
 def test_a_resume_of_what_is_no_run_directory_says_so(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "empty").mkdir()

@@ -43,17 +43,19 @@ def run(args) -> int:
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         check_checkpoints_dir(run_dir / RUN_CHECKPOINTS)
     cfg = load_run_config(config_path, args.overrides)
+    settings_notice = None
     if args.resume and args.overrides:
         try:
             saved, only_saved_keys = load_run_config(config_path).model_dump(mode="json"), False
         except ConfigError:   # not valid alone (a redacted judge.base_url): the keys it holds
             saved, only_saved_keys = read_yaml(config_path), True
         if not afresh:   # a new start takes the model it is given
-            cfg = _keep_saved_model_path(saved, cfg)
+            cfg = _keep_saved_start(saved, cfg)
         settings_notice = _changed_settings(saved, cfg, only_saved_keys,
                                             "the restart" if afresh else "resume")
-    else:
-        settings_notice = None
+    if args.resume and not afresh and (trained := _trained_config(run_dir)) is not None:
+        # what the run trained with: a hand edit of config.yaml changes the run too
+        settings_notice = _changed_settings(trained, cfg, only_saved_keys=True, ignored=START_KEYS)
     check_output_dir(run_dir, label="--run-dir")
     if not args.resume:
         _refuse_a_directory_of_other_files(run_dir)
@@ -155,27 +157,63 @@ def _is_blank(path: Path) -> bool:
         return not f.read(4096).strip()
 
 
-def _keep_saved_model_path(saved: dict, cfg):
-    """`cfg` with the run's own `model.path` when a resume's override changes it, with a
-    warning: a resume never reads it (the weights are the run's newest checkpoint), so the
-    config.yaml written back keeps the model the run started from. `saved`: the run's config
-    as a mapping (a partial one keeps an unlisted path as given)."""
+START_KEYS = ("model.path", "warm_start.")   # the model a run starts from: not read on resume
+
+
+def _keep_saved_start(saved: dict, cfg):
+    """`cfg` with the run's own `model.path` and `warm_start` (START_KEYS) when a resume's
+    overrides change them, with a warning: a resume never reads them (the weights are the run's
+    newest checkpoint), so the config.yaml written back keeps the model the run started from.
+    `saved`: the run's config as a mapping (a partial one keeps an unlisted key as given)."""
     import logging
 
-    model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
-    kept = model.get("path", cfg.model.path)
-    if kept == cfg.model.path:
+    from jscenegen.config import dotted_items
+
+    before, after = dotted_items(saved), dotted_items(cfg.model_dump(mode="json"))
+    dropped = [k for k, v in after.items() if k.startswith(START_KEYS) and k in before
+               and before[k] != v]
+    if not dropped:
         return cfg
     logging.getLogger(__name__).warning(
-        "model.path is not read on resume: the weights are the run's newest checkpoint "
-        "(config.yaml keeps model.path %r)", kept)
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": kept})})
+        "%s not read on resume: the weights are the run's newest checkpoint (config.yaml "
+        "keeps %s)", ", ".join(dropped) + (" is" if len(dropped) == 1 else " are"),
+        ", ".join(f"{k} {before[k]!r}" for k in dropped))
+    model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+    warm_start = saved.get("warm_start") if isinstance(saved.get("warm_start"), dict) else None
+    return cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"path": model.get("path", cfg.model.path)}),
+        "warm_start": (cfg.warm_start if warm_start is None
+                       else type(cfg.warm_start).model_validate(warm_start))})
+
+
+def _trained_config(run_dir: Path) -> dict | None:
+    """The config the newest finished save of `run_dir` records (its training_metadata.json,
+    credentials redacted), or None: no readable record (a step imported by `convert --to
+    orbax` records none)."""
+    import json
+
+    from jscenegen.checkpoint.store import METADATA_NAME, finished_saves
+
+    steps = sorted((p for p in finished_saves(run_dir / RUN_CHECKPOINTS) if p.name.isdigit()),
+                   key=lambda p: int(p.name))
+    if not steps:
+        return None
+    try:
+        with open(steps[-1] / METADATA_NAME, "rb") as f:
+            config = json.loads(f.read(MAX_METADATA_BYTES + 1)).get("config")
+    except (OSError, ValueError, AttributeError):   # the trainer names a damaged step itself
+        return None
+    return config if isinstance(config, dict) and config else None
+
+
+MAX_METADATA_BYTES = 16 * 2**20
 
 
 def _changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
-                      what: str = "resume") -> str | None:
-    """The warning naming the settings a resume's overrides change from the run's config
-    `saved` (a mapping; only its own keys with `only_saved_keys`), credentials redacted; None
+                      what: str = "resume", ignored: tuple[str, ...] = ()) -> str | None:
+    """The warning naming the settings `cfg` changes from `saved` (a mapping: the run's
+    config.yaml, or the config its newest checkpoint records; only its own keys with
+    `only_saved_keys`; none starting with an `ignored` prefix), credentials redacted; None
     when none changes. `train_command` logs it once the trainer has accepted the resume (it
     checks that the schedule and reward stay compatible; the rest is taken as asked), so a
     refused resume does not say it changed anything. `what`: "resume", or "the restart" of a
@@ -187,5 +225,6 @@ def _changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
     after = dotted_items(cfg.model_dump(mode="json"))
     shown_before, shown_after = dotted_items(redact(saved)), redact(after)
     changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
-               if before.get(k) != v and (k in before or not only_saved_keys)]
+               if before.get(k) != v and (k in before or not only_saved_keys)
+               and not k.startswith(ignored)]
     return f"{what} changes {'; '.join(changed)}" if changed else None
