@@ -110,7 +110,10 @@ class JsonDocument(PlainModel):
 
 
 class Section(PlainModel):
-    """Base of every config section (`PlainModel`'s rules)."""
+    """Base of every config section (`PlainModel`'s rules): a number given for a text field is
+    its text (`logging.experiment=123`, YAML's unquoted 123, is the name "123")."""
+
+    model_config = ConfigDict(**PlainModel.model_config, coerce_numbers_to_str=True)
 
 
 def dotted_items(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

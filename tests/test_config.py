@@ -90,6 +90,20 @@ def test_a_boolean_is_not_a_number(tmp_path):
             load_config(None, [item], RunConfig)
 
 
+def test_a_number_given_for_a_text_field_is_its_text(tmp_path):
+    """`logging.experiment=123` was refused ("Input should be a valid string"): YAML reads the
+    unquoted 123 as a number; a boolean stays refused, and scene files (JSON) stay strict."""
+    cfg = load_config(None, ["logging.experiment=123", "judge.model=27.5"], RunConfig)
+    assert cfg.logging.experiment == "123" and cfg.judge.model == "27.5"
+    with pytest.raises(ConfigError, match=r"logging.experiment: Input should be a valid string "
+                                          r"\(got true\)"):
+        load_config(None, ["logging.experiment=true"], RunConfig)
+    from jscenegen.scene.schema import SceneError, scene_from_json
+
+    with pytest.raises(SceneError, match=r"scene_id: Input should be a valid string"):
+        scene_from_json({"scene_id": 5, "room": {}}, "s.json")
+
+
 def test_a_string_is_unicode_text():
     """Bytes that are not UTF-8 on a command line arrive as lone surrogates: no file or
     tokenizer can encode them, so they are refused where they are given."""
