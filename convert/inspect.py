@@ -184,7 +184,7 @@ def describe_hf(path: Path) -> dict[str, Any]:
 
     reader = SafetensorsReader(path)
     cfg = QwenConfig.from_dir(path)
-    dtypes = Counter(str(reader._slice(n).get_dtype()) for n in reader.files)
+    dtypes = Counter(reader.stored_dtype(n) for n in reader.files)
     return {"format": "hf-safetensors", "model_type": cfg.model_type, "tensors": len(reader.files),
             "files": len(set(reader.files.values())), "dtypes": dict(dtypes),
             "tied_embeddings": cfg.tie_word_embeddings}

@@ -61,6 +61,10 @@ class SafetensorsReader:
         """The stored shape of `name` (from the file header; no data read)."""
         return tuple(self._entry(name)[2]["shape"])
 
+    def stored_dtype(self, name: str) -> str:
+        """The dtype of `name` as the file's header spells it (F32, BF16, ...)."""
+        return self._entry(name)[2]["dtype"]
+
     def dtype(self, name: str) -> np.dtype:
         """The stored dtype of `name` (from the file header; no data read)."""
         path, _, entry = self._entry(name)

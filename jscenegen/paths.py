@@ -139,7 +139,7 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     p = Path(path)
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
-    _refuse_non_utf8(path, f"{label} {path}")
+    refuse_non_utf8(path, f"{label} {path}")
     if suffix and not p.name.lower().endswith(suffix):   # Path(".png").suffix is ""
         raise ValueError(f"{label} {path}: the file is written as {suffix[1:].upper()}; give a "
                          f"name ending in {suffix}")
@@ -379,7 +379,7 @@ def _partial_prefix(name: str) -> str:
 TEMPORARY_NAME_EXTRA = len(_partial_prefix("")) + 8   # bytes a temporary's name adds to NAME
 
 
-def _refuse_non_utf8(path: str | Path, name: str, error: type[Exception] = ValueError) -> None:
+def refuse_non_utf8(path: str | Path, name: str, error: type[Exception] = ValueError) -> None:
     """Raise `error` naming `name` when `path` is not UTF-8 text (argv bytes that are not
     UTF-8 arrive surrogate-escaped): the outputs' names are echoed and recorded as text."""
     try:
@@ -400,7 +400,7 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     Raises `error` naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
-    _refuse_non_utf8(path, name, error)
+    refuse_non_utf8(path, name, error)
     if p.exists() and not p.is_dir():
         raise error(f"{name}: exists and is not a directory")
     if p.is_symlink() and not p.exists():

@@ -749,3 +749,68 @@ def test_a_verl_source_without_a_tokenizer_converts_to_hf_with_a_warning(actor, 
     with pytest.warns(ConversionWarning, match=r"huggingface: no tokenizer \(tokenizer\.json"):
         verl_to_hf(actor, tmp_path / "out")
     assert (tmp_path / "out/config.json").is_file()
+
+
+def test_an_hf_tied_head_that_differs_from_the_embedding_is_refused(tiny_hf, tmp_path):
+    """`convert HF --to verl/orbax` of a tied model whose stored lm_head.weight differs from the
+    embedding wrote it tied, dropping that head (exit 0); `load_hf` refuses the directory."""
+    from safetensors.numpy import load_file, save_file
+
+    from convert.dispatch import convert
+
+    for differs in (True, False):
+        src = tmp_path / f"hf-{differs}"
+        shutil.copytree(tiny_hf["qwen3"], src)
+        tensors = load_file(src / "model.safetensors")
+        head = tensors["model.embed_tokens.weight"].copy()
+        head[-1, -1] += 1.0 if differs else 0.0
+        save_file({**tensors, "lm_head.weight": head}, src / "model.safetensors")
+        for fmt in ("verl", "orbax"):
+            out = tmp_path / f"out-{differs}-{fmt}"
+            kwargs = dict(src_format="hf", dst_format=fmt, world_size=2 if fmt == "verl" else None)
+            if differs:
+                with pytest.raises(ConvertError, match=r"model\.safetensors: 'lm_head\.weight' differs "
+                                                       r"from 'model\.embed_tokens\.weight' but "
+                                                       r"config\.json says tie_word_embeddings: true"):
+                    convert(src, out, **kwargs)
+                _assert_nothing_written(tmp_path, out.name)
+            elif fmt == "verl":   # the same values: the alias transformers may save, written tied
+                convert(src, out, **kwargs)     # (the fixture has no tokenizer orbax could carry)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("trailing", r"64 bytes after the last tensor belong to none"),
+    ("hole", r"64 bytes before tensor '.*' belong to no tensor"),
+])
+def test_safetensors_bytes_that_belong_to_no_tensor_are_refused(tiny_hf, tmp_path, capsys, damage,
+                                                                 message):
+    """Bytes after the last tensor, or a hole between two, made the safetensors library (and so
+    `convert --inspect`, and transformers) fail with a traceback while `convert` accepted them."""
+    import struct
+
+    from convert.dispatch import convert
+    from jscenegen.cli import main
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_hf["qwen3"], src)
+    f = src / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    if damage == "trailing":
+        f.write_bytes(data + b"\0" * 64)
+    else:   # every tensor after the first moves 64 bytes on
+        header = json.loads(data[8:8 + n])
+        first = min((e["data_offsets"][0], k) for k, e in header.items() if k != "__metadata__")[1]
+        for k, e in header.items():
+            if k not in ("__metadata__", first):
+                e["data_offsets"] = [o + 64 for o in e["data_offsets"]]
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        body, cut = data[8 + n:], header[first]["data_offsets"][1]
+        f.write_bytes(struct.pack("<Q", len(raw)) + raw + body[:cut] + b"\0" * 64 + body[cut:])
+    with pytest.raises(ValueError, match=rf"model\.safetensors: unreadable safetensors file \({message}"):
+        convert(src, tmp_path / "out", src_format="hf", dst_format="verl", world_size=2)
+    _assert_nothing_written(tmp_path)
+    assert main(["convert", "--inspect", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err

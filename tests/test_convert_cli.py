@@ -86,6 +86,25 @@ def test_cli_errors(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert main(["convert", "--verify", str(tmp_path)]) == 2
     assert "checksums.json: missing" in capsys.readouterr().err
+    # --verify/--inspect convert nothing: what else was given was dropped silently (exit 0)
+    for argv, named in ((["--verify", str(ckpt), str(tmp_path / "x")], "SRC"),
+                        (["--verify", str(ckpt), "--to", "hf"], "--to"),
+                        (["--inspect", str(ckpt), "--world-size", "3"], "--world-size")):
+        assert main(["convert", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: jscenegen convert {argv[0]} DIR takes no {named}: it converts "
+                       "nothing (run the conversion on its own)\n"), err
+    # a source path that is not UTF-8: safetensors and torch tracebacks, or a torch "refused
+    # (weights_only load failed: UnicodeEncodeError)" blaming the file's contents
+    odd = str(tmp_path).encode() + b"/v\xff"
+    import os
+    os.symlink(ckpt, odd)
+    for argv, label in (([os.fsdecode(odd), str(tmp_path / "o"), "--to", "hf"], "SRC"),
+                        (["--inspect", os.fsdecode(odd)], "--inspect")):
+        assert main(["convert", *argv]) == 2
+        assert capsys.readouterr().err == (f"error: {label} {tmp_path}/v\\udcff: the path is not "
+                                           "UTF-8 text (byte b'\\xff' at "
+                                           f"{len(str(tmp_path)) + 2}); give a UTF-8 name\n")
 
 
 def test_carried_from_flag(tmp_path, capsys):

@@ -56,7 +56,13 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, verify_checksums
     from jscenegen.config import terminal_line
+    from jscenegen.paths import refuse_non_utf8
 
+    _refuse_options_a_mode_ignores(args)
+    for label, path in (("SRC", args.src), ("DST", args.dst), ("--carried-from", args.carried_from),
+                        ("--verify", args.verify), ("--inspect", args.inspect)):
+        if path is not None:   # the libraries reading them (safetensors, torch) take UTF-8 paths
+            refuse_non_utf8(path, f"{label} {path}")
     if args.verify:
         from convert.inspect import orbax_steps_dir, verify_run
 
@@ -103,3 +109,19 @@ def run(args: argparse.Namespace) -> int:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(terminal_line(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})"))
     return 0
+
+
+def _refuse_options_a_mode_ignores(args: argparse.Namespace) -> None:
+    """`--verify DIR` and `--inspect DIR` convert nothing: SRC, DST and the conversion options
+    given with them were dropped without a word (a user could think a conversion ran)."""
+    mode = "--verify" if args.verify else "--inspect" if args.inspect else None
+    if mode is None:
+        return
+    given = [name for name, value in (("SRC", args.src), ("DST", args.dst),
+                                      ("--from", args.src_format), ("--to", args.dst_format),
+                                      ("--world-size", args.world_size), ("--placement", args.placement),
+                                      ("--dtype", args.dtype), ("--mesh-device", args.mesh_device),
+                                      ("--carried-from", args.carried_from)) if value is not None]
+    if given:
+        raise ValueError(f"jscenegen convert {mode} DIR takes no {', '.join(given)}: it converts "
+                         "nothing (run the conversion on its own)")

@@ -86,7 +86,8 @@ def raw_header(file: str | Path) -> tuple[int, dict]:
     """(byte offset of the data section, header dict without `__metadata__`) of one file,
     parsed once per file version (the cache key holds its size and modification time). Every
     entry is {dtype: str, shape: [int >= 0], data_offsets: [begin, end]} with 0 <= begin <=
-    end, no two spans overlap, `__metadata__` maps strings to strings, no key twice. Raises
+    end, no two spans overlap, the spans cover the data section without a hole and no byte
+    follows them, `__metadata__` maps strings to strings, no key twice. Raises
     CheckpointFormatError naming the file (and the tensor) when the header cannot be read or
     breaks those rules."""
     try:
@@ -112,6 +113,7 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
         for name, entry in header.items():
             _check_entry(name, entry)
         _check_disjoint(header)
+        _check_covered(header, size - 8 - n)
         return 8 + n, header
     except (OSError, ValueError, struct.error) as err:
         raise CheckpointFormatError(f"{file}: unreadable safetensors file ({err})") from None
@@ -126,6 +128,24 @@ def _check_disjoint(header: dict) -> None:
         if begin < end:
             raise ValueError(f"tensors {first[:200]!r} and {second[:200]!r} share bytes "
                              f"(data_offsets overlap at {begin})")
+
+
+def _check_covered(header: dict, data_bytes: int) -> None:
+    """The tensors' spans tile the data section from its first byte with no hole, and no byte
+    follows the last (the safetensors library refuses a hole as an invalid offset and trailing
+    bytes as "file not fully covered": transformers could not load such a file). A file
+    shorter than its spans is left to the readers' truncation checks, which name the tensor."""
+    covered = 0
+    for begin, end, name in sorted((e["data_offsets"][0], e["data_offsets"][1], name)
+                                   for name, e in header.items()):
+        if begin > covered:
+            raise ValueError(f"{begin - covered} bytes before tensor {name[:200]!r} belong to no "
+                             f"tensor (data_offsets start at {begin}, the previous tensor ends "
+                             f"at {covered})")
+        covered = max(covered, end)
+    if data_bytes > covered:
+        raise ValueError(f"{data_bytes - covered} bytes after the last tensor belong to none (the "
+                         f"tensors cover {covered} of the data section's {data_bytes} bytes)")
 
 
 def _check_metadata(metadata: object) -> None:
