@@ -183,22 +183,21 @@ def test_a_room_without_a_door_is_not_measured():
         measure(doorless)
 
 
-def test_a_grid_beyond_the_int32_geometry_is_refused_as_config_not_blamed_on_objects():
-    """grid_size 512 x cell_m 4.0 (or 128 x 0.5: a 64 m grid) passed validation, and then every
-    object of every scene was refused as lying too far from the grid origin, the config never
-    named. The largest grid whose interior objects all measure is now the bound."""
-    from pydantic import ValidationError
+def test_a_grid_too_large_for_the_int32_geometry_is_named_not_blamed_on_an_object():
+    """grid_size 512 x cell_m 4.0 (a 2 km grid) refused every object of every scene as lying too
+    far from the grid origin, the grid never named. The room is checked first now; a large grid
+    that the room's far corners stay within still measures (512 x 5 cm and a 6 m room)."""
+    from jscenegen.scene.config import MetricsConfig, SceneRuntimeConfig
+    from jscenegen.scene.reach_inputs import MAX_ANY_ROOM_GRID_MM, ReachabilityError
 
-    from jscenegen.scene.config import MAX_GRID_MM, MetricsConfig, SceneRuntimeConfig
-
-    assert MAX_GRID_MM == 16_383 and 8 * MAX_GRID_MM ** 2 < 2**31 <= 8 * (MAX_GRID_MM + 1) ** 2
-    for grid_size, cell_m, side in ((512, 4.0, "2048"), (128, 0.5, "64"), (512, 0.05, "25.6")):
-        with pytest.raises(ValidationError, match=rf"grid_size {grid_size} x cell_m {cell_m} = "
-                                                  rf"{side} m is more than the 16.383 m"):
-            MetricsConfig(grid_size=grid_size, cell_m=cell_m)
-    widest = SceneRuntimeConfig(metrics=MetricsConfig(grid_size=512, cell_m=0.03))   # 15.36 m
-    far = scene_from_json({   # a room at the origin, an object at its far corner: within the bound
-        "room": {"floor_polygon": [[0, 0], [15.3, 0], [15.3, 15.3], [0, 15.3]], "wall_height": 2.6,
-                 "doors": [{"wall": 0, "offset": 1.0, "width": 0.9, "height": 2.1}]},
-        "objects": [obj("dresser_1", "dresser", 15.0, 15.0, 0.5, 0.5, 0.8)]})
-    assert measure(far, widest)["object_count"] == 1
+    assert MAX_ANY_ROOM_GRID_MM == 16_383
+    assert 8 * MAX_ANY_ROOM_GRID_MM ** 2 < 2**31 <= 8 * (MAX_ANY_ROOM_GRID_MM + 1) ** 2
+    s = KNOWN["split"]()
+    huge = SceneRuntimeConfig(metrics=MetricsConfig(grid_size=512, cell_m=4.0))
+    with pytest.raises(ReachabilityError, match=r"^room bounding box .* with the 512 x 512 cell "
+                                                r"grid \(2048.00 m, scene.metrics.grid_size x "
+                                                r"cell_m\) its far corners lie beyond .* lower "
+                                                r"grid_size or cell_m"):
+        measure(s, huge)
+    wide = SceneRuntimeConfig(metrics=MetricsConfig(grid_size=512))   # 25.6 m: a 6 m room measures
+    assert measure(s, wide) == measure(s)

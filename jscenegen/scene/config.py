@@ -5,7 +5,6 @@ The lead adds both sections to `RunConfig` as `scene:` and `judge:`; this module
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -14,12 +13,6 @@ from pydantic import Field, field_validator, model_validator
 from jscenegen.config import REDACTED, Section
 
 from .schema import MAX_FLOOR_VERTICES, MAX_OPENINGS, MAX_SCENE_OBJECTS
-
-# The reachability grid's integer geometry (scene/reach_inputs.py) runs in int32: a corner m mm
-# from the grid origin needs 4 m (grid + m) < 2**31, so an object anywhere inside a grid of side
-# g (m <= g) is measurable while 8 g**2 < 2**31: g at most 16,383 mm.
-INT32_LIMIT = 2**31 - 1
-MAX_GRID_MM = math.isqrt(INT32_LIMIT // 8)
 
 GRADE_KEYS = (
     "realism",
@@ -56,8 +49,8 @@ class MetricsConfig(Section):
     """Geometry and reachability parameters (scene-protocol.md section 4), metres.
 
     `grid_size` is the side of the fixed padded grid in cells (128 x 5 cm = 6.4 m; a multiple of
-    32, the JAX kernel packs rows into uint32 words; grid_size x cell_m at most MAX_GRID_MM); a
-    room whose bounding box does not fit is refused.
+    32, the JAX kernel packs rows into uint32 words); a room whose bounding box does not fit is
+    refused.
     """
 
     cell_m: float = Field(0.05, gt=0, description="side of one reachability grid cell (m); must be "
@@ -100,7 +93,7 @@ class MetricsConfig(Section):
                                 "within 60 degrees of its front (else -2 functionality)")
     grid_size: int = Field(128, ge=32, le=512, multiple_of=32, description="side of the fixed "
                            "padded reachability grid in cells (times cell_m: the longest room "
-                           "bounding-box side, at most 16.383 m); a larger room is refused")
+                           "bounding-box side); a larger room is refused")
     max_polygon_vertices: int = Field(16, ge=3, le=MAX_FLOOR_VERTICES, description="most floor "
                                       "polygon vertices a measured room may have (the grid's "
                                       "padded size); more are refused")
@@ -115,17 +108,6 @@ class MetricsConfig(Section):
         if mm % 2 or abs(mm - value * 1000) > 1e-6:
             raise ValueError(f"{value} m is not a whole even number of millimetres")
         return value
-
-    @model_validator(mode="after")
-    def _grid_within_int32(self) -> "MetricsConfig":
-        """grid_size x cell_m at most MAX_GRID_MM: beyond it even an object inside the room could
-        not be measured (every scene would be refused, blaming its objects)."""
-        side_mm = self.grid_size * round(self.cell_m * 1000)
-        if side_mm > MAX_GRID_MM:
-            raise ValueError(f"grid_size {self.grid_size} x cell_m {self.cell_m} = {side_mm / 1000:g} m "
-                             f"is more than the {MAX_GRID_MM / 1000:.3f} m the measuring grid's "
-                             "32-bit arithmetic covers; lower grid_size or cell_m")
-        return self
 
 
 class RewardConfig(Section):

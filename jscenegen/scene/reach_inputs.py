@@ -16,9 +16,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from .catalogue import Catalogue
-from .config import INT32_LIMIT, MAX_GRID_MM, MetricsConfig
+from .config import MetricsConfig
 from .geometry import box_corners, opening_centre
 from .schema import Scene, SceneObject
+
+INT32_LIMIT = 2**31 - 1
+# The integer geometry needs 4 m (grid + m) < 2**31 for a corner m mm from the grid origin: a
+# grid of side g measures every room that fits it (m <= g) while 8 g**2 < 2**31.
+MAX_ANY_ROOM_GRID_MM = math.isqrt(INT32_LIMIT // 8)
+
+
+def _reach_mm(grid_mm: int) -> float:
+    """How far from the grid origin (mm) a corner may lie with a grid of side `grid_mm`."""
+    return (math.sqrt(grid_mm ** 2 + INT32_LIMIT) - grid_mm) / 2
 
 
 class ReachabilityError(ValueError):
@@ -150,23 +160,30 @@ def encode_scene(
         raise ReachabilityError(
             f"room bounding box {extent[0] / 1000:.2f} x {extent[1] / 1000:.2f} m exceeds the "
             f"{spec.grid_size} x {spec.grid_size} cell grid ({spec.grid_size * spec.cell_mm / 1000:.2f} m); "
-            "raise scene.metrics.grid_size (at most 512) or cell_m (grid_size x cell_m at most "
-            f"{MAX_GRID_MM / 1000:.2f} m)"
+            "raise scene.metrics.grid_size (at most 512) or cell_m"
         )
+    grid_mm = spec.grid_size * spec.cell_mm
+    room_mm = int(extent.max())
+    if 4 * room_mm * (grid_mm + room_mm) >= INT32_LIMIT:   # the per-object bound below, at the walls
+        raise ReachabilityError(
+            f"room bounding box {extent[0] / 1000:.2f} x {extent[1] / 1000:.2f} m: with the "
+            f"{spec.grid_size} x {spec.grid_size} cell grid ({grid_mm / 1000:.2f} m, "
+            "scene.metrics.grid_size x cell_m) its far corners lie beyond what the measuring "
+            f"grid's 32-bit arithmetic reaches ({_reach_mm(grid_mm) / 1000:,.1f} m from the "
+            "origin); lower grid_size or cell_m to the room (a grid of at most "
+            f"{MAX_ANY_ROOM_GRID_MM / 1000:.3f} m measures any room that fits it)")
     n = max_objects
     corners = np.zeros((n, 4, 2), np.int64)
     blocking = np.zeros(n, bool)
     counted = np.zeros(n, bool)
     front_only = np.zeros(n, bool)
-    grid_mm = spec.grid_size * spec.cell_mm
     for k, obj in enumerate(scene.objects):
         corners[k] = quantised_corners(obj) - origin
         m = int(np.abs(corners[k]).max())
         if 4 * m * (grid_mm + m) >= INT32_LIMIT:
-            reach_mm = (math.sqrt(grid_mm ** 2 + INT32_LIMIT) - grid_mm) / 2
             raise ReachabilityError(
                 f"object {obj.id}: a corner lies {m / 1000:,.1f} m from the room's grid origin; "
-                f"the measuring grid's 32-bit arithmetic reaches {reach_mm / 1000:,.1f} m "
+                f"the measuring grid's 32-bit arithmetic reaches {_reach_mm(grid_mm) / 1000:,.1f} m "
                 "(move the object into or near the room)")
         blocking[k] = blocks_walking(obj, catalogue, cfg)
         counted[k] = blocking[k] and obj.mount == "floor"
