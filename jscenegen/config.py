@@ -110,10 +110,7 @@ class JsonDocument(PlainModel):
 
 
 class Section(PlainModel):
-    """Base of every config section (`PlainModel`'s rules): a number given for a text field is
-    its text (`logging.experiment=123`, YAML's unquoted 123, is the name "123")."""
-
-    model_config = ConfigDict(**PlainModel.model_config, coerce_numbers_to_str=True)
+    """Base of every config section (`PlainModel`'s rules)."""
 
 
 def dotted_items(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -309,6 +306,10 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
             shown = "" if isinstance(got, dict) else f" (got {shown_value(got)})"
             if got is None and where.startswith("override ") and where.rstrip().endswith("="):
                 shown = " (got no value: `key=` reads as null)"
+            if e["type"] == "string_type" and isinstance(got, (int, float)) and not isinstance(got, bool):
+                # YAML read the text as a number (and may have rewritten it: 007 is 7, 1.10 is 1.1)
+                example = f"'{key}=\"...\"'" if where.startswith("override ") else f'{key.split(".")[-1]}: "..."'
+                shown += f"; YAML read a number there: quote the text to keep it as typed, {example}"
             if isinstance(got, dict):   # a section-level check: it names the keys it read
                 nulls = [o for o in overrides if o.endswith("=") and _names_key(message, override_key(o))]
                 null_note = f" (`{nulls[0]}` reads as null)" if nulls else ""

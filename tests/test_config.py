@@ -90,18 +90,22 @@ def test_a_boolean_is_not_a_number(tmp_path):
             load_config(None, [item], RunConfig)
 
 
-def test_a_number_given_for_a_text_field_is_its_text(tmp_path):
-    """`logging.experiment=123` was refused ("Input should be a valid string"): YAML reads the
-    unquoted 123 as a number; a boolean stays refused, and scene files (JSON) stay strict."""
-    cfg = load_config(None, ["logging.experiment=123", "judge.model=27.5"], RunConfig)
-    assert cfg.logging.experiment == "123" and cfg.judge.model == "27.5"
-    with pytest.raises(ConfigError, match=r"logging.experiment: Input should be a valid string "
-                                          r"\(got true\)"):
-        load_config(None, ["logging.experiment=true"], RunConfig)
-    from jscenegen.scene.schema import SceneError, scene_from_json
-
-    with pytest.raises(SceneError, match=r"scene_id: Input should be a valid string"):
-        scene_from_json({"scene_id": 5, "room": {}}, "s.json")
+def test_a_number_given_for_a_text_field_says_to_quote_it(tmp_path):
+    """`logging.experiment=123` was refused as "Input should be a valid string" with no hint that
+    YAML had read a number (taking it as text would keep YAML's rewrite: 007 is 7, 1.10 is 1.1)."""
+    with pytest.raises(ConfigError, match=r"^override logging.experiment=123: logging.experiment: "
+                                          r"Input should be a valid string \(got 123\); YAML read a "
+                                          r"number there: quote the text to keep it as typed, "
+                                          r"'logging.experiment=\"...\"'$"):
+        load_config(None, ["logging.experiment=123"], RunConfig)
+    assert load_config(None, ['logging.experiment="007"'], RunConfig).logging.experiment == "007"
+    f = tmp_path / "run.yaml"
+    f.write_text("logging:\n  experiment: 1.10\n")
+    with pytest.raises(ConfigError, match=r"\(got 1.1\); YAML read a number there: quote the text "
+                                          r"to keep it as typed, experiment: \"...\"$"):
+        load_config(f, [], RunConfig)
+    with pytest.raises(ConfigError, match=r"Input should be a valid string \(got true\)$"):
+        load_config(None, ["logging.experiment=true"], RunConfig)   # a boolean: no number hint
 
 
 def test_a_string_is_unicode_text():
