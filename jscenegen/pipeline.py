@@ -193,13 +193,16 @@ def _saved_report(path: Path) -> dict | None:
     return report
 
 
+# the `mesh` keys that say how one process joins a run, not how the run trains
+LAUNCH_KEYS = ("process_id", "num_processes", "coordinator_address", "init_timeout_s")
+
+
 def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) -> dict[str, str]:
     """What every process of a multi-host run must agree on besides the process count: each
     config key (the launch keys aside: given as keys or environment variables), the run
     directory, --resume and --max-updates."""
-    launch = {"process_id", "num_processes", "coordinator_address", "init_timeout_s"}
     settings = {key: json.dumps(value, sort_keys=True) for key, value in
-                dotted_items(cfg.model_dump(mode="json", exclude={"mesh": launch})).items()}
+                dotted_items(cfg.model_dump(mode="json", exclude={"mesh": set(LAUNCH_KEYS)})).items()}
     settings.update({"--run-dir": os.path.normpath(run_dir.absolute()), "--resume": str(resume),
                      "--max-updates": str(max_updates)})
     return settings

@@ -1,6 +1,7 @@
 """`jscenegen train`: the GRPO job (the CPU default with no arguments)."""
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -55,7 +56,10 @@ def run(args) -> int:
                                             "the restart" if afresh else "resume")
     if args.resume and not afresh and (trained := _trained_config(run_dir)) is not None:
         # what the run trained with: a hand edit of config.yaml changes the run too
-        settings_notice = _changed_settings(trained, cfg, only_saved_keys=True, ignored=START_KEYS)
+        from jscenegen.pipeline import LAUNCH_KEYS
+
+        settings_notice = _changed_settings(trained, cfg, only_saved_keys=True, ignored=(
+            *START_KEYS, *(f"mesh.{key}" for key in LAUNCH_KEYS)))
     check_output_dir(run_dir, label="--run-dir")
     if not args.resume:
         _refuse_a_directory_of_other_files(run_dir)
@@ -161,70 +165,78 @@ START_KEYS = ("model.path", "warm_start.")   # the model a run starts from: not 
 
 
 def _keep_saved_start(saved: dict, cfg):
-    """`cfg` with the run's own `model.path` and `warm_start` (START_KEYS) when a resume's
-    overrides change them, with a warning: a resume never reads them (the weights are the run's
-    newest checkpoint), so the config.yaml written back keeps the model the run started from.
-    `saved`: the run's config as a mapping (a partial one keeps an unlisted key as given)."""
+    """`cfg` with the run's own values of the START_KEYS (`model.path`, `warm_start.*`) that a
+    resume's overrides change, with a warning: a resume never reads them (the weights are the
+    run's newest checkpoint), so the config.yaml written back keeps the model the run started
+    from. Only the changed keys are put back, each only where the run's value is valid (an
+    override that mends a broken one is kept). `saved`: the run's config as a mapping."""
     import logging
+
+    from pydantic import ValidationError
 
     from jscenegen.config import dotted_items
 
-    before, after = dotted_items(saved), dotted_items(cfg.model_dump(mode="json"))
-    dropped = [k for k, v in after.items() if k.startswith(START_KEYS) and k in before
-               and before[k] != v]
-    if not dropped:
-        return cfg
-    logging.getLogger(__name__).warning(
-        "%s not read on resume: the weights are the run's newest checkpoint (config.yaml "
-        "keeps %s)", ", ".join(dropped) + (" is" if len(dropped) == 1 else " are"),
-        ", ".join(f"{k} {before[k]!r}" for k in dropped))
-    model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
-    warm_start = saved.get("warm_start") if isinstance(saved.get("warm_start"), dict) else None
-    return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"path": model.get("path", cfg.model.path)}),
-        "warm_start": (cfg.warm_start if warm_start is None
-                       else type(cfg.warm_start).model_validate(warm_start))})
+    before, data = dotted_items(saved), cfg.model_dump(mode="json")
+    kept = []
+    for key, value in dotted_items(data).items():
+        if not (key.startswith(START_KEYS) and key in before and before[key] != value):
+            continue
+        trial = copy.deepcopy(data)
+        *sections, leaf = key.split(".")
+        node = trial
+        for section in sections:
+            node = node[section]
+        node[leaf] = before[key]
+        try:
+            cfg = type(cfg).model_validate(trial)
+        except ValidationError:
+            continue
+        data = trial
+        kept.append(key)
+    if kept:
+        logging.getLogger(__name__).warning(
+            "%s not read on resume: the weights are the run's newest checkpoint (config.yaml "
+            "keeps %s)", ", ".join(kept) + (" is" if len(kept) == 1 else " are"),
+            ", ".join(f"{k} {before[k]!r}" for k in kept))
+    return cfg
 
 
 def _trained_config(run_dir: Path) -> dict | None:
     """The config the newest finished save of `run_dir` records (its training_metadata.json,
     credentials redacted), or None: no readable record (a step imported by `convert --to
-    orbax` records none)."""
-    import json
+    orbax` records none). The trainer resumes from the newest complete step: when the newest
+    finished one is damaged it sets it aside and the record read here is that of a step it
+    passes over (of the same run, so it names the same settings unless a resume changed them)."""
+    from jscenegen.checkpoint.store import CheckpointError, finished_saves, read_metadata
+    from jscenegen.paths import is_decimal
 
-    from jscenegen.checkpoint.store import METADATA_NAME, finished_saves
-
-    steps = sorted((p for p in finished_saves(run_dir / RUN_CHECKPOINTS) if p.name.isdigit()),
-                   key=lambda p: int(p.name))
+    steps = [p for p in finished_saves(run_dir / RUN_CHECKPOINTS) if is_decimal(p.name)]
     if not steps:
         return None
     try:
-        with open(steps[-1] / METADATA_NAME, "rb") as f:
-            config = json.loads(f.read(MAX_METADATA_BYTES + 1)).get("config")
-    except (OSError, ValueError, AttributeError):   # the trainer names a damaged step itself
+        config = read_metadata(max(steps, key=lambda p: int(p.name))).get("config")
+    except CheckpointError:   # the trainer names a damaged step itself
         return None
     return config if isinstance(config, dict) and config else None
-
-
-MAX_METADATA_BYTES = 16 * 2**20
 
 
 def _changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
                       what: str = "resume", ignored: tuple[str, ...] = ()) -> str | None:
     """The warning naming the settings `cfg` changes from `saved` (a mapping: the run's
     config.yaml, or the config its newest checkpoint records; only its own keys with
-    `only_saved_keys`; none starting with an `ignored` prefix), credentials redacted; None
-    when none changes. `train_command` logs it once the trainer has accepted the resume (it
+    `only_saved_keys`; none starting with an `ignored` prefix, none whose saved value is a
+    redacted credential, which cannot be compared), credentials redacted; None when none
+    changes. `train_command` logs it once the trainer has accepted the resume (it
     checks that the schedule and reward stay compatible; the rest is taken as asked), so a
     refused resume does not say it changed anything. `what`: "resume", or "the restart" of a
     run stopped before its first checkpoint."""
     from jscenegen.checkpoint.metadata import redact
-    from jscenegen.config import dotted_items
+    from jscenegen.config import REDACTED, dotted_items
 
     before = dotted_items(saved)
     after = dotted_items(cfg.model_dump(mode="json"))
     shown_before, shown_after = dotted_items(redact(saved)), redact(after)
     changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
                if before.get(k) != v and (k in before or not only_saved_keys)
-               and not k.startswith(ignored)]
+               and not k.startswith(ignored) and before.get(k) != REDACTED]   # unknowable
     return f"{what} changes {'; '.join(changed)}" if changed else None
