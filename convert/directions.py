@@ -288,32 +288,27 @@ def hf_state(hf_dir: str | Path) -> VerlState:
         if reader.shape(name) != tuple(shape):
             raise ConvertError(f"{reader.files[name]}: {name} has shape {reader.shape(name)}, "
                                f"config.json implies {tuple(shape)}")
-    if cfg.tie_word_embeddings and TIED_HEAD in reader.files:
+    if cfg.tie_word_embeddings and "lm_head.weight" in reader.files:
         _check_tied_head(reader, embedding_name(cfg))
     return VerlState(config=cfg, hf_dir=hf_dir, params=reader.read)
 
 
-TIED_HEAD = "lm_head.weight"
-
-
 def _check_tied_head(reader: SafetensorsReader, embedding: str, block_bytes: int = 64 * 2**20) -> None:
-    """A stored `lm_head.weight` of a tied model must equal the embedding (as `load_hf`
-    requires): a different one is a trained head the output, written tied, would drop. Compared
-    in row blocks of about `block_bytes`. Raises ConvertError naming the file."""
-    file = reader.files[TIED_HEAD]
-    shape = reader.shape(embedding)
-    same = reader.shape(TIED_HEAD) == shape
+    """`hf_io.check_tied_head` in row blocks of about `block_bytes` (the head and the embedding
+    are not held whole). Raises ConvertError naming the file."""
+    from jscenegen.model.hf_io import TIED_ALIAS, CheckpointFormatError, check_tied_head, tied_head_error
+
+    file, shape = reader.files[TIED_ALIAS], reader.shape(embedding)
+    if reader.shape(TIED_ALIAS) != shape:
+        raise ConvertError(str(tied_head_error(file, embedding)))
     rows = max(1, block_bytes // max(1, int(np.prod(shape[1:])) * reader.dtype(embedding).itemsize))
-    for start in range(0, shape[0] if same else 0, rows):
-        stop = min(shape[0], start + rows)
-        head, emb = reader.read(TIED_HEAD, 0, start, stop), reader.read(embedding, 0, start, stop)
-        same = np.array_equal(head, emb, equal_nan=True)
-        if not same:
-            break
-    if not same:
-        raise ConvertError(f"{file}: {TIED_HEAD!r} differs from {embedding!r} but config.json says "
-                           "tie_word_embeddings: true (the output, written tied, would drop this "
-                           "head); set tie_word_embeddings to false to keep it, or remove the tensor")
+    try:
+        for start in range(0, shape[0], rows):
+            stop = min(shape[0], start + rows)
+            check_tied_head(reader.read(TIED_ALIAS, 0, start, stop),
+                            reader.read(embedding, 0, start, stop), file, embedding)
+    except CheckpointFormatError as err:
+        raise ConvertError(str(err)) from None
 
 
 def hf_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",

@@ -517,11 +517,15 @@ class VerlCheckpoint:
                 self._check_plain(self.layout.rank_file(kind, r), key, t, tuple(shape),
                                   values[0] if r else None)
         if self.tied:  # a converted checkpoint keeps one of the two: they must be equal
+            from jscenegen.model.hf_io import CheckpointFormatError, check_tied_head
+
             shape = tuple(self.shapes[self.embedding])
-            if not np.array_equal(self._read_entry("lm_head.weight", shape),
-                                  self._read_entry(self.embedding, shape)):
-                raise ConvertError(f"{self.layout.rank_file('model', 0)}: lm_head.weight differs "
-                                   f"from {self.embedding} although the config ties them")
+            try:
+                check_tied_head(self._read_entry("lm_head.weight", shape),
+                                self._read_entry(self.embedding, shape),
+                                self.layout.rank_file("model", 0), self.embedding)
+            except CheckpointFormatError as err:
+                raise ConvertError(str(err)) from None
 
     def _shard_dim(self, f: Path, key: str, t: Any, rank: int) -> int | None:
         """Shard dim of DTensor `t` (None = Replicate) read from rank file `f` of `rank`.

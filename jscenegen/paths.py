@@ -222,6 +222,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JSCENEGEN_CACHE", Path.home() / ".cache" / "jscenegen"))
 
 
+def hidden_name(name: str, tag: str) -> str:
+    """`.NAME.TAG`, the name of a temporary written beside `name`, with NAME cut to its first
+    100 bytes: a name near the file system's limit (255 bytes) leaves no room for more."""
+    return f".{os.fsdecode(os.fsencode(name)[:100])}.{tag}"
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     """Yield a temporary path beside `path` to write; on success it gets the permissions of the
@@ -232,9 +238,7 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     path = Path(path)
     refuse_non_regular(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # the name's first 100 bytes: a name near the file system's limit leaves no room for more
-    short_name = os.fsdecode(os.fsencode(path.name)[:100])
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{short_name}.", suffix=suffix)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=hidden_name(path.name, ""), suffix=suffix)
     os.close(fd)
     try:
         yield Path(tmp)

@@ -105,6 +105,8 @@ def test_cli_errors(tmp_path, capsys):
         assert capsys.readouterr().err == (f"error: {label} {tmp_path}/v\\udcff: the path is not "
                                            "UTF-8 text (byte b'\\xff' at "
                                            f"{len(str(tmp_path)) + 2}); give a UTF-8 name\n")
+    assert main(["convert", "--verify", os.fsdecode(odd)]) == 2   # hashing takes any name
+    assert "checksums.json: missing" in capsys.readouterr().err
 
 
 def test_carried_from_flag(tmp_path, capsys):

@@ -182,8 +182,9 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
     scenes = tmp_path / "two.jsonl"
     scenes.write_text("".join(json.dumps(r.to_json()) + "\n" for r in dev_records()[:1]))
     out = tmp_path / "r.json"
+    plot = tmp_path / ("p" * 251 + ".png")   # a legal name: its `.NAME.pending.png` was not
     assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes), "--greedy",
-                 "--out", str(out), *TINY]) == 0
+                 "--out", str(out), "--plot", str(plot), *TINY]) == 0
     rep = json.loads(out.read_text())
     assert rep["model"] == str(chat_model_dir()) and rep["sampling"]["greedy"] is True
     import hashlib
@@ -193,7 +194,8 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
     assert rep["sampling"]["chat_template_sha256"] == hashlib.sha256(
         chatml_template().encode()).hexdigest()   # the fixture tokenizer's own template
     assert rep["overall"]["model"]["reward"] == -1.0 and len(rep["scenes"]) == 1
-    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert plot.read_bytes()[:4] == b"\x89PNG" and sorted(p.name for p in tmp_path.iterdir()) == [
+        plot.name, "r.json", "two.jsonl"]
     assert main(["eval", "--model", str(tmp_path), "--scenes", str(scenes), *TINY]) == 2
     assert "neither an HF model directory" in capsys.readouterr().err
 

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     _refuse_options_a_mode_ignores(args)
     for label, path in (("SRC", args.src), ("DST", args.dst), ("--carried-from", args.carried_from),
-                        ("--verify", args.verify), ("--inspect", args.inspect)):
+                        ("--inspect", args.inspect)):   # --verify only hashes files: any name
         if path is not None:   # the libraries reading them (safetensors, torch) take UTF-8 paths
             refuse_non_utf8(path, f"{label} {path}")
     if args.verify:

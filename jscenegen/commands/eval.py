@@ -98,7 +98,7 @@ def run(args) -> int:
     from jscenegen.config import terminal_text
     from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import ungraded_judge_failures
-    from jscenegen.paths import new_parents_removed_on_error, refuse_non_regular, write_json
+    from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
@@ -122,7 +122,7 @@ def run(args) -> int:
     report.update(model=str(args.model), scene_set=str(scenes))
     out, plot = Path(args.out), Path(plot_path)
     # both or neither: the plot waits beside its place until the report is written
-    pending = plot.with_name(f".{plot.name}.pending.png")
+    pending = plot.with_name(hidden_name(plot.name, "pending.png"))
     with new_parents_removed_on_error(out), new_parents_removed_on_error(plot):
         try:
             plot_report(report, pending)

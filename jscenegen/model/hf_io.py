@@ -71,19 +71,26 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
             )
         if (cfg.tie_word_embeddings and TIED_ALIAS in files
                 and name == f"{cfg.text_prefix}embed_tokens.weight"):
-            _check_tied_alias(files[TIED_ALIAS], name, arr)
+            check_tied_head(read_tensor(files[TIED_ALIAS], TIED_ALIAS), arr, files[TIED_ALIAS], name)
         yield name, arr
 
 
-def _check_tied_alias(file: Path, embedding_name: str, embedding: np.ndarray) -> None:
-    """A stored `lm_head.weight` of a tied model must be the embedding: a different one is a
-    trained head that loading as tied would silently drop."""
-    head = read_tensor(file, TIED_ALIAS)
+def check_tied_head(head: np.ndarray, embedding: np.ndarray, file: str | Path,
+                    embedding_name: str) -> None:
+    """A stored `lm_head.weight` (rows of it) of a tied model must equal the embedding (the same
+    rows; NaN equal to NaN): a different one is a trained head that loading or writing the model
+    tied would silently drop. Raises CheckpointFormatError naming `file`. The one rule for HF,
+    VERL and conversion sources."""
     if head.shape != embedding.shape or not np.array_equal(head, embedding, equal_nan=True):
-        raise CheckpointFormatError(
-            f"{file}: {TIED_ALIAS!r} differs from {embedding_name!r} but config.json says "
-            "tie_word_embeddings: true (loading it tied would drop this head); set "
-            "tie_word_embeddings to false to keep it, or remove the tensor")
+        raise tied_head_error(file, embedding_name)
+
+
+def tied_head_error(file: str | Path, embedding_name: str) -> CheckpointFormatError:
+    """The refusal of `check_tied_head`."""
+    return CheckpointFormatError(
+        f"{file}: {TIED_ALIAS} differs from {embedding_name} but the config ties them "
+        "(tie_word_embeddings: true; loaded or written tied, this head would be dropped); set "
+        "tie_word_embeddings to false to keep it, or remove the tensor")
 
 
 def load_hf(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
