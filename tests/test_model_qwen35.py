@@ -131,9 +131,23 @@ def test_a_config_and_weights_of_different_mtp_layer_counts_are_refused(qwen35_h
     assert QwenConfig.from_dir(d).mtp_layers == doc["text_config"]["mtp_num_hidden_layers"] == 1
     doc["text_config"]["mtp_num_hidden_layers"] = layers
     (d / "config.json").write_text(json.dumps(doc))
-    with pytest.raises(ModelConfigError, match=rf"^{d / 'config.json'}: mtp_num_hidden_layers is "
-                       rf"{layers}, but the weights beside it hold 1 MTP layer\(s\) \(mtp.layers.0-0\)"):
+    with pytest.raises(ModelConfigError, match=rf"^{d / 'config.json'}: text_config.mtp_num_hidden_layers "
+                       rf"is {layers}, but the weights beside it hold 1 MTP layer\(s\) \(mtp.layers.0-0\)"):
         QwenConfig.from_dir(d)
+
+
+@pytest.mark.parametrize("value", [-1, False, True, 1.0])
+def test_mtp_layers_is_an_integer_of_at_least_zero(qwen35_hf, value):
+    """-1 was refused as "must be a positive integer" though 0 is valid (what a conversion
+    without mtp.* writes); `false` read as 0 (then blamed on the weights)."""
+    doc = _read(qwen35_hf["qwen3_5"])
+    doc["text_config"]["mtp_num_hidden_layers"] = value
+    with pytest.raises(ModelConfigError, match=rf"^config.json: text_config.mtp_num_hidden_layers "
+                                               rf"must be an integer >= 0, got {value!r}$"):
+        QwenConfig.from_hf_dict(doc, "config.json")
+    for ok in (0, None):
+        doc["text_config"]["mtp_num_hidden_layers"] = ok
+        assert QwenConfig.from_hf_dict(doc, "config.json").mtp_layers == 0
 
 
 def test_weight_table_is_transformers_parameter_order(qwen35_hf, torch_models):

@@ -352,8 +352,9 @@ class QwenConfig:
             return cfg
         held = cfg.with_storage({name: dtype for name, (dtype, _) in stored.items()})
         if held.mtp_layers not in (0, cfg.mtp_layers):
+            key = ("text_config." if cfg.model_type == "qwen3_5" else "") + "mtp_num_hidden_layers"
             raise ModelConfigError(
-                f"{f}: mtp_num_hidden_layers is {cfg.mtp_layers}, but the weights beside it hold "
+                f"{f}: {key} is {cfg.mtp_layers}, but the weights beside it hold "
                 f"{held.mtp_layers} MTP layer(s) (mtp.layers.0-{held.mtp_layers - 1}): they "
                 "describe different models")
         return held
@@ -563,9 +564,13 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
 
 
 def _mtp_layers(t: dict[str, Any], source: str, prefix: str) -> int:
-    value = t.get("mtp_num_hidden_layers", 0) or 0
-    if value == 0 and not isinstance(value, bool):
+    """`mtp_num_hidden_layers`: an integer >= 0 (absent or null: 0); a boolean is refused."""
+    value = t.get("mtp_num_hidden_layers")
+    if value is None or (value == 0 and type(value) is int):
         return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelConfigError(f"{source}: {prefix}mtp_num_hidden_layers must be an integer >= 0, "
+                               f"got {value!r}")
     return _positive(value, "mtp_num_hidden_layers", source, prefix, integer=True,
                      limit=SIZE_LIMITS["num_hidden_layers"])
 
