@@ -283,7 +283,8 @@ def hf_state(hf_dir: str | Path) -> VerlState:
     unexpected = sorted(set(reader.files) - allowed)
     if missing or unexpected:
         raise ConvertError(f"{hf_dir}: safetensors names do not match config.json "
-                           f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+                           f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+                           + (f" ({note})" if missing and (note := cfg.assumed_tower_note()) else ""))
     for name, shape in shapes.items():
         if reader.shape(name) != tuple(shape):
             raise ConvertError(f"{reader.files[name]}: {name} has shape {reader.shape(name)}, "

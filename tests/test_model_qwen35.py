@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 
 import jax
@@ -615,3 +616,30 @@ def test_a_qwen3_5_config_over_text_only_names_says_which_names_it_expects(qwen3
                        r"\(config\.json's model_type qwen3_5 names its text tensors "
                        r"model\.language_model\.\*\)"):
         load_hf(d)
+
+
+def test_a_composite_config_without_a_vision_config_says_the_default_tower_is_assumed(
+        qwen35_hf, tmp_path, capsys):
+    """A qwen3_5 config.json without vision_config reads as transformers' default 27-block tower:
+    convert named only missing model.visual tensors, and mesh-report counted a 455 M model for
+    a 1.4 M one, neither saying why (helper-81)."""
+    import shutil
+
+    from convert.dispatch import convert
+    from convert.errors import ConvertError
+    from jscenegen.cli import main
+    from jscenegen.model.hf_io import CheckpointFormatError, load_hf
+
+    d = shutil.copytree(qwen35_hf["qwen3_5"], tmp_path / "m")
+    assert QwenConfig.from_dir(d).assumed_tower_note() == ""
+    doc = _read(d)
+    del doc["vision_config"]
+    (d / "config.json").write_text(json.dumps(doc))
+    note = ("(config.json has no vision_config: transformers' default tower, depth 27, is "
+            "assumed)")
+    with pytest.raises(ConvertError, match=re.escape(note) + "$"):
+        convert(d, tmp_path / "out", src_format="hf", dst_format="verl", world_size=2)
+    with pytest.raises(CheckpointFormatError, match=re.escape(note) + "$"):
+        load_hf(d)
+    assert main(["mesh-report", "--model", str(d)]) == 0
+    assert f"note: {note[1:-1]}\n" in capsys.readouterr().out

@@ -99,6 +99,8 @@ def run(args) -> int:
     print(f"parameters: {count_text} ({count:,}); params + Adam (fp32): "
           f"{report['total_bytes'] / gb:.2f} GiB total, {report['max_device_bytes'] / gb:.2f} GiB on the "
           f"fullest device (ideal {report['ideal_device_bytes'] / gb:.2f} GiB)")
+    if note := cfg.assumed_tower_note():
+        print(f"note: {note}")
     if report["frozen_bytes"]:
         print(f"of which frozen (carried, stored dtype, no Adam): {report['frozen_bytes'] / gb:.2f} GiB")
     return 0

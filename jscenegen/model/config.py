@@ -376,6 +376,15 @@ class QwenConfig:
         """The dtype the source directory stores tensor `name` in (default `torch_dtype`)."""
         return dict(self.stored_dtypes).get(name, self.torch_dtype)
 
+    def assumed_tower_note(self) -> str:
+        """For a composite `qwen3_5` config.json without a vision_config, the note that
+        transformers' default tower (`VisionShapes`: 27 blocks) is assumed, as transformers does;
+        else "". Errors about the tower's tensors and mesh-report's sizes add it."""
+        if self.model_type != "qwen3_5" or json.loads(self.hf_config or "{}").get("vision_config"):
+            return ""
+        return (f"config.json has no vision_config: transformers' default tower, depth "
+                f"{VisionShapes().depth}, is assumed")
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content.
 

@@ -58,7 +58,8 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
                  f"{unexpected[:3]} (config.json's model_type {cfg.model_type} names its text "
                  f"tensors {cfg.text_prefix}*)" if unexpected else "")
         raise CheckpointFormatError(f"{path}: missing tensor(s) {missing[:5]}"
-                                    f"{' ...' if len(missing) > 5 else ''}{other}")
+                                    f"{' ...' if len(missing) > 5 else ''}{other}"
+                                    + (f" ({note})" if (note := cfg.assumed_tower_note()) else ""))
     if unexpected:
         raise CheckpointFormatError(
             f"{files[unexpected[0]]}: unexpected tensor(s) {unexpected[:5]} for {cfg.model_type}"
