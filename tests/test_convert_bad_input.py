@@ -487,6 +487,10 @@ def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path,
     (lambda h, q: h[q].__setitem__("extra", 1), r"q_proj.weight': an entry holds exactly"),
     (lambda h, q: h.__setitem__("__metadata__", {"format": 1}), r"__metadata__ must map strings"),
     (lambda h, q: h.__setitem__("__metadata__", ["pt"]), r"__metadata__ must map strings"),
+    # an empty tensor inside another's bytes: the safetensors library's invalid offset
+    (lambda h, q: h.__setitem__("empty", {"dtype": "F32", "shape": [0], "data_offsets": [
+        h[q]["data_offsets"][0] + 4] * 2}), r"tensor 'empty' starts at \d+, inside the bytes of "
+                                            r"another tensor"),
 ])
 def test_a_malformed_safetensors_header_is_refused_naming_file_and_tensor(tiny_hf, tmp_path, change,
                                                                          message):

@@ -144,7 +144,10 @@ def _check_covered(header: dict, data_bytes: int) -> None:
             raise ValueError(f"{begin - covered} bytes before tensor {name[:200]!r} belong to no "
                              f"tensor (data_offsets start at {begin}, the previous tensor ends "
                              f"at {covered})")
-        covered = max(covered, end)
+        if begin < covered:   # an empty tensor (overlaps are refused above) inside another's bytes
+            raise ValueError(f"tensor {name[:200]!r} starts at {begin}, inside the bytes of "
+                             f"another tensor (which end at {covered})")
+        covered = end
     if data_bytes > covered:
         raise ValueError(f"{data_bytes - covered} bytes after the last tensor belong to none (the "
                          f"tensors cover {covered} of the data section's {data_bytes} bytes)"
