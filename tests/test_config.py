@@ -108,6 +108,19 @@ def test_a_number_given_for_a_text_field_says_to_quote_it(tmp_path):
         load_config(None, ["logging.experiment=true"], RunConfig)   # a boolean: no number hint
 
 
+def test_swanlab_names_are_checked_with_the_config():
+    """A project name swanlab refuses (a space, a slash) or a 3,000-character experiment passed
+    the config and failed in swanlab.init after the warm start and model load, blamed on
+    logging.swanlab_mode (helper-82)."""
+    with pytest.raises(ConfigError, match=r"^override logging.project=my proj: logging.project: "
+                                          r"String should match pattern"):
+        load_config(None, ["logging.project=my proj"], RunConfig)
+    with pytest.raises(ConfigError, match=r"logging.experiment: String should have at most 512 "):
+        load_config(None, ["logging.experiment=" + "a" * 513], RunConfig)
+    cfg = load_config(None, ["logging.project=a.b-c+d_1", "logging.experiment=ü/x y"], RunConfig)
+    assert (cfg.logging.project, cfg.logging.experiment) == ("a.b-c+d_1", "ü/x y")
+
+
 def test_a_string_is_unicode_text():
     """Bytes that are not UTF-8 on a command line arrive as lone surrogates: no file or
     tokenizer can encode them, so they are refused where they are given."""

@@ -41,9 +41,12 @@ class LoggingConfig(Section):
         "RUN_DIR/swanlab, no network (view with swanlab watch); local: swanlab's local mode, "
         "also under RUN_DIR/swanlab; online: syncs to the SwanLab cloud (swanlab's own login); "
         "disabled: swanlab is not started (metrics.jsonl is written either way)")
-    project: str = Field("jscenegen", description="swanlab project the run is logged under "
-                         "(swanlab.init project)")
-    experiment: str | None = Field(None, description="run name (default: the run directory's name)")
+    # swanlab's own bounds (swanlab/sdk/internal/pkg/constraints), checked before any model loads
+    project: str = Field("jscenegen", min_length=1, max_length=100, pattern=r"^[0-9a-zA-Z_\-+.]+$",
+                         description="swanlab project the run is logged under (swanlab.init "
+                         "project: 1-100 of A-Z a-z 0-9 _ - + .)")
+    experiment: str | None = Field(None, min_length=1, max_length=512, description="run name, at "
+                                   "most 512 characters (default: the run directory's name)")
 
 
 def command_line() -> list[str]:
