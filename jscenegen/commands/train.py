@@ -52,14 +52,15 @@ def run(args) -> int:
             saved, only_saved_keys = read_yaml(config_path), True
         if not afresh:   # a new start takes the model it is given
             cfg = _keep_saved_start(saved, cfg)
-        settings_notice = _changed_settings(saved, cfg, only_saved_keys,
-                                            "the restart" if afresh else "resume")
-    if args.resume and not afresh and (trained := _trained_config(run_dir)) is not None:
-        # what the run trained with: a hand edit of config.yaml changes the run too
+    trained = _trained_config(run_dir) if args.resume and not afresh else None
+    if trained is not None:   # what the run trained with: a hand edit of config.yaml counts too
         from jscenegen.pipeline import LAUNCH_KEYS
 
         settings_notice = _changed_settings(trained, cfg, only_saved_keys=True, ignored=(
             *START_KEYS, *(f"mesh.{key}" for key in LAUNCH_KEYS)))
+    elif args.resume and args.overrides:
+        settings_notice = _changed_settings(saved, cfg, only_saved_keys,
+                                            "the restart" if afresh else "resume")
     check_output_dir(run_dir, label="--run-dir")
     if not args.resume:
         _refuse_a_directory_of_other_files(run_dir)

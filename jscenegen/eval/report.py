@@ -41,10 +41,10 @@ def check_report(report, source: str) -> None:
             if key not in m or not (m[key] is None or finite_number(m[key])):
                 raise ValueError(f"{source}: {where}.{key} must be a finite number or null, "
                                  f"got {clip_text(repr(m.get(key)))}")
-        for key, most in (("units", math.inf), ("failure_rate", 1), ("reachable", 1)):
+        for key, most, span in (("units", math.inf, "the units a run can spend (>= 0)"),
+                                ("failure_rate", 1, "[0, 1]"), ("reachable", 1, "[0, 1]")):
             if m[key] is not None and not 0 <= m[key] <= most:
-                raise ValueError(f"{source}: {where}.{key} {m[key]!r} is outside "
-                                 f"{'[0, 1]' if most == 1 else 'the units a run can spend (>= 0)'}")
+                raise ValueError(f"{source}: {where}.{key} {m[key]!r} is outside {span}")
         if not episodes:
             return
         eps = m.get("episodes")

@@ -80,8 +80,10 @@ def check_tied_head(head: np.ndarray, embedding: np.ndarray, file: str | Path,
                     embedding_name: str) -> None:
     """A stored `lm_head.weight` (rows of it) of a tied model must equal the embedding (the same
     rows; NaN equal to NaN): a different one is a trained head that loading or writing the model
-    tied would silently drop. Raises CheckpointFormatError naming `file`. The one rule for HF,
-    VERL and conversion sources."""
+    tied would silently drop. head, embedding: [rows, hidden] arrays of any float dtype (values
+    compared, not bytes); a shape mismatch is a difference. Raises CheckpointFormatError naming
+    `file`. The one rule for HF, VERL and conversion sources (transformers ties the head by
+    `tie_word_embeddings`, modeling_utils `tie_weights`)."""
     if head.shape != embedding.shape or not np.array_equal(head, embedding, equal_nan=True):
         raise tied_head_error(file, embedding_name)
 
