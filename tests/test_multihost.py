@@ -3,12 +3,14 @@ the sharded loss, a process's judge, and a whole GRPO run with a stop and a resu
 whose peers never join."""
 import json
 import os
+import random
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,17 @@ from multihost_loss import sharded_loss
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below Linux's ephemeral range (32768-60999): a coordinator port inside
+    it can be handed out meanwhile as the local end of an outgoing connection, process 1's own
+    early attempts to reach the coordinator included (a TCP self-connect)."""
+    for port in random.sample(range(20000, 32768), 500):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000..32767")
 
 
 HERE = Path(__file__).resolve().parent
@@ -40,12 +50,26 @@ def _pair(command_of, *, env_of=lambda pid: {}, cwd_of=lambda pid: None) -> tupl
         env.update(env_of(pid))
         procs.append(subprocess.Popen(command_of(pid), env=env, cwd=cwd_of(pid),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = [err for _, err in _outputs(procs, timeout_s=120)]
     return [p.returncode for p in procs], errs
+
+
+def _outputs(procs, *, timeout_s: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each process once all have ended, the pipes of all drained at once
+    (one process blocked writing to a full pipe would hold up the others). One still running
+    after `timeout_s` fails the test with every process's stderr (one that never joined says
+    why in its own)."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        waits = [pool.submit(p.communicate, timeout=timeout_s) for p in procs]
+        done = [w.exception() is None for w in waits]
+    if all(done):
+        return [w.result() for w in waits]
+    for p in procs:
+        p.kill()
+    errs = [(w.result() if ok else p.communicate())[1] for p, w, ok in zip(procs, waits, done)]
+    tails = [f"process {i} (exit {p.returncode}): ...{err[-2000:]}"
+             for i, (p, err) in enumerate(zip(procs, errs))]
+    pytest.fail(f"still running after {timeout_s} s:\n" + "\n".join(tails))
 
 
 def _two_processes(*args: str) -> list[str]:
@@ -62,7 +86,7 @@ def _two_processes(*args: str) -> list[str]:
         procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"), *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = _outputs(procs, timeout_s=300)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return [out for out, _ in outs]
@@ -142,7 +166,7 @@ def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tm
         return procs
 
     def finish(procs):
-        outs = [p.communicate(timeout=600) for p in procs]
+        outs = _outputs(procs, timeout_s=600)
         return [(p.returncode, _last_json(out) if "{" in out else None, err[-3000:])
                 for p, (out, err) in zip(procs, outs)]
 
