@@ -151,6 +151,7 @@ def check_run_inputs(cfg) -> None:
     `Judge.check_reachable`); a wrong path or more scenes asked than the set holds fails
     in seconds, not after the SFT warm start. Raises the readers' errors (naming the file and
     key) and `trainer.train_scenes`'."""
+    from jscenegen.grpo.train.metrics import check_swanlab_mode
     from jscenegen.grpo.train.trainer import train_scenes
     from jscenegen.paths import resolve_data_path
     from jscenegen.scene.catalogue import load_catalogue
@@ -160,6 +161,12 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.sharding.mesh import is_primary
 
     train_scenes(cfg)
+    if is_primary():   # the process that logs to swanlab
+        check_swanlab_mode(cfg.logging)
+    every, total = cfg.trainer.eval_every, cfg.schedule.total_updates
+    if every > total and is_primary():
+        log.warning("trainer.eval_every=%d is more than schedule.total_updates=%d: no evaluation "
+                    "during training", every, total)
     catalogue = load_catalogue(cfg.scene.catalogue_path)
     sets = [cfg.schedule.train_set]
     if cfg.trainer.eval_before_after or cfg.trainer.eval_every:

@@ -815,3 +815,68 @@ def test_a_credential_from_the_environment_is_masked_in_what_swanlab_recorded(tm
     assert files and not [p for p in files if secret.encode() in p.read_bytes()]
     masked = b"*" * len(secret)
     assert any(masked in p.read_bytes() for p in files)   # it was recorded, masked
+
+
+def test_weights_already_evaluated_are_not_played_again(tmp_path, monkeypatch):
+    """With `trainer.eval_every` dividing the run's updates and `eval_before_after`, the last
+    update's weights were played twice (eval_update_U, then eval_after): the same fixed-seed
+    episodes, twice the judge calls. The reports say `attempts` (a count, as checkpoints/N)."""
+    import types
+
+    import jscenegen.eval.evaluate
+    import jscenegen.eval.plots
+    from jscenegen.grpo.train.schedule import SchedulePosition
+
+    played = []
+
+    def evaluate(engine, records, **kw):
+        played.append(len(records))
+        return {"overall": {"model": {"reward": 0.25 * len(played)}}}
+
+    monkeypatch.setattr(jscenegen.eval.evaluate, "evaluate", evaluate)
+    monkeypatch.setattr(jscenegen.eval.plots, "plot_report",
+                        lambda report, out, before=None: out.write_bytes(b"png"))
+    trainer = types.SimpleNamespace(cfg=_cfg(), engine=None, judge=None, run_dir=tmp_path,
+                                    pos=SchedulePosition(attempts=3, effective_updates=2),
+                                    _last_eval=None)
+    first = Trainer.evaluate_dev(trainer, "eval_update_2")
+    again = Trainer.evaluate_dev(trainer, "eval_after")
+    assert len(played) == 1 and again == first
+    assert (first["attempts"], first["effective_updates"]) == (3, 2)
+    assert (json.loads((tmp_path / "eval_after.json").read_text())
+            == json.loads((tmp_path / "eval_update_2.json").read_text()) == first)
+    trainer.pos = SchedulePosition(attempts=4, effective_updates=2)   # an attempt without a step
+    assert Trainer.evaluate_dev(trainer, "eval_after")["overall"]["model"]["reward"] == 0.5
+    assert len(played) == 2
+
+
+def test_an_evaluation_interval_beyond_the_schedule_is_warned_about(caplog):
+    from jscenegen.pipeline import check_run_inputs
+
+    with caplog.at_level("WARNING"):
+        check_run_inputs(_cfg(**{"trainer.eval_every": 4}))     # 3 updates
+    assert "trainer.eval_every=4 is more than schedule.total_updates=3" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        check_run_inputs(_cfg(**{"trainer.eval_every": 3}))
+    assert "eval_every" not in caplog.text
+
+
+def test_swanlab_local_mode_without_its_dashboard_is_refused_before_the_model(tmp_path, monkeypatch):
+    """swanlab's `local` mode without swanboard logged an ERROR and went on: exit 0, no dashboard
+    (helper-82)."""
+    import importlib.util
+
+    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger
+    from jscenegen.pipeline import check_run_inputs
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "swanboard" else real(name, *a))
+    expected = r"^logging\.swanlab_mode=local needs swanlab's dashboard \(pip install 'swanlab\[dashboard\]'\)"
+    with pytest.raises(ValueError, match=expected):
+        check_run_inputs(_cfg(**{"logging.swanlab_mode": "local"}))
+    with pytest.raises(ValueError, match=expected):
+        MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="local"), {})
+    assert list(tmp_path.iterdir()) == []
+    check_run_inputs(_cfg(**{"logging.swanlab_mode": "offline"}))

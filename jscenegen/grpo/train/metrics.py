@@ -8,6 +8,7 @@ or `disabled`. Only process 0 logs. No credential reaches swanlab's files (see M
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -91,6 +92,16 @@ def _quiet_swanlab():
         rich_console.quiet = quiet
 
 
+def check_swanlab_mode(cfg: LoggingConfig) -> None:
+    """Raise ValueError naming `logging.swanlab_mode` when swanlab's `local` mode lacks the
+    package it needs (swanboard, `swanlab[dashboard]`): swanlab itself only logs an error and
+    goes on. Called before any model loads."""
+    if cfg.swanlab_mode == "local" and importlib.util.find_spec("swanboard") is None:
+        raise ValueError("logging.swanlab_mode=local needs swanlab's dashboard (pip install "
+                         "'swanlab[dashboard]'); offline writes the same RUN_DIR/swanlab files "
+                         "without it")
+
+
 class MetricsLogger:
     """Append metrics rows to JSONL (flushed per row) and forward numbers to swanlab.
 
@@ -108,6 +119,7 @@ class MetricsLogger:
         self._credentials: list[str] = []
         if not primary:
             return
+        check_swanlab_mode(cfg)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.swanlab_mode != "disabled":
             import swanlab

@@ -210,6 +210,7 @@ class Trainer:
         self._replaced_handlers: dict = {}
         self._judge_down: list[str] = []     # the judge failures of the updates in a row it failed
         self._rollout_down: list[str] = []   # the runtime failures of the updates in a row they took
+        self._last_eval: tuple[int, dict] | None = None   # (attempts, report) of the newest evaluation
 
     # ---- state ---------------------------------------------------------------------------
     def _reference_params(self, params, resume: bool):
@@ -466,17 +467,25 @@ class Trainer:
 
     def evaluate_dev(self, name: str) -> dict:
         """Play the dev scenes (`trainer.eval_samples` episodes each, their fixed seeds) with the
-        current weights; write `RUN_DIR/<name>.json` and `.png`; return the report."""
+        current weights; write `RUN_DIR/<name>.json` and `.png`; return the report, which holds
+        the run's `attempts` (update attempts made: the checkpoint `checkpoints/<attempts>`) and
+        `effective_updates`. Weights already evaluated (the last update's `trainer.eval_every`
+        evaluation, then `eval_after`) are not played again: that report is written under
+        `name`."""
         from jscenegen.eval.evaluate import evaluate
         from jscenegen.eval.plots import plot_report
         from jscenegen.scene.sceneset import read_scene_set
 
-        records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
-        report = evaluate(self.engine, records, judge=self.judge, scene_cfg=self.cfg.scene,
-                          judge_cfg=self.cfg.judge, samples=self.cfg.trainer.eval_samples,
-                          with_expert=False)
-        report["attempt"] = self.pos.attempts
-        report["effective_updates"] = self.pos.effective_updates
+        if self._last_eval is not None and self._last_eval[0] == self.pos.attempts:
+            report = self._last_eval[1]
+        else:
+            records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
+            report = evaluate(self.engine, records, judge=self.judge, scene_cfg=self.cfg.scene,
+                              judge_cfg=self.cfg.judge, samples=self.cfg.trainer.eval_samples,
+                              with_expert=False)
+            report["attempts"] = self.pos.attempts
+            report["effective_updates"] = self.pos.effective_updates
+            self._last_eval = (self.pos.attempts, report)
         if is_primary():
             write_json(self.run_dir / f"{name}.json", report)
             plot_report(report, self.run_dir / f"{name}.png")
