@@ -199,18 +199,26 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
             raise ConfigError(f"override {clip_text(item)}: {clip_text(key)} is already set by "
                               f"override {clip_text(given[key])}; give each key once")
         given[key] = item
-        node = out
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                section = ".".join(parts[: i + 1])
-                setter = f" set by override {clip_text(given[section])}" if section in given else ""
-                raise ConfigError(f"override {clip_text(repr(key))}: {clip_text(section)} is a "
-                                  f"value{setter}, not a section")
-            node = child
-        node[parts[-1]] = _parse_value(value, item)
+        section = set_dotted(out, key, _parse_value(value, item))
+        if section is not None:
+            setter = f" set by override {clip_text(given[section])}" if section in given else ""
+            raise ConfigError(f"override {clip_text(repr(key))}: {clip_text(section)} is a "
+                              f"value{setter}, not a section")
     return out
+
+
+def set_dotted(data: dict, key: str, value: Any) -> str | None:
+    """Set `value` at the dotted `key` ("a.b.c": data["a"]["b"]["c"]) in place, making missing
+    sections; nothing is set and the first section on the way that holds a value is returned
+    (else None)."""
+    node, parts = data, key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            return ".".join(parts[: i + 1])
+        node = child
+    node[parts[-1]] = value
+    return None
 
 
 def _blame(loc: tuple, source: str, overrides: list[str], message: str = "") -> str:

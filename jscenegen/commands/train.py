@@ -175,7 +175,7 @@ def _keep_saved_start(saved: dict, cfg):
 
     from pydantic import ValidationError
 
-    from jscenegen.config import dotted_items
+    from jscenegen.config import dotted_items, set_dotted
 
     before, data = dotted_items(saved), cfg.model_dump(mode="json")
     kept = []
@@ -183,11 +183,7 @@ def _keep_saved_start(saved: dict, cfg):
         if not (key.startswith(START_KEYS) and key in before and before[key] != value):
             continue
         trial = copy.deepcopy(data)
-        *sections, leaf = key.split(".")
-        node = trial
-        for section in sections:
-            node = node[section]
-        node[leaf] = before[key]
+        set_dotted(trial, key, before[key])
         try:
             cfg = type(cfg).model_validate(trial)
         except ValidationError:
