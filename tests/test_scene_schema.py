@@ -286,3 +286,18 @@ def test_a_long_scene_id_is_refused_by_its_length():
     with pytest.raises(SceneError, match=r"^s.json: scene_id: String should have at most 144 "):
         scene_from_json({"scene_id": "x" * 145, "room": room()}, "s.json")
     assert scene_from_json({"scene_id": "x" * 144, "room": room()}, "s.json").scene_id == "x" * 144
+
+
+def test_floor_and_ceiling_objects_away_from_their_mount_are_refused():
+    """A bed `mount: ceiling` at elevation 0 was measured and graded like any floor bed (full
+    marks), and a floor object could float; the operations never make either (helper-77)."""
+    with pytest.raises(SceneError, match=r"^s.json: .*object b: mount 'ceiling' has its top at the "
+                       r"ceiling \(elevation \+ height = wall_height 2\.6\), not at 0\.5$"):
+        scene_from_json({"room": room(), "objects": [obj("b", "bed", 2, 1.5, 1, 2, 0.5, mount="ceiling")]},
+                        "s.json")
+    with pytest.raises(SceneError, match=r"^s.json: .*object d: mount 'floor' stands on the floor "
+                       r"\(elevation 0\), not at elevation 1\.2$"):
+        scene_from_json({"room": room(), "objects": [obj("d", "desk", 1, 1, 1, 1, 0.5, elevation=1.2)]},
+                        "s.json")
+    light = obj("l", "ceiling_light", 2, 1.5, 0.4, 0.4, 0.2, mount="ceiling", elevation=2.4)
+    assert scene_from_json({"room": room(), "objects": [light]}).objects[0].elevation == 2.4

@@ -126,6 +126,9 @@ class Room(JsonDocument):
                                      f"({along:.3f} m along the wall)")
 
 
+MOUNT_TOLERANCE_M = 1e-5   # the operations round elevations to 1e-6 m
+
+
 class SceneObject(JsonDocument):
     """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
     degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
@@ -218,6 +221,23 @@ class Scene(JsonDocument):
             if at is not None:
                 cycle = chain[chain.index(at):]
                 raise ValueError(f"objects {' -> '.join(cycle + [at])}: parents form a cycle")
+        return self
+
+    @model_validator(mode="after")
+    def _mounted_heights(self) -> "Scene":
+        """The elevations the scene operations give these mounts (ops.py): a floor object stands
+        on the floor, a ceiling object's top is at the ceiling. (An object `on` another may be
+        left off it by a resize: measured as unsupported, not refused; a wall object above the
+        wall: measured as out of bounds.)"""
+        wall = self.room.wall_height
+        for o in self.objects:
+            top = o.elevation + o.size[2]
+            if o.mount == "floor" and o.elevation > MOUNT_TOLERANCE_M:
+                raise ValueError(f"object {o.id}: mount 'floor' stands on the floor (elevation "
+                                 f"0), not at elevation {o.elevation:g}")
+            if o.mount == "ceiling" and abs(top - wall) > MOUNT_TOLERANCE_M:
+                raise ValueError(f"object {o.id}: mount 'ceiling' has its top at the ceiling "
+                                 f"(elevation + height = wall_height {wall:g}), not at {top:g}")
         return self
 
     def object(self, object_id: str) -> SceneObject | None:
