@@ -293,9 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         # JAX (imported by the command) has registered its clean-up
         atexit.unregister(_default_interrupt_at_exit)
         atexit.register(_default_interrupt_at_exit)
-    if _must_skip_clean_up(code):
+    if _must_skip_clean_up(code) or (argv is None and _unwound_by_signal and "jax" in sys.modules):
         _end_without_clean_up(code)
     return code
+
+
+# A signal that unwound the command (Ctrl-C, SIGTERM) may have cut into JAX's own bookkeeping
+# around a native call (a jit compiling: the exception leaves its C++ caller half-done), and
+# the interpreter's clean-up then crashed (exit 139 after the error line): the program ends
+# without it, as a joined run's process does.
+_unwound_by_signal: list[int] = []
 
 
 def _runtime_error(err: BaseException) -> bool:
@@ -342,9 +349,11 @@ def _run(argv: list[str] | None) -> int:
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        _unwound_by_signal.append(signal.SIGINT)
         return 130
     except Terminated:
         print("error: terminated (SIGTERM)", file=sys.stderr)
+        _unwound_by_signal.append(signal.SIGTERM)
         return 128 + signal.SIGTERM
     except BrokenPipeError:
         if not stdout_reader_gone():

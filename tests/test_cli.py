@@ -1229,3 +1229,23 @@ def test_a_joined_process_that_fails_says_why_in_one_line_unless_it_is_a_bug(
             "error: JaxRuntimeError: INTERNAL: Error dispatching computation: Gloo collective "
             "permute failed: Connection closed by peer; more detail (a computation of this "
             "multi-process run failed; when another process stopped first, its output says why"), err
+
+
+@pytest.mark.parametrize("with_jax", [True, False])
+def test_a_command_unwound_by_a_signal_ends_without_the_interpreters_clean_up(tmp_path, with_jax):
+    """Ctrl-C during a jit compile (`init-model --arch qwen3_5`) printed its error line and
+    exit 130, then the interpreter's clean-up crashed in JAX's native state: exit 139
+    (helper-83). A program that loaded JAX now ends without that clean-up; one that did not
+    ends as before."""
+    marker = tmp_path / "clean-up ran"
+    driver = (f"import atexit, sys{', jax' if with_jax else ''}\n"
+              "import jscenegen.cli as cli\n"
+              f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
+              "def build_parser():\n"
+              "    raise KeyboardInterrupt\n"
+              "cli.build_parser = build_parser\n"
+              "sys.exit(cli.main())\n")
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (130, "error: interrupted (Ctrl-C)")
+    assert marker.exists() != with_jax
