@@ -1047,6 +1047,24 @@ def test_parity_logits_of_non_finite_weights_is_valid_json_without_a_top1_figure
     assert result["finite_logits"] is False and result["ok"] is False
 
 
+def test_parity_logits_of_a_model_with_constant_logits_is_not_ok(tiny_hf, tmp_path, capsys):
+    """A model whose final norm gives 0 (here: zero weights; helper-83's embedding scaled by
+    1e30 overflowed the norm) has logits 0 for every token on both sides: max |diff| 0, top-1
+    agreement 1.0 from ties, `ok: true`."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "m"
+    _model_copy(tiny_hf["qwen3"], model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"] = np.zeros_like(tensors["model.norm.weight"])
+    save_file(tensors, model / "model.safetensors")
+    assert main(["parity", "logits", "--model", str(model), "--batch", "1", "--seq", "8"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["max_abs_diff"] == 0.0 and result["finite_logits"] is True
+    assert result["constant_positions"] == 8 and result["ok"] is False
+
+
 def test_an_error_line_escapes_the_control_characters_it_echoes(capsys):
     """An override key holding an ANSI escape was echoed raw into the terminal."""
     assert main(["train", "no\x1b[31mkey=1"]) == 2

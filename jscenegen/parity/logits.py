@@ -65,10 +65,12 @@ def torch_model(model_dir: str, model_type: str, dtype: str):
 def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str = "float32",
                   seed: int = 0) -> dict:
     """Compare jscenegen and transformers logits; returns max_abs_diff, mean_kl, top1_agreement
-    (None when a logit is not finite), finite_logits, ok.
+    (None when a logit is not finite), finite_logits, constant_positions (real positions whose
+    torch logits are the same for every token: nothing compared there), ok.
 
     `ok` applies the tolerances: fp32 max |diff| <= 1e-4; bf16 `bf16_within_tolerance`, with
-    `kl_to_fp32` (each side's bf16 mean KL to torch's fp32 logits) in the result.
+    `kl_to_fp32` (each side's bf16 mean KL to torch's fp32 logits) in the result; and no
+    constant position.
     Raises ImportError without torch, and the loaders' errors for a bad directory.
     """
     import jax
@@ -97,13 +99,16 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     diff = np.abs(ours - ref_logits)[real]
     kl = _kl(ref_logits[real], ours[real])
     finite = bool(np.isfinite(ours[real]).all() and np.isfinite(ref_logits[real]).all())
+    # a position whose torch logits are one value for every token compares nothing (a model
+    # whose norm overflows gives 0 everywhere: equal to ours, a perfect score)
+    constant = int((ref_logits[real].max(-1) == ref_logits[real].min(-1)).sum())
     result = {
         "max_abs_diff": float(diff.max()),
         "mean_kl": float(kl.mean()),
         # the argmax of a NaN row is no prediction
         "top1_agreement": float((ours.argmax(-1) == ref_logits.argmax(-1))[real].mean())
         if finite else None,
-        "finite_logits": finite,
+        "finite_logits": finite, "constant_positions": constant,
         "dtype": dtype, "batch": batch, "seq": seq, "model_type": model.cfg.model_type,
     }
     if dtype == "float32":
@@ -113,4 +118,5 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
         result["kl_to_fp32"] = {"jscenegen": float(_kl(truth, ours[real]).mean()),
                                 "torch": float(_kl(truth, ref_logits[real]).mean())}
         result["ok"] = finite and bf16_within_tolerance(result["mean_kl"], result["kl_to_fp32"])
+    result["ok"] = bool(result["ok"] and constant == 0)
     return result
