@@ -230,3 +230,21 @@ def test_qwen35_inspect(exported35):
     run = describe(exported35["out"].parent / "run")["latest"]
     assert run["tensors"] == 117 and run["frozen_tensors"] == frozen + 15
     assert run["adam_state_tensors"] == 102 - frozen
+
+
+def test_a_checkpoint_whose_tokenizer_does_not_load_is_not_exported(exported, tmp_path, capsys):
+    """A tokenizer.json of garbage (behind valid checksums) was published as it was, exit 0;
+    transformers then failed to load the model's tokenizer (helper-83)."""
+    import shutil
+
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    run = tmp_path / "run"
+    shutil.copytree(exported["out"].parent / "run", run, symlinks=True)
+    [tokenizer] = run.rglob("hf/tokenizer.json")
+    tokenizer.write_bytes(b"\xff\xfe garbage")
+    write_checksums(tokenizer.parent.parent)
+    assert main(["export", str(run), str(tmp_path / "pub"), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tokenizer}: not a tokenizer the tokenizers library reads (")
+    assert err.count("\n") == 1 and not (tmp_path / "pub").exists()

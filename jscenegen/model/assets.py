@@ -40,8 +40,35 @@ def copy_assets(src: str | Path, dst: str | Path, *, skip: tuple[str, ...] = ())
     return copied
 
 
+def check_tokenizer_files(src: str | Path) -> None:
+    """Raise ValueError naming the file when `src`'s `tokenizer.json` is not one the tokenizers
+    library reads, or its `tokenizer_config.json` is not a JSON object: a converted or exported
+    model carries them as they are, and one whose tokenizer does not load is otherwise found
+    only by its users."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    tokenizer, config = Path(src) / "tokenizer.json", Path(src) / "tokenizer_config.json"
+    if tokenizer.is_file():
+        try:
+            Tokenizer.from_file(str(tokenizer))
+        except Exception as err:   # the library raises its own Exception subclass
+            raise ValueError(f"{tokenizer}: not a tokenizer the tokenizers library reads "
+                             f"({str(err)[:200]})") from None
+    if config.is_file():
+        try:
+            data = json.loads(config.read_bytes().decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"{config}: not JSON ({str(err)[:200]})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{config}: a JSON object is expected, not {type(data).__name__}")
+
+
 def copy_non_weights(src: str | Path, dst: str | Path) -> list[Path]:
-    """Copy every regular file of `src` that is not a weight file into `dst`; returns the sources."""
+    """Copy every regular file of `src` that is not a weight file into `dst`; returns the
+    sources. Raises ValueError for a tokenizer that does not load (`check_tokenizer_files`)."""
+    check_tokenizer_files(src)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
