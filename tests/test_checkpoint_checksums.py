@@ -59,6 +59,18 @@ def test_each_kind_of_damage_names_the_file(tree):
         verify_checksums(tree, hash_files=False)
 
 
+def test_a_listed_file_replaced_by_a_named_pipe_or_a_directory_is_named_as_such(tree):
+    """A named pipe in place of a listed file was reported as "missing" (helper-83)."""
+    write_checksums(tree)
+    (tree / "a.txt").unlink()
+    os.mkfifo(tree / "a.txt")
+    (tree / "sub" / "deeper" / "c").unlink()
+    (tree / "sub" / "deeper" / "c").mkdir()
+    with pytest.raises(ChecksumError, match=r"2 file\(s\) fail checksums.json: a.txt: is a named "
+                       r"pipe; sub/deeper/c: is a directory$"):
+        verify_checksums(tree, hash_files=False)
+
+
 def test_directory_links_are_not_followed(tree):
     os.symlink("..", tree / "sub" / "huggingface")  # an export's huggingface -> ../.. style loop
     assert sorted(compute_checksums(tree)["files"]) == ["a.txt", "sub/b.bin", "sub/deeper/c"]
