@@ -32,13 +32,16 @@ def test_mesh_shape_resolution_and_errors():
 
 
 @pytest.mark.parametrize("env, why", [
-    ({"JSCENEGEN_NUM_PROCESSES": "two"}, "JSCENEGEN_NUM_PROCESSES='two' is not an integer"),
+    ({"JSCENEGEN_NUM_PROCESSES": "two"},
+     "multi-host launch: environment variable JSCENEGEN_NUM_PROCESSES='two' is not an integer"),
     ({"JSCENEGEN_NUM_PROCESSES": "\uff12"}, "JSCENEGEN_NUM_PROCESSES='\uff12' is not an integer"),
     ({"JSCENEGEN_PROCESS_ID": "2"},
      "JSCENEGEN_PROCESS_ID=2 must lie in 0..1 (JSCENEGEN_NUM_PROCESSES=2)"),
     ({"JSCENEGEN_PROCESS_ID": "-1"}, "JSCENEGEN_PROCESS_ID=-1 must lie in 0..1"),
     ({"JSCENEGEN_COORDINATOR": "host0"}, "JSCENEGEN_COORDINATOR='host0' is not host:port"),
-    ({"JSCENEGEN_COORDINATOR": "host0:99999"}, "JSCENEGEN_COORDINATOR='host0:99999' is not host:port"),
+    ({"JSCENEGEN_COORDINATOR": "host0:99999"},
+     "JSCENEGEN_COORDINATOR='host0:99999': the port must lie in 1..65535"),
+    ({"JSCENEGEN_COORDINATOR": "host0:0"}, "JSCENEGEN_COORDINATOR='host0:0': the port must lie in 1..65535"),
     ({"JSCENEGEN_COORDINATOR": "host0:\uff18\uff14"},   # full-width digits are no port
      "JSCENEGEN_COORDINATOR='host0:\uff18\uff14' is not host:port"),
     ({"JSCENEGEN_NUM_PROCESSES": "0"}, "JSCENEGEN_NUM_PROCESSES=0 must lie in 1..1,048,576"),
@@ -86,8 +89,10 @@ def test_process_0_refuses_a_coordinator_port_in_use(monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(MeshError, match=f"port {port} of mesh.coordinator_address is in use "
-                                            "on this host"):
+        with pytest.raises(MeshError, match=re.escape(
+                f"port {port} of mesh.coordinator_address is in use on this host, where process 0 "
+                "serves the coordinator (by another program, or by a process 0 already started: "
+                "each process needs its own JSCENEGEN_PROCESS_ID); choose a free port")):
             initialize_distributed(f"127.0.0.1:{port}", 2, 0, timeout_s=1)
 
 

@@ -136,9 +136,11 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         raise MeshError("multi-host launch needs coordinator_address, num_processes and process_id "
                         "(mesh.* config keys or JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)")
     host, _, port = addr.rpartition(":")
-    if not host or not is_decimal(port) or not 0 < int(port) < 65536:
+    if not host or not is_decimal(port):
         raise MeshError(f"multi-host launch: {addr_from}={addr!r} is not host:port "
                         "(e.g. host0:8476)")
+    if not 0 < int(port) < 65536:
+        raise MeshError(f"multi-host launch: {addr_from}={addr!r}: the port must lie in 1..65535")
     bracketed = host.startswith("[") and host.endswith("]")
     if (":" in host) != bracketed or (bracketed and ":" not in host[1:-1]):
         raise MeshError(f"multi-host launch: {addr_from}={addr!r}: an IPv6 host is written in "
@@ -319,7 +321,8 @@ def _launch_value(value: int | None, key: str, variable: str) -> tuple[int | Non
         return None, variable
     text = v.strip()
     if not (text.isascii() and text.removeprefix("-").isdigit() and len(text) <= 4000):
-        raise MeshError(f"environment variable {variable}={v[:40]!r} is not an integer")
+        raise MeshError(f"multi-host launch: environment variable {variable}={v[:40]!r} is not "
+                        "an integer")
     return int(text), variable
 
 
@@ -355,8 +358,9 @@ def _check_port_free(port: int, source: str) -> None:
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
                 raise MeshError(f"multi-host launch: port {port} of {source} is in use on this "
-                                "host, where process 0 serves the coordinator; choose a free "
-                                "port") from None
+                                "host, where process 0 serves the coordinator (by another "
+                                "program, or by a process 0 already started: each process "
+                                "needs its own JSCENEGEN_PROCESS_ID); choose a free port") from None
         finally:
             probe.close()
 
