@@ -1002,8 +1002,7 @@ def test_tokenizer_refusals_name_the_option_each_command_takes(tiny_hf, tmp_path
         f"error: sampling.chat_template_path {empty}: the file is empty")
     assert main(["eval", "--model", str(model), "--out", str(tmp_path / "r.json")]) == 2
     assert one_error_line(capsys) == (f"error: {model}: no tokenizer file (tokenizer.json, "
-                                      "vocab.json, tokenizer.model); copy the model's tokenizer "
-                                      "files into it")
+                                      "vocab.json); copy the model's tokenizer files into it")
 
 
 def test_a_model_path_that_is_its_config_file_names_the_directory(tiny_hf, capsys):

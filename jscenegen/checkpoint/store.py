@@ -77,7 +77,6 @@ METADATA_NAME = "training_metadata.json"
 # files of a Qwen3.5 checkpoint included); config.json and one tokenizer file are required.
 # Weights never are (they live in `params/`).
 HF_ASSET_FILES = ASSET_FILES
-_TOKENIZER_FILES = TOKENIZER_FILES
 _REQUIRED_ENTRIES = (PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM, METADATA_NAME, f"{HF_DIR}/config.json")
 # Fields every training_metadata.json has (values may be null, e.g. no protocol for an HF import).
 REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_step",
@@ -311,8 +310,8 @@ def _check_hf_assets(src: Path) -> None:
     if not (src / "config.json").is_file():
         raise CheckpointError(f"hf_assets_dir {src}: config.json not found; pass the HF model "
                               f"directory the run started from")
-    if not any((src / f).is_file() for f in _TOKENIZER_FILES):
-        raise CheckpointError(f"hf_assets_dir {src}: no tokenizer ({' or '.join(_TOKENIZER_FILES)})"
+    if not any((src / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(f"hf_assets_dir {src}: no tokenizer ({' or '.join(TOKENIZER_FILES)})"
                               f"; a checkpoint must carry its tokenizer")
 
 

@@ -17,7 +17,9 @@ ASSET_FILES = (
     "chat_template.jinja", "chat_template.json",
     "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
 )
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json")  # a model directory needs one of these
+# a model directory needs one of these (a checkpoint's hf/ carries only ASSET_FILES, so a
+# SentencePiece-only tokenizer.model could not be saved with a run)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from jscenegen.model.assets import TOKENIZER_FILES
 from jscenegen.paths import not_a_file
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,6 @@ TEMPLATES_DIR = Path(__file__).with_name("templates")
 QWEN35_PROTOCOL_TEMPLATE = TEMPLATES_DIR / "qwen3_5_protocol.jinja"
 TEMPLATE_OPTION = "sampling.chat_template_path"
 """How a replacement chat template is passed: the run config's key (`sft` takes --chat-template)."""
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
-"""The files one of which a model directory's tokenizer is built from (fast, BPE, SentencePiece)."""
 QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
