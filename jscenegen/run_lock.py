@@ -126,7 +126,7 @@ class RunLock:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
-        self._created_dir = False
+        self._created_dirs: list[Path] = []   # the run directory and parents it made, deepest first
         self._held = False
         self._token = secrets.token_hex(8)
 
@@ -145,9 +145,11 @@ class RunLock:
             raise
 
     def _acquire(self) -> "RunLock":
-        if not self.run_dir.exists():
+        here = self.run_dir.absolute()
+        missing = [d for d in (here, *here.parents) if not d.exists()]
+        if missing:
             self.run_dir.mkdir(parents=True)
-            self._created_dir = True
+            self._created_dirs = missing
         proc = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -234,7 +236,8 @@ class RunLock:
 
     def release(self) -> None:
         """Remove the lock file if it is still the one this lock wrote (its token); remove the
-        run directory too when this lock created it and nothing else was written there."""
+        run directory too, and the parents made for it (`runs/` of a default run directory),
+        when this lock created them and nothing else was written there."""
         if not self._held:
             return
         self._held = False
@@ -244,11 +247,11 @@ class RunLock:
             ours = False
         if ours:
             self.path.unlink(missing_ok=True)
-        if self._created_dir:
+        for made in self._created_dirs:
             try:
-                self.run_dir.rmdir()  # only when empty
+                made.rmdir()  # only when empty
             except OSError:
-                pass
+                break
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

@@ -116,6 +116,14 @@ def test_a_lock_that_created_the_run_directory_removes_it_when_nothing_was_writt
     with RunLock(tmp_path / "kept"):
         (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["metrics.jsonl"]
+    # the parents it made too: a default run stopped in its warm start left an empty runs/
+    with RunLock(tmp_path / "runs" / "20261205-083713"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    (tmp_path / "runs" / "other").mkdir(parents=True)
+    with RunLock(tmp_path / "runs" / "a" / "b"):
+        pass
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other"]
 
 
 def test_an_interrupt_while_taking_the_lock_leaves_no_lock_and_no_run_directory(tmp_path,
