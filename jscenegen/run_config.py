@@ -41,7 +41,8 @@ class TrainerConfig(Section):
     dump_trajectories: bool = Field(False, description="write every episode to "
                                     "RUN_DIR/trajectories.jsonl (never exported)")
     progress: bool = Field(True, description="GRPO progress on stderr (process 0): a progress bar "
-                           "on a terminal, else one line per update attempt; false: none")
+                           "on a terminal, else one line per update attempt, and a line before "
+                           "and after each dev evaluation; false: none")
 
 
 class WarmStartConfig(Section):

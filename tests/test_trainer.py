@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -817,7 +818,7 @@ def test_a_credential_from_the_environment_is_masked_in_what_swanlab_recorded(tm
     assert any(masked in p.read_bytes() for p in files)   # it was recorded, masked
 
 
-def test_weights_already_evaluated_are_not_played_again(tmp_path, monkeypatch):
+def test_weights_already_evaluated_are_not_played_again(tmp_path, monkeypatch, capsys):
     """With `trainer.eval_every` dividing the run's updates and `eval_before_after`, the last
     update's weights were played twice (eval_update_U, then eval_after): the same fixed-seed
     episodes, twice the judge calls. The reports say `attempts` (a count, as checkpoints/N)."""
@@ -848,6 +849,13 @@ def test_weights_already_evaluated_are_not_played_again(tmp_path, monkeypatch):
     trainer.pos = SchedulePosition(attempts=4, effective_updates=2)   # an attempt without a step
     assert Trainer.evaluate_dev(trainer, "eval_after")["overall"]["model"]["reward"] == 0.5
     assert len(played) == 2
+    assert capsys.readouterr().err == ""      # trainer.progress=false
+    trainer.cfg = _cfg(**{"trainer.progress": "true"})
+    trainer.pos = SchedulePosition(attempts=5, effective_updates=3)
+    Trainer.evaluate_dev(trainer, "eval_update_3")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "eval_update_3: playing 9 dev scenes x 16 episodes"   # cpu-default.yaml
+    assert re.fullmatch(r"eval_update_3: reward \+0\.750 \(\d+ s\)", lines[1]) and len(lines) == 2
 
 
 def test_an_evaluation_interval_beyond_the_schedule_is_warned_about(caplog):

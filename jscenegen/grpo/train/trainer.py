@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -480,12 +481,20 @@ class Trainer:
             report = self._last_eval[1]
         else:
             records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
+            samples, t0 = self.cfg.trainer.eval_samples, time.perf_counter()
+            say = self.cfg.trainer.progress and is_primary()
+            if say:   # minutes without a line otherwise
+                print(f"{name}: playing {len(records)} dev scenes x {samples} episodes",
+                      file=sys.stderr, flush=True)
             report = evaluate(self.engine, records, judge=self.judge, scene_cfg=self.cfg.scene,
-                              judge_cfg=self.cfg.judge, samples=self.cfg.trainer.eval_samples,
-                              with_expert=False)
+                              judge_cfg=self.cfg.judge, samples=samples, with_expert=False)
             report["attempts"] = self.pos.attempts
             report["effective_updates"] = self.pos.effective_updates
             self._last_eval = (self.pos.attempts, report)
+            if say:
+                reward = report["overall"]["model"]["reward"]
+                print(f"{name}: reward {'n/a' if reward is None else f'{reward:+.3f}'} "
+                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         if is_primary():
             write_json(self.run_dir / f"{name}.json", report)
             plot_report(report, self.run_dir / f"{name}.png")
