@@ -600,7 +600,11 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                         r"has none: .*re-run `jscenegen eval` for that report"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1))),
                         r"sampled otherwise \(sampling.temperature 1.0 and 0.1\): the same seeds "
-                        "draw other tokens")):
+                        "draw other tokens"),
+                       # every difference named, not the first one only (helper-85)
+                       (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1, top_k=5))),
+                        r"sampled otherwise \(sampling.temperature 1.0 and 0.1; sampling.top_k "
+                        r"0 and 5\): the same seeds draw other tokens")):
         rc, err = _compare(tmp_path, capsys, good, after)
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
 

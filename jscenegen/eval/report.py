@@ -162,16 +162,18 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
         for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
             d.pop(key, None)
     if all(shaping) and shaping[0] != shaping[1]:
-        key = next(k for k in sorted(set(shaping[0]) | set(shaping[1]))
-                   if shaping[0].get(k) != shaping[1].get(k))
-        missing = [names[i] for i in (0, 1) if key not in shaping[i]]
-        if missing:
-            raise ValueError(f"{where}: sampling.{key} is recorded by one report only ({missing[0]} "
-                             "has none: written by an older jscenegen or edited), so their sampling "
-                             "cannot be shown to agree; re-run `jscenegen eval` for that report")
-        raise ValueError(f"{where}: sampled otherwise (sampling.{key} "
-                         f"{clip_text(repr(shaping[0].get(key)))} and "
-                         f"{clip_text(repr(shaping[1].get(key)))}): the same seeds draw other tokens")
+        keys = [k for k in sorted(set(shaping[0]) | set(shaping[1]))
+                if shaping[0].get(k) != shaping[1].get(k)]
+        for key in keys:
+            missing = [names[i] for i in (0, 1) if key not in shaping[i]]
+            if missing:
+                raise ValueError(f"{where}: sampling.{key} is recorded by one report only "
+                                 f"({missing[0]} has none: written by an older jscenegen or "
+                                 "edited), so their sampling cannot be shown to agree; re-run "
+                                 "`jscenegen eval` for that report")
+        shown = "; ".join(f"sampling.{k} {clip_text(repr(shaping[0][k]))} and "
+                          f"{clip_text(repr(shaping[1][k]))}" for k in keys)
+        raise ValueError(f"{where}: sampled otherwise ({shown}): the same seeds draw other tokens")
 
     def listed(ids) -> str:
         ids = sorted(ids)
