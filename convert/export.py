@@ -44,13 +44,11 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     """
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.checkpoint.metadata import redact
-    from jscenegen.model.assets import check_tokenizer_files
 
     check_world_size(world_size)
     step_dir = orbax_step_dir(checkpoint)
     refuse_nested(checkpoint, out)
     require_new_dir(out, ConvertError)   # before the checkpoint is read (seconds to minutes)
-    check_tokenizer_files(step_dir / ckpt.HF_DIR)   # before the weights are streamed
     state = orbax_state(step_dir, world_size)
     with atomic_dir(out, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)

@@ -100,10 +100,12 @@ def orbax_step_dir(path: str | Path) -> Path:
     under its `checkpoints/` (a training run's directory); one ConversionWarning names every
     newer step it skips and why.
 
-    Raises ConvertError naming the directory when no complete step (checksums verified) exists.
+    Raises ConvertError naming the directory when no complete step (checksums verified) exists,
+    and naming the file when the step's tokenizer does not load (`check_tokenizer_files`).
     """
     from jscenegen.checkpoint import RUN_CHECKPOINTS
     from jscenegen.checkpoint import store as ckpt
+    from jscenegen.model.assets import check_tokenizer_files
 
     path = Path(path)
     require_source_dir(path)
@@ -123,6 +125,10 @@ def orbax_step_dir(path: str | Path) -> Path:
                           "complete one", ConversionWarning, stacklevel=2)
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
+    try:    # every direction carries hf/ into its output as it is
+        check_tokenizer_files(status.path / ckpt.HF_DIR)
+    except ValueError as err:
+        raise ConvertError(str(err)) from None
     return status.path
 
 
@@ -346,8 +352,9 @@ def orbax_config(step_dir: Path) -> Any:
     return cfg
 
 
-def orbax_state(src: str | Path, world_size: int) -> VerlState:
-    """Readers over an orbax step, with the torch-only state rebuilt for `world_size` ranks.
+def orbax_state(step_dir: Path, world_size: int) -> VerlState:
+    """Readers over the orbax step `step_dir` (as `orbax_step_dir` returns it: verified), with
+    the torch-only state rebuilt for `world_size` ranks.
 
     Adam state is written for the step's trainable tensors (those with moments); the others
     (a frozen tower) get an index in `param_groups` and no state. `mtp.*` are not VERL
@@ -357,7 +364,6 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.checkpoint.resume import checkpoint_position, has_run_identity
 
-    step_dir = orbax_step_dir(src)
     hf = step_dir / ckpt.HF_DIR
     cfg = orbax_config(step_dir)
     shapes = verl_shapes(cfg)
@@ -407,8 +413,8 @@ def orbax_state(src: str | Path, world_size: int) -> VerlState:
 def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
                   dtype: str | None = None, device_type: str = "cuda") -> Path:
     """An orbax step as a VERL run directory that torch FSDP2 on `world_size` ranks resumes."""
-    state = orbax_state(src, world_size)
     step_dir = orbax_step_dir(src)
+    state = orbax_state(step_dir, world_size)
     return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
                           device_type=device_type, source=src, source_format="orbax",
                           source_files={"model": [str(step_dir / "params")],

@@ -246,5 +246,18 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_not_exported(exported, tm
     write_checksums(tokenizer.parent.parent)
     assert main(["export", str(run), str(tmp_path / "pub"), "--world-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {tokenizer}: not a tokenizer the tokenizers library reads (")
+    assert err.startswith(f"error: {tokenizer}: not a tokenizer that tokenizers ")
     assert err.count("\n") == 1 and not (tmp_path / "pub").exists()
+    # every conversion refuses it before it writes anything (the weights were streamed first)
+    for to in ("hf", "verl"):
+        args = ["--world-size", "2"] if to == "verl" else []
+        assert main(["convert", str(run), str(tmp_path / to), "--to", to, *args]) == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"error: {tokenizer}: not a tokenizer that ")
+        assert not (tmp_path / to).exists()
+    tokenizer.write_bytes((exported["out"] / "tokenizer.json").read_bytes())
+    (tokenizer.parent / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    write_checksums(tokenizer.parent.parent)
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"error: {tokenizer.parent / 'tokenizer_config.json'}: not JSON (")

@@ -137,10 +137,10 @@ def test_bf16_parameters_train_save_and_resume_with_fp32_adam_moments(tmp_path, 
 def test_a_trainer_checkpoint_keeps_its_lr_scheduler_position_in_verl_files(straight):
     """The trainer's train state names its LR count `lr_step` (converted ones
     `lr_schedule_count`): the VERL scheduler state must carry it, not restart at 0."""
-    from convert.orbax_directions import orbax_state
+    from convert.orbax_directions import orbax_state, orbax_step_dir
 
     run_dir, _ = straight
-    state = orbax_state(run_dir / "checkpoints" / "3", 4)
+    state = orbax_state(orbax_step_dir(run_dir / "checkpoints" / "3"), 4)
     assert state.global_step == 3 and state.adam.step == 3
     (extra,) = state.extra_states
     assert extra["lr_scheduler"]["last_epoch"] == 3 and extra["lr_scheduler"]["_step_count"] == 4
