@@ -24,6 +24,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import traceback
 import warnings
 
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         # JAX (imported by the command) has registered its clean-up
         atexit.unregister(_default_interrupt_at_exit)
         atexit.register(_default_interrupt_at_exit)
-    if _must_skip_clean_up(code) or (argv is None and _unwound_by_signal and "jax" in sys.modules):
+    if _must_skip_clean_up(code) or (argv is None and _UNWOUND_BY_SIGNAL.is_set()
+                                     and "jax" in sys.modules):
         _end_without_clean_up(code)
     return code
 
@@ -301,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
 # A signal that unwound the command (Ctrl-C, SIGTERM) may have cut into JAX's own bookkeeping
 # around a native call (a jit compiling: the exception leaves its C++ caller half-done), and
 # the interpreter's clean-up then crashed (exit 139 after the error line): the program ends
-# without it, as a joined run's process does.
-_unwound_by_signal: list[int] = []
+# without it, as a joined run's process does. What must outlive the command is released while
+# it unwinds (run.lock, atomic temporaries, orbax's pending save, swanlab's run, the logs
+# opened per row), never left to atexit or to thread joins.
+_UNWOUND_BY_SIGNAL = threading.Event()
 
 
 def _runtime_error(err: BaseException) -> bool:
@@ -322,10 +326,10 @@ def _must_skip_clean_up(code: int) -> bool:
 def _end_without_clean_up(code: int) -> None:
     """End the process now, after flushing what the command printed, skipping the interpreter's
     clean-up: JAX's initialization is still blocked in another thread
-    (`mesh.init_wait_abandoned`), or this process of a multi-process run failed or stopped and
+    (`mesh.init_wait_abandoned`); this process of a multi-process run failed or stopped and
     JAX's shutdown barrier would wait minutes for processes blocked in a collective with it
-    (`mesh.joined_other_processes`); they end on their own when their collective or heartbeat
-    loses this process."""
+    (`mesh.joined_other_processes`; they end on their own when their collective or heartbeat
+    loses this process); or a signal unwound the program after JAX loaded (`main`)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -349,11 +353,11 @@ def _run(argv: list[str] | None) -> int:
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C)", file=sys.stderr)
-        _unwound_by_signal.append(signal.SIGINT)
+        _UNWOUND_BY_SIGNAL.set()
         return 130
     except Terminated:
         print("error: terminated (SIGTERM)", file=sys.stderr)
-        _unwound_by_signal.append(signal.SIGTERM)
+        _UNWOUND_BY_SIGNAL.set()
         return 128 + signal.SIGTERM
     except BrokenPipeError:
         if not stdout_reader_gone():

@@ -287,14 +287,13 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     else:
         model_dir = default_model_dir(cfg, phases)
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
-    layout = trainer.engine.sampler.layout.describe()
-    if is_primary():
-        if settings_notice:
-            log.warning("%s", settings_notice)
-        print(f"rollout layout: {layout}", file=sys.stderr, flush=True)
     evals, run_files_written = {}, False
-    try:
+    try:   # from here on trainer.close() finishes swanlab's run, however the command ends
+        layout = trainer.engine.sampler.layout.describe()
         if is_primary():
+            if settings_notice:
+                log.warning("%s", settings_notice)
+            print(f"rollout layout: {layout}", file=sys.stderr, flush=True)
             write_run_files(run_dir, cfg, model_dir, config_source, resume=resume)
         # every process learns that this start's files are written (its --resume hint)
         run_files_written = bytes_from_primary(b"written" if is_primary() else None) == b"written"

@@ -24,7 +24,7 @@ def _free_port() -> int:
     """A free TCP port below Linux's ephemeral range (32768-60999): a coordinator port inside
     it can be handed out meanwhile as the local end of an outgoing connection, process 1's own
     early attempts to reach the coordinator included (a TCP self-connect)."""
-    for port in random.sample(range(20000, 32768), 500):
+    for port in random.SystemRandom().sample(range(20000, 32768), 500):   # not a seeded stream
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -59,14 +59,19 @@ def _outputs(procs, *, timeout_s: float) -> list[tuple[str, str]]:
     (one process blocked writing to a full pipe would hold up the others). One still running
     after `timeout_s` fails the test with every process's stderr (one that never joined says
     why in its own)."""
-    with ThreadPoolExecutor(len(procs)) as pool:
-        waits = [pool.submit(p.communicate, timeout=timeout_s) for p in procs]
-        done = [w.exception() is None for w in waits]
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            waits = [pool.submit(p.communicate, timeout=timeout_s) for p in procs]
+            done = [not isinstance(w.exception(), subprocess.TimeoutExpired) for w in waits]
+    except BaseException:   # Ctrl-C: no process outlives the test
+        for p in procs:
+            p.kill()
+        raise
     if all(done):
         return [w.result() for w in waits]
     for p in procs:
         p.kill()
-    errs = [(w.result() if ok else p.communicate())[1] for p, w, ok in zip(procs, waits, done)]
+    errs = [(w.result() if ok else p.communicate(timeout=10))[1] for p, w, ok in zip(procs, waits, done)]
     tails = [f"process {i} (exit {p.returncode}): ...{err[-2000:]}"
              for i, (p, err) in enumerate(zip(procs, errs))]
     pytest.fail(f"still running after {timeout_s} s:\n" + "\n".join(tails))

@@ -880,7 +880,7 @@ def test_swanlab_local_mode_without_its_dashboard_is_refused_before_the_model(tm
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "swanboard" else real(name, *a))
+                        lambda name, package=None: None if name == "swanboard" else real(name, package))
     expected = r"^logging\.swanlab_mode=local needs swanlab's dashboard \(pip install 'swanlab\[dashboard\]'\)"
     with pytest.raises(ValueError, match=expected):
         check_run_inputs(_cfg(**{"logging.swanlab_mode": "local"}))

@@ -118,8 +118,11 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
     problems = []
     for rel, entry in sorted(files.items()):
         path = root / rel
+        if not os.path.lexists(path):
+            problems.append(f"{rel}: missing")
+            continue
         if (why := not_a_file(path)) is not None:
-            problems.append(f"{rel}: {'missing' if why == 'no such file' else why}")
+            problems.append(f"{rel}: {why}")
             continue
         size = path.stat().st_size
         if size != entry["bytes"]:

@@ -95,7 +95,8 @@ def _quiet_swanlab():
 def check_swanlab_mode(cfg: LoggingConfig) -> None:
     """Raise ValueError naming `logging.swanlab_mode` when swanlab's `local` mode lacks the
     package it needs (swanboard, `swanlab[dashboard]`): swanlab itself only logs an error and
-    goes on. Called before any model loads."""
+    goes on. `jscenegen train` calls it before any model loads (`pipeline.check_run_inputs`),
+    and `MetricsLogger` before it starts swanlab."""
     if cfg.swanlab_mode == "local" and importlib.util.find_spec("swanboard") is None:
         raise ValueError("logging.swanlab_mode=local needs swanlab's dashboard (pip install "
                          "'swanlab[dashboard]'); offline writes the same RUN_DIR/swanlab files "

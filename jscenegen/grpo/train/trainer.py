@@ -12,6 +12,7 @@ global PRNG stream to carry.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -470,15 +471,15 @@ class Trainer:
         """Play the dev scenes (`trainer.eval_samples` episodes each, their fixed seeds) with the
         current weights; write `RUN_DIR/<name>.json` and `.png`; return the report, which holds
         the run's `attempts` (update attempts made: the checkpoint `checkpoints/<attempts>`) and
-        `effective_updates`. Weights already evaluated (the last update's `trainer.eval_every`
-        evaluation, then `eval_after`) are not played again: that report is written under
-        `name`."""
+        `effective_updates`. An evaluation at the same attempt as the previous one (the last
+        update's `trainer.eval_every` evaluation, then `eval_after`: the same weights) is not
+        played again: that report is written under `name`."""
         from jscenegen.eval.evaluate import evaluate
         from jscenegen.eval.plots import plot_report
         from jscenegen.scene.sceneset import read_scene_set
 
         if self._last_eval is not None and self._last_eval[0] == self.pos.attempts:
-            report = self._last_eval[1]
+            report = copy.deepcopy(self._last_eval[1])
         else:
             records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
             samples, t0 = self.cfg.trainer.eval_samples, time.perf_counter()
