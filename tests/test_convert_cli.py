@@ -199,3 +199,30 @@ def test_an_incomplete_newer_step_is_named_when_a_run_directory_is_converted(tmp
     assert line.startswith(f"warning: {run}: skipping step 11 (")
     assert ", step 9 (" in line
     assert line.endswith(f"; converting step {step.name}, the newest complete one")
+
+
+def test_hf_and_verl_sources_with_a_tokenizer_that_does_not_load_are_refused_up_front(tmp_path,
+                                                                                     capsys):
+    """Every direction carries the source's model files as they are: a broken tokenizer.json
+    was converted without a word (helper-83), and refused only after the weights were written
+    (helper-86)."""
+    import shutil
+
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    ckpt = tmp_path / "verl"
+    shutil.copytree(fixture_dir("qwen2_first_divisible") / "ckpt", ckpt, symlinks=True)
+    hf = tmp_path / "hf"
+    assert main(["convert", str(ckpt), str(hf), "--from", "verl", "--to", "hf"]) == 0
+    for source, fmt in ((hf, "hf"), (ckpt, "verl")):
+        [tokenizer] = [p for p in source.rglob("tokenizer.json")]
+        tokenizer.write_bytes(b"{not a tokenizer")
+        if (tokenizer.parent / "checksums.json").exists() or (source / "checksums.json").exists():
+            for sums in source.rglob("checksums.json"):
+                write_checksums(sums.parent)
+        capsys.readouterr()
+        assert main(["convert", str(source), str(tmp_path / f"out-{fmt}"), "--from", fmt,
+                     "--to", "orbax"]) == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"error: {tokenizer}: not a tokenizer that tokenizers ")
+        assert not (tmp_path / f"out-{fmt}").exists()
