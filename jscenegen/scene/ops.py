@@ -22,7 +22,7 @@ from jscenegen.paths import is_decimal
 from .catalogue import Catalogue
 from .config import SceneRuntimeConfig
 from .geometry import footprint, front_direction, point_in_polygon, wall_frame
-from .schema import MAX_YAW_DEG, Mount, Scene, SceneObject, id_sort_key
+from .schema import MAX_YAW_DEG, Mount, Scene, SceneObject, ceiling_elevation, id_sort_key
 
 SNAP_GAP_M = 0.01
 Vec2 = tuple[float, float]
@@ -272,7 +272,7 @@ class SceneEditor:
         ceiling-mounted one (its top at the ceiling); raises OpError when it leaves the wall."""
         wall_height = self.scene.room.wall_height
         if mount == "ceiling":
-            elevation = wall_height - height
+            elevation = ceiling_elevation(wall_height, height)
         if elevation < 0 or elevation + height > wall_height + 1e-9:
             raise OpError(f"elevation {elevation:.6g} with height {height:.6g} puts the object "
                           f"outside 0..wall_height ({wall_height:g})")

@@ -129,6 +129,12 @@ class Room(JsonDocument):
 MOUNT_TOLERANCE_M = 1e-5   # the operations round elevations to 1e-6 m
 
 
+def ceiling_elevation(wall_height: float, height: float) -> float:
+    """The elevation (m) of an object `height` tall mounted on the ceiling: its top at
+    `wall_height`."""
+    return wall_height - height
+
+
 class SceneObject(JsonDocument):
     """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
     degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
@@ -231,13 +237,14 @@ class Scene(JsonDocument):
         wall: measured as out of bounds.)"""
         wall = self.room.wall_height
         for o in self.objects:
-            top = o.elevation + o.size[2]
             if o.mount == "floor" and o.elevation > MOUNT_TOLERANCE_M:
                 raise ValueError(f"object {o.id}: mount 'floor' stands on the floor (elevation "
                                  f"0), not at elevation {o.elevation:g}")
-            if o.mount == "ceiling" and abs(top - wall) > MOUNT_TOLERANCE_M:
+            if (o.mount == "ceiling"
+                    and abs(o.elevation - ceiling_elevation(wall, o.size[2])) > MOUNT_TOLERANCE_M):
                 raise ValueError(f"object {o.id}: mount 'ceiling' has its top at the ceiling "
-                                 f"(elevation + height = wall_height {wall:g}), not at {top:g}")
+                                 f"(elevation + height = wall_height {wall:g}), not at "
+                                 f"{o.elevation + o.size[2]:g}")
         return self
 
     def object(self, object_id: str) -> SceneObject | None:
