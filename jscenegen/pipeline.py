@@ -286,8 +286,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         model_dir = Path(cfg.model.path)
     else:
         model_dir = default_model_dir(cfg, phases)
-    trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
     evals, run_files_written = {}, False
+    trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
     try:   # from here on trainer.close() finishes swanlab's run, however the command ends
         layout = trainer.engine.sampler.layout.describe()
         if is_primary():
@@ -322,7 +322,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                                 f"{run_dir}"), file=sys.stderr, flush=True)
         raise
     finally:
-        trainer.close()
+        trainer.close(discard_logs=not run_files_written)   # a start that wrote nothing leaves nothing
     if is_primary():
         out = dict(vars(summary), run_dir=str(run_dir.absolute()), rollout_layout=layout,
                    phases=phases)

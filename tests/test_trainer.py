@@ -888,3 +888,44 @@ def test_swanlab_local_mode_without_its_dashboard_is_refused_before_the_model(tm
         MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="local"), {})
     assert list(tmp_path.iterdir()) == []
     check_run_inputs(_cfg(**{"logging.swanlab_mode": "offline"}))
+
+
+def test_swanlab_leaves_the_programs_sigint_handler_and_a_stopped_start_leaves_no_swanlab_files(
+        tmp_path, monkeypatch):
+    """swanlab.init installed its own SIGINT handler: a Ctrl-C in the first dev evaluation
+    printed swanlab's lines to stdout and recorded the run as aborted; and a stop during its
+    start (or before the run's files were written) left a run directory holding only a
+    half-written swanlab/ (helper-87)."""
+    import signal
+
+    import swanlab
+
+    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger
+    from jscenegen.signals import Terminated
+
+    def ours(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, ours)
+    try:
+        logger = MetricsLogger(tmp_path / "a", LoggingConfig(swanlab_mode="offline"), {})
+        assert signal.getsignal(signal.SIGINT) is ours
+        assert (tmp_path / "a" / "swanlab").is_dir()
+        logger.close(discard=True)      # a start that wrote nothing: its swanlab/ goes
+        assert not (tmp_path / "a" / "swanlab").exists()
+        (tmp_path / "b" / "swanlab").mkdir(parents=True)    # a resumed run's own
+        logger = MetricsLogger(tmp_path / "b", LoggingConfig(swanlab_mode="offline"), {})
+        logger.close(discard=True)
+        assert (tmp_path / "b" / "swanlab").is_dir()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    def stopped(**kwargs):
+        (tmp_path / "c" / "swanlab" / "run-x").mkdir(parents=True)
+        (tmp_path / "c" / "swanlab" / "run-x" / "run-x.swanlab").write_bytes(b"")
+        raise Terminated
+
+    monkeypatch.setattr(swanlab, "init", stopped)
+    with pytest.raises(Terminated):
+        MetricsLogger(tmp_path / "c", LoggingConfig(swanlab_mode="offline"), {})
+    assert list((tmp_path / "c").iterdir()) == []

@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -118,6 +120,7 @@ class MetricsLogger:
         self.primary = primary
         self._swanlab = None
         self._credentials: list[str] = []
+        self.made_swanlab_dir = False
         if not primary:
             return
         check_swanlab_mode(cfg)
@@ -131,7 +134,11 @@ class MetricsLogger:
             self._credentials = sorted({*in_command_line, *environment_secrets()}, key=len,
                                        reverse=True)
             saved_argv, sys.argv = sys.argv, argv  # swanlab < 0.10 records sys.argv
-            made_dir = not os.path.lexists(self.swanlab_dir)
+            self.made_swanlab_dir = not os.path.lexists(self.swanlab_dir)
+            # swanlab installs a SIGINT handler of its own (it prints to stdout and marks the
+            # run aborted): the program's handlers stay in charge (cli, trainer)
+            sigint = (signal.getsignal(signal.SIGINT)
+                      if threading.current_thread() is threading.main_thread() else None)
             try:
                 with _to_stderr():
                     self._swanlab = swanlab.init(
@@ -140,10 +147,10 @@ class MetricsLogger:
                         config=redact(config_dict), reinit=True,
                         settings=_private_settings(swanlab) if in_command_line else None,
                     )
-            except Exception as err:   # online: no login and no terminal, a key refused, no network
-                if made_dir:           # a new run's directory is left as it was (empty)
+            except BaseException as err:   # online: no login and no terminal, a key refused, no
+                if self.made_swanlab_dir:  # network; or a stop signal: the directory as it was
                     shutil.rmtree(self.swanlab_dir, ignore_errors=True)
-                if os.environ.get("JSCENEGEN_DEBUG"):
+                if os.environ.get("JSCENEGEN_DEBUG") or not isinstance(err, Exception):
                     raise
                 advice = ("log in first (`swanlab login`, or the SWANLAB_API_KEY environment "
                           "variable) with the SwanLab cloud reachable, or use offline"
@@ -153,6 +160,8 @@ class MetricsLogger:
                                  f"{mask_text(str(err), self._credentials)}); {advice}") from None
             finally:
                 sys.argv = saved_argv
+                if sigint is not None:
+                    signal.signal(signal.SIGINT, sigint)
 
     def log(self, row: dict, step: int) -> None:
         if not self.primary:
@@ -166,12 +175,16 @@ class MetricsLogger:
             with _to_stderr():
                 self._swanlab.log(numbers, step=step)
 
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> None:
+        """Finish swanlab's run; with `discard` (a start that ended before it wrote the run's
+        files) remove the `swanlab/` directory this logger made."""
         if self._swanlab is not None:
             with _quiet_swanlab(), _to_stderr():
                 self._swanlab.finish()
             self._swanlab = None
             mask_credentials(self.swanlab_dir, self._credentials)
+        if discard and self.made_swanlab_dir:
+            shutil.rmtree(self.swanlab_dir, ignore_errors=True)
 
 
 def check_run_logs(run_dir: str | Path) -> None:

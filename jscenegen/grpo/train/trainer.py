@@ -576,10 +576,11 @@ class Trainer:
             self._stop_signal = agreed
         return bool(agreed)
 
-    def close(self) -> None:
-        """End the run's logging (swanlab finished, its console kept off stdout) and the
-        checkpoint store; also after a failure, so nothing prints at interpreter exit."""
+    def close(self, discard_logs: bool = False) -> None:
+        """End the run's logging (swanlab finished, its console kept off stdout; with
+        `discard_logs`, the swanlab directory this start made removed) and the checkpoint
+        store; also after a failure, so nothing prints at interpreter exit."""
         try:
-            self.logger.close()
+            self.logger.close(discard=discard_logs)
         finally:
             self.store.close()
