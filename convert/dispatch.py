@@ -161,7 +161,4 @@ def _check_source_tokenizer(src: str | Path, src_format: str) -> None:
 
         model_files = find_verl(src).hf_dir
     if model_files is not None:
-        try:
-            check_tokenizer_files(model_files)
-        except ValueError as err:
-            raise ConvertError(str(err)) from None
+        check_tokenizer_files(model_files, ConvertError)

@@ -125,10 +125,7 @@ def orbax_step_dir(path: str | Path) -> Path:
                           "complete one", ConversionWarning, stacklevel=2)
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
-    try:    # every direction carries hf/ into its output as it is
-        check_tokenizer_files(status.path / ckpt.HF_DIR)
-    except ValueError as err:
-        raise ConvertError(str(err)) from None
+    check_tokenizer_files(status.path / ckpt.HF_DIR, ConvertError)   # carried into every output
     return status.path
 
 

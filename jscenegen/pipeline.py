@@ -161,12 +161,12 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.sharding.mesh import is_primary
 
     train_scenes(cfg)
-    if is_primary():   # the process that logs to swanlab
-        check_swanlab_mode(cfg.logging)
     every, total = cfg.trainer.eval_every, cfg.schedule.total_updates
-    if every > total and is_primary():
-        log.warning("trainer.eval_every=%d is more than schedule.total_updates=%d: no evaluation "
-                    "during training", every, total)
+    if is_primary():   # the process that logs to swanlab and warns
+        check_swanlab_mode(cfg.logging)
+        if every > total:
+            log.warning("trainer.eval_every=%d is more than schedule.total_updates=%d: no "
+                        "evaluation during training", every, total)
     catalogue = load_catalogue(cfg.scene.catalogue_path)
     sets = [cfg.schedule.train_set]
     if cfg.trainer.eval_before_after or cfg.trainer.eval_every:

@@ -45,39 +45,38 @@ def copy_assets(src: str | Path, dst: str | Path, *, skip: tuple[str, ...] = ())
 MAX_TOKENIZER_FILE_BYTES = 1 << 28   # Qwen's tokenizer.json is ~11 MB
 
 
-def check_tokenizer_files(src: str | Path) -> None:
-    """Raise ValueError naming the file when `src`'s `tokenizer.json` is not one the tokenizers
-    library reads, or its `tokenizer_config.json` is not a JSON object: a converted or exported
-    model carries them as they are, and one whose tokenizer does not load is otherwise found
-    only by its users."""
-    import json
-
+def check_tokenizer_files(src: str | Path, error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming the file when `src`'s `tokenizer.json` is not one the tokenizers
+    library reads, or its `tokenizer_config.json` is not a JSON object (`paths.loads_json`), or
+    either is beyond MAX_TOKENIZER_FILE_BYTES: a converted or exported model carries them as
+    they are, and one whose tokenizer does not load is otherwise found only by its users."""
     import tokenizers
+
+    from jscenegen.paths import loads_json
 
     tokenizer, config = Path(src) / "tokenizer.json", Path(src) / "tokenizer_config.json"
     for path in (tokenizer, config):
         if path.is_file() and path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
-            raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than a tokenizer file "
-                             f"holds (at most {MAX_TOKENIZER_FILE_BYTES:,}: "
-                             "jscenegen.model.assets.MAX_TOKENIZER_FILE_BYTES)")
+            raise error(f"{path}: {path.stat().st_size:,} bytes, more than a tokenizer file "
+                        f"holds (at most {MAX_TOKENIZER_FILE_BYTES:,}: "
+                        "jscenegen.model.assets.MAX_TOKENIZER_FILE_BYTES)")
     if tokenizer.is_file():
         try:
             tokenizers.Tokenizer.from_file(str(tokenizer))
         except Exception as err:   # the library raises its own Exception subclass
-            raise ValueError(f"{tokenizer}: not a tokenizer that tokenizers "
-                             f"{tokenizers.__version__} reads ({str(err)[:200]})") from None
+            raise error(f"{tokenizer}: not a tokenizer that tokenizers "
+                        f"{tokenizers.__version__} reads ({str(err)[:200]})") from None
     if config.is_file():
         try:
-            data = json.loads(config.read_bytes().decode("utf-8"))
-        except (ValueError, UnicodeDecodeError, RecursionError) as err:
-            raise ValueError(f"{config}: not JSON ({str(err)[:200]})") from None
+            data = loads_json(config.read_bytes())
+        except ValueError as err:
+            raise error(f"{config}: not JSON ({str(err)[:200]})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{config}: a JSON object is expected, not {type(data).__name__}")
+            raise error(f"{config}: a JSON object is expected, not {type(data).__name__}")
 
 
 def copy_non_weights(src: str | Path, dst: str | Path) -> list[Path]:
-    """Copy every regular file of `src` that is not a weight file into `dst`; returns the
-    sources."""
+    """Copy every regular file of `src` that is not a weight file into `dst`; returns the sources."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     copied = []

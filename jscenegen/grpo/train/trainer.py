@@ -212,7 +212,7 @@ class Trainer:
         self._replaced_handlers: dict = {}
         self._judge_down: list[str] = []     # the judge failures of the updates in a row it failed
         self._rollout_down: list[str] = []   # the runtime failures of the updates in a row they took
-        self._last_eval: tuple[int, dict] | None = None   # (attempts, report) of the newest evaluation
+        self._last_eval: dict | None = None   # the newest evaluation's report
 
     # ---- state ---------------------------------------------------------------------------
     def _reference_params(self, params, resume: bool):
@@ -478,8 +478,8 @@ class Trainer:
         from jscenegen.eval.plots import plot_report
         from jscenegen.scene.sceneset import read_scene_set
 
-        if self._last_eval is not None and self._last_eval[0] == self.pos.attempts:
-            report = copy.deepcopy(self._last_eval[1])
+        if self._last_eval is not None and self._last_eval["attempts"] == self.pos.attempts:
+            report = copy.deepcopy(self._last_eval)
         else:
             records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
             samples, t0 = self.cfg.trainer.eval_samples, time.perf_counter()
@@ -491,7 +491,7 @@ class Trainer:
                               judge_cfg=self.cfg.judge, samples=samples, with_expert=False)
             report["attempts"] = self.pos.attempts
             report["effective_updates"] = self.pos.effective_updates
-            self._last_eval = (self.pos.attempts, report)
+            self._last_eval = report
             if say:
                 reward = report["overall"]["model"]["reward"]
                 print(f"{name}: reward {'n/a' if reward is None else f'{reward:+.3f}'} "
