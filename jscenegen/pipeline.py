@@ -347,7 +347,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         stopped = signal.Signals[summary.stopped_by_signal]
         # every process says so: a peer of the signalled one otherwise ends with 143, silent
         where = "" if is_primary() else f"process {jax.process_index()}: "
-        print(terminal_line(f"{where}stopped by {stopped.name} after attempt {summary.attempts}; "
+        made = f"{summary.attempts} update attempt{'' if summary.attempts == 1 else 's'}"
+        print(terminal_line(f"{where}stopped by {stopped.name} after {made}; "
                             f"checkpoint {summary.checkpoint}; continue with: jscenegen "
                             f"train --resume {run_dir}"), file=sys.stderr, flush=True)
         return 128 + stopped

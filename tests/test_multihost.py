@@ -196,9 +196,9 @@ def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tm
     step = multi / "checkpoints" / str(summary["attempts"])
     assert summary["checkpoint"] == str(step) and (step / "checksums.json").is_file()
     assert stopped[0][2].strip().splitlines()[-1].startswith(
-        f"stopped by SIGTERM after attempt {summary['attempts']}")
+        f"stopped by SIGTERM after {summary['attempts']} update attempt{'' if summary['attempts'] == 1 else 's'}")
     assert stopped[1][2].strip().splitlines()[-1].startswith(   # the other process says so too
-        f"process 1: stopped by SIGTERM after attempt {summary['attempts']}; checkpoint {step}")
+        f"process 1: stopped by SIGTERM after {summary['attempts']} update attempt{'' if summary['attempts'] == 1 else 's'}; checkpoint {step}")
 
     resumed = finish(train(multi, "--resume", str(multi), processes=2))
     assert [rc for rc, _, _ in resumed] == [0, 0], resumed[0][2] + resumed[1][2]

@@ -301,6 +301,6 @@ def test_sigterm_inside_the_grpo_loop_saves_and_exits_143_with_the_resume_comman
     step = run_dir / "checkpoints" / str(summary["attempts"])
     assert summary["checkpoint"] == str(step) and (step / "checksums.json").is_file()
     assert err.strip().splitlines()[-1] == (
-        f"stopped by SIGTERM after attempt {summary['attempts']}; checkpoint {step}; "
+        f"stopped by SIGTERM after {summary['attempts']} update attempt{'' if summary['attempts'] == 1 else 's'}; checkpoint {step}; "
         f"continue with: jscenegen train --resume {run_dir}")
     assert not (run_dir / "run.lock").exists()
