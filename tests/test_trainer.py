@@ -749,20 +749,51 @@ def test_episodes_that_all_fail_at_their_start_stop_the_run_like_any_rollout_fai
 
 def test_swanlab_online_without_a_login_is_one_error_naming_the_setting(tmp_path, monkeypatch):
     """swanlab.init raised RuntimeError ("no TTY is available for interactive login"): a
-    36-line traceback and exit 1 (helper-70)."""
+    36-line traceback and exit 1 (helper-70); and only once the model had loaded: with no API
+    key where swanlab's login looks and no terminal to ask on, the setting is refused before
+    swanlab starts (`check_swanlab_mode`, which train calls before any model; helper-72)."""
+    import io
+
     import swanlab
 
-    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger
+    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger, check_swanlab_mode
+
+    started = []
 
     def no_login(**kwargs):
+        started.append(kwargs)
         raise RuntimeError("Failed to initialize SwanLab in online mode: no TTY is available")
 
     monkeypatch.setattr(swanlab, "init", no_login)
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)
+    monkeypatch.setenv("SWANLAB_ROOT", str(tmp_path / "swanlab-home"))   # no .netrc there
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    online = LoggingConfig(swanlab_mode="online")
+    no_key = (r"^logging\.swanlab_mode=online: swanlab has no API key \(log in first with `swanlab "
+              r"login`, or set the SWANLAB_API_KEY environment variable\) and no terminal to ask "
+              r"for one; or use offline$")
+    with pytest.raises(ValueError, match=no_key):
+        check_swanlab_mode(online)
+    with pytest.raises(ValueError, match=no_key):
+        MetricsLogger(tmp_path / "run", online, {})
+    assert started == [] and not (tmp_path / "run" / "swanlab").exists()
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal(""))   # swanlab asks on the terminal: its call
+    check_swanlab_mode(online)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    monkeypatch.setenv("SWANLAB_API_KEY", "sk-0123456789")   # a key: the start decides
+    check_swanlab_mode(online)
     with pytest.raises(ValueError, match=r"^logging\.swanlab_mode=online: swanlab could not start "
                        r"\(RuntimeError: Failed to initialize SwanLab .*\); log in first \(`swanlab login`, or "
                        r"the SWANLAB_API_KEY environment variable\) with the SwanLab cloud "
                        r"reachable, or use offline$"):
-        MetricsLogger(tmp_path, LoggingConfig(swanlab_mode="online"), {})
+        MetricsLogger(tmp_path, online, {})
+    assert len(started) == 1
 
 
 def test_swanlab_refusing_the_login_is_one_error_and_leaves_no_swanlab_directory(tmp_path,

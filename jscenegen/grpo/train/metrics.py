@@ -95,14 +95,38 @@ def _quiet_swanlab():
 
 
 def check_swanlab_mode(cfg: LoggingConfig) -> None:
-    """Raise ValueError naming `logging.swanlab_mode` when swanlab's `local` mode lacks the
-    package it needs (swanboard, `swanlab[dashboard]`): swanlab itself only logs an error and
-    goes on. `jscenegen train` calls it before any model loads (`pipeline.check_run_inputs`),
-    and `MetricsLogger` before it starts swanlab."""
+    """Raise ValueError naming `logging.swanlab_mode` when swanlab could not start in it, as far
+    as that is known without the network: `local` without the package it needs (swanboard,
+    `swanlab[dashboard]`; swanlab itself only logs an error and goes on), and `online` with no
+    API key where swanlab's login looks (SWANLAB_API_KEY, its `.netrc` files) and no terminal
+    on stdin to ask for one. `jscenegen train` calls it before any model loads
+    (`pipeline.check_run_inputs`), and `MetricsLogger` before it starts swanlab; a key the cloud
+    refuses, or a cloud out of reach, is found only by that start."""
     if cfg.swanlab_mode == "local" and importlib.util.find_spec("swanboard") is None:
         raise ValueError("logging.swanlab_mode=local needs swanlab's dashboard (pip install "
                          "'swanlab[dashboard]'); offline writes the same RUN_DIR/swanlab files "
                          "without it")
+    if cfg.swanlab_mode == "online" and not _stdin_is_terminal() and not _swanlab_has_api_key():
+        raise ValueError("logging.swanlab_mode=online: swanlab has no API key (log in first with "
+                         "`swanlab login`, or set the SWANLAB_API_KEY environment variable) and "
+                         "no terminal to ask for one; or use offline")
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except ValueError:  # closed
+        return False
+
+
+def _swanlab_has_api_key() -> bool:
+    """Whether swanlab's own settings resolve an API key (environment, then its `.netrc` files);
+    True when this swanlab keeps its settings elsewhere (its start then decides)."""
+    try:
+        from swanlab.sdk.internal.settings import create_settings
+    except ImportError:
+        return True
+    return create_settings().api_key is not None
 
 
 class MetricsLogger:
