@@ -111,7 +111,7 @@ def orbax_step_dir(path: str | Path) -> Path:
     require_source_dir(path)
     if not ckpt.step_numbers(path) and (path / RUN_CHECKPOINTS).is_dir():
         path = path / RUN_CHECKPOINTS
-    if (path / ckpt.PARAMS_ITEM).is_dir():
+    if ckpt.has_step_entries(path):
         status = ckpt.check_step(path)
     else:
         status, skipped = ckpt.newest_complete_step(path)

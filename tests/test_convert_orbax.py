@@ -441,3 +441,7 @@ def test_a_run_directory_without_a_complete_step_says_why_its_newest_is_not(conv
         orbax_step_dir(run)
     with pytest.raises(ConvertError, match=r"\(no numbered step directory\)"):
         orbax_step_dir(tmp_path)
+    shutil.rmtree(run / "3" / "params")   # the step itself, named: what it lacks, not "no step"
+    with pytest.raises(ConvertError, match=rf"^{run / '3'}: not a complete checkpoint \({run / '3'}: "
+                                           r"missing params, adam\)$"):
+        orbax_step_dir(run / "3")

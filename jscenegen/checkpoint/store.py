@@ -428,6 +428,14 @@ def check_step_entries(directory: str | Path) -> None:
             "in its place")
 
 
+def has_step_entries(path: str | Path) -> bool:
+    """True when `path` holds any item of a checkpoint step (params/, adam/, train_state/,
+    training_metadata.json, hf/config.json): a step, complete or not, rather than a directory
+    of steps (whose `checksums.json` a conversion writes too)."""
+    p = Path(path)
+    return any((p / e).exists() for e in _REQUIRED_ENTRIES)
+
+
 def is_checkpoint_dir(path: str | Path) -> bool:
     """True for a training checkpoint step directory (`params/` and `hf/config.json`)."""
     p = Path(path)
