@@ -1,6 +1,6 @@
 """Conversions between VERL FSDP2 checkpoints and HF safetensors (and VERL resharding).
 
-Every output is built in a staged temp directory (convert/staging.py) and renamed into place
+Every output is built in a staged temp directory (`paths.atomic_dir`) and renamed into place
 only when complete, with `checkpoint-layout.json` and `checksums.json` written last.
 
 - `verl_to_hf`: the model's fp32 master weights (or `dtype`) as sharded safetensors, streamed

@@ -570,7 +570,7 @@ def iter_arrays(step_dir: str | Path, group: str = "params",
 
     Each array is read by its own partial orbax restore, so host memory holds one array at a
     time (what a converter streaming a 7B model needs). `names` defaults to every stored name,
-    sorted (JAX's dict order; `model.params.param_shapes` gives the model's order). No mesh or
+    sorted (JAX's dict order; `model.weights.param_shapes` gives the model's order). No mesh or
     device is involved. Raises CheckpointError for an unknown name.
     """
     step_dir = Path(step_dir).absolute()

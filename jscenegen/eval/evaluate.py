@@ -1,4 +1,4 @@
-"""Evaluation of a policy on a scene set (issue 7 item 5), with the scripted expert as reference.
+"""Evaluation of a policy on a scene set, with the scripted expert as reference.
 
 Every scene is played `samples` times with the seeds `episode_seed(scene seed, member, 0)` (the
 schedule's derivation, so evaluation is repeatable and independent of batch neighbours), through

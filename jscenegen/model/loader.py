@@ -83,7 +83,7 @@ def build_model(cfg: QwenConfig, arrays: Iterable[tuple[str, Any]], *,
     arrays: (hf_name, array) pairs, every weight of `weight_table(cfg)` exactly once, each a
       host array at its logical shape (cast to the param dtype, padded, placed in the FSDP
       layout `rules.PARAM` on `mesh`) or a jax.Array already at the padded shape and dtype
-      (e.g. restored into `checkpoint.layout.padded_target`), used as it is. Carried tensors
+      (e.g. restored into `checkpoint.store.padded_target`), used as it is. Carried tensors
       are never cast: they keep the dtype they arrive in.
     mesh: the ("fsdp", "sp") mesh, or None for an unsharded model on the default device.
     source: what the arrays come from, for error messages (a directory or file).

@@ -1,4 +1,4 @@
-"""A small torch implementation of specs/grpo.md, written independently of the JAX code.
+"""A small torch implementation of ../shared/specs/grpo.md, written independently of the JAX code.
 
 It is the yardstick of the tests and of `jscenegen parity grpo-step`: the formulas are
 written as VERL writes them (verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py,

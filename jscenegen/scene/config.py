@@ -1,7 +1,7 @@
 """Typed configuration of the SceneGen runtime (`scene:`) and of its judge (`judge:`).
 
 Every number of ../shared/specs/scene-protocol.md is a default here, never a constant in code.
-The lead adds both sections to `RunConfig` as `scene:` and `judge:`; this module only defines them.
+`RunConfig` carries both as `scene:` and `judge:`.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ class SFTConfig(Section):
                        "shuffled epochs; a cosine optim.total_steps below it is warned)")
     batch_size: int = Field(3, ge=1, description="demos (rows) per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per micro-batch "
-                                         "(gradient accumulation); None = the whole batch; must "
+                                         "(gradient accumulation); null = the whole batch; must "
                                          "divide batch_size padded to a multiple of mesh.fsdp")
     max_seq_len: int = Field(3072, ge=16, le=TOKENS_MAX, description="tokens per row; longer demos are "
                              "truncated (their tail turns are lost; counted in the log)")

@@ -1,7 +1,7 @@
 """GRPO outcome advantages: one scalar score per episode, normalised within its group.
 
 Mirrors VERL's `compute_grpo_outcome_advantage` (verl/trainer/ppo/core_algos.py) with the
-changes of specs/grpo.md: invalid members (judge/infrastructure failure, non-finite score)
+changes of ../shared/specs/grpo.md: invalid members (judge/infrastructure failure, non-finite score)
 are left out of the statistics and get 0; a group with fewer than 2 valid members gets 0.
 """
 from __future__ import annotations

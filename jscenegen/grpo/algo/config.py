@@ -1,4 +1,4 @@
-"""Config sections of the GRPO loss and the optimizer (merged into RunConfig by the lead).
+"""Config sections of the GRPO loss and the optimizer.
 
 Field names follow VERL's actor config where one exists (`clip_ratio_c`, `loss_agg_mode`,
 `entropy_coeff`, `kl_loss_type`, `ppo_micro_batch_size`), so a VERL user finds them.
@@ -18,7 +18,7 @@ KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+
 
 
 class LossConfig(Section):
-    """PPO-clip policy loss, its aggregation, KL and entropy terms (specs/grpo.md)."""
+    """PPO-clip policy loss, its aggregation, KL and entropy terms (../shared/specs/grpo.md)."""
 
     clip_low: float = Field(0.2, gt=0, lt=1, description="epsilon_low: ratio clipped at 1 - clip_low")
     clip_high: float = Field(0.2, gt=0, description="epsilon_high: ratio clipped at 1 + clip_high")
@@ -34,7 +34,7 @@ class LossConfig(Section):
         "legacy: VERL 0.4-0.8 dp_actor (each micro-batch normalised by itself, averaged)",
     )
     horizon: int | None = Field(
-        None, gt=0, description="seq-mean-token-sum-norm divisor; None = padded length T"
+        None, gt=0, description="seq-mean-token-sum-norm divisor; null = padded length T"
     )
     use_kl_loss: bool = Field(False, description="add kl_coef x the aggregated KL to a frozen "
                               "reference to the loss (VERL actor.use_kl_loss); the reference: "
@@ -50,7 +50,7 @@ class LossConfig(Section):
                                  "entropy_coeff x the aggregated entropy of the temperature-scaled "
                                  "distribution (VERL actor.entropy_coeff); 0: no entropy term")
     ppo_micro_batch_size: int | None = Field(
-        None, gt=0, description="rows per micro-batch (gradient accumulation); None = whole "
+        None, gt=0, description="rows per micro-batch (gradient accumulation); null = whole "
         "batch; must divide the batch's rows (groups_per_batch x group_size) padded to a multiple "
         "of mesh.fsdp (8 episodes on fsdp=3: 9 rows)"
     )
@@ -69,7 +69,7 @@ class LossConfig(Section):
 
 
 class OptimConfig(Section):
-    """AdamW + grad-norm clip + LR schedule, the torch.optim.AdamW update (specs/grpo.md)."""
+    """AdamW + grad-norm clip + LR schedule, the torch.optim.AdamW update (../shared/specs/grpo.md)."""
 
     lr: float = Field(1e-6, ge=0, description="base learning rate; the schedule multiplies it "
                       "(VERL actor.optim.lr)")

@@ -1,7 +1,7 @@
 """PPO-clip policy loss, loss aggregation, KL estimators and the combined GRPO objective.
 
 Pure, jit-able functions over [B, T] arrays aligned with the token sequence (entry t
-concerns token t; `mask` is 1 on trained tokens). Formulas: specs/grpo.md; VERL sources:
+concerns token t; `mask` is 1 on trained tokens). Formulas: ../shared/specs/grpo.md; VERL sources:
 verl/trainer/ppo/core_algos.py (`compute_policy_loss_vanilla`, `agg_loss`, `kl_penalty`).
 
 NaN/inf safety: every function that takes a mask replaces masked-out entries by 0 *before*
@@ -35,7 +35,7 @@ def logprob_drift(rollout_logp, old_logp, mask):
     """Mean |logp_rollout - old_logp| over trained tokens: sampler vs trainer log-prob drift.
 
     [B, T] float32 inputs (NaN off the mask is ignored); returns float32 [] (0 for an empty
-    mask). specs/grpo.md keeps the sampler's log-probs only for this metric.
+    mask). ../shared/specs/grpo.md keeps the sampler's log-probs only for this metric.
     """
     m = jnp.asarray(mask, jnp.float32)
     on = m != 0

@@ -1,7 +1,7 @@
 """Config sections of rollouts: how tokens are sampled (`sampling:`) and where the sampler
 computes (`rollout:`).
 
-Defaults are the GRPO100 recipe's (specs/grpo.md): temperature 1.0, top-p 1.0, no top-k,
+Defaults are the GRPO100 recipe's (../shared/specs/grpo.md): temperature 1.0, top-p 1.0, no top-k,
 2,048 new tokens per turn, 32,768 tokens per episode, groups of 8 episodes, one group per
 update; the rollout layout is chosen automatically (docs/rollout.md "Layouts").
 """
@@ -41,13 +41,13 @@ class SamplingConfig(Section):
     buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
                                      "(compiled shapes), increasing")
     cache_tokens: int | None = Field(None, gt=0, le=3 * TOKENS_MAX,
-                                     description="KV-cache slots per row, fixed; None: the cache "
+                                     description="KV-cache slots per row, fixed; null: the cache "
                                      "starts at the prompt plus one decode segment (the smallest "
                                      "bucket) and grows (doubling) up to max_episode_tokens + "
                                      "max_new_tokens, rounded up to the smallest bucket, plus "
                                      "one bucket")
     chat_template_path: str | None = Field(None, description="replacement chat template (jinja); "
-                                           "None = the model directory's own")
+                                           "null = the model directory's own")
 
     @model_validator(mode="after")
     def _check(self):
@@ -91,11 +91,11 @@ class RolloutConfig(Section):
         "training shards (all-gathers every layer per token; for comparison); auto: replicated "
         "when the weights fit memory_fraction of a device, else tp")
     tp: int | None = Field(None, ge=1, description="tensor-parallel size of the tp layout; "
-                           "None: the smallest that fits and divides the heads")
+                           "null: the smallest that fits and divides the heads")
     memory_fraction: float = Field(0.25, gt=0, le=1, description="share of one device's memory "
                                    "the replicated rollout weights may take (auto)")
     dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="rollout weights' dtype; None: model.compute_dtype (what the train "
+        None, description="rollout weights' dtype; null: model.compute_dtype (what the train "
         "step computes with, so the recomputed log-probs match)")
     groups_per_batch: int = Field(1, ge=1, description="groups (scenes) rolled out together in "
                                   "one batch and trained in one optimizer step; the recipe: 1")

@@ -15,7 +15,7 @@ Token accounting (what the trainer relies on):
     (`<|im_start|>assistant\\n`, the newline after `<|im_end|>`); the acting role for the
     assistant content and the end-of-turn token the policy sampled. A turn stopped by a stop
     string (`</action>`) gets its end-of-turn token appended as ENVIRONMENT.
-  - policy_mask: true exactly on the policy's tokens; `grpo.roles.role_loss_mask(roles,
+  - policy_mask: true exactly on the policy's tokens; `grpo.algo.roles.role_loss_mask(roles,
     policy_mask, selected)` gives the loss mask of an update.
   - logprobs: log p(token_t | tokens_<t) at the sampling temperature (fp32) on policy tokens,
     0 elsewhere; they feed the drift metric (the trainer recomputes old_logp).

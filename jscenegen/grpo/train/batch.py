@@ -28,7 +28,7 @@ class GroupBatch:
 
     arrays: input_ids int32, attention_mask int32, loss_mask float32, advantages float32
     (A_b * loss_mask), rollout_logp float32, all [rows, T]; episode_advantages [N] float32;
-    has_signal: some trained token has a non-zero advantage (specs/grpo.md "effective update").
+    has_signal: some trained token has a non-zero advantage (../shared/specs/grpo.md "effective update").
     """
 
     arrays: dict[str, np.ndarray]

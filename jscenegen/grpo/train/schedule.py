@@ -1,6 +1,6 @@
 """The GRPO100 schedule: scene order, D-D-D-P-C roles, episode seeds, effective-update counting.
 
-specs/grpo.md "Role schedule and update counting": effective update k trains role
+../shared/specs/grpo.md "Role schedule and update counting": effective update k trains role
 `roles[k mod len(roles)]`; an attempt runs the G episodes of the current scene; it is effective
 when a trained token has a non-zero advantage. For an attempt without signal the `zero_spread`
 policy decides: `redraw` (same scene, next seeds, at most `max_redraws` times, then the next
@@ -31,7 +31,7 @@ class ScheduleConfig(Section):
 
     train_set: str = Field("data/scenes/train.jsonl", description="JSONL scene set (file order = order)")
     dev_set: str = Field("data/scenes/dev.jsonl", description="dev scenes for evaluation")
-    num_scenes: int | None = Field(None, gt=0, description="use the first N scenes (None: all)")
+    num_scenes: int | None = Field(None, gt=0, description="use the first N scenes (null: all)")
     roles: str = Field("DDDPC", pattern=r"^[DPC]+$", description="role cycle: effective update k "
                        "trains only the sampled tokens of role roles[k mod len(roles)] (D designer, "
                        "P planner, C critic); enters the schedule hash")
@@ -46,7 +46,7 @@ class ScheduleConfig(Section):
                              "attempt's scene(s) before the schedule moves on without a step")
     max_attempts: int | None = Field(None, ge=1, le=STEPS_MAX, description="stop after this many update "
                                      "attempts even without total_updates effective ones "
-                                     "(a weak policy may never produce signal); None: no cap")
+                                     "(a weak policy may never produce signal); null: no cap")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="run-level seed: enters every rollout's "
                       "episode seeds (0 = the seeds of earlier releases); the scene order, the SFT "
                       "warm start and the dev evaluation's seeds do not depend on it")
