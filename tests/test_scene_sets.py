@@ -1,4 +1,4 @@
-"""Shipped scene sets, the deterministic generator, the grain data source, schema text and the CLI."""
+"""Shipped scene sets, the deterministic generator, schema text and the CLI."""
 import json
 import re
 from pathlib import Path
@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from jscenegen.cli import main
-from jscenegen.scene.dataset import SceneSetSource, scene_iterator
 from jscenegen.scene.generator import SPLIT_BASE, make_record, make_scene_set
 from jscenegen.scene.sceneset import read_scene_record, read_scene_set, record_from_json, write_scene_set
 from jscenegen.scene.schema import SceneError, canonical_text, edge_length, scene_from_json
@@ -49,22 +48,6 @@ def test_write_is_atomic_and_round_trips(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"scene": {"room": {}}, "seed": 1}\n')
     with pytest.raises(SceneError, match=r"bad.jsonl:1: scene: room.floor_polygon"):
         read_scene_set(tmp_path / "bad.jsonl")
-
-
-def test_grain_source_and_checkpointable_order():
-    src = SceneSetSource(DATA / "train.jsonl")
-    assert len(src) == 100 and src[3].scene.scene_id == "train_0003"
-    plain = scene_iterator(DATA / "dev.jsonl")
-    assert [next(plain).scene.scene_id for _ in range(9)] == [f"dev_{i:04d}" for i in range(9)]
-    it = scene_iterator(DATA / "train.jsonl", seed=5, num_epochs=2)
-    first = [next(it).seed for _ in range(30)]
-    state = it.get_state()
-    rest = [next(it).seed for _ in range(20)]
-    resumed = scene_iterator(DATA / "train.jsonl", seed=5, num_epochs=2, state=state)
-    assert [next(resumed).seed for _ in range(20)] == rest
-    again = scene_iterator(DATA / "train.jsonl", seed=5, num_epochs=2)
-    assert [next(again).seed for _ in range(30)] == first
-    assert first != [r.seed for r in read_scene_set(DATA / "train.jsonl")][:30]
 
 
 def test_canonical_text_is_deterministic_and_rounded():

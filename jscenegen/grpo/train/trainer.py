@@ -75,10 +75,10 @@ from jscenegen.model.weights import (
     param_shapes,
 )
 from jscenegen.paths import resolve_data_path, write_json
-from jscenegen.scene.dataset import SceneSetSource
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
+from jscenegen.scene.sceneset import SceneRecord, read_scene_set
 from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes, mesh_shape
 from jscenegen.signals import STOP_REQUESTS, STOP_SIGNALS, raise_if_redelivered, unwind
@@ -107,14 +107,14 @@ class RunSummary:
     wall_s: float
 
 
-def train_scenes(cfg) -> tuple[SceneSetSource, int]:
+def train_scenes(cfg) -> tuple[list[SceneRecord], int]:
     """The train scene set (`schedule.train_set`) and how many of its scenes the schedule uses
     (`schedule.num_scenes`, default all). Raises ValueError naming the key when num_scenes
     exceeds the set, or when `rollout.groups_per_batch` asks for more scenes than the schedule
     uses or more episodes per batch than GROUP_MAX, or when `loss.ppo_micro_batch_size` does
     not divide the batch's rows padded for `mesh.fsdp`, and the scene-set reader's errors for
     a missing or malformed file."""
-    scenes = SceneSetSource(resolve_data_path(cfg.schedule.train_set))
+    scenes = read_scene_set(resolve_data_path(cfg.schedule.train_set))
     n = cfg.schedule.num_scenes or len(scenes)
     if n > len(scenes):
         raise ValueError(f"schedule.num_scenes={n}: {cfg.schedule.train_set} holds only "
@@ -476,7 +476,6 @@ class Trainer:
         played again: that report is written under `name`."""
         from jscenegen.eval.evaluate import evaluate
         from jscenegen.eval.plots import plot_report
-        from jscenegen.scene.sceneset import read_scene_set
 
         if self._last_eval is not None and self._last_eval["attempts"] == self.pos.attempts:
             report = copy.deepcopy(self._last_eval)
