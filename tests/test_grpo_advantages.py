@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jscenegen.grpo.algo.advantages import check_group_sizes, grpo_outcome_advantages
-from jscenegen.grpo.algo.losses import policy_loss
+from jscenegen.grpo.algo.losses import grpo_loss
 from jscenegen.parity import torch_reference as ref
 
 LAYOUTS = [
@@ -61,7 +61,8 @@ def test_constant_groups_give_exact_zero_and_zero_policy_gradient():
     old = logp + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (16, 6))
     mask = jnp.ones((16, 6)).at[:, 0].set(0.0)
     adv_tok = jnp.broadcast_to(adv[:, None], (16, 6)) * mask
-    grad = jax.grad(lambda lp: policy_loss(lp, old, adv_tok, mask, 0.2, 0.2, 3.0, "token-mean")[0])(logp)
+    grad = jax.grad(lambda lp: grpo_loss(lp, None, old, adv_tok, mask, None, clip_low=0.2, clip_high=0.2,
+                                         clip_c=3.0, agg_mode="token-mean").pg_loss)(logp)
     assert np.all(np.asarray(grad) == 0.0)
 
 

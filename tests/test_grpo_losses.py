@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from jscenegen.grpo.algo.config import LossConfig
-from jscenegen.grpo.algo.losses import AGG_MODES, agg_loss, grpo_loss, kl_penalty, logprob_drift, policy_loss
+from jscenegen.grpo.algo.losses import AGG_MODES, agg_loss, grpo_loss, kl_penalty, token_means
 from jscenegen.parity import torch_reference as ref
 
 B, T = 4, 7
@@ -71,6 +71,13 @@ def test_agg_loss_worked_values():
     assert float(agg_loss(x, jnp.zeros_like(m), "token-mean")) == 0.0
     with pytest.raises(ValueError, match="loss_agg_mode"):
         agg_loss(x, m, "mean")
+
+
+def policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, clip_c, agg_mode):
+    """The PPO-clip part of `grpo_loss` and the per-token metrics the train step reports."""
+    parts = grpo_loss(logp, None, old_logp, advantages, mask, None, clip_low=clip_low,
+                      clip_high=clip_high, clip_c=clip_c, agg_mode=agg_mode)
+    return parts.pg_loss, token_means(parts.sums)
 
 
 _pl = {m: jax.jit(jax.value_and_grad(lambda lp, o, a, k, m=m: policy_loss(
@@ -179,5 +186,11 @@ def test_logprob_drift():
     roll = np.array([[0.0, -1.0, -2.0, np.nan]], np.float32)
     old = np.array([[5.0, -1.5, -1.0, -3.0]], np.float32)
     mask = np.array([[0, 1, 1, 0]], np.float32)
-    assert float(logprob_drift(roll, old, mask)) == pytest.approx(0.75)
-    assert float(logprob_drift(roll, old, np.zeros_like(mask))) == 0.0
+
+    def drift(m):
+        parts = grpo_loss(old, None, old, np.zeros_like(old), m, None, clip_low=0.2,
+                          clip_high=0.2, clip_c=3.0, agg_mode="token-mean", rollout_logp=roll)
+        return float(token_means(parts.sums)["logprob_drift"])
+
+    assert drift(mask) == pytest.approx(0.75)
+    assert drift(np.zeros_like(mask)) == 0.0

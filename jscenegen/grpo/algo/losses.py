@@ -31,17 +31,6 @@ def masked_mean(x, mask):
     return masked_sum(x, mask) / (jnp.sum(jnp.asarray(mask, jnp.float32)) + 1e-8)
 
 
-def logprob_drift(rollout_logp, old_logp, mask):
-    """Mean |logp_rollout - old_logp| over trained tokens: sampler vs trainer log-prob drift.
-
-    [B, T] float32 inputs (NaN off the mask is ignored); returns float32 [] (0 for an empty
-    mask). ../shared/specs/grpo.md keeps the sampler's log-probs only for this metric.
-    """
-    m = jnp.asarray(mask, jnp.float32)
-    on = m != 0
-    return masked_mean(jnp.abs(jnp.where(on, rollout_logp, 0.0) - jnp.where(on, old_logp, 0.0)), m)
-
-
 def agg_loss(
     per_token, mask, mode: str, global_token_count=None, global_seq_count=None, horizon=None,
     *, legacy: bool = False,
@@ -139,37 +128,6 @@ def _masked_clip_terms(logp, old_logp, advantages, mask, clip_low, clip_high, cl
     return m, on, logp, terms
 
 
-def policy_loss(
-    logp, old_logp, advantages, mask, clip_low, clip_high, clip_c, agg_mode,
-    global_token_count=None, global_seq_count=None, horizon=None, *, legacy: bool = False,
-):
-    """Aggregated PPO-clip policy loss and its metrics.
-
-    Args:
-      logp, old_logp, advantages, mask: [B, T] float32 (advantages per token, as VERL
-        passes them); entries outside `mask` may hold anything, NaN included.
-      clip_low, clip_high, clip_c: epsilon_low, epsilon_high, dual-clip c (> 1).
-      agg_mode, global_token_count, global_seq_count, horizon, legacy: see `agg_loss`.
-
-    Returns:
-      (loss float32 [], metrics {"clipfrac", "clipfrac_lower", "approx_kl", "ratio_max"}),
-      metrics as masked means over this call's mask (ratio_max: max over masked tokens, 0
-      for an empty mask).
-    """
-    m, on, _, terms = _masked_clip_terms(logp, old_logp, advantages, mask, clip_low, clip_high,
-                                         clip_c)
-    loss = agg_loss(
-        terms.loss, m, agg_mode, global_token_count, global_seq_count, horizon, legacy=legacy
-    )
-    metrics = {
-        "clipfrac": masked_mean(terms.clipped.astype(jnp.float32), m),
-        "clipfrac_lower": masked_mean(terms.clipped_lower.astype(jnp.float32), m),
-        "approx_kl": masked_mean(-terms.log_ratio, m),
-        "ratio_max": jnp.max(jnp.where(on, terms.ratio, 0.0)),
-    }
-    return loss, metrics
-
-
 def kl_penalty(logp, ref_logp, kind: str):
     """Per-token KL estimate between the policy and a frozen reference (VERL `kl_penalty`).
 
@@ -221,7 +179,9 @@ def grpo_loss(
     outside `mask` are replaced by 0 before use, so NaN there is harmless. The three terms
     share one aggregation (agg_mode, counts, horizon, legacy), as in VERL's dp_actor.
     With `rollout_logp` (the sampler's log-probs) `sums["drift"]` is the masked sum of
-    |rollout_logp - old_logp| (see `logprob_drift`), else 0.
+    |rollout_logp - old_logp| (sampler vs trainer log-prob drift; ../shared/specs/grpo.md keeps
+    the sampler's log-probs only for this metric), else 0. `token_means(sums)` turns the sums
+    into the step's metrics.
     """
     m, on, logp, terms = _masked_clip_terms(logp, old_logp, advantages, mask, clip_low, clip_high,
                                             clip_c)
@@ -259,3 +219,14 @@ def grpo_loss(
         "drift": drift,
     }
     return LossParts(loss, pg, ent_term, kl_term, sums)
+
+
+def token_means(sums: dict) -> dict:
+    """The per-token metrics of `grpo_loss`'s (accumulated) `sums`, float32 [] each: clipfrac,
+    clipfrac_lower, approx_kl (mean -log ratio), entropy, kl and logprob_drift as means over
+    the trained tokens (0 when there are none, as VERL's masked means), ratio_max as it is."""
+    denom = jnp.maximum(sums["tokens"], 1.0)
+    return {"clipfrac": sums["clipped"] / denom, "clipfrac_lower": sums["clipped_lower"] / denom,
+            "approx_kl": sums["neg_log_ratio"] / denom, "ratio_max": sums["ratio_max"],
+            "entropy": sums["entropy"] / denom, "kl": sums["kl"] / denom,
+            "logprob_drift": sums["drift"] / denom}

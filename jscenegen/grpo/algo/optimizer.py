@@ -243,6 +243,8 @@ def param_names(params) -> list[str]:
 
 
 def adam_state(opt_state) -> TorchAdamWState:
+    """The one TorchAdamWState of an optax state tree (count, mu, nu). Raises ValueError
+    naming how many it holds otherwise."""
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, TorchAdamWState))
              if isinstance(s, TorchAdamWState)]
     if len(found) != 1:
@@ -251,15 +253,12 @@ def adam_state(opt_state) -> TorchAdamWState:
 
 
 def state_to_canonical(opt_state) -> dict:
-    """{"count": int, "mu": {name: np.ndarray}, "nu": {name: np.ndarray}} (torch step/exp_avg/
-    exp_avg_sq), names as `param_names`; arrays at their stored (possibly padded) shape."""
+    """{"count": int32 [], "mu": {name: array}, "nu": {name: array}} (torch step/exp_avg/
+    exp_avg_sq), names as `param_names`: the state's own arrays (jax.Arrays on their mesh, at
+    their stored, possibly padded, shape; no host copy, so it works for arrays that span
+    processes). Raises ValueError unless the state holds one TorchAdamWState."""
     st = adam_state(opt_state)
-    names = param_names(st.mu)
-    return {
-        "count": int(st.count),
-        "mu": dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(st.mu)))),
-        "nu": dict(zip(names, (np.asarray(x) for x in jax.tree.leaves(st.nu)))),
-    }
+    return {"count": st.count, "mu": named_leaves(st.mu), "nu": named_leaves(st.nu)}
 
 
 def state_from_canonical(canonical: dict, opt_state):

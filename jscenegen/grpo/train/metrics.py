@@ -29,7 +29,7 @@ from jscenegen.checkpoint.metadata import (
     redact_argv,
 )
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file, finite_number, json_line, jsonl_lines, not_a_file
+from jscenegen.paths import atomic_file, finite_number, json_line, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -261,9 +261,3 @@ def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
                     "torn): the resumed log has a gap there", Path(run_dir) / METRICS_LOG, shown,
                     attempts)
 
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / METRICS_LOG
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in jsonl_lines(path.read_text()) if line.strip()]

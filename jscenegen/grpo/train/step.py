@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jscenegen.grpo.algo.accumulate import accumulate_grads, num_micro_batches, split_micro
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
-from jscenegen.grpo.algo.losses import grpo_loss
+from jscenegen.grpo.algo.losses import grpo_loss, token_means
 from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
 from jscenegen.model.functional import HiddenFn, shared
 
@@ -142,14 +142,6 @@ class GRPOStep:
     def _step(self, state: TrainState, batch: dict, capacity=None):
         grads, loss, pg, sums = self._grads(state.params, batch, capacity)
         new_state, update = apply_gradients(self.tx, self.optim_cfg, state, grads)
-        n_tok = sums["tokens"]
-        denom = jnp.maximum(n_tok, 1.0)
-        metrics = {
-            "loss": loss, "pg_loss": pg,
-            "clipfrac": sums["clipped"] / denom, "clipfrac_lower": sums["clipped_lower"] / denom,
-            "approx_kl": sums["neg_log_ratio"] / denom, "ratio_max": sums["ratio_max"],
-            "entropy": sums["entropy"] / denom, "kl": sums["kl"] / denom,
-            "logprob_drift": sums["drift"] / denom,
-            **update, "tokens": n_tok,
-        }
+        metrics = {"loss": loss, "pg_loss": pg, **token_means(sums), **update,
+                   "tokens": sums["tokens"]}
         return new_state, metrics

@@ -52,6 +52,7 @@ from jscenegen.grpo.algo.optimizer import (
     init_train_state,
     schedule_ends_early,
     state_from_canonical,
+    state_to_canonical,
 )
 from jscenegen.grpo.algo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout.config import GROUP_MAX
@@ -270,10 +271,6 @@ class Trainer:
         carried = {n: v[...] for n, v in named_weights(self.model).items() if isinstance(v, Carried)}
         return {**named_leaves(self.state.params), **carried}
 
-    def _adam_by_name(self) -> dict:
-        st = adam_state(self.state.opt_state)
-        return {"count": st.count, "mu": named_leaves(st.mu), "nu": named_leaves(st.nu)}
-
     def _train_state_json(self) -> dict:
         return {
             "schedule": self.pos.to_json(),
@@ -288,7 +285,7 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        adam = self._adam_by_name()
+        adam = state_to_canonical(self.state.opt_state)
         meta = training_metadata(
             config=self.cfg.model_dump(mode="json"), protocol_hash=self.protocol_hash,
             schedule_hash=self.schedule.hash(), optimizer_step=int(adam["count"]),
