@@ -669,6 +669,9 @@ def test_a_damaged_copy_of_the_runs_assets_is_named_with_the_cure(tmp_path, mesh
     assets = resume_model_dir(tmp_path)
     step_hf = tmp_path / "checkpoints" / "1" / "hf"
     assert (assets / "config.json").read_bytes() == (step_hf / "config.json").read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)   # the copy is published as mkdir() makes a directory (it was 0700)
+    assert assets.stat().st_mode & 0o777 == 0o777 & ~umask
     (assets / "tokenizer.json").write_text("{ damaged")
     cure = rf"\({assets} is the run's copy of a checkpoint's hf/ assets: delete it, and the resume"
     with pytest.raises(CheckpointError, match=rf"^{assets}: 1 file\(s\) fail .*tokenizer.json.* {cure}"):

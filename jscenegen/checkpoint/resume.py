@@ -34,7 +34,7 @@ from jscenegen.checkpoint.store import (
     padded_target,
 )
 from jscenegen.config import shown_value, validation_message
-from jscenegen.paths import loads_json, not_a_file
+from jscenegen.paths import loads_json, not_a_file, umask_mode
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +273,7 @@ def _copy_assets(src: Path, dst: Path) -> None:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
         write_checksums(tmp)
+        umask_mode(tmp)
         try:
             os.rename(tmp, dst)
         except OSError:
