@@ -25,6 +25,7 @@ import numpy as np
 
 from jscenegen.model.config import QwenConfig, config_with_dtype
 from jscenegen.model.weights import param_shapes, weight_table
+from jscenegen.paths import loads_json
 
 # Tensor-name prefixes the torch model VERL trains never holds.
 VERL_ABSENT_PREFIXES = ("mtp.",)
@@ -102,8 +103,9 @@ def fix_config_file(path: str | Path, cfg: QwenConfig, dtype: str | None = None)
     that dtype (`model.config.config_with_dtype`: transformers loads the weights in the dtype
     the config says); True when it was rewritten."""
     path = Path(path)
-    doc = json.loads(path.read_text())
-    fixed = config_json(cfg, json.loads(path.read_text()))
+    text = path.read_bytes()
+    doc = loads_json(text)
+    fixed = config_json(cfg, loads_json(text))   # config_json may change the dict it is given
     if dtype is not None:
         fixed = config_with_dtype(fixed, dtype)
     if fixed == doc:

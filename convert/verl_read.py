@@ -279,8 +279,8 @@ def _check_fsdp_config(f: Path, world_size: int) -> None:
     if why := not_a_file(f):
         raise ConvertError(f"{f}: {why}")
     try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        cfg = loads_json(f.read_bytes())
+    except ValueError as err:
         raise ConvertError(f"{f}: not valid JSON: {err}") from None
     if not isinstance(cfg, dict):
         raise ConvertError(f"{f}: expected a JSON object, got {type(cfg).__name__}")

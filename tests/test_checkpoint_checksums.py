@@ -85,6 +85,11 @@ def test_missing_or_malformed_checksum_file(tree):
     (tree / "checksums.json").write_text(json.dumps({"files": {"a.txt": {"sha256": "00"}}}))
     with pytest.raises(ChecksumError, match="entry 'a.txt'"):
         read_checksums(tree)
+    # a key twice: which entry a reader keeps differs between readers; it was the last, silently
+    (tree / "checksums.json").write_text('{"files": {}, "files": {}}')
+    with pytest.raises(ChecksumError, match=r"checksums.json: not valid JSON: the key 'files' "
+                                            r"appears twice in one object"):
+        read_checksums(tree)
 
 
 def test_a_checksum_file_that_is_not_a_regular_file_is_not_skipped(tree):

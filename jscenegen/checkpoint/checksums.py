@@ -12,11 +12,10 @@ Written atomically (temporary file + rename), so a reader sees either no file or
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
-from jscenegen.paths import not_a_file, write_json
+from jscenegen.paths import loads_json, not_a_file, write_json
 
 CHECKSUMS_NAME = "checksums.json"
 
@@ -78,8 +77,8 @@ def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, di
     if why := not_a_file(path):
         raise ChecksumError(f"{path}: {why}")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        data = loads_json(path.read_bytes())
+    except ValueError as err:
         raise ChecksumError(f"{path}: not valid JSON: {err}") from None
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):

@@ -64,7 +64,7 @@ from jscenegen.checkpoint.lazy_array import LazyArray, cancel_on_interrupt  # no
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.model.config import config_with_dtype
-from jscenegen.paths import DiskFullError, is_decimal, is_disk_full, write_json
+from jscenegen.paths import DiskFullError, is_decimal, is_disk_full, loads_json, write_json
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
@@ -283,7 +283,7 @@ def _copy_hf_assets(src: Path, dst: Path, weights_dtype: str) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for name in HF_ASSET_FILES:
         if name == "config.json":
-            doc = json.loads((src / name).read_text(encoding="utf-8"))
+            doc = loads_json((src / name).read_bytes())
             write_json(dst / name, config_with_dtype(doc, weights_dtype) if isinstance(doc, dict) else doc)
         elif (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
@@ -478,8 +478,8 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
     """`training_metadata.json` of a step directory. Raises CheckpointError if absent/invalid."""
     path = Path(step_dir) / METADATA_NAME
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as err:
+        meta = loads_json(path.read_bytes())
+    except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: cannot read training metadata: {err}") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: training metadata must be a JSON object, got "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import get_args
 
-from jscenegen.paths import finite_number
+from jscenegen.paths import finite_number, loads_json
 from jscenegen.scene.schema import MAX_COORDINATE_M, Mount, read_json_file
 
 CATALOGUE_VERSION = "scenegen.catalogue/1"
@@ -174,7 +174,7 @@ def load_catalogue(path: str | None = None) -> Catalogue:
     (`schema.read_json_file`: missing, not a regular file, too large, not UTF-8 JSON)."""
     if path is None:
         text = resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text()
-        return _parse(json.loads(text), "jscenegen/scene/data/catalogue.json")
+        return _parse(loads_json(text), "jscenegen/scene/data/catalogue.json")
     return _parse(read_json_file(path, f"scene.catalogue_path {path}"), str(path))
 
 

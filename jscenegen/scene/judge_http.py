@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import httpx
 
 from jscenegen.config import REDACTED, clip_text
+from jscenegen.paths import loads_json
 
 from .caps import apply_caps
 from .config import JudgeConfig, MetricsConfig, shown_url
@@ -99,11 +100,9 @@ def message_content(answer) -> str:
 def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]:
     """(grades, comments) from a judge's message content. Raises JudgeAnswerError."""
     try:
-        obj = json.loads(content.strip())
-    except json.JSONDecodeError as err:
+        obj = loads_json(content.strip())
+    except ValueError as err:
         raise JudgeAnswerError(f"not JSON: {err}") from None
-    except RecursionError:
-        raise JudgeAnswerError("not JSON: nested too deeply to parse") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("grades"), dict):
         raise JudgeAnswerError("answer must be an object with a 'grades' object")
     grades = obj["grades"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -29,7 +28,7 @@ from jscenegen.checkpoint.metadata import (
     redact_argv,
 )
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file, finite_number, json_line, not_a_file
+from jscenegen.paths import atomic_file, finite_number, json_line, loads_json, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +242,7 @@ def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
                 if not line.strip():
                     continue
                 try:
-                    attempt = json.loads(line)["attempt"]
+                    attempt = loads_json(line)["attempt"]
                     keep = attempt < attempts
                 except (ValueError, KeyError, TypeError):
                     pending = number

@@ -31,7 +31,6 @@ is in use. Other directories are refused as before.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 from jscenegen.model.assets import TOKENIZER_FILES
-from jscenegen.paths import not_a_file
+from jscenegen.paths import loads_json, not_a_file
 
 log = logging.getLogger(__name__)
 TEMPLATES_DIR = Path(__file__).with_name("templates")
@@ -76,7 +75,7 @@ _PROBE_THINK = "<think>\nprobe reasoning\n</think>\n\nprobe answer <action>{}</a
 def _model_type(path: str | Path) -> str | None:
     """config.json's model_type of a model directory, or None when it has no readable one."""
     try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        return loads_json((Path(path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
 
