@@ -16,7 +16,6 @@ is the index order of VERL's optimizer state, then `mtp.*`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -25,7 +24,7 @@ import numpy as np
 
 from jscenegen.model.config import QwenConfig, config_with_dtype
 from jscenegen.model.weights import param_shapes, weight_table
-from jscenegen.paths import loads_json
+from jscenegen.paths import loads_json, write_json
 
 # Tensor-name prefixes the torch model VERL trains never holds.
 VERL_ABSENT_PREFIXES = ("mtp.",)
@@ -110,5 +109,5 @@ def fix_config_file(path: str | Path, cfg: QwenConfig, dtype: str | None = None)
         fixed = config_with_dtype(fixed, dtype)
     if fixed == doc:
         return False
-    path.write_text(json.dumps(fixed, indent=2) + "\n")
+    write_json(path, fixed)
     return True

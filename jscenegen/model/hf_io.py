@@ -17,7 +17,6 @@ as it was read.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -31,7 +30,7 @@ from jscenegen.model.loader import build_model
 from jscenegen.model.qwen import CausalLM
 from jscenegen.model.safetensors_stream import read_tensor, safetensors_files, write_safetensors_streaming
 from jscenegen.model.weights import Carried, CheckpointFormatError, named_weights, param_shapes
-from jscenegen.paths import atomic_dir
+from jscenegen.paths import atomic_dir, write_json
 
 TIED_ALIAS = "lm_head.weight"
 
@@ -174,7 +173,7 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
                                                  for n, a in tensors), max_shard_bytes)
         if config_dtype is None and isinstance(dtype, str):
             config_dtype = dtype
-        (tmp / "config.json").write_text(json.dumps(_config_json(cfg, config_dtype), indent=2))
+        write_json(tmp / "config.json", _config_json(cfg, config_dtype))
         if tokenizer_src is not None:
             copy_assets(tokenizer_src, tmp, skip=("config.json",))
         if not (tmp / "generation_config.json").exists():
@@ -182,7 +181,7 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
             if cfg.eos_token_id is not None:
                 eos = cfg.eos_token_id
                 gen["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+            write_json(tmp / "generation_config.json", gen)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return out

@@ -11,7 +11,6 @@ tokenizer with the Qwen3.5 special tokens, and the prefix-preserving protocol ch
 """
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Iterable
@@ -22,6 +21,7 @@ from jscenegen.model.config import preset_config
 from jscenegen.model.hf_io import save_hf
 from jscenegen.model.loader import model_class
 from jscenegen.model.tokenizer.build import train_bpe_tokenizer, train_qwen35_tokenizer
+from jscenegen.paths import write_json
 
 ARCHS = ("qwen2", "qwen3", "qwen3_5")
 # The processor files of the Qwen3.5 releases (Qwen/Qwen3.5-*: Qwen3-VL's processors; values
@@ -67,8 +67,8 @@ def init_model_dir(out: str | Path, *, arch: str = "qwen3", preset: str = "tiny"
     with tempfile.TemporaryDirectory() as assets:
         tokenizer.save_pretrained(assets)
         if generation is not None:
-            (Path(assets) / "generation_config.json").write_text(json.dumps(generation, indent=2))
+            write_json(Path(assets) / "generation_config.json", generation)
             for name, content in (("preprocessor_config.json", PREPROCESSOR_CONFIG),
                                   ("video_preprocessor_config.json", VIDEO_PREPROCESSOR_CONFIG)):
-                (Path(assets) / name).write_text(json.dumps(content, indent=2) + "\n")
+                write_json(Path(assets) / name, content)
         return save_hf(model, out, tokenizer_src=assets)
