@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 from pydantic import Field
 
@@ -16,7 +16,7 @@ from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.rollout.config import GROUP_MAX, RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
 from jscenegen.grpo.train.schedule import ScheduleConfig
-from jscenegen.model.options import ModelConfig
+from jscenegen.model.options import ARCHS, PRESET_NAMES, ModelConfig
 from jscenegen.paths import resolve_data_path
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig
@@ -50,9 +50,9 @@ class WarmStartConfig(Section):
     of `preset` (micro in configs/cpu-default.yaml) created once, then supervised on the
     scripted expert's episodes (cached by config hash)."""
 
-    arch: str = Field("qwen3", pattern="^(qwen2|qwen3|qwen3_5)$", description="qwen2, qwen3 "
-                      "or qwen3_5 (the hybrid with a vision tower, `init-model --arch qwen3_5`)")
-    preset: str = Field("tiny", pattern="^(micro|tiny|small)$", description="size of the fresh "
+    arch: Literal[ARCHS] = Field("qwen3", description="qwen2, qwen3 or qwen3_5 (the hybrid "
+                                 "with a vision tower, `init-model --arch qwen3_5`)")
+    preset: Literal[PRESET_NAMES] = Field("tiny", description="size of the fresh "
                         "model (init-model --preset): micro hidden 128 x 2 layers (4 for qwen3_5), "
                         "tiny 256 x 4, small 512 x 8; made once in "
                         "$JSCENEGEN_CACHE (default ~/.cache/jscenegen)/models/<preset>-<arch>")

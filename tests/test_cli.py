@@ -126,9 +126,10 @@ def test_a_full_disk_is_one_line_naming_the_directory_and_the_bytes(tmp_path, mo
 
 def test_init_model_help_states_the_preset_sizes_and_prints_progress(tmp_path, capsys):
     from jscenegen.commands.init_model import PRESET_HELP
-    from jscenegen.model.config import PRESETS
+    from jscenegen.model.config import HYBRID_PRESETS, PRESETS
+    from jscenegen.model.options import PRESET_NAMES
 
-    assert list(PRESET_HELP) == list(PRESETS)
+    assert tuple(PRESET_HELP) == tuple(PRESETS) == tuple(HYBRID_PRESETS) == PRESET_NAMES
     for name, shape in PRESETS.items():
         assert PRESET_HELP[name].startswith(
             f"hidden {shape['hidden_size']} x {shape['num_hidden_layers']} layers")
@@ -234,9 +235,8 @@ def test_init_model_refuses_a_bad_vocab_size_before_any_work(tmp_path, capsys, s
 def test_the_smallest_vocab_size_init_model_takes_is_honoured():
     """--vocab-size 256 wrote 259 tokens: the three special tokens come on top of the bytes."""
     from jscenegen.commands.init_model import MIN_VOCAB
-    from jscenegen.model.tokenizer.build import SPECIAL_TOKENS, train_bpe_tokenizer
+    from jscenegen.model.tokenizer.build import train_bpe_tokenizer
 
-    assert MIN_VOCAB == 256 + len(SPECIAL_TOKENS)
     assert len(train_bpe_tokenizer(["a bed by the window", "two nightstands"], MIN_VOCAB)) == MIN_VOCAB
 
 

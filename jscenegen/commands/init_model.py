@@ -6,6 +6,8 @@ import sys
 import time
 
 from jscenegen.commands import seed_arg
+from jscenegen.model.options import ARCHS, PRESET_NAMES
+from jscenegen.model.tokenizer.build import SPECIAL_TOKENS
 
 # hidden size x layers of each Qwen2/Qwen3 preset (jscenegen.model.config.PRESETS; a test keeps
 # them equal); qwen3_5 has its own (HYBRID_PRESETS: layers in multiples of 4)
@@ -13,18 +15,17 @@ PRESET_HELP = {"micro": "hidden 128 x 2 layers, the CPU default's policy",
                "tiny": "hidden 256 x 4 layers", "small": "hidden 512 x 8 layers"}
 
 
-# the byte-level BPE's alphabet (256) and its three special tokens: a smaller --vocab-size
-# cannot be honoured (model.tokenizer.build; a test keeps them equal)
-MIN_VOCAB = 259
+# the byte-level BPE's alphabet and its special tokens: a smaller --vocab-size cannot be honoured
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 
 
 def register(sub) -> None:
     p = sub.add_parser("init-model", help="write a fresh micro/tiny/small Qwen HF model directory "
                        "(random weights, a tokenizer trained on the scene protocol's text)")
     p.add_argument("out_dir")
-    p.add_argument("--arch", choices=["qwen2", "qwen3", "qwen3_5"], default="qwen3",
+    p.add_argument("--arch", choices=ARCHS, default="qwen3",
                    help="default: qwen3; qwen3_5 writes a Qwen3.5 VLM directory (tiny vision tower)")
-    p.add_argument("--preset", choices=list(PRESET_HELP), default="tiny",
+    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny",
                    help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items())
                    + " (qwen2/qwen3; qwen3_5 micro has 4 layers) (default: tiny)")
     p.add_argument("--seed", type=seed_arg, default=0)

@@ -23,7 +23,6 @@ from jscenegen.model.loader import model_class
 from jscenegen.model.tokenizer.build import train_bpe_tokenizer, train_qwen35_tokenizer
 from jscenegen.paths import write_json
 
-ARCHS = ("qwen2", "qwen3", "qwen3_5")
 # The processor files of the Qwen3.5 releases (Qwen/Qwen3.5-*: Qwen3-VL's processors; values
 # as published, docs/qwen35.md section 3.5). jscenegen carries them and never runs them.
 PREPROCESSOR_CONFIG = {

@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from jscenegen.config import SEED_MAX, STEPS_MAX, Section
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.rollout.config import TOKENS_MAX
-from jscenegen.model.options import ModelConfig
+from jscenegen.model.options import ARCHS, PRESET_NAMES, ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig
 
@@ -46,10 +46,10 @@ class SFTConfig(Section):
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling) and a fresh model's weights")
     out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
-    init_arch: Literal["qwen2", "qwen3", "qwen3_5"] = Field(
+    init_arch: Literal[ARCHS] = Field(
         "qwen3", description="architecture of the fresh model `jscenegen sft` creates when "
         "model.path is null (the train warm start creates its own from warm_start.arch)")
-    init_preset: Literal["micro", "tiny", "small"] = Field(
+    init_preset: Literal[PRESET_NAMES] = Field(
         "tiny", description="preset of that fresh model (the train warm start: warm_start.preset)")
 
     @model_validator(mode="after")
