@@ -102,7 +102,19 @@ def test_config_spellings_and_defaults(qwen35_hf):
     (lambda d: d["text_config"].update(layer_types=["linear_attention"] * 4),
      r"text_config.layer_types must give 5 entries"),
     (lambda d: d["text_config"].update(layer_types=["linear_attention"] * 4 + ["sliding_attention"]),
-     r"layer_types .* with \['sliding_attention'\]"),
+     r"layer_types .* with \"sliding_attention\"$"),
+    (lambda d: d["text_config"].update(layer_types=[["x"], {}, None] + ["full_attention"] * 2),
+     r"layer_types .* with \[\"x\"\], null, \{\}$"),   # a TypeError traceback (helper-88)
+    (lambda d: d["text_config"]["rope_parameters"].update(mrope_section=5),
+     r"text_config.rope_parameters.mrope_section must be a list of integers >= 0 .*, got 5$"),
+    (lambda d: d["text_config"]["rope_parameters"].update(mrope_section="abc"),
+     r"mrope_section must be a list of integers >= 0 .*, got abc$"),   # was read as (a, b, c)
+    (lambda d: d["text_config"]["rope_parameters"].update(mrope_interleaved="yes"),
+     r"text_config.rope_parameters.mrope_interleaved must be true or false, got 'yes'$"),
+    (lambda d: d.update(vision_config="x"),
+     r"vision_config must be an object \(the vision tower's sizes\) or absent, got str$"),
+    (lambda d: d["vision_config"].update(depth=True),   # read as depth 1
+     r"vision_config.depth must be a positive integer, got True$"),
     (lambda d: d["text_config"].update(layer_types="full_attention"),
      r"text_config.layer_types must be a list \(one entry per layer\), got str"),
     (lambda d: d["text_config"].update(linear_num_value_heads=3),
@@ -535,6 +547,10 @@ def test_preset_configs_build(tmp_path):
         assert cfg.model_type == "qwen3_5" and cfg.layer_types[3] == "full_attention"
         assert cfg.tie_word_embeddings and cfg.vision.patch_size == 16 and cfg.mtp_layers == 1
         assert json.loads(cfg.hf_config)["text_config"]["tie_word_embeddings"] is True
+        # M-RoPE's sections sum to rotary/2, as the releases' [11, 11, 10] (it was that list
+        # whatever the head size)
+        assert sum(cfg.mrope_section) == cfg.rotary_dim // 2 == 8 and cfg.mrope_section == (3, 3, 2)
+    assert preset_config("qwen3_5", "micro", 1000, head_dim=256).mrope_section == (11, 11, 10)
 
 
 @pytest.mark.slow   # one grad compile of the whole model with remat: ~25 s on 2 cores

@@ -477,15 +477,17 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                 "top-level value in Qwen3_5ForConditionalGeneration and by text_config's in "
                 "Qwen3_5ForCausalLM, so the weights would mean different models. Set both to "
                 "the same value")
-        v = d.get("vision_config") or {}
+        v = d.get("vision_config")
+        if v is None:
+            v = {}
+        if not isinstance(v, dict):
+            raise ModelConfigError(f"{source}: vision_config must be an object (the vision "
+                                   f"tower's sizes) or absent, got {type(v).__name__}")
         defaults = VisionShapes()
-        vision = VisionShapes(**{f.name: v.get(f.name, getattr(defaults, f.name))
-                                 for f in dataclasses.fields(VisionShapes)})
-        for f in dataclasses.fields(VisionShapes):
-            value = getattr(vision, f.name)
-            if not isinstance(value, int) or value <= 0:
-                raise ModelConfigError(f"{source}: vision_config.{f.name} must be a positive "
-                                       f"integer, got {value!r}")
+        vision = VisionShapes(**{
+            f.name: _positive(v.get(f.name, getattr(defaults, f.name)), f.name, source,
+                              "vision_config.", integer=True)
+            for f in dataclasses.fields(VisionShapes)})
     else:
         t, prefix = d, ""
         tie = _flag(d, "tie_word_embeddings", source)
@@ -514,12 +516,12 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
         kinds = tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
                       for i in range(layers))
         where = f"{prefix}full_attention_interval"
-    bad = sorted({k for k in kinds if k not in (FULL_ATTENTION, LINEAR_ATTENTION)})
+    bad = sorted({json.dumps(k)[:40] for k in kinds if k not in (FULL_ATTENTION, LINEAR_ATTENTION)})
     if bad or len(kinds) != layers:
         raise ModelConfigError(
             f"{source}: {where} must give {layers} entries ({prefix}num_hidden_layers), each "
             f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}; got {len(kinds)} entries"
-            + (f" with {bad}" if bad else ""))
+            + (f" with {', '.join(bad)}" if bad else ""))
     heads = t["num_attention_heads"]
     kv_heads = t.get("num_key_value_heads", 4)
     _check_heads(heads, kv_heads, source, prefix)
@@ -542,6 +544,11 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                                f"{head_dim} gives {rotary} rotary dims; need an even number in "
                                f"(0, head_dim]")
     mrope = extra.get("mrope_section")
+    if mrope is not None and (not isinstance(mrope, list) or not all(
+            type(n) is int and n >= 0 for n in mrope)):
+        raise ModelConfigError(f"{source}: {prefix}rope_parameters.mrope_section must be a list "
+                               f"of integers >= 0 (the rotary pairs of M-RoPE's time, height and "
+                               f"width), got {str(mrope)[:80]}")
     return QwenConfig(
         model_type=model_type,
         vocab_size=t["vocab_size"],
@@ -564,7 +571,7 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
         layer_types=kinds,
         partial_rotary_factor=factor,
         mrope_section=tuple(mrope) if mrope is not None else None,
-        mrope_interleaved=bool(extra.get("mrope_interleaved", False)),
+        mrope_interleaved=_flag(extra, "mrope_interleaved", source, f"{prefix}rope_parameters."),
         mtp_layers=_mtp_layers(t, source, prefix),
         vision=vision,
         hf_config=json.dumps(d),
@@ -698,10 +705,14 @@ def qwen35_preset_dict(preset: str, vocab_size: int, **overrides: Any) -> dict[s
         mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, mamba_ssm_dtype="float32",
         initializer_range=0.02, use_cache=True, dtype="float32", tie_word_embeddings=tie,
         rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0,
-                             partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
-                             mrope_interleaved=True),
+                             partial_rotary_factor=0.25, mrope_interleaved=True),
         **p)
     text.update(overrides)
+    # M-RoPE's time/height/width rotary pairs in the releases' 11:11:10 split, summing to
+    # rotary/2 as there (the releases' head_dim 256 gives [11, 11, 10])
+    pairs = int(text["head_dim"] * 0.25) // 2
+    third = round(pairs * 11 / 32)
+    text["rope_parameters"]["mrope_section"] = [third, third, pairs - 2 * third]
     vision = dict(PRESET_VISION, out_hidden_size=text["hidden_size"])
     return dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
                 text_config=text, vision_config=vision, tie_word_embeddings=tie, **top)
