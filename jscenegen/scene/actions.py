@@ -12,6 +12,7 @@ from typing import Any
 
 from jscenegen.paths import loads_json
 
+from .config import is_grade
 from .ops import OpSchemaError, parse_op
 
 OPEN, CLOSE = "<action>", "</action>"
@@ -154,7 +155,7 @@ def _critic(obj: dict, grade_keys) -> ParsedAction:
     if set(grades) != set(grade_keys):
         return _fail("critic", "schema_violation", f"grades must have exactly the keys {list(grade_keys)}")
     for k, v in grades.items():
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10:
+        if not is_grade(v):
             return _fail("critic", "schema_violation", f"grade {k!r} must be an integer 0..10, got {v!r}")
     return ParsedAction("critic", {"critique": obj["critique"], "grades": dict(grades)})
 

@@ -14,6 +14,19 @@ from jscenegen.config import REDACTED, Section
 
 from .schema import MAX_FLOOR_VERTICES, MAX_OPENINGS, MAX_SCENE_OBJECTS
 
+GRADE_MIN, GRADE_MAX = 0, 10   # every grade, the judge's and the critic's, is an integer here
+
+
+def is_grade(value) -> bool:
+    """Whether `value` is a grade: a JSON integer (not a boolean) in GRADE_MIN..GRADE_MAX."""
+    return type(value) is int and GRADE_MIN <= value <= GRADE_MAX
+
+
+def grade_template(grade_keys) -> str:
+    """The grades object as the prompts show it: `"realism": <0-10>, ...`."""
+    return ", ".join(f'"{k}": <{GRADE_MIN}-{GRADE_MAX}>' for k in grade_keys)
+
+
 GRADE_KEYS = (
     "realism",
     "functionality",

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from .actions import parse_action
 from .catalogue import Catalogue, catalogue_text, load_catalogue
-from .config import JudgeConfig, SceneRuntimeConfig
+from .config import JudgeConfig, SceneRuntimeConfig, grade_template
 from .judge import Judge, JudgeRequest, JudgeResult
 from .metrics import measure, metrics_text
 from .ops import SceneEditor, op_costs_text, op_table
@@ -99,7 +99,7 @@ class Episode:
             budget=self.cfg.budget_units,
             op_table=op_table(self.cfg),
             op_costs=op_costs_text(self.cfg),
-            grade_template=", ".join(f'"{k}": <0-10>' for k in self.judge_cfg.grade_keys),
+            grade_template=grade_template(self.judge_cfg.grade_keys),
             unit_penalty=r.unit_penalty,
             unit_norm=r.unit_norm,
             failure_reward=r.failure_reward,

@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 from .caps import CAPS, active_caps, cap_text, caps_table
 from .catalogue import load_catalogue
-from .config import JudgeConfig, MetricsConfig, SceneRuntimeConfig
+from .config import JudgeConfig, MetricsConfig, SceneRuntimeConfig, grade_template
 from .metrics import metrics_text
 from .prompts import PromptTemplates, load_templates
 from .schema import Scene, canonical_text
@@ -59,12 +59,11 @@ def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplat
                    metrics_cfg: MetricsConfig) -> list[dict]:
     """Chat messages (system + user) for an LLM judge: rubric, caps (their thresholds from
     `metrics_cfg`, the run's `scene.metrics`), scene text and metrics."""
-    grade_template = ", ".join(f'"{k}": <0-10>' for k in cfg.grade_keys)
     caps = "\n".join(f"- {cap_text(c, metrics_cfg)}" for c in CAPS if c.grade in cfg.grade_keys)
     active = "; ".join(cap_text(c, metrics_cfg) for c in active_caps(req.metrics)
                        if c.grade in cfg.grade_keys) or "none"
     return [
-        {"role": "system", "content": templates.render("judge_system", grade_template=grade_template, caps=caps)},
+        {"role": "system", "content": templates.render("judge_system", grade_template=grade_template(cfg.grade_keys), caps=caps)},
         {
             "role": "user",
             "content": templates.render(

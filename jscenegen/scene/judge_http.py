@@ -31,7 +31,7 @@ from jscenegen.config import REDACTED, clip_text
 from jscenegen.paths import loads_json
 
 from .caps import apply_caps
-from .config import JudgeConfig, MetricsConfig, shown_url
+from .config import JudgeConfig, MetricsConfig, is_grade, shown_url
 from .judge import JudgeRequest, JudgeResult, judge_messages, rubric_hash
 from .prompts import PromptTemplates
 
@@ -112,7 +112,7 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
         raise JudgeAnswerError(f"grade keys differ: missing {missing}, not asked for "
                                f"{clip_text(repr(extra), 100)}")
     for k, v in grades.items():
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10:
+        if not is_grade(v):
             raise JudgeAnswerError(f"grade {k!r} = {v!r} is not an integer 0..10")
     comments = obj.get("comments", {})
     return {k: grades[k] for k in grade_keys}, comments if isinstance(comments, dict) else {}
