@@ -31,6 +31,11 @@ STEPS_MAX = 2**31 - 1     # update/step counts: int32 (orbax and VERL's step cou
 REDACTED = "<redacted>"   # what a saved config or metadata file holds in place of a credential
 
 
+def is_seed(value) -> bool:
+    """Whether `value` is a seed: a JSON integer (not a boolean) in 0..SEED_MAX."""
+    return type(value) is int and 0 <= value <= SEED_MAX
+
+
 def _numbers_within(annotation) -> bool:
     """Whether a field annotated `annotation` holds numbers: an int or float, optionally None,
     or a tuple/list of them."""

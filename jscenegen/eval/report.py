@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 
-from jscenegen.config import SEED_MAX, clip_text
+from jscenegen.config import SEED_MAX, clip_text, is_seed
 from jscenegen.paths import finite_number
 from jscenegen.scene.reward import JUDGE_FAILURES
 
@@ -17,11 +17,6 @@ _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penal
 # key records (the template file's path: `chat_template_sha256` holds the text rendered)
 _UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
 _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
-
-
-def _seed(x) -> bool:
-    """A 32-bit seed: an integer (JSON `true` is not one) in 0..SEED_MAX."""
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= SEED_MAX
 
 
 def check_report(report, source: str) -> None:
@@ -54,7 +49,7 @@ def check_report(report, source: str) -> None:
             at = f"{where}.episodes[{j}]"
             if not isinstance(ep, dict):
                 raise ValueError(f"{source}: {at} must be an object, got {type(ep).__name__}")
-            if not _seed(ep.get("seed")):
+            if not is_seed(ep.get("seed")):
                 raise ValueError(f"{source}: {at}.seed must be an integer in 0..{SEED_MAX}, "
                                  f"got {clip_text(repr(ep.get('seed')))}")
             if not finite_number(ep.get("reward")):
@@ -110,7 +105,7 @@ def check_report(report, source: str) -> None:
             raise ValueError(f"{source}: scenes[{i}] must be an object, got {type(row).__name__} {row!r}")
         if not isinstance(row.get("scene_id"), str):
             raise ValueError(f"{source}: scenes[{i}].scene_id must be a string, got {row.get('scene_id')!r}")
-        if "seed" in row and not _seed(row["seed"]):
+        if "seed" in row and not is_seed(row["seed"]):
             raise ValueError(f"{source}: scenes[{i}].seed must be an integer in 0..{SEED_MAX}, "
                              f"got {clip_text(repr(row['seed']))}")
         if (first := seen.setdefault(row["scene_id"], i)) != i:

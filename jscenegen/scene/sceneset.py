@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from jscenegen.config import SEED_MAX, clip_text, not_unicode
+from jscenegen.config import SEED_MAX, clip_text, is_seed, not_unicode
 from jscenegen.paths import atomic_file, jsonl_lines, not_a_file
 
 from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, json_text, parse_json, scene_from_json
@@ -44,7 +44,7 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
     if extra:
         raise SceneError(f"{source}: unknown keys {sorted(extra)}")
     seed = data.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+    if not is_seed(seed):
         raise SceneError(f"{source}: seed must be an integer in 0..{SEED_MAX} (32 bits), got "
                          f"{clip_text(repr(seed))}")
     items = requested_items(data.get("requested", []), f"{source}: requested")
