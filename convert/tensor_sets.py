@@ -16,13 +16,13 @@ is the index order of VERL's optimizer state, then `mtp.*`.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
 from jscenegen.model.config import QwenConfig, config_with_dtype
+from jscenegen.model.dtypes import majority_dtype
 from jscenegen.model.weights import param_shapes, weight_table
 from jscenegen.paths import loads_json, write_json
 
@@ -89,11 +89,7 @@ def text_weights_dtype(specs: dict[str, tuple[tuple[int, ...], np.dtype]], cfg: 
     (shape, dtype)}, what an HF directory is written with) are stored in: what its config.json
     must say (a Qwen3.5 release keeps A_log fp32 among bf16 weights and says bfloat16)."""
     carried = carried_names(cfg)
-    counts: Counter[str] = Counter()
-    for name, (shape, dtype) in specs.items():
-        if name not in carried:
-            counts[np.dtype(dtype).name] += int(np.prod(shape))
-    return counts.most_common(1)[0][0]
+    return majority_dtype(spec for name, spec in specs.items() if name not in carried)
 
 
 def fix_config_file(path: str | Path, cfg: QwenConfig, dtype: str | None = None) -> bool:

@@ -64,6 +64,7 @@ from jscenegen.checkpoint.lazy_array import LazyArray, cancel_on_interrupt  # no
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.model.config import config_with_dtype
+from jscenegen.model.dtypes import majority_dtype
 from jscenegen.paths import DiskFullError, is_decimal, is_disk_full, loads_json, write_json
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
@@ -287,16 +288,6 @@ def _copy_hf_assets(src: Path, dst: Path, weights_dtype: str) -> None:
             write_json(dst / name, config_with_dtype(doc, weights_dtype) if isinstance(doc, dict) else doc)
         elif (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
-
-
-def _stored_dtype(params: Mapping[str, Any]) -> str:
-    """The dtype that most parameter elements are stored in (a Qwen3.5 release keeps a few
-    small tensors in float32 beside bf16 weights)."""
-    elements: dict[str, int] = {}
-    for x in params.values():
-        name = np.dtype(x.dtype).name
-        elements[name] = elements.get(name, 0) + int(np.prod(x.shape))
-    return max(elements, key=elements.get)
 
 
 def _step_bytes(params: Mapping[str, Any], adam: Mapping[str, Any], hf_dir: Path) -> int:
@@ -789,7 +780,7 @@ class CheckpointStore:
             raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
-        self._pending = (step, meta, hf_dir, needed, _stored_dtype(logical_params))
+        self._pending = (step, meta, hf_dir, needed, majority_dtype((x.shape, x.dtype) for x in logical_params.values()))
         if not self.async_save:
             self.wait_until_finished()
         return path

@@ -37,3 +37,17 @@ def dtype_name(dtype: Any) -> str:
         if known == dt:
             return name
     raise ValueError(f"dtype {dt} is not supported; choose one of {', '.join(NUMPY)}")
+
+
+def majority_dtype(arrays) -> str:
+    """The dtype name (numpy's: "float32", "bfloat16", ...) most elements of `arrays`, an
+    iterable of (shape, dtype) pairs, are stored in: what an HF config.json says the weights
+    are (a Qwen3.5 release keeps A_log in float32 beside bfloat16 weights and says bfloat16).
+    Raises ValueError for no arrays."""
+    elements: dict[str, int] = {}
+    for shape, dtype in arrays:
+        name = np.dtype(dtype).name
+        elements[name] = elements.get(name, 0) + int(np.prod(shape))
+    if not elements:
+        raise ValueError("no arrays to take a dtype from")
+    return max(elements, key=elements.get)
