@@ -23,6 +23,9 @@ from jscenegen.sharding.mesh import MeshConfig
 
 
 class CheckpointConfig(Section):
+    """Orbax checkpoints of a run under RUN_DIR/checkpoints/<attempts>: params, Adam state,
+    train state, metadata, hf/ assets, checksums.json (written last)."""
+
     save_every: int = Field(10, ge=1, description="save every N attempts (and at the end)")
     keep_last: int = Field(3, ge=1, description="complete checkpoints kept in RUN_DIR/checkpoints; "
                            "after each complete save older ones and incomplete leftovers are deleted")
@@ -32,6 +35,8 @@ class CheckpointConfig(Section):
 
 
 class TrainerConfig(Section):
+    """What a GRPO run does besides its updates: dev evaluations, episode dumps, progress."""
+
     eval_every: int = Field(0, ge=0, description="evaluate the dev scenes every N effective "
                             "updates (0: never during training)")
     eval_samples: int = Field(1, ge=1, le=GROUP_MAX,
@@ -62,6 +67,9 @@ class WarmStartConfig(Section):
 
 
 class RunConfig(Section):
+    """A whole `jscenegen train` run: the YAML file (configs/) with `key=value` overrides,
+    validated into these sections (`load_config`; errors name the file and key)."""
+
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     scene: SceneRuntimeConfig = SceneRuntimeConfig()

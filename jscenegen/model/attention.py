@@ -17,6 +17,10 @@ import jax.numpy as jnp
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                   cached: bool = False) -> jax.Array:
+    """softmax(q k^T / sqrt(D) + mask) v per head, grouped-query (transformers'
+    `eager_attention_forward`): scores and softmax in float32, masked scores at float32's
+    minimum (a row with no allowed key averages v uniformly, as there). Shapes as the module
+    says; returns [B, S, Nq, D] in q's dtype."""
     if not cached:
         # the same products as over a cache: with k [B, S, Nkv, D] as given, XLA:CPU makes the
         # scores transposed (keys x queries) and copies q into a [D, queries] layout inside
@@ -36,6 +40,9 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                     cached: bool = False) -> jax.Array:
+    """The same attention as `xla_attention` by cuDNN's fused kernel
+    (`jax.nn.dot_product_attention(implementation="cudnn")`; GPU, bf16/fp16 inputs). Shapes
+    as the module says; returns [B, S, Nq, D] in q's dtype."""
     if cached:
         k, v = k.transpose(0, 3, 1, 2), v.swapaxes(1, 2)
     out = jax.nn.dot_product_attention(
@@ -48,9 +55,10 @@ IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention}
 
 
 def attention(q, k, v, mask, impl: str = "xla", cached: bool = False) -> jax.Array:
-    """Grouped-query attention; returns [B, S, Nq, D] in q's dtype. Raises KeyError for an unknown impl."""
+    """Grouped-query attention by kernel `impl`; returns [B, S, Nq, D] in q's dtype. Raises
+    ValueError for an unknown impl (`model.attention` is validated before a model is built)."""
     try:
         fn = IMPLEMENTATIONS[impl]
     except KeyError:
-        raise KeyError(f"attention impl {impl!r} unknown; choose from {sorted(IMPLEMENTATIONS)}") from None
+        raise ValueError(f"attention impl {impl!r} unknown; choose from {sorted(IMPLEMENTATIONS)}") from None
     return fn(q, k, v, mask, cached)

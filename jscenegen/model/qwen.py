@@ -78,6 +78,10 @@ class RMSNorm(nnx.Module):
 
 
 class Embedding(nnx.Module):
+    """`model.embed_tokens`: ids [B, S] int -> rows of weight [V, H] as [B, S, H] in `dtype`
+    (transformers' `nn.Embedding`); a rollout copy stored [H, V] (metadata `transposed`) reads
+    columns. `logical(dtype)` is the [V, H] table without FSDP padding (the tied LM head)."""
+
     def __init__(self, make: ParamFactory, name: str):
         self.weight = make(f"{name}.weight")
 
@@ -179,6 +183,10 @@ def with_empty_slots(x: jax.Array, axis: int, extra: int) -> jax.Array:
 
 
 class Attention(nnx.Module):
+    """Qwen2/Qwen3 grouped-query self-attention (transformers' `Qwen3Attention`): q/k/v
+    projections (with biases on Qwen2), Qwen3's per-head RMSNorm of q and k, RoPE, attention
+    (`cached_attention`), o_proj. Weights `{name}.{q,k,v,o}_proj.weight` [out, in]."""
+
     def __init__(self, cfg: QwenConfig, make: ParamFactory, name: str, attn_impl: str):
         self.nq, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.attn_impl = attn_impl
@@ -249,6 +257,9 @@ def cached_attention(q, k, v, mask, kv, attn_impl: str):
 
 
 class MLP(nnx.Module):
+    """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)) (transformers'
+    `Qwen3MLP`); x [..., H] -> [..., H]."""
+
     def __init__(self, make: ParamFactory, name: str):
         self.gate_proj = Linear(make, f"{name}.gate_proj")
         self.up_proj = Linear(make, f"{name}.up_proj")
@@ -259,6 +270,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm residual block (transformers' `Qwen3DecoderLayer`):
+    x + attn(norm(x)), then + mlp(norm(.)); x [B, S, H] -> ([B, S, H], the layer's kv)."""
+
     def __init__(self, cfg: QwenConfig, make: ParamFactory, name: str, attn_impl: str):
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(make, f"{name}.input_layernorm", eps)
@@ -274,6 +288,9 @@ class DecoderLayer(nnx.Module):
 
 
 class QwenModel(nnx.Module):
+    """`model.*` of a Qwen2/Qwen3 checkpoint: embed_tokens, the decoder layers, the final norm
+    (transformers' `Qwen3Model`); `QwenForCausalLM` runs them."""
+
     def __init__(self, cfg: QwenConfig, make: ParamFactory, attn_impl: str):
         self.embed_tokens = Embedding(make, "model.embed_tokens")
         self.layers = nnx.List([DecoderLayer(cfg, make, f"model.layers.{i}", attn_impl)

@@ -39,6 +39,8 @@ def grpo_advantages(scores, group_ids, valid, eps=1e-6, norm_by_std=True):
 
 
 def masked_sum(x, mask):
+    """sum(x * mask) over the entries where mask != 0 (NaN elsewhere ignored): VERL's
+    `masked_sum`; torch tensors of one shape, returns a 0-d tensor."""
     torch = _torch()
     return torch.where(mask.bool(), x * mask, torch.zeros_like(x)).sum()
 

@@ -52,6 +52,7 @@ class Judge(Protocol):
 
 
 def requested_text(requested) -> str:
+    """A scene's requested objects as the prompts list them: "bed x1, nightstand x2" ("none")."""
     return ", ".join(f"{r['category']} x{r['count']}" for r in requested) or "none"
 
 

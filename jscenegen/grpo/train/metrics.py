@@ -38,6 +38,8 @@ RUN_LOGS = (METRICS_LOG, TRAJECTORIES_LOG)
 
 
 class LoggingConfig(Section):
+    """Where per-update metrics go besides RUN_DIR/metrics.jsonl: swanlab's mode and names."""
+
     swanlab_mode: Literal["offline", "local", "online", "disabled"] = Field(
         "offline", description="swanlab.init's mode (process 0 only): offline: files under "
         "RUN_DIR/swanlab, no network (view with swanlab watch); local: swanlab's local mode, "

@@ -100,6 +100,10 @@ class RolloutDownError(RuntimeError):
 
 @dataclasses.dataclass
 class RunSummary:
+    """What `Trainer.run` did: update attempts made (= the newest checkpoint's N), effective
+    updates and optimizer steps, the newest checkpoint's directory, the stopping signal's name
+    (None when the run finished or reached its limit) and the updates' wall time in seconds."""
+
     attempts: int
     effective_updates: int
     optimizer_steps: int

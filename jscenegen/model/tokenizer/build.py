@@ -25,6 +25,7 @@ QWEN35_ADDED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<t
 
 
 def chatml_template() -> str:
+    """The ChatML chat template (jinja) jscenegen's trained tokenizers carry."""
     return CHAT_TEMPLATE_FILE.read_text().strip()
 
 
