@@ -58,20 +58,21 @@ def compute_checksums(root: str | Path, exclude: tuple[str, ...] = (CHECKSUMS_NA
     return {"files": files}
 
 
-def write_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict:
-    """Hash every file under `root` and write `root/name` atomically; returns the written dict."""
-    table = compute_checksums(root, exclude=(name,))
-    write_json(Path(root) / name, table)
+def write_checksums(root: str | Path) -> dict:
+    """Hash every file under `root` and write `root/checksums.json` atomically; returns the
+    written dict."""
+    table = compute_checksums(root, exclude=(CHECKSUMS_NAME,))
+    write_json(Path(root) / CHECKSUMS_NAME, table)
     return table
 
 
-def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, dict]:
-    """The `files` table of `root/name`.
+def read_checksums(root: str | Path) -> dict[str, dict]:
+    """The `files` table of `root/checksums.json`.
 
     Raises ChecksumError if the file is missing, not JSON, or not of the documented format
     (the message names the file and the offending entry).
     """
-    path = Path(root) / name
+    path = Path(root) / CHECKSUMS_NAME
     if not os.path.lexists(path):
         raise ChecksumError(f"{path}: missing (no checksums were written, or the write was cut off)")
     if why := not_a_file(path):
@@ -94,13 +95,13 @@ def read_checksums(root: str | Path, name: str = CHECKSUMS_NAME) -> dict[str, di
     return files
 
 
-def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files: bool = True,
-                     allow_unlisted: bool = False, under: str | None = None,
+def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | None = None,
                      flat: bool = False) -> int:
-    """Check every file listed in `root/name` (size, then SHA-256); return the number checked.
+    """Check every file listed in `root/checksums.json` (size, then SHA-256); return the number
+    checked.
 
     With `hash_files=False` only presence and byte sizes are checked (cheap). Files present on
-    disk but not listed are errors unless `allow_unlisted`. `under` (a relative POSIX path)
+    disk but not listed are errors. `under` (a relative POSIX path)
     limits both checks to the files below that sub-directory; with `flat`, to the files
     directly in it ("" or None: `root` itself). Raises ChecksumError naming each missing,
     resized, altered or unlisted file.
@@ -108,7 +109,7 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
     root = Path(root)
     if not root.is_dir():
         raise ChecksumError(f"{root}: not a directory" if root.exists() else f"{root}: no such directory")
-    files = read_checksums(root, name)
+    files = read_checksums(root)
     where = (under or "").rstrip("/")
     if flat:
         files = {rel: e for rel, e in files.items() if rel.rpartition("/")[0] == where}
@@ -127,20 +128,19 @@ def verify_checksums(root: str | Path, name: str = CHECKSUMS_NAME, *, hash_files
         if size != entry["bytes"]:
             problems.append(f"{rel}: {size} bytes, expected {entry['bytes']}")
         elif hash_files and file_sha256(path) != entry["sha256"]:
-            problems.append(f"{rel}: SHA-256 differs from {name}")
-    if not allow_unlisted:
-        listed = set(files)
-        prefix = where + "/" if where else ""
-        if flat:
-            on_disk = [prefix + entry for entry in sorted(os.listdir(root / where))
-                       if (root / where / entry).is_file() and prefix + entry != name]
-        else:
-            on_disk = list_files(root, (name,)) if not where else [
-                prefix + rel for rel in list_files(root / where, ())]
-        problems += [f"{rel}: not listed in {name}" for rel in on_disk if rel not in listed]
+            problems.append(f"{rel}: SHA-256 differs from {CHECKSUMS_NAME}")
+    listed = set(files)
+    prefix = where + "/" if where else ""
+    if flat:
+        on_disk = [prefix + entry for entry in sorted(os.listdir(root / where))
+                   if (root / where / entry).is_file() and prefix + entry != CHECKSUMS_NAME]
+    else:
+        on_disk = list_files(root, (CHECKSUMS_NAME,)) if not where else [
+            prefix + rel for rel in list_files(root / where, ())]
+    problems += [f"{rel}: not listed in {CHECKSUMS_NAME}" for rel in on_disk if rel not in listed]
     if problems:
         more = f"; ... {len(problems) - 10} more" if len(problems) > 10 else ""
-        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {name}: "
+        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {CHECKSUMS_NAME}: "
                             + "; ".join(problems[:10]) + more)
     return len(files)
 

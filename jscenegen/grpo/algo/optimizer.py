@@ -203,7 +203,7 @@ class TrainState(NamedTuple):
     skipped_steps: jax.Array
 
 
-def init_train_state(params, optim_cfg: OptimConfig, lr_step: int = 0) -> TrainState:
+def init_train_state(params, optim_cfg: OptimConfig) -> TrainState:
     """Fresh optimizer state (zero moments, count 0) for `params`.
 
     Called eagerly on parameters placed on a mesh (NamedSharding), every moment takes its
@@ -213,7 +213,7 @@ def init_train_state(params, optim_cfg: OptimConfig, lr_step: int = 0) -> TrainS
     replicated them: measured on the 3 x 2 mesh; do not build the state inside jit.)
     """
     tx = make_optimizer(optim_cfg)
-    state = TrainState(params, tx.init(params), jnp.asarray(lr_step, jnp.int32),
+    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32),
                        jnp.zeros((), jnp.int32))
     leaves = jax.tree.leaves(params)
     sharding = getattr(leaves[0], "sharding", None) if leaves else None
