@@ -16,7 +16,8 @@ from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.rollout.config import GROUP_MAX, RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
 from jscenegen.grpo.train.schedule import ScheduleConfig
-from jscenegen.model.options import ARCHS, PRESET_NAMES, ModelConfig
+from jscenegen.model.names import ARCHS, PRESET_NAMES
+from jscenegen.model.options import ModelConfig
 from jscenegen.paths import resolve_data_path
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig

@@ -127,7 +127,7 @@ def test_a_full_disk_is_one_line_naming_the_directory_and_the_bytes(tmp_path, mo
 def test_init_model_help_states_the_preset_sizes_and_prints_progress(tmp_path, capsys):
     from jscenegen.commands.init_model import PRESET_HELP
     from jscenegen.model.config import HYBRID_PRESETS, PRESETS
-    from jscenegen.model.options import PRESET_NAMES
+    from jscenegen.model.names import PRESET_NAMES
 
     assert tuple(PRESET_HELP) == tuple(PRESETS) == tuple(HYBRID_PRESETS) == PRESET_NAMES
     for name, shape in PRESETS.items():

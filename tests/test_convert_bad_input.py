@@ -482,6 +482,9 @@ def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path,
     (lambda h, q: h[q].__setitem__("data_offsets", [-4, 0]), r"q_proj.weight': data_offsets must be"),
     (lambda h, q: h[q].__setitem__("data_offsets", [1.5, 2]), r"q_proj.weight': data_offsets must be"),
     (lambda h, q: h[q].__setitem__("dtype", "F7"), r"has dtype F7; supported"),
+    # a span of other length than shape x dtype: read, a tensor took another's bytes
+    (lambda h, q: h[q].__setitem__("shape", [h[q]["shape"][0] - 1, h[q]["shape"][1]]),
+     r"tensor '.*q_proj.weight' spans \d+ bytes; F32\[\d+, \d+\] needs \d+"),
     # what the safetensors library refuses too (and raw Python errors naming no tensor)
     (lambda h, q: h[q].__setitem__("shape", ["a", 2]), r"q_proj.weight': dtype must be a string and shape"),
     (lambda h, q: h[q].__setitem__("extra", 1), r"q_proj.weight': an entry holds exactly"),
@@ -514,6 +517,10 @@ def test_a_malformed_safetensors_header_is_refused_naming_file_and_tensor(tiny_h
             convert(src, tmp_path / "out", src_format="hf", dst_format=fmt,
                     world_size=2 if fmt == "verl" else None)
         _assert_nothing_written(tmp_path)
+    from jscenegen.model.hf_io import load_hf
+
+    with pytest.raises(ValueError, match=rf"model\.safetensors: .*{message}"):   # the same rules
+        load_hf(src)
 
 
 @pytest.mark.parametrize("option, flag", [({"world_size": 2}, "--world-size"),

@@ -6,7 +6,7 @@ import sys
 import time
 
 from jscenegen.commands import seed_arg
-from jscenegen.model.options import ARCHS, PRESET_NAMES
+from jscenegen.model.names import ARCHS, PRESET_NAMES
 from jscenegen.model.tokenizer.build import SPECIAL_TOKENS
 
 # hidden size x layers of each Qwen2/Qwen3 preset (jscenegen.model.config.PRESETS; a test keeps

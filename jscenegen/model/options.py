@@ -9,11 +9,6 @@ from pydantic import Field
 
 from jscenegen.config import Section
 
-# The architectures (config.json `model_type`) and size presets jscenegen builds and loads: the
-# configs, the commands and `model.config.preset_config` read these names from here.
-ARCHS = ("qwen2", "qwen3", "qwen3_5")
-PRESET_NAMES = ("micro", "tiny", "small")
-
 
 class ModelConfig(Section):
     """Which weights to train and how to compute with them."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import struct
 import sys
@@ -37,6 +38,11 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024   # the format's own limit (safetensors README)
 _DTYPE_NAMES = {code: name for name, code in SAFETENSORS.items()}
+# bytes per element of the safetensors format's whole-byte dtypes (its sub-byte float types,
+# F4/F6, are not checked here; no reader of jscenegen's takes them)
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+               "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+               "F64": 8, "I64": 8, "U64": 8, "C64": 8}
 
 
 def safetensors_files(path: str | Path) -> dict[str, Path]:
@@ -168,7 +174,9 @@ def _is_index(x: object) -> bool:
 
 def _check_entry(name: str, entry: object) -> None:
     """One tensor's header entry: exactly dtype (a string), shape (non-negative integers) and
-    data_offsets (two non-negative integers)."""
+    data_offsets (two non-negative integers) spanning exactly shape x the dtype's bytes (as the
+    safetensors library requires; read otherwise, a tensor would take too few bytes or
+    another's)."""
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"tensor {name[:200]!r}: an entry holds exactly dtype, shape and "
                          "data_offsets")
@@ -181,6 +189,11 @@ def _check_entry(name: str, entry: object) -> None:
             and offsets[0] <= offsets[1]):
         raise ValueError(f"tensor {name[:200]!r}: data_offsets must be [begin, end] byte "
                          "offsets, 0 <= begin <= end")
+    if entry["dtype"] in _ITEM_BYTES:
+        nbytes = math.prod(shape) * _ITEM_BYTES[entry["dtype"]]
+        if offsets[1] - offsets[0] != nbytes:
+            raise ValueError(f"tensor {name[:200]!r} spans {offsets[1] - offsets[0]} bytes; "
+                             f"{entry['dtype'][:40]}{shape} needs {nbytes}")
 
 
 def entry_dtype_name(file: str | Path, name: str, entry: dict) -> str:
@@ -215,11 +228,8 @@ def read_tensor(file: str | Path, name: str) -> np.ndarray:
         raise CheckpointFormatError(f"{file}: no tensor {name!r}")
     entry = header[name]
     dtype = np_dtype(entry_dtype_name(file, name, entry))
-    shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if end - begin != nbytes:
-        raise CheckpointFormatError(f"{file}: tensor {name!r} spans {end - begin} bytes, "
-                                    f"{dtype}{list(shape)} needs {nbytes}")
+    shape, begin = tuple(entry["shape"]), entry["data_offsets"][0]
+    nbytes = math.prod(shape) * dtype.itemsize   # the span's length (`raw_header`)
     with open(file, "rb") as f:
         f.seek(data_start + begin)
         raw = f.read(nbytes)

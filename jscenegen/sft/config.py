@@ -12,7 +12,8 @@ from pydantic import Field, model_validator
 from jscenegen.config import SEED_MAX, STEPS_MAX, Section
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.rollout.config import TOKENS_MAX
-from jscenegen.model.options import ARCHS, PRESET_NAMES, ModelConfig
+from jscenegen.model.names import ARCHS, PRESET_NAMES
+from jscenegen.model.options import ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig
 
