@@ -102,6 +102,20 @@ def test_storage_sharding_splits_only_dividing_dims(mesh32):
     assert storage_sharding((5,), mesh32).spec == P(None)
 
 
+def test_a_storage_layout_off_dim_0_is_reached_without_xla_s_full_rematerialization(mesh32, capfd):
+    """[13, 8] padded to [18, 8], split on dim 0 over all six devices, is stored split on dim
+    1 over sp: XLA's partitioner could only replicate it first, and said so on stderr on every
+    process of a multi-host save ("Involuntary full rematerialization"); it is gathered
+    explicitly now."""
+    values = np.arange(13 * 8, dtype=np.float32).reshape(13, 8)
+    padded = jax.device_put(np.pad(values, ((0, 5), (0, 0))),
+                            jax.sharding.NamedSharding(mesh32, P(("fsdp", "sp"))))
+    [out] = to_logical({"w": padded}, {"w": (13, 8)}).values()
+    assert out.sharding.spec == P(None, "sp")
+    np.testing.assert_array_equal(np.asarray(out), values)
+    assert "rematerialization" not in capfd.readouterr().err
+
+
 def test_to_logical_drops_padding_and_checks_shapes(mesh32):
     params, _, _ = logical_values(0)
     logical = to_logical(padded_on(mesh32, params), SHAPES)

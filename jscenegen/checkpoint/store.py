@@ -128,7 +128,8 @@ def storage_sharding(shape: tuple[int, ...], mesh: jax.sharding.Mesh,
                      padded: tuple[int, ...] | None = None) -> NamedSharding:
     """The layout a logical-shape array is written in (`rules.storage_spec` on `mesh`): dim 0
     stays split wherever it divides; otherwise the array is partly replicated while it is
-    written (extra memory: up to the replication factor, one array at a time)."""
+    written, and one whose split moves off dim 0 is gathered whole on each device on the way
+    (`to_logical`; extra memory: up to the array, one array at a time)."""
     return named(mesh, storage_spec(shape, mesh, padded))
 
 
@@ -161,8 +162,13 @@ def to_logical(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
             target = storage_sharding(logical, x.sharding.mesh, padded=tuple(x.shape))
             # One array at a time: bounds the extra memory, and many collectives in flight at
             # once can stall XLA:CPU's thread pool on small hosts.
+            # From the FSDP layout (dim 0 split) to one that splits another dimension XLA can
+            # only replicate the array first, and on a multi-process mesh it warns of an
+            # "involuntary full rematerialization" on every process: gathered explicitly.
+            via = (named(target.mesh, REPLICATED) if any(p is not None for p in target.spec[1:])
+                   else target)
             out[name] = jax.block_until_ready(
-                _slice_dim0(logical[0], target)(jax.device_put(x, target)))
+                _slice_dim0(logical[0], target)(jax.device_put(x, via)))
         else:
             out[name] = x[: logical[0]]
     return out
