@@ -26,11 +26,6 @@ def masked_sum(x, mask):
     return jnp.sum(jnp.where(m != 0, x * m, 0.0))
 
 
-def masked_mean(x, mask):
-    """VERL `masked_mean`: masked_sum(x) / (sum(mask) + 1e-8); 0 for an empty mask."""
-    return masked_sum(x, mask) / (jnp.sum(jnp.asarray(mask, jnp.float32)) + 1e-8)
-
-
 def agg_loss(
     per_token, mask, mode: str, global_token_count=None, global_seq_count=None, horizon=None,
     *, legacy: bool = False,
