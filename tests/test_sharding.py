@@ -13,6 +13,7 @@ from jscenegen.model.config import preset_config
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.qwen import QwenForCausalLM
 from jscenegen.model.weights import named_params, param_shapes
+from jscenegen.sharding.hlo import collectives
 from jscenegen.sharding.layout import layout_report, pad_batch, shard_batch, shard_model
 from jscenegen.sharding.mesh import MeshError, make_mesh, mesh_shape
 
@@ -447,30 +448,10 @@ def test_qwen35_logits_and_gradients_do_not_depend_on_the_mesh(qwen35_small, dim
         assert not g[n:].any(), f"{name}: padding rows got a gradient"
 
 
-_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(?:-start)?\(.*?replica_groups=(mesh\[[^\]]*\] \{[^}]*\}|\S+)")
-_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def _collective_group_size(groups: str) -> int:
-    """Devices per replica group of an HLO collective: explicit {{0,1},{2,3}} or the iota
-    form mesh['axis_0'=3,'axis_1'=2] {'axis_1'}."""
-    if groups.startswith("{{"):
-        return len(groups[2:].split("}")[0].split(","))
-    sizes = dict(re.findall(r"'(\w+)'=(\d+)", groups))
-    return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", groups.split("]", 1)[1])]))
-
-
 def _sp_collectives(hlo: str, sp: int) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, shape) of every array a collective over groups of `sp` devices returns
     (tuple results: each element)."""
-    out = []
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m and _collective_group_size(m.group(3)) == sp:
-            out += [(t, tuple(int(x) for x in dims.split(",") if x))
-                    for t, dims in _SHAPE.findall(m.group(1))]
-    return out
+    return [shape for c in collectives(hlo) if c.group_size == sp for shape in c.shapes]
 
 
 def test_qwen35_gdn_layers_do_not_gather_the_sequence_over_sp(qwen35_small):

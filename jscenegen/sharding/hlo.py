@@ -4,8 +4,9 @@
 all-to-all, collective-permute, ...) that run inside a `while` loop of the ENTRY computation
 (the sampler's decode loop), following every computation the loop body calls, and gives the
 bytes each one produces per device per iteration (its result shape; a tuple result counts
-each element). Used by the tests that prove a rollout layout decodes without moving weights,
-and by the benchmarks to report bytes per token.
+each element) and how many devices each of its replica groups holds. Used by the tests that
+prove a rollout layout decodes without moving weights and that sequence parallelism moves
+per-row summaries, not the sequence.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _SHAPE = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64|c64)\[([\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(mesh\[[^\]]*\] \{[^}]*\}|\[[\d,]*\]<=\[[\d,]*\]\S*|\{[^=]*?\}\}|\{\})")
 _CALLS = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations|called_computations)="
                     r"(\{[^}]*\}|%?[\w.\-]+)")
 
@@ -27,13 +29,31 @@ _CALLS = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations|cal
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction: `op` (e.g. "all-gather"), its result `shapes`
-    [(dtype, dims)], `bytes` per device, and the computation it sits in."""
+    [(dtype, dims)], `bytes` per device, the computation it sits in, and `group_size`, the
+    devices in each of its replica groups (None when the line names none, e.g. a
+    collective-permute's source-target pairs)."""
 
     op: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     bytes: int
     computation: str
     line: str
+    group_size: int | None = None
+
+
+def _group_size(line: str) -> int | None:
+    """Devices per replica group of a collective's HLO line: the explicit {{0,1},{2,3}}, the
+    iota [groups,size]<=[devices] or the mesh form mesh['fsdp'=3,'sp'=2] {'sp'}."""
+    m = _GROUPS.search(line)
+    if m is None or m.group(1) == "{}":
+        return None
+    groups = m.group(1)
+    if groups.startswith("{{"):
+        return len(groups[2:].split("}")[0].split(","))
+    if groups.startswith("["):
+        return int(groups[1:].split("]")[0].split(",")[-1])
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", groups))
+    return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", groups.split("]", 1)[1])]))
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
@@ -92,7 +112,7 @@ def collectives(hlo: str, computations: set[str] | None = None) -> list[Collecti
             shapes = _result_shapes(line)
             nbytes = sum(int(np.prod(dims, dtype=np.int64)) * _DTYPE_BYTES.get(d, 4)
                          for d, dims in shapes)
-            out.append(Collective(op, shapes, nbytes, name, line.strip()[:200]))
+            out.append(Collective(op, shapes, nbytes, name, line.strip()[:200], _group_size(line)))
     return out
 
 
