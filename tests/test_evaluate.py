@@ -193,6 +193,11 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
 
     assert rep["sampling"]["chat_template_sha256"] == hashlib.sha256(
         chatml_template().encode()).hexdigest()   # the fixture tokenizer's own template
+    from jscenegen.run_config import load_run_config
+    from jscenegen.scene.protocol import protocol_digests
+
+    cfg = load_run_config(None, TINY)
+    assert rep["protocol"] == protocol_digests(cfg.scene, cfg.judge)   # what --compare checks
     assert rep["overall"]["model"]["reward"] == -1.0 and len(rep["scenes"]) == 1
     assert plot.read_bytes()[:4] == b"\x89PNG" and sorted(p.name for p in tmp_path.iterdir()) == [
         plot.name, "r.json", "two.jsonl"]
@@ -606,6 +611,31 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                         r"sampled otherwise \(sampling.temperature 1.0 and 0.1; sampling.top_k "
                         r"0 and 5\): the same seeds draw other tokens")):
         rc, err = _compare(tmp_path, capsys, good, after)
+        assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
+
+
+def test_compare_refuses_reports_played_under_other_scene_settings(tmp_path, capsys):
+    """Reports of one model and the same episodes under another reward scale (a failure worth
+    -0.5, not -1), budget or prompt templates compared with exit 0, the whole difference shown
+    as the model's (helper-90): a report records its scene protocol part by part."""
+    from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+    from jscenegen.scene.protocol import protocol_digests
+
+    def played(**scene) -> dict:
+        digests = protocol_digests(SceneRuntimeConfig.model_validate(scene), JudgeConfig())
+        return _edited(lambda r: r.update(protocol=digests))
+
+    assert _compare(tmp_path, capsys, played(), played()) == (0, "")
+    for after, why in (
+            (played(reward={"failure_reward": -0.5}), r"played under other scene settings "
+             r"\(scene.reward differ\): their rewards do not compare$"),
+            (played(budget_units=256, op_costs={"add_object": 4}),
+             r"\(scene.budget_units, scene.op_costs differ\)"),
+            (_synthetic_report(), r"the scene protocol is recorded by one report only "
+             r"\(\S*after.json has none: .*re-run `jscenegen eval` for that report$"),
+            (_edited(lambda r: r.update(protocol=[1])), r"after.json \(an evaluation report .*\): protocol must map the scene "
+             r"protocol's parts to digests \(strings\), got \[1\]$")):
+        rc, err = _compare(tmp_path, capsys, played(), after)
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
 
 

@@ -39,6 +39,7 @@ from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import judge_episodes
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
+from jscenegen.scene.protocol import protocol_digests
 from jscenegen.scene.sceneset import SceneRecord
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       `jscenegen eval` and of a run's evaluations compare (`eval --compare`).
       progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
-    "sampling" (the engine's `sampling` config plus `chat_template_sha256`, the SHA-256 of the
+    "protocol" (`scene.protocol.protocol_digests`: the scene settings the episodes were played
+    and rewarded under), "sampling" (the engine's `sampling` config plus `chat_template_sha256`, the SHA-256 of the
     template text the episodes were rendered with, with an engine),
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
     summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
@@ -271,6 +273,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     if with_expert:
         overall["expert"] = summarize(all_expert, keys)
     report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),
+              "protocol": protocol_digests(scene_cfg, judge_cfg),
               "scenes": rows, "overall": overall, "wall_s": time.perf_counter() - t0}
     if engine is not None:
         template = engine.chat.tokenizer.chat_template.encode()

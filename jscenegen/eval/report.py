@@ -17,6 +17,17 @@ _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penal
 # key records (the template file's path: `chat_template_sha256` holds the text rendered)
 _UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
 _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
+# the parts of a report's `protocol` (scene.protocol.protocol_payload) by the settings they hold
+_PROTOCOL_PARTS = {
+    "prompts_sha256": "the prompt templates (scene.prompts_dir)",
+    "action_grammar": "the action grammar (another jscenegen)",
+    "op_schemas": "the operations' schemas (another jscenegen)",
+    "op_costs": "scene.op_costs", "budget_units": "scene.budget_units",
+    "max_objects": "scene.max_objects", "max_planner_turns": "scene.max_planner_turns",
+    "max_critique_rounds": "scene.max_critique_rounds", "reward": "scene.reward",
+    "metrics": "scene.metrics", "catalogue": "the catalogue (scene.catalogue_path)",
+    "grade_keys": "judge.grade_keys", "caps": "the grade caps (scene.metrics)",
+}
 
 
 def check_report(report, source: str) -> None:
@@ -93,6 +104,11 @@ def check_report(report, source: str) -> None:
     if report.get("schema") != REPORT_SCHEMA:
         raise ValueError(f"{source}: schema {clip_text(repr(report.get('schema')))} is not "
                          f"{REPORT_SCHEMA!r} (not a jscenegen evaluation report)")
+    protocol = report.get("protocol")
+    if protocol is not None and not (isinstance(protocol, dict) and all(
+            isinstance(v, str) for v in protocol.values())):
+        raise ValueError(f"{source}: protocol must map the scene protocol's parts to digests "
+                         f"(strings), got {clip_text(repr(protocol))}")
     if report.get("sampling") is not None and not isinstance(report["sampling"], dict):
         raise ValueError(f"{source}: sampling must be an object (the settings the episodes were "
                          f"drawn with), got {clip_text(repr(report['sampling']))}")
@@ -139,7 +155,9 @@ def _coverage(report) -> dict[str, list[int] | None]:
 
 def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> None:
     """Raise ValueError naming both files and what differs unless the two (checked) reports
-    were graded by the same judge (backend, model, rubric) and cover the same scenes (same
+    were graded by the same judge (backend, model, rubric), played under the same scene
+    protocol where both record it (`protocol`: prompts, costs, budget, reward, metrics,
+    catalogue; one recording it alone is refused) and cover the same scenes (same
     seeds and prompts), each with model episodes of the same sampling seeds, drawn with the same
     `sampling` settings where both reports record them (all but the decode layout's `buckets`
     and `cache_tokens`, the chat template compared by the SHA-256 of its text rather than its
@@ -150,6 +168,18 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     if before.get("judge") != after.get("judge"):
         raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
                          f"{_judge_name(after)}): their rewards do not compare")
+    protocols = [r.get("protocol") for r in (before, after)]
+    if protocols[0] != protocols[1]:
+        if None in protocols:
+            raise ValueError(f"{where}: the scene protocol is recorded by one report only "
+                             f"({names[protocols.index(None)]} has none: written by an older "
+                             "jscenegen or edited), so their rewards cannot be shown to be on one "
+                             "scale; re-run `jscenegen eval` for that report")
+        parts = sorted(k for k in set(protocols[0]) | set(protocols[1])
+                       if protocols[0].get(k) != protocols[1].get(k))
+        shown = ", ".join(_PROTOCOL_PARTS.get(k, clip_text(k, 40)) for k in parts[:8])
+        raise ValueError(f"{where}: played under other scene settings ({shown} differ): their "
+                         "rewards do not compare")
 
     shaping = [dict(r.get("sampling") or {}) for r in (before, after)]
     both_greedy = all(d.get("greedy") is True for d in shaping)

@@ -22,7 +22,7 @@ from .prompts import load_templates
 def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> dict:
     """The JSON-able data that `protocol_hash` digests (useful to diff two protocols)."""
     templates = load_templates(cfg.prompts_dir)
-    identity = judge_identity or make_judge(judge_cfg, cfg).identity()
+    identity = judge_identity if judge_identity is not None else make_judge(judge_cfg, cfg).identity()
     return {
         "prompts_sha256": templates.digest(),
         "action_grammar": ACTION_GRAMMAR,
@@ -43,5 +43,17 @@ def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_iden
 
 def protocol_hash(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> str:
     """Hex SHA-256 of `protocol_payload` serialised with sorted keys and no whitespace."""
-    text = json.dumps(protocol_payload(cfg, judge_cfg, judge_identity), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return _digest(protocol_payload(cfg, judge_cfg, judge_identity))
+
+
+def protocol_digests(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig) -> dict[str, str]:
+    """{part of `protocol_payload`: the first 16 hex digits of its SHA-256}, the judge left
+    out (a report records it whole): what an evaluation report keeps, so that two reports
+    played under other prompts, costs, budgets, rewards, metrics or catalogue are told apart
+    part by part (`eval.report.check_same_episodes`)."""
+    payload = protocol_payload(cfg, judge_cfg, judge_identity={})
+    return {part: _digest(value)[:16] for part, value in payload.items() if part != "judge"}
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
