@@ -279,14 +279,20 @@ def shown_value(value: Any) -> str:
     return clip_text(text)
 
 
+# Unicode's bidirectional embeddings, overrides, isolates and marks: printed raw, one reorders
+# how the rest of the line (and the lines after it) display ("Trojan Source", CVE-2021-42574)
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                          "\u2066\u2067\u2068\u2069")
+
+
 def terminal_text(text: str, keep: str = "\n\t") -> str:
     """`text` safe to print: control characters (Unicode category Cc) other than those in
-    `keep` (newline and tab), and lone surrogates (argv bytes that are not UTF-8), written as
-    escapes (`\\x1b`, `\\udcff`), so an escape sequence in a prompt, a sampled token or a
-    refused input cannot drive the terminal and any stream can encode the line; files keep the
-    text itself."""
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cs") and c not in keep
-                   else c for c in text)
+    `keep` (newline and tab), the bidirectional controls (`BIDI_CONTROLS`) and lone surrogates
+    (argv bytes that are not UTF-8), written as escapes (`\\x1b`, `\\u202e`, `\\udcff`), so an
+    escape sequence in a prompt, a sampled token or a refused input cannot drive the terminal
+    or reorder what it shows, and any stream can encode the line; files keep the text itself."""
+    return "".join(repr(c)[1:-1] if (unicodedata.category(c) in ("Cc", "Cs") and c not in keep)
+                   or c in BIDI_CONTROLS else c for c in text)
 
 
 def terminal_line(text: str) -> str:

@@ -300,3 +300,16 @@ def test_a_config_with_many_errors_lists_the_first_twenty_and_counts_the_rest(tm
     lines = str(info.value).splitlines()
     assert lines[:2] == [f"{f}: unknown key 'schedule.k0'", f"{f}: unknown key 'schedule.k1'"]
     assert len(lines) == 21 and lines[-1] == "... and 10 more errors"
+
+
+def test_printed_text_escapes_controls_and_bidirectional_overrides():
+    """ESC and BEL were escaped, but U+202E (right-to-left override) in a prompt or a sampled
+    token reached the terminal raw and reordered how the rest showed (helper-90); letters,
+    accents and the zero-width joiner of emoji sequences stay as they are."""
+    from jscenegen.config import terminal_line, terminal_text
+
+    assert terminal_text("bed \x1b[2J\x07\u202e x\u2066y\u200f\n") == \
+        "bed \\x1b[2J\\x07\\u202e x\\u2066y\\u200f\n"
+    assert terminal_line("a\nb") == "a\\nb"
+    assert terminal_text("Japandi für zwei ü \U0001F468\u200d\U0001F469") == \
+        "Japandi für zwei ü \U0001F468\u200d\U0001F469"
