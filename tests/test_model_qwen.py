@@ -155,6 +155,14 @@ def test_hf_round_trip_is_bit_identical_and_transformers_loads_it(hf_dirs, tmp_p
     out = save_hf(model, tmp_path / "saved", max_shard_bytes=200_000)  # force several shards
     assert (out / "model.safetensors.index.json").is_file()
     again = load_hf(out)
+    damaged = shutil.copytree(out, tmp_path / "unlisted")   # an index that leaves one out
+    index = json.loads((damaged / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop("model.norm.weight")
+    (damaged / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointFormatError, match=rf"missing tensor\(s\) \['model.norm.weight'\]; "
+                       rf"model.safetensors.index.json's weight_map lists no shard for 1 of them, "
+                       rf"which the shards hold \(e.g. 'model.norm.weight' in {shard}\)"):
+        load_hf(damaged)   # it said "missing" only (helper-78)
     for (n1, a), (n2, b) in zip(hf_state_dict(model), hf_state_dict(again)):
         assert n1 == n2
         np.testing.assert_array_equal(a, b)
