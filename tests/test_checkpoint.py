@@ -104,16 +104,38 @@ def test_storage_sharding_splits_only_dividing_dims(mesh32):
 
 def test_a_storage_layout_off_dim_0_is_reached_without_xla_s_full_rematerialization(mesh32, capfd):
     """[13, 8] padded to [18, 8], split on dim 0 over all six devices, is stored split on dim
-    1 over sp: XLA's partitioner could only replicate it first, and said so on stderr on every
-    process of a multi-host save ("Involuntary full rematerialization"); it is gathered
-    explicitly now."""
+    1 over sp: compiled (as a multi-process save compiles every move), the direct reshard made
+    XLA's partitioner replicate it first and say so on stderr on every process ("Involuntary
+    full rematerialization"); the array goes through the whole layout instead. A storage
+    layout that still splits dim 0 ([15, 8] -> P('fsdp', 'sp')) is an all-to-all: direct."""
+    # the warning comes from compiling: no executable may come from the persistent cache
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    try:
+        _reshard_compiled(mesh32, capfd)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def _reshard_compiled(mesh32, capfd):
+    from jscenegen.checkpoint.store import reshard_via
+
+    fsdp = jax.sharding.NamedSharding(mesh32, P(("fsdp", "sp")))
     values = np.arange(13 * 8, dtype=np.float32).reshape(13, 8)
-    padded = jax.device_put(np.pad(values, ((0, 5), (0, 0))),
-                            jax.sharding.NamedSharding(mesh32, P(("fsdp", "sp"))))
-    [out] = to_logical({"w": padded}, {"w": (13, 8)}).values()
-    assert out.sharding.spec == P(None, "sp")
+    padded = jax.device_put(np.pad(values, ((0, 5), (0, 0))), fsdp)
+    target = storage_sharding((13, 8), mesh32, padded=(18, 8))
+    assert target.spec == P(None, "sp") and reshard_via(target).spec == P()
+    moved = jax.jit(lambda a: a, out_shardings=reshard_via(target))(padded)
+    out = jax.jit(lambda a: a[:13], out_shardings=target)(moved)
     np.testing.assert_array_equal(np.asarray(out), values)
     assert "rematerialization" not in capfd.readouterr().err
+    jax.jit(lambda a: a + 0, out_shardings=target)(padded)   # the direct move, compiled
+    assert "Involuntary full rematerialization" in capfd.readouterr().err   # what it avoids
+    split = storage_sharding((15, 8), mesh32, padded=(18, 8))
+    assert split.spec == P("fsdp", "sp") and reshard_via(split) is split
+    [logical] = to_logical({"w": padded}, {"w": (13, 8)}).values()
+    assert logical.sharding.spec == P(None, "sp")
+    np.testing.assert_array_equal(np.asarray(logical), values)
 
 
 def test_to_logical_drops_padding_and_checks_shapes(mesh32):

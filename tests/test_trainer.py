@@ -786,6 +786,14 @@ def test_swanlab_online_without_a_login_is_one_error_naming_the_setting(tmp_path
     monkeypatch.setattr("sys.stdin", Terminal(""))   # swanlab asks on the terminal: its call
     check_swanlab_mode(online)
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    monkeypatch.setenv("SWANLAB_API_KEY", " ")   # empty: no key
+    with pytest.raises(ValueError, match=no_key):
+        check_swanlab_mode(online)
+    monkeypatch.setenv("SWANLAB_ROOT", str(tmp_path / "run" / "a-file"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "a-file").write_text("")
+    check_swanlab_mode(online)   # settings swanlab refuses: its start names the setting
+    monkeypatch.setenv("SWANLAB_ROOT", str(tmp_path / "swanlab-home"))
     monkeypatch.setenv("SWANLAB_API_KEY", "sk-0123456789")   # a key: the start decides
     check_swanlab_mode(online)
     with pytest.raises(ValueError, match=r"^logging\.swanlab_mode=online: swanlab could not start "

@@ -128,14 +128,27 @@ def storage_sharding(shape: tuple[int, ...], mesh: jax.sharding.Mesh,
                      padded: tuple[int, ...] | None = None) -> NamedSharding:
     """The layout a logical-shape array is written in (`rules.storage_spec` on `mesh`): dim 0
     stays split wherever it divides; otherwise the array is partly replicated while it is
-    written, and one whose split moves off dim 0 is gathered whole on each device on the way
-    (`to_logical`; extra memory: up to the array, one array at a time)."""
+    written, and one whose split moves off dim 0 entirely is gathered whole on each device on
+    the way (`reshard_via`; extra memory: up to the array, one array at a time)."""
     return named(mesh, storage_spec(shape, mesh, padded))
 
 
 @functools.lru_cache(maxsize=None)
 def _slice_dim0(rows: int, out_sharding: NamedSharding):
     return jax.jit(lambda x: x[:rows], out_shardings=out_sharding)
+
+
+def reshard_via(target: NamedSharding) -> NamedSharding:
+    """The layout a padded FSDP array (dim 0 split over every device) is moved to on its way
+    to the storage layout `target`: `target` itself, or, when `target` leaves dim 0 whole and
+    splits another dimension, the whole array on every device. XLA can reach such a target
+    only by replicating first, and on a multi-process mesh (where the move is a compiled
+    program) it then warns of an "involuntary full rematerialization" on every process; a
+    target that still splits dim 0 is an all-to-all it compiles without one."""
+    spec = target.spec
+    if spec and spec[0] is None and any(p is not None for p in spec[1:]):
+        return named(target.mesh, REPLICATED)
+    return target
 
 
 def to_logical(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
@@ -162,13 +175,8 @@ def to_logical(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
             target = storage_sharding(logical, x.sharding.mesh, padded=tuple(x.shape))
             # One array at a time: bounds the extra memory, and many collectives in flight at
             # once can stall XLA:CPU's thread pool on small hosts.
-            # From the FSDP layout (dim 0 split) to one that splits another dimension XLA can
-            # only replicate the array first, and on a multi-process mesh it warns of an
-            # "involuntary full rematerialization" on every process: gathered explicitly.
-            via = (named(target.mesh, REPLICATED) if any(p is not None for p in target.spec[1:])
-                   else target)
             out[name] = jax.block_until_ready(
-                _slice_dim0(logical[0], target)(jax.device_put(x, via)))
+                _slice_dim0(logical[0], target)(jax.device_put(x, reshard_via(target))))
         else:
             out[name] = x[: logical[0]]
     return out

@@ -177,7 +177,8 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
                              "scale; re-run `jscenegen eval` for that report")
         parts = sorted(k for k in set(protocols[0]) | set(protocols[1])
                        if protocols[0].get(k) != protocols[1].get(k))
-        shown = ", ".join(_PROTOCOL_PARTS.get(k, clip_text(k, 40)) for k in parts[:8])
+        shown = ", ".join(_PROTOCOL_PARTS.get(k, clip_text(k, 40)) for k in parts[:8]) + (
+            f" and {len(parts) - 8} more" if len(parts) > 8 else "")
         raise ValueError(f"{where}: played under other scene settings ({shown} differ): their "
                          "rewards do not compare")
 

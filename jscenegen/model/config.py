@@ -710,9 +710,10 @@ def qwen35_preset_dict(preset: str, vocab_size: int, **overrides: Any) -> dict[s
     text.update(overrides)
     # M-RoPE's time/height/width rotary pairs in the releases' 11:11:10 split, summing to
     # rotary/2 as there (the releases' head_dim 256 gives [11, 11, 10])
-    pairs = int(text["head_dim"] * 0.25) // 2
+    rope = text["rope_parameters"] = dict(text["rope_parameters"])
+    pairs = int(text["head_dim"] * rope["partial_rotary_factor"]) // 2
     third = round(pairs * 11 / 32)
-    text["rope_parameters"]["mrope_section"] = [third, third, pairs - 2 * third]
+    rope.setdefault("mrope_section", [third, third, pairs - 2 * third])
     vision = dict(PRESET_VISION, out_hidden_size=text["hidden_size"])
     return dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
                 text_config=text, vision_config=vision, tie_word_embeddings=tie, **top)

@@ -12,7 +12,7 @@ from typing import Any
 
 from jscenegen.paths import loads_json
 
-from .config import is_grade
+from .config import GRADE_MAX, GRADE_MIN, is_grade
 from .ops import OpSchemaError, parse_op
 
 OPEN, CLOSE = "<action>", "</action>"
@@ -21,7 +21,7 @@ PLANNER_ACTIONS = {"design": {"instruction"}, "critique": set(), "revert": {"rea
 ACTION_GRAMMAR = (
     "answer := free_text '<action>' json_object '</action>' whitespace; exactly one block; "
     "planner: {action: design(instruction: str) | critique | revert(reason: str) | finish(summary: str)}; "
-    "designer: {ops: [op, ...]}; critic: {critique: str, grades: {key: int 0..10}}"
+    f"designer: {{ops: [op, ...]}}; critic: {{critique: str, grades: {{key: int {GRADE_MIN}..{GRADE_MAX}}}}}"
 )
 
 
@@ -156,7 +156,7 @@ def _critic(obj: dict, grade_keys) -> ParsedAction:
         return _fail("critic", "schema_violation", f"grades must have exactly the keys {list(grade_keys)}")
     for k, v in grades.items():
         if not is_grade(v):
-            return _fail("critic", "schema_violation", f"grade {k!r} must be an integer 0..10, got {v!r}")
+            return _fail("critic", "schema_violation", f"grade {k!r} must be an integer {GRADE_MIN}..{GRADE_MAX}, got {v!r}")
     return ParsedAction("critic", {"critique": obj["critique"], "grades": dict(grades)})
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import math
 import os
@@ -31,7 +30,7 @@ from jscenegen.config import REDACTED, clip_text
 from jscenegen.paths import loads_json
 
 from .caps import apply_caps
-from .config import JudgeConfig, MetricsConfig, is_grade, shown_url
+from .config import GRADE_MAX, GRADE_MIN, JudgeConfig, MetricsConfig, is_grade, shown_url
 from .judge import JudgeRequest, JudgeResult, judge_messages, rubric_hash
 from .prompts import PromptTemplates
 
@@ -113,7 +112,7 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
                                f"{clip_text(repr(extra), 100)}")
     for k, v in grades.items():
         if not is_grade(v):
-            raise JudgeAnswerError(f"grade {k!r} = {v!r} is not an integer 0..10")
+            raise JudgeAnswerError(f"grade {k!r} = {v!r} is not an integer {GRADE_MIN}..{GRADE_MAX}")
     comments = obj.get("comments", {})
     return {k: grades[k] for k in grade_keys}, comments if isinstance(comments, dict) else {}
 
@@ -289,11 +288,8 @@ class HttpJudge:
                     break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
-                content = message_content(json.loads(self._masked(raw)))
+                content = message_content(loads_json(self._masked(raw)))
                 grades, comments = parse_judge_content(content, self.cfg.grade_keys)
-            except RecursionError:
-                cause, detail = "judge_unparseable", "answer nested too deeply to parse"
-                continue
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
                 cause, detail = "judge_unparseable", clip_text(self._masked(str(err).encode()).decode(), 300)
                 continue

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from .caps import apply_caps
 from .catalogue import Catalogue
-from .config import GRADE_KEYS, JudgeConfig, MetricsConfig
+from .config import GRADE_KEYS, GRADE_MAX, GRADE_MIN, JudgeConfig, MetricsConfig
 from .judge import JudgeRequest, JudgeResult, rubric_hash
 from .prompts import PromptTemplates
 from .schema import Scene
@@ -28,7 +28,7 @@ def _round(x: float) -> int:
 
 
 def _clamp(x: int) -> int:
-    return max(0, min(10, x))
+    return max(GRADE_MIN, min(GRADE_MAX, x))
 
 
 def requested_share(scene: Scene, requested, catalogue: Catalogue) -> float:

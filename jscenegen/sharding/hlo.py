@@ -4,9 +4,10 @@
 all-to-all, collective-permute, ...) that run inside a `while` loop of the ENTRY computation
 (the sampler's decode loop), following every computation the loop body calls, and gives the
 bytes each one produces per device per iteration (its result shape; a tuple result counts
-each element) and how many devices each of its replica groups holds. Used by the tests that
-prove a rollout layout decodes without moving weights and that sequence parallelism moves
-per-row summaries, not the sequence.
+each element); `collectives(hlo)` lists every collective with how many devices each of its
+replica groups holds. Used by the tests that prove a rollout layout decodes without moving
+weights (`loop_collectives`) and that sequence parallelism moves per-row summaries, not the
+sequence (`collectives`).
 """
 from __future__ import annotations
 

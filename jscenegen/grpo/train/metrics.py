@@ -121,13 +121,16 @@ def _stdin_is_terminal() -> bool:
 
 
 def _swanlab_has_api_key() -> bool:
-    """Whether swanlab's own settings resolve an API key (environment, then its `.netrc` files);
-    True when this swanlab keeps its settings elsewhere (its start then decides)."""
+    """Whether swanlab's own settings resolve a non-empty API key (environment, then its
+    `.netrc` files); True when this swanlab keeps its settings elsewhere or cannot read them
+    (a bad SWANLAB_* variable): its start then decides, and its error names the setting."""
     try:
         from swanlab.sdk.internal.settings import create_settings
-    except ImportError:
+
+        key = create_settings().api_key
+    except Exception:
         return True
-    return create_settings().api_key is not None
+    return bool(key and str(key).strip())
 
 
 class MetricsLogger:
