@@ -1,12 +1,31 @@
 """Pieces the benchmarks share: a synthetic GRPO batch, timers, interleaved rounds, machine load."""
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
 from typing import Callable
 
 import numpy as np
+
+from jscenegen.commands import int_in, positive_int_arg  # noqa: F401  (the benches' int flags)
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a finite number > 0 (argparse names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+def description(doc: str) -> str:
+    """A bench's --help description: its docstring's first paragraph as one line."""
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def grpo_batch(vocab: int, batch: int, seq: int, trained_from: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import description, int_in, positive_int_arg
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -211,12 +213,12 @@ def _mem_available() -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--arch", choices=ARCHS, default="qwen2.5-7b")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=None,
+    p.add_argument("--layers", type=positive_int_arg, default=2)
+    p.add_argument("--vocab", type=positive_int_arg, default=None,
                    help="vocabulary (default: the arch's, 152064 / 248320)")
-    p.add_argument("--world-size", type=int, default=6)
+    p.add_argument("--world-size", type=int_in(1, 8192), default=6)
     p.add_argument("--workdir", default="/tmp/jscenegen-bench-convert")
     p.add_argument("--keep", action="store_true", help="keep the generated VERL input")
     p.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "DST"), help=argparse.SUPPRESS)
@@ -225,6 +227,16 @@ def main() -> int:
         child(*args.child)
         return 0
     work = Path(args.workdir)
+    try:
+        return _compare(args, work)
+    finally:   # the generated model is GBs: gone on a failure or Ctrl-C too
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _compare(args, work: Path) -> int:
+    """Make the source under `work`, run every conversion mode, print the figures and the JSON
+    line; 1 when the machine lacks the naive baseline's memory."""
     qwen35 = args.arch == "qwen3.5-4b"
     vocab = args.vocab or (248320 if qwen35 else WIDTHS["vocab_size"])
     verl, total, largest = make_source(work, args.layers, vocab, args.world_size, args.arch)
@@ -271,8 +283,6 @@ def main() -> int:
         print(f"target ({mode}): peak RSS <= 3 x largest + 1 GiB = {budget / gb:.2f} GiB "
               f"({'met' if r['peak_rss_bytes'] <= budget else 'NOT met'}), >= 200 MB/s "
               f"({'met' if r['mb_per_s'] >= 200 else 'NOT met'})")
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({"arch": args.arch,
                       "ratio": results["ours"]["mb_per_s"] / results["naive"]["mb_per_s"],
                       "ours_mb_per_s": results["ours"]["mb_per_s"],

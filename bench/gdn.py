@@ -25,7 +25,7 @@ import os
 import statistics
 
 import numpy as np
-from common import timed
+from common import description, positive_int_arg, timed
 
 HEADS, DK, DV, CHUNK = 16, 128, 128, 64
 
@@ -128,8 +128,8 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=description(__doc__))
+    ap.add_argument("--repeats", type=positive_int_arg, default=3)
     ap.add_argument("--quick", action="store_true", help="T = 512, one repeat (smoke run)")
     args = ap.parse_args()
     seq = 512 if args.quick else 4096

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import description, positive_int_arg
 
 
 def furnished_scenes(n: int, seed: int = 0):
@@ -46,9 +47,9 @@ def furnished_scenes(n: int, seed: int = 0):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
+    ap = argparse.ArgumentParser(description=description(__doc__))
+    ap.add_argument("--batch", type=positive_int_arg, default=256)
+    ap.add_argument("--reps", type=positive_int_arg, default=3)
     args = ap.parse_args()
 
     import jax

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import description, int_in, positive_int_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 W, D = 6.0, 5.0
@@ -104,11 +105,23 @@ def refusal_s(fn) -> tuple[float, str]:
     raise AssertionError("not refused")
 
 
+
+def _counts(text: str) -> list[int]:
+    """argparse type of --counts: comma-separated object counts, each 1..128."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated integers") from None
+    if not counts or not all(1 <= n <= 128 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text}: each count must be in 1..128")
+    return counts
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--counts", default="10,50,100,128")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--old-max", type=int, default=128, help="largest count to run the old per-object pass on")
+    ap = argparse.ArgumentParser(description=description(__doc__))
+    ap.add_argument("--counts", type=_counts, default="10,50,100,128",
+                    help="object counts, comma-separated, each 1..128")
+    ap.add_argument("--reps", type=positive_int_arg, default=3)
+    ap.add_argument("--old-max", type=int_in(0), default=128, help="largest count to run the old per-object pass on")
     ap.add_argument("--jax", action="store_true", help="also batch the leave-one-out through the JAX kernel")
     ap.add_argument("--cli", action="store_true", help="also time `jscenegen scene check` end to end")
     args = ap.parse_args()
@@ -127,7 +140,7 @@ def main() -> int:
     rows, agree = [], True
     print(f"measure(scene, blockers=True); cap {MAX_SCENE_OBJECTS} objects; median of {args.reps}")
     print(f"{'kind':>9} {'objects':>7} {'measure s':>9} {'blocker pass s':>14} {'old pass s':>10} {'ratio':>7}  same")
-    for n in [int(c) for c in args.counts.split(",")]:
+    for n in args.counts:
         for kind in ("furniture", "small"):
             scene = scene_from_json(scene_json(kind, n, seed=n), f"{kind}_{n}")
             total = median_s(lambda: measure(scene, cfg, cat, blockers=True), args.reps)

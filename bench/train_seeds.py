@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import description
+
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -47,7 +49,7 @@ def run_seed(seed: int, out: Path, config: str | None, overrides: list[str]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="runs/seeds", help="run directories and the cache")
     parser.add_argument("--config", default=None, help="run config (default: the CPU default)")

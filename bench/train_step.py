@@ -33,7 +33,16 @@ import json
 import tempfile
 
 import numpy as np
-from common import grpo_batch, load_average, median, rounds, tunix_qwen3_config, versus
+from common import (
+    description,
+    grpo_batch,
+    load_average,
+    median,
+    positive_int_arg,
+    rounds,
+    tunix_qwen3_config,
+    versus,
+)
 
 VOCAB, BATCH, SEQ = 8192, 8, 256
 
@@ -147,9 +156,10 @@ def tunix_engine(model_dir: str, cfg, batch: dict):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's)")
+    ap = argparse.ArgumentParser(description=description(__doc__))
+    ap.add_argument("--rounds", type=positive_int_arg, default=5)
+    ap.add_argument("--torch-threads", type=positive_int_arg,
+                    help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
     import jax
     import torch

@@ -19,6 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import description, positive_float
 
 ROWS, IN, OUT, STEPS = 8, 256, 1024, 50
 
@@ -49,10 +50,11 @@ def step_seconds(megabytes: float, dtype) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=float, nargs="+", default=[4, 8, 12, 16, 24, 32, 48],
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument("--sizes", type=positive_float, nargs="+", default=[4, 8, 12, 16, 24, 32, 48],
                         help="working sets, MB of weights")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     print(f"device: {jax.devices()[0]}")
     for dtype in args.dtypes:

@@ -43,7 +43,15 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
-from common import IdTokenizer, grpo_batch, timed, tunix_qwen3_config  # noqa: E402
+from common import (  # noqa: E402
+    IdTokenizer,
+    description,
+    grpo_batch,
+    positive_float,
+    positive_int_arg,
+    timed,
+    tunix_qwen3_config,
+)
 
 QWEN3_1_7B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -286,7 +294,7 @@ def finish(r: dict, c: dict, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--tiny", action="store_true", help="tiny model, xla attention (CPU dry run)")
     ap.add_argument("--engine", choices=["jscenegen", "torch", "tunix"],
                     help="run one engine in this process (default: both, each in a subprocess)")
@@ -295,15 +303,15 @@ def main() -> None:
                                    ("decode-batch", 64, 2, "decoded rows"),
                                    ("prompt", 128, 16, "prompt tokens per decoded row"),
                                    ("new", 256, 8, "decoded tokens per row")):
-        ap.add_argument(f"--{name}", type=int, help=f"{what} (default {full}; --tiny: {tiny})")
+        ap.add_argument(f"--{name}", type=positive_int_arg, help=f"{what} (default {full}; --tiny: {tiny})")
         ap.set_defaults(**{f"_{name}": (full, tiny)})
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int_arg, default=3)
     ap.add_argument("--remat", choices=["full", "minimal", "none"], default="full",
                     help="jscenegen's train-step rematerialisation (model.remat_policy)")
-    ap.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s of the device")
-    ap.add_argument("--peak-hbm-tbs", type=float, help="peak HBM bandwidth of the device, TB/s")
+    ap.add_argument("--peak-tflops", type=positive_float, help="peak dense bf16 TFLOP/s of the device")
+    ap.add_argument("--peak-hbm-tbs", type=positive_float, help="peak HBM bandwidth of the device, TB/s")
     ap.add_argument("--shape", choices=["1.7b", "4b"], default="1.7b", help="model shape")
-    ap.add_argument("--engine-timeout", type=float, default=None,
+    ap.add_argument("--engine-timeout", type=positive_float, default=None,
                     help="seconds one engine's process may run before it is recorded as timed out")
     args = ap.parse_args()
     for name in ("batch", "seq", "decode_batch", "prompt", "new"):

@@ -27,7 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_gpu  # noqa: E402
-from common import timed  # noqa: E402
+from common import (  # noqa: E402
+    description,
+    positive_int_arg,
+    timed,  # noqa: E402
+)
 
 
 def trace_lines(trace_dir: str, top: int = 25) -> list[dict]:
@@ -62,11 +66,11 @@ def trace_lines(trace_dir: str, top: int = 25) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[64])
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=description(__doc__))
+    ap.add_argument("--rows", type=positive_int_arg, nargs="+", default=[64])
+    ap.add_argument("--prompt", type=positive_int_arg, default=128)
+    ap.add_argument("--new", type=positive_int_arg, default=256)
+    ap.add_argument("--repeats", type=positive_int_arg, default=3)
     ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default"))
     ap.add_argument("--trace", help="profile one decode at the first row count into this folder")
     ap.add_argument("--attn", nargs="+", default=["cudnn"], choices=["cudnn", "xla"])

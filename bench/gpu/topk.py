@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_gpu  # noqa: E402
+from common import description, positive_int_arg  # noqa: E402
 
 VOCAB, K = bench_gpu.QWEN3_1_7B["vocab_size"], bench_gpu.TOP_K
 
@@ -41,13 +42,13 @@ def kernel_us(fn, z, calls: int = 50) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128])
+    ap = argparse.ArgumentParser(description=description(__doc__))
+    ap.add_argument("--rows", type=positive_int_arg, nargs="+", default=[64, 256])
+    ap.add_argument("--chunks", type=positive_int_arg, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--blocks", type=positive_int_arg, nargs="+", default=[32, 64, 128])
     ap.add_argument("--decodes", nargs="+", default=["lax_top_k", "chunked", "block_max"],
                     choices=["lax_top_k", "chunked", "block_max"])
-    ap.add_argument("--decode-rows", type=int, default=64)
+    ap.add_argument("--decode-rows", type=positive_int_arg, default=64)
     args = ap.parse_args()
 
     import jax
