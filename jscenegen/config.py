@@ -12,7 +12,6 @@ import json
 import re
 import types
 import typing
-import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from jscenegen.paths import not_a_file
+from jscenegen.text import clip_text, not_unicode
 
 
 class ConfigError(ValueError):
@@ -58,16 +58,6 @@ def bool_for_number(annotation, value) -> bool:
     """Whether `value` puts a boolean where a field annotated `annotation` holds numbers (alone
     or in a list): pydantic would read `true` as 1 and `[false, 0.999]` as [0.0, 0.999]."""
     return _numbers_within(annotation) and _has_bool(value)
-
-
-def not_unicode(text: str) -> str | None:
-    """Why `text` is not Unicode text (a lone surrogate: what Python makes of bytes that are not
-    UTF-8 in a command line or of a JSON `\\udcff` escape), or None when it is."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        return f"character {err.start} is a lone surrogate {text[err.start]!r}, not Unicode text"
-    return None
 
 
 class PlainModel(BaseModel):
@@ -253,12 +243,6 @@ def _names_key(message: str, key: str) -> bool:
     return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message) is not None
 
 
-def clip_text(text: str, limit: int = 200) -> str:
-    """`text` cut to `limit` characters, its full length said: an error line echoes what it
-    refuses, not a megabyte of it."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-
-
 def validation_message(error: dict) -> str:
     """One entry of pydantic's `ValidationError.errors()` as the sentence to print: the
     validator's own text without pydantic's "Value error, " / "Assertion failed, " prefix."""
@@ -277,28 +261,6 @@ def shown_value(value: Any) -> str:
     except (TypeError, ValueError):   # bytes, non-finite floats, objects
         text = repr(value)
     return clip_text(text)
-
-
-# Unicode's bidirectional embeddings, overrides, isolates and marks: printed raw, one reorders
-# how the rest of the line (and the lines after it) display ("Trojan Source", CVE-2021-42574)
-BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
-                          "\u2066\u2067\u2068\u2069")
-
-
-def terminal_text(text: str, keep: str = "\n\t") -> str:
-    """`text` safe to print: control characters (Unicode category Cc) other than those in
-    `keep` (newline and tab), the bidirectional controls (`BIDI_CONTROLS`) and lone surrogates
-    (argv bytes that are not UTF-8), written as escapes (`\\x1b`, `\\u202e`, `\\udcff`), so an
-    escape sequence in a prompt, a sampled token or a refused input cannot drive the terminal
-    or reorder what it shows, and any stream can encode the line; files keep the text itself."""
-    return "".join(repr(c)[1:-1] if (unicodedata.category(c) in ("Cc", "Cs") and c not in keep)
-                   or c in BIDI_CONTROLS else c for c in text)
-
-
-def terminal_line(text: str) -> str:
-    """`terminal_text` for a one-line message: newlines and tabs escaped too (`\\n`), so a
-    path or name holding them cannot break the line a script reads."""
-    return terminal_text(text, keep="")
 
 
 def override_key(item: str) -> str:

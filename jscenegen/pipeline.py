@@ -13,9 +13,10 @@ import yaml
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.config import dotted_items, terminal_line
+from jscenegen.config import dotted_items
 from jscenegen.paths import cache_dir, write_json, write_text
 from jscenegen.signals import Terminated
+from jscenegen.text import terminal_line
 
 log = logging.getLogger(__name__)
 

@@ -241,7 +241,7 @@ def test_the_smallest_vocab_size_init_model_takes_is_honoured():
 
 
 def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, capsys):
-    from jscenegen.config import terminal_text
+    from jscenegen.text import terminal_text
 
     (tmp_path / "afile").write_text("x")
     for dest, expected in ((tmp_path / "afile" / "sub", f"{tmp_path / 'afile'} is not a directory"),
@@ -262,7 +262,7 @@ def test_init_model_refuses_an_unwritable_destination_before_any_work(tmp_path, 
 def test_an_output_file_path_that_is_not_utf8_is_refused_before_any_work(tmp_path, capsys):
     """`scene render`/`generate` wrote a file named by the surrogate-escaped bytes (the
     README: refused where given, output paths included); directories already were refused."""
-    from jscenegen.config import terminal_text
+    from jscenegen.text import terminal_text
 
     bad = str(tmp_path / "bad\udcff.png")
     scene = str(ROOT / "data/scenes/dev.jsonl")

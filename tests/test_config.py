@@ -306,7 +306,7 @@ def test_printed_text_escapes_controls_and_bidirectional_overrides():
     """ESC and BEL were escaped, but U+202E (right-to-left override) in a prompt or a sampled
     token reached the terminal raw and reordered how the rest showed (helper-90); letters,
     accents and the zero-width joiner of emoji sequences stay as they are."""
-    from jscenegen.config import terminal_line, terminal_text
+    from jscenegen.text import terminal_line, terminal_text
 
     assert terminal_text("bed \x1b[2J\x07\u202e x\u2066y\u200f\n") == \
         "bed \\x1b[2J\\x07\\u202e x\\u2066y\\u200f\n"

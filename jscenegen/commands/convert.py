@@ -55,8 +55,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, verify_checksums
-    from jscenegen.config import terminal_line
     from jscenegen.paths import refuse_non_utf8
+    from jscenegen.text import terminal_line
 
     _refuse_options_a_mode_ignores(args)
     for label, path in (("SRC", args.src), ("DST", args.dst), ("--carried-from", args.carried_from),

@@ -37,7 +37,6 @@ def design_record(prompt: str, room_path: str | None, seed: int):
     """
     from pydantic import ValidationError
 
-    from jscenegen.config import not_unicode
     from jscenegen.scene.generator import make_record
     from jscenegen.scene.sceneset import SceneRecord, record_from_json
     from jscenegen.scene.schema import (
@@ -48,6 +47,7 @@ def design_record(prompt: str, room_path: str | None, seed: int):
         read_json_file,
         scene_from_json,
     )
+    from jscenegen.text import not_unicode
 
     if not prompt.strip():
         raise SceneError("--prompt is empty")
@@ -76,7 +76,7 @@ def _print_turn(message: dict) -> None:
     if message["role"] == "system":
         print(f"--- system prompt ({len(message['content'])} characters) ---", flush=True)
         return
-    from jscenegen.config import terminal_text
+    from jscenegen.text import terminal_text
 
     print(f"--- {message['actor']} ---\n{terminal_text(message['content'])}", flush=True)
 

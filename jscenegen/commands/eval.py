@@ -95,13 +95,13 @@ def run(args) -> int:
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
-    from jscenegen.config import terminal_text
     from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import ungraded_judge_failures
     from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
+    from jscenegen.text import terminal_text
 
     records = read_scene_set(scenes)
     check_requests_known(records, load_catalogue(cfg.scene.catalogue_path), str(scenes))

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     source, step = export(args.checkpoint, args.out_dir, world_size=args.world_size,
                           placement=args.placement, dtype=args.dtype, device_type=args.mesh_device)
-    from jscenegen.config import terminal_line
+    from jscenegen.text import terminal_line
 
     print(terminal_line(f"exported {source} -> {args.out_dir} (training state: {step})"))
     return 0

@@ -34,7 +34,7 @@ def register(sub) -> None:
 
 
 def _say(text: str, t0: float) -> None:
-    from jscenegen.config import terminal_line
+    from jscenegen.text import terminal_line
 
     print(terminal_line(f"init-model [{time.perf_counter() - t0:5.1f} s] {text}"), file=sys.stderr,
           flush=True)

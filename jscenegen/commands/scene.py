@@ -10,9 +10,9 @@ from jscenegen.paths import data_path_arg, is_decimal
 def _requested(text: str | None, catalogue) -> list[dict]:
     """`--requested 'bed:1,nightstand:2'` as requested items, checked as a record's are, each
     name a category or group of `catalogue` (a typo would silently lower prompt_following)."""
-    from jscenegen.config import clip_text
     from jscenegen.scene.sceneset import requested_items
     from jscenegen.scene.schema import MAX_SCENE_OBJECTS
+    from jscenegen.text import clip_text
 
     if not text:
         return []

@@ -102,8 +102,8 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     that cannot hold steps, a damaged run.json, a config.yaml missing or not a file."""
     from jscenegen.checkpoint.resume import read_run_record
     from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
-    from jscenegen.config import terminal_line
     from jscenegen.paths import not_a_file
+    from jscenegen.text import terminal_line
 
     if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
         raise ValueError(f"--run-dir {args.run_dir} with --resume {args.resume}: a resumed run "

@@ -7,9 +7,10 @@ from collections import Counter
 
 import numpy as np
 
-from jscenegen.config import SEED_MAX, clip_text, is_seed
+from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.paths import finite_number
 from jscenegen.scene.reward import JUDGE_FAILURES
+from jscenegen.text import clip_text
 
 REPORT_SCHEMA = "jscenegen.eval/1"
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")

@@ -27,10 +27,10 @@ from typing import Iterable
 
 import numpy as np
 
-from jscenegen.config import clip_text
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
 from jscenegen.paths import loads_json, naming_write_errors, not_a_file
+from jscenegen.text import clip_text
 
 log = logging.getLogger(__name__)
 

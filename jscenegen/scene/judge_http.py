@@ -26,8 +26,9 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import httpx
 
-from jscenegen.config import REDACTED, clip_text
+from jscenegen.config import REDACTED
 from jscenegen.paths import loads_json
+from jscenegen.text import clip_text
 
 from .caps import apply_caps
 from .config import GRADE_MAX, GRADE_MIN, JudgeConfig, MetricsConfig, is_grade, shown_url

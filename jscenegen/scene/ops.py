@@ -16,8 +16,9 @@ from typing import Annotated, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from jscenegen.config import clip_text, validation_message
+from jscenegen.config import validation_message
 from jscenegen.paths import is_decimal
+from jscenegen.text import clip_text
 
 from .catalogue import Catalogue
 from .config import SceneRuntimeConfig

@@ -10,8 +10,9 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from jscenegen.config import SEED_MAX, clip_text, is_seed, not_unicode
+from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.paths import atomic_file, jsonl_lines, not_a_file
+from jscenegen.text import clip_text, not_unicode
 
 from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, json_text, parse_json, scene_from_json
 

@@ -25,9 +25,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 from pydantic import Field
 
-from jscenegen.config import Section, clip_text
+from jscenegen.config import Section
 from jscenegen.paths import is_decimal
 from jscenegen.sharding.rules import AXES
+from jscenegen.text import clip_text
 
 MAX_PROCESSES = 1 << 20
 
