@@ -126,15 +126,55 @@ def measure(
     feet = {o.id: footprint(o) for o in scene.objects}
     by_id = sorted(scene.objects, key=lambda o: id_sort_key(o.id))
 
+    oob, oob_cap = _out_of_bounds(by_id, feet, floor, room.wall_height, cfg)
+    door_clear, window_warn = _opening_checks(room, by_id, feet, catalogue, cfg)
+    reach, res = _reach_block(scene, rcfg, catalogue, blockers)
+    door_blocked = bool(reach["door_walk_blocked"] or door_clear)
+    placement = _catalogue_checks(room, by_id, feet, floor, catalogue, cfg)
+    unsupported = _unsupported(scene, by_id, feet)
+
+    required = catalogue.required(room.type)
+    missing_required = bool(required) and not any(o.category in required for o in scene.objects)
+    out = {
+        "object_count": len(scene.objects),
+        "collision_pairs": _collisions(scene, feet, catalogue, cfg),
+        "oob_objects": oob,
+        "oob_cap_objects": oob_cap,
+        "door_blocked": door_blocked,
+        "door_clearance_blocked": door_clear,
+        "window_warnings": window_warn,
+        "unsupported_objects": unsupported,
+        **reach,
+        **placement,
+        "missing_required": missing_required,
+    }
+    out["reachable"] = bool(not door_blocked and not out["unreachable_objects"] and out["num_regions"] == 1)
+    for k, v in out.items():
+        if isinstance(v, float):
+            out[k] = round(v, 6)
+            if not math.isfinite(v):
+                raise ValueError(f"metric {k} is not finite")
+    return (out, res) if with_result else out
+
+
+def _out_of_bounds(by_id, feet, floor, wall_height: float, cfg) -> tuple[list, list]:
+    """(oob_objects, oob_cap_objects): ids more than `oob_fraction` / `oob_cap_fraction` of
+    whose footprint lies outside the floor, or whose top is above the wall."""
     oob, oob_cap = [], []
     for o in by_id:
         frac = outside_fraction(feet[o.id], floor)
-        above = o.elevation + o.size[2] > room.wall_height + 1e-6
+        above = o.elevation + o.size[2] > wall_height + 1e-6
         if frac > cfg.oob_fraction or above:
             oob.append(o.id)
         if frac > cfg.oob_cap_fraction or above:
             oob_cap.append(o.id)
+    return oob, oob_cap
 
+
+def _opening_checks(room, by_id, feet, catalogue, cfg) -> tuple[list, list]:
+    """(door_clearance_blocked [[door, id]], window_warnings [{"window", "object"}]): walking
+    obstacles inside a door's clearance box, and objects that are not thin and rise across a
+    window's sill inside its box, by at least `penetration_m`."""
     door_clear = []
     for d, door in enumerate(room.doors):
         box = opening_box(room, door, cfg.door_clearance_m)
@@ -153,12 +193,16 @@ def measure(
                 and penetration(box, feet[o.id]) >= cfg.penetration_m - 1e-9
             ):
                 window_warn.append({"window": w, "object": o.id})
+    return door_clear, window_warn
 
-    reach, res = _reach_block(scene, rcfg, catalogue, blockers)
-    door_blocked = bool(reach["door_walk_blocked"] or door_clear)
 
+def _catalogue_checks(room, by_id, feet, floor, catalogue, cfg) -> dict[str, list]:
+    """What the catalogue says of each object: front_to_wall_objects (a used front facing a
+    wall within the agent's reach), storage_off_wall_objects (storage more than `wall_gap_m`
+    from every wall), size_out_of_range_objects, chairs_not_at_desk (no desk-like object within
+    `chair_desk_m` in front, at most 60 degrees off), unknown_categories (ids)."""
     front_wall, storage_off, bad_size, unknown, chairs_bad = [], [], [], [], []
-    probe = rcfg.metrics.agent_radius_m + rcfg.metrics.access_margin_m
+    probe = cfg.agent_radius_m + cfg.access_margin_m
     desks = [o for o in by_id if o.category in catalogue.desk_like]
     for o in by_id:
         cat = catalogue.get(o.category)
@@ -183,7 +227,14 @@ def measure(
                     ok = True
             if not ok:
                 chairs_bad.append(o.id)
+    return {"front_to_wall_objects": front_wall, "storage_off_wall_objects": storage_off,
+            "size_out_of_range_objects": bad_size, "chairs_not_at_desk": chairs_bad,
+            "unknown_categories": unknown}
 
+
+def _unsupported(scene, by_id, feet) -> list:
+    """Ids mounted "on" a parent whose centre is off the parent's footprint or whose base is
+    more than 2 cm from the parent's top."""
     unsupported = []
     for o in by_id:
         if o.mount != "on":
@@ -192,33 +243,7 @@ def measure(
         on_top = point_in_polygon(o.position[0], o.position[1], feet[p.id].tolist())
         if not on_top or abs(o.elevation - (p.elevation + p.size[2])) > 0.02:
             unsupported.append(o.id)
-
-    required = catalogue.required(room.type)
-    missing_required = bool(required) and not any(o.category in required for o in scene.objects)
-    out = {
-        "object_count": len(scene.objects),
-        "collision_pairs": _collisions(scene, feet, catalogue, cfg),
-        "oob_objects": oob,
-        "oob_cap_objects": oob_cap,
-        "door_blocked": door_blocked,
-        "door_clearance_blocked": door_clear,
-        "window_warnings": window_warn,
-        "unsupported_objects": unsupported,
-        **reach,
-        "front_to_wall_objects": front_wall,
-        "storage_off_wall_objects": storage_off,
-        "size_out_of_range_objects": bad_size,
-        "chairs_not_at_desk": chairs_bad,
-        "unknown_categories": unknown,
-        "missing_required": missing_required,
-    }
-    out["reachable"] = bool(not door_blocked and not out["unreachable_objects"] and out["num_regions"] == 1)
-    for k, v in out.items():
-        if isinstance(v, float):
-            out[k] = round(v, 6)
-            if not math.isfinite(v):
-                raise ValueError(f"metric {k} is not finite")
-    return (out, res) if with_result else out
+    return unsupported
 
 
 def metrics_text(m: dict) -> str:
