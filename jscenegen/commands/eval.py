@@ -62,14 +62,7 @@ def run(args) -> int:
     from jscenegen.sharding.mesh import refuse_multi_host
 
     if args.compare:
-        given = [flag for flag, value in (("--model", args.model), ("--samples", args.samples),
-                                          ("--config", args.config), ("--out", args.out),
-                                          ("--scenes", args.scenes)) if value is not None]
-        given += ["--greedy"] if args.greedy else []
-        if given or args.overrides:
-            raise ValueError(f"--compare reads two reports only (it prints the table, --plot draws "
-                             f"it); {', '.join(given) or 'overrides'} would be ignored (run the "
-                             "evaluation first, then compare)")
+        _refuse_evaluation_flags(args)
         return compare(*args.compare, args.plot)
     if not args.model:
         raise ValueError("--model is required (or --compare BEFORE AFTER)")
@@ -95,9 +88,7 @@ def run(args) -> int:
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
-    from jscenegen.eval.plots import plot_report
     from jscenegen.eval.report import ungraded_judge_failures
-    from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
@@ -121,16 +112,7 @@ def run(args) -> int:
                       samples=samples, progress=progress)
     report.update(model=str(args.model), scene_set=str(scenes))
     out, plot = Path(args.out), Path(plot_path)
-    # both or neither: the plot waits beside its place until the report is written
-    pending = plot.with_name(hidden_name(plot.name, "pending.png"))
-    with new_parents_removed_on_error(out), new_parents_removed_on_error(plot):
-        try:
-            plot_report(report, pending)
-            refuse_non_regular(plot, f"--plot {plot}")   # made a directory while eval ran
-            write_json(out, report)
-            os.replace(pending, plot)
-        finally:
-            pending.unlink(missing_ok=True)
+    _write_report_and_plot(report, out, plot)
     print(json.dumps({"event": "done", "report": str(out), "plot": str(plot),
                       "overall": report["overall"]}))
     ungraded = ungraded_judge_failures(report)
@@ -140,4 +122,33 @@ def run(args) -> int:
                             "judge.base_url and the judge's log)"), file=sys.stderr)
         return 1
     return 0
+
+
+def _refuse_evaluation_flags(args) -> None:
+    """--compare reads two reports: refuse (ValueError) the flags of an evaluation beside it."""
+    given = [flag for flag, value in (("--model", args.model), ("--samples", args.samples),
+                                      ("--config", args.config), ("--out", args.out),
+                                      ("--scenes", args.scenes)) if value is not None]
+    given += ["--greedy"] if args.greedy else []
+    if given or args.overrides:
+        raise ValueError(f"--compare reads two reports only (it prints the table, --plot draws "
+                         f"it); {', '.join(given) or 'overrides'} would be ignored (run the "
+                         "evaluation first, then compare)")
+
+
+def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
+    """The report at `out` and its plot at `plot`, both or neither: the plot waits beside its
+    place until the report is written; parents this made are removed on an error."""
+    from jscenegen.eval.plots import plot_report
+    from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
+
+    pending = plot.with_name(hidden_name(plot.name, "pending.png"))
+    with new_parents_removed_on_error(out), new_parents_removed_on_error(plot):
+        try:
+            plot_report(report, pending)
+            refuse_non_regular(plot, f"--plot {plot}")   # made a directory while eval ran
+            write_json(out, report)
+            os.replace(pending, plot)
+        finally:
+            pending.unlink(missing_ok=True)
 
