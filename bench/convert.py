@@ -39,13 +39,14 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from common import description, int_in, positive_int_arg
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))   # the convert package before this script, also named convert
+
+from common import description, int_in, positive_int_arg  # noqa: E402
 
 WIDTHS = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
               num_attention_heads=28, num_key_value_heads=4, head_dim=128)
@@ -219,18 +220,22 @@ def main() -> int:
     p.add_argument("--vocab", type=positive_int_arg, default=None,
                    help="vocabulary (default: the arch's, 152064 / 248320)")
     p.add_argument("--world-size", type=int_in(1, 8192), default=6)
-    p.add_argument("--workdir", default="/tmp/jscenegen-bench-convert")
-    p.add_argument("--keep", action="store_true", help="keep the generated VERL input")
+    p.add_argument("--workdir", default="/tmp", help="where the bench makes its own directory "
+                   "(bench-convert-*: the generated model and the outputs)")
+    p.add_argument("--keep", action="store_true", help="keep that directory (its path is printed)")
     p.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "DST"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(*args.child)
         return 0
-    work = Path(args.workdir)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
     try:
         return _compare(args, work)
-    finally:   # the generated model is GBs: gone on a failure or Ctrl-C too
-        if not args.keep:
+    finally:   # the generated model is GBs: gone on a failure or Ctrl-C too (only what it made)
+        if args.keep:
+            print(f"kept {work}")
+        else:
             shutil.rmtree(work, ignore_errors=True)
 
 

@@ -105,7 +105,6 @@ def refusal_s(fn) -> tuple[float, str]:
     raise AssertionError("not refused")
 
 
-
 def _counts(text: str) -> list[int]:
     """argparse type of --counts: comma-separated object counts, each 1..128."""
     try:
@@ -115,6 +114,7 @@ def _counts(text: str) -> list[int]:
     if not counts or not all(1 <= n <= 128 for n in counts):
         raise argparse.ArgumentTypeError(f"{text}: each count must be in 1..128")
     return counts
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=description(__doc__))

@@ -25,7 +25,14 @@ from pathlib import Path
 
 from common import description
 
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+from jscenegen.commands import seed_arg
+
+
+def _t_975(df: int) -> float:
+    """Student's t 97.5% quantile with `df` degrees of freedom (a 95% two-sided interval)."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
 
 
 def run_seed(seed: int, out: Path, config: str | None, overrides: list[str]) -> dict:
@@ -50,11 +57,14 @@ def run_seed(seed: int, out: Path, config: str | None, overrides: list[str]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=description(__doc__))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=seed_arg, nargs="+", default=[0, 1, 2],
+                        help="run seeds, each once (default: 0 1 2)")
     parser.add_argument("--out", default="runs/seeds", help="run directories and the cache")
     parser.add_argument("--config", default=None, help="run config (default: the CPU default)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds: each seed once (a seed's run directory is seed-<N>), got {args.seeds}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("JSCENEGEN_CACHE", str(out / "cache"))
@@ -69,15 +79,15 @@ def main() -> None:
               f"{row['failure_rate_after']:.2f}, {row['wall_s']:.0f} s", flush=True)
     diffs = [r["diff"] for r in rows]
     mean = statistics.fmean(diffs)
+    ci95 = None   # one seed has no spread: no interval (null in the JSON)
     if len(diffs) > 1:
-        half = T_975.get(len(diffs) - 1, 1.96) * statistics.stdev(diffs) / len(diffs) ** 0.5
-    else:
-        half = float("nan")
-    print(f"over {len(diffs)} seeds: mean diff {mean:+.3f}, 95% t interval "
-          f"[{mean - half:+.3f}, {mean + half:+.3f}]; load average {load0:.1f} -> "
-          f"{os.getloadavg()[0]:.1f}")
+        half = _t_975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+        ci95 = [mean - half, mean + half]
+    shown = f"[{ci95[0]:+.3f}, {ci95[1]:+.3f}]" if ci95 else "none (one seed)"
+    print(f"over {len(diffs)} seeds: mean diff {mean:+.3f}, 95% t interval {shown}; load average "
+          f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
     print(json.dumps({"bench": "train_seeds", "seeds": rows, "mean_diff": mean,
-                      "mean_diff_ci95": [mean - half, mean + half],
+                      "mean_diff_ci95": ci95,
                       "load_avg_1min": [load0, os.getloadavg()[0]]}))
 
 

@@ -163,10 +163,8 @@ def error_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.errno == errno.ENOSPC and not isinstance(err, DiskFullError):
         where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
         return f"no space left on device{where} writing {err.filename or 'a file'}"
-    from jscenegen.text import (
-        clip_text,
-        terminal_text,  # only on an error: `--help` stays light
-    )
+    # imported only on an error: `--help` stays light
+    from jscenegen.text import clip_text, terminal_text
 
     text = str(err) or type(err).__name__
     loop = _symlink_loop(err)

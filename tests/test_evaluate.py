@@ -626,6 +626,9 @@ def test_compare_refuses_reports_played_under_other_scene_settings(tmp_path, cap
         return _edited(lambda r: r.update(protocol=digests))
 
     assert _compare(tmp_path, capsys, played(), played()) == (0, "")
+    from jscenegen.eval.report import _PROTOCOL_PARTS  # every part has a name for the message
+
+    assert set(_PROTOCOL_PARTS) == set(protocol_digests(SceneRuntimeConfig(), JudgeConfig()))
     for after, why in (
             (played(reward={"failure_reward": -0.5}), r"played under other scene settings "
              r"\(scene.reward differ\): their rewards do not compare$"),

@@ -27,11 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_gpu  # noqa: E402
-from common import (  # noqa: E402
-    description,
-    positive_int_arg,
-    timed,  # noqa: E402
-)
+from common import description, positive_int_arg, timed  # noqa: E402
 
 
 def trace_lines(trace_dir: str, top: int = 25) -> list[dict]:

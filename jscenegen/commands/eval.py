@@ -151,4 +151,3 @@ def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
             os.replace(pending, plot)
         finally:
             pending.unlink(missing_ok=True)
-

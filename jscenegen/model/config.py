@@ -536,7 +536,7 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
     head_dim = _positive(t.get("head_dim", 256), "head_dim", source, prefix, integer=True,
                          limit=SIZE_LIMITS["head_dim"])
     theta, scaling, extra = _read_rope(t, source, 10_000.0, prefix)
-    factor = float(_positive(extra.get("partial_rotary_factor", 0.25), "partial_rotary_factor",
+    factor = float(_positive(extra.get("partial_rotary_factor", QWEN35_ROTARY_FACTOR), "partial_rotary_factor",
                              source, prefix))
     rotary = int(head_dim * factor)
     if rotary <= 0 or rotary > head_dim or rotary % 2:
@@ -658,6 +658,9 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+# transformers' Qwen3_5TextConfig default, and every release's: a quarter of each head rotates
+QWEN35_ROTARY_FACTOR = 0.25
+
 # Qwen3.5 presets (init-model --arch qwen3_5): 3 Gated DeltaNet layers then 1 gated attention
 # layer, repeated, as the releases; GDN value heads outnumber key heads as in 4B..27B.
 HYBRID_PRESETS: dict[str, dict[str, int]] = {
@@ -705,13 +708,13 @@ def qwen35_preset_dict(preset: str, vocab_size: int, **overrides: Any) -> dict[s
         mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, mamba_ssm_dtype="float32",
         initializer_range=0.02, use_cache=True, dtype="float32", tie_word_embeddings=tie,
         rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0,
-                             partial_rotary_factor=0.25, mrope_interleaved=True),
+                             partial_rotary_factor=QWEN35_ROTARY_FACTOR, mrope_interleaved=True),
         **p)
     text.update(overrides)
     # M-RoPE's time/height/width rotary pairs in the releases' 11:11:10 split, summing to
     # rotary/2 as there (the releases' head_dim 256 gives [11, 11, 10])
     rope = text["rope_parameters"] = dict(text["rope_parameters"])
-    pairs = int(text["head_dim"] * rope["partial_rotary_factor"]) // 2
+    pairs = int(text["head_dim"] * rope.get("partial_rotary_factor", QWEN35_ROTARY_FACTOR)) // 2
     third = round(pairs * 11 / 32)
     rope.setdefault("mrope_section", [third, third, pairs - 2 * third])
     vision = dict(PRESET_VISION, out_hidden_size=text["hidden_size"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .config import GRADE_MAX, RewardConfig
+from .config import GRADE_MAX, GRADE_MIN, RewardConfig
 
 # policy failures (reward -1, trained on)
 POLICY_FAILURES = (
@@ -63,7 +63,7 @@ def reward_from_grades(grades: dict[str, int], units: int, cfg: RewardConfig) ->
     vals = [float(v) for v in grades.values()]
     if not all(math.isfinite(v) for v in vals):
         raise ValueError(f"non-finite grade in {grades}")
-    quality = sum(vals) / len(vals) / GRADE_MAX
+    quality = (sum(vals) / len(vals) - GRADE_MIN) / (GRADE_MAX - GRADE_MIN)
     pen = unit_penalty(units, cfg)
     return quality - pen, quality, pen
 
