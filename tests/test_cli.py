@@ -415,6 +415,8 @@ def test_no_command_writes_into_the_model_it_reads(tiny_hf, tmp_path, capsys, ar
      "argument --seq: 100000000 is outside [1, 65,536]"),
     (["parity", "train", "--model", "m", "--perturb-torch", "nan"], "parity train",
      "argument --perturb-torch: 'nan' is not a finite number"),
+    (["parity", "train", "--model", "m", "--perturb-torch", "1e40"], "parity train",
+     "argument --perturb-torch: 1e+40 is beyond float32's range (|x| <= 3.403e+38)"),
     # an empty path read as the current directory (`--model ""` loaded ./config.json)
     (["eval", "--model", ""], "eval", "argument --model: an empty value (see jscenegen eval --help)"),
     (["parity", "logits", "--model", " "], "parity logits", "argument --model: an empty value"),

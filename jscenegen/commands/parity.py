@@ -5,6 +5,8 @@ jscenegen/parity/ compute and judge; this module parses and prints).
 """
 from __future__ import annotations
 
+import argparse
+
 from jscenegen.commands import finite_float_arg, int_in, seed_arg
 from jscenegen.parity import ROW_TOKENS_MAX
 from jscenegen.paths import json_line
@@ -93,11 +95,23 @@ def register(sub) -> None:
     tr.set_defaults(func=run_train)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32_arg(text: str) -> float:
+    """argparse type of a number the fp32 weights can hold: finite, |x| <= float32's largest
+    (1e40 became inf in the embedding, every loss then null)."""
+    x = finite_float_arg(text)
+    if abs(x) > FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"{x:g} is beyond float32's range (|x| <= {FLOAT32_MAX:.4g})")
+    return x
+
+
 def _add_common(p) -> None:
     p.add_argument("--train-vision", action="store_true",
                    help="Qwen3.5: train the vision tower (zero gradient, AdamW state and decay, "
                         "as VERL with freeze_vision_tower false); default frozen")
-    p.add_argument("--perturb-torch", type=finite_float_arg, default=0.0,
+    p.add_argument("--perturb-torch", type=_float32_arg, default=0.0,
                    help="add this to one torch embedding weight before the first forward: the "
                         "torch side then differs from the start, so exit 1 shows the comparison "
                         "is live (not which later step would diverge)")
