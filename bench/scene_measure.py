@@ -121,7 +121,8 @@ def main() -> int:
     ap.add_argument("--counts", type=_counts, default="10,50,100,128",
                     help="object counts, comma-separated, each 1..128")
     ap.add_argument("--reps", type=positive_int_arg, default=3)
-    ap.add_argument("--old-max", type=int_in(0), default=128, help="largest count to run the old per-object pass on")
+    ap.add_argument("--old-max", type=int_in(0), default=128,
+                    help="largest count to run the old per-object pass on")
     ap.add_argument("--jax", action="store_true", help="also batch the leave-one-out through the JAX kernel")
     ap.add_argument("--cli", action="store_true", help="also time `jscenegen scene check` end to end")
     args = ap.parse_args()

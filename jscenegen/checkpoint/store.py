@@ -794,7 +794,8 @@ class CheckpointStore:
             raise
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
-        self._pending = (step, meta, hf_dir, needed, majority_dtype((x.shape, x.dtype) for x in logical_params.values()))
+        stored_dtype = majority_dtype((x.shape, x.dtype) for x in logical_params.values())
+        self._pending = (step, meta, hf_dir, needed, stored_dtype)
         if not self.async_save:
             self.wait_until_finished()
         return path

@@ -226,8 +226,9 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
     "protocol" (`scene.protocol.protocol_digests`: the scene settings the episodes were played
-    and rewarded under), "sampling" (the engine's `sampling` config plus `chat_template_sha256`, the SHA-256 of the
-    template text the episodes were rendered with, with an engine),
+    and rewarded under), "sampling" (the engine's `sampling` config plus
+    `chat_template_sha256`, the SHA-256 of the template text the episodes were rendered with,
+    with an engine),
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
     summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
     Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside

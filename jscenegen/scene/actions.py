@@ -156,7 +156,8 @@ def _critic(obj: dict, grade_keys) -> ParsedAction:
         return _fail("critic", "schema_violation", f"grades must have exactly the keys {list(grade_keys)}")
     for k, v in grades.items():
         if not is_grade(v):
-            return _fail("critic", "schema_violation", f"grade {k!r} must be an integer {GRADE_MIN}..{GRADE_MAX}, got {v!r}")
+            return _fail("critic", "schema_violation",
+                         f"grade {k!r} must be an integer {GRADE_MIN}..{GRADE_MAX}, got {v!r}")
     return ParsedAction("critic", {"critique": obj["critique"], "grades": dict(grades)})
 
 

@@ -64,7 +64,8 @@ def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplat
     active = "; ".join(cap_text(c, metrics_cfg) for c in active_caps(req.metrics)
                        if c.grade in cfg.grade_keys) or "none"
     return [
-        {"role": "system", "content": templates.render("judge_system", grade_template=grade_template(cfg.grade_keys), caps=caps)},
+        {"role": "system", "content": templates.render(
+            "judge_system", grade_template=grade_template(cfg.grade_keys), caps=caps)},
         {
             "role": "user",
             "content": templates.render(
