@@ -35,7 +35,7 @@ from jscenegen.checkpoint.resume import (
     check_run_identity,
     has_run_identity,
 )
-from jscenegen.paths import finite_number, is_decimal, loads_json, not_a_file
+from jscenegen.paths import finite_number, is_decimal, not_a_file, read_json_object
 
 KINDS = ("model", "optim", "extra_state")
 MAX_RUN_STATE_BYTES = 1 << 20   # the trainer's train state is about 1 KB
@@ -276,14 +276,7 @@ def _check_json_size(f: Path, label: str, obj: Any) -> None:
 def _check_fsdp_config(f: Path, world_size: int) -> None:
     if not os.path.lexists(f):
         return  # checkpoints before VERL 0.4.1 lack it; the file names carry W
-    if why := not_a_file(f):
-        raise ConvertError(f"{f}: {why}")
-    try:
-        cfg = loads_json(f.read_bytes())
-    except ValueError as err:
-        raise ConvertError(f"{f}: not valid JSON: {err}") from None
-    if not isinstance(cfg, dict):
-        raise ConvertError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    cfg = read_json_object(f, ConvertError)
     if "world_size" not in cfg:
         raise ConvertError(f"{f}: no world_size key (the rank files say {world_size})")
     if type(cfg["world_size"]) is not int:
@@ -767,11 +760,8 @@ class VerlCheckpoint:
             raise ConvertError(f"{f}: not a regular file (the run's train state is a JSON file)")
         if f.stat().st_size > MAX_RUN_STATE_BYTES:
             raise ConvertError(f"{f}: {f.stat().st_size:,} bytes; a train state is about 1 KB")
-        try:
-            doc = loads_json(f.read_bytes())
-        except ValueError as err:
-            raise ConvertError(f"{f}: not valid JSON: {err}") from None
-        if not isinstance(doc, dict) or not has_run_identity(doc):
+        doc = read_json_object(f, ConvertError)
+        if not has_run_identity(doc):
             raise ConvertError(f"{f}: not a jscenegen train state (an object with keys "
                                f"{', '.join(RUN_IDENTITY_KEYS)})")
         try:

@@ -353,6 +353,22 @@ def loads_json(data: str | bytes) -> Any:
         raise
 
 
+def read_json_object(path: str | Path, error: type[Exception] = ValueError) -> dict:
+    """The JSON object the file at `path` holds, parsed by `loads_json` (a repeated key is
+    refused). Raises `error` naming `path` when it is not a regular file (`not_a_file`: a named
+    pipe would block the read), not valid JSON, or valid JSON that is not an object; OSError
+    (which names the file) when it cannot be read."""
+    if why := not_a_file(path):
+        raise error(f"{path}: {why}")
+    try:
+        doc = loads_json(Path(path).read_bytes())
+    except ValueError as err:
+        raise error(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     """`json.loads` object_pairs_hook refusing a key repeated within one object (JSON readers
     differ on which value wins; Python's keeps the last silently). Raises ValueError naming it."""

@@ -115,9 +115,9 @@ def test_an_entry_outside_the_directory_is_refused_before_any_file_is_read(tree,
         verify_checksums(tree)
 
 
-@pytest.mark.parametrize("text,message", [("[]", "training metadata must be a JSON object, got list"),
-                                          (b"\xff", "cannot read training metadata"),
-                                          ("[" * 100000, "cannot read training metadata")])
+@pytest.mark.parametrize("text,message", [("[]", "expected a JSON object, got list"),
+                                          (b"\xff", "not valid JSON: 'utf-8' codec"),
+                                          ("[" * 100000, "not valid JSON: nested too deeply")])
 def test_malformed_training_metadata_is_one_error_naming_the_file(tmp_path, text, message):
     from jscenegen.checkpoint.store import CheckpointError, read_metadata
 

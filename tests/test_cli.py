@@ -170,6 +170,13 @@ def test_mesh_report_names_a_bad_config_file_in_one_line(tmp_path, capsys, conte
     assert str(model / "config.json") in err and expected in err
 
 
+def test_mesh_report_refuses_a_named_pipe_as_its_config_file(tmp_path, capsys):
+    fifo = tmp_path / "cfg.json"
+    os.mkfifo(fifo)                          # reading it would wait for a writer forever
+    assert main(["mesh-report", "--model", str(fifo)]) == 2
+    assert f"{fifo}: is a named pipe" in one_error_line(capsys)
+
+
 def test_convert_names_a_config_json_that_is_a_list(tmp_path, capsys):
     src = tmp_path / "model"
     src.mkdir()

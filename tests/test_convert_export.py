@@ -260,4 +260,4 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_not_exported(exported, tm
     write_checksums(tokenizer.parent.parent)
     assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(
-        f"error: {tokenizer.parent / 'tokenizer_config.json'}: not JSON (")
+        f"error: {tokenizer.parent / 'tokenizer_config.json'}: not valid JSON: ")

@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from jscenegen.paths import atomic_dir, check_output_dir, check_output_file, require_new_dir, write_json
+from jscenegen.paths import (
+    atomic_dir,
+    check_output_dir,
+    check_output_file,
+    read_json_object,
+    require_new_dir,
+    write_json,
+)
 
 
 def _umask() -> int:
@@ -169,3 +176,31 @@ def test_a_full_disk_while_writing_names_the_file(tmp_path):
     assert error_line(info.value) == (f"no space left on device in {tmp_path} writing "
                                       f"{tmp_path / 'scene.json'}")
     assert list(tmp_path.iterdir()) == []
+
+
+class _Refused(Exception):
+    pass
+
+
+@pytest.mark.parametrize("content,why", [
+    ("[1]", "expected a JSON object, got list"), ('"x"', "expected a JSON object, got str"),
+    ("{bad", "not valid JSON: Expecting property name"), (b"\xff", "not valid JSON: 'utf-8' codec"),
+    ('{"a": 1, "a": 2}', "not valid JSON: the key 'a' appears twice in one object"),
+    ("[" * 100_000, "not valid JSON: nested too deeply")])
+def test_read_json_object_names_the_file_and_what_is_wrong(tmp_path, content, why):
+    f = tmp_path / "doc.json"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(_Refused, match=f"^{f}: {why}"):
+        read_json_object(f, _Refused)
+
+
+def test_read_json_object_reads_an_object_and_refuses_what_is_no_file(tmp_path):
+    f = tmp_path / "doc.json"
+    f.write_text('{"a": [1, 2]}')
+    assert read_json_object(f) == {"a": [1, 2]}
+    for path, why in ((tmp_path / "absent.json", "no such file"), (tmp_path, "is a directory")):
+        with pytest.raises(_Refused, match=f"^{path}: {why}$"):
+            read_json_object(path, _Refused)
+    os.mkfifo(tmp_path / "fifo")             # reading it would wait for a writer forever
+    with pytest.raises(ValueError, match="is a named pipe$"):
+        read_json_object(tmp_path / "fifo")

@@ -15,7 +15,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from jscenegen.paths import loads_json, not_a_file, write_json
+from jscenegen.paths import not_a_file, read_json_object, write_json
 
 CHECKSUMS_NAME = "checksums.json"
 
@@ -75,13 +75,7 @@ def read_checksums(root: str | Path) -> dict[str, dict]:
     path = Path(root) / CHECKSUMS_NAME
     if not os.path.lexists(path):
         raise ChecksumError(f"{path}: missing (no checksums were written, or the write was cut off)")
-    if why := not_a_file(path):
-        raise ChecksumError(f"{path}: {why}")
-    try:
-        data = loads_json(path.read_bytes())
-    except ValueError as err:
-        raise ChecksumError(f"{path}: not valid JSON: {err}") from None
-    files = data.get("files") if isinstance(data, dict) else None
+    files = read_json_object(path, ChecksumError).get("files")
     if not isinstance(files, dict):
         raise ChecksumError(f"{path}: expected an object with key 'files' mapping path -> entry")
     for rel, entry in files.items():

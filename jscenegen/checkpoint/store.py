@@ -65,7 +65,7 @@ from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.model.config import config_with_dtype
 from jscenegen.model.dtypes import majority_dtype
-from jscenegen.paths import DiskFullError, is_decimal, is_disk_full, loads_json, write_json
+from jscenegen.paths import DiskFullError, is_decimal, is_disk_full, loads_json, read_json_object, write_json
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
@@ -483,13 +483,9 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
     """`training_metadata.json` of a step directory. Raises CheckpointError if absent/invalid."""
     path = Path(step_dir) / METADATA_NAME
     try:
-        meta = loads_json(path.read_bytes())
-    except (OSError, ValueError) as err:
+        return read_json_object(path, CheckpointError)
+    except OSError as err:
         raise CheckpointError(f"{path}: cannot read training metadata: {err}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: training metadata must be a JSON object, got "
-                              f"{type(meta).__name__}")
-    return meta
 
 
 def read_train_state(step_dir: str | Path) -> dict[str, Any]:

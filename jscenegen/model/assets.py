@@ -47,12 +47,12 @@ MAX_TOKENIZER_FILE_BYTES = 1 << 28   # Qwen's tokenizer.json is ~11 MB
 
 def check_tokenizer_files(src: str | Path, error: type[Exception] = ValueError) -> None:
     """Raise `error` naming the file when `src`'s `tokenizer.json` is not one the tokenizers
-    library reads, or its `tokenizer_config.json` is not a JSON object (`paths.loads_json`), or
+    library reads, or its `tokenizer_config.json` is not a JSON object (`paths.read_json_object`), or
     either is beyond MAX_TOKENIZER_FILE_BYTES: a converted or exported model carries them as
     they are, and one whose tokenizer does not load is otherwise found only by its users."""
     import tokenizers
 
-    from jscenegen.paths import loads_json
+    from jscenegen.paths import read_json_object
 
     tokenizer, config = Path(src) / "tokenizer.json", Path(src) / "tokenizer_config.json"
     for path in (tokenizer, config):
@@ -67,12 +67,7 @@ def check_tokenizer_files(src: str | Path, error: type[Exception] = ValueError) 
             raise error(f"{tokenizer}: not a tokenizer that tokenizers "
                         f"{tokenizers.__version__} reads ({str(err)[:200]})") from None
     if config.is_file():
-        try:
-            data = loads_json(config.read_bytes())
-        except ValueError as err:
-            raise error(f"{config}: not JSON ({str(err)[:200]})") from None
-        if not isinstance(data, dict):
-            raise error(f"{config}: a JSON object is expected, not {type(data).__name__}")
+        read_json_object(config, error)
 
 
 def copy_non_weights(src: str | Path, dst: str | Path) -> list[Path]:

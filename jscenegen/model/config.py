@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jscenegen.model.dtypes import SAFETENSORS
-from jscenegen.paths import loads_json, not_a_file
+from jscenegen.paths import not_a_file, read_json_object
 
 DENSE_MODEL_TYPES = ("qwen2", "qwen3")
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -108,14 +108,12 @@ def config_with_dtype(doc: dict[str, Any], dtype: str) -> dict[str, Any]:
     return doc
 
 
-def read_config_file(f: str | Path) -> Any:
-    """The parsed JSON of config file `f`, for `QwenConfig.from_hf_dict` (which refuses
-    anything but an object). Raises ModelConfigError naming `f` when it is not valid JSON or
-    repeats a key within one object (OSError, which names the file, when it cannot be read)."""
-    try:
-        return loads_json(Path(f).read_bytes())
-    except ValueError as err:
-        raise ModelConfigError(f"{f}: not valid JSON: {err}") from None
+def read_config_file(f: str | Path) -> dict:
+    """The JSON object of config file `f`, for `QwenConfig.from_hf_dict`. Raises
+    ModelConfigError naming `f` when it is not a regular file, not valid JSON, repeats a key
+    within one object or is not an object (OSError, which names the file, when it cannot be
+    read)."""
+    return read_json_object(f, ModelConfigError)
 
 
 def _json_kind(value: Any) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
-from jscenegen.paths import loads_json, naming_write_errors, not_a_file
+from jscenegen.paths import loads_json, naming_write_errors, not_a_file, read_json_object
 from jscenegen.text import clip_text
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,7 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
                     "its shards are ignored; delete whichever is stale)", path, SINGLE_NAME,
                     INDEX_NAME, SINGLE_NAME)
     elif index.is_file():
-        try:
-            doc = loads_json(index.read_bytes())
-        except ValueError as err:
-            raise CheckpointFormatError(f"{index}: malformed index ({clip_text(str(err))})") from None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        weight_map = read_json_object(index, CheckpointFormatError).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointFormatError(
                 f"{index}: malformed index: it needs a 'weight_map' object (tensor name -> "
