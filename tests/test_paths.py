@@ -1,4 +1,4 @@
-"""The atomic writers of jscenegen/paths.py: permissions, replacement, failure."""
+"""jscenegen/paths.py: the atomic writers (permissions, replacement, failure) and the JSON-object reader."""
 import os
 import stat
 from pathlib import Path
