@@ -47,9 +47,25 @@ class DiskFullError(OSError):
 
 
 def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
+    """The nearest of `path` and its ancestors that exists (a name too long for the file
+    system is one that does not)."""
+    while path != path.parent:
+        try:
+            if path.exists():
+                break
+        except OSError as err:
+            if err.errno != errno.ENAMETOOLONG:
+                raise
         path = path.parent
     return path
+
+
+def _name_max(where: Path) -> int:
+    """The longest file name, in bytes, the file system of existing `where` allows."""
+    try:
+        return os.pathconf(where, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def is_disk_full(err: BaseException | None) -> bool:
@@ -134,8 +150,9 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     is caught too), or its name does not end in `suffix` (case ignored; for a writer whose
     format does not follow the name: a PNG named `.jpg` would be PNG bytes), or, for a writer
     of text (no `suffix`), it ends in `.png`, the pictures' name here (`scene furnish -o x.png`
-    would be JSON in a file named as the render), or the path is not UTF-8. Missing parents are
-    created by the writers."""
+    would be JSON in a file named as the render), or the path is not UTF-8, or it or a directory
+    still to be created above it is named longer than the file system allows. Missing parents
+    are created by the writers."""
     p = Path(path)
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
@@ -149,6 +166,7 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
                          "--render and --plot)")
     if str(path).endswith(os.sep):
         raise ValueError(f"{label} {path}: ends with {os.sep}, the name of a directory; give a file path")
+    _refuse_too_long_names(p, f"{label} {path}", ValueError, 0)
     if p.is_dir() and not p.is_symlink():
         raise ValueError(f"{label} {path}: is a directory; give a file path")
     refuse_non_regular(p, f"{label} {path}")
@@ -410,17 +428,37 @@ def refuse_non_utf8(path: str | Path, name: str, error: type[Exception] = ValueE
                     f"at {err.start}); give a UTF-8 name") from None
 
 
+def _refuse_too_long_names(p: Path, name: str, error: type[Exception], room: int) -> Path:
+    """Raise `error` naming `name` when a directory of path `p` still to be created is named
+    longer than the file system of its nearest existing ancestor allows, or `p`'s own name is
+    (after `room` bytes for a temporary named after it); return that ancestor."""
+    where = _existing(p.absolute())
+    name_max = _name_max(where)
+    for part in p.absolute().relative_to(where).parts[:-1]:
+        if len(os.fsencode(part)) > name_max:
+            raise error(f"{name}: the directory name {part[:40]}... is {len(os.fsencode(part))} "
+                        f"bytes, more than the file system allows ({name_max})")
+    length = len(os.fsencode(p.name))
+    if length + room > name_max:
+        extra = f"; the temporary written beside it adds {room}" if room else ""
+        raise error(f"{name}: the name is {length} bytes, at most {name_max - room} here (the "
+                    f"file system allows {name_max}{extra})")
+    return where
+
+
 def check_output_dir(path: str | Path, error: type[Exception] = ValueError, label: str = "") -> None:
     """Refuse, before any work, a directory `path` that cannot be written: an existing file, or
     (the directory itself when it exists, else its nearest existing ancestor) a place that is
     not a directory or not writable (tried with an empty temporary directory, removed at once,
     so root on a read-only or pseudo filesystem such as /proc is caught too), a name too
-    long to leave room for `atomic_dir`'s temporary beside it, or a path that is not UTF-8.
+    long to leave room for `atomic_dir`'s temporary beside it (or a directory still to be
+    created above it named longer than the file system allows), or a path that is not UTF-8.
     A dangling symbolic link is refused too (creating the directory would fail on it).
     Raises `error` naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
     refuse_non_utf8(path, name, error)
+    where = _refuse_too_long_names(p, name, error, TEMPORARY_NAME_EXTRA)
     if p.exists() and not p.is_dir():
         raise error(f"{name}: exists and is not a directory")
     if p.is_symlink() and not p.exists():
@@ -430,22 +468,12 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
         refuse_inside_checkpoint(p, name)
     except ValueError as err:
         raise error(str(err)) from None
-    where = _existing(p.absolute())
     if not where.is_dir():
         raise error(f"{name}: cannot create it, {where} is not a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".jscenegen-write-check-", dir=where))
     except OSError as err:
         raise error(f"{name}: cannot create a directory in {where} ({err.strerror or err})") from None
-    try:
-        name_max = os.pathconf(where, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        name_max = 255
-    length = len(os.fsencode(p.name))
-    if length + TEMPORARY_NAME_EXTRA > name_max:
-        raise error(f"{name}: the name is {length} bytes, at most {name_max - TEMPORARY_NAME_EXTRA} "
-                    f"here (the file system allows {name_max}; the temporary written beside it "
-                    f"adds {TEMPORARY_NAME_EXTRA})")
 
 
 def require_new_dir(path: str | Path, exists_error: type[Exception] = FileExistsError) -> None:

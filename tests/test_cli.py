@@ -465,7 +465,9 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")    # was "File exists" from mkdir
     for run_dir, expected in ((tmp_path / "afile", "exists and is not a directory"),
                               (tmp_path / "afile" / "run", "is not a directory"),
-                              (Path("/proc/self/nope"), "cannot create a directory in /proc/self")):
+                              (Path("/proc/self/nope"), "cannot create a directory in /proc/self"),
+                              # was "NAME/checkpoints: File name too long"
+                              (tmp_path / ("b" * 256), "the name is 256 bytes, at most 237 here")):
         assert main(["train", "--run-dir", str(run_dir)]) == 2
         err = one_error_line(capsys)
         assert err.startswith(f"error: --run-dir {run_dir}: ") and expected in err, err

@@ -204,3 +204,19 @@ def test_read_json_object_reads_an_object_and_refuses_what_is_no_file(tmp_path):
     os.mkfifo(tmp_path / "fifo")             # reading it would wait for a writer forever
     with pytest.raises(ValueError, match="is a named pipe$"):
         read_json_object(tmp_path / "fifo")
+
+
+def test_a_name_longer_than_the_file_system_allows_is_refused_as_such(tmp_path):
+    """An over-long component made `Path.exists` raise ENAMETOOLONG, reported against whatever
+    path was looked at first (`--run-dir NAME/checkpoints: File name too long`)."""
+    long = "b" * 256
+    with pytest.raises(ValueError, match=rf"^-o {tmp_path}/{long}: the name is 256 bytes, at most 255 here "
+                                         r"\(the file system allows 255\)$"):
+        check_output_file(tmp_path / long, "-o")
+    with pytest.raises(ValueError, match=r"^--run-dir .*: the name is 256 bytes, at most 237 here"):
+        check_output_dir(tmp_path / long, label="--run-dir")
+    for check in (lambda p: check_output_file(p, "-o"), check_output_dir):
+        with pytest.raises(ValueError, match=r": the directory name b{40}\.\.\. is 256 bytes, more than "
+                                             r"the file system allows \(255\)$"):
+            check(tmp_path / long / "x")
+    assert list(tmp_path.iterdir()) == []

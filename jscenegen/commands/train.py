@@ -42,6 +42,8 @@ def run(args) -> int:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         config_source = str(config_path)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    check_output_dir(run_dir, label="--run-dir")   # before any path below it (a name too long)
+    if not args.resume:
         check_checkpoints_dir(run_dir / RUN_CHECKPOINTS)
     cfg = load_run_config(config_path, args.overrides)
     settings_notice = None
@@ -61,7 +63,6 @@ def run(args) -> int:
     elif args.resume and args.overrides:
         settings_notice = _changed_settings(saved, cfg, only_saved_keys,
                                             "the restart" if afresh else "resume")
-    check_output_dir(run_dir, label="--run-dir")
     if not args.resume:
         _refuse_a_directory_of_other_files(run_dir)
     check_run_logs(run_dir)
