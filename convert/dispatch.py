@@ -139,18 +139,19 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     if carried_from is not None and not (src_format == "verl" and dst_format in ("hf", "orbax")):
         raise ConvertError("--carried-from completes a VERL source converted to hf or orbax "
                            f"(the tensors VERL files cannot hold); not {src_format} -> {dst_format}")
-    _check_source_tokenizer(src, src_format)
+    _check_source_assets(src, src_format)
     opts = dict(world_size=world_size, placement=placement, dtype=dtype, mesh_device=mesh_device,
                 carried_from=carried_from)
     return table[(src_format, dst_format)](src, dst, opts)
 
 
-def _check_source_tokenizer(src: str | Path, src_format: str) -> None:
+def _check_source_assets(src: str | Path, src_format: str) -> None:
     """Refuse, before anything is written, an HF or VERL source whose model files (the HF
-    directory, a VERL checkpoint's `huggingface/`) hold a tokenizer that does not load: every
+    directory, a VERL checkpoint's `huggingface/`) hold an asset that is no regular file, a
+    JSON file that is no object or a tokenizer that does not load (`check_asset_files`): every
     direction carries those files into its output as they are. (An orbax step's `hf/` is
     checked where the step is verified, `orbax_step_dir`.)"""
-    from jscenegen.model.assets import check_tokenizer_files
+    from jscenegen.model.assets import check_asset_files
 
     if src_format == "orbax":
         return
@@ -161,4 +162,4 @@ def _check_source_tokenizer(src: str | Path, src_format: str) -> None:
 
         model_files = find_verl(src).hf_dir
     if model_files is not None:
-        check_tokenizer_files(model_files, ConvertError)
+        check_asset_files(model_files, ConvertError)

@@ -101,11 +101,11 @@ def orbax_step_dir(path: str | Path) -> Path:
     newer step it skips and why.
 
     Raises ConvertError naming the directory when no complete step (checksums verified) exists,
-    and naming the file when the step's tokenizer does not load (`check_tokenizer_files`).
+    and naming the file when one of the step's model files is unusable (`check_asset_files`).
     """
     from jscenegen.checkpoint import RUN_CHECKPOINTS
     from jscenegen.checkpoint import store as ckpt
-    from jscenegen.model.assets import check_tokenizer_files
+    from jscenegen.model.assets import check_asset_files
 
     path = Path(path)
     require_source_dir(path)
@@ -125,7 +125,7 @@ def orbax_step_dir(path: str | Path) -> Path:
                           "complete one", ConversionWarning, stacklevel=2)
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
-    check_tokenizer_files(status.path / ckpt.HF_DIR, ConvertError)   # carried into every output
+    check_asset_files(status.path / ckpt.HF_DIR, ConvertError)   # carried into every output
     return status.path
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -226,3 +227,63 @@ def test_hf_and_verl_sources_with_a_tokenizer_that_does_not_load_are_refused_up_
         assert capsys.readouterr().err.splitlines()[-1].startswith(
             f"error: {tokenizer}: not a tokenizer that tokenizers ")
         assert not (tmp_path / f"out-{fmt}").exists()
+
+
+def _irregular(kind: str):
+    def make(f):
+        if kind == "named pipe":
+            os.mkfifo(f)
+        elif kind == "directory":
+            f.mkdir()
+        else:
+            f.symlink_to(f.parent / "gone")
+    return make
+
+
+@pytest.mark.parametrize("name,make,why", [
+    ("chat_template.jinja", _irregular("named pipe"), "is a named pipe; the model's chat_template.jinja "
+                                                      "must be a regular file (or absent)"),
+    ("chat_template.jinja", _irregular("directory"), "is a directory; the model's"),
+    ("generation_config.json", _irregular("broken link"), "is a broken symbolic link; the model's"),
+    ("generation_config.json", lambda f: f.write_text(""), "not valid JSON: Expecting value"),
+    ("preprocessor_config.json", lambda f: f.write_text("[1]"), "expected a JSON object, got list")])
+def test_a_model_file_that_would_be_dropped_or_carried_unreadable_is_refused(tmp_path, capsys, name, make, why):
+    """An asset that is not a regular file was left out of the output without a word (exit 0,
+    and the output's checksums then verified without it); an empty generation_config.json was
+    carried into an HF output transformers cannot load."""
+    from hf_fixtures import make_hf_dir
+
+    src = make_hf_dir(tmp_path / "hf", "qwen3")
+    (src / name).unlink(missing_ok=True)
+    make(src / name)
+    for to in ("orbax", "verl"):
+        assert main(["convert", str(src), str(tmp_path / to), "--from", "hf", "--to", to,
+                     "--world-size", "2"][:None if to == "verl" else -2]) == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {src / name}: {why}")
+        assert not (tmp_path / to).exists()
+
+
+def test_a_named_pipe_among_a_models_files_does_not_hold_a_tokenizer_load(tmp_path):
+    """transformers' tokenizer loader opened chat_template.jinja and waited for a writer."""
+    from jscenegen.model.tokenizer.chat import ChatTemplateError, ChatTokenizer
+
+    from hf_fixtures import make_hf_dir
+
+    src = make_hf_dir(tmp_path / "hf", "qwen3")
+    os.mkfifo(src / "chat_template.jinja")
+    with pytest.raises(ChatTemplateError, match=rf"^{src / 'chat_template.jinja'}: is a named pipe"):
+        ChatTokenizer.from_dir(src)
+
+
+def test_a_non_asset_entry_that_is_no_regular_file_is_named_not_copied(tmp_path, caplog):
+    from jscenegen.model.assets import copy_non_weights
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "LICENSE").write_text("terms")
+    os.mkfifo(src / "README.md")
+    (src / "sub").mkdir()
+    with caplog.at_level("WARNING"):
+        copied = copy_non_weights(src, tmp_path / "dst")
+    assert [p.name for p in copied] == ["LICENSE"] and sorted(os.listdir(tmp_path / "dst")) == ["LICENSE"]
+    assert [r.getMessage() for r in caplog.records] == [f"{src / 'README.md'}: is a named pipe; not copied"]

@@ -7,8 +7,12 @@ file (`is_weight_file`), so a README or licence travels too.
 """
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ASSET_FILES = (
     "config.json", "generation_config.json",
@@ -42,41 +46,67 @@ def copy_assets(src: str | Path, dst: str | Path, *, skip: tuple[str, ...] = ())
     return copied
 
 
-MAX_TOKENIZER_FILE_BYTES = 1 << 28   # Qwen's tokenizer.json is ~11 MB
+MAX_ASSET_FILE_BYTES = 1 << 28   # Qwen's tokenizer.json, the largest, is ~11 MB
+JSON_OBJECT_ASSETS = tuple(n for n in ASSET_FILES if n.endswith(".json") and n != "tokenizer.json")
 
 
-def check_tokenizer_files(src: str | Path, error: type[Exception] = ValueError) -> None:
-    """Raise `error` naming the file when `src`'s `tokenizer.json` is not one the tokenizers
-    library reads, or its `tokenizer_config.json` is not a JSON object (`paths.read_json_object`), or
-    either is beyond MAX_TOKENIZER_FILE_BYTES: a converted or exported model carries them as
-    they are, and one whose tokenizer does not load is otherwise found only by its users."""
+def refuse_irregular_assets(src: str | Path, error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming the file when one of `src`'s `ASSET_FILES` is there but is not a
+    regular file (a named pipe, a directory, a broken symbolic link): a copy would leave it
+    out without a word, and a reader (transformers' tokenizer loader) would wait on a pipe."""
+    from jscenegen.paths import not_a_file
+
+    for name in ASSET_FILES:
+        f = Path(src) / name
+        if os.path.lexists(f) and (why := not_a_file(f)):
+            raise error(f"{f}: {why}; the model's {name} must be a regular file (or absent)")
+
+
+def check_asset_files(src: str | Path, error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming the file when one of `src`'s `ASSET_FILES` is not a regular file
+    (`refuse_irregular_assets`) or is beyond MAX_ASSET_FILE_BYTES, when one of its JSON files
+    (`JSON_OBJECT_ASSETS`: generation config, tokenizer config, processor configs, ...) is not
+    a JSON object (`paths.read_json_object`), or when `tokenizer.json` is not one the
+    tokenizers library reads: a converted or exported model carries them as they are, and one
+    that does not load is otherwise found only by its users (transformers' `from_pretrained`)."""
     import tokenizers
 
     from jscenegen.paths import read_json_object
 
-    tokenizer, config = Path(src) / "tokenizer.json", Path(src) / "tokenizer_config.json"
-    for path in (tokenizer, config):
-        if path.is_file() and path.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
-            raise error(f"{path}: {path.stat().st_size:,} bytes, more than a tokenizer file "
-                        f"holds (at most {MAX_TOKENIZER_FILE_BYTES:,}: "
-                        "jscenegen.model.assets.MAX_TOKENIZER_FILE_BYTES)")
+    refuse_irregular_assets(src, error)
+    present = [f for f in (Path(src) / name for name in ASSET_FILES) if f.is_file()]
+    for path in present:
+        if path.stat().st_size > MAX_ASSET_FILE_BYTES:
+            raise error(f"{path}: {path.stat().st_size:,} bytes, more than a model's "
+                        f"{path.name} holds (at most {MAX_ASSET_FILE_BYTES:,}: "
+                        "jscenegen.model.assets.MAX_ASSET_FILE_BYTES)")
+    for path in present:
+        if path.name in JSON_OBJECT_ASSETS:
+            read_json_object(path, error)
+    tokenizer = Path(src) / "tokenizer.json"
     if tokenizer.is_file():
         try:
             tokenizers.Tokenizer.from_file(str(tokenizer))
         except Exception as err:   # the library raises its own Exception subclass
             raise error(f"{tokenizer}: not a tokenizer that tokenizers "
                         f"{tokenizers.__version__} reads ({str(err)[:200]})") from None
-    if config.is_file():
-        read_json_object(config, error)
 
 
 def copy_non_weights(src: str | Path, dst: str | Path) -> list[Path]:
-    """Copy every regular file of `src` that is not a weight file into `dst`; returns the sources."""
+    """Copy every regular file of `src` that is not a weight file into `dst`; returns the sources.
+    Subdirectories are not copied; any other entry that is not a regular file (a named pipe,
+    a broken link) is named in a warning."""
+    from jscenegen.paths import not_a_file
+
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for p in sorted(Path(src).iterdir()):
-        if p.is_file() and not is_weight_file(p.name):
-            shutil.copy2(p, dst / p.name)
-            copied.append(p)
+        if is_weight_file(p.name) or p.is_dir():
+            continue
+        if why := not_a_file(p):
+            log.warning("%s: %s; not copied", p, why)
+            continue
+        shutil.copy2(p, dst / p.name)
+        copied.append(p)
     return copied

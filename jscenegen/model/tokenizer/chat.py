@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from jscenegen.model.assets import TOKENIZER_FILES
+from jscenegen.model.assets import TOKENIZER_FILES, refuse_irregular_assets
 from jscenegen.paths import loads_json, not_a_file
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,8 @@ class ChatTokenizer:
             raise ChatTemplateError(f"{option} {chat_template_path}: the file is empty "
                                     "(a jinja chat template, e.g. jscenegen/model/tokenizer/"
                                     "templates/chatml.jinja)")
+        if Path(path).is_dir():   # transformers' loader would wait on a named pipe
+            refuse_irregular_assets(path, ChatTemplateError)
         if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
             raise ChatTemplateError(f"{path}: no tokenizer file ({', '.join(TOKENIZER_FILES)}); "
                                     "copy the model's tokenizer files into it")
