@@ -177,10 +177,12 @@ def _parse_value(text: str, item: str) -> Any:
 
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
-    """Return a copy of `data` with each `a.b.c=value` override set (value parsed as YAML).
+    """Return a copy of `data` with each `a.b.c=value` override set (value parsed as YAML); a
+    mapping value sets its keys one by one (`schedule={group_size: 8}` is
+    `schedule.group_size=8`: the section's other keys keep their values, as Hydra merges).
 
-    Raises ConfigError for an override without `=`, a key given twice, or one that descends
-    into a non-mapping.
+    Raises ConfigError for an override without `=`, a key given twice (a mapping's keys
+    included), or one that descends into a non-mapping.
     """
     import copy
 
@@ -189,16 +191,19 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {clip_text(repr(item))} is not of the form key.sub=value")
-        key, value = override_key(item), item.split("=", 1)[1]
-        if key in given:
-            raise ConfigError(f"override {clip_text(item)}: {clip_text(key)} is already set by "
-                              f"override {clip_text(given[key])}; give each key once")
-        given[key] = item
-        section = set_dotted(out, key, _parse_value(value, item))
-        if section is not None:
-            setter = f" set by override {clip_text(given[section])}" if section in given else ""
-            raise ConfigError(f"override {clip_text(repr(key))}: {clip_text(section)} is a "
-                              f"value{setter}, not a section")
+        key, parsed = override_key(item), _parse_value(item.split("=", 1)[1], item)
+        leaves = dotted_items(parsed, f"{key}.") if isinstance(parsed, dict) else {key: parsed}
+        for leaf, value in leaves.items():
+            if leaf in given:
+                raise ConfigError(f"override {clip_text(item)}: {clip_text(leaf)} is already set "
+                                  f"by override {clip_text(given[leaf])}; give each key once")
+            given[leaf] = item
+            section = set_dotted(out, leaf, value)
+            if section is not None:
+                setter = (f"set by override {clip_text(given[section])}" if section in given
+                          else "in the config file")
+                raise ConfigError(f"override {clip_text(repr(leaf))}: {clip_text(section)} is a "
+                                  f"value {setter}, not a section")
     return out
 
 

@@ -214,6 +214,34 @@ def test_an_override_given_twice_is_refused_and_a_long_bad_value_is_cut(tmp_path
     assert len(msg) < 600 and "... (" in msg and "characters)" in msg, msg
 
 
+def test_a_mapping_override_sets_its_keys_and_keeps_the_sections_others(tmp_path):
+    """`schedule={group_size: 8}` replaced the whole section: the file's other schedule keys
+    went back to their defaults without a word, and a key also given alone was dropped or kept
+    by the overrides' order."""
+    f = tmp_path / "c.yaml"
+    f.write_text("schedule:\n  total_updates: 1\n  max_redraws: 1\n")
+    cfg = load_config(f, ["schedule={group_size: 4}", "sampling={}"], RunConfig)
+    assert (cfg.schedule.group_size, cfg.schedule.total_updates, cfg.schedule.max_redraws) == (4, 1, 1)
+    assert cfg.sampling == RunConfig().sampling
+    cfg = load_config(f, ["schedule.total_updates=5", "schedule={group_size: 4}"], RunConfig)
+    assert (cfg.schedule.group_size, cfg.schedule.total_updates) == (4, 5)
+    for overrides in (["schedule.total_updates=5", "schedule={total_updates: 3}"],
+                      ["schedule={total_updates: 3}", "schedule.total_updates=5"]):
+        with pytest.raises(ConfigError, match=rf"^override {re.escape(overrides[1])}: schedule.total_updates "
+                                              rf"is already set by override {re.escape(overrides[0])}; give each key once$"):
+            load_config(f, overrides, RunConfig)
+    with pytest.raises(ConfigError, match=r"^override schedule=\{group_size: 0\}: schedule.group_size: Input should be greater"):
+        load_config(f, ["schedule={group_size: 0}"], RunConfig)
+
+
+def test_an_override_under_a_value_of_the_file_blames_the_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("schedule: !!set {a, b}\n")
+    with pytest.raises(ConfigError, match=r"^override 'schedule.total_updates': schedule is a value in the "
+                                          r"config file, not a section$"):
+        load_config(f, ["schedule.total_updates=1"], RunConfig)
+
+
 @pytest.mark.parametrize("text,expected", [
     ("schedule:\n  roles: &a [*a]\n", "an alias refers to a value that contains it"),
     ("schedule: &s\n  seed: 1\n  <<: *s\n", "an alias refers to a value that contains it"),
