@@ -155,6 +155,7 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.grpo.train.metrics import check_swanlab_mode
     from jscenegen.grpo.train.trainer import train_scenes
     from jscenegen.paths import resolve_data_path
+    from jscenegen.run_config import warn_inert_settings
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.prompts import load_templates
@@ -165,6 +166,7 @@ def check_run_inputs(cfg) -> None:
     every, total = cfg.trainer.eval_every, cfg.schedule.total_updates
     if is_primary():   # the process that logs to swanlab and warns
         check_swanlab_mode(cfg.logging)
+        warn_inert_settings(cfg)
         if every > total:
             log.warning("trainer.eval_every=%d is more than schedule.total_updates=%d: no "
                         "evaluation during training", every, total)

@@ -6,6 +6,7 @@ YAML keys mirror these sections one to one (docs/config.md lists every key, gene
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -87,6 +88,39 @@ class RunConfig(Section):
 
 
 DEFAULT_CONFIG = "configs/cpu-default.yaml"
+
+_HTTP_JUDGE_KEYS = ("base_url", "model", "api_key_env", "timeout_s", "max_retries", "backoff_s",
+                    "concurrency", "temperature", "max_tokens", "enforce_caps")
+# keys that act only under another setting: (section, keys, whether they act, that setting)
+_CONDITIONAL_KEYS = (
+    ("judge", _HTTP_JUDGE_KEYS, lambda c: c.judge.backend == "http", "judge.backend: http"),
+    ("loss", ("horizon",), lambda c: c.loss.loss_agg_mode == "seq-mean-token-sum-norm",
+     "loss.loss_agg_mode: seq-mean-token-sum-norm"),
+    ("loss", ("kl_coef", "kl_loss_type"), lambda c: c.loss.use_kl_loss, "loss.use_kl_loss: true"),
+    ("model", ("remat_policy",), lambda c: c.model.remat, "model.remat: true"),
+)
+
+
+def warn_inert_settings(cfg: RunConfig) -> None:
+    """A `warning:` line for each of `inert_settings(cfg)`."""
+    for line in inert_settings(cfg):
+        logging.getLogger(__name__).warning("%s", line)
+
+
+def inert_settings(cfg: RunConfig) -> list[str]:
+    """One sentence per group of keys set away from their defaults that act only under a
+    setting `cfg` does not have (`judge.base_url` with the rule judge: a forgotten
+    `judge.backend: http` would otherwise grade with the rule judge without a word)."""
+    lines = []
+    for section, keys, acts, setting in _CONDITIONAL_KEYS:
+        if acts(cfg):
+            continue
+        values, defaults = getattr(cfg, section), type(getattr(cfg, section))()
+        changed = [f"{section}.{k}" for k in keys if getattr(values, k) != getattr(defaults, k)]
+        if changed:
+            lines.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no "
+                         f"effect without {setting}")
+    return lines
 
 
 def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),

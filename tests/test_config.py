@@ -341,3 +341,26 @@ def test_printed_text_escapes_controls_and_bidirectional_overrides():
     assert terminal_line("a\nb") == "a\\nb"
     assert terminal_text("Japandi für zwei ü \U0001F468\u200d\U0001F469") == \
         "Japandi für zwei ü \U0001F468\u200d\U0001F469"
+
+
+def test_keys_set_where_they_have_no_effect_are_named(caplog):
+    """`judge.base_url` and `judge.model` without `judge.backend: http` graded with the rule
+    judge without a word (a forgotten backend line); the shipped configs set none such."""
+    from jscenegen.run_config import inert_settings, load_run_config, warn_inert_settings
+
+    for shipped in (None, "configs/cpu-qwen35.yaml", "configs/grpo100.yaml"):
+        assert inert_settings(load_run_config(shipped)) == []
+    cfg = load_run_config(None, ["judge.base_url=http://x/v1", "judge.model=m", "judge.timeout_s=120",
+                                 "loss.horizon=5", "loss.kl_coef=0.1", "model.remat=false",
+                                 "model.remat_policy=minimal"])
+    assert inert_settings(cfg) == [
+        "judge.base_url, judge.model have no effect without judge.backend: http",
+        "loss.horizon has no effect without loss.loss_agg_mode: seq-mean-token-sum-norm",
+        "loss.kl_coef has no effect without loss.use_kl_loss: true",
+        "model.remat_policy has no effect without model.remat: true"]   # timeout_s: its default
+    assert inert_settings(load_run_config(None, ["judge.backend=http", "judge.base_url=http://x/v1",
+                                                 "judge.model=m", "loss.use_kl_loss=true",
+                                                 "loss.kl_coef=0.1"])) == []
+    with caplog.at_level("WARNING"):
+        warn_inert_settings(cfg)
+    assert [r.getMessage() for r in caplog.records] == inert_settings(cfg)

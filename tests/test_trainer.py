@@ -907,6 +907,9 @@ def test_an_evaluation_interval_beyond_the_schedule_is_warned_about(caplog):
     with caplog.at_level("WARNING"):
         check_run_inputs(_cfg(**{"trainer.eval_every": 3}))
     assert "eval_every" not in caplog.text
+    with caplog.at_level("WARNING"):
+        check_run_inputs(_cfg(**{"judge.model": "judge-27b"}))
+    assert "judge.model has no effect without judge.backend: http" in caplog.text
 
 
 def test_swanlab_local_mode_without_its_dashboard_is_refused_before_the_model(tmp_path, monkeypatch):

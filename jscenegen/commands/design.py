@@ -83,11 +83,12 @@ def _print_turn(message: dict) -> None:
 
 def run(args) -> int:
     from jscenegen.paths import check_output_file, refuse_overwriting_input
-    from jscenegen.run_config import config_inputs, load_run_config
+    from jscenegen.run_config import config_inputs, load_run_config, warn_inert_settings
     from jscenegen.sharding.mesh import refuse_multi_host
 
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     refuse_multi_host("design", cfg.mesh)
+    warn_inert_settings(cfg)
     check_output_file(args.out, "-o")
     inputs = {"--model": args.model, "--room": args.room, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "-o", inputs)

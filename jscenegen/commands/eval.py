@@ -57,7 +57,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
 def run(args) -> int:
     from jscenegen.eval.evaluate import check_samples, check_scenes_fit, evaluate, policy_chat, policy_engine
     from jscenegen.paths import check_output_file, refuse_overwriting_input
-    from jscenegen.run_config import config_inputs, load_run_config, scene_set_path
+    from jscenegen.run_config import config_inputs, load_run_config, scene_set_path, warn_inert_settings
     from jscenegen.scene.sceneset import require_scene_set_file
     from jscenegen.sharding.mesh import refuse_multi_host
 
@@ -70,6 +70,7 @@ def run(args) -> int:
     args.scenes = args.scenes or "dev"
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     refuse_multi_host("eval", cfg.mesh)
+    warn_inert_settings(cfg)
     try:
         scenes = scene_set_path(args.scenes, cfg)
     except FileNotFoundError as err:
