@@ -36,36 +36,49 @@ def is_seed(value) -> bool:
     return type(value) is int and 0 <= value <= SEED_MAX
 
 
-def _numbers_within(annotation) -> bool:
-    """Whether a field annotated `annotation` holds numbers: an int or float, optionally None,
-    or a tuple/list of them."""
-    if annotation in (int, float):
-        return True
+def _leaf_types(annotation) -> set:
+    """The types a field annotated `annotation` holds, through Optional, unions, tuples and
+    lists (`tuple[float, float] | None` -> {float})."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType, tuple, list):
-        return any(_numbers_within(a) for a in typing.get_args(annotation)
-                   if a is not type(None) and a is not Ellipsis)
-    return False
+        return set().union(*(_leaf_types(a) for a in typing.get_args(annotation)
+                             if a is not type(None) and a is not Ellipsis))
+    return {annotation}
 
 
-def _has_bool(value) -> bool:
+def _values(value) -> list:
+    """`value`'s items, a list's or tuple's one by one (nested), else `value` alone."""
     if isinstance(value, (list, tuple)):
-        return any(_has_bool(v) for v in value)
-    return isinstance(value, bool)
+        return [v for item in value for v in _values(item)]
+    return [value]
 
 
-def bool_for_number(annotation, value) -> bool:
-    """Whether `value` puts a boolean where a field annotated `annotation` holds numbers (alone
-    or in a list): pydantic would read `true` as 1 and `[false, 0.999]` as [0.0, 0.999]."""
-    return _numbers_within(annotation) and _has_bool(value)
+def wrong_scalar_type(annotation, value) -> str | None:
+    """Why `value` does not fit a field annotated `annotation` although pydantic's lax mode
+    would convert it, else None: a boolean or a string where numbers belong (`true` read as 1,
+    `"90"` as 90), a float where integers belong (`2.0` as 2), anything but true/false where a
+    boolean belongs (`0` as false, `"yes"` as true)."""
+    leaves, items = _leaf_types(annotation), [v for v in _values(value) if v is not None]
+    if leaves & {int, float}:
+        if any(isinstance(v, bool) for v in items):
+            return "expected a number, not a boolean"
+        if any(isinstance(v, str) for v in items):
+            return "expected a number, not a string"
+    if leaves == {int} and (bad := next((v for v in items if isinstance(v, float)), None)) is not None:
+        return f"expected an integer, not {bad!r}"
+    if leaves == {bool} and (bad := next((v for v in items if not isinstance(v, bool)), None)) is not None:
+        return f"expected true or false, not {shown_value(bad)}"
+    return None
 
 
 class PlainModel(BaseModel):
     """Base of every validated document (config sections, scene files): unknown keys are
-    errors, values are immutable, floats finite (inf and nan are refused with the key named), a
-    number is never a boolean, alone or in a list (pydantic would read `fsdp: true` as 1,
-    `betas: [false, 0.999]` as 0.0 and `"yaw": true` as 1 degree), and every string is Unicode
-    text (no lone surrogate, which no tokenizer or file encodes)."""
+    errors, values are immutable, floats finite (inf and nan are refused with the key named),
+    and a value has the type its field declares, alone or in a list, never one pydantic's lax
+    mode converts (`wrong_scalar_type`: `fsdp: true` read as 1, `betas: [false, 0.999]` as 0.0,
+    `"yaw": "90"` as 90 degrees, `total_updates: 2.0` as 2, `remat: 0` as false); every
+    string is Unicode text (no lone surrogate, which no tokenizer or file encodes). YAML reads
+    `1e-6` as a number here (`_UniqueKeyLoader`; YAML 1.1 read it as a string)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -73,34 +86,10 @@ class PlainModel(BaseModel):
     @classmethod
     def _plain_values(cls, value, info):
         field = cls.model_fields.get(info.field_name)
-        if field is not None and bool_for_number(field.annotation, value):
-            raise ValueError("expected a number, not a boolean")
+        if field is not None and (why := wrong_scalar_type(field.annotation, value)):
+            raise ValueError(why)
         if isinstance(value, str) and (why := not_unicode(value)):
             raise ValueError(why)
-        return value
-
-
-def _has_str(value) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(_has_str(v) for v in value)
-    return isinstance(value, str)
-
-
-class JsonDocument(PlainModel):
-    """Base of documents read from JSON (scene files): `PlainModel`'s rules, a number is a
-    JSON number, never a string (pydantic would read `"yaw": "90"` as 90 degrees; YAML configs
-    keep that leniency, as YAML 1.1 reads `1e-6` as a string), and an integer field (an edge
-    index, a unit count) takes an integer literal, not `0.0` (pydantic reads a whole float as
-    its integer)."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _json_numbers(cls, value, info):
-        field = cls.model_fields.get(info.field_name)
-        if field is not None and _numbers_within(field.annotation) and _has_str(value):
-            raise ValueError("expected a number, not a string")
-        if field is not None and field.annotation is int and isinstance(value, float):
-            raise ValueError(f"expected an integer, not {value!r}")
         return value
 
 
@@ -320,8 +309,10 @@ def validate_config(data: dict, source: str, model: type[BaseModel],
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last);
-    merge keys (`<<: *defaults`) merge as YAML says, the mapping's own keys winning. (libyaml's
-    CSafeLoader parses ~10x faster but overflows the C stack on deeply nested input.)"""
+    merge keys (`<<: *defaults`) merge as YAML says, the mapping's own keys winning; a number
+    written with an exponent and no point (`1e-6`) is a float, as YAML 1.2 and JSON read it
+    (YAML 1.1, PyYAML's, reads a string). (libyaml's CSafeLoader parses ~10x faster but
+    overflows the C stack on deeply nested input.)"""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -341,6 +332,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                       re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                                       list("-+0123456789"))
 
 MAX_YAML_NODES = 1_000_000   # values after aliases are expanded: far above any config
 MAX_CONFIG_BYTES = 2**20  # the shipped configs are ~2-5 KB; PyYAML's pure-Python loader takes

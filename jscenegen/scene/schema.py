@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jscenegen.config import JsonDocument, validation_message
+from jscenegen.config import PlainModel, validation_message
 from jscenegen.paths import loads_json, not_a_file
 
 SCHEMA_VERSION = "scenegen.scene/1"
@@ -41,7 +41,7 @@ class SceneError(ValueError):
     """A scene (file or JSON) that does not satisfy the schema; the message names the field."""
 
 
-class Door(JsonDocument):
+class Door(PlainModel):
     """A door on edge `wall` (vertex wall -> wall+1), centred `offset` metres along that edge."""
 
     wall: int = Field(ge=0)
@@ -56,7 +56,7 @@ class Window(Door):
     sill: float = Field(ge=0)
 
 
-class Room(JsonDocument):
+class Room(PlainModel):
     """Room shell: counter-clockwise simple floor polygon [[x, y], ...] (metres), walls, openings.
 
     At least one door (reachability starts at the doors); at most MAX_FLOOR_VERTICES vertices and
@@ -135,7 +135,7 @@ def ceiling_elevation(wall_height: float, height: float) -> float:
     return wall_height - height
 
 
-class SceneObject(JsonDocument):
+class SceneObject(PlainModel):
     """One object: footprint centre `position` [x, y], `size` [width, depth, height], `yaw`
     degrees, `elevation` of its bottom above the floor (>= 0), `parent` only for mount 'on'."""
 
@@ -182,7 +182,7 @@ class SceneObject(JsonDocument):
         return self
 
 
-class Budget(JsonDocument):
+class Budget(PlainModel):
     """Unit budget of an episode: total units and units charged so far (never more than the
     total: an operation that would go over it is refused, not charged)."""
 
@@ -196,7 +196,7 @@ class Budget(JsonDocument):
         return self
 
 
-class Scene(JsonDocument):
+class Scene(PlainModel):
     """A scene: room, prompt, objects and budget, schema `scenegen.scene/1`."""
 
     schema_: Literal["scenegen.scene/1"] = Field(SCHEMA_VERSION, alias="schema")
@@ -206,7 +206,7 @@ class Scene(JsonDocument):
     objects: tuple[SceneObject, ...] = Field((), max_length=MAX_SCENE_OBJECTS)
     budget: Budget = Budget()
 
-    model_config = ConfigDict(**JsonDocument.model_config, populate_by_name=True)
+    model_config = ConfigDict(**PlainModel.model_config, populate_by_name=True)
 
     @model_validator(mode="after")
     def _ids(self) -> "Scene":
