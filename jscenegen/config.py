@@ -8,6 +8,7 @@ base. Unknown keys and bad values raise `ConfigError` naming the dotted key.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import types
@@ -265,6 +266,18 @@ def override_key(item: str) -> str:
 MAX_ERROR_LINES = 20
 
 
+def _yaml_kind(value: Any) -> str | None:
+    """What YAML made of unquoted text that is not a string ("a number", "a boolean", "a date"),
+    else None."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        return "a date"
+    return None
+
+
 def _format_errors(err: ValidationError, source: str, overrides: list[str] = ()) -> str:
     """One line per error (the first MAX_ERROR_LINES, then how many more), each naming the
     file or override that set the value."""
@@ -281,10 +294,10 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
             shown = "" if isinstance(got, dict) else f" (got {shown_value(got)})"
             if got is None and where.startswith("override ") and where.rstrip().endswith("="):
                 shown = " (got no value: `key=` reads as null)"
-            if e["type"] == "string_type" and isinstance(got, (int, float)) and not isinstance(got, bool):
-                # YAML read the text as a number (and may have rewritten it: 007 is 7, 1.10 is 1.1)
+            if e["type"] == "string_type" and (kind := _yaml_kind(got)):
+                # YAML read the text as another type (and may have rewritten it: 007 is 7, 1.10 is 1.1)
                 example = f"'{key}=\"...\"'" if where.startswith("override ") else f'{key.split(".")[-1]}: "..."'
-                shown += f"; YAML read a number there: quote the text to keep it as typed, {example}"
+                shown += f"; YAML read {kind} there: quote the text to keep it as typed, {example}"
             if isinstance(got, dict):   # a section-level check: it names the keys it read
                 nulls = [o for o in overrides if o.endswith("=") and _names_key(message, override_key(o))]
                 null_note = f" (`{nulls[0]}` reads as null)" if nulls else ""

@@ -104,8 +104,10 @@ def test_a_number_given_for_a_text_field_says_to_quote_it(tmp_path):
     with pytest.raises(ConfigError, match=r"\(got 1.1\); YAML read a number there: quote the text "
                                           r"to keep it as typed, experiment: \"...\"$"):
         load_config(f, [], RunConfig)
-    with pytest.raises(ConfigError, match=r"Input should be a valid string \(got true\)$"):
-        load_config(None, ["logging.experiment=true"], RunConfig)   # a boolean: no number hint
+    for text, kind in (("yes", "a boolean"), ("2024-01-01", "a date")):   # YAML 1.1's readings
+        with pytest.raises(ConfigError, match=rf"; YAML read {kind} there: quote the text to keep it as "
+                                              r"typed, 'logging.experiment=\"...\"'$"):
+            load_config(None, [f"logging.experiment={text}"], RunConfig)
 
 
 def test_swanlab_names_are_checked_with_the_config():
