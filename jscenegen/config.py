@@ -39,8 +39,10 @@ def is_seed(value) -> bool:
 
 def _leaf_types(annotation) -> set:
     """The types a field annotated `annotation` holds, through Optional, unions, tuples and
-    lists (`tuple[float, float] | None` -> {float})."""
+    lists (`tuple[float, float] | None` -> {float}) and `Annotated` constraints."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _leaf_types(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType, tuple, list):
         return set().union(*(_leaf_types(a) for a in typing.get_args(annotation)
                              if a is not type(None) and a is not Ellipsis))
