@@ -9,6 +9,7 @@ from typing import Any, Callable
 from convert.errors import ConvertError
 
 FORMATS = ("hf", "orbax", "verl")
+MESH_DEVICES = ("cuda", "cpu")   # the DeviceMesh device types a VERL output can record
 
 
 def _directions() -> dict[tuple[str, str], Callable[..., Any]]:
@@ -94,8 +95,8 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     0.6 - 0.8). dtype: None keeps the source's (fp32 master weights), else "float32" |
     "bfloat16" for the model weights.
     mesh_device (VERL outputs only): the DeviceMesh device type pickled into VERL files:
-    "cuda" (the default) for a GPU run, "cpu" for a CPU (gloo) run; torch refuses to copy
-    between meshes of different types.
+    "cuda" for a GPU run, "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of
+    different types. Default: a VERL source's own, else "cuda".
     carried_from: an HF directory holding the tensors VERL files cannot (Qwen3.5's `mtp.*`),
     for a VERL source converted to HF or orbax (convert/carried.py); refused elsewhere.
     An HF or VERL source covered by a `checksums.json` is verified first (`verify_source`).
@@ -125,13 +126,16 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
         if value is not None and dst_format != "verl":
             raise ConvertError(f"{flag} shapes the rank files of a VERL output; --to {dst_format} "
                                "writes none (leave it out)")
-    placement, mesh_device = placement or "dim0", mesh_device or "cuda"
-    if dst_format == "verl" and world_size is None:
-        if src_format != "verl":
-            raise ConvertError("--world-size is required to write VERL rank files")
-        from convert.verl_read import find_verl
+    if dst_format == "verl" and world_size is None and src_format != "verl":
+        raise ConvertError("--world-size is required to write VERL rank files")
+    if dst_format == "verl" and src_format == "verl" and None in (world_size, mesh_device):
+        from convert.verl_read import find_verl, source_mesh_device
 
-        world_size = find_verl(src).world_size
+        layout = find_verl(src)
+        world_size = world_size or layout.world_size
+        if mesh_device is None and (device := source_mesh_device(layout)) in MESH_DEVICES:
+            mesh_device = device
+    placement, mesh_device = placement or "dim0", mesh_device or "cuda"
     if dst_format == "verl":
         from convert.verl_write import check_world_size
 

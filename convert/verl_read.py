@@ -19,7 +19,7 @@ import re
 import warnings
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from jscenegen.checkpoint.resume import (
     has_run_identity,
 )
 from jscenegen.paths import finite_number, is_decimal, not_a_file, read_json_object
+from jscenegen.text import clip_text
 
 KINDS = ("model", "optim", "extra_state")
 MAX_RUN_STATE_BYTES = 1 << 20   # the trainer's train state is about 1 KB
@@ -273,6 +274,32 @@ def _check_json_size(f: Path, label: str, obj: Any) -> None:
             stack.extend((v, level + 1) for v in node)
 
 
+def _impossible_moment(moment: str) -> Callable[[np.ndarray], str | None]:
+    """The check of one AdamW moment's values: finite, and exp_avg_sq (a mean of squares)
+    never negative; a first update would make NaN of either."""
+    def check(a: np.ndarray) -> str | None:
+        if not np.isfinite(a).all():
+            return f"holds a non-finite value ({a[~np.isfinite(a)].flat[0]})"
+        if moment == "exp_avg_sq" and not (a >= 0).all():
+            return f"holds a negative value ({a[a < 0].flat[0]}); a mean of squares is >= 0"
+        return None
+    return check
+
+
+def _group_difference(groups: list[dict], reference: list[dict]) -> str | None:
+    """Where optimizer `param_groups` differ from `reference` ("param_groups[0].lr (0.5 vs
+    0.001)"), or None when equal (compared as printed: a NaN equals a NaN; a non-finite
+    setting is refused where the settings are recorded)."""
+    if len(groups) != len(reference):
+        return f"param_groups ({len(groups)} groups vs {len(reference)})"
+    for g, (mine, theirs) in enumerate(zip(groups, reference)):
+        for key in sorted(set(mine) | set(theirs)):
+            if repr(mine.get(key)) != repr(theirs.get(key)):
+                return (f"param_groups[{g}].{key} ({clip_text(repr(mine.get(key)), 60)} vs "
+                        f"{clip_text(repr(theirs.get(key)), 60)})")
+    return None
+
+
 def _check_fsdp_config(f: Path, world_size: int) -> None:
     if not os.path.lexists(f):
         return  # checkpoints before VERL 0.4.1 lack it; the file names carry W
@@ -309,6 +336,15 @@ def mesh_info(mesh: Any) -> dict[str, Any]:
     coord = d.get("_coordinate_on_dim")
     return {"dim_names": tuple(names) if names else None, "sizes": sizes, "device_type": device_type,
             "rank": d.get("_rank"), "coordinate": tuple(int(c) for c in coord) if coord else None}
+
+
+def source_mesh_device(layout: VerlLayout) -> str | None:
+    """The device type of the DeviceMesh its rank 0 model file records ("cuda", "cpu"), None
+    when that file holds plain tensors or none."""
+    sd = load_pt(layout.rank_file("model", 0))
+    first = next(iter(sd.values()), None) if isinstance(sd, dict) else None
+    mesh = getattr(first, "device_mesh", None)
+    return None if mesh is None else mesh_info(mesh)["device_type"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,12 +458,18 @@ class VerlCheckpoint:
                 self._shard_dim(self.layout.rank_file("optim", r), key, t, rank=r)
 
     # ---- reassembly --------------------------------------------------------------------
-    def _gather(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...]) -> np.ndarray:
-        """Reassemble one tensor from its per-rank entries (DTensor or plain tensor)."""
+    def _gather(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...],
+                check: Callable[[np.ndarray], str | None] | None = None) -> np.ndarray:
+        """Reassemble one tensor from its per-rank entries (DTensor or plain tensor); `check`
+        (a rank's values -> why they are impossible, or None) is applied to each rank's part,
+        a failure raising ConvertError naming that rank's file."""
         from torch.distributed.tensor import DTensor
 
         if not isinstance(entries[0], DTensor):
-            return self._gather_plain(kind, key, entries, shape)
+            full = self._gather_plain(kind, key, entries, shape)
+            if check is not None and (why := check(full)):
+                raise ConvertError(f"{self.layout.rank_file(kind, 0)}: {key} {why}")
+            return full
         dim, locals_ = self._local_shards(kind, key, entries, shape)
         if dim is None:
             self._check_replicas(kind, key, [e._local_tensor for e in entries])
@@ -438,6 +480,8 @@ class VerlCheckpoint:
             pages.will_need(storage.data_ptr(), storage.nbytes())
             self._crcs[(kind, r)].check(storage, key)
             a = to_numpy(t)
+            if check is not None and (why := check(a)):
+                raise ConvertError(f"{self.layout.rank_file(kind, r)}: {key} {why}")
             if dim is None:  # Replicate: rank 0's copy is the tensor
                 full[...] = a
             else:
@@ -653,6 +697,9 @@ class VerlCheckpoint:
             if files and sorted(sd["state"]) != sorted(files[0]["state"]):
                 raise ConvertError(f"{f}: optimizer state covers other parameters than rank 0's "
                                    f"({len(sd['state'])} vs {len(files[0]['state'])} entries)")
+            if files and (where := _group_difference(sd["param_groups"], files[0]["param_groups"])):
+                raise ConvertError(f"{f}: {where} differs from rank 0's (every rank's optimizer "
+                                   "holds the same settings; only rank 0's would be kept)")
             files.append(sd)
         return files
 
@@ -698,17 +745,23 @@ class VerlCheckpoint:
                 raise ConvertError(f"{self.layout.rank_file('optim', r)}: state {i} ({name}) lacks "
                                    "exp_avg/exp_avg_sq/step; not a torch AdamW state")
         return self._gather("optim", f"state[{i}].{moment} ({name})", [s[moment] for s in states],
-                            self.shapes[name]).astype(np.float32, copy=False)
+                            self.shapes[name], _impossible_moment(moment)).astype(np.float32, copy=False)
 
     def adam_step(self) -> int:
         """AdamW's `step` (optimizer steps taken), checked equal on every rank and parameter."""
-        steps = set()
+        step = None
         for r, sd in enumerate(self._optim_files):
             for i, st in sd["state"].items():
-                steps.add(float(st["step"]))   # one finite number (_check_optim_structure)
-        if len(steps) != 1:
-            raise ConvertError(f"{self.layout.shard_dir}: optimizer step differs across ranks/params: {sorted(steps)}")
-        (step,) = steps
+                this = float(st["step"])   # one finite number (_check_optim_structure)
+                if step is None:
+                    step, first = this, f"rank 0's state[{i}]"
+                elif this != step:
+                    raise ConvertError(f"{self.layout.rank_file('optim', r)}: state[{i}].step "
+                                       f"({self.param_order[i]}) is {this:g}, {first} {step:g}; "
+                                       "every parameter of every rank takes the same AdamW steps")
+        if step is None:
+            raise ConvertError(f"{self.layout.rank_file('optim', 0)}: no AdamW state (no "
+                               "parameter has taken an optimizer step)")
         if step != int(step):
             raise ConvertError(f"{self.layout.rank_file('optim', 0)}: step {step} is not an integer")
         return int(step)

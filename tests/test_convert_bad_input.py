@@ -825,3 +825,41 @@ def test_safetensors_bytes_that_belong_to_no_tensor_are_refused(tiny_hf, tmp_pat
     assert main(["convert", "--inspect", str(src)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(message, err), err
+
+
+def _set_first_local(moment: str, value: float):
+    """Set the first element of rank's first non-empty local `moment` shard to `value`."""
+    def change(sd):
+        for st in sd["state"].values():
+            local = st[moment]._local_tensor.view(-1)
+            if local.numel():
+                local[0] = value
+                return
+        raise AssertionError("no non-empty local shard")
+    return change
+
+
+def _set_step(sd):
+    import torch
+
+    sd["state"][0]["step"] = torch.tensor(4.0)
+
+
+@pytest.mark.parametrize("change,message", [
+    # another rank's settings were dropped: only rank 0's param_groups were kept
+    (lambda sd: sd["param_groups"][0].__setitem__("lr", 0.5),
+     r"rank_2\.pt: param_groups\[0\]\.lr \(0\.5 vs [0-9.e-]+\) differs from rank 0's"),
+    # carried as they were: the first update in JAX made NaN of the parameter
+    (_set_first_local("exp_avg_sq", -1.0),
+     r"rank_2\.pt: state\[\d+\]\.exp_avg_sq \(\S+\) holds a negative value \(-1\.0\); a mean of squares"),
+    (_set_first_local("exp_avg", float("nan")),
+     r"rank_2\.pt: state\[\d+\]\.exp_avg \(\S+\) holds a non-finite value \(nan\)"),
+    # was "actor: optimizer step differs across ranks/params: [3.0, 4.0]", naming no file
+    (_set_step, r"rank_2\.pt: state\[0\]\.step \(\S+\) is 4, rank 0's state\[0\] 3; every parameter")])
+def test_optimizer_state_that_differs_between_ranks_or_cannot_be_adams_is_named(actor, tmp_path, change, message):
+    from convert.orbax_directions import verl_to_orbax
+
+    _edit(actor / "optim_world_size_6_rank_2.pt", change)
+    with pytest.raises(ConvertError, match=message):
+        verl_to_orbax(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)

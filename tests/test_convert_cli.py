@@ -287,3 +287,17 @@ def test_a_non_asset_entry_that_is_no_regular_file_is_named_not_copied(tmp_path,
         copied = copy_non_weights(src, tmp_path / "dst")
     assert [p.name for p in copied] == ["LICENSE"] and sorted(os.listdir(tmp_path / "dst")) == ["LICENSE"]
     assert [r.getMessage() for r in caplog.records] == [f"{src / 'README.md'}: is a named pipe; not copied"]
+
+
+def test_a_verl_reshard_keeps_the_sources_mesh_device(tmp_path, capsys):
+    """--mesh-device defaulted to cuda: a gloo run's checkpoint resharded came back on a cuda
+    mesh, which torch then refused to load into the gloo run's parameters."""
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    for argv, device in (([], "cpu"), (["--mesh-device", "cuda"], "cuda")):
+        out = tmp_path / f"out-{device}"
+        assert main(["convert", str(ckpt), str(out), "--from", "verl", "--to", "verl",
+                     "--world-size", "2", *argv]) == 0
+        capsys.readouterr()
+        assert main(["convert", "--inspect", str(out)]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert (info["world_size"], info["mesh"]["device_type"]) == (2, device)

@@ -17,6 +17,7 @@ import json
 import sys
 import warnings
 
+from convert.dispatch import MESH_DEVICES
 from jscenegen.commands import world_size_arg
 
 
@@ -39,9 +40,9 @@ def register(subparsers) -> None:
                         "first dim divisible by W (VERL 0.6-0.8)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="model weight dtype of the output (default: the source's)")
-    p.add_argument("--mesh-device", choices=("cuda", "cpu"), default=None,
-                   help="device type of the DeviceMesh in VERL output files (cuda, the default: "
-                        "GPU run; cpu: gloo)")
+    p.add_argument("--mesh-device", choices=MESH_DEVICES, default=None,
+                   help="device type of the DeviceMesh in VERL output files (cuda: GPU run; cpu: "
+                        "gloo; default: a VERL source's own, else cuda)")
     p.add_argument("--carried-from", metavar="HF_DIR", default=None,
                    help="verl -> hf/orbax: take the tensors VERL files cannot hold (Qwen3.5's "
                         "mtp.*) from this HF directory (the release the run started from); "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from convert.dispatch import MESH_DEVICES
 from jscenegen.commands import world_size_arg
 
 
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="dtype of the HF weights at the root (default: the checkpoint's)")
-    p.add_argument("--mesh-device", choices=("cuda", "cpu"), default="cuda",
+    p.add_argument("--mesh-device", choices=MESH_DEVICES, default="cuda",
                    help="DeviceMesh device type in the VERL files (cuda: GPU run; cpu: gloo)")
     p.set_defaults(func=run)
 
