@@ -39,7 +39,8 @@ def is_seed(value) -> bool:
 
 def _leaf_types(annotation) -> set:
     """The types a field annotated `annotation` holds, through Optional, unions, tuples and
-    lists (`tuple[float, float] | None` -> {float}) and `Annotated` constraints."""
+    lists (`tuple[float, float] | None` -> {float}) and `Annotated` constraints; a `Literal`
+    is kept whole (`Literal["a", "b"]`)."""
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         return _leaf_types(typing.get_args(annotation)[0])
@@ -58,14 +59,19 @@ def _values(value) -> list:
 
 def wrong_scalar_type(annotation, value) -> str | None:
     """Why `value` does not fit a field annotated `annotation` although pydantic's lax mode
-    would convert it, else None: a boolean or a string where numbers belong (`true` read as 1,
-    `"90"` as 90), a float where integers belong (`2.0` as 2), anything but true/false where a
-    boolean belongs (`0` as false, `"yes"` as true)."""
+    would convert it, else None: a boolean where numbers belong (`true` read as 1), a string
+    where only numbers belong (`"90"` as 90; a field that also takes text, `int |
+    Literal["auto"]`, keeps its strings), a float where integers belong (`2.0` as 2),
+    anything but true/false where a boolean belongs (`0` as false, `"yes"` as true)."""
     leaves, items = _leaf_types(annotation), [v for v in _values(value) if v is not None]
+    takes_text = str in leaves or any(typing.get_origin(t) is typing.Literal for t in leaves)
     if leaves & {int, float}:
         if any(isinstance(v, bool) for v in items):
             return "expected a number, not a boolean"
-        if any(isinstance(v, str) for v in items):
+        text = None if takes_text else next((v for v in items if isinstance(v, str)), None)
+        if text is not None:
+            if text.strip().lstrip("+-").lower() in ("inf", "infinity", "nan", ".inf", ".nan"):
+                return "expected a finite number"
             return "expected a number, not a string"
     if leaves == {int} and (bad := next((v for v in items if isinstance(v, float)), None)) is not None:
         return f"expected an integer, not {bad!r}"
@@ -184,12 +190,13 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {clip_text(repr(item))} is not of the form key.sub=value")
         key, parsed = override_key(item), _parse_value(item.split("=", 1)[1], item)
-        leaves = dotted_items(parsed, f"{key}.") if isinstance(parsed, dict) else {key: parsed}
-        for leaf, value in leaves.items():
+        for leaf, value in _override_leaves(key, parsed).items():
             if leaf in given:
                 raise ConfigError(f"override {clip_text(item)}: {clip_text(leaf)} is already set "
                                   f"by override {clip_text(given[leaf])}; give each key once")
             given[leaf] = item
+            if value == {} and isinstance(_dotted_get(out, leaf), dict):
+                continue   # an empty mapping merged into a section: nothing to set
             section = set_dotted(out, leaf, value)
             if section is not None:
                 setter = (f"set by override {clip_text(given[section])}" if section in given
@@ -197,6 +204,27 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
                 raise ConfigError(f"override {clip_text(repr(leaf))}: {clip_text(section)} is a "
                                   f"value {setter}, not a section")
     return out
+
+
+def _override_leaves(key: str, value: Any) -> dict[str, Any]:
+    """{dotted key: value} an override sets: a non-empty mapping's keys one by one (nested),
+    anything else (an empty mapping included, so its key is still validated) at `key`."""
+    if not isinstance(value, dict) or not value:
+        return {key: value}
+    out: dict[str, Any] = {}
+    for sub, item in value.items():
+        out.update(_override_leaves(f"{key}.{sub}", item))
+    return out
+
+
+def _dotted_get(data: dict, key: str) -> Any:
+    """The value at dotted `key` in nested `data`, None when a part is missing."""
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def set_dotted(data: dict, key: str, value: Any) -> str | None:
@@ -348,9 +376,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                       re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-                                       list("-+0123456789"))
+class _ConfigDumper(yaml.SafeDumper):
+    """yaml.SafeDumper that quotes a string `_UniqueKeyLoader` would read as a number (`3e5`)."""
+
+
+for _cls in (_UniqueKeyLoader, _ConfigDumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float",
+                               re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def dump_yaml(data: Any) -> str:
+    """`data` as YAML text that `read_yaml` reads back as the same values (keys in order)."""
+    return yaml.dump(data, Dumper=_ConfigDumper, sort_keys=False)
 
 MAX_YAML_NODES = 1_000_000   # values after aliases are expanded: far above any config
 MAX_CONFIG_BYTES = 2**20  # the shipped configs are ~2-5 KB; PyYAML's pure-Python loader takes

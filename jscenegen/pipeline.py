@@ -9,11 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.metadata import redact
-from jscenegen.config import dotted_items
+from jscenegen.config import dotted_items, dump_yaml
 from jscenegen.paths import cache_dir, write_json, write_text
 from jscenegen.signals import Terminated
 from jscenegen.text import terminal_line
@@ -96,8 +94,7 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
     it resumed with, `resume_model_dir`, relative to the run when inside it); atomic."""
     from jscenegen.checkpoint.resume import read_run_record
 
-    write_text(run_dir / "config.yaml", yaml.safe_dump(redact(cfg.model_dump(mode="json")),
-                                                       sort_keys=False))
+    write_text(run_dir / "config.yaml", dump_yaml(redact(cfg.model_dump(mode="json"))))
     record = read_run_record(run_dir) if resume else None
     model, run = model_dir.resolve(), run_dir.resolve()
     if model.is_relative_to(run):   # the run's own assets: a copy of the run uses its own

@@ -89,8 +89,8 @@ class RunConfig(Section):
 
 DEFAULT_CONFIG = "configs/cpu-default.yaml"
 
-_HTTP_JUDGE_KEYS = ("base_url", "model", "api_key_env", "timeout_s", "max_retries", "backoff_s",
-                    "concurrency", "temperature", "max_tokens", "enforce_caps")
+_RULE_JUDGE_KEYS = ("backend", "grade_keys", "max_failed_updates")   # the rule judge's run reads these
+_HTTP_JUDGE_KEYS = tuple(k for k in JudgeConfig.model_fields if k not in _RULE_JUDGE_KEYS)
 # keys that act only under another setting: (section, keys, whether they act, that setting)
 _CONDITIONAL_KEYS = (
     ("judge", _HTTP_JUDGE_KEYS, lambda c: c.judge.backend == "http", "judge.backend: http"),
@@ -101,19 +101,20 @@ _CONDITIONAL_KEYS = (
 )
 
 
-def warn_inert_settings(cfg: RunConfig) -> None:
-    """A `warning:` line for each of `inert_settings(cfg)`."""
-    for line in inert_settings(cfg):
+def warn_inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -> None:
+    """A `warning:` line for each of `inert_settings(cfg, sections)`."""
+    for line in inert_settings(cfg, sections):
         logging.getLogger(__name__).warning("%s", line)
 
 
-def inert_settings(cfg: RunConfig) -> list[str]:
+def inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -> list[str]:
     """One sentence per group of keys set away from their defaults that act only under a
     setting `cfg` does not have (`judge.base_url` with the rule judge: a forgotten
-    `judge.backend: http` would otherwise grade with the rule judge without a word)."""
+    `judge.backend: http` would otherwise grade with the rule judge without a word); only the
+    keys of `sections` when given (a command that trains nothing reads no `loss` key)."""
     lines = []
     for section, keys, acts, setting in _CONDITIONAL_KEYS:
-        if acts(cfg):
+        if (sections is not None and section not in sections) or acts(cfg):
             continue
         values, defaults = getattr(cfg, section), type(getattr(cfg, section))()
         changed = [f"{section}.{k}" for k in keys if getattr(values, k) != getattr(defaults, k)]

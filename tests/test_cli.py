@@ -41,7 +41,7 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
     ("schedule.train_set=/nonexistent.jsonl", "scene set /nonexistent.jsonl: no such file"),
     ("schedule.num_scenes=1000", "schedule.num_scenes=1000: data/scenes/train.jsonl holds only 100 scenes"),
     ("schedule.dev_set=/nonexistent-dev.jsonl", "scene set /nonexistent-dev.jsonl: no such file"),
-    ("optim.lr=inf", "optim.lr: expected a number, not a string (got \"inf\")"),
+    ("optim.lr=inf", "optim.lr: expected a finite number (got \"inf\")"),
     ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
     ("scene.prompts_dir=/nonexistent", "scene.prompts_dir /nonexistent: not a directory (it holds "
                                        "the templates system.txt"),

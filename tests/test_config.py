@@ -221,10 +221,14 @@ def test_a_mapping_override_sets_its_keys_and_keeps_the_sections_others(tmp_path
     went back to their defaults without a word, and a key also given alone was dropped or kept
     by the overrides' order."""
     f = tmp_path / "c.yaml"
-    f.write_text("schedule:\n  total_updates: 1\n  max_redraws: 1\n")
+    f.write_text("schedule:\n  total_updates: 1\n  max_redraws: 1\nsampling:\n  top_k: 7\n")
     cfg = load_config(f, ["schedule={group_size: 4}", "sampling={}"], RunConfig)
     assert (cfg.schedule.group_size, cfg.schedule.total_updates, cfg.schedule.max_redraws) == (4, 1, 1)
-    assert cfg.sampling == RunConfig().sampling
+    assert cfg.sampling.top_k == 7   # an empty mapping merges nothing
+    for override, why in (("bogus={}", "unknown key 'bogus'"), ("schedule={bogus: {}}", "unknown key 'schedule.bogus'"),
+                          ("schedule.total_updates={}", "schedule.total_updates: Input should be a valid integer")):
+        with pytest.raises(ConfigError, match=rf"^override {re.escape(override)}: {re.escape(why)}"):
+            load_config(f, [override], RunConfig)   # an empty mapping's key is still validated
     cfg = load_config(f, ["schedule.total_updates=5", "schedule={group_size: 4}"], RunConfig)
     assert (cfg.schedule.group_size, cfg.schedule.total_updates) == (4, 5)
     for overrides in (["schedule.total_updates=5", "schedule={total_updates: 3}"],
@@ -366,6 +370,7 @@ def test_keys_set_where_they_have_no_effect_are_named(caplog):
     with caplog.at_level("WARNING"):
         warn_inert_settings(cfg)
     assert [r.getMessage() for r in caplog.records] == inert_settings(cfg)
+    assert inert_settings(cfg, sections=("judge",)) == inert_settings(cfg)[:1]   # eval, design
 
 
 @pytest.mark.parametrize("override,why", [
@@ -382,9 +387,32 @@ def test_a_value_pydantic_would_convert_is_refused(override, why):
         load_config(None, [override], RunConfig)
 
 
+def test_a_field_that_takes_text_and_numbers_keeps_its_text():
+    from typing import Literal
+
+    from jscenegen.config import wrong_scalar_type
+
+    mixed = int | Literal["auto"]
+    assert wrong_scalar_type(mixed, "auto") is None and wrong_scalar_type(mixed, 3) is None
+    assert wrong_scalar_type(mixed, True) == "expected a number, not a boolean"
+    assert wrong_scalar_type(int, "auto") == wrong_scalar_type(int, "") == "expected a number, not a string"
+    assert wrong_scalar_type(float, "-inf") == "expected a finite number"
+
+
 def test_an_exponent_without_a_point_is_a_number(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("optim:\n  lr: 1e-6\n  eps: 1E-8\n")
     cfg = load_config(f, ["loss.kl_coef=2e-3"], RunConfig)
     assert (cfg.optim.lr, cfg.optim.eps, cfg.loss.kl_coef) == (1e-6, 1e-8, 2e-3)
     assert load_config(None, ["judge.model='1e5'"], RunConfig).judge.model == "1e5"   # quoted: text
+
+
+def test_a_saved_config_reads_back_as_written(tmp_path):
+    """`3e5` is a number to the config reader: a string of that form (an experiment name, a
+    short git hash) was saved unquoted in the run's config.yaml, and the resume then refused it."""
+    from jscenegen.config import dump_yaml
+
+    cfg = load_config(None, ['logging.experiment="8e31234"', "optim.lr=3e-6"], RunConfig)
+    f = tmp_path / "config.yaml"
+    f.write_text(dump_yaml(cfg.model_dump(mode="json")))
+    assert load_config(f, [], RunConfig) == cfg

@@ -88,7 +88,7 @@ def run(args) -> int:
 
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     refuse_multi_host("design", cfg.mesh)
-    warn_inert_settings(cfg)
+    warn_inert_settings(cfg, sections=("judge",))   # the only conditional keys it reads
     check_output_file(args.out, "-o")
     inputs = {"--model": args.model, "--room": args.room, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "-o", inputs)

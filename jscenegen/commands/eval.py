@@ -70,7 +70,7 @@ def run(args) -> int:
     args.scenes = args.scenes or "dev"
     cfg = load_run_config(args.config, args.overrides, args.greedy)
     refuse_multi_host("eval", cfg.mesh)
-    warn_inert_settings(cfg)
+    warn_inert_settings(cfg, sections=("judge",))   # the only conditional keys it reads
     try:
         scenes = scene_set_path(args.scenes, cfg)
     except FileNotFoundError as err:
