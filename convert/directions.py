@@ -186,13 +186,24 @@ def _sources_of(written: str, source_files: dict[str, list[str]] | None,
 
 
 def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
-                 dtype: str | None = None, device_type: str = "cuda") -> Path:
+                 dtype: str | None = None, device_type: str | None = None) -> Path:
     """Reshard a VERL checkpoint to `world_size` ranks with `placement`, everything carried over.
 
+    `device_type` (the DeviceMesh's in the written files): None keeps the source's (a gloo
+    run's `cpu` stays `cpu`: torch refuses to load across mesh types), "cuda" when the source
+    holds plain tensors or a device type other than `convert.dispatch.MESH_DEVICES` (warned).
     Per-rank extra state (RNG streams) cannot be split or merged: with the same W it is copied
     rank by rank; with another W, rank 0's is given to every rank.
     """
+    from convert.dispatch import MESH_DEVICES
+
     ck = VerlCheckpoint(src)
+    if device_type is None:
+        device_type = (ck.mesh() or {}).get("device_type") or "cuda"
+        if device_type not in MESH_DEVICES:
+            warnings.warn(f"{ck.layout.shard_dir}: its DeviceMesh is on {device_type!r}; writing "
+                          "'cuda' (give --mesh-device to choose)", ConversionWarning, stacklevel=2)
+            device_type = "cuda"
     state = verl_state(ck)
     if state.extra_states is not None and world_size != ck.world_size:
         state.extra_states = state.extra_states[:1]

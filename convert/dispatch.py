@@ -126,16 +126,15 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
         if value is not None and dst_format != "verl":
             raise ConvertError(f"{flag} shapes the rank files of a VERL output; --to {dst_format} "
                                "writes none (leave it out)")
-    if dst_format == "verl" and world_size is None and src_format != "verl":
-        raise ConvertError("--world-size is required to write VERL rank files")
-    if dst_format == "verl" and src_format == "verl" and None in (world_size, mesh_device):
-        from convert.verl_read import find_verl, source_mesh_device
+    placement = placement or "dim0"
+    if src_format != "verl":   # a VERL source's own is the default (`verl_to_verl`)
+        mesh_device = mesh_device or "cuda"
+    if dst_format == "verl" and world_size is None:
+        if src_format != "verl":
+            raise ConvertError("--world-size is required to write VERL rank files")
+        from convert.verl_read import find_verl
 
-        layout = find_verl(src)
-        world_size = world_size or layout.world_size
-        if mesh_device is None and (device := source_mesh_device(layout)) in MESH_DEVICES:
-            mesh_device = device
-    placement, mesh_device = placement or "dim0", mesh_device or "cuda"
+        world_size = find_verl(src).world_size
     if dst_format == "verl":
         from convert.verl_write import check_world_size
 

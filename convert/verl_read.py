@@ -338,15 +338,6 @@ def mesh_info(mesh: Any) -> dict[str, Any]:
             "rank": d.get("_rank"), "coordinate": tuple(int(c) for c in coord) if coord else None}
 
 
-def source_mesh_device(layout: VerlLayout) -> str | None:
-    """The device type of the DeviceMesh its rank 0 model file records ("cuda", "cpu"), None
-    when that file holds plain tensors or none."""
-    sd = load_pt(layout.rank_file("model", 0))
-    first = next(iter(sd.values()), None) if isinstance(sd, dict) else None
-    mesh = getattr(first, "device_mesh", None)
-    return None if mesh is None else mesh_info(mesh)["device_type"]
-
-
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     """One state-dict entry: global shape, dtype name, shard dim (None = plain/replicated)."""
@@ -466,22 +457,17 @@ class VerlCheckpoint:
         from torch.distributed.tensor import DTensor
 
         if not isinstance(entries[0], DTensor):
-            full = self._gather_plain(kind, key, entries, shape)
-            if check is not None and (why := check(full)):
-                raise ConvertError(f"{self.layout.rank_file(kind, 0)}: {key} {why}")
-            return full
+            return self._gather_plain(kind, key, entries, shape, check)
         dim, locals_ = self._local_shards(kind, key, entries, shape)
-        if dim is None:
+        if dim is None:   # rank 0's copy first: a NaN would read as a copy that differs
+            self._check_values(kind, key, 0, entries[0]._local_tensor, check)
             self._check_replicas(kind, key, [e._local_tensor for e in entries])
         full = np.empty(shape, dtype=to_numpy(locals_[0]).dtype)
         start = 0
         for r, t in enumerate(locals_):  # shard by shard: one sequential bulk read each, then release it
             storage = t.untyped_storage()
             pages.will_need(storage.data_ptr(), storage.nbytes())
-            self._crcs[(kind, r)].check(storage, key)
-            a = to_numpy(t)
-            if check is not None and (why := check(a)):
-                raise ConvertError(f"{self.layout.rank_file(kind, r)}: {key} {why}")
+            a = self._check_values(kind, key, r, t, check)
             if dim is None:  # Replicate: rank 0's copy is the tensor
                 full[...] = a
             else:
@@ -598,14 +584,24 @@ class VerlCheckpoint:
             return None
         raise ConvertError(f"{f}: {key} placement {p} is not supported (Shard or Replicate only)")
 
-    def _gather_plain(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...]) -> np.ndarray:
-
+    def _gather_plain(self, kind: str, key: str, entries: list[Any], shape: tuple[int, ...],
+                      check: Callable[[np.ndarray], str | None] | None = None) -> np.ndarray:
         first = entries[0]
         for r, t in enumerate(entries):
             self._check_plain(self.layout.rank_file(kind, r), key, t, shape, first if r else None)
+        a = self._check_values(kind, key, 0, first, check)   # before the copies are compared
         self._check_replicas(kind, key, entries)
-        self._crcs[(kind, 0)].check(first.untyped_storage(), key)
-        return np.array(to_numpy(first))
+        return np.array(a)
+
+    def _check_values(self, kind: str, key: str, rank: int, tensor: Any,
+                      check: Callable[[np.ndarray], str | None] | None) -> np.ndarray:
+        """`tensor` (one rank's local data) as an array, after its CRC-32 and `check`; raises
+        ConvertError naming the rank file."""
+        self._crcs[(kind, rank)].check(tensor.untyped_storage(), key)
+        a = to_numpy(tensor)
+        if check is not None and (why := check(a)):
+            raise ConvertError(f"{self.layout.rank_file(kind, rank)}: {key} {why}")
+        return a
 
     def _check_replicas(self, kind: str, key: str, copies: list[Any]) -> None:
         """Refuse a replicated tensor (a plain one, or a Replicate() DTensor's local copies)
@@ -644,12 +640,14 @@ class VerlCheckpoint:
         return out
 
     def mesh(self) -> dict[str, Any] | None:
-        """Rank 0's device mesh of the first entry: {"dim_names", "device_type"}, None if plain."""
-        first = next(iter(self._model_files[0].values()))
-        mesh = getattr(first, "device_mesh", None)
-        if mesh is None:
+        """The device mesh of rank 0's first DTensor: {"dim_names", "device_type"}, None when
+        every entry is a plain tensor."""
+        from torch.distributed.tensor import DTensor
+
+        first = next((t for t in self._model_files[0].values() if isinstance(t, DTensor)), None)
+        if first is None:
             return None
-        info = mesh_info(mesh)
+        info = mesh_info(first.device_mesh)
         return {"dim_names": list(info["dim_names"] or ()), "device_type": info["device_type"]}
 
     def iter_params(self, *, include_tied_alias: bool = False) -> Iterator[tuple[str, np.ndarray]]:

@@ -863,3 +863,25 @@ def test_optimizer_state_that_differs_between_ranks_or_cannot_be_adams_is_named(
     with pytest.raises(ConvertError, match=message):
         verl_to_orbax(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
+
+
+def test_a_non_finite_replicated_moment_is_named_as_such(actor, tmp_path):
+    """A NaN differs from itself: a replicated moment holding one was reported as a copy that
+    differs from rank 0's."""
+    import torch
+    from torch.distributed.tensor import Replicate
+
+    from convert.orbax_directions import verl_to_orbax
+
+    def replicate_with_nan(sd):
+        t = sd["state"][0]["exp_avg"]
+        full = torch.zeros(t.shape, dtype=t.dtype)
+        full.view(-1)[0] = float("nan")
+        sd["state"][0]["exp_avg"] = type(t).from_local(full, t.device_mesh, [Replicate()], run_check=False,
+                                                       shape=t.shape, stride=full.stride())
+
+    for r in range(6):
+        _edit(actor / f"optim_world_size_6_rank_{r}.pt", replicate_with_nan)
+    with pytest.raises(ConvertError, match=r"rank_0\.pt: state\[0\]\.exp_avg \(\S+\) holds a non-finite value \(nan\)$"):
+        verl_to_orbax(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
