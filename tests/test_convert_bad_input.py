@@ -360,6 +360,11 @@ def _edit(f, change):
     torch.save(sd, f)
 
 
+def _edit_every_rank(actor, kind: str, change):
+    for r in range(6):
+        _edit(actor / f"{kind}_world_size_6_rank_{r}.pt", change)
+
+
 def _shared_list(levels: int) -> list:
     """A list of two references to one list, `levels` deep: 2^levels leaves written out."""
     nested: list = []
@@ -448,8 +453,7 @@ def test_a_shard_of_another_dtype_or_an_integer_weight_is_refused(actor, tmp_pat
     with pytest.raises(ConvertError, match=rf"rank_1\.pt: {name} has dtype torch\.bfloat16 on "
                                            r"this rank but torch\.float32 on rank 0"):
         verl_to_hf(actor, tmp_path / "out")
-    for r in range(6):
-        _edit(actor / f"model_world_size_6_rank_{r}.pt", to(torch.int32))
+    _edit_every_rank(actor, "model", to(torch.int32))
     with pytest.raises(ConvertError, match=rf"rank_0\.pt: {name} has dtype torch\.int32; weights"):
         verl_to_hf(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
@@ -463,8 +467,7 @@ def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path,
         sd["lm_head.weight"] = type(t).from_local(t._local_tensor + 1.0, t.device_mesh, t.placements,
                                                   shape=t.shape, stride=t.stride())
 
-    for r in range(6):
-        _edit(actor / f"model_world_size_6_rank_{r}.pt", change)
+    _edit_every_rank(actor, "model", change)
     with pytest.raises(ConvertError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
         verl_to_hf(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
@@ -539,9 +542,7 @@ def test_a_non_finite_optimizer_setting_is_named_by_its_key(actor, tmp_path):
     JSON compliant', naming neither the file's field nor the key."""
     from convert.orbax_directions import verl_to_orbax
 
-    for r in range(6):
-        _edit(actor / f"optim_world_size_6_rank_{r}.pt",
-              lambda sd: sd["param_groups"][0].__setitem__("lr", float("nan")))
+    _edit_every_rank(actor, "optim", lambda sd: sd["param_groups"][0].__setitem__("lr", float("nan")))
     with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\]\['lr'\] = nan"):
         verl_to_orbax(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
@@ -609,8 +610,7 @@ def test_half_precision_moments_widen_and_float64_shards_are_named(actor, tmp_pa
                 st[m] = type(t).from_local(t._local_tensor.to(torch.bfloat16), t.device_mesh,
                                            t.placements, shape=t.shape, stride=t.stride())
 
-    for r in range(6):
-        _edit(actor / f"optim_world_size_6_rank_{r}.pt", to_bf16)
+    _edit_every_rank(actor, "optim", to_bf16)
     got = VerlCheckpoint(actor).read_moment("model.norm.weight", "exp_avg")
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want.astype(ml_dtypes.bfloat16).astype(np.float32))
@@ -622,8 +622,7 @@ def test_half_precision_moments_widen_and_float64_shards_are_named(actor, tmp_pa
         sd[name] = type(t).from_local(t._local_tensor.double(), t.device_mesh, t.placements,
                                       shape=t.shape, stride=t.stride())
 
-    for r in range(6):
-        _edit(actor / f"model_world_size_6_rank_{r}.pt", to_f64)
+    _edit_every_rank(actor, "model", to_f64)
     with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_0\.pt: {name} has dtype "
                                            r"torch\.float64; weights and AdamW moments are float32, "
                                            r"bfloat16, float16"):
@@ -637,8 +636,7 @@ def test_the_global_step_falls_back_to_the_adam_step(actor):
 
     flat = actor.parent.parent / "flat"
     shutil.copytree(actor, flat)
-    for r in range(6):
-        _edit(flat / f"extra_state_world_size_6_rank_{r}.pt", lambda sd: sd.__setitem__("lr_scheduler", None))
+    _edit_every_rank(flat, "extra_state", lambda sd: sd.__setitem__("lr_scheduler", None))
     ck = VerlCheckpoint(flat)
     assert ck.layout.global_step is None and ck.scheduler_step() is None
     assert ck.global_step() == ck.adam_step() == 3
@@ -708,8 +706,7 @@ def test_the_crc_check_anchors_past_empty_storages_and_names_a_corrupt_replica(t
     name = "model.norm.weight"
     full = torch.cat([load_pt(actor / f"model_world_size_6_rank_{r}.pt", mmap=False)[name]._local_tensor
                       for r in range(6)])
-    for r in range(6):
-        _edit(actor / f"model_world_size_6_rank_{r}.pt", lambda sd: sd.__setitem__(name, full.clone()))
+    _edit_every_rank(actor, "model", lambda sd: sd.__setitem__(name, full.clone()))
     rank0 = actor / "model_world_size_6_rank_0.pt"
     sd = load_pt(rank0)
     crcs = StorageCrcs(rank0, sd)
@@ -880,8 +877,7 @@ def test_a_non_finite_replicated_moment_is_named_as_such(actor, tmp_path):
         sd["state"][0]["exp_avg"] = type(t).from_local(full, t.device_mesh, [Replicate()], run_check=False,
                                                        shape=t.shape, stride=full.stride())
 
-    for r in range(6):
-        _edit(actor / f"optim_world_size_6_rank_{r}.pt", replicate_with_nan)
+    _edit_every_rank(actor, "optim", replicate_with_nan)
     with pytest.raises(ConvertError, match=r"rank_0\.pt: state\[0\]\.exp_avg \(\S+\) holds a non-finite value \(nan\)$"):
         verl_to_orbax(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
