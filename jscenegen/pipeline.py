@@ -283,7 +283,10 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
         model_dir = resume_model_dir(run_dir)
     elif cfg.model.path:
+        from jscenegen.model.assets import check_asset_files
+
         model_dir = Path(cfg.model.path)
+        check_asset_files(model_dir)   # carried into every checkpoint: refused now, not at export
     else:
         model_dir = default_model_dir(cfg, phases)
     evals, run_files_written = {}, False

@@ -67,6 +67,26 @@ def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):
     assert not run_dir.exists()  # no empty checkpoints/, no lock file left behind
 
 
+def test_a_model_file_a_checkpoint_would_carry_unusable_is_refused_before_training(tmp_path, capsys):
+    """An empty generation_config.json went into every checkpoint's hf/ and was refused only
+    by the export after training."""
+    import shutil
+
+    from jscenegen.cli import main
+
+    from chat_fixtures import chat_model_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(chat_model_dir(), model)
+    (model / "generation_config.json").write_text("")
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), f"model.path={model}",
+                 "logging.swanlab_mode=disabled"]) == 2
+    assert capsys.readouterr().err == (f"error: {model / 'generation_config.json'}: not valid JSON: "
+                                       "Expecting value: line 1 column 1 (char 0)\n")
+    assert not run_dir.exists()
+
+
 def test_a_train_that_fails_after_its_start_finishes_swanlab_and_keeps_stdout_clean(
         tmp_path, capsys, monkeypatch):
     """A failure after the trainer started (here: the first dev evaluation) still finishes the
