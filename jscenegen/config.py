@@ -206,6 +206,15 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     return out
 
 
+def override_leaf_keys(item: str) -> list[str]:
+    """The dotted keys override `item` sets (`apply_overrides`): its key, or its mapping
+    value's keys one by one (`sampling={top_k: 5}` sets `sampling.top_k`); none for an item
+    without `=` (which `apply_overrides` refuses)."""
+    if "=" not in item:
+        return []
+    return list(_override_leaves(override_key(item), _parse_value(item.split("=", 1)[1], item)))
+
+
 def _override_leaves(key: str, value: Any) -> dict[str, Any]:
     """{dotted key: value} an override sets: a non-empty mapping's keys one by one (nested),
     anything else (an empty mapping included, so its key is still validated) at `key`."""

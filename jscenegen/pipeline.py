@@ -26,7 +26,7 @@ def _base_model_dir(cfg) -> Path:
 def warm_start_sft_config(cfg):
     """The SFT warm start's config (`warm_start.sft_config` with `warm_start.sft_overrides`),
     or None without one. Raises ConfigError naming the warm_start keys."""
-    from jscenegen.config import ConfigError, load_config, override_key
+    from jscenegen.config import ConfigError, load_config, override_leaf_keys
     from jscenegen.paths import resolve_data_path
     from jscenegen.sft.config import SFTRunConfig
 
@@ -34,7 +34,7 @@ def warm_start_sft_config(cfg):
     if ws.sft_config is None:
         return None
     try:
-        given = {override_key(item) for item in ws.sft_overrides if "=" in item}
+        given = {key for item in ws.sft_overrides for key in override_leaf_keys(item)}
         base = [] if "model.path" in given else [f"model.path={_base_model_dir(cfg)}"]
         return load_config(resolve_data_path(ws.sft_config), [*base, *ws.sft_overrides],
                            model=SFTRunConfig)

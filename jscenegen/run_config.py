@@ -12,7 +12,7 @@ from typing import Literal, Sequence
 
 from pydantic import Field
 
-from jscenegen.config import ConfigError, Section, config_fields, load_config, override_key
+from jscenegen.config import ConfigError, Section, config_fields, load_config, override_leaf_keys
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.rollout.config import GROUP_MAX, RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
@@ -131,7 +131,7 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
     Raises ConfigError naming the file or override and the key."""
     cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
     given = [o for o in overrides
-             if override_key(o) in ("sampling.greedy", "sampling.top_k", "sampling.top_p")]
+             if {"sampling.greedy", "sampling.top_k", "sampling.top_p"} & set(override_leaf_keys(o))]
     if greedy and given:
         raise ConfigError(f"--greedy sets sampling.greedy, top_k and top_p itself; the override "
                           f"{given[0]} contradicts or repeats it (give one of the two)")

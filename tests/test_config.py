@@ -178,6 +178,19 @@ def test_warm_start_sft_overrides_are_checked_with_their_origin_named():
     assert warm_start_sft_config(load_config(None, [], RunConfig)).sft.steps > 0
 
 
+def test_the_keys_a_mapping_override_sets_count_where_an_override_is_looked_for():
+    """`sampling={top_k: 5}` with --greedy lost the 5 without a word (the check read the
+    override's written key, `sampling`), and a warm start's `model={path: ...}` collided with
+    the model.path it is given."""
+    from jscenegen.pipeline import warm_start_sft_config
+    from jscenegen.run_config import load_run_config
+
+    with pytest.raises(ConfigError, match=r"^--greedy sets .*the override sampling=\{top_k: 5\} contradicts"):
+        load_run_config(None, ["sampling={top_k: 5}"], greedy=True)
+    cfg = load_config(None, ['warm_start.sft_overrides=["model={path: /elsewhere}"]'], RunConfig)
+    assert warm_start_sft_config(cfg).model.path == "/elsewhere"
+
+
 def test_a_yaml_bomb_is_refused_before_it_expands(tmp_path):
     """"Billion laughs": nine lines whose aliases expand to 9^9 values. Refused by counting the
     expanded values over the composed nodes (each once), in well under a second."""
