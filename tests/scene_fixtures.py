@@ -178,7 +178,8 @@ class JudgeServer:
     "fenced", "flood" (a 200 whose body never ends: 64 KiB chunks until the client hangs up),
     "deep" / "deep_content" (a body / message content of 200,000 nested brackets), "429after"
     (429 with Retry-After: 1), "echo" (a 200 quoting the request's Authorization header as an
-    error, not a chat completion), "echo_comments" (grades whose comments quote it), or an HTTP
+    error, not a chat completion), "echo_comments" (grades whose comments quote it;
+    "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path), or an HTTP
     status such as "401". GET /models answers 401/403 when the plan starts with one;
     "models_trickle" first: a 200 announcing 200 MB sent 1 KiB per 0.2 s; "models_slow_headers":
     a status line, then one header byte per 0.2 s without end. `times`: when each
@@ -263,6 +264,11 @@ class JudgeServer:
                         "echo": "",
                         "echo_comments": json.dumps({"grades": GOOD, "comments": {
                             "realism": f"your header was {auth}"}}),
+                        # the header JSON-escaped character by character inside the content
+                        "echo_escaped_comments": '{"grades": %s, "comments": {"realism": "%s"}}' % (
+                            json.dumps(GOOD), "".join(f"\\u{ord(c):04x}" for c in auth)),
+                        "echo_path_comments": json.dumps({"grades": GOOD, "comments": {
+                            "realism": f"you asked for {self.path}"}}),
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",

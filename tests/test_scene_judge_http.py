@@ -296,6 +296,27 @@ def test_a_judge_answer_quoting_the_key_never_carries_it_further(server, monkeyp
     assert "Basic <redacted>" in json.dumps(res.info)
 
 
+@pytest.mark.parametrize("server", [["echo_escaped_comments"], ["echo_path_comments"]], indirect=True)
+def test_a_credential_an_answer_escapes_or_the_url_percent_encodes_is_masked_too(server, monkeypatch):
+    """Masked as raw bytes only, a key the answer JSON-escaped came back whole from the parse
+    into the comments; a URL password or query value written percent-encoded was looked for
+    as written while the wire carries it decoded, or the other way round (helper-100)."""
+    monkeypatch.delenv("JSCENEGEN_TEST_JUDGE_KEY", raising=False)
+    if server.plan == ["echo_escaped_comments"]:
+        monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
+        (res,) = make_judge(cfg(server.url, max_retries=0)).grade(requests())
+        assert res.info["comments"] == {"realism": "Bearer <redacted>"}
+        url = server.url.replace("http://", "http://user:p%40w-SECRETPW1@")   # sent as user:p@w-...
+        monkeypatch.delenv("JSCENEGEN_TEST_JUDGE_KEY")
+        (res,) = make_judge(cfg(url, max_retries=0)).grade(requests())
+        assert server.auth[-1] == "Basic dXNlcjpwQHctU0VDUkVUUFcx"   # base64 of user:p@w-SECRETPW1
+        assert res.info["comments"] == {"realism": "Basic <redacted>"}
+    else:
+        (res,) = make_judge(cfg(server.url + "?api_key=sk%2BQUERYSECRET", max_retries=0)).grade(requests())
+        assert server.paths[-1][1].endswith("?api_key=sk%2BQUERYSECRET")
+        assert res.info["comments"] == {"realism": "you asked for /v1/chat/completions?api_key=<redacted>"}
+
+
 @pytest.mark.parametrize("server", [["models_trickle"], ["models_slow_headers"]], indirect=True)
 def test_the_reachability_probe_is_bounded_in_time_and_reads_no_body(server, caplog):
     """A GET /models answer announcing 200 MB and sent 1 KiB at a time: the probe's timeout

@@ -21,8 +21,8 @@ import math
 import os
 import threading
 import time
-from typing import Sequence
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from typing import Any, Sequence
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import httpx
 
@@ -127,9 +127,11 @@ def _sent_credentials(api_key: str | None, url) -> list[str]:
     values of 8 characters or more (a `?api_key=...`; shorter ones would mask common words)."""
     found = [api_key] if api_key else []
     if url.username or url.password:
-        found.append(url.password or "")
-        found.append(base64.b64encode(f"{url.username or ''}:{url.password or ''}".encode()).decode())
-    found += [v for _, v in parse_qsl(url.query) if len(v) >= 8]
+        for user, password in ((url.username or "", url.password or ""),   # as written and as sent
+                               (unquote(url.username or ""), unquote(url.password or ""))):
+            found += [password, base64.b64encode(f"{user}:{password}".encode()).decode()]
+    raw_values = [part.partition("=")[2] for part in url.query.split("&")]
+    found += [v for v in (*raw_values, *(v for _, v in parse_qsl(url.query))) if len(v) >= 8]
     return sorted({s for s in found if s}, key=len, reverse=True)
 
 
@@ -241,6 +243,18 @@ class HttpJudge:
             raw = raw.replace(secret.encode(), REDACTED.encode())
         return raw
 
+    def _masked_value(self, value: Any) -> Any:
+        """`value` (a parsed answer's part: text, lists, objects) with `_secrets` replaced in
+        every string: an answer that JSON-escapes an echoed credential (`\\u0042earer ...`)
+        passes `_masked`, and its parse restores the credential."""
+        if isinstance(value, str):
+            return self._masked(value.encode()).decode()
+        if isinstance(value, dict):
+            return {self._masked_value(k): self._masked_value(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._masked_value(v) for v in value]
+        return value
+
     def _key_text(self) -> str:
         """How the requests authenticate, for messages (never the key itself)."""
         return (f"the API key from {self.cfg.api_key_env}" if self._api_key else
@@ -297,7 +311,7 @@ class HttpJudge:
             if self.cfg.enforce_caps:
                 grades = apply_caps(grades, req.metrics)
             info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
-                    "comments": comments}
+                    "comments": self._masked_value(comments)}
             return JudgeResult(grades, None, info)
         log.warning("judge at %s failed for scene %s after %d attempt%s: %s (%s)",
                     shown_url(self.cfg.base_url), req.scene.scene_id, attempts,
