@@ -97,6 +97,7 @@ _CONDITIONAL_KEYS = (
     ("loss", ("horizon",), lambda c: c.loss.loss_agg_mode == "seq-mean-token-sum-norm",
      "loss.loss_agg_mode: seq-mean-token-sum-norm"),
     ("loss", ("kl_coef", "kl_loss_type"), lambda c: c.loss.use_kl_loss, "loss.use_kl_loss: true"),
+    ("model", ("reference_path",), lambda c: c.loss.use_kl_loss, "loss.use_kl_loss: true"),
     ("model", ("remat_policy",), lambda c: c.model.remat, "model.remat: true"),
 )
 

@@ -371,11 +371,12 @@ def test_keys_set_where_they_have_no_effect_are_named(caplog):
         assert inert_settings(load_run_config(shipped)) == []
     cfg = load_run_config(None, ["judge.base_url=http://x/v1", "judge.model=m", "judge.timeout_s=120",
                                  "loss.horizon=5", "loss.kl_coef=0.1", "model.remat=false",
-                                 "model.remat_policy=minimal"])
+                                 "model.remat_policy=minimal", "model.reference_path=/ref"])
     assert inert_settings(cfg) == [
         "judge.base_url, judge.model have no effect without judge.backend: http",
         "loss.horizon has no effect without loss.loss_agg_mode: seq-mean-token-sum-norm",
         "loss.kl_coef has no effect without loss.use_kl_loss: true",
+        "model.reference_path has no effect without loss.use_kl_loss: true",
         "model.remat_policy has no effect without model.remat: true"]   # timeout_s: its default
     assert inert_settings(load_run_config(None, ["judge.backend=http", "judge.base_url=http://x/v1",
                                                  "judge.model=m", "loss.use_kl_loss=true",
