@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 import types
 import typing
@@ -361,10 +362,9 @@ def validate_config(data: dict, source: str, model: type[BaseModel],
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last);
-    merge keys (`<<: *defaults`) merge as YAML says, the mapping's own keys winning; a number
-    written with an exponent and no point (`1e-6`) is a float, as YAML 1.2 and JSON read it
-    (YAML 1.1, PyYAML's, reads a string). (libyaml's CSafeLoader parses ~10x faster but
-    overflows the C stack on deeply nested input.)"""
+    merge keys (`<<: *defaults`) merge as YAML says, the mapping's own keys winning; booleans
+    and numbers follow YAML 1.2's core schema (`_core_schema`). (libyaml's CSafeLoader parses
+    ~10x faster but overflows the C stack on deeply nested input.)"""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -386,12 +386,48 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 class _ConfigDumper(yaml.SafeDumper):
-    """yaml.SafeDumper that quotes a string `_UniqueKeyLoader` would read as a number (`3e5`)."""
+    """yaml.SafeDumper that quotes a string `_UniqueKeyLoader` would read as another type
+    (`3e5`, `010`, `true`)."""
+
+
+_BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
+_CORE_SCHEMA = (   # YAML 1.2.2, 10.3.2: (tag, pattern, the characters a match can start with)
+    (_BOOL, r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    (_INT, r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    (_FLOAT, r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+             r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", "-+.0123456789"),
+)
+
+
+def _core_schema(cls) -> None:
+    """Resolve booleans and numbers as YAML 1.2's core schema does, not PyYAML's YAML 1.1:
+    `yes`/`no`/`on`/`off` are text, `010` is ten (not octal eight), `1:30` is text (not
+    base 60 ninety), `1_000` is text, and `1e-6`, `2.5e6` are numbers (1.1 read them as text)."""
+    cls.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for tag, pattern, first in _CORE_SCHEMA:
+        cls.add_implicit_resolver(tag, re.compile(pattern), list(first))
+
+
+def _construct_int(loader, node) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)   # leading zeros are decimal
+
+
+def _construct_float(loader, node) -> float:
+    text = loader.construct_scalar(node).lower()
+    if text.endswith(".inf"):
+        return -math.inf if text.startswith("-") else math.inf
+    return math.nan if text == ".nan" else float(text)
 
 
 for _cls in (_UniqueKeyLoader, _ConfigDumper):
-    _cls.add_implicit_resolver("tag:yaml.org,2002:float",
-                               re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    _core_schema(_cls)
+_UniqueKeyLoader.add_constructor(_INT, _construct_int)
+_UniqueKeyLoader.add_constructor(_FLOAT, _construct_float)
 
 
 def dump_yaml(data: Any) -> str:

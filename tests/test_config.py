@@ -104,7 +104,7 @@ def test_a_number_given_for_a_text_field_says_to_quote_it(tmp_path):
     with pytest.raises(ConfigError, match=r"\(got 1.1\); YAML read a number there: quote the text "
                                           r"to keep it as typed, experiment: \"...\"$"):
         load_config(f, [], RunConfig)
-    for text, kind in (("yes", "a boolean"), ("2024-01-01", "a date")):   # YAML 1.1's readings
+    for text, kind in (("true", "a boolean"), ("2024-01-01", "a date")):
         with pytest.raises(ConfigError, match=rf"; YAML read {kind} there: quote the text to keep it as "
                                               r"typed, 'logging.experiment=\"...\"'$"):
             load_config(None, [f"logging.experiment={text}"], RunConfig)
@@ -413,12 +413,21 @@ def test_a_field_that_takes_text_and_numbers_keeps_its_text():
     assert wrong_scalar_type(float, "-inf") == "expected a finite number"
 
 
-def test_an_exponent_without_a_point_is_a_number(tmp_path):
+def test_booleans_and_numbers_are_read_as_yaml_1_2_reads_them(tmp_path):
+    """PyYAML's YAML 1.1 read `1e-6` and `2.5e6` as text, `010` as octal 8, `1:30` as base-60
+    90 and `yes`/`on` as booleans: a seed written with a leading zero became another number."""
     f = tmp_path / "c.yaml"
-    f.write_text("optim:\n  lr: 1e-6\n  eps: 1E-8\n")
-    cfg = load_config(f, ["loss.kl_coef=2e-3"], RunConfig)
-    assert (cfg.optim.lr, cfg.optim.eps, cfg.loss.kl_coef) == (1e-6, 1e-8, 2e-3)
+    f.write_text("optim:\n  lr: 1e-6\n  eps: 1E-8\n  weight_decay: 2.5e-1\nschedule:\n  seed: 010\n")
+    cfg = load_config(f, ["loss.kl_coef=2e-3", "judge.timeout_s=1.2e2", "logging.experiment=yes"], RunConfig)
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.optim.weight_decay, cfg.loss.kl_coef) == (1e-6, 1e-8, 0.25, 2e-3)
+    assert (cfg.schedule.seed, cfg.judge.timeout_s, cfg.logging.experiment) == (10, 120.0, "yes")
     assert load_config(None, ["judge.model='1e5'"], RunConfig).judge.model == "1e5"   # quoted: text
+    for override, why in (("schedule.seed=1:30", "expected a number, not a string"),
+                          ("schedule.total_updates=1_000", "expected a number, not a string"),
+                          ("model.remat=on", 'expected true or false, not "on"'),
+                          ("schedule.total_updates=4.0e0", "expected an integer, not 4.0")):
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            load_config(None, [override], RunConfig)
 
 
 def test_a_saved_config_reads_back_as_written(tmp_path):
