@@ -843,6 +843,8 @@ def test_a_resume_names_what_differs_from_the_config_its_checkpoint_trained_with
         assert main(["train", "--resume", str(run)]) == 0
     taken = train_command_calls
     assert taken["settings_notice"] == "resume changes optim.lr 5e-05 -> 7e-05"
+    assert ("config.yaml's warm_start.preset is not read on resume: the weights are the run's newest "
+            "checkpoint (it trained from warm_start.preset 'tiny')") in caplog.messages   # was silent
     # a relaunch on other hosts (mesh launch keys) changes nothing the run trains with
     assert main(["train", "--resume", str(run), "warm_start.preset=tiny", "optim.lr=5e-5",
                  "mesh.num_processes=2", "mesh.process_id=0",

@@ -58,6 +58,8 @@ def run(args) -> int:
     if trained is not None:   # what the run trained with: a hand edit of config.yaml counts too
         from jscenegen.pipeline import LAUNCH_KEYS
 
+        _warn_start_keys_edited(trained, cfg)
+
         settings_notice = _changed_settings(trained, cfg, only_saved_keys=True, ignored=(
             *START_KEYS, *(f"mesh.{key}" for key in LAUNCH_KEYS)))
     elif args.resume and args.overrides:
@@ -197,6 +199,24 @@ def _keep_saved_start(saved: dict, cfg):
             "keeps %s)", ", ".join(kept) + (" is" if len(kept) == 1 else " are"),
             ", ".join(f"{k} {before[k]!r}" for k in kept))
     return cfg
+
+
+def _warn_start_keys_edited(trained: dict, cfg) -> None:
+    """Warn when `cfg` (config.yaml, after `_keep_saved_start`) holds other START_KEYS values
+    than the config the run `trained` with: a hand edit of config.yaml's model.path is not read
+    on resume either, and went unmentioned."""
+    import logging
+
+    from jscenegen.config import dotted_items
+
+    before = dotted_items(trained)
+    edited = {k: v for k, v in dotted_items(cfg.model_dump(mode="json")).items()
+              if k.startswith(START_KEYS) and k in before and before[k] != v}
+    if edited:
+        logging.getLogger(__name__).warning(
+            "config.yaml's %s not read on resume: the weights are the run's newest checkpoint "
+            "(it trained from %s)", ", ".join(edited) + (" is" if len(edited) == 1 else " are"),
+            ", ".join(f"{k} {before[k]!r}" for k in edited))
 
 
 def _trained_config(run_dir: Path) -> dict | None:
