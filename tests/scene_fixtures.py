@@ -179,7 +179,8 @@ class JudgeServer:
     "deep" / "deep_content" (a body / message content of 200,000 nested brackets), "429after"
     (429 with Retry-After: 1), "echo" (a 200 quoting the request's Authorization header as an
     error, not a chat completion), "echo_comments" (grades whose comments quote it;
-    "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path), or an HTTP
+    "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path,
+    "echo_escaped_grade_key": as an extra grade's key, after 75 x's), "lone_surrogate_comment", or an HTTP
     status such as "401". GET /models answers 401/403 when the plan starts with one;
     "models_trickle" first: a 200 announcing 200 MB sent 1 KiB per 0.2 s; "models_slow_headers":
     a status line, then one header byte per 0.2 s without end. `times`: when each
@@ -269,6 +270,10 @@ class JudgeServer:
                             json.dumps(GOOD), "".join(f"\\u{ord(c):04x}" for c in auth)),
                         "echo_path_comments": json.dumps({"grades": GOOD, "comments": {
                             "realism": f"you asked for {self.path}"}}),
+                        "echo_escaped_grade_key": '{"grades": {%s, "%s": 5}}' % (
+                            json.dumps(GOOD)[1:-1], "x" * 75 + "".join(f"\\u{ord(c):04x}" for c in auth)),
+                        "lone_surrogate_comment": '{"grades": %s, "comments": {"realism": "\\ud800"}}' % (
+                            json.dumps(GOOD)),
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",

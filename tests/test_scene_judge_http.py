@@ -317,6 +317,26 @@ def test_a_credential_an_answer_escapes_or_the_url_percent_encodes_is_masked_too
         assert res.info["comments"] == {"realism": "you asked for /v1/chat/completions?api_key=<redacted>"}
 
 
+@pytest.mark.parametrize("server", [["echo_escaped_grade_key"]], indirect=True)
+def test_an_escaped_credential_is_masked_before_a_refusal_quotes_it(server, monkeypatch, caplog):
+    """The refusal of an extra grade key cut the key's text before it was masked: 18 of its
+    characters reached the warning and the failure's detail (helper-102)."""
+    monkeypatch.setenv("JSCENEGEN_TEST_JUDGE_KEY", KEY)
+    (res,) = make_judge(cfg(server.url, max_retries=0)).grade(requests())
+    assert res.failure == "judge_unparseable" and "not asked for ['xxxxxxxx" in res.info["detail"]
+    assert "SECRET" not in caplog.text + json.dumps(res.info) and "4f9a1c" not in caplog.text
+
+
+@pytest.mark.parametrize("server", [["lone_surrogate_comment"], ["answer"]], indirect=True)
+def test_masking_neither_crashes_on_odd_text_nor_breaks_an_answer(server):
+    """A comment holding a lone surrogate escape made the masking raise UnicodeEncodeError
+    out of the whole batch; a short URL password (`s`) was replaced inside the answer's JSON
+    (`grades` -> `grade<redacted>`), failing every episode (helper-102)."""
+    url = server.url.replace("http://", "http://user:s@")
+    (res,) = make_judge(cfg(url, api_key_env=None, max_retries=0)).grade(requests())
+    assert res.failure is None and res.grades["realism"] == 8
+
+
 @pytest.mark.parametrize("server", [["models_trickle"], ["models_slow_headers"]], indirect=True)
 def test_the_reachability_probe_is_bounded_in_time_and_reads_no_body(server, caplog):
     """A GET /models answer announcing 200 MB and sent 1 KiB at a time: the probe's timeout

@@ -97,12 +97,16 @@ def message_content(answer) -> str:
     return content
 
 
-def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]:
-    """(grades, comments) from a judge's message content. Raises JudgeAnswerError."""
+def parse_judge_content(content: str, grade_keys, mask=None) -> tuple[dict[str, int], dict]:
+    """(grades, comments) from a judge's message content, the parsed answer passed through
+    `mask` (parsed object -> object) before anything in it is checked or quoted. Raises
+    JudgeAnswerError."""
     try:
         obj = loads_json(content.strip())
     except ValueError as err:
         raise JudgeAnswerError(f"not JSON: {err}") from None
+    if mask is not None:
+        obj = mask(obj)
     if not isinstance(obj, dict) or not isinstance(obj.get("grades"), dict):
         raise JudgeAnswerError("answer must be an object with a 'grades' object")
     grades = obj["grades"]
@@ -119,6 +123,7 @@ def parse_judge_content(content: str, grade_keys) -> tuple[dict[str, int], dict]
 
 
 _WARNED_UNSET: set[str] = set()
+MASKED_RAW_MIN_CHARS = 8   # credentials shorter than this are masked in parsed text only
 
 
 def _sent_credentials(api_key: str | None, url) -> list[str]:
@@ -236,23 +241,36 @@ class HttpJudge:
                 return resp.status_code
 
     def _masked(self, raw: bytes) -> bytes:
-        """A judge's answer `raw` without the credentials the requests carry (`_secrets`): a
-        server that echoes the request's Authorization header or URL would put them, quoted in
-        a failure's detail or in the comments, into the run's logs and trajectories."""
+        """A judge's answer `raw` without the credentials the requests carry (`_secrets`) of
+        MASKED_RAW_MIN_CHARS or more: a server that echoes the request's Authorization header or
+        URL would put them, quoted in a failure's detail or in the comments, into the run's logs
+        and trajectories. (A shorter one, a short password, could match the JSON's own keys:
+        `s` in `grades`; `_masked_value` masks it in the parsed strings.)"""
         for secret in self._secrets:
-            raw = raw.replace(secret.encode(), REDACTED.encode())
+            if len(secret) >= MASKED_RAW_MIN_CHARS:
+                raw = raw.replace(secret.encode(), REDACTED.encode())
         return raw
 
-    def _masked_value(self, value: Any) -> Any:
-        """`value` (a parsed answer's part: text, lists, objects) with `_secrets` replaced in
-        every string: an answer that JSON-escapes an echoed credential (`\\u0042earer ...`)
-        passes `_masked`, and its parse restores the credential."""
+    def _masked_text(self, text: str, min_chars: int = 0) -> str:
+        """`text` with each of `_secrets` of `min_chars` or more replaced by `<redacted>`."""
+        for secret in self._secrets:
+            if len(secret) >= min_chars:
+                text = text.replace(secret, REDACTED)
+        return text
+
+    def _masked_value(self, value: Any, min_chars: int = 0) -> Any:
+        """`value` (a parsed answer: text, lists, objects) with the `_secrets` of `min_chars`
+        or more replaced in every string, and in object keys those of MASKED_RAW_MIN_CHARS or
+        more: an answer that JSON-escapes an echoed credential (`\\u0042earer ...`) passes
+        `_masked`, and its parse restores the credential. (The response body's strings are
+        masked with MASKED_RAW_MIN_CHARS: its message content is JSON text still to parse.)"""
         if isinstance(value, str):
-            return self._masked(value.encode()).decode()
+            return self._masked_text(value, min_chars)
         if isinstance(value, dict):
-            return {self._masked_value(k): self._masked_value(v) for k, v in value.items()}
+            return {self._masked_text(k, max(min_chars, MASKED_RAW_MIN_CHARS)) if isinstance(k, str) else k:
+                    self._masked_value(v, min_chars) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._masked_value(v) for v in value]
+            return [self._masked_value(v, min_chars) for v in value]
         return value
 
     def _key_text(self) -> str:
@@ -303,15 +321,16 @@ class HttpJudge:
                     break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
-                content = message_content(loads_json(self._masked(raw)))
-                grades, comments = parse_judge_content(content, self.cfg.grade_keys)
+                answer = self._masked_value(loads_json(self._masked(raw)), MASKED_RAW_MIN_CHARS)
+                grades, comments = parse_judge_content(message_content(answer), self.cfg.grade_keys,
+                                                       self._masked_value)
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
-                cause, detail = "judge_unparseable", clip_text(self._masked(str(err).encode()).decode(), 300)
+                cause, detail = "judge_unparseable", clip_text(self._masked_text(str(err)), 300)
                 continue
             if self.cfg.enforce_caps:
                 grades = apply_caps(grades, req.metrics)
             info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
-                    "comments": self._masked_value(comments)}
+                    "comments": comments}
             return JudgeResult(grades, None, info)
         log.warning("judge at %s failed for scene %s after %d attempt%s: %s (%s)",
                     shown_url(self.cfg.base_url), req.scene.scene_id, attempts,
