@@ -386,8 +386,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 class _ConfigDumper(yaml.SafeDumper):
-    """yaml.SafeDumper that quotes a string `_UniqueKeyLoader` would read as another type
-    (`3e5`, `010`, `true`)."""
+    """yaml.SafeDumper that quotes a string `_UniqueKeyLoader` (YAML 1.2) or a YAML 1.1 reader
+    (PyYAML's `safe_load`, an older jscenegen) would read as another type (`3e5`, `010`,
+    `true`, `yes`)."""
 
 
 _BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
@@ -424,8 +425,9 @@ def _construct_float(loader, node) -> float:
     return math.nan if text == ".nan" else float(text)
 
 
-for _cls in (_UniqueKeyLoader, _ConfigDumper):
-    _core_schema(_cls)
+_core_schema(_UniqueKeyLoader)
+for _tag, _pattern, _first in _CORE_SCHEMA:   # the writer also keeps YAML 1.1's quoting (`'yes'`):
+    _ConfigDumper.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))   # other readers
 _UniqueKeyLoader.add_constructor(_INT, _construct_int)
 _UniqueKeyLoader.add_constructor(_FLOAT, _construct_float)
 

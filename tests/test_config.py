@@ -362,6 +362,15 @@ def test_printed_text_escapes_controls_and_bidirectional_overrides():
         "Japandi für zwei ü \U0001F468\u200d\U0001F469"
 
 
+def test_the_http_judge_keys_are_those_the_rule_judge_does_not_read():
+    """Derived by exclusion from JudgeConfig: a new key the rule judge reads must join
+    _RULE_JUDGE_KEYS, or it is warned about as having no effect."""
+    from jscenegen.run_config import _HTTP_JUDGE_KEYS
+
+    assert _HTTP_JUDGE_KEYS == ("enforce_caps", "base_url", "model", "api_key_env", "timeout_s",
+                                "max_retries", "backoff_s", "concurrency", "temperature", "max_tokens")
+
+
 def test_keys_set_where_they_have_no_effect_are_named(caplog):
     """`judge.base_url` and `judge.model` without `judge.backend: http` graded with the rule
     judge without a word (a forgotten backend line); the shipped configs set none such."""
@@ -439,3 +448,6 @@ def test_a_saved_config_reads_back_as_written(tmp_path):
     f = tmp_path / "config.yaml"
     f.write_text(dump_yaml(cfg.model_dump(mode="json")))
     assert load_config(f, [], RunConfig) == cfg
+    import yaml  # and a YAML 1.1 reader (PyYAML's safe_load, Hydra) reads text as text
+    odd = {"a": "yes", "b": "010", "c": "1:30", "d": "2.5e6", "e": "true", "f": 1e-6, "g": True}
+    assert yaml.safe_load(dump_yaml(odd)) == odd
