@@ -331,7 +331,8 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
             lines.append(f"{where}: unknown key {clip_text(repr(key))}")
         else:
             got = e.get("input")   # a section-level check's input is the whole section: not echoed
-            shown = "" if isinstance(got, dict) else f" (got {shown_value(got)})"
+            shown = "" if isinstance(got, dict) or message.endswith(f" {shown_value(got)}") else \
+                f" (got {shown_value(got)})"   # a message that ends with the value says it already
             if got is None and where.startswith("override ") and where.rstrip().endswith("="):
                 shown = " (got no value: `key=` reads as null)"
             if e["type"] == "string_type" and (kind := _yaml_kind(got)):
