@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from jscenegen.commands import finite_float_arg, int_in, seed_arg
-from jscenegen.parity import ROW_TOKENS_MAX
+from jscenegen.parity import FLOAT32_MAX, ROW_TOKENS_MAX
 from jscenegen.paths import json_line
 
 COUNT = int_in(1, 4096)          # rows, groups, updates: parity runs are small
@@ -93,9 +93,6 @@ def register(sub) -> None:
     tr.add_argument("--temperature", type=float, default=1.0)
     _add_common(tr)
     tr.set_defaults(func=run_train)
-
-
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _float32_arg(text: str) -> float:

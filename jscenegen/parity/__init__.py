@@ -1,6 +1,7 @@
 """Numbers against the torch baseline (logits, one GRPO step, N updates)."""
 
 ROW_TOKENS_MAX = 1 << 16   # tokens of one parity row (--seq, one recorded trajectory)
+FLOAT32_MAX = 3.4028234663852886e38   # numpy.finfo(numpy.float32).max: what both engines read
 
 
 def torch_memory_floor(cfg, rows: int, seq: int, backward: bool) -> int:

@@ -38,7 +38,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from jscenegen.config import shown_value, validation_message
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout.engine import Trajectory
-from jscenegen.parity import ROW_TOKENS_MAX
+from jscenegen.parity import FLOAT32_MAX, ROW_TOKENS_MAX
 from jscenegen.paths import atomic_file, not_a_file
 from jscenegen.sharding.rules import round_up
 
@@ -123,7 +123,7 @@ def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> 
 
 
 def _within_float32(x: float) -> float:
-    if abs(x) > float(np.finfo(np.float32).max):
+    if abs(x) > FLOAT32_MAX:
         raise ValueError(f"{x!r} is beyond float32's range (+-3.4e38), in which both engines read it")
     return x
 
