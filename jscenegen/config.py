@@ -87,8 +87,8 @@ class PlainModel(BaseModel):
     and a value has the type its field declares, alone or in a list, never one pydantic's lax
     mode converts (`wrong_scalar_type`: `fsdp: true` read as 1, `betas: [false, 0.999]` as 0.0,
     `"yaw": "90"` as 90 degrees, `total_updates: 2.0` as 2, `remat: 0` as false); every
-    string is Unicode text (no lone surrogate, which no tokenizer or file encodes). YAML reads
-    `1e-6` as a number here (`_UniqueKeyLoader`; YAML 1.1 read it as a string)."""
+    string is Unicode text (no lone surrogate, which no tokenizer or file encodes). YAML
+    configs are read with YAML 1.2's booleans and numbers (`_core_schema`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -190,8 +190,7 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {clip_text(repr(item))} is not of the form key.sub=value")
-        key, parsed = override_key(item), _parse_value(item.split("=", 1)[1], item)
-        for leaf, value in _override_leaves(key, parsed).items():
+        for leaf, value in _override_settings(item).items():
             if leaf in given:
                 raise ConfigError(f"override {clip_text(item)}: {clip_text(leaf)} is already set "
                                   f"by override {clip_text(given[leaf])}; give each key once")
@@ -211,9 +210,12 @@ def override_leaf_keys(item: str) -> list[str]:
     """The dotted keys override `item` sets (`apply_overrides`): its key, or its mapping
     value's keys one by one (`sampling={top_k: 5}` sets `sampling.top_k`); none for an item
     without `=` (which `apply_overrides` refuses)."""
-    if "=" not in item:
-        return []
-    return list(_override_leaves(override_key(item), _parse_value(item.split("=", 1)[1], item)))
+    return list(_override_settings(item)) if "=" in item else []
+
+
+def _override_settings(item: str) -> dict[str, Any]:
+    """{dotted key: value} the `key=value` override `item` sets (its value parsed as YAML)."""
+    return _override_leaves(override_key(item), _parse_value(item.split("=", 1)[1], item))
 
 
 def _override_leaves(key: str, value: Any) -> dict[str, Any]:
@@ -401,13 +403,15 @@ _CORE_SCHEMA = (   # YAML 1.2.2, 10.3.2: (tag, pattern, the characters a match c
 )
 
 
-def _core_schema(cls) -> None:
+def _core_schema(cls, *, keep_yaml_1_1: bool = False) -> None:
     """Resolve booleans and numbers as YAML 1.2's core schema does, not PyYAML's YAML 1.1:
     `yes`/`no`/`on`/`off` are text, `010` is ten (not octal eight), `1:30` is text (not
-    base 60 ninety), `1_000` is text, and `1e-6`, `2.5e6` are numbers (1.1 read them as text)."""
-    cls.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    base 60 ninety), `1_000` is text, and `1e-6`, `2.5e6` are numbers (1.1 read them as text).
+    `keep_yaml_1_1` (a dumper) resolves both ways, so it quotes what either reading types."""
+    if not keep_yaml_1_1:
+        cls.yaml_implicit_resolvers = {
+            first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     for tag, pattern, first in _CORE_SCHEMA:
         cls.add_implicit_resolver(tag, re.compile(pattern), list(first))
 
@@ -427,8 +431,7 @@ def _construct_float(loader, node) -> float:
 
 
 _core_schema(_UniqueKeyLoader)
-for _tag, _pattern, _first in _CORE_SCHEMA:   # the writer also keeps YAML 1.1's quoting (`'yes'`):
-    _ConfigDumper.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))   # other readers
+_core_schema(_ConfigDumper, keep_yaml_1_1=True)   # other readers of config.yaml read YAML 1.1
 _UniqueKeyLoader.add_constructor(_INT, _construct_int)
 _UniqueKeyLoader.add_constructor(_FLOAT, _construct_float)
 
@@ -436,6 +439,7 @@ _UniqueKeyLoader.add_constructor(_FLOAT, _construct_float)
 def dump_yaml(data: Any) -> str:
     """`data` as YAML text that `read_yaml` reads back as the same values (keys in order)."""
     return yaml.dump(data, Dumper=_ConfigDumper, sort_keys=False)
+
 
 MAX_YAML_NODES = 1_000_000   # values after aliases are expanded: far above any config
 MAX_CONFIG_BYTES = 2**20  # the shipped configs are ~2-5 KB; PyYAML's pure-Python loader takes
