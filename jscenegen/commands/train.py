@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.commands import positive_int_arg
@@ -182,9 +183,7 @@ def _keep_saved_start(saved: dict, cfg):
 
     before, data = dotted_items(saved), cfg.model_dump(mode="json")
     kept = []
-    for key, value in dotted_items(data).items():
-        if not (key.startswith(START_KEYS) and key in before and before[key] != value):
-            continue
+    for key in _start_keys_differing(before, cfg):
         trial = copy.deepcopy(data)
         set_dotted(trial, key, before[key])
         try:
@@ -196,8 +195,7 @@ def _keep_saved_start(saved: dict, cfg):
     if kept:
         logging.getLogger(__name__).warning(
             "%s not read on resume: the weights are the run's newest checkpoint (config.yaml "
-            "keeps %s)", ", ".join(kept) + (" is" if len(kept) == 1 else " are"),
-            ", ".join(f"{k} {before[k]!r}" for k in kept))
+            "keeps %s)", _keys_are(kept), ", ".join(f"{k} {before[k]!r}" for k in kept))
     return cfg
 
 
@@ -210,13 +208,23 @@ def _warn_start_keys_edited(trained: dict, cfg) -> None:
     from jscenegen.config import dotted_items
 
     before = dotted_items(trained)
-    edited = {k: v for k, v in dotted_items(cfg.model_dump(mode="json")).items()
-              if k.startswith(START_KEYS) and k in before and before[k] != v}
-    if edited:
+    if edited := _start_keys_differing(before, cfg):
         logging.getLogger(__name__).warning(
             "config.yaml's %s not read on resume: the weights are the run's newest checkpoint "
-            "(it trained from %s)", ", ".join(edited) + (" is" if len(edited) == 1 else " are"),
-            ", ".join(f"{k} {before[k]!r}" for k in edited))
+            "(it trained from %s)", _keys_are(edited), ", ".join(f"{k} {before[k]!r}" for k in edited))
+
+
+def _start_keys_differing(before: dict[str, Any], cfg) -> list[str]:
+    """The dotted START_KEYS that `before` ({dotted key: value}) holds with another value than
+    `cfg` has."""
+    from jscenegen.config import dotted_items
+
+    return [key for key, value in dotted_items(cfg.model_dump(mode="json")).items()
+            if key.startswith(START_KEYS) and key in before and before[key] != value]
+
+
+def _keys_are(keys: list[str]) -> str:
+    return ", ".join(keys) + (" is" if len(keys) == 1 else " are")
 
 
 def _trained_config(run_dir: Path) -> dict | None:
