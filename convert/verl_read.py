@@ -300,6 +300,14 @@ def _group_difference(groups: list[dict], reference: list[dict]) -> str | None:
     return None
 
 
+def _bits(t: Any) -> Any:
+    """A tensor's bytes as a flat uint8 tensor (compared bit for bit: unlike values, a NaN
+    equals itself and -0.0 differs from 0.0)."""
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def _check_fsdp_config(f: Path, world_size: int) -> None:
     if not os.path.lexists(f):
         return  # checkpoints before VERL 0.4.1 lack it; the file names carry W
@@ -459,21 +467,19 @@ class VerlCheckpoint:
         if not isinstance(entries[0], DTensor):
             return self._gather_plain(kind, key, entries, shape, check)
         dim, locals_ = self._local_shards(kind, key, entries, shape)
-        if dim is None:   # rank 0's copy first: a NaN would read as a copy that differs
-            self._check_values(kind, key, 0, entries[0]._local_tensor, check)
+        if dim is None:   # Replicate: rank 0's copy is the tensor
+            a = self._check_values(kind, key, 0, entries[0]._local_tensor, check)
             self._check_replicas(kind, key, [e._local_tensor for e in entries])
+            return np.array(a)
         full = np.empty(shape, dtype=to_numpy(locals_[0]).dtype)
         start = 0
         for r, t in enumerate(locals_):  # shard by shard: one sequential bulk read each, then release it
             storage = t.untyped_storage()
             pages.will_need(storage.data_ptr(), storage.nbytes())
             a = self._check_values(kind, key, r, t, check)
-            if dim is None:  # Replicate: rank 0's copy is the tensor
-                full[...] = a
-            else:
-                stop = start + a.shape[dim]
-                full[(slice(None),) * dim + (slice(start, stop),)] = a
-                start = stop
+            stop = start + a.shape[dim]
+            full[(slice(None),) * dim + (slice(start, stop),)] = a
+            start = stop
             pages.dont_need(storage.data_ptr(), storage.nbytes())
         return full
 
@@ -589,7 +595,7 @@ class VerlCheckpoint:
         first = entries[0]
         for r, t in enumerate(entries):
             self._check_plain(self.layout.rank_file(kind, r), key, t, shape, first if r else None)
-        a = self._check_values(kind, key, 0, first, check)   # before the copies are compared
+        a = self._check_values(kind, key, 0, first, check)
         self._check_replicas(kind, key, entries)
         return np.array(a)
 
@@ -605,12 +611,12 @@ class VerlCheckpoint:
 
     def _check_replicas(self, kind: str, key: str, copies: list[Any]) -> None:
         """Refuse a replicated tensor (a plain one, or a Replicate() DTensor's local copies)
-        whose copy on some rank differs from rank 0's; when one of the two fails its CRC-32,
-        that file is named instead."""
-        import torch
-
+        whose copy on some rank differs from rank 0's in any bit (a NaN equals the same NaN,
+        -0.0 differs from 0.0); when one of the two fails its CRC-32, that file is named
+        instead."""
+        reference = _bits(copies[0])
         for r, t in enumerate(copies[1:], 1):
-            if not torch.equal(t, copies[0]):
+            if not _bits(t).equal(reference):
                 for rank, copy in ((0, copies[0]), (r, t)):
                     self._crcs[(kind, rank)].check(copy.untyped_storage(), key)
                 raise ConvertError(f"{self.layout.rank_file(kind, r)}: replicated {key} differs "

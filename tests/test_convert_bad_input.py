@@ -595,6 +595,37 @@ def test_per_rank_copies_that_disagree_are_refused(actor, tmp_path):
     _assert_nothing_written(tmp_path)
 
 
+def test_replicated_copies_are_compared_bit_for_bit(actor, tmp_path):
+    """Replicas compared by value read a NaN every rank holds as a copy that differs, and let
+    -0.0 on one rank pass as 0.0."""
+    import torch
+    from safetensors.numpy import load_file
+    from torch.distributed.tensor import Replicate
+
+    name = "model.norm.weight"
+    full = torch.cat([load_pt(actor / f"model_world_size_6_rank_{r}.pt", mmap=False)[name]._local_tensor
+                      for r in range(6)])
+
+    def replicate_with_first(value_on_rank):
+        for r in range(6):
+            def change(sd):
+                t, copy = sd[name], full.clone()
+                copy[0] = value_on_rank(r)
+                sd[name] = type(t).from_local(copy, t.device_mesh, [Replicate()], run_check=False,
+                                              shape=t.shape, stride=t.stride())
+            _edit(actor / f"model_world_size_6_rank_{r}.pt", change)
+
+    replicate_with_first(lambda r: float("nan"))
+    verl_to_hf(actor, tmp_path / "out")
+    carried = load_file(next((tmp_path / "out").glob("*.safetensors")))[name]
+    assert np.isnan(carried[0]) and np.array_equal(carried[1:], full[1:].numpy())
+    replicate_with_first(lambda r: -0.0 if r == 2 else 0.0)
+    with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_2\.pt: replicated {name} "
+                                           r"differs from rank 0's copy"):
+        verl_to_hf(actor, tmp_path / "out2")
+    _assert_nothing_written(tmp_path, "out2")
+
+
 def test_half_precision_moments_widen_and_float64_shards_are_named(actor, tmp_path):
     import torch
 
