@@ -127,6 +127,20 @@ def test_policy_loss_clip_cases():
     assert float(met["ratio_max"]) == pytest.approx(5.0, rel=1e-6)
 
 
+def test_a_ratio_exactly_on_a_clip_bound_gets_torch_clamps_gradient():
+    """jnp.clip passes half the gradient at a bound, torch.clamp all of it: a token whose
+    float32 ratio was exactly 1 + clip_high or 1 - clip_low got 3/4 of VERL's gradient."""
+    on_bounds = np.log(np.array([[1.2, 0.8]], np.float32))
+    assert np.all(np.asarray(jnp.exp(on_bounds)) == np.array([[1.2, 0.8]], np.float32))
+    for adv in (1.0, -1.0):
+        a = np.full_like(on_bounds, adv)
+        old, mask = np.zeros_like(on_bounds), np.ones_like(on_bounds)
+        grad = jax.grad(lambda lp: policy_loss(lp, old, a, mask, 0.2, 0.2, 3.0, "token-sum")[0])(on_bounds)
+        lp = t(on_bounds).requires_grad_(True)
+        ref.agg_loss(ref.policy_loss_terms(lp, t(old), t(a), 0.2, 0.2, 3.0)[0], t(mask), "token-sum").backward()
+        np.testing.assert_allclose(np.asarray(grad), lp.grad.numpy(), rtol=1e-6)
+
+
 @settings(max_examples=10, deadline=None)
 @given(logp=arrays(np.float32, (B, T), elements=st.floats(-10, 0, width=32, allow_subnormal=False)),
        delta=arrays(np.float32, (B, T), elements=st.one_of(st.floats(-2, 2, width=32, allow_subnormal=False),
