@@ -7,7 +7,8 @@ through the atomic writers here: a temporary sibling is written and renamed over
 or, for a new one, those a plain open()/mkdir() would give (the umask's); a failure leaves the
 target as it was and removes the temporary. A target that is not a regular file (a symbolic
 link, a device such as /dev/null, a named pipe) is refused, never replaced.
-A full disk is `DiskFullError`: one line naming the directory and the bytes needed.
+A full disk (or quota, or file-size limit) is `DiskFullError`: one line naming the directory
+and the bytes needed.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import logging
 import math
 import os
+import resource
 import shutil
 import stat
 import sys
@@ -28,19 +30,36 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_FOLDERS = ("configs", "data")   # under PROJECT_ROOT: files no command output may replace
 
 
-class DiskFullError(OSError):
-    """No space left on device (errno ENOSPC); the message names the directory, the bytes the
-    write needs (when known) and the bytes free."""
+# errno -> (the C library's text for it, as tensorstore quotes it; what the message says)
+STORAGE_LIMITS = {
+    errno.ENOSPC: ("No space left on device", "no space left on device"),
+    errno.EDQUOT: ("Disk quota exceeded", "disk quota exceeded"),
+    errno.EFBIG: ("File too large", "file-size limit (ulimit -f) reached"),
+}
 
-    def __init__(self, directory: str | Path, needed_bytes: int | None, what: str = "the write"):
+
+class DiskFullError(OSError):
+    """A write stopped by a storage limit: no space left (ENOSPC), a disk quota (EDQUOT) or the
+    process's file-size limit (EFBIG); `errno` says which. The message names the directory,
+    the bytes the write needs (when known) and the bytes free."""
+
+    def __init__(self, directory: str | Path, needed_bytes: int | None, what: str = "the write",
+                 code: int = errno.ENOSPC):
         self.directory, self.needed_bytes = Path(directory), needed_bytes
-        try:
-            free = f"{shutil.disk_usage(_existing(self.directory)).free:,} bytes free"
-        except OSError:
-            free = "free space unknown"
         needs = f"needs {needed_bytes:,} bytes" if needed_bytes is not None else "needs more space"
-        super().__init__(errno.ENOSPC, f"no space left on device in {self.directory}: {what} "
-                                       f"{needs} ({free}); free some space or write elsewhere")
+        if code == errno.EFBIG:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            have = ("no limit now" if limit == resource.RLIM_INFINITY
+                    else f"the limit is {limit:,} bytes per file")
+            advice = "raise the limit or write elsewhere"
+        else:
+            try:
+                have = f"{shutil.disk_usage(_existing(self.directory)).free:,} bytes free"
+            except OSError:
+                have = "free space unknown"
+            advice = "free some space or write elsewhere"
+        super().__init__(code, f"{STORAGE_LIMITS[code][1]} in {self.directory}: {what} {needs} "
+                               f"({have}); {advice}")
 
     def __str__(self) -> str:
         return self.strerror
@@ -68,19 +87,21 @@ def _name_max(where: Path) -> int:
         return 255
 
 
-def is_disk_full(err: BaseException | None) -> bool:
-    """True when `err` or an exception it was raised from is a full disk: an OSError with errno
-    ENOSPC, or a library error carrying one in its text (tensorstore/orbax: "No space left on
-    device [os_error_code='28']")."""
+def storage_limit(err: BaseException | None) -> int | None:
+    """The STORAGE_LIMITS errno (ENOSPC, EDQUOT, EFBIG) that stopped a write, when `err` or an
+    exception it was raised from carries one: an OSError's errno, or a library error's text
+    (tensorstore/orbax: "File too large [os_error_code='27']"); else None."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(err):
-            return True
+        if isinstance(err, OSError) and err.errno in STORAGE_LIMITS:
+            return err.errno
+        text = str(err)
+        for code, (libc_text, _) in STORAGE_LIMITS.items():
+            if libc_text in text:
+                return code
         err = err.__cause__ or err.__context__
-    return False
+    return None
 
 
 def resolve_data_path(path: str | Path) -> Path:
@@ -302,8 +323,8 @@ def umask_mode(path: str | Path) -> None:
 def write_text(path: str | Path, text: str) -> None:
     """Write `text` to `path` atomically (temporary file, fsync, rename).
 
-    Raises DiskFullError (naming the directory and the bytes needed) when the disk is full;
-    `path` is then left as it was and the temporary removed.
+    Raises DiskFullError (naming the directory and the bytes needed) when a storage limit
+    (STORAGE_LIMITS) stops the write; `path` is then left as it was and the temporary removed.
     """
     try:
         with atomic_file(path) as tmp, open(tmp, "w") as f:
@@ -311,9 +332,10 @@ def write_text(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as err:
-        if err.errno != errno.ENOSPC or isinstance(err, DiskFullError):
+        if err.errno not in STORAGE_LIMITS or isinstance(err, DiskFullError):
             raise
-        raise DiskFullError(Path(path).parent, len(text.encode()), f"writing {Path(path).name}") from None
+        raise DiskFullError(Path(path).parent, len(text.encode()), f"writing {Path(path).name}",
+                            err.errno) from None
 
 
 def is_decimal(text: str) -> bool:

@@ -434,6 +434,44 @@ def test_a_full_disk_names_the_directory_and_bytes_and_removes_the_failed_save(
     assert store.latest_valid_step() == 2
 
 
+_LIMITED_SAVE = textwrap.dedent("""
+    import logging, resource, sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    import test_checkpoint as t
+    from jscenegen.checkpoint.store import CheckpointStore
+    from jscenegen.cli import error_line
+    from jscenegen.paths import DiskFullError
+    logging.basicConfig(level=logging.WARNING)
+    mesh = jax.make_mesh((3, 2), ("fsdp", "sp"))
+    store = CheckpointStore(sys.argv[1], keep_last=2)
+    t.save_step(store, 1, mesh, sys.argv[2], seed=1)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        t.save_step(store, 2, mesh, sys.argv[2], seed=2)
+    except DiskFullError as err:
+        print(error_line(err))
+""")
+
+
+def test_a_file_size_limit_during_a_save_is_one_line_and_leaves_nothing(tmp_path, hf_dir):
+    """The file-size limit (EFBIG, `ulimit -f`) hit by tensorstore's writers: the save raised
+    orbax's raw OUT_OF_RANGE error, asyncio printed a traceback per writer task ('exception was
+    never retrieved'), and the temporary directory stayed."""
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="6", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    run_dir = tmp_path / "checkpoints"
+    out = subprocess.run([sys.executable, "-c", _LIMITED_SAVE.format(tests=str(Path(__file__).parent)),
+                          str(run_dir), str(hf_dir)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
+    assert out.stdout.startswith(f"file-size limit (ulimit -f) reached in {run_dir}: checkpoint step 2 "
+                                 "needs "), out.stdout
+    assert out.stdout.endswith(" bytes (the limit is 2,000 bytes per file); raise the limit or write "
+                               "elsewhere\n"), out.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == ["1"]
+    assert CheckpointStore(run_dir).latest_valid_step() == 1
+
+
 def test_metadata_never_holds_a_credential(tmp_path, mesh32, hf_dir, monkeypatch):
     env_secret = "sk-env-FAKE-0123456789abcdef"
     cfg_secret = "sk-cfg-FAKE-fedcba9876543210"

@@ -2,6 +2,7 @@
 import os
 import stat
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -175,6 +176,34 @@ def test_a_full_disk_while_writing_names_the_file(tmp_path):
     assert info.value.filename == str(tmp_path / "scene.json")
     assert error_line(info.value) == (f"no space left on device in {tmp_path} writing "
                                       f"{tmp_path / 'scene.json'}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_storage_limits_are_read_from_errno_or_a_librarys_text(tmp_path):
+    import errno
+
+    from jscenegen.paths import DiskFullError, storage_limit, write_text
+
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        assert storage_limit(OSError(code, os.strerror(code))) == code
+        try:
+            raise ValueError(f'OUT_OF_RANGE: Failed writing: {os.strerror(code)} [os_error_code={code}]')
+        except ValueError as inner:
+            try:
+                raise RuntimeError("the save failed") from inner
+            except RuntimeError as outer:
+                assert storage_limit(outer) == code
+    assert storage_limit(OSError(errno.EACCES, "Permission denied")) is None
+    assert storage_limit(None) is None
+
+    def limited_write(*args):
+        raise OSError(errno.EFBIG, "File too large")
+
+    with mock.patch("os.fsync", limited_write), pytest.raises(DiskFullError) as info:
+        write_text(tmp_path / "scene.json", "{}")
+    assert info.value.errno == errno.EFBIG
+    assert str(info.value).startswith(f"file-size limit (ulimit -f) reached in {tmp_path}: writing "
+                                      "scene.json needs 2 bytes (")
     assert list(tmp_path.iterdir()) == []
 
 

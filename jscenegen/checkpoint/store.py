@@ -51,6 +51,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -65,7 +66,15 @@ from jscenegen.checkpoint.metadata import redact
 from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.model.config import config_with_dtype
 from jscenegen.model.dtypes import majority_dtype
-from jscenegen.paths import DiskFullError, is_decimal, is_disk_full, loads_json, read_json_object, write_json
+from jscenegen.paths import (
+    STORAGE_LIMITS,
+    DiskFullError,
+    is_decimal,
+    loads_json,
+    read_json_object,
+    storage_limit,
+    write_json,
+)
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 
@@ -321,21 +330,24 @@ def _check_hf_assets(src: Path) -> None:
 
 
 class _RecordsTheStoreReports(logging.Filter):
-    """Drops orbax records for what the store reports itself, in one line: a full disk (its
-    error records, with tracebacks, one per writer thread; the store raises DiskFullError) and
-    a step directory without orbax's metadata (logged at every listing and restore; the store
-    names the incomplete step and what it lacks)."""
+    """Drops orbax's (and asyncio's, for orbax's writer tasks) records for what the store
+    reports itself, in one line: a storage limit hit (error records with tracebacks, one per
+    writer thread or task; the store raises DiskFullError) and a step directory without orbax's
+    metadata (logged at every listing and restore; the store names the incomplete step and
+    what it lacks)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         message = record.getMessage()
-        return not (is_disk_full(exc) or "No space left on device" in message
+        return not (storage_limit(exc) is not None
+                    or any(text in message for text, _ in STORAGE_LIMITS.values())
                     or message.startswith("Metadata file does not exist"))
 
 
-_ORBAX_LOG = logging.getLogger("absl")
-if not any(isinstance(f, _RecordsTheStoreReports) for f in _ORBAX_LOG.filters):
-    _ORBAX_LOG.addFilter(_RecordsTheStoreReports())
+for _name in ("absl", "asyncio"):
+    _log = logging.getLogger(_name)
+    if not any(isinstance(f, _RecordsTheStoreReports) for f in _log.filters):
+        _log.addFilter(_RecordsTheStoreReports())
 
 
 def _quiet_closed_loop_callbacks() -> None:
@@ -358,6 +370,9 @@ def _quiet_closed_loop_callbacks() -> None:
 
 
 _quiet_closed_loop_callbacks()
+# a save stopped by a storage limit or a signal leaves orbax's unstarted per-array write tasks,
+# each reported when collected (often at exit) as a 'never awaited' RuntimeWarning
+warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host\.", category=RuntimeWarning)
 
 
 def _one_line(text: str | None) -> str:
@@ -824,9 +839,11 @@ class CheckpointStore:
             raise
 
     def _raise_if_disk_full(self, err: Exception, step: int, needed: int) -> None:
-        """After a failed save of `step`: on a full disk, remove what the save left (orbax's
-        temporary directory, an incomplete step) and raise DiskFullError; else return."""
-        if not is_disk_full(err):
+        """After a failed save of `step`: when a storage limit stopped it (STORAGE_LIMITS: a
+        full disk, a quota, the file-size limit), remove what the save left (orbax's temporary
+        directory, an incomplete step) and raise DiskFullError; else return."""
+        code = storage_limit(err)
+        if code is None:
             return
         if jax.process_index() == 0:
             for tmp in self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"):
@@ -835,7 +852,7 @@ class CheckpointStore:
             if path.exists() and not (path / CHECKSUMS_NAME).is_file():
                 shutil.rmtree(path, ignore_errors=True)
         self._manager.reload()
-        raise DiskFullError(self.directory, needed, f"checkpoint step {step}") from None
+        raise DiskFullError(self.directory, needed, f"checkpoint step {step}", code) from None
 
     def close(self) -> None:
         """Finish any pending save and release orbax's resources."""
