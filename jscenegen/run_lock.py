@@ -120,6 +120,25 @@ def live_holder(run_dir: str | Path) -> Holder | None:
     return holder
 
 
+def refuse_if_in_use(run_dir: str | Path) -> None:
+    """Raise RunLockedError (naming the process) when another process that is, or may be,
+    alive holds `run_dir`'s lock: checked before a command says what it will do there."""
+    holder = read_holder(run_dir)
+    if holder is not None and not holder.is_this_process():
+        _refuse_a_live_holder(Path(run_dir), holder)
+
+
+def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
+    alive = holder.alive()
+    if alive is None:
+        raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; it cannot be checked "
+                             f"from this host: wait for it to end, use another --run-dir, or "
+                             f"delete {run_dir / LOCK_NAME} once that process is gone")
+    if alive:
+        raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; wait for it to end or "
+                             "use another --run-dir")
+
+
 class RunLock:
     """The lock on one run directory; `acquire` takes it, `release` (or `with`) gives it back."""
 
@@ -214,14 +233,7 @@ class RunLock:
         if holder.is_this_process():
             raise RunLockedError(f"{self.run_dir} is already locked by this process "
                                  f"({self.path}); one trainer per run directory")
-        alive = holder.alive()
-        if alive is None:
-            raise RunLockedError(f"{self.run_dir} is in use by {holder.describe()}; it cannot "
-                                 f"be checked from this host: wait for it to end, use another "
-                                 f"--run-dir, or delete {self.path} once that process is gone")
-        if alive:
-            raise RunLockedError(f"{self.run_dir} is in use by {holder.describe()}; wait for it "
-                                 f"to end or use another --run-dir")
+        _refuse_a_live_holder(self.run_dir, holder)
         stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
         try:
             os.replace(self.path, stale)

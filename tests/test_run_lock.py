@@ -51,6 +51,18 @@ def test_a_second_process_is_refused_with_the_holder_named(holder, capsys):
     assert not tmp.exists()
 
 
+def test_a_resume_of_a_run_in_use_says_only_that(holder, capsys):
+    """A run stopped before its first checkpoint, resumed while another process holds it:
+    `train --resume` announced it was starting the run again, then refused."""
+    run_dir, child = holder
+    (run_dir / "run.json").write_text(json.dumps({"model_dir": "m", "config_source": "c.yaml"}))
+    (run_dir / "config.yaml").write_text("optim: {lr: 1.0e-6}\n")
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    assert capsys.readouterr().err == (f"error: {run_dir} is in use by pid {child.pid} on host "
+                                       f"{socket.gethostname()} (since {read_holder(run_dir).started_utc}); "
+                                       "wait for it to end or use another --run-dir\n")
+
+
 def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -107,6 +107,7 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     from jscenegen.checkpoint.resume import read_run_record
     from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
     from jscenegen.paths import not_a_file
+    from jscenegen.run_lock import refuse_if_in_use
     from jscenegen.text import terminal_line
 
     if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
@@ -152,6 +153,7 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     config_path = args.config or saved
     config_source = str(config_path)
     if afresh:   # a new start with the run's config
+        refuse_if_in_use(run_dir)   # before saying it starts again
         if not args.config:
             config_source = record["config_source"] or config_source
         print(terminal_line(f"{run_dir} has no checkpoint (stopped before its first was saved): "
