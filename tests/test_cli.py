@@ -995,7 +995,8 @@ def test_sft_never_replaces_a_directory_beside_its_output(tmp_path, capsys):
     assert main(argv) == 2
     assert one_error_line(capsys) == (
         f"error: {tmp_path / 'o-init'}: the fresh model sft makes next to --out (no --model "
-        "given) already exists; start from it with --model, or choose another --out")
+        "given) already exists (a killed sft leaves it); start from it with --model, delete it, "
+        "or choose another --out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o-init"]
     assert (tmp_path / "o-init" / "precious").read_text() == "keep"
 

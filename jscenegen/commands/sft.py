@@ -65,8 +65,8 @@ def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
         model_dir = out.parent / f"{out.name}-init"
         if model_dir.exists() and not (model_dir.is_dir() and not any(model_dir.iterdir())):
             raise FileExistsError(f"{model_dir}: the fresh model sft makes next to --out (no "
-                                  "--model given) already exists; start from it with --model, "
-                                  "or choose another --out")
+                                  "--model given) already exists (a killed sft leaves it); start "
+                                  "from it with --model, delete it, or choose another --out")
         require_new_dir(model_dir)
         made_here = not model_dir.exists()
         init_model_dir(model_dir, arch=cfg.sft.init_arch, preset=cfg.sft.init_preset,
