@@ -15,8 +15,8 @@ from typing import Any
 
 from convert.errors import ConvertError, require_source_dir
 from convert.verl_read import looks_like_verl
+from jscenegen.checkpoint import is_step_name
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME
-from jscenegen.paths import is_decimal
 
 
 def describe(path: str | Path) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def verify_run(path: Path) -> tuple[list[int], list[int], int]:
 
 def _orbax_steps(path: Path) -> list[Path]:
     return [p for p in islice(path.iterdir(), _SCAN_LIMIT)
-            if is_decimal(p.name) and (p / "params").is_dir()]
+            if is_step_name(p.name) and (p / "params").is_dir()]
 
 
 def checkpoint_format(path: Path) -> str | None:
@@ -196,7 +196,7 @@ def describe_orbax(path: Path) -> dict[str, Any]:
 
     shapes = ckpt.array_shapes(path, "params")
     meta = ckpt.read_metadata(path) if (path / ckpt.METADATA_NAME).is_file() else {}
-    return {"format": "orbax", "step": int(path.name) if is_decimal(path.name) else None,
+    return {"format": "orbax", "step": int(path.name) if is_step_name(path.name) else None,
             "tensors": len(shapes), "dtypes": dict(Counter(str(d) for _, d in shapes.values())),
             "adam_state_tensors": len(ckpt.array_shapes(path, "mu")),
             "frozen_tensors": len(meta.get("frozen_tensors") or ()),

@@ -434,6 +434,21 @@ def test_a_full_disk_names_the_directory_and_bytes_and_removes_the_failed_save(
     assert store.latest_valid_step() == 2
 
 
+def test_a_zero_padded_copy_of_a_step_is_not_read_as_that_step(tmp_path, mesh32, hf_dir, caplog):
+    """`checkpoints/09` (a hand copy) read as step 9, then warned that `checkpoints/9` does not
+    exist; nothing writes such names, so they are left alone as foreign entries."""
+    import shutil
+
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    shutil.copytree(store.step_path(1), store.directory / "09")
+    with caplog.at_level("WARNING"):
+        assert store.steps() == [1] and store.latest_valid_step() == 1
+    assert caplog.messages == []
+    save_step(store, 2, mesh32, hf_dir, seed=2)
+    assert sorted(p.name for p in store.directory.iterdir()) == ["09", "1", "2"]
+
+
 _LIMITED_SAVE = textwrap.dedent("""
     import logging, resource, sys
     import jax

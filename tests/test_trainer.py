@@ -667,6 +667,13 @@ def test_run_logs_are_cut_back_to_the_resumed_attempt_and_a_torn_last_row_droppe
     with caplog.at_level("WARNING"):
         truncate_run_logs(tmp_path, 3)
     assert caplog.messages == []
+    # a run killed during an earlier cut-back left its temporary: removed, nothing else
+    (tmp_path / ".metrics.jsonl.k1ll3d.tmp").write_text(rows[3] + "\n")
+    (tmp_path / ".trajectories.jsonl.a2b3c4.tmp").write_text("")
+    (tmp_path / ".metrics.jsonl.notes").write_text("mine")
+    truncate_run_logs(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".metrics.jsonl.notes", "metrics.jsonl",
+                                                          "trajectories.jsonl"]
     (tmp_path / "metrics.jsonl").write_text('{"attempt": 0}\nnot json\n{"attempt": 1}\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON row"):
         truncate_run_logs(tmp_path, 1)

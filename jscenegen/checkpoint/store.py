@@ -60,6 +60,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
+from jscenegen.checkpoint import is_step_name
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.lazy_array import LazyArray, cancel_on_interrupt  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
@@ -69,7 +70,6 @@ from jscenegen.model.dtypes import majority_dtype
 from jscenegen.paths import (
     STORAGE_LIMITS,
     DiskFullError,
-    is_decimal,
     loads_json,
     read_json_object,
     storage_limit,
@@ -386,7 +386,7 @@ def step_numbers(directory: str | Path) -> list[int]:
     d = Path(directory)
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir() if is_decimal(p.name) and p.is_dir())
+    return sorted(int(p.name) for p in d.iterdir() if is_step_name(p.name) and p.is_dir())
 
 
 def finished_saves(directory: str | Path) -> list[Path]:
@@ -400,7 +400,7 @@ def finished_saves(directory: str | Path) -> list[Path]:
     if not d.is_dir():
         return []
     return sorted(p for p in d.iterdir() if CORRUPT_MARK in p.name
-                  or (is_decimal(p.name) and (p / CHECKSUMS_NAME).exists()))
+                  or (is_step_name(p.name) and (p / CHECKSUMS_NAME).exists()))
 
 
 def newest_complete_step(directory: str | Path) -> tuple[StepStatus | None, list[StepStatus]]:
@@ -437,7 +437,7 @@ def check_step_entries(directory: str | Path) -> None:
     d = Path(directory)
     if not d.is_dir():
         return
-    bad = sorted((p for p in d.iterdir() if is_decimal(p.name) and (p.is_symlink() or not p.is_dir())),
+    bad = sorted((p for p in d.iterdir() if is_step_name(p.name) and (p.is_symlink() or not p.is_dir())),
                  key=lambda p: int(p.name))
     if bad:
         what = "a symbolic link" if bad[0].is_symlink() else "not a directory"
@@ -477,7 +477,7 @@ def check_step(path: str | Path, *, hash_files: bool = True) -> StepStatus:
     `hash_files`), with no unlisted files. `reason` names the first failing check and files.
     """
     path = Path(path)
-    step = int(path.name) if is_decimal(path.name) else -1
+    step = int(path.name) if is_step_name(path.name) else -1
     if not path.is_dir():
         return StepStatus(step, path, False, f"{path} is not a directory" if path.exists()
                           else f"{path} does not exist")

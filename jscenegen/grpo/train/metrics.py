@@ -28,7 +28,7 @@ from jscenegen.checkpoint.metadata import (
     redact_argv,
 )
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file, finite_number, json_line, loads_json, not_a_file
+from jscenegen.paths import atomic_file, finite_number, hidden_name, json_line, loads_json, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -233,10 +233,15 @@ def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
     process killed mid-write) is dropped too. Streams each file into its replacement
     (`atomic_file`); raises ValueError naming the file and line for any other unreadable row.
     Warns when metrics.jsonl (one row per attempt) lacks the rows of some attempts between its
-    first row and `attempts` (a torn or edited file): the resumed log has a gap there."""
+    first row and `attempts` (a torn or edited file): the resumed log has a gap there. Removes
+    the temporaries of this cut-back that a killed run left (`.metrics.jsonl.XXXX.tmp`: the
+    caller holds the run's lock, so no other writer owns them)."""
     kept: set[int] = set()
     for name in RUN_LOGS:
         path = Path(run_dir) / name
+        for left in Path(run_dir).glob(f"{hidden_name(name, '')}*.tmp"):
+            if left.is_file() and not left.is_symlink():
+                left.unlink()
         if not path.is_file():
             continue
         with open(path, "rb") as src, atomic_file(path) as tmp, open(tmp, "wb") as dst:
