@@ -52,9 +52,11 @@ class Holder:
         return self.host == socket.gethostname() and self.pid == os.getpid()
 
     def alive(self) -> bool | None:
-        """True/False on this host (a zombie or a reused pid is not the holder); None on
-        another host (cannot be checked from here). A pid <= 0 (an unreadable lock file) names
-        no process: `os.kill` would signal a whole process group or every process."""
+        """True/False on this host (a zombie or a reused pid is not the holder); None when it
+        cannot be told: on another host, or a live pid whose start time is unknown (no /proc,
+        or a lock without `start_ticks`: it may be a later process given the same pid). A pid
+        <= 0 (an unreadable lock file) names no process: `os.kill` would signal a whole process
+        group or every process."""
         if self.host != socket.gethostname():
             return None
         if self.pid <= 0:
@@ -66,12 +68,10 @@ class Holder:
         except PermissionError:
             pass  # another user's process: alive
         proc = _proc_stat(self.pid)
-        if proc is None:
-            return True
+        if proc is None or self.start_ticks is None:
+            return None
         state, ticks = proc
-        if state in ("Z", "X"):
-            return False
-        return self.start_ticks is None or ticks == self.start_ticks
+        return state not in ("Z", "X") and ticks == self.start_ticks
 
     def describe(self) -> str:
         if self.pid == UNREADABLE_PID:
@@ -104,12 +104,24 @@ def read_holder(run_dir: str | Path) -> Holder | None:
 def _read(path: Path) -> Holder | None:
     try:
         data = json.loads(path.read_text())
-        return Holder(int(data["pid"]), str(data["host"]), str(data.get("started_utc", "?")),
-                      data.get("start_ticks"))
+        holder = Holder(data["pid"], data["host"], str(data.get("started_utc", "?")),
+                        data.get("start_ticks"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return Holder(UNREADABLE_PID, socket.gethostname(), "?", None)
+        return _unreadable_holder()
+    if not (_is_int(holder.pid) and isinstance(holder.host, str)
+            and (holder.start_ticks is None or _is_int(holder.start_ticks))):
+        return _unreadable_holder()
+    return holder
+
+
+def _unreadable_holder() -> Holder:
+    return Holder(UNREADABLE_PID, socket.gethostname(), "?", None)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def live_holder(run_dir: str | Path) -> Holder | None:
@@ -131,9 +143,11 @@ def refuse_if_in_use(run_dir: str | Path) -> None:
 def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
     alive = holder.alive()
     if alive is None:
-        raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; it cannot be checked "
-                             f"from this host: wait for it to end, use another --run-dir, or "
-                             f"delete {run_dir / LOCK_NAME} once that process is gone")
+        why = ("it cannot be checked from this host" if holder.host != socket.gethostname() else
+               "the lock gives no start time to tell it from a later process with that pid")
+        raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; {why}: wait for it "
+                             f"to end, use another --run-dir, or delete {run_dir / LOCK_NAME} "
+                             "once that process is gone")
     if alive:
         raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; wait for it to end or "
                              "use another --run-dir")
@@ -243,7 +257,9 @@ class RunLock:
             os.replace(stale, self.path)
             return
         stale.unlink()
-        gone = "" if holder.pid == UNREADABLE_PID else " (that process is gone)"
+        gone = ("" if holder.pid == UNREADABLE_PID else
+                f" (pid {holder.pid} is now another process)" if _proc_stat(holder.pid)
+                else " (that process is gone)")
         log.warning("%s: taking over the stale lock of %s%s", self.run_dir, holder.describe(), gone)
 
     def release(self) -> None:

@@ -121,6 +121,46 @@ def test_a_lock_on_another_host_is_refused_with_the_file_to_delete(tmp_path):
     assert read_holder(tmp_path).host == "elsewhere-7"  # left as it was
 
 
+@pytest.mark.parametrize("ticks", ["absent", "its own", "text", "another process's"])
+def test_a_lock_naming_a_live_pid_is_judged_by_its_start_time(tmp_path, caplog, ticks):
+    """A live pid whose lock has no start time may be a later process given that pid: the
+    refusal now says so and names the file to delete (it said only 'wait for it to end');
+    a start time written as text was compared with the int and never matched (a live
+    holder's lock taken over); a pid now another process's was said to be gone."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        entry = {"pid": other.pid, "host": socket.gethostname(), "started_utc": "then"}
+        real_ticks = int(Path(f"/proc/{other.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        if ticks == "its own":
+            entry["start_ticks"] = real_ticks
+        elif ticks == "text":
+            entry["start_ticks"] = str(real_ticks)
+        elif ticks == "another process's":
+            entry["start_ticks"] = real_ticks - 1
+        (tmp_path / LOCK_NAME).write_text(json.dumps(entry))
+        if ticks == "absent":
+            with pytest.raises(RunLockedError, match=(
+                    rf"in use by pid {other.pid} on host \S+ \(since then\); the lock gives no start "
+                    rf"time to tell it from a later process with that pid: wait for it to end, use "
+                    rf"another --run-dir, or delete {tmp_path / LOCK_NAME} once that process is gone$")):
+                RunLock(tmp_path).acquire()
+            return
+        if ticks == "its own":
+            with pytest.raises(RunLockedError, match=f"in use by pid {other.pid} .*; wait for it to end "
+                                                     "or use another --run-dir$"):
+                RunLock(tmp_path).acquire()
+            return
+        with caplog.at_level("WARNING"), RunLock(tmp_path):
+            pass
+        said = (f"pid {other.pid} on host {socket.gethostname()} (since then) (pid {other.pid} is "
+                "now another process)" if ticks == "another process's"
+                else "an unreadable lock file (not the JSON this code writes)")
+        assert caplog.messages == [f"{tmp_path}: taking over the stale lock of {said}"]
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_lock_that_created_the_run_directory_removes_it_when_nothing_was_written(tmp_path):
     with RunLock(tmp_path / "new"):
         assert (tmp_path / "new" / LOCK_NAME).is_file()
