@@ -164,7 +164,7 @@ def error_line(err: BaseException) -> str:
         where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
         return f"no space left on device{where} writing {err.filename or 'a file'}"
     # imported only on an error: `--help` stays light
-    from jscenegen.text import clip_text, terminal_text
+    from jscenegen.text import clip_text, one_line
 
     text = str(err) or type(err).__name__
     loop = _symlink_loop(err)
@@ -177,8 +177,7 @@ def error_line(err: BaseException) -> str:
 
     # a message that echoes a huge input (a 100 KB path or key) stays readable, and one that
     # echoes control characters cannot drive the terminal
-    return clip_text(terminal_text("; ".join(part.strip() for part in text.splitlines()
-                                             if part.strip())), MAX_ERROR_CHARS)
+    return clip_text(one_line(text), MAX_ERROR_CHARS)
 
 
 def stdout_reader_gone() -> bool:
@@ -208,7 +207,8 @@ RERAISED_BY_ORBAX = "_SignalingThread.run() raised an exception"
 
 class StderrLogHandler(logging.Handler):
     """Log records as `warning: message` lines on the current sys.stderr (looked up at each
-    record, so a replaced stderr is followed), at most MAX_ERROR_CHARS characters each; a logged
+    record, so a replaced stderr is followed), one line each (`text.one_line`: a multi-line
+    message joined by '; ', control characters escaped), at most MAX_ERROR_CHARS characters; a logged
     exception adds `(Type: its first line)` unless the message holds it, and its traceback only
     with JSCENEGEN_DEBUG=1 (a library's writer threads log one per thread, pages of them for
     one failure); orbax's logged copies of an exception it re-raises are left out."""
@@ -216,8 +216,10 @@ class StderrLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.exc_info and RERAISED_BY_ORBAX in str(record.msg):
             return   # the exception reaches the command, which prints it once
+        from jscenegen.text import one_line
+
         try:
-            text = f"{record.levelname.lower()}: {record.getMessage()}"
+            text = f"{record.levelname.lower()}: {one_line(record.getMessage())}"
             err = record.exc_info[1] if record.exc_info else None
             first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "") if err else ""
             if err is not None and not (first and first in text):   # the cause, in one line

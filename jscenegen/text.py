@@ -38,6 +38,12 @@ def terminal_text(text: str, keep: str = "\n\t") -> str:
                    or c in BIDI_CONTROLS else c for c in text)
 
 
+def one_line(text: str) -> str:
+    """A message's lines joined by '; ' (each stripped, blank ones dropped), then
+    `terminal_text`: one line a script reads, which cannot drive the terminal."""
+    return terminal_text("; ".join(part.strip() for part in text.splitlines() if part.strip()))
+
+
 def terminal_line(text: str) -> str:
     """`terminal_text` for a one-line message: newlines and tabs escaped too (`\\n`), so a
     path or name holding them cannot break the line a script reads."""

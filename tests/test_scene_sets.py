@@ -113,13 +113,15 @@ def test_cli_check_and_render_on_dev_scenes(tmp_path, capsys):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_cli_check_furnished_scene_with_overrides(tmp_path, capsys):
+def test_cli_check_furnished_scene_with_overrides(tmp_path, capsys, caplog):
     s = KNOWN["split"]().to_json()
     s["objects"].append({"id": "ufo_1", "category": "ufo", "position": [0.5, 2.5], "size": [0.3, 0.3, 0.3]})
     (tmp_path / "s.json").write_text(json.dumps(s))
-    assert main(["scene", "check", str(tmp_path / "s.json"), "--requested-units", "256",
-                 "--requested", "bed:1,nightstand:2"]) == 0
+    with caplog.at_level("WARNING"):
+        assert main(["scene", "check", str(tmp_path / "s.json"), "--requested-units", "256",
+                     "--requested", "bed:1,nightstand:2"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert caplog.messages == ["unknown category 'ufo' (ufo_1)"]   # logged (stderr), as every warning
     m = out["metrics"]
     assert m["num_regions"] == 2 and not m["reachable"] and m["unreachable_objects"] == ["nightstand_1", "wardrobe_1"]
     assert m["collision_pairs"] == [] and isinstance(m["collision_pairs"], list)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from jscenegen.paths import data_path_arg, is_decimal
@@ -101,6 +102,9 @@ def check(args) -> int:
     if result.grades is None:
         warnings.append(f"the {identity['backend']} judge failed: {result.failure} "
                         f"({result.info.get('detail', '')})")
+    for warning in warnings:   # in the JSON too, for a caller that reads only stdout
+        logging.getLogger(__name__).warning("%s", warning)
+    if result.grades is None:
         print(json.dumps({"metrics": metrics, "judge": identity, "grades": None, "reward": None,
                           "judge_failure": result.failure, "warnings": warnings}))
         return 1

@@ -14,7 +14,8 @@ class ModelConfig(Section):
     """Which weights to train and how to compute with them."""
 
     path: str | None = Field(None, description="HF model directory (config.json + safetensors); "
-                             "null: the CPU default's tiny model, created on first use")
+                             "null: a fresh model of warm_start.arch and .preset (the CPU "
+                             "default's: micro qwen3), created on first use and cached")
     reference_path: str | None = Field(None, description="frozen reference model for the KL "
                                        "term (default: the initial policy weights)")
     param_dtype: Literal["float32", "bfloat16"] = Field(
