@@ -202,4 +202,27 @@ def describe_orbax(path: Path) -> dict[str, Any]:
             "frozen_tensors": len(meta.get("frozen_tensors") or ()),
             "adam_count": ckpt.read_adam_count(path),
             "optimizer_step": meta.get("optimizer_step"),
-            "source": meta.get("source")}
+            "source": _source_summary(meta.get("source"))}
+
+
+def _source_summary(source: Any) -> Any:
+    """A converted step's `source` record, its per-tensor and per-rank parts summarised (a
+    VERL source's records every rank's extra state: ~200 lines for 6 ranks); the whole record
+    stays in the step's training_metadata.json."""
+    if not isinstance(source, dict):
+        return source
+    out = dict(source)
+    if isinstance(dims := source.get("shard_dims"), dict):
+        out["shard_dims"] = dict(Counter("replicated" if d is None else f"dim {d}"
+                                         for d in dims.values()))
+    verl = source.get("verl")
+    if isinstance(verl, dict) and isinstance(extras := verl.get("extra_state"), list) and extras:
+        schedulers = [e.get("lr_scheduler") if isinstance(e, dict) else None for e in extras]
+        rng = extras[0].get("rng") if isinstance(extras[0], dict) else None
+        out["verl"] = {**verl, "extra_state": {
+            "ranks": len(extras),
+            "lr_scheduler": (schedulers[0] if all(x == schedulers[0] for x in schedulers)
+                             else "differs between ranks"),
+            "rng": sorted(rng) if isinstance(rng, dict) else None}}
+    out["full_record"] = "training_metadata.json: source"
+    return out

@@ -109,6 +109,12 @@ def test_inspect_export_and_orbax(exported):
     run = describe(exported["out"].parent / "run")
     assert run["format"] == "orbax-run" and run["steps"] == [3]
     assert run["latest"]["adam_count"] == 3 and run["latest"]["source"]["world_size"] == 6
+    # the VERL source's per-rank extra states and per-tensor shard dims summarised, not listed
+    source = run["latest"]["source"]
+    extra = source["verl"]["extra_state"]
+    assert extra["ranks"] == 6 and extra["lr_scheduler"]["last_epoch"] == 3 and extra["rng"] == ["cpu", "numpy", "random"]
+    assert source["shard_dims"] == {"dim 0": 25}
+    assert len(json.dumps(run)) < 4000
 
 
 def test_convert_reads_its_source_format_from_the_file_names(exported, tmp_path, capsys):
