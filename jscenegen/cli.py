@@ -29,7 +29,7 @@ import traceback
 import warnings
 
 from jscenegen import __version__
-from jscenegen.paths import DiskFullError
+from jscenegen.paths import STORAGE_LIMITS, DiskFullError
 from jscenegen.signals import Terminated, UnwindOnSignals, ignore_repeats_at_exit
 
 MAX_ERROR_CHARS = 2000
@@ -160,9 +160,9 @@ def _symlink_loop(err: BaseException) -> str | None:
 def error_line(err: BaseException) -> str:
     """One line for `err`: multi-line messages joined with '; ', OS errors with their file,
     control characters escaped, at most MAX_ERROR_CHARS characters."""
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC and not isinstance(err, DiskFullError):
+    if isinstance(err, OSError) and err.errno in STORAGE_LIMITS and not isinstance(err, DiskFullError):
         where = f" in {os.path.dirname(os.path.abspath(err.filename))}" if err.filename else ""
-        return f"no space left on device{where} writing {err.filename or 'a file'}"
+        return f"{STORAGE_LIMITS[err.errno]}{where} writing {err.filename or 'a file'}"
     # imported only on an error: `--help` stays light
     from jscenegen.text import clip_text, one_line
 

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import shutil
 import stat
@@ -30,36 +31,42 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_FOLDERS = ("configs", "data")   # under PROJECT_ROOT: files no command output may replace
 
 
-# errno -> (the C library's text for it, as tensorstore quotes it; what the message says)
+# the errnos of a write stopped by a storage limit -> what the message calls it
 STORAGE_LIMITS = {
-    errno.ENOSPC: ("No space left on device", "no space left on device"),
-    errno.EDQUOT: ("Disk quota exceeded", "disk quota exceeded"),
-    errno.EFBIG: ("File too large", "file-size limit (ulimit -f) reached"),
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large",
 }
+# how a library error quotes the errno it failed with: tensorstore/orbax "[os_error_code='28']",
+# a Python OSError's text inside another message "[Errno 28]"
+_QUOTED_ERRNO = re.compile(r"os_error_code=\\?'?(\d+)|\[Errno (\d+)\]")
 
 
 class DiskFullError(OSError):
-    """A write stopped by a storage limit: no space left (ENOSPC), a disk quota (EDQUOT) or the
-    process's file-size limit (EFBIG); `errno` says which. The message names the directory,
-    the bytes the write needs (when known) and the bytes free."""
+    """A write stopped by a storage limit: no space left (ENOSPC), a disk quota (EDQUOT) or a
+    file larger than the process's file-size limit or the file system allows (EFBIG); `errno`
+    says which. The message names the directory, the bytes the write needs (when known) and
+    the bytes free (or the file-size limit)."""
 
     def __init__(self, directory: str | Path, needed_bytes: int | None, what: str = "the write",
                  code: int = errno.ENOSPC):
         self.directory, self.needed_bytes = Path(directory), needed_bytes
         needs = f"needs {needed_bytes:,} bytes" if needed_bytes is not None else "needs more space"
-        if code == errno.EFBIG:
-            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-            have = ("no limit now" if limit == resource.RLIM_INFINITY
-                    else f"the limit is {limit:,} bytes per file")
+        reason = STORAGE_LIMITS.get(code, os.strerror(code))
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if code == errno.EFBIG and limit != resource.RLIM_INFINITY:
+            reason, have = "file-size limit (ulimit -f) reached", f"the limit is {limit:,} bytes per file"
             advice = "raise the limit or write elsewhere"
+        elif code == errno.EFBIG:
+            have = "larger than the file system allows"
+            advice = "write to a file system that takes larger files"
         else:
             try:
                 have = f"{shutil.disk_usage(_existing(self.directory)).free:,} bytes free"
             except OSError:
                 have = "free space unknown"
             advice = "free some space or write elsewhere"
-        super().__init__(code, f"{STORAGE_LIMITS[code][1]} in {self.directory}: {what} {needs} "
-                               f"({have}); {advice}")
+        super().__init__(code, f"{reason} in {self.directory}: {what} {needs} ({have}); {advice}")
 
     def __str__(self) -> str:
         return self.strerror
@@ -89,18 +96,29 @@ def _name_max(where: Path) -> int:
 
 def storage_limit(err: BaseException | None) -> int | None:
     """The STORAGE_LIMITS errno (ENOSPC, EDQUOT, EFBIG) that stopped a write, when `err` or an
-    exception it was raised from carries one: an OSError's errno, or a library error's text
-    (tensorstore/orbax: "File too large [os_error_code='27']"); else None."""
+    exception it was raised from carries one: an OSError's errno (its text is not read: a path
+    may hold any words), or the errno a library error quotes (`quoted_storage_limit`); else
+    None."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in STORAGE_LIMITS:
-            return err.errno
-        text = str(err)
-        for code, (libc_text, _) in STORAGE_LIMITS.items():
-            if libc_text in text:
-                return code
+        if isinstance(err, OSError) and err.errno is not None:
+            if err.errno in STORAGE_LIMITS:
+                return err.errno
+        elif (code := quoted_storage_limit(str(err))) is not None:
+            return code
         err = err.__cause__ or err.__context__
+    return None
+
+
+def quoted_storage_limit(text: str) -> int | None:
+    """The STORAGE_LIMITS errno a message quotes as tensorstore/orbax do ("File too large
+    [os_error_code='27']") or as an OSError's text does ("[Errno 28] No space left on
+    device"); else None."""
+    for match in _QUOTED_ERRNO.finditer(text):
+        code = int(match.group(1) or match.group(2))
+        if code in STORAGE_LIMITS:
+            return code
     return None
 
 

@@ -195,6 +195,9 @@ def test_storage_limits_are_read_from_errno_or_a_librarys_text(tmp_path):
                 assert storage_limit(outer) == code
     assert storage_limit(OSError(errno.EACCES, "Permission denied")) is None
     assert storage_limit(None) is None
+    # words in a path or a refusal are not an errno
+    assert storage_limit(FileNotFoundError(errno.ENOENT, "No such file", "/d/File too large/x")) is None
+    assert storage_limit(ValueError("scene rejected: File too large (max 1 MB)")) is None
 
     def limited_write(*args):
         raise OSError(errno.EFBIG, "File too large")
@@ -202,8 +205,9 @@ def test_storage_limits_are_read_from_errno_or_a_librarys_text(tmp_path):
     with mock.patch("os.fsync", limited_write), pytest.raises(DiskFullError) as info:
         write_text(tmp_path / "scene.json", "{}")
     assert info.value.errno == errno.EFBIG
-    assert str(info.value).startswith(f"file-size limit (ulimit -f) reached in {tmp_path}: writing "
-                                      "scene.json needs 2 bytes (")
+    assert str(info.value) == (f"file too large in {tmp_path}: writing scene.json needs 2 bytes "
+                               "(larger than the file system allows); write to a file system that "
+                               "takes larger files")   # no file-size limit set: the file system's
     assert list(tmp_path.iterdir()) == []
 
 

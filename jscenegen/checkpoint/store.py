@@ -68,9 +68,9 @@ from jscenegen.model.assets import ASSET_FILES, TOKENIZER_FILES
 from jscenegen.model.config import config_with_dtype
 from jscenegen.model.dtypes import majority_dtype
 from jscenegen.paths import (
-    STORAGE_LIMITS,
     DiskFullError,
     loads_json,
+    quoted_storage_limit,
     read_json_object,
     storage_limit,
     write_json,
@@ -340,7 +340,7 @@ class _RecordsTheStoreReports(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         message = record.getMessage()
         return not (storage_limit(exc) is not None
-                    or any(text in message for text, _ in STORAGE_LIMITS.values())
+                    or quoted_storage_limit(message) is not None
                     or message.startswith("Metadata file does not exist"))
 
 
