@@ -8,8 +8,10 @@ that tells the `RunLock` that wrote it, so releasing removes only its own file.
 
 - A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
 - A stale lock (on this host, and its pid is gone, a zombie, or now another process) is taken
-  over with a warning. A lock held on another host cannot be checked from here: it is refused,
-  and the message says which file to delete once that process is known to be gone.
+  over with a warning. A lock held on another host, or naming a live pid with no start time
+  to compare (none in the file, or /proc unreadable), cannot be checked: it is refused, and the
+  message says which file to delete once that process is known to be gone. A start time that
+  is not an integer counts as none.
 - `live_holder(run_dir)` lets readers (e.g. `CheckpointStore`, which deletes unfinished orbax
   saves it finds) leave the files of a live holder alone.
 
@@ -68,10 +70,11 @@ class Holder:
         except PermissionError:
             pass  # another user's process: alive
         proc = _proc_stat(self.pid)
+        if proc is not None and proc[0] in ("Z", "X"):
+            return False
         if proc is None or self.start_ticks is None:
             return None
-        state, ticks = proc
-        return state not in ("Z", "X") and ticks == self.start_ticks
+        return proc[1] == self.start_ticks
 
     def describe(self) -> str:
         if self.pid == UNREADABLE_PID:
@@ -104,24 +107,13 @@ def read_holder(run_dir: str | Path) -> Holder | None:
 def _read(path: Path) -> Holder | None:
     try:
         data = json.loads(path.read_text())
-        holder = Holder(data["pid"], data["host"], str(data.get("started_utc", "?")),
-                        data.get("start_ticks"))
+        ticks = data.get("start_ticks")
+        return Holder(int(data["pid"]), str(data["host"]), str(data.get("started_utc", "?")),
+                      ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return _unreadable_holder()
-    if not (_is_int(holder.pid) and isinstance(holder.host, str)
-            and (holder.start_ticks is None or _is_int(holder.start_ticks))):
-        return _unreadable_holder()
-    return holder
-
-
-def _unreadable_holder() -> Holder:
-    return Holder(UNREADABLE_PID, socket.gethostname(), "?", None)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return Holder(UNREADABLE_PID, socket.gethostname(), "?", None)
 
 
 def live_holder(run_dir: str | Path) -> Holder | None:
@@ -144,7 +136,8 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
     alive = holder.alive()
     if alive is None:
         why = ("it cannot be checked from this host" if holder.host != socket.gethostname() else
-               "the lock gives no start time to tell it from a later process with that pid")
+               "the lock gives no start time to tell it from a later process with that pid"
+               if holder.start_ticks is None else "its start time cannot be read here (/proc)")
         raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; {why}: wait for it "
                              f"to end, use another --run-dir, or delete {run_dir / LOCK_NAME} "
                              "once that process is gone")
@@ -257,8 +250,10 @@ class RunLock:
             os.replace(stale, self.path)
             return
         stale.unlink()
+        proc = _proc_stat(holder.pid) if holder.pid > 0 else None
         gone = ("" if holder.pid == UNREADABLE_PID else
-                f" (pid {holder.pid} is now another process)" if _proc_stat(holder.pid)
+                f" (pid {holder.pid} is now another process)"
+                if proc and proc[0] not in ("Z", "X") and proc[1] != holder.start_ticks
                 else " (that process is gone)")
         log.warning("%s: taking over the stale lock of %s%s", self.run_dir, holder.describe(), gone)
 

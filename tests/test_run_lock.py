@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,13 +52,20 @@ def test_a_second_process_is_refused_with_the_holder_named(holder, capsys):
     assert not tmp.exists()
 
 
-def test_a_resume_of_a_run_in_use_says_only_that(holder, capsys):
-    """A run stopped before its first checkpoint, resumed while another process holds it:
-    `train --resume` announced it was starting the run again, then refused."""
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_resume_of_a_run_in_use_says_only_that(holder, capsys, caplog, checkpointed):
+    """A run resumed while another process holds it: `train --resume` announced it was
+    starting the run again (no checkpoint yet), or warned that a model.path override is not
+    read on resume, then refused."""
     run_dir, child = holder
     (run_dir / "run.json").write_text(json.dumps({"model_dir": "m", "config_source": "c.yaml"}))
-    (run_dir / "config.yaml").write_text("optim: {lr: 1.0e-6}\n")
-    assert main(["train", "--resume", str(run_dir)]) == 2
+    (run_dir / "config.yaml").write_text("model: {path: m}\n")
+    if checkpointed:
+        (run_dir / "checkpoints" / "1").mkdir(parents=True)
+        (run_dir / "checkpoints" / "1" / "checksums.json").write_text("{}")
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--resume", str(run_dir), "model.path=other"]) == 2
+    assert caplog.messages == []
     assert capsys.readouterr().err == (f"error: {run_dir} is in use by pid {child.pid} on host "
                                        f"{socket.gethostname()} (since {read_holder(run_dir).started_utc}); "
                                        "wait for it to end or use another --run-dir\n")
@@ -125,8 +133,8 @@ def test_a_lock_on_another_host_is_refused_with_the_file_to_delete(tmp_path):
 def test_a_lock_naming_a_live_pid_is_judged_by_its_start_time(tmp_path, caplog, ticks):
     """A live pid whose lock has no start time may be a later process given that pid: the
     refusal now says so and names the file to delete (it said only 'wait for it to end');
-    a start time written as text was compared with the int and never matched (a live
-    holder's lock taken over); a pid now another process's was said to be gone."""
+    a start time written as text, compared with the int, never matched (a live holder's lock
+    taken over): it counts as none; a pid now another process's was said to be gone."""
     other = subprocess.Popen(["sleep", "60"])
     try:
         entry = {"pid": other.pid, "host": socket.gethostname(), "started_utc": "then"}
@@ -138,7 +146,7 @@ def test_a_lock_naming_a_live_pid_is_judged_by_its_start_time(tmp_path, caplog, 
         elif ticks == "another process's":
             entry["start_ticks"] = real_ticks - 1
         (tmp_path / LOCK_NAME).write_text(json.dumps(entry))
-        if ticks == "absent":
+        if ticks in ("absent", "text"):
             with pytest.raises(RunLockedError, match=(
                     rf"in use by pid {other.pid} on host \S+ \(since then\); the lock gives no start "
                     rf"time to tell it from a later process with that pid: wait for it to end, use "
@@ -152,13 +160,34 @@ def test_a_lock_naming_a_live_pid_is_judged_by_its_start_time(tmp_path, caplog, 
             return
         with caplog.at_level("WARNING"), RunLock(tmp_path):
             pass
-        said = (f"pid {other.pid} on host {socket.gethostname()} (since then) (pid {other.pid} is "
-                "now another process)" if ticks == "another process's"
-                else "an unreadable lock file (not the JSON this code writes)")
-        assert caplog.messages == [f"{tmp_path}: taking over the stale lock of {said}"]
+        assert caplog.messages == [f"{tmp_path}: taking over the stale lock of pid {other.pid} on host "
+                                   f"{socket.gethostname()} (since then) (pid {other.pid} is now "
+                                   "another process)"]
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_zombie_holder_is_gone_whatever_its_lock_says(tmp_path, caplog):
+    """A zombie's lock without a start time was refused as 'cannot be told'; with its start
+    time, taken over as 'now another process'."""
+    zombie = subprocess.Popen(["true"])
+    try:
+        for _ in range(200):
+            if Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.01)
+        ticks = int(Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        for extra in ({}, {"start_ticks": ticks}):
+            (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": zombie.pid, "host": socket.gethostname(),
+                                                          "started_utc": "then", **extra}))
+            caplog.clear()
+            with caplog.at_level("WARNING"), RunLock(tmp_path):
+                pass
+            assert caplog.messages == [f"{tmp_path}: taking over the stale lock of pid {zombie.pid} on "
+                                       f"host {socket.gethostname()} (since then) (that process is gone)"]
+    finally:
+        zombie.wait()
 
 
 def test_a_lock_that_created_the_run_directory_removes_it_when_nothing_was_written(tmp_path):

@@ -118,6 +118,7 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
                                  "holds config.yaml and checkpoints/)")
     if not os.path.lexists(run_dir):
         raise FileNotFoundError(f"--resume {args.resume}: no such directory")
+    refuse_if_in_use(run_dir)   # before anything is said about the run (it is taken again later)
     checkpoints = run_dir / RUN_CHECKPOINTS
     check_checkpoints_dir(checkpoints)
     record = read_run_record(run_dir)
@@ -153,7 +154,6 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     config_path = args.config or saved
     config_source = str(config_path)
     if afresh:   # a new start with the run's config
-        refuse_if_in_use(run_dir)   # before saying it starts again
         if not args.config:
             config_source = record["config_source"] or config_source
         print(terminal_line(f"{run_dir} has no checkpoint (stopped before its first was saved): "
