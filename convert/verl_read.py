@@ -614,8 +614,13 @@ class VerlCheckpoint:
         whose copy on some rank differs from rank 0's in any bit (a NaN equals the same NaN,
         -0.0 differs from 0.0); when one of the two fails its CRC-32, that file is named
         instead."""
-        reference = _bits(copies[0])
+        first, reference = copies[0], _bits(copies[0])
         for r, t in enumerate(copies[1:], 1):
+            if (t.dtype, tuple(t.shape)) != (first.dtype, tuple(first.shape)):
+                raise ConvertError(f"{self.layout.rank_file(kind, r)}: replicated {key} is "
+                                   f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} where "
+                                   f"rank 0's copy is {str(first.dtype).removeprefix('torch.')} "
+                                   f"{tuple(first.shape)}")
             if not _bits(t).equal(reference):
                 for rank, copy in ((0, copies[0]), (r, t)):
                     self._crcs[(kind, rank)].check(copy.untyped_storage(), key)

@@ -619,6 +619,16 @@ def test_replicated_copies_are_compared_bit_for_bit(actor, tmp_path):
     verl_to_hf(actor, tmp_path / "out")
     carried = load_file(next((tmp_path / "out").glob("*.safetensors")))[name]
     assert np.isnan(carried[0]) and np.array_equal(carried[1:], full[1:].numpy())
+    for r in range(6):   # the same bytes in another dtype and shape: not the same tensor
+        def as_half(sd, r=r):
+            t = sd[name]
+            local = full.view(torch.float16) if r == 3 else full
+            sd[name] = type(t).from_local(local, t.device_mesh, [Replicate()], run_check=False,
+                                          shape=t.shape, stride=t.stride())
+        _edit(actor / f"model_world_size_6_rank_{r}.pt", as_half)
+    with pytest.raises(ConvertError, match=rf"rank_3\.pt: replicated {name} is float16 \(\d+,\) "
+                                           r"where rank 0's copy is float32 \(\d+,\)$"):
+        verl_to_hf(actor, tmp_path / "out3")
     replicate_with_first(lambda r: -0.0 if r == 2 else 0.0)
     with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_2\.pt: replicated {name} "
                                            r"differs from rank 0's copy"):
