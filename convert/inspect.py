@@ -15,8 +15,8 @@ from typing import Any
 
 from convert.errors import ConvertError, require_source_dir
 from convert.verl_read import looks_like_verl
-from jscenegen.checkpoint import is_step_name
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME
+from jscenegen.paths import is_step_name
 
 
 def describe(path: str | Path) -> dict[str, Any]:

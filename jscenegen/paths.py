@@ -232,8 +232,8 @@ def refuse_inside_checkpoint(path: str | Path, name: str) -> None:
         if (ancestor / "checksums.json").is_file():
             raise ValueError(f"{name}: lies inside the checkpoint {ancestor}; writing there "
                              "would make its checksums fail; write elsewhere")
-    if is_decimal(p.name) and p.parent.is_dir() and any(
-            (q / "checksums.json").is_file() for q in p.parent.iterdir() if is_decimal(q.name)):
+    if is_step_name(p.name) and p.parent.is_dir() and any(
+            (q / "checksums.json").is_file() for q in p.parent.iterdir() if is_step_name(q.name)):
         raise ValueError(f"{name}: would be a step of the run's checkpoint directory "
                          f"{p.parent}; write elsewhere")
 
@@ -360,6 +360,13 @@ def is_decimal(text: str) -> bool:
     """Whether `text` is a non-empty run of ASCII digits 0-9 (`str.isdigit` also accepts '³'
     and other Unicode digits, which int() refuses)."""
     return text.isascii() and text.isdigit()
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a checkpoint step directory's name as the store writes it,
+    `RUN_DIR/checkpoints/<step>/` (orbax's rule too): decimal digits without leading zeros
+    (`09` would read as step 9, whose directory is `9`)."""
+    return is_decimal(name) and (name == "0" or not name.startswith("0"))
 
 
 def finite_number(x: Any) -> bool:

@@ -139,6 +139,7 @@ def test_outputs_never_land_inside_a_checkpoint_or_become_a_run_step(tmp_path):
     with pytest.raises(FileExistsError, match=r"would be a step of the run's checkpoint directory"):
         require_new_dir(step.parent / "2")
     check_output_dir(step.parent / "exported")        # a name the trainer does not read as a step
+    check_output_dir(step.parent / "02")              # nor this one (no leading zeros in a step)
     check_output_dir(tmp_path / "run" / "other")      # beside the checkpoints: fine
     assert sorted(p.name for p in step.parent.iterdir()) == ["1"]
 

@@ -12,9 +12,3 @@ RUN_ASSETS = "hf_assets"
 its own (a run made by `convert --to orbax`): copied once from the newest step's `hf/`, which
 the store deletes when newer steps replace it (`checkpoint.resume.resume_model_dir`)."""
 
-
-def is_step_name(name: str) -> bool:
-    """Whether `name` is a step directory's name as the store writes it, `RUN_DIR/checkpoints/
-    <step>/`: ASCII digits without leading zeros (`09` would read as step 9, whose directory is
-    `9`)."""
-    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))

@@ -60,7 +60,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jscenegen.checkpoint import is_step_name
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.lazy_array import LazyArray, cancel_on_interrupt  # noqa: F401  (registers orbax's handler)
 from jscenegen.checkpoint.metadata import redact
@@ -69,6 +68,7 @@ from jscenegen.model.config import config_with_dtype
 from jscenegen.model.dtypes import majority_dtype
 from jscenegen.paths import (
     DiskFullError,
+    is_step_name,
     loads_json,
     quoted_storage_limit,
     read_json_object,

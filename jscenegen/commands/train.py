@@ -235,8 +235,8 @@ def _trained_config(run_dir: Path) -> dict | None:
     orbax` records none). The trainer resumes from the newest complete step: when the newest
     finished one is damaged it sets it aside and the record read here is that of a step it
     passes over (of the same run, so it names the same settings unless a resume changed them)."""
-    from jscenegen.checkpoint import is_step_name
     from jscenegen.checkpoint.store import CheckpointError, finished_saves, read_metadata
+    from jscenegen.paths import is_step_name
 
     steps = [p for p in finished_saves(run_dir / RUN_CHECKPOINTS) if is_step_name(p.name)]
     if not steps:
