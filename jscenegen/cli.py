@@ -177,7 +177,7 @@ def error_line(err: BaseException) -> str:
 
     # a message that echoes a huge input (a 100 KB path or key) stays readable, and one that
     # echoes control characters cannot drive the terminal
-    return clip_text(one_line(text), MAX_ERROR_CHARS)
+    return clip_text(one_line(text) or type(err).__name__, MAX_ERROR_CHARS)
 
 
 def stdout_reader_gone() -> bool:
@@ -219,7 +219,7 @@ class StderrLogHandler(logging.Handler):
         from jscenegen.text import one_line
 
         try:
-            text = f"{record.levelname.lower()}: {one_line(record.getMessage())}"
+            text = f"{record.levelname.lower()}: {one_line(record.getMessage()) or '(no message)'}"
             err = record.exc_info[1] if record.exc_info else None
             first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "") if err else ""
             if err is not None and not (first and first in text):   # the cause, in one line

@@ -40,8 +40,9 @@ def terminal_text(text: str, keep: str = "\n\t") -> str:
 
 def one_line(text: str) -> str:
     """A message's lines joined by '; ' (each stripped, blank ones dropped), then
-    `terminal_text`: one line a script reads, which cannot drive the terminal."""
-    return terminal_text("; ".join(part.strip() for part in text.splitlines() if part.strip()))
+    `terminal_line` (tabs escaped too): one line a script reads, which cannot drive the
+    terminal; "" for a blank message."""
+    return terminal_line("; ".join(part.strip() for part in text.splitlines() if part.strip()))
 
 
 def terminal_line(text: str) -> str:

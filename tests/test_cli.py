@@ -1133,8 +1133,10 @@ def test_a_logged_exception_is_one_clipped_line_unless_debugging(capsys, monkeyp
                           "an exception: %s", 0, "np_type_handler", 1, err)
         log.error("a plain error")
         assert capsys.readouterr().err == "error: a plain error\n"
-        log.warning("unknown category %r\n  in %s", "sofa\x1b[2J\u202e", "s.json")   # echoed input
-        assert capsys.readouterr().err == "warning: unknown category 'sofa\\x1b[2J\\u202e'; in s.json\n"
+        log.warning("unknown category %s\n  in %s", "so\tfa\x1b[2J\u202e", "s.json")   # echoed input
+        assert capsys.readouterr().err == "warning: unknown category so\\tfa\\x1b[2J\\u202e; in s.json\n"
+        log.warning(" \n ")
+        assert capsys.readouterr().err == "warning: (no message)\n"
         try:      # a message without the exception's text gets its type and first line
             raise RuntimeError("\nINTERNAL: Gloo collective permute failed: Connection closed by "
                                "peer\nmore detail")

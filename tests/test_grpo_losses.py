@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from jscenegen.grpo.algo.config import LossConfig
-from jscenegen.grpo.algo.losses import AGG_MODES, agg_loss, grpo_loss, kl_penalty, token_means
+from jscenegen.grpo.algo.losses import AGG_MODES, agg_loss, clamp, grpo_loss, kl_penalty, token_means
 from jscenegen.parity import torch_reference as ref
 
 B, T = 4, 7
@@ -139,6 +139,11 @@ def test_a_ratio_exactly_on_a_clip_bound_gets_torch_clamps_gradient():
         lp = t(on_bounds).requires_grad_(True)
         ref.agg_loss(ref.policy_loss_terms(lp, t(old), t(a), 0.2, 0.2, 3.0)[0], t(mask), "token-sum").backward()
         np.testing.assert_allclose(np.asarray(grad), lp.grad.numpy(), rtol=1e-6)
+    x = np.array([np.nan, 0.5, 1.5, 0.8, 1.2], np.float32)   # NaN passes no gradient either
+    value, grad = jax.value_and_grad(lambda v: clamp(v, 0.8, 1.2).sum())(x)
+    tx = t(x).requires_grad_(True)
+    torch.clamp(tx, 0.8, 1.2).sum().backward()
+    assert np.isnan(value) and np.array_equal(np.asarray(grad), tx.grad.numpy())
 
 
 @settings(max_examples=10, deadline=None)

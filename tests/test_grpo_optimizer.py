@@ -105,6 +105,14 @@ def test_adam_updates_equal_torchs_to_float32_rounding(betas):
         np.testing.assert_allclose(np.asarray(params["w"]), tparam.detach().numpy(), rtol=1e-6, atol=1e-9)
 
 
+def test_a_beta_outside_0_1_is_refused_by_name():
+    from jscenegen.grpo.algo.optimizer import torch_adamw
+
+    tx = torch_adamw(b1=1.0)
+    with pytest.raises(ValueError, match=r"Adam beta 1.0 is outside \[0, 1\)"):
+        tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), {"w": jnp.ones(2)}, learning_rate=1e-3)
+
+
 def test_one_step_with_active_clip_moves_parameters():
     cfg = OptimConfig(lr=1e-3, grad_clip=1.0)
     params, _, tparams, _ = _run_both(cfg, steps=1, grad_scale=50.0)

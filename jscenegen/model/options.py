@@ -15,7 +15,8 @@ class ModelConfig(Section):
 
     path: str | None = Field(None, description="HF model directory (config.json + safetensors); "
                              "null: a fresh model of warm_start.arch and .preset (the CPU "
-                             "default's: micro qwen3), created on first use and cached")
+                             "default's: micro qwen3) after its SFT warm start "
+                             "(warm_start.sft_config), made on first use and cached")
     reference_path: str | None = Field(None, description="frozen reference model for the KL "
                                        "term (default: the initial policy weights)")
     param_dtype: Literal["float32", "bfloat16"] = Field(

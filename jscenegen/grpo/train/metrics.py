@@ -234,8 +234,9 @@ def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
     (`atomic_file`); raises ValueError naming the file and line for any other unreadable row.
     Warns when metrics.jsonl (one row per attempt) lacks the rows of some attempts between its
     first row and `attempts` (a torn or edited file): the resumed log has a gap there. Removes
-    the temporaries of this cut-back that a killed run left (`.metrics.jsonl.XXXX.tmp`: the
-    caller holds the run's lock, so no other writer owns them)."""
+    the temporaries of this cut-back that a killed run left (every `.metrics.jsonl.*.tmp` and
+    `.trajectories.jsonl.*.tmp`: the caller holds the run's lock, so no other writer owns
+    them)."""
     kept: set[int] = set()
     for name in RUN_LOGS:
         path = Path(run_dir) / name
