@@ -28,11 +28,11 @@ def masked_sum(x, mask):
 
 def clamp(x, low: float, high: float):
     """min(max(x, low), high) (low <= high) with `torch.clamp`'s gradient: 1 where low <= x <=
-    high, bounds included, else 0, NaN included (`jnp.clip` passes half of it at a bound: a
-    token whose ratio lands exactly on 1 +- clip got 3/4 of VERL's gradient). NaN stays NaN.
-    Any shape and float dtype."""
-    inside = (x >= low) & (x <= high)
-    return jnp.where(inside, x, jax.lax.stop_gradient(jnp.clip(x, low, high)))
+    high, bounds included, else 0 (`jnp.clip` passes half of it at a bound: a token whose ratio
+    lands exactly on 1 +- clip got 3/4 of VERL's gradient). NaN stays NaN and, unlike torch,
+    passes its gradient: a NaN log-prob makes the gradient non-finite, so the update is
+    skipped (what a selection-capacity overflow relies on). Any shape and float dtype."""
+    return jnp.where(x < low, low, jnp.where(x > high, high, x))
 
 
 def agg_loss(
