@@ -140,12 +140,15 @@ def test_qwen35_written_files_load_bitwise(runs35, w):
 
 def test_qwen35_training_continues_identically(runs35):
     """One more step from our W = 6 files is bitwise the step torch takes from its own files
-    (W = 3 within 1e-7); a frozen tower does not move, a trained one does."""
+    (W = 3: torch's reductions over 3 ranks round differently, within an ulp, 1.2e-7 x
+    max(1, |p|); an absolute 1e-7 failed on a weight of 1.19 by its one ulp); a frozen tower
+    does not move, a trained one does."""
     orig = runs35["orig"]["stepped"]
     frozen = set(runs35["meta"]["frozen"])
     for k in orig:
         np.testing.assert_array_equal(runs35[6]["stepped"][k], orig[k], err_msg=k)
-        np.testing.assert_allclose(runs35[3]["stepped"][k], orig[k], rtol=0, atol=1e-7, err_msg=k)
+        assert np.all(np.abs(runs35[3]["stepped"][k] - orig[k])
+                      <= 1.2e-7 * np.maximum(1.0, np.abs(orig[k]))), k
         moved = not np.array_equal(orig[k], runs35["ref_params"][k])
         assert moved == (k not in frozen), k
 
