@@ -11,4 +11,3 @@ RUN_ASSETS = "hf_assets"
 """`RUN_DIR/hf_assets/`: a resumed run's config and tokenizer when it has no model directory of
 its own (a run made by `convert --to orbax`): copied once from the newest step's `hf/`, which
 the store deletes when newer steps replace it (`checkpoint.resume.resume_model_dir`)."""
-

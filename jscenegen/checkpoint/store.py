@@ -77,6 +77,7 @@ from jscenegen.paths import (
 )
 from jscenegen.run_lock import live_holder
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
+from jscenegen.text import one_line
 
 log = logging.getLogger(__name__)
 
@@ -373,10 +374,6 @@ _quiet_closed_loop_callbacks()
 # a save stopped by a storage limit or a signal leaves orbax's unstarted per-array write tasks,
 # each reported when collected (often at exit) as a 'never awaited' RuntimeWarning
 warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host\.", category=RuntimeWarning)
-
-
-def _one_line(text: str | None) -> str:
-    return "; ".join(line.strip() for line in (text or "").splitlines() if line.strip())
 
 
 # ----------------------------------------------------------------------------- step checks
@@ -683,7 +680,7 @@ class CheckpointStore:
         """
         valid, skipped = newest_complete_step(self.directory)
         for status in skipped if say_skipped else ():
-            log.warning("skipping checkpoint step %d: %s", status.step, _one_line(status.reason))
+            log.warning("skipping checkpoint step %d: %s", status.step, one_line(status.reason or ""))
         return None if valid is None else valid.step
 
     def set_aside_corrupt(self) -> list[Path]:
@@ -703,7 +700,7 @@ class CheckpointStore:
         if valid is None and corrupt:   # no valid step to go back to: leave everything in place
             raise CheckpointError(
                 f"{self.directory}: no valid checkpoint to resume from; corrupt: "
-                + "; ".join(f"step {s.step} ({_one_line(s.reason)})" for s in corrupt)
+                + "; ".join(f"step {s.step} ({one_line(s.reason or '')})" for s in corrupt)
                 + " (left in place: restore the files or start a new run)")
         return [self._set_aside(s.step, s.reason) for s in corrupt]
 
@@ -720,7 +717,7 @@ class CheckpointStore:
             os.replace(path, dest)
             log.warning("checkpoint step %d is corrupt (%s); set aside as %s (kept, never "
                         "deleted); it will be redone from an earlier step", step,
-                        _one_line(reason), dest)
+                        one_line(reason or ""), dest)
         _barrier(f"jscenegen-checkpoint-aside-{step}")
         self._manager.reload()
         return dest
@@ -783,7 +780,7 @@ class CheckpointStore:
         elif status is not None:
             if jax.process_index() == 0:
                 log.warning("replacing incomplete checkpoint step %d: %s", step,
-                            _one_line(status.reason))
+                            one_line(status.reason or ""))
                 self._delete(step)
             _barrier(f"jscenegen-checkpoint-replace-{step}")
             self._manager.reload()
