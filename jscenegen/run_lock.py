@@ -70,7 +70,7 @@ class Holder:
         except PermissionError:
             pass  # another user's process: alive
         proc = _proc_stat(self.pid)
-        if proc is not None and proc[0] in ("Z", "X"):
+        if proc is not None and proc[0] in _NOT_RUNNING:
             return False
         if proc is None or self.start_ticks is None:
             return None
@@ -80,6 +80,9 @@ class Holder:
         if self.pid == UNREADABLE_PID:
             return "an unreadable lock file (not the JSON this code writes)"
         return f"pid {self.pid} on host {self.host} (since {self.started_utc})"
+
+
+_NOT_RUNNING = ("Z", "X")   # /proc states of a process that has ended (zombie, dead)
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -253,7 +256,7 @@ class RunLock:
         proc = _proc_stat(holder.pid) if holder.pid > 0 else None
         gone = ("" if holder.pid == UNREADABLE_PID else
                 f" (pid {holder.pid} is now another process)"
-                if proc and proc[0] not in ("Z", "X") and proc[1] != holder.start_ticks
+                if proc and proc[0] not in _NOT_RUNNING and proc[1] != holder.start_ticks
                 else " (that process is gone)")
         log.warning("%s: taking over the stale lock of %s%s", self.run_dir, holder.describe(), gone)
 
