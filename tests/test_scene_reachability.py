@@ -1,4 +1,4 @@
-"""NumPy reference vs batched JAX reachability: exact agreement on 200 random scenes."""
+"""NumPy reference vs batched JAX reachability: exact agreement on 200 random scenes and objects beyond the walls."""
 import numpy as np
 import pytest
 
@@ -21,12 +21,25 @@ def agreement_batch():
 
     spec = GridSpec.from_config(CFG)
     cat = load_catalogue()
-    inputs = [encode_scene(random_scene(s), CFG, cat, N_OBJ) for s in range(200)]
+    scenes = [random_scene(s) for s in range(200)] + [_beyond_the_walls(side) for side in ("+x", "+y")]
+    inputs = [encode_scene(s, CFG, cat, N_OBJ) for s in scenes]
     ref = [reach_numpy(x, spec) for x in inputs]
     return inputs, ref, reach_jax(inputs, spec)
 
 
-def test_numpy_and_jax_agree_exactly_on_200_random_scenes(agreement_batch):
+def _beyond_the_walls(side: str):
+    """A 4 x 3 m room with a nightstand just beyond its `side` wall, within an agent's reach of
+    the floor: the reference cuts it off its nx x ny grid (unreachable); the padded JAX grid
+    must do the same."""
+    pos = [4.25, 1.5] if side == "+x" else [2.0, 3.25]
+    room = {"floor_polygon": [[0, 0], [4, 0], [4, 3], [0, 3]], "wall_height": 2.6,
+            "doors": [{"wall": 0, "offset": 1.0, "width": 0.8, "height": 2.1}]}
+    obj = {"id": "o_0", "category": "nightstand", "position": pos, "size": [0.45, 0.4, 0.55],
+           "yaw": 0.0, "mount": "floor", "elevation": 0.0}
+    return scene_from_json({"room": room, "objects": [obj]})
+
+
+def test_numpy_and_jax_agree_exactly_on_random_and_beyond_wall_scenes(agreement_batch):
     inputs, ref, out = agreement_batch
     for b, (x, r) in enumerate(zip(inputs, ref)):
         for key in ("floor_cells", "free_cells", "reached_cells", "num_regions", "largest_region_cells"):
@@ -44,6 +57,8 @@ def test_random_scenes_cover_the_interesting_cases(agreement_batch):
     assert any(r.num_regions > 1 for r in ref) and any(r.num_regions == 1 for r in ref)
     assert any(not r.door_start_free[: int(x.door_valid.sum())].all() for x, r in zip(inputs, ref))
     assert 0 < sum(int(r.object_reachable.sum()) for r in ref) < sum(int(x.counted.sum()) for x in inputs)
+    for x, r in zip(inputs[-2:], ref[-2:]):   # the two objects beyond the +x / +y walls
+        assert x.counted[0] and not r.object_reachable[0]
 
 
 def test_hard_bounds_refuse_degenerate_input():

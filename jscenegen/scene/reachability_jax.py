@@ -133,13 +133,15 @@ def _labels(free: jax.Array) -> jax.Array:
     return lab
 
 
-def _reach_one(poly, corners, blocking, counted, front_only, starts, start_valid, *, spec: GridSpec):
+def _reach_one(poly, corners, blocking, counted, front_only, starts, start_valid, extent, *, spec: GridSpec):
     g, cell = spec.grid_size, spec.cell_mm
     px, py = _centres(g, cell)
     r_rows, ring_rows = spec.disk_rows(spec.radius_mm), spec.disk_rows(spec.ring_mm)
     floor = _floor(poly, px, py)
     c = [corners[:, k] for k in range(4)]
-    feet = jnp.ones((corners.shape[0], g, g), bool)
+    cells = jnp.arange(g, dtype=jnp.int32)
+    in_room = (cells[None, :] < extent[0]) & (cells[:, None] < extent[1])  # the reference's nx x ny grid
+    feet = jnp.broadcast_to(in_room, (corners.shape[0], g, g))
     for k in range(4):
         feet = feet & (_cross(c[k], c[(k + 1) % 4], px, py) >= 0)
     obst = jnp.any(feet & blocking[:, None, None], axis=0)
@@ -171,7 +173,8 @@ def batched_reach_fn(spec: GridSpec):
     """jit(vmap(kernel)) for one GridSpec: takes stacked ReachInputs arrays [B, ...], returns dict.
 
     Inputs: poly [B, V, 2] int32, corners [B, N, 4, 2] int32, blocking/counted/front_only [B, N]
-    bool, starts [B, D, 4, 2] int32, start_valid [B, D, 4] bool. Outputs: int32 counts [B] and
+    bool, starts [B, D, 4, 2] int32, start_valid [B, D, 4] bool, extent [B, 2] int32 (the room's
+    own grid, nx and ny cells: footprints are cut to it as in the reference). Outputs: int32 counts [B] and
     door_start_free [B, D], object_reachable [B, N] bool. Compiles once per input shape.
     """
     return jax.jit(jax.vmap(functools.partial(_reach_one, spec=spec)))
@@ -180,7 +183,9 @@ def batched_reach_fn(spec: GridSpec):
 def stack_inputs(items: list[ReachInputs]) -> dict[str, np.ndarray]:
     """Stack encoded scenes (same padding) into the batched kernel's argument dict."""
     keys = ("poly", "corners", "blocking", "counted", "front_only", "starts", "start_valid")
-    return {k: np.stack([getattr(it, k) for it in items]) for k in keys}
+    out = {k: np.stack([getattr(it, k) for it in items]) for k in keys}
+    out["extent"] = np.array([[it.nx, it.ny] for it in items], dtype=np.int32)
+    return out
 
 
 def reach_jax(items: list[ReachInputs], spec: GridSpec) -> dict[str, np.ndarray]:
