@@ -69,6 +69,34 @@ def test_wardrobe_facing_the_wall_is_unreachable():
     assert grades["functionality"] <= 3
 
 
+@pytest.mark.parametrize("gap,faces", [(0.26, True), (0.29, True), (0.31, False)])
+def test_a_front_faces_a_wall_until_the_agent_fits_in_front(gap, faces):
+    """The probe is 2 x agent_radius_m (0.30 m): at a 0.26 m gap the wardrobe's front ring still
+    reaches free cells beside it, so only this flag says its front faces the wall."""
+    s = scene([obj("wardrobe_1", "wardrobe", 2.0, 3.0 - gap - 0.3, 1.2, 0.6, 2.0)])
+    r = measure(s)
+    assert r["front_to_wall_objects"] == r["storage_front_to_wall_objects"] == (["wardrobe_1"] if faces else [])
+    assert rule_grades(s, [], r, load_catalogue())["functionality"] == (3 if faces else 10)
+
+
+def test_the_functionality_cap_is_for_storage_fronts_only():
+    """A desk facing a wall costs 3 functionality points; the cap at 3 is a storage front's."""
+    s = scene([obj("desk_1", "desk", 2.0, 2.5, 1.2, 0.6, 0.75)])   # front 0.2 m from the top wall
+    r = measure(s)
+    assert r["front_to_wall_objects"] == ["desk_1"] and r["storage_front_to_wall_objects"] == []
+    assert rule_grades(s, [], r, load_catalogue())["functionality"] == 7
+
+
+@pytest.mark.parametrize("mount,elevation,blocked", [("wall", 1.2, False), ("floor", 0.0, True)])
+def test_only_floor_objects_block_a_door_clearance_box(mount, elevation, blocked):
+    """A shelf hung at 1.2 m beside the door (0.15 m into its 0.8 m box) blocks walking under
+    it, but the door's clearance box is kept free of floor objects only."""
+    s = scene([obj("wall_shelf_1", "wall_shelf", 2.7, 0.15, 0.8, 0.3, 0.3, mount=mount, elevation=elevation)])
+    r = measure(s)
+    assert r["door_clearance_blocked"] == ([[0, "wall_shelf_1"]] if blocked else [])
+    assert r["door_blocked"] is blocked and r["door_walk_blocked"] == []
+
+
 def test_collisions_need_vertical_overlap_and_skip_parents_and_rugs():
     s = scene([
         obj("nightstand_1", "nightstand", 1.0, 1.0, 0.45, 0.4, 0.55),

@@ -28,6 +28,7 @@ _PROTOCOL_PARTS = {
     "max_critique_rounds": "scene.max_critique_rounds", "reward": "scene.reward",
     "metrics": "scene.metrics", "catalogue": "the catalogue (scene.catalogue_path)",
     "grade_keys": "judge.grade_keys", "caps": "the grade caps (scene.metrics)",
+    "rules_revision": "the measuring and grading rules (another jscenegen)",
 }
 
 

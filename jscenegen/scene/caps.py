@@ -35,7 +35,7 @@ CAPS: tuple[Cap, ...] = (
         "clearance box, caps physical_plausibility at 4",
     ),
     Cap("completeness", "max", 2, "missing_required", "a bedroom without a bed caps completeness at 2"),
-    Cap("functionality", "max", 3, "front_to_wall", "a storage front facing a wall caps functionality at 3"),
+    Cap("functionality", "max", 3, "storage_front_to_wall", "a storage front facing a wall caps functionality at 3"),
 )
 
 
@@ -48,7 +48,7 @@ def conditions(metrics: dict) -> dict[str, bool]:
         "fully_reachable": bool(metrics["reachable"]),
         "oob_or_door_clearance": bool(metrics["oob_cap_objects"] or metrics["door_clearance_blocked"]),
         "missing_required": bool(metrics["missing_required"]),
-        "front_to_wall": bool(metrics["front_to_wall_objects"]),
+        "storage_front_to_wall": bool(metrics["storage_front_to_wall_objects"]),
     }
 
 

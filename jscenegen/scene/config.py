@@ -70,11 +70,12 @@ class MetricsConfig(Section):
                           "a whole even number of millimetres")
     agent_radius_m: float = Field(0.15, ge=0, description="radius of the walking agent (m): free "
                                   "space is the floor eroded by it minus the blocking footprints "
-                                  "dilated by it")
+                                  "dilated by it; a front-used object faces a wall when the wall is "
+                                  "closer in front of it than twice this (no room for the agent)")
     access_margin_m: float = Field(0.10, ge=0, description="access ring width (m): an object is "
                                    "reachable when the ring between its footprint dilated by "
                                    "agent_radius_m and by agent_radius_m + this touches the reached "
-                                   "cells; their sum is also the front-to-wall probe distance")
+                                   "cells")
     block_height_m: float = Field(1.5, gt=0, description="an object whose bottom (elevation) is at "
                                   "or above this height (m) never blocks walking")
     thin_height_m: float = Field(0.03, ge=0, description="an object at most this tall (m), or a "

@@ -100,7 +100,8 @@ def measure(
     [{"window", "object"}], unsupported_objects [id] (mount "on" but not on top of the parent,
     within 2 cm), reachable_object_ratio, door_connected_ratio, num_regions,
     largest_region_ratio, walkable_ratio, unreachable_objects [id], reachable bool, blockers [id]
-    (only when asked and something is unreachable), front_to_wall_objects, storage_off_wall_objects,
+    (only when asked and something is unreachable), front_to_wall_objects,
+    storage_front_to_wall_objects (those of them the catalogue calls storage), storage_off_wall_objects,
     size_out_of_range_objects, chairs_not_at_desk, unknown_categories [id] (the objects whose
     category the catalogue does not know: ids, as every object list here; the key's name is the
     prompts' and stays), missing_required, object_count.
@@ -172,14 +173,16 @@ def _out_of_bounds(by_id, feet, floor, wall_height: float, cfg) -> tuple[list, l
 
 
 def _opening_checks(room, by_id, feet, catalogue, cfg) -> tuple[list, list]:
-    """(door_clearance_blocked [[door, id]], window_warnings [{"window", "object"}]): walking
-    obstacles inside a door's clearance box, and objects that are not thin and rise across a
+    """(door_clearance_blocked [[door, id]], window_warnings [{"window", "object"}]): floor
+    objects that block walking inside a door's clearance box (a wall or ceiling mount does not
+    block a door, whatever its height), and objects that are not thin and rise across a
     window's sill inside its box, by at least `penetration_m`."""
     door_clear = []
     for d, door in enumerate(room.doors):
         box = opening_box(room, door, cfg.door_clearance_m)
         for o in by_id:
-            if blocks_walking(o, catalogue, cfg) and penetration(box, feet[o.id]) >= cfg.penetration_m - 1e-9:
+            if (o.mount == "floor" and blocks_walking(o, catalogue, cfg)
+                    and penetration(box, feet[o.id]) >= cfg.penetration_m - 1e-9):
                 door_clear.append([d, o.id])
     window_warn = []
     for w, win in enumerate(room.windows):
@@ -197,12 +200,13 @@ def _opening_checks(room, by_id, feet, catalogue, cfg) -> tuple[list, list]:
 
 
 def _catalogue_checks(room, by_id, feet, floor, catalogue, cfg) -> dict[str, list]:
-    """What the catalogue says of each object: front_to_wall_objects (a used front facing a
-    wall within the agent's reach), storage_off_wall_objects (storage more than `wall_gap_m`
+    """What the catalogue says of each object: front_to_wall_objects (a used front with a wall
+    closer in front of its centre than 2 x agent_radius_m: no room for the agent to stand
+    there), storage_front_to_wall_objects (those the catalogue calls storage), storage_off_wall_objects (storage more than `wall_gap_m`
     from every wall), size_out_of_range_objects, chairs_not_at_desk (no desk-like object within
     `chair_desk_m` in front, at most 60 degrees off), unknown_categories (ids)."""
-    front_wall, storage_off, bad_size, unknown, chairs_bad = [], [], [], [], []
-    probe = cfg.agent_radius_m + cfg.access_margin_m
+    front_wall, storage_front_wall, storage_off, bad_size, unknown, chairs_bad = [], [], [], [], [], []
+    probe = 2 * cfg.agent_radius_m
     desks = [o for o in by_id if o.category in catalogue.desk_like]
     for o in by_id:
         cat = catalogue.get(o.category)
@@ -216,6 +220,8 @@ def _catalogue_checks(room, by_id, feet, floor, catalogue, cfg) -> dict[str, lis
             p = np.asarray(o.position) + f * (o.size[1] / 2 + probe)
             if not point_in_polygon(p[0], p[1], room.floor_polygon):
                 front_wall.append(o.id)
+                if cat.storage:
+                    storage_front_wall.append(o.id)
         if cat.storage and distance_to_walls(feet[o.id], floor) > cfg.wall_gap_m + 1e-9:
             storage_off.append(o.id)
         if o.category in catalogue.chair_like:
@@ -227,7 +233,8 @@ def _catalogue_checks(room, by_id, feet, floor, catalogue, cfg) -> dict[str, lis
                     ok = True
             if not ok:
                 chairs_bad.append(o.id)
-    return {"front_to_wall_objects": front_wall, "storage_off_wall_objects": storage_off,
+    return {"front_to_wall_objects": front_wall, "storage_front_to_wall_objects": storage_front_wall,
+            "storage_off_wall_objects": storage_off,
             "size_out_of_range_objects": bad_size, "chairs_not_at_desk": chairs_bad,
             "unknown_categories": unknown}
 

@@ -2,8 +2,8 @@
 
 SHA-256 of canonical JSON over: the prompt templates, the action grammar (text plus the JSON schema
 of every operation), operation costs, budget, object and turn caps, reward coefficients, metric
-parameters, the catalogue, the grade keys and cap table, and the judge's identity (backend, model,
-rubric hash). A run refuses to resume or extend when it changes.
+parameters, the catalogue, the grade keys and cap table, the judge's identity (backend, model,
+rubric hash), and `RULES_REVISION`. A run refuses to resume or extend when it changes.
 """
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ from .config import JudgeConfig, SceneRuntimeConfig
 from .judge import make_judge
 from .ops import OP_MODELS
 from .prompts import load_templates
+
+RULES_REVISION = 2
+"""Raised whenever a measuring or grading rule changes in code rather than through a config value,
+so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
+under the new one. 2: the door clearance box is blocked by floor objects only; a front faces a
+wall within 2 x agent_radius_m (was agent_radius_m + access_margin_m); the functionality cap
+counts storage fronts only (scene-protocol.md sections 4 and 5)."""
 
 
 def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> dict:
@@ -38,6 +45,7 @@ def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_iden
         "grade_keys": list(judge_cfg.grade_keys),
         "caps": caps_table(cfg.metrics),
         "judge": identity,
+        "rules_revision": RULES_REVISION,
     }
 
 
