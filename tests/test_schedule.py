@@ -108,6 +108,30 @@ def test_advantages_are_normalised_within_each_group_of_a_batch():
         build_group_batch(trs[:3], PLANNER, row_multiple=3, col_multiple=8)
 
 
+def test_masked_episodes_are_padding_rows_of_the_update():
+    """A judge failure or a non-finite reward trains nothing: no token of its row is attended or
+    in the loss mask (so none counts in the token-mean or sequence normalisers), A = 0."""
+    import numpy as np
+
+    from jscenegen.grpo.rollout.engine import Trajectory
+    from jscenegen.grpo.train.batch import build_group_batch
+
+    def tr(member, reward, masked=False):
+        n = 6
+        return Trajectory(0, member, 0, np.arange(n, dtype=np.int32) + 7, np.full(n, PLANNER, np.int8),
+                          np.ones(n, bool), np.full(n, -0.5, np.float32), [], [], reward,
+                          "judge_timeout" if masked else None, masked, 0, None, None, {})
+
+    trs = [tr(0, 1.0), tr(1, 3.0), tr(2, 0.0, masked=True), tr(3, float("nan"))]
+    batch = build_group_batch(trs, PLANNER, row_multiple=3, col_multiple=8)
+    a = batch.arrays
+    assert batch.trained_tokens == a["loss_mask"][:2].sum() == 10   # 5 per row: nothing predicts token 0
+    for row in (2, 3):
+        for key in ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp"):
+            assert not a[key][row].any(), (row, key)
+    np.testing.assert_allclose(batch.episode_advantages, [-0.7071063, 0.7071063, 0, 0], atol=1e-5)
+
+
 def test_run_seed_changes_every_episode_seed_and_the_hash_but_not_seed_zero():
     base = Schedule(SCENES, ScheduleConfig(group_size=4))
     other = Schedule(SCENES, ScheduleConfig(group_size=4, seed=1))

@@ -43,8 +43,10 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     """Assemble the update of one or more groups (trajectories in group order; a group is the
     trajectories sharing a `group_id`, all of one size G).
 
-    Masked episodes (judge or infrastructure failures) and non-finite rewards get advantage 0
-    and stay out of their group's statistics; policy failures (-1) are ordinary members.
+    Masked episodes (judge or infrastructure failures) and non-finite rewards get advantage 0,
+    stay out of their group's statistics and are masked out of the loss: their rows become
+    padding rows (no token attended or trained, in no normaliser, no KL or entropy term, no
+    metric), as scene-protocol.md section 5 asks. Policy failures (-1) are ordinary members.
     Raises ValueError when the groups differ in size.
     """
     g = len(trajectories)
@@ -53,9 +55,11 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     # at least one column: episodes that all failed before their first token still make a batch
     t = round_up(max(1, *(tr.num_tokens for tr in trajectories)), col_multiple)
     arr = trajectory_batch(trajectories, length=t, rows=round_up(g, row_multiple))
-    mask = np.asarray(role_loss_mask(arr["roles"], arr["policy_mask"], selected_role), np.float32)
     scores = arr["reward"][:g]
     valid = ~arr["masked"][:g] & np.isfinite(scores)
+    for key in ("input_ids", "attention_mask", "roles", "policy_mask", "rollout_logp"):
+        arr[key][:g][~valid] = 0
+    mask = np.asarray(role_loss_mask(arr["roles"], arr["policy_mask"], selected_role), np.float32)
     adv = np.asarray(grpo_outcome_advantages(np.where(valid, scores, 0.0), group_ids, valid,
                                              eps=eps, norm_by_std=norm_by_std,
                                              group_size=g // len(order)), np.float32)
