@@ -342,6 +342,11 @@ def test_turn_stopped_by_a_stop_string_gets_its_end_of_turn_as_environment(model
         assert closing == {"role": "environment", "start": policy["end"], "end": policy["end"] + 1, "stop": None}
         assert tr.tokens[-1] == chat.eot_id and tr.roles[-1] == ENVIRONMENT and not tr.policy_mask[-1]
         assert tr.failure_cause == "no_action_block" and tr.reward == -1.0
+    # the same last turn ending exactly at the episode cap: no closing token beyond the cap
+    at_cap = cfg.model_copy(update={"max_episode_tokens": trs[0].num_tokens - 1})
+    tr = RolloutEngine(model, chat, at_cap).run_group(record, group_id=4, seeds=[5], judge=rule_judge).trajectories[0]
+    assert tr.num_tokens == at_cap.max_episode_tokens and tr.turns[-1]["stop"] == "stop_string"
+    np.testing.assert_array_equal(tr.tokens, trs[0].tokens[:-1])
 
 
 @pytest.mark.slow   # a second model family through whole episodes (~6k tokens): minutes on 2 cores

@@ -447,7 +447,7 @@ class RolloutEngine:
             return None
         res = ep.step(text)
         if res.done:
-            if reason == STOP_STRING:
+            if reason == STOP_STRING and len(r.tokens) < cfg.max_episode_tokens:   # at the cap: left open
                 r.add(r.conv.closing_segment(), ENVIRONMENT, False)
             return None
         seg = r.conv.user_segment(res.env_message)
