@@ -402,20 +402,27 @@ def jsonl_lines(text: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
-def loads_json(data: str | bytes) -> Any:
-    """`json.loads(data)` refusing a key repeated within one object (`unique_keys`). Every way
-    JSON text can be bad is a ValueError whose text says what in words: the parser's syntax
-    message, bytes that are not UTF-8, a repeated key, "nested too deeply" (past the
-    interpreter's recursion limit) or "an integer of more than N digits" (Python's
-    int_max_str_digits, whose own message advises a call only a programmer can make)."""
+def loads_json(data: str | bytes, *, allow_nan: bool = True) -> Any:
+    """`json.loads(data)` refusing a key repeated within one object (`unique_keys`), and with
+    `allow_nan=False` the non-JSON constants NaN, Infinity and -Infinity that Python's parser
+    (and writer: metrics rows may hold them) accepts. Every way JSON text can be bad is a
+    ValueError whose text says what in words: the parser's syntax message, bytes that are not
+    UTF-8, a repeated key, such a constant, "nested too deeply" (past the interpreter's
+    recursion limit) or "an integer of more than N digits" (Python's int_max_str_digits, whose
+    own message advises a call only a programmer can make)."""
     try:
-        return json.loads(data, object_pairs_hook=unique_keys)
+        return json.loads(data, object_pairs_hook=unique_keys,
+                          parse_constant=None if allow_nan else _refuse_constant)
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except ValueError as err:
         if "int_max_str_digits" in str(err):
             raise ValueError(f"an integer of more than {sys.get_int_max_str_digits():,} digits") from None
         raise
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON (a number must be written in digits)")
 
 
 def read_json_object(path: str | Path, error: type[Exception] = ValueError) -> dict:

@@ -56,6 +56,10 @@ def A(obj) -> str:
          ' "position": [1, 1]}]}</action>', "designer", "bad_json"),
         ('<action>{"action": "finish", "summary": "s", "n": ' + "1" * 5000 + "}</action>", "planner", "bad_json"),
         ('<action>{"action": "design", "action": "finish", "summary": "s"}</action>', "planner", "bad_json"),
+        # Python's parser takes these constants; JSON has none
+        ('<action>{"ops": [{"op": "rotate_object", "id": "a", "yaw": NaN}]}</action>', "designer", "bad_json"),
+        ('<action>{"ops": [{"op": "move_object", "id": "a", "position": [-Infinity, 1]}]}</action>',
+         "designer", "bad_json"),
     ],
 )
 def test_malformed_actions_give_the_right_cause(text, role, cause):

@@ -204,3 +204,78 @@ def test_malformed_ops_raise_schema_errors_with_causes(raw, cause):
     with pytest.raises(OpSchemaError) as err:
         parse_op(raw)
     assert err.value.cause == cause
+
+
+def _nightstand_lamp_plant(ed):
+    lines, _ = run(
+        ed,
+        {"op": "add_object", "category": "nightstand", "position": [1.0, 1.0], "size": [0.45, 0.4, 0.55]},
+        {"op": "add_object", "category": "table_lamp", "position": [1.0, 1.0], "mount": "on", "parent": "nightstand_1"},
+        {"op": "add_object", "category": "plant", "position": [1.0, 1.0], "mount": "on", "parent": "table_lamp_1"},
+    )
+    assert all(": ok" in line for line in lines), lines
+    return {o.id: o for o in ed.scene.objects}
+
+
+@pytest.mark.parametrize("op", [
+    {"op": "resize_object", "id": "nightstand_1", "size": [0.45, 0.4, 0.7]},
+    {"op": "replace_object", "id": "nightstand_1", "category": "nightstand", "size": [0.45, 0.4, 0.7]},
+    {"op": "replace_object", "id": "nightstand_1", "category": "dresser", "size": [1.0, 0.45, 0.7]},
+])
+def test_resize_and_replace_lift_every_level_on_top(op):
+    ed = editor()
+    before = _nightstand_lamp_plant(ed)
+    lines, _ = run(ed, op)
+    assert ": ok" in lines[0], lines
+    objs = {o.id: o for o in ed.scene.objects}
+    base = objs.get("nightstand_1") or objs["dresser_1"]
+    lamp, plant = objs["table_lamp_1"], objs["plant_1"]
+    assert lamp.parent == base.id and plant.parent == "table_lamp_1"
+    assert lamp.elevation == pytest.approx(0.7)
+    assert plant.elevation == pytest.approx(0.7 + lamp.size[2])
+    assert plant.elevation - before["plant_1"].elevation == pytest.approx(0.15)
+
+
+def test_a_move_that_would_carry_a_child_off_the_floor_changes_nothing():
+    ed = editor()
+    run(ed, {"op": "add_object", "category": "dresser", "position": [0.3, 1.5], "size": [1.8, 0.5, 0.8]},
+        {"op": "add_object", "category": "table_lamp", "position": [1.1, 1.5], "mount": "on", "parent": "dresser_1"})
+    before = ed.scene
+    lines, _ = run(ed, {"op": "rotate_object", "id": "dresser_1", "yaw": 180})
+    assert "error: it would carry table_lamp_1 to centre [-0.5, 1.5] is outside the floor" in lines[0]
+    assert ed.scene.objects == before.objects
+
+
+def test_a_centre_on_any_wall_line_is_on_the_floor():
+    ed = editor()
+    lines, _ = run(ed, *({"op": "add_object", "category": "wall_art", "position": p, "mount": "wall"}
+                         for p in ([0.0, 1.5], [4.0, 1.5], [2.0, 0.0], [2.0, 3.0])))
+    assert all(": ok" in line for line in lines), lines
+
+
+def test_a_refused_add_takes_no_id():
+    ed = editor()
+    lines, _ = run(ed, {"op": "add_object", "category": "chair", "position": [1, 1], "yaw": 1e9},
+                   {"op": "add_object", "category": "chair", "position": [1, 1]})
+    assert "error" in lines[0] and lines[1].endswith("ok -> chair_1 [8 units]")
+
+
+def test_a_description_no_scene_file_holds_is_a_validation_error():
+    ed = editor()
+    lines, _ = run(ed, {"op": "add_object", "category": "chair", "position": [1, 1], "description": "x" * 1001},
+                   {"op": "add_object", "category": "chair", "position": [1, 1], "description": "x" * 1000})
+    assert "error" in lines[0] and "description" in lines[0] and "1000" in lines[0]
+    assert [len(o.description) for o in ed.scene.objects] == [1000]
+
+
+def test_a_catalogue_default_elevation_of_zero_is_kept():
+    import dataclasses
+
+    ed = editor()
+    art = ed.catalogue.categories["wall_art"]
+    ed.catalogue.categories["wall_art"] = dataclasses.replace(art, default_elevation=0.0)
+    try:
+        run(ed, {"op": "add_object", "category": "wall_art", "position": [0.05, 1.5], "mount": "wall"})
+    finally:
+        ed.catalogue.categories["wall_art"] = art
+    assert ed.scene.objects[0].elevation == 0.0

@@ -98,7 +98,7 @@ def parse_action(text: str, role: str, grade_keys: tuple[str, ...]) -> ParsedAct
     if cause:
         return _fail(role, cause, msg)
     try:
-        obj = loads_json(body)
+        obj = loads_json(body, allow_nan=False)
     except ValueError as err:
         return _fail(role, "bad_json", f"action block is not valid JSON: {err}")
     if (where := _lone_surrogate(obj)) is not None:

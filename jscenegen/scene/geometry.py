@@ -122,6 +122,24 @@ def point_in_polygon(x: float, y: float, poly) -> bool:
     return inside
 
 
+def point_on_polygon(x: float, y: float, poly, tol: float = 1e-9) -> bool:
+    """Point (x, y) inside polygon [[x, y], ...] or within `tol` (m) of its boundary: one rule for
+    a centre on any wall line (`point_in_polygon`'s crossing test counts only some edges)."""
+    xs, ys = [v[0] for v in poly], [v[1] for v in poly]
+    if not (min(xs) - tol <= x <= max(xs) + tol and min(ys) - tol <= y <= max(ys) + tol):
+        return False
+    p = np.array([x, y], dtype=float)
+    n = len(poly)
+    for i in range(n):
+        a, b = np.asarray(poly[i], dtype=float), np.asarray(poly[(i + 1) % n], dtype=float)
+        d = b - a
+        ll = float(d @ d)
+        t = 0.0 if ll == 0 else min(1.0, max(0.0, float((p - a) @ d) / ll))
+        if float(np.hypot(*(a + t * d - p))) <= tol:
+            return True
+    return point_in_polygon(x, y, poly)
+
+
 def wall_frame(room: Room, wall: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """(start [2], unit tangent [2], inward unit normal [2], length m) of polygon edge `wall`.
 

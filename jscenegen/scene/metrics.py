@@ -20,6 +20,7 @@ from .geometry import (
     outside_fraction,
     penetration,
     point_in_polygon,
+    point_on_polygon,
 )
 from .reach_inputs import (
     GridSpec,
@@ -247,7 +248,7 @@ def _unsupported(scene, by_id, feet) -> list:
         if o.mount != "on":
             continue
         p = scene.object(o.parent)
-        on_top = point_in_polygon(o.position[0], o.position[1], feet[p.id].tolist())
+        on_top = point_on_polygon(o.position[0], o.position[1], feet[p.id].tolist())
         if not on_top or abs(o.elevation - (p.elevation + p.size[2])) > 0.02:
             unsupported.append(o.id)
     return unsupported

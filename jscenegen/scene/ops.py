@@ -22,7 +22,7 @@ from jscenegen.text import clip_text
 
 from .catalogue import Catalogue
 from .config import SceneRuntimeConfig
-from .geometry import footprint, front_direction, point_in_polygon, wall_frame
+from .geometry import footprint, front_direction, point_on_polygon, wall_frame
 from .schema import MAX_YAW_DEG, Mount, Scene, SceneObject, ceiling_elevation, id_sort_key
 
 SNAP_GAP_M = 0.01
@@ -169,7 +169,9 @@ def _valid(obj: SceneObject) -> SceneObject:
     try:
         return SceneObject.model_validate(obj.model_dump())
     except ValidationError as err:
-        raise OpError(validation_message(err.errors()[0])) from None
+        first = err.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise OpError(f"{field}: {validation_message(first)}" if field else validation_message(first)) from None
 
 
 def _r(x: float) -> float:
@@ -191,7 +193,11 @@ class SceneEditor:
     counters: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
-        for o in self.scene.objects:
+        self._take_ids(self.scene.objects)
+
+    def _take_ids(self, objects) -> None:
+        """Count the ids of `objects` as given: `_new_id` continues after the largest n of each category."""
+        for o in objects:
             cat, _, n = o.id.rpartition("_")
             if is_decimal(n):
                 self.counters[cat] = max(self.counters.get(cat, 0), int(n))
@@ -227,9 +233,12 @@ class SceneEditor:
             raise OpError(f"unknown id {object_id!r} (objects: {known})")
         return o
 
-    def _inside(self, pos) -> None:
-        if not point_in_polygon(pos[0], pos[1], self.scene.room.floor_polygon):
-            raise OpError(f"centre [{pos[0]:.6g}, {pos[1]:.6g}] is outside the floor")
+    def _inside(self, pos, carried: str | None = None) -> None:
+        """OpError unless `pos` is on the floor (its boundary included); `carried` names the
+        child a parent's move would take there."""
+        if not point_on_polygon(pos[0], pos[1], self.scene.room.floor_polygon):
+            what = f"it would carry {carried} to centre" if carried else "centre"
+            raise OpError(f"{what} [{pos[0]:.6g}, {pos[1]:.6g}] is outside the floor")
 
     def _check_size(self, category: str, size) -> None:
         cat = self.catalogue.get(category)
@@ -247,10 +256,12 @@ class SceneEditor:
         return out
 
     def _replace_objects(self, changed: dict[str, SceneObject], removed: set[str] = frozenset()) -> None:
+        """Put `changed` (keyed by their current ids) into the scene, each validated first."""
         changed = {k: _valid(o) for k, o in changed.items()}
         objs = tuple(changed.get(o.id, o) for o in self.scene.objects if o.id not in removed)
         objs += tuple(o for k, o in changed.items() if self.scene.object(k) is None)
         self.scene = self.scene.model_copy(update={"objects": objs})
+        self._take_ids(changed.values())
 
     def _rigid(self, obj: SceneObject, pos, yaw: float) -> None:
         """Move `obj` to pos/yaw and carry its descendants with the same rigid motion."""
@@ -265,6 +276,7 @@ class SceneEditor:
             kid = self.scene.object(kid_id)
             rel = np.asarray(kid.position) - old
             new = np.array([c * rel[0] - s * rel[1], c * rel[1] + s * rel[0]]) + np.asarray(pos)
+            self._inside(new, carried=kid_id)
             changed[kid_id] = kid.model_copy(update={"position": (_r(new[0]), _r(new[1])), "yaw": _r(kid.yaw + dyaw)})
         self._replace_objects(changed)
 
@@ -281,19 +293,21 @@ class SceneEditor:
 
     def _resized(self, o: SceneObject, size) -> dict[str, SceneObject]:
         """`o` with `size` (a ceiling object stays at the ceiling, a wall object must stay on the
-        wall) and the objects on it lifted to its new top."""
+        wall) and the objects on it, and on those, each on its parent's new top."""
         elevation = o.elevation
         if o.mount in ("wall", "ceiling"):
             elevation = _r(self._mounted_elevation(o.mount, o.elevation, size[2]))
         changed = {o.id: o.model_copy(update={"size": tuple(size), "elevation": elevation})}
-        for kid in self.scene.objects:
-            if kid.parent == o.id:
-                changed[kid.id] = kid.model_copy(update={"elevation": _r(elevation + size[2])})
+        for kid_id in self._descendants(o.id):   # each after its parent
+            kid = self.scene.object(kid_id)
+            parent = changed[kid.parent]
+            changed[kid_id] = kid.model_copy(update={"elevation": _r(parent.elevation + parent.size[2])})
         return changed
 
     def _new_id(self, category: str) -> str:
-        self.counters[category] = self.counters.get(category, 0) + 1
-        return f"{category}_{self.counters[category]}"
+        """The next id of `category`; taken (never given again) by `_replace_objects` once the
+        object it names is in the scene, so a refused operation uses none."""
+        return f"{category}_{self.counters.get(category, 0) + 1}"
 
     # ---- operations ------------------------------------------------------------------------
     def _add_object(self, op: AddObject) -> str:
@@ -314,13 +328,13 @@ class SceneEditor:
             if not op.parent:
                 raise OpError("mount 'on' needs a parent id")
             p = self._get(op.parent)
-            if not point_in_polygon(op.position[0], op.position[1], footprint(p).tolist()):
+            if not point_on_polygon(op.position[0], op.position[1], footprint(p).tolist()):
                 raise OpError(f"centre is not on top of parent {p.id}")
             elevation, parent = p.elevation + p.size[2], p.id
         elif op.parent:
             raise OpError(f"parent is only allowed with mount 'on', not {op.mount!r}")
         elif op.mount in ("wall", "ceiling"):
-            default = cat.default_elevation or 1.5
+            default = 1.5 if cat.default_elevation is None else cat.default_elevation
             elevation = self._mounted_elevation(op.mount, op.elevation if op.elevation is not None
                                                 else default, size[2])
         else:
@@ -350,7 +364,8 @@ class SceneEditor:
             "description": op.description if op.description is not None else old.description,
         })
         for kid_id in changed.keys() - {old.id}:
-            changed[kid_id] = changed[kid_id].model_copy(update={"parent": new_id})
+            if changed[kid_id].parent == old.id:
+                changed[kid_id] = changed[kid_id].model_copy(update={"parent": new_id})
         self._replace_objects(changed)
         return f"-> {new_id}"
 

@@ -23,7 +23,9 @@ RULES_REVISION = 2
 so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
 under the new one. 2: the door clearance box is blocked by floor objects only; a front faces a
 wall within 2 x agent_radius_m (was agent_radius_m + access_margin_m); the functionality cap
-counts storage fronts only (scene-protocol.md sections 4 and 5)."""
+counts storage fronts only (scene-protocol.md sections 4 and 5); resizes lift every level of
+children; a move carrying a child off the floor is refused; a centre on any wall line is on
+the floor; descriptions hold at most 1000 characters; NaN/Infinity in an action are bad_json."""
 
 
 def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> dict:

@@ -30,6 +30,7 @@ MAX_FLOOR_VERTICES = 64
 MAX_OPENINGS = 16  # doors, and windows, each
 MAX_NAME_CHARS = 128  # an object's category; its id (`<category>_<n>`) up to 16 more
 MAX_ID_CHARS = MAX_NAME_CHARS + 16  # an object's id and a scene's scene_id
+MAX_DESCRIPTION_CHARS = 1000  # an object's description: every later prompt repeats it
 MAX_JSON_FILE_BYTES = 4 * 2**20  # read_json_file refuses larger files unread; parsing 4 MiB takes ~0.2 s
 # Every length and coordinate (metres) lies within +-MAX_COORDINATE_M: far beyond any room, and small
 # enough that the geometry (rounding, grids, float32 on the device) stays exact and finite.
@@ -141,7 +142,7 @@ class SceneObject(PlainModel):
 
     id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     category: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    description: str = ""
+    description: str = Field("", max_length=MAX_DESCRIPTION_CHARS)
     position: tuple[float, float]
     elevation: float = 0.0
     size: tuple[float, float, float]
