@@ -100,11 +100,38 @@ def test_summarize_excludes_masked_and_counts_causes():
 
     from jscenegen.grpo.rollout.stats import group_metrics
 
-    g = group_metrics([SimpleNamespace(outcome=o, num_tokens=100 + i) for i, o in enumerate(outs)], ["a"])
+    g = group_metrics([SimpleNamespace(outcome=o, num_tokens=100 + i, group_id=0) for i, o in enumerate(outs)], ["a"])
     assert g["reward/mean"] == s["reward"] and g["masked_rate"] == pytest.approx(1 / 3)
     assert g["failures/truncated_action"] == pytest.approx(1 / 3) and g["judge_failures"] == 1.0
     assert g["zero_std_group"] == 0.0 and g["tokens/mean"] == 101.0 and g["grades/a"] == 4.0
     assert g["scene/reachable_rate"] == 1.0 and g["failure_rate"] == 0.5
+
+
+def test_reward_parts_latency_and_zero_spread_share_of_several_groups():
+    """quality and unit_penalty are the judged episodes' parts (their difference is those
+    episodes' mean reward); a timed-out judge call's latency counts; zero_std_group is the
+    share of groups without spread, not one flag for the pooled batch."""
+    from types import SimpleNamespace
+
+    from jscenegen.grpo.rollout.stats import group_metrics
+
+    def judged(reward, units, latency):
+        return {"reward": reward, "units": units, "failure_cause": None, "masked": False,
+                "quality": 0.8, "unit_penalty": 0.8 - reward, "grades": {"a": 8}, "metrics": None,
+                "judge_info": {"latency_s": latency}}
+
+    failed = {"reward": -1.0, "units": 128, "failure_cause": "bad_json", "masked": False,
+              "quality": None, "unit_penalty": 0.0, "grades": None, "metrics": None}
+    timeout = {"reward": 0.0, "units": 64, "failure_cause": "judge_timeout", "masked": True,
+               "quality": None, "unit_penalty": 0.0, "grades": None, "metrics": None,
+               "judge_info": {"latency_s": 60.0}}
+    groups = [[failed, failed], [judged(0.7, 64, 2.0), judged(0.6, 128, 4.0), timeout]]
+    g = group_metrics([SimpleNamespace(outcome=o, num_tokens=10, group_id=k)
+                       for k, group in enumerate(groups) for o in group], ["a"])
+    assert g["zero_std_group"] == 0.5
+    assert g["reward/quality"] - g["reward/unit_penalty"] == pytest.approx((0.7 + 0.6) / 2)
+    assert g["judge/latency_s"] == pytest.approx(22.0)
+    assert g["units/mean"] == pytest.approx((128 + 128 + 64 + 128) / 4)
 
 
 def test_plot_draws_the_reports_rewards(report, tmp_path):

@@ -92,6 +92,7 @@ def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     assert all(r["trained_tokens"] > 0 and r["train/grad_norm"] > 0 for r in planner)
     critic = [r for r in rows if r["role"] == "critic"]
     assert all(r["trained_tokens"] == 0 and r["train/grad_norm"] == 0 for r in critic)
+    assert not any("train/kl" in r for r in rows)   # no KL loss, no reference: no KL column
     assert rows[0]["episodes"] == 2
     # 2 episodes on the replicated layout of 6 devices: 6 rows, 4 of them padding; after each
     # step one reshard writes the whole weights (fp32) onto each of the 6 devices

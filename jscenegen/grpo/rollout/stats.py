@@ -25,12 +25,15 @@ def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
 
     Returns {"episodes", "masked", "reward" (mean over unmasked episodes, -1 failures
     included), "reward_std", "zero_spread" (fewer than two unmasked rewards, or all equal),
-    "quality" (mean over judged episodes), "unit_penalty", "grades" {key: mean}, "units"
-    (mean), "failure_rate" (unmasked episodes with a failure cause / all unmasked),
-    "failure_causes" {cause: count, masked causes included}, "reachable", "collision",
-    "out_of_bounds" (shares of the episodes with measured terminal metrics whose scene is fully
-    reachable / has a colliding pair / an object out of the room; None without any),
-    "judge_latency_s" (mean over judged episodes that report it)}.
+    "quality" and "unit_penalty" (means over judged episodes, the two parts of their reward:
+    reward = quality - unit_penalty for each), "grades" {key: mean over judged episodes},
+    "units" (mean over unmasked episodes, failures included), "failure_rate" (unmasked episodes
+    with a failure cause / all unmasked), "failure_causes" {cause: count, masked causes
+    included}, "reachable", "collision", "out_of_bounds" (shares of the episodes with measured
+    terminal metrics whose scene is fully reachable / has a colliding pair / an object out of
+    the room; None without any), "judge_latency_s" (mean over every episode whose judge call
+    reports one, failed calls included: a judge that times out is slow; None for the rule
+    judge, which reports none)}.
     """
     valid = [o for o in outcomes if not o["masked"]]
     judged = [o for o in valid if o.get("grades")]
@@ -43,7 +46,7 @@ def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
         "reward_std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else None,
         "zero_spread": len(rewards) < 2 or float(np.ptp(rewards)) == 0.0,
         "quality": _mean(o.get("quality") for o in judged),
-        "unit_penalty": _mean(o.get("unit_penalty") for o in valid),
+        "unit_penalty": _mean(o.get("unit_penalty") for o in judged),
         "grades": {k: _mean(o["grades"].get(k) for o in judged) for k in grade_keys},
         "units": _mean(o["units"] for o in valid),
         "failure_rate": (sum(1 for o in valid if o["failure_cause"]) / len(valid)) if valid else None,
@@ -52,17 +55,21 @@ def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
         "reachable": _mean(float(bool(m.get("reachable"))) for m in measured),
         "collision": _mean(float(bool(m.get("collision_pairs"))) for m in measured),
         "out_of_bounds": _mean(float(bool(m.get("oob_objects"))) for m in measured),
-        "judge_latency_s": _mean((o.get("judge_info") or {}).get("latency_s") for o in judged),
+        "judge_latency_s": _mean((o.get("judge_info") or {}).get("latency_s") for o in outcomes),
     }
 
 
 def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str]) -> dict:
-    """`summarize` of one group's outcomes as the training log's flat keys: reward/mean, /std,
-    /quality, /unit_penalty, zero_std_group, failure_rate, masked_rate, judge_failures,
-    units/mean, tokens/mean, grades/<key>, failures/<cause> (share of all episodes),
-    scene/reachable_rate, /collision_rate, /oob_rate (when any scene was measured) and
-    judge/latency_s."""
+    """`summarize` of an update's outcomes (one or more groups) as the training log's flat
+    keys: reward/mean, /std (over the whole batch), /quality, /unit_penalty, zero_std_group
+    (the share of its groups whose rewards have no spread), failure_rate, masked_rate,
+    judge_failures, units/mean, tokens/mean, grades/<key>, failures/<cause> (share of all
+    episodes), scene/reachable_rate, /collision_rate, /oob_rate (when any scene was measured)
+    and judge/latency_s."""
     s = summarize([t.outcome for t in trajectories], grade_keys)
+    groups: dict[int, list[dict]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t.outcome)
     n = s["episodes"]
     causes = s["failure_causes"]
     out: dict = {
@@ -71,7 +78,7 @@ def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str
         "reward/std": s["reward_std"],
         "reward/quality": s["quality"],
         "reward/unit_penalty": s["unit_penalty"],
-        "zero_std_group": float(s["zero_spread"]),
+        "zero_std_group": _mean(float(summarize(g, ())["zero_spread"]) for g in groups.values()),
         "failure_rate": s["failure_rate"] or 0.0,
         "masked_rate": s["masked"] / max(n, 1),
         "judge_failures": float(sum(c for k, c in causes.items() if k.startswith("judge"))),

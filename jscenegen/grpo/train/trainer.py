@@ -457,7 +457,8 @@ class Trainer:
                 arrays["ref_logp"] = self.step_fn.logprobs(self.ref_params, ids, mask, select,
                                                            capacity=cap)[0]
             self.state, metrics = self.step_fn.step(self.state, arrays, capacity=cap)
-        metrics = {f"train/{k}": float(v) for k, v in metrics.items()}
+        metrics = {f"train/{k}": float(v) for k, v in metrics.items()
+                   if k != "kl" or self.cfg.loss.use_kl_loss}   # no reference, no KL (as VERL)
         metrics["train/optimizer_step"] = int(adam_state(self.state.opt_state).count)
         return metrics
 
