@@ -218,9 +218,9 @@ def test_the_judge_prompt_states_the_configured_cap_threshold():
     assert "more than 20% outside the floor" in system["content"] and "5%" not in system["content"]
     odd = MetricsConfig(oob_cap_fraction=0.125)   # not rounded to a whole per cent
     assert cap_text(oob, odd).startswith("an object more than 12.5% outside the floor")
-    ids = [make_judge(cfg("http://127.0.0.1:1/v1", api_key_env=None), runtime).identity()
-           for runtime in (SceneRuntimeConfig(), loose)]
-    assert ids[0]["rubric_hash"] != ids[1]["rubric_hash"]
+    ids = [make_judge(cfg("http://127.0.0.1:1/v1", api_key_env=None, enforce_caps=enforce), runtime).identity()
+           for runtime, enforce in ((SceneRuntimeConfig(), True), (loose, True), (SceneRuntimeConfig(), False))]
+    assert len({i["rubric_hash"] for i in ids}) == 3   # the caps' thresholds and their enforcement
 
 
 @pytest.mark.parametrize("body", [[], {}, {"choices": []}, {"choices": [{"message": None}]},

@@ -338,7 +338,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, 
     assert aside.is_dir()  # keep-last-k never deletes a set-aside step
 
 
-def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_factory, caplog):
+def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_factory, caplog, monkeypatch):
     import shutil
 
     run_dir = tmp_path_factory.mktemp("copy") / "run"
@@ -350,8 +350,13 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
     with pytest.raises(ResumeError, match=r"reward configuration changed \(scene.reward.unit_penalty: "
                                           r"[0-9.e-]+ in the checkpoint, now 0.5\)$"):
         Trainer(_cfg(**{"scene.reward.unit_penalty": 0.5}), run_dir, chat_model_dir(), resume=True)
-    with pytest.raises(ResumeError, match="the scene protocol changed"):
+    with pytest.raises(ResumeError, match=r"the scene protocol changed \(scene.max_objects 40 -> 7; "
+                                          r"checkpoint protocol hash [0-9a-f]{16}, now [0-9a-f]{16}\)$"):
         Trainer(_cfg(**{"scene.max_objects": 7}), run_dir, chat_model_dir(), resume=True)
+    monkeypatch.setattr("jscenegen.scene.protocol.RULES_REVISION", -1)   # same settings, other rules
+    with pytest.raises(ResumeError, match=r"no scene or judge setting did: .*RULES_REVISION"):
+        Trainer(_cfg(), run_dir, chat_model_dir(), resume=True)
+    monkeypatch.undo()
     with pytest.raises(ResumeError, match="already holds checkpoints"):
         Trainer(_cfg(), run_dir, chat_model_dir(), resume=False)
     # not refused (the LR schedule is the optimizer's), but a cosine shorter than the run

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Mapping
+from typing import Annotated, Any, Iterable, Mapping, Sequence
 
 import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
@@ -152,9 +152,12 @@ def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
 
 
 def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
-                   reward: Mapping[str, Any]) -> None:
+                   reward: Mapping[str, Any], protocol_settings: Sequence[str] | None = None) -> None:
     """Raise ResumeError when the checkpoint's protocol hash or reward configuration differ
-    from the resuming run's (its updates would not mean the same thing)."""
+    from the resuming run's (its updates would not mean the same thing). `protocol_settings`:
+    the `scene`/`judge` settings that differ from the checkpoint's recorded config
+    (`metadata.config_changes`), named in the refusal; empty means the protocol's files or
+    this jscenegen's rules changed; None that the checkpoint records no config to compare."""
     if train_state["reward"] != dict(reward):   # also in the protocol hash: named first
         changed = sorted(k for k in set(train_state["reward"]) | set(reward)
                          if train_state["reward"].get(k) != reward.get(k))
@@ -163,10 +166,19 @@ def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
                                       f"checkpoint, now {reward.get(k)!r}" for k in changed[:3])
                           + ")")
     if train_state["protocol_hash"] != protocol_hash:
-        raise ResumeError("resume refused: the scene protocol changed (prompts, action grammar, "
-                          "operation costs, budget, caps, metrics, catalogue, grade keys or the "
-                          "judge: the `scene` and `judge` settings; checkpoint "
-                          f"{train_state['protocol_hash']}, now {protocol_hash})")
+        if protocol_settings is None:
+            what = ("prompts, action grammar, operation costs, budget, caps, metrics, catalogue, "
+                    "grade keys or the judge: the checkpoint records no config to say which")
+        elif protocol_settings:
+            what = "; ".join(protocol_settings[:5]) + (
+                f" and {len(protocol_settings) - 5} more" if len(protocol_settings) > 5 else "")
+        else:
+            what = ("no scene or judge setting did: the prompt template or catalogue files, or "
+                    "this jscenegen's measuring and grading rules (scene.protocol.RULES_REVISION), "
+                    "differ from the run's")
+        raise ResumeError(f"resume refused: the scene protocol changed ({what}; checkpoint "
+                          f"protocol hash {train_state['protocol_hash'][:16]}, now "
+                          f"{protocol_hash[:16]})")
 
 
 MAX_RUN_RECORD_BYTES = 1 << 20

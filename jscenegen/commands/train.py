@@ -258,13 +258,8 @@ def _changed_settings(saved: dict, cfg, only_saved_keys: bool = False,
     checks that the schedule and reward stay compatible; the rest is taken as asked), so a
     refused resume does not say it changed anything. `what`: "resume", or "the restart" of a
     run stopped before its first checkpoint."""
-    from jscenegen.checkpoint.metadata import redact
-    from jscenegen.config import REDACTED, dotted_items
+    from jscenegen.checkpoint.metadata import config_changes
 
-    before = dotted_items(saved)
-    after = dotted_items(cfg.model_dump(mode="json"))
-    shown_before, shown_after = dotted_items(redact(saved)), redact(after)
-    changed = [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
-               if before.get(k) != v and (k in before or not only_saved_keys)
-               and not k.startswith(ignored) and before.get(k) != REDACTED]   # unknowable
+    changed = config_changes(saved, cfg.model_dump(mode="json"), only_saved_keys=only_saved_keys,
+                             ignored=ignored)
     return f"{what} changes {'; '.join(changed)}" if changed else None

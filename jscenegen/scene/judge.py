@@ -80,12 +80,15 @@ def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplat
     ]
 
 
-def rubric_hash(cfg: JudgeConfig, templates: PromptTemplates, metrics_cfg: MetricsConfig) -> str:
-    """SHA-256 of the judge templates, grade keys and cap table (texts filled in)."""
+def rubric_hash(cfg: JudgeConfig, templates: PromptTemplates, metrics_cfg: MetricsConfig,
+                caps_enforced: bool = True) -> str:
+    """SHA-256 of the judge templates, grade keys, cap table (texts filled in) and whether the
+    caps clamp the judge's grades (a model judge's `enforce_caps`; the rule judge's always do)."""
     h = hashlib.sha256()
     for name in ("judge_system", "judge_user"):
         h.update(templates.texts[name].encode())
-    h.update(json.dumps([list(cfg.grade_keys), caps_table(metrics_cfg)], sort_keys=True).encode())
+    h.update(json.dumps([list(cfg.grade_keys), caps_table(metrics_cfg), caps_enforced],
+                        sort_keys=True).encode())
     return h.hexdigest()
 
 

@@ -195,8 +195,8 @@ class HttpJudge:
         return f"HttpJudge(base_url={self.cfg.base_url!r}, model={self.cfg.model!r})"
 
     def identity(self) -> dict:
-        return {"backend": "http", "model": self.cfg.model, "rubric_hash": rubric_hash(self.cfg, self.templates,
-                                                                                self.metrics_cfg)}
+        return {"backend": "http", "model": self.cfg.model,
+                "rubric_hash": rubric_hash(self.cfg, self.templates, self.metrics_cfg, self.cfg.enforce_caps)}
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         """Grade all requests concurrently; safe to call from inside a running event loop."""

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS
-from jscenegen.checkpoint.metadata import redact, training_metadata
+from jscenegen.checkpoint.metadata import config_changes, redact, training_metadata
 from jscenegen.checkpoint.resume import (
     ResumeError,
     check_run_identity,
@@ -43,6 +43,7 @@ from jscenegen.checkpoint.store import (
     check_step,
     check_step_entries,
     finished_saves,
+    read_metadata,
 )
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.logprobs import selection_capacity
@@ -318,12 +319,24 @@ class Trainer:
         except ValueError as err:
             raise CheckpointError(f"{ck.path / TRAIN_STATE_ITEM}: {err}") from None
         check_same_run(saved, protocol_hash=self.protocol_hash,
-                       reward=self.cfg.scene.reward.model_dump(mode="json"))
+                       reward=self.cfg.scene.reward.model_dump(mode="json"),
+                       protocol_settings=self._protocol_settings_changed(ck.path, saved))
         try:
             check_extension(saved, self.schedule)
         except ValueError as err:
             raise ResumeError(str(err)) from None
         return ck
+
+    def _protocol_settings_changed(self, step_dir, saved) -> list[str] | None:
+        """The scene/judge settings that differ from those the checkpoint's metadata records
+        (only computed when the protocol hash differs; None when it records no config)."""
+        if saved["protocol_hash"] == self.protocol_hash:
+            return []
+        recorded = read_metadata(step_dir).get("config")
+        if not isinstance(recorded, dict):
+            return None
+        return config_changes(recorded, self.cfg.model_dump(mode="json"), only_saved_keys=True,
+                              only=("scene.", "judge."))
 
     def _apply_checkpoint(self, ck) -> None:
         saved = ck.train_state
