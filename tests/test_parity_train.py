@@ -63,13 +63,15 @@ def test_perturbed_torch_side_fails_on_replayed_file(tiny_hf, tmp_path, capsys):
 
 
 def test_an_update_without_gradient_compares_nothing_and_says_so(tiny_hf, tmp_path, capsys):
-    """Every row masked: both gradients are 0, so the update compares only weight decay; it
-    failed with grad_norm_ratio null and "untrained_updates": 0, no reason given."""
+    """Every reward equal (no spread, advantages 0): both gradients are 0, so the update
+    compares only weight decay; it failed with grad_norm_ratio null and "untrained_updates": 0,
+    no reason given. (All rows masked would train no token at all: masked episodes are padding
+    rows of the update.)"""
     from jscenegen.cli import main
 
     path = tmp_path / "t.jsonl"
     write_trajectories(path, synthetic_trajectories(1003, groups=1, group_size=2))
-    rows = [{**json.loads(x), "masked": True} for x in path.read_text().splitlines()]
+    rows = [{**json.loads(x), "reward": 0.5} for x in path.read_text().splitlines()]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rc = main(["parity", "train", "--model", str(tiny_hf["qwen2"]), "--updates", "1",
                "--trajectories", str(path)])
