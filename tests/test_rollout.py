@@ -229,6 +229,22 @@ def test_a_failed_collective_while_judging_ends_a_multi_process_run(model, chat,
         engine._judge(played.episodes, rule_judge)
 
 
+def test_a_model_with_non_finite_logits_masks_its_episodes(model, chat, record, rule_judge):
+    """NaN weights make NaN logits: the sampler still returns tokens (an argmax of noise), so
+    the engine must not train on them: a masked rollout_error, not -1 and not NaN."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    engine = RolloutEngine(model, chat, SAMPLED)
+    nan_params = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), nnx.state(model, nnx.Param))
+    engine.set_weights(nan_params)
+    trs = engine.run_group(record, group_id=0, seeds=[1, 2], judge=rule_judge).trajectories
+    for tr in trs:
+        assert tr.failure_cause == "rollout_error" and tr.masked and tr.reward == 0.0
+        assert "not finite" in tr.failure_message and not tr.policy_mask.any()
+
+
 def test_episode_token_cap_is_a_policy_failure(model, chat, record, expert):
     _, prompt = chat.start(*_prompts(record))
     cfg = FORCED.model_copy(update={"max_episode_tokens": len(prompt) + 20})

@@ -27,7 +27,8 @@ class SamplingConfig(Section):
                                "the rollout log-probs and the trainer's recompute use the same "
                                "value (greedy: true for argmax)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass; 1.0 = off")
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off; of logits "
+                       "tied at the k-th value the lowest token ids are kept")
     greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")
     max_new_tokens: int = Field(2048, ge=1, le=TOKENS_MAX,
                                 description="tokens one assistant turn may generate (at most "

@@ -430,8 +430,14 @@ class RolloutEngine:
         return turns
 
     def _consume(self, r: _Row, ids: list[int], lps, reason: int):
-        """Record one policy turn, let the runtime consume it, append its environment reply."""
+        """Record one policy turn, let the runtime consume it, append its environment reply.
+        A turn whose log-probs are not finite (NaN or inf in the model's logits: its tokens mean
+        nothing) ends the episode as a `rollout_error`, masked."""
         cfg, ep = self.cfg, r.episode
+        if not np.isfinite(np.asarray(lps, np.float32)).all():
+            r.fail("rollout_error", f"the model's log-probs of a {ep.next_role} turn are not finite "
+                                    "(NaN or inf in its logits)")
+            return None
         role = ep.next_role
         eot = reason == STOP_TOKEN and bool(ids) and ids[-1] == self.chat.eot_id
         text = self.chat.decode(ids[:-1] if eot else ids)
