@@ -24,8 +24,10 @@ def _base_model_dir(cfg) -> Path:
 
 
 def warm_start_sft_config(cfg):
-    """The SFT warm start's config (`warm_start.sft_config` with `warm_start.sft_overrides`),
-    or None without one. Raises ConfigError naming the warm_start keys."""
+    """The SFT warm start's config (`warm_start.sft_config` with `warm_start.sft_overrides`)
+    playing in the run's own protocol: its `scene` section and `sft.stop_strings` are the
+    run's `scene` and `sampling.stop_strings` (what the rollouts will use); None without one.
+    Raises ConfigError naming the warm_start keys, also for an override of those keys."""
     from jscenegen.config import ConfigError, load_config, override_leaf_keys
     from jscenegen.paths import resolve_data_path
     from jscenegen.sft.config import SFTRunConfig
@@ -35,11 +37,18 @@ def warm_start_sft_config(cfg):
         return None
     try:
         given = {key for item in ws.sft_overrides for key in override_leaf_keys(item)}
+        if taken := sorted(k for k in given if k.startswith("scene.") or k == "sft.stop_strings"):
+            raise ConfigError(f"{taken[0]}: the warm start plays in the run's own scene settings "
+                              "and stop strings; set them on the run (scene.*, "
+                              "sampling.stop_strings)")
         base = [] if "model.path" in given else [f"model.path={_base_model_dir(cfg)}"]
-        return load_config(resolve_data_path(ws.sft_config), [*base, *ws.sft_overrides],
-                           model=SFTRunConfig)
+        sft_cfg = load_config(resolve_data_path(ws.sft_config), [*base, *ws.sft_overrides],
+                              model=SFTRunConfig)
     except ConfigError as e:
         raise ConfigError(f"warm_start (sft_config {ws.sft_config}, sft_overrides): {e}") from None
+    return sft_cfg.model_copy(update={
+        "scene": cfg.scene,
+        "sft": sft_cfg.sft.model_copy(update={"stop_strings": cfg.sampling.stop_strings})})
 
 
 def default_model_dir(cfg, phases: dict) -> Path:
@@ -64,9 +73,12 @@ def default_model_dir(cfg, phases: dict) -> Path:
     phases["init_model_s"] = time.perf_counter() - t0
     if sft_cfg is None:
         return base
-    # The prompts and the expert's code enter the key: either changes the demonstrations.
+    # The prompts, the chat template and the expert's code enter the key: each changes the
+    # demonstrations.
+    template = cfg.sampling.chat_template_path
     key = hashlib.sha256(json.dumps([sft_cfg.model_dump(mode="json"),
                                      load_templates(sft_cfg.scene.prompts_dir).digest(),
+                                     Path(template).read_text() if template else None,
                                      hashlib.sha256(Path(expert.__file__).read_bytes()).hexdigest()],
                                     sort_keys=True).encode())
     out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
@@ -74,7 +86,7 @@ def default_model_dir(cfg, phases: dict) -> Path:
         print(terminal_line(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)"),
               file=sys.stderr, flush=True)
         t1 = time.perf_counter()
-        run_sft(sft_cfg, base, out, log=_sft_log)
+        run_sft(sft_cfg, base, out, log=_sft_log, chat_template_path=template)
         phases["sft_s"] = time.perf_counter() - t1
     else:
         print(terminal_line(f"reusing the SFT warm start {out}"), file=sys.stderr, flush=True)

@@ -56,6 +56,20 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
     assert out["dev_change"]["diff"] == change2["diff"]
 
 
+def test_the_warm_start_plays_in_the_runs_scene_settings_and_stop_strings():
+    from jscenegen.config import ConfigError
+    from jscenegen.pipeline import warm_start_sft_config
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      ["scene.budget_units=256", 'sampling.stop_strings=["</act>"]'], RunConfig)
+    sft = warm_start_sft_config(cfg)
+    assert sft.scene == cfg.scene and sft.scene.budget_units == 256
+    assert sft.sft.stop_strings == ("</act>",)
+    with pytest.raises(ConfigError, match=r"scene.budget_units: the warm start plays in the run's own"):
+        warm_start_sft_config(cfg.model_copy(update={"warm_start": cfg.warm_start.model_copy(
+            update={"sft_overrides": ("scene.budget_units=128",)})}))
+
+
 def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):
     from jscenegen.cli import main
 

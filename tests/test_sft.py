@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jscenegen
 from jscenegen.config import ConfigError, validate_config
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.optimizer import init_train_state
@@ -73,18 +74,23 @@ def test_sft_scenes_are_their_own_split():
     assert sft_records(4, offset=2)[1].scene == recs[1].scene  # deterministic
 
 
-def test_demo_stream_is_the_rollout_stream(chat):
+@pytest.mark.parametrize("stop_strings", [("</action>",), ()])
+def test_demo_stream_is_the_rollout_stream(chat, stop_strings):
     """The scripted expert forced through RolloutEngine (the GRPO path) gives the same tokens,
-    roles and policy mask as the SFT demo of the same episode."""
+    roles and policy mask as the SFT demo of the same episode: with the default stop string
+    the end-of-turn token after each </action> is environment in both (the sampler stops at
+    the string), without one it is the acting role's."""
     record = dev_records()[0]
     ops = expert_ops(record)
     cfg = SamplingConfig(max_new_tokens=512, max_episode_tokens=8192,
-                         buckets=(256, 512, 1024, 2048, 4096))
+                         buckets=(256, 512, 1024, 2048, 4096), stop_strings=stop_strings)
     tr = RolloutEngine(load_hf(chat_model_dir()), chat, cfg).run_group(
         record, group_id=0, seeds=[0], judge=make_judge(JudgeConfig()),
         forced=lambda ep: scripted_answers(ep, ops)).trajectories[0]
-    tokens, roles, policy = tokenize_transcript(chat, run_scripted_episode(record)[1])
+    tokens, roles, policy = tokenize_transcript(chat, run_scripted_episode(record)[1], stop_strings)
     assert tr.failure_cause is None
+    eots = tokens == chat.eot_id
+    assert policy[eots].sum() == (0 if stop_strings else 5)   # the five answers' end-of-turn tokens
     np.testing.assert_array_equal(tokens, tr.tokens)
     np.testing.assert_array_equal(roles, tr.roles)
     np.testing.assert_array_equal(policy, tr.policy_mask)
@@ -201,17 +207,22 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
                                    "log_every": 1, "seed": 3}, "scene": SCENE,
                            "optim": {"lr": 5e-3, "weight_decay": 0.0}}, "sft.yaml", SFTRunConfig)
     rows = []
-    summary = run_sft(cfg, chat_model_dir(), tmp_path / "out", log=rows.append)
+    # the template it trains with (here ChatML marked by a comment) is the one it writes
+    variant = tmp_path / "variant.jinja"
+    variant.write_text("{# variant #}" + (Path(jscenegen.__file__).parent / "model/tokenizer/templates/chatml.jinja").read_text())
+    summary = run_sft(cfg, chat_model_dir(), tmp_path / "out", log=rows.append, chat_template_path=variant)
     out = tmp_path / "out"
     for f in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "sft_summary.json"):
         assert (out / f).is_file(), f
+    assert (out / "chat_template.jinja").read_text() == variant.read_text()
+    assert ChatTokenizer.from_dir(out).tokenizer.chat_template == variant.read_text()
     assert rows[0]["event"] == "demos" and rows[0]["truncated"] == 2 and rows[0]["row_length"] == SEQ
     assert [r["step"] for r in rows[1:]] == [0, 1]
     vocab = ChatTokenizer.from_dir(chat_model_dir()).vocab_size
     assert all(abs(r["loss"] - np.log(vocab)) < 0.5 and r["tokens"] > 30 for r in rows[1:])  # 2 planner turns
     saved = json.loads((out / "sft_summary.json").read_text())
     assert saved["final_loss"] == summary["final_loss"] == rows[-1]["loss"]
-    assert saved["config"]["sft"]["seed"] == 3
+    assert saved["config"]["sft"]["seed"] == 3 and saved["chat_template_path"] == str(variant)
     # weights changed, shapes and config kept; the tokenizer travels with them
     before, after = load_hf(chat_model_dir()), load_hf(out)
     assert before.cfg == after.cfg

@@ -17,6 +17,13 @@ import numpy as np
 NO_BYTE = -1
 
 
+def ends_at_stop_string(text: str, stop_strings: Sequence[str]) -> bool:
+    """Whether an answer `text` ends with one of `stop_strings`: sampled, such a turn stops
+    there without its end-of-turn token, which the template's next segment then adds as
+    environment. Forced turns and SFT demonstrations record an answer that way too."""
+    return any(text.endswith(s) for s in stop_strings)
+
+
 class StopTable(NamedTuple):
     """Device arrays for in-loop stop-string matching (see the module docstring).
 

@@ -3,9 +3,10 @@
 The scripted expert (scene/expert.py) plays planner, designer and critic on generated SFT
 scenes (`sft_records`: generator seeds of their own, never the train or dev sets). Each
 episode is tokenised exactly as a rollout builds it (`ChatTokenizer`: prompt, then per turn the
-answer's tokens + the end-of-turn token as the acting role's policy tokens, then the
-environment segment the template adds; the same as `RolloutEngine`'s forced turns), so SFT and
-GRPO see identical token streams.
+answer's tokens as the acting role's policy tokens, with the end-of-turn token unless the
+answer ends at one of the rollout's stop strings, where the sampler stops and the template's
+next segment adds it as environment; then that environment segment; the same as
+`RolloutEngine`'s forced turns), so SFT and GRPO see identical token streams and masks.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from jscenegen.generate.stop import ends_at_stop_string
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.scene.config import SceneRuntimeConfig
@@ -48,10 +50,12 @@ class Demo:
     reward: float
 
 
-def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict],
+                        stop_strings: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens int32 [T], roles int8 [T], policy_mask bool [T]) of a chat transcript
     [{"role", "content", "actor"}] (system, user, then assistant/user alternating) built
-    token-in/token-out with `chat` as a rollout builds it.
+    token-in/token-out with `chat` as a rollout with these `stop_strings` builds it (an answer
+    ending with one has no end-of-turn token of the policy's: the environment adds it).
 
     Raises ValueError for a transcript that does not start with system + user or whose
     assistant messages lack a policy actor; ChatTemplateError for a template that is not
@@ -66,8 +70,9 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict]) -> tupl
             if m.get("actor") not in ROLE_CODES:
                 raise ValueError(f"transcript message {i}: assistant actor {m.get('actor')!r} "
                                  f"is not one of {sorted(ROLE_CODES)}")
-            seg = chat.encode(m["content"]) + [chat.eot_id]
-            conv.add_assistant(m["content"], True)
+            eot = not ends_at_stop_string(m["content"], stop_strings)
+            seg = chat.encode(m["content"]) + ([chat.eot_id] if eot else [])
+            conv.add_assistant(m["content"], eot)
             code, is_policy = ROLE_CODES[m["actor"]], True
         elif m["role"] == "user":
             seg = conv.user_segment(m["content"])
@@ -77,13 +82,18 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict]) -> tupl
         tokens += seg
         roles += [code] * len(seg)
         policy += [is_policy] * len(seg)
+    closing = conv.closing_segment() if transcript[-1]["role"] == "assistant" else []
+    tokens += closing
+    roles += [ENVIRONMENT] * len(closing)
+    policy += [False] * len(closing)
     return np.asarray(tokens, np.int32), np.asarray(roles, np.int8), np.asarray(policy, bool)
 
 
 def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
                 scene_cfg: SceneRuntimeConfig | None = None, *, noisy_fraction: float = 0.0,
-                noise_m: float = 0.3) -> list[Demo]:
-    """Run the scripted expert on each record (rule judge) and tokenise its episode.
+                noise_m: float = 0.3, stop_strings: Sequence[str] = ()) -> list[Demo]:
+    """Run the scripted expert on each record (rule judge) and tokenise its episode as a
+    rollout with `stop_strings` records it (`tokenize_transcript`).
 
     Every record i with (i * noisy_fraction) crossing an integer (an even spread: 0.5 = every
     second record) is played by the imperfect designer (`scene.expert.jitter_ops`, noise
@@ -96,7 +106,7 @@ def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
         noisy = int((i + 1) * noisy_fraction) > int(i * noisy_fraction)
         episode, transcript = run_scripted_episode(record, scene_cfg, noise_m=noise_m if noisy else 0.0,
                                                    noise_seed=i)
-        tokens, roles, policy = tokenize_transcript(chat, transcript)
+        tokens, roles, policy = tokenize_transcript(chat, transcript, stop_strings)
         reward = episode.outcome.reward if episode.outcome is not None else float("nan")
         demos.append(Demo(record.scene.scene_id, tokens, roles, policy, float(reward)))
     return demos

@@ -32,8 +32,10 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
       cfg: an SFTRunConfig (sections model, mesh, sft, optim, scene).
       model_dir: HF directory (config.json, safetensors, tokenizer with a prefix-preserving
         chat template, or `chat_template_path`).
-      out_dir: the HF directory written at the end (atomically; tokenizer files copied), with
-        `sft_summary.json` (config, demo statistics, loss history, phase times).
+      out_dir: the HF directory written at the end (atomically; tokenizer files copied, and
+        `chat_template_path` as its `chat_template.jinja`, so every later load renders the
+        template it was trained on), with `sft_summary.json` (config, chat template, demo
+        statistics, loss history, phase times).
       log: called with one dict per logged step ({"step", "loss", "grad_norm", "lr",
         "tokens", "elapsed_s", "cpu_s": process CPU seconds, all threads}) and once with the
         demo statistics.
@@ -79,7 +81,8 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
     chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
-                        noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m)
+                        noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m,
+                        stop_strings=sc.stop_strings)
     length = padded_length(demos, sc.max_seq_len, multiple, longest)
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
@@ -116,12 +119,17 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     train_s = time.perf_counter() - t1
     _check_trained(cfg, history[-1], int(state.skipped_steps), *after)
     nnx.update(model, state.params)
-    summary = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir), **demo_stats,
+    summary = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir),
+               "chat_template_path": None if chat_template_path is None else str(chat_template_path),
+               **demo_stats,
                "history": history, "final_loss": history[-1]["loss"],
                "loss_after_last_step": after[0], "train_s": train_s,
                "total_s": time.perf_counter() - t0}
+    extra = {"sft_summary.json": json_document(summary)}
+    if chat_template_path is not None:   # transformers reads chat_template.jinja before the config's
+        extra["chat_template.jinja"] = chat.tokenizer.chat_template
     save_hf(model, out_dir, dtype="float32", tokenizer_src=model_dir,   # fp32 master weights
-            extra_files={"sft_summary.json": json_document(summary)})
+            extra_files=extra)
     return summary
 
 

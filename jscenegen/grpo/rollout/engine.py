@@ -52,6 +52,7 @@ from jscenegen.generate.sampler import (
     grown_slots,
 )
 from jscenegen.generate.sampling import row_keys
+from jscenegen.generate.stop import ends_at_stop_string
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
 from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
 from jscenegen.grpo.rollout.primary_judge import for_processes
@@ -263,9 +264,11 @@ class RolloutEngine:
                   on_turn: TurnCallback | None = None) -> GroupRollout:
         """Run len(seeds) episodes of `record` (member i uses seeds[i]) and judge them.
 
-        `forced`: instead of sampling, each turn's text is `forced(episode)` (plus the
-        end-of-turn token), appended through the same cache path with its log-probs under
-        the model (scripted drivers and protocol tests). `on_turn(member, message, episode)`
+        `forced`: instead of sampling, each turn's text is `forced(episode)`, recorded as the
+        sampler would have produced it (a text ending with a stop string stops there, its
+        end-of-turn token environment; any other gets the end-of-turn token as the policy's)
+        and appended through the same cache path with its log-probs under the model
+        (scripted drivers and protocol tests). `on_turn(member, message, episode)`
         is called with each new transcript message ({"role", "content", "actor"}) when its
         round ends (interactive use: `jscenegen design`). Never raises for a failure inside
         one episode; see the module docstring for the causes.
@@ -412,12 +415,16 @@ class RolloutEngine:
             if not r.active:
                 continue
             try:
-                ids = self.chat.encode(forced(r.episode)) + [self.chat.eot_id]
+                text = forced(r.episode)
+                ids = self.chat.encode(text)
             except Exception as err:  # the driver's own failure: masked like our runtime's
                 log.exception("forced policy failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
                 continue
-            reason = STOP_TOKEN if len(ids) <= limits[i] else STOP_LENGTH
+            stop = STOP_STRING if ends_at_stop_string(text, self.cfg.stop_strings) else STOP_TOKEN
+            if stop == STOP_TOKEN:
+                ids.append(self.chat.eot_id)
+            reason = stop if len(ids) <= limits[i] else STOP_LENGTH
             planned[r] = (ids[:limits[i]], reason)
             r.tokens.extend(planned[r][0])          # appended below, then handed to _consume
         lps = self._sync(rows, pad, with_logprobs=True)
