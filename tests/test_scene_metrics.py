@@ -79,6 +79,16 @@ def test_a_front_faces_a_wall_until_the_agent_fits_in_front(gap, faces):
     assert rule_grades(s, [], r, load_catalogue())["functionality"] == (3 if faces else 10)
 
 
+@pytest.mark.parametrize("yaw", [0, 90, 180, 270])
+def test_a_front_exactly_two_agent_radii_from_any_wall_does_not_face_it(yaw):
+    """The probe lands on the wall line: floor, whichever wall (the crossing test counted only
+    two walls' lines as inside)."""
+    front = {0: (2.0, 3.0 - 0.3 - 0.3), 90: (0.3 + 0.3, 1.5), 180: (2.0, 0.3 + 0.3), 270: (4.0 - 0.3 - 0.3, 1.5)}
+    x, y = front[yaw]     # a 0.6 m deep wardrobe whose front is 0.30 m from the wall it faces
+    r = measure(scene([obj("wardrobe_1", "wardrobe", x, y, 1.2, 0.6, 2.0, yaw=yaw)]))
+    assert r["front_to_wall_objects"] == []
+
+
 def test_the_functionality_cap_is_for_storage_fronts_only():
     """A desk facing a wall costs 3 functionality points; the cap at 3 is a storage front's."""
     s = scene([obj("desk_1", "desk", 2.0, 2.5, 1.2, 0.6, 0.75)])   # front 0.2 m from the top wall

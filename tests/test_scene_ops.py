@@ -279,3 +279,17 @@ def test_a_catalogue_default_elevation_of_zero_is_kept():
     finally:
         ed.catalogue.categories["wall_art"] = art
     assert ed.scene.objects[0].elevation == 0.0
+
+
+@pytest.mark.parametrize("dx,dy", [(0.225, 0.0), (-0.225, 0.0), (0.0, 0.2), (0.0, -0.2)])
+def test_a_child_centred_on_its_parents_edge_is_on_top(dx, dy):
+    """add_object takes a centre on any edge of the parent's footprint, and measuring calls
+    the child supported: one boundary rule for both."""
+    from jscenegen.scene.metrics import measure
+
+    ed = editor()
+    lines, _ = run(ed, {"op": "add_object", "category": "nightstand", "position": [1.0, 1.0], "size": [0.45, 0.4, 0.55]},
+                   {"op": "add_object", "category": "table_lamp", "position": [1.0 + dx, 1.0 + dy], "mount": "on",
+                    "parent": "nightstand_1"})
+    assert all(": ok" in line for line in lines), lines
+    assert measure(ed.scene)["unsupported_objects"] == []

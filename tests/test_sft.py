@@ -15,7 +15,7 @@ from jscenegen.config import ConfigError, validate_config
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.optimizer import init_train_state
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
-from jscenegen.grpo.rollout.config import SamplingConfig
+from jscenegen.grpo.rollout.config import DEFAULT_STOP_STRINGS, SamplingConfig
 from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
@@ -55,7 +55,7 @@ def chat():
 
 @pytest.fixture(scope="module")
 def demos(chat):
-    return build_demos(chat, sft_records(3), SceneRuntimeConfig(**SCENE))
+    return build_demos(chat, sft_records(3), SceneRuntimeConfig(**SCENE), stop_strings=DEFAULT_STOP_STRINGS)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_demo_stream_is_the_rollout_stream(chat, stop_strings):
     tr = RolloutEngine(load_hf(chat_model_dir()), chat, cfg).run_group(
         record, group_id=0, seeds=[0], judge=make_judge(JudgeConfig()),
         forced=lambda ep: scripted_answers(ep, ops)).trajectories[0]
-    tokens, roles, policy = tokenize_transcript(chat, run_scripted_episode(record)[1], stop_strings)
+    tokens, roles, policy = tokenize_transcript(chat, run_scripted_episode(record)[1], stop_strings=stop_strings)
     assert tr.failure_cause is None
     eots = tokens == chat.eot_id
     assert policy[eots].sum() == (0 if stop_strings else 5)   # the five answers' end-of-turn tokens
@@ -101,14 +101,16 @@ def test_demo_masks_on_real_episodes(demos, chat):
         assert d.reward > 0.5  # the expert's episodes are good ones
         env = d.roles == ENVIRONMENT
         assert not d.policy_mask[env].any() and d.policy_mask[~env].all()
-        # turns in protocol order, each answer ending with <|im_end|>, preceded by environment glue
+        # turns in protocol order, each answer ending at the stop string </action>, the
+        # <|im_end|> after it environment, each preceded by environment glue
         starts = np.flatnonzero(np.diff(np.r_[0, d.policy_mask.astype(int)]) == 1)
         ends = np.flatnonzero(np.diff(np.r_[d.policy_mask.astype(int), 0]) == -1) + 1
         assert [int(d.roles[s]) for s in starts] == [PLANNER, DESIGNER, PLANNER, CRITIC, PLANNER]
         for s, e in zip(starts, ends):
             assert chat.decode(d.tokens[:s].tolist()).endswith("<|im_end|>\n<|im_start|>assistant\n")
             text = chat.decode(d.tokens[s:e].tolist())
-            assert text.endswith("</action><|im_end|>") and "<|im_start|>" not in text
+            assert text.endswith("</action>") and "<|im_start|>" not in text
+            assert d.tokens[e] == chat.eot_id and d.roles[e] == ENVIRONMENT
         assert chat.decode(d.tokens[:20].tolist()).startswith("<|im_start|>system\nYou furnish rooms as Planner")
     batch = demo_batch(demos, 6000)
     for i, d in enumerate(demos):
@@ -317,6 +319,8 @@ def test_config_errors_name_the_key():
     assert validate_config({"sft": {"max_seq_len": 64}}, "sft.yaml", SFTRunConfig).sft.seq_multiple == 128
     with pytest.raises(ConfigError, match="scene_offset 999999 \\+ num_demos 2 passes"):
         validate_config({"sft": {"num_demos": 2, "scene_offset": 999999}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(ConfigError, match="sft.stop_strings.*must not contain an empty string"):
+        validate_config({"sft": {"stop_strings": ["</action>", ""]}}, "sft.yaml", SFTRunConfig)
 
 
 def test_a_cosine_schedule_shorter_than_the_sft_steps_is_warned_before_any_work(tmp_path, caplog):

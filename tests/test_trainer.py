@@ -355,7 +355,8 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
         Trainer(_cfg(**{"scene.max_objects": 7}), run_dir, chat_model_dir(), resume=True)
     monkeypatch.setattr("jscenegen.scene.protocol.RULES_REVISION", -1)   # same settings, other rules
     with pytest.raises(ResumeError, match=r"no scene or judge setting did: .*RULES_REVISION"):
-        Trainer(_cfg(), run_dir, chat_model_dir(), resume=True)
+        # a judge setting outside the hash (the rule judge's timeout) is not blamed
+        Trainer(_cfg(**{"judge.timeout_s": 7.0}), run_dir, chat_model_dir(), resume=True)
     monkeypatch.undo()
     with pytest.raises(ResumeError, match="already holds checkpoints"):
         Trainer(_cfg(), run_dir, chat_model_dir(), resume=False)

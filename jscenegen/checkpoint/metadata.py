@@ -103,19 +103,16 @@ def redact(obj: Any, _secrets: list[str] | None = None) -> Any:
 
 
 def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any], *,
-                   only_saved_keys: bool = False, ignored: tuple[str, ...] = (),
-                   only: tuple[str, ...] = ()) -> list[str]:
+                   only_saved_keys: bool = False, ignored: tuple[str, ...] = ()) -> list[str]:
     """`"key old -> new"` for every dotted key whose value differs between two resolved configs
     (`saved`, as a run's config.yaml or a checkpoint's metadata records it, and `now`), values
     shown redacted; only `saved`'s own keys with `only_saved_keys`; none starting with an
-    `ignored` prefix; with `only`, just keys starting with one of those prefixes; none whose
-    saved value is a redacted credential (it cannot be compared)."""
+    `ignored` prefix; none whose saved value is a redacted credential (it cannot be compared)."""
     before, after = dotted_items(dict(saved)), dotted_items(dict(now))
     shown_before, shown_after = dotted_items(redact(dict(saved))), redact(after)
     return [f"{k} {shown_before.get(k)!r} -> {shown_after[k]!r}" for k, v in after.items()
             if before.get(k) != v and (k in before or not only_saved_keys)
-            and not k.startswith(ignored) and (not only or k.startswith(only))
-            and before.get(k) != REDACTED]
+            and not k.startswith(ignored) and before.get(k) != REDACTED]
 
 
 def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:

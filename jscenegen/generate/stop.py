@@ -20,7 +20,9 @@ NO_BYTE = -1
 def ends_at_stop_string(text: str, stop_strings: Sequence[str]) -> bool:
     """Whether an answer `text` ends with one of `stop_strings`: sampled, such a turn stops
     there without its end-of-turn token, which the template's next segment then adds as
-    environment. Forced turns and SFT demonstrations record an answer that way too."""
+    environment. Forced turns and SFT demonstrations record an answer that way too. (The
+    sampler stops at the first stop string the text contains; scripted answers hold theirs
+    only at the end.)"""
     return any(text.endswith(s) for s in stop_strings)
 
 

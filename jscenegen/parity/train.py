@@ -96,12 +96,13 @@ def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
     model directory's chat template as a rollout builds them, cut to `max_tokens` tokens.
     Raises the tokenizer's errors (ChatTemplateError for a template that is not
     prefix-preserving)."""
+    from jscenegen.grpo.rollout.config import DEFAULT_STOP_STRINGS
     from jscenegen.model.tokenizer.chat import ChatTokenizer
     from jscenegen.sft.demos import build_demos, sft_records
 
     # parity train takes no template option: the model directory's own is the one to fix
     chat = ChatTokenizer.from_dir(model_dir, option="a chat_template.jinja in the model directory")
-    demos = build_demos(chat, sft_records(group_size))
+    demos = build_demos(chat, sft_records(group_size), stop_strings=DEFAULT_STOP_STRINGS)
     out = []
     for g in range(groups):
         for m, d in enumerate(demos):

@@ -19,7 +19,6 @@ from .geometry import (
     opening_box,
     outside_fraction,
     penetration,
-    point_in_polygon,
     point_on_polygon,
 )
 from .reach_inputs import (
@@ -219,7 +218,7 @@ def _catalogue_checks(room, by_id, feet, floor, catalogue, cfg) -> dict[str, lis
         f = front_direction(o.yaw)
         if cat.front_used and o.mount == "floor":
             p = np.asarray(o.position) + f * (o.size[1] / 2 + probe)
-            if not point_in_polygon(p[0], p[1], room.floor_polygon):
+            if not point_on_polygon(p[0], p[1], room.floor_polygon):   # a wall line is floor
                 front_wall.append(o.id)
                 if cat.storage:
                     storage_front_wall.append(o.id)
@@ -260,8 +259,8 @@ def metrics_text(m: dict) -> str:
         "object_count", "collision_pairs", "oob_objects", "door_blocked", "door_clearance_blocked",
         "window_warnings", "unsupported_objects", "reachable", "reachable_object_ratio",
         "door_connected_ratio", "num_regions", "largest_region_ratio", "walkable_ratio", "unreachable_objects", "blockers",
-        "front_to_wall_objects", "storage_off_wall_objects", "size_out_of_range_objects",
-        "chairs_not_at_desk", "unknown_categories",
+        "front_to_wall_objects", "storage_front_to_wall_objects", "storage_off_wall_objects",
+        "size_out_of_range_objects", "chairs_not_at_desk", "unknown_categories",
     )
     lines = []
     for k in keys:

@@ -51,6 +51,19 @@ def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_iden
     }
 
 
+def protocol_settings(config: dict) -> dict | None:
+    """The settings of a resolved run config (`model_dump(mode="json")`, or as a checkpoint's
+    metadata records it) that `protocol_payload` reads: the whole `scene` section and the
+    judge's identity keys (backend and grade keys; model and enforce_caps for a model judge,
+    the rule judge ignores them). None when the config has no scene or judge section. For
+    naming what changed when the hash did (its files and RULES_REVISION are not settings)."""
+    scene, judge = config.get("scene"), config.get("judge")
+    if not isinstance(scene, dict) or not isinstance(judge, dict):
+        return None
+    keys = ("backend", "grade_keys") + (("model", "enforce_caps") if judge.get("backend") == "http" else ())
+    return {"scene": scene, "judge": {k: judge.get(k) for k in keys}}
+
+
 def protocol_hash(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> str:
     """Hex SHA-256 of `protocol_payload` serialised with sorted keys and no whitespace."""
     return _digest(protocol_payload(cfg, judge_cfg, judge_identity))

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from jscenegen.config import SEED_MAX, STEPS_MAX, Section
 from jscenegen.grpo.algo.config import OptimConfig
-from jscenegen.grpo.rollout.config import TOKENS_MAX, SamplingConfig
+from jscenegen.grpo.rollout.config import DEFAULT_STOP_STRINGS, TOKENS_MAX, StopStrings
 from jscenegen.model.names import ARCHS, PRESET_NAMES
 from jscenegen.model.options import ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
@@ -44,8 +44,8 @@ class SFTConfig(Section):
                               "(and of mesh.sp), but to no more than max_seq_len (rounded up to "
                               "mesh.sp): one compiled shape")
     logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
-    stop_strings: tuple[str, ...] = Field(
-        SamplingConfig.model_fields["stop_strings"].default,
+    stop_strings: StopStrings = Field(
+        DEFAULT_STOP_STRINGS,
         description="the rollouts' sampling.stop_strings: an answer ending with one is tokenised "
         "as the sampler stops it, its end-of-turn token environment (not trained); a train "
         "warm start takes the run's")

@@ -50,8 +50,8 @@ class Demo:
     reward: float
 
 
-def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict],
-                        stop_strings: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
+                        stop_strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens int32 [T], roles int8 [T], policy_mask bool [T]) of a chat transcript
     [{"role", "content", "actor"}] (system, user, then assistant/user alternating) built
     token-in/token-out with `chat` as a rollout with these `stop_strings` builds it (an answer
@@ -91,7 +91,7 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict],
 
 def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
                 scene_cfg: SceneRuntimeConfig | None = None, *, noisy_fraction: float = 0.0,
-                noise_m: float = 0.3, stop_strings: Sequence[str] = ()) -> list[Demo]:
+                noise_m: float = 0.3, stop_strings: Sequence[str]) -> list[Demo]:
     """Run the scripted expert on each record (rule judge) and tokenise its episode as a
     rollout with `stop_strings` records it (`tokenize_transcript`).
 
@@ -106,7 +106,7 @@ def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
         noisy = int((i + 1) * noisy_fraction) > int(i * noisy_fraction)
         episode, transcript = run_scripted_episode(record, scene_cfg, noise_m=noise_m if noisy else 0.0,
                                                    noise_seed=i)
-        tokens, roles, policy = tokenize_transcript(chat, transcript, stop_strings)
+        tokens, roles, policy = tokenize_transcript(chat, transcript, stop_strings=stop_strings)
         reward = episode.outcome.reward if episode.outcome is not None else float("nan")
         demos.append(Demo(record.scene.scene_id, tokens, roles, policy, float(reward)))
     return demos

@@ -7,9 +7,9 @@ update; the rollout layout is chosen automatically (docs/rollout.md "Layouts").
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from jscenegen.config import Section
 from jscenegen.generate.sampler import DEFAULT_BUCKETS
@@ -19,6 +19,17 @@ from jscenegen.sharding.rules import round_up
 GROUP_MAX = 4096       # episodes of one scene per batch: far beyond any GRPO recipe (VERL n <= 64)
 TOKENS_MAX = 1 << 20   # tokens of one turn, episode or bucket: beyond any context Qwen serves
 
+
+def _no_empty_string(value: tuple[str, ...]) -> tuple[str, ...]:
+    if any(not s for s in value):
+        raise ValueError("stop_strings must not contain an empty string (it would end every turn)")
+    return value
+
+
+StopStrings = Annotated[tuple[str, ...], AfterValidator(_no_empty_string)]
+"""Stop strings of the rollouts (`sampling.stop_strings`) and of the SFT demonstrations that
+must match them (`sft.stop_strings`): texts, none empty."""
+DEFAULT_STOP_STRINGS = ("</action>",)
 
 class SamplingConfig(Section):
     """How rollouts sample: the distribution, the stops, the caps and the compiled shapes."""
@@ -36,8 +47,8 @@ class SamplingConfig(Section):
     max_episode_tokens: int = Field(32768, ge=16, le=TOKENS_MAX,
                                     description="context cap of one episode (prompt, every turn "
                                     "and every environment message)")
-    stop_strings: tuple[str, ...] = Field(
-        ("</action>",), description="a turn also ends when its text contains one of these; the "
+    stop_strings: StopStrings = Field(
+        DEFAULT_STOP_STRINGS, description="a turn also ends when its text contains one of these; the "
         "end-of-turn token is then appended as environment (mask 0)")
     buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
                                      "(compiled shapes), increasing")
@@ -56,8 +67,6 @@ class SamplingConfig(Section):
         if not b or list(b) != sorted(set(b)) or b[0] < 1 or b[-1] > TOKENS_MAX:
             raise ValueError(f"buckets must be increasing positive lengths up to {TOKENS_MAX}, "
                              f"got {list(b)}")
-        if any(not s for s in self.stop_strings):
-            raise ValueError("stop_strings must not contain an empty string")
         if self.greedy and (self.top_k or self.top_p < 1):
             raise ValueError("greedy sampling ignores top_k/top_p; leave them off")
         if self.max_new_tokens > self.max_episode_tokens:

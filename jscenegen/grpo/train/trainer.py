@@ -78,7 +78,7 @@ from jscenegen.model.weights import (
 )
 from jscenegen.paths import resolve_data_path, write_json
 from jscenegen.scene.judge import make_judge
-from jscenegen.scene.protocol import protocol_hash
+from jscenegen.scene.protocol import protocol_hash, protocol_settings
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
 from jscenegen.scene.sceneset import SceneRecord, read_scene_set
 from jscenegen.sharding.layout import shard_batch
@@ -328,15 +328,17 @@ class Trainer:
         return ck
 
     def _protocol_settings_changed(self, step_dir, saved) -> list[str] | None:
-        """The scene/judge settings that differ from those the checkpoint's metadata records
-        (only computed when the protocol hash differs; None when it records no config)."""
+        """The settings the protocol hash reads (`protocol_settings`) that differ from those
+        the checkpoint's metadata records (only computed when the hash differs; None when it
+        records no config)."""
         if saved["protocol_hash"] == self.protocol_hash:
             return []
         recorded = read_metadata(step_dir).get("config")
-        if not isinstance(recorded, dict):
+        before = protocol_settings(recorded) if isinstance(recorded, dict) else None
+        if before is None:
             return None
-        return config_changes(recorded, self.cfg.model_dump(mode="json"), only_saved_keys=True,
-                              only=("scene.", "judge."))
+        return config_changes(before, protocol_settings(self.cfg.model_dump(mode="json")),
+                              only_saved_keys=True)
 
     def _apply_checkpoint(self, ck) -> None:
         saved = ck.train_state
