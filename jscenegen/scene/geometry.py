@@ -122,9 +122,10 @@ def point_in_polygon(x: float, y: float, poly) -> bool:
     return inside
 
 
-def point_on_polygon(x: float, y: float, poly, tol: float = 1e-9) -> bool:
-    """Point (x, y) inside polygon [[x, y], ...] or within `tol` (m) of its boundary: one rule for
-    a centre on any wall line (`point_in_polygon`'s crossing test counts only some edges)."""
+def point_on_polygon(x: float, y: float, poly, tol: float = 1e-6) -> bool:
+    """Point (x, y) inside polygon [[x, y], ...] or within `tol` (m; operations store positions
+    rounded to 1e-6 m) of its boundary: one rule for a centre on any wall line
+    (`point_in_polygon`'s crossing test counts only some edges)."""
     xs, ys = [v[0] for v in poly], [v[1] for v in poly]
     if not (min(xs) - tol <= x <= max(xs) + tol and min(ys) - tol <= y <= max(ys) + tol):
         return False

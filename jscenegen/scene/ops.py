@@ -276,8 +276,9 @@ class SceneEditor:
             kid = self.scene.object(kid_id)
             rel = np.asarray(kid.position) - old
             new = np.array([c * rel[0] - s * rel[1], c * rel[1] + s * rel[0]]) + np.asarray(pos)
+            new = (_r(new[0]), _r(new[1]))   # checked as stored
             self._inside(new, carried=kid_id)
-            changed[kid_id] = kid.model_copy(update={"position": (_r(new[0]), _r(new[1])), "yaw": _r(kid.yaw + dyaw)})
+            changed[kid_id] = kid.model_copy(update={"position": new, "yaw": _r(kid.yaw + dyaw)})
         self._replace_objects(changed)
 
     def _mounted_elevation(self, mount: str, elevation: float, height: float) -> float:
