@@ -183,11 +183,9 @@ def main() -> None:
     single = one_device(args.rounds)
     mesh = mesh_error = None
     if not args.skip_mesh:
-        from jscenegen.cli import CPU_SCHEDULER_FLAG
-
         env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6"
-                              f" {CPU_SCHEDULER_FLAG}").strip())
+                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                              " --xla_force_host_platform_device_count=6").strip())
         proc = subprocess.run([sys.executable, __file__, "--mesh-only", "--rounds", str(args.rounds)],
                               env=env, capture_output=True, text=True)
         lines = proc.stdout.splitlines()

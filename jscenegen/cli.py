@@ -193,27 +193,11 @@ def stdout_reader_gone() -> bool:
 def force_cpu_devices() -> None:
     """Give JAX's CPU backend $JSCENEGEN_CPU_DEVICES (default 6) devices, so the 3 x 2 mesh is
     real on a CPU-only machine (`jax_num_cpu_devices`, set through its environment variable so
-    nothing imports JAX here), with `keep_cpu_collective_order`; GPU/TPU backends are
-    unaffected. A device count already chosen with XLA_FLAGS or JAX_NUM_CPU_DEVICES is kept."""
+    nothing imports JAX here); GPU/TPU backends are unaffected. A device count already chosen
+    with XLA_FLAGS or JAX_NUM_CPU_DEVICES is kept."""
     if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
             and "JAX_NUM_CPU_DEVICES" not in os.environ):
         os.environ["JAX_NUM_CPU_DEVICES"] = os.environ.get("JSCENEGEN_CPU_DEVICES", "6")
-    keep_cpu_collective_order()
-
-
-CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
-def keep_cpu_collective_order() -> None:
-    """Add CPU_SCHEDULER_FLAG to XLA_FLAGS (before JAX's backend starts) unless XLA_FLAGS sets
-    that option itself. XLA:CPU's concurrency-optimized scheduler can leave two independent
-    collectives of one program (an all-gather over an `sp` pair and one over every device) to
-    run in different orders on different devices of a multi-device CPU mesh: each device then
-    waits in another rendezvous until XLA's collective timeout aborts the process (seen on the
-    3 x 2 mesh in a bf16 train step at some episode lengths). XLA:CPU only."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
 
 
 # orbax's writer threads log every exception they then hand to the caller

@@ -8,10 +8,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from jscenegen.cli import keep_cpu_collective_order  # noqa: E402
-
-keep_cpu_collective_order()   # before JAX's backend starts, as every CLI command does
-
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 6)

@@ -11,10 +11,6 @@ os.environ.pop("XLA_FLAGS", None)
 os.environ["JAX_NUM_CPU_DEVICES"] = "3"  # this process's share of the 6-device mesh
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-from jscenegen.cli import keep_cpu_collective_order  # noqa: E402
-
-keep_cpu_collective_order()
-
 import jax  # noqa: E402
 
 from jscenegen.sharding.mesh import initialize_distributed, make_mesh  # noqa: E402

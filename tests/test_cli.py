@@ -1285,19 +1285,3 @@ def test_a_command_unwound_by_a_signal_ends_without_the_interpreters_clean_up(tm
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert (done.returncode, done.stderr.splitlines()[-1]) == (130, "error: interrupted (Ctrl-C)")
     assert marker.exists() != with_jax
-
-
-def test_cpu_runs_keep_one_collective_order(monkeypatch):
-    """XLA:CPU's concurrency-optimized scheduler deadlocked a 3 x 2 mesh train step (two
-    all-gathers reached in different orders); every command turns it off unless XLA_FLAGS
-    chooses it itself."""
-    from jscenegen.cli import CPU_SCHEDULER_FLAG, keep_cpu_collective_order
-
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=6")
-    keep_cpu_collective_order()
-    assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=6 {CPU_SCHEDULER_FLAG}"
-    keep_cpu_collective_order()   # once only
-    assert os.environ["XLA_FLAGS"].count("concurrency_optimized") == 1
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=true")
-    keep_cpu_collective_order()
-    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=true"
