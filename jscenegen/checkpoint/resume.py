@@ -155,9 +155,10 @@ def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
                    reward: Mapping[str, Any], protocol_settings: Sequence[str] | None = None) -> None:
     """Raise ResumeError when the checkpoint's protocol hash or reward configuration differ
     from the resuming run's (its updates would not mean the same thing). `protocol_settings`:
-    the `scene`/`judge` settings that differ from the checkpoint's recorded config
-    (`metadata.config_changes`), named in the refusal; empty means the protocol's files or
-    this jscenegen's rules changed; None that the checkpoint records no config to compare."""
+    the settings the hash reads (`scene.protocol.protocol_settings`) that differ from the
+    checkpoint's recorded config, as `metadata.config_changes` lists them, named in the
+    refusal; empty means the protocol's files or this jscenegen's rules changed; None that the
+    checkpoint records no config to compare."""
     if train_state["reward"] != dict(reward):   # also in the protocol hash: named first
         changed = sorted(k for k in set(train_state["reward"]) | set(reward)
                          if train_state["reward"].get(k) != reward.get(k))

@@ -20,6 +20,11 @@ def _mean(values) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def _zero_spread(rewards: Sequence[float]) -> bool:
+    """Fewer than two rewards, or all equal: GRPO's advantages are all 0."""
+    return len(rewards) < 2 or float(np.ptp(rewards)) == 0.0
+
+
 def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
     """Statistics of episode outcomes (`scene.reward.Outcome.to_json()` dicts).
 
@@ -44,7 +49,7 @@ def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
         "masked": len(outcomes) - len(valid),
         "reward": _mean(rewards),
         "reward_std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else None,
-        "zero_spread": len(rewards) < 2 or float(np.ptp(rewards)) == 0.0,
+        "zero_spread": _zero_spread(rewards),
         "quality": _mean(o.get("quality") for o in judged),
         "unit_penalty": _mean(o.get("unit_penalty") for o in judged),
         "grades": {k: _mean(o["grades"].get(k) for o in judged) for k in grade_keys},
@@ -67,9 +72,11 @@ def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str
     episodes), scene/reachable_rate, /collision_rate, /oob_rate (when any scene was measured)
     and judge/latency_s."""
     s = summarize([t.outcome for t in trajectories], grade_keys)
-    groups: dict[int, list[dict]] = {}
-    for t in trajectories:
-        groups.setdefault(t.group_id, []).append(t.outcome)
+    groups: dict[int, list[float]] = {}
+    for t in trajectories:   # a group's unmasked rewards, as summarize reads them
+        rewards = groups.setdefault(t.group_id, [])
+        if not t.outcome["masked"]:
+            rewards.append(t.outcome["reward"])
     n = s["episodes"]
     causes = s["failure_causes"]
     out: dict = {
@@ -78,7 +85,7 @@ def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str
         "reward/std": s["reward_std"],
         "reward/quality": s["quality"],
         "reward/unit_penalty": s["unit_penalty"],
-        "zero_std_group": _mean(float(summarize(g, ())["zero_spread"]) for g in groups.values()),
+        "zero_std_group": _mean(float(_zero_spread(g)) for g in groups.values()),
         "failure_rate": s["failure_rate"] or 0.0,
         "masked_rate": s["masked"] / max(n, 1),
         "judge_failures": float(sum(c for k, c in causes.items() if k.startswith("judge"))),
