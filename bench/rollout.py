@@ -44,6 +44,8 @@ from common import (
     versus,
 )
 
+from jscenegen.host_devices import size_cpu_thread_pool
+
 VOCAB, BATCH, PROMPT, NEW, TOP_K = 8192, 8, 64, 128, 50
 MESH_ROWS, MESH_NEW = 12, 64
 
@@ -186,6 +188,7 @@ def main() -> None:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                               " --xla_force_host_platform_device_count=6").strip())
+        size_cpu_thread_pool(6, env)
         proc = subprocess.run([sys.executable, __file__, "--mesh-only", "--rounds", str(args.rounds)],
                               env=env, capture_output=True, text=True)
         lines = proc.stdout.splitlines()

@@ -29,6 +29,7 @@ import traceback
 import warnings
 
 from jscenegen import __version__
+from jscenegen.host_devices import force_cpu_devices
 from jscenegen.paths import STORAGE_LIMITS, DiskFullError
 from jscenegen.signals import Terminated, UnwindOnSignals, ignore_repeats_at_exit
 
@@ -190,16 +191,6 @@ def stdout_reader_gone() -> bool:
         return False
 
 
-def force_cpu_devices() -> None:
-    """Give JAX's CPU backend $JSCENEGEN_CPU_DEVICES (default 6) devices, so the 3 x 2 mesh is
-    real on a CPU-only machine (`jax_num_cpu_devices`, set through its environment variable so
-    nothing imports JAX here); GPU/TPU backends are unaffected. A device count already chosen
-    with XLA_FLAGS or JAX_NUM_CPU_DEVICES is kept."""
-    if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
-            and "JAX_NUM_CPU_DEVICES" not in os.environ):
-        os.environ["JAX_NUM_CPU_DEVICES"] = os.environ.get("JSCENEGEN_CPU_DEVICES", "6")
-
-
 # orbax's writer threads log every exception they then hand to the caller
 # (orbax/checkpoint/_src/futures/future.py, _SignalingThread.run)
 RERAISED_BY_ORBAX = "_SignalingThread.run() raised an exception"
@@ -343,11 +334,11 @@ def _end_without_clean_up(code: int) -> None:
 
 
 def _run(argv: list[str] | None) -> int:
-    force_cpu_devices()
     install_log_handler()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" advice
     try:
         with UnwindOnSignals():   # parsing imports what option types need (numpy, ml_dtypes)
+            force_cpu_devices()
             parser = build_parser()
             args = parse_args(parser, argv)
             if not getattr(args, "func", None):

@@ -8,6 +8,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# threads enough for six devices (jscenegen/host_devices.py: XLA:CPU deadlocks without)
+from jscenegen.host_devices import size_cpu_thread_pool  # noqa: E402
+
+size_cpu_thread_pool(6)
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 6)
