@@ -185,9 +185,7 @@ def main() -> None:
     single = one_device(args.rounds)
     mesh = mesh_error = None
     if not args.skip_mesh:
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                              " --xla_force_host_platform_device_count=6").strip())
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="6")
         size_cpu_thread_pool(6, env)
         proc = subprocess.run([sys.executable, __file__, "--mesh-only", "--rounds", str(args.rounds)],
                               env=env, capture_output=True, text=True)

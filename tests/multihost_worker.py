@@ -10,6 +10,9 @@ import sys
 os.environ.pop("XLA_FLAGS", None)
 os.environ["JAX_NUM_CPU_DEVICES"] = "3"  # this process's share of the 6-device mesh
 os.environ["JAX_PLATFORMS"] = "cpu"
+from jscenegen.host_devices import size_cpu_thread_pool  # noqa: E402
+
+size_cpu_thread_pool(3)
 
 import jax  # noqa: E402
 
