@@ -259,8 +259,8 @@ def metrics_text(m: dict) -> str:
         "object_count", "collision_pairs", "oob_objects", "door_blocked", "door_clearance_blocked",
         "window_warnings", "unsupported_objects", "reachable", "reachable_object_ratio",
         "door_connected_ratio", "num_regions", "largest_region_ratio", "walkable_ratio", "unreachable_objects", "blockers",
-        "front_to_wall_objects", "storage_off_wall_objects",
-        "size_out_of_range_objects", "chairs_not_at_desk", "unknown_categories",
+        "front_to_wall_objects", "storage_off_wall_objects", "size_out_of_range_objects",
+        "chairs_not_at_desk", "unknown_categories",
     )
     lines = []
     for k in keys:
