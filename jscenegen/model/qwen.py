@@ -64,6 +64,14 @@ class Linear(nnx.Module):
         return y
 
 
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in fp32: x [..., D] any float dtype ->
+    [..., D] float32 (the normalisation every Qwen RMSNorm variant shares, transformers'
+    `Qwen3RMSNorm` / `Qwen3_5RMSNorm` / `Qwen3_5RMSNormGated`)."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
     """weight * (x / sqrt(mean(x^2) + eps)), normalised in fp32 and cast back before the weight (as HF)."""
 
@@ -72,9 +80,7 @@ class RMSNorm(nnx.Module):
         self.weight = make(f"{name}.weight")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return logical(self.weight, x.dtype) * xf.astype(x.dtype)
+        return logical(self.weight, x.dtype) * rms_normalized(x, self.eps).astype(x.dtype)
 
 
 class Embedding(nnx.Module):

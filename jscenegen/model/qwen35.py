@@ -63,6 +63,7 @@ from jscenegen.model.qwen import (
     cached_attention,
     full_sequence_inputs,
     logical,
+    rms_normalized,
     with_empty_slots,
 )
 from jscenegen.model.remat import checkpointed, remat_policy
@@ -96,9 +97,7 @@ class ZeroCentredRMSNorm(nnx.Module):
         self.weight = make(f"{name}.weight")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * (1.0 + logical(self.weight, jnp.float32))).astype(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + logical(self.weight, jnp.float32))).astype(x.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -115,8 +114,7 @@ class GatedRMSNorm(nnx.Module):
         self.weight = make(f"{name}.weight")
 
     def __call__(self, o: jax.Array, z: jax.Array) -> jax.Array:
-        of = o.astype(jnp.float32)
-        n = (of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)).astype(o.dtype)
+        n = rms_normalized(o, self.eps).astype(o.dtype)
         w = logical(self.weight, jnp.result_type(self.weight.dtype, o.dtype))
         y = (w * n).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         return y.astype(o.dtype)
