@@ -173,6 +173,29 @@ def test_the_decode_loop_moves_no_weight_bytes(trained, mesh, arch):
     assert gathered >= weight_bytes - lookup, (gathered, weight_bytes, lookup)
 
 
+def test_qwen35_fsdp_decode_gathers_every_layer_kind_inside_the_loop(qwen35_hf, mesh):
+    """Qwen3.5's layers run as a scan over stacked weights built once outside the decode
+    loop; under `fsdp` those gathers stay in the loop too (the barrier covers the stack), so
+    the loop's all-gathers hold at least the output head and one layer of each kind (the layer
+    scan's body holds each gather once). Hoisted, they held the head and a part of one layer.
+    `replicated` moves nothing but the loop's `all rows done` flag."""
+    model = load_hf(qwen35_hf["qwen3_5"], mesh=mesh)
+    shapes = param_shapes(model.cfg)
+
+    def nbytes(prefix):
+        return 4 * sum(int(np.prod(s)) for k, s in shapes.items() if k.startswith(prefix))
+
+    kinds = model.cfg.kinds
+    first = {kind: kinds.index(kind) for kind in ("linear_attention", "full_attention")}
+    floor = nbytes("lm_head.") + sum(nbytes(f"model.language_model.layers.{i}.")
+                                     for i in first.values())
+    found, _ = _loop_bytes(_sampler(model, "fsdp", True, mesh), ROWS)
+    gathered = sum(c.bytes for c in found if c.op == "all-gather")
+    assert gathered >= floor, (gathered, floor)
+    found, moved = _loop_bytes(_sampler(model, "replicated", True, mesh), ROWS)
+    assert moved <= 8 and all(c.shapes in ((("pred", ()),),) for c in found), found
+
+
 def test_set_weights_reshards_the_new_training_arrays(trained, mesh, prompts, tiny_hf):
     sharded, single = trained["qwen3"]
     s = Sampler(sharded, SamplingParams(greedy=True), buckets=BUCKETS, mesh=mesh, layout="tp")

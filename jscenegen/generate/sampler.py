@@ -190,14 +190,14 @@ def _decode_impl(structure, params, stop_strings, read_per_token, state, cache, 
         reason = jnp.where(hit_tok, STOP_TOKEN, jnp.where(hit_str, STOP_STRING,
                                                           jnp.where(hit_len, STOP_LENGTH, reason)))
         done = done | hit_tok | hit_str | hit_len
-        weights = state
+        weights, stack = state, layers
         if read_per_token:
             # the fsdp layout reads the training shards every token, as an FSDP engine does:
             # without this XLA hoists the weight all-gathers out of the loop and holds the
             # whole weights on every device for the whole decode
-            weights, _ = jax.lax.optimization_barrier((state, step))
+            weights, stack, _ = jax.lax.optimization_barrier((state, layers, step))
         model, hidden, cache = _forward(structure, weights, cache, tok[:, None],
-                                        active[:, None].astype(jnp.int32), layers)
+                                        active[:, None].astype(jnp.int32), stack)
         new_logits = _logits(model, hidden)[:, 0]
         logits = jnp.where(active[:, None], new_logits, logits)
         return step + 1, cache, logits, out_tok, out_lp, done, count, reason, tail
