@@ -1,13 +1,17 @@
 """Group rollouts: token accounting of multi-turn episodes (scripted expert forced through the
 model's cache path), failure causes, masking of judge/runtime failures, seeds, and sampled
 log-probs against the trainer's recompute."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from test_sampler import trainer_logprobs
 
+from jscenegen.generate.sampler import Sampler
+from jscenegen.generate.sampling import SamplingParams
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
 from jscenegen.grpo.rollout.config import SamplingConfig
-from jscenegen.grpo.rollout.engine import RolloutEngine, trajectory_batch
+from jscenegen.grpo.rollout.engine import RolloutEngine, _Row, trajectory_batch
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.tokenizer.chat import ChatTokenizer
@@ -144,6 +148,40 @@ def test_a_growing_cache_gives_the_fixed_caches_episodes(expert_group, model, ch
     for tr, ref in zip(group.trajectories, expert_group.trajectories):
         np.testing.assert_array_equal(tr.tokens, ref.tokens)
         np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_rebuild_that_outgrows_the_cache_grows_it_and_replays_every_history(model, chat):
+    """Padded appends can use up a growing cache's maximum while the histories still fit: the
+    rebuild then needs more slots than the cache had, and grows to them. Before, it rebuilt at
+    the old size and the append wrote past its end (onto earlier slots, no error)."""
+    cfg = SamplingConfig(max_new_tokens=16, max_episode_tokens=480, buckets=(16, 64, 256, 512),
+                         cache_tokens=None)
+    engine = RolloutEngine(model, chat, cfg)
+    assert engine.grows and engine.slots == 512
+    rng = np.random.default_rng(5)
+    rows = [_Row(member=m, seed=m, episode=SimpleNamespace(done=False, outcome=None)) for m in range(2)]
+    engine._capacity = 128
+    engine._cache, engine._last = engine.sampler.new_cache(2, engine._capacity)
+    engine._used = engine._rebuilds = 0
+    for grown in (0, 1):                          # each append pads the other row: 112 slots each
+        rows[grown].add(rng.integers(3, 1000, 100), ENVIRONMENT, False)
+        engine._sync(rows, 0)
+    assert (engine._used, engine._capacity) == (224, 256)
+    rows[0].add(rng.integers(3, 1000, 300), ENVIRONMENT, False)  # 224 + 304 > 512; histories 400
+    engine._sync(rows, 0)
+    assert engine._rebuilds == 1 and engine._capacity >= engine._used == 400
+    fresh, last = engine.sampler.new_cache(2, 512)
+    _, want = engine.sampler.append(fresh, last, [r.tokens for r in rows])
+    np.testing.assert_allclose(np.asarray(engine._last), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_an_append_past_the_cache_end_is_refused_before_writing(model):
+    sampler = Sampler(model, SamplingParams(greedy=True), buckets=(16, 32))
+    cache, last = sampler.new_cache(1, 36)
+    with pytest.raises(ValueError, match="need 48; the cache has 36"):
+        sampler.append(cache, last, [list(range(3, 43))])
+    with pytest.raises(ValueError, match="need 52 cache slots; cache_len is 36"):
+        sampler.generate([list(range(3, 43))], 4, [0], cache_len=36)
 
 
 def test_malformed_and_truncated_outputs_are_policy_failures(model, chat, record, rule_judge):

@@ -449,10 +449,17 @@ class Sampler:
         last_logits [B, V] float32 = logits after each row's last token, and with
         `with_logprobs` a list of B float32 arrays: log p(token | preceding tokens) at the
         sampling temperature for each appended token, the first one from `last_logits`).
-        The caller must leave room: cache slots needed = `appended_slots(rows)`.
+        The caller must leave room: cache slots needed = `appended_slots(rows)`. Raises
+        ValueError, before any write, when the cache lacks them (a write past its end would
+        land on earlier slots).
         """
         self._check_rows(len(rows))
         ids, mask = self.left_pad(rows)
+        length, capacity = int(cache.length), cache.valid.shape[1]
+        if length + ids.shape[1] > capacity:
+            raise ValueError(f"append: {ids.shape[1]} slots at slot {length} need "
+                             f"{length + ids.shape[1]}; the cache has {capacity} (grow_cache "
+                             "or a new cache first)")
         lps = []
         start = 0
         with self._ctx():
@@ -568,9 +575,13 @@ class Sampler:
         prompt plus one segment and grows as the decode goes (`cache_len`: one fixed size).
 
         Returns host arrays: tokens [B, N] int32, logprobs [B, N] float32, lengths [B], reason [B].
+        Raises ValueError when `cache_len` is below the prompts' slots plus max_new_tokens.
         """
         prompt = self.appended_slots(prompts)
         need = prompt + max_new_tokens
+        if cache_len is not None and cache_len < need:
+            raise ValueError(f"generate: prompts of {prompt} slots and {max_new_tokens} new "
+                             f"tokens need {need} cache slots; cache_len is {cache_len}")
         start = min(need, prompt + self.segment) if self._can_grow else need
         cache, last = self.new_cache(len(prompts), cache_len or start)
         cache, last = self.append(cache, last, prompts)

@@ -219,12 +219,12 @@ class RolloutEngine:
         seqs = [r.tokens[r.cached:] if r.active else [] for r in rows] + [[]] * pad
         need = self.sampler.appended_slots(seqs)
         if self._used + need > self._capacity and not self._grow(self._used + need):
-            self._rebuild(rows, pad)
             seqs = [r.tokens if r.active else [] for r in rows] + [[]] * pad
             need = self.sampler.appended_slots(seqs)
             if need > self.slots:
                 raise RuntimeError(f"histories of {need} slots exceed the cache's {self.slots}; "
                                    "raise sampling.cache_tokens")
+            self._rebuild(rows, pad, need)
         res = self.sampler.append(self._cache, self._last, seqs, with_logprobs)
         self._cache, self._last = res[0], res[1]
         self._used += need
@@ -243,7 +243,11 @@ class RolloutEngine:
         self._capacity = new
         return True
 
-    def _rebuild(self, rows: list[_Row], pad: int):
+    def _rebuild(self, rows: list[_Row], pad: int, slots: int = 0):
+        """A new empty cache of at least `slots` (its capacity grown as `_grow` would); every
+        row's history is appended again by the next `_sync`."""
+        if slots > self._capacity:
+            self._capacity = grown_slots(slots, self._capacity, self.slots, self.cfg.buckets)
         self._cache, self._last = self.sampler.new_cache(len(rows) + pad, self._capacity)
         self._used = 0
         self._rebuilds += 1
