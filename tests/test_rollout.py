@@ -126,6 +126,8 @@ def test_token_accounting_reproduces_the_transcript(expert_group, chat):
     assert batch["input_ids"].shape == (3, tr.num_tokens) and batch["masked"].tolist() == [False, True, True]
     mask = np.asarray(role_loss_mask(batch["roles"], batch["policy_mask"], DESIGNER))
     assert mask[0].sum() == policy_turns[1]["end"] - policy_turns[1]["start"]
+    with pytest.raises(ValueError, match="2 trajectories do not fit 1 rows"):
+        trajectory_batch(expert_group.trajectories, rows=1)
 
 
 def test_forced_logprobs_equal_trainer_recompute(expert_group, model):

@@ -53,6 +53,13 @@ def _sampler(model, layout, greedy, mesh=None):
     return Sampler(model, params, buckets=BUCKETS, mesh=mesh, layout=layout)
 
 
+@pytest.mark.parametrize("mesh_or_none", ["mesh", None])
+def test_an_unknown_layout_is_refused_with_or_without_a_mesh(mesh, mesh_or_none):
+    with pytest.raises(ValueError, match="rollout.layout must be auto, replicated, tp or fsdp"):
+        choose_rollout_layout(mesh if mesh_or_none else None, "pipeline", weight_bytes=GiB,
+                              divides=(2, 4, 96), device_bytes=8 * GiB, platform="cpu")
+
+
 def test_auto_picks_replicated_when_the_weights_fit_else_the_smallest_tp(mesh):
     heads = (2, 4, 96)                                    # kv heads, heads, FFN of the fixture
     lay = choose_rollout_layout(mesh, "auto", weight_bytes=GiB, divides=heads,

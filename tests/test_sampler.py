@@ -19,6 +19,7 @@ from jscenegen.generate.sampler import (
 from jscenegen.generate.sampling import SamplingParams, block_max_top_k, chunked_top_k, row_keys, top_k
 from jscenegen.generate.stop import build_stop_table, stop_string_step
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
@@ -505,3 +506,22 @@ def test_a_decode_that_does_not_fit_the_cache_says_so(model, prompts):
         s.decode(cache, last, [6, 6], row_keys([1, 2]), 6, max_slots=20)
     with pytest.raises(ValueError, match="the cache has 16 \\(make room"):
         s.decode(cache, last, [6, 6], row_keys([1, 2]), 6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(greedy=True, top_k=5), "greedy sampling ignores top_k/top_p"),
+    (dict(greedy=True, top_p=0.9), "greedy sampling ignores top_k/top_p"),
+])
+def test_sampling_params_and_the_config_refuse_greedy_with_top_k_or_top_p(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("buckets", [(), (32, 16), (16, 16), (0, 16)])
+def test_sampler_and_config_refuse_the_same_buckets(model, buckets):
+    with pytest.raises(ValueError, match="buckets must be increasing positive lengths"):
+        Sampler(model, SamplingParams(greedy=True), buckets=buckets)
+    with pytest.raises(ValueError, match="buckets must be increasing positive lengths"):
+        SamplingConfig(buckets=buckets)

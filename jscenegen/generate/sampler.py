@@ -60,6 +60,15 @@ STOP_REASONS = {STOP_NONE: "none", STOP_TOKEN: "stop_token", STOP_STRING: "stop_
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
+def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """`buckets` as a tuple of ints; raises ValueError unless they are increasing positive
+    lengths (at least one)."""
+    b = tuple(int(x) for x in buckets)
+    if not b or list(b) != sorted(set(b)) or b[0] < 1:
+        raise ValueError(f"buckets must be increasing positive lengths, got {list(buckets)}")
+    return b
+
+
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= n, or the next multiple of the largest bucket beyond it (n >= 0)."""
     for b in buckets:
@@ -267,8 +276,7 @@ class Sampler:
                  segment: int | None = None):
         if stop_strings and token_bytes is None:
             raise ValueError("stop_strings need token_bytes (the bytes of every vocabulary id)")
-        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"buckets must be increasing positive lengths, got {buckets}")
+        check_buckets(buckets)
         if segment is not None and segment < 1:
             raise ValueError(f"segment must be >= 1 decode steps, got {segment}")
         self.cfg = model.cfg
@@ -431,8 +439,7 @@ class Sampler:
     # ---- operations ---------------------------------------------------------------------
     def left_pad(self, rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Left-pad token rows to a multiple of the smallest bucket -> (ids, mask) [B, L] int32."""
-        n = max((len(r) for r in rows), default=0)
-        length = sum(split_into_buckets(n, self.buckets)) if n else 0
+        length = self.appended_slots(rows)
         ids = np.zeros((len(rows), length), np.int32)
         mask = np.zeros((len(rows), length), np.int32)
         for i, r in enumerate(rows):
@@ -481,8 +488,7 @@ class Sampler:
 
     def appended_slots(self, rows: Sequence[Sequence[int]]) -> int:
         """Cache slots an `append` of these rows takes (max length rounded to the smallest bucket)."""
-        n = max((len(r) for r in rows), default=0)
-        return sum(split_into_buckets(n, self.buckets)) if n else 0
+        return round_up(max((len(r) for r in rows), default=0), self.buckets[0])
 
     def decode(self, cache, last_logits, max_new, keys, max_steps: int, *,
                max_slots: int | None = None) -> DecodeResult:

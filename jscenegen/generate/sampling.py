@@ -30,8 +30,8 @@ class SamplingParams:
     temperature >= MIN_TEMPERATURE divides the logits (also for the returned log-probs; use
     greedy for argmax); top_k > 0 keeps exactly the k largest logits (of values tied with the
     k-th, the lowest token ids; transformers keeps every tie); 0 < top_p <= 1 keeps the smallest
-    set of most likely tokens whose probability reaches top_p (after top-k); greedy takes argmax.
-    Raises ValueError for values outside those ranges.
+    set of most likely tokens whose probability reaches top_p (after top-k); greedy takes argmax
+    (top_k and top_p then off). Raises ValueError for values outside those ranges.
     """
 
     temperature: float = 1.0
@@ -47,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.greedy and (self.top_k or self.top_p < 1):
+            raise ValueError("greedy sampling ignores top_k/top_p; leave them off")
 
 
 

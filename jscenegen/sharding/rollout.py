@@ -140,10 +140,13 @@ def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_byt
     for "tp" (None: the smallest candidate > 1 that fits; "auto" with nothing fitting takes the
     largest). memory_fraction: the share of one device's memory (`device_bytes`, default
     `device_memory_bytes()`) the rollout weights may take under `replicated`.
-    Raises ValueError for an unknown choice or a tp that does not fit the mesh and heads.
+    Without a mesh (one device) every choice is `replicated`. Raises ValueError for an
+    unknown choice or a tp that does not fit the mesh and heads.
     """
     platform = platform or jax.default_backend()
     transposed = platform == "cpu"
+    if choice not in ("auto", "replicated", "tp", "fsdp"):
+        raise ValueError(f"rollout.layout must be auto, replicated, tp or fsdp, got {choice!r}")
     if mesh is None:
         return RolloutLayout("replicated", None, 1, transposed, "one device")
     if choice == "fsdp":
@@ -164,8 +167,6 @@ def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_byt
                    f"weights {weight_bytes / 2**30:.2f} GiB <= {memory_fraction:g} x "
                    f"{device_bytes / 2**30:.1f} GiB per device")
             return RolloutLayout("replicated", rollout_mesh(mesh, 1), 1, transposed, why)
-    elif choice != "tp":
-        raise ValueError(f"rollout.layout must be auto, replicated, tp or fsdp, got {choice!r}")
     if tp is None:
         split = [t for t in cands if t > 1]
         if not split:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from jscenegen.config import Section
-from jscenegen.generate.sampler import DEFAULT_BUCKETS
+from jscenegen.generate.sampler import DEFAULT_BUCKETS, check_buckets
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams
 from jscenegen.sharding.rules import round_up
 
@@ -63,12 +63,10 @@ class SamplingConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
-        b = self.buckets
-        if not b or list(b) != sorted(set(b)) or b[0] < 1 or b[-1] > TOKENS_MAX:
-            raise ValueError(f"buckets must be increasing positive lengths up to {TOKENS_MAX}, "
-                             f"got {list(b)}")
-        if self.greedy and (self.top_k or self.top_p < 1):
-            raise ValueError("greedy sampling ignores top_k/top_p; leave them off")
+        b = check_buckets(self.buckets)
+        if b[-1] > TOKENS_MAX:
+            raise ValueError(f"buckets must be lengths up to {TOKENS_MAX}, got {list(b)}")
+        self.params()   # the sampling rules (greedy leaves top_k/top_p off)
         if self.max_new_tokens > self.max_episode_tokens:
             # the cache is sized for an episode plus a turn: a turn longer than any episode can
             # hold only inflates it (a fixed-size Qwen3.5 cache by the whole difference)

@@ -182,7 +182,7 @@ class RolloutEngine:
     """Runs groups of episodes with one model.
 
     Args:
-      model: QwenForCausalLM (sharded on `mesh` when given).
+      model: QwenForCausalLM or Qwen35ForCausalLM (sharded on `mesh` when given).
       chat: the ChatTokenizer of the model directory.
       cfg: SamplingConfig.
       mesh: the training ("fsdp", "sp") mesh or None.
@@ -509,9 +509,12 @@ def trajectory_batch(trajectories: Sequence[Trajectory], length: int | None = No
     roles int8, policy_mask bool, rollout_logp float32, plus [N] reward float32 and masked bool.
 
     `length` (default: the longest trajectory) and `rows` (default: len(trajectories); extra
-    rows are all padding) fix the shape. Raises ValueError when a trajectory is longer.
+    rows are all padding) fix the shape. Raises ValueError when a trajectory is longer or
+    there are more trajectories than rows.
     """
     n = rows or len(trajectories)
+    if n < len(trajectories):
+        raise ValueError(f"{len(trajectories)} trajectories do not fit {n} rows")
     t = length or max(tr.num_tokens for tr in trajectories)
     out = {"input_ids": np.zeros((n, t), np.int32), "attention_mask": np.zeros((n, t), np.int32),
            "roles": np.zeros((n, t), np.int8), "policy_mask": np.zeros((n, t), bool),
