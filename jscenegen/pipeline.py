@@ -117,6 +117,14 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
             "config_source": record["config_source"] if record else config_source})
 
 
+def _outcome(row: dict) -> str:
+    """An update row's outcome for the progress line: step, skipped (a non-finite gradient) or
+    no-signal."""
+    if row["stepped"]:
+        return "step"
+    return "skipped" if row.get("train/skipped") else "no-signal"
+
+
 class Progress:
     """GRPO progress on stderr (process 0 only): a rich progress bar with reward, failure rate
     and tokens/s on a terminal; one line per update attempt otherwise (a log file, a pipe)."""
@@ -140,7 +148,7 @@ class Progress:
         reward = row.get("reward/mean")
         info = (f"attempt {row['attempt']} {row['role']:<8} reward "
                 f"{'n/a' if reward is None else f'{reward:+.3f}'} fail {row['failure_rate']:.2f} "
-                f"{row['rollout/tokens_per_s']:.0f} tok/s {'step' if row['stepped'] else 'no-signal'}")
+                f"{row['rollout/tokens_per_s']:.0f} tok/s {_outcome(row)}")
         if self.bar is not None:
             self.bar.update(self.task, completed=row["effective_updates"], info=info)
         elif self.lines:

@@ -106,6 +106,9 @@ def test_advantages_are_normalised_within_each_group_of_a_batch():
     assert batch.arrays["input_ids"].shape == (6, 8) and batch.has_signal
     with pytest.raises(ValueError, match="group size"):
         build_group_batch(trs[:3], PLANNER, row_multiple=3, col_multiple=8)
+    # one group that came back short of the configured G (no other group to compare with)
+    with pytest.raises(ValueError, match="group size"):
+        build_group_batch(trs[:1], PLANNER, row_multiple=3, col_multiple=8, group_size=2)
 
 
 def test_masked_episodes_are_padding_rows_of_the_update():
@@ -158,3 +161,11 @@ def test_the_saved_position_is_what_a_resume_validates():
     with pytest.raises(ValueError, match=r"^schedule\.attempts: Input should be greater than or "
                                          r"equal to 0 \(got -1\)$"):
         check_run_identity({**state, "schedule": {**pos.to_json(), "attempts": -1}})
+
+
+def test_a_position_after_converted_steps_counts_every_scene_of_a_batch():
+    """A VERL step counts updates only; with groups_per_batch k each took k scenes."""
+    pos = SchedulePosition.after_steps(3, num_scenes=4)
+    assert (pos.scene_index, pos.epoch, pos.effective_updates, pos.attempts) == (3, 0, 3, 3)
+    pos = SchedulePosition.after_steps(3, num_scenes=4, groups_per_batch=2)
+    assert (pos.scene_index, pos.epoch, pos.effective_updates, pos.attempts) == (2, 1, 3, 3)

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jscenegen.checkpoint.resume import ResumeError
 from jscenegen.checkpoint.store import CheckpointStore, check_step, read_train_state
 from jscenegen.config import ConfigError, load_config
-from jscenegen.grpo.train.trainer import Trainer
+from jscenegen.grpo.train.trainer import Trainer, constant_horizon
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.weights import param_shapes
 from jscenegen.paths import resolve_data_path
@@ -148,13 +150,25 @@ def test_a_trainer_checkpoint_keeps_its_lr_scheduler_position_in_verl_files(stra
     assert state.train_state == read_train_state(run_dir / "checkpoints" / "3")  # the run's identity
 
 
-def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tmp_path):
+def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tmp_path, monkeypatch):
     run_dir, _ = straight
     _, first = _run(tmp_path, sigterm_after=1)
     assert first.stopped_by_signal and first.attempts == 1
     assert check_step(tmp_path / "checkpoints" / "1").valid
+    restored = []
+    apply = Trainer._apply_checkpoint
+
+    def recording(self, ck):
+        apply(self, ck)
+        restored.append((self.state.lr_step.sharding, self.state.skipped_steps.sharding))
+
+    monkeypatch.setattr(Trainer, "_apply_checkpoint", recording)
     _, second = _run(tmp_path, resume=True)
     assert second.attempts == 3
+    # the restored counters are replicated on the mesh, as the step returns them (a
+    # single-device counter compiled the step a second time)
+    for sharding in restored[0]:
+        assert isinstance(sharding, NamedSharding) and sharding.spec == P(), sharding
     a, b = _final(run_dir), _final(tmp_path)
     assert int(a.adam["count"]) == int(b.adam["count"]) == 3
     for name in a.params:
@@ -552,6 +566,46 @@ def test_a_step_that_is_a_link_or_a_file_is_refused_before_the_first_update(stra
         Trainer(_cfg(), run, chat_model_dir(), resume=True)
     assert not check_step(run / "checkpoints/7").valid
     assert check_step(run / "checkpoints/7").reason.endswith("is not a directory")
+
+
+def test_the_trainers_sum_norm_horizon_is_constant_unless_configured():
+    """The batch's padded T moves with the longest episode; VERL divides by its fixed response
+    length, so the trainer fixes an unset horizon at the episode cap."""
+    sum_norm = {"loss.loss_agg_mode": "seq-mean-token-sum-norm"}
+    assert constant_horizon(_cfg(**sum_norm)).horizon == 2560
+    assert constant_horizon(_cfg(**sum_norm, **{"loss.horizon": 700})).horizon == 700
+    assert constant_horizon(_cfg()).horizon is None      # token-mean: no horizon
+
+
+def test_a_non_finite_gradient_is_no_effective_update_and_its_role_waits(tmp_path, monkeypatch,
+                                                                        caplog):
+    """The second attempt's advantages are NaN in trained positions: the step is skipped
+    (parameters and Adam state kept), so it is not an effective update, the role schedule does
+    not move on, and nothing is resharded."""
+    import jscenegen.grpo.train.trainer as trainer_module
+
+    calls = []
+    real = trainer_module.shard_batch
+
+    def poisoned(arrays, mesh):
+        calls.append(1)
+        if len(calls) == 2:
+            arrays = dict(arrays, advantages=np.where(arrays["loss_mask"] > 0, np.nan,
+                                                      arrays["advantages"]).astype(np.float32))
+        return real(arrays, mesh)
+
+    monkeypatch.setattr(trainer_module, "shard_batch", poisoned)
+    _, summary = _run(tmp_path, max_updates=3, **{"checkpoint.save_every": 10})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/skipped"] for r in rows] == [0, 1, 0]
+    assert [r["stepped"] for r in rows] == [True, False, True]
+    assert [r["effective_updates"] for r in rows] == [1, 1, 2]
+    assert [r["role"] for r in rows] == ["planner", "planner", "planner"]   # PPC: P, (P), P
+    assert "rollout/reshard_s" not in rows[1] and "rollout/reshard_s" in rows[2]
+    assert summary.effective_updates == 2
+    ck = _final(tmp_path)
+    assert int(ck.adam["count"]) == 2 and ck.train_state["skipped_steps"] == 1
+    assert "the gradient is not finite" in caplog.text
 
 
 def test_config_errors_name_the_key():

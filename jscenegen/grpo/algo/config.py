@@ -34,7 +34,8 @@ class LossConfig(Section):
         "legacy: VERL 0.4-0.8 dp_actor (each micro-batch normalised by itself, averaged)",
     )
     horizon: int | None = Field(
-        None, gt=0, description="seq-mean-token-sum-norm divisor; null = padded length T"
+        None, gt=0, description="seq-mean-token-sum-norm divisor; null = padded length T "
+        "(train: sampling.max_episode_tokens, a constant as VERL's response length)"
     )
     use_kl_loss: bool = Field(False, description="add kl_coef x the aggregated KL to a frozen "
                               "reference to the loss (VERL actor.use_kl_loss); the reference: "

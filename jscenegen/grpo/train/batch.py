@@ -39,7 +39,7 @@ class GroupBatch:
 
 def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
                       row_multiple: int, col_multiple: int, eps: float = 1e-6,
-                      norm_by_std: bool = True) -> GroupBatch:
+                      norm_by_std: bool = True, group_size: int | None = None) -> GroupBatch:
     """Assemble the update of one or more groups (trajectories in group order; a group is the
     trajectories sharing a `group_id`, all of one size G).
 
@@ -47,7 +47,11 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     stay out of their group's statistics and are masked out of the loss: their rows become
     padding rows (no token attended or trained, in no normaliser, no KL or entropy term, no
     metric), as scene-protocol.md section 5 asks. Policy failures (-1) are ordinary members.
-    Raises ValueError when the groups differ in size.
+
+    row_multiple / col_multiple: the rows and columns are padded to multiples of these (the
+    mesh's fsdp size; the sequence bucket and sp size). eps, norm_by_std: the advantage's
+    (`grpo_outcome_advantages`). group_size: the configured G (default: the trajectories per
+    group). Raises ValueError when a group's size differs from it.
     """
     g = len(trajectories)
     order = {gid: i for i, gid in enumerate(dict.fromkeys(tr.group_id for tr in trajectories))}
@@ -62,7 +66,7 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     mask = np.asarray(role_loss_mask(arr["roles"], arr["policy_mask"], selected_role), np.float32)
     adv = np.asarray(grpo_outcome_advantages(np.where(valid, scores, 0.0), group_ids, valid,
                                              eps=eps, norm_by_std=norm_by_std,
-                                             group_size=g // len(order)), np.float32)
+                                             group_size=group_size or g // len(order)), np.float32)
     rows_adv = np.zeros(arr["input_ids"].shape[0], np.float32)
     rows_adv[:g] = adv
     advantages = rows_adv[:, None] * mask

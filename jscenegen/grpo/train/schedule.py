@@ -67,7 +67,17 @@ class SchedulePosition:
 
     @classmethod
     def from_json(cls, d: dict) -> "SchedulePosition":
+        """The position `to_json` wrote (every field an int; KeyError for a missing one)."""
         return cls(**{f.name: int(d[f.name]) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def after_steps(cls, steps: int, num_scenes: int, groups_per_batch: int = 1) -> "SchedulePosition":
+        """The position of a run that took `steps` updates of `groups_per_batch` scenes each,
+        every one stepping, without redraws: what a checkpoint without the run's own position
+        (one converted from VERL, which counts global steps only) resumes at."""
+        scenes = steps * groups_per_batch
+        return cls(scene_index=scenes % num_scenes, epoch=scenes // num_scenes,
+                   effective_updates=steps, attempts=steps)
 
 
 def schedule_hash(scene_seeds: Sequence[tuple[str, int]], roles: str, group_size: int,

@@ -24,7 +24,9 @@ Micro-batches are contiguous row blocks of `ppo_micro_batch_size` rows, run in o
 the token count (token-mean) or episode count (sequence modes) of the whole batch, both fixed
 before the loop; the episode count is the number of rows with any attention, so all-padding
 rows (added to fill the mesh) count in no normaliser. loss_scale legacy (VERL 0.4-0.8
-dp_actor): each micro-batch is normalised by its own counts and weighted 1/k.
+dp_actor): each micro-batch is normalised by its own counts and weighted 1/k, k the
+micro-batches holding any attended row (a micro-batch of padding rows only is not one of
+VERL's).
 """
 from __future__ import annotations
 
@@ -38,8 +40,6 @@ from jscenegen.grpo.algo.losses import grpo_loss, token_means
 from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
 from jscenegen.model.functional import HiddenFn, shared
 
-METRIC_KEYS = ("loss", "pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "ratio_max",
-               "entropy", "kl", "logprob_drift", "grad_norm", "skipped", "lr", "tokens")
 _SUM_KEYS = ("tokens", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "kl",
              "ratio_max", "drift")
 
@@ -65,7 +65,9 @@ class GRPOStep:
     gradient of the objective and masked metric sums, without an update.
     `step(state, batch, capacity=None) -> (state, metrics)`: one update (`capacity`: logits
     of the trained tokens only, see the module docstring); metrics are float32 scalars named
-    in METRIC_KEYS (clipfrac, approx_kl, entropy, kl are means over all trained tokens).
+    loss, pg_loss, clipfrac, clipfrac_lower, approx_kl, ratio_max, entropy, kl,
+    logprob_drift, grad_norm, skipped, lr, tokens (clipfrac, approx_kl, entropy, kl are means
+    over all trained tokens).
     With `donate` the input state's buffers are reused for the output: do not read them after
     the call, nor the NNX model the params were split from (`nnx.update(model, state.params)`
     re-attaches the new ones). `ppo_micro_batch_size` should be a multiple of the mesh's fsdp
@@ -115,7 +117,10 @@ class GRPOStep:
         legacy = cfg.loss_scale == "legacy"
         mask = batch["loss_mask"].astype(jnp.float32)
         n_tok = jnp.sum(mask)
-        n_seq = jnp.sum(jnp.any(batch["attention_mask"] != 0, axis=-1).astype(jnp.float32))
+        attended = jnp.any(batch["attention_mask"] != 0, axis=-1)            # [B]
+        n_seq = jnp.sum(attended.astype(jnp.float32))
+        # legacy's 1/k: the micro-batches holding an episode (all-padding ones are not VERL's)
+        k_real = jnp.maximum(jnp.sum(jnp.any(attended.reshape(k, -1), axis=1)), 1)
 
         def micro_loss(params, mb):
             logp, ent = self._micro_logprobs(params, mb["input_ids"], mb["attention_mask"],
@@ -130,7 +135,7 @@ class GRPOStep:
                 global_seq_count=None if legacy else n_seq,
                 horizon=cfg.horizon, legacy=legacy, rollout_logp=mb.get("rollout_logp"),
             )
-            scale = 1.0 / k if legacy else 1.0
+            scale = 1.0 / k_real if legacy else 1.0
             return parts.loss * scale, (parts.pg_loss * scale, parts.sums)
 
         zero = jnp.zeros((), jnp.float32)

@@ -1,9 +1,10 @@
 """The GRPO training loop: schedule -> rollout -> advantages -> train step -> metrics -> checkpoint.
 
-The trainer owns no math: the schedule (schedule.py) picks the scene, seeds and role; the
-rollout engine (rollout.py) plays the G episodes; batch.py turns them into the update's arrays
-(advantages.py); train_step.py recomputes old log-probs and steps AdamW; checkpoint.py saves
-and restores everything needed to continue bit for bit.
+The trainer owns no math: the schedule (train/schedule.py) picks the scene, seeds and role;
+the rollout engine (grpo/rollout/engine.py) plays the G episodes; train/batch.py turns them
+into the update's arrays (advantages: grpo/algo/advantages.py); train/step.py steps AdamW on
+the recomputed old log-probs; jscenegen/checkpoint/store.py saves and restores everything
+needed to continue bit for bit.
 
 Exact resume: sampling keys are derived from the episode seeds and every other piece of state
 (parameters, Adam moments and count, LR-schedule count, schedule position) is in the checkpoint,
@@ -46,6 +47,7 @@ from jscenegen.checkpoint.store import (
     read_metadata,
 )
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
+from jscenegen.grpo.algo.config import LossConfig
 from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import (
     TrainState,
@@ -140,6 +142,16 @@ def train_scenes(cfg) -> tuple[list[SceneRecord], int]:
     return scenes, n
 
 
+def constant_horizon(cfg) -> LossConfig:
+    """The run's (`RunConfig`) `cfg.loss`, with `seq-mean-token-sum-norm`'s unset horizon fixed at
+    `sampling.max_episode_tokens`: the batch's padded length changes between updates (a
+    multiple of SEQ_BUCKET past the longest episode), VERL's is its fixed response length."""
+    loss = cfg.loss
+    if loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.horizon is None:
+        return loss.model_copy(update={"horizon": cfg.sampling.max_episode_tokens})
+    return loss
+
+
 class Trainer:
     """One GRPO run in `run_dir` with the weights of `model_dir` (or a checkpoint to resume)."""
 
@@ -201,7 +213,7 @@ class Trainer:
         # resharded once after every optimizer step (`_step`)
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh, cfg.rollout)
         graphdef, params, frozen = split_params(self.model)
-        self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), cfg.loss, cfg.optim,
+        self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), constant_horizon(cfg), cfg.optim,
                                 temperature=cfg.sampling.temperature)
         # eager, so every moment carries its parameter's FSDP2 sharding (built under jit they
         # came out replicated) and the counters are replicated: the train step's outputs then
@@ -346,9 +358,8 @@ class Trainer:
         at = checkpoint_position(saved)
         lr_step, skipped = at.lr_step, at.skipped_steps
         if not has_run_identity(saved):
-            n = len(self.schedule.scene_seeds)
-            self.pos = SchedulePosition(scene_index=at.step % n, epoch=at.step // n,
-                                        effective_updates=at.step, attempts=at.step)
+            self.pos = SchedulePosition.after_steps(at.step, len(self.schedule.scene_seeds),
+                                                    self.cfg.rollout.groups_per_batch)
         else:
             self.pos = SchedulePosition.from_json(saved["schedule"])
         if self.cfg.schedule.total_updates < self.pos.effective_updates:
@@ -356,8 +367,13 @@ class Trainer:
                               f"the {self.pos.effective_updates} effective updates {self.run_dir} "
                               "has done; leave it out to keep the run's total, or raise it to "
                               "extend the run")
-        self.state = TrainState(self.state.params, opt_state, jnp.asarray(lr_step, jnp.int32),
-                                jnp.asarray(max(skipped, 0), jnp.int32))
+        # the counters where the fresh state keeps them (replicated on the mesh): a
+        # single-device scalar would give the first step new input shardings, a second compile
+        self.state = TrainState(
+            self.state.params, opt_state,
+            jax.device_put(jnp.asarray(lr_step, jnp.int32), self.state.lr_step.sharding),
+            jax.device_put(jnp.asarray(max(skipped, 0), jnp.int32),
+                           self.state.skipped_steps.sharding))
         if is_primary():
             truncate_run_logs(self.run_dir, self.pos.attempts)
         log.info("resumed %s at attempt %d (%d effective updates)", self.run_dir,
@@ -402,7 +418,8 @@ class Trainer:
         batch = build_group_batch(trajectories, role,
                                   row_multiple=self.mesh.shape["fsdp"],
                                   col_multiple=np.lcm(SEQ_BUCKET, self.mesh.shape["sp"]),
-                                  eps=cfg.loss.adv_eps, norm_by_std=cfg.loss.norm_adv_by_std)
+                                  eps=cfg.loss.adv_eps, norm_by_std=cfg.loss.norm_adv_by_std,
+                                  group_size=cfg.schedule.group_size)
         new_pos, do_step = sched.advance(pos, batch.has_signal, k)
         stats = groups[0].stats
         row = {"attempt": pos.attempts, "scene_index": pos.scene_index, "epoch": pos.epoch,
@@ -420,9 +437,17 @@ class Trainer:
             t1 = time.perf_counter()
             row.update(self._step(batch))
             row["time/train_s"] = time.perf_counter() - t1
-            reshard = self.engine.set_weights(self.state.params)
-            row["rollout/reshard_s"] = reshard["reshard_s"]
-            row["rollout/reshard_bytes"] = reshard["reshard_bytes"]
+            if row["train/skipped"]:
+                # a non-finite gradient: no optimizer step, so no effective update (the role
+                # waits for the next scene) and nothing to reshard
+                new_pos = dataclasses.replace(new_pos, effective_updates=pos.effective_updates)
+                row["stepped"], row["effective_updates"] = False, pos.effective_updates
+                log.warning("attempt %d: the gradient is not finite; the update is skipped "
+                            "(train/skipped), its role trains on the next scene", pos.attempts)
+            else:
+                reshard = self.engine.set_weights(self.state.params)
+                row["rollout/reshard_s"] = reshard["reshard_s"]
+                row["rollout/reshard_bytes"] = reshard["reshard_bytes"]
         self.pos = new_pos
         if cfg.trainer.dump_trajectories and is_primary():
             self._dump(trajectories, pos)
