@@ -92,6 +92,8 @@ def test_a_run_writes_metrics_checkpoints_metadata_and_checksums(straight):
     assert all(r["stepped"] for r in rows)
     planner = [r for r in rows if r["role"] == "planner"]
     assert all(r["trained_tokens"] > 0 and r["train/grad_norm"] > 0 for r in planner)
+    # one mini-batch, one epoch: the old log-probs are the loss pass's own, the ratio exactly 1
+    assert all(r["train/ratio_max"] == 1.0 and r["train/clipfrac"] == 0.0 for r in planner)
     critic = [r for r in rows if r["role"] == "critic"]
     assert all(r["trained_tokens"] == 0 and r["train/grad_norm"] == 0 for r in critic)
     assert not any("train/kl" in r for r in rows)   # no KL loss, no reference: no KL column

@@ -491,8 +491,9 @@ class Trainer:
         arrays = shard_batch({k: batch.arrays[k] for k in TRAIN_KEYS}, self.mesh)
         ids, mask, select = arrays["input_ids"], arrays["attention_mask"], arrays["loss_mask"]
         with jax.set_mesh(self.mesh):
-            arrays["old_logp"] = self.step_fn.logprobs(self.state.params, ids, mask, select,
-                                                       capacity=cap)[0]
+            # no old_logp: with one mini-batch and one epoch the step takes the loss pass's own
+            # log-probs (stop_gradient), the recompute itself, so the ratio is exactly 1 and no
+            # separate forward runs (../shared/specs/grpo.md)
             if self.ref_params is not None:
                 arrays["ref_logp"] = self.step_fn.logprobs(self.ref_params, ids, mask, select,
                                                            capacity=cap)[0]
