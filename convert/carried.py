@@ -54,15 +54,17 @@ class Complement:
                 "carried_from_tensors": list(self.names), "dropped": list(self.dropped)}
 
 
-def verl_complement(cfg, hf_dir: Path | None, carried_from: str | Path | None) -> Complement:
-    """The tensors a VERL checkpoint of `cfg` (read with its `huggingface/` dir `hf_dir`)
-    lacks, and where they come from (module docstring). Raises ConvertError for a
-    `carried_from` that is not an HF directory, holds no `mtp.*`, or describes another model,
-    and for any `carried_from` when `cfg` is no Qwen3.5 (its VERL files hold every tensor)."""
+def verl_complement(ck, carried_from: str | Path | None) -> Complement:
+    """The tensors the VERL checkpoint `ck` (a convert.verl_read.VerlCheckpoint) lacks, and
+    where they come from (module docstring). Raises ConvertError for a `carried_from` that is
+    not an HF directory, holds no `mtp.*`, or describes another model, and for any
+    `carried_from` when the model is no Qwen3.5 (its VERL files hold every tensor). Warns
+    (ConversionWarning) when the checkpoint's frozen tensors differ from `carried_from`'s."""
     from convert.safetensors_io import SafetensorsReader
     from jscenegen.model.config import ModelConfigError, QwenConfig
     from jscenegen.model.safetensors_stream import stored_tensors
 
+    cfg, hf_dir = ck.config, ck.hf_dir
     if not cfg.hybrid:
         if carried_from is not None:
             raise ConvertError(f"--carried-from completes a Qwen3.5 (qwen3_5) source; this one is "
@@ -85,6 +87,7 @@ def verl_complement(cfg, hf_dir: Path | None, carried_from: str | Path | None) -
                                "model directory")
         reader = SafetensorsReader(ref)
         _check_same_model(cfg, reader, ref)
+        _warn_unless_frozen_match(ck, reader, ref)
         return _taken(with_tensors(cfg, wanted), reader, wanted, ref)
     stored = stored_tensors(hf_dir) if hf_dir is not None else None
     if stored is not None:  # huggingface/ holds weights: the published layout
@@ -99,7 +102,8 @@ def verl_complement(cfg, hf_dir: Path | None, carried_from: str | Path | None) -
             f"{len(dropped)} mtp.* tensors ({dropped[0]}, ...) are not in VERL checkpoints "
             "(transformers never builds the MTP head) and no HF directory holding them was "
             "given: the output has none and its config.json says mtp_num_hidden_layers: 0. "
-            "Pass carried_from (--carried-from) the released model directory to keep them.",
+            "Pass --carried-from (Python: carried_from=) the released model directory to keep "
+            "them.",
             ConversionWarning, stacklevel=3)
     return Complement(config=with_tensors(cfg, ()), dropped=dropped)
 
@@ -124,3 +128,27 @@ def _check_same_model(cfg, reader, ref: Path) -> None:
         if reader.shape(name) != tuple(shape):
             raise ConvertError(f"{reader.files[name]}: {name} has shape {reader.shape(name)}, "
                                f"the VERL checkpoint has {tuple(shape)}; not the same model")
+
+
+def _warn_unless_frozen_match(ck, reader, ref: Path) -> None:
+    """Warn when the checkpoint's untrained tensors differ from `ref`'s: shapes alone accept
+    another model of the same size (a base vs an instruct release). Untrained: those without
+    Adam state when the checkpoint has an optimizer, else the vision tower (a model-only
+    checkpoint, as `convert --to verl` writes, of a run that kept the tower frozen: jscenegen's
+    default, VERL's freeze_vision_tower). The first and last of them are compared, in the
+    checkpoint's dtype (a bf16 release widens exactly to fp32 master weights)."""
+    if ck.has_optimizer():
+        frozen = ck.frozen
+    else:
+        frozen = [n for n in verl_shapes(ck.config) if n.startswith("model.visual.")]
+    picked = list(dict.fromkeys(frozen[:1] + frozen[-1:]))
+    differ = []
+    for name in picked:
+        ours = ck.read_param(name)
+        if not np.array_equal(ours, np.asarray(reader.full(name)).astype(ours.dtype)):
+            differ.append(name)
+    if differ:
+        warnings.warn(
+            f"{ref}: carried_from's {differ[0]} differs from the checkpoint's, which a run "
+            "that froze it never changes: is this the release the run started from? Its mtp.* "
+            "tensors are taken anyway", ConversionWarning, stacklevel=3)

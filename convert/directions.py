@@ -236,7 +236,7 @@ def verl_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None,
             f"{ck.hf_dir}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); the HF model written "
             f"to {dst} has none either: copy the model's tokenizer files in before using it"),
             stacklevel=2)
-    extra = verl_complement(ck.config, ck.hf_dir, carried_from)
+    extra = verl_complement(ck, carried_from)
     info = ck.tensor_info()
     carried = carried_names(ck.config)
     specs = {}
@@ -293,13 +293,16 @@ def hf_state(hf_dir: str | Path) -> VerlState:
     missing = sorted(set(shapes) - set(reader.files))
     unexpected = sorted(set(reader.files) - allowed)
     if missing or unexpected:
+        from jscenegen.model.hf_io import unlisted_in_index
+
         raise ConvertError(f"{hf_dir}: safetensors names do not match config.json "
                            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+                           + unlisted_in_index(hf_dir, reader.files, missing)
                            + (f" ({note})" if missing and (note := cfg.assumed_tower_note()) else ""))
     for name, shape in shapes.items():
         if reader.shape(name) != tuple(shape):
             raise ConvertError(f"{reader.files[name]}: {name} has shape {reader.shape(name)}, "
-                               f"config.json implies {tuple(shape)}")
+                               f"config.json implies {tuple(shape)}{cfg.assumed_sizes_note()}")
     if cfg.tie_word_embeddings and "lm_head.weight" in reader.files:
         _check_tied_head(reader, embedding_name(cfg))
     return VerlState(config=cfg, hf_dir=hf_dir, params=reader.read)

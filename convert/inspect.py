@@ -224,5 +224,19 @@ def _source_summary(source: Any) -> Any:
             "lr_scheduler": (schedulers[0] if all(x == schedulers[0] for x in schedulers)
                              else "differs between ranks"),
             "rng": sorted(rng) if isinstance(rng, dict) else None}}
+    out = _short_lists(out)
     out["full_record"] = "training_metadata.json: source"
     return out
+
+
+def _short_lists(value: Any, keep: int = 3, longest: int = 8) -> Any:
+    """`value` with every list longer than `longest` (parameter indices of each param group,
+    the tensors without Adam state or carried from a release) replaced, at any depth, by its
+    count and its first `keep` items."""
+    if isinstance(value, dict):
+        return {k: _short_lists(v, keep, longest) for k, v in value.items()}
+    if isinstance(value, list):
+        if len(value) > longest:
+            return {"count": len(value), "first": [_short_lists(v, keep, longest) for v in value[:keep]]}
+        return [_short_lists(v, keep, longest) for v in value]
+    return value

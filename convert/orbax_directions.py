@@ -204,7 +204,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     from jscenegen.checkpoint.resume import RUN_STATE_FILE, has_run_identity
 
     ck = VerlCheckpoint(src)
-    extra = verl_complement(ck.config, ck.hf_dir, carried_from)
+    extra = verl_complement(ck, carried_from)
     cfg = extra.config
     info = ck.tensor_info()
     carried = carried_names(cfg)
@@ -345,7 +345,8 @@ def orbax_config(step_dir: Path) -> Any:
     for n, shape in shapes.items():
         if tuple(stored[n][0]) != tuple(shape):
             raise ConvertError(f"{step_dir / ckpt.PARAMS_ITEM}: {n} has shape {stored[n][0]}, "
-                               f"{hf / 'config.json'} implies {tuple(shape)}")
+                               f"{hf / 'config.json'} implies {tuple(shape)}"
+                               f"{cfg.assumed_sizes_note()}")
     return cfg
 
 

@@ -499,7 +499,8 @@ class VerlCheckpoint:
             if not isinstance(t, DTensor):
                 raise ConvertError(f"{f}: {key} is a plain tensor on this rank but a DTensor on rank 0")
             if tuple(t.shape) != shape:
-                raise ConvertError(f"{f}: {key} has global shape {tuple(t.shape)}, expected {shape}")
+                raise ConvertError(f"{f}: {key} has global shape {tuple(t.shape)}, expected {shape}"
+                                   f"{self.config.assumed_sizes_note()}")
             if self._shard_dim(f, key, t, rank=r) != dim:
                 raise ConvertError(f"{f}: {key} placement {t.placements} differs from rank 0's")
             if r >= n_shards:

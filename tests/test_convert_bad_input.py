@@ -284,6 +284,25 @@ def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(tiny_hf,
     _assert_nothing_written(tmp_path)
 
 
+def test_an_index_that_leaves_a_held_tensor_out_says_so(tiny_hf, tmp_path):
+    """convert blamed config.json ("names do not match"); the loader already named the index."""
+    from safetensors.numpy import load_file
+
+    from convert.directions import hf_to_verl
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_hf["qwen3"], src)
+    shard = (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+    names = sorted(load_file(str(shard)))
+    weight_map = {n: shard.name for n in names[1:]}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ConvertError, match=rf"missing \['{re.escape(names[0])}'\].*model\.safetensors"
+                                           r"\.index\.json's weight_map lists no shard for 1 of them, "
+                                           r"which the shards hold"):
+        hf_to_verl(src, tmp_path / "out", world_size=2)
+    _assert_nothing_written(tmp_path)
+
+
 @pytest.mark.parametrize("index,why", [
     ({"weight_map": {"model.norm.weight": 5}}, r"weight_map\['model\.norm\.weight'\] is 5; a shard is a file name \(a string\)"),
     ("[" * 100_000 + "]" * 100_000, r"not valid JSON: nested too deeply"),
@@ -922,3 +941,24 @@ def test_a_non_finite_replicated_moment_is_named_as_such(actor, tmp_path):
     with pytest.raises(ConvertError, match=r"rank_0\.pt: state\[0\]\.exp_avg \(\S+\) holds a non-finite value \(nan\)$"):
         verl_to_orbax(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
+
+
+def test_a_defaulted_linear_attention_size_is_named_in_the_shape_error(qwen35_hf, tmp_path):
+    """A Qwen3.5 config.json without text_config.linear_num_value_heads takes transformers'
+    default (32); the shape error named only the tensor, not the field that caused it."""
+    from convert.directions import hf_to_verl
+    from jscenegen.model.hf_io import load_hf
+    from jscenegen.model.weights import CheckpointFormatError
+
+    src = tmp_path / "hf"
+    shutil.copytree(qwen35_hf["qwen3_5"], src)
+    doc = json.loads((src / "config.json").read_text())
+    del doc["text_config"]["linear_num_value_heads"]
+    (src / "config.json").write_text(json.dumps(doc))
+    why = (r"dt_bias.* has shape \(4,\), .*\(32,\); text_config\.linear_num_value_heads is absent, "
+           r"so transformers' default 32 was assumed")
+    with pytest.raises(ConvertError, match=why):
+        hf_to_verl(src, tmp_path / "out", world_size=2)
+    _assert_nothing_written(tmp_path)
+    with pytest.raises(CheckpointFormatError, match=why):
+        load_hf(src)

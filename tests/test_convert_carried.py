@@ -186,3 +186,41 @@ def test_without_a_source_mtp_is_dropped_with_a_warning(untied, tmp_path):
         verl_to_hf(untied["ckpt"], tmp_path / "hf")
     assert not [n for n in read_dir(tmp_path / "hf") if n.startswith("mtp.")]
     assert QwenConfig.from_dir(tmp_path / "hf").mtp_layers == 0
+
+
+def _perturbed_copy(release, dst, name):
+    """A copy of the HF directory `release` with one bit of tensor `name` flipped: the same
+    model by its shapes, another by its values."""
+    shutil.copytree(release, dst)
+    path = dst / safetensors_files(dst)[name].name
+    raw = bytearray(path.read_bytes())
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    start = 8 + int.from_bytes(raw[:8], "little") + header[name]["data_offsets"][0]
+    raw[start] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return dst
+
+
+@pytest.mark.parametrize("source", ["frozen_tower", "model_only"])
+def test_a_release_of_the_same_shapes_but_other_values_is_warned_about(untied, tmp_path, source):
+    """Shapes alone accepted another model of the same size as carried_from (its mtp.* taken
+    silently). The tensors the run never trained must match it: those without Adam state, or
+    the vision tower of a model-only checkpoint."""
+    import warnings
+
+    if source == "frozen_tower":
+        fixture = fixture_dir("qwen35_tied_frozen_dim0")
+        ckpt, release = fixture / "ckpt", fixture / "release"
+        assert VerlCheckpoint(ckpt).frozen   # the tower has no Adam state
+    else:
+        ckpt, release = tmp_path / "verl", untied["release"]
+        hf_to_verl(release, ckpt, world_size=2, device_type="cpu")
+        assert not VerlCheckpoint(ckpt).has_optimizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConversionWarning)
+        verl_to_hf(ckpt, tmp_path / "same", carried_from=release)
+    first = next(iter(verl_shapes(QwenConfig.from_dir(release))))
+    other = _perturbed_copy(release, tmp_path / "other", first)
+    with pytest.warns(ConversionWarning, match=rf"carried_from's {first} differs from the "
+                                              r"checkpoint's.*the release the run started from"):
+        verl_to_hf(ckpt, tmp_path / "out", carried_from=other)

@@ -303,3 +303,25 @@ def test_a_verl_reshard_keeps_the_sources_mesh_device(tmp_path, capsys):
         assert main(["convert", "--inspect", str(out)]) == 0
         info = json.loads(capsys.readouterr().out)
         assert (info["world_size"], info["mesh"]["device_type"]) == (2, device)
+
+
+def test_inspect_summarises_a_converted_qwen35_steps_long_lists(tmp_path, capsys):
+    """A Qwen3.5 step converted from VERL printed every param-group index, tower tensor and
+    carried tensor (~200 lines for a micro model, thousands at release size)."""
+    src = fixture_dir("qwen35_tied_frozen_dim0")
+    out = tmp_path / "run" / "checkpoints"
+    assert main(["convert", str(src / "ckpt"), str(out), "--from", "verl", "--to", "orbax",
+                 "--carried-from", str(src / "release")]) == 0
+    capsys.readouterr()
+    step = next(p for p in out.iterdir() if p.name.isdigit())
+    assert main(["convert", "--inspect", str(step)]) == 0
+    info = json.loads(capsys.readouterr().out)
+
+    def lists(x):
+        if isinstance(x, dict):
+            return [y for v in x.values() for y in lists(v)]
+        return [x, *[y for v in x for y in lists(v)]] if isinstance(x, list) else []
+
+    assert max(len(x) for x in lists(info["source"])) <= 8
+    carried = info["source"]["carried"]["carried_from_tensors"]
+    assert carried["count"] == 15 and carried["first"][0].startswith("mtp.")

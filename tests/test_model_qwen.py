@@ -228,6 +228,10 @@ def test_a_directory_with_a_single_file_and_an_index_reads_the_single_file_as_tr
         ours = load_hf(d)
     assert "holds both model.safetensors and model.safetensors.index.json: reading " \
            "model.safetensors, as transformers does" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jscenegen.model.safetensors_stream"):
+        load_hf(d)                                  # one command reads a directory twice: once
+    assert "holds both" not in caplog.text
     theirs = transformers.AutoModelForCausalLM.from_pretrained(d)
     np.testing.assert_array_equal(np.asarray(ours.model.norm.weight.get_value()),
                                   theirs.model.norm.weight.detach().numpy())

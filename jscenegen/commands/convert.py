@@ -39,7 +39,9 @@ def register(subparsers) -> None:
                    help="VERL output shard dim per tensor: dim0 (VERL 0.9, the default) or "
                         "first dim divisible by W (VERL 0.6-0.8)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="model weight dtype of the output (default: the source's)")
+                   help="model weight dtype of the output (default: the source's); hf/orbax "
+                        "outputs keep carried tensors (Qwen3.5's vision tower, mtp.*) in their "
+                        "stored dtype and cast A_log and the gated norm too (docs/checkpoints.md)")
     p.add_argument("--mesh-device", choices=MESH_DEVICES, default=None,
                    help="device type of the DeviceMesh in VERL output files (cuda: GPU run; cpu: "
                         "gloo; default: a VERL source's own, else cuda)")

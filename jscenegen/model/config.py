@@ -43,6 +43,11 @@ SIZE_LIMITS = {"vocab_size": 10_000_000, "hidden_size": 1_000_000,
                "intermediate_size": 10_000_000, "num_hidden_layers": 10_000,
                "num_attention_heads": 100_000, "head_dim": 100_000}
 OTHER_SIZE_LIMIT = 1_000_000  # the Gated DeltaNet sizes
+# the Gated DeltaNet sizes a Qwen3.5 text config may leave out: transformers' defaults
+# (Qwen3_5TextConfig)
+QWEN35_LINEAR_DEFAULTS = (("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128),
+                          ("linear_value_head_dim", 128), ("linear_num_key_heads", 16),
+                          ("linear_num_value_heads", 32))
 
 
 def _positive(value: Any, key: str, source: str, prefix: str = "", *,
@@ -383,6 +388,19 @@ class QwenConfig:
         return (f"config.json has no vision_config: transformers' default tower, depth "
                 f"{VisionShapes().depth}, is assumed")
 
+    def assumed_sizes_note(self) -> str:
+        """For a Qwen3.5 config.json whose text config leaves out a linear-attention size,
+        "; <field> is absent, so transformers' default <value> was assumed" for each (what a
+        shape error then owes the user); else ""."""
+        if not self.hybrid:
+            return ""
+        doc = json.loads(self.hf_config or "{}")
+        prefix = "text_config." if self.model_type == "qwen3_5" else ""
+        text = doc.get("text_config", {}) if prefix else doc
+        absent = [f"{prefix}{key} is absent, so transformers' default {value} was assumed"
+                  for key, value in QWEN35_LINEAR_DEFAULTS if key not in text]
+        return "".join(f"; {a}" for a in absent)
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content.
 
@@ -524,9 +542,7 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
     kv_heads = t.get("num_key_value_heads", 4)
     _check_heads(heads, kv_heads, source, prefix)
     linear = {}
-    for key, default in (("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128),
-                         ("linear_value_head_dim", 128), ("linear_num_key_heads", 16),
-                         ("linear_num_value_heads", 32)):
+    for key, default in QWEN35_LINEAR_DEFAULTS:
         linear[key] = _positive(t.get(key, default), key, source, prefix, integer=True,
                                 limit=OTHER_SIZE_LIMIT)
     _check_heads(linear["linear_num_value_heads"], linear["linear_num_key_heads"], source,

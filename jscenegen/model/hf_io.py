@@ -62,7 +62,7 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
         other = (f"; the files hold {len(unexpected)} tensor(s) it does not name, e.g. "
                  f"{unexpected[:3]} (config.json's model_type {cfg.model_type} names its text "
                  f"tensors {cfg.text_prefix}*)" if unexpected else "")
-        other += _unlisted_in_index(path, files, missing)
+        other += unlisted_in_index(path, files, missing)
         raise CheckpointFormatError(f"{path}: missing tensor(s) {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}{other}"
                                     + (f" ({note})" if (note := cfg.assumed_tower_note()) else ""))
@@ -75,14 +75,14 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
         if tuple(arr.shape) != shape:
             raise CheckpointFormatError(
                 f"{files[name]}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}"
-            )
+                f"{cfg.assumed_sizes_note()}")
         if (cfg.tie_word_embeddings and TIED_ALIAS in files
                 and name == f"{cfg.text_prefix}embed_tokens.weight"):
             check_tied_head(read_tensor(files[TIED_ALIAS], TIED_ALIAS), arr, files[TIED_ALIAS], name)
         yield name, arr
 
 
-def _unlisted_in_index(path: Path, files: dict[str, Path], missing: list[str]) -> str:
+def unlisted_in_index(path: Path, files: dict[str, Path], missing: list[str]) -> str:
     """For a sharded directory: which missing tensors a shard holds although the index's
     weight_map lists no entry for them (what the index leaves out is never read), as a clause
     of the "missing tensor(s)" error; "" when none."""

@@ -45,6 +45,9 @@ _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
                "F64": 8, "I64": 8, "U64": 8, "C64": 8}
 
 
+_WARNED_BOTH: set[Path] = set()   # directories already warned about holding both layouts
+
+
 def safetensors_files(path: str | Path) -> dict[str, Path]:
     """{tensor name: file} for a single-file or index-sharded HF directory.
 
@@ -57,9 +60,11 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     path = Path(path)
     index, single = path / INDEX_NAME, path / SINGLE_NAME
     if index.is_file() and single.is_file():
-        log.warning("%s holds both %s and %s: reading %s, as transformers does (the index and "
-                    "its shards are ignored; delete whichever is stale)", path, SINGLE_NAME,
-                    INDEX_NAME, SINGLE_NAME)
+        if path.resolve() not in _WARNED_BOTH:   # one command reads a directory more than once
+            _WARNED_BOTH.add(path.resolve())
+            log.warning("%s holds both %s and %s: reading %s, as transformers does (the index and "
+                        "its shards are ignored; delete whichever is stale)", path, SINGLE_NAME,
+                        INDEX_NAME, SINGLE_NAME)
     elif index.is_file():
         weight_map = read_json_object(index, CheckpointFormatError).get("weight_map")
         if not isinstance(weight_map, dict):
