@@ -145,7 +145,10 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     _check_source_assets(src, src_format)
     opts = dict(world_size=world_size, placement=placement, dtype=dtype, mesh_device=mesh_device,
                 carried_from=carried_from)
-    return table[(src_format, dst_format)](src, dst, opts)
+    from convert.finite import watching
+
+    with watching(str(src)):
+        return table[(src_format, dst_format)](src, dst, opts)
 
 
 def _check_source_assets(src: str | Path, src_format: str) -> None:

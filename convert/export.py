@@ -41,6 +41,7 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     checkpoint, an existing non-empty `out` or one inside the checkpoint, a world size outside
     [1, MAX_WORLD_SIZE].
     """
+    from convert.finite import watching
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.checkpoint.metadata import redact
 
@@ -49,7 +50,7 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     refuse_nested(checkpoint, out)
     require_new_dir(out, ConvertError)   # before the checkpoint is read (seconds to minutes)
     state = orbax_state(step_dir, world_size)
-    with atomic_dir(out, exists_error=ConvertError) as tmp:
+    with watching(str(step_dir)), atomic_dir(out, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)
         shard_dir, verl_files, extra = write_verl_into(
             tmp / "training_state", state, world_size=world_size, placement=placement,

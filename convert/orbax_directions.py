@@ -308,6 +308,7 @@ def orbax_reader(step_dir: Path, group: str, order: list[str]) -> Callable[[str]
     metadata is read once per pass, not once per tensor); a name asked out of turn starts a
     new pass there. One array is held at a time.
     """
+    from convert.finite import note
     from jscenegen.checkpoint.store import iter_arrays
 
     position = {n: i for i, n in enumerate(order)}
@@ -319,7 +320,10 @@ def orbax_reader(step_dir: Path, group: str, order: list[str]) -> Callable[[str]
         got, arr = next(cursor["it"])
         i = position[got] + 1
         cursor["next"] = order[i] if i < len(order) else None
-        return np.asarray(arr)
+        arr = np.asarray(arr)
+        if group == "params":
+            note(got, arr)
+        return arr
 
     return full
 
@@ -440,6 +444,7 @@ def write_hf_into(step_dir: Path, out: Path, *, dtype: str | None) -> list[tuple
     dtype; `dtype` casts the trainable parameters, never carried tensors. Returns [(written
     name, [sources])] for the layout file.
     """
+    from convert.finite import note
     from jscenegen.checkpoint import store as ckpt
 
     hf = step_dir / ckpt.HF_DIR
@@ -449,9 +454,13 @@ def write_hf_into(step_dir: Path, out: Path, *, dtype: str | None) -> list[tuple
     out_dtype = {n: None if n in carried else dtype for n in shapes}
     specs = {n: (s, np.dtype(cast(np.zeros(1, stored[n][1]), out_dtype[n]).dtype))
              for n, s in shapes.items()}
-    arrays = ((n, cast(np.asarray(a), out_dtype[n]))
-              for n, a in ckpt.iter_arrays(step_dir, "params", names=list(shapes)))
-    names = write_safetensors_streaming(out, specs, arrays)
+    def arrays():
+        for n, a in ckpt.iter_arrays(step_dir, "params", names=list(shapes)):
+            a = np.asarray(a)
+            note(n, a)
+            yield n, cast(a, out_dtype[n])
+
+    names = write_safetensors_streaming(out, specs, arrays())
     assets = copy_hf_metadata(hf, out)
     fix_config_file(out / "config.json", cfg, text_weights_dtype(specs, cfg))
     return [(n, [str(step_dir / ckpt.PARAMS_ITEM)]) for n in names] + assets

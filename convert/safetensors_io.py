@@ -87,17 +87,26 @@ class SafetensorsReader:
         return buf.view(dtype).reshape((stop - start, *shape[1:]) if shape else ())
 
     def read(self, name: str, dim: int, start: int, stop: int) -> np.ndarray:
+        """Indices [start, stop) of dimension `dim` of `name` (noted by convert/finite.py)."""
+        from convert.finite import note
         from convert.tensors import to_numpy
 
         if dim == 0:
-            return self._read_rows(name, start, stop)
-        sl = self._slice(name)
-        idx = (slice(None),) * dim + (slice(start, stop),)
-        return to_numpy(sl[idx]).copy()
+            out = self._read_rows(name, start, stop)
+        else:
+            idx = (slice(None),) * dim + (slice(start, stop),)
+            out = to_numpy(self._slice(name)[idx]).copy()
+        note(name, out)
+        return out
 
     def full(self, name: str) -> np.ndarray:
+        """The whole array of `name` (noted by convert/finite.py)."""
+        from convert.finite import note
+
         shape = self.shape(name)
-        return self._read_rows(name, 0, shape[0] if shape else 1)
+        out = self._read_rows(name, 0, shape[0] if shape else 1)
+        note(name, out)
+        return out
 
     def names(self) -> Iterator[str]:
         return iter(self.files)

@@ -681,7 +681,11 @@ class VerlCheckpoint:
         return self._read_entry(name, shape)
 
     def _read_entry(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return self._gather("model", name, [sd[name] for sd in self._model_files], shape)
+        from convert.finite import note
+
+        array = self._gather("model", name, [sd[name] for sd in self._model_files], shape)
+        note(name, array)
+        return array
 
     # ---- optimizer ---------------------------------------------------------------------
     @cached_property

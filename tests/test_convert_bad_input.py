@@ -962,3 +962,35 @@ def test_a_defaulted_linear_attention_size_is_named_in_the_shape_error(qwen35_hf
     _assert_nothing_written(tmp_path)
     with pytest.raises(CheckpointFormatError, match=why):
         load_hf(src)
+
+
+def test_weights_holding_nan_are_converted_with_a_warning_naming_them(tmp_path):
+    """A NaN in the weights passed every conversion silently (loading warned, convert did not)."""
+    from safetensors.numpy import load_file, save_file
+
+    from chat_fixtures import chat_model_dir
+    from convert.dispatch import convert
+    from convert.errors import ConversionWarning
+
+    src = tmp_path / "hf"
+    shutil.copytree(chat_model_dir(), src)
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, str(src / "model.safetensors"))
+    why = rf"1 tensor\(s\) hold NaN or Inf values: {re.escape(name)} \(copied as they are"
+    with pytest.warns(ConversionWarning, match=why):
+        convert(src, tmp_path / "verl", src_format="hf", dst_format="verl", world_size=2)
+    with pytest.warns(ConversionWarning, match=why):
+        convert(tmp_path / "verl", tmp_path / "back", src_format="verl", dst_format="hf")
+    with pytest.warns(ConversionWarning, match=why):
+        convert(tmp_path / "verl", tmp_path / "run" / "checkpoints", src_format="verl",
+                dst_format="orbax")
+    step = next(p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    with pytest.warns(ConversionWarning, match=why):
+        convert(step, tmp_path / "from_orbax", src_format="orbax", dst_format="hf")
+    from convert.export import export
+
+    with pytest.warns(ConversionWarning, match=why):
+        export(step, tmp_path / "published", world_size=2, device_type="cpu")
+    assert np.isnan(load_file(str(tmp_path / "back" / "model.safetensors"))[name][0, 0])
