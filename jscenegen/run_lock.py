@@ -107,16 +107,48 @@ def read_holder(run_dir: str | Path) -> Holder | None:
     return _read(Path(run_dir) / LOCK_NAME)
 
 
+LOCK_BYTES_MAX = 4096   # far more than the JSON this code writes
+PID_MAX = 1 << 22        # Linux's largest pid_max
+
+
 def _read(path: Path) -> Holder | None:
+    """The holder `path` names, None when it does not exist. Raises RunLockedError when it is
+    no regular file (a named pipe would block the read forever)."""
+    _refuse_a_foreign_entry(path)
     try:
-        data = json.loads(path.read_text())
-        ticks = data.get("start_ticks")
-        return Holder(int(data["pid"]), str(data["host"]), str(data.get("started_utc", "?")),
+        data = _load(path)
+        pid, ticks = int(data["pid"]), data.get("start_ticks")
+        if not 0 < pid <= PID_MAX:
+            raise ValueError(f"pid {pid} out of range")
+        return Holder(pid, str(data["host"]), str(data.get("started_utc", "?")),
                       ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return Holder(UNREADABLE_PID, socket.gethostname(), "?", None)
+
+
+def _load(path: Path):
+    """The JSON value of the lock file (at most LOCK_BYTES_MAX bytes read). Raises OSError
+    (FileNotFoundError when there is none) or ValueError; never waits on a named pipe."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read(LOCK_BYTES_MAX))
+
+
+def _refuse_a_foreign_entry(path: Path) -> None:
+    """A directory, a symbolic link or another non-file named run.lock is not a lock this code
+    wrote: taking it over would rename the user's entry aside, a dangling link reads as a lock
+    released meanwhile, forever, and reading a named pipe blocks. Raises RunLockedError."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else
+                "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file")
+        raise RunLockedError(f"{path} is {kind}, not a lock file this code writes; "
+                             "move it away, then start again")
 
 
 def live_holder(run_dir: str | Path) -> Holder | None:
@@ -187,7 +219,7 @@ class RunLock:
             try:
                 self._create(json.dumps(me) + "\n")
             except FileExistsError:
-                self._refuse_a_foreign_entry()
+                _refuse_a_foreign_entry(self.path)
                 self._take_over_if_stale()
                 continue
             self._held = True
@@ -222,19 +254,6 @@ class RunLock:
             f.flush()
             os.fsync(f.fileno())
 
-    def _refuse_a_foreign_entry(self) -> None:
-        """A directory, a symbolic link or another non-file named run.lock is not a lock this
-        code wrote: taking it over would rename the user's entry aside, and a dangling link
-        reads as a lock released meanwhile, forever."""
-        try:
-            mode = os.lstat(self.path).st_mode
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else
-                    "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file")
-            raise RunLockedError(f"{self.path} is {kind}, not a lock file this code writes; "
-                                 "move it away, then start again")
 
     def _take_over_if_stale(self) -> None:
         holder = read_holder(self.run_dir)
@@ -268,8 +287,8 @@ class RunLock:
             return
         self._held = False
         try:
-            ours = json.loads(self.path.read_text()).get("token") == self._token
-        except (OSError, ValueError, AttributeError):   # gone, unreadable, not an object
+            ours = _load(self.path).get("token") == self._token
+        except (OSError, ValueError, AttributeError, RecursionError):   # gone, unreadable, not an object
             ours = False
         if ours:
             self.path.unlink(missing_ok=True)

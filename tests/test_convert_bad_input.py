@@ -968,9 +968,10 @@ def test_weights_holding_nan_are_converted_with_a_warning_naming_them(tmp_path):
     """A NaN in the weights passed every conversion silently (loading warned, convert did not)."""
     from safetensors.numpy import load_file, save_file
 
-    from chat_fixtures import chat_model_dir
     from convert.dispatch import convert
     from convert.errors import ConversionWarning
+
+    from chat_fixtures import chat_model_dir
 
     src = tmp_path / "hf"
     shutil.copytree(chat_model_dir(), src)

@@ -122,6 +122,28 @@ def test_an_entry_this_code_did_not_write_is_refused_and_left_in_place(tmp_path,
     assert lock.is_symlink() or (lock / "keep").read_text() == "x"
 
 
+def test_a_named_pipe_as_the_lock_is_refused_by_every_reader_without_waiting(tmp_path):
+    """`train` (refuse_if_in_use) and every CheckpointStore (live_holder) read run.lock without
+    the acquire's check: a named pipe blocked them forever."""
+    from jscenegen.run_lock import live_holder, refuse_if_in_use
+
+    os.mkfifo(tmp_path / LOCK_NAME)
+    for check in (refuse_if_in_use, live_holder, lambda d: RunLock(d).acquire()):
+        with pytest.raises(RunLockedError, match="is not a regular file, not a lock file"):
+            check(tmp_path)
+
+
+def test_a_pid_beyond_any_system_reads_as_an_unreadable_lock(tmp_path, caplog):
+    """{"pid": 10**30} raised OverflowError from os.kill in every reader."""
+    from jscenegen.run_lock import UNREADABLE_PID, refuse_if_in_use
+
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 10 ** 30, "host": socket.gethostname()}))
+    assert read_holder(tmp_path).pid == UNREADABLE_PID
+    refuse_if_in_use(tmp_path)                      # stale: not in use
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).pid == os.getpid()
+
+
 def test_a_lock_on_another_host_is_refused_with_the_file_to_delete(tmp_path):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere-7"}))
     with pytest.raises(RunLockedError, match=f"pid 1 on host elsewhere-7.*delete {tmp_path / LOCK_NAME}"):
