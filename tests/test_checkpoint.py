@@ -247,6 +247,38 @@ def test_keep_last_and_refuse_overwrite(tmp_path, mesh32, hf_dir):
     assert store.steps() == [3, 4]
 
 
+def test_keep_last_sets_a_finished_step_that_fails_its_sizes_aside(tmp_path, mesh32, hf_dir, caplog):
+    """Garbage collection deleted a corrupt finished step (as "keep_last"), which the store
+    otherwise only ever renames aside."""
+    store = CheckpointStore(tmp_path, keep_last=3)
+    for step in (1, 2):
+        save_step(store, step, mesh32, hf_dir, seed=step)
+    meta = store.step_path(2) / "training_metadata.json"
+    meta.write_bytes(meta.read_bytes()[:10])
+    with caplog.at_level("WARNING"):
+        save_step(store, 3, mesh32, hf_dir, seed=3)
+    assert store.steps() == [1, 3]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("2.corrupt-")]
+    assert len(aside) == 1 and len((aside[0] / "training_metadata.json").read_bytes()) == 10
+    assert any("checkpoint step 2 is corrupt" in m and "set aside" in m for m in caplog.messages)
+
+
+def test_a_train_state_item_that_is_no_object_is_one_named_error(tmp_path, mesh32, hf_dir):
+    """restore() read it without the reader's checks: a bare TypeError / RecursionError."""
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    store = CheckpointStore(tmp_path, keep_last=2)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    item = next(p for p in (store.step_path(1) / "train_state").iterdir() if p.is_file())
+    for text in (b"[1, 2]", b"[" * 100_000, b"\xff\xfe"):
+        item.write_bytes(text)
+        (store.step_path(1) / "checksums.json").unlink()
+        write_checksums(store.step_path(1))
+        with pytest.raises(CheckpointError, match=r"/1(/train_state: the train state must be a "
+                                                  r"JSON object, got list|: orbax cannot read)"):
+            store.restore(1)
+
+
 def test_async_save_completes_on_next_save_and_close(tmp_path, mesh32, hf_dir):
     store = CheckpointStore(tmp_path, keep_last=5, async_save=True)
     save_step(store, 1, mesh32, hf_dir, seed=1)
@@ -725,6 +757,28 @@ def test_resume_refuses_adam_state_for_other_tensors(saved_with_frozen, mesh32):
     assert ck.step == 4
     with pytest.raises(CheckpointError, match=r"none for 2 it trains .*model\.train_vision"):
         restore_onto_mesh(store, shapes, mesh32, np.float32, trainable=list(shapes))
+
+
+def test_a_resume_hashes_each_file_of_the_step_it_restores_once(saved_with_frozen, mesh32,
+                                                                 monkeypatch):
+    """The set-aside, the newest-step search and the restore each hashed the whole step: three
+    full reads of a 90 GB checkpoint per process before orbax read it."""
+    import collections
+
+    import jscenegen.checkpoint.checksums as checksums
+    from jscenegen.checkpoint.resume import restore_onto_mesh
+
+    store, _ = saved_with_frozen
+    hashed = collections.Counter()
+    real = checksums.file_sha256
+
+    def counting(path):
+        hashed[str(path)] += 1
+        return real(path)
+
+    monkeypatch.setattr(checksums, "file_sha256", counting)
+    ck = restore_onto_mesh(store, dict(SHAPES, **FROZEN), mesh32, np.float32, trainable=list(SHAPES))
+    assert ck.step == 4 and hashed and set(hashed.values()) == {1}, hashed
 
 
 def test_a_resume_names_a_corrupt_newest_step_once(tmp_path, mesh32, hf_dir, caplog):

@@ -70,7 +70,10 @@ def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ..
     covers other tensors than `trainable` (e.g. a tower trained with `model.train_vision:
     true`, resumed without it), naming the tensors that differ."""
     store.set_aside_corrupt()
-    ck = store.restore(target=padded_target(shapes, mesh, dtype=param_dtype))
+    if store.verified is None:
+        raise CheckpointError(f"{store.directory}: no complete checkpoint (steps on disk: "
+                              f"{store.steps()})")
+    ck = store.restore(store.verified.step, target=padded_target(shapes, mesh, dtype=param_dtype))
     want = set(shapes if trainable is None else trainable)
     have = set(ck.adam["mu"])
     if want != have:

@@ -644,7 +644,9 @@ class CheckpointStore:
         self.directory = Path(directory).absolute()
         self.keep_last = keep_last
         self.async_save = async_save
-        self._pending: tuple[int, dict, Path, int] | None = None  # step, metadata, hf dir, bytes
+        self._pending: tuple | None = None  # an async save to finish (`wait_until_finished`)
+        # the step `set_aside_corrupt` verified in full, so `restore` need not hash it again
+        self.verified: StepStatus | None = None
         if self.directory.is_dir() and jax.process_index() == 0:
             holder = live_holder(self.directory.parent)
             for tmp in sorted(self.directory.glob(f"*{ocp.step.TMP_DIR_SUFFIX}*")):
@@ -691,7 +693,8 @@ class CheckpointStore:
         step is renamed `<step>.corrupt-<UTC time>` (kept for inspection, never deleted, no
         longer a step), with a warning naming the failing files, so that a resumed run can
         redo the update and save that step again. Incomplete steps (a save cut off before
-        `checksums.json`) are left for the next save of that number to replace. Called by
+        `checksums.json`) are left for the next save of that number to replace (warned
+        about). The newest valid step is kept as `verified` for `restore`. Called by
         the resuming trainer (`checkpoint.resume.restore_onto_mesh`), never by readers.
         Raises CheckpointError, moving nothing, when no valid step precedes the corrupt ones.
         """
@@ -702,9 +705,24 @@ class CheckpointStore:
                 f"{self.directory}: no valid checkpoint to resume from; corrupt: "
                 + "; ".join(f"step {s.step} ({one_line(s.reason or '')})" for s in corrupt)
                 + " (left in place: restore the files or start a new run)")
+        self.verified = valid
+        for status in skipped:
+            if status not in corrupt:
+                log.warning("skipping checkpoint step %d: %s", status.step,
+                            one_line(status.reason or ""))
         return [self._set_aside(s.step, s.reason) for s in corrupt]
 
     def _set_aside(self, step: int, reason: str | None) -> Path:
+        """Every process: rename corrupt step `step` aside (process 0 moves it); its new path."""
+        _barrier(f"jscenegen-checkpoint-checked-{step}")  # every process has read it: now move it
+        dest = self._aside_path(step)
+        if jax.process_index() == 0:
+            self._rename_aside(step, dest, reason, "it will be redone from an earlier step")
+        _barrier(f"jscenegen-checkpoint-aside-{step}")
+        self._manager.reload()
+        return dest
+
+    def _aside_path(self, step: int) -> Path:
         path = self.step_path(step)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         dest = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}")
@@ -712,15 +730,13 @@ class CheckpointStore:
         while dest.exists():
             dest = path.with_name(f"{path.name}{CORRUPT_MARK}{stamp}-{n}")
             n += 1
-        _barrier(f"jscenegen-checkpoint-checked-{step}")  # every process has read it: now move it
-        if jax.process_index() == 0:
-            os.replace(path, dest)
-            log.warning("checkpoint step %d is corrupt (%s); set aside as %s (kept, never "
-                        "deleted); it will be redone from an earlier step", step,
-                        one_line(reason or ""), dest)
-        _barrier(f"jscenegen-checkpoint-aside-{step}")
-        self._manager.reload()
         return dest
+
+    def _rename_aside(self, step: int, dest: Path, reason: str | None, then: str) -> None:
+        """Process 0 only: move corrupt step `step` to `dest`, with a warning."""
+        os.replace(self.step_path(step), dest)
+        log.warning("checkpoint step %d is corrupt (%s); set aside as %s (kept, never deleted); "
+                    "%s", step, one_line(reason or ""), dest, then)
 
     def save(self, step: int, *, params: Mapping[str, Any], adam: Mapping[str, Any],
              train_state: Mapping[str, Any], metadata: Mapping[str, Any],
@@ -752,6 +768,7 @@ class CheckpointStore:
         """
         self.wait_until_finished()
         step = int(step)
+        self.verified = None
         if step < 0:
             raise CheckpointError(f"step must be >= 0 (got {step})")
         hf_dir = Path(hf_assets_dir)
@@ -869,13 +886,21 @@ class CheckpointStore:
             shutil.rmtree(self.step_path(step))
 
     def _collect_garbage(self, newest: int) -> None:
-        """Keep the newest `keep_last` complete steps <= `newest`; delete older and broken ones."""
+        """Process 0 only (the save's barrier follows). Keep the newest `keep_last` complete steps <= `newest`; delete the older ones and
+        unfinished saves; set aside (never delete) a finished step that fails its size check,
+        as `set_aside_corrupt` does."""
         kept = 0
         for step in reversed([s for s in self.steps() if s <= newest]):
-            if kept < self.keep_last and check_step(self.step_path(step), hash_files=False).valid:
+            status = check_step(self.step_path(step), hash_files=False)
+            if status.valid and kept < self.keep_last:
                 kept += 1
                 continue
-            log.info("deleting checkpoint step %d (keep_last=%d)", step, self.keep_last)
+            if not status.valid and (self.step_path(step) / CHECKSUMS_NAME).is_file():
+                self._rename_aside(step, self._aside_path(step), status.reason,
+                                   f"a newer step ({newest}) is saved")
+                continue
+            log.info("deleting checkpoint step %d (%s)", step, f"keep_last={self.keep_last}"
+                     if status.valid else "an unfinished save")
             self._delete(step)
 
     def restore(self, step: int | None = None,
@@ -894,12 +919,19 @@ class CheckpointStore:
         """
         self.wait_until_finished()
         if step is None:
-            step = self.latest_valid_step()
-            if step is None:
+            status, skipped = newest_complete_step(self.directory)
+            for passed in skipped:
+                log.warning("skipping checkpoint step %d: %s", passed.step,
+                            one_line(passed.reason or ""))
+            if status is None:
                 raise CheckpointError(f"{self.directory}: no complete checkpoint "
                                       f"(steps on disk: {self.steps()})")
+            step = status.step
+        elif self.verified is not None and self.verified.step == step:
+            status = self.verified   # `set_aside_corrupt` has just hashed it
+        else:
+            status = check_step(self.step_path(step))
         path = self.step_path(step)
-        status = check_step(path)
         if not status.valid:
             raise CheckpointError(f"checkpoint step {step} is not usable: {status.reason}")
         stored = array_shapes(path, "params")
@@ -915,15 +947,12 @@ class CheckpointStore:
         else:
             p_args, m_args, count_sharding = _target_restore_args(target, stored, moments, path)
         self._manager.reload()
-        out = self._manager.restore(step, args=ocp.args.Composite(**{
-            PARAMS_ITEM: ocp.args.PyTreeRestore(item=jax.tree.map(lambda _: 0, p_args),
-                                                restore_args=p_args),
-            ADAM_ITEM: ocp.args.PyTreeRestore(
-                item={"count": 0, "mu": jax.tree.map(lambda _: 0, m_args),
-                      "nu": jax.tree.map(lambda _: 0, m_args)},
-                restore_args={"count": ocp.RestoreArgs(restore_type=np.ndarray),
-                              "mu": m_args, "nu": m_args}),
-            TRAIN_STATE_ITEM: ocp.args.JsonRestore()}))
+        with _orbax_reading(path):
+            out = self._restore_items(step, p_args, m_args)
+        state = out[TRAIN_STATE_ITEM]
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path / TRAIN_STATE_ITEM}: the train state must be a JSON "
+                                  f"object, got {type(state).__name__}")
         adam = dict(out[ADAM_ITEM])
         adam["count"] = np.asarray(adam["count"], np.int32)
         if count_sharding is not None:
@@ -934,7 +963,18 @@ class CheckpointStore:
                           params={n: out[PARAMS_ITEM][n] for n in order},
                           adam={"count": adam["count"], "mu": {n: adam["mu"][n] for n in trained},
                                 "nu": {n: adam["nu"][n] for n in trained}},
-                          train_state=dict(out[TRAIN_STATE_ITEM]), metadata=read_metadata(path))
+                          train_state=dict(state), metadata=read_metadata(path))
+
+    def _restore_items(self, step: int, p_args, m_args):
+        return self._manager.restore(step, args=ocp.args.Composite(**{
+            PARAMS_ITEM: ocp.args.PyTreeRestore(item=jax.tree.map(lambda _: 0, p_args),
+                                                restore_args=p_args),
+            ADAM_ITEM: ocp.args.PyTreeRestore(
+                item={"count": 0, "mu": jax.tree.map(lambda _: 0, m_args),
+                      "nu": jax.tree.map(lambda _: 0, m_args)},
+                restore_args={"count": ocp.RestoreArgs(restore_type=np.ndarray),
+                              "mu": m_args, "nu": m_args}),
+            TRAIN_STATE_ITEM: ocp.args.JsonRestore()}))
 
 
 def _target_restore_args(target: Mapping[str, jax.ShapeDtypeStruct],

@@ -324,7 +324,7 @@ class Trainer:
         saved = ck.train_state
         if not has_run_identity(saved):
             log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
-                        "schedule hash to check", saved["source_format"], saved.get("step"))
+                        "schedule hash to check", saved.get("source_format", "unknown"), saved.get("step"))
             return ck
         try:
             check_run_identity(saved)
