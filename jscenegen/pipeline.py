@@ -210,6 +210,8 @@ def _saved_report(path: Path) -> dict | None:
     from jscenegen.scene.schema import read_json_file
 
     if not path.is_file():
+        log.warning("no before/after comparison: %s is missing (the run's first start did not "
+                    "evaluate before GRPO)", path)
         return None
     try:
         report = read_json_file(path)
@@ -352,11 +354,16 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         for when, report in evals.items():
             s = report["overall"]["model"]
             out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}
+        if "after" in evals:   # an earlier start's comparison describes another eval_after
+            for name in ("eval_change.json", "eval_change.png"):
+                (run_dir / name).unlink(missing_ok=True)
         if len(evals) == 2:
             from jscenegen.eval.plots import plot_report
-            from jscenegen.eval.report import compare_reports
+            from jscenegen.eval.report import check_same_episodes, compare_reports
 
-            try:
+            try:   # what `eval --compare` checks: a resume may have changed the sampling
+                check_same_episodes(evals["before"], evals["after"],
+                                    ("eval_before.json", "eval_after.json"))
                 change = compare_reports(evals["before"], evals["after"])
             except ValueError as err:  # e.g. every episode masked by judge failures
                 log.warning("no before/after comparison: %s", err)

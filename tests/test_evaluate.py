@@ -504,7 +504,7 @@ def test_no_pytorch_advice_when_a_command_imports_transformers_without_torch(tmp
 
 def _synthetic_report(scenes=("a", "b"), seeds=(1, 2)) -> dict:
     stats = {"reward": 0.5, "failure_rate": 0.0, "units": 10.0, "reachable": 1.0, "quality": 0.6,
-             "unit_penalty": 0.1}
+             "unit_penalty": 0.1, "failure_causes": {}}
     return {"schema": "jscenegen.eval/1", "samples": len(seeds),
             "judge": {"backend": "rule", "model": None, "rubric_hash": "e8178fedbec1139e"},
             "scenes": [{"scene_id": sid, "seed": 7, "prompt": f"a room {sid}", "model": dict(stats, episodes=[
@@ -558,6 +558,10 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                (lambda r: r.update(schema="other/2"), "schema 'other/2' is not 'jscenegen.eval/1'"),
                (lambda r: r["scenes"].append(r["scenes"][0]), "scenes[2].scene_id 'a' is also scenes[0]'s"),
                (lambda r: r.update(samples=5), "scenes[0].model has 2 episodes, samples says 5"),
+               # what --plot reads: it ended in a KeyError traceback after the table
+               (lambda r: r.pop("samples"), "samples must be a positive integer"),
+               (lambda r: r["overall"]["model"].pop("failure_causes"),
+                "overall.model.failure_causes must map causes to counts, got None"),
                # an edited report: its summaries no longer are its episodes'
                (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=0.9),
                 "scenes[0].model.reward is 0.5 but its episodes give 0.7"),

@@ -11,7 +11,7 @@ from jscenegen.scene.sceneset import read_scene_set, write_scene_set
 
 
 @pytest.mark.slow  # SFT, GRPO and two dev evaluations in one test: 22-55 s on 2 cores
-def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
+def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys, caplog):
     monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
     dev = tmp_path / "dev.jsonl"
     write_scene_set(dev, read_scene_set(resolve_data_path("data/scenes/dev.jsonl"))[:2])
@@ -54,6 +54,17 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys):
     assert change2["reward_after"] == pytest.approx(after2["overall"]["model"]["reward"])
     assert change2["reward_before"] == change["reward_before"]
     assert out["dev_change"]["diff"] == change2["diff"]
+    # a resume that samples otherwise: its eval_after is not comparable with eval_before (what
+    # `eval --compare` refuses), and the last start's eval_change no longer describes it
+    hotter = more.model_copy(update={
+        "schedule": more.schedule.model_copy(update={"total_updates": 3}),
+        "sampling": more.sampling.model_copy(update={"temperature": 0.5})})
+    with caplog.at_level("WARNING", logger="jscenegen.pipeline"):
+        assert train_command(hotter, run_dir, resume=True, max_updates=1, config_source="test") == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["attempts"] == 3 and "dev_change" not in out
+    assert not (run_dir / "eval_change.json").exists() and not (run_dir / "eval_change.png").exists()
+    assert "no before/after comparison" in caplog.text and "sampled otherwise" in caplog.text
 
 
 def test_the_warm_start_plays_in_the_runs_scene_settings_and_stop_strings():

@@ -38,7 +38,8 @@ def check_report(report, source: str) -> None:
     and optional `model` statistics (`reward`, `failure_rate`, `units`, `reachable`, `quality`,
     `unit_penalty`: finite numbers or null) whose `episodes` are objects with an integer
     `seed` (32-bit, each once), a finite number `reward`, a boolean `masked` and a
-    `failure_cause` (a string or null), as many as `samples` says, each `scene_id` once;
+    `failure_cause` (a string or null), as many as `samples` (a positive integer) says,
+    `failure_causes` a {cause: count} object, each `scene_id` once;
     `sampling` an object when present; `overall.model`
     statistics; the `reward` and `failure_rate` of each summary those of its episodes;
     `schema` REPORT_SCHEMA."""
@@ -49,6 +50,12 @@ def check_report(report, source: str) -> None:
             if key not in m or not (m[key] is None or finite_number(m[key])):
                 raise ValueError(f"{source}: {where}.{key} must be a finite number or null, "
                                  f"got {clip_text(repr(m.get(key)))}")
+        causes = m.get("failure_causes")
+        if not (isinstance(causes, dict) and all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in causes.items())):
+            raise ValueError(f"{source}: {where}.failure_causes must map causes to counts, got "
+                             f"{clip_text(repr(causes))}")
         for key, most, span in (("units", math.inf, "the units a run can spend (>= 0)"),
                                 ("failure_rate", 1, "[0, 1]"), ("reachable", 1, "[0, 1]")):
             if m[key] is not None and not 0 <= m[key] <= most:
@@ -111,6 +118,10 @@ def check_report(report, source: str) -> None:
             isinstance(v, str) for v in protocol.values())):
         raise ValueError(f"{source}: protocol must map the scene protocol's parts to digests "
                          f"(strings), got {clip_text(repr(protocol))}")
+    samples = report.get("samples")
+    if not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
+        raise ValueError(f"{source}: samples must be a positive integer (episodes per scene), "
+                         f"got {clip_text(repr(samples))}")
     if report.get("sampling") is not None and not isinstance(report["sampling"], dict):
         raise ValueError(f"{source}: sampling must be an object (the settings the episodes were "
                          f"drawn with), got {clip_text(repr(report['sampling']))}")
@@ -132,7 +143,7 @@ def check_report(report, source: str) -> None:
         if "model" in row:
             stats(row["model"], f"scenes[{i}].model", episodes=True)
             n = len(row["model"]["episodes"])
-            if "samples" in report and n != report["samples"]:
+            if n != report["samples"]:
                 raise ValueError(f"{source}: scenes[{i}].model has {n} episodes, samples says "
                                  f"{clip_text(repr(report['samples']))}")
     overall = report.get("overall")
