@@ -535,6 +535,24 @@ def test_a_scene_id_is_one_markdown_cell():
     assert rows[2].startswith("| a\\|b c | 0.50 -> 0.50 |") and len(rows) == 4
 
 
+def test_the_overall_reward_cell_is_over_the_pairs_its_difference_is_over():
+    """With an episode masked after, the cell read each report's own mean beside the paired
+    difference: "-0.25 -> 0.60 (diff +0.100 ...)"."""
+    from jscenegen.eval.report import comparison_markdown
+
+    before, after = _synthetic_report(), _synthetic_report()
+    for row in after["scenes"]:
+        for ep in row["model"]["episodes"]:
+            ep["reward"] = 0.7
+    after["scenes"][0]["model"]["episodes"][0]["masked"] = True
+    after["overall"]["model"]["reward"] = 0.7
+    before["scenes"][0]["model"]["episodes"][0]["reward"] = -0.1   # only its pair is masked
+    before["overall"]["model"]["reward"] = 0.35                     # the report's own mean
+    overall = comparison_markdown(before, after).splitlines()[-1]
+    assert overall.startswith("| **all** | 0.50 -> 0.70 (diff +0.200, "), overall
+    assert overall.split(" | ")[1].endswith("3 pairs)")
+
+
 def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tmp_path, capsys):
     good = _synthetic_report()
     assert _compare(tmp_path, capsys, good, good) == (0, "")
@@ -596,7 +614,11 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                (lambda r: r.update(sampling="oops"), "sampling must be an object"),
                # counted as a failure
                (lambda r: r["scenes"][0]["model"]["episodes"][0].update(failure_cause=5),
-                "scenes[0].model.episodes[0].failure_cause must be a string or null, got 5")]
+                "scenes[0].model.episodes[0].failure_cause must be a cause (a non-empty string) "
+                "or null, got 5"),
+               # "" read as no failure in the summary's check, as a failure in the comparison
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(failure_cause=""),
+                "scenes[0].model.episodes[0].failure_cause must be a cause")]
     for damage, why in damaged:
         rep = json.loads(json.dumps(good))
         damage(rep)

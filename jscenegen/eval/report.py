@@ -85,9 +85,10 @@ def check_report(report, source: str) -> None:
                 raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
             if "failure_cause" not in ep:
                 raise ValueError(f"{source}: {at}.failure_cause is missing")
-            if not (ep["failure_cause"] is None or isinstance(ep["failure_cause"], str)):
-                raise ValueError(f"{source}: {at}.failure_cause must be a string or null, "
-                                 f"got {clip_text(repr(ep['failure_cause']))}")
+            if not (ep["failure_cause"] is None or (isinstance(ep["failure_cause"], str)
+                                                    and ep["failure_cause"])):
+                raise ValueError(f"{source}: {at}.failure_cause must be a cause (a non-empty "
+                                 f"string) or null, got {clip_text(repr(ep['failure_cause']))}")
         seeds = [ep["seed"] for ep in eps]
         if len(set(seeds)) != len(seeds):
             twice = next(x for x in seeds if seeds.count(x) > 1)
@@ -273,7 +274,7 @@ def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
     per_scene: dict[str, list[float]] = {}
     for k, d in zip(keys, diffs):
         per_scene.setdefault(k[0], []).append(float(d))
-    failed = lambda eps: float(np.mean([e["failure_cause"] is not None for e in eps]))  # noqa: E731
+    failed = lambda eps: float(np.mean([bool(e["failure_cause"]) for e in eps]))  # noqa: E731
     return {"pairs": len(keys),
             "reward_before": float(np.mean([b[k]["reward"] for k in keys])),
             "reward_after": float(np.mean([a[k]["reward"] for k in keys])),
@@ -291,8 +292,8 @@ def _cell_text(text: str) -> str:
 def comparison_markdown(before: dict, after: dict) -> str:
     """A Markdown table of two `evaluate` reports of the same scenes: per scene and overall,
     mean reward, failure rate, mean units, reachable rate, and the reward's quality and unit
-    penalty parts, before -> after; the overall row adds the paired difference with its 95%
-    interval (`compare_reports`)."""
+    penalty parts, before -> after; the overall row's reward is over the episode pairs
+    unmasked in both (`compare_reports`), with their difference and its 95% interval."""
     change = compare_reports(before, after)
 
     def f(x, fmt="{:.2f}"):
@@ -315,7 +316,10 @@ def comparison_markdown(before: dict, after: dict) -> str:
     ci = change["diff_ci95"]
     interval = "95% CI n/a" if ci is None else f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]"
     overall = cells(before["overall"]["model"], after["overall"]["model"])
-    overall[0] += f" (diff {change['diff']:+.3f}, {interval}, {change['pairs']} pairs)"
+    # the reward over the pairs the difference is taken on (episodes unmasked in both), so
+    # before + diff = after in the cell; the other columns are each report's own
+    overall[0] = (f"{f(change['reward_before'])} -> {f(change['reward_after'])} (diff "
+                  f"{change['diff']:+.3f}, {interval}, {change['pairs']} pairs)")
     lines.append("| **all** | " + " | ".join(overall) + " |")
     return "\n".join(lines)
 
