@@ -1173,16 +1173,41 @@ def test_a_signal_while_the_arguments_are_parsed_ends_with_one_line(monkeypatch,
     assert one_error_line(capsys) == line
 
 
-def test_a_failed_sft_removes_the_fresh_model_it_made(tmp_path, capsys):
+def test_a_failed_sft_removes_the_fresh_model_it_made(tmp_path, capsys, monkeypatch):
     """Without --model, a run that failed after making OUT-init left it behind, and the same
-    command then refused to start; a checkpoint step as --model is named as such."""
+    command then refused to start; inputs that need no model are checked before one is made
+    (a bad catalogue, template or mesh failed after a minute of making it); a checkpoint step
+    as --model is named as such."""
+    import jscenegen.sft.run as sft_run
+
     bad = tmp_path / "catalogue.json"
     bad.write_text('{"version": "scenegen.catalogue/1", "categories": {"chair": []}}')
-    argv = ["sft", "--config", str(ROOT / "configs/sft-cpu.yaml"), "--out", str(tmp_path / "o"),
-            f"scene.catalogue_path={bad}"]
-    assert main(argv) == 2
-    assert one_error_line(capsys) == f"error: {bad}: categories.chair: must be an object, got list"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["catalogue.json"]
+    base = ["sft", "--config", str(ROOT / "configs/sft-cpu.yaml"), "--out", str(tmp_path / "o")]
+    import jscenegen.model.init_model as init_model
+
+    made, real_init = [], init_model.init_model_dir
+
+    def recording_init(model_dir, **kwargs):
+        made.append(model_dir)
+        return real_init(model_dir, **kwargs)
+
+    monkeypatch.setattr(init_model, "init_model_dir", recording_init)
+    for extra, error in ((f"scene.catalogue_path={bad}", f"{bad}: categories.chair: must be an "
+                                                         "object, got list"),
+                         ("mesh.fsdp=4", "mesh.fsdp=4 x mesh.sp=2 = 8 does not match the 6 "
+                                         "devices")):
+        assert main([*base, extra]) == 2
+        assert error in one_error_line(capsys)
+    assert main([*base, "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert one_error_line(capsys) == f"error: --chat-template {tmp_path / 'none.jinja'}: no such file"
+    assert made == [] and sorted(p.name for p in tmp_path.iterdir()) == ["catalogue.json"]
+
+    def failing(*args, **kwargs):
+        raise ValueError("the demonstrations failed")
+
+    monkeypatch.setattr(sft_run, "run_sft", failing)
+    assert main(base) == 2 and "the demonstrations failed" in one_error_line(capsys)
+    assert len(made) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["catalogue.json"]
     step = tmp_path / "run" / "checkpoints" / "3"
     (step / "params").mkdir(parents=True)
     (step / "hf").mkdir()

@@ -36,12 +36,13 @@ def run(args) -> int:
     refuse_multi_host("sft", cfg.mesh)
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path
+    model_key, out_key = ("--model" if args.model else "model.path"), ("--out" if args.out else "sft.out_dir")
     if model_dir is not None and is_checkpoint_dir(Path(model_dir)):
-        raise ValueError(f"--model {model_dir}: a checkpoint step; sft starts from an HF model "
+        raise ValueError(f"{model_key} {model_dir}: a checkpoint step; sft starts from an HF model "
                          f"directory (write one: jscenegen convert {model_dir} OUT --from orbax "
                          "--to hf)")
     # before anything is written (write checks create a probe file beside the output)
-    refuse_overwriting_input(out, "--out", {"--model": model_dir, "--config": args.config})
+    refuse_overwriting_input(out, out_key, {model_key: model_dir, "--config": args.config})
     require_new_dir(out)  # before a fresh init-model or any demonstration is built
     with new_parents_removed_on_error(out):
         summary = _train(cfg, args, out, model_dir)
@@ -54,9 +55,11 @@ def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
     """SFT into `out` from `model_dir`, or from a fresh model made beside `out` (removed again
     when the SFT does not finish); returns run_sft's summary."""
     from jscenegen.paths import require_new_dir
-    from jscenegen.sft.run import run_sft
+    from jscenegen.sft.run import check_sft_inputs, run_sft
 
     fresh = model_dir is None
+    if fresh:   # what needs no model, before one is made (a minute of corpus and tokenizer)
+        check_sft_inputs(cfg, args.chat_template)
     made_here = False   # an empty directory given for it stays when the SFT does not finish
     if fresh:
         from jscenegen.model.init_model import init_model_dir

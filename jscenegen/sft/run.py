@@ -23,6 +23,34 @@ from jscenegen.sft.step import SFTStep
 from jscenegen.sharding.rules import round_up
 
 
+def check_sft_inputs(cfg, chat_template_path: str | None = None):
+    """The checks of an SFT's inputs that need no model, so a command fails before making or
+    loading one: the mesh against the devices, the batch against its micro-batches and the
+    row budget, the scene catalogue and prompt templates, the replacement chat template's
+    file. Returns the mesh. Raises MeshError, ValueError naming the setting or file."""
+    from jscenegen.paths import not_a_file
+    from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.prompts import load_templates
+    from jscenegen.sharding.layout import pad_rows
+    from jscenegen.sharding.mesh import make_mesh
+
+    sc = cfg.sft
+    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+    check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
+                               "sft.batch_size", "sft.micro_batch_size")
+    longest = round_up(sc.max_seq_len, mesh.shape["sp"])
+    rows = pad_rows(sc.batch_size, mesh)
+    if rows * longest > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
+        raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "
+                         f"{rows} rows x {longest} tokens once padded for the mesh = "
+                         f"{rows * longest:,} tokens per step: at most {BATCH_TOKENS_MAX:,}")
+    load_catalogue(cfg.scene.catalogue_path)
+    load_templates(cfg.scene.prompts_dir)
+    if chat_template_path is not None and (why := not_a_file(chat_template_path)):
+        raise ValueError(f"--chat-template {chat_template_path}: {why}")
+    return mesh
+
+
 def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
             log: Callable[[dict], None] = lambda row: print(json_line(row), flush=True),
             chat_template_path: str | Path | None = None) -> dict:
@@ -53,10 +81,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.functional import hidden_fn, split_params
     from jscenegen.model.hf_io import load_hf, save_hf
-    from jscenegen.scene.catalogue import load_catalogue
-    from jscenegen.scene.prompts import load_templates
-    from jscenegen.sharding.layout import pad_batch, pad_rows, shard_batch
-    from jscenegen.sharding.mesh import make_mesh
+    from jscenegen.sharding.layout import pad_batch, shard_batch
 
     sc = cfg.sft
     t0 = time.perf_counter()
@@ -64,18 +89,9 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     early = schedule_ends_early(cfg.optim, sc.steps, "sft.steps")
     if early:
         logging.getLogger(__name__).warning("%s", early)
-    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
-    check_padded_micro_batches(sc.batch_size, mesh.shape["fsdp"], sc.micro_batch_size,
-                               "sft.batch_size", "sft.micro_batch_size")
+    mesh = check_sft_inputs(cfg, chat_template_path)
     multiple = int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))   # of every row's length
     longest = round_up(sc.max_seq_len, mesh.shape["sp"])   # rows' cap
-    rows = pad_rows(sc.batch_size, mesh)
-    if rows * longest > BATCH_TOKENS_MAX:   # the config checked batch_size x max_seq_len; the mesh pads both
-        raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "
-                         f"{rows} rows x {longest} tokens once padded for the mesh = "
-                         f"{rows * longest:,} tokens per step: at most {BATCH_TOKENS_MAX:,}")
-    load_catalogue(cfg.scene.catalogue_path)   # the scene inputs, before the model loads
-    load_templates(cfg.scene.prompts_dir)
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
     chat = ChatTokenizer.from_dir(model_dir, chat_template_path, option="--chat-template")
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
