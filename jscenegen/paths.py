@@ -303,12 +303,28 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
             os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         else:
             umask_mode(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)   # the rename itself survives a power cut
     except OSError as err:
         raise_naming(err, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename or an unlink in it), to the
+    device: a power cut keeps what was written before, not a renamed-but-empty file. Where the
+    filesystem cannot sync a directory (EINVAL), nothing."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
 
 
 def raise_naming(err: OSError, path: str | Path) -> NoReturn:
@@ -345,10 +361,8 @@ def write_text(path: str | Path, text: str) -> None:
     (STORAGE_LIMITS) stops the write; `path` is then left as it was and the temporary removed.
     """
     try:
-        with atomic_file(path) as tmp, open(tmp, "w") as f:
+        with atomic_file(path) as tmp, open(tmp, "w") as f:   # atomic_file syncs it
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
     except OSError as err:
         if err.errno not in STORAGE_LIMITS or isinstance(err, DiskFullError):
             raise

@@ -2,10 +2,12 @@
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from jscenegen.checkpoint.checksums import (
+    CHECKSUMS_NAME,
     ChecksumError,
     compute_checksums,
     read_checksums,
@@ -126,3 +128,31 @@ def test_malformed_training_metadata_is_one_error_naming_the_file(tmp_path, text
     with pytest.raises(CheckpointError, match=rf"training_metadata\.json: {message}"):
         read_metadata(tmp_path)
 
+
+
+def test_write_checksums_flushes_every_file_and_directory_before_it_writes_them(tmp_path,
+                                                                                 monkeypatch):
+    """Nothing but checksums.json was synced: after a power cut the new step's small files
+    could come back empty beside a durable checksums.json, the older steps already deleted."""
+    import jscenegen.checkpoint.checksums as checksums
+    import jscenegen.paths as paths
+
+    step = tmp_path / "checkpoints" / "3"
+    (step / "params" / "d").mkdir(parents=True)
+    for rel in ("params/d/a", "params/b", "meta.json"):
+        (step / rel).write_text(rel)
+    synced = []
+    real = paths.fsync_path
+
+    def recording(path):
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(paths, "fsync_path", recording)
+    monkeypatch.setattr(checksums, "fsync_path", recording)
+    checksums.write_checksums(step)
+    written = next(i for i, p in enumerate(synced) if CHECKSUMS_NAME in p.name)   # its temp file
+    before = set(synced[:written])
+    assert {step / "params/d/a", step / "params/b", step / "meta.json", step / "params/d",
+            step / "params", step} <= before
+    assert step in synced[written:] and step.parent in synced[written:]   # the renames

@@ -96,3 +96,29 @@ def test_training_metadata_fields():
 
 def test_git_commit_outside_a_checkout(tmp_path):
     assert git_commit(tmp_path) is None
+
+
+@pytest.mark.parametrize("state, why", [
+    ({"step": -4}, r"step: Input should be greater than or equal to 0"),
+    ({"step": 2.9}, r"step: Input should be a valid integer"),
+    ({"step": 10 ** 30}, r"step: Input should be less than 2147483648"),
+    ({"step": "abc"}, r"step: Input should be a valid integer"),
+    ({"step": 3, "lr_schedule_count": None, "optimizer_step": "x"}, r"optimizer_step: Input should be"),
+])
+def test_a_converted_position_names_the_count_it_cannot_use(state, why):
+    """-4 and 2.9 were taken (step -4, step 2), 10**30 overflowed the int32 counter later, and
+    a bad count said "no usable invalid literal for int()" without its key."""
+    from jscenegen.checkpoint.resume import checkpoint_position
+    from jscenegen.checkpoint.store import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"^train_state: {why}"):
+        checkpoint_position(state)
+
+
+def test_a_converted_position_reads_its_counts():
+    from jscenegen.checkpoint.resume import checkpoint_position
+
+    at = checkpoint_position({"step": 5, "lr_schedule_count": 5, "optimizer_step": 4})
+    assert (at.step, at.lr_step, at.skipped_steps) == (5, 5, 1)
+    at = checkpoint_position({"step": 5, "lr_schedule_count": None})
+    assert (at.step, at.lr_step, at.skipped_steps) == (5, 5, 0)

@@ -767,6 +767,13 @@ def test_a_run_log_that_is_no_file_is_refused_before_the_model_loads(tmp_path, c
         assert main(["train", "--resume", str(run)]) == 2
         assert one_error_line(capsys).startswith(f"error: {run / name}: is a broken symbolic link")
         (run / name).unlink()
+        # a link to a file: the resume's cut-back refused it after the model had loaded
+        (tmp_path / f"elsewhere-{name}").write_text("")
+        (run / name).symlink_to(tmp_path / f"elsewhere-{name}")
+        assert main(["train", "--resume", str(run)]) == 2
+        assert one_error_line(capsys).startswith(f"error: {run / name}: is a symbolic link, not "
+                                                 "a regular file")
+        (run / name).unlink()
     assert not train_command_calls
     (run / "metrics.jsonl").write_text("")   # a file, empty or not, is the run's log
     assert main(["train", "--resume", str(run)]) == 0

@@ -15,7 +15,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from jscenegen.paths import not_a_file, read_json_object, write_json
+from jscenegen.paths import fsync_path, not_a_file, read_json_object, write_json
 
 CHECKSUMS_NAME = "checksums.json"
 
@@ -59,10 +59,20 @@ def compute_checksums(root: str | Path, exclude: tuple[str, ...] = (CHECKSUMS_NA
 
 
 def write_checksums(root: str | Path) -> dict:
-    """Hash every file under `root` and write `root/checksums.json` atomically; returns the
-    written dict."""
+    """Hash every file under `root`, flush those files and their directories to the device
+    (`fsync_path`), then write `root/checksums.json` atomically; returns the written dict. So a
+    power cut after it leaves either no checksums.json (an unfinished save, replaced by the
+    next) or the files it describes: what makes a step complete is durable before the older
+    steps are deleted. Raises OSError (DiskFullError for a full disk) naming the file."""
+    root = Path(root)
     table = compute_checksums(root, exclude=(CHECKSUMS_NAME,))
-    write_json(Path(root) / CHECKSUMS_NAME, table)
+    for rel in table["files"]:
+        fsync_path(root / rel)
+    for directory in sorted({(root / rel).parent for rel in table["files"]} | {root},
+                            key=lambda d: len(d.parts), reverse=True):
+        fsync_path(directory)
+    write_json(root / CHECKSUMS_NAME, table)
+    fsync_path(root.parent)   # `root`'s own entry (a step renamed into place)
     return table
 
 

@@ -135,17 +135,36 @@ def check_run_identity(train_state: Mapping[str, Any]) -> None:
                          if e["type"] != "missing" else f"{where}: missing") from None
 
 
+_Step = Annotated[StrictInt, Field(ge=0, lt=2 ** 31)]   # an int32 counter once restored
+
+
+class _ConvertedPosition(BaseModel):
+    """The counts of a converted checkpoint's train state (no run identity)."""
+
+    model_config = ConfigDict(extra="allow")
+    step: _Step = 0
+    lr_schedule_count: _Step | None = None
+    optimizer_step: _Step | None = None
+
+
 def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
     """Where the checkpoint whose orbax `train_state` item this is stands: the trainer's own
     (`schedule.attempts`, `lr_step`, `skipped_steps`) or a converted one without the run's
-    identity (`step`, `lr_schedule_count`, `optimizer_step`). Raises CheckpointError naming
-    the missing key."""
+    identity (`step`, `lr_schedule_count`, `optimizer_step`: integers in [0, 2^31)). Raises
+    CheckpointError naming the missing or malformed key."""
     try:
         if not has_run_identity(train_state):
-            step = int(train_state.get("step", 0))
-            return CheckpointPosition(
-                step=step, lr_step=int(train_state.get("lr_schedule_count", step)),
-                skipped_steps=max(step - int(train_state.get("optimizer_step", step)), 0))
+            try:
+                at = _ConvertedPosition.model_validate(dict(train_state))
+            except ValidationError as err:
+                e = err.errors()[0]
+                where = ".".join(str(p) for p in e["loc"])
+                raise CheckpointError(f"train_state: {where}: {validation_message(e)} (got "
+                                      f"{shown_value(e.get('input'))})") from None
+            step = at.step
+            lr = step if at.lr_schedule_count is None else at.lr_schedule_count
+            taken = step if at.optimizer_step is None else at.optimizer_step
+            return CheckpointPosition(step=step, lr_step=lr, skipped_steps=max(step - taken, 0))
         return CheckpointPosition(step=int(train_state["schedule"]["attempts"]),
                                   lr_step=int(train_state["lr_step"]),
                                   skipped_steps=int(train_state["skipped_steps"]))

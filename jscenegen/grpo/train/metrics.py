@@ -28,7 +28,15 @@ from jscenegen.checkpoint.metadata import (
     redact_argv,
 )
 from jscenegen.config import Section
-from jscenegen.paths import atomic_file, finite_number, hidden_name, json_line, loads_json, not_a_file
+from jscenegen.paths import (
+    atomic_file,
+    finite_number,
+    hidden_name,
+    json_line,
+    loads_json,
+    not_a_file,
+    refuse_non_regular,
+)
 
 log = logging.getLogger(__name__)
 
@@ -217,13 +225,15 @@ class MetricsLogger:
 
 def check_run_logs(run_dir: str | Path) -> None:
     """Raise ValueError naming the file when one of the run's JSONL logs (RUN_LOGS) exists but
-    cannot be appended to as a file (a directory, a broken link, a pipe): checked before the
-    model loads, not at the first row after a rollout."""
+    cannot be appended to as a file (a directory, a broken link, a pipe) or rewritten by a
+    resume's cut-back (a symbolic link: `truncate_run_logs` renames a new file over it):
+    checked before the model loads, not at the first row after a rollout."""
     for name in RUN_LOGS:
         path = Path(run_dir) / name
         if os.path.lexists(path) and (why := not_a_file(path)):
             raise ValueError(f"{path}: {why}; the run appends its rows to this file (move it "
                              "away, or start the run in another --run-dir)")
+        refuse_non_regular(path)   # a link: a resume's cut-back renames a new file over it
 
 
 def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:
