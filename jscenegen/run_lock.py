@@ -3,8 +3,9 @@
 `jscenegen train` takes the lock before it reads or writes anything in the run directory
 (checkpoints, `metrics.jsonl`, `config.yaml`, swanlab) and removes it when it ends, however it
 ends short of SIGKILL. The file is JSON: {"pid", "host", "started_utc", "start_ticks"} (the
-kernel's start time of the process, to tell a reused pid from the holder) and a random "token"
-that tells the `RunLock` that wrote it, so releasing removes only its own file.
+kernel's start time of the process, to tell a reused pid from the holder), "pid_space" (the
+boot id and PID namespace, so a container sharing the host name is another host) and a random
+"token" that tells the `RunLock` that wrote it, so releasing removes only its own file.
 
 - A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
 - A stale lock (on this host, and its pid is gone, a zombie, or now another process) is taken
@@ -49,18 +50,33 @@ class Holder:
     host: str
     started_utc: str = "?"
     start_ticks: int | None = None
+    pid_space: str | None = None   # `_pid_space()` where it was written (None: not recorded)
+
+    def on_this_host(self) -> bool:
+        """Whether its pid can be looked up here: the same host name and, where the lock
+        records it, the same boot and PID namespace (containers sharing a host name, e.g.
+        `docker run --net=host`, have their own pids)."""
+        return self.host == socket.gethostname() and (
+            self.pid_space is None or self.pid_space == _pid_space())
 
     def is_this_process(self) -> bool:
-        return self.host == socket.gethostname() and self.pid == os.getpid()
+        """Whether this process wrote the lock."""
+        return self.on_this_host() and self.pid == os.getpid()
 
     def alive(self) -> bool | None:
-        """True/False on this host (a zombie or a reused pid is not the holder); None when it
-        cannot be told: on another host, or a live pid whose start time is unknown (no /proc,
-        or a lock without `start_ticks`: it may be a later process given the same pid). A pid
+        """True/False on this host (a zombie or a reused pid is not the holder, nor a process of
+        an earlier boot); None when it cannot be told: on another host or in another PID
+        namespace, or a live pid whose start time is unknown (no /proc, or a lock without
+        `start_ticks`: it may be a later process given the same pid). A pid
         <= 0 (an unreadable lock file) names no process: `os.kill` would signal a whole process
         group or every process."""
         if self.host != socket.gethostname():
             return None
+        here = _pid_space()
+        if self.pid_space is not None and here is not None and self.pid_space != here:
+            # another boot of this host has ended (its processes with it); another PID
+            # namespace of this boot (a container sharing the host name) cannot be looked into
+            return False if self.pid_space.split("/")[0] != here.split("/")[0] else None
         if self.pid <= 0:
             return False
         try:
@@ -77,12 +93,23 @@ class Holder:
         return proc[1] == self.start_ticks
 
     def describe(self) -> str:
+        """The holder in words, for messages."""
         if self.pid == UNREADABLE_PID:
             return "an unreadable lock file (not the JSON this code writes)"
         return f"pid {self.pid} on host {self.host} (since {self.started_utc})"
 
 
 _NOT_RUNNING = ("Z", "X")   # /proc states of a process that has ended (zombie, dead)
+
+
+def _pid_space() -> str | None:
+    """This boot's id and this process's PID namespace ("<boot_id>/<inode>"): pids mean the
+    same process only where both match; None without /proc."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -117,11 +144,12 @@ def _read(path: Path) -> Holder | None:
     _refuse_a_foreign_entry(path)
     try:
         data = _load(path)
-        pid, ticks = int(data["pid"]), data.get("start_ticks")
+        pid, ticks, space = int(data["pid"]), data.get("start_ticks"), data.get("pid_space")
         if not 0 < pid <= PID_MAX:
             raise ValueError(f"pid {pid} out of range")
         return Holder(pid, str(data["host"]), str(data.get("started_utc", "?")),
-                      ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
+                      ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None,
+                      space if isinstance(space, str) else None)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
@@ -171,6 +199,8 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
     alive = holder.alive()
     if alive is None:
         why = ("it cannot be checked from this host" if holder.host != socket.gethostname() else
+               "it runs in another PID namespace of this host (a container sharing the host "
+               "name), where its pid cannot be checked" if not holder.on_this_host() else
                "the lock gives no start time to tell it from a later process with that pid"
                if holder.start_ticks is None else "its start time cannot be read here (/proc)")
         raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; {why}: wait for it "
@@ -214,7 +244,8 @@ class RunLock:
         proc = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "start_ticks": proc[1] if proc else None, "token": self._token}
+              "start_ticks": proc[1] if proc else None, "pid_space": _pid_space(),
+              "token": self._token}
         for _ in range(3):
             try:
                 self._create(json.dumps(me) + "\n")

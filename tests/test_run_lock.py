@@ -256,3 +256,28 @@ def test_a_second_lock_of_this_process_is_refused_and_leaves_the_first_ones_file
         assert read_holder(tmp_path).is_this_process()   # the refused one removed nothing
         assert (tmp_path / LOCK_NAME).is_file() and first._held
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("other, alive", [("namespace", None), ("boot", False)])
+def test_a_lock_from_another_pid_namespace_or_boot_of_this_host_name(tmp_path, other, alive,
+                                                                     caplog):
+    """Containers sharing the host name (docker --net=host) have their own pids: one took the
+    other's live lock over as stale (its pid missing here) and both wrote the run. A lock of an
+    earlier boot names a process that has ended."""
+    from jscenegen.run_lock import _pid_space, refuse_if_in_use
+
+    boot, ns = _pid_space().split("/")
+    space = f"{boot}/{int(ns) + 1}" if other == "namespace" else f"not-{boot}/{ns}"
+    (tmp_path / LOCK_NAME).write_text(json.dumps({
+        "pid": os.getpid(), "host": socket.gethostname(), "start_ticks": 1, "pid_space": space}))
+    holder = read_holder(tmp_path)
+    assert holder.alive() is alive and not holder.is_this_process()
+    if alive is None:
+        with pytest.raises(RunLockedError, match="another PID namespace of this host"):
+            refuse_if_in_use(tmp_path)
+        with pytest.raises(RunLockedError, match="another PID namespace"):
+            RunLock(tmp_path).acquire()
+    else:
+        with RunLock(tmp_path):
+            assert read_holder(tmp_path).pid_space == _pid_space()
+        assert "taking over the stale lock" in caplog.text

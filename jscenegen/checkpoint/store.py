@@ -795,6 +795,8 @@ class CheckpointStore:
         if status is not None and (path / CHECKSUMS_NAME).is_file():
             self._set_aside(step, status.reason)  # corrupt: kept, never deleted
         elif status is not None:
+            # every process has looked at the step (and so takes this branch) before it goes
+            _barrier(f"jscenegen-checkpoint-replacing-{step}")
             if jax.process_index() == 0:
                 log.warning("replacing incomplete checkpoint step %d: %s", step,
                             one_line(status.reason or ""))
