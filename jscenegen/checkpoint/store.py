@@ -386,6 +386,12 @@ def step_numbers(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if is_step_name(p.name) and p.is_dir())
 
 
+def save_finished(step_dir: str | Path) -> bool:
+    """Whether the save of `step_dir` finished: its `checksums.json`, written last, is a file
+    (the step may be damaged since; `check_step` says). The one rule for every caller."""
+    return (Path(step_dir) / CHECKSUMS_NAME).is_file()
+
+
 def finished_saves(directory: str | Path) -> list[Path]:
     """What a fresh start in a run's checkpoint directory must not overwrite: the step
     directories whose save finished (`checksums.json`, written last; complete or damaged since)
@@ -397,7 +403,7 @@ def finished_saves(directory: str | Path) -> list[Path]:
     if not d.is_dir():
         return []
     return sorted(p for p in d.iterdir() if CORRUPT_MARK in p.name
-                  or (is_step_name(p.name) and (p / CHECKSUMS_NAME).exists()))
+                  or (is_step_name(p.name) and save_finished(p)))
 
 
 def newest_complete_step(directory: str | Path) -> tuple[StepStatus | None, list[StepStatus]]:
@@ -579,7 +585,7 @@ def array_shapes(step_dir: str | Path, group: str = "params") -> dict[str, tuple
 
 def iter_arrays(step_dir: str | Path, group: str = "params",
                 names: list[str] | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (hf_name, np.ndarray at logical shape, stored dtype) for `group`, one at a time.
+    """Yield (hf_name, array) for `group`, one at a time: NumPy at logical shape, stored dtype.
 
     Each array is read by its own partial orbax restore, so host memory holds one array at a
     time (what a converter streaming a 7B model needs). `names` defaults to every stored name,
@@ -699,7 +705,7 @@ class CheckpointStore:
         Raises CheckpointError, moving nothing, when no valid step precedes the corrupt ones.
         """
         valid, skipped = newest_complete_step(self.directory)
-        corrupt = [s for s in skipped if (s.path / CHECKSUMS_NAME).is_file()]
+        corrupt = [s for s in skipped if save_finished(s.path)]
         if valid is None and corrupt:   # no valid step to go back to: leave everything in place
             raise CheckpointError(
                 f"{self.directory}: no valid checkpoint to resume from; corrupt: "
@@ -792,7 +798,7 @@ class CheckpointStore:
                                   f"refusing to overwrite step {step}")
         logical_params = to_logical(params, shapes, "params")
         logical_adam = _adam_to_logical(adam, trainable_shapes)
-        if status is not None and (path / CHECKSUMS_NAME).is_file():
+        if status is not None and save_finished(path):
             self._set_aside(step, status.reason)  # corrupt: kept, never deleted
         elif status is not None:
             # every process has looked at the step (and so takes this branch) before it goes
@@ -865,7 +871,7 @@ class CheckpointStore:
             for tmp in self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"):
                 shutil.rmtree(tmp, ignore_errors=True)
             path = self.step_path(step)
-            if path.exists() and not (path / CHECKSUMS_NAME).is_file():
+            if path.exists() and not save_finished(path):
                 shutil.rmtree(path, ignore_errors=True)
         self._manager.reload()
         raise DiskFullError(self.directory, needed, f"checkpoint step {step}", code) from None
@@ -897,7 +903,7 @@ class CheckpointStore:
             if status.valid and kept < self.keep_last:
                 kept += 1
                 continue
-            if not status.valid and (self.step_path(step) / CHECKSUMS_NAME).is_file():
+            if not status.valid and save_finished(self.step_path(step)):
                 self._rename_aside(step, self._aside_path(step), status.reason,
                                    f"a newer step ({newest}) is saved")
                 continue
