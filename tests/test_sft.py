@@ -96,6 +96,22 @@ def test_demo_stream_is_the_rollout_stream(chat, stop_strings):
     np.testing.assert_array_equal(policy, tr.policy_mask)
 
 
+def test_a_stop_string_inside_an_expert_answer_is_refused_in_sft_and_masked_in_a_rollout(chat):
+    """A stop string the answers also hold mid-text ('"' in every JSON action) was accepted:
+    SFT trained continuations past where the sampler always stops."""
+    record = dev_records()[0]
+    ops = expert_ops(record)
+    with pytest.raises(ValueError, match=r"transcript message 2 \(planner\): stop string '\"' "
+                                         r"occurs inside the answer .*sft\.stop_strings"):
+        tokenize_transcript(chat, run_scripted_episode(record)[1], stop_strings=('"',))
+    cfg = SamplingConfig(max_new_tokens=512, max_episode_tokens=8192,
+                         buckets=(256, 512, 1024, 2048, 4096), stop_strings=('"',))
+    tr = RolloutEngine(load_hf(chat_model_dir()), chat, cfg).run_group(
+        record, group_id=0, seeds=[0], judge=make_judge(JudgeConfig()),
+        forced=lambda ep: scripted_answers(ep, ops)).trajectories[0]
+    assert tr.masked and tr.failure_cause == "rollout_error"
+
+
 def test_demo_masks_on_real_episodes(demos, chat):
     for d in demos:
         assert d.reward > 0.5  # the expert's episodes are good ones

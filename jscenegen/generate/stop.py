@@ -18,11 +18,17 @@ NO_BYTE = -1
 
 
 def ends_at_stop_string(text: str, stop_strings: Sequence[str]) -> bool:
-    """Whether an answer `text` ends with one of `stop_strings`: sampled, such a turn stops
-    there without its end-of-turn token, which the template's next segment then adds as
-    environment. Forced turns and SFT demonstrations record an answer that way too. (The
-    sampler stops at the first stop string the text contains; scripted answers hold theirs
-    only at the end.)"""
+    """Whether a scripted answer `text` (a forced turn, an SFT demonstration) ends with one of
+    `stop_strings`: sampled, such a turn stops there without its end-of-turn token, which the
+    template's next segment then adds as environment, and it is recorded that way. Raises
+    ValueError naming the stop string when one occurs before the end: the sampler stops at the
+    first one, so no sampled turn could hold the rest (training on it would teach what the
+    rollout never produces)."""
+    for s in stop_strings:
+        at = text.find(s)
+        if 0 <= at < len(text) - len(s):
+            raise ValueError(f"stop string {s!r} occurs inside the answer (at character {at} of "
+                             f"{len(text)}), where the sampler would end the turn")
     return any(text.endswith(s) for s in stop_strings)
 
 

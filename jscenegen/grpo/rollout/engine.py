@@ -421,11 +421,12 @@ class RolloutEngine:
             try:
                 text = forced(r.episode)
                 ids = self.chat.encode(text)
+                at_stop_string = ends_at_stop_string(text, self.cfg.stop_strings)
             except Exception as err:  # the driver's own failure: masked like our runtime's
                 log.exception("forced policy failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
                 continue
-            stop = STOP_STRING if ends_at_stop_string(text, self.cfg.stop_strings) else STOP_TOKEN
+            stop = STOP_STRING if at_stop_string else STOP_TOKEN
             if stop == STOP_TOKEN:
                 ids.append(self.chat.eot_id)
             reason = stop if len(ids) <= limits[i] else STOP_LENGTH
