@@ -309,6 +309,22 @@ def test_eval_with_a_judge_that_grades_nothing_fails_after_writing_the_report(tm
     assert rep["overall"]["expert"]["quality"] is None
 
 
+def test_design_checks_the_judge_before_loading_the_model(tmp_path, capsys):
+    """design loaded the model and played the episode before it met a judge refusing its key."""
+    out = tmp_path / "scene.json"
+    server = JudgeServer(["401"])
+    try:
+        got = main(["design", "--model", str(chat_model_dir()), "--prompt", "A small bedroom.",
+                    "-o", str(out), "--greedy", *TINY, "judge.backend=http",
+                    f"judge.base_url={server.url}", "judge.model=judge-27b", "judge.max_retries=0",
+                    "judge.timeout_s=5"])
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    assert got == 2 and "refuses requests without an API key" in err, err
+    assert server.calls == 0 and not out.exists()
+
+
 def test_ungraded_judge_failures_counts_only_when_nothing_was_graded():
     from jscenegen.eval.report import ungraded_judge_failures
 

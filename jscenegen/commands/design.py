@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from jscenegen.commands import seed_arg
@@ -102,6 +103,8 @@ def run(args) -> int:
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reach_inputs import ReachabilityError
+    from jscenegen.scene.reward import JUDGE_FAILURES
+    from jscenegen.text import terminal_text
 
     # refuse what cannot work before the model loads: a room the runtime cannot measure, a
     # prompt that leaves the episode no room for a turn
@@ -109,6 +112,8 @@ def run(args) -> int:
         measure(record.scene, cfg.scene)
     except ReachabilityError as err:
         raise ReachabilityError(f"--room {args.room}: {err}" if args.room else str(err)) from None
+    judge = make_judge(cfg.judge, cfg.scene)
+    judge.check_reachable()   # as eval and train do: before the model loads
     chat = policy_chat(cfg, args.model)
     check_episode_fits(chat, record, cfg)
     engine = policy_engine(cfg, args.model, chat=chat)
@@ -118,7 +123,7 @@ def run(args) -> int:
         episodes[member] = episode
         _print_turn(message)
 
-    group = engine.run_group(record, group_id=0, seeds=[args.seed], judge=make_judge(cfg.judge, cfg.scene),
+    group = engine.run_group(record, group_id=0, seeds=[args.seed], judge=judge,
                              scene_cfg=cfg.scene, judge_cfg=cfg.judge, on_turn=on_turn)
     traj = group.trajectories[0]
     scene = episodes[0].scene if 0 in episodes else record.scene  # no turn: the start failed
@@ -140,4 +145,9 @@ def run(args) -> int:
                       "masked": traj.masked, "units": traj.units, "grades": traj.grades,
                       "metrics": traj.metrics, "objects": len(scene.objects), "scene": str(out),
                       "render": args.render}, indent=2, default=str))
+    if traj.failure_cause in JUDGE_FAILURES:   # the scene is written; its grades are not (eval's rule)
+        print(terminal_text(f"error: the judge did not grade the scene ({traj.failure_cause}); "
+                            f"{out} holds it (check judge.base_url and the judge's log)"),
+              file=sys.stderr)
+        return 1
     return 0
