@@ -18,6 +18,7 @@ import numpy as np
 
 from convert.errors import ConversionWarning
 
+BLOCK_VALUES = 1 << 24   # values checked at a time
 # process-wide, not a context variable: orbax reads the arrays it writes in its own threads
 _LOCK = threading.Lock()
 _seen: dict[str, None] | None = None
@@ -31,7 +32,11 @@ def note(name: str, array: np.ndarray) -> None:
     a = np.asarray(array)
     floating = np.issubdtype(a.dtype, np.floating) or a.dtype.name in ("bfloat16", "float8_e4m3fn",
                                                                        "float8_e5m2")
-    if floating and not np.isfinite(a).all():
+    if not floating or a.size == 0:
+        return
+    rows = a.reshape(len(a), -1) if a.ndim > 1 else a.reshape(1, -1)
+    block = max(1, BLOCK_VALUES // rows.shape[1])   # a bool temporary per block, not per tensor
+    if any(not np.isfinite(rows[i:i + block]).all() for i in range(0, len(rows), block)):
         with _LOCK:
             if _seen is not None:
                 _seen[name] = None
@@ -53,5 +58,4 @@ def watching(source: str) -> Iterator[None]:
             warnings.warn(ConversionWarning(
                 f"{source}: {len(names)} tensor(s) hold NaN or Inf values: "
                 f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} (copied as they are; "
-                "every update from these weights would be skipped for a non-finite gradient)"),
-                stacklevel=3)
+                "every update from these weights would be skipped for a non-finite gradient)"))

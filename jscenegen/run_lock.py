@@ -4,8 +4,9 @@
 (checkpoints, `metrics.jsonl`, `config.yaml`, swanlab) and removes it when it ends, however it
 ends short of SIGKILL. The file is JSON: {"pid", "host", "started_utc", "start_ticks"} (the
 kernel's start time of the process, to tell a reused pid from the holder), "pid_space" (the
-boot id and PID namespace, so a container sharing the host name is another host) and a random
-"token" that tells the `RunLock` that wrote it, so releasing removes only its own file.
+boot id and PID namespace: a pid means nothing in another namespace, where the holder's flock
+on the file, kept while it runs, tells whether it lives) and a random "token" that tells the
+`RunLock` that wrote it, so releasing removes only its own file.
 
 - A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
 - A stale lock (on this host, and its pid is gone, a zombie, or now another process) is taken
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -51,6 +53,7 @@ class Holder:
     started_utc: str = "?"
     start_ticks: int | None = None
     pid_space: str | None = None   # `_pid_space()` where it was written (None: not recorded)
+    lock_path: Path | None = dataclasses.field(default=None, compare=False)  # the file read
 
     def on_this_host(self) -> bool:
         """Whether its pid can be looked up here: the same host name and, where the lock
@@ -74,9 +77,12 @@ class Holder:
             return None
         here = _pid_space()
         if self.pid_space is not None and here is not None and self.pid_space != here:
-            # another boot of this host has ended (its processes with it); another PID
-            # namespace of this boot (a container sharing the host name) cannot be looked into
-            return False if self.pid_space.split("/")[0] != here.split("/")[0] else None
+            if self.pid_space.split("/")[0] != here.split("/")[0]:
+                return False   # another boot of this host has ended, its processes with it
+            # another PID namespace of this kernel (a container sharing the host name, or the
+            # same container restarted): its pid means nothing here, but its holder keeps an
+            # flock on the file for as long as it lives
+            return _flock_held(self.lock_path) if self.lock_path is not None else None
         if self.pid <= 0:
             return False
         try:
@@ -100,6 +106,27 @@ class Holder:
 
 
 _NOT_RUNNING = ("Z", "X")   # /proc states of a process that has ended (zombie, dead)
+
+
+def _flock_held(path: Path) -> bool | None:
+    """Whether some process holds an flock on `path` (the live holder of a lock this code
+    wrote keeps one; the kernel drops it when that process ends, in any PID namespace); None
+    when it cannot be told (no file, no flock on this filesystem)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _pid_space() -> str | None:
@@ -149,7 +176,7 @@ def _read(path: Path) -> Holder | None:
             raise ValueError(f"pid {pid} out of range")
         return Holder(pid, str(data["host"]), str(data.get("started_utc", "?")),
                       ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None,
-                      space if isinstance(space, str) else None)
+                      space if isinstance(space, str) else None, path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
@@ -200,7 +227,8 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
     if alive is None:
         why = ("it cannot be checked from this host" if holder.host != socket.gethostname() else
                "it runs in another PID namespace of this host (a container sharing the host "
-               "name), where its pid cannot be checked" if not holder.on_this_host() else
+               "name), where its pid cannot be checked, and this filesystem keeps no flock to "
+               "tell" if not holder.on_this_host() else
                "the lock gives no start time to tell it from a later process with that pid"
                if holder.start_ticks is None else "its start time cannot be read here (/proc)")
         raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; {why}: wait for it "
@@ -220,6 +248,7 @@ class RunLock:
         self._created_dirs: list[Path] = []   # the run directory and parents it made, deepest first
         self._held = False
         self._token = secrets.token_hex(8)
+        self._flock_fd: int | None = None
 
     def acquire(self) -> "RunLock":
         """Take the lock (creating the run directory if needed).
@@ -254,9 +283,25 @@ class RunLock:
                 self._take_over_if_stale()
                 continue
             self._held = True
+            self._hold_flock()
             return self
         raise RunLockedError(f"{self.run_dir}: could not take {self.path} (another process "
                              "keeps taking it); try again")
+
+    def _hold_flock(self) -> None:
+        """Keep an flock on the lock file until `release`: how a process in another PID
+        namespace of this kernel tells this holder is alive (`_flock_held`). Where the
+        filesystem has no flock, nothing (such a holder then reads as cannot-be-checked)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return
+        self._flock_fd = fd
 
     def _create(self, text: str) -> None:
         """Create the lock file with `text` in one step (written beside it, then hard-linked
@@ -317,6 +362,9 @@ class RunLock:
         if not self._held:
             return
         self._held = False
+        if self._flock_fd is not None:
+            os.close(self._flock_fd)   # drops the flock
+            self._flock_fd = None
         try:
             ours = _load(self.path).get("token") == self._token
         except (OSError, ValueError, AttributeError, RecursionError):   # gone, unreadable, not an object

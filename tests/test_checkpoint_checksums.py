@@ -129,7 +129,6 @@ def test_malformed_training_metadata_is_one_error_naming_the_file(tmp_path, text
         read_metadata(tmp_path)
 
 
-
 def test_write_checksums_flushes_every_file_and_directory_before_it_writes_them(tmp_path,
                                                                                  monkeypatch):
     """Nothing but checksums.json was synced: after a power cut the new step's small files

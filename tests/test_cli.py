@@ -760,8 +760,8 @@ def test_a_run_log_that_is_no_file_is_refused_before_the_model_loads(tmp_path, c
             log.mkdir()
             assert main(["train", *args]) == 2
             assert one_error_line(capsys) == (
-                f"error: {log}: is a directory; the run appends its rows to this file (move it "
-                "away, or start the run in another --run-dir)")
+                f"error: {log}: is a directory; the run appends its rows to this file and a "
+                "resume rewrites it (move it away, or start the run in another --run-dir)")
             log.rmdir()
         (run / name).symlink_to(tmp_path / "gone")
         assert main(["train", "--resume", str(run)]) == 2
@@ -771,8 +771,8 @@ def test_a_run_log_that_is_no_file_is_refused_before_the_model_loads(tmp_path, c
         (tmp_path / f"elsewhere-{name}").write_text("")
         (run / name).symlink_to(tmp_path / f"elsewhere-{name}")
         assert main(["train", "--resume", str(run)]) == 2
-        assert one_error_line(capsys).startswith(f"error: {run / name}: is a symbolic link, not "
-                                                 "a regular file")
+        assert one_error_line(capsys).startswith(f"error: {run / name}: is a symbolic link; the "
+                                                 "run appends its rows")
         (run / name).unlink()
     assert not train_command_calls
     (run / "metrics.jsonl").write_text("")   # a file, empty or not, is the run's log

@@ -258,26 +258,40 @@ def test_a_second_lock_of_this_process_is_refused_and_leaves_the_first_ones_file
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-@pytest.mark.parametrize("other, alive", [("namespace", None), ("boot", False)])
-def test_a_lock_from_another_pid_namespace_or_boot_of_this_host_name(tmp_path, other, alive,
-                                                                     caplog):
-    """Containers sharing the host name (docker --net=host) have their own pids: one took the
-    other's live lock over as stale (its pid missing here) and both wrote the run. A lock of an
-    earlier boot names a process that has ended."""
+@pytest.mark.parametrize("other", ["namespace, alive", "namespace, gone", "boot"])
+def test_a_lock_from_another_pid_namespace_or_boot_of_this_host_name(tmp_path, other, caplog):
+    """Containers sharing the host name (docker --net=host, a restarted pod) have their own
+    pids: a live holder was taken over as stale (its pid missing here) and both wrote the run.
+    Its flock on the lock file says whether it lives; a lock of an earlier boot is stale."""
+    import fcntl
+
     from jscenegen.run_lock import _pid_space, refuse_if_in_use
 
     boot, ns = _pid_space().split("/")
-    space = f"{boot}/{int(ns) + 1}" if other == "namespace" else f"not-{boot}/{ns}"
-    (tmp_path / LOCK_NAME).write_text(json.dumps({
-        "pid": os.getpid(), "host": socket.gethostname(), "start_ticks": 1, "pid_space": space}))
-    holder = read_holder(tmp_path)
-    assert holder.alive() is alive and not holder.is_this_process()
-    if alive is None:
-        with pytest.raises(RunLockedError, match="another PID namespace of this host"):
-            refuse_if_in_use(tmp_path)
-        with pytest.raises(RunLockedError, match="another PID namespace"):
-            RunLock(tmp_path).acquire()
-    else:
+    space = f"not-{boot}/{ns}" if other == "boot" else f"{boot}/{int(ns) + 1}"
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                "start_ticks": 1, "pid_space": space}))
+    holder_fd = os.open(lock, os.O_RDONLY)
+    try:
+        if other == "namespace, alive":   # the holder's flock (this fd stands for it)
+            fcntl.flock(holder_fd, fcntl.LOCK_EX)
+            assert read_holder(tmp_path).alive() is True
+            with pytest.raises(RunLockedError, match="is in use by pid"):
+                refuse_if_in_use(tmp_path)
+            with pytest.raises(RunLockedError, match="is in use by pid"):
+                RunLock(tmp_path).acquire()
+            return
+        assert read_holder(tmp_path).alive() is False
         with RunLock(tmp_path):
             assert read_holder(tmp_path).pid_space == _pid_space()
+            assert _flock_held_by_the_new_lock(tmp_path)
         assert "taking over the stale lock" in caplog.text
+    finally:
+        os.close(holder_fd)
+
+
+def _flock_held_by_the_new_lock(run_dir) -> bool:
+    from jscenegen.run_lock import _flock_held
+
+    return _flock_held(run_dir / LOCK_NAME) is True

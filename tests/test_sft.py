@@ -101,8 +101,9 @@ def test_a_stop_string_inside_an_expert_answer_is_refused_in_sft_and_masked_in_a
     SFT trained continuations past where the sampler always stops."""
     record = dev_records()[0]
     ops = expert_ops(record)
-    with pytest.raises(ValueError, match=r"transcript message 2 \(planner\): stop string '\"' "
-                                         r"occurs inside the answer .*sft\.stop_strings"):
+    with pytest.raises(ValueError, match=r"transcript message 2 \(planner\): a stop string ends "
+                                         r"at character \d+ .*before its last token.*"
+                                         r"sft\.stop_strings"):
         tokenize_transcript(chat, run_scripted_episode(record)[1], stop_strings=('"',))
     cfg = SamplingConfig(max_new_tokens=512, max_episode_tokens=8192,
                          buckets=(256, 512, 1024, 2048, 4096), stop_strings=('"',))
@@ -110,6 +111,27 @@ def test_a_stop_string_inside_an_expert_answer_is_refused_in_sft_and_masked_in_a
         record, group_id=0, seeds=[0], judge=make_judge(JudgeConfig()),
         forced=lambda ep: scripted_answers(ep, ops)).trajectories[0]
     assert tr.masked and tr.failure_cause == "rollout_error"
+
+
+def test_an_answer_ends_at_the_token_completing_its_first_stop_string(chat):
+    """The sampler stops at the token that completes a stop string, which may carry more
+    (`>` and a newline merged): such an answer ends there; text after that token never."""
+    from jscenegen.generate.stop import ends_at_stop_string
+
+    def ends(text):
+        ids = chat.encode(text)
+        return ends_at_stop_string(text, ("</action>",), len(chat.decode(ids[:-1])))
+
+    assert ends('<action>{"a": 1}</action>') is True
+    assert ends("no action here") is False
+    merged = '<action>{"a": 1}</action>\n'
+    # a tokenizer whose last token is ">\n" (Qwen's vocabulary has such merges): it ends there
+    assert ends_at_stop_string(merged, ("</action>",), len(merged) - 2) is True
+    # ">" and "\n" apart (this fixture's tokenizer): the sampler would never write the "\n"
+    with pytest.raises(ValueError, match=r"before its last token.*</action>"):
+        ends(merged)
+    with pytest.raises(ValueError, match=r"before its last token.*</action>"):
+        ends('<action>{"a": 1}</action> and then some more text')
 
 
 def test_demo_masks_on_real_episodes(demos, chat):

@@ -570,6 +570,20 @@ def test_a_step_that_is_a_link_or_a_file_is_refused_before_the_first_update(stra
     assert check_step(run / "checkpoints/7").reason.endswith("is not a directory")
 
 
+def test_an_update_runs_no_separate_old_logprob_forward(tmp_path):
+    """One mini-batch, one epoch: the loss pass's own log-probs are the old ones (ratio exactly
+    1); the trainer ran a separately compiled forward for them before every step."""
+    trainer = Trainer(_cfg(), tmp_path, chat_model_dir())
+    calls = []
+    real = trainer.step_fn.logprobs
+    trainer.step_fn.logprobs = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        summary = trainer.run(1)
+    finally:
+        trainer.close()
+    assert summary.optimizer_steps == 1 and calls == []
+
+
 def test_the_trainers_sum_norm_horizon_is_constant_unless_configured():
     """The batch's padded T moves with the longest episode; VERL divides by its fixed response
     length, so the trainer fixes an unset horizon at the episode cap."""

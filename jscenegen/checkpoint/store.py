@@ -386,6 +386,12 @@ def step_numbers(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if is_step_name(p.name) and p.is_dir())
 
 
+def _warn_skipped(statuses: Iterable[StepStatus]) -> None:
+    """Warn about each step passed over on the way to the newest complete one."""
+    for status in statuses:
+        log.warning("skipping checkpoint step %d: %s", status.step, one_line(status.reason or ""))
+
+
 def save_finished(step_dir: str | Path) -> bool:
     """Whether the save of `step_dir` finished: its `checksums.json`, written last, is a file
     (the step may be damaged since; `check_step` says). The one rule for every caller."""
@@ -687,8 +693,8 @@ class CheckpointStore:
         `set_aside_corrupt` reports the same steps).
         """
         valid, skipped = newest_complete_step(self.directory)
-        for status in skipped if say_skipped else ():
-            log.warning("skipping checkpoint step %d: %s", status.step, one_line(status.reason or ""))
+        if say_skipped:
+            _warn_skipped(skipped)
         return None if valid is None else valid.step
 
     def set_aside_corrupt(self) -> list[Path]:
@@ -712,10 +718,7 @@ class CheckpointStore:
                 + "; ".join(f"step {s.step} ({one_line(s.reason or '')})" for s in corrupt)
                 + " (left in place: restore the files or start a new run)")
         self.verified = valid
-        for status in skipped:
-            if status not in corrupt:
-                log.warning("skipping checkpoint step %d: %s", status.step,
-                            one_line(status.reason or ""))
+        _warn_skipped([s for s in skipped if s not in corrupt])
         return [self._set_aside(s.step, s.reason) for s in corrupt]
 
     def _set_aside(self, step: int, reason: str | None) -> Path:
@@ -894,9 +897,9 @@ class CheckpointStore:
             shutil.rmtree(self.step_path(step))
 
     def _collect_garbage(self, newest: int) -> None:
-        """Process 0 only (the save's barrier follows). Keep the newest `keep_last` complete steps <= `newest`; delete the older ones and
-        unfinished saves; set aside (never delete) a finished step that fails its size check,
-        as `set_aside_corrupt` does."""
+        """Process 0 only (the save's barrier follows). Keep the newest `keep_last` complete
+        steps <= `newest`; delete the older ones and unfinished saves; set aside (never delete)
+        a finished step that fails its size check, as `set_aside_corrupt` does."""
         kept = 0
         for step in reversed([s for s in self.steps() if s <= newest]):
             status = check_step(self.step_path(step), hash_files=False)
@@ -928,9 +931,7 @@ class CheckpointStore:
         self.wait_until_finished()
         if step is None:
             status, skipped = newest_complete_step(self.directory)
-            for passed in skipped:
-                log.warning("skipping checkpoint step %d: %s", passed.step,
-                            one_line(passed.reason or ""))
+            _warn_skipped(skipped)
             if status is None:
                 raise CheckpointError(f"{self.directory}: no complete checkpoint "
                                       f"(steps on disk: {self.steps()})")
@@ -955,8 +956,13 @@ class CheckpointStore:
         else:
             p_args, m_args, count_sharding = _target_restore_args(target, stored, moments, path)
         self._manager.reload()
-        with _orbax_reading(path):
+        try:
             out = self._restore_items(step, p_args, m_args)
+        except (ValueError, TypeError, KeyError, RecursionError) as err:
+            # a malformed item that passed its checksums (another program wrote it); other
+            # failures (device memory, I/O) pass as they are
+            raise CheckpointError(f"{path}: orbax cannot read this step ({type(err).__name__}: "
+                                  f"{' '.join(str(err).split())[:300]})") from err
         state = out[TRAIN_STATE_ITEM]
         if not isinstance(state, dict):
             raise CheckpointError(f"{path / TRAIN_STATE_ITEM}: the train state must be a JSON "

@@ -274,7 +274,7 @@ def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
     per_scene: dict[str, list[float]] = {}
     for k, d in zip(keys, diffs):
         per_scene.setdefault(k[0], []).append(float(d))
-    failed = lambda eps: float(np.mean([bool(e["failure_cause"]) for e in eps]))  # noqa: E731
+    failed = lambda eps: float(np.mean([e["failure_cause"] is not None for e in eps]))  # noqa: E731
     return {"pairs": len(keys),
             "reward_before": float(np.mean([b[k]["reward"] for k in keys])),
             "reward_after": float(np.mean([a[k]["reward"] for k in keys])),

@@ -85,7 +85,8 @@ def grown_slots(need: int, capacity: int, max_slots: int, buckets: Sequence[int]
 
 
 def split_into_buckets(n: int, buckets: Sequence[int]) -> list[int]:
-    """Chunk lengths, each a bucket, summing to n rounded up to a multiple of the smallest bucket.
+    """Chunk lengths, each a bucket, summing to at least n: n rounded up to a multiple of the
+    smallest bucket when every bucket is one, else possibly more (the last chunk a bucket).
 
     Greedy largest-first, so a long append costs a few compiled shapes, not one per length.
     """
@@ -487,8 +488,10 @@ class Sampler:
                                     for i, r in enumerate(rows)]
 
     def appended_slots(self, rows: Sequence[Sequence[int]]) -> int:
-        """Cache slots an `append` of these rows takes (max length rounded to the smallest bucket)."""
-        return round_up(max((len(r) for r in rows), default=0), self.buckets[0])
+        """Cache slots an `append` of these rows takes: the chunks `split_into_buckets` cuts
+        the longest row into (the one rule `left_pad` pads to)."""
+        n = max((len(r) for r in rows), default=0)
+        return sum(split_into_buckets(n, self.buckets))
 
     def decode(self, cache, last_logits, max_new, keys, max_steps: int, *,
                max_slots: int | None = None) -> DecodeResult:

@@ -17,19 +17,24 @@ import numpy as np
 NO_BYTE = -1
 
 
-def ends_at_stop_string(text: str, stop_strings: Sequence[str]) -> bool:
-    """Whether a scripted answer `text` (a forced turn, an SFT demonstration) ends with one of
-    `stop_strings`: sampled, such a turn stops there without its end-of-turn token, which the
-    template's next segment then adds as environment, and it is recorded that way. Raises
-    ValueError naming the stop string when one occurs before the end: the sampler stops at the
-    first one, so no sampled turn could hold the rest (training on it would teach what the
-    rollout never produces)."""
-    for s in stop_strings:
-        at = text.find(s)
-        if 0 <= at < len(text) - len(s):
-            raise ValueError(f"stop string {s!r} occurs inside the answer (at character {at} of "
-                             f"{len(text)}), where the sampler would end the turn")
-    return any(text.endswith(s) for s in stop_strings)
+def ends_at_stop_string(text: str, stop_strings: Sequence[str], last_token_start: int) -> bool:
+    """Whether a scripted answer `text` (a forced turn, an SFT demonstration) ends where the
+    sampler would stop it: at the token completing the first stop string it holds, its last
+    token (whose characters start at `last_token_start`; the token may carry more after the
+    stop string, e.g. `>` and a newline merged). Such a turn has no end-of-turn token, which
+    the template's next segment then adds as environment, and it is recorded that way.
+    Raises ValueError naming the stop string when it completes before the last token: the
+    sampler ends the turn there, so no sampled turn could hold the rest (training on it would
+    teach what the rollout never produces)."""
+    ends = [at + len(s) for s in stop_strings if (at := text.find(s)) >= 0]
+    if not ends:
+        return False
+    first = min(ends)
+    if first <= last_token_start:
+        raise ValueError(f"a stop string ends at character {first} of the answer's "
+                         f"{len(text)}, before its last token, where the sampler would end the "
+                         f"turn ({[s for s in stop_strings if s in text]})")
+    return True
 
 
 class StopTable(NamedTuple):

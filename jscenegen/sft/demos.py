@@ -70,13 +70,15 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
             if m.get("actor") not in ROLE_CODES:
                 raise ValueError(f"transcript message {i}: assistant actor {m.get('actor')!r} "
                                  f"is not one of {sorted(ROLE_CODES)}")
+            answer = chat.encode(m["content"])
             try:
-                eot = not ends_at_stop_string(m["content"], stop_strings)
+                eot = not ends_at_stop_string(m["content"], stop_strings,
+                                              len(chat.decode(answer[:-1])))
             except ValueError as err:
                 raise ValueError(f"transcript message {i} ({m['actor']}): {err}; choose stop "
                                  "strings the expert's answers hold only at their end "
                                  "(sft.stop_strings, sampling.stop_strings)") from None
-            seg = chat.encode(m["content"]) + ([chat.eot_id] if eot else [])
+            seg = answer + ([chat.eot_id] if eot else [])
             conv.add_assistant(m["content"], eot)
             code, is_policy = ROLE_CODES[m["actor"]], True
         elif m["role"] == "user":

@@ -421,7 +421,8 @@ class RolloutEngine:
             try:
                 text = forced(r.episode)
                 ids = self.chat.encode(text)
-                at_stop_string = ends_at_stop_string(text, self.cfg.stop_strings)
+                at_stop_string = ends_at_stop_string(text, self.cfg.stop_strings,
+                                                     len(self.chat.decode(ids[:-1])))
             except Exception as err:  # the driver's own failure: masked like our runtime's
                 log.exception("forced policy failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")

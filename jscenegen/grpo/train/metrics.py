@@ -35,7 +35,6 @@ from jscenegen.paths import (
     json_line,
     loads_json,
     not_a_file,
-    refuse_non_regular,
 )
 
 log = logging.getLogger(__name__)
@@ -230,10 +229,12 @@ def check_run_logs(run_dir: str | Path) -> None:
     checked before the model loads, not at the first row after a rollout."""
     for name in RUN_LOGS:
         path = Path(run_dir) / name
-        if os.path.lexists(path) and (why := not_a_file(path)):
-            raise ValueError(f"{path}: {why}; the run appends its rows to this file (move it "
-                             "away, or start the run in another --run-dir)")
-        refuse_non_regular(path)   # a link: a resume's cut-back renames a new file over it
+        if not os.path.lexists(path):
+            continue
+        why = not_a_file(path) or ("is a symbolic link" if path.is_symlink() else None)
+        if why:   # a link: a resume's cut-back renames a new file over it
+            raise ValueError(f"{path}: {why}; the run appends its rows to this file and a resume "
+                             "rewrites it (move it away, or start the run in another --run-dir)")
 
 
 def truncate_run_logs(run_dir: str | Path, attempts: int) -> None:

@@ -443,7 +443,9 @@ class Trainer:
                 new_pos = dataclasses.replace(new_pos, effective_updates=pos.effective_updates)
                 row["stepped"], row["effective_updates"] = False, pos.effective_updates
                 log.warning("attempt %d: the gradient is not finite; the update is skipped "
-                            "(train/skipped), its role trains on the next scene", pos.attempts)
+                            "(train/skipped), its role trains on the next scene; the LR scheduler "
+                            "advanced (as VERL's), so a schedule sized to schedule.total_updates "
+                            "ends one update early", pos.attempts)
             else:
                 reshard = self.engine.set_weights(self.state.params)
                 row["rollout/reshard_s"] = reshard["reshard_s"]
@@ -595,8 +597,9 @@ class Trainer:
             if (attempts and self._stop_signal is None and self.schedule.done(self.pos)
                     and self.pos.effective_updates < self.cfg.schedule.total_updates):
                 log.warning("stopped at schedule.max_attempts=%d attempts with %d of %d effective "
-                            "updates (an attempt without an optimizer step had no reward spread "
-                            "or no trained token: metrics.jsonl's failures/* say why); raise "
+                            "updates (an attempt without an optimizer step had no reward spread, "
+                            "no trained token or a non-finite gradient: metrics.jsonl's "
+                            "failures/* and train/skipped say why); raise "
                             "schedule.max_attempts to go on", self.cfg.schedule.max_attempts,
                             self.pos.effective_updates, self.cfg.schedule.total_updates)
         finally:
