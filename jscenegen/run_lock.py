@@ -113,7 +113,8 @@ def _flock_held(path: Path) -> bool | None:
     wrote keeps one; the kernel drops it when that process ends, in any PID namespace); None
     when it cannot be told (no file, no flock on this filesystem)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        # read-write: NFS emulates flock with a write lock, which a read-only file refuses
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
     try:
@@ -293,7 +294,7 @@ class RunLock:
         namespace of this kernel tells this holder is alive (`_flock_held`). Where the
         filesystem has no flock, nothing (such a holder then reads as cannot-be-checked)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(self.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))   # NFS: see above
         except OSError:
             return
         try:
