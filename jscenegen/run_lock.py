@@ -130,6 +130,27 @@ def _flock_held(path: Path) -> bool | None:
         os.close(fd)
 
 
+def _try_flock(fd: int) -> bool:
+    """Take an exclusive flock on `fd` without waiting; False where it cannot be had."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _flocked(path: Path) -> int | None:
+    """A read-write descriptor of `path` holding an exclusive flock on it, or None."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    if _try_flock(fd):
+        return fd
+    os.close(fd)
+    return None
+
+
 def _pid_space() -> str | None:
     """This boot's id and this process's PID namespace ("<boot_id>/<inode>"): pids mean the
     same process only where both match; None without /proc."""
@@ -284,52 +305,45 @@ class RunLock:
                 self._take_over_if_stale()
                 continue
             self._held = True
-            self._hold_flock()
             return self
         raise RunLockedError(f"{self.run_dir}: could not take {self.path} (another process "
                              "keeps taking it); try again")
-
-    def _hold_flock(self) -> None:
-        """Keep an flock on the lock file until `release`: how a process in another PID
-        namespace of this kernel tells this holder is alive (`_flock_held`). Where the
-        filesystem has no flock, nothing (such a holder then reads as cannot-be-checked)."""
-        try:
-            fd = os.open(self.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))   # NFS: see above
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return
-        self._flock_fd = fd
 
     def _create(self, text: str) -> None:
         """Create the lock file with `text` in one step (written beside it, then hard-linked
         to its name, which fails when the name exists), so it never exists empty or half
         written: a process interrupted at any point can tell it is its own. Where hard links
-        are not supported, created exclusively and then written."""
+        are not supported, created exclusively and then written. The file is flocked before
+        it gets its name (`_flock_held`: how a process in another PID namespace tells this
+        holder lives), and the flock is kept until `release`; where the filesystem has no
+        flock, none (such a holder reads as cannot-be-checked there)."""
         fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_NAME}.", dir=self.run_dir)
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+            flock_fd = _flocked(Path(tmp))
             try:
                 os.link(tmp, self.path)
+                self._flock_fd = flock_fd
                 return
-            except FileExistsError:
-                raise
-            except OSError as err:
-                if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+            except BaseException as err:
+                if flock_fd is not None:
+                    os.close(flock_fd)
+                if isinstance(err, FileExistsError) or not isinstance(err, OSError) or (
+                        err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK)):
                     raise
         finally:
             os.unlink(tmp)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(fd, "w") as f:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        self._flock_fd = fd if _try_flock(fd) else None
+        with os.fdopen(os.dup(fd), "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        if self._flock_fd is None:
+            os.close(fd)
 
 
     def _take_over_if_stale(self) -> None:
