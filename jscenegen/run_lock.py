@@ -108,47 +108,50 @@ class Holder:
 _NOT_RUNNING = ("Z", "X")   # /proc states of a process that has ended (zombie, dead)
 
 
+def _try_flock(fd: int) -> bool | None:
+    """Take an exclusive flock on `fd` without waiting: True when taken, False when another
+    descriptor holds it, None where the filesystem gives none."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+
+
+def _open_lock_file(path: Path) -> int | None:
+    """A read-write descriptor of `path` (NFS emulates flock with a write lock, which a
+    read-only descriptor refuses; a pipe swapped in does not block), or None."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+
+
 def _flock_held(path: Path) -> bool | None:
     """Whether some process holds an flock on `path` (the live holder of a lock this code
     wrote keeps one; the kernel drops it when that process ends, in any PID namespace); None
     when it cannot be told (no file, no flock on this filesystem)."""
-    try:
-        # read-write: NFS emulates flock with a write lock, which a read-only file refuses
-        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+    fd = _open_lock_file(path)
+    if fd is None:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
+        taken = _try_flock(fd)
+        if taken:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return None if taken is None else not taken
     finally:
         os.close(fd)
 
 
-def _try_flock(fd: int) -> bool:
-    """Take an exclusive flock on `fd` without waiting; False where it cannot be had."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
 def _flocked(path: Path) -> int | None:
-    """A read-write descriptor of `path` holding an exclusive flock on it, or None."""
-    try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+    """A descriptor of `path` holding an exclusive flock on it, or None."""
+    fd = _open_lock_file(path)
+    if fd is not None and not _try_flock(fd):
+        os.close(fd)
         return None
-    if _try_flock(fd):
-        return fd
-    os.close(fd)
-    return None
+    return fd
 
 
 def _pid_space() -> str | None:

@@ -69,11 +69,12 @@ def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ..
     Raises CheckpointError when there is none, it does not fit `shapes`, or its Adam state
     covers other tensors than `trainable` (e.g. a tower trained with `model.train_vision:
     true`, resumed without it), naming the tensors that differ."""
-    store.set_aside_corrupt()
-    if store.verified is None:
+    valid = store.set_aside_corrupt()
+    if valid is None:
         raise CheckpointError(f"{store.directory}: no complete checkpoint (steps on disk: "
                               f"{store.steps()})")
-    ck = store.restore(store.verified.step, target=padded_target(shapes, mesh, dtype=param_dtype))
+    ck = store.restore(valid.step, target=padded_target(shapes, mesh, dtype=param_dtype),
+                       verified=valid)
     want = set(shapes if trainable is None else trainable)
     have = set(ck.adam["mu"])
     if want != have:
@@ -129,10 +130,16 @@ def check_run_identity(train_state: Mapping[str, Any]) -> None:
     try:
         _RunIdentity.model_validate(dict(train_state))
     except ValidationError as err:
-        e = err.errors()[0]
-        where = ".".join(str(p) for p in e["loc"]) or "train state"
-        raise ValueError(f"{where}: {validation_message(e)} (got {shown_value(e.get('input'))})"
-                         if e["type"] != "missing" else f"{where}: missing") from None
+        raise ValueError(_first_error(err)) from None
+
+
+def _first_error(err: ValidationError) -> str:
+    """`<key>: <what is wrong> (got <value>)`, or `<key>: missing`, for err's first error."""
+    e = err.errors()[0]
+    where = ".".join(str(p) for p in e["loc"]) or "train state"
+    if e["type"] == "missing":
+        return f"{where}: missing"
+    return f"{where}: {validation_message(e)} (got {shown_value(e.get('input'))})"
 
 
 _Step = Annotated[StrictInt, Field(ge=0, lt=2 ** 31)]   # an int32 counter once restored
@@ -157,10 +164,7 @@ def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
             try:
                 at = _ConvertedPosition.model_validate(dict(train_state))
             except ValidationError as err:
-                e = err.errors()[0]
-                where = ".".join(str(p) for p in e["loc"])
-                raise CheckpointError(f"train_state: {where}: {validation_message(e)} (got "
-                                      f"{shown_value(e.get('input'))})") from None
+                raise CheckpointError(f"train_state: {_first_error(err)}") from None
             step = at.step
             lr = step if at.lr_schedule_count is None else at.lr_schedule_count
             taken = step if at.optimizer_step is None else at.optimizer_step

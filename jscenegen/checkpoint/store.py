@@ -657,8 +657,6 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: tuple | None = None  # an async save to finish (`wait_until_finished`)
-        # the step `set_aside_corrupt` verified in full, so `restore` need not hash it again
-        self.verified: StepStatus | None = None
         if self.directory.is_dir() and jax.process_index() == 0:
             holder = live_holder(self.directory.parent)
             for tmp in sorted(self.directory.glob(f"*{ocp.step.TMP_DIR_SUFFIX}*")):
@@ -697,8 +695,10 @@ class CheckpointStore:
             _warn_skipped(skipped)
         return None if valid is None else valid.step
 
-    def set_aside_corrupt(self) -> list[Path]:
-        """Set aside every corrupt step newer than the newest valid one; return where they went.
+    def set_aside_corrupt(self) -> StepStatus | None:
+        """Set aside every corrupt step newer than the newest valid one; return that valid
+        step's status (hashed in full: `restore(verified=...)` need not hash it again), None
+        when there is none.
 
         Corrupt = its save completed (`checksums.json` was written, last) but it no longer
         verifies (SHA-256 of every file): a flipped byte, a truncated or edited file. Such a
@@ -706,7 +706,7 @@ class CheckpointStore:
         longer a step), with a warning naming the failing files, so that a resumed run can
         redo the update and save that step again. Incomplete steps (a save cut off before
         `checksums.json`) are left for the next save of that number to replace (warned
-        about). The newest valid step is kept as `verified` for `restore`. Called by
+        about). Called by
         the resuming trainer (`checkpoint.resume.restore_onto_mesh`), never by readers.
         Raises CheckpointError, moving nothing, when no valid step precedes the corrupt ones.
         """
@@ -717,9 +717,10 @@ class CheckpointStore:
                 f"{self.directory}: no valid checkpoint to resume from; corrupt: "
                 + "; ".join(f"step {s.step} ({one_line(s.reason or '')})" for s in corrupt)
                 + " (left in place: restore the files or start a new run)")
-        self.verified = valid
         _warn_skipped([s for s in skipped if s not in corrupt])
-        return [self._set_aside(s.step, s.reason) for s in corrupt]
+        for s in corrupt:
+            self._set_aside(s.step, s.reason)
+        return valid
 
     def _set_aside(self, step: int, reason: str | None) -> Path:
         """Every process: rename corrupt step `step` aside (process 0 moves it); its new path."""
@@ -777,7 +778,6 @@ class CheckpointStore:
         """
         self.wait_until_finished()
         step = int(step)
-        self.verified = None
         if step < 0:
             raise CheckpointError(f"step must be >= 0 (got {step})")
         hf_dir = Path(hf_assets_dir)
@@ -915,7 +915,8 @@ class CheckpointStore:
             self._delete(step)
 
     def restore(self, step: int | None = None,
-                target: Mapping[str, jax.ShapeDtypeStruct] | None = None) -> Checkpoint:
+                target: Mapping[str, jax.ShapeDtypeStruct] | None = None,
+                verified: StepStatus | None = None) -> Checkpoint:
         """Verify and read checkpoint `step` (default: `latest_valid_step()`).
 
         target: {hf_name: jax.ShapeDtypeStruct(shape, dtype, sharding=...)} for every tensor
@@ -925,7 +926,8 @@ class CheckpointStore:
         sharding in their STORED dtype (bit-exact), `mu`/`nu` (trainable names only) with
         their param's shape and sharding in float32, `count` replicated on the target's mesh.
         Without a target every array comes back as NumPy at logical shape, stored dtype.
-        Raises CheckpointError if no complete step exists, the step fails verification
+        verified: `step`'s status as a full check just returned it (`set_aside_corrupt`): not
+        hashed again. Raises CheckpointError if no complete step exists, the step fails verification
         (naming the failing files), or the target's names or shapes do not fit.
         """
         self.wait_until_finished()
@@ -936,8 +938,8 @@ class CheckpointStore:
                 raise CheckpointError(f"{self.directory}: no complete checkpoint "
                                       f"(steps on disk: {self.steps()})")
             step = status.step
-        elif self.verified is not None and self.verified.step == step:
-            status = self.verified   # `set_aside_corrupt` has just hashed it
+        elif verified is not None and verified.step == step and verified.valid:
+            status = verified   # hashed by the caller (`set_aside_corrupt`) just before
         else:
             status = check_step(self.step_path(step))
         path = self.step_path(step)

@@ -277,7 +277,6 @@ class Sampler:
                  segment: int | None = None):
         if stop_strings and token_bytes is None:
             raise ValueError("stop_strings need token_bytes (the bytes of every vocabulary id)")
-        check_buckets(buckets)
         if segment is not None and segment < 1:
             raise ValueError(f"segment must be >= 1 decode steps, got {segment}")
         self.cfg = model.cfg
@@ -285,7 +284,7 @@ class Sampler:
         self._can_grow = hasattr(type(jax.eval_shape(
             lambda: self.create_cache(model.cfg, 1, 1, jnp.float32))), "grown")
         self.params = params
-        self.buckets = tuple(int(b) for b in buckets)
+        self.buckets = check_buckets(buckets)
         self.segment = int(segment or self.buckets[0])
         self.cache_grows = 0                  # grow_cache calls, for the rollout's stats
         self.weight_dtype = np_dtype(dtype or model.compute_dtype)

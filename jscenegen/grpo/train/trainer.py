@@ -2,9 +2,9 @@
 
 The trainer owns no math: the schedule (train/schedule.py) picks the scene, seeds and role;
 the rollout engine (grpo/rollout/engine.py) plays the G episodes; train/batch.py turns them
-into the update's arrays (advantages: grpo/algo/advantages.py); train/step.py steps AdamW on
-the recomputed old log-probs; jscenegen/checkpoint/store.py saves and restores everything
-needed to continue bit for bit.
+into the update's arrays (advantages: grpo/algo/advantages.py); train/step.py takes the loss
+and AdamW step (one mini-batch, one epoch: the loss pass's own log-probs are the old ones);
+jscenegen/checkpoint/store.py saves and restores everything needed to continue bit for bit.
 
 Exact resume: sampling keys are derived from the episode seeds and every other piece of state
 (parameters, Adam moments and count, LR-schedule count, schedule position) is in the checkpoint,
