@@ -2,7 +2,9 @@
 
 `multihost_worker.py loss HF_DIR`: print the sharded loss; `multihost_worker.py judge`: print
 what `PrimaryJudge` returns for a judge that grades differently on each process;
-`multihost_worker.py sigterm`: whether a SIGTERM after joining unwinds the command."""
+`multihost_worker.py sigterm`: whether a SIGTERM after joining unwinds the command;
+`multihost_worker.py save-fails-on-0 RUN_DIR`: what a save raises on each process when process
+0's disk fills up."""
 import json
 import os
 import sys
@@ -112,10 +114,46 @@ def sigterm() -> None:
     print(json.dumps({"process": jax.process_index(), "unwound": unwound}))
 
 
+def save_fails_on_0(run_dir: str) -> None:
+    """Both processes save checkpoint step 1 into RUN_DIR/checkpoints; process 0's disk fills
+    up while it finishes the step (checksums.json): print what each process raised."""
+    import errno
+    from pathlib import Path
+
+    import numpy as np
+
+    import jscenegen.checkpoint.store as store_module
+    from jscenegen.checkpoint.store import CheckpointStore
+
+    hf = Path(run_dir) / f"hf-{jax.process_index()}"
+    hf.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (hf / name).write_text('{"model_type": "qwen2"}' if name == "config.json" else "{}")
+
+    def disk_full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    if jax.process_index() == 0:
+        store_module.write_checksums = disk_full
+    shapes = {"w": (4, 2)}
+    weights = {"w": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    store = CheckpointStore(Path(run_dir) / "checkpoints")
+    try:
+        store.save(1, params=weights, adam={"count": np.int32(1), "mu": weights, "nu": weights},
+                   train_state={"update": 1},
+                   metadata={"git_commit": "0", "protocol_hash": "p", "schedule_hash": "s",
+                             "optimizer_step": 1, "effective_updates": 1, "judge": {}},
+                   hf_assets_dir=hf, shapes=shapes)
+        raised = None
+    except Exception as err:
+        raised = f"{type(err).__name__}: {err}"
+    print(json.dumps({"process": jax.process_index(), "raised": raised}))
+
+
 def main(mode: str, *args: str) -> None:
     assert initialize_distributed()  # from JSCENEGEN_* environment variables
     assert jax.device_count() == 6 and jax.local_device_count() == 3
-    {"loss": loss, "judge": judge}[mode](*args)
+    {"loss": loss, "judge": judge, "save-fails-on-0": save_fails_on_0}[mode](*args)
 
 
 if __name__ == "__main__":

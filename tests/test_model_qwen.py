@@ -312,6 +312,22 @@ def test_config_refuses_zero_kv_heads_instead_of_defaulting_them():
     assert QwenConfig.from_hf_dict(dict(DENSE, num_key_value_heads=None)).num_key_value_heads == 4
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_an_absent_head_dim_defaults_as_transformers_config_does(model_type):
+    """Qwen3Config's head_dim defaults to 128 (it was taken as hidden_size // heads, Qwen2's
+    rule: another architecture than transformers builds from the same file)."""
+    import transformers
+
+    d = {k: v for k, v in dict(DENSE, model_type=model_type).items() if k != "head_dim"}
+    hf = transformers.AutoConfig.for_model(**d)
+    expected = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert QwenConfig.from_hf_dict(d).head_dim == expected == (128 if model_type == "qwen3" else
+                                                               d["hidden_size"] // d["num_attention_heads"])
+    if model_type == "qwen3":
+        with pytest.raises(ModelConfigError, match=r"^cfg\.json: head_dim is null"):
+            QwenConfig.from_hf_dict(dict(d, head_dim=None), "cfg.json")
+
+
 @pytest.mark.parametrize("key,value,bound", [
     ("num_hidden_layers", 100_000_000, "10,000"), ("hidden_size", 2_000_000, "1,000,000"),
     ("vocab_size", 20_000_000, "10,000,000"), ("intermediate_size", 10**12, "10,000,000"),

@@ -136,6 +136,30 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+def test_a_save_that_fails_on_process_0_fails_on_every_process_at_once(tmp_path):
+    """Process 0 finishes a checkpoint alone (hf/, metadata, checksums) while the others wait;
+    a full disk there left them in the barrier until JAX's heartbeat timeout (about 100 s, a
+    native abort without the reason): now every process raises within the test's 90 s."""
+    port, procs = _free_port(), []
+    for pid in range(2):
+        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
+                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+        env.pop("XLA_FLAGS", None)
+        env.pop("JAX_NUM_CPU_DEVICES", None)
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"),
+                                       "save-fails-on-0", str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = _outputs(procs, timeout_s=90)
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    raised = [_last_json(out)["raised"] for out, _ in outs]
+    assert raised[0].startswith("DiskFullError") and str(tmp_path / "checkpoints") in raised[0]
+    assert raised[1] == (f"CheckpointError: process 0 could not finish checkpoint step 1 in "
+                         f"{tmp_path / 'checkpoints'}; its log says why")
+    assert not (tmp_path / "checkpoints" / "1").exists()   # the failed step is removed
+
+
+@pytest.mark.slow
 def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tmp_path):
     """`jscenegen train` on 2 processes x 3 devices: a SIGTERM that reaches one process only
     stops both after the same update (exit 143, one checkpoint); the resumed run's metrics and

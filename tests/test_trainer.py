@@ -320,6 +320,26 @@ def test_a_signal_during_a_save_stops_the_run_after_that_save(tmp_path, monkeypa
     assert CheckpointStore(tmp_path / "checkpoints").steps() == [1]
 
 
+def test_a_signal_on_another_process_during_the_last_save_is_reported_on_this_one(tmp_path,
+                                                                                monkeypatch):
+    """A stop signal that reached a peer process during the run's last save (after the last
+    agreement inside the loop) made that process alone report the stop, skip the evaluation
+    after training (collectives) and exit 143, its peers waiting for it in that evaluation. The
+    peer is this process's `max_over_processes` answering SIGTERM from its third call on."""
+    import jscenegen.grpo.train.trainer as trainer_module
+
+    calls = []
+
+    def peers_max(value):
+        calls.append(value)
+        return int(signal.SIGTERM) if len(calls) >= 3 else value
+
+    monkeypatch.setattr(trainer_module, "max_over_processes", peers_max)
+    _, summary = _run(tmp_path, max_updates=1, **{"checkpoint.save_every": 1})
+    assert len(calls) == 3   # two agreements in the update, one after the last save
+    assert summary.stopped_by_signal == "SIGTERM" and summary.attempts == 1
+
+
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_run_goes_on(straight, tmp_path, caplog):
     """A flipped byte in the newest step: resume sets it aside (naming the file), redoes its
     update from the step before (bitwise as the straight run), saves that step again, trains

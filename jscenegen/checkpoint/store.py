@@ -53,7 +53,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -76,6 +76,7 @@ from jscenegen.paths import (
     write_json,
 )
 from jscenegen.run_lock import live_holder
+from jscenegen.sharding.mesh import max_over_processes
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 from jscenegen.text import one_line
 
@@ -290,6 +291,24 @@ def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+def _on_process_0(what: str, work: Callable[[], None]) -> None:
+    """Run `work` on process 0 alone, then wait for every process (a collective, a no-op with
+    one process). An Exception it raises is raised on process 0 after the wait, and every other
+    process raises CheckpointError("process 0 could not <what>") instead of sitting in a barrier
+    until JAX's heartbeat timeout (about 100 s, then a native abort without the reason)."""
+    failure = None
+    if jax.process_index() == 0:
+        try:
+            work()
+        except Exception as err:
+            failure = err
+    failed_somewhere = max_over_processes(int(failure is not None))
+    if failure is not None:
+        raise failure
+    if failed_somewhere:
+        raise CheckpointError(f"process 0 could not {what}; its log says why")
 
 
 def _check_metadata(meta: Mapping[str, Any], count: int) -> None:
@@ -726,9 +745,9 @@ class CheckpointStore:
         """Every process: rename corrupt step `step` aside (process 0 moves it); its new path."""
         _barrier(f"jscenegen-checkpoint-checked-{step}")  # every process has read it: now move it
         dest = self._aside_path(step)
-        if jax.process_index() == 0:
-            self._rename_aside(step, dest, reason, "it will be redone from an earlier step")
-        _barrier(f"jscenegen-checkpoint-aside-{step}")
+        _on_process_0(f"set corrupt checkpoint step {step} aside in {self.directory}",
+                      lambda: self._rename_aside(step, dest, reason,
+                                                 "it will be redone from an earlier step"))
         self._manager.reload()
         return dest
 
@@ -806,11 +825,12 @@ class CheckpointStore:
         elif status is not None:
             # every process has looked at the step (and so takes this branch) before it goes
             _barrier(f"jscenegen-checkpoint-replacing-{step}")
-            if jax.process_index() == 0:
+
+            def replace() -> None:
                 log.warning("replacing incomplete checkpoint step %d: %s", step,
                             one_line(status.reason or ""))
                 self._delete(step)
-            _barrier(f"jscenegen-checkpoint-replace-{step}")
+            _on_process_0(f"remove incomplete checkpoint step {step} in {self.directory}", replace)
             self._manager.reload()
         if not self.directory.is_dir():  # a run that fails before its first save leaves none
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -849,14 +869,15 @@ class CheckpointStore:
                 return
             step, meta, hf_dir, _, weights_dtype = pending
             path = self.step_path(step)
-            if jax.process_index() == 0:
+
+            def finish() -> None:
                 if not ocp.step.is_path_finalized(path):
                     raise CheckpointError(f"{path}: orbax did not finalise the save of step {step}")
                 _copy_hf_assets(hf_dir, path / HF_DIR, weights_dtype)
                 write_json(path / METADATA_NAME, meta)
                 write_checksums(path)
                 self._collect_garbage(step)
-            _barrier(f"jscenegen-checkpoint-{step}")
+            _on_process_0(f"finish checkpoint step {step} in {self.directory}", finish)
             self._manager.reload()
         except Exception as err:
             if pending is not None:

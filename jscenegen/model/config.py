@@ -302,7 +302,12 @@ class QwenConfig:
         kv_heads = d.get("num_key_value_heads")
         kv_heads = heads if kv_heads is None else kv_heads   # 0 is refused, not defaulted
         _check_heads(heads, kv_heads, source)
-        given = d.get("head_dim")   # transformers: None means hidden_size // heads, 0 is 0
+        if model_type == "qwen3" and "head_dim" in d and d["head_dim"] is None:
+            raise ModelConfigError(f"{source}: head_dim is null; transformers' Qwen3Config needs "
+                                   "an integer (128 when the key is absent)")
+        # transformers: Qwen3Config's head_dim defaults to 128; Qwen2 has no such field and
+        # its attention takes hidden_size // heads
+        given = d.get("head_dim", 128 if model_type == "qwen3" else None)
         head_dim = _positive(given if given is not None else d["hidden_size"] // heads, "head_dim", source,
                              integer=True, limit=SIZE_LIMITS["head_dim"])
         if head_dim % 2:

@@ -86,7 +86,12 @@ class RMSNorm(nnx.Module):
 class Embedding(nnx.Module):
     """`model.embed_tokens`: ids [B, S] int -> rows of weight [V, H] as [B, S, H] in `dtype`
     (transformers' `nn.Embedding`); a rollout copy stored [H, V] (metadata `transposed`) reads
-    columns. `logical(dtype)` is the [V, H] table without FSDP padding (the tied LM head)."""
+    columns. `logical(dtype)` is the [V, H] table without FSDP padding (the tied LM head).
+
+    ids must lie in [0, vocab_size): nothing here checks them (it runs inside jit); the
+    tokenizer check (`tokenizer.chat`, ChatTemplateError) keeps the commands' ids in range. An
+    id past the stored rows reads NaN, a negative one wraps, one in the FSDP padding reads zeros.
+    """
 
     def __init__(self, make: ParamFactory, name: str):
         self.weight = make(f"{name}.weight")

@@ -594,6 +594,7 @@ class Trainer:
             elif last_saved is None or last_saved != current:
                 last_saved = self.save()
             self.store.wait_until_finished()
+            self._stop_agreed()   # a signal during the last save: every process reports the stop
             if (attempts and self._stop_signal is None and self.schedule.done(self.pos)
                     and self.pos.effective_updates < self.cfg.schedule.total_updates):
                 log.warning("stopped at schedule.max_attempts=%d attempts with %d of %d effective "
