@@ -3,7 +3,7 @@
 Both run in this process on the same 256 scenes: the 100 train rooms (cycled) furnished with
 5-20 random objects each (random categories, sizes, poses; seeded). The JAX figure excludes the
 one-off compile (printed separately) and is the median of --reps timed calls on the default
-devices. Prints scenes/s for each and, last, a JSON line with "ratio" = JAX / NumPy scenes/s.
+devices; the NumPy figure the median of --reps timed passes after an untimed one. Prints scenes/s for each and, last, a JSON line with "ratio" = JAX / NumPy scenes/s.
 
     python bench/reachability.py [--batch 256] [--reps 3]
 """
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import description, positive_int_arg
+from common import description, positive_int_arg, timed
 
 
 def furnished_scenes(n: int, seed: int = 0):
@@ -68,23 +68,17 @@ def main() -> int:
     print(f"devices: {jax.devices()}; grid {spec.grid_size}x{spec.grid_size} cells of {spec.cell_mm} mm, "
           f"{cfg.max_objects} object slots, batch {args.batch}")
 
-    t0 = time.perf_counter()
-    ref = [reach_numpy(x, spec) for x in inputs]
-    numpy_s = time.perf_counter() - t0
+    ref = [reach_numpy(x, spec) for x in inputs]   # also the untimed warm-up
+    numpy_s = timed(lambda: [reach_numpy(x, spec) for x in inputs], warmup=0, repeats=args.reps)
     numpy_rate = args.batch / numpy_s
-    print(f"numpy reference: {numpy_rate:.1f} scenes/s ({numpy_s:.2f} s for {args.batch})")
+    print(f"numpy reference: {numpy_rate:.1f} scenes/s (median of {args.reps}: {numpy_s:.2f} s for {args.batch})")
 
     fn = batched_reach_fn(spec)
     batch = {k: jax.device_put(v) for k, v in stack_inputs(inputs).items()}
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(**batch))
     print(f"jax compile + first call: {time.perf_counter() - t0:.2f} s")
-    times = []
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(**batch))
-        times.append(time.perf_counter() - t0)
-    jax_s = float(np.median(times))
+    jax_s = timed(lambda: jax.block_until_ready(fn(**batch)), warmup=0, repeats=args.reps)
     jax_rate = args.batch / jax_s
     agree = all(
         int(out["reached_cells"][b]) == r.reached_cells and int(out["num_regions"][b]) == r.num_regions

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import description, int_in, positive_int_arg
+from common import description, int_in, positive_int_arg, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 W, D = 6.0, 5.0
@@ -57,15 +56,6 @@ def scene_json(kind: str, n: int, seed: int) -> dict:
         objs.append({"id": f"{name}_{k + 1}", "category": name, "size": size, "yaw": yaw,
                      "position": [round(float(rng.uniform(0.1, W - 0.1)), 2), round(float(rng.uniform(0.1, D - 0.1)), 2)]})
     return {"room": room(), "objects": objs}
-
-
-def median_s(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def blockers_from(inp, res, rows, n_doors: int) -> list[str]:
@@ -144,10 +134,10 @@ def main() -> int:
     for n in args.counts:
         for kind in ("furniture", "small"):
             scene = scene_from_json(scene_json(kind, n, seed=n), f"{kind}_{n}")
-            total = median_s(lambda: measure(scene, cfg, cat, blockers=True), args.reps)
+            total = timed(lambda: measure(scene, cfg, cat, blockers=True), warmup=0, repeats=args.reps)
             inp = encode_scene(scene, cfg.metrics, cat, n)
             res = reach_numpy(inp, spec)
-            new_s = median_s(lambda: leave_one_out(inp, spec), args.reps)
+            new_s = timed(lambda: leave_one_out(inp, spec), warmup=0, repeats=args.reps)
             loo = leave_one_out(inp, spec)
             nd = len(scene.room.doors)
             new_blockers = blockers_from(inp, res, lambda k: (loo.num_regions[k], loo.object_reachable[k],
@@ -155,9 +145,8 @@ def main() -> int:
             row = {"kind": kind, "objects": n, "measure_s": round(total, 4), "blocker_pass_s": round(new_s, 4),
                    "blockers": len(new_blockers)}
             if n <= args.old_max:
-                t0 = time.perf_counter()
                 old = old_pass(inp, spec)
-                old_s = time.perf_counter() - t0
+                old_s = timed(lambda: old_pass(inp, spec), warmup=0, repeats=args.reps)
                 old_blockers = blockers_from(inp, res, lambda k: (old[k].num_regions, old[k].object_reachable,
                                                                   old[k].door_start_free), nd)
                 same = old_blockers == new_blockers
@@ -223,8 +212,8 @@ def main() -> int:
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(**batch))
         compile_s = time.perf_counter() - t0
-        jax_s = median_s(lambda: jax.block_until_ready(fn(**batch)), args.reps)
-        new_s = median_s(lambda: leave_one_out(inp, spec), args.reps)
+        jax_s = timed(lambda: jax.block_until_ready(fn(**batch)), warmup=0, repeats=args.reps)
+        new_s = timed(lambda: leave_one_out(inp, spec), warmup=0, repeats=args.reps)
         loo = leave_one_out(inp, spec)
         same = bool(np.array_equal(np.asarray(out["num_regions"]), loo.num_regions)
                     and np.array_equal(np.asarray(out["object_reachable"]), loo.object_reachable))

@@ -29,6 +29,33 @@ def test_grpo_step_matches_torch_legacy_micro_batched_kl_entropy(tiny_dirs):
     assert 0 < r["clipfrac"] < 1  # the clip bounds were reached on some tokens
 
 
+def test_legacy_scale_with_an_all_padding_micro_batch_matches_torch_gradient_by_gradient(tiny_dirs):
+    """12 rows (8 episodes, 4 padding) in 3 micro-batches of 4, the last all padding: legacy's
+    1/k counts the 2 that hold episodes on both sides (the torch reference divided by 3: a
+    grad-norm ratio of 1.5 that the parameter check alone let pass)."""
+    cfg = LossConfig(ppo_micro_batch_size=4, loss_scale="legacy")
+    r = grpo_step_parity(str(tiny_dirs["qwen3"]), loss_cfg=cfg, pad_rows=4, compare_grads=True)
+    assert r["ok"] and r["micro_batches"] == 3 and r["rows"] == 12, r
+    assert abs(r["grad_norm_ratio"] - 1) <= 1e-5 and r["grad_max_rel_diff"] <= 1e-5, r
+
+
+def test_a_gradient_off_by_a_constant_factor_fails_the_check(tiny_dirs, monkeypatch):
+    """The torch loss keeps its value and halves its gradient: Adam's first step is about
+    lr sign(g), so the parameters agree; the grad-norm ratio (2) fails `ok`."""
+    from jscenegen.parity import torch_reference
+
+    real = torch_reference.actor_loss
+
+    def half_gradient(*args, **kwargs):
+        loss = real(*args, **kwargs)
+        return 0.5 * loss + (0.5 * loss).detach()
+
+    monkeypatch.setattr(torch_reference, "actor_loss", half_gradient)
+    r = grpo_step_parity(str(tiny_dirs["qwen3"]))
+    assert r["loss_diff"] <= 1e-5 and r["max_param_diff"] <= PARAM_TOL   # blind to the factor
+    assert r["grad_norm_ratio"] == pytest.approx(2, rel=1e-4) and not r["ok"], r
+
+
 def test_synthetic_batch_layout():
     d = synthetic_batch(100, seed=1, pad_rows=1)
     assert d["input_ids"].shape == (9, 32) and d["attention_mask"][:8, -1].all()

@@ -81,6 +81,48 @@ def test_an_update_without_gradient_compares_nothing_and_says_so(tiny_hf, tmp_pa
     assert last["untrained_updates"] == 1
 
 
+def test_a_gradient_off_by_a_factor_at_an_earlier_update_fails_the_run(tiny_hf, tmp_path, capsys,
+                                                                       monkeypatch):
+    """Torch's first update keeps its loss value and halves its gradient: the parameters agree
+    within the tolerance after the last update (Adam's step is about lr sign(g)), and only the
+    last update's loss and grad norm were checked, so the run passed."""
+    from jscenegen.parity import torch_reference
+
+    calls = {"steps": 0}
+    real_step, real_loss = torch_reference.grpo_step, torch_reference.actor_loss
+
+    def counted_step(*args, **kwargs):
+        calls["steps"] += 1
+        return real_step(*args, **kwargs)
+
+    def first_update_half_gradient(*args, **kwargs):
+        loss = real_loss(*args, **kwargs)
+        return 0.5 * loss + (0.5 * loss).detach() if calls["steps"] == 1 else loss
+
+    monkeypatch.setattr(torch_reference, "grpo_step", counted_step)
+    monkeypatch.setattr(torch_reference, "actor_loss", first_update_half_gradient)
+    rc = main(["parity", "train", "--model", str(tiny_hf["qwen3"]), "--updates", "2"])
+    first, last = _lines(capsys.readouterr().out)
+    assert first["grad_norm_ratio"] == pytest.approx(2, rel=1e-4)
+    assert abs(last["grad_norm_ratio"] - 1) <= 1e-4 and last["max_param_diff"] <= PARAM_TOL
+    assert last["worst_grad_norm_gap"] == pytest.approx(1, rel=1e-4)
+    assert rc == 1 and last["ok"] is False
+
+
+def test_the_kl_term_is_compared_at_a_size_that_can_fail(tiny_hf, capsys):
+    """The shared reference log-probs were the initial model's: the policy starts there, so
+    the KL penalty was ~1e-10 and any estimator passed. With the shared perturbation the k3
+    term moves the loss by far more than the tolerance, and the two sides still agree."""
+    losses = {}
+    for kl in ("false", "true"):
+        rc = main(["parity", "train", "--model", str(tiny_hf["qwen3"]), "--updates", "1",
+                   "--loss", f"use_kl_loss={kl}", "kl_coef=1.0"])
+        (last,) = _lines(capsys.readouterr().out)
+        assert rc == 0 and last["ok"], last
+        losses[kl] = last["loss_torch"]
+    assert abs(losses["true"] - losses["false"]) > 1e-2
+
+
 def test_synthetic_trajectories_give_every_role_tokens_and_a_reward_spread():
     trajs = synthetic_trajectories(1003, groups=2, group_size=4)
     for t in trajs:

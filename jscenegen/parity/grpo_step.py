@@ -9,9 +9,12 @@ padding, environment text and two policy roles (Planner and Designer turns); the
 trains one role. Old log-probs are each side's own recompute plus one shared perturbation
 (so the clip bounds are reached); the optional reference log-probs are shared likewise.
 
-Prints one JSON line; exit 1 when beyond the tolerances: |loss diff| <= 1e-5 and every
-trained parameter within 2.4e-7 x max(1, |p|) of torch's after the step (fp32), every frozen
-tensor (Qwen3.5's carried vision tower and mtp.*) unchanged.
+Prints one JSON line; exit 1 when beyond the tolerances: |loss diff| <= 1e-5, the grad-norm
+ratio within 1 +- 1e-4 (with `--grads`, every gradient element within 1e-4 of the largest
+torch one), every trained parameter within 2.4e-7 x max(1, |p|) of torch's after the step
+(fp32), every frozen tensor (Qwen3.5's carried vision tower and mtp.*) unchanged. The gradient
+checks are what catch a gradient off by a constant factor: Adam's first step, lr g / (|g| +
+eps), is about lr sign(g) whatever the gradient's size, and clipping rescales it as a whole.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
 LOSS_TOL = 1e-5   # on `loss_gap`: relative to the loss once |loss| > 1 (token-sum grows with tokens)
 PARAM_TOL = 2.4e-7
 ADV_TOL = 1e-6   # advantages (unit scale), jscenegen's vectorised formula vs the torch loops
+GRAD_NORM_TOL = 1e-4   # on |grad_norm_ratio - 1|
+GRADS_TOL = 1e-4   # on grad_max_rel_diff (`--grads`)
 # a synthetic episode's first designer token lies within its first MIN_SEQ tokens (left padding
 # <= 6, a 3-token prompt, a planner turn <= 5 tokens, 2 environment tokens)
 MIN_SEQ = 17
@@ -270,7 +275,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         "trained_tensors": len(names), "frozen_tensors": len(named_weights(model)) - len(names),
         "frozen_unchanged": frozen_unchanged(model, model_dir, tmodel, torch_frozen),
         "tolerances": {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL,
-                       "advantages_max_diff": ADV_TOL},
+                       "advantages_max_diff": ADV_TOL, "grad_norm_ratio": GRAD_NORM_TOL},
     }
     if train_vision:  # the tower's whole update is AdamW's decay, p (1 - lr wd), on both sides
         vision = [n for n in names if n.startswith(VISION_PREFIX)]
@@ -286,7 +291,10 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         # Adam's first step is lr g / (|g| + eps): near g = 0 a grad difference is amplified
         result["worst_param_grads"] = [float(jax_grads[worst][worst_idx]),
                                        float(t_grads[worst][worst_idx])]
+        result["tolerances"]["grad_max_rel_diff"] = GRADS_TOL
+    grads_ok = result.get("grad_max_rel_diff", 0.0) <= GRADS_TOL
     result["ok"] = bool(loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL and adv_diff <= ADV_TOL
+                        and abs(result["grad_norm_ratio"] - 1) <= GRAD_NORM_TOL and grads_ok
                         and result["frozen_unchanged"]
                         and not t_metrics["skipped"] and float(metrics["skipped"]) == 0)
     return result

@@ -109,28 +109,33 @@ def kl_penalty(logp, ref_logp, kind):
     raise ValueError(kind)
 
 
-def logprobs_from_logits(logits, tokens, temperature=1.0):
-    """(logp, entropy) per position from logits [B, T, V] (VERL torch_functional), float32."""
+def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=True):
+    """(logp, entropy) per position [B, T] float32 from logits [B, T, V] and tokens [B, T]
+    (VERL torch_functional); entropy is None without `with_entropy` (VERL 0.6+ computes it
+    only when entropy_coeff != 0: a softmax and a sum over [B, T, V] saved)."""
     torch = _torch()
     z = logits.float() / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
     p = torch.softmax(z, dim=-1)
     entropy = torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
     return logp, entropy
 
 
-def shifted_logprobs(model, input_ids, attention_mask, temperature=1.0):
-    """transformers causal LM -> aligned (logp, entropy) [B, T] with column 0 = 0.
+def shifted_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=True):
+    """transformers causal LM -> aligned (logp, entropy) [B, T] with column 0 = 0 (entropy
+    None without `with_entropy`).
 
     Positions are clip(cumsum(mask) - 1, 0), as VERL builds position_ids for left padding.
     """
     torch = _torch()
     pos = torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
-    logp, ent = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+    logp, ent = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy)
     zero = torch.zeros(logp.shape[0], 1, dtype=logp.dtype, device=logp.device)
-    return torch.cat([zero, logp], 1), torch.cat([zero, ent], 1)
+    return torch.cat([zero, logp], 1), None if ent is None else torch.cat([zero, ent], 1)
 
 
 def actor_loss(logp, entropy, old_logp, adv, mask, ref_logp, cfg, *, batch_num_tokens=None,
@@ -194,7 +199,8 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     batch: dict of torch tensors input_ids/attention_mask/loss_mask/advantages/old_logp
     [B, T] (ref_logp when use_kl_loss). Micro-batches are contiguous row blocks; with
     loss_scale global each micro loss uses the whole batch's token/sequence counts and the
-    losses are summed (VERL 0.9.1 engine); legacy divides each by its own counts and by k.
+    losses are summed (VERL 0.9.1 engine); legacy divides each by its own counts and by k, the
+    micro-batches holding an episode (an all-padding one adds 0 and counts in no normaliser).
     """
     torch = _torch()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen: no state
@@ -209,10 +215,13 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     optimizer.zero_grad()
     total = 0.0
     legacy = loss_cfg.loss_scale == "legacy"
+    # legacy's 1/k: micro-batches holding an episode (padding rows count in no normaliser)
+    k_real = sum(bool(batch["attention_mask"][i * rows:(i + 1) * rows].any())
+                 for i in range(num_micro_batches))
     for i in range(num_micro_batches):
         sl = slice(i * rows, (i + 1) * rows)
         logp, ent = shifted_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                     temperature)
+                                     temperature, with_entropy=loss_cfg.entropy_coeff != 0)
         ref = batch.get("ref_logp")
         loss = actor_loss(
             logp, ent, batch["old_logp"][sl], batch["advantages"][sl], mask[sl],
@@ -221,7 +230,7 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
             global_batch_size=None if legacy else n_seq,
         )
         if legacy:
-            loss = loss / num_micro_batches
+            loss = loss / max(k_real, 1)
         loss.backward()
         total += float(loss.detach())
     for _, p in named:
