@@ -60,6 +60,28 @@ def test_an_unknown_layout_is_refused_with_or_without_a_mesh(mesh, mesh_or_none)
                               divides=(2, 4, 96), device_bytes=8 * GiB, platform="cpu")
 
 
+@pytest.mark.parametrize("peer", [2 * GiB, None])
+def test_every_process_judges_memory_by_the_least_device_of_the_run(monkeypatch, peer):
+    """Each process read its own device memory: hosts with different memory (or cgroup limits)
+    chose different rollout layouts, or one alone refused a cache, and then waited in other
+    collectives than their peers. Here a peer process (the patched `max_over_processes`) has
+    2 GiB per device or cannot tell."""
+    import jscenegen.sharding.rollout as rollout
+
+    own = 8 * GiB + 12345
+    monkeypatch.setattr(rollout, "device_memory_bytes", lambda device=None: own)
+    monkeypatch.setattr(rollout.jax, "process_count", lambda: 2)
+    peer_says = [1 if peer is None else 0, None if peer is None else -(peer // 2**20)]
+
+    def peers_max(value):
+        return max(value, peer_says.pop(0))
+
+    monkeypatch.setattr(rollout, "max_over_processes", peers_max)
+    assert rollout.least_device_memory_bytes() == peer
+    monkeypatch.setattr(rollout.jax, "process_count", lambda: 1)
+    assert rollout.least_device_memory_bytes() == own
+
+
 def test_auto_picks_replicated_when_the_weights_fit_else_the_smallest_tp(mesh):
     heads = (2, 4, 96)                                    # kv heads, heads, FFN of the fixture
     lay = choose_rollout_layout(mesh, "auto", weight_bytes=GiB, divides=heads,

@@ -49,7 +49,7 @@ from jscenegen.model.functional import shared, split_params, structure_key
 from jscenegen.model.qwen import CausalLM
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.mesh import host_array
-from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout, device_memory_bytes
+from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout, least_device_memory_bytes
 from jscenegen.sharding.rules import ROWS, named, round_up
 
 log = logging.getLogger(__name__)
@@ -291,13 +291,15 @@ class Sampler:
         # the rollout weights are the `nnx.Param`s; Carried tensors (Qwen3.5's vision tower,
         # mtp.*) stay abstract: decoding never reads them
         self.graphdef, state, frozen = split_params(model)
+        self.device_bytes = least_device_memory_bytes()   # a collective: every process, here
         if isinstance(layout, str):
             n_params = sum(int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
                            for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
                            if isinstance(v, nnx.Param))
             layout = choose_rollout_layout(
                 mesh, layout, weight_bytes=n_params * self.weight_dtype.itemsize,
-                divides=tp_divides(self.cfg), tp=tp, memory_fraction=memory_fraction)
+                divides=tp_divides(self.cfg), tp=tp, memory_fraction=memory_fraction,
+                device_bytes=self.device_bytes)
         self.layout = layout
         self.mesh = mesh                      # the training mesh; the rollout's is layout.mesh
         log.info("rollout layout: %s", layout.describe())
@@ -402,11 +404,12 @@ class Sampler:
         ShapeDtypeStructs) cannot fit: its bytes spread evenly over the rollout devices (the
         least any one of them holds), twice that without buffer donation (CPU: a call's input
         and output caches are alive together), exceed one device's memory
-        (`device_memory_bytes`; on CPU the host's RAM per device). Without it such a cache is
-        allocated until the process is killed for memory, with no message."""
+        (`self.device_bytes`: the least over the processes; on CPU the host's RAM per device).
+        Without it such a cache is allocated until the process is killed for memory, with no
+        message."""
         total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         need = total * (1 if self._donate else 2) / (1 if self.layout.mesh is None else self.layout.mesh.size)
-        limit = device_memory_bytes()
+        limit = self.device_bytes
         if limit is not None and need > limit:
             raise ValueError(f"a KV cache of {batch} rows x {max_len:,} slots needs "
                              f"{need / 2**30:,.1f} GiB per device, more than the "

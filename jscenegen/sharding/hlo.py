@@ -4,7 +4,7 @@
 all-to-all, collective-permute, ...) that run inside a `while` loop of the ENTRY computation
 (the sampler's decode loop), following every computation the loop body calls, and gives the
 bytes each one produces per device per iteration (its result shape; a tuple result counts
-each element); `collectives(hlo)` lists every collective with how many devices each of its
+each element, an async `-start` form only its results, not the operands it carries); `collectives(hlo)` lists every collective with how many devices each of its
 replica groups holds. Used by the tests that prove a rollout layout decodes without moving
 weights (`loop_collectives`) and that sequence parallelism moves per-row summaries, not the
 sequence (`collectives`).
@@ -91,6 +91,17 @@ def _result_shapes(line: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
                  for d, dims in _SHAPE.findall(head))
 
 
+def _produced_shapes(line: str, op: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The shapes a collective produces. The async form (GPU's `all-gather-start`,
+    `collective-permute-start`) returns a tuple of its operands, then its results, then
+    scalar context values: only the results count."""
+    shapes = _result_shapes(line)
+    if len(shapes) > 1 and re.search(rf"\s{op}-start\(", line.split("=", 1)[1]):
+        arrays = [s for s in shapes if s[1]]
+        return tuple(arrays[len(arrays) // 2:])
+    return shapes
+
+
 def _op(line: str) -> str | None:
     rhs = line.split("=", 1)[1] if "=" in line else ""
     for op in COLLECTIVES:
@@ -110,7 +121,7 @@ def collectives(hlo: str, computations: set[str] | None = None) -> list[Collecti
             op = _op(line)
             if op is None:
                 continue
-            shapes = _result_shapes(line)
+            shapes = _produced_shapes(line, op)
             nbytes = sum(int(np.prod(dims, dtype=np.int64)) * _DTYPE_BYTES.get(d, 4)
                          for d, dims in shapes)
             out.append(Collective(op, shapes, nbytes, name, line.strip()[:200], _group_size(line)))

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from jscenegen.sharding.mesh import max_over_processes
 from jscenegen.sharding.rules import ROLLOUT_AXES, ROLLOUT_SPECS, TRAINING_SPECS, ActivationSpecs
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,20 @@ def rollout_mesh(mesh: Mesh, tp: int) -> Mesh:
         raise ValueError(f"rollout.tp={tp} must divide the {devices.size} devices")
     return Mesh(devices.reshape(devices.size // tp, tp), ROLLOUT_AXES,
                 axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def least_device_memory_bytes() -> int | None:
+    """The least `device_memory_bytes()` over the processes of a run (whole MiB), None when a
+    process cannot tell; `device_memory_bytes()` itself with one process. A collective: every
+    process calls it at the same point, so that all of them choose one rollout layout and judge
+    a cache's fit alike (hosts may differ in memory, cgroup limits or the allocator fraction)."""
+    own = device_memory_bytes()
+    if jax.process_count() == 1:
+        return own
+    mib_cap = 2**31 - 1    # max_over_processes is int32
+    if max_over_processes(int(own is None)):
+        return None
+    return -max_over_processes(-min(own // 2**20, mib_cap)) * 2**20
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int | None:
