@@ -361,6 +361,23 @@ def test_a_cache_beyond_the_devices_memory_is_refused_before_it_is_made(model):
         s.grow_cache(small, 2**33)
 
 
+def test_a_grow_counts_the_cache_it_copies_from(model):
+    """With buffer donation (GPU, TPU) a cache costs its own bytes, but a grow holds the old
+    cache and the grown one together: only the grown one was checked."""
+    s = Sampler(model, SamplingParams(temperature=1.0), buckets=BUCKETS)
+    s._donate = True
+    small, _ = s.new_cache(2, 64)
+    grown_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+        lambda: s.create_cache(s.cfg, 2, 256, s.cache_dtype))))
+    small_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(small))
+    s.device_bytes = grown_bytes + small_bytes // 2     # the grown cache fits, not both
+    s.new_cache(2, 256)
+    with pytest.raises(ValueError, match=r"a KV cache of 2 rows x 256 slots needs"):
+        s.grow_cache(small, 256)
+    s.device_bytes = grown_bytes + small_bytes
+    assert s.grow_cache(small, 256).valid.shape == (2, 256)
+
+
 # ---- Qwen3.5: the same sampler over the hybrid cache (K/V + Gated DeltaNet states) -----------
 @pytest.fixture(scope="module")
 def qwen35(qwen35_hf):

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jscenegen.generate.reshard import Reshard
-from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens
+from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens, tempered_logprobs
 from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.functional import shared, split_params, structure_key
@@ -159,8 +159,7 @@ def _append_logprobs_impl(structure, state, cache, last_logits, ids, mask, tempe
     prev_real = jnp.concatenate([jnp.zeros_like(real[:, :1]), real[:, :-1]], axis=1)
     prev = jnp.concatenate([last_logits[:, None], logits[:, :-1]], axis=1)
     prev = jnp.where(prev_real[..., None], prev, last_logits[:, None])
-    z = jax.nn.log_softmax(prev.astype(jnp.float32) / temperature, axis=-1)
-    logp = jnp.take_along_axis(z, ids[..., None], axis=-1)[..., 0]
+    logp = tempered_logprobs(prev, ids, temperature)
     keep = jnp.any(real, axis=1)[:, None]
     new_last = jnp.where(keep, logits[:, -1], last_logits)
     return cache, new_last, jnp.where(real, logp, 0.0)
@@ -399,16 +398,21 @@ class Sampler:
             self._cache_makers[batch, max_len] = make
         return self._cache_makers[batch, max_len]
 
-    def _check_cache_fits(self, shapes, batch: int, max_len: int) -> None:
+    def _check_cache_fits(self, shapes, batch: int, max_len: int, alive=None) -> None:
         """Raise ValueError when a cache of `batch` rows x `max_len` slots (`shapes`: its
         ShapeDtypeStructs) cannot fit: its bytes spread evenly over the rollout devices (the
         least any one of them holds), twice that without buffer donation (CPU: a call's input
-        and output caches are alive together), exceed one device's memory
+        and output caches are alive together), or its bytes plus those of `alive` (the cache a
+        grow copies from, alive until the copy is made), exceed one device's memory
         (`self.device_bytes`: the least over the processes; on CPU the host's RAM per device).
         Without it such a cache is allocated until the process is killed for memory, with no
         message."""
-        total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-        need = total * (1 if self._donate else 2) / (1 if self.layout.mesh is None else self.layout.mesh.size)
+        def nbytes(tree):
+            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+        total = nbytes(shapes)
+        peak = max(total * (1 if self._donate else 2), total + (0 if alive is None else nbytes(alive)))
+        need = peak / (1 if self.layout.mesh is None else self.layout.mesh.size)
         limit = self.device_bytes
         if limit is not None and need > limit:
             raise ValueError(f"a KV cache of {batch} rows x {max_len:,} slots needs "
@@ -430,11 +434,14 @@ class Sampler:
     def grow_cache(self, cache, max_len: int):
         """`cache` with `max_len` >= its slots, the new slots empty (one compiled program per
         size pair; the rows' contents, positions and length unchanged). Raises ValueError when
-        max_len is below its slots or the grown cache cannot fit (`new_cache`)."""
+        max_len is below its slots or the grown cache, with `cache` alive beside it while it
+        is copied, cannot fit (`_check_cache_fits`)."""
         rows, old = cache.valid.shape
         if max_len < old:
             raise ValueError(f"grow_cache: {max_len} slots < the cache's {old}")
-        self._cache_maker(rows, max_len)   # raises when the grown cache cannot fit
+        grown = jax.eval_shape(functools.partial(self.create_cache, self.cfg, rows, max_len,
+                                                 self.cache_dtype))
+        self._check_cache_fits(grown, rows, max_len, alive=cache)
         self.cache_grows += 1
         with self._ctx():
             return self._grow(cache, extra=max_len - old)

@@ -176,9 +176,6 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
     Returns (tokens [B] int32, logprobs [B] float32 = log_softmax(logits / T)[token]).
     """
     z = logits.astype(jnp.float32) / params.temperature
-    # the normaliser reads only z, so XLA computes it beside the top-k and the draw
-    top = jnp.max(z, axis=-1, keepdims=True)
-    log_norm = jnp.log(jnp.sum(jnp.exp(z - top), axis=-1, keepdims=True))
     if params.greedy:
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
@@ -195,9 +192,20 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array,
         choice = jax.vmap(one)(keys, positions, cand)
         tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
         tok = tok.astype(jnp.int32)
-    # log_softmax(z)[tok] as jax.nn.log_softmax computes it (shifted by the row's max)
-    logp = (jnp.take_along_axis(z, tok[:, None], axis=-1) - top - log_norm)[:, 0]
-    return tok, logp
+    return tok, tempered_logprobs(logits, tok, params.temperature)
+
+
+def tempered_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
+    """log_softmax(logits / temperature)[token], float32: logits [..., V], tokens [...] int ->
+    [...]. Shifted by the row's max as jax.nn.log_softmax is, without materialising the
+    [..., V] log-probabilities (the normaliser reads only the logits, so XLA computes it beside
+    a draw's top-k). The rollout's log-prob of a drawn (`sample_tokens`) or forced (the
+    sampler's append) token; the trainer recomputes the same value (`grpo.algo.logprobs`,
+    VERL's `logprobs_from_logits`)."""
+    z = logits.astype(jnp.float32) / temperature
+    top = jnp.max(z, axis=-1, keepdims=True)
+    log_norm = jnp.log(jnp.sum(jnp.exp(z - top), axis=-1, keepdims=True))
+    return (jnp.take_along_axis(z, tokens[..., None], axis=-1) - top - log_norm)[..., 0]
 
 
 
