@@ -80,6 +80,13 @@ def wardrobe_against_top_wall(facing_wall: bool) -> Scene:
     return scene([obj("wardrobe_1", "wardrobe", 2.0, 2.69, 1.2, 0.6, 2.0, yaw=0.0 if facing_wall else 180.0)])
 
 
+def thin_mirror(x: float, y: float, yaw: float = 0.0) -> Scene:
+    """A 0.4 x 0.03 x 1.6 m standing mirror (the catalogue's thinnest depth) centred at (x, y):
+    at yaw 0 its box holds no cell centre (5 cm cells, centres at 25 + 50 k mm) unless a row of
+    centres crosses its 3 cm depth (y = 1.525: y in 1.51..1.54 m)."""
+    return scene([obj("standing_mirror_1", "standing_mirror", x, y, 0.4, 0.03, 1.6, yaw=yaw)])
+
+
 def transform(s: Scene, angle_deg: float = 0.0, shift=(0.0, 0.0)) -> Scene:
     """The whole scene rotated by angle_deg about the origin, then shifted."""
     c, sn = math.cos(math.radians(angle_deg)), math.sin(math.radians(angle_deg))

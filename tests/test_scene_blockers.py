@@ -11,7 +11,7 @@ from jscenegen.scene.metrics import measure
 from jscenegen.scene.reach_inputs import GridSpec, encode_scene
 from jscenegen.scene.reachability import _components, reach_numpy
 
-from scene_fixtures import N_RANDOM_OBJECTS, crowded_scene, enclosure, random_scene
+from scene_fixtures import N_RANDOM_OBJECTS, crowded_scene, enclosure, random_scene, thin_mirror
 
 CFG = MetricsConfig(grid_size=96)
 FIELDS = ("free_cells", "reached_cells", "num_regions", "largest_region_cells")
@@ -29,10 +29,12 @@ def per_object_reference(inp, spec):
 
 @pytest.fixture(scope="module")
 def compared():
-    """(base, one-pass, per-object reference) for 14 random scenes, the enclosure and 20 crowded objects."""
+    """(base, one-pass, per-object reference) for 14 random scenes, the enclosure, 20 crowded
+    objects and a mirror thinner than the cell pitch across the door's start cells."""
     cat = load_catalogue()
     cases = [(random_scene(s), CFG, N_RANDOM_OBJECTS) for s in range(14)]
-    cases += [(enclosure(), CFG, 5), (crowded_scene(20, seed=3), MetricsConfig(), 20)]
+    cases += [(enclosure(), CFG, 5), (crowded_scene(20, seed=3), MetricsConfig(), 20),
+              (thin_mirror(2.0, 0.25), CFG, 2)]
     out = []
     for s, cfg, slots in cases:
         spec = GridSpec.from_config(cfg)

@@ -9,7 +9,7 @@ from jscenegen.scene.judge_rule import rule_grades
 from jscenegen.scene.metrics import measure
 from jscenegen.scene.schema import scene_from_json
 
-from scene_fixtures import KNOWN, obj, random_scene, scene, transform
+from scene_fixtures import KNOWN, obj, random_scene, scene, thin_mirror, transform
 
 EMPTY_WALKABLE = (74 * 54) / (80 * 60)  # floor eroded by 3 cells on each side of an 80 x 60 cell room
 
@@ -59,6 +59,23 @@ def test_rug_and_high_shelf_block_nothing(name):
     for key in ("walkable_ratio", "num_regions", "reachable", "door_connected_ratio", "reachable_object_ratio"):
         assert r[key] == empty[key], key
     assert r["collision_pairs"] == [] and r["unreachable_objects"] == []
+
+
+@pytest.mark.parametrize("y", [1.5, 1.525, 1.545, 1.55])
+def test_a_mirror_thinner_than_the_cell_pitch_is_reachable_wherever_it_stands(y):
+    """A 3 cm mirror whose box holds no cell centre is the cell holding its centre: it is reached
+    and blocks that cell's agent disk (29 cells) wherever it stands, not only where a row of
+    centres crosses it (y = 1.525: 8 cells, 78 blocked)."""
+    r = measure(thin_mirror(2.3, y))
+    assert r["unreachable_objects"] == [] and r["reachable_object_ratio"] == 1.0 and r["reachable"]
+    blocked = 78 if y == 1.525 else 29
+    assert r["walkable_ratio"] == pytest.approx((74 * 54 - blocked) / (80 * 60), abs=1e-6)
+
+
+def test_a_thin_mirror_across_the_door_start_blocks_the_door():
+    r = measure(thin_mirror(2.0, 0.25), blockers=True)   # door start (2.0, 0.2); box y 0.235..0.265 m
+    assert r["door_walk_blocked"] == [0] and r["door_connected_ratio"] == 0.0
+    assert r["unreachable_objects"] == ["standing_mirror_1"] and r["blockers"] == ["standing_mirror_1"]
 
 
 def test_wardrobe_facing_the_wall_is_unreachable():

@@ -5,13 +5,18 @@ import pytest
 from jscenegen.scene.catalogue import load_catalogue
 from jscenegen.scene.config import MetricsConfig
 from jscenegen.scene.reach_inputs import GridSpec, ReachabilityError, encode_scene
-from jscenegen.scene.reachability import reach_numpy
+from jscenegen.scene.reachability import footprint_mask, reach_numpy
 from jscenegen.scene.schema import scene_from_json
 
 from scene_fixtures import N_RANDOM_OBJECTS as N_OBJ
-from scene_fixtures import random_scene
+from scene_fixtures import random_scene, thin_mirror
 
 CFG = MetricsConfig(grid_size=96)
+# thin mirrors (x, y, yaw) and whether the door reaches them: in open space wherever a row of
+# cell centres falls, across the door's start cells (blocking the door: nothing is reached), and
+# just beyond the +x wall (its centre cell is off the grid: no footprint, never reached)
+THIN = [((2.3, y, 0.0), True) for y in (1.5, 1.525, 1.545, 1.55)] + [
+    ((2.3, 1.5, 90.0), True), ((2.31, 1.52, 33.0), True), ((2.0, 0.25, 0.0), False), ((4.03, 1.5, 90.0), False)]
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +26,8 @@ def agreement_batch():
 
     spec = GridSpec.from_config(CFG)
     cat = load_catalogue()
-    scenes = [random_scene(s) for s in range(200)] + [_beyond_the_walls(side) for side in ("+x", "+y")]
+    scenes = ([random_scene(s) for s in range(200)] + [thin_mirror(*where) for where, _ in THIN]
+              + [_beyond_the_walls(side) for side in ("+x", "+y")])
     inputs = [encode_scene(s, CFG, cat, N_OBJ) for s in scenes]
     ref = [reach_numpy(x, spec) for x in inputs]
     return inputs, ref, reach_jax(inputs, spec)
@@ -59,6 +65,26 @@ def test_random_scenes_cover_the_interesting_cases(agreement_batch):
     assert 0 < sum(int(r.object_reachable.sum()) for r in ref) < sum(int(x.counted.sum()) for x in inputs)
     for x, r in zip(inputs[-2:], ref[-2:]):   # the two objects beyond the +x / +y walls
         assert x.counted[0] and not r.object_reachable[0]
+    for (where, reached), r in zip(THIN, ref[200:]):   # thin mirrors block and are reached
+        assert r.object_reachable[0] == reached, where
+        assert r.door_start_free[0] == (where != (2.0, 0.25, 0.0)), where
+
+
+def test_a_box_holding_no_cell_centre_is_the_cell_holding_its_centre():
+    """A 3 cm mirror between two rows of cell centres is one cell, the one holding its centre
+    (a centre on a cell boundary goes to the cell above / right of it); wherever a row of
+    centres crosses it, it is those cells."""
+    spec = GridSpec.from_config(CFG)
+
+    def cells(x, y, yaw=0.0):
+        inp = encode_scene(thin_mirror(x, y, yaw), CFG, load_catalogue(), 1)
+        return np.argwhere(footprint_mask(inp.corners[0], inp.centres[0], inp.nx, inp.ny, spec.cell_mm)).tolist()
+
+    assert cells(2.3, 1.5) == [[30, 46]]       # centre (2300, 1500) mm: on a corner of four cells
+    assert cells(2.3, 1.545) == [[30, 46]]
+    assert cells(2.29, 1.55) == [[31, 45]]
+    assert cells(2.3, 1.525) == [[30, ix] for ix in range(42, 50)]   # centres 2125..2475 mm
+    assert cells(4.03, 1.5, 90.0) == []        # beyond the x = 4 m wall: off the 80-cell grid
 
 
 def test_hard_bounds_refuse_degenerate_input():

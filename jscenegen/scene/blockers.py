@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .reach_inputs import GridSpec, ReachInputs
-from .reachability import access_ring, crop_window, dilate, floor_mask, quad_mask
+from .reachability import access_ring, crop_window, dilate, floor_mask, footprint_mask
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
     # cover count and, where it is 1, the owner (sum of owners over a single cover = the owner)
     cover = np.zeros((ny, nx), np.int32)
     owner_sum = np.zeros((ny, nx), np.int64)
-    feet = [quad_mask(inp.corners[k], nx, ny, cell) for k in range(n_real)]
+    feet = [footprint_mask(inp.corners[k], inp.centres[k], nx, ny, cell) for k in range(n_real)]
     r_margin = spec.radius_mm // cell + 1
     for k in range(n_real):
         if not inp.blocking[k]:

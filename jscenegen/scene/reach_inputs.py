@@ -6,7 +6,11 @@ from the rounded values and rounded to whole millimetres again (round half to ev
 coordinate is taken relative to the floor polygon's minimum corner. Cell (iy, ix) has its centre
 at ((ix + 0.5) cell, (iy + 0.5) cell); `cell_mm` must be even so centres are whole millimetres.
 Tie rules: a cell centre on a footprint edge is inside the footprint; a door start point on a
-cell boundary seeds every cell whose closed square contains it (rotation-symmetric).
+cell boundary seeds every cell whose closed square contains it (rotation-symmetric). A footprint
+that covers no cell centre of the room's grid (a 3 cm deep mirror between two rows of centres)
+is the one cell holding the object's mm-rounded centre, cell (y // cell, x // cell): a centre on
+a cell boundary belongs to the cell above or to the right of it (none when that cell is off the
+grid), so every object within the room blocks and can be reached (reachability.footprint_mask).
 """
 from __future__ import annotations
 
@@ -76,13 +80,15 @@ class ReachInputs:
     """One scene as padded integer arrays (N objects, D doors, V vertices; coordinates in mm).
 
     poly [V, 2] int32 (padded by repeating the last vertex), corners [N, 4, 2] int32 (CCW:
-    back-left, back-right, front-right, front-left), blocking/counted/front_only [N] bool,
+    back-left, back-right, front-right, front-left), centres [N, 2] int32 (the rounded position,
+    the corners' centre), blocking/counted/front_only [N] bool,
     starts [D, 4, 2] int32 (ix, iy) with start_valid [D, 4] bool, door_valid [D] bool.
     nx, ny: the room's own grid extent in cells; object_ids: ids of the first len(ids) slots.
     """
 
     poly: np.ndarray
     corners: np.ndarray
+    centres: np.ndarray
     blocking: np.ndarray
     counted: np.ndarray
     front_only: np.ndarray
@@ -105,9 +111,14 @@ def blocks_walking(obj: SceneObject, catalogue: Catalogue, cfg: MetricsConfig) -
     return not is_thin(obj, catalogue, cfg) and obj.mount != "on" and obj.elevation < cfg.block_height_m
 
 
+def quantised_centre(obj: SceneObject) -> np.ndarray:
+    """Footprint centre [2] int64 in absolute millimetres: the position rounded to whole mm."""
+    return np.array([round(v * 1000) for v in obj.position], np.int64)
+
+
 def quantised_corners(obj: SceneObject) -> np.ndarray:
     """Footprint corners [4, 2] int64 in absolute millimetres, from mm-rounded position and size."""
-    x, y = (round(v * 1000) for v in obj.position)
+    x, y = (int(v) for v in quantised_centre(obj))
     w, d = (round(v * 1000) for v in obj.size[:2])
     return np.rint(box_corners(x, y, w, d, obj.yaw)).astype(np.int64)
 
@@ -174,11 +185,13 @@ def encode_scene(
             f"{MAX_ANY_ROOM_GRID_MM / 1000:.3f} m measures any room that fits it)")
     n = max_objects
     corners = np.zeros((n, 4, 2), np.int64)
+    centres = np.zeros((n, 2), np.int64)
     blocking = np.zeros(n, bool)
     counted = np.zeros(n, bool)
     front_only = np.zeros(n, bool)
     for k, obj in enumerate(scene.objects):
         corners[k] = quantised_corners(obj) - origin
+        centres[k] = quantised_centre(obj) - origin   # only divided, never multiplied: no int32 bound
         m = int(np.abs(corners[k]).max())
         if 4 * m * (grid_mm + m) >= INT32_LIMIT:
             raise ReachabilityError(
@@ -208,6 +221,7 @@ def encode_scene(
     return ReachInputs(
         poly=poly_p.astype(np.int32),
         corners=corners.astype(np.int32),
+        centres=centres.astype(np.int32),
         blocking=blocking,
         counted=counted,
         front_only=front_only,

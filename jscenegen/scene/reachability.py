@@ -4,7 +4,12 @@ free = floor eroded by the agent disk, minus blocking footprints dilated by it; 
 flood fill from each door's start cell gives the reached region; an object is reachable when the
 ring between its footprint dilated by r and by r + margin touches the reached region (for
 front-used objects only the ring strictly beyond the front face's line counts). Regions are the
-4-connected components of free with more than `min_region_cells` cells. The method follows
+4-connected components of free with more than `min_region_cells` cells. An object's footprint
+is the cells whose centre lies inside or on its box; a box that holds no cell centre of the room's
+grid (thinner than a cell between two rows of centres: a 3 cm deep standing mirror) is the one
+cell holding its mm-rounded centre, cell (y // cell, x // cell), a centre on a cell boundary
+going to the cell above or right of it (`footprint_mask`; without it such an object would
+neither block nor ever be reachable, and a 2.5 cm move would flip it). The method follows
 PhyScene's door-anchored reachability with SceneEval's front accessibility; this module is the
 plain reference (connected-component labelling, literal rings) the JAX kernel in reachability_jax.py must
 match exactly.
@@ -61,14 +66,23 @@ def floor_mask(poly: np.ndarray, nx: int, ny: int, cell_mm: int) -> np.ndarray:
     return inside
 
 
-def quad_mask(corners: np.ndarray, nx: int, ny: int, cell_mm: int) -> np.ndarray:
-    """[ny, nx] bool: cell centre inside or on the convex CCW quad corners [4, 2] (mm)."""
+def footprint_mask(corners: np.ndarray, centre: np.ndarray, nx: int, ny: int, cell_mm: int) -> np.ndarray:
+    """[ny, nx] bool: an object's footprint cells (the module docstring's rule).
+
+    corners [4, 2] (mm, convex CCW quad), centre [2] (mm). The cells whose centre lies inside or
+    on the quad; when there is none, the one cell (centre_y // cell_mm, centre_x // cell_mm),
+    or no cell when that one is off the nx x ny grid.
+    """
     px, py = _cell_centres(nx, ny, cell_mm)
     c = corners.astype(np.int64)
     inside = np.ones((ny, nx), bool)
     for k in range(4):
         (ax, ay), (bx, by) = c[k], c[(k + 1) % 4]
         inside &= (bx - ax) * (py - ay) - (by - ay) * (px - ax) >= 0
+    if not inside.any():
+        ix, iy = (int(v) // cell_mm for v in centre)
+        if 0 <= ix < nx and 0 <= iy < ny:
+            inside[iy, ix] = True
     return inside
 
 
@@ -112,7 +126,7 @@ def crop_window(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
 def access_ring(inp: ReachInputs, k: int, foot: np.ndarray, nx: int, ny: int, cell: int,
                 r_rows, ring_rows, margin: int) -> tuple[tuple[slice, slice], np.ndarray] | None:
     """Object k's access ring, cropped: (window, ring [window] bool), None when its footprint
-    `foot` [ny, nx] covers no cell. The ring is the footprint dilated by the ring distance
+    `foot` [ny, nx] (footprint_mask) is empty (the object is off the grid). The ring is the footprint dilated by the ring distance
     minus the footprint dilated by the agent radius, in front of the object only when it is
     front-only (`beyond_front`)."""
     win = crop_window(foot, margin)
@@ -135,7 +149,7 @@ def reach_numpy(inp: ReachInputs, spec: GridSpec) -> ReachResult:
     r_rows, ring_rows = spec.disk_rows(spec.radius_mm), spec.disk_rows(spec.ring_mm)
     floor = floor_mask(inp.poly, nx, ny, cell)
     n_real = len(inp.object_ids)
-    feet = [quad_mask(inp.corners[k], nx, ny, cell) for k in range(n_real)]
+    feet = [footprint_mask(inp.corners[k], inp.centres[k], nx, ny, cell) for k in range(n_real)]
     obst = np.zeros((ny, nx), bool)
     for k in range(n_real):
         if inp.blocking[k]:

@@ -1,7 +1,8 @@
 """Batched door-anchored reachability in JAX: fixed padded grid, `lax.while_loop` fill, `vmap`.
 
-Same integer geometry and tie rules as the NumPy reference (reachability.py), reorganised for
-accelerators:
+Same integer geometry and tie rules as the NumPy reference (reachability.py), the footprint rule
+included (a box holding no cell centre of the room's grid is the cell holding its centre),
+reorganised for accelerators:
 - Morphology is shifted ORs on the whole padded [G, G] grid (the disk split into rows: a
   horizontal dilation per row half-width, then a vertical shift).
 - Regions come from label propagation: each free cell takes the largest label of its row run,
@@ -133,7 +134,8 @@ def _labels(free: jax.Array) -> jax.Array:
     return lab
 
 
-def _reach_one(poly, corners, blocking, counted, front_only, starts, start_valid, extent, *, spec: GridSpec):
+def _reach_one(poly, corners, centres, blocking, counted, front_only, starts, start_valid, extent, *,
+               spec: GridSpec):
     g, cell = spec.grid_size, spec.cell_mm
     px, py = _centres(g, cell)
     r_rows, ring_rows = spec.disk_rows(spec.radius_mm), spec.disk_rows(spec.ring_mm)
@@ -141,9 +143,13 @@ def _reach_one(poly, corners, blocking, counted, front_only, starts, start_valid
     c = [corners[:, k] for k in range(4)]
     cells = jnp.arange(g, dtype=jnp.int32)
     in_room = (cells[None, :] < extent[0]) & (cells[:, None] < extent[1])  # the reference's nx x ny grid
-    feet = jnp.broadcast_to(in_room, (corners.shape[0], g, g))
+    quad = jnp.broadcast_to(in_room, (corners.shape[0], g, g))
     for k in range(4):
-        feet = feet & (_cross(c[k], c[(k + 1) % 4], px, py) >= 0)
+        quad = quad & (_cross(c[k], c[(k + 1) % 4], px, py) >= 0)
+    # a box holding no cell centre is the cell holding its centre (reachability.footprint_mask)
+    cx, cy = (centres[:, i] // cell for i in range(2))   # floor division, as NumPy's
+    own = in_room & (cells[None, None, :] == cx[:, None, None]) & (cells[None, :, None] == cy[:, None, None])
+    feet = jnp.where(jnp.any(quad, axis=(1, 2))[:, None, None], quad, own)
     obst = jnp.any(feet & blocking[:, None, None], axis=0)
     free = ~_dilate(~floor, r_rows, outside=True) & ~_dilate(obst, r_rows)
     labels = _labels(free)
@@ -172,7 +178,8 @@ def _reach_one(poly, corners, blocking, counted, front_only, starts, start_valid
 def batched_reach_fn(spec: GridSpec):
     """jit(vmap(kernel)) for one GridSpec: takes stacked ReachInputs arrays [B, ...], returns dict.
 
-    Inputs: poly [B, V, 2] int32, corners [B, N, 4, 2] int32, blocking/counted/front_only [B, N]
+    Inputs: poly [B, V, 2] int32, corners [B, N, 4, 2] int32, centres [B, N, 2] int32,
+    blocking/counted/front_only [B, N]
     bool, starts [B, D, 4, 2] int32, start_valid [B, D, 4] bool, extent [B, 2] int32 (the room's
     own grid, nx and ny cells: footprints are cut to it as in the reference). Outputs: int32 counts [B] and
     door_start_free [B, D], object_reachable [B, N] bool. Compiles once per input shape.
@@ -182,7 +189,7 @@ def batched_reach_fn(spec: GridSpec):
 
 def stack_inputs(items: list[ReachInputs]) -> dict[str, np.ndarray]:
     """Stack encoded scenes (same padding) into the batched kernel's argument dict."""
-    keys = ("poly", "corners", "blocking", "counted", "front_only", "starts", "start_valid")
+    keys = ("poly", "corners", "centres", "blocking", "counted", "front_only", "starts", "start_valid")
     out = {k: np.stack([getattr(it, k) for it in items]) for k in keys}
     out["extent"] = np.array([[it.nx, it.ny] for it in items], dtype=np.int32)
     return out
