@@ -183,7 +183,9 @@ class JudgeServer:
     """A chat-completions server on 127.0.0.1 whose behaviour per request comes from `self.plan`
     (the last entry repeats): "answer" (grades 8), "stall" (no answer for 1.5 s), "garbage",
     "fenced", "flood" (a 200 whose body never ends: 64 KiB chunks until the client hangs up),
-    "deep" / "deep_content" (a body / message content of 200,000 nested brackets), "429after"
+    "deep" / "deep_content" (a body / message content of 200,000 nested brackets), "nested" /
+    "nested_comments" (a chat completion with an extra key / grades with a comment of 700 nested
+    brackets: JSON Python's parser reads), "429after"
     (429 with Retry-After: 1), "echo" (a 200 quoting the request's Authorization header as an
     error, not a chat completion), "echo_comments" (grades whose comments quote it;
     "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path,
@@ -267,6 +269,7 @@ class JudgeServer:
                         return
                     time.sleep(0.05)
                     deep = "[" * 200_000 + "]" * 200_000
+                    nested = "[" * 700 + "]" * 700   # within the parser's limit, past a recursive walk's
                     auth = self.headers.get("Authorization", "")
                     content = {
                         "echo": "",
@@ -285,10 +288,15 @@ class JudgeServer:
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
                         "deep": "", "deep_content": deep,
+                        "nested": "", "nested_comments": '{"grades": %s, "comments": {"realism": %s}}' % (
+                            json.dumps(GOOD), nested),
                     }[mode]
                     data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
                     if mode == "deep":
                         data = deep.encode()
+                    if mode == "nested":   # a chat completion with a nested extra key
+                        data = ('{"choices": [{"message": {"content": %s}}], "extra": %s}' % (
+                            json.dumps(json.dumps({"grades": GOOD})), nested)).encode()
                     if mode == "echo":
                         data = json.dumps({"error": {"message": f"invalid api key {auth}"}}).encode()
                     self.send_response(200)

@@ -70,6 +70,10 @@ def test_a_refused_request_is_not_retried_but_408_and_429_are(server, calls):
                                           # episode's failure, not a crash of the whole batch
                                           (["deep"], "judge_unparseable"),
                                           (["deep_content"], "judge_unparseable"),
+                                          # within it, but past what a recursive walk of the
+                                          # answer (masking, repr, writing comments) survives
+                                          (["nested"], "judge_unparseable"),
+                                          (["nested_comments"], "judge_unparseable"),
                                           # a body without end: read up to 1 MiB, not until the timeout
                                           (["flood"], "judge_unparseable")], indirect=["server"])
 def test_timeouts_and_garbage_become_masked_judge_failures(server, cause, monkeypatch, caplog, tmp_path):
@@ -234,6 +238,31 @@ def test_a_body_that_is_no_chat_completion_is_named_so(body):
                                                r"choices\[0\]\.message\.content text \(got "):
         message_content(body)
     assert message_content({"choices": [{"message": {"content": "{}"}}]}) == "{}"
+
+
+@pytest.mark.parametrize("server,what", [(["nested"], "the response body"),
+                                         (["nested_comments"], "the message content")],
+                         indirect=["server"])
+def test_an_answer_nested_past_the_depth_bound_is_unparseable_not_raised(server, what):
+    """700 nested brackets parse, but masking the answer recursed once per level and raised
+    RecursionError out of `grade` (the whole group masked as a runtime error)."""
+    (res,) = make_judge(cfg(server.url, api_key_env=None, max_retries=0)).grade(requests())
+    assert res.failure == "judge_unparseable"
+    assert res.info["detail"] == f"{what} nests lists and objects more than 32 deep"
+
+
+def test_the_depth_bound_counts_lists_and_objects():
+    from jscenegen.scene.judge_http import MAX_ANSWER_DEPTH, JudgeAnswerError, check_depth
+
+    def nest(n):
+        value = "leaf"
+        for k in range(n):
+            value = [value] if k % 2 else {"k": value}
+        return value
+
+    check_depth(nest(MAX_ANSWER_DEPTH), "x")
+    with pytest.raises(JudgeAnswerError, match=r"^x nests lists and objects more than 32 deep$"):
+        check_depth(nest(MAX_ANSWER_DEPTH + 1), "x")
 
 
 @pytest.mark.parametrize("server", [["answer"]], indirect=True)

@@ -6,9 +6,10 @@ JSON object {"grades": {key: int 0..10 for exactly the configured keys}, "commen
 exponential back-off (backoff_s x 2^attempt), except after an HTTP 4xx other than 408 and 429
 (a bad key, an unknown model: no retry can help), and no sooner than a Retry-After header in
 seconds asks (up to MAX_RETRY_AFTER_S); at most `concurrency` requests are in
-flight, over all requests of one `grade` call. An answer is read up to MAX_ANSWER_BYTES (1 MiB).
-A timeout, an unparseable or oversized answer or an error after the last try is a judge
-failure (masked by the reward).
+flight, over all requests of one `grade` call. An answer is read up to MAX_ANSWER_BYTES (1 MiB),
+and its body and message content may nest at most MAX_ANSWER_DEPTH lists and objects.
+A timeout, an unparseable, oversized or too deeply nested answer or an error after the last try
+is a judge failure (masked by the reward).
 The API key comes only from the environment variable named by `api_key_env`; it is sent in the
 Authorization header and never logged, printed or stored in results.
 """
@@ -41,6 +42,7 @@ RETRIED_4XX = (408, 429)  # request timeout, too many requests: the only 4xx wor
 MAX_ANSWER_BYTES = 1 << 20  # a grade object is a few hundred bytes: read no more than 1 MiB
 MAX_RETRY_AFTER_S = 60.0    # as judge.backoff_s: a server's Retry-After waits no longer
 PROBE_TIMEOUT_S = 10.0
+MAX_ANSWER_DEPTH = 32       # a chat completion nests 4 deep, a grade object 2 or 3
 
 
 class JudgeAnswerTooLarge(Exception):
@@ -84,6 +86,21 @@ class JudgeAnswerError(ValueError):
     """The judge's answer is not the strict JSON grade object."""
 
 
+def check_depth(value: Any, what: str) -> None:
+    """Raise JudgeAnswerError naming `what` when the parsed JSON `value` nests lists and objects
+    more than MAX_ANSWER_DEPTH deep. Iterative: what reads an answer afterwards (masking, repr,
+    writing the comments into trajectories) recurses once per level, and a few hundred levels
+    (JSON the parser still reads) would raise RecursionError out of `grade`."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > MAX_ANSWER_DEPTH:
+                raise JudgeAnswerError(f"{what} nests lists and objects more than "
+                                       f"{MAX_ANSWER_DEPTH} deep")
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+
+
 def message_content(answer) -> str:
     """The message text of an OpenAI chat-completion answer (the decoded response body):
     `choices[0].message.content`. Raises JudgeAnswerError saying what the body lacks."""
@@ -105,6 +122,7 @@ def parse_judge_content(content: str, grade_keys, mask=None) -> tuple[dict[str, 
         obj = loads_json(content.strip())
     except ValueError as err:
         raise JudgeAnswerError(f"not JSON: {err}") from None
+    check_depth(obj, "the message content")
     if mask is not None:
         obj = mask(obj)
     if not isinstance(obj, dict) or not isinstance(obj.get("grades"), dict):
@@ -321,7 +339,9 @@ class HttpJudge:
                     break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
-                answer = self._masked_value(loads_json(self._masked(raw)), MASKED_RAW_MIN_CHARS)
+                answer = loads_json(self._masked(raw))
+                check_depth(answer, "the response body")
+                answer = self._masked_value(answer, MASKED_RAW_MIN_CHARS)
                 grades, comments = parse_judge_content(message_content(answer), self.cfg.grade_keys,
                                                        self._masked_value)
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
