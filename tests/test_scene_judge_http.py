@@ -251,6 +251,12 @@ def test_an_answer_nested_past_the_depth_bound_is_unparseable_not_raised(server,
     assert res.info["detail"] == f"{what} nests lists and objects more than 32 deep"
 
 
+def test_repr_shows_the_base_url_without_its_credentials():
+    judge = make_judge(cfg("https://user:pa55word-x@judge.example:8443/v1?api_key=sk-QUERY-123",
+                           api_key_env=None))
+    assert repr(judge) == "HttpJudge(base_url='https://judge.example:8443/v1', model='judge-27b')"
+
+
 def test_the_depth_bound_counts_lists_and_objects():
     from jscenegen.scene.judge_http import MAX_ANSWER_DEPTH, JudgeAnswerError, check_depth
 

@@ -210,7 +210,7 @@ class HttpJudge:
             log.warning("judge: environment variable %s is not set; sending no Authorization header", cfg.api_key_env)
 
     def __repr__(self) -> str:
-        return f"HttpJudge(base_url={self.cfg.base_url!r}, model={self.cfg.model!r})"
+        return f"HttpJudge(base_url={shown_url(self.cfg.base_url)!r}, model={self.cfg.model!r})"
 
     def identity(self) -> dict:
         return {"backend": "http", "model": self.cfg.model,
