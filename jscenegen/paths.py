@@ -419,14 +419,16 @@ def jsonl_lines(text: str) -> list[str]:
 def loads_json(data: str | bytes, *, allow_nan: bool = True) -> Any:
     """`json.loads(data)` refusing a key repeated within one object (`unique_keys`), and with
     `allow_nan=False` the non-JSON constants NaN, Infinity and -Infinity that Python's parser
-    (and writer: metrics rows may hold them) accepts. Every way JSON text can be bad is a
-    ValueError whose text says what in words: the parser's syntax message, bytes that are not
-    UTF-8, a repeated key, such a constant, "nested too deeply" (past the interpreter's
-    recursion limit) or "an integer of more than N digits" (Python's int_max_str_digits, whose
-    own message advises a call only a programmer can make)."""
+    (and writer: metrics rows may hold them) accepts, and the numbers that are infinite as a
+    float (`1e400`, a 400-digit integer: beyond 1.8e308). Every way JSON text can
+    be bad is a ValueError whose text says what in words: the parser's syntax message, bytes
+    that are not UTF-8, a repeated key, such a constant or number, "nested too deeply" (past
+    the interpreter's recursion limit) or "an integer of more than N digits" (Python's
+    int_max_str_digits, whose own message advises a call only a programmer can make)."""
+    finite = {} if allow_nan else {"parse_constant": _refuse_constant, "parse_float": _finite_float,
+                                   "parse_int": _float_sized_int}
     try:
-        return json.loads(data, object_pairs_hook=unique_keys,
-                          parse_constant=None if allow_nan else _refuse_constant)
+        return json.loads(data, object_pairs_hook=unique_keys, **finite)
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except ValueError as err:
@@ -437,6 +439,24 @@ def loads_json(data: str | bytes, *, allow_nan: bool = True) -> Any:
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not JSON (a number must be written in digits)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is too large "
+                         "for a float (beyond 1.8e308)")
+    return value
+
+
+def _float_sized_int(text: str) -> int:
+    value = int(text)   # more than int_max_str_digits: the ValueError loads_json words
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"the integer {text[:20]}... ({len(text.lstrip('-'))} digits) is too "
+                         "large for a float (beyond 1.8e308)") from None
+    return value
 
 
 def read_json_object(path: str | Path, error: type[Exception] = ValueError) -> dict:

@@ -10,6 +10,7 @@ from jscenegen.paths import (
     atomic_dir,
     check_output_dir,
     check_output_file,
+    loads_json,
     read_json_object,
     require_new_dir,
     write_json,
@@ -254,3 +255,14 @@ def test_a_name_longer_than_the_file_system_allows_is_refused_as_such(tmp_path):
                                              r"the file system allows \(255\)$"):
             check(tmp_path / long / "x")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_loads_json_refuses_numbers_infinite_as_a_float_only_when_asked():
+    for text in ("1e400", "-1e400", "9" * 401):
+        with pytest.raises(ValueError, match=r"too large for a float \(beyond 1\.8e308\)$"):
+            loads_json(f"[{text}]", allow_nan=False)
+    assert loads_json("[1e308, -1e308]", allow_nan=False) == [1e308, -1e308]
+    assert loads_json("9" * 308, allow_nan=False) == int("9" * 308)
+    assert loads_json("[1e400]") == [float("inf")]   # the other callers parse as Python does
+    with pytest.raises(ValueError, match=r"^an integer of more than 4,300 digits$"):
+        loads_json("1" * 5000, allow_nan=False)

@@ -60,11 +60,29 @@ def A(obj) -> str:
         ('<action>{"ops": [{"op": "rotate_object", "id": "a", "yaw": NaN}]}</action>', "designer", "bad_json"),
         ('<action>{"ops": [{"op": "move_object", "id": "a", "position": [-Infinity, 1]}]}</action>',
          "designer", "bad_json"),
+        # numbers that are infinite as a float: the same constants written in digits
+        ('<action>{"ops": [{"op": "rotate_object", "id": "a", "yaw": 1e400}]}</action>', "designer", "bad_json"),
+        ('<action>{"ops": [{"op": "move_object", "id": "a", "position": [-' + "9" * 401 + ', 1]}]}</action>',
+         "designer", "bad_json"),
     ],
 )
 def test_malformed_actions_give_the_right_cause(text, role, cause):
     parsed = parse_action(text, role, GRADE_KEYS)
     assert parsed.failure_cause == cause and parsed.message
+
+
+def test_a_number_infinite_as_a_float_is_named_in_the_message():
+    yaw = parse_action('<action>{"ops": [{"op": "rotate_object", "id": "a", "yaw": 1e400}]}</action>',
+                       "designer", GRADE_KEYS)
+    assert yaw.message == ("action block is not valid JSON: the number 1e400 is too large for a float "
+                           "(beyond 1.8e308)")
+    big = parse_action('<action>{"action": "finish", "summary": "s", "n": ' + "9" * 401 + "}</action>",
+                       "planner", GRADE_KEYS)
+    assert big.failure_cause == "bad_json" and big.message == (
+        f"action block is not valid JSON: the integer {'9' * 20}... (401 digits) is too large for a "
+        "float (beyond 1.8e308)")
+    fits = '<action>{"ops": [{"op": "rotate_object", "id": "a", "yaw": 1e308}]}</action>'
+    assert parse_action(fits, "designer", GRADE_KEYS).failure_cause is None
 
 
 def test_well_formed_actions_parse():

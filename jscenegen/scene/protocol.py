@@ -22,7 +22,8 @@ RULES_REVISION = 3
 """Raised whenever a measuring or grading rule changes in code rather than through a config value,
 so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
 under the new one. 3: a footprint that holds no reachability cell centre (a 3 cm deep mirror) is
-the cell holding the object's centre, so it blocks and can be reached (it did neither).
+the cell holding the object's centre, so it blocks and can be reached (it did neither); a number
+in an action that is infinite as a float (1e400) is bad_json (was schema_violation).
 2: the door clearance box is blocked by floor objects only; a front faces a
 wall within 2 x agent_radius_m (was agent_radius_m + access_margin_m); the functionality cap
 counts storage fronts only (scene-protocol.md sections 4 and 5); resizes lift every level of
