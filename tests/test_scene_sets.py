@@ -338,6 +338,21 @@ def test_a_records_seed_is_32_bits(seed):
         record_from_json(data, "set.jsonl:3")
 
 
+def test_a_record_whose_scene_holds_objects_is_refused_naming_file_and_line(tmp_path):
+    """Section 6: a record's scene has an empty objects list (the episode furnishes it); one with
+    objects was read and its episode started furnished."""
+    empty = {"scene": {"room": room(), "objects": [], "prompt": "a bed"}, "seed": 1, "requested": []}
+    bed = {"id": "single_bed_1", "category": "single_bed", "position": [2.0, 1.5], "size": [0.9, 2.0, 0.5]}
+    furnished = {**empty, "scene": {**empty["scene"], "objects": [bed]}}
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps(empty) + "\n" + json.dumps(furnished) + "\n")
+    with pytest.raises(SceneError, match=rf"^{re.escape(str(path))}:2: scene\.objects: 1 object; a "
+                                         r"record's scene is the empty room the episode furnishes "
+                                         r"\(objects: \[\]\)$"):
+        read_scene_set(path)
+    assert record_from_json(empty).scene.objects == ()
+
+
 def test_a_pretty_printed_scene_given_as_a_scene_set_is_told_the_format(tmp_path):
     record = {"scene": {"room": room(), "objects": []}, "seed": 1, "requested": []}
     path = tmp_path / "set.json"

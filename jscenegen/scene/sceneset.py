@@ -35,8 +35,8 @@ class SceneRecord:
 
 
 def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
-    """Validate one JSONL record (its scene's prompt not blank). Raises SceneError naming
-    `source` and the field."""
+    """Validate one JSONL record (its scene's prompt not blank, its objects list empty: the
+    episode furnishes the room). Raises SceneError naming `source` and the field."""
     if not isinstance(data, dict):
         raise SceneError(f"{source}: a record must be a JSON object")
     if data.get("schema", SET_SCHEMA) != SET_SCHEMA:
@@ -53,6 +53,10 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
     if not scene.prompt.strip():   # `design --prompt ""` is refused the same way
         raise SceneError(f"{source}: scene.prompt: empty; a record's prompt is the request the "
                          "planner is given")
+    if scene.objects:
+        n = len(scene.objects)
+        raise SceneError(f"{source}: scene.objects: {n} object{'' if n == 1 else 's'}; a record's "
+                         "scene is the empty room the episode furnishes (objects: [])")
     return SceneRecord(scene, seed, items)
 
 
