@@ -175,6 +175,18 @@ def _parse_value(text: str, item: str) -> Any:
         return text
 
 
+def override_value(item: str) -> Any:
+    """The value of a `key=value` override as `apply_overrides` reads it (YAML: `{a: 1}` a
+    mapping, `"x"` the string x), the raw text when the config files' guards refuse it; None
+    for an item without `=`."""
+    if "=" not in item:
+        return None
+    try:
+        return _parse_value(item.split("=", 1)[1], item)
+    except ConfigError:
+        return item.split("=", 1)[1]
+
+
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Return a copy of `data` with each `a.b.c=value` override set (value parsed as YAML); a
     mapping value sets its keys one by one (`schedule={group_size: 8}` is
@@ -183,9 +195,7 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     Raises ConfigError for an override without `=`, a key given twice (a mapping's keys
     included), or one that descends into a non-mapping.
     """
-    import copy
-
-    out = copy.deepcopy(data)
+    out = _unshared_copy(data)
     given: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
@@ -204,6 +214,17 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
                 raise ConfigError(f"override {clip_text(repr(leaf))}: {clip_text(section)} is a "
                                   f"value {setter}, not a section")
     return out
+
+
+def _unshared_copy(data: Any) -> Any:
+    """A copy of nested dicts and lists in which no two places share an object: a YAML alias
+    (`judge: *s`) read as the same dict as its anchor (`sampling: &s {...}`) would take an
+    override of one as an override of both (copy.deepcopy keeps the sharing)."""
+    if isinstance(data, dict):
+        return {k: _unshared_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_unshared_copy(v) for v in data]
+    return data
 
 
 def override_leaf_keys(item: str) -> list[str]:
@@ -418,9 +439,13 @@ def _core_schema(cls, *, keep_yaml_1_1: bool = False) -> None:
 
 def _construct_int(loader, node) -> int:
     text = loader.construct_scalar(node)
-    if text.startswith(("0o", "0x")):
-        return int(text[2:], 8 if text[1] == "o" else 16)
-    return int(text, 10)   # leading zeros are decimal
+    try:
+        if text.startswith(("0o", "0x")):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text, 10)   # leading zeros are decimal
+    except ValueError:   # beyond Python's 4,300-digit conversion limit
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(text):,} digits", node.start_mark) from None
 
 
 def _construct_float(loader, node) -> float:

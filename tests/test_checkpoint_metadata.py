@@ -61,6 +61,26 @@ def test_redact_argv_keeps_keys_and_reports_what_it_removed(monkeypatch):
                             "sk-env-0123456789"}
 
 
+def test_redact_argv_reads_an_override_as_its_yaml_value():
+    """A credential inside a mapping value or a quoted URL was kept (only the raw text was
+    checked): it reached error lines and the argv recorded for the run."""
+    argv = ["judge={api_key: sk-abc123}", 'judge={base_url: "https://u:hunter2@h/v1"}',
+            'judge.base_url="https://u:hunter2@h/v1"', "judge={model: q, timeout_s: 5}"]
+    out, removed = redact_argv(argv)
+    assert out == [f"judge={REDACTED}"] * 2 + [f"judge.base_url={REDACTED}",
+                                               "judge={model: q, timeout_s: 5}"]
+    assert "sk-abc123" in removed and "https://u:hunter2@h/v1" in removed
+    assert '"https://u:hunter2@h/v1"' in removed and "{api_key: sk-abc123}" in removed
+
+
+def test_a_credential_in_a_refused_override_never_reaches_the_error_line(capsys):
+    from jscenegen.cli import main
+
+    rc = main(["train", "judge={api_key: sk-abc123}", "logging.swanlab_mode=disabled"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown key 'judge.api_key'" in err and "sk-abc123" not in err, err
+
+
 def test_mask_credentials_keeps_lengths_in_every_file(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "meta.json").write_text('{"command": "train judge.base_url=https://u:pw-1@h"}')

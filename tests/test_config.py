@@ -457,3 +457,22 @@ def test_a_saved_config_reads_back_as_written(tmp_path):
     import yaml  # and a YAML 1.1 reader (PyYAML's safe_load, Hydra) reads text as text
     odd = {"a": "yes", "b": "010", "c": "1:30", "d": "2.5e6", "e": "true", "f": 1e-6, "g": True}
     assert yaml.safe_load(dump_yaml(odd)) == odd
+
+
+def test_an_integer_beyond_pythons_digit_limit_names_file_line_and_column(tmp_path):
+    """int() refuses more than 4,300 digits with advice for programmers
+    (sys.set_int_max_str_digits), naming no file, line or key."""
+    path = tmp_path / "c.yaml"
+    path.write_text("schedule:\n  total_updates: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2:18: not valid YAML: an "
+                                          r"integer of 5,000 digits$"):
+        read_yaml(path)
+
+
+def test_an_override_of_a_section_leaves_a_yaml_alias_of_it_alone():
+    from jscenegen.config import apply_overrides
+
+    shared = {"temperature": 0.7}
+    out = apply_overrides({"sampling": shared, "judge": shared}, ["sampling.temperature=1.0"])
+    assert out == {"sampling": {"temperature": 1.0}, "judge": {"temperature": 0.7}}
+    assert shared == {"temperature": 0.7}

@@ -114,9 +114,22 @@ def test_a_template_jinja_refuses_is_a_chat_template_error_naming_the_line(tok, 
         ChatTokenizer(tok, "{% for m in messages %}\n{{ garbage\n", "bad.jinja")
     with pytest.raises(ChatTemplateError, match=r"^raises: the chat template fails in jinja: no"):
         ChatTokenizer(tok, "{{ raise_exception('no') }}", "raises")
+    # errors of the template's own expressions were a bare traceback
+    with pytest.raises(ChatTemplateError, match=r"^zd\.jinja: the chat template fails while "
+                                                r"rendering \(ZeroDivisionError: "):
+        ChatTokenizer(tok, "{{ 1 // 0 }}", "zd.jinja")
+    with pytest.raises(ChatTemplateError, match=r"^add\.jinja: the chat template fails while "
+                                                r"rendering \(TypeError: "):
+        ChatTokenizer(tok, "{{ messages + 1 }}", "add.jinja")
     with pytest.raises(ChatTemplateError, match=rf"^sampling.chat_template_path {tmp_path}: is a directory"):
         ChatTokenizer.from_dir(tmp_path, chat_template_path=tmp_path)
     empty = tmp_path / "empty.jinja"
     empty.write_text("\n")             # was "the tokenizer has no chat template; pass chat_template_path"
     with pytest.raises(ChatTemplateError, match=rf"^--chat-template {empty}: the file is empty"):
         ChatTokenizer.from_dir(tmp_path, chat_template_path=empty, option="--chat-template")
+
+
+def test_a_path_that_is_no_directory_is_refused_without_going_online(tmp_path):
+    """transformers took `Qwen/Qwen3-0.6B` for a Hub id and tried the network for ~50 s."""
+    with pytest.raises(ChatTemplateError, match=r"^Qwen/Qwen3-0\.6B: not a directory"):
+        ChatTokenizer.from_dir("Qwen/Qwen3-0.6B")

@@ -30,7 +30,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from jscenegen.config import REDACTED, dotted_items
+from jscenegen.config import REDACTED, dotted_items, override_value
 from jscenegen.paths import atomic_file
 
 # Words that make a key name a credential, matched on the `_`/`-`/`.`/camelCase parts of the
@@ -115,22 +115,40 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any], *,
             and not k.startswith(ignored) and before.get(k) != REDACTED]
 
 
+def _credential_strings(obj: Any, secrets: list[str], named: bool = False) -> list[str]:
+    """The scalars of a JSON-like `obj` that `redact` replaces (under a credential-named key,
+    or a secret string), as text."""
+    if isinstance(obj, Mapping):
+        return [s for k, v in obj.items()
+                for s in _credential_strings(v, secrets, named or is_credential_name(str(k)))]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in _credential_strings(v, secrets, named)]
+    if obj is None or isinstance(obj, (dict, list)):
+        return []
+    text = str(obj)
+    return [text] if named or (isinstance(obj, str) and _is_secret_string(text, secrets)) else []
+
+
 def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(argv with credentials replaced, the credential strings it held).
 
     `key=value` and `--option=value` items keep their key: the value is replaced when the key
-    names a credential or the value is one (as `redact` decides); any other item that is a
-    credential is replaced whole. The second list is what was removed, longest first (to mask
-    copies that were written before redaction, see `mask_credentials`).
+    names a credential or the value holds one, read as the override's YAML value
+    (`config.override_value`: `judge={api_key: X}`, a quoted URL with a password), as
+    `redact` decides; any other item that is a credential is replaced whole. The second list is
+    what was removed, longest first (to mask copies that were written before redaction, see
+    `mask_credentials`).
     """
     secrets = environment_secrets()
     out, removed = [], []
     for item in argv:
         key, eq, value = item.partition("=")
+        parsed = override_value(item)
         if eq and key and (is_credential_name(key.lstrip("-").split(".")[-1])
-                           or _is_secret_string(value, secrets)):
+                           or _is_secret_string(value, secrets)
+                           or redact(parsed, secrets) != parsed):
             out.append(f"{key}={REDACTED}")
-            removed.append(value)
+            removed += [value, *_credential_strings(parsed, secrets)]
         elif _is_secret_string(item, secrets):
             out.append(REDACTED)
             removed.append(item)

@@ -146,16 +146,9 @@ class ChatTokenizer:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(f"{source}: the tokenizer has no chat template; pass one with "
                                     f"{option} (e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
-        from jinja2 import TemplateError
-
-        try:
-            self.eot_token = self._find_eot()
-            self.eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
-            self.check_prefix_preserving()
-        except TemplateError as err:  # a syntax error, or one raised while rendering
-            line = getattr(err, "lineno", None)
-            raise ChatTemplateError(f"{source}: the chat template fails in jinja"
-                                    f"{f' at line {line}' if line else ''}: {err}") from None
+        self.eot_token = self._find_eot()
+        self.eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
+        self.check_prefix_preserving()
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template_path: str | Path | None = None,
@@ -166,7 +159,8 @@ class ChatTokenizer:
         the bundled protocol template (module docstring). `option`: how the command's user
         passes `chat_template_path` (the config key, or `--chat-template` of `sft`), named in
         the errors. Raises ChatTemplateError as the constructor does for any other directory,
-        for a refused replacement template, or for a directory without tokenizer files.
+        for a refused replacement template, or for a path that is no directory (never looked
+        up online) or a directory without tokenizer files.
         """
         from transformers import AutoTokenizer
 
@@ -181,13 +175,16 @@ class ChatTokenizer:
             raise ChatTemplateError(f"{option} {chat_template_path}: the file is empty "
                                     "(a jinja chat template, e.g. jscenegen/model/tokenizer/"
                                     "templates/chatml.jinja)")
-        if Path(path).is_dir():   # transformers' loader would wait on a named pipe
-            refuse_irregular_assets(path, ChatTemplateError)
-        if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        if not Path(path).is_dir():   # transformers would take it for a Hub id and go online
+            raise ChatTemplateError(f"{path}: not a directory (a local HF model directory with "
+                                    "the model's tokenizer files)")
+        refuse_irregular_assets(path, ChatTemplateError)   # the loader would wait on a named pipe
+        if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
             raise ChatTemplateError(f"{path}: no tokenizer file ({', '.join(TOKENIZER_FILES)}); "
                                     "copy the model's tokenizer files into it")
         try:
-            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False,
+                                                local_files_only=True)
         except Exception as err:  # transformers' parsers raise anything on a malformed file
             raise ChatTemplateError(f"{path}: the tokenizer cannot be loaded ({type(err).__name__}: "
                                     f"{err}); tokenizer.json and tokenizer_config.json must be "
@@ -225,9 +222,21 @@ class ChatTokenizer:
 
     # ---- text <-> tokens ----------------------------------------------------------------
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        """The chat template applied to `messages` as text."""
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        """The chat template applied to `messages` as text. Raises ChatTemplateError (the
+        source, jinja's line) when the template fails: a syntax error, `raise_exception`, or
+        anything its expressions raise (`{{ 1 // 0 }}`)."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as err:
+            line = getattr(err, "lineno", None)
+            raise ChatTemplateError(f"{self.source}: the chat template fails in jinja"
+                                    f"{f' at line {line}' if line else ''}: {err}") from None
+        except Exception as err:   # the template's own expressions: ZeroDivisionError, TypeError
+            raise ChatTemplateError(f"{self.source}: the chat template fails while rendering "
+                                    f"({type(err).__name__}: {err})") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (special tokens in the text recognised, none added).
