@@ -29,6 +29,7 @@ from convert.sharding import chunk_bounds
 from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
 from convert.torch_safe import StorageCrcs, check_torch_zip, load_pt
+from convert.verl_write import MAX_WORLD_SIZE
 from jscenegen.checkpoint.resume import (
     RUN_IDENTITY_KEYS,
     RUN_STATE_FILE,
@@ -130,17 +131,24 @@ def _check_rank_files(d: Path) -> tuple[int, tuple[str, ...]]:
     if len(sizes) != 1:
         raise ConvertError(f"{d}: rank files for several world sizes {sorted(sizes)}; keep one")
     (world_size,) = sizes
+    if world_size > MAX_WORLD_SIZE:   # before anything counts up to W
+        kind, per_kind = next(iter(found.items()))
+        f = d / f"{kind}_world_size_{world_size}_rank_{min(per_kind[world_size])}.pt"
+        raise ConvertError(f"{f}: world size {world_size:,} is above {MAX_WORLD_SIZE:,}, the most "
+                           "a VERL checkpoint is written for (three files a rank)")
     if "model" not in found:
         raise ConvertError(f"{d}: no model_world_size_{world_size}_rank_*.pt files")
     for kind, per_kind in found.items():
         ranks = per_kind[world_size]
-        missing = sorted(set(range(world_size)) - ranks)
-        if missing:
+        inside = sorted(r for r in ranks if r < world_size)
+        if len(inside) < world_size:   # the first few absent ranks, found among len(ranks) + 3
+            missing = [r for r in range(min(world_size, len(inside) + 3)) if r not in ranks]
             raise ConvertError(
                 f"{d / f'{kind}_world_size_{world_size}_rank_{missing[0]}.pt'}: missing "
-                f"({len(missing)} of {world_size} {kind} rank files absent: ranks {missing})"
+                f"({world_size - len(inside)} of {world_size} {kind} rank files absent: ranks "
+                f"{', '.join(map(str, missing))}{', ...' if world_size - len(inside) > len(missing) else ''})"
             )
-        extra = sorted(ranks - set(range(world_size)))
+        extra = sorted(r for r in ranks if r >= world_size)
         if extra:
             raise ConvertError(
                 f"{d / f'{kind}_world_size_{world_size}_rank_{extra[0]}.pt'}: rank {extra[0]} "

@@ -42,6 +42,23 @@ def test_missing_rank_file(actor, tmp_path):
     _assert_nothing_written(tmp_path)
 
 
+def test_a_world_size_no_checkpoint_has_is_refused_without_counting_to_it(tmp_path):
+    """A file name claiming W = 99,999,999,999: refused naming the file (building the set of
+    its W ranks took all memory); a W within bounds with one file lists the first absent ranks."""
+    from convert.verl_read import find_verl
+
+    d = tmp_path / "global_step_1"
+    d.mkdir()
+    (d / "model_world_size_99999999999_rank_0.pt").write_bytes(b"")
+    with pytest.raises(ConvertError, match=r"model_world_size_99999999999_rank_0\.pt: world size "
+                                           r"99,999,999,999 is above 8,192"):
+        find_verl(d)
+    (d / "model_world_size_99999999999_rank_0.pt").rename(d / "model_world_size_8192_rank_5.pt")
+    with pytest.raises(ConvertError, match=r"model_world_size_8192_rank_0\.pt: missing \(8191 of "
+                                           r"8192 model rank files absent: ranks 0, 1, 2, 3, \.\.\.\)"):
+        find_verl(d)
+
+
 def test_world_size_contradicted_by_fsdp_config(actor, tmp_path):
     (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
     with pytest.raises(ConvertError, match=r"fsdp_config\.json: world_size 4 contradicts"):
