@@ -174,6 +174,19 @@ def _check_float(f: Path, key: str, t: Any, first: Any) -> None:
                            "rank 0")
 
 
+def _check_dense(f: Path, key: str, t: Any) -> None:
+    """Refuse a tensor that is not contiguous or whose storage does not hold all of it: an
+    expanded view (stride 0) of a few bytes would be read as gigabytes, and torch.save writes
+    every saved shard dense (FSDP2's locals, Shard(1) ones included, and replicated tensors)."""
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    if not t.is_contiguous():
+        raise ConvertError(f"{f}: {key} is not contiguous (strides {tuple(t.stride())} for shape "
+                           f"{tuple(t.shape)}); a saved shard holds each element once")
+    if t.untyped_storage().nbytes() < need:
+        raise ConvertError(f"{f}: {key} needs {need:,} bytes of storage from its offset, the file "
+                           f"holds {t.untyped_storage().nbytes():,}")
+
+
 def _check_optim_structure(f: Path, sd: dict) -> None:
     """Refuse an optimizer file whose `state` / `param_groups` are not torch AdamW's shapes:
     state {int index: {"exp_avg", "exp_avg_sq", "step": a finite number}}, param_groups
@@ -494,8 +507,8 @@ class VerlCheckpoint:
     def _local_shards(self, kind: str, key: str, entries: list[Any],
                       shape: tuple[int, ...]) -> tuple[int | None, list[Any]]:
         """(shard dim or None, the local tensors to reassemble) of one DTensor's per-rank
-        entries, every rank's placement, global and local shape and dtype checked (metadata
-        only: no data is read)."""
+        entries, every rank's placement, global and local shape, dtype, strides and storage
+        size checked (metadata only: no data is read)."""
         from torch.distributed.tensor import DTensor
 
         first = entries[0]
@@ -511,6 +524,7 @@ class VerlCheckpoint:
                                    f"{self.config.assumed_sizes_note()}")
             if self._shard_dim(f, key, t, rank=r) != dim:
                 raise ConvertError(f"{f}: {key} placement {t.placements} differs from rank 0's")
+            _check_dense(f, key, t._local_tensor)
             if r >= n_shards:
                 continue  # HSDP: ranks beyond the first fsdp group are replicas
             local = t._local_tensor
@@ -527,7 +541,7 @@ class VerlCheckpoint:
 
     def check_tensors(self) -> None:
         """Every model entry and AdamW moment checked as reading it would check it, from the
-        files' metadata alone (`_local_shards`; plain tensors: type, shape, dtype), and a tied
+        files' metadata alone (`_local_shards`; plain tensors: type, shape, dtype, strides), and a tied
         `lm_head.weight` equal to the embedding (both read once): a writer that reads lazily
         (orbax) then meets no malformed entry half-way. Raises ConvertError."""
         from torch.distributed.tensor import DTensor
@@ -646,6 +660,7 @@ class VerlCheckpoint:
             raise ConvertError(f"{f}: {key} has shape {tuple(t.shape)}, expected {shape} "
                                "(plain tensors must be replicated whole on every rank)")
         _check_float(f, key, t, first)
+        _check_dense(f, key, t)
 
     # ---- model -------------------------------------------------------------------------
     def tensor_info(self) -> dict[str, TensorInfo]:

@@ -495,6 +495,34 @@ def test_a_shard_of_another_dtype_or_an_integer_weight_is_refused(actor, tmp_pat
     _assert_nothing_written(tmp_path)
 
 
+def test_an_expanded_shard_is_refused_before_it_is_read(actor, tmp_path):
+    """A local shard or plain tensor saved as `zeros(1).expand(rows, cols)` (stride 0, 4 bytes
+    of storage) is refused naming file and key: reading it would make rows x cols x W values
+    of a few bytes (terabytes from a small file)."""
+    import torch
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def expanded(sd):
+        t = sd[name]
+        local = torch.zeros(1).expand(*t._local_tensor.shape)
+        sd[name] = type(t).from_local(local, t.device_mesh, t.placements, shape=t.shape,
+                                      stride=t.stride(), run_check=False)
+
+    _edit(actor / "model_world_size_6_rank_2.pt", expanded)
+    with pytest.raises(ConvertError, match=rf"rank_2\.pt: {re.escape(name)} is not contiguous "
+                                           r"\(strides \(0, 0\) for shape"):
+        verl_to_hf(actor, tmp_path / "out")
+
+    def plain(sd):
+        sd[name] = torch.zeros(1).expand(*sd[name].shape)
+
+    _edit_every_rank(actor, "model", plain)
+    with pytest.raises(ConvertError, match=rf"rank_0\.pt: {re.escape(name)} is not contiguous"):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
 def test_a_tied_head_that_differs_from_the_embedding_is_refused(actor, tmp_path, capsys):
     from jscenegen.cli import main
 
