@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from convert.errors import ConversionWarning, ConvertError
+from convert.layout import NAME as LAYOUT_NAME
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
 from convert.tensor_sets import (
@@ -35,21 +36,26 @@ from convert.tensor_sets import (
 from convert.tensors import cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, SliceReader, write_rank_files
-from jscenegen.checkpoint.checksums import write_checksums
+from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, write_checksums
 from jscenegen.checkpoint.resume import RUN_STATE_FILE
+from jscenegen.checkpoint.store import METADATA_NAME
 from jscenegen.model.assets import TOKENIZER_FILES, copy_non_weights
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
 from jscenegen.paths import atomic_dir, write_json
 
+# what a checkpoint writes about itself: describes the source, stale in any output (the
+# published layout's huggingface/ links to its root, which holds them)
+CHECKPOINT_RECORDS = (CHECKSUMS_NAME, LAYOUT_NAME, METADATA_NAME)
 
-# files of an HF directory that are weights (not copied into VERL's huggingface/ or re-emitted)
+
 def copy_hf_metadata(src_hf: Path, dst: Path) -> list[tuple[str, list[str]]]:
-    """Copy every non-weight file (config, tokenizer, chat template, processor files, ...).
+    """Copy every non-weight file (config, tokenizer, chat template, processor files, ...)
+    except `CHECKPOINT_RECORDS` and links out of `src_hf` (`copy_non_weights`).
 
     Returns [(written name, [source path])] for the layout file.
     """
-    return [(p.name, [str(p)]) for p in copy_non_weights(src_hf, dst)]
+    return [(p.name, [str(p)]) for p in copy_non_weights(src_hf, dst, skip=CHECKPOINT_RECORDS)]
 
 
 @dataclasses.dataclass

@@ -291,6 +291,32 @@ def test_a_non_asset_entry_that_is_no_regular_file_is_named_not_copied(tmp_path,
     assert [r.getMessage() for r in caplog.records] == [f"{src / 'README.md'}: is a named pipe; not copied"]
 
 
+def test_links_out_of_the_source_are_named_not_copied(tmp_path, caplog):
+    """A non-weight entry linking to a file outside the source directory (`notes.txt ->
+    /tmp/secret.txt`) is left out, all such named in one warning; a link inside the directory
+    and a model file linking out (a Hugging Face cache snapshot's blobs) are copied."""
+    from jscenegen.model.assets import copy_non_weights
+
+    secret, blob = tmp_path / "secret.txt", tmp_path / "blob"
+    secret.write_text("password")
+    blob.write_text("{}")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "LICENSE").write_text("terms")
+    (src / "notes.txt").symlink_to(secret)
+    (src / "more.txt").symlink_to("../secret.txt")
+    (src / "COPYING").symlink_to("LICENSE")
+    (src / "config.json").symlink_to(blob)
+    with caplog.at_level("WARNING"):
+        copied = copy_non_weights(src, tmp_path / "dst")
+    assert [p.name for p in copied] == ["COPYING", "LICENSE", "config.json"]
+    assert sorted(os.listdir(tmp_path / "dst")) == ["COPYING", "LICENSE", "config.json"]
+    assert (tmp_path / "dst" / "COPYING").read_text() == "terms"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{src / 'more.txt'} -> {secret}, {src / 'notes.txt'} -> {secret}: not copied: symbolic "
+        f"links to files outside {src}"]
+
+
 def test_a_verl_reshard_keeps_the_sources_mesh_device(tmp_path, capsys):
     """--mesh-device defaulted to cuda: a gloo run's checkpoint resharded came back on a cuda
     mesh, which torch then refused to load into the gloo run's parameters."""

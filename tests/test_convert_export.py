@@ -140,6 +140,22 @@ def test_convert_reads_its_source_format_from_the_file_names(exported, tmp_path,
     assert "not a checkpoint" in capsys.readouterr().err
 
 
+def test_converting_an_export_carries_none_of_its_own_records(exported, tmp_path):
+    """The export's huggingface/ links to its root, which holds checksums.json,
+    checkpoint-layout.json and training_metadata.json: they describe the export, and were
+    copied stale into the new huggingface/ (VERL) or root (HF)."""
+    from convert.directions import verl_to_hf, verl_to_verl
+
+    state = exported["out"] / "training_state" / "global_step_3"
+    shard_dir = verl_to_verl(state, tmp_path / "verl", world_size=2, device_type="cpu")
+    hf = sorted(p.name for p in (shard_dir / "huggingface").iterdir())
+    assert hf == ["chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"]
+    verl_to_hf(state, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "training_metadata.json").exists()
+    layout = json.loads((tmp_path / "hf" / "checkpoint-layout.json").read_text())
+    assert layout["format"] == "hf-safetensors" and verify_checksums(tmp_path / "hf") > 0
+
+
 # ---------------------------------------------------------------- Qwen3.5 VLM
 @pytest.fixture(scope="module")
 def exported35(tmp_path_factory):

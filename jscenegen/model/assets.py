@@ -92,21 +92,31 @@ def check_asset_files(src: str | Path, error: type[Exception] = ValueError) -> N
                         f"{tokenizers.__version__} reads ({str(err)[:200]})") from None
 
 
-def copy_non_weights(src: str | Path, dst: str | Path) -> list[Path]:
-    """Copy every regular file of `src` that is not a weight file into `dst`; returns the sources.
-    Subdirectories are not copied; any other entry that is not a regular file (a named pipe,
-    a broken link) is named in a warning."""
+def copy_non_weights(src: str | Path, dst: str | Path, *, skip: tuple[str, ...] = ()) -> list[Path]:
+    """Copy every regular file of `src` that is not a weight file nor named in `skip` into
+    `dst`; returns the sources. Subdirectories are not copied; any other entry that is not a
+    regular file (a named pipe, a broken link) is named in a warning, and so, in one warning,
+    are the symbolic links other than `ASSET_FILES` that resolve outside `src` (a
+    `notes.txt -> /tmp/secret.txt` would carry a file from elsewhere into a published model;
+    the model's own files may link out, as a Hugging Face cache snapshot links its blobs)."""
     from jscenegen.paths import not_a_file
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    copied = []
+    root = Path(src).resolve()
+    copied, outside = [], []
     for p in sorted(Path(src).iterdir()):
-        if is_weight_file(p.name) or p.is_dir():
+        if is_weight_file(p.name) or p.name in skip or p.is_dir():
             continue
         if why := not_a_file(p):
             log.warning("%s: %s; not copied", p, why)
             continue
+        if p.is_symlink() and p.name not in ASSET_FILES and not p.resolve().is_relative_to(root):
+            outside.append(p)
+            continue
         shutil.copy2(p, dst / p.name)
         copied.append(p)
+    if outside:
+        log.warning("%s: not copied: symbolic links to files outside %s", ", ".join(
+            f"{p} -> {p.resolve()}" for p in outside), root)
     return copied
