@@ -48,6 +48,7 @@ from convert.tensors import cast, lazy_cast
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
 from jscenegen.checkpoint.checksums import write_checksums
+from jscenegen.lr_schedule import lr_lambda
 from jscenegen.model.safetensors_stream import write_safetensors_streaming
 from jscenegen.paths import atomic_dir, not_a_file
 
@@ -360,8 +361,11 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
 
     Adam state is written for the step's trainable tensors (those with moments); the others
     (a frozen tower) get an index in `param_groups` and no state. `mtp.*` are not VERL
-    tensors and are not read. Raises ConvertError for moments of a tensor VERL files cannot
-    hold.
+    tensors and are not read. The optimizer groups' `lr` and the scheduler's `_last_lr` are
+    initial_lr x the run config's schedule at the step's LR count, what torch's AdamW +
+    LambdaLR hold after that many steps (a step without a run config: a converted one keeps its
+    VERL source's, an HF one the base lr). Raises ConvertError for moments of a tensor VERL
+    files cannot hold, or a run config without the schedule's settings.
     """
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.checkpoint.resume import checkpoint_position, has_run_identity
@@ -379,16 +383,20 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
     train_state = ckpt.read_train_state(step_dir)
     count = ckpt.read_adam_count(step_dir)
     verl_src = ((meta.get("source") or {}).get("verl") or {})
+    optim = (meta.get("config") or {}).get("optim") or {}
     groups = verl_src.get("param_groups")
     if groups:
         groups = [dict(g, betas=tuple(g["betas"])) for g in groups]
     else:
-        optim = (meta.get("config") or {}).get("optim") or {}
         groups = adamw_param_groups(len(shapes), lr=float(optim.get("lr", 1e-6)),
                                     betas=tuple(optim.get("betas", (0.9, 0.999))),
                                     eps=float(optim.get("eps", 1e-8)),
                                     weight_decay=float(optim.get("weight_decay", 0.01)))
     at = checkpoint_position(train_state)
+    if optim:   # the run's schedule: the groups' lr where the checkpoint stands
+        m = lr_lambda(_schedule_fields(step_dir, optim), at.lr_step)
+        for g in groups:
+            g["lr"] = float(g.get("initial_lr", g["lr"])) * m
     extras_json = verl_src.get("extra_state") or []
     if extras_json:
         extras = [extra_state_from_json(e) for e in extras_json]
@@ -396,8 +404,8 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
             extras = extras[:1]
         for e in extras:
             if e.get("lr_scheduler"):
-                e["lr_scheduler"]["last_epoch"] = at.lr_step
-                e["lr_scheduler"]["_step_count"] = at.lr_step + 1
+                e["lr_scheduler"].update(last_epoch=at.lr_step, _step_count=at.lr_step + 1,
+                                         _last_lr=[float(g["lr"]) for g in groups])
     else:
         lr = float(groups[0]["lr"])
         extras = [{"lr_scheduler": lambda_lr_state(float(groups[0].get("initial_lr", lr)),
@@ -410,6 +418,20 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
         extra_states=extras, global_step=at.step,
         train_state=({k: v for k, v in train_state.items() if k != "source_format"}
                      if has_run_identity(train_state) else None))
+
+
+def _schedule_fields(step_dir: Path, optim: dict[str, Any]) -> Any:
+    """The LR schedule settings of the run config's `optim` section (training_metadata.json),
+    as attributes for `lr_schedule.lr_lambda`. Raises ConvertError naming the file and key."""
+    from types import SimpleNamespace
+
+    from jscenegen.checkpoint.store import METADATA_NAME
+
+    keys = ("lr_schedule", "warmup_steps", "total_steps", "min_lr_ratio", "num_cycles")
+    if missing := [k for k in keys if k not in optim]:
+        raise ConvertError(f"{step_dir / METADATA_NAME}: config.optim has no {missing[0]}; the "
+                           "LR a VERL resume starts at is computed from the run's schedule")
+    return SimpleNamespace(**{k: optim[k] for k in keys})
 
 
 def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",

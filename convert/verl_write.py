@@ -213,7 +213,8 @@ def _tied_view(emb: Any) -> Any:
 
 
 def lambda_lr_state(base_lr: float, last_epoch: int, last_lr: float) -> dict[str, Any]:
-    """A torch LambdaLR `state_dict()` (installed torch's keys) at `last_epoch` steps taken.
+    """A torch LambdaLR `state_dict()` (installed torch's keys) at `last_epoch` steps taken,
+    `last_lr` = base_lr x the multiplier at `last_epoch` (what the optimizer's group lr is then).
 
     VERL builds LambdaLR (verl/utils/torch_functional.py); its lambda is rebuilt from config on
     load, so `lr_lambdas` is `[None]`.
@@ -224,6 +225,4 @@ def lambda_lr_state(base_lr: float, last_epoch: int, last_lr: float) -> dict[str
     sd = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0).state_dict()
     sd.update(base_lrs=[base_lr], last_epoch=int(last_epoch), _step_count=int(last_epoch) + 1,
               _last_lr=[float(last_lr)], lr_lambdas=[None])
-    if "_is_initial" in sd:
-        sd["_is_initial"] = last_epoch == 0
-    return sd
+    return sd   # _is_initial: as torch leaves it after construction and after every step

@@ -445,3 +445,74 @@ def test_a_run_directory_without_a_complete_step_says_why_its_newest_is_not(conv
     with pytest.raises(ConvertError, match=rf"^{run / '3'}: not a complete checkpoint \({run / '3'}: "
                                            r"missing params, adam\)$"):
         orbax_step_dir(run / "3")
+
+
+@pytest.mark.parametrize("keep_verl_state", [False, True])
+@pytest.mark.parametrize("optim", [
+    {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 5, "total_steps": None,
+     "min_lr_ratio": 0.0, "num_cycles": 0.5},
+    {"lr": 1e-3, "lr_schedule": "cosine", "warmup_steps": 2, "total_steps": 10,
+     "min_lr_ratio": 0.1, "num_cycles": 0.5}], ids=["warmup", "cosine"])
+def test_the_verl_optimizer_resumes_at_the_scheduled_lr(converted, tmp_path, optim, keep_verl_state):
+    """At LR count k = 3 the VERL files hold what torch's AdamW + LambdaLR hold after k steps
+    (group lr = initial_lr x lambda(k), _last_lr, last_epoch, _step_count, _is_initial), and
+    the step after loading them is torch's: the base lr was written, and torch's
+    load_state_dict keeps it while VERL steps the optimizer before the scheduler. Both for a
+    run's own checkpoint and for one that keeps a VERL source's scheduler state."""
+    import math
+    import shutil
+
+    import torch
+
+    from convert.orbax_directions import orbax_state
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    run = tmp_path / "run"
+    shutil.copytree(converted["run"], run)
+    step_dir = run / converted["step"].name
+    meta_file = step_dir / "training_metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"] = {"optim": optim}
+    if not keep_verl_state:
+        del meta["source"]
+    meta_file.write_text(json.dumps(meta))
+    write_checksums(step_dir)
+    write_checksums(run)
+    state = orbax_state(step_dir, 6)
+
+    lo, warm = optim["min_lr_ratio"], optim["warmup_steps"]
+
+    def lam(s):   # verl/utils/torch_functional.py, written out
+        if s < warm:
+            return float(s) / float(max(1, warm))
+        if optim["lr_schedule"] == "constant":
+            return 1.0
+        x = math.cos(math.pi * 0.5 * 2.0 * float(s - warm) / float(max(1, optim["total_steps"] - warm)))
+        return max(lo, x * (1 - lo) * 0.5 + (1 + lo) * 0.5)
+
+    def torch_run():
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01)
+        return p, opt, torch.optim.lr_scheduler.LambdaLR(opt, lam)
+
+    p, opt, sched = torch_run()
+    for _ in range(3):   # VERL: optimizer.step() then lr_scheduler.step()
+        p.grad = torch.full((4,), 0.5)
+        opt.step()
+        sched.step()
+    group = dict(state.adam.param_groups[0], params=[0])
+    assert group == opt.state_dict()["param_groups"][0]
+    assert group["lr"] == 1e-3 * lam(3) and group["initial_lr"] == 1e-3
+    assert state.extra_states[0]["lr_scheduler"] == sched.state_dict()
+
+    q, opt2, sched2 = torch_run()   # resume: torch's state, the converter's groups and scheduler
+    with torch.no_grad():
+        q.copy_(p)
+    opt2.load_state_dict({"state": opt.state_dict()["state"], "param_groups": [group]})
+    sched2.load_state_dict(state.extra_states[0]["lr_scheduler"])
+    for t in (p, q):
+        t.grad = torch.full((4,), 0.5)
+    opt.step()
+    opt2.step()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-3 * lam(3)
+    assert torch.equal(q, p)

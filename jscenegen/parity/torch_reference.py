@@ -162,22 +162,10 @@ def actor_loss(logp, entropy, old_logp, adv, mask, ref_logp, cfg, *, batch_num_t
     return loss
 
 
-def lr_lambda(cfg, step):
-    """VERL's LambdaLR multiplier (constant/cosine with warmup), Python float."""
-    import math
-
-    if step < cfg.warmup_steps:
-        return float(step) / float(max(1, cfg.warmup_steps))
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = float(step - cfg.warmup_steps) / float(max(1, cfg.total_steps - cfg.warmup_steps))
-    x = math.cos(math.pi * float(cfg.num_cycles) * 2.0 * progress)
-    lo = cfg.min_lr_ratio
-    return max(lo, x * (1 - lo) * 0.5 + (1 + lo) * 0.5)
-
-
 def make_torch_optimizer(params, optim_cfg):
     """torch.optim.AdamW (one param group, decay on everything) + LambdaLR, as VERL builds them."""
+    from jscenegen.lr_schedule import lr_lambda
+
     torch = _torch()
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
                             eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
