@@ -3,7 +3,8 @@
 Both run in this process on the same 256 scenes: the 100 train rooms (cycled) furnished with
 5-20 random objects each (random categories, sizes, poses; seeded). The JAX figure excludes the
 one-off compile (printed separately) and is the median of --reps timed calls on the default
-devices; the NumPy figure the median of --reps timed passes after an untimed one. Prints scenes/s for each and, last, a JSON line with "ratio" = JAX / NumPy scenes/s.
+devices; the NumPy figure the median of --reps timed passes after an untimed one. Prints
+scenes/s for each and, last, a JSON line with "ratio" = JAX / NumPy scenes/s.
 
     python bench/reachability.py [--batch 256] [--reps 3]
 """
@@ -71,7 +72,8 @@ def main() -> int:
     ref = [reach_numpy(x, spec) for x in inputs]   # also the untimed warm-up
     numpy_s = timed(lambda: [reach_numpy(x, spec) for x in inputs], warmup=0, repeats=args.reps)
     numpy_rate = args.batch / numpy_s
-    print(f"numpy reference: {numpy_rate:.1f} scenes/s (median of {args.reps}: {numpy_s:.2f} s for {args.batch})")
+    print(f"numpy reference: {numpy_rate:.1f} scenes/s "
+          f"(median of {args.reps}: {numpy_s:.2f} s for {args.batch})")
 
     fn = batched_reach_fn(spec)
     batch = {k: jax.device_put(v) for k, v in stack_inputs(inputs).items()}

@@ -71,6 +71,8 @@ def test_redact_argv_reads_an_override_as_its_yaml_value():
                                                "judge={model: q, timeout_s: 5}"]
     assert "sk-abc123" in removed and "https://u:hunter2@h/v1" in removed
     assert '"https://u:hunter2@h/v1"' in removed and "{api_key: sk-abc123}" in removed
+    out, removed = redact_argv(["judge={token: 1}"])
+    assert out == [f"judge={REDACTED}"] and removed == ["{token: 1}"]   # not every "1"
 
 
 def test_a_credential_in_a_refused_override_never_reaches_the_error_line(capsys):

@@ -317,6 +317,26 @@ def test_links_out_of_the_source_are_named_not_copied(tmp_path, caplog):
         f"links to files outside {src}"]
 
 
+def test_a_hugging_face_cache_snapshots_license_and_readme_are_copied(tmp_path, caplog):
+    """Every file of a cache snapshot links into ../../blobs: the LICENSE and README of a model
+    converted from one were left out as links outside the source."""
+    from jscenegen.model.assets import copy_non_weights
+
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "b1").write_text("terms")
+    (tmp_path / "secret.txt").write_text("password")
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "LICENSE").symlink_to("../../blobs/b1")
+    (snapshot / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    with caplog.at_level("WARNING"):
+        copied = copy_non_weights(snapshot, tmp_path / "dst")
+    assert [p.name for p in copied] == ["LICENSE"]
+    assert (tmp_path / "dst" / "LICENSE").read_text() == "terms"
+    assert "notes.txt" in caplog.text and "outside" in caplog.text
+
+
 def test_a_verl_reshard_keeps_the_sources_mesh_device(tmp_path, capsys):
     """--mesh-device defaulted to cuda: a gloo run's checkpoint resharded came back on a cuda
     mesh, which torch then refused to load into the gloo run's parameters."""

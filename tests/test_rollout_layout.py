@@ -82,6 +82,21 @@ def test_every_process_judges_memory_by_the_least_device_of_the_run(monkeypatch,
     assert rollout.least_device_memory_bytes() == own
 
 
+def test_a_memory_no_process_can_tell_is_never_read_again_locally(mesh, monkeypatch):
+    """`least_device_memory_bytes` said None (a peer cannot tell) and the layout choice took
+    None for "not given" and read this process's memory: 8 GiB here chose tp, the peer
+    replicated."""
+    import jscenegen.sharding.rollout as rollout
+
+    monkeypatch.setattr(rollout, "device_memory_bytes", lambda device=None: 8 * GiB)
+    unknown = choose_rollout_layout(mesh, "auto", weight_bytes=4 * GiB, divides=(2, 4, 96),
+                                    device_bytes=None, platform="gpu")
+    assert (unknown.name, unknown.reason) == ("replicated", "device memory unknown")
+    local = choose_rollout_layout(mesh, "auto", weight_bytes=4 * GiB, divides=(2, 4, 96),
+                                  platform="gpu")
+    assert (local.name, local.tp) == ("tp", 2)
+
+
 def test_auto_picks_replicated_when_the_weights_fit_else_the_smallest_tp(mesh):
     heads = (2, 4, 96)                                    # kv heads, heads, FFN of the fixture
     lay = choose_rollout_layout(mesh, "auto", weight_bytes=GiB, divides=heads,

@@ -480,18 +480,19 @@ def test_qwen35_gdn_layers_do_not_gather_the_sequence_over_sp(qwen35_small):
 
 
 def test_an_async_collective_counts_the_bytes_it_produces_not_the_operands_it_carries():
-    """GPU HLO's async form returns (operands, results, context scalars): the operands were
-    counted too (640 bytes for this all-gather of 512)."""
+    """GPU HLO's async all-gather and collective-permute return (operands, results, context
+    scalars): the operands were counted too (640 bytes for this all-gather of 512); a combined
+    all-reduce-start returns its results alone (192 bytes, all counted)."""
     hlo = textwrap.dedent("""\
         ENTRY %main (p: f32[4,8]) -> f32[16,8] {
           %p = f32[4,8]{1,0} parameter(0)
           %ags = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}
           %cps = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%p), source_target_pairs={{0,1}}
-          %ars = f32[4,8]{1,0} all-reduce-start(%p), replica_groups={{0,1}}, to_apply=%add
+          %ars = (f32[4,8]{1,0}, f32[16]{0}) all-reduce-start(%p, %q), replica_groups={{0,1}}, to_apply=%add
           ROOT %agd = f32[16,8]{1,0} all-gather-done(%ags)
         }
         """)
     found = {c.op: (c.shapes, c.bytes, c.group_size) for c in collectives(hlo)}
     assert found == {"all-gather": ((("f32", (16, 8)),), 512, 4),
                      "collective-permute": ((("f32", (4, 8)),), 128, None),
-                     "all-reduce": ((("f32", (4, 8)),), 128, 2)}
+                     "all-reduce": ((("f32", (4, 8)), ("f32", (16,))), 192, 2)}

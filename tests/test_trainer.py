@@ -336,7 +336,7 @@ def test_a_signal_on_another_process_during_the_last_save_is_reported_on_this_on
 
     monkeypatch.setattr(trainer_module, "max_over_processes", peers_max)
     _, summary = _run(tmp_path, max_updates=1, **{"checkpoint.save_every": 1})
-    assert len(calls) == 3   # two agreements in the update, one after the last save
+    assert len(calls) == 3   # two agreements in the loop's iteration, one after the last save
     assert summary.stopped_by_signal == "SIGTERM" and summary.attempts == 1
 
 

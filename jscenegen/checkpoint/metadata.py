@@ -148,7 +148,10 @@ def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                            or _is_secret_string(value, secrets)
                            or redact(parsed, secrets) != parsed):
             out.append(f"{key}={REDACTED}")
-            removed += [value, *_credential_strings(parsed, secrets)]
+            # a value inside it is masked elsewhere only when it is long enough to be one
+            # (`judge={token: 1}` would mask every "1" of an error line)
+            removed += [value, *(c for c in _credential_strings(parsed, secrets)
+                                 if len(c) >= _MIN_ENV_SECRET_CHARS)]
         elif _is_secret_string(item, secrets):
             out.append(REDACTED)
             removed.append(item)

@@ -913,12 +913,12 @@ class CheckpointStore:
 
     def _delete(self, step: int) -> None:
         """Remove step `step`'s directory. Process 0 alone calls this (orbax's own `delete` is
-        a collective); every process reloads the manager after the barrier that follows."""
+        a collective); every process reloads the manager after `_on_process_0`'s collective."""
         if self.step_path(step).exists():
             shutil.rmtree(self.step_path(step))
 
     def _collect_garbage(self, newest: int) -> None:
-        """Process 0 only (the save's barrier follows). Keep the newest `keep_last` complete
+        """Process 0 only (inside the save's `_on_process_0`). Keep the newest `keep_last` complete
         steps <= `newest`; delete the older ones and unfinished saves; set aside (never delete)
         a finished step that fails its size check, as `set_aside_corrupt` does."""
         kept = 0

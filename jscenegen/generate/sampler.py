@@ -382,13 +382,17 @@ class Sampler:
             return make(), last
         return make(), jax.device_put(last, self.layout.sharding(ROWS))
 
+    def _empty_cache(self, batch: int, max_len: int) -> Callable:
+        """The unjitted maker of an empty cache of `batch` rows x `max_len` slots."""
+        return functools.partial(self.create_cache, self.cfg, batch, max_len, self.cache_dtype)
+
     def _cache_maker(self, batch: int, max_len: int) -> Callable:
         """The function that makes an empty cache of `batch` rows x `max_len` slots, checked to
         fit (`_check_cache_fits`) once per shape; on a mesh jitted to make it in place (built
         whole on one device first, a cache sized for every row's episode would have to fit
         that one device)."""
         if (batch, max_len) not in self._cache_makers:
-            make = functools.partial(self.create_cache, self.cfg, batch, max_len, self.cache_dtype)
+            make = self._empty_cache(batch, max_len)
             shapes = jax.eval_shape(make)
             self._check_cache_fits(shapes, batch, max_len)
             if self.layout.mesh is not None:
@@ -439,9 +443,8 @@ class Sampler:
         rows, old = cache.valid.shape
         if max_len < old:
             raise ValueError(f"grow_cache: {max_len} slots < the cache's {old}")
-        grown = jax.eval_shape(functools.partial(self.create_cache, self.cfg, rows, max_len,
-                                                 self.cache_dtype))
-        self._check_cache_fits(grown, rows, max_len, alive=cache)
+        self._check_cache_fits(jax.eval_shape(self._empty_cache(rows, max_len)), rows, max_len,
+                               alive=cache)
         self.cache_grows += 1
         with self._ctx():
             return self._grow(cache, extra=max_len - old)

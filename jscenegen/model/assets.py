@@ -98,12 +98,16 @@ def copy_non_weights(src: str | Path, dst: str | Path, *, skip: tuple[str, ...] 
     regular file (a named pipe, a broken link) is named in a warning, and so, in one warning,
     are the symbolic links other than `ASSET_FILES` that resolve outside `src` (a
     `notes.txt -> /tmp/secret.txt` would carry a file from elsewhere into a published model;
-    the model's own files may link out, as a Hugging Face cache snapshot links its blobs)."""
+    the model's own files may link out). In a Hugging Face cache snapshot
+    (`models--ORG--NAME/snapshots/REV/`, every file a link into `../../blobs`) outside means
+    outside the repository's folder `models--ORG--NAME`."""
     from jscenegen.paths import not_a_file
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     root = Path(src).resolve()
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        root = root.parent.parent
     copied, outside = [], []
     for p in sorted(Path(src).iterdir()):
         if is_weight_file(p.name) or p.name in skip or p.is_dir():

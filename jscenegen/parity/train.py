@@ -329,7 +329,8 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
         }
         untrained += int(not on.any() or not t_metrics["grad_norm"])
         worst_loss_diff = max(worst_loss_diff, result["loss_diff"])
-        worst_grad_norm_gap = max(worst_grad_norm_gap, abs((result["grad_norm_ratio"] or 0.0) - 1))
+        if result["grad_norm_ratio"] is not None:   # None: untrained, counted there
+            worst_grad_norm_gap = max(worst_grad_norm_gap, abs(result["grad_norm_ratio"] - 1))
         skipped += int(bool(t_metrics["skipped"]) or float(metrics["skipped"]) != 0)
         if k == updates - 1:
             result["untrained_updates"] = untrained

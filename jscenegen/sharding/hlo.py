@@ -4,8 +4,9 @@
 all-to-all, collective-permute, ...) that run inside a `while` loop of the ENTRY computation
 (the sampler's decode loop), following every computation the loop body calls, and gives the
 bytes each one produces per device per iteration (its result shape; a tuple result counts
-each element, an async `-start` form only its results, not the operands it carries); `collectives(hlo)` lists every collective with how many devices each of its
-replica groups holds. Used by the tests that prove a rollout layout decodes without moving
+each element, an async `-start` form only its results, not the operands it carries);
+`collectives(hlo)` lists every collective with how many devices each of its replica groups
+holds. Used by the tests that prove a rollout layout decodes without moving
 weights (`loop_collectives`) and that sequence parallelism moves per-row summaries, not the
 sequence (`collectives`).
 """
@@ -91,12 +92,17 @@ def _result_shapes(line: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
                  for d, dims in _SHAPE.findall(head))
 
 
+_CARRY_OPERANDS = ("all-gather", "collective-permute")   # their -start returns operands too
+
+
 def _produced_shapes(line: str, op: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The shapes a collective produces. The async form (GPU's `all-gather-start`,
-    `collective-permute-start`) returns a tuple of its operands, then its results, then
-    scalar context values: only the results count."""
+    """The shapes a collective produces. The async `all-gather-start` and
+    `collective-permute-start` return a tuple of their operands, then their results, then
+    scalar context values: only the results count. An `all-reduce-start` returns its results
+    alone (a tuple when XLA combined several)."""
     shapes = _result_shapes(line)
-    if len(shapes) > 1 and re.search(rf"\s{op}-start\(", line.split("=", 1)[1]):
+    if (op in _CARRY_OPERANDS and len(shapes) > 1
+            and re.search(rf"\s{op}-start\(", line.split("=", 1)[1])):
         arrays = [s for s in shapes if s[1]]
         return tuple(arrays[len(arrays) // 2:])
     return shapes

@@ -145,7 +145,8 @@ def tp_candidates(n_devices: int, divides: tuple[int, ...]) -> list[int]:
 
 def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_bytes: int,
                           divides: tuple[int, ...] = (), tp: int | None = None,
-                          memory_fraction: float = 0.25, device_bytes: int | None = None,
+                          memory_fraction: float = 0.25,
+                          device_bytes: int | None | Literal["local"] = "local",
                           platform: str | None = None) -> RolloutLayout:
     """Resolve the `rollout.layout` choice.
 
@@ -153,8 +154,10 @@ def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_byt
     "replicated", "tp" or "fsdp". weight_bytes: the weights' size in the rollout dtype.
     divides: sizes a tensor split must divide (kv heads, heads, FFN size). tp: the tensor size
     for "tp" (None: the smallest candidate > 1 that fits; "auto" with nothing fitting takes the
-    largest). memory_fraction: the share of one device's memory (`device_bytes`, default
-    `device_memory_bytes()`) the rollout weights may take under `replicated`.
+    largest). memory_fraction: the share of one device's memory the rollout weights may take
+    under `replicated`; device_bytes: that memory in bytes, None when unknown (never read
+    again: in a multi-process run every process must decide alike, see
+    `least_device_memory_bytes`), "local" this process's own `device_memory_bytes()`.
     Without a mesh (one device) every choice is `replicated`. Raises ValueError for an
     unknown choice or a tp that does not fit the mesh and heads.
     """
@@ -175,7 +178,7 @@ def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_byt
         return RolloutLayout("replicated", rollout_mesh(mesh, 1), 1, transposed, "configured")
     budget = None
     if choice == "auto":
-        device_bytes = device_bytes if device_bytes is not None else device_memory_bytes()
+        device_bytes = device_memory_bytes() if device_bytes == "local" else device_bytes
         budget = None if device_bytes is None else memory_fraction * device_bytes
         if budget is None or weight_bytes <= budget:
             why = ("device memory unknown" if budget is None else
