@@ -476,3 +476,15 @@ def test_an_override_of_a_section_leaves_a_yaml_alias_of_it_alone():
     out = apply_overrides({"sampling": shared, "judge": shared}, ["sampling.temperature=1.0"])
     assert out == {"sampling": {"temperature": 1.0}, "judge": {"temperature": 0.7}}
     assert shared == {"temperature": 0.7}
+
+
+@pytest.mark.parametrize("value,tag", [("!!binary aGVsbG8=", "binary"), ("!!set {a, b}", "set"),
+                                       ("!!omap [a: 1]", "omap")])
+def test_yaml_tags_a_config_never_holds_are_refused_naming_the_place(tmp_path, value, tag):
+    """`!!binary` reached a string field as its decoded text, a `!!set` in an order that is
+    the hash seed's."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model:\n  path: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2:9: not valid YAML: the "
+                                          rf"tag '{tag}': a config holds strings"):
+        read_yaml(path)

@@ -133,3 +133,17 @@ def test_a_path_that_is_no_directory_is_refused_without_going_online(tmp_path):
     """transformers took `Qwen/Qwen3-0.6B` for a Hub id and tried the network for ~50 s."""
     with pytest.raises(ChatTemplateError, match=r"^Qwen/Qwen3-0\.6B: not a directory"):
         ChatTokenizer.from_dir("Qwen/Qwen3-0.6B")
+
+
+def test_a_template_or_tokenizer_file_beyond_its_size_is_refused_before_it_is_read(tmp_path):
+    """A chat template or tokenizer.json of gigabytes was read whole into memory."""
+    with open(tmp_path / "big.jinja", "wb") as f:       # sparse: no disk used
+        f.truncate((1 << 20) + 1)
+    with pytest.raises(ChatTemplateError, match=r"big\.jinja: 1,048,577 bytes, more than a chat "
+                                                r"template's 1,048,576"):
+        ChatTokenizer.from_dir(tmp_path, chat_template_path=tmp_path / "big.jinja")
+    with open(tmp_path / "tokenizer.json", "wb") as f:
+        f.truncate((1 << 28) + 1)
+    with pytest.raises(ChatTemplateError, match=r"tokenizer\.json: 268,435,457 bytes, more than a "
+                                                r"tokenizer file holds"):
+        ChatTokenizer.from_dir(tmp_path)

@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from jscenegen.model.assets import TOKENIZER_FILES, refuse_irregular_assets
+from jscenegen.model.assets import MAX_ASSET_FILE_BYTES, TOKENIZER_FILES, refuse_irregular_assets
 from jscenegen.paths import loads_json, not_a_file
 
 log = logging.getLogger(__name__)
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 QWEN35_PROTOCOL_TEMPLATE = TEMPLATES_DIR / "qwen3_5_protocol.jinja"
 TEMPLATE_OPTION = "sampling.chat_template_path"
+MAX_TEMPLATE_BYTES = 1 << 20   # chat templates are a few KB (Qwen3.5's ~7 KB)
 """How a replacement chat template is passed: the run config's key (`sft` takes --chat-template)."""
 QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -166,6 +167,9 @@ class ChatTokenizer:
 
         if chat_template_path and (why := not_a_file(chat_template_path)):
             raise ChatTemplateError(f"{option} {chat_template_path}: {why}")
+        if chat_template_path and (size := Path(chat_template_path).stat().st_size) > MAX_TEMPLATE_BYTES:
+            raise ChatTemplateError(f"{option} {chat_template_path}: {size:,} bytes, more than a "
+                                    f"chat template's {MAX_TEMPLATE_BYTES:,} (MAX_TEMPLATE_BYTES)")
         try:
             template = Path(chat_template_path).read_text() if chat_template_path else None
         except (OSError, UnicodeDecodeError) as err:
@@ -179,6 +183,11 @@ class ChatTokenizer:
             raise ChatTemplateError(f"{path}: not a directory (a local HF model directory with "
                                     "the model's tokenizer files)")
         refuse_irregular_assets(path, ChatTemplateError)   # the loader would wait on a named pipe
+        for f in (Path(path) / name for name in TOKENIZER_FILES):
+            if f.is_file() and (size := f.stat().st_size) > MAX_ASSET_FILE_BYTES:
+                raise ChatTemplateError(f"{f}: {size:,} bytes, more than a tokenizer file holds "
+                                        f"(at most {MAX_ASSET_FILE_BYTES:,}: "
+                                        "jscenegen.model.assets.MAX_ASSET_FILE_BYTES)")
         if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
             raise ChatTemplateError(f"{path}: no tokenizer file ({', '.join(TOKENIZER_FILES)}); "
                                     "copy the model's tokenizer files into it")
