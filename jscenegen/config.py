@@ -455,14 +455,14 @@ def _construct_float(loader, node) -> float:
     return math.nan if text == ".nan" else float(text)
 
 
-_core_schema(_UniqueKeyLoader)
-_core_schema(_ConfigDumper, keep_yaml_1_1=True)   # other readers of config.yaml read YAML 1.1
 def _refuse_tag(loader, node):
     raise yaml.constructor.ConstructorError(
         None, None, f"the tag {node.tag.rsplit(':', 1)[-1]!r}: a config holds strings, numbers, "
         "booleans, lists and mappings", node.start_mark)
 
 
+_core_schema(_UniqueKeyLoader)
+_core_schema(_ConfigDumper, keep_yaml_1_1=True)   # other readers of config.yaml read YAML 1.1
 _UniqueKeyLoader.add_constructor(_INT, _construct_int)
 _UniqueKeyLoader.add_constructor(_FLOAT, _construct_float)
 # bytes (!!binary) would reach a string field decoded; a set's (!!set) order is the hash seed's

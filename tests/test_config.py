@@ -255,7 +255,7 @@ def test_a_mapping_override_sets_its_keys_and_keeps_the_sections_others(tmp_path
 
 def test_an_override_under_a_value_of_the_file_blames_the_file(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("schedule: !!set {a, b}\n")
+    f.write_text("schedule: [a, b]\n")
     with pytest.raises(ConfigError, match=r"^override 'schedule.total_updates': schedule is a value in the "
                                           r"config file, not a section$"):
         load_config(f, ["schedule.total_updates=1"], RunConfig)

@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 TEMPLATES_DIR = Path(__file__).with_name("templates")
 QWEN35_PROTOCOL_TEMPLATE = TEMPLATES_DIR / "qwen3_5_protocol.jinja"
 TEMPLATE_OPTION = "sampling.chat_template_path"
-MAX_TEMPLATE_BYTES = 1 << 20   # chat templates are a few KB (Qwen3.5's ~7 KB)
 """How a replacement chat template is passed: the run config's key (`sft` takes --chat-template)."""
+MAX_TEMPLATE_BYTES = 1 << 20   # chat templates are a few KB (Qwen3.5's ~7 KB)
 QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
