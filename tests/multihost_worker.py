@@ -114,9 +114,10 @@ def sigterm() -> None:
     print(json.dumps({"process": jax.process_index(), "unwound": unwound}))
 
 
-def save_fails_on_0(run_dir: str) -> None:
+def save_fails_on_0(run_dir: str, how: str = "disk-full") -> None:
     """Both processes save checkpoint step 1 into RUN_DIR/checkpoints; process 0's disk fills
-    up while it finishes the step (checksums.json): print what each process raised."""
+    up (`how` disk-full) or a Ctrl-C arrives (interrupt) while it finishes the step
+    (checksums.json): print what each process raised."""
     import errno
     from pathlib import Path
 
@@ -133,8 +134,11 @@ def save_fails_on_0(run_dir: str) -> None:
     def disk_full(path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
+    def interrupt(path):
+        raise KeyboardInterrupt
+
     if jax.process_index() == 0:
-        store_module.write_checksums = disk_full
+        store_module.write_checksums = disk_full if how == "disk-full" else interrupt
     shapes = {"w": (4, 2)}
     weights = {"w": np.arange(8, dtype=np.float32).reshape(4, 2)}
     store = CheckpointStore(Path(run_dir) / "checkpoints")
@@ -145,7 +149,7 @@ def save_fails_on_0(run_dir: str) -> None:
                              "optimizer_step": 1, "effective_updates": 1, "judge": {}},
                    hf_assets_dir=hf, shapes=shapes)
         raised = None
-    except Exception as err:
+    except BaseException as err:
         raised = f"{type(err).__name__}: {err}"
     print(json.dumps({"process": jax.process_index(), "raised": raised}))
 

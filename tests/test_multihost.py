@@ -136,10 +136,12 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_save_that_fails_on_process_0_fails_on_every_process_at_once(tmp_path):
+@pytest.mark.parametrize("how", ["disk-full", "interrupt"])
+def test_a_save_that_fails_on_process_0_fails_on_every_process_at_once(tmp_path, how):
     """Process 0 finishes a checkpoint alone (hf/, metadata, checksums) while the others wait;
-    a full disk there left them in the barrier until JAX's heartbeat timeout (about 100 s, a
-    native abort without the reason): now every process raises within the test's 90 s."""
+    a full disk (or a Ctrl-C) there left them in the barrier until JAX's heartbeat timeout
+    (about 100 s, a native abort without the reason): now every process raises within the
+    test's 90 s."""
     port, procs = _free_port(), []
     for pid in range(2):
         env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
@@ -148,15 +150,20 @@ def test_a_save_that_fails_on_process_0_fails_on_every_process_at_once(tmp_path)
         env.pop("XLA_FLAGS", None)
         env.pop("JAX_NUM_CPU_DEVICES", None)
         procs.append(subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"),
-                                       "save-fails-on-0", str(tmp_path)], env=env,
+                                       "save-fails-on-0", str(tmp_path), how], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = _outputs(procs, timeout_s=90)
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     raised = [_last_json(out)["raised"] for out, _ in outs]
-    assert raised[0].startswith("DiskFullError") and str(tmp_path / "checkpoints") in raised[0]
+    if how == "disk-full":
+        assert raised[0].startswith("DiskFullError") and str(tmp_path / "checkpoints") in raised[0]
+    else:
+        assert raised[0] == "KeyboardInterrupt: "
     assert raised[1] == (f"CheckpointError: process 0 could not finish checkpoint step 1 in "
                          f"{tmp_path / 'checkpoints'}; its log says why")
-    assert not (tmp_path / "checkpoints" / "1").exists()   # the failed step is removed
+    step = tmp_path / "checkpoints" / "1"
+    # a full disk's step is removed; an interrupted one is left incomplete for the next save
+    assert not step.exists() if how == "disk-full" else not (step / "checksums.json").exists()
 
 
 @pytest.mark.slow

@@ -295,14 +295,15 @@ def _barrier(name: str) -> None:
 
 def _on_process_0(what: str, work: Callable[[], None]) -> None:
     """Run `work` on process 0 alone, then wait for every process (a collective, a no-op with
-    one process). An Exception it raises is raised on process 0 after the wait, and every other
-    process raises CheckpointError("process 0 could not <what>") instead of sitting in a barrier
-    until JAX's heartbeat timeout (about 100 s, then a native abort without the reason)."""
+    one process). What it raises (an Exception, or a stop signal's unwinding) is raised on
+    process 0 after the wait, and every other process raises CheckpointError("process 0 could
+    not <what>") instead of sitting in a barrier until JAX's heartbeat timeout (about 100 s,
+    then a native abort without the reason)."""
     failure = None
     if jax.process_index() == 0:
         try:
             work()
-        except Exception as err:
+        except BaseException as err:   # Ctrl-C or SIGTERM's Terminated too: the others must know
             failure = err
     failed_somewhere = max_over_processes(int(failure is not None))
     if failure is not None:
