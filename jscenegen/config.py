@@ -168,10 +168,15 @@ def _type_text(annotation, metadata=()) -> str:
 
 
 def _parse_value(text: str, item: str) -> Any:
-    """An override's value as YAML (with the config files' guards), else the text itself."""
+    """An override's value as YAML (with the config files' guards), else the text itself;
+    one that opens a list or mapping (`[`, `{`) must be valid YAML (ConfigError naming the
+    override and the problem: a key given twice, an unclosed bracket)."""
     try:
         return load_yaml_text(text, f"override {clip_text(item)}")
-    except yaml.YAMLError:
+    except yaml.YAMLError as err:
+        if text.lstrip().startswith(("[", "{")):
+            raise ConfigError(f"override {clip_text(item)}: not valid YAML: "
+                              f"{_yaml_problem(err)}") from None
         return text
 
 
@@ -529,6 +534,15 @@ def load_yaml_text(text: str, where: str) -> Any:
         loader.dispose()
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error's problem in one line, with where its context (an open bracket) began."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and cmark is not None:
+        context += f" at line {cmark.line + 1}, column {cmark.column + 1}"
+    return problem + (f" ({context})" if context else "")
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping in YAML file `path`.
 
@@ -549,12 +563,7 @@ def read_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
-        if context and cmark is not None:
-            context += f" at line {cmark.line + 1}, column {cmark.column + 1}"
-        raise ConfigError(f"{where}: not valid YAML: {problem}"
-                          + (f" ({context})" if context else "")) from None
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(err)}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not a text file ({err.reason})") from None
     if data is None:

@@ -488,3 +488,19 @@ def test_yaml_tags_a_config_never_holds_are_refused_naming_the_place(tmp_path, v
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2:9: not valid YAML: the "
                                           rf"tag '{tag}': a config holds strings"):
         read_yaml(path)
+
+
+@pytest.mark.parametrize("item,problem", [
+    ("sampling={top_k: 1, top_k: 2}", "duplicate key 'top_k'"),
+    ("sampling.stop_strings=[a, b", "expected ',' or ']', but got '<stream end>' (while parsing a "
+                                    "flow sequence at line 1, column 1)"),
+])
+def test_an_override_opening_a_list_or_mapping_must_be_valid_yaml(item, problem):
+    """Read as plain text, it was refused as "not a valid dictionary/tuple (got the text)",
+    hiding the YAML problem."""
+    from jscenegen.config import apply_overrides
+
+    with pytest.raises(ConfigError, match=rf"^override {re.escape(item)}: not valid YAML: "
+                                          rf"{re.escape(problem)}$"):
+        apply_overrides({}, [item])
+    assert apply_overrides({}, ["model.path=a: b: c"]) == {"model": {"path": "a: b: c"}}  # text
