@@ -73,6 +73,11 @@ def test_redact_argv_reads_an_override_as_its_yaml_value():
     assert '"https://u:hunter2@h/v1"' in removed and "{api_key: sk-abc123}" in removed
     out, removed = redact_argv(["judge={token: 1}"])
     assert out == [f"judge={REDACTED}"] and removed == ["{token: 1}"]   # not every "1"
+    # a mapping YAML refuses (a key given twice) is still read for credential names
+    out, removed = redact_argv(["judge={api_key: sk-abc12345, api_key: x}",
+                                "sampling={top_k: 1, top_k: 2}"])
+    assert out == [f"judge={REDACTED}", "sampling={top_k: 1, top_k: 2}"]
+    assert removed == ["{api_key: sk-abc12345, api_key: x}"]
 
 
 def test_a_credential_in_a_refused_override_never_reaches_the_error_line(capsys):

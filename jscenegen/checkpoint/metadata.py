@@ -123,10 +123,15 @@ def _credential_strings(obj: Any, secrets: list[str], named: bool = False) -> li
                 for s in _credential_strings(v, secrets, named or is_credential_name(str(k)))]
     if isinstance(obj, (list, tuple)):
         return [s for v in obj for s in _credential_strings(v, secrets, named)]
-    if obj is None or isinstance(obj, (dict, list)):
+    if obj is None:
         return []
     text = str(obj)
     return [text] if named or (isinstance(obj, str) and _is_secret_string(text, secrets)) else []
+
+
+def _names_a_credential(text: str) -> bool:
+    """Whether a word of `text` (a list or mapping YAML could not read) names a credential."""
+    return any(is_credential_name(w) for w in re.findall(r"[A-Za-z][\w-]*", text))
 
 
 def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -135,7 +140,9 @@ def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     `key=value` and `--option=value` items keep their key: the value is replaced when the key
     names a credential or the value holds one, read as the override's YAML value
     (`config.override_value`: `judge={api_key: X}`, a quoted URL with a password), as
-    `redact` decides; any other item that is a credential is replaced whole. The second list is
+    `redact` decides, or, when the value opens a list or mapping YAML cannot read (a key given
+    twice: its error line quotes the item), when a word of it names a credential; any other
+    item that is a credential is replaced whole. The second list is
     what was removed, longest first (to mask copies that were written before redaction, see
     `mask_credentials`).
     """
@@ -144,9 +151,11 @@ def redact_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     for item in argv:
         key, eq, value = item.partition("=")
         parsed = override_value(item)
+        unread = parsed == value and value.lstrip().startswith(("[", "{"))
         if eq and key and (is_credential_name(key.lstrip("-").split(".")[-1])
                            or _is_secret_string(value, secrets)
-                           or redact(parsed, secrets) != parsed):
+                           or redact(parsed, secrets) != parsed
+                           or (unread and _names_a_credential(value))):
             out.append(f"{key}={REDACTED}")
             # a value inside it is masked elsewhere only when it is long enough to be one
             # (`judge={token: 1}` would mask every "1" of an error line)

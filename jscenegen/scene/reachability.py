@@ -126,9 +126,9 @@ def crop_window(mask: np.ndarray, margin: int) -> tuple[slice, slice] | None:
 def access_ring(inp: ReachInputs, k: int, foot: np.ndarray, nx: int, ny: int, cell: int,
                 r_rows, ring_rows, margin: int) -> tuple[tuple[slice, slice], np.ndarray] | None:
     """Object k's access ring, cropped: (window, ring [window] bool), None when its footprint
-    `foot` [ny, nx] (footprint_mask) is empty (the object is off the grid). The ring is the footprint dilated by the ring distance
-    minus the footprint dilated by the agent radius, in front of the object only when it is
-    front-only (`beyond_front`)."""
+    `foot` [ny, nx] (footprint_mask) is empty (the object is off the grid). The ring is the
+    footprint dilated by the ring distance minus the footprint dilated by the agent radius, in
+    front of the object only when it is front-only (`beyond_front`)."""
     win = crop_window(foot, margin)
     if win is None:
         return None
