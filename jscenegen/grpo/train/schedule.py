@@ -127,6 +127,18 @@ class Schedule:
         flat = pos.scene_index + offset
         return flat % n, pos.epoch + flat // n
 
+    def extended(self, pos: SchedulePosition, saved_scenes: int) -> SchedulePosition:
+        """`pos`, saved by a run over the first `saved_scenes` scenes, on this (longer) order.
+
+        A run that had just finished a pass over its scenes saved (0, epoch + 1) (`advance`
+        wraps at its own count): with scenes appended, the pass goes on into them, (saved_scenes,
+        epoch), as an uninterrupted run over the longer order would. A position inside a pass
+        (or its redraws) is kept: the appended scenes come at the end of that pass."""
+        if (saved_scenes < len(self.scene_seeds) and pos.epoch > 0 and pos.scene_index == 0
+                and pos.redraw == 0):
+            return dataclasses.replace(pos, scene_index=saved_scenes, epoch=pos.epoch - 1)
+        return pos
+
     def done(self, pos: SchedulePosition) -> bool:
         """total_updates effective updates reached, or max_attempts attempts made."""
         cap = self.cfg.max_attempts

@@ -361,7 +361,8 @@ class Trainer:
             self.pos = SchedulePosition.after_steps(at.step, len(self.schedule.scene_seeds),
                                                     self.cfg.rollout.groups_per_batch)
         else:
-            self.pos = SchedulePosition.from_json(saved["schedule"])
+            self.pos = self.schedule.extended(SchedulePosition.from_json(saved["schedule"]),
+                                              int(saved["num_scenes"]))
         if self.cfg.schedule.total_updates < self.pos.effective_updates:
             raise ResumeError(f"schedule.total_updates={self.cfg.schedule.total_updates} is below "
                               f"the {self.pos.effective_updates} effective updates {self.run_dir} "
