@@ -225,6 +225,45 @@ def test_runtime_and_judge_exceptions_are_masked_not_raised(model, chat, record,
     assert trs[1].units == 8
 
 
+def test_an_engine_error_masks_the_running_episodes_not_the_finished_ones(model, chat, record,
+                                                                          rule_judge):
+    """Member 0 finishes (planner `finish`) while member 1 still plays; then the sampler fails:
+    member 1 is masked, member 0's whole episode is judged (it was masked too, helper-134)."""
+    bed = {"op": "add_object", "category": "double_bed", "description": "bed",
+           "position": [1.8, 1.6], "yaw": 0}
+    member = {}
+
+    def policy(ep):
+        m = member.setdefault(id(ep), len(member))
+        if ep.next_role == "designer":
+            return format_action({"ops": [bed]})
+        return format_action({"action": "design", "instruction": "a bed"}
+                             if ep.planner_turns < (1 if m == 0 else 3)
+                             else {"action": "finish", "summary": "done"})
+
+    engine = RolloutEngine(model, chat, FORCED)
+    append, consume = engine.sampler.append, engine._consume
+    broken = {"now": False}
+
+    def failing_append(*args, **kwargs):
+        if broken["now"]:
+            raise RuntimeError("sampler failure")
+        return append(*args, **kwargs)
+
+    def watching_consume(r, *args):
+        consume(r, *args)
+        broken["now"] = broken["now"] or (r.member == 0 and r.episode.done)
+
+    engine.sampler.append, engine._consume = failing_append, watching_consume
+    first, second = engine.run_group(record, group_id=0, seeds=[1, 2], judge=rule_judge,
+                                     forced=policy).trajectories
+    assert broken["now"]
+    assert first.failure_cause is None and not first.masked and first.reward != 0.0
+    assert [t["role"] for t in first.turns if t["role"] != "environment"] == [
+        "planner", "designer", "planner"]
+    assert second.failure_cause == "rollout_error" and second.masked
+
+
 def test_a_failed_collective_of_a_multi_process_run_is_raised_not_masked(model, chat, record, rule_judge,
                                                                          expert, monkeypatch):
     """A peer that stopped (Ctrl-C on process 1 during the dev evaluation) failed process 0's

@@ -356,7 +356,8 @@ class RolloutEngine:
                     raise
                 log.exception("rollout engine error")
                 for r in rows:
-                    r.fail("rollout_error", f"{type(err).__name__}: {err}")
+                    if r.active:   # a finished episode is whole: it is judged
+                        r.fail("rollout_error", f"{type(err).__name__}: {err}")
                 break
             for r, (ids, lps, reason) in turns.items():
                 generated[r.group_id] += len(ids)
