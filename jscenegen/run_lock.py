@@ -264,6 +264,10 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
                              "use another --run-dir")
 
 
+# what os.link raises where the filesystem has no hard links (ENOSYS: FUSE without link)
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
+
+
 class RunLock:
     """The lock on one run directory; `acquire` takes it, `release` (or `with`) gives it back."""
 
@@ -291,10 +295,15 @@ class RunLock:
 
     def _acquire(self) -> "RunLock":
         here = self.run_dir.absolute()
-        missing = [d for d in (here, *here.parents) if not d.exists()]
-        if missing:
-            self.run_dir.mkdir(parents=True)
-            self._created_dirs = missing
+        self._created_dirs = []
+        for made in reversed([d for d in (here, *here.parents) if not d.exists()]):
+            try:
+                made.mkdir()
+            except FileExistsError:   # another process made it meanwhile: not this lock's
+                if not made.is_dir():
+                    raise
+                continue
+            self._created_dirs.insert(0, made)
         proc = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -335,7 +344,7 @@ class RunLock:
                 if flock_fd is not None:
                     os.close(flock_fd)
                 if isinstance(err, FileExistsError) or not isinstance(err, OSError) or (
-                        err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK)):
+                        err.errno not in _NO_HARD_LINKS):
                     raise
         finally:
             os.unlink(tmp)

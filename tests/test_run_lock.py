@@ -295,3 +295,42 @@ def _flock_held_by_the_new_lock(run_dir) -> bool:
     from jscenegen.run_lock import _flock_held
 
     return _flock_held(run_dir / LOCK_NAME) is True
+
+
+@pytest.mark.parametrize("code", ["EPERM", "ENOSYS"])
+def test_a_filesystem_without_hard_links_gets_the_lock_created_in_place(tmp_path, monkeypatch,
+                                                                        code):
+    """ENOSYS from os.link (a FUSE filesystem without link) was raised instead of creating
+    the lock exclusively in place."""
+    import errno
+
+    def no_link(src, dst):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+    monkeypatch.setattr(os, "link", no_link)
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).is_this_process()
+        assert [p.name for p in tmp_path.iterdir()] == [LOCK_NAME]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_directory_made_meanwhile_by_another_process(tmp_path, monkeypatch):
+    """Two processes creating a fresh run directory at once: the one that lost the race to
+    mkdir failed with a raw FileExistsError; it takes the lock, and its release leaves the
+    directory it did not make (the parent it did make goes only when empty)."""
+    run_dir = tmp_path / "runs" / "new"
+    made = Path.mkdir
+
+    def mkdir_after_another_process(self, *args, **kwargs):
+        if self == run_dir and self.parent.is_dir() and not self.exists():
+            made(self)   # the other process wins the race
+            (self / "metrics.jsonl").write_text("{}\n")
+        return made(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "mkdir", mkdir_after_another_process)
+    with RunLock(run_dir):
+        assert read_holder(run_dir).is_this_process()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    (run_dir / "metrics.jsonl").unlink()
+    monkeypatch.undo()
+    with RunLock(run_dir):
+        pass
+    assert run_dir.is_dir()   # it was there before this lock: kept though empty
