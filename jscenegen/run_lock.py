@@ -63,8 +63,11 @@ class Holder:
             self.pid_space is None or self.pid_space == _pid_space())
 
     def is_this_process(self) -> bool:
-        """Whether this process wrote the lock."""
-        return self.on_this_host() and self.pid == os.getpid()
+        """Whether this process wrote the lock: its pid here with this process's start time
+        (a restarted container runs again with the same small pid and PID namespace inode:
+        the lock of its earlier run is stale, not this process's)."""
+        return self.on_this_host() and self.pid == os.getpid() and (
+            self.start_ticks == _own_start_ticks())
 
     def alive(self) -> bool | None:
         """True/False on this host (a zombie or a reused pid is not the holder, nor a process of
@@ -152,6 +155,12 @@ def _flocked(path: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _own_start_ticks() -> int | None:
+    """This process's start time as its lock records it (None without /proc)."""
+    proc = _proc_stat(os.getpid())
+    return proc[1] if proc else None
 
 
 def _pid_space() -> str | None:
@@ -304,10 +313,9 @@ class RunLock:
                     raise
                 continue
             self._created_dirs.insert(0, made)
-        proc = _proc_stat(os.getpid())
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "start_ticks": proc[1] if proc else None, "pid_space": _pid_space(),
+              "start_ticks": _own_start_ticks(), "pid_space": _pid_space(),
               "token": self._token}
         for _ in range(3):
             try:

@@ -334,3 +334,22 @@ def test_a_run_directory_made_meanwhile_by_another_process(tmp_path, monkeypatch
     with RunLock(run_dir):
         pass
     assert run_dir.is_dir()   # it was there before this lock: kept though empty
+
+
+def test_a_stale_lock_naming_this_pid_from_an_earlier_start_is_taken_over(tmp_path, caplog):
+    """A container restarted with the same small pid and PID namespace inode: the lock of its
+    earlier run names this pid in this pid space, with another start time. It was refused as
+    'already locked by this process', forever."""
+    from jscenegen.run_lock import _pid_space, _proc_stat, live_holder, refuse_if_in_use
+
+    (tmp_path / LOCK_NAME).write_text(json.dumps({
+        "pid": os.getpid(), "host": socket.gethostname(), "started_utc": "earlier",
+        "start_ticks": _proc_stat(os.getpid())[1] - 1, "pid_space": _pid_space()}))
+    assert not read_holder(tmp_path).is_this_process()
+    assert live_holder(tmp_path) is None
+    refuse_if_in_use(tmp_path)
+    with caplog.at_level("WARNING"), RunLock(tmp_path):
+        assert read_holder(tmp_path).is_this_process()
+    assert caplog.messages == [f"{tmp_path}: taking over the stale lock of pid {os.getpid()} on host "
+                               f"{socket.gethostname()} (since earlier) (pid {os.getpid()} is now "
+                               "another process)"]
