@@ -277,6 +277,24 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
 
 
+def _put_back(aside: Path, path: Path) -> bool:
+    """Give the lock file set aside as `aside` its name `path` again, unless `path` exists
+    (another process's lock, never replaced); False then. Where the filesystem has no hard
+    links, renamed back after a check that `path` is free (a gap of a few instructions)."""
+    try:
+        os.link(aside, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        if err.errno not in _NO_HARD_LINKS:
+            raise
+        if os.path.lexists(path):
+            return False
+    os.replace(aside, path)
+    return True
+
+
 class RunLock:
     """The lock on one run directory; `acquire` takes it, `release` (or `with`) gives it back."""
 
@@ -374,15 +392,23 @@ class RunLock:
             raise RunLockedError(f"{self.run_dir} is already locked by this process "
                                  f"({self.path}); one trainer per run directory")
         _refuse_a_live_holder(self.run_dir, holder)
-        stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
+        # a name no other takeover uses (one in another PID namespace may have this pid)
+        stale = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             os.replace(self.path, stale)
         except FileNotFoundError:
             return
-        if _read(stale) != holder:  # another process took it meanwhile: put it back
-            os.replace(stale, self.path)
-            return
-        stale.unlink()
+        try:
+            taken = _read(stale)
+            if taken != holder:  # another process took it meanwhile: put it back where free
+                if not _put_back(stale, self.path):   # a third process made a lock in the gap
+                    log.warning("%s: the lock of %s, set aside while taking over a stale one, "
+                                "could not be put back: %s was made meanwhile", self.run_dir,
+                                "an unknown process" if taken is None else taken.describe(),
+                                self.path)
+                return
+        finally:
+            stale.unlink(missing_ok=True)
         proc = _proc_stat(holder.pid) if holder.pid > 0 else None
         gone = ("" if holder.pid == UNREADABLE_PID else
                 f" (pid {holder.pid} is now another process)"

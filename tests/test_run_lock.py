@@ -353,3 +353,66 @@ def test_a_stale_lock_naming_this_pid_from_an_earlier_start_is_taken_over(tmp_pa
     assert caplog.messages == [f"{tmp_path}: taking over the stale lock of pid {os.getpid()} on host "
                                f"{socket.gethostname()} (since earlier) (pid {os.getpid()} is now "
                                "another process)"]
+
+
+def _live_lock(proc) -> dict:
+    ticks = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return {"pid": proc.pid, "host": socket.gethostname(), "started_utc": "now",
+            "start_ticks": ticks}
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_a_takeover_that_set_aside_a_fresh_lock_never_overwrites_a_third_one(tmp_path, caplog,
+                                                                             monkeypatch, links):
+    """The takeover renames the stale lock aside and re-reads it; when it was another
+    process's fresh lock meanwhile (B took the stale one over first), it is put back. That
+    put-back was an os.replace, which overwrote the lock a third process (C) had created in
+    the gap: C ran on without its file. Now the name is only linked back where it is free
+    (checked first where the filesystem has no hard links)."""
+    import errno
+
+    from jscenegen import run_lock
+
+    if not links:
+        def no_link(src, dst):
+            raise OSError(errno.EPERM, "no hard links")
+        monkeypatch.setattr(os, "link", no_link)
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    b, c = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    read = run_lock._read
+
+    def read_with_b_and_c_meanwhile(path):
+        if path.name != LOCK_NAME and not (tmp_path / LOCK_NAME).exists():
+            path.write_text(json.dumps(_live_lock(b)))                     # what was set aside
+            (tmp_path / LOCK_NAME).write_text(json.dumps(_live_lock(c)))   # C in the gap
+        return read(path)
+    monkeypatch.setattr(run_lock, "_read", read_with_b_and_c_meanwhile)
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(RunLockedError, match=f"in use by pid {c.pid} "):
+            RunLock(tmp_path).acquire()
+        assert caplog.messages == [f"{tmp_path}: the lock of pid {b.pid} on host {socket.gethostname()} "
+                                   "(since now), set aside while taking over a stale one, could not "
+                                   f"be put back: {tmp_path / LOCK_NAME} was made meanwhile"]
+        assert read_holder(tmp_path).pid == c.pid
+        assert [p.name for p in tmp_path.iterdir()] == [LOCK_NAME]   # nothing left aside
+    finally:
+        for proc in (b, c):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_takeover_leaves_another_takeovers_file_alone(tmp_path):
+    """The stale lock was renamed aside as run.lock.stale-PID: a process of another PID
+    namespace with the same pid, taking over at the same time, had its file overwritten."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    theirs = tmp_path / f"{LOCK_NAME}.stale-{os.getpid()}"
+    theirs.write_text("another takeover's")
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).is_this_process()
+    assert theirs.read_text() == "another takeover's"
+    assert [p.name for p in tmp_path.iterdir()] == [theirs.name]
