@@ -9,8 +9,8 @@ on the file, kept while it runs, tells whether it lives) and a random "token" th
 `RunLock` that wrote it, so releasing removes only its own file.
 
 - A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
-- A stale lock (on this host, and its pid is gone, a zombie, or now another process) is taken
-  over with a warning. A lock held on another host, or naming a live pid with no start time
+- A stale lock (on this host, and its pid is gone, a zombie, or now another process, and no
+  process holds the file's flock) is taken over with a warning. A lock held on another host, or naming a live pid with no start time
   to compare (none in the file, or /proc unreadable), cannot be checked: it is refused, and the
   message says which file to delete once that process is known to be gone. A start time that
   is not an integer counts as none.
@@ -75,7 +75,15 @@ class Holder:
         namespace, or a live pid whose start time is unknown (no /proc, or a lock without
         `start_ticks`: it may be a later process given the same pid). A pid
         <= 0 (an unreadable lock file) names no process: `os.kill` would signal a whole process
-        group or every process."""
+        group or every process. Never False while some process holds the file's flock (its
+        holder keeps one while it lives; a lock created where there are no hard links is
+        empty until written, and flocked from the start)."""
+        verdict = self._alive_by_pid()
+        if verdict is False and self.lock_path is not None and _flock_held(self.lock_path):
+            return True
+        return verdict
+
+    def _alive_by_pid(self) -> bool | None:
         if self.host != socket.gethostname():
             return None
         here = _pid_space()
@@ -190,7 +198,7 @@ def read_holder(run_dir: str | Path) -> Holder | None:
     """The holder named by `run_dir/run.lock`; None when there is no lock file.
 
     A lock file that is not the documented JSON reads as a holder with pid UNREADABLE_PID
-    (never alive on this host, so it is taken over as stale).
+    (not alive, so it is taken over as stale, unless some process holds the file's flock).
     """
     return _read(Path(run_dir) / LOCK_NAME)
 
@@ -214,7 +222,7 @@ def _read(path: Path) -> Holder | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return Holder(UNREADABLE_PID, socket.gethostname(), "?", None)
+        return Holder(UNREADABLE_PID, socket.gethostname(), "?", None, None, path)
 
 
 def _load(path: Path):
@@ -269,8 +277,10 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
                              f"to end, use another --run-dir, or delete {run_dir / LOCK_NAME} "
                              "once that process is gone")
     if alive:
-        raise RunLockedError(f"{run_dir} is in use by {holder.describe()}; wait for it to end or "
-                             "use another --run-dir")
+        who = (f"the process holding the flock of {run_dir / LOCK_NAME} (not yet the JSON this "
+               "code writes: being written)" if holder.pid == UNREADABLE_PID else holder.describe())
+        raise RunLockedError(f"{run_dir} is in use by {who}; wait for it to end or use another "
+                             "--run-dir")
 
 
 # what os.link raises where the filesystem has no hard links (ENOSYS: FUSE without link)
@@ -351,10 +361,11 @@ class RunLock:
         """Create the lock file with `text` in one step (written beside it, then hard-linked
         to its name, which fails when the name exists), so it never exists empty or half
         written: a process interrupted at any point can tell it is its own. Where hard links
-        are not supported, created exclusively and then written. The file is flocked before
-        it gets its name (`_flock_held`: how a process in another PID namespace tells this
-        holder lives), and the flock is kept until `release`; where the filesystem has no
-        flock, none (such a holder reads as cannot-be-checked there)."""
+        are not supported, created exclusively, flocked, then written. The file is flocked
+        before it gets its name (`_flock_held`: how another process tells this holder lives
+        where its pid cannot: from another PID namespace, or while the file is still empty),
+        and the flock is kept until `release`; where the filesystem has no flock, none (such
+        a holder reads as cannot-be-checked from another PID namespace)."""
         fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_NAME}.", dir=self.run_dir)
         try:
             with os.fdopen(fd, "w") as f:

@@ -416,3 +416,34 @@ def test_a_takeover_leaves_another_takeovers_file_alone(tmp_path):
         assert read_holder(tmp_path).is_this_process()
     assert theirs.read_text() == "another takeover's"
     assert [p.name for p in tmp_path.iterdir()] == [theirs.name]
+
+
+def test_a_lock_being_written_where_there_are_no_hard_links_is_not_stale(tmp_path, monkeypatch):
+    """Without hard links the lock file is created empty, then written: a process reading it
+    in between saw an unreadable lock, stale, and took it over from its live creator (which
+    already held its flock)."""
+    import errno
+
+    from jscenegen.run_lock import live_holder, refuse_if_in_use
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "no hard links")
+    monkeypatch.setattr(os, "link", no_link)
+    opened, seen = os.fdopen, {}
+
+    def fdopen(fd, *args, **kwargs):
+        if args[:1] == ("w",) and (tmp_path / LOCK_NAME).exists() and not seen:
+            seen["alive"] = read_holder(tmp_path).alive()   # what another process sees now
+            seen["live"] = live_holder(tmp_path)
+            for check in (refuse_if_in_use, lambda d: RunLock(d).acquire()):
+                with pytest.raises(RunLockedError) as refused:
+                    check(tmp_path)
+                seen.setdefault("refusals", []).append(str(refused.value))
+        return opened(fd, *args, **kwargs)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).is_this_process()
+    assert seen["alive"] is True and seen["live"] is not None
+    assert seen["refusals"] == [f"{tmp_path} is in use by the process holding the flock of "
+                                f"{tmp_path / LOCK_NAME} (not yet the JSON this code writes: being "
+                                "written); wait for it to end or use another --run-dir"] * 2
