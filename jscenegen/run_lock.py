@@ -2,18 +2,22 @@
 
 `jscenegen train` takes the lock before it reads or writes anything in the run directory
 (checkpoints, `metrics.jsonl`, `config.yaml`, swanlab) and removes it when it ends, however it
-ends short of SIGKILL. The file is JSON: {"pid", "host", "started_utc", "start_ticks"} (the
-kernel's start time of the process, to tell a reused pid from the holder), "pid_space" (the
-boot id and PID namespace: a pid means nothing in another namespace, where the holder's flock
-on the file, kept while it runs, tells whether it lives) and a random "token" that tells the
-`RunLock` that wrote it, so releasing removes only its own file.
+ends short of SIGKILL. The file (mode 0644, so other users can check it too) is JSON: {"pid",
+"host", "started_utc", "start_ticks"} (the kernel's start time of the process, to tell a
+reused pid from the holder), "pid_space" (the boot id and PID namespace: a pid means nothing
+in another namespace, where the holder's flock on the file, kept while it runs, tells whether
+it lives) and a random "token" that tells the `RunLock` that wrote it, so releasing removes
+only its own file.
 
 - A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
 - A stale lock (on this host, and its pid is gone, a zombie, or now another process, and no
-  process holds the file's flock) is taken over with a warning. A lock held on another host, or naming a live pid with no start time
-  to compare (none in the file, or /proc unreadable), cannot be checked: it is refused, and the
-  message says which file to delete once that process is known to be gone. A start time that
-  is not an integer counts as none.
+  process holds the file's flock) is taken over with a warning; so is one whose content is
+  not the JSON (empty, garbage) and whose flock nobody holds. A lock held on another host,
+  naming a live pid with no start time to compare (none in the file, or /proc unreadable), or
+  that this user cannot read (another user's, written 0600 by an earlier version), cannot be
+  checked: it is refused, and the message says which file to delete once that process is
+  known to be gone (and, for an unreadable one, who owns it). A start time that is not an
+  integer counts as none.
 - `live_holder(run_dir)` lets readers (e.g. `CheckpointStore`, which deletes unfinished orbax
   saves it finds) leave the files of a live holder alone.
 
@@ -28,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import pwd
 import secrets
 import socket
 import stat
@@ -37,6 +42,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "run.lock"
+LOCK_MODE = 0o644     # every user can read who holds a run directory
 UNREADABLE_PID = -1   # the holder a lock file that is not our JSON reads as
 
 
@@ -54,6 +60,7 @@ class Holder:
     start_ticks: int | None = None
     pid_space: str | None = None   # `_pid_space()` where it was written (None: not recorded)
     lock_path: Path | None = dataclasses.field(default=None, compare=False)  # the file read
+    unreadable: str | None = None   # why the file could not be read (then the pid is UNREADABLE_PID)
 
     def on_this_host(self) -> bool:
         """Whether its pid can be looked up here: the same host name and, where the lock
@@ -84,6 +91,8 @@ class Holder:
         return verdict
 
     def _alive_by_pid(self) -> bool | None:
+        if self.unreadable is not None:
+            return None   # another user's file, say: nothing tells whether its writer lives
         if self.host != socket.gethostname():
             return None
         here = _pid_space()
@@ -111,6 +120,9 @@ class Holder:
 
     def describe(self) -> str:
         """The holder in words, for messages."""
+        if self.unreadable is not None:
+            return (f"the process that wrote {self.lock_path}, which cannot be read here "
+                    f"({self.unreadable})")
         if self.pid == UNREADABLE_PID:
             return "an unreadable lock file (not the JSON this code writes)"
         return f"pid {self.pid} on host {self.host} (since {self.started_utc})"
@@ -199,6 +211,8 @@ def read_holder(run_dir: str | Path) -> Holder | None:
 
     A lock file that is not the documented JSON reads as a holder with pid UNREADABLE_PID
     (not alive, so it is taken over as stale, unless some process holds the file's flock).
+    One that cannot be read (another user's, made unreadable) reads as a holder with pid
+    UNREADABLE_PID and `unreadable` saying why: whether it lives cannot be told (refused).
     """
     return _read(Path(run_dir) / LOCK_NAME)
 
@@ -209,7 +223,8 @@ PID_MAX = 1 << 22        # Linux's largest pid_max
 
 def _read(path: Path) -> Holder | None:
     """The holder `path` names, None when it does not exist. Raises RunLockedError when it is
-    no regular file (a named pipe would block the read forever)."""
+    no regular file (a named pipe would block the read forever). A file that cannot be read
+    is not known to be stale (`Holder.unreadable`); only one whose content is not the JSON is."""
     _refuse_a_foreign_entry(path)
     try:
         data = _load(path)
@@ -221,8 +236,24 @@ def _read(path: Path) -> Holder | None:
                       space if isinstance(space, str) else None, path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except OSError as err:
+        return Holder(UNREADABLE_PID, socket.gethostname(), "?", None, None, path,
+                      unreadable=_why_unreadable(path, err))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return Holder(UNREADABLE_PID, socket.gethostname(), "?", None, None, path)
+
+
+def _why_unreadable(path: Path, err: OSError) -> str:
+    """The error reading `path` and, where it can be told, the file's owner."""
+    why = err.strerror or str(err)
+    try:
+        uid = os.stat(path).st_uid
+    except OSError:
+        return why
+    try:
+        return f"{why}; owned by uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"{why}; owned by uid {uid}"
 
 
 def _load(path: Path):
@@ -267,7 +298,8 @@ def refuse_if_in_use(run_dir: str | Path) -> None:
 def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
     alive = holder.alive()
     if alive is None:
-        why = ("it cannot be checked from this host" if holder.host != socket.gethostname() else
+        why = ("whether it lives cannot be checked" if holder.unreadable is not None else
+               "it cannot be checked from this host" if holder.host != socket.gethostname() else
                "it runs in another PID namespace of this host (a container sharing the host "
                "name), where its pid cannot be checked, and this filesystem keeps no flock to "
                "tell" if not holder.on_this_host() else
@@ -368,6 +400,7 @@ class RunLock:
         a holder reads as cannot-be-checked from another PID namespace)."""
         fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_NAME}.", dir=self.run_dir)
         try:
+            os.fchmod(fd, LOCK_MODE)   # mkstemp's 0600 hid the holder from other users
             with os.fdopen(fd, "w") as f:
                 f.write(text)
                 f.flush()
@@ -385,8 +418,9 @@ class RunLock:
                     raise
         finally:
             os.unlink(tmp)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, LOCK_MODE)
         self._flock_fd = fd if _try_flock(fd) else None
+        os.fchmod(fd, LOCK_MODE)   # whatever the umask
         with os.fdopen(os.dup(fd), "w") as f:
             f.write(text)
             f.flush()

@@ -447,3 +447,59 @@ def test_a_lock_being_written_where_there_are_no_hard_links_is_not_stale(tmp_pat
     assert seen["refusals"] == [f"{tmp_path} is in use by the process holding the flock of "
                                 f"{tmp_path / LOCK_NAME} (not yet the JSON this code writes: being "
                                 "written); wait for it to end or use another --run-dir"] * 2
+
+
+@pytest.mark.parametrize("how", ["read refused", "mode 0"])
+def test_a_lock_this_user_cannot_read_is_refused_not_taken_over(tmp_path, monkeypatch, how):
+    """Another user's lock file (written 0600) could not be read: it read as an unreadable
+    lock, stale, and a second user took over the lock of a live run. It cannot be checked:
+    refused, the file and its owner named; a store leaves the run's files alone."""
+    import errno
+    import pwd
+
+    from jscenegen import run_lock
+    from jscenegen.run_lock import live_holder, refuse_if_in_use
+
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(json.dumps({"pid": 1, "host": socket.gethostname()}))
+    if how == "mode 0":
+        if os.geteuid() == 0:
+            pytest.skip("root reads any file")
+        lock.chmod(0)
+    else:
+        def refused(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        monkeypatch.setattr(run_lock, "_load", refused)
+    uid = os.stat(lock).st_uid
+    owner = f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    assert read_holder(tmp_path).alive() is None
+    assert live_holder(tmp_path) is not None
+    expected = (f"{tmp_path} is in use by the process that wrote {lock}, which cannot be read here "
+                f"(Permission denied; owned by {owner}); whether it lives cannot be checked: wait "
+                f"for it to end, use another --run-dir, or delete {lock} once that process is gone")
+    for check in (refuse_if_in_use, lambda d: RunLock(d).acquire()):
+        with pytest.raises(RunLockedError) as refusal:
+            check(tmp_path)
+        assert str(refusal.value) == expected
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_NAME]
+    lock.chmod(0o600)
+    assert json.loads(lock.read_text())["pid"] == 1   # left as it was
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_the_lock_file_is_readable_by_every_user(tmp_path, monkeypatch, links):
+    """It was made by mkstemp (0600): another user could not read it, so could not tell its
+    holder lives. 0644 whatever the umask, hard links or none."""
+    import errno
+    import stat
+
+    if not links:
+        def no_link(src, dst):
+            raise OSError(errno.EPERM, "no hard links")
+        monkeypatch.setattr(os, "link", no_link)
+    umask = os.umask(0o077)
+    try:
+        with RunLock(tmp_path):
+            assert stat.S_IMODE(os.stat(tmp_path / LOCK_NAME).st_mode) == 0o644
+    finally:
+        os.umask(umask)
