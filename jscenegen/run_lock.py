@@ -319,6 +319,15 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS)
 
 
+def _readable_by_all(fd: int) -> None:
+    """Give the lock file LOCK_MODE (whatever the umask). A filesystem that refuses chmod
+    (some FUSE or SMB mounts) keeps its own permissions: the lock is taken all the same."""
+    try:
+        os.fchmod(fd, LOCK_MODE)
+    except OSError:
+        pass
+
+
 def _put_back(aside: Path, path: Path) -> bool:
     """Give the lock file set aside as `aside` its name `path` again, unless `path` exists
     (another process's lock, never replaced); False then. Where the filesystem has no hard
@@ -400,7 +409,7 @@ class RunLock:
         a holder reads as cannot-be-checked from another PID namespace)."""
         fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_NAME}.", dir=self.run_dir)
         try:
-            os.fchmod(fd, LOCK_MODE)   # mkstemp's 0600 hid the holder from other users
+            _readable_by_all(fd)   # mkstemp's 0600 hid the holder from other users
             with os.fdopen(fd, "w") as f:
                 f.write(text)
                 f.flush()
@@ -420,7 +429,7 @@ class RunLock:
             os.unlink(tmp)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, LOCK_MODE)
         self._flock_fd = fd if _try_flock(fd) else None
-        os.fchmod(fd, LOCK_MODE)   # whatever the umask
+        _readable_by_all(fd)   # whatever the umask
         with os.fdopen(os.dup(fd), "w") as f:
             f.write(text)
             f.flush()
@@ -446,11 +455,11 @@ class RunLock:
         try:
             taken = _read(stale)
             if taken != holder:  # another process took it meanwhile: put it back where free
-                if not _put_back(stale, self.path):   # a third process made a lock in the gap
+                if taken is not None and not _put_back(stale, self.path):
+                    # a third process made a lock in the gap: that one is not replaced
                     log.warning("%s: the lock of %s, set aside while taking over a stale one, "
                                 "could not be put back: %s was made meanwhile", self.run_dir,
-                                "an unknown process" if taken is None else taken.describe(),
-                                self.path)
+                                taken.describe(), self.path)
                 return
         finally:
             stale.unlink(missing_ok=True)

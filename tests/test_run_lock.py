@@ -503,3 +503,9 @@ def test_the_lock_file_is_readable_by_every_user(tmp_path, monkeypatch, links):
             assert stat.S_IMODE(os.stat(tmp_path / LOCK_NAME).st_mode) == 0o644
     finally:
         os.umask(umask)
+
+    def no_chmod(fd, mode):   # a filesystem that refuses chmod: the lock is taken all the same
+        raise OSError(errno.EPERM, "not permitted")
+    monkeypatch.setattr(os, "fchmod", no_chmod)
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).is_this_process()
