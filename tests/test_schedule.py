@@ -3,7 +3,13 @@ import pytest
 
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, PLANNER
 from jscenegen.grpo.rollout.seeds import episode_seed
-from jscenegen.grpo.train.schedule import Schedule, ScheduleConfig, SchedulePosition, check_extension
+from jscenegen.grpo.train.schedule import (
+    Schedule,
+    ScheduleConfig,
+    SchedulePosition,
+    check_extension,
+    check_scene_content,
+)
 
 SCENES = [(f"train-{i:04d}", 100 + i) for i in range(4)]
 
@@ -94,6 +100,30 @@ def test_an_extended_run_goes_on_into_the_appended_scenes_as_an_uninterrupted_ru
     redrawing = SchedulePosition(epoch=1, redraw=1, effective_updates=2, attempts=3)
     assert longer.extended(redrawing, 2) == redrawing
     assert short.extended(pos, 2) == pos
+
+
+def test_a_scene_edited_in_place_is_refused_and_an_extension_is_not():
+    """The schedule hash covers each scene's place and seed only: a prompt edited in place
+    (same seed) resumed silently (helper-134 #9). Checkpoints without the key pass."""
+    import dataclasses
+
+    from jscenegen.paths import resolve_data_path
+    from jscenegen.scene.sceneset import read_scene_set, scene_set_hash
+    from jscenegen.scene.schema import scene_from_json
+
+    records = read_scene_set(resolve_data_path("data/scenes/train.jsonl"))[:4]
+    saved = {"num_scenes": 2, "scenes_hash": scene_set_hash(records[:2])}
+    check_scene_content(saved, records, "train.jsonl")          # 2 -> 4 scenes: the prefix holds
+    edited = list(records)
+    scene = records[1].scene.to_json()
+    edited[1] = dataclasses.replace(records[1], scene=scene_from_json(
+        {**scene, "prompt": scene["prompt"] + " with a plant"}))
+    with pytest.raises(ValueError, match="content of the first 2 scenes of train.jsonl changed"):
+        check_scene_content(saved, edited, "train.jsonl")
+    check_scene_content({"num_scenes": 2}, edited, "train.jsonl")   # an older checkpoint
+    edited[3] = edited[1]                                            # past the prefix: free
+    check_scene_content({"num_scenes": 1, "scenes_hash": scene_set_hash(records[:1])}, edited,
+                        "train.jsonl")
 
 
 def test_max_attempts_ends_a_run_without_signal():

@@ -111,6 +111,7 @@ class _RunIdentity(BaseModel):
     skipped_steps: _Count
     num_scenes: Annotated[StrictInt, Field(gt=0)]
     schedule_hash: StrictStr
+    scenes_hash: StrictStr | None = None   # written since 2026-12-06; older runs have none
     protocol_hash: StrictStr
     reward: dict[str, Annotated[float, Field(allow_inf_nan=False, strict=True)]]
 

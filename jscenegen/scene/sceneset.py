@@ -6,9 +6,11 @@ the prompt, read by the rule judge's prompt_following grade.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.paths import atomic_file, jsonl_lines, not_a_file
@@ -32,6 +34,14 @@ class SceneRecord:
     def to_json(self) -> dict:
         return {"schema": SET_SCHEMA, "scene": self.scene.to_json(), "seed": self.seed,
                 "requested": [dict(r) for r in self.requested]}
+
+
+def scene_set_hash(records: Sequence[SceneRecord]) -> str:
+    """SHA-256 of the canonical JSON of `records` (each `SceneRecord.to_json`, in order): what
+    a resume compares to tell a scene edited in place (prompt, room, requested items) from
+    the one the run trained on."""
+    blob = json.dumps([r.to_json() for r in records], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:

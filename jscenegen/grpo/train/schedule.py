@@ -24,6 +24,7 @@ from jscenegen.config import SEED_MAX, STEPS_MAX, Section
 from jscenegen.grpo.algo.roles import role_from_letter
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.seeds import episode_seed
+from jscenegen.scene.sceneset import SceneRecord, scene_set_hash
 
 
 class ScheduleConfig(Section):
@@ -178,3 +179,22 @@ def check_extension(saved: dict, schedule: Schedule) -> None:
             "schedule.roles, schedule.group_size or schedule.seed changed (checkpoint "
             f"schedule_hash {saved['schedule_hash']}, now {ours})"
         )
+
+
+def check_scene_content(saved: dict, records: Sequence[SceneRecord], train_set: str) -> None:
+    """Refuse a resume whose first `saved["num_scenes"]` scene records changed in content.
+
+    The schedule hash covers each scene's place and seed; `saved["scenes_hash"]`
+    (`scene_set_hash` of the records the run trained on) covers the rest: a prompt, room or
+    requested items edited in place. A checkpoint written before the key existed is not
+    checked. Raises ValueError naming `train_set` and both hashes.
+    """
+    if saved.get("scenes_hash") is None:
+        return
+    n = int(saved["num_scenes"])
+    ours = scene_set_hash(records[:n])
+    if ours != saved["scenes_hash"]:
+        raise ValueError(
+            f"resume refused: the content of the first {n} scenes of {train_set} changed (a "
+            "prompt, room or requested items edited; their places and seeds did not): "
+            f"checkpoint scenes_hash {saved['scenes_hash']}, now {ours}")

@@ -63,7 +63,12 @@ from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
 from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
 from jscenegen.grpo.train.metrics import TRAJECTORIES_LOG, MetricsLogger, truncate_run_logs
-from jscenegen.grpo.train.schedule import Schedule, SchedulePosition, check_extension
+from jscenegen.grpo.train.schedule import (
+    Schedule,
+    SchedulePosition,
+    check_extension,
+    check_scene_content,
+)
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.config import QwenConfig
 from jscenegen.model.dtypes import np_dtype
@@ -82,7 +87,7 @@ from jscenegen.paths import resolve_data_path, write_json
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash, protocol_settings
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
-from jscenegen.scene.sceneset import SceneRecord, read_scene_set
+from jscenegen.scene.sceneset import SceneRecord, read_scene_set, scene_set_hash
 from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes, mesh_shape
 from jscenegen.signals import STOP_REQUESTS, STOP_SIGNALS, raise_if_redelivered, unwind
@@ -295,6 +300,7 @@ class Trainer:
             "skipped_steps": int(self.state.skipped_steps),
             "num_scenes": len(self.schedule.scene_seeds),
             "schedule_hash": self.schedule.hash(),
+            "scenes_hash": scene_set_hash(self.scenes[:len(self.schedule.scene_seeds)]),
             "protocol_hash": self.protocol_hash,
             "reward": self.cfg.scene.reward.model_dump(mode="json"),
             "data_iterator": {"scene_index": self.pos.scene_index, "epoch": self.pos.epoch},
@@ -335,6 +341,7 @@ class Trainer:
                        protocol_settings=self._protocol_settings_changed(ck.path, saved))
         try:
             check_extension(saved, self.schedule)
+            check_scene_content(saved, self.scenes, self.cfg.schedule.train_set)
         except ValueError as err:
             raise ResumeError(str(err)) from None
         return ck
