@@ -51,6 +51,7 @@ def run_seed(seed: int, out: Path, config: str | None, overrides: list[str]) -> 
     return {"seed": seed, "wall_s": round(wall, 1), "phases": summary.get("phases", {}),
             "reward_before": change["reward_before"], "reward_after": change["reward_after"],
             "diff": change["diff"], "diff_ci95": change["diff_ci95"], "pairs": change["pairs"],
+            "scenes": change["scenes"],
             "failure_rate_before": change["failure_rate_before"],
             "failure_rate_after": change["failure_rate_after"]}
 
@@ -73,9 +74,10 @@ def main() -> None:
     for seed in args.seeds:
         row = run_seed(seed, out, args.config, args.overrides)
         rows.append(row)
+        ci = row["diff_ci95"]   # t over the scenes, clustered by scene; none for one scene
+        shown = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "[n/a (one scene)]"
         print(f"seed {seed}: dev reward {row['reward_before']:+.3f} -> {row['reward_after']:+.3f}, "
-              f"diff {row['diff']:+.3f} [{row['diff_ci95'][0]:+.3f}, {row['diff_ci95'][1]:+.3f}] "
-              f"({row['pairs']} pairs), failure rate {row['failure_rate_before']:.2f} -> "
+              f"diff {row['diff']:+.3f} {shown} ({row['scenes']} scenes, {row['pairs']} pairs), failure rate {row['failure_rate_before']:.2f} -> "
               f"{row['failure_rate_after']:.2f}, {row['wall_s']:.0f} s", flush=True)
     diffs = [r["diff"] for r in rows]
     mean = statistics.fmean(diffs)

@@ -371,7 +371,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                 write_json(run_dir / "eval_change.json", change)
                 plot_report(evals["after"], run_dir / "eval_change.png", before=evals["before"],
                             labels=("before GRPO", "after GRPO"))
-                out["dev_change"] = {k: change[k] for k in ("pairs", "diff", "diff_ci95")}
+                out["dev_change"] = {k: change[k] for k in ("pairs", "scenes", "diff", "diff_ci95")}
         print(json.dumps(out))
     if summary.stopped_by_signal:  # a scheduler must not read a stop as "finished"
         stopped = signal.Signals[summary.stopped_by_signal]

@@ -387,40 +387,104 @@ def test_design_record_rooms(tmp_path):
         design_record("  ", None, 0)
 
 
+def _paired_reports(rewards, masked=()):
+    return {"scenes": [{"scene_id": sid, "model": {"episodes": [
+        {"seed": seed, "reward": r, "masked": (sid, seed) in masked,
+         "failure_cause": "bad_json" if r == -1 else None} for seed, r in eps]}}
+        for sid, eps in rewards.items()]}
+
+
 def test_compare_reports_pairs_episodes_by_scene_and_seed():
+    from scipy import stats
+
     from jscenegen.eval.report import compare_reports
 
-    def report(rewards, masked=()):
-        return {"scenes": [{"scene_id": sid, "model": {"episodes": [
-            {"seed": seed, "reward": r, "masked": (sid, seed) in masked,
-             "failure_cause": "bad_json" if r == -1 else None} for seed, r in eps]}}
-            for sid, eps in rewards.items()]}
-
+    report = _paired_reports
     before = report({"a": [(1, -1.0), (2, 0.5)], "b": [(3, -1.0), (4, -1.0)]})
     after = report({"a": [(2, 0.7), (1, 0.6)], "b": [(3, -1.0), (4, 0.2)]}, masked={("b", 3)})
     c = compare_reports(before, after)
     diffs = np.array([1.6, 0.2, 1.2])  # (a,1), (a,2), (b,4); (b,3) is masked after
-    assert c["pairs"] == 3 and c["diff"] == pytest.approx(diffs.mean())
-    half = 1.96 * diffs.std(ddof=1) / np.sqrt(3)
-    assert c["diff_ci95"] == pytest.approx([diffs.mean() - half, diffs.mean() + half])
+    assert c["pairs"] == 3 and c["scenes"] == 2 and c["diff"] == pytest.approx(diffs.mean())
+    # by hand: scene means 0.9 (2 pairs) and 1.2 (1 pair) around 1.0; terms n_s/N (d_s - d) are
+    # -1/15 and +1/15, so se = sqrt(2/1 * 2/225) = 2/15, with t(0.975, 1 degree of freedom)
+    half = 12.706204736 * 2 / 15
+    assert c["diff_ci95"] == pytest.approx([1.0 - half, 1.0 + half])
     assert c["per_scene"] == pytest.approx({"a": 0.9, "b": 1.2})
     assert c["failure_rate_before"] == pytest.approx(2 / 3) and c["failure_rate_after"] == 0.0
     with pytest.raises(ValueError, match="share no"):
         compare_reports(before, report({"c": [(1, 0.0)]}))
     one = compare_reports(before, report({"a": [(2, 0.7)]}))   # one pair has no spread: no interval
     assert one["pairs"] == 1 and one["diff"] == pytest.approx(0.2) and one["diff_ci95"] is None
+    # one scene of several pairs: no spread between scenes, no interval
+    one = compare_reports(before, report({"a": [(1, 0.6), (2, 0.7)]}))
+    assert one["pairs"] == 2 and one["scenes"] == 1 and one["diff_ci95"] is None
+    # the same number of pairs per scene: the t interval over the scene means
+    rng = np.random.default_rng(0)
+    d = {f"s{i}": rng.normal(0.3 * i, 0.5, 4) for i in range(5)}
+    c = compare_reports(report({s: [(k, 0.0) for k in range(4)] for s in d}),
+                        report({s: [(k, float(x)) for k, x in enumerate(v)] for s, v in d.items()}))
+    means = [v.mean() for v in d.values()]
+    want = stats.ttest_1samp(means, 0.0).confidence_interval(0.95)
+    assert c["scenes"] == 5 and c["pairs"] == 20 and c["diff"] == pytest.approx(np.mean(means))
+    assert c["diff_ci95"] == pytest.approx([want.low, want.high])
+
+
+def test_the_interval_covers_a_shared_scene_effect_95_percent_of_the_time():
+    """9 scenes x 16 episodes whose scenes each draw an effect around a true difference of 0:
+    the episodes of a scene are not independent, and an interval over the 144 pairs as if they
+    were (z = 1.96) covered 0 about half the time; the scene-clustered t interval covers it
+    ~95% of the time."""
+    from jscenegen.eval.report import compare_reports
+
+    rng = np.random.default_rng(1)
+    scenes, samples, trials, covered = 9, 16, 400, 0
+    before = _paired_reports({f"s{i}": [(k, 0.0) for k in range(samples)] for i in range(scenes)})
+    for _ in range(trials):
+        effect = rng.normal(0.0, 0.3, scenes)
+        after = _paired_reports({f"s{i}": [(k, float(effect[i] + x)) for k, x in
+                                           enumerate(rng.normal(0.0, 0.5, samples))]
+                                 for i in range(scenes)})
+        lo, hi = compare_reports(before, after)["diff_ci95"]
+        covered += lo <= 0.0 <= hi
+    assert 0.92 <= covered / trials <= 0.98, covered / trials
 
 
 def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):
+    import copy
+
+    from scipy import stats
+
     from jscenegen.eval.report import check_report, check_same_episodes, compare_reports, comparison_markdown
 
     check_report(report, "report.json")  # what `eval --compare` checks first holds for a real report
-    check_same_episodes(report, report, ("before.json", "after.json"))
-    text = comparison_markdown(report, report)
+    after = copy.deepcopy(report)        # the same episodes, rewarded otherwise
+    for row, value in zip(after["scenes"], (0.25, 0.75)):
+        row["model"]["episodes"][0].update(reward=value, masked=False, failure_cause=None)
+        row["model"].update(reward=value, failure_rate=0.0)
+    after["overall"]["model"].update(reward=0.5, failure_rate=0.0)
+    check_report(after, "after.json")
+    check_same_episodes(report, after, ("before.json", "after.json"))
+    text = comparison_markdown(report, after)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + len(report["scenes"]) + 1
-    change = compare_reports(report, report)
-    assert change["diff"] == 0.0 and "diff +0.000, 95% CI [+0.000, +0.000]" in rows[-1]
+    diffs = [v - row["model"]["episodes"][0]["reward"] for row, v in zip(report["scenes"], (0.25, 0.75))]
+    want = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)   # 2 scenes of 1 pair
+    change = compare_reports(report, after)
+    assert change["diff"] == pytest.approx(np.mean(diffs)) and change["scenes"] == 2
+    assert change["diff_ci95"] == pytest.approx([want.low, want.high])
+    assert (f"diff {np.mean(diffs):+.3f}, 95% CI [{want.low:+.3f}, {want.high:+.3f}] over 2 "
+            "scenes, 2 pairs)") in rows[-1], rows[-1]
+    assert rows[1].split(" | ")[1] == f"{report['scenes'][0]['model']['reward']:.2f} -> 0.25"
+
+
+def test_one_scene_compares_without_an_interval(tmp_path, capsys):
+    """One scene has no spread between scenes: the table says so, eval_change.json has null."""
+    from jscenegen.eval.report import comparison_markdown
+
+    rep = _synthetic_report(scenes=("a",))
+    assert comparison_markdown(rep, rep).splitlines()[-1].split(" | ")[1].endswith(
+        "(diff +0.000, 95% CI n/a (one scene), 2 pairs)")
+    assert _compare(tmp_path, capsys, rep, rep) == (0, "")
 
 
 def test_a_hanging_judge_is_waited_for_once_for_all_scenes(cfg):

@@ -1,5 +1,5 @@
 """Before/after comparison of two evaluation reports: the paired difference of mean reward per
-(scene, sampling seed) with a normal-approximation 95% interval, and a Markdown table."""
+(scene, sampling seed) with a 95% t interval clustered by scene, and a Markdown table."""
 from __future__ import annotations
 
 import math
@@ -249,16 +249,22 @@ def _judge_name(report: dict) -> str:
     return f"{judge.get('backend')} {judge.get('model') or ''} rubric {rubric}".replace("  ", " ")
 
 
-def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
+def compare_reports(before: dict, after: dict) -> dict:
     """Paired change of the model's dev reward between two `evaluate` reports.
 
     Episodes are paired by (scene_id, seed): the same scenes and sampling seeds before and
-    after (the trainer's evaluations), both unmasked. Returns {"pairs", "reward_before",
-    "reward_after", "diff" (mean of after - before), "diff_ci95" [lo, hi] (normal
-    approximation, mean +- z * sd / sqrt(pairs), over scenes and sampling seeds; null for a
-    single pair, which has no spread), "per_scene"
-    {scene_id: diff}, "failure_rate_before", "failure_rate_after"}. Raises ValueError when no
-    episode pairs up.
+    after (the trainer's evaluations), both unmasked. Returns {"pairs", "scenes" (scenes with
+    at least one pair), "reward_before", "reward_after" (means over the pairs), "diff" (mean of
+    after - before over the pairs), "diff_ci95" [lo, hi], "per_scene" {scene_id: mean diff},
+    "failure_rate_before", "failure_rate_after"}.
+
+    The interval is clustered by scene: a scene's episodes share its effect, so they are not
+    independent draws. It is diff +- t(0.975, scenes - 1) * se with the cluster-robust standard
+    error se = sqrt(S / (S - 1) * sum_s (n_s / N)^2 (d_s - diff)^2) (S scenes, n_s pairs and
+    mean difference d_s in scene s, N pairs): when every scene has the same number of pairs
+    this is the t interval over the S scene means (their mean is then `diff`). None with a
+    single scene, which has no spread between scenes. Raises ValueError when no episode pairs
+    up.
     """
     def episodes(report):
         return {(row["scene_id"], ep["seed"]): ep for row in report["scenes"]
@@ -270,18 +276,43 @@ def compare_reports(before: dict, after: dict, *, z: float = 1.96) -> dict:
         raise ValueError("the reports share no unmasked (scene_id, seed) episode")
     diffs = np.array([a[k]["reward"] - b[k]["reward"] for k in keys], np.float64)
     mean = float(diffs.mean())
-    half = float(z * diffs.std(ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None
     per_scene: dict[str, list[float]] = {}
     for k, d in zip(keys, diffs):
         per_scene.setdefault(k[0], []).append(float(d))
+    ci = _scene_clustered_ci95(per_scene, mean, len(keys))
     failed = lambda eps: float(np.mean([e["failure_cause"] is not None for e in eps]))  # noqa: E731
-    return {"pairs": len(keys),
+    return {"pairs": len(keys), "scenes": len(per_scene),
             "reward_before": float(np.mean([b[k]["reward"] for k in keys])),
             "reward_after": float(np.mean([a[k]["reward"] for k in keys])),
-            "diff": mean, "diff_ci95": None if half is None else [mean - half, mean + half],
+            "diff": mean, "diff_ci95": ci,
             "per_scene": {sid: float(np.mean(v)) for sid, v in per_scene.items()},
             "failure_rate_before": failed([b[k] for k in keys]),
             "failure_rate_after": failed([a[k] for k in keys])}
+
+
+def _scene_clustered_ci95(per_scene: dict[str, list[float]], mean: float,
+                          pairs: int) -> list[float] | None:
+    """[lo, hi], the 95% t interval of `mean` (the pair mean) clustered by scene
+    (`compare_reports`), or None for one scene."""
+    from scipy.stats import t
+
+    scenes = len(per_scene)
+    if scenes < 2:
+        return None
+    terms = np.array([len(v) / pairs * (float(np.mean(v)) - mean) for v in per_scene.values()])
+    se = float(np.sqrt(scenes / (scenes - 1) * np.sum(terms ** 2)))
+    half = float(t.ppf(0.975, scenes - 1)) * se
+    return [mean - half, mean + half]
+
+
+def interval_text(change: dict) -> str:
+    """The 95% interval of a `compare_reports` result with what it is over, for a table cell:
+    '95% CI [+0.100, +0.300] over 9 scenes, 144 pairs' (a t interval clustered by scene), or
+    '95% CI n/a (one scene), 16 pairs'."""
+    ci, scenes = change["diff_ci95"], change["scenes"]
+    shown = ("95% CI n/a (one scene)" if ci is None else
+             f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}] over {scenes} scenes")
+    return f"{shown}, {change['pairs']} pair{'' if change['pairs'] == 1 else 's'}"
 
 
 def _cell_text(text: str) -> str:
@@ -293,7 +324,8 @@ def comparison_markdown(before: dict, after: dict) -> str:
     """A Markdown table of two `evaluate` reports of the same scenes: per scene and overall,
     mean reward, failure rate, mean units, reachable rate, and the reward's quality and unit
     penalty parts, before -> after; the overall row's reward is over the episode pairs
-    unmasked in both (`compare_reports`), with their difference and its 95% interval."""
+    unmasked in both (`compare_reports`), with their difference, its 95% interval (t,
+    clustered by scene; "n/a (one scene)" for one) and the numbers of scenes and pairs."""
     change = compare_reports(before, after)
 
     def f(x, fmt="{:.2f}"):
@@ -313,13 +345,11 @@ def comparison_markdown(before: dict, after: dict) -> str:
         if other is not None and "model" in row and "model" in other:
             lines.append("| " + " | ".join([_cell_text(row["scene_id"]),
                                             *cells(row["model"], other["model"])]) + " |")
-    ci = change["diff_ci95"]
-    interval = "95% CI n/a" if ci is None else f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]"
     overall = cells(before["overall"]["model"], after["overall"]["model"])
     # the reward over the pairs the difference is taken on (episodes unmasked in both), so
     # before + diff = after in the cell; the other columns are each report's own
     overall[0] = (f"{f(change['reward_before'])} -> {f(change['reward_after'])} (diff "
-                  f"{change['diff']:+.3f}, {interval}, {change['pairs']} pairs)")
+                  f"{change['diff']:+.3f}, {interval_text(change)})")
     lines.append("| **all** | " + " | ".join(overall) + " |")
     return "\n".join(lines)
 
