@@ -205,7 +205,7 @@ def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
         policy_chat(cfg, step)
 
 
-def test_eval_command_writes_report_and_plot(tmp_path, capsys):
+def test_eval_command_writes_report_and_plot(tmp_path, capsys, caplog):
     scenes = tmp_path / "two.jsonl"
     scenes.write_text("".join(json.dumps(r.to_json()) + "\n" for r in dev_records()[:1]))
     out = tmp_path / "r.json"
@@ -214,6 +214,7 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
                  "--out", str(out), "--plot", str(plot), *TINY]) == 0
     rep = json.loads(out.read_text())
     assert rep["model"] == str(chat_model_dir()) and rep["sampling"]["greedy"] is True
+    assert rep["samples"] == 1   # greedy: one episode per scene, not trainer.eval_samples alike
     import hashlib
 
     from jscenegen.model.tokenizer.build import chatml_template
@@ -230,6 +231,14 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys):
         plot.name, "r.json", "two.jsonl"]
     assert main(["eval", "--model", str(tmp_path), "--scenes", str(scenes), *TINY]) == 2
     assert "neither an HF model directory" in capsys.readouterr().err
+    # asked for: played, with one warning line that the episodes will be identical
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert main(["eval", "--model", str(tmp_path), "--scenes", str(scenes), "--greedy",
+                     "--samples", "3", *TINY]) == 2
+    assert [m for m in caplog.messages if "identical" in m] == [
+        "--greedy with --samples 3: argmax decoding ignores the seed, so the 3 episodes of a "
+        "scene are identical (and `eval --compare` would count them as 3 pairs)"]
 
 
 def test_an_eval_stopped_while_writing_leaves_both_outputs_or_neither(tmp_path, monkeypatch):

@@ -20,7 +20,8 @@ def register(sub) -> None:
                         "difference and its 95%% interval")
     p.add_argument("--scenes", default=None, help="dev, train, or a JSONL scene-set file (default: dev)")
     p.add_argument("--samples", type=int, default=None,
-                   help="episodes per scene (default: trainer.eval_samples)")
+                   help="episodes per scene (default: trainer.eval_samples; 1 when decoding "
+                        "greedily, which plays one episode whatever the seed)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (sampling.greedy=true)")
     p.add_argument("--config", default=None, type=data_path_arg, help="run config YAML (default: configs/cpu-default.yaml)")
     p.add_argument("--out", default=None, help="JSON report (default: eval-report.json)")
@@ -76,7 +77,7 @@ def run(args) -> int:
     except FileNotFoundError as err:
         raise FileNotFoundError(f"--scenes {err}") from None
     require_scene_set_file(scenes)   # before the outputs are checked against it
-    samples = args.samples if args.samples is not None else cfg.trainer.eval_samples
+    samples = _samples(args.samples, cfg)
     try:
         check_samples(samples)
     except ValueError as err:
@@ -123,6 +124,24 @@ def run(args) -> int:
                             "judge.base_url and the judge's log)"), file=sys.stderr)
         return 1
     return 0
+
+
+def _samples(given: int | None, cfg) -> int:
+    """Episodes per scene: `given` (--samples), else 1 under greedy decoding (argmax ignores the
+    sampling seed: every episode of a scene would be the same one), else
+    `cfg.trainer.eval_samples`. Warns (one log line) when greedy decoding is given more than one
+    sample; the range is checked by `check_samples`."""
+    import logging
+
+    greedy = cfg.sampling.greedy
+    if given is None:
+        return 1 if greedy else cfg.trainer.eval_samples
+    if greedy and isinstance(given, int) and given > 1:
+        logging.getLogger(__name__).warning(
+            "--greedy with --samples %d: argmax decoding ignores the seed, so the %d episodes of "
+            "a scene are identical (and `eval --compare` would count them as %d pairs)",
+            given, given, given)
+    return given
 
 
 def _refuse_evaluation_flags(args) -> None:
