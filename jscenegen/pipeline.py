@@ -206,15 +206,14 @@ def check_run_inputs(cfg) -> None:
 def _saved_report(path: Path) -> dict | None:
     """The evaluation report at `path` (a resumed run's `eval_before.json`), or None with a
     warning when it is missing or not a report: the run then writes no eval_change."""
-    from jscenegen.eval.report import check_report
-    from jscenegen.scene.schema import read_json_file
+    from jscenegen.eval.report import check_report, read_report
 
     if not path.is_file():
         log.warning("no before/after comparison: %s is missing (the run's first start did not "
                     "evaluate before GRPO)", path)
         return None
     try:
-        report = read_json_file(path)
+        report = read_report(path)
         check_report(report, str(path))
     except ValueError as err:
         log.warning("no before/after comparison: %s", err)

@@ -756,6 +756,46 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
 
 
+def test_compare_reads_every_report_eval_can_write(tmp_path, capsys, monkeypatch):
+    """A 100 scenes x 100 samples report (~6 MB, more than the 4 MiB of a scene file) is read;
+    a report past MAX_REPORT_BYTES is refused naming the file, and `eval` refuses to play more
+    episodes than one report holds, before the model loads."""
+    from jscenegen.eval import report as report_module
+    from jscenegen.grpo.rollout.config import GROUP_MAX
+    from jscenegen.paths import write_json
+    from jscenegen.scene.schema import MAX_JSON_FILE_BYTES
+
+    assert report_module.MAX_REPORT_EPISODES >= GROUP_MAX * 100   # every sample count on train
+    rep = _synthetic_report(scenes=tuple(f"train-{i}" for i in range(100)), seeds=range(100))
+    for row in rep["scenes"]:          # the fields of a real episode row
+        for ep in row["model"]["episodes"]:
+            ep.update(member=ep["seed"], tokens=1439, quality=0.5142857142857143,
+                      unit_penalty=0.0625, units=40, reachable=False, grades={
+                          k: 5 for k in ("realism", "functionality", "layout", "completeness",
+                                         "prompt_following", "reachability", "physical_plausibility")})
+    for name in ("before.json", "after.json"):
+        write_json(tmp_path / name, rep)   # as `eval` writes it
+    assert (tmp_path / "after.json").stat().st_size > MAX_JSON_FILE_BYTES
+    assert main(["eval", "--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json")]) == 0
+    assert "over 100 scenes, 10000 pairs" in capsys.readouterr().out
+    monkeypatch.setattr(report_module, "MAX_REPORT_BYTES", 2**20)
+    assert main(["eval", "--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json")]) == 2
+    assert re.search(r"before.json: \d+ bytes; a scene or report file may hold at most 1048576 "
+                     "bytes$", one_error_line(capsys))
+    monkeypatch.undo()
+    record = dev_records()[0].to_json()
+    scenes = tmp_path / "many.jsonl"
+    with scenes.open("w") as f:
+        for i in range(101):
+            record["scene"]["scene_id"] = f"s{i}"
+            f.write(json.dumps(record) + "\n")
+    assert main(["eval", "--model", str(tmp_path / "no-model"), "--scenes", str(scenes),
+                 "--samples", str(GROUP_MAX), "--out", str(tmp_path / "r.json"), *TINY]) == 2
+    assert one_error_line(capsys).endswith(
+        f"many.jsonl: 101 scenes x 4096 samples = 413,696 episodes, more than one report holds "
+        "(409,600, 400 MiB of JSON); evaluate fewer samples or split the scene set")
+
+
 def test_compare_refuses_reports_played_under_other_scene_settings(tmp_path, capsys):
     """Reports of one model and the same episodes under another reward scale (a failure worth
     -0.5, not -1), budget or prompt templates compared with exit 0, the whole difference shown

@@ -32,9 +32,8 @@ def register(sub) -> None:
 
 def compare(before: str, after: str, plot: str | None) -> int:
     from jscenegen.eval.plots import plot_report
-    from jscenegen.eval.report import check_report, check_same_episodes, comparison_markdown
+    from jscenegen.eval.report import check_report, check_same_episodes, comparison_markdown, read_report
     from jscenegen.paths import check_output_file, refuse_overwriting_input
-    from jscenegen.scene.schema import read_json_file
 
     if plot:
         check_output_file(plot, "--plot", suffix=".png")
@@ -42,7 +41,7 @@ def compare(before: str, after: str, plot: str | None) -> int:
     with contextlib.suppress(OSError):   # a missing file is named when it is read
         if os.path.samefile(before, after):
             raise ValueError(f"--compare {before} {after}: BEFORE and AFTER are the same file")
-    reports = read_json_file(before), read_json_file(after)
+    reports = read_report(before), read_report(after)
     for path, report in zip((before, after), reports):
         check_report(report, f"{path} (an evaluation report made by `jscenegen eval` or `jscenegen train`)")
     check_same_episodes(*reports, (before, after))
@@ -90,13 +89,14 @@ def run(args) -> int:
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
-    from jscenegen.eval.report import ungraded_judge_failures
+    from jscenegen.eval.report import check_report_episodes, ungraded_judge_failures
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
     from jscenegen.text import terminal_text
 
     records = read_scene_set(scenes)
+    check_report_episodes(len(records), samples, f"--scenes {scenes}")
     check_requests_known(records, load_catalogue(cfg.scene.catalogue_path), str(scenes))
     judge = make_judge(cfg.judge, cfg.scene)
     judge.check_reachable()

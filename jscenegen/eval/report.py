@@ -13,6 +13,14 @@ from jscenegen.scene.reward import JUDGE_FAILURES
 from jscenegen.text import clip_text
 
 REPORT_SCHEMA = "jscenegen.eval/1"
+# the most episodes (scenes x samples) `jscenegen eval` plays into one report: GROUP_MAX (4,096,
+# the most samples per scene) on each of the 100 train scenes; more are refused before the model
+# loads (`check_report_episodes`), so that `eval --compare` can read every report `eval` writes
+MAX_REPORT_EPISODES = 4096 * 100
+# an episode row takes ~0.4 KiB of the indented report with the default 7 grades, its scene's
+# share of the rest (prompt, expert row, summaries) less than the remainder
+REPORT_BYTES_PER_EPISODE = 1024
+MAX_REPORT_BYTES = MAX_REPORT_EPISODES * REPORT_BYTES_PER_EPISODE   # 400 MiB
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
 # `sampling` keys that change no token (decode segments, cache size) or that name what another
 # key records (the template file's path: `chat_template_sha256` holds the text rendered)
@@ -153,6 +161,26 @@ def check_report(report, source: str) -> None:
     stats(overall["model"], "overall.model", episodes=False)
     _agrees(overall["model"], [ep for row in scenes if "model" in row
                                for ep in row["model"]["episodes"]], "overall.model")
+
+
+def check_report_episodes(scenes: int, samples: int, source: str) -> None:
+    """Raise ValueError naming `source` (the scene set) when `scenes` x `samples` episodes are
+    more than MAX_REPORT_EPISODES: their report could pass MAX_REPORT_BYTES, which
+    `read_report` (`eval --compare`) refuses."""
+    if scenes * samples > MAX_REPORT_EPISODES:
+        raise ValueError(f"{source}: {scenes} scenes x {samples} samples = {scenes * samples:,} "
+                         f"episodes, more than one report holds ({MAX_REPORT_EPISODES:,}, "
+                         f"{MAX_REPORT_BYTES // 2**20} MiB of JSON); evaluate fewer samples or "
+                         "split the scene set")
+
+
+def read_report(path, label: str | None = None):
+    """The parsed JSON of the evaluation report at `path` (not yet checked: `check_report`),
+    at most MAX_REPORT_BYTES. Raises SceneError (a ValueError) naming `label` (default: the
+    path) when the file is missing, larger or not valid JSON (`schema.read_json_file`)."""
+    from jscenegen.scene.schema import read_json_file
+
+    return read_json_file(path, label, max_bytes=MAX_REPORT_BYTES)
 
 
 def _seed_list(seeds: list[int]) -> str:
