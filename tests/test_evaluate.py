@@ -732,15 +732,25 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
         capsys.readouterr().err
     no_model = _synthetic_report()
     del no_model["scenes"][1]["model"]
-    for after, why in ((_synthetic_report(scenes=("a",)), r"1 scene\(s\) only in .*before.json: b"),
-                       (_synthetic_report(seeds=(1,)), r"scene a has model episodes of different seeds \(seeds \[1, 2\] in .*before.json, seeds \[1\] in .*after.json\)"),
+    no_model["sampling"] = sampled
+
+    def drawn(rep):   # with the same sampling as `good`
+        return dict(rep, sampling=sampled)
+
+    for after, why in ((drawn(_synthetic_report(scenes=("a",))), r"1 scene\(s\) only in .*before.json: b"),
+                       # compared silently while a one-sided `protocol` was refused
+                       (_synthetic_report(), r"the sampling settings are recorded by one report "
+                        r"only \(\S*after.json has none: .*re-run `jscenegen eval` for that report$"),
+                       (_edited(lambda r: r.update(sampling={})), r"the sampling settings are "
+                        r"recorded by one report only \(\S*after.json has none"),
+                       (drawn(_synthetic_report(seeds=(1,))), r"scene a has model episodes of different seeds \(seeds \[1, 2\] in .*before.json, seeds \[1\] in .*after.json\)"),
                        (no_model, "scene b has no model episodes in .*after.json"),
-                       (_edited(lambda r: r["judge"].update(backend="http", model="Qwen3-27B")),
+                       (drawn(_edited(lambda r: r["judge"].update(backend="http", model="Qwen3-27B"))),
                         "graded by different judges \\(rule rubric e8178fedbec1 and http Qwen3-27B "
                         "rubric e8178fedbec1\\): their rewards do not compare"),
-                       (_edited(lambda r: r["scenes"][1].update(seed=8)),
+                       (drawn(_edited(lambda r: r["scenes"][1].update(seed=8))),
                         r"scene b differs in its seed \(another scene set under the same ids\)"),
-                       (_edited(lambda r: r["scenes"][0].update(prompt="a kitchen")),
+                       (drawn(_edited(lambda r: r["scenes"][0].update(prompt="a kitchen"))),
                         "scene a differs in its prompt"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, chat_template_sha256="cd"))),
                         r"sampling.chat_template_sha256 is recorded by one report only \(\S*before.json "
@@ -792,7 +802,7 @@ def test_compare_reads_every_report_eval_can_write(tmp_path, capsys, monkeypatch
     assert main(["eval", "--model", str(tmp_path / "no-model"), "--scenes", str(scenes),
                  "--samples", str(GROUP_MAX), "--out", str(tmp_path / "r.json"), *TINY]) == 2
     assert one_error_line(capsys).endswith(
-        f"many.jsonl: 101 scenes x 4096 samples = 413,696 episodes, more than one report holds "
+        "many.jsonl: 101 scenes x 4096 samples = 413,696 episodes, more than one report holds "
         "(409,600, 400 MiB of JSON); evaluate fewer samples or split the scene set")
 
 

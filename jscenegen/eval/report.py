@@ -201,7 +201,8 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     protocol where both record it (`protocol`: prompts, costs, budget, reward, metrics,
     catalogue; one recording it alone is refused) and cover the same scenes (same
     seeds and prompts), each with model episodes of the same sampling seeds, drawn with the same
-    `sampling` settings where both reports record them (all but the decode layout's `buckets`
+    `sampling` settings where both reports record them (one recording them alone, or an empty
+    object beside settings, is refused; all but the decode layout's `buckets`
     and `cache_tokens`, the chat template compared by the SHA-256 of its text rather than its
     path, and temperature/top-k/top-p when both decoded greedily): a comparison of part of the episodes, of rewards on other scales or
     of other sampling rules would be silently biased."""
@@ -225,6 +226,11 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
                          "rewards do not compare")
 
     shaping = [dict(r.get("sampling") or {}) for r in (before, after)]
+    if bool(shaping[0]) != bool(shaping[1]):
+        raise ValueError(f"{where}: the sampling settings are recorded by one report only "
+                         f"({names[shaping.index({})]} has none: written by an older jscenegen "
+                         "or edited), so their sampling cannot be shown to agree; re-run "
+                         "`jscenegen eval` for that report")
     both_greedy = all(d.get("greedy") is True for d in shaping)
     for d in shaping:
         for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
