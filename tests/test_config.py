@@ -504,3 +504,20 @@ def test_an_override_opening_a_list_or_mapping_must_be_valid_yaml(item, problem)
                                           rf"{re.escape(problem)}$"):
         apply_overrides({}, [item])
     assert apply_overrides({}, ["model.path=a: b: c"]) == {"model": {"path": "a: b: c"}}  # text
+
+
+def test_the_reward_settings_are_bounded_so_every_reward_lies_in_minus_one_to_one():
+    """`failure_reward` and `unit_penalty` took any float: an evaluation report's check could not
+    know the reward's range (it refused rewards above 1 whatever the settings)."""
+    from jscenegen.run_config import load_run_config
+    from jscenegen.scene.config import REWARD_MAX, REWARD_MIN
+
+    assert (REWARD_MIN, REWARD_MAX) == (-1.0, 1.0)
+    for override, why in (("scene.reward.failure_reward=-2", "greater than or equal to -1"),
+                          ("scene.reward.failure_reward=0.5", "less than or equal to 0"),
+                          ("scene.reward.unit_penalty=1.5", "less than or equal to 1"),
+                          ("scene.reward.unit_penalty=-0.1", "greater than or equal to 0")):
+        with pytest.raises(ConfigError, match=rf"^override {re.escape(override)}: .*{why}"):
+            load_run_config(None, [override])
+    cfg = load_run_config(None, ["scene.reward.failure_reward=-0.5", "scene.reward.unit_penalty=1"])
+    assert (cfg.scene.reward.failure_reward, cfg.scene.reward.unit_penalty) == (-0.5, 1.0)

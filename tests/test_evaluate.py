@@ -659,7 +659,17 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=float("nan")),
                 "scenes[0].model.episodes[0].reward must be a finite number, got nan"),
                (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=5.0),
-                "scenes[0].model.episodes[0].reward 5.0 is above 1, the most a reward can be"),
+                "scenes[0].model.episodes[0].reward 5.0 is outside [-1, 1], the rewards "
+                "scene.reward's bounds allow"),
+               # read as a reward while scene.reward took any failure reward and penalty
+               (lambda r: r["scenes"][0]["model"]["episodes"][0].update(reward=-1e300),
+                "scenes[0].model.episodes[0].reward -1e+300 is outside [-1, 1]"),
+               (lambda r: r["overall"]["model"].update(quality=1.5),
+                "overall.model.quality 1.5 is outside [0, 1] (the grades' mean over their range)"),
+               (lambda r: r["scenes"][1]["model"].update(unit_penalty=-0.2),
+                "scenes[1].model.unit_penalty -0.2 is outside [0, 1]"),
+               (lambda r: r["overall"]["model"].update(reward=-3.0),
+                "overall.model.reward -3.0 is outside [-1, 1]"),
                (lambda r: r["overall"]["model"].update(units=float("inf")),
                 "overall.model.units must be a finite number or null, got inf"),
                (lambda r: r.update(schema="other/2"), "schema 'other/2' is not 'jscenegen.eval/1'"),

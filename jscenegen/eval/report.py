@@ -9,6 +9,7 @@ import numpy as np
 
 from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.paths import finite_number
+from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX
 from jscenegen.scene.reward import JUDGE_FAILURES
 from jscenegen.text import clip_text
 
@@ -24,6 +25,8 @@ MAX_REPORT_BYTES = MAX_REPORT_EPISODES * REPORT_BYTES_PER_EPISODE   # 400 MiB
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
 # `sampling` keys that change no token (decode segments, cache size) or that name what another
 # key records (the template file's path: `chat_template_sha256` holds the text rendered)
+_REWARD_SPAN = (f"[{REWARD_MIN:g}, {REWARD_MAX:g}], the rewards scene.reward's bounds allow "
+                "(at most all grades 10 with nothing spent)")
 _UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
 _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
 # the parts of a report's `protocol` (scene.protocol.protocol_payload) by the settings they hold
@@ -44,8 +47,10 @@ def check_report(report, source: str) -> None:
     """Raise ValueError naming `source` and the field unless `report` has the structure that
     `comparison_markdown` reads: `scenes` a list of objects, each with a string `scene_id`
     and optional `model` statistics (`reward`, `failure_rate`, `units`, `reachable`, `quality`,
-    `unit_penalty`: finite numbers or null) whose `episodes` are objects with an integer
-    `seed` (32-bit, each once), a finite number `reward`, a boolean `masked` and a
+    `unit_penalty`: finite numbers or null; rates and `quality` in [0, 1], `unit_penalty` in
+    [0, UNIT_PENALTY_MAX], `reward` in [REWARD_MIN, REWARD_MAX], the range `scene.reward`'s
+    bounds allow: scene/config.py) whose `episodes` are objects with an integer
+    `seed` (32-bit, each once), a `reward` in that range, a boolean `masked` and a
     `failure_cause` (a string or null), as many as `samples` (a positive integer) says,
     `failure_causes` a {cause: count} object, each `scene_id` once;
     `sampling` an object when present; `overall.model`
@@ -64,9 +69,14 @@ def check_report(report, source: str) -> None:
                 for k, v in causes.items())):
             raise ValueError(f"{source}: {where}.failure_causes must map causes to counts, got "
                              f"{clip_text(repr(causes))}")
-        for key, most, span in (("units", math.inf, "the units a run can spend (>= 0)"),
-                                ("failure_rate", 1, "[0, 1]"), ("reachable", 1, "[0, 1]")):
-            if m[key] is not None and not 0 <= m[key] <= most:
+        for key, least, most, span in (
+                ("units", 0, math.inf, "the units a run can spend (>= 0)"),
+                ("failure_rate", 0, 1, "[0, 1]"), ("reachable", 0, 1, "[0, 1]"),
+                ("quality", 0, 1, "[0, 1] (the grades' mean over their range)"),
+                ("unit_penalty", 0, UNIT_PENALTY_MAX, f"[0, {UNIT_PENALTY_MAX:g}] (scene.reward."
+                                                      "unit_penalty's range)"),
+                ("reward", REWARD_MIN, REWARD_MAX, _REWARD_SPAN)):
+            if m[key] is not None and not least - 1e-9 <= m[key] <= most + 1e-9:
                 raise ValueError(f"{source}: {where}.{key} {m[key]!r} is outside {span}")
         if not episodes:
             return
@@ -83,9 +93,8 @@ def check_report(report, source: str) -> None:
             if not finite_number(ep.get("reward")):
                 raise ValueError(f"{source}: {at}.reward must be a finite number, "
                                  f"got {clip_text(repr(ep.get('reward')))}")
-            if ep["reward"] > 1 + 1e-9:
-                raise ValueError(f"{source}: {at}.reward {ep['reward']!r} is above 1, the most "
-                                 "a reward can be (all seven grades 10, nothing spent)")
+            if not REWARD_MIN - 1e-9 <= ep["reward"] <= REWARD_MAX + 1e-9:
+                raise ValueError(f"{source}: {at}.reward {ep['reward']!r} is outside {_REWARD_SPAN}")
             if ep.get("units") is not None and not (finite_number(ep["units"]) and ep["units"] >= 0):
                 raise ValueError(f"{source}: {at}.units must be a number >= 0 (budget units "
                                  f"spent) or null, got {clip_text(repr(ep['units']))}")

@@ -124,15 +124,29 @@ class MetricsConfig(Section):
         return value
 
 
-class RewardConfig(Section):
-    """R = mean(grades) / 10 - unit_penalty * min(units, unit_norm) / unit_norm; failure -> failure_reward."""
+# The bounds of the reward's settings, and so of every reward (scene-protocol.md section 5:
+# grades' mean / 10 minus the operation-cost penalty; -1 for a policy failure; 0 when masked).
+UNIT_PENALTY_MAX = 1.0        # a spent budget costs at most the whole quality range
+FAILURE_REWARD_MIN = -1.0     # the spec's failure reward; a softer one may be configured
+FAILURE_REWARD_MAX = 0.0      # never above a masked episode's 0: a failure is not rewarded
+REWARD_MAX = 1.0              # all grades GRADE_MAX, nothing spent
+REWARD_MIN = min(FAILURE_REWARD_MIN, -UNIT_PENALTY_MAX)   # a failure, or grades 0 with the budget spent
 
-    unit_penalty: float = Field(0.8, description="weight of the budget term: the reward loses "
-                                "unit_penalty x min(units used, unit_norm) / unit_norm")
+
+class RewardConfig(Section):
+    """R = mean(grades) / 10 - unit_penalty * min(units, unit_norm) / unit_norm; failure -> failure_reward.
+
+    The bounds on `unit_penalty` and `failure_reward` keep every reward in [REWARD_MIN,
+    REWARD_MAX] = [-1, 1] (what an evaluation report's check reads)."""
+
+    unit_penalty: float = Field(0.8, ge=0, le=UNIT_PENALTY_MAX, description="weight of the budget "
+                                "term: the reward loses unit_penalty x min(units used, unit_norm) "
+                                "/ unit_norm (at most 1, the whole quality range)")
     unit_norm: int = Field(512, gt=0, description="units of budget at which the unit penalty "
                            "reaches its full weight (used units beyond it cost nothing more)")
-    failure_reward: float = Field(-1.0, description="reward of an episode that ends in a policy "
-                                  "failure (judge and runtime failures are masked instead, reward 0)")
+    failure_reward: float = Field(-1.0, ge=FAILURE_REWARD_MIN, le=FAILURE_REWARD_MAX, description=(
+        "reward of an episode that ends in a policy failure, -1 to 0 (judge and runtime "
+        "failures are masked instead, reward 0)"))
 
 
 class SceneRuntimeConfig(Section):
