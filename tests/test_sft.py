@@ -359,6 +359,11 @@ def test_config_errors_name_the_key():
         validate_config({"sft": {"num_demos": 2, "scene_offset": 999999}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="sft.stop_strings.*must not contain an empty string"):
         validate_config({"sft": {"stop_strings": ["</action>", ""]}}, "sft.yaml", SFTRunConfig)
+    # a jitter of 1e308 m ended in an OverflowError traceback while the demos were played
+    with pytest.raises(ConfigError, match=r"sft.noise_m: Input should be less than or equal to 10"):
+        validate_config({"sft": {"noise_m": 1e308}}, "sft.yaml", SFTRunConfig)
+    assert validate_config({"sft": {"noise_m": 10}}, "sft.yaml", SFTRunConfig).sft.noise_m == 10
+
 
 
 def test_a_cosine_schedule_shorter_than_the_sft_steps_is_warned_before_any_work(tmp_path, caplog):
