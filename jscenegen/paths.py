@@ -394,10 +394,10 @@ def finite_number(x: Any) -> bool:
         return False
 
 
-def json_line(obj: Any, **kwargs) -> str:
-    """`obj` as one line of strict JSON (a JSON Lines row, a command's stdout line): a float
-    that is not finite (a skipped step's NaN grad_norm) becomes null, as JSON has no NaN and
-    strict parsers (`jq`) refuse Python's `NaN`. `kwargs` go to json.dumps."""
+def strict_json(obj: Any, **kwargs) -> str:
+    """`obj` as strict JSON text: a float that is not finite (a skipped step's NaN grad_norm)
+    becomes null, as JSON has no NaN and strict parsers (`jq`) refuse Python's `NaN`; in dicts,
+    lists and tuples at any depth. `kwargs` go to json.dumps (allow_nan is always False)."""
     def finite(value):
         if isinstance(value, float) and not math.isfinite(value):
             return None
@@ -407,6 +407,12 @@ def json_line(obj: Any, **kwargs) -> str:
             return [finite(v) for v in value]
         return value
     return json.dumps(finite(obj), allow_nan=False, **kwargs)
+
+
+def json_line(obj: Any, **kwargs) -> str:
+    """`obj` as one line of strict JSON (a JSON Lines row, a command's stdout line):
+    `strict_json`, non-finite floats as null. `kwargs` go to json.dumps."""
+    return strict_json(obj, **kwargs)
 
 
 def jsonl_lines(text: str) -> list[str]:
@@ -487,12 +493,15 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def json_document(obj: Any) -> str:
-    """`obj` as the indented, key-sorted JSON text of a file (with its final newline)."""
-    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    """`obj` as the indented, key-sorted, strict JSON text of a file (with its final newline):
+    a float that is not finite (a skipped SFT step's NaN grad_norm in `sft_summary.json`)
+    becomes null (`strict_json`), as in `json_line`."""
+    return strict_json(obj, indent=2, sort_keys=True) + "\n"
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-    """Write `obj` as indented, key-sorted JSON to `path` atomically."""
+    """Write `obj` as indented, key-sorted strict JSON (`json_document`: non-finite floats as
+    null) to `path` atomically."""
     write_text(path, json_document(obj))
 
 

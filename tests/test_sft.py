@@ -365,6 +365,20 @@ def test_config_errors_name_the_key():
     assert validate_config({"sft": {"noise_m": 10}}, "sft.yaml", SFTRunConfig).sft.noise_m == 10
 
 
+def test_json_files_are_strict_json():
+    """`sft_summary.json`'s history held a skipped step's NaN grad_norm as Python's `NaN`, which
+    JSON has not and strict parsers refuse: written files hold null, as JSON lines do."""
+    from jscenegen.paths import json_document, loads_json
+
+    summary = {"history": [{"step": 0, "grad_norm": float("nan"), "loss": 1.5}],
+               "inf": (float("inf"), -float("inf")), "final_loss": np.float64("nan")}
+    text = json_document(summary)
+    assert loads_json(text, allow_nan=False) == {
+        "final_loss": None, "history": [{"grad_norm": None, "loss": 1.5, "step": 0}],
+        "inf": [None, None]}
+    assert text.endswith("}\n") and '\n  "final_loss": null' in text   # indented, sorted
+    assert loads_json(json_line(summary), allow_nan=False) == loads_json(text, allow_nan=False)
+
 
 def test_a_cosine_schedule_shorter_than_the_sft_steps_is_warned_before_any_work(tmp_path, caplog):
     """Past optim.total_steps the cosine climbs back towards optim.lr (`train` warned; `sft`
