@@ -816,6 +816,31 @@ def test_compare_reads_every_report_eval_can_write(tmp_path, capsys, monkeypatch
         "(409,600, 400 MiB of JSON); evaluate fewer samples or split the scene set")
 
 
+def test_a_generated_scene_name_that_is_another_scenes_id_is_refused(tmp_path, capsys, cfg):
+    """A scene without scene_id is named `scene-<index>` in the report: one such name equal to
+    another scene's id made two rows of one name (the comparison pairs by name)."""
+    from jscenegen.eval.evaluate import report_scene_ids
+    from jscenegen.scene.sceneset import record_from_json
+
+    record = dev_records()[0].to_json()
+    scenes = tmp_path / "clash.jsonl"
+    lines = []
+    for sid in ("kitchen", "scene-2", ""):     # the third, index 2, would be scene-2
+        record["scene"]["scene_id"] = sid
+        lines.append(json.dumps(record) + "\n")
+    scenes.write_text("".join(lines))
+    assert main(["eval", "--model", str(tmp_path / "no-model"), "--scenes", str(scenes),
+                 "--out", str(tmp_path / "r.json"), *TINY]) == 2
+    assert one_error_line(capsys).endswith(
+        f"--scenes {scenes}: scene 2 (line 3) has no scene_id, and the name a report gives it, "
+        "'scene-2', is the scene_id of scene 1 (line 2); give scene 2 a scene_id")
+    with pytest.raises(ValueError, match=r"^the scene set: scene 2 \(line 0\) has no scene_id"):
+        evaluate(None, [record_from_json(json.loads(r)) for r in lines],
+                 judge=make_judge(cfg.judge, cfg.scene), scene_cfg=cfg.scene, judge_cfg=cfg.judge)
+    records = dev_records()[:2]
+    assert report_scene_ids(records) == [r.scene.scene_id for r in records]
+
+
 def test_compare_refuses_reports_played_under_other_scene_settings(tmp_path, capsys):
     """Reports of one model and the same episodes under another reward scale (a failure worth
     -0.5, not -1), budget or prompt templates compared with exit 0, the whole difference shown

@@ -55,7 +55,14 @@ def compare(before: str, after: str, plot: str | None) -> int:
 
 
 def run(args) -> int:
-    from jscenegen.eval.evaluate import check_samples, check_scenes_fit, evaluate, policy_chat, policy_engine
+    from jscenegen.eval.evaluate import (
+        check_samples,
+        check_scenes_fit,
+        evaluate,
+        policy_chat,
+        policy_engine,
+        report_scene_ids,
+    )
     from jscenegen.paths import check_output_file, refuse_overwriting_input
     from jscenegen.run_config import config_inputs, load_run_config, scene_set_path, warn_inert_settings
     from jscenegen.scene.sceneset import require_scene_set_file
@@ -97,6 +104,7 @@ def run(args) -> int:
 
     records = read_scene_set(scenes)
     check_report_episodes(len(records), samples, f"--scenes {scenes}")
+    report_scene_ids(records, f"--scenes {scenes}")   # each scene named once, before the model loads
     check_requests_known(records, load_catalogue(cfg.scene.catalogue_path), str(scenes))
     judge = make_judge(cfg.judge, cfg.scene)
     judge.check_reachable()

@@ -204,6 +204,24 @@ def _episode_row(outcome: dict, **ids) -> dict:
 
 
 # ----------------------------------------------------------------------------- evaluation
+def report_scene_ids(records: Sequence[SceneRecord], source: str = "the scene set") -> list[str]:
+    """The name of each record in a report: its `scene_id`, else `scene-<index>` (0-based).
+    Raises ValueError naming `source` (the scene-set file), the index and line when a
+    generated name is another record's `scene_id` (a report names each scene once;
+    `read_scene_set` already refuses a `scene_id` given twice)."""
+    given = {r.scene.scene_id: (i, r.line) for i, r in enumerate(records) if r.scene.scene_id}
+    ids = []
+    for i, record in enumerate(records):
+        sid = record.scene.scene_id or f"scene-{i}"
+        if not record.scene.scene_id and sid in given:
+            j, line = given[sid]
+            raise ValueError(f"{source}: scene {i} (line {record.line}) has no scene_id, and the "
+                             f"name a report gives it, {sid!r}, is the scene_id of scene {j} "
+                             f"(line {line}); give scene {i} a scene_id")
+        ids.append(sid)
+    return ids
+
+
 def check_samples(samples: int) -> None:
     """Raise ValueError unless 1 <= samples <= GROUP_MAX episodes per scene (a scene's episodes
     are one rollout group, bounded as the trainer's `schedule.group_size`)."""
@@ -221,8 +239,9 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       engine: RolloutEngine holding the policy (None: expert only).
       records: the scenes, each played with its own seed.
       samples: episodes per scene; member m uses seed `episode_seed(record.seed, m, 0)`.
-      Scenes are named in the report by their `scene_id` (else `scene-<index>`), so reports of
-      `jscenegen eval` and of a run's evaluations compare (`eval --compare`).
+      Scenes are named in the report by their `scene_id` (else `scene-<index>`:
+      `report_scene_ids`), so reports of `jscenegen eval` and of a run's evaluations compare
+      (`eval --compare`).
       progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge",
     "protocol" (`scene.protocol.protocol_digests`: the scene settings the episodes were played
@@ -232,11 +251,13 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
     summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
     Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside
-    1..GROUP_MAX (`check_samples`) or there are no records.
+    1..GROUP_MAX (`check_samples`), there are no records, or a generated scene name is another
+    record's scene_id (`report_scene_ids`).
     """
     check_samples(samples)
     if not records:
         raise ValueError("no scenes to evaluate")
+    scene_ids = report_scene_ids(records)
     keys = judge_cfg.grade_keys
     t0 = time.perf_counter()
     played, experts = [], []
@@ -252,8 +273,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     judge_episodes([ep for g in played for ep in g.episodes] + experts, judge)
     rows, all_model, all_expert = [], [], []
     for i, record in enumerate(records):
-        sid = record.scene.scene_id or f"scene-{i}"
-        row = {"scene_id": sid, "seed": record.seed, "prompt": record.scene.prompt}
+        row = {"scene_id": scene_ids[i], "seed": record.seed, "prompt": record.scene.prompt}
         if engine is not None:
             group = played[i].result()
             outs = [t.outcome for t in group.trajectories]
