@@ -1226,6 +1226,32 @@ def test_a_failed_sft_removes_the_fresh_model_it_made(tmp_path, capsys, monkeypa
         f"one: jscenegen convert {step} OUT --from orbax --to hf)")
 
 
+def test_a_fresh_model_sft_checks_its_inputs_once(tmp_path, capsys, monkeypatch):
+    """Without --model, sft checks the inputs that need no model before making one; run_sft
+    then checked them all again (the mesh, catalogue and templates read twice)."""
+    import jscenegen.model.init_model as init_model
+    import jscenegen.scene.corpus as corpus
+    import jscenegen.sft.run as sft_run
+    from jscenegen.model.config import QwenConfig
+
+    calls, real_check = [], sft_run.check_sft_inputs
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real_check(*args, **kwargs)
+
+    def stop(*args, **kwargs):   # the first step after the checks: the model's config
+        raise ValueError("stopped after the checks")
+
+    monkeypatch.setattr(sft_run, "check_sft_inputs", counting)
+    monkeypatch.setattr(init_model, "init_model_dir", lambda model_dir, **kw: model_dir.mkdir())
+    monkeypatch.setattr(corpus, "tokenizer_corpus", lambda: [])
+    monkeypatch.setattr(QwenConfig, "from_dir", stop)
+    assert main(["sft", "--config", str(ROOT / "configs/sft-cpu.yaml"), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "stopped after the checks" in one_error_line(capsys) and len(calls) == 1
+
+
 @pytest.mark.parametrize("argv, name", [
     (["export", "{loop}", "{tmp}/out", "--world-size", "2"], "checkpoint"),
     (["convert", "--verify", "{loop}"], "--verify"),

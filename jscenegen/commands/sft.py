@@ -58,8 +58,9 @@ def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
     from jscenegen.sft.run import check_sft_inputs, run_sft
 
     fresh = model_dir is None
+    mesh = None   # run_sft checks its inputs itself, unless they were checked here
     if fresh:   # what needs no model, before one is made (a minute of corpus and tokenizer)
-        check_sft_inputs(cfg, args.chat_template)
+        mesh = check_sft_inputs(cfg, args.chat_template)
     made_here = False   # an empty directory given for it stays when the SFT does not finish
     if fresh:
         from jscenegen.model.init_model import init_model_dir
@@ -76,7 +77,7 @@ def _train(cfg, args, out: Path, model_dir: str | None) -> dict:
                        seed=cfg.sft.seed, texts=tokenizer_corpus())
         print(json.dumps({"event": "init_model", "model_dir": str(model_dir)}), flush=True)
     try:
-        return run_sft(cfg, model_dir, out, chat_template_path=args.chat_template)
+        return run_sft(cfg, model_dir, out, chat_template_path=args.chat_template, mesh=mesh)
     except BaseException:
         if fresh:   # the same command, run again, makes it afresh
             shutil.rmtree(model_dir, ignore_errors=True)

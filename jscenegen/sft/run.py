@@ -53,7 +53,7 @@ def check_sft_inputs(cfg, chat_template_path: str | None = None):
 
 def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
             log: Callable[[dict], None] = lambda row: print(json_line(row), flush=True),
-            chat_template_path: str | Path | None = None) -> dict:
+            chat_template_path: str | Path | None = None, mesh=None) -> dict:
     """Fine-tune the HF model at `model_dir` on expert demonstrations and write `out_dir`.
 
     Args:
@@ -64,6 +64,8 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
         `chat_template_path` as its `chat_template.jinja`, so every later load renders the
         template it was trained on), with `sft_summary.json` (config, chat template, demo
         statistics, loss history, phase times).
+      mesh: the mesh `check_sft_inputs(cfg, chat_template_path)` returned, when the caller ran
+        it already (before making a fresh model); None: run_sft runs it.
       log: called with one dict per logged step ({"step", "loss", "grad_norm", "lr",
         "tokens", "elapsed_s", "cpu_s": process CPU seconds, all threads}) and once with the
         demo statistics.
@@ -89,7 +91,8 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     early = schedule_ends_early(cfg.optim, sc.steps, "sft.steps")
     if early:
         logging.getLogger(__name__).warning("%s", early)
-    mesh = check_sft_inputs(cfg, chat_template_path)
+    if mesh is None:
+        mesh = check_sft_inputs(cfg, chat_template_path)
     multiple = int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))   # of every row's length
     longest = round_up(sc.max_seq_len, mesh.shape["sp"])   # rows' cap
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
