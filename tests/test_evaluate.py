@@ -841,6 +841,18 @@ def test_a_generated_scene_name_that_is_another_scenes_id_is_refused(tmp_path, c
     assert report_scene_ids(records) == [r.scene.scene_id for r in records]
 
 
+def test_compare_of_reports_whose_every_pair_is_masked_is_one_error_line(tmp_path, capsys):
+    """Every episode of one report masked (the judge failed): nothing pairs up, named on one
+    line, the only error the table itself can meet once the reports were checked."""
+    masked = _edited(lambda r: [ep.update(masked=True) for row in r["scenes"]
+                                for ep in row["model"]["episodes"]])
+    for summary in [row["model"] for row in masked["scenes"]] + [masked["overall"]["model"]]:
+        summary.update(reward=None, failure_rate=None)
+    rc, err = _compare(tmp_path, capsys, _synthetic_report(), masked)
+    assert rc == 2 and len(err.splitlines()) == 1 and err.endswith(
+        "after.json: cannot compare (the reports share no unmasked (scene_id, seed) episode)"), err
+
+
 def test_compare_refuses_reports_played_under_other_scene_settings(tmp_path, capsys):
     """Reports of one model and the same episodes under another reward scale (a failure worth
     -0.5, not -1), budget or prompt templates compared with exit 0, the whole difference shown

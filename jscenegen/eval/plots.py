@@ -15,7 +15,7 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     before and after, labelled `labels`.
 
     Bars are in reward units ([-1, 1]); a scene whose model episodes all failed shows its
-    most frequent failure cause inside the model's bar.
+    most frequent failure cause inside the model's bar (each of the before and after bars).
     """
 
     import matplotlib
@@ -26,7 +26,8 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     out = Path(out)
     rows = report["scenes"]
     x = np.arange(len(rows))
-    # (label, colour, per-scene summaries); the last "model" series gets the failure labels
+    # (label, colour, per-scene summaries); every series but the expert's (the model, or the
+    # model before and after) gets the failure labels
     if before is not None:
         by_id = {r["scene_id"]: r for r in before["scenes"]}
         series = [(labels[0], "tab:orange", [by_id[r["scene_id"]]["model"] for r in rows]),
