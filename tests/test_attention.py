@@ -1,7 +1,7 @@
-"""model.attention's XLA kernel: forward and the gradients of q, k and v (its custom backward
-pass, FlashAttention's row term) against torch autodiff of transformers' eager attention
-formula, grouped-query, with padded rows (queries with no allowed key) and a causal mask; the
-cache layout gives the same values; bf16 inputs give bf16 gradients near the fp32 ones."""
+"""model.attention's XLA kernel: forward and the gradients of q, k and v against torch
+autodiff of transformers' eager attention formula, grouped-query, with padded rows (queries
+with no allowed key) and a causal mask; the cache layout gives the same values; bf16 inputs
+give bf16 gradients near the fp32 ones."""
 import jax
 import jax.numpy as jnp
 import numpy as np

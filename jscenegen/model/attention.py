@@ -20,7 +20,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     """softmax(q k^T / sqrt(D) + mask) v per head, grouped-query (transformers'
     `eager_attention_forward`): scores and softmax in float32, masked scores at float32's
     minimum (a row with no allowed key averages v uniformly, as there). Shapes as the module
-    says; returns [B, S, Nq, D] in q's dtype. Its gradient is `_grouped_attention`'s."""
+    says; returns [B, S, Nq, D] in q's dtype."""
     if not cached:
         # the same products as over a cache: with k [B, S, Nkv, D] as given, XLA:CPU makes the
         # scores transposed (keys x queries) and copies q into a [D, queries] layout inside
@@ -31,52 +31,11 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     # queries grouped by kv head, [B, Nkv, G, S, D]: (G, S) are the rows of each head's
     # matmul as they lie (not merged by a reshape, which would gather S when it is sharded)
     qh = q.reshape(b, s, nkv, nq // nkv, d).transpose(0, 2, 3, 1, 4)
-    out = _grouped_attention(qh, k, v, mask)
+    scores = jnp.einsum("bngsd,bndt->bngst", qh, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None, :, :], scores * (d ** -0.5), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bngst,bntd->bngsd", probs, v, preferred_element_type=jnp.float32)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nq, d).astype(q.dtype)
-
-
-def _probs_and_out(qh, kt, vh, mask):
-    """qh [B, Nkv, G, S, D], kt [B, Nkv, D, Sk], vh [B, Nkv, Sk, D], mask [B, S, Sk] ->
-    (probs [B, Nkv, G, S, Sk] in v's dtype, out [B, Nkv, G, S, D] float32)."""
-    scores = jnp.einsum("bngsd,bndt->bngst", qh, kt, preferred_element_type=jnp.float32)
-    scale = qh.shape[-1] ** -0.5
-    scores = jnp.where(mask[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype)
-    out = jnp.einsum("bngst,bntd->bngsd", probs, vh, preferred_element_type=jnp.float32)
-    return probs, out
-
-
-@jax.custom_vjp
-def _grouped_attention(qh, kt, vh, mask):
-    """The attention of `xla_attention` in its grouped layout (`_probs_and_out`'s shapes);
-    returns out [B, Nkv, G, S, D] float32."""
-    return _probs_and_out(qh, kt, vh, mask)[1]
-
-
-def _grouped_attention_fwd(qh, kt, vh, mask):
-    probs, out = _probs_and_out(qh, kt, vh, mask)
-    return out, (qh, kt, vh, mask, probs, out)
-
-
-def _grouped_attention_bwd(residuals, dout):
-    """The softmax's backward with FlashAttention's row term (Dao et al. 2022, Alg. 2):
-    sum_t P dP over the keys equals sum_d dO O over the head dimension (O = P V), a
-    [.., S, D] reduction instead of autodiff's [.., S, Sk] one. Products take the operands in
-    the compute dtype and accumulate in float32, as the forward's."""
-    qh, kt, vh, mask, probs, out = residuals
-    dt = vh.dtype
-    do = dout.astype(dt)
-    dv = jnp.einsum("bngst,bngsd->bntd", probs, do, preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bngsd,bntd->bngst", do, vh, preferred_element_type=jnp.float32)
-    row = jnp.sum(dout * out, axis=-1, keepdims=True)
-    ds = jnp.where(mask[:, None, None], probs.astype(jnp.float32) * (dp - row), 0.0)
-    ds = (ds * qh.shape[-1] ** -0.5).astype(dt)
-    dq = jnp.einsum("bngst,bndt->bngsd", ds, kt, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bngst,bngsd->bndt", ds, qh, preferred_element_type=jnp.float32)
-    return dq.astype(qh.dtype), dk.astype(kt.dtype), dv.astype(dt), None
-
-
-_grouped_attention.defvjp(_grouped_attention_fwd, _grouped_attention_bwd)
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
