@@ -18,28 +18,28 @@ TOKENS = int_in(1, ROW_TOKENS_MAX)
 def _check_batch(model, rows: int, seq: int, flags: str, *, micro_rows: int | None = None,
                  backward: bool = True) -> None:
     """Refuse, before any model loads, a batch of more than TOKENS_MAX (2^20) tokens, or one whose
-    torch baseline would need more than the host's memory (`torch_memory_floor` of one
+    run would need more than the memory available now (`parity_peak_bytes` of one
     micro-batch of `micro_rows` rows: the logits and eager attention's seq^2 weights), naming
     `flags` and the figures. `model`: the HF model directory, or its `QwenConfig`."""
     from jscenegen.grpo.algo.accumulate import num_micro_batches
     from jscenegen.grpo.rollout.config import TOKENS_MAX
     from jscenegen.model.config import QwenConfig
-    from jscenegen.parity import torch_memory_floor
-    from jscenegen.sharding.rollout import host_memory_bytes
+    from jscenegen.parity import parity_peak_bytes
+    from jscenegen.sharding.rollout import available_memory_bytes
 
     if rows * seq > TOKENS_MAX:
         raise ValueError(f"{flags}: {rows:,} x {seq:,} = {rows * seq:,} tokens; a parity batch "
                          f"holds at most {TOKENS_MAX:,}")
     cfg = model if isinstance(model, QwenConfig) else QwenConfig.from_dir(model)
     at_once = rows // num_micro_batches(rows, micro_rows, "ppo_micro_batch_size")
-    need, have = torch_memory_floor(cfg, at_once, seq, backward), host_memory_bytes()
+    need, have = parity_peak_bytes(cfg, at_once, seq, backward), available_memory_bytes()
     if have is not None and need > have:
         per = f" ({at_once:,} at a time: --loss ppo_micro_batch_size)" if at_once < rows else ""
-        raise ValueError(f"{flags}: {rows:,} x {seq:,} tokens{per} need at least "
-                         f"{need / 2**30:,.1f} GiB for the torch baseline's logits and eager "
-                         f"attention weights (seq^2 per head"
-                         f"{' and attention layer' if backward else ''}); this host has "
-                         f"{have / 2**30:,.1f} GiB: give fewer or shorter rows"
+        raise ValueError(f"{flags}: {rows:,} x {seq:,} tokens{per} need about "
+                         f"{need / 2**30:,.1f} GiB for the logits and eager attention weights "
+                         f"(seq^2 per head{' and attention layer' if backward else ''}, torch's "
+                         f"and JAX's); this host has {have / 2**30:,.1f} GiB available: give "
+                         "fewer or shorter rows"
                          f"{', or smaller micro-batches' if backward else ''}")
 
 

@@ -4,18 +4,24 @@ ROW_TOKENS_MAX = 1 << 16   # tokens of one parity row (--seq, one recorded traje
 FLOAT32_MAX = 3.4028234663852886e38   # numpy.finfo(numpy.float32).max: what both engines read
 
 
-def torch_memory_floor(cfg, rows: int, seq: int, backward: bool) -> int:
-    """A lower bound, in bytes, of what the torch baseline holds at once for `rows` x `seq`
-    tokens (one micro-batch) of the model `cfg` (a `QwenConfig`). transformers'
-    `eager_attention_forward` materialises fp32 [rows, heads, seq, seq] weights per
-    full-attention layer (Gated DeltaNet layers hold no seq^2 array) and the head fp32 [rows,
-    seq, vocab] logits. Forward only (`no_grad`): one layer's scores and their softmax, or the
-    logits, at a time. With `backward`: the logits and every such layer's weights, kept for the
-    gradient."""
+def parity_peak_bytes(cfg, rows: int, seq: int, backward: bool) -> int:
+    """An estimate, in bytes, of the peak a parity run holds for `rows` x `seq` tokens (one
+    micro-batch) of the model `cfg` (a `QwenConfig`), both engines in one process: the
+    seq^2 terms and the logits. W = one full-attention layer's fp32 [rows, heads, seq, seq]
+    weights (transformers' `eager_attention_forward`; Gated DeltaNet layers hold no seq^2
+    array), M = a [rows, seq, seq] fp32 mask, L = the fp32 [rows, seq, vocab] logits.
+    Forward only: L + 3 W + 2 M (scores, scaled and masked scores, softmax; the mask on both
+    sides). With `backward`: 3 L + (3 n + 2) W + 2 M over the n full-attention layers (each
+    layer's softmax kept for the gradient by torch and by JAX, its backward's products).
+    Calibrated on the micro Qwen3 (2 heads, 2 layers) by peak RSS, 2026-12-06: forward 490 MB
+    a 4,096-token row (estimate 558 MB); backward 323 MB a 2,048-token row (335 MB) and
+    1,095 MB a 4,096-token row (1,273 MB)."""
     from jscenegen.model.config import FULL_ATTENTION
 
     logits = 4 * rows * seq * cfg.vocab_size
-    weights = 4 * rows * cfg.num_attention_heads * seq * seq   # one layer's
+    mask = 4 * rows * seq * seq
+    weights = mask * cfg.num_attention_heads   # one layer's
     if not backward:
-        return max(logits, 2 * weights)
-    return logits + weights * sum(kind == FULL_ATTENTION for kind in cfg.kinds)
+        return logits + 3 * weights + 2 * mask
+    layers = sum(kind == FULL_ATTENTION for kind in cfg.kinds)
+    return 3 * logits + (3 * layers + 2) * weights + 2 * mask

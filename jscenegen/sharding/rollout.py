@@ -136,6 +136,21 @@ def host_memory_bytes() -> int | None:
     return min(limits) if limits else None
 
 
+def available_memory_bytes() -> int | None:
+    """The memory this process can take now, in bytes: the kernel's MemAvailable
+    (/proc/meminfo), at most `host_memory_bytes`; `host_memory_bytes` where /proc says nothing."""
+    total = host_memory_bytes()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith("MemAvailable:") and line.split()[1].isdigit():
+                    free = int(line.split()[1]) * 1024
+                    return free if total is None else min(free, total)
+    except OSError:
+        pass
+    return total
+
+
 def tp_candidates(n_devices: int, divides: tuple[int, ...]) -> list[int]:
     """Tensor sizes that divide the device count and every size in `divides` (head counts,
     FFN size), increasing."""
