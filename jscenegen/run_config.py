@@ -126,20 +126,31 @@ def inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -> lis
 
 
 def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
-                    greedy: bool = False) -> RunConfig:
+                    greedy: bool = False, model_flag: bool = False) -> RunConfig:
     """The run config of `config` (default: the CPU default, `DEFAULT_CONFIG`) with dotted
-    overrides; `greedy` turns on argmax decoding and turns top-k/top-p off.
-    Raises ConfigError naming the file or override and the key."""
+    overrides; `greedy` turns on argmax decoding and turns top-k/top-p off; `model_flag`: the
+    command's --model names the policy (a `model.path` override would be ignored).
+    Raises ConfigError naming the file or override and the key, or an override that a flag
+    given with it contradicts or repeats."""
     cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
-    given = [o for o in overrides
-             if {"sampling.greedy", "sampling.top_k", "sampling.top_p"} & set(override_leaf_keys(o))]
-    if greedy and given:
-        raise ConfigError(f"--greedy sets sampling.greedy, top_k and top_p itself; the override "
-                          f"{given[0]} contradicts or repeats it (give one of the two)")
+    if greedy:
+        _refuse_override_of("--greedy sets sampling.greedy, top_k and top_p itself",
+                            {"sampling.greedy", "sampling.top_k", "sampling.top_p"}, overrides)
+    if model_flag:
+        _refuse_override_of("--model names the policy", {"model.path"}, overrides)
     if greedy:
         sampling = cfg.sampling.model_copy(update={"greedy": True, "top_k": 0, "top_p": 1.0})
         cfg = cfg.model_copy(update={"sampling": sampling})
     return cfg
+
+
+def _refuse_override_of(flag: str, keys: set[str], overrides: Sequence[str]) -> None:
+    """Raise ConfigError when an override sets one of `keys`, which `flag` (a sentence on
+    what the flag does) decides."""
+    given = [o for o in overrides if keys & set(override_leaf_keys(o))]
+    if given:
+        raise ConfigError(f"{flag}; the override {given[0]} contradicts or repeats it (give one "
+                          "of the two)")
 
 
 REFERENCE_PATH = "docs/config.md"

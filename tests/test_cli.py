@@ -541,6 +541,12 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
       "sampling.greedy=false"],
      "error: --greedy sets sampling.greedy, top_k and top_p itself; the override "
      "sampling.greedy=false contradicts or repeats it (give one of the two)"),
+    (["design", "--model", "/nonexistent", "--prompt", "x", "-o", "x.json", "model.path=other"],
+     "error: --model names the policy; the override model.path=other contradicts or repeats it "
+     "(give one of the two)"),
+    (["eval", "--model", "/nonexistent", "model={path: other}"],
+     "error: --model names the policy; the override model={path: other} contradicts or repeats "
+     "it (give one of the two)"),
     (["sft", "--config", "configs/sft-cpu.yaml", "--model", "nowhere", "--out", "o"],
      "error: nowhere/config.json: no such file; model directory nowhere needs its config.json"),
 ])

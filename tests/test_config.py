@@ -521,3 +521,17 @@ def test_the_reward_settings_are_bounded_so_every_reward_lies_in_minus_one_to_on
             load_run_config(None, [override])
     cfg = load_run_config(None, ["scene.reward.failure_reward=-0.5", "scene.reward.unit_penalty=1"])
     assert (cfg.scene.reward.failure_reward, cfg.scene.reward.unit_penalty) == (-0.5, 1.0)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("scene.budget_units=99999999999999999999999", "scene.budget_units"),
+    ("scene.op_costs.add_object=2000000", "scene.op_costs.add_object"),
+    ("scene.reward.unit_norm=2000000", "scene.reward.unit_norm"),
+    ("scene.max_planner_turns=100000", "scene.max_planner_turns"),
+])
+def test_budget_and_turn_counts_are_bounded(override, key):
+    """The budget was unbounded: a 23-digit value was accepted and written into the prompts."""
+    from jscenegen.run_config import load_run_config
+
+    with pytest.raises(ConfigError, match=rf"{key}: Input should be less than or equal to"):
+        load_run_config(None, [override])

@@ -87,7 +87,7 @@ def run(args) -> int:
     from jscenegen.run_config import config_inputs, load_run_config, warn_inert_settings
     from jscenegen.sharding.mesh import refuse_multi_host
 
-    cfg = load_run_config(args.config, args.overrides, args.greedy)
+    cfg = load_run_config(args.config, args.overrides, args.greedy, model_flag=True)
     refuse_multi_host("design", cfg.mesh)
     warn_inert_settings(cfg, sections=("judge",))   # the only conditional keys it reads
     check_output_file(args.out, "-o")

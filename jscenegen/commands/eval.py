@@ -75,7 +75,7 @@ def run(args) -> int:
         raise ValueError("--model is required (or --compare BEFORE AFTER)")
     args.out = args.out or "eval-report.json"
     args.scenes = args.scenes or "dev"
-    cfg = load_run_config(args.config, args.overrides, args.greedy)
+    cfg = load_run_config(args.config, args.overrides, args.greedy, model_flag=True)
     refuse_multi_host("eval", cfg.mesh)
     warn_inert_settings(cfg, sections=("judge",))   # the only conditional keys it reads
     try:

@@ -38,10 +38,14 @@ GRADE_KEYS = (
 )
 
 
+UNITS_MAX = 2**20    # budget units: a budget, a cost, the penalty's norm (the spec's budget is 512)
+TURNS_MAX = 4096     # planner turns and critique rounds of one episode (its tokens end it sooner)
+
+
 def _op_cost(units: int, also: str = "") -> Any:
     """A designer operation's cost field: `units` of budget by default."""
-    return Field(units, ge=0, description=f"units of budget the operation costs, charged when "
-                 f"requested{also}")
+    return Field(units, ge=0, le=UNITS_MAX, description=f"units of budget the operation costs, "
+                 f"charged when requested{also}")
 
 
 class OpCosts(Section):
@@ -142,7 +146,7 @@ class RewardConfig(Section):
     unit_penalty: float = Field(0.8, ge=0, le=UNIT_PENALTY_MAX, description="weight of the budget "
                                 "term: the reward loses unit_penalty x min(units used, unit_norm) "
                                 "/ unit_norm (at most 1, the whole quality range)")
-    unit_norm: int = Field(512, gt=0, description="units of budget at which the unit penalty "
+    unit_norm: int = Field(512, gt=0, le=UNITS_MAX, description="units of budget at which the unit penalty "
                            "reaches its full weight (used units beyond it cost nothing more)")
     failure_reward: float = Field(-1.0, ge=FAILURE_REWARD_MIN, le=FAILURE_REWARD_MAX, description=(
         "reward of an episode that ends in a policy failure, -1 to 0 (judge and runtime "
@@ -153,14 +157,14 @@ class SceneRuntimeConfig(Section):
     """The SceneGen environment: operation costs, budget, caps, metrics, reward, prompts."""
 
     op_costs: OpCosts = OpCosts()
-    budget_units: int = Field(512, gt=0, description="units of budget per episode; an operation "
+    budget_units: int = Field(512, gt=0, le=UNITS_MAX, description="units of budget per episode; an operation "
                               "that would pass it is refused, uncharged, and ends its batch")
     max_objects: int = Field(40, ge=1, le=MAX_SCENE_OBJECTS, description="most objects a scene "
                              "may hold: add_object on a scene that has this many fails validation "
                              "(still charged)")
-    max_planner_turns: int = Field(12, ge=1, description="planner turns per episode; the last must "
+    max_planner_turns: int = Field(12, ge=1, le=TURNS_MAX, description="planner turns per episode; the last must "
                                    "be finish, else the episode fails (planner_turn_cap)")
-    max_critique_rounds: int = Field(3, ge=0, description="critic turns per episode; a further "
+    max_critique_rounds: int = Field(3, ge=0, le=TURNS_MAX, description="critic turns per episode; a further "
                                      "critique request is refused with a message, not failed")
     metrics: MetricsConfig = MetricsConfig()
     reward: RewardConfig = RewardConfig()
