@@ -13,6 +13,7 @@ from flax import nnx
 import jscenegen
 from jscenegen.config import ConfigError, validate_config
 from jscenegen.grpo.algo.config import OptimConfig
+from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import init_train_state
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER
 from jscenegen.grpo.rollout.config import DEFAULT_STOP_STRINGS, SamplingConfig
@@ -212,16 +213,22 @@ def test_loss_matches_direct_nll_and_micro_batches(sharded, batch, mesh):
     # steps of one model structure and options share their compiled function (a resume)
     assert SFTStep(hidden_fn(graphdef, *rest), OPTIM, donate=False).step is whole.step
     assert micro.step is not whole.step
+    capacity = selection_capacity(arrays["loss_mask"])   # run_sft's: the policy tokens' logits only
+    assert capacity < arrays["loss_mask"].shape[1]
     with jax.set_mesh(mesh):
         s1, m1 = whole.step(init_train_state(params, OPTIM), placed)
         s2, m2 = micro.step(init_train_state(params, OPTIM), placed)
+        s3, m3 = whole.step(init_train_state(params, OPTIM), placed, capacity=capacity)
     assert float(m1["tokens"]) == float(m2["tokens"]) == arrays["loss_mask"][:, 1:].sum()
     assert float(m1["loss"]) == pytest.approx(_direct_nll(load_hf(chat_model_dir()), arrays), rel=1e-5)
     assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
+    assert float(m3["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
     assert float(m1["lr"]) == 0.0 and int(s1.lr_step) == 1  # warmup starts at 0, as LambdaLR
     # lr is 0 in this first step, so the Adam moments carry the gradients: equal either way
-    for i, (a, b) in enumerate(zip(jax.tree.leaves(s1.opt_state), jax.tree.leaves(s2.opt_state))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-10, err_msg=str(i))
+    for other in (s2, s3):
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(s1.opt_state), jax.tree.leaves(other.opt_state))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-10,
+                                       err_msg=str(i))
     assert float(np.abs(np.asarray(jax.tree.leaves(s1.opt_state)[-1])).max()) > 0
 
 

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
+from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import init_train_state, schedule_ends_early
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.paths import json_document, json_line, require_new_dir
@@ -128,13 +129,14 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
         for step in range(sc.steps):
             arrays = demo_batch([demos[i] for i in next(order)], length, sc.max_seq_len)
             batch = shard_batch(pad_batch(arrays, mesh, seq_multiple=length), mesh)
-            state, metrics = sft.step(state, batch)
+            capacity = selection_capacity(arrays["loss_mask"])   # logits of the policy tokens only
+            state, metrics = sft.step(state, batch, capacity=capacity)
             if step % sc.log_every == 0 or step == sc.steps - 1:
                 row = {"step": step, **{k: float(v) for k, v in metrics.items()},
                        "elapsed_s": time.perf_counter() - t1, "cpu_s": time.process_time() - cpu1}
                 history.append(row)
                 log(row)
-        after = [float(x) for x in sft.check(state.params, batch)]   # the weights to be written
+        after = [float(x) for x in sft.check(state.params, batch, capacity=capacity)]   # as written
     train_s = time.perf_counter() - t1
     _check_trained(cfg, history[-1], int(state.skipped_steps), *after)
     nnx.update(model, state.params)

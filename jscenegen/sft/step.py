@@ -28,11 +28,12 @@ class SFTStep:
     `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding [V, H])`
     (`model.functional.hidden_fn`). Batches: dict of [B, T] arrays input_ids int32,
     attention_mask 0/1, loss_mask float32.
-    `step(state, batch) -> (state, metrics)`: one AdamW update of the token-mean NLL over
-    loss_mask; metrics: loss (the NLL before the update), grad_norm (before clipping), lr,
+    `step(state, batch, capacity=None) -> (state, metrics)`: one AdamW update of the token-mean
+    NLL over loss_mask (with a static `capacity` >= every row's loss-mask count,
+    `grpo.algo.logprobs.selection_capacity`: logits of the masked tokens only); metrics: loss (the NLL before the update), grad_norm (before clipping), lr,
     tokens (the masked token count), skipped (1.0 when a non-finite gradient skipped the update),
-    all float32 scalars. `check(params, batch) -> (loss, grad_norm)`: the same without an
-    update (what an SFT run asks of the weights it writes).
+    all float32 scalars. `check(params, batch, capacity=None) -> (loss, grad_norm)`: the same
+    without an update (what an SFT run asks of the weights it writes).
     Raises ValueError (at trace time) when B does not split into micro-batches.
     """
 
@@ -45,33 +46,36 @@ class SFTStep:
         self.tx = make_optimizer(optim_cfg)
         key = ("sft_step", hidden_fn, optim_cfg.model_dump_json(), micro_batch_size,
                logprob_chunk, donate)
-        self.step = shared(key, lambda: jax.jit(self._step, donate_argnums=0 if donate else ()))
-        self.check = shared(key + ("check",), lambda: jax.jit(self._check))
+        self.step = shared(key, lambda: jax.jit(self._step, donate_argnums=0 if donate else (),
+                                                static_argnames=("capacity",)))
+        self.check = shared(key + ("check",),
+                            lambda: jax.jit(self._check, static_argnames=("capacity",)))
 
-    def _masked_logp_sum(self, params, mb):
+    def _masked_logp_sum(self, params, mb, capacity=None):
         hidden, emb = self.hidden_fn(params, mb["input_ids"], mb["attention_mask"])
-        logp, _ = shifted_token_logprobs(hidden, emb, mb["input_ids"], 1.0, self.logprob_chunk)
+        logp, _ = shifted_token_logprobs(hidden, emb, mb["input_ids"], 1.0, self.logprob_chunk,
+                                         select=mb["loss_mask"], capacity=capacity)
         return jnp.sum(logp * mb["loss_mask"])
 
-    def _grads(self, params, batch):
+    def _grads(self, params, batch, capacity=None):
         k = num_micro_batches(batch["input_ids"].shape[0], self.micro_batch_size)
         n_tok = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         denom = jnp.maximum(n_tok, 1.0)
 
         def micro_loss(params, mb):
-            return -self._masked_logp_sum(params, mb) / denom, ()
+            return -self._masked_logp_sum(params, mb, capacity) / denom, ()
 
         micro = split_micro({key: batch[key] for key in BATCH_KEYS}, k)
         grads, loss, _ = accumulate_grads(micro_loss, params, micro, ())
         return grads, loss, n_tok
 
-    def _check(self, params, batch) -> tuple[jax.Array, jax.Array]:
+    def _check(self, params, batch, capacity=None) -> tuple[jax.Array, jax.Array]:
         """(loss, gradient norm) of `batch` at `params`, float32 [] each, without an update."""
-        grads, loss, _ = self._grads(params, batch)
+        grads, loss, _ = self._grads(params, batch, capacity)
         return loss, optax.tree_utils.tree_norm(as_float32(grads))
 
-    def _step(self, state: TrainState, batch):
-        grads, loss, n_tok = self._grads(state.params, batch)
+    def _step(self, state: TrainState, batch, capacity=None):
+        grads, loss, n_tok = self._grads(state.params, batch, capacity)
         new_state, update = apply_gradients(self.tx, self.optim_cfg, state, grads)
         return new_state, {"loss": loss, "grad_norm": update["grad_norm"], "lr": update["lr"],
                            "tokens": n_tok, "skipped": update["skipped"]}
