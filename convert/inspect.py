@@ -8,6 +8,7 @@ tensor data.
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -101,7 +102,9 @@ def _orbax_steps(path: Path) -> list[Path]:
 
 def checkpoint_format(path: Path) -> str | None:
     """Which recognised layout the directory `path` holds, from its file names only: "export",
-    "orbax" (a step), "orbax-run" (step directories), "hf", "verl", or None."""
+    "orbax" (a step), "orbax-run" (step directories), "hf", "verl", or None. A directory with
+    HF weight files (`model*.safetensors` or the index) whose `config.json` is missing or not
+    a regular file is "hf" too, so that reading it names the config.json at fault."""
     if (path / "training_state").is_dir() and (path / "config.json").is_file():
         return "export"
     if (path / "params").is_dir() and (path / "adam").is_dir():
@@ -113,7 +116,17 @@ def checkpoint_format(path: Path) -> str | None:
         return "hf"
     if looks_like_verl(path):
         return "verl"
+    if _holds_hf_weights(path):   # its config.json is missing or no file: the HF reader names it
+        return "hf"
     return None
+
+
+def _holds_hf_weights(path: Path) -> bool:
+    """Whether `path` holds HF weight files by name: `model.safetensors`, its index or a
+    `model*.safetensors` shard (whatever kind of entry each is: the HF reader names a bad one)."""
+    return (os.path.lexists(path / "model.safetensors")
+            or os.path.lexists(path / "model.safetensors.index.json")
+            or any(True for _ in islice(path.glob("model*.safetensors"), 1)))
 
 
 def source_format(path: str | Path) -> str:

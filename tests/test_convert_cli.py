@@ -75,6 +75,31 @@ def test_inspect_names_the_checkpoints_inside_a_directory_that_is_none(tmp_path,
     assert capsys.readouterr().err.strip().endswith("VERL FSDP2 rank files)")
 
 
+@pytest.mark.parametrize("damage", ["missing", "fifo", "directory"])
+def test_an_hf_directory_with_a_bad_config_json_is_read_as_hf_and_the_config_named(
+        tmp_path, capsys, damage):
+    """`--inspect` and a conversion without `--from` said "not a checkpoint" for an HF
+    directory whose config.json was missing or a named pipe; `--from hf` named the file."""
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    hf = tmp_path / "hf"
+    assert main(["convert", str(ckpt), str(hf), "--from", "verl", "--to", "hf"]) == 0
+    (hf / "checksums.json").unlink()   # as a release has none (else it names config.json)
+    config = hf / "config.json"
+    config.unlink()
+    why = {"missing": "no such file", "fifo": "is a named pipe", "directory": "is a directory"}
+    if damage == "fifo":
+        os.mkfifo(config)
+    elif damage == "directory":
+        config.mkdir()
+    capsys.readouterr()
+    assert main(["convert", "--inspect", str(hf)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {config}: {why[damage]}")
+    assert main(["convert", str(hf), str(tmp_path / "o"), "--to", "orbax"]) == 2
+    err = capsys.readouterr().err
+    assert f"{hf}: read as --from hf" in err and f"error: {config}: {why[damage]}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_errors(tmp_path, capsys):
     ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
     hf = tmp_path / "hf"
