@@ -231,6 +231,24 @@ def test_mesh_report_reads_a_checkpoint_steps_model_config(tmp_path, capsys):
     assert "\nparameters: 7.62 B (7,615,616,512); " in capsys.readouterr().out
 
 
+def test_mesh_report_given_a_run_directory_names_its_newest_step_as_design_does(tmp_path, capsys):
+    """`mesh-report --model RUN` said "RUN/config.json: no such file" where `design` names the
+    run's newest checkpoint step."""
+    for step in (4, 7):
+        (tmp_path / f"run/checkpoints/{step}/hf").mkdir(parents=True)
+        (tmp_path / f"run/checkpoints/{step}/params").mkdir()
+        shutil.copy(ROOT / "configs/model-shapes/qwen2.5-7b.json",
+                    tmp_path / f"run/checkpoints/{step}/hf/config.json")
+    newest = tmp_path / "run/checkpoints/7"
+    for given in (tmp_path / "run", tmp_path / "run/checkpoints"):
+        assert main(["mesh-report", "--model", str(given)]) == 2
+        assert one_error_line(capsys) == (
+            f"error: --model {given}: neither an HF model directory (config.json) nor a checkpoint "
+            f"step directory (params/ and hf/); its newest checkpoint step is {newest}")
+    assert main(["mesh-report", "--model", str(newest)]) == 0
+    assert "\nparameters: 7.62 B (7,615,616,512); " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("size", ["-5", "0", "258", "20000000"])
 def test_init_model_refuses_a_bad_vocab_size_before_any_work(tmp_path, capsys, size):
     assert main(["init-model", str(tmp_path / "m"), "--vocab-size", size]) == 2

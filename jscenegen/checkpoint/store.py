@@ -498,6 +498,25 @@ def model_assets_dir(path: str | Path) -> Path:
     return p / HF_DIR if is_checkpoint_dir(p) else p
 
 
+def not_a_model(path: str | Path) -> FileNotFoundError:
+    """The error for a `--model` directory that is neither an HF model nor a checkpoint step
+    (`design`, `eval`, `mesh-report`), pointing at the newest step when it is a run's
+    `checkpoints/` directory or the run itself."""
+    from jscenegen.checkpoint import RUN_CHECKPOINTS
+
+    p = Path(path)
+    if not p.exists():
+        return FileNotFoundError(f"--model {p}: no such file or directory")
+    hint = ""
+    for steps_dir in (p, p / RUN_CHECKPOINTS):
+        steps = [s for s in step_numbers(steps_dir) if is_checkpoint_dir(steps_dir / str(s))]
+        if steps:
+            hint = f"; its newest checkpoint step is {steps_dir / str(steps[-1])}"
+            break
+    return FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) nor a "
+                             f"checkpoint step directory (params/ and hf/){hint}")
+
+
 def check_step(path: str | Path, *, hash_files: bool = True) -> StepStatus:
     """Is `path` (a step directory) a complete checkpoint? Never raises for a bad directory.
 

@@ -7,6 +7,7 @@ no Adam state); `--train-vision` counts the tower as trained (fp32 master weight
 from __future__ import annotations
 
 import json
+import os
 
 
 def register(sub) -> None:
@@ -70,8 +71,10 @@ def run(args) -> int:
         raise ValueError(f"--model {err}") from None
     if not path.exists():
         raise ValueError(f"--model {path}: no such model directory or config.json")
-    from jscenegen.checkpoint.store import model_assets_dir
+    from jscenegen.checkpoint.store import is_checkpoint_dir, model_assets_dir, not_a_model
 
+    if path.is_dir() and not is_checkpoint_dir(path) and not os.path.lexists(path / "config.json"):
+        raise not_a_model(path)   # a run or its checkpoints/: it names the newest step
     path = model_assets_dir(path)   # a checkpoint step: its hf/ directory
     cfg = QwenConfig.from_dir(path) if path.is_dir() else QwenConfig.from_hf_dict(
         read_config_file(path), str(path))

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.store import (
     HF_DIR,
     CheckpointError,
@@ -28,7 +27,7 @@ from jscenegen.checkpoint.store import (
     is_checkpoint_dir,
     iter_arrays,
     model_assets_dir,
-    step_numbers,
+    not_a_model,
 )
 from jscenegen.eval.report import REPORT_SCHEMA
 from jscenegen.grpo.rollout.config import GROUP_MAX
@@ -68,7 +67,7 @@ def load_policy(path: str | Path, mesh, **options):
                                                      "directory)" if p.exists() else "no such directory"))
     if not is_checkpoint_dir(p):
         if not (p / "config.json").is_file():
-            raise _not_a_model(p)
+            raise not_a_model(p)
         if p.name == HF_DIR and is_checkpoint_dir(p.parent):   # assets only: the weights are beside
             raise FileNotFoundError(f"--model {p}: a checkpoint step's assets (config, tokenizer; "
                                     f"its weights are in params/): give the step, {p.parent}")
@@ -76,21 +75,6 @@ def load_policy(path: str | Path, mesh, **options):
     verify_step(p)
     return build_model(QwenConfig.from_dir(p / HF_DIR), iter_arrays(p, "params"), mesh=mesh,
                        source=str(p), **options)
-
-
-def _not_a_model(p: Path) -> FileNotFoundError:
-    """The error for a `--model` directory that is neither an HF model nor a checkpoint step,
-    pointing at the newest step when it is a run's `checkpoints/` directory or the run itself."""
-    if not p.exists():
-        return FileNotFoundError(f"--model {p}: no such file or directory")
-    hint = ""
-    for steps_dir in (p, p / RUN_CHECKPOINTS):
-        steps = [s for s in step_numbers(steps_dir) if is_checkpoint_dir(steps_dir / str(s))]
-        if steps:
-            hint = f"; its newest checkpoint step is {steps_dir / str(steps[-1])}"
-            break
-    return FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) nor a "
-                             f"checkpoint step directory (params/ and hf/){hint}")
 
 
 _VERIFIED: set[tuple] = set()   # (step, its files' names, sizes and mtimes) verified here
@@ -122,7 +106,7 @@ def policy_chat(cfg, model_path: str | Path):
     p = Path(model_path)
     config = model_assets_dir(p) / "config.json"
     if not config.is_file():
-        raise _not_a_model(p)
+        raise not_a_model(p)
     if is_checkpoint_dir(p):
         verify_step(p)   # before its tokenizer is read
     # transformers' tokenizer loader reads config.json too, and its errors would blame the tokenizer
