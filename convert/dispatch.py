@@ -51,7 +51,8 @@ def verify_source(src: str | Path) -> None:
     exported checkpoint), hashing every listed file under `src` and the files directly in each
     directory that a link inside `src` leads to elsewhere in that checkpoint (an export's
     `huggingface -> ../..`: the config and tokenizer the conversion reads). Raises ConvertError
-    naming each file that is missing, altered or unlisted."""
+    naming each file that is missing, altered or unlisted, under the path the user gave, then
+    the manifest and the count (`ChecksumError.shown_at`)."""
     from jscenegen.checkpoint.checksums import ChecksumError, covering_checksums, verify_checksums
 
     found = covering_checksums(src)
@@ -62,10 +63,19 @@ def verify_source(src: str | Path) -> None:
         verify_checksums(root, under=rel or None)
         for linked in _linked_dirs(Path(src).resolve(), root):
             verify_checksums(root, under=linked, flat=True)
-    except ChecksumError as err:
-        problems = "; ".join(line.strip() for line in str(err).splitlines()[1:]) or str(err)
-        raise ConvertError(f"{src}: refused, the source does not match {root / 'checksums.json'}: "
-                           f"{problems}") from None
+    except ChecksumError as err:   # named as the user named the source, in one line
+        raise ConvertError(err.shown_at(_as_given(src, rel, root))) from None
+
+
+def _as_given(src: str | Path, rel: str, root: Path) -> Path:
+    """The directory `root` (resolved) named as the user named `src`, which lies at `rel`
+    inside it: `src` with `rel`'s parts taken off its end; `root` when they do not end it."""
+    parts, tail = Path(src).parts, Path(rel).parts if rel else ()
+    if not tail:
+        return Path(src)
+    if len(parts) >= len(tail) and parts[len(parts) - len(tail):] == tail and ".." not in parts:
+        return Path(*parts[:len(parts) - len(tail)]) if len(parts) > len(tail) else Path(".")
+    return root
 
 
 def _linked_dirs(src: Path, root: Path) -> list[str]:

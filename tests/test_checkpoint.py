@@ -818,11 +818,12 @@ def test_a_damaged_copy_of_the_runs_assets_is_named_with_the_cure(tmp_path, mesh
     assert assets.stat().st_mode & 0o777 == 0o777 & ~umask
     (assets / "tokenizer.json").write_text("{ damaged")
     cure = rf"\({assets} is the run's copy of a checkpoint's hf/ assets: delete it, and the resume"
-    with pytest.raises(CheckpointError, match=rf"^{assets}: 1 file\(s\) fail .*tokenizer.json.* {cure}"):
+    with pytest.raises(CheckpointError, match=rf"^{assets}/tokenizer.json: .*\({assets}/checksums.json; 1 file fails\) {cure}"):
         resume_model_dir(tmp_path)
     (assets / "tokenizer.json").unlink()
     (assets / "config.json").unlink()
-    with pytest.raises(CheckpointError, match=rf"config.json: missing; tokenizer.json: missing {cure}"):
+    with pytest.raises(CheckpointError, match=rf"config.json: missing; {assets}/tokenizer.json: missing "
+                       rf"\({assets}/checksums.json; 2 files fail\) {cure}"):
         resume_model_dir(tmp_path)
     shutil.rmtree(assets)
     assert resume_model_dir(tmp_path) == assets and (assets / "tokenizer.json").read_text() == "{}"

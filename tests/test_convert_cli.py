@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,6 +99,27 @@ def test_an_hf_directory_with_a_bad_config_json_is_read_as_hf_and_the_config_nam
     err = capsys.readouterr().err
     assert f"{hf}: read as --from hf" in err and f"error: {config}: {why[damage]}" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_source_failing_its_checksums_is_named_in_one_line_as_the_user_gave_it(
+        tmp_path, capsys, monkeypatch):
+    """The refusal named the directory three times, relative and absolute: "bad/v: refused, the
+    source does not match /abs/bad/v/checksums.json: /abs/bad/v: 1 file(s) fail ..."."""
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", str(ckpt), "bad/v", "--from", "verl", "--to", "verl"]) == 0
+    rank = Path("bad/v/global_step_3/actor/model_world_size_6_rank_2.pt")
+    size = rank.stat().st_size
+    os.truncate(rank, size // 2)
+    line = (f"error: {rank}: {size // 2} bytes, expected {size} (bad/v/checksums.json; 1 file "
+            "fails)")
+    capsys.readouterr()
+    for src in ("bad/v", "bad/v/global_step_3/actor"):
+        assert main(["convert", src, "out", "--to", "hf"]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == line
+    assert main(["convert", "--verify", "bad/v"]) == 2
+    assert capsys.readouterr().err.strip() == line
+    assert not Path("out").exists()
 
 
 def test_cli_errors(tmp_path, capsys):

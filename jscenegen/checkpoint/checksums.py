@@ -21,7 +21,32 @@ CHECKSUMS_NAME = "checksums.json"
 
 
 class ChecksumError(ValueError):
-    """A directory that does not match its `checksums.json`; the message names every bad file."""
+    """A directory that does not match its `checksums.json`; the message names every bad file.
+
+    Raised by `verify_checksums` for files that fail, it carries `root` (the directory as the
+    caller named it) and `problems` ([(relative path, what is wrong)]); `shown_at(root)` is the
+    same message naming the directory as the user gave it. Empty for a manifest that cannot be
+    read (the message names the file and entry)."""
+
+    def __init__(self, message: str, root: Path | None = None,
+                 problems: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.root, self.problems = root, list(problems or ())
+
+    def shown_at(self, root: str | Path) -> str:
+        """The message with the files named under `root` (the same directory, as the user
+        gave it); the message itself when it lists no failing files."""
+        return failure_message(Path(root), self.problems) if self.problems else str(self)
+
+
+def failure_message(root: Path, problems: list[tuple[str, str]], shown: int = 10) -> str:
+    """One line: each failing file as `root/rel: what is wrong` (the first `shown`), then the
+    manifest and the count, e.g. `d/a.pt: 20 bytes, expected 40 (d/checksums.json; 1 file
+    fails)`."""
+    n = len(problems)
+    more = f"; ... {n - shown} more" if n > shown else ""
+    return ("; ".join(f"{root / rel}: {why}" for rel, why in problems[:shown]) + more
+            + f" ({root / CHECKSUMS_NAME}; {n} file{' fails' if n == 1 else 's fail'})")
 
 
 def file_sha256(path: str | Path) -> str:
@@ -108,7 +133,8 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
     disk but not listed are errors. `under` (a relative POSIX path)
     limits both checks to the files below that sub-directory; with `flat`, to the files
     directly in it ("" or None: `root` itself). Raises ChecksumError naming each missing,
-    resized, altered or unlisted file.
+    resized, altered or unlisted file (`failure_message`: one line, each file under `root`
+    as given, then the manifest and how many files fail).
     """
     root = Path(root)
     if not root.is_dir():
@@ -119,20 +145,20 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
         files = {rel: e for rel, e in files.items() if rel.rpartition("/")[0] == where}
     elif where:
         files = {rel: e for rel, e in files.items() if rel.startswith(where + "/")}
-    problems = []
+    problems: list[tuple[str, str]] = []
     for rel, entry in sorted(files.items()):
         path = root / rel
         if not os.path.lexists(path):
-            problems.append(f"{rel}: missing")
+            problems.append((rel, "missing"))
             continue
         if (why := not_a_file(path)) is not None:
-            problems.append(f"{rel}: {why}")
+            problems.append((rel, why))
             continue
         size = path.stat().st_size
         if size != entry["bytes"]:
-            problems.append(f"{rel}: {size} bytes, expected {entry['bytes']}")
+            problems.append((rel, f"{size} bytes, expected {entry['bytes']}"))
         elif hash_files and file_sha256(path) != entry["sha256"]:
-            problems.append(f"{rel}: SHA-256 differs from {CHECKSUMS_NAME}")
+            problems.append((rel, "SHA-256 differs"))
     listed = set(files)
     prefix = where + "/" if where else ""
     if flat:
@@ -141,11 +167,9 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
     else:
         on_disk = list_files(root, (CHECKSUMS_NAME,)) if not where else [
             prefix + rel for rel in list_files(root / where, ())]
-    problems += [f"{rel}: not listed in {CHECKSUMS_NAME}" for rel in on_disk if rel not in listed]
+    problems += [(rel, "not listed") for rel in on_disk if rel not in listed]
     if problems:
-        more = f"; ... {len(problems) - 10} more" if len(problems) > 10 else ""
-        raise ChecksumError(f"{root}: {len(problems)} file(s) fail {CHECKSUMS_NAME}: "
-                            + "; ".join(problems[:10]) + more)
+        raise ChecksumError(failure_message(root, problems), root, problems)
     return len(files)
 
 
