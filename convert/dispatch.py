@@ -52,19 +52,50 @@ def verify_source(src: str | Path) -> None:
     directory that a link inside `src` leads to elsewhere in that checkpoint (an export's
     `huggingface -> ../..`: the config and tokenizer the conversion reads). Raises ConvertError
     naming each file that is missing, altered or unlisted, under the path the user gave, then
-    the manifest and the count (`ChecksumError.shown_at`)."""
-    from jscenegen.checkpoint.checksums import ChecksumError, covering_checksums, verify_checksums
+    the manifest and the count (`checksums.failure_message`), or the manifest's file and entry
+    when it cannot be read."""
+    from jscenegen.checkpoint.checksums import covering_checksums
 
-    found = covering_checksums(src)
+    _verify_covered(src, covering_checksums(src))
+
+
+def verify_orbax_step(step_dir: str | Path) -> None:
+    """Verify a complete orbax step (its own `checksums.json` already verified with hashes,
+    `check_step`) against the manifest of the directory holding it, when that one lists the
+    step: a converter's orbax output lists its step and `checkpoint-layout.json` in
+    `DST/checksums.json`, which `convert --verify` checks. The step's files and the files
+    directly beside it are checked (the step's own digests compared, not hashed again); a
+    manifest that cannot be read (an entry outside its directory, not JSON) is refused naming
+    the file and entry. Raises ConvertError as `verify_source` does."""
+    from jscenegen.checkpoint.checksums import covering_checksums, read_checksums
+
+    found = covering_checksums(step_dir, levels=1, above=True)
+    if found is not None:
+        own = read_checksums(step_dir)
+        name = found[1]
+        _verify_covered(step_dir, found, {f"{name}/{rel}": e["sha256"] for rel, e in own.items()},
+                        beside=True)
+
+
+def _verify_covered(src: str | Path, found: tuple[Path, str] | None,
+                    known: dict[str, str] | None = None, beside: bool = False) -> None:
+    """`src` against the manifest `found` (`covering_checksums`) lists it in: its files, the
+    files directly in each directory a link inside `src` leads to (with `beside`, the files
+    directly beside `src` too); ConvertError in one line, naming the files as the user named
+    `src`."""
+    from jscenegen.checkpoint.checksums import ChecksumError, verify_checksums
+
     if found is None:
         return
     root, rel = found
+    flat = set(_linked_dirs(Path(src).resolve(), root))
+    shown = _as_given(src, rel, root)   # the files named as the user named the source
     try:
-        verify_checksums(root, under=rel or None)
-        for linked in _linked_dirs(Path(src).resolve(), root):
-            verify_checksums(root, under=linked, flat=True)
-    except ChecksumError as err:   # named as the user named the source, in one line
-        raise ConvertError(err.shown_at(_as_given(src, rel, root))) from None
+        verify_checksums(shown, under=rel or None, known=known)
+        for linked in sorted(flat | ({rel.rpartition("/")[0]} if beside else set())):
+            verify_checksums(shown, under=linked, flat=True)
+    except ChecksumError as err:
+        raise ConvertError(str(err)) from None
 
 
 def _as_given(src: str | Path, rel: str, root: Path) -> Path:

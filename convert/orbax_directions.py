@@ -102,8 +102,11 @@ def orbax_step_dir(path: str | Path) -> Path:
     newer step it skips and why.
 
     Raises ConvertError naming the directory when no complete step (checksums verified) exists,
-    and naming the file when one of the step's model files is unusable (`check_asset_files`).
+    naming the file when one of the step's model files is unusable (`check_asset_files`), and
+    naming the file and entry when the checkpoint directory's `checksums.json` (a converter's
+    output lists the step there) fails or cannot be read (`verify_orbax_step`).
     """
+    from convert.dispatch import verify_orbax_step
     from jscenegen.checkpoint import RUN_CHECKPOINTS
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.model.assets import check_asset_files
@@ -127,6 +130,7 @@ def orbax_step_dir(path: str | Path) -> Path:
     if not status.valid:
         raise ConvertError(f"{status.path}: not a complete checkpoint ({status.reason})")
     check_asset_files(status.path / ckpt.HF_DIR, ConvertError)   # carried into every output
+    verify_orbax_step(status.path)   # against a converter's DST/checksums.json too
     return status.path
 
 

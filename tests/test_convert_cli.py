@@ -122,6 +122,48 @@ def test_a_source_failing_its_checksums_is_named_in_one_line_as_the_user_gave_it
     assert not Path("out").exists()
 
 
+def test_convert_and_export_check_the_manifest_a_converted_run_holds_as_verify_does(
+        tmp_path, capsys, monkeypatch):
+    """`RUN/checkpoints/checksums.json` (a converter's orbax output lists its step there) was
+    ignored by `convert RUN` and `export RUN`, while `convert --verify RUN` refused it: an
+    entry outside the directory was converted without a word."""
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", str(ckpt), "run/checkpoints", "--to", "orbax"]) == 0
+    manifest = Path("run/checkpoints/checksums.json")
+    good = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({"files": {"../../etc/passwd": 1}}))
+    capsys.readouterr()
+    assert main(["convert", "--verify", "run"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (f"error: {manifest}: entry '../../etc/passwd' is not a relative POSIX path "
+                    "inside run/checkpoints (no '..', '.', empty or absolute parts)"), line
+    for src in ("run", "run/checkpoints", "run/checkpoints/3"):
+        assert main(["convert", src, "out", "--to", "hf"]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == line
+    assert main(["export", "run", "pub", "--world-size", "2"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == line
+    # a well-formed manifest that disagrees with the step's own, or with the layout file
+    rel = "3/training_metadata.json"
+    manifest.write_text(json.dumps({"files": {**good["files"], rel: {
+        **good["files"][rel], "sha256": "0" * 64}}}))
+    assert main(["convert", "run", "out", "--to", "hf"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: run/checkpoints/{rel}: SHA-256 differs ({manifest}; 1 file fails)")
+    manifest.write_text(json.dumps(good))
+    layout = Path("run/checkpoints/checkpoint-layout.json")
+    layout.write_text(layout.read_text() + " ")
+    assert main(["convert", "run/checkpoints/3", "out", "--to", "hf"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {layout}: ")
+    assert not Path("out").exists() and not Path("pub").exists()
+    manifest.unlink()
+    os.mkfifo(manifest)
+    assert main(["convert", "run", "out", "--to", "hf"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {manifest}: is a named pipe"
+    manifest.unlink()   # a run: the steps' own manifests only
+    assert main(["convert", "run", "out", "--to", "hf"]) == 0
+
+
 def test_cli_errors(tmp_path, capsys):
     ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
     hf = tmp_path / "hf"

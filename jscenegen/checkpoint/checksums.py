@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Mapping
 
 from jscenegen.paths import fsync_path, not_a_file, read_json_object, write_json
 
@@ -21,22 +22,7 @@ CHECKSUMS_NAME = "checksums.json"
 
 
 class ChecksumError(ValueError):
-    """A directory that does not match its `checksums.json`; the message names every bad file.
-
-    Raised by `verify_checksums` for files that fail, it carries `root` (the directory as the
-    caller named it) and `problems` ([(relative path, what is wrong)]); `shown_at(root)` is the
-    same message naming the directory as the user gave it. Empty for a manifest that cannot be
-    read (the message names the file and entry)."""
-
-    def __init__(self, message: str, root: Path | None = None,
-                 problems: list[tuple[str, str]] | None = None):
-        super().__init__(message)
-        self.root, self.problems = root, list(problems or ())
-
-    def shown_at(self, root: str | Path) -> str:
-        """The message with the files named under `root` (the same directory, as the user
-        gave it); the message itself when it lists no failing files."""
-        return failure_message(Path(root), self.problems) if self.problems else str(self)
+    """A directory that does not match its `checksums.json`; the message names every bad file."""
 
 
 def failure_message(root: Path, problems: list[tuple[str, str]], shown: int = 10) -> str:
@@ -125,14 +111,17 @@ def read_checksums(root: str | Path) -> dict[str, dict]:
 
 
 def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | None = None,
-                     flat: bool = False) -> int:
+                     flat: bool = False, known: Mapping[str, str] | None = None) -> int:
     """Check every file listed in `root/checksums.json` (size, then SHA-256); return the number
     checked.
 
     With `hash_files=False` only presence and byte sizes are checked (cheap). Files present on
     disk but not listed are errors. `under` (a relative POSIX path)
     limits both checks to the files below that sub-directory; with `flat`, to the files
-    directly in it ("" or None: `root` itself). Raises ChecksumError naming each missing,
+    directly in it ("" or None: `root` itself). `known` ({relative path: SHA-256}) gives the
+    digests of files another manifest verified just before (an orbax step's own): those are
+    compared, not hashed again (their sizes are still read). Raises ChecksumError naming each
+    missing,
     resized, altered or unlisted file (`failure_message`: one line, each file under `root`
     as given, then the manifest and how many files fail).
     """
@@ -157,7 +146,8 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
         size = path.stat().st_size
         if size != entry["bytes"]:
             problems.append((rel, f"{size} bytes, expected {entry['bytes']}"))
-        elif hash_files and file_sha256(path) != entry["sha256"]:
+        elif hash_files and (known[rel] if known and rel in known
+                             else file_sha256(path)) != entry["sha256"]:
             problems.append((rel, "SHA-256 differs"))
     listed = set(files)
     prefix = where + "/" if where else ""
@@ -169,16 +159,19 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
             prefix + rel for rel in list_files(root / where, ())]
     problems += [(rel, "not listed") for rel in on_disk if rel not in listed]
     if problems:
-        raise ChecksumError(failure_message(root, problems), root, problems)
+        raise ChecksumError(failure_message(root, problems))
     return len(files)
 
 
-def covering_checksums(path: str | Path, levels: int = 3) -> tuple[Path, str] | None:
+def covering_checksums(path: str | Path, levels: int = 3, *,
+                       above: bool = False) -> tuple[Path, str] | None:
     """(directory holding a `checksums.json` that lists files under `path`, `path` relative to
     it) for `path` itself or one of its `levels` parents, the nearest first; None if none does
-    (e.g. a VERL rank directory inside an exported or converted checkpoint)."""
+    (e.g. a VERL rank directory inside an exported or converted checkpoint). With `above`,
+    `path`'s own is passed over (an orbax step's, which the step's check verifies). One that
+    cannot be read covers `path` (`verify_checksums` names the file and entry)."""
     path = Path(path).resolve()
-    for root in [path, *path.parents][: levels + 1]:
+    for root in [path, *path.parents][int(above): levels + 1]:
         if not root.is_dir() or not os.path.lexists(root / CHECKSUMS_NAME):
             continue  # one that is there but not a file: verify_checksums names it
         rel = path.relative_to(root).as_posix()
