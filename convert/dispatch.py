@@ -155,7 +155,8 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     for f in (src_format, dst_format):
         if f not in FORMATS:
             raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")
-    if src_format != "orbax":  # an orbax step is verified against its own checksums when read
+    if src_format != "orbax":  # an orbax step: against its own checksums and its directory's
+        # (`verify_orbax_step`), when read
         verify_source(src)
     table = _directions()
     if (src_format, dst_format) not in table:
