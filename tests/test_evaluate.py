@@ -249,6 +249,7 @@ def test_an_eval_stopped_while_writing_leaves_both_outputs_or_neither(tmp_path, 
 
     scenes = tmp_path / "one.jsonl"
     scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+    model = chat_model_dir()   # built (its config.json written) before write_json is stopped
 
     def stopped(path, obj):
         raise Terminated
@@ -259,7 +260,7 @@ def test_an_eval_stopped_while_writing_leaves_both_outputs_or_neither(tmp_path, 
     earlier.write_text("earlier report")
     earlier.with_suffix(".png").write_bytes(b"earlier plot")
     for out in (fresh, earlier):
-        assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes),
+        assert main(["eval", "--model", str(model), "--scenes", str(scenes),
                      "--greedy", "--out", str(out), *TINY]) == 143
     assert not (tmp_path / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "r.json", "r.png"]
