@@ -282,8 +282,9 @@ def test_parity_peak_bytes_counts_logits_and_the_attention_weights_of_full_atten
     logits = 4 * 3 * 100 * dense.vocab_size
     mask = 4 * 3 * 100 * 100
     weights = mask * dense.num_attention_heads
-    # forward: the logits, a layer's scores, scaled/masked scores and softmax, both masks
-    assert parity_peak_bytes(dense, 3, 100, backward=False) == logits + 3 * weights + 2 * mask
+    # forward: the logits (each side's, JAX's device copy, a bf16 run's fp32 truth), a layer's
+    # scores, scaled/masked scores and softmax, both masks
+    assert parity_peak_bytes(dense, 3, 100, backward=False) == 4 * logits + 3 * weights + 2 * mask
     # backward: every layer's softmax (torch's and JAX's) and one layer's backward products
     assert parity_peak_bytes(dense, 3, 100, backward=True) == \
         3 * logits + (3 * dense.num_hidden_layers + 2) * weights + 2 * mask
@@ -364,3 +365,34 @@ def test_the_batch_memory_check_counts_one_micro_batch(tiny_hf, monkeypatch):
     with pytest.raises(ValueError, match=r"^x: 4 x 4,096 tokens \(1 at a time: --loss "
                                          r"ppo_micro_batch_size\) need about "):
         _check_batch(cfg, 4, 4096, "x", micro_rows=1)
+
+
+def test_the_logits_comparison_holds_a_bounded_part_of_the_logits_at_a_time():
+    """It held both sides' real positions, their difference and float64 copies for the KL at
+    once: ~11 times the logits on top of them (helper-139), far beyond parity_peak_bytes for a
+    large vocabulary. Now COMPARE_ROWS positions at a time, with the same statistics."""
+    import tracemalloc
+
+    import numpy as np
+
+    from jscenegen.parity.logits import COMPARE_ROWS, _compare, _kl
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(32 * COMPARE_ROWS, 512)).astype(np.float32)
+    ours = ref + rng.normal(scale=1e-3, size=ref.shape).astype(np.float32)
+    ref[5] = 0.25                                         # one constant position
+    rows = np.arange(0, len(ref), 2)[1:]                  # every other position, not the first
+    tracemalloc.start()
+    stats = _compare(ours, ref, rows)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < ref.nbytes / 2, peak
+    a, b = ours[rows], ref[rows]
+    assert stats["max_abs_diff"] == float(np.abs(a - b).max())
+    assert stats["kl_sum"] == pytest.approx(float(_kl(b, a).sum()), rel=1e-9)
+    assert stats["top1"] == int((a.argmax(-1) == b.argmax(-1)).sum())
+    assert stats["finite"] is True and stats["constant"] == 0
+    assert _compare(ours, ref, np.array([5]))["constant"] == 1
+    ours[7, 3] = np.nan
+    nan = _compare(ours, ref, np.arange(len(ref)))
+    assert nan["finite"] is False and np.isnan(nan["max_abs_diff"])
