@@ -100,13 +100,16 @@ def _verify_covered(src: str | Path, found: tuple[Path, str] | None,
 
 def _as_given(src: str | Path, rel: str, root: Path) -> Path:
     """The directory `root` (resolved) named as the user named `src`, which lies at `rel`
-    inside it: `src` with `rel`'s parts taken off its end; `root` when they do not end it."""
+    inside it: `src` with `rel`'s parts taken off its end, where that names `root` (a link
+    inside the path may lead elsewhere); `root` otherwise."""
     parts, tail = Path(src).parts, Path(rel).parts if rel else ()
     if not tail:
-        return Path(src)
-    if len(parts) >= len(tail) and parts[len(parts) - len(tail):] == tail and ".." not in parts:
-        return Path(*parts[:len(parts) - len(tail)]) if len(parts) > len(tail) else Path(".")
-    return root
+        shown = Path(src)
+    elif len(parts) >= len(tail) and parts[len(parts) - len(tail):] == tail:
+        shown = Path(*parts[:len(parts) - len(tail)]) if len(parts) > len(tail) else Path(".")
+    else:
+        return root
+    return shown if shown.resolve() == root else root
 
 
 def _linked_dirs(src: Path, root: Path) -> list[str]:

@@ -156,3 +156,24 @@ def test_write_checksums_flushes_every_file_and_directory_before_it_writes_them(
     assert {step / "params/d/a", step / "params/b", step / "meta.json", step / "params/d",
             step / "params", step} <= before
     assert step in synced[written:] and step.parent in synced[written:]   # the renames
+
+
+def test_a_source_reached_through_a_link_is_checked_against_its_own_manifest(tmp_path, monkeypatch):
+    """x/training_state -> real/training_state: the source named through the link was checked
+    against x/checksums.json (its path with the step's parts taken off), not real/'s
+    (helper-139 #3)."""
+    from convert.dispatch import verify_source
+    from jscenegen.checkpoint.checksums import write_checksums
+
+    step = tmp_path / "real" / "training_state" / "global_step_3"
+    step.mkdir(parents=True)
+    (step / "a.bin").write_bytes(b"x" * 10)
+    write_checksums(tmp_path / "real")
+    (tmp_path / "x").mkdir()
+    os.symlink(tmp_path / "real" / "training_state", tmp_path / "x" / "training_state")
+    monkeypatch.chdir(tmp_path)
+    verify_source("real/training_state/global_step_3")
+    verify_source("x/training_state/global_step_3")
+    (step / "a.bin").write_bytes(b"y" * 10)     # and a changed file is still caught through it
+    with pytest.raises(Exception, match="a.bin: SHA-256 differs"):
+        verify_source("x/training_state/global_step_3")
