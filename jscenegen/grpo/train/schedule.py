@@ -134,7 +134,9 @@ class Schedule:
         A run that had just finished a pass over its scenes saved (0, epoch + 1) (`advance`
         wraps at its own count): with scenes appended, the pass goes on into them, (saved_scenes,
         epoch), as an uninterrupted run over the longer order would. A position inside a pass
-        (or its redraws) is kept: the appended scenes come at the end of that pass."""
+        (or its redraws) is kept: the appended scenes come at the end of that pass; so is one
+        after a batch of k > 1 scenes (`groups_per_batch`) that crossed the end of a pass (k
+        not dividing `saved_scenes`): it already played scenes of the next epoch."""
         if (saved_scenes < len(self.scene_seeds) and pos.epoch > 0 and pos.scene_index == 0
                 and pos.redraw == 0):
             return dataclasses.replace(pos, scene_index=saved_scenes, epoch=pos.epoch - 1)
