@@ -162,13 +162,17 @@ class Progress:
 
 def check_run_inputs(cfg) -> None:
     """Read the run's own input files before any model is made: the train scene set (and the
-    dev set when the run evaluates), the scene runtime's prompt templates and catalogue, and
+    dev set when the run evaluates: its report must name each scene once, `report_scene_ids`,
+    and hold at most MAX_REPORT_EPISODES episodes, `check_report_episodes`, with
+    `evaluation_samples` per scene), the scene runtime's prompt templates and catalogue, and
     the replacement chat template (a scene requesting what the catalogue does not know is
     refused: `check_requests_known`), and the judge (an http judge's API key, read from the
     environment, must fit an HTTP header, and the server must not refuse it:
     `Judge.check_reachable`); a wrong path or more scenes asked than the set holds fails
     in seconds, not after the SFT warm start. Raises the readers' errors (naming the file and
     key) and `trainer.train_scenes`'."""
+    from jscenegen.eval.evaluate import evaluation_samples, report_scene_ids
+    from jscenegen.eval.report import check_report_episodes
     from jscenegen.grpo.train.metrics import check_swanlab_mode
     from jscenegen.grpo.train.trainer import train_scenes
     from jscenegen.paths import resolve_data_path
@@ -188,12 +192,17 @@ def check_run_inputs(cfg) -> None:
             log.warning("trainer.eval_every=%d is more than schedule.total_updates=%d: no "
                         "evaluation during training", every, total)
     catalogue = load_catalogue(cfg.scene.catalogue_path)
-    sets = [cfg.schedule.train_set]
+    sets = [(cfg.schedule.train_set, False)]
     if cfg.trainer.eval_before_after or cfg.trainer.eval_every:
-        sets.append(cfg.schedule.dev_set)
-    for name in sets:
+        sets.append((cfg.schedule.dev_set, True))
+    for name, evaluated in sets:
         path = resolve_data_path(name)
-        check_requests_known(read_scene_set(path), catalogue, str(path))
+        records = read_scene_set(path)
+        if evaluated:   # what `evaluate` refuses, and what a report that `eval --compare` and
+            # a resume's before/after comparison read may hold, before the SFT warm start
+            check_report_episodes(len(records), evaluation_samples(cfg), str(path))
+            report_scene_ids(records, str(path))
+        check_requests_known(records, catalogue, str(path))
     load_templates(cfg.scene.prompts_dir)
     judge = make_judge(cfg.judge, cfg.scene)
     if is_primary():             # the process that grades (rollout.primary_judge)

@@ -42,7 +42,8 @@ class TrainerConfig(Section):
     eval_every: int = Field(0, ge=0, description="evaluate the dev scenes every N effective "
                             "updates (0: never during training)")
     eval_samples: int = Field(1, ge=1, le=GROUP_MAX,
-                              description="episodes per dev scene in an evaluation")
+                              description="episodes per dev scene in an evaluation "
+                              "(1 under sampling.greedy: argmax ignores the seed)")
     eval_before_after: bool = Field(False, description="evaluate the dev scenes before the "
                                     "first and after the last update (eval_before/after.json)")
     dump_trajectories: bool = Field(False, description="write every episode to "

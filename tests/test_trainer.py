@@ -1075,3 +1075,56 @@ def test_swanlab_leaves_the_programs_sigint_handler_and_a_stopped_start_leaves_n
     with pytest.raises(Terminated):
         MetricsLogger(tmp_path / "c", LoggingConfig(swanlab_mode="offline"), {})
     assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_a_dev_set_no_report_can_hold_is_refused_before_the_warm_start(tmp_path):
+    """`evaluate` refuses a scene without scene_id whose report name `scene-<i>` is another
+    scene's id, and `eval --compare` (a resume's comparison) a report of more than
+    MAX_REPORT_EPISODES episodes: `train` met the first at its first dev evaluation, after the
+    SFT warm start, and wrote the second. Both are refused by `check_run_inputs`, only when the
+    dev set is evaluated, with the episodes per scene of `evaluation_samples` (1 under greedy)."""
+    from jscenegen.pipeline import check_run_inputs
+
+    dev = [json.loads(line) for line in open(resolve_data_path("data/scenes/dev.jsonl"))]
+    dev[0]["scene"].pop("scene_id")
+    dev[1]["scene"]["scene_id"] = "scene-0"
+    clash = tmp_path / "clash.jsonl"
+    clash.write_text("".join(json.dumps(r) + "\n" for r in dev))
+    with pytest.raises(ValueError, match=r"clash\.jsonl: scene 0 \(line 1\) has no scene_id, and "
+                                         r"the name a report gives it, 'scene-0', is the scene_id "
+                                         r"of scene 1 \(line 2\)"):
+        check_run_inputs(_cfg(**{"schedule.dev_set": str(clash)}))
+    check_run_inputs(_cfg(**{"schedule.dev_set": str(clash), "trainer.eval_before_after": "false"}))
+    big = tmp_path / "big.jsonl"   # 109 scenes x 4,096 samples: more than a report holds
+    big.write_text(open(resolve_data_path("data/scenes/train.jsonl")).read()
+                   + open(resolve_data_path("data/scenes/dev.jsonl")).read())
+    with pytest.raises(ValueError, match=r"big\.jsonl: 109 scenes x 4096 samples = 446,464 episodes"):
+        check_run_inputs(_cfg(**{"schedule.dev_set": str(big), "trainer.eval_samples": 4096}))
+    check_run_inputs(_cfg(**{"schedule.dev_set": str(big), "trainer.eval_samples": 4096,
+                             "sampling.greedy": "true", "sampling.top_p": 1.0}))  # 1 each
+
+
+def test_greedy_dev_evaluations_play_one_episode_per_scene(tmp_path, monkeypatch):
+    """Argmax decoding ignores the sampling seed: a run's dev evaluations under
+    sampling.greedy played trainer.eval_samples identical episodes of each scene (and `eval
+    --compare` of such a report against a greedy `jscenegen eval` report was refused for
+    different seeds). They play 1, as `jscenegen eval --greedy` (`evaluation_samples`)."""
+    import types
+
+    import jscenegen.eval.evaluate
+    import jscenegen.eval.plots
+    from jscenegen.grpo.train.schedule import SchedulePosition
+
+    samples = []
+    monkeypatch.setattr(jscenegen.eval.evaluate, "evaluate", lambda engine, records, **kw: (
+        samples.append(kw["samples"]) or {"overall": {"model": {"reward": 0.0}}}))
+    monkeypatch.setattr(jscenegen.eval.plots, "plot_report", lambda report, out, before=None: None)
+    for greedy, expected in (("false", 16), ("true", 1)):   # cpu-default.yaml: eval_samples 16
+        cfg = _cfg(**{"sampling.greedy": greedy, "sampling.top_p": 1.0})
+        trainer = types.SimpleNamespace(cfg=cfg, engine=None, judge=None, run_dir=tmp_path,
+                                        pos=SchedulePosition(attempts=0, effective_updates=0),
+                                        _last_eval=None)
+        Trainer.evaluate_dev(trainer, "eval_before")
+        assert samples[-1] == expected
+    assert jscenegen.eval.evaluate.evaluation_samples(cfg) == 1   # the rule `eval` applies
+    assert jscenegen.eval.evaluate.evaluation_samples(cfg, 3) == 3   # eval's --samples, as given

@@ -59,6 +59,7 @@ def run(args) -> int:
         check_samples,
         check_scenes_fit,
         evaluate,
+        evaluation_samples,
         policy_chat,
         policy_engine,
         report_scene_ids,
@@ -83,7 +84,7 @@ def run(args) -> int:
     except FileNotFoundError as err:
         raise FileNotFoundError(f"--scenes {err}") from None
     require_scene_set_file(scenes)   # before the outputs are checked against it
-    samples = _samples(args.samples, cfg)
+    samples = evaluation_samples(cfg, args.samples)
     try:
         check_samples(samples)
     except ValueError as err:
@@ -132,24 +133,6 @@ def run(args) -> int:
                             "judge.base_url and the judge's log)"), file=sys.stderr)
         return 1
     return 0
-
-
-def _samples(given: int | None, cfg) -> int:
-    """Episodes per scene: `given` (--samples), else 1 under greedy decoding (argmax ignores the
-    sampling seed: every episode of a scene would be the same one), else
-    `cfg.trainer.eval_samples`. Warns (one log line) when greedy decoding is given more than one
-    sample; the range is checked by `check_samples`."""
-    import logging
-
-    greedy = cfg.sampling.greedy
-    if given is None:
-        return 1 if greedy else cfg.trainer.eval_samples
-    if greedy and isinstance(given, int) and given > 1:
-        logging.getLogger(__name__).warning(
-            "--greedy with --samples %d: argmax decoding ignores the seed, so the %d episodes of "
-            "a scene are identical (and `eval --compare` would count them as %d pairs)",
-            given, given, given)
-    return given
 
 
 def _refuse_evaluation_flags(args) -> None:

@@ -213,6 +213,23 @@ def check_samples(samples: int) -> None:
         raise ValueError(f"samples must lie in 1..{GROUP_MAX} episodes per scene, got {samples}")
 
 
+def evaluation_samples(cfg, given: int | None = None) -> int:
+    """Episodes per scene in an evaluation under the run config `cfg` (`jscenegen eval` and a
+    run's dev evaluations): `given` (eval's --samples) when given, else 1 under greedy decoding
+    (`sampling.greedy`: argmax ignores the sampling seed, so every episode of a scene would be
+    the same one, and `eval --compare` would count its copies as pairs), else
+    `trainer.eval_samples`. Warns (one log line) when greedy decoding is given more than one
+    sample; the range is checked by `check_samples`."""
+    greedy = cfg.sampling.greedy
+    if given is None:
+        return 1 if greedy else cfg.trainer.eval_samples
+    if greedy and isinstance(given, int) and given > 1:
+        log.warning("--greedy with --samples %d: argmax decoding ignores the seed, so the %d "
+                    "episodes of a scene are identical (and `eval --compare` would count them "
+                    "as %d pairs)", given, given, given)
+    return given
+
+
 def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, judge: Judge,
              scene_cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, samples: int = 1,
              with_expert: bool = True,

@@ -521,20 +521,21 @@ class Trainer:
                                     "masked": t.masked, "transcript": t.transcript}) + "\n")
 
     def evaluate_dev(self, name: str) -> dict:
-        """Play the dev scenes (`trainer.eval_samples` episodes each, their fixed seeds) with the
+        """Play the dev scenes (`evaluation_samples` episodes each: `trainer.eval_samples`, 1
+        under `sampling.greedy`; their fixed seeds) with the
         current weights; write `RUN_DIR/<name>.json` and `.png`; return the report, which holds
         the run's `attempts` (update attempts made: the checkpoint `checkpoints/<attempts>`) and
         `effective_updates`. An evaluation at the same attempt as the previous one (the last
         update's `trainer.eval_every` evaluation, then `eval_after`: the same weights) is not
         played again: that report is written under `name`."""
-        from jscenegen.eval.evaluate import evaluate
+        from jscenegen.eval.evaluate import evaluate, evaluation_samples
         from jscenegen.eval.plots import plot_report
 
         if self._last_eval is not None and self._last_eval["attempts"] == self.pos.attempts:
             report = copy.deepcopy(self._last_eval)
         else:
             records = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
-            samples, t0 = self.cfg.trainer.eval_samples, time.perf_counter()
+            samples, t0 = evaluation_samples(self.cfg), time.perf_counter()
             say = self.cfg.trainer.progress and is_primary()
             if say:   # minutes without a line otherwise
                 print(f"{name}: playing {len(records)} dev scenes x {samples} episodes",
