@@ -447,16 +447,19 @@ def test_the_interval_covers_a_shared_scene_effect_95_percent_of_the_time():
     from jscenegen.eval.report import compare_reports
 
     rng = np.random.default_rng(1)
-    scenes, samples, trials, covered = 9, 16, 400, 0
+    scenes, samples, trials, covered, covered_z = 9, 16, 400, 0, 0
     before = _paired_reports({f"s{i}": [(k, 0.0) for k in range(samples)] for i in range(scenes)})
     for _ in range(trials):
         effect = rng.normal(0.0, 0.3, scenes)
-        after = _paired_reports({f"s{i}": [(k, float(effect[i] + x)) for k, x in
-                                           enumerate(rng.normal(0.0, 0.5, samples))]
-                                 for i in range(scenes)})
+        diffs = [[float(effect[i] + x) for x in rng.normal(0.0, 0.5, samples)] for i in range(scenes)]
+        after = _paired_reports({f"s{i}": list(enumerate(d)) for i, d in enumerate(diffs)})
         lo, hi = compare_reports(before, after)["diff_ci95"]
         covered += lo <= 0.0 <= hi
+        pairs = np.ravel(diffs)   # the former interval: mean +- 1.96 sd / sqrt(pairs)
+        half = 1.96 * pairs.std(ddof=1) / np.sqrt(pairs.size)
+        covered_z += abs(pairs.mean()) <= half
     assert 0.92 <= covered / trials <= 0.98, covered / trials
+    assert covered_z / trials < 0.65, covered_z / trials   # 58.75% (docs/eval.md "The interval")
 
 
 def test_comparison_markdown_has_a_row_per_scene_and_the_interval(report):

@@ -32,8 +32,9 @@ class SFTConfig(Section):
                                   "imperfect designer (positions jittered) so the critic and "
                                   "planner also see flawed scenes")
     noise_m: float = Field(0.3, ge=0, le=10, description="position jitter of the imperfect "
-                           "designer (m, at most 10: beyond any room the reachability grid "
-                           "measures, 6.4 m with the defaults)")
+                           "designer (m, at most 10: beyond the longest room the default "
+                           "scene.metrics measure, 6.4 m = grid_size 128 x cell_m 0.05; "
+                           "grid_size 512 measures 25.6 m)")
     steps: int = Field(40, ge=1, le=STEPS_MAX, description="optimizer steps (batches cycle over "
                        "shuffled epochs; a cosine optim.total_steps below it is warned)")
     batch_size: int = Field(3, ge=1, description="demos (rows) per optimizer step")
