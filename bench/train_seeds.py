@@ -26,13 +26,7 @@ from pathlib import Path
 from common import description
 
 from jscenegen.commands import seed_arg
-
-
-def _t_975(df: int) -> float:
-    """Student's t 97.5% quantile with `df` degrees of freedom (a 95% two-sided interval)."""
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, df))
+from jscenegen.eval.report import t_975
 
 
 def run_seed(seed: int, out: Path, config: str | None, overrides: list[str]) -> dict:
@@ -83,7 +77,7 @@ def main() -> None:
     mean = statistics.fmean(diffs)
     ci95 = None   # one seed has no spread: no interval (null in the JSON)
     if len(diffs) > 1:
-        half = _t_975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+        half = t_975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
         ci95 = [mean - half, mean + half]
     shown = f"[{ci95[0]:+.3f}, {ci95[1]:+.3f}]" if ci95 else "none (one seed)"
     print(f"over {len(diffs)} seeds: mean diff {mean:+.3f}, 95% t interval {shown}; load average "

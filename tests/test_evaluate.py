@@ -953,3 +953,13 @@ def test_a_run_or_its_checkpoints_directory_as_model_points_at_the_newest_step(t
         err = capsys.readouterr().err
         assert err.strip().endswith("nor a checkpoint step directory (params/ and hf/); its newest "
                                     f"checkpoint step is {tmp_path / 'run/checkpoints/12'}"), err
+
+
+def test_the_report_bound_stands_for_group_max_on_each_shipped_train_scene():
+    from jscenegen.eval.report import MAX_REPORT_EPISODES, SHIPPED_TRAIN_SCENES
+    from jscenegen.grpo.rollout.config import GROUP_MAX
+    from jscenegen.paths import resolve_data_path
+    from jscenegen.scene.sceneset import read_scene_set
+
+    assert len(read_scene_set(resolve_data_path("data/scenes/train.jsonl"))) == SHIPPED_TRAIN_SCENES
+    assert MAX_REPORT_EPISODES == GROUP_MAX * SHIPPED_TRAIN_SCENES

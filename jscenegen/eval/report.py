@@ -8,16 +8,20 @@ from collections import Counter
 import numpy as np
 
 from jscenegen.config import SEED_MAX, is_seed
+from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.paths import finite_number
 from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX
 from jscenegen.scene.reward import JUDGE_FAILURES
 from jscenegen.text import clip_text
 
 REPORT_SCHEMA = "jscenegen.eval/1"
-# the most episodes (scenes x samples) `jscenegen eval` plays into one report: GROUP_MAX (4,096,
-# the most samples per scene) on each of the 100 train scenes; more are refused before the model
-# loads (`check_report_episodes`), so that `eval --compare` can read every report `eval` writes
-MAX_REPORT_EPISODES = 4096 * 100
+# the scenes of the shipped train set, data/scenes/train.jsonl (tests/test_evaluate.py counts them)
+SHIPPED_TRAIN_SCENES = 100
+# the most episodes (scenes x samples) `jscenegen eval` (or a run's dev evaluation) plays into
+# one report: GROUP_MAX (4,096, the most samples per scene) on each shipped train scene; more
+# are refused before the model loads (`check_report_episodes`), so that `eval --compare` can
+# read every report `eval` writes
+MAX_REPORT_EPISODES = GROUP_MAX * SHIPPED_TRAIN_SCENES
 # an episode row takes ~0.4 KiB of the indented report with the default 7 grades, its scene's
 # share of the rest (prompt, expert row, summaries) less than the remainder
 REPORT_BYTES_PER_EPISODE = 1024
@@ -333,18 +337,24 @@ def compare_reports(before: dict, after: dict) -> dict:
             "failure_rate_after": failed([a[k] for k in keys])}
 
 
+def t_975(df: int) -> float:
+    """Student's t 97.5% quantile with `df` degrees of freedom (a 95% two-sided interval;
+    scipy's `t.ppf`): the one quantile of this interval and bench/train_seeds.py's."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
+
+
 def _scene_clustered_ci95(per_scene: dict[str, list[float]], mean: float,
                           pairs: int) -> list[float] | None:
     """[lo, hi], the 95% t interval of `mean` (the pair mean) clustered by scene
     (`compare_reports`), or None for one scene."""
-    from scipy.stats import t
-
     scenes = len(per_scene)
     if scenes < 2:
         return None
     terms = np.array([len(v) / pairs * (float(np.mean(v)) - mean) for v in per_scene.values()])
     se = float(np.sqrt(scenes / (scenes - 1) * np.sum(terms ** 2)))
-    half = float(t.ppf(0.975, scenes - 1)) * se
+    half = t_975(scenes - 1) * se
     return [mean - half, mean + half]
 
 
