@@ -1128,3 +1128,33 @@ def test_greedy_dev_evaluations_play_one_episode_per_scene(tmp_path, monkeypatch
         assert samples[-1] == expected
     assert jscenegen.eval.evaluate.evaluation_samples(cfg) == 1   # the rule `eval` applies
     assert jscenegen.eval.evaluate.evaluation_samples(cfg, 3) == 3   # eval's --samples, as given
+
+
+def test_an_extended_resume_plays_the_appended_scene_and_an_edited_scene_is_refused(straight,
+                                                                                   tmp_path):
+    """The straight run finished its pass over 3 scenes (saved at scene 0 of epoch 1): extended
+    to 4 it replayed scene 0 (helper-134 #1); it plays scene 3 of epoch 0, as a 4-scene run.
+    A scene edited in place (same place and seed) is refused by the saved scenes_hash."""
+    import dataclasses
+    import shutil
+
+    from jscenegen.scene.sceneset import read_scene_set, write_scene_set
+    from jscenegen.scene.schema import scene_from_json
+
+    run_dir = shutil.copytree(straight[0], tmp_path / "run")
+    assert _final(run_dir).train_state["schedule"]["epoch"] == 1
+    _, summary = _run(run_dir, resume=True, **{"schedule.num_scenes": 4,
+                                               "schedule.total_updates": 4})
+    assert summary.attempts == 4
+    assert [(r["scene_index"], r["epoch"]) for r in _metrics(run_dir)][3] == (3, 0)
+    records = read_scene_set(resolve_data_path("data/scenes/train.jsonl"))[:4]
+    scene = records[1].scene.to_json()
+    edited = list(records)
+    edited[1] = dataclasses.replace(records[1], scene=scene_from_json(
+        {**scene, "prompt": scene["prompt"] + " with a plant"}))
+    write_scene_set(tmp_path / "edited.jsonl", edited)
+    with pytest.raises(ResumeError, match="the content of the first 4 scenes of .*edited.jsonl "
+                                          "changed"):
+        Trainer(_cfg(**{"schedule.train_set": tmp_path / "edited.jsonl",
+                        "schedule.num_scenes": 4, "schedule.total_updates": 5}),
+                run_dir, chat_model_dir(), resume=True)
