@@ -12,7 +12,12 @@ only its own file.
 - A second process is refused (`RunLockedError`, exit 2) with the holder's pid and host named.
 - A stale lock (on this host, and its pid is gone, a zombie, or now another process, and no
   process holds the file's flock) is taken over with a warning; so is one whose content is
-  not the JSON (empty, garbage) and whose flock nobody holds. A lock held on another host,
+  not the JSON (empty, garbage), whose flock nobody holds and that was last modified
+  WRITING_S or more ago (a younger one is being written: refused). A lock whose pid is gone
+  while some process still holds its flock (a child the holder forked without exec, which
+  outlived it) is refused naming the file to delete once that process is gone. Children a
+  holder forks with `os.fork` (multiprocessing's fork) close their copy of the lock's flock
+  descriptor (`os.register_at_fork`) and never release the lock. A lock held on another host,
   naming a live pid with no start time to compare (none in the file, or /proc unreadable), or
   that this user cannot read (another user's, written 0600 by an earlier version), cannot be
   checked: it is refused, and the message says which file to delete once that process is
@@ -37,6 +42,7 @@ import secrets
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,8 @@ log = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"
 LOCK_MODE = 0o644     # every user can read who holds a run directory
 UNREADABLE_PID = -1   # the holder a lock file that is not our JSON reads as
+WRITING_S = 10.0      # a lock file not yet the JSON and modified this recently is being written
+FLOCK_WAIT_S = 1.0    # how long a new lock file's flock is retried while a reader's probe holds it
 
 
 class RunLockedError(ValueError):
@@ -83,12 +91,26 @@ class Holder:
         `start_ticks`: it may be a later process given the same pid). A pid
         <= 0 (an unreadable lock file) names no process: `os.kill` would signal a whole process
         group or every process. Never False while some process holds the file's flock (its
-        holder keeps one while it lives; a lock created where there are no hard links is
-        empty until written, and flocked from the start)."""
+        holder keeps one while it lives; a child it forks without exec closes its copy), nor
+        for a file not yet the JSON that was modified less than WRITING_S ago (a lock created
+        where there are no hard links is empty until written, and flocked only just after it
+        is created)."""
         verdict = self._alive_by_pid()
-        if verdict is False and self.lock_path is not None and _flock_held(self.lock_path):
+        if verdict is False and self.lock_path is not None and (
+                _flock_held(self.lock_path) or self.being_written()):
             return True
         return verdict
+
+    def being_written(self) -> bool:
+        """Whether the file is not (yet) the JSON and was modified less than WRITING_S ago
+        (either way: a clock ahead or behind by that much counts too)."""
+        if self.pid != UNREADABLE_PID or self.unreadable is not None or self.lock_path is None:
+            return False
+        try:
+            age = time.time() - os.stat(self.lock_path).st_mtime
+        except OSError:
+            return False
+        return abs(age) < WRITING_S
 
     def _alive_by_pid(self) -> bool | None:
         if self.unreadable is not None:
@@ -141,6 +163,18 @@ def _try_flock(fd: int) -> bool | None:
         return False
     except OSError:
         return None
+
+
+def _flock_new_file(fd: int) -> bool | None:
+    """`_try_flock` on a lock file this process just created, retried for up to FLOCK_WAIT_S
+    while another descriptor holds it (a reader's `_flock_held` probe holds it only a moment);
+    False after that."""
+    deadline = time.monotonic() + FLOCK_WAIT_S
+    while True:
+        taken = _try_flock(fd)
+        if taken is not False or time.monotonic() >= deadline:
+            return taken
+        time.sleep(0.005)
 
 
 def _open_lock_file(path: Path) -> int | None:
@@ -309,8 +343,23 @@ def _refuse_a_live_holder(run_dir: Path, holder: Holder) -> None:
                              f"to end, use another --run-dir, or delete {run_dir / LOCK_NAME} "
                              "once that process is gone")
     if alive:
-        who = (f"the process holding the flock of {run_dir / LOCK_NAME} (not yet the JSON this "
-               "code writes: being written)" if holder.pid == UNREADABLE_PID else holder.describe())
+        path = run_dir / LOCK_NAME
+        if holder.pid == UNREADABLE_PID:
+            if holder.lock_path is not None and _flock_held(holder.lock_path) is not True:
+                raise RunLockedError(
+                    f"{run_dir} is in use: {path} is not yet the JSON this code writes and was "
+                    f"modified less than {WRITING_S:g} s ago (being written); try again in a few "
+                    "seconds or use another --run-dir")
+            who = (f"the process holding the flock of {path} (not yet the JSON this code "
+                   "writes: being written)")
+        elif holder._alive_by_pid() is False:
+            raise RunLockedError(
+                f"{run_dir} is in use: {holder.describe()} has ended, but another process still "
+                f"holds the flock of {path} (one it forked, say; `fuser {path}` names it): wait "
+                f"for that process to end or stop it, then delete {path}; or use another "
+                "--run-dir")
+        else:
+            who = holder.describe()
         raise RunLockedError(f"{run_dir} is in use by {who}; wait for it to end or use another "
                              "--run-dir")
 
@@ -326,6 +375,33 @@ def _readable_by_all(fd: int) -> None:
         os.fchmod(fd, LOCK_MODE)
     except OSError:
         pass
+
+
+# the RunLocks this process holds (or is taking): children it forks close their flock
+# descriptors and do not release them (kept here, not weakly: a lock acquired and then
+# dropped unreleased still holds its descriptor)
+_HOLDING: "set[RunLock]" = set()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked (without exec) by a process holding a RunLock: close its copy of the
+    lock's flock descriptor (the flock stays the parent's: it goes only when every descriptor
+    of the open file is closed), so a child outliving the holder does not keep the lock
+    alive; the child's copy of the lock no longer releases the parent's file."""
+    for lock in list(_HOLDING):
+        fd, lock._flock_fd = lock._flock_fd, None
+        lock._held = False
+        lock._created_dirs = []
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HOLDING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _put_back(aside: Path, path: Path) -> bool:
@@ -394,6 +470,7 @@ class RunLock:
                 self._take_over_if_stale()
                 continue
             self._held = True
+            _HOLDING.add(self)
             return self
         raise RunLockedError(f"{self.run_dir}: could not take {self.path} (another process "
                              "keeps taking it); try again")
@@ -404,9 +481,13 @@ class RunLock:
         written: a process interrupted at any point can tell it is its own. Where hard links
         are not supported, created exclusively, flocked, then written. The file is flocked
         before it gets its name (`_flock_held`: how another process tells this holder lives
-        where its pid cannot: from another PID namespace, or while the file is still empty),
-        and the flock is kept until `release`; where the filesystem has no flock, none (such
-        a holder reads as cannot-be-checked from another PID namespace)."""
+        where its pid cannot: from another PID namespace), and the flock is kept until
+        `release` (children forked meanwhile close their copy); where the filesystem has no
+        flock, none (such a holder reads as cannot-be-checked from another PID namespace).
+        Without hard links the file is flocked just after it is created (retried for up to
+        FLOCK_WAIT_S while a reader's momentary probe holds it): in that gap, and until it is
+        written, it is empty, which reads as being written (`Holder.being_written`), not
+        stale."""
         fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_NAME}.", dir=self.run_dir)
         try:
             _readable_by_all(fd)   # mkstemp's 0600 hid the holder from other users
@@ -417,7 +498,7 @@ class RunLock:
             flock_fd = _flocked(Path(tmp))
             try:
                 os.link(tmp, self.path)
-                self._flock_fd = flock_fd
+                self._hold_flock(flock_fd)
                 return
             except BaseException as err:
                 if flock_fd is not None:
@@ -428,7 +509,11 @@ class RunLock:
         finally:
             os.unlink(tmp)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, LOCK_MODE)
-        self._flock_fd = fd if _try_flock(fd) else None
+        taken = _flock_new_file(fd)
+        if taken is False:
+            log.warning("%s: another process keeps an flock on %s, just created by this one; "
+                        "the lock is held without one", self.run_dir, self.path)
+        self._hold_flock(fd if taken else None)
         _readable_by_all(fd)   # whatever the umask
         with os.fdopen(os.dup(fd), "w") as f:
             f.write(text)
@@ -437,6 +522,10 @@ class RunLock:
         if self._flock_fd is None:
             os.close(fd)
 
+    def _hold_flock(self, fd: int | None) -> None:
+        self._flock_fd = fd
+        if fd is not None:
+            _HOLDING.add(self)
 
     def _take_over_if_stale(self) -> None:
         holder = read_holder(self.run_dir)
@@ -454,15 +543,21 @@ class RunLock:
             return
         try:
             taken = _read(stale)
-            if taken != holder:  # another process took it meanwhile: put it back where free
-                if taken is not None and not _put_back(stale, self.path):
-                    # a third process made a lock in the gap: that one is not replaced
-                    log.warning("%s: the lock of %s, set aside while taking over a stale one, "
-                                "could not be put back: %s was made meanwhile", self.run_dir,
-                                taken.describe(), self.path)
-                return
-        finally:
-            stale.unlink(missing_ok=True)
+            # another process took it meanwhile: put it back where free
+            put_back = taken is not None and taken != holder and _put_back(stale, self.path)
+        except OSError as err:   # EACCES, EROFS, ENOSPC...: the file set aside is kept
+            raise RunLockedError(
+                f"{self.run_dir}: {stale}, the lock set aside while taking over a stale one, "
+                f"could not be put back ({err}); it is kept: rename it to {self.path} if its "
+                "process may still run, else delete it; then start again") from err
+        stale.unlink(missing_ok=True)
+        if taken != holder:
+            if taken is not None and not put_back:
+                # a third process made a lock in the gap: that one is not replaced
+                log.warning("%s: the lock of %s, set aside while taking over a stale one, "
+                            "could not be put back: %s was made meanwhile", self.run_dir,
+                            taken.describe(), self.path)
+            return
         proc = _proc_stat(holder.pid) if holder.pid > 0 else None
         gone = ("" if holder.pid == UNREADABLE_PID else
                 f" (pid {holder.pid} is now another process)"
@@ -477,15 +572,18 @@ class RunLock:
         if not self._held:
             return
         self._held = False
-        if self._flock_fd is not None:
-            os.close(self._flock_fd)   # drops the flock
-            self._flock_fd = None
         try:
-            ours = _load(self.path).get("token") == self._token
-        except (OSError, ValueError, AttributeError, RecursionError):   # gone, unreadable, not an object
-            ours = False
-        if ours:
-            self.path.unlink(missing_ok=True)
+            try:
+                ours = _load(self.path).get("token") == self._token
+            except (OSError, ValueError, AttributeError, RecursionError):   # gone, unreadable, not an object
+                ours = False
+            if ours:
+                self.path.unlink(missing_ok=True)
+        finally:   # the flock only once the file is gone: until then it tells the holder lives
+            _HOLDING.discard(self)
+            if self._flock_fd is not None:
+                os.close(self._flock_fd)   # drops the flock
+                self._flock_fd = None
         for made in self._created_dirs:
             try:
                 made.rmdir()  # only when empty

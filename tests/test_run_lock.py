@@ -90,13 +90,30 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
         assert read_holder(tmp_path).pid == os.getpid()
 
 
+def _age(path: Path) -> None:
+    """Make `path` last modified before a lock being written could be."""
+    from jscenegen.run_lock import WRITING_S
+
+    then = time.time() - WRITING_S - 1
+    os.utime(path, (then, then))
+
+
 @pytest.mark.parametrize("text", ["", "garbage{", json.dumps({"pid": 0, "host": socket.gethostname()}),
                                   json.dumps({"pid": -1, "host": socket.gethostname()})])
 def test_an_empty_or_unreadable_lock_is_stale(tmp_path, text, caplog):
     """What a kill between creating the lock file and writing it leaves: taken over (pid -1 or
     0 would make `os.kill` signal a process group and read as alive); an unreadable one is
-    named as such, not as "pid -1 on host ... (since ?)" (helper-68)."""
-    (tmp_path / LOCK_NAME).write_text(text)
+    named as such, not as "pid -1 on host ... (since ?)" (helper-68). One modified less than
+    WRITING_S ago may still be being written (where there are no hard links it is empty
+    until then, and unflocked for a moment): refused, not taken over from its creator."""
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(text)
+    assert read_holder(tmp_path).alive() is True
+    with pytest.raises(RunLockedError, match=f"in use: {lock} is not yet the JSON this code writes "
+                       "and was modified less than 10 s ago \\(being written\\); try again"):
+        RunLock(tmp_path).acquire()
+    assert lock.read_text() == text
+    _age(lock)
     assert read_holder(tmp_path).alive() is False
     with caplog.at_level("WARNING"), RunLock(tmp_path):
         assert read_holder(tmp_path).pid == os.getpid()
@@ -138,6 +155,7 @@ def test_a_pid_beyond_any_system_reads_as_an_unreadable_lock(tmp_path, caplog):
     from jscenegen.run_lock import UNREADABLE_PID, refuse_if_in_use
 
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 10 ** 30, "host": socket.gethostname()}))
+    _age(tmp_path / LOCK_NAME)   # not one being written
     assert read_holder(tmp_path).pid == UNREADABLE_PID
     refuse_if_in_use(tmp_path)                      # stale: not in use
     with RunLock(tmp_path):
@@ -503,3 +521,182 @@ def test_the_lock_file_is_readable_by_every_user(tmp_path, monkeypatch, links):
     monkeypatch.setattr(os, "fchmod", no_chmod)
     with RunLock(tmp_path):
         assert read_holder(tmp_path).is_this_process()
+
+
+def test_a_lock_created_without_hard_links_keeps_its_flock_and_its_file(tmp_path, monkeypatch,
+                                                                      caplog):
+    """Without hard links the file is created (O_EXCL), then flocked: a second starter
+    arriving in between read the empty, unflocked file as stale and took it over (both ran),
+    and a reader's momentary flock probe landing there cost the creator its flock (it read
+    as contention, and the holder ran without one)."""
+    import errno
+    import fcntl
+    import threading
+
+    from jscenegen import run_lock
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "no hard links")
+    monkeypatch.setattr(os, "link", no_link)
+    path, real, seen = tmp_path / LOCK_NAME, run_lock._try_flock, {}
+
+    def try_flock(fd):
+        if not seen and path.exists() and path.stat().st_size == 0:
+            seen["refused"] = None
+            with pytest.raises(RunLockedError, match="being written") as refused:
+                RunLock(tmp_path).acquire()        # a second starter in the gap
+            seen["refused"] = str(refused.value)
+            probe = os.open(path, os.O_RDWR)      # a reader's probe holds the flock a moment
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            threading.Timer(0.05, os.close, (probe,)).start()
+        return real(fd)
+    monkeypatch.setattr(run_lock, "_try_flock", try_flock)
+    with caplog.at_level("WARNING"), RunLock(tmp_path) as lock:
+        assert seen["refused"]
+        assert read_holder(tmp_path).is_this_process() and lock._flock_fd is not None
+        monkeypatch.setattr(run_lock, "_try_flock", real)
+        assert run_lock._flock_held(path) is True
+    assert caplog.messages == [] and list(tmp_path.iterdir()) == []
+
+
+FORK_KEEPS_NOTHING = """
+import os, sys
+from pathlib import Path
+from jscenegen.run_lock import LOCK_NAME, RunLock, _flock_held, read_holder
+d = Path(sys.argv[1])
+with RunLock(d) as lock:
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            code = 0 if lock._flock_fd is None else 2
+            lock.release()
+            code = code or (0 if (d / LOCK_NAME).exists() else 3)
+        finally:
+            os._exit(code)
+    assert os.waitpid(child, 0)[1] == 0
+    assert read_holder(d).is_this_process() and _flock_held(d / LOCK_NAME) is True
+print("ok")
+"""
+HOLD_THEN_DIE_LEAVING_A_WORKER = """
+import os, sys, time
+from jscenegen.run_lock import RunLock
+RunLock(sys.argv[1]).acquire()
+worker = os.fork()
+if worker == 0:
+    os.close(1)   # the test reads stdout to its end
+    os.close(2)
+    time.sleep(60)
+    os._exit(0)
+print(worker, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_forked_child_neither_keeps_the_lock_alive_nor_releases_it(tmp_path, caplog):
+    """A child forked without exec (a multiprocessing fork worker) inherited the flocked
+    descriptor: outliving a killed holder, it kept the dead holder's lock alive (refused
+    naming a dead pid, with no way out). It closes its copy at fork now, which leaves the
+    parent's flock, and its copy of the lock does not remove the parent's file. (Forked in
+    a fresh interpreter: pytest's has JAX's threads.)"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", FORK_KEEPS_NOTHING, str(tmp_path / "a")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.run([sys.executable, "-c", HOLD_THEN_DIE_LEAVING_A_WORKER, str(run_dir)],
+                            capture_output=True, text=True, env=env, timeout=60)
+    worker = int(holder.stdout or 0)
+    try:
+        assert worker > 0, holder.stderr
+        dead = read_holder(run_dir)
+        assert dead.alive() is False
+        with caplog.at_level("WARNING"), RunLock(run_dir):
+            assert read_holder(run_dir).is_this_process()
+        assert caplog.messages == [f"{run_dir}: taking over the stale lock of {dead.describe()} "
+                                   "(that process is gone)"]
+    finally:
+        if worker > 0:
+            os.kill(worker, 9)   # not this process's child: reaped by init
+
+
+def test_a_dead_holder_whose_flock_another_process_keeps_names_the_file_to_delete(tmp_path):
+    """The pid is gone, yet some process holds the file's flock (a child the holder forked,
+    from a version that did not close it): refused as "in use by pid N ... wait for it to
+    end", naming a dead pid with no way out."""
+    import fcntl
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started_utc": "then"}))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunLockedError) as refused:
+            RunLock(tmp_path).acquire()
+        assert str(refused.value) == (
+            f"{tmp_path} is in use: pid {dead.pid} on host {socket.gethostname()} (since then) has "
+            f"ended, but another process still holds the flock of {path} (one it forked, say; "
+            f"`fuser {path}` names it): wait for that process to end or stop it, then delete "
+            f"{path}; or use another --run-dir")
+    finally:
+        os.close(fd)
+    with RunLock(tmp_path):
+        assert read_holder(tmp_path).is_this_process()
+
+
+def test_a_lock_set_aside_that_cannot_be_put_back_is_kept_and_named(tmp_path, monkeypatch):
+    """The takeover set aside another process's fresh lock, and putting it back failed with
+    an error other than "no hard links" (EACCES, EROFS, ENOSPC): the set-aside live lock was
+    deleted."""
+    import errno
+
+    from jscenegen import run_lock
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    b = subprocess.Popen(["sleep", "60"])
+    read = run_lock._read
+
+    def read_with_b_meanwhile(path):
+        if path.name != LOCK_NAME and not (tmp_path / LOCK_NAME).exists():
+            path.write_text(json.dumps(_live_lock(b)))   # B took the stale one over first
+        return read(path)
+
+    def refused(aside, path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(run_lock, "_read", read_with_b_meanwhile)
+    monkeypatch.setattr(run_lock, "_put_back", refused)
+    try:
+        with pytest.raises(RunLockedError) as err:
+            RunLock(tmp_path).acquire()
+        [aside] = tmp_path.iterdir()
+        assert json.loads(aside.read_text())["pid"] == b.pid
+        assert str(err.value) == (
+            f"{tmp_path}: {aside}, the lock set aside while taking over a stale one, could not be "
+            f"put back ([Errno {errno.EROFS}] {os.strerror(errno.EROFS)}); it is kept: rename it "
+            f"to {tmp_path / LOCK_NAME} if its process may still run, else delete it; then start "
+            "again")
+    finally:
+        b.kill()
+        b.wait()
+
+
+def test_release_removes_the_file_before_it_drops_the_flock(tmp_path, monkeypatch):
+    """The flock was dropped first: in between, a starter in another PID namespace (where
+    the flock is all that tells the holder lives) saw a stale lock and took it over."""
+    from jscenegen.run_lock import _flock_held
+
+    unlink, flocked = Path.unlink, []
+
+    def recording_unlink(self, *args, **kwargs):
+        if self.name == LOCK_NAME:
+            flocked.append(_flock_held(self))
+        return unlink(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "unlink", recording_unlink)
+    with RunLock(tmp_path):
+        pass
+    assert flocked == [True] and not (tmp_path / LOCK_NAME).exists()
