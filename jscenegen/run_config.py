@@ -100,6 +100,8 @@ _CONDITIONAL_KEYS = (
     ("loss", ("kl_coef", "kl_loss_type"), lambda c: c.loss.use_kl_loss, "loss.use_kl_loss: true"),
     ("model", ("reference_path",), lambda c: c.loss.use_kl_loss, "loss.use_kl_loss: true"),
     ("model", ("remat_policy",), lambda c: c.model.remat, "model.remat: true"),
+    # argmax decoding ignores the seed: a greedy evaluation plays one episode per scene
+    ("trainer", ("eval_samples",), lambda c: not c.sampling.greedy, "sampling.greedy: false"),
 )
 
 

@@ -394,6 +394,9 @@ def test_keys_set_where_they_have_no_effect_are_named(caplog):
         warn_inert_settings(cfg)
     assert [r.getMessage() for r in caplog.records] == inert_settings(cfg)
     assert inert_settings(cfg, sections=("judge",)) == inert_settings(cfg)[:1]   # eval, design
+    # a greedy evaluation plays one episode per scene: the CPU default's 16 would be ignored
+    assert inert_settings(load_run_config(None, greedy=True)) == [
+        "trainer.eval_samples has no effect without sampling.greedy: false"]
 
 
 @pytest.mark.parametrize("override,why", [
