@@ -558,8 +558,10 @@ class RunLock:
                             "could not be put back: %s was made meanwhile", self.run_dir,
                             taken.describe(), self.path)
             return
-        proc = _proc_stat(holder.pid) if holder.pid > 0 else None
+        proc = _proc_stat(holder.pid) if holder.pid > 0 and holder.on_this_host() else None
         gone = ("" if holder.pid == UNREADABLE_PID else
+                " (written in another PID namespace or boot; no process keeps its flock)"
+                if not holder.on_this_host() else
                 f" (pid {holder.pid} is now another process)"
                 if proc and proc[0] not in _NOT_RUNNING and proc[1] != holder.start_ticks
                 else " (that process is gone)")
