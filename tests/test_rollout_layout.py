@@ -258,3 +258,25 @@ def test_set_weights_reshards_the_new_training_arrays(trained, mesh, prompts, ti
     assert (new["tokens"] != first["tokens"]).any()
     with pytest.raises(ValueError, match="structure differs"):
         s.set_weights(nnx.split(trained["qwen2"][0], nnx.Param)[1])
+
+
+def test_available_memory_is_the_least_of_meminfo_the_cgroup_left_and_the_host(tmp_path,
+                                                                              monkeypatch):
+    """It capped MemAvailable by the cgroup's limit only: a container near its limit read as
+    having the host's free memory (helper-139). A cgroup v2 limit of "max" is no limit."""
+    import jscenegen.sharding.rollout as rollout
+
+    limit, usage, meminfo = tmp_path / "memory.max", tmp_path / "memory.current", tmp_path / "mi"
+    monkeypatch.setattr(rollout, "CGROUP_MEMORY", ((str(limit), str(usage)),))
+    monkeypatch.setattr(rollout, "MEMINFO", str(meminfo))
+    gib = 2**30
+    meminfo.write_text(f"MemTotal: {64 * gib // 1024} kB\nMemAvailable: {40 * gib // 1024} kB\n")
+    limit.write_text(f"{16 * gib}\n")
+    usage.write_text(f"{12 * gib}\n")
+    assert rollout.available_memory_bytes() == 4 * gib          # the cgroup's 16 - 12
+    usage.write_text(f"{17 * gib}\n")
+    assert rollout.available_memory_bytes() == 0                # past its limit
+    limit.write_text("max\n")
+    assert rollout.available_memory_bytes() == min(40 * gib, rollout.host_memory_bytes())
+    meminfo.write_text("garbage\n\n")
+    assert rollout.available_memory_bytes() == rollout.host_memory_bytes()

@@ -114,8 +114,22 @@ def device_memory_bytes(device: jax.Device | None = None) -> int | None:
     return None
 
 
-CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max",                     # cgroup v2
-                        "/sys/fs/cgroup/memory/memory.limit_in_bytes")   # cgroup v1
+CGROUP_MEMORY = (   # (limit, usage) of the container's memory cgroup
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),                    # v2
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+MEMINFO = "/proc/meminfo"
+
+
+def _read_int(path: str) -> int | None:
+    """The integer a small kernel file holds; None when it cannot be read or holds none
+    (a cgroup v2 limit of "max")."""
+    try:
+        with open(path) as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def host_memory_bytes() -> int | None:
@@ -125,30 +139,28 @@ def host_memory_bytes() -> int | None:
         limits = [int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))]
     except (ValueError, OSError, AttributeError):
         limits = []
-    for path in CGROUP_MEMORY_LIMITS:
-        try:
-            with open(path) as f:
-                text = f.read(64).strip()
-        except OSError:
-            continue
-        if text.isdigit():     # "max": no limit
-            limits.append(int(text))
+    limits += [n for limit, _ in CGROUP_MEMORY if (n := _read_int(limit)) is not None]
     return min(limits) if limits else None
 
 
 def available_memory_bytes() -> int | None:
-    """The memory this process can take now, in bytes: the kernel's MemAvailable
-    (/proc/meminfo), at most `host_memory_bytes`; `host_memory_bytes` where /proc says nothing."""
-    total = host_memory_bytes()
+    """The memory this process can take now, in bytes: the least of the kernel's MemAvailable
+    (/proc/meminfo), what the container's cgroup has left (its limit less its usage) and
+    `host_memory_bytes`; None when the OS says none of them."""
+    free = [n for n in (host_memory_bytes(),) if n is not None]
+    for limit, usage in CGROUP_MEMORY:
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and used is not None:
+            free.append(max(cap - used, 0))
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             for line in f.read(1 << 16).splitlines():
-                if line.startswith("MemAvailable:") and line.split()[1].isdigit():
-                    free = int(line.split()[1]) * 1024
-                    return free if total is None else min(free, total)
+                fields = line.split()
+                if fields[:1] == ["MemAvailable:"] and len(fields) > 1 and fields[1].isdigit():
+                    free.append(int(fields[1]) * 1024)
     except OSError:
         pass
-    return total
+    return min(free) if free else None
 
 
 def tp_candidates(n_devices: int, divides: tuple[int, ...]) -> list[int]:
