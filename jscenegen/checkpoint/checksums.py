@@ -121,9 +121,8 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
     directly in it ("" or None: `root` itself). `known` ({relative path: SHA-256}) gives the
     digests of files another manifest verified just before (an orbax step's own): those are
     compared, not hashed again (their sizes are still read). Raises ChecksumError naming each
-    missing,
-    resized, altered or unlisted file (`failure_message`: one line, each file under `root`
-    as given, then the manifest and how many files fail).
+    missing, resized, altered or unlisted file (`failure_message`: one line, each file under
+    `root` as given, then the manifest and how many files fail).
     """
     root = Path(root)
     if not root.is_dir():

@@ -223,7 +223,7 @@ def evaluation_samples(cfg, given: int | None = None) -> int:
     greedy = cfg.sampling.greedy
     if given is None:
         return 1 if greedy else cfg.trainer.eval_samples
-    if greedy and isinstance(given, int) and given > 1:
+    if greedy and given > 1:
         log.warning("--greedy with --samples %d: argmax decoding ignores the seed, so the %d "
                     "episodes of a scene are identical (and `eval --compare` would count them "
                     "as %d pairs)", given, given, given)
