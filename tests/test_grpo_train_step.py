@@ -20,10 +20,12 @@ from jscenegen.grpo.train.step import GRPOStep
 B, T, H, V = 8, 12, 12, 24
 
 
-def hidden_fn(params, input_ids, attention_mask):
+def hidden_fn(params, input_ids, attention_mask, rows=None):
     m = attention_mask.astype(jnp.float32)[..., None]
     e = params["embed"][input_ids] * m
     run = jnp.cumsum(e, axis=1) / jnp.maximum(jnp.cumsum(m, axis=1), 1.0)
+    if rows is not None:
+        run = jnp.take_along_axis(run, rows[..., None], axis=1)
     return jnp.tanh(run @ params["w"].T + params["b"]), params["head"]
 
 
@@ -225,6 +227,28 @@ def test_logits_of_the_trained_tokens_only_give_the_same_update(micro):
     # a capacity below a row's trained count cannot pass unnoticed: the update is skipped
     _, met = st.step(init_train_state(params, st.optim_cfg), batch, capacity=2)
     assert float(met["skipped"]) == 1
+
+
+def test_the_model_is_asked_for_the_positions_before_the_trained_tokens_only():
+    """With a capacity the model computes [B, capacity] hidden states (`rows=`: each row's
+    trained positions less one, in order, then filler), never the whole [B, T]."""
+    from jscenegen.grpo.algo.logprobs import model_token_logprobs
+
+    params, batch = make_params(8), make_batch(8)
+    asked = []
+
+    def recording(params, input_ids, attention_mask, rows=None):
+        asked.append(None if rows is None else np.asarray(rows))
+        return hidden_fn(params, input_ids, attention_mask, rows)
+
+    model_token_logprobs(recording, params, jnp.asarray(batch["input_ids"]),
+                         jnp.asarray(batch["attention_mask"]), select=jnp.asarray(batch["loss_mask"]),
+                         capacity=8)
+    (rows,) = asked
+    assert rows.shape == (B, 8)
+    for r in range(B):
+        trained = np.flatnonzero(batch["loss_mask"][r])
+        np.testing.assert_array_equal(rows[r, :len(trained)], trained - 1)
 
 
 def test_steps_of_equal_models_and_configs_share_their_compiled_functions():

@@ -124,6 +124,38 @@ def test_padded_rows_match_unpadded(qwen3_model, qwen3_call):
     np.testing.assert_allclose(np.asarray(qwen3_call(right, right_mask))[0, :-pad], ref, atol=1e-5)
 
 
+def _selected_rows(mask, seed):
+    """[B, C] positions: each row's real positions in a random order, one repeated, and a
+    padding position (0) where the row has any: what `model_token_logprobs` may ask for."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m in np.asarray(mask):
+        real = rng.permutation(np.flatnonzero(m))[:8]
+        rows.append(np.concatenate([real[:7], real[:1]]) if len(real) >= 7 else
+                    np.resize(real, 8))
+    return jnp.asarray(np.stack(rows).astype(np.int32))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_hidden_states_of_selected_rows_equal_the_full_states_gathered(hf_dirs, scan_layers):
+    """rows=: the last layer's queries, residual, MLP and the final norm at those positions
+    only (keys/values of all), in either layer path: the full forward's states gathered."""
+    import jax
+
+    model = load_hf(hf_dirs["qwen3"], scan_layers=scan_layers)
+    ids, mask = random_padded_batch(model.cfg.vocab_size, 3, 20, seed=8)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    rows = _selected_rows(mask, 8)
+    full = jax.jit(lambda i, m: model.hidden_states(i, m))(ids, mask)
+    sel = jax.jit(lambda i, m, r: model.hidden_states(i, m, rows=r))(ids, mask, rows)
+    assert sel.shape == (3, 8, model.cfg.hidden_size)
+    want = np.take_along_axis(np.asarray(full), np.asarray(rows)[..., None], axis=1)
+    np.testing.assert_allclose(np.asarray(sel), want, atol=2e-6, rtol=1e-5)
+    assert np.abs(want).max() > 0.1
+    with pytest.raises(ValueError, match="rows selects positions of a full forward"):
+        model.hidden_states(ids, mask, KVCache.create(model.cfg, 3, 32), rows=rows)
+
+
 def test_prefill_then_decode_equals_full_forward(qwen3_model, qwen3_call):
     cfg = qwen3_model.cfg
     ids, mask = random_padded_batch(cfg.vocab_size, 2, 20, seed=4)

@@ -369,6 +369,20 @@ def test_padded_rows_equal_unpadded(padded_logits):
     np.testing.assert_allclose(padded_logits[2, 6:], padded_logits[0, :18], atol=1e-5)
 
 
+def test_hidden_states_of_selected_rows_equal_the_full_states_gathered(models, padded_batch):
+    import jax
+
+    model = models["qwen3_5"]
+    ids, mask, _ = padded_batch
+    rows = jnp.asarray(np.array([[23, 0, 5, 5], [17, 2, 20, 9], [6, 0, 23, 12], [3, 20, 22, 1]],
+                                np.int32))
+    full = jax.jit(lambda i, m: model.hidden_states(i, m))(jnp.asarray(ids), jnp.asarray(mask))
+    sel = jax.jit(lambda i, m, r: model.hidden_states(i, m, rows=r))(
+        jnp.asarray(ids), jnp.asarray(mask), rows)
+    np.testing.assert_allclose(np.asarray(sel), np.take_along_axis(
+        np.asarray(full), np.asarray(rows)[..., None], axis=1), atol=2e-6, rtol=1e-5)
+
+
 def test_cached_appends_with_padding_inside_and_decode_equal_the_full_forward(
         models, padded_batch, padded_logits):
     """Left-padded chunks appended after history (padding between old and new tokens),

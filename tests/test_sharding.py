@@ -286,6 +286,14 @@ def test_causal_load_balanced_order_gives_the_same_logits(tiny_hf):
         logits = np.asarray(jax.jit(lambda i, m: model(i, m))(batch["ids"], batch["mask"]))
     real = mask.astype(bool)
     np.testing.assert_allclose(logits[:3, :15][real], ref[real], atol=2e-5, rtol=1e-5)
+    # selected positions (the train step's rows=) name the original order, not the balanced one
+    rows = np.tile(np.array([[14, 0, 7, 3, 11, 15, 8, 1]], np.int32), (batch["ids"].shape[0], 1))
+    with jax.set_mesh(mesh):
+        full = np.asarray(jax.jit(lambda i, m: model.hidden_states(i, m))(batch["ids"], batch["mask"]))
+        sel = np.asarray(jax.jit(lambda i, m, r: model.hidden_states(i, m, rows=r))(
+            batch["ids"], batch["mask"], jnp.asarray(rows)))
+    np.testing.assert_allclose(sel, np.take_along_axis(full, rows[..., None], axis=1),
+                               atol=2e-5, rtol=1e-5)
 
 
 # ---- Qwen3.5: every tensor and both Adam moments, and sequence parallelism through the GDN ----

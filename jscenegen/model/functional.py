@@ -2,8 +2,9 @@
 
 `hidden_fn(graphdef, *other_states)` turns a split NNX model
 (`graphdef, params, *other = nnx.split(model, nnx.Param, ...)`) into
-`fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding [V, H])`, so
-parameters and optimizer state are plain pytrees the caller shards and differentiates.
+`fn(params, input_ids, attention_mask, rows=None) -> (hidden [B, T, H], output_embedding
+[V, H])` (with `rows` [B, C]: hidden [B, C, H], those positions only), so parameters and
+optimizer state are plain pytrees the caller shards and differentiates.
 `split_params(model)` makes that split and replaces everything that is not a parameter
 (Qwen3.5's carried vision tower and MTP head) by abstract shapes, so the trained function
 provably never reads a carried tensor and no jit closes over one.
@@ -18,7 +19,7 @@ from typing import Any, Callable, Hashable
 import jax
 from flax import nnx
 
-HiddenFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+HiddenFn = Callable[..., tuple[jax.Array, jax.Array]]   # (params, input_ids, attention_mask, rows=None)
 
 _SHARED: dict[Hashable, Any] = {}
 SHARED_KEPT = 12     # the most recently used builds kept (their executables stay alive): a
@@ -72,9 +73,9 @@ class _ModelHidden:
         self.graphdef, self.other_states = graphdef, other_states
         self._key = structure_key(graphdef, *other_states)
 
-    def __call__(self, params, input_ids, attention_mask):
+    def __call__(self, params, input_ids, attention_mask, rows=None):
         model = nnx.merge(self.graphdef, params, *self.other_states)
-        return model.hidden_states(input_ids, attention_mask), model.output_embedding()
+        return model.hidden_states(input_ids, attention_mask, rows=rows), model.output_embedding()
 
     def __eq__(self, other) -> bool:
         if self._key is None or not isinstance(other, _ModelHidden):
@@ -86,9 +87,10 @@ class _ModelHidden:
 
 
 def hidden_fn(graphdef: nnx.GraphDef, *other_states: Any) -> HiddenFn:
-    """The model's final normed hidden states and its output embedding (logical vocabulary
-    rows, compute dtype) as a function of its parameters. The model must provide
-    `hidden_states(input_ids, attention_mask)` and `output_embedding()` (qwen.CausalLM does:
+    """The model's final normed hidden states (all positions, or those of `rows` [B, C]) and
+    its output embedding (logical vocabulary rows, compute dtype) as a function of its
+    parameters. The model must provide `hidden_states(input_ids, attention_mask, rows=)` and
+    `output_embedding()` (qwen.CausalLM does:
     QwenForCausalLM, Qwen35ForCausalLM). A model with `Carried` tensors (Qwen3.5) is split
     by `split_params` and its frozen state passed here. Functions of equally structured
     models compare equal (see `_ModelHidden`)."""

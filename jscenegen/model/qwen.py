@@ -211,23 +211,29 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, cos, sin, mask, kv=None):
+    def __call__(self, x, cos, sin, mask, kv=None, rows=None):
         """x [B,S,H]; mask [B,S,Sk] -> (out, kv).
 
         kv = (k_cache [B,Nkv,D,Smax], v_cache [B,Nkv,Smax,D], offset) or None: the S new keys/values are
         written into this layer's cache at slot `offset` (in place) and attention reads its
         slots; the updated (k_cache, v_cache) are returned. Without a cache the keys/values of
-        x are used and returned as (k, v).
+        x are used and returned as (k, v). rows [B, C] int (no cache): queries at those
+        positions only, out [B, C, H] (keys/values of every position).
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.nq, self.hd)
+        xq = x if rows is None else take_rows(x, rows)
+        q = self.q_proj(xq).reshape(b, xq.shape[1], self.nq, self.hd)
         k = self.k_proj(x).reshape(b, s, self.nkv, self.hd)
         v = self.v_proj(x).reshape(b, s, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rows is None:
+            q = apply_rope(q, cos, sin)
+        else:
+            q, mask = apply_rope(q, take_rows(cos, rows), take_rows(sin, rows)), take_rows(mask, rows)
+        k = apply_rope(k, cos, sin)
         out, new_kv = cached_attention(q, k, v, mask, kv, self.attn_impl)
-        return self.o_proj(out.reshape(b, s, self.nq * self.hd)), new_kv
+        return self.o_proj(out.reshape(b, xq.shape[1], self.nq * self.hd)), new_kv
 
 
 def cached_attention(q, k, v, mask, kv, attn_impl: str):
@@ -280,9 +286,17 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """x [B, S, ...] at positions rows [B, C] int -> [B, C, ...]."""
+    return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block (transformers' `Qwen3DecoderLayer`):
-    x + attn(norm(x)), then + mlp(norm(.)); x [B, S, H] -> ([B, S, H], the layer's kv)."""
+    x + attn(norm(x)), then + mlp(norm(.)); x [B, S, H] -> ([B, S, H], the layer's kv).
+    With `rows` [B, C] int (the last layer of a forward whose caller needs C positions only):
+    queries, residual and MLP at those positions only (keys/values from every position), so
+    the layer returns [B, C, H]."""
 
     def __init__(self, cfg: QwenConfig, make: ParamFactory, name: str, attn_impl: str):
         eps = cfg.rms_norm_eps
@@ -291,8 +305,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(make, f"{name}.post_attention_layernorm", eps)
         self.mlp = MLP(make, f"{name}.mlp")
 
-    def __call__(self, x, cos, sin, mask, kv=None):
-        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+    def __call__(self, x, cos, sin, mask, kv=None, rows=None):
+        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, rows)
+        if rows is not None:
+            x = take_rows(x, rows)
         x = constrain(x + attn_out, ACTIVATION)
         x = constrain(x + self.mlp(self.post_attention_layernorm(x)), ACTIVATION)
         return x, new_kv
@@ -391,11 +407,16 @@ class QwenForCausalLM(CausalLM):
         return None
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
-                      cache: KVCache | None = None, layers=None):
+                      cache: KVCache | None = None, layers=None, rows: jax.Array | None = None):
         """Final normed hidden states [B, S, H] (compute dtype).
 
         input_ids [B, S] int32; attention_mask [B, S] (1 = real token, 0 = padding).
-        Without a cache: a full forward. With a cache: the S tokens are appended at slot
+        Without a cache: a full forward; with `rows` [B, C] int32 (positions in [0, S)) only
+        those positions' states, [B, C, H]: the last layer's queries, output projection and
+        MLP and the final norm run on them alone (its keys/values on every position), as the
+        output projection after them does (the trained tokens' log-probs:
+        `grpo.algo.logprobs.model_token_logprobs`); the result equals gathering the full
+        [B, S, H]. With a cache: the S tokens are appended at slot
         `cache.length` (prefill, append or decode) and the updated cache is returned as
         (hidden, cache); the layers then run as a Python loop over their own parameters and
         cache arrays (no stacking per call, no per-layer slices inside the sampler's decode
@@ -404,6 +425,8 @@ class QwenForCausalLM(CausalLM):
         for the decoders' common signature and unused (`decode_layers` is None).
         """
         cfg = self.cfg
+        if rows is not None and cache is not None:
+            raise ValueError("rows selects positions of a full forward; a cached step has none")
         dt = np_dtype(self.compute_dtype)
         mask = attention_mask.astype(bool)
         b, s = input_ids.shape
@@ -416,6 +439,8 @@ class QwenForCausalLM(CausalLM):
                 input_ids, mask, positions = input_ids[:, order], mask[:, order], positions[:, order]
                 causal = order[None, :] <= order[:, None]  # key's original index <= query's
                 attn_mask = causal[None] & mask[:, None, :]
+                if rows is not None:    # the reordered index of each requested position
+                    rows = jnp.asarray(np.argsort(order).astype(np.int32))[rows]
         else:
             positions, attn_mask, valid = cache_step_inputs(mask, cache)
         cos, sin = rope_cos_sin(cfg, positions)
@@ -425,23 +450,24 @@ class QwenForCausalLM(CausalLM):
             # of an XLA:CPU decode step); training's layer scan reads them once anyway
             cos, sin = jax.lax.optimization_barrier((cos, sin))
         x = constrain(self.model.embed_tokens(input_ids, dt), ACTIVATION)
-        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache)
+        x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, rows)
         hidden = self.model.norm(x)
         if cache is None:
-            return hidden if order is None else hidden[:, np.argsort(order)]
+            return hidden if order is None or rows is not None else hidden[:, np.argsort(order)]
         new_cache = KVCache(
             k=new_k, v=new_v, valid=valid,
             next_pos=cache.next_pos + steps[:, -1], length=cache.length + s,
         )
         return hidden, new_cache
 
-    def stacked_layers(self):
-        """(graphdef, state) of one decoder layer with every parameter stacked over the layers [L, ...]."""
-        splits = [nnx.split(layer) for layer in self.model.layers]
+    def stacked_layers(self, count: int | None = None):
+        """(graphdef, state) of one decoder layer with every parameter stacked over the layers
+        [L, ...] (the first `count` layers when given)."""
+        splits = [nnx.split(layer) for layer in list(self.model.layers)[:count]]
         stacked = jax.tree.map(lambda *xs: constrain_stacked(jnp.stack(xs)), *[s for _, s in splits])
         return splits[0][0], stacked
 
-    def _layers(self, x, cos, sin, attn_mask, cache):
+    def _layers(self, x, cos, sin, attn_mask, cache, rows=None):
         """Run the decoder stack.
 
         Without a cache (training): a `lax.scan` over the layers' parameters stacked on the
@@ -451,7 +477,9 @@ class QwenForCausalLM(CausalLM):
         `scan_layers`: a Python loop (one device).
         With a cache (the sampler): layer by layer over their own parameters and cache arrays,
         each layer writing only its new slots in place, so a decode step copies neither
-        weights nor cache. Returns (x, new k tuple, new v tuple) (None, None without a cache).
+        weights nor cache. With `rows` (no cache) the last layer runs on its own after the
+        others and returns those positions only (`DecoderLayer`). Returns (x, new k tuple, new
+        v tuple) (None, None without a cache).
         """
         if cache is not None:
             new_k, new_v = [], []
@@ -460,18 +488,24 @@ class QwenForCausalLM(CausalLM):
                 new_k.append(k)
                 new_v.append(v)
             return x, tuple(new_k), tuple(new_v)
+        layers = list(self.model.layers)
+        body_layers, last = (layers, None) if rows is None else (layers[:-1], layers[-1])
         if not self.scan_layers:
-            for layer in self.model.layers:
+            for layer in body_layers:
                 def run(h, layer=layer):
                     return layer(h, cos, sin, attn_mask)[0]
                 x = checkpointed(run, self.remat, prevent_cse=False)(x)
-            return x, None, None
-        graphdef, stacked = self.stacked_layers()
+        elif body_layers:
+            graphdef, stacked = self.stacked_layers(len(body_layers))
 
-        def body(h, layer_state):
-            layer = nnx.merge(graphdef, layer_state)
-            h, _ = layer(h, cos, sin, attn_mask)
-            return h, None
+            def body(h, layer_state):
+                layer = nnx.merge(graphdef, layer_state)
+                h, _ = layer(h, cos, sin, attn_mask)
+                return h, None
 
-        x, _ = jax.lax.scan(checkpointed(body, self.remat, prevent_cse=False), x, stacked)
+            x, _ = jax.lax.scan(checkpointed(body, self.remat, prevent_cse=False), x, stacked)
+        if last is not None:
+            def run_last(h, rows):
+                return last(h, cos, sin, attn_mask, rows=rows)[0]
+            x = checkpointed(run_last, self.remat, prevent_cse=False)(x, rows)
         return x, None, None

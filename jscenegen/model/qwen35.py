@@ -64,6 +64,7 @@ from jscenegen.model.qwen import (
     full_sequence_inputs,
     logical,
     rms_normalized,
+    take_rows,
     with_empty_slots,
 )
 from jscenegen.model.remat import checkpointed, remat_policy
@@ -488,14 +489,18 @@ class Qwen35ForCausalLM(CausalLM):
         return HybridCache.create(cfg, batch, max_len, dtype)
 
     def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array,
-                      cache: HybridCache | None = None, layers=None):
+                      cache: HybridCache | None = None, layers=None, rows: jax.Array | None = None):
         """Final normed hidden states [B, S, h] (compute dtype), as `QwenForCausalLM`'s.
 
         input_ids [B, S] int32; attention_mask [B, S] (1 = real token, 0 = padding). Without
-        a cache: a full forward from empty states. With a cache: the S tokens are appended
+        a cache: a full forward from empty states; with `rows` [B, C] int32 only those
+        positions' states [B, C, h] (gathered before the final norm: the layers run in their
+        scan whole). With a cache: the S tokens are appended
         at slot `cache.length` and (hidden, updated cache) is returned. `layers`: the result
         of `stacked_layers()` computed once outside a loop that calls the model repeatedly.
         """
+        if rows is not None and cache is not None:
+            raise ValueError("rows selects positions of a full forward; a cached step has none")
         dt = np_dtype(self.compute_dtype)
         mask = attention_mask.astype(bool)
         if cache is None:
@@ -509,6 +514,8 @@ class Qwen35ForCausalLM(CausalLM):
                                                  state=cache.state)
         x = constrain(self.text.embed_tokens(input_ids, dt), ACTIVATION)
         x, caches = self._layers(x, inputs, caches, layers)
+        if rows is not None:
+            x = constrain(take_rows(x, rows), ACTIVATION)
         hidden = self.text.norm(x)
         if cache is None:
             return hidden

@@ -14,7 +14,7 @@ import optax
 
 from jscenegen.grpo.algo.accumulate import accumulate_grads, num_micro_batches, split_micro
 from jscenegen.grpo.algo.config import OptimConfig
-from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
+from jscenegen.grpo.algo.logprobs import model_token_logprobs
 from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, as_float32, make_optimizer
 from jscenegen.model.functional import HiddenFn, shared
 
@@ -52,9 +52,9 @@ class SFTStep:
                             lambda: jax.jit(self._check, static_argnames=("capacity",)))
 
     def _masked_logp_sum(self, params, mb, capacity=None):
-        hidden, emb = self.hidden_fn(params, mb["input_ids"], mb["attention_mask"])
-        logp, _ = shifted_token_logprobs(hidden, emb, mb["input_ids"], 1.0, self.logprob_chunk,
-                                         select=mb["loss_mask"], capacity=capacity)
+        logp, _ = model_token_logprobs(self.hidden_fn, params, mb["input_ids"],
+                                       mb["attention_mask"], 1.0, self.logprob_chunk,
+                                       select=mb["loss_mask"], capacity=capacity)
         return jnp.sum(logp * mb["loss_mask"])
 
     def _grads(self, params, batch, capacity=None):

@@ -9,9 +9,10 @@ Formulas: VERL verl/utils/torch_functional.py (`logprobs_from_logits`, `entropy_
 logits are divided by the sampling temperature first (VERL `logits.div_(temperature)`).
 
 Only where they are needed: an update trains a fraction of its tokens (the selected role's
-policy tokens; prompts and environment messages never), so `shifted_token_logprobs` can take
+policy tokens; prompts and environment messages never), so `model_token_logprobs` can take
 the loss mask and a static per-row capacity and make logits for those tokens only (VERL
-computes the response's logits only; Tunix slices the completion's). The others get 0.
+computes the response's logits only; Tunix slices the completion's), and ask the model for
+those positions' hidden states only. The others get 0.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jscenegen.model.dense import dense
+from jscenegen.model.functional import HiddenFn
 from jscenegen.sharding.constraints import constrain
 from jscenegen.sharding.rules import ACTIVATION
 
@@ -91,7 +93,7 @@ def token_logprobs(hidden, output_embedding, tokens, temperature: float = 1.0, c
 
 
 def selection_capacity(select, multiple: int = 64) -> int:
-    """The static per-row capacity `shifted_token_logprobs` needs for the host mask `select`
+    """The static per-row capacity `model_token_logprobs` needs for the host mask `select`
     [..., B, T] (any leading micro-batch axes): the largest selected count of a row, rounded up
     to a power-of-two multiple of `multiple` (few compiled shapes), at most T."""
     import numpy as np
@@ -104,21 +106,12 @@ def selection_capacity(select, multiple: int = 64) -> int:
     return max(1, min(cap, sel.shape[-1]))
 
 
-def shifted_token_logprobs(hidden, output_embedding, input_ids, temperature=1.0, chunk=256,
-                           select=None, capacity: int | None = None):
+def shifted_token_logprobs(hidden, output_embedding, input_ids, temperature=1.0, chunk=256):
     """Per-token log-probs/entropies aligned with `input_ids`: entry t = log p(id_t | ids_<t).
 
     hidden [B, T, H] from the model on `input_ids` [B, T]; returns ([B, T], [B, T]) float32
     with column 0 set to 0 (no hidden state predicts the first token).
-    With `select` [B, T] (nonzero: needed; column 0 never) and a static `capacity` >= the
-    selected count of every row (`selection_capacity`): only the selected entries are
-    computed (each row's selected positions gathered, in order, into [B, capacity]), the
-    others are 0. A row with more selected tokens than `capacity` makes every output NaN, so
-    a wrong capacity cannot go unnoticed (the train step then skips the update).
     """
-    if capacity is not None:
-        return _selected_logprobs(hidden, output_embedding, input_ids, temperature, chunk,
-                                  select, capacity)
     logp, ent = token_logprobs(
         hidden[:, :-1], output_embedding, input_ids[:, 1:], temperature, chunk
     )
@@ -126,16 +119,31 @@ def shifted_token_logprobs(hidden, output_embedding, input_ids, temperature=1.0,
     return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)
 
 
-def _selected_logprobs(hidden, output_embedding, input_ids, temperature, chunk, select, capacity):
-    b, t, _ = hidden.shape
+def model_token_logprobs(hidden_fn: HiddenFn, params, input_ids, attention_mask, temperature=1.0,
+                         chunk=256, select=None, capacity: int | None = None):
+    """`shifted_token_logprobs` of the model `hidden_fn` (`model.functional.hidden_fn`) run on
+    `params`, input_ids [B, T] int and attention_mask [B, T]; returns ([B, T], [B, T]) float32.
+
+    With `select` [B, T] (nonzero: needed; column 0 never) and a static `capacity` >= the
+    selected count of every row (`selection_capacity`): only the selected entries are
+    computed, the others are 0. Each row's selected positions are gathered, in order, into
+    [B, capacity], and the model is asked for the hidden states predicting them only
+    (`rows=`: the last layer's MLP, the final norm and the output projection run on those
+    positions). A row with more selected tokens than `capacity` makes every output NaN, so a
+    wrong capacity cannot go unnoticed (the train step then skips the update).
+    """
+    if capacity is None:
+        hidden, emb = hidden_fn(params, input_ids, attention_mask)
+        return shifted_token_logprobs(hidden, emb, input_ids, temperature, chunk)
+    b, t = input_ids.shape
     sel = select != 0
     # each row's selected positions first, in order (stable), then the rest: [B, capacity]
     order = jnp.argsort(jnp.where(sel, 0, 1), axis=1, stable=True)[:, :capacity]
     valid = jnp.take_along_axis(sel, order, axis=1)
-    h = constrain(jnp.take_along_axis(hidden, jnp.maximum(order - 1, 0)[..., None], axis=1),
-                  ACTIVATION)
+    h, emb = hidden_fn(params, input_ids, attention_mask, rows=jnp.maximum(order - 1, 0))
+    h = constrain(h, ACTIVATION)
     tok = constrain(jnp.take_along_axis(input_ids, order, axis=1), ACTIVATION)
-    logp, ent = token_logprobs(h, output_embedding, tok, temperature, chunk)
+    logp, ent = token_logprobs(h, emb, tok, temperature, chunk)
     rows = jnp.arange(b)[:, None]
     out_lp = jnp.zeros((b, t), jnp.float32).at[rows, order].set(jnp.where(valid, logp, 0.0))
     out_ent = jnp.zeros((b, t), jnp.float32).at[rows, order].set(jnp.where(valid, ent, 0.0))

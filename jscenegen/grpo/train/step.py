@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jscenegen.grpo.algo.accumulate import accumulate_grads, num_micro_batches, split_micro
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-from jscenegen.grpo.algo.logprobs import shifted_token_logprobs
+from jscenegen.grpo.algo.logprobs import model_token_logprobs
 from jscenegen.grpo.algo.losses import grpo_loss, token_means
 from jscenegen.grpo.algo.optimizer import TrainState, apply_gradients, make_optimizer
 from jscenegen.model.functional import HiddenFn, shared
@@ -92,9 +92,8 @@ class GRPOStep:
             jax.jit(self._step, donate_argnums=0 if donate else (), static_argnames=("capacity",))))
 
     def _micro_logprobs(self, params, input_ids, attention_mask, select=None, capacity=None):
-        hidden, emb = self.hidden_fn(params, input_ids, attention_mask)
-        return shifted_token_logprobs(hidden, emb, input_ids, self.temperature,
-                                      self.loss_cfg.logprob_chunk, select, capacity)
+        return model_token_logprobs(self.hidden_fn, params, input_ids, attention_mask,
+                                    self.temperature, self.loss_cfg.logprob_chunk, select, capacity)
 
     def _num_micro(self, rows: int) -> int:
         return num_micro_batches(rows, self.loss_cfg.ppo_micro_batch_size, "ppo_micro_batch_size")
