@@ -229,6 +229,21 @@ def test_logits_of_the_trained_tokens_only_give_the_same_update(micro):
     assert float(met["skipped"]) == 1
 
 
+def test_columns_after_the_last_trained_token_change_nothing():
+    """The trainer drops the columns after every row's last trained token (`build_group_batch`):
+    for a causal model the loss, gradient and metrics are those of the whole batch."""
+    params, batch = make_params(3), make_batch(3)
+    batch["loss_mask"][:, 8:] = 0
+    batch["advantages"][:, 8:] = 0
+    st = steps(LossConfig(use_kl_loss=True, kl_coef=0.1, entropy_coeff=0.01, logprob_chunk=5))
+    g_whole, l_whole, _, s_whole = st.grads(params, batch)
+    g_cut, l_cut, _, s_cut = st.grads(params, {k: v[:, :8] for k, v in batch.items()})
+    assert _rel(g_whole, g_cut) <= 1e-6
+    assert float(l_cut) == pytest.approx(float(l_whole), rel=1e-6)
+    for key in s_whole:
+        assert float(s_cut[key]) == pytest.approx(float(s_whole[key]), rel=1e-5, abs=1e-7), key
+
+
 def test_the_model_is_asked_for_the_positions_before_the_trained_tokens_only():
     """With a capacity the model computes [B, capacity] hidden states (`rows=`: each row's
     trained positions less one, in order, then filler), never the whole [B, T]."""

@@ -169,6 +169,33 @@ def test_advantages_are_normalised_within_each_group_of_a_batch():
         build_group_batch(trs[:1], PLANNER, row_multiple=3, col_multiple=8, group_size=2)
 
 
+def test_columns_after_the_last_trained_token_are_dropped():
+    """A role that speaks early (the planner's 5 tokens before 15 designer tokens) trains on the
+    prefix (rounded up to col_multiple); the designer's update keeps every column; trim=False
+    keeps the longest episode's length for both."""
+    import numpy as np
+
+    from jscenegen.grpo.rollout.engine import Trajectory
+    from jscenegen.grpo.train.batch import build_group_batch
+
+    def tr(member, reward, n=20):
+        roles = np.where(np.arange(n) < 5, PLANNER, DESIGNER).astype(np.int8)
+        return Trajectory(0, member, 0, np.arange(n, dtype=np.int32) + 3, roles, np.ones(n, bool),
+                          np.full(n, -0.5, np.float32), [], [], reward, None, False, 0, None, None, {})
+
+    trs = [tr(0, 1.0), tr(1, 3.0, n=17)]
+    planner = build_group_batch(trs, PLANNER, row_multiple=1, col_multiple=4)
+    designer = build_group_batch(trs, DESIGNER, row_multiple=1, col_multiple=4)
+    whole = build_group_batch(trs, PLANNER, row_multiple=1, col_multiple=4, trim=False)
+    assert {a.shape for a in planner.arrays.values()} == {(2, 8)}
+    assert {a.shape for a in designer.arrays.values()} == {(2, 20)}
+    assert {a.shape for a in whole.arrays.values()} == {(2, 20)}
+    for key, a in planner.arrays.items():
+        np.testing.assert_array_equal(a, whole.arrays[key][:, :8], err_msg=key)
+        assert not whole.arrays["loss_mask"][:, 8:].any()
+    assert planner.trained_tokens == whole.trained_tokens == 8     # tokens 1-4 of each row
+
+
 def test_masked_episodes_are_padding_rows_of_the_update():
     """A judge failure or a non-finite reward trains nothing: no token of its row is attended or
     in the loss mask (so none counts in the token-mean or sequence normalisers), A = 0."""

@@ -278,7 +278,8 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
         role = role_from_letter(roles[k % len(roles)])
         group = groups[k % len(groups)]
         data = build_group_batch(group, role, row_multiple=1, col_multiple=length,
-                                 eps=loss_cfg.adv_eps, norm_by_std=loss_cfg.norm_adv_by_std).arrays
+                                 eps=loss_cfg.adv_eps, norm_by_std=loss_cfg.norm_adv_by_std,
+                                 trim=False).arrays
         on = data["loss_mask"] > 0
         delta = rng.normal(0, 0.3, on.shape).astype(np.float32)
 

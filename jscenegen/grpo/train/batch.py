@@ -5,7 +5,9 @@ Every array is aligned with the token sequence (entry t concerns token t). Rows 
 episodes (group by group), padded with all-zero rows to a multiple of the mesh's `fsdp` axis;
 advantages are normalised within each group (its `group_id`); columns are padded
 to a multiple of `col_multiple` (fewer recompilations; the `sp` axis must divide it). Padding
-has attention_mask 0 and loss_mask 0, so it counts in no normaliser.
+has attention_mask 0 and loss_mask 0, so it counts in no normaliser. Columns after every row's
+last trained token are dropped (to that multiple): a causal model's loss never reads them, so
+an update of a role that speaks early in its episodes computes the prefix only.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ class GroupBatch:
 
 def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
                       row_multiple: int, col_multiple: int, eps: float = 1e-6,
-                      norm_by_std: bool = True, group_size: int | None = None) -> GroupBatch:
+                      norm_by_std: bool = True, group_size: int | None = None,
+                      trim: bool = True) -> GroupBatch:
     """Assemble the update of one or more groups (trajectories in group order; a group is the
     trajectories sharing a `group_id`, all of one size G).
 
@@ -51,7 +54,10 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     row_multiple / col_multiple: the rows and columns are padded to multiples of these (the
     mesh's fsdp size; the sequence bucket and sp size). eps, norm_by_std: the advantage's
     (`grpo_outcome_advantages`). group_size: the configured G (default: the trajectories per
-    group). Raises ValueError when a group's size differs from it.
+    group). trim: drop the columns after the last trained token of every row (rounded up to
+    `col_multiple`; the same loss, gradient and metrics); False keeps the longest episode's
+    length (one shape for every role: `parity train`). Raises ValueError when a group's size
+    differs from it.
     """
     g = len(trajectories)
     order = {gid: i for i, gid in enumerate(dict.fromkeys(tr.group_id for tr in trajectories))}
@@ -70,9 +76,14 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     rows_adv = np.zeros(arr["input_ids"].shape[0], np.float32)
     rows_adv[:g] = adv
     advantages = rows_adv[:, None] * mask
+    arrays = {"input_ids": arr["input_ids"], "attention_mask": arr["attention_mask"],
+              "loss_mask": mask, "advantages": advantages, "rollout_logp": arr["rollout_logp"]}
+    if trim:
+        trained_cols = np.flatnonzero(mask.any(axis=0))
+        needed = round_up(int(trained_cols[-1]) + 1 if trained_cols.size else 1, col_multiple)
+        arrays = {key: a[:, :needed] for key, a in arrays.items()}
     return GroupBatch(
-        arrays={"input_ids": arr["input_ids"], "attention_mask": arr["attention_mask"],
-                "loss_mask": mask, "advantages": advantages, "rollout_logp": arr["rollout_logp"]},
+        arrays=arrays,
         episode_advantages=adv,
         has_signal=bool(np.any(advantages != 0)),
         trained_tokens=int(mask.sum()),
