@@ -377,7 +377,10 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
     hf = step_dir / ckpt.HF_DIR
     cfg = orbax_config(step_dir)
     shapes = verl_shapes(cfg)
-    moments = ckpt.array_shapes(step_dir, "mu")
+    try:
+        moments = ckpt.moment_shapes(step_dir)
+    except ckpt.CheckpointError as err:
+        raise ConvertError(str(err)) from None
     trainable = [n for n in shapes if n in moments]
     stray = sorted(set(moments) - set(shapes))
     if stray:
@@ -386,12 +389,10 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
     meta = ckpt.read_metadata(step_dir)
     train_state = ckpt.read_train_state(step_dir)
     count = ckpt.read_adam_count(step_dir)
-    verl_src = ((meta.get("source") or {}).get("verl") or {})
-    optim = (meta.get("config") or {}).get("optim") or {}
-    groups = verl_src.get("param_groups")
-    if groups:
-        groups = [dict(g, betas=tuple(g["betas"])) for g in groups]
-    else:
+    verl_src = _metadata_object(step_dir, meta, "source", "verl")
+    optim = _metadata_object(step_dir, meta, "config", "optim")
+    groups = _param_groups(step_dir, verl_src.get("param_groups"))
+    if not groups:
         groups = adamw_param_groups(len(shapes), lr=float(optim.get("lr", 1e-6)),
                                     betas=tuple(optim.get("betas", (0.9, 0.999))),
                                     eps=float(optim.get("eps", 1e-8)),
@@ -422,6 +423,46 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
         extra_states=extras, global_step=at.step,
         train_state=({k: v for k, v in train_state.items() if k != "source_format"}
                      if has_run_identity(train_state) else None))
+
+
+def _metadata_object(step_dir: Path, meta: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """`meta[keys[0]][keys[1]]...` of the step's training_metadata.json, {} where a key is
+    absent or null. Raises ConvertError naming the file and key when one is not an object."""
+    from jscenegen.checkpoint.store import METADATA_NAME
+
+    value: Any = meta
+    for i, key in enumerate(keys):
+        value = value.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConvertError(f"{step_dir / METADATA_NAME}: {'.'.join(keys[:i + 1])} is a "
+                               f"{type(value).__name__}, expected an object")
+    return value
+
+
+def _param_groups(step_dir: Path, groups: Any) -> list[dict[str, Any]] | None:
+    """The torch AdamW `param_groups` kept in training_metadata.json's source.verl (betas as
+    tuples), None when absent or empty. Raises ConvertError naming the file and key when they
+    are not a list of groups with `lr` and two `betas`."""
+    from jscenegen.checkpoint.store import METADATA_NAME
+
+    if not groups:
+        return None
+    where = f"{step_dir / METADATA_NAME}: source.verl.param_groups"
+    if not isinstance(groups, list):
+        raise ConvertError(f"{where} is a {type(groups).__name__}, expected a list")
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            raise ConvertError(f"{where}[{i}] is a {type(g).__name__}, expected an object")
+        for key in ("lr", "betas"):
+            if key not in g:
+                raise ConvertError(f"{where}[{i}] has no {key}")
+        if not isinstance(g["betas"], (list, tuple)) or len(g["betas"]) != 2:
+            raise ConvertError(f"{where}[{i}].betas is {g['betas']!r}, expected two numbers")
+        out.append(dict(g, betas=tuple(g["betas"])))
+    return out
 
 
 def _schedule_fields(step_dir: Path, optim: dict[str, Any]) -> Any:

@@ -785,7 +785,10 @@ class VerlCheckpoint:
                             self.shapes[name], _impossible_moment(moment)).astype(np.float32, copy=False)
 
     def adam_step(self) -> int:
-        """AdamW's `step` (optimizer steps taken), checked equal on every rank and parameter."""
+        """AdamW's `step` (optimizer steps taken), checked equal on every rank and parameter and
+        within 0..MAX_ADAM_COUNT (the orbax store's int32 count)."""
+        from jscenegen.checkpoint.store import MAX_ADAM_COUNT
+
         step = None
         for r, sd in enumerate(self._optim_files):
             for i, st in sd["state"].items():
@@ -801,6 +804,10 @@ class VerlCheckpoint:
                                "parameter has taken an optimizer step)")
         if step != int(step):
             raise ConvertError(f"{self.layout.rank_file('optim', 0)}: step {step} is not an integer")
+        if not 0 <= step <= MAX_ADAM_COUNT:
+            raise ConvertError(f"{self.layout.rank_file('optim', 0)}: step {int(step)} is outside "
+                               f"0..{MAX_ADAM_COUNT} (an orbax checkpoint stores AdamW's count "
+                               "as int32)")
         return int(step)
 
     def param_groups(self) -> list[dict[str, Any]]:

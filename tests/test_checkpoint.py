@@ -1,6 +1,7 @@
 """jscenegen/checkpoint/store.py: orbax training checkpoints saved on 3 x 2, restored anywhere."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -880,3 +881,93 @@ def test_step_numbers_are_ascii_digit_names_only(tmp_path):
     (tmp_path / "5").write_text("a file, not a step")
     assert step_numbers(tmp_path) == [2, 10]
     assert step_numbers(tmp_path / "missing") == []
+
+
+def _small_step(directory, hf_dir):
+    """Step 1 of a store in `directory` holding params a (4, 3) and b (5,), with their moments."""
+    shapes = {"a": (4, 3), "b": (5,)}
+    arrays = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) for n, s in shapes.items()}
+    with CheckpointStore(directory) as store:
+        store.save(1, params=arrays, adam={"count": np.int32(1), "mu": arrays, "nu": arrays},
+                   train_state={"x": 1}, metadata=meta(1), hf_assets_dir=hf_dir, shapes=shapes)
+    return Path(directory) / "1"
+
+
+def _replace_adam(step_dir, adam):
+    """Write `adam` as the step's adam/ item and the step's checksums again: a malformed item
+    that verifies (another program wrote it)."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, write_checksums
+
+    new = step_dir.parent / "adam_new"
+    handler = ocp.PyTreeCheckpointHandler()
+    ocp.Checkpointer(handler).save(new, args=ocp.args.PyTreeSave(adam))
+    handler.close()
+    shutil.rmtree(step_dir / "adam")
+    shutil.move(new, step_dir / "adam")
+    (step_dir / CHECKSUMS_NAME).unlink()
+    write_checksums(step_dir)
+
+
+@pytest.mark.parametrize("change,message", [
+    # orbax padded/truncated a moment to its parameter's target shape: a zero column, no error
+    (lambda mu, nu: mu.update(a=np.full((4, 2), 2, np.float32)),
+     r"adam: mu\['a'\] has shape \(4, 2\); its parameter params/\['a'\] has \(4, 3\)$"),
+    (lambda mu, nu: nu.update(b=np.ones(7, np.float32)),
+     r"adam: nu\['b'\] has shape \(7,\); its parameter params/\['b'\] has \(5,\)$"),
+    (lambda mu, nu: nu.pop("b"),
+     r"adam: mu and nu name different tensors \(only in mu: \['b'\], only in nu: \[\]\)$"),
+    (lambda mu, nu: (mu.update(c=np.ones(2, np.float32)), nu.update(c=np.ones(2, np.float32))),
+     r"adam: moments for \['c'\], which params/ does not store$"),
+])
+def test_adam_moments_must_name_and_fit_their_parameters(tmp_path, mesh32, hf_dir, change, message):
+    step = _small_step(tmp_path / "checkpoints", hf_dir)
+    mu = {n: np.asarray(a) for n, a in iter_arrays(step, "mu")}
+    nu = {n: np.asarray(a) for n, a in iter_arrays(step, "nu")}
+    change(mu, nu)
+    _replace_adam(step, {"count": np.int32(1), "mu": mu, "nu": nu})
+    assert check_step(step).valid   # the checksums verify: only the shapes can tell
+    store = CheckpointStore(tmp_path / "checkpoints")
+    where = re.escape(str(step))
+    with pytest.raises(CheckpointError, match=rf"^{where}/{message}"):
+        store.restore(target=padded_target({"a": (4, 3), "b": (5,)}, mesh32))
+    with pytest.raises(CheckpointError, match=rf"^{where}/{message}"):
+        store.restore()
+    store.close()
+
+
+def test_an_adam_item_without_moments_is_one_named_error(tmp_path, hf_dir):
+    """`tree["mu"]` raised KeyError, outside the store's orbax error handling."""
+    step = _small_step(tmp_path / "checkpoints", hf_dir)
+    nu = {n: np.asarray(a) for n, a in iter_arrays(step, "nu")}
+    _replace_adam(step, {"count": np.int32(1), "nu": nu})
+    with CheckpointStore(tmp_path / "checkpoints") as store:
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(step / 'adam'))}: no mu "
+                                                  r"\(Adam's moments as \{name: array\}\); the item "
+                                                  r"holds \['count', 'nu'\]$"):
+            store.restore()
+    with pytest.raises(CheckpointError, match=r"adam: no mu"):
+        array_shapes(step, "mu")
+
+
+def test_an_adam_count_beyond_int32_is_refused_naming_the_limit(tmp_path, hf_dir):
+    """np.asarray(2**31, np.int32) raised OverflowError, which no caller reports as bad input."""
+    params, mu, nu = logical_values(0)
+    store = CheckpointStore(tmp_path / "checkpoints")
+    with pytest.raises(CheckpointError, match=r"adam\['count'\] is 2147483648; the checkpoint "
+                                              r"stores it as int32 \(optax's count\), at most "
+                                              r"2147483647$"):
+        store.save(1, params=params, adam={"count": np.int64(2 ** 31), "mu": mu, "nu": nu},
+                   train_state={}, metadata=meta(2 ** 31), hf_assets_dir=hf_dir, shapes=SHAPES)
+    assert store.steps() == []
+    store.close()
+
+
+def test_iter_arrays_with_an_empty_name_list_yields_nothing(tmp_path, hf_dir):
+    step = _small_step(tmp_path / "checkpoints", hf_dir)
+    assert list(iter_arrays(step, "params", names=[])) == []
+    assert [n for n, _ in iter_arrays(step, "params", names=["b"])] == ["b"]
+    assert [n for n, _ in iter_arrays(step, "params")] == ["a", "b"]

@@ -1040,3 +1040,23 @@ def test_weights_holding_nan_are_converted_with_a_warning_naming_them(tmp_path):
     with pytest.warns(ConversionWarning, match=why):
         export(step, tmp_path / "published", world_size=2, device_type="cpu")
     assert np.isnan(load_file(str(tmp_path / "back" / "model.safetensors"))[name][0, 0])
+
+
+@pytest.mark.parametrize("step", [2.0 ** 31, 2.0 ** 40])
+def test_an_adam_step_beyond_the_stores_int32_count_is_refused_naming_the_file(actor, tmp_path, step):
+    """Every parameter at AdamW step 2**31: the orbax store's int32 count raised OverflowError
+    (a traceback) instead of naming the file."""
+    import torch
+
+    def set_steps(sd):
+        for st in sd["state"].values():
+            st["step"] = torch.tensor(step)
+
+    _edit_every_rank(actor, "optim", set_steps)
+    from convert.orbax_directions import verl_to_orbax
+
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(actor / 'optim_world_size_6_rank_0.pt'))}"
+                                           rf": step {int(step)} is outside 0\.\.2147483647 \(an "
+                                           r"orbax checkpoint stores AdamW's count as int32\)$"):
+        verl_to_orbax(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)

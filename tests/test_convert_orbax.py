@@ -516,3 +516,84 @@ def test_the_verl_optimizer_resumes_at_the_scheduled_lr(converted, tmp_path, opt
     opt2.step()
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-3 * lam(3)
     assert torch.equal(q, p)
+
+
+def _edited_copy(converted, tmp_path, edit_adam=None, edit_meta=None):
+    """A copy of the converted run whose step's adam/ or training_metadata.json another program
+    rewrote, checksums written again (the step's and the run's): only the content can tell."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    from jscenegen.checkpoint.checksums import write_checksums
+    from jscenegen.checkpoint.store import iter_arrays, read_adam_count
+
+    run = tmp_path / "run"
+    shutil.copytree(converted["run"], run)
+    step = run / converted["step"].name
+    if edit_adam is not None:
+        adam = {"count": np.asarray(read_adam_count(step), np.int32),
+                "mu": dict(iter_arrays(step, "mu")), "nu": dict(iter_arrays(step, "nu"))}
+        edit_adam(adam)
+        handler = ocp.PyTreeCheckpointHandler()
+        ocp.Checkpointer(handler).save(tmp_path / "adam", args=ocp.args.PyTreeSave(adam))
+        handler.close()
+        shutil.rmtree(step / "adam")
+        shutil.move(tmp_path / "adam", step / "adam")
+    if edit_meta is not None:
+        meta = json.loads((step / "training_metadata.json").read_text())
+        edit_meta(meta)
+        (step / "training_metadata.json").write_text(json.dumps(meta))
+    write_checksums(step)
+    write_checksums(run)
+    return run, step
+
+
+@pytest.mark.parametrize("moment", ["mu", "nu"])
+def test_a_moment_of_another_shape_than_its_parameter_is_refused_before_verl_files(
+        converted, tmp_path, moment):
+    """A moment with half its parameter's rows was written as VERL rank files whose local
+    shards do not fit their parameter (an empty one on rank 1): the orbax side read names only."""
+    import re
+
+    from convert.errors import ConvertError
+
+    victim = "model.layers.0.mlp.down_proj.weight"
+
+    def halve(adam):
+        adam[moment][victim] = adam[moment][victim][:adam[moment][victim].shape[0] // 2]
+
+    run, step = _edited_copy(converted, tmp_path, edit_adam=halve)
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(step / 'adam'))}: {moment}\['"
+                                           rf"{re.escape(victim)}'\] has shape \(24, 100\); its "
+                                           rf"parameter params/\['{re.escape(victim)}'\] has "
+                                           r"\(48, 100\)$"):
+        orbax_to_verl(run, tmp_path / "verl", world_size=2, device_type="cpu")
+    assert not (tmp_path / "verl").exists()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m.update(source="verl"), r"source is a str, expected an object"),
+    (lambda m: m.update(config=[1]), r"config is a list, expected an object"),
+    (lambda m: m["source"].update(verl=3), r"source\.verl is a int, expected an object"),
+    (lambda m: m.update(config={"optim": "adamw"}), r"config\.optim is a str, expected an object"),
+    (lambda m: m["source"]["verl"]["param_groups"][0].pop("betas"),
+     r"source\.verl\.param_groups\[0\] has no betas"),
+    (lambda m: m["source"]["verl"]["param_groups"][0].update(betas=0.9),
+     r"source\.verl\.param_groups\[0\]\.betas is 0\.9, expected two numbers"),
+    (lambda m: m["source"]["verl"].update(param_groups={"lr": 1}),
+     r"source\.verl\.param_groups is a dict, expected a list"),
+])
+def test_malformed_step_metadata_that_verifies_is_named_by_file_and_key(converted, tmp_path, edit,
+                                                                          message):
+    """A `source` or `config` that is no object raised AttributeError, a param group without
+    betas KeyError: tracebacks, not the file and key at fault."""
+    import re
+
+    from convert.errors import ConvertError
+    from convert.orbax_directions import orbax_state
+
+    _, step = _edited_copy(converted, tmp_path, edit_meta=edit)
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(step / 'training_metadata.json'))}: "
+                                           rf"{message}$"):
+        orbax_state(step, 6)

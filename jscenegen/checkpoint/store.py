@@ -94,6 +94,7 @@ _REQUIRED_ENTRIES = (PARAMS_ITEM, ADAM_ITEM, TRAIN_STATE_ITEM, METADATA_NAME, f"
 REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_step",
                      "effective_updates")
 ARRAY_GROUPS = ("params", "mu", "nu")
+MAX_ADAM_COUNT = int(np.iinfo(np.int32).max)  # adam/count is int32, as optax's count
 CORRUPT_MARK = ".corrupt-"  # `<step>.corrupt-<UTC time>`: a corrupt step set aside, never deleted
 
 
@@ -267,6 +268,9 @@ def _scalar_count(count: Any) -> np.ndarray:
     if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or int(arr) < 0:
         raise CheckpointError(f"adam['count'] must be a non-negative integer scalar; got "
                               f"shape {arr.shape}, dtype {arr.dtype}")
+    if int(arr) > MAX_ADAM_COUNT:
+        raise CheckpointError(f"adam['count'] is {int(arr)}; the checkpoint stores it as int32 "
+                              f"(optax's count), at most {MAX_ADAM_COUNT}")
     return np.asarray(int(arr), dtype=np.int32)
 
 
@@ -617,15 +621,56 @@ def _item_tree(step_dir: Path, item: str) -> dict:
 def array_shapes(step_dir: str | Path, group: str = "params") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """{hf_name: (logical shape, dtype)} stored for `group` in {"params", "mu", "nu"}.
 
-    Reads only orbax's metadata (no array data). Raises CheckpointError for an unknown group
-    or a missing item.
+    Reads only orbax's metadata (no array data). Raises CheckpointError for an unknown group,
+    a missing item, or an item that does not hold the group as {name: array} (naming it).
     """
     step_dir = Path(step_dir)
     if group not in ARRAY_GROUPS:
         raise CheckpointError(f"group must be one of {ARRAY_GROUPS}; got {group!r}")
-    tree = _item_tree(step_dir, PARAMS_ITEM if group == "params" else ADAM_ITEM)
-    tree = tree if group == "params" else tree[group]
-    return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in tree.items()}
+    item = PARAMS_ITEM if group == "params" else ADAM_ITEM
+    tree = _item_tree(step_dir, item)
+    where = step_dir.absolute() / item
+    if group != "params":
+        if not isinstance(tree.get(group), dict):
+            raise CheckpointError(f"{where}: no {group} (Adam's moments as {{name: array}}); "
+                                  f"the item holds {sorted(tree)}")
+        tree = tree[group]
+    out = {}
+    for name, m in tree.items():
+        if not hasattr(m, "shape") or not hasattr(m, "dtype"):
+            raise CheckpointError(f"{where}: {'' if group == 'params' else group}[{name!r}] is "
+                                  f"not an array (a {type(m).__name__})")
+        out[name] = (tuple(m.shape), np.dtype(m.dtype))
+    return out
+
+
+def moment_shapes(step_dir: str | Path,
+                  stored: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,
+                  ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{hf_name: (logical shape, dtype)} of the Adam moments a step directory stores, checked
+    against its parameters: `adam/mu` and `adam/nu` name the same tensors, each one that
+    `params/` stores (`stored`: its `array_shapes`, read when None), at that parameter's shape.
+
+    Reads only orbax's metadata. Raises CheckpointError naming `adam/mu[name]` (or nu) and
+    both shapes, or the names that differ.
+    """
+    step_dir = Path(step_dir).absolute()
+    stored = array_shapes(step_dir, "params") if stored is None else stored
+    adam = step_dir / ADAM_ITEM
+    mu, nu = array_shapes(step_dir, "mu"), array_shapes(step_dir, "nu")
+    if set(mu) != set(nu):
+        raise CheckpointError(f"{adam}: mu and nu name different tensors (only in mu: "
+                              f"{sorted(set(mu) - set(nu))[:5]}, only in nu: "
+                              f"{sorted(set(nu) - set(mu))[:5]})")
+    extra = [n for n in mu if n not in stored]
+    if extra:
+        raise CheckpointError(f"{adam}: moments for {extra[:5]}, which params/ does not store")
+    for group, moments in (("mu", mu), ("nu", nu)):
+        for name, (shape, _) in moments.items():
+            if shape != stored[name][0]:
+                raise CheckpointError(f"{adam}: {group}[{name!r}] has shape {shape}; its "
+                                      f"parameter params/[{name!r}] has {stored[name][0]}")
+    return mu
 
 
 def iter_arrays(step_dir: str | Path, group: str = "params",
@@ -642,7 +687,7 @@ def iter_arrays(step_dir: str | Path, group: str = "params",
     unknown = [n for n in names or () if n not in stored]
     if unknown:
         raise CheckpointError(f"{step_dir}: {group} has no array {unknown[0]!r}")
-    for name in names or list(stored):
+    for name in names if names is not None else list(stored):
         leaf = {name: ocp.RestoreArgs(restore_type=np.ndarray)}
         if group == "params":
             yield name, _read_pytree(step_dir, PARAMS_ITEM, leaf)[name]
@@ -969,7 +1014,8 @@ class CheckpointStore:
         Without a target every array comes back as NumPy at logical shape, stored dtype.
         verified: `step`'s status as a full check just returned it (`set_aside_corrupt`): not
         hashed again. Raises CheckpointError if no complete step exists, the step fails verification
-        (naming the failing files), or the target's names or shapes do not fit.
+        (naming the failing files), its moments do not fit its params (`moment_shapes`), or
+        the target's names or shapes do not fit.
         """
         self.wait_until_finished()
         if step is None:
@@ -987,11 +1033,7 @@ class CheckpointStore:
         if not status.valid:
             raise CheckpointError(f"checkpoint step {step} is not usable: {status.reason}")
         stored = array_shapes(path, "params")
-        moments = array_shapes(path, "mu")
-        extra = [n for n in moments if n not in stored]
-        if extra:
-            raise CheckpointError(f"{path}: adam holds moments for {extra[:5]}, which params/ "
-                                  f"does not store")
+        moments = moment_shapes(path, stored)
         if target is None:
             p_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in stored}
             m_args = {n: p_args[n] for n in moments}
@@ -1050,6 +1092,8 @@ def _target_restore_args(target: Mapping[str, jax.ShapeDtypeStruct],
             raise CheckpointError(f"restore target {name!r} has shape {tshape}; {path} stores "
                                   f"{shape} (the target may only pad dim 0)")
         dtype = t.dtype if name in moments else stored_dtype
+        # strict=False lets orbax pad dim 0 only: the target's shape was checked above, and
+        # each moment's stored shape is its parameter's (`moment_shapes`)
         p_args[name] = ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tshape,
                                             dtype=dtype, strict=False)
         if name in moments:
