@@ -96,8 +96,15 @@ def verify_run(path: Path) -> tuple[list[int], list[int], int]:
 
 
 def _orbax_steps(path: Path) -> list[Path]:
-    return [p for p in islice(path.iterdir(), _SCAN_LIMIT)
-            if is_step_name(p.name) and (p / "params").is_dir()]
+    """Every step-named directory under `path`, whatever it still holds: a finished step
+    that lost its `params/` is verified (and fails), an unfinished one listed."""
+    return [p for p in islice(path.iterdir(), _SCAN_LIMIT) if is_step_name(p.name) and p.is_dir()]
+
+
+def _holds_orbax_steps(path: Path) -> bool:
+    """Whether `path` is a directory of orbax steps: a step-named directory with `params/`
+    or a finished save's `checksums.json`."""
+    return any((p / "params").is_dir() or (p / CHECKSUMS_NAME).is_file() for p in _orbax_steps(path))
 
 
 def checkpoint_format(path: Path) -> str | None:
@@ -109,7 +116,7 @@ def checkpoint_format(path: Path) -> str | None:
         return "export"
     if (path / "params").is_dir() and (path / "adam").is_dir():
         return "orbax"
-    if _orbax_steps(path):
+    if _holds_orbax_steps(path):
         return "orbax-run"
     if (path / "config.json").is_file() and (
             (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):

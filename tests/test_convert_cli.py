@@ -460,3 +460,40 @@ def test_inspect_summarises_a_converted_qwen35_steps_long_lists(tmp_path, capsys
     assert max(len(x) for x in lists(info["source"])) <= 8
     carried = info["source"]["carried"]["carried_from_tensors"]
     assert carried["count"] == 15 and carried["first"][0].startswith("mtp.")
+
+
+def test_verify_and_inspect_of_a_run_name_a_finished_step_that_lost_its_params(tmp_path, capsys):
+    """`--verify RUN` and `--inspect RUN` listed only step directories holding params/: a
+    finished step that lost them verified as if it were not there."""
+    import shutil
+
+    from jscenegen.checkpoint.store import CheckpointStore
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "qwen2"}')
+    (hf / "tokenizer.json").write_text("{}")
+    run = tmp_path / "run"
+    with CheckpointStore(run / "checkpoints") as store:
+        for step in (1, 2):
+            zeros = {"a": np.zeros((4, 3), np.float32)}
+            store.save(step, params={"a": np.ones((4, 3), np.float32)},
+                       adam={"count": np.int32(step), "mu": zeros, "nu": zeros},
+                       train_state={"step": step}, hf_assets_dir=hf, shapes={"a": (4, 3)},
+                       metadata={"git_commit": None, "protocol_hash": None, "schedule_hash": None,
+                                 "optimizer_step": step, "effective_updates": step})
+    step2 = run / "checkpoints" / "2"
+    shutil.rmtree(step2 / "params")
+    (run / "checkpoints" / "3").mkdir()   # an unfinished save: listed, never verified
+    assert main(["convert", "--verify", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{step2 / 'params' / 'manifest.ocdbt'}: missing" in err
+    assert f"({step2 / 'checksums.json'}; " in err and err.rstrip().endswith("files fail)"), err
+    assert main(["convert", "--inspect", str(run)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["steps"] == [1, 2, 3] and info["latest"]["step"] == 1
+    assert info["incomplete"]["2"] == f"{step2}: missing params"
+    shutil.rmtree(run / "checkpoints" / "1")
+    assert main(["convert", "--inspect", str(run)]) == 0   # was "not a checkpoint"
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "orbax-run" and info["steps"] == [2, 3] and info["latest"] is None
