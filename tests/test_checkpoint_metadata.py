@@ -149,3 +149,25 @@ def test_a_converted_position_reads_its_counts():
     assert (at.step, at.lr_step, at.skipped_steps) == (5, 5, 1)
     at = checkpoint_position({"step": 5, "lr_schedule_count": None})
     assert (at.step, at.lr_step, at.skipped_steps) == (5, 5, 0)
+
+
+@pytest.mark.parametrize("state,key", [
+    ({"step": 8, "lr_schedule_count": 8}, "step"),
+    ({"schedule": {"attempts": 8}, "lr_step": 8, "skipped_steps": 0, "num_scenes": 1,
+      "schedule_hash": "s", "protocol_hash": "p", "reward": {}}, "schedule.attempts")])
+def test_a_step_directory_numbered_otherwise_than_its_train_state_is_refused(tmp_path, state, key):
+    """`cp -r checkpoints/8 checkpoints/12` resumed step 12 at attempt 8, and the run's next save
+    failed far from the cause."""
+    from jscenegen.checkpoint.resume import check_step_number
+    from jscenegen.checkpoint.store import Checkpoint, CheckpointError
+
+    def ck(step):
+        return Checkpoint(step=step, path=tmp_path / "checkpoints" / str(step), params={},
+                          adam={"count": 8, "mu": {}, "nu": {}}, train_state=state, metadata={})
+
+    assert check_step_number(ck(8)).step == 8
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'checkpoints' / '12'}: a step "
+                                              rf"directory numbered 12 whose train_state {key} is "
+                                              r"8; a step keeps the number it was saved under \(was "
+                                              r"it copied or renamed\?\): name it 8, or remove it$"):
+        check_step_number(ck(12))

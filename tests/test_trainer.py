@@ -590,6 +590,21 @@ def test_a_step_that_is_a_link_or_a_file_is_refused_before_the_first_update(stra
     assert check_step(run / "checkpoints/7").reason.endswith("is not a directory")
 
 
+def test_a_step_directory_copied_under_another_number_is_refused_before_the_weights(straight,
+                                                                                     tmp_path):
+    """`cp -r checkpoints/3 checkpoints/7` resumed step 7 at attempt 3, and a later save failed
+    far from the cause."""
+    import shutil
+
+    from jscenegen.checkpoint.store import CheckpointError
+
+    run = shutil.copytree(straight[0], tmp_path / "run")
+    shutil.copytree(run / "checkpoints/3", run / "checkpoints/7")
+    with pytest.raises(CheckpointError, match=rf"^{run / 'checkpoints/7'}: a step directory "
+                                              r"numbered 7 whose train_state schedule\.attempts is 3;"):
+        Trainer(_cfg(), run, chat_model_dir(), resume=True)
+
+
 def test_an_update_runs_no_separate_old_logprob_forward(tmp_path):
     """One mini-batch, one epoch: the loss pass's own log-probs are the old ones (ratio exactly
     1); the trainer ran a separately compiled forward for them before every step."""

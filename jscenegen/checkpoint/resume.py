@@ -178,6 +178,22 @@ def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
                               "nor a converted checkpoint's)") from None
 
 
+def check_step_number(ck: Checkpoint) -> CheckpointPosition:
+    """`checkpoint_position` of `ck`'s train state, whose `step` (the trainer's
+    `schedule.attempts`, a converted checkpoint's `step`) must be the number of the step
+    directory it was read from: a step directory copied or renamed (`cp -r checkpoints/8
+    checkpoints/12`) would resume at the directory's number with the train state's position,
+    and the run's next save would not fit. Raises CheckpointError naming the directory and the
+    train state's value."""
+    at = checkpoint_position(ck.train_state)
+    if at.step != ck.step:
+        key = "schedule.attempts" if has_run_identity(ck.train_state) else "step"
+        raise CheckpointError(f"{ck.path}: a step directory numbered {ck.step} whose train_state "
+                              f"{key} is {at.step}; a step keeps the number it was saved under "
+                              f"(was it copied or renamed?): name it {at.step}, or remove it")
+    return at
+
+
 def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
                    reward: Mapping[str, Any], protocol_settings: Sequence[str] | None = None) -> None:
     """Raise ResumeError when the checkpoint's protocol hash or reward configuration differ

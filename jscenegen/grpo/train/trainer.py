@@ -32,6 +32,7 @@ from jscenegen.checkpoint.resume import (
     ResumeError,
     check_run_identity,
     check_same_run,
+    check_step_number,
     checkpoint_position,
     has_run_identity,
     restore_onto_mesh,
@@ -320,7 +321,8 @@ class Trainer:
                                trainable=self.trainable)
 
     def _read_checkpoint(self):
-        """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run.
+        """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run
+        and a step directory whose number is not its train state's (`check_step_number`).
 
         A checkpoint converted from VERL or HF files that did not come from ours carries no
         protocol or schedule of ours: it starts this schedule at its global step.
@@ -329,6 +331,7 @@ class Trainer:
         ck = restore_onto_mesh(self.store, self.shapes, self.mesh, dtype, self.trainable)
         saved = ck.train_state
         if not has_run_identity(saved):
+            check_step_number(ck)
             log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
                         "schedule hash to check", saved.get("source_format", "unknown"), saved.get("step"))
             return ck
@@ -336,6 +339,7 @@ class Trainer:
             check_run_identity(saved)
         except ValueError as err:
             raise CheckpointError(f"{ck.path / TRAIN_STATE_ITEM}: {err}") from None
+        check_step_number(ck)
         check_same_run(saved, protocol_hash=self.protocol_hash,
                        reward=self.cfg.scene.reward.model_dump(mode="json"),
                        protocol_settings=self._protocol_settings_changed(ck.path, saved))
