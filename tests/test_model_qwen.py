@@ -125,14 +125,13 @@ def test_padded_rows_match_unpadded(qwen3_model, qwen3_call):
 
 
 def _selected_rows(mask, seed):
-    """[B, C] positions: each row's real positions in a random order, one repeated, and a
-    padding position (0) where the row has any: what `model_token_logprobs` may ask for."""
+    """[B, 8] positions: each row's real positions in a random order, one repeated, and a
+    padding position where the row has one: what `model_token_logprobs` may ask for."""
     rng = np.random.default_rng(seed)
     rows = []
     for m in np.asarray(mask):
-        real = rng.permutation(np.flatnonzero(m))[:8]
-        rows.append(np.concatenate([real[:7], real[:1]]) if len(real) >= 7 else
-                    np.resize(real, 8))
+        real, pad = rng.permutation(np.flatnonzero(m))[:6], np.flatnonzero(m == 0)[:1]
+        rows.append(np.resize(np.concatenate([real, real[:1], pad]), 8))
     return jnp.asarray(np.stack(rows).astype(np.int32))
 
 
@@ -141,17 +140,31 @@ def test_hidden_states_of_selected_rows_equal_the_full_states_gathered(hf_dirs, 
     """rows=: the last layer's queries, residual, MLP and the final norm at those positions
     only (keys/values of all), in either layer path: the full forward's states gathered."""
     import jax
+    from flax import nnx
 
     model = load_hf(hf_dirs["qwen3"], scan_layers=scan_layers)
     ids, mask = random_padded_batch(model.cfg.vocab_size, 3, 20, seed=8)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
     rows = _selected_rows(mask, 8)
-    full = jax.jit(lambda i, m: model.hidden_states(i, m))(ids, mask)
-    sel = jax.jit(lambda i, m, r: model.hidden_states(i, m, rows=r))(ids, mask, rows)
-    assert sel.shape == (3, 8, model.cfg.hidden_size)
-    want = np.take_along_axis(np.asarray(full), np.asarray(rows)[..., None], axis=1)
-    np.testing.assert_allclose(np.asarray(sel), want, atol=2e-6, rtol=1e-5)
-    assert np.abs(want).max() > 0.1
+    assert not np.take_along_axis(np.asarray(mask), np.asarray(rows), axis=1).all()  # a pad asked
+    graphdef, params = nnx.split(model)
+    weights = jax.random.normal(jax.random.PRNGKey(0), (3, 8, model.cfg.hidden_size))
+
+    def full(p):
+        h = nnx.merge(graphdef, p).hidden_states(ids, mask)
+        return jnp.take_along_axis(h, rows[..., None], axis=1)
+
+    def selected(p):
+        return nnx.merge(graphdef, p).hidden_states(ids, mask, rows=rows)
+
+    want, sel = jax.jit(full)(params), jax.jit(selected)(params)
+    assert sel.shape == (3, 8, model.cfg.hidden_size) and np.abs(want).max() > 0.1
+    np.testing.assert_allclose(np.asarray(sel), np.asarray(want), atol=2e-6, rtol=1e-5)
+    g_want, g_sel = (jax.jit(jax.grad(lambda p, f=f: jnp.sum(f(p) * weights)))(params)
+                     for f in (full, selected))
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_want), nnx.to_flat_state(g_sel)):
+        a, b = np.asarray(a[...]), np.asarray(b[...])
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max() + 1e-9, path
     with pytest.raises(ValueError, match="rows selects positions of a full forward"):
         model.hidden_states(ids, mask, KVCache.create(model.cfg, 3, 32), rows=rows)
 

@@ -218,9 +218,11 @@ def test_forward_and_gradients_do_not_depend_on_the_mesh(mesh_results, dims):
         assert not g[n:].any(), f"{name}: padding rows got a gradient"
 
 
-def test_layers_gather_weights_just_in_time():
+@pytest.mark.parametrize("selected", [False, True])
+def test_layers_gather_weights_just_in_time(selected):
     """Compiled grad step on the 3 x 2 mesh: temporary memory per device stays well below one
-    full replica of the weights, and grows by far less than a gathered layer per extra layer."""
+    full replica of the weights, and grows by far less than a gathered layer per extra layer;
+    also when the last layer runs on selected positions outside the scan (`rows=`)."""
     temps = {}
     for layers in (2, 8):
         cfg = preset_config("qwen3", "tiny", vocab_size=1003, num_hidden_layers=layers,
@@ -232,7 +234,13 @@ def test_layers_gather_weights_just_in_time():
         full_bytes = sum(v[...].nbytes for _, v in nnx.to_flat_state(params))
         batch = shard_batch(pad_batch({"ids": np.zeros((6, 32), np.int32),
                                        "mask": np.ones((6, 32), np.int32)}, mesh), mesh)
-        f = lambda p, i, m: nnx.merge(graphdef, p)(i, m).mean()  # noqa: E731
+        rows = jnp.tile(jnp.arange(0, 32, 2, dtype=jnp.int32), (batch["ids"].shape[0], 1))
+
+        def f(p, i, m):
+            model = nnx.merge(graphdef, p)
+            if not selected:
+                return model(i, m).mean()
+            return model.logits(model.hidden_states(i, m, rows=rows)).mean()
         with jax.set_mesh(mesh):
             compiled = jax.jit(jax.grad(f), out_shardings=jax.tree.map(lambda v: v.sharding, params)
                                ).lower(params, batch["ids"], batch["mask"]).compile()
@@ -286,14 +294,16 @@ def test_causal_load_balanced_order_gives_the_same_logits(tiny_hf):
         logits = np.asarray(jax.jit(lambda i, m: model(i, m))(batch["ids"], batch["mask"]))
     real = mask.astype(bool)
     np.testing.assert_allclose(logits[:3, :15][real], ref[real], atol=2e-5, rtol=1e-5)
-    # selected positions (the train step's rows=) name the original order, not the balanced one
-    rows = np.tile(np.array([[14, 0, 7, 3, 11, 15, 8, 1]], np.int32), (batch["ids"].shape[0], 1))
+    # selected positions (the train step's rows=) name the original order, not the balanced
+    # one; a count the sp axis does not divide (5) and a single position
     with jax.set_mesh(mesh):
         full = np.asarray(jax.jit(lambda i, m: model.hidden_states(i, m))(batch["ids"], batch["mask"]))
-        sel = np.asarray(jax.jit(lambda i, m, r: model.hidden_states(i, m, rows=r))(
-            batch["ids"], batch["mask"], jnp.asarray(rows)))
-    np.testing.assert_allclose(sel, np.take_along_axis(full, rows[..., None], axis=1),
-                               atol=2e-5, rtol=1e-5)
+        for picked in ([14, 0, 7, 3, 11, 15, 8, 1], [9, 2, 15, 0, 6], [13]):
+            rows = np.tile(np.array([picked], np.int32), (batch["ids"].shape[0], 1))
+            sel = np.asarray(jax.jit(lambda i, m, r: model.hidden_states(i, m, rows=r))(
+                batch["ids"], batch["mask"], jnp.asarray(rows)))
+            np.testing.assert_allclose(sel, np.take_along_axis(full, rows[..., None], axis=1),
+                                       atol=2e-5, rtol=1e-5)
 
 
 # ---- Qwen3.5: every tensor and both Adam moments, and sequence parallelism through the GDN ----

@@ -23,7 +23,10 @@ Decode of a 1.7B-4B model at batch 64 is bandwidth-bound, so this is its rooflin
 MFU = model FLOPs per step / step time / peak bf16 FLOP/s, model FLOPs = 6 N T (N: matmul
 parameters incl. the output projection, T: tokens) + 6 L S d_q T / 2 x 2 (causal attention
 scores and values, forward + backward; remat's recompute not counted), peak from the device
-kind (H100/H200 989 TFLOP/s dense bf16, A100 312) or --peak-tflops.
+kind (H100/H200 989 TFLOP/s dense bf16, A100 312) or --peak-tflops. MFU times the full pass
+(every token's logits); `train_step_capacity_s` times the step as the trainer calls it (the
+trained positions only from the last layer on, `capacity`), and `train_capacity_loss_rel_diff`
+checks that both give the same loss.
 
     bash bench/gpu/run.sh                       # on the GPU machine
     python bench/gpu/bench_gpu.py --tiny        # CPU dry run: tiny model, xla attention
@@ -119,6 +122,7 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     from flax import nnx
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
+    from jscenegen.grpo.algo.logprobs import selection_capacity
     from jscenegen.grpo.algo.optimizer import init_train_state
     from jscenegen.grpo.train.step import GRPOStep
     from jscenegen.model.config import QwenConfig
@@ -138,13 +142,22 @@ def _jax_train(c: dict, args, attn: str) -> dict:
     holder = {"state": init_train_state(params, optim)}
     del model, params
 
-    def train():
-        holder["state"], metrics = step.step(holder["state"], arrays)
+    # the trainer's own call (`capacity`: the trained positions only from the last layer on,
+    # cuDNN attention of C queries over S keys in the backward pass) against the full pass
+    # that MFU counts; the same loss to bf16 rounding
+    cap = selection_capacity(np.asarray(arrays["loss_mask"]))
+    loss_full = float(step.grads(holder["state"].params, arrays)[1])
+    loss_cap = float(step.grads(holder["state"].params, arrays, capacity=cap)[1])
+    out["train_capacity_loss_rel_diff"] = abs(loss_cap - loss_full) / max(abs(loss_full), 1e-30)
+
+    def train(capacity=None):
+        holder["state"], metrics = step.step(holder["state"], arrays, capacity=capacity)
         holder["loss"] = float(metrics["loss"])
 
     out["train_step_s"] = timed(train, warmup=3, repeats=args.repeats)
     out["train_remat"] = args.remat
     out["train_loss_finite"] = bool(np.isfinite(holder["loss"]))
+    out["train_step_capacity_s"] = timed(lambda: train(cap), warmup=2, repeats=args.repeats)
     jax.clear_caches()
     return out
 

@@ -330,7 +330,8 @@ class CausalLM(nnx.Module):
 
     Subclasses provide `text` (the module holding `embed_tokens` and `norm`), `lm_head`
     (None when tied), `compute_dtype`, `hidden_states(input_ids, attention_mask, cache,
-    layers)`, `stacked_layers()` and `create_cache(cfg, batch, max_len, dtype)`.
+    layers, rows=None)` ([B, S, H], or [B, C, H] at the positions `rows` [B, C] of a full
+    forward), `stacked_layers()` and `create_cache(cfg, batch, max_len, dtype)`.
     """
 
     def decode_layers(self):
@@ -507,5 +508,6 @@ class QwenForCausalLM(CausalLM):
         if last is not None:
             def run_last(h, rows):
                 return last(h, cos, sin, attn_mask, rows=rows)[0]
-            x = checkpointed(run_last, self.remat, prevent_cse=False)(x, rows)
+            # outside any scan or loop body: CSE could merge its recomputation with the forward
+            x = checkpointed(run_last, self.remat, prevent_cse=True)(x, rows)
         return x, None, None

@@ -25,8 +25,8 @@ class SFTStep:
     """Compiled SFT functions for one model and optimizer config (shared, like GRPOStep's, by
     every SFTStep of an equal model function and the same options).
 
-    `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding [V, H])`
-    (`model.functional.hidden_fn`). Batches: dict of [B, T] arrays input_ids int32,
+    `hidden_fn(params, input_ids, attention_mask, rows=None) -> (hidden [B, T, H] (or [B, C, H]
+    at the positions rows [B, C]), output_embedding [V, H])` (`model.functional.hidden_fn`). Batches: dict of [B, T] arrays input_ids int32,
     attention_mask 0/1, loss_mask float32.
     `step(state, batch, capacity=None) -> (state, metrics)`: one AdamW update of the token-mean
     NLL over loss_mask (with a static `capacity` >= every row's loss-mask count,

@@ -1,8 +1,8 @@
 """The GRPO update: log-prob recompute, micro-batched loss + gradient, guarded AdamW step.
 
 Composes the pure pieces (logprobs, losses, optimizer); it owns no math of its own. The model
-enters as `hidden_fn(params, input_ids, attention_mask) -> (hidden [B, T, H], output_embedding
-[V, H])` over a params pytree (`model.functional.hidden_fn` adapts a QwenForCausalLM), so parameters and
+enters as `hidden_fn(params, input_ids, attention_mask, rows=None) -> (hidden [B, T, H] (or
+[B, C, H] at the positions rows [B, C]), output_embedding [V, H])` over a params pytree (`model.functional.hidden_fn` adapts a QwenForCausalLM), so parameters and
 their optimizer state are plain pytrees that the caller shards; nothing here places arrays.
 
 Batch (dict of [B, T] arrays, entry t about token t, column 0 never trained):
