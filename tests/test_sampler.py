@@ -472,6 +472,41 @@ def test_qwen35_sampling_on_the_3x2_mesh_equals_unsharded(qwen35_hf, qwen35_prom
         np.testing.assert_allclose(out["logprobs"][3 * r:3 * r + 3], ref["logprobs"], atol=1e-5, rtol=0)
 
 
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_bf16_rollout_samples_the_policy_the_trainer_recomputes(tiny_hf, qwen35_hf, arch):
+    """fp32 master weights, bf16 compute: the rollout copy cast every parameter to bf16, but
+    Qwen3.5 reads its (1 + w) norms, gated norm, A_log, dt_bias and conv1d in fp32, so the
+    sampler drew from another policy than GRPOStep recomputes (log-prob gap up to 0.09 nats
+    here). The copy keeps those parameters' fp32 numbers now and casts only what the model
+    reads in bf16; Qwen3 (norms read in bf16) agreed before and still does."""
+    from jscenegen.model.weights import named_leaves
+    from jscenegen.sharding.rules import rollout_casts
+
+    d = tiny_hf["qwen3"] if arch == "qwen3" else qwen35_hf["qwen3_5"]
+    model = load_hf(d, param_dtype="float32", compute_dtype="bfloat16")
+    s = Sampler(model, SamplingParams(temperature=0.8), buckets=BUCKETS)
+    master = named_leaves(nnx.split(model, nnx.Param, ...)[1])
+    rollout = named_leaves(s.state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    kept = {n for n in rollout if not rollout_casts(n)}
+    assert {n.rsplit(".", 1)[-1] for n in kept} >= ({"weight", "A_log", "dt_bias"}
+                                                     if arch == "qwen3_5" else {"weight"})
+    for name, var in rollout.items():
+        arr = np.asarray(var[...])
+        if name in kept:
+            assert arr.dtype == np.float32, name
+            np.testing.assert_array_equal(arr, np.asarray(master[name]), err_msg=name)
+        else:
+            assert arr.dtype == jnp.bfloat16, name
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in (11, 5, 3)]
+    out = s.generate(prompts, 12, seeds=[5, 6, 7])
+    assert out["lengths"].tolist() == [12, 12, 12]
+    seqs = [p + out["tokens"][i].tolist() for i, p in enumerate(prompts)]
+    want = trainer_logprobs(model, seqs, 0.8)
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(out["logprobs"][i], want[i, len(p):len(p) + 12], atol=5e-6, rtol=0)
+
 def test_a_turn_decoded_in_segments_is_the_turn_decoded_in_one_call(model, prompts):
     """Short segments (the cache, prompt + one segment of slots, growing after the first) give
     the tokens, log-probs, lengths and stop reasons of one 8-step call, greedy and sampled: a

@@ -2,12 +2,16 @@
 optimizer step, by one jitted function.
 
 From each FSDP2-padded training array (dim 0 split over every device) the function slices the
-padding off, casts to the rollout dtype, stores matmul weights [in, out] where the layout says
-so (`RolloutLayout.transposed`, XLA:CPU) and writes the result in the parameter's rollout
-sharding (`rules.rollout_param_spec`: whole, column-, row- or vocabulary-split), so XLA emits
-one all-gather (or a slice of one) per parameter. The training arrays are inputs only: nothing
-of them is kept or donated. Under the `fsdp` layout the training arrays themselves are used
-(cast when the rollout dtype differs): no copy, no reshard. Variables that are not `nnx.Param`
+padding off, casts the parameters the model reads in the compute dtype (matmul and embedding
+weights: `rules.rollout_casts`) to the rollout dtype and keeps every other parameter's own
+dtype (norm weights, Qwen3.5's A_log, dt_bias and conv1d, which the model reads in fp32: cast,
+the rollout would sample from another policy than the trainer recomputes), stores matmul
+weights [in, out] where the layout says so (`RolloutLayout.transposed`, XLA:CPU) and writes the
+result in the parameter's rollout sharding (`rules.rollout_param_spec`: whole, column-, row- or
+vocabulary-split), so XLA emits one all-gather (or a slice of one) per parameter. The training
+arrays are inputs only: nothing of them is kept or donated. Under the `fsdp` layout the training
+arrays themselves are used (cast where a cast parameter's dtype differs from the rollout dtype):
+no copy, no reshard. Variables that are not `nnx.Param`
 (Qwen3.5's carried vision tower and MTP head, never computed with) pass through as they are.
 
 Memory during a reshard: the training arrays (unchanged), the new rollout weights (their
@@ -28,7 +32,7 @@ from flax import nnx
 from jscenegen.model.functional import shared
 from jscenegen.model.weights import param_name
 from jscenegen.sharding.rollout import RolloutLayout
-from jscenegen.sharding.rules import named, rollout_kind, rollout_param_spec
+from jscenegen.sharding.rules import named, rollout_casts, rollout_kind, rollout_param_spec
 
 
 def _is_var(x) -> bool:
@@ -48,9 +52,16 @@ def device_bytes(arrays) -> int:
     return int(total)
 
 
-def _reshard_arrays(plan: tuple, unpad: bool, dtype: np.dtype, arrays: list) -> list:
+def rollout_dtype(name: str, own: Any, dtype: Any) -> np.dtype:
+    """The dtype of parameter `name` (an HF name, stored in dtype `own`) in a rollout copy whose
+    rollout dtype is `dtype`: `dtype` where the model reads it in the compute dtype
+    (`rules.rollout_casts`), else `own`, so the rollout reads the numbers the trainer reads."""
+    return np.dtype(dtype) if rollout_casts(name) else np.dtype(own)
+
+
+def _reshard_arrays(plan: tuple, unpad: bool, arrays: list) -> list:
     out = []
-    for a, (rows, transposed) in zip(arrays, plan):
+    for a, (rows, transposed, dtype) in zip(arrays, plan):
         if unpad and a.shape[0] != rows:
             a = a[:rows]
         a = a.astype(dtype)
@@ -78,7 +89,8 @@ class Reshard:
       state: the model's `nnx.State` (from `nnx.split(model)`; arrays or ShapeDtypeStructs)
         with the training layout; its Variables' `rows` metadata give the logical dim 0.
       layout: the RolloutLayout.
-      dtype: the rollout dtype (numpy dtype), e.g. the compute dtype.
+      dtype: the rollout dtype (numpy dtype), e.g. the compute dtype: the dtype of the
+        parameters the model reads in the compute dtype; the others keep theirs (`rollout_dtype`).
     `__call__(state) -> (rollout_state, stats)`: stats {"reshard_s": wall seconds including
     the transfer, "reshard_bytes": bytes of the rollout weights summed over devices}.
     `memory`: the compiled program's {"argument_bytes", "output_bytes", "temp_bytes"} per
@@ -96,7 +108,7 @@ class Reshard:
         self._inputs = [jax.ShapeDtypeStruct(v.shape, v.dtype,
                                              sharding=getattr(v[...], "sharding", None))
                         for _, v in flat]
-        self._plan = []   # (rows, transposed) per parameter
+        self._plan = []   # (rows, transposed, rollout dtype) per parameter
         shardings = []
         for path, v in flat:
             name = param_name(path)
@@ -105,7 +117,7 @@ class Reshard:
             _, transposable = rollout_kind(name)
             transposed = bool(layout.transposed and transposable and len(logical) == 2
                               and layout.name != "fsdp")
-            self._plan.append((rows, transposed))
+            self._plan.append((rows, transposed, rollout_dtype(name, v.dtype, self.dtype)))
             if layout.mesh is None:
                 shardings.append(None)
             elif layout.name == "fsdp":
@@ -113,15 +125,16 @@ class Reshard:
             else:
                 shardings.append(named(layout.mesh, rollout_param_spec(name, logical, layout.tp,
                                                                        transposed)))
-        self.identity = layout.name == "fsdp" and all(a.dtype == self.dtype for a in self._inputs)
+        self.identity = layout.name == "fsdp" and all(
+            a.dtype == dt for a, (_, _, dt) in zip(self._inputs, self._plan))
         self._fn, self.memory = None, None
         if not self.identity:
             # reshards of one structure, layout and dtype (every trainer's sampler) share it
             plan, unpad = tuple(self._plan), layout.name != "fsdp"
             out_shardings = None if layout.mesh is None else tuple(shardings)
-            key = ("reshard", plan, unpad, self.dtype.str, out_shardings, tuple(self._inputs))
+            key = ("reshard", plan, unpad, out_shardings, tuple(self._inputs))
             self._fn, self.memory = shared(key, lambda: _compiled(
-                jax.jit(functools.partial(_reshard_arrays, plan, unpad, self.dtype),
+                jax.jit(functools.partial(_reshard_arrays, plan, unpad),
                         out_shardings=out_shardings and list(out_shardings)), self._inputs))
 
     def __call__(self, state: nnx.State) -> tuple[nnx.State, dict]:
@@ -136,7 +149,7 @@ class Reshard:
         jax.block_until_ready(arrays)
         wall = time.perf_counter() - t0
         leaves = [v for _, v in flat]
-        for i, a, (_, t) in zip(self._params, arrays, self._plan):
+        for i, a, (_, t, _) in zip(self._params, arrays, self._plan):
             leaves[i] = leaves[i].replace(a, transposed=t) if t else leaves[i].replace(a)
         return (jax.tree_util.tree_unflatten(treedef, leaves),
                 {"reshard_s": wall, "reshard_bytes": device_bytes(arrays)})

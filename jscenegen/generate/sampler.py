@@ -41,12 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jscenegen.generate.reshard import Reshard
+from jscenegen.generate.reshard import Reshard, rollout_dtype
 from jscenegen.generate.sampling import SamplingParams, row_keys, sample_tokens, tempered_logprobs
 from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.functional import shared, split_params, structure_key
 from jscenegen.model.qwen import CausalLM
+from jscenegen.model.weights import param_name
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.mesh import host_array
 from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout, least_device_memory_bytes
@@ -292,11 +293,16 @@ class Sampler:
         self.graphdef, state, frozen = split_params(model)
         self.device_bytes = least_device_memory_bytes()   # a collective: every process, here
         if isinstance(layout, str):
-            n_params = sum(int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
-                           for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-                           if isinstance(v, nnx.Param))
+            # the rollout copy's bytes: unpadded, matmul weights in the rollout dtype, the rest
+            # in their own (reshard.rollout_dtype)
+            weight_bytes = sum(
+                int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
+                * rollout_dtype(param_name(path), v.dtype, self.weight_dtype).itemsize
+                for path, v in jax.tree_util.tree_flatten_with_path(
+                    state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+                if isinstance(v, nnx.Param))
             layout = choose_rollout_layout(
-                mesh, layout, weight_bytes=n_params * self.weight_dtype.itemsize,
+                mesh, layout, weight_bytes=weight_bytes,
                 divides=tp_divides(self.cfg), tp=tp, memory_fraction=memory_fraction,
                 device_bytes=self.device_bytes)
         self.layout = layout

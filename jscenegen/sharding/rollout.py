@@ -1,7 +1,8 @@
 """The rollout layout: where the sampler's weights and rows live, chosen once per run.
 
 Three layouts (rules.py has the specs):
-  - `replicated`: the weights whole on every device in the rollout dtype, batch rows split
+  - `replicated`: the weights whole on every device (matmul and embedding weights in the
+    rollout dtype, the rest in their own: `rules.rollout_casts`), batch rows split
     over all devices (mesh ("data", "tp") = (devices, 1)). Decoding moves no weight bytes.
   - `tp`: Megatron tensor parallelism over a `tp` axis of `tp` devices (column/row split of
     q/k/v/o and the MLP, vocabulary split of the embedding), rows over the other
@@ -9,7 +10,7 @@ Three layouts (rules.py has the specs):
     per layer and one gather of the logits.
   - `fsdp`: decode on the training arrays (FSDP2 dim-0 shards over all devices): every layer's
     weights are all-gathered for every token. Today's behaviour, kept for comparison.
-`auto` picks `replicated` when the weights in the rollout dtype fit `memory_fraction` of one
+`auto` picks `replicated` when the rollout weights (those bytes) fit `memory_fraction` of one
 device's memory, else `tp` with the smallest tensor size that fits and divides the heads.
 
 The rollout mesh uses the training mesh's devices in the same order (a jit may read training
@@ -178,7 +179,8 @@ def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_byt
     """Resolve the `rollout.layout` choice.
 
     mesh: the training mesh (None: one device, the unsharded sampler). choice: "auto",
-    "replicated", "tp" or "fsdp". weight_bytes: the weights' size in the rollout dtype.
+    "replicated", "tp" or "fsdp". weight_bytes: the rollout weights' size (`Sampler`: matmul and embedding weights in the
+    rollout dtype, the rest in their own).
     divides: sizes a tensor split must divide (kv heads, heads, FFN size). tp: the tensor size
     for "tp" (None: the smallest candidate > 1 that fits; "auto" with nothing fitting takes the
     largest). memory_fraction: the share of one device's memory the rollout weights may take

@@ -11,7 +11,8 @@ bytes: whole on every device (`tp` = 1, the `replicated` layout) or Megatron-spl
 tensor axis (`tp` > 1: `COLUMN` weights split their output features, `ROW` weights their input
 features, `VOCAB` the vocabulary), rows data-parallel over `data`. Which parameter is which
 kind is the table `ROLLOUT_PARAM_KINDS` (HF-name suffixes), so another decoder family gets its
-rollout layout by adding rows, not code. The `fsdp` rollout layout decodes on the training
+rollout layout by adding rows, not code; the same table says which parameters the copy casts to
+the rollout dtype (those read in the compute dtype; the rest keep their own). The `fsdp` rollout layout decodes on the training
 arrays themselves (one weight all-gather per layer per token; kept for comparison).
 
 The model constrains activations by role (`ACTIVATION`, `HEADS`, `SEQ_GATHERED`, `CACHED_KV`,
@@ -78,31 +79,48 @@ ROW = "row"         # [out, in]: input features split; the layer's output is all
 VOCAB = "vocab"     # [V, H]: vocabulary rows split (embedding lookup and output head)
 WHOLE = "whole"     # replicated (norms, q/k norms, anything not listed)
 
-# (HF-name suffix, kind, transposable): the first matching suffix wins; no match is WHOLE.
+# (HF-name suffix, kind, transposable, cast): the first matching suffix wins; no match is WHOLE,
+# not transposable, not cast.
 # `transposable`: the module reads it through `model.qwen.logical` (or handles `transposed`
 # itself), so the rollout may store it [in, out] where the platform's matmul reads that faster.
-ROLLOUT_PARAM_KINDS: tuple[tuple[str, str, bool], ...] = (
-    ("self_attn.q_proj.weight", COLUMN, True), ("self_attn.q_proj.bias", COLUMN, False),
-    ("self_attn.k_proj.weight", COLUMN, True), ("self_attn.k_proj.bias", COLUMN, False),
-    ("self_attn.v_proj.weight", COLUMN, True), ("self_attn.v_proj.bias", COLUMN, False),
-    ("self_attn.o_proj.weight", ROW, True),
-    ("mlp.gate_proj.weight", COLUMN, True), ("mlp.up_proj.weight", COLUMN, True),
-    ("mlp.down_proj.weight", ROW, True),
+# `cast`: the module reads it in the compute dtype (`logical(w, x.dtype)`: matmul weights, their
+# biases, the embedding and output head), so the rollout copy may hold it in the rollout dtype
+# (the compute dtype by default) and still read the number the trainer's forward reads. Every
+# other parameter keeps its own dtype in the copy: Qwen3.5's (1 + w) norms, gated norm, A_log,
+# dt_bias and conv1d are read in fp32 (model/qwen35.py), and a bf16 copy of them is another
+# policy than the one the trainer recomputes. (Qwen2/Qwen3's norms read the weight in the
+# compute dtype: keeping their dtype reads the same number.)
+ROLLOUT_PARAM_KINDS: tuple[tuple[str, str, bool, bool], ...] = (
+    ("self_attn.q_proj.weight", COLUMN, True, True), ("self_attn.q_proj.bias", COLUMN, False, True),
+    ("self_attn.k_proj.weight", COLUMN, True, True), ("self_attn.k_proj.bias", COLUMN, False, True),
+    ("self_attn.v_proj.weight", COLUMN, True, True), ("self_attn.v_proj.bias", COLUMN, False, True),
+    ("self_attn.o_proj.weight", ROW, True, True),
+    ("mlp.gate_proj.weight", COLUMN, True, True), ("mlp.up_proj.weight", COLUMN, True, True),
+    ("mlp.down_proj.weight", ROW, True, True),
     # Qwen3.5 Gated DeltaNet layers: split like the attention projections (heads over tp)
-    ("linear_attn.in_proj_qkv.weight", COLUMN, False), ("linear_attn.in_proj_z.weight", COLUMN, False),
-    ("linear_attn.in_proj_b.weight", COLUMN, False), ("linear_attn.in_proj_a.weight", COLUMN, False),
-    ("linear_attn.conv1d.weight", COLUMN, False), ("linear_attn.dt_bias", COLUMN, False),
-    ("linear_attn.A_log", COLUMN, False), ("linear_attn.out_proj.weight", ROW, False),
-    ("embed_tokens.weight", VOCAB, True), ("lm_head.weight", VOCAB, True),
+    ("linear_attn.in_proj_qkv.weight", COLUMN, False, True), ("linear_attn.in_proj_z.weight", COLUMN, False, True),
+    ("linear_attn.in_proj_b.weight", COLUMN, False, True), ("linear_attn.in_proj_a.weight", COLUMN, False, True),
+    ("linear_attn.conv1d.weight", COLUMN, False, False), ("linear_attn.dt_bias", COLUMN, False, False),
+    ("linear_attn.A_log", COLUMN, False, False), ("linear_attn.out_proj.weight", ROW, False, True),
+    ("embed_tokens.weight", VOCAB, True, True), ("lm_head.weight", VOCAB, True, True),
 )
 
 
 def rollout_kind(name: str) -> tuple[str, bool]:
     """(kind, transposable) of the parameter `name` (an HF name) from `ROLLOUT_PARAM_KINDS`."""
-    for suffix, kind, transposable in ROLLOUT_PARAM_KINDS:
+    for suffix, kind, transposable, _ in ROLLOUT_PARAM_KINDS:
         if name.endswith(suffix):
             return kind, transposable
     return WHOLE, False
+
+
+def rollout_casts(name: str) -> bool:
+    """Whether the rollout copy of parameter `name` (an HF name) is cast to the rollout dtype
+    (`ROLLOUT_PARAM_KINDS`' `cast`: read in the compute dtype); False: it keeps its own dtype."""
+    for suffix, _, _, cast in ROLLOUT_PARAM_KINDS:
+        if name.endswith(suffix):
+            return cast
+    return False
 
 
 def rollout_param_spec(name: str, shape: tuple[int, ...], tp: int, transposed: bool = False) -> P:
