@@ -280,3 +280,45 @@ def test_available_memory_is_the_least_of_meminfo_the_cgroup_left_and_the_host(t
     assert rollout.available_memory_bytes() == min(40 * gib, rollout.host_memory_bytes())
     meminfo.write_text("garbage\n\n")
     assert rollout.available_memory_bytes() == rollout.host_memory_bytes()
+
+
+@pytest.mark.parametrize("arch, layout", [("qwen3", "fsdp"), ("qwen3", "tp"), ("qwen3_5", "tp")])
+def test_the_cache_fit_counts_the_bytes_each_device_holds(tiny_hf, qwen35_hf, mesh, arch, layout):
+    """The guard spread a cache's bytes evenly over the mesh, but under `fsdp` its K/V
+    (CACHED_KV = P("fsdp")) are whole on both sp devices and Qwen3.5's per-layer arrays
+    (LAYER_ROWS = P(None, "data")) whole on both tp devices: each device held twice what was
+    checked, so a cache past the memory passed. Now the guard counts the shards the cache gets:
+    one byte less memory than a device holds refuses it, exactly that much makes it."""
+    d = tiny_hf[arch] if arch == "qwen3" else qwen35_hf["qwen3_5"]
+    s = Sampler(load_hf(d, mesh=mesh), SamplingParams(temperature=1.0), buckets=BUCKETS,
+                mesh=mesh, layout=layout, tp=2 if layout == "tp" else None)
+    def held(cache):
+        on = {}
+        for x in jax.tree.leaves(cache):
+            for shard in x.addressable_shards:
+                on[shard.device] = on.get(shard.device, 0) + shard.data.nbytes
+        assert len(on) == 6 and len(set(on.values())) == 1
+        return max(on.values())
+
+    cache, _ = s.new_cache(ROWS, 64)
+    per_device = held(cache)
+    total = sum(x.nbytes for x in jax.tree.leaves(cache))
+    if (arch, layout) != ("qwen3", "tp"):           # replicated over sp / tp: twice an even spread
+        assert per_device > 1.9 * total / 6, (per_device, total)
+    s._donate = True                                 # one cache alive at a time
+    for limit, fits in ((per_device - 1, False), (per_device, True)):
+        s._cache_makers.clear()
+        s.device_bytes = limit
+        if fits:
+            assert s.new_cache(ROWS, 64)[0].valid.shape == (ROWS, 64)
+        else:
+            with pytest.raises(ValueError, match=f"a KV cache of {ROWS} rows x 64 slots needs "
+                               r"[\d.]+ GiB per device, more than the"):
+                s.new_cache(ROWS, 64)
+    s.device_bytes = None                            # unknown memory: no check
+    grown = held(s.grow_cache(cache, 128))
+    s.device_bytes = grown + per_device - 1          # the grown cache and this one: not both
+    with pytest.raises(ValueError, match=f"a KV cache of {ROWS} rows x 128 slots"):
+        s.grow_cache(cache, 128)
+    s.device_bytes = grown + per_device
+    assert held(s.grow_cache(cache, 128)) == grown

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -402,27 +403,41 @@ class Sampler:
             shapes = jax.eval_shape(make)
             self._check_cache_fits(shapes, batch, max_len)
             if self.layout.mesh is not None:
-                shardings = jax.tree.map(lambda spec, _: self._sharding(spec),
-                                         shapes.partition_specs(), shapes, is_leaf=_is_spec)
-                make = jax.jit(make, out_shardings=shardings)
+                make = jax.jit(make, out_shardings=self._cache_shardings(shapes))
             self._cache_makers[batch, max_len] = make
         return self._cache_makers[batch, max_len]
 
+    def _cache_shardings(self, shapes):
+        """The NamedSharding of each array of a cache (`shapes`: the cache or its
+        ShapeDtypeStructs) on the rollout mesh, from its `partition_specs()` roles."""
+        return jax.tree.map(lambda spec, _: self._sharding(spec), shapes.partition_specs(),
+                            shapes, is_leaf=_is_spec)
+
+    def _cache_device_bytes(self, shapes) -> int:
+        """Bytes one rollout device holds of a cache (`shapes`: the cache or its
+        ShapeDtypeStructs): each array's shard under the sharding it gets (`_cache_shardings`;
+        arrays replicated over an axis, e.g. Qwen3.5's LAYER_ROWS over `tp` or CACHED_KV over
+        `sp` under `fsdp`, count whole on each of its devices), summed; all of it without a
+        mesh. The cache's rows divide over the data-parallel devices (`_check_rows`), so every
+        device holds the same."""
+        leaves = jax.tree.leaves(shapes)
+        if self.layout.mesh is None:
+            return sum(x.size * x.dtype.itemsize for x in leaves)
+        return sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x, sh in zip(leaves, jax.tree.leaves(self._cache_shardings(shapes))))
+
     def _check_cache_fits(self, shapes, batch: int, max_len: int, alive=None) -> None:
         """Raise ValueError when a cache of `batch` rows x `max_len` slots (`shapes`: its
-        ShapeDtypeStructs) cannot fit: its bytes spread evenly over the rollout devices (the
-        least any one of them holds), twice that without buffer donation (CPU: a call's input
-        and output caches are alive together), or its bytes plus those of `alive` (the cache a
-        grow copies from, alive until the copy is made), exceed one device's memory
+        ShapeDtypeStructs) cannot fit: the bytes one rollout device holds of it
+        (`_cache_device_bytes`), twice that without buffer donation (CPU: a call's input and
+        output caches are alive together), or those plus one device's bytes of `alive` (the
+        cache a grow copies from, alive until the copy is made), exceed one device's memory
         (`self.device_bytes`: the least over the processes; on CPU the host's RAM per device).
         Without it such a cache is allocated until the process is killed for memory, with no
-        message."""
-        def nbytes(tree):
-            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-        total = nbytes(shapes)
-        peak = max(total * (1 if self._donate else 2), total + (0 if alive is None else nbytes(alive)))
-        need = peak / (1 if self.layout.mesh is None else self.layout.mesh.size)
+        message. The weights and other arrays already on the device are not subtracted."""
+        need = self._cache_device_bytes(shapes)
+        need = max(need * (1 if self._donate else 2),
+                   need + (0 if alive is None else self._cache_device_bytes(alive)))
         limit = self.device_bytes
         if limit is not None and need > limit:
             raise ValueError(f"a KV cache of {batch} rows x {max_len:,} slots needs "
