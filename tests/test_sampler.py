@@ -16,7 +16,15 @@ from jscenegen.generate.sampler import (
     Sampler,
     split_into_buckets,
 )
-from jscenegen.generate.sampling import SamplingParams, block_max_top_k, chunked_top_k, row_keys, top_k
+from jscenegen.generate.sampling import (
+    SamplingParams,
+    _nucleus,
+    block_max_top_k,
+    chunked_top_k,
+    row_keys,
+    top_k,
+    top_p_threshold,
+)
 from jscenegen.generate.stop import build_stop_table, stop_string_step
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.rollout.config import SamplingConfig
@@ -171,6 +179,42 @@ def test_top_k_and_top_p_restrict_the_draw(model, prompts):
                     prob /= prob.sum()
                     assert prob[z > z[tok]].sum() < 0.3 + 1e-6
 
+
+
+@pytest.mark.parametrize("scale", [4.0, 2.0])
+def test_top_p_keeps_the_exact_nucleus_at_the_vocabulary_size(scale):
+    """Qwen's 151,936 logits, top_p 0.999: the nucleus ends among tail tokens of ~1e-9. The
+    threshold was bisected on the values (resolution max prob x 2^-32) against a float32 sum
+    of the kept mass near 1: over three draws 64 tokens too many and 1 too few (scale 4), 10
+    too many and 6 too few (scale 2) against the nucleus of the float64 probabilities. Bisected on the bit patterns against
+    the tail's mass (transformers' formulation) it keeps exactly that nucleus, and the
+    threshold is the probability of the least likely kept token."""
+    rng = np.random.default_rng(0)
+    nucleus = jax.jit(_nucleus, static_argnums=1)
+
+    @jax.jit
+    def threshold(z):
+        probs = jax.nn.softmax(z, axis=-1)
+        return probs, top_p_threshold(probs, 0.999)
+
+    if scale == 2.0:
+        rng.standard_normal((3, 8, 151936))                  # the draws of the scale-4 case
+    for _ in range(3):
+        z = (rng.standard_normal((8, 151936)) * scale).astype(np.float32)
+        kept = np.isfinite(np.asarray(nucleus(jnp.asarray(z), 0.999)))
+        z64 = z.astype(np.float64)
+        prob = np.exp(z64 - z64.max(1, keepdims=True))
+        prob /= prob.sum(1, keepdims=True)
+        exact = np.zeros_like(kept)
+        for b in range(8):
+            order = np.argsort(-prob[b], kind="stable")
+            above = np.concatenate([[0.0], np.cumsum(prob[b, order])[:-1]])
+            exact[b, order[above < 0.999]] = True
+        np.testing.assert_array_equal(kept, exact)
+        assert 1000 < kept.sum(1).min() < 151936
+        probs32, t = map(np.asarray, threshold(jnp.asarray(z)))
+        np.testing.assert_array_equal(t[:, 0], np.where(probs32 >= t, probs32, np.inf).min(1))
+        np.testing.assert_array_equal(probs32 >= t, exact)
 
 def test_stop_token_and_per_row_budgets(model, prompts):
     greedy = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS)

@@ -52,27 +52,31 @@ class SamplingParams:
 
 
 
-def top_p_threshold(probs: jax.Array, top_p: float, iters: int = 32) -> jax.Array:
-    """Per-row probability threshold t of the top-p nucleus: the largest t with
-    sum(probs[probs >= t]) >= top_p, found by bisection (no vocabulary sort).
+def top_p_threshold(probs: jax.Array, top_p: float) -> jax.Array:
+    """Per-row probability threshold t of the top-p nucleus: the largest float32 t with
+    sum(probs[probs < t]) <= 1 - top_p, found by bisection (no vocabulary sort) on the int32 bit
+    patterns of the non-negative float32 probabilities, which order as the values do: 31 halvings
+    of [0, bits(max prob)] end on that t exactly, the probability of the least likely token the
+    nucleus keeps.
 
-    Keeping probs >= t is transformers' TopPLogitsWarper (keep a token when the probability of
-    the tokens ranked above it is < top_p) up to ties. probs [B, V] float32 -> [B, 1].
+    Keeping probs >= t is transformers' TopPLogitsWarper (drop the tokens whose ascending
+    cumulative probability is <= 1 - top_p) up to ties at t. The mass compared is the tail's,
+    as there: summed in float32, a kept mass near 1 (top_p 0.999) could not tell the tail
+    tokens at the boundary apart. probs [B, V] float32 (rows summing to 1) -> [B, 1] float32.
     """
-    lo = jnp.zeros(probs.shape[:1], jnp.float32)
-    hi = jnp.max(probs, axis=-1)
+    def tail(bits):
+        t = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        return jnp.sum(jnp.where(probs < t[:, None], probs, 0.0), axis=-1)
 
     def body(_, bounds):
-        lo, hi = bounds
-        mid = 0.5 * (lo + hi)
-        mass = jnp.sum(jnp.where(probs >= mid[:, None], probs, 0.0), axis=-1)
-        ok = mass >= top_p
+        lo, hi = bounds                 # tail(lo) <= 1 - top_p; hi: past the answer
+        mid = lo + (hi - lo) // 2
+        ok = tail(mid) <= 1.0 - top_p
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    lo, hi = jax.lax.fori_loop(0, iters, body, (lo, hi))
-    # hi itself qualifies when the top token alone reaches top_p
-    top_alone = jnp.max(probs, axis=-1) >= top_p
-    return jnp.where(top_alone, hi, lo)[:, None]
+    hi = jax.lax.bitcast_convert_type(jnp.max(probs, axis=-1), jnp.int32) + 1
+    lo, _ = jax.lax.fori_loop(0, 31, body, (jnp.zeros_like(hi), hi))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)[:, None]
 
 
 TOP_K_CHUNK = 2048   # chunked_top_k: the vocabulary is cut into chunks of this many logits
