@@ -264,6 +264,37 @@ def test_an_engine_error_masks_the_running_episodes_not_the_finished_ones(model,
     assert second.failure_cause == "rollout_error" and second.masked
 
 
+
+def test_a_forced_turn_whose_append_fails_leaves_the_row_whole(model, chat, record, expert,
+                                                               rule_judge):
+    """The forced turn's tokens were put on the row before the append that computes their
+    log-probs; when that append raised, the row was masked but kept the tokens without roles,
+    policy mask or log-probs, and `trajectory_batch` failed to broadcast them. The row now ends
+    at the environment text before the failed turn, every per-token array as long."""
+    engine = RolloutEngine(model, chat, FORCED)
+    append = engine.sampler.append
+    calls = {"turns": 0}
+
+    def failing_turn_append(cache, last, seqs, with_logprobs=False):
+        if with_logprobs:                        # a forced turn's append: the second one fails
+            calls["turns"] += 1
+            if calls["turns"] == 2:
+                raise RuntimeError("sampler failure")
+        return append(cache, last, seqs, with_logprobs)
+
+    engine.sampler.append = failing_turn_append
+    (tr,) = engine.run_group(record, group_id=0, seeds=[1], judge=rule_judge,
+                             forced=expert).trajectories
+    assert calls["turns"] == 2
+    assert tr.failure_cause == "rollout_error" and tr.masked
+    n = tr.num_tokens
+    assert len(tr.roles) == len(tr.policy_mask) == len(tr.logprobs) == n
+    assert [t["role"] for t in tr.turns if t["role"] != "environment"] == ["planner"]
+    assert tr.roles[-1] == ENVIRONMENT and tr.turns[-1]["end"] == n
+    batch = trajectory_batch([tr])
+    np.testing.assert_array_equal(batch["input_ids"][0], tr.tokens)
+    assert batch["masked"][0] and batch["policy_mask"][0].sum() == tr.policy_mask.sum() > 0
+
 def test_a_failed_collective_of_a_multi_process_run_is_raised_not_masked(model, chat, record, rule_judge,
                                                                          expert, monkeypatch):
     """A peer that stopped (Ctrl-C on process 1 during the dev evaluation) failed process 0's

@@ -434,12 +434,15 @@ class RolloutEngine:
             reason = stop if len(ids) <= limits[i] else STOP_LENGTH
             planned[r] = (ids[:limits[i]], reason)
             r.tokens.extend(planned[r][0])          # appended below, then handed to _consume
-        lps = self._sync(rows, pad, with_logprobs=True)
+        try:
+            lps = self._sync(rows, pad, with_logprobs=True)
+        finally:   # taken off again, also when the append raised: _consume records the turn
+            for r, (ids, _) in planned.items():
+                del r.tokens[len(r.tokens) - len(ids):]
         turns = {}
         for i, r in enumerate(rows):
             if r in planned:
                 ids, reason = planned[r]
-                del r.tokens[len(r.tokens) - len(ids):]
                 turns[r] = (ids, lps[i][len(lps[i]) - len(ids):], reason)
         return turns
 
