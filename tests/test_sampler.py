@@ -113,6 +113,18 @@ def test_samplers_of_one_structure_share_compiled_functions_not_weights(model, p
     np.testing.assert_array_equal(second.generate(prompts, 6, seeds=[0, 1])["tokens"], want)
 
 
+def test_refused_weights_leave_the_sampler_its_own(model, prompts, tiny_hf):
+    """`set_weights` dropped the rollout weights before the reshard checked the new ones'
+    structure: after the ValueError the sampler had no weights and its next generate failed.
+    It checks first now and still decodes the tokens it decoded before."""
+    s = Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS)
+    want = s.generate(prompts, 6, seeds=[0, 1])["tokens"]
+    other = nnx.split(load_hf(tiny_hf["qwen2"]), nnx.Param, ...)[1]
+    with pytest.raises(ValueError, match="reshard: the parameters' structure differs"):
+        s.set_weights(other)
+    np.testing.assert_array_equal(s.generate(prompts, 6, seeds=[0, 1])["tokens"], want)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7),
                                     SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
 def test_sampled_logprobs_equal_trainer_recompute(model, prompts, params):

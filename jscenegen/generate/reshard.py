@@ -95,7 +95,8 @@ class Reshard:
     the transfer, "reshard_bytes": bytes of the rollout weights summed over devices}.
     `memory`: the compiled program's {"argument_bytes", "output_bytes", "temp_bytes"} per
     device (None under `fsdp` without a cast, or where XLA does not report it).
-    Raises ValueError when the layout's tensor size does not divide a split dimension.
+    Raises ValueError when the layout's tensor size does not divide a split dimension, and
+    (`__call__`, `check`) when a state's structure differs from `state`'s.
     """
 
     def __init__(self, state: nnx.State, layout: RolloutLayout, dtype: Any):
@@ -137,11 +138,17 @@ class Reshard:
                 jax.jit(functools.partial(_reshard_arrays, plan, unpad),
                         out_shardings=out_shardings and list(out_shardings)), self._inputs))
 
-    def __call__(self, state: nnx.State) -> tuple[nnx.State, dict]:
+    def check(self, state: nnx.State) -> list:
+        """The (path, Variable) leaves of `state`; ValueError when its structure (names,
+        nesting, Variable types) differs from the one this reshard was built for."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
         if treedef != self._treedef:
             raise ValueError("reshard: the parameters' structure differs from the sampler's "
                              "(build a new Sampler for another architecture or padding)")
+        return flat
+
+    def __call__(self, state: nnx.State) -> tuple[nnx.State, dict]:
+        flat = self.check(state)
         t0 = time.perf_counter()
         if self.identity:
             return state, {"reshard_s": 0.0, "reshard_bytes": 0}
@@ -151,5 +158,5 @@ class Reshard:
         leaves = [v for _, v in flat]
         for i, a, (_, t, _) in zip(self._params, arrays, self._plan):
             leaves[i] = leaves[i].replace(a, transposed=t) if t else leaves[i].replace(a)
-        return (jax.tree_util.tree_unflatten(treedef, leaves),
+        return (jax.tree_util.tree_unflatten(self._treedef, leaves),
                 {"reshard_s": wall, "reshard_bytes": device_bytes(arrays)})

@@ -343,15 +343,17 @@ class Sampler:
         reshard from the training layout into the rollout layout (generate/reshard.py).
 
         weights: a model of the sampler's structure or its `nnx.Param` state (the training
-        parameters; `functional.split_params`). The previous
-        rollout weights are released first. Returns {"reshard_s", "reshard_bytes"}.
-        Raises ValueError when the structure differs from the sampler's model.
+        parameters; `functional.split_params`). The structure is checked first; then the
+        previous rollout weights are released and the new ones made. Returns {"reshard_s",
+        "reshard_bytes"}. Raises ValueError when the structure differs from the sampler's model
+        (the sampler keeps its weights).
         """
         if isinstance(weights, nnx.Module):
             graphdef, weights, _ = split_params(weights)
             if graphdef != self.graphdef:
                 raise ValueError("set_weights: the model's structure differs from the sampler's "
                                  "(build a new Sampler for another architecture or padding)")
+        self._reshard.check(weights)
         self.state = None
         self.state, self.reshard_stats = self._reshard(weights)
         return dict(self.reshard_stats)
