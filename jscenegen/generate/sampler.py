@@ -25,9 +25,10 @@ reached, so attention reads about the slots in use, not the slots a whole turn m
 The cache is the model's own (`create_cache`: `qwen.KVCache` for Qwen2/Qwen3,
 `qwen35.HybridCache` with the Gated DeltaNet states for Qwen3.5), placed by its
 `partition_specs()` (`sharding.rules` roles, resolved by the layout); padding inside appended
-chunks and the masked slots of stopped rows leave every part of it unchanged, so the sampler is
-the same for both. A cache with a `grown(extra)` method (KVCache) can grow in place of a
-rebuild (`grow_cache`).
+chunks and the masked slots of stopped rows stay invalid (`valid` False, attended by no query),
+advance no position and leave the Gated DeltaNet states unchanged, so the sampler is the same
+for both; the K/V write does fill those slots (with token 0's keys and values). A cache with a
+`grown(extra)` method (KVCache) can grow in place of a rebuild (`grow_cache`).
 """
 from __future__ import annotations
 
