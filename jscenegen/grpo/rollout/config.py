@@ -103,8 +103,10 @@ class RolloutConfig(Section):
     memory_fraction: float = Field(0.25, gt=0, le=1, description="share of one device's memory "
                                    "the replicated rollout weights may take (auto)")
     dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="rollout weights' dtype; null: model.compute_dtype (what the train "
-        "step computes with, so the recomputed log-probs match)")
+        None, description="dtype of the rollout weights the model reads in the compute dtype "
+        "(matmul and embedding weights; norm weights and Qwen3.5's A_log, dt_bias and conv1d keep "
+        "their own); null: model.compute_dtype (what the train step computes with, so the "
+        "recomputed log-probs match)")
     groups_per_batch: int = Field(1, ge=1, description="groups (scenes) rolled out together in "
                                   "one batch and trained in one optimizer step; the recipe: 1")
     max_failed_updates: int = Field(
