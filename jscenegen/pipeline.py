@@ -23,11 +23,23 @@ def _base_model_dir(cfg) -> Path:
     return cache_dir() / "models" / f"{cfg.warm_start.preset}-{cfg.warm_start.arch}"
 
 
+# the SFT config's keys the warm start does not read -> what decides instead
+UNREAD_SFT_KEYS = {
+    "model.path": "which trains the model of warm_start.arch and warm_start.preset (to start "
+                  "GRPO from another model, give it as the run's model.path; `jscenegen sft` "
+                  "fine-tunes one)",
+    "sft.out_dir": "which writes its model into the cache ($JSCENEGEN_CACHE/models)",
+    "sft.init_arch": "whose fresh model is warm_start.arch",
+    "sft.init_preset": "whose fresh model is warm_start.preset",
+}
+
+
 def warm_start_sft_config(cfg):
     """The SFT warm start's config (`warm_start.sft_config` with `warm_start.sft_overrides`)
     playing in the run's own protocol: its `scene` section and `sft.stop_strings` are the
-    run's `scene` and `sampling.stop_strings` (what the rollouts will use); None without one.
-    Raises ConfigError naming the warm_start keys, also for an override of those keys."""
+    run's `scene` and `sampling.stop_strings` (what the rollouts will use), its `model.path`
+    the base model it trains; None without one. Raises ConfigError naming the warm_start keys,
+    also for an override of those keys or of one it does not read (`UNREAD_SFT_KEYS`)."""
     from jscenegen.config import ConfigError, load_config, override_leaf_keys
     from jscenegen.paths import resolve_data_path
     from jscenegen.sft.config import SFTRunConfig
@@ -41,8 +53,11 @@ def warm_start_sft_config(cfg):
             raise ConfigError(f"{taken[0]}: the warm start plays in the run's own scene settings "
                               "and stop strings; set them on the run (scene.*, "
                               "sampling.stop_strings)")
-        base = [] if "model.path" in given else [f"model.path={_base_model_dir(cfg)}"]
-        sft_cfg = load_config(resolve_data_path(ws.sft_config), [*base, *ws.sft_overrides],
+        if unread := sorted(given & UNREAD_SFT_KEYS.keys()):
+            raise ConfigError(f"{unread[0]}: not read by the warm start, "
+                              f"{UNREAD_SFT_KEYS[unread[0]]}")
+        sft_cfg = load_config(resolve_data_path(ws.sft_config),
+                              [*ws.sft_overrides, f"model.path={_base_model_dir(cfg)}"],
                               model=SFTRunConfig)
     except ConfigError as e:
         raise ConfigError(f"warm_start (sft_config {ws.sft_config}, sft_overrides): {e}") from None

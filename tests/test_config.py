@@ -181,14 +181,15 @@ def test_warm_start_sft_overrides_are_checked_with_their_origin_named():
 def test_the_keys_a_mapping_override_sets_count_where_an_override_is_looked_for():
     """`sampling={top_k: 5}` with --greedy lost the 5 without a word (the check read the
     override's written key, `sampling`), and a warm start's `model={path: ...}` collided with
-    the model.path it is given."""
+    the model.path it is given (now refused as `model.path` is: the warm start does not read it)."""
     from jscenegen.pipeline import warm_start_sft_config
     from jscenegen.run_config import load_run_config
 
     with pytest.raises(ConfigError, match=r"^--greedy sets .*the override sampling=\{top_k: 5\} contradicts"):
         load_run_config(None, ["sampling={top_k: 5}"], greedy=True)
     cfg = load_config(None, ['warm_start.sft_overrides=["model={path: /elsewhere}"]'], RunConfig)
-    assert warm_start_sft_config(cfg).model.path == "/elsewhere"
+    with pytest.raises(ConfigError, match=r"^warm_start \(.*\): model.path: not read by the warm start"):
+        warm_start_sft_config(cfg)
 
 
 def test_a_yaml_bomb_is_refused_before_it_expands(tmp_path):

@@ -1,5 +1,6 @@
 """The CPU default pipeline at small sizes: init model -> SFT warm start -> eval -> GRPO -> eval."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -349,3 +350,57 @@ def test_sigterm_inside_the_grpo_loop_saves_and_exits_143_with_the_resume_comman
         f"stopped by SIGTERM after {summary['attempts']} update attempt{'' if summary['attempts'] == 1 else 's'}; checkpoint {step}; "
         f"continue with: jscenegen train --resume {run_dir}")
     assert not (run_dir / "run.lock").exists()
+
+
+def _made(out) -> None:
+    """A model directory as the warm start's writers publish one (here: only its config.json)."""
+    Path(out).mkdir(parents=True)
+    (Path(out) / "config.json").write_text("{}")
+
+
+@pytest.fixture
+def stubbed_warm_start(tmp_path, monkeypatch) -> list:
+    """The warm start in `tmp_path/cache` with `init_model_dir` and `run_sft` stubbed (no
+    tokenizer, no training: `_made`; the SFT logs one step); returns the (call, dir) list."""
+    import jscenegen.model.init_model as init_model
+    import jscenegen.scene.corpus as corpus
+    import jscenegen.sft.run as sft_run
+
+    monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def init(out, **kw):
+        calls.append(("init", Path(out)))
+        _made(out)
+
+    def sft(cfg, model_dir, out, *, log, chat_template_path):
+        calls.append(("sft", Path(out)))
+        log({"step": 1, "loss": 0.5})
+        _made(out)
+
+    monkeypatch.setattr(init_model, "init_model_dir", init)
+    monkeypatch.setattr(sft_run, "run_sft", sft)
+    monkeypatch.setattr(corpus, "tokenizer_corpus", lambda: [])
+    return calls
+
+
+@pytest.mark.parametrize("override,why", [
+    ("model.path=/other/model", "which trains the model of warm_start.arch and warm_start.preset"),
+    ("sft.out_dir=/tmp/elsewhere", "which writes its model into the cache"),
+    ("sft.init_arch=qwen2", "whose fresh model is warm_start.arch"),
+    ("sft.init_preset=small", "whose fresh model is warm_start.preset")])
+def test_the_warm_start_refuses_the_sft_keys_it_does_not_read(override, why, stubbed_warm_start):
+    """An sft_overrides model.path was accepted and ignored (the SFT trained the base model)
+    while it entered the cache key; the others were ignored without a word."""
+    import re
+
+    from jscenegen.config import ConfigError
+    from jscenegen.pipeline import default_model_dir
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      [f"warm_start.sft_overrides=[{override}]"], RunConfig)
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^warm_start \(sft_config configs/sft-cpu.yaml, "
+                       rf"sft_overrides\): {re.escape(key)}: not read by the warm start, {why}"):
+        default_model_dir(cfg, {})
+    assert stubbed_warm_start == []
