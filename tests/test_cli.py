@@ -575,6 +575,16 @@ def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expec
     assert sorted(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("out,why", [(".", "is a directory; give a file path"),
+                                     ("/", "ends with /, the name of a directory; give a file path")])
+def test_eval_out_naming_a_directory_without_a_name_is_refused_naming_the_option(
+        tmp_path, capsys, monkeypatch, out, why):
+    """`--out .` failed making the plot's name: "PosixPath('.') has an empty name"."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--model", "/nonexistent", "--out", out]) == 2
+    assert one_error_line(capsys) == f"error: --out {out}: {why}"
+
+
 def test_a_scene_set_not_found_names_the_option(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--model", "/nonexistent", "--scenes", "nope"]) == 2

@@ -90,8 +90,8 @@ def run(args) -> int:
     except ValueError as err:
         raise ValueError(f"--samples: {err}" if args.samples is not None else str(err)) from None
     # the outputs are written after the whole evaluation: refuse what cannot be written now
+    check_output_file(args.out, "--out")   # before its name makes the plot's (`.` has none)
     plot_path = args.plot or Path(args.out).with_suffix(".png")
-    check_output_file(args.out, "--out")
     check_output_file(plot_path, "--plot", suffix=".png")
     inputs = {"--model": args.model, "--scenes": scenes, **config_inputs(cfg, args.config)}
     refuse_overwriting_input(args.out, "--out", inputs)
