@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 
 SEED_MAX = 2**32 - 1      # seeds are 32-bit: PRNG keys and NumPy generators take them whole
 STEPS_MAX = 2**31 - 1     # update/step counts: int32 (orbax and VERL's step counters, torch's LambdaLR)
+TOKENS_MAX = 1 << 20      # tokens of one turn, episode, bucket or chunk: beyond any context Qwen serves
 REDACTED = "<redacted>"   # what a saved config or metadata file holds in place of a credential
 
 

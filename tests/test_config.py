@@ -147,9 +147,20 @@ def test_seeds_step_and_token_counts_are_bounded():
                       (f"optim.total_steps={2**31}", "optim.total_steps")]:
         with pytest.raises(ConfigError, match=f"override {re.escape(item)}: {key}: "):
             load_config(None, [item], RunConfig)
+    for item, key in [(f"loss.horizon={2**20 + 1}", "loss.horizon"),
+                      (f"loss.logprob_chunk={2**20 + 1}", "loss.logprob_chunk")]:
+        with pytest.raises(ConfigError, match=f"override {re.escape(item)}: {key}: "):
+            load_config(None, [item], RunConfig)
+    assert load_config(None, [f"loss.horizon={2**20}"], RunConfig).loss.horizon == 2**20
     from jscenegen.sft.config import SFTRunConfig
-    with pytest.raises(ConfigError, match="override sft.max_seq_len=99999999: sft.max_seq_len: "):
-        load_config(None, ["sft.max_seq_len=99999999"], SFTRunConfig)
+    # the SFT optimizer's warmup redeclared without GRPO's bound: a 400-digit value ended in
+    # an OverflowError building the schedule
+    for item, key in [("sft.max_seq_len=99999999", "sft.max_seq_len"),
+                      (f"sft.logprob_chunk={2**20 + 1}", "sft.logprob_chunk"),
+                      (f"optim.warmup_steps={2**31}", "optim.warmup_steps")]:
+        with pytest.raises(ConfigError, match=f"override {re.escape(item)}: {key}: "):
+            load_config(None, [item], SFTRunConfig)
+    assert load_config(None, [f"optim.warmup_steps={2**31 - 1}"], SFTRunConfig).optim.warmup_steps == 2**31 - 1
     assert seed_arg("7") == 7
     for text in ("-1", str(SEED_MAX + 1), "x"):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -21,8 +21,8 @@ def _check_batch(model, rows: int, seq: int, flags: str, *, micro_rows: int | No
     run would need more than the memory available now (`parity_peak_bytes` of one
     micro-batch of `micro_rows` rows: the logits and eager attention's seq^2 weights), naming
     `flags` and the figures. `model`: the HF model directory, or its `QwenConfig`."""
+    from jscenegen.config import TOKENS_MAX
     from jscenegen.grpo.algo.accumulate import num_micro_batches
-    from jscenegen.grpo.rollout.config import TOKENS_MAX
     from jscenegen.model.config import QwenConfig
     from jscenegen.parity import parity_peak_bytes
     from jscenegen.sharding.rollout import available_memory_bytes

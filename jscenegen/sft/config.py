@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jscenegen.config import SEED_MAX, STEPS_MAX, Section
+from jscenegen.config import SEED_MAX, STEPS_MAX, TOKENS_MAX, Section
 from jscenegen.grpo.algo.config import OptimConfig
-from jscenegen.grpo.rollout.config import DEFAULT_STOP_STRINGS, TOKENS_MAX, StopStrings
+from jscenegen.grpo.rollout.config import DEFAULT_STOP_STRINGS, StopStrings
 from jscenegen.model.names import ARCHS, PRESET_NAMES
 from jscenegen.model.options import ModelConfig
 from jscenegen.scene.config import SceneRuntimeConfig
@@ -46,7 +46,7 @@ class SFTConfig(Section):
     seq_multiple: int = Field(128, ge=1, le=TOKENS_MAX, description="rows are padded to a multiple of this "
                               "(and of mesh.sp), but to no more than max_seq_len (rounded up to "
                               "mesh.sp): one compiled shape")
-    logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
+    logprob_chunk: int = Field(256, gt=0, le=TOKENS_MAX, description="tokens per chunk of the log-softmax")
     stop_strings: StopStrings = Field(
         DEFAULT_STOP_STRINGS,
         description="the rollouts' sampling.stop_strings: an answer ending with one is tokenised "
@@ -81,7 +81,7 @@ class SFTOptimConfig(OptimConfig):
     weight decay) instead of GRPO's 1e-6."""
 
     lr: float = Field(1e-3, ge=0, description=OptimConfig.model_fields["lr"].description)
-    warmup_steps: int = Field(4, ge=0,
+    warmup_steps: int = Field(4, ge=0, le=STEPS_MAX,
                               description=OptimConfig.model_fields["warmup_steps"].description)
     weight_decay: float = Field(0.0, ge=0,
                                 description=OptimConfig.model_fields["weight_decay"].description)

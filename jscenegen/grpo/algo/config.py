@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jscenegen.config import STEPS_MAX, Section
+from jscenegen.config import STEPS_MAX, TOKENS_MAX, Section
 
 AggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
@@ -34,7 +34,7 @@ class LossConfig(Section):
         "legacy: VERL 0.4-0.8 dp_actor (each micro-batch normalised by itself, averaged)",
     )
     horizon: int | None = Field(
-        None, gt=0, description="seq-mean-token-sum-norm divisor; null = padded length T "
+        None, gt=0, le=TOKENS_MAX, description="seq-mean-token-sum-norm divisor; null = padded length T "
         "(train: sampling.max_episode_tokens, a constant as VERL's response length)"
     )
     use_kl_loss: bool = Field(False, description="add kl_coef x the aggregated KL to a frozen "
@@ -55,7 +55,7 @@ class LossConfig(Section):
         "batch; must divide the batch's rows (groups_per_batch x group_size) padded to a multiple "
         "of mesh.fsdp (8 episodes on fsdp=3: 9 rows)"
     )
-    logprob_chunk: int = Field(256, gt=0, description="tokens per chunk of the log-softmax")
+    logprob_chunk: int = Field(256, gt=0, le=TOKENS_MAX, description="tokens per chunk of the log-softmax")
     norm_adv_by_std: bool = Field(True, description="GRPO (true) or Dr. GRPO (false) advantages")
     adv_eps: float = Field(1e-6, gt=0, description="epsilon added to the group std")
 

@@ -11,13 +11,12 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from jscenegen.config import Section
+from jscenegen.config import TOKENS_MAX, Section
 from jscenegen.generate.sampler import DEFAULT_BUCKETS, check_buckets
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams
 from jscenegen.sharding.rules import round_up
 
 GROUP_MAX = 4096       # episodes of one scene per batch: far beyond any GRPO recipe (VERL n <= 64)
-TOKENS_MAX = 1 << 20   # tokens of one turn, episode or bucket: beyond any context Qwen serves
 
 
 def _no_empty_string(value: tuple[str, ...]) -> tuple[str, ...]:
