@@ -722,6 +722,20 @@ def _stopped_run(tmp_path: Path, model: str = "/started/here") -> Path:
     return run
 
 
+def test_a_resume_refused_names_resume_and_says_no_restart(tmp_path, capsys, train_command_calls):
+    """A run directory refused as an output named --run-dir on `train --resume`, after the
+    line saying the run was starting again."""
+    checkpoint = tmp_path / "step"
+    checkpoint.mkdir()
+    (checkpoint / "checksums.json").write_text("{}")
+    run = _stopped_run(checkpoint)
+    assert main(["train", "--resume", str(run)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --resume {run}: lies inside the checkpoint {checkpoint.resolve()}; writing "
+        "there would make its checksums fail; write elsewhere\n")
+    assert train_command_calls == {}
+
+
 def test_a_run_killed_in_its_first_save_starts_again_on_resume(tmp_path, capsys, caplog,
                                                                train_command_calls):
     """A SIGKILL during the first checkpoint save leaves only an unfinished save: the resume

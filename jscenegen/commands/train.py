@@ -34,6 +34,7 @@ def run(args) -> int:
     from jscenegen.grpo.train.metrics import check_run_logs
     from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
+    from jscenegen.text import terminal_line
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -43,7 +44,8 @@ def run(args) -> int:
         config_path = args.config or resolve_data_path(DEFAULT_CONFIG)
         config_source = str(config_path)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    check_output_dir(run_dir, label="--run-dir")   # before any path below it (a name too long)
+    # before any path below it (a name too long)
+    check_output_dir(run_dir, label="--resume" if args.resume else "--run-dir")
     if not args.resume:
         check_checkpoints_dir(run_dir / RUN_CHECKPOINTS)
     cfg = load_run_config(config_path, args.overrides)
@@ -74,6 +76,10 @@ def run(args) -> int:
     refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path,
                                                    "the warm-start model cache": models,
                                                    **config_inputs(cfg, config_path)})
+    if afresh:   # said once the checks above passed
+        print(terminal_line(f"{run_dir} has no checkpoint (stopped before its first was saved): "
+                            f"starting it again with {args.config or 'its config.yaml'}"),
+              file=sys.stderr, flush=True)
     from jscenegen.pipeline import train_command
 
     return train_command(cfg, run_dir, resume=bool(args.resume) and not afresh,
@@ -108,7 +114,6 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
     from jscenegen.paths import not_a_file
     from jscenegen.run_lock import refuse_if_in_use
-    from jscenegen.text import terminal_line
 
     if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
         raise ValueError(f"--run-dir {args.run_dir} with --resume {args.resume}: a resumed run "
@@ -153,12 +158,8 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
                          "continue with another one: --config FILE")
     config_path = args.config or saved
     config_source = str(config_path)
-    if afresh:   # a new start with the run's config
-        if not args.config:
-            config_source = record["config_source"] or config_source
-        print(terminal_line(f"{run_dir} has no checkpoint (stopped before its first was saved): "
-                            f"starting it again with {args.config or 'its config.yaml'}"),
-              file=sys.stderr, flush=True)
+    if afresh and not args.config:   # a new start with the run's config
+        config_source = record["config_source"] or config_source
     return config_path, config_source, afresh
 
 
