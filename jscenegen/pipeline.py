@@ -1,6 +1,7 @@
 """What `jscenegen train` runs: model preparation, the GRPO loop, progress and run files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -8,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.metadata import redact
@@ -68,11 +70,14 @@ def warm_start_sft_config(cfg):
 
 def default_model_dir(cfg, phases: dict) -> Path:
     """The CPU default's policy: a small fresh model (created once) warm-started by SFT on the
-    scripted expert's episodes (run once per SFT config and prompt set, cached under `cache_dir()`)."""
+    scripted expert's episodes (run once per SFT config, prompt set, catalogue content, chat
+    template and expert code, cached under `cache_dir()`); a model that another run on the
+    same cold cache published first is used (`_or_made_meanwhile`)."""
     import hashlib
 
     from jscenegen.model.init_model import init_model_dir
     from jscenegen.scene import expert
+    from jscenegen.scene.catalogue import catalogue_digest
     from jscenegen.scene.corpus import tokenizer_corpus
     from jscenegen.scene.prompts import load_templates
     from jscenegen.sft.run import run_sft
@@ -84,15 +89,17 @@ def default_model_dir(cfg, phases: dict) -> Path:
     if not (base / "config.json").is_file():
         print(terminal_line(f"creating the {ws.preset} {ws.arch} model in {base} (first use)"),
               file=sys.stderr, flush=True)
-        init_model_dir(base, arch=ws.arch, preset=ws.preset, seed=0, texts=tokenizer_corpus())
+        with _or_made_meanwhile(base):
+            init_model_dir(base, arch=ws.arch, preset=ws.preset, seed=0, texts=tokenizer_corpus())
     phases["init_model_s"] = time.perf_counter() - t0
     if sft_cfg is None:
         return base
-    # The prompts, the chat template and the expert's code enter the key: each changes the
-    # demonstrations.
+    # The prompts, the catalogue's content, the chat template and the expert's code enter the
+    # key: each changes the demonstrations.
     template = cfg.sampling.chat_template_path
     key = hashlib.sha256(json.dumps([sft_cfg.model_dump(mode="json"),
                                      load_templates(sft_cfg.scene.prompts_dir).digest(),
+                                     catalogue_digest(sft_cfg.scene.catalogue_path),
                                      Path(template).read_text() if template else None,
                                      hashlib.sha256(Path(expert.__file__).read_bytes()).hexdigest()],
                                     sort_keys=True).encode())
@@ -101,11 +108,25 @@ def default_model_dir(cfg, phases: dict) -> Path:
         print(terminal_line(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)"),
               file=sys.stderr, flush=True)
         t1 = time.perf_counter()
-        run_sft(sft_cfg, base, out, log=_sft_log, chat_template_path=template)
+        with _or_made_meanwhile(out):
+            run_sft(sft_cfg, base, out, log=_sft_log, chat_template_path=template)
         phases["sft_s"] = time.perf_counter() - t1
     else:
         print(terminal_line(f"reusing the SFT warm start {out}"), file=sys.stderr, flush=True)
     return out
+
+
+@contextlib.contextmanager
+def _or_made_meanwhile(out: Path) -> Iterator[None]:
+    """Let the FileExistsError of a write of the model `out` pass when `out` now holds a
+    complete model (its config.json; models are published whole): another run on the same
+    cold cache made it meanwhile, which is said and then used."""
+    try:
+        yield
+    except FileExistsError:
+        if not (out / "config.json").is_file():
+            raise
+        log.warning("%s was made meanwhile by another run: using it", out)
 
 
 def _sft_log(row: dict) -> None:

@@ -404,3 +404,56 @@ def test_the_warm_start_refuses_the_sft_keys_it_does_not_read(override, why, stu
                        rf"sft_overrides\): {re.escape(key)}: not read by the warm start, {why}"):
         default_model_dir(cfg, {})
     assert stubbed_warm_start == []
+
+
+def test_the_warm_start_cache_key_holds_the_catalogues_content(tmp_path, stubbed_warm_start):
+    """Only the catalogue's path entered the key: an edited catalogue reused demonstrations
+    played with the old one."""
+    from importlib import resources
+
+    from jscenegen.pipeline import default_model_dir
+
+    cat = tmp_path / "cat.json"
+    cat.write_bytes(resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_bytes())
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      [f"scene.catalogue_path={cat}"], RunConfig)
+    first = default_model_dir(cfg, {})
+    assert default_model_dir(cfg, {}) == first
+    cat.write_bytes(cat.read_bytes() + b"\n")
+    second = default_model_dir(cfg, {})
+    assert second != first and second.parent == first.parent
+    assert [call for call, _ in stubbed_warm_start] == ["init", "sft", "sft"]
+
+
+def test_a_model_another_run_published_meanwhile_is_used(tmp_path, monkeypatch, caplog,
+                                                          stubbed_warm_start):
+    """Two `train` runs on a cold cache: the slower one failed publishing the base model or
+    its SFT model (FileExistsError) after the whole SFT; it now takes the other's."""
+    import jscenegen.model.init_model as init_model
+    import jscenegen.sft.run as sft_run
+    from jscenegen.pipeline import default_model_dir
+
+    def beaten(out):   # the other run publishes while this one writes
+        _made(out)
+        raise FileExistsError(f"{out}: already exists and is not empty")
+
+    monkeypatch.setattr(init_model, "init_model_dir", lambda out, **kw: beaten(out))
+    monkeypatch.setattr(sft_run, "run_sft", lambda cfg, base, out, **kw: beaten(out))
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [], RunConfig)
+    with caplog.at_level("WARNING", logger="jscenegen.pipeline"):
+        out = default_model_dir(cfg, {})
+    base = tmp_path / "cache" / "models" / "micro-qwen3"
+    assert out.parent == base.parent and out.name.startswith("micro-qwen3-sft-")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{base} was made meanwhile by another run: using it",
+        f"{out} was made meanwhile by another run: using it"]
+
+    def half(cfg, base, out, **kw):   # something that is no model: the error stands
+        Path(out).mkdir()
+        raise FileExistsError(f"{out}: already exists and is not empty")
+
+    monkeypatch.setattr(sft_run, "run_sft", half)
+    other = cfg.model_copy(update={"warm_start": cfg.warm_start.model_copy(
+        update={"sft_overrides": ("sft.seed=1",)})})
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
+        default_model_dir(other, {})

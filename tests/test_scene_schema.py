@@ -230,6 +230,23 @@ def test_a_named_pipe_given_as_input_is_refused_without_blocking(tmp_path):
         load_catalogue(str(fifo))
 
 
+def test_a_relative_catalogue_path_is_found_in_the_checkout_as_prompts_dir_is(tmp_path, monkeypatch):
+    """scene.catalogue_path was read only against the working directory, unlike
+    scene.prompts_dir (and config_inputs, which found it in the checkout)."""
+    monkeypatch.chdir(tmp_path)
+    given = "jscenegen/scene/data/catalogue.json"   # the packaged one, by its checkout path
+    assert load_catalogue(given).categories == load_catalogue().categories
+    # what the warm start's cache key hashes: the bytes of the file read
+    from jscenegen.scene.catalogue import catalogue_digest
+
+    assert catalogue_digest(given) == catalogue_digest()
+    (tmp_path / "jscenegen/scene/data").mkdir(parents=True)   # the working directory's first
+    (tmp_path / given).write_text("{}")
+    with pytest.raises(ValueError, match=f"^{given}: expected a JSON object with a 'categories'"):
+        load_catalogue.__wrapped__(given)   # not the cached read of the checkout's
+    assert catalogue_digest(given) != catalogue_digest()
+
+
 def _packaged_catalogue() -> dict:
     from importlib import resources
 

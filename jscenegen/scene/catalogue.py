@@ -7,12 +7,14 @@ replaceable through `scene.catalogue_path`. Groups ("bed", "lamp") name sets of 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import get_args
 
-from jscenegen.paths import finite_number, loads_json
+from jscenegen.paths import finite_number, loads_json, resolve_data_path
 from jscenegen.scene.schema import MAX_COORDINATE_M, Mount, read_json_file
 
 CATALOGUE_VERSION = "scenegen.catalogue/1"
@@ -167,15 +169,39 @@ def _parse(doc: dict, source: str) -> Catalogue:
     )
 
 
+PACKAGED_CATALOGUE = "data/catalogue.json"   # in the jscenegen.scene package
+
+
+def _catalogue_file(path: str) -> Path:
+    """The file `scene.catalogue_path` `path` names: found as `resolve_data_path` finds it (in
+    the working directory, else the checkout, as scene.prompts_dir), else `path` as given (its
+    reader says it is missing)."""
+    try:
+        return resolve_data_path(path)
+    except FileNotFoundError:
+        return Path(path)
+
+
 @functools.lru_cache(maxsize=8)
 def load_catalogue(path: str | None = None) -> Catalogue:
-    """The packaged catalogue, or the JSON file at `path` (`scene.catalogue_path`). Raises
-    ValueError naming the file and the bad key, or a file that cannot be read as JSON
-    (`schema.read_json_file`: missing, not a regular file, too large, not UTF-8 JSON)."""
+    """The packaged catalogue, or the JSON file at `path` (`scene.catalogue_path`, relative
+    paths as `_catalogue_file` finds them). Raises ValueError naming the file and the bad key,
+    or a file that cannot be read as JSON (`schema.read_json_file`: missing, not a regular
+    file, too large, not UTF-8 JSON)."""
     if path is None:
-        text = resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text()
+        text = resources.files("jscenegen.scene").joinpath(PACKAGED_CATALOGUE).read_text()
         return _parse(loads_json(text), "jscenegen/scene/data/catalogue.json")
-    return _parse(read_json_file(path, f"scene.catalogue_path {path}"), str(path))
+    return _parse(read_json_file(_catalogue_file(path), f"scene.catalogue_path {path}"), str(path))
+
+
+def catalogue_digest(path: str | None = None) -> str:
+    """The sha256 (hex) of the bytes of the catalogue file `load_catalogue(path)` reads: the
+    packaged one for None. Raises OSError when the file cannot be read."""
+    if path is None:
+        raw = resources.files("jscenegen.scene").joinpath(PACKAGED_CATALOGUE).read_bytes()
+    else:
+        raw = _catalogue_file(path).read_bytes()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def catalogue_text(catalogue: Catalogue) -> str:

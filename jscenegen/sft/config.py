@@ -53,7 +53,9 @@ class SFTConfig(Section):
         "as the sampler stops it, its end-of-turn token environment (not trained); a train "
         "warm start takes the run's")
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
-    seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling) and a fresh model's weights")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling), and the weights "
+                      "of the fresh model `jscenegen sft` creates when model.path is null (the "
+                      "train warm start's fresh model is always made with seed 0)")
     out_dir: str = Field("runs/sft/model", description="the HF directory written at the end")
     init_arch: Literal[ARCHS] = Field(
         "qwen3", description="architecture of the fresh model `jscenegen sft` creates when "
