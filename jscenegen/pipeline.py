@@ -68,6 +68,17 @@ def warm_start_sft_config(cfg):
         "sft": sft_cfg.sft.model_copy(update={"stop_strings": cfg.sampling.stop_strings})})
 
 
+def check_warm_start_model(cfg) -> None:
+    """Refuse (ValueError, in the model's words) a run the model of `warm_start.arch` cannot
+    train, before `default_model_dir` makes it: model.causal_balance over mesh.sp > 1 shards
+    with qwen3_5 (its Gated DeltaNet recurrence needs the tokens in order)."""
+    from jscenegen.model.qwen35 import CAUSAL_BALANCE_REFUSAL
+
+    # the loader's rule: causal_balance reorders for mesh.sp shards, refused when more than one
+    if cfg.warm_start.arch == "qwen3_5" and cfg.model.causal_balance and cfg.mesh.sp > 1:
+        raise ValueError(CAUSAL_BALANCE_REFUSAL)
+
+
 def default_model_dir(cfg, phases: dict) -> Path:
     """The CPU default's policy: a small fresh model (created once) warm-started by SFT on the
     scripted expert's episodes (run once per SFT config, prompt set, catalogue content, chat
@@ -205,8 +216,11 @@ def check_run_inputs(cfg) -> None:
     refused: `check_requests_known`), and the judge (an http judge's API key, read from the
     environment, must fit an HTTP header, and the server must not refuse it:
     `Judge.check_reachable`); a wrong path or more scenes asked than the set holds fails
-    in seconds, not after the SFT warm start. Raises the readers' errors (naming the file and
-    key) and `trainer.train_scenes`'."""
+    in seconds, not after the SFT warm start; a `rollout.tp` that does not divide the mesh's
+    devices too. Raises the readers' errors (naming the file and key) and
+    `trainer.train_scenes`'."""
+    import jax
+
     from jscenegen.eval.evaluate import evaluation_samples, report_scene_ids
     from jscenegen.eval.report import check_report_episodes
     from jscenegen.grpo.train.metrics import check_swanlab_mode
@@ -218,8 +232,11 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.scene.prompts import load_templates
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
     from jscenegen.sharding.mesh import is_primary
+    from jscenegen.sharding.rollout import check_tp_divides
 
     train_scenes(cfg)
+    if cfg.rollout.tp is not None and cfg.rollout.layout != "fsdp":   # what the sampler reads
+        check_tp_divides(cfg.rollout.tp, jax.device_count())   # the mesh's devices: all
     every, total = cfg.trainer.eval_every, cfg.schedule.total_updates
     if is_primary():   # the process that logs to swanlab and warns
         check_swanlab_mode(cfg.logging)
@@ -307,6 +324,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     check_run_inputs(cfg)
     if not resume and not cfg.model.path:
         warm_start_sft_config(cfg)
+        check_warm_start_model(cfg)
     from jscenegen.run_lock import RunLock, RunLockedError
 
     lock = RunLock(run_dir)

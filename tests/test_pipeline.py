@@ -457,3 +457,21 @@ def test_a_model_another_run_published_meanwhile_is_used(tmp_path, monkeypatch, 
         update={"sft_overrides": ("sft.seed=1",)})})
     with pytest.raises(FileExistsError, match="already exists and is not empty"):
         default_model_dir(other, {})
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["rollout.tp=4"], "rollout.tp=4 must divide the 6 devices"),
+    (["warm_start.arch=qwen3_5", "model.causal_balance=true"],
+     "model.causal_balance is not supported for Qwen3.5: the Gated DeltaNet recurrence needs "
+     "the tokens in order; set it to false")])
+def test_what_needs_no_model_is_refused_before_the_warm_start(tmp_path, capsys, overrides, error,
+                                                              stubbed_warm_start):
+    """A rollout.tp not dividing the devices and a causal balance the qwen3_5 warm-start model
+    cannot train were refused only once the warm start (minutes) had made the model."""
+    from jscenegen.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), "logging.swanlab_mode=disabled",
+                 *overrides]) == 2
+    assert capsys.readouterr().err == f"error: {error}\n"
+    assert stubbed_warm_start == [] and not run_dir.exists()

@@ -83,6 +83,8 @@ from jscenegen.sharding.rules import (
 )
 
 CHUNK_SIZE = 64       # the chunked delta rule's chunk (transformers' and FLA's default)
+CAUSAL_BALANCE_REFUSAL = ("model.causal_balance is not supported for Qwen3.5: the Gated "
+                          "DeltaNet recurrence needs the tokens in order; set it to false")
 L2NORM_EPS = 1e-6     # T `l2norm`: fixed, not rms_norm_eps
 
 
@@ -464,8 +466,7 @@ class Qwen35ForCausalLM(CausalLM):
         if not cfg.hybrid:
             raise ValueError(f"Qwen35ForCausalLM needs a qwen3_5 config, got {cfg.model_type!r}")
         if balance_shards > 1:
-            raise ValueError("model.causal_balance is not supported for Qwen3.5: the Gated "
-                             "DeltaNet recurrence needs the tokens in order; set it to false")
+            raise ValueError(CAUSAL_BALANCE_REFUSAL)
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.remat = remat_policy(remat)

@@ -75,13 +75,18 @@ class RolloutLayout:
         return f"{self.name}{shape} ({self.reason})" if self.reason else f"{self.name}{shape}"
 
 
+def check_tp_divides(tp: int, n_devices: int) -> None:
+    """Raise ValueError unless the tensor size `tp` (rollout.tp) divides `n_devices`."""
+    if tp < 1 or n_devices % tp:
+        raise ValueError(f"rollout.tp={tp} must divide the {n_devices} devices")
+
+
 def rollout_mesh(mesh: Mesh, tp: int) -> Mesh:
     """The training mesh's devices, in order, as a ("data", "tp") mesh with tensor size `tp`.
 
     Raises ValueError when tp does not divide the device count."""
     devices = np.asarray(mesh.devices).reshape(-1)
-    if tp < 1 or devices.size % tp:
-        raise ValueError(f"rollout.tp={tp} must divide the {devices.size} devices")
+    check_tp_divides(tp, devices.size)
     return Mesh(devices.reshape(devices.size // tp, tp), ROLLOUT_AXES,
                 axis_types=(AxisType.Auto, AxisType.Auto))
 
