@@ -152,33 +152,44 @@ def refuse_overwriting_input(output: str | Path, output_label: str,
                              inputs: dict[str, str | Path | None]) -> None:
     """Raise ValueError, before anything is written, when writing `output` would change one of
     `inputs` ({label: path}; None entries are skipped): it is the same file (os.path.samefile:
-    links and `..` included), or it lies inside an input that is a directory (a model or
-    checkpoint directory: a report written into it would replace or add files its loaders and
-    checksums read), or it is a file the checkout ships under configs/ or data/ (any config's
-    scene sets and defaults, whichever config this command read)."""
+    links and `..` included), or it lies inside an input that is a directory or does not exist
+    yet (a model or checkpoint directory: a report written into it would replace or add files
+    its loaders and checksums read; the warm-start model cache before its first model; both
+    resolved through their nearest existing ancestor's links), or it lies inside a folder the
+    checkout ships, configs/ or data/ (`refuse_inside_shipped`: any config's scene sets and
+    defaults, whichever config this command read)."""
     out = Path(output)
     for label, path in inputs.items():
         if path is None:
             continue
         src = Path(path)
-        if src.is_dir():
-            if out.resolve().is_relative_to(src.resolve()):
-                raise ValueError(f"{output_label} {output} lies inside {label} {path}: writing it "
-                                 f"would change that input; write elsewhere")
-            continue
-        try:
-            same = os.path.samefile(out, src)
-        except OSError:  # one of them does not exist (yet): not the same file
-            same = out.resolve() == src.resolve()
-        if same:
-            raise ValueError(f"{output_label} {output} is the same file as {label} {path}: "
-                             f"writing it would overwrite {label}; write elsewhere")
+        if not src.is_dir():
+            try:
+                same = os.path.samefile(out, src)
+            except OSError:  # one of them does not exist (yet): the same path or not
+                same = out.resolve() == src.resolve()
+            if same:
+                raise ValueError(f"{output_label} {output} is the same file as {label} {path}: "
+                                 f"writing it would overwrite {label}; write elsewhere")
+        if ((src.is_dir() or not os.path.lexists(src))
+                and out.resolve().is_relative_to(src.resolve())):
+            raise ValueError(f"{output_label} {output} lies inside {label} {path}: writing it "
+                             f"would change that input; write elsewhere")
+    refuse_inside_shipped(out, f"{output_label} {output}")
+
+
+def refuse_inside_shipped(path: str | Path, name: str) -> None:
+    """Raise ValueError naming `name` when `path` (a file or directory to write, existing or
+    not; resolved through its nearest existing ancestor's links) lies inside a folder the
+    checkout ships under PROJECT_ROOT (`SHIPPED_FOLDERS`: configs/, data/): what is written
+    there would change the files every run reads."""
+    p = Path(path).resolve()
+    root = PROJECT_ROOT.resolve()
     for folder in SHIPPED_FOLDERS:
-        shipped = PROJECT_ROOT / folder
-        if out.is_file() and out.resolve().is_relative_to(shipped.resolve()):
-            raise ValueError(f"{output_label} {output} is a file the checkout ships "
-                             f"({out.resolve().relative_to(PROJECT_ROOT.resolve())}): writing it "
-                             f"would change it for every run; write elsewhere")
+        if p.is_relative_to(root / folder):
+            raise ValueError(f"{name}: lies inside the checkout's {folder}/ "
+                             f"({p.relative_to(root)}): writing there would change the files "
+                             f"every run reads; write elsewhere")
 
 
 def check_output_file(path: str | Path, label: str, suffix: str | None = None) -> None:
@@ -186,7 +197,8 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     directory or anything else that is not a regular file (`refuse_non_regular`), its nearest
     existing ancestor is not a directory, no file can be created there (tried with an empty
     temporary file, removed at once, so root on a read-only or pseudo filesystem such as /proc
-    is caught too), or its name does not end in `suffix` (case ignored; for a writer whose
+    is caught too), it lies inside a checkpoint or a folder the checkout ships
+    (`refuse_inside_shipped`), or its name does not end in `suffix` (case ignored; for a writer whose
     format does not follow the name: a PNG named `.jpg` would be PNG bytes), or, for a writer
     of text (no `suffix`), it ends in `.png`, the pictures' name here (`scene furnish -o x.png`
     would be JSON in a file named as the render), or the path is not UTF-8, or it or a directory
@@ -210,6 +222,7 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
         raise ValueError(f"{label} {path}: is a directory; give a file path")
     refuse_non_regular(p, f"{label} {path}")
     refuse_inside_checkpoint(p, f"{label} {path}")
+    refuse_inside_shipped(p, f"{label} {path}")
     parent = _existing(p.absolute().parent)
     if not parent.is_dir():
         raise ValueError(f"{label} {path}: {parent} is not a directory")
@@ -549,8 +562,9 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     not a directory or not writable (tried with an empty temporary directory, removed at once,
     so root on a read-only or pseudo filesystem such as /proc is caught too), a name too
     long to leave room for `atomic_dir`'s temporary beside it (or a directory still to be
-    created above it named longer than the file system allows), or a path that is not UTF-8.
-    A dangling symbolic link is refused too (creating the directory would fail on it).
+    created above it named longer than the file system allows), a path that is not UTF-8, or
+    one inside a checkpoint or a folder the checkout ships (`refuse_inside_shipped`). A
+    dangling symbolic link is refused too (creating the directory would fail on it).
     Raises `error` naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
     name = f"{label} {path}" if label else str(path)
@@ -563,6 +577,7 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
                     "create its target or give another path")
     try:
         refuse_inside_checkpoint(p, name)
+        refuse_inside_shipped(p, name)
     except ValueError as err:
         raise error(str(err)) from None
     if not where.is_dir():

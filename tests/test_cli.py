@@ -339,7 +339,7 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
     shipped = (Path(dev).read_bytes(), before, before)
     cases = [
         (["design", "--model", "/nonexistent", "--prompt", "x", "-o", str(default)],
-         f"-o {default} is the same file as the default config"),
+         f"-o {default}: lies inside the checkout's configs/ (configs/cpu-default.yaml)"),
         (["design", "--model", "/nonexistent", "--prompt", "x", "-o", str(prompts / "planner.txt"),
           f"scene.prompts_dir={prompts}"], f"lies inside scene.prompts_dir {prompts}"),
         (["eval", "--model", "/nonexistent", "--out", str(package / "r.json")],
@@ -353,10 +353,10 @@ def test_no_command_writes_over_the_files_its_config_reads(tmp_path, capsys):
         (["scene", "render", str(scene), "-o", str(png_config), "--config", str(png_config)],
          f"-o {png_config} is the same file as --config {png_config}"),
         (["scene", "generate", "--split", "dev", "--n", "2", "-o", dev],
-         f"-o {dev} is the same file as schedule.dev_set"),
+         f"-o {dev}: lies inside the checkout's data/ (data/scenes/dev.jsonl)"),
         # a config naming other scene sets does not make the shipped ones writable
         (["scene", "furnish", str(tmp_path / "s.jsonl"), "--config", str(other), "-o", dev],
-         f"-o {dev} is a file the checkout ships (data/scenes/dev.jsonl)"),
+         f"-o {dev}: lies inside the checkout's data/ (data/scenes/dev.jsonl)"),
         (["scene", "furnish", dev, "-o", str(ROOT / "convert" / "inspect.py")],
          "lies inside the convert package"),
     ]
@@ -583,6 +583,36 @@ def test_eval_out_naming_a_directory_without_a_name_is_refused_naming_the_option
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--model", "/nonexistent", "--out", out]) == 2
     assert one_error_line(capsys) == f"error: --out {out}: {why}"
+
+
+def test_no_output_lands_inside_the_checkouts_configs_or_data(tmp_path, capsys, monkeypatch,
+                                                              train_command_calls):
+    """Only existing files under configs/ and data/ were refused: a new run directory, model
+    or report there was written into the folders every run reads."""
+    cases = [
+        (["train", "--run-dir", str(ROOT / "configs" / "new-run")],
+         f"error: --run-dir {ROOT / 'configs' / 'new-run'}: lies inside the checkout's configs/ "
+         "(configs/new-run): writing there would change the files every run reads; write elsewhere"),
+        (["init-model", str(ROOT / "data" / "new-model")],
+         f"error: {ROOT / 'data' / 'new-model'}: lies inside the checkout's data/ (data/new-model): "
+         "writing there would change the files every run reads; write elsewhere"),
+        (["eval", "--model", "/nonexistent", "--out", str(ROOT / "data" / "scenes" / "r.json")],
+         f"error: --out {ROOT / 'data' / 'scenes' / 'r.json'}: lies inside the checkout's data/ "
+         "(data/scenes/r.json): writing there would change the files every run reads; write "
+         "elsewhere"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        assert one_error_line(capsys) == expected
+    assert not (ROOT / "configs" / "new-run").exists() and not (ROOT / "data" / "new-model").exists()
+    # the warm-start model cache is an input before it exists too
+    monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
+    run_dir = tmp_path / "cache" / "models" / "run"
+    assert main(["train", "--run-dir", str(run_dir)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --run-dir {run_dir} lies inside the warm-start model cache "
+        f"{tmp_path / 'cache' / 'models'}: writing it would change that input; write elsewhere")
+    assert train_command_calls == {}
 
 
 def test_a_scene_set_not_found_names_the_option(tmp_path, capsys, monkeypatch):
