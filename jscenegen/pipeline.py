@@ -120,7 +120,8 @@ def default_model_dir(cfg, phases: dict) -> Path:
               file=sys.stderr, flush=True)
         t1 = time.perf_counter()
         with _or_made_meanwhile(out):
-            run_sft(sft_cfg, base, out, log=_sft_log, chat_template_path=template)
+            run_sft(sft_cfg, base, out, chat_template_path=template,
+                    log=_sft_log if cfg.trainer.progress else _no_log)
         phases["sft_s"] = time.perf_counter() - t1
     else:
         print(terminal_line(f"reusing the SFT warm start {out}"), file=sys.stderr, flush=True)
@@ -140,7 +141,12 @@ def _or_made_meanwhile(out: Path) -> Iterator[None]:
         log.warning("%s was made meanwhile by another run: using it", out)
 
 
+def _no_log(row: dict) -> None:
+    """The warm start's SFT log under trainer.progress=false: nothing."""
+
+
 def _sft_log(row: dict) -> None:
+    """The warm start's SFT progress: a stderr line per logged step."""
     if "step" in row:
         print(f"  sft step {row['step']}: loss {row['loss']:.4f}", file=sys.stderr, flush=True)
 

@@ -50,7 +50,8 @@ class TrainerConfig(Section):
                                     "RUN_DIR/trajectories.jsonl (never exported)")
     progress: bool = Field(True, description="GRPO progress on stderr (process 0): a progress bar "
                            "on a terminal, else one line per update attempt, and a line before "
-                           "and after each dev evaluation; false: none")
+                           "and after each dev evaluation, and the warm start's SFT step lines; "
+                           "false: none (the phases' one-line announcements stay)")
 
 
 class WarmStartConfig(Section):

@@ -475,3 +475,18 @@ def test_what_needs_no_model_is_refused_before_the_warm_start(tmp_path, capsys, 
                  *overrides]) == 2
     assert capsys.readouterr().err == f"error: {error}\n"
     assert stubbed_warm_start == [] and not run_dir.exists()
+
+
+def test_progress_false_keeps_the_warm_starts_sft_steps_off_stderr(capsys, stubbed_warm_start):
+    """The README said trainer.progress=false turns the warm start's progress off too; its
+    SFT step lines printed anyway. The phases' one-line announcements stay."""
+    from jscenegen.pipeline import default_model_dir
+
+    for seed, progress in ((1, True), (2, False)):   # another SFT each time
+        cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [
+            f"trainer.progress={str(progress).lower()}",
+            f"warm_start.sft_overrides=[sft.seed={seed}]"], RunConfig)
+        default_model_dir(cfg, {})
+        err = capsys.readouterr().err
+        assert ("  sft step 1: loss 0.5000\n" in err) == progress, err
+        assert "SFT warm start into " in err
