@@ -103,7 +103,12 @@ _CONDITIONAL_KEYS = (
     ("model", ("remat_policy",), lambda c: c.model.remat, "model.remat: true"),
     # argmax decoding ignores the seed: a greedy evaluation plays one episode per scene
     ("trainer", ("eval_samples",), lambda c: not c.sampling.greedy, "sampling.greedy: false"),
+    ("warm_start", tuple(WarmStartConfig.model_fields), lambda c: c.model.path is None,
+     "model.path: null (a run given a model makes none)"),
 )
+# sections whose values in DEFAULT_CONFIG count as unset too: `train model.path=DIR` without
+# --config reads that file's warm start, which the user did not set
+_DEFAULT_CONFIG_SECTIONS = ("warm_start",)
 
 
 def warn_inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -> None:
@@ -116,13 +121,18 @@ def inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -> lis
     """One sentence per group of keys set away from their defaults that act only under a
     setting `cfg` does not have (`judge.base_url` with the rule judge: a forgotten
     `judge.backend: http` would otherwise grade with the rule judge without a word); only the
-    keys of `sections` when given (a command that trains nothing reads no `loss` key)."""
+    keys of `sections` when given (a command that trains nothing reads no `loss` key). A
+    `_DEFAULT_CONFIG_SECTIONS` key is set only away from DEFAULT_CONFIG's value too."""
     lines = []
     for section, keys, acts, setting in _CONDITIONAL_KEYS:
         if (sections is not None and section not in sections) or acts(cfg):
             continue
-        values, defaults = getattr(cfg, section), type(getattr(cfg, section))()
-        changed = [f"{section}.{k}" for k in keys if getattr(values, k) != getattr(defaults, k)]
+        values = getattr(cfg, section)
+        unset = [type(values)()]
+        if section in _DEFAULT_CONFIG_SECTIONS:
+            unset.append(getattr(load_run_config(None), section))
+        changed = [f"{section}.{k}" for k in keys
+                   if all(getattr(values, k) != getattr(d, k) for d in unset)]
         if changed:
             lines.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no "
                          f"effect without {setting}")

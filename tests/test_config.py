@@ -411,6 +411,23 @@ def test_keys_set_where_they_have_no_effect_are_named(caplog):
         "trainer.eval_samples has no effect without sampling.greedy: false"]
 
 
+def test_warm_start_keys_beside_a_model_path_are_named():
+    """`warm_start.*` is read only without `model.path`: set beside one it was ignored without
+    a word; the CPU default's own warm start (what `train model.path=DIR` reads) is not named."""
+    from jscenegen.run_config import inert_settings, load_run_config
+
+    assert inert_settings(load_run_config(None, ["model.path=/m"])) == []
+    assert inert_settings(load_run_config(None, ["warm_start.preset=small", "warm_start.arch=qwen2"])) == []
+    assert inert_settings(load_run_config(None, ["model.path=/m", "warm_start.preset=small",
+                                                 "warm_start.sft_config=null"])) == [
+        "warm_start.preset, warm_start.sft_config have no effect without model.path: null (a run "
+        "given a model makes none)"]
+    assert inert_settings(load_run_config("configs/grpo100.yaml", [
+        "model.path=/m", "warm_start.sft_overrides=[sft.steps=2]"])) == [
+        "warm_start.sft_overrides has no effect without model.path: null (a run given a model "
+        "makes none)"]
+
+
 @pytest.mark.parametrize("override,why", [
     ('schedule.total_updates="3"', 'expected a number, not a string (got "3")'),
     ("schedule.total_updates=2.0", "expected an integer, not 2.0"),
