@@ -117,6 +117,15 @@ def warn_inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -
         logging.getLogger(__name__).warning("%s", line)
 
 
+def _default_config() -> RunConfig | None:
+    """DEFAULT_CONFIG as loaded, or None where it cannot be (an install without the checkout's
+    configs/): then only the class defaults count as unset."""
+    try:
+        return load_run_config(None)
+    except (ConfigError, OSError):
+        return None
+
+
 def inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -> list[str]:
     """One sentence per group of keys set away from their defaults that act only under a
     setting `cfg` does not have (`judge.base_url` with the rule judge: a forgotten
@@ -129,8 +138,8 @@ def inert_settings(cfg: RunConfig, sections: Sequence[str] | None = None) -> lis
             continue
         values = getattr(cfg, section)
         unset = [type(values)()]
-        if section in _DEFAULT_CONFIG_SECTIONS:
-            unset.append(getattr(load_run_config(None), section))
+        if section in _DEFAULT_CONFIG_SECTIONS and (default := _default_config()) is not None:
+            unset.append(getattr(default, section))
         changed = [f"{section}.{k}" for k in keys
                    if all(getattr(values, k) != getattr(d, k) for d in unset)]
         if changed:

@@ -243,7 +243,7 @@ def test_a_relative_catalogue_path_is_found_in_the_checkout_as_prompts_dir_is(tm
     (tmp_path / "jscenegen/scene/data").mkdir(parents=True)   # the working directory's first
     (tmp_path / given).write_text("{}")
     with pytest.raises(ValueError, match=f"^{given}: expected a JSON object with a 'categories'"):
-        load_catalogue.__wrapped__(given)   # not the cached read of the checkout's
+        load_catalogue(given)   # the working directory's file now, not the checkout's cached
     assert catalogue_digest(given) != catalogue_digest()
 
 

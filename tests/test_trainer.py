@@ -590,10 +590,9 @@ def test_a_step_that_is_a_link_or_a_file_is_refused_before_the_first_update(stra
     assert check_step(run / "checkpoints/7").reason.endswith("is not a directory")
 
 
-def test_a_step_directory_copied_under_another_number_is_refused_before_the_weights(straight,
-                                                                                     tmp_path):
+def test_a_step_directory_copied_under_another_number_is_refused(straight, tmp_path):
     """`cp -r checkpoints/3 checkpoints/7` resumed step 7 at attempt 3, and a later save failed
-    far from the cause."""
+    far from the cause (refused with the run's other checks, after the restore)."""
     import shutil
 
     from jscenegen.checkpoint.store import CheckpointError

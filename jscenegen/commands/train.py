@@ -45,7 +45,8 @@ def run(args) -> int:
         config_source = str(config_path)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     # before any path below it (a name too long)
-    check_output_dir(run_dir, label="--resume" if args.resume else "--run-dir")
+    label = "--resume" if args.resume else "--run-dir"
+    check_output_dir(run_dir, label=label)
     if not args.resume:
         check_checkpoints_dir(run_dir / RUN_CHECKPOINTS)
     cfg = load_run_config(config_path, args.overrides)
@@ -73,9 +74,9 @@ def run(args) -> int:
     check_run_logs(run_dir)
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
-    refuse_overwriting_input(run_dir, "--run-dir", {"model.path": cfg.model.path,
-                                                   "the warm-start model cache": models,
-                                                   **config_inputs(cfg, config_path)})
+    refuse_overwriting_input(run_dir, label, {"model.path": cfg.model.path,
+                                              "the warm-start model cache": models,
+                                              **config_inputs(cfg, config_path)})
     if afresh:   # said once the checks above passed
         print(terminal_line(f"{run_dir} has no checkpoint (stopped before its first was saved): "
                             f"starting it again with {args.config or 'its config.yaml'}"),

@@ -263,7 +263,9 @@ class Sampler:
       layout: a RolloutLayout, or the `rollout.layout` choice ("auto", "replicated", "tp",
         "fsdp") resolved by `sharding.rollout.choose_rollout_layout` with `tp` and
         `memory_fraction`; rows must be a multiple of `row_multiple`.
-      dtype: the rollout weights' dtype name (None: the model's compute dtype).
+      dtype: the dtype name of the rollout weights the model reads in the compute dtype
+        (`rules.rollout_casts`: matmul and embedding weights; the others keep theirs; None: the
+        model's compute dtype).
       segment: decode steps per compiled call (None: the smallest bucket; see `decode`).
 
     Raises ValueError for stop strings without token_bytes, unsorted buckets, a segment < 1 or

@@ -182,16 +182,23 @@ def _catalogue_file(path: str) -> Path:
         return Path(path)
 
 
-@functools.lru_cache(maxsize=8)
 def load_catalogue(path: str | None = None) -> Catalogue:
     """The packaged catalogue, or the JSON file at `path` (`scene.catalogue_path`, relative
-    paths as `_catalogue_file` finds them). Raises ValueError naming the file and the bad key,
-    or a file that cannot be read as JSON (`schema.read_json_file`: missing, not a regular
-    file, too large, not UTF-8 JSON)."""
+    paths as `_catalogue_file` finds them: cached by the file found, so a relative path read
+    from another working directory is read again). Raises ValueError naming the file and the
+    bad key, or a file that cannot be read as JSON (`schema.read_json_file`: missing, not a
+    regular file, too large, not UTF-8 JSON)."""
     if path is None:
+        return _read_catalogue(None, None)
+    return _read_catalogue(str(_catalogue_file(path).absolute()), str(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_catalogue(found: str | None, given: str | None) -> Catalogue:
+    if found is None:
         text = resources.files("jscenegen.scene").joinpath(PACKAGED_CATALOGUE).read_text()
         return _parse(loads_json(text), "jscenegen/scene/data/catalogue.json")
-    return _parse(read_json_file(_catalogue_file(path), f"scene.catalogue_path {path}"), str(path))
+    return _parse(read_json_file(Path(found), f"scene.catalogue_path {given}"), given)
 
 
 def catalogue_digest(path: str | None = None) -> str:

@@ -3,8 +3,9 @@
 Every record is a pure function of its seed: `make_record(seed, scene_id)` draws the room
 (rectangular or L-shaped, sides on 5 cm steps so the grid aligns), doors, windows and the request
 from numpy's PCG64 seeded with that integer. A set is `make_scene_set(split, n)`: seeds are
-SPLIT_BASE[split] * 1000 + index. Regenerate the shipped sets with
-`jscenegen scene generate --split train --n 100 -o data/scenes/train.jsonl` (and `--split dev --n 9`).
+SPLIT_BASE[split] * 1000 + index. The shipped sets are made again (outputs inside data/ are
+refused) with `jscenegen scene generate --split train --n 100 -o /tmp/train.jsonl && cmp
+/tmp/train.jsonl data/scenes/train.jsonl` (and `--split dev --n 9`).
 """
 from __future__ import annotations
 

@@ -55,8 +55,9 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     mesh's fsdp size; the sequence bucket and sp size). eps, norm_by_std: the advantage's
     (`grpo_outcome_advantages`). group_size: the configured G (default: the trajectories per
     group). trim: drop the columns after the last trained token of every row (rounded up to
-    `col_multiple`; the same loss, gradient and metrics); False keeps the longest episode's
-    length (one shape for every role: `parity train`). Raises ValueError when a group's size
+    `col_multiple`; the same loss, gradient and metrics wherever the loss does not divide by T:
+    the trainer fixes seq-mean-token-sum-norm's horizon, `constant_horizon`); False keeps the
+    longest episode's length (one shape for every role: `parity train`). Raises ValueError when a group's size
     differs from it.
     """
     g = len(trajectories)
