@@ -159,15 +159,14 @@ def test_a_step_directory_numbered_otherwise_than_its_train_state_is_refused(tmp
     """`cp -r checkpoints/8 checkpoints/12` resumed step 12 at attempt 8, and the run's next save
     failed far from the cause."""
     from jscenegen.checkpoint.resume import check_step_number
-    from jscenegen.checkpoint.store import Checkpoint, CheckpointError
+    from jscenegen.checkpoint.store import CheckpointError
 
     def ck(step):
-        return Checkpoint(step=step, path=tmp_path / "checkpoints" / str(step), params={},
-                          adam={"count": 8, "mu": {}, "nu": {}}, train_state=state, metadata={})
+        return tmp_path / "checkpoints" / str(step), step, state
 
-    assert check_step_number(ck(8)).step == 8
+    assert check_step_number(*ck(8)).step == 8
     with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'checkpoints' / '12'}: a step "
                                               rf"directory numbered 12 whose train_state {key} is "
                                               r"8; a step keeps the number it was saved under \(was "
                                               r"it copied or renamed\?\): name it 8, or remove it$"):
-        check_step_number(ck(12))
+        check_step_number(*ck(12))

@@ -590,18 +590,24 @@ def test_a_step_that_is_a_link_or_a_file_is_refused_before_the_first_update(stra
     assert check_step(run / "checkpoints/7").reason.endswith("is not a directory")
 
 
-def test_a_step_directory_copied_under_another_number_is_refused(straight, tmp_path):
+def test_a_step_directory_copied_under_another_number_is_refused(straight, tmp_path, monkeypatch):
     """`cp -r checkpoints/3 checkpoints/7` resumed step 7 at attempt 3, and a later save failed
-    far from the cause (refused with the run's other checks, after the restore)."""
+    far from the cause; it is refused before any array of the step is read (a copied step of a
+    large model was refused only after its restore)."""
     import shutil
 
-    from jscenegen.checkpoint.store import CheckpointError
+    from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
 
     run = shutil.copytree(straight[0], tmp_path / "run")
     shutil.copytree(run / "checkpoints/3", run / "checkpoints/7")
+    restored = []
+    real = CheckpointStore.restore
+    monkeypatch.setattr(CheckpointStore, "restore",
+                        lambda self, *a, **k: (restored.append(a), real(self, *a, **k))[1])
     with pytest.raises(CheckpointError, match=rf"^{run / 'checkpoints/7'}: a step directory "
                                               r"numbered 7 whose train_state schedule\.attempts is 3;"):
         Trainer(_cfg(), run, chat_model_dir(), resume=True)
+    assert restored == []
 
 
 def test_an_update_runs_no_separate_old_logprob_forward(tmp_path):

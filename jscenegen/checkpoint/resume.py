@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
@@ -32,6 +32,7 @@ from jscenegen.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
     padded_target,
+    read_train_state,
 )
 from jscenegen.config import shown_value, validation_message
 from jscenegen.paths import loads_json, not_a_file, umask_mode
@@ -56,7 +57,8 @@ class CheckpointPosition:
 
 def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ...]],
                       mesh: jax.sharding.Mesh, param_dtype: Any,
-                      trainable: Iterable[str] | None = None) -> Checkpoint:
+                      trainable: Iterable[str] | None = None,
+                      check_train_state: Callable[[Path, int, dict], None] | None = None) -> Checkpoint:
     """The newest complete, verified checkpoint of `store`, every array padded and sharded as
     the trainer holds it (`padded_target` on `mesh`): trainable params in `param_dtype`,
     frozen (carried) tensors in their stored dtype, Adam moments for the trainable ones.
@@ -65,7 +67,9 @@ def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ..
     first (`CheckpointStore.set_aside_corrupt`: renamed, with a warning naming the files), so
     the resumed run redoes their updates and saves those steps again.
     shapes: every tensor the run holds (`param_shapes(cfg, carried=True)`); trainable: the
-    names the run's optimizer steps (default: all of `shapes`).
+    names the run's optimizer steps (default: all of `shapes`). check_train_state(step_dir,
+    step, train_state): called on the chosen step's train state once its files are verified and
+    before its arrays are read, so a refusal of a multi-GB step costs no restore.
     Raises CheckpointError when there is none, it does not fit `shapes`, or its Adam state
     covers other tensors than `trainable` (e.g. a tower trained with `model.train_vision:
     true`, resumed without it), naming the tensors that differ."""
@@ -73,6 +77,9 @@ def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ..
     if valid is None:
         raise CheckpointError(f"{store.directory}: no complete checkpoint (steps on disk: "
                               f"{store.steps()})")
+    if check_train_state is not None:
+        step_dir = store.step_path(valid.step)
+        check_train_state(step_dir, valid.step, read_train_state(step_dir))
     ck = store.restore(valid.step, target=padded_target(shapes, mesh, dtype=param_dtype),
                        verified=valid)
     want = set(shapes if trainable is None else trainable)
@@ -178,17 +185,17 @@ def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
                               "nor a converted checkpoint's)") from None
 
 
-def check_step_number(ck: Checkpoint) -> CheckpointPosition:
-    """`checkpoint_position` of `ck`'s train state, whose `step` (the trainer's
+def check_step_number(step_dir: Path, step: int, train_state: Mapping[str, Any]) -> CheckpointPosition:
+    """`checkpoint_position` of a step directory's train state, whose `step` (the trainer's
     `schedule.attempts`, a converted checkpoint's `step`) must be the number of the step
     directory it was read from: a step directory copied or renamed (`cp -r checkpoints/8
     checkpoints/12`) would resume at the directory's number with the train state's position,
     and the run's next save would not fit. Raises CheckpointError naming the directory and the
     train state's value."""
-    at = checkpoint_position(ck.train_state)
-    if at.step != ck.step:
-        key = "schedule.attempts" if has_run_identity(ck.train_state) else "step"
-        raise CheckpointError(f"{ck.path}: a step directory numbered {ck.step} whose train_state "
+    at = checkpoint_position(train_state)
+    if at.step != step:
+        key = "schedule.attempts" if has_run_identity(train_state) else "step"
+        raise CheckpointError(f"{step_dir}: a step directory numbered {step} whose train_state "
                               f"{key} is {at.step}; a step keeps the number it was saved under "
                               f"(was it copied or renamed?): name it {at.step}, or remove it")
     return at

@@ -321,34 +321,40 @@ class Trainer:
                                trainable=self.trainable)
 
     def _read_checkpoint(self):
-        """Newest complete checkpoint, verified, restored onto this mesh; refuses a changed run
-        and a step directory whose number is not its train state's (`check_step_number`).
+        """Newest complete checkpoint, verified, restored onto this mesh, once its train state
+        passed `_check_saved` (before any array is read).
 
         A checkpoint converted from VERL or HF files that did not come from ours carries no
         protocol or schedule of ours: it starts this schedule at its global step.
         """
         dtype = np_dtype(self.cfg.model.param_dtype)
-        ck = restore_onto_mesh(self.store, self.shapes, self.mesh, dtype, self.trainable)
-        saved = ck.train_state
-        if not has_run_identity(saved):
-            check_step_number(ck)
+        ck = restore_onto_mesh(self.store, self.shapes, self.mesh, dtype, self.trainable,
+                               check_train_state=self._check_saved)
+        if not has_run_identity(ck.train_state):
             log.warning("starting from a %s checkpoint converted at step %s: no protocol or "
-                        "schedule hash to check", saved.get("source_format", "unknown"), saved.get("step"))
-            return ck
+                        "schedule hash to check", ck.train_state.get("source_format", "unknown"),
+                        ck.train_state.get("step"))
+        return ck
+
+    def _check_saved(self, step_dir: Path, step: int, saved: dict) -> None:
+        """Refuse a step whose train state is malformed, numbered otherwise than its directory
+        (`check_step_number`), or from a changed run (protocol, reward, schedule, scenes)."""
+        if not has_run_identity(saved):
+            check_step_number(step_dir, step, saved)
+            return
         try:
             check_run_identity(saved)
         except ValueError as err:
-            raise CheckpointError(f"{ck.path / TRAIN_STATE_ITEM}: {err}") from None
-        check_step_number(ck)
+            raise CheckpointError(f"{step_dir / TRAIN_STATE_ITEM}: {err}") from None
+        check_step_number(step_dir, step, saved)
         check_same_run(saved, protocol_hash=self.protocol_hash,
                        reward=self.cfg.scene.reward.model_dump(mode="json"),
-                       protocol_settings=self._protocol_settings_changed(ck.path, saved))
+                       protocol_settings=self._protocol_settings_changed(step_dir, saved))
         try:
             check_extension(saved, self.schedule)
             check_scene_content(saved, self.scenes, self.cfg.schedule.train_set)
         except ValueError as err:
             raise ResumeError(str(err)) from None
-        return ck
 
     def _protocol_settings_changed(self, step_dir, saved) -> list[str] | None:
         """The settings the protocol hash reads (`protocol_settings`) that differ from those
