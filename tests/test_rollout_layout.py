@@ -306,19 +306,19 @@ def test_the_cache_fit_counts_the_bytes_each_device_holds(tiny_hf, qwen35_hf, me
     if (arch, layout) != ("qwen3", "tp"):           # replicated over sp / tp: twice an even spread
         assert per_device > 1.9 * total / 6, (per_device, total)
     s._donate = True                                 # one cache alive at a time
-    for limit, fits in ((per_device - 1, False), (per_device, True)):
+    for free, fits in ((per_device - 1, False), (per_device, True)):
         s._cache_makers.clear()
-        s.device_bytes = limit
+        s._free_device_bytes = lambda free=free: free
         if fits:
             assert s.new_cache(ROWS, 64)[0].valid.shape == (ROWS, 64)
         else:
             with pytest.raises(ValueError, match=f"a KV cache of {ROWS} rows x 64 slots needs "
                                r"[\d.]+ GiB per device, more than the"):
                 s.new_cache(ROWS, 64)
-    s.device_bytes = None                            # unknown memory: no check
+    s._free_device_bytes = lambda: None              # unknown memory: no check
     grown = held(s.grow_cache(cache, 128))
-    s.device_bytes = grown + per_device - 1          # the grown cache and this one: not both
+    s._free_device_bytes = lambda: grown - 1         # `cache` is in use already: the grown one must fit beside it
     with pytest.raises(ValueError, match=f"a KV cache of {ROWS} rows x 128 slots"):
         s.grow_cache(cache, 128)
-    s.device_bytes = grown + per_device
+    s._free_device_bytes = lambda: grown
     assert held(s.grow_cache(cache, 128)) == grown

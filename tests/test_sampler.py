@@ -409,7 +409,7 @@ def test_a_cache_beyond_the_devices_memory_is_refused_before_it_is_made(model):
     """Asked for 2^33 slots a row, the cache was allocated until the process was killed."""
     s = Sampler(model, SamplingParams(temperature=1.0), buckets=BUCKETS)
     with pytest.raises(ValueError, match=r"a KV cache of 2 rows x 8,589,934,592 slots needs "
-                       r"[\d,.]+ GiB per device, more than the [\d,.]+ GiB one has: lower the "
+                       r"[\d,.]+ GiB per device, more than the [\d,.]+ GiB one has free: lower the "
                        r"episode and turn caps \(sampling.max_episode_tokens"):
         s.new_cache(2, 2**33)
     small, _ = s.new_cache(2, 16)
@@ -426,12 +426,59 @@ def test_a_grow_counts_the_cache_it_copies_from(model):
     grown_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
         lambda: s.create_cache(s.cfg, 2, 256, s.cache_dtype))))
     small_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(small))
-    s.device_bytes = grown_bytes + small_bytes // 2     # the grown cache fits, not both
-    s.new_cache(2, 256)
+    assert small_bytes > 0
+    s._free_device_bytes = lambda: grown_bytes - 1      # beside `small` (in use), not the grown one
     with pytest.raises(ValueError, match=r"a KV cache of 2 rows x 256 slots needs"):
         s.grow_cache(small, 256)
-    s.device_bytes = grown_bytes + small_bytes
+    s._free_device_bytes = lambda: grown_bytes
     assert s.grow_cache(small, 256).valid.shape == (2, 256)
+
+
+def test_the_cache_fit_leaves_out_the_memory_arrays_already_hold(model, monkeypatch):
+    """The guard compared a cache with the device's whole memory: with the weights, the
+    optimizer state and the previous caches holding most of it, a cache that passed was
+    allocated until the process died. Now the limit is what the device has free (a GPU's
+    `bytes_limit - bytes_in_use`; the host's available memory on CPU); without donation (CPU)
+    a decode call holds its input and output caches, so twice the cache must fit."""
+    import jscenegen.generate.sampler as sampler_module
+    import jscenegen.sharding.rollout as rollout
+
+    s = Sampler(model, SamplingParams(temperature=1.0), buckets=BUCKETS)
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+        lambda: s.create_cache(s.cfg, 2, 512, s.cache_dtype))))
+    s.device_bytes = 100 * need                          # the device's whole memory: ample
+    monkeypatch.setattr(rollout, "available_memory_bytes",
+                        lambda: jax.local_device_count() * (2 * need - 1))
+    monkeypatch.setattr(sampler_module, "least_free_device_memory_bytes",
+                        rollout.least_free_device_memory_bytes)
+    assert not s._donate
+    with pytest.raises(ValueError, match=r"a KV cache of 2 rows x 512 slots needs [\d.]+ GiB per "
+                                         r"device, more than the [\d.]+ GiB one has free"):
+        s.new_cache(2, 512)
+    monkeypatch.setattr(rollout, "available_memory_bytes",
+                        lambda: jax.local_device_count() * 2 * need)
+    assert s.new_cache(2, 512)[0].valid.shape == (2, 512)
+
+
+def test_a_devices_free_memory_is_its_limit_less_its_bytes_in_use(monkeypatch):
+    """GPU/TPU: the allocator's limit less the bytes live arrays hold; CPU without memory
+    stats: the host's available memory shared by the local devices; unknown: None."""
+    import jscenegen.sharding.rollout as rollout
+
+    class Device:
+        def __init__(self, platform, stats):
+            self.platform, self.stats = platform, stats
+
+        def memory_stats(self):
+            return self.stats
+
+    gpu = Device("gpu", {"bytes_limit": 80 * 2**30, "bytes_in_use": 30 * 2**30})
+    assert rollout.free_device_memory_bytes(gpu) == 50 * 2**30
+    assert rollout.device_memory_bytes(gpu) == 80 * 2**30
+    monkeypatch.setattr(rollout, "available_memory_bytes", lambda: 12 * 2**30)
+    monkeypatch.setattr(rollout.jax, "local_device_count", lambda: 6)
+    assert rollout.free_device_memory_bytes(Device("cpu", None)) == 2 * 2**30
+    assert rollout.free_device_memory_bytes(Device("tpu", None)) is None
 
 
 # ---- Qwen3.5: the same sampler over the hybrid cache (K/V + Gated DeltaNet states) -----------

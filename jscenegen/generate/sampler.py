@@ -52,7 +52,12 @@ from jscenegen.model.qwen import CausalLM
 from jscenegen.model.weights import param_name
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.mesh import host_array
-from jscenegen.sharding.rollout import RolloutLayout, choose_rollout_layout, least_device_memory_bytes
+from jscenegen.sharding.rollout import (
+    RolloutLayout,
+    choose_rollout_layout,
+    least_device_memory_bytes,
+    least_free_device_memory_bytes,
+)
 from jscenegen.sharding.rules import ROWS, named, round_up
 
 log = logging.getLogger(__name__)
@@ -433,22 +438,26 @@ class Sampler:
 
     def _check_cache_fits(self, shapes, batch: int, max_len: int, alive=None) -> None:
         """Raise ValueError when a cache of `batch` rows x `max_len` slots (`shapes`: its
-        ShapeDtypeStructs) cannot fit: the bytes one rollout device holds of it
-        (`_cache_device_bytes`), twice that without buffer donation (CPU: a call's input and
-        output caches are alive together), or those plus one device's bytes of `alive` (the
-        cache a grow copies from, alive until the copy is made), exceed one device's memory
-        (`self.device_bytes`: the least over the processes; on CPU the host's RAM per device).
-        Without it such a cache is allocated until the process is killed for memory, with no
-        message. The weights and other arrays already on the device are not subtracted."""
-        need = self._cache_device_bytes(shapes)
-        need = max(need * (1 if self._donate else 2),
-                   need + (0 if alive is None else self._cache_device_bytes(alive)))
-        limit = self.device_bytes
-        if limit is not None and need > limit:
+        ShapeDtypeStructs) cannot fit in what one rollout device has free now
+        (`least_free_device_memory_bytes`: the least over the processes; the weights, optimizer
+        state and `alive` already hold their part): the bytes one device holds of it
+        (`_cache_device_bytes`) must fit, and so must twice that without buffer donation (CPU:
+        a call's input and output caches are alive together), less what `alive` (the cache a
+        grow copies from) frees once copied. Without it such a cache is allocated until the
+        process is killed for memory, with no message. No check when the free memory is unknown."""
+        new = self._cache_device_bytes(shapes)
+        old = 0 if alive is None else self._cache_device_bytes(alive)
+        need = max(new, new * (1 if self._donate else 2) - old)
+        free = self._free_device_bytes()
+        if free is not None and need > free:
             raise ValueError(f"a KV cache of {batch} rows x {max_len:,} slots needs "
                              f"{need / 2**30:,.1f} GiB per device, more than the "
-                             f"{limit / 2**30:,.1f} GiB one has: lower the episode and turn caps "
+                             f"{free / 2**30:,.1f} GiB one has free: lower the episode and turn caps "
                              "(sampling.max_episode_tokens, max_new_tokens, cache_tokens) or the rows")
+
+    def _free_device_bytes(self) -> int | None:
+        """Bytes one rollout device can still take (a collective: `least_free_device_memory_bytes`)."""
+        return least_free_device_memory_bytes()
 
     def _sharding(self, spec):
         """A role or PartitionSpec as a NamedSharding on the rollout mesh."""

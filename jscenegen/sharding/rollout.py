@@ -91,12 +91,9 @@ def rollout_mesh(mesh: Mesh, tp: int) -> Mesh:
                 axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def least_device_memory_bytes() -> int | None:
-    """The least `device_memory_bytes()` over the processes of a run (whole MiB), None when a
-    process cannot tell; `device_memory_bytes()` itself with one process. A collective: every
-    process calls it at the same point, so that all of them choose one rollout layout and judge
-    a cache's fit alike (hosts may differ in memory, cgroup limits or the allocator fraction)."""
-    own = device_memory_bytes()
+def _least_over_processes(own: int | None) -> int | None:
+    """The least of `own` over the processes of a run (whole MiB), None when a process says
+    None; `own` itself with one process. A collective: every process calls it at the same point."""
     if jax.process_count() == 1:
         return own
     mib_cap = 2**31 - 1    # max_over_processes is int32
@@ -105,19 +102,51 @@ def least_device_memory_bytes() -> int | None:
     return -max_over_processes(-min(own // 2**20, mib_cap)) * 2**20
 
 
+def least_device_memory_bytes() -> int | None:
+    """The least `device_memory_bytes()` over the processes of a run (whole MiB), None when a
+    process cannot tell; `device_memory_bytes()` itself with one process. A collective: every
+    process calls it at the same point, so that all of them choose one rollout layout alike
+    (hosts may differ in memory, cgroup limits or the allocator fraction)."""
+    return _least_over_processes(device_memory_bytes())
+
+
+def least_free_device_memory_bytes() -> int | None:
+    """The least `free_device_memory_bytes()` over the processes of a run (whole MiB), None
+    when a process cannot tell. A collective, so that every process judges a cache's fit alike
+    (one refusing alone would leave its peers waiting in the next collective)."""
+    return _least_over_processes(free_device_memory_bytes())
+
+
 def device_memory_bytes(device: jax.Device | None = None) -> int | None:
     """Memory of one device (its allocator limit on GPU/TPU; on CPU the host's RAM divided by the
     local devices), or None when unknown."""
     device = device or jax.local_devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        stats = None
+    stats = _memory_stats(device)
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     if device.platform == "cpu" and (total := host_memory_bytes()) is not None:
         return total // max(1, jax.local_device_count())
     return None
+
+
+def free_device_memory_bytes(device: jax.Device | None = None) -> int | None:
+    """Memory one device can still take, in bytes: its allocator's limit less its bytes in use
+    (GPU/TPU: the weights, the optimizer state and every other live array); on CPU what the host
+    has available now (`available_memory_bytes`) divided by the local devices; None when unknown."""
+    device = device or jax.local_devices()[0]
+    stats = _memory_stats(device)
+    if stats and stats.get("bytes_limit") and "bytes_in_use" in stats:
+        return max(int(stats["bytes_limit"]) - int(stats["bytes_in_use"]), 0)
+    if device.platform == "cpu" and (free := available_memory_bytes()) is not None:
+        return free // max(1, jax.local_device_count())
+    return None
+
+
+def _memory_stats(device: jax.Device) -> dict | None:
+    try:
+        return device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
 
 
 CGROUP_MEMORY = (   # (limit, usage) of the container's memory cgroup
