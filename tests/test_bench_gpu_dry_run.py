@@ -22,7 +22,10 @@ def test_the_gpu_bench_dry_run_reports_every_engine():
     ours = engines["jscenegen"]
     assert "error" not in ours, ours.get("error")
     assert ours["train_loss_finite"] is True and ours["train_step_s"] > 0
-    assert ours["train_step_capacity_s"] > 0 and ours["train_capacity_loss_rel_diff"] < 2e-2
+    # bf16: one rounding step at |log p| ~ 7 is 0.03; a trained token's log-prob taken from a
+    # wrong position would be off by the spread of a random model's log-probs (~1)
+    assert ours["train_step_capacity_s"] > 0 and ours["train_logprob_mean_abs"] > 1
+    assert ours["train_capacity_logprob_max_abs_diff"] < 2e-2
     assert ours["decode_tokens_per_s"] > 0
     summary = lines[-1]
     assert summary["bench"] == "gpu" and summary["tiny"] is True
