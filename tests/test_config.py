@@ -342,7 +342,7 @@ def test_a_reachability_cell_that_is_not_whole_even_millimetres_is_refused_by_th
     trainer raised IndexError on the empty batch); the config refuses it, naming the key."""
     from jscenegen.run_config import load_run_config
 
-    for bad in ("0.015", "0.051", "0.0105"):
+    for bad in ("0.015", "0.051", "0.0105", "1e-10", "0.0004"):   # 0 mm: every measure divided by 0
         with pytest.raises(ConfigError, match=rf"override scene.metrics.cell_m={bad}: "
                                               r"scene.metrics.cell_m: .*not a whole even number "
                                               r"of millimetres"):

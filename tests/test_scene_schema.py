@@ -275,6 +275,11 @@ def _packaged_catalogue() -> dict:
     (lambda d: d["categories"]["chair"].update(storage="yes"), r"categories\.chair: storage must be true or false"),
     (lambda d: d["room_types"]["bedroom"].update(required_group="beds"),
      r"room_types\.bedroom\.required_group 'beds' is not a group"),
+    # a list or a number here raised a bare TypeError (unhashable / not iterable)
+    (lambda d: d["room_types"]["bedroom"].update(required_group=["bed"]),
+     r"room_types\.bedroom\.required_group must be a group name, got \[\"bed\"\]"),
+    (lambda d: d["room_types"]["bedroom"].update(expected=5),
+     r"room_types\.bedroom\.expected must be a list of lists of names, got 5"),
 ])
 def test_a_catalogue_file_is_checked_key_by_key(tmp_path, change, message):
     doc = _packaged_catalogue()

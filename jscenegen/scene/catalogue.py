@@ -154,9 +154,16 @@ def _parse(doc: dict, source: str) -> Catalogue:
     if not isinstance(room_types, dict) or not all(isinstance(v, dict) for v in room_types.values()):
         raise ValueError(f"{source}: room_types must be an object of room type -> object")
     for rt, spec in room_types.items():
-        for i, alts in enumerate(spec.get("expected", [])):
+        expected = spec.get("expected", [])
+        if not isinstance(expected, list):
+            raise ValueError(f"{source}: room_types.{rt}.expected must be a list of lists of "
+                             f"names, got {json.dumps(expected)[:80]}")
+        for i, alts in enumerate(expected):
             names(f"room_types.{rt}.expected[{i}]", alts, cats.keys() | groups.keys())
         required = spec.get("required_group")
+        if required is not None and not isinstance(required, str):
+            raise ValueError(f"{source}: room_types.{rt}.required_group must be a group name, "
+                             f"got {json.dumps(required)[:80]}")
         if required is not None and required not in groups:
             raise ValueError(f"{source}: room_types.{rt}.required_group {required!r} is not a group")
     return Catalogue(

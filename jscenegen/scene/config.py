@@ -123,8 +123,8 @@ class MetricsConfig(Section):
     def _whole_even_millimetres(cls, value: float) -> float:
         """The grid's cell centres lie on whole millimetres (scene/reach_inputs.py)."""
         mm = round(value * 1000)
-        if mm % 2 or abs(mm - value * 1000) > 1e-6:
-            raise ValueError(f"{value} m is not a whole even number of millimetres")
+        if mm < 2 or mm % 2 or abs(mm - value * 1000) > 1e-6:
+            raise ValueError(f"{value} m is not a whole even number of millimetres >= 2 (0.002 m)")
         return value
 
 
