@@ -36,7 +36,7 @@ import contextlib
 import functools
 import logging
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -328,6 +328,7 @@ class Sampler:
         self._tail_width = self.stop_table.head.shape[1] if self.stop_table is not None else 1
         donate = self._donate = jax.default_backend() != "cpu"
         self._cache_makers: dict[tuple[int, int], Callable] = {}   # see _cache_maker
+        self._cache_shape_memo: dict[tuple[int, int], Any] = {}     # see _cache_shapes
         gd, specs = (self.graphdef, frozen), layout.specs
         # Samplers of one model structure, layout and sampling options share their traces
         structure = structure_key(self.graphdef, frozen)
@@ -403,6 +404,13 @@ class Sampler:
         """The unjitted maker of an empty cache of `batch` rows x `max_len` slots."""
         return functools.partial(self.create_cache, self.cfg, batch, max_len, self.cache_dtype)
 
+    def _cache_shapes(self, batch: int, max_len: int):
+        """The ShapeDtypeStructs of an empty cache of `batch` rows x `max_len` slots (traced
+        once per shape)."""
+        if (batch, max_len) not in self._cache_shape_memo:
+            self._cache_shape_memo[batch, max_len] = jax.eval_shape(self._empty_cache(batch, max_len))
+        return self._cache_shape_memo[batch, max_len]
+
     def _cache_maker(self, batch: int, max_len: int) -> Callable:
         """The function that makes an empty cache of `batch` rows x `max_len` slots, checked to
         fit (`_check_cache_fits`) once per shape; on a mesh jitted to make it in place (built
@@ -410,7 +418,7 @@ class Sampler:
         that one device)."""
         if (batch, max_len) not in self._cache_makers:
             make = self._empty_cache(batch, max_len)
-            shapes = jax.eval_shape(make)
+            shapes = self._cache_shapes(batch, max_len)
             self._check_cache_fits(shapes, batch, max_len)
             if self.layout.mesh is not None:
                 make = jax.jit(make, out_shardings=self._cache_shardings(shapes))
@@ -478,8 +486,7 @@ class Sampler:
         rows, old = cache.valid.shape
         if max_len < old:
             raise ValueError(f"grow_cache: {max_len} slots < the cache's {old}")
-        self._check_cache_fits(jax.eval_shape(self._empty_cache(rows, max_len)), rows, max_len,
-                               alive=cache)
+        self._check_cache_fits(self._cache_shapes(rows, max_len), rows, max_len, alive=cache)
         self.cache_grows += 1
         with self._ctx():
             return self._grow(cache, extra=max_len - old)
