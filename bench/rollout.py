@@ -11,6 +11,12 @@ rollout layouts `fsdp` (decode on the training shards), `replicated` and `tp` (t
 `small` shape (vocab 8192, hidden 512, 8 layers), 12 rows (G = 8 padded for 6 devices), 64-token
 prompts, 64 new tokens, the same prompts and seeds in every layout.
 
+Beside them, in the same rounds, the host's memory floor: a compiled loop of 128 steps that
+each read the decode step's bytes once and do nothing else (every weight, a tied embedding
+once, and the mean K/V in use; `bench/weight_stream.py`'s chain). On a CPU whose last-level
+cache is smaller than those bytes a decode step cannot beat it, so `floor_vs_tunix` is the
+most `vs_tunix` any sampler could reach in that run.
+
 Each engine is warmed up (compiled) once, then timed once per round with the engines
 interleaved, so a load spike on the shared machine hits all of them; the median over
 --rounds counts. CPU seconds (all threads of the process) are printed beside wall seconds:
@@ -19,8 +25,9 @@ other jobs barely change them, so their ratios are the stable ones on a busy mac
     python bench/rollout.py [--rounds 5] [--skip-mesh]
 
 Prints every figure and, last, one JSON line with the ratios: `vs_transformers` and `vs_tunix`
-(jscenegen over the other, generated tokens/s), `replicated_vs_fsdp`, `tp_vs_fsdp`, the same
-from CPU time (`cpu_*`), and the machine's load average before and after.
+(jscenegen over the other, generated tokens/s), `jscenegen_of_floor` (the share of the memory
+floor's rate reached) and `floor_vs_tunix`, `replicated_vs_fsdp`, `tp_vs_fsdp`, the same from
+CPU time (`cpu_*`), and the machine's load average before and after.
 """
 from __future__ import annotations
 
@@ -129,8 +136,29 @@ def one_device(n_rounds: int) -> dict:
             engines["tunix"] = tunix_engine(tmp, model.cfg, prompts)
         else:
             print("tunix: not installed (pip install -e '.[bench]'); its sampler is not measured")
+        from weight_stream import stream_loop
+
+        step_bytes = decode_step_bytes(model)
+        stream = stream_loop(step_bytes, steps=NEW)[0]
+        engines["memory floor"] = lambda r: stream()
+        print(f"memory floor: {NEW} steps each reading {step_bytes / 1e6:.1f} MB of fp32 weights "
+              "once (the decode step's weights and mean KV cache in use; bench/weight_stream.py)")
         times = rounds(engines, n_rounds)
     return _report(times, BATCH * NEW)
+
+
+def decode_step_bytes(model) -> int:
+    """Bytes a decode step must read at the least: every weight once (a tied embedding counted
+    once: the head reads it whole, the lookup 8 rows) and the K/V of the slots in use, on
+    average over the turn (PROMPT + NEW / 2)."""
+    import jax
+    from flax import nnx
+
+    c = model.cfg
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    kv = (2 * c.num_hidden_layers * BATCH * c.num_key_value_heads * c.head_dim * 4
+          * (PROMPT + NEW // 2))
+    return weights + kv
 
 
 def _report(times: dict, tokens: int) -> dict:
@@ -205,6 +233,11 @@ def main() -> None:
               "jscenegen_tokens_per_s": ours["tokens_per_s"],
               **versus("transformers", ours, single["transformers"]),
               **versus("tunix", ours, single.get("tunix"))}
+    floor = single["memory floor"]["tokens_per_s"]
+    result["floor_tokens_per_s"] = floor
+    result["jscenegen_of_floor"] = ours["tokens_per_s"] / floor
+    if "tunix" in single:   # the most `vs_tunix` a decode that only read its bytes could reach now
+        result["floor_vs_tunix"] = floor / single["tunix"]["tokens_per_s"]
     if mesh is not None:
         for layout in ("fsdp", "replicated", "tp"):
             result[f"mesh_{layout}_tokens_per_s"] = mesh[layout]["tokens_per_s"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,12 @@ from common import description, positive_float
 ROWS, IN, OUT, STEPS = 8, 256, 1024, 50
 
 
-def step_seconds(megabytes: float, dtype) -> tuple[float, int]:
-    """Best-of-5 seconds per step and the weight bytes a step reads."""
+def stream_loop(nbytes: float, dtype=jnp.float32, steps: int = STEPS) -> tuple[Callable[[], None], int]:
+    """A compiled loop of `steps` steps, each reading about `nbytes` of [256, 1024] weights once
+    (an [8, 256] activation times each in turn, as a decode step reads a model's), ready to
+    run: (run(), the bytes a step reads)."""
     itemsize = jnp.dtype(dtype).itemsize
-    count = max(1, round(megabytes * 1e6 / (IN * OUT * itemsize)))
+    count = max(1, round(nbytes / (IN * OUT * itemsize)))
     rng = np.random.default_rng(0)
     weights = [jnp.asarray(rng.random((IN, OUT), np.float32), dtype) for _ in range(count)]
 
@@ -37,16 +40,22 @@ def step_seconds(megabytes: float, dtype) -> tuple[float, int]:
             for w in weights:
                 x = x + (x @ w)[:, :IN] * 1e-3
             return x
-        return jax.lax.fori_loop(0, STEPS, body, x)
+        return jax.lax.fori_loop(0, steps, body, x)
 
     x = jnp.ones((ROWS, IN), dtype)
     loop(x, weights).block_until_ready()
+    return lambda: loop(x, weights).block_until_ready(), count * IN * OUT * itemsize
+
+
+def step_seconds(megabytes: float, dtype) -> tuple[float, int]:
+    """Best-of-5 seconds per step and the weight bytes a step reads."""
+    run, nbytes = stream_loop(megabytes * 1e6, dtype)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        loop(x, weights).block_until_ready()
+        run()
         best = min(best, time.perf_counter() - start)
-    return best / STEPS, count * IN * OUT * itemsize
+    return best / STEPS, nbytes
 
 
 def main() -> None:
