@@ -82,15 +82,16 @@ def check_warm_start_model(cfg) -> None:
 def default_model_dir(cfg, phases: dict) -> Path:
     """The CPU default's policy: a small fresh model (created once) warm-started by SFT on the
     scripted expert's episodes (run once per SFT config, prompt set, catalogue content, chat
-    template and expert code, cached under `cache_dir()`); a model that another run on the
+    template, expert code and scene rules (`RULES_REVISION`), cached under `cache_dir()`); a model that another run on the
     same cold cache published first is used (`_or_made_meanwhile`)."""
     import hashlib
 
     from jscenegen.model.init_model import init_model_dir
     from jscenegen.scene import expert
-    from jscenegen.scene.catalogue import catalogue_digest
+    from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.corpus import tokenizer_corpus
     from jscenegen.scene.prompts import load_templates
+    from jscenegen.scene.protocol import RULES_REVISION
     from jscenegen.sft.run import run_sft
 
     ws = cfg.warm_start
@@ -105,14 +106,16 @@ def default_model_dir(cfg, phases: dict) -> Path:
     phases["init_model_s"] = time.perf_counter() - t0
     if sft_cfg is None:
         return base
-    # The prompts, the catalogue's content, the chat template and the expert's code enter the
-    # key: each changes the demonstrations.
+    # The prompts, the catalogue's content (as the protocol hash reads it: a whitespace edit
+    # changes nothing), the chat template, the expert's code and the measuring and grading
+    # rules the demonstrations' environment messages come from enter the key.
     template = cfg.sampling.chat_template_path
     key = hashlib.sha256(json.dumps([sft_cfg.model_dump(mode="json"),
                                      load_templates(sft_cfg.scene.prompts_dir).digest(),
-                                     catalogue_digest(sft_cfg.scene.catalogue_path),
+                                     load_catalogue(sft_cfg.scene.catalogue_path).raw,
                                      Path(template).read_text() if template else None,
-                                     hashlib.sha256(Path(expert.__file__).read_bytes()).hexdigest()],
+                                     hashlib.sha256(Path(expert.__file__).read_bytes()).hexdigest(),
+                                     RULES_REVISION],
                                     sort_keys=True).encode())
     out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():

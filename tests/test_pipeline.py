@@ -419,10 +419,26 @@ def test_the_warm_start_cache_key_holds_the_catalogues_content(tmp_path, stubbed
                       [f"scene.catalogue_path={cat}"], RunConfig)
     first = default_model_dir(cfg, {})
     assert default_model_dir(cfg, {}) == first
-    cat.write_bytes(cat.read_bytes() + b"\n")
+    cat.write_bytes(cat.read_bytes() + b"\n")          # the same content: the same key
+    assert default_model_dir(cfg, {}) == first
+    doc = json.loads(cat.read_text())
+    doc["categories"]["chair"]["default_size"][0] += 0.01
+    cat.write_text(json.dumps(doc))
     second = default_model_dir(cfg, {})
     assert second != first and second.parent == first.parent
     assert [call for call, _ in stubbed_warm_start] == ["init", "sft", "sft"]
+
+
+def test_the_warm_start_cache_key_holds_the_scene_rules_revision(monkeypatch, stubbed_warm_start):
+    """The demonstrations' environment messages (measurements, rule grades) come from the
+    rules RULES_REVISION numbers; a new revision reused the demonstrations of the old one."""
+    import jscenegen.scene.protocol as protocol
+    from jscenegen.pipeline import default_model_dir
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [], RunConfig)
+    first = default_model_dir(cfg, {})
+    monkeypatch.setattr(protocol, "RULES_REVISION", protocol.RULES_REVISION + 1)
+    assert default_model_dir(cfg, {}) != first
 
 
 def test_a_model_another_run_published_meanwhile_is_used(tmp_path, monkeypatch, caplog,

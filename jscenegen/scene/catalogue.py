@@ -7,7 +7,6 @@ replaceable through `scene.catalogue_path`. Groups ("bed", "lamp") name sets of 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -191,31 +190,28 @@ def _catalogue_file(path: str) -> Path:
 
 def load_catalogue(path: str | None = None) -> Catalogue:
     """The packaged catalogue, or the JSON file at `path` (`scene.catalogue_path`, relative
-    paths as `_catalogue_file` finds them: cached by the file found, so a relative path read
-    from another working directory is read again). Raises ValueError naming the file and the
-    bad key, or a file that cannot be read as JSON (`schema.read_json_file`: missing, not a
-    regular file, too large, not UTF-8 JSON)."""
+    paths as `_catalogue_file` finds them: cached by the file found and its modification time
+    and size, so a relative path read from another working directory, or a file edited since,
+    is read again). Raises ValueError naming the file and the bad key, or a file that cannot
+    be read as JSON (`schema.read_json_file`: missing, not a regular file, too large, not
+    UTF-8 JSON)."""
     if path is None:
-        return _read_catalogue(None, None)
-    return _read_catalogue(str(_catalogue_file(path).absolute()), str(path))
+        return _read_catalogue(None, None, None)
+    found = _catalogue_file(path).absolute()
+    try:
+        st = found.stat()
+        version = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        version = None   # read_json_file names the problem
+    return _read_catalogue(str(found), str(path), version)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_catalogue(found: str | None, given: str | None) -> Catalogue:
+def _read_catalogue(found: str | None, given: str | None, version: tuple | None) -> Catalogue:
     if found is None:
         text = resources.files("jscenegen.scene").joinpath(PACKAGED_CATALOGUE).read_text()
         return _parse(loads_json(text), "jscenegen/scene/data/catalogue.json")
     return _parse(read_json_file(Path(found), f"scene.catalogue_path {given}"), given)
-
-
-def catalogue_digest(path: str | None = None) -> str:
-    """The sha256 (hex) of the bytes of the catalogue file `load_catalogue(path)` reads: the
-    packaged one for None. Raises OSError when the file cannot be read."""
-    if path is None:
-        raw = resources.files("jscenegen.scene").joinpath(PACKAGED_CATALOGUE).read_bytes()
-    else:
-        raw = _catalogue_file(path).read_bytes()
-    return hashlib.sha256(raw).hexdigest()
 
 
 def catalogue_text(catalogue: Catalogue) -> str:
