@@ -204,6 +204,20 @@ def test_malformed_and_truncated_outputs_are_policy_failures(model, chat, record
     assert trs[1].roles[-1] == PLANNER and trs[1].tokens[-1] != chat.eot_id
 
 
+def test_a_forced_answer_spelling_the_end_of_turn_token_keeps_it_as_text(model, chat, record,
+                                                                         rule_judge):
+    """A scripted answer holding the text `<|im_end|>` was encoded with that special token
+    read as the token itself: an end of turn inside the turn, with policy mask 1, which a
+    sampled turn cannot hold (the sampler stops there)."""
+    text = "plan: no <|im_end|> here, then nothing"
+    cfg = FORCED.model_copy(update={"max_new_tokens": 64})           # same compiled shapes
+    tr = RolloutEngine(model, chat, cfg).run_group(
+        record, group_id=1, seeds=[1], judge=rule_judge, forced=lambda ep: text).trajectories[0]
+    turn = tr.tokens[tr.policy_mask.astype(bool)].tolist()
+    assert turn == chat.encode_plain(text) + [chat.eot_id]
+    assert turn.count(chat.eot_id) == 1 and chat.decode(turn[:-1]) == text
+
+
 def test_runtime_and_judge_exceptions_are_masked_not_raised(model, chat, record, rule_judge):
     seen = {}
     bed = {"op": "add_object", "category": "double_bed", "description": "bed", "position": [1.8, 1.6],

@@ -114,6 +114,19 @@ def test_a_stop_string_inside_an_expert_answer_is_refused_in_sft_and_masked_in_a
     assert tr.masked and tr.failure_cause == "rollout_error"
 
 
+def test_a_demonstration_spelling_the_end_of_turn_token_keeps_it_as_text(chat):
+    """An expert answer holding the text `<|im_end|>` became an end-of-turn token with loss
+    mask 1 inside the turn: SFT taught ending a turn mid-answer and going on."""
+    answer = "plan: copy <|im_end|> then <action>{}</action>"
+    transcript = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                  {"role": "assistant", "content": answer, "actor": "planner"},
+                  {"role": "user", "content": "ok"}]
+    tokens, _, policy = tokenize_transcript(chat, transcript, stop_strings=())
+    turn = tokens[policy].tolist()
+    assert turn == chat.encode_plain(answer) + [chat.eot_id]
+    assert turn.count(chat.eot_id) == 1
+
+
 def test_an_answer_ends_at_the_token_completing_its_first_stop_string(chat):
     """The sampler stops at the token that completes a stop string, which may carry more
     (`>` and a newline merged): such an answer ends there; text after that token never."""

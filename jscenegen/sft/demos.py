@@ -70,7 +70,7 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
             if m.get("actor") not in ROLE_CODES:
                 raise ValueError(f"transcript message {i}: assistant actor {m.get('actor')!r} "
                                  f"is not one of {sorted(ROLE_CODES)}")
-            answer = chat.encode(m["content"])
+            answer = chat.encode_plain(m["content"])
             try:
                 eot = not ends_at_stop_string(m["content"], stop_strings,
                                               len(chat.decode(answer[:-1])))

@@ -421,7 +421,7 @@ class RolloutEngine:
                 continue
             try:
                 text = forced(r.episode)
-                ids = self.chat.encode(text)
+                ids = self.chat.encode_plain(text)
                 at_stop_string = ends_at_stop_string(text, self.cfg.stop_strings,
                                                      len(self.chat.decode(ids[:-1])))
             except Exception as err:  # the driver's own failure: masked like our runtime's
