@@ -560,7 +560,7 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file {path}: {size:,} bytes; a config is at most "
                           f"{MAX_CONFIG_BYTES:,} (refused unread)")
     try:
-        data = load_yaml_text(p.read_text(), str(path))
+        data = load_yaml_text(p.read_text(encoding="utf-8"), str(path))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -374,7 +374,7 @@ def write_text(path: str | Path, text: str) -> None:
     (STORAGE_LIMITS) stops the write; `path` is then left as it was and the temporary removed.
     """
     try:
-        with atomic_file(path) as tmp, open(tmp, "w") as f:   # atomic_file syncs it
+        with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:   # atomic_file syncs it
             f.write(text)
     except OSError as err:
         if err.errno not in STORAGE_LIMITS or isinstance(err, DiskFullError):

@@ -113,7 +113,7 @@ def default_model_dir(cfg, phases: dict) -> Path:
     key = hashlib.sha256(json.dumps([sft_cfg.model_dump(mode="json"),
                                      load_templates(sft_cfg.scene.prompts_dir).digest(),
                                      load_catalogue(sft_cfg.scene.catalogue_path).raw,
-                                     Path(template).read_text() if template else None,
+                                     Path(template).read_text(encoding="utf-8") if template else None,
                                      hashlib.sha256(Path(expert.__file__).read_bytes()).hexdigest(),
                                      RULES_REVISION],
                                     sort_keys=True).encode())

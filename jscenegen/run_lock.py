@@ -491,7 +491,7 @@ class RunLock:
         fd, tmp = tempfile.mkstemp(prefix=f".{LOCK_NAME}.", dir=self.run_dir)
         try:
             _readable_by_all(fd)   # mkstemp's 0600 hid the holder from other users
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
@@ -515,7 +515,7 @@ class RunLock:
                         "the lock is held without one", self.run_dir, self.path)
         self._hold_flock(fd if taken else None)
         _readable_by_all(fd)   # whatever the umask
-        with os.fdopen(os.dup(fd), "w") as f:
+        with os.fdopen(os.dup(fd), "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -121,3 +121,21 @@ def test_token_bytes_concatenate_to_the_text(chat):
     for text in ["a café  <action>{\"ops\": []}</action>\n\n", "日本 \t x", "<|im_start|>user\nhi<|im_end|>"]:
         ids = chat.encode(text)
         assert b"".join(table[i] for i in ids) == text.encode("utf-8")
+
+
+def test_a_utf8_template_is_read_as_utf8_under_an_ascii_locale(tmp_path):
+    """Templates, configs and prompts were read in the locale's encoding: under LC_ALL=C (no
+    UTF-8 mode) a valid UTF-8 template was refused as unreadable."""
+    import os
+    import subprocess
+    import sys
+
+    template = tmp_path / "t.jinja"
+    template.write_text(CHAT_TEMPLATE_FILE.read_text(encoding="utf-8") + "{# café #}",
+                        encoding="utf-8")
+    code = ("import sys; from jscenegen.model.tokenizer.chat import ChatTokenizer; "
+            "c = ChatTokenizer.from_dir(sys.argv[1], sys.argv[2]); print(c.tokenizer.chat_template.endswith('caf\\xe9 #}'))")
+    env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONCOERCECLOCALE="0", PYTHONIOENCODING="utf-8")
+    proc = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code, str(chat_model_dir()),
+                           str(template)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]

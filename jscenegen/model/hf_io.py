@@ -205,7 +205,7 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
                 gen["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
             write_json(tmp / "generation_config.json", gen)
         for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+            (tmp / name).write_text(text, encoding="utf-8")
     return out
 
 

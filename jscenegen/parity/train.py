@@ -118,7 +118,7 @@ def expert_trajectories(model_dir: str | Path, groups: int, group_size: int,
 
 def write_trajectories(path: str | Path, trajectories: Sequence[Trajectory]) -> None:
     """Write `trajectories` as the JSONL format of the module doc (atomically)."""
-    with atomic_file(path) as tmp, open(tmp, "w") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for t in trajectories:
             f.write(json.dumps({"group": t.group_id, "member": t.member,
                                 "tokens": t.tokens.tolist(), "roles": t.roles.tolist(),

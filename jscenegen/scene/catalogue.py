@@ -209,7 +209,7 @@ def load_catalogue(path: str | None = None) -> Catalogue:
 @functools.lru_cache(maxsize=8)
 def _read_catalogue(found: str | None, given: str | None, version: tuple | None) -> Catalogue:
     if found is None:
-        text = resources.files("jscenegen.scene").joinpath(PACKAGED_CATALOGUE).read_text()
+        text = resources.files("jscenegen.scene").joinpath(PACKAGED_CATALOGUE).read_text(encoding="utf-8")
         return _parse(loads_json(text), "jscenegen/scene/data/catalogue.json")
     return _parse(read_json_file(Path(found), f"scene.catalogue_path {given}"), given)
 

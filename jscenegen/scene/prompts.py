@@ -52,7 +52,7 @@ def load_templates(prompts_dir: str | None = None) -> PromptTemplates:
         root = resources.files("jscenegen.scene").joinpath("prompts")
         source = "jscenegen/scene/prompts"
         for name in TEMPLATE_NAMES:
-            texts[name] = root.joinpath(f"{name}.txt").read_text()
+            texts[name] = root.joinpath(f"{name}.txt").read_text(encoding="utf-8")
     else:
         from jscenegen.paths import resolve_data_path
 

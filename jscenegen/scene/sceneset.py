@@ -166,6 +166,6 @@ def read_scene_record(path: str | Path, index: int) -> SceneRecord:
 
 def write_scene_set(path: str | Path, records: list[SceneRecord]) -> None:
     """Write records as JSONL atomically (temporary file in the same folder, then rename)."""
-    with atomic_file(path) as tmp, open(tmp, "w") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r.to_json(), sort_keys=True, separators=(",", ":")) + "\n")

@@ -26,7 +26,7 @@ QWEN35_ADDED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<t
 
 def chatml_template() -> str:
     """The ChatML chat template (jinja) jscenegen's trained tokenizers carry."""
-    return CHAT_TEMPLATE_FILE.read_text().strip()
+    return CHAT_TEMPLATE_FILE.read_text(encoding="utf-8").strip()
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
@@ -65,5 +65,5 @@ def train_qwen35_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
     tok = train_bpe_tokenizer(texts, vocab_size=vocab_size)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *QWEN35_SPECIAL_TOKENS]})
     tok.add_tokens(list(QWEN35_ADDED_TOKENS), special_tokens=False)
-    tok.chat_template = QWEN35_PROTOCOL_TEMPLATE.read_text()
+    tok.chat_template = QWEN35_PROTOCOL_TEMPLATE.read_text(encoding="utf-8")
     return tok

@@ -76,7 +76,7 @@ _PROBE_THINK = "<think>\nprobe reasoning\n</think>\n\nprobe answer <action>{}</a
 def _model_type(path: str | Path) -> str | None:
     """config.json's model_type of a model directory, or None when it has no readable one."""
     try:
-        return loads_json((Path(path) / "config.json").read_text()).get("model_type")
+        return loads_json((Path(path) / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -171,7 +171,7 @@ class ChatTokenizer:
             raise ChatTemplateError(f"{option} {chat_template_path}: {size:,} bytes, more than a "
                                     f"chat template's {MAX_TEMPLATE_BYTES:,} (MAX_TEMPLATE_BYTES)")
         try:
-            template = Path(chat_template_path).read_text() if chat_template_path else None
+            template = Path(chat_template_path).read_text(encoding="utf-8") if chat_template_path else None
         except (OSError, UnicodeDecodeError) as err:
             raise ChatTemplateError(f"{option} {chat_template_path}: cannot be read "
                                     f"({getattr(err, 'strerror', None) or err})") from None
@@ -206,7 +206,7 @@ class ChatTokenizer:
                 raise
             log.warning("%s; using the Qwen3.5 protocol template %s instead (set %s to choose "
                         "another)", err, QWEN35_PROTOCOL_TEMPLATE, option)
-            chat = cls(tok, QWEN35_PROTOCOL_TEMPLATE.read_text(),
+            chat = cls(tok, QWEN35_PROTOCOL_TEMPLATE.read_text(encoding="utf-8"),
                        f"{path} (template {QWEN35_PROTOCOL_TEMPLATE}: its own is not prefix-preserving)",
                        option)
             chat.template_source = str(QWEN35_PROTOCOL_TEMPLATE)
