@@ -30,6 +30,9 @@ def register(sub) -> None:
                    + " (qwen2/qwen3; qwen3_5 micro has 4 layers) (default: tiny)")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--randomise-constant", action="store_true",
+                   help="add N(0, 0.05^2) noise to every tensor that starts as one value (norms "
+                        "of ones, zero biases), so that a parity check reads them")
     p.set_defaults(func=run)
 
 
@@ -62,7 +65,8 @@ def run(args) -> int:
     from jscenegen.model.init_model import init_model_dir
 
     out = init_model_dir(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed,
-                         texts=texts, vocab_size=args.vocab_size)
+                         texts=texts, vocab_size=args.vocab_size,
+                         randomise_constant=args.randomise_constant)
     from jscenegen.model.config import QwenConfig
 
     vocab = QwenConfig.from_dir(out).vocab_size

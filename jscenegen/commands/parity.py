@@ -6,6 +6,7 @@ jscenegen/parity/ compute and judge; this module parses and prints).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jscenegen.commands import finite_float_arg, int_in, seed_arg
 from jscenegen.parity import FLOAT32_MAX, ROW_TOKENS_MAX
@@ -139,6 +140,7 @@ def run_logits(args) -> int:
     result = logits_parity(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype,
                            seed=args.seed)
     print(json_line(result))
+    _warn_coverage(result)
     return 0 if result["ok"] else 1
 
 
@@ -160,6 +162,7 @@ def run_grpo_step(args) -> int:
                               seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
                               torch_perturbation=args.perturb_torch, train_vision=args.train_vision)
     print(json_line(result))
+    _warn_coverage(result)
     return 0 if result["ok"] else 1
 
 
@@ -213,4 +216,14 @@ def run_train(args) -> int:
                                train_vision=args.train_vision):
         print(json_line(result), flush=True)
         ok = result.get("ok", False)
+    _warn_coverage(result)
     return 0 if ok else 1
+
+
+def _warn_coverage(result: dict) -> None:
+    """What the run could not see, on stderr (`parity.coverage`)."""
+    from jscenegen.parity.coverage import coverage_warnings
+    from jscenegen.text import terminal_line
+
+    for line in coverage_warnings(result):
+        print(terminal_line(f"warning: {line}"), file=sys.stderr)

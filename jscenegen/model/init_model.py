@@ -21,6 +21,7 @@ from jscenegen.model.config import preset_config
 from jscenegen.model.hf_io import save_hf
 from jscenegen.model.loader import model_class
 from jscenegen.model.tokenizer.build import train_bpe_tokenizer, train_qwen35_tokenizer
+from jscenegen.model.weights import redraw_constant_tensors
 from jscenegen.paths import write_json
 
 # The processor files of the Qwen3.5 releases (Qwen/Qwen3.5-*: Qwen3-VL's processors; values
@@ -39,8 +40,11 @@ VIDEO_PREPROCESSOR_CONFIG = {
 
 
 def init_model_dir(out: str | Path, *, arch: str = "qwen3", preset: str = "tiny", seed: int = 0,
-                   texts: Iterable[str], vocab_size: int = 8192, **overrides) -> Path:
-    """Train a tokenizer on `texts`, build a random `arch`/`preset` model and save both to `out`.
+                   texts: Iterable[str], vocab_size: int = 8192, randomise_constant: bool = False,
+                   **overrides) -> Path:
+    """Train a tokenizer on `texts`, build a random `arch`/`preset` model and save both to `out`
+    (`randomise_constant`: every tensor that starts as one value gets N(0, 0.05^2) noise,
+    `weights.redraw_constant_tensors`, for parity checks).
 
     The model's vocab_size is the tokenizer's length. eos: `<|im_end|>` (Qwen2/3); Qwen3.5
     as its releases, `<|endoftext|>` in config.json and both in generation_config.json.
@@ -63,6 +67,8 @@ def init_model_dir(out: str | Path, *, arch: str = "qwen3", preset: str = "tiny"
         generation = None
     cfg = preset_config(arch, preset, vocab_size=len(tokenizer), **overrides)
     model = model_class(cfg)(cfg, rngs=nnx.Rngs(seed))
+    if randomise_constant:
+        redraw_constant_tensors(model, seed)
     with tempfile.TemporaryDirectory() as assets:
         tokenizer.save_pretrained(assets)
         if generation is not None:

@@ -22,10 +22,11 @@ the file stored them in (bit-exact round trips).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jscenegen.model.config import LINEAR_ATTENTION, QwenConfig
@@ -319,3 +320,31 @@ def named_weights(model: nnx.Module) -> dict[str, nnx.Variable]:
     tensors (what `weight_table` lists)."""
     state = nnx.state(model, nnx.Any(nnx.Param, Carried))
     return named_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def constant_tensors(named_tensors: Iterable[tuple[str, Any]]) -> list[str]:
+    """Names of the tensors of more than one element that hold a single value (norms of ones,
+    zero biases: a formula error reading them does not show in a comparison).
+
+    named_tensors: (name, tensor) pairs: arrays, or torch tensors (a module's
+    `named_parameters()`). Returns the names in the given order."""
+    out = []
+    for name, tensor in named_tensors:
+        x = np.asarray(tensor.detach().float().numpy() if hasattr(tensor, "detach") else tensor)
+        if x.size > 1 and bool(np.all(x == x.reshape(-1)[0])):
+            out.append(name)
+    return out
+
+
+def redraw_constant_tensors(model: nnx.Module, seed: int, scale: float = 0.05) -> list[str]:
+    """Add N(0, scale^2) noise (NumPy generator `seed`) to every tensor of `model` that holds a
+    single value (`constant_tensors`: norms, biases), in place; returns their names. For
+    parity checks, where a constant tensor hides the formula that reads it."""
+    rng = np.random.default_rng(seed)
+    weights = named_weights(model)
+    names = constant_tensors((n, v.get_value()) for n, v in weights.items())
+    for name in names:
+        value = weights[name].get_value()
+        noise = scale * rng.standard_normal(value.shape).astype(np.float32)
+        weights[name].set_value((value.astype(np.float32) + noise).astype(value.dtype))
+    return names

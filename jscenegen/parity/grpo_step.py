@@ -12,7 +12,8 @@ trains one role. Old log-probs are each side's own recompute plus one shared per
 Prints one JSON line; exit 1 when beyond the tolerances: |loss diff| <= 1e-5, the grad-norm
 ratio within 1 +- 1e-4 (with `--grads`, every gradient element within 1e-4 of the largest
 torch one), every trained parameter within 2.4e-7 x max(1, |p|) of torch's after the step
-(fp32), every frozen tensor (Qwen3.5's carried vision tower and mtp.*) unchanged. The gradient
+(fp32), every frozen tensor (Qwen3.5's carried vision tower and mtp.*) unchanged. The result
+names what the run cannot see (`constant_tensors`, `weight_decay_visible`: `parity.coverage`). The gradient
 checks are what catch a gradient off by a constant factor: Adam's first step, lr g / (|g| +
 eps), is about lr sign(g) whatever the gradient's size, and clipping rescales it as a whole.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
+from jscenegen.parity.coverage import constant_tensors, weight_decay_visible
 
 LOSS_TOL = 1e-5   # on `loss_gap`: relative to the loss once |loss| > 1 (token-sum grows with tokens)
 PARAM_TOL = 2.4e-7
@@ -276,6 +278,8 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         "frozen_unchanged": frozen_unchanged(model, model_dir, tmodel, torch_frozen),
         "tolerances": {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL,
                        "advantages_max_diff": ADV_TOL, "grad_norm_ratio": GRAD_NORM_TOL},
+        "constant_tensors": constant_tensors(p0.items()),
+        "weight_decay_visible": weight_decay_visible(lr, optim_cfg.weight_decay),
     }
     if train_vision:  # the tower's whole update is AdamW's decay, p (1 - lr wd), on both sides
         vision = [n for n in names if n.startswith(VISION_PREFIX)]

@@ -86,7 +86,8 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
                   seed: int = 0) -> dict:
     """Compare jscenegen and transformers logits; returns max_abs_diff, mean_kl, top1_agreement
     (None when a logit is not finite), finite_logits, constant_positions (real positions whose
-    torch logits are the same for every token: nothing compared there), ok.
+    torch logits are the same for every token: nothing compared there), constant_tensors (the
+    model's tensors that hold one value: `parity.coverage`), ok.
 
     `ok` applies the tolerances: fp32 max |diff| <= 1e-4; bf16 `bf16_within_tolerance`, with
     `kl_to_fp32` (each side's bf16 mean KL to torch's fp32 logits) in the result; and no
@@ -98,6 +99,8 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     from flax import nnx
 
     from jscenegen.model.hf_io import load_hf
+    from jscenegen.model.weights import named_weights
+    from jscenegen.parity.coverage import constant_tensors
 
     model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)  # refuses a bad dir first
     ids, mask = random_padded_batch(model.cfg.vocab_size, batch, seq, seed)
@@ -125,6 +128,8 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
         "top1_agreement": stats["top1"] / len(real) if finite else None,  # NaN rows predict nothing
         "finite_logits": finite, "constant_positions": stats["constant"],
         "dtype": dtype, "batch": batch, "seq": seq, "model_type": model.cfg.model_type,
+        "constant_tensors": constant_tensors((n, np.asarray(v.get_value(), np.float32))
+                                             for n, v in named_weights(model).items()),
     }
     if dtype == "float32":
         result["ok"] = result["max_abs_diff"] <= TOLERANCE_FP32_MAX_ABS

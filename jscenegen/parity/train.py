@@ -43,6 +43,7 @@ from jscenegen.config import shown_value, validation_message
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout.engine import Trajectory
 from jscenegen.parity import FLOAT32_MAX, ROW_TOKENS_MAX
+from jscenegen.parity.coverage import constant_tensors, weight_decay_visible
 from jscenegen.paths import atomic_file, not_a_file
 from jscenegen.sharding.rules import round_up
 
@@ -339,6 +340,9 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             result["worst_loss_diff"] = worst_loss_diff
             result["worst_grad_norm_gap"] = worst_grad_norm_gap
             result["trained_tensors"] = len(names)
+            result["constant_tensors"] = constant_tensors(_by_name(names, params).items())
+            result["weight_decay_visible"] = weight_decay_visible(optim_cfg.lr,
+                                                                  optim_cfg.weight_decay)
             result["frozen_unchanged"] = frozen_unchanged(model, str(model_dir), tmodel,
                                                           torch_frozen)
             result["tolerances"] = {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL,

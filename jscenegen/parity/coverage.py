@@ -1,0 +1,38 @@
+"""What a parity run can see: the inputs under which an error would pass unnoticed.
+
+A tensor whose elements are all one value (transformers' and `init-model`'s norms of ones,
+zero biases) hides an error in the formula that reads it: a missing bias or norm weight
+changes nothing. AdamW's decoupled decay moves a weight by lr x weight_decay x |p|, which
+rounds away in fp32 when lr x weight_decay < 2^-24 (VERL's lr 1e-6 with weight_decay 0.01):
+such a step cannot show an error in the decay. Parity results name both, and the command warns.
+"""
+from __future__ import annotations
+
+from jscenegen.model.weights import constant_tensors
+
+__all__ = ["constant_tensors", "coverage_warnings", "weight_decay_visible"]
+
+FP32_HALF_SPACING = 2.0**-24   # half the relative spacing of float32: a smaller relative step rounds away
+
+
+def weight_decay_visible(lr: float, weight_decay: float) -> bool:
+    """Whether one AdamW step's decay (lr x weight_decay x |p|, torch.optim.AdamW's decoupled
+    form) can change an fp32 weight: lr x weight_decay >= 2^-24."""
+    return lr * weight_decay >= FP32_HALF_SPACING
+
+
+def coverage_warnings(result: dict) -> list[str]:
+    """The warnings a parity result's `constant_tensors` and `weight_decay_visible` call for
+    (one line each; none when both are fine)."""
+    out = []
+    constant = result.get("constant_tensors") or []
+    if constant:
+        out.append(f"{len(constant)} tensor(s) hold one value each ({', '.join(constant[:3])}"
+                   f"{', ...' if len(constant) > 3 else ''}): an error in a formula that reads "
+                   "them would not show; compare weights that vary (jscenegen init-model "
+                   "--randomise-constant)")
+    if result.get("weight_decay_visible") is False:
+        out.append("lr x weight_decay < 2^-24: the decay changes no fp32 weight in one step, so "
+                   "this run cannot see an error in it (--optim lr=1e-4 weight_decay=0.1 eps=1e-3 "
+                   "makes it visible within the tolerances)")
+    return out
