@@ -122,6 +122,11 @@ def test_config_spellings_and_defaults(qwen35_hf):
     (lambda d: d["text_config"].update(attention_bias=True), r"text_config.attention_bias=true"),
     (lambda d: d.pop("text_config"), r"needs a text_config"),
     (lambda d: d["vision_config"].update(depth=0), r"vision_config.depth must be a positive integer"),
+    # a depth of 10^4 built its blocks for minutes before the missing tensors were named
+    (lambda d: d["vision_config"].update(depth=2700),
+     r"vision_config.depth 2700 is above the sanity bound 128"),
+    (lambda d: d["vision_config"].update(hidden_size=10**9),
+     r"vision_config.hidden_size 1000000000 is above the sanity bound 1,000,000"),
     (lambda d: d["text_config"].update(torch_dtype="float8"),
      r"text_config.torch_dtype must be one of float32, bfloat16, float16, got 'float8'"),
     (lambda d: d["text_config"].update(eos_token_id=-1), r"text_config.eos_token_id must be a token id"),

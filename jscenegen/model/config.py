@@ -43,6 +43,10 @@ SIZE_LIMITS = {"vocab_size": 10_000_000, "hidden_size": 1_000_000,
                "intermediate_size": 10_000_000, "num_hidden_layers": 10_000,
                "num_attention_heads": 100_000, "head_dim": 100_000}
 OTHER_SIZE_LIMIT = 1_000_000  # the Gated DeltaNet sizes
+# the vision tower's sizes (VisionShapes; its blocks are built one module each, so a mistyped
+# depth of 10^4 took minutes before the loader could name the missing tensors)
+VISION_SIZE_LIMITS = {"depth": 128, "in_channels": 16, "patch_size": 1024,
+                      "temporal_patch_size": 64, "spatial_merge_size": 64}
 # the Gated DeltaNet sizes a Qwen3.5 text config may leave out: transformers' defaults
 # (Qwen3_5TextConfig)
 QWEN35_LINEAR_DEFAULTS = (("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128),
@@ -507,7 +511,8 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
         defaults = VisionShapes()
         vision = VisionShapes(**{
             f.name: _positive(v.get(f.name, getattr(defaults, f.name)), f.name, source,
-                              "vision_config.", integer=True)
+                              "vision_config.", integer=True,
+                              limit=VISION_SIZE_LIMITS.get(f.name, OTHER_SIZE_LIMIT))
             for f in dataclasses.fields(VisionShapes)})
     else:
         t, prefix = d, ""
