@@ -326,6 +326,18 @@ def atomic_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
             os.unlink(tmp)
 
 
+def fsync_tree(root: str | Path) -> None:
+    """`fsync_path` every regular file under `root` (links not followed), then each directory
+    (its entries): a directory published by a rename after a power cut then holds the bytes
+    written, not files of the right size filled with zeros."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            file = os.path.join(dirpath, name)
+            if os.path.isfile(file) and not os.path.islink(file):
+                fsync_path(file)
+        fsync_path(dirpath)
+
+
 def fsync_path(path: str | Path) -> None:
     """Flush a file's data, or a directory's entries (a rename or an unlink in it), to the
     device: a power cut keeps what was written before, not a renamed-but-empty file. Where the
@@ -665,6 +677,7 @@ def _filled_and_published(path: Path, replace: bool, exists_error: type[Exceptio
     try:
         yield tmp
         umask_mode(tmp)
+        fsync_tree(tmp)   # published only once its bytes are on the device
         if not replace:
             _publish_new(tmp, path, exists_error)
         elif path.is_dir() and not any(path.iterdir()):
@@ -677,6 +690,7 @@ def _filled_and_published(path: Path, replace: bool, exists_error: type[Exceptio
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        fsync_path(path.parent)   # the rename itself survives a power cut
     except OSError as err:   # name the destination, not the temporary the user never sees
         if (isinstance(err.filename, str) and err.filename2 is None
                 and Path(err.filename).is_relative_to(tmp)):

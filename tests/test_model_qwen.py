@@ -329,6 +329,59 @@ def test_corrupt_safetensors_header_is_named(hf_dirs, tmp_path):
         load_hf(d)
 
 
+def _rewrite_header(path, edit) -> None:
+    """Rewrite a safetensors file's JSON header through `edit(header)`, data bytes unchanged."""
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def test_a_header_claiming_more_bytes_than_the_file_holds_is_refused_before_reading(hf_dirs,
+                                                                                   tmp_path):
+    """The last tensor's span past the file's end was read with f.read(claimed size): a header
+    claiming 2^60 bytes raised a bare MemoryError, 3 GiB allocated 3 GiB first."""
+    d = _copy(hf_dirs["qwen3"], tmp_path / "m")
+
+    def enlarge_last(header):
+        name = max((k for k in header if k != "__metadata__"),
+                   key=lambda k: header[k]["data_offsets"][1])
+        begin = header[name]["data_offsets"][0]
+        header[name]["shape"] = [2**58]
+        header[name]["data_offsets"][1] = begin + 4 * 2**58
+
+    _rewrite_header(d / "model.safetensors", enlarge_last)
+    with pytest.raises(CheckpointFormatError) as err:
+        load_hf(d)
+    assert "model.safetensors" in str(err.value) and not isinstance(err.value, MemoryError)
+
+
+def test_a_tensor_of_another_shape_is_refused_before_its_bytes_are_read(hf_dirs, tmp_path,
+                                                                         monkeypatch):
+    from jscenegen.model import hf_io
+
+    d = _copy(hf_dirs["qwen3"], tmp_path / "m")
+    reads = []
+    real = hf_io.read_tensor
+    monkeypatch.setattr(hf_io, "read_tensor", lambda *a, **k: (reads.append(a[1]), real(*a, **k))[1])
+    import jscenegen.model.safetensors_stream as stream
+
+    sizes = []
+    real_read = stream.np.frombuffer
+    monkeypatch.setattr(stream.np, "frombuffer", lambda b, *a, **k: (sizes.append(len(b)),
+                                                                     real_read(b, *a, **k))[1])
+    _rewrite_header(d / "model.safetensors",
+                    lambda h: h["model.norm.weight"].update(shape=[4, 16]))
+    with pytest.raises(CheckpointFormatError, match=r"model\.safetensors: tensor "
+                       r"'model\.norm\.weight' has shape \(4, 16\), expected \(64,\)"):
+        load_hf(d)
+    assert reads[-1] == "model.norm.weight" and len(sizes) == len(reads) - 1
+
+
 DENSE = dict(model_type="qwen3", vocab_size=1003, hidden_size=64, intermediate_size=96,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 

@@ -266,3 +266,42 @@ def test_loads_json_refuses_numbers_infinite_as_a_float_only_when_asked():
     assert loads_json("[1e400]") == [float("inf")]   # the other callers parse as Python does
     with pytest.raises(ValueError, match=r"^an integer of more than 4,300 digits$"):
         loads_json("1" * 5000, allow_nan=False)
+
+
+def test_atomic_dir_syncs_every_file_before_publishing_and_the_rename_after(tmp_path, monkeypatch):
+    """Shards written inside an atomic directory were never fsynced: after a power cut a
+    published export could hold a valid config.json beside zero-filled weight files."""
+    import jscenegen.paths as paths
+
+    synced = []
+    real = paths.fsync_path
+    monkeypatch.setattr(paths, "fsync_path", lambda p: (synced.append(Path(p)), real(p))[1])
+    out = tmp_path / "model"
+    with atomic_dir(out) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "model.safetensors").write_bytes(b"x" * 10)
+        (tmp / "sub" / "a.json").write_bytes(b"{}")
+        (tmp / "link").symlink_to(tmp / "model.safetensors")
+    names = [p.name for p in synced]
+    assert {"model.safetensors", "a.json", "sub"} <= set(names) and "link" not in names
+    assert synced[-1] == tmp_path                       # the rename, after every file
+    assert names.index("model.safetensors") < len(names) - 1
+    assert (out / "model.safetensors").read_bytes() == b"x" * 10
+
+
+def test_a_tensor_stream_ending_early_or_naming_a_stranger_is_named(tmp_path):
+    """A stream with one tensor too few raised a bare StopIteration; a name the config does
+    not have a bare KeyError."""
+    import numpy as np
+
+    from jscenegen.model.config import preset_config
+    from jscenegen.model.hf_io import write_hf_dir
+    from jscenegen.model.safetensors_stream import write_safetensors_streaming
+
+    specs = {"a": ((2,), np.dtype(np.float32)), "b": ((3,), np.dtype(np.float32))}
+    with pytest.raises(ValueError, match=r"^the tensors ended before b \(announced 2, 1 arrived\)$"):
+        write_safetensors_streaming(tmp_path, specs, iter([("a", np.zeros(2, np.float32))]))
+    cfg = preset_config("qwen3", "micro", vocab_size=300)
+    with pytest.raises(ValueError, match=r"^tensor 'lm_head\.extra' is not one of qwen3's tensors"):
+        write_hf_dir(tmp_path / "m", cfg, iter([("lm_head.extra", np.zeros(2, np.float32))]))
+    assert not (tmp_path / "m").exists()

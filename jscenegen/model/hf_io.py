@@ -71,11 +71,7 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
             f"{files[unexpected[0]]}: unexpected tensor(s) {unexpected[:5]} for {cfg.model_type}"
         )
     for name, shape in shapes.items():
-        arr = read_tensor(files[name], name)
-        if tuple(arr.shape) != shape:
-            raise CheckpointFormatError(
-                f"{files[name]}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}"
-                f"{cfg.assumed_sizes_note()}")
+        arr = read_tensor(files[name], name, shape, cfg.assumed_sizes_note())
         if (cfg.tie_word_embeddings and TIED_ALIAS in files
                 and name == f"{cfg.text_prefix}embed_tokens.weight"):
             check_tied_head(read_tensor(files[TIED_ALIAS], TIED_ALIAS), arr, files[TIED_ALIAS], name)
@@ -191,8 +187,13 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
     dtypes = dict(dtype) if isinstance(dtype, Mapping) else {n: dtype for n in shapes}
     with atomic_dir(out, replace=replace) as tmp:
         specs = {n: (tuple(s), np_dtype(dtypes[n])) for n, s in shapes.items()}
-        write_safetensors_streaming(tmp, specs, ((n, np.ascontiguousarray(a.astype(specs[n][1])))
-                                                 for n, a in tensors), max_shard_bytes)
+        def cast(name, a):
+            if name not in specs:
+                raise ValueError(f"tensor {name!r} is not one of {cfg.model_type}'s tensors "
+                                 f"(e.g. {next(iter(specs))})")
+            return name, np.ascontiguousarray(a.astype(specs[name][1]))
+
+        write_safetensors_streaming(tmp, specs, (cast(n, a) for n, a in tensors), max_shard_bytes)
         if config_dtype is None and isinstance(dtype, str):
             config_dtype = dtype
         write_json(tmp / "config.json", _config_json(cfg, config_dtype))

@@ -219,19 +219,31 @@ def read_header(file: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {name: (entry_dtype_name(file, name, e), tuple(e["shape"])) for name, e in header.items()}
 
 
-def read_tensor(file: str | Path, name: str) -> np.ndarray:
+def read_tensor(file: str | Path, name: str, expected_shape: tuple[int, ...] | None = None,
+                shape_note: str = "") -> np.ndarray:
     """Tensor `name` of one safetensors file as a NumPy array in its stored dtype (bfloat16 as
     `ml_dtypes.bfloat16`, which safetensors' own NumPy reader cannot give), read with one
     plain file read at the header's offsets. Raises CheckpointFormatError naming the file and
-    tensor when it is absent, its byte range does not fit its shape, or the file is short."""
+    tensor when it is absent, its header shape is not `expected_shape` (when given; checked
+    before any byte is read, `shape_note` appended), its byte range does not fit its shape, or
+    the file is short (checked against the file's size before the read: a header claiming
+    2^60 bytes asked for that much memory)."""
     data_start, header = raw_header(file)
     if name not in header:
         raise CheckpointFormatError(f"{file}: no tensor {name!r}")
     entry = header[name]
     dtype = np_dtype(entry_dtype_name(file, name, entry))
     shape, begin = tuple(entry["shape"]), entry["data_offsets"][0]
+    if expected_shape is not None and shape != tuple(expected_shape):
+        raise CheckpointFormatError(f"{file}: tensor {name!r} has shape {shape}, expected "
+                                    f"{tuple(expected_shape)}{shape_note}")
     nbytes = math.prod(shape) * dtype.itemsize   # the span's length (`raw_header`)
     with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if data_start + begin + nbytes > size:
+            raise CheckpointFormatError(
+                f"{file}: tensor {name!r} is cut short: it ends at byte "
+                f"{data_start + begin + nbytes:,}, the file has {size:,} (truncated?)")
         f.seek(data_start + begin)
         raw = f.read(nbytes)
     if len(raw) != nbytes:
@@ -316,7 +328,12 @@ def write_safetensors_streaming(out_dir: str | Path,
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for name in members:
-                got_name, a = next(it)
+                item = next(it, None)
+                if item is None:
+                    raise ValueError(f"the tensors ended before {name} (announced {len(specs)}, "
+                                     f"{len(weight_map) - len(members) + members.index(name)} "
+                                     "arrived)")
+                got_name, a = item
                 shape, dtype = specs[name]
                 if got_name != name or tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
                     raise ValueError(f"tensor {got_name} {a.shape} {a.dtype} arrived where "
