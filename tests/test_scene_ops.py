@@ -293,3 +293,28 @@ def test_a_child_centred_on_its_parents_edge_is_on_top(dx, dy):
                     "parent": "nightstand_1"})
     assert all(": ok" in line for line in lines), lines
     assert measure(ed.scene)["unsupported_objects"] == []
+
+
+@pytest.mark.parametrize("op", [
+    {"op": "move_object", "id": "table_lamp_1", "position": [2.0, 2.0]},
+    {"op": "snap_to_wall", "id": "table_lamp_1", "wall": 0, "orientation": "away"},
+    {"op": "resize_object", "id": "nightstand_1", "size": [0.36, 0.45, 0.55]},
+    {"op": "replace_object", "id": "nightstand_1", "category": "nightstand", "size": [0.36, 0.45, 0.55]},
+])
+def test_an_object_on_another_cannot_be_left_beside_it(op):
+    """Only add_object checked that an `on` object's centre lies on its parent's top: a move
+    took a lamp off its nightstand to hang in the air, measured and graded as if nothing were
+    wrong. Now every operation that would leave it there is refused (charged, nothing changed)."""
+    ed = editor()
+    lines, _ = run(ed, {"op": "add_object", "category": "nightstand", "position": [1.0, 1.0],
+                        "size": [0.6, 0.45, 0.55]},
+                   {"op": "add_object", "category": "table_lamp", "position": [1.25, 1.0], "mount": "on",
+                    "parent": "nightstand_1"})
+    assert all(": ok" in line for line in lines), lines
+    before, used = ed.scene, ed.scene.budget.used_units
+    lines, _ = run(ed, op)
+    assert "the centre of table_lamp_1 would not be on top of its parent" in lines[0], lines
+    assert ed.scene.objects == before.objects and ed.scene.budget.used_units > used
+    lines, _ = run(ed, {"op": "rotate_object", "id": "nightstand_1", "yaw": 45},   # rides along
+                   {"op": "move_object", "id": "table_lamp_1", "position": [0.95, 1.0]})
+    assert all(": ok" in line for line in lines), lines

@@ -256,10 +256,20 @@ class SceneEditor:
         return out
 
     def _replace_objects(self, changed: dict[str, SceneObject], removed: set[str] = frozenset()) -> None:
-        """Put `changed` (keyed by their current ids) into the scene, each validated first."""
+        """Put `changed` (keyed by their current ids) into the scene, each validated first; an
+        object mounted `on` another must keep its centre on its parent's top (a move, a
+        resize or a replace that would leave it hanging beside it is refused)."""
         changed = {k: _valid(o) for k, o in changed.items()}
         objs = tuple(changed.get(o.id, o) for o in self.scene.objects if o.id not in removed)
         objs += tuple(o for k, o in changed.items() if self.scene.object(k) is None)
+        by_id = {o.id: o for o in objs}
+        moved = {o.id for o in changed.values()}
+        for o in objs:
+            if o.mount == "on" and (o.id in moved or o.parent in moved):
+                parent = by_id[o.parent]
+                if not point_on_polygon(o.position[0], o.position[1], footprint(parent).tolist()):
+                    raise OpError(f"the centre of {o.id} would not be on top of its parent "
+                                  f"{parent.id}")
         self.scene = self.scene.model_copy(update={"objects": objs})
         self._take_ids(changed.values())
 

@@ -18,10 +18,12 @@ from .judge import make_judge
 from .ops import OP_MODELS
 from .prompts import load_templates
 
-RULES_REVISION = 3
+RULES_REVISION = 4
 """Raised whenever a measuring or grading rule changes in code rather than through a config value,
 so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
-under the new one. 3: a footprint that holds no reachability cell centre (a 3 cm deep mirror) is
+under the new one. 4: an object mounted `on` another keeps its centre on its parent's top
+through moves, rotations, snaps, resizes and replaces (only add_object checked it: a lamp could
+be moved off its nightstand to hang in the air at no cost). 3: a footprint that holds no reachability cell centre (a 3 cm deep mirror) is
 the cell holding the object's centre, so it blocks and can be reached (it did neither); a number
 in an action that is infinite as a float (1e400) is bad_json (was schema_violation).
 2: the door clearance box is blocked by floor objects only; a front faces a
