@@ -52,5 +52,8 @@ def test_config_errors_name_the_key():
         validate_config({"clip": 0.5}, "x.yaml", LossConfig)
     with pytest.raises(ConfigError, match="token-sum"):
         validate_config({"loss_agg_mode": "token-sum", "loss_scale": "legacy"}, "x.yaml", LossConfig)
-    with pytest.raises(ConfigError, match="total_steps"):
+    # the model-level checks name their key too (they said "lr_schedule cosine needs total_steps")
+    with pytest.raises(ConfigError, match=r"total_steps: needed by lr_schedule cosine"):
         validate_config({"lr_schedule": "cosine"}, "x.yaml", OptimConfig)
+    with pytest.raises(ConfigError, match=r"betas: each must lie in \[0, 1\), got \[1\.0, 0\.9\]"):
+        validate_config({"betas": [1.0, 0.9]}, "x.yaml", OptimConfig)

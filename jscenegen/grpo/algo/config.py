@@ -105,7 +105,9 @@ class OptimConfig(Section):
     def _check(self):
         b1, b2 = self.betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+            raise ValueError(f"betas: each must lie in [0, 1), got {list(self.betas)}")
         if self.lr_schedule == "cosine" and self.total_steps is None:
-            raise ValueError("lr_schedule cosine needs total_steps")
+            raise ValueError("total_steps: needed by lr_schedule cosine (the optimizer steps the "
+                             "cosine spans; VERL's total_training_steps: for `train`, "
+                             "schedule.total_updates)")
         return self
