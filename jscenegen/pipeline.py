@@ -240,19 +240,22 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.prompts import load_templates
     from jscenegen.scene.sceneset import check_requests_known, read_scene_set
-    from jscenegen.sharding.mesh import is_primary
+    from jscenegen.sharding.mesh import on_primary
     from jscenegen.sharding.rollout import check_tp_divides
 
     train_scenes(cfg)
     if cfg.rollout.tp is not None and cfg.rollout.layout != "fsdp":   # what the sampler reads
         check_tp_divides(cfg.rollout.tp, jax.device_count())   # the mesh's devices: all
     every, total = cfg.trainer.eval_every, cfg.schedule.total_updates
-    if is_primary():   # the process that logs to swanlab and warns
+
+    def logging_checks():   # the process that logs to swanlab and warns
         check_swanlab_mode(cfg.logging)
         warn_inert_settings(cfg)
         if every > total:
             log.warning("trainer.eval_every=%d is more than schedule.total_updates=%d: no "
                         "evaluation during training", every, total)
+
+    on_primary(logging_checks)
     catalogue = load_catalogue(cfg.scene.catalogue_path)
     sets = [(cfg.schedule.train_set, False)]
     if cfg.trainer.eval_before_after or cfg.trainer.eval_every:
@@ -267,8 +270,7 @@ def check_run_inputs(cfg) -> None:
         check_requests_known(records, catalogue, str(path))
     load_templates(cfg.scene.prompts_dir)
     judge = make_judge(cfg.judge, cfg.scene)
-    if is_primary():             # the process that grades (rollout.primary_judge)
-        judge.check_reachable()  # the http judge takes the run's key
+    on_primary(judge.check_reachable)   # the process that grades takes the run's key
     template = cfg.sampling.chat_template_path
     if template and not Path(template).is_file():
         raise FileNotFoundError(f"sampling.chat_template_path {template}: not a file")
@@ -314,12 +316,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     once the trainer has accepted the run. Raises RunLockedError when another process holds it."""
     import jax
 
-    from jscenegen.sharding.mesh import (
-        bytes_from_primary,
-        initialize_distributed,
-        is_primary,
-        mesh_shape,
-    )
+    from jscenegen.sharding.mesh import initialize_distributed, mesh_shape, on_primary
 
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id,
                            timeout_s=cfg.mesh.init_timeout_s,
@@ -337,22 +334,8 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     from jscenegen.run_lock import RunLock, RunLockedError
 
     lock = RunLock(run_dir)
-    try:
-        refusal, shown = None, ""
-        if is_primary():  # one process per run directory (the holder is named to a second one)
-            try:
-                lock.acquire()
-            except RunLockedError as err:
-                refusal, shown = err, str(err)
-            except Exception as err:   # an OSError making the lock file, or a bug
-                refusal, shown = err, f"{type(err).__name__}: {err}"
-        # every process learns process 0's outcome: the others would go on into a collective
-        # that process 0 never joins
-        shared = bytes_from_primary(shown.encode())
-        if refusal is not None:
-            raise refusal
-        if shared:    # in process 0's words
-            raise RunLockedError(shared.decode())
+    try:   # one process per run directory (the holder is named to a second one)
+        on_primary(lock.acquire, RunLockedError)
         return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
                              config_source=config_source, settings_notice=settings_notice)
     finally:
@@ -365,7 +348,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
     from jscenegen.checkpoint.store import finished_saves
     from jscenegen.grpo.train.trainer import Trainer
-    from jscenegen.sharding.mesh import bytes_from_primary, is_primary
+    from jscenegen.sharding.mesh import is_primary, on_primary
 
     if not resume and finished_saves(run_dir / RUN_CHECKPOINTS):  # unfinished saves are replaced
         raise ValueError(f"{run_dir} already holds checkpoints; pass --resume {run_dir} to "
@@ -386,13 +369,15 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
     try:   # from here on trainer.close() finishes swanlab's run, however the command ends
         layout = trainer.engine.sampler.layout.describe()
-        if is_primary():
+
+        def announce():
             if settings_notice:
                 log.warning("%s", settings_notice)
             print(f"rollout layout: {layout}", file=sys.stderr, flush=True)
             write_run_files(run_dir, cfg, model_dir, config_source, resume=resume)
-        # every process learns that this start's files are written (its --resume hint)
-        run_files_written = bytes_from_primary(b"written" if is_primary() else None) == b"written"
+
+        on_primary(announce)   # every process raises if the run files could not be written
+        run_files_written = True   # (the --resume hint)
         if cfg.trainer.eval_before_after and not resume:
             t2 = time.perf_counter()
             evals["before"] = trainer.evaluate_dev("eval_before")

@@ -415,3 +415,23 @@ def test_a_run_directory_in_use_is_refused_on_every_process_however_it_is_spelle
     lines = [err.strip().splitlines()[-1] for err in errs]
     assert lines[0] == lines[1], lines
     assert lines[0].startswith(f"error: run is in use by pid {os.getpid()} "), lines  # process 0's
+
+
+@pytest.mark.slow
+def test_a_check_of_process_0_alone_that_refuses_ends_every_process_with_its_reason(tmp_path):
+    """check_swanlab_mode and the judge's reachability ran on process 0 only: when process 0
+    refused, process 1 was already waiting in the next collective and died in a native abort
+    (exit 134, ~60 lines of C++) without the reason (helper-154)."""
+    import importlib.util
+
+    from chat_fixtures import chat_model_dir
+
+    assert importlib.util.find_spec("swanboard") is None   # what makes `local` refused here
+    model = chat_model_dir()
+    codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--run-dir",
+                                     str(tmp_path / "run"), f"model.path={model}",
+                                     "logging.swanlab_mode=local"])
+    assert codes == [2, 2], errs
+    lines = [err.strip().splitlines()[-1] for err in errs]
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith("error: logging.swanlab_mode=local needs swanlab's dashboard"), lines

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -391,6 +391,27 @@ def max_over_processes(value: int) -> int:
     if jax.process_count() == 1:
         return int(value)
     return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+def on_primary(fn: Callable[[], Any], error_type: type[Exception] = ValueError) -> None:
+    """Run `fn` on process 0 only, and raise on every process when it raised there: process 0
+    its own exception, the others `error_type` with process 0's message (an exception of another
+    type prefixed with its name). A collective (`bytes_from_primary`): every process calls it at
+    the same point, so that a refusal on process 0 does not leave the others in the next
+    collective (they died in a native abort, exit 134, without the reason)."""
+    refusal, shown = None, ""
+    if is_primary():
+        try:
+            fn()
+        except Exception as err:
+            refusal = err
+            shown = str(err) if isinstance(err, error_type) else f"{type(err).__name__}: {err}"
+            shown = shown or type(err).__name__
+    shared = bytes_from_primary(shown.encode())
+    if refusal is not None:
+        raise refusal
+    if shared:
+        raise error_type(shared.decode())
 
 
 def bytes_from_primary(data: bytes | None) -> bytes:
