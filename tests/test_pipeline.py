@@ -192,15 +192,20 @@ def test_a_process_other_than_0_stopped_before_the_updates_gives_the_resume_hint
     capsys.readouterr()
     monkeypatch.setattr(jscenegen.sharding.mesh, "is_primary", lambda: False)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    # process 0 says whether it wrote this start's files (an older run.json proves nothing)
-    for told, hint in ((b"written", True), (b"", False)):
-        monkeypatch.setattr(jscenegen.sharding.mesh, "bytes_from_primary",   # the lock: b""
-                            lambda data: told if data is None else data)
-        assert main(args) == 130
+    # process 0 says whether it wrote this start's files (an older run.json proves nothing):
+    # `on_primary` raises on process 1 what process 0's writing raised
+    for failure in (None, "OSError: [Errno 28] No space left on device"):
+        def process_0_did(fn, error_type=ValueError, failure=failure):
+            if fn.__name__ == "announce" and failure:
+                raise error_type(failure)
+
+        monkeypatch.setattr(jscenegen.sharding.mesh, "on_primary", process_0_did)
+        assert main(args) == (130 if failure is None else 2)
         err = capsys.readouterr().err
-        assert err.endswith(f"process 1: stopped; continue with: jscenegen train --resume "
-                            f"{tmp_path / 'run'}\nerror: interrupted (Ctrl-C)\n") == hint, err
-        assert "stopped; continue with" in err or not hint
+        hint = (f"process 1: stopped; continue with: jscenegen train --resume "
+                f"{tmp_path / 'run'}\nerror: interrupted (Ctrl-C)\n")
+        assert err.endswith(hint) == (failure is None), err
+        assert failure is None or err.endswith(f"error: {failure}\n"), err
 
 
 def test_a_stop_before_the_run_files_are_written_gives_no_resume_hint(tmp_path, capsys,
