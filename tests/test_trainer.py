@@ -325,18 +325,20 @@ def test_a_signal_on_another_process_during_the_last_save_is_reported_on_this_on
     """A stop signal that reached a peer process during the run's last save (after the last
     agreement inside the loop) made that process alone report the stop, skip the evaluation
     after training (collectives) and exit 143, its peers waiting for it in that evaluation. The
-    peer is this process's `max_over_processes` answering SIGTERM from its third call on."""
+    peer is this process's `max_over_processes` answering SIGTERM from its fourth call on."""
     import jscenegen.grpo.train.trainer as trainer_module
 
     calls = []
 
     def peers_max(value):
         calls.append(value)
-        return int(signal.SIGTERM) if len(calls) >= 3 else value
+        return int(signal.SIGTERM) if len(calls) >= 4 else value
 
     monkeypatch.setattr(trainer_module, "max_over_processes", peers_max)
     _, summary = _run(tmp_path, max_updates=1, **{"checkpoint.save_every": 1})
-    assert len(calls) == 3   # two agreements in the loop's iteration, one after the last save
+    # whether an evaluation is owed, two agreements in the loop's iteration, one after the
+    # last save
+    assert len(calls) == 4
     assert summary.stopped_by_signal == "SIGTERM" and summary.attempts == 1
 
 
@@ -1178,3 +1180,46 @@ def test_an_extended_resume_plays_the_appended_scene_and_an_edited_scene_is_refu
         Trainer(_cfg(**{"schedule.train_set": tmp_path / "edited.jsonl",
                         "schedule.num_scenes": 4, "schedule.total_updates": 5}),
                 run_dir, chat_model_dir(), resume=True)
+
+
+def test_an_evaluation_cut_off_by_a_stop_or_a_kill_is_played_on_resume(tmp_path, monkeypatch):
+    """A SIGTERM during the update that reached a multiple of trainer.eval_every stopped before
+    its evaluation, and a kill during the evaluation came after the checkpoint: either way the
+    resumed run never played it (helper-153). Now the metrics rows and reports equal a
+    straight run's."""
+    import jscenegen.eval.evaluate
+    import jscenegen.eval.plots
+
+    calls = []
+
+    def evaluate(engine, records, **kw):
+        calls.append(1)
+        if crash_at and len(calls) == crash_at:
+            raise RuntimeError("killed during the evaluation")
+        return {"overall": {"model": {"reward": 0.5}}}
+
+    monkeypatch.setattr(jscenegen.eval.evaluate, "evaluate", evaluate)
+    monkeypatch.setattr(jscenegen.eval.plots, "plot_report",
+                        lambda report, out, before=None: out.write_bytes(b"png"))
+    every = {"trainer.eval_every": 1, "schedule.total_updates": 2}
+
+    def shape(run_dir):
+        rows = [(r["attempt"], "eval/reward" in r) for r in _metrics(run_dir)]
+        return rows, sorted(p.name for p in run_dir.glob("eval_update_*.json"))
+
+    crash_at = None
+    _run(tmp_path / "straight", **every)
+    expected = shape(tmp_path / "straight")
+    assert expected == ([(0, False), (0, True), (1, False), (1, True)],
+                        ["eval_update_1.json", "eval_update_2.json"])
+    _, first = _run(tmp_path / "stopped", sigterm_after=1, **every)
+    assert first.stopped_by_signal and shape(tmp_path / "stopped")[1] == []
+    _run(tmp_path / "stopped", resume=True, **every)
+    assert shape(tmp_path / "stopped") == expected
+    crash_at = len(calls) + 2          # the second evaluation of the next run
+    with pytest.raises(RuntimeError, match="killed during the evaluation"):
+        _run(tmp_path / "killed", **every)
+    assert shape(tmp_path / "killed")[1] == ["eval_update_1.json"]
+    crash_at = None
+    _run(tmp_path / "killed", resume=True, **every)
+    assert shape(tmp_path / "killed") == expected

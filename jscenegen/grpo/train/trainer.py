@@ -586,6 +586,10 @@ class Trainer:
                         self.pos.attempts,
                         "schedule.max_attempts" if capped else "schedule.total_updates")
         try:
+            if (owed := self._owed_evaluation()) is not None:   # cut off by a stop or a kill
+                self._evaluate_update(owed, attempt=self.pos.attempts - 1)
+                if self._stop_agreed():
+                    max_updates = 0
             while not self.schedule.done(self.pos) and (max_updates is None or attempts < max_updates):
                 row = self.update()
                 attempts += 1
@@ -602,9 +606,7 @@ class Trainer:
                     last_saved = self.save()
                 every = self.cfg.trainer.eval_every
                 if every and row["stepped"] and self.pos.effective_updates % every == 0:
-                    report = self.evaluate_dev(f"eval_update_{self.pos.effective_updates}")
-                    self.logger.log({"attempt": row["attempt"], "eval/reward":
-                                     report["overall"]["model"]["reward"]}, step=row["attempt"])
+                    self._evaluate_update(self.pos.effective_updates, attempt=row["attempt"])
                 if self._stop_agreed():   # a signal during the save or the evaluation
                     break
             current = self.store.step_path(self.pos.attempts)
@@ -633,6 +635,24 @@ class Trainer:
                           stopped_by_signal=(signal.Signals(self._stop_signal).name
                                              if self._stop_signal is not None else None),
                           wall_s=time.perf_counter() - t0)
+
+    def _evaluate_update(self, update: int, attempt: int) -> None:
+        """The `trainer.eval_every` dev evaluation after effective update `update` (its report
+        `eval_update_<update>.json`, its `eval/reward` row at `attempt`)."""
+        report = self.evaluate_dev(f"eval_update_{update}")
+        self.logger.log({"attempt": attempt, "eval/reward": report["overall"]["model"]["reward"]},
+                        step=attempt)
+
+    def _owed_evaluation(self) -> int | None:
+        """The effective update whose `trainer.eval_every` evaluation a resumed run still owes:
+        the run stands at a multiple of eval_every whose report is missing (a stop during the
+        update that reached it comes before the evaluation; a kill during the evaluation comes
+        after the checkpoint it resumes from), else None. Process 0 (which writes the reports)
+        decides for all (a collective)."""
+        every, update = self.cfg.trainer.eval_every, self.pos.effective_updates
+        owed = bool(every and update and update % every == 0 and is_primary()
+                    and not (self.run_dir / f"eval_update_{update}.json").is_file())
+        return update if max_over_processes(int(owed)) else None
 
     def _stop_agreed(self) -> bool:
         """Whether a stop signal reached any process (all stop at the same update: a signal
