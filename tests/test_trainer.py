@@ -822,6 +822,15 @@ def test_a_judge_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_pa
                                              r"judge.max_failed_updates=2\); stopped with a checkpoint"):
         _run(tmp_path, max_updates=5, **{"judge.max_failed_updates": 2, "checkpoint.save_every": 10})
     assert check_step(tmp_path / "checkpoints" / "2").valid
+    # the stop's checkpoint clears the streak (the judge is fixed, then the run resumed) ...
+    assert _final(tmp_path).train_state["failure_streaks"] == {"judge": [], "rollout": []}
+    # ... but one saved in the middle of a streak keeps it: a run stopped after 1 failed update
+    # of 2 stops at the first failed update after its resume, as a straight run would
+    _run(tmp_path / "mid", max_updates=1, **{"judge.max_failed_updates": 2})
+    assert _final(tmp_path / "mid").train_state["failure_streaks"]["judge"] == ["judge_error"]
+    with pytest.raises(JudgeDownError, match=r"in the last 2 updates"):
+        _run(tmp_path / "mid", resume=True, max_updates=5, **{"judge.max_failed_updates": 2})
+    assert check_step(tmp_path / "mid" / "checkpoints" / "2").valid
 
 
 def test_a_sampler_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
@@ -119,6 +119,8 @@ class _RunIdentity(BaseModel):
     num_scenes: Annotated[StrictInt, Field(gt=0)]
     schedule_hash: StrictStr
     scenes_hash: StrictStr | None = None   # written since 2026-12-06; older runs have none
+    # the judge's and the rollout's failed updates in a row (since 2026-12-06; older: none)
+    failure_streaks: dict[Literal["judge", "rollout"], list[Annotated[StrictStr, Field(max_length=400)]]] = {}
     protocol_hash: StrictStr
     reward: dict[str, Annotated[float, Field(allow_inf_nan=False, strict=True)]]
 

@@ -225,6 +225,8 @@ class Trainer:
         # came out replicated) and the counters are replicated: the train step's outputs then
         # match its inputs and it compiles once
         self.state: TrainState = init_train_state(params, cfg.optim)
+        self._judge_down: list[str] = []     # the judge failures of the updates in a row it failed
+        self._rollout_down: list[str] = []   # the runtime failures of the updates in a row they took
         if resume:
             self._apply_checkpoint(ck)
         elif is_primary():  # the logs of a start that stopped before its first checkpoint
@@ -234,8 +236,6 @@ class Trainer:
                                     primary=is_primary())
         self._stop_signal: int | None = None
         self._replaced_handlers: dict = {}
-        self._judge_down: list[str] = []     # the judge failures of the updates in a row it failed
-        self._rollout_down: list[str] = []   # the runtime failures of the updates in a row they took
         self._last_eval: dict | None = None   # the newest evaluation's report
 
     # ---- state ---------------------------------------------------------------------------
@@ -304,6 +304,9 @@ class Trainer:
             "scenes_hash": scene_set_hash(self.scenes[:len(self.schedule.scene_seeds)]),
             "protocol_hash": self.protocol_hash,
             "reward": self.cfg.scene.reward.model_dump(mode="json"),
+            # a resumed run stops after the failed updates a straight one would have (the
+            # streaks are cleared where the run stopped for them: fixed, then resumed)
+            "failure_streaks": {"judge": list(self._judge_down), "rollout": list(self._rollout_down)},
             "data_iterator": {"scene_index": self.pos.scene_index, "epoch": self.pos.epoch},
             "rng": "none: sampling keys derive from the episode seeds",
         }
@@ -380,6 +383,9 @@ class Trainer:
         else:
             self.pos = self.schedule.extended(SchedulePosition.from_json(saved["schedule"]),
                                               int(saved["num_scenes"]))
+            streaks = saved.get("failure_streaks", {})   # checked by check_run_identity
+            self._judge_down = list(streaks.get("judge", []))
+            self._rollout_down = list(streaks.get("rollout", []))
         if self.cfg.schedule.total_updates < self.pos.effective_updates:
             raise ResumeError(f"schedule.total_updates={self.cfg.schedule.total_updates} is below "
                               f"the {self.pos.effective_updates} effective updates {self.run_dir} "
@@ -599,6 +605,7 @@ class Trainer:
                 if self._stop_agreed():
                     break
                 if (failed := self._failed_updates_error()) is not None:
+                    self._judge_down, self._rollout_down = [], []   # the resume after the fix
                     self.save()
                     self.store.wait_until_finished()
                     raise failed
