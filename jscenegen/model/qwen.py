@@ -31,7 +31,7 @@ from jscenegen.model.remat import checkpointed, remat_policy
 from jscenegen.model.rope import apply_rope, rope_cos_sin
 from jscenegen.model.weights import ParamFactory, weight_table
 from jscenegen.sharding.constraints import constrain, constrain_stacked, gather
-from jscenegen.sharding.rules import ACTIVATION, CACHED_KV, HEADS, REPLICATED, ROWS, SEQ_GATHERED
+from jscenegen.sharding.rules import ACTIVATION, CACHED_KV, HEADS, READ_KV, REPLICATED, ROWS
 
 
 def logical(p: nnx.Param, dtype) -> jax.Array:
@@ -267,8 +267,9 @@ def cached_attention(q, k, v, mask, kv, attn_impl: str):
         new_kv = (k_all, v_all)
     else:
         new_kv = (k, v)
-    # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp
-    k, v = constrain(k, SEQ_GATHERED), constrain(v, SEQ_GATHERED)
+    # sequence parallelism: queries stay sharded over sp, keys/values are gathered over sp;
+    # tensor parallelism: the kv heads stay split as their projections made them
+    k, v = constrain(k, READ_KV), constrain(v, READ_KV)
     out = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, attn_impl)
     return out, new_kv
 

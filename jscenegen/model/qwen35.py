@@ -74,6 +74,7 @@ from jscenegen.sharding.constraints import axis_size, constrain, constrain_group
 from jscenegen.sharding.rules import (
     ACTIVATION,
     FSDP,
+    LAYER_KV,
     LAYER_ROWS,
     REPLICATED,
     ROWS,
@@ -392,8 +393,9 @@ class HybridCache:
     @staticmethod
     def partition_specs() -> "HybridCache":
         """Where each array lives on the mesh (`sharding.rules`): per-layer arrays [L, B, ...]
-        split rows over fsdp (LAYER_ROWS), per-row arrays ROWS, the slot counter REPLICATED."""
-        return HybridCache(k=LAYER_ROWS, v=LAYER_ROWS, conv=LAYER_ROWS, state=LAYER_ROWS,
+        split rows over fsdp (LAYER_ROWS; the K/V LAYER_KV, their heads over tp in a rollout),
+        per-row arrays ROWS, the slot counter REPLICATED."""
+        return HybridCache(k=LAYER_KV, v=LAYER_KV, conv=LAYER_ROWS, state=LAYER_ROWS,
                            valid=ROWS, next_pos=ROWS, length=REPLICATED)
 
     def grown(self, extra: int) -> "HybridCache":

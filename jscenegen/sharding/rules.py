@@ -16,7 +16,7 @@ the rollout dtype (those read in the compute dtype; the rest keep their own). Th
 arrays themselves (one weight all-gather per layer per token; kept for comparison).
 
 The model constrains activations by role (`ACTIVATION`, `HEADS`, `SEQ_GATHERED`, `CACHED_KV`,
-`WEIGHT`, `STACKED`, `GROUPED`, `ROWS`, `LAYER_ROWS`); `TRAINING_SPECS` and `ROLLOUT_SPECS` map each role to the
+`WEIGHT`, `STACKED`, `GROUPED`, `ROWS`, `LAYER_ROWS`, `LAYER_KV`, `READ_KV`); `TRAINING_SPECS` and `ROLLOUT_SPECS` map each role to the
 spec of that layout (`sharding.constraints` picks the active one). Everything else that places
 an array (the loader, the checkpoint store, the sampler, the batch layout) takes its spec from
 here.
@@ -50,6 +50,8 @@ STACKED = "stacked"                # [L, n, ...] parameters stacked over the lay
 GROUPED = "grouped"                # [G, R, n, ...] stacked over layer groups and runs (Qwen3.5)
 ROWS = "rows"                      # [B, ...] per-row arrays (sampler state, logits)
 LAYER_ROWS = "layer_rows"          # [L, B, ...] per-layer per-row arrays (Qwen3.5's cache)
+LAYER_KV = "layer_kv"              # [L, B, S, Nkv, D] Qwen3.5's full-attention K/V cache
+READ_KV = "read_kv"                # [B, S, Nkv, D] keys/values as attention reads them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +67,15 @@ TRAINING_SPECS = ActivationSpecs(AXES, {
     CACHED_KV: P("fsdp"),
     WEIGHT: REPLICATED,            # FSDP: all-gathered just before use, one layer at a time
     STACKED: STACKED_PARAM, GROUPED: GROUPED_PARAM, ROWS: P("fsdp"), LAYER_ROWS: P(None, "fsdp"),
+    LAYER_KV: P(None, "fsdp"), READ_KV: P("fsdp"),   # every position on each sp device
 })
 ROLLOUT_SPECS = ActivationSpecs(ROLLOUT_AXES, {
     ACTIVATION: P("data"), HEADS: P("data", None, "tp"), SEQ_GATHERED: P("data"),
     CACHED_KV: P("data", "tp"),
     WEIGHT: None,                  # already in its decoding layout: never gathered
     STACKED: None, GROUPED: None, ROWS: P("data"), LAYER_ROWS: P(None, "data"),
+    # the kv heads over tp, as k_proj/v_proj make them: no step gathers the cache
+    LAYER_KV: P(None, "data", None, "tp"), READ_KV: P("data", None, "tp"),
 })
 
 # ---- rollout parameter kinds (Megatron tensor parallelism over `tp`) --------------------------
