@@ -22,10 +22,11 @@ def test_the_gpu_bench_dry_run_reports_every_engine():
     ours = engines["jscenegen"]
     assert "error" not in ours, ours.get("error")
     assert ours["train_loss_finite"] is True and ours["train_step_s"] > 0
-    # bf16: one rounding step at |log p| ~ 7 is 0.03; a trained token's log-prob taken from a
-    # wrong position would be off by the spread of a random model's log-probs (~1)
+    # the full and the capacity pass agree to bf16 rounding of the hidden states (2e-3 on this
+    # CPU); a trained token's log-prob taken from a wrong position would be off by the spread
+    # of a random model's log-probs (~1)
     assert ours["train_step_capacity_s"] > 0 and ours["train_logprob_mean_abs"] > 1
-    assert ours["train_capacity_logprob_max_abs_diff"] < 2e-2
+    assert ours["train_capacity_logprob_max_abs_diff"] < 2e-2 and ours["train_capacity_logprobs_ok"]
     assert ours["decode_tokens_per_s"] > 0
     summary = lines[-1]
     assert summary["bench"] == "gpu" and summary["tiny"] is True

@@ -426,7 +426,8 @@ def test_a_check_of_process_0_alone_that_refuses_ends_every_process_with_its_rea
 
     from chat_fixtures import chat_model_dir
 
-    assert importlib.util.find_spec("swanboard") is None   # what makes `local` refused here
+    if importlib.util.find_spec("swanboard") is not None:   # what makes `local` refused here
+        pytest.skip("swanboard is installed: logging.swanlab_mode=local would start")
     model = chat_model_dir()
     codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--run-dir",
                                      str(tmp_path / "run"), f"model.path={model}",

@@ -273,10 +273,11 @@ def test_atomic_dir_syncs_every_file_before_publishing_and_the_rename_after(tmp_
     published export could hold a valid config.json beside zero-filled weight files."""
     import jscenegen.paths as paths
 
-    synced = []
+    synced, published = [], []
     real = paths.fsync_path
-    monkeypatch.setattr(paths, "fsync_path", lambda p: (synced.append(Path(p)), real(p))[1])
     out = tmp_path / "model"
+    monkeypatch.setattr(paths, "fsync_path", lambda p: (synced.append(Path(p)),
+                                                        published.append(out.exists()), real(p))[2])
     with atomic_dir(out) as tmp:
         (tmp / "sub").mkdir()
         (tmp / "model.safetensors").write_bytes(b"x" * 10)
@@ -285,7 +286,7 @@ def test_atomic_dir_syncs_every_file_before_publishing_and_the_rename_after(tmp_
     names = [p.name for p in synced]
     assert {"model.safetensors", "a.json", "sub"} <= set(names) and "link" not in names
     assert synced[-1] == tmp_path                       # the rename, after every file
-    assert names.index("model.safetensors") < len(names) - 1
+    assert published == [False] * (len(synced) - 1) + [True]   # the files before the rename
     assert (out / "model.safetensors").read_bytes() == b"x" * 10
 
 
@@ -299,9 +300,11 @@ def test_a_tensor_stream_ending_early_or_naming_a_stranger_is_named(tmp_path):
     from jscenegen.model.safetensors_stream import write_safetensors_streaming
 
     specs = {"a": ((2,), np.dtype(np.float32)), "b": ((3,), np.dtype(np.float32))}
-    with pytest.raises(ValueError, match=r"^the tensors ended before b \(announced 2, 1 arrived\)$"):
+    with pytest.raises(ValueError, match=rf"^{tmp_path}: the tensors ended before b \(announced 2, 1 "
+                                         r"arrived\)$"):
         write_safetensors_streaming(tmp_path, specs, iter([("a", np.zeros(2, np.float32))]))
     cfg = preset_config("qwen3", "micro", vocab_size=300)
-    with pytest.raises(ValueError, match=r"^tensor 'lm_head\.extra' is not one of qwen3's tensors"):
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'm'}: tensor 'lm_head\.extra' is not one of "
+                                         r"qwen3's tensors"):
         write_hf_dir(tmp_path / "m", cfg, iter([("lm_head.extra", np.zeros(2, np.float32))]))
     assert not (tmp_path / "m").exists()

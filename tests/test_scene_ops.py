@@ -318,3 +318,7 @@ def test_an_object_on_another_cannot_be_left_beside_it(op):
     lines, _ = run(ed, {"op": "rotate_object", "id": "nightstand_1", "yaw": 45},   # rides along
                    {"op": "move_object", "id": "table_lamp_1", "position": [0.95, 1.0]})
     assert all(": ok" in line for line in lines), lines
+    lines, _ = run(ed, {"op": "add_object", "category": "table_lamp", "position": [2.0, 2.0],
+                        "mount": "on", "parent": "nightstand_1"})   # the same rule when added
+    assert "the centre of table_lamp_2 would not be on top of its parent nightstand_1" in lines[0]
+    assert [o.id for o in ed.scene.objects] == ["nightstand_1", "table_lamp_1"]

@@ -594,8 +594,9 @@ def test_a_step_that_is_a_link_or_a_file_is_refused_before_the_first_update(stra
 
 def test_a_step_directory_copied_under_another_number_is_refused(straight, tmp_path, monkeypatch):
     """`cp -r checkpoints/3 checkpoints/7` resumed step 7 at attempt 3, and a later save failed
-    far from the cause; it is refused before any array of the step is read (a copied step of a
-    large model was refused only after its restore)."""
+    far from the cause; it is refused before the step's arrays are restored (its files are
+    still hashed first, as every resume hashes them; a copied step of a large model was refused
+    only after its restore onto the devices)."""
     import shutil
 
     from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
@@ -808,7 +809,7 @@ def test_a_judge_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_pa
     def ep(cause):
         return SimpleNamespace(failure_cause=cause)
 
-    fake = SimpleNamespace(_judge_down=[], _rollout_down=[])
+    fake = SimpleNamespace(_judge_down=[], _rollout_down=[], cfg=_cfg())
     for batch, down in [([ep("judge_timeout"), ep("bad_json")], 1),    # every judged one failed
                         ([ep("bad_json")], 1),                          # nothing judged: no news
                         ([ep("judge_error"), ep("judge_error")], 2),
@@ -816,7 +817,8 @@ def test_a_judge_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_pa
         Trainer._note_failures(fake, batch)
         assert len(fake._judge_down) == down
 
-    monkeypatch.setattr(Trainer, "_note_failures", lambda self, t: self._judge_down.append("judge_error"))
+    note = Trainer._note_failures      # every update's episodes all fail in the judge
+    monkeypatch.setattr(Trainer, "_note_failures", lambda self, t: note(self, [ep("judge_error")]))
     with pytest.raises(JudgeDownError, match=r"failed every episode it was asked to grade in the "
                                              r"last 2 updates \(mostly judge_error; "
                                              r"judge.max_failed_updates=2\); stopped with a checkpoint"):
@@ -831,6 +833,14 @@ def test_a_judge_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_pa
     with pytest.raises(JudgeDownError, match=r"in the last 2 updates"):
         _run(tmp_path / "mid", resume=True, max_updates=5, **{"judge.max_failed_updates": 2})
     assert check_step(tmp_path / "mid" / "checkpoints" / "2").valid
+    # a stop signal during the update that reaches the limit: the run stops for the judge
+    # there (its stop saved the full streak, and the resume played a third failing update)
+    with pytest.raises(JudgeDownError, match=r"in the last 2 updates"):
+        _run(tmp_path / "signal", sigterm_after=2, max_updates=5, **{"judge.max_failed_updates": 2})
+    assert _final(tmp_path / "signal").train_state["failure_streaks"]["judge"] == []
+    # never stopping for it (0), the streak kept is its last entry, not the run's history
+    _run(tmp_path / "never", max_updates=3, **{"judge.max_failed_updates": 0})
+    assert _final(tmp_path / "never").train_state["failure_streaks"]["judge"] == ["judge_error"]
 
 
 def test_a_sampler_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
@@ -844,7 +854,7 @@ def test_a_sampler_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_
     def ep(cause):
         return SimpleNamespace(failure_cause=cause, failure_message="RuntimeError: x")
 
-    fake = SimpleNamespace(_judge_down=[], _rollout_down=[])
+    fake = SimpleNamespace(_judge_down=[], _rollout_down=[], cfg=_cfg())
     for batch, down in [([ep("rollout_error"), ep("runtime_error")], 1),
                         ([ep("rollout_error"), ep("bad_json")], 0),      # the policy failed one
                         ([ep("rollout_error")], 1), ([ep("rollout_error")], 2),
@@ -1232,3 +1242,23 @@ def test_an_evaluation_cut_off_by_a_stop_or_a_kill_is_played_on_resume(tmp_path,
     crash_at = None
     _run(tmp_path / "killed", resume=True, **every)
     assert shape(tmp_path / "killed") == expected
+
+
+def test_only_the_runs_own_checkpoint_owes_an_evaluation(tmp_path):
+    """A first start from a converted VERL/HF checkpoint at a multiple of eval_every has no
+    report of that update in its new run directory: it owes none (it played the whole dev
+    set before its first update)."""
+    import types
+
+    from jscenegen.grpo.train.schedule import SchedulePosition
+
+    trainer = types.SimpleNamespace(cfg=_cfg(**{"trainer.eval_every": 5}), run_dir=tmp_path,
+                                    pos=SchedulePosition(attempts=12, effective_updates=10),
+                                    _own_checkpoint=False)
+    assert Trainer._owed_evaluation(trainer) is None
+    trainer._own_checkpoint = True
+    assert Trainer._owed_evaluation(trainer) == 10
+    (tmp_path / "eval_update_10.json").write_text("{}")
+    assert Trainer._owed_evaluation(trainer) is None
+    trainer.pos = SchedulePosition(attempts=12, effective_updates=11)
+    assert Trainer._owed_evaluation(trainer) is None

@@ -26,8 +26,8 @@ scores and values, forward + backward; remat's recompute not counted), peak from
 kind (H100/H200 989 TFLOP/s dense bf16, A100 312) or --peak-tflops. MFU times the full pass
 (every token's logits); `train_step_capacity_s` times the step as the trainer calls it (the
 trained positions only from the last layer on, `capacity`), and
-`train_capacity_logprob_max_abs_diff` checks that both give the trained tokens the same
-log-probs (beside `train_logprob_mean_abs`, their size).
+`train_capacity_logprob_max_abs_diff` compares the log-probs both give the trained tokens
+(beside `train_logprob_mean_abs`, their size; `train_capacity_logprobs_ok`: below 0.1).
 
     bash bench/gpu/run.sh                       # on the GPU machine
     python bench/gpu/bench_gpu.py --tiny        # CPU dry run: tiny model, xla attention
@@ -84,6 +84,7 @@ def decode_bytes_per_step(c: dict, rows: int, prompt: int, new: int) -> float:
     kv = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2
     return 2 * param_count(c) + rows * (prompt + new / 2) * kv
 TOP_K = 50
+CAPACITY_LOGPROB_TOL = 0.1   # train_capacity_logprobs_ok (see _jax_train)
 
 
 def model_flops_per_token(c: dict, seq: int) -> float:
@@ -154,6 +155,9 @@ def _jax_train(c: dict, args, attn: str) -> dict:
           for c in (None, cap)]
     out["train_capacity_logprob_max_abs_diff"] = float(np.abs(lp[1] - lp[0])[mask].max())
     out["train_logprob_mean_abs"] = float(np.abs(lp[0])[mask].mean())
+    # bf16 hidden states computed by other kernels round apart by a few 1e-3; a log-prob taken
+    # at a wrong position is off by the spread of the model's log-probs (~1)
+    out["train_capacity_logprobs_ok"] = out["train_capacity_logprob_max_abs_diff"] < CAPACITY_LOGPROB_TOL
 
     def train(capacity=None):
         holder["state"], metrics = step.step(holder["state"], arrays, capacity=capacity)

@@ -189,7 +189,7 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
         specs = {n: (tuple(s), np_dtype(dtypes[n])) for n, s in shapes.items()}
         def cast(name, a):
             if name not in specs:
-                raise ValueError(f"tensor {name!r} is not one of {cfg.model_type}'s tensors "
+                raise ValueError(f"{out}: tensor {name!r} is not one of {cfg.model_type}'s tensors "
                                  f"(e.g. {next(iter(specs))})")
             return name, np.ascontiguousarray(a.astype(specs[name][1]))
 

@@ -330,7 +330,7 @@ def write_safetensors_streaming(out_dir: str | Path,
             for name in members:
                 item = next(it, None)
                 if item is None:
-                    raise ValueError(f"the tensors ended before {name} (announced {len(specs)}, "
+                    raise ValueError(f"{out_dir}: the tensors ended before {name} (announced {len(specs)}, "
                                      f"{len(weight_map) - len(members) + members.index(name)} "
                                      "arrived)")
                 got_name, a = item

@@ -238,7 +238,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
 
     from jscenegen.grpo.algo.accumulate import num_micro_batches
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-    from jscenegen.grpo.algo.optimizer import init_train_state
+    from jscenegen.grpo.algo.optimizer import init_train_state, lr_at
     from jscenegen.grpo.train.batch import build_group_batch
     from jscenegen.parity import torch_reference as ref
     from jscenegen.parity.grpo_step import (
@@ -341,8 +341,8 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             result["worst_grad_norm_gap"] = worst_grad_norm_gap
             result["trained_tensors"] = len(names)
             result["constant_tensors"] = constant_tensors(_by_name(names, params).items())
-            result["weight_decay_visible"] = weight_decay_visible(optim_cfg.lr,
-                                                                  optim_cfg.weight_decay)
+            result["weight_decay_visible"] = weight_decay_visible(   # at the largest lr applied
+                max(float(lr_at(optim_cfg, i)) for i in range(updates)), optim_cfg.weight_decay)
             result["frozen_unchanged"] = frozen_unchanged(model, str(model_dir), tmodel,
                                                           torch_frozen)
             result["tolerances"] = {"loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL,

@@ -338,9 +338,7 @@ class SceneEditor:
         if op.mount == "on":
             if not op.parent:
                 raise OpError("mount 'on' needs a parent id")
-            p = self._get(op.parent)
-            if not point_on_polygon(op.position[0], op.position[1], footprint(p).tolist()):
-                raise OpError(f"centre is not on top of parent {p.id}")
+            p = self._get(op.parent)   # its centre on p's top: `_replace_objects`
             elevation, parent = p.elevation + p.size[2], p.id
         elif op.parent:
             raise OpError(f"parent is only allowed with mount 'on', not {op.mount!r}")

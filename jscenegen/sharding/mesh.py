@@ -1,6 +1,7 @@
 """The ("fsdp", "sp") device mesh, on one host or many: the multi-host launch
 (`initialize_distributed`, `check_same_settings`) and the few cross-process collectives the
-trainer's host code needs (`host_array`, `max_over_processes`, `bytes_from_primary`).
+trainer's host code needs (`host_array`, `max_over_processes`, `bytes_from_primary`,
+`on_primary`).
 
 Axes are `AxisType.Auto` (GSPMD propagation with explicit constraints at block boundaries),
 chosen deliberately: in jax >= 0.10 `jax.make_mesh` defaults to Explicit axes, under which

@@ -227,6 +227,7 @@ class Trainer:
         self.state: TrainState = init_train_state(params, cfg.optim)
         self._judge_down: list[str] = []     # the judge failures of the updates in a row it failed
         self._rollout_down: list[str] = []   # the runtime failures of the updates in a row they took
+        self._own_checkpoint = False         # resumed from this trainer's own train state
         if resume:
             self._apply_checkpoint(ck)
         elif is_primary():  # the logs of a start that stopped before its first checkpoint
@@ -383,6 +384,7 @@ class Trainer:
         else:
             self.pos = self.schedule.extended(SchedulePosition.from_json(saved["schedule"]),
                                               int(saved["num_scenes"]))
+            self._own_checkpoint = True
             streaks = saved.get("failure_streaks", {})   # checked by check_run_identity
             self._judge_down = list(streaks.get("judge", []))
             self._rollout_down = list(streaks.get("rollout", []))
@@ -492,6 +494,10 @@ class Trainer:
             self._rollout_down.append(f"{causes[0]}: {trajectories[0].failure_message[:300]}")
         else:
             self._rollout_down = []
+        # only the length up to the limit and the last entry are read (they go into every
+        # checkpoint: a run that never stops for them would carry the whole history)
+        self._judge_down = self._judge_down[-max(self.cfg.judge.max_failed_updates, 1):]
+        self._rollout_down = self._rollout_down[-max(self.cfg.rollout.max_failed_updates, 1):]
 
     def _failed_updates_error(self) -> RuntimeError | None:
         """The error to stop with after `judge.max_failed_updates` updates in a row in which
@@ -602,13 +608,14 @@ class Trainer:
                 self.logger.log(row, step=row["attempt"])
                 if progress is not None:
                     progress(row)
-                if self._stop_agreed():
-                    break
-                if (failed := self._failed_updates_error()) is not None:
+                if (failed := self._failed_updates_error()) is not None:   # before a stop: a
+                    # resumed run would play one more failing update
                     self._judge_down, self._rollout_down = [], []   # the resume after the fix
                     self.save()
                     self.store.wait_until_finished()
                     raise failed
+                if self._stop_agreed():
+                    break
                 if self.pos.attempts % self.cfg.checkpoint.save_every == 0:
                     last_saved = self.save()
                 every = self.cfg.trainer.eval_every
@@ -654,10 +661,11 @@ class Trainer:
         """The effective update whose `trainer.eval_every` evaluation a resumed run still owes:
         the run stands at a multiple of eval_every whose report is missing (a stop during the
         update that reached it comes before the evaluation; a kill during the evaluation comes
-        after the checkpoint it resumes from), else None. Process 0 (which writes the reports)
-        decides for all (a collective)."""
+        after the checkpoint it resumes from), else None; a checkpoint converted from VERL or HF
+        files owes none. Process 0 (which writes the reports) decides for all (a collective)."""
         every, update = self.cfg.trainer.eval_every, self.pos.effective_updates
-        owed = bool(every and update and update % every == 0 and is_primary()
+        owed = bool(every and update and update % every == 0 and self._own_checkpoint
+                    and is_primary()
                     and not (self.run_dir / f"eval_update_{update}.json").is_file())
         return update if max_over_processes(int(owed)) else None
 
