@@ -114,9 +114,10 @@ OP_ARGS = {
     "resize_object": "id, size [w,d,h] or scale (number or [sw,sd,sh])",
     "move_object": "id, position [x,y], yaw?",
     "remove_object": "id (children go too)",
-    "snap_to_wall": "id, wall? (nearest), orientation (away: back to the wall | along: side to the wall)",
+    "snap_to_wall": "id, wall? (nearest), orientation? (away, the default: back to the wall | "
+    "along: side to the wall)",
     "snap_to_object": "id, target, side (left|right|front|back of target; right = target's local +x), "
-    "orientation (toward|same|none), offset? (m along that side)",
+    "orientation? (toward|same|none, the default), offset? (m along that side)",
     "rotate_object": "id, yaw",
     "get_scene": "-",
 }

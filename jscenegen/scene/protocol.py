@@ -23,7 +23,8 @@ RULES_REVISION = 4
 so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
 under the new one. 4: an object mounted `on` another keeps its centre on its parent's top
 through moves, rotations, snaps, resizes and replaces (only add_object checked it: a lamp could
-be moved off its nightstand to hang in the air at no cost). 3: a footprint that holds no reachability cell centre (a 3 cm deep mirror) is
+be moved off its nightstand to hang in the air at no cost); the prompt's operation table marks
+the snaps' orientation optional, as the operations read it. 3: a footprint that holds no reachability cell centre (a 3 cm deep mirror) is
 the cell holding the object's centre, so it blocks and can be reached (it did neither); a number
 in an action that is infinite as a float (1e400) is bad_json (was schema_violation).
 2: the door clearance box is blocked by floor objects only; a front faces a
