@@ -138,11 +138,11 @@ def one_device(n_rounds: int) -> dict:
             print("tunix: not installed (pip install -e '.[bench]'); its sampler is not measured")
         from weight_stream import stream_loop
 
-        step_bytes = decode_step_bytes(model)
-        stream = stream_loop(step_bytes, steps=NEW)[0]
+        stream, streamed = stream_loop(decode_step_bytes(model), steps=NEW)
         engines["memory floor"] = lambda r: stream()
-        print(f"memory floor: {NEW} steps each reading {step_bytes / 1e6:.1f} MB of fp32 weights "
-              "once (the decode step's weights and mean KV cache in use; bench/weight_stream.py)")
+        print(f"memory floor: {NEW} steps each reading {streamed / 1e6:.1f} MB of fp32 weights "
+              "once (the decode step's weights and mean KV cache in use, in whole 1 MiB "
+              "matrices; bench/weight_stream.py)")
         times = rounds(engines, n_rounds)
     return _report(times, BATCH * NEW)
 
