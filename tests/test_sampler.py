@@ -557,7 +557,7 @@ def test_qwen35_sampling_on_the_3x2_mesh_equals_unsharded(qwen35_hf, qwen35_prom
     """The hybrid cache in the rollout layouts (its [L, B, ...] arrays rows over the layout's
     data-parallel devices; the weights resharded: Gated DeltaNet and attention alike)."""
     from jscenegen.sharding.mesh import make_mesh
-    from jscenegen.sharding.rules import LAYER_ROWS
+    from jscenegen.sharding.rules import LAYER_HEADS
 
     mesh = make_mesh(3, 2)
     s = Sampler(load_hf(qwen35_hf["qwen3_5"], mesh=mesh), SamplingParams(temperature=0.8),
@@ -565,7 +565,8 @@ def test_qwen35_sampling_on_the_3x2_mesh_equals_unsharded(qwen35_hf, qwen35_prom
     reps = s.row_multiple // 3                 # fsdp, tp: 3 rows; replicated: 6 (prompts twice)
     prompts, seeds = qwen35_prompts * reps, [5, 6, 7] * reps
     cache, _ = s.new_cache(3 * reps, 64)
-    assert cache.state.sharding == s.layout.sharding(LAYER_ROWS) and cache.state.dtype == jnp.float32
+    assert cache.state.sharding == s.layout.sharding(LAYER_HEADS) and cache.state.dtype == jnp.float32
+    assert cache.conv.sharding == s.layout.sharding(LAYER_HEADS)
     assert cache.conv.shape == (4, 3 * reps, 136, 3) and cache.k.shape == (1, 3 * reps, 64, 2, 32)
     out = s.generate(prompts, 6, seeds=seeds, cache_len=64)
     ref = qwen35_sampler.generate(qwen35_prompts, 6, seeds=[5, 6, 7], cache_len=64)

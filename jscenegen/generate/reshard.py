@@ -6,7 +6,9 @@ padding off, casts the parameters the model reads in the compute dtype (matmul a
 weights: `rules.rollout_casts`) to the rollout dtype and keeps every other parameter's own
 dtype (norm weights, Qwen3.5's A_log, dt_bias and conv1d, which the model reads in fp32: cast,
 the rollout would sample from another policy than the trainer recomputes), stores matmul
-weights [in, out] where the layout says so (`RolloutLayout.transposed`, XLA:CPU) and writes the
+weights [in, out] where the layout says so (`RolloutLayout.transposed`, XLA:CPU), groups the
+[q | k | v] channels of Qwen3.5's in_proj_qkv and conv1d by tp shard under `tp` (each device
+then holds its heads' q, k and v: `rules.COLUMN_BLOCKS`) and writes the
 result in the parameter's rollout sharding (`rules.rollout_param_spec`: whole, column-, row- or
 vocabulary-split), so XLA emits one all-gather (or a slice of one) per parameter. The training
 arrays are inputs only: nothing of them is kept or donated. Under the `fsdp` layout the training
@@ -30,9 +32,15 @@ import numpy as np
 from flax import nnx
 
 from jscenegen.model.functional import shared
-from jscenegen.model.weights import param_name
+from jscenegen.model.weights import group_channel_blocks, param_name
 from jscenegen.sharding.rollout import RolloutLayout
-from jscenegen.sharding.rules import named, rollout_casts, rollout_kind, rollout_param_spec
+from jscenegen.sharding.rules import (
+    COLUMN_BLOCKS,
+    named,
+    rollout_casts,
+    rollout_kind,
+    rollout_param_spec,
+)
 
 
 def _is_var(x) -> bool:
@@ -61,9 +69,11 @@ def rollout_dtype(name: str, own: Any, dtype: Any) -> np.dtype:
 
 def _reshard_arrays(plan: tuple, unpad: bool, arrays: list) -> list:
     out = []
-    for a, (rows, transposed, dtype) in zip(arrays, plan):
+    for a, (rows, transposed, dtype, grouped) in zip(arrays, plan):
         if unpad and a.shape[0] != rows:
             a = a[:rows]
+        if grouped:
+            a = group_channel_blocks(a, *grouped)
         a = a.astype(dtype)
         out.append(a.T if transposed else a)
     return out
@@ -91,6 +101,9 @@ class Reshard:
       layout: the RolloutLayout.
       dtype: the rollout dtype (numpy dtype), e.g. the compute dtype: the dtype of the
         parameters the model reads in the compute dtype; the others keep theirs (`rollout_dtype`).
+      blocks: the output-feature blocks of the `COLUMN_BLOCKS` parameters
+        (`weights.column_blocks`); under `tp` > 1 those are stored grouped by shard
+        (`weights.group_channel_blocks`, metadata `channel_groups` = tp).
     `__call__(state) -> (rollout_state, stats)`: stats {"reshard_s": wall seconds including
     the transfer, "reshard_bytes": bytes of the rollout weights summed over devices}.
     `memory`: the compiled program's {"argument_bytes", "output_bytes", "temp_bytes"} per
@@ -99,7 +112,8 @@ class Reshard:
     (`__call__`, `check`) when a state's structure differs from `state`'s.
     """
 
-    def __init__(self, state: nnx.State, layout: RolloutLayout, dtype: Any):
+    def __init__(self, state: nnx.State, layout: RolloutLayout, dtype: Any,
+                 blocks: tuple[int, ...] = ()):
         self.layout = layout
         self.dtype = np.dtype(dtype)
         flat, self._treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
@@ -109,16 +123,17 @@ class Reshard:
         self._inputs = [jax.ShapeDtypeStruct(v.shape, v.dtype,
                                              sharding=getattr(v[...], "sharding", None))
                         for _, v in flat]
-        self._plan = []   # (rows, transposed, rollout dtype) per parameter
+        self._plan = []   # (rows, transposed, rollout dtype, (blocks, tp) or None) per parameter
         shardings = []
         for path, v in flat:
             name = param_name(path)
             rows = v.get_metadata().get("rows", v.shape[0])
             logical = (rows, *v.shape[1:])
-            _, transposable = rollout_kind(name)
+            kind, transposable = rollout_kind(name)
             transposed = bool(layout.transposed and transposable and len(logical) == 2
                               and layout.name != "fsdp")
-            self._plan.append((rows, transposed, rollout_dtype(name, v.dtype, self.dtype)))
+            grouped = (blocks, layout.tp) if kind == COLUMN_BLOCKS and layout.tp > 1 else None
+            self._plan.append((rows, transposed, rollout_dtype(name, v.dtype, self.dtype), grouped))
             if layout.mesh is None:
                 shardings.append(None)
             elif layout.name == "fsdp":
@@ -127,7 +142,7 @@ class Reshard:
                 shardings.append(named(layout.mesh, rollout_param_spec(name, logical, layout.tp,
                                                                        transposed)))
         self.identity = layout.name == "fsdp" and all(
-            a.dtype == dt for a, (_, _, dt) in zip(self._inputs, self._plan))
+            a.dtype == dt for a, (_, _, dt, _) in zip(self._inputs, self._plan))
         self._fn, self.memory = None, None
         if not self.identity:
             # reshards of one structure, layout and dtype (every trainer's sampler) share it
@@ -156,7 +171,10 @@ class Reshard:
         jax.block_until_ready(arrays)
         wall = time.perf_counter() - t0
         leaves = [v for _, v in flat]
-        for i, a, (_, t, _) in zip(self._params, arrays, self._plan):
-            leaves[i] = leaves[i].replace(a, transposed=t) if t else leaves[i].replace(a)
+        for i, a, (_, t, _, grouped) in zip(self._params, arrays, self._plan):
+            metadata = {"transposed": True} if t else {}
+            if grouped:
+                metadata["channel_groups"] = grouped[1]
+            leaves[i] = leaves[i].replace(a, **metadata)
         return (jax.tree_util.tree_unflatten(self._treedef, leaves),
                 {"reshard_s": wall, "reshard_bytes": device_bytes(arrays)})

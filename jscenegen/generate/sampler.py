@@ -49,7 +49,7 @@ from jscenegen.generate.stop import NO_BYTE, build_stop_table, stop_string_step
 from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.functional import shared, split_params, structure_key
 from jscenegen.model.qwen import CausalLM
-from jscenegen.model.weights import param_name
+from jscenegen.model.weights import column_blocks, param_name
 from jscenegen.sharding.constraints import constrain, use_specs
 from jscenegen.sharding.mesh import host_array
 from jscenegen.sharding.rollout import (
@@ -317,7 +317,7 @@ class Sampler:
         self.layout = layout
         self.mesh = mesh                      # the training mesh; the rollout's is layout.mesh
         log.info("rollout layout: %s", layout.describe())
-        self._reshard = Reshard(state, layout, self.weight_dtype)
+        self._reshard = Reshard(state, layout, self.weight_dtype, column_blocks(self.cfg))
         self.state, self.reshard_stats = self._reshard(state)
         del state
         self.cache_dtype = np_dtype(model.compute_dtype)
@@ -434,7 +434,7 @@ class Sampler:
     def _cache_device_bytes(self, shapes) -> int:
         """Bytes one rollout device holds of a cache (`shapes`: the cache or its
         ShapeDtypeStructs): each array's shard under the sharding it gets (`_cache_shardings`;
-        arrays replicated over an axis, e.g. Qwen3.5's LAYER_ROWS over `tp` or CACHED_KV over
+        arrays replicated over an axis, e.g. the per-row slot masks over `tp` or CACHED_KV over
         `sp` under `fsdp`, count whole on each of its devices), summed; all of it without a
         mesh. The cache's rows divide over the data-parallel devices (`_check_rows`), so every
         device holds the same."""

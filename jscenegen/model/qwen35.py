@@ -69,13 +69,13 @@ from jscenegen.model.qwen import (
 )
 from jscenegen.model.remat import checkpointed, remat_policy
 from jscenegen.model.rope import apply_rope, rope_cos_sin
-from jscenegen.model.weights import CarriedTree, ParamFactory, weight_table
+from jscenegen.model.weights import CarriedTree, ParamFactory, split_channel_blocks, weight_table
 from jscenegen.sharding.constraints import axis_size, constrain, constrain_grouped
 from jscenegen.sharding.rules import (
     ACTIVATION,
     FSDP,
+    LAYER_HEADS,
     LAYER_KV,
-    LAYER_ROWS,
     REPLICATED,
     ROWS,
     SEQ_GATHERED,
@@ -251,12 +251,16 @@ class GatedDeltaNet(nnx.Module):
 
     def _heads(self, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """u [B, S, C] (after the conv, compute dtype) -> q, k [B, S, H_v, d_k] f32 (key heads
-        repeated to value heads, l2-normalised), v [B, S, H_v, d_v] (head-major splits)."""
+        repeated to value heads, l2-normalised), v [B, S, H_v, d_v] (head-major splits).
+        A tensor-parallel rollout copy stores the channels grouped by tp shard (metadata
+        `channel_groups`, `weights.group_channel_blocks`): each device splits its own."""
         b, s, _ = u.shape
-        kd = self.hk * self.dk
-        q = u[..., :kd].reshape(b, s, self.hk, self.dk)
-        k = u[..., kd: 2 * kd].reshape(b, s, self.hk, self.dk)
-        v = u[..., 2 * kd:].reshape(b, s, self.hv, self.dv)
+        kd, vd = self.hk * self.dk, self.hv * self.dv
+        groups = self.in_proj_qkv.weight.get_metadata().get("channel_groups", 1)
+        q, k, v = split_channel_blocks(u, (kd, kd, vd), groups)
+        q = q.reshape(b, s, self.hk, self.dk)
+        k = k.reshape(b, s, self.hk, self.dk)
+        v = v.reshape(b, s, self.hv, self.dv)
         r = self.hv // self.hk
         return l2norm(jnp.repeat(q, r, axis=2)), l2norm(jnp.repeat(k, r, axis=2)), v
 
@@ -364,7 +368,8 @@ class HybridCache:
 
     k, v: [La, B, Smax, Nkv, hd] compute dtype (full-attention layers only); conv:
     [Ll, B, conv_dim, K-1] compute dtype (each GDN layer's last K-1 real conv inputs, oldest
-    first); state: [Ll, B, H_v, d_k, d_v] float32 (each GDN layer's recurrent state); valid
+    first; channels in the order of the in_proj_qkv it decodes with, grouped by tp shard in a
+    tensor-parallel rollout); state: [Ll, B, H_v, d_k, d_v] float32 (each GDN layer's recurrent state); valid
     [B, Smax] bool; next_pos [B] int32; length [] int32 (as `qwen.KVCache`).
     """
 
@@ -393,9 +398,11 @@ class HybridCache:
     @staticmethod
     def partition_specs() -> "HybridCache":
         """Where each array lives on the mesh (`sharding.rules`): per-layer arrays [L, B, ...]
-        split rows over fsdp (LAYER_ROWS; the K/V LAYER_KV, their heads over tp in a rollout),
-        per-row arrays ROWS, the slot counter REPLICATED."""
-        return HybridCache(k=LAYER_KV, v=LAYER_KV, conv=LAYER_ROWS, state=LAYER_ROWS,
+        split rows over fsdp, and in a tensor-parallel rollout their heads over tp as the
+        projections make them (the K/V LAYER_KV; the GDN states and conv inputs LAYER_HEADS,
+        channels grouped by shard as in_proj_qkv's), per-row arrays ROWS, the slot counter
+        REPLICATED."""
+        return HybridCache(k=LAYER_KV, v=LAYER_KV, conv=LAYER_HEADS, state=LAYER_HEADS,
                            valid=ROWS, next_pos=ROWS, length=REPLICATED)
 
     def grown(self, extra: int) -> "HybridCache":

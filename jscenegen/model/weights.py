@@ -297,6 +297,45 @@ class _Node(nnx.Module):
     """One level of a `CarriedTree`."""
 
 
+def column_blocks(cfg: QwenConfig) -> tuple[int, ...]:
+    """Sizes of the consecutive output-feature blocks of the `rules.COLUMN_BLOCKS` parameters:
+    Qwen3.5's in_proj_qkv and conv1d channels [q | k | v] = (H_k d_k, H_k d_k, H_v d_v);
+    () for a model without Gated DeltaNet layers."""
+    if LINEAR_ATTENTION not in cfg.kinds:
+        return ()
+    return (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
+
+
+def group_channel_blocks(w: jax.Array, blocks: tuple[int, ...], groups: int) -> jax.Array:
+    """w [sum(blocks), ...] with dim 0's consecutive blocks each cut into `groups` equal parts
+    and stored part-major: [b0_0 | b1_0 | b2_0 | b0_1 | ...], so an even split of dim 0 over
+    `groups` devices gives device r the r-th part of every block (a tensor-parallel rollout
+    copy of in_proj_qkv / conv1d: shard r holds q_r, k_r, v_r). `split_channel_blocks` reads
+    the result. Raises ValueError when `groups` does not divide a block or the blocks do not
+    sum to dim 0."""
+    if sum(blocks) != w.shape[0] or any(b % groups for b in blocks):
+        raise ValueError(f"group_channel_blocks: blocks {blocks} must sum to dim 0 "
+                         f"({w.shape[0]}) and each split into {groups} parts")
+    starts = np.cumsum((0, *blocks))
+    parts = [w[a:b].reshape(groups, (b - a) // groups, *w.shape[1:])
+             for a, b in zip(starts[:-1], starts[1:])]
+    return jnp.concatenate(parts, axis=1).reshape(w.shape)
+
+
+def split_channel_blocks(u: jax.Array, blocks: tuple[int, ...], groups: int) -> list[jax.Array]:
+    """The blocks of u's last axis [..., sum(blocks)], laid out by `group_channel_blocks` with
+    `groups` (1: consecutive): [..., blocks[i]] each, in their original channel order. With
+    the last axis split over `groups` devices each device reads its own parts: no channel
+    crosses devices."""
+    if groups == 1:
+        starts = np.cumsum((0, *blocks))
+        return [u[..., a:b] for a, b in zip(starts[:-1], starts[1:])]
+    lead = u.shape[:-1]
+    grouped = u.reshape(*lead, groups, u.shape[-1] // groups)
+    parts = split_channel_blocks(grouped, tuple(b // groups for b in blocks), 1)
+    return [x.reshape(*lead, b) for x, b in zip(parts, blocks)]
+
+
 def param_name(path: tuple) -> str:
     """The HF name of a pytree path into a model's parameters (an `nnx.State`, an optimizer
     moment tree or nested dicts): the dotted keys, without the `.value` of an nnx Variable."""

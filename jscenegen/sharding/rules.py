@@ -16,7 +16,8 @@ the rollout dtype (those read in the compute dtype; the rest keep their own). Th
 arrays themselves (one weight all-gather per layer per token; kept for comparison).
 
 The model constrains activations by role (`ACTIVATION`, `HEADS`, `SEQ_GATHERED`, `CACHED_KV`,
-`WEIGHT`, `STACKED`, `GROUPED`, `ROWS`, `LAYER_ROWS`, `LAYER_KV`, `READ_KV`); `TRAINING_SPECS` and `ROLLOUT_SPECS` map each role to the
+`WEIGHT`, `STACKED`, `GROUPED`, `ROWS`, `LAYER_HEADS`, `LAYER_KV`, `READ_KV`);
+`TRAINING_SPECS` and `ROLLOUT_SPECS` map each role to the
 spec of that layout (`sharding.constraints` picks the active one). Everything else that places
 an array (the loader, the checkpoint store, the sampler, the batch layout) takes its spec from
 here.
@@ -49,7 +50,8 @@ WEIGHT = "weight"                  # a parameter as a layer reads it (None: as p
 STACKED = "stacked"                # [L, n, ...] parameters stacked over the layers
 GROUPED = "grouped"                # [G, R, n, ...] stacked over layer groups and runs (Qwen3.5)
 ROWS = "rows"                      # [B, ...] per-row arrays (sampler state, logits)
-LAYER_ROWS = "layer_rows"          # [L, B, ...] per-layer per-row arrays (Qwen3.5's cache)
+LAYER_HEADS = "layer_heads"        # [L, B, N, ...] per-layer per-row per-head (or per-channel)
+                                   # arrays: Qwen3.5's Gated DeltaNet states and conv inputs
 LAYER_KV = "layer_kv"              # [L, B, S, Nkv, D] Qwen3.5's full-attention K/V cache
 READ_KV = "read_kv"                # [B, S, Nkv, D] keys/values as attention reads them
 
@@ -66,14 +68,16 @@ TRAINING_SPECS = ActivationSpecs(AXES, {
     ACTIVATION: P("fsdp", "sp"), HEADS: P("fsdp", "sp"), SEQ_GATHERED: P("fsdp"),
     CACHED_KV: P("fsdp"),
     WEIGHT: REPLICATED,            # FSDP: all-gathered just before use, one layer at a time
-    STACKED: STACKED_PARAM, GROUPED: GROUPED_PARAM, ROWS: P("fsdp"), LAYER_ROWS: P(None, "fsdp"),
+    STACKED: STACKED_PARAM, GROUPED: GROUPED_PARAM, ROWS: P("fsdp"), LAYER_HEADS: P(None, "fsdp"),
     LAYER_KV: P(None, "fsdp"), READ_KV: P("fsdp"),   # every position on each sp device
 })
 ROLLOUT_SPECS = ActivationSpecs(ROLLOUT_AXES, {
     ACTIVATION: P("data"), HEADS: P("data", None, "tp"), SEQ_GATHERED: P("data"),
     CACHED_KV: P("data", "tp"),
     WEIGHT: None,                  # already in its decoding layout: never gathered
-    STACKED: None, GROUPED: None, ROWS: P("data"), LAYER_ROWS: P(None, "data"),
+    STACKED: None, GROUPED: None, ROWS: P("data"),
+    # the heads (channels) over tp, as the Gated DeltaNet's column-split projections make them
+    LAYER_HEADS: P(None, "data", "tp"),
     # the kv heads over tp, as k_proj/v_proj make them: no step gathers the cache
     LAYER_KV: P(None, "data", None, "tp"), READ_KV: P("data", None, "tp"),
 })
@@ -81,6 +85,8 @@ ROLLOUT_SPECS = ActivationSpecs(ROLLOUT_AXES, {
 # ---- rollout parameter kinds (Megatron tensor parallelism over `tp`) --------------------------
 COLUMN = "column"   # [out, ...]: output features split (q/k/v, gate/up; their biases)
 ROW = "row"         # [out, in]: input features split; the layer's output is all-reduced
+COLUMN_BLOCKS = "column_blocks"  # [out, ...] whose out features are consecutive blocks, each
+                    # split over tp: stored grouped by shard (`model.weights.group_channel_blocks`)
 VOCAB = "vocab"     # [V, H]: vocabulary rows split (embedding lookup and output head)
 WHOLE = "whole"     # replicated (norms, q/k norms, anything not listed)
 
@@ -102,10 +108,12 @@ ROLLOUT_PARAM_KINDS: tuple[tuple[str, str, bool, bool], ...] = (
     ("self_attn.o_proj.weight", ROW, True, True),
     ("mlp.gate_proj.weight", COLUMN, True, True), ("mlp.up_proj.weight", COLUMN, True, True),
     ("mlp.down_proj.weight", ROW, True, True),
-    # Qwen3.5 Gated DeltaNet layers: split like the attention projections (heads over tp)
-    ("linear_attn.in_proj_qkv.weight", COLUMN, False, True), ("linear_attn.in_proj_z.weight", COLUMN, False, True),
+    # Qwen3.5 Gated DeltaNet layers: split like the attention projections (heads over tp); the
+    # [q | k | v] channels of in_proj_qkv and conv1d each split over tp (shard r: q_r, k_r, v_r)
+    ("linear_attn.in_proj_qkv.weight", COLUMN_BLOCKS, False, True),
+    ("linear_attn.in_proj_z.weight", COLUMN, False, True),
     ("linear_attn.in_proj_b.weight", COLUMN, False, True), ("linear_attn.in_proj_a.weight", COLUMN, False, True),
-    ("linear_attn.conv1d.weight", COLUMN, False, False), ("linear_attn.dt_bias", COLUMN, False, False),
+    ("linear_attn.conv1d.weight", COLUMN_BLOCKS, False, False), ("linear_attn.dt_bias", COLUMN, False, False),
     ("linear_attn.A_log", COLUMN, False, False), ("linear_attn.out_proj.weight", ROW, False, True),
     ("embed_tokens.weight", VOCAB, True, True), ("lm_head.weight", VOCAB, True, True),
 )
@@ -133,7 +141,9 @@ def rollout_param_spec(name: str, shape: tuple[int, ...], tp: int, transposed: b
     rollout layout with tensor-parallel size `tp`; `transposed`: stored [in, out].
 
     A `VOCAB` parameter whose vocabulary `tp` does not divide stays whole (memory only); a
-    `COLUMN` or `ROW` one raises ValueError (choose a tp dividing the head counts and FFN size).
+    `COLUMN`, `COLUMN_BLOCKS` or `ROW` one raises ValueError (choose a tp dividing the head
+    counts and FFN size). `COLUMN_BLOCKS` splits dim 0 as `COLUMN` does (its rows grouped by
+    shard first).
     """
     kind, _ = rollout_kind(name)
     if tp == 1 or kind == WHOLE:
