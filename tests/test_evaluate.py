@@ -9,7 +9,7 @@ import pytest
 from jscenegen.checkpoint.store import CheckpointError
 from jscenegen.cli import main
 from jscenegen.eval.evaluate import evaluate, load_policy, policy_chat, policy_engine
-from jscenegen.eval.plots import plot_report
+from jscenegen.eval.plots import main_failure_cause, plot_report
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize
 from jscenegen.model.tokenizer.chat import ChatTokenizer
@@ -132,6 +132,17 @@ def test_reward_parts_latency_and_zero_spread_share_of_several_groups():
     assert g["reward/quality"] - g["reward/unit_penalty"] == pytest.approx((0.7 + 0.6) / 2)
     assert g["judge/latency_s"] == pytest.approx(22.0)
     assert g["units/mean"] == pytest.approx((128 + 128 + 64 + 128) / 4)
+
+
+def test_a_bar_is_labelled_with_the_policy_failure_it_shows():
+    """`failure_rate` counts unmasked episodes, `failure_causes` every episode: one bad_json
+    (the bar's -1) beside 15 masked judge timeouts was labelled judge_timeout."""
+    summary = {"failure_rate": 1.0, "failure_causes": {"bad_json": 1, "judge_timeout": 15}}
+    assert main_failure_cause(summary) == "bad_json"
+    summary = {"failure_rate": 1.0, "failure_causes": {"bad_json": 2, "schema_violation": 3}}
+    assert main_failure_cause(summary) == "schema_violation"
+    assert main_failure_cause({"failure_rate": 0.5, "failure_causes": {"bad_json": 1}}) is None
+    assert main_failure_cause({"failure_rate": None, "failure_causes": {"judge_error": 4}}) is None
 
 
 def test_plot_draws_the_reports_rewards(report, tmp_path):
@@ -498,6 +509,66 @@ def test_one_scene_compares_without_an_interval(tmp_path, capsys):
     assert comparison_markdown(rep, rep).splitlines()[-1].split(" | ")[1].endswith(
         "(diff +0.000, 95% CI n/a (one scene), 2 pairs)")
     assert _compare(tmp_path, capsys, rep, rep) == (0, "")
+
+
+def test_a_multi_process_evaluation_takes_process_0s_grades(cfg, monkeypatch):
+    """A run's dev evaluations (`eval_before`, `eval_every`, `eval_after`) run on every process
+    of a multi-process run: each called its own judge (N times the judge's cost, different
+    grades per process with a sampling judge, requests without the key that only process 0
+    checked). They now grade as the training rollouts do (`judge_on_primary`): on a process
+    other than 0 the report holds process 0's grades and the local judge is never asked."""
+    import jscenegen.grpo.rollout.primary_judge as primary_judge
+
+    class LocalJudge:
+        def identity(self):
+            return {"backend": "local", "model": "never-asked", "rubric_hash": "0"}
+
+        def grade(self, requests):
+            raise AssertionError("a process other than 0 asked its own judge")
+
+    keys = cfg.judge.grade_keys
+    sent = {}
+
+    def from_process_0(payload):
+        assert payload is None                       # this process sends nothing
+        sent["rows"] = [[{k: 3 + i for i, k in enumerate(keys)}, None, {}]]
+        return json.dumps(sent["rows"]).encode()
+
+    monkeypatch.setattr(primary_judge, "for_processes", primary_judge.PrimaryJudge)
+    monkeypatch.setattr(primary_judge, "is_primary", lambda: False)
+    monkeypatch.setattr(primary_judge, "bytes_from_primary", from_process_0)
+    report = evaluate(None, dev_records()[:1], judge=LocalJudge(), scene_cfg=cfg.scene,
+                      judge_cfg=cfg.judge)
+    (ep,) = report["scenes"][0]["expert"]["episodes"]
+    assert ep["failure_cause"] is None and ep["grades"] == sent["rows"][0][0]
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_a_scene_that_cannot_start_neither_ends_nor_counts_in_the_fit_check(cfg, error):
+    """`check_scenes_fit` counted any ValueError of a scene's start (a template or scene error)
+    as a prompt over the cap, and any other error ended the check there (the later scenes
+    unchecked). Now only EpisodeTooLong counts; a scene that cannot start is left to the
+    rollout. Here scene 0 cannot start and scenes 1 and 2 start over the cap: refused, naming
+    scene 1 and the cap."""
+    from jscenegen.eval.evaluate import check_scenes_fit
+
+    records = dev_records()[:3]
+    cap = cfg.sampling.max_episode_tokens
+
+    class Chat:
+        def start(self, system, user):
+            if records[0].scene.prompt in user:
+                raise error("the template cannot render this scene")
+            return None, list(range(cap))
+
+        def encode_plain(self, text):
+            return list(range(len(text.split())))
+
+    with pytest.raises(ValueError) as err:
+        check_scenes_fit(Chat(), records, cfg, "dev.jsonl")
+    message = str(err.value)
+    assert message.startswith(f"dev.jsonl: {records[1].scene.scene_id}: the prompt")
+    assert f"sampling.max_episode_tokens={cap}" in message and "the first 2 scene(s) all do" in message
 
 
 def test_a_hanging_judge_is_waited_for_once_for_all_scenes(cfg):

@@ -340,7 +340,6 @@ def test_a_failed_collective_while_judging_ends_a_multi_process_run(model, chat,
     next collective (helper-74)."""
     import jax
 
-    import jscenegen.grpo.rollout.engine as engine_module
     import jscenegen.grpo.rollout.primary_judge as primary_judge
     import jscenegen.sharding.mesh
 
@@ -351,10 +350,10 @@ def test_a_failed_collective_while_judging_ends_a_multi_process_run(model, chat,
         raise jax.errors.JaxRuntimeError("INTERNAL: Gloo Broadcast failed: Connection closed by peer")
 
     monkeypatch.setattr(primary_judge, "bytes_from_primary", lost_peer)
-    monkeypatch.setattr(engine_module, "for_processes", primary_judge.PrimaryJudge)
+    monkeypatch.setattr(primary_judge, "for_processes", primary_judge.PrimaryJudge)
     monkeypatch.setattr(jscenegen.sharding.mesh, "joined_other_processes", lambda: True)
     with pytest.raises(jax.errors.JaxRuntimeError, match="Connection closed by peer"):
-        engine._judge(played.episodes, rule_judge)
+        primary_judge.judge_on_primary(played.episodes, rule_judge)
 
 
 def test_a_model_with_non_finite_logits_masks_its_episodes(model, chat, record, rule_judge):

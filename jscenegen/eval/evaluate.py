@@ -32,10 +32,10 @@ from jscenegen.checkpoint.store import (
 from jscenegen.eval.report import REPORT_SCHEMA
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import RolloutEngine
+from jscenegen.grpo.rollout.primary_judge import judge_on_primary
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
-from jscenegen.scene.episode import judge_episodes
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.protocol import protocol_digests
@@ -130,12 +130,17 @@ def policy_engine(cfg, model_path: str | Path, chat=None) -> RolloutEngine:
     return RolloutEngine(model, chat, cfg.sampling, mesh, cfg.rollout)
 
 
+class EpisodeTooLong(ValueError):
+    """An episode starts at or over `sampling.max_episode_tokens` (`check_episode_fits`)."""
+
+
 def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
     """Tokens the episode of `record` starts with (the system prompt and the first user
     message, which carries the prompt and the room) under `chat`; returns the count.
 
-    Raises ValueError naming `sampling.max_episode_tokens` when they reach it: the episode
-    could not take a single turn (it would fail with `episode_token_cap`). A prompt that
+    Raises EpisodeTooLong (a ValueError) naming `sampling.max_episode_tokens` when they reach
+    it: the episode could not take a single turn (it would fail with `episode_token_cap`); an
+    episode that cannot start at all raises its own error (SceneError, ChatTemplateError). A prompt that
     spells out the tokenizer's special tokens is text like any other (`ChatTokenizer.encode_turns`).
     """
     from jscenegen.scene.episode import Episode
@@ -149,7 +154,7 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
         fix = (f"shorten the prompt by at least {over} tokens or raise "
                "sampling.max_episode_tokens" if over < prompt else
                f"the rest alone takes {len(ids) - prompt}: raise sampling.max_episode_tokens")
-        raise ValueError(f"the prompt ({prompt} tokens) makes the episode start at {len(ids)} "
+        raise EpisodeTooLong(f"the prompt ({prompt} tokens) makes the episode start at {len(ids)} "
                          f"tokens with the system prompt and the room, at or over "
                          f"sampling.max_episode_tokens={cap}; {fix}")
     return len(ids)
@@ -159,15 +164,18 @@ def check_scenes_fit(chat, records: list[SceneRecord], cfg, source: str, sample:
     """Refuse scenes that cannot take a single turn: when the first `sample` of `records` all
     start their episodes at or over `sampling.max_episode_tokens` (`check_episode_fits`; every
     episode would fail with episode_token_cap), raise ValueError naming `source` (the scene
-    set) and the first; when only some do, warn naming the first and their count."""
-    failing, checked = [], min(len(records), sample)
-    for i in range(checked):
+    set) and the first; when only some do, warn naming the first and their count. A scene
+    whose episode cannot start at all (another error) is left to the rollout, which reports it,
+    and is not counted."""
+    failing, checked = [], 0
+    for i, record in enumerate(records[:sample]):
         try:
-            check_episode_fits(chat, records[i], cfg)
-        except ValueError as err:
-            failing.append((records[i].scene.scene_id or f"scene {i + 1}", err))
+            check_episode_fits(chat, record, cfg)
+        except EpisodeTooLong as err:
+            failing.append((record.scene.scene_id or f"scene {i + 1}", err))
         except Exception:   # an episode that cannot start at all: the rollout reports it
-            return
+            continue
+        checked += 1
     if not failing:
         return
     where = f"{source}: {failing[0][0]}"
@@ -270,8 +278,9 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
         if with_expert:
             experts.append(run_scripted_episode(record, scene_cfg, judge_cfg, judged=False)[0])
     # every scene's finished episodes in one call: a slow judge's requests overlap, up to
-    # judge.concurrency, instead of waiting scene after scene
-    judge_episodes([ep for g in played for ep in g.episodes] + experts, judge)
+    # judge.concurrency, instead of waiting scene after scene; process 0 alone grades in a
+    # multi-process run (a run's dev evaluations), as for the training rollouts
+    judge_on_primary([ep for g in played for ep in g.episodes] + experts, judge)
     rows, all_model, all_expert = [], [], []
     for i, record in enumerate(records):
         row = {"scene_id": scene_ids[i], "seed": record.seed, "prompt": record.scene.prompt}

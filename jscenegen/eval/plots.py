@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from jscenegen.paths import atomic_file
+from jscenegen.scene.reward import POLICY_FAILURES
 
 
 def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
@@ -15,7 +16,8 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     before and after, labelled `labels`.
 
     Bars are in reward units ([-1, 1]); a scene whose model episodes all failed shows its
-    most frequent failure cause inside the model's bar (each of the before and after bars).
+    most frequent failure cause inside the model's bar (each of the before and after bars;
+    `main_failure_cause`).
     """
 
     import matplotlib
@@ -44,9 +46,9 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
         ax.bar(x + dx, vals, width, label=label, color=colour)
         if label == "expert":
             continue
-        for j, m in enumerate(summaries):  # a scene the model always failed: its main cause
-            if m["failure_rate"] == 1.0 and m["failure_causes"]:
-                cause = max(m["failure_causes"], key=m["failure_causes"].get)
+        for j, m in enumerate(summaries):
+            cause = main_failure_cause(m)
+            if cause is not None:
                 ax.text(x[j] + dx, -0.5, cause, ha="center", va="center", rotation=90,
                         fontsize=7, color="white")
     ax.axhline(0.0, color="black", linewidth=0.6)
@@ -62,3 +64,14 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     finally:
         plt.close(fig)
     return out
+
+
+def main_failure_cause(summary: dict) -> str | None:
+    """The label of a scene whose every unmasked episode failed (`failure_rate` 1.0, a bar at
+    the failure reward): the policy failure (`scene.reward.POLICY_FAILURES`) the most of them
+    had. `failure_causes` also counts masked judge/runtime failures, which the bar does not
+    show; None when the scene did not always fail."""
+    causes = {c: n for c, n in (summary.get("failure_causes") or {}).items() if c in POLICY_FAILURES}
+    if summary.get("failure_rate") != 1.0 or not causes:
+        return None
+    return max(causes, key=causes.get)

@@ -55,12 +55,12 @@ from jscenegen.generate.sampling import row_keys
 from jscenegen.generate.stop import ends_at_stop_string
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
 from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
-from jscenegen.grpo.rollout.primary_judge import for_processes
+from jscenegen.grpo.rollout.primary_judge import judge_on_primary
 from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
 from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
-from jscenegen.scene.episode import Episode, judge_episodes
-from jscenegen.scene.judge import Judge, JudgeResult
+from jscenegen.scene.episode import Episode
+from jscenegen.scene.judge import Judge
 from jscenegen.scene.sceneset import SceneRecord
 from jscenegen.sharding.mesh import fails_the_joined_run, host_array
 from jscenegen.sharding.rules import round_up
@@ -295,7 +295,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         played = self.play_groups(groups, scene_cfg=scene_cfg, judge_cfg=judge_cfg,
                                   forced=forced, on_turn=on_turn)
-        self._judge([ep for p in played for ep in p.episodes], judge)
+        judge_on_primary([ep for p in played for ep in p.episodes], judge)
         wall = time.perf_counter() - t0
         for p in played:
             p.stats.update(wall_s=wall, tokens_per_s=p.stats["batch_generated_tokens"] / wall
@@ -480,21 +480,6 @@ class RolloutEngine:
         r.add(seg, ENVIRONMENT, False)
         r.transcript.append({"role": "user", "content": res.env_message, "actor": "environment"})
         return None
-
-    @staticmethod
-    def _judge(episodes: list[Episode], judge: Judge):
-        graded = for_processes(judge)
-        try:
-            judge_episodes(episodes, graded)
-        except Exception as err:  # judge_episodes masks judge exceptions itself; this is a backstop
-            if fails_the_joined_run(err):
-                raise
-            log.exception("judging failed")
-            for ep in episodes:
-                if ep.judge_request() is not None:
-                    ep.set_judgement(JudgeResult(None, "judge_error", {"detail": type(err).__name__}))
-        if getattr(graded, "run_broken", None) is not None:   # masked per episode above: end the run
-            raise graded.run_broken
 
     @staticmethod
     def _trajectory(r: _Row, group_id: int) -> Trajectory:

@@ -4,17 +4,22 @@ Every process plays the same episodes (same seeds, same weights, tokens read bac
 `sharding.mesh.host_array`), so every process would grade them too: N times the judge's cost,
 and with a sampling judge (or a retry that succeeds on one host only) N different rewards,
 advantages and batches for what must be one global batch. `PrimaryJudge` lets process 0 grade
-and hands its results to the others.
+and hands its results to the others. `judge_on_primary` is how rollouts and evaluations grade
+their finished episodes.
 """
 from __future__ import annotations
 
 import json
+import logging
 from typing import Sequence
 
 import jax
 
+from jscenegen.scene.episode import Episode, judge_episodes
 from jscenegen.scene.judge import Judge, JudgeRequest, JudgeResult
 from jscenegen.sharding.mesh import bytes_from_primary, fails_the_joined_run, is_primary
+
+log = logging.getLogger(__name__)
 
 
 class PrimaryJudge:
@@ -63,3 +68,23 @@ class PrimaryJudge:
 def for_processes(judge: Judge) -> Judge:
     """`judge` itself in one process, else a PrimaryJudge around it."""
     return judge if jax.process_count() == 1 else PrimaryJudge(judge)
+
+
+def judge_on_primary(episodes: Sequence[Episode], judge: Judge) -> None:
+    """Grade the finished `episodes` in one `judge` call, made by process 0 alone in a
+    multi-process run (`for_processes`; every process calls this at the same point with the
+    same episodes), and set each episode's judgement. A judge exception masks the episodes it
+    left ungraded ("judge_error"); a failure of the run itself (a peer gone:
+    `sharding.mesh.fails_the_joined_run`) is raised."""
+    graded = for_processes(judge)
+    try:
+        judge_episodes(episodes, graded)
+    except Exception as err:  # judge_episodes masks judge exceptions itself; this is a backstop
+        if fails_the_joined_run(err):
+            raise
+        log.exception("judging failed")
+        for ep in episodes:
+            if ep.judge_request() is not None:
+                ep.set_judgement(JudgeResult(None, "judge_error", {"detail": type(err).__name__}))
+    if getattr(graded, "run_broken", None) is not None:   # masked per episode above: end the run
+        raise graded.run_broken
