@@ -13,7 +13,9 @@ only its own file.
 - A stale lock (on this host, and its pid is gone, a zombie, or now another process, and no
   process holds the file's flock) is taken over with a warning; so is one whose content is
   not the JSON (empty, garbage), whose flock nobody holds and that was last modified
-  WRITING_S or more ago (a younger one is being written: refused). A lock whose pid is gone
+  WRITING_S or more ago (a younger one is being written: refused). Processes that find a
+  stale lock at once take turns (an flock on the run directory), so one never sets aside the
+  lock another has just taken. A lock whose pid is gone
   while some process still holds its flock (a child the holder forked without exec, which
   outlived it) is refused naming the file to delete once that process is gone. Children a
   holder forks with `os.fork` (multiprocessing's fork) close their copy of the lock's flock
@@ -30,6 +32,7 @@ Multi-host runs take the lock on process 0 only (the run directory is shared).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -52,6 +55,7 @@ LOCK_MODE = 0o644     # every user can read who holds a run directory
 UNREADABLE_PID = -1   # the holder a lock file that is not our JSON reads as
 WRITING_S = 10.0      # a lock file not yet the JSON and modified this recently is being written
 FLOCK_WAIT_S = 1.0    # how long a new lock file's flock is retried while a reader's probe holds it
+TAKEOVER_WAIT_S = 5.0  # how long a takeover waits for another process's takeover (a few file ops)
 
 
 class RunLockedError(ValueError):
@@ -404,6 +408,32 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+@contextlib.contextmanager
+def _one_takeover_at_a_time(run_dir: Path):
+    """Hold an exclusive flock on the run directory itself while a stale lock is read, checked
+    and set aside. Two processes that found the same stale lock took turns at setting it aside,
+    so the second could set aside the first's fresh lock; a third then created one in the gap
+    and two processes held the run at once (helper-157). A takeover waits for another process's
+    (a few file operations) up to TAKEOVER_WAIT_S, then raises RunLockedError; where the
+    directory cannot be opened or has no flock, it goes on unguarded (`_put_back` still
+    restores a fresh lock set aside by mistake)."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        fd = None
+    try:
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        while fd is not None and _try_flock(fd) is False:
+            if time.monotonic() >= deadline:
+                raise RunLockedError(f"{run_dir}: another process has been taking over its stale "
+                                     f"{LOCK_NAME} for {TAKEOVER_WAIT_S:g} s; try again")
+            time.sleep(0.005)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)   # drops the flock
+
+
 def _put_back(aside: Path, path: Path) -> bool:
     """Give the lock file set aside as `aside` its name `path` again, unless `path` exists
     (another process's lock, never replaced); False then. Where the filesystem has no hard
@@ -528,6 +558,10 @@ class RunLock:
             _HOLDING.add(self)
 
     def _take_over_if_stale(self) -> None:
+        with _one_takeover_at_a_time(self.run_dir):
+            self._take_over_if_stale_now()
+
+    def _take_over_if_stale_now(self) -> None:
         holder = read_holder(self.run_dir)
         if holder is None:
             return  # released meanwhile: try again

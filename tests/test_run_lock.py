@@ -424,6 +424,41 @@ def test_a_takeover_that_set_aside_a_fresh_lock_never_overwrites_a_third_one(tmp
             proc.wait()
 
 
+def test_two_takeovers_of_one_stale_lock_take_turns(tmp_path, monkeypatch):
+    """B read the stale lock; before B set it aside, A took it over and made its own lock, and
+    B then set aside A's fresh one: with a third process creating a lock in that gap, two
+    processes held the run at once (helper-157, 3 in ~400 trials of 6 starters). Now a
+    takeover holds the run directory's flock from its read to its rename: A, starting while B
+    is inside its takeover, waits, and (here, where B stays inside longer than A waits) is
+    refused; B takes the lock."""
+    from jscenegen import run_lock
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    monkeypatch.setattr(run_lock, "TAKEOVER_WAIT_S", 0.2)
+    read = run_lock.read_holder
+    a, outcome = RunLock(tmp_path), {}
+
+    def a_starts_while_b_has_read(run_dir):
+        seen = read(run_dir)
+        if not outcome:
+            try:
+                outcome["a"] = a.acquire()
+            except RunLockedError as err:
+                outcome["a"] = err
+        return seen
+    monkeypatch.setattr(run_lock, "read_holder", a_starts_while_b_has_read)
+    b = RunLock(tmp_path).acquire()
+    try:
+        assert isinstance(outcome["a"], RunLockedError), outcome
+        assert str(outcome["a"]) == (f"{tmp_path}: another process has been taking over its stale "
+                                     f"{LOCK_NAME} for 0.2 s; try again")
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == b._token
+    finally:
+        b.release()
+
+
 def test_a_takeover_leaves_another_takeovers_file_alone(tmp_path):
     """The stale lock was renamed aside as run.lock.stale-PID: a process of another PID
     namespace with the same pid, taking over at the same time, had its file overwritten."""
