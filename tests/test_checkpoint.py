@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -314,6 +315,14 @@ def test_save_rejects_bad_input(tmp_path, mesh32, hf_dir):
     (no_tokenizer / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no tokenizer"):
         store.save(1, **dict(good, hf_assets_dir=no_tokenizer))
+    # a config.json that is not a JSON object: refused by name before any array is written
+    # (it raised a bare JSONDecodeError after the arrays, leaving an incomplete step)
+    bad_config = tmp_path / "hf_bad"
+    shutil.copytree(hf_dir, bad_config)
+    for text, why in (('{"a": 1,}', "not valid JSON"), ("[1]", "expected a JSON object, got list")):
+        (bad_config / "config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=f"^{re.escape(str(bad_config / 'config.json'))}: {why}"):
+            store.save(1, **dict(good, hf_assets_dir=bad_config))
     assert store.steps() == []  # nothing written by refused saves
 
 

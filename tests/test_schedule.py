@@ -246,6 +246,11 @@ def test_the_saved_position_is_what_a_resume_validates():
     with pytest.raises(ValueError, match=r"^schedule\.attempts: Input should be greater than or "
                                          r"equal to 0 \(got -1\)$"):
         check_run_identity({**state, "schedule": {**pos.to_json(), "attempts": -1}})
+    # the trainer holds them as int32: past that they failed in the restore, after its I/O,
+    # as a bare OverflowError (helper-157)
+    with pytest.raises(ValueError, match=r"^lr_step: Input should be less than 2147483648 "
+                                         r"\(got 1099511627776\)$"):
+        check_run_identity({**state, "lr_step": 2 ** 40})
 
 
 def test_a_position_after_converted_steps_counts_every_scene_of_a_batch():

@@ -12,6 +12,7 @@ from flax import nnx
 
 import jscenegen
 from jscenegen.config import ConfigError, validate_config
+from jscenegen.grpo.algo.accumulate import check_padded_micro_batches
 from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.algo.logprobs import selection_capacity
 from jscenegen.grpo.algo.optimizer import init_train_state
@@ -364,8 +365,11 @@ def test_config_errors_name_the_key():
         validate_config({"sft": {"batch_size": 0}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="sft.nmu_demos"):
         validate_config({"sft": {"nmu_demos": 3}}, "sft.yaml", SFTRunConfig)
-    with pytest.raises(ConfigError, match="micro_batch_size"):
-        validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, "sft.yaml", SFTRunConfig)
+    # the rule is the padded batch's, as GRPO's (run_sft checks it against mesh.fsdp before any
+    # work): 4 rows on fsdp=3 pad to 6, two micro-batches of 3; the config refused it
+    assert validate_config({"sft": {"batch_size": 4, "micro_batch_size": 3}}, "sft.yaml",
+                           SFTRunConfig).sft.micro_batch_size == 3
+    assert check_padded_micro_batches(4, 3, 3, "sft.batch_size", "sft.micro_batch_size") == 2
     with pytest.raises(ConfigError, match="batch_size 100000 x max_seq_len 3072 = 307,200,000 tokens"):
         validate_config({"sft": {"batch_size": 100000, "micro_batch_size": 1}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match=r"batch_size 5600 x max_seq_len 3000 = 16,800,000 tokens"):

@@ -103,7 +103,7 @@ RUN_IDENTITY_KEYS = ("schedule", "lr_step", "skipped_steps", "num_scenes", "sche
 SCHEDULE_POSITION_KEYS = ("scene_index", "epoch", "redraw", "effective_updates", "attempts")
 """The fields of `grpo.train.schedule.SchedulePosition`, the train state's `schedule`."""
 
-_Count = Annotated[StrictInt, Field(ge=0)]
+_Count = Annotated[StrictInt, Field(ge=0, lt=2 ** 31)]   # counters the trainer holds as int32
 _SchedulePosition = create_model(
     "schedule", __config__=ConfigDict(extra="forbid"),
     **{k: (_Count, ...) for k in SCHEDULE_POSITION_KEYS})
@@ -134,7 +134,7 @@ def has_run_identity(train_state: Mapping[str, Any]) -> bool:
 
 def check_run_identity(train_state: Mapping[str, Any]) -> None:
     """Raise ValueError naming the first key of `train_state`'s run identity that is missing
-    or not of its type (non-negative integer counts and schedule position, a positive
+    or not of its type (integer counts and schedule position in [0, 2^31), a positive
     num_scenes, string hashes, a reward of finite numbers): what a train state must hold
     before a resume reads it."""
     try:
@@ -152,16 +152,13 @@ def _first_error(err: ValidationError) -> str:
     return f"{where}: {validation_message(e)} (got {shown_value(e.get('input'))})"
 
 
-_Step = Annotated[StrictInt, Field(ge=0, lt=2 ** 31)]   # an int32 counter once restored
-
-
 class _ConvertedPosition(BaseModel):
     """The counts of a converted checkpoint's train state (no run identity)."""
 
     model_config = ConfigDict(extra="allow")
-    step: _Step = 0
-    lr_schedule_count: _Step | None = None
-    optimizer_step: _Step | None = None
+    step: _Count = 0
+    lr_schedule_count: _Count | None = None
+    optimizer_step: _Count | None = None
 
 
 def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:

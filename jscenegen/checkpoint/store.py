@@ -69,7 +69,6 @@ from jscenegen.model.dtypes import majority_dtype
 from jscenegen.paths import (
     DiskFullError,
     is_step_name,
-    loads_json,
     quoted_storage_limit,
     read_json_object,
     storage_limit,
@@ -332,8 +331,8 @@ def _copy_hf_assets(src: Path, dst: Path, weights_dtype: str) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for name in HF_ASSET_FILES:
         if name == "config.json":
-            doc = loads_json((src / name).read_bytes())
-            write_json(dst / name, config_with_dtype(doc, weights_dtype) if isinstance(doc, dict) else doc)
+            doc = read_json_object(src / name, CheckpointError)
+            write_json(dst / name, config_with_dtype(doc, weights_dtype))
         elif (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
 
@@ -346,9 +345,12 @@ def _step_bytes(params: Mapping[str, Any], adam: Mapping[str, Any], hf_dir: Path
 
 
 def _check_hf_assets(src: Path) -> None:
+    """Raise CheckpointError, before a save writes anything, when `src` lacks a config.json
+    that is a JSON object (named) or a tokenizer."""
     if not (src / "config.json").is_file():
         raise CheckpointError(f"hf_assets_dir {src}: config.json not found; pass the HF model "
                               f"directory the run started from")
+    read_json_object(src / "config.json", CheckpointError)
     if not any((src / f).is_file() for f in TOKENIZER_FILES):
         raise CheckpointError(f"hf_assets_dir {src}: no tokenizer ({' or '.join(TOKENIZER_FILES)})"
                               f"; a checkpoint must carry its tokenizer")
@@ -985,7 +987,9 @@ class CheckpointStore:
     def _collect_garbage(self, newest: int) -> None:
         """Process 0 only (inside the save's `_on_process_0`). Keep the newest `keep_last` complete
         steps <= `newest`; delete the older ones and unfinished saves; set aside (never delete)
-        a finished step that fails its size check, as `set_aside_corrupt` does."""
+        a finished step that fails its size check, as `set_aside_corrupt` does. Sizes only, no
+        hashes (the other processes wait at the save's collective): a step damaged without a
+        size change still counts as complete here (docs/checkpoints-training.md)."""
         kept = 0
         for step in reversed([s for s in self.steps() if s <= newest]):
             status = check_step(self.step_path(step), hash_files=False)

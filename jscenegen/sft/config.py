@@ -65,9 +65,6 @@ class SFTConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
-            raise ValueError(f"batch_size {self.batch_size} is not a multiple of "
-                             f"micro_batch_size {self.micro_batch_size}")
         if self.scene_offset + self.num_demos > SFT_SCENES_MAX:
             raise ValueError(f"scene_offset {self.scene_offset} + num_demos {self.num_demos} "
                              f"passes the {SFT_SCENES_MAX:,} SFT scenes the generator makes")
