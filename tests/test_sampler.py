@@ -31,6 +31,7 @@ from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.grpo.train.step import GRPOStep
 from jscenegen.model.functional import hidden_fn
 from jscenegen.model.hf_io import load_hf
+from jscenegen.model.weights import named_leaves
 
 BUCKETS = (16, 32, 64)
 PROMPT_LENS = (11, 5)
@@ -549,6 +550,27 @@ def test_qwen35_cached_generation_equals_the_full_forward_at_every_step(qwen35, 
             assert lp == pytest.approx(z[tok] - np.log(np.exp(z).sum()), abs=2e-5)
         np.testing.assert_allclose(np.asarray(more.last_logits)[i], logits[i, len(p) + len(toks) - 1],
                                    atol=2e-5)
+
+
+def test_a_trainable_vision_tower_is_not_in_the_rollout_copy(qwen35_hf, qwen35_prompts,
+                                                            qwen35_sampler):
+    """With model.train_vision the tower's tensors are `nnx.Param`s, and the sampler copied
+    them whole (fp32) to every device and counted them in `auto`'s weight bytes, though text
+    decoding never reads them. Now the copy holds what decoding reads (`decode_params`), the
+    samples are those of a carried tower, and `set_weights` takes the trainer's whole state."""
+    model = load_hf(qwen35_hf["qwen3_5"], train_vision=True)
+    s = Sampler(model, SamplingParams(temperature=0.8), buckets=BUCKETS)
+    names = set(named_leaves(s.state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    trained = set(named_leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    tower = {n for n in trained if n.startswith("model.visual.")}
+    assert tower and names == trained - tower
+    want = qwen35_sampler.generate(qwen35_prompts, 6, seeds=[5, 6, 7], cache_len=64)
+    s.set_weights(nnx.state(model, nnx.Param))      # what the trainer hands over: tower included
+    got = s.generate(qwen35_prompts, 6, seeds=[5, 6, 7], cache_len=64)
+    np.testing.assert_array_equal(got["tokens"], want["tokens"])
+    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-6, rtol=0)
+    s.set_weights(model)
+    assert set(named_leaves(s.state, is_leaf=lambda x: isinstance(x, nnx.Variable))) == names
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "replicated", "tp"])

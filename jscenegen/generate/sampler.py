@@ -297,9 +297,10 @@ class Sampler:
         self.segment = int(segment or self.buckets[0])
         self.cache_grows = 0                  # grow_cache calls, for the rollout's stats
         self.weight_dtype = np_dtype(dtype or model.compute_dtype)
-        # the rollout weights are the `nnx.Param`s; Carried tensors (Qwen3.5's vision tower,
-        # mtp.*) stay abstract: decoding never reads them
-        self.graphdef, state, frozen = split_params(model)
+        # the rollout weights are the parameters decoding reads (`decode_params`); Carried
+        # tensors (Qwen3.5's vision tower, mtp.*) and a trainable vision tower stay abstract
+        self._decode_params = model.decode_params()
+        self.graphdef, state, frozen = split_params(model, self._decode_params)
         self.device_bytes = least_device_memory_bytes()   # a collective: every process, here
         if isinstance(layout, str):
             # the rollout copy's bytes: unpadded, matmul weights in the rollout dtype, the rest
@@ -352,16 +353,19 @@ class Sampler:
         reshard from the training layout into the rollout layout (generate/reshard.py).
 
         weights: a model of the sampler's structure or its `nnx.Param` state (the training
-        parameters; `functional.split_params`). The structure is checked first; then the
-        previous rollout weights are released and the new ones made. Returns {"reshard_s",
-        "reshard_bytes"}. Raises ValueError when the structure differs from the sampler's model
-        (the sampler keeps its weights).
+        parameters; `functional.split_params`): the parameters decoding reads are taken from
+        it (`decode_params`). The structure is checked first; then the previous rollout
+        weights are released and the new ones made. Returns {"reshard_s", "reshard_bytes"}.
+        Raises ValueError when the structure differs from the sampler's model (the sampler
+        keeps its weights).
         """
         if isinstance(weights, nnx.Module):
-            graphdef, weights, _ = split_params(weights)
+            graphdef, weights, _ = split_params(weights, self._decode_params)
             if graphdef != self.graphdef:
                 raise ValueError("set_weights: the model's structure differs from the sampler's "
                                  "(build a new Sampler for another architecture or padding)")
+        else:
+            weights = nnx.split_state(weights, self._decode_params, ...)[0]
         self._reshard.check(weights)
         self.state = None
         self.state, self.reshard_stats = self._reshard(weights)

@@ -52,13 +52,15 @@ def structure_key(graphdef: nnx.GraphDef, *states: Any) -> Hashable | None:
     return key
 
 
-def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """(graphdef, params, frozen) of a model: `params` the `nnx.Param` state (what the
-    optimizer steps), `frozen` every other variable (`Carried` tensors) as
-    jax.ShapeDtypeStruct leaves, for `hidden_fn(graphdef, frozen)`. The frozen values stay
-    in the model (`model.weights.named_weights`); reading one inside the function fails at
-    trace time, which is what they are: never computed with."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+def split_params(model: nnx.Module, params: nnx.filterlib.Filter = nnx.Param
+                 ) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, params, frozen) of a model: `params` the state the filter `params` selects
+    (by default the `nnx.Param`s: what the optimizer steps; the sampler passes the model's
+    `decode_params`), `frozen` every other variable (`Carried` tensors, and parameters the
+    filter leaves out) as jax.ShapeDtypeStruct leaves, for `hidden_fn(graphdef, frozen)`. The
+    frozen values stay in the model (`model.weights.named_weights`); reading one inside the
+    function fails at trace time, which is what they are: never computed with."""
+    graphdef, params, rest = nnx.split(model, params, ...)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
     return graphdef, params, abstract
 

@@ -335,6 +335,11 @@ class CausalLM(nnx.Module):
     forward), `stacked_layers()` and `create_cache(cfg, batch, max_len, dtype)`.
     """
 
+    def decode_params(self) -> nnx.filterlib.Filter:
+        """The nnx filter of the parameters a decode reads: every `nnx.Param` (Qwen3.5 leaves
+        out a trainable vision tower: text decoding never runs it)."""
+        return nnx.Param
+
     def decode_layers(self):
         """What `hidden_states(..., layers=)` takes in a decode loop, computed once outside it:
         `stacked_layers()` (Qwen3.5's scan), or None where the cached path runs the layers

@@ -493,6 +493,12 @@ class Qwen35ForCausalLM(CausalLM):
     def text(self) -> TextModel:
         return self.model.language_model if self.cfg.model_type == "qwen3_5" else self.model
 
+    def decode_params(self) -> nnx.filterlib.Filter:
+        """The parameters but the vision tower (`model.visual.*`, trainable under train_vision):
+        a rollout copy of it would take memory on every device and count in the rollout
+        layout's weight bytes for nothing text decoding reads."""
+        return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("visual")))
+
     @staticmethod
     def create_cache(cfg: QwenConfig, batch: int, max_len: int, dtype=jnp.float32) -> HybridCache:
         """An empty decode cache (`HybridCache.create`)."""
