@@ -105,6 +105,13 @@ class Embedding(nnx.Module):
         return logical(self.weight, dtype)
 
 
+def check_rows_without_cache(rows, cache) -> None:
+    """Raise ValueError when `hidden_states` gets both `rows` (positions of a full forward) and
+    a cache (a cached step has no such positions)."""
+    if rows is not None and cache is not None:
+        raise ValueError("rows selects positions of a full forward; a cached step has none")
+
+
 def balanced_order(s: int, shards: int) -> np.ndarray:
     """Token order for causal load balance: the sequence cut into 2 x shards chunks, shard i
     holding chunks i and 2 x shards - 1 - i, so every shard gets equal causal attention work.
@@ -432,8 +439,7 @@ class QwenForCausalLM(CausalLM):
         for the decoders' common signature and unused (`decode_layers` is None).
         """
         cfg = self.cfg
-        if rows is not None and cache is not None:
-            raise ValueError("rows selects positions of a full forward; a cached step has none")
+        check_rows_without_cache(rows, cache)
         dt = np_dtype(self.compute_dtype)
         mask = attention_mask.astype(bool)
         b, s = input_ids.shape

@@ -61,6 +61,7 @@ from jscenegen.model.qwen import (
     Linear,
     cache_step_inputs,
     cached_attention,
+    check_rows_without_cache,
     full_sequence_inputs,
     logical,
     rms_normalized,
@@ -515,8 +516,7 @@ class Qwen35ForCausalLM(CausalLM):
         at slot `cache.length` and (hidden, updated cache) is returned. `layers`: the result
         of `stacked_layers()` computed once outside a loop that calls the model repeatedly.
         """
-        if rows is not None and cache is not None:
-            raise ValueError("rows selects positions of a full forward; a cached step has none")
+        check_rows_without_cache(rows, cache)
         dt = np_dtype(self.compute_dtype)
         mask = attention_mask.astype(bool)
         if cache is None:
