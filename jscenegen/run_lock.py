@@ -14,8 +14,9 @@ only its own file.
   process holds the file's flock) is taken over with a warning; so is one whose content is
   not the JSON (empty, garbage), whose flock nobody holds and that was last modified
   WRITING_S or more ago (a younger one is being written: refused). Processes that find a
-  stale lock at once take turns (an flock on the run directory), so one never sets aside the
-  lock another has just taken. A lock whose pid is gone
+  stale lock at once take turns (an flock on the run directory, where the filesystem gives
+  directories one: NFS may not across hosts), so one never sets aside the lock another has
+  just taken. A lock whose pid is gone
   while some process still holds its flock (a child the holder forked without exec, which
   outlived it) is refused naming the file to delete once that process is gone. Children a
   holder forks with `os.fork` (multiprocessing's fork) close their copy of the lock's flock
@@ -381,6 +382,9 @@ def _readable_by_all(fd: int) -> None:
         pass
 
 
+# the run directories' descriptors flocked by takeovers in progress: a child forked meanwhile
+# closes its copies, or it would keep every later takeover of that directory waiting
+_TAKEOVER_FDS: "set[int]" = set()
 # the RunLocks this process holds (or is taking): children it forks close their flock
 # descriptors and do not release them (kept here, not weakly: a lock acquired and then
 # dropped unreleased still holds its descriptor)
@@ -402,6 +406,12 @@ def _after_fork_in_child() -> None:
             except OSError:
                 pass
     _HOLDING.clear()
+    for fd in list(_TAKEOVER_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _TAKEOVER_FDS.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -421,6 +431,8 @@ def _one_takeover_at_a_time(run_dir: Path):
         fd = os.open(run_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
         fd = None
+    if fd is not None:
+        _TAKEOVER_FDS.add(fd)
     try:
         deadline = time.monotonic() + TAKEOVER_WAIT_S
         while fd is not None and _try_flock(fd) is False:
@@ -431,6 +443,7 @@ def _one_takeover_at_a_time(run_dir: Path):
         yield
     finally:
         if fd is not None:
+            _TAKEOVER_FDS.discard(fd)
             os.close(fd)   # drops the flock
 
 

@@ -568,7 +568,7 @@ def test_a_scene_that_cannot_start_neither_ends_nor_counts_in_the_fit_check(cfg,
         check_scenes_fit(Chat(), records, cfg, "dev.jsonl")
     message = str(err.value)
     assert message.startswith(f"dev.jsonl: {records[1].scene.scene_id}: the prompt")
-    assert f"sampling.max_episode_tokens={cap}" in message and "the first 2 scene(s) all do" in message
+    assert f"sampling.max_episode_tokens={cap}" in message and "(all 2 of the first 3 scene(s) that start do" in message
 
 
 def test_a_hanging_judge_is_waited_for_once_for_all_scenes(cfg):
@@ -606,7 +606,7 @@ def test_eval_refuses_scenes_whose_episodes_cannot_start_before_loading_the_mode
                  "--out", str(tmp_path / "r.json"), *TINY]) == 2
     err = one_error_line(capsys)
     assert err.startswith(f"error: {tmp_path / 'long.jsonl'}: {record['scene']['scene_id']}: the "
-                          "prompt (") and "(the first 1 scene(s) all do: every episode would fail)" in err
+                          "prompt (") and "(all 1 of the first 1 scene(s) that start do: every episode would fail)" in err
     assert not (tmp_path / "r.json").exists()
 
 

@@ -615,6 +615,35 @@ with RunLock(d) as lock:
     assert read_holder(d).is_this_process() and _flock_held(d / LOCK_NAME) is True
 print("ok")
 """
+FORK_DURING_A_TAKEOVER = """
+import json, os, socket, sys, time
+from pathlib import Path
+from jscenegen import run_lock
+from jscenegen.run_lock import LOCK_NAME, RunLock
+d = Path(sys.argv[1])
+d.mkdir()
+stale = json.dumps({"pid": 4000000, "host": socket.gethostname(), "start_ticks": 1})
+(d / LOCK_NAME).write_text(stale)
+run_lock.TAKEOVER_WAIT_S = 0.5
+read, children = run_lock.read_holder, []
+def fork_a_worker_inside(run_dir):
+    if not children:
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+        children.append(child)
+    return read(run_dir)
+run_lock.read_holder = fork_a_worker_inside
+try:
+    RunLock(d).acquire().release()
+    (d / LOCK_NAME).write_text(stale)
+    RunLock(d).acquire().release()   # the worker still runs: its copy of the guard is closed
+finally:
+    os.kill(children[0], 9)
+    os.waitpid(children[0], 0)
+print("ok")
+"""
 HOLD_THEN_DIE_LEAVING_A_WORKER = """
 import os, sys, time
 from jscenegen.run_lock import RunLock
@@ -656,6 +685,16 @@ def test_a_forked_child_neither_keeps_the_lock_alive_nor_releases_it(tmp_path, c
     finally:
         if worker > 0:
             os.kill(worker, 9)   # not this process's child: reaped by init
+
+
+def test_a_child_forked_during_a_takeover_does_not_keep_the_directory_guarded(tmp_path):
+    """The takeover's flock on the run directory was inherited by a child forked (without exec)
+    meanwhile: while it lived, every later takeover there waited and was refused ("try
+    again", which never helped). The child closes its copy at fork now."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", FORK_DURING_A_TAKEOVER, str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr[-2000:]
 
 
 def test_a_dead_holder_whose_flock_another_process_keeps_names_the_file_to_delete(tmp_path):

@@ -179,11 +179,12 @@ def check_scenes_fit(chat, records: list[SceneRecord], cfg, source: str, sample:
     if not failing:
         return
     where = f"{source}: {failing[0][0]}"
+    among = f"the first {min(len(records), sample)} scene(s)"
     if len(failing) == checked:
-        raise ValueError(f"{where}: {failing[0][1]} (the first {len(failing)} scene(s) "
-                         "all do: every episode would fail)")
-    log.warning("%s: %s (%d of the first %d scenes; their episodes fail with "
-                "episode_token_cap)", where, failing[0][1], len(failing), checked)
+        raise ValueError(f"{where}: {failing[0][1]} (all {checked} of {among} that start do: "
+                         "every episode would fail)")
+    log.warning("%s: %s (%d of the %d of %s that start; their episodes fail with "
+                "episode_token_cap)", where, failing[0][1], len(failing), checked, among)
 
 
 # ----------------------------------------------------------------------------- statistics

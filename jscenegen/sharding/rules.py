@@ -8,10 +8,11 @@ sequence positions over `sp`.
 Rollout (mesh axes ("data", "tp") over the same devices, `ROLLOUT_AXES`): the sampler's weights
 are a second copy, made once per optimizer step, laid out so that decoding moves no weight
 bytes: whole on every device (`tp` = 1, the `replicated` layout) or Megatron-split over the
-tensor axis (`tp` > 1: `COLUMN` weights split their output features, `ROW` weights their input
-features, `VOCAB` the vocabulary), rows data-parallel over `data`. Which parameter is which
-kind is the table `ROLLOUT_PARAM_KINDS` (HF-name suffixes), so another decoder family gets its
-rollout layout by adding rows, not code; the same table says which parameters the copy casts to
+tensor axis (`tp` > 1: `COLUMN` weights split their output features, `COLUMN_BLOCKS` each block
+of them, `ROW` weights their input features, `VOCAB` the vocabulary), rows data-parallel over
+`data`. Which parameter is which kind is the table `ROLLOUT_PARAM_KINDS` (HF-name suffixes), so
+another decoder family gets its rollout layout by adding rows (block sizes of a `COLUMN_BLOCKS`
+one: `model.weights.column_blocks`); the same table says which parameters the copy casts to
 the rollout dtype (those read in the compute dtype; the rest keep their own). The `fsdp` rollout layout decodes on the training
 arrays themselves (one weight all-gather per layer per token; kept for comparison).
 
