@@ -223,7 +223,8 @@ def _loop_bytes(s: Sampler, rows: int) -> tuple[list, int]:
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_the_decode_loop_moves_no_weight_bytes(trained, mesh, arch):
     """Parse the compiled decode loop on the 3 x 2 mesh. replicated: nothing but the loop's
-    `all rows done` flag crosses devices. tp: per step at most two all-reduces of the local
+    `all rows done` flag crosses devices, greedy or with top-k (each device draws its own rows:
+    a top-k over row-split logits made XLA gather every row's logits at each step). tp: per step at most two all-reduces of the local
     rows' hidden states per layer, one for the embedding lookup and a gather of the logits:
     (2 L + 1) x b x H x 4 + b x V x 4 bytes, b = rows / data. fsdp: the same parse finds the
     weight all-gathers: every layer's and the output head's bytes per step (the input embedding
@@ -231,11 +232,14 @@ def test_the_decode_loop_moves_no_weight_bytes(trained, mesh, arch):
     model, _ = trained[arch]
     cfg = model.cfg
     weight_bytes = 4 * sum(int(np.prod(s)) for s in param_shapes(cfg).values())
-    found, moved = _loop_bytes(_sampler(model, "replicated", True, mesh), ROWS)
-    assert moved <= 8 and all(c.shapes in ((("pred", ()),),) for c in found), found
-    found, moved = _loop_bytes(_sampler(model, "tp", True, mesh), ROWS)
+    for greedy in (True, False):   # top-k sampling too: it all-gathered every row's logits
+        found, moved = _loop_bytes(_sampler(model, "replicated", greedy, mesh), ROWS)
+        assert moved <= 8 and all(c.shapes in ((("pred", ()),),) for c in found), found
     b = ROWS // 3
     bound = (2 * cfg.num_hidden_layers + 1) * b * cfg.hidden_size * 4 + b * cfg.vocab_size * 4 + 8
+    found, moved = _loop_bytes(_sampler(model, "tp", False, mesh), ROWS)
+    assert 0 < moved <= bound, (moved, bound, found)
+    found, moved = _loop_bytes(_sampler(model, "tp", True, mesh), ROWS)
     assert 0 < moved <= bound, (moved, bound, found)
     assert moved < weight_bytes / 50
     assert not any(c.op == "all-gather" and c.bytes >= cfg.hidden_size * 16 for c in found), found
@@ -376,3 +380,31 @@ def test_qwen35_tp_decode_moves_activations_not_its_kv_cache(qwen35_hf, mesh):
     # in_proj_qkv/conv1d grouped by shard (q_r | k_r | v_r): each GDN layer computes its own
     # heads; a plain row split gave shard 0 all of q and moved q/k/v channels every step
     assert all(c.op == "all-reduce" for c in found), [c for c in found if c.op != "all-reduce"]
+
+
+def test_qwen35_tp3_with_several_gdn_heads_per_shard_samples_as_unsharded(tmp_path_factory, mesh):
+    """The grouped [q_r | k_r | v_r] channels beyond the fixture's one key head per shard at
+    tp = 2: tp = 3 over 3 key and 6 value heads (2 value heads per key head, 1 and 2 per shard),
+    6 query / 3 kv heads. Same tokens and log-probs as the unsharded sampler (prompts longer
+    than a bucket: the chunked delta rule in the prefill), only all-reduces in the loop."""
+    from qwen35_fixtures import make_qwen35_dir
+
+    sizes = dict(linear_num_key_heads=3, linear_num_value_heads=6, num_attention_heads=6,
+                 num_key_value_heads=3, intermediate_size=72)
+    d = make_qwen35_dir(tmp_path_factory.mktemp("qwen35_tp3"), "qwen3_5_text", text_sizes=sizes)
+    params = SamplingParams(temperature=0.9, top_k=40)
+    s = Sampler(load_hf(d, mesh=mesh), params, buckets=BUCKETS, mesh=mesh, layout="tp", tp=3)
+    assert s.layout.tp == 3
+    groups = {n: v.get_metadata().get("channel_groups") for n, v in
+              named_leaves(s.state, is_leaf=lambda x: isinstance(x, nnx.Variable)).items()
+              if n.endswith(("in_proj_qkv.weight", "conv1d.weight"))}
+    assert groups and set(groups.values()) == {3}
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 389, n).tolist() for n in (11, 20, 5, 14, 3, 9)]
+    seeds = list(range(40, 46))
+    ref = Sampler(load_hf(d), params, buckets=BUCKETS).generate(prompts, NEW, seeds)
+    out = s.generate(prompts, NEW, seeds)
+    np.testing.assert_array_equal(out["tokens"], ref["tokens"])
+    np.testing.assert_allclose(out["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
+    found, _ = _loop_bytes(s, ROWS)
+    assert found and all(c.op == "all-reduce" for c in found), [(c.op, c.shapes, c.bytes) for c in found if c.op != "all-reduce"]

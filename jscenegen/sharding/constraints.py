@@ -31,7 +31,9 @@ def use_specs(specs: ActivationSpecs) -> Iterator[None]:
         _SPECS.reset(token)
 
 
-def _resolve(role: str | P) -> P | None:
+def active_spec(role: str | P) -> P | None:
+    """The active layout's PartitionSpec of `role` (a PartitionSpec is returned as it is);
+    None when no mesh holding the layout's axes is active or the layout leaves the role free."""
     specs = _SPECS.get()
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(specs.axes) <= set(mesh.axis_names):
@@ -51,7 +53,7 @@ def constrain(x: jax.Array, role: str | P) -> jax.Array:
     """with_sharding_constraint(x, the active layout's spec for `role`, padded with None to x's
     rank); the identity when the layout leaves the role free or no matching mesh is active.
     `role` may also be a PartitionSpec (used as it is)."""
-    spec = _resolve(role)
+    spec = active_spec(role)
     if spec is None:
         return x
     return jax.lax.with_sharding_constraint(x, P(*spec, *([None] * (x.ndim - len(spec)))))
