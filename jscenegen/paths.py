@@ -208,6 +208,11 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     if not str(path).strip():
         raise ValueError(f"{label}: an empty path; give a file path")
     refuse_non_utf8(path, f"{label} {path}")
+    if str(path).endswith(os.sep):
+        raise ValueError(f"{label} {path}: ends with {os.sep}, the name of a directory; give a file path")
+    _refuse_too_long_names(p, f"{label} {path}", ValueError, 0)
+    if p.is_dir() and not p.is_symlink():
+        raise ValueError(f"{label} {path}: is a directory; give a file path")
     if suffix and not p.name.lower().endswith(suffix):   # Path(".png").suffix is ""
         raise ValueError(f"{label} {path}: the file is written as {suffix[1:].upper()}; give a "
                          f"name ending in {suffix}")
@@ -215,11 +220,6 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
         raise ValueError(f"{label} {path}: this file is written as text (JSON), not a picture; "
                          "give another name (a .png name is for the top views of scene render, "
                          "--render and --plot)")
-    if str(path).endswith(os.sep):
-        raise ValueError(f"{label} {path}: ends with {os.sep}, the name of a directory; give a file path")
-    _refuse_too_long_names(p, f"{label} {path}", ValueError, 0)
-    if p.is_dir() and not p.is_symlink():
-        raise ValueError(f"{label} {path}: is a directory; give a file path")
     refuse_non_regular(p, f"{label} {path}")
     refuse_inside_checkpoint(p, f"{label} {path}")
     refuse_inside_shipped(p, f"{label} {path}")

@@ -330,7 +330,7 @@ def test_docs_config_md_lists_every_key_with_its_meaning_and_is_current():
     for key, _, default, cpu, _ in rows:
         line = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
         assert (line.split(" | ")[3] == "=") == (cpu == default), line
-    assert "| `optim.lr` | float >= 0 | 1e-06 | 5e-05 |" in text  # cpu-default.yaml's lr
+    assert "| `optim.lr` | float >= 0, <= 1 | 1e-06 | 5e-05 |" in text  # cpu-default.yaml's lr
     assert "| `loss.loss_agg_mode` | token-mean \\| seq-mean-token-sum" in text
     assert "| `sft.steps` | int >= 1, <= 2147483647 | 40 | 300 |" in text   # configs/sft-cpu.yaml's steps
     path = Path(__file__).resolve().parents[1] / REFERENCE_PATH

@@ -126,6 +126,11 @@ def test_check_output_file_tries_to_create_a_file_where_it_would_write(tmp_path)
     with pytest.raises(ValueError, match=r"ends with /, the name of a directory"):
         check_output_file(f"{tmp_path}/new.json/", "-o")
     assert sorted(tmp_path.iterdir()) == []
+    # an existing directory is named as one, whatever suffix the writer wants (`scene render
+    # -o DIR` said "give a name ending in .png")
+    for suffix in (".png", None):
+        with pytest.raises(ValueError, match=f"^-o {tmp_path}: is a directory; give a file path$"):
+            check_output_file(tmp_path, "-o", suffix)
 
 
 def test_outputs_never_land_inside_a_checkpoint_or_become_a_run_step(tmp_path):

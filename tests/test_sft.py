@@ -330,13 +330,17 @@ def test_run_sft_never_replaces_an_existing_directory(tmp_path):
 
 def test_run_sft_refuses_what_would_not_train_and_warns_when_nothing_moved(tmp_path, caplog):
     """Exit 0 with a "trained" model that is not: rows too short for any policy token, weights
-    that diverged (lr 1e30: the first update blows them up, every later step is skipped), a
-    single step inside the warmup (lr 0)."""
+    that diverged (lr 1e30, past the config's bound, set after validation as a stand-in for a
+    run that diverges: the first update blows them up, every later step is skipped), a single
+    step inside the warmup (lr 0)."""
     def cfg(sft=None, optim=None):
-        return validate_config({"sft": {"num_demos": 2, "steps": 2, "batch_size": 3, "max_seq_len": SEQ,
-                                        "log_every": 1, **(sft or {})}, "scene": SCENE,
-                                "optim": {"lr": 5e-3, "weight_decay": 0.0, **(optim or {})}},
-                               "sft.yaml", SFTRunConfig)
+        optim = dict(optim or {})
+        huge = optim.pop("huge_lr", None)
+        c = validate_config({"sft": {"num_demos": 2, "steps": 2, "batch_size": 3, "max_seq_len": SEQ,
+                                     "log_every": 1, **(sft or {})}, "scene": SCENE,
+                             "optim": {"lr": 5e-3, "weight_decay": 0.0, **optim}},
+                            "sft.yaml", SFTRunConfig)
+        return c if huge is None else c.model_copy(update={"optim": c.optim.model_copy(update={"lr": huge})})
     with pytest.raises(ValueError, match=r"^sft.micro_batch_size=4: sft.batch_size = 4 rows, padded "
                                          r"to 6 \(a multiple of mesh.fsdp=3\), do not split"):
         run_sft(cfg({"batch_size": 4, "micro_batch_size": 4}), "/nonexistent", tmp_path / "padded")
@@ -345,13 +349,13 @@ def test_run_sft_refuses_what_would_not_train_and_warns_when_nothing_moved(tmp_p
     rows = []
     with pytest.raises(ValueError, match=r"the last step's gradient is not finite: training diverged "
                                          r"\(1 of 2 steps skipped.*optim.lr=1e\+30\); nothing written"):
-        run_sft(cfg(optim={"lr": 1e30, "warmup_steps": 0}), chat_model_dir(), tmp_path / "diverged",
+        run_sft(cfg(optim={"huge_lr": 1e30, "warmup_steps": 0}), chat_model_dir(), tmp_path / "diverged",
                 log=rows.append)
     assert json.loads(json_line(rows[-1]))["grad_norm"] is None      # strict JSON: NaN is null
     # one step: its logged loss (before the update) is finite, the weights written are not
     with pytest.raises(ValueError, match=r"at the weights after the last step its batch has loss "
                                          r"\S+ and gradient norm (nan|inf): the last update diverged"):
-        run_sft(cfg({"steps": 1}, optim={"lr": 1e30, "warmup_steps": 0}), chat_model_dir(),
+        run_sft(cfg({"steps": 1}, optim={"huge_lr": 1e30, "warmup_steps": 0}), chat_model_dir(),
                 tmp_path / "one", log=rows.append)
     assert not (tmp_path / "one").exists()
     with caplog.at_level("WARNING"):
@@ -363,6 +367,9 @@ def test_run_sft_refuses_what_would_not_train_and_warns_when_nothing_moved(tmp_p
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="sft.batch_size"):
         validate_config({"sft": {"batch_size": 0}}, "sft.yaml", SFTRunConfig)
+    # an AdamW learning rate past 1 is a typo (1e308 went on into a full warm start)
+    with pytest.raises(ConfigError, match=r"optim.lr: Input should be less than or equal to 1"):
+        validate_config({"optim": {"lr": 1e308}}, "sft.yaml", SFTRunConfig)
     with pytest.raises(ConfigError, match="sft.nmu_demos"):
         validate_config({"sft": {"nmu_demos": 3}}, "sft.yaml", SFTRunConfig)
     # the rule is the padded batch's, as GRPO's (run_sft checks it against mesh.fsdp before any

@@ -79,7 +79,7 @@ class SFTOptimConfig(OptimConfig):
     """OptimConfig with defaults for fine-tuning a tiny fresh model (lr 1e-3, short warmup, no
     weight decay) instead of GRPO's 1e-6."""
 
-    lr: float = Field(1e-3, ge=0, description=OptimConfig.model_fields["lr"].description)
+    lr: float = Field(1e-3, ge=0, le=1, description=OptimConfig.model_fields["lr"].description)
     warmup_steps: int = Field(4, ge=0, le=STEPS_MAX,
                               description=OptimConfig.model_fields["warmup_steps"].description)
     weight_decay: float = Field(0.0, ge=0,

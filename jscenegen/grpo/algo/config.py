@@ -72,8 +72,8 @@ class LossConfig(Section):
 class OptimConfig(Section):
     """AdamW + grad-norm clip + LR schedule, the torch.optim.AdamW update (../shared/specs/grpo.md)."""
 
-    lr: float = Field(1e-6, ge=0, description="base learning rate; the schedule multiplies it "
-                      "(VERL actor.optim.lr)")
+    lr: float = Field(1e-6, ge=0, le=1, description="base learning rate; the schedule multiplies "
+                      "it (VERL actor.optim.lr)")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2): decay "
                                        "rates of the first and second moment estimates, each in "
                                        "[0, 1) (torch.optim.AdamW betas)")
