@@ -170,11 +170,11 @@ def _try_flock(fd: int) -> bool | None:
         return None
 
 
-def _flock_new_file(fd: int) -> bool | None:
-    """`_try_flock` on a lock file this process just created, retried for up to FLOCK_WAIT_S
-    while another descriptor holds it (a reader's `_flock_held` probe holds it only a moment);
-    False after that."""
-    deadline = time.monotonic() + FLOCK_WAIT_S
+def _flock_within(fd: int, seconds: float) -> bool | None:
+    """`_try_flock` retried for up to `seconds` while another descriptor holds the flock (a
+    reader's `_flock_held` probe on a lock file just created, another process's takeover on a
+    run directory: each holds it only a moment); False after that, None without flock."""
+    deadline = time.monotonic() + seconds
     while True:
         taken = _try_flock(fd)
         if taken is not False or time.monotonic() >= deadline:
@@ -434,12 +434,9 @@ def _one_takeover_at_a_time(run_dir: Path):
     if fd is not None:
         _TAKEOVER_FDS.add(fd)
     try:
-        deadline = time.monotonic() + TAKEOVER_WAIT_S
-        while fd is not None and _try_flock(fd) is False:
-            if time.monotonic() >= deadline:
-                raise RunLockedError(f"{run_dir}: another process has been taking over its stale "
-                                     f"{LOCK_NAME} for {TAKEOVER_WAIT_S:g} s; try again")
-            time.sleep(0.005)
+        if fd is not None and _flock_within(fd, TAKEOVER_WAIT_S) is False:
+            raise RunLockedError(f"{run_dir}: another process has been taking over its stale "
+                                 f"{LOCK_NAME} for {TAKEOVER_WAIT_S:g} s; try again")
         yield
     finally:
         if fd is not None:
@@ -552,7 +549,7 @@ class RunLock:
         finally:
             os.unlink(tmp)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, LOCK_MODE)
-        taken = _flock_new_file(fd)
+        taken = _flock_within(fd, FLOCK_WAIT_S)
         if taken is False:
             log.warning("%s: another process keeps an flock on %s, just created by this one; "
                         "the lock is held without one", self.run_dir, self.path)

@@ -161,12 +161,12 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
 
 
 def check_scenes_fit(chat, records: list[SceneRecord], cfg, source: str, sample: int = 8) -> None:
-    """Refuse scenes that cannot take a single turn: when the first `sample` of `records` all
-    start their episodes at or over `sampling.max_episode_tokens` (`check_episode_fits`; every
-    episode would fail with episode_token_cap), raise ValueError naming `source` (the scene
-    set) and the first; when only some do, warn naming the first and their count. A scene
-    whose episode cannot start at all (another error) is left to the rollout, which reports it,
-    and is not counted."""
+    """Refuse scenes that cannot take a single turn: when every one of the first `sample` of
+    `records` whose episode can start starts it at or over `sampling.max_episode_tokens`
+    (`check_episode_fits`; every episode would fail with episode_token_cap), raise ValueError
+    naming `source` (the scene set) and the first; when only some do, warn naming the first
+    and their count. A scene whose episode cannot start at all (another error) is left to the
+    rollout, which reports it, and is not counted."""
     failing, checked = [], 0
     for i, record in enumerate(records[:sample]):
         try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -67,15 +67,26 @@ def rollout_dtype(name: str, own: Any, dtype: Any) -> np.dtype:
     return np.dtype(dtype) if rollout_casts(name) else np.dtype(own)
 
 
-def _reshard_arrays(plan: tuple, unpad: bool, arrays: list) -> list:
+class _Plan(NamedTuple):
+    """What the reshard does to one parameter: keep its first `rows` (the FSDP padding off),
+    group its channel blocks (`grouped`: (blocks, tp), `weights.group_channel_blocks`), cast
+    to `dtype`, store it [in, out] when `transposed`."""
+
+    rows: int
+    transposed: bool
+    dtype: np.dtype
+    grouped: tuple[tuple[int, ...], int] | None
+
+
+def _reshard_arrays(plan: tuple[_Plan, ...], unpad: bool, arrays: list) -> list:
     out = []
-    for a, (rows, transposed, dtype, grouped) in zip(arrays, plan):
-        if unpad and a.shape[0] != rows:
-            a = a[:rows]
-        if grouped:
-            a = group_channel_blocks(a, *grouped)
-        a = a.astype(dtype)
-        out.append(a.T if transposed else a)
+    for a, p in zip(arrays, plan):
+        if unpad and a.shape[0] != p.rows:
+            a = a[:p.rows]
+        if p.grouped:
+            a = group_channel_blocks(a, *p.grouped)
+        a = a.astype(p.dtype)
+        out.append(a.T if p.transposed else a)
     return out
 
 
@@ -123,7 +134,7 @@ class Reshard:
         self._inputs = [jax.ShapeDtypeStruct(v.shape, v.dtype,
                                              sharding=getattr(v[...], "sharding", None))
                         for _, v in flat]
-        self._plan = []   # (rows, transposed, rollout dtype, (blocks, tp) or None) per parameter
+        self._plan: list[_Plan] = []
         shardings = []
         for path, v in flat:
             name = param_name(path)
@@ -133,7 +144,7 @@ class Reshard:
             transposed = bool(layout.transposed and transposable and len(logical) == 2
                               and layout.name != "fsdp")
             grouped = (blocks, layout.tp) if kind == COLUMN_BLOCKS and layout.tp > 1 else None
-            self._plan.append((rows, transposed, rollout_dtype(name, v.dtype, self.dtype), grouped))
+            self._plan.append(_Plan(rows, transposed, rollout_dtype(name, v.dtype, self.dtype), grouped))
             if layout.mesh is None:
                 shardings.append(None)
             elif layout.name == "fsdp":
@@ -142,7 +153,7 @@ class Reshard:
                 shardings.append(named(layout.mesh, rollout_param_spec(name, logical, layout.tp,
                                                                        transposed)))
         self.identity = layout.name == "fsdp" and all(
-            a.dtype == dt for a, (_, _, dt, _) in zip(self._inputs, self._plan))
+            a.dtype == p.dtype for a, p in zip(self._inputs, self._plan))
         self._fn, self.memory = None, None
         if not self.identity:
             # reshards of one structure, layout and dtype (every trainer's sampler) share it
@@ -171,10 +182,10 @@ class Reshard:
         jax.block_until_ready(arrays)
         wall = time.perf_counter() - t0
         leaves = [v for _, v in flat]
-        for i, a, (_, t, _, grouped) in zip(self._params, arrays, self._plan):
-            metadata = {"transposed": True} if t else {}
-            if grouped:
-                metadata["channel_groups"] = grouped[1]
+        for i, a, p in zip(self._params, arrays, self._plan):
+            metadata = {"transposed": True} if p.transposed else {}
+            if p.grouped:
+                metadata["channel_groups"] = p.grouped[1]
             leaves[i] = leaves[i].replace(a, **metadata)
         return (jax.tree_util.tree_unflatten(self._treedef, leaves),
                 {"reshard_s": wall, "reshard_bytes": device_bytes(arrays)})
