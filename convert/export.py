@@ -46,9 +46,9 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     from jscenegen.checkpoint.metadata import redact
 
     check_world_size(world_size)
-    step_dir = orbax_step_dir(checkpoint)
     refuse_nested(checkpoint, out)
-    require_new_dir(out, ConvertError)   # before the checkpoint is read (seconds to minutes)
+    require_new_dir(out, ConvertError)   # before the checkpoint is hashed (seconds to minutes)
+    step_dir = orbax_step_dir(checkpoint)
     state = orbax_state(step_dir, world_size)
     with watching(str(step_dir)), atomic_dir(out, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)

@@ -36,6 +36,7 @@ from jscenegen.checkpoint.resume import (
     check_run_identity,
     has_run_identity,
 )
+from jscenegen.config import STEPS_MAX
 from jscenegen.paths import finite_number, is_decimal, not_a_file, read_json_object
 from jscenegen.text import clip_text
 
@@ -84,11 +85,15 @@ def find_verl(path: str | Path) -> VerlLayout:
             raise ConvertError(f"{latest}: {why}")
         with open(latest, "rb") as f:   # VERL writes the number alone
             text = f.read(64).decode("utf-8", "replace").strip()
-        if not is_decimal(text):
-            raise ConvertError(f"{latest}: expected a step number, got {text[:40]!r}")
+        if not is_decimal(text) or int(text) > STEPS_MAX:
+            raise ConvertError(f"{latest}: expected a step number in 0..{STEPS_MAX}, got "
+                               f"{text[:40]!r}")
         step_dir = src / f"global_step_{int(text)}"
         if not step_dir.is_dir():
             raise ConvertError(f"{latest}: names step {text} but {step_dir} does not exist")
+        if not (_has_rank_files(step_dir) or _has_rank_files(step_dir / "actor")):
+            raise ConvertError(f"{latest}: names step {text} but {step_dir} holds no VERL rank "
+                               f"files (model_world_size_W_rank_R.pt), here or in actor/")
         inner = find_verl(step_dir)
         return dataclasses.replace(inner, kind="run", source=src)
     if _has_rank_files(src):
@@ -100,7 +105,11 @@ def find_verl(path: str | Path) -> VerlLayout:
             f"{src}: no VERL rank files (model_world_size_W_rank_R.pt) here or in {src / 'actor'}, "
             "and no latest_checkpointed_iteration.txt"
         )
-    step_match = _STEP_DIR.search(shard_dir.parent.name if kind in ("step", "actor") else src.name)
+    named = shard_dir.parent if kind in ("step", "actor") else src
+    step_match = _STEP_DIR.search(named.name)
+    if step_match and int(step_match.group(1)) > STEPS_MAX:
+        raise ConvertError(f"{named}: global step {step_match.group(1)} is over {STEPS_MAX} (the "
+                           "step counters are int32)")
     world_size, kinds = _check_rank_files(shard_dir)
     _check_fsdp_config(shard_dir / "fsdp_config.json", world_size)
     hf = shard_dir / "huggingface"
@@ -201,7 +210,7 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
             for g in groups):
         raise ConvertError(f"{f}: param_groups must be a list of dicts, each with a list of "
                            "integer parameter indices under 'params'")
-    _check_json_size(f, "param_groups", groups)
+    _check_json_ready(f, "param_groups", groups)
     for g, group in enumerate(groups):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
@@ -237,11 +246,12 @@ def _check_extra_state(f: Path, st: dict) -> None:
         if not isinstance(sched, dict):
             raise ConvertError(f"{f}: lr_scheduler is a {type(sched).__name__}, expected a "
                                "scheduler state_dict")
-        _check_json_size(f, "lr_scheduler", sched)
+        _check_json_ready(f, "lr_scheduler", sched)
         epoch = sched.get("last_epoch")
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= STEPS_MAX:
             raise ConvertError(f"{f}: lr_scheduler.last_epoch is {epoch!r:.80}, expected an integer "
-                               "(the steps a torch scheduler state_dict has taken)")
+                               f"in 0..{STEPS_MAX} (the steps a torch scheduler state_dict has "
+                               "taken; a train state counts them in int32)")
     rng = st.get("rng")
     if rng is None:
         return
@@ -276,11 +286,14 @@ MT19937_WORDS = 624          # numpy's and Python's Mersenne Twister state
 TORCH_RNG_BYTES = {"cpu": 5056, "cuda": 16}
 
 
-def _check_json_size(f: Path, label: str, obj: Any) -> None:
+def _check_json_ready(f: Path, label: str, obj: Any) -> None:
     """Refuse `obj` (the optimizer's param_groups, the scheduler's state: what a conversion
     copies into JSON metadata) when written out as a tree it holds more than JSON_VALUES_MAX
     values or nests deeper than JSON_DEPTH_MAX: a pickle can share one list many times over, a
-    few KB that every tree walk (redaction, JSON) would expand exponentially."""
+    few KB that every tree walk (redaction, JSON) would expand exponentially; or when it holds
+    a value JSON cannot (a tensor, NaN), named with its key path."""
+    from jscenegen.checkpoint.store import first_unserialisable
+
     count, stack = 0, [(obj, 0)]
     while stack:
         node, level = stack.pop()
@@ -293,6 +306,9 @@ def _check_json_size(f: Path, label: str, obj: Any) -> None:
             stack.extend((v, level + 1) for v in node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend((v, level + 1) for v in node)
+    if where := first_unserialisable(obj, label):
+        raise ConvertError(f"{f}: {where}; a conversion copies {label} into JSON metadata "
+                           "(plain dicts, lists, finite numbers, strings)")
 
 
 def _impossible_moment(moment: str) -> Callable[[np.ndarray], str | None]:
@@ -525,18 +541,19 @@ class VerlCheckpoint:
             if self._shard_dim(f, key, t, rank=r) != dim:
                 raise ConvertError(f"{f}: {key} placement {t.placements} differs from rank 0's")
             _check_dense(f, key, t._local_tensor)
-            if r >= n_shards:
-                continue  # HSDP: ranks beyond the first fsdp group are replicas
+            if r >= n_shards and dim is None:
+                continue   # Replicate(): every copy is compared bit for bit as it is read
             local = t._local_tensor
             want = shape
             if dim is not None:
-                lo, hi = chunk_bounds(shape[dim], n_shards, r)
+                lo, hi = chunk_bounds(shape[dim], n_shards, r % n_shards)
                 want = shape[:dim] + (hi - lo,) + shape[dim + 1:]
             if tuple(local.shape) != want:
                 raise ConvertError(f"{f}: {key} local shard {tuple(local.shape)}, expected {want} "
                                    f"({t.placements} of {shape} over {n_shards} ranks)")
             _check_float(f, key, local, locals_[0] if locals_ else None)
-            locals_.append(local)
+            if r < n_shards:   # HSDP: ranks beyond the first fsdp group hold replicas, not read
+                locals_.append(local)
         return dim, locals_
 
     def check_tensors(self) -> None:
@@ -604,10 +621,16 @@ class VerlCheckpoint:
                 f"{f}: holds the shard of rank {saved_by} (its DTensor {key} was saved on mesh "
                 f"coordinate {mesh['coordinate']}), not of rank {rank}: a rank file copied or "
                 f"renamed over another; the set of rank files is inconsistent")
+        if len(t.placements) != len(names):
+            raise ConvertError(f"{f}: {key} has {len(t.placements)} placements on a mesh of "
+                               f"{len(names)} dims")
         if len(t.placements) == 2 and not isinstance(t.placements[0], Replicate):
             raise ConvertError(f"{f}: {key} HSDP placement {t.placements} is not (Replicate, Shard)")
         p = t.placements[-1]
         if isinstance(p, Shard):
+            if not 0 <= p.dim < t.ndim:
+                raise ConvertError(f"{f}: {key} placement Shard({p.dim}) is outside its "
+                                   f"{t.ndim} dimensions")
             return p.dim
         if isinstance(p, Replicate):
             return None

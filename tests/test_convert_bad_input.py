@@ -445,6 +445,22 @@ def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
      r"lr_scheduler holds more than 100,000 values"),
     ("optim", lambda sd: sd["param_groups"][0].__setitem__("betas", _shared_list(25)),
      r"optim_world_size_6_rank_0\.pt: param_groups holds more than 100,000 values or nests"),
+    # a step outside the int32 counters: written out as global_step_-5 (unreadable back) or
+    # an orbax step 10^20 that no resume could restore
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("last_epoch", -5),
+     r"rank_0\.pt: lr_scheduler\.last_epoch is -5, expected an integer in 0\.\.2147483647"),
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("last_epoch", 10 ** 20),
+     r"lr_scheduler\.last_epoch is 100000000000000000000, expected an integer in 0\.\.2147483647"),
+    # values JSON cannot hold, named by file and key (a 2-element tensor was a RuntimeError
+    # traceback when the ranks' scheduler states were compared; a NaN never equals itself)
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__(
+        "base_lrs", [__import__("torch").tensor([1e-3, 2e-3])]),
+     r"rank_0\.pt: lr_scheduler\['base_lrs'\]\[0\] is a Tensor; a conversion copies "
+     r"lr_scheduler into JSON metadata"),
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("_last_lr", [float("nan")]),
+     r"rank_0\.pt: lr_scheduler\['_last_lr'\]\[0\] = nan"),
+    ("optim", lambda sd: sd["param_groups"][0].__setitem__("lr", __import__("torch").tensor(1e-3)),
+     r"optim_world_size_6_rank_0\.pt: param_groups\[0\]\['lr'\] is a Tensor"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", 1)),
      r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("random", [3, [1], None]),
@@ -492,6 +508,55 @@ def test_a_shard_of_another_dtype_or_an_integer_weight_is_refused(actor, tmp_pat
     _edit_every_rank(actor, "model", to(torch.int32))
     with pytest.raises(ConvertError, match=rf"rank_0\.pt: {name} has dtype torch\.int32; weights"):
         verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("placements,message", [
+    ("Shard(5)", r"placement Shard\(5\) is outside its 2 dimensions"),
+    ("()", r"has 0 placements on a mesh of 1 dims"),
+])
+def test_a_placement_outside_the_tensor_or_the_mesh_is_named(actor, tmp_path, placements, message):
+    """A DTensor saved with Shard(5) of a 2-D weight, or with no placement (torch loads both
+    under weights_only=True): an IndexError traceback in every direction and --inspect."""
+    import torch
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+    chosen = (Shard(5),) if placements == "Shard(5)" else ()
+
+    def change(sd):
+        t = sd[name]
+        spec = DTensorSpec(t.device_mesh, chosen, TensorMeta(t.shape, t.stride(), t.dtype))
+        sd[name] = torch.distributed.tensor.DTensor(t._local_tensor, spec, requires_grad=False)
+
+    _edit_every_rank(actor, "model", change)
+    for convert in (verl_to_hf, lambda a, out: verl_to_verl(a, out, world_size=2)):
+        with pytest.raises(ConvertError, match=rf"model_world_size_6_rank_0\.pt: {name} {message}"):
+            convert(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
+def test_a_run_whose_latest_step_loops_back_or_overflows_is_named(actor, tmp_path):
+    """latest_checkpointed_iteration.txt naming `global_step_1 -> .` recursed 40 levels to the
+    OS's symbolic link limit and printed a path 80 steps long; a step over int32 was converted
+    into a directory no resume could read."""
+    run = actor.parent.parent
+    (run / "latest_checkpointed_iteration.txt").write_text("1")
+    os.symlink(".", run / "global_step_1")
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(run))}/latest_checkpointed_iteration"
+                                           rf"\.txt: names step 1 but {re.escape(str(run))}/"
+                                           r"global_step_1 holds no VERL rank files"):
+        verl_to_hf(run, tmp_path / "out")
+    (run / "latest_checkpointed_iteration.txt").write_text(str(2 ** 31))
+    with pytest.raises(ConvertError, match=r"expected a step number in 0\.\.2147483647, got "
+                                           r"'2147483648'"):
+        verl_to_hf(run, tmp_path / "out")
+    big = run / f"global_step_{2 ** 31}"
+    os.rename(actor.parent, big)
+    with pytest.raises(ConvertError, match=r"global_step_2147483648: global step 2147483648 is "
+                                           r"over 2147483647"):
+        verl_to_hf(big / "actor", tmp_path / "out")
     _assert_nothing_written(tmp_path)
 
 
@@ -603,11 +668,13 @@ def test_verl_output_options_are_refused_for_an_output_without_ranks(actor, tmp_
 
 def test_a_non_finite_optimizer_setting_is_named_by_its_key(actor, tmp_path):
     """lr NaN in torch's param_groups: the refusal said 'Out of range float values are not
-    JSON compliant', naming neither the file's field nor the key."""
+    JSON compliant', naming neither the file's field nor the key; then the metadata's key, not
+    the rank file."""
     from convert.orbax_directions import verl_to_orbax
 
     _edit_every_rank(actor, "optim", lambda sd: sd["param_groups"][0].__setitem__("lr", float("nan")))
-    with pytest.raises(ValueError, match=r"\['param_groups'\]\[0\]\['lr'\] = nan"):
+    with pytest.raises(ConvertError, match=r"optim_world_size_6_rank_0\.pt: param_groups\[0\]\['lr'\] "
+                                           r"= nan"):
         verl_to_orbax(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
 
@@ -748,7 +815,7 @@ def test_the_global_step_falls_back_to_the_adam_step(actor):
     run = actor.parent.parent
     (run / "latest_checkpointed_iteration.txt").write_text("\u00b3")
     with pytest.raises(ConvertError, match=r"latest_checkpointed_iteration\.txt: expected a step "
-                                           r"number, got '\u00b3'"):
+                                           r"number in 0\.\.2147483647, got '\u00b3'"):
         find_verl(run)
 
 

@@ -283,3 +283,23 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_not_exported(exported, tm
     assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(
         f"error: {tokenizer.parent / 'tokenizer_config.json'}: not valid JSON: ")
+
+
+def test_export_refuses_its_output_before_it_hashes_the_checkpoint(exported, tmp_path, capsys):
+    """An output that is not empty was refused only after the whole checkpoint was hashed
+    (minutes on a large one): a damaged step was named instead of the output."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(exported["out"].parent / "run", run, symlinks=True)
+    [params] = [p for p in run.rglob("*") if p.is_file() and p.stat().st_size > 4096][:1]
+    data = bytearray(params.read_bytes())
+    data[-1] ^= 0xFF
+    params.write_bytes(bytes(data))
+    out = tmp_path / "pub"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", str(run), str(out), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {out}: already exists and is not empty; choose a new destination\n"
+    assert (out / "keep.txt").read_text() == "mine"

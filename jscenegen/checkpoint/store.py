@@ -235,12 +235,12 @@ def _json_ready(obj: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(obj, allow_nan=False))
     except (TypeError, ValueError) as err:
-        where = _first_unserialisable(obj, what)
+        where = first_unserialisable(obj, what)
         raise CheckpointError(f"{what} must be JSON-serialisable (plain dicts, lists, finite "
                               f"numbers, strings): {where or err}") from None
 
 
-def _first_unserialisable(obj: Any, path: str, depth: int = 0) -> str | None:
+def first_unserialisable(obj: Any, path: str, depth: int = 0) -> str | None:
     """`path[key][...] = value` of the first value JSON cannot hold (NaN, infinity, an
     object), or None."""
     if depth > 64:
@@ -254,7 +254,7 @@ def _first_unserialisable(obj: Any, path: str, depth: int = 0) -> str | None:
             return None
         return f"{path} is a {type(obj).__name__}"
     for key, value in items:
-        found = _first_unserialisable(value, f"{path}[{key!r}]", depth + 1)
+        found = first_unserialisable(value, f"{path}[{key!r}]", depth + 1)
         if found:
             return found
     return None
