@@ -8,9 +8,7 @@ such a step cannot show an error in the decay. Parity results name both, and the
 """
 from __future__ import annotations
 
-from jscenegen.model.weights import constant_tensors
-
-__all__ = ["constant_tensors", "coverage_warnings", "weight_decay_visible"]
+__all__ = ["coverage_warnings", "weight_decay_visible"]
 
 FP32_HALF_SPACING = 2.0**-24   # half the relative spacing of float32: a smaller relative step rounds away
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from jscenegen.grpo.algo.roles import DESIGNER, ENVIRONMENT, PLANNER
-from jscenegen.parity.coverage import constant_tensors, weight_decay_visible
+from jscenegen.model.weights import constant_tensors
+from jscenegen.parity.coverage import weight_decay_visible
 
 LOSS_TOL = 1e-5   # on `loss_gap`: relative to the loss once |loss| > 1 (token-sum grows with tokens)
 PARAM_TOL = 2.4e-7

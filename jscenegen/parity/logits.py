@@ -99,8 +99,7 @@ def logits_parity(model_dir: str, *, batch: int = 2, seq: int = 64, dtype: str =
     from flax import nnx
 
     from jscenegen.model.hf_io import load_hf
-    from jscenegen.model.weights import named_weights
-    from jscenegen.parity.coverage import constant_tensors
+    from jscenegen.model.weights import constant_tensors, named_weights
 
     model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)  # refuses a bad dir first
     ids, mask = random_padded_batch(model.cfg.vocab_size, batch, seq, seed)

@@ -42,8 +42,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from jscenegen.config import shown_value, validation_message
 from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, role_from_letter
 from jscenegen.grpo.rollout.engine import Trajectory
+from jscenegen.model.weights import constant_tensors
 from jscenegen.parity import FLOAT32_MAX, ROW_TOKENS_MAX
-from jscenegen.parity.coverage import constant_tensors, weight_decay_visible
+from jscenegen.parity.coverage import weight_decay_visible
 from jscenegen.paths import atomic_file, not_a_file
 from jscenegen.sharding.rules import round_up
 
