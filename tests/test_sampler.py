@@ -14,9 +14,11 @@ from jscenegen.generate.sampler import (
     STOP_STRING,
     STOP_TOKEN,
     Sampler,
+    check_buckets,
     split_into_buckets,
 )
 from jscenegen.generate.sampling import (
+    MIN_TEMPERATURE,
     SamplingParams,
     _nucleus,
     block_max_top_k,
@@ -702,3 +704,33 @@ def test_sampler_and_config_refuse_the_same_buckets(model, buckets):
         Sampler(model, SamplingParams(greedy=True), buckets=buckets)
     with pytest.raises(ValueError, match="buckets must be increasing positive lengths"):
         SamplingConfig(buckets=buckets)
+
+
+@pytest.mark.parametrize("temperature", [1e-3, MIN_TEMPERATURE])
+def test_log_probs_at_small_temperatures_are_never_positive(model, prompts, temperature):
+    """log_softmax(z / T) of a drawn token inside the decode loop: the token's and the row
+    maximum's z = logits / T came out a few ulps apart at z ~ 1 / T (XLA fuses the two reads
+    differently), so near-greedy draws returned log-probs up to +0.016 at T = 1e-5
+    (helper-163). The difference is now taken on the raw logits: the argmax gives -log(norm)."""
+    out = Sampler(model, SamplingParams(temperature=temperature), buckets=BUCKETS).generate(
+        prompts, 12, seeds=[5, 6])
+    lp = out["logprobs"]
+    assert out["lengths"].tolist() == [12, 12]
+    assert (lp <= 0).all(), lp.max()
+    assert np.median(lp) > -1e-3   # near-greedy: most draws are the row's argmax
+
+
+def test_an_empty_prompt_is_refused(model, prompts):
+    """An empty row drew its first token from the cache's zero logits (uniform, log 1/V)."""
+    s = Sampler(model, SamplingParams(), buckets=BUCKETS)
+    with pytest.raises(ValueError, match="generate: prompt 1 is empty"):
+        s.generate([prompts[0], []], 4, seeds=[0, 1])
+
+
+def test_buckets_must_be_multiples_of_the_smallest():
+    """(16, 24) made a 17-token append 24 + 16 slots (two compiles, 40 slots where 24 fit)."""
+    with pytest.raises(ValueError, match=r"buckets must be multiples of the smallest \(16\); 24 "
+                                         r"is not \(got \[16, 24\]\)"):
+        check_buckets((16, 24))
+    assert split_into_buckets(17, check_buckets((16, 48))) == [16, 16]
+    assert split_into_buckets(100, (16, 32, 64)) == [64, 32, 16]

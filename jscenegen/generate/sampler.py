@@ -70,10 +70,15 @@ DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
     """`buckets` as a tuple of ints; raises ValueError unless they are increasing positive
-    lengths (at least one)."""
+    lengths (at least one), each a multiple of the smallest: then an append of n tokens takes
+    n rounded up to the smallest bucket (`split_into_buckets`); (16, 24) made 17 tokens
+    24 + 16 slots, more than the cache's one-bucket slack allows for."""
     b = tuple(int(x) for x in buckets)
     if not b or list(b) != sorted(set(b)) or b[0] < 1:
         raise ValueError(f"buckets must be increasing positive lengths, got {list(buckets)}")
+    if odd := [x for x in b if x % b[0]]:
+        raise ValueError(f"buckets must be multiples of the smallest ({b[0]}); {odd[0]} is not "
+                         f"(got {list(b)})")
     return b
 
 
@@ -93,8 +98,8 @@ def grown_slots(need: int, capacity: int, max_slots: int, buckets: Sequence[int]
 
 
 def split_into_buckets(n: int, buckets: Sequence[int]) -> list[int]:
-    """Chunk lengths, each a bucket, summing to at least n: n rounded up to a multiple of the
-    smallest bucket when every bucket is one, else possibly more (the last chunk a bucket).
+    """Chunk lengths, each a bucket, summing to n rounded up to a multiple of the smallest
+    bucket (every bucket is one: `check_buckets`).
 
     Greedy largest-first, so a long append costs a few compiled shapes, not one per length.
     """
@@ -102,7 +107,7 @@ def split_into_buckets(n: int, buckets: Sequence[int]) -> list[int]:
     rest = round_up(n, step)
     out = []
     while rest > 0:
-        b = max(x for x in buckets if x <= rest) if rest >= step else step
+        b = max(x for x in buckets if x <= rest)
         out.append(b)
         rest -= b
     return out
@@ -654,8 +659,12 @@ class Sampler:
         prompt plus one segment and grows as the decode goes (`cache_len`: one fixed size).
 
         Returns host arrays: tokens [B, N] int32, logprobs [B, N] float32, lengths [B], reason [B].
-        Raises ValueError when `cache_len` is below the prompts' slots plus max_new_tokens.
+        Raises ValueError for an empty prompt (its first token would be drawn from no
+        logits) and when `cache_len` is below the prompts' slots plus max_new_tokens.
         """
+        if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
+            raise ValueError(f"generate: prompt {empty[0]} is empty; every row needs at least "
+                             "one token to condition on")
         prompt = self.appended_slots(prompts)
         need = prompt + max_new_tokens
         if cache_len is not None and cache_len < need:

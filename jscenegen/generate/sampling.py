@@ -205,11 +205,15 @@ def tempered_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) 
     [..., V] log-probabilities (the normaliser reads only the logits, so XLA computes it beside
     a draw's top-k). The rollout's log-prob of a drawn (`sample_tokens`) or forced (the
     sampler's append) token; the trainer recomputes the same value (`grpo.algo.logprobs`,
-    VERL's `logprobs_from_logits`)."""
-    z = logits.astype(jnp.float32) / temperature
-    top = jnp.max(z, axis=-1, keepdims=True)
-    log_norm = jnp.log(jnp.sum(jnp.exp(z - top), axis=-1, keepdims=True))
-    return (jnp.take_along_axis(z, tokens[..., None], axis=-1) - top - log_norm)[..., 0]
+    VERL's `logprobs_from_logits`). The token's gap to the row's maximum is taken on the raw
+    logits, then tempered: inside a decode loop XLA can compute z = logits / T differently in
+    two fusions, and at T near MIN_TEMPERATURE a few ulps of z ~ 1 / T made near-greedy
+    log-probs positive; this way the maximum's gap is exactly 0 and every result <= 0."""
+    x = logits.astype(jnp.float32)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    log_norm = jnp.log(jnp.sum(jnp.exp((x - top) / temperature), axis=-1, keepdims=True))
+    gap = jnp.take_along_axis(x, tokens[..., None], axis=-1) - top
+    return (gap / temperature - log_norm)[..., 0]
 
 
 

@@ -50,7 +50,8 @@ class SamplingConfig(Section):
         DEFAULT_STOP_STRINGS, description="a turn also ends when its text contains one of these; the "
         "end-of-turn token is then appended as environment (mask 0)")
     buckets: tuple[int, ...] = Field(DEFAULT_BUCKETS, description="append chunk lengths "
-                                     "(compiled shapes), increasing")
+                                     "(compiled shapes), increasing, each a multiple of the "
+                                     "smallest")
     cache_tokens: int | None = Field(None, gt=0, le=3 * TOKENS_MAX,
                                      description="KV-cache slots per row, fixed; null: the cache "
                                      "starts at the prompt plus one decode segment (the smallest "
