@@ -8,8 +8,11 @@ trained, token-mean, one micro-batch), no remat.
   - jscenegen: `GRPOStep(...).step` as the trainer calls it (jit, donated state, logits of the
     trained tokens only: `capacity` from the loss mask), the model as `load_hf` builds it on one
     device (layers as a Python loop).
-  - torch: `torch_reference.grpo_step` (transformers eager model, spec formulas,
-    torch.optim.AdamW) with --torch-threads (default: torch's own choice).
+  - jscenegen, all logits: the same step with `capacity=None`, logits at every position as
+    torch and Tunix compute them (the same work; `same_work_*` ratios): what the trained-token
+    logits save is the gap between the two jscenegen lines.
+  - torch: `torch_reference.grpo_step` (transformers' model with its default SDPA attention,
+    spec formulas, torch.optim.AdamW) with --torch-threads (default: torch's own choice).
   - Tunix (when the optional `bench` extra is installed): its Qwen3 module loaded from the same
     safetensors, `algo_core.grpo_loss_fn` (prompt = first half, completion = second half, the
     same advantages and old log-probs, token-mean, beta 0) under `nnx.value_and_grad`, and an
@@ -17,13 +20,15 @@ trained, token-mean, one micro-batch), no remat.
 All on CPU in this process. Each engine is warmed up (compiled), then timed once per round
 with the engines interleaved (a load spike on the shared machine hits all of them); medians
 over --rounds count. CPU seconds (all threads) are printed beside wall seconds: other jobs
-barely change them. Also timed, to show what dominates: the forward pass alone (the log-prob
+barely change the JAX engines' but inflate torch's (its OpenMP threads spin while they wait
+for a core), so `cpu_ratio` flatters jscenegen on a loaded machine. Also timed, to show what dominates: the forward pass alone (the log-prob
 recompute of the trained tokens) for jscenegen and torch.
 
     python bench/train_step.py [--rounds 5] [--torch-threads N]
 
 Prints one line per engine and, last, a JSON line with `ratio` (jscenegen / torch tokens per
-second of the full step), `vs_tunix`, their CPU-time counterparts and the load average.
+second of the full step), `vs_tunix`, `same_work_ratio` and `same_work_vs_tunix` (all logits
+over torch / Tunix), their CPU-time counterparts and the load average.
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ def build(tmp: str):
 
 def jax_engine(model_dir: str, batch: dict):
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
@@ -76,18 +82,25 @@ def jax_engine(model_dir: str, batch: dict):
     step = GRPOStep(hidden_fn(graphdef, *rest), LossConfig(), optim, donate=True)
     cap = selection_capacity(batch["loss_mask"])
     arrays = {k: jax.device_put(v) for k, v in batch.items()}
-    holder = {"state": init_train_state(params, optim)}
 
-    def run(_):
-        holder["state"], metrics = step.step(holder["state"], arrays, capacity=cap)
-        jax.block_until_ready(metrics["loss"])
+    def stepper(capacity):
+        # a state of its own (copied weights): each step donates the state it is given
+        holder = {"state": init_train_state(jax.tree.map(jnp.copy, params), optim)}
+
+        def run(_):
+            holder["state"], metrics = step.step(holder["state"], arrays, capacity=capacity)
+            jax.block_until_ready(metrics["loss"])
+        return run, holder
+
+    run, holder = stepper(cap)
+    run_all, _ = stepper(None)
 
     def forward(_):
         jax.block_until_ready(step.logprobs(holder["state"].params, arrays["input_ids"],
                                             arrays["attention_mask"], arrays["loss_mask"],
                                             capacity=cap))
     run(0)   # the first two calls compile (the state from init and from a step differ in layout)
-    return run, forward
+    return run, run_all, forward
 
 
 def torch_engine(model_dir: str, batch: dict):
@@ -97,8 +110,7 @@ def torch_engine(model_dir: str, batch: dict):
     from jscenegen.grpo.algo.config import LossConfig, OptimConfig
     from jscenegen.parity import torch_reference as ref
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tb = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v)
           for k, v in batch.items()}
     loss_cfg, optim = LossConfig(), OptimConfig()
@@ -173,9 +185,9 @@ def main() -> None:
     batch = grpo_batch(VOCAB, BATCH, SEQ, trained_from=SEQ // 2)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = build(tmp)
-        jx_step, jx_fwd = jax_engine(tmp, batch)
+        jx_step, jx_all, jx_fwd = jax_engine(tmp, batch)
         th_step, th_fwd = torch_engine(tmp, batch)
-        engines = {"jscenegen": jx_step, "torch": th_step}
+        engines = {"jscenegen": jx_step, "jscenegen (all logits)": jx_all, "torch": th_step}
         if importlib.util.find_spec("tunix") is not None:
             engines["tunix"] = tunix_engine(tmp, cfg, batch)
         else:
@@ -193,7 +205,7 @@ def main() -> None:
             f = median(fwd[name]["wall_s"])
             res[name]["forward_s"] = f
             extra = f"  forward {f * 1e3:7.1f} ms  backward+AdamW {(wall - f) * 1e3:7.1f} ms"
-        print(f"{name:10s} step {wall * 1e3:8.1f} ms  {tokens / wall:8.0f} tok/s  "
+        print(f"{name:22s} step {wall * 1e3:8.1f} ms  {tokens / wall:8.0f} tok/s  "
               f"{tokens / cpu:8.0f} tok per CPU-s{extra}  rounds "
               f"{[round(tokens / w) for w in t['wall_s']]}")
     print(f"load average after: {load_after}")
@@ -206,6 +218,11 @@ def main() -> None:
            "ratio": jx["tokens_per_s"] / th["tokens_per_s"],
            "cpu_ratio": jx["tokens_per_cpu_s"] / th["tokens_per_cpu_s"]}
     out.update(versus("tunix", jx, res.get("tunix")))
+    same = res["jscenegen (all logits)"]
+    out.update({"same_work_ratio": same["tokens_per_s"] / th["tokens_per_s"],
+                "cpu_same_work_ratio": same["tokens_per_cpu_s"] / th["tokens_per_cpu_s"]})
+    out.update({f"same_work_{k}": v for k, v in versus("tunix", same, res.get("tunix")).items()
+                if k.endswith("vs_tunix") and not k.startswith("tunix")})
     print(json.dumps(out))
 
 

@@ -597,3 +597,44 @@ def test_malformed_step_metadata_that_verifies_is_named_by_file_and_key(converte
     with pytest.raises(ConvertError, match=rf"^{re.escape(str(step / 'training_metadata.json'))}: "
                                            rf"{message}$"):
         orbax_state(step, 6)
+
+
+def test_a_resume_names_the_adamw_settings_that_differ_from_the_torch_run(converted):
+    """A converted VERL step resumed with a config whose AdamW settings or schedule differ from
+    the torch run's: the learning rate moved 20-66x with no word (helper-165); the trainer now
+    warns with this list. The fixture trained at lr 1e-3 (betas 0.9/0.999, eps 1e-8, decay 0.01)
+    and its LambdaLR reached 1.0 by count 3."""
+    from jscenegen.checkpoint.resume import torch_optimizer_changes
+    from jscenegen.checkpoint.store import read_metadata
+    from jscenegen.grpo.algo.config import OptimConfig
+
+    meta = read_metadata(converted["step"])
+    assert torch_optimizer_changes(meta, OptimConfig(lr=1e-3), 3) == []
+    other = OptimConfig(lr=5e-5, betas=(0.5, 0.9), warmup_steps=10)
+    assert torch_optimizer_changes(meta, other, 3) == [
+        "optim.lr 5e-05 (the torch run's 0.001)",
+        "optim.betas [0.5, 0.9] (the torch run's [0.9, 0.999])",
+        "the learning rate at LR count 3 1.5e-05 (the torch run's 0.001)"]
+    assert torch_optimizer_changes(meta, OptimConfig(lr=1e-3, warmup_steps=6), 3) == [
+        "the learning rate at LR count 3 0.0005 (the torch run's 0.001)"]
+    assert torch_optimizer_changes({"config": {}}, other, 3) == []   # not a VERL conversion
+
+
+def test_the_trainer_warns_when_it_resumes_a_torch_run_with_other_adamw_settings(converted, caplog):
+    """`Trainer._check_saved`, the check a resume runs on the chosen step before any array is
+    read, logs the list above for a converted step (and nothing when the settings agree)."""
+    import types
+
+    from jscenegen.checkpoint.store import read_train_state
+    from jscenegen.grpo.algo.config import OptimConfig
+    from jscenegen.grpo.train.trainer import Trainer
+
+    step_dir = converted["step"]
+    saved = read_train_state(step_dir)
+    for optim, said in ((OptimConfig(lr=1e-3), False), (OptimConfig(lr=2e-3), True)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            Trainer._check_saved(types.SimpleNamespace(cfg=types.SimpleNamespace(optim=optim)),
+                                 step_dir, int(step_dir.name), saved)
+        assert ("was converted from a torch run with other AdamW settings: this run continues "
+                "with optim.lr 0.002 (the torch run's 0.001)" in caplog.text) == said, caplog.text

@@ -200,6 +200,42 @@ def check_step_number(step_dir: Path, step: int, train_state: Mapping[str, Any])
     return at
 
 
+def torch_optimizer_changes(metadata: Mapping[str, Any], optim: Any, lr_step: int) -> list[str]:
+    """The AdamW settings of `optim` (an `OptimConfig`) that differ from those of the torch run
+    a checkpoint converted from VERL files recorded (training_metadata.json
+    `source.verl.param_groups[0]`): `initial_lr` (LambdaLR's base; `lr` without a scheduler),
+    `betas`, `eps`, `weight_decay`, and the learning rate this run's schedule gives at `lr_step`
+    (`optim.lr` x `lr_schedule.lr_lambda`) against the group's `lr` (torch's after its last
+    scheduler step: the rate of its next update, which a warmup or schedule of other lengths
+    changes). Each as "optim.lr 5e-05 (the torch run's 0.001)"; [] when nothing differs by more
+    than a relative 1e-6 or the metadata records no torch optimizer (not a VERL conversion,
+    or one without optimizer files)."""
+    import math
+
+    from jscenegen.lr_schedule import lr_lambda
+
+    source = metadata.get("source")
+    verl = source.get("verl") if isinstance(source, Mapping) else None
+    groups = verl.get("param_groups") if isinstance(verl, Mapping) else None
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
+        return []
+    group = groups[0]
+
+    def differs(ours, theirs) -> bool:
+        if isinstance(theirs, (list, tuple)):
+            return len(theirs) != len(ours) or any(differs(a, b) for a, b in zip(ours, theirs))
+        return not (isinstance(theirs, (int, float)) and math.isclose(ours, theirs, rel_tol=1e-6))
+
+    pairs = [("optim.lr", optim.lr, group.get("initial_lr", group.get("lr"))),
+             ("optim.betas", list(optim.betas), group.get("betas")),
+             ("optim.eps", optim.eps, group.get("eps")),
+             ("optim.weight_decay", optim.weight_decay, group.get("weight_decay")),
+             (f"the learning rate at LR count {lr_step}", optim.lr * lr_lambda(optim, lr_step),
+              group.get("lr"))]
+    return [f"{key} {shown_value(ours)} (the torch run's {shown_value(theirs)})"
+            for key, ours, theirs in pairs if theirs is not None and differs(ours, theirs)]
+
+
 def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
                    reward: Mapping[str, Any], protocol_settings: Sequence[str] | None = None) -> None:
     """Raise ResumeError when the checkpoint's protocol hash or reward configuration differ

@@ -37,6 +37,7 @@ from jscenegen.checkpoint.resume import (
     has_run_identity,
     restore_onto_mesh,
     retire_converted_manifest,
+    torch_optimizer_changes,
 )
 from jscenegen.checkpoint.store import (
     TRAIN_STATE_ITEM,
@@ -344,7 +345,11 @@ class Trainer:
         """Refuse a step whose train state is malformed, numbered otherwise than its directory
         (`check_step_number`), or from a changed run (protocol, reward, schedule, scenes)."""
         if not has_run_identity(saved):
-            check_step_number(step_dir, step, saved)
+            at = check_step_number(step_dir, step, saved)
+            if changed := torch_optimizer_changes(read_metadata(step_dir), self.cfg.optim,
+                                                  at.lr_step):
+                log.warning("%s was converted from a torch run with other AdamW settings: this "
+                            "run continues with %s", step_dir, "; ".join(changed))
             return
         try:
             check_run_identity(saved)
