@@ -242,6 +242,11 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
             "model was saved without its optimizer): Adam starts afresh (zero moments, count 0)"
             + ("; a resume continues the run's schedule, not its updates bit for bit"
                if run_state else "")), stacklevel=2)
+    if sched is None and step > 0 and run_state is None:
+        warnings.warn(ConversionWarning(
+            f"{ck.layout.shard_dir}: no LR scheduler state (no extra_state_world_size_"
+            f"{ck.world_size}_rank_*.pt files, or none holds lr_scheduler): the LR count is "
+            f"taken as the global step, {step}"), stacklevel=2)
     train_state = run_state or {
         "step": step, "lr_schedule_count": sched if sched is not None else step,
         "optimizer_step": int(adam["count"])}

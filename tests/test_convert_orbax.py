@@ -638,3 +638,23 @@ def test_the_trainer_warns_when_it_resumes_a_torch_run_with_other_adamw_settings
                                  step_dir, int(step_dir.name), saved)
         assert ("was converted from a torch run with other AdamW settings: this run continues "
                 "with optim.lr 0.002 (the torch run's 0.001)" in caplog.text) == said, caplog.text
+
+
+def test_a_verl_step_without_scheduler_state_says_the_lr_count_is_its_global_step(tmp_path):
+    """A step saved without its extra_state files (an interrupted save, helper-165) converted
+    with its LR count silently set to the global step."""
+    import shutil
+
+    from convert.errors import ConversionWarning
+    from jscenegen.checkpoint.store import CheckpointStore
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(fixture_dir("qwen2_first_divisible") / "ckpt", src)
+    for f in (src / "global_step_3" / "actor").glob("extra_state_world_size_6_rank_*.pt"):
+        f.unlink()
+    with pytest.warns(ConversionWarning, match=r"global_step_3/actor: no LR scheduler state \(no "
+                      r"extra_state_world_size_6_rank_\*\.pt files, or none holds lr_scheduler\): "
+                      r"the LR count is taken as the global step, 3"):
+        verl_to_orbax(src, tmp_path / "run")
+    with CheckpointStore(tmp_path / "run") as store:
+        assert store.restore().train_state["lr_schedule_count"] == 3
