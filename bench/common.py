@@ -58,7 +58,8 @@ def rounds(engines: dict[str, Callable[[int], None]], n_rounds: int, warmup: int
     """Time every engine once per round, engines interleaved (a load spike on a shared machine
     then hits all of them alike). engines: {name: fn(round_index)}. Returns {name: {"wall_s":
     [per round], "cpu_s": [per round]}}; cpu_s is this process's CPU time (all threads), which
-    other jobs on the machine barely change."""
+    other jobs on the machine barely change for JAX engines (torch's OpenMP threads spin while
+    they wait for a core: its CPU time grows on a loaded machine)."""
     for fn in engines.values():
         for w in range(warmup):
             fn(-1 - w)

@@ -14,13 +14,16 @@ prompts, 64 new tokens, the same prompts and seeds in every layout.
 Beside them, in the same rounds, the host's memory floor: a compiled loop of 128 steps that
 each read the decode step's bytes once and do nothing else (every weight, a tied embedding
 once, and the mean K/V in use; `bench/weight_stream.py`'s chain). On a CPU whose last-level
-cache is smaller than those bytes a decode step cannot beat it, so `floor_vs_tunix` is the
-most `vs_tunix` any sampler could reach in that run.
+cache is smaller than those bytes a decode step cannot beat it, so `floor_vs_tunix` estimates
+the most `vs_tunix` any sampler could reach in that run (an estimate: the floor times the
+decode steps' reads alone, the samplers' times include their prefill).
 
 Each engine is warmed up (compiled) once, then timed once per round with the engines
 interleaved, so a load spike on the shared machine hits all of them; the median over
 --rounds counts. CPU seconds (all threads of the process) are printed beside wall seconds:
-other jobs barely change them, so their ratios are the stable ones on a busy machine.
+other jobs barely change the JAX engines' (torch's OpenMP threads spin while they wait for a
+core, so the CPU ratio against transformers flatters jscenegen on a busy machine). The mesh
+layouts are timed in `generate` only: their reshard runs when the sampler is built.
 
     python bench/rollout.py [--rounds 5] [--skip-mesh]
 
