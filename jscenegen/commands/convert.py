@@ -20,6 +20,12 @@ import warnings
 from convert.dispatch import MESH_DEVICES
 from jscenegen.commands import world_size_arg
 
+NOT_CARRIED_TO_JAX = (
+    "note: not carried into JAX: torch's RNG streams (JAX keys cannot continue them; kept in "
+    "training_metadata.json for a return to VERL) and VERL's data loader state (data.pt, not "
+    "read): a resumed run draws other samples and takes its scenes from its own schedule at "
+    "the global step")
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -110,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             print(terminal_line(f"warning: {w.message}"), file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if (args.src_format, args.dst_format) == ("verl", "orbax"):
+        print(terminal_line(NOT_CARRIED_TO_JAX), file=sys.stderr)
     print(terminal_line(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})"))
     return 0
 
