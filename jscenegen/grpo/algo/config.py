@@ -18,7 +18,8 @@ KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+
 
 
 class LossConfig(Section):
-    """PPO-clip policy loss, its aggregation, KL and entropy terms (../shared/specs/grpo.md, the team's spec outside this repository)."""
+    """PPO-clip policy loss, its aggregation, KL and entropy terms (../shared/specs/grpo.md,
+    the team's spec outside this repository)."""
 
     clip_low: float = Field(0.2, gt=0, lt=1, description="epsilon_low: ratio clipped at 1 - clip_low")
     clip_high: float = Field(0.2, gt=0, description="epsilon_high: ratio clipped at 1 + clip_high")
@@ -70,7 +71,8 @@ class LossConfig(Section):
 
 
 class OptimConfig(Section):
-    """AdamW + grad-norm clip + LR schedule, the torch.optim.AdamW update (../shared/specs/grpo.md, the team's spec outside this repository)."""
+    """AdamW + grad-norm clip + LR schedule, the torch.optim.AdamW update
+    (../shared/specs/grpo.md, the team's spec outside this repository)."""
 
     lr: float = Field(1e-6, ge=0, le=1, description="base learning rate; the schedule multiplies "
                       "it (VERL actor.optim.lr)")
