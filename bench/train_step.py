@@ -22,8 +22,8 @@ with the engines interleaved (a load spike on the shared machine hits all of the
 over --rounds count. CPU seconds (all threads) are printed beside wall seconds: other jobs
 barely change the JAX engines' but inflate torch's (its OpenMP threads spin while they wait
 for a core), so `cpu_ratio` flatters jscenegen on a loaded machine. Also timed, to show what
-dominates: the forward pass alone (the log-prob
-recompute of the trained tokens) for jscenegen and torch.
+dominates: the forward pass alone (the log-prob recompute of the trained tokens) for
+jscenegen and torch.
 
     python bench/train_step.py [--rounds 5] [--torch-threads N]
 
