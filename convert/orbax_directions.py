@@ -233,6 +233,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
         adam["mu"] = {n: LazyArray.zeros(ck.shapes[n], name=n) for n in trainable}
         adam["nu"] = {n: LazyArray.zeros(ck.shapes[n], name=n) for n in trainable}
     extras = ck.extra_states() if "extra_state" in ck.layout.kinds else []
+    ck.check_json_ready()
     step = ck.global_step()
     sched = ck.scheduler_step()
     run_state = ck.run_train_state()

@@ -210,7 +210,7 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
             for g in groups):
         raise ConvertError(f"{f}: param_groups must be a list of dicts, each with a list of "
                            "integer parameter indices under 'params'")
-    _check_json_ready(f, "param_groups", groups)
+    _check_json_size(f, "param_groups", groups)
     for g, group in enumerate(groups):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
@@ -246,7 +246,7 @@ def _check_extra_state(f: Path, st: dict) -> None:
         if not isinstance(sched, dict):
             raise ConvertError(f"{f}: lr_scheduler is a {type(sched).__name__}, expected a "
                                "scheduler state_dict")
-        _check_json_ready(f, "lr_scheduler", sched)
+        _check_json_size(f, "lr_scheduler", sched)
         epoch = sched.get("last_epoch")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= STEPS_MAX:
             raise ConvertError(f"{f}: lr_scheduler.last_epoch is {epoch!r:.80}, expected an integer "
@@ -286,14 +286,11 @@ MT19937_WORDS = 624          # numpy's and Python's Mersenne Twister state
 TORCH_RNG_BYTES = {"cpu": 5056, "cuda": 16}
 
 
-def _check_json_ready(f: Path, label: str, obj: Any) -> None:
+def _check_json_size(f: Path, label: str, obj: Any) -> None:
     """Refuse `obj` (the optimizer's param_groups, the scheduler's state: what a conversion
     copies into JSON metadata) when written out as a tree it holds more than JSON_VALUES_MAX
     values or nests deeper than JSON_DEPTH_MAX: a pickle can share one list many times over, a
-    few KB that every tree walk (redaction, JSON) would expand exponentially; or when it holds
-    a value JSON cannot (a tensor, NaN), named with its key path."""
-    from jscenegen.checkpoint.store import first_unserialisable
-
+    few KB that every tree walk (redaction, JSON) would expand exponentially."""
     count, stack = 0, [(obj, 0)]
     while stack:
         node, level = stack.pop()
@@ -306,9 +303,23 @@ def _check_json_ready(f: Path, label: str, obj: Any) -> None:
             stack.extend((v, level + 1) for v in node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend((v, level + 1) for v in node)
-    if where := first_unserialisable(obj, label):
-        raise ConvertError(f"{f}: {where}; a conversion copies {label} into JSON metadata "
-                           "(plain dicts, lists, finite numbers, strings)")
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two pickled states (a scheduler's state_dict) are equal: tensors bit for bit
+    with their shape and dtype (`==` on a tensor of several values raises), containers item
+    by item, other values as printed (a NaN equals a NaN)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(_bits(a), _bits(b)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same_state(x, y) for x, y in zip(a, b)))
+    return repr(a) == repr(b)
 
 
 def _impossible_moment(moment: str) -> Callable[[np.ndarray], str | None]:
@@ -837,6 +848,25 @@ class VerlCheckpoint:
         """Rank 0's `param_groups` (lr, betas, eps, weight_decay, ..., initial_lr, params)."""
         return [dict(g) for g in self._optim_files[0]["param_groups"]]
 
+    def check_json_ready(self) -> None:
+        """Refuse, naming the rank file and key path, a value JSON cannot hold (a tensor, a
+        NaN) in `param_groups` or the scheduler state: what `--to orbax` copies into
+        training_metadata.json (rank 0's; every rank's equal it, checked as they are read).
+        The directions that carry them by pickle (`--to verl`) or not at all (`--to hf`) take
+        them as torch saved them."""
+        from jscenegen.checkpoint.store import first_unserialisable
+
+        held = []
+        if self.has_optimizer():
+            held.append((self.layout.rank_file("optim", 0), "param_groups", self.param_groups()))
+        if "extra_state" in self.layout.kinds:
+            held.append((self.layout.rank_file("extra_state", 0), "lr_scheduler",
+                         self.extra_states()[0].get("lr_scheduler")))
+        for f, label, obj in held:
+            if where := first_unserialisable(obj, label):
+                raise ConvertError(f"{f}: {where}; a conversion to orbax copies {label} into "
+                                   "JSON metadata (plain dicts, lists, finite numbers, strings)")
+
     # ---- extra state -------------------------------------------------------------------
     def extra_states(self) -> list[dict[str, Any]]:
         """Per-rank `{"lr_scheduler": state_dict or None, "rng": {...}}` (checked structure)."""
@@ -850,7 +880,7 @@ class VerlCheckpoint:
                 raise ConvertError(f"{f}: expected keys lr_scheduler, rng; got "
                                    f"{sorted(st) if isinstance(st, dict) else type(st).__name__}")
             _check_extra_state(f, st)
-            if out and st.get("lr_scheduler") != out[0].get("lr_scheduler"):
+            if out and not _same_state(st.get("lr_scheduler"), out[0].get("lr_scheduler")):
                 raise ConvertError(f"{f}: lr_scheduler differs from rank 0's (every rank steps "
                                    "the same schedule)")
             out.append(st)

@@ -451,16 +451,6 @@ def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
      r"rank_0\.pt: lr_scheduler\.last_epoch is -5, expected an integer in 0\.\.2147483647"),
     ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("last_epoch", 10 ** 20),
      r"lr_scheduler\.last_epoch is 100000000000000000000, expected an integer in 0\.\.2147483647"),
-    # values JSON cannot hold, named by file and key (a 2-element tensor was a RuntimeError
-    # traceback when the ranks' scheduler states were compared; a NaN never equals itself)
-    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__(
-        "base_lrs", [__import__("torch").tensor([1e-3, 2e-3])]),
-     r"rank_0\.pt: lr_scheduler\['base_lrs'\]\[0\] is a Tensor; a conversion copies "
-     r"lr_scheduler into JSON metadata"),
-    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("_last_lr", [float("nan")]),
-     r"rank_0\.pt: lr_scheduler\['_last_lr'\]\[0\] = nan"),
-    ("optim", lambda sd: sd["param_groups"][0].__setitem__("lr", __import__("torch").tensor(1e-3)),
-     r"optim_world_size_6_rank_0\.pt: param_groups\[0\]\['lr'\] is a Tensor"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", 1)),
      r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple"),
     ("extra_state", lambda sd: sd["rng"].__setitem__("random", [3, [1], None]),
@@ -489,6 +479,30 @@ def test_malformed_optimizer_or_extra_state_fields_are_named(actor, tmp_path, ki
     _assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("kind,change,message", [
+    # values JSON cannot hold, named by file and key (a 2-element tensor was a RuntimeError
+    # traceback when the ranks' scheduler states were compared; a NaN never equals itself)
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__(
+        "base_lrs", [__import__("torch").tensor([1e-3, 2e-3])]),
+     r"rank_0\.pt: lr_scheduler\['base_lrs'\]\[0\] is a Tensor; a conversion to orbax copies "
+     r"lr_scheduler into JSON metadata"),
+    ("extra_state", lambda sd: sd["lr_scheduler"].__setitem__("_last_lr", [float("nan")]),
+     r"rank_0\.pt: lr_scheduler\['_last_lr'\]\[0\] = nan"),
+    ("optim", lambda sd: sd["param_groups"][0].__setitem__("lr", __import__("torch").tensor(1e-3)),
+     r"optim_world_size_6_rank_0\.pt: param_groups\[0\]\['lr'\] is a Tensor"),
+])
+def test_values_json_cannot_hold_are_named_when_converting_to_orbax(actor, tmp_path, kind, change,
+                                                                     message):
+    """On every rank (rank 0's alone is a rank that differs): `--to orbax` copies param_groups
+    and the scheduler state into training_metadata.json."""
+    from convert.orbax_directions import verl_to_orbax
+
+    _edit_every_rank(actor, kind, change)
+    with pytest.raises(ConvertError, match=message):
+        verl_to_orbax(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
+
+
 def test_a_shard_of_another_dtype_or_an_integer_weight_is_refused(actor, tmp_path):
     import torch
 
@@ -509,6 +523,31 @@ def test_a_shard_of_another_dtype_or_an_integer_weight_is_refused(actor, tmp_pat
     with pytest.raises(ConvertError, match=rf"rank_0\.pt: {name} has dtype torch\.int32; weights"):
         verl_to_hf(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
+
+
+def test_tensors_in_optimizer_settings_convert_where_no_json_holds_them(actor, tmp_path):
+    """A 0-d tensor lr (torch >= 2.2 accepts one) and a 2-element tensor in the scheduler
+    state: `--to hf` (reads neither) and `--to verl` (carries them by pickle) convert; a
+    scheduler state differing between ranks is named. The JSON check refused both directions
+    for a while, and comparing the ranks' scheduler states with `!=` raised RuntimeError."""
+    import torch
+
+    def tensors(sd):
+        sd["lr_scheduler"]["base_lrs"] = [torch.tensor([1e-3, 2e-3])]
+
+    _edit_every_rank(actor, "optim", lambda sd: sd["param_groups"][0].__setitem__(
+        "lr", torch.tensor(1e-3)))
+    _edit_every_rank(actor, "extra_state", tensors)
+    verl_to_hf(actor, tmp_path / "hf")
+    verl_to_verl(actor, tmp_path / "verl", world_size=2)
+    [written] = (tmp_path / "verl").rglob("extra_state_world_size_2_rank_1.pt")
+    back = load_pt(written, mmap=False)
+    assert torch.equal(back["lr_scheduler"]["base_lrs"][0], torch.tensor([1e-3, 2e-3]))
+    _edit(actor / "extra_state_world_size_6_rank_4.pt",
+          lambda sd: sd["lr_scheduler"].__setitem__("base_lrs", [torch.tensor([1e-3, 3e-3])]))
+    with pytest.raises(ConvertError, match=r"extra_state_world_size_6_rank_4\.pt: lr_scheduler "
+                                           r"differs from rank 0's"):
+        verl_to_verl(actor, tmp_path / "verl2", world_size=2)
 
 
 @pytest.mark.parametrize("placements,message", [

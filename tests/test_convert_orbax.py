@@ -614,10 +614,20 @@ def test_a_resume_names_the_adamw_settings_that_differ_from_the_torch_run(conver
     assert torch_optimizer_changes(meta, other, 3) == [
         "optim.lr 5e-05 (the torch run's 0.001)",
         "optim.betas [0.5, 0.9] (the torch run's [0.9, 0.999])",
-        "the learning rate at LR count 3 1.5e-05 (the torch run's 0.001)"]
+        "the LR at count 3: 1.5e-05 (the torch run's 0.001)"]
     assert torch_optimizer_changes(meta, OptimConfig(lr=1e-3, warmup_steps=6), 3) == [
-        "the learning rate at LR count 3 0.0005 (the torch run's 0.001)"]
+        "the LR at count 3: 0.0005 (the torch run's 0.001)"]
     assert torch_optimizer_changes({"config": {}}, other, 3) == []   # not a VERL conversion
+    # mid-warmup, as VERL's LambdaLR leaves the group (lr = initial_lr x count / warmup): silent
+    warming = {"source": {"verl": {"param_groups": [{
+        "initial_lr": 1e-3, "lr": 1e-3 * 3 / 10, "betas": [0.9, 0.999], "eps": 1e-8,
+        "weight_decay": 0.01}]}}}
+    assert torch_optimizer_changes(warming, OptimConfig(lr=1e-3, warmup_steps=10), 3) == []
+    # a hand-edited record of another shape is listed, not raised
+    odd = {"source": {"verl": {"param_groups": [{"lr": [1e-3], "betas": 0.9}]}}}
+    assert torch_optimizer_changes(odd, OptimConfig(lr=1e-3), 3) == [
+        "optim.lr 0.001 (the torch run's [0.001])", "optim.betas [0.9, 0.999] (the torch run's 0.9)",
+        "the LR at count 3: 0.001 (the torch run's [0.001])"]
 
 
 def test_the_trainer_warns_when_it_resumes_a_torch_run_with_other_adamw_settings(converted, caplog):

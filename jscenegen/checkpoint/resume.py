@@ -209,7 +209,8 @@ def torch_optimizer_changes(metadata: Mapping[str, Any], optim: Any, lr_step: in
     scheduler step: the rate of its next update, which a warmup or schedule of other lengths
     changes). Each as "optim.lr 5e-05 (the torch run's 0.001)"; [] when nothing differs by more
     than a relative 1e-6 or the metadata records no torch optimizer (not a VERL conversion,
-    or one without optimizer files)."""
+    or one without optimizer files). A recorded value of another shape than the setting's (a
+    hand-edited file) is listed as differing, never raised."""
     import math
 
     from jscenegen.lr_schedule import lr_lambda
@@ -222,16 +223,17 @@ def torch_optimizer_changes(metadata: Mapping[str, Any], optim: Any, lr_step: in
     group = groups[0]
 
     def differs(ours, theirs) -> bool:
-        if isinstance(theirs, (list, tuple)):
-            return len(theirs) != len(ours) or any(differs(a, b) for a, b in zip(ours, theirs))
-        return not (isinstance(theirs, (int, float)) and math.isclose(ours, theirs, rel_tol=1e-6))
+        if isinstance(ours, list):
+            return not (isinstance(theirs, (list, tuple)) and len(theirs) == len(ours)
+                        and not any(differs(a, b) for a, b in zip(ours, theirs)))
+        return not (isinstance(theirs, (int, float)) and not isinstance(theirs, bool)
+                    and math.isclose(ours, theirs, rel_tol=1e-6))
 
     pairs = [("optim.lr", optim.lr, group.get("initial_lr", group.get("lr"))),
              ("optim.betas", list(optim.betas), group.get("betas")),
              ("optim.eps", optim.eps, group.get("eps")),
              ("optim.weight_decay", optim.weight_decay, group.get("weight_decay")),
-             (f"the learning rate at LR count {lr_step}", optim.lr * lr_lambda(optim, lr_step),
-              group.get("lr"))]
+             (f"the LR at count {lr_step}:", optim.lr * lr_lambda(optim, lr_step), group.get("lr"))]
     return [f"{key} {shown_value(ours)} (the torch run's {shown_value(theirs)})"
             for key, ours, theirs in pairs if theirs is not None and differs(ours, theirs)]
 

@@ -21,10 +21,10 @@ from convert.dispatch import MESH_DEVICES
 from jscenegen.commands import world_size_arg
 
 NOT_CARRIED_TO_JAX = (
-    "note: not carried into JAX: torch's RNG streams (JAX keys cannot continue them; kept in "
-    "training_metadata.json for a return to VERL) and VERL's data loader state (data.pt, not "
-    "read): a resumed run draws other samples and takes its scenes from its own schedule at "
-    "the global step")
+    "note: not carried into JAX: torch's RNG streams (JAX keys cannot continue them; those the "
+    "rank files hold are kept in training_metadata.json for a return to VERL) and VERL's data "
+    "loader state (data.pt, not read): a resumed run draws other samples and takes its scenes "
+    "from its own schedule at the global step")
 
 
 def register(subparsers) -> None:

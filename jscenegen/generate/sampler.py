@@ -290,7 +290,8 @@ class Sampler:
         model's compute dtype).
       segment: decode steps per compiled call (None: the smallest bucket; see `decode`).
 
-    Raises ValueError for stop strings without token_bytes, unsorted buckets, a segment < 1 or
+    Raises ValueError for stop strings without token_bytes, buckets that are not increasing
+    multiples of the smallest (`check_buckets`), a segment < 1 or
     a layout that does not fit the mesh and the model's heads.
     """
 
