@@ -478,3 +478,19 @@ def test_a_stored_head_of_a_tied_config_must_be_the_embedding(tiny_hf, tmp_path)
     save_file(tensors, model / "model.safetensors")
     loaded = load_hf(model)      # the alias equal to the embedding: loads tied
     assert loaded.lm_head is None
+
+
+def test_the_rope_tables_are_evaluated_once_per_backward_pass(qwen3_model):
+    """cos/sin feed every layer's q and k RoPE, forward and backward; XLA re-evaluated them
+    inside each of those fusions (22 cosines in this gradient, 20 in the bench train step's)."""
+    import jax
+    from flax import nnx
+
+    graphdef, params, *rest = nnx.split(qwen3_model, nnx.Param, ...)
+    ids = jnp.ones((2, 16), jnp.int32)
+
+    def loss(p):
+        return jnp.sum(nnx.merge(graphdef, p, *rest)(ids, jnp.ones_like(ids)) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    assert hlo.count(" cosine(") == 1 and hlo.count(" sine(") == 1

@@ -108,8 +108,11 @@ def rope_cos_sin(cfg: QwenConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     angles = jnp.einsum(
         "bs,d->bsd", positions.astype(jnp.float32), inv, precision=jax.lax.Precision.HIGHEST
     )
-    emb = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(emb) * scaling, jnp.sin(emb) * scaling
+    # the two halves repeat: cos/sin of one half, then concatenated (the same values; fewer
+    # transcendentals, and XLA then materialises the tables once for the whole backward pass
+    # instead of re-evaluating them inside each layer's RoPE fusions)
+    cos, sin = jnp.cos(angles) * scaling, jnp.sin(angles) * scaling
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
