@@ -481,8 +481,9 @@ def test_a_stored_head_of_a_tied_config_must_be_the_embedding(tiny_hf, tmp_path)
 
 
 def test_the_rope_tables_are_evaluated_once_per_backward_pass(qwen3_model):
-    """cos/sin feed every layer's q and k RoPE, forward and backward; XLA re-evaluated them
-    inside each of those fusions (22 cosines in this gradient, 20 in the bench train step's)."""
+    """cos/sin feed every layer's q and k RoPE, forward and backward, and every layer of a
+    cached step; XLA re-evaluated them inside each of those fusions (22 cosines in this
+    gradient, 20 in the bench train step's)."""
     import jax
     from flax import nnx
 
@@ -494,3 +495,9 @@ def test_the_rope_tables_are_evaluated_once_per_backward_pass(qwen3_model):
 
     hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
     assert hlo.count(" cosine(") == 1 and hlo.count(" sine(") == 1
+    cache = KVCache.create(qwen3_model.cfg, 2, 32)
+    for s in (1, 5):   # a decode step, an append over the cache (layers unrolled)
+        ids = jnp.ones((2, s), jnp.int32)
+        step = nnx.jit(lambda m, ids, c: m(ids, jnp.ones_like(ids), cache=c))
+        hlo = step.lower(qwen3_model, ids, cache).compile().as_text()
+        assert hlo.count(" cosine(") == 1 and hlo.count(" sine(") == 1, s

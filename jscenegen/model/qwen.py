@@ -457,11 +457,6 @@ class QwenForCausalLM(CausalLM):
         else:
             positions, attn_mask, valid = cache_step_inputs(mask, cache)
         cos, sin = rope_cos_sin(cfg, positions)
-        if cache is not None:
-            # the cached path runs its layers unrolled: without the barrier XLA fuses the tables
-            # into every layer's RoPE and evaluates the transcendentals once per layer (a tenth
-            # of an XLA:CPU decode step); training's layer scan reads them once anyway
-            cos, sin = jax.lax.optimization_barrier((cos, sin))
         x = constrain(self.model.embed_tokens(input_ids, dt), ACTIVATION)
         x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, rows)
         hidden = self.model.norm(x)
