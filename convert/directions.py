@@ -133,7 +133,7 @@ def write_verl_run(dst: str | Path, state: VerlState, *, world_size: int, placem
         shard_dir, files, extra = write_verl_into(
             tmp, state, world_size=world_size, placement=placement, dtype=dtype,
             device_type=device_type, source=source, flattened=flattened,
-            source_files=source_files)
+            source_files=source_files, shown_as=Path(dst))
         write_layout(tmp, fmt="verl-fsdp2", source=source, source_format=source_format,
                      files=files, **extra)
         write_checksums(tmp)
@@ -143,12 +143,14 @@ def write_verl_run(dst: str | Path, state: VerlState, *, world_size: int, placem
 def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement: str,
                     dtype: str | None, device_type: str, source: str | Path, flattened: bool,
                     source_files: dict[str, list[str]] | None,
-                    hf_link: str | None = None) -> tuple[Path, list[tuple[str, list[str]]], dict]:
+                    hf_link: str | None = None,
+                    shown_as: Path | None = None) -> tuple[Path, list[tuple[str, list[str]]], dict]:
     """The files of `write_verl_run` under an existing directory `root` (no layout/checksums).
 
     `hf_link`: make `huggingface` a symlink to this relative path instead of copying the HF
-    files (the published layout links `../..`). Returns (shard dir, [(written relpath,
-    [sources])], layout fields).
+    files (the published layout links `../..`). `shown_as`: what warnings call `root` (the
+    destination of a temporary one). Returns (shard dir, [(written relpath, [sources])],
+    layout fields).
     """
     cfg = state.config
     step_dir = root / f"global_step_{state.global_step}"
@@ -157,7 +159,8 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
                             world_size=world_size, placement=placement,
                             tied_alias=embedding_name(cfg) if cfg.tie_word_embeddings else None,
                             adam=state.adam,
-                            extra_states=state.extra_states, dtype=dtype, device_type=device_type)
+                            extra_states=state.extra_states, dtype=dtype, device_type=device_type,
+                            shown_as=(shown_as or root) / shard_dir.relative_to(root))
     if hf_link is None:
         hf_files = copy_hf_metadata(state.hf_dir, shard_dir / "huggingface")
     else:

@@ -44,7 +44,7 @@ from convert.tensor_sets import (
     verl_shapes,
     with_tensors,
 )
-from convert.tensors import cast, lazy_cast
+from convert.tensors import cast, lazy_cast, warn_rounded_masters
 from convert.verl_read import VerlCheckpoint
 from convert.verl_write import AdamSource, adamw_param_groups, lambda_lr_state
 from jscenegen.checkpoint.checksums import write_checksums
@@ -223,6 +223,8 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     adam: dict[str, Any] = {"count": 0, "mu": {}, "nu": {}}
     if ck.has_optimizer():
         trainable = ck.trainable
+        warn_rounded_masters(str(ck.layout.shard_dir),
+                             {n: info[n].dtype for n in trainable if n in info}, dtype)
         adam["count"] = ck.adam_step()
         for group, moment in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
             adam[group] = {n: LazyArray(ck.shapes[n], np.float32,

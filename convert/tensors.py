@@ -1,11 +1,13 @@
 """torch <-> numpy without copies where possible, bfloat16 included (via ml_dtypes, as JAX uses)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
 
+from convert.errors import ConversionWarning
 from jscenegen.model.dtypes import COMPUTE, np_dtype
 
 if TYPE_CHECKING:
@@ -36,6 +38,22 @@ def cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
     if dtype is None or a.dtype == np.dtype(_np_dtype(dtype)):
         return a
     return a.astype(_np_dtype(dtype))
+
+
+def warn_rounded_masters(where: str, source_dtypes: Mapping[str, Any], dtype: str | None) -> None:
+    """Warn (ConversionWarning naming `where`) when `dtype` is narrower than the stored dtype of
+    a parameter that has Adam state: the output is resumable, and a resumed run trains from the
+    rounded master weights, not the source's. source_dtypes: {name: dtype} of those parameters."""
+    if dtype is None:
+        return
+    width = np.dtype(_np_dtype(dtype)).itemsize
+    rounded = [n for n, d in source_dtypes.items() if np.dtype(d).itemsize > width]
+    if rounded:
+        warnings.warn(ConversionWarning(
+            f"{where}: --dtype {dtype} rounds the {np.dtype(source_dtypes[rounded[0]])} master "
+            f"weights of {len(rounded)} parameters that have Adam state (e.g. {rounded[0]}): a "
+            "run resumed from the output trains from the rounded weights (leave --dtype out to "
+            "keep them)"), stacklevel=3)
 
 
 def lazy_cast(name: str, shape: tuple[int, ...], source_dtype: Any, load: Callable[[], np.ndarray],

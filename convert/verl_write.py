@@ -27,7 +27,7 @@ import numpy as np
 
 from convert.errors import ConvertError
 from convert.sharding import chunk_bounds, shard_dim
-from convert.tensors import cast, to_torch
+from convert.tensors import cast, to_torch, warn_rounded_masters
 from jscenegen.paths import naming_write_errors
 
 # (name, dim, start, stop) -> the slice [start, stop) of tensor `name` along `dim`
@@ -126,7 +126,7 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
                      params: SliceReader, world_size: int, placement: str = "dim0",
                      tied_alias: str | None = None, adam: AdamSource | None = None,
                      extra_states: list[dict[str, Any]] | None = None, dtype: str | None = None,
-                     device_type: str = "cuda") -> dict[str, int]:
+                     device_type: str = "cuda", shown_as: str | Path | None = None) -> dict[str, int]:
     """Write `{model,optim,extra_state}_world_size_W_rank_R.pt` for R in 0..W-1 and fsdp_config.json.
 
     shapes: ordered {hf_name: global shape} in parameter order (`tensor_sets.verl_shapes`);
@@ -135,7 +135,9 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
     casts every model tensor (VERL's actor holds all of them, vision tower included, as fp32
     parameters); Adam moments stay fp32. Adam `state` is keyed by the index in `shapes` and
     written for `adam.names` only; `param_groups` are written as given. `extra_states`: one
-    dict per rank, or one for all ranks. Returns {hf_name: shard dim}. Raises ConvertError
+    dict per rank, or one for all ranks. A `dtype` narrower than a parameter's stored one is
+    warned (ConversionWarning naming `shown_as`, default `shard_dir`) when Adam state is
+    written for it. Returns {hf_name: shard dim}. Raises ConvertError
     on a W outside [1, MAX_WORLD_SIZE], a wrong extra_states count, or Adam names outside `shapes`.
     """
     import torch
@@ -159,10 +161,15 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
                 lo, hi = chunk_bounds(shapes[name][dims[name]], W, r)
                 return reader(name, dims[name], lo, hi)
 
-            model = {}
+            model, stored = {}, {}
             for name, shape in shapes.items():
-                model[name] = _dtensor(cast(local(params, name), dtype), mesh, dims[name],
-                                       tuple(shape), device_type)
+                shard = local(params, name)
+                stored[name] = shard.dtype
+                model[name] = _dtensor(cast(shard, dtype), mesh, dims[name], tuple(shape),
+                                       device_type)
+            if r == 0 and adam is not None:
+                warn_rounded_masters(str(shown_as or shard_dir),
+                                     {n: stored[n] for n in shapes if n in with_state}, dtype)
             if tied_alias:
                 # state_dict order: lm_head comes last
                 model["lm_head.weight"] = _tied_view(model[tied_alias])

@@ -668,3 +668,26 @@ def test_a_verl_step_without_scheduler_state_says_the_lr_count_is_its_global_ste
         verl_to_orbax(src, tmp_path / "run")
     with CheckpointStore(tmp_path / "run") as store:
         assert store.restore().train_state["lr_schedule_count"] == 3
+
+
+def test_a_bfloat16_output_with_adam_state_says_it_rounds_the_master_weights(converted, tmp_path):
+    """--dtype bfloat16 into a resumable format rounds the fp32 masters that the Adam moments
+    go with: every direction that writes both says so; float32 (or no --dtype) is silent."""
+    import warnings
+
+    from convert.directions import verl_to_verl
+    from convert.errors import ConversionWarning
+
+    src = converted["src"] / "ckpt"
+    rounds = r"--dtype bfloat16 rounds the float32 master weights of \d+ parameters that have Adam"
+    with pytest.warns(ConversionWarning, match=r"global_step_3/actor: " + rounds):
+        verl_to_orbax(src, tmp_path / "o16", dtype="bfloat16")
+    with pytest.warns(ConversionWarning, match=r"v16/global_step_3/actor: " + rounds):
+        orbax_to_verl(converted["run"], tmp_path / "v16", world_size=2, dtype="bfloat16",
+                      device_type="cpu")
+    with pytest.warns(ConversionWarning, match=rounds):
+        verl_to_verl(src, tmp_path / "vv16", world_size=3, dtype="bfloat16")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*rounds the", category=ConversionWarning)
+        verl_to_orbax(src, tmp_path / "o32", dtype="float32")
+        orbax_to_verl(converted["run"], tmp_path / "v32", world_size=2, device_type="cpu")
