@@ -222,7 +222,7 @@ def check_run_inputs(cfg) -> None:
     and hold at most MAX_REPORT_EPISODES episodes, `check_report_episodes`, with
     `evaluation_samples` per scene), the scene runtime's prompt templates and catalogue, and
     the replacement chat template (a scene requesting what the catalogue does not know is
-    refused: `check_requests_known`), and the judge (an http judge's API key, read from the
+    refused, and one whose room does not fit scene.metrics' measuring grid: `check_records_usable`), and the judge (an http judge's API key, read from the
     environment, must fit an HTTP header, and the server must not refuse it:
     `Judge.check_reachable`); a wrong path or more scenes asked than the set holds fails
     in seconds, not after the SFT warm start; a `rollout.tp` that does not divide the mesh's
@@ -239,7 +239,7 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.prompts import load_templates
-    from jscenegen.scene.sceneset import check_requests_known, read_scene_set
+    from jscenegen.scene.sceneset import check_records_usable, read_scene_set
     from jscenegen.sharding.mesh import on_primary
     from jscenegen.sharding.rollout import check_tp_divides
 
@@ -267,7 +267,7 @@ def check_run_inputs(cfg) -> None:
             # a resume's before/after comparison read may hold, before the SFT warm start
             check_report_episodes(len(records), evaluation_samples(cfg), str(path))
             report_scene_ids(records, str(path))
-        check_requests_known(records, catalogue, str(path))
+        check_records_usable(records, catalogue, cfg.scene.metrics, str(path))
     load_templates(cfg.scene.prompts_dir)
     judge = make_judge(cfg.judge, cfg.scene)
     on_primary(judge.check_reachable)   # the process that grades takes the run's key

@@ -306,6 +306,25 @@ def test_requests_the_catalogue_does_not_know_are_refused_or_flagged(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+def test_a_room_the_measuring_grid_cannot_hold_is_refused_before_the_run(tmp_path, capsys):
+    """Every episode of such a scene failed at its first measurement (masked rollout errors,
+    the scene redrawn and skipped each epoch) while the set itself was accepted."""
+    record = json.loads((DATA / "dev.jsonl").read_text().splitlines()[0])
+    record["scene"]["room"] = room(w=7.0, d=4.0)
+    (tmp_path / "set.jsonl").write_text(json.dumps(record) + "\n")
+    why = (f"{tmp_path / 'set.jsonl'}:1: scene {record['scene']['scene_id']}: room bounding box "
+           "7.00 x 4.00 m exceeds the 128 x 128 cell grid (6.40 m)")
+    assert main(["train", "--run-dir", str(tmp_path / "run"),
+                 f"schedule.train_set={tmp_path / 'set.jsonl'}"]) == 2
+    assert one_error_line(capsys).startswith(f"error: {why}")
+    assert not (tmp_path / "run").exists()
+    assert main(["scene", "furnish", str(tmp_path / "set.jsonl"), "-o", str(tmp_path / "x.json")]) == 2
+    assert one_error_line(capsys).startswith(f"error: {why}")
+    record["scene"]["room"] = room(w=6.0, d=4.0)   # fits
+    (tmp_path / "set.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["scene", "furnish", str(tmp_path / "set.jsonl"), "-o", str(tmp_path / "x.json")]) == 0
+
+
 def test_a_scene_set_holds_each_scene_id_once(tmp_path):
     """Reports name scenes by id: two scenes of one id would be one row of `eval --compare`."""
     lines = (DATA / "dev.jsonl").read_text().splitlines()

@@ -100,13 +100,14 @@ def run(args) -> int:
     from jscenegen.eval.report import check_report_episodes, ungraded_judge_failures
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
-    from jscenegen.scene.sceneset import check_requests_known, read_scene_set
+    from jscenegen.scene.sceneset import check_records_usable, read_scene_set
     from jscenegen.text import terminal_text
 
     records = read_scene_set(scenes)
     check_report_episodes(len(records), samples, f"--scenes {scenes}")
     report_scene_ids(records, f"--scenes {scenes}")   # each scene named once, before the model loads
-    check_requests_known(records, load_catalogue(cfg.scene.catalogue_path), str(scenes))
+    check_records_usable(records, load_catalogue(cfg.scene.catalogue_path), cfg.scene.metrics,
+                         str(scenes))
     judge = make_judge(cfg.judge, cfg.scene)
     judge.check_reachable()
     chat = policy_chat(cfg, args.model)

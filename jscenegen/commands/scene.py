@@ -146,7 +146,7 @@ def furnish(args) -> int:
     from jscenegen.paths import check_output_file, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.expert import run_scripted_episode
-    from jscenegen.scene.sceneset import RecordIndexError, check_requests_known, read_scene_record
+    from jscenegen.scene.sceneset import RecordIndexError, check_records_usable, read_scene_record
 
     scene_set = _input(args.scene_set)
     check_output_file(args.output, "-o")
@@ -157,7 +157,8 @@ def furnish(args) -> int:
         record = read_scene_record(scene_set, args.index)
     except RecordIndexError as err:
         raise ValueError(f"--index {err}") from None
-    check_requests_known([record], load_catalogue(cfg.catalogue_path), str(scene_set))
+    check_records_usable([record], load_catalogue(cfg.catalogue_path), cfg.metrics,
+                         str(scene_set))
     ep, _ = run_scripted_episode(record, cfg, judge_cfg)
     out = Path(args.output)
     write_json(out, ep.scene.to_json())

@@ -73,7 +73,7 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
 def requested_items(req, source: str) -> tuple[dict, ...]:
     """A record's `requested` checked: a list of {"category": Unicode text, "count": int in
     1..MAX_SCENE_OBJECTS} (a scene holds no more objects), each category once. Whether the
-    categories are known depends on the catalogue: `check_requests_known`. Raises SceneError
+    categories are known depends on the catalogue: `check_records_usable`. Raises SceneError
     naming `source` and the item."""
     if not isinstance(req, list):
         raise SceneError(f"{source} must be a list")
@@ -93,17 +93,26 @@ def requested_items(req, source: str) -> tuple[dict, ...]:
     return tuple(items)
 
 
-def check_requests_known(records: list[SceneRecord], catalogue, source: str) -> None:
-    """Raise SceneError naming `source`, the scene and the name when a record requests a name
-    that is neither a category nor a group of `catalogue` (no object can satisfy it, so the
-    prompt-following grade would drop for every episode of that scene)."""
+def check_records_usable(records: list[SceneRecord], catalogue, metrics, source: str) -> None:
+    """Raise SceneError naming `source`, the record's line and scene when a record cannot make
+    an episode under this run's settings: it requests a name that is neither a category nor a
+    group of `catalogue` (no object can satisfy it, so the prompt-following grade would drop
+    for every episode of that scene), or its room does not fit the measuring grid of
+    `metrics` (scene.metrics: size, doors, vertices; every episode of it would fail at its
+    first measurement)."""
+    from .reach_inputs import ReachabilityError, encode_scene
+
     for i, record in enumerate(records):
         where = f"{source}:{record.line}" if record.line else f"{source}: record {i + 1}"
+        scene = f"scene {record.scene.scene_id or '(no id)'}"
         for item in record.requested:
             if not catalogue.knows(item["category"]):
-                raise SceneError(f"{where}: scene {record.scene.scene_id or '(no id)'} "
-                                 f"requests {clip_text(repr(item['category']))}: neither a "
-                                 "category nor a group of the catalogue")
+                raise SceneError(f"{where}: {scene} requests {clip_text(repr(item['category']))}"
+                                 ": neither a category nor a group of the catalogue")
+        try:
+            encode_scene(record.scene, metrics, catalogue, MAX_SCENE_OBJECTS)
+        except ReachabilityError as err:
+            raise SceneError(f"{where}: {scene}: {err}") from None
 
 
 def require_scene_set_file(p: str | Path) -> None:
