@@ -191,6 +191,26 @@ def test_judge_failures_are_masked_never_minus_one():
     assert outs[0].failure_cause == "judge_timeout" and all(math.isfinite(o.reward) for o in outs)
 
 
+class _ShortJudge(_BrokenJudge):
+    def grade(self, requests):   # answers the first request only
+        return [JudgeResult({k: 7 for k in GRADE_KEYS}, None, {})]
+
+
+def test_a_judge_answering_fewer_results_than_requests_masks_them_all(caplog):
+    """Episode 2 kept outcome None, and the trainer crashed on it later."""
+    eps = []
+    for _ in range(2):
+        ep = Episode(record())
+        ep.step(A({"action": "design", "instruction": "x"}))
+        ep.step(A({"ops": [{"op": "add_object", "category": "queen_bed", "position": [2.0, 1.8]}]}))
+        ep.step(A({"action": "finish", "summary": "x"}))
+        eps.append(ep)
+    with caplog.at_level("WARNING"):
+        outs = judge_episodes(eps, _ShortJudge())
+    assert [(o.masked, o.failure_cause, o.reward) for o in outs] == [(True, "judge_error", 0.0)] * 2
+    assert "the judge answered 1 results for 2 episodes" in caplog.text
+
+
 def test_reward_arithmetic():
     cfg = RewardConfig()
     r, q, pen = reward_from_grades({k: 10 for k in GRADE_KEYS}, 0, cfg)

@@ -105,10 +105,13 @@ def test_cli_check_and_render_on_dev_scenes(tmp_path, capsys):
     (tmp_path / "rec.json").write_text(line)
     assert main(["scene", "check", str(tmp_path / "rec.json")]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"metrics", "judge", "grades", "reward", "warnings"}
+    assert set(out) == {"metrics", "judge", "grades", "reward", "failure_cause", "warnings"}
     assert out["judge"] == {"backend": "rule", "model": None}  # no --config: the rule judge
-    assert out["metrics"]["reachable"] and out["grades"]["prompt_following"] == 0  # empty room, items requested
-    assert out["grades"]["completeness"] == 0 and out["reward"] == pytest.approx(sum(out["grades"].values()) / 70)
+    assert out["metrics"]["reachable"] and out["metrics"]["object_count"] == 0
+    # an empty room is no scene an episode may end with: not judged, the episode's -1 (it was
+    # graded 0.857 here while the same terminal scene scored -1 in training)
+    assert (out["grades"], out["reward"], out["failure_cause"]) == (None, -1.0, "invalid_terminal_scene")
+    assert out["warnings"] == ["the final scene is empty"]
     assert main(["scene", "render", str(tmp_path / "rec.json"), "-o", str(tmp_path / "r.png")]) == 0
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -135,8 +138,8 @@ def test_cli_check_furnished_scene_with_overrides(tmp_path, capsys, caplog):
     (tmp_path / "s.json").write_text(json.dumps(s))
     assert main(["scene", "check", str(tmp_path / "s.json")]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["grades"]["prompt_following"] == 10 and out["warnings"] == [
-        "no requested items (a scene file holds none; give --requested, or check a scene-set "
+    assert out["grades"] is None and out["reward"] == -1.0 and out["warnings"] == [
+        "the final scene is empty", "no requested items (a scene file holds none; give --requested, or check a scene-set "
         "record): prompt_following counts nothing asked as met"]
 
 

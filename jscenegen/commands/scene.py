@@ -73,11 +73,14 @@ def _load(path: str):
 def check(args) -> int:
     """Grades come from the configured judge (`judge.backend`: the rule judge by default, the
     HTTP judge when --config says so); the output's `judge` names it. A judge failure prints
-    the cause with no grades or reward and exits 1."""
+    the cause with no grades or reward and exits 1. A scene no episode may end with (empty)
+    is not judged: its reward is the failure reward an episode gets (-1), with
+    `failure_cause`."""
     from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.episode import terminal_scene_failure
     from jscenegen.scene.judge import JudgeRequest, make_judge
     from jscenegen.scene.metrics import measure
-    from jscenegen.scene.reward import reward_from_grades
+    from jscenegen.scene.reward import failed_outcome, reward_from_grades
 
     if args.requested_units is not None and args.requested_units < 0:
         raise ValueError(f"--requested-units must be >= 0, got {args.requested_units}")
@@ -88,10 +91,13 @@ def check(args) -> int:
     if args.requested is not None:
         req = _requested(args.requested, catalogue)
     metrics = measure(scene, cfg, catalogue, blockers=True)
+    units = scene.budget.used_units if args.requested_units is None else args.requested_units
     judge = make_judge(judge_cfg, cfg)
-    (result,) = judge.grade([JudgeRequest(scene, tuple(req), metrics)])
     identity = {k: v for k, v in judge.identity().items() if k != "rubric_hash"}
-    warnings = [f"unknown category {o.category!r} ({o.id})" for o in scene.objects if catalogue.get(o.category) is None]
+    terminal_failure = terminal_scene_failure(scene)
+    result = None if terminal_failure else judge.grade([JudgeRequest(scene, tuple(req), metrics)])[0]
+    warnings = [terminal_failure] if terminal_failure else []
+    warnings += [f"unknown category {o.category!r} ({o.id})" for o in scene.objects if catalogue.get(o.category) is None]
     warnings += [f"requested {r['category']!r} is neither a category nor a group"
                  for r in req if not catalogue.knows(r["category"])]
     if not req:
@@ -99,16 +105,21 @@ def check(args) -> int:
                         "a scene-set record): prompt_following counts nothing asked as met")
     warnings += [f"{o} size outside its catalogue range" for o in metrics["size_out_of_range_objects"]]
     warnings += [f"{w['object']} blocks window_{w['window']}" for w in metrics["window_warnings"]]
-    if result.grades is None:
+    if result is not None and result.grades is None:
         warnings.append(f"the {identity['backend']} judge failed: {result.failure} "
                         f"({result.info.get('detail', '')})")
     for warning in warnings:   # in the JSON too, for a caller that reads only stdout
         logging.getLogger(__name__).warning("%s", warning)
+    if terminal_failure:
+        outcome = failed_outcome("invalid_terminal_scene", units, cfg.reward)
+        print(json.dumps({"metrics": metrics, "judge": identity, "grades": None,
+                          "reward": outcome.reward, "failure_cause": outcome.failure_cause,
+                          "warnings": warnings}))
+        return 0
     if result.grades is None:
         print(json.dumps({"metrics": metrics, "judge": identity, "grades": None, "reward": None,
                           "judge_failure": result.failure, "warnings": warnings}))
         return 1
-    units = scene.budget.used_units if args.requested_units is None else args.requested_units
     reward, _, _ = reward_from_grades(result.grades, units, cfg.reward)
     print(json.dumps({"metrics": metrics, "judge": identity, "grades": result.grades,
                       "reward": round(reward, 6), "warnings": warnings}))

@@ -212,8 +212,8 @@ class Episode:
 
     def _finish(self) -> StepResult:
         self.next_role = None
-        if not self.scene.objects:
-            return self.fail("invalid_terminal_scene", "the final scene is empty")
+        if why := terminal_scene_failure(self.scene):
+            return self.fail("invalid_terminal_scene", why)
         self.finished = True
         self.terminal_metrics = self._metrics(blockers=True)
         return StepResult(None, True, None)
@@ -238,11 +238,18 @@ class Episode:
         return self.outcome
 
 
+def terminal_scene_failure(scene: Scene) -> str | None:
+    """Why `scene` cannot end an episode (spec: an empty final scene is the policy failure
+    `invalid_terminal_scene`, reward -1, never judged), or None when it can."""
+    return None if scene.objects else "the final scene is empty"
+
+
 def judge_episodes(episodes: Sequence[Episode], judge: Judge) -> list[Outcome]:
     """Judge every finished episode in one batched call; return all outcomes in order.
 
-    An exception from the judge itself masks the affected episodes ("judge_error"). Raises
-    ValueError when an episode is still running.
+    An exception from the judge itself, or a judge that answers another number of results
+    than it was asked for, masks the affected episodes ("judge_error"). Raises ValueError
+    when an episode is still running.
     """
     running = [i for i, ep in enumerate(episodes) if not ep.done]
     if running:
@@ -250,10 +257,14 @@ def judge_episodes(episodes: Sequence[Episode], judge: Judge) -> list[Outcome]:
     todo = [ep for ep in episodes if ep.judge_request() is not None]
     if todo:
         try:
-            results = judge.grade([ep.judge_request() for ep in todo])
+            results = list(judge.grade([ep.judge_request() for ep in todo]))
         except Exception as err:
             log.warning("judge raised %s; masking %d episodes", type(err).__name__, len(todo))
             results = [JudgeResult(None, "judge_error", {"detail": type(err).__name__})] * len(todo)
+        if len(results) != len(todo):
+            log.warning("the judge answered %d results for %d episodes; masking them",
+                        len(results), len(todo))
+            results = [JudgeResult(None, "judge_error", {"detail": "result count"})] * len(todo)
         ident = judge.identity()
         for ep, res in zip(todo, results):
             ep.set_judgement(res, ident)
