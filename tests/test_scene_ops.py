@@ -322,3 +322,28 @@ def test_an_object_on_another_cannot_be_left_beside_it(op):
                         "mount": "on", "parent": "nightstand_1"})   # the same rule when added
     assert "the centre of table_lamp_2 would not be on top of its parent nightstand_1" in lines[0]
     assert [o.id for o in ed.scene.objects] == ["nightstand_1", "table_lamp_1"]
+
+
+def test_a_replace_without_anything_to_replace_is_an_error_not_a_charged_no_op():
+    ed = editor()
+    run(ed, {"op": "add_object", "category": "nightstand", "position": [0.3, 0.3]})
+    before = ed.scene.objects
+    lines, _ = run(ed, {"op": "replace_object", "id": "nightstand_1"})
+    assert "error: give category, description or size (what to replace)" in lines[0]
+    assert ed.scene.objects == before
+
+
+def test_an_unknown_op_or_action_name_is_clipped_in_the_failure_message():
+    """A 100,000-character op name came back whole in failure_message (trajectories, logs)."""
+    from jscenegen.scene.actions import parse_action
+    from jscenegen.scene.config import GRADE_KEYS
+    from jscenegen.scene.ops import OpSchemaError, parse_op
+
+    with pytest.raises(OpSchemaError, match=r"unknown operation 'xxx.*\(100,002 characters\); known: ") as err:
+        parse_op({"op": "x" * 100_000})
+    assert len(str(err.value)) < 500
+    action = parse_action('<action>{"action": "' + "y" * 100_000 + '"}</action>', "planner", GRADE_KEYS)
+    assert action.failure_cause == "unknown_action" and len(action.message) < 500
+    critic = parse_action('<action>{"critique": "c", "grades": {"' + "z" * 100_000 + '": 1}}</action>',
+                          "critic", GRADE_KEYS)
+    assert critic.failure_cause == "schema_violation" and len(critic.message) < 500

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jscenegen.paths import loads_json
+from jscenegen.text import clip_text
 
 from .config import GRADE_MAX, GRADE_MIN, is_grade
 from .ops import OpSchemaError, parse_op
@@ -121,11 +122,13 @@ def _planner(obj: dict) -> ParsedAction:
     if not isinstance(act, str):
         return _fail("planner", "schema_violation", "planner field 'action' must be a string")
     if act not in PLANNER_ACTIONS:
-        return _fail("planner", "unknown_action", f"unknown planner action {act!r}; known: {', '.join(PLANNER_ACTIONS)}")
+        return _fail("planner", "unknown_action", f"unknown planner action {clip_text(repr(act))}; "
+                                                  f"known: {', '.join(PLANNER_ACTIONS)}")
     need = PLANNER_ACTIONS[act]
     extra = set(obj) - need - {"action"}
     if extra:
-        return _fail("planner", "schema_violation", f"{act}: unexpected fields {sorted(extra)}")
+        return _fail("planner", "schema_violation",
+                     f"{act}: unexpected fields {clip_text(repr(sorted(extra)))}")
     for k in need:
         if not isinstance(obj.get(k), str):
             return _fail("planner", "schema_violation", f"{act}: field {k!r} must be a string")
@@ -148,7 +151,8 @@ def _designer(obj: dict) -> ParsedAction:
 
 def _critic(obj: dict, grade_keys) -> ParsedAction:
     if set(obj) != {"critique", "grades"}:
-        return _fail("critic", "schema_violation", f"critic object needs exactly 'critique' and 'grades', got {sorted(obj)}")
+        return _fail("critic", "schema_violation", f"critic object needs exactly 'critique' and 'grades', got "
+                     f"{clip_text(repr(sorted(obj)))}")
     if not isinstance(obj["critique"], str) or not isinstance(obj["grades"], dict):
         return _fail("critic", "schema_violation", "'critique' must be a string and 'grades' an object")
     grades = obj["grades"]
@@ -157,7 +161,7 @@ def _critic(obj: dict, grade_keys) -> ParsedAction:
     for k, v in grades.items():
         if not is_grade(v):
             return _fail("critic", "schema_violation",
-                         f"grade {k!r} must be an integer {GRADE_MIN}..{GRADE_MAX}, got {v!r}")
+                         f"grade {k!r} must be an integer {GRADE_MIN}..{GRADE_MAX}, got {clip_text(repr(v))}")
     return ParsedAction("critic", {"critique": obj["critique"], "grades": dict(grades)})
 
 

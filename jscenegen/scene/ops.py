@@ -136,7 +136,8 @@ def parse_op(raw) -> _Op:
     if not isinstance(raw, dict) or not isinstance(raw.get("op"), str):
         raise OpSchemaError("schema_violation", f"operation {json.dumps(raw)[:80]} has no string field 'op'")
     if raw["op"] not in OP_MODELS:
-        raise OpSchemaError("unknown_op", f"unknown operation {raw['op']!r}; known: {', '.join(OP_MODELS)}")
+        raise OpSchemaError("unknown_op", f"unknown operation {clip_text(repr(raw['op']))}; "
+                                          f"known: {', '.join(OP_MODELS)}")
     try:
         return _OP_ADAPTER.validate_json(json.dumps(raw), strict=True)
     except ValidationError as err:
@@ -359,6 +360,8 @@ class SceneEditor:
 
     def _replace_object(self, op: ReplaceObject) -> str:
         old = self._get(op.id)
+        if op.category is None and op.description is None and op.size is None:
+            raise OpError("give category, description or size (what to replace)")
         category = op.category or old.category
         cat = self.catalogue.get(category)
         if op.category is not None and cat is None:
