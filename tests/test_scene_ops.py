@@ -347,3 +347,24 @@ def test_an_unknown_op_or_action_name_is_clipped_in_the_failure_message():
     critic = parse_action('<action>{"critique": "c", "grades": {"' + "z" * 100_000 + '": 1}}</action>',
                           "critic", GRADE_KEYS)
     assert critic.failure_cause == "schema_violation" and len(critic.message) < 500
+
+
+def test_the_protocol_hash_reads_the_operations_own_fields_not_pydantics_json_schema(monkeypatch):
+    """pydantic renders the same models' JSON schema differently between releases (the
+    pyproject allows 2.7-2.x): a run resumed on a machine with another one was refused as a
+    changed protocol."""
+    from pydantic import BaseModel
+
+    from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+    from jscenegen.scene.protocol import _digest, op_signatures, protocol_hash
+
+    want = protocol_hash(SceneRuntimeConfig(), JudgeConfig())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the protocol read pydantic's JSON schema")
+
+    monkeypatch.setattr(BaseModel, "model_json_schema", classmethod(refuse))
+    assert protocol_hash(SceneRuntimeConfig(), JudgeConfig()) == want
+    # an operation's arguments are part of every run's protocol: a change here needs
+    # RULES_REVISION raised (jscenegen/scene/protocol.py) and this digest updated
+    assert _digest(op_signatures()) == "b991cba7891dd6d35d6b5666a568b314e71d6b0c0e2e0d4dcbc559ce4f9c3f8a"

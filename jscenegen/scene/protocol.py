@@ -1,7 +1,7 @@
 """`protocol_hash`: the identity of the environment a run trains against (scene-protocol.md section 7).
 
-SHA-256 of canonical JSON over: the prompt templates, the action grammar (text plus the JSON schema
-of every operation), operation costs, budget, object and turn caps, reward coefficients, metric
+SHA-256 of canonical JSON over: the prompt templates, the action grammar (text plus every
+operation's fields and validation settings, `op_signatures`), operation costs, budget, object and turn caps, reward coefficients, metric
 parameters, the catalogue, the grade keys and cap table, the judge's identity (backend, model,
 rubric hash), and `RULES_REVISION`. A run refuses to resume or extend when it changes.
 """
@@ -18,10 +18,11 @@ from .judge import make_judge
 from .ops import OP_MODELS
 from .prompts import load_templates
 
-RULES_REVISION = 4
+RULES_REVISION = 5
 """Raised whenever a measuring or grading rule changes in code rather than through a config value,
 so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
-under the new one. 4: an object mounted `on` another keeps its centre on its parent's top
+under the new one. 5: `replace_object` with none of category, description or size is an error
+(it was a charged no-op). 4: an object mounted `on` another keeps its centre on its parent's top
 through moves, rotations, snaps, resizes and replaces (only add_object checked it: a lamp could
 be moved off its nightstand to hang in the air at no cost); the prompt's operation table marks
 the snaps' orientation optional, as the operations read it. 3: a footprint that holds no reachability cell centre (a 3 cm deep mirror) is
@@ -41,7 +42,7 @@ def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_iden
     return {
         "prompts_sha256": templates.digest(),
         "action_grammar": ACTION_GRAMMAR,
-        "op_schemas": {name: m.model_json_schema() for name, m in OP_MODELS.items()},
+        "op_schemas": op_signatures(),
         "op_costs": cfg.op_costs.model_dump(),
         "budget_units": cfg.budget_units,
         "max_objects": cfg.max_objects,
@@ -55,6 +56,21 @@ def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_iden
         "judge": identity,
         "rules_revision": RULES_REVISION,
     }
+
+
+def op_signatures() -> dict[str, dict]:
+    """What each operation accepts, {op: {"fields": {name: [annotation, default or
+    "required", constraints]}, "config": {strict, extra, allow_inf_nan}}}, written from the
+    models' own fields: pydantic's JSON schema of the same models is rendered differently by
+    other pydantic releases (a run resumed on a machine with another one would be refused)."""
+    def field(info) -> list:
+        return [repr(info.annotation), "required" if info.is_required() else repr(info.default),
+                [repr(m) for m in info.metadata]]
+
+    return {name: {"fields": {f: field(info) for f, info in m.model_fields.items()},
+                   "config": {k: repr(m.model_config.get(k))
+                              for k in ("strict", "extra", "allow_inf_nan")}}
+            for name, m in OP_MODELS.items()}
 
 
 def protocol_settings(config: dict) -> dict | None:
