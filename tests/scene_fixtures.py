@@ -182,7 +182,8 @@ GOOD = {k: 8 for k in GRADE_KEYS}  # what JudgeServer answers
 class JudgeServer:
     """A chat-completions server on 127.0.0.1 whose behaviour per request comes from `self.plan`
     (the last entry repeats): "answer" (grades 8), "stall" (no answer for 1.5 s), "garbage",
-    "fenced", "flood" (a 200 whose body never ends: 64 KiB chunks until the client hangs up),
+    "fenced", "thinking" / "thinking_opened" (grades 8 after a reasoning trace that opens with
+    <think> / whose <think> the prompt opened), "flood" (a 200 whose body never ends: 64 KiB chunks until the client hangs up),
     "deep" / "deep_content" (a body / message content of 200,000 nested brackets), "nested" /
     "nested_comments" (a chat completion with an extra key / grades with a comment of 700 nested
     brackets: JSON Python's parser reads), "429after"
@@ -287,6 +288,10 @@ class JudgeServer:
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
+                        "thinking": "<think>\nThe wardrobe {faces} the wall.\n</think>\n\n"
+                                    + json.dumps({"grades": GOOD}),
+                        "thinking_opened": "The wardrobe faces the wall.\n</think>\n\n"
+                                           + json.dumps({"grades": GOOD}),
                         "deep": "", "deep_content": deep,
                         "nested": "", "nested_comments": '{"grades": %s, "comments": {"realism": %s}}' % (
                             json.dumps(GOOD), nested),

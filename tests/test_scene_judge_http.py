@@ -48,6 +48,14 @@ def test_answers_are_graded_capped_and_concurrency_bounded(server, monkeypatch):
     assert results[0].info["attempts"] == 1 and results[0].info["comments"] == {"realism": "ok"}
 
 
+@pytest.mark.parametrize("server", [["thinking"], ["thinking_opened"]], indirect=True)
+def test_an_answer_after_a_reasoning_trace_is_graded(server):
+    """A thinking judge (Qwen3 served without a reasoning parser) sends its trace, then the
+    JSON: every episode was masked as judge_unparseable."""
+    (res,) = make_judge(cfg(server.url, api_key_env=None)).grade(requests())
+    assert res.failure is None and res.grades == {**GOOD, "functionality": 3, "completeness": 2}
+
+
 @pytest.mark.parametrize("server", [["500", "answer"]], indirect=True)
 def test_a_server_error_is_retried(server):
     (res,) = make_judge(cfg(server.url, api_key_env=None)).grade(requests())

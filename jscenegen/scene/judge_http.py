@@ -114,12 +114,26 @@ def message_content(answer) -> str:
     return content
 
 
+THINK_END = "</think>"
+
+
+def without_reasoning(content: str) -> str:
+    """`content` without a leading reasoning trace: the text after the first `</think>` when
+    the content opens with `<think>`, or does not open with `{` and holds `</think>` (Qwen3's
+    chat template opens the trace in the prompt, so a server without a reasoning parser sends
+    "...</think>" then the answer); else `content` itself."""
+    head = content.lstrip()
+    if THINK_END in head and (head.startswith("<think>") or not head.startswith("{")):
+        return head.split(THINK_END, 1)[1]
+    return content
+
+
 def parse_judge_content(content: str, grade_keys, mask=None) -> tuple[dict[str, int], dict]:
-    """(grades, comments) from a judge's message content, the parsed answer passed through
-    `mask` (parsed object -> object) before anything in it is checked or quoted. Raises
-    JudgeAnswerError."""
+    """(grades, comments) from a judge's message content (strict JSON, after a leading
+    reasoning trace: `without_reasoning`), the parsed answer passed through `mask` (parsed
+    object -> object) before anything in it is checked or quoted. Raises JudgeAnswerError."""
     try:
-        obj = loads_json(content.strip())
+        obj = loads_json(without_reasoning(content).strip())
     except ValueError as err:
         raise JudgeAnswerError(f"not JSON: {err}") from None
     check_depth(obj, "the message content")
