@@ -983,6 +983,21 @@ def test_a_resume_of_what_is_no_run_directory_says_so(tmp_path, capsys):
     assert one_error_line(capsys) == (f"error: {verl}/checkpoints not found: nothing to resume ({verl} "
                                       f"is a verl checkpoint: convert it first, `jscenegen convert {verl} "
                                       "RUN/checkpoints --to orbax`, then --resume RUN)")
+    # converted into RUN rather than RUN/checkpoints: the steps lie in the run's place
+    converted = tmp_path / "converted"
+    assert main(["convert", str(verl), str(converted), "--from", "verl", "--to", "orbax"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(converted)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {converted}/checkpoints not found: nothing to resume ({converted} holds "
+        "checkpoint steps itself, as `convert --to orbax` writes them into its output: a run "
+        f"keeps them in RUN/checkpoints; convert into {converted}/checkpoints instead, or move "
+        "its contents there)")
+    (step,) = [p for p in converted.iterdir() if p.is_dir()]
+    assert main(["train", "--resume", str(step)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {step}/checkpoints not found: nothing to resume ({step} is one checkpoint "
+        "step: --resume takes the run directory RUN whose checkpoints/ holds the steps)")
 
 
 def test_a_resume_takes_the_judge_url_its_saved_config_redacted(tmp_path, caplog,

@@ -134,9 +134,17 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
 
         run = next((p for p in (run_dir, run_dir.parent) if p.name == RUN_CHECKPOINTS), None)
         hint = "" if run is None else f" (--resume takes the run's directory: {run.parent})"
-        if not hint and (kind := checkpoint_format(run_dir)) in ("verl", "export", "hf"):
+        kind = "" if hint else checkpoint_format(run_dir)
+        if kind in ("verl", "export", "hf"):
             hint = (f" ({run_dir} is a {kind} checkpoint: convert it first, `jscenegen convert "
                     f"{run_dir} RUN/checkpoints --to orbax`, then --resume RUN)")
+        elif kind == "orbax-run":
+            hint = (f" ({run_dir} holds checkpoint steps itself, as `convert --to orbax` writes "
+                    f"them into its output: a run keeps them in RUN/{RUN_CHECKPOINTS}; convert "
+                    f"into {run_dir / RUN_CHECKPOINTS} instead, or move its contents there)")
+        elif kind == "orbax":
+            hint = (f" ({run_dir} is one checkpoint step: --resume takes the run directory RUN "
+                    f"whose {RUN_CHECKPOINTS}/ holds the steps)")
         raise FileNotFoundError(f"{checkpoints} not found: nothing to resume{hint}")
     saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
     if args.config:
