@@ -146,7 +146,8 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     An HF or VERL source covered by a `checksums.json` is verified first (`verify_source`).
     Raises ConvertError for a missing source, a destination inside the source (or the other
     way round) or one that exists and is not empty (or is a symbolic link), a source that
-    fails its checksums, an unknown direction, a missing world size, or a VERL-output
+    fails its checksums, a source whose file names say another format than `src_format`, an
+    unknown direction, a missing world size, or a VERL-output
     option (world size, placement, mesh device) for another output.
     """
     from jscenegen.paths import require_new_dir
@@ -158,6 +159,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     for f in (src_format, dst_format):
         if f not in FORMATS:
             raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")
+    _check_source_format(src, src_format)
     if src_format != "orbax":  # an orbax step: against its own checksums and its directory's
         # (`verify_orbax_step`), when read
         verify_source(src)
@@ -194,6 +196,23 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
 
     with watching(str(src)):
         return table[(src_format, dst_format)](src, dst, opts)
+
+
+def _check_source_format(src: str | Path, src_format: str) -> None:
+    """Raise ConvertError when `src`'s file names say another format than `src_format` (each
+    reader would refuse it in its own words, none naming the format it is)."""
+    from convert.inspect import checkpoint_format, orbax_steps_dir
+
+    path = Path(src)
+    kind = "orbax-run" if orbax_steps_dir(path) else checkpoint_format(path) if path.is_dir() else None
+    readable_as = {"orbax": ("orbax",), "orbax-run": ("orbax",), "hf": ("hf",), "verl": ("verl",),
+                   "export": ("hf",), None: FORMATS}[kind]
+    if src_format not in readable_as:
+        how = ("an export: its root is an HF model (--from hf), its training state a VERL "
+               "checkpoint under training_state/" if kind == "export" else
+               f"{'an' if readable_as[0] == 'orbax' else 'a'} {readable_as[0]} checkpoint: "
+               f"--from {readable_as[0]}, or leave --from out")
+        raise ConvertError(f"{src}: --from {src_format}, but it is {how}")
 
 
 def _check_source_assets(src: str | Path, src_format: str) -> None:

@@ -101,9 +101,11 @@ def find_verl(path: str | Path) -> VerlLayout:
     elif _has_rank_files(src / "actor"):
         kind, shard_dir = "step", src / "actor"
     else:
+        hint = (f" ({src} is the model-config folder of the VERL checkpoint {src.parent}: "
+                "convert that)" if src.name == "huggingface" and _has_rank_files(src.parent) else "")
         raise ConvertError(
             f"{src}: no VERL rank files (model_world_size_W_rank_R.pt) here or in {src / 'actor'}, "
-            "and no latest_checkpointed_iteration.txt"
+            f"and no latest_checkpointed_iteration.txt{hint}"
         )
     named = shard_dir.parent if kind in ("step", "actor") else src
     step_match = _STEP_DIR.search(named.name)

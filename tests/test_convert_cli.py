@@ -200,6 +200,27 @@ def test_cli_errors(tmp_path, capsys):
     assert "checksums.json: missing" in capsys.readouterr().err
 
 
+def test_a_wrong_from_names_the_format_the_source_is(tmp_path, capsys):
+    """Each reader refused in its own words ("no complete orbax checkpoint step here",
+    "config.json: no such file"), none saying which format the source is."""
+    ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
+    for given in ("orbax", "hf"):
+        assert main(["convert", str(ckpt), str(tmp_path / given), "--from", given, "--to", "hf"]) == 2
+        assert capsys.readouterr().err == (f"error: {ckpt}: --from {given}, but it is a verl "
+                                           "checkpoint: --from verl, or leave --from out\n")
+    run = tmp_path / "run"
+    assert main(["convert", str(ckpt), str(run), "--to", "orbax"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(run), str(tmp_path / "v"), "--from", "verl", "--to", "hf"]) == 2
+    assert capsys.readouterr().err == (f"error: {run}: --from verl, but it is an orbax "
+                                       "checkpoint: --from orbax, or leave --from out\n")
+    hf = ckpt / "global_step_3/actor/huggingface"   # VERL's config folder beside the rank files
+    assert main(["convert", str(hf), str(tmp_path / "h"), "--from", "verl", "--to", "hf"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"({hf} is the model-config folder of the VERL checkpoint {hf.parent}: convert that)\n")
+    assert not any((tmp_path / d).exists() for d in ("orbax", "hf", "v", "h"))
+
+
 def test_carried_from_flag(tmp_path, capsys):
     """Qwen3.5: `--carried-from` supplies mtp.*; without it the warning reaches the user."""
     src = fixture_dir("qwen35_tied_frozen_dim0")
