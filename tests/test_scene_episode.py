@@ -167,6 +167,18 @@ def test_driver_fail_hook_policy_and_masked():
         Episode(record()).fail("bored")
 
 
+def finished_episodes(n: int) -> list[Episode]:
+    """`n` episodes that placed a bed and finished, waiting for the judge."""
+    eps = []
+    for _ in range(n):
+        ep = Episode(record())
+        ep.step(A({"action": "design", "instruction": "x"}))
+        ep.step(A({"ops": [{"op": "add_object", "category": "queen_bed", "position": [2.0, 1.8]}]}))
+        ep.step(A({"action": "finish", "summary": "x"}))
+        eps.append(ep)
+    return eps
+
+
 class _BrokenJudge:
     def identity(self):
         return {"backend": "test", "model": None, "rubric_hash": "0"}
@@ -176,13 +188,7 @@ class _BrokenJudge:
 
 
 def test_judge_failures_are_masked_never_minus_one():
-    eps = []
-    for _ in range(3):
-        ep = Episode(record())
-        ep.step(A({"action": "design", "instruction": "x"}))
-        ep.step(A({"ops": [{"op": "add_object", "category": "queen_bed", "position": [2.0, 1.8]}]}))
-        ep.step(A({"action": "finish", "summary": "x"}))
-        eps.append(ep)
+    eps = finished_episodes(3)
     failed = Episode(record())
     failed.step("garbage")
     outs = judge_episodes(eps + [failed], _BrokenJudge())
@@ -198,13 +204,7 @@ class _ShortJudge(_BrokenJudge):
 
 def test_a_judge_answering_fewer_results_than_requests_masks_them_all(caplog):
     """Episode 2 kept outcome None, and the trainer crashed on it later."""
-    eps = []
-    for _ in range(2):
-        ep = Episode(record())
-        ep.step(A({"action": "design", "instruction": "x"}))
-        ep.step(A({"ops": [{"op": "add_object", "category": "queen_bed", "position": [2.0, 1.8]}]}))
-        ep.step(A({"action": "finish", "summary": "x"}))
-        eps.append(ep)
+    eps = finished_episodes(2)
     with caplog.at_level("WARNING"):
         outs = judge_episodes(eps, _ShortJudge())
     assert [(o.masked, o.failure_cause, o.reward) for o in outs] == [(True, "judge_error", 0.0)] * 2
