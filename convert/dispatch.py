@@ -199,20 +199,30 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
 
 
 def _check_source_format(src: str | Path, src_format: str) -> None:
-    """Raise ConvertError when `src`'s file names say another format than `src_format` (each
-    reader would refuse it in its own words, none naming the format it is)."""
+    """Raise ConvertError when the reader of `src_format` cannot start from `src`'s files
+    while their names say another format (each reader would refuse it in its own words, none
+    naming the format it is). A directory that several readers can start from (VERL rank
+    files beside an HF model) is left to the `src_format` given."""
     from convert.inspect import checkpoint_format, orbax_steps_dir
+    from convert.verl_read import looks_like_verl
 
     path = Path(src)
-    kind = "orbax-run" if orbax_steps_dir(path) else checkpoint_format(path) if path.is_dir() else None
-    readable_as = {"orbax": ("orbax",), "orbax-run": ("orbax",), "hf": ("hf",), "verl": ("verl",),
-                   "export": ("hf",), None: FORMATS}[kind]
-    if src_format not in readable_as:
+    if not path.is_dir():
+        return
+    kind = "orbax" if orbax_steps_dir(path) else checkpoint_format(path)
+    if kind is None:
+        return
+    starts = {"verl": looks_like_verl(path), "orbax": kind == "orbax",
+              "hf": kind in ("hf", "export") or os.path.lexists(path / "config.json")}
+    if starts[src_format]:
+        return
+    if kind == "export":
         how = ("an export: its root is an HF model (--from hf), its training state a VERL "
-               "checkpoint under training_state/" if kind == "export" else
-               f"{'an' if readable_as[0] == 'orbax' else 'a'} {readable_as[0]} checkpoint: "
-               f"--from {readable_as[0]}, or leave --from out")
-        raise ConvertError(f"{src}: --from {src_format}, but it is {how}")
+               "checkpoint under training_state/")
+    else:
+        named = {"hf": "an HF", "orbax": "an orbax", "verl": "a VERL"}[kind]
+        how = f"{named} checkpoint: --from {kind}, or leave --from out"
+    raise ConvertError(f"{src}: --from {src_format}, but it is {how}")
 
 
 def _check_source_assets(src: str | Path, src_format: str) -> None:

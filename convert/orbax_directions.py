@@ -223,8 +223,7 @@ def verl_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     adam: dict[str, Any] = {"count": 0, "mu": {}, "nu": {}}
     if ck.has_optimizer():
         trainable = ck.trainable
-        warn_rounded_masters(str(ck.layout.shard_dir),
-                             {n: info[n].dtype for n in trainable if n in info}, dtype)
+        warn_rounded_masters(str(dst), {n: info[n].dtype for n in trainable if n in info}, dtype)
         adam["count"] = ck.adam_step()
         for group, moment in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
             adam[group] = {n: LazyArray(ck.shapes[n], np.float32,

@@ -206,7 +206,7 @@ def test_a_wrong_from_names_the_format_the_source_is(tmp_path, capsys):
     ckpt = fixture_dir("qwen2_first_divisible") / "ckpt"
     for given in ("orbax", "hf"):
         assert main(["convert", str(ckpt), str(tmp_path / given), "--from", given, "--to", "hf"]) == 2
-        assert capsys.readouterr().err == (f"error: {ckpt}: --from {given}, but it is a verl "
+        assert capsys.readouterr().err == (f"error: {ckpt}: --from {given}, but it is a VERL "
                                            "checkpoint: --from verl, or leave --from out\n")
     run = tmp_path / "run"
     assert main(["convert", str(ckpt), str(run), "--to", "orbax"]) == 0
@@ -219,6 +219,19 @@ def test_a_wrong_from_names_the_format_the_source_is(tmp_path, capsys):
     assert capsys.readouterr().err.endswith(
         f"({hf} is the model-config folder of the VERL checkpoint {hf.parent}: convert that)\n")
     assert not any((tmp_path / d).exists() for d in ("orbax", "hf", "v", "h"))
+    # rank files beside an HF model: both readers start there, --from chooses (read as HF
+    # without it, and Adam's state would be left behind)
+    both = tmp_path / "both"
+    both.mkdir()
+    for f in (ckpt / "global_step_3/actor").iterdir():
+        (both / f.name).symlink_to(f)
+    assert main(["convert", str(ckpt), str(tmp_path / "as_hf"), "--to", "hf"]) == 0
+    for f in ("config.json", "model.safetensors"):
+        (both / f).symlink_to(tmp_path / "as_hf" / f)
+    assert main(["convert", str(both), str(tmp_path / "both_run"), "--from", "verl", "--to",
+                 "orbax"]) == 0
+    assert main(["convert", "--inspect", str(tmp_path / "both_run")]) == 0
+    assert '"adam": "from the optim rank files"' in capsys.readouterr().out
 
 
 def test_carried_from_flag(tmp_path, capsys):

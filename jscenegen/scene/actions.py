@@ -137,7 +137,8 @@ def _planner(obj: dict) -> ParsedAction:
 
 def _designer(obj: dict) -> ParsedAction:
     if set(obj) != {"ops"}:
-        return _fail("designer", "schema_violation", f"designer object must have only 'ops', got {sorted(obj)}")
+        return _fail("designer", "schema_violation",
+                     f"designer object must have only 'ops', got {clip_text(repr(sorted(obj)))}")
     if not isinstance(obj["ops"], list):
         return _fail("designer", "schema_violation", "'ops' must be a list")
     ops = []
