@@ -16,6 +16,7 @@ from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.paths import atomic_file, jsonl_lines, not_a_file
 from jscenegen.text import clip_text, not_unicode
 
+from .reach_inputs import ReachabilityError, encode_scene
 from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, json_text, parse_json, scene_from_json
 
 SET_SCHEMA = "scenegen.sceneset/1"
@@ -100,8 +101,6 @@ def check_records_usable(records: list[SceneRecord], catalogue, metrics, source:
     for every episode of that scene), or its room does not fit the measuring grid of
     `metrics` (scene.metrics: size, doors, vertices; every episode of it would fail at its
     first measurement)."""
-    from .reach_inputs import ReachabilityError, encode_scene
-
     for i, record in enumerate(records):
         where = f"{source}:{record.line}" if record.line else f"{source}: record {i + 1}"
         scene = f"scene {record.scene.scene_id or '(no id)'}"
