@@ -388,6 +388,33 @@ def test_hidden_states_of_selected_rows_equal_the_full_states_gathered(models, p
         np.asarray(full), np.asarray(rows)[..., None], axis=1), atol=2e-6, rtol=1e-5)
 
 
+
+def test_selected_rows_run_the_last_attention_layer_at_those_positions_only(padded_batch):
+    """A release's layer plan ends in gated attention: with rows= its queries, gate, o_proj,
+    residual and MLP run at the C asked positions (the jaxpr holds [B, C, intermediate]
+    products), and the states equal the full forward's at those positions."""
+    from jscenegen.model.loader import model_class
+    from jscenegen.model.weights import redraw_constant_tensors
+
+    cfg = preset_config("qwen3_5", "micro", vocab_size=389)
+    assert cfg.kinds[-1] == "full_attention"
+    model = model_class(cfg)(cfg, rngs=nnx.Rngs(3))
+    redraw_constant_tensors(model, 3)
+    ids, mask, _ = padded_batch
+    rows = jnp.asarray(np.array([[23, 0, 5], [17, 2, 20], [6, 0, 23], [3, 20, 22]], np.int32))
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    full = jax.jit(lambda i, m: model.hidden_states(i, m))(ids, mask)
+    sel = jax.jit(lambda i, m, r: model.hidden_states(i, m, rows=r))(ids, mask, rows)
+    np.testing.assert_allclose(np.asarray(sel), np.take_along_axis(
+        np.asarray(full), np.asarray(rows)[..., None], axis=1), atol=2e-6, rtol=1e-5)
+    b, c = rows.shape
+    jaxpr = str(jax.make_jaxpr(lambda i, m, r: model.hidden_states(i, m, rows=r))(ids, mask, rows))
+    products = re.findall(rf"f32\[{b},{c},{cfg.intermediate_size}\] = dot_general", jaxpr)
+    assert len(products) == 2, products   # gate_proj and up_proj of the last layer
+    with pytest.raises(ValueError, match="stacked layers are for a decode loop"):
+        model.hidden_states(ids, mask, layers=model.stacked_layers(), rows=rows)
+
+
 def test_cached_appends_with_padding_inside_and_decode_equal_the_full_forward(
         models, padded_batch, padded_logits):
     """Left-padded chunks appended after history (padding between old and new tokens),

@@ -144,19 +144,27 @@ class GatedAttention(nnx.Module):
         self.q_norm = ZeroCentredRMSNorm(make, f"{name}.q_norm", cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(make, f"{name}.k_norm", cfg.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask, kv=None):
+    def __call__(self, x, cos, sin, mask, kv=None, rows=None):
         """x [B, S, h]; cos/sin [B, S, rotary_dim] f32; mask [B, S, Sk] bool; kv as
-        `qwen.cached_attention`. Returns (out [B, S, h], (k_all, v_all) or (k, v))."""
+        `qwen.cached_attention`. Returns (out [B, S, h], (k_all, v_all) or (k, v)). rows
+        [B, C] int (no cache): queries and gates at those positions only, out [B, C, h] (keys
+        and values of every position)."""
         b, s, _ = x.shape
-        qg = self.q_proj(x).reshape(b, s, self.nq, 2 * self.hd)
+        xq = x if rows is None else take_rows(x, rows)
+        c = xq.shape[1]
+        qg = self.q_proj(xq).reshape(b, c, self.nq, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:]
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).reshape(b, s, self.nkv, self.hd))
         v = self.v_proj(x).reshape(b, s, self.nkv, self.hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rows is None:
+            q = apply_rope(q, cos, sin)
+        else:
+            q, mask = apply_rope(q, take_rows(cos, rows), take_rows(sin, rows)), take_rows(mask, rows)
+        k = apply_rope(k, cos, sin)
         out, new_kv = cached_attention(q, k, v, mask, kv, self.attn_impl)
         out = out * jax.nn.sigmoid(gate)
-        return self.o_proj(out.reshape(b, s, self.nq * self.hd)), new_kv
+        return self.o_proj(out.reshape(b, c, self.nq * self.hd)), new_kv
 
 
 # ---- Gated DeltaNet ---------------------------------------------------------------------------
@@ -337,10 +345,13 @@ class HybridDecoderLayer(nnx.Module):
             make, f"{name}.post_attention_layernorm", eps)
         self.mlp = MLP(make, f"{name}.mlp")
 
-    def __call__(self, x: jax.Array, inputs: LayerInputs, caches: dict | None, index):
+    def __call__(self, x: jax.Array, inputs: LayerInputs, caches: dict | None, index, rows=None):
         """x [B, S, h]; caches: {"k", "v": [La, B, Smax, Nkv, hd], "conv": [Ll, B, C, K-1],
         "state": [Ll, B, H_v, d_k, d_v]} or None; index: this layer's position among the layers
-        of its kind (the cache row it owns). Returns (x, caches)."""
+        of its kind (the cache row it owns). Returns (x, caches). With `rows` [B, C] int (no
+        cache; the last layer of a forward whose caller needs C positions only): the residual,
+        the MLP and the attention's queries at those positions only (a GatedDeltaNet mixer runs
+        its recurrence over every position), so x comes back [B, C, h]."""
         y = self.input_layernorm(x)
         if hasattr(self, "linear_attn"):
             conv = rec = None
@@ -348,15 +359,19 @@ class HybridDecoderLayer(nnx.Module):
                 conv = jax.lax.dynamic_index_in_dim(caches["conv"], index, keepdims=False)
                 rec = jax.lax.dynamic_index_in_dim(caches["state"], index, keepdims=False)
             y, conv, rec = self.linear_attn(y, inputs.mask, conv, rec)
+            if rows is not None:
+                y = take_rows(y, rows)
             if caches is not None:
                 caches = dict(caches,
                               conv=jax.lax.dynamic_update_index_in_dim(caches["conv"], conv, index, 0),
                               state=jax.lax.dynamic_update_index_in_dim(caches["state"], rec, index, 0))
         else:
             kv = None if caches is None else (caches["k"], caches["v"], index, inputs.offset)
-            y, new_kv = self.self_attn(y, inputs.cos, inputs.sin, inputs.attn_mask, kv)
+            y, new_kv = self.self_attn(y, inputs.cos, inputs.sin, inputs.attn_mask, kv, rows)
             if caches is not None:
                 caches = dict(caches, k=new_kv[0], v=new_kv[1])
+        if rows is not None:
+            x = take_rows(x, rows)
         x = constrain(x + y.astype(x.dtype), ACTIVATION)
         x = constrain(x + self.mlp(self.post_attention_layernorm(x)), ACTIVATION)
         return x, caches
@@ -511,8 +526,8 @@ class Qwen35ForCausalLM(CausalLM):
 
         input_ids [B, S] int32; attention_mask [B, S] (1 = real token, 0 = padding). Without
         a cache: a full forward from empty states; with `rows` [B, C] int32 only those
-        positions' states [B, C, h] (gathered before the final norm: the layers run in their
-        scan whole). With a cache: the S tokens are appended
+        positions' states [B, C, h] (the last layer runs after the others' scan, its residual,
+        MLP and attention queries at those positions only). With a cache: the S tokens are appended
         at slot `cache.length` and (hidden, updated cache) is returned. `layers`: the result
         of `stacked_layers()` computed once outside a loop that calls the model repeatedly.
         """
@@ -529,9 +544,7 @@ class Qwen35ForCausalLM(CausalLM):
         caches = None if cache is None else dict(k=cache.k, v=cache.v, conv=cache.conv,
                                                  state=cache.state)
         x = constrain(self.text.embed_tokens(input_ids, dt), ACTIVATION)
-        x, caches = self._layers(x, inputs, caches, layers)
-        if rows is not None:
-            x = constrain(take_rows(x, rows), ACTIVATION)
+        x, caches = self._layers(x, inputs, caches, layers, rows)
         hidden = self.text.norm(x)
         if cache is None:
             return hidden
@@ -541,14 +554,15 @@ class Qwen35ForCausalLM(CausalLM):
             length=cache.length + input_ids.shape[1])
         return hidden, new_cache
 
-    def stacked_layers(self):
-        """The layers' parameters stacked for the scan: a list of segments (the whole units,
-        then the cut-short last unit if any), each a list over the unit's runs of
-        (graphdef, state [G, R, ...], index [G, R] int32: each layer's row in its kind's cache).
+    def stacked_layers(self, count: int | None = None):
+        """The first `count` layers' parameters (default all) stacked for the scan: a list of
+        segments (the whole units, then the cut-short last unit if any), each a list over the
+        unit's runs of (graphdef, state [G, R, ...], index [G, R] int32: each layer's row in its
+        kind's cache).
         """
         kinds = self.cfg.kinds
         period, runs = layer_plan(kinds)
-        n = len(kinds)
+        n = len(kinds) if count is None else count
         ordinal = [sum(k == kinds[i] for k in kinds[:i]) for i in range(n)]
         groups, tail = divmod(n, period)
         segments = []
@@ -570,12 +584,18 @@ class Qwen35ForCausalLM(CausalLM):
             segments.append(segment)
         return segments
 
-    def _layers(self, x, inputs: LayerInputs, caches, layers=None):
+    def _layers(self, x, inputs: LayerInputs, caches, layers=None, rows=None):
         """Run the decoder stack: per segment a `lax.scan` over its groups, inside each group
         the unit's runs (a nested scan for a run of several layers). Storage stays one module
         per layer (HF names); each step gathers one layer's weights. The caches ride in the
-        carry and each layer writes only its own row."""
-        segments = layers if layers is not None else self.stacked_layers()
+        carry and each layer writes only its own row. With `rows` (no cache) the last layer
+        runs on its own after the others and returns those positions only."""
+        n = len(self.cfg.kinds)
+        if rows is not None and layers is not None:
+            raise ValueError("rows selects positions of a full forward; stacked layers are for "
+                             "a decode loop")
+        segments = layers if layers is not None else self.stacked_layers(
+            n if rows is None else n - 1)
 
         def apply(graphdef, h, caches, layer_state, index):
             return nnx.merge(graphdef, layer_state)(h, inputs, caches, index)
@@ -610,4 +630,11 @@ class Qwen35ForCausalLM(CausalLM):
 
             xs = [(state, index) for _, state, index in segment]
             (x, caches), _ = jax.lax.scan(group, (x, caches), xs)
+        if rows is not None:
+            last = self.text.layers[n - 1]
+
+            def run_last(h, rows):
+                return last(h, inputs, None, None, rows)[0]
+            # outside any scan: CSE could merge its recomputation with the forward
+            x = checkpointed(run_last, self.remat, prevent_cse=True)(x, rows)
         return x, caches

@@ -128,9 +128,10 @@ def model_token_logprobs(hidden_fn: HiddenFn, params, input_ids, attention_mask,
     selected count of every row (`selection_capacity`): only the selected entries are
     computed, the others are 0. Each row's selected positions are gathered, in order, into
     [B, capacity], and the model is asked for the hidden states predicting them only
-    (`rows=`: Qwen2/Qwen3 run the last layer's queries, o_proj and MLP and the final norm on
-    those positions, Qwen3.5 its final norm; the output projection runs on them in both). A row with more selected tokens than `capacity` makes every output NaN, so a
-    wrong capacity cannot go unnoticed (the train step then skips the update).
+    (`rows=`: the last layer's queries, o_proj, residual and MLP and the final norm run on
+    those positions; the output projection runs on them). A row with more selected tokens
+    than `capacity` makes every output NaN, so a wrong capacity cannot go unnoticed (the
+    train step then skips the update).
     """
     if capacity is None:
         hidden, emb = hidden_fn(params, input_ids, attention_mask)
