@@ -369,3 +369,25 @@ def test_the_protocol_hash_reads_the_operations_own_fields_not_pydantics_json_sc
     # an operation's arguments are part of every run's protocol: a change here needs
     # RULES_REVISION raised (jscenegen/scene/protocol.py) and this digest updated
     assert _digest(op_signatures()) == "b991cba7891dd6d35d6b5666a568b314e71d6b0c0e2e0d4dcbc559ce4f9c3f8a"
+
+
+@pytest.mark.parametrize("extra", ["alias", "factory", "nested"])
+def test_op_signatures_refuse_a_field_they_would_not_describe_whole(extra):
+    """An alias, a default factory or a nested model's own constraints would change what an
+    operation accepts without changing its recorded signature (helper-168)."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    from jscenegen.scene.protocol import op_signatures
+
+    class Inner(BaseModel):
+        width: float = Field(gt=0)
+
+    fields = {"alias": (float, Field(1.0, alias="w")),
+              "factory": (list[float], Field(default_factory=list)),
+              "nested": (tuple[Inner, ...] | None, None)}[extra]
+    op = type("Op", (BaseModel,), {"__annotations__": {"x": fields[0]}, "x": fields[1],
+                                   "model_config": ConfigDict(extra="forbid")})
+    with pytest.raises(TypeError, match=r"^operation 'odd' field 'x': an alias, default factory"):
+        op_signatures({"odd": op})
+    plain = type("Op", (BaseModel,), {"__annotations__": {"x": float}, "x": Field(1.0, gt=0)})
+    assert op_signatures({"odd": plain})["odd"]["fields"]["x"] == ["<class 'float'>", "1.0", ["Gt(gt=0)"]]

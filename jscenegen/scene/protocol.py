@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
+
+from pydantic import BaseModel
 
 from .actions import ACTION_GRAMMAR
 from .caps import caps_table
@@ -58,19 +61,33 @@ def protocol_payload(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_iden
     }
 
 
-def op_signatures() -> dict[str, dict]:
+def op_signatures(models: dict[str, type[BaseModel]] = OP_MODELS) -> dict[str, dict]:
     """What each operation accepts, {op: {"fields": {name: [annotation, default or
     "required", constraints]}, "config": {strict, extra, allow_inf_nan}}}, written from the
     models' own fields: pydantic's JSON schema of the same models is rendered differently by
-    other pydantic releases (a run resumed on a machine with another one would be refused)."""
-    def field(info) -> list:
+    other pydantic releases (a run resumed on a machine with another one would be refused).
+
+    Raises TypeError for a field this record would not describe whole (an alias, a default
+    factory, a nested model whose own fields and constraints it would not read): extend it
+    before using one."""
+    def field(op: str, name: str, info) -> list:
+        nested = [t for t in _annotation_types(info.annotation)
+                  if isinstance(t, type) and issubclass(t, BaseModel)]
+        if info.alias or info.validation_alias or info.default_factory is not None or nested:
+            raise TypeError(f"operation {op!r} field {name!r}: an alias, default factory or "
+                            "nested model is not recorded by op_signatures; extend it")
         return [repr(info.annotation), "required" if info.is_required() else repr(info.default),
                 [repr(m) for m in info.metadata]]
 
-    return {name: {"fields": {f: field(info) for f, info in m.model_fields.items()},
+    return {name: {"fields": {f: field(name, f, info) for f, info in m.model_fields.items()},
                    "config": {k: repr(m.model_config.get(k))
                               for k in ("strict", "extra", "allow_inf_nan")}}
-            for name, m in OP_MODELS.items()}
+            for name, m in models.items()}
+
+
+def _annotation_types(annotation) -> list:
+    """Every type named inside an annotation (unions, containers, Annotated), itself included."""
+    return [annotation, *(t for arg in typing.get_args(annotation) for t in _annotation_types(arg))]
 
 
 def protocol_settings(config: dict) -> dict | None:
