@@ -66,6 +66,8 @@ def test_random_model_fails_with_its_cause(report):
     overall = report["overall"]["model"]
     assert overall["episodes"] == SCENES and overall["reward"] == -1.0
     assert overall["failure_rate"] == 1.0 and overall["units"] == 0.0
+    # one episode per scene: no scene's group has a spread
+    assert overall["zero_spread_scenes"] == 1.0
 
 
 def test_expert_row_is_the_scripted_episode(report, cfg):
@@ -145,9 +147,8 @@ def test_a_bar_is_labelled_with_the_policy_failure_it_shows():
     assert main_failure_cause({"failure_rate": None, "failure_causes": {"judge_error": 4}}) is None
 
 
-def test_plot_draws_the_reports_rewards(report, tmp_path):
-    """The PNG decodes, and its bars are the report's rewards: one axes, a bar per scene and
-    series (model, expert) whose heights are the per-scene mean rewards."""
+def _plotted(report, out, **kw):
+    """(the axes `plot_report` drew, the PNG's pixels [H, W, C])."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,17 +164,42 @@ def test_plot_draws_the_reports_rewards(report, tmp_path):
 
     plt.Figure.savefig = spy
     try:
-        out = plot_report(report, tmp_path / "sub" / "report.png")
+        out = plot_report(report, out, **kw)
     finally:
         plt.Figure.savefig = real_savefig
-    image = mpimg.imread(out)
-    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     (ax,) = captured["fig"].axes
+    return ax, mpimg.imread(out)
+
+
+def test_plot_draws_the_reports_rewards(report, tmp_path):
+    """The PNG decodes, and its bars are the report's rewards: one axes, a bar per scene and
+    series (model, expert) whose heights are the per-scene mean rewards."""
+    out = tmp_path / "sub" / "report.png"
+    ax, image = _plotted(report, out)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     heights = [b.get_height() for b in ax.patches]
-    want = [row[s]["reward"] if row[s]["reward"] is not None else 0.0
+    want = [row[s]["reward"] if row[s]["reward"] is not None else np.nan
             for s in ("model", "expert") for row in report["scenes"]]
     np.testing.assert_allclose(heights, want, rtol=1e-6)
     assert not [p for p in out.parent.iterdir() if p.name != "report.png"]  # no temp files left
+
+
+def test_plot_shows_odd_scene_ids_as_text_masked_scenes_and_a_bounded_number_of_bars(tmp_path):
+    """A scene id matplotlib reads as math (`$\\bad$`) made the plot raise after the whole
+    evaluation, and `eval` wrote no report (helper-170); a scene whose episodes were all masked
+    drew a bar at 0; 8,000 scenes drew an 880,000-pixel-wide figure (2.8 GB)."""
+    from jscenegen.eval.plots import MAX_BARS
+
+    ids = ["$\\bad$", "x_{1}$^$", *(f"s{i}" for i in range(MAX_BARS + 8))]
+    rep = _synthetic_report(scenes=tuple(ids))
+    rep["scenes"][1]["model"].update(reward=None, failure_rate=None, failure_causes={"judge_error": 2})
+    ax, image = _plotted(rep, tmp_path / "r.png")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ids[:MAX_BARS]
+    heights = [b.get_height() for b in ax.patches]
+    assert len(heights) == MAX_BARS and np.isnan(heights[1]) and heights[0] == 0.5
+    assert [t.get_text() for t in ax.texts] == ["masked"]
+    assert ax.get_title().endswith(f"the first {MAX_BARS} of {MAX_BARS + 10} scenes)")
+    assert image.shape[1] < 7000
 
 
 def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
@@ -302,6 +328,29 @@ def test_an_eval_whose_plot_path_became_a_directory_keeps_the_earlier_report(tmp
         "and renames it over the target, so give a file path")
     assert out.read_text() == "earlier report" and plot.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "r.json", "r.png"]
+
+
+def test_an_eval_whose_plot_cannot_be_drawn_still_writes_its_report(tmp_path, capsys, monkeypatch):
+    """The plot is drawn before the report is written (so a stop leaves both or neither): a
+    plot that raised lost the whole evaluation (helper-170)."""
+    import jscenegen.eval.plots
+
+    scenes = tmp_path / "one.jsonl"
+    scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+    out = tmp_path / "new" / "r.json"
+
+    def broken(report, path):
+        raise RuntimeError("Unknown symbol: \\bad\nfound '\\'")
+
+    monkeypatch.setattr(jscenegen.eval.plots, "plot_report", broken)
+    assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes), "--greedy",
+                 "--out", str(out), *TINY]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"error: --plot {out.with_suffix('.png')}: not drawn (RuntimeError: "
+                          "Unknown symbol: ") and err.endswith(f"); the report is written to {out}")
+    report = json.loads(out.read_text())
+    assert [r["scene_id"] for r in report["scenes"]] == [dev_records()[0].scene.scene_id]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["r.json"]
 
 
 def test_eval_with_a_judge_that_grades_nothing_fails_after_writing_the_report(tmp_path, capsys):
@@ -666,11 +715,19 @@ def test_no_pytorch_advice_when_a_command_imports_transformers_without_torch(tmp
     assert "PyTorch was not found" not in proc.stderr + proc.stdout
 
 
+SAMPLED = {"temperature": 1.0, "top_k": 0, "buckets": [64, 256]}
+
+
 def _synthetic_report(scenes=("a", "b"), seeds=(1, 2)) -> dict:
+    from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+    from jscenegen.scene.protocol import protocol_digests
+
     stats = {"reward": 0.5, "failure_rate": 0.0, "units": 10.0, "reachable": 1.0, "quality": 0.6,
              "unit_penalty": 0.1, "failure_causes": {}}
     return {"schema": "jscenegen.eval/1", "samples": len(seeds),
             "judge": {"backend": "rule", "model": None, "rubric_hash": "e8178fedbec1139e"},
+            "protocol": protocol_digests(SceneRuntimeConfig(), JudgeConfig()),
+            "sampling": dict(SAMPLED),
             "scenes": [{"scene_id": sid, "seed": 7, "prompt": f"a room {sid}", "model": dict(stats, episodes=[
                 {"seed": s, "reward": 0.5, "masked": False, "failure_cause": None} for s in seeds])}
                        for sid in scenes],
@@ -798,8 +855,8 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
         damage(rep)
         rc, err = _compare(tmp_path, capsys, good, rep)
         assert rc == 2 and len(err.splitlines()) == 1 and "after.json" in err and why in err, err
-    sampled = {"temperature": 1.0, "top_k": 0, "buckets": [64, 256]}
-    good = _edited(lambda r: r.update(sampling=sampled))
+    sampled = SAMPLED
+    good = _synthetic_report()
     # the decode layout changes no token: reports that differ in it compare
     assert _compare(tmp_path, capsys, good, _edited(
         lambda r: r.update(sampling=dict(sampled, buckets=[32])))) == (0, "")
@@ -817,25 +874,23 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
         capsys.readouterr().err
     no_model = _synthetic_report()
     del no_model["scenes"][1]["model"]
-    no_model["sampling"] = sampled
 
-    def drawn(rep):   # with the same sampling as `good`
-        return dict(rep, sampling=sampled)
-
-    for after, why in ((drawn(_synthetic_report(scenes=("a",))), r"1 scene\(s\) only in .*before.json: b"),
+    for after, why in ((_synthetic_report(scenes=("a",)), r"1 scene\(s\) only in .*before.json: b"),
                        # compared silently while a one-sided `protocol` was refused
-                       (_synthetic_report(), r"the sampling settings are recorded by one report "
-                        r"only \(\S*after.json has none: .*re-run `jscenegen eval` for that report$"),
-                       (_edited(lambda r: r.update(sampling={})), r"the sampling settings are "
-                        r"recorded by one report only \(\S*after.json has none"),
-                       (drawn(_synthetic_report(seeds=(1,))), r"scene a has model episodes of different seeds \(seeds \[1, 2\] in .*before.json, seeds \[1\] in .*after.json\)"),
+                       (_edited(lambda r: r.pop("sampling")), r"the sampling settings is not "
+                        r"recorded by \S*after.json \(`sampling`: .*re-run `jscenegen eval` for that report$"),
+                       (_edited(lambda r: r.update(sampling={})), r"the sampling settings is not "
+                        r"recorded by \S*after.json"),
+                       (_edited(lambda r: r.pop("judge")), r"the judge is not recorded by "
+                        r"\S*after.json \(`judge`"),
+                       (_synthetic_report(seeds=(1,)), r"scene a has model episodes of different seeds \(seeds \[1, 2\] in .*before.json, seeds \[1\] in .*after.json\)"),
                        (no_model, "scene b has no model episodes in .*after.json"),
-                       (drawn(_edited(lambda r: r["judge"].update(backend="http", model="Qwen3-27B"))),
+                       (_edited(lambda r: r["judge"].update(backend="http", model="Qwen3-27B")),
                         "graded by different judges \\(rule rubric e8178fedbec1 and http Qwen3-27B "
                         "rubric e8178fedbec1\\): their rewards do not compare"),
-                       (drawn(_edited(lambda r: r["scenes"][1].update(seed=8))),
+                       (_edited(lambda r: r["scenes"][1].update(seed=8)),
                         r"scene b differs in its seed \(another scene set under the same ids\)"),
-                       (drawn(_edited(lambda r: r["scenes"][0].update(prompt="a kitchen"))),
+                       (_edited(lambda r: r["scenes"][0].update(prompt="a kitchen")),
                         "scene a differs in its prompt"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, chat_template_sha256="cd"))),
                         r"sampling.chat_template_sha256 is recorded by one report only \(\S*before.json "
@@ -849,6 +904,11 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                         r"0 and 5\): the same seeds draw other tokens")):
         rc, err = _compare(tmp_path, capsys, good, after)
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
+    # two reports that both lack it compared with exit 0 (helper-170)
+    old = _edited(lambda r: [r.pop(k) for k in ("protocol", "sampling")])
+    rc, err = _compare(tmp_path, capsys, old, old)
+    assert rc == 2 and re.search(r"the scene protocol is not recorded by \S*before.json nor "
+                                 r"\S*after.json .*re-run `jscenegen eval` for both$", err), err
 
 
 def test_compare_reads_every_report_eval_can_write(tmp_path, capsys, monkeypatch):
@@ -948,8 +1008,8 @@ def test_compare_refuses_reports_played_under_other_scene_settings(tmp_path, cap
              r"\(scene.reward differ\): their rewards do not compare$"),
             (played(budget_units=256, op_costs={"add_object": 4}),
              r"\(scene.budget_units, scene.op_costs differ\)"),
-            (_synthetic_report(), r"the scene protocol is recorded by one report only "
-             r"\(\S*after.json has none: .*re-run `jscenegen eval` for that report$"),
+            (_edited(lambda r: r.pop("protocol")), r"the scene protocol is not recorded by "
+             r"\S*after.json \(`protocol`: .*re-run `jscenegen eval` for that report$"),
             (_edited(lambda r: r.update(protocol=[1])), r"after.json \(an evaluation report .*\): protocol must map the scene "
              r"protocol's parts to digests \(strings\), got \[1\]$")):
         rc, err = _compare(tmp_path, capsys, played(), after)

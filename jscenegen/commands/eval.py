@@ -149,15 +149,23 @@ def _refuse_evaluation_flags(args) -> None:
 
 
 def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
-    """The report at `out` and its plot at `plot`, both or neither: the plot waits beside its
-    place until the report is written; parents this made are removed on an error."""
+    """The report at `out` and its plot at `plot`, both or neither when stopped: the plot waits
+    beside its place until the report is written; parents this made are removed on an error.
+    A plot that cannot be drawn does not cost the evaluation: the report is written, then a
+    ValueError names the plot."""
     from jscenegen.eval.plots import plot_report
     from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
+    from jscenegen.text import clip_text
 
     pending = plot.with_name(hidden_name(plot.name, "pending.png"))
     with new_parents_removed_on_error(out), new_parents_removed_on_error(plot):
         try:
-            plot_report(report, pending)
+            try:
+                plot_report(report, pending)
+            except Exception as err:   # matplotlib's many errors; a stop is no Exception
+                write_json(out, report)
+                raise ValueError(f"--plot {plot}: not drawn ({type(err).__name__}: "
+                                 f"{clip_text(str(err), 300)}); the report is written to {out}") from err
             refuse_non_regular(plot, f"--plot {plot}")   # made a directory while eval ran
             write_json(out, report)
             os.replace(pending, plot)

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from jscenegen.checkpoint.store import (
     HF_DIR,
     CheckpointError,
@@ -302,6 +304,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     overall = {}
     if engine is not None:
         overall["model"] = summarize(all_model, keys)
+        overall["model"]["zero_spread_scenes"] = float(np.mean(
+            [row["model"]["zero_spread"] for row in rows])) if rows else None
     if with_expert:
         overall["expert"] = summarize(all_expert, keys)
     report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),

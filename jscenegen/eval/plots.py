@@ -8,6 +8,9 @@ import numpy as np
 from jscenegen.paths import atomic_file
 from jscenegen.scene.reward import POLICY_FAILURES
 
+MAX_BARS = 60
+"""Scenes a plot shows (the report's first ones): the figure grows with them (0.9 inch each)."""
+
 
 def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
                 labels: tuple[str, str] = ("before", "after")) -> Path:
@@ -17,7 +20,9 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
 
     Bars are in reward units ([-1, 1]); a scene whose model episodes all failed shows its
     most frequent failure cause inside the model's bar (each of the before and after bars;
-    `main_failure_cause`).
+    `main_failure_cause`); one whose episodes were all masked has no bar and says "masked".
+    The report's first MAX_BARS scenes are drawn (the title says so when there are more);
+    scene ids are shown as plain text (matplotlib would read `$...$` as math).
     """
 
     import matplotlib
@@ -26,7 +31,7 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    rows = report["scenes"]
+    rows = report["scenes"][:MAX_BARS]
     x = np.arange(len(rows))
     # (label, colour, per-scene summaries); every series but the expert's (the model, or the
     # model before and after) gets the failure labels
@@ -42,20 +47,23 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4))
     for k, (label, colour, summaries) in enumerate(series):
         dx = (k - (len(series) - 1) / 2) * width
-        vals = [m["reward"] if m["reward"] is not None else 0.0 for m in summaries]
+        vals = [m["reward"] if m["reward"] is not None else np.nan for m in summaries]
         ax.bar(x + dx, vals, width, label=label, color=colour)
         if label == "expert":
             continue
         for j, m in enumerate(summaries):
-            cause = main_failure_cause(m)
+            cause = "masked" if m["reward"] is None else main_failure_cause(m)
             if cause is not None:
-                ax.text(x[j] + dx, -0.5, cause, ha="center", va="center", rotation=90,
-                        fontsize=7, color="white")
+                ax.text(x[j] + dx, -0.5, cause, ha="center", va="center", rotation=90, fontsize=7,
+                        color="black" if m["reward"] is None else "white", parse_math=False)
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_ylim(-1.1, 1.3)
-    ax.set_xticks(x, [r["scene_id"] for r in rows], rotation=30, ha="right", fontsize=7)
+    ax.set_xticks(x, [r["scene_id"] for r in rows], rotation=30, ha="right", fontsize=7,
+                  parse_math=False)
     ax.set_ylabel("mean reward")
-    ax.set_title(f"dev reward per scene ({report['samples']} sample(s) per scene)")
+    shown = (f", the first {len(rows)} of {len(report['scenes'])} scenes"
+             if len(report["scenes"]) > len(rows) else "")
+    ax.set_title(f"dev reward per scene ({report['samples']} sample(s) per scene{shown})")
     ax.legend(loc="upper left", ncol=len(series), fontsize=8)
     fig.tight_layout()
     try:

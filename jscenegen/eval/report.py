@@ -210,27 +210,31 @@ def _coverage(report) -> dict[str, list[int] | None]:
 
 def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> None:
     """Raise ValueError naming both files and what differs unless the two (checked) reports
-    were graded by the same judge (backend, model, rubric), played under the same scene
-    protocol where both record it (`protocol`: prompts, costs, budget, reward, metrics,
-    catalogue; one recording it alone is refused) and cover the same scenes (same
-    seeds and prompts), each with model episodes of the same sampling seeds, drawn with the same
-    `sampling` settings where both reports record them (one recording them alone, or an empty
-    object beside settings, is refused; all but the decode layout's `buckets`
+    record their `judge`, `protocol` and `sampling` (a report without one, written by an older
+    jscenegen or edited, is refused), were graded by the same judge (backend, model, rubric),
+    played under the same scene protocol (prompts, costs, budget, reward, metrics, catalogue)
+    and cover the same scenes (same seeds and prompts), each with model episodes of the same
+    sampling seeds, drawn with the same `sampling` settings (all but the decode layout's `buckets`
     and `cache_tokens`, the chat template compared by the SHA-256 of its text rather than its
     path, and temperature/top-k/top-p when both decoded greedily): a comparison of part of the episodes, of rewards on other scales or
     of other sampling rules would be silently biased."""
     b, a = _coverage(before), _coverage(after)
     where = f"{names[0]} vs {names[1]}"
+    for key, what, lost in (("judge", "the judge", "their grades cannot be shown to be one judge's"),
+                            ("protocol", "the scene protocol",
+                             "their rewards cannot be shown to be on one scale"),
+                            ("sampling", "the sampling settings",
+                             "their sampling cannot be shown to agree")):
+        missing = [n for n, r in zip(names, (before, after)) if not r.get(key)]
+        if missing:
+            raise ValueError(f"{where}: {what} is not recorded by {' nor '.join(missing)} "
+                             f"(`{key}`: written by an older jscenegen or edited), so {lost}; "
+                             f"re-run `jscenegen eval` for {'both' if len(missing) == 2 else 'that report'}")
     if before.get("judge") != after.get("judge"):
         raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
                          f"{_judge_name(after)}): their rewards do not compare")
     protocols = [r.get("protocol") for r in (before, after)]
     if protocols[0] != protocols[1]:
-        if None in protocols:
-            raise ValueError(f"{where}: the scene protocol is recorded by one report only "
-                             f"({names[protocols.index(None)]} has none: written by an older "
-                             "jscenegen or edited), so their rewards cannot be shown to be on one "
-                             "scale; re-run `jscenegen eval` for that report")
         parts = sorted(k for k in set(protocols[0]) | set(protocols[1])
                        if protocols[0].get(k) != protocols[1].get(k))
         shown = ", ".join(_PROTOCOL_PARTS.get(k, clip_text(k, 40)) for k in parts[:8]) + (
@@ -238,17 +242,12 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
         raise ValueError(f"{where}: played under other scene settings ({shown} differ): their "
                          "rewards do not compare")
 
-    shaping = [dict(r.get("sampling") or {}) for r in (before, after)]
-    if bool(shaping[0]) != bool(shaping[1]):
-        raise ValueError(f"{where}: the sampling settings are recorded by one report only "
-                         f"({names[shaping.index({})]} has none: written by an older jscenegen "
-                         "or edited), so their sampling cannot be shown to agree; re-run "
-                         "`jscenegen eval` for that report")
+    shaping = [dict(r["sampling"]) for r in (before, after)]
     both_greedy = all(d.get("greedy") is True for d in shaping)
     for d in shaping:
         for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
             d.pop(key, None)
-    if all(shaping) and shaping[0] != shaping[1]:
+    if shaping[0] != shaping[1]:
         keys = [k for k in sorted(set(shaping[0]) | set(shaping[1]))
                 if shaping[0].get(k) != shaping[1].get(k)]
         for key in keys:

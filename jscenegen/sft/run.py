@@ -19,7 +19,14 @@ from jscenegen.grpo.algo.optimizer import init_train_state, schedule_ends_early
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.paths import json_document, json_line, require_new_dir
 from jscenegen.sft.config import BATCH_TOKENS_MAX
-from jscenegen.sft.demos import batch_indices, build_demos, demo_batch, padded_length, sft_records
+from jscenegen.sft.demos import (
+    batch_indices,
+    build_demos,
+    demo_batch,
+    padded_length,
+    sft_records,
+    truncation_losses,
+)
 from jscenegen.sft.step import SFTStep
 from jscenegen.sharding.rules import round_up
 
@@ -106,8 +113,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     length = padded_length(demos, sc.max_seq_len, multiple, longest)
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
-                  "max_tokens": int(max(lengths)),
-                  "truncated": int(sum(n > sc.max_seq_len for n in lengths)),
+                  "max_tokens": int(max(lengths)), **truncation_losses(demos, sc.max_seq_len),
                   "policy_tokens_per_demo": float(np.mean([d.policy_mask.sum() for d in demos])),
                   "expert_mean_reward": float(np.nanmean([d.reward for d in demos])),
                   "demo_build_s": time.perf_counter() - t0}
