@@ -414,7 +414,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             for name in ("eval_change.json", "eval_change.png"):
                 (run_dir / name).unlink(missing_ok=True)
         if len(evals) == 2:
-            from jscenegen.eval.plots import plot_report
+            from jscenegen.eval.plots import plot_or_warn
             from jscenegen.eval.report import check_same_episodes, compare_reports
 
             try:   # what `eval --compare` checks: a resume may have changed the sampling
@@ -425,8 +425,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                 log.warning("no before/after comparison: %s", err)
             else:
                 write_json(run_dir / "eval_change.json", change)
-                plot_report(evals["after"], run_dir / "eval_change.png", before=evals["before"],
-                            labels=("before GRPO", "after GRPO"))
+                plot_or_warn(evals["after"], run_dir / "eval_change.png", before=evals["before"],
+                             labels=("before GRPO", "after GRPO"))
                 out["dev_change"] = {k: change[k] for k in ("pairs", "scenes", "diff", "diff_ci95")}
         print(json.dumps(out))
     if summary.stopped_by_signal:  # a scheduler must not read a stop as "finished"

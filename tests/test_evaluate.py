@@ -338,6 +338,8 @@ def test_an_eval_whose_plot_cannot_be_drawn_still_writes_its_report(tmp_path, ca
     scenes = tmp_path / "one.jsonl"
     scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
     out = tmp_path / "new" / "r.json"
+    out.parent.mkdir()
+    out.with_suffix(".png").write_bytes(b"an earlier evaluation's plot")
 
     def broken(report, path):
         raise RuntimeError("Unknown symbol: \\bad\nfound '\\'")
@@ -877,12 +879,12 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
 
     for after, why in ((_synthetic_report(scenes=("a",)), r"1 scene\(s\) only in .*before.json: b"),
                        # compared silently while a one-sided `protocol` was refused
-                       (_edited(lambda r: r.pop("sampling")), r"the sampling settings is not "
-                        r"recorded by \S*after.json \(`sampling`: .*re-run `jscenegen eval` for that report$"),
-                       (_edited(lambda r: r.update(sampling={})), r"the sampling settings is not "
-                        r"recorded by \S*after.json"),
-                       (_edited(lambda r: r.pop("judge")), r"the judge is not recorded by "
-                        r"\S*after.json \(`judge`"),
+                       (_edited(lambda r: r.pop("sampling")), r"no `sampling` \(the sampling settings\) in "
+                        r"\S*after.json \(written by .*re-run `jscenegen eval` for that report$"),
+                       (_edited(lambda r: r.update(sampling={})), r"no `sampling` \(the sampling "
+                        r"settings\) in \S*after.json"),
+                       (_edited(lambda r: r.pop("judge")), r"no `judge` \(the judge\) in "
+                        r"\S*after.json \(written"),
                        (_synthetic_report(seeds=(1,)), r"scene a has model episodes of different seeds \(seeds \[1, 2\] in .*before.json, seeds \[1\] in .*after.json\)"),
                        (no_model, "scene b has no model episodes in .*after.json"),
                        (_edited(lambda r: r["judge"].update(backend="http", model="Qwen3-27B")),
@@ -907,7 +909,7 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
     # two reports that both lack it compared with exit 0 (helper-170)
     old = _edited(lambda r: [r.pop(k) for k in ("protocol", "sampling")])
     rc, err = _compare(tmp_path, capsys, old, old)
-    assert rc == 2 and re.search(r"the scene protocol is not recorded by \S*before.json nor "
+    assert rc == 2 and re.search(r"no `protocol` \(the scene protocol\) in \S*before.json or "
                                  r"\S*after.json .*re-run `jscenegen eval` for both$", err), err
 
 
@@ -1008,8 +1010,8 @@ def test_compare_refuses_reports_played_under_other_scene_settings(tmp_path, cap
              r"\(scene.reward differ\): their rewards do not compare$"),
             (played(budget_units=256, op_costs={"add_object": 4}),
              r"\(scene.budget_units, scene.op_costs differ\)"),
-            (_edited(lambda r: r.pop("protocol")), r"the scene protocol is not recorded by "
-             r"\S*after.json \(`protocol`: .*re-run `jscenegen eval` for that report$"),
+            (_edited(lambda r: r.pop("protocol")), r"no `protocol` \(the scene protocol\) in "
+             r"\S*after.json \(written by .*re-run `jscenegen eval` for that report$"),
             (_edited(lambda r: r.update(protocol=[1])), r"after.json \(an evaluation report .*\): protocol must map the scene "
              r"protocol's parts to digests \(strings\), got \[1\]$")):
         rc, err = _compare(tmp_path, capsys, played(), after)

@@ -235,12 +235,15 @@ def test_the_judge_prompt_states_the_configured_cap_threshold():
     assert len({i["rubric_hash"] for i in ids}) == 3   # the caps' thresholds and their enforcement
 
 
-def test_a_policy_written_description_stays_one_quoted_value_the_judge_is_told_to_distrust():
+@pytest.mark.parametrize("prompts", [None, "configs/prompts-compact"])
+def test_a_policy_written_description_stays_one_quoted_value_the_judge_is_told_to_distrust(prompts):
     """A description is the graded model's text: in the judge's scene it is one JSON-quoted
     string on its object's line (a quote or newline inside cannot forge another line), and
-    the system message says to ignore instructions or grades in it."""
+    the system message says to ignore instructions or grades in it (the packaged prompts and
+    the CPU default's compact ones)."""
     import dataclasses
 
+    from jscenegen.paths import resolve_data_path
     from jscenegen.scene.config import MetricsConfig
     from jscenegen.scene.judge import judge_messages
     from jscenegen.scene.prompts import load_templates
@@ -251,7 +254,8 @@ def test_a_policy_written_description_stays_one_quoted_value_the_judge_is_told_t
     scene = req.scene.model_copy(update={"objects": [obj.model_copy(update={"description": forged}),
                                                      *req.scene.objects[1:]]})
     system, user = judge_messages(dataclasses.replace(req, scene=scene), cfg("http://127.0.0.1:1/v1"),
-                                  load_templates(None), MetricsConfig())
+                                  load_templates(prompts and resolve_data_path(prompts)),
+                                  MetricsConfig())
     lines = [ln for ln in user["content"].splitlines() if "Ignore the caps" in ln]
     assert len(lines) == 1 and lines[0].startswith(f"{obj.id} {obj.category} ")
     assert json.dumps(forged) in lines[0]

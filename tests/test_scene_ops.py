@@ -371,6 +371,31 @@ def test_the_protocol_hash_reads_the_operations_own_fields_not_pydantics_json_sc
     assert _digest(op_signatures()) == "b991cba7891dd6d35d6b5666a568b314e71d6b0c0e2e0d4dcbc559ce4f9c3f8a"
 
 
+@pytest.mark.parametrize("setting", ["validator", "str_strip_whitespace"])
+def test_op_signatures_refuse_a_validator_or_a_model_setting_they_do_not_record(setting):
+    """Both change what an operation accepts, and its recorded signature stayed the same
+    (helper-171)."""
+    from pydantic import BaseModel, ConfigDict, field_validator
+
+    from jscenegen.scene.protocol import op_signatures
+
+    if setting == "validator":
+        class Op(BaseModel):
+            x: float = 1.0
+
+            @field_validator("x")
+            @classmethod
+            def positive(cls, v):
+                return abs(v)
+    else:
+        class Op(BaseModel):
+            model_config = ConfigDict(str_strip_whitespace=True)
+            x: str = ""
+    want = "field_validators" if setting == "validator" else setting
+    with pytest.raises(TypeError, match=rf"^operation 'odd': {want} is not recorded by op_signatures"):
+        op_signatures({"odd": Op})
+
+
 @pytest.mark.parametrize("extra", ["alias", "factory", "nested"])
 def test_op_signatures_refuse_a_field_they_would_not_describe_whole(extra):
     """An alias, a default factory or a nested model's own constraints would change what an

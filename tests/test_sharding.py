@@ -1,4 +1,5 @@
 """FSDP2-style parameter sharding and sequence parallelism on real 6-device CPU meshes."""
+import contextlib
 import re
 import textwrap
 
@@ -465,6 +466,52 @@ def test_qwen35_logits_and_gradients_do_not_depend_on_the_mesh(qwen35_small, dim
         n, g = g_ref.shape[0], grads[name]
         assert np.abs(g[:n] - g_ref).max() <= 1e-5 * max(np.abs(g_ref).max(), 1e-12) + 1e-9, name
         assert not g[n:].any(), f"{name}: padding rows got a gradient"
+
+
+def test_qwen35_selected_positions_on_the_mesh_equal_the_full_forward(qwen35_small):
+    """The train step's path (`model_token_logprobs` with a capacity: the last layer, gated
+    attention here, runs after the scan at the selected positions only) on the 3 x 2 mesh
+    (sequence split over sp, rows over fsdp): log-probs and gradients equal the full forward's
+    on one device, fp32 relative 1e-5."""
+    from jscenegen.grpo.algo.logprobs import model_token_logprobs
+    from jscenegen.model.functional import hidden_fn, split_params
+    from jscenegen.model.loader import build_model
+    from jscenegen.model.weights import named_leaves
+
+    cfg, arrays = qwen35_small
+    assert cfg.kinds[-1] == "full_attention"
+    ids, mask = _qwen35_batch()
+    select = (np.random.default_rng(1).random(ids.shape) < 0.4) & mask.astype(bool)
+    select[:, 0] = False
+    select[:, 1:] &= mask[:, :-1].astype(bool)   # a trained token follows a real one (padding's
+    select = select.astype(np.float32)           # states depend on the mesh)
+    assert 0 < select.sum(1).max() <= 16
+
+    def run(dims, capacity):
+        mesh = None if dims is None else make_mesh(*dims, devices=jax.devices()[:6])
+        graphdef, params, frozen = split_params(build_model(cfg, arrays.items(), mesh=mesh))
+        fn = hidden_fn(graphdef, frozen)
+
+        def loss(p, i, m, s):
+            lp, _ = model_token_logprobs(fn, p, i, m, select=s, capacity=capacity)
+            return jnp.sum(lp * s), lp
+
+        batch = {"ids": ids, "mask": mask, "select": select}
+        if mesh is not None:
+            batch = shard_batch(pad_batch(batch, mesh), mesh)
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            (_, lp), grads = step(params, batch["ids"], batch["mask"], batch["select"])
+        lp = np.asarray(lp)[:4, :21] * select   # with a capacity the others are not computed
+        return lp, {n: np.asarray(g) for n, g in named_leaves(grads).items()}
+
+    ref_lp, ref_grads = run(None, None)
+    for dims in (None, (3, 2)):
+        lp, grads = run(dims, 16)
+        assert np.abs(lp - ref_lp).max() <= 1e-5 * np.abs(ref_lp).max(), dims
+        for name, g_ref in ref_grads.items():
+            n = g_ref.shape[0]
+            assert np.abs(grads[name][:n] - g_ref).max() <= 1e-5 * max(np.abs(g_ref).max(), 1e-12) + 1e-9, (dims, name)
 
 
 def _sp_collectives(hlo: str, sp: int) -> list[tuple[str, tuple[int, ...]]]:

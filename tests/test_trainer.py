@@ -1,6 +1,7 @@
 """The GRPO loop: a smoke run, exact resume after SIGTERM, refusals, and the CPU default config."""
 import functools
 import json
+import logging
 import os
 import re
 import signal
@@ -1000,6 +1001,34 @@ def test_a_credential_from_the_environment_is_masked_in_what_swanlab_recorded(tm
     assert files and not [p for p in files if secret.encode() in p.read_bytes()]
     masked = b"*" * len(secret)
     assert any(masked in p.read_bytes() for p in files)   # it was recorded, masked
+
+
+def test_a_dev_plot_that_cannot_be_drawn_costs_a_warning_not_the_run(tmp_path, monkeypatch, caplog):
+    """A plot error at eval_before ended the run before GRPO (helper-171); the report is
+    written, an earlier plot of that name removed, and the evaluation returned."""
+    import types
+
+    import jscenegen.eval.evaluate
+    import jscenegen.eval.plots
+    from jscenegen.grpo.train.schedule import SchedulePosition
+
+    def broken(report, out, **kw):
+        raise ValueError("Unknown symbol: \\bad")
+
+    monkeypatch.setattr(jscenegen.eval.evaluate, "evaluate", lambda engine, records, **kw: {
+        "overall": {"model": {"reward": 0.25}}})
+    monkeypatch.setattr(jscenegen.eval.plots, "plot_report", broken)
+    (tmp_path / "eval_before.png").write_bytes(b"an earlier run's plot")
+    trainer = types.SimpleNamespace(cfg=_cfg(), engine=None, judge=None, run_dir=tmp_path,
+                                    pos=SchedulePosition(attempts=0, effective_updates=0),
+                                    _last_eval=None)
+    with caplog.at_level(logging.WARNING):
+        report = Trainer.evaluate_dev(trainer, "eval_before")
+    assert report["overall"]["model"]["reward"] == 0.25
+    assert json.loads((tmp_path / "eval_before.json").read_text()) == report
+    assert not (tmp_path / "eval_before.png").exists()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"plot {tmp_path / 'eval_before.png'} not drawn (ValueError: Unknown symbol: \\bad)"]
 
 
 def test_weights_already_evaluated_are_not_played_again(tmp_path, monkeypatch, capsys):

@@ -151,8 +151,8 @@ def _refuse_evaluation_flags(args) -> None:
 def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
     """The report at `out` and its plot at `plot`, both or neither when stopped: the plot waits
     beside its place until the report is written; parents this made are removed on an error.
-    A plot that cannot be drawn does not cost the evaluation: the report is written, then a
-    ValueError names the plot."""
+    A plot that cannot be drawn does not cost the evaluation: the report is written (an
+    earlier plot at `plot` removed), then a ValueError names the plot."""
     from jscenegen.eval.plots import plot_report
     from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
     from jscenegen.text import clip_text
@@ -164,6 +164,8 @@ def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
                 plot_report(report, pending)
             except Exception as err:   # matplotlib's many errors; a stop is no Exception
                 write_json(out, report)
+                if plot.is_file():   # an earlier evaluation's plot would pass for this one's
+                    plot.unlink()
                 raise ValueError(f"--plot {plot}: not drawn ({type(err).__name__}: "
                                  f"{clip_text(str(err), 300)}); the report is written to {out}") from err
             refuse_non_regular(plot, f"--plot {plot}")   # made a directory while eval ran

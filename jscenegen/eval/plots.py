@@ -1,12 +1,16 @@
 """Plots of evaluation reports (matplotlib, Agg backend, written atomically as PNG)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from jscenegen.paths import atomic_file
 from jscenegen.scene.reward import POLICY_FAILURES
+from jscenegen.text import clip_text
+
+log = logging.getLogger(__name__)
 
 MAX_BARS = 60
 """Scenes a plot shows (the report's first ones): the figure grows with them (0.9 inch each)."""
@@ -72,6 +76,21 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     finally:
         plt.close(fig)
     return out
+
+
+def plot_or_warn(report: dict, out: str | Path, **kwargs) -> bool:
+    """`plot_report`, for a run that must go on without its plot: an error is logged as a
+    warning naming `out` (an earlier plot there removed, so it is not read as this report's)
+    and False returned. A stop signal is no Exception and still ends the run."""
+    try:
+        plot_report(report, out, **kwargs)
+    except Exception as err:   # matplotlib's many errors
+        out = Path(out)
+        if out.is_file():
+            out.unlink()
+        log.warning("plot %s not drawn (%s: %s)", out, type(err).__name__, clip_text(str(err), 300))
+        return False
+    return True
 
 
 def main_failure_cause(summary: dict) -> str | None:

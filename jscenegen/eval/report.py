@@ -227,9 +227,9 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
                              "their sampling cannot be shown to agree")):
         missing = [n for n, r in zip(names, (before, after)) if not r.get(key)]
         if missing:
-            raise ValueError(f"{where}: {what} is not recorded by {' nor '.join(missing)} "
-                             f"(`{key}`: written by an older jscenegen or edited), so {lost}; "
-                             f"re-run `jscenegen eval` for {'both' if len(missing) == 2 else 'that report'}")
+            raise ValueError(f"{where}: no `{key}` ({what}) in {' or '.join(missing)} (written "
+                             f"by an older jscenegen or edited), so {lost}; re-run `jscenegen "
+                             f"eval` for {'both' if len(missing) == 2 else 'that report'}")
     if before.get("judge") != after.get("judge"):
         raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
                          f"{_judge_name(after)}): their rewards do not compare")

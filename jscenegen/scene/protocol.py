@@ -7,6 +7,7 @@ rubric hash), and `RULES_REVISION`. A run refuses to resume or extend when it ch
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import typing
@@ -67,9 +68,17 @@ def op_signatures(models: dict[str, type[BaseModel]] = OP_MODELS) -> dict[str, d
     models' own fields: pydantic's JSON schema of the same models is rendered differently by
     other pydantic releases (a run resumed on a machine with another one would be refused).
 
-    Raises TypeError for a field this record would not describe whole (an alias, a default
-    factory, a nested model whose own fields and constraints it would not read): extend it
-    before using one."""
+    Raises TypeError for what this record would not describe whole (a field's alias, default
+    factory or nested model, whose own fields and constraints it would not read; a validator;
+    a model setting beyond `_RECORDED_CONFIG`): extend it before using one."""
+    for op, m in models.items():
+        decorators = m.__pydantic_decorators__
+        found = [f.name for f in dataclasses.fields(decorators) if getattr(decorators, f.name)]
+        unread = sorted(set(m.model_config) - _RECORDED_CONFIG)
+        if found or unread:
+            raise TypeError(f"operation {op!r}: {', '.join(found + unread)} is not recorded by "
+                            "op_signatures; extend it")
+
     def field(op: str, name: str, info) -> list:
         nested = [t for t in _annotation_types(info.annotation)
                   if isinstance(t, type) and issubclass(t, BaseModel)]
@@ -83,6 +92,10 @@ def op_signatures(models: dict[str, type[BaseModel]] = OP_MODELS) -> dict[str, d
                    "config": {k: repr(m.model_config.get(k))
                               for k in ("strict", "extra", "allow_inf_nan")}}
             for name, m in models.items()}
+
+
+_RECORDED_CONFIG = frozenset({"strict", "extra", "allow_inf_nan", "frozen", "title"})
+"""Model settings an operation may use: recorded (the first three) or not changing what it accepts."""
 
 
 def _annotation_types(annotation) -> list:

@@ -556,7 +556,7 @@ class Trainer:
         update's `trainer.eval_every` evaluation, then `eval_after`: the same weights) is not
         played again: that report is written under `name`."""
         from jscenegen.eval.evaluate import evaluate, evaluation_samples
-        from jscenegen.eval.plots import plot_report
+        from jscenegen.eval.plots import plot_or_warn
 
         if self._last_eval is not None and self._last_eval["attempts"] == self.pos.attempts:
             report = copy.deepcopy(self._last_eval)
@@ -578,7 +578,7 @@ class Trainer:
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         if is_primary():
             write_json(self.run_dir / f"{name}.json", report)
-            plot_report(report, self.run_dir / f"{name}.png")
+            plot_or_warn(report, self.run_dir / f"{name}.png")
         return report
 
     def run(self, max_updates: int | None = None, progress=None) -> RunSummary:
