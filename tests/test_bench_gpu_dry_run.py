@@ -28,6 +28,7 @@ def test_the_gpu_bench_dry_run_reports_every_engine():
     assert ours["train_step_capacity_s"] > 0 and ours["train_logprob_mean_abs"] > 1
     assert ours["train_capacity_logprob_max_abs_diff"] < 2e-2 and ours["train_capacity_logprobs_ok"]
     assert ours["decode_tokens_per_s"] > 0
+    assert ours["decode_step_cosines"] == 1   # the RoPE table once per step, as on a GPU
     summary = lines[-1]
     assert summary["bench"] == "gpu" and summary["tiny"] is True
     assert summary["jscenegen_decode_tokens_per_s"] == pytest.approx(ours["decode_tokens_per_s"])

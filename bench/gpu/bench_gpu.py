@@ -28,6 +28,8 @@ kind (H100/H200 989 TFLOP/s dense bf16, A100 312) or --peak-tflops. MFU times th
 trained positions only from the last layer on, `capacity`), and
 `train_capacity_logprob_max_abs_diff` compares the log-probs both give the trained tokens
 (beside `train_logprob_mean_abs`, their size; `train_capacity_logprobs_ok`: below 0.1).
+`decode_step_cosines`: cosine ops in the compiled cached step (1: the RoPE table evaluated
+once, not in every layer's fusions, on this device's compiler).
 
     bash bench/gpu/run.sh                       # on the GPU machine
     python bench/gpu/bench_gpu.py --tiny        # CPU dry run: tiny model, xla attention
@@ -199,8 +201,30 @@ def _jax_decode(c: dict, args, attn: str) -> dict:
         assert (res["lengths"] == args.new).all(), res["lengths"]
 
     decode_s = timed(decode, warmup=1, repeats=args.repeats)
+    cosines = decode_step_cosines(c, attn, args.decode_batch, args.prompt + args.new)
     jax.clear_caches()
-    return {"decode_s": decode_s}
+    return {"decode_s": decode_s, "decode_step_cosines": cosines}
+
+
+def decode_step_cosines(c: dict, attn: str, rows: int, max_len: int) -> int:
+    """`cosine` ops in the compiled HLO of one cached one-token step of the bench's bf16 model
+    (compiled from shapes alone): 1 when the RoPE table is evaluated once per step, not inside
+    every layer's q and k fusions (model/rope.py; checked on CPU by tests/test_model_qwen.py,
+    here on the device that runs the bench)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.qwen import KVCache, QwenForCausalLM
+
+    cfg = QwenConfig.from_hf_dict(c, "bench config")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: QwenForCausalLM(
+        cfg, rngs=nnx.Rngs(1), param_dtype="bfloat16", compute_dtype="bfloat16", attn_impl=attn)))
+    cache = jax.eval_shape(lambda: KVCache.create(cfg, rows, max_len, jnp.bfloat16))
+    ids = jax.ShapeDtypeStruct((rows, 1), jnp.int32)
+    step = jax.jit(lambda st, ids, kv: nnx.merge(graphdef, st)(ids, jnp.ones_like(ids), cache=kv))
+    return step.lower(state, ids, cache).compile().as_text().count(" cosine(")
 
 
 def run_torch(c: dict, args) -> dict:
