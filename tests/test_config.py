@@ -337,6 +337,22 @@ def test_docs_config_md_lists_every_key_with_its_meaning_and_is_current():
     assert path.read_text() == text, f"{REFERENCE_PATH} is stale: python -m jscenegen.run_config > {REFERENCE_PATH}"
 
 
+@pytest.mark.parametrize("override, why", [
+    ("scene.metrics.agent_radius_m=1000", r"scene.metrics: .*agent_radius_m \+ access_margin_m = "
+     r"1000.1 m is wider than the reachability grid \(grid_size x cell_m = 6.4 m\)"),
+    ("scene.metrics.access_margin_m=1e300", r"scene.metrics: agent_radius_m \+ access_margin_m = 1e\+300 m is wider"),
+    ("scene.metrics.cell_m=1e300", r"scene.metrics.cell_m: .*less than or equal to 1"),
+    ("scene.metrics.min_region_m2=1e308", r"scene.metrics.min_region_m2: .*less than or equal to")])
+def test_reachability_sizes_the_grid_cannot_draw_are_refused_by_the_config(override, why):
+    """agent_radius_m=1000 hung `scene check`, `design` and `train` (the latter after its SFT
+    warm start) drawing a 40,000-cell disk; cell_m=1e300 and a huge min_region_m2 were an
+    OverflowError traceback (helper-172)."""
+    from jscenegen.run_config import load_run_config
+
+    with pytest.raises(ConfigError, match=rf"override {re.escape(override)}: {why}"):
+        load_run_config(None, [override])
+
+
 def test_a_reachability_cell_that_is_not_whole_even_millimetres_is_refused_by_the_config():
     """scene.metrics.cell_m=0.015 was accepted, then every episode failed at its start (and the
     trainer raised IndexError on the empty batch); the config refuses it, naming the key."""

@@ -239,7 +239,7 @@ def test_a_room_without_a_door_is_not_measured():
 
 
 def test_a_grid_too_large_for_the_int32_geometry_is_named_not_blamed_on_an_object():
-    """grid_size 512 x cell_m 4.0 (a 2 km grid) refused every object of every scene as lying too
+    """grid_size 512 x cell_m 1.0 (a 512 m grid; 4.0 was, before cell_m's bound) refused every object of every scene as lying too
     far from the grid origin, the grid never named. The room is checked first now; a large grid
     that the room's far corners stay within still measures (512 x 5 cm and a 6 m room)."""
     from jscenegen.scene.config import MetricsConfig, SceneRuntimeConfig
@@ -248,9 +248,9 @@ def test_a_grid_too_large_for_the_int32_geometry_is_named_not_blamed_on_an_objec
     assert MAX_ANY_ROOM_GRID_MM == 16_383
     assert 8 * MAX_ANY_ROOM_GRID_MM ** 2 < 2**31 <= 8 * (MAX_ANY_ROOM_GRID_MM + 1) ** 2
     s = KNOWN["split"]()
-    huge = SceneRuntimeConfig(metrics=MetricsConfig(grid_size=512, cell_m=4.0))
+    huge = SceneRuntimeConfig(metrics=MetricsConfig(grid_size=512, cell_m=1.0))
     with pytest.raises(ReachabilityError, match=r"^room bounding box .* with the 512 x 512 cell "
-                                                r"grid \(2048.00 m, scene.metrics.grid_size x "
+                                                r"grid \(512.00 m, scene.metrics.grid_size x "
                                                 r"cell_m\) its far corners lie beyond .* lower "
                                                 r"grid_size or cell_m"):
         measure(s, huge)

@@ -70,12 +70,13 @@ class MetricsConfig(Section):
     refused.
     """
 
-    cell_m: float = Field(0.05, gt=0, description="side of one reachability grid cell (m); must be "
-                          "a whole even number of millimetres")
+    cell_m: float = Field(0.05, gt=0, le=1, description="side of one reachability grid cell (m); "
+                          "must be a whole even number of millimetres")
     agent_radius_m: float = Field(0.15, ge=0, description="radius of the walking agent (m): free "
                                   "space is the floor eroded by it minus the blocking footprints "
                                   "dilated by it; a front-used object faces a wall when the wall is "
-                                  "closer in front of it than twice this (no room for the agent)")
+                                  "closer in front of it than twice this (no room for the agent); "
+                                  "with access_margin_m at most the grid's side, grid_size x cell_m")
     access_margin_m: float = Field(0.10, ge=0, description="access ring width (m): an object is "
                                    "reachable when the ring between its footprint dilated by "
                                    "agent_radius_m and by agent_radius_m + this touches the reached "
@@ -85,7 +86,7 @@ class MetricsConfig(Section):
     thin_height_m: float = Field(0.03, ge=0, description="an object at most this tall (m), or a "
                                  "catalogue `thin` category, is a thin covering (rug, mat): it "
                                  "neither blocks walking nor collides")
-    min_region_m2: float = Field(0.1, ge=0, description="free-space components count as regions "
+    min_region_m2: float = Field(0.1, ge=0, le=1e6, description="free-space components count as regions "
                                  "(num_regions) only when larger than this area (m^2)")
     penetration_m: float = Field(0.01, ge=0, description="footprint overlap depth (m) from which two "
                                  "objects collide, and an object enters a door clearance or window "
@@ -126,6 +127,16 @@ class MetricsConfig(Section):
         if mm < 2 or mm % 2 or abs(mm - value * 1000) > 1e-6:
             raise ValueError(f"{value} m is not a whole even number of millimetres >= 2 (0.002 m)")
         return value
+
+    @model_validator(mode="after")
+    def _rings_fit_the_grid(self) -> "MetricsConfig":
+        """The agent's disk and access ring are drawn cell by cell: wider than the grid they
+        would cover every cell (and a huge one took hours to draw)."""
+        ring, side = self.agent_radius_m + self.access_margin_m, self.grid_size * self.cell_m
+        if ring > side:
+            raise ValueError(f"agent_radius_m + access_margin_m = {ring:g} m is wider than the "
+                             f"reachability grid (grid_size x cell_m = {side:g} m)")
+        return self
 
 
 # The bounds of the reward's settings, and so of every reward (scene-protocol.md section 5:

@@ -65,13 +65,9 @@ class GridSpec:
     def disk_rows(self, r_mm: int) -> tuple[tuple[int, int], ...]:
         """((dy, half_width), ...): the disk {(dy, dx): (dx^2 + dy^2) cell^2 <= r^2} row by row."""
         rows = []
-        rc = r_mm // self.cell_mm + 1
-        for dy in range(-rc, rc + 1):
-            w = -1
-            while ((w + 1) ** 2 + dy * dy) * self.cell_mm**2 <= r_mm**2:
-                w += 1
-            if w >= 0:
-                rows.append((dy, w))
+        rc = r_mm // self.cell_mm
+        for dy in range(-rc, rc + 1):   # the largest w with (w^2 + dy^2) cell^2 <= r^2
+            rows.append((dy, math.isqrt(r_mm**2 // self.cell_mm**2 - dy * dy)))
         return tuple(rows)
 
 
