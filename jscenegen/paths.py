@@ -440,13 +440,6 @@ def json_line(obj: Any, **kwargs) -> str:
     return strict_json(obj, **kwargs)
 
 
-def jsonl_lines(text: str) -> list[str]:
-    """The lines of a JSON Lines text, numbered as an editor numbers them: split at "\\n" only
-    (a line's trailing "\\r" dropped), since a JSON string may hold U+2028, U+0085 or a form
-    feed raw, where `str.splitlines` would also split (jsonlines.org)."""
-    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
-
-
 def loads_json(data: str | bytes, *, allow_nan: bool = True) -> Any:
     """`json.loads(data)` refusing a key repeated within one object (`unique_keys`), and with
     `allow_nan=False` the non-JSON constants NaN, Infinity and -Infinity that Python's parser

@@ -225,7 +225,7 @@ def test_cli_never_writes_over_its_input(tmp_path, capsys):
 def test_cli_furnish_names_a_binary_file_and_finds_shipped_sets_from_anywhere(tmp_path, capsys, monkeypatch):
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00\x81 not text")
     assert main(["scene", "furnish", str(tmp_path / "bin.json"), "-o", str(tmp_path / "o.json")]) == 2
-    assert f"{tmp_path / 'bin.json'}: not UTF-8 text" in one_error_line(capsys)
+    assert f"{tmp_path / 'bin.json'}:1: not UTF-8 text" in one_error_line(capsys)
     monkeypatch.chdir(tmp_path)  # outside the checkout: data/... resolves under it
     assert main(["scene", "furnish", "data/scenes/dev.jsonl", "--index", "1", "-o", "f.json"]) == 0
     assert json.loads(capsys.readouterr().out)["output"] == "f.json"
@@ -418,3 +418,32 @@ def test_render_draws_any_id_as_text_under_any_legal_file_name(tmp_path, capsys)
         assert captured.err == "" and json.loads(captured.out)["output"] == str(tmp_path / name)
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".png", "a" * 251 + ".png", "s.json"]
+
+
+def test_a_scene_set_is_read_a_line_at_a_time_and_bounded(tmp_path, monkeypatch):
+    """The whole file was read and decoded at once: one 300 MB line took 843 MB, and `scene
+    furnish --index 0` of its first record read all of it (helper-172)."""
+    import tracemalloc
+
+    from jscenegen.scene import sceneset
+
+    first = json.dumps(make_record(0, "s0").to_json())
+    big = tmp_path / "big.jsonl"
+    with open(big, "w") as f:
+        f.write(first + "\n" + "x" * (sceneset.MAX_RECORD_BYTES + 1) + "\n")
+    tracemalloc.start()
+    assert read_scene_record(big, 0).scene.scene_id == "s0"
+    assert tracemalloc.get_traced_memory()[1] < 2**20   # the first line only
+    tracemalloc.stop()
+    with pytest.raises(SceneError, match=rf"^{re.escape(str(big))}:2: a record of more than "
+                                         r"4,194,304 bytes \(a scene set holds one scene per line"):
+        read_scene_set(big)
+    exact = tmp_path / "exact.jsonl"   # a record of exactly the limit, CRLF-ended, is a record
+    exact.write_text(first + " " * (sceneset.MAX_RECORD_BYTES - len(first)) + "\r\n")
+    assert len(read_scene_set(exact)) == 1
+    monkeypatch.setattr(sceneset, "MAX_SCENE_SET_RECORDS", 2)
+    many = tmp_path / "many.jsonl"
+    write_scene_set(many, [make_record(i, f"s{i}") for i in range(3)])
+    assert len([read_scene_record(many, i) for i in range(2)]) == 2
+    with pytest.raises(SceneError, match=r"many.jsonl: more than 2 scenes \(line 3\); split the set$"):
+        read_scene_set(many)

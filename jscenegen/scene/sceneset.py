@@ -7,17 +7,26 @@ the prompt, read by the rule judge's prompt_following grade.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from jscenegen.config import SEED_MAX, is_seed
-from jscenegen.paths import atomic_file, jsonl_lines, not_a_file
+from jscenegen.paths import atomic_file, not_a_file
 from jscenegen.text import clip_text, not_unicode
 
 from .reach_inputs import ReachabilityError, encode_scene
-from .schema import MAX_SCENE_OBJECTS, Scene, SceneError, json_text, parse_json, scene_from_json
+from .schema import (
+    MAX_JSON_FILE_BYTES,
+    MAX_SCENE_OBJECTS,
+    Scene,
+    SceneError,
+    json_text,
+    parse_json,
+    scene_from_json,
+)
 
 SET_SCHEMA = "scenegen.sceneset/1"
 
@@ -120,15 +129,39 @@ def require_scene_set_file(p: str | Path) -> None:
         raise SceneError(f"scene set {p}: {why}")
 
 
-def _record_lines(p: Path) -> list[tuple[int, str]]:
-    """(line number, text) of each non-blank line of the JSONL file `p`. Raises SceneError
-    naming the file when it is no regular file, is not UTF-8 or holds no record."""
+MAX_RECORD_BYTES = MAX_JSON_FILE_BYTES   # one line of a scene set: as much as a scene file
+MAX_SCENE_SET_RECORDS = 100_000          # the shipped train set holds 100
+
+
+def _record_lines(p: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line of the JSONL file `p` (split at "\\n" only, a
+    trailing "\\r" dropped: a JSON string may hold U+2028 or a form feed raw, where
+    `str.splitlines` would also split), read one line at a time. Raises SceneError naming the
+    file (and line) when it is no regular file, a line is not UTF-8 or longer than
+    MAX_RECORD_BYTES, it holds more than MAX_SCENE_SET_RECORDS records, or none."""
     require_scene_set_file(p)
-    lines = [(n, line) for n, line in enumerate(jsonl_lines(json_text(p.read_bytes(), str(p))), 1)
-             if line.strip()]
-    if not lines:
+    records = 0
+    with open(p, "rb") as f:
+        for n in itertools.count(1):
+            raw = f.readline(MAX_RECORD_BYTES + 3)   # the record, "\r\n" and one byte more
+            if not raw:
+                break
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            line = line[:-1] if line.endswith(b"\r") else line
+            if len(line) > MAX_RECORD_BYTES:
+                raise SceneError(f"{p}:{n}: a record of more than {MAX_RECORD_BYTES:,} bytes (a "
+                                 "scene set holds one scene per line, each at most as large as a "
+                                 "scene file)")
+            text = json_text(line, f"{p}:{n}")
+            if not text.strip():
+                continue
+            records += 1
+            if records > MAX_SCENE_SET_RECORDS:
+                raise SceneError(f"{p}: more than {MAX_SCENE_SET_RECORDS:,} scenes (line {n}); "
+                                 "split the set")
+            yield n, text
+    if not records:
         raise SceneError(f"{p}: no scenes (an empty scene set: one JSON record per line)")
-    return lines
 
 
 def _parse_record(p: Path, n: int, line: str, first: bool) -> SceneRecord:
@@ -166,10 +199,11 @@ def read_scene_record(path: str | Path, index: int) -> SceneRecord:
     ms to validate). Raises SceneError naming file and line, or RecordIndexError naming the
     number of records when `index` is outside them."""
     p = Path(path)
-    lines = _record_lines(p)
-    if not 0 <= index < len(lines):
-        raise RecordIndexError(f"{index} is outside {p} ({len(lines)} scenes)")
-    return _parse_record(p, *lines[index], first=index == 0)
+    count = 0
+    for count, (n, line) in enumerate(_record_lines(p), 1):
+        if count == index + 1:
+            return _parse_record(p, n, line, first=index == 0)
+    raise RecordIndexError(f"{index} is outside {p} ({count} scenes)")
 
 
 def write_scene_set(path: str | Path, records: list[SceneRecord]) -> None:
