@@ -776,6 +776,28 @@ def test_the_overall_reward_cell_is_over_the_pairs_its_difference_is_over():
     assert overall.split(" | ")[1].endswith("3 pairs)")
 
 
+def test_compare_whose_plot_cannot_be_drawn_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """The table printed, then matplotlib's error went out as it was, and an earlier plot at
+    --plot stayed beside it (helper-173)."""
+    import jscenegen.eval.plots
+
+    def broken(report, out, **kw):
+        raise ValueError("Unknown symbol: \\bad\nfound '\\'")
+
+    monkeypatch.setattr(jscenegen.eval.plots, "plot_report", broken)
+    plot = tmp_path / "change.png"
+    plot.write_bytes(b"an earlier comparison's plot")
+    rep = _synthetic_report()
+    for name in ("before.json", "after.json"):
+        (tmp_path / name).write_text(json.dumps(rep))
+    assert main(["eval", "--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json"),
+                 "--plot", str(plot)]) == 2
+    captured = capsys.readouterr()
+    assert "| **all** |" in captured.out and not plot.exists()
+    assert captured.err.strip() == (f"error: --plot {plot}: not drawn (ValueError: Unknown symbol: "
+                                    "\\bad; found '\\')")
+
+
 def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tmp_path, capsys):
     good = _synthetic_report()
     assert _compare(tmp_path, capsys, good, good) == (0, "")

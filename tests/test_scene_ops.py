@@ -396,23 +396,29 @@ def test_op_signatures_refuse_a_validator_or_a_model_setting_they_do_not_record(
         op_signatures({"odd": Op})
 
 
-@pytest.mark.parametrize("extra", ["alias", "factory", "nested"])
+@pytest.mark.parametrize("extra", ["alias", "factory", "nested", "annotated", "inner"])
 def test_op_signatures_refuse_a_field_they_would_not_describe_whole(extra):
     """An alias, a default factory or a nested model's own constraints would change what an
     operation accepts without changing its recorded signature (helper-168)."""
-    from pydantic import BaseModel, ConfigDict, Field
+    from typing import Annotated
+
+    from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
     from jscenegen.scene.protocol import op_signatures
 
     class Inner(BaseModel):
         width: float = Field(gt=0)
 
+    doubled = AfterValidator(lambda v: 2 * v)   # its repr holds an address: a new hash per process
     fields = {"alias": (float, Field(1.0, alias="w")),
               "factory": (list[float], Field(default_factory=list)),
-              "nested": (tuple[Inner, ...] | None, None)}[extra]
+              "nested": (tuple[Inner, ...] | None, None),
+              "annotated": (Annotated[float, doubled], 1.0),
+              "inner": (tuple[Annotated[float, doubled], ...] | None, None)}[extra]
     op = type("Op", (BaseModel,), {"__annotations__": {"x": fields[0]}, "x": fields[1],
                                    "model_config": ConfigDict(extra="forbid")})
-    with pytest.raises(TypeError, match=r"^operation 'odd' field 'x': an alias, default factory"):
+    with pytest.raises(TypeError, match=r"^operation 'odd' field 'x': an alias, default factory, "
+                                        r"nested model or validator"):
         op_signatures({"odd": op})
     plain = type("Op", (BaseModel,), {"__annotations__": {"x": float}, "x": Field(1.0, gt=0)})
     assert op_signatures({"odd": plain})["odd"]["fields"]["x"] == ["<class 'float'>", "1.0", ["Gt(gt=0)"]]

@@ -245,8 +245,8 @@ def test_cli_furnish_reads_only_the_scene_it_plays(tmp_path, capsys):
     assert main(["scene", "furnish", str(tmp_path / "set.jsonl"), "--index", "2", "-o", str(out)]) == 2
     assert one_error_line(capsys) == f"error: --index 2 is outside {tmp_path / 'set.jsonl'} (2 scenes)"
     # the library names no command-line flag (it said --index to every caller)
-    with pytest.raises(IndexError, match=r"^-1 is outside .*set\.jsonl \(2 scenes\)$"):
-        read_scene_record(tmp_path / "set.jsonl", -1)
+    with pytest.raises(IndexError, match=r"^-1 is outside .*set\.jsonl \(records are numbered from 0\)$"):
+        read_scene_record(tmp_path / "set.jsonl", -1)   # refused before the file is read
 
 
 def test_cli_furnish_refuses_a_request_the_catalogue_cannot_satisfy(tmp_path, capsys):
@@ -438,6 +438,10 @@ def test_a_scene_set_is_read_a_line_at_a_time_and_bounded(tmp_path, monkeypatch)
     with pytest.raises(SceneError, match=rf"^{re.escape(str(big))}:2: a record of more than "
                                          r"4,194,304 bytes \(a scene set holds one scene per line"):
         read_scene_set(big)
+    joined = tmp_path / "joined.jsonl"   # a byte-order mark starts the file, not a line in it
+    joined.write_bytes(b"\xef\xbb\xbf" + first.encode() + b"\n\xef\xbb\xbf" + first.encode() + b"\n")
+    with pytest.raises(SceneError, match=rf"^{re.escape(str(joined))}:2: not valid JSON"):
+        read_scene_set(joined)
     exact = tmp_path / "exact.jsonl"   # a record of exactly the limit, CRLF-ended, is a record
     exact.write_text(first + " " * (sceneset.MAX_RECORD_BYTES - len(first)) + "\r\n")
     assert len(read_scene_set(exact)) == 1

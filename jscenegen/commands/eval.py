@@ -50,8 +50,21 @@ def compare(before: str, after: str, plot: str | None) -> int:
     except ValueError as err:
         raise ValueError(f"{before} vs {after}: cannot compare ({err})") from None
     if plot:
-        plot_report(reports[1], plot, before=reports[0])
+        try:
+            plot_report(reports[1], plot, before=reports[0])
+        except Exception as err:   # matplotlib's many errors; a stop is no Exception
+            raise _not_drawn(Path(plot), err) from err
     return 0
+
+
+def _not_drawn(plot: Path, err: Exception) -> ValueError:
+    """The error for a plot that could not be drawn, an earlier plot at `plot` removed (it
+    would pass for this one)."""
+    from jscenegen.text import clip_text
+
+    if plot.is_file():
+        plot.unlink()
+    return ValueError(f"--plot {plot}: not drawn ({type(err).__name__}: {clip_text(str(err), 300)})")
 
 
 def run(args) -> int:
@@ -155,7 +168,6 @@ def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
     earlier plot at `plot` removed), then a ValueError names the plot."""
     from jscenegen.eval.plots import plot_report
     from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
-    from jscenegen.text import clip_text
 
     pending = plot.with_name(hidden_name(plot.name, "pending.png"))
     with new_parents_removed_on_error(out), new_parents_removed_on_error(plot):
@@ -164,10 +176,7 @@ def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
                 plot_report(report, pending)
             except Exception as err:   # matplotlib's many errors; a stop is no Exception
                 write_json(out, report)
-                if plot.is_file():   # an earlier evaluation's plot would pass for this one's
-                    plot.unlink()
-                raise ValueError(f"--plot {plot}: not drawn ({type(err).__name__}: "
-                                 f"{clip_text(str(err), 300)}); the report is written to {out}") from err
+                raise ValueError(f"{_not_drawn(plot, err)}; the report is written to {out}") from err
             refuse_non_regular(plot, f"--plot {plot}")   # made a directory while eval ran
             write_json(out, report)
             os.replace(pending, plot)

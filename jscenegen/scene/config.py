@@ -62,6 +62,9 @@ class OpCosts(Section):
     get_scene: int = _op_cost(0)
 
 
+MAX_RING_CELLS = 31   # scene/reachability_jax.py shifts rows packed in 32-bit words
+
+
 class MetricsConfig(Section):
     """Geometry and reachability parameters (scene-protocol.md section 4), metres.
 
@@ -76,7 +79,7 @@ class MetricsConfig(Section):
                                   "space is the floor eroded by it minus the blocking footprints "
                                   "dilated by it; a front-used object faces a wall when the wall is "
                                   "closer in front of it than twice this (no room for the agent); "
-                                  "with access_margin_m at most the grid's side, grid_size x cell_m")
+                                  "with access_margin_m at most 31 cells of cell_m")
     access_margin_m: float = Field(0.10, ge=0, description="access ring width (m): an object is "
                                    "reachable when the ring between its footprint dilated by "
                                    "agent_radius_m and by agent_radius_m + this touches the reached "
@@ -129,13 +132,15 @@ class MetricsConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _rings_fit_the_grid(self) -> "MetricsConfig":
-        """The agent's disk and access ring are drawn cell by cell: wider than the grid they
-        would cover every cell (and a huge one took hours to draw)."""
-        ring, side = self.agent_radius_m + self.access_margin_m, self.grid_size * self.cell_m
-        if ring > side:
-            raise ValueError(f"agent_radius_m + access_margin_m = {ring:g} m is wider than the "
-                             f"reachability grid (grid_size x cell_m = {side:g} m)")
+    def _ring_fits_the_kernels(self) -> "MetricsConfig":
+        """The agent's disk and access ring are dilations by a disk of that many cells: the
+        JAX kernel shifts rows packed in 32-bit words by at most MAX_RING_CELLS (beyond, it
+        disagreed with NumPy) and NumPy's dilation grows with the disk's area (1000 m hung)."""
+        ring = self.agent_radius_m + self.access_margin_m
+        cells = round(ring * 1000) // round(self.cell_m * 1000)
+        if cells > MAX_RING_CELLS:
+            raise ValueError(f"agent_radius_m + access_margin_m = {ring:g} m is {cells:,} cells "
+                             f"of cell_m {self.cell_m:g} m; at most {MAX_RING_CELLS}")
         return self
 
 

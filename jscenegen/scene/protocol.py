@@ -12,7 +12,7 @@ import hashlib
 import json
 import typing
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel, BeforeValidator, PlainValidator, WrapValidator
 
 from .actions import ACTION_GRAMMAR
 from .caps import caps_table
@@ -82,9 +82,13 @@ def op_signatures(models: dict[str, type[BaseModel]] = OP_MODELS) -> dict[str, d
     def field(op: str, name: str, info) -> list:
         nested = [t for t in _annotation_types(info.annotation)
                   if isinstance(t, type) and issubclass(t, BaseModel)]
-        if info.alias or info.validation_alias or info.default_factory is not None or nested:
-            raise TypeError(f"operation {op!r} field {name!r}: an alias, default factory or "
-                            "nested model is not recorded by op_signatures; extend it")
+        validators = [m for m in info.metadata if isinstance(m, _FIELD_VALIDATORS)] + [
+            m for t in _annotation_types(info.annotation) for m in getattr(t, "__metadata__", ())
+            if isinstance(m, _FIELD_VALIDATORS)]
+        if info.alias or info.validation_alias or info.default_factory is not None or nested \
+                or validators:
+            raise TypeError(f"operation {op!r} field {name!r}: an alias, default factory, nested "
+                            "model or validator is not recorded by op_signatures; extend it")
         return [repr(info.annotation), "required" if info.is_required() else repr(info.default),
                 [repr(m) for m in info.metadata]]
 
@@ -94,6 +98,7 @@ def op_signatures(models: dict[str, type[BaseModel]] = OP_MODELS) -> dict[str, d
             for name, m in models.items()}
 
 
+_FIELD_VALIDATORS = (AfterValidator, BeforeValidator, PlainValidator, WrapValidator)
 _RECORDED_CONFIG = frozenset({"strict", "extra", "allow_inf_nan", "frozen", "title"})
 """Model settings an operation may use: recorded (the first three) or not changing what it accepts."""
 

@@ -152,7 +152,7 @@ def _record_lines(p: Path) -> Iterator[tuple[int, str]]:
                 raise SceneError(f"{p}:{n}: a record of more than {MAX_RECORD_BYTES:,} bytes (a "
                                  "scene set holds one scene per line, each at most as large as a "
                                  "scene file)")
-            text = json_text(line, f"{p}:{n}")
+            text = json_text(line, f"{p}:{n}", file_start=n == 1)
             if not text.strip():
                 continue
             records += 1
@@ -199,6 +199,8 @@ def read_scene_record(path: str | Path, index: int) -> SceneRecord:
     ms to validate). Raises SceneError naming file and line, or RecordIndexError naming the
     number of records when `index` is outside them."""
     p = Path(path)
+    if index < 0:
+        raise RecordIndexError(f"{index} is outside {p} (records are numbered from 0)")
     count = 0
     for count, (n, line) in enumerate(_record_lines(p), 1):
         if count == index + 1:

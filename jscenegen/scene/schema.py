@@ -390,12 +390,12 @@ def read_json_file(path: str | Path, label: str | None = None, max_bytes: int = 
     return parse_json(json_text(raw, label), label)
 
 
-def json_text(raw: bytes, label: str) -> str:
-    """The text of a JSON or JSONL file's bytes, a leading UTF-8 byte-order mark dropped (it is
-    not JSON; RFC 8259 8.1 lets a reader ignore it). Raises SceneError naming `label` for bytes
-    that are not UTF-8."""
+def json_text(raw: bytes, label: str, file_start: bool = True) -> str:
+    """The text of a JSON or JSONL file's bytes, a leading UTF-8 byte-order mark dropped when
+    they start the file (it is not JSON; RFC 8259 8.1 lets a reader ignore it). Raises
+    SceneError naming `label` for bytes that are not UTF-8."""
     try:
-        return raw.decode("utf-8-sig")
+        return raw.decode("utf-8-sig" if file_start else "utf-8")
     except UnicodeDecodeError as err:
         raise SceneError(f"{label}: not UTF-8 text: {err}") from None
 
