@@ -31,7 +31,7 @@ def register(sub) -> None:
 
 
 def compare(before: str, after: str, plot: str | None) -> int:
-    from jscenegen.eval.plots import plot_report
+    from jscenegen.eval.plots import discard_plot, plot_report
     from jscenegen.eval.report import check_report, check_same_episodes, comparison_markdown, read_report
     from jscenegen.paths import check_output_file, refuse_overwriting_input
 
@@ -53,18 +53,8 @@ def compare(before: str, after: str, plot: str | None) -> int:
         try:
             plot_report(reports[1], plot, before=reports[0])
         except Exception as err:   # matplotlib's many errors; a stop is no Exception
-            raise _not_drawn(Path(plot), err) from err
+            raise ValueError(f"--plot {plot}: not drawn ({discard_plot(plot, err)})") from err
     return 0
-
-
-def _not_drawn(plot: Path, err: Exception) -> ValueError:
-    """The error for a plot that could not be drawn, an earlier plot at `plot` removed (it
-    would pass for this one)."""
-    from jscenegen.text import clip_text
-
-    if plot.is_file():
-        plot.unlink()
-    return ValueError(f"--plot {plot}: not drawn ({type(err).__name__}: {clip_text(str(err), 300)})")
 
 
 def run(args) -> int:
@@ -166,7 +156,7 @@ def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
     beside its place until the report is written; parents this made are removed on an error.
     A plot that cannot be drawn does not cost the evaluation: the report is written (an
     earlier plot at `plot` removed), then a ValueError names the plot."""
-    from jscenegen.eval.plots import plot_report
+    from jscenegen.eval.plots import discard_plot, plot_report
     from jscenegen.paths import hidden_name, new_parents_removed_on_error, refuse_non_regular, write_json
 
     pending = plot.with_name(hidden_name(plot.name, "pending.png"))
@@ -176,7 +166,8 @@ def _write_report_and_plot(report: dict, out: Path, plot: Path) -> None:
                 plot_report(report, pending)
             except Exception as err:   # matplotlib's many errors; a stop is no Exception
                 write_json(out, report)
-                raise ValueError(f"{_not_drawn(plot, err)}; the report is written to {out}") from err
+                raise ValueError(f"--plot {plot}: not drawn ({discard_plot(plot, err)}); the "
+                                 f"report is written to {out}") from err
             refuse_non_regular(plot, f"--plot {plot}")   # made a directory while eval ran
             write_json(out, report)
             os.replace(pending, plot)

@@ -80,17 +80,23 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
 
 def plot_or_warn(report: dict, out: str | Path, **kwargs) -> bool:
     """`plot_report`, for a run that must go on without its plot: an error is logged as a
-    warning naming `out` (an earlier plot there removed, so it is not read as this report's)
-    and False returned. A stop signal is no Exception and still ends the run."""
+    warning naming `out` (`discard_plot`) and False returned. A stop signal is no Exception
+    and still ends the run."""
     try:
         plot_report(report, out, **kwargs)
     except Exception as err:   # matplotlib's many errors
-        out = Path(out)
-        if out.is_file():
-            out.unlink()
-        log.warning("plot %s not drawn (%s: %s)", out, type(err).__name__, clip_text(str(err), 300))
+        log.warning("plot %s not drawn (%s)", out, discard_plot(out, err))
         return False
     return True
+
+
+def discard_plot(out: str | Path, err: Exception) -> str:
+    """After `plot_report` raised `err`: an earlier plot at `out` removed (it would pass for
+    this report's); returns the error in one clipped line ("TypeName: message")."""
+    out = Path(out)
+    if out.is_file():
+        out.unlink()
+    return f"{type(err).__name__}: {clip_text(str(err), 300)}"
 
 
 def main_failure_cause(summary: dict) -> str | None:

@@ -228,17 +228,13 @@ class Attention(nnx.Module):
         positions only, out [B, C, H] (keys/values of every position).
         """
         b, s, _ = x.shape
-        xq = x if rows is None else take_rows(x, rows)
+        xq, cos_q, sin_q, mask = query_inputs(x, cos, sin, mask, rows)
         q = self.q_proj(xq).reshape(b, xq.shape[1], self.nq, self.hd)
         k = self.k_proj(x).reshape(b, s, self.nkv, self.hd)
         v = self.v_proj(x).reshape(b, s, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rows is None:
-            q = apply_rope(q, cos, sin)
-        else:
-            q, mask = apply_rope(q, take_rows(cos, rows), take_rows(sin, rows)), take_rows(mask, rows)
-        k = apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         out, new_kv = cached_attention(q, k, v, mask, kv, self.attn_impl)
         return self.o_proj(out.reshape(b, xq.shape[1], self.nq * self.hd)), new_kv
 
@@ -297,6 +293,15 @@ class MLP(nnx.Module):
 def take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
     """x [B, S, ...] at positions rows [B, C] int -> [B, C, ...]."""
     return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def query_inputs(x, cos, sin, mask, rows):
+    """What an attention's queries read, at positions `rows` [B, C] int (None: every position):
+    x [B, S, H] -> [B, C, H], cos/sin [B, S, D] -> [B, C, D], mask [B, S, Sk] -> [B, C, Sk];
+    the keys and values keep reading every position."""
+    if rows is None:
+        return x, cos, sin, mask
+    return tuple(take_rows(a, rows) for a in (x, cos, sin, mask))
 
 
 class DecoderLayer(nnx.Module):

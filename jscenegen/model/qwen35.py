@@ -64,6 +64,7 @@ from jscenegen.model.qwen import (
     check_rows_without_cache,
     full_sequence_inputs,
     logical,
+    query_inputs,
     rms_normalized,
     take_rows,
     with_empty_slots,
@@ -150,18 +151,14 @@ class GatedAttention(nnx.Module):
         [B, C] int (no cache): queries and gates at those positions only, out [B, C, h] (keys
         and values of every position)."""
         b, s, _ = x.shape
-        xq = x if rows is None else take_rows(x, rows)
+        xq, cos_q, sin_q, mask = query_inputs(x, cos, sin, mask, rows)
         c = xq.shape[1]
         qg = self.q_proj(xq).reshape(b, c, self.nq, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:]
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).reshape(b, s, self.nkv, self.hd))
         v = self.v_proj(x).reshape(b, s, self.nkv, self.hd)
-        if rows is None:
-            q = apply_rope(q, cos, sin)
-        else:
-            q, mask = apply_rope(q, take_rows(cos, rows), take_rows(sin, rows)), take_rows(mask, rows)
-        k = apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         out, new_kv = cached_attention(q, k, v, mask, kv, self.attn_impl)
         out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out.reshape(b, c, self.nq * self.hd)), new_kv

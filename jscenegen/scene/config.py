@@ -79,7 +79,7 @@ class MetricsConfig(Section):
                                   "space is the floor eroded by it minus the blocking footprints "
                                   "dilated by it; a front-used object faces a wall when the wall is "
                                   "closer in front of it than twice this (no room for the agent); "
-                                  "with access_margin_m at most 31 cells of cell_m")
+                                  f"with access_margin_m at most {MAX_RING_CELLS} cells of cell_m")
     access_margin_m: float = Field(0.10, ge=0, description="access ring width (m): an object is "
                                    "reachable when the ring between its footprint dilated by "
                                    "agent_radius_m and by agent_radius_m + this touches the reached "

@@ -64,11 +64,8 @@ class GridSpec:
 
     def disk_rows(self, r_mm: int) -> tuple[tuple[int, int], ...]:
         """((dy, half_width), ...): the disk {(dy, dx): (dx^2 + dy^2) cell^2 <= r^2} row by row."""
-        rows = []
-        rc = r_mm // self.cell_mm
-        for dy in range(-rc, rc + 1):   # the largest w with (w^2 + dy^2) cell^2 <= r^2
-            rows.append((dy, math.isqrt(r_mm**2 // self.cell_mm**2 - dy * dy)))
-        return tuple(rows)
+        rc = r_mm // self.cell_mm   # each row's w: the largest with (w^2 + dy^2) cell^2 <= r^2
+        return tuple((dy, math.isqrt(r_mm**2 // self.cell_mm**2 - dy * dy)) for dy in range(-rc, rc + 1))
 
 
 @dataclass(frozen=True)

@@ -142,15 +142,13 @@ def truncation_losses(demos: Sequence[Demo], max_tokens: int) -> dict:
     {role: policy tokens past the cut} (each policy role, 0 included), "cut_mid_answer": demos
     whose cut falls inside an answer (the kept part trains a prefix without its end)}."""
     cut = {name: 0 for name in ROLE_CODES}
-    mid = 0
-    for d in demos:
-        if len(d.tokens) <= max_tokens:
-            continue
+    truncated = mid = 0
+    for d in (d for d in demos if len(d.tokens) > max_tokens):
+        truncated += 1
         for name, code in ROLE_CODES.items():
             cut[name] += int(np.sum(d.policy_mask[max_tokens:] & (d.roles[max_tokens:] == code)))
         mid += int(d.policy_mask[max_tokens - 1] and d.policy_mask[max_tokens])
-    return {"truncated": sum(len(d.tokens) > max_tokens for d in demos), "policy_tokens_cut": cut,
-            "cut_mid_answer": mid}
+    return {"truncated": truncated, "policy_tokens_cut": cut, "cut_mid_answer": mid}
 
 
 def batch_indices(num_demos: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
