@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
-
 from jscenegen.checkpoint.store import (
     HF_DIR,
     CheckpointError,
@@ -36,7 +34,7 @@ from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.primary_judge import judge_on_primary
 from jscenegen.grpo.rollout.seeds import episode_seed
-from jscenegen.grpo.rollout.stats import summarize
+from jscenegen.grpo.rollout.stats import summarize, zero_spread_share
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
@@ -284,13 +282,14 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     # judge.concurrency, instead of waiting scene after scene; process 0 alone grades in a
     # multi-process run (a run's dev evaluations), as for the training rollouts
     judge_on_primary([ep for g in played for ep in g.episodes] + experts, judge)
-    rows, all_model, all_expert = [], [], []
+    rows, all_model, all_expert, model_groups = [], [], [], []
     for i, record in enumerate(records):
         row = {"scene_id": scene_ids[i], "seed": record.seed, "prompt": record.scene.prompt}
         if engine is not None:
             group = played[i].result()
             outs = [t.outcome for t in group.trajectories]
             all_model += outs
+            model_groups.append(outs)
             row["model"] = {**summarize(outs, keys), "episodes": [
                 _episode_row(t.outcome, member=t.member, seed=t.seed, tokens=t.num_tokens)
                 for t in group.trajectories]}
@@ -304,8 +303,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     overall = {}
     if engine is not None:
         overall["model"] = summarize(all_model, keys)
-        overall["model"]["zero_spread_scenes"] = float(np.mean(
-            [row["model"]["zero_spread"] for row in rows])) if rows else None
+        overall["model"]["zero_spread_scenes"] = zero_spread_share(
+            [o["reward"] for o in outs if not o["masked"]] for outs in model_groups)
     if with_expert:
         overall["expert"] = summarize(all_expert, keys)
     report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),

@@ -7,7 +7,7 @@ counted separately; policy failures (-1) are included.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
@@ -23,6 +23,12 @@ def _mean(values) -> float | None:
 def _zero_spread(rewards: Sequence[float]) -> bool:
     """Fewer than two rewards, or all equal: GRPO's advantages are all 0."""
     return len(rewards) < 2 or float(np.ptp(rewards)) == 0.0
+
+
+def zero_spread_share(groups: Iterable[Sequence[float]]) -> float | None:
+    """The share of groups (each its unmasked rewards) whose rewards have no spread (fewer
+    than two, or all equal: GRPO's advantages all 0); None without groups."""
+    return _mean(float(_zero_spread(g)) for g in groups)
 
 
 def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
@@ -85,7 +91,7 @@ def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str
         "reward/std": s["reward_std"],
         "reward/quality": s["quality"],
         "reward/unit_penalty": s["unit_penalty"],
-        "zero_std_group": _mean(float(_zero_spread(g)) for g in groups.values()),
+        "zero_std_group": zero_spread_share(groups.values()),
         "failure_rate": s["failure_rate"] or 0.0,
         "masked_rate": s["masked"] / max(n, 1),
         "judge_failures": float(sum(c for k, c in causes.items() if k.startswith("judge"))),
