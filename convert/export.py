@@ -25,7 +25,7 @@ from convert.layout import write_layout
 from convert.orbax_directions import orbax_state, orbax_step_dir, write_hf_into
 from convert.verl_write import check_world_size
 from jscenegen.checkpoint.checksums import write_checksums
-from jscenegen.paths import atomic_dir, loads_json, require_new_dir, write_json
+from jscenegen.paths import atomic_dir, read_json_object, require_new_dir, write_json
 
 
 def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
@@ -62,7 +62,7 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
                           "train_state": [str(step_dir / ckpt.TRAIN_STATE_ITEM)]},
             hf_link="../..")
         files += [(f"training_state/{w}", s) for w, s in verl_files]
-        meta = redact(loads_json((step_dir / ckpt.METADATA_NAME).read_bytes()))
+        meta = redact(read_json_object(step_dir / ckpt.METADATA_NAME, ConvertError))
         write_json(tmp / "training_metadata.json", meta)
         files.append(("training_metadata.json", [str(step_dir / ckpt.METADATA_NAME)]))
         write_layout(tmp, fmt="published", source=step_dir, source_format="orbax", files=files,

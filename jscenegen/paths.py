@@ -483,15 +483,26 @@ def _float_sized_int(text: str) -> int:
     return value
 
 
-def read_json_object(path: str | Path, error: type[Exception] = ValueError) -> dict:
+MAX_JSON_OBJECT_BYTES = 64 * 2**20   # checksums.json lists ~150 bytes a file: ~400,000 files
+
+
+def read_json_object(path: str | Path, error: type[Exception] = ValueError,
+                     max_bytes: int = MAX_JSON_OBJECT_BYTES) -> dict:
     """The JSON object the file at `path` holds, parsed by `loads_json` (a repeated key is
     refused). Raises `error` naming `path` when it is not a regular file (`not_a_file`: a named
-    pipe would block the read), not valid JSON, or valid JSON that is not an object; OSError
-    (which names the file) when it cannot be read."""
+    pipe would block the read), holds more than `max_bytes` (read no further: a config,
+    manifest or metadata file of several GB would be parsed whole into memory), is not valid
+    JSON, or is valid JSON that is not an object; OSError (which names the file) when it cannot
+    be read."""
     if why := not_a_file(path):
         raise error(f"{path}: {why}")
+    with open(path, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise error(f"{path}: more than {max_bytes:,} bytes, more than such a JSON file holds "
+                    "(jscenegen.paths.MAX_JSON_OBJECT_BYTES)")
     try:
-        doc = loads_json(Path(path).read_bytes())
+        doc = loads_json(raw)
     except ValueError as err:
         raise error(f"{path}: not valid JSON: {err}") from None
     if not isinstance(doc, dict):

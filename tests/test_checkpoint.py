@@ -265,6 +265,66 @@ def test_keep_last_sets_a_finished_step_that_fails_its_sizes_aside(tmp_path, mes
     assert any("checkpoint step 2 is corrupt" in m and "set aside" in m for m in caplog.messages)
 
 
+def test_a_kill_while_pruning_leaves_no_half_deleted_step(tmp_path, mesh32, hf_dir, monkeypatch,
+                                                          caplog):
+    """Pruning removed the step in place: a kill after params/ went left a step that still held
+    its checksums.json, which the next save called corrupt and kept forever."""
+    import jscenegen.checkpoint.store as store_mod
+
+    store = CheckpointStore(tmp_path, keep_last=1)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        real_rmtree(Path(path) / "params")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_mod.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_step(store, 2, mesh32, hf_dir, seed=2)
+    monkeypatch.setattr(store_mod.shutil, "rmtree", real_rmtree)
+    assert store.steps() == [2] and check_step(store.step_path(2)).valid
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".1.deleting-")]
+    with caplog.at_level("WARNING"):
+        save_step(store, 3, mesh32, hf_dir, seed=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
+    assert not any("corrupt" in m for m in caplog.messages)
+
+
+def test_a_step_that_cannot_be_pruned_is_a_warning_not_a_failed_save(tmp_path, mesh32, hf_dir,
+                                                                      monkeypatch, caplog):
+    """A failed deletion of an older step raised from save() after the new step was complete:
+    the trainer ended the run on a save that had succeeded."""
+    import jscenegen.checkpoint.store as store_mod
+
+    store = CheckpointStore(tmp_path, keep_last=1)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+
+    real_replace = os.replace
+
+    def denied(src, dst, *args, **kwargs):
+        if Path(src) == store.step_path(1):
+            raise PermissionError(13, "Permission denied", str(src))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(store_mod.os, "replace", denied)
+    with caplog.at_level("WARNING"):
+        save_step(store, 2, mesh32, hf_dir, seed=2)
+    monkeypatch.undo()
+    assert store.steps() == [1, 2] and check_step(store.step_path(2)).valid
+    assert any("step 1 in" in m and "could not be removed" in m and "Permission denied" in m
+               for m in caplog.messages)
+    save_step(store, 3, mesh32, hf_dir, seed=3)
+    assert store.steps() == [3]
+
+
+def test_a_store_on_a_file_is_one_named_error(tmp_path):
+    f = tmp_path / "checkpoints"
+    f.write_text("not a directory")
+    with pytest.raises(CheckpointError, match=r"checkpoints: not a directory"):
+        CheckpointStore(f)
+
+
 def test_a_train_state_item_that_is_no_object_is_one_named_error(tmp_path, mesh32, hf_dir):
     """restore() read it without the reader's checks: a bare TypeError / RecursionError."""
     from jscenegen.checkpoint.checksums import write_checksums

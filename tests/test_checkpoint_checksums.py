@@ -79,6 +79,19 @@ def test_directory_links_are_not_followed(tree):
     assert sorted(compute_checksums(tree)["files"]) == ["a.txt", "sub/b.bin", "sub/deeper/c"]
 
 
+def test_a_listed_file_under_a_linked_directory_fails(tree, tmp_path_factory):
+    """A step whose sub-directory was replaced by a link to a copy verified: the files listed
+    matched, and the linked directory's unlisted files were never looked at."""
+    write_checksums(tree)
+    elsewhere = tmp_path_factory.mktemp("copy") / "sub"
+    os.rename(tree / "sub", elsewhere)
+    os.symlink(elsewhere, tree / "sub")
+    (elsewhere / "unlisted.bin").write_bytes(b"x")
+    with pytest.raises(ChecksumError, match=r"sub/b\.bin: lies under the symbolic link sub .*"
+                                            r"sub/deeper/c: lies under the symbolic link sub"):
+        verify_checksums(tree)
+
+
 def test_missing_or_malformed_checksum_file(tree):
     with pytest.raises(ChecksumError, match="checksums.json: missing"):
         verify_checksums(tree)

@@ -246,6 +246,26 @@ def test_read_json_object_reads_an_object_and_refuses_what_is_no_file(tmp_path):
         read_json_object(tmp_path / "fifo")
 
 
+def test_read_json_object_reads_no_more_than_its_limit(tmp_path, monkeypatch):
+    """A manifest, metadata or config.json of several GB was read and parsed whole."""
+    f = tmp_path / "checksums.json"
+    f.write_text('{"files": {}}' + " " * 100)
+    assert read_json_object(f, _Refused, max_bytes=113) == {"files": {}}
+    read = []
+    real_open = open
+
+    def counting_open(*args, **kwargs):
+        handle = real_open(*args, **kwargs)
+        real_read = handle.read
+        handle.read = lambda n=-1: read.append(n) or real_read(n)
+        return handle
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    with pytest.raises(_Refused, match=rf"^{f}: more than 112 bytes.*MAX_JSON_OBJECT_BYTES\)$"):
+        read_json_object(f, _Refused, max_bytes=112)
+    assert read == [113]
+
+
 def test_a_name_longer_than_the_file_system_allows_is_refused_as_such(tmp_path):
     """An over-long component made `Path.exists` raise ENAMETOOLONG, reported against whatever
     path was looked at first (`--run-dir NAME/checkpoints: File name too long`)."""

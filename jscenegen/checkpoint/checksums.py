@@ -122,7 +122,9 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
     digests of files another manifest verified just before (an orbax step's own): those are
     compared, not hashed again (their sizes are still read). Raises ChecksumError naming each
     missing, resized, altered or unlisted file (`failure_message`: one line, each file under
-    `root` as given, then the manifest and how many files fail).
+    `root` as given, then the manifest and how many files fail). A listed file under a
+    directory that is a symbolic link fails too: `list_files` does not follow directory links,
+    so that directory's unlisted files would go unseen.
     """
     root = Path(root)
     if not root.is_dir():
@@ -136,6 +138,10 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
     problems: list[tuple[str, str]] = []
     for rel, entry in sorted(files.items()):
         path = root / rel
+        if (link := _linked_directory(root, rel)) is not None:
+            problems.append((rel, f"lies under the symbolic link {link} (its directory's unlisted "
+                                  "files would go unseen)"))
+            continue
         if not os.path.lexists(path):
             problems.append((rel, "missing"))
             continue
@@ -160,6 +166,16 @@ def verify_checksums(root: str | Path, *, hash_files: bool = True, under: str | 
     if problems:
         raise ChecksumError(failure_message(root, problems))
     return len(files)
+
+
+def _linked_directory(root: Path, rel: str) -> str | None:
+    """The first directory of `rel`'s path below `root` that is a symbolic link (relative
+    POSIX path), or None."""
+    parts = rel.split("/")[:-1]
+    for i in range(1, len(parts) + 1):
+        if os.path.islink(root.joinpath(*parts[:i])):
+            return "/".join(parts[:i])
+    return None
 
 
 def covering_checksums(path: str | Path, levels: int = 3, *,

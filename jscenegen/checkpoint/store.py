@@ -68,6 +68,7 @@ from jscenegen.model.config import config_with_dtype
 from jscenegen.model.dtypes import majority_dtype
 from jscenegen.paths import (
     DiskFullError,
+    fsync_path,
     is_step_name,
     quoted_storage_limit,
     read_json_object,
@@ -95,6 +96,7 @@ REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_
 ARRAY_GROUPS = ("params", "mu", "nu")
 MAX_ADAM_COUNT = int(np.iinfo(np.int32).max)  # adam/count is int32, as optax's count
 CORRUPT_MARK = ".corrupt-"  # `<step>.corrupt-<UTC time>`: a corrupt step set aside, never deleted
+DELETING_MARK = ".deleting-"  # `.<step>.deleting-<pid>`: a step being deleted, no longer a step
 
 
 class CheckpointError(RuntimeError):
@@ -734,11 +736,14 @@ class CheckpointStore:
     `directory` is created by the first save, not before. Unfinished orbax saves
     (`*.orbax-checkpoint-tmp-*`) found at start are deleted, unless another live process holds
     the run directory's lock (`jscenegen.run_lock`; the directory's parent is the run).
+    Raises CheckpointError when `directory` is a file or a link to nothing
+    (`check_checkpoints_dir`).
     """
 
     def __init__(self, directory: str | Path, *, keep_last: int = 3, async_save: bool = False):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
+        check_checkpoints_dir(directory)
         self.directory = Path(directory).absolute()
         self.keep_last = keep_last
         self.async_save = async_save
@@ -980,29 +985,62 @@ class CheckpointStore:
 
     def _delete(self, step: int) -> None:
         """Remove step `step`'s directory. Process 0 alone calls this (orbax's own `delete` is
-        a collective); every process reloads the manager after `_on_process_0`'s collective."""
-        if self.step_path(step).exists():
-            shutil.rmtree(self.step_path(step))
+        a collective); every process reloads the manager after `_on_process_0`'s collective.
+        The step is first renamed to a hidden `.<step>.deleting-<pid>` (durably: the directory
+        is synced), then removed: a kill or an error inside the removal leaves no half-deleted
+        step that still holds its checksums.json (it would read as a corrupt complete step);
+        `_remove_deleting` removes such leftovers."""
+        path = self.step_path(step)
+        if not path.exists():
+            return
+        doomed = path.with_name(f".{path.name}{DELETING_MARK}{os.getpid()}")
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.replace(path, doomed)
+        fsync_path(self.directory)
+        shutil.rmtree(doomed)
+
+    def _remove_deleting(self) -> None:
+        """Process 0 only: remove what a killed or failed `_delete` left (`.<step>.deleting-*`);
+        one that cannot be removed now is named in a warning and tried again at the next save."""
+        for doomed in sorted(self.directory.glob(f".*{DELETING_MARK}*")):
+            try:
+                if doomed.is_dir() and not doomed.is_symlink():
+                    shutil.rmtree(doomed)
+                else:
+                    doomed.unlink()
+            except OSError as err:
+                log.warning("could not remove %s, a checkpoint step being deleted: %s", doomed,
+                            one_line(str(err)))
 
     def _collect_garbage(self, newest: int) -> None:
         """Process 0 only (inside the save's `_on_process_0`). Keep the newest `keep_last` complete
         steps <= `newest`; delete the older ones and unfinished saves; set aside (never delete)
         a finished step that fails its size check, as `set_aside_corrupt` does. Sizes only, no
         hashes (the other processes wait at the save's collective): a step damaged without a
-        size change still counts as complete here (docs/checkpoints-training.md)."""
+        size change still counts as complete here (docs/checkpoints-training.md).
+        Runs after step `newest` is complete, so an error here (a step that cannot be deleted
+        or moved) is a warning naming the step, not a failed save; it is tried again at the next
+        save."""
+        self._remove_deleting()
         kept = 0
         for step in reversed([s for s in self.steps() if s <= newest]):
             status = check_step(self.step_path(step), hash_files=False)
             if status.valid and kept < self.keep_last:
                 kept += 1
                 continue
-            if not status.valid and save_finished(self.step_path(step)):
-                self._rename_aside(step, self._aside_path(step), status.reason,
-                                   f"a newer step ({newest}) is saved")
-                continue
-            log.info("deleting checkpoint step %d (%s)", step, f"keep_last={self.keep_last}"
-                     if status.valid else "an unfinished save")
-            self._delete(step)
+            try:
+                if not status.valid and save_finished(self.step_path(step)):
+                    self._rename_aside(step, self._aside_path(step), status.reason,
+                                       f"a newer step ({newest}) is saved")
+                    continue
+                log.info("deleting checkpoint step %d (%s)", step, f"keep_last={self.keep_last}"
+                         if status.valid else "an unfinished save")
+                self._delete(step)
+            except OSError as err:
+                log.warning("checkpoint step %d is saved, but step %d in %s could not be removed "
+                            "(tried again at the next save): %s", newest, step, self.directory,
+                            one_line(str(err)))
 
     def restore(self, step: int | None = None,
                 target: Mapping[str, jax.ShapeDtypeStruct] | None = None,
