@@ -493,6 +493,34 @@ def test_turn_stopped_by_a_stop_string_gets_its_end_of_turn_as_environment(model
     np.testing.assert_array_equal(tr.tokens, trs[0].tokens[:-1])
 
 
+def test_a_turn_ended_by_another_end_of_generation_id_is_closed_by_the_environment(
+        sampled_engine, model, chat, record, rule_judge):
+    """A turn ends at any of the model's end-of-generation ids (`chat.end_ids`, as vLLM stops
+    on generation_config.json's eos): that id is the policy's last token, the runtime reads the
+    text before it, and the environment closes the turn with the end-of-turn token."""
+    import copy
+
+    ref = sampled_engine.run_group(record, group_id=4, seeds=[5], judge=rule_judge).trajectories[0]
+    start = ref.turns[-1]["start"] if ref.turns[-1]["role"] != "environment" else ref.turns[-2]["start"]
+    first_turn = ref.tokens[start:start + 5].tolist()
+    end = next(t for t in first_turn[2:] if t != chat.eot_id)
+    ending = copy.copy(chat)
+    ending.end_ids = (chat.eot_id, end)
+    tr = RolloutEngine(model, ending, SAMPLED).run_group(record, group_id=4, seeds=[5],
+                                                        judge=rule_judge).trajectories[0]
+    policy, closing = tr.turns[-2], tr.turns[-1]
+    cut = start + first_turn.index(end) + 1
+    assert policy == {"role": "planner", "start": start, "end": cut, "stop": "stop_token"}
+    np.testing.assert_array_equal(tr.tokens[:cut], ref.tokens[:cut])
+    assert tr.policy_mask[cut - 1] and tr.roles[cut - 1] == PLANNER
+    assert closing == {"role": "environment", "start": cut, "end": cut + 1, "stop": None}
+    assert tr.tokens[-1] == chat.eot_id and not tr.policy_mask[-1] and tr.num_tokens == cut + 1
+    assert tr.transcript[-1]["content"] == chat.decode(tr.tokens[start:cut - 1].tolist())
+    assert tr.reward == -1.0
+    want = trainer_logprobs(model, [tr.tokens.tolist()], SAMPLED.temperature)[0, :tr.num_tokens]
+    np.testing.assert_allclose(tr.logprobs[tr.policy_mask], want[tr.policy_mask], atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow   # a second model family through whole episodes (~6k tokens): minutes on 2 cores
 def test_qwen35_expert_group_through_the_hybrid_cache_with_rebuilds(record, expert, rule_judge, tmp_path):
     """The rollout engine, unchanged, on a Qwen3.5 policy (init-model --arch qwen3_5, the

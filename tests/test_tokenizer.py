@@ -115,6 +115,29 @@ def test_qwen3_style_template_is_refused_with_a_clear_error(tmp_path):
     assert ChatTokenizer.from_dir(chat_model_dir(), CHAT_TEMPLATE_FILE).eot_token == "<|im_end|>"
 
 
+def test_a_turn_ends_at_every_end_of_generation_id_of_the_model(tmp_path):
+    """Only the template's end of turn stopped a turn: a sampled `<|endoftext|>`, which vLLM
+    (and VERL's rollout) stops on as generation_config.json's eos, was trained mid-turn."""
+    import json
+    import shutil
+
+    d = tmp_path / "model"
+    shutil.copytree(chat_model_dir(), d)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    eot, eos = (tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    assert eot != eos
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, eot]}))
+    assert ChatTokenizer.from_dir(d).end_ids == (eot, eos)
+    for bad in ("[1, \"x\"]", f"{len(tok)}", "-1", "true", "1.0"):
+        (d / "generation_config.json").write_text(f'{{"eos_token_id": {bad}}}')
+        with pytest.raises(ChatTemplateError, match=rf"generation_config.json: eos_token_id must be "
+                                                    rf"a token id or a list of token ids below "
+                                                    rf"the tokenizer's {len(tok)}"):
+            ChatTokenizer.from_dir(d)
+    (d / "generation_config.json").unlink()
+    assert ChatTokenizer.from_dir(d).end_ids == (eot,)     # the tokenizer's eos is <|im_end|>
+
+
 def test_token_bytes_concatenate_to_the_text(chat):
     table = chat.token_bytes()
     assert len(table) == chat.vocab_size

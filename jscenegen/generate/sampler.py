@@ -276,7 +276,8 @@ class Sampler:
       model: a QwenForCausalLM or Qwen35ForCausalLM (its parameters may live on `mesh` in the
         training layout).
       params: SamplingParams.
-      stop_token_ids: ids that end a row's turn (the chat template's end-of-turn token).
+      stop_token_ids: ids that end a row's turn (`ChatTokenizer.end_ids`: the template's
+        end-of-turn token and the model's end-of-generation ids).
       stop_strings: strings that end a row's turn (matched on bytes, see module docstring);
         they need `token_bytes`.
       token_bytes: the bytes each vocabulary id decodes to (ChatTokenizer.token_bytes()).

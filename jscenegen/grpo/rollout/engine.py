@@ -196,7 +196,7 @@ class RolloutEngine:
         self.chat = chat
         self.cfg = cfg
         self.rollout = rollout or RolloutConfig()
-        self.sampler = Sampler(model, cfg.params(), stop_token_ids=[chat.eot_id],
+        self.sampler = Sampler(model, cfg.params(), stop_token_ids=list(chat.end_ids),
                                stop_strings=cfg.stop_strings,
                                token_bytes=chat.token_bytes() if cfg.stop_strings else None,
                                buckets=cfg.buckets, mesh=mesh, **self.rollout.sampler_options())
@@ -456,11 +456,14 @@ class RolloutEngine:
                                     "(NaN or inf in its logits)")
             return None
         role = ep.next_role
-        eot = reason == STOP_TOKEN and bool(ids) and ids[-1] == self.chat.eot_id
-        text = self.chat.decode(ids[:-1] if eot else ids)
+        ended = reason == STOP_TOKEN and bool(ids) and ids[-1] in self.chat.end_ids
+        eot = ended and ids[-1] == self.chat.eot_id
+        text = self.chat.decode(ids[:-1] if ended else ids)
         r.add(ids, ROLE_CODES[role], True, lps, STOP_REASONS[reason])
         r.transcript.append({"role": "assistant", "content": text, "actor": role})
-        r.conv.add_assistant(text, eot)
+        # another end-of-generation id (`<|endoftext|>`) stays in the conversation's text, as in
+        # its tokens; the turn is closed by the environment, as after a stop string
+        r.conv.add_assistant(text if eot or not ended else self.chat.decode(ids), eot)
         if reason == STOP_LENGTH:
             if len(r.tokens) >= cfg.max_episode_tokens:
                 r.fail("episode_token_cap", f"{len(r.tokens)} tokens")
@@ -470,7 +473,7 @@ class RolloutEngine:
             return None
         res = ep.step(text)
         if res.done:
-            if reason == STOP_STRING and len(r.tokens) < cfg.max_episode_tokens:   # at the cap: left open
+            if not eot and len(r.tokens) < cfg.max_episode_tokens:   # at the cap: left open
                 r.add(r.conv.closing_segment(), ENVIRONMENT, False)
             return None
         seg = r.conv.user_segment(res.env_message)

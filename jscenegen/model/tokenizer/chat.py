@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from jscenegen.model.assets import MAX_ASSET_FILE_BYTES, TOKENIZER_FILES, refuse_irregular_assets
-from jscenegen.paths import loads_json, not_a_file
+from jscenegen.paths import loads_json, not_a_file, read_json_object
 
 log = logging.getLogger(__name__)
 TEMPLATES_DIR = Path(__file__).with_name("templates")
@@ -79,6 +80,29 @@ def _model_type(path: str | Path) -> str | None:
         return loads_json((Path(path) / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def generation_end_ids(path: str | Path, tokenizer, eot_id: int) -> tuple[int, ...]:
+    """The ids that end a sampled turn in the model directory `path`, as vLLM (and so VERL's
+    rollout) stops on them: `eot_id` (the template's end of turn), the tokenizer's eos token and
+    generation_config.json's `eos_token_id` (an id or a list: Qwen releases list `<|im_end|>`
+    and `<|endoftext|>`), each once, `eot_id` first.
+
+    Raises ChatTemplateError naming the file when generation_config.json is not a JSON object
+    or its `eos_token_id` is not an id or a list of ids of the tokenizer."""
+    ids = [eot_id]
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.append(tokenizer.eos_token_id)
+    f = Path(path) / "generation_config.json"
+    if os.path.lexists(f):
+        eos = read_json_object(f, ChatTemplateError).get("eos_token_id")
+        listed = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(type(i) is int and 0 <= i < len(tokenizer) for i in listed):
+            raise ChatTemplateError(f"{f}: eos_token_id must be a token id or a list of token ids "
+                                    f"below the tokenizer's {len(tokenizer)}, got "
+                                    f"{str(eos)[:200]}")
+        ids += listed
+    return tuple(dict.fromkeys(ids))
 
 
 @dataclass
@@ -130,7 +154,8 @@ class ChatTokenizer:
       option: how the command's user passes a replacement template (named in the errors).
 
     Attributes: eot_token / eot_id (the template's end of assistant turn, e.g. `<|im_end|>`),
-    vocab_size (len(tokenizer)).
+    end_ids (the ids a sampled turn ends at: eot_id, and from `from_dir` also the model's
+    end-of-generation ids, `generation_end_ids`), vocab_size (len(tokenizer)).
     Raises ChatTemplateError: no template, a template jinja refuses (syntax, or an error while
     rendering), an assistant turn without an end-of-turn special token, or a template that is
     not prefix-preserving (see the module docstring).
@@ -149,6 +174,7 @@ class ChatTokenizer:
                                     f"{option} (e.g. jscenegen/model/tokenizer/templates/chatml.jinja)")
         self.eot_token = self._find_eot()
         self.eot_id = tokenizer.convert_tokens_to_ids(self.eot_token)
+        self.end_ids: tuple[int, ...] = (self.eot_id,)
         self.check_prefix_preserving()
 
     @classmethod
@@ -213,6 +239,7 @@ class ChatTokenizer:
         else:
             if chat_template_path:
                 chat.template_source = str(chat_template_path)
+        chat.end_ids = generation_end_ids(path, tok, chat.eot_id)
         return chat
 
     @property
