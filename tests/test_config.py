@@ -587,3 +587,12 @@ def test_budget_and_turn_counts_are_bounded(override, key):
 
     with pytest.raises(ConfigError, match=rf"{key}: Input should be less than or equal to"):
         load_run_config(None, [override])
+
+
+def test_top_k_minus_one_is_verls_spelling_of_off():
+    """A VERL config's `top_k: -1` (vLLM's "off") was refused; other negatives still are."""
+    from jscenegen.run_config import load_run_config
+
+    assert load_run_config(None, ["sampling.top_k=-1"]).sampling.top_k == 0
+    with pytest.raises(ConfigError, match=r"sampling\.top_k.*greater than or equal to 0"):
+        load_run_config(None, ["sampling.top_k=-2"])

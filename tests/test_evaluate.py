@@ -657,7 +657,7 @@ def test_eval_refuses_scenes_whose_episodes_cannot_start_before_loading_the_mode
                  "--out", str(tmp_path / "r.json"), *TINY]) == 2
     err = one_error_line(capsys)
     assert err.startswith(f"error: {tmp_path / 'long.jsonl'}: {record['scene']['scene_id']}: the "
-                          "prompt (") and "(all 1 of the first 1 scene(s) that start do: every episode would fail)" in err
+                          "prompt (") and "(all 1 of the first 1 scene(s) that start do: no episode could take a turn)" in err
     assert not (tmp_path / "r.json").exists()
 
 

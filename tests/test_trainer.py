@@ -436,7 +436,7 @@ def test_scenes_whose_episodes_cannot_take_a_turn_are_refused_before_the_weights
     the same case up front)."""
     with pytest.raises(ValueError, match=r"train.jsonl: train_\d+: the prompt \(\d+ tokens\) makes the "
                        r"episode start at \d+ tokens .* sampling.max_episode_tokens=128; .* \(all 3 of "
-                       r"the first 3 scene\(s\) that start do: every episode would fail\)"):
+                       r"the first 3 scene\(s\) that start do: no episode could take a turn\)"):
         Trainer(_cfg(**{"sampling.max_episode_tokens": 128}), tmp_path / "run", chat_model_dir())
     assert not (tmp_path / "run" / "checkpoints").exists()
 

@@ -139,7 +139,7 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
     message, which carries the prompt and the room) under `chat`; returns the count.
 
     Raises EpisodeTooLong (a ValueError) naming `sampling.max_episode_tokens` when they reach
-    it: the episode could not take a single turn (it would fail with `episode_token_cap`); an
+    it: the episode could not take a single turn (the rollout masks it as a `rollout_error`); an
     episode that cannot start at all raises its own error (SceneError, ChatTemplateError). A prompt that
     spells out the tokenizer's special tokens is text like any other (`ChatTokenizer.encode_turns`).
     """
@@ -163,7 +163,7 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
 def check_scenes_fit(chat, records: list[SceneRecord], cfg, source: str, sample: int = 8) -> None:
     """Refuse scenes that cannot take a single turn: when every one of the first `sample` of
     `records` whose episode can start starts it at or over `sampling.max_episode_tokens`
-    (`check_episode_fits`; every episode would fail with episode_token_cap), raise ValueError
+    (`check_episode_fits`; no episode could take a turn), raise ValueError
     naming `source` (the scene set) and the first; when only some do, warn naming the first
     and their count. A scene whose episode cannot start at all (another error) is left to the
     rollout, which reports it, and is not counted."""
@@ -182,9 +182,9 @@ def check_scenes_fit(chat, records: list[SceneRecord], cfg, source: str, sample:
     among = f"the first {min(len(records), sample)} scene(s)"
     if len(failing) == checked:
         raise ValueError(f"{where}: {failing[0][1]} (all {checked} of {among} that start do: "
-                         "every episode would fail)")
-    log.warning("%s: %s (%d of the %d of %s that start; their episodes fail with "
-                "episode_token_cap)", where, failing[0][1], len(failing), checked, among)
+                         "no episode could take a turn)")
+    log.warning("%s: %s (%d of the %d of %s that start; their episodes are masked as "
+                "rollout_error)", where, failing[0][1], len(failing), checked, among)
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from jscenegen.config import TOKENS_MAX, Section
 from jscenegen.generate.sampler import DEFAULT_BUCKETS, check_buckets
@@ -30,6 +30,12 @@ StopStrings = Annotated[tuple[str, ...], AfterValidator(_no_empty_string)]
 must match them (`sft.stop_strings`): texts, none empty."""
 DEFAULT_STOP_STRINGS = ("</action>",)
 
+
+def _verl_off(value):
+    """top_k: -1 (VERL's and vLLM's "off") is 0, this config's; other values as given."""
+    return 0 if type(value) is int and value == -1 else value
+
+
 class SamplingConfig(Section):
     """How rollouts sample: the distribution, the stops, the caps and the compiled shapes."""
 
@@ -37,8 +43,10 @@ class SamplingConfig(Section):
                                "the rollout log-probs and the trainer's recompute use the same "
                                "value (greedy: true for argmax)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass; 1.0 = off")
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off; of logits "
-                       "tied at the k-th value the lowest token ids are kept")
+    top_k: Annotated[int, BeforeValidator(_verl_off)] = Field(
+        0, ge=0, description="keep the k most likely tokens; 0 = off (-1, VERL's and vLLM's "
+        "spelling of off, is read as 0); of logits tied at the k-th value the lowest token ids "
+        "are kept")
     greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")
     max_new_tokens: int = Field(2048, ge=1, le=TOKENS_MAX,
                                 description="tokens one assistant turn may generate (at most "
