@@ -9,7 +9,7 @@ from test_sampler import trainer_logprobs
 
 from jscenegen.generate.sampler import Sampler
 from jscenegen.generate.sampling import SamplingParams
-from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, role_loss_mask
+from jscenegen.grpo.algo.roles import CRITIC, DESIGNER, ENVIRONMENT, PLANNER, ROLE_CODES, role_loss_mask
 from jscenegen.grpo.rollout.config import SamplingConfig
 from jscenegen.grpo.rollout.engine import RolloutEngine, _Row, trajectory_batch
 from jscenegen.grpo.rollout.seeds import episode_seed
@@ -495,6 +495,46 @@ def test_several_groups_in_one_batch_are_the_groups_run_alone(sampled_engine, re
             np.testing.assert_array_equal(tr.tokens, ref.tokens)
             np.testing.assert_allclose(tr.logprobs, ref.logprobs, atol=1e-5, rtol=0)
             assert tr.reward == ref.reward and tr.seed == ref.seed
+
+
+def test_sampled_multi_turn_episodes_keep_every_roles_logprobs(model, chat, record, rule_judge,
+                                                                monkeypatch):
+    """Sampled episodes were single-turn only (a random model fails its first answer): here the
+    runtime accepts the first turns whatever they say and hands the turn to another role, so each
+    episode samples planner, designer and critic turns with environment replies between them;
+    every sampled token's log-prob equals the trainer's recompute, each turn's role is recorded
+    on its tokens, and decoding the tokens gives the template's rendering of the transcript."""
+    import jscenegen.grpo.rollout.engine as engine_mod
+    from jscenegen.scene.episode import Episode, StepResult
+
+    hand_over = ["designer", "critic", "planner", "designer"]
+
+    class Accepting(Episode):
+        def step(self, text):
+            self.accepted = getattr(self, "accepted", 0) + 1
+            if self.accepted > len(hand_over):
+                return super().step(text)
+            self.next_role = hand_over[self.accepted - 1]
+            return StepResult(f"turn {self.accepted} taken; the {self.next_role} acts", False)
+
+    monkeypatch.setattr(engine_mod, "Episode", Accepting)
+    cfg = SAMPLED.model_copy(update={"max_new_tokens": 12, "temperature": 0.8, "top_k": 50,
+                                     "top_p": 0.95, "stop_strings": ("e", "a", "o", " ")})
+    trs = RolloutEngine(model, chat, cfg).run_group(record, group_id=5, seeds=[21, 22, 23],
+                                                   judge=rule_judge).trajectories
+    want = trainer_logprobs(model, [tr.tokens.tolist() for tr in trs], cfg.temperature)
+    for i, tr in enumerate(trs):
+        policy = [t for t in tr.turns if t["role"] != "environment"]
+        assert [t["role"] for t in policy] == ["planner", *hand_over]
+        for turn in policy:
+            span = slice(turn["start"], turn["end"])
+            assert tr.policy_mask[span].all() and (tr.roles[span] == ROLE_CODES[turn["role"]]).all()
+        assert tr.policy_mask.sum() == sum(t["end"] - t["start"] for t in policy)
+        mask = tr.policy_mask
+        np.testing.assert_allclose(tr.logprobs[mask], want[i, :tr.num_tokens][mask], atol=1e-5, rtol=0)
+        rendered = chat.render([{"role": m["role"], "content": m["content"]} for m in tr.transcript],
+                               add_generation_prompt=False)
+        assert rendered.startswith(chat.decode(tr.tokens.tolist()).rstrip("\n"))
 
 
 def test_turn_stopped_by_a_stop_string_gets_its_end_of_turn_as_environment(model, chat, record, rule_judge):
