@@ -559,11 +559,15 @@ def test_turn_stopped_by_a_stop_string_gets_its_end_of_turn_as_environment(model
 
 
 def test_a_turn_ended_by_another_end_of_generation_id_is_closed_by_the_environment(
-        sampled_engine, model, chat, record, rule_judge):
+        sampled_engine, model, chat, record, rule_judge, monkeypatch):
     """A turn ends at any of the model's end-of-generation ids (`chat.end_ids`, as vLLM stops
     on generation_config.json's eos): that id is the policy's last token, the runtime reads the
-    text before it, and the environment closes the turn with the end-of-turn token."""
+    text before it, and the environment closes the turn with the end-of-turn token: at the end
+    of the episode, and before the next message when the runtime takes the turn."""
     import copy
+
+    import jscenegen.grpo.rollout.engine as engine_mod
+    from jscenegen.scene.episode import Episode, StepResult
 
     ref = sampled_engine.run_group(record, group_id=4, seeds=[5], judge=rule_judge).trajectories[0]
     start = ref.turns[-1]["start"] if ref.turns[-1]["role"] != "environment" else ref.turns[-2]["start"]
@@ -580,8 +584,28 @@ def test_a_turn_ended_by_another_end_of_generation_id_is_closed_by_the_environme
     assert tr.policy_mask[cut - 1] and tr.roles[cut - 1] == PLANNER
     assert closing == {"role": "environment", "start": cut, "end": cut + 1, "stop": None}
     assert tr.tokens[-1] == chat.eot_id and not tr.policy_mask[-1] and tr.num_tokens == cut + 1
-    assert tr.transcript[-1]["content"] == chat.decode(tr.tokens[start:cut - 1].tolist())
+    assert tr.transcript[-1]["content"] == chat.decode(tr.tokens[start:cut].tolist())
     assert tr.reward == -1.0
+    read = []
+
+    class Taking(Episode):     # takes the first turn (recording what it read), then as ever
+        def step(self, text):
+            if read:
+                return super().step(text)
+            read.append(text)
+            self.next_role = "designer"
+            return StepResult("taken; the designer acts", False)
+
+    monkeypatch.setattr(engine_mod, "Episode", Taking)
+    tr = RolloutEngine(model, ending, SAMPLED).run_group(record, group_id=4, seeds=[5],
+                                                        judge=rule_judge).trajectories[0]
+    assert read == [chat.decode(ref.tokens[start:cut - 1].tolist())]
+    assert tr.turns[1]["end"] == cut and tr.turns[2]["role"] == "environment"
+    assert tr.tokens[cut] == chat.eot_id and not tr.policy_mask[cut]
+    assert [t["role"] for t in tr.turns if t["role"] != "environment"] == ["planner", "designer"]
+    rendered = chat.render([{"role": m["role"], "content": m["content"]} for m in tr.transcript],
+                           add_generation_prompt=False)
+    assert rendered.startswith(chat.decode(tr.tokens.tolist()).rstrip("\n"))
     want = trainer_logprobs(model, [tr.tokens.tolist()], SAMPLED.temperature)[0, :tr.num_tokens]
     np.testing.assert_allclose(tr.logprobs[tr.policy_mask], want[tr.policy_mask], atol=1e-5, rtol=0)
 

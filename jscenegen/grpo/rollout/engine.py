@@ -465,12 +465,13 @@ class RolloutEngine:
         role = ep.next_role
         ended = reason == STOP_TOKEN and bool(ids) and ids[-1] in self.chat.end_ids
         eot = ended and ids[-1] == self.chat.eot_id
-        text = self.chat.decode(ids[:-1] if ended else ids)
+        text = self.chat.decode(ids[:-1] if ended else ids)   # what the scene runtime reads
+        # another end-of-generation id (`<|endoftext|>`) stays in the conversation's text and
+        # transcript, as in its tokens; the environment closes the turn, as after a stop string
+        said = text if eot or not ended else self.chat.decode(ids)
         r.add(ids, ROLE_CODES[role], True, lps, STOP_REASONS[reason])
-        r.transcript.append({"role": "assistant", "content": text, "actor": role})
-        # another end-of-generation id (`<|endoftext|>`) stays in the conversation's text, as in
-        # its tokens; the turn is closed by the environment, as after a stop string
-        r.conv.add_assistant(text if eot or not ended else self.chat.decode(ids), eot)
+        r.transcript.append({"role": "assistant", "content": said, "actor": role})
+        r.conv.add_assistant(said, eot)
         if reason == STOP_LENGTH:
             if len(r.tokens) >= cfg.max_episode_tokens:
                 r.fail("episode_token_cap", f"{len(r.tokens)} tokens")
