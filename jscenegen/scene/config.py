@@ -131,14 +131,24 @@ class MetricsConfig(Section):
             raise ValueError(f"{value} m is not a whole even number of millimetres >= 2 (0.002 m)")
         return value
 
+    @property
+    def cell_mm(self) -> int:
+        """cell_m in whole millimetres (an even number: `cell_m`'s check)."""
+        return round(self.cell_m * 1000)
+
+    @property
+    def ring_mm(self) -> int:
+        """The access ring's outer radius, agent_radius_m + access_margin_m, in millimetres."""
+        return round((self.agent_radius_m + self.access_margin_m) * 1000)
+
     @model_validator(mode="after")
     def _ring_fits_the_kernels(self) -> "MetricsConfig":
         """The agent's disk and access ring are dilations by a disk of that many cells: the
         JAX kernel shifts rows packed in 32-bit words by at most MAX_RING_CELLS (beyond, it
         disagreed with NumPy) and NumPy's dilation grows with the disk's area (1000 m hung)."""
-        ring = self.agent_radius_m + self.access_margin_m
-        cells = round(ring * 1000) // round(self.cell_m * 1000)
+        cells = self.ring_mm // self.cell_mm
         if cells > MAX_RING_CELLS:
+            ring = self.agent_radius_m + self.access_margin_m
             raise ValueError(f"agent_radius_m + access_margin_m = {ring:g} m is {cells:,} cells "
                              f"of cell_m {self.cell_m:g} m; at most {MAX_RING_CELLS}")
         return self

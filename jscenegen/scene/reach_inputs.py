@@ -51,14 +51,13 @@ class GridSpec:
 
     @staticmethod
     def from_config(cfg: MetricsConfig) -> "GridSpec":
-        cell_mm = round(cfg.cell_m * 1000)   # a whole even number: MetricsConfig checks it
         # regions "larger than" min_region_m2: strictly more cells than this many
-        min_cells = math.floor(cfg.min_region_m2 * 1e6 / cell_mm**2 + 1e-9)
+        min_cells = math.floor(cfg.min_region_m2 * 1e6 / cfg.cell_mm**2 + 1e-9)
         return GridSpec(
-            cell_mm=cell_mm,
+            cell_mm=cfg.cell_mm,
             grid_size=cfg.grid_size,
             radius_mm=round(cfg.agent_radius_m * 1000),
-            ring_mm=round((cfg.agent_radius_m + cfg.access_margin_m) * 1000),
+            ring_mm=cfg.ring_mm,
             min_region_cells=min_cells,
         )
 
