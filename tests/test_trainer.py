@@ -251,6 +251,30 @@ def test_a_reference_of_another_size_is_refused_before_a_resume_rewrites_its_con
     check(str(chat_model_dir()))
 
 
+def test_a_hosts_first_signal_waits_for_the_update_after_another_hosts_stop_was_agreed(
+        monkeypatch, caplog):
+    """A stop agreed from another host's signal was read as this host's first signal, so this
+    host's own first SIGTERM (scancel signals every host, moments apart) unwound it at once,
+    inside the collective final save its peers were in."""
+    from types import SimpleNamespace
+
+    import jscenegen.grpo.train.trainer as trainer_mod
+    from jscenegen.signals import Terminated
+
+    monkeypatch.setattr(trainer_mod, "raise_if_redelivered", lambda signum: None)
+    monkeypatch.setattr(trainer_mod.STOP_REQUESTS, "take", lambda signum: 1)
+    monkeypatch.setattr(trainer_mod, "max_over_processes", lambda value: signal.SIGTERM)
+    host = SimpleNamespace(_signal_received=None, _stop_signal=None)
+    assert Trainer._stop_agreed(host) and host._stop_signal == signal.SIGTERM   # another host's
+    assert host._signal_received is None
+    with caplog.at_level("WARNING"):
+        Trainer._on_signal(host, signal.SIGTERM, None)         # its own first: waits
+    assert host._signal_received == signal.SIGTERM
+    assert any("stopping after the current update" in m for m in caplog.messages)
+    with pytest.raises(Terminated):
+        Trainer._on_signal(host, signal.SIGTERM, None)         # its own second: at once
+
+
 @pytest.mark.parametrize("in_one_call", [False, True])
 def test_a_second_signal_stops_the_run_at_once_keeping_the_saved_checkpoints(
         tmp_path, caplog, monkeypatch, in_one_call):

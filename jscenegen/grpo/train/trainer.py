@@ -236,7 +236,8 @@ class Trainer:
         self.ref_params = self._reference_params(params, resume) if cfg.loss.use_kl_loss else None
         self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
                                     primary=is_primary())
-        self._stop_signal: int | None = None
+        self._signal_received: int | None = None   # this process's own first stop signal
+        self._stop_signal: int | None = None       # the stop every process agreed on
         self._replaced_handlers: dict = {}
         self._last_eval: dict | None = None   # the newest evaluation's report
 
@@ -422,8 +423,8 @@ class Trainer:
         if not requests:
             return
         name = signal.Signals(signum).name
-        if self._stop_signal is None:
-            self._stop_signal = signum
+        if self._signal_received is None:   # not `_stop_signal`: another host's stop, agreed,
+            self._signal_received = signum  # is no signal of this one's
             if requests == 1:
                 log.warning("%s: stopping after the current update, with a checkpoint (send it "
                             "again to stop at once, losing that update)", name)
@@ -648,6 +649,7 @@ class Trainer:
                 signal.signal(s, handler)
             STOP_REQUESTS.close()
             self.logger.close()
+        self._stop_agreed()   # a signal after the last agreement, before the handlers went back
         return RunSummary(attempts=self.pos.attempts, effective_updates=self.pos.effective_updates,
                           optimizer_steps=int(adam_state(self.state.opt_state).count),
                           checkpoint=str(last_saved) if last_saved else None,
@@ -676,8 +678,10 @@ class Trainer:
 
     def _stop_agreed(self) -> bool:
         """Whether a stop signal reached any process (all stop at the same update: a signal
-        may reach one host later); a collective, so every process calls it at the same points."""
-        if (agreed := max_over_processes(self._stop_signal or 0)):
+        may reach one host later); a collective, so every process calls it at the same points.
+        The agreed signal is `_stop_signal` (what the run reports); `_on_signal` counts this
+        process's own signals apart, so its first one still waits for the update in flight."""
+        if (agreed := max_over_processes(self._signal_received or 0)):
             self._stop_signal = agreed
         return bool(agreed)
 
