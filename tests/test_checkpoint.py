@@ -285,6 +285,9 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_step(tmp_path, mesh32, hf_d
     monkeypatch.setattr(store_mod.shutil, "rmtree", real_rmtree)
     assert store.steps() == [2] and check_step(store.step_path(2)).valid
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".1.deleting-")]
+    CheckpointStore(tmp_path, keep_last=1)      # the next start removes the leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
+    (tmp_path / ".1.deleting-7").mkdir()        # or the next save does
     with caplog.at_level("WARNING"):
         save_step(store, 3, mesh32, hf_dir, seed=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]

@@ -72,6 +72,15 @@ def test_bf16_parity_of_large_logits_is_judged_against_torchs_own_bf16_error(hf_
     assert bf16_within_tolerance(5e-4, {"jscenegen": 5e-3, "torch": 2e-4})
 
 
+def test_context_positions_scale_as_vllm_derives_max_model_len(hf_dirs):
+    cfgs = {name: QwenConfig.from_hf_dict(json.loads((d / "config.json").read_text()))
+            for name, d in hf_dirs.items()}
+    assert cfgs["qwen3"].context_positions == cfgs["qwen3"].max_position_embeddings
+    assert cfgs["qwen3-yarn"].context_positions == 32 * 4      # of the original positions
+    assert cfgs["qwen2-linear"].context_positions == cfgs["qwen2-linear"].max_position_embeddings * 2
+    assert cfgs["qwen2-dynamic"].context_positions == 64
+
+
 def test_config_reads_both_rope_spellings(hf_dirs):
     d = json.loads((hf_dirs["qwen3-yarn"] / "config.json").read_text())
     cfg = QwenConfig.from_hf_dict(d)

@@ -383,15 +383,16 @@ def test_episode_token_cap_is_a_policy_failure(model, chat, record, expert):
 
 
 def test_an_episode_cap_past_the_models_positions_is_named_in_a_warning(model, chat, caplog):
-    cfg = SAMPLED.model_copy(update={"max_episode_tokens": model.cfg.max_position_embeddings + 1})
+    positions = model.cfg.max_position_embeddings
+    cfg = SAMPLED.model_copy(update={"max_episode_tokens": positions + 1})
     with caplog.at_level("WARNING"):
         RolloutEngine(model, chat, SAMPLED)
         assert not caplog.messages
         RolloutEngine(model, chat, cfg)
-    assert caplog.messages == [f"sampling.max_episode_tokens={cfg.max_episode_tokens} is more than "
-                               f"the model's max_position_embeddings="
-                               f"{model.cfg.max_position_embeddings}: positions past it were never "
-                               "trained (vLLM refuses such a max_model_len)"]
+    assert caplog.messages == [f"sampling.max_episode_tokens={positions + 1} is more than the "
+                               f"{positions} positions the model's RoPE is made for "
+                               "(max_position_embeddings, times its scaling factor): positions "
+                               "past them were never trained (vLLM refuses such a max_model_len)"]
 
 
 def test_an_episode_whose_prompt_reaches_the_cap_is_masked_not_the_policys_failure(model, chat,
@@ -402,7 +403,7 @@ def test_an_episode_whose_prompt_reaches_the_cap_is_masked_not_the_policys_failu
     cfg = FORCED.model_copy(update={"max_episode_tokens": len(prompt)})
     for tr in RolloutEngine(model, chat, cfg).run_group(
             record, group_id=0, seeds=[0, 1], judge=make_judge(JudgeConfig()), forced=expert).trajectories:
-        assert tr.failure_cause == "rollout_error" and tr.masked and not tr.policy_mask.any()
+        assert tr.failure_cause == "prompt_over_cap" and tr.masked and not tr.policy_mask.any()
         assert f"starts at {len(prompt)} tokens" in tr.failure_message
         assert "sampling.max_episode_tokens=" in tr.failure_message
 

@@ -134,7 +134,14 @@ def test_a_turn_ends_at_every_end_of_generation_id_of_the_model(tmp_path):
                                                     rf"a token id or a list of token ids below "
                                                     rf"the tokenizer's {len(tok)}"):
             ChatTokenizer.from_dir(d)
-    (d / "generation_config.json").unlink()
+    (d / "generation_config.json").unlink()      # then config.json's, as vLLM falls back to
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(config, eos_token_id=eos)))
+    assert ChatTokenizer.from_dir(d).end_ids == (eot, eos)
+    composite = {k: v for k, v in config.items() if k != "eos_token_id"}
+    (d / "config.json").write_text(json.dumps(dict(composite, text_config={"eos_token_id": eos})))
+    assert ChatTokenizer.from_dir(d).end_ids == (eot, eos)
+    (d / "config.json").write_text(json.dumps(composite))
     assert ChatTokenizer.from_dir(d).end_ids == (eot,)     # the tokenizer's eos is <|im_end|>
 
 

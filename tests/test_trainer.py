@@ -883,7 +883,9 @@ def test_a_sampler_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_
     for batch, down in [([ep("rollout_error"), ep("runtime_error")], 1),
                         ([ep("rollout_error"), ep("bad_json")], 0),      # the policy failed one
                         ([ep("rollout_error")], 1), ([ep("rollout_error")], 2),
-                        ([ep("rollout_error"), ep(None)], 0)]:
+                        ([ep("rollout_error"), ep(None)], 0),
+                        ([ep("rollout_error")], 1),
+                        ([ep("prompt_over_cap")] * 2, 0)]:   # a too-long scene: no streak
         Trainer._note_failures(fake, batch)
         assert len(fake._rollout_down) == down
 

@@ -734,8 +734,8 @@ class CheckpointStore:
     Every process of a multi-host run calls every method; only process 0 writes hf/, the
     metadata and checksums, and the others wait for it (the directory must be shared).
     `directory` is created by the first save, not before. Unfinished orbax saves
-    (`*.orbax-checkpoint-tmp-*`) found at start are deleted, unless another live process holds
-    the run directory's lock (`jscenegen.run_lock`; the directory's parent is the run).
+    (`*.orbax-checkpoint-tmp-*`) and steps a killed deletion left (`.<step>.deleting-*`) found
+    at start are deleted, unless another live process holds the run directory's lock (`jscenegen.run_lock`; the directory's parent is the run).
     Raises CheckpointError when `directory` is a file or a link to nothing
     (`check_checkpoints_dir`).
     """
@@ -759,6 +759,8 @@ class CheckpointStore:
                     shutil.rmtree(tmp)
                 else:
                     tmp.unlink()
+            if holder is None:
+                self._remove_deleting()
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, create=False))  # made by the first save
 
@@ -998,7 +1000,7 @@ class CheckpointStore:
             shutil.rmtree(doomed)
         os.replace(path, doomed)
         fsync_path(self.directory)
-        shutil.rmtree(doomed)
+        self._remove_deleting()   # the step is out of the way: what cannot go now is a warning
 
     def _remove_deleting(self) -> None:
         """Process 0 only: remove what a killed or failed `_delete` left (`.<step>.deleting-*`);

@@ -139,7 +139,7 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
     message, which carries the prompt and the room) under `chat`; returns the count.
 
     Raises EpisodeTooLong (a ValueError) naming `sampling.max_episode_tokens` when they reach
-    it: the episode could not take a single turn (the rollout masks it as a `rollout_error`); an
+    it: the episode could not take a single turn (the rollout masks it as `prompt_over_cap`); an
     episode that cannot start at all raises its own error (SceneError, ChatTemplateError). A prompt that
     spells out the tokenizer's special tokens is text like any other (`ChatTokenizer.encode_turns`).
     """
@@ -184,7 +184,7 @@ def check_scenes_fit(chat, records: list[SceneRecord], cfg, source: str, sample:
         raise ValueError(f"{where}: {failing[0][1]} (all {checked} of {among} that start do: "
                          "no episode could take a turn)")
     log.warning("%s: %s (%d of the %d of %s that start; their episodes are masked as "
-                "rollout_error)", where, failing[0][1], len(failing), checked, among)
+                "prompt_over_cap)", where, failing[0][1], len(failing), checked, among)
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -258,6 +258,20 @@ class QwenConfig:
     def rope_type(self) -> str:
         return self.rope_params.get("rope_type", "default")
 
+    @property
+    def context_positions(self) -> int:
+        """The positions the model's RoPE is made for: max_position_embeddings, times the
+        scaling `factor` of a linear, dynamic or YaRN RoPE (YaRN: of its
+        original_max_position_embeddings when given), as vLLM derives a model's longest
+        `max_model_len` (vllm/config: `_get_and_verify_max_len`)."""
+        params = self.rope_params
+        factor = params.get("factor")
+        if self.rope_type not in ("linear", "dynamic", "yarn") or not factor:
+            return self.max_position_embeddings
+        base = (params.get("original_max_position_embeddings") or self.max_position_embeddings
+                if self.rope_type == "yarn" else self.max_position_embeddings)
+        return int(base * float(factor))
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "QwenConfig":
         """Build from a parsed HF config dict.

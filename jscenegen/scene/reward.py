@@ -30,7 +30,10 @@ POLICY_FAILURES = (
 # not the policy's fault (masked out of the loss, logged)
 JUDGE_FAILURES = ("judge_timeout", "judge_unparseable", "judge_error")
 RUNTIME_FAILURES = ("runtime_error", "rollout_error")   # our scene runtime or sampler failed
-MASKED_FAILURES = JUDGE_FAILURES + RUNTIME_FAILURES
+# the episode's prompt alone (system prompt, room, request) reaches sampling.max_episode_tokens:
+# the policy never acted; a setting of the run, not a fault a streak of updates should stop on
+SETUP_FAILURES = ("prompt_over_cap",)
+MASKED_FAILURES = JUDGE_FAILURES + RUNTIME_FAILURES + SETUP_FAILURES
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ Token accounting (what the trainer relies on):
 
 Failures: a truncated turn ("truncated_action" inside an open action block, else
 "truncated_generation") or the episode-token cap ("episode_token_cap") is a policy failure
-(reward -1); an exception in our runtime, tokenizer or sampler, or a prompt that alone reaches
-the cap (the policy never acted), marks the affected rows "rollout_error" (masked), a judge failure masks the row ("judge_*"); neither stops the batch.
+(reward -1); an exception in our runtime, tokenizer or sampler marks the affected rows
+"rollout_error" (masked), a prompt that alone reaches the cap (the policy never acted)
+"prompt_over_cap" (masked), a judge failure masks the row ("judge_*"); neither stops the batch.
 
 Slots: a decode round takes `max_new_tokens` slots at most and an append the longest row's
 new tokens (rounded to a bucket). With the derived `cache_tokens` the cache starts at the first
@@ -193,11 +194,11 @@ class RolloutEngine:
     def __init__(self, model, chat: ChatTokenizer, cfg: SamplingConfig, mesh=None,
                  rollout: RolloutConfig | None = None):
         chat.check_fits(model.cfg.vocab_size, "the policy")
-        if cfg.max_episode_tokens > model.cfg.max_position_embeddings:
-            log.warning("sampling.max_episode_tokens=%d is more than the model's "
-                        "max_position_embeddings=%d: positions past it were never trained (vLLM "
-                        "refuses such a max_model_len)", cfg.max_episode_tokens,
-                        model.cfg.max_position_embeddings)
+        if cfg.max_episode_tokens > model.cfg.context_positions:
+            log.warning("sampling.max_episode_tokens=%d is more than the %d positions the model's "
+                        "RoPE is made for (max_position_embeddings, times its scaling factor): "
+                        "positions past them were never trained (vLLM refuses such a "
+                        "max_model_len)", cfg.max_episode_tokens, model.cfg.context_positions)
         self.chat = chat
         self.cfg = cfg
         self.rollout = rollout or RolloutConfig()
@@ -340,7 +341,7 @@ class RolloutEngine:
                                  {"role": "user", "content": user, "actor": "environment"}]
                 r.add(ids, ENVIRONMENT, False)
                 if len(r.tokens) >= cfg.max_episode_tokens:   # the policy never acted: masked
-                    r.fail("rollout_error", f"the episode starts at {len(r.tokens)} tokens (system "
+                    r.fail("prompt_over_cap", f"the episode starts at {len(r.tokens)} tokens (system "
                                             f"prompt, room and request), at or over "
                                             f"sampling.max_episode_tokens={cfg.max_episode_tokens}")
             except Exception as err:  # our runtime or tokenizer: masked, not the policy's fault

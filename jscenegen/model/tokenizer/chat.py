@@ -86,16 +86,22 @@ def generation_end_ids(path: str | Path, tokenizer, eot_id: int) -> tuple[int, .
     """The ids that end a sampled turn in the model directory `path`, as vLLM (and so VERL's
     rollout) stops on them: `eot_id` (the template's end of turn), the tokenizer's eos token and
     generation_config.json's `eos_token_id` (an id or a list: Qwen releases list `<|im_end|>`
-    and `<|endoftext|>`), each once, `eot_id` first.
+    and `<|endoftext|>`), or without that file config.json's (of its `text_config` for a
+    composite model: transformers' `GenerationConfig.from_model_config`, which vLLM falls back
+    to), each once, `eot_id` first.
 
-    Raises ChatTemplateError naming the file when generation_config.json is not a JSON object
-    or its `eos_token_id` is not an id or a list of ids of the tokenizer."""
+    Raises ChatTemplateError naming the file when it is not a JSON object or its
+    `eos_token_id` is not an id or a list of ids of the tokenizer."""
     ids = [eot_id]
     if isinstance(tokenizer.eos_token_id, int):
         ids.append(tokenizer.eos_token_id)
     f = Path(path) / "generation_config.json"
+    if not os.path.lexists(f):
+        f = Path(path) / "config.json"
     if os.path.lexists(f):
-        eos = read_json_object(f, ChatTemplateError).get("eos_token_id")
+        doc = read_json_object(f, ChatTemplateError)
+        text = doc.get("text_config")
+        eos = doc.get("eos_token_id", text.get("eos_token_id") if isinstance(text, dict) else None)
         listed = eos if isinstance(eos, list) else [] if eos is None else [eos]
         if not all(type(i) is int and 0 <= i < len(tokenizer) for i in listed):
             raise ChatTemplateError(f"{f}: eos_token_id must be a token id or a list of token ids "
