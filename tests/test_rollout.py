@@ -279,6 +279,50 @@ def test_an_engine_error_masks_the_running_episodes_not_the_finished_ones(model,
 
 
 
+def test_a_failure_on_one_process_only_stops_every_process(model, chat, record, expert,
+                                                           rule_judge, monkeypatch):
+    """Each process of a multi-process run plays the same rows; a row masked for an error of
+    one host only (its memory, a file) left the processes' episodes, and their next
+    collectives, apart: a hang. Every round now compares the failed rows across processes
+    (`processes_apart`, here standing in for a second process that failed nothing)."""
+    import jscenegen.grpo.rollout.engine as engine_mod
+    from jscenegen.grpo.rollout.engine import RolloutDivergedError
+
+    seen = []
+
+    def other_process_failed_nothing(flags):
+        seen.append(list(flags))
+        return [1] if any(flags) else []
+
+    monkeypatch.setattr(engine_mod, "processes_apart", other_process_failed_nothing)
+    engine = RolloutEngine(model, chat, FORCED)
+    consume = engine._consume
+    turns = {1: 0}
+
+    def failing_consume(r, *args):
+        turns[r.member] = turns.get(r.member, 0) + 1
+        if r.member == 1 and turns[1] == 3:      # the third round, one row
+            raise OSError(28, "No space left on device")
+        return consume(r, *args)
+
+    engine._consume = failing_consume
+    with pytest.raises(RolloutDivergedError, match=r"process\(es\) \[1\] and process 0 disagree "
+                                                   r".*\(this one: 1, first: OSError: \[Errno 28\]"):
+        engine.run_group(record, group_id=0, seeds=[1, 2], judge=rule_judge, forced=expert)
+    assert seen == [[False, False]] * 3 + [[False, True]]   # the start, then each round
+    monkeypatch.setattr(engine_mod, "processes_apart", lambda flags: [])   # it failed too
+    turns.clear()
+    first, second = engine.run_group(record, group_id=0, seeds=[1, 2], judge=rule_judge,
+                                     forced=expert).trajectories
+    assert second.failure_cause == "rollout_error" and second.masked and not first.masked
+
+
+def test_processes_apart_is_free_in_one_process():
+    from jscenegen.sharding.mesh import processes_apart
+
+    assert processes_apart([True, False]) == []
+
+
 def test_a_forced_turn_whose_append_fails_leaves_the_row_whole(model, chat, record, expert,
                                                                rule_judge):
     """The forced turn's tokens were put on the row before the append that computes their

@@ -394,6 +394,15 @@ def max_over_processes(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 
 
+def processes_apart(flags) -> list[int]:
+    """The processes whose `flags` (a small bool array of the same shape everywhere) differ
+    from process 0's; [] in one process. A collective (`multihost_utils.process_allgather`)."""
+    if jax.process_count() == 1:
+        return []
+    seen = np.asarray(multihost_utils.process_allgather(np.asarray(flags, bool)))
+    return [p for p in range(seen.shape[0]) if not np.array_equal(seen[p], seen[0])]
+
+
 def on_primary(fn: Callable[[], Any], error_type: type[Exception] = ValueError) -> None:
     """Run `fn` on process 0 only, and raise on every process when it raised there: process 0
     its own exception, the others `error_type` with process 0's message (an exception of another

@@ -63,13 +63,18 @@ from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import Episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.sceneset import SceneRecord
-from jscenegen.sharding.mesh import fails_the_joined_run, host_array
+from jscenegen.sharding.mesh import fails_the_joined_run, host_array, processes_apart
 from jscenegen.sharding.rules import round_up
 
 log = logging.getLogger(__name__)
 
 ForcedPolicy = Callable[[Episode], str]
 TurnCallback = Callable[[int, dict, Episode], None]
+
+
+class RolloutDivergedError(RuntimeError):
+    """The processes of a multi-process run failed different episodes in our runtime or
+    sampler: their episodes would drift apart (`RolloutEngine._check_processes_agree`)."""
 
 
 @dataclass
@@ -347,6 +352,7 @@ class RolloutEngine:
             except Exception as err:  # our runtime or tokenizer: masked, not the policy's fault
                 log.exception("episode start failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
+        self._check_processes_agree(rows, [r.episode.failure_cause == "rollout_error" for r in rows])
         first = max((len(r.tokens) for r in rows), default=0)
         self._capacity = (min(self.slots, bucket_length(first + self.sampler.segment, cfg.buckets))
                           if self.grows else self.slots)
@@ -356,6 +362,7 @@ class RolloutEngine:
         rounds = 0
         while any(r.active for r in rows):
             rounds += 1
+            failed = [False] * len(rows)
             try:
                 self._sync(rows, pad)
                 turns = self._forced_turns(rows, pad, forced) if forced else self._sampled_turns(rows, pad, keys)
@@ -363,17 +370,22 @@ class RolloutEngine:
                 if fails_the_joined_run(err):
                     raise
                 log.exception("rollout engine error")
-                for r in rows:
+                for i, r in enumerate(rows):
                     if r.active:   # a finished episode is whole: it is judged
                         r.fail("rollout_error", f"{type(err).__name__}: {err}")
-                break
-            for r, (ids, lps, reason) in turns.items():
+                        failed[i] = True
+                turns = None
+            for r, (ids, lps, reason) in (turns or {}).items():
                 generated[r.group_id] += len(ids)
                 try:
                     self._consume(r, ids, lps, reason)
                 except Exception as err:
                     log.exception("turn processing failed")
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
+                    failed[rows.index(r)] = True
+            self._check_processes_agree(rows, failed)
+            if turns is None:
+                break
             self._show(rows, on_turn)
         wall = time.perf_counter() - t0
         total = sum(generated.values())
@@ -492,6 +504,23 @@ class RolloutEngine:
         r.add(seg, ENVIRONMENT, False)
         r.transcript.append({"role": "user", "content": res.env_message, "actor": "environment"})
         return None
+
+    @staticmethod
+    def _check_processes_agree(rows: list[_Row], failed: list[bool]) -> None:
+        """Every process of a multi-process run plays the same rows, so a row that failed in
+        our runtime or sampler (`failed`) failed on each (a deterministic error) or the
+        processes' episodes, and with them their next collectives, drift apart (memory, a file
+        on one host): then raise RolloutDivergedError on every process, naming them. A
+        collective at the same points everywhere; free in one process."""
+        if not (apart := processes_apart(failed)):
+            return
+        mine = [r for r, f in zip(rows, failed) if f]
+        raise RolloutDivergedError(
+            f"process(es) {apart} and process 0 disagree on which episodes failed in our "
+            f"runtime or sampler this round (this one: {len(mine)}"
+            + (f", first: {mine[0].episode.failure_message[:300]}" if mine else "")
+            + "); the processes' episodes would drift apart, so every process stops: see each "
+            "process's log for its error")
 
     @staticmethod
     def _trajectory(r: _Row, group_id: int) -> Trajectory:
