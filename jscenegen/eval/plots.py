@@ -67,7 +67,7 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     ax.set_ylabel("mean reward")
     shown = (f", the first {len(rows)} of {len(report['scenes'])} scenes"
              if len(report["scenes"]) > len(rows) else "")
-    ax.set_title(f"dev reward per scene ({report['samples']} sample(s) per scene{shown})")
+    ax.set_title(f"reward per scene ({report['samples']} sample(s) per scene{shown})")
     ax.legend(loc="upper left", ncol=len(series), fontsize=8)
     fig.tight_layout()
     try:
