@@ -321,6 +321,36 @@ def test_a_step_that_cannot_be_pruned_is_a_warning_not_a_failed_save(tmp_path, m
     assert store.steps() == [3]
 
 
+def test_every_process_resumes_from_the_step_process_0_chose(tmp_path, mesh32, hf_dir,
+                                                              monkeypatch):
+    """Each process listed and hashed the steps itself: hosts that see a shared filesystem
+    differently (a client's cache just after a kill) resumed from different steps. Process 0
+    now decides; another process that does not see that step complete stops every process.
+    This process plays process 1, its collectives answered as process 0 would."""
+    import jscenegen.checkpoint.store as store_mod
+
+    store = CheckpointStore(tmp_path, keep_last=3)
+    for step in (1, 2):
+        save_step(store, step, mesh32, hf_dir, seed=step)
+    verdicts = {"valid": [2, None], "skipped": [[3, "missing params", True]]}
+    monkeypatch.setattr(store_mod.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(store_mod.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: json.dumps(verdicts).encode())
+    monkeypatch.setattr(store_mod, "max_over_processes", lambda value: value)
+    moved = []
+    monkeypatch.setattr(CheckpointStore, "_set_aside", lambda self, step, why: moved.append(step))
+    assert store.set_aside_corrupt().step == 2 and moved == [3]   # process 0's corrupt step 3
+    (store.step_path(2) / "training_metadata.json").unlink()      # here step 2 is incomplete
+    with pytest.raises(CheckpointError, match=r"process 0 resumes from step 2, which another "
+                                              r"process does not see complete"):
+        store.set_aside_corrupt()
+    verdicts.clear()
+    verdicts["error"] = "PermissionError: [Errno 13] Permission denied: '2'"
+    with pytest.raises(CheckpointError, match=r"process 0 could not read the checkpoint steps: "
+                                              r"PermissionError"):
+        store.set_aside_corrupt()
+
+
 def test_a_store_on_a_file_is_one_named_error(tmp_path):
     f = tmp_path / "checkpoints"
     f.write_text("not a directory")

@@ -76,7 +76,7 @@ from jscenegen.paths import (
     write_json,
 )
 from jscenegen.run_lock import live_holder
-from jscenegen.sharding.mesh import max_over_processes
+from jscenegen.sharding.mesh import bytes_from_primary, max_over_processes
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 from jscenegen.text import one_line
 
@@ -802,9 +802,9 @@ class CheckpointStore:
         about). Called by
         the resuming trainer (`checkpoint.resume.restore_onto_mesh`), never by readers.
         Raises CheckpointError, moving nothing, when no valid step precedes the corrupt ones.
+        In a multi-process run process 0 alone hashes and decides (`_steps_as_process_0_sees`).
         """
-        valid, skipped = newest_complete_step(self.directory)
-        corrupt = [s for s in skipped if save_finished(s.path)]
+        valid, skipped, corrupt = self._steps_as_process_0_sees()
         if valid is None and corrupt:   # no valid step to go back to: leave everything in place
             raise CheckpointError(
                 f"{self.directory}: no valid checkpoint to resume from; corrupt: "
@@ -814,6 +814,45 @@ class CheckpointStore:
         for s in corrupt:
             self._set_aside(s.step, s.reason)
         return valid
+
+    def _steps_as_process_0_sees(self) -> tuple[StepStatus | None, list[StepStatus],
+                                                 list[StepStatus]]:
+        """(newest complete step, the newer steps passed over, those of them whose save had
+        finished: corrupt) as process 0 finds them (`newest_complete_step`, hashed there alone),
+        on every process: hosts may list a shared filesystem differently (a client's cache just
+        after a kill) and would resume from different steps or move different ones; each host
+        hashing multi-GB steps would also read them once per host. Every other process checks by
+        sizes that it sees the chosen step complete. Raises CheckpointError on every process when
+        process 0 could not read the steps or another process does not see that step."""
+        def scan():
+            valid, skipped = newest_complete_step(self.directory)
+            return valid, skipped, [s for s in skipped if save_finished(s.path)]
+        if jax.process_count() == 1:
+            return scan()
+        doc = None
+        if jax.process_index() == 0:
+            try:
+                valid, skipped, corrupt = scan()
+                doc = {"valid": valid and [valid.step, valid.reason],
+                       "skipped": [[s.step, s.reason, s in corrupt] for s in skipped]}
+            except Exception as err:   # the others wait for the verdict: they must hear of it
+                doc = {"error": f"{type(err).__name__}: {one_line(str(err))}"}
+                log.exception("reading the checkpoint steps failed")
+        doc = json.loads(bytes_from_primary(json.dumps(doc).encode() if doc else None))
+        if "error" in doc:
+            raise CheckpointError(f"{self.directory}: process 0 could not read the checkpoint "
+                                  f"steps: {doc['error']}")
+        valid = doc["valid"] and StepStatus(doc["valid"][0], self.step_path(doc["valid"][0]),
+                                            True, doc["valid"][1])
+        skipped = [StepStatus(step, self.step_path(step), False, why)
+                   for step, why, _ in doc["skipped"]]
+        corrupt = [s for s, (_, _, finished) in zip(skipped, doc["skipped"]) if finished]
+        unseen = valid is not None and not check_step(valid.path, hash_files=False).valid
+        if max_over_processes(int(unseen)):
+            raise CheckpointError(f"{self.directory}: process 0 resumes from step {valid.step}, "
+                                  "which another process does not see complete: every process "
+                                  "must see the same checkpoint directory (a shared filesystem)")
+        return valid, skipped, corrupt
 
     def _set_aside(self, step: int, reason: str | None) -> Path:
         """Every process: rename corrupt step `step` aside (process 0 moves it); its new path."""
