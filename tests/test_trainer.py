@@ -251,6 +251,25 @@ def test_a_reference_of_another_size_is_refused_before_a_resume_rewrites_its_con
     check(str(chat_model_dir()))
 
 
+def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeypatch):
+    """The processes compared their config keys only: a host with an older scene set, other
+    prompt files or another model read from its own disk trained other episodes in one batch."""
+    import jscenegen.grpo.train.trainer as trainer_mod
+    from jscenegen.scene.sceneset import scene_set_hash
+
+    given = []
+    monkeypatch.setattr(trainer_mod, "check_same_settings", given.append)
+    trainer = Trainer(_cfg(), tmp_path, chat_model_dir())
+    trainer.close()
+    (digests,) = given
+    assert sorted(digests) == ["the model's config.json", "the model's tokenizer and chat template",
+                               "the scene protocol (prompts, catalogue, rules, judge)",
+                               "the train scene set's contents"]
+    assert digests["the train scene set's contents"] == scene_set_hash(trainer.scenes)
+    assert digests["the scene protocol (prompts, catalogue, rules, judge)"] == trainer.protocol_hash
+    assert all(re.fullmatch(r"[0-9a-f]{64}", v) for v in digests.values()), digests
+
+
 def test_a_hosts_first_signal_waits_for_the_update_after_another_hosts_stop_was_agreed(
         monkeypatch, caplog):
     """A stop agreed from another host's signal was read as this host's first signal, so this

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import logging
 import signal
@@ -91,7 +92,13 @@ from jscenegen.scene.protocol import protocol_hash, protocol_settings
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
 from jscenegen.scene.sceneset import SceneRecord, read_scene_set, scene_set_hash
 from jscenegen.sharding.layout import shard_batch
-from jscenegen.sharding.mesh import is_primary, make_mesh, max_over_processes, mesh_shape
+from jscenegen.sharding.mesh import (
+    check_same_settings,
+    is_primary,
+    make_mesh,
+    max_over_processes,
+    mesh_shape,
+)
 from jscenegen.signals import STOP_REQUESTS, STOP_SIGNALS, raise_if_redelivered, unwind
 
 log = logging.getLogger(__name__)
@@ -202,6 +209,7 @@ class Trainer:
             log.warning("%s", early)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
+        check_same_settings(self._input_digests())   # each host read these from its own disk
         from jscenegen.eval.evaluate import check_scenes_fit
 
         check_scenes_fit(self.chat, self.scenes[:n], cfg, str(cfg.schedule.train_set))  # before any weights
@@ -296,6 +304,19 @@ class Trainer:
         model's carried tensors (unchanged since loading, stored dtype)."""
         carried = {n: v[...] for n, v in named_weights(self.model).items() if isinstance(v, Carried)}
         return {**named_leaves(self.state.params), **carried}
+
+    def _input_digests(self) -> dict[str, str]:
+        """Digests of what each process of a multi-process run reads from its own disk (the
+        config's keys are compared at launch): a host with another scene set, prompt set,
+        catalogue or model would train other episodes as part of one batch."""
+        from jscenegen.checkpoint.checksums import file_sha256
+
+        return {"the train scene set's contents": scene_set_hash(self.scenes),
+                "the scene protocol (prompts, catalogue, rules, judge)": self.protocol_hash,
+                "the model's config.json": file_sha256(Path(self.model_dir) / "config.json"),
+                "the model's tokenizer and chat template": hashlib.sha256(json.dumps(
+                    [self.chat.tokenizer.chat_template, sorted(self.chat.tokenizer.get_vocab().items()),
+                     self.chat.end_ids]).encode()).hexdigest()}
 
     def _train_state_json(self) -> dict:
         return {
