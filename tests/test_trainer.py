@@ -251,6 +251,22 @@ def test_a_reference_of_another_size_is_refused_before_a_resume_rewrites_its_con
     check(str(chat_model_dir()))
 
 
+def test_a_log_write_that_fails_on_process_0_fails_every_process(monkeypatch):
+    """Process 0 alone writes metrics.jsonl, trajectories and reports; when that failed (a full
+    disk), the other processes went on into the next collective and waited for process 0 until
+    JAX's heartbeat ended them without the reason. This process plays process 1."""
+    import jscenegen.grpo.train.trainer as trainer_mod
+    import jscenegen.sharding.mesh as mesh_mod
+
+    monkeypatch.setattr(mesh_mod, "is_primary", lambda: False)
+    monkeypatch.setattr(mesh_mod, "bytes_from_primary",
+                        lambda data: b"[Errno 28] No space left on device: 'metrics.jsonl'")
+    written = []
+    with pytest.raises(OSError, match=r"^\[Errno 28\] No space left on device: 'metrics.jsonl'$"):
+        trainer_mod._write_on_primary(lambda: written.append(1))
+    assert written == []                         # process 0's work only
+
+
 def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeypatch):
     """The processes compared their config keys only: a host with an older scene set, other
     prompt files or another model read from its own disk trained other episodes in one batch."""

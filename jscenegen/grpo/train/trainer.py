@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,7 @@ from jscenegen.sharding.mesh import (
     make_mesh,
     max_over_processes,
     mesh_shape,
+    on_primary,
 )
 from jscenegen.signals import STOP_REQUESTS, STOP_SIGNALS, raise_if_redelivered, unwind
 
@@ -166,6 +168,13 @@ def constant_horizon(cfg) -> LossConfig:
     return loss
 
 
+def _write_on_primary(write: Callable[[], None]) -> None:
+    """Process 0 writes the run's logs and reports; when that fails (a full disk, the metrics
+    service), every process raises at once (`on_primary`: process 0 its error, the others
+    OSError with its message) rather than the others going on into a collective that waits for
+    process 0 until JAX's heartbeat ends them without the reason."""
+    on_primary(write, OSError)
+
 class Trainer:
     """One GRPO run in `run_dir` with the weights of `model_dir` (or a checkpoint to resume)."""
 
@@ -215,8 +224,7 @@ class Trainer:
         check_scenes_fit(self.chat, self.scenes[:n], cfg, str(cfg.schedule.train_set))  # before any weights
         if resume:
             ck = self._read_checkpoint()
-            if is_primary():
-                retire_converted_manifest(self.store.directory)
+            _write_on_primary(lambda: retire_converted_manifest(self.store.directory))
             self.model = build_model(arch, ck.params.items(), mesh=self.mesh,
                                      source=str(ck.path), **options)
         else:
@@ -239,8 +247,8 @@ class Trainer:
         self._own_checkpoint = False         # resumed from this trainer's own train state
         if resume:
             self._apply_checkpoint(ck)
-        elif is_primary():  # the logs of a start that stopped before its first checkpoint
-            truncate_run_logs(self.run_dir, 0)
+        else:  # the logs of a start that stopped before its first checkpoint
+            _write_on_primary(lambda: truncate_run_logs(self.run_dir, 0))
         self.ref_params = self._reference_params(params, resume) if cfg.loss.use_kl_loss else None
         self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
                                     primary=is_primary())
@@ -427,8 +435,7 @@ class Trainer:
             jax.device_put(jnp.asarray(lr_step, jnp.int32), self.state.lr_step.sharding),
             jax.device_put(jnp.asarray(max(skipped, 0), jnp.int32),
                            self.state.skipped_steps.sharding))
-        if is_primary():
-            truncate_run_logs(self.run_dir, self.pos.attempts)
+        _write_on_primary(lambda: truncate_run_logs(self.run_dir, self.pos.attempts))
         log.info("resumed %s at attempt %d (%d effective updates)", self.run_dir,
                  self.pos.attempts, self.pos.effective_updates)
 
@@ -504,8 +511,8 @@ class Trainer:
                 row["rollout/reshard_s"] = reshard["reshard_s"]
                 row["rollout/reshard_bytes"] = reshard["reshard_bytes"]
         self.pos = new_pos
-        if cfg.trainer.dump_trajectories and is_primary():
-            self._dump(trajectories, pos)
+        if cfg.trainer.dump_trajectories:
+            _write_on_primary(lambda: self._dump(trajectories, pos))
         return row
 
     def _note_failures(self, trajectories) -> None:
@@ -598,9 +605,10 @@ class Trainer:
                 reward = report["overall"]["model"]["reward"]
                 print(f"{name}: reward {'n/a' if reward is None else f'{reward:+.3f}'} "
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        if is_primary():
+        def write() -> None:
             write_json(self.run_dir / f"{name}.json", report)
             plot_or_warn(report, self.run_dir / f"{name}.png")
+        _write_on_primary(write)
         return report
 
     def run(self, max_updates: int | None = None, progress=None) -> RunSummary:
@@ -632,7 +640,7 @@ class Trainer:
             while not self.schedule.done(self.pos) and (max_updates is None or attempts < max_updates):
                 row = self.update()
                 attempts += 1
-                self.logger.log(row, step=row["attempt"])
+                _write_on_primary(lambda: self.logger.log(row, step=row["attempt"]))
                 if progress is not None:
                     progress(row)
                 if (failed := self._failed_updates_error()) is not None:   # before a stop: a
@@ -682,8 +690,8 @@ class Trainer:
         """The `trainer.eval_every` dev evaluation after effective update `update` (its report
         `eval_update_<update>.json`, its `eval/reward` row at `attempt`)."""
         report = self.evaluate_dev(f"eval_update_{update}")
-        self.logger.log({"attempt": attempt, "eval/reward": report["overall"]["model"]["reward"]},
-                        step=attempt)
+        _write_on_primary(lambda: self.logger.log(
+            {"attempt": attempt, "eval/reward": report["overall"]["model"]["reward"]}, step=attempt))
 
     def _owed_evaluation(self) -> int | None:
         """The effective update whose `trainer.eval_every` evaluation a resumed run still owes:
