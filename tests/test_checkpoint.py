@@ -351,6 +351,31 @@ def test_every_process_resumes_from_the_step_process_0_chose(tmp_path, mesh32, h
         store.set_aside_corrupt()
 
 
+def test_a_save_takes_process_0s_view_of_the_step_it_writes(tmp_path, hf_dir, monkeypatch):
+    """Each process looked at the step it was about to write on its own; hosts seeing a shared
+    filesystem differently took different branches (set aside, replace, write), each holding
+    collectives. This process plays process 1; process 0 says step 2 is a finished, corrupt
+    save (here it is absent), then refuses."""
+    import jscenegen.checkpoint.store as store_mod
+
+    store = CheckpointStore(tmp_path, keep_last=3)
+    monkeypatch.setattr(store_mod.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(store_mod.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(store_mod, "on_primary", lambda fn, error: None)
+    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: b'["params: missing", true]')
+    status, finished = store._step_as_process_0_sees(2, hf_dir)
+    assert (status.step, status.valid, status.reason, finished) == (2, False, "params: missing", True)
+    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: b"null")
+    assert store._step_as_process_0_sees(2, hf_dir) == (None, False)
+
+    def refused(fn, error):
+        raise error("process 0: .../checkpoints/2 already holds a complete checkpoint")
+
+    monkeypatch.setattr(store_mod, "on_primary", refused)
+    with pytest.raises(CheckpointError, match="already holds a complete checkpoint"):
+        store._step_as_process_0_sees(2, hf_dir)
+
+
 def test_a_store_on_a_file_is_one_named_error(tmp_path):
     f = tmp_path / "checkpoints"
     f.write_text("not a directory")

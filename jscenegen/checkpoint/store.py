@@ -76,7 +76,7 @@ from jscenegen.paths import (
     write_json,
 )
 from jscenegen.run_lock import live_holder
-from jscenegen.sharding.mesh import bytes_from_primary, max_over_processes
+from jscenegen.sharding.mesh import bytes_from_primary, max_over_processes, on_primary
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 from jscenegen.text import one_line
 
@@ -913,27 +913,16 @@ class CheckpointStore:
         if step < 0:
             raise CheckpointError(f"step must be >= 0 (got {step})")
         hf_dir = Path(hf_assets_dir)
-        _check_hf_assets(hf_dir)
         state = _json_ready(dict(train_state), "train_state")
         meta = redact(_json_ready(dict(metadata), "metadata"))
         _check_metadata(meta, int(_scalar_count(adam.get("count", -1))))
         trainable_shapes = _trainable_shapes(shapes, trainable)
         meta["frozen_tensors"] = [n for n in shapes if n not in trainable_shapes]
-        newer = [s for s in self.steps()
-                 if s > step and check_step(self.step_path(s), hash_files=False).valid]
-        if newer:
-            raise CheckpointError(f"{self.directory} already holds complete checkpoints after step "
-                                  f"{step} ({newer}); continue from the newest, or use a new run "
-                                  f"directory to branch from an older step")
+        status, finished = self._step_as_process_0_sees(step, hf_dir)
         path = self.step_path(step)
-        # full hashes: a complete step that no longer verifies must not block its redo
-        status = check_step(path) if path.exists() else None
-        if status is not None and status.valid:
-            raise CheckpointError(f"{path} already holds a complete checkpoint; "
-                                  f"refusing to overwrite step {step}")
         logical_params = to_logical(params, shapes, "params")
         logical_adam = _adam_to_logical(adam, trainable_shapes)
-        if status is not None and save_finished(path):
+        if status is not None and finished:
             self._set_aside(step, status.reason)  # corrupt: kept, never deleted
         elif status is not None:
             # every process has looked at the step (and so takes this branch) before it goes
@@ -968,6 +957,41 @@ class CheckpointStore:
         if not self.async_save:
             self.wait_until_finished()
         return path
+
+    def _step_as_process_0_sees(self, step: int, hf_dir: Path) -> tuple[StepStatus | None, bool]:
+        """(`check_step` of step `step`, fully hashed, or None when absent; whether its save had
+        finished) before `save` writes it, as process 0 finds them, on every process: the save's
+        branches (set aside, replace, write) hold collectives, so hosts that list a shared
+        filesystem differently must not take different ones. Raises CheckpointError on every
+        process when `hf_dir` lacks the model's assets, a complete step comes after `step`, or
+        `step` itself is complete (process 0's refusal, in its words)."""
+        def verdict() -> tuple[StepStatus | None, bool]:
+            _check_hf_assets(hf_dir)
+            newer = [s for s in self.steps()
+                     if s > step and check_step(self.step_path(s), hash_files=False).valid]
+            if newer:
+                raise CheckpointError(f"{self.directory} already holds complete checkpoints after "
+                                      f"step {step} ({newer}); continue from the newest, or use a "
+                                      f"new run directory to branch from an older step")
+            path = self.step_path(step)
+            # full hashes: a complete step that no longer verifies must not block its redo
+            status = check_step(path) if path.exists() else None
+            if status is not None and status.valid:
+                raise CheckpointError(f"{path} already holds a complete checkpoint; "
+                                      f"refusing to overwrite step {step}")
+            return status, status is not None and save_finished(path)
+        if jax.process_count() == 1:
+            return verdict()
+        found: list = []
+        on_primary(lambda: found.append(verdict()), CheckpointError)   # a refusal: everywhere
+        shared = None
+        if found:
+            status, finished = found[0]
+            shared = json.dumps(None if status is None else [status.reason, finished]).encode()
+        doc = json.loads(bytes_from_primary(shared))
+        if doc is None:
+            return None, False
+        return StepStatus(step, self.step_path(step), False, doc[0]), doc[1]
 
     def wait_until_finished(self) -> None:
         """Block until the last save is complete: arrays written, hf/, metadata, checksums, GC.
