@@ -386,7 +386,8 @@ def test_processes_given_other_settings_are_refused_before_any_model(tmp_path, d
         f"error: multi-host launch: process 1 was given another {named}")
     assert errs[0].strip().splitlines()[-1] == (
         "error: multi-host launch: another process was given other settings than this one (its "
-        "error names them); start every process with the same command")
+        "error names them); start every process with the same command and settings (only "
+        "JSCENEGEN_PROCESS_ID differs)")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

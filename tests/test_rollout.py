@@ -283,16 +283,17 @@ def test_a_failure_on_one_process_only_stops_every_process(model, chat, record, 
                                                            rule_judge, monkeypatch):
     """Each process of a multi-process run plays the same rows; a row masked for an error of
     one host only (its memory, a file) left the processes' episodes, and their next
-    collectives, apart: a hang. Every round now compares the failed rows across processes
-    (`processes_apart`, here standing in for a second process that failed nothing)."""
+    collectives, apart: a hang. After the episodes' start and each round the rows' state
+    (running, length, failure cause) is compared across processes (`processes_apart`, here
+    standing in for a second process that failed nothing)."""
     import jscenegen.grpo.rollout.engine as engine_mod
-    from jscenegen.grpo.rollout.engine import RolloutDivergedError
+    from jscenegen.grpo.rollout.engine import RolloutDivergedError, _cause_code
 
     seen = []
 
-    def other_process_failed_nothing(flags):
-        seen.append(list(flags))
-        return [1] if any(flags) else []
+    def other_process_failed_nothing(state):
+        seen.append([list(row) for row in state])
+        return [1] if any(cause == _cause_code("rollout_error") for _, _, cause in state) else []
 
     monkeypatch.setattr(engine_mod, "processes_apart", other_process_failed_nothing)
     engine = RolloutEngine(model, chat, FORCED)
@@ -307,10 +308,13 @@ def test_a_failure_on_one_process_only_stops_every_process(model, chat, record, 
 
     engine._consume = failing_consume
     with pytest.raises(RolloutDivergedError, match=r"process\(es\) \[1\] and process 0 disagree "
-                                                   r".*\(this one: 1, first: OSError: \[Errno 28\]"):
+                                                   r".*\(this one masks 1, first: rollout_error: "
+                                                   r"OSError: \[Errno 28\]"):
         engine.run_group(record, group_id=0, seeds=[1, 2], judge=rule_judge, forced=expert)
-    assert seen == [[False, False]] * 3 + [[False, True]]   # the start, then each round
-    monkeypatch.setattr(engine_mod, "processes_apart", lambda flags: [])   # it failed too
+    assert len(seen) == 4                                    # the start, then each round
+    assert [[active for active, _, _ in state] for state in seen] == [[1, 1]] * 3 + [[1, 0]]
+    assert [state[0][1] for state in seen] == sorted({state[0][1] for state in seen})  # growing
+    monkeypatch.setattr(engine_mod, "processes_apart", lambda state: [])   # it failed too
     turns.clear()
     first, second = engine.run_group(record, group_id=0, seeds=[1, 2], judge=rule_judge,
                                      forced=expert).trajectories

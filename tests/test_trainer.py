@@ -269,20 +269,25 @@ def test_a_log_write_that_fails_on_process_0_fails_every_process(monkeypatch):
 
 def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeypatch):
     """The processes compared their config keys only: a host with an older scene set, other
-    prompt files or another model read from its own disk trained other episodes in one batch."""
+    prompt files or another model architecture read from its own disk played other episodes in
+    one batch. This process plays one of two, its digests shown to `check_same_settings`."""
     import jscenegen.grpo.train.trainer as trainer_mod
     from jscenegen.scene.sceneset import scene_set_hash
 
     given = []
-    monkeypatch.setattr(trainer_mod, "check_same_settings", given.append)
+    monkeypatch.setattr(trainer_mod, "check_same_settings", lambda d, advice: given.append((d, advice)))
     trainer = Trainer(_cfg(), tmp_path, chat_model_dir())
     trainer.close()
-    (digests,) = given
-    assert sorted(digests) == ["the model's config.json", "the model's tokenizer and chat template",
-                               "the scene protocol (prompts, catalogue, rules, judge)",
-                               "the train scene set's contents"]
-    assert digests["the train scene set's contents"] == scene_set_hash(trainer.scenes)
-    assert digests["the scene protocol (prompts, catalogue, rules, judge)"] == trainer.protocol_hash
+    ((nothing, advice),) = given
+    assert nothing == {} and "the same files" in advice          # one process: nothing to compare
+    monkeypatch.setattr(trainer_mod.jax, "process_count", lambda: 2)
+    digests = trainer._input_digests()
+    monkeypatch.undo()
+    assert sorted(digests) == ["dev scene set (the file's scenes)", "model architecture (config.json)",
+                               "scene protocol (prompt files, catalogue, rules, judge)",
+                               "tokenizer or chat template", "train scene set (the file's scenes)"]
+    assert digests["train scene set (the file's scenes)"] == scene_set_hash(trainer.scenes)
+    assert digests["scene protocol (prompt files, catalogue, rules, judge)"] == trainer.protocol_hash
     assert all(re.fullmatch(r"[0-9a-f]{64}", v) for v in digests.values()), digests
 
 

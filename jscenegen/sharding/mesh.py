@@ -267,14 +267,16 @@ def _wait_interruptibly(call: Callable[[], None], timeout_s: float, failure: str
                         f"{str(errors[0]).splitlines()[0] if str(errors[0]) else ''})") from None
 
 
-def check_same_settings(settings: dict[str, str]) -> None:
+def check_same_settings(settings: dict[str, str],
+                        advice: str = "start every process with the same command and settings "
+                                      "(only JSCENEGEN_PROCESS_ID differs)") -> None:
     """Raise MeshError on every process unless every process of a multi-process run has the
     same number of devices (the exchange needs it) and was given the same `settings` (flat
     {name: value}; a no-op in one process): processes that disagree
     (another run directory, group size or process count) would train different batches as one
     and deadlock in the first collective that differs. The process that differs names the
-    first setting; the others say that another process differs. Values are not printed (they
-    may hold credentials)."""
+    first setting; the others say that another process differs; both end with `advice`. Values
+    are not printed (they may hold credentials)."""
     if jax.process_count() == 1:
         return
     # every process sees every device, so each finds a mismatch alone (the exchange below
@@ -291,10 +293,9 @@ def check_same_settings(settings: dict[str, str]) -> None:
     if differ:
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
         raise MeshError(f"multi-host launch: process {jax.process_index()} was given another "
-                        f"{differ[0]}{more} than process 0; start every process with the same "
-                        "command and settings (only JSCENEGEN_PROCESS_ID differs)")
+                        f"{differ[0]}{more} than process 0; {advice}")
     raise MeshError("multi-host launch: another process was given other settings than this one "
-                    "(its error names them); start every process with the same command")
+                    f"(its error names them); {advice}")
 
 
 def refuse_multi_host(command: str, cfg: MeshConfig) -> None:
@@ -394,12 +395,12 @@ def max_over_processes(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 
 
-def processes_apart(flags) -> list[int]:
-    """The processes whose `flags` (a small bool array of the same shape everywhere) differ
+def processes_apart(values) -> list[int]:
+    """The processes whose `values` (a small int array of the same shape everywhere) differ
     from process 0's; [] in one process. A collective (`multihost_utils.process_allgather`)."""
     if jax.process_count() == 1:
         return []
-    seen = np.asarray(multihost_utils.process_allgather(np.asarray(flags, bool)))
+    seen = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32)))
     return [p for p in range(seen.shape[0]) if not np.array_equal(seen[p], seen[0])]
 
 

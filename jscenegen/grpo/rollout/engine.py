@@ -62,6 +62,7 @@ from jscenegen.scene.actions import extract_block
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import Episode
 from jscenegen.scene.judge import Judge
+from jscenegen.scene.reward import MASKED_FAILURES, POLICY_FAILURES
 from jscenegen.scene.sceneset import SceneRecord
 from jscenegen.sharding.mesh import fails_the_joined_run, host_array, processes_apart
 from jscenegen.sharding.rules import round_up
@@ -73,8 +74,13 @@ TurnCallback = Callable[[int, dict, Episode], None]
 
 
 class RolloutDivergedError(RuntimeError):
-    """The processes of a multi-process run failed different episodes in our runtime or
-    sampler: their episodes would drift apart (`RolloutEngine._check_processes_agree`)."""
+    """The processes of a multi-process run disagree on where their episodes stand (one failed
+    an episode the others did not): they would drift apart (`RolloutEngine._check_processes_agree`)."""
+
+
+def _cause_code(cause: str | None) -> int:
+    """A failure cause as a number every process computes alike (0: none)."""
+    return 0 if cause is None else 1 + (POLICY_FAILURES + MASKED_FAILURES).index(cause)
 
 
 @dataclass
@@ -352,7 +358,7 @@ class RolloutEngine:
             except Exception as err:  # our runtime or tokenizer: masked, not the policy's fault
                 log.exception("episode start failed")
                 r.fail("rollout_error", f"{type(err).__name__}: {err}")
-        self._check_processes_agree(rows, [r.episode.failure_cause == "rollout_error" for r in rows])
+        self._check_processes_agree(rows)
         first = max((len(r.tokens) for r in rows), default=0)
         self._capacity = (min(self.slots, bucket_length(first + self.sampler.segment, cfg.buckets))
                           if self.grows else self.slots)
@@ -362,7 +368,6 @@ class RolloutEngine:
         rounds = 0
         while any(r.active for r in rows):
             rounds += 1
-            failed = [False] * len(rows)
             try:
                 self._sync(rows, pad)
                 turns = self._forced_turns(rows, pad, forced) if forced else self._sampled_turns(rows, pad, keys)
@@ -370,10 +375,9 @@ class RolloutEngine:
                 if fails_the_joined_run(err):
                     raise
                 log.exception("rollout engine error")
-                for i, r in enumerate(rows):
+                for r in rows:
                     if r.active:   # a finished episode is whole: it is judged
                         r.fail("rollout_error", f"{type(err).__name__}: {err}")
-                        failed[i] = True
                 turns = None
             for r, (ids, lps, reason) in (turns or {}).items():
                 generated[r.group_id] += len(ids)
@@ -382,8 +386,7 @@ class RolloutEngine:
                 except Exception as err:
                     log.exception("turn processing failed")
                     r.fail("rollout_error", f"{type(err).__name__}: {err}")
-                    failed[rows.index(r)] = True
-            self._check_processes_agree(rows, failed)
+            self._check_processes_agree(rows)
             if turns is None:
                 break
             self._show(rows, on_turn)
@@ -506,19 +509,22 @@ class RolloutEngine:
         return None
 
     @staticmethod
-    def _check_processes_agree(rows: list[_Row], failed: list[bool]) -> None:
-        """Every process of a multi-process run plays the same rows, so a row that failed in
-        our runtime or sampler (`failed`) failed on each (a deterministic error) or the
-        processes' episodes, and with them their next collectives, drift apart (memory, a file
-        on one host): then raise RolloutDivergedError on every process, naming them. A
-        collective at the same points everywhere; free in one process."""
-        if not (apart := processes_apart(failed)):
+    def _check_processes_agree(rows: list[_Row]) -> None:
+        """Every process of a multi-process run plays the same rows, so after each round every
+        row stands the same on each (running or not, its length, its failure cause): a row that
+        failed on one host only (an error of our runtime or sampler caused by its memory or a
+        file) would leave the processes' episodes, and with them their next collectives or
+        their batches, apart; then raise RolloutDivergedError on every process. A collective at
+        the same points everywhere; free in one process."""
+        state = [[int(r.active), len(r.tokens), _cause_code(r.episode.failure_cause)] for r in rows]
+        if not (apart := processes_apart(state)):
             return
-        mine = [r for r, f in zip(rows, failed) if f]
+        failed = [r for r in rows if r.episode.failure_cause in MASKED_FAILURES]
         raise RolloutDivergedError(
-            f"process(es) {apart} and process 0 disagree on which episodes failed in our "
-            f"runtime or sampler this round (this one: {len(mine)}"
-            + (f", first: {mine[0].episode.failure_message[:300]}" if mine else "")
+            f"process(es) {apart} and process 0 disagree on where the episodes stand after this "
+            f"round (this one masks {len(failed)}"
+            + (f", first: {failed[0].episode.failure_cause}: "
+               f"{failed[0].episode.failure_message[:300]}" if failed else "")
             + "); the processes' episodes would drift apart, so every process stops: see each "
             "process's log for its error")
 

@@ -218,7 +218,8 @@ class Trainer:
             log.warning("%s", early)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
-        check_same_settings(self._input_digests())   # each host read these from its own disk
+        check_same_settings(self._input_digests(), "give every host the same files (one shared "
+                            "filesystem, or identical copies)")   # each read them from its own disk
         from jscenegen.eval.evaluate import check_scenes_fit
 
         check_scenes_fit(self.chat, self.scenes[:n], cfg, str(cfg.schedule.train_set))  # before any weights
@@ -315,16 +316,20 @@ class Trainer:
 
     def _input_digests(self) -> dict[str, str]:
         """Digests of what each process of a multi-process run reads from its own disk (the
-        config's keys are compared at launch): a host with another scene set, prompt set,
-        catalogue or model would train other episodes as part of one batch."""
-        from jscenegen.checkpoint.checksums import file_sha256
-
-        return {"the train scene set's contents": scene_set_hash(self.scenes),
-                "the scene protocol (prompts, catalogue, rules, judge)": self.protocol_hash,
-                "the model's config.json": file_sha256(Path(self.model_dir) / "config.json"),
-                "the model's tokenizer and chat template": hashlib.sha256(json.dumps(
+        config's keys are compared at launch): a host with other scene sets, prompts, catalogue,
+        model architecture or tokenizer would play other episodes in one batch, or a different
+        number of them (a hang). The weights themselves are not compared. {} in one process."""
+        if jax.process_count() == 1:
+            return {}
+        dev = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
+        digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()  # noqa: E731
+        return {"train scene set (the file's scenes)": scene_set_hash(self.scenes),
+                "dev scene set (the file's scenes)": scene_set_hash(dev),
+                "scene protocol (prompt files, catalogue, rules, judge)": self.protocol_hash,
+                "model architecture (config.json)": digest(self.arch.to_hf_dict()),
+                "tokenizer or chat template": digest(
                     [self.chat.tokenizer.chat_template, sorted(self.chat.tokenizer.get_vocab().items()),
-                     self.chat.end_ids]).encode()).hexdigest()}
+                     list(self.chat.end_ids)])}
 
     def _train_state_json(self) -> dict:
         return {
