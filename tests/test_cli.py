@@ -125,6 +125,7 @@ def test_a_full_disk_is_one_line_naming_the_directory_and_the_bytes(tmp_path, mo
     assert list(out.parent.iterdir()) == []  # the temporary file is gone
 
 
+@pytest.mark.slow   # trains a tokenizer and builds a model through the CLI: ~8 s on 2 cores
 def test_init_model_help_states_the_preset_sizes_and_prints_progress(tmp_path, capsys):
     from jscenegen.commands.init_model import PRESET_HELP
     from jscenegen.model.config import HYBRID_PRESETS, PRESETS

@@ -109,6 +109,7 @@ def test_a_gradient_off_by_a_factor_at_an_earlier_update_fails_the_run(tiny_hf, 
     assert rc == 1 and last["ok"] is False
 
 
+@pytest.mark.slow   # two parity runs at a size the KL term shows in: ~8 s on 2 cores
 def test_the_kl_term_is_compared_at_a_size_that_can_fail(tiny_hf, capsys):
     """The shared reference log-probs were the initial model's: the policy starts there, so
     the KL penalty was ~1e-10 and any estimator passed. With the shared perturbation the k3

@@ -314,11 +314,6 @@ def test_a_failure_on_one_process_only_stops_every_process(model, chat, record, 
     assert len(seen) == 4                                    # the start, then each round
     assert [[active for active, _, _ in state] for state in seen] == [[1, 1]] * 3 + [[1, 0]]
     assert [state[0][1] for state in seen] == sorted({state[0][1] for state in seen})  # growing
-    monkeypatch.setattr(engine_mod, "processes_apart", lambda state: [])   # it failed too
-    turns.clear()
-    first, second = engine.run_group(record, group_id=0, seeds=[1, 2], judge=rule_judge,
-                                     forced=expert).trajectories
-    assert second.failure_cause == "rollout_error" and second.masked and not first.masked
 
 
 def test_processes_apart_is_free_in_one_process():
@@ -567,8 +562,7 @@ def test_sampled_multi_turn_episodes_keep_every_roles_logprobs(model, chat, reco
             return StepResult(f"turn {self.accepted} taken; the {self.next_role} acts", False)
 
     monkeypatch.setattr(engine_mod, "Episode", Accepting)
-    cfg = SAMPLED.model_copy(update={"max_new_tokens": 12, "temperature": 0.8, "top_k": 50,
-                                     "top_p": 0.95, "stop_strings": ("e", "a", "o", " ")})
+    cfg = SAMPLED.model_copy(update={"stop_strings": ("e", "a", "o", " ")})   # short turns
     trs = RolloutEngine(model, chat, cfg).run_group(record, group_id=5, seeds=[21, 22, 23],
                                                    judge=rule_judge).trajectories
     want = trainer_logprobs(model, [tr.tokens.tolist() for tr in trs], cfg.temperature)

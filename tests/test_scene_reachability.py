@@ -54,6 +54,7 @@ def test_numpy_and_jax_agree_exactly_on_random_and_beyond_wall_scenes(agreement_
         np.testing.assert_array_equal(out["object_reachable"][b], r.object_reachable, err_msg=f"scene {b}")
 
 
+@pytest.mark.slow   # a 31-cell ring over 30 scenes, both kernels: ~10 s on 2 cores
 def test_numpy_and_jax_agree_at_the_widest_ring_the_config_allows():
     """An access ring of 31 cells (`scene.config.MAX_RING_CELLS`: the packed kernel's shifts
     stay within one 32-bit word; at 39 cells 1 of 30 random scenes disagreed, helper-173)."""

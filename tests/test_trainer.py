@@ -865,6 +865,7 @@ def test_run_logs_are_cut_back_to_the_resumed_attempt_and_a_torn_last_row_droppe
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3   # left as it was
 
 
+@pytest.mark.slow   # a run through several failing updates: ~10 s on 2 cores
 def test_a_judge_that_fails_every_episode_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch, capsys):
     """A judge that went down masked every episode, update after update, until max_attempts."""
     from types import SimpleNamespace
