@@ -332,10 +332,10 @@ def test_every_process_resumes_from_the_step_process_0_chose(tmp_path, mesh32, h
     store = CheckpointStore(tmp_path, keep_last=3)
     for step in (1, 2):
         save_step(store, step, mesh32, hf_dir, seed=step)
-    verdicts = {"valid": [2, None], "skipped": [[3, "missing params", True]]}
+    wire = {"result": {"valid": [2, None], "skipped": [[3, "missing params", True]]}}
     monkeypatch.setattr(store_mod.jax, "process_count", lambda: 2)
     monkeypatch.setattr(store_mod.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: json.dumps(verdicts).encode())
+    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: json.dumps(wire).encode())
     monkeypatch.setattr(store_mod, "max_over_processes", lambda value: value)
     moved = []
     monkeypatch.setattr(CheckpointStore, "_set_aside", lambda self, step, why: moved.append(step))
@@ -344,8 +344,7 @@ def test_every_process_resumes_from_the_step_process_0_chose(tmp_path, mesh32, h
     with pytest.raises(CheckpointError, match=r"process 0 resumes from step 2, which another "
                                               r"process does not see complete"):
         store.set_aside_corrupt()
-    verdicts.clear()
-    verdicts["error"] = "PermissionError: [Errno 13] Permission denied: '2'"
+    wire = {"error": "PermissionError: [Errno 13] Permission denied: '2'"}
     with pytest.raises(CheckpointError, match=r"process 0 could not read the checkpoint steps: "
                                               r"PermissionError"):
         store.set_aside_corrupt()
@@ -361,17 +360,15 @@ def test_a_save_takes_process_0s_view_of_the_step_it_writes(tmp_path, hf_dir, mo
     store = CheckpointStore(tmp_path, keep_last=3)
     monkeypatch.setattr(store_mod.jax, "process_count", lambda: 2)
     monkeypatch.setattr(store_mod.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(store_mod, "on_primary", lambda fn, error: None)
-    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: b'["params: missing", true]')
+    monkeypatch.setattr(store_mod, "bytes_from_primary",
+                        lambda data: b'{"result": ["params: missing", true]}')
     status, finished = store._step_as_process_0_sees(2, hf_dir)
     assert (status.step, status.valid, status.reason, finished) == (2, False, "params: missing", True)
-    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: b"null")
+    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: b'{"result": null}')
     assert store._step_as_process_0_sees(2, hf_dir) == (None, False)
 
-    def refused(fn, error):
-        raise error("process 0: .../checkpoints/2 already holds a complete checkpoint")
-
-    monkeypatch.setattr(store_mod, "on_primary", refused)
+    monkeypatch.setattr(store_mod, "bytes_from_primary", lambda data: json.dumps(
+        {"refused": "process 0: .../checkpoints/2 already holds a complete checkpoint"}).encode())
     with pytest.raises(CheckpointError, match="already holds a complete checkpoint"):
         store._step_as_process_0_sees(2, hf_dir)
 

@@ -76,7 +76,7 @@ from jscenegen.paths import (
     write_json,
 )
 from jscenegen.run_lock import live_holder
-from jscenegen.sharding.mesh import bytes_from_primary, max_over_processes, on_primary
+from jscenegen.sharding.mesh import bytes_from_primary, max_over_processes
 from jscenegen.sharding.rules import PARAM, REPLICATED, named, padded_shape, storage_spec
 from jscenegen.text import one_line
 
@@ -735,7 +735,8 @@ class CheckpointStore:
     metadata and checksums, and the others wait for it (the directory must be shared).
     `directory` is created by the first save, not before. Unfinished orbax saves
     (`*.orbax-checkpoint-tmp-*`) and steps a killed deletion left (`.<step>.deleting-*`) found
-    at start are deleted, unless another live process holds the run directory's lock (`jscenegen.run_lock`; the directory's parent is the run).
+    at start are deleted, unless another live process holds the run directory's lock
+    (`jscenegen.run_lock`; the directory's parent is the run).
     Raises CheckpointError when `directory` is a file or a link to nothing
     (`check_checkpoints_dir`).
     """
@@ -819,29 +820,17 @@ class CheckpointStore:
                                                  list[StepStatus]]:
         """(newest complete step, the newer steps passed over, those of them whose save had
         finished: corrupt) as process 0 finds them (`newest_complete_step`, hashed there alone),
-        on every process: hosts may list a shared filesystem differently (a client's cache just
-        after a kill) and would resume from different steps or move different ones; each host
-        hashing multi-GB steps would also read them once per host. Every other process checks by
-        sizes that it sees the chosen step complete. Raises CheckpointError on every process when
-        process 0 could not read the steps or another process does not see that step."""
-        def scan():
+        on every process (`_from_process_0`): hosts may list a shared filesystem differently (a
+        client's cache just after a kill) and would resume from different steps or move
+        different ones; each host hashing multi-GB steps would also read them once per host.
+        Every other process checks by sizes that it sees the chosen step complete. Raises
+        CheckpointError on every process when process 0 could not read the steps or another
+        process does not see that step."""
+        def scan() -> dict:
             valid, skipped = newest_complete_step(self.directory)
-            return valid, skipped, [s for s in skipped if save_finished(s.path)]
-        if jax.process_count() == 1:
-            return scan()
-        doc = None
-        if jax.process_index() == 0:
-            try:
-                valid, skipped, corrupt = scan()
-                doc = {"valid": valid and [valid.step, valid.reason],
-                       "skipped": [[s.step, s.reason, s in corrupt] for s in skipped]}
-            except Exception as err:   # the others wait for the verdict: they must hear of it
-                doc = {"error": f"{type(err).__name__}: {one_line(str(err))}"}
-                log.exception("reading the checkpoint steps failed")
-        doc = json.loads(bytes_from_primary(json.dumps(doc).encode() if doc else None))
-        if "error" in doc:
-            raise CheckpointError(f"{self.directory}: process 0 could not read the checkpoint "
-                                  f"steps: {doc['error']}")
+            return {"valid": valid and [valid.step, valid.reason],
+                    "skipped": [[s.step, s.reason, save_finished(s.path)] for s in skipped]}
+        doc = self._from_process_0("read the checkpoint steps", scan)
         valid = doc["valid"] and StepStatus(doc["valid"][0], self.step_path(doc["valid"][0]),
                                             True, doc["valid"][1])
         skipped = [StepStatus(step, self.step_path(step), False, why)
@@ -853,6 +842,29 @@ class CheckpointStore:
                                   "which another process does not see complete: every process "
                                   "must see the same checkpoint directory (a shared filesystem)")
         return valid, skipped, corrupt
+
+    def _from_process_0(self, what: str, work: Callable[[], Any]) -> Any:
+        """`work()`'s result (JSON-able) computed on process 0 alone, on every process: one
+        collective (`bytes_from_primary`); with one process, `work()`. Raises on every process
+        when `work` raised on process 0: its CheckpointError (a refusal) in its words, another
+        error as CheckpointError("DIR: process 0 could not <what>: <error>")."""
+        if jax.process_count() == 1:
+            return work()
+        doc = None
+        if jax.process_index() == 0:
+            try:
+                doc = {"result": work()}
+            except CheckpointError as err:
+                doc = {"refused": str(err)}
+            except Exception as err:   # the others wait for the verdict: they must hear of it
+                log.exception("process 0 could not %s", what)
+                doc = {"error": f"{type(err).__name__}: {one_line(str(err))}"}
+        doc = json.loads(bytes_from_primary(json.dumps(doc).encode() if doc else None))
+        if "refused" in doc:
+            raise CheckpointError(doc["refused"])
+        if "error" in doc:
+            raise CheckpointError(f"{self.directory}: process 0 could not {what}: {doc['error']}")
+        return doc["result"]
 
     def _set_aside(self, step: int, reason: str | None) -> Path:
         """Every process: rename corrupt step `step` aside (process 0 moves it); its new path."""
@@ -960,12 +972,12 @@ class CheckpointStore:
 
     def _step_as_process_0_sees(self, step: int, hf_dir: Path) -> tuple[StepStatus | None, bool]:
         """(`check_step` of step `step`, fully hashed, or None when absent; whether its save had
-        finished) before `save` writes it, as process 0 finds them, on every process: the save's
-        branches (set aside, replace, write) hold collectives, so hosts that list a shared
-        filesystem differently must not take different ones. Raises CheckpointError on every
-        process when `hf_dir` lacks the model's assets, a complete step comes after `step`, or
-        `step` itself is complete (process 0's refusal, in its words)."""
-        def verdict() -> tuple[StepStatus | None, bool]:
+        finished) before `save` writes it, as process 0 finds them, on every process
+        (`_from_process_0`): the save's branches (set aside, replace, write) hold collectives,
+        so hosts that list a shared filesystem differently must not take different ones. Raises
+        CheckpointError on every process when `hf_dir` lacks the model's assets, a complete step
+        comes after `step`, or `step` itself is complete (process 0's refusal, in its words)."""
+        def verdict() -> list | None:
             _check_hf_assets(hf_dir)
             newer = [s for s in self.steps()
                      if s > step and check_step(self.step_path(s), hash_files=False).valid]
@@ -979,16 +991,8 @@ class CheckpointStore:
             if status is not None and status.valid:
                 raise CheckpointError(f"{path} already holds a complete checkpoint; "
                                       f"refusing to overwrite step {step}")
-            return status, status is not None and save_finished(path)
-        if jax.process_count() == 1:
-            return verdict()
-        found: list = []
-        on_primary(lambda: found.append(verdict()), CheckpointError)   # a refusal: everywhere
-        shared = None
-        if found:
-            status, finished = found[0]
-            shared = json.dumps(None if status is None else [status.reason, finished]).encode()
-        doc = json.loads(bytes_from_primary(shared))
+            return None if status is None else [status.reason, save_finished(path)]
+        doc = self._from_process_0(f"look at step {step}", verdict)
         if doc is None:
             return None, False
         return StepStatus(step, self.step_path(step), False, doc[0]), doc[1]
