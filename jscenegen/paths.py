@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -417,6 +418,12 @@ def finite_number(x: Any) -> bool:
         return math.isfinite(x)
     except OverflowError:
         return False
+
+
+def json_sha256(value: Any) -> str:
+    """Hex SHA-256 of `value` as canonical JSON (sorted keys, no whitespace): a digest two
+    processes or two runs compute alike for equal values."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def strict_json(obj: Any, **kwargs) -> str:

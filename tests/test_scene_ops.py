@@ -356,8 +356,9 @@ def test_the_protocol_hash_reads_the_operations_own_fields_not_pydantics_json_sc
     changed protocol."""
     from pydantic import BaseModel
 
+    from jscenegen.paths import json_sha256
     from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
-    from jscenegen.scene.protocol import _digest, op_signatures, protocol_hash
+    from jscenegen.scene.protocol import op_signatures, protocol_hash
 
     want = protocol_hash(SceneRuntimeConfig(), JudgeConfig())
 
@@ -368,7 +369,7 @@ def test_the_protocol_hash_reads_the_operations_own_fields_not_pydantics_json_sc
     assert protocol_hash(SceneRuntimeConfig(), JudgeConfig()) == want
     # an operation's arguments are part of every run's protocol: a change here needs
     # RULES_REVISION raised (jscenegen/scene/protocol.py) and this digest updated
-    assert _digest(op_signatures()) == "b991cba7891dd6d35d6b5666a568b314e71d6b0c0e2e0d4dcbc559ce4f9c3f8a"
+    assert json_sha256(op_signatures()) == "b991cba7891dd6d35d6b5666a568b314e71d6b0c0e2e0d4dcbc559ce4f9c3f8a"
 
 
 @pytest.mark.parametrize("setting", ["validator", "str_strip_whitespace"])

@@ -8,11 +8,11 @@ rubric hash), and `RULES_REVISION`. A run refuses to resume or extend when it ch
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import typing
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, PlainValidator, WrapValidator
+
+from jscenegen.paths import json_sha256
 
 from .actions import ACTION_GRAMMAR
 from .caps import caps_table
@@ -123,7 +123,7 @@ def protocol_settings(config: dict) -> dict | None:
 
 def protocol_hash(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> str:
     """Hex SHA-256 of `protocol_payload` serialised with sorted keys and no whitespace."""
-    return _digest(protocol_payload(cfg, judge_cfg, judge_identity))
+    return json_sha256(protocol_payload(cfg, judge_cfg, judge_identity))
 
 
 def protocol_digests(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig) -> dict[str, str]:
@@ -132,8 +132,4 @@ def protocol_digests(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig) -> dict[st
     played under other prompts, costs, budgets, rewards, metrics or catalogue are told apart
     part by part (`eval.report.check_same_episodes`)."""
     payload = protocol_payload(cfg, judge_cfg, judge_identity={})
-    return {part: _digest(value)[:16] for part, value in payload.items() if part != "judge"}
-
-
-def _digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return {part: json_sha256(value)[:16] for part, value in payload.items() if part != "judge"}

@@ -6,7 +6,6 @@ the prompt, read by the rule judge's prompt_following grade.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field, replace
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from jscenegen.config import SEED_MAX, is_seed
-from jscenegen.paths import atomic_file, not_a_file
+from jscenegen.paths import atomic_file, json_sha256, not_a_file
 from jscenegen.text import clip_text, not_unicode
 
 from .reach_inputs import ReachabilityError, encode_scene
@@ -50,8 +49,7 @@ def scene_set_hash(records: Sequence[SceneRecord]) -> str:
     """SHA-256 of the canonical JSON of `records` (each `SceneRecord.to_json`, in order): what
     a resume compares to tell a scene edited in place (prompt, room, requested items) from
     the one the run trained on."""
-    blob = json.dumps([r.to_json() for r in records], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return json_sha256([r.to_json() for r in records])
 
 
 def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:

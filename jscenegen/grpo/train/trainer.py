@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import signal
@@ -87,7 +86,7 @@ from jscenegen.model.weights import (
     named_weights,
     param_shapes,
 )
-from jscenegen.paths import resolve_data_path, write_json
+from jscenegen.paths import json_sha256, resolve_data_path, write_json
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash, protocol_settings
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
@@ -174,6 +173,7 @@ def _write_on_primary(write: Callable[[], None]) -> None:
     OSError with its message) rather than the others going on into a collective that waits for
     process 0 until JAX's heartbeat ends them without the reason."""
     on_primary(write, OSError)
+
 
 class Trainer:
     """One GRPO run in `run_dir` with the weights of `model_dir` (or a checkpoint to resume)."""
@@ -322,12 +322,11 @@ class Trainer:
         if jax.process_count() == 1:
             return {}
         dev = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
-        digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()  # noqa: E731
         return {"train scene set (the file's scenes)": scene_set_hash(self.scenes),
                 "dev scene set (the file's scenes)": scene_set_hash(dev),
                 "scene protocol (prompt files, catalogue, rules, judge)": self.protocol_hash,
-                "model architecture (config.json)": digest(self.arch.to_hf_dict()),
-                "tokenizer or chat template": digest(
+                "model architecture (config.json)": json_sha256(self.arch.to_hf_dict()),
+                "tokenizer or chat template": json_sha256(
                     [self.chat.tokenizer.chat_template, sorted(self.chat.tokenizer.get_vocab().items()),
                      list(self.chat.end_ids)])}
 
