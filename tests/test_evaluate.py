@@ -86,6 +86,24 @@ def test_expert_row_is_the_scripted_episode(report, cfg):
     assert report["overall"]["expert"]["failure_rate"] == 0.0
 
 
+def test_a_scene_the_model_could_not_start_is_left_out_of_both_overall_rows(engine, cfg):
+    """The model's row masks a scene whose prompt alone reaches the episode cap
+    (prompt_over_cap); the expert's overall row averaged it in, over other scenes than the
+    model's."""
+    from dataclasses import replace
+
+    short, other = dev_records()[:2]
+    long = replace(short, scene=short.scene.model_copy(update={"prompt": "a wide room " * 900}))
+    rep = evaluate(engine, [long, other], judge=make_judge(cfg.judge, cfg.scene),
+                   scene_cfg=cfg.scene, judge_cfg=cfg.judge, samples=1)
+    (ep,) = rep["scenes"][0]["model"]["episodes"]
+    assert ep["failure_cause"] == "prompt_over_cap" and ep["masked"]
+    assert rep["scenes"][0]["expert"]["episodes"][0]["failure_cause"] is None   # still shown
+    expert_other = rep["scenes"][1]["expert"]
+    assert rep["overall"]["expert"]["episodes"] == rep["overall"]["model"]["episodes"] - 1 == 1
+    assert rep["overall"]["expert"]["reward"] == expert_other["reward"]
+
+
 def test_summarize_excludes_masked_and_counts_causes():
     base = {"quality": None, "unit_penalty": 0.0, "grades": None, "metrics": None}
     outs = [dict(base, reward=0.5, units=10, failure_cause=None, masked=False, quality=0.6,
@@ -258,6 +276,7 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys, caplog):
 
     assert rep["sampling"]["chat_template_sha256"] == hashlib.sha256(
         chatml_template().encode()).hexdigest()   # the fixture tokenizer's own template
+    assert rep["sampling"]["end_ids"] == list(ChatTokenizer.from_dir(chat_model_dir()).end_ids)
     from jscenegen.run_config import load_run_config
     from jscenegen.scene.protocol import protocol_digests
 
@@ -717,7 +736,7 @@ def test_no_pytorch_advice_when_a_command_imports_transformers_without_torch(tmp
     assert "PyTorch was not found" not in proc.stderr + proc.stdout
 
 
-SAMPLED = {"temperature": 1.0, "top_k": 0, "buckets": [64, 256]}
+SAMPLED = {"temperature": 1.0, "top_k": 0, "buckets": [64, 256], "end_ids": [7]}
 
 
 def _synthetic_report(scenes=("a", "b"), seeds=(1, 2)) -> dict:
@@ -919,6 +938,9 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                        (_edited(lambda r: r.update(sampling=dict(sampled, chat_template_sha256="cd"))),
                         r"sampling.chat_template_sha256 is recorded by one report only \(\S*before.json "
                         r"has none: .*re-run `jscenegen eval` for that report"),
+                       # a turn ended at other ids (another model's generation_config.json)
+                       (_edited(lambda r: r.update(sampling=dict(sampled, end_ids=[7, 8]))),
+                        r"sampled otherwise \(sampling.end_ids \[7\] and \[7, 8\]\)"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1))),
                         r"sampled otherwise \(sampling.temperature 1.0 and 0.1\): the same seeds "
                         "draw other tokens"),

@@ -39,6 +39,7 @@ from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.protocol import protocol_digests
+from jscenegen.scene.reward import SETUP_FAILURES
 from jscenegen.scene.sceneset import SceneRecord
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,13 @@ def _episode_row(outcome: dict, **ids) -> dict:
             "masked": outcome["masked"], "reachable": m.get("reachable") if m else None}
 
 
+def _model_never_started(outcomes: list[dict]) -> bool:
+    """Every episode of the scene was masked before the policy acted (`SETUP_FAILURES`: the prompt
+    alone reaches `sampling.max_episode_tokens`): the model's overall row has none of the scene,
+    so the expert's leaves it out as well and the two rows average the same scenes."""
+    return all(o["failure_cause"] in SETUP_FAILURES for o in outcomes)
+
+
 # ----------------------------------------------------------------------------- evaluation
 def report_scene_ids(records: Sequence[SceneRecord], source: str = "the scene set") -> list[str]:
     """The name of each record in a report: its `scene_id`, else `scene-<index>` (0-based).
@@ -257,9 +265,11 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     "protocol" (`scene.protocol.protocol_digests`: the scene settings the episodes were played
     and rewarded under), "sampling" (the engine's `sampling` config plus
     `chat_template_sha256`, the SHA-256 of the template text the episodes were rendered with,
-    with an engine),
+    and `end_ids`, the ids a sampled turn ended at (`ChatTokenizer.end_ids`), with an engine),
     "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
-    summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"}.
+    summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"};
+    `overall.expert` leaves out the scenes whose model episodes were all masked before the
+    policy acted (`prompt_over_cap`), which `overall.model` has no reward of.
     Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside
     1..GROUP_MAX (`check_samples`), there are no records, or a generated scene name is another
     record's scene_id (`report_scene_ids`).
@@ -295,7 +305,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
                 for t in group.trajectories]}
         if with_expert:
             out = experts[i].outcome.to_json()
-            all_expert.append(out)
+            if engine is None or not _model_never_started(outs):
+                all_expert.append(out)
             row["expert"] = {**summarize([out], keys), "episodes": [_episode_row(out)]}
         rows.append(row)
         if progress is not None:
@@ -313,5 +324,6 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     if engine is not None:
         template = engine.chat.tokenizer.chat_template.encode()
         report["sampling"] = {**engine.cfg.model_dump(mode="json"),
-                              "chat_template_sha256": hashlib.sha256(template).hexdigest()}
+                              "chat_template_sha256": hashlib.sha256(template).hexdigest(),
+                              "end_ids": list(engine.chat.end_ids)}
     return report
