@@ -11,6 +11,7 @@ from jscenegen.checkpoint.checksums import (
     ChecksumError,
     compute_checksums,
     read_checksums,
+    sampled_file_digest,
     verify_checksums,
     write_checksums,
 )
@@ -190,3 +191,28 @@ def test_a_source_reached_through_a_link_is_checked_against_its_own_manifest(tmp
     (step / "a.bin").write_bytes(b"y" * 10)     # and a changed file is still caught through it
     with pytest.raises(Exception, match="a.bin: SHA-256 differs"):
         verify_source("x/training_state/global_step_3")
+
+
+def test_sampled_digest_tells_apart_weights_of_the_same_shapes_and_agrees_on_copies(tmp_path):
+    """Two fine-tunes of one model: the same safetensors header and size, other tensor bytes."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (512, 64), "model.norm.weight": (64,)}
+    for name, seed in (("a", 1), ("b", 2)):
+        rng = np.random.default_rng(seed)
+        save_file({k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()},
+                  tmp_path / f"{name}.safetensors")
+    a, b = (tmp_path / f"{n}.safetensors" for n in "ab")
+    assert a.stat().st_size == b.stat().st_size > 16 * 4096   # blocks, not the whole file
+    assert a.read_bytes()[:100] == b.read_bytes()[:100]        # the same header
+    (tmp_path / "copy").write_bytes(a.read_bytes())
+    assert sampled_file_digest(a) == sampled_file_digest(tmp_path / "copy") != sampled_file_digest(b)
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 100)
+    before = sampled_file_digest(small)
+    small.write_bytes(b"x" * 99 + b"y")                         # a small file is read whole
+    assert sampled_file_digest(small) != before
+    small.write_bytes(b"x" * 101)                               # and its size is part of it
+    assert sampled_file_digest(small) != before

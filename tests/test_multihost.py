@@ -392,6 +392,37 @@ def test_processes_given_other_settings_are_refused_before_any_model(tmp_path, d
 
 
 @pytest.mark.slow
+def test_a_host_whose_copy_of_the_weights_differs_is_refused_before_any_model(tmp_path):
+    """Each host read the initial policy from its own disk: one with another fine-tune of the
+    same architecture (same config.json, header and sizes) loaded its shards of it into the one
+    model."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from chat_fixtures import chat_model_dir
+
+    for pid in (0, 1):
+        shutil.copytree(chat_model_dir(), tmp_path / f"host{pid}" / "model")
+    weights = tmp_path / "host1" / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = (tensors[name] * np.float32(1.01)).astype(tensors[name].dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    run = tmp_path / "run"   # one run directory; model.path is read on each host's own disk
+    codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--run-dir", str(run),
+                                     "model.path=model", "schedule.group_size=2"],
+                        cwd_of=lambda pid: tmp_path / f"host{pid}")
+    assert codes == [2, 2], errs
+    assert errs[1].strip().splitlines()[-1] == (
+        "error: multi-host launch: process 1 was given another initial policy's weights "
+        "(model.path) than process 0; give every host the same files (one shared filesystem, or "
+        "identical copies)")
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
 def test_a_run_directory_in_use_is_refused_on_every_process_however_it_is_spelled(tmp_path):
     """Process 0 alone took run.lock: when it was held, process 0 refused and process 1 went on
     into a collective and ended in JAX's fatal error; and the same directory given as a

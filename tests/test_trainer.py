@@ -281,9 +281,12 @@ def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeyp
     ((nothing, advice),) = given
     assert nothing == {} and "the same files" in advice          # one process: nothing to compare
     monkeypatch.setattr(trainer_mod.jax, "process_count", lambda: 2)
-    digests = trainer._input_digests()
+    digests = trainer._input_digests(resume=False)
+    resumed = trainer._input_digests(resume=True)   # the checkpoint's files: CheckpointStore's
     monkeypatch.undo()
-    assert sorted(digests) == ["dev scene set (the file's scenes)", "model architecture (config.json)",
+    assert set(digests) - set(resumed) == {"initial policy's weights (model.path)"}
+    assert sorted(digests) == ["dev scene set (the file's scenes)", "initial policy's weights (model.path)",
+                               "model architecture (config.json)",
                                "scene protocol (prompt files, catalogue, rules, judge)",
                                "tokenizer or chat template", "train scene set (the file's scenes)"]
     assert digests["train scene set (the file's scenes)"] == scene_set_hash(trainer.scenes)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS
+from jscenegen.checkpoint.checksums import sampled_file_digest
 from jscenegen.checkpoint.metadata import config_changes, redact, training_metadata
 from jscenegen.checkpoint.resume import (
     ResumeError,
@@ -78,6 +79,7 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.functional import hidden_fn, split_params
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.loader import build_model
+from jscenegen.model.safetensors_stream import safetensors_files
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.model.weights import (
     Carried,
@@ -175,6 +177,16 @@ def _write_on_primary(write: Callable[[], None]) -> None:
     on_primary(write, OSError)
 
 
+def _weights_digest(model_dir: Path) -> str:
+    """`sampled_file_digest` of each safetensors file the HF directory `model_dir` reads, by
+    name; a directory whose weights cannot be listed says so (the load names the problem)."""
+    try:
+        files = sorted(set(safetensors_files(model_dir).values()))
+        return json_sha256([[f.name, sampled_file_digest(f)] for f in files])
+    except (CheckpointFormatError, OSError):
+        return "no readable weights"
+
+
 class Trainer:
     """One GRPO run in `run_dir` with the weights of `model_dir` (or a checkpoint to resume)."""
 
@@ -218,7 +230,7 @@ class Trainer:
             log.warning("%s", early)
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
-        check_same_settings(self._input_digests(), "give every host the same files (one shared "
+        check_same_settings(self._input_digests(resume), "give every host the same files (one shared "
                             "filesystem, or identical copies)")   # each read them from its own disk
         from jscenegen.eval.evaluate import check_scenes_fit
 
@@ -314,15 +326,24 @@ class Trainer:
         carried = {n: v[...] for n, v in named_weights(self.model).items() if isinstance(v, Carried)}
         return {**named_leaves(self.state.params), **carried}
 
-    def _input_digests(self) -> dict[str, str]:
+    def _input_digests(self, resume: bool) -> dict[str, str]:
         """Digests of what each process of a multi-process run reads from its own disk (the
         config's keys are compared at launch): a host with other scene sets, prompts, catalogue,
         model architecture or tokenizer would play other episodes in one batch, or a different
-        number of them (a hang). The weights themselves are not compared. {} in one process."""
+        number of them (a hang); one with other weights (another fine-tune of the same
+        architecture) would load its shards of them into the one model. The HF weights a start
+        reads (the initial policy, the KL reference) are compared by `sampled_file_digest` of
+        each safetensors file; a resumed checkpoint's files are checked by `CheckpointStore`.
+        {} in one process."""
         if jax.process_count() == 1:
             return {}
         dev = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
-        return {"train scene set (the file's scenes)": scene_set_hash(self.scenes),
+        weights = {} if resume else {"initial policy's weights (model.path)": self.model_dir}
+        if self.cfg.loss.use_kl_loss:
+            weights["KL reference's weights (model.reference_path, else model.path)"] = Path(
+                self.cfg.model.reference_path or self.model_dir)
+        return {**{name: _weights_digest(d) for name, d in weights.items()},
+                "train scene set (the file's scenes)": scene_set_hash(self.scenes),
                 "dev scene set (the file's scenes)": scene_set_hash(dev),
                 "scene protocol (prompt files, catalogue, rules, judge)": self.protocol_hash,
                 "model architecture (config.json)": json_sha256(self.arch.to_hf_dict()),
