@@ -120,8 +120,11 @@ def test_auto_picks_replicated_when_the_weights_fit_else_the_smallest_tp(mesh):
     assert lay.tp == 2 and tp_candidates(6, heads) == [1, 2]
     assert choose_rollout_layout(mesh, "fsdp", weight_bytes=1).row_multiple == 3
     assert choose_rollout_layout(None, "tp", weight_bytes=1).name == "replicated"
-    with pytest.raises(ValueError, match="rollout.tp=3 must divide the 6 devices and"):
-        choose_rollout_layout(mesh, "tp", weight_bytes=1, divides=heads, tp=3)
+    for choice in ("tp", "auto"):
+        with pytest.raises(ValueError, match="rollout.tp=3 must divide the 6 devices and"):
+            choose_rollout_layout(mesh, choice, weight_bytes=1, divides=heads, tp=3)
+    # a layout that reads no tp is not refused for one it would not use
+    assert choose_rollout_layout(mesh, "replicated", weight_bytes=1, divides=heads, tp=3).tp == 1
     with pytest.raises(ValueError, match="no tensor size > 1"):
         choose_rollout_layout(mesh, "tp", weight_bytes=1, divides=(1,))
 
@@ -270,6 +273,31 @@ def test_qwen35_fsdp_decode_gathers_every_layer_kind_inside_the_loop(qwen35_hf, 
     assert gathered >= floor, (gathered, floor)
     found, moved = _loop_bytes(_sampler(model, "replicated", True, mesh), ROWS)
     assert moved <= 8 and all(c.shapes in ((("pred", ()),),) for c in found), found
+
+
+def test_a_reshard_that_does_not_fit_the_free_device_memory_is_refused_before_it_runs(
+        trained, mesh, monkeypatch, caplog):
+    """The rollout copy and XLA's temporaries (the gathered arrays in flight) were never
+    compared with the devices' free memory: a large model ran out of memory mid-reshard."""
+    model, _ = trained["qwen2"]
+
+    def sampler():   # a new one (`_sampler` keeps those it made)
+        return Sampler(model, SamplingParams(greedy=True), buckets=BUCKETS, mesh=mesh,
+                       layout="replicated")
+
+    with caplog.at_level("INFO", logger="jscenegen.generate.sampler"):
+        memory = sampler()._reshard.memory
+    need = memory["output_bytes"] + memory["temp_bytes"]
+    assert memory["output_bytes"] > 0 and memory["temp_bytes"] > 0
+    assert any(m.startswith("rollout reshard: ") and "of XLA temporaries per device" in m
+               for m in caplog.messages)
+    monkeypatch.setattr(Sampler, "_free_device_bytes", lambda self: need - 1)
+    with pytest.raises(ValueError, match=r"^rollout.layout=replicated: resharding the weights into "
+                       r"the rollout layout needs [\d.]+ GiB per device .* free. Choose "
+                       r"rollout.layout=tp"):
+        sampler()
+    monkeypatch.setattr(Sampler, "_free_device_bytes", lambda self: need)
+    assert sampler().reshard_stats["reshard_bytes"] > 0
 
 
 def test_set_weights_reshards_the_new_training_arrays(trained, mesh, prompts, tiny_hf):

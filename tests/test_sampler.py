@@ -725,6 +725,16 @@ def test_an_empty_prompt_is_refused(model, prompts):
     s = Sampler(model, SamplingParams(), buckets=BUCKETS)
     with pytest.raises(ValueError, match="generate: prompt 1 is empty"):
         s.generate([prompts[0], []], 4, seeds=[0, 1])
+    with pytest.raises(ValueError, match="generate: 1 seeds for 2 prompts; give one seed per "
+                                         "prompt"):   # was a vmap error deep inside
+        s.generate(prompts[:2], 4, seeds=[0])
+    # the same through append + decode: a row with a budget and no token in the cache
+    cache, last = s.append(*s.new_cache(2, 32), [prompts[0], []])
+    with pytest.raises(ValueError, match="decode: row 1 has a budget of 4 tokens and no token in "
+                                         "the cache to condition on"):
+        s.decode(cache, last, [4, 4], row_keys([0, 1]), 4)
+    out = s.decode(cache, last, [4, 0], row_keys([0, 1]), 4)   # no budget: it takes no part
+    assert np.asarray(out.lengths).tolist() == [4, 0]
 
 
 def test_buckets_must_be_multiples_of_the_smallest():

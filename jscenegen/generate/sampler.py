@@ -338,6 +338,7 @@ class Sampler:
         self.mesh = mesh                      # the training mesh; the rollout's is layout.mesh
         log.info("rollout layout: %s", layout.describe())
         self._reshard = Reshard(state, layout, self.weight_dtype, column_blocks(self.cfg))
+        self._check_reshard_fits()
         self.state, self.reshard_stats = self._reshard(state)
         del state
         self.cache_dtype = np_dtype(model.compute_dtype)
@@ -366,6 +367,29 @@ class Sampler:
             jax.jit(_with_specs(functools.partial(_decode_impl, gd, params, self.stop_strings,
                                                   layout.name == "fsdp"), specs),
                     static_argnames=("max_steps",), donate_argnums=(1,) if donate else ())))
+
+    def _check_reshard_fits(self) -> None:
+        """Log the reshard's peak per device (the rollout weights plus XLA's temporaries, the
+        gathered arrays in flight: `Reshard.memory`) and raise ValueError, before it runs, when
+        that exceeds the least free device memory over the processes
+        (`least_free_device_memory_bytes`, a collective: every process decides alike). No check
+        where either is unknown (a device that reports no free memory; `fsdp` without a cast makes no
+        copy; XLA:CPU reports the host's). Later reshards need the same: the previous rollout
+        weights go first."""
+        free = self._free_device_bytes()
+        memory = self._reshard.memory
+        if memory is None:
+            return
+        weights, temps = memory["output_bytes"], memory["temp_bytes"]
+        log.info("rollout reshard: %.3f GiB of rollout weights + %.3f GiB of XLA temporaries per "
+                 "device", weights / 2**30, temps / 2**30)
+        if free is not None and weights + temps > free:
+            raise ValueError(
+                f"rollout.layout={self.layout.name}: resharding the weights into the rollout "
+                f"layout needs {(weights + temps) / 2**30:.2f} GiB per device ({weights / 2**30:.2f} "
+                f"GiB of rollout weights, {temps / 2**30:.2f} GiB of temporaries); "
+                f"{free / 2**30:.2f} GiB is free. Choose rollout.layout=tp (a 1/tp share per "
+                "device) or fsdp (no copy), or rollout.dtype=bfloat16")
 
     def set_weights(self, weights) -> dict:
         """Sample from new weights (after an optimizer step) without recompiling: one jitted
@@ -587,12 +611,16 @@ class Sampler:
         grow to them: it then grows before a call that would pass its end (`grown_slots`), so
         it holds about the slots the turn has reached. Returns the turn's DecodeResult
         (tokens, logprobs [B, max_steps]). Raises ValueError, before any step, when the
-        max_steps slots fit neither.
+        max_steps slots fit neither, or a row with a budget has no token in the cache.
         """
         self._check_rows(len(max_new))
         budget = np.asarray(max_new, np.int64)
         b = len(budget)
         self._check_room(cache, max_steps, max_slots)
+        if (empty := np.flatnonzero((budget > 0) & (host_array(cache.next_pos) == 0))).size:
+            raise ValueError(f"decode: row {empty[0]} has a budget of {budget[empty[0]]} tokens "
+                             "and no token in the cache to condition on (its first token would "
+                             "be drawn from no logits); append its prompt first or give it 0")
         lengths = np.zeros(b, np.int64)
         reason = np.full(b, STOP_NONE, np.int32)
         keys, tail = self._put(np.asarray(keys, np.uint32)), self._fresh_tail(b)
@@ -662,8 +690,12 @@ class Sampler:
 
         Returns host arrays: tokens [B, N] int32, logprobs [B, N] float32, lengths [B], reason [B].
         Raises ValueError for an empty prompt (its first token would be drawn from no
-        logits) and when `cache_len` is below the prompts' slots plus max_new_tokens.
+        logits), a count of seeds other than of prompts, and when `cache_len` is below the
+        prompts' slots plus max_new_tokens.
         """
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts; give one "
+                             "seed per prompt")
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
             raise ValueError(f"generate: prompt {empty[0]} is empty; every row needs at least "
                              "one token to condition on")

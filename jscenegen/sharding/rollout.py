@@ -222,7 +222,8 @@ def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_byt
     again: in a multi-process run every process must decide alike, see
     `least_device_memory_bytes`), "local" this process's own `device_memory_bytes()`.
     Without a mesh (one device) every choice is `replicated`. Raises ValueError for an
-    unknown choice or a tp that does not fit the mesh and heads.
+    unknown choice or, under "tp" and "auto", a tp that does not fit the mesh and heads
+    (`replicated` and `fsdp` read no tp).
     """
     platform = platform or jax.default_backend()
     transposed = platform == "cpu"
@@ -232,13 +233,13 @@ def choose_rollout_layout(mesh: Mesh | None, choice: str = "auto", *, weight_byt
         return RolloutLayout("replicated", None, 1, transposed, "one device")
     if choice == "fsdp":
         return RolloutLayout("fsdp", mesh, 1, False, "configured")
+    if choice == "replicated":   # rollout.tp is not read
+        return RolloutLayout("replicated", rollout_mesh(mesh, 1), 1, transposed, "configured")
     n = mesh.size
     cands = tp_candidates(n, divides)
     if tp is not None and tp not in cands:
         raise ValueError(f"rollout.tp={tp} must divide the {n} devices and {divides} "
                          f"(kv heads, heads, FFN); choose from {cands}")
-    if choice == "replicated":
-        return RolloutLayout("replicated", rollout_mesh(mesh, 1), 1, transposed, "configured")
     budget = None
     if choice == "auto":
         device_bytes = device_memory_bytes() if device_bytes == "local" else device_bytes
