@@ -1,6 +1,7 @@
 """Hand-built scenes with known answers for the scene tests (4 m x 3 m room, door on wall 0)."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import threading
@@ -190,7 +191,10 @@ class JudgeServer:
     (429 with Retry-After: 1), "echo" (a 200 quoting the request's Authorization header as an
     error, not a chat completion), "echo_comments" (grades whose comments quote it;
     "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path,
-    "echo_escaped_grade_key": as an extra grade's key, after 75 x's), "lone_surrogate_comment", or an HTTP
+    "echo_escaped_grade_key": as an extra grade's key, after 75 x's), "lone_surrogate_comment",
+    "slow" (grades 8 after 0.6 s), "parts" (the content as a list of text parts), "cut" (no
+    content, finish_reason "length"), "gzip" (grades 8, gzip-compressed whatever was asked),
+    "redirect" (307 to another address carrying credentials), or an HTTP
     status such as "401". GET /models answers 401/403 when the plan starts with one;
     "models_trickle" first: a 200 announcing 200 MB sent 1 KiB per 0.2 s; "models_slow_headers":
     a status line, then one header byte per 0.2 s without end. `times`: when each
@@ -199,6 +203,7 @@ class JudgeServer:
 
     def __init__(self, plan):
         self.plan, self.calls, self.auth, self.inflight, self.max_inflight = list(plan), 0, [], 0, 0
+        self.encodings = []   # each POST's Accept-Encoding header
         self.times, self.paths, self.models_auth = [], [], []
         self.lock = threading.Lock()
         outer = self
@@ -245,6 +250,7 @@ class JudgeServer:
                     outer.calls += 1
                     outer.times.append(time.monotonic())
                     outer.auth.append(self.headers.get("Authorization"))
+                    outer.encodings.append(self.headers.get("Accept-Encoding"))
                     outer.paths.append(("POST", self.path))
                     outer.inflight += 1
                     outer.max_inflight = max(outer.max_inflight, outer.inflight)
@@ -262,6 +268,14 @@ class JudgeServer:
                                 self.wfile.write(b" " * 65536)
                         except OSError:      # the client stopped reading and closed
                             return
+                    if mode == "redirect":
+                        self.send_response(307)
+                        self.send_header("Location", "http://user:hunter2-pw@10.9.9.9:8000/v1/"
+                                                     "chat/completions?api_key=sk-elsewhere-123")
+                        self.end_headers()
+                        return
+                    if mode == "slow":
+                        time.sleep(0.6)
                     if mode.isdigit() or mode == "429after":  # an HTTP error status
                         self.send_response(429 if mode == "429after" else int(mode))
                         if mode == "429after":
@@ -286,6 +300,10 @@ class JudgeServer:
                         "lone_surrogate_comment": '{"grades": %s, "comments": {"realism": "\\ud800"}}' % (
                             json.dumps(GOOD)),
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
+                        "slow": json.dumps({"grades": GOOD}), "gzip": json.dumps({"grades": GOOD}),
+                        "parts": [{"type": "text", "text": '{"grades": '},
+                                  {"type": "text", "text": json.dumps(GOOD) + "}"}],
+                        "cut": None,
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
                         "thinking": "<think>\nThe wardrobe {faces} the wall.\n</think>\n\n"
@@ -296,7 +314,10 @@ class JudgeServer:
                         "nested": "", "nested_comments": '{"grades": %s, "comments": {"realism": %s}}' % (
                             json.dumps(GOOD), nested),
                     }[mode]
-                    data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+                    choice = {"message": {"role": "assistant", "content": content}}
+                    if mode == "cut":
+                        choice["finish_reason"] = "length"
+                    data = json.dumps({"choices": [choice]}).encode()
                     if mode == "deep":
                         data = deep.encode()
                     if mode == "nested":   # a chat completion with a nested extra key
@@ -306,6 +327,9 @@ class JudgeServer:
                         data = json.dumps({"error": {"message": f"invalid api key {auth}"}}).encode()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
+                    if mode == "gzip":
+                        data = gzip.compress(data)
+                        self.send_header("Content-Encoding", "gzip")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
@@ -313,7 +337,10 @@ class JudgeServer:
                     with outer.lock:
                         outer.inflight -= 1
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256   # a hundred connections at once, not the default 5
+
+        self.httpd = Server(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()

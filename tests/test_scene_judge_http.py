@@ -424,3 +424,82 @@ def test_the_reachability_probe_is_bounded_in_time_and_reads_no_body(server, cap
     else:
         assert 0.9 < took < 5.0, took   # the bound is 1 s; the rest is a loaded host's slack
         assert "is not reachable now (TimeoutError)" in caplog.text
+
+
+@pytest.mark.parametrize("server", [["slow"]], indirect=True)
+def test_a_concurrency_over_a_hundred_gets_as_many_connections(server):
+    """httpx pools 100 connections by default: the 101st request waited for one inside its
+    own timeout and failed as judge_timeout although the judge answered in time."""
+    results = make_judge(cfg(server.url, api_key_env=None, concurrency=101, timeout_s=1.0,
+                             max_retries=0)).grade(requests(101))
+    assert [r.failure for r in results] == [None] * 101 and server.max_inflight == 101
+
+
+@pytest.mark.parametrize("server", [["gzip"], ["answer"]], indirect=True)
+def test_answers_are_asked_uncompressed_and_read_as_sent(server):
+    """A compressed body was decompressed chunk by chunk before the 1 MiB bound was checked: a
+    200 MiB gzip bomb took hundreds of MiB per request."""
+    (res,) = make_judge(cfg(server.url, api_key_env=None, max_retries=0)).grade(requests())
+    assert server.encodings == ["identity"]
+    if server.plan == ["gzip"]:   # compressed although asked not to: refused unread
+        assert res.failure == "judge_unparseable" and "gzip-encoded although" in res.info["detail"]
+    else:
+        assert res.failure is None
+
+
+@pytest.mark.parametrize("server,temperature,calls", [
+    (["parts"], 0.0, 1), (["cut"], 0.0, 1), (["cut"], 0.7, 2)], indirect=["server"])
+def test_content_parts_are_joined_and_a_cut_answer_is_named_and_not_retried_greedily(
+        server, temperature, calls):
+    (res,) = make_judge(cfg(server.url, api_key_env=None, temperature=temperature)).grade(requests())
+    assert server.calls == calls
+    if server.plan == ["parts"]:
+        assert res.failure is None and res.grades["realism"] == 8
+    else:   # was "not a chat completion ...", retried at temperature 0 to the same end
+        assert res.failure == "judge_unparseable"
+        assert "cut at judge.max_tokens" in res.info["detail"]
+
+
+@pytest.mark.parametrize("server", [["redirect"]], indirect=True)
+def test_a_redirect_is_final_and_named_without_its_credentials(server):
+    (res,) = make_judge(cfg(server.url, api_key_env=None, max_retries=2)).grade(requests())
+    assert server.calls == 1 and res.failure == "judge_error"   # was tried three times
+    detail = res.info["detail"]
+    assert detail.startswith("HTTP 307, a redirect to http://") and "10.9.9.9:8000" in detail
+    assert "hunter2" not in detail and "sk-elsewhere" not in detail
+
+
+@pytest.mark.parametrize("server", [["stall"]], indirect=True)
+def test_a_judge_that_answers_nothing_is_given_up_on_after_concurrency_requests(server, caplog):
+    """Every request waited out all its tries: N requests at concurrency c took N x tries / c
+    timeouts (hours for a dev evaluation with the defaults), other processes waiting."""
+    t0 = time.monotonic()
+    results = make_judge(cfg(server.url, api_key_env=None, max_retries=0)).grade(requests(8))
+    assert time.monotonic() - t0 < 1.4   # one timeout of 0.5 s, not four
+    assert server.calls == 2 and [r.failure for r in results] == ["judge_timeout"] * 8
+    assert [r.info["attempts"] for r in results].count(0) == 6
+    assert "not sent: the 2 requests before it" in results[-1].info["detail"]
+    assert caplog.messages[-1] == (f"judge at {server.url}: 6 of 8 requests not sent after 2 in a "
+                                   "row got no answer (masked as judge_timeout)")
+
+
+def test_a_proxy_from_the_environment_is_named_in_a_warning(monkeypatch, caplog):
+    """httpx reads the proxy variables: judge traffic, its key included, went through a proxy
+    without a word (and a proxy that cannot reach the judge looked like a refused key)."""
+    import jscenegen.scene.judge_http as judge_http
+
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "HTTP_PROXY",
+                 "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(judge_http, "_WARNED_PROXY", set())
+    monkeypatch.setenv("HTTP_PROXY", "http://me:proxy-secret@proxy.internal:3128")
+    make_judge(cfg("http://10.1.2.3:8000/v1", api_key_env=None))
+    assert caplog.messages == ["judge: requests to http://10.1.2.3:8000/v1 go through the proxy "
+                               "http://proxy.internal:3128, from the environment's proxy variables "
+                               "(HTTP_PROXY, HTTPS_PROXY, ALL_PROXY), the API key with them; add "
+                               "the judge's host to NO_PROXY to reach it directly"]
+    caplog.clear()
+    monkeypatch.setattr(judge_http, "_WARNED_PROXY", set())
+    monkeypatch.setenv("NO_PROXY", "10.1.2.3")
+    make_judge(cfg("http://10.1.2.3:8000/v1", api_key_env=None))
+    assert caplog.messages == []

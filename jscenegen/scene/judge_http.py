@@ -4,9 +4,12 @@ POST {base_url}/chat/completions with the judge messages; the reply's message co
 JSON object {"grades": {key: int 0..10 for exactly the configured keys}, "comments": {...}?}
 (strict: no code fences, no extra text). Each request is tried 1 + max_retries times with
 exponential back-off (backoff_s x 2^attempt), except after an HTTP 4xx other than 408 and 429
-(a bad key, an unknown model: no retry can help), and no sooner than a Retry-After header in
+(a bad key, an unknown model: no retry can help), a redirect (never followed) and, at
+temperature 0, an answer cut at max_tokens, and no sooner than a Retry-After header in
 seconds asks (up to MAX_RETRY_AFTER_S); at most `concurrency` requests are in
-flight, over all requests of one `grade` call. An answer is read up to MAX_ANSWER_BYTES (1 MiB),
+flight, over all requests of one `grade` call (with as many pooled connections), and after
+`concurrency` requests in a row got no answer the call sends no more (`_Unanswered`). An answer
+is asked uncompressed and read up to MAX_ANSWER_BYTES (1 MiB),
 and its body and message content may nest at most MAX_ANSWER_DEPTH lists and objects.
 A timeout, an unparseable, oversized or too deeply nested answer or an error after the last try
 is a judge failure (masked by the reward).
@@ -22,7 +25,8 @@ import math
 import os
 import threading
 import time
-from typing import Any, Sequence
+import urllib.request
+from typing import Any, NamedTuple, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import httpx
@@ -57,19 +61,36 @@ def endpoint(base_url: str, name: str) -> str:
     return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
 
 
-async def _post(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, bytes, float | None]:
-    """(status, body bytes, Retry-After seconds or None) of one chat-completions request to
-    `url`, reading at most MAX_ANSWER_BYTES (a server that streams without end would otherwise
-    fill the memory before the timeout). Raises JudgeAnswerTooLarge past the bound, httpx errors
-    as httpx raises them."""
+class Reply(NamedTuple):
+    """One chat-completions request's answer: HTTP status, body bytes, the Retry-After seconds
+    (`retry_after_s`) and a redirect's Location header (None when absent)."""
+
+    status: int
+    body: bytes
+    retry_after_s: float | None
+    location: str | None
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict) -> Reply:
+    """The `Reply` to one chat-completions request to `url`, reading at most MAX_ANSWER_BYTES
+    of the body as sent (the request asks for no compression, `Accept-Encoding: identity`, so
+    the bound holds for the memory too: a decompressed chunk could be far larger; a server that
+    streams without end would otherwise fill the memory before the timeout). Raises
+    JudgeAnswerTooLarge past the bound, httpx errors as httpx raises them."""
     async with client.stream("POST", url, json=body) as resp:
         chunks, size = [], 0
-        async for chunk in resp.aiter_bytes():
+        async for chunk in resp.aiter_raw():
             size += len(chunk)
             if size > MAX_ANSWER_BYTES:
                 raise JudgeAnswerTooLarge(f"answer over {MAX_ANSWER_BYTES} bytes")
             chunks.append(chunk)
-        return resp.status_code, b"".join(chunks), retry_after_s(resp.headers.get("retry-after"))
+        raw = b"".join(chunks)
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):   # sent compressed although asked not to
+            raise JudgeAnswerError(f"the body is {clip_text(encoding, 40)}-encoded although the "
+                                   "request asked for none (Accept-Encoding: identity)")
+        return Reply(resp.status_code, raw, retry_after_s(resp.headers.get("retry-after")),
+                     resp.headers.get("location"))
 
 
 def retry_after_s(value: str | None) -> float | None:
@@ -101,13 +122,27 @@ def check_depth(value: Any, what: str) -> None:
             stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
 
 
+class AnswerCut(JudgeAnswerError):
+    """The judge stopped at judge.max_tokens (`finish_reason: "length"`) before its answer."""
+
+
 def message_content(answer) -> str:
     """The message text of an OpenAI chat-completion answer (the decoded response body):
-    `choices[0].message.content`. Raises JudgeAnswerError saying what the body lacks."""
+    `choices[0].message.content`, a string or a list of content parts whose "text" parts are
+    joined (the OpenAI API's array form). Raises AnswerCut when the completion ended at
+    max_tokens without the answer parsing after it (`finish_reason` "length"), JudgeAnswerError
+    saying what the body lacks otherwise."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     first = choices[0] if isinstance(choices, list) and choices else None
     message = first.get("message") if isinstance(first, dict) else None
     content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        content = "".join(p["text"] for p in content)
+    if isinstance(first, dict) and first.get("finish_reason") == "length":
+        raise AnswerCut("the judge's answer was cut at judge.max_tokens (finish_reason "
+                        "\"length\"; a reasoning trace can take them all): raise judge.max_tokens")
     if not isinstance(content, str):
         raise JudgeAnswerError("not a chat completion: the body has no choices[0].message.content "
                                f"text (got {clip_text(repr(answer), 120)})")
@@ -155,6 +190,19 @@ def parse_judge_content(content: str, grade_keys, mask=None) -> tuple[dict[str, 
 
 
 _WARNED_UNSET: set[str] = set()
+_WARNED_PROXY: set[str] = set()
+
+
+def environment_proxy(url: str) -> str | None:
+    """The proxy the environment's variables (`http_proxy`, `https_proxy`, `all_proxy`, in
+    either case, less the hosts `no_proxy` exempts) give requests to `url`, as httpx reads them
+    (its default `trust_env`); None when they go directly."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):
+        return None
+    return proxy
 MASKED_RAW_MIN_CHARS = 8   # credentials shorter than this are masked in parsed text only
 
 
@@ -196,6 +244,27 @@ def _run_async(make_coroutine):
     return value
 
 
+class _Unanswered:
+    """The requests of one `grade` call that got no answer at all: after `limit` of them in a
+    row (each failed every try by a timeout or a connection error), the judge is taken as
+    unreachable and the requests not yet sent are not sent (each would wait out its own tries:
+    a batch of N at concurrency c took N x tries / c timeouts, hours with the defaults, while
+    the other processes of a run waited in a collective)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def record(self, answered: bool) -> None:
+        self.in_a_row = 0 if answered else self.in_a_row + 1
+
+    def given_up(self) -> bool:
+        return self.in_a_row >= self.limit
+
+    def reason(self) -> str:
+        return (f"not sent: the {self.in_a_row} requests before it in this batch got no answer "
+                "(the judge is unreachable)")
+
+
 class HttpJudge:
     """Judge backend talking to an OpenAI-compatible server; see the module docstring."""
 
@@ -217,6 +286,13 @@ class HttpJudge:
                              "an API key (a Bearer token): a request has one Authorization "
                              "header; drop one of them")
         self._chat_url = endpoint(cfg.base_url, "chat/completions")
+        proxy = environment_proxy(cfg.base_url)
+        if proxy and cfg.base_url not in _WARNED_PROXY:
+            _WARNED_PROXY.add(cfg.base_url)
+            log.warning("judge: requests to %s go through the proxy %s, from the environment's "
+                        "proxy variables (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY), the API key with "
+                        "them; add the judge's host to NO_PROXY to reach it directly",
+                        shown_url(cfg.base_url), shown_url(proxy))
         self._secrets = _sent_credentials(self._api_key, parts)
         if (cfg.api_key_env and not self._api_key and not basic_auth
                 and cfg.api_key_env not in _WARNED_UNSET):
@@ -235,7 +311,7 @@ class HttpJudge:
         return _run_async(lambda: self.grade_async(requests))
 
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
@@ -314,10 +390,22 @@ class HttpJudge:
         headers = self._headers()
         sem = asyncio.Semaphore(self.cfg.concurrency)
         timeout = httpx.Timeout(self.cfg.timeout_s)
-        async with httpx.AsyncClient(headers=headers, timeout=timeout) as client:
-            return list(await asyncio.gather(*(self._one(client, sem, r) for r in requests)))
+        # as many pooled connections as requests in flight: beyond httpx's default 100 a
+        # request waited for a connection inside its own timeout and failed as judge_timeout
+        n = self.cfg.concurrency
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        silent = _Unanswered(n)
+        async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+            results = list(await asyncio.gather(*(self._one(client, sem, r, silent)
+                                                  for r in requests)))
+        if unsent := sum(r.info.get("attempts") == 0 for r in results):
+            log.warning("judge at %s: %d of %d requests not sent after %d in a row got no answer "
+                        "(masked as judge_timeout)", shown_url(self.cfg.base_url), unsent,
+                        len(results), n)
+        return results
 
-    async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, req: JudgeRequest) -> JudgeResult:
+    async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, req: JudgeRequest,
+                   silent: _Unanswered) -> JudgeResult:
         body = {
             "model": self.cfg.model,
             "messages": judge_messages(req, self.cfg, self.templates, self.metrics_cfg),
@@ -328,46 +416,67 @@ class HttpJudge:
         cause, detail = "judge_error", ""
         attempts = 0
         retry_after = None
+        answered = False   # by any try: the judge is reachable
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 backoff = self.cfg.backoff_s * 2 ** (attempt - 1)
                 await asyncio.sleep(backoff if retry_after is None else max(backoff, retry_after))
-            attempts += 1
             retry_after = None
             async with sem:
+                if silent.given_up():
+                    if not attempts:
+                        cause, detail = "judge_timeout", silent.reason()
+                    break
+                attempts += 1
                 try:
-                    status, raw, retry_after = await asyncio.wait_for(
-                        _post(client, self._chat_url, body), self.cfg.timeout_s)
+                    reply = await asyncio.wait_for(_post(client, self._chat_url, body),
+                                                   self.cfg.timeout_s)
                 except (httpx.TimeoutException, asyncio.TimeoutError):
                     cause, detail = "judge_timeout", f"no answer within {self.cfg.timeout_s} s"
                     continue
-                except JudgeAnswerTooLarge as err:
+                except (JudgeAnswerTooLarge, JudgeAnswerError) as err:
+                    answered = True
                     cause, detail = "judge_unparseable", str(err)
                     continue
                 except (httpx.HTTPError, httpx.InvalidURL) as err:
                     cause, detail = "judge_error", type(err).__name__
                     continue
-            if status != 200:
-                cause, detail = "judge_error", f"HTTP {status}"
-                if 400 <= status < 500 and status not in RETRIED_4XX:
+            answered, retry_after = True, reply.retry_after_s
+            if reply.status != 200:
+                cause, detail = "judge_error", f"HTTP {reply.status}"
+                if 300 <= reply.status < 400:   # not followed: the key would go elsewhere
+                    if reply.location:
+                        detail += (f", a redirect to {shown_url(reply.location)}: give "
+                                   "judge.base_url the address it names")
+                    break
+                if 400 <= reply.status < 500 and reply.status not in RETRIED_4XX:
                     break  # the request itself is refused (key, model, size): a retry cannot help
                 continue
             try:
-                answer = loads_json(self._masked(raw))
+                answer = loads_json(self._masked(reply.body))
                 check_depth(answer, "the response body")
                 answer = self._masked_value(answer, MASKED_RAW_MIN_CHARS)
                 grades, comments = parse_judge_content(message_content(answer), self.cfg.grade_keys,
                                                        self._masked_value)
+            except AnswerCut as err:
+                cause, detail = "judge_unparseable", str(err)
+                if self.cfg.temperature == 0:
+                    break   # greedy: the same request is cut at the same place again
+                continue
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
                 cause, detail = "judge_unparseable", clip_text(self._masked_text(str(err)), 300)
                 continue
+            silent.record(answered=True)
             if self.cfg.enforce_caps:
                 grades = apply_caps(grades, req.metrics)
             info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
                     "comments": comments}
             return JudgeResult(grades, None, info)
+        info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts, "detail": detail}
+        if not attempts:   # never sent: `grade_async` says how many in one line
+            return JudgeResult(None, cause, info)
+        silent.record(answered)
         log.warning("judge at %s failed for scene %s after %d attempt%s: %s (%s)",
                     shown_url(self.cfg.base_url), req.scene.scene_id, attempts,
                     "" if attempts == 1 else "s", cause, detail)
-        return JudgeResult(None, cause, {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
-                                         "detail": detail})
+        return JudgeResult(None, cause, info)
