@@ -42,7 +42,10 @@ from jscenegen.text import clip_text
 
 KINDS = ("model", "optim", "extra_state")
 MAX_RUN_STATE_BYTES = 1 << 20   # the trainer's train state is about 1 KB
-_RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+# ASCII digits only (`\d` also matches other scripts' digits, which int() reads); a number with a
+# leading zero (`_rank_01.pt`) matches too, and is refused as no name VERL writes
+_RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_([0-9]+)_rank_([0-9]+)\.pt$")
+_CANONICAL = re.compile(r"0|[1-9][0-9]*")
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 
 
@@ -137,6 +140,11 @@ def _check_rank_files(d: Path) -> tuple[int, tuple[str, ...]]:
     for p in d.iterdir():
         m = _RANK_FILE.match(p.name)
         if m:
+            if not all(_CANONICAL.fullmatch(n) for n in m.group(2, 3)):
+                raise ConvertError(
+                    f"{p}: not a rank file name VERL writes (world size and rank are plain "
+                    f"decimals without leading zeros: {m.group(1)}_world_size_{int(m.group(2))}_rank_"
+                    f"{int(m.group(3))}.pt); remove or rename it, it would count as that rank")
             found.setdefault(m.group(1), {}).setdefault(int(m.group(2)), set()).add(int(m.group(3)))
     sizes = {w for per_kind in found.values() for w in per_kind}
     if len(sizes) != 1:

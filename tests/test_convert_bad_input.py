@@ -1166,3 +1166,22 @@ def test_an_adam_step_beyond_the_stores_int32_count_is_refused_naming_the_file(a
                                            r"orbax checkpoint stores AdamW's count as int32\)$"):
         verl_to_orbax(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("stray", ["model_world_size_6_rank_01.pt", "optim_world_size_06_rank_2.pt"])
+def test_a_rank_file_name_with_a_leading_zero_is_refused_naming_it(actor, tmp_path, stray):
+    """`..._rank_01.pt` beside `..._rank_1.pt` counted as rank 1 (int("01") == 1): one of the two
+    was read and the other ignored without a word, whichever the reader met."""
+    from convert.verl_read import find_verl
+
+    kind = stray.partition("_world_size_")[0]
+    shutil.copy(actor / f"{kind}_world_size_6_rank_1.pt", actor / stray)
+    with pytest.raises(ConvertError) as err:
+        find_verl(actor)
+    want = (f"{actor / stray}: not a rank file name VERL writes (world size and rank are plain "
+            f"decimals without leading zeros: {kind}_world_size_6_rank_{1 if 'rank_01' in stray else 2}"
+            ".pt); remove or rename it, it would count as that rank")
+    assert str(err.value) == want
+    with pytest.raises(ConvertError, match=re.escape(stray)):
+        verl_to_hf(actor, tmp_path / "out")
+    _assert_nothing_written(tmp_path)
