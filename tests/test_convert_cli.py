@@ -532,3 +532,30 @@ def test_verify_and_inspect_of_a_run_name_a_finished_step_that_lost_its_params(t
     assert main(["convert", "--inspect", str(run)]) == 0   # was "not a checkpoint"
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "orbax-run" and info["steps"] == [2, 3] and info["latest"] is None
+
+
+def test_warnings_are_printed_before_the_error_when_a_conversion_fails(tmp_path, capsys):
+    """The ConversionWarnings of a conversion that then failed were lost: printed only after
+    success (`convert.finite.watching` warns also when it fails)."""
+    import shutil
+    import zipfile
+
+    actor = tmp_path / "global_step_3" / "actor"
+    shutil.copytree(fixture_dir("qwen2_first_divisible") / "ckpt" / "global_step_3" / "actor", actor)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (actor / "huggingface" / name).unlink()
+    f = actor / "model_world_size_6_rank_1.pt"      # corrupt one stored tensor: fails when read
+    with zipfile.ZipFile(f) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(f.read_bytes())
+    start = data.index(info.filename.encode(), info.header_offset) + len(info.filename)
+    data[start + info.file_size // 2 + 64] ^= 0x01
+    f.write_bytes(bytes(data))
+    assert main(["convert", str(actor), str(tmp_path / "hf"), "--from", "verl", "--to", "hf"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(lines) == 2, lines
+    assert lines[0] == (f"warning: {actor / 'huggingface'}: no tokenizer (tokenizer.json or "
+                        f"vocab.json); the HF model written to {tmp_path / 'hf'} has "
+                        "none either: copy the model's tokenizer files in before using it"), lines
+    assert lines[1].startswith(f"error: {f}: ") and "fail the CRC-32" in lines[1], lines
+    assert not (tmp_path / "hf").exists()

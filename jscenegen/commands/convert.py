@@ -106,16 +106,18 @@ def run(args: argparse.Namespace) -> int:
         args.src_format = source_format(args.src)
         print(terminal_line(f"{args.src}: read as --from {args.src_format}"), file=sys.stderr)
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConversionWarning)
-        convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
-                world_size=args.world_size, placement=args.placement, dtype=args.dtype,
-                mesh_device=args.mesh_device, carried_from=args.carried_from)
-    for w in caught:  # what the output lost, one line each; other warnings as Python shows them
-        if issubclass(w.category, ConversionWarning):
-            print(terminal_line(f"warning: {w.message}"), file=sys.stderr)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConversionWarning)
+            convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                    world_size=args.world_size, placement=args.placement, dtype=args.dtype,
+                    mesh_device=args.mesh_device, carried_from=args.carried_from)
+    finally:   # also when it fails: the warnings come before the error line (`cli.main`)
+        for w in caught:  # what the output lost, one line each; other warnings as Python shows them
+            if issubclass(w.category, ConversionWarning):
+                print(terminal_line(f"warning: {w.message}"), file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if (args.src_format, args.dst_format) == ("verl", "orbax"):
         print(terminal_line(NOT_CARRIED_TO_JAX), file=sys.stderr)
     print(terminal_line(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})"))
