@@ -452,6 +452,7 @@ def _param_groups(step_dir: Path, groups: Any) -> list[dict[str, Any]] | None:
     """The torch AdamW `param_groups` kept in training_metadata.json's source.verl (betas as
     tuples), None when absent or empty. Raises ConvertError naming the file and key when they
     are not a list of groups with `lr` and two `betas`."""
+    from jscenegen.checkpoint.resume import differing_param_group
     from jscenegen.checkpoint.store import METADATA_NAME
 
     if not groups:
@@ -469,6 +470,10 @@ def _param_groups(step_dir: Path, groups: Any) -> list[dict[str, Any]] | None:
         if not isinstance(g["betas"], (list, tuple)) or len(g["betas"]) != 2:
             raise ConvertError(f"{where}[{i}].betas is {g['betas']!r}, expected two numbers")
         out.append(dict(g, betas=tuple(g["betas"])))
+    if why := differing_param_group(out):
+        raise ConvertError(f"{where}{why.removeprefix('param_groups')}; one AdamW setting "
+                           "holds for every parameter (a conversion from VERL refuses groups "
+                           "that differ)")
     return out
 
 

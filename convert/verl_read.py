@@ -34,6 +34,7 @@ from jscenegen.checkpoint.resume import (
     RUN_IDENTITY_KEYS,
     RUN_STATE_FILE,
     check_run_identity,
+    differing_param_group,
     has_run_identity,
 )
 from jscenegen.config import STEPS_MAX
@@ -221,6 +222,10 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
         raise ConvertError(f"{f}: param_groups must be a list of dicts, each with a list of "
                            "integer parameter indices under 'params'")
     _check_json_size(f, "param_groups", groups)
+    if where := differing_param_group(groups):
+        raise ConvertError(f"{f}: {where}; jscenegen trains every parameter with one AdamW "
+                           "setting, so groups that differ in anything but their params "
+                           "cannot be converted")
     for g, group in enumerate(groups):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):

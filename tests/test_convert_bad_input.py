@@ -1185,3 +1185,28 @@ def test_a_rank_file_name_with_a_leading_zero_is_refused_naming_it(actor, tmp_pa
     with pytest.raises(ConvertError, match=re.escape(stray)):
         verl_to_hf(actor, tmp_path / "out")
     _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("key,value,shown", [("lr", 0.5, "0.5"), ("weight_decay", 0.0, "0.0"),
+                                             ("betas", (0.9, 0.95), r"\(0\.9, 0\.95\)")])
+def test_optimizer_groups_with_their_own_settings_are_refused_naming_the_key(actor, tmp_path, key,
+                                                                           value, shown):
+    """Two param_groups (the norms without weight decay, say) were flattened into one: the
+    second group's lr / weight_decay / betas were lost, group 0's written for every parameter."""
+    from convert.orbax_directions import verl_to_orbax
+
+    def split(sd):
+        (group,) = sd["param_groups"]
+        half = len(group["params"]) // 2
+        sd["param_groups"] = [dict(group, params=group["params"][:half]),
+                              dict(group, params=group["params"][half:], **{key: value})]
+
+    _edit_every_rank(actor, "optim", split)
+    for convert_to in (verl_to_orbax, lambda s, d: verl_to_verl(s, d, world_size=3)):
+        with pytest.raises(ConvertError, match=(
+                rf"^{re.escape(str(actor / 'optim_world_size_6_rank_0.pt'))}: param_groups\[1\]\."
+                rf"{key} \({shown} vs param_groups\[0\]'s [^;]+\); jscenegen trains every parameter "
+                r"with one AdamW setting, so groups that differ in anything but their params "
+                r"cannot be converted$")):
+            convert_to(actor, tmp_path / "out")
+        _assert_nothing_written(tmp_path)

@@ -583,6 +583,11 @@ def test_a_moment_of_another_shape_than_its_parameter_is_refused_before_verl_fil
      r"source\.verl\.param_groups\[0\]\.betas is 0\.9, expected two numbers"),
     (lambda m: m["source"]["verl"].update(param_groups={"lr": 1}),
      r"source\.verl\.param_groups is a dict, expected a list"),
+    # a second group with its own lr: the VERL files were written with the first group's only
+    (lambda m: m["source"]["verl"]["param_groups"].append(
+        dict(m["source"]["verl"]["param_groups"][0], lr=0.5, params=[])),
+     r"source\.verl\.param_groups\[1\]\.lr \(0\.5 vs param_groups\[0\]'s 0\.001\); one AdamW "
+     r"setting holds for every parameter \(a conversion from VERL refuses groups that differ\)"),
 ])
 def test_malformed_step_metadata_that_verifies_is_named_by_file_and_key(converted, tmp_path, edit,
                                                                           message):
@@ -624,6 +629,13 @@ def test_a_resume_names_the_adamw_settings_that_differ_from_the_torch_run(conver
         "weight_decay": 0.01}]}}}
     assert torch_optimizer_changes(warming, OptimConfig(lr=1e-3, warmup_steps=10), 3) == []
     # a hand-edited record of another shape is listed, not raised
+    # groups of their own settings (a hand-edited record: conversions refuse them) are named
+    two = {"source": {"verl": {"param_groups": [
+        {"lr": 1e-3, "betas": [0.9, 0.999], "params": [0]},
+        {"lr": 1e-3, "betas": [0.9, 0.95], "params": [1]}]}}}
+    assert torch_optimizer_changes(two, OptimConfig(lr=1e-3), 3) == [
+        "the torch run's param_groups[1].betas ([0.9, 0.95] vs param_groups[0]'s [0.9, 0.999]): "
+        "only param_groups[0] is compared"]
     odd = {"source": {"verl": {"param_groups": [{"lr": [1e-3], "betas": 0.9}]}}}
     assert torch_optimizer_changes(odd, OptimConfig(lr=1e-3), 3) == [
         "optim.lr 0.001 (the torch run's [0.001])", "optim.betas [0.9, 0.999] (the torch run's 0.9)",

@@ -200,6 +200,23 @@ def check_step_number(step_dir: Path, step: int, train_state: Mapping[str, Any])
     return at
 
 
+def differing_param_group(groups: Sequence[Any]) -> str | None:
+    """Where torch optimizer `param_groups` (dicts) differ from the first group in anything but
+    `params` ("param_groups[1].lr (0.002 vs param_groups[0]'s 0.001)", compared as printed), or
+    None when they agree. jscenegen trains with one AdamW setting for every parameter: groups
+    of their own lr, weight_decay, betas or eps cannot be carried into one optax optimizer, nor
+    back into torch from one group's record."""
+    if not groups or not all(isinstance(g, Mapping) for g in groups):
+        return None
+    first = groups[0]
+    for i, group in enumerate(groups[1:], 1):
+        for key in sorted(set(group) | set(first), key=str):
+            if key != "params" and repr(group.get(key)) != repr(first.get(key)):
+                return (f"param_groups[{i}].{key} ({repr(group.get(key))[:60]} vs param_groups[0]'s "
+                        f"{repr(first.get(key))[:60]})")
+    return None
+
+
 def torch_optimizer_changes(metadata: Mapping[str, Any], optim: Any, lr_step: int) -> list[str]:
     """The AdamW settings of `optim` (an `OptimConfig`) that differ from those of the torch run
     a checkpoint converted from VERL files recorded (training_metadata.json
@@ -221,6 +238,8 @@ def torch_optimizer_changes(metadata: Mapping[str, Any], optim: Any, lr_step: in
     if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
         return []
     group = groups[0]
+    if where := differing_param_group(groups):   # a hand-edited record (conversions refuse it)
+        return [f"the torch run's {where}: only param_groups[0] is compared"]
 
     def differs(ours, theirs) -> bool:
         if isinstance(ours, list):
