@@ -65,7 +65,9 @@ class VerlState:
     params: SliceReader over full HF-shaped arrays; adam: moments, step, param_groups (None =
     model only); extra_states: per-rank `{"lr_scheduler", "rng"}` (None = none written);
     train_state: our trainer's train state of this step, written beside the rank files as
-    `RUN_STATE_FILE` so that converting back keeps the run's identity (None = none).
+    `RUN_STATE_FILE` so that converting back keeps the run's identity (None = none). shapes: the
+    parameters in the order to write them and index their AdamW state (a VERL source's own
+    order, `VerlCheckpoint.param_order`); None = the weight table's (`verl_shapes`).
     """
 
     config: Any  # jscenegen.model.config.QwenConfig
@@ -75,6 +77,7 @@ class VerlState:
     extra_states: list[dict[str, Any]] | None = None
     global_step: int = 0
     train_state: dict[str, Any] | None = None
+    shapes: dict[str, tuple[int, ...]] | None = None   # parameter order; None: `verl_shapes`
 
 
 CACHE_BYTES = 1 << 30
@@ -113,7 +116,8 @@ def verl_state(ck: VerlCheckpoint) -> VerlState:
     extra = ck.extra_states() if "extra_state" in ck.layout.kinds else None
     step = ck.global_step()
     return VerlState(config=ck.config, hf_dir=ck.hf_dir, params=sliced(ck.read_param), adam=adam,
-                     extra_states=extra, global_step=step, train_state=ck.run_train_state())
+                     extra_states=extra, global_step=step, train_state=ck.run_train_state(),
+                     shapes=dict(ck.shapes))
 
 
 def write_verl_run(dst: str | Path, state: VerlState, *, world_size: int, placement: str = "dim0",
@@ -155,7 +159,7 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     cfg = state.config
     step_dir = root / f"global_step_{state.global_step}"
     shard_dir = step_dir if flattened else step_dir / "actor"
-    dims = write_rank_files(shard_dir, shapes=verl_shapes(cfg), params=state.params,
+    dims = write_rank_files(shard_dir, shapes=state.shapes or verl_shapes(cfg), params=state.params,
                             world_size=world_size, placement=placement,
                             tied_alias=embedding_name(cfg) if cfg.tie_word_embeddings else None,
                             adam=state.adam,

@@ -422,8 +422,9 @@ class VerlCheckpoint:
     """A VERL checkpoint opened for streaming reads.
 
     `param_order`: HF names in `module.parameters()` order (tied head counted once), which is
-    the optimizer's integer index order; taken from `convert.tensor_sets.verl_shapes` of the
-    config in `huggingface/config.json` (or `hf_dir`), and checked against the model file. For
+    the optimizer's integer index order: the model files' key order (`_file_order`), whose names
+    must be those of `convert.tensor_sets.verl_shapes` of the config in
+    `huggingface/config.json` (or `hf_dir`); `shapes` lists them in that order. For
     Qwen3.5 that includes the vision tower (VERL trains the vision-language class), never
     `mtp.*` (see convert/carried.py for where those come from).
 
@@ -459,10 +460,11 @@ class VerlCheckpoint:
         except ModelConfigError as err:
             raise ConvertError(str(err)) from None
         self.shapes = verl_shapes(self.config)
-        self.param_order = list(self.shapes)
         self.tied = self.config.tie_word_embeddings
         self.embedding = embedding_name(self.config)
         self._check_keys()
+        self.param_order = self._file_order()
+        self.shapes = {n: self.shapes[n] for n in self.param_order}
         self._check_owners()
         self.check_tensors()
 
@@ -499,6 +501,33 @@ class VerlCheckpoint:
                     f"{self.layout.rank_file('model', r)}: keys do not match {self.hf_dir / 'config.json'}"
                     f" (missing {missing[:5]}, unexpected {unexpected[:5]})"
                 )
+
+    def _file_order(self) -> list[str]:
+        """The parameter names in the order of the model files' keys, the tied `lm_head.weight`
+        alias left out: torch's `module.parameters()` order, by which VERL's AdamW state and
+        `param_groups` index the parameters (`model.state_dict()` lists each module's parameters
+        in that order, and `parameters()` counts a tied one once, at its first name). Every
+        rank's file must list the keys in rank 0's order (ConvertError naming the file and the
+        first position that differs). When it is not the order of jscenegen's weight table for
+        the config (another transformers version, a patched model), the file's order is used and
+        a ConversionWarning names the file and the first differing position."""
+        orders = [[k for k in sd if not (self.tied and k == "lm_head.weight")]
+                  for sd in self._model_files]
+        for r, order in enumerate(orders[1:], 1):
+            if order != orders[0]:
+                i = next(i for i, (a, b) in enumerate(zip(order, orders[0])) if a != b)
+                raise ConvertError(
+                    f"{self.layout.rank_file('model', r)}: key {i} is {order[i]}, rank 0's "
+                    f"{orders[0][i]}; every rank saves the same module's state_dict, in one order")
+        table = list(self.shapes)
+        if orders[0] != table:
+            i = next(i for i, (a, b) in enumerate(zip(orders[0], table)) if a != b)
+            warnings.warn(ConversionWarning(
+                f"{self.layout.rank_file('model', 0)}: parameter {i} is {orders[0][i]} where "
+                f"jscenegen's weight table for this config has {table[i]}: the AdamW state is "
+                "indexed in the file's order (torch's module.parameters()), as read here; VERL "
+                "files written from an orbax or HF source follow the table's order"), stacklevel=3)
+        return orders[0]
 
     def _check_owners(self) -> None:
         """Before any tensor is read: every rank file's first DTensor (model, and the first

@@ -236,3 +236,61 @@ def test_writer_refuses_existing_destination(fixture, tmp_path):
     with pytest.raises(ConvertError, match="already exists"):
         verl_to_verl(fixture["ckpt"], out, world_size=2)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_adam_indices_follow_the_model_files_key_order(tmp_path):
+    """A model whose parameters() order puts post_attention_layernorm before input_layernorm
+    (another transformers version, a patched model): torch's AdamW indices follow that order,
+    which is the model file's. The index -> name map came from jscenegen's weight table alone,
+    so the two norms' moments were silently swapped (same shapes)."""
+    import collections
+    import re
+
+    import torch
+
+    from convert.errors import ConversionWarning
+    from convert.torch_safe import load_pt
+
+    fix = fixture_dir("qwen2_first_divisible")
+    src = fix / "ckpt" / "global_step_3" / "actor"
+    actor = tmp_path / "global_step_3" / "actor"
+    shutil.copytree(src, actor)
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+    for r in range(6):
+        model = load_pt(src / f"model_world_size_6_rank_{r}.pt", mmap=False)
+        keys = list(model)
+        i, j = keys.index(a), keys.index(b)
+        keys[i], keys[j] = keys[j], keys[i]
+        torch.save(collections.OrderedDict((k, model[k]) for k in keys),
+                   actor / f"model_world_size_6_rank_{r}.pt")
+        optim = load_pt(src / f"optim_world_size_6_rank_{r}.pt", mmap=False)
+        optim["state"][i], optim["state"][j] = optim["state"][j], optim["state"][i]
+        torch.save(optim, actor / f"optim_world_size_6_rank_{r}.pt")
+    ref = load_file(str(fix / "reference/optim.safetensors"))
+    warned = (rf"^{re.escape(str(actor / 'model_world_size_6_rank_0.pt'))}: parameter {i} is "
+              rf"{re.escape(b)} where jscenegen's weight table for this config has {re.escape(a)}: "
+              r"the AdamW state is indexed in the file's order \(torch's module\.parameters\(\)\), "
+              r"as read here; VERL files written from an orbax or HF source follow the table's order$")
+    with pytest.warns(ConversionWarning, match=warned):
+        ck = VerlCheckpoint(actor)
+    assert ck.param_order == keys and list(ck.shapes) == keys
+    for name in (a, b):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(ck.read_moment(name, moment), ref[f"{name}.{moment}"])
+    assert not np.array_equal(ref[f"{a}.exp_avg"], ref[f"{b}.exp_avg"])   # the test can tell
+    # a reshard keeps the source's order, for the model keys and the optimizer's indices alike
+    with pytest.warns(ConversionWarning, match="parameter"):
+        out = verl_to_verl(actor, tmp_path / "w3", world_size=3)
+    assert list(_shard_entries(out / "model_world_size_3_rank_0.pt")) == keys
+    with pytest.warns(ConversionWarning, match="parameter"):
+        back = VerlCheckpoint(out)
+    for name, m, v in back.iter_adam():
+        np.testing.assert_array_equal(m, ref[f"{name}.exp_avg"], err_msg=name)
+        np.testing.assert_array_equal(v, ref[f"{name}.exp_avg_sq"], err_msg=name)
+    # every rank saves one module: a rank whose file lists another order is refused
+    other = load_pt(src / "model_world_size_6_rank_4.pt", mmap=False)
+    torch.save(other, actor / "model_world_size_6_rank_4.pt")
+    with pytest.raises(ConvertError, match=(
+            rf"^{re.escape(str(actor / 'model_world_size_6_rank_4.pt'))}: key {i} is {re.escape(a)}, "
+            rf"rank 0's {re.escape(b)}; every rank saves the same module's state_dict, in one order$")):
+        VerlCheckpoint(actor)
