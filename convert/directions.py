@@ -159,11 +159,12 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     cfg = state.config
     step_dir = root / f"global_step_{state.global_step}"
     shard_dir = step_dir if flattened else step_dir / "actor"
+    extra_states = runnable_rng(state.extra_states, device_type, shown_as or root, source)
     dims = write_rank_files(shard_dir, shapes=state.shapes or verl_shapes(cfg), params=state.params,
                             world_size=world_size, placement=placement,
                             tied_alias=embedding_name(cfg) if cfg.tie_word_embeddings else None,
                             adam=state.adam,
-                            extra_states=state.extra_states, dtype=dtype, device_type=device_type,
+                            extra_states=extra_states, dtype=dtype, device_type=device_type,
                             shown_as=(shown_as or root) / shard_dir.relative_to(root))
     if hf_link is None:
         hf_files = copy_hf_metadata(state.hf_dir, shard_dir / "huggingface")
@@ -185,6 +186,27 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     if state.adam is not None and state.adam.names is not None:
         extra["no_adam_state"] = [n for n in dims if n not in set(state.adam.names)]
     return shard_dir, files, extra
+
+
+def runnable_rng(extra_states: list[dict[str, Any]] | None, device_type: str, shown_as: Path,
+                 source: str | Path) -> list[dict[str, Any]] | None:
+    """`extra_states` without their `rng` when a run on a `device_type` mesh could not resume
+    from it: VERL's `load_rng_state` reads rng[get_device_name()] ("cuda") on a GPU run
+    without a fallback (KeyError: states saved by a CPU run hold no "cuda" generator), while
+    `FSDPCheckpointManager.load_checkpoint` skips a missing `rng` (the run keeps its own
+    seeded streams). Warns (ConversionWarning naming `shown_as` and `source`) when it drops
+    them; otherwise returns `extra_states` as given."""
+    if not extra_states or device_type == "cpu":
+        return extra_states
+    lacking = [e for e in extra_states if e.get("rng") is not None and device_type not in e["rng"]]
+    if not lacking:
+        return extra_states
+    warnings.warn(ConversionWarning(
+        f"{shown_as}: the RNG states of {source} hold no {device_type!r} generator (saved by a "
+        f"{'/'.join(sorted(lacking[0]['rng']))} run), which VERL restores on a {device_type} run "
+        "without a fallback: left out of the extra_state files (VERL then keeps its own seeded "
+        "random streams; the scheduler state is kept)"), stacklevel=3)
+    return [{k: v for k, v in e.items() if k != "rng"} for e in extra_states]
 
 
 def _sources_of(written: str, source_files: dict[str, list[str]] | None,

@@ -411,7 +411,12 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
             g["lr"] = float(g.get("initial_lr", g["lr"])) * m
     extras_json = verl_src.get("extra_state") or []
     if extras_json:
+        from convert.verl_read import check_extra_state
+        from jscenegen.checkpoint.store import METADATA_NAME
+
         extras = [extra_state_from_json(e) for e in extras_json]
+        for e in extras:
+            check_extra_state(step_dir / METADATA_NAME, e)
         if len(extras) != world_size:
             extras = extras[:1]
         for e in extras:

@@ -251,9 +251,17 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
                                "number")
 
 
-def _check_extra_state(f: Path, st: dict) -> None:
+# what VERL's BaseCheckpointManager.load_rng_state reads from `rng` without a fallback, besides
+# rng[get_device_name()] on a GPU run (verl/utils/checkpoint/checkpoint_manager.py); its
+# FSDPCheckpointManager.load_checkpoint skips a missing `rng` altogether
+RNG_REQUIRED = ("cpu", "numpy", "random")
+
+
+def check_extra_state(f: Path, st: dict) -> None:
     """Refuse VERL extra state whose scheduler or RNG states are not the shapes torch, numpy
-    and Python write (verl/utils/checkpoint/checkpoint_manager.py: get_rng_state)."""
+    and Python write (verl/utils/checkpoint/checkpoint_manager.py: get_rng_state), or whose
+    `rng` lacks one of `RNG_REQUIRED` (VERL's resume would raise KeyError). Raises
+    ConvertError naming `f` and the key."""
     import torch
 
     sched = st.get("lr_scheduler")
@@ -272,6 +280,11 @@ def _check_extra_state(f: Path, st: dict) -> None:
         return
     if not isinstance(rng, dict):
         raise ConvertError(f"{f}: rng is a {type(rng).__name__}, expected a dict")
+    for key in RNG_REQUIRED:
+        if key not in rng:
+            raise ConvertError(f"{f}: rng has no {key!r} state ({', '.join(map(repr, sorted(rng)))} "
+                               f"only); VERL saves and, on resume, restores {', '.join(RNG_REQUIRED)} "
+                               "(and its device's) without a fallback")
     for dev, state in rng.items():
         if dev == "numpy":
             ok = (isinstance(state, tuple) and len(state) == 5 and state[0] == "MT19937"
@@ -923,7 +936,7 @@ class VerlCheckpoint:
             if not isinstance(st, dict) or not set(st) <= {"lr_scheduler", "rng"}:
                 raise ConvertError(f"{f}: expected keys lr_scheduler, rng; got "
                                    f"{sorted(st) if isinstance(st, dict) else type(st).__name__}")
-            _check_extra_state(f, st)
+            check_extra_state(f, st)
             if out and not _same_state(st.get("lr_scheduler"), out[0].get("lr_scheduler")):
                 raise ConvertError(f"{f}: lr_scheduler differs from rank 0's (every rank steps "
                                    "the same schedule)")

@@ -461,6 +461,11 @@ def test_a_shared_container_in_a_pickle_is_walked_once(tmp_path):
     ("extra_state", lambda sd: sd["rng"].__setitem__("numpy", ("MT19937", sd["rng"]["numpy"][1][:3],
                                                                 0, 0, 0.0)),
      r"rng\['numpy'\] is not numpy\.random\.get_state\(\)'s 5-tuple \('MT19937', 624 key words"),
+    # VERL's load_rng_state reads cpu, numpy and random without a fallback: KeyError on resume
+    ("extra_state", lambda sd: sd["rng"].pop("random"),
+     r"extra_state_world_size_6_rank_0\.pt: rng has no 'random' state \('cpu', 'numpy' only\); "
+     r"VERL saves and, on resume, restores cpu, numpy, random \(and its device's\) without a "
+     r"fallback$"),
     # AMSGrad's extra moment, or its flag: converted, the state lost max_exp_avg_sq silently
     # and the VERL files written back made torch's step() raise KeyError
     ("optim", lambda sd: sd["state"][0].__setitem__("max_exp_avg_sq", sd["state"][0]["exp_avg_sq"]),

@@ -583,6 +583,10 @@ def test_a_moment_of_another_shape_than_its_parameter_is_refused_before_verl_fil
      r"source\.verl\.param_groups\[0\]\.betas is 0\.9, expected two numbers"),
     (lambda m: m["source"]["verl"].update(param_groups={"lr": 1}),
      r"source\.verl\.param_groups is a dict, expected a list"),
+    # recorded RNG states without one VERL restores without a fallback (KeyError on resume)
+    (lambda m: [e["rng"].pop("cpu") for e in m["source"]["verl"]["extra_state"]],
+     r"rng has no 'cpu' state \('numpy', 'random' only\); VERL saves and, on resume, restores "
+     r"cpu, numpy, random \(and its device's\) without a fallback"),
     # a second group with its own lr: the VERL files were written with the first group's only
     (lambda m: m["source"]["verl"]["param_groups"].append(
         dict(m["source"]["verl"]["param_groups"][0], lr=0.5, params=[])),

@@ -294,3 +294,31 @@ def test_adam_indices_follow_the_model_files_key_order(tmp_path):
             rf"^{re.escape(str(actor / 'model_world_size_6_rank_4.pt'))}: key {i} is {re.escape(a)}, "
             rf"rank 0's {re.escape(b)}; every rank saves the same module's state_dict, in one order$")):
         VerlCheckpoint(actor)
+
+
+def test_rng_states_a_cuda_run_cannot_restore_are_left_out_with_a_warning(tmp_path):
+    """The fixture's states come from a CPU (gloo) run: no "cuda" generator. Written for a cuda
+    mesh, VERL's load_rng_state raised KeyError('cuda') on resume; its load skips a missing rng.
+    For a cpu mesh they are carried as they are."""
+    import re
+
+    import torch
+
+    from convert.errors import ConversionWarning
+    from convert.torch_safe import load_pt
+
+    src = fixture_dir("qwen2_first_divisible") / "ckpt"
+    want = (rf"^{re.escape(str(tmp_path / 'cuda'))}: the RNG states of "
+            rf"{re.escape(str(src))} hold no 'cuda' generator \(saved by a cpu/numpy/random run\), "
+            r"which VERL restores on a cuda run without a fallback: left out of the extra_state "
+            r"files \(VERL then keeps its own seeded random streams; the scheduler state is kept\)$")
+    with pytest.warns(ConversionWarning, match=want):
+        out = verl_to_verl(src, tmp_path / "cuda", world_size=6, device_type="cuda")
+    source = VerlCheckpoint(src).extra_states()
+    for r in range(6):
+        extra = load_pt(out / f"extra_state_world_size_6_rank_{r}.pt")
+        assert set(extra) == {"lr_scheduler"} and extra["lr_scheduler"] == source[r]["lr_scheduler"]
+    out = verl_to_verl(src, tmp_path / "cpu", world_size=6, device_type="cpu")
+    extra = load_pt(out / "extra_state_world_size_6_rank_5.pt")
+    assert torch.equal(extra["rng"]["cpu"], source[5]["rng"]["cpu"])
+    assert extra["rng"]["random"] == source[5]["rng"]["random"]
