@@ -188,6 +188,25 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
     return shard_dir, files, extra
 
 
+def output_placement(placement: str | None, source_placement: str | None, source: str | Path,
+                     shown_as: str | Path) -> str:
+    """The placement of a VERL output: `placement` when given, else the source's own
+    (`source_placement`: what its shard dims follow, or None when unknown), else "dim0". Warns
+    (ConversionWarning naming `shown_as` and `source`) when the output's differs from the
+    source's, so that a torch run of the source's VERL version would see other shard dims."""
+    chosen = placement or source_placement or "dim0"
+    if source_placement is not None and chosen != source_placement:
+        warnings.warn(ConversionWarning(
+            f"{shown_as}: written with placement {chosen} where {source} is sharded by "
+            f"{source_placement} ({PLACEMENT_VERSIONS[source_placement]}; {chosen}: "
+            f"{PLACEMENT_VERSIONS[chosen]}): a run of the source's VERL version shards "
+            "otherwise"), stacklevel=3)
+    return chosen
+
+
+PLACEMENT_VERSIONS = {"dim0": "VERL 0.9", "first-divisible": "VERL 0.6 - 0.8"}
+
+
 def runnable_rng(extra_states: list[dict[str, Any]] | None, device_type: str, shown_as: Path,
                  source: str | Path) -> list[dict[str, Any]] | None:
     """`extra_states` without their `rng` when a run on a `device_type` mesh could not resume
@@ -220,9 +239,13 @@ def _sources_of(written: str, source_files: dict[str, list[str]] | None,
     return same_rank if same_rank and same_w else candidates
 
 
-def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
+def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str | None = None,
                  dtype: str | None = None, device_type: str | None = None) -> Path:
     """Reshard a VERL checkpoint to `world_size` ranks with `placement`, everything carried over.
+
+    `placement` None keeps the source's (`VerlCheckpoint.placement`: first-divisible when its
+    shard dims follow that rule, some off dim 0; "dim0" when they matter not); another than the
+    source's is warned (`output_placement`).
 
     `device_type` (the DeviceMesh's in the written files): None keeps the source's (a gloo
     run's `cpu` stays `cpu`: torch refuses to load across mesh types), "cuda" when the source
@@ -239,6 +262,7 @@ def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement
             warnings.warn(f"{ck.layout.shard_dir}: its DeviceMesh is on {device_type!r}; writing "
                           "'cuda' (give --mesh-device to choose)", ConversionWarning, stacklevel=2)
             device_type = "cuda"
+    placement = output_placement(placement, ck.placement(), src, dst)
     state = verl_state(ck)
     if state.extra_states is not None and world_size != ck.world_size:
         state.extra_states = state.extra_states[:1]
@@ -361,7 +385,7 @@ def _check_tied_head(reader: SafetensorsReader, embedding: str, block_bytes: int
         raise ConvertError(str(err)) from None
 
 
-def hf_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
+def hf_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str | None = None,
                dtype: str | None = None, device_type: str = "cuda") -> Path:
     """Write an HF model as VERL rank files (model only) for a torch run to start from.
 
@@ -371,6 +395,6 @@ def hf_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: 
     """
     state = hf_state(src)
     files = sorted({str(p) for p in SafetensorsReader(src).files.values()})
-    return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
-                          device_type=device_type, source=src, source_format="hf",
+    return write_verl_run(dst, state, world_size=world_size, placement=placement or "dim0",
+                          dtype=dtype, device_type=device_type, source=src, source_format="hf",
                           source_files={"model": files})

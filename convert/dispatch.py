@@ -135,8 +135,9 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     """Convert `src` (in `src_format`) to `dst` (in `dst_format`); returns the direction's result.
 
     world_size: W for a VERL output (default: the VERL source's own W, else required).
-    placement (VERL outputs only): "dim0" (VERL 0.9, the default) | "first-divisible" (VERL
-    0.6 - 0.8). dtype: None keeps the source's (fp32 master weights), else "float32" |
+    placement (VERL outputs only): "dim0" (VERL 0.9) | "first-divisible" (VERL 0.6 - 0.8);
+    default: the source's own (a VERL source's shard dims, or those a step converted from VERL
+    records), else "dim0"; an output placement other than the source's is warned. dtype: None keeps the source's (fp32 master weights), else "float32" |
     "bfloat16" for the model weights.
     mesh_device (VERL outputs only): the DeviceMesh device type pickled into VERL files:
     "cuda" for a GPU run, "cpu" for a CPU (gloo) run; torch refuses to copy between meshes of
@@ -173,7 +174,6 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
         if value is not None and dst_format != "verl":
             raise ConvertError(f"{flag} shapes the rank files of a VERL output; --to {dst_format} "
                                "writes none (leave it out)")
-    placement = placement or "dim0"
     if src_format != "verl":   # a VERL source's own is the default (`verl_to_verl`)
         mesh_device = mesh_device or "cuda"
     if dst_format == "verl" and world_size is None:

@@ -496,11 +496,18 @@ def _schedule_fields(step_dir: Path, optim: dict[str, Any]) -> Any:
     return SimpleNamespace(**{k: optim[k] for k in keys})
 
 
-def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str = "dim0",
+def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str | None = None,
                   dtype: str | None = None, device_type: str = "cuda") -> Path:
-    """An orbax step as a VERL run directory that torch FSDP2 on `world_size` ranks resumes."""
+    """An orbax step as a VERL run directory that torch FSDP2 on `world_size` ranks resumes.
+
+    `placement` None: the placement of the VERL checkpoint the step was converted from, as its
+    metadata's `source.shard_dims` record it (`source_placement`), else "dim0"; another than
+    that one is warned (`directions.output_placement`)."""
+    from convert.directions import output_placement
+
     step_dir = orbax_step_dir(src)
     state = orbax_state(step_dir, world_size)
+    placement = output_placement(placement, source_placement(step_dir, state.config), src, dst)
     return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
                           device_type=device_type, source=src, source_format="orbax",
                           source_files={"model": [str(step_dir / "params")],
@@ -508,6 +515,26 @@ def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placemen
                                         "extra_state": [str(step_dir / "train_state"),
                                                         str(step_dir / "training_metadata.json")],
                                         "train_state": [str(step_dir / "train_state")]})
+
+
+def source_placement(step_dir: Path, cfg: Any) -> str | None:
+    """The placement of the VERL checkpoint an orbax step was converted from: what the shard
+    dims its training_metadata.json records (`source.shard_dims`, over `source.world_size`)
+    follow (`sharding.placement_of`); None for a step of another origin or a record that says
+    nothing usable."""
+    from convert.sharding import placement_of
+    from jscenegen.checkpoint.store import read_metadata
+
+    src = _metadata_object(step_dir, read_metadata(step_dir), "source")
+    dims, w = src.get("shard_dims"), src.get("world_size")
+    if src.get("format") != "verl" or not isinstance(dims, dict) or type(w) is not int:
+        return None
+    if not all(d is None or type(d) is int for d in dims.values()):
+        return None
+    mesh = src.get("mesh") if isinstance(src.get("mesh"), dict) else {}
+    if len(mesh.get("dim_names") or ()) > 1:   # HSDP: the fsdp size is not recorded
+        return None
+    return placement_of(verl_shapes(cfg), dims, w)
 
 
 def orbax_to_hf(src: str | Path, dst: str | Path, *, dtype: str | None = None) -> list[str]:

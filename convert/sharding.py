@@ -6,6 +6,8 @@ can hold fewer rows or none (n = 13, W = 6: 3, 3, 3, 3, 1, 0).
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 PLACEMENTS = ("dim0", "first-divisible")
 
 
@@ -28,3 +30,19 @@ def shard_dim(shape: tuple[int, ...], world_size: int, placement: str) -> int:
     if placement == "first-divisible":
         return next((d for d, n in enumerate(shape) if n % world_size == 0), 0)
     raise ValueError(f"placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+
+
+def placement_of(shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int | None],
+                 fsdp_size: int) -> str | None:
+    """The placement whose rule gives the shard dims `dims` ({name: dim, None = replicated})
+    of tensors of `shapes` over `fsdp_size` shards: "dim0" when every sharded tensor is on dim
+    0, "first-divisible" when each is on the dim that rule picks and some on another than 0,
+    None when neither rule (or no sharded tensor) explains them."""
+    sharded = {n: d for n, d in dims.items() if d is not None and n in shapes}
+    if not sharded or fsdp_size < 1:
+        return None
+    if all(d == 0 for d in sharded.values()):
+        return "dim0"
+    if all(d == shard_dim(tuple(shapes[n]), fsdp_size, "first-divisible") for n, d in sharded.items()):
+        return "first-divisible"
+    return None

@@ -25,7 +25,7 @@ import numpy as np
 
 from convert import pages
 from convert.errors import ConversionWarning, ConvertError
-from convert.sharding import chunk_bounds
+from convert.sharding import chunk_bounds, placement_of
 from convert.tensor_sets import embedding_name, verl_shapes
 from convert.tensors import to_numpy
 from convert.torch_safe import StorageCrcs, check_torch_zip, load_pt
@@ -764,6 +764,18 @@ class VerlCheckpoint:
                    if isinstance(t, DTensor) else None)
             out[k] = TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), dim)
         return out
+
+    def placement(self) -> str | None:
+        """Which VERL placement the files' shard dims follow (`sharding.placement_of` over the
+        mesh's fsdp size): "dim0" (VERL 0.9), "first-divisible" (VERL 0.6 - 0.8), or None when
+        neither explains them or every entry is replicated."""
+        from torch.distributed.tensor import DTensor
+
+        first = next((t for t in self._model_files[0].values() if isinstance(t, DTensor)), None)
+        if first is None:
+            return None
+        dims = {k: v.shard_dim for k, v in self.tensor_info().items()}
+        return placement_of(self.shapes, dims, mesh_info(first.device_mesh)["sizes"][-1])
 
     def mesh(self) -> dict[str, Any] | None:
         """The device mesh of rank 0's first DTensor: {"dim_names", "device_type"}, None when

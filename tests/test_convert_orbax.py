@@ -707,3 +707,26 @@ def test_a_bfloat16_output_with_adam_state_says_it_rounds_the_master_weights(con
         warnings.filterwarnings("error", message=".*rounds the", category=ConversionWarning)
         verl_to_orbax(src, tmp_path / "o32", dtype="float32")
         orbax_to_verl(converted["run"], tmp_path / "v32", world_size=2, device_type="cpu")
+
+
+def test_orbax_to_verl_keeps_the_placement_of_the_verl_checkpoint_it_came_from(converted, tmp_path):
+    """A step converted from first-divisible VERL files went back with dim0 placement unless
+    --placement said otherwise; the metadata records the source's shard dims."""
+    import re
+
+    from convert.errors import ConversionWarning
+    from convert.orbax_directions import source_placement
+    from convert.sharding import shard_dim
+
+    assert source_placement(converted["step"], VerlCheckpoint(converted["src"] / "ckpt").config) \
+        == "first-divisible"
+    out = orbax_to_verl(converted["run"], tmp_path / "verl", world_size=6, device_type="cpu")
+    info = VerlCheckpoint(out).tensor_info()
+    assert {k: v.shard_dim for k, v in info.items()} == {
+        k: shard_dim(v.shape, 6, "first-divisible") for k, v in info.items()}
+    assert sum(v.shard_dim == 1 for v in info.values()) == 12
+    with pytest.warns(ConversionWarning, match=(
+            rf"^{re.escape(str(tmp_path / 'd0'))}: written with placement dim0 where "
+            rf"{re.escape(str(converted['run']))} is sharded by first-divisible")):
+        orbax_to_verl(converted["run"], tmp_path / "d0", world_size=6, placement="dim0",
+                      device_type="cpu")

@@ -322,3 +322,29 @@ def test_rng_states_a_cuda_run_cannot_restore_are_left_out_with_a_warning(tmp_pa
     extra = load_pt(out / "extra_state_world_size_6_rank_5.pt")
     assert torch.equal(extra["rng"]["cpu"], source[5]["rng"]["cpu"])
     assert extra["rng"]["random"] == source[5]["rng"]["random"]
+
+
+def test_a_reshard_keeps_the_sources_placement_unless_told(tmp_path):
+    """VERL -> VERL defaulted to dim0: the Shard(1) tensors of a VERL 0.6 - 0.8 checkpoint
+    (first-divisible) moved to Shard(0) without a word."""
+    import re
+
+    from convert.errors import ConversionWarning
+
+    src = fixture_dir("qwen2_first_divisible") / "ckpt"
+    assert VerlCheckpoint(src).placement() == "first-divisible"
+    assert VerlCheckpoint(fixture_dir("qwen3_tied_dim0") / "ckpt").placement() == "dim0"
+    for w in (6, 3):
+        out = verl_to_verl(src, tmp_path / f"w{w}", world_size=w, device_type="cpu")
+        info = VerlCheckpoint(out).tensor_info()
+        dims = {k: v.shard_dim for k, v in info.items()}
+        assert dims == {k: shard_dim(v.shape, w, "first-divisible") for k, v in info.items()}
+        assert sum(d == 1 for d in dims.values()) == 12
+        layout = json.loads((tmp_path / f"w{w}" / "checkpoint-layout.json").read_text())
+        assert layout["placement"] == "first-divisible"
+    with pytest.warns(ConversionWarning, match=(
+            rf"^{re.escape(str(tmp_path / 'd0'))}: written with placement dim0 where "
+            rf"{re.escape(str(src))} is sharded by first-divisible \(VERL 0\.6 - 0\.8; dim0: VERL "
+            r"0\.9\): a run of the source's VERL version shards otherwise$")):
+        out = verl_to_verl(src, tmp_path / "d0", world_size=6, placement="dim0", device_type="cpu")
+    assert {v.shard_dim for v in VerlCheckpoint(out).tensor_info().values()} == {0}

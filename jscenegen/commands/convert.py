@@ -42,8 +42,9 @@ def register(subparsers) -> None:
                    help="VERL output ranks W (from a VERL source: its W by default; from hf or "
                         "orbax: required)")
     p.add_argument("--placement", choices=("dim0", "first-divisible"), default=None,
-                   help="VERL output shard dim per tensor: dim0 (VERL 0.9, the default) or "
-                        "first dim divisible by W (VERL 0.6-0.8)")
+                   help="VERL output shard dim per tensor: dim0 (VERL 0.9) or first dim "
+                        "divisible by W (VERL 0.6-0.8); default: the source's own (a VERL "
+                        "source, or a step converted from one), else dim0")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="model weight dtype of the output (default: the source's); hf/orbax "
                         "outputs keep carried tensors (Qwen3.5's vision tower, mtp.*) in their "
