@@ -183,9 +183,21 @@ def write_verl_into(root: Path, state: VerlState, *, world_size: int, placement:
                  device_type=device_type, global_step=state.global_step, dtype=dtype or "source")
     if verl_absent(cfg):  # mtp.*: the torch model VERL trains has no place for them
         extra["not_in_verl"] = verl_absent(cfg)
+    if state.adam is None and extra_states is None:   # VERL's default load_contents needs all three
+        extra["load_contents"] = list(MODEL_ONLY_LOAD_CONTENTS)
     if state.adam is not None and state.adam.names is not None:
         extra["no_adam_state"] = [n for n in dims if n not in set(state.adam.names)]
     return shard_dir, files, extra
+
+
+# what a model-only VERL output (`hf_to_verl`) needs VERL to load: its FSDPCheckpointManager
+# loads model, optimizer and extra state by default and opens each rank file unconditionally
+MODEL_ONLY_LOAD_CONTENTS = ("model",)
+MODEL_ONLY_NOTE = ("note: model rank files only (no optim_ or extra_state_ files): VERL's resume "
+                   "loads model, optimizer and extra state by default and fails on the missing "
+                   "files; resume from it with actor_rollout_ref.actor.checkpoint.load_contents="
+                   "[model] (fresh AdamW and LR schedule from the run's config), or start VERL "
+                   "from the HF model itself")
 
 
 def output_placement(placement: str | None, source_placement: str | None, source: str | Path,
@@ -388,6 +400,11 @@ def _check_tied_head(reader: SafetensorsReader, embedding: str, block_bytes: int
 def hf_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement: str | None = None,
                dtype: str | None = None, device_type: str = "cuda") -> Path:
     """Write an HF model as VERL rank files (model only) for a torch run to start from.
+
+    No optimizer or extra state is written (AdamW settings written here would override the
+    VERL run's `optim` config on load): VERL resumes from it only with
+    `actor_rollout_ref.actor.checkpoint.load_contents=[model]`, which `checkpoint-layout.json`
+    records as `load_contents` (`MODEL_ONLY_NOTE`, which the command prints).
 
     Qwen3.5: the vision tower is written (VERL trains the vision-language class); `mtp.*` are
     not (VERL's model has no place for them; `checkpoint-layout.json` lists them under

@@ -133,6 +133,24 @@ def test_hf_to_verl_model_only(fixture, hf_out, tmp_path):
         np.testing.assert_array_equal(a, ref[name], err_msg=name)
     assert {i.shard_dim for i in ck.tensor_info().values()} == {0, 1}  # 48 % 4 == 0: Shard(1) exists
     assert verify_checksums(out) > 0
+    # VERL's default load_contents (model, optimizer, extra) opens the files not written: the
+    # layout says what VERL must load, and the command says how to resume from it
+    assert json.loads((out / "checkpoint-layout.json").read_text())["load_contents"] == ["model"]
+
+
+def test_the_hf_to_verl_command_says_how_verl_resumes_a_model_only_output(tiny_hf, tmp_path, capsys):
+    from jscenegen.cli import main
+
+    out = tmp_path / "verl"
+    assert main(["convert", str(tiny_hf["qwen3"]), str(out), "--from", "hf", "--to", "verl",
+                 "--world-size", "2", "--mesh-device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert ("note: model rank files only (no optim_ or extra_state_ files): VERL's resume loads "
+            "model, optimizer and extra state by default and fails on the missing files; resume "
+            "from it with actor_rollout_ref.actor.checkpoint.load_contents=[model] (fresh AdamW "
+            "and LR schedule from the run's config), or start VERL from the HF model itself") in err
+    assert sorted(p.name.partition("_world_size_")[0] for p in
+                  (out / "global_step_0" / "actor").glob("*.pt")) == ["model", "model"]
 
 
 def test_hf_to_verl_from_transformers_dir(tiny_hf, tmp_path):

@@ -121,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if (args.src_format, args.dst_format) == ("verl", "orbax"):
         print(terminal_line(NOT_CARRIED_TO_JAX), file=sys.stderr)
+    if (args.src_format, args.dst_format) == ("hf", "verl"):
+        from convert.directions import MODEL_ONLY_NOTE
+
+        print(terminal_line(MODEL_ONLY_NOTE), file=sys.stderr)
     print(terminal_line(f"{args.src} ({args.src_format}) -> {args.dst} ({args.dst_format})"))
     return 0
 
