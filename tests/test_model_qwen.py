@@ -425,6 +425,53 @@ def test_config_refuses_zero_kv_heads_instead_of_defaulting_them():
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_an_absent_rope_theta_defaults_as_transformers_config_does(model_type):
+    """transformers' RotaryEmbeddingConfigMixin.default_theta (10000; Qwen2/Qwen3Config do not
+    override it); jscenegen read 1e6 and wrote that into the config.json it saved."""
+    import transformers
+
+    d = dict(DENSE, model_type=model_type)
+    hf = transformers.AutoConfig.for_model(**d)
+    cfg = QwenConfig.from_hf_dict(d)
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"] == 10_000.0
+    assert cfg.to_hf_dict()["rope_theta"] == 10_000.0
+    # a theta inside the one RoPE dict given wins over the top level, as there
+    for key in ("rope_scaling", "rope_parameters"):
+        given = dict(d, rope_theta=3.0, **{key: {"rope_type": "default", "rope_theta": 5.0}})
+        assert QwenConfig.from_hf_dict(given).rope_theta == 5.0 == \
+            transformers.AutoConfig.for_model(**given).rope_parameters["rope_theta"]
+
+
+def test_config_with_rope_scaling_and_rope_parameters_is_read_only_when_they_agree():
+    """transformers reads `rope_scaling or rope_parameters` and drops rope_parameters, its theta
+    too (jscenegen took rope_parameters): a file whose two disagree is refused, naming both."""
+    import transformers
+
+    both = dict(DENSE, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                rope_scaling={"rope_type": "linear", "factor": 4.0})
+    with pytest.raises(ModelConfigError, match=(
+            r"^cfg\.json: rope_scaling and rope_parameters are both given and disagree: "
+            r"rope_scaling means theta 10000, factor 4\.0, rope_type 'linear'; rope_parameters "
+            r"means theta 1e\+06\. transformers reads rope_scaling and drops rope_parameters")):
+        QwenConfig.from_hf_dict(both, "cfg.json")
+    with pytest.raises(ModelConfigError, match=r"rope_scaling means theta 10000, factor 4\.0, "
+                                               r"rope_type 'linear'; rope_parameters means theta "
+                                               r"1e\+06, factor 4\.0, rope_type 'linear'"):
+        QwenConfig.from_hf_dict(dict(both, rope_parameters=dict(both["rope_scaling"],
+                                                                rope_theta=1e6)))
+    # the same RoPE both ways (the theta at the top level, the legacy "type" key): read
+    same = dict(both, rope_theta=1e6, rope_scaling={"type": "linear", "factor": 4.0},
+                rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6})
+    cfg = QwenConfig.from_hf_dict(same)
+    hf = transformers.AutoConfig.for_model(**same).rope_parameters
+    assert (cfg.rope_theta, cfg.rope_params) == (1e6, {"rope_type": "linear", "factor": 4.0})
+    assert (hf["rope_theta"], hf["rope_type"], hf["factor"]) == (1e6, "linear", 4.0)
+    # a null or empty rope_scaling beside rope_parameters is no second reading
+    for empty in (None, {}):
+        assert QwenConfig.from_hf_dict(dict(both, rope_scaling=empty)).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_an_absent_head_dim_defaults_as_transformers_config_does(model_type):
     """Qwen3Config's head_dim defaults to 128 (it was taken as hidden_size // heads, Qwen2's
     rule: another architecture than transformers builds from the same file)."""

@@ -184,7 +184,7 @@ class QwenConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = 10_000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
@@ -331,7 +331,7 @@ class QwenConfig:
         if head_dim % 2:
             raise ModelConfigError(f"{source}: head_dim {head_dim} must be even (RoPE rotates "
                                    "pairs of each head's dims)")
-        theta, scaling, _ = _read_rope(d, source, 1_000_000.0)
+        theta, scaling, _ = _read_rope(d, source)
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -573,7 +573,7 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                  prefix, ("linear_num_value_heads", "linear_num_key_heads"))
     head_dim = _positive(t.get("head_dim", 256), "head_dim", source, prefix, integer=True,
                          limit=SIZE_LIMITS["head_dim"])
-    theta, scaling, extra = _read_rope(t, source, 10_000.0, prefix)
+    theta, scaling, extra = _read_rope(t, source, prefix)
     factor = float(_positive(extra.get("partial_rotary_factor", QWEN35_ROTARY_FACTOR), "partial_rotary_factor",
                              source, prefix))
     rotary = int(head_dim * factor)
@@ -630,31 +630,67 @@ def _mtp_layers(t: dict[str, Any], source: str, prefix: str) -> int:
 
 
 ROPE_EXTRAS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+# transformers' RotaryEmbeddingConfigMixin.default_theta, the theta of a config.json that gives
+# none anywhere; Qwen2Config, Qwen3Config and Qwen3_5TextConfig do not override it
+ROPE_DEFAULT_THETA = 10_000.0
 
 
-def _read_rope(d: dict[str, Any], source: str, default_theta: float,
+def _rope_section(d: dict[str, Any], key: str, source: str, prefix: str) -> dict[str, Any]:
+    """A copy of `d[key]` (`rope_scaling` or `rope_parameters`); {} when absent, null or empty.
+    Raises ModelConfigError naming the field when it is not an object or is nested by layer
+    type."""
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ModelConfigError(f"{source}: {prefix}{key} must be an object (rope_type, "
+                               f"factor, ...) or null, got {str(value)[:80]!r}")
+    if any(isinstance(v, dict) for v in value.values()):
+        raise ModelConfigError(f"{source}: per-layer-type {prefix}{key} are not supported")
+    return dict(value)
+
+
+def _read_rope(d: dict[str, Any], source: str,
                prefix: str = "") -> tuple[float, dict[str, Any], dict[str, Any]]:
     """(rope_theta, scaling params, extras) from either config spelling; validates the RoPE type.
 
-    extras: `ROPE_EXTRAS` found inside `rope_parameters` (which wins, as transformers'
-    `RotaryEmbeddingConfigMixin` folds top-level values in only when absent there) or at the
-    top level. `default_theta` applies when no rope_theta is given anywhere (transformers:
-    10000 for Qwen3.5; jscenegen keeps 1e6 for Qwen2/3 as before).
+    As transformers' `RotaryEmbeddingConfigMixin.convert_rope_params_to_dict` (5.25): the RoPE
+    dict is `rope_scaling or rope_parameters`; its `rope_theta` wins, else the top-level one,
+    else `ROPE_DEFAULT_THETA` (10000, for Qwen2/3 as for Qwen3.5). extras: `ROPE_EXTRAS` found
+    in that dict (which wins) or at the top level. A file giving both dicts is read only when
+    the two mean the same RoPE: transformers takes `rope_scaling` and drops `rope_parameters`
+    whole (its theta included), which a file that says two things cannot have meant for sure.
+
+    Raises ModelConfigError naming the field for a RoPE dict that is not an object or nested by
+    layer type, `rope_scaling` and `rope_parameters` that disagree, an unsupported rope type, a
+    scaled RoPE without a `factor`, or a non-positive theta, factor, beta or length.
     """
-    params = d.get("rope_parameters")
-    section = "rope_parameters" if isinstance(params, dict) and params else "rope_scaling"
-    if isinstance(params, dict) and params:
-        if any(isinstance(v, dict) for v in params.values()):
-            raise ModelConfigError(f"{source}: per-layer-type {prefix}rope_parameters are not supported")
-        params = dict(params)
-        theta = params.pop("rope_theta", d.get("rope_theta", default_theta))
-    else:
-        theta = d.get("rope_theta", default_theta)
-        scaling = d.get("rope_scaling") or {}
-        if not isinstance(scaling, dict):
-            raise ModelConfigError(f"{source}: {prefix}rope_scaling must be an object (rope_type, "
-                                   f"factor, ...) or null, got {str(scaling)[:80]!r}")
-        params = dict(scaling)
+    scaling = _rope_section(d, "rope_scaling", source, prefix)
+    params = _rope_section(d, "rope_parameters", source, prefix)
+    if scaling and params:
+        kept = _rope_reading(d, scaling, "rope_scaling", source, prefix)
+        dropped = _rope_reading(d, params, "rope_parameters", source, prefix)
+        if kept != dropped:
+            def show(reading):
+                theta, p, extras = reading
+                return f"theta {theta:g}" + "".join(f", {k} {v!r}" for k, v in
+                                                    sorted({**p, **extras}.items()))
+            raise ModelConfigError(
+                f"{source}: {prefix}rope_scaling and {prefix}rope_parameters are both given "
+                f"and disagree: rope_scaling means {show(kept)}; rope_parameters means "
+                f"{show(dropped)}. transformers reads rope_scaling and drops rope_parameters "
+                "(its rope_theta too); remove the one that is wrong")
+        return kept
+    if scaling:
+        return _rope_reading(d, scaling, "rope_scaling", source, prefix)
+    return _rope_reading(d, params, "rope_parameters" if params else "rope_scaling", source,
+                         prefix)
+
+
+def _rope_reading(d: dict[str, Any], params: dict[str, Any], section: str, source: str,
+                  prefix: str) -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """`_read_rope`'s reading of one RoPE dict `params` (a copy; `section` names it)."""
+    theta = params.pop("rope_theta", d.get("rope_theta", ROPE_DEFAULT_THETA))
     extras = {k: params.pop(k) if k in params else d[k] for k in ROPE_EXTRAS
               if k in params or k in d}
     if "type" in params and "rope_type" not in params:
