@@ -352,11 +352,12 @@ def hf_state(hf_dir: str | Path) -> VerlState:
     and `mtp.*` included); the state reads the ones VERL files hold (`verl_shapes`).
     """
     from jscenegen.model.config import ModelConfigError, QwenConfig
+    from jscenegen.model.weights import CheckpointFormatError
 
     hf_dir = Path(hf_dir)
     try:
         cfg = QwenConfig.from_dir(hf_dir)
-    except ModelConfigError as err:
+    except (ModelConfigError, CheckpointFormatError) as err:
         raise ConvertError(str(err)) from None
     reader = SafetensorsReader(hf_dir)
     shapes = hf_shapes(cfg)
@@ -364,11 +365,8 @@ def hf_state(hf_dir: str | Path) -> VerlState:
     missing = sorted(set(shapes) - set(reader.files))
     unexpected = sorted(set(reader.files) - allowed)
     if missing or unexpected:
-        from jscenegen.model.hf_io import unlisted_in_index
-
         raise ConvertError(f"{hf_dir}: safetensors names do not match config.json "
                            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-                           + unlisted_in_index(hf_dir, reader.files, missing)
                            + (f" ({note})" if missing and (note := cfg.assumed_tower_note()) else ""))
     for name, shape in shapes.items():
         if reader.shape(name) != tuple(shape):

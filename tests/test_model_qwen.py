@@ -213,9 +213,8 @@ def test_hf_round_trip_is_bit_identical_and_transformers_loads_it(hf_dirs, tmp_p
     index = json.loads((damaged / "model.safetensors.index.json").read_text())
     shard = index["weight_map"].pop("model.norm.weight")
     (damaged / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointFormatError, match=rf"missing tensor\(s\) \['model.norm.weight'\]; "
-                       rf"model.safetensors.index.json's weight_map lists no shard for 1 of them, "
-                       rf"which the shards hold \(e.g. 'model.norm.weight' in {shard}\)"):
+    with pytest.raises(CheckpointFormatError, match=rf"model.safetensors.index.json: {shard} holds "
+                       r"tensor 'model.norm.weight', which weight_map does not list"):
         load_hf(damaged)   # it said "missing" only (helper-78)
     for (n1, a), (n2, b) in zip(hf_state_dict(model), hf_state_dict(again)):
         assert n1 == n2
@@ -291,6 +290,60 @@ def test_a_directory_with_a_single_file_and_an_index_reads_the_single_file_as_tr
                                   theirs.model.norm.weight.detach().numpy())
     np.testing.assert_array_equal(np.asarray(ours.model.norm.weight.get_value()),
                                   tensors["model.norm.weight"])
+
+
+def test_an_index_must_list_exactly_what_its_shards_hold(hf_dirs, tmp_path):
+    """transformers reads every tensor of every listed shard, jscenegen the weight_map: a second
+    copy in another shard loaded a different embedding than transformers' (it reads the later
+    copy), a tensor the index leaves out was silently ignored. Each is refused, naming the
+    tensor and the shards; a shard file the index does not list is read by neither."""
+    import transformers
+
+    from jscenegen.model.safetensors_stream import safetensors_files, stored_tensors
+
+    src = save_hf(load_hf(hf_dirs["qwen2"]), tmp_path / "src", max_shard_bytes=200_000)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    emb = "model.embed_tokens.weight"
+    first, last = index[emb], sorted(set(index.values()))[-1]
+    assert first != last
+
+    def variant(name, edit):
+        d = _copy(src, tmp_path / name)
+        edit(d)
+        return d
+
+    def add(d, shard, **extra):
+        tensors = load_file(d / shard)
+        save_file(dict(tensors, **extra), d / shard, metadata={"format": "pt"})
+
+    emb_values = load_file(src / first)[emb]
+    dup = variant("dup", lambda d: add(d, last, **{emb: np.full_like(emb_values, 7.0)}))
+    assert transformers.AutoModelForCausalLM.from_pretrained(dup).model.embed_tokens.weight[0, 0] == 7.0
+    extra = variant("extra", lambda d: add(d, last, **{"model.extra.weight": np.zeros(2, np.float32)}))
+
+    def moved(d):   # the index names the wrong shards for two tensors held once
+        idx = json.loads((d / "model.safetensors.index.json").read_text())
+        other = next(n for n, f in idx["weight_map"].items() if f == last)
+        idx["weight_map"][emb], idx["weight_map"][other] = last, first
+        (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+    wrong = variant("wrong", moved)
+    stray = variant("stray", lambda d: save_file({emb: np.zeros(2, np.float32)},
+                                                 d / "model-stray.safetensors"))
+    cases = [
+        (dup, rf"dup/model\.safetensors\.index\.json: tensor '{emb}' is held by 2 shards "
+              rf"\({first}, {last}\); transformers loads every copy"),
+        (extra, rf"extra/model\.safetensors\.index\.json: {last} holds tensor 'model\.extra\.weight', "
+                r"which weight_map does not list \(transformers loads it, as an unexpected key\)"),
+        (wrong, rf"wrong/model\.safetensors\.index\.json: weight_map lists tensor '{emb}' in {last}, "
+                rf"but {first} holds it"),
+    ]
+    for d, message in cases:
+        for read in (load_hf, safetensors_files, stored_tensors):
+            with pytest.raises(CheckpointFormatError, match=message):
+                read(d)
+    np.testing.assert_array_equal(np.asarray(load_hf(stray).model.embed_tokens.weight.get_value()),
+                                  emb_values)
 
 
 def test_unexpected_tensor_is_named(hf_dirs, tmp_path):

@@ -29,8 +29,6 @@ from jscenegen.model.dtypes import dtype_name, np_dtype
 from jscenegen.model.loader import build_model
 from jscenegen.model.qwen import CausalLM
 from jscenegen.model.safetensors_stream import (
-    INDEX_NAME,
-    raw_header,
     read_tensor,
     safetensors_files,
     write_safetensors_streaming,
@@ -62,7 +60,6 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
         other = (f"; the files hold {len(unexpected)} tensor(s) it does not name, e.g. "
                  f"{unexpected[:3]} (config.json's model_type {cfg.model_type} names its text "
                  f"tensors {cfg.text_prefix}*)" if unexpected else "")
-        other += unlisted_in_index(path, files, missing)
         raise CheckpointFormatError(f"{path}: missing tensor(s) {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}{other}"
                                     + (f" ({note})" if (note := cfg.assumed_tower_note()) else ""))
@@ -76,21 +73,6 @@ def iter_hf_tensors(path: str | Path, cfg: QwenConfig | None = None) -> Iterator
                 and name == f"{cfg.text_prefix}embed_tokens.weight"):
             check_tied_head(read_tensor(files[TIED_ALIAS], TIED_ALIAS), arr, files[TIED_ALIAS], name)
         yield name, arr
-
-
-def unlisted_in_index(path: Path, files: dict[str, Path], missing: list[str]) -> str:
-    """For a sharded directory: which missing tensors a shard holds although the index's
-    weight_map lists no entry for them (what the index leaves out is never read), as a clause
-    of the "missing tensor(s)" error; "" when none."""
-    if not (path / INDEX_NAME).is_file():
-        return ""
-    held = {name: shard for shard in sorted(set(files.values())) if shard.is_file()
-            for name in raw_header(shard)[1] if name in missing}
-    if not held:
-        return ""
-    name, shard = next(iter(held.items()))
-    return (f"; {INDEX_NAME}'s weight_map lists no shard for {len(held)} of them, which the "
-            f"shards hold (e.g. {name!r} in {shard.name}): the index must name every tensor")
 
 
 def check_tied_head(head: np.ndarray, embedding: np.ndarray, file: str | Path,

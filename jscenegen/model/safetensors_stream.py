@@ -54,8 +54,10 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
     `model.safetensors` wins when both it and the index (`model.safetensors.index.json`) are
     present, as in transformers' `from_pretrained` (modeling_utils.py), with a warning naming
     the index it ignores. The index's file names are used as written, never globbed, and must
-    name files of `path` itself. Raises CheckpointFormatError when neither exists, the index is
-    malformed or names a file elsewhere.
+    name files of `path` itself; the index must describe its shards exactly
+    (`_check_index_matches_shards`: each tensor held by one listed shard, the one listed).
+    Raises CheckpointFormatError when neither exists, the index is malformed, names a file
+    elsewhere, or disagrees with its shards' headers.
     """
     path = Path(path)
     index, single = path / INDEX_NAME, path / SINGLE_NAME
@@ -81,12 +83,49 @@ def safetensors_files(path: str | Path) -> dict[str, Path]:
                 raise CheckpointFormatError(
                     f"{index}: weight_map[{name!r}] is {fname[:200]!r}; a shard is a file name "
                     "in the model's own directory (no path)")
-        return {name: path / fname for name, fname in files.items()}
+        files = {name: path / fname for name, fname in files.items()}
+        _check_index_matches_shards(index, files)
+        return files
     if not single.is_file():
         why = not_a_file(single) if single.exists() or single.is_symlink() else None
         raise CheckpointFormatError(f"{single}: {why}" if why else
                                     f"{path}: no {SINGLE_NAME} or {INDEX_NAME}")
     return {name: single for name in read_header(single)}
+
+
+def _check_index_matches_shards(index: Path, files: dict[str, Path]) -> None:
+    """The index's weight_map `files` ({tensor name: shard}) says what its shards hold: every
+    tensor of every listed shard's header is listed, for that shard, and held by no other
+    listed shard; every listed tensor is held. transformers reads every tensor of every listed
+    shard (a second copy in another shard replaces the first, one the index leaves out loads as
+    an unexpected key), jscenegen only the listed ones, so the two would load different weights.
+    Shard files the index does not list are not read (nor by transformers). Raises
+    CheckpointFormatError naming the index, the tensor and the shards (and, as `raw_header`,
+    for a listed shard that cannot be read)."""
+    holders: dict[str, list[Path]] = {}
+    for shard in sorted(set(files.values())):
+        for name in raw_header(shard)[1]:
+            holders.setdefault(name, []).append(shard)
+    for name, shards in holders.items():
+        if len(shards) > 1:
+            raise CheckpointFormatError(
+                f"{index}: tensor {name[:200]!r} is held by {len(shards)} shards "
+                f"({', '.join(s.name for s in shards)}); transformers loads every copy (the last "
+                "read wins), jscenegen the one weight_map lists: keep it in one shard")
+        listed = files.get(name)
+        if listed is None:
+            raise CheckpointFormatError(
+                f"{index}: {shards[0].name} holds tensor {name[:200]!r}, which weight_map does "
+                "not list (transformers loads it, as an unexpected key); the index must name "
+                "every tensor its shards hold")
+        if listed != shards[0]:
+            raise CheckpointFormatError(
+                f"{index}: weight_map lists tensor {name[:200]!r} in {listed.name}, but "
+                f"{shards[0].name} holds it")
+    for name, shard in files.items():
+        if name not in holders:
+            raise CheckpointFormatError(f"{index}: tensor {name[:200]!r} is listed in "
+                                        f"{shard.name}, which does not hold it")
 
 
 def raw_header(file: str | Path) -> tuple[int, dict]:
@@ -255,20 +294,13 @@ def read_tensor(file: str | Path, name: str, expected_shape: tuple[int, ...] | N
 def stored_tensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     """{tensor name: (dtype name, shape)} of an HF directory's weights, or None when it holds
     no safetensors weights (no index, no model.safetensors). Headers only; raises
-    CheckpointFormatError as `safetensors_files` / `read_header`, and for an index naming a
-    tensor its file does not hold."""
+    CheckpointFormatError as `safetensors_files` / `read_header`."""
     path = Path(path)
     if not (path / INDEX_NAME).is_file() and not (path / SINGLE_NAME).is_file():
         return None
     files = safetensors_files(path)
     headers = {f: read_header(f) for f in sorted(set(files.values()))}
-    out = {}
-    for name, f in files.items():
-        if name not in headers[f]:
-            raise CheckpointFormatError(f"{path / INDEX_NAME}: tensor {name!r} is listed in "
-                                        f"{f.name}, which does not hold it")
-        out[name] = headers[f][name]
-    return out
+    return {name: headers[f][name] for name, f in files.items()}
 
 
 def _st_dtype(dtype: np.dtype) -> str:
