@@ -21,7 +21,7 @@ from typing import Iterable
 
 import numpy as np
 
-from jscenegen.model.config import QwenConfig, config_with_dtype
+from jscenegen.model.config import QwenConfig, config_with_dtype, config_with_mtp_layers
 from jscenegen.model.dtypes import majority_dtype
 from jscenegen.model.weights import param_shapes, weight_table
 from jscenegen.paths import loads_json, write_json
@@ -74,14 +74,12 @@ def config_json(cfg: QwenConfig, hf_config: dict) -> dict:
 
     Readers of a directory without weights (an orbax step's `hf/`, a resumed run) take the
     MTP layer count from `text_config.mtp_num_hidden_layers` (top level for `qwen3_5_text`);
-    when a conversion could not carry the `mtp.*` tensors it must say 0 there. Unchanged
-    otherwise (and for dense configs)."""
+    when a conversion could not carry the `mtp.*` tensors it must say 0 there
+    (`model.config.config_with_mtp_layers`, the rule `QwenConfig.to_hf_dict` follows too).
+    Unchanged otherwise (and for dense configs)."""
     if not cfg.hybrid:
         return hf_config
-    text = hf_config.get("text_config") if cfg.model_type == "qwen3_5" else hf_config
-    if isinstance(text, dict) and int(text.get("mtp_num_hidden_layers", 0) or 0) != cfg.mtp_layers:
-        text["mtp_num_hidden_layers"] = cfg.mtp_layers
-    return hf_config
+    return config_with_mtp_layers(hf_config, cfg.model_type, cfg.mtp_layers)
 
 
 def text_weights_dtype(specs: dict[str, tuple[tuple[int, ...], np.dtype]], cfg: QwenConfig) -> str:

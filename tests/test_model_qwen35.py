@@ -642,6 +642,44 @@ def test_directory_without_mtp_and_bad_tensors_are_named(qwen35_hf, tmp_path):
         load_hf(d2)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_text"])
+def test_a_model_without_mtp_tensors_is_saved_saying_zero_mtp_layers(qwen35_hf, tmp_path,
+                                                                       model_type):
+    """save_hf kept config.json's `mtp_num_hidden_layers: 1` beside weights without `mtp.*`
+    (a directory transformers wrote): a reader of the config alone (a checkpoint's hf/) then
+    expected an MTP head no file holds. It is the MTP layers carried (text_config's for the
+    composite config, the top level's for qwen3_5_text); with them carried it stays 1."""
+    from safetensors.numpy import load_file, save_file
+
+    key = ("text_config",) if model_type == "qwen3_5" else ()
+
+    def mtp_count(directory):
+        doc = _read(directory)
+        for k in key:
+            doc = doc[k]
+        return doc["mtp_num_hidden_layers"]
+
+    src = shutil.copytree(qwen35_hf[model_type], tmp_path / "src")
+    assert mtp_count(src) == 1
+    kept = save_hf(load_hf(src), tmp_path / "kept")
+    assert mtp_count(kept) == 1 and QwenConfig.from_dir(kept).mtp_layers == 1
+    tensors = load_file(src / "model.safetensors")
+    save_file({n: a for n, a in tensors.items() if not n.startswith("mtp.")},
+              src / "model.safetensors", metadata={"format": "pt"})
+    model = load_hf(src)
+    assert model.cfg.mtp_layers == 0 and mtp_count(src) == 1
+    out = save_hf(model, tmp_path / "out")
+    assert mtp_count(out) == 0
+    assert not any(n.startswith("mtp.") for n in load_file(out / "model.safetensors"))
+    before, after = _read(src), _read(out)
+    for doc in (before, after):   # nothing else changed
+        (doc[key[0]] if key else doc).pop("mtp_num_hidden_layers")
+    assert after == before
+    (tmp_path / "hf_only").mkdir()   # config.json alone, as a checkpoint's hf/ holds it
+    shutil.copy(out / "config.json", tmp_path / "hf_only" / "config.json")
+    assert QwenConfig.from_dir(tmp_path / "hf_only").mtp_layers == 0
+
+
 def test_preset_configs_build(tmp_path):
     for preset in ("micro", "tiny", "small"):
         cfg = preset_config("qwen3_5", preset, vocab_size=1000)

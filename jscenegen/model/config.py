@@ -117,6 +117,20 @@ def config_with_dtype(doc: dict[str, Any], dtype: str) -> dict[str, Any]:
     return doc
 
 
+def config_with_mtp_layers(doc: dict[str, Any], model_type: str, mtp_layers: int) -> dict[str, Any]:
+    """Qwen3.5 config.json content `doc` (of `model_type` qwen3_5 or qwen3_5_text) saying it
+    carries `mtp_layers` MTP layers: `mtp_num_hidden_layers` (in `text_config` for the
+    composite qwen3_5, at the top level for qwen3_5_text) set to it when it says another number
+    (absent or null reads as 0, `QwenConfig.mtp_layers`). A directory transformers wrote holds
+    no `mtp.*` (it drops the head), so its config must say 0: readers of a directory without
+    weights (a checkpoint's `hf/`, a resumed run) take the count from here. The one rule for
+    `QwenConfig.to_hf_dict` and the converters (`convert/tensor_sets.config_json`)."""
+    text = doc.get("text_config") if model_type == "qwen3_5" else doc
+    if isinstance(text, dict) and (text.get("mtp_num_hidden_layers") or 0) != mtp_layers:
+        text["mtp_num_hidden_layers"] = mtp_layers
+    return doc
+
+
 def read_config_file(f: str | Path) -> dict:
     """The JSON object of config file `f`, for `QwenConfig.from_hf_dict`. Raises
     ModelConfigError naming `f` when it is not a regular file, not valid JSON, repeats a key
@@ -427,11 +441,14 @@ class QwenConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content.
 
-        Qwen3.5: the dict that was read (`hf_config`), unchanged, vision_config and all.
+        Qwen3.5: the dict that was read (`hf_config`), vision_config and all, unchanged but
+        for `mtp_num_hidden_layers`, which becomes the MTP layers carried (`mtp_layers`; 0 for a
+        directory without `mtp.*` tensors: `config_with_mtp_layers`).
         Dense: transformers 4.x spelling, readable by 4.x and 5.x.
         """
         if self.hybrid:
-            return json.loads(self.hf_config)
+            return config_with_mtp_layers(json.loads(self.hf_config), self.model_type,
+                                          self.mtp_layers)
         arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
         d: dict[str, Any] = {
             "architectures": [arch],
