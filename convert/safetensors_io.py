@@ -7,7 +7,6 @@ from typing import Iterator
 import numpy as np
 
 from convert.errors import ConvertError
-from jscenegen.model.dtypes import np_dtype
 
 
 class SafetensorsReader:
@@ -113,11 +112,11 @@ class SafetensorsReader:
 
 
 def _entry_dtype(path: Path, name: str, entry: dict) -> np.dtype:
-    from jscenegen.model.safetensors_stream import entry_dtype_name
+    from jscenegen.model.safetensors_stream import entry_np_dtype
     from jscenegen.model.weights import CheckpointFormatError
 
     try:
-        return np_dtype(entry_dtype_name(path, name, entry))
+        return entry_np_dtype(path, name, entry)
     except CheckpointFormatError as err:
         raise ConvertError(str(err)) from None
 

@@ -437,10 +437,26 @@ def test_a_tensor_of_another_shape_is_refused_before_its_bytes_are_read(hf_dirs,
     monkeypatch.setattr(hf_io, "read_tensor", lambda *a, **k: (reads.append(a[1]), real(*a, **k))[1])
     import jscenegen.model.safetensors_stream as stream
 
-    sizes = []
-    real_read = stream.np.frombuffer
-    monkeypatch.setattr(stream.np, "frombuffer", lambda b, *a, **k: (sizes.append(len(b)),
-                                                                     real_read(b, *a, **k))[1])
+    sizes = []   # the data reads (`readinto`; headers are read with `read`)
+
+    class Counted:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def readinto(self, buf):
+            sizes.append(len(buf))
+            return self.f.readinto(buf)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(stream, "open", lambda *a, **k: Counted(open(*a, **k)), raising=False)
     _rewrite_header(d / "model.safetensors",
                     lambda h: h["model.norm.weight"].update(shape=[4, 16]))
     with pytest.raises(CheckpointFormatError, match=r"model\.safetensors: tensor "

@@ -173,7 +173,7 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
             if name not in specs:
                 raise ValueError(f"{out}: tensor {name!r} is not one of {cfg.model_type}'s tensors "
                                  f"(e.g. {next(iter(specs))})")
-            return name, np.ascontiguousarray(a.astype(specs[name][1]))
+            return name, np.ascontiguousarray(a.astype(specs[name][1], copy=False))
 
         write_safetensors_streaming(tmp, specs, (cast(n, a) for n, a in tensors), max_shard_bytes)
         if config_dtype is None and isinstance(dtype, str):

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER_BYTES = 100 * 1024 * 1024   # the format's own limit (safetensors README)
+MAX_HEADER_BYTES = 100_000_000   # the safetensors library's limit ("header too large" above it)
 _DTYPE_NAMES = {code: name for name, code in SAFETENSORS.items()}
 # bytes per element of the safetensors format's whole-byte dtypes (its sub-byte float types,
 # F4/F6, are not checked here; no reader of jscenegen's takes them)
@@ -151,7 +151,11 @@ def _parse_header(file: str, size: int, mtime_ns: int) -> tuple[int, dict]:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
-                raise ValueError(f"header of {n} bytes")
+                raise ValueError(f"a header of {n:,} bytes, above the safetensors library's "
+                                 f"limit of {MAX_HEADER_BYTES:,}")
+            if 8 + n > size:
+                raise ValueError(f"header length past the end of the file: 8 + {n:,} header "
+                                 f"bytes, the file has {size:,} (truncated?)")
             header = loads_json(f.read(n))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
@@ -247,6 +251,13 @@ def entry_dtype_name(file: str | Path, name: str, entry: dict) -> str:
     return _DTYPE_NAMES[code]
 
 
+def entry_np_dtype(file: str | Path, name: str, entry: dict) -> np.dtype:
+    """The NumPy dtype tensor `name`'s bytes decode as: `entry_dtype_name`'s, little-endian
+    whatever the host (the safetensors format stores little-endian data). Raises as
+    `entry_dtype_name`."""
+    return np_dtype(entry_dtype_name(file, name, entry)).newbyteorder("<")
+
+
 def read_header(file: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype name, shape)} of one safetensors file, from its header only.
 
@@ -262,7 +273,9 @@ def read_tensor(file: str | Path, name: str, expected_shape: tuple[int, ...] | N
                 shape_note: str = "") -> np.ndarray:
     """Tensor `name` of one safetensors file as a NumPy array in its stored dtype (bfloat16 as
     `ml_dtypes.bfloat16`, which safetensors' own NumPy reader cannot give), read with one
-    plain file read at the header's offsets. Raises CheckpointFormatError naming the file and
+    plain file read at the header's offsets straight into the returned array (memory: the
+    tensor once), decoded little-endian (`entry_np_dtype`) and returned in the host's byte
+    order. Raises CheckpointFormatError naming the file and
     tensor when it is absent, its header shape is not `expected_shape` (when given; checked
     before any byte is read, `shape_note` appended), its byte range does not fit its shape, or
     the file is short (checked against the file's size before the read: a header claiming
@@ -271,7 +284,7 @@ def read_tensor(file: str | Path, name: str, expected_shape: tuple[int, ...] | N
     if name not in header:
         raise CheckpointFormatError(f"{file}: no tensor {name!r}")
     entry = header[name]
-    dtype = np_dtype(entry_dtype_name(file, name, entry))
+    dtype = entry_np_dtype(file, name, entry)
     shape, begin = tuple(entry["shape"]), entry["data_offsets"][0]
     if expected_shape is not None and shape != tuple(expected_shape):
         raise CheckpointFormatError(f"{file}: tensor {name!r} has shape {shape}, expected "
@@ -283,12 +296,15 @@ def read_tensor(file: str | Path, name: str, expected_shape: tuple[int, ...] | N
             raise CheckpointFormatError(
                 f"{file}: tensor {name!r} is cut short: it ends at byte "
                 f"{data_start + begin + nbytes:,}, the file has {size:,} (truncated?)")
-        f.seek(data_start + begin)
-        raw = f.read(nbytes)
-    if len(raw) != nbytes:
-        raise CheckpointFormatError(f"{file}: tensor {name!r} is cut short ({len(raw)} of "
+        arr = np.empty(shape, dtype)
+        got = 0
+        if nbytes:   # through a uint8 view: a bfloat16 array exports no buffer of its own
+            f.seek(data_start + begin)
+            got = f.readinto(memoryview(arr.reshape(-1).view(np.uint8)))
+    if got != nbytes:
+        raise CheckpointFormatError(f"{file}: tensor {name!r} is cut short ({got} of "
                                     f"{nbytes} bytes)")
-    return np.frombuffer(raw, dtype).reshape(shape).copy()
+    return arr.astype(dtype.newbyteorder("="), copy=False)
 
 
 def stored_tensors(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]] | None:
