@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from convert.errors import ConversionWarning, ConvertError
 from convert.layout import NAME as LAYOUT_NAME
 from convert.layout import write_layout
 from convert.safetensors_io import SafetensorsReader
+from convert.sharding import shard_dim
 from convert.tensor_sets import (
     carried_names,
     embedding_name,
@@ -200,20 +201,38 @@ MODEL_ONLY_NOTE = ("note: model rank files only (no optim_ or extra_state_ files
                    "from the HF model itself")
 
 
-def output_placement(placement: str | None, source_placement: str | None, source: str | Path,
+def output_placement(placement: str | None, source_placements: tuple[str, ...],
+                     shapes: Mapping[str, tuple[int, ...]], world_size: int, source: str | Path,
                      shown_as: str | Path) -> str:
-    """The placement of a VERL output: `placement` when given, else the source's own
-    (`source_placement`: what its shard dims follow, or None when unknown), else "dim0". Warns
-    (ConversionWarning naming `shown_as` and `source`) when the output's differs from the
-    source's, so that a torch run of the source's VERL version would see other shard dims."""
-    chosen = placement or source_placement or "dim0"
-    if source_placement is not None and chosen != source_placement:
+    """The placement of a VERL output of `world_size` ranks holding tensors of `shapes`:
+    `placement` when given, else the source's own (`source_placements`: the rules its shard
+    dims fit, `sharding.placement_of`), else "dim0". Warns (ConversionWarning naming `shown_as`
+    and `source`) when the output's is not one the source's dims fit, so that a torch run of the
+    source's VERL version would see other shard dims, and when the source fits both rules
+    (each tensor on dim 0, where both put it over the source's ranks) and they shard some
+    tensor otherwise at `world_size`: its VERL version cannot be told from the files."""
+    if placement is not None or len(source_placements) < 2:
+        chosen = placement or (source_placements[0] if source_placements else "dim0")
+        if source_placements and chosen not in source_placements:
+            (theirs,) = source_placements
+            warnings.warn(ConversionWarning(
+                f"{shown_as}: written with placement {chosen} where {source} is sharded by "
+                f"{theirs} ({PLACEMENT_VERSIONS[theirs]}; {chosen}: "
+                f"{PLACEMENT_VERSIONS[chosen]}): a run of the source's VERL version shards "
+                "otherwise"), stacklevel=3)
+        return chosen
+    moved = next((n for n, shape in shapes.items()
+                  if shard_dim(tuple(shape), world_size, "dim0")
+                  != shard_dim(tuple(shape), world_size, "first-divisible")), None)
+    if moved is not None:
+        other = shard_dim(tuple(shapes[moved]), world_size, "first-divisible")
         warnings.warn(ConversionWarning(
-            f"{shown_as}: written with placement {chosen} where {source} is sharded by "
-            f"{source_placement} ({PLACEMENT_VERSIONS[source_placement]}; {chosen}: "
-            f"{PLACEMENT_VERSIONS[chosen]}): a run of the source's VERL version shards "
-            "otherwise"), stacklevel=3)
-    return chosen
+            f"{shown_as}: {source}'s shard dims fit both VERL placements (each tensor on dim 0, "
+            "where both rules put it over its ranks), so its VERL version cannot be told from them; "
+            f"over {world_size} ranks they differ ({moved}: dim 0 under dim0, {other} under "
+            "first-divisible): written with dim0 (VERL 0.9); give --placement first-divisible "
+            "for a VERL 0.6 - 0.8 run"), stacklevel=3)
+    return "dim0"
 
 
 PLACEMENT_VERSIONS = {"dim0": "VERL 0.9", "first-divisible": "VERL 0.6 - 0.8"}
@@ -274,7 +293,7 @@ def verl_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placement
             warnings.warn(f"{ck.layout.shard_dir}: its DeviceMesh is on {device_type!r}; writing "
                           "'cuda' (give --mesh-device to choose)", ConversionWarning, stacklevel=2)
             device_type = "cuda"
-    placement = output_placement(placement, ck.placement(), src, dst)
+    placement = output_placement(placement, ck.placement(), ck.shapes, world_size, src, dst)
     state = verl_state(ck)
     if state.extra_states is not None and world_size != ck.world_size:
         state.extra_states = state.extra_states[:1]

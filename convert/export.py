@@ -18,18 +18,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from convert.directions import write_verl_into
+from convert.directions import output_placement, write_verl_into
 from convert.dispatch import refuse_nested
 from convert.errors import ConvertError
 from convert.layout import write_layout
-from convert.orbax_directions import orbax_state, orbax_step_dir, write_hf_into
+from convert.orbax_directions import orbax_state, orbax_step_dir, source_placement, write_hf_into
+from convert.tensor_sets import verl_shapes
 from convert.verl_write import check_world_size
 from jscenegen.checkpoint.checksums import write_checksums
 from jscenegen.paths import atomic_dir, read_json_object, require_new_dir, write_json
 
 
 def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
-           placement: str = "dim0", dtype: str | None = None, device_type: str = "cuda",
+           placement: str | None = None, dtype: str | None = None, device_type: str = "cuda",
            ) -> tuple[Path, Path]:
     """Export an orbax training checkpoint (a step directory, or a run's directory or its
     `checkpoints/`: the newest complete step) to `out`. Returns (the step directory exported,
@@ -37,7 +38,9 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
 
     The HF weights keep the checkpoint's dtype unless `dtype`; the VERL rank files always hold
     what the checkpoint holds (fp32 master weights and moments) for `world_size` ranks with
-    `placement` and a DeviceMesh of `device_type`. Raises ConvertError for an incomplete
+    `placement` (None: as `convert --to verl` chooses, `directions.output_placement`: the
+    placement of the VERL checkpoint the step was converted from, else dim0) and a DeviceMesh
+    of `device_type`. Raises ConvertError for an incomplete
     checkpoint, an existing non-empty `out` or one inside the checkpoint, a world size outside
     [1, MAX_WORLD_SIZE].
     """
@@ -50,6 +53,8 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     require_new_dir(out, ConvertError)   # before the checkpoint is hashed (seconds to minutes)
     step_dir = orbax_step_dir(checkpoint)
     state = orbax_state(step_dir, world_size)
+    placement = output_placement(placement, source_placement(step_dir, state.config),
+                                 verl_shapes(state.config), world_size, step_dir, out)
     with watching(str(step_dir)), atomic_dir(out, exists_error=ConvertError) as tmp:
         files = write_hf_into(step_dir, tmp, dtype=dtype)
         shard_dir, verl_files, extra = write_verl_into(

@@ -507,7 +507,8 @@ def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placemen
 
     step_dir = orbax_step_dir(src)
     state = orbax_state(step_dir, world_size)
-    placement = output_placement(placement, source_placement(step_dir, state.config), src, dst)
+    placement = output_placement(placement, source_placement(step_dir, state.config),
+                                 verl_shapes(state.config), world_size, src, dst)
     return write_verl_run(dst, state, world_size=world_size, placement=placement, dtype=dtype,
                           device_type=device_type, source=src, source_format="orbax",
                           source_files={"model": [str(step_dir / "params")],
@@ -517,23 +518,23 @@ def orbax_to_verl(src: str | Path, dst: str | Path, *, world_size: int, placemen
                                         "train_state": [str(step_dir / "train_state")]})
 
 
-def source_placement(step_dir: Path, cfg: Any) -> str | None:
-    """The placement of the VERL checkpoint an orbax step was converted from: what the shard
-    dims its training_metadata.json records (`source.shard_dims`, over `source.world_size`)
-    follow (`sharding.placement_of`); None for a step of another origin or a record that says
-    nothing usable."""
+def source_placement(step_dir: Path, cfg: Any) -> tuple[str, ...]:
+    """The placements of the VERL checkpoint an orbax step was converted from: the rules the
+    shard dims its training_metadata.json records (`source.shard_dims`, over
+    `source.world_size`) fit (`sharding.placement_of`); () for a step of another origin or a
+    record that says nothing usable."""
     from convert.sharding import placement_of
     from jscenegen.checkpoint.store import read_metadata
 
     src = _metadata_object(step_dir, read_metadata(step_dir), "source")
     dims, w = src.get("shard_dims"), src.get("world_size")
     if src.get("format") != "verl" or not isinstance(dims, dict) or type(w) is not int:
-        return None
+        return ()
     if not all(d is None or type(d) is int for d in dims.values()):
-        return None
+        return ()
     mesh = src.get("mesh") if isinstance(src.get("mesh"), dict) else {}
     if len(mesh.get("dim_names") or ()) > 1:   # HSDP: the fsdp size is not recorded
-        return None
+        return ()
     return placement_of(verl_shapes(cfg), dims, w)
 
 

@@ -33,16 +33,14 @@ def shard_dim(shape: tuple[int, ...], world_size: int, placement: str) -> int:
 
 
 def placement_of(shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int | None],
-                 fsdp_size: int) -> str | None:
-    """The placement whose rule gives the shard dims `dims` ({name: dim, None = replicated})
-    of tensors of `shapes` over `fsdp_size` shards: "dim0" when every sharded tensor is on dim
-    0, "first-divisible" when each is on the dim that rule picks and some on another than 0,
-    None when neither rule (or no sharded tensor) explains them."""
+                 fsdp_size: int) -> tuple[str, ...]:
+    """The placements whose rule gives the shard dims `dims` ({name: dim, None = replicated})
+    of tensors of `shapes` over `fsdp_size` shards, in `PLACEMENTS` order: both when every
+    sharded tensor is on dim 0 and first-divisible puts it there too (its dim 0 divides by
+    `fsdp_size`, or no dim does): then the files cannot tell VERL 0.9 from 0.6 - 0.8; one
+    when only its rule fits, () when neither (or no sharded tensor) explains them."""
     sharded = {n: d for n, d in dims.items() if d is not None and n in shapes}
     if not sharded or fsdp_size < 1:
-        return None
-    if all(d == 0 for d in sharded.values()):
-        return "dim0"
-    if all(d == shard_dim(tuple(shapes[n]), fsdp_size, "first-divisible") for n, d in sharded.items()):
-        return "first-divisible"
-    return None
+        return ()
+    return tuple(p for p in PLACEMENTS
+                 if all(d == shard_dim(tuple(shapes[n]), fsdp_size, p) for n, d in sharded.items()))

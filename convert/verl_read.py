@@ -765,15 +765,16 @@ class VerlCheckpoint:
             out[k] = TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), dim)
         return out
 
-    def placement(self) -> str | None:
-        """Which VERL placement the files' shard dims follow (`sharding.placement_of` over the
-        mesh's fsdp size): "dim0" (VERL 0.9), "first-divisible" (VERL 0.6 - 0.8), or None when
-        neither explains them or every entry is replicated."""
+    def placement(self) -> tuple[str, ...]:
+        """The VERL placements the files' shard dims fit (`sharding.placement_of` over the
+        mesh's fsdp size): "dim0" (VERL 0.9), "first-divisible" (VERL 0.6 - 0.8), both when
+        every tensor is on dim 0 and divides by the fsdp size, () when neither explains them or
+        every entry is replicated."""
         from torch.distributed.tensor import DTensor
 
         first = next((t for t in self._model_files[0].values() if isinstance(t, DTensor)), None)
         if first is None:
-            return None
+            return ()
         dims = {k: v.shard_dim for k, v in self.tensor_info().items()}
         return placement_of(self.shapes, dims, mesh_info(first.device_mesh)["sizes"][-1])
 

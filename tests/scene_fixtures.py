@@ -192,9 +192,10 @@ class JudgeServer:
     error, not a chat completion), "echo_comments" (grades whose comments quote it;
     "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path,
     "echo_escaped_grade_key": as an extra grade's key, after 75 x's), "lone_surrogate_comment",
-    "slow" (grades 8 after 0.6 s), "parts" (the content as a list of text parts), "cut" (no
-    content, finish_reason "length"), "gzip" (grades 8, gzip-compressed whatever was asked),
-    "redirect" (307 to another address carrying credentials), or an HTTP
+    "slow" (grades 8 after 1 s), "parts" (the content as a list of text parts), "cut" (no
+    content, finish_reason "length"; "cut_whole": the whole grades, finish_reason "length"),
+    "gzip" (grades 8, gzip-compressed whatever was asked), "redirect" (307 to another address
+    carrying credentials; "redirect_relative": to a path), or an HTTP
     status such as "401". GET /models answers 401/403 when the plan starts with one;
     "models_trickle" first: a 200 announcing 200 MB sent 1 KiB per 0.2 s; "models_slow_headers":
     a status line, then one header byte per 0.2 s without end. `times`: when each
@@ -268,14 +269,15 @@ class JudgeServer:
                                 self.wfile.write(b" " * 65536)
                         except OSError:      # the client stopped reading and closed
                             return
-                    if mode == "redirect":
+                    if mode in ("redirect", "redirect_relative"):
                         self.send_response(307)
-                        self.send_header("Location", "http://user:hunter2-pw@10.9.9.9:8000/v1/"
-                                                     "chat/completions?api_key=sk-elsewhere-123")
+                        self.send_header("Location", "/v2/chat/completions" if mode.endswith(
+                            "relative") else "http://user:hunter2-pw@10.9.9.9:8000/v1/"
+                                             "chat/completions?api_key=sk-elsewhere-123")
                         self.end_headers()
                         return
                     if mode == "slow":
-                        time.sleep(0.6)
+                        time.sleep(1.0)
                     if mode.isdigit() or mode == "429after":  # an HTTP error status
                         self.send_response(429 if mode == "429after" else int(mode))
                         if mode == "429after":
@@ -303,7 +305,7 @@ class JudgeServer:
                         "slow": json.dumps({"grades": GOOD}), "gzip": json.dumps({"grades": GOOD}),
                         "parts": [{"type": "text", "text": '{"grades": '},
                                   {"type": "text", "text": json.dumps(GOOD) + "}"}],
-                        "cut": None,
+                        "cut": None, "cut_whole": json.dumps({"grades": GOOD}),
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",
                         "fenced": "```json\n" + json.dumps({"grades": GOOD}) + "\n```",
                         "thinking": "<think>\nThe wardrobe {faces} the wall.\n</think>\n\n"
@@ -315,7 +317,7 @@ class JudgeServer:
                             json.dumps(GOOD), nested),
                     }[mode]
                     choice = {"message": {"role": "assistant", "content": content}}
-                    if mode == "cut":
+                    if mode in ("cut", "cut_whole"):
                         choice["finish_reason"] = "length"
                     data = json.dumps({"choices": [choice]}).encode()
                     if mode == "deep":

@@ -640,6 +640,9 @@ def test_a_resume_names_the_adamw_settings_that_differ_from_the_torch_run(conver
     assert torch_optimizer_changes(two, OptimConfig(lr=1e-3), 3) == [
         "the torch run's param_groups[1].betas ([0.9, 0.95] vs param_groups[0]'s [0.9, 0.999]): "
         "only param_groups[0] is compared"]
+    # and group 0 is still compared (the note alone hid a changed lr)
+    assert torch_optimizer_changes(two, OptimConfig(lr=2e-3), 3)[1:] == [
+        "optim.lr 0.002 (the torch run's 0.001)", "the LR at count 3: 0.002 (the torch run's 0.001)"]
     odd = {"source": {"verl": {"param_groups": [{"lr": [1e-3], "betas": 0.9}]}}}
     assert torch_optimizer_changes(odd, OptimConfig(lr=1e-3), 3) == [
         "optim.lr 0.001 (the torch run's [0.001])", "optim.betas [0.9, 0.999] (the torch run's 0.9)",
@@ -719,7 +722,7 @@ def test_orbax_to_verl_keeps_the_placement_of_the_verl_checkpoint_it_came_from(c
     from convert.sharding import shard_dim
 
     assert source_placement(converted["step"], VerlCheckpoint(converted["src"] / "ckpt").config) \
-        == "first-divisible"
+        == ("first-divisible",)
     out = orbax_to_verl(converted["run"], tmp_path / "verl", world_size=6, device_type="cpu")
     info = VerlCheckpoint(out).tensor_info()
     assert {k: v.shard_dim for k, v in info.items()} == {

@@ -217,7 +217,12 @@ def test_reshard_to_other_world_sizes(fixture, tmp_path):
 
         from convert.errors import ConversionWarning
 
-        other = ck.placement() != placement   # named: the source's VERL version shards otherwise
+        # named: the source's VERL version shards otherwise; the dim0 fixtures' sizes do not
+        # divide by 6, so first-divisible too puts them on dim 0: their files fit both rules
+        fits = {"first-divisible": ("first-divisible",),
+                "dim0": ("dim0", "first-divisible")}[fixture["meta"]["placement"]]
+        assert ck.placement() == fits
+        other = placement not in fits
         with (pytest.warns(ConversionWarning, match=f"written with placement {placement} where")
               if other else contextlib.nullcontext()):
             verl_to_verl(fixture["ckpt"], out, world_size=w, placement=placement, device_type="cpu")
@@ -331,6 +336,38 @@ def test_rng_states_a_cuda_run_cannot_restore_are_left_out_with_a_warning(tmp_pa
     assert extra["rng"]["random"] == source[5]["rng"]["random"]
 
 
+def test_files_that_fit_both_placements_are_named_when_the_output_would_differ():
+    """Every tensor divisible by the source's W (all on dim 0) fits both VERL rules: read as
+    dim0, a VERL 0.6 - 0.8 run resharded to a W it does not divide moved its Shard(1) tensors
+    to dim 0 without a word."""
+    import warnings
+
+    from convert.directions import output_placement
+    from convert.errors import ConversionWarning
+    from convert.sharding import placement_of
+
+    shapes = {"model.embed_tokens.weight": (1000, 64), "model.norm.weight": (64,)}
+    dims = {"model.embed_tokens.weight": 0, "model.norm.weight": 0}
+    assert placement_of(shapes, dims, 8) == ("dim0", "first-divisible")
+    assert placement_of(shapes, {**dims, "model.embed_tokens.weight": 1}, 8) == ()
+    assert placement_of({"w": (10, 64)}, {"w": 0}, 8) == ("dim0",)
+    assert placement_of({"w": (10, 64)}, {"w": 1}, 8) == ("first-divisible",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # at W = 4 both rules agree: nothing to say
+        assert output_placement(None, ("dim0", "first-divisible"), shapes, 4, "src", "dst") == "dim0"
+        # nor when no dim divides: first-divisible then falls back to dim 0 too
+        assert placement_of({"w": (1003, 7)}, {"w": 0}, 6) == ("dim0", "first-divisible")
+    with pytest.warns(ConversionWarning, match=(
+            r"^dst: src's shard dims fit both VERL placements .* over 16 ranks they differ "
+            r"\(model.embed_tokens.weight: dim 0 under dim0, 1 under first-divisible\): written "
+            r"with dim0 \(VERL 0.9\); give --placement first-divisible for a VERL 0.6 - 0.8 run$")):
+        assert output_placement(None, ("dim0", "first-divisible"), shapes, 16, "src", "dst") == "dim0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # told: either fits the source
+        assert output_placement("first-divisible", ("dim0", "first-divisible"), shapes, 16, "src",
+                                "dst") == "first-divisible"
+
+
 def test_a_reshard_keeps_the_sources_placement_unless_told(tmp_path):
     """VERL -> VERL defaulted to dim0: the Shard(1) tensors of a VERL 0.6 - 0.8 checkpoint
     (first-divisible) moved to Shard(0) without a word."""
@@ -339,8 +376,9 @@ def test_a_reshard_keeps_the_sources_placement_unless_told(tmp_path):
     from convert.errors import ConversionWarning
 
     src = fixture_dir("qwen2_first_divisible") / "ckpt"
-    assert VerlCheckpoint(src).placement() == "first-divisible"
-    assert VerlCheckpoint(fixture_dir("qwen3_tied_dim0") / "ckpt").placement() == "dim0"
+    assert VerlCheckpoint(src).placement() == ("first-divisible",)
+    assert VerlCheckpoint(fixture_dir("qwen3_tied_dim0") / "ckpt").placement() == (
+        "dim0", "first-divisible")   # no size divides by 6: both rules put all on dim 0
     for w in (6, 3):
         out = verl_to_verl(src, tmp_path / f"w{w}", world_size=w, device_type="cpu")
         info = VerlCheckpoint(out).tensor_info()

@@ -45,9 +45,10 @@ def sampled_file_digest(path: str | Path, samples: int = 16, block: int = 4096) 
     """Hex SHA-256 of the file at `path`'s size and of `samples` blocks of `block` bytes at
     evenly spaced offsets, first and last included (the whole file when it is no larger): a
     fingerprint that tells two copies of a large weight file apart without reading them whole.
-    Equal files always agree; two fine-tunes of one model differ in every block of their
-    tensors, so they disagree though their headers and sizes match. Not every byte is read:
-    `file_sha256` is the checksum. Raises OSError naming the file when it cannot be read."""
+    Equal files always agree; two fine-tunes of one model disagree though their headers and
+    sizes match wherever a sampled block falls in a tensor the fine-tune changed (a full
+    fine-tune changes them all; one that froze most of the model may go unseen). Not every
+    byte is read: `file_sha256` is the checksum. Raises OSError naming the file when it cannot be read."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -238,8 +238,9 @@ def torch_optimizer_changes(metadata: Mapping[str, Any], optim: Any, lr_step: in
     if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping):
         return []
     group = groups[0]
-    if where := differing_param_group(groups):   # a hand-edited record (conversions refuse it)
-        return [f"the torch run's {where}: only param_groups[0] is compared"]
+    # a record of several groups: conversions refuse it now, earlier ones kept it unread
+    where = differing_param_group(groups)
+    notes = [f"the torch run's {where}: only param_groups[0] is compared"] if where else []
 
     def differs(ours, theirs) -> bool:
         if isinstance(ours, list):
@@ -253,8 +254,8 @@ def torch_optimizer_changes(metadata: Mapping[str, Any], optim: Any, lr_step: in
              ("optim.eps", optim.eps, group.get("eps")),
              ("optim.weight_decay", optim.weight_decay, group.get("weight_decay")),
              (f"the LR at count {lr_step}:", optim.lr * lr_lambda(optim, lr_step), group.get("lr"))]
-    return [f"{key} {shown_value(ours)} (the torch run's {shown_value(theirs)})"
-            for key, ours, theirs in pairs if theirs is not None and differs(ours, theirs)]
+    return notes + [f"{key} {shown_value(ours)} (the torch run's {shown_value(theirs)})"
+                    for key, ours, theirs in pairs if theirs is not None and differs(ours, theirs)]
 
 
 def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,

@@ -19,7 +19,9 @@ def register(subparsers) -> None:
                    "checkpoints/ (the newest complete step)")
     p.add_argument("out_dir", help="destination (must not exist or be empty)")
     p.add_argument("--world-size", type=world_size_arg, default=6, help="VERL ranks W (default 6)")
-    p.add_argument("--placement", choices=("dim0", "first-divisible"), default="dim0")
+    p.add_argument("--placement", choices=("dim0", "first-divisible"), default=None,
+                   help="FSDP2 shard dims of the VERL files (default: the placement of the VERL "
+                   "checkpoint the step was converted from, else dim0, VERL 0.9's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="dtype of the HF weights at the root (default: the checkpoint's)")
     p.add_argument("--mesh-device", choices=MESH_DEVICES, default="cuda",

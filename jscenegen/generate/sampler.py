@@ -62,6 +62,12 @@ from jscenegen.sharding.rules import ROWS, named, round_up
 
 log = logging.getLogger(__name__)
 
+# what a reshard that does not fit can be given instead (`Sampler._check_reshard_fits`)
+_SMALLER_LAYOUTS = {
+    "replicated": "rollout.layout=tp (a 1/tp share per device) or fsdp (no copy), or "
+                  "rollout.dtype=bfloat16",
+    "tp": "a larger rollout.tp or rollout.layout=fsdp (no copy), or rollout.dtype=bfloat16",
+    "fsdp": "rollout.dtype null (the training arrays themselves: no copy)"}
 STOP_NONE, STOP_TOKEN, STOP_STRING, STOP_LENGTH = 0, 1, 2, 3
 STOP_REASONS = {STOP_NONE: "none", STOP_TOKEN: "stop_token", STOP_STRING: "stop_string",
                 STOP_LENGTH: "length"}
@@ -388,8 +394,7 @@ class Sampler:
                 f"rollout.layout={self.layout.name}: resharding the weights into the rollout "
                 f"layout needs {(weights + temps) / 2**30:.2f} GiB per device ({weights / 2**30:.2f} "
                 f"GiB of rollout weights, {temps / 2**30:.2f} GiB of temporaries); "
-                f"{free / 2**30:.2f} GiB is free. Choose rollout.layout=tp (a 1/tp share per "
-                "device) or fsdp (no copy), or rollout.dtype=bfloat16")
+                f"{free / 2**30:.2f} GiB is free. Choose {_SMALLER_LAYOUTS[self.layout.name]}")
 
     def set_weights(self, weights) -> dict:
         """Sample from new weights (after an optimizer step) without recompiling: one jitted

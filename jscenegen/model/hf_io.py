@@ -157,7 +157,8 @@ def write_hf_dir(out: str | Path, cfg: QwenConfig, tensors: Iterator[tuple[str, 
     declares (default: `dtype` when it is one name, else the config's own). Shards are
     `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` when more than one
     is needed, else `model.safetensors`. config.json: `cfg.to_hf_dict()` (Qwen3.5: the file
-    that was read, its dtype fields changed only when config_dtype differs from it). The model's other assets (tokenizer, chat template, processor files;
+    that was read, its dtype fields changed only when config_dtype differs from it, and
+    `mtp_num_hidden_layers` set to the MTP layers carried). The model's other assets (tokenizer, chat template, processor files;
     `assets.ASSET_FILES` except config.json) are copied from `tokenizer_src` when given. `out`
     must be new or empty (FileExistsError before anything is written); with `replace`, an
     existing `out` is replaced once the new directory is complete. `extra_files` {name: text}

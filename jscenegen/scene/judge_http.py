@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.request
 from typing import Any, NamedTuple, Sequence
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
@@ -87,7 +87,7 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict) -> Reply:
         raw = b"".join(chunks)
         encoding = resp.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):   # sent compressed although asked not to
-            raise JudgeAnswerError(f"the body is {clip_text(encoding, 40)}-encoded although the "
+            raise AnswerCompressed(f"the body is {clip_text(encoding, 40)}-encoded although the "
                                    "request asked for none (Accept-Encoding: identity)")
         return Reply(resp.status_code, raw, retry_after_s(resp.headers.get("retry-after")),
                      resp.headers.get("location"))
@@ -123,26 +123,36 @@ def check_depth(value: Any, what: str) -> None:
 
 
 class AnswerCut(JudgeAnswerError):
-    """The judge stopped at judge.max_tokens (`finish_reason: "length"`) before its answer."""
+    """The judge stopped at judge.max_tokens (`finish_reason: "length"`) before an answer that
+    parses."""
+
+
+class AnswerCompressed(JudgeAnswerError):
+    """The body came compressed although the request asked for none: the server does so again."""
+
+
+def _first_choice(answer) -> Any:
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    return choices[0] if isinstance(choices, list) and choices else None
+
+
+def was_cut(answer) -> bool:
+    """Whether the chat completion `answer` ended at max_tokens (`finish_reason` "length")."""
+    first = _first_choice(answer)
+    return isinstance(first, dict) and first.get("finish_reason") == "length"
 
 
 def message_content(answer) -> str:
     """The message text of an OpenAI chat-completion answer (the decoded response body):
     `choices[0].message.content`, a string or a list of content parts whose "text" parts are
-    joined (the OpenAI API's array form). Raises AnswerCut when the completion ended at
-    max_tokens without the answer parsing after it (`finish_reason` "length"), JudgeAnswerError
-    saying what the body lacks otherwise."""
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    first = choices[0] if isinstance(choices, list) and choices else None
+    joined (the OpenAI API's array form). Raises JudgeAnswerError saying what the body lacks."""
+    first = _first_choice(answer)
     message = first.get("message") if isinstance(first, dict) else None
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, list) and content and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
         content = "".join(p["text"] for p in content)
-    if isinstance(first, dict) and first.get("finish_reason") == "length":
-        raise AnswerCut("the judge's answer was cut at judge.max_tokens (finish_reason "
-                        "\"length\"; a reasoning trace can take them all): raise judge.max_tokens")
     if not isinstance(content, str):
         raise JudgeAnswerError("not a chat completion: the body has no choices[0].message.content "
                                f"text (got {clip_text(repr(answer), 120)})")
@@ -437,6 +447,8 @@ class HttpJudge:
                 except (JudgeAnswerTooLarge, JudgeAnswerError) as err:
                     answered = True
                     cause, detail = "judge_unparseable", str(err)
+                    if isinstance(err, AnswerCompressed):
+                        break
                     continue
                 except (httpx.HTTPError, httpx.InvalidURL) as err:
                     cause, detail = "judge_error", type(err).__name__
@@ -446,7 +458,11 @@ class HttpJudge:
                 cause, detail = "judge_error", f"HTTP {reply.status}"
                 if 300 <= reply.status < 400:   # not followed: the key would go elsewhere
                     if reply.location:
-                        detail += (f", a redirect to {shown_url(reply.location)}: give "
+                        try:
+                            target = urljoin(self._chat_url, reply.location)
+                        except ValueError:   # not a URL: shown as far as it reads as one
+                            target = reply.location
+                        detail += (f", a redirect to {shown_url(target)}: give "
                                    "judge.base_url the address it names")
                     break
                 if 400 <= reply.status < 500 and reply.status not in RETRIED_4XX:
@@ -456,8 +472,15 @@ class HttpJudge:
                 answer = loads_json(self._masked(reply.body))
                 check_depth(answer, "the response body")
                 answer = self._masked_value(answer, MASKED_RAW_MIN_CHARS)
-                grades, comments = parse_judge_content(message_content(answer), self.cfg.grade_keys,
-                                                       self._masked_value)
+                try:
+                    grades, comments = parse_judge_content(message_content(answer),
+                                                           self.cfg.grade_keys, self._masked_value)
+                except JudgeAnswerError:
+                    if not was_cut(answer):
+                        raise
+                    raise AnswerCut("the judge's answer was cut at judge.max_tokens (finish_reason "
+                                    "\"length\"; a reasoning trace can take them all): raise "
+                                    "judge.max_tokens") from None
             except AnswerCut as err:
                 cause, detail = "judge_unparseable", str(err)
                 if self.cfg.temperature == 0:

@@ -342,7 +342,8 @@ class Trainer:
         if self.cfg.loss.use_kl_loss:
             weights["KL reference's weights (model.reference_path, else model.path)"] = Path(
                 self.cfg.model.reference_path or self.model_dir)
-        return {**{name: _weights_digest(d) for name, d in weights.items()},
+        digests = {d: _weights_digest(d) for d in set(weights.values())}   # each directory once
+        return {**{name: digests[d] for name, d in weights.items()},
                 "train scene set (the file's scenes)": scene_set_hash(self.scenes),
                 "dev scene set (the file's scenes)": scene_set_hash(dev),
                 "scene protocol (prompt files, catalogue, rules, judge)": self.protocol_hash,
