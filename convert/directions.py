@@ -207,13 +207,19 @@ def output_placement(placement: str | None, source_placements: tuple[str, ...],
     """The placement of a VERL output of `world_size` ranks holding tensors of `shapes`:
     `placement` when given, else the source's own (`source_placements`: the rules its shard
     dims fit, `sharding.placement_of`), else "dim0". Warns (ConversionWarning naming `shown_as`
-    and `source`) when the output's is not one the source's dims fit, so that a torch run of the
-    source's VERL version would see other shard dims, and when the source fits both rules
+    and `source`) when the output's is not one the source's dims fit and shards some tensor
+    otherwise at `world_size` than the source's rule, so that a torch run of the source's VERL
+    version would see other shard dims, and when the source fits both rules
     (each tensor on dim 0, where both put it over the source's ranks) and they shard some
     tensor otherwise at `world_size`: its VERL version cannot be told from the files."""
+    def moved(a: str, b: str) -> str | None:   # a tensor the two rules shard otherwise
+        return next((n for n, shape in shapes.items() if shard_dim(tuple(shape), world_size, a)
+                     != shard_dim(tuple(shape), world_size, b)), None)
+
     if placement is not None or len(source_placements) < 2:
         chosen = placement or (source_placements[0] if source_placements else "dim0")
-        if source_placements and chosen not in source_placements:
+        if source_placements and chosen not in source_placements \
+                and moved(chosen, source_placements[0]) is not None:
             (theirs,) = source_placements
             warnings.warn(ConversionWarning(
                 f"{shown_as}: written with placement {chosen} where {source} is sharded by "
@@ -221,15 +227,12 @@ def output_placement(placement: str | None, source_placements: tuple[str, ...],
                 f"{PLACEMENT_VERSIONS[chosen]}): a run of the source's VERL version shards "
                 "otherwise"), stacklevel=3)
         return chosen
-    moved = next((n for n, shape in shapes.items()
-                  if shard_dim(tuple(shape), world_size, "dim0")
-                  != shard_dim(tuple(shape), world_size, "first-divisible")), None)
-    if moved is not None:
-        other = shard_dim(tuple(shapes[moved]), world_size, "first-divisible")
+    if (name := moved("dim0", "first-divisible")) is not None:
+        other = shard_dim(tuple(shapes[name]), world_size, "first-divisible")
         warnings.warn(ConversionWarning(
             f"{shown_as}: {source}'s shard dims fit both VERL placements (each tensor on dim 0, "
             "where both rules put it over its ranks), so its VERL version cannot be told from them; "
-            f"over {world_size} ranks they differ ({moved}: dim 0 under dim0, {other} under "
+            f"over {world_size} ranks they differ ({name}: dim 0 under dim0, {other} under "
             "first-divisible): written with dim0 (VERL 0.9); give --placement first-divisible "
             "for a VERL 0.6 - 0.8 run"), stacklevel=3)
     return "dim0"

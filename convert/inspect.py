@@ -17,6 +17,7 @@ from typing import Any
 from convert.errors import ConvertError, require_source_dir
 from convert.verl_read import looks_like_verl
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME
+from jscenegen.checkpoint.resume import differing_param_group
 from jscenegen.paths import is_step_name
 
 
@@ -184,8 +185,11 @@ def describe_verl(path: Path) -> dict[str, Any]:
         out["adam_step"] = ck.adam_step()
         out["adam_state_tensors"] = len(ck.trainable)
         out["no_adam_state"] = len(ck.frozen)  # a frozen vision tower
-        g = ck.param_groups()[0]
+        groups = ck.param_groups(one_setting=False)
+        g = groups[0]
         out["optimizer"] = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay") if k in g}
+        # groups of their own settings: the weights convert, the AdamW state does not
+        out["optimizer_groups_differ"] = differing_param_group(groups)
     if "extra_state" in layout.kinds:
         out["scheduler_last_epoch"] = ck.scheduler_step()
         out["rng_keys"] = sorted(ck.extra_states()[0].get("rng") or {})

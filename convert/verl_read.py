@@ -165,8 +165,8 @@ def _check_rank_files(d: Path) -> tuple[int, tuple[str, ...]]:
             missing = [r for r in range(min(world_size, len(inside) + 3)) if r not in ranks]
             raise ConvertError(
                 f"{d / f'{kind}_world_size_{world_size}_rank_{missing[0]}.pt'}: missing "
-                f"({world_size - len(inside)} of {world_size} {kind} rank files absent: ranks "
-                f"{', '.join(map(str, missing))}{', ...' if world_size - len(inside) > len(missing) else ''})"
+                f"({world_size - len(inside)} of {world_size} {kind} rank files absent: "
+                f"rank{'s' if world_size - len(inside) > 1 else ''} {', '.join(map(str, missing))}{', ...' if world_size - len(inside) > len(missing) else ''})"
             )
         extra = sorted(r for r in ranks if r >= world_size)
         if extra:
@@ -222,10 +222,6 @@ def _check_optim_structure(f: Path, sd: dict) -> None:
         raise ConvertError(f"{f}: param_groups must be a list of dicts, each with a list of "
                            "integer parameter indices under 'params'")
     _check_json_size(f, "param_groups", groups)
-    if where := differing_param_group(groups):
-        raise ConvertError(f"{f}: {where}; jscenegen trains every parameter with one AdamW "
-                           "setting, so groups that differ in anything but their params "
-                           "cannot be converted")
     for g, group in enumerate(groups):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
@@ -914,9 +910,18 @@ class VerlCheckpoint:
                                "as int32)")
         return int(step)
 
-    def param_groups(self) -> list[dict[str, Any]]:
-        """Rank 0's `param_groups` (lr, betas, eps, weight_decay, ..., initial_lr, params)."""
-        return [dict(g) for g in self._optim_files[0]["param_groups"]]
+    def param_groups(self, *, one_setting: bool = True) -> list[dict[str, Any]]:
+        """Rank 0's `param_groups` (lr, betas, eps, weight_decay, ..., initial_lr, params).
+        With `one_setting` (what converting the AdamW state needs) raises ConvertError naming
+        the file and key when the groups differ in anything but their params: jscenegen trains
+        every parameter with one AdamW setting. The weights alone (`--to hf`) never ask."""
+        groups = [dict(g) for g in self._optim_files[0]["param_groups"]]
+        if one_setting and (where := differing_param_group(groups)):
+            raise ConvertError(f"{self.layout.rank_file('optim', 0)}: {where}; jscenegen trains "
+                               "every parameter with one AdamW setting, so groups that differ in "
+                               "anything but their params cannot be converted (--to hf takes "
+                               "the weights alone)")
+        return groups
 
     def check_json_ready(self) -> None:
         """Refuse, naming the rank file and key path, a value JSON cannot hold (a tensor, a

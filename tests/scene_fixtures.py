@@ -192,7 +192,7 @@ class JudgeServer:
     error, not a chat completion), "echo_comments" (grades whose comments quote it;
     "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path,
     "echo_escaped_grade_key": as an extra grade's key, after 75 x's), "lone_surrogate_comment",
-    "slow" (grades 8 after 1 s), "parts" (the content as a list of text parts), "cut" (no
+    "slow" (grades 8 after 1 s), "parts" (the content as a list of parts: text, an image, text), "cut" (no
     content, finish_reason "length"; "cut_whole": the whole grades, finish_reason "length"),
     "gzip" (grades 8, gzip-compressed whatever was asked), "redirect" (307 to another address
     carrying credentials; "redirect_relative": to a path), or an HTTP
@@ -304,6 +304,7 @@ class JudgeServer:
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
                         "slow": json.dumps({"grades": GOOD}), "gzip": json.dumps({"grades": GOOD}),
                         "parts": [{"type": "text", "text": '{"grades": '},
+                                  {"type": "image_url", "image_url": {"url": "data:,"}},
                                   {"type": "text", "text": json.dumps(GOOD) + "}"}],
                         "cut": None, "cut_whole": json.dumps({"grades": GOOD}),
                         "garbage": "Sure! Here are my grades: realism 8/10 ...",

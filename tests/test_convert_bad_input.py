@@ -1211,6 +1211,13 @@ def test_optimizer_groups_with_their_own_settings_are_refused_naming_the_key(act
                 rf"^{re.escape(str(actor / 'optim_world_size_6_rank_0.pt'))}: param_groups\[1\]\."
                 rf"{key} \({shown} vs param_groups\[0\]'s [^;]+\); jscenegen trains every parameter "
                 r"with one AdamW setting, so groups that differ in anything but their params "
-                r"cannot be converted$")):
+                r"cannot be converted \(--to hf takes the weights alone\)$")):
             convert_to(actor, tmp_path / "out")
         _assert_nothing_written(tmp_path)
+    # the weights alone convert, and --inspect describes the files, naming the groups that differ
+    from convert.inspect import describe
+
+    verl_to_hf(actor, tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
+    described = describe(actor)
+    assert described["optimizer_groups_differ"].startswith(f"param_groups[1].{key} (")

@@ -363,6 +363,13 @@ def test_files_that_fit_both_placements_are_named_when_the_output_would_differ()
             r"with dim0 \(VERL 0.9\); give --placement first-divisible for a VERL 0.6 - 0.8 run$")):
         assert output_placement(None, ("dim0", "first-divisible"), shapes, 16, "src", "dst") == "dim0"
     with warnings.catch_warnings():
+        warnings.simplefilter("error")   # told another rule, which shards alike at W = 4
+        assert output_placement("first-divisible", ("dim0",), shapes, 4, "src", "dst") == \
+            "first-divisible"
+    with pytest.warns(ConversionWarning, match=r"^dst: written with placement first-divisible "
+                      r"where src is sharded by dim0 "):   # but not at 16
+        output_placement("first-divisible", ("dim0",), shapes, 16, "src", "dst")
+    with warnings.catch_warnings():
         warnings.simplefilter("error")   # told: either fits the source
         assert output_placement("first-divisible", ("dim0", "first-divisible"), shapes, 16, "src",
                                 "dst") == "first-divisible"

@@ -886,6 +886,11 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                (lambda r: r.update(sampling=[1, 2]), "sampling must be an object (the settings "
                                                      "the episodes were drawn with), got [1, 2]"),
                (lambda r: r.update(sampling="oops"), "sampling must be an object"),
+               # compared as a sampling difference, or two alike passed unchecked (helper-188)
+               (lambda r: r.update(sampling=dict(SAMPLED, end_ids="2")), "sampling.end_ids must "
+                "be a non-empty list of token ids (integers >= 0), got '2'"),
+               (lambda r: r.update(sampling=dict(SAMPLED, end_ids=[True])), "sampling.end_ids "
+                "must be a non-empty list of token ids"),
                # counted as a failure
                (lambda r: r["scenes"][0]["model"]["episodes"][0].update(failure_cause=5),
                 "scenes[0].model.episodes[0].failure_cause must be a cause (a non-empty string) "
@@ -908,6 +913,10 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
         sampled, chat_template_path="t.jinja", chat_template_sha256="ab"))), _edited(
         lambda r: r.update(sampling=dict(sampled, chat_template_path="./t.jinja",
                                          chat_template_sha256="ab")))) == (0, "")
+    # the end ids are a set: their order and repeats change no token
+    assert _compare(tmp_path, capsys, _edited(lambda r: r.update(sampling=dict(
+        sampled, end_ids=[2, 3]))), _edited(lambda r: r.update(sampling=dict(
+            sampled, end_ids=[3, 2, 3])))) == (0, "")
     greedy = _edited(lambda r: r.update(sampling=dict(sampled, greedy=True)))   # argmax: T unused
     assert _compare(tmp_path, capsys, greedy, _edited(
         lambda r: r.update(sampling=dict(sampled, greedy=True, temperature=0.7)))) == (0, "")

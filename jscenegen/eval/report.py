@@ -147,6 +147,11 @@ def check_report(report, source: str) -> None:
     if report.get("sampling") is not None and not isinstance(report["sampling"], dict):
         raise ValueError(f"{source}: sampling must be an object (the settings the episodes were "
                          f"drawn with), got {clip_text(repr(report['sampling']))}")
+    end_ids = (report.get("sampling") or {}).get("end_ids")
+    if end_ids is not None and not (isinstance(end_ids, list) and end_ids and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in end_ids)):
+        raise ValueError(f"{source}: sampling.end_ids must be a non-empty list of token ids "
+                         f"(integers >= 0), got {clip_text(repr(end_ids))}")
     scenes = report.get("scenes")
     if not isinstance(scenes, list):
         raise ValueError(f"{source}: scenes must be a list, got {type(scenes).__name__}")
@@ -245,6 +250,8 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     shaping = [dict(r["sampling"]) for r in (before, after)]
     both_greedy = all(d.get("greedy") is True for d in shaping)
     for d in shaping:
+        if "end_ids" in d:   # a set of stop ids: the order and repeats change no token
+            d["end_ids"] = sorted(set(d["end_ids"]))
         for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
             d.pop(key, None)
     if shaping[0] != shaping[1]:

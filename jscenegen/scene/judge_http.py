@@ -8,7 +8,7 @@ exponential back-off (backoff_s x 2^attempt), except after an HTTP 4xx other tha
 temperature 0, an answer cut at max_tokens, and no sooner than a Retry-After header in
 seconds asks (up to MAX_RETRY_AFTER_S); at most `concurrency` requests are in
 flight, over all requests of one `grade` call (with as many pooled connections), and after
-`concurrency` requests in a row got no answer the call sends no more (`_Unanswered`). An answer
+`concurrency` tries in a row got no answer the call makes no more (`_Unanswered`). An answer
 is asked uncompressed and read up to MAX_ANSWER_BYTES (1 MiB),
 and its body and message content may nest at most MAX_ANSWER_DEPTH lists and objects.
 A timeout, an unparseable, oversized or too deeply nested answer or an error after the last try
@@ -145,14 +145,14 @@ def was_cut(answer) -> bool:
 def message_content(answer) -> str:
     """The message text of an OpenAI chat-completion answer (the decoded response body):
     `choices[0].message.content`, a string or a list of content parts whose "text" parts are
-    joined (the OpenAI API's array form). Raises JudgeAnswerError saying what the body lacks."""
+    joined (the OpenAI API's array form; parts of other types are left out). Raises JudgeAnswerError saying what the body lacks."""
     first = _first_choice(answer)
     message = first.get("message") if isinstance(first, dict) else None
     content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        content = "".join(p["text"] for p in content)
+    if isinstance(content, list):   # other parts (images, refusals) hold no grades
+        texts = [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"
+                 and isinstance(p.get("text"), str)]
+        content = "".join(texts) if texts else None
     if not isinstance(content, str):
         raise JudgeAnswerError("not a chat completion: the body has no choices[0].message.content "
                                f"text (got {clip_text(repr(answer), 120)})")
@@ -255,11 +255,12 @@ def _run_async(make_coroutine):
 
 
 class _Unanswered:
-    """The requests of one `grade` call that got no answer at all: after `limit` of them in a
-    row (each failed every try by a timeout or a connection error), the judge is taken as
-    unreachable and the requests not yet sent are not sent (each would wait out its own tries:
-    a batch of N at concurrency c took N x tries / c timeouts, hours with the defaults, while
-    the other processes of a run waited in a collective)."""
+    """The tries of one `grade` call that got no answer at all (a timeout, a connection error),
+    in a row over all its requests: after `limit` of them, a whole wave at the concurrency
+    limit, the judge is taken as unreachable and no further try is made, neither a retry nor
+    a request not yet sent (each would wait out its own tries: a batch of N at concurrency c
+    took N x tries / c timeouts, hours with the defaults, while the other processes of a run
+    waited in a collective). Any answer starts the count again."""
 
     def __init__(self, limit: int):
         self.limit, self.in_a_row = limit, 0
@@ -271,7 +272,7 @@ class _Unanswered:
         return self.in_a_row >= self.limit
 
     def reason(self) -> str:
-        return (f"not sent: the {self.in_a_row} requests before it in this batch got no answer "
+        return (f"not sent: the {self.in_a_row} tries before it in this batch got no answer "
                 "(the judge is unreachable)")
 
 
@@ -409,8 +410,8 @@ class HttpJudge:
             results = list(await asyncio.gather(*(self._one(client, sem, r, silent)
                                                   for r in requests)))
         if unsent := sum(r.info.get("attempts") == 0 for r in results):
-            log.warning("judge at %s: %d of %d requests not sent after %d in a row got no answer "
-                        "(masked as judge_timeout)", shown_url(self.cfg.base_url), unsent,
+            log.warning("judge at %s: %d of %d requests not sent after %d tries in a row got no "
+                        "answer (masked as judge_timeout)", shown_url(self.cfg.base_url), unsent,
                         len(results), n)
         return results
 
@@ -426,7 +427,6 @@ class HttpJudge:
         cause, detail = "judge_error", ""
         attempts = 0
         retry_after = None
-        answered = False   # by any try: the judge is reachable
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 backoff = self.cfg.backoff_s * 2 ** (attempt - 1)
@@ -442,18 +442,21 @@ class HttpJudge:
                     reply = await asyncio.wait_for(_post(client, self._chat_url, body),
                                                    self.cfg.timeout_s)
                 except (httpx.TimeoutException, asyncio.TimeoutError):
+                    silent.record(answered=False)
                     cause, detail = "judge_timeout", f"no answer within {self.cfg.timeout_s} s"
                     continue
                 except (JudgeAnswerTooLarge, JudgeAnswerError) as err:
-                    answered = True
+                    silent.record(answered=True)
                     cause, detail = "judge_unparseable", str(err)
                     if isinstance(err, AnswerCompressed):
                         break
                     continue
                 except (httpx.HTTPError, httpx.InvalidURL) as err:
+                    silent.record(answered=False)
                     cause, detail = "judge_error", type(err).__name__
                     continue
-            answered, retry_after = True, reply.retry_after_s
+                silent.record(answered=True)
+            retry_after = reply.retry_after_s
             if reply.status != 200:
                 cause, detail = "judge_error", f"HTTP {reply.status}"
                 if 300 <= reply.status < 400:   # not followed: the key would go elsewhere
@@ -462,8 +465,9 @@ class HttpJudge:
                             target = urljoin(self._chat_url, reply.location)
                         except ValueError:   # not a URL: shown as far as it reads as one
                             target = reply.location
-                        detail += (f", a redirect to {shown_url(target)}: give "
-                                   "judge.base_url the address it names")
+                        shown = shown_url(target)
+                        detail += (f", a redirect to {shown}: give judge.base_url="
+                                   f"{shown.removesuffix('/chat/completions')} if that is the judge")
                     break
                 if 400 <= reply.status < 500 and reply.status not in RETRIED_4XX:
                     break  # the request itself is refused (key, model, size): a retry cannot help
@@ -489,7 +493,6 @@ class HttpJudge:
             except (JudgeAnswerError, ValueError, KeyError, IndexError, TypeError) as err:
                 cause, detail = "judge_unparseable", clip_text(self._masked_text(str(err)), 300)
                 continue
-            silent.record(answered=True)
             if self.cfg.enforce_caps:
                 grades = apply_caps(grades, req.metrics)
             info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts,
@@ -498,7 +501,6 @@ class HttpJudge:
         info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": attempts, "detail": detail}
         if not attempts:   # never sent: `grade_async` says how many in one line
             return JudgeResult(None, cause, info)
-        silent.record(answered)
         log.warning("judge at %s failed for scene %s after %d attempt%s: %s (%s)",
                     shown_url(self.cfg.base_url), req.scene.scene_id, attempts,
                     "" if attempts == 1 else "s", cause, detail)
