@@ -484,15 +484,16 @@ def test_a_judge_that_answers_nothing_is_given_up_on_after_concurrency_tries(ser
     timeouts (hours for a dev evaluation with the defaults), other processes waiting; counted
     by requests, a request in its back-off let the next one start (helper-188)."""
     results = make_judge(cfg(server.url, api_key_env=None, max_retries=retries)).grade(requests(8))
-    # the first wave of 2 tries, and at most one request that started while the other try of
-    # that wave was still timing out (was 8 x (1 + retries))
-    assert server.calls <= 3, server.calls
+    # limit = max(concurrency 2, one request's 1 + retries tries) unanswered tries, and at most
+    # concurrency - 1 more that started while the last of them was timing out (was 8 x tries)
+    limit = max(2, 1 + retries)
+    assert server.calls <= limit + 1, server.calls
     assert [r.failure for r in results] == ["judge_timeout"] * 8
     unsent = [r.info["attempts"] for r in results].count(0)
-    assert unsent == 8 - server.calls if not retries else unsent >= 5
+    assert unsent >= 8 - server.calls and unsent >= 4
     assert any(re.search(r"not sent: the \d tries before it", r.info["detail"]) for r in results)
     assert caplog.messages[-1] == (f"judge at {server.url}: {unsent} of 8 requests not sent after "
-                                   "2 tries in a row got no answer (masked as judge_timeout)")
+                                   f"{limit} tries in a row got no answer (masked as judge_timeout)")
 
 
 def test_a_proxy_from_the_environment_is_named_in_a_warning(monkeypatch, caplog):

@@ -8,7 +8,8 @@ exponential back-off (backoff_s x 2^attempt), except after an HTTP 4xx other tha
 temperature 0, an answer cut at max_tokens, and no sooner than a Retry-After header in
 seconds asks (up to MAX_RETRY_AFTER_S); at most `concurrency` requests are in
 flight, over all requests of one `grade` call (with as many pooled connections), and after
-`concurrency` tries in a row got no answer the call makes no more (`_Unanswered`). An answer
+max(`concurrency`, 1 + max_retries) tries in a row got no answer the call makes no more
+(`_Unanswered`). An answer
 is asked uncompressed and read up to MAX_ANSWER_BYTES (1 MiB),
 and its body and message content may nest at most MAX_ANSWER_DEPTH lists and objects.
 A timeout, an unparseable, oversized or too deeply nested answer or an error after the last try
@@ -145,7 +146,8 @@ def was_cut(answer) -> bool:
 def message_content(answer) -> str:
     """The message text of an OpenAI chat-completion answer (the decoded response body):
     `choices[0].message.content`, a string or a list of content parts whose "text" parts are
-    joined (the OpenAI API's array form; parts of other types are left out). Raises JudgeAnswerError saying what the body lacks."""
+    joined (the OpenAI API's array form; parts of other types are left out). Raises
+    JudgeAnswerError saying what the body lacks."""
     first = _first_choice(answer)
     message = first.get("message") if isinstance(first, dict) else None
     content = message.get("content") if isinstance(message, dict) else None
@@ -256,8 +258,8 @@ def _run_async(make_coroutine):
 
 class _Unanswered:
     """The tries of one `grade` call that got no answer at all (a timeout, a connection error),
-    in a row over all its requests: after `limit` of them, a whole wave at the concurrency
-    limit, the judge is taken as unreachable and no further try is made, neither a retry nor
+    in a row over all its requests: after `limit` of them (a whole wave at the concurrency
+    limit, and no fewer than one request's tries), the judge is taken as unreachable and no further try is made, neither a retry nor
     a request not yet sent (each would wait out its own tries: a batch of N at concurrency c
     took N x tries / c timeouts, hours with the defaults, while the other processes of a run
     waited in a collective). Any answer starts the count again."""
@@ -405,14 +407,15 @@ class HttpJudge:
         # request waited for a connection inside its own timeout and failed as judge_timeout
         n = self.cfg.concurrency
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        silent = _Unanswered(n)
+        # a whole wave at the concurrency limit, and at least one request's every try
+        silent = _Unanswered(max(n, 1 + self.cfg.max_retries))
         async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
             results = list(await asyncio.gather(*(self._one(client, sem, r, silent)
                                                   for r in requests)))
         if unsent := sum(r.info.get("attempts") == 0 for r in results):
             log.warning("judge at %s: %d of %d requests not sent after %d tries in a row got no "
                         "answer (masked as judge_timeout)", shown_url(self.cfg.base_url), unsent,
-                        len(results), n)
+                        len(results), silent.limit)
         return results
 
     async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, req: JudgeRequest,
