@@ -28,6 +28,7 @@ from jscenegen.model.gated_delta import (
     gated_delta_step,
     unit_lower_inverse,
 )
+from jscenegen.model.qwen35 import l2norm
 
 torch = pytest.importorskip("torch")
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -250,6 +251,19 @@ def test_segments_composed_by_their_maps_equal_the_whole_sequence():
     assert rel(o, o_full) < TOL and rel(states[3], f_full) < TOL
     q_eff, transition = state_map(*(x[n][:, 43:86] for n in ("q", "k", "g", "beta")), chunk_size=16)
     assert rel(parts[1][2], q_eff) < TOL and rel(parts[1][3], transition) < TOL
+
+
+def test_l2norm_matches_transformers_down_to_vectors_near_its_epsilon():
+    """Norms from 1 down to 1e-4 (sum of squares 1e-8, below the 1e-6 epsilon): any other
+    epsilon, or one inside the square root's other side, moves the small rows by far over 1e-6."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6, 3, DK)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=-1, keepdims=True)
+    x *= np.logspace(0, -4, 6, dtype=np.float32)[:, None, None]
+    want = qwen3_5.l2norm(torch.from_numpy(x), dim=-1, eps=1e-6).numpy()
+    got = np.asarray(jax.jit(l2norm)(x))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    assert np.linalg.norm(got[-1], axis=-1).max() < 0.2      # the epsilon dominates there
 
 
 @pytest.mark.parametrize("c", [5, 64])

@@ -449,7 +449,7 @@ def test_cached_appends_with_padding_inside_and_decode_equal_the_full_forward(
         np.testing.assert_allclose(np.stack(got[r]), want[r], atol=2e-5)
 
 
-def test_forward_on_the_3x2_mesh_equals_unsharded(qwen35_hf, padded_batch, padded_logits):
+def test_forward_on_the_3x2_mesh_equals_unsharded(qwen35_hf, padded_batch, padded_logits, caplog):
     from jscenegen.model.weights import named_weights
     from jscenegen.sharding.layout import pad_batch, shard_batch
     from jscenegen.sharding.mesh import make_mesh
@@ -463,11 +463,14 @@ def test_forward_on_the_3x2_mesh_equals_unsharded(qwen35_hf, padded_batch, padde
     ids, mask, _ = padded_batch
     batch = shard_batch(pad_batch({"ids": ids, "mask": mask}, mesh), mesh)
     graphdef, state = nnx.split(sharded)
-    with jax.set_mesh(mesh):
-        got = np.asarray(jax.jit(lambda st, i, m: nnx.merge(graphdef, st)(i, m))(
-            state, batch["ids"], batch["mask"]))
+    forward = jax.jit(lambda st, i, m: nnx.merge(graphdef, st)(i, m))
+    with jax.set_mesh(mesh), caplog.at_level("WARNING", "jscenegen.model.qwen35"):
+        got = np.asarray(forward(state, batch["ids"], batch["mask"]))
+        assert not caplog.records                      # 24 positions: context-parallel
+        jax.eval_shape(forward, state, batch["ids"][:, :-1], batch["mask"][:, :-1])
     real = mask.astype(bool)
     np.testing.assert_allclose(got[:4][real], padded_logits[real], atol=2e-5, rtol=1e-5)
+    assert "23 positions over sp=2 do not divide" in caplog.records[0].getMessage()
 
 
 @pytest.mark.slow  # two forward + backward compiles at 130 positions (~40 s on 2 idle cores)

@@ -38,6 +38,7 @@ fixture's 5 layers) runs as one more group.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import NamedTuple
 
 import jax
@@ -84,6 +85,8 @@ from jscenegen.sharding.rules import (
     SP,
     TRAINING_SPECS,
 )
+
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64       # the chunked delta rule's chunk (transformers' and FLA's default)
 CAUSAL_BALANCE_REFUSAL = ("model.causal_balance is not supported for Qwen3.5: the Gated "
@@ -226,6 +229,11 @@ class GatedDeltaNet(nnx.Module):
         context_parallel = (conv_state is None and rec_state is None and sp > 1
                             and s % sp == 0 and b % fsdp == 0)
         if not context_parallel:
+            if conv_state is None and rec_state is None and sp > 1:
+                log.warning("Gated DeltaNet: %d rows over fsdp=%d or %d positions over sp=%d do "
+                            "not divide, so the sequence is gathered and its recurrence runs "
+                            "whole on each sp shard (no context parallelism); pad the batch "
+                            "(sharding.layout.pad_batch) to divide", b, fsdp, s, sp)
             x = constrain(x, SEQ_GATHERED)
         u = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(b, s, self.hv, self.dv)
