@@ -15,7 +15,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -238,6 +238,17 @@ def override_leaf_keys(item: str) -> list[str]:
     value's keys one by one (`sampling={top_k: 5}` sets `sampling.top_k`); none for an item
     without `=` (which `apply_overrides` refuses)."""
     return list(_override_settings(item)) if "=" in item else []
+
+
+def refuse_override_of(flag: str, keys: set[str], overrides: Sequence[str]) -> None:
+    """Raise ConfigError when an override (`override_leaf_keys`: a mapping value's keys too)
+    sets one of `keys`, which a command-line flag decides; `flag` is a sentence on what the
+    flag does (`--model names the policy`). The one rule of every command whose flags stand
+    for config keys: each setting is given once."""
+    given = [o for o in overrides if keys & set(override_leaf_keys(o))]
+    if given:
+        raise ConfigError(f"{flag}; the override {given[0]} contradicts or repeats it (give one "
+                          "of the two)")
 
 
 def _override_settings(item: str) -> dict[str, Any]:

@@ -289,8 +289,10 @@ def refuse_non_regular(path: str | Path, name: str | None = None) -> None:
 
 
 def cache_dir() -> Path:
-    """Models the CPU default creates (tiny model, SFT warm start): $JSCENEGEN_CACHE or ~/.cache/jscenegen."""
-    return Path(os.environ.get("JSCENEGEN_CACHE", Path.home() / ".cache" / "jscenegen"))
+    """Models the CPU default creates (tiny model, SFT warm start): $JSCENEGEN_CACHE or
+    ~/.cache/jscenegen. An empty JSCENEGEN_CACHE counts as unset (as XDG's variables do), never
+    the current directory."""
+    return Path(os.environ.get("JSCENEGEN_CACHE") or Path.home() / ".cache" / "jscenegen")
 
 
 def hidden_name(name: str, tag: str) -> str:

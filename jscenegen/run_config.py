@@ -12,7 +12,7 @@ from typing import Literal, Sequence
 
 from pydantic import Field
 
-from jscenegen.config import ConfigError, Section, config_fields, load_config, override_leaf_keys
+from jscenegen.config import ConfigError, Section, config_fields, load_config, refuse_override_of
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
 from jscenegen.grpo.rollout.config import GROUP_MAX, RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
@@ -157,23 +157,14 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
     given with it contradicts or repeats."""
     cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
     if greedy:
-        _refuse_override_of("--greedy sets sampling.greedy, top_k and top_p itself",
+        refuse_override_of("--greedy sets sampling.greedy, top_k and top_p itself",
                             {"sampling.greedy", "sampling.top_k", "sampling.top_p"}, overrides)
     if model_flag:
-        _refuse_override_of("--model names the policy", {"model.path"}, overrides)
+        refuse_override_of("--model names the policy", {"model.path"}, overrides)
     if greedy:
         sampling = cfg.sampling.model_copy(update={"greedy": True, "top_k": 0, "top_p": 1.0})
         cfg = cfg.model_copy(update={"sampling": sampling})
     return cfg
-
-
-def _refuse_override_of(flag: str, keys: set[str], overrides: Sequence[str]) -> None:
-    """Raise ConfigError when an override sets one of `keys`, which `flag` (a sentence on
-    what the flag does) decides."""
-    given = [o for o in overrides if keys & set(override_leaf_keys(o))]
-    if given:
-        raise ConfigError(f"{flag}; the override {given[0]} contradicts or repeats it (give one "
-                          "of the two)")
 
 
 REFERENCE_PATH = "docs/config.md"

@@ -568,6 +568,13 @@ def test_train_refuses_a_run_dir_it_cannot_write_naming_the_option(tmp_path, cap
      "it (give one of the two)"),
     (["sft", "--config", "configs/sft-cpu.yaml", "--model", "nowhere", "--out", "o"],
      "error: nowhere/config.json: no such file; model directory nowhere needs its config.json"),
+    # sft took its flag and dropped the override without a word
+    (["sft", "--model", "/nonexistent", "--out", "o", "model.path=other"],
+     "error: --model names the model to start from; the override model.path=other contradicts "
+     "or repeats it (give one of the two)"),
+    (["sft", "--model", "/nonexistent", "--out", "o", "sft={out_dir: other}"],
+     "error: --out names the output directory; the override sft={out_dir: other} contradicts "
+     "or repeats it (give one of the two)"),
 ])
 def test_refusals_name_what_was_given(tmp_path, capsys, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
@@ -960,6 +967,34 @@ def test_a_resume_puts_back_only_the_start_keys_it_drops(tmp_path, caplog, train
     assert main(["train", "--resume", str(run), "warm_start.preset=tiny",
                  "judge.base_url=http://h:1/v1"]) == 0   # the override mends the broken value
     assert train_command_calls["cfg"].warm_start.preset == "tiny"
+
+
+def test_a_resume_of_a_start_killed_in_the_warm_start_names_the_command_that_restarts_it(
+        tmp_path, capsys, train_command_calls):
+    """A SIGKILL during the SFT warm start leaves RUN/run.lock alone: --resume said only
+    "checkpoints not found: nothing to resume", not that `train --run-dir RUN` starts it again."""
+    import socket
+
+    from jscenegen.run_lock import LOCK_NAME
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+                                             "started_utc": "then"}))
+    assert main(["train", "--resume", str(run)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --resume {run}: nothing to resume; the run was stopped before it wrote its run "
+        f"files (during the SFT warm start: {run} holds only run.lock); start it again: "
+        f"jscenegen train --run-dir {run} [--config FILE] [its key=value overrides]")
+    (run / "checkpoints").mkdir()   # what a start may also leave: the same
+    assert main(["train", "--resume", str(run)]) == 2
+    assert f"holds only checkpoints, run.lock); start it again: jscenegen train --run-dir {run} " \
+        in one_error_line(capsys)
+    assert "cfg" not in train_command_calls
+    assert main(["train", "--run-dir", str(run), "logging.swanlab_mode=disabled"]) == 0
+    assert train_command_calls["resume"] is False   # which indeed starts it afresh
 
 
 def test_a_resume_of_what_is_no_run_directory_says_so(tmp_path, capsys):

@@ -333,3 +333,18 @@ def test_a_tensor_stream_ending_early_or_naming_a_stranger_is_named(tmp_path):
                                          r"qwen3's tensors"):
         write_hf_dir(tmp_path / "m", cfg, iter([("lm_head.extra", np.zeros(2, np.float32))]))
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("value", ["", None])
+def test_an_empty_jscenegen_cache_is_the_default_cache_not_the_working_directory(monkeypatch, value):
+    """`JSCENEGEN_CACHE=` (an unset variable expanded) read as Path(""): the warm start's models
+    went into the current directory."""
+    from jscenegen.paths import cache_dir
+
+    if value is None:
+        monkeypatch.delenv("JSCENEGEN_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("JSCENEGEN_CACHE", value)
+    assert cache_dir() == Path.home() / ".cache" / "jscenegen"
+    monkeypatch.setenv("JSCENEGEN_CACHE", "/some/cache")
+    assert cache_dir() == Path("/some/cache")

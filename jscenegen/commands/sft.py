@@ -12,8 +12,10 @@ def register(sub) -> None:
     p = sub.add_parser("sft", help="SFT warm start on scripted-expert demonstrations (all three roles)")
     p.add_argument("--config", default=None, type=data_path_arg, help="YAML file (e.g. configs/sft-cpu.yaml)")
     p.add_argument("--model", default=None, help="HF model directory to start from "
-                   "(overrides model.path; default: a fresh init-model next to --out)")
-    p.add_argument("--out", default=None, help="output HF directory, new or empty (overrides sft.out_dir)")
+                   "(instead of model.path, not with a model.path override; default: a fresh "
+                   "init-model next to --out)")
+    p.add_argument("--out", default=None, help="output HF directory, new or empty (instead of "
+                   "sft.out_dir, not with an sft.out_dir override)")
     p.add_argument("--chat-template", default=None, help="replacement prefix-preserving chat "
                    "template (jinja), e.g. for Qwen3 directories")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sft.steps=10")
@@ -22,7 +24,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from jscenegen.checkpoint.store import is_checkpoint_dir
-    from jscenegen.config import load_config
+    from jscenegen.config import load_config, refuse_override_of
     from jscenegen.paths import (
         json_line,
         new_parents_removed_on_error,
@@ -33,6 +35,10 @@ def run(args) -> int:
     from jscenegen.sharding.mesh import refuse_multi_host
 
     cfg = load_config(args.config, args.overrides, model=SFTRunConfig)
+    if args.model:   # eval's and design's rule: a flag and the key it stands for, not both
+        refuse_override_of("--model names the model to start from", {"model.path"}, args.overrides)
+    if args.out:
+        refuse_override_of("--out names the output directory", {"sft.out_dir"}, args.overrides)
     refuse_multi_host("sft", cfg.mesh)
     out = Path(args.out or cfg.sft.out_dir)
     model_dir = args.model or cfg.model.path

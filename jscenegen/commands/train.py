@@ -110,7 +110,9 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     """(config path, config source for run.json, afresh) of `--resume RUN_DIR`: afresh when
     the run stopped before its first checkpoint was saved (it starts again with its config).
     Raises, naming the file, for what cannot be resumed: no run directory, a `checkpoints`
-    that cannot hold steps, a damaged run.json, a config.yaml missing or not a file."""
+    that cannot hold steps, a damaged run.json, a config.yaml missing or not a file, a start
+    killed before it wrote its run files (only its lock left: the `--run-dir` command that
+    starts it again is named)."""
     from jscenegen.checkpoint.resume import read_run_record
     from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
     from jscenegen.paths import not_a_file
@@ -128,6 +130,14 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     checkpoints = run_dir / RUN_CHECKPOINTS
     check_checkpoints_dir(checkpoints)
     record = read_run_record(run_dir)
+    left = {p.name for p in run_dir.iterdir()}
+    if record is None and LOCK_NAME in left and left <= RUN_OWNED and not finished_saves(checkpoints):
+        # a start killed (SIGKILL: no handler ran) before it wrote run.json: in the warm start
+        raise FileNotFoundError(f"--resume {args.resume}: nothing to resume; the run was stopped "
+                                f"before it wrote its run files (during the SFT warm start: "
+                                f"{run_dir} holds only {', '.join(sorted(left))}); start it "
+                                f"again: jscenegen train --run-dir {run_dir} [--config FILE] "
+                                "[its key=value overrides]")
     afresh = record is not None and not finished_saves(checkpoints)
     if not afresh and not checkpoints.is_dir():
         from convert.inspect import checkpoint_format
