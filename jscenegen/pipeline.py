@@ -36,36 +36,122 @@ UNREAD_SFT_KEYS = {
 }
 
 
+# the settings the warm start takes from the run, refused among warm_start.sft_overrides:
+# (a key, or a section's prefix) -> what to set on the run instead
+RUN_SFT_KEYS = {
+    "scene.": "the warm start plays in the run's own scene settings; set them on the run (scene.*)",
+    "sft.stop_strings": "the warm start's answers stop as the rollouts' do; set them on the run "
+                        "(sampling.stop_strings)",
+    "sft.max_answer_tokens": "the warm start drops the demonstrations whose answers pass the "
+                             "rollouts' per-turn cap; set it on the run (sampling.max_new_tokens)",
+}
+SFT_MESH_KEYS = ("mesh.fsdp", "mesh.sp")   # from the run unless sft_overrides sets them
+
+
+def _warm_start_origin(cfg) -> str:
+    """How the warm start's errors begin: `warm_start (sft_config FILE, sft_overrides)`."""
+    return f"warm_start (sft_config {cfg.warm_start.sft_config}, sft_overrides)"
+
+
 def warm_start_sft_config(cfg):
     """The SFT warm start's config (`warm_start.sft_config` with `warm_start.sft_overrides`)
-    playing in the run's own protocol: its `scene` section and `sft.stop_strings` are the
-    run's `scene` and `sampling.stop_strings` (what the rollouts will use), its `model.path`
-    the base model it trains; None without one. Raises ConfigError naming the warm_start keys,
-    also for an override of those keys or of one it does not read (`UNREAD_SFT_KEYS`)."""
+    playing in the run's own protocol: its `scene` section, `sft.stop_strings` and
+    `sft.max_answer_tokens` are the run's `scene`, `sampling.stop_strings` and
+    `sampling.max_new_tokens` (what the rollouts will use: `RUN_SFT_KEYS`), its `mesh.fsdp` and
+    `mesh.sp` the run's unless an override sets them (`SFT_MESH_KEYS`), its `model.path` the
+    base model it trains; None without one. Raises ConfigError naming the warm_start keys, also
+    for an override of the keys the run decides, of one it does not read (`UNREAD_SFT_KEYS`),
+    or a multi-host launch key (`LAUNCH_KEYS`: the warm start runs in one process), in the file
+    or an override."""
     from jscenegen.config import ConfigError, load_config, override_leaf_keys
     from jscenegen.paths import resolve_data_path
     from jscenegen.sft.config import SFTRunConfig
+    from jscenegen.sharding.mesh import MeshConfig
 
     ws = cfg.warm_start
     if ws.sft_config is None:
         return None
     try:
         given = {key for item in ws.sft_overrides for key in override_leaf_keys(item)}
-        if taken := sorted(k for k in given if k.startswith("scene.") or k == "sft.stop_strings"):
-            raise ConfigError(f"{taken[0]}: the warm start plays in the run's own scene settings "
-                              "and stop strings; set them on the run (scene.*, "
-                              "sampling.stop_strings)")
+        for key in sorted(given):
+            if why := next((w for k, w in RUN_SFT_KEYS.items()
+                            if key == k or (k.endswith(".") and key.startswith(k))), None):
+                raise ConfigError(f"{key}: {why}")
         if unread := sorted(given & UNREAD_SFT_KEYS.keys()):
             raise ConfigError(f"{unread[0]}: not read by the warm start, "
                               f"{UNREAD_SFT_KEYS[unread[0]]}")
+        from_run = [f"{key}={getattr(cfg.mesh, key.split('.')[1])}" for key in SFT_MESH_KEYS
+                    if key not in given]
         sft_cfg = load_config(resolve_data_path(ws.sft_config),
-                              [*ws.sft_overrides, f"model.path={_base_model_dir(cfg)}"],
+                              [*ws.sft_overrides, *from_run, f"model.path={_base_model_dir(cfg)}"],
                               model=SFTRunConfig)
+        default = MeshConfig()
+        if launch := [f"mesh.{k}={v}" for k in LAUNCH_KEYS
+                      if (v := getattr(sft_cfg.mesh, k)) != getattr(default, k)]:
+            raise ConfigError(f"{launch[0]}: the warm start runs in one process (a multi-host "
+                              "run starts from model.path); the launch keys are the run's "
+                              "(mesh.*), not the warm start's: unset it")
     except ConfigError as e:
-        raise ConfigError(f"warm_start (sft_config {ws.sft_config}, sft_overrides): {e}") from None
+        raise ConfigError(f"{_warm_start_origin(cfg)}: {e}") from None
     return sft_cfg.model_copy(update={
         "scene": cfg.scene,
-        "sft": sft_cfg.sft.model_copy(update={"stop_strings": cfg.sampling.stop_strings})})
+        "sft": sft_cfg.sft.model_copy(update={"stop_strings": cfg.sampling.stop_strings,
+                                              "max_answer_tokens": cfg.sampling.max_new_tokens})})
+
+
+def check_warm_start_inputs(cfg):
+    """`warm_start_sft_config(cfg)` and the checks of its inputs that need no model
+    (`sft.run.check_sft_inputs`: its mesh against the devices, its batch against the
+    micro-batches and the row budget), so a run is refused before any model is made.
+    Returns (the SFT config, its mesh), (None, None) without an SFT. Raises ConfigError, or
+    the checks' ValueError (MeshError), beginning `warm_start (sft_config FILE, sft_overrides):`."""
+    from jscenegen.sft.run import check_sft_inputs
+
+    sft_cfg = warm_start_sft_config(cfg)
+    if sft_cfg is None:
+        return None, None
+    try:
+        return sft_cfg, check_sft_inputs(sft_cfg, cfg.sampling.chat_template_path)
+    except ValueError as e:   # MeshError, ConfigError included: the same type, its origin named
+        raise type(e)(f"{_warm_start_origin(cfg)}: {e}") from None
+
+
+# the package's sources whose code decides the warm start's weights besides its config: the
+# expert's play, the demonstrations' tokens and loss mask (their chat segments and stop strings),
+# the SFT objective and loop; their content enters the warm start's cache key
+WARM_START_SOURCES = ("scene/expert.py", "sft/demos.py", "sft/step.py", "sft/run.py",
+                      "generate/stop.py", "model/tokenizer/chat.py")
+
+
+def warm_start_key(cfg, sft_cfg, base: Path) -> str:
+    """The warm start's cache key (hex SHA-256): what decides its weights beyond numerics. The
+    SFT config (the mesh aside: fsdp and sp change only the order of the sums, as padding
+    rows and columns carry no loss and micro-batches sum to the batch's gradient; the
+    base's path aside: its content counts), the prompts, the catalogue's content (as the
+    protocol hash reads it: a whitespace edit changes nothing), the chat template, the base
+    model's files (`sampled_file_digest` of each: its tokenizer, config and weights), the
+    sources of `WARM_START_SOURCES`, and the measuring and grading rules the demonstrations'
+    environment messages come from (`RULES_REVISION`)."""
+    import hashlib
+
+    import jscenegen
+    from jscenegen.checkpoint.checksums import list_files, sampled_file_digest
+    from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.prompts import load_templates
+    from jscenegen.scene.protocol import RULES_REVISION
+
+    package = Path(jscenegen.__file__).parent
+    template = cfg.sampling.chat_template_path
+    settings = sft_cfg.model_dump(mode="json", exclude={"mesh": True, "model": {"path"}})
+    return hashlib.sha256(json.dumps([
+        settings,
+        load_templates(sft_cfg.scene.prompts_dir).digest(),
+        load_catalogue(sft_cfg.scene.catalogue_path).raw,
+        Path(template).read_text(encoding="utf-8") if template else None,
+        {name: sampled_file_digest(base / name) for name in list_files(base, exclude=())},
+        {name: hashlib.sha256((package / name).read_bytes()).hexdigest()
+         for name in WARM_START_SOURCES},
+        RULES_REVISION], sort_keys=True).encode()).hexdigest()
 
 
 def check_warm_start_model(cfg) -> None:
@@ -81,23 +167,19 @@ def check_warm_start_model(cfg) -> None:
 
 def default_model_dir(cfg, phases: dict) -> Path:
     """The CPU default's policy: a small fresh model (created once) warm-started by SFT on the
-    scripted expert's episodes (run once per SFT config, prompt set, catalogue content, chat
-    template, expert code and scene rules (`RULES_REVISION`), cached under `cache_dir()`); a model that another run on the
-    same cold cache published first is used (`_or_made_meanwhile`)."""
-    import hashlib
-
+    scripted expert's episodes (run once per `warm_start_key`: SFT config, prompt set,
+    catalogue content, chat template, base model, the sources that decide the demonstrations
+    and objective, and scene rules; cached under `cache_dir()`); a model that another run on
+    the same cold cache published first is used (`_or_made_meanwhile`). Raises what
+    `check_warm_start_inputs` raises before any model is made."""
     from jscenegen.model.init_model import init_model_dir
-    from jscenegen.scene import expert
-    from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.corpus import tokenizer_corpus
-    from jscenegen.scene.prompts import load_templates
-    from jscenegen.scene.protocol import RULES_REVISION
     from jscenegen.sft.run import run_sft
 
     ws = cfg.warm_start
     t0 = time.perf_counter()
     base = _base_model_dir(cfg)
-    sft_cfg = warm_start_sft_config(cfg)
+    sft_cfg, mesh = check_warm_start_inputs(cfg)
     if not (base / "config.json").is_file():
         print(terminal_line(f"creating the {ws.preset} {ws.arch} model in {base} (first use)"),
               file=sys.stderr, flush=True)
@@ -106,24 +188,14 @@ def default_model_dir(cfg, phases: dict) -> Path:
     phases["init_model_s"] = time.perf_counter() - t0
     if sft_cfg is None:
         return base
-    # The prompts, the catalogue's content (as the protocol hash reads it: a whitespace edit
-    # changes nothing), the chat template, the expert's code and the measuring and grading
-    # rules the demonstrations' environment messages come from enter the key.
     template = cfg.sampling.chat_template_path
-    key = hashlib.sha256(json.dumps([sft_cfg.model_dump(mode="json"),
-                                     load_templates(sft_cfg.scene.prompts_dir).digest(),
-                                     load_catalogue(sft_cfg.scene.catalogue_path).raw,
-                                     Path(template).read_text(encoding="utf-8") if template else None,
-                                     hashlib.sha256(Path(expert.__file__).read_bytes()).hexdigest(),
-                                     RULES_REVISION],
-                                    sort_keys=True).encode())
-    out = base.parent / f"{base.name}-sft-{key.hexdigest()[:12]}"
+    out = base.parent / f"{base.name}-sft-{warm_start_key(cfg, sft_cfg, base)[:12]}"
     if not (out / "config.json").is_file():
         print(terminal_line(f"SFT warm start into {out} ({sft_cfg.sft.steps} steps, first use)"),
               file=sys.stderr, flush=True)
         t1 = time.perf_counter()
         with _or_made_meanwhile(out):
-            run_sft(sft_cfg, base, out, chat_template_path=template,
+            run_sft(sft_cfg, base, out, chat_template_path=template, mesh=mesh,
                     log=_sft_log if cfg.trainer.progress else _no_log)
         phases["sft_s"] = time.perf_counter() - t1
     else:
@@ -329,7 +401,7 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                          "jscenegen train once on one host), then give its model as model.path")
     check_run_inputs(cfg)
     if not resume and not cfg.model.path:
-        warm_start_sft_config(cfg)
+        check_warm_start_inputs(cfg)
         check_warm_start_model(cfg)
     from jscenegen.run_lock import RunLock, RunLockedError
 

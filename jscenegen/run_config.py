@@ -65,9 +65,13 @@ class WarmStartConfig(Section):
                         "model (init-model --preset): micro hidden 128 x 2 layers (4 for qwen3_5), "
                         "tiny 256 x 4, small 512 x 8; made once in "
                         "$JSCENEGEN_CACHE (default ~/.cache/jscenegen)/models/<preset>-<arch>")
-    sft_config: str | None = Field("configs/sft-cpu.yaml", description="SFT run config; null: "
-                                   "train GRPO from the untrained model")
-    sft_overrides: tuple[str, ...] = Field((), description="key=value overrides of the SFT config")
+    sft_config: str | None = Field("configs/sft-cpu.yaml", description="SFT run config (its "
+                                   "scene, sft.stop_strings, sft.max_answer_tokens and, unless "
+                                   "sft_overrides sets them, mesh.fsdp and mesh.sp are the "
+                                   "run's); null: train GRPO from the untrained model")
+    sft_overrides: tuple[str, ...] = Field((), description="key=value overrides of the SFT config "
+                                           "(not of what the run decides, nor the multi-host "
+                                           "launch keys: the warm start runs in one process)")
 
 
 class RunConfig(Section):

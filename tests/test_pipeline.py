@@ -11,7 +11,7 @@ from jscenegen.run_config import RunConfig
 from jscenegen.scene.sceneset import read_scene_set, write_scene_set
 
 
-@pytest.mark.slow  # SFT, GRPO and two dev evaluations in one test: 22-55 s on 2 cores
+@pytest.mark.slow  # SFT, GRPO and two dev evaluations in one test: 22-80 s on 2 cores
 def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys, caplog):
     monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
     dev = tmp_path / "dev.jsonl"
@@ -21,7 +21,8 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys, 
         '"optim.warmup_steps=0"]',
         f"schedule.dev_set={dev}", "schedule.num_scenes=1", "schedule.group_size=2",
         "schedule.total_updates=1", "schedule.zero_spread=skip",
-        "sampling.max_new_tokens=8", "trainer.eval_samples=1", "trainer.progress=false",
+        # the warm start keeps the demos whose answers fit (designer answers of 243 to 301 tokens)
+        "sampling.max_new_tokens=256", "trainer.eval_samples=1", "trainer.progress=false",
         "logging.swanlab_mode=disabled",
     ], RunConfig)
     run_dir = tmp_path / "run"
@@ -33,6 +34,9 @@ def test_cpu_pipeline_runs_sft_grpo_and_dev_eval(tmp_path, monkeypatch, capsys, 
     assert len(sft_dirs) == 1 and (sft_dirs[0] / "model.safetensors").is_file()
     summary = json.loads((sft_dirs[0] / "sft_summary.json").read_text())
     assert len(summary["history"]) >= 2 and summary["final_loss"] > 0
+    assert summary["max_answer_tokens"] == 256 and summary["longest_answer"]["designer"] > 256
+    assert summary["demos"] + summary["demos_over_answer_cap"] == 3 and summary["demos"] >= 1
+    assert summary["answers_over_cap"]["designer"] == summary["demos_over_answer_cap"] >= 1
     before = json.loads((run_dir / "eval_before.json").read_text())
     after = json.loads((run_dir / "eval_after.json").read_text())
     # the scenes' own ids, as `jscenegen eval` names them, so its reports compare with these
@@ -80,6 +84,77 @@ def test_the_warm_start_plays_in_the_runs_scene_settings_and_stop_strings():
     with pytest.raises(ConfigError, match=r"scene.budget_units: the warm start plays in the run's own"):
         warm_start_sft_config(cfg.model_copy(update={"warm_start": cfg.warm_start.model_copy(
             update={"sft_overrides": ("scene.budget_units=128",)})}))
+
+
+def test_the_warm_start_drops_answers_past_the_rollouts_per_turn_cap():
+    """The CPU default's warm start trained 30 designer answers longer than
+    sampling.max_new_tokens (384), which no rollout can finish: the run's cap is now the SFT's
+    sft.max_answer_tokens, and an override of it is refused, naming the run's key."""
+    from jscenegen.config import ConfigError
+    from jscenegen.pipeline import warm_start_sft_config
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [], RunConfig)
+    assert warm_start_sft_config(cfg).sft.max_answer_tokens == cfg.sampling.max_new_tokens == 384
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [
+        "sampling.max_new_tokens=448",
+        "warm_start.sft_overrides=[sft.max_answer_tokens=1000]"], RunConfig)
+    with pytest.raises(ConfigError, match=r"^warm_start \(sft_config configs/sft-cpu.yaml, "
+                       r"sft_overrides\): sft.max_answer_tokens: the warm start drops the "
+                       r"demonstrations whose answers pass the rollouts' per-turn cap; set it "
+                       r"on the run \(sampling.max_new_tokens\)$"):
+        warm_start_sft_config(cfg)
+    cfg = cfg.model_copy(update={"warm_start": cfg.warm_start.model_copy(update={"sft_overrides": ()})})
+    assert warm_start_sft_config(cfg).sft.max_answer_tokens == 448
+
+
+def test_the_warm_start_trains_on_the_runs_mesh_unless_its_overrides_set_one(stubbed_warm_start):
+    """The SFT mesh came from configs/sft-cpu.yaml (3 x 2) whatever the run's: a run on 4
+    devices with mesh.fsdp=2 failed in the warm start with `mesh.fsdp=3 x mesh.sp=2 = 6 does
+    not match the 4 devices`. The mesh changes only the sums' order: it keeps the cache key."""
+    from jscenegen.pipeline import check_warm_start_inputs, default_model_dir, warm_start_sft_config
+
+    def run(*overrides):
+        return load_config(resolve_data_path("configs/cpu-default.yaml"), list(overrides), RunConfig)
+
+    cfg = run("mesh.fsdp=1", "mesh.sp=6")
+    sft_cfg, mesh = check_warm_start_inputs(cfg)
+    assert (sft_cfg.mesh.fsdp, sft_cfg.mesh.sp) == (1, 6) and dict(mesh.shape) == {"fsdp": 1, "sp": 6}
+    given = warm_start_sft_config(run("mesh.fsdp=1", "mesh.sp=6",
+                                      "warm_start.sft_overrides=[mesh.sp=3]"))
+    assert (given.mesh.fsdp, given.mesh.sp) == (1, 3)   # key by key: fsdp stays the run's
+    given = warm_start_sft_config(run("mesh.fsdp=1", "mesh.sp=6",
+                                      "warm_start.sft_overrides=['mesh={fsdp: 3, sp: 2}']"))
+    assert (given.mesh.fsdp, given.mesh.sp) == (3, 2)
+    assert default_model_dir(cfg, {}) == default_model_dir(run(), {})   # mesh.fsdp=3, sp=2
+    assert [call for call, _ in stubbed_warm_start] == ["init", "sft"]
+
+
+@pytest.mark.parametrize("override", ["mesh.num_processes=2", "mesh.process_id=1",
+                                      "mesh.coordinator_address=localhost:1234",
+                                      "mesh.init_timeout_s=5"])
+def test_the_warm_start_refuses_the_multi_host_launch_keys(tmp_path, override):
+    """They were accepted, ignored (the warm start runs in one process) and entered the cache
+    key: a needless new SFT. The README says the warm start refuses them, as `sft` does."""
+    import re
+
+    from jscenegen.config import ConfigError
+    from jscenegen.pipeline import warm_start_sft_config
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      [f"warm_start.sft_overrides=['{override}']"], RunConfig)
+    with pytest.raises(ConfigError, match=rf"^warm_start \(sft_config configs/sft-cpu.yaml, "
+                       rf"sft_overrides\): {override}: the warm start runs in one process \(a "
+                       r"multi-host run starts from model.path\); the launch keys are the run's "
+                       r"\(mesh.\*\), not the warm start's: unset it$"):
+        warm_start_sft_config(cfg)
+    own = tmp_path / "sft.yaml"   # in the SFT config file itself too
+    setting = override.split(".", 1)[1].replace("=", ": ")
+    own.write_text(re.sub(r"^mesh:.*\n", lambda m: f"{m.group(0)}  {setting}\n",
+                          resolve_data_path("configs/sft-cpu.yaml").read_text(), flags=re.M))
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      [f"warm_start.sft_config={own}"], RunConfig)
+    with pytest.raises(ConfigError, match=rf": {override}: the warm start runs in one process"):
+        warm_start_sft_config(cfg)
 
 
 def test_a_train_with_a_bad_model_dir_leaves_no_run_directory(tmp_path, capsys):
@@ -378,7 +453,7 @@ def stubbed_warm_start(tmp_path, monkeypatch) -> list:
         calls.append(("init", Path(out)))
         _made(out)
 
-    def sft(cfg, model_dir, out, *, log, chat_template_path):
+    def sft(cfg, model_dir, out, *, log, chat_template_path, mesh=None):
         calls.append(("sft", Path(out)))
         log({"step": 1, "loss": 0.5})
         _made(out)
@@ -446,6 +521,32 @@ def test_the_warm_start_cache_key_holds_the_scene_rules_revision(monkeypatch, st
     assert default_model_dir(cfg, {}) != first
 
 
+def test_the_warm_start_cache_key_holds_the_base_model_and_the_sources_deciding_it(
+        monkeypatch, stubbed_warm_start):
+    """The base was reused by its path alone, and the code that makes the demonstrations'
+    tokens and loss mask and the objective was not in the key: an upgrade (a new tokenizer
+    corpus, a fix to the masking) reused a warm start made by the old code and base."""
+    import jscenegen
+    import jscenegen.pipeline as pipeline
+    from jscenegen.pipeline import default_model_dir
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"), [], RunConfig)
+    first = default_model_dir(cfg, {})
+    base = first.parent / "micro-qwen3"
+    (base / "tokenizer.json").write_text('{"model": "old"}')   # a base made by another corpus
+    second = default_model_dir(cfg, {})
+    assert second != first and default_model_dir(cfg, {}) == second
+    (base / "tokenizer.json").write_text('{"model": "new"}')
+    assert default_model_dir(cfg, {}) not in (first, second)
+    package = Path(jscenegen.__file__).parent
+    assert {"sft/demos.py", "sft/step.py", "sft/run.py", "generate/stop.py",
+            "model/tokenizer/chat.py", "scene/expert.py"} == set(pipeline.WARM_START_SOURCES)
+    assert all((package / name).is_file() for name in pipeline.WARM_START_SOURCES)
+    before = default_model_dir(cfg, {})
+    monkeypatch.setattr(pipeline, "WARM_START_SOURCES", pipeline.WARM_START_SOURCES[:-1])
+    assert default_model_dir(cfg, {}) != before   # the sources' content is in the key
+
+
 def test_a_model_another_run_published_meanwhile_is_used(tmp_path, monkeypatch, caplog,
                                                           stubbed_warm_start):
     """Two `train` runs on a cold cache: the slower one failed publishing the base model or
@@ -484,7 +585,15 @@ def test_a_model_another_run_published_meanwhile_is_used(tmp_path, monkeypatch, 
     (["rollout.tp=4"], "rollout.tp=4 must divide the 6 devices"),
     (["warm_start.arch=qwen3_5", "model.causal_balance=true"],
      "model.causal_balance is not supported for Qwen3.5: the Gated DeltaNet recurrence needs "
-     "the tokens in order; set it to false")])
+     "the tokens in order; set it to false"),
+    # the warm start's own mesh and batch (check_sft_inputs) were checked inside its SFT
+    (["warm_start.sft_overrides=[mesh.fsdp=1]"],
+     "warm_start (sft_config configs/sft-cpu.yaml, sft_overrides): mesh.fsdp=1 x mesh.sp=2 = 2 "
+     "does not match the 6 devices; sizes that fit: fsdp=6 x sp=1, fsdp=3 x sp=2, fsdp=2 x "
+     "sp=3, fsdp=1 x sp=6 (mesh.fsdp=-1 takes the rest)"),
+    (["warm_start.sft_overrides=[sft.micro_batch_size=4]"],
+     "warm_start (sft_config configs/sft-cpu.yaml, sft_overrides): sft.micro_batch_size=4: "
+     "sft.batch_size = 6 rows do not split into micro-batches of 4 rows; choose one of 1, 2, 3, 6")])
 def test_what_needs_no_model_is_refused_before_the_warm_start(tmp_path, capsys, overrides, error,
                                                               stubbed_warm_start):
     """A rollout.tp not dividing the devices and a causal balance the qwen3_5 warm-start model

@@ -31,9 +31,12 @@ from jscenegen.scene.sceneset import read_scene_set
 from jscenegen.sft.config import SFTRunConfig
 from jscenegen.sft.demos import (
     SFT_SEED_BASE,
+    Demo,
+    answer_lengths,
     batch_indices,
     build_demos,
     demo_batch,
+    drop_over_answer_cap,
     sft_records,
     tokenize_transcript,
 )
@@ -310,6 +313,62 @@ def test_run_sft_writes_a_loadable_hf_dir(tmp_path):
     w1 = np.asarray(after.model.embed_tokens.weight[...])
     assert w0.shape == w1.shape and not np.allclose(w0, w1)
     assert ChatTokenizer.from_dir(out).encode("<action>") == ChatTokenizer.from_dir(chat_model_dir()).encode("<action>")
+
+
+def test_answer_lengths_are_the_policy_turns_as_a_rollout_generates_them(chat, demos):
+    """What must fit sampling.max_new_tokens: each policy turn, its end-of-turn token included
+    unless the answer ends at a stop string (the environment adds it then)."""
+    E = ENVIRONMENT
+    roles = np.array([E, PLANNER, PLANNER, E, DESIGNER, DESIGNER, DESIGNER, CRITIC, CRITIC, E], np.int8)
+    demo = Demo("s", np.arange(10, dtype=np.int32), roles, roles != E, 0.0)
+    assert answer_lengths(demo) == [("planner", 2), ("designer", 3), ("critic", 2)]
+    for d, record in zip(demos, sft_records(3)):
+        _, transcript = run_scripted_episode(record, SceneRuntimeConfig(**SCENE))
+        answers = [m for m in transcript if m["role"] == "assistant"]
+        turns = answer_lengths(d)
+        assert [role for role, _ in turns] == [m["actor"] for m in answers]
+        assert all(n - len(chat.encode_plain(m["content"])) in (0, 1) for (_, n), m in zip(turns, answers))
+        assert sum(n for _, n in turns) == d.policy_mask.sum()
+    # the three demos' designer answers: 301, 289 and 245 tokens; every other answer is shorter
+    assert [max(n for _, n in answer_lengths(d)) for d in demos] == [301, 289, 245]
+    kept, stats = drop_over_answer_cap(demos, 289)
+    assert kept == demos[1:] and stats == {
+        "max_answer_tokens": 289, "demos_over_answer_cap": 1,
+        "answers_over_cap": {"planner": 0, "designer": 1, "critic": 0},
+        "longest_answer": {"planner": 19, "designer": 301, "critic": 68}}
+    kept, stats = drop_over_answer_cap(demos, None)   # `jscenegen sft`'s default: no cap
+    assert kept == demos and stats["demos_over_answer_cap"] == 0
+    assert drop_over_answer_cap(demos, 18)[0] == []   # the planner's 19-token turns
+
+
+def test_run_sft_drops_the_demos_whose_answers_pass_max_answer_tokens(tmp_path, caplog):
+    """The CPU default's warm start trained designer answers longer than the rollouts'
+    per-turn cap (30 of 300 demos): answers no rollout can finish. They are dropped, counted
+    per role, with one warning line; none left is refused."""
+    def cfg(cap):
+        return validate_config({"sft": {"num_demos": 2, "steps": 1, "batch_size": 3,
+                                         "max_seq_len": SEQ, "max_answer_tokens": cap},
+                                "scene": SCENE, "optim": {"warmup_steps": 0}}, "sft.yaml", SFTRunConfig)
+
+    with pytest.raises(ValueError, match=r"^sft.max_answer_tokens=18 \(a train warm start: the "
+                       r"run's sampling.max_new_tokens\): every one of the 2 demonstrations holds "
+                       r"a longer answer \(longest answers in tokens: planner 19, designer 301, "
+                       r"critic 67\); raise it to train on them$"):
+        run_sft(cfg(18), chat_model_dir(), tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+    rows = []
+    with caplog.at_level("WARNING", logger="jscenegen.sft.run"):
+        summary = run_sft(cfg(300), chat_model_dir(), tmp_path / "out", log=rows.append)
+    assert caplog.messages == [
+        "sft: 1 of 2 demonstrations dropped: they hold answers longer than "
+        "sft.max_answer_tokens=300, the rollouts' per-turn cap, which no rollout could finish "
+        "(answers over it: designer 1; longest answers in tokens: planner 19, designer 301, "
+        "critic 67)"]
+    saved = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
+    for stats in (rows[0], summary, saved):
+        assert stats["demos"] == 1 and stats["demos_over_answer_cap"] == 1
+        assert stats["answers_over_cap"] == {"planner": 0, "designer": 1, "critic": 0}
+        assert stats["max_answer_tokens"] == 300 and stats["longest_answer"]["designer"] == 301
 
 
 def test_an_sft_stopped_leaves_no_directory_it_made(tmp_path, monkeypatch):

@@ -52,6 +52,12 @@ class SFTConfig(Section):
         description="the rollouts' sampling.stop_strings: an answer ending with one is tokenised "
         "as the sampler stops it, its end-of-turn token environment (not trained); a train "
         "warm start takes the run's")
+    max_answer_tokens: int | None = Field(
+        None, ge=1, le=TOKENS_MAX,
+        description="the rollouts' per-turn cap (sampling.max_new_tokens): a demo holding an "
+        "answer longer than this (its end-of-turn token included) is dropped, as no rollout "
+        "could finish it (counted per role in the log and sft_summary.json; none left is "
+        "refused); null: no cap; a train warm start takes the run's sampling.max_new_tokens")
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling), and the weights "
                       "of the fresh model `jscenegen sft` creates when model.path is null (the "

@@ -151,6 +151,40 @@ def truncation_losses(demos: Sequence[Demo], max_tokens: int) -> dict:
     return {"truncated": truncated, "policy_tokens_cut": cut, "cut_mid_answer": mid}
 
 
+def answer_lengths(demo: Demo) -> list[tuple[str, int]]:
+    """(role name, tokens) of each policy turn of `demo`, in order: each maximal run of policy
+    tokens of one role (the answer and its end-of-turn token when the policy emits it: what a
+    rollout's turn must fit in `sampling.max_new_tokens`)."""
+    names = {code: name for name, code in ROLE_CODES.items()}
+    m, roles = demo.policy_mask, demo.roles
+    same = m[:-1] & m[1:] & (roles[:-1] == roles[1:])   # token i and i + 1: one turn
+    starts = np.flatnonzero(m & ~np.r_[False, same])
+    ends = np.flatnonzero(m & ~np.r_[same, False]) + 1
+    return [(names[int(roles[a])], int(b - a)) for a, b in zip(starts, ends)]
+
+
+def drop_over_answer_cap(demos: Sequence[Demo], cap: int | None) -> tuple[list[Demo], dict]:
+    """The demos whose every answer fits the rollouts' per-turn cap `cap` (`answer_lengths`:
+    at most `cap` tokens; None: no cap, all kept), and their statistics: {"max_answer_tokens":
+    cap, "demos_over_answer_cap": demos dropped, "answers_over_cap": {role: answers longer
+    than cap} (each policy role, 0 included), "longest_answer": {role: its longest answer's
+    tokens, 0 when it never answered}} over all the demos given."""
+    over = {name: 0 for name in ROLE_CODES}
+    longest = {name: 0 for name in ROLE_CODES}
+    kept = []
+    for d in demos:
+        fits = True
+        for name, n in answer_lengths(d):
+            longest[name] = max(longest[name], n)
+            if cap is not None and n > cap:
+                over[name] += 1
+                fits = False
+        if fits:
+            kept.append(d)
+    return kept, {"max_answer_tokens": cap, "demos_over_answer_cap": len(demos) - len(kept),
+                  "answers_over_cap": over, "longest_answer": longest}
+
+
 def batch_indices(num_demos: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
     """Endless [batch_size] demo-index batches: consecutive epochs, each a fresh permutation
     drawn from numpy's PCG64 seeded with (seed, epoch); batches may straddle an epoch boundary.

@@ -23,6 +23,7 @@ from jscenegen.sft.demos import (
     batch_indices,
     build_demos,
     demo_batch,
+    drop_over_answer_cap,
     padded_length,
     sft_records,
     truncation_losses,
@@ -79,9 +80,12 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
         demo statistics.
 
     Returns the summary dict. Deterministic for a given config (demo scenes, order, weights).
+    Demonstrations holding an answer longer than `sft.max_answer_tokens` (when set) are
+    dropped, counted per role in the demo statistics, with a warning.
+
     Raises FileExistsError for an `out_dir` that exists and is not empty (before any work:
-    `paths.require_new_dir`), ValueError when no demonstration has a policy token within the
-    row length (before training) or the last step's loss is not finite (diverged: nothing is
+    `paths.require_new_dir`), ValueError when no demonstration fits `sft.max_answer_tokens`
+    or none has a policy token within the row length (before training) or the last step's loss is not finite (diverged: nothing is
     written),
     ChatTemplateError (template), MeshError (mesh vs devices), ModelConfigError and the
     loader's errors for a bad `model_dir`.
@@ -110,12 +114,13 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
                         noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m,
                         stop_strings=sc.stop_strings)
+    demos, cap_stats = _fitting_the_answer_cap(demos, sc.max_answer_tokens)
     length = padded_length(demos, sc.max_seq_len, multiple, longest)
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
                   "max_tokens": int(max(lengths)), **truncation_losses(demos, sc.max_seq_len),
                   "policy_tokens_per_demo": float(np.mean([d.policy_mask.sum() for d in demos])),
-                  "expert_mean_reward": float(np.nanmean([d.reward for d in demos])),
+                  "expert_mean_reward": float(np.nanmean([d.reward for d in demos])), **cap_stats,
                   "demo_build_s": time.perf_counter() - t0}
     log({"event": "demos", **demo_stats})
     kept = min(length, sc.max_seq_len)
@@ -160,6 +165,27 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     save_hf(model, out_dir, dtype="float32", tokenizer_src=model_dir,   # fp32 master weights
             extra_files=extra)
     return summary
+
+
+def _fitting_the_answer_cap(demos: list, cap: int | None) -> tuple[list, dict]:
+    """`drop_over_answer_cap(demos, cap)`, with one warning line naming how many demos were
+    dropped and their over-cap answers per role. Raises ValueError naming sft.max_answer_tokens
+    when none is left."""
+    kept, stats = drop_over_answer_cap(demos, cap)
+    over = ", ".join(f"{role} {n}" for role, n in stats["answers_over_cap"].items() if n)
+    longest = ", ".join(f"{role} {n}" for role, n in stats["longest_answer"].items())
+    if not kept:
+        raise ValueError(f"sft.max_answer_tokens={cap} (a train warm start: the run's "
+                         f"sampling.max_new_tokens): every one of the {len(demos)} demonstrations "
+                         f"holds a longer answer (longest answers in tokens: {longest}); raise "
+                         "it to train on them")
+    if stats["demos_over_answer_cap"]:
+        logging.getLogger(__name__).warning(
+            "sft: %d of %d demonstrations dropped: they hold answers longer than "
+            "sft.max_answer_tokens=%d, the rollouts' per-turn cap, which no rollout could "
+            "finish (answers over it: %s; longest answers in tokens: %s)",
+            stats["demos_over_answer_cap"], len(demos), cap, over, longest)
+    return kept, stats
 
 
 def _check_trained(cfg, last: dict, skipped: int, loss_after: float, grad_norm_after: float) -> None:
