@@ -256,3 +256,66 @@ def test_a_grid_too_large_for_the_int32_geometry_is_named_not_blamed_on_an_objec
         measure(s, huge)
     wide = SceneRuntimeConfig(metrics=MetricsConfig(grid_size=512))   # 25.6 m: a 6 m room measures
     assert measure(s, wide) == measure(s)
+
+
+def _plant_by_the_door(mount: str):
+    """The audit's scene, built by the operations: a queen bed, a rug at the door and a
+    0.6 x 0.6 x 1.8 m plant in the door's clearance box, standing on the floor or `on` the rug."""
+    from jscenegen.scene.config import SceneRuntimeConfig
+    from jscenegen.scene.ops import SceneEditor, parse_op
+    ops = [{"op": "add_object", "category": "queen_bed", "position": [2.0, 1.95], "yaw": 180},
+           {"op": "add_object", "category": "rug", "position": [2.0, 0.75], "size": [1.2, 1.4, 0.01]},
+           {"op": "add_object", "category": "plant", "position": [2.0, 0.35], "size": [0.6, 0.6, 1.8],
+            "mount": mount, **({"parent": "rug_1"} if mount == "on" else {})}]
+    ed = SceneEditor(scene(), SceneRuntimeConfig(), load_catalogue())
+    lines, _ = ed.apply_batch([parse_op(o) for o in ops])
+    assert all(": ok" in line for line in lines), lines
+    return ed.scene
+
+
+REACH_KEYS = ("door_blocked", "door_clearance_blocked", "door_walk_blocked", "walkable_ratio", "num_regions",
+              "door_connected_ratio", "reachable", "reachable_object_ratio", "unreachable_objects", "blockers")
+
+
+def test_a_plant_on_a_rug_blocks_the_door_as_on_the_floor():
+    """Only thin coverings and objects whose bottom is >= 1.5 m never block (rules revision 6):
+    a plant `on` a rug stands on the floor in effect (it blocked nothing before)."""
+    on, floor = _plant_by_the_door("on"), _plant_by_the_door("floor")
+    r_on, r_floor = measure(on, blockers=True), measure(floor, blockers=True)
+    assert r_on["door_blocked"] is True and r_on["door_clearance_blocked"] == [[0, "plant_1"]]
+    assert r_on["reachable"] is False
+    for key in REACH_KEYS:
+        assert r_on[key] == r_floor[key], key
+    cat = load_catalogue()
+    g_on, g_floor = (rule_grades(s, [{"category": "plant", "count": 1}], r, cat)
+                     for s, r in ((on, r_on), (floor, r_floor)))
+    assert (g_on["reachability"], g_on["physical_plausibility"]) == (0, 4)
+    assert g_on == g_floor
+
+
+def test_an_object_on_a_rug_blocks_walking_and_must_be_reached():
+    """Away from the door, a plant on a rug takes the same walkable floor as one on the floor and
+    counts among the objects to reach; the rug itself still blocks nothing."""
+    rug = obj("rug_1", "rug", 2.0, 1.5, 2.0, 1.4, 0.01)
+    on = scene([rug, obj("plant_1", "plant", 2.0, 1.5, 0.6, 0.6, 1.2, mount="on", elevation=0.01, parent="rug_1")])
+    floor = scene([rug, obj("plant_1", "plant", 2.0, 1.5, 0.6, 0.6, 1.2)])
+    r_on, r_floor = measure(on), measure(floor)
+    assert r_on["walkable_ratio"] < EMPTY_WALKABLE
+    for key in REACH_KEYS[:-1]:
+        assert r_on[key] == r_floor[key], key
+
+
+def test_a_lamp_on_a_nightstand_is_reached_through_its_nightstand():
+    """A child standing on a blocking parent blocks too (bottom under 1.5 m) but is not an object
+    to reach by itself: a lamp inside its nightstand's footprint changes no reachability metric.
+    A lamp on a wall shelf by the door is not a floor object: the clearance box stays free."""
+    stand = obj("nightstand_1", "nightstand", 1.0, 1.0, 0.45, 0.4, 0.55)
+    lamp = obj("table_lamp_1", "table_lamp", 1.0, 1.0, 0.3, 0.3, 0.45, mount="on", elevation=0.55,
+               parent="nightstand_1")
+    alone, with_lamp = measure(scene([stand])), measure(scene([stand, lamp]))
+    for key in REACH_KEYS[:-1]:
+        assert with_lamp[key] == alone[key], key
+    shelf = obj("wall_shelf_1", "wall_shelf", 2.7, 0.15, 0.8, 0.3, 0.3, mount="wall", elevation=1.0)
+    vase = obj("plant_1", "plant", 2.7, 0.15, 0.2, 0.2, 0.25, mount="on", elevation=1.3, parent="wall_shelf_1")
+    r = measure(scene([shelf, vase]))
+    assert r["door_clearance_blocked"] == [] and r["door_blocked"] is False

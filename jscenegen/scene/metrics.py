@@ -24,7 +24,7 @@ from .geometry import (
 from .reach_inputs import (
     GridSpec,
     ReachabilityError,
-    blocks_walking,
+    blocks_door,
     check_room_bounds,
     encode_scene,
     is_thin,
@@ -128,7 +128,7 @@ def measure(
     by_id = sorted(scene.objects, key=lambda o: id_sort_key(o.id))
 
     oob, oob_cap = _out_of_bounds(by_id, feet, floor, room.wall_height, cfg)
-    door_clear, window_warn = _opening_checks(room, by_id, feet, catalogue, cfg)
+    door_clear, window_warn = _opening_checks(scene, by_id, feet, catalogue, cfg)
     reach, res = _reach_block(scene, rcfg, catalogue, blockers)
     door_blocked = bool(reach["door_walk_blocked"] or door_clear)
     placement = _catalogue_checks(room, by_id, feet, floor, catalogue, cfg)
@@ -172,16 +172,18 @@ def _out_of_bounds(by_id, feet, floor, wall_height: float, cfg) -> tuple[list, l
     return oob, oob_cap
 
 
-def _opening_checks(room, by_id, feet, catalogue, cfg) -> tuple[list, list]:
+def _opening_checks(scene, by_id, feet, catalogue, cfg) -> tuple[list, list]:
     """(door_clearance_blocked [[door, id]], window_warnings [{"window", "object"}]): floor
-    objects that block walking inside a door's clearance box (a wall or ceiling mount does not
-    block a door, whatever its height), and objects that are not thin and rise across a
-    window's sill inside its box, by at least `penetration_m`."""
+    objects that block walking inside a door's clearance box (reach_inputs.blocks_door: a plant
+    on a rug does, a wall or ceiling mount and what stands on it does not, whatever its height),
+    and objects that are not thin and rise across a window's sill inside its box, by at least
+    `penetration_m`."""
+    room = scene.room
     door_clear = []
     for d, door in enumerate(room.doors):
         box = opening_box(room, door, cfg.door_clearance_m)
         for o in by_id:
-            if (o.mount == "floor" and blocks_walking(o, catalogue, cfg)
+            if (blocks_door(o, scene, catalogue, cfg)
                     and penetration(box, feet[o.id]) >= cfg.penetration_m - 1e-9):
                 door_clear.append([d, o.id])
     window_warn = []

@@ -99,8 +99,51 @@ def is_thin(obj: SceneObject, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
 
 
 def blocks_walking(obj: SceneObject, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
-    """Obstacle for the agent: not thin, not supported by a parent, bottom below block_height_m."""
-    return not is_thin(obj, catalogue, cfg) and obj.mount != "on" and obj.elevation < cfg.block_height_m
+    """Obstacle for the agent (scene-protocol.md section 4: "objects whose bottom is >= 1.5 m and
+    thin coverings never block"): not thin and bottom below `block_height_m`, whatever its mount.
+    An object `on` another blocks too (rules revision 6): a plant on a rug stands on the floor in
+    effect; a lamp on a nightstand adds only what overhangs the nightstand's footprint."""
+    return not is_thin(obj, catalogue, cfg) and obj.elevation < cfg.block_height_m
+
+
+def support_chain(obj: SceneObject, scene: Scene) -> list[SceneObject]:
+    """The objects `obj` stands on, nearest first (its parent, the parent's parent, ...); empty
+    unless mounted `on`. Stops at an unknown id or a repeated one (a scene built without
+    validation), so it always ends."""
+    chain: list[SceneObject] = []
+    seen = {obj.id}
+    at = obj.parent if obj.mount == "on" else None
+    while at is not None and at not in seen:
+        parent = next((o for o in scene.objects if o.id == at), None)
+        if parent is None:
+            break
+        chain.append(parent)
+        seen.add(at)
+        at = parent.parent if parent.mount == "on" else None
+    return chain
+
+
+def is_floor_object(obj: SceneObject, scene: Scene) -> bool:
+    """Stands on the floor, directly (mount `floor`) or through its supports (`on` a chain that
+    ends at a floor object): a lamp on a nightstand or a plant on a rug is one, a lamp on a
+    wall shelf is not."""
+    chain = support_chain(obj, scene)
+    return (chain[-1] if chain else obj).mount == "floor"
+
+
+def blocks_door(obj: SceneObject, scene: Scene, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
+    """Counts against a door's clearance box ("must be free of floor objects", scene-protocol.md
+    section 4): a floor object (`is_floor_object`) that blocks walking. A shelf hung on the wall
+    beside the door, and what stands on it, does not."""
+    return is_floor_object(obj, scene) and blocks_walking(obj, catalogue, cfg)
+
+
+def counts_for_reach(obj: SceneObject, scene: Scene, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
+    """Must be reachable ("only blocking floor objects count"): a floor object that blocks walking
+    and stands on nothing that blocks (on the floor, or on thin coverings only). A lamp on a
+    nightstand is reached through the nightstand; a plant on a rug counts as on the floor."""
+    return blocks_door(obj, scene, catalogue, cfg) and not any(
+        blocks_walking(p, catalogue, cfg) for p in support_chain(obj, scene))
 
 
 def quantised_centre(obj: SceneObject) -> np.ndarray:
@@ -191,7 +234,7 @@ def encode_scene(
                 f"the measuring grid's 32-bit arithmetic reaches {_reach_mm(grid_mm) / 1000:,.1f} m "
                 "(move the object into or near the room)")
         blocking[k] = blocks_walking(obj, catalogue, cfg)
-        counted[k] = blocking[k] and obj.mount == "floor"
+        counted[k] = counts_for_reach(obj, scene, catalogue, cfg)
         cat = catalogue.get(obj.category)
         front_only[k] = bool(cat and cat.front_used)
     v = cfg.max_polygon_vertices
