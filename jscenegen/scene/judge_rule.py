@@ -4,11 +4,13 @@ Base scores (integers, clamped to 0..10, before the caps), scene-protocol.md sec
 realism 10 - 2 per object outside its catalogue size range - 1 per storage piece more than 0.10 m
 from every wall; functionality 10 - 3 per front-used object whose front is blocked or faces a wall
 - 2 per chair not facing a desk within 1.5 m; layout round(10 min(1, walkable_ratio / 0.5)) - 1
-per object overlapping a window box; completeness 10 x share of the room type's expected groups
-present; prompt_following 10 x share of requested objects present (sum over items of
-min(have, count) / sum of counts); reachability 10 when reachable else round(10 x
-reachable_object_ratio); physical_plausibility 10 - 2 per collision pair - 3 per out-of-bounds
-object. Rounding is half up (floor(x + 0.5)). Then caps.apply_caps.
+per object overlapping a window box (per object in the metrics' `window_warnings`: rising across
+the sill inside the box, as spec section 4 says window boxes warn only for objects taller than
+the sill); completeness 10 x share of the room type's expected groups present; prompt_following
+10 x share of requested objects present (each object filling at most one item: a maximum
+matching over the sum of counts, `requested_share`); reachability 10 when reachable else
+round(10 x reachable_object_ratio); physical_plausibility 10 - 2 per collision pair - 3 per
+out-of-bounds object. Rounding is half up (floor(x + 0.5)). Then caps.apply_caps.
 """
 from __future__ import annotations
 
@@ -32,16 +34,35 @@ def _clamp(x: int) -> int:
 
 
 def requested_share(scene: Scene, requested, catalogue: Catalogue) -> float:
-    """Share of requested objects present: sum min(have, count) / sum count (1.0 when nothing asked)."""
+    """Share of requested objects present: matched / sum count (1.0 when nothing asked).
+
+    Each object fills at most one requested item (rules revision 6): `matched` is the size of a
+    maximum matching between the scene's objects and the items' slots (an item of count c has
+    c slots; an object fits a slot when its category is the item's name or one of the group's
+    members, `Catalogue.members`). So a queen bed counts for `bed` x1 or `queen_bed` x1, not
+    both (0.5), while a queen bed and a single bed fill both, in either order. With no object
+    matching two items this equals sum over items of min(have, count) / sum of counts.
+    """
     total = sum(int(r["count"]) for r in requested)
     if total == 0:
         return 1.0
-    have = 0
-    for r in requested:
-        members = catalogue.members(r["category"])
-        n = sum(1 for o in scene.objects if o.category in members)
-        have += min(n, int(r["count"]))
-    return have / total
+    cats = [o.category for o in scene.objects]
+    slots = []
+    for r in requested:   # more slots than objects can never be filled
+        slots += [frozenset(catalogue.members(r["category"]))] * min(int(r["count"]), len(cats))
+    holder: dict[int, int] = {}   # object index -> slot index (Kuhn's augmenting paths)
+
+    def fill(s: int, seen: set[int]) -> bool:
+        for j, cat in enumerate(cats):
+            if cat in slots[s] and j not in seen:
+                seen.add(j)
+                if j not in holder or fill(holder[j], seen):
+                    holder[j] = s
+                    return True
+        return False
+
+    matched = sum(fill(s, set()) for s in range(len(slots)))
+    return matched / total
 
 
 def rule_grades(scene: Scene, requested, metrics: dict, catalogue: Catalogue) -> dict[str, int]:
