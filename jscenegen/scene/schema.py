@@ -233,9 +233,11 @@ class Scene(PlainModel):
     @model_validator(mode="after")
     def _mounted_heights(self) -> "Scene":
         """The elevations the scene operations give these mounts (ops.py): a floor object stands
-        on the floor, a ceiling object's top is at the ceiling. (An object `on` another may be
-        left off it by a resize: measured as unsupported, not refused; a wall object above the
-        wall: measured as out of bounds.)"""
+        on the floor, a ceiling object's top is at the ceiling. (An object `on` another is kept
+        on its parent's top by every operation since rules revision 4, a move or resize that
+        would leave it beside the top being refused and charged; a scene file that holds one off
+        its parent loads and is measured as unsupported. A wall object above the wall: measured
+        as out of bounds.)"""
         wall = self.room.wall_height
         for o in self.objects:
             if o.mount == "floor" and o.elevation > MOUNT_TOLERANCE_M:
