@@ -273,9 +273,10 @@ class Progress:
             self.bar.start()
 
     def __call__(self, row: dict) -> None:
-        reward = row.get("reward/mean")
+        reward, failed = row.get("reward/mean"), row.get("failure_rate")   # None: every episode masked
         info = (f"attempt {row['attempt']} {row['role']:<8} reward "
-                f"{'n/a' if reward is None else f'{reward:+.3f}'} fail {row['failure_rate']:.2f} "
+                f"{'n/a' if reward is None else f'{reward:+.3f}'} "
+                f"fail {'n/a' if failed is None else f'{failed:.2f}'} "
                 f"{row['rollout/tokens_per_s']:.0f} tok/s {_outcome(row)}")
         if self.bar is not None:
             self.bar.update(self.task, completed=row["effective_updates"], info=info)

@@ -127,6 +127,20 @@ def test_summarize_excludes_masked_and_counts_causes():
     assert g["scene/reachable_rate"] == 1.0 and g["failure_rate"] == 0.5
 
 
+def test_an_update_whose_every_episode_was_masked_logs_no_failure_rate():
+    """Nothing graded (a judge outage) is not "no failures": failure_rate is None (null in
+    metrics.jsonl, left out of swanlab), as reward/mean; it was logged as 0.0."""
+    from types import SimpleNamespace
+
+    from jscenegen.grpo.rollout.stats import group_metrics
+
+    out = dict(reward=0.0, units=5, failure_cause="judge_timeout", masked=True, quality=None,
+               unit_penalty=None, grades=None, metrics=None)
+    g = group_metrics([SimpleNamespace(outcome=dict(out), num_tokens=50, group_id=i // 2) for i in range(4)], ["a"])
+    assert g["failure_rate"] is None and g["reward/mean"] is None
+    assert g["masked_rate"] == 1.0 and g["failures/judge_timeout"] == 1.0
+
+
 def test_reward_parts_latency_and_zero_spread_share_of_several_groups():
     """quality and unit_penalty are the judged episodes' parts (their difference is those
     episodes' mean reward); a timed-out judge call's latency counts; zero_std_group is the

@@ -620,3 +620,21 @@ def test_progress_false_keeps_the_warm_starts_sft_steps_off_stderr(capsys, stubb
         err = capsys.readouterr().err
         assert ("  sft step 1: loss 0.5000\n" in err) == progress, err
         assert "SFT warm start into " in err
+
+
+def test_the_progress_line_of_an_update_with_every_episode_masked_says_n_a():
+    """A row whose reward/mean and failure_rate are None (every episode masked) prints n/a for
+    both; a failure rate of 0.0 printed 0.00 beside reward n/a."""
+    import io
+
+    from jscenegen.pipeline import Progress
+
+    stream = io.StringIO()
+    progress = Progress(3, True, stream)
+    row = {"attempt": 1, "role": "planner", "reward/mean": None, "failure_rate": None,
+           "rollout/tokens_per_s": 12.0, "stepped": False, "effective_updates": 0}
+    progress(row)
+    progress({**row, "attempt": 2, "reward/mean": -0.5, "failure_rate": 0.25})
+    lines = stream.getvalue().splitlines()
+    assert "reward n/a fail n/a 12 tok/s no-signal" in lines[0]
+    assert "reward -0.500 fail 0.25 12 tok/s" in lines[1]

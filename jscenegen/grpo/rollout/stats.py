@@ -73,7 +73,8 @@ def summarize(outcomes: Sequence[dict], grade_keys: Sequence[str]) -> dict:
 def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str]) -> dict:
     """`summarize` of an update's outcomes (one or more groups) as the training log's flat
     keys: reward/mean, /std (over the whole batch), /quality, /unit_penalty, zero_std_group
-    (the share of its groups whose rewards have no spread), failure_rate, masked_rate,
+    (the share of its groups whose rewards have no spread), failure_rate (None, as reward/mean,
+    when every episode was masked: nothing was graded, which is not "no failures"), masked_rate,
     judge_failures, units/mean, tokens/mean, grades/<key>, failures/<cause> (share of all
     episodes), scene/reachable_rate, /collision_rate, /oob_rate (when any scene was measured)
     and judge/latency_s."""
@@ -92,7 +93,7 @@ def group_metrics(trajectories: Sequence["Trajectory"], grade_keys: Sequence[str
         "reward/quality": s["quality"],
         "reward/unit_penalty": s["unit_penalty"],
         "zero_std_group": zero_spread_share(groups.values()),
-        "failure_rate": s["failure_rate"] or 0.0,
+        "failure_rate": s["failure_rate"],   # None (null) when every episode was masked, as reward/mean
         "masked_rate": s["masked"] / max(n, 1),
         "judge_failures": float(sum(c for k, c in causes.items() if k.startswith("judge"))),
         "units/mean": s["units"],
