@@ -340,7 +340,8 @@ def check_run_inputs(cfg) -> None:
             # a resume's before/after comparison read may hold, before the SFT warm start
             check_report_episodes(len(records), evaluation_samples(cfg), str(path))
             report_scene_ids(records, str(path))
-        check_records_usable(records, catalogue, cfg.scene.metrics, str(path))
+        check_records_usable(records, catalogue, cfg.scene.metrics, str(path),
+                             max_objects=cfg.scene.max_objects)
     load_templates(cfg.scene.prompts_dir)
     judge = make_judge(cfg.judge, cfg.scene)
     on_primary(judge.check_reachable)   # the process that grades takes the run's key

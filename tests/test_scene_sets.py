@@ -261,6 +261,33 @@ def test_cli_furnish_refuses_a_request_the_catalogue_cannot_satisfy(tmp_path, ca
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_record_requesting_more_objects_than_an_episode_may_add_is_refused(tmp_path, capsys):
+    """chair x41 with at most 40 objects per episode could never get prompt_following 10; the
+    shipped sets request at most scene.max_objects each."""
+    from jscenegen.scene.catalogue import load_catalogue
+    from jscenegen.scene.config import SceneRuntimeConfig
+    from jscenegen.scene.sceneset import check_records_usable
+
+    cfg, cat = SceneRuntimeConfig(), load_catalogue()
+    assert cfg.max_objects == 40
+    for name in ("train.jsonl", "dev.jsonl"):
+        check_records_usable(read_scene_set(DATA / name), cat, cfg.metrics, name, max_objects=cfg.max_objects)
+    record = json.loads((DATA / "dev.jsonl").read_text().splitlines()[0])
+    record["requested"] = [{"category": "chair", "count": 39}, {"category": "bed", "count": 1}]
+    (tmp_path / "set.jsonl").write_text("\n" + json.dumps(record) + "\n")   # 40: accepted
+    check_records_usable(read_scene_set(tmp_path / "set.jsonl"), cat, cfg.metrics, "set.jsonl", max_objects=40)
+    record["requested"][0]["count"] = 40
+    (tmp_path / "set.jsonl").write_text("\n" + json.dumps(record) + "\n")
+    why = (f"scene {record['scene']['scene_id']} requests 41 objects in all, more than an episode may add "
+           "(scene.max_objects 40): prompt_following could never reach 10; lower the counts or raise "
+           "scene.max_objects")
+    with pytest.raises(SceneError, match=re.escape(f"set.jsonl:2: {why}")):
+        check_records_usable(read_scene_set(tmp_path / "set.jsonl"), cat, cfg.metrics, "set.jsonl", max_objects=40)
+    assert main(["scene", "furnish", str(tmp_path / "set.jsonl"), "-o", str(tmp_path / "x.json")]) == 2
+    assert one_error_line(capsys) == f"error: {tmp_path / 'set.jsonl'}:2: {why}"
+    assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.parametrize("requested, why", [
     ([{"category": "bed", "count": 1}, {"category": "bed", "count": 2}],
      r"requested\[1\]: category 'bed' is requested twice"),

@@ -110,7 +110,7 @@ def run(args) -> int:
     check_report_episodes(len(records), samples, f"--scenes {scenes}")
     report_scene_ids(records, f"--scenes {scenes}")   # each scene named once, before the model loads
     check_records_usable(records, load_catalogue(cfg.scene.catalogue_path), cfg.scene.metrics,
-                         str(scenes))
+                         str(scenes), max_objects=cfg.scene.max_objects)
     judge = make_judge(cfg.judge, cfg.scene)
     judge.check_reachable()
     chat = policy_chat(cfg, args.model)

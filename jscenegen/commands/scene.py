@@ -169,7 +169,7 @@ def furnish(args) -> int:
     except RecordIndexError as err:
         raise ValueError(f"--index {err}") from None
     check_records_usable([record], load_catalogue(cfg.catalogue_path), cfg.metrics,
-                         str(scene_set))
+                         str(scene_set), max_objects=cfg.max_objects)
     ep, _ = run_scripted_episode(record, cfg, judge_cfg)
     out = Path(args.output)
     write_json(out, ep.scene.to_json())

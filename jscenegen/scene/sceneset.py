@@ -101,13 +101,15 @@ def requested_items(req, source: str) -> tuple[dict, ...]:
     return tuple(items)
 
 
-def check_records_usable(records: list[SceneRecord], catalogue, metrics, source: str) -> None:
+def check_records_usable(records: list[SceneRecord], catalogue, metrics, source: str, *,
+                         max_objects: int) -> None:
     """Raise SceneError naming `source`, the record's line and scene when a record cannot make
     an episode under this run's settings: it requests a name that is neither a category nor a
     group of `catalogue` (no object can satisfy it, so the prompt-following grade would drop
-    for every episode of that scene), or its room does not fit the measuring grid of
-    `metrics` (scene.metrics: size, doors, vertices; every episode of it would fail at its
-    first measurement)."""
+    for every episode of that scene), its requested counts sum to more than `max_objects`
+    (scene.max_objects, the objects an episode may add: prompt_following could never reach 10),
+    or its room does not fit the measuring grid of `metrics` (scene.metrics: size, doors,
+    vertices; every episode of it would fail at its first measurement)."""
     for i, record in enumerate(records):
         where = f"{source}:{record.line}" if record.line else f"{source}: record {i + 1}"
         scene = f"scene {record.scene.scene_id or '(no id)'}"
@@ -115,6 +117,11 @@ def check_records_usable(records: list[SceneRecord], catalogue, metrics, source:
             if not catalogue.knows(item["category"]):
                 raise SceneError(f"{where}: {scene} requests {clip_text(repr(item['category']))}"
                                  ": neither a category nor a group of the catalogue")
+        total = sum(item["count"] for item in record.requested)
+        if total > max_objects:
+            raise SceneError(f"{where}: {scene} requests {total} objects in all, more than an "
+                             f"episode may add (scene.max_objects {max_objects}): prompt_following "
+                             "could never reach 10; lower the counts or raise scene.max_objects")
         try:
             encode_scene(record.scene, metrics, catalogue, MAX_SCENE_OBJECTS)
         except ReachabilityError as err:
