@@ -192,7 +192,8 @@ class JudgeServer:
     error, not a chat completion), "echo_comments" (grades whose comments quote it;
     "echo_escaped_comments": JSON-escaped, "echo_path_comments": the request's path,
     "echo_escaped_grade_key": as an extra grade's key, after 75 x's), "lone_surrogate_comment",
-    "slow" (grades 8 after 1 s), "parts" (the content as a list of parts: text, an image, text), "cut" (no
+    "slow" (grades 8 after 1 s), "gather" (grades 8 once `gather_n` requests are in flight at
+    once, or after `gather_timeout_s` without them: no timing to race), "parts" (the content as a list of parts: text, an image, text), "cut" (no
     content, finish_reason "length"; "cut_whole": the whole grades, finish_reason "length"),
     "gzip" (grades 8, gzip-compressed whatever was asked), "redirect" (307 to another address
     carrying credentials; "redirect_relative": to a path), or an HTTP
@@ -205,6 +206,8 @@ class JudgeServer:
     def __init__(self, plan):
         self.plan, self.calls, self.auth, self.inflight, self.max_inflight = list(plan), 0, [], 0, 0
         self.encodings = []   # each POST's Accept-Encoding header
+        self.gather_n, self.gather_timeout_s = 1, 20.0   # the "gather" mode's barrier
+        self._gathered = None
         self.times, self.paths, self.models_auth = [], [], []
         self.lock = threading.Lock()
         outer = self
@@ -278,6 +281,14 @@ class JudgeServer:
                         return
                     if mode == "slow":
                         time.sleep(1.0)
+                    if mode == "gather":
+                        with outer.lock:
+                            if outer._gathered is None:
+                                outer._gathered = threading.Barrier(outer.gather_n)
+                        try:
+                            outer._gathered.wait(outer.gather_timeout_s)
+                        except threading.BrokenBarrierError:   # fewer came: answer those that did
+                            pass
                     if mode.isdigit() or mode == "429after":  # an HTTP error status
                         self.send_response(429 if mode == "429after" else int(mode))
                         if mode == "429after":
@@ -303,6 +314,7 @@ class JudgeServer:
                             json.dumps(GOOD)),
                         "answer": json.dumps({"grades": GOOD, "comments": {"realism": "ok"}}),
                         "slow": json.dumps({"grades": GOOD}), "gzip": json.dumps({"grades": GOOD}),
+                        "gather": json.dumps({"grades": GOOD}),
                         "parts": [{"type": "text", "text": '{"grades": '},
                                   {"type": "image_url", "image_url": {"url": "data:,"}},
                                   {"type": "text", "text": json.dumps(GOOD) + "}"}],
@@ -350,5 +362,7 @@ class JudgeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
     def close(self):
+        if self._gathered is not None:
+            self._gathered.abort()   # no handler left waiting for requests that will not come
         self.httpd.shutdown()
         self.httpd.server_close()
