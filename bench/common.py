@@ -31,14 +31,14 @@ def description(doc: str) -> str:
 def grpo_batch(vocab: int, batch: int, seq: int, trained_from: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Random tokens [batch, seq], full attention, tokens from `trained_from` on trained with a
     +-1 advantage (alternating rows), old log-probs near a random model's (log 1/V) so the
-    ratio stays inside the clip range."""
+    ratio stays inside the clip range; every row an episode (episode_mask [batch] 1)."""
     rng = np.random.default_rng(seed)
     mask = np.zeros((batch, seq), np.float32)
     mask[:, trained_from:] = 1.0
     adv = np.where(np.arange(batch) % 2 == 0, 1.0, -1.0).astype(np.float32)[:, None] * mask
     return {"input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int32),
             "attention_mask": np.ones((batch, seq), np.int32), "loss_mask": mask,
-            "advantages": adv,
+            "advantages": adv, "episode_mask": np.ones(batch, np.float32),
             "old_logp": (mask * (-np.log(vocab) + rng.normal(0, 0.05, (batch, seq)))).astype(np.float32)}
 
 

@@ -48,7 +48,7 @@ def make_batch(seed=0):
     old = rng.uniform(-4, -2, (B, T)).astype(np.float32)
     ref = rng.uniform(-4, -2, (B, T)).astype(np.float32)
     return {"input_ids": ids, "attention_mask": am, "loss_mask": mask, "advantages": adv,
-            "old_logp": old, "ref_logp": ref}
+            "old_logp": old, "ref_logp": ref, "episode_mask": np.ones(B, np.float32)}
 
 
 TEST_OPTIM = OptimConfig(lr=1e-2)
@@ -68,7 +68,7 @@ def _rel(a, b):
 
 def _padded(batch, rows):
     """`batch` with `rows` all-padding rows appended (as for an fsdp axis that does not divide B)."""
-    return {k: np.concatenate([v, np.zeros((rows, T), v.dtype)]) for k, v in batch.items()}
+    return {k: np.concatenate([v, np.zeros((rows, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
 
 
 @pytest.mark.parametrize("mode", [
@@ -101,6 +101,45 @@ def test_legacy_averages_per_micro_batch_objectives():
     padded = steps(LossConfig(loss_scale="legacy", ppo_micro_batch_size=2)).grads(
         params, _padded(batch, 4))[0]
     assert _rel(padded, legacy4) <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("micro", [None, 4])
+def test_global_sequence_modes_count_a_masked_episode_in_g(mode, micro):
+    """A masked episode (judge failure: no token attended or trained, episode_mask 1) is one of
+    the mini-batch's G episodes and a padding row is not: the loss is VERL 0.9's agg_loss with
+    global_batch_size = 8 (the torch reference), not 8/7 of it (G from the attended rows)."""
+    import torch
+
+    from jscenegen.parity import torch_reference as ref
+
+    params, batch = make_params(9), make_batch(9)
+    for key in ("input_ids", "attention_mask", "loss_mask", "advantages"):
+        batch[key][7] = 0                                   # episode 7 masked
+    batch = _padded(batch, 4)                               # + 4 padding rows, episode_mask 0
+    del batch["old_logp"]   # on-policy: ratio 1, so the per-token loss is -A on the mask
+    cfg = LossConfig(loss_agg_mode=mode, ppo_micro_batch_size=micro, horizon=T)
+    _, loss, pg, _ = steps(cfg).grads(params, batch)
+    mask = torch.from_numpy(batch["loss_mask"])
+    want = ref.agg_loss(-torch.from_numpy(batch["advantages"]), mask, mode,
+                        global_batch_size=8, horizon=T)
+    assert float(loss) == float(pg) == pytest.approx(float(want), rel=1e-6)
+    assert abs(float(want)) > 1e-3   # the masked row's weight would show: 8/7 of it otherwise
+
+
+def test_legacy_counts_a_micro_batch_of_masked_episodes_in_k():
+    """legacy: a micro-batch whose episodes are all masked (nothing attended or trained) is
+    still one of VERL's k micro-batches (its static gradient accumulation count; the rows are
+    present there), so it adds 0 with weight 1/k; padding-only micro-batches are not counted."""
+    params, batch = make_params(1), make_batch(1)
+    for key in ("input_ids", "attention_mask", "loss_mask", "advantages"):
+        batch[key][6:] = 0                                  # episodes 6 and 7 masked
+    legacy4 = steps(LossConfig(loss_scale="legacy", ppo_micro_batch_size=2)).grads(
+        params, _padded(batch, 2))[0]
+    one = steps(LossConfig(loss_scale="legacy"))
+    parts = [one.grads(params, {k: v[2 * i:2 * i + 2] for k, v in batch.items()})[0] for i in range(3)]
+    assert _rel(legacy4, jax.tree.map(lambda *g: sum(g) / 4, *parts)) <= 1e-6   # not / 3
 
 
 def _leaves_equal(a, b):
@@ -237,7 +276,8 @@ def test_columns_after_the_last_trained_token_change_nothing():
     batch["advantages"][:, 8:] = 0
     st = steps(LossConfig(use_kl_loss=True, kl_coef=0.1, entropy_coeff=0.01, logprob_chunk=5))
     g_whole, l_whole, _, s_whole = st.grads(params, batch)
-    g_cut, l_cut, _, s_cut = st.grads(params, {k: v[:, :8] for k, v in batch.items()})
+    g_cut, l_cut, _, s_cut = st.grads(params, {k: v[:, :8] if v.ndim == 2 else v
+                                               for k, v in batch.items()})
     assert _rel(g_whole, g_cut) <= 1e-6
     assert float(l_cut) == pytest.approx(float(l_whole), rel=1e-6)
     for key in s_whole:

@@ -64,7 +64,8 @@ def test_a_bf16_train_step_runs_on_cpu_and_follows_the_fp32_one():
     batch = {"input_ids": ids, "attention_mask": np.ones_like(ids),
              "loss_mask": np.r_[np.zeros(16), np.ones(16)][None].repeat(2, 0).astype(np.float32),
              "advantages": np.asarray([[1.0], [-1.0]], np.float32).repeat(32, 1),
-             "old_logprobs": np.full((2, 32), -6.2, np.float32)}
+             "old_logprobs": np.full((2, 32), -6.2, np.float32),
+             "episode_mask": np.ones(2, np.float32)}
     out = {}
     for dtype in ("float32", "bfloat16"):
         model = QwenForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype="float32", compute_dtype=dtype)

@@ -187,10 +187,12 @@ def test_columns_after_the_last_trained_token_are_dropped():
     planner = build_group_batch(trs, PLANNER, row_multiple=1, col_multiple=4)
     designer = build_group_batch(trs, DESIGNER, row_multiple=1, col_multiple=4)
     whole = build_group_batch(trs, PLANNER, row_multiple=1, col_multiple=4, trim=False)
-    assert {a.shape for a in planner.arrays.values()} == {(2, 8)}
-    assert {a.shape for a in designer.arrays.values()} == {(2, 20)}
-    assert {a.shape for a in whole.arrays.values()} == {(2, 20)}
-    for key, a in planner.arrays.items():
+    tokens = lambda b: {k: a for k, a in b.arrays.items() if k != "episode_mask"}  # noqa: E731
+    assert {a.shape for a in tokens(planner).values()} == {(2, 8)}
+    assert {a.shape for a in tokens(designer).values()} == {(2, 20)}
+    assert {a.shape for a in tokens(whole).values()} == {(2, 20)}
+    assert planner.arrays["episode_mask"].tolist() == whole.arrays["episode_mask"].tolist() == [1, 1]
+    for key, a in tokens(planner).items():
         np.testing.assert_array_equal(a, whole.arrays[key][:, :8], err_msg=key)
         assert not whole.arrays["loss_mask"][:, 8:].any()
     assert planner.trained_tokens == whole.trained_tokens == 8     # tokens 1-4 of each row
@@ -198,7 +200,8 @@ def test_columns_after_the_last_trained_token_are_dropped():
 
 def test_masked_episodes_are_padding_rows_of_the_update():
     """A judge failure or a non-finite reward trains nothing: no token of its row is attended or
-    in the loss mask (so none counts in the token-mean or sequence normalisers), A = 0."""
+    in the loss mask (so none counts in the token-mean normaliser), A = 0; its row is still an
+    episode (episode_mask 1: the sequence modes' G counts it), the padding rows are not."""
     import numpy as np
 
     from jscenegen.grpo.rollout.engine import Trajectory
@@ -217,6 +220,7 @@ def test_masked_episodes_are_padding_rows_of_the_update():
     for row in (2, 3):
         for key in ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp"):
             assert not a[key][row].any(), (row, key)
+    assert a["episode_mask"].tolist() == [1, 1, 1, 1, 0, 0] and a["episode_mask"].dtype == np.float32
     np.testing.assert_allclose(batch.episode_advantages, [-0.7071063, 0.7071063, 0, 0], atol=1e-5)
 
 

@@ -44,18 +44,25 @@ def loss_gap(loss_jax: float, loss_torch: float) -> float:
 
 def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int | None = None,
                     selected: int = DESIGNER, seed: int = 0, pad_rows: int = 0,
-                    adv_eps: float = 1e-6, norm_adv_by_std: bool = True) -> dict:
+                    masked_rows: int = 0, adv_eps: float = 1e-6,
+                    norm_adv_by_std: bool = True) -> dict:
     """A fixed GRPO batch as numpy arrays.
 
     `rows` episodes in groups of `group_size` (default rows / 2: two groups; advantages with
     `adv_eps` and `norm_adv_by_std` as `loss.*` sets them), then `pad_rows` all-padding rows (zero
     attention and loss masks, as rows are padded to a multiple of the mesh's fsdp axis).
+    The last `masked_rows` episodes are masked as `build_group_batch` masks a judge or runtime
+    failure: not valid (out of their group's statistics, advantage 0), ids, attention and loss
+    masks zeroed, but still episodes (`episode_mask` 1).
     Returns input_ids/attention_mask [R, seq] int32 (left padding of 0-6 tokens), roles
     [rows, seq] int32, policy_mask [rows, seq] bool, scores/valid/group_ids/episode_advantages
-    [rows], and
+    [rows], episode_mask [R] float32 (1 on the `rows` episodes, 0 on the padding rows), and
     loss_mask/advantages [rows, seq] float32 for role `selected`, plus old_delta/ref_delta
     [rows, seq] float32 perturbations (N(0, 0.3)) for the old/reference log-probs.
+    Raises ValueError when `masked_rows` is not below `rows`.
     """
+    if not 0 <= masked_rows < rows:
+        raise ValueError(f"masked_rows {masked_rows}: 0 to rows - 1 = {rows - 1} episodes")
     from jscenegen.grpo.algo.advantages import grpo_outcome_advantages
     from jscenegen.grpo.algo.roles import role_loss_mask
 
@@ -79,6 +86,9 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
     scores = rng.uniform(0, 1, rows).astype(np.float32)
     scores[1] = -1.0  # a policy failure is an ordinary member
     valid = np.ones(rows, bool)
+    valid[rows - masked_rows:] = False
+    for a in (ids, mask, roles, policy):
+        a[rows - masked_rows:] = 0
     adv = np.asarray(grpo_outcome_advantages(scores, groups, valid, eps=adv_eps,
                                              norm_by_std=norm_adv_by_std, group_size=group_size))
     loss_mask = np.asarray(role_loss_mask(roles, policy, selected)) * mask
@@ -87,9 +97,10 @@ def synthetic_batch(vocab: int, *, rows: int = 8, seq: int = 32, group_size: int
     if pad_rows:
         extra = lambda a: np.concatenate([a, np.zeros((pad_rows, *a.shape[1:]), a.dtype)])  # noqa: E731
         ids, mask, roles, policy, loss_mask, adv = map(extra, (ids, mask, roles, policy, loss_mask, adv))
+    episode_mask = np.r_[np.ones(rows), np.zeros(pad_rows)].astype(np.float32)
     return {
         "input_ids": ids, "attention_mask": mask, "roles": roles, "policy_mask": policy,
-        "scores": scores, "valid": valid, "group_ids": groups,
+        "scores": scores, "valid": valid, "group_ids": groups, "episode_mask": episode_mask,
         "episode_advantages": episode_adv.astype(np.float32),
         "loss_mask": loss_mask.astype(np.float32),
         "advantages": adv.astype(np.float32),
@@ -169,14 +180,16 @@ def require_a_learning_rate(optim_cfg, updates: int) -> None:
 
 def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperature: float = 1.0,
                      seed: int = 0, rows: int = 8, seq: int = 32, pad_rows: int = 0,
-                     compare_grads: bool = False, torch_perturbation: float = 0.0,
+                     masked_rows: int = 0, compare_grads: bool = False, torch_perturbation: float = 0.0,
                      train_vision: bool = False) -> dict:
     """Run one update both ways; returns the comparison (see module doc) with `ok`.
 
     With `compare_grads` the accumulated gradients are also compared element-wise
     (`grad_max_rel_diff` = max |g_jax - g_torch| / max |g_torch|; one more compile).
     `torch_perturbation` is added to one element of torch's input embedding first (shows the
-    comparison can fail; `ref.perturb_embedding`).
+    comparison can fail; `ref.perturb_embedding`). `masked_rows`: that many of the `rows`
+    episodes masked as a judge failure is (`synthetic_batch`); they stay episodes of the
+    mini-batch (the sequence modes' G counts them on both sides).
 
     Qwen3.5: transformers' Qwen3_5ForConditionalGeneration (qwen3_5) or Qwen3_5ForCausalLM,
     fed text with explicit position ids. The trained tensors are compared (`trained_tensors`);
@@ -212,7 +225,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     model, params, names, step = jax_policy(model_dir, loss_cfg, optim_cfg, temperature,
                                             train_vision)
     data = synthetic_batch(model.cfg.vocab_size, rows=rows, seq=seq, seed=seed, pad_rows=pad_rows,
-                           adv_eps=loss_cfg.adv_eps, norm_adv_by_std=loss_cfg.norm_adv_by_std)
+                           masked_rows=masked_rows, adv_eps=loss_cfg.adv_eps, norm_adv_by_std=loss_cfg.norm_adv_by_std)
     t_adv = ref.grpo_advantages(data["scores"], data["group_ids"], data["valid"],
                                 loss_cfg.adv_eps, loss_cfg.norm_adv_by_std).numpy()
     adv_diff = float(np.max(np.abs(data["episode_advantages"] - t_adv)))
@@ -221,7 +234,8 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
 
     jax_old, _ = step.logprobs(params, data["input_ids"], data["attention_mask"])
     jax_old = np.asarray(jax_old)
-    batch = {k: data[k] for k in ("input_ids", "attention_mask", "loss_mask", "advantages")}
+    batch = {k: data[k] for k in ("input_ids", "attention_mask", "loss_mask", "advantages",
+                                  "episode_mask")}
     batch["old_logp"] = np.where(on, jax_old + data["old_delta"], 0.0).astype(np.float32)
     if loss_cfg.use_kl_loss:
         batch["ref_logp"] = np.where(on, jax_old + data["ref_delta"], 0.0).astype(np.float32)
@@ -238,7 +252,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     with torch.no_grad():
         t_old, _ = ref.shifted_logprobs(tmodel, tb["input_ids"], tb["attention_mask"], temperature)
     t_old = t_old.numpy()
-    for key in ("loss_mask", "advantages"):
+    for key in ("loss_mask", "advantages", "episode_mask"):
         tb[key] = torch.from_numpy(data[key])
     tb["old_logp"] = torch.from_numpy(np.where(on, t_old + data["old_delta"], 0.0).astype(np.float32))
     if loss_cfg.use_kl_loss:
@@ -273,7 +287,8 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         "old_logp_max_diff": float(np.max(np.abs(jax_old - t_old)[data["attention_mask"] > 0])),
         "clipfrac": float(metrics["clipfrac"]), "trained_tokens": int(on.sum()),
         "loss_agg_mode": loss_cfg.loss_agg_mode, "loss_scale": loss_cfg.loss_scale,
-        "micro_batches": k, "rows": rows, "pad_rows": pad_rows, "lr": lr,
+        "micro_batches": k, "rows": rows, "pad_rows": pad_rows, "masked_rows": masked_rows,
+        "lr": lr,
         "norm_adv_by_std": loss_cfg.norm_adv_by_std, "advantages_max_diff": adv_diff,
         "trained_tensors": len(names), "frozen_tensors": len(named_weights(model)) - len(names),
         "frozen_unchanged": frozen_unchanged(model, model_dir, tmodel, torch_frozen),

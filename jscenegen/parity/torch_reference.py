@@ -185,10 +185,13 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     None, optimizer, scheduler).
 
     batch: dict of torch tensors input_ids/attention_mask/loss_mask/advantages/old_logp
-    [B, T] (ref_logp when use_kl_loss). Micro-batches are contiguous row blocks; with
-    loss_scale global each micro loss uses the whole batch's token/sequence counts and the
-    losses are summed (VERL 0.9.1 engine); legacy divides each by its own counts and by k, the
-    micro-batches holding an episode (an all-padding one adds 0 and counts in no normaliser).
+    [B, T] (ref_logp when use_kl_loss) and episode_mask [B] (1 on an episode's row, masked
+    episodes included; 0 on a padding row). Micro-batches are contiguous row blocks; with
+    loss_scale global each micro loss uses the whole batch's token count and episode count
+    (VERL 0.9.1 engine: global_batch_size = the mini-batch's episodes) and the losses are
+    summed; legacy divides each by its own counts and by k, the micro-batches holding an
+    episode (VERL's gradient accumulation count; an all-padding one adds 0 and counts in no
+    normaliser).
     """
     torch = _torch()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen: no state
@@ -197,14 +200,15 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
         optimizer, scheduler = make_torch_optimizer(params, optim_cfg)
     mask = batch["loss_mask"].float()
     n_tok = float(mask.sum())
-    n_seq = float((batch["attention_mask"].sum(-1) > 0).sum())
+    episode = batch["episode_mask"]
+    n_seq = float((episode != 0).sum())
     b = mask.shape[0]
     rows = b // num_micro_batches
     optimizer.zero_grad()
     total = 0.0
     legacy = loss_cfg.loss_scale == "legacy"
     # legacy's 1/k: micro-batches holding an episode (padding rows count in no normaliser)
-    k_real = sum(bool(batch["attention_mask"][i * rows:(i + 1) * rows].any())
+    k_real = sum(bool(episode[i * rows:(i + 1) * rows].any())
                  for i in range(num_micro_batches))
     for i in range(num_micro_batches):
         sl = slice(i * rows, (i + 1) * rows)

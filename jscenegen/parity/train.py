@@ -287,7 +287,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
 
         jax_old, _ = step.logprobs(state.params, data["input_ids"], data["attention_mask"])
         batch = {key: data[key] for key in ("input_ids", "attention_mask", "loss_mask",
-                                            "advantages")}
+                                            "advantages", "episode_mask")}
         batch["old_logp"] = np.where(on, np.asarray(jax_old) + delta, 0.0).astype(np.float32)
         if loss_cfg.use_kl_loss:
             # the initial model's log-probs, shared, plus a shared N(0, 0.3) on the trained
@@ -303,7 +303,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
         with torch.no_grad():
             t_old, _ = ref.shifted_logprobs(tmodel, tb["input_ids"], tb["attention_mask"],
                                             temperature)
-        for key in ("loss_mask", "advantages"):
+        for key in ("loss_mask", "advantages", "episode_mask"):
             tb[key] = torch.from_numpy(np.array(data[key], np.float32))
         tb["old_logp"] = torch.from_numpy(
             np.where(on, t_old.numpy() + delta, 0.0).astype(np.float32))

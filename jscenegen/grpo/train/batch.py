@@ -5,7 +5,9 @@ Every array is aligned with the token sequence (entry t concerns token t). Rows 
 episodes (group by group), padded with all-zero rows to a multiple of the mesh's `fsdp` axis;
 advantages are normalised within each group (its `group_id`); columns are padded
 to a multiple of `col_multiple` (fewer recompilations; the `sp` axis must divide it). Padding
-has attention_mask 0 and loss_mask 0, so it counts in no normaliser. Columns after every row's
+has attention_mask 0, loss_mask 0 and episode_mask 0, so it counts in no normaliser; an
+episode masked for a judge or runtime failure has attention_mask and loss_mask 0 too but
+episode_mask 1 (it is one of the mini-batch's episodes: the sequence modes' G counts it). Columns after every row's
 last trained token are dropped (to that multiple): a causal model's loss never reads them, so
 an update of a role that speaks early in its episodes computes the prefix only.
 """
@@ -21,7 +23,8 @@ from jscenegen.grpo.algo.roles import role_loss_mask
 from jscenegen.grpo.rollout.engine import Trajectory, trajectory_batch
 from jscenegen.sharding.rules import round_up
 
-TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
+TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp",
+              "episode_mask")
 
 
 @dataclasses.dataclass
@@ -29,7 +32,9 @@ class GroupBatch:
     """Host arrays of one update and what the trainer logs about them.
 
     arrays: input_ids int32, attention_mask int32, loss_mask float32, advantages float32
-    (A_b * loss_mask), rollout_logp float32, all [rows, T]; episode_advantages [N] float32;
+    (A_b * loss_mask), rollout_logp float32, all [rows, T], and episode_mask [rows] float32
+    (1 on the N episodes' rows, masked ones included; 0 on padding rows);
+    episode_advantages [N] float32;
     has_signal: some trained token has a non-zero advantage (../shared/specs/grpo.md "effective update").
     """
 
@@ -47,9 +52,11 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     trajectories sharing a `group_id`, all of one size G).
 
     Masked episodes (judge or infrastructure failures) and non-finite rewards get advantage 0,
-    stay out of their group's statistics and are masked out of the loss: their rows become
-    padding rows (no token attended or trained, in no normaliser, no KL or entropy term, no
-    metric), as scene-protocol.md section 5 asks. Policy failures (-1) are ordinary members.
+    stay out of their group's statistics and are masked out of the loss: their rows are
+    zeroed like padding rows (no token attended or trained, in no token count, no KL or entropy
+    term, no metric), as scene-protocol.md section 5 asks, but `episode_mask` keeps 1 on them:
+    they stay episodes of the mini-batch, counted in the global sequence modes' G (VERL divides
+    by ppo_mini_batch_size x n). Policy failures (-1) are ordinary members.
 
     row_multiple / col_multiple: the rows and columns are padded to multiples of these (the
     mesh's fsdp size; the sequence bucket and sp size). eps, norm_by_std: the advantage's
@@ -77,12 +84,15 @@ def build_group_batch(trajectories: Sequence[Trajectory], selected_role: int, *,
     rows_adv = np.zeros(arr["input_ids"].shape[0], np.float32)
     rows_adv[:g] = adv
     advantages = rows_adv[:, None] * mask
+    episode_mask = np.zeros(arr["input_ids"].shape[0], np.float32)
+    episode_mask[:g] = 1.0
     arrays = {"input_ids": arr["input_ids"], "attention_mask": arr["attention_mask"],
               "loss_mask": mask, "advantages": advantages, "rollout_logp": arr["rollout_logp"]}
     if trim:
         trained_cols = np.flatnonzero(mask.any(axis=0))
         needed = round_up(int(trained_cols[-1]) + 1 if trained_cols.size else 1, col_multiple)
         arrays = {key: a[:, :needed] for key, a in arrays.items()}
+    arrays["episode_mask"] = episode_mask
     return GroupBatch(
         arrays=arrays,
         episode_advantages=adv,

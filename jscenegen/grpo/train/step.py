@@ -14,6 +14,9 @@ Batch (dict of [B, T] arrays, entry t about token t, column 0 never trained):
   agrees only to fp32 rounding), ref_logp float32 (needed when use_kl_loss), rollout_logp
   float32 (optional: the sampler's log-probs, for the `logprob_drift` metric = mean
   |rollout_logp - old_logp| over trained tokens). Entries outside loss_mask may be NaN.
+  Plus episode_mask [B] float32: 1 on a row that is an episode of the mini-batch (one masked
+  for a judge or runtime failure included, though it attends and trains nothing), 0 on a row
+  added to pad the mesh.
 
 Only the trained tokens' logits are made when the caller passes `capacity` (static, from the
 host loss mask: `selection_capacity`): the loss, its metrics and the old/reference log-probs
@@ -21,12 +24,13 @@ concern those tokens only (the log-probs of the others come back 0).
 
 Micro-batches are contiguous row blocks of `ppo_micro_batch_size` rows, run in one jit by
 `lax.scan` (one micro-batch: no loop), gradients summed. loss_scale global (VERL 0.9 engine): every micro-batch divides by
-the token count (token-mean) or episode count (sequence modes) of the whole batch, both fixed
-before the loop; the episode count is the number of rows with any attention, so all-padding
-rows (added to fill the mesh) count in no normaliser. loss_scale legacy (VERL 0.4-0.8
-dp_actor): each micro-batch is normalised by its own counts and weighted 1/k, k the
-micro-batches holding any attended row (a micro-batch of padding rows only is not one of
-VERL's).
+the token count (token-mean) or episode count G (sequence modes) of the whole batch, both fixed
+before the loop; G = sum(episode_mask): every episode, rows without trained tokens and masked
+episodes included (VERL's ppo_mini_batch_size x n), the rows added to fill the mesh in no
+normaliser. loss_scale legacy (VERL 0.4-0.8 dp_actor): each micro-batch is normalised by its
+own counts (sequence modes: its rows with a trained token, VERL 0.7-0.8) and weighted 1/k, k
+the micro-batches holding an episode (VERL's gradient accumulation count: its micro-batches
+hold every row, a masked one too; a micro-batch of padding rows only is not one of VERL's).
 """
 from __future__ import annotations
 
@@ -107,7 +111,7 @@ class GRPOStep:
 
     def _grads(self, params, batch: dict, capacity=None):
         cfg = self.loss_cfg
-        for key in ("input_ids", "attention_mask", "loss_mask", "advantages"):
+        for key in ("input_ids", "attention_mask", "loss_mask", "advantages", "episode_mask"):
             if key not in batch:
                 raise ValueError(f"GRPO batch has no {key!r}")
         if cfg.use_kl_loss and "ref_logp" not in batch:
@@ -116,10 +120,10 @@ class GRPOStep:
         legacy = cfg.loss_scale == "legacy"
         mask = batch["loss_mask"].astype(jnp.float32)
         n_tok = jnp.sum(mask)
-        attended = jnp.any(batch["attention_mask"] != 0, axis=-1)            # [B]
-        n_seq = jnp.sum(attended.astype(jnp.float32))
+        episode = batch["episode_mask"].astype(jnp.float32)                  # [B]
+        n_seq = jnp.sum(episode)        # masked episodes included, padding rows not (VERL 0.9)
         # legacy's 1/k: the micro-batches holding an episode (all-padding ones are not VERL's)
-        k_real = jnp.maximum(jnp.sum(jnp.any(attended.reshape(k, -1), axis=1)), 1)
+        k_real = jnp.maximum(jnp.sum(jnp.any(episode.reshape(k, -1) != 0, axis=1)), 1)
 
         def micro_loss(params, mb):
             logp, ent = self._micro_logprobs(params, mb["input_ids"], mb["attention_mask"],
