@@ -142,6 +142,36 @@ def test_legacy_counts_a_micro_batch_of_masked_episodes_in_k():
     assert _rel(legacy4, jax.tree.map(lambda *g: sum(g) / 4, *parts)) <= 1e-6   # not / 3
 
 
+def test_bf16_gradients_are_accumulated_in_fp32():
+    """64 micro-batches of a bf16 parameter, each gradient 1 +- 0.01: the sum is the float32 sum
+    of the micro-batches' (bf16) gradients, returned as float32 (a bf16 accumulator stopped
+    at 64 exactly: every contribution below 2^-8 of the running sum rounded away)."""
+    from jscenegen.grpo.algo.accumulate import accumulate_grads
+
+    x = 1.0 + 1e-2 * np.random.default_rng(0).normal(size=(64, 1, 4)).astype(np.float32)
+
+    def loss(p, mb):
+        return jnp.sum(p["w"].astype(jnp.float32) * mb[0]), ()
+
+    grads, _, _ = accumulate_grads(loss, {"w": jnp.ones(4, jnp.bfloat16)}, jnp.asarray(x), ())
+    want = np.zeros(4, np.float32)
+    for g in np.asarray(jnp.asarray(x[:, 0]).astype(jnp.bfloat16), np.float32):
+        want += g                                           # fp32 running sum, as the scan
+    assert grads["w"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(grads["w"]), want, rtol=1e-6)
+    assert np.abs(want - 64).max() > 0.05                   # what bf16 accumulation lost
+
+
+@pytest.mark.parametrize("micro", [None, 2])
+def test_a_bf16_models_step_gradient_is_fp32(micro):
+    """GRPOStep (and SFT, the same accumulate_grads) hands the optimizer float32 gradients
+    for bf16 parameters, one micro-batch or several."""
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params(10))
+    grads, loss, _, _ = steps(LossConfig(ppo_micro_batch_size=micro)).grads(params, make_batch(10))
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    assert np.isfinite(float(loss)) and float(jnp.max(jnp.abs(grads["w"]))) > 1e-4
+
+
 def _leaves_equal(a, b):
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -20,8 +20,9 @@ class ModelConfig(Section):
     reference_path: str | None = Field(None, description="frozen reference model for the KL "
                                        "term (default: the initial policy weights)")
     param_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype the trained parameters are held in (the AdamW moments and "
-        "the update are float32 either way; bf16 keeps no fp32 master copy, so steps below "
+        "float32", description="dtype the trained parameters are held in (the micro-batch "
+        "gradient sum, the AdamW moments and the update are float32 either way; bf16 keeps no "
+        "fp32 master copy, so steps below "
         "half a bf16 spacing round away); weights are cast to it on loading whatever the file stores (carried "
         "tensors keep their stored dtype); the reference model is loaded in it too")
     compute_dtype: Literal["float32", "bfloat16"] = Field(

@@ -2,7 +2,9 @@
 
 A batch of B rows is cut into k contiguous blocks of B / k rows (`split_micro`), a `lax.scan`
 runs `value_and_grad` on each and sums the gradients and losses, so the compiled program holds
-one micro-batch's activations. The loss of a micro-batch must already carry its share of the
+one micro-batch's activations. The gradients are summed in float32 whatever the parameters'
+dtype (bf16 accumulators rounded away every micro-batch's contribution below 2^-8 of the sum;
+MaxText and VERL's FSDP reduce in fp32), and returned in float32, which the optimizer takes. The loss of a micro-batch must already carry its share of the
 batch normaliser (VERL's global token/sequence counts, fixed before the loop): then the sum is
 the gradient of the whole batch's objective, exactly.
 """
@@ -57,19 +59,22 @@ def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]], param
 
     loss_fn(params, micro_batch) -> (loss [] float32, aux pytree); micro: a `split_micro`
     batch; aux_init: the auxiliaries' starting value; aux_combine(total, new): how they
-    accumulate (default: sum). Returns (grads like params, summed loss, combined aux).
+    accumulate (default: sum). Returns (grads: float32 arrays of params' shapes (and
+    shardings), each the float32 sum of the micro-batches' gradients; summed loss; combined aux).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
     if jax.tree.leaves(micro)[0].shape[0] == 1:
         # one micro-batch: no zero-filled accumulators, no loop (the same numbers: 0 + g = g)
         (value, new_aux), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-        return grads, value, aux_combine(aux_init, new_aux)
+        return f32(grads), value, aux_combine(aux_init, new_aux)
 
     def body(carry, mb):
         grads, loss, aux = carry
         (value, new_aux), g = grad_fn(params, mb)
-        return (jax.tree.map(jnp.add, grads, g), loss + value, aux_combine(aux, new_aux)), None
+        return (jax.tree.map(jnp.add, grads, f32(g)), loss + value, aux_combine(aux, new_aux)), None
 
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), aux_init)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
+    init = (zeros, jnp.zeros((), jnp.float32), aux_init)
     (grads, loss, aux), _ = jax.lax.scan(body, init, micro)
     return grads, loss, aux

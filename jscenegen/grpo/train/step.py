@@ -23,7 +23,7 @@ host loss mask: `selection_capacity`): the loss, its metrics and the old/referen
 concern those tokens only (the log-probs of the others come back 0).
 
 Micro-batches are contiguous row blocks of `ppo_micro_batch_size` rows, run in one jit by
-`lax.scan` (one micro-batch: no loop), gradients summed. loss_scale global (VERL 0.9 engine): every micro-batch divides by
+`lax.scan` (one micro-batch: no loop), gradients summed in float32 (bf16 parameters too). loss_scale global (VERL 0.9 engine): every micro-batch divides by
 the token count (token-mean) or episode count G (sequence modes) of the whole batch, both fixed
 before the loop; G = sum(episode_mask): every episode, rows without trained tokens and masked
 episodes included (VERL's ppo_mini_batch_size x n), the rows added to fill the mesh in no
@@ -66,7 +66,7 @@ class GRPOStep:
     micro-batched like the loss pass; with `select` (the loss mask) and a static `capacity`,
     only the selected entries (others 0).
     `grads(params, batch, capacity=None) -> (grads, loss, pg_loss, sums)`: the accumulated
-    gradient of the objective and masked metric sums, without an update.
+    float32 gradient of the objective and masked metric sums, without an update.
     `step(state, batch, capacity=None) -> (state, metrics)`: one update (`capacity`: logits
     of the trained tokens only, see the module docstring); metrics are float32 scalars named
     loss, pg_loss, clipfrac, clipfrac_lower, approx_kl, ratio_max, entropy, kl,
