@@ -83,7 +83,9 @@ class OptimConfig(Section):
                        "the second moment (torch.optim.AdamW eps)")
     weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay: each step scales "
                                 "every parameter by 1 - lr x weight_decay (torch.optim.AdamW; "
-                                "no parameter is exempt, as in VERL)")
+                                "no parameter is exempt, as in VERL); in float32 that factor is "
+                                "exactly 1 while lr x weight_decay < 2^-25 (~3e-8), so at lr "
+                                "1e-6 a decay of 0.01 changes nothing, in torch too")
     grad_clip: float | None = Field(1.0, description="max global grad norm; null or <= 0: no clip")
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="LR multiplier after the warmup (VERL's lr_scheduler_type, "
