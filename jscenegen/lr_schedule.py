@@ -1,9 +1,11 @@
 """VERL's LR multiplier as torch's LambdaLR computes it: Python floats (double precision).
 
 `jscenegen.grpo.algo.optimizer.lr_multiplier` is the same formula in float32 for the jitted
-train step; this one is what a torch run holds (the torch reference of parity checks, and the
-`lr` / `_last_lr` a checkpoint converted to VERL resumes at, which torch's
-`LambdaLR.load_state_dict` does not recompute).
+train step; this one is what a torch run holds (the `lr` / `_last_lr` a checkpoint converted to
+VERL resumes at, which torch's `LambdaLR.load_state_dict` does not recompute). The torch
+reference of the tests and parity checks does not use it: it takes transformers' schedulers
+(`parity.torch_reference.make_torch_optimizer`), and tests/test_grpo_optimizer.py holds both
+formulas to them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""optax torch-AdamW + clip + schedules against torch.optim.AdamW, clip_grad_norm_, LambdaLR."""
+"""optax torch-AdamW + clip + schedules against torch.optim.AdamW, clip_grad_norm_ and
+transformers' LR schedules (VERL's formulas)."""
 import functools
 import re
 
@@ -193,16 +194,47 @@ def test_a_donated_update_copies_no_parameter_or_moment():
 
 @pytest.mark.parametrize("cfg", [
     OptimConfig(lr=1e-6, warmup_steps=3),
+    OptimConfig(lr=1e-6),
     OptimConfig(lr=1e-5, lr_schedule="cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1),
     OptimConfig(lr=1e-5, lr_schedule="cosine", total_steps=7),
+    OptimConfig(lr=1e-5, lr_schedule="cosine", warmup_steps=1, total_steps=9, min_lr_ratio=0.2,
+                num_cycles=1.0),
 ])
-def test_schedule_equals_torch_lambdalr(cfg):
+def test_schedule_equals_transformers_schedulers(cfg):
+    """jscenegen's LR (the jitted float32 `lr_at` and the double `lr_schedule.lr_lambda` a
+    converted checkpoint resumes at) at each scheduler count equals the LR that transformers'
+    `get_constant_schedule_with_warmup` / `get_cosine_with_min_lr_schedule_with_warmup`
+    (VERL's formulas: the torch reference builds its LambdaLR from them, not from ours)
+    give torch.optim.AdamW, read before each optimizer step."""
+    from jscenegen.lr_schedule import lr_lambda
+
     p = torch.nn.Parameter(torch.zeros(1))
     opt, sched = ref.make_torch_optimizer([p], cfg)
-    for s in range(12):
-        assert float(lr_at(cfg, s)) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-6 * cfg.lr)
+    assert sched.lr_lambdas[0].func.__module__.startswith("transformers.")   # not our lambda
+    for s in range(14):
+        want = opt.param_groups[0]["lr"]
+        assert float(lr_at(cfg, s)) == pytest.approx(want, abs=1e-6 * cfg.lr), s
+        assert cfg.lr * lr_lambda(cfg, s) == pytest.approx(want, rel=1e-12, abs=1e-20), s
         opt.step()
         sched.step()
+
+
+def test_cosine_schedule_values_of_verls_formula():
+    """VERL's get_cosine_schedule_with_warmup (warmup 2, total 10, min_lr_ratio 0.1) worked by
+    hand: warmup from 0, half a cosine down to the floor, past the total back up."""
+    cfg = OptimConfig(lr=1.0, lr_schedule="cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    want = {0: 0.0, 1: 0.5, 2: 1.0, 4: 0.55 + 0.45 * np.cos(np.pi / 4), 6: 0.55, 10: 0.1,
+            11: 0.55 + 0.45 * np.cos(1.125 * np.pi)}
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt, sched = ref.make_torch_optimizer([p], cfg)
+    got = {}
+    for s in range(12):
+        got[s] = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+    for s, value in want.items():
+        assert got[s] == pytest.approx(value, abs=1e-12), s
+        assert float(lr_at(cfg, s)) == pytest.approx(value, abs=1e-6), s
 
 
 def test_canonical_roundtrip_and_resume_from_torch_state():

@@ -3,7 +3,8 @@
 The torch side is transformers' torch model on the same HF directory (Qwen2/Qwen3; Qwen3.5 as
 Qwen3_5ForConditionalGeneration or Qwen3_5ForCausalLM, text only; fp32, eager attention, VERL's
 position ids for left padding), the spec formulas of
-`torch_reference` and torch.optim.AdamW + clip_grad_norm_ + LambdaLR. The batch is fixed
+`torch_reference` and torch.optim.AdamW + clip_grad_norm_ + transformers' LR schedule
+(`torch_reference.make_torch_optimizer`). The batch is fixed
 and synthetic: 2 groups of 4 episodes with random rewards (one policy failure, -1), left
 padding, environment text and two policy roles (Planner and Designer turns); the update
 trains one role. Old log-probs are each side's own recompute plus one shared perturbation

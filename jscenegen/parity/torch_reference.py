@@ -163,18 +163,31 @@ def actor_loss(logp, entropy, old_logp, adv, mask, ref_logp, cfg, *, batch_num_t
 
 
 def make_torch_optimizer(params, optim_cfg):
-    """torch.optim.AdamW (one param group, decay on everything) + LambdaLR, as VERL builds them."""
-    from jscenegen.lr_schedule import lr_lambda
+    """torch.optim.AdamW (one param group, decay on everything) + a LambdaLR, as VERL builds them.
+
+    The schedule comes from transformers, not from jscenegen's formula: `constant` is
+    `get_constant_schedule_with_warmup` (VERL's function of that name is the same code);
+    `cosine` is `get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=min_lr_ratio)`, which
+    equals VERL's `get_cosine_schedule_with_warmup` (init_lr_ratio None: warmup from 0):
+    (1 + cos)/2 (1 - m) + m there, max(m, cos (1 - m)/2 + (1 + m)/2) in VERL, the same value
+    (the floor never binds) up to double rounding. Returns (optimizer, scheduler).
+    """
+    import transformers
 
     torch = _torch()
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
                             eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(optim_cfg, s))
+    if optim_cfg.lr_schedule == "constant":
+        sched = transformers.get_constant_schedule_with_warmup(opt, optim_cfg.warmup_steps)
+    else:
+        sched = transformers.get_cosine_with_min_lr_schedule_with_warmup(
+            opt, optim_cfg.warmup_steps, optim_cfg.total_steps,
+            num_cycles=optim_cfg.num_cycles, min_lr_rate=optim_cfg.min_lr_ratio)
     return opt, sched
 
 
 def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_batches=1,
-              optimizer=None, scheduler=None, return_grads=False):
+              optimizer=None, scheduler=None, return_grads=False, episodes=None):
     """One GRPO update of a transformers model, VERL style.
 
     The parameters with `requires_grad` are trained (a frozen vision tower is not: no

@@ -8,7 +8,8 @@ group's rewards). Old log-probs are each side's own recompute with its current p
 plus one shared perturbation N(0, 0.3) on the trained tokens (as `parity grpo-step`, so the
 clip bounds are reached). jscenegen runs `GRPOStep.step` with its state carried across
 updates; torch runs `torch_reference.grpo_step` (transformers model, spec formulas,
-torch.optim.AdamW + LambdaLR) with one optimizer kept across updates.
+torch.optim.AdamW + transformers' LR schedule, `make_torch_optimizer`) with one optimizer
+kept across updates.
 
 Recorded trajectories: a JSONL file, one trajectory a line:
   {"group": int, "member": int, "tokens": [int], "roles": [int 0-3], "policy_mask": [0/1],
