@@ -253,7 +253,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     with torch.no_grad():
         t_old, _ = ref.shifted_logprobs(tmodel, tb["input_ids"], tb["attention_mask"], temperature)
     t_old = t_old.numpy()
-    for key in ("loss_mask", "advantages", "episode_mask"):
+    for key in ("loss_mask", "advantages"):
         tb[key] = torch.from_numpy(data[key])
     tb["old_logp"] = torch.from_numpy(np.where(on, t_old + data["old_delta"], 0.0).astype(np.float32))
     if loss_cfg.use_kl_loss:
@@ -261,7 +261,7 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
             np.where(on, t_old + data["ref_delta"], 0.0).astype(np.float32))
     t_metrics, t_grads, _, _ = ref.grpo_step(
         tmodel, tb, loss_cfg, optim_cfg, temperature=temperature,
-        num_micro_batches=k, return_grads=compare_grads)
+        num_micro_batches=k, return_grads=compare_grads, episodes=rows - pad_rows)
     t_new = {n: p.detach().numpy() for n, p in tmodel.named_parameters() if p.requires_grad}
 
     missing = sorted(set(t_new) ^ set(jax_new))

@@ -198,13 +198,14 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     None, optimizer, scheduler).
 
     batch: dict of torch tensors input_ids/attention_mask/loss_mask/advantages/old_logp
-    [B, T] (ref_logp when use_kl_loss) and episode_mask [B] (1 on an episode's row, masked
-    episodes included; 0 on a padding row). Micro-batches are contiguous row blocks; with
-    loss_scale global each micro loss uses the whole batch's token count and episode count
-    (VERL 0.9.1 engine: global_batch_size = the mini-batch's episodes) and the losses are
-    summed; legacy divides each by its own counts and by k, the micro-batches holding an
-    episode (VERL's gradient accumulation count; an all-padding one adds 0 and counts in no
-    normaliser).
+    [B, T] (ref_logp when use_kl_loss). `episodes`: how many of the B rows are the
+    mini-batch's episodes (VERL's ppo_mini_batch_size x n, masked ones included: what the
+    caller declared, not read from the arrays), the rows after them padding; None: all B.
+    Micro-batches are contiguous row blocks; with loss_scale global each micro loss uses the
+    whole batch's token count and global_batch_size = episodes (VERL 0.9.1 engine) and the
+    losses are summed; legacy divides each by its own counts and by k, the micro-batches
+    holding an episode (VERL's gradient accumulation count; an all-padding one adds 0 and
+    counts in no normaliser).
     """
     torch = _torch()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen: no state
@@ -213,16 +214,14 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
         optimizer, scheduler = make_torch_optimizer(params, optim_cfg)
     mask = batch["loss_mask"].float()
     n_tok = float(mask.sum())
-    episode = batch["episode_mask"]
-    n_seq = float((episode != 0).sum())
     b = mask.shape[0]
+    n_seq = float(b if episodes is None else episodes)
     rows = b // num_micro_batches
     optimizer.zero_grad()
     total = 0.0
     legacy = loss_cfg.loss_scale == "legacy"
     # legacy's 1/k: micro-batches holding an episode (padding rows count in no normaliser)
-    k_real = sum(bool(episode[i * rows:(i + 1) * rows].any())
-                 for i in range(num_micro_batches))
+    k_real = sum(i * rows < n_seq for i in range(num_micro_batches))
     for i in range(num_micro_batches):
         sl = slice(i * rows, (i + 1) * rows)
         logp, ent = shifted_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],

@@ -304,7 +304,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
         with torch.no_grad():
             t_old, _ = ref.shifted_logprobs(tmodel, tb["input_ids"], tb["attention_mask"],
                                             temperature)
-        for key in ("loss_mask", "advantages", "episode_mask"):
+        for key in ("loss_mask", "advantages"):
             tb[key] = torch.from_numpy(np.array(data[key], np.float32))
         tb["old_logp"] = torch.from_numpy(
             np.where(on, t_old.numpy() + delta, 0.0).astype(np.float32))
@@ -314,7 +314,7 @@ def train_parity(model_dir: str | Path, trajectories: Sequence[Trajectory], *, u
             tmodel, tb, loss_cfg, optim_cfg, temperature=temperature,
             num_micro_batches=num_micro_batches(len(group), loss_cfg.ppo_micro_batch_size,
                                                 "ppo_micro_batch_size"),
-            optimizer=optimizer, scheduler=scheduler)
+            optimizer=optimizer, scheduler=scheduler, episodes=len(group))
 
         jax_p = _by_name(names, state.params)
         t_p = {n: p.detach().numpy() for n, p in tmodel.named_parameters() if p.requires_grad}
