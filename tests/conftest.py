@@ -1,4 +1,5 @@
-"""Test session set-up: six forced CPU devices (a real 3 x 2 mesh) and a persistent compile cache.
+"""Test session set-up: six forced CPU devices (a real 3 x 2 mesh) and a persistent compile cache
+(shared by the pytest-xdist workers of `-n 2`).
 
 The device count must be set before JAX's backend starts, so this runs at conftest import.
 """
@@ -22,6 +23,9 @@ _CACHE = os.environ.get(
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# A size bound turns on the cache's file lock (JAX writes entries in place, unlocked without
+# one), so the two pytest-xdist workers never read an entry the other is still writing.
+jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 
 
 # Property tests draw the same examples on every run (a failure reproduces, CI never flakes).
