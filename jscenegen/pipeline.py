@@ -105,52 +105,67 @@ def check_warm_start_inputs(cfg):
     micro-batches and the row budget), so a run is refused before any model is made.
     Returns (the SFT config, its mesh), (None, None) without an SFT. Raises ConfigError, or
     the checks' ValueError (MeshError), beginning `warm_start (sft_config FILE, sft_overrides):`."""
+    from jscenegen.config import ConfigError
     from jscenegen.sft.run import check_sft_inputs
+    from jscenegen.sharding.mesh import MeshError
 
     sft_cfg = warm_start_sft_config(cfg)
     if sft_cfg is None:
         return None, None
     try:
         return sft_cfg, check_sft_inputs(sft_cfg, cfg.sampling.chat_template_path)
-    except ValueError as e:   # MeshError, ConfigError included: the same type, its origin named
-        raise type(e)(f"{_warm_start_origin(cfg)}: {e}") from None
+    except ValueError as e:   # MeshError, ConfigError included: its origin named
+        cls = type(e) if type(e) in (ValueError, ConfigError, MeshError) else ValueError
+        raise cls(f"{_warm_start_origin(cfg)}: {e}") from None
 
 
-# the package's sources whose code decides the warm start's weights besides its config: the
-# expert's play, the demonstrations' tokens and loss mask (their chat segments and stop strings),
-# the SFT objective and loop; their content enters the warm start's cache key
-WARM_START_SOURCES = ("scene/expert.py", "sft/demos.py", "sft/step.py", "sft/run.py",
-                      "generate/stop.py", "model/tokenizer/chat.py")
+# settings that change no weight: what the warm start logs, and where a standalone SFT writes
+KEYLESS_SFT_FIELDS = {"log_every", "out_dir"}
+
+
+def package_source_digest(root: Path) -> str:
+    """Hex SHA-256 over every `*.py` file under `root` (its relative POSIX path and bytes, in
+    sorted order): a change to any of the package's code, whichever module it touches (the
+    expert, the demonstrations' tokens, the optimizer, the model), changes it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def warm_start_key(cfg, sft_cfg, base: Path) -> str:
-    """The warm start's cache key (hex SHA-256): what decides its weights beyond numerics. The
-    SFT config (the mesh aside: fsdp and sp change only the order of the sums, as padding
-    rows and columns carry no loss and micro-batches sum to the batch's gradient; the
-    base's path aside: its content counts), the prompts, the catalogue's content (as the
+    """The warm start's cache key (hex SHA-256): what decides its weights. The SFT config (the
+    mesh aside: fsdp and sp change only the order of the sums, as padding rows and columns
+    carry no loss and micro-batches sum to the batch's gradient; the base's path aside: its
+    content counts; `KEYLESS_SFT_FIELDS` aside), the prompts, the catalogue's content (as the
     protocol hash reads it: a whitespace edit changes nothing), the chat template, the base
-    model's files (`sampled_file_digest` of each: its tokenizer, config and weights), the
-    sources of `WARM_START_SOURCES`, and the measuring and grading rules the demonstrations'
-    environment messages come from (`RULES_REVISION`)."""
+    model's files (each hashed whole: its tokenizer, config and weights), the package's code
+    (`package_source_digest`: an upgrade that changes any module trains it again), and the
+    measuring and grading rules the demonstrations' environment messages come from
+    (`RULES_REVISION`)."""
     import hashlib
 
-    import jscenegen
-    from jscenegen.checkpoint.checksums import list_files, sampled_file_digest
+    from jscenegen.checkpoint.checksums import file_sha256, list_files
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.prompts import load_templates
     from jscenegen.scene.protocol import RULES_REVISION
 
-    package = Path(jscenegen.__file__).parent
     template = cfg.sampling.chat_template_path
-    settings = sft_cfg.model_dump(mode="json", exclude={"mesh": True, "model": {"path"}})
+    settings = sft_cfg.model_dump(mode="json", exclude={"mesh": True, "model": {"path"},
+                                                        "sft": KEYLESS_SFT_FIELDS})
     return hashlib.sha256(json.dumps([
         settings,
         load_templates(sft_cfg.scene.prompts_dir).digest(),
         load_catalogue(sft_cfg.scene.catalogue_path).raw,
         Path(template).read_text(encoding="utf-8") if template else None,
-        {name: sampled_file_digest(base / name) for name in list_files(base, exclude=())},
-        {name: hashlib.sha256((package / name).read_bytes()).hexdigest()
-         for name in WARM_START_SOURCES},
+        {name: file_sha256(base / name) for name in list_files(base, exclude=())},
+        package_source_digest(PACKAGE_DIR),
         RULES_REVISION], sort_keys=True).encode()).hexdigest()
 
 

@@ -382,23 +382,31 @@ def fixture_dir(name: str) -> Path:
 
     The cache key hashes this file, tests/qwen35_fixtures.py and the torch and transformers
     versions, so a changed recipe rebuilds. Built
-    in a fresh interpreter (`python tests/fsdp_fixtures.py build`), staged and renamed.
+    in a fresh interpreter (`python tests/fsdp_fixtures.py build`), staged and renamed, under
+    a file lock beside it.
     """
     import shutil
+
+    from filelock import FileLock
 
     arch, world_size, placement = FIXTURES[name]
     out = _cache_root() / name
     if (out / "reference" / "meta.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    try:
-        run_script(["build", str(tmp), "--arch", arch, "--world-size", str(world_size),
-                    "--placement", placement])
-        if not out.exists():
+    # one builder at a time (the pytest-xdist workers, concurrent sessions); the others wait
+    # and take its directory
+    with FileLock(str(out.parent / f".{name}.lock"), timeout=1200):
+        if (out / "reference" / "meta.json").is_file():
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+        try:
+            run_script(["build", str(tmp), "--arch", arch, "--world-size", str(world_size),
+                        "--placement", placement])
+            shutil.rmtree(out, ignore_errors=True)    # an earlier build cut short
             os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

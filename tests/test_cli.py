@@ -986,7 +986,8 @@ def test_a_resume_of_a_start_killed_in_the_warm_start_names_the_command_that_res
     assert main(["train", "--resume", str(run)]) == 2
     assert one_error_line(capsys) == (
         f"error: --resume {run}: nothing to resume; the run was stopped before it wrote its run "
-        f"files (during the SFT warm start: {run} holds only run.lock); start it again: "
+        f"files (while it made or loaded its model, in its SFT warm start, say: {run} holds "
+        f"only run.lock); start it again: "
         f"jscenegen train --run-dir {run} [--config FILE] [its key=value overrides]")
     (run / "checkpoints").mkdir()   # what a start may also leave: the same
     assert main(["train", "--resume", str(run)]) == 2

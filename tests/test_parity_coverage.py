@@ -21,15 +21,21 @@ def test_constant_tensors_are_found_in_arrays_and_torch_tensors():
 def test_the_verl_default_decay_rounds_away_in_fp32_and_a_larger_one_does_not():
     """lr 1e-6 x weight_decay 0.01 moves no fp32 weight (a run without the decay gave the same
     parameters); the README's lr 1e-4 x 0.1 does."""
+    import torch
+
     assert not weight_decay_visible(1e-6, 0.01)
     assert weight_decay_visible(1e-4, 0.1)
+    # between 2^-25 and 2^-24 torch's fp32 factor is 1 - 2^-24: some weights move (1.5 does)
+    for x in (2.0**-25, 1.5 * 2.0**-25, 2.0**-24):
+        moved = not torch.equal(torch.tensor([1.5]).mul_(1 - x), torch.tensor([1.5]))
+        assert weight_decay_visible(x, 1.0) == moved == (x > 2.0**-25), x
     p = np.float32([0.02, 1.0, 3.0])
     assert np.array_equal(p - np.float32(1e-6 * 0.01) * p, p)
     assert not np.array_equal(p - np.float32(1e-4 * 0.1) * p, p)
     warnings = coverage_warnings({"constant_tensors": ["a.norm", "b", "c", "d"],
                                   "weight_decay_visible": False})
     assert warnings[0].startswith("4 tensor(s) hold one value each (a.norm, b, c, ...)")
-    assert "--randomise-constant" in warnings[0] and "2^-24" in warnings[1]
+    assert "--randomise-constant" in warnings[0] and "2^-25" in warnings[1]
     assert coverage_warnings({"constant_tensors": [], "weight_decay_visible": True}) == []
 
 
@@ -88,4 +94,4 @@ def test_parity_grpo_step_says_whether_the_decay_is_visible(tiny_hf, capsys, opt
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])
     assert result["weight_decay_visible"] is visible and result["constant_tensors"] == []
-    assert ("2^-24" in captured.err) == (not visible)
+    assert ("2^-25" in captured.err) == (not visible)

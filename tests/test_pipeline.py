@@ -521,11 +521,14 @@ def test_the_warm_start_cache_key_holds_the_scene_rules_revision(monkeypatch, st
     assert default_model_dir(cfg, {}) != first
 
 
-def test_the_warm_start_cache_key_holds_the_base_model_and_the_sources_deciding_it(
-        monkeypatch, stubbed_warm_start):
-    """The base was reused by its path alone, and the code that makes the demonstrations'
-    tokens and loss mask and the objective was not in the key: an upgrade (a new tokenizer
-    corpus, a fix to the masking) reused a warm start made by the old code and base."""
+def test_the_warm_start_cache_key_holds_the_base_model_and_the_packages_code(
+        monkeypatch, tmp_path, stubbed_warm_start):
+    """The base was reused by its path alone, and the code that makes the demonstrations and
+    the objective was not in the key: an upgrade (a new tokenizer corpus, a fix to the masking,
+    fp32 gradient sums) reused a warm start made by the old code and base. A same-size edit of
+    the base's tokenizer counts too (a sampled digest missed it); the logging interval does not."""
+    import shutil
+
     import jscenegen
     import jscenegen.pipeline as pipeline
     from jscenegen.pipeline import default_model_dir
@@ -536,15 +539,20 @@ def test_the_warm_start_cache_key_holds_the_base_model_and_the_sources_deciding_
     (base / "tokenizer.json").write_text('{"model": "old"}')   # a base made by another corpus
     second = default_model_dir(cfg, {})
     assert second != first and default_model_dir(cfg, {}) == second
-    (base / "tokenizer.json").write_text('{"model": "new"}')
-    assert default_model_dir(cfg, {}) not in (first, second)
-    package = Path(jscenegen.__file__).parent
-    assert {"sft/demos.py", "sft/step.py", "sft/run.py", "generate/stop.py",
-            "model/tokenizer/chat.py", "scene/expert.py"} == set(pipeline.WARM_START_SOURCES)
-    assert all((package / name).is_file() for name in pipeline.WARM_START_SOURCES)
-    before = default_model_dir(cfg, {})
-    monkeypatch.setattr(pipeline, "WARM_START_SOURCES", pipeline.WARM_START_SOURCES[:-1])
-    assert default_model_dir(cfg, {}) != before   # the sources' content is in the key
+    (base / "tokenizer.json").write_text('{"model": "wen"}')   # the same size, two bytes swapped
+    third = default_model_dir(cfg, {})
+    assert third not in (first, second)
+    package = shutil.copytree(Path(jscenegen.__file__).parent, tmp_path / "package",
+                              ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(pipeline, "PACKAGE_DIR", package)
+    assert default_model_dir(cfg, {}) == third                  # the same code: the same key
+    accumulate = package / "grpo" / "algo" / "accumulate.py"
+    accumulate.write_text(accumulate.read_text() + "\n")
+    fourth = default_model_dir(cfg, {})
+    assert fourth != third
+    logged = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                         ["warm_start.sft_overrides=[sft.log_every=1]"], RunConfig)
+    assert default_model_dir(logged, {}) == fourth
 
 
 def test_a_model_another_run_published_meanwhile_is_used(tmp_path, monkeypatch, caplog,

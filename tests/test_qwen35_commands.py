@@ -103,6 +103,26 @@ def test_parity_logits_fp32_on_left_padded_batches(qwen35_hf, kind, capsys):
     assert out["max_abs_diff"] <= 1e-4 and out["top1_agreement"] == 1.0
 
 
+def test_parity_logits_over_three_chunks_with_strong_decays(qwen35_hf, capsys, tmp_path):
+    """150 positions (chunks of 64, 64 and 22: the state crosses two chunk boundaries) with A
+    drawn as transformers initialises it (exp(A_log) ~ U(0.01, 16), decays far stronger than
+    the fixture's), against Qwen3_5ForCausalLM: max |diff| <= 1e-4 on real tokens."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(qwen35_hf["qwen3_5_text"], tmp_path / "strong")
+    tensors = load_file(str(d / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith("A_log")]:
+        tensors[name] = torch.log(torch.empty(tensors[name].shape).uniform_(0.01, 16, generator=gen))
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    rc, out = _parity(capsys, d, "--seq", "150")
+    assert rc == 0 and out["ok"] and out["max_abs_diff"] <= 1e-4, out
+    assert out["top1_agreement"] == 1.0
+
+
 def test_parity_logits_bf16_on_the_released_storage(qwen35_hf, capsys):
     """The release layout (bf16 with fp32 A_log and gated norm, index naming
     model.safetensors-00001-of-00001.safetensors): mean KL <= 1e-3 in bf16."""

@@ -132,10 +132,11 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     record = read_run_record(run_dir)
     left = {p.name for p in run_dir.iterdir()}
     if record is None and LOCK_NAME in left and left <= RUN_OWNED and not finished_saves(checkpoints):
-        # a start killed (SIGKILL: no handler ran) before it wrote run.json: in the warm start
+        # a start killed (SIGKILL: no handler ran) before it wrote run.json
         raise FileNotFoundError(f"--resume {args.resume}: nothing to resume; the run was stopped "
-                                f"before it wrote its run files (during the SFT warm start: "
-                                f"{run_dir} holds only {', '.join(sorted(left))}); start it "
+                                f"before it wrote its run files (while it made or loaded its "
+                                f"model, in its SFT warm start, say: {run_dir} holds only "
+                                f"{', '.join(sorted(left))}); start it "
                                 f"again: jscenegen train --run-dir {run_dir} [--config FILE] "
                                 "[its key=value overrides]")
     afresh = record is not None and not finished_saves(checkpoints)

@@ -2,21 +2,23 @@
 
 A tensor whose elements are all one value (transformers' and `init-model`'s norms of ones,
 zero biases) hides an error in the formula that reads it: a missing bias or norm weight
-changes nothing. AdamW's decoupled decay moves a weight by lr x weight_decay x |p|, which
-rounds away in fp32 when lr x weight_decay < 2^-24 (VERL's lr 1e-6 with weight_decay 0.01):
-such a step cannot show an error in the decay. Parity results name both, and the command warns.
+changes nothing. torch.optim.AdamW's decoupled decay multiplies each weight by 1 - lr x
+weight_decay, a factor rounded to fp32 that is exactly 1 when lr x weight_decay <= 2^-25 (VERL's
+lr 1e-6 with weight_decay 0.01): such a step cannot show an error in the decay. Parity results
+name both, and the command warns.
 """
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["coverage_warnings", "weight_decay_visible"]
 
-FP32_HALF_SPACING = 2.0**-24   # half the relative spacing of float32: a smaller relative step rounds away
-
-
 def weight_decay_visible(lr: float, weight_decay: float) -> bool:
-    """Whether one AdamW step's decay (lr x weight_decay x |p|, torch.optim.AdamW's decoupled
-    form) can change an fp32 weight: lr x weight_decay >= 2^-24."""
-    return lr * weight_decay >= FP32_HALF_SPACING
+    """Whether one AdamW step's decay can change an fp32 weight: whether the factor
+    1 - lr x weight_decay (torch.optim.AdamW's decoupled form, `param.mul_(1 - lr * wd)`, the
+    factor computed in double and applied in fp32) differs from 1 in fp32, that is
+    lr x weight_decay > 2^-25."""
+    return bool(np.float32(1.0 - lr * weight_decay) != np.float32(1.0))
 
 
 def coverage_warnings(result: dict) -> list[str]:
@@ -30,7 +32,7 @@ def coverage_warnings(result: dict) -> list[str]:
                    "them would not show; compare weights that vary (jscenegen init-model "
                    "--randomise-constant)")
     if result.get("weight_decay_visible") is False:
-        out.append("lr x weight_decay < 2^-24: the decay changes no fp32 weight in one step, so "
+        out.append("lr x weight_decay <= 2^-25: the decay changes no fp32 weight in one step, so "
                    "this run cannot see an error in it (--optim lr=1e-4 weight_decay=0.1 eps=1e-3 "
                    "makes it visible within the tolerances)")
     return out
