@@ -103,7 +103,43 @@ EXACT = {
          obj("nightstand_1", "nightstand", 0.5, 2.5, 0.45, 0.4, 0.55)],
         [("plant", 1), ("rug", 1)], 0,
         (10, 10, 10, 2, 10, 0, 4), 46 / 70),
+    # 4 x 3 m. A 1.2 x 0.6 x 2.0 m wardrobe at (1.0, 2.69) facing the top wall (y 2.39..2.99, its
+    # front 0.01 m from the wall): a front facing a wall, and unreachable (only the ring beyond
+    # the front line counts, and it lies off the floor). A rug beside it (thin: no block, no
+    # count). The only counted object is unreachable: ratio 0.
+    # realism 10 (in range, 0.01 m from the wall); functionality 10 - 3 (its front faces a wall
+    # and is blocked: one front-used object) = 7 -> cap 3 (a storage front facing a wall);
+    # layout 10; completeness wardrobe of 4 groups -> round(2.5), no bed -> cap 2;
+    # prompt_following 1/1 -> 10; reachability 0 (cap 2); pp 10. mean 45/7: R = 0.642857.
+    "wardrobe_facing_a_wall": (
+        dict(),
+        [obj("rug_1", "rug", 1.0, 2.4, 1.6, 1.2, 0.01),
+         obj("wardrobe_1", "wardrobe", 1.0, 2.69, 1.2, 0.6, 2.0)],
+        [("wardrobe", 1)], 0,
+        (10, 3, 10, 2, 10, 0, 10), 45 / 70),
+    # The same wardrobe mounted `on` the rug (elevation 0.01): it stands on the floor in effect
+    # (rules revision 6), so it grades exactly as on the floor. Before the fix its front escaped
+    # both front checks (functionality 10, R 0.742857: a rug under a wardrobe was worth +0.1).
+    "wardrobe_on_a_rug_facing_a_wall": (
+        dict(),
+        [obj("rug_1", "rug", 1.0, 2.4, 1.6, 1.2, 0.01),
+         obj("wardrobe_1", "wardrobe", 1.0, 2.69, 1.2, 0.6, 2.0, mount="on", elevation=0.01,
+             parent="rug_1")],
+        [("wardrobe", 1)], 0,
+        (10, 3, 10, 2, 10, 0, 10), 45 / 70),
 }
+
+
+def test_a_wardrobe_on_a_rug_is_measured_as_on_the_floor():
+    """The front checks read reach_inputs.stands_on_floor, as reachability does: a wardrobe
+    facing a wall is listed on the floor and on a rug alike (rules revision 6)."""
+    from jscenegen.scene.metrics import measure
+
+    for name in ("wardrobe_facing_a_wall", "wardrobe_on_a_rug_facing_a_wall"):
+        m = measure(scene(EXACT[name][1], **EXACT[name][0]))
+        assert m["front_to_wall_objects"] == ["wardrobe_1"], name
+        assert m["storage_front_to_wall_objects"] == ["wardrobe_1"], name
+        assert m["unreachable_objects"] == ["wardrobe_1"], name
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))

@@ -68,10 +68,11 @@ def requested_share(scene: Scene, requested, catalogue: Catalogue) -> float:
 def rule_grades(scene: Scene, requested, metrics: dict, catalogue: Catalogue) -> dict[str, int]:
     """All seven grades (GRADE_KEYS) of a scene, caps applied."""
     m = metrics
+    # blocked fronts: unreachable_objects holds only objects that count for reach, so stand on
+    # the floor in effect (reach_inputs.stands_on_floor: a wardrobe on a rug too, rules revision 6)
     front_bad = {
         o.id for o in scene.objects
-        if (c := catalogue.get(o.category)) and c.front_used and o.mount == "floor"
-        and o.id in m["unreachable_objects"]
+        if (c := catalogue.get(o.category)) and c.front_used and o.id in m["unreachable_objects"]
     } | set(m["front_to_wall_objects"])
     expected = catalogue.expected(scene.room.type)
     cats = {o.category for o in scene.objects}

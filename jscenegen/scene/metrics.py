@@ -28,6 +28,7 @@ from .reach_inputs import (
     check_room_bounds,
     encode_scene,
     is_thin,
+    stands_on_floor,
 )
 from .reachability import reach_numpy
 from .schema import MAX_SCENE_OBJECTS, Scene, id_sort_key
@@ -131,7 +132,7 @@ def measure(
     door_clear, window_warn = _opening_checks(scene, by_id, feet, catalogue, cfg)
     reach, res = _reach_block(scene, rcfg, catalogue, blockers)
     door_blocked = bool(reach["door_walk_blocked"] or door_clear)
-    placement = _catalogue_checks(room, by_id, feet, floor, catalogue, cfg)
+    placement = _catalogue_checks(scene, by_id, feet, floor, catalogue, cfg)
     unsupported = _unsupported(scene, by_id, feet)
 
     required = catalogue.required(room.type)
@@ -201,10 +202,11 @@ def _opening_checks(scene, by_id, feet, catalogue, cfg) -> tuple[list, list]:
     return door_clear, window_warn
 
 
-def _catalogue_checks(room, by_id, feet, floor, catalogue, cfg) -> dict[str, list]:
-    """What the catalogue says of each object: front_to_wall_objects (a used front with a wall
-    closer in front of its centre than 2 x agent_radius_m: no room for the agent to stand
-    there), storage_front_to_wall_objects (those the catalogue calls storage), storage_off_wall_objects (storage more than `wall_gap_m`
+def _catalogue_checks(scene, by_id, feet, floor, catalogue, cfg) -> dict[str, list]:
+    """What the catalogue says of each object: front_to_wall_objects (an object standing on the
+    floor in effect, reach_inputs.stands_on_floor: a wardrobe on a rug too since rules revision
+    6, with a used front and a wall closer in front of its centre than 2 x agent_radius_m: no
+    room for the agent to stand there), storage_front_to_wall_objects (those the catalogue calls storage), storage_off_wall_objects (storage more than `wall_gap_m`
     from every wall), size_out_of_range_objects, chairs_not_at_desk (no desk-like object within
     `chair_desk_m` in front, at most 60 degrees off), unknown_categories (ids)."""
     front_wall, storage_front_wall, storage_off, bad_size, unknown, chairs_bad = [], [], [], [], [], []
@@ -218,9 +220,9 @@ def _catalogue_checks(room, by_id, feet, floor, catalogue, cfg) -> dict[str, lis
         if not cat.size_ok(o.size):
             bad_size.append(o.id)
         f = front_direction(o.yaw)
-        if cat.front_used and o.mount == "floor":
+        if cat.front_used and stands_on_floor(o, scene, catalogue, cfg):   # a wardrobe on a rug too
             p = np.asarray(o.position) + f * (o.size[1] / 2 + probe)
-            if not point_on_polygon(p[0], p[1], room.floor_polygon):   # a wall line is floor
+            if not point_on_polygon(p[0], p[1], scene.room.floor_polygon):   # a wall line is floor
                 front_wall.append(o.id)
                 if cat.storage:
                     storage_front_wall.append(o.id)

@@ -131,6 +131,17 @@ def is_floor_object(obj: SceneObject, scene: Scene) -> bool:
     return (chain[-1] if chain else obj).mount == "floor"
 
 
+def stands_on_floor(obj: SceneObject, scene: Scene, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
+    """Stands on the floor in effect (rules revision 6): mount `floor`, or `on` a chain of thin
+    coverings that ends on the floor (a wardrobe or a plant on a rug). A lamp on a nightstand
+    does not (it stands on the nightstand), nor does anything on a wall or ceiling mount. The one
+    rule for "floor object" in what must be reached (`counts_for_reach`) and in the front checks
+    (metrics' front_to_wall_objects, judge_rule's blocked fronts)."""
+    chain = support_chain(obj, scene)
+    return (chain[-1] if chain else obj).mount == "floor" and all(
+        is_thin(p, catalogue, cfg) for p in chain)
+
+
 def blocks_door(obj: SceneObject, scene: Scene, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
     """Counts against a door's clearance box ("must be free of floor objects", scene-protocol.md
     section 4): a floor object (`is_floor_object`) that blocks walking. A shelf hung on the wall
@@ -139,11 +150,12 @@ def blocks_door(obj: SceneObject, scene: Scene, catalogue: Catalogue, cfg: Metri
 
 
 def counts_for_reach(obj: SceneObject, scene: Scene, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
-    """Must be reachable ("only blocking floor objects count"): a floor object that blocks walking
-    and stands on nothing that blocks (on the floor, or on thin coverings only). A lamp on a
-    nightstand is reached through the nightstand; a plant on a rug counts as on the floor."""
-    return blocks_door(obj, scene, catalogue, cfg) and not any(
-        blocks_walking(p, catalogue, cfg) for p in support_chain(obj, scene))
+    """Must be reachable ("only blocking floor objects count"): an object that blocks walking and
+    stands on the floor in effect (`stands_on_floor`: on the floor, or on thin coverings only).
+    A lamp on a nightstand is reached through the nightstand; a plant on a rug counts as on the
+    floor. (A parent that is not thin and stands on the floor through thin coverings has its
+    bottom below block_height_m, so it blocks: this is "stands on nothing that blocks".)"""
+    return blocks_walking(obj, catalogue, cfg) and stands_on_floor(obj, scene, catalogue, cfg)
 
 
 def quantised_centre(obj: SceneObject) -> np.ndarray:
