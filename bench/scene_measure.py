@@ -60,12 +60,15 @@ def scene_json(kind: str, n: int, seed: int) -> dict:
 
 def blockers_from(inp, res, rows, n_doors: int) -> list[str]:
     """The blocker rule of metrics._reach_block over per-object results rows[k] (k left out)."""
+    from jscenegen.scene.blockers import left_out
+
     counted = [i for i in range(len(inp.object_ids)) if inp.counted[i]]
+    group = left_out(inp)
     found = []
     for k in range(len(inp.object_ids)):
         if not inp.blocking[k]:
             continue
-        others = [i for i in counted if i != k]
+        others = [i for i in counted if not group[k, i]]
         regions, reach, doors = rows(k)
         if (regions < res.num_regions or reach[others].sum() > res.object_reachable[others].sum()
                 or doors[:n_doors].sum() > res.door_start_free[:n_doors].sum()):
@@ -74,14 +77,17 @@ def blockers_from(inp, res, rows, n_doors: int) -> list[str]:
 
 
 def old_pass(inp, spec):
-    """The per-object path this replaced: the reference once per blocking object, left out."""
+    """The per-object path this replaced: the reference once per blocking object, left out
+    with what stands on it (blockers.left_out)."""
+    from jscenegen.scene.blockers import left_out
     from jscenegen.scene.reachability import reach_numpy
 
     out = {}
+    group = left_out(inp)
     for k in range(len(inp.object_ids)):
         if inp.blocking[k]:
             blocking, counted = inp.blocking.copy(), inp.counted.copy()
-            blocking[k] = counted[k] = False
+            blocking[group[k]] = counted[group[k]] = False
             out[k] = reach_numpy(dataclasses.replace(inp, blocking=blocking, counted=counted), spec)
     return out
 

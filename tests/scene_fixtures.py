@@ -133,6 +133,46 @@ def crowded_scene(n: int, seed: int, w: float = 6.0, d: float = 5.0) -> Scene:
     return scene_from_json(data)
 
 
+def nightstand_gap(lamp: bool) -> Scene:
+    """4 x 3 m: a 3.4 m wardrobe wall across the room at y 1.2..1.8 and a nightstand plugging
+    the 0.6 m gap beside it, optionally with a table lamp on it (review 2026-12-07, finding 5):
+    the far side is cut off until both the wardrobe wall and the nightstand, lamp and all, go."""
+    objs = [obj("wardrobe_1", "wardrobe", 1.7, 1.5, 3.4, 0.6, 2.0),
+            obj("nightstand_1", "nightstand", 3.7, 1.5, 0.45, 0.4, 0.55)]
+    if lamp:
+        objs.append(obj("table_lamp_1", "table_lamp", 3.7, 1.5, 0.3, 0.3, 0.45, mount="on",
+                        elevation=0.55, parent="nightstand_1"))
+    return scene(objs)
+
+
+def stacked_scene(seed: int, n: int = 8, w: float = 4.0, d: float = 3.0) -> Scene:
+    """n random floor objects (nightstands, desks, rugs) and up to two levels of children `on`
+    them: offset from and often wider than their parent (overhanging), so a left-out group's
+    cells are covered by one member, by several, or by the parent and a child of another tree."""
+    rng = np.random.default_rng(seed)
+    objs, tops = [], []
+    for k in range(n):
+        cat = str(rng.choice(["nightstand", "desk", "rug"]))
+        h = 0.01 if cat == "rug" else round(rng.uniform(0.4, 0.8), 2)
+        o = obj(f"p_{k}", cat, round(rng.uniform(0.3, w - 0.3), 2), round(rng.uniform(0.3, d - 0.3), 2),
+                round(rng.uniform(0.3, 1.0), 2), round(rng.uniform(0.3, 1.0), 2), h,
+                yaw=float(rng.choice([0, 90, 180, 270])))
+        objs.append(o)
+        tops.append(o)
+    for level in range(2):
+        new = []
+        for p in tops:
+            if rng.random() < 0.6:
+                c = obj(f"{p['id']}_c{level}", "table_lamp", round(p["position"][0] + rng.uniform(-0.1, 0.1), 2),
+                        round(p["position"][1] + rng.uniform(-0.1, 0.1), 2), round(rng.uniform(0.2, 1.2), 2),
+                        round(rng.uniform(0.2, 1.2), 2), round(rng.uniform(0.2, 0.6), 2), mount="on",
+                        elevation=round(p["elevation"] + p["size"][2], 2), parent=p["id"])
+                objs.append(c)
+                new.append(c)
+        tops = new
+    return scene(objs)
+
+
 KNOWN = {
     "empty": empty_room,
     "wardrobe_door": wardrobe_across_door,

@@ -11,18 +11,41 @@ from jscenegen.scene.metrics import measure
 from jscenegen.scene.reach_inputs import GridSpec, encode_scene
 from jscenegen.scene.reachability import _components, reach_numpy
 
-from scene_fixtures import N_RANDOM_OBJECTS, crowded_scene, enclosure, random_scene, thin_mirror
+from scene_fixtures import (
+    N_RANDOM_OBJECTS,
+    crowded_scene,
+    enclosure,
+    nightstand_gap,
+    random_scene,
+    stacked_scene,
+    thin_mirror,
+)
 
 CFG = MetricsConfig(grid_size=96)
 FIELDS = ("free_cells", "reached_cells", "num_regions", "largest_region_cells")
 
 
+def descendants(inp, k):
+    """k and the slots standing on it, directly or not, found by walking up from each slot."""
+    out = {k}
+    for i in range(len(inp.parent)):
+        at, seen = int(inp.parent[i]), {i}
+        while at >= 0 and at not in seen:
+            if at == k:
+                out.add(i)
+            seen.add(at)
+            at = int(inp.parent[at])
+    return sorted(out)
+
+
 def per_object_reference(inp, spec):
-    """What the blocker search ran before: the reference once per object, that object left out."""
+    """What the blocker search ran before: the reference once per object, that object left out
+    with everything standing on it (rules revision 6: a lamp on a nightstand blocks too)."""
     out = []
     for k in range(len(inp.counted)):
         blocking, counted = inp.blocking.copy(), inp.counted.copy()
-        blocking[k] = counted[k] = False
+        gone = descendants(inp, k)
+        blocking[gone] = counted[gone] = False
         out.append(reach_numpy(dataclasses.replace(inp, blocking=blocking, counted=counted), spec))
     return out
 
@@ -34,7 +57,8 @@ def compared():
     cat = load_catalogue()
     cases = [(random_scene(s), CFG, N_RANDOM_OBJECTS) for s in range(14)]
     cases += [(enclosure(), CFG, 5), (crowded_scene(20, seed=3), MetricsConfig(), 20),
-              (thin_mirror(2.0, 0.25), CFG, 2)]
+              (thin_mirror(2.0, 0.25), CFG, 2), (nightstand_gap(True), CFG, 4)]
+    cases += [(stacked_scene(s), CFG, 32) for s in range(8)]   # children on parents, two levels
     out = []
     for s, cfg, slots in cases:
         spec = GridSpec.from_config(cfg)
@@ -65,6 +89,36 @@ def test_the_compared_scenes_cover_every_kind_of_change(compared):
             others = base.object_reachable.sum() - base.object_reachable[k]
             seen["reaches_more"] += int(r.object_reachable.sum() > others)
     assert all(v >= 2 for k, v in seen.items() if k != "adds_region") and seen["adds_region"] >= 1, seen
+
+
+@pytest.mark.parametrize("lamp", [False, True])
+def test_a_parent_is_left_out_with_what_stands_on_it(lamp):
+    """Since rules revision 6 a lamp on a nightstand blocks too: removing the nightstand alone
+    freed nothing, so neither was a blocker (['wardrobe_1'] with the lamp). Leaving out the
+    nightstand leaves out its lamp, as moving or removing it in the scene would."""
+    m = measure(nightstand_gap(lamp), blockers=True)
+    assert m["num_regions"] == 2 and not m["reachable"]
+    assert m["blockers"] == ["nightstand_1", "wardrobe_1"]
+    cat = load_catalogue()
+    inp = encode_scene(nightstand_gap(lamp), CFG, cat, 4)
+    spec = GridSpec.from_config(CFG)
+    fast, base = leave_one_out(inp, spec), reach_numpy(inp, spec)
+    assert fast.num_regions[1] == 1 < base.num_regions   # without the nightstand (and its lamp)
+    if lamp:
+        assert fast.num_regions[2] == base.num_regions   # without the lamp alone: still cut off
+
+
+def test_stacked_scenes_join_regions_through_a_group(compared):
+    """The stacked scenes are worth comparing: somewhere a parent left out with its children
+    changes reachability while the parent's own cells were covered by a child too."""
+    changed = 0
+    for inp, base, _, ref in compared:
+        for k in np.nonzero(inp.blocking)[0]:
+            kids = [i for i in range(len(inp.parent)) if inp.parent[i] == k and inp.blocking[i]]
+            if kids and (ref[k].num_regions != base.num_regions
+                         or ref[k].reached_cells != base.reached_cells):
+                changed += 1
+    assert changed >= 3, changed
 
 
 def test_enclosure_blockers():

@@ -16,8 +16,17 @@ gets the same answers from one rasterisation (0.08 s at 128 objects, bench/scene
   ring as the reference's) touches reached_k exactly when it touches a reached free component or
   a reached component of U_k, so per object we keep which components its ring touches.
 
-`tests/test_scene_blockers.py` checks every field against the reference with the object's
-`blocking` and `counted` flags cleared (what leaving it out means) on random and crowded scenes.
+Leaving out object k leaves out what stands on it too (`left_out`: k and its descendants by
+`ReachInputs.parent`; rules revision 6, where a lamp on a nightstand blocks: without it, removing
+the nightstand freed nothing and neither was a blocker). So U_k is the cells every blocking
+object covering which is in k's group: each covered cell has one owner, the deepest object whose
+group holds every blocking object covering the cell (the one coverer where cover == 1; cells
+covered from two support trees have none), and U_k is the cells whose owner is in k's group.
+Adjacent U components of different owners of one group are joined by an edge as well.
+
+`tests/test_scene_blockers.py` checks every field against the reference with the `blocking` and
+`counted` flags of k's group cleared (what leaving it out means) on random and crowded scenes
+and on stacked children.
 """
 from __future__ import annotations
 
@@ -34,8 +43,9 @@ class LeaveOneOut:
     """Reachability with object k left out, row k (N = padded object slots, D = door slots).
 
     free_cells, reached_cells, num_regions, largest_region_cells [N] int64; door_start_free
-    [N, D] bool; object_reachable [N, N] bool (row k: k itself False). Rows of objects that do
-    not block walking, and of padding slots, equal the whole scene's result. Fields mean what
+    [N, D] bool; object_reachable [N, N] bool (row k: k and what stands on it False). Rows
+    of objects whose group (`left_out`) holds nothing that blocks walking, and of padding
+    slots, equal the whole scene's result. Fields mean what
     the same-named fields of reachability.ReachResult mean.
     """
 
@@ -100,6 +110,17 @@ def _adjacent_pairs(lu: np.ndarray, lf: np.ndarray, n_free: int) -> tuple[np.nda
     return code // n_free, code % n_free
 
 
+def _joined_pairs(lu: np.ndarray, n_u: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct (U component, U component) pairs, a < b, of 4-neighbouring cells."""
+    pairs = []
+    for a, b in ((lu[:, :-1], lu[:, 1:]), (lu[:-1, :], lu[1:, :])):
+        both = (a >= 0) & (b >= 0) & (a != b)
+        lo, hi = np.minimum(a[both], b[both]), np.maximum(a[both], b[both])
+        pairs.append(lo * n_u + hi)
+    code = np.unique(np.concatenate(pairs))
+    return code // n_u, code % n_u
+
+
 class _Groups:
     """Union-find over a handful of nodes (free components 'f', U components 'u')."""
 
@@ -119,11 +140,27 @@ class _Groups:
             self.parent[ry] = rx
 
 
+def left_out(inp: ReachInputs) -> np.ndarray:
+    """[N, N] bool: row k holds k and every object standing on it, directly or through others
+    (`ReachInputs.parent`): what leaving k out removes, as moving or removing it in the scene
+    takes its children along. Padding rows hold only themselves."""
+    n = len(inp.counted)
+    group = np.eye(n, dtype=bool)
+    for i in range(n):
+        seen = {i}
+        at = int(inp.parent[i])
+        while at >= 0 and at not in seen:   # a cycle (an unvalidated scene) ends the walk
+            group[at, i] = True
+            seen.add(at)
+            at = int(inp.parent[at])
+    return group
+
+
 def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
     """Reachability of `inp` with each object left out in turn (see the module docstring).
 
-    Equal, field by field, to reach_numpy on `inp` with object k's `blocking` and `counted`
-    flags cleared, for every k. Cost: one rasterisation (O(N x window x disk)), two labellings of
+    Equal, field by field, to reach_numpy on `inp` with the `blocking` and `counted` flags of
+    k and of everything standing on it (`left_out(inp)[k]`) cleared, for every k. Cost: one rasterisation (O(N x window x disk)), two labellings of
     the grid and O(N x (N + components)) bookkeeping.
     """
     nx, ny, cell = inp.nx, inp.ny, spec.cell_mm
@@ -132,11 +169,13 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
     floor = floor_mask(inp.poly, nx, ny, cell)
     eroded = ~dilate(~floor, r_rows, outside=True)
 
+    group = left_out(inp)
     # cover count and, where it is 1, the owner (sum of owners over a single cover = the owner)
     cover = np.zeros((ny, nx), np.int32)
     owner_sum = np.zeros((ny, nx), np.int64)
     feet = [footprint_mask(inp.corners[k], inp.centres[k], nx, ny, cell) for k in range(n_real)]
     r_margin = spec.radius_mm // cell + 1
+    grown_at = {}
     for k in range(n_real):
         if not inp.blocking[k]:
             continue
@@ -144,18 +183,32 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
         if win is None:
             continue
         grown = dilate(feet[k][win], r_rows)
+        grown_at[k] = (win, grown)
         cover[win] += grown
         owner_sum[win] += grown * k
+    owner = np.where(cover == 1, owner_sum, -1)
+    # cells covered by several objects of one group: the deepest object whose group holds them all
+    depth = group[:n_real, :n_real].sum(axis=0)
+    for a in sorted(range(n_real), key=lambda a: depth[a]):
+        members = [j for j in np.nonzero(group[a])[0] if j in grown_at]
+        if len(members) < 2:
+            continue
+        count = np.zeros((ny, nx), np.int32)
+        for j in members:
+            win, grown = grown_at[j]
+            count[win] += grown
+        owner[(cover >= 2) & (count == cover)] = a
     free = eroded & (cover == 0)
-    opened = eroded & (cover == 1)
+    opened = eroded & (owner >= 0)
     lf, n_free = label_components(free.astype(np.int8))
-    lu, n_u = label_components(np.where(opened, owner_sum + 1, 0))
+    lu, n_u = label_components(np.where(opened, owner + 1, 0))
     f_size = np.bincount(lf[lf >= 0], minlength=n_free)
     u_size = np.bincount(lu[lu >= 0], minlength=n_u)
     u_owner = np.full(n_u, -1, np.int64)
-    u_owner[lu[opened]] = owner_sum[opened]
+    u_owner[lu[opened]] = owner[opened]
     pair_u, pair_f = _adjacent_pairs(lu, lf, max(n_free, 1))
     pair_owner = u_owner[pair_u]
+    uu_a, uu_b = _joined_pairs(lu, max(n_u, 1))   # U components of different owners, adjacent
 
     # which free / U components each counted object's access ring touches (the reference's ring)
     ring_f = np.zeros((n_slots, n_free), bool)
@@ -178,14 +231,19 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
     f_large = f_size > min_cells
 
     def one(k: int | None):
-        """(free, reached, regions, largest, door_free [D], reached_f [C], reached_u [M]) without k."""
-        us = np.nonzero(u_owner == k)[0] if k is not None else np.zeros(0, np.int64)
+        """(free, reached, regions, largest, door_free [D], reached_f [C], reached_u [M]) without
+        k and what stands on it."""
+        gone = group[k] if k is not None else np.zeros(n_slots, bool)
+        us = np.nonzero(gone[u_owner])[0]
         groups = _Groups()
         for u in us:
             groups.find(("u", int(u)))
-        mine = pair_owner == k if k is not None else np.zeros(len(pair_u), bool)
+        mine = gone[pair_owner]
         for u, f in zip(pair_u[mine], pair_f[mine]):
             groups.union(("u", int(u)), ("f", int(f)))
+        both = gone[u_owner[uu_a]] & gone[u_owner[uu_b]]
+        for a, b in zip(uu_a[both], uu_b[both]):
+            groups.union(("u", int(a)), ("u", int(b)))
         size: dict = {}
         for node in list(groups.parent):
             root = groups.find(node)
@@ -201,7 +259,7 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
             for iy, ix in cells:
                 if free[iy, ix]:
                     node = ("f", int(lf[iy, ix]))
-                elif k is not None and opened[iy, ix] and owner_sum[iy, ix] == k:
+                elif opened[iy, ix] and gone[owner[iy, ix]]:
                     node = ("u", int(lu[iy, ix]))
                 else:
                     continue
@@ -220,14 +278,13 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
         return free_cells, reached, regions, largest, door_free, reached_f, reached_u
 
     base = one(None)
-    rows = [base if (k >= n_real or not inp.blocking[k]) else one(k) for k in range(n_slots)]
+    rows = [base if (k >= n_real or not (group[k] & inp.blocking).any()) else one(k) for k in range(n_slots)]
     reached_f = np.array([r[5] for r in rows], bool).reshape(n_slots, n_free)
     reached_u = np.array([r[6] for r in rows], bool).reshape(n_slots, n_u)
     # object i reachable without k: its ring touches a reached free or opened component
     object_reachable = (ring_f.astype(np.int32) @ reached_f.T.astype(np.int32) > 0)
     object_reachable |= ring_u.astype(np.int32) @ reached_u.T.astype(np.int32) > 0
-    object_reachable = object_reachable.T & inp.counted[None, :]
-    np.fill_diagonal(object_reachable, False)  # a left-out object is not counted
+    object_reachable = object_reachable.T & inp.counted[None, :] & ~group  # left out: not counted
     return LeaveOneOut(
         free_cells=np.array([r[0] for r in rows], np.int64),
         reached_cells=np.array([r[1] for r in rows], np.int64),

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .blockers import leave_one_out
+from .blockers import leave_one_out, left_out
 from .catalogue import Catalogue, load_catalogue
 from .config import SceneRuntimeConfig
 from .geometry import (
@@ -70,12 +70,13 @@ def _reach_block(scene: Scene, rcfg: SceneRuntimeConfig, catalogue: Catalogue, b
         "door_walk_blocked": [d for d in range(n_doors) if not res.door_start_free[d]],
     }
     if blockers and (unreachable or res.num_regions > 1 or out["door_walk_blocked"]):
-        alt = leave_one_out(inp, spec)
+        alt = leave_one_out(inp, spec)   # k left out with what stands on it (a lamp on a nightstand)
+        group = left_out(inp)
         found = []
         for k in range(len(inp.object_ids)):
             if not inp.blocking[k]:
                 continue
-            others = [i for i in counted if i != k]
+            others = [i for i in counted if not group[k, i]]
             if (
                 alt.num_regions[k] < res.num_regions
                 or alt.object_reachable[k, others].sum() > res.object_reachable[others].sum()

@@ -30,7 +30,8 @@ bottom is below block_height_m (scene-protocol.md section 4), and a floor object
 rug blocks a door's clearance box and must be reachable, and has its front checked (front to
 a wall, blocked front), as on the floor (`on` objects blocked nothing: a plant on a rug could
 stand in the door's box; a wardrobe on a rug facing a wall escaped the functionality cap), all
-through reach_inputs.stands_on_floor; `prompt_following` gives each object
+through reach_inputs.stands_on_floor; the `blockers` hint leaves an object out with what stands
+on it (a nightstand without its lamp freed nothing, so neither was listed); `prompt_following` gives each object
 to one requested item only (a queen bed was counted for both `bed` and `queen_bed`). 5: `replace_object` with none of category, description or size is an error
 (it was a charged no-op). 4: an object mounted `on` another keeps its centre on its parent's top
 through moves, rotations, snaps, resizes and replaces (only add_object checked it: a lamp could

@@ -76,6 +76,8 @@ class ReachInputs:
     the corners' centre), blocking/counted/front_only [N] bool,
     starts [D, 4, 2] int32 (ix, iy) with start_valid [D, 4] bool, door_valid [D] bool.
     nx, ny: the room's own grid extent in cells; object_ids: ids of the first len(ids) slots.
+    parent [N] int32: the slot of the object an `on` object stands on, -1 for none (padding, other
+    mounts, an unknown id); the blocker search leaves an object out with what stands on it.
     """
 
     poly: np.ndarray
@@ -90,6 +92,7 @@ class ReachInputs:
     nx: int
     ny: int
     object_ids: tuple[str, ...]
+    parent: np.ndarray
 
 
 def is_thin(obj: SceneObject, catalogue: Catalogue, cfg: MetricsConfig) -> bool:
@@ -249,6 +252,11 @@ def encode_scene(
         counted[k] = counts_for_reach(obj, scene, catalogue, cfg)
         cat = catalogue.get(obj.category)
         front_only[k] = bool(cat and cat.front_used)
+    slot = {o.id: k for k, o in enumerate(scene.objects)}
+    parent = np.full(n, -1, np.int32)
+    for k, obj in enumerate(scene.objects):
+        if obj.mount == "on" and obj.parent in slot and obj.parent != obj.id:
+            parent[k] = slot[obj.parent]
     v = cfg.max_polygon_vertices
     poly_p = np.concatenate([poly, np.repeat(poly[-1:], v - len(poly), axis=0)])
     starts = np.zeros((max_doors, 4, 2), np.int64)
@@ -278,4 +286,5 @@ def encode_scene(
         nx=nx,
         ny=ny,
         object_ids=tuple(o.id for o in scene.objects),
+        parent=parent,
     )
