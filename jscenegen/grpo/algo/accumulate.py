@@ -4,9 +4,10 @@ A batch of B rows is cut into k contiguous blocks of B / k rows (`split_micro`),
 runs `value_and_grad` on each and sums the gradients and losses, so the compiled program holds
 one micro-batch's activations. The gradients are summed in float32 whatever the parameters'
 dtype (bf16 accumulators rounded away every micro-batch's contribution below 2^-8 of the sum;
-MaxText and VERL's FSDP reduce in fp32), and returned in float32, which the optimizer takes. The loss of a micro-batch must already carry its share of the
-batch normaliser (VERL's global token/sequence counts, fixed before the loop): then the sum is
-the gradient of the whole batch's objective, exactly.
+MaxText and VERL's FSDP reduce in fp32), and returned in float32, which the optimizer takes.
+The loss of a micro-batch must already carry its share of the batch normaliser (VERL's
+global token/sequence counts, fixed before the loop): then the sum is the gradient of the
+whole batch's objective, exactly.
 """
 from __future__ import annotations
 
@@ -63,7 +64,10 @@ def accumulate_grads(loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]], param
     shardings), each the float32 sum of the micro-batches' gradients; summed loss; combined aux).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+
+    def f32(tree):
+        return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+
     if jax.tree.leaves(micro)[0].shape[0] == 1:
         # one micro-batch: no zero-filled accumulators, no loop (the same numbers: 0 + g = g)
         (value, new_aux), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
