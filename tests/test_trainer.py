@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -704,12 +705,17 @@ def test_the_trainers_sum_norm_horizon_is_constant_unless_configured():
     assert constant_horizon(_cfg()).horizon is None      # token-mean: no horizon
 
 
+@pytest.mark.parametrize("layout", ["auto", "fsdp"])
 def test_a_non_finite_gradient_is_no_effective_update_and_its_role_waits(tmp_path, monkeypatch,
-                                                                        caplog):
+                                                                        caplog, layout):
     """The second attempt's advantages are NaN in trained positions: the step is skipped
-    (parameters and Adam state kept), so it is not an effective update, the role schedule does
-    not move on, and nothing is resharded."""
+    (parameters and Adam state kept), so it is not an effective update and the role schedule
+    does not move on. The sampler is given the step's output all the same: the step donated
+    its input, and under `rollout.layout=fsdp` (fp32 weights and compute: no cast) the sampler
+    reads the training arrays themselves, so without it attempt 3 decoded deleted buffers
+    (XLA's "Buffer has been deleted or donated", then SIGSEGV)."""
     import jscenegen.grpo.train.trainer as trainer_module
+    from jscenegen.grpo.rollout.engine import RolloutEngine
 
     calls = []
     real = trainer_module.shard_batch
@@ -721,14 +727,30 @@ def test_a_non_finite_gradient_is_no_effective_update_and_its_role_waits(tmp_pat
                                                       arrays["advantages"]).astype(np.float32))
         return real(arrays, mesh)
 
+    deleted = []
+    real_run_groups = RolloutEngine.run_groups
+
+    def run_groups(self, *args, **kwargs):   # a clean failure where decoding would crash
+        deleted.append(sum(a.is_deleted() for a in jax.tree.leaves(self.sampler.state)))
+        assert deleted[-1] == 0, f"rollout {len(deleted)}: the sampler holds deleted arrays"
+        return real_run_groups(self, *args, **kwargs)
+
     monkeypatch.setattr(trainer_module, "shard_batch", poisoned)
-    _, summary = _run(tmp_path, max_updates=3, **{"checkpoint.save_every": 10})
+    monkeypatch.setattr(RolloutEngine, "run_groups", run_groups)
+    _, summary = _run(tmp_path, max_updates=3,
+                      **{"checkpoint.save_every": 10, "rollout.layout": layout})
+    assert deleted == [0, 0, 0]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/skipped"] for r in rows] == [0, 1, 0]
     assert [r["stepped"] for r in rows] == [True, False, True]
     assert [r["effective_updates"] for r in rows] == [1, 1, 2]
     assert [r["role"] for r in rows] == ["planner", "planner", "planner"]   # PPC: P, (P), P
-    assert "rollout/reshard_s" not in rows[1] and "rollout/reshard_s" in rows[2]
+    assert [r["masked_rate"] for r in rows] == [0.0, 0.0, 0.0]   # attempt 3 rolled out whole
+    # a reshard after every step, the skipped one's too: the whole fp32 weights on each of the
+    # six devices (replicated), or nothing under fsdp (the training arrays, no copy)
+    n_params = sum(int(np.prod(s)) for s in param_shapes(QwenConfig.from_dir(chat_model_dir())).values())
+    per_step = {"auto": 6 * 4 * n_params, "fsdp": 0}[layout]
+    assert [r["rollout/reshard_bytes"] for r in rows] == [per_step] * 3
     assert summary.effective_updates == 2
     ck = _final(tmp_path)
     assert int(ck.adam["count"]) == 2 and ck.train_state["skipped_steps"] == 1

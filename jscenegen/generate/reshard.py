@@ -13,7 +13,9 @@ result in the parameter's rollout sharding (`rules.rollout_param_spec`: whole, c
 vocabulary-split), so XLA emits one all-gather (or a slice of one) per parameter. The training
 arrays are inputs only: nothing of them is kept or donated. Under the `fsdp` layout the training
 arrays themselves are used (cast where a cast parameter's dtype differs from the rollout dtype):
-no copy, no reshard. Variables that are not `nnx.Param`
+no copy, no reshard; with no cast at all (`Reshard.identity`) the sampler then holds the training
+arrays, so a caller that donates them (the GRPO train step, a skipped one too) gives the sampler
+the new ones before it decodes again (`Sampler.set_weights`). Variables that are not `nnx.Param`
 (Qwen3.5's carried vision tower and MTP head, never computed with) pass through as they are.
 
 Memory during a reshard: the training arrays (unchanged), the new rollout weights (their

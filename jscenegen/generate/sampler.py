@@ -403,7 +403,9 @@ class Sampler:
         weights: a model of the sampler's structure or its `nnx.Param` state (the training
         parameters; `functional.split_params`): the parameters decoding reads are taken from
         it (`decode_params`). The structure is checked first; then the previous rollout
-        weights are released and the new ones made. Returns {"reshard_s", "reshard_bytes"}.
+        weights are released and the new ones made. Under `fsdp` without a cast the rollout
+        weights are `weights`' arrays themselves: after they are donated (a train step), call
+        this again with the step's output. Returns {"reshard_s", "reshard_bytes"}.
         Raises ValueError when the structure differs from the sampler's model (the sampler
         keeps its weights).
         """

@@ -223,8 +223,10 @@ class RolloutEngine:
         self.grows = cfg.cache_tokens is None and self.sampler.can_grow
 
     def set_weights(self, weights) -> dict:
-        """Roll out with new weights (a model or its parameter state; call after each optimizer
-        step): one reshard into the rollout layout. Returns {"reshard_s", "reshard_bytes"}."""
+        """Roll out with new weights (a model or its parameter state; call after each train
+        step, a skipped one too, since the step donates the arrays the `fsdp` layout may read):
+        one reshard into the rollout layout (`Sampler.set_weights`). Returns {"reshard_s",
+        "reshard_bytes"}."""
         return self.sampler.set_weights(weights)
 
     # ---- the cache ------------------------------------------------------------------------

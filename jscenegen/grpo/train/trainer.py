@@ -246,7 +246,7 @@ class Trainer:
                                   f"{self.run_dir} to continue it, or choose a new --run-dir")
             self.model = load_hf(self.model_dir, mesh=self.mesh, **options)
         # the sampler's own copy of the weights, in the rollout layout (sharding/rollout.py);
-        # resharded once after every optimizer step (`_step`)
+        # resharded once after every train step, skipped or not (`update`)
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh, cfg.rollout)
         graphdef, params, frozen = split_params(self.model)
         self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), constant_horizon(cfg), cfg.optim,
@@ -489,8 +489,9 @@ class Trainer:
 
     def update(self) -> dict:
         """One attempt: roll out the current scene's group (with `rollout.groups_per_batch` = k,
-        the next k scenes' groups in one batch) and step when it has signal; after a step the
-        sampler's weights are resharded once (`rollout/reshard_s`, `rollout/reshard_bytes`)."""
+        the next k scenes' groups in one batch) and step when it has signal; after a step, a
+        skipped one included, the sampler's weights are resharded once (`rollout/reshard_s`,
+        `rollout/reshard_bytes`)."""
         pos, sched, cfg = self.pos, self.schedule, self.cfg
         k = cfg.rollout.groups_per_batch
         role = sched.role(pos)
@@ -523,19 +524,22 @@ class Trainer:
             t1 = time.perf_counter()
             row.update(self._step(batch))
             row["time/train_s"] = time.perf_counter() - t1
+            # the step donated the state it was given, a skipped step's too (its parameters
+            # come back unchanged, in new buffers); under `rollout.layout: fsdp` with no cast
+            # the sampler reads those very arrays (`Reshard.identity`), so it gets the live
+            # ones after every step (a skipped step's reshard elsewhere rewrites equal weights)
+            reshard = self.engine.set_weights(self.state.params)
+            row["rollout/reshard_s"] = reshard["reshard_s"]
+            row["rollout/reshard_bytes"] = reshard["reshard_bytes"]
             if row["train/skipped"]:
                 # a non-finite gradient: no optimizer step, so no effective update (the role
-                # waits for the next scene) and nothing to reshard
+                # waits for the next scene)
                 new_pos = dataclasses.replace(new_pos, effective_updates=pos.effective_updates)
                 row["stepped"], row["effective_updates"] = False, pos.effective_updates
                 log.warning("attempt %d: the gradient is not finite; the update is skipped "
                             "(train/skipped), its role trains on the next scene; the LR scheduler "
                             "advanced (as VERL's), so a schedule sized to schedule.total_updates "
                             "ends one update early", pos.attempts)
-            else:
-                reshard = self.engine.set_weights(self.state.params)
-                row["rollout/reshard_s"] = reshard["reshard_s"]
-                row["rollout/reshard_bytes"] = reshard["reshard_bytes"]
         self.pos = new_pos
         if cfg.trainer.dump_trajectories:
             _write_on_primary(lambda: self._dump(trajectories, pos))
