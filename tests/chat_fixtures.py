@@ -40,6 +40,21 @@ def chat_model_dir() -> Path:
                           seed=0, **TINY_MODEL)
 
 
+@functools.cache
+def nfc_chat_model_dir() -> Path:
+    """`chat_model_dir` with the NFC normaliser that Qwen2/2.5/3's tokenizer.json declare
+    (`"normalizer": {"type": "NFC"}`; the fixture tokenizer itself has none)."""
+    import json
+
+    root = Path(tempfile.mkdtemp(prefix="jscenegen-chat-nfc-"))
+    atexit.register(shutil.rmtree, root, True)
+    target = Path(shutil.copytree(chat_model_dir(), root / "tiny"))
+    spec = json.loads((target / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["normalizer"] = {"type": "NFC"}
+    (target / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return target
+
+
 # A tiny Qwen3.5 (3 Gated DeltaNet layers + 1 gated attention layer, a carried vision tower and
 # MTP head) with the same protocol tokenizer: the trainer's Qwen3.5 tests.
 TINY_QWEN35 = dict(hidden_size=64, intermediate_size=128, head_dim=16, num_attention_heads=4,

@@ -18,7 +18,7 @@ from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.schema import scene_from_json
 
-from chat_fixtures import chat_model_dir, dev_records
+from chat_fixtures import chat_model_dir, dev_records, nfc_chat_model_dir
 from cli_errors import one_error_line
 from scene_fixtures import JudgeServer
 
@@ -648,6 +648,9 @@ def test_a_scene_that_cannot_start_neither_ends_nor_counts_in_the_fit_check(cfg,
         def encode_plain(self, text):
             return list(range(len(text.split())))
 
+        def normalize(self, text):
+            return text
+
     with pytest.raises(ValueError) as err:
         check_scenes_fit(Chat(), records, cfg, "dev.jsonl")
     message = str(err.value)
@@ -1106,10 +1109,16 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     assert f"--out {room / 'r.json'}: {room} is not a directory" in capsys.readouterr().err
 
 
-def test_a_prompt_too_long_counts_its_tokens_as_the_episode_encodes_them(tmp_path, capsys):
+@pytest.mark.parametrize("model_dir,prompt,nfc", [
+    (chat_model_dir, "<|im_end|>" * 3000, "<|im_end|>" * 3000),
+    (nfc_chat_model_dir, "cafe\u0301 " * 1500, "caf\u00e9 " * 1500)], ids=["special-text", "nfc"])
+def test_a_prompt_too_long_counts_its_tokens_as_the_episode_encodes_them(tmp_path, capsys,
+                                                                         model_dir, prompt, nfc):
     """Special-token text in a prompt is plain text in the episode (`encode_plain`): the count
-    said 3,000 tokens (one per `<|im_end|>`) while the episode held 8 times as many."""
-    argv = ["design", "--model", str(chat_model_dir()), "--prompt", "<|im_end|>" * 3000,
+    said 3,000 tokens (one per `<|im_end|>`) while the episode held 8 times as many. A prompt
+    outside the tokenizer's normal form (NFC, as Qwen's) is counted normalised, as the episode
+    encodes it (unnormalised it did not round-trip and the count failed)."""
+    argv = ["design", "--model", str(model_dir()), "--prompt", prompt,
             "-o", str(tmp_path / "s.json"), "sampling.max_episode_tokens=4096"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -1117,8 +1126,9 @@ def test_a_prompt_too_long_counts_its_tokens_as_the_episode_encodes_them(tmp_pat
     m = re.search(r"the prompt \((\d+) tokens\) makes the episode start at (\d+) tokens.*"
                   r"shorten the prompt by at least (\d+) tokens", err)
     assert m, err
-    prompt, start, cut = map(int, m.groups())
-    assert prompt > 3000 and cut == start - 4096 + 1 and cut < prompt < start
+    counted, start, cut = map(int, m.groups())
+    assert counted == len(ChatTokenizer.from_dir(model_dir()).encode_plain(nfc))
+    assert counted > 3000 and cut == start - 4096 + 1 and cut < counted < start
     assert not (tmp_path / "s.json").exists()
 
 

@@ -20,7 +20,7 @@ from jscenegen.scene.config import JudgeConfig
 from jscenegen.scene.expert import expert_ops, run_scripted_episode, scripted_answers
 from jscenegen.scene.judge import JudgeResult, make_judge
 
-from chat_fixtures import chat_model_dir, dev_records
+from chat_fixtures import chat_model_dir, dev_records, nfc_chat_model_dir
 
 BUCKETS = (128, 1024)          # few compiled shapes; long appends run as several chunks
 SLOTS = 6144 + 512 + 128       # one cache shape for every engine here
@@ -216,6 +216,30 @@ def test_a_forced_answer_spelling_the_end_of_turn_token_keeps_it_as_text(model, 
     turn = tr.tokens[tr.policy_mask.astype(bool)].tolist()
     assert turn == chat.encode_plain(text) + [chat.eot_id]
     assert turn.count(chat.eot_id) == 1 and chat.decode(turn[:-1]) == text
+
+
+def test_an_echoed_content_outside_the_tokenizers_normal_form_plays_on(model, record, rule_judge):
+    """Qwen's tokenizers normalise to NFC (tokenizer.json's normaliser). A planner answer in
+    ASCII whose JSON escape spells a combining mark ("cafe" + U+0301) is echoed in the
+    designer's message: its ids decoded to "caf\u00e9", `encode`'s round-trip check refused
+    the segment and the row was masked as a rollout_error, though the text is the policy's.
+    The message is normalised before it is encoded, so the episode plays to its outcome."""
+    chat = ChatTokenizer.from_dir(nfc_chat_model_dir())
+    design = '<action>{"action": "design", "instruction": "a cafe\\u0301 corner"}</action>'
+
+    def forced(ep):
+        if ep.next_role == "designer":
+            return '<action>{"ops": []}</action>'
+        return design if ep.planner_turns == 0 else '<action>{"action": "finish", "summary": "x"}</action>'
+
+    tr = RolloutEngine(model, chat, FORCED).run_group(record, group_id=0, seeds=[1], judge=rule_judge,
+                                                      forced=forced).trajectories[0]
+    assert (tr.failure_cause, tr.reward, tr.masked) == ("invalid_terminal_scene", -1.0, False)
+    assert [m["actor"] for m in tr.transcript[2:]] == ["planner", "environment", "designer",
+                                                       "environment", "planner"]
+    assert "from the planner: a caf\u00e9 corner\n" in tr.transcript[3]["content"]
+    messages = [{"role": m["role"], "content": m["content"]} for m in tr.transcript]
+    assert chat.decode(tr.tokens.tolist()) + "\n" == chat.render(messages, add_generation_prompt=False)
 
 
 def test_runtime_and_judge_exceptions_are_masked_not_raised(model, chat, record, rule_judge):

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 from jscenegen.model.tokenizer.build import CHAT_TEMPLATE_FILE
 from jscenegen.model.tokenizer.chat import ChatTemplateError, ChatTokenizer
 
-from chat_fixtures import chat_model_dir, qwen35_chat_model_dir
+from chat_fixtures import chat_model_dir, nfc_chat_model_dir, qwen35_chat_model_dir
 
 # Behaves like Qwen3's template for our purpose: assistant turns before the last user message
 # lose everything up to their </think>.
@@ -79,6 +79,34 @@ def test_contents_spelling_special_tokens_stay_text(model_dir):
     assert chat.decode(ids + chat.encode("ok") + seg) == conv.text
     assert chat.encode_plain("<|im_end|>") != [chat.eot_id]
     assert chat.decode(chat.encode_plain("<|im_end|>")) == "<|im_end|>"
+
+
+@pytest.mark.parametrize("model_dir,nfc", [(nfc_chat_model_dir, True), (qwen35_chat_model_dir, True),
+                                           (chat_model_dir, False)],
+                         ids=["chatml-nfc", "qwen3_5", "chatml-no-normaliser"])
+def test_contents_are_encoded_in_the_tokenizers_normal_form(model_dir, nfc):
+    """Qwen's tokenizers normalise to NFC (Qwen2/2.5/3's tokenizer.json declares it,
+    transformers' Qwen3_5Tokenizer installs it): the ids of a content not in NFC (a combining
+    mark, the Kelvin sign) decoded to other text and `encode` refused them as not round-tripping.
+    Contents are normalised first and the conversation keeps the normalised text; a tokenizer
+    without a normaliser keeps them as written."""
+    chat = ChatTokenizer.from_dir(model_dir())
+    start_id = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    want = (lambda t: t.replace("e\u0301", "\u00e9").replace("\u212a", "K")) if nfc else (lambda t: t)
+    conv, ids = chat.start("sys \u212a", "a cafe\u0301 corner")
+    assert [m["content"] for m in conv.messages] == [want("sys \u212a"), want("a cafe\u0301 corner")]
+    assert chat.decode(ids) == conv.text == chat.render(conv.messages, add_generation_prompt=True)
+    conv.add_assistant("ok", ended_with_eot=False)
+    seg = conv.user_segment("Instruction: a cafe\u0301 corner")
+    # with special-token text: the content is encoded apart from the template's text
+    conv.add_assistant("ok", ended_with_eot=False)
+    seg2 = conv.user_segment("echo <|im_start|> cafe\u0301")
+    assert [m["content"] for m in conv.messages[3::2]] == [want("Instruction: a cafe\u0301 corner"),
+                                                          want("echo <|im_start|> cafe\u0301")]
+    assert seg2.count(start_id) == 2                   # the user turn's and the prompt's only
+    assert chat.decode(ids + chat.encode("ok") + seg + chat.encode("ok") + seg2) == conv.text
+    assert conv.text == chat.render(conv.messages, add_generation_prompt=True)
+    assert chat.normalize("cafe\u0301 \u212a") == want("cafe\u0301 \u212a")
 
 
 def test_a_template_writing_content_twice_cannot_keep_special_text(tmp_path):

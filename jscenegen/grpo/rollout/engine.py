@@ -91,8 +91,8 @@ class Trajectory:
     tokens); logprobs [T] float32 (rollout log-probs at the sampling temperature, 0 off policy);
     turns: one dict per segment {"role", "start", "end", "stop"} (token range [start, end),
     stop = the sampler's stop reason for policy turns); transcript: chat messages {"role",
-    "content", "actor"}; reward / failure_cause / masked / units / grades / metrics from the
-    episode's Outcome, failure_message its detail (the exception of a masked runtime failure); group_id, member, seed identify the sample.
+    "content", "actor"} (environment contents as encoded, normalised: `ChatTokenizer.normalize`);
+    reward / failure_cause / masked / units / grades / metrics from the episode's Outcome, failure_message its detail (the exception of a masked runtime failure); group_id, member, seed identify the sample.
     """
 
     group_id: int
@@ -349,9 +349,9 @@ class RolloutEngine:
         for r in rows:
             try:
                 system, user = r.episode.system_prompt(), r.episode.first_user_message()
-                r.conv, ids = self.chat.start(system, user)
-                r.transcript += [{"role": "system", "content": system, "actor": "environment"},
-                                 {"role": "user", "content": user, "actor": "environment"}]
+                r.conv, ids = self.chat.start(system, user)   # the contents normalised
+                r.transcript += [{"role": m["role"], "content": m["content"], "actor": "environment"}
+                                 for m in r.conv.messages]
                 r.add(ids, ENVIRONMENT, False)
                 if len(r.tokens) >= cfg.max_episode_tokens:   # the policy never acted: masked
                     r.fail("prompt_over_cap", f"the episode starts at {len(r.tokens)} tokens (system "
@@ -507,7 +507,9 @@ class RolloutEngine:
             r.fail("episode_token_cap", f"{len(r.tokens)} + {len(seg)} environment tokens")
             return None
         r.add(seg, ENVIRONMENT, False)
-        r.transcript.append({"role": "user", "content": res.env_message, "actor": "environment"})
+        # the message as encoded: normalised by the tokenizer's normaliser (ChatTokenizer.normalize)
+        r.transcript.append({"role": "user", "content": r.conv.messages[-1]["content"],
+                             "actor": "environment"})
         return None
 
     @staticmethod

@@ -20,6 +20,14 @@ Message contents are text, never chat structure: a content that spells out a spe
 token's text split into ordinary tokens, while the template's own text keeps its special tokens
 (`encode_turns`), so no message can open or close a turn.
 
+Message contents are also normalised with the tokenizer's own normaliser before they are
+rendered (`ChatTokenizer.normalize`: tokenizer.json's `normalizer`, NFC for Qwen2/2.5/3, and
+the one transformers' Qwen3_5Tokenizer installs for Qwen3.5). Tokenising normalises anyway, so
+the ids of a content that is not in normal form (`e` + COMBINING ACUTE U+0301, which an ASCII
+JSON escape in a policy's action spells; KELVIN SIGN U+212A) decode to other text and `encode`'s
+round-trip check refuses them; normalised first, the conversation's text and its messages are
+the text the tokens stand for.
+
 Qwen3.5: the official template is not prefix-preserving (docs/qwen35.md section 5: it
 rewrites assistant turns in thinking mode, trims them, and drops the empty think block of
 earlier turns). For a Qwen3.5 directory (`model_type` qwen3_5 / qwen3_5_text) whose own
@@ -132,13 +140,14 @@ class Conversation:
     def user_segment(self, content: str) -> list[int]:
         """Tokens of the environment segment that follows the last assistant turn: the rest of
         that turn's template text (the end-of-turn token when it was not sampled, the glue),
-        the user message `content` and the next generation prompt.
+        the user message `content` (normalised: `ChatTokenizer.normalize`; the message
+        appended to `messages` holds that text) and the next generation prompt.
 
         Raises ChatTemplateError when rendering the longer conversation changes earlier text.
         """
-        messages = self.messages + [{"role": "user", "content": content}]
-        full, ids = self.chat.encode_turns(self.text, messages, new=1)
-        self.messages, self.text = messages, full
+        messages, self.text, ids = self.chat.encode_turns(
+            self.text, self.messages + [{"role": "user", "content": content}], new=1)
+        self.messages = messages
         return ids
 
     def closing_segment(self) -> list[int]:
@@ -280,6 +289,14 @@ class ChatTokenizer:
             raise ChatTemplateError(f"{self.source}: the chat template fails while rendering "
                                     f"({type(err).__name__}: {err})") from None
 
+    def normalize(self, text: str) -> str:
+        """`text` as the tokenizer's normaliser writes it (the backend's `normalizer`: NFC for
+        Qwen's tokenizers), or `text` itself for a tokenizer without one. The normaliser runs
+        before the tokens are made, so the ids of `text` decode to this text: message contents
+        are normalised before they are encoded (module docstring). Idempotent for NFC."""
+        normalizer = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "normalizer", None)
+        return text if normalizer is None else normalizer.normalize_str(text)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (special tokens in the text recognised, none added).
 
@@ -331,14 +348,17 @@ class ChatTokenizer:
 
     # ---- conversations ------------------------------------------------------------------
     def start(self, system: str, user: str) -> tuple[Conversation, list[int]]:
-        """A new conversation and its prompt tokens (system, user, generation prompt)."""
+        """A new conversation and its prompt tokens (system, user, generation prompt); the
+        conversation's messages hold the contents normalised (`normalize`)."""
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        text, ids = self.encode_turns("", messages, new=2)
+        messages, text, ids = self.encode_turns("", messages, new=2)
         return Conversation(self, messages, text), ids
 
-    def encode_turns(self, before: str, messages: Sequence[dict], new: int) -> tuple[str, list[int]]:
-        """The rendering of `messages` with the generation prompt, and the ids of its text after
-        `before` (the rendering so far), in which the last `new` messages are written.
+    def encode_turns(self, before: str, messages: Sequence[dict],
+                     new: int) -> tuple[list[dict], str, list[int]]:
+        """`messages` with the last `new` contents normalised (`normalize`), their rendering with
+        the generation prompt, and the ids of its text after `before` (the rendering so far), in
+        which those `new` messages are written.
 
         The template's own text is encoded with its special tokens; the contents of the `new`
         messages never are: text a model wrote (a plan echoed to the next role, an action
@@ -348,15 +368,18 @@ class ChatTokenizer:
         Raises ChatTemplateError when `before` is not a prefix of the rendering, or when the
         template writes a content in a way that depends on the other contents.
         """
+        first = len(messages) - new
+        messages = [*messages[:first],
+                    *(dict(m, content=self.normalize(m["content"])) for m in messages[first:])]
         full = self.render(messages, add_generation_prompt=True)
         delta = self.delta(before, full)
-        contents = [m["content"] for m in messages[len(messages) - new:]]
+        contents = [m["content"] for m in messages[first:]]
         if not any(self.special_tokens_in(c) for c in contents):
-            return full, self.encode(delta)
+            return messages, full, self.encode(delta)
         ids = []
         for piece, is_content in self._content_spans(before, messages, new, delta):
             ids += self.encode_plain(piece) if is_content else self.encode(piece)
-        return full, ids
+        return messages, full, ids
 
     def _content_spans(self, before: str, messages: Sequence[dict], new: int,
                        delta: str) -> list[tuple[str, bool]]:
