@@ -176,9 +176,10 @@ def error_line(err: BaseException) -> str:
     elif isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {text}"
 
-    # a message that echoes a huge input (a 100 KB path or key) stays readable, and one that
-    # echoes control characters cannot drive the terminal
-    return clip_text(one_line(text) or type(err).__name__, MAX_ERROR_CHARS)
+    # a message that echoes a huge input (a 100 KB path or key) stays readable, and is cut
+    # before it is escaped (a 400 MiB one took a minute); one that echoes control characters
+    # cannot drive the terminal
+    return one_line(text, MAX_ERROR_CHARS) or type(err).__name__
 
 
 def stdout_reader_gone() -> bool:
@@ -207,14 +208,15 @@ class StderrLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.exc_info and RERAISED_BY_ORBAX in str(record.msg):
             return   # the exception reaches the command, which prints it once
-        from jscenegen.text import one_line
+        from jscenegen.text import clip_line, one_line
 
         try:
-            text = f"{record.levelname.lower()}: {one_line(record.getMessage()) or '(no message)'}"
+            message = record.getMessage()
+            text = f"{record.levelname.lower()}: {one_line(message, MAX_ERROR_CHARS) or '(no message)'}"
             err = record.exc_info[1] if record.exc_info else None
             first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "") if err else ""
-            if err is not None and not (first and first in text):   # the cause, in one line
-                text += f" ({type(err).__name__}{': ' + first if first else ''})"
+            if err is not None and not (first and first in message):   # the cause, in one line
+                text += f" ({type(err).__name__}{': ' + clip_line(first, MAX_ERROR_CHARS) if first else ''})"
             if len(text) > MAX_ERROR_CHARS:
                 text = text[:MAX_ERROR_CHARS] + " ..."
             if record.exc_info and os.environ.get("JSCENEGEN_DEBUG"):

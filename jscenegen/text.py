@@ -1,5 +1,6 @@
 """Text as jscenegen shows it: cut to a length (`clip_text`), escaped for a terminal
-(`terminal_text`, `terminal_line`), and checked to be Unicode (`not_unicode`). A leaf: it
+(`terminal_text`, `terminal_line`), both (`clip_line`: cut first, so the escaping costs what
+the shown part does), and checked to be Unicode (`not_unicode`). A leaf: it
 imports nothing of jscenegen."""
 from __future__ import annotations
 
@@ -38,11 +39,23 @@ def terminal_text(text: str, keep: str = "\n\t") -> str:
                    or c in BIDI_CONTROLS else c for c in text)
 
 
-def one_line(text: str) -> str:
+def one_line(text: str, limit: int | None = None) -> str:
     """A message's lines joined by '; ' (each stripped, blank ones dropped), then
     `terminal_line` (tabs escaped too): one line a script reads, which cannot drive the
-    terminal; "" for a blank message."""
-    return terminal_line("; ".join(part.strip() for part in text.splitlines() if part.strip()))
+    terminal; "" for a blank message. With `limit`, cut to `limit` characters (`clip_line`)."""
+    joined = "; ".join(part.strip() for part in text.splitlines() if part.strip())
+    return terminal_line(joined) if limit is None else clip_line(joined, limit)
+
+
+def clip_line(text: str, limit: int = 200) -> str:
+    """`terminal_line(text)` cut to `limit` characters, its full length said (`clip_text`'s
+    form), escaping no more of `text` than is shown: the escape is a Python loop over each
+    character, so a message that echoes a 400 MiB value took a minute to escape before the
+    cut threw nearly all of it away. The length said is that of the escaped text when `text`
+    has at most `limit` characters, else that of `text`."""
+    if len(text) <= limit:
+        return clip_text(terminal_line(text), limit)
+    return f"{terminal_line(text[:limit])[:limit]}... ({len(text):,} characters)"
 
 
 def terminal_line(text: str) -> str:

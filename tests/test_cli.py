@@ -724,6 +724,22 @@ def test_an_error_line_that_echoes_a_huge_input_is_cut():
     assert line.endswith("... (100,005 characters): File name too long"), line[-60:]   # the reason kept
 
 
+def test_an_error_line_is_cut_before_it_is_escaped():
+    """error_line escaped a whole message (a Python loop per character), then kept 2,000
+    characters of it: a 400 MiB value echoed in an error took a minute to print. Now only the
+    part shown is escaped; the length said is the message's own."""
+    import time
+
+    from jscenegen.cli import MAX_ERROR_CHARS, error_line
+
+    t0 = time.perf_counter()
+    line = error_line(ValueError("bad: " + "\x1b" * 20_000_000))
+    took = time.perf_counter() - t0
+    assert line.startswith("bad: \\x1b\\x1b") and "\x1b" not in line
+    assert line.endswith("... (20,000,005 characters)") and len(line) < MAX_ERROR_CHARS + 40, line[-60:]
+    assert took < 1, took   # about 5 s before, escaping the whole message
+
+
 def test_resume_refuses_a_run_whose_config_yaml_is_gone(tmp_path, capsys):
     """A run made by `jscenegen train` (run.json) without its config.yaml would continue on the
     CPU default's settings, losing the run's own: refused, naming the file and the way out."""
@@ -1281,6 +1297,14 @@ def test_a_logged_exception_is_one_clipped_line_unless_debugging(capsys, monkeyp
             log.exception("rollout engine error")
         assert capsys.readouterr().err == ("error: rollout engine error (RuntimeError: INTERNAL: Gloo "
                                            "collective permute failed: Connection closed by peer)\n")
+        try:      # the cause's line is escaped as the message is (it went out raw)
+            raise RuntimeError("token \x1b]0;title\x07\u202e" + "z" * 10_000)
+        except RuntimeError:
+            log.exception("rollout engine error")
+        err = capsys.readouterr().err
+        assert err.startswith("error: rollout engine error (RuntimeError: token \\x1b]0;title\\x07"
+                              "\\u202ezzz") and "\x1b" not in err and "\u202e" not in err, err
+        assert err.endswith(" ...\n") and len(err) <= MAX_ERROR_CHARS + 10
     finally:
         log.removeHandler(handler)
 

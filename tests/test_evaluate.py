@@ -794,6 +794,25 @@ def test_a_scene_id_is_one_markdown_cell():
     assert rows[2].startswith("| a\\|b c | 0.50 -> 0.50 |") and len(rows) == 4
 
 
+def test_a_refused_report_names_its_bad_value_clipped():
+    """A 1 MB string where a scene, its scene_id or an episode's `masked` belongs was echoed in
+    full in the message (then escaped character by character for the error line)."""
+    from jscenegen.eval.report import check_report
+
+    huge = "A" * 10**6
+    for edit, why in ((lambda r: r["scenes"].__setitem__(0, huge),
+                       "scenes[0] must be an object, got str 'AAA"),
+                      (lambda r: r["scenes"][0].update(scene_id=[huge]),
+                       "scenes[0].scene_id must be a string, got ['AAA"),
+                      (lambda r: r["scenes"][0]["model"]["episodes"][0].update(masked=huge),
+                       "scenes[0].model.episodes[0].masked must be true or false, got 'AAA")):
+        with pytest.raises(ValueError) as err:
+            check_report(_edited(edit), "r.json")
+        message = str(err.value)
+        assert why in message and len(message) < 1000, message[:200]
+        assert re.search(r"AAA\.\.\. \(1,000,00[24] characters\)$", message), message[-80:]
+
+
 def test_the_overall_reward_cell_is_over_the_pairs_its_difference_is_over():
     """With an episode masked after, the cell read each report's own mean beside the paired
     difference: "-0.25 -> 0.60 (diff +0.100 ...)"."""

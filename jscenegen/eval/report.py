@@ -103,7 +103,7 @@ def check_report(report, source: str) -> None:
                 raise ValueError(f"{source}: {at}.units must be a number >= 0 (budget units "
                                  f"spent) or null, got {clip_text(repr(ep['units']))}")
             if not isinstance(ep.get("masked"), bool):
-                raise ValueError(f"{source}: {at}.masked must be true or false, got {ep.get('masked')!r}")
+                raise ValueError(f"{source}: {at}.masked must be true or false, got {clip_text(repr(ep.get('masked')))}")
             if "failure_cause" not in ep:
                 raise ValueError(f"{source}: {at}.failure_cause is missing")
             if not (ep["failure_cause"] is None or (isinstance(ep["failure_cause"], str)
@@ -158,9 +158,11 @@ def check_report(report, source: str) -> None:
     seen: dict[str, int] = {}
     for i, row in enumerate(scenes):
         if not isinstance(row, dict):
-            raise ValueError(f"{source}: scenes[{i}] must be an object, got {type(row).__name__} {row!r}")
+            raise ValueError(f"{source}: scenes[{i}] must be an object, got {type(row).__name__} "
+                             f"{clip_text(repr(row))}")
         if not isinstance(row.get("scene_id"), str):
-            raise ValueError(f"{source}: scenes[{i}].scene_id must be a string, got {row.get('scene_id')!r}")
+            raise ValueError(f"{source}: scenes[{i}].scene_id must be a string, got "
+                             f"{clip_text(repr(row.get('scene_id')))}")
         if "seed" in row and not is_seed(row["seed"]):
             raise ValueError(f"{source}: scenes[{i}].seed must be an integer in 0..{SEED_MAX}, "
                              f"got {clip_text(repr(row['seed']))}")
@@ -270,7 +272,7 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
 
     def listed(ids) -> str:
         ids = sorted(ids)
-        return ", ".join(ids[:5]) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
+        return ", ".join(_sid(i) for i in ids[:5]) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
 
     if set(b) != set(a):
         only_b, only_a = set(b) - set(a), set(a) - set(b)
@@ -281,17 +283,22 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     for sid in b:
         for path, seeds in zip(names, (b[sid], a[sid])):
             if seeds is None:
-                raise ValueError(f"{where}: scene {sid} has no model episodes in {path}")
+                raise ValueError(f"{where}: scene {_sid(sid)} has no model episodes in {path}")
         if b[sid] != a[sid]:
-            raise ValueError(f"{where}: scene {sid} has model episodes of different seeds "
+            raise ValueError(f"{where}: scene {_sid(sid)} has model episodes of different seeds "
                              f"({_seed_list(b[sid])} in {names[0]}, {_seed_list(a[sid])} in "
                              f"{names[1]})")
     rows_b, rows_a = ({row["scene_id"]: row for row in r["scenes"]} for r in (before, after))
     for sid in b:
         for key in ("seed", "prompt"):
             if rows_b[sid].get(key) != rows_a[sid].get(key):
-                raise ValueError(f"{where}: scene {sid} differs in its {key} (another scene set "
+                raise ValueError(f"{where}: scene {_sid(sid)} differs in its {key} (another scene set "
                                  "under the same ids)")
+
+
+def _sid(scene_id: str) -> str:
+    """A report's scene id for a message: cut to 80 characters (a report's ids have no bound)."""
+    return clip_text(scene_id, 80)
 
 
 def _judge_name(report: dict) -> str:
@@ -299,7 +306,8 @@ def _judge_name(report: dict) -> str:
     if not isinstance(judge, dict):
         return "an unnamed judge"
     rubric = str(judge.get("rubric_hash") or "")[:12]
-    return f"{judge.get('backend')} {judge.get('model') or ''} rubric {rubric}".replace("  ", " ")
+    return (f"{clip_text(str(judge.get('backend')), 40)} {clip_text(str(judge.get('model') or ''), 80)} "
+            f"rubric {rubric}").replace("  ", " ")
 
 
 def compare_reports(before: dict, after: dict) -> dict:
