@@ -792,6 +792,15 @@ def test_a_scene_id_is_one_markdown_cell():
     rep = _synthetic_report(scenes=("a|b\nc",))
     rows = comparison_markdown(rep, rep).splitlines()
     assert rows[2].startswith("| a\\|b c | 0.50 -> 0.50 |") and len(rows) == 4
+    # control and bidi characters reached the terminal as they were (a title set, the rest of
+    # the line reversed)
+    rep = _synthetic_report(scenes=("a\x1b]0;title\x07\u202eb\tc",))
+    rows = comparison_markdown(rep, rep).splitlines()
+    assert rows[2].startswith("| a\\x1b]0;title\\x07\\u202eb\\tc | 0.50 -> 0.50 |"), rows[2]
+    assert not any(c in "\n".join(rows) for c in "\x1b\x07\u202e\t")
+    rep = _synthetic_report(scenes=("x" * 10**6,))
+    assert comparison_markdown(rep, rep).splitlines()[2].startswith(
+        "| " + "x" * 80 + "... (1,000,000 characters) | 0.50 -> 0.50 |")
 
 
 def test_a_refused_report_names_its_bad_value_clipped():

@@ -12,7 +12,7 @@ from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.paths import finite_number
 from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX
 from jscenegen.scene.reward import JUDGE_FAILURES
-from jscenegen.text import clip_text
+from jscenegen.text import clip_line, clip_text
 
 REPORT_SCHEMA = "jscenegen.eval/1"
 # the scenes of the shipped train set, data/scenes/train.jsonl (tests/test_evaluate.py counts them)
@@ -383,8 +383,10 @@ def interval_text(change: dict) -> str:
 
 
 def _cell_text(text: str) -> str:
-    """`text` as one Markdown table cell: pipes escaped, line breaks as spaces, cut to 80."""
-    return clip_text(" ".join(text.splitlines()).replace("|", "\\|"), 80)
+    """`text` as one Markdown table cell: line breaks as spaces, cut to 80 characters, control
+    and bidirectional characters escaped (`text.clip_line`: a scene id cannot drive the
+    terminal the table is printed on), pipes escaped."""
+    return clip_line(" ".join(text.splitlines()), 80).replace("|", "\\|")
 
 
 def comparison_markdown(before: dict, after: dict) -> str:
