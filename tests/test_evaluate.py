@@ -822,6 +822,36 @@ def test_a_refused_report_names_its_bad_value_clipped():
         assert re.search(r"AAA\.\.\. \(1,000,00[24] characters\)$", message), message[-80:]
 
 
+def test_a_report_with_a_huge_scene_row_is_refused_quickly():
+    """The duplicate-seed check called list.count per seed: one edited report of a scene with
+    100,001 episodes, its last seed repeated, stalled `eval --compare` (and `train --resume`)
+    for minutes; its count is now refused before the episodes are read, and the check is
+    linear (a Counter) on a row of the most samples a report holds."""
+    import time
+
+    from jscenegen.eval.report import check_report
+    from jscenegen.grpo.rollout.config import GROUP_MAX
+
+    def one_row(n: int) -> dict:
+        eps = [{"seed": i, "reward": 0.0, "masked": False, "failure_cause": None} for i in range(n)]
+        eps.append(dict(eps[-1]))
+        rep = _synthetic_report(scenes=("a",), seeds=())
+        rep["samples"] = n + 1
+        rep["scenes"][0]["model"].update(episodes=eps, reward=0.0)
+        rep["overall"]["model"]["reward"] = 0.0
+        return rep
+
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"^r.json: samples must be a positive integer \(episodes "
+                                         rf"per scene\) up to {GROUP_MAX} \(a rollout group, as "
+                                         r"`eval --samples`\), got 100001$"):
+        check_report(one_row(100_000), "r.json")
+    assert time.perf_counter() - t0 < 5   # over a minute before
+    with pytest.raises(ValueError, match=rf"^r.json: scenes\[0\].model.episodes hold seed "
+                                         rf"{GROUP_MAX - 2} more than once"):
+        check_report(one_row(GROUP_MAX - 1), "r.json")
+
+
 def test_the_overall_reward_cell_is_over_the_pairs_its_difference_is_over():
     """With an episode masked after, the cell read each report's own mean beside the paired
     difference: "-0.25 -> 0.60 (diff +0.100 ...)"."""

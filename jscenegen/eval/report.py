@@ -55,7 +55,8 @@ def check_report(report, source: str) -> None:
     [0, UNIT_PENALTY_MAX], `reward` in [REWARD_MIN, REWARD_MAX], the range `scene.reward`'s
     bounds allow: scene/config.py) whose `episodes` are objects with an integer
     `seed` (32-bit, each once), a `reward` in that range, a boolean `masked` and a
-    `failure_cause` (a string or null), as many as `samples` (a positive integer) says,
+    `failure_cause` (a string or null), as many as `samples` (an integer in 1..GROUP_MAX) says
+    (counted before they are read),
     `failure_causes` a {cause: count} object, each `scene_id` once;
     `sampling` an object when present; `overall.model`
     statistics; the `reward` and `failure_rate` of each summary those of its episodes;
@@ -87,6 +88,8 @@ def check_report(report, source: str) -> None:
         eps = m.get("episodes")
         if not isinstance(eps, list):
             raise ValueError(f"{source}: {where}.episodes must be a list, got {type(eps).__name__}")
+        if len(eps) != samples:   # before they are walked: a row holds at most GROUP_MAX
+            raise ValueError(f"{source}: {where} has {len(eps)} episodes, samples says {samples}")
         for j, ep in enumerate(eps):
             at = f"{where}.episodes[{j}]"
             if not isinstance(ep, dict):
@@ -110,9 +113,9 @@ def check_report(report, source: str) -> None:
                                                     and ep["failure_cause"])):
                 raise ValueError(f"{source}: {at}.failure_cause must be a cause (a non-empty "
                                  f"string) or null, got {clip_text(repr(ep['failure_cause']))}")
-        seeds = [ep["seed"] for ep in eps]
-        if len(set(seeds)) != len(seeds):
-            twice = next(x for x in seeds if seeds.count(x) > 1)
+        seeds = Counter(ep["seed"] for ep in eps)   # linear: list.count per seed took hours
+        twice = next((x for x, n in seeds.items() if n > 1), None)
+        if twice is not None:
             raise ValueError(f"{source}: {where}.episodes hold seed {twice} more than once "
                              "(each sampling seed is one episode)")
         _agrees(m, eps, where)
@@ -141,9 +144,10 @@ def check_report(report, source: str) -> None:
         raise ValueError(f"{source}: protocol must map the scene protocol's parts to digests "
                          f"(strings), got {clip_text(repr(protocol))}")
     samples = report.get("samples")
-    if not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
-        raise ValueError(f"{source}: samples must be a positive integer (episodes per scene), "
-                         f"got {clip_text(repr(samples))}")
+    if not (isinstance(samples, int) and not isinstance(samples, bool) and 1 <= samples <= GROUP_MAX):
+        raise ValueError(f"{source}: samples must be a positive integer (episodes per scene) up "
+                         f"to {GROUP_MAX} (a rollout group, as `eval --samples`), got "
+                         f"{clip_text(repr(samples))}")
     if report.get("sampling") is not None and not isinstance(report["sampling"], dict):
         raise ValueError(f"{source}: sampling must be an object (the settings the episodes were "
                          f"drawn with), got {clip_text(repr(report['sampling']))}")
@@ -171,10 +175,6 @@ def check_report(report, source: str) -> None:
                              f"is also scenes[{first}]'s (each scene once)")
         if "model" in row:
             stats(row["model"], f"scenes[{i}].model", episodes=True)
-            n = len(row["model"]["episodes"])
-            if n != report["samples"]:
-                raise ValueError(f"{source}: scenes[{i}].model has {n} episodes, samples says "
-                                 f"{clip_text(repr(report['samples']))}")
     overall = report.get("overall")
     if not isinstance(overall, dict) or "model" not in overall:
         raise ValueError(f"{source}: overall.model is missing (not a report with model episodes)")
