@@ -234,6 +234,15 @@ def test_plot_shows_odd_scene_ids_as_text_masked_scenes_and_a_bounded_number_of_
     assert image.shape[1] < 7000
 
 
+def test_plot_cuts_long_scene_ids(tmp_path):
+    """A report's scene id has no bound: one of 2,000,000 characters took 3 minutes to draw
+    (plots.MAX_LABEL_CHARS, 40, are drawn)."""
+    rep = _synthetic_report(scenes=("x" * 20_000, "b"))
+    ax, _ = _plotted(rep, tmp_path / "r.png", before=_synthetic_report(scenes=("x" * 20_000, "b")))
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "x" * 40 + "... (20,000 characters)", "b"]
+
+
 def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     """A checkpoint step (params x 2) loads into the model built from its hf/config.json."""
     from jscenegen.checkpoint.metadata import training_metadata

@@ -14,6 +14,9 @@ log = logging.getLogger(__name__)
 
 MAX_BARS = 60
 """Scenes a plot shows (the report's first ones): the figure grows with them (0.9 inch each)."""
+MAX_LABEL_CHARS = 40
+"""Characters of a scene id a plot shows (`text.clip_text`): a report's ids have no bound, and
+matplotlib's time grows with a label's length (3 minutes for a 2,000,000-character id)."""
 
 
 def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
@@ -26,7 +29,8 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
     most frequent failure cause inside the model's bar (each of the before and after bars;
     `main_failure_cause`); one whose episodes were all masked has no bar and says "masked".
     The report's first MAX_BARS scenes are drawn (the title says so when there are more);
-    scene ids are shown as plain text (matplotlib would read `$...$` as math).
+    scene ids are shown as plain text (matplotlib would read `$...$` as math), cut to
+    MAX_LABEL_CHARS characters.
     """
 
     import matplotlib
@@ -62,7 +66,7 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
                         color="black" if m["reward"] is None else "white", parse_math=False)
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_ylim(-1.1, 1.3)
-    ax.set_xticks(x, [r["scene_id"] for r in rows], rotation=30, ha="right", fontsize=7,
+    ax.set_xticks(x, [clip_text(r["scene_id"], MAX_LABEL_CHARS) for r in rows], rotation=30, ha="right", fontsize=7,
                   parse_math=False)
     ax.set_ylabel("mean reward")
     shown = (f", the first {len(rows)} of {len(report['scenes'])} scenes"
