@@ -300,11 +300,13 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys, caplog):
     assert rep["sampling"]["chat_template_sha256"] == hashlib.sha256(
         chatml_template().encode()).hexdigest()   # the fixture tokenizer's own template
     assert rep["sampling"]["end_ids"] == list(ChatTokenizer.from_dir(chat_model_dir()).end_ids)
+    from jscenegen.paths import json_sha256
     from jscenegen.run_config import load_run_config
     from jscenegen.scene.protocol import protocol_digests
 
     cfg = load_run_config(None, TINY)
     assert rep["protocol"] == protocol_digests(cfg.scene, cfg.judge)   # what --compare checks
+    assert rep["scenes"][0]["scene_sha256"] == json_sha256(dev_records()[0].to_json())
     assert rep["overall"]["model"]["reward"] == -1.0 and len(rep["scenes"]) == 1
     assert plot.read_bytes()[:4] == b"\x89PNG" and sorted(p.name for p in tmp_path.iterdir()) == [
         plot.name, "r.json", "two.jsonl"]
@@ -775,7 +777,8 @@ def _synthetic_report(scenes=("a", "b"), seeds=(1, 2)) -> dict:
             "judge": {"backend": "rule", "model": None, "rubric_hash": "e8178fedbec1139e"},
             "protocol": protocol_digests(SceneRuntimeConfig(), JudgeConfig()),
             "sampling": dict(SAMPLED),
-            "scenes": [{"scene_id": sid, "seed": 7, "prompt": f"a room {sid}", "model": dict(stats, episodes=[
+            "scenes": [{"scene_id": sid, "seed": 7, "prompt": f"a room {sid}",
+                        "scene_sha256": f"{len(sid):064x}", "model": dict(stats, episodes=[
                 {"seed": s, "reward": 0.5, "masked": False, "failure_cause": None} for s in seeds])}
                        for sid in scenes],
             "overall": {"model": dict(stats)}}
@@ -810,6 +813,23 @@ def test_a_scene_id_is_one_markdown_cell():
     rep = _synthetic_report(scenes=("x" * 10**6,))
     assert comparison_markdown(rep, rep).splitlines()[2].startswith(
         "| " + "x" * 80 + "... (1,000,000 characters) | 0.50 -> 0.50 |")
+
+
+def test_a_scenes_digest_covers_its_room_and_requested_items():
+    """A report kept a scene's id, seed and prompt only: a scene set edited in its rooms or
+    requested items (other rewards: the rule judge grades prompt following against them)
+    compared as the same scenes."""
+    from dataclasses import replace
+
+    from jscenegen.scene.sceneset import record_from_json, record_sha256
+
+    rec = dev_records()[0]
+    room = rec.scene.room.model_dump(mode="json")
+    room["floor_polygon"] = [[1.5 * x, 1.5 * y] for x, y in room["floor_polygon"]]
+    wider = record_from_json({**rec.to_json(), "scene": {**rec.scene.to_json(), "room": room}})
+    asked = record_from_json({**rec.to_json(), "requested": [{"category": "bed", "count": 1}]})
+    digests = {record_sha256(r) for r in (rec, wider, asked)}
+    assert len(digests) == 3 and record_sha256(replace(rec, line=9)) == record_sha256(rec)
 
 
 def test_a_refused_report_names_its_bad_value_clipped():
@@ -966,6 +986,8 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                # `true` compared as the seed 1 ("differs in its seed")
                (lambda r: r["scenes"][0].update(seed=True), "scenes[0].seed must be an integer in "
                                                             "0..4294967295, got True"),
+               (lambda r: r["scenes"][1].update(scene_sha256=5), "scenes[1].scene_sha256 must be a "
+                                                                 "digest (a string), got 5"),
                # a list there raised a TypeError traceback, a string an error naming nothing
                (lambda r: r.update(sampling=[1, 2]), "sampling must be an object (the settings "
                                                      "the episodes were drawn with), got [1, 2]"),
@@ -1028,6 +1050,14 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                         r"scene b differs in its seed \(another scene set under the same ids\)"),
                        (_edited(lambda r: r["scenes"][0].update(prompt="a kitchen")),
                         "scene a differs in its prompt"),
+                       # same id, seed and prompt, another room or requested items: compared
+                       (_edited(lambda r: r["scenes"][1].update(scene_sha256="f" * 64)),
+                        r"scene b differs in its scene_sha256, the digest of its scene-set record "
+                        r"\(room, requested items\) \(another scene set under the same ids\)$"),
+                       (_edited(lambda r: r["scenes"][1].pop("scene_sha256")),
+                        r"no `scenes\[\].scene_sha256` \(the digest of each scene's record\) in "
+                        r"\S*after.json \(written by .*so their scenes \(rooms, requested items\) "
+                        r"cannot be shown to be the same; re-run `jscenegen eval` for that report$"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, chat_template_sha256="cd"))),
                         r"sampling.chat_template_sha256 is recorded by one report only \(\S*before.json "
                         r"has none: .*re-run `jscenegen eval` for that report"),

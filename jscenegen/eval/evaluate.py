@@ -40,7 +40,7 @@ from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge
 from jscenegen.scene.protocol import protocol_digests
 from jscenegen.scene.reward import SETUP_FAILURES
-from jscenegen.scene.sceneset import SceneRecord
+from jscenegen.scene.sceneset import SceneRecord, record_sha256
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,9 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     and rewarded under), "sampling" (the engine's `sampling` config plus
     `chat_template_sha256`, the SHA-256 of the template text the episodes were rendered with,
     and `end_ids`, the ids a sampled turn ended at (`ChatTokenizer.end_ids`), with an engine),
-    "scenes": [{"scene_id", "seed", "prompt", "model": summary + "episodes", "expert":
-    summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"};
+    "scenes": [{"scene_id", "seed", "prompt", "scene_sha256" (`sceneset.record_sha256`: the
+    digest of the scene's record, room and requested items included), "model": summary +
+    "episodes", "expert": summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"};
     `overall.expert` leaves out the scenes whose model episodes were all masked before the
     policy acted (`prompt_over_cap`), which `overall.model` has no reward of.
     Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside
@@ -294,7 +295,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     judge_on_primary([ep for g in played for ep in g.episodes] + experts, judge)
     rows, all_model, all_expert, model_groups = [], [], [], []
     for i, record in enumerate(records):
-        row = {"scene_id": scene_ids[i], "seed": record.seed, "prompt": record.scene.prompt}
+        row = {"scene_id": scene_ids[i], "seed": record.seed, "prompt": record.scene.prompt,
+               "scene_sha256": record_sha256(record)}
         if engine is not None:
             group = played[i].result()
             outs = [t.outcome for t in group.trajectories]

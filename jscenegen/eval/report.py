@@ -58,7 +58,7 @@ def check_report(report, source: str) -> None:
     `failure_cause` (a string or null), as many as `samples` (an integer in 1..GROUP_MAX) says
     (counted before they are read),
     `failure_causes` a {cause: count} object, each `scene_id` once;
-    `sampling` an object when present; `overall.model`
+    `sampling` an object and each scene's `scene_sha256` a string when present; `overall.model`
     statistics; the `reward` and `failure_rate` of each summary those of its episodes;
     `schema` REPORT_SCHEMA."""
     def stats(m, where: str, episodes: bool) -> None:
@@ -170,6 +170,9 @@ def check_report(report, source: str) -> None:
         if "seed" in row and not is_seed(row["seed"]):
             raise ValueError(f"{source}: scenes[{i}].seed must be an integer in 0..{SEED_MAX}, "
                              f"got {clip_text(repr(row['seed']))}")
+        if "scene_sha256" in row and not isinstance(row["scene_sha256"], str):
+            raise ValueError(f"{source}: scenes[{i}].scene_sha256 must be a digest (a string), "
+                             f"got {clip_text(repr(row['scene_sha256']))}")
         if (first := seen.setdefault(row["scene_id"], i)) != i:
             raise ValueError(f"{source}: scenes[{i}].scene_id {clip_text(repr(row['scene_id']))} "
                              f"is also scenes[{first}]'s (each scene once)")
@@ -217,22 +220,31 @@ def _coverage(report) -> dict[str, list[int] | None]:
 
 def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> None:
     """Raise ValueError naming both files and what differs unless the two (checked) reports
-    record their `judge`, `protocol` and `sampling` (a report without one, written by an older
-    jscenegen or edited, is refused), were graded by the same judge (backend, model, rubric),
-    played under the same scene protocol (prompts, costs, budget, reward, metrics, catalogue)
-    and cover the same scenes (same seeds and prompts), each with model episodes of the same
+    record their `judge`, `protocol`, `sampling` and each scene's `scene_sha256` (a report
+    without one, written by an older jscenegen or edited, is refused), were graded by the same
+    judge (backend, model, rubric), played under the same scene protocol (prompts, costs,
+    budget, reward, metrics, catalogue) and cover the same scenes (same seeds, prompts and
+    scene records: rooms, requested items), each with model episodes of the same
     sampling seeds, drawn with the same `sampling` settings (all but the decode layout's `buckets`
     and `cache_tokens`, the chat template compared by the SHA-256 of its text rather than its
     path, and temperature/top-k/top-p when both decoded greedily): a comparison of part of the episodes, of rewards on other scales or
     of other sampling rules would be silently biased."""
     b, a = _coverage(before), _coverage(after)
     where = f"{names[0]} vs {names[1]}"
+    def recorded(report: dict, key: str) -> bool:
+        if key == "scenes[].scene_sha256":   # every scene's (an older jscenegen wrote none)
+            return all(row.get("scene_sha256") for row in report["scenes"])
+        return bool(report.get(key))
+
     for key, what, lost in (("judge", "the judge", "their grades cannot be shown to be one judge's"),
                             ("protocol", "the scene protocol",
                              "their rewards cannot be shown to be on one scale"),
                             ("sampling", "the sampling settings",
-                             "their sampling cannot be shown to agree")):
-        missing = [n for n, r in zip(names, (before, after)) if not r.get(key)]
+                             "their sampling cannot be shown to agree"),
+                            ("scenes[].scene_sha256", "the digest of each scene's record",
+                             "their scenes (rooms, requested items) cannot be shown to be the "
+                             "same")):
+        missing = [n for n, r in zip(names, (before, after)) if not recorded(r, key)]
         if missing:
             raise ValueError(f"{where}: no `{key}` ({what}) in {' or '.join(missing)} (written "
                              f"by an older jscenegen or edited), so {lost}; re-run `jscenegen "
@@ -290,10 +302,12 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
                              f"{names[1]})")
     rows_b, rows_a = ({row["scene_id"]: row for row in r["scenes"]} for r in (before, after))
     for sid in b:
-        for key in ("seed", "prompt"):
+        for key, what in (("seed", "seed"), ("prompt", "prompt"),
+                          ("scene_sha256", "scene_sha256, the digest of its scene-set record "
+                                           "(room, requested items)")):
             if rows_b[sid].get(key) != rows_a[sid].get(key):
-                raise ValueError(f"{where}: scene {_sid(sid)} differs in its {key} (another scene set "
-                                 "under the same ids)")
+                raise ValueError(f"{where}: scene {_sid(sid)} differs in its {what} (another "
+                                 "scene set under the same ids)")
 
 
 def _sid(scene_id: str) -> str:

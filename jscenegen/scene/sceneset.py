@@ -52,6 +52,14 @@ def scene_set_hash(records: Sequence[SceneRecord]) -> str:
     return json_sha256([r.to_json() for r in records])
 
 
+def record_sha256(record: SceneRecord) -> str:
+    """SHA-256 of the canonical JSON of one record (`SceneRecord.to_json`: its scene's id,
+    prompt, room and budget, its seed and requested items): what an evaluation report keeps per
+    scene, so that reports of scenes that differ in a room or requested items under the same
+    id, seed and prompt are not compared (`eval.report.check_same_episodes`)."""
+    return json_sha256(record.to_json())
+
+
 def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
     """Validate one JSONL record (its scene's prompt not blank, its objects list empty: the
     episode furnishes the room). Raises SceneError naming `source` and the field."""
