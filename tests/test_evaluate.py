@@ -685,6 +685,9 @@ def test_a_hanging_judge_is_waited_for_once_for_all_scenes(cfg):
     finally:
         server.close()
     assert server.calls == 4 and server.max_inflight == 4  # one scene after another: 1
+    # what it samples with is recorded beside who it is (`eval --compare` compares them)
+    assert {k: v for k, v in report["judge"].items() if k != "rubric_hash"} == {
+        "backend": "http", "model": "judge", "temperature": 0.0, "max_tokens": 1024}
     assert [r["expert"]["episodes"][0]["failure_cause"] for r in report["scenes"]] == ["judge_timeout"] * 4
     assert report["overall"]["expert"]["masked"] == 4
 
@@ -988,6 +991,8 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                                                             "0..4294967295, got True"),
                (lambda r: r["scenes"][1].update(scene_sha256=5), "scenes[1].scene_sha256 must be a "
                                                                  "digest (a string), got 5"),
+               (lambda r: r.update(judge="rule"), "judge must be an object (the judge's backend, "
+                                                  "model, rubric and settings), got 'rule'"),
                # a list there raised a TypeError traceback, a string an error naming nothing
                (lambda r: r.update(sampling=[1, 2]), "sampling must be an object (the settings "
                                                      "the episodes were drawn with), got [1, 2]"),
@@ -1072,6 +1077,25 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                         r"sampled otherwise \(sampling.temperature 1.0 and 0.1; sampling.top_k "
                         r"0 and 5\): the same seeds draw other tokens")):
         rc, err = _compare(tmp_path, capsys, good, after)
+        assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
+    # the HTTP judge's temperature and max_tokens: reports graded at temperature 0 and 1.0
+    # compared silently
+    http = {"backend": "http", "model": "judge-27b", "rubric_hash": "e8178fedbec1139e",
+            "temperature": 0.0, "max_tokens": 1024}
+    graded = _edited(lambda r: r.update(judge=dict(http)))
+    assert _compare(tmp_path, capsys, graded, graded) == (0, "")
+    for after, why in ((_edited(lambda r: r.update(judge=dict(http, temperature=1.0))),
+                        r"graded otherwise \(judge.temperature 0.0 and 1.0\): the same episodes "
+                        "get other grades$"),
+                       (_edited(lambda r: r.update(judge=dict(http, temperature=1.0, max_tokens=64))),
+                        r"graded otherwise \(judge.max_tokens 1024 and 64; judge.temperature 0.0 "
+                        r"and 1.0\)"),
+                       (_edited(lambda r: r.update(judge={k: v for k, v in http.items()
+                                                          if k != "max_tokens"})),
+                        r"judge.max_tokens is recorded by one report only \(\S*after.json has none: "
+                        r".*so their grading cannot be shown to agree; re-run `jscenegen eval` for "
+                        "that report$")):
+        rc, err = _compare(tmp_path, capsys, graded, after)
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(why, err), err
     # two reports that both lack it compared with exit 0 (helper-170)
     old = _edited(lambda r: [r.pop(k) for k in ("protocol", "sampling")])

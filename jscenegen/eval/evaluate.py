@@ -37,7 +37,7 @@ from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize, zero_spread_share
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
-from jscenegen.scene.judge import Judge
+from jscenegen.scene.judge import Judge, http_judge_sampling
 from jscenegen.scene.protocol import protocol_digests
 from jscenegen.scene.reward import SETUP_FAILURES
 from jscenegen.scene.sceneset import SceneRecord, record_sha256
@@ -261,7 +261,9 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       `report_scene_ids`), so reports of `jscenegen eval` and of a run's evaluations compare
       (`eval --compare`).
       progress: called with each scene's report row once every scene is judged.
-    Returns the report dict (without file metadata): {"schema", "samples", "judge",
+    Returns the report dict (without file metadata): {"schema", "samples", "judge" (the judge's
+    identity, and for the HTTP judge its `temperature` and `max_tokens`:
+    `scene.judge.http_judge_sampling`),
     "protocol" (`scene.protocol.protocol_digests`: the scene settings the episodes were played
     and rewarded under), "sampling" (the engine's `sampling` config plus
     `chat_template_sha256`, the SHA-256 of the template text the episodes were rendered with,
@@ -320,7 +322,10 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
             [o["reward"] for o in outs if not o["masked"]] for outs in model_groups)
     if with_expert:
         overall["expert"] = summarize(all_expert, keys)
-    report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judge.identity(),
+    judged_by = judge.identity()
+    if judged_by.get("backend") == "http":   # what it samples with, beside who it is
+        judged_by = {**judged_by, **http_judge_sampling(judge_cfg)}
+    report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judged_by,
               "protocol": protocol_digests(scene_cfg, judge_cfg),
               "scenes": rows, "overall": overall, "wall_s": time.perf_counter() - t0}
     if engine is not None:

@@ -33,6 +33,8 @@ _REWARD_SPAN = (f"[{REWARD_MIN:g}, {REWARD_MAX:g}], the rewards scene.reward's b
                 "(at most all grades 10 with nothing spent)")
 _UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
 _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
+# a report's `judge`: the judge's identity (`Judge.identity`), the rest its sampling settings
+_JUDGE_IDENTITY_KEYS = ("backend", "model", "rubric_hash")
 # the parts of a report's `protocol` (scene.protocol.protocol_payload) by the settings they hold
 _PROTOCOL_PARTS = {
     "prompts_sha256": "the prompt templates (scene.prompts_dir)",
@@ -58,7 +60,7 @@ def check_report(report, source: str) -> None:
     `failure_cause` (a string or null), as many as `samples` (an integer in 1..GROUP_MAX) says
     (counted before they are read),
     `failure_causes` a {cause: count} object, each `scene_id` once;
-    `sampling` an object and each scene's `scene_sha256` a string when present; `overall.model`
+    `judge` and `sampling` objects and each scene's `scene_sha256` a string when present; `overall.model`
     statistics; the `reward` and `failure_rate` of each summary those of its episodes;
     `schema` REPORT_SCHEMA."""
     def stats(m, where: str, episodes: bool) -> None:
@@ -148,6 +150,9 @@ def check_report(report, source: str) -> None:
         raise ValueError(f"{source}: samples must be a positive integer (episodes per scene) up "
                          f"to {GROUP_MAX} (a rollout group, as `eval --samples`), got "
                          f"{clip_text(repr(samples))}")
+    if report.get("judge") is not None and not isinstance(report["judge"], dict):
+        raise ValueError(f"{source}: judge must be an object (the judge's backend, model, rubric "
+                         f"and settings), got {clip_text(repr(report['judge']))}")
     if report.get("sampling") is not None and not isinstance(report["sampling"], dict):
         raise ValueError(f"{source}: sampling must be an object (the settings the episodes were "
                          f"drawn with), got {clip_text(repr(report['sampling']))}")
@@ -222,7 +227,8 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     """Raise ValueError naming both files and what differs unless the two (checked) reports
     record their `judge`, `protocol`, `sampling` and each scene's `scene_sha256` (a report
     without one, written by an older jscenegen or edited, is refused), were graded by the same
-    judge (backend, model, rubric), played under the same scene protocol (prompts, costs,
+    judge (backend, model, rubric) with the same settings (the HTTP judge's temperature and
+    max_tokens; one recorded by one report only is refused), played under the same scene protocol (prompts, costs,
     budget, reward, metrics, catalogue) and cover the same scenes (same seeds, prompts and
     scene records: rooms, requested items), each with model episodes of the same
     sampling seeds, drawn with the same `sampling` settings (all but the decode layout's `buckets`
@@ -249,9 +255,17 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
             raise ValueError(f"{where}: no `{key}` ({what}) in {' or '.join(missing)} (written "
                              f"by an older jscenegen or edited), so {lost}; re-run `jscenegen "
                              f"eval` for {'both' if len(missing) == 2 else 'that report'}")
-    if before.get("judge") != after.get("judge"):
+    judges = [{k: r["judge"].get(k) for k in _JUDGE_IDENTITY_KEYS} for r in (before, after)]
+    if judges[0] != judges[1]:
         raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
                          f"{_judge_name(after)}): their rewards do not compare")
+    # the judge's sampling settings (the HTTP judge's temperature, max_tokens: recorded beside
+    # its identity, `scene.judge.http_judge_sampling`)
+    settings = [{k: v for k, v in r["judge"].items() if k not in _JUDGE_IDENTITY_KEYS}
+                for r in (before, after)]
+    if keys := _differing_keys("judge", settings, names, where, "their grading"):
+        raise ValueError(f"{where}: graded otherwise ({_shown_values('judge', settings, keys)}): "
+                         "the same episodes get other grades")
     protocols = [r.get("protocol") for r in (before, after)]
     if protocols[0] != protocols[1]:
         parts = sorted(k for k in set(protocols[0]) | set(protocols[1])
@@ -268,19 +282,9 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
             d["end_ids"] = sorted(set(d["end_ids"]))
         for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
             d.pop(key, None)
-    if shaping[0] != shaping[1]:
-        keys = [k for k in sorted(set(shaping[0]) | set(shaping[1]))
-                if shaping[0].get(k) != shaping[1].get(k)]
-        for key in keys:
-            missing = [names[i] for i in (0, 1) if key not in shaping[i]]
-            if missing:
-                raise ValueError(f"{where}: sampling.{key} is recorded by one report only "
-                                 f"({missing[0]} has none: written by an older jscenegen or "
-                                 "edited), so their sampling cannot be shown to agree; re-run "
-                                 "`jscenegen eval` for that report")
-        shown = "; ".join(f"sampling.{k} {clip_text(repr(shaping[0][k]))} and "
-                          f"{clip_text(repr(shaping[1][k]))}" for k in keys)
-        raise ValueError(f"{where}: sampled otherwise ({shown}): the same seeds draw other tokens")
+    if keys := _differing_keys("sampling", shaping, names, where, "their sampling"):
+        raise ValueError(f"{where}: sampled otherwise ({_shown_values('sampling', shaping, keys)}): "
+                         "the same seeds draw other tokens")
 
     def listed(ids) -> str:
         ids = sorted(ids)
@@ -308,6 +312,28 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
             if rows_b[sid].get(key) != rows_a[sid].get(key):
                 raise ValueError(f"{where}: scene {_sid(sid)} differs in its {what} (another "
                                  "scene set under the same ids)")
+
+
+def _differing_keys(section: str, pair: list[dict], names: tuple[str, str], where: str,
+                    what: str) -> list[str]:
+    """The sorted keys whose values differ between the two reports' `section` dicts (`pair`).
+    Raises ValueError naming the first that one report does not record (an older jscenegen or
+    an edited report: `what` cannot be shown to agree; re-run `jscenegen eval`)."""
+    keys = [k for k in sorted(set(pair[0]) | set(pair[1])) if pair[0].get(k) != pair[1].get(k)]
+    for key in keys:
+        missing = [names[i] for i in (0, 1) if key not in pair[i]]
+        if missing:
+            raise ValueError(f"{where}: {section}.{clip_text(key, 40)} is recorded by one report "
+                             f"only ({missing[0]} has none: written by an older jscenegen or "
+                             f"edited), so {what} cannot be shown to agree; re-run `jscenegen "
+                             "eval` for that report")
+    return keys
+
+
+def _shown_values(section: str, pair: list[dict], keys: list[str]) -> str:
+    """'sampling.temperature 1.0 and 0.1; sampling.top_k 0 and 5': each key's two values."""
+    return "; ".join(f"{section}.{clip_text(k, 40)} {clip_text(repr(pair[0][k]))} and "
+                     f"{clip_text(repr(pair[1][k]))}" for k in keys)
 
 
 def _sid(scene_id: str) -> str:

@@ -240,9 +240,11 @@ class JudgeConfig(Section):
     concurrency: int = Field(8, ge=1, le=1024, description="most http judge requests in flight at "
                              "once within one grading call")
     temperature: float = Field(0.0, ge=0, description="sampling temperature sent to the http "
-                               "judge's server")
+                               "judge's server (recorded in evaluation reports: `eval --compare` "
+                               "refuses reports graded at another)")
     max_tokens: int = Field(1024, ge=16, le=1 << 20, description="max_tokens sent to the http "
-                            "judge's server (the most tokens its answer may have)")
+                            "judge's server (the most tokens its answer may have; recorded in "
+                            "evaluation reports as temperature is)")
     max_failed_updates: int = Field(
         5, ge=0, description="train stops (with a checkpoint, exit 2) after this many updates in "
         "a row in which the judge failed every episode it was asked to grade (a judge that is "

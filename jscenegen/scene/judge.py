@@ -80,6 +80,15 @@ def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplat
     ]
 
 
+def http_judge_sampling(cfg: JudgeConfig) -> dict:
+    """{"temperature", "max_tokens"}: what the HTTP judge sends with every request beside the
+    model and messages (`judge_http.HttpJudge`). They change its grades (and an answer cut at
+    max_tokens is a masked failure) but are not part of its identity (which enters the
+    protocol hash a run resumes under), so an evaluation report records them beside it
+    (`eval.evaluate.evaluate`) and `eval --compare` compares them."""
+    return {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+
+
 def rubric_hash(cfg: JudgeConfig, templates: PromptTemplates, metrics_cfg: MetricsConfig,
                 caps_enforced: bool = True) -> str:
     """SHA-256 of the judge templates, grade keys, cap table (texts filled in) and whether the

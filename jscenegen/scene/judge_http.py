@@ -38,7 +38,7 @@ from jscenegen.text import clip_text
 
 from .caps import apply_caps
 from .config import GRADE_MAX, GRADE_MIN, JudgeConfig, MetricsConfig, is_grade, shown_url
-from .judge import JudgeRequest, JudgeResult, judge_messages, rubric_hash
+from .judge import JudgeRequest, JudgeResult, http_judge_sampling, judge_messages, rubric_hash
 from .prompts import PromptTemplates
 
 log = logging.getLogger(__name__)
@@ -423,8 +423,7 @@ class HttpJudge:
         body = {
             "model": self.cfg.model,
             "messages": judge_messages(req, self.cfg, self.templates, self.metrics_cfg),
-            "temperature": self.cfg.temperature,
-            "max_tokens": self.cfg.max_tokens,
+            **http_judge_sampling(self.cfg),
         }
         t0 = time.monotonic()
         cause, detail = "judge_error", ""
