@@ -104,6 +104,56 @@ def test_a_scene_the_model_could_not_start_is_left_out_of_both_overall_rows(engi
     assert rep["overall"]["expert"]["reward"] == expert_other["reward"]
 
 
+def _engine_fails_for(monkeypatch, failing) -> None:
+    """The rollout engine raises (a device out of memory) whenever it samples for a group whose
+    id is in `failing` (None: every group): `run_group` masks those episodes `rollout_error`."""
+    from jscenegen.grpo.rollout.engine import RolloutEngine
+
+    sampled = RolloutEngine._sampled_turns
+
+    def out_of_memory(self, rows, pad, keys):
+        if failing is None or any(r.group_id in failing for r in rows):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory allocating 8.00GiB")
+        return sampled(self, rows, pad, keys)
+
+    monkeypatch.setattr(RolloutEngine, "_sampled_turns", out_of_memory)
+
+
+def test_a_scene_the_engine_failed_is_left_out_of_both_overall_rows(engine, cfg, monkeypatch):
+    """Only prompt_over_cap scenes were left out of `overall.expert`: a scene whose model
+    episodes the engine failed (rollout_error) was in the expert's mean and not the model's."""
+    _engine_fails_for(monkeypatch, {0})
+    rep = evaluate(engine, dev_records()[:2], judge=make_judge(cfg.judge, cfg.scene),
+                   scene_cfg=cfg.scene, judge_cfg=cfg.judge, samples=1)
+    (ep,) = rep["scenes"][0]["model"]["episodes"]
+    assert ep["failure_cause"] == "rollout_error" and ep["masked"]
+    assert rep["scenes"][0]["expert"]["episodes"][0]["failure_cause"] is None   # still shown
+    assert rep["overall"]["expert"]["episodes"] == 1
+    assert rep["overall"]["expert"]["reward"] == rep["scenes"][1]["expert"]["reward"]
+    assert rep["overall"]["model"]["episodes"] == 2 and rep["overall"]["model"]["reward"] == -1.0
+
+
+def test_unmeasured_model_names_what_masked_every_episode():
+    from jscenegen.eval.report import unmeasured_model
+
+    def summary(reward, causes, episodes):
+        return {"reward": reward, "failure_causes": causes, "episodes": episodes}
+
+    rep = {"overall": {"model": summary(None, {"rollout_error": 3, "judge_timeout": 1}, 4),
+                       "expert": summary(0.9, {}, 1)}}
+    assert unmeasured_model(rep) == (
+        "every one of the 4 model episodes was masked (judge_timeout x1, rollout_error x3): "
+        "jscenegen's sampler or scene runtime failed, not the policy (the log line above names "
+        "the error; JSCENEGEN_DEBUG=1 adds its traceback); the judge failed (check "
+        "judge.base_url and the judge's log)")
+    rep["overall"]["model"] = summary(None, {"prompt_over_cap": 1}, 1)
+    assert unmeasured_model(rep) == ("the one model episode was masked (prompt_over_cap x1): the "
+                                     "prompt alone reaches sampling.max_episode_tokens")
+    rep["overall"]["model"] = summary(-1.0, {"rollout_error": 3, "bad_json": 1}, 4)
+    assert unmeasured_model(rep) == ""   # one episode measured the model
+    assert unmeasured_model({"overall": {"expert": summary(0.9, {}, 1)}}) == ""
+
+
 def test_summarize_excludes_masked_and_counts_causes():
     base = {"quality": None, "unit_penalty": 0.0, "grades": None, "metrics": None}
     outs = [dict(base, reward=0.5, units=10, failure_cause=None, masked=False, quality=0.6,
@@ -423,6 +473,35 @@ def test_eval_with_a_judge_that_grades_nothing_fails_after_writing_the_report(tm
     rep = json.loads(out.read_text())
     assert rep["overall"]["expert"]["failure_causes"] == {"judge_error": 1}
     assert rep["overall"]["expert"]["quality"] is None
+
+
+def test_eval_and_design_fail_when_the_engine_failed_every_episode(tmp_path, capsys, monkeypatch):
+    """A sampler that crashed (a device out of memory) masks every episode rollout_error: eval
+    wrote a report with no model reward and design the empty room, both with exit 0, so a
+    script took a failed evaluation for a result. Both now write their output and exit 1."""
+    _engine_fails_for(monkeypatch, None)
+    scenes = tmp_path / "one.jsonl"
+    scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes), "--greedy",
+                 "--out", str(out), *TINY]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: the one model episode was masked (rollout_error x1): jscenegen's sampler or scene "
+        "runtime failed, not the policy (the log line above names the error; JSCENEGEN_DEBUG=1 "
+        f"adds its traceback); the report {out} records them, with no reward of the model")
+    rep = json.loads(out.read_text())
+    assert rep["overall"]["model"]["reward"] is None
+    assert rep["overall"]["model"]["failure_causes"] == {"rollout_error": 1}
+    assert rep["overall"]["expert"]["episodes"] == 0   # the same scenes as the model's row
+    scene = tmp_path / "scene.json"
+    assert main(["design", "--model", str(chat_model_dir()), "--prompt", "A small bedroom.",
+                 "-o", str(scene), "--greedy", *TINY]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: the episode was masked (rollout_error: RuntimeError: RESOURCE_EXHAUSTED: out of "
+        "memory allocating 8.00GiB): jscenegen's sampler or scene runtime failed, not the policy "
+        "(the log line above names the error; JSCENEGEN_DEBUG=1 adds its traceback); "
+        f"{scene} holds the scene as it stood")
+    assert scene_from_json(json.loads(scene.read_text()), str(scene)).objects == ()
 
 
 def test_design_checks_the_judge_before_loading_the_model(tmp_path, capsys):

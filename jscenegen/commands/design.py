@@ -99,12 +99,13 @@ def run(args) -> int:
     record = design_record(args.prompt, args.room, args.seed)
 
     from jscenegen.eval.evaluate import check_episode_fits, policy_chat, policy_engine
+    from jscenegen.eval.report import masked_why
     from jscenegen.paths import write_json
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reach_inputs import ReachabilityError
     from jscenegen.scene.reward import JUDGE_FAILURES
-    from jscenegen.text import terminal_text
+    from jscenegen.text import clip_text, terminal_text
 
     # refuse what cannot work before the model loads: a room the runtime cannot measure, a
     # prompt that leaves the episode no room for a turn
@@ -149,5 +150,11 @@ def run(args) -> int:
         print(terminal_text(f"error: the judge did not grade the scene ({traj.failure_cause}); "
                             f"{out} holds it (check judge.base_url and the judge's log)"),
               file=sys.stderr)
+        return 1
+    if traj.masked:   # not the policy's outcome: our sampler or runtime failed (eval's rule)
+        print(terminal_text(f"error: the episode was masked ({traj.failure_cause}: "
+                            f"{clip_text(traj.failure_message, 300)}): "
+                            f"{masked_why([traj.failure_cause])}; {out} holds the scene as it "
+                            "stood"), file=sys.stderr)
         return 1
     return 0

@@ -100,7 +100,7 @@ def run(args) -> int:
     refuse_overwriting_input(args.out, "--out", inputs)
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
-    from jscenegen.eval.report import check_report_episodes, ungraded_judge_failures
+    from jscenegen.eval.report import check_report_episodes, ungraded_judge_failures, unmeasured_model
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.judge import make_judge
     from jscenegen.scene.sceneset import check_records_usable, read_scene_set
@@ -135,6 +135,11 @@ def run(args) -> int:
         print(terminal_text(f"error: the judge graded none of the episodes it was sent "
                             f"({ungraded}); the report {out} records them (check "
                             "judge.base_url and the judge's log)"), file=sys.stderr)
+        return 1
+    unmeasured = unmeasured_model(report)
+    if unmeasured:   # the report says so with reward null; a script reads the exit code
+        print(terminal_text(f"error: {unmeasured}; the report {out} records them, with no "
+                            "reward of the model"), file=sys.stderr)
         return 1
     return 0
 

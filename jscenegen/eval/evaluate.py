@@ -39,7 +39,6 @@ from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
 from jscenegen.scene.judge import Judge, http_judge_sampling
 from jscenegen.scene.protocol import protocol_digests
-from jscenegen.scene.reward import SETUP_FAILURES
 from jscenegen.scene.sceneset import SceneRecord, record_sha256
 
 log = logging.getLogger(__name__)
@@ -197,11 +196,12 @@ def _episode_row(outcome: dict, **ids) -> dict:
             "masked": outcome["masked"], "reachable": m.get("reachable") if m else None}
 
 
-def _model_never_started(outcomes: list[dict]) -> bool:
-    """Every episode of the scene was masked before the policy acted (`SETUP_FAILURES`: the prompt
-    alone reaches `sampling.max_episode_tokens`): the model's overall row has none of the scene,
-    so the expert's leaves it out as well and the two rows average the same scenes."""
-    return all(o["failure_cause"] in SETUP_FAILURES for o in outcomes)
+def _model_measured(outcomes: list[dict]) -> bool:
+    """Some episode of the scene was left unmasked, so the model's overall row has a reward of
+    the scene. When none was (the prompt alone reaches `sampling.max_episode_tokens`, our
+    sampler or scene runtime failed, the judge failed on every one), the expert's overall row
+    leaves the scene out as well, so the two rows average the same scenes."""
+    return any(not o["masked"] for o in outcomes)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -271,8 +271,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     "scenes": [{"scene_id", "seed", "prompt", "scene_sha256" (`sceneset.record_sha256`: the
     digest of the scene's record, room and requested items included), "model": summary +
     "episodes", "expert": summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"};
-    `overall.expert` leaves out the scenes whose model episodes were all masked before the
-    policy acted (`prompt_over_cap`), which `overall.model` has no reward of.
+    `overall.expert` leaves out the scenes whose model episodes were all masked (any cause:
+    `prompt_over_cap`, `rollout_error`, a judge failure), which `overall.model` has no reward of.
     Summaries are `summarize(...)` dicts. Raises ValueError when samples is outside
     1..GROUP_MAX (`check_samples`), there are no records, or a generated scene name is another
     record's scene_id (`report_scene_ids`).
@@ -309,7 +309,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
                 for t in group.trajectories]}
         if with_expert:
             out = experts[i].outcome.to_json()
-            if engine is None or not _model_never_started(outs):
+            if engine is None or _model_measured(outs):
                 all_expert.append(out)
             row["expert"] = {**summarize([out], keys), "episodes": [_episode_row(out)]}
         rows.append(row)

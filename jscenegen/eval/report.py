@@ -11,7 +11,7 @@ from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.paths import finite_number
 from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX
-from jscenegen.scene.reward import JUDGE_FAILURES
+from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES, SETUP_FAILURES
 from jscenegen.text import clip_line, clip_text
 
 REPORT_SCHEMA = "jscenegen.eval/1"
@@ -473,3 +473,33 @@ def ungraded_judge_failures(report: dict) -> str:
     for s in summaries:
         failed.update({k: c for k, c in s["failure_causes"].items() if k in JUDGE_FAILURES})
     return ", ".join(f"{k} x{c}" for k, c in sorted(failed.items()))
+
+
+# what failed, by the kind of masked cause (scene.reward), for an error line
+_MASKED_WHY = ((RUNTIME_FAILURES, "jscenegen's sampler or scene runtime failed, not the policy "
+                                  "(the log line above names the error; JSCENEGEN_DEBUG=1 adds its "
+                                  "traceback)"),
+               (JUDGE_FAILURES, "the judge failed (check judge.base_url and the judge's log)"),
+               (SETUP_FAILURES, "the prompt alone reaches sampling.max_episode_tokens"))
+
+
+def masked_why(causes) -> str:
+    """What failed for the masked `causes` ('rollout_error', ...), one clause per kind present,
+    joined by '; ' ('' for none)."""
+    return "; ".join(why for kind, why in _MASKED_WHY if any(c in kind for c in causes))
+
+
+def unmeasured_model(report: dict) -> str:
+    """When the report has model episodes and none of them was left unmasked (its
+    `overall.model.reward` is null: every one failed in our sampler or scene runtime, in the
+    judge, or started at the token cap), what masked them: 'every one of the 2 model episodes
+    was masked (rollout_error x2): jscenegen's sampler ...'; else ''. An evaluation that
+    measured no reward of the model is a failed evaluation, whatever the expert's row holds."""
+    m = report["overall"].get("model")
+    if m is None or m["reward"] is not None or not m["episodes"]:
+        return ""
+    causes = dict(sorted(m["failure_causes"].items()))
+    counted = ", ".join(f"{k} x{c}" for k, c in causes.items())
+    n = m["episodes"]
+    return (f"{'the one model episode was' if n == 1 else f'every one of the {n} model episodes was'} "
+            f"masked ({counted}): {masked_why(causes)}")
