@@ -66,8 +66,8 @@ def plot_report(report: dict, out: str | Path, *, before: dict | None = None,
                         color="black" if m["reward"] is None else "white", parse_math=False)
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_ylim(-1.1, 1.3)
-    ax.set_xticks(x, [clip_text(r["scene_id"], MAX_LABEL_CHARS) for r in rows], rotation=30, ha="right", fontsize=7,
-                  parse_math=False)
+    ax.set_xticks(x, [clip_text(r["scene_id"], MAX_LABEL_CHARS) for r in rows], rotation=30,
+                  ha="right", fontsize=7, parse_math=False)
     ax.set_ylabel("mean reward")
     shown = (f", the first {len(rows)} of {len(report['scenes'])} scenes"
              if len(report["scenes"]) > len(rows) else "")

@@ -60,8 +60,8 @@ def check_report(report, source: str) -> None:
     `failure_cause` (a string or null), as many as `samples` (an integer in 1..GROUP_MAX) says
     (counted before they are read),
     `failure_causes` a {cause: count} object, each `scene_id` once;
-    `judge` and `sampling` objects and each scene's `scene_sha256` a string when present; `overall.model`
-    statistics; the `reward` and `failure_rate` of each summary those of its episodes;
+    `judge` and `sampling` objects and each scene's `scene_sha256` a string when present;
+    `overall.model` statistics; the `reward` and `failure_rate` of each summary those of its episodes;
     `schema` REPORT_SCHEMA."""
     def stats(m, where: str, episodes: bool) -> None:
         if not isinstance(m, dict):
@@ -108,7 +108,8 @@ def check_report(report, source: str) -> None:
                 raise ValueError(f"{source}: {at}.units must be a number >= 0 (budget units "
                                  f"spent) or null, got {clip_text(repr(ep['units']))}")
             if not isinstance(ep.get("masked"), bool):
-                raise ValueError(f"{source}: {at}.masked must be true or false, got {clip_text(repr(ep.get('masked')))}")
+                raise ValueError(f"{source}: {at}.masked must be true or false, got "
+                                 f"{clip_text(repr(ep.get('masked')))}")
             if "failure_cause" not in ep:
                 raise ValueError(f"{source}: {at}.failure_cause is missing")
             if not (ep["failure_cause"] is None or (isinstance(ep["failure_cause"], str)
@@ -228,15 +229,16 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     record their `judge`, `protocol`, `sampling` and each scene's `scene_sha256` (a report
     without one, written by an older jscenegen or edited, is refused), were graded by the same
     judge (backend, model, rubric) with the same settings (the HTTP judge's temperature and
-    max_tokens; one recorded by one report only is refused), played under the same scene protocol (prompts, costs,
-    budget, reward, metrics, catalogue) and cover the same scenes (same seeds, prompts and
-    scene records: rooms, requested items), each with model episodes of the same
+    max_tokens; one recorded by one report only is refused), played under the same scene
+    protocol (prompts, costs, budget, reward, metrics, catalogue) and cover the same scenes
+    (same seeds, prompts and scene records: rooms, requested items), each with model episodes of the same
     sampling seeds, drawn with the same `sampling` settings (all but the decode layout's `buckets`
     and `cache_tokens`, the chat template compared by the SHA-256 of its text rather than its
     path, and temperature/top-k/top-p when both decoded greedily): a comparison of part of the episodes, of rewards on other scales or
     of other sampling rules would be silently biased."""
     b, a = _coverage(before), _coverage(after)
     where = f"{names[0]} vs {names[1]}"
+
     def recorded(report: dict, key: str) -> bool:
         if key == "scenes[].scene_sha256":   # every scene's (an older jscenegen wrote none)
             return all(row.get("scene_sha256") for row in report["scenes"])
