@@ -508,8 +508,7 @@ def read_json_object(path: str | Path, error: type[Exception] = ValueError,
     with open(path, "rb") as f:
         raw = f.read(max_bytes + 1)
     if len(raw) > max_bytes:
-        raise error(f"{path}: more than {max_bytes:,} bytes, more than such a JSON file holds "
-                    "(jscenegen.paths.MAX_JSON_OBJECT_BYTES)")
+        raise error(_too_large(path, max_bytes))
     try:
         doc = loads_json(raw)
     except ValueError as err:
@@ -517,6 +516,26 @@ def read_json_object(path: str | Path, error: type[Exception] = ValueError,
     if not isinstance(doc, dict):
         raise error(f"{path}: expected a JSON object, got {type(doc).__name__}")
     return doc
+
+
+def refuse_oversized_json(path: str | Path, error: type[Exception] = ValueError,
+                          max_bytes: int = MAX_JSON_OBJECT_BYTES) -> None:
+    """The bound `read_json_object` reads by, for a JSON file another library parses whole
+    (orbax's `train_state/metadata` and `_METADATA`: `json.loads(path.read_text())`): raise
+    `error` naming `path` when it is there but is not a regular file (`not_a_file`: a named
+    pipe would block the read) or is larger than `max_bytes` on disk. A missing file passes
+    (the library names it)."""
+    if not os.path.lexists(path):
+        return
+    if why := not_a_file(path):
+        raise error(f"{path}: {why}")
+    if os.stat(path).st_size > max_bytes:
+        raise error(_too_large(path, max_bytes))
+
+
+def _too_large(path: str | Path, max_bytes: int) -> str:
+    return (f"{path}: more than {max_bytes:,} bytes, more than such a JSON file holds "
+            "(jscenegen.paths.MAX_JSON_OBJECT_BYTES)")
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict:

@@ -396,6 +396,35 @@ def test_a_train_state_item_that_is_no_object_is_one_named_error(tmp_path, mesh3
             store.restore(1)
 
 
+def test_the_json_files_orbax_parses_whole_are_bounded(tmp_path, mesh32, hf_dir):
+    """train_state/metadata and a PyTree item's _METADATA were handed to orbax, which parses
+    them whole (`json.loads(path.read_text())`): a step rewritten by another program with a
+    multi-GB one, checksums recomputed, was read into memory by a resume or a conversion. Now
+    each is refused unread past paths.MAX_JSON_OBJECT_BYTES, naming the file."""
+    from jscenegen.checkpoint.checksums import write_checksums
+    from jscenegen.paths import MAX_JSON_OBJECT_BYTES
+
+    store = CheckpointStore(tmp_path, keep_last=2)
+    save_step(store, 1, mesh32, hf_dir, seed=1)
+    step = store.step_path(1)
+    big = b'{"x": "' + b" " * MAX_JSON_OBJECT_BYTES + b'"}'   # valid JSON, one string
+    for item, name in (("train_state", "metadata"), ("params", "_METADATA")):
+        path = step / item / name
+        kept = path.read_bytes()
+        path.write_bytes(big)
+        (step / "checksums.json").unlink()
+        write_checksums(step)    # as the program that rewrote it would
+        too_large = rf"^{re.escape(str(path))}: more than {MAX_JSON_OBJECT_BYTES:,} bytes"
+        with pytest.raises(CheckpointError, match=too_large):
+            store.restore(1)
+        with pytest.raises(CheckpointError, match=too_large):
+            read_train_state(step) if item == "train_state" else array_shapes(step)
+        path.write_bytes(kept)
+    (step / "checksums.json").unlink()
+    write_checksums(step)
+    assert store.restore(1).train_state["update"] == 1   # each file at its size again
+
+
 def test_async_save_completes_on_next_save_and_close(tmp_path, mesh32, hf_dir):
     store = CheckpointStore(tmp_path, keep_last=5, async_save=True)
     save_step(store, 1, mesh32, hf_dir, seed=1)

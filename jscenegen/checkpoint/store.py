@@ -72,6 +72,7 @@ from jscenegen.paths import (
     is_step_name,
     quoted_storage_limit,
     read_json_object,
+    refuse_oversized_json,
     storage_limit,
     write_json,
 )
@@ -95,6 +96,9 @@ REQUIRED_METADATA = ("git_commit", "protocol_hash", "schedule_hash", "optimizer_
                      "effective_updates")
 ARRAY_GROUPS = ("params", "mu", "nu")
 MAX_ADAM_COUNT = int(np.iinfo(np.int32).max)  # adam/count is int32, as optax's count
+# the JSON files orbax parses whole, by item: the JSON item's file (JsonCheckpointHandler's
+# default name) and a PyTree item's tree metadata; bounded first (`_item_json_bounded`)
+ITEM_JSON_FILE = {TRAIN_STATE_ITEM: "metadata", PARAMS_ITEM: "_METADATA", ADAM_ITEM: "_METADATA"}
 CORRUPT_MARK = ".corrupt-"  # `<step>.corrupt-<UTC time>`: a corrupt step set aside, never deleted
 DELETING_MARK = ".deleting-"  # `.<step>.deleting-<pid>`: a step being deleted, no longer a step
 
@@ -561,8 +565,10 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
 
 def read_train_state(step_dir: str | Path) -> dict[str, Any]:
     """The trainer's JSON state of a step directory (the orbax `train_state` item). Raises
-    CheckpointError naming the item when orbax cannot read it or it is not an object."""
+    CheckpointError naming the item when orbax cannot read it or it is not an object, or
+    naming its file when that is larger than `paths.MAX_JSON_OBJECT_BYTES`."""
     path = _item_dir(Path(step_dir), TRAIN_STATE_ITEM)
+    _item_json_bounded(path, TRAIN_STATE_ITEM)
     with _orbax_reading(path):
         state = ocp.JsonCheckpointHandler().restore(path, args=ocp.args.JsonRestore())
     if not isinstance(state, dict):
@@ -592,6 +598,14 @@ def _item_dir(step_dir: Path, item: str) -> Path:
     return path
 
 
+def _item_json_bounded(item_dir: Path, item: str) -> None:
+    """Raise CheckpointError naming the file when the JSON file orbax parses whole for `item`
+    (`ITEM_JSON_FILE`) is not a regular file or is beyond `paths.MAX_JSON_OBJECT_BYTES`: the
+    checksums only say a step is as written, and a step another program wrote with a
+    multi-GB one would be read into memory whole."""
+    refuse_oversized_json(item_dir / ITEM_JSON_FILE[item], CheckpointError)
+
+
 def _read_pytree(step_dir: Path, item: str, restore_args: dict) -> dict:
     """Partial restore of the leaves named in `restore_args` from one orbax PyTree item.
 
@@ -599,6 +613,7 @@ def _read_pytree(step_dir: Path, item: str, restore_args: dict) -> dict:
     been written by a CheckpointManager in this process).
     """
     path = _item_dir(step_dir, item)
+    _item_json_bounded(path, item)
     handler = ocp.PyTreeCheckpointHandler()
     try:
         with _orbax_reading(path):
@@ -611,6 +626,7 @@ def _read_pytree(step_dir: Path, item: str, restore_args: dict) -> dict:
 
 def _item_tree(step_dir: Path, item: str) -> dict:
     path = _item_dir(step_dir, item)
+    _item_json_bounded(path, item)
     handler = ocp.PyTreeCheckpointHandler()
     try:
         with _orbax_reading(path):
@@ -626,7 +642,8 @@ def array_shapes(step_dir: str | Path, group: str = "params") -> dict[str, tuple
     """{hf_name: (logical shape, dtype)} stored for `group` in {"params", "mu", "nu"}.
 
     Reads only orbax's metadata (no array data). Raises CheckpointError for an unknown group,
-    a missing item, or an item that does not hold the group as {name: array} (naming it).
+    a missing item, an item whose `_METADATA` is beyond `paths.MAX_JSON_OBJECT_BYTES`, or an
+    item that does not hold the group as {name: array} (naming it).
     """
     step_dir = Path(step_dir)
     if group not in ARRAY_GROUPS:
@@ -1125,8 +1142,9 @@ class CheckpointStore:
         Without a target every array comes back as NumPy at logical shape, stored dtype.
         verified: `step`'s status as a full check just returned it (`set_aside_corrupt`): not
         hashed again. Raises CheckpointError if no complete step exists, the step fails verification
-        (naming the failing files), its moments do not fit its params (`moment_shapes`), or
-        the target's names or shapes do not fit.
+        (naming the failing files), its moments do not fit its params (`moment_shapes`), an
+        item's JSON file is beyond `paths.MAX_JSON_OBJECT_BYTES` (naming it), or the target's
+        names or shapes do not fit.
         """
         self.wait_until_finished()
         if step is None:
@@ -1151,6 +1169,8 @@ class CheckpointStore:
             count_sharding = None
         else:
             p_args, m_args, count_sharding = _target_restore_args(target, stored, moments, path)
+        # the arrays' items were bounded by array_shapes
+        _item_json_bounded(_item_dir(path, TRAIN_STATE_ITEM), TRAIN_STATE_ITEM)
         self._manager.reload()
         try:
             out = self._restore_items(step, p_args, m_args)
