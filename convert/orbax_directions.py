@@ -404,7 +404,7 @@ def orbax_state(step_dir: Path, world_size: int) -> VerlState:
                                     betas=tuple(optim.get("betas", (0.9, 0.999))),
                                     eps=float(optim.get("eps", 1e-8)),
                                     weight_decay=float(optim.get("weight_decay", 0.01)))
-    at = checkpoint_position(train_state)
+    at = checkpoint_position(train_state, where=step_dir / ckpt.TRAIN_STATE_ITEM)
     if optim:   # the run's schedule: the groups' lr where the checkpoint stands
         m = lr_lambda(_schedule_fields(step_dir, optim), at.lr_step)
         for g in groups:

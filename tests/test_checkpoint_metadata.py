@@ -134,12 +134,15 @@ def test_git_commit_outside_a_checkout(tmp_path):
 ])
 def test_a_converted_position_names_the_count_it_cannot_use(state, why):
     """-4 and 2.9 were taken (step -4, step 2), 10**30 overflowed the int32 counter later, and
-    a bad count said "no usable invalid literal for int()" without its key."""
-    from jscenegen.checkpoint.resume import checkpoint_position
+    a bad count said "no usable invalid literal for int()" without its key. A resume's check
+    of a step directory names the item's path (it said "train_state: ..." alone)."""
+    from jscenegen.checkpoint.resume import check_step_number, checkpoint_position
     from jscenegen.checkpoint.store import CheckpointError
 
     with pytest.raises(CheckpointError, match=rf"^train_state: {why}"):
         checkpoint_position(state)
+    with pytest.raises(CheckpointError, match=rf"^/runs/r/checkpoints/3/train_state: {why}"):
+        check_step_number(Path("/runs/r/checkpoints/3"), 3, state)
 
 
 def test_a_converted_position_reads_its_counts():

@@ -28,6 +28,7 @@ from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify
 from jscenegen.checkpoint.store import (
     HF_ASSET_FILES,
     HF_DIR,
+    TRAIN_STATE_ITEM,
     Checkpoint,
     CheckpointError,
     CheckpointStore,
@@ -161,17 +162,19 @@ class _ConvertedPosition(BaseModel):
     optimizer_step: _Count | None = None
 
 
-def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
+def checkpoint_position(train_state: Mapping[str, Any],
+                        where: str | Path = TRAIN_STATE_ITEM) -> CheckpointPosition:
     """Where the checkpoint whose orbax `train_state` item this is stands: the trainer's own
     (`schedule.attempts`, `lr_step`, `skipped_steps`) or a converted one without the run's
     identity (`step`, `lr_schedule_count`, `optimizer_step`: integers in [0, 2^31)). Raises
-    CheckpointError naming the missing or malformed key."""
+    CheckpointError naming `where` (the item: its path when known) and the missing or
+    malformed key."""
     try:
         if not has_run_identity(train_state):
             try:
                 at = _ConvertedPosition.model_validate(dict(train_state))
             except ValidationError as err:
-                raise CheckpointError(f"train_state: {_first_error(err)}") from None
+                raise CheckpointError(f"{where}: {_first_error(err)}") from None
             step = at.step
             lr = step if at.lr_schedule_count is None else at.lr_schedule_count
             taken = step if at.optimizer_step is None else at.optimizer_step
@@ -180,7 +183,7 @@ def checkpoint_position(train_state: Mapping[str, Any]) -> CheckpointPosition:
                                   lr_step=int(train_state["lr_step"]),
                                   skipped_steps=int(train_state["skipped_steps"]))
     except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"train_state: no usable {err} (neither the trainer's position "
+        raise CheckpointError(f"{where}: no usable {err} (neither the trainer's position "
                               "nor a converted checkpoint's)") from None
 
 
@@ -190,8 +193,9 @@ def check_step_number(step_dir: Path, step: int, train_state: Mapping[str, Any])
     directory it was read from: a step directory copied or renamed (`cp -r checkpoints/8
     checkpoints/12`) would resume at the directory's number with the train state's position,
     and the run's next save would not fit. Raises CheckpointError naming the directory and the
-    train state's value."""
-    at = checkpoint_position(train_state)
+    train state's value, or the item (`step_dir/train_state`) and the key that is missing or
+    malformed (`checkpoint_position`)."""
+    at = checkpoint_position(train_state, where=step_dir / TRAIN_STATE_ITEM)
     if at.step != step:
         key = "schedule.attempts" if has_run_identity(train_state) else "step"
         raise CheckpointError(f"{step_dir}: a step directory numbered {step} whose train_state "
