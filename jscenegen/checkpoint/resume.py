@@ -32,6 +32,7 @@ from jscenegen.checkpoint.store import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
+    moment_shapes,
     padded_target,
     read_train_state,
 )
@@ -73,26 +74,26 @@ def restore_onto_mesh(store: CheckpointStore, shapes: Mapping[str, tuple[int, ..
     before its arrays are read, so a refusal of a multi-GB step costs no restore.
     Raises CheckpointError when there is none, it does not fit `shapes`, or its Adam state
     covers other tensors than `trainable` (e.g. a tower trained with `model.train_vision:
-    true`, resumed without it), naming the tensors that differ."""
+    true`, resumed without it), naming the tensors that differ (from orbax's metadata, before
+    any array is read)."""
     valid = store.set_aside_corrupt()
     if valid is None:
         raise CheckpointError(f"{store.directory}: no complete checkpoint (steps on disk: "
                               f"{store.steps()})")
+    step_dir = store.step_path(valid.step)
     if check_train_state is not None:
-        step_dir = store.step_path(valid.step)
         check_train_state(step_dir, valid.step, read_train_state(step_dir))
-    ck = store.restore(valid.step, target=padded_target(shapes, mesh, dtype=param_dtype),
-                       verified=valid)
     want = set(shapes if trainable is None else trainable)
-    have = set(ck.adam["mu"])
+    have = set(moment_shapes(step_dir))   # orbax's metadata only: refused before any array
     if want != have:
         extra, missing = sorted(have - want), sorted(want - have)
         raise CheckpointError(
-            f"{ck.path}: the checkpoint's Adam state covers other tensors than this run trains: "
+            f"{step_dir}: the checkpoint's Adam state covers other tensors than this run trains: "
             f"state for {len(extra)} tensor(s) this run keeps frozen {extra[:3]}, none for "
             f"{len(missing)} it trains {missing[:3]}; set model.train_vision to what the "
             f"checkpoint was trained with (its training_metadata.json lists frozen_tensors)")
-    return ck
+    return store.restore(valid.step, target=padded_target(shapes, mesh, dtype=param_dtype),
+                         verified=valid)
 
 
 RUN_STATE_FILE = "jscenegen_train_state.json"
