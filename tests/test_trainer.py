@@ -39,6 +39,9 @@ _OVERRIDES = (
     "schedule.zero_spread=count",   # ... nor has signal: step anyway
     "loss.entropy_coeff=0.01",      # ... with a real, non-zero gradient
     "optim.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
+    # an LR that differs at every count (1, 0.85, 0.5, 0.15 x optim.lr): a resume that lost its
+    # scheduler position (lr_step) takes other updates than a straight run
+    "optim.lr_schedule=cosine", "optim.total_steps=4",
     "logging.swanlab_mode=disabled", "trainer.progress=false",
 )
 
@@ -180,7 +183,8 @@ def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tm
         np.testing.assert_array_equal(a.adam["mu"][name], b.adam["mu"][name], err_msg=name)
         np.testing.assert_array_equal(a.adam["nu"][name], b.adam["nu"][name], err_msg=name)
     assert np.abs(a.adam["mu"]["model.norm.weight"]).max() > 0  # the moments really moved
-    assert a.train_state["schedule"] == b.train_state["schedule"]
+    # the whole train state: schedule position, LR-scheduler count, skipped steps, hashes
+    assert a.train_state == b.train_state and b.train_state["lr_step"] == 3
     assert _metrics(run_dir) == _metrics(tmp_path)
 
 
@@ -603,7 +607,7 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     _, b = _run(tmp_path / "back", resume=True, **extend)
     assert a.attempts == b.attempts == 4
     fa, fb = _final(reference), _final(tmp_path / "back")
-    assert fa.train_state["schedule"] == fb.train_state["schedule"]
+    assert fa.train_state == fb.train_state and fb.train_state["lr_step"] == 4
     for name in fa.params:
         np.testing.assert_array_equal(fa.params[name], fb.params[name], err_msg=name)
         np.testing.assert_array_equal(fa.adam["nu"][name], fb.adam["nu"][name], err_msg=name)
@@ -713,7 +717,9 @@ def test_a_non_finite_gradient_is_no_effective_update_and_its_role_waits(tmp_pat
     does not move on. The sampler is given the step's output all the same: the step donated
     its input, and under `rollout.layout=fsdp` (fp32 weights and compute: no cast) the sampler
     reads the training arrays themselves, so without it attempt 3 decoded deleted buffers
-    (XLA's "Buffer has been deleted or donated", then SIGSEGV)."""
+    (XLA's "Buffer has been deleted or donated", then SIGSEGV). Under `auto` the run stops
+    after the skipped step and resumes: the skipped-step count and the LR-scheduler count
+    (which advanced on the skipped step) are restored."""
     import jscenegen.grpo.train.trainer as trainer_module
     from jscenegen.grpo.rollout.engine import RolloutEngine
 
@@ -737,8 +743,14 @@ def test_a_non_finite_gradient_is_no_effective_update_and_its_role_waits(tmp_pat
 
     monkeypatch.setattr(trainer_module, "shard_batch", poisoned)
     monkeypatch.setattr(RolloutEngine, "run_groups", run_groups)
-    _, summary = _run(tmp_path, max_updates=3,
-                      **{"checkpoint.save_every": 10, "rollout.layout": layout})
+    over = {"checkpoint.save_every": 10, "rollout.layout": layout}
+    if layout == "fsdp":   # one process: attempt 3 decodes with what the skipped step left
+        _, summary = _run(tmp_path, max_updates=3, **over)
+    else:
+        _, first = _run(tmp_path, max_updates=2, **over)
+        assert first.attempts == 2
+        assert read_train_state(Path(first.checkpoint))["skipped_steps"] == 1
+        _, summary = _run(tmp_path, resume=True, max_updates=1, **over)
     assert deleted == [0, 0, 0]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/skipped"] for r in rows] == [0, 1, 0]
@@ -754,6 +766,7 @@ def test_a_non_finite_gradient_is_no_effective_update_and_its_role_waits(tmp_pat
     assert summary.effective_updates == 2
     ck = _final(tmp_path)
     assert int(ck.adam["count"]) == 2 and ck.train_state["skipped_steps"] == 1
+    assert ck.train_state["lr_step"] == 3
     assert "the gradient is not finite" in caplog.text
 
 
