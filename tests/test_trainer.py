@@ -256,6 +256,72 @@ def test_a_reference_of_another_size_is_refused_before_a_resume_rewrites_its_con
     check(str(chat_model_dir()))
 
 
+def test_a_resume_refuses_a_model_directory_whose_tokenizer_or_template_changed(straight, tmp_path,
+                                                                                caplog):
+    """A resume read the tokenizer and chat template of the run's model directory by path,
+    unchecked: edited between the stop and the resume (or the directory rebuilt), the run went
+    on rendering and tokenising its prompts otherwise. They are compared with the chosen step's
+    hf/ copies, before any weights load; sampling.chat_template_path is the one accepted
+    difference (the directory's template is then not read). A checkpoint that records no KL
+    reference digest (the straight run trained without KL) resumes with the KL loss, warned,
+    and records the reference from then on."""
+    import shutil
+
+    run = shutil.copytree(straight[0], tmp_path / "run")
+    md = shutil.copytree(chat_model_dir(), tmp_path / "model")
+    template = md / "chat_template.jinja"
+    kept = tmp_path / "kept.jinja"
+    shutil.copyfile(template, kept)
+    template.write_text(kept.read_text() + "{# edited by hand #}")
+    saved = run / "checkpoints/3/hf"
+    with pytest.raises(ResumeError, match=rf"^resume refused: {re.escape(str(template))} differs "
+                                          rf"from {re.escape(str(saved / 'chat_template.jinja'))}, "
+                                          r".*\(model.path .*or set sampling.chat_template_path"):
+        Trainer(_cfg(), run, md, resume=True)
+    config = md / "tokenizer_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), edited=True)))
+    override = {"sampling.chat_template_path": str(kept)}
+    with pytest.raises(ResumeError, match=rf"^resume refused: {re.escape(str(config))} differs"):
+        Trainer(_cfg(**override), run, md, resume=True)   # the override covers the template only
+    shutil.copyfile(saved / "tokenizer_config.json", config)
+    with caplog.at_level("WARNING"):
+        trainer = Trainer(_cfg(**override, **{"loss.use_kl_loss": "true"}), run, md, resume=True)
+    try:
+        assert trainer.chat.template_source == str(kept)
+        assert "records no digest of the KL reference's weights" in caplog.text
+        recorded = trainer._train_state_json()["kl_reference"]
+    finally:
+        trainer.close()
+    assert recorded["path"] is None and re.fullmatch(r"[0-9a-f]{64}", recorded["weights_digest"])
+
+
+def test_a_resume_refuses_kl_reference_weights_other_than_the_run_trained_against(tmp_path):
+    """With the KL loss and no model.reference_path, a resume re-reads the initial policy from
+    the run's model directory: weights rewritten there between the stop and the resume (same
+    names, shapes and size) became the reference unnoticed. The fresh start records their
+    sampled digest in the train state; the resume compares it before any array is read."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    md = shutil.copytree(chat_model_dir(), tmp_path / "model")
+    kl = {"loss.use_kl_loss": "true", "loss.kl_coef": 1.0}
+    trainer = Trainer(_cfg(**kl), tmp_path / "run", md)
+    try:
+        step = trainer.save()    # step 0: what the fresh start records
+    finally:
+        trainer.close()
+    recorded = read_train_state(step)["kl_reference"]
+    assert recorded["path"] is None and re.fullmatch(r"[0-9a-f]{64}", recorded["weights_digest"])
+    weights = md / "model.safetensors"
+    size = weights.stat().st_size
+    save_file({k: v * 2 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    assert weights.stat().st_size == size    # another fine-tune of the same model
+    with pytest.raises(ResumeError, match=rf"^resume refused: the KL reference's weights in "
+                                          rf"{re.escape(str(md))} \(model.path\) are not those"):
+        Trainer(_cfg(**kl), tmp_path / "run", md, resume=True)
+
+
 def test_a_log_write_that_fails_on_process_0_fails_every_process(monkeypatch):
     """Process 0 alone writes metrics.jsonl, trajectories and reports; when that failed (a full
     disk), the other processes went on into the next collective and waited for process 0 until

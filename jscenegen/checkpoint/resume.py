@@ -13,6 +13,7 @@ config and tokenizer a resumed run uses.
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ from jscenegen.checkpoint.store import (
     read_train_state,
 )
 from jscenegen.config import shown_value, validation_message
+from jscenegen.model.assets import CHAT_TEMPLATE_FILES, TOKENISATION_FILES
 from jscenegen.paths import loads_json, not_a_file, umask_mode
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,14 @@ _SchedulePosition = create_model(
     **{k: (_Count, ...) for k in SCHEDULE_POSITION_KEYS})
 
 
+class _KLReference(BaseModel):
+    """The KL reference a run trained against (the train state's `kl_reference`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: StrictStr | None   # model.reference_path; None: the initial policy (the model directory)
+    weights_digest: Annotated[StrictStr, Field(max_length=200)]
+
+
 class _RunIdentity(BaseModel):
     """The keys of a train state that a resume reads (others, such as `source_format`, pass)."""
 
@@ -125,6 +135,7 @@ class _RunIdentity(BaseModel):
     failure_streaks: dict[Literal["judge", "rollout"], list[Annotated[StrictStr, Field(max_length=400)]]] = {}
     protocol_hash: StrictStr
     reward: dict[str, Annotated[float, Field(allow_inf_nan=False, strict=True)]]
+    kl_reference: _KLReference | None = None   # since 2026-12-07, with loss.use_kl_loss
 
 
 def has_run_identity(train_state: Mapping[str, Any]) -> bool:
@@ -292,6 +303,64 @@ def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
         raise ResumeError(f"resume refused: the scene protocol changed ({what}; checkpoint "
                           f"protocol hash {train_state['protocol_hash'][:16]}, now "
                           f"{protocol_hash[:16]})")
+
+
+def check_same_tokenizer(model_dir: Path, step_dir: Path, *, template_override: bool) -> None:
+    """Raise ResumeError when a tokenizer, chat-template or generation-config file
+    (`model.assets.TOKENISATION_FILES`) of the run's model directory `model_dir` is not the
+    copy in the chosen step's `hf/` (other bytes, or present in only one of them): the copy is
+    what the run trained with (verified by the step's checksums), and the resumed run reads
+    the directory's, so it would tokenise and render its prompts otherwise. With
+    `template_override` (`sampling.chat_template_path` set, the documented way to change the
+    template) the directory's chat template files (`CHAT_TEMPLATE_FILES`) are not read and not
+    compared. The error names both files and what would be right."""
+    hf = step_dir / HF_DIR
+    for name in TOKENISATION_FILES:
+        if template_override and name in CHAT_TEMPLATE_FILES:
+            continue
+        ours, saved = model_dir / name, hf / name
+        if not ours.is_file() and not saved.is_file():
+            continue
+        if ours.is_file() and saved.is_file():
+            if filecmp.cmp(ours, saved, shallow=False):
+                continue
+            what, cure = f"differs from {saved}, the copy the run trained with", f"copy {saved} over it"
+        elif saved.is_file():
+            what, cure = f"is missing; the run trained with {saved}", f"copy {saved} there"
+        else:
+            what, cure = f"is new: the run trained without it ({hf} has none)", "remove it"
+        also = (", or set sampling.chat_template_path to render with another template on "
+                "purpose" if name in CHAT_TEMPLATE_FILES else "")
+        raise ResumeError(f"resume refused: {ours} {what}; the run's model directory (model.path "
+                          f"when it started, recorded in run.json) must keep the tokenizer and chat "
+                          f"template it trained with: {cure}{also}")
+
+
+def check_same_reference(train_state: Mapping[str, Any], reference: Mapping[str, Any],
+                         reference_dir: Path, where: Path) -> None:
+    """Raise ResumeError when the KL reference's weights in `reference_dir` differ from those
+    the run trained against: `reference` ({"path": model.reference_path or None, for the
+    initial policy in the model directory; "weights_digest": the directory's sampled digest})
+    against the train state's `kl_reference`, recorded at the run's fresh start, when both
+    name the same `path` (a changed model.reference_path is a setting changed on purpose,
+    which the resume's config warning names). A train state that records none (saved before
+    this check, or by a run started without loss.use_kl_loss; `where` is its item) is
+    accepted with a warning. The error names the config key and the directory."""
+    saved = train_state.get("kl_reference")
+    if saved is None:
+        log.warning("%s records no digest of the KL reference's weights (saved before resumes "
+                    "checked it, or by a run started without loss.use_kl_loss): %s is taken "
+                    "unchecked", where, reference_dir)
+        return
+    if saved["path"] != reference["path"] or saved["weights_digest"] == reference["weights_digest"]:
+        return
+    key = "model.reference_path" if reference["path"] is not None else "model.path"
+    raise ResumeError(f"resume refused: the KL reference's weights in {reference_dir} ({key}) are "
+                      f"not those the run trained against (sampled digest "
+                      f"{reference['weights_digest'][:16]}, the checkpoint's "
+                      f"{saved['weights_digest'][:16]}); put the reference's weights back there, "
+                      "or give the HF directory of the reference to train against as "
+                      "model.reference_path")
 
 
 MAX_RUN_RECORD_BYTES = 1 << 20

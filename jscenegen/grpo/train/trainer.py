@@ -33,7 +33,9 @@ from jscenegen.checkpoint.metadata import config_changes, redact, training_metad
 from jscenegen.checkpoint.resume import (
     ResumeError,
     check_run_identity,
+    check_same_reference,
     check_same_run,
+    check_same_tokenizer,
     check_step_number,
     checkpoint_position,
     has_run_identity,
@@ -177,14 +179,18 @@ def _write_on_primary(write: Callable[[], None]) -> None:
     on_primary(write, OSError)
 
 
+NO_READABLE_WEIGHTS = "no readable weights"
+
+
 def _weights_digest(model_dir: Path) -> str:
     """`sampled_file_digest` of each safetensors file the HF directory `model_dir` reads, by
-    name; a directory whose weights cannot be listed says so (the load names the problem)."""
+    name; a directory whose weights cannot be listed says so (NO_READABLE_WEIGHTS: the load
+    names the problem)."""
     try:
         files = sorted(set(safetensors_files(model_dir).values()))
         return json_sha256([[f.name, sampled_file_digest(f)] for f in files])
     except (CheckpointFormatError, OSError):
-        return "no readable weights"
+        return NO_READABLE_WEIGHTS
 
 
 class Trainer:
@@ -196,8 +202,9 @@ class Trainer:
         the weights come from the newest complete checkpoint in `run_dir/checkpoints`.
 
         Raises ResumeError (changed protocol/reward/schedule, a schedule.total_updates below the
-        effective updates done, or a finished save where a fresh run was asked for:
-        `store.finished_saves`), MeshError,
+        effective updates done, a model directory whose tokenizer or chat template is not the
+        checkpoint's `hf/` copy, KL reference weights other than the run trained against, or a
+        finished save where a fresh run was asked for: `store.finished_saves`), MeshError,
         CheckpointError, ChatTemplateError.
         """
         self.cfg = cfg
@@ -235,6 +242,9 @@ class Trainer:
         from jscenegen.eval.evaluate import check_scenes_fit
 
         check_scenes_fit(self.chat, self.scenes[:n], cfg, str(cfg.schedule.train_set))  # before any weights
+        # the KL reference this start trains against, saved in every train state (resumed
+        # runs compare it, `_check_saved`); a run without KL carries its checkpoint's forward
+        self._kl_reference = self._reference_record() if cfg.loss.use_kl_loss else None
         if resume:
             ck = self._read_checkpoint()
             _write_on_primary(lambda: retire_converted_manifest(self.store.directory))
@@ -290,6 +300,14 @@ class Trainer:
                               f"whose weights are not in {self.model_dir} ({err}); give its HF "
                               "directory as model.reference_path") from None
         return split_params(ref)[1]
+
+    def _reference_record(self) -> dict | None:
+        """{"path": model.reference_path (None: the initial policy, the model directory),
+        "weights_digest": `_weights_digest` of its directory}; None when that directory holds
+        no readable weights (`_reference_params` then names the problem)."""
+        path = self.cfg.model.reference_path
+        digest = _weights_digest(Path(path) if path is not None else self.model_dir)
+        return None if digest == NO_READABLE_WEIGHTS else {"path": path, "weights_digest": digest}
 
     def _check_reference(self, path: str) -> None:
         """Raise ValueError naming model.reference_path when its config.json describes other
@@ -353,7 +371,7 @@ class Trainer:
                      list(self.chat.end_ids)])}
 
     def _train_state_json(self) -> dict:
-        return {
+        state = {
             "schedule": self.pos.to_json(),
             "lr_step": int(self.state.lr_step),
             "skipped_steps": int(self.state.skipped_steps),
@@ -368,6 +386,9 @@ class Trainer:
             "data_iterator": {"scene_index": self.pos.scene_index, "epoch": self.pos.epoch},
             "rng": "none: sampling keys derive from the episode seeds",
         }
+        if self._kl_reference is not None:   # the KL reference's weights (`_reference_record`)
+            state["kl_reference"] = self._kl_reference
+        return state
 
     def save(self) -> Path:
         adam = state_to_canonical(self.state.opt_state)
@@ -399,7 +420,12 @@ class Trainer:
 
     def _check_saved(self, step_dir: Path, step: int, saved: dict) -> None:
         """Refuse a step whose train state is malformed, numbered otherwise than its directory
-        (`check_step_number`), or from a changed run (protocol, reward, schedule, scenes)."""
+        (`check_step_number`), from a changed run (protocol, reward, schedule, scenes), whose
+        `hf/` tokenizer and chat template the model directory no longer holds
+        (`check_same_tokenizer`), or, with the KL loss, whose recorded reference weights are
+        not the reference directory's (`check_same_reference`)."""
+        check_same_tokenizer(self.model_dir, step_dir,
+                             template_override=bool(self.cfg.sampling.chat_template_path))
         if not has_run_identity(saved):
             at = check_step_number(step_dir, step, saved)
             if changed := torch_optimizer_changes(read_metadata(step_dir), self.cfg.optim,
@@ -420,6 +446,11 @@ class Trainer:
             check_scene_content(saved, self.scenes, self.cfg.schedule.train_set)
         except ValueError as err:
             raise ResumeError(str(err)) from None
+        if self._kl_reference is not None:
+            path = self._kl_reference["path"]
+            check_same_reference(saved, self._kl_reference,
+                                 Path(path) if path is not None else self.model_dir,
+                                 step_dir / TRAIN_STATE_ITEM)
 
     def _protocol_settings_changed(self, step_dir, saved) -> list[str] | None:
         """The settings the protocol hash reads (`protocol_settings`) that differ from those
@@ -446,6 +477,8 @@ class Trainer:
             self.pos = self.schedule.extended(SchedulePosition.from_json(saved["schedule"]),
                                               int(saved["num_scenes"]))
             self._own_checkpoint = True
+            if self._kl_reference is None:   # no KL now: kept for a later resume with it
+                self._kl_reference = saved.get("kl_reference")
             streaks = saved.get("failure_streaks", {})   # checked by check_run_identity
             self._judge_down = list(streaks.get("judge", []))
             self._rollout_down = list(streaks.get("rollout", []))
