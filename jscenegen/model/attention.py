@@ -6,13 +6,19 @@ the KV cache's layout, k [B, Nkv, D, Sk] and v [B, Nkv, Sk, D]: both products th
 cache as it lies, as plain [M, K] x [K, N] matmuls (a [B, Sk, Nkv, D] cache is transposed,
 i.e. copied, for every layer and token, and XLA:CPU repacks a [N, K] right operand per call). `impl="xla"` is the plain reference used on CPU and in tests (fp32 softmax,
 as transformers' eager attention); `impl="cudnn"` calls
-`jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bf16/fp16).
-Sequence-parallel callers pass k/v already gathered over `sp`.
+`jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bf16/fp16) on each device's
+shard (`per_shard`). Sequence-parallel callers pass k/v already gathered over `sp`.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jscenegen.sharding.constraints import active_spec, dividing_axes
+from jscenegen.sharding.rules import HEADS
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -38,17 +44,69 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, nq, d).astype(q.dtype)
 
 
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                    cached: bool = False) -> jax.Array:
+Kernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, bool], jax.Array]
+
+
+def per_shard(kernel: Kernel, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              cached: bool = False) -> jax.Array:
+    """`kernel(q, k, v, mask, cached)` run by every device on its own shard, inside
+    `jax.shard_map` over the active mesh (the identity wrapper without one); shapes as the
+    module says, returns [B, S, Nq, D] split as q.
+
+    The split is the active layout's `HEADS` spec of q (`sharding.rules`: training rows over
+    fsdp and positions over sp; rollout rows over data and heads over tp): q and the output
+    are split by it; mask [B, S, Sk] by its rows and positions (each device's own query rows,
+    built globally, so causality across shards holds); k and v by its rows and heads, every
+    key position on each device (sequence parallelism gathers them, as `qwen.cached_attention`
+    constrains them). A dimension that axis does not divide evenly (S = 1 in decode, under the
+    fsdp rollout layout's sp) is kept whole instead (`dividing_axes`); heads are split only
+    where the axis divides the kv heads, so each shard keeps its query heads' kv heads.
+
+    Why: cuDNN's fused attention (jax `_src/cudnn/fused_attention_stablehlo.py`) partitions
+    itself only when q, k and v share one sharding with the sequence unsplit, and raises
+    "Query, key and value should have same sharding" for sequence parallelism's split
+    queries over gathered keys (jax-anchors.md 8.2: run the kernel per shard). The backward
+    pass sums each shard's key/value gradients over the axes k and v are not split by
+    (`shard_map`'s transpose with check_vma off), as GSPMD's partitioning of the unsharded
+    kernel does.
+    """
+    spec = active_spec(HEADS)
+    if spec is None:
+        return kernel(q, k, v, mask, cached)
+    rows, positions, heads = (*spec, None, None, None)[:3]
+    rows = dividing_axes(rows, q.shape[0])
+    positions = dividing_axes(positions, q.shape[1])
+    heads = dividing_axes(heads, k.shape[1] if cached else k.shape[2])
+    q_spec = P(rows, positions, heads)
+    kv_spec = P(rows, heads) if cached else P(rows, None, heads)
+
+    def body(q, k, v, mask):
+        return kernel(q, k, v, mask, cached)
+
+    # check_vma off: cuDNN's primitives carry no varying-axes rules; every output is per-shard
+    return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, P(rows, positions)),
+                         out_specs=q_spec, check_vma=False)(q, k, v, mask)
+
+
+def cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                 cached: bool = False) -> jax.Array:
     """The same attention as `xla_attention` by cuDNN's fused kernel
-    (`jax.nn.dot_product_attention(implementation="cudnn")`; GPU, bf16/fp16 inputs). Shapes
-    as the module says; returns [B, S, Nq, D] in q's dtype."""
+    (`jax.nn.dot_product_attention(implementation="cudnn")`; GPU, bf16/fp16 inputs, else
+    jax raises) on whole arrays: one device, or one shard inside `per_shard`. Shapes as the
+    module says; returns [B, S, Nq, D] in q's dtype."""
     if cached:
         k, v = k.transpose(0, 3, 1, 2), v.swapaxes(1, 2)
     out = jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None, :, :], implementation="cudnn"
     )
     return out.astype(q.dtype)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    cached: bool = False) -> jax.Array:
+    """`cudnn_kernel` on each device's shard (`per_shard`): cuDNN's own partitioning refuses
+    sequence-split queries. Shapes as the module says; returns [B, S, Nq, D] in q's dtype."""
+    return per_shard(cudnn_kernel, q, k, v, mask, cached)
 
 
 IMPLEMENTATIONS = {"xla": xla_attention, "cudnn": cudnn_attention}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Iterator
 
 import jax
@@ -47,6 +48,18 @@ def axis_size(name: str) -> int:
     if mesh.empty or not set(AXES) <= set(mesh.axis_names):
         return 1
     return mesh.shape[name]
+
+
+def dividing_axes(axes: str | tuple[str, ...] | None, size: int) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry `axes` (a mesh axis name, a tuple of them or None) when the
+    product of their sizes in the active mesh divides `size`, else None (that dimension
+    whole on every device): what `jax.shard_map`, which needs even splits, can take for a
+    dimension of that size."""
+    if axes is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return axes if size % math.prod(mesh.shape[a] for a in names) == 0 else None
 
 
 def constrain(x: jax.Array, role: str | P) -> jax.Array:
