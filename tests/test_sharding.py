@@ -307,6 +307,19 @@ def test_causal_load_balanced_order_gives_the_same_logits(tiny_hf):
                                        atol=2e-5, rtol=1e-5)
 
 
+def test_the_balanced_order_program_holds_no_constant_that_grows_with_the_sequence():
+    """model.causal_balance builds its order from an iota and compares it in the program: the
+    lowered forward grows by less than one character per position from S = 256 to 1024 (only
+    the shapes' digits), where an [S] constant would add several per position and the former
+    folded [S, S] mask constant added 2.0 MB (134 MB of StableHLO at S = 8,192)."""
+    cfg = preset_config("qwen3", "micro", vocab_size=256, num_hidden_layers=1)
+    model = QwenForCausalLM(cfg, rngs=nnx.Rngs(0), balance_shards=2, scan_layers=False)
+    forward = nnx.jit(lambda m, i, k: m.hidden_states(i, k))
+    size = {s: len(forward.lower(model, jnp.zeros((1, s), jnp.int32),
+                                 jnp.ones((1, s), jnp.int32)).as_text()) for s in (256, 1024)}
+    assert size[1024] - size[256] < 1024 - 256, size
+
+
 # ---- Qwen3.5: every tensor and both Adam moments, and sequence parallelism through the GDN ----
 def _shards_follow_fsdp2(arr, logical_rows: int, mesh, name: str) -> None:
     """arr is split on dim 0 over all devices, FSDP2-padded: device r holds rows [r c, (r+1) c)."""

@@ -20,7 +20,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jscenegen.model.attention import attention
@@ -112,14 +111,17 @@ def check_rows_without_cache(rows, cache) -> None:
         raise ValueError("rows selects positions of a full forward; a cached step has none")
 
 
-def balanced_order(s: int, shards: int) -> np.ndarray:
+def balanced_order(s: int, shards: int) -> jax.Array:
     """Token order for causal load balance: the sequence cut into 2 x shards chunks, shard i
     holding chunks i and 2 x shards - 1 - i, so every shard gets equal causal attention work.
-    [s] int permutation; s must be a multiple of 2 x shards."""
+    [s] int32 permutation (entry p: the original index of reordered position p); s must be a
+    multiple of 2 x shards. Computed from an iota, so inside jit the program holds no
+    [s]-sized constant (and no [s, s] one where the mask compares it)."""
     chunks = 2 * shards
     c = s // chunks
-    picks = [j for i in range(shards) for j in (i, chunks - 1 - i)]
-    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in picks])
+    p = jnp.arange(s, dtype=jnp.int32)
+    shard, second, offset = p // (2 * c), (p // c) % 2, p % c
+    return jnp.where(second == 1, chunks - 1 - shard, shard) * c + offset
 
 
 def full_sequence_inputs(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -453,12 +455,15 @@ class QwenForCausalLM(CausalLM):
         if cache is None:
             positions, attn_mask = full_sequence_inputs(mask)
             if self.balance_shards > 1 and s % (2 * self.balance_shards) == 0:
+                # traced, not NumPy: a NumPy order's [S, S] comparison was folded into the
+                # program as a constant (134 MB of StableHLO at S = 8,192)
                 order = balanced_order(s, self.balance_shards)
+                inverse = jnp.argsort(order)    # reordered position of each original index
                 input_ids, mask, positions = input_ids[:, order], mask[:, order], positions[:, order]
                 causal = order[None, :] <= order[:, None]  # key's original index <= query's
                 attn_mask = causal[None] & mask[:, None, :]
                 if rows is not None:    # the reordered index of each requested position
-                    rows = jnp.asarray(np.argsort(order).astype(np.int32))[rows]
+                    rows = inverse[rows]
         else:
             positions, attn_mask, valid = cache_step_inputs(mask, cache)
         cos, sin = rope_cos_sin(cfg, positions)
@@ -466,7 +471,7 @@ class QwenForCausalLM(CausalLM):
         x, new_k, new_v = self._layers(x, cos, sin, attn_mask, cache, rows)
         hidden = self.model.norm(x)
         if cache is None:
-            return hidden if order is None or rows is not None else hidden[:, np.argsort(order)]
+            return hidden if order is None or rows is not None else hidden[:, inverse]
         new_cache = KVCache(
             k=new_k, v=new_v, valid=valid,
             next_pos=cache.next_pos + steps[:, -1], length=cache.length + s,
