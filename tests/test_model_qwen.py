@@ -493,6 +493,28 @@ def test_config_refuses_zero_kv_heads_instead_of_defaulting_them():
     assert QwenConfig.from_hf_dict(dict(DENSE, num_key_value_heads=None)).num_key_value_heads == 4
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen3_5_text"])
+def test_absent_or_null_kv_heads_default_as_transformers_config_does(model_type):
+    """Qwen2Config / Qwen3Config: an absent num_key_value_heads is 32, a null one
+    num_attention_heads (jscenegen took the heads for both, so a transformers-made checkpoint of
+    64 heads was refused at its k_proj shape); Qwen3_5TextConfig: absent is 4 (a null one it
+    refuses, and so does jscenegen)."""
+    import transformers
+
+    d = {k: v for k, v in dict(DENSE, model_type=model_type, num_attention_heads=64).items()
+         if k != "num_key_value_heads"}
+    want = {"qwen3_5_text": 4}.get(model_type, 32)
+    assert QwenConfig.from_hf_dict(d).num_key_value_heads == want == \
+        transformers.AutoConfig.for_model(**d).num_key_value_heads
+    if model_type != "qwen3_5_text":
+        null = dict(d, num_key_value_heads=None)
+        assert QwenConfig.from_hf_dict(null).num_key_value_heads == 64 == \
+            transformers.AutoConfig.for_model(**null).num_key_value_heads
+    else:
+        with pytest.raises(ModelConfigError, match="num_key_value_heads must be a positive integer"):
+            QwenConfig.from_hf_dict(dict(d, num_key_value_heads=None))
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_an_absent_rope_theta_defaults_as_transformers_config_does(model_type):
     """transformers' RotaryEmbeddingConfigMixin.default_theta (10000; Qwen2/Qwen3Config do not

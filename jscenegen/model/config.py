@@ -331,8 +331,10 @@ class QwenConfig:
         act = _activation(d, source)
         _require_sizes(d, source)
         heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads")
-        kv_heads = heads if kv_heads is None else kv_heads   # 0 is refused, not defaulted
+        # transformers' Qwen2Config / Qwen3Config: absent is 32, null is num_attention_heads;
+        # 0 is refused, not defaulted
+        kv_heads = d.get("num_key_value_heads", DENSE_KV_HEADS_DEFAULT)
+        kv_heads = heads if kv_heads is None else kv_heads
         _check_heads(heads, kv_heads, source)
         if model_type == "qwen3" and "head_dim" in d and d["head_dim"] is None:
             raise ModelConfigError(f"{source}: head_dim is null; transformers' Qwen3Config needs "
@@ -646,6 +648,10 @@ def _mtp_layers(t: dict[str, Any], source: str, prefix: str) -> int:
                      limit=SIZE_LIMITS["num_hidden_layers"])
 
 
+# transformers' Qwen2Config and Qwen3Config (5.25): `num_key_value_heads: int | None = 32`, the
+# heads of a config.json without the key (only an explicit null means num_attention_heads);
+# Qwen3_5TextConfig's default is 4 (`_read_qwen35`)
+DENSE_KV_HEADS_DEFAULT = 32
 ROPE_EXTRAS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 # transformers' RotaryEmbeddingConfigMixin.default_theta, the theta of a config.json that gives
 # none anywhere; Qwen2Config, Qwen3Config and Qwen3_5TextConfig do not override it
