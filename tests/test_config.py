@@ -313,6 +313,27 @@ def test_cudnn_attention_runs_as_xla_off_gpu_with_a_warning(caplog):
     assert ModelConfig().build_options()["attn_impl"] == "xla"
 
 
+def test_cudnn_attention_with_float32_compute_runs_as_xla_on_gpu_with_a_warning(monkeypatch, caplog):
+    """cuDNN's kernel takes bf16/fp16 only: with model.compute_dtype float32 jax raised
+    "Unsupported dtype for inputs" at the first traced step, after the model was loaded. The
+    GPU backend is faked (jax.default_backend); bfloat16 keeps cudnn there."""
+    import jax
+
+    from jscenegen.model.options import ModelConfig, attention_for_backend
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    attention_for_backend.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            fp32 = ModelConfig(attention="cudnn", compute_dtype="float32").build_options()
+            bf16 = ModelConfig(attention="cudnn", compute_dtype="bfloat16").build_options()
+    finally:
+        attention_for_backend.cache_clear()    # no fake answer left for another test
+    assert (fp32["attn_impl"], bf16["attn_impl"]) == ("xla", "cudnn")
+    assert caplog.messages == ["model.attention=cudnn takes bfloat16 or float16 inputs only; with "
+                               "model.compute_dtype=float32 the GPU runs xla attention"]
+
+
 def test_docs_config_md_lists_every_key_with_its_meaning_and_is_current():
     """docs/config.md is the generated reference: every leaf key of RunConfig, each with a
     description, its default and the CPU default's value; regenerate it with

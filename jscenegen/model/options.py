@@ -38,8 +38,9 @@ class ModelConfig(Section):
         "projections' outputs (matmuls without batch dimensions) and recomputes the rest, so "
         "no projection runs twice")
     attention: Literal["xla", "cudnn"] = Field("xla", description="attention kernel: xla (any "
-                                               "backend) or cudnn (GPU; xla elsewhere, with a "
-                                               "warning)")
+                                               "backend) or cudnn (GPU with compute_dtype "
+                                               "bfloat16; xla elsewhere and with float32, with "
+                                               "a warning)")
     causal_balance: bool = Field(False, description="reorder training sequences so each sp "
                                  "shard gets equal causal attention work (lengths must be a "
                                  "multiple of 2 x sp)")
@@ -56,24 +57,31 @@ class ModelConfig(Section):
         """Keyword arguments of `loader.build_model` / `hf_io.load_hf` for this section."""
         return dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
                     remat=self.remat and self.remat_policy,
-                    attn_impl=attention_for_backend(self.attention),
+                    attn_impl=attention_for_backend(self.attention, self.compute_dtype),
                     causal_balance=self.causal_balance,
                     train_vision=self.train_vision, scan_layers=self.scan_layers)
 
 
 @functools.cache   # one warning per process, however many models a command builds
-def attention_for_backend(attention: str) -> str:
-    """The kernel `attention` names on this process's JAX backend: cuDNN's fused attention
-    exists on GPU only (`jax.nn.dot_product_attention(implementation="cudnn")` raises
-    "cuDNN is not detected" elsewhere), so `cudnn` runs as `xla` on CPU and TPU, with a
-    warning, and one config serves both (configs/grpo100.yaml)."""
+def attention_for_backend(attention: str, compute_dtype: str) -> str:
+    """The kernel `attention` names on this process's JAX backend with activations in
+    `compute_dtype`. cuDNN's fused attention exists on GPU only
+    (`jax.nn.dot_product_attention(implementation="cudnn")` raises "cuDNN is not detected"
+    elsewhere) and takes fp16/bf16 inputs only (jax raises "Unsupported dtype for inputs" at
+    the first traced step, after the model is loaded), so `cudnn` runs as `xla` on CPU and TPU
+    and with `model.compute_dtype: float32`, with a warning naming why, and one config serves
+    every backend (configs/grpo100.yaml)."""
     if attention != "cudnn":
         return attention
     import jax
 
     backend = jax.default_backend()
-    if backend == "gpu":
+    if backend != "gpu":
+        why = f"needs a GPU; the {backend} backend runs xla attention"
+    elif compute_dtype not in ("bfloat16", "float16"):
+        why = (f"takes bfloat16 or float16 inputs only; with model.compute_dtype={compute_dtype} "
+               "the GPU runs xla attention")
+    else:
         return attention
-    logging.getLogger(__name__).warning("model.attention=cudnn needs a GPU; the %s backend "
-                                        "runs xla attention", backend)
+    logging.getLogger(__name__).warning("model.attention=cudnn %s", why)
     return "xla"
