@@ -200,6 +200,46 @@ def test_prefill_then_decode_equals_full_forward(qwen3_model, qwen3_call):
     np.testing.assert_array_equal(np.asarray(cache.next_pos), np.asarray(mask).sum(1))
 
 
+def test_dynamic_rope_recomputation_matches_decoding_only_within_max_positions(hf_dirs, caplog):
+    """Dynamic NTK takes one base from a forward's largest position (as transformers): the full
+    forward (the trainer's recomputation) equals prefill + decode (the sampler) while the
+    episode fits max_position_embeddings (32 here), and differs at every position once it
+    outgrows it, positions below 32 included: what `warn_dynamic_rope_drift` warns of, naming
+    the config, the lengths and sampling.max_episode_tokens; silent for an episode that fits
+    and for other RoPE types."""
+    from flax import nnx
+
+    from jscenegen.model.rope import warn_dynamic_rope_drift
+
+    model = load_hf(hf_dirs["qwen2-dynamic"])
+    step = nnx.jit(lambda m, i, k, c: m(i, k, c))
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 1000, (1, 48)), jnp.int32)
+
+    def drift(t):
+        full = np.asarray(nnx.jit(lambda m, i, k: m(i, k))(model, ids[:, :t], jnp.ones((1, t), jnp.int32)))
+        cache = KVCache.create(model.cfg, 1, t)
+        outs = []
+        for a, b in [(0, 10), *((i, i + 1) for i in range(10, t))]:
+            logits, cache = step(model, ids[:, a:b], jnp.ones((1, b - a), jnp.int32), cache)
+            outs.append(np.asarray(logits))
+        return np.abs(full - np.concatenate(outs, 1))[0].max(axis=-1)   # [t] per position
+
+    assert drift(30).max() < 1e-5
+    past = drift(48)
+    assert past[10:32].min() > 1e-4 and past[32:].min() > 1e-4   # every decoded position moved
+    with caplog.at_level("WARNING", logger="jscenegen.model.rope"):
+        assert not warn_dynamic_rope_drift(model.cfg, 32, "m/config.json")
+        assert not warn_dynamic_rope_drift(load_hf(hf_dirs["qwen2-linear"]).cfg, 4096, "x")
+        assert warn_dynamic_rope_drift(model.cfg, 48, "m/config.json")
+    assert caplog.messages == [
+        "m/config.json: rope_type dynamic with max_position_embeddings 32, and "
+        "sampling.max_episode_tokens is 48: an episode past 32 tokens gets other RoPE "
+        "frequencies in the trainer's recomputed log-probs (one base from the micro-batch's "
+        "longest row) than the sampler used (the longest position so far), at every position, "
+        "so the PPO ratio starts away from 1 and a row's log-probs depend on the other rows of "
+        "its micro-batch; keep sampling.max_episode_tokens <= 32 for log-probs that match"]
+
+
 def test_hf_round_trip_is_bit_identical_and_transformers_loads_it(hf_dirs, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

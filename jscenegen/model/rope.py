@@ -15,6 +15,7 @@ never cast to a low-precision dtype.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -22,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jscenegen.model.config import QwenConfig
+
+log = logging.getLogger(__name__)
 
 
 def _base_exponents(dim: int) -> np.ndarray:
@@ -99,6 +102,32 @@ def inv_freq_for_length(cfg: QwenConfig, seq_len: jax.Array) -> jax.Array:
     length = jnp.maximum(seq_len.astype(jnp.float32), float(lmax))
     base = cfg.rope_theta * ((factor * length / lmax) - (factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (base ** jnp.asarray(_base_exponents(dim)))
+
+
+def warn_dynamic_rope_drift(cfg: QwenConfig, max_episode_tokens: int, source: str) -> bool:
+    """Log a warning, and return True, when `cfg`'s RoPE is dynamic NTK and an episode of up to
+    `max_episode_tokens` (sampling.max_episode_tokens) can outgrow its max_position_embeddings;
+    False, silent, otherwise. `source` names the config.json. The trainer calls it once per run.
+
+    Why: `inv_freq_for_length` takes one base from a forward's largest position, as a single
+    forward of transformers does (`dynamic_rope_update`). Past max_position_embeddings the
+    sampler's prefill and decode steps use the longest position so far, while the trainer's
+    recomputation over the whole episode uses the micro-batch's longest row: every position's
+    log-prob differs from the rollout's (the PPO ratio starts away from 1), and a row's
+    log-probs depend on the other rows of its micro-batch. vLLM's static form (base for
+    max_position_embeddings x factor) would be consistent but is another model than
+    transformers'; jscenegen keeps transformers' and warns."""
+    limit = cfg.max_position_embeddings
+    if cfg.rope_type != "dynamic" or max_episode_tokens <= limit:
+        return False
+    log.warning("%s: rope_type dynamic with max_position_embeddings %d, and "
+                "sampling.max_episode_tokens is %d: an episode past %d tokens gets other RoPE "
+                "frequencies in the trainer's recomputed log-probs (one base from the "
+                "micro-batch's longest row) than the sampler used (the longest position so far), "
+                "at every position, so the PPO ratio starts away from 1 and a row's log-probs "
+                "depend on the other rows of its micro-batch; keep sampling.max_episode_tokens "
+                "<= %d for log-probs that match", source, limit, max_episode_tokens, limit, limit)
+    return True
 
 
 def rope_cos_sin(cfg: QwenConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

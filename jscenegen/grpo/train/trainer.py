@@ -81,6 +81,7 @@ from jscenegen.model.dtypes import np_dtype
 from jscenegen.model.functional import hidden_fn, split_params
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.loader import build_model
+from jscenegen.model.rope import warn_dynamic_rope_drift
 from jscenegen.model.safetensors_stream import safetensors_files
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.model.weights import (
@@ -235,6 +236,8 @@ class Trainer:
         early = schedule_ends_early(cfg.optim, cfg.schedule.total_updates, "schedule.total_updates")
         if early:
             log.warning("%s", early)
+        warn_dynamic_rope_drift(arch, cfg.sampling.max_episode_tokens,
+                                str(self.model_dir / "config.json"))
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
         check_same_settings(self._input_digests(resume), "give every host the same files (one shared "
