@@ -240,6 +240,38 @@ def test_dynamic_rope_recomputation_matches_decoding_only_within_max_positions(h
         "its micro-batch; keep sampling.max_episode_tokens <= 32 for log-probs that match"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_the_pad_tokens_embedding_gradient_is_transformers(tmp_path, arch):
+    """transformers builds nn.Embedding(vocab, hidden, padding_idx=pad_token_id): the lookup of
+    the pad id (5, inside the rows as a real token would be) passes its row no gradient, and
+    jscenegen's whole embedding gradient equals torch's: row 5 zero for untied Qwen2, only the
+    tied head's share for Qwen3 (jscenegen updated row 5 from the lookup too)."""
+    import jax
+    import torch
+    import transformers
+    from flax import nnx
+
+    d = make_hf_dir(tmp_path / arch, arch, pad_token_id=5)
+    ids = np.array([[1, 5, 7, 5, 9, 11], [5, 3, 5, 2, 8, 5]])
+    model = load_hf(d)
+    assert model.cfg.pad_token_id == 5 and model.cfg.to_hf_dict()["pad_token_id"] == 5
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def nll(p):
+        logits = nnx.merge(graphdef, p)(jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32))[:, :-1]
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1).mean()
+
+    got = np.asarray(jax.grad(nll)(params)["model"]["embed_tokens"]["weight"][...])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    t = torch.tensor(ids)
+    logits = hf(input_ids=t).logits[:, :-1]
+    (-torch.log_softmax(logits, -1).gather(-1, t[:, 1:, None]).mean()).backward()
+    want = hf.model.embed_tokens.weight.grad.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    pad_row = np.abs(want[5]).max()
+    assert (pad_row == 0) if arch == "qwen2" else (pad_row > 1e-3)   # tied: the head's share
+
+
 def test_hf_round_trip_is_bit_identical_and_transformers_loads_it(hf_dirs, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -553,6 +585,25 @@ def test_absent_or_null_kv_heads_default_as_transformers_config_does(model_type)
     else:
         with pytest.raises(ModelConfigError, match="num_key_value_heads must be a positive integer"):
             QwenConfig.from_hf_dict(dict(d, num_key_value_heads=None))
+
+
+def test_pad_token_id_is_read_checked_and_reaches_the_embedding():
+    """Dense: the top level; Qwen3.5: text_config's (Qwen3_5TextModel's padding_idx). An id
+    outside the vocabulary, from the file or from a tokenizer, is refused naming its source."""
+    from jscenegen.model.config import qwen35_preset_dict
+    from jscenegen.model.loader import abstract_model
+
+    assert QwenConfig.from_hf_dict(DENSE).pad_token_id is None
+    assert QwenConfig.from_hf_dict(dict(DENSE, pad_token_id=7)).pad_token_id == 7
+    with pytest.raises(ModelConfigError, match=r"^cfg\.json: pad_token_id must be a token id in "
+                                               r"0\.\.1002 or null, got 1003$"):
+        QwenConfig.from_hf_dict(dict(DENSE, pad_token_id=1003), "cfg.json")
+    q35 = QwenConfig.from_hf_dict(qwen35_preset_dict("micro", 1003, pad_token_id=5))
+    assert q35.pad_token_id == 5 and abstract_model(q35).text.embed_tokens.pad_id == 5
+    assert QwenConfig.from_hf_dict(DENSE).with_pad_token_id(9, "tok").pad_token_id == 9
+    with pytest.raises(ModelConfigError, match=r"^tok: pad_token_id must be a token id in "
+                                               r"0\.\.1002 or null, got 2000$"):
+        QwenConfig.from_hf_dict(DENSE).with_pad_token_id(2000, "tok")
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])

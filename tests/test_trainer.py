@@ -338,6 +338,34 @@ def test_a_log_write_that_fails_on_process_0_fails_every_process(monkeypatch):
     assert written == []                         # process 0's work only
 
 
+def test_the_policy_takes_the_tokenizers_pad_token_and_warns_of_dynamic_rope_past_its_positions(
+        tmp_path, caplog):
+    """VERL's actor sets the model config's pad_token_id from its tokenizer: the policy's
+    embedding passes no lookup gradient to `<|endoftext|>`'s row although config.json names no
+    pad token (the model's own loss test: test_model_qwen). A config.json with dynamic RoPE and
+    max_position_embeddings 512, below sampling.max_episode_tokens 2560, warns once, naming
+    the file and both lengths (recomputed log-probs would drift from the rollout's)."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(chat_model_dir(), model_dir)
+    doc = json.loads((model_dir / "config.json").read_text())
+    assert "pad_token_id" not in doc
+    doc.update(max_position_embeddings=512, rope_scaling={"rope_type": "dynamic", "factor": 8.0})
+    (model_dir / "config.json").write_text(json.dumps(doc))
+    with caplog.at_level("WARNING", logger="jscenegen.model.rope"):
+        trainer = Trainer(_cfg(**{"model.path": str(model_dir)}), tmp_path / "run", model_dir)
+    trainer.close()
+    tokenizer = trainer.chat.tokenizer
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert trainer.model.model.embed_tokens.pad_id == tokenizer.pad_token_id == trainer.arch.pad_token_id
+    warned = [m for m in caplog.messages if "rope_type dynamic" in m]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"{model_dir}/config.json: rope_type dynamic with max_position_embeddings 512, and "
+        "sampling.max_episode_tokens is 2560: an episode past 512 tokens gets other RoPE "
+        "frequencies in the trainer's recomputed log-probs"), warned
+
+
 def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeypatch):
     """The processes compared their config keys only: a host with an older scene set, other
     prompt files or another model architecture read from its own disk played other episodes in

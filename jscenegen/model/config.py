@@ -89,6 +89,14 @@ def _token_ids(d: dict[str, Any], key: str, vocab: int, source: str, prefix: str
     return tuple(value) if isinstance(value, list) else value
 
 
+def _token_id(value: Any, key: str, vocab: int, source: str, prefix: str = "") -> int | None:
+    """`value`: None or one token id in 0..vocab-1; else ModelConfigError naming `key`."""
+    if value is not None and (type(value) is not int or not 0 <= value < vocab):
+        raise ModelConfigError(f"{source}: {prefix}{key} must be a token id in 0..{vocab - 1} or "
+                               f"null, got {value!r}")
+    return value
+
+
 def _weights_dtype(*sections: tuple[dict[str, Any], str], source: str) -> str:
     """The first `dtype` / `torch_dtype` the (section, key prefix) pairs give (default
     float32). Each one given must be a dtype jscenegen stores (transformers reads either); else
@@ -171,6 +179,12 @@ class QwenConfig:
     is the normalised dict of transformers' `rope_parameters` minus `rope_theta` (keys:
     rope_type, factor, ...), or None.
 
+    pad_token_id (every family; Qwen3.5: text_config's): transformers builds
+    `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`, so that row of the input
+    embedding gets no gradient from the lookup (`qwen.Embedding`; a tied head's gradient still
+    reaches it). None: no such row. The GRPO trainer replaces it by the tokenizer's pad token,
+    as VERL's actor does (`with_pad_token_id`).
+
     Hybrid (qwen3_5, qwen3_5_text; empty/zero defaults for dense models):
       layer_types: per layer "linear_attention" (Gated DeltaNet) or "full_attention" (gated
         attention); from `layer_types`, else the legacy `full_attention_interval`.
@@ -205,6 +219,7 @@ class QwenConfig:
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
     torch_dtype: str = "float32"
     layer_types: tuple[str, ...] = ()
     partial_rotary_factor: float = 1.0
@@ -366,6 +381,7 @@ class QwenConfig:
                                               "max_position_embeddings", source, integer=True),
             bos_token_id=_token_ids(d, "bos_token_id", d["vocab_size"], source),
             eos_token_id=_token_ids(d, "eos_token_id", d["vocab_size"], source),
+            pad_token_id=_token_id(d.get("pad_token_id"), "pad_token_id", d["vocab_size"], source),
             torch_dtype=_weights_dtype((d, ""), source=source),
         )
 
@@ -400,6 +416,14 @@ class QwenConfig:
                 f"{held.mtp_layers} MTP layer(s) (mtp.layers.0-{held.mtp_layers - 1}): they "
                 "describe different models")
         return held
+
+    def with_pad_token_id(self, pad_token_id: int | None, source: str) -> "QwenConfig":
+        """This config with `pad_token_id` (a tokenizer's pad token: VERL's actor sets the
+        model config's pad_token_id from its tokenizer, `override_config_kwargs` in its FSDP
+        workers, whatever config.json says). Raises ModelConfigError naming `source` for an id
+        outside the vocabulary."""
+        pad = _token_id(pad_token_id, "pad_token_id", self.vocab_size, source)
+        return dataclasses.replace(self, pad_token_id=pad)
 
     def with_storage(self, dtypes: dict[str, str]) -> "QwenConfig":
         """This config with what a directory's weights hold: {tensor name: dtype name}.
@@ -478,6 +502,8 @@ class QwenConfig:
             d["attention_bias"] = False
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
+        if self.pad_token_id is not None:
+            d["pad_token_id"] = self.pad_token_id
         if self.eos_token_id is not None:
             eos = self.eos_token_id
             d["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
@@ -624,6 +650,8 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
                                           "max_position_embeddings", source, prefix, integer=True),
         bos_token_id=_token_ids(t, "bos_token_id", t["vocab_size"], source, prefix),
         eos_token_id=_token_ids(t, "eos_token_id", t["vocab_size"], source, prefix),
+        pad_token_id=_token_id(t.get("pad_token_id"), "pad_token_id", t["vocab_size"], source,
+                               prefix),
         torch_dtype=_weights_dtype((d, ""), (t, prefix), source=source),
         layer_types=kinds,
         partial_rotary_factor=factor,

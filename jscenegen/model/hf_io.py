@@ -96,16 +96,18 @@ def tied_head_error(file: str | Path, embedding_name: str) -> CheckpointFormatEr
 
 
 def load_hf(path: str | Path, *, mesh: jax.sharding.Mesh | None = None,
-            **options: Any) -> CausalLM:
+            cfg: QwenConfig | None = None, **options: Any) -> CausalLM:
     """Load an HF Qwen2/Qwen3/Qwen3.5 directory (`loader.build_model` of its tensors).
 
     mesh: place the weights in the FSDP layout on this ("fsdp", "sp") mesh (None: unsharded).
+    cfg: the architecture to build, default the directory's config.json (the GRPO trainer
+      passes that config with its tokenizer's pad token, `QwenConfig.with_pad_token_id`).
     options: param_dtype (parameters are cast to it, whatever the file holds; carried tensors
       keep their stored dtype), compute_dtype, remat, attn_impl, causal_balance (see
       `loader.abstract_model`).
     Raises ModelConfigError (config) or CheckpointFormatError (tensors), naming file and key.
     """
-    cfg = QwenConfig.from_dir(path)
+    cfg = cfg or QwenConfig.from_dir(path)
     return build_model(cfg, iter_hf_tensors(path, cfg), mesh=mesh, source=str(path), **options)
 
 

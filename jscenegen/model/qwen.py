@@ -87,18 +87,27 @@ class Embedding(nnx.Module):
     (transformers' `nn.Embedding`); a rollout copy stored [H, V] (metadata `transposed`) reads
     columns. `logical(dtype)` is the [V, H] table without FSDP padding (the tied LM head).
 
+    pad_id (`QwenConfig.pad_token_id`, or None): the lookup of that id passes no gradient to
+    its row, as torch's `nn.Embedding(padding_idx=pad_id)` (transformers' Qwen2/Qwen3/Qwen3.5
+    models); its value is still read, and the tied LM head's gradient still reaches the row.
+
     ids must lie in [0, vocab_size): nothing here checks them (it runs inside jit); the
     tokenizer check (`tokenizer.chat`, ChatTemplateError) keeps the commands' ids in range. An
     id past the stored rows reads NaN, a negative one wraps, one in the FSDP padding reads zeros.
     """
 
-    def __init__(self, make: ParamFactory, name: str):
+    def __init__(self, make: ParamFactory, name: str, pad_id: int | None = None):
         self.weight = make(f"{name}.weight")
+        self.pad_id = pad_id
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
         if self.weight.get_metadata().get("transposed", False):   # a rollout copy [H, V]
-            return jnp.moveaxis(jnp.take(self.weight[...], ids, axis=1), 0, -1).astype(dtype)
-        return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
+            x = jnp.moveaxis(jnp.take(self.weight[...], ids, axis=1), 0, -1).astype(dtype)
+        else:
+            x = jnp.take(self.weight[...], ids, axis=0).astype(dtype)
+        if self.pad_id is None:
+            return x
+        return jnp.where((ids == self.pad_id)[..., None], jax.lax.stop_gradient(x), x)
 
     def logical(self, dtype) -> jax.Array:
         return logical(self.weight, dtype)
@@ -334,7 +343,7 @@ class QwenModel(nnx.Module):
     (transformers' `Qwen3Model`); `QwenForCausalLM` runs them."""
 
     def __init__(self, cfg: QwenConfig, make: ParamFactory, attn_impl: str):
-        self.embed_tokens = Embedding(make, "model.embed_tokens")
+        self.embed_tokens = Embedding(make, "model.embed_tokens", cfg.pad_token_id)
         self.layers = nnx.List([DecoderLayer(cfg, make, f"model.layers.{i}", attn_impl)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(make, "model.norm", cfg.rms_norm_eps)

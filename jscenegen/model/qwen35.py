@@ -461,7 +461,7 @@ class TextModel(nnx.Module):
     """T `Qwen3_5TextModel`: embed_tokens, layers, norm (names under `prefix`)."""
 
     def __init__(self, cfg: QwenConfig, make: ParamFactory, prefix: str, attn_impl: str):
-        self.embed_tokens = Embedding(make, f"{prefix}embed_tokens")
+        self.embed_tokens = Embedding(make, f"{prefix}embed_tokens", cfg.pad_token_id)
         self.layers = nnx.List([HybridDecoderLayer(cfg, make, f"{prefix}layers.{i}", kind, attn_impl)
                                 for i, kind in enumerate(cfg.kinds)])
         self.norm = ZeroCentredRMSNorm(make, f"{prefix}norm", cfg.rms_norm_eps)

@@ -240,6 +240,10 @@ class Trainer:
                                 str(self.model_dir / "config.json"))
         self.chat = ChatTokenizer.from_dir(self.model_dir, cfg.sampling.chat_template_path)
         self.chat.check_prefix_preserving()
+        # the tokenizer's pad token is the model's (its embedding row gets no gradient from
+        # the lookup, as torch's padding_idx), as VERL's actor sets it, whatever config.json says
+        self.arch = arch = arch.with_pad_token_id(self.chat.tokenizer.pad_token_id,
+                                                  f"{self.model_dir}: the tokenizer's pad token")
         check_same_settings(self._input_digests(resume), "give every host the same files (one shared "
                             "filesystem, or identical copies)")   # each read them from its own disk
         from jscenegen.eval.evaluate import check_scenes_fit
@@ -257,7 +261,7 @@ class Trainer:
             if finished_saves(self.store.directory):   # the rule `train` refuses by, too
                 raise ResumeError(f"{self.run_dir} already holds checkpoints; pass --resume "
                                   f"{self.run_dir} to continue it, or choose a new --run-dir")
-            self.model = load_hf(self.model_dir, mesh=self.mesh, **options)
+            self.model = load_hf(self.model_dir, mesh=self.mesh, cfg=arch, **options)
         # the sampler's own copy of the weights, in the rollout layout (sharding/rollout.py);
         # resharded once after every train step, skipped or not (`update`)
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh, cfg.rollout)
@@ -332,7 +336,7 @@ class Trainer:
             raise ValueError(f"model.reference_path {path}: the KL reference must have the "
                              f"policy's architecture and size; {first} ({len(only) + len(reshaped)} "
                              "tensors differ)")
-        ignored = {"bos_token_id", "eos_token_id", "torch_dtype", "mtp_layers", "vision",
+        ignored = {"bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "mtp_layers", "vision",
                    "hf_config", "stored_dtypes"}   # ids, storage and carried tensors
         for name in (f.name for f in dataclasses.fields(QwenConfig) if f.name not in ignored):
             if getattr(reference, name) != getattr(self.arch, name):
