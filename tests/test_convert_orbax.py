@@ -654,7 +654,7 @@ def test_the_trainer_warns_when_it_resumes_a_torch_run_with_other_adamw_settings
     read, logs the list above for a converted step (and nothing when the settings agree)."""
     import types
 
-    from jscenegen.checkpoint.store import read_train_state
+    from jscenegen.checkpoint.store import HF_DIR, read_train_state
     from jscenegen.grpo.algo.config import OptimConfig
     from jscenegen.grpo.train.trainer import Trainer
 
@@ -663,8 +663,11 @@ def test_the_trainer_warns_when_it_resumes_a_torch_run_with_other_adamw_settings
     for optim, said in ((OptimConfig(lr=1e-3), False), (OptimConfig(lr=2e-3), True)):
         caplog.clear()
         with caplog.at_level("WARNING"):
-            Trainer._check_saved(types.SimpleNamespace(cfg=types.SimpleNamespace(optim=optim)),
-                                 step_dir, int(step_dir.name), saved)
+            trainer = types.SimpleNamespace(   # the converted step's own tokenizer, no KL
+                cfg=types.SimpleNamespace(optim=optim,
+                                          sampling=types.SimpleNamespace(chat_template_path=None)),
+                model_dir=step_dir / HF_DIR, _kl_reference=None)
+            Trainer._check_saved(trainer, step_dir, int(step_dir.name), saved)
         assert ("was converted from a torch run with other AdamW settings: this run continues "
                 "with optim.lr 0.002 (the torch run's 0.001)" in caplog.text) == said, caplog.text
 
