@@ -86,14 +86,19 @@ def test_synthetic_batch_layout():
 
 
 def test_cli_qwen3_recipe_with_accumulation(tiny_dirs, capsys):
-    """Qwen3 (q/k norms, tied embedding): the GRPO100 loss and optimizer, 8 episodes + 1
-    all-padding row (as on fsdp=3) in 3 micro-batches."""
+    """Qwen3 (q/k norms, tied embedding): the GRPO100 loss and optimizer, 8 episodes (the last
+    one masked, as a judge failure masks it) + 1 all-padding row (as on fsdp=3) in 3
+    micro-batches; a batch with every episode masked is refused."""
     from jscenegen.cli import main
 
     rc = main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]), "--pad-rows", "1",
-               "--loss", "ppo_micro_batch_size=3"])
+               "--masked-rows", "1", "--loss", "ppo_micro_batch_size=3"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and r["ok"] and r["loss_scale"] == "global" and r["micro_batches"] == 3, r
+    assert r["masked_rows"] == 1, r
+    assert main(["parity", "grpo-step", "--model", str(tiny_dirs["qwen3"]),
+                 "--masked-rows", "8"]) == 2
+    assert "--masked-rows 8: below --rows 8" in capsys.readouterr().err
     assert r["loss_diff"] <= 1e-5 and r["max_param_diff"] <= PARAM_TOL
     assert abs(r["grad_norm_ratio"] - 1) <= 1e-5 and r["update_max"] > 9e-7
 

@@ -72,6 +72,10 @@ def register(sub) -> None:
     gs.add_argument("--seq", type=TOKENS, default=32, help="padded tokens per episode")
     gs.add_argument("--pad-rows", type=int_in(0, 4096), default=0,
                     help="extra all-padding rows (as for an fsdp axis that does not divide rows)")
+    gs.add_argument("--masked-rows", type=int_in(0, 4095), default=0,
+                    help="the last N episodes masked, as a judge or runtime failure masks them "
+                         "(advantage 0, out of their group's statistics, still counted by the "
+                         "global seq-mean modes)")
     gs.add_argument("--temperature", type=float, default=1.0)
     gs.add_argument("--grads", action="store_true", help="also compare gradients element-wise")
     _add_common(gs)
@@ -153,13 +157,17 @@ def run_grpo_step(args) -> int:
     if args.seq < MIN_SEQ:
         raise ValueError(f"--seq {args.seq}: the synthetic episodes reach their first designer "
                          f"token within {MIN_SEQ} tokens; give --seq >= {MIN_SEQ}")
+    if args.masked_rows >= args.rows:
+        raise ValueError(f"--masked-rows {args.masked_rows}: below --rows {args.rows} (an update "
+                         "with every episode masked trains nothing)")
     loss_cfg, optim_cfg = _configs(args)
     require_a_learning_rate(optim_cfg, 1)   # before the model's config.json is read
     _check_batch(args.model, args.rows + args.pad_rows, args.seq, "(--rows + --pad-rows) x --seq",
                  micro_rows=loss_cfg.ppo_micro_batch_size)
     result = grpo_step_parity(args.model, loss_cfg=loss_cfg, optim_cfg=optim_cfg,
                               temperature=args.temperature, seed=args.seed, rows=args.rows,
-                              seq=args.seq, pad_rows=args.pad_rows, compare_grads=args.grads,
+                              seq=args.seq, pad_rows=args.pad_rows, masked_rows=args.masked_rows,
+                              compare_grads=args.grads,
                               torch_perturbation=args.perturb_torch, train_vision=args.train_vision)
     print(json_line(result))
     _warn_coverage(result)
