@@ -1,5 +1,5 @@
-"""The sampler's weights: the training parameters resharded into the rollout layout, once per
-optimizer step, by one jitted function.
+"""The sampler's weights: the training parameters resharded into the rollout layout, once after
+every train step (a skipped one too), by one jitted function.
 
 From each FSDP2-padded training array (dim 0 split over every device) the function slices the
 padding off, casts the parameters the model reads in the compute dtype (matmul and embedding

@@ -3,7 +3,7 @@
 
 Weights: the sampler decodes on its own copy of the weights in the rollout layout (`replicated`:
 whole on every device, `tp`: tensor-parallel, `fsdp`: the training arrays themselves), made by
-one jitted reshard per optimizer step (`set_weights`, generate/reshard.py). Qwen2/Qwen3 run
+one jitted reshard after every train step (`set_weights`, generate/reshard.py). Qwen2/Qwen3 run
 their layers over their own parameters (Qwen3.5 scans its stacked layer pattern, stacked once
 per call outside the decode loop), so a decode step reads every weight in place: under
 `replicated` and `tp` no weight byte crosses devices while decoding.
@@ -397,7 +397,7 @@ class Sampler:
                 f"{free / 2**30:.2f} GiB is free. Choose {_SMALLER_LAYOUTS[self.layout.name]}")
 
     def set_weights(self, weights) -> dict:
-        """Sample from new weights (after an optimizer step) without recompiling: one jitted
+        """Sample from new weights (after a train step, skipped or not) without recompiling: one jitted
         reshard from the training layout into the rollout layout (generate/reshard.py).
 
         weights: a model of the sampler's structure or its `nnx.Param` state (the training

@@ -6,7 +6,7 @@ count: ../shared/DESIGN.md "Parameter sharding"); activations split batch rows o
 sequence positions over `sp`.
 
 Rollout (mesh axes ("data", "tp") over the same devices, `ROLLOUT_AXES`): the sampler's weights
-are a second copy, made once per optimizer step, laid out so that decoding moves no weight
+are a second copy, made once after every train step, laid out so that decoding moves no weight
 bytes: whole on every device (`tp` = 1, the `replicated` layout) or Megatron-split over the
 tensor axis (`tp` > 1: `COLUMN` weights split their output features, `COLUMN_BLOCKS` each block
 of them, `ROW` weights their input features, `VOCAB` the vocabulary), rows data-parallel over
