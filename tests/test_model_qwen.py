@@ -587,6 +587,28 @@ def test_absent_or_null_kv_heads_default_as_transformers_config_does(model_type)
             QwenConfig.from_hf_dict(dict(d, num_key_value_heads=None))
 
 
+
+@pytest.mark.parametrize("model_type,default,cls", [
+    ("qwen2", 32, "Qwen2Config / Qwen3Config"), ("qwen3", 32, "Qwen2Config / Qwen3Config"),
+    ("qwen3_5_text", 4, "Qwen3_5TextConfig")])
+def test_heads_that_the_absent_kv_heads_default_does_not_divide_are_named_as_that_default(
+        model_type, default, cls):
+    """A config.json without num_key_value_heads whose heads its transformers default does
+    not divide was refused naming a num_key_value_heads the file does not hold: the error says
+    the value is the default for an absent key and what to give. A value the file gives is
+    named as before."""
+    d = {k: v for k, v in dict(DENSE, model_type=model_type, num_attention_heads=6).items()
+         if k != "num_key_value_heads"}
+    with pytest.raises(ModelConfigError) as err:
+        QwenConfig.from_hf_dict(d, "cfg.json")
+    assert str(err.value) == (f"cfg.json: num_attention_heads 6 is not a multiple of "
+                              f"num_key_value_heads {default} (absent from the file: transformers' "
+                              f"{cls} default, {default}; give num_key_value_heads, a divisor of 6)")
+    with pytest.raises(ModelConfigError) as err:
+        QwenConfig.from_hf_dict(dict(d, num_key_value_heads=default), "cfg.json")
+    assert str(err.value) == (f"cfg.json: num_attention_heads 6 is not a multiple of "
+                              f"num_key_value_heads {default}")
+
 def test_pad_token_id_is_read_checked_and_reaches_the_embedding():
     """Dense: the top level; Qwen3.5: text_config's (Qwen3_5TextModel's padding_idx). An id
     outside the vocabulary, from the file or from a tokenizer, is refused naming its source."""

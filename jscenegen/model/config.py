@@ -350,7 +350,8 @@ class QwenConfig:
         # 0 is refused, not defaulted
         kv_heads = d.get("num_key_value_heads", DENSE_KV_HEADS_DEFAULT)
         kv_heads = heads if kv_heads is None else kv_heads
-        _check_heads(heads, kv_heads, source)
+        _check_heads(heads, kv_heads, source, absent=None if "num_key_value_heads" in d
+                     else "Qwen2Config / Qwen3Config")
         if model_type == "qwen3" and "head_dim" in d and d["head_dim"] is None:
             raise ModelConfigError(f"{source}: head_dim is null; transformers' Qwen3Config needs "
                                    "an integer (128 when the key is absent)")
@@ -524,11 +525,17 @@ def _require_sizes(d: dict[str, Any], source: str, prefix: str = "") -> None:
 
 
 def _check_heads(heads: int, kv_heads: int, source: str, prefix: str = "",
-                 names: tuple[str, str] = ("num_attention_heads", "num_key_value_heads")) -> None:
+                 names: tuple[str, str] = ("num_attention_heads", "num_key_value_heads"),
+                 absent: str | None = None) -> None:
+    """Raise ModelConfigError unless `kv_heads` is a positive integer that divides `heads`.
+    `absent`: the transformers config class whose default `kv_heads` is, the file not giving
+    `names[1]` (the error says so: the file holds no such value)."""
     _positive(kv_heads, names[1], source, prefix, integer=True)
     if heads % kv_heads:
+        why = (f" (absent from the file: transformers' {absent} default, {kv_heads}; give "
+               f"{prefix}{names[1]}, a divisor of {heads})" if absent else "")
         raise ModelConfigError(f"{source}: {prefix}{names[0]} {heads} is not a multiple of "
-                               f"{prefix}{names[1]} {kv_heads}")
+                               f"{prefix}{names[1]} {kv_heads}{why}")
 
 
 def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
@@ -609,7 +616,8 @@ def _read_qwen35(d: dict[str, Any], source: str) -> QwenConfig:
             + (f" with {', '.join(bad)}" if bad else ""))
     heads = t["num_attention_heads"]
     kv_heads = t.get("num_key_value_heads", 4)
-    _check_heads(heads, kv_heads, source, prefix)
+    _check_heads(heads, kv_heads, source, prefix,
+                 absent=None if "num_key_value_heads" in t else "Qwen3_5TextConfig")
     linear = {}
     for key, default in QWEN35_LINEAR_DEFAULTS:
         linear[key] = _positive(t.get(key, default), key, source, prefix, integer=True,
