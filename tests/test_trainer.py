@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -382,9 +383,30 @@ def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeyp
     monkeypatch.setattr(trainer_mod.jax, "process_count", lambda: 2)
     digests = trainer._input_digests(resume=False)
     resumed = trainer._input_digests(resume=True)   # the checkpoint's files: CheckpointStore's
+    # a resume compares each host's tokenizer files with the checkpoint's on that host alone
+    # (`check_same_tokenizer`): a host whose tokenizer_config.json differs in a field that
+    # changes no token (model_max_length) was refused there alone, the others waiting in the
+    # restore; its bytes now differ here, so every process refuses
+    files = "copy of the tokenizer files (model.path's tokenizer, chat template and generation config files)"
+    other = Path(shutil.copytree(trainer.model_dir, tmp_path / "hostB"))
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(dict(config, model_max_length=4096)))
+    trainer.model_dir = other
+    host_b = trainer._input_digests(resume=True)
+    (other / "chat_template.jinja").write_text("{{ messages }}")    # not read with an override
+    trainer.cfg = trainer.cfg.model_copy(update={"sampling": trainer.cfg.sampling.model_copy(
+        update={"chat_template_path": str(chat_model_dir() / "chat_template.jinja")})})
+    overridden = trainer._input_digests(resume=True)
+    (other / "chat_template.jinja").unlink()
+    assert trainer._input_digests(resume=True) == overridden
+    (other / "tokenizer_config.json").unlink()                     # absent: compared too
+    absent = trainer._input_digests(resume=True)
     monkeypatch.undo()
+    assert [k for k in resumed if resumed[k] != host_b[k]] == [files]
+    assert [k for k in absent if absent[k] != overridden[k]] == [files]
     assert set(digests) - set(resumed) == {"initial policy's weights (model.path)"}
-    assert sorted(digests) == ["dev scene set (the file's scenes)", "initial policy's weights (model.path)",
+    assert sorted(digests) == [files, "dev scene set (the file's scenes)",
+                               "initial policy's weights (model.path)",
                                "model architecture (config.json)",
                                "scene protocol (prompt files, catalogue, rules, judge)",
                                "tokenizer or chat template", "train scene set (the file's scenes)"]

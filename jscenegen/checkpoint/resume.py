@@ -305,6 +305,14 @@ def check_same_run(train_state: Mapping[str, Any], *, protocol_hash: str,
                           f"{protocol_hash[:16]})")
 
 
+def compared_tokenisation_files(template_override: bool) -> tuple[str, ...]:
+    """The files of a run's model directory that `check_same_tokenizer` compares:
+    `model.assets.TOKENISATION_FILES`, less the chat template files (`CHAT_TEMPLATE_FILES`)
+    with `template_override` (`sampling.chat_template_path` set: they are not read)."""
+    return tuple(name for name in TOKENISATION_FILES
+                 if not (template_override and name in CHAT_TEMPLATE_FILES))
+
+
 def check_same_tokenizer(model_dir: Path, step_dir: Path, *, template_override: bool) -> None:
     """Raise ResumeError when a tokenizer, chat-template or generation-config file
     (`model.assets.TOKENISATION_FILES`) of the run's model directory `model_dir` is not the
@@ -315,9 +323,7 @@ def check_same_tokenizer(model_dir: Path, step_dir: Path, *, template_override: 
     template) the directory's chat template files (`CHAT_TEMPLATE_FILES`) are not read and not
     compared. The error names both files and what would be right."""
     hf = step_dir / HF_DIR
-    for name in TOKENISATION_FILES:
-        if template_override and name in CHAT_TEMPLATE_FILES:
-            continue
+    for name in compared_tokenisation_files(template_override):
         ours, saved = model_dir / name, hf / name
         if not ours.is_file() and not saved.is_file():
             continue

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS
-from jscenegen.checkpoint.checksums import sampled_file_digest
+from jscenegen.checkpoint.checksums import file_sha256, sampled_file_digest
 from jscenegen.checkpoint.metadata import config_changes, redact, training_metadata
 from jscenegen.checkpoint.resume import (
     ResumeError,
@@ -38,6 +38,7 @@ from jscenegen.checkpoint.resume import (
     check_same_tokenizer,
     check_step_number,
     checkpoint_position,
+    compared_tokenisation_files,
     has_run_identity,
     restore_onto_mesh,
     retire_converted_manifest,
@@ -192,6 +193,21 @@ def _weights_digest(model_dir: Path) -> str:
         return json_sha256([[f.name, sampled_file_digest(f)] for f in files])
     except (CheckpointFormatError, OSError):
         return NO_READABLE_WEIGHTS
+
+
+def _tokenisation_files_digest(model_dir: Path, template_override: bool) -> str:
+    """Digest of {name: sha256 of its bytes, None when absent, "unreadable"} of the files of
+    `model_dir` a resume compares with its checkpoint's copies (`compared_tokenisation_files`),
+    so hosts whose copies differ anywhere (a tokenizer_config.json of a newer hub revision)
+    are refused together, not one alone inside a collective restore."""
+    def digest(f: Path) -> str | None:
+        try:
+            return file_sha256(f) if f.is_file() else None
+        except OSError:
+            return "unreadable"
+
+    return json_sha256({name: digest(model_dir / name)
+                        for name in compared_tokenisation_files(template_override)})
 
 
 class Trainer:
@@ -359,7 +375,10 @@ class Trainer:
         architecture) would load its shards of them into the one model. The HF weights a start
         reads (the initial policy, the KL reference) are compared by `sampled_file_digest` of
         each safetensors file; a resumed checkpoint's files are checked by `CheckpointStore`.
-        {} in one process."""
+        The tokenizer, chat template and generation config files are compared by their bytes:
+        a resume compares each host's with the checkpoint's `hf/` on that host alone
+        (`check_same_tokenizer`), and a host refused there would leave the others waiting in
+        the restore. {} in one process."""
         if jax.process_count() == 1:
             return {}
         dev = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
@@ -375,7 +394,11 @@ class Trainer:
                 "model architecture (config.json)": json_sha256(self.arch.to_hf_dict()),
                 "tokenizer or chat template": json_sha256(
                     [self.chat.tokenizer.chat_template, sorted(self.chat.tokenizer.get_vocab().items()),
-                     list(self.chat.end_ids)])}
+                     list(self.chat.end_ids)]),
+                # every byte a resume compares (`check_same_tokenizer`, one process at a time)
+                "copy of the tokenizer files (model.path's tokenizer, chat template and "
+                "generation config files)": _tokenisation_files_digest(
+                    self.model_dir, bool(self.cfg.sampling.chat_template_path))}
 
     def _train_state_json(self) -> dict:
         state = {
