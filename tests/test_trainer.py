@@ -401,7 +401,18 @@ def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeyp
     assert trainer._input_digests(resume=True) == overridden
     (other / "tokenizer_config.json").unlink()                     # absent: compared too
     absent = trainer._input_digests(resume=True)
+    # with the KL loss and no model.reference_path, the cross-host check and the train state's
+    # record of the reference read one directory: its weights are hashed once (were twice)
+    hashed = []
+    monkeypatch.setattr(trainer_mod, "_weights_digest", lambda d: hashed.append(d) or "0" * 64)
+    trainer.model_dir, trainer._weights_digests = chat_model_dir(), {}
+    trainer.cfg = trainer.cfg.model_copy(update={"loss": trainer.cfg.loss.model_copy(
+        update={"use_kl_loss": True})})
+    with_kl = trainer._input_digests(resume=False)
+    assert trainer._reference_record() == {"path": None, "weights_digest": "0" * 64}
+    assert hashed == [chat_model_dir()]
     monkeypatch.undo()
+    assert with_kl["KL reference's weights (model.reference_path, else model.path)"] == "0" * 64
     assert [k for k in resumed if resumed[k] != host_b[k]] == [files]
     assert [k for k in absent if absent[k] != overridden[k]] == [files]
     assert set(digests) - set(resumed) == {"initial policy's weights (model.path)"}

@@ -227,6 +227,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.model_dir = Path(model_dir)
+        self._weights_digests: dict[Path, str] = {}   # `_weights_digest` by directory, once a start
         self.mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
         self.scenes, n = train_scenes(cfg)
         self.schedule = Schedule([(f"train-{i:04d}", self.scenes[i].seed) for i in range(n)],
@@ -315,7 +316,7 @@ class Trainer:
         if path is not None:
             self._check_reference(path)
         try:
-            ref = load_hf(path or self.model_dir, mesh=self.mesh, **self.cfg.model.build_options())
+            ref = load_hf(self._reference_dir(), mesh=self.mesh, **self.cfg.model.build_options())
         except CheckpointFormatError as err:
             if path is not None:
                 raise
@@ -324,13 +325,26 @@ class Trainer:
                               "directory as model.reference_path") from None
         return split_params(ref)[1]
 
+    def _reference_dir(self) -> Path:
+        """The KL reference's HF directory: model.reference_path, else the run's model
+        directory (the initial policy's; on resume too, not the checkpoint's weights)."""
+        path = self.cfg.model.reference_path
+        return Path(path) if path is not None else self.model_dir
+
+    def _digest_of(self, model_dir: Path) -> str:
+        """`_weights_digest` of `model_dir`, computed once a start (the cross-host check and the
+        KL reference's record both read the reference's)."""
+        if model_dir not in self._weights_digests:
+            self._weights_digests[model_dir] = _weights_digest(model_dir)
+        return self._weights_digests[model_dir]
+
     def _reference_record(self) -> dict | None:
         """{"path": model.reference_path (None: the initial policy, the model directory),
         "weights_digest": `_weights_digest` of its directory}; None when that directory holds
         no readable weights (`_reference_params` then names the problem)."""
-        path = self.cfg.model.reference_path
-        digest = _weights_digest(Path(path) if path is not None else self.model_dir)
-        return None if digest == NO_READABLE_WEIGHTS else {"path": path, "weights_digest": digest}
+        digest = self._digest_of(self._reference_dir())
+        return (None if digest == NO_READABLE_WEIGHTS else
+                {"path": self.cfg.model.reference_path, "weights_digest": digest})
 
     def _check_reference(self, path: str) -> None:
         """Raise ValueError naming model.reference_path when its config.json describes other
@@ -384,10 +398,9 @@ class Trainer:
         dev = read_scene_set(resolve_data_path(self.cfg.schedule.dev_set))
         weights = {} if resume else {"initial policy's weights (model.path)": self.model_dir}
         if self.cfg.loss.use_kl_loss:
-            weights["KL reference's weights (model.reference_path, else model.path)"] = Path(
-                self.cfg.model.reference_path or self.model_dir)
-        digests = {d: _weights_digest(d) for d in set(weights.values())}   # each directory once
-        return {**{name: digests[d] for name, d in weights.items()},
+            weights["KL reference's weights (model.reference_path, else model.path)"] = \
+                self._reference_dir()
+        return {**{name: self._digest_of(d) for name, d in weights.items()},
                 "train scene set (the file's scenes)": scene_set_hash(self.scenes),
                 "dev scene set (the file's scenes)": scene_set_hash(dev),
                 "scene protocol (prompt files, catalogue, rules, judge)": self.protocol_hash,
@@ -477,9 +490,7 @@ class Trainer:
         except ValueError as err:
             raise ResumeError(str(err)) from None
         if self._kl_reference is not None:
-            path = self._kl_reference["path"]
-            check_same_reference(saved, self._kl_reference,
-                                 Path(path) if path is not None else self.model_dir,
+            check_same_reference(saved, self._kl_reference, self._reference_dir(),
                                  step_dir / TRAIN_STATE_ITEM)
 
     def _protocol_settings_changed(self, step_dir, saved) -> list[str] | None:
