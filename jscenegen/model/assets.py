@@ -21,14 +21,17 @@ ASSET_FILES = (
     "chat_template.jinja", "chat_template.json",
     "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
 )
-# what decides how text becomes tokens and back: the tokenizer, the chat template and the end
-# ids of generation_config.json (a resume refuses a model directory whose copies of these
-# differ from the ones its checkpoint carries); the chat template files are the ones
-# `sampling.chat_template_path` replaces
+# the chat template files, the ones `sampling.chat_template_path` replaces
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-TOKENISATION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                      "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                      *CHAT_TEMPLATE_FILES)
+# the ASSET_FILES that do not decide how text becomes tokens and back: the architecture
+# (compared on its own) and the multimodal processors' settings
+NOT_TOKENISATION_FILES = ("config.json", "preprocessor_config.json",
+                          "video_preprocessor_config.json", "processor_config.json")
+# every other asset file decides it: the tokenizer, the chat template and the end ids of
+# generation_config.json (a resume refuses a model directory whose copies of these differ from
+# the ones its checkpoint carries); derived, so an asset file added later is compared unless
+# it is named above
+TOKENISATION_FILES = tuple(name for name in ASSET_FILES if name not in NOT_TOKENISATION_FILES)
 # a model directory needs one of these (a checkpoint's hf/ carries only ASSET_FILES, so a
 # SentencePiece-only tokenizer.model could not be saved with a run)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
