@@ -77,13 +77,18 @@ def _flag(d: dict[str, Any], key: str, source: str, prefix: str = "") -> bool:
     return value
 
 
+def _is_token_id(value: Any, vocab: int) -> bool:
+    """`value` is a token id of a `vocab`-token vocabulary: an integer (not a boolean) in
+    0..vocab-1."""
+    return type(value) is int and 0 <= value < vocab
+
+
 def _token_ids(d: dict[str, Any], key: str, vocab: int, source: str, prefix: str = ""):
     """`d[key]`: None, a token id in 0..vocab-1 or a list of them (as a tuple); else
     ModelConfigError naming it."""
     value = d.get(key)
     ids = value if isinstance(value, list) else [value]
-    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool)
-                                     and 0 <= i < vocab for i in ids):
+    if value is not None and not all(_is_token_id(i, vocab) for i in ids):
         raise ModelConfigError(f"{source}: {prefix}{key} must be a token id in 0..{vocab - 1} or "
                                f"a list of them, got {value!r}")
     return tuple(value) if isinstance(value, list) else value
@@ -91,7 +96,7 @@ def _token_ids(d: dict[str, Any], key: str, vocab: int, source: str, prefix: str
 
 def _token_id(value: Any, key: str, vocab: int, source: str, prefix: str = "") -> int | None:
     """`value`: None or one token id in 0..vocab-1; else ModelConfigError naming `key`."""
-    if value is not None and (type(value) is not int or not 0 <= value < vocab):
+    if value is not None and not _is_token_id(value, vocab):
         raise ModelConfigError(f"{source}: {prefix}{key} must be a token id in 0..{vocab - 1} or "
                                f"null, got {value!r}")
     return value
