@@ -11,6 +11,7 @@ from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.paths import finite_number
 from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX
+from jscenegen.scene.judge import JUDGE_IDENTITY_KEYS
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES, SETUP_FAILURES
 from jscenegen.text import clip_line, clip_text
 
@@ -33,8 +34,6 @@ _REWARD_SPAN = (f"[{REWARD_MIN:g}, {REWARD_MAX:g}], the rewards scene.reward's b
                 "(at most all grades 10 with nothing spent)")
 _UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
 _GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
-# a report's `judge`: the judge's identity (`Judge.identity`), the rest its sampling settings
-_JUDGE_IDENTITY_KEYS = ("backend", "model", "rubric_hash")
 # the parts of a report's `protocol` (scene.protocol.protocol_payload) by the settings they hold
 _PROTOCOL_PARTS = {
     "prompts_sha256": "the prompt templates (scene.prompts_dir)",
@@ -257,13 +256,13 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
             raise ValueError(f"{where}: no `{key}` ({what}) in {' or '.join(missing)} (written "
                              f"by an older jscenegen or edited), so {lost}; re-run `jscenegen "
                              f"eval` for {'both' if len(missing) == 2 else 'that report'}")
-    judges = [{k: r["judge"].get(k) for k in _JUDGE_IDENTITY_KEYS} for r in (before, after)]
+    judges = [{k: r["judge"].get(k) for k in JUDGE_IDENTITY_KEYS} for r in (before, after)]
     if judges[0] != judges[1]:
         raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
                          f"{_judge_name(after)}): their rewards do not compare")
     # the judge's sampling settings (the HTTP judge's temperature, max_tokens: recorded beside
     # its identity, `scene.judge.http_judge_sampling`)
-    settings = [{k: v for k, v in r["judge"].items() if k not in _JUDGE_IDENTITY_KEYS}
+    settings = [{k: v for k, v in r["judge"].items() if k not in JUDGE_IDENTITY_KEYS}
                 for r in (before, after)]
     if keys := _differing_keys("judge", settings, names, where, "their grading"):
         raise ValueError(f"{where}: graded otherwise ({_shown_values('judge', settings, keys)}): "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypedDict
 
 from .caps import CAPS, active_caps, cap_text, caps_table
 from .catalogue import load_catalogue
@@ -37,11 +37,24 @@ class JudgeResult:
     info: dict = field(default_factory=dict)
 
 
+class JudgeIdentity(TypedDict):
+    """Which judge grades (`Judge.identity`): enters the protocol hash, the training metadata
+    and an evaluation report's `judge`, beside the judge's sampling settings there."""
+
+    backend: str
+    model: str | None
+    rubric_hash: str
+
+
+# its keys: what `eval --compare` reads as the judge's identity in a report's `judge`
+JUDGE_IDENTITY_KEYS = tuple(JudgeIdentity.__annotations__)
+
+
 class Judge(Protocol):
     """A judge backend."""
 
-    def identity(self) -> dict:
-        """{"backend", "model", "rubric_hash"}: enters the protocol hash and training metadata."""
+    def identity(self) -> JudgeIdentity:
+        """`JudgeIdentity`: enters the protocol hash and training metadata."""
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         """Grade every request; never raises for a bad answer, returns failures instead."""

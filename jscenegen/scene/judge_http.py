@@ -38,7 +38,14 @@ from jscenegen.text import clip_text
 
 from .caps import apply_caps
 from .config import GRADE_MAX, GRADE_MIN, JudgeConfig, MetricsConfig, is_grade, shown_url
-from .judge import JudgeRequest, JudgeResult, http_judge_sampling, judge_messages, rubric_hash
+from .judge import (
+    JudgeIdentity,
+    JudgeRequest,
+    JudgeResult,
+    http_judge_sampling,
+    judge_messages,
+    rubric_hash,
+)
 from .prompts import PromptTemplates
 
 log = logging.getLogger(__name__)
@@ -315,9 +322,9 @@ class HttpJudge:
     def __repr__(self) -> str:
         return f"HttpJudge(base_url={shown_url(self.cfg.base_url)!r}, model={self.cfg.model!r})"
 
-    def identity(self) -> dict:
-        return {"backend": "http", "model": self.cfg.model,
-                "rubric_hash": rubric_hash(self.cfg, self.templates, self.metrics_cfg, self.cfg.enforce_caps)}
+    def identity(self) -> JudgeIdentity:
+        return JudgeIdentity(backend="http", model=self.cfg.model, rubric_hash=rubric_hash(
+            self.cfg, self.templates, self.metrics_cfg, self.cfg.enforce_caps))
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
         """Grade all requests concurrently; safe to call from inside a running event loop."""

@@ -20,7 +20,7 @@ from typing import Sequence
 from .caps import apply_caps
 from .catalogue import Catalogue
 from .config import GRADE_KEYS, GRADE_MAX, GRADE_MIN, JudgeConfig, MetricsConfig
-from .judge import JudgeRequest, JudgeResult, rubric_hash
+from .judge import JudgeIdentity, JudgeRequest, JudgeResult, rubric_hash
 from .prompts import PromptTemplates
 from .schema import Scene
 
@@ -103,9 +103,9 @@ class RuleJudge:
         self.cfg, self.catalogue, self.templates = cfg, catalogue, templates
         self.metrics_cfg = metrics_cfg
 
-    def identity(self) -> dict:
-        return {"backend": "rule", "model": None, "rubric_hash": rubric_hash(self.cfg, self.templates,
-                                                                    self.metrics_cfg)}
+    def identity(self) -> JudgeIdentity:
+        return JudgeIdentity(backend="rule", model=None,
+                             rubric_hash=rubric_hash(self.cfg, self.templates, self.metrics_cfg))
 
     def check_reachable(self) -> None:
         """In-process: always reachable."""

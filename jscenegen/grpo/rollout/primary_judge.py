@@ -16,7 +16,7 @@ from typing import Sequence
 import jax
 
 from jscenegen.scene.episode import Episode, judge_episodes
-from jscenegen.scene.judge import Judge, JudgeRequest, JudgeResult
+from jscenegen.scene.judge import Judge, JudgeIdentity, JudgeRequest, JudgeResult
 from jscenegen.sharding.mesh import bytes_from_primary, fails_the_joined_run, is_primary
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class PrimaryJudge:
         # (`scene.episode.judge_episodes`) would catch it, so the engine re-raises it from here
         self.run_broken: BaseException | None = None
 
-    def identity(self) -> dict:
+    def identity(self) -> JudgeIdentity:
         return self.judge.identity()
 
     def check_reachable(self) -> None:
