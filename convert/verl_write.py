@@ -28,7 +28,7 @@ import numpy as np
 from convert.errors import ConvertError
 from convert.sharding import chunk_bounds, shard_dim
 from convert.tensors import cast, to_torch, warn_rounded_masters
-from jscenegen.paths import naming_write_errors
+from jscenegen.paths import naming_write_errors, storage_limit, write_limit_error
 
 # (name, dim, start, stop) -> the slice [start, stop) of tensor `name` along `dim`
 SliceReader = Callable[[str, int, int, int], np.ndarray]
@@ -170,10 +170,15 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
             if r == 0 and adam is not None:
                 warn_rounded_masters(str(shown_as or shard_dir),
                                      {n: stored[n] for n in shapes if n in with_state}, dtype)
+            if r == 0:   # about the bytes of all 3W files (for a full disk's message)
+                all_bytes = sum(int(np.prod(shapes[n], dtype=np.int64)) * model[n].element_size()
+                                for n in shapes)
+                if adam is not None:
+                    all_bytes += sum(2 * 4 * int(np.prod(shapes[n], dtype=np.int64)) for n in with_state)
             if tied_alias:
                 # state_dict order: lm_head comes last
                 model["lm_head.weight"] = _tied_view(model[tied_alias])
-            _save(model, shard_dir / f"model_world_size_{W}_rank_{r}.pt")
+            _save(model, shard_dir / f"model_world_size_{W}_rank_{r}.pt", all_bytes)
             del model
             if adam is not None:
                 state = {}
@@ -189,19 +194,21 @@ def write_rank_files(shard_dir: str | Path, *, shapes: Mapping[str, tuple[int, .
                                                dims[name], tuple(shape), device_type),
                     }
                 _save({"state": state, "param_groups": adam.param_groups},
-                      shard_dir / f"optim_world_size_{W}_rank_{r}.pt")
+                      shard_dir / f"optim_world_size_{W}_rank_{r}.pt", all_bytes)
                 del state
             if extra_states is not None:
                 extra = extra_states[r if len(extra_states) == W else 0]
-                _save(extra, shard_dir / f"extra_state_world_size_{W}_rank_{r}.pt")
+                _save(extra, shard_dir / f"extra_state_world_size_{W}_rank_{r}.pt", all_bytes)
     (shard_dir / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": W},
                                                            indent=4))
     return dims
 
 
-def _save(obj: Any, file: Path) -> None:
+def _save(obj: Any, file: Path, all_bytes: int) -> None:
     """torch.save, a failed write naming `file`: torch's zip writer reports one as a
-    RuntimeError ("[enforce fail at inline_container.cc] . unexpected pos ...")."""
+    RuntimeError ("[enforce fail at inline_container.cc] . unexpected pos ...") that drops the
+    errno. A storage limit (full disk, quota, `ulimit -f`) is DiskFullError (`write_limit_error`:
+    the file's bytes, or `all_bytes` for the whole set of rank files)."""
     import torch
 
     with naming_write_errors(file):
@@ -209,7 +216,59 @@ def _save(obj: Any, file: Path) -> None:
             torch.save(obj, file)
         except RuntimeError as err:
             first = (str(err).splitlines() or [""])[0][:200]
+            code = _storage_limit_of_save(obj, file)
+            if code is not None:
+                raise write_limit_error(code, file, _saved_bytes(obj), all_bytes,
+                                        "writing the VERL rank files") from None
             raise OSError(errno.EIO, f"torch.save could not write the file ({first})", str(file)) from None
+
+
+def _storage_limit_of_save(obj: Any, file: Path) -> int | None:
+    """After torch.save(obj, file) failed: the STORAGE_LIMITS errno that stopped it, else None.
+    torch's C++ writer keeps no errno, so the save is tried again through a Python file, whose
+    write() raises the OSError that torch then chains to its RuntimeError. The file is removed
+    either way (a partial file holds the space the message reports as free)."""
+    import torch
+
+    try:
+        with open(file, "wb") as f:
+            torch.save(obj, f)
+    except (RuntimeError, OSError) as err:
+        return storage_limit(err)
+    finally:
+        file.unlink(missing_ok=True)
+    return None
+
+
+class _ByteCounter:
+    """A file-like sink that only counts what torch.save writes to it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.n += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:   # torch skips metadata-only records
+        self.n = offset if whence == 0 else self.n + offset
+        return self.n
+
+    def tell(self) -> int:
+        return self.n
+
+    def flush(self) -> None:
+        pass
+
+
+def _saved_bytes(obj: Any) -> int:
+    """The bytes torch.save writes for `obj` (serialised, nothing stored)."""
+    import torch
+
+    sink = _ByteCounter()
+    torch.save(obj, sink)
+    return sink.n
 
 
 def _tied_view(emb: Any) -> Any:

@@ -51,7 +51,7 @@ class DiskFullError(OSError):
 
     def __init__(self, directory: str | Path, needed_bytes: int | None, what: str = "the write",
                  code: int = errno.ENOSPC):
-        self.directory, self.needed_bytes = Path(directory), needed_bytes
+        self.directory, self.needed_bytes, self.what = Path(directory), needed_bytes, what
         needs = f"needs {needed_bytes:,} bytes" if needed_bytes is not None else "needs more space"
         reason = STORAGE_LIMITS.get(code, os.strerror(code))
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
@@ -71,6 +71,17 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+def write_limit_error(code: int, file: Path, file_bytes: int | None, all_bytes: int | None,
+                      all_what: str) -> DiskFullError:
+    """The DiskFullError for the write of `file` (`file_bytes`), one of a set of files
+    (`all_bytes` together, `all_what` in the message), stopped by the storage limit `code`
+    (STORAGE_LIMITS): a file-size limit (EFBIG) is per file, so the file's bytes are named; a
+    full disk or quota needs room for the whole set, so its bytes are."""
+    if code == errno.EFBIG:
+        return DiskFullError(file.parent, file_bytes, f"writing {file.name}", code)
+    return DiskFullError(file.parent, all_bytes, all_what, code)
 
 
 def _existing(path: Path) -> Path:
@@ -358,8 +369,8 @@ def fsync_path(path: str | Path) -> None:
 def raise_naming(err: OSError, path: str | Path) -> NoReturn:
     """Raise `err`, as an OSError of its errno naming `path` when it names no file (a write()
     on an open file fails with "[Errno 27] File too large" or "No space left on device" and
-    no name)."""
-    if err.filename is None and err.errno is not None:
+    no name). A DiskFullError, which names its directory, is raised as it is."""
+    if err.filename is None and err.errno is not None and not isinstance(err, DiskFullError):
         raise OSError(err.errno, err.strerror or os.strerror(err.errno), str(path)) from None
     raise err
 
@@ -724,6 +735,10 @@ def _filled_and_published(path: Path, replace: bool, exists_error: type[Exceptio
             os.replace(tmp, path)
         fsync_path(path.parent)   # the rename itself survives a power cut
     except OSError as err:   # name the destination, not the temporary the user never sees
+        if isinstance(err, DiskFullError) and err.directory.is_relative_to(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)   # the bytes free it reports: without the partial output
+            raise DiskFullError(path / err.directory.relative_to(tmp), err.needed_bytes, err.what,
+                                err.errno) from None
         if (isinstance(err.filename, str) and err.filename2 is None
                 and Path(err.filename).is_relative_to(tmp)):
             raise OSError(err.errno, err.strerror, str(path / Path(err.filename).relative_to(tmp))) from None

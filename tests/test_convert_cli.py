@@ -261,24 +261,29 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow  # three processes, ~25 s on 2 cores
 def test_a_failed_write_is_one_line_naming_the_file(tmp_path):
     """A file-size limit (as a full disk would) made torch.save raise a 42-line RuntimeError
-    traceback and the safetensors writer print "[Errno 27] File too large" naming nothing."""
+    traceback and the safetensors writer print "[Errno 27] File too large" naming nothing;
+    then both gave one line without the bytes or the limit ("torch.save could not write the
+    file (... unexpected pos ...)"). Now each is the orbax writer's disk-full line: the
+    destination directory, the file's bytes and the limit."""
     import os
     import subprocess
     import sys
 
     src = fixture_dir("qwen2_first_divisible") / "ckpt"
     cases = [(["convert", str(src), str(tmp_path / "hf"), "--from", "verl", "--to", "hf"],
-              rf"{tmp_path / 'hf'}/\.?.*model\.safetensors"),
+              f"{tmp_path / 'hf'}: writing model.safetensors"),
              (["convert", str(src), str(tmp_path / "verl"), "--from", "verl", "--to", "verl",
-               "--world-size", "2"], r"model_world_size_2_rank_0\.pt")]
+               "--world-size", "2"],
+              f"{tmp_path / 'verl'}/global_step_3/actor: writing model_world_size_2_rank_0.pt")]
     for argv, where in cases:
         proc = subprocess.run([sys.executable, "-c", _LIMITED_WRITE, *argv], capture_output=True,
                               text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         lines = [x for x in proc.stderr.splitlines() if x.strip()]
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
         import re
-        assert re.search(rf"^error: (file too large in \S+ writing )?\S*{where}\S*(: torch\.save could not write the file .*)?$",
-                         lines[0]), lines[0]
+        assert re.fullmatch(rf"error: file-size limit \(ulimit -f\) reached in {re.escape(where)} "
+                            r"needs [\d,]+ bytes \(the limit is 60,000 bytes per file\); raise the "
+                            r"limit or write elsewhere", lines[0]), lines[0]
     assert sorted(os.listdir(tmp_path)) == []          # no partial destination
     # orbax's writer threads outlived the failed save and wrote its manifest after the cleanup
     proc = subprocess.run([sys.executable, "-c", _LIMITED_WRITE, "convert", str(src),
@@ -290,6 +295,59 @@ def test_a_failed_write_is_one_line_naming_the_file(tmp_path):
     assert line.startswith(f"error: file-size limit (ulimit -f) reached in {tmp_path}/"), line
     assert line.endswith(" bytes (the limit is 60,000 bytes per file); raise the limit or write elsewhere")
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_full_disk_while_writing_weights_names_the_bytes_needed_and_free(tmp_path, capsys,
+                                                                           monkeypatch):
+    """A full disk while torch.save wrote a VERL rank file gave "torch.save could not write
+    the file ([enforce fail at inline_container.cc:672] . unexpected pos ...)" and the
+    safetensors writer "no space left on device in DIR writing FILE": neither said how many
+    bytes the write needs or how many are free, as the orbax writer's message does."""
+    import errno
+    import re
+
+    import torch
+
+    import jscenegen.model.safetensors_stream as stream
+
+    real_save = torch.save
+
+    def full_disk_save(obj, f, *args, **kwargs):
+        """torch.save on a full disk: its writer's OSError, chained to torch's RuntimeError."""
+        if not hasattr(f, "write") or hasattr(f, "fileno"):
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904 (torch chains it so)
+        return real_save(obj, f, *args, **kwargs)   # the byte counter
+
+    class FullFile:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    src = fixture_dir("qwen2_first_divisible") / "ckpt"
+    monkeypatch.setattr(torch, "save", full_disk_save)
+    monkeypatch.setattr(stream, "open", FullFile, raising=False)
+    cases = [(["--to", "verl", "--world-size", "2"],
+              f"{tmp_path / 'out'}/global_step_3/actor: writing the VERL rank files"),
+             (["--to", "hf"], f"{tmp_path / 'out'}: writing the safetensors weights")]
+    for args, where in cases:
+        capsys.readouterr()
+        assert main(["convert", str(src), str(tmp_path / "out"), "--from", "verl", *args]) == 2
+        line = capsys.readouterr().err.strip()
+        m = re.fullmatch(rf"error: no space left on device in {re.escape(where)} needs ([\d,]+) "
+                         r"bytes \([\d,]+ bytes free\); free some space or write elsewhere", line)
+        assert m and int(m.group(1).replace(",", "")) > 10_000, line
+        assert os.listdir(tmp_path) == []   # no partial destination
 
 
 def test_success_lines_escape_a_newline_in_a_path(tmp_path, capsys):

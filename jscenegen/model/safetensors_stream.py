@@ -29,7 +29,15 @@ import numpy as np
 
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
-from jscenegen.paths import loads_json, naming_write_errors, not_a_file, read_json_object
+from jscenegen.paths import (
+    STORAGE_LIMITS,
+    DiskFullError,
+    loads_json,
+    naming_write_errors,
+    not_a_file,
+    read_json_object,
+    write_limit_error,
+)
 from jscenegen.text import clip_text
 
 log = logging.getLogger(__name__)
@@ -359,6 +367,7 @@ def write_safetensors_streaming(out_dir: str | Path,
     it = iter(arrays)
     weight_map = {}
     total = 0
+    files = []   # (name, members, header bytes, file bytes)
     for fname, members in zip(names, shards):
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
@@ -372,21 +381,30 @@ def write_safetensors_streaming(out_dir: str | Path,
         total += offset
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        with naming_write_errors(out_dir / fname), open(out_dir / fname, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name in members:
-                item = next(it, None)
-                if item is None:
-                    raise ValueError(f"{out_dir}: the tensors ended before {name} (announced {len(specs)}, "
-                                     f"{len(weight_map) - len(members) + members.index(name)} "
-                                     "arrived)")
-                got_name, a = item
-                shape, dtype = specs[name]
-                if got_name != name or tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
-                    raise ValueError(f"tensor {got_name} {a.shape} {a.dtype} arrived where "
-                                       f"{name} {tuple(shape)} {np.dtype(dtype)} was announced")
-                f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)  # little-endian host
+        files.append((fname, members, raw, 8 + len(raw) + offset))
+    arrived = 0
+    for fname, members, raw, size in files:
+        try:
+            with naming_write_errors(out_dir / fname), open(out_dir / fname, "wb") as f:
+                f.write(struct.pack("<Q", len(raw)))
+                f.write(raw)
+                for name in members:
+                    item = next(it, None)
+                    if item is None:
+                        raise ValueError(f"{out_dir}: the tensors ended before {name} (announced "
+                                         f"{len(specs)}, {arrived} arrived)")
+                    arrived += 1
+                    got_name, a = item
+                    shape, dtype = specs[name]
+                    if got_name != name or tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
+                        raise ValueError(f"tensor {got_name} {a.shape} {a.dtype} arrived where "
+                                         f"{name} {tuple(shape)} {np.dtype(dtype)} was announced")
+                    f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)  # little-endian host
+        except OSError as err:
+            if err.errno not in STORAGE_LIMITS or isinstance(err, DiskFullError):
+                raise
+            raise write_limit_error(err.errno, out_dir / fname, size, sum(x[3] for x in files),
+                                    "writing the safetensors weights") from None
     if next(it, None) is not None:
         raise ValueError("more tensors arrived than were announced")
     if n > 1:
