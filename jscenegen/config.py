@@ -358,9 +358,12 @@ def _yaml_kind(value: Any) -> str | None:
     return None
 
 
-def _format_errors(err: ValidationError, source: str, overrides: list[str] = ()) -> str:
+def _format_errors(err: ValidationError, source: str, overrides: list[str] = (),
+                   file_data: dict | None = None) -> str:
     """One line per error (the first MAX_ERROR_LINES, then how many more), each naming the
-    file or override that set the value."""
+    file or override that set the value. A section-level check blamed on an override that
+    names keys only the file `source` set (`file_data`: what it holds) says so ("configs/x.yaml
+    sets sampling.top_p 0.9")."""
     lines = []
     errors = err.errors(include_url=False)
     for e in errors[:MAX_ERROR_LINES]:
@@ -383,7 +386,13 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
                 nulls = [o for o in overrides if o.endswith("=") and _names_key(message, override_key(o))]
                 null_note = f" (`{nulls[0]}` reads as null)" if nulls else ""
                 head = "" if message.startswith(f"{key}.") else f"{key}: "
-                lines.append(f"{where}: {head}{message}{null_note}")
+                section = _dotted_get(file_data or {}, key)
+                from_file = [f"{key}.{k} {shown_value(v)}" for k, v in
+                             (section.items() if isinstance(section, dict) else ())
+                             if where != source and _names_key(message, f"{key}.{k}")
+                             and not any(f"{key}.{k}" in override_leaf_keys(o) for o in overrides)]
+                file_note = f" ({source} sets {', '.join(from_file)})" if from_file else ""
+                lines.append(f"{where}: {head}{message}{null_note}{file_note}")
             else:
                 lines.append(f"{where}: {key}: {message}{shown}")
     if len(errors) > MAX_ERROR_LINES:
@@ -392,13 +401,14 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] = ())
 
 
 def validate_config(data: dict, source: str, model: type[BaseModel],
-                    overrides: list[str] | tuple[str, ...] = ()):
+                    overrides: list[str] | tuple[str, ...] = (), file_data: dict | None = None):
     """Validate a plain dict into the pydantic `model`; errors name each bad key and who set
-    it: the override that did (`override a.b=value`), else `source`."""
+    it: the override that did (`override a.b=value`), else `source` (whose own values, before
+    the overrides, are `file_data`)."""
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source, list(overrides))) from None
+        raise ConfigError(_format_errors(err, source, list(overrides), file_data)) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -595,5 +605,5 @@ def load_config(path: str | Path | None, overrides, model: type[BaseModel]):
     """
     data: dict = {} if path is None else read_yaml(path)
     source = "<defaults>" if path is None else str(path)
-    data = apply_overrides(data, list(overrides))
-    return validate_config(data, source, model, list(overrides))
+    return validate_config(apply_overrides(data, list(overrides)), source, model, list(overrides),
+                           file_data=data)

@@ -159,12 +159,12 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
     command's --model names the policy (a `model.path` override would be ignored).
     Raises ConfigError naming the file or override and the key, or an override that a flag
     given with it contradicts or repeats."""
-    cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
-    if greedy:
+    if greedy:   # before the config's own checks, which would blame the override otherwise
         refuse_override_of("--greedy sets sampling.greedy, top_k and top_p itself",
                             {"sampling.greedy", "sampling.top_k", "sampling.top_p"}, overrides)
     if model_flag:
         refuse_override_of("--model names the policy", {"model.path"}, overrides)
+    cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
     if greedy:
         sampling = cfg.sampling.model_copy(update={"greedy": True, "top_k": 0, "top_p": 1.0})
         cfg = cfg.model_copy(update={"sampling": sampling})

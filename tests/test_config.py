@@ -132,6 +132,32 @@ def test_a_string_is_unicode_text():
     assert load_config(None, ["sampling.greedy=true", "sampling.top_p=1.0"], RunConfig).sampling.greedy
 
 
+def test_greedy_as_an_override_names_the_top_p_the_config_file_sets():
+    """`sampling.greedy=true` under the CPU default (whose file sets top_p 0.9) was refused as
+    "greedy sampling ignores top_k/top_p; leave them off", blaming a user who set neither;
+    and `--greedy sampling.greedy=true` got that message instead of --greedy's "repeats" one.
+    The rule: greedy needs top_k 0 and top_p 1.0; the refusal names the values, the file that
+    set them, and the overrides to add."""
+    from jscenegen.paths import resolve_data_path
+    from jscenegen.run_config import DEFAULT_CONFIG, load_run_config
+
+    with pytest.raises(ConfigError) as info:
+        load_run_config(None, ["sampling.greedy=true"])
+    assert str(info.value) == (
+        "override sampling.greedy=true: sampling.greedy takes the argmax, so top_k and top_p must "
+        "be off, but sampling.top_p is 0.9: set sampling.top_p=1.0 too (--greedy, on the commands "
+        f"that have it, sets all three) ({resolve_data_path(DEFAULT_CONFIG)} sets sampling.top_p 0.9)")
+    with pytest.raises(ConfigError, match=r"^--greedy sets .*the override sampling.greedy=true "
+                                          r"contradicts or repeats it"):
+        load_run_config(None, ["sampling.greedy=true"], greedy=True)
+    # values the overrides set are theirs: no file note
+    with pytest.raises(ConfigError, match=r"^overrides sampling.greedy=true, sampling.top_k=5: .*but "
+                                          r"sampling.top_k is 5: set sampling.top_k=0 too \(--greedy, "
+                                          r"on the commands that have it, sets all three\)$"):
+        load_run_config(None, ["sampling.greedy=true", "sampling.top_p=1.0", "sampling.top_k=5"])
+    assert load_run_config(None, ["sampling.greedy=true", "sampling.top_p=1.0"]).sampling.greedy
+
+
 def test_seeds_step_and_token_counts_are_bounded():
     """Seeds are 32-bit, step counts int32 and token counts at most 2^20: a huge value fails at load, naming the
     key, not as an overflow or an allocation deep inside a run."""

@@ -687,14 +687,14 @@ def test_a_decode_that_does_not_fit_the_cache_says_so(model, prompts):
         s.decode(cache, last, [6, 6], row_keys([1, 2]), 6)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(greedy=True, top_k=5), "greedy sampling ignores top_k/top_p"),
-    (dict(greedy=True, top_p=0.9), "greedy sampling ignores top_k/top_p"),
+@pytest.mark.parametrize("kwargs, config_message", [
+    (dict(greedy=True, top_k=5), "but sampling.top_k is 5: set sampling.top_k=0 too"),
+    (dict(greedy=True, top_p=0.9), "but sampling.top_p is 0.9: set sampling.top_p=1.0 too"),
 ])
-def test_sampling_params_and_the_config_refuse_greedy_with_top_k_or_top_p(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_sampling_params_and_the_config_refuse_greedy_with_top_k_or_top_p(kwargs, config_message):
+    with pytest.raises(ValueError, match="greedy sampling ignores top_k/top_p"):
         SamplingParams(**kwargs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=config_message):   # the config names the fix
         SamplingConfig(**kwargs)
 
 

@@ -47,7 +47,11 @@ class SamplingConfig(Section):
         0, ge=0, description="keep the k most likely tokens; 0 = off (-1, VERL's and vLLM's "
         "spelling of off, is read as 0); of logits tied at the k-th value the lowest token ids "
         "are kept")
-    greedy: bool = Field(False, description="argmax instead of sampling (evaluation)")
+    greedy: bool = Field(False, description="argmax instead of sampling (evaluation); top_k must "
+                         "then be 0 and top_p 1.0, or the config is refused naming the values and "
+                         "who set them (configs/cpu-default.yaml sets top_p 0.9: give "
+                         "sampling.top_p=1.0 with sampling.greedy=true, or --greedy where the "
+                         "command has it, which sets all three)")
     max_new_tokens: int = Field(2048, ge=1, le=TOKENS_MAX,
                                 description="tokens one assistant turn may generate (at most "
                                 "max_episode_tokens)")
@@ -74,7 +78,15 @@ class SamplingConfig(Section):
         b = check_buckets(self.buckets)
         if b[-1] > TOKENS_MAX:
             raise ValueError(f"buckets must be lengths up to {TOKENS_MAX}, got {list(b)}")
-        self.params()   # the sampling rules (greedy leaves top_k/top_p off)
+        if self.greedy and (self.top_k or self.top_p < 1):   # SamplingParams' rule, with the fix
+            on = [f"sampling.{k} is {v}" for k, v in (("top_k", self.top_k), ("top_p", self.top_p))
+                  if v != {"top_k": 0, "top_p": 1.0}[k]]
+            fix = [f"sampling.{k}={v}" for k, v in (("top_k", 0), ("top_p", 1.0))
+                   if getattr(self, k) != v]
+            raise ValueError(f"sampling.greedy takes the argmax, so top_k and top_p must be off, "
+                             f"but {' and '.join(on)}: set {' and '.join(fix)} too (--greedy, on "
+                             "the commands that have it, sets all three)")
+        self.params()   # the sampling rules
         if self.max_new_tokens > self.max_episode_tokens:
             # the cache is sized for an episode plus a turn: a turn longer than any episode can
             # hold only inflates it (a fixed-size Qwen3.5 cache by the whole difference)
