@@ -581,9 +581,20 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
 
     run_dir = tmp_path_factory.mktemp("copy") / "run"
     shutil.copytree(straight[0], run_dir)
-    with pytest.raises(ResumeError, match=r"schedule.roles, schedule.group_size or schedule.seed "
-                                          r"changed \(checkpoint schedule_hash"):
-        Trainer(_cfg(**{"schedule.roles": "DDDPC"}), run_dir, chat_model_dir(), resume=True)
+    # the setting that changed is named (it listed the four candidates: "the schedule's first
+    # 3 scenes or their seeds (schedule.train_set), schedule.roles, schedule.group_size or
+    # schedule.seed changed"), as the protocol and reward refusals name theirs
+    saved_hash = read_train_state(run_dir / "checkpoints/3")["schedule_hash"]
+    with pytest.raises(ResumeError) as info:
+        Trainer(_cfg(**{"schedule.group_size": 4}), run_dir, chat_model_dir(), resume=True)
+    assert str(info.value) == ("resume refused: the schedule changed: schedule.group_size 2 -> 4 "
+                               f"(checkpoint schedule_hash {saved_hash}, now "
+                               f"{str(info.value).rsplit(' ', 1)[1]}")
+    with pytest.raises(ResumeError, match=r"^resume refused: the schedule changed: schedule.roles "
+                                          r"'PPC' -> 'DDDPC'; schedule.seed 0 -> 5 \(checkpoint "
+                                          r"schedule_hash [0-9a-f]{64}, now [0-9a-f]{64}\)$"):
+        Trainer(_cfg(**{"schedule.roles": "DDDPC", "schedule.seed": 5}), run_dir, chat_model_dir(),
+                resume=True)
     # the reward is part of the protocol too: the key that changed is named
     with pytest.raises(ResumeError, match=r"reward configuration changed \(scene.reward.unit_penalty: "
                                           r"[0-9.e-]+ in the checkpoint, now 0.5\)$"):
@@ -622,7 +633,7 @@ def test_a_refused_resume_does_not_say_its_overrides_change_anything(straight, t
     with caplog.at_level("WARNING"):
         assert main(["train", "--resume", str(run_dir), "schedule.roles=DDDPC"]) == 2
     err = capsys.readouterr().err
-    assert "schedule.roles, schedule.group_size or schedule.seed changed" in err
+    assert "the schedule changed: schedule.roles 'PPC' -> 'DDDPC' (checkpoint" in err
     assert "changes" not in caplog.text and "changes" not in err
     with caplog.at_level("WARNING"):    # accepted (the run has finished its schedule: no step)
         assert main(["train", "--resume", str(run_dir), "optim.lr=0.002"]) == 0
@@ -724,6 +735,7 @@ def test_an_exported_step_converted_back_resumes_as_the_same_run(straight, tmp_p
     assert back == {**original, "source_format": "verl"}
     meta = json.loads((tmp_path / "back/checkpoints/3/training_metadata.json").read_text())
     assert meta["schedule_hash"] == original["schedule_hash"] and meta["effective_updates"] == 3
+    # converted from VERL files, the step records no config to name the setting from
     with pytest.raises(ResumeError, match="schedule.roles, schedule.group_size or schedule.seed"):
         Trainer(_cfg(**{"schedule.roles": "DDDPC"}), tmp_path / "back", chat_model_dir(), resume=True)
     with pytest.raises(ResumeError, match="the scene protocol changed"):

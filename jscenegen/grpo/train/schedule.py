@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import Field
 
@@ -165,22 +165,44 @@ class Schedule:
         return nxt, step
 
 
-def check_extension(saved: dict, schedule: Schedule) -> None:
-    """Refuse a resume whose scene prefix, roles or group size changed.
+SCHEDULE_HASH_SETTINGS = ("roles", "group_size", "seed")   # besides the scenes and their seeds
+
+
+def check_extension(saved: dict, schedule: Schedule,
+                    changed_settings: Sequence[str] | None = None,
+                    recorded: Mapping[str, Any] | None = None) -> None:
+    """Refuse a resume whose scene prefix, roles, group size or run seed changed.
 
     `saved` holds `schedule_hash` and `num_scenes` of the run being resumed. Extending the scene
-    list keeps the prefix's hash; anything else raises ValueError showing both hashes.
+    list keeps the prefix's hash; anything else raises ValueError showing both hashes and
+    naming what changed: `changed_settings` ("schedule.group_size 8 -> 4", as
+    `metadata.config_changes` lists the SCHEDULE_HASH_SETTINGS that differ from the
+    checkpoint's recorded config `recorded`, its `schedule` section), when the hash over the
+    configured scenes with the recorded settings is the checkpoint's (so they explain it);
+    the first scenes or their seeds (schedule.train_set) otherwise, or when the checkpoint
+    records no config (`recorded` None).
     """
     n = int(saved["num_scenes"])
     if n > len(schedule.scene_seeds):
         raise ValueError(f"resume: the run used {n} scenes but only {len(schedule.scene_seeds)} are configured")
     ours = schedule.hash(n)
-    if ours != saved["schedule_hash"]:
-        raise ValueError(
-            f"resume refused: the schedule's first {n} scenes or their seeds (schedule.train_set), "
-            "schedule.roles, schedule.group_size or schedule.seed changed (checkpoint "
-            f"schedule_hash {saved['schedule_hash']}, now {ours})"
-        )
+    if ours == saved["schedule_hash"]:
+        return
+    scenes = (f"the schedule's first {n} scenes or their seeds (schedule.train_set "
+              f"{schedule.cfg.train_set})")
+    what = (f"{scenes}, schedule.roles, schedule.group_size or schedule.seed changed")
+    if changed_settings and recorded is not None:
+        try:
+            theirs = schedule_hash(schedule.scene_seeds[:n], recorded["roles"],
+                                   int(recorded["group_size"]), int(recorded.get("seed", 0)))
+        except (KeyError, TypeError, ValueError):   # a hand-edited record: say no more than the hash
+            theirs = None
+        if theirs == saved["schedule_hash"]:
+            what = f"the schedule changed: {'; '.join(changed_settings)}"
+        elif theirs is not None:
+            what = f"{scenes} changed, and {'; '.join(changed_settings)}"
+    raise ValueError(f"resume refused: {what} (checkpoint schedule_hash {saved['schedule_hash']}, "
+                     f"now {ours})")
 
 
 def check_scene_content(saved: dict, records: Sequence[SceneRecord], train_set: str) -> None:

@@ -71,6 +71,7 @@ from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
 from jscenegen.grpo.train.metrics import TRAJECTORIES_LOG, MetricsLogger, truncate_run_logs
 from jscenegen.grpo.train.schedule import (
+    SCHEDULE_HASH_SETTINGS,
     Schedule,
     SchedulePosition,
     check_extension,
@@ -485,13 +486,28 @@ class Trainer:
                        reward=self.cfg.scene.reward.model_dump(mode="json"),
                        protocol_settings=self._protocol_settings_changed(step_dir, saved))
         try:
-            check_extension(saved, self.schedule)
+            check_extension(saved, self.schedule, *self._schedule_settings_changed(step_dir, saved))
             check_scene_content(saved, self.scenes, self.cfg.schedule.train_set)
         except ValueError as err:
             raise ResumeError(str(err)) from None
         if self._kl_reference is not None:
             check_same_reference(saved, self._kl_reference, self._reference_dir(),
                                  step_dir / TRAIN_STATE_ITEM)
+
+    def _schedule_settings_changed(self, step_dir, saved) -> tuple[list[str], dict | None]:
+        """(The settings the schedule hash reads, SCHEDULE_HASH_SETTINGS, that differ from
+        those the checkpoint's metadata records, as `config_changes` lists them; that record's
+        `schedule` section, None when it has none). Only read when the hash differs."""
+        if saved["schedule_hash"] == self.schedule.hash(int(saved["num_scenes"])):
+            return [], None
+        recorded = read_metadata(step_dir).get("config")
+        before = recorded.get("schedule") if isinstance(recorded, dict) else None
+        if not isinstance(before, dict):
+            return [], None
+        now = self.cfg.schedule.model_dump(mode="json")
+        def hashed(section: dict) -> dict:
+            return {"schedule": {k: section[k] for k in SCHEDULE_HASH_SETTINGS if k in section}}
+        return config_changes(hashed(before), hashed(now), only_saved_keys=True), before
 
     def _protocol_settings_changed(self, step_dir, saved) -> list[str] | None:
         """The settings the protocol hash reads (`protocol_settings`) that differ from those
