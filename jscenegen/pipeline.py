@@ -365,6 +365,39 @@ def check_run_inputs(cfg) -> None:
         raise FileNotFoundError(f"sampling.chat_template_path {template}: not a file")
 
 
+def check_eval_files(run_dir: Path, cfg, *, resume: bool) -> None:
+    """Refuse, before the model loads (as `check_run_logs` does the JSONL logs), what would
+    fail or be lost only after an evaluation, with `trainer.eval_before_after`: one of the
+    reports and plots the run writes (eval_before.* on a start, eval_after.* and
+    eval_change.*) that exists but is no regular file (a directory, a pipe, a symbolic link:
+    the writers replace only files), and on a resume an eval_before.json that is not a
+    readable report (its eval_after would be compared with nothing, and the last start's
+    eval_change.*, the only intact record of the before numbers then, would be dropped). A
+    missing eval_before.json is what a run that did not evaluate first leaves: allowed."""
+    from jscenegen.paths import not_a_file
+
+    if not cfg.trainer.eval_before_after:
+        return
+    for stem in ("eval_after", "eval_change") if resume else ("eval_before", "eval_after", "eval_change"):
+        for path in (run_dir / f"{stem}.json", run_dir / f"{stem}.png"):
+            if not os.path.lexists(path):
+                continue
+            why = not_a_file(path) or ("is a symbolic link" if path.is_symlink() else None)
+            if why:
+                raise ValueError(f"{path}: {why}; the run writes its {stem} evaluation there "
+                                 "(move it away, or set trainer.eval_before_after=false)")
+    before = run_dir / "eval_before.json"
+    if resume and os.path.lexists(before):
+        from jscenegen.eval.report import check_report, read_report
+
+        try:
+            check_report(read_report(before), str(before))
+        except ValueError as err:
+            raise ValueError(f"{err}; the resumed run compares its eval_after with this report "
+                             f"(eval_change.json): restore it, or move it away to resume "
+                             "without the comparison") from None
+
+
 def _saved_report(path: Path) -> dict | None:
     """The evaluation report at `path` (a resumed run's `eval_before.json`), or None with a
     warning when it is missing or not a report: the run then writes no eval_change."""

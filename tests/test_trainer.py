@@ -617,6 +617,44 @@ def test_resume_refuses_a_changed_schedule_prefix_or_reward(straight, tmp_path_f
     assert "optim.total_steps=2 is below schedule.total_updates=3" in caplog.text
 
 
+def test_a_resume_checks_its_evaluation_files_before_the_model_loads(straight, tmp_path_factory,
+                                                                     capsys, monkeypatch):
+    """A resume found an unreadable eval_before.json only after its eval_after evaluation,
+    then warned and deleted the last start's eval_change.* (the only intact record of the
+    before numbers); a directory at eval_after.json failed only after that evaluation too.
+    Both are refused now before the trainer (and the model) is made, naming the file."""
+    import shutil
+
+    import yaml
+
+    import jscenegen.grpo.train.trainer as trainer_module
+    from jscenegen.cli import main
+
+    run_dir = tmp_path_factory.mktemp("evalfiles") / "run"
+    shutil.copytree(straight[0], run_dir)
+    assert _cfg().trainer.eval_before_after   # the CPU default's
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(_cfg().model_dump(mode="json")))
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the trainer was made")
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", no_model)
+    (run_dir / "eval_before.json").write_text("{garbage")
+    (run_dir / "eval_change.json").write_text('{"diff": 0.326}')
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'eval_before.json'}: not valid JSON") and err.endswith(
+        "; the resumed run compares its eval_after with this report (eval_change.json): restore it, "
+        "or move it away to resume without the comparison\n"), err
+    assert (run_dir / "eval_change.json").read_text() == '{"diff": 0.326}'   # kept
+    (run_dir / "eval_before.json").unlink()
+    (run_dir / "eval_after.json").mkdir()
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run_dir / 'eval_after.json'}: is a directory; the run writes its eval_after "
+        "evaluation there (move it away, or set trainer.eval_before_after=false)\n")
+
+
 def test_a_refused_resume_does_not_say_its_overrides_change_anything(straight, tmp_path_factory,
                                                                     capsys, caplog):
     """`train --resume RUN key=value` warned "resume changes ..." and then refused the resume:

@@ -72,6 +72,9 @@ def run(args) -> int:
     if not args.resume:
         _refuse_a_directory_of_other_files(run_dir)
     check_run_logs(run_dir)
+    from jscenegen.pipeline import check_eval_files
+
+    check_eval_files(run_dir, cfg, resume=bool(args.resume) and not afresh)
     # without model.path the run starts from (and may create) a model in the cache
     models = None if cfg.model.path else cache_dir() / "models"
     refuse_overwriting_input(run_dir, label, {"model.path": cfg.model.path,
