@@ -270,7 +270,9 @@ def _outcome(row: dict) -> str:
 
 class Progress:
     """GRPO progress on stderr (process 0 only): a rich progress bar with reward, failure rate
-    and tokens/s on a terminal; one line per update attempt otherwise (a log file, a pipe)."""
+    and tokens/s on a terminal; one line per update attempt otherwise (a log file, a pipe):
+    `GRPO 7/50 attempt 6 designer reward +0.627 fail 0.00 1040 tok/s, step, 63 s elapsed`
+    (the attempt's outcome, `_outcome`, then the seconds since GRPO began)."""
 
     def __init__(self, total: int, enabled: bool, stream=None):
         self.total, self.stream, self.bar = total, stream or sys.stderr, None
@@ -292,12 +294,13 @@ class Progress:
         info = (f"attempt {row['attempt']} {row['role']:<8} reward "
                 f"{'n/a' if reward is None else f'{reward:+.3f}'} "
                 f"fail {'n/a' if failed is None else f'{failed:.2f}'} "
-                f"{row['rollout/tokens_per_s']:.0f} tok/s {_outcome(row)}")
+                f"{row['rollout/tokens_per_s']:.0f} tok/s, {_outcome(row)}")
         if self.bar is not None:
             self.bar.update(self.task, completed=row["effective_updates"], info=info)
         elif self.lines:
-            print(f"GRPO {row['effective_updates']}/{self.total} {info} "
-                  f"{time.perf_counter() - self.t0:.0f} s", file=self.stream, flush=True)
+            # the outcome word, then the time since GRPO began (not the update's own time)
+            print(f"GRPO {row['effective_updates']}/{self.total} {info}, "
+                  f"{time.perf_counter() - self.t0:.0f} s elapsed", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

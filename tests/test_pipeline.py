@@ -632,8 +632,10 @@ def test_progress_false_keeps_the_warm_starts_sft_steps_off_stderr(capsys, stubb
 
 def test_the_progress_line_of_an_update_with_every_episode_masked_says_n_a():
     """A row whose reward/mean and failure_rate are None (every episode masked) prints n/a for
-    both; a failure rate of 0.0 printed 0.00 beside reward n/a."""
+    both; a failure rate of 0.0 printed 0.00 beside reward n/a. The outcome word and the time
+    since GRPO began are set apart ("tok/s step 63 s" read as a step that took 63 s)."""
     import io
+    import re
 
     from jscenegen.pipeline import Progress
 
@@ -644,5 +646,6 @@ def test_the_progress_line_of_an_update_with_every_episode_masked_says_n_a():
     progress(row)
     progress({**row, "attempt": 2, "reward/mean": -0.5, "failure_rate": 0.25})
     lines = stream.getvalue().splitlines()
-    assert "reward n/a fail n/a 12 tok/s no-signal" in lines[0]
-    assert "reward -0.500 fail 0.25 12 tok/s" in lines[1]
+    assert re.fullmatch(r"GRPO 0/3 attempt 1 planner  reward n/a fail n/a 12 tok/s, no-signal, "
+                        r"\d+ s elapsed", lines[0]), lines[0]
+    assert "reward -0.500 fail 0.25 12 tok/s, no-signal, " in lines[1]
