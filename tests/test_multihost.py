@@ -169,8 +169,9 @@ def test_a_save_that_fails_on_process_0_fails_on_every_process_at_once(tmp_path,
 @pytest.mark.slow
 def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tmp_path):
     """`jscenegen train` on 2 processes x 3 devices: a SIGTERM that reaches one process only
-    stops both after the same update (exit 143, one checkpoint); the resumed run's metrics and
-    final parameters equal a 6-device single-process run's (the judge graded once, on process 0)."""
+    stops both after the same update (exit 143, one checkpoint); the resumed run's metrics, train
+    state (the cosine LR's position included) and final parameters equal a 6-device
+    single-process run's (the judge graded once, on process 0)."""
     import jax
     import numpy as np
 
@@ -185,7 +186,8 @@ def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tm
                  "sampling.max_episode_tokens=2560", "sampling.buckets=[64,256,1024,2048,4096]",
                  "schedule.num_scenes=3", "schedule.group_size=2", "schedule.roles=PPC",
                  "schedule.zero_spread=count", "schedule.total_updates=4", "loss.entropy_coeff=0.01",
-                 "optim.lr=1e-3", "checkpoint.save_every=1", "trainer.eval_before_after=false",
+                 "optim.lr=1e-3", "optim.lr_schedule=cosine", "optim.total_steps=4",   # lr_step matters
+                 "checkpoint.save_every=1", "trainer.eval_before_after=false",
                  "trainer.progress=false", "logging.swanlab_mode=disabled"]
 
     def train(run_dir, *flags, processes=1):
@@ -242,6 +244,7 @@ def test_a_two_process_grpo_run_stops_together_resumes_and_equals_one_process(tm
         assert a == pytest.approx(b, rel=1e-5, nan_ok=True), {
             k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
     ours, theirs = (CheckpointStore(d / "checkpoints").restore() for d in (multi, tmp_path / "single"))
+    assert ours.train_state == theirs.train_state and ours.train_state["lr_step"] == 4
     assert ours.params.keys() == theirs.params.keys()
     for name in ours.params:
         np.testing.assert_allclose(np.asarray(ours.params[name]), np.asarray(theirs.params[name]),
