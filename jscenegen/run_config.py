@@ -14,7 +14,7 @@ from pydantic import Field
 
 from jscenegen.config import ConfigError, Section, config_fields, load_config, refuse_override_of
 from jscenegen.grpo.algo.config import LossConfig, OptimConfig
-from jscenegen.grpo.rollout.config import GROUP_MAX, RolloutConfig, SamplingConfig
+from jscenegen.grpo.rollout.config import GREEDY_OFF, GROUP_MAX, RolloutConfig, SamplingConfig
 from jscenegen.grpo.train.metrics import LoggingConfig
 from jscenegen.grpo.train.schedule import ScheduleConfig
 from jscenegen.model.names import ARCHS, PRESET_NAMES
@@ -166,7 +166,7 @@ def load_run_config(config: str | Path | None, overrides: Sequence[str] = (),
         refuse_override_of("--model names the policy", {"model.path"}, overrides)
     cfg = load_config(config or resolve_data_path(DEFAULT_CONFIG), list(overrides), RunConfig)
     if greedy:
-        sampling = cfg.sampling.model_copy(update={"greedy": True, "top_k": 0, "top_p": 1.0})
+        sampling = cfg.sampling.model_copy(update={"greedy": True, **GREEDY_OFF})
         cfg = cfg.model_copy(update={"sampling": sampling})
     return cfg
 

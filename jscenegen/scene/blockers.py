@@ -110,17 +110,6 @@ def _adjacent_pairs(lu: np.ndarray, lf: np.ndarray, n_free: int) -> tuple[np.nda
     return code // n_free, code % n_free
 
 
-def _joined_pairs(lu: np.ndarray, n_u: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct (U component, U component) pairs, a < b, of 4-neighbouring cells."""
-    pairs = []
-    for a, b in ((lu[:, :-1], lu[:, 1:]), (lu[:-1, :], lu[1:, :])):
-        both = (a >= 0) & (b >= 0) & (a != b)
-        lo, hi = np.minimum(a[both], b[both]), np.maximum(a[both], b[both])
-        pairs.append(lo * n_u + hi)
-    code = np.unique(np.concatenate(pairs))
-    return code // n_u, code % n_u
-
-
 class _Groups:
     """Union-find over a handful of nodes (free components 'f', U components 'u')."""
 
@@ -208,7 +197,9 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
     u_owner[lu[opened]] = owner[opened]
     pair_u, pair_f = _adjacent_pairs(lu, lf, max(n_free, 1))
     pair_owner = u_owner[pair_u]
-    uu_a, uu_b = _joined_pairs(lu, max(n_u, 1))   # U components of different owners, adjacent
+    uu_a, uu_b = _adjacent_pairs(lu, lu, max(n_u, 1))   # U components of different owners,
+    joined = uu_a < uu_b                                  # adjacent (each pair once)
+    uu_a, uu_b = uu_a[joined], uu_b[joined]
 
     # which free / U components each counted object's access ring touches (the reference's ring)
     ring_f = np.zeros((n_slots, n_free), bool)

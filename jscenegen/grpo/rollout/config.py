@@ -29,6 +29,8 @@ StopStrings = Annotated[tuple[str, ...], AfterValidator(_no_empty_string)]
 """Stop strings of the rollouts (`sampling.stop_strings`) and of the SFT demonstrations that
 must match them (`sft.stop_strings`): texts, none empty."""
 DEFAULT_STOP_STRINGS = ("</action>",)
+# the sampling filters greedy decoding needs off (`sampling.greedy`; `--greedy` sets them)
+GREEDY_OFF = {"top_k": 0, "top_p": 1.0}
 
 
 def _verl_off(value):
@@ -79,12 +81,10 @@ class SamplingConfig(Section):
         if b[-1] > TOKENS_MAX:
             raise ValueError(f"buckets must be lengths up to {TOKENS_MAX}, got {list(b)}")
         if self.greedy and (self.top_k or self.top_p < 1):   # SamplingParams' rule, with the fix
-            on = [f"sampling.{k} is {v}" for k, v in (("top_k", self.top_k), ("top_p", self.top_p))
-                  if v != {"top_k": 0, "top_p": 1.0}[k]]
-            fix = [f"sampling.{k}={v}" for k, v in (("top_k", 0), ("top_p", 1.0))
-                   if getattr(self, k) != v]
+            on = [k for k, off in GREEDY_OFF.items() if getattr(self, k) != off]
             raise ValueError(f"sampling.greedy takes the argmax, so top_k and top_p must be off, "
-                             f"but {' and '.join(on)}: set {' and '.join(fix)} too (--greedy, on "
+                             f"but {' and '.join(f'sampling.{k} is {getattr(self, k)}' for k in on)}: set "
+                             f"{' and '.join(f'sampling.{k}={GREEDY_OFF[k]}' for k in on)} too (--greedy, on "
                              "the commands that have it, sets all three)")
         self.params()   # the sampling rules
         if self.max_new_tokens > self.max_episode_tokens:
