@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
+from jscenegen.checkpoint.checksums import file_sha256
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.config import dotted_items, dump_yaml
 from jscenegen.paths import cache_dir, write_json, write_text
@@ -127,12 +129,10 @@ def package_source_digest(root: Path) -> str:
     """Hex SHA-256 over every `*.py` file under `root` (its relative POSIX path and bytes, in
     sorted order): a change to any of the package's code, whichever module it touches (the
     expert, the demonstrations' tokens, the optimizer, the model), changes it."""
-    import hashlib
-
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(path.relative_to(root).as_posix().encode() + b"\0")
-        h.update(hashlib.sha256(path.read_bytes()).digest())
+        h.update(file_sha256(path).encode())
     return h.hexdigest()
 
 
@@ -149,9 +149,8 @@ def warm_start_key(cfg, sft_cfg, base: Path) -> str:
     (`package_source_digest`: an upgrade that changes any module trains it again), and the
     measuring and grading rules the demonstrations' environment messages come from
     (`RULES_REVISION`)."""
-    import hashlib
 
-    from jscenegen.checkpoint.checksums import file_sha256, list_files
+    from jscenegen.checkpoint.checksums import list_files
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.prompts import load_templates
     from jscenegen.scene.protocol import RULES_REVISION

@@ -30,12 +30,12 @@ import numpy as np
 from jscenegen.model.dtypes import SAFETENSORS, dtype_name, np_dtype
 from jscenegen.model.weights import CheckpointFormatError
 from jscenegen.paths import (
-    STORAGE_LIMITS,
     DiskFullError,
     loads_json,
     naming_write_errors,
     not_a_file,
     read_json_object,
+    storage_limit,
     write_limit_error,
 )
 from jscenegen.text import clip_text
@@ -401,9 +401,10 @@ def write_safetensors_streaming(out_dir: str | Path,
                                          f"{name} {tuple(shape)} {np.dtype(dtype)} was announced")
                     f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)  # little-endian host
         except OSError as err:
-            if err.errno not in STORAGE_LIMITS or isinstance(err, DiskFullError):
+            code = None if isinstance(err, DiskFullError) else storage_limit(err)
+            if code is None:
                 raise
-            raise write_limit_error(err.errno, out_dir / fname, size, sum(x[3] for x in files),
+            raise write_limit_error(code, out_dir / fname, size, sum(x[3] for x in files),
                                     "writing the safetensors weights") from None
     if next(it, None) is not None:
         raise ValueError("more tensors arrived than were announced")

@@ -43,10 +43,10 @@ class LeaveOneOut:
     """Reachability with object k left out, row k (N = padded object slots, D = door slots).
 
     free_cells, reached_cells, num_regions, largest_region_cells [N] int64; door_start_free
-    [N, D] bool; object_reachable [N, N] bool (row k: k and what stands on it False). Rows
-    of objects whose group (`left_out`) holds nothing that blocks walking, and of padding
-    slots, equal the whole scene's result. Fields mean what
-    the same-named fields of reachability.ReachResult mean.
+    [N, D] bool; object_reachable [N, N] bool (row k: k and what stands on it False); group
+    [N, N] bool, row k what was left out with k (`left_out`). Rows of objects whose group holds
+    nothing that blocks walking, and of padding slots, equal the whole scene's result. The other
+    fields mean what the same-named fields of reachability.ReachResult mean.
     """
 
     free_cells: np.ndarray
@@ -55,6 +55,7 @@ class LeaveOneOut:
     largest_region_cells: np.ndarray
     door_start_free: np.ndarray
     object_reachable: np.ndarray
+    group: np.ndarray
 
 
 def label_components(key: np.ndarray) -> tuple[np.ndarray, int]:
@@ -283,4 +284,5 @@ def leave_one_out(inp: ReachInputs, spec: GridSpec) -> LeaveOneOut:
         largest_region_cells=np.array([r[3] for r in rows], np.int64),
         door_start_free=np.array([r[4] for r in rows], bool).reshape(n_slots, len(starts)),
         object_reachable=object_reachable,
+        group=group,
     )

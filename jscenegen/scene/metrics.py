@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .blockers import leave_one_out, left_out
+from .blockers import leave_one_out
 from .catalogue import Catalogue, load_catalogue
 from .config import SceneRuntimeConfig
 from .geometry import (
@@ -71,12 +71,11 @@ def _reach_block(scene: Scene, rcfg: SceneRuntimeConfig, catalogue: Catalogue, b
     }
     if blockers and (unreachable or res.num_regions > 1 or out["door_walk_blocked"]):
         alt = leave_one_out(inp, spec)   # k left out with what stands on it (a lamp on a nightstand)
-        group = left_out(inp)
         found = []
         for k in range(len(inp.object_ids)):
             if not inp.blocking[k]:
                 continue
-            others = [i for i in counted if not group[k, i]]
+            others = [i for i in counted if not alt.group[k, i]]
             if (
                 alt.num_regions[k] < res.num_regions
                 or alt.object_reachable[k, others].sum() > res.object_reachable[others].sum()
