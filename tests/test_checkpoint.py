@@ -674,6 +674,27 @@ def test_a_file_size_limit_during_a_save_is_one_line_and_leaves_nothing(tmp_path
     assert CheckpointStore(run_dir).latest_valid_step() == 1
 
 
+def test_a_failed_saves_leftovers_are_removed_again_when_a_late_writer_recreates_them(tmp_path):
+    """Under load, a tensorstore write still in flight after the failed save recreated the
+    temporary directory (an OCDBT manifest) after it was removed: the save's leftovers are
+    removed until none reappears for the quiet period."""
+    tmp = tmp_path / "2.orbax-checkpoint-tmp"
+    calls = []
+
+    def find():
+        calls.append(tmp.exists())
+        if len(calls) == 3:   # a late writer: the directory is back after the first removal
+            (tmp / "params" / "ocdbt.process_0").mkdir(parents=True)
+            (tmp / "params" / "ocdbt.process_0" / "manifest.ocdbt").write_bytes(b"m")
+        return [tmp] if tmp.exists() else []
+
+    from jscenegen.checkpoint import store as checkpoint
+
+    (tmp / "params").mkdir(parents=True)
+    assert checkpoint._remove_until_settled(find, quiet_s=0.1, limit_s=5.0) == []
+    assert not tmp.exists() and calls[:3] == [True, False, False] and len(calls) > 3
+
+
 def test_metadata_never_holds_a_credential(tmp_path, mesh32, hf_dir, monkeypatch):
     env_secret = "sk-env-FAKE-0123456789abcdef"
     cfg_secret = "sk-cfg-FAKE-fedcba9876543210"

@@ -409,6 +409,33 @@ warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host
 
 
 # ----------------------------------------------------------------------------- step checks
+def _remove_until_settled(find: Callable[[], list[Path]], *, quiet_s: float = 1.0,
+                          limit_s: float = 15.0) -> list[Path]:
+    """Remove the directories `find()` returns until it has returned none for `quiet_s`
+    seconds, or `limit_s` seconds have passed; return what is left. After a failed save,
+    tensorstore writes still in flight recreate the paths they write (an OCDBT manifest
+    under the removed temporary directory, milliseconds after the removal)."""
+    deadline = time.monotonic() + limit_s
+    quiet_since = None
+    while True:
+        found, now = find(), time.monotonic()
+        if found:
+            for p in found:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= quiet_s:
+            return []
+        if now >= deadline:
+            return find()
+        time.sleep(0.02)
+
+
 def step_numbers(directory: str | Path) -> list[int]:
     """The numbered step directories under `directory` (complete or not), ascending; [] when
     it is not a directory."""
@@ -1050,11 +1077,14 @@ class CheckpointStore:
         if code is None:
             return
         if jax.process_index() == 0:
-            for tmp in self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"):
-                shutil.rmtree(tmp, ignore_errors=True)
             path = self.step_path(step)
-            if path.exists() and not save_finished(path):
-                shutil.rmtree(path, ignore_errors=True)
+
+            def left_over() -> list[Path]:
+                found = list(self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"))
+                return found + [path] if path.exists() and not save_finished(path) else found
+            for stays in _remove_until_settled(left_over):
+                log.warning("could not remove %s, left by the failed save of step %d (removed at "
+                            "the next start)", stays, step)
         self._manager.reload()
         raise DiskFullError(self.directory, needed, f"checkpoint step {step}", code) from None
 
