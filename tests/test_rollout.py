@@ -242,6 +242,21 @@ def test_an_echoed_content_outside_the_tokenizers_normal_form_plays_on(model, re
     assert chat.decode(tr.tokens.tolist()) + "\n" == chat.render(messages, add_generation_prompt=False)
 
 
+def test_a_forced_answer_outside_the_tokenizers_normal_form_plays_on(model, record, rule_judge):
+    """A scripted answer not in NFC (a raw combining mark in its text) under Qwen's NFC
+    tokenizer: `encode_plain`'s round-trip check refused it and the row was masked as a
+    rollout_error. It is normalised first, as a sampled turn's decoded text is."""
+    chat = ChatTokenizer.from_dir(nfc_chat_model_dir())
+    text = "plan: a cafe\u0301 corner, then nothing"
+    cfg = FORCED.model_copy(update={"max_new_tokens": 64})           # same compiled shapes
+    tr = RolloutEngine(model, chat, cfg).run_group(
+        record, group_id=1, seeds=[1], judge=rule_judge, forced=lambda ep: text).trajectories[0]
+    assert (tr.failure_cause, tr.masked) == ("no_action_block", False)
+    turn = tr.tokens[tr.policy_mask.astype(bool)].tolist()
+    assert chat.decode(turn) == "plan: a caf\u00e9 corner, then nothing<|im_end|>"
+    assert tr.transcript[2]["content"] == "plan: a caf\u00e9 corner, then nothing"
+
+
 def test_runtime_and_judge_exceptions_are_masked_not_raised(model, chat, record, rule_judge):
     seen = {}
     bed = {"op": "add_object", "category": "double_bed", "description": "bed", "position": [1.8, 1.6],

@@ -45,7 +45,7 @@ from jscenegen.sft.step import SFTStep
 from jscenegen.sharding.layout import pad_batch, shard_batch
 from jscenegen.sharding.mesh import make_mesh
 
-from chat_fixtures import chat_model_dir, dev_records
+from chat_fixtures import chat_model_dir, dev_records, nfc_chat_model_dir
 
 # The compact prompt set the CPU default plays (0.6k-token prompt; the packaged one is 2.2k), rows
 # truncated after the first planner turns: a third of the tokens, a ninth of the attention.
@@ -129,6 +129,22 @@ def test_a_demonstration_spelling_the_end_of_turn_token_keeps_it_as_text(chat):
     turn = tokens[policy].tolist()
     assert turn == chat.encode_plain(answer) + [chat.eot_id]
     assert turn.count(chat.eot_id) == 1
+
+
+def test_a_demonstration_outside_the_tokenizers_normal_form_is_normalised():
+    """An expert answer not in NFC ("cafe" + U+0301, the Kelvin sign) under Qwen's NFC
+    tokenizer: its ids decode to other text and `encode_plain` refused the demo. Normalised
+    first, as a rollout's environment messages are, its tokens decode to the NFC text."""
+    nfc = ChatTokenizer.from_dir(nfc_chat_model_dir())
+    answer = "a cafe\u0301 corner at 300 \u212a <action>{}</action>"
+    transcript = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                  {"role": "assistant", "content": answer, "actor": "planner"},
+                  {"role": "user", "content": "ok"}]
+    tokens, _, policy = tokenize_transcript(nfc, transcript, stop_strings=())
+    turn = tokens[policy].tolist()
+    assert nfc.decode(turn) == "a caf\u00e9 corner at 300 K <action>{}</action><|im_end|>"
+    normal = [dict(m, content=nfc.normalize(m["content"])) for m in transcript]
+    assert nfc.decode(tokens.tolist()) == nfc.render(normal, add_generation_prompt=True)
 
 
 def test_an_answer_ends_at_the_token_completing_its_first_stop_string(chat):

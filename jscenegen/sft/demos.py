@@ -55,7 +55,8 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
     """(tokens int32 [T], roles int8 [T], policy_mask bool [T]) of a chat transcript
     [{"role", "content", "actor"}] (system, user, then assistant/user alternating) built
     token-in/token-out with `chat` as a rollout with these `stop_strings` builds it (an answer
-    ending with one has no end-of-turn token of the policy's: the environment adds it).
+    ending with one has no end-of-turn token of the policy's: the environment adds it). Every
+    content is normalised first (`ChatTokenizer.normalize`), as a rollout's are.
 
     Raises ValueError for a transcript that does not start with system + user or whose
     assistant messages lack a policy actor; ChatTemplateError for a template that is not
@@ -70,16 +71,17 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
             if m.get("actor") not in ROLE_CODES:
                 raise ValueError(f"transcript message {i}: assistant actor {m.get('actor')!r} "
                                  f"is not one of {sorted(ROLE_CODES)}")
-            answer = chat.encode_plain(m["content"])
+            content = chat.normalize(m["content"])   # as the tokens decode, like a rollout's turn
+            answer = chat.encode_plain(content)
             try:
-                eot = not ends_at_stop_string(m["content"], stop_strings,
+                eot = not ends_at_stop_string(content, stop_strings,
                                               len(chat.decode(answer[:-1])))
             except ValueError as err:
                 raise ValueError(f"transcript message {i} ({m['actor']}): {err}; choose stop "
                                  "strings the expert's answers hold only at their end "
                                  "(sft.stop_strings, sampling.stop_strings)") from None
             seg = answer + ([chat.eot_id] if eot else [])
-            conv.add_assistant(m["content"], eot)
+            conv.add_assistant(content, eot)
             code, is_policy = ROLE_CODES[m["actor"]], True
         elif m["role"] == "user":
             seg = conv.user_segment(m["content"])

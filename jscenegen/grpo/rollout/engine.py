@@ -445,7 +445,7 @@ class RolloutEngine:
             if not r.active:
                 continue
             try:
-                text = forced(r.episode)
+                text = self.chat.normalize(forced(r.episode))   # as a sampled turn decodes
                 ids = self.chat.encode_plain(text)
                 at_stop_string = ends_at_stop_string(text, self.cfg.stop_strings,
                                                      len(self.chat.decode(ids[:-1])))
