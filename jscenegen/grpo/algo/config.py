@@ -96,8 +96,9 @@ class OptimConfig(Section):
                               "scheduler count s < warmup_steps uses lr x s / warmup_steps (the "
                               "first at 0, as VERL); VERL's lr_warmup_steps")
     total_steps: int | None = Field(None, gt=0, le=STEPS_MAX, description="schedule length "
-                                    "(cosine needs it; below schedule.total_updates the LR climbs "
-                                    "back up past it: warned)")
+                                    "(cosine needs it; below the run's optimizer steps, "
+                                    "schedule.total_updates or sft.steps, the LR climbs back up "
+                                    "past it: warned)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the LR's floor as a "
                                 "fraction of lr, reached at total_steps with num_cycles 0.5 "
                                 "(VERL min_lr_ratio)")
