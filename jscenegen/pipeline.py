@@ -179,13 +179,14 @@ def check_warm_start_model(cfg) -> None:
         raise ValueError(CAUSAL_BALANCE_REFUSAL)
 
 
-def default_model_dir(cfg, phases: dict) -> Path:
+def default_model_dir(cfg, phases: dict, checked: tuple | None = None) -> Path:
     """The CPU default's policy: a small fresh model (created once) warm-started by SFT on the
     scripted expert's episodes (run once per `warm_start_key`: SFT config, prompt set,
     catalogue content, chat template, base model, the sources that decide the demonstrations
     and objective, and scene rules; cached under `cache_dir()`); a model that another run on
-    the same cold cache published first is used (`_or_made_meanwhile`). Raises what
-    `check_warm_start_inputs` raises before any model is made."""
+    the same cold cache published first is used (`_or_made_meanwhile`). `checked`: what
+    `check_warm_start_inputs(cfg)` returned when the caller ran it already (`train_command`,
+    before the run lock); without it it runs here, raising before any model is made."""
     from jscenegen.model.init_model import init_model_dir
     from jscenegen.scene.corpus import tokenizer_corpus
     from jscenegen.sft.run import run_sft
@@ -193,7 +194,7 @@ def default_model_dir(cfg, phases: dict) -> Path:
     ws = cfg.warm_start
     t0 = time.perf_counter()
     base = _base_model_dir(cfg)
-    sft_cfg, mesh = check_warm_start_inputs(cfg)
+    sft_cfg, mesh = checked if checked is not None else check_warm_start_inputs(cfg)
     if not (base / "config.json").is_file():
         print(terminal_line(f"creating the {ws.preset} {ws.arch} model in {base} (first use)"),
               file=sys.stderr, flush=True)
@@ -452,8 +453,9 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                          "can read; the SFT warm start runs in one process (jscenegen sft, or "
                          "jscenegen train once on one host), then give its model as model.path")
     check_run_inputs(cfg)
+    warm_start = None   # what default_model_dir takes, checked once
     if not resume and not cfg.model.path:
-        check_warm_start_inputs(cfg)
+        warm_start = check_warm_start_inputs(cfg)
         check_warm_start_model(cfg)
     from jscenegen.run_lock import RunLock, RunLockedError
 
@@ -461,13 +463,15 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     try:   # one process per run directory (the holder is named to a second one)
         on_primary(lock.acquire, RunLockedError)
         return _train_locked(cfg, run_dir, resume=resume, max_updates=max_updates,
-                             config_source=config_source, settings_notice=settings_notice)
+                             config_source=config_source, settings_notice=settings_notice,
+                             warm_start=warm_start)
     finally:
         lock.release()
 
 
 def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
-                  config_source: str, settings_notice: str | None) -> int:
+                  config_source: str, settings_notice: str | None,
+                  warm_start: tuple | None = None) -> int:
     import jax
 
     from jscenegen.checkpoint.store import finished_saves
@@ -488,7 +492,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         model_dir = Path(cfg.model.path)
         check_asset_files(model_dir)   # carried into every checkpoint: refused now, not at export
     else:
-        model_dir = default_model_dir(cfg, phases)
+        model_dir = default_model_dir(cfg, phases, warm_start)
     evals, run_files_written = {}, False
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
     try:   # from here on trainer.close() finishes swanlab's run, however the command ends

@@ -615,6 +615,36 @@ def test_what_needs_no_model_is_refused_before_the_warm_start(tmp_path, capsys, 
     assert stubbed_warm_start == [] and not run_dir.exists()
 
 
+def test_a_train_checks_the_warm_starts_inputs_once(tmp_path, monkeypatch, stubbed_warm_start):
+    """`train_command` checked the warm start's inputs (`check_sft_inputs`: its mesh, its batch)
+    before the run lock, then `default_model_dir` checked them again: one check now, still
+    before any model is made."""
+    import jscenegen.grpo.train.trainer as trainer
+    import jscenegen.sft.run as sft_run
+    from jscenegen.pipeline import train_command
+
+    checked, real = [], sft_run.check_sft_inputs
+
+    def counted(*args, **kw):
+        checked.append(list(stubbed_warm_start))   # the models made by then
+        return real(*args, **kw)
+
+    class Made(Exception):
+        pass
+
+    def trainer_stub(*args, **kw):
+        raise Made
+
+    monkeypatch.setattr(sft_run, "check_sft_inputs", counted)
+    monkeypatch.setattr(trainer, "Trainer", trainer_stub)
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      ["logging.swanlab_mode=disabled"], RunConfig)
+    with pytest.raises(Made):
+        train_command(cfg, tmp_path / "run", resume=False, max_updates=1, config_source="test")
+    assert checked == [[]]   # once, before the warm start's models
+    assert [call for call, _ in stubbed_warm_start] == ["init", "sft"]
+
+
 def test_progress_false_keeps_the_warm_starts_sft_steps_off_stderr(capsys, stubbed_warm_start):
     """The README said trainer.progress=false turns the warm start's progress off too; its
     SFT step lines printed anyway. The phases' one-line announcements stay."""
