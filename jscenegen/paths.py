@@ -210,7 +210,8 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     existing ancestor is not a directory, no file can be created there (tried with an empty
     temporary file, removed at once, so root on a read-only or pseudo filesystem such as /proc
     is caught too), it lies inside a checkpoint or a folder the checkout ships
-    (`refuse_inside_shipped`), or its name does not end in `suffix` (case ignored; for a writer whose
+    (`refuse_inside_shipped`), it is a file a training run owns in its directory
+    (`refuse_run_file`: RUN/eval_before.json, ...), or its name does not end in `suffix` (case ignored; for a writer whose
     format does not follow the name: a PNG named `.jpg` would be PNG bytes), or, for a writer
     of text (no `suffix`), it ends in `.png`, the pictures' name here (`scene furnish -o x.png`
     would be JSON in a file named as the render), or the path is not UTF-8, or it or a directory
@@ -234,6 +235,7 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
                          "--render and --plot)")
     refuse_non_regular(p, f"{label} {path}")
     refuse_inside_checkpoint(p, f"{label} {path}")
+    refuse_run_file(p, label, path)
     refuse_inside_shipped(p, f"{label} {path}")
     parent = _existing(p.absolute().parent)
     if not parent.is_dir():
@@ -245,6 +247,46 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
     except OSError as err:
         raise ValueError(f"{label} {path}: cannot create a file in {parent} "
                          f"({err.strerror or err})") from None
+
+
+def run_file_kind(parts: tuple[str, ...]) -> str | None:
+    """What a training run keeps at `parts` (a path relative to its directory, as parts): its
+    evaluation reports and plots (`RUN_REPORTS`, `eval_update_<N>`, .json and .png), its run
+    record, config.yaml, lock and JSONL logs, anything under its checkpoints/ or hf_assets/;
+    None for a path the run does not write."""
+    from jscenegen.checkpoint import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD, RUN_REPORTS
+    from jscenegen.grpo.train.metrics import METRICS_LOG, TRAJECTORIES_LOG
+    from jscenegen.run_lock import LOCK_NAME
+
+    if not parts:
+        return None
+    if parts[0] in (RUN_CHECKPOINTS, RUN_ASSETS):
+        return f"{parts[0]}/ directory"
+    if len(parts) > 1:
+        return None
+    name = parts[0]
+    stem, dot, ext = name.rpartition(".")
+    if dot and ext in ("json", "png") and (stem in RUN_REPORTS
+                                           or re.fullmatch(r"eval_update_[0-9]+", stem)):
+        return "evaluation report" if ext == "json" else "evaluation plot"
+    return {RUN_RECORD: "run record", "config.yaml": "config", LOCK_NAME: "lock",
+            METRICS_LOG: "log", TRAJECTORIES_LOG: "log"}.get(name)
+
+
+def refuse_run_file(path: str | Path, label: str, given: str | Path | None = None) -> None:
+    """Raise ValueError (naming `label` and the path `given`, default `path`) when writing at
+    `path` would replace a file a training run owns (`run_file_kind`) in a run directory, one
+    that holds the run's record (`RUN_RECORD`, run.json): `jscenegen eval --out
+    RUN/eval_before.json` silently replaced the run's own report. Other paths in a run
+    directory are written as anywhere."""
+    from jscenegen.checkpoint import RUN_RECORD
+
+    p = Path(path).resolve()
+    for run in p.parents:
+        if (run / RUN_RECORD).is_file() and (what := run_file_kind(p.relative_to(run).parts)):
+            raise ValueError(f"{label} {path if given is None else given}: the training run "
+                             f"{run} owns {p.relative_to(run)} (its {what}); writing there "
+                             f"would replace the run's own; choose another {label}")
 
 
 def refuse_inside_checkpoint(path: str | Path, name: str) -> None:

@@ -593,6 +593,54 @@ def test_eval_out_naming_a_directory_without_a_name_is_refused_naming_the_option
     assert one_error_line(capsys) == f"error: --out {out}: {why}"
 
 
+@pytest.mark.parametrize("argv,label,name,what", [
+    (["eval", "--model", "/nonexistent", "--out", "{run}/eval_before.json"], "--out",
+     "eval_before.json", "evaluation report"),
+    (["eval", "--model", "/nonexistent", "--out", "{run}/eval_after.json"], "--out",
+     "eval_after.json", "evaluation report"),
+    (["eval", "--model", "/nonexistent", "--out", "{run}/eval_update_4.json"], "--out",
+     "eval_update_4.json", "evaluation report"),
+    (["eval", "--model", "/nonexistent", "--out", "{run}/mine.json", "--plot",
+      "{run}/eval_before.png"], "--plot", "eval_before.png", "evaluation plot"),
+    (["eval", "--compare", "{run}/eval_before.json", "{run}/eval_after.json", "--plot",
+      "{run}/eval_change.png"], "--plot", "eval_change.png", "evaluation plot"),
+    (["design", "--model", "/nonexistent", "--prompt", "x", "-o", "{run}/eval_change.json"],
+     "-o", "eval_change.json", "evaluation report"),
+    (["eval", "--model", "/nonexistent", "--out", "{run}/metrics.jsonl"], "--out",
+     "metrics.jsonl", "log"),
+])
+def test_no_output_replaces_a_file_the_training_run_owns(tmp_path, capsys, argv, label, name, what):
+    """`jscenegen eval --out RUN/eval_before.json` silently replaced the run's own report (the
+    one its resume compares eval_after with): refused in a directory holding the run's record,
+    naming the file and the option to change."""
+    run = tmp_path / "run"
+    run.mkdir()
+    owned = {"run.json": "{}", "eval_before.json": "before", "eval_after.json": "after",
+             "eval_before.png": "png", "eval_change.png": "png", "metrics.jsonl": ""}
+    for file, text in owned.items():
+        (run / file).write_text(text)
+    argv = [a.replace("{run}", str(run)) for a in argv]
+    given = argv[argv.index(label) + 1]
+    assert main(argv) == 2
+    assert one_error_line(capsys) == (
+        f"error: {label} {given}: the training run {run.resolve()} owns {name} (its {what}); "
+        f"writing there would replace the run's own; choose another {label}")
+    assert {p.name: p.read_text() for p in run.iterdir()} == owned
+
+
+def test_other_outputs_in_or_beside_a_run_directory_are_written_as_before(tmp_path, capsys):
+    """Only the run's own files are refused: another name in a run directory, and a report
+    named eval_before.json in a directory that is no run's (no run.json), pass the output
+    checks (the missing model is what stops them here)."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    run.mkdir()
+    other.mkdir()
+    (run / "run.json").write_text("{}")
+    for out in (run / "eval-greedy.json", other / "eval_before.json"):
+        assert main(["eval", "--model", str(tmp_path / "missing"), "--out", str(out)]) == 2
+        assert "owns" not in one_error_line(capsys)
+
+
 def test_no_output_lands_inside_the_checkouts_configs_or_data(tmp_path, capsys, monkeypatch,
                                                               train_command_calls):
     """Only existing files under configs/ and data/ were refused: a new run directory, model
