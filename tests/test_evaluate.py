@@ -520,6 +520,80 @@ def test_design_checks_the_judge_before_loading_the_model(tmp_path, capsys):
     assert server.calls == 0 and not out.exists()
 
 
+def _design_plays_a_finished_episode(monkeypatch) -> None:
+    """`jscenegen design`'s engine plays a short finished episode (the planner asks for a bed,
+    the designer adds one, the planner finishes) instead of the tiny model's truncated turns,
+    so the episode reaches the judge."""
+    from jscenegen.grpo.rollout.engine import RolloutEngine
+    from jscenegen.scene.actions import format_action
+
+    bed = {"op": "add_object", "category": "double_bed", "description": "bed",
+           "position": [1.8, 1.6], "yaw": 0}
+
+    def policy(ep):
+        if ep.next_role == "designer":
+            return format_action({"ops": [bed]})
+        return format_action({"action": "design", "instruction": "a bed"} if ep.planner_turns == 0
+                             else {"action": "finish", "summary": "done"})
+
+    run_group = RolloutEngine.run_group
+    monkeypatch.setattr(RolloutEngine, "run_group",
+                        lambda self, *a, **kw: run_group(self, *a, **{**kw, "forced": policy}))
+
+
+class _RaisingJudge:
+    """The configured judge, except that grading raises (a bug or a lost connection in a
+    local judge)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def grade(self, requests):
+        raise ConnectionError("judge server down")
+
+
+@pytest.mark.parametrize("judge,cause", [("http_500", "judge_error: HTTP 500"),
+                                         ("raising", "judge_error: ConnectionError")])
+def test_design_fails_when_the_judge_did_not_grade_the_scene(tmp_path, capsys, monkeypatch, judge,
+                                                             cause):
+    """A judge failure during design (an HTTP judge answering 500, a judge that raises) masks
+    the episode: the scene is written, and design exits 1 with one error line naming the
+    cause (the line said only `judge_error`; what failed was in a log line above it)."""
+    import jscenegen.scene.judge as judge_module
+
+    _design_plays_a_finished_episode(monkeypatch)
+    out = tmp_path / "scene.json"
+    args = ["design", "--model", str(chat_model_dir()), "--prompt", "A small bedroom.", "-o",
+            str(out), "--greedy", "sampling.max_new_tokens=512", "sampling.max_episode_tokens=6144",
+            "sampling.buckets=[128,1024]"]
+    server = None
+    if judge == "http_500":
+        server = JudgeServer(["500"])
+        args += ["judge.backend=http", f"judge.base_url={server.url}", "judge.model=judge-27b",
+                 "judge.max_retries=0", "judge.timeout_s=5"]
+    else:
+        make = judge_module.make_judge
+        monkeypatch.setattr(judge_module, "make_judge", lambda *a, **kw: _RaisingJudge(make(*a, **kw)))
+    try:
+        got = main(args)
+    finally:
+        if server is not None:
+            server.close()
+    captured = capsys.readouterr()
+    assert got == 1, captured.err
+    result = json.loads(captured.out.split("--- result ---\n", 1)[1])
+    assert result["failure_cause"] == "judge_error" and result["masked"], result
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert errors == [captured.err.splitlines()[-1]]
+    assert errors[0] == (f"error: the judge did not grade the scene ({cause}); {out} holds it "
+                         "(check judge.base_url and the judge's log)")
+    assert server is None or server.calls >= 1
+    assert len(scene_from_json(json.loads(out.read_text()), str(out)).objects) == 1
+
+
 def test_ungraded_judge_failures_counts_only_when_nothing_was_graded():
     from jscenegen.eval.report import ungraded_judge_failures
 

@@ -147,7 +147,9 @@ def run(args) -> int:
                       "metrics": traj.metrics, "objects": len(scene.objects), "scene": str(out),
                       "render": args.render}, indent=2, default=str))
     if traj.failure_cause in JUDGE_FAILURES:   # the scene is written; its grades are not (eval's rule)
-        print(terminal_text(f"error: the judge did not grade the scene ({traj.failure_cause}); "
+        detail = traj.outcome.get("judge_info", {}).get("detail")   # HTTP 500, the exception's type
+        cause = f"{traj.failure_cause}: {clip_text(str(detail), 300)}" if detail else traj.failure_cause
+        print(terminal_text(f"error: the judge did not grade the scene ({cause}); "
                             f"{out} holds it (check judge.base_url and the judge's log)"),
               file=sys.stderr)
         return 1
