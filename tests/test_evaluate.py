@@ -350,6 +350,9 @@ def test_eval_command_writes_report_and_plot(tmp_path, capsys, caplog):
     assert rep["sampling"]["chat_template_sha256"] == hashlib.sha256(
         chatml_template().encode()).hexdigest()   # the fixture tokenizer's own template
     assert rep["sampling"]["end_ids"] == list(ChatTokenizer.from_dir(chat_model_dir()).end_ids)
+    # the dtypes the logits came from (model.param_dtype, rollout.dtype, model.compute_dtype)
+    assert {k: rep["sampling"][k] for k in ("param_dtype", "rollout_dtype", "compute_dtype")} == {
+        "param_dtype": "float32", "rollout_dtype": "float32", "compute_dtype": "float32"}
     from jscenegen.paths import json_sha256
     from jscenegen.run_config import load_run_config
     from jscenegen.scene.protocol import protocol_digests
@@ -1172,6 +1175,9 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
     # the decode layout changes no token: reports that differ in it compare
     assert _compare(tmp_path, capsys, good, _edited(
         lambda r: r.update(sampling=dict(sampled, buckets=[32])))) == (0, "")
+    assert _compare(tmp_path, capsys, _edited(lambda r: r.update(sampling=dict(
+        sampled, cache_tokens=None))), _edited(lambda r: r.update(sampling=dict(
+            sampled, cache_tokens=8192)))) == (0, "")
     # the template is compared by its text's hash: one file named by two paths compares
     assert _compare(tmp_path, capsys, _edited(lambda r: r.update(sampling=dict(
         sampled, chat_template_path="t.jinja", chat_template_sha256="ab"))), _edited(
@@ -1222,6 +1228,9 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                        # a turn ended at other ids (another model's generation_config.json)
                        (_edited(lambda r: r.update(sampling=dict(sampled, end_ids=[7, 8]))),
                         r"sampled otherwise \(sampling.end_ids \[7\] and \[7, 8\]\)"),
+                       # the dtypes the logits came from
+                       (_edited(lambda r: r.update(sampling=dict(sampled, rollout_dtype="bfloat16"))),
+                        r"sampling.rollout_dtype is recorded by one report only"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1))),
                         r"sampled otherwise \(sampling.temperature 1.0 and 0.1\): the same seeds "
                         "draw other tokens"),
@@ -1255,6 +1264,31 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
     rc, err = _compare(tmp_path, capsys, old, old)
     assert rc == 2 and re.search(r"no `protocol` \(the scene protocol\) in \S*before.json or "
                                  r"\S*after.json .*re-run `jscenegen eval` for both$", err), err
+
+
+def test_an_evaluation_in_other_dtypes_is_not_compared(tmp_path, capsys):
+    """A report's `sampling` did not record the dtypes its logits came from: an evaluation with
+    rollout.dtype=bfloat16 (or model.compute_dtype, model.param_dtype) drew its tokens from
+    other numbers than one in float32 and was compared with it as the same sampling. Now
+    recorded and compared; the cache's size and the decode buckets, which change only the
+    computation's shapes, are not, nor what argmax reads none of when both decode greedily."""
+    scenes = tmp_path / "one.jsonl"
+    scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+    reports = {}
+    for name, extra in (("f32", []), ("bf16", ["rollout.dtype=bfloat16"]),
+                        ("cache", ["sampling.cache_tokens=4096"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes), "--greedy",
+                     "--out", str(out), *TINY, *extra]) == 0
+        reports[name] = str(out)
+        capsys.readouterr()
+    assert json.loads((tmp_path / "bf16.json").read_text())["sampling"]["rollout_dtype"] == "bfloat16"
+    assert main(["eval", "--compare", reports["f32"], reports["bf16"]]) == 2
+    err = one_error_line(capsys)
+    assert "sampled otherwise (sampling.rollout_dtype 'float32' and 'bfloat16'): the same seeds " \
+        "draw other tokens" in err, err
+    assert main(["eval", "--compare", reports["f32"], reports["cache"]]) == 0
+    capsys.readouterr()
 
 
 def test_compare_reads_every_report_eval_can_write(tmp_path, capsys, monkeypatch):

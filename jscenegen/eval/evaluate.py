@@ -130,6 +130,17 @@ def policy_engine(cfg, model_path: str | Path, chat=None) -> RolloutEngine:
     return RolloutEngine(model, chat, cfg.sampling, mesh, cfg.rollout)
 
 
+def rollout_numerics(sampler) -> dict:
+    """The dtypes a sampler's logits come from, as a report's `sampling` records them:
+    `param_dtype` (what the weights are held in: model.param_dtype), `rollout_dtype` (what the
+    rollout's matmul weights are read in: rollout.dtype, else model.compute_dtype) and
+    `compute_dtype` (activations and KV cache: model.compute_dtype). Each changes the
+    distribution the tokens are drawn from, not only the rounding (`eval --compare` compares
+    them)."""
+    return {"param_dtype": ",".join(sampler.param_dtypes),
+            "rollout_dtype": str(sampler.weight_dtype), "compute_dtype": str(sampler.cache_dtype)}
+
+
 class EpisodeTooLong(ValueError):
     """An episode starts at or over `sampling.max_episode_tokens` (`check_episode_fits`)."""
 
@@ -267,7 +278,8 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     "protocol" (`scene.protocol.protocol_digests`: the scene settings the episodes were played
     and rewarded under), "sampling" (the engine's `sampling` config plus
     `chat_template_sha256`, the SHA-256 of the template text the episodes were rendered with,
-    and `end_ids`, the ids a sampled turn ended at (`ChatTokenizer.end_ids`), with an engine),
+    `end_ids`, the ids a sampled turn ended at (`ChatTokenizer.end_ids`), and the dtypes the
+    logits were computed in, `rollout_numerics`, with an engine),
     "scenes": [{"scene_id", "seed", "prompt", "scene_sha256" (`sceneset.record_sha256`: the
     digest of the scene's record, room and requested items included), "model": summary +
     "episodes", "expert": summary + "episodes"}], "overall": {"model": summary, "expert": summary}, "wall_s"};
@@ -332,5 +344,6 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
         template = engine.chat.tokenizer.chat_template.encode()
         report["sampling"] = {**engine.cfg.model_dump(mode="json"),
                               "chat_template_sha256": hashlib.sha256(template).hexdigest(),
-                              "end_ids": list(engine.chat.end_ids)}
+                              "end_ids": list(engine.chat.end_ids),
+                              **rollout_numerics(engine.sampler)}
     return report

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 
 from jscenegen.config import SEED_MAX, is_seed
-from jscenegen.grpo.rollout.config import GROUP_MAX
+from jscenegen.grpo.rollout.config import GREEDY_OFF, GROUP_MAX
 from jscenegen.paths import finite_number
 from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX
 from jscenegen.scene.judge import JUDGE_IDENTITY_KEYS
@@ -28,12 +28,16 @@ MAX_REPORT_EPISODES = GROUP_MAX * SHIPPED_TRAIN_SCENES
 REPORT_BYTES_PER_EPISODE = 1024
 MAX_REPORT_BYTES = MAX_REPORT_EPISODES * REPORT_BYTES_PER_EPISODE   # 400 MiB
 _STATS = ("reward", "failure_rate", "units", "reachable", "quality", "unit_penalty")
-# `sampling` keys that change no token (decode segments, cache size) or that name what another
-# key records (the template file's path: `chat_template_sha256` holds the text rendered)
 _REWARD_SPAN = (f"[{REWARD_MIN:g}, {REWARD_MAX:g}], the rewards scene.reward's bounds allow "
                 "(at most all grades 10 with nothing spent)")
+# `sampling` keys that change no drawn token's distribution, only the computation's shapes (the
+# decode segments, the KV cache's size: the same tokens up to float rounding), or that name what
+# another key records (the template file's path: `chat_template_sha256` holds the text
+# rendered); every other recorded key is compared (`comparable_sampling`)
 _UNCOMPARED_KEYS = ("buckets", "cache_tokens", "chat_template_path")
-_GREEDY_UNUSED_KEYS = ("temperature", "top_k", "top_p")   # argmax decoding reads none of them
+# what argmax decoding reads none of (`generate.sampling.sample_tokens`: argmax of the
+# untempered logits): the temperature and the filters greedy decoding turns off
+_GREEDY_UNUSED_KEYS = ("temperature", *GREEDY_OFF)
 # the parts of a report's `protocol` (scene.protocol.protocol_payload) by the settings they hold
 _PROTOCOL_PARTS = {
     "prompts_sha256": "the prompt templates (scene.prompts_dir)",
@@ -231,9 +235,10 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
     max_tokens; one recorded by one report only is refused), played under the same scene
     protocol (prompts, costs, budget, reward, metrics, catalogue) and cover the same scenes
     (same seeds, prompts and scene records: rooms, requested items), each with model episodes of the same
-    sampling seeds, drawn with the same `sampling` settings (all but the decode layout's `buckets`
-    and `cache_tokens`, the chat template compared by the SHA-256 of its text rather than its
-    path, and temperature/top-k/top-p when both decoded greedily): a comparison of part of the episodes, of rewards on other scales or
+    sampling seeds, drawn with the same `sampling` settings (`comparable_sampling`: all but the
+    decode layout's `buckets` and `cache_tokens`, the chat template compared by the SHA-256 of
+    its text rather than its path, and temperature/top-k/top-p when both decoded greedily; the
+    rollout's dtypes included): a comparison of part of the episodes, of rewards on other scales or
     of other sampling rules would be silently biased."""
     b, a = _coverage(before), _coverage(after)
     where = f"{names[0]} vs {names[1]}"
@@ -276,13 +281,7 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
         raise ValueError(f"{where}: played under other scene settings ({shown} differ): their "
                          "rewards do not compare")
 
-    shaping = [dict(r["sampling"]) for r in (before, after)]
-    both_greedy = all(d.get("greedy") is True for d in shaping)
-    for d in shaping:
-        if "end_ids" in d:   # a set of stop ids: the order and repeats change no token
-            d["end_ids"] = sorted(set(d["end_ids"]))
-        for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
-            d.pop(key, None)
+    shaping = comparable_sampling(before["sampling"], after["sampling"])
     if keys := _differing_keys("sampling", shaping, names, where, "their sampling"):
         raise ValueError(f"{where}: sampled otherwise ({_shown_values('sampling', shaping, keys)}): "
                          "the same seeds draw other tokens")
@@ -313,6 +312,22 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
             if rows_b[sid].get(key) != rows_a[sid].get(key):
                 raise ValueError(f"{where}: scene {_sid(sid)} differs in its {what} (another "
                                  "scene set under the same ids)")
+
+
+def comparable_sampling(before: dict, after: dict) -> list[dict]:
+    """The rule of which recorded `sampling` settings two reports must share: the two dicts
+    with what changes no drawn token taken out (`_UNCOMPARED_KEYS`; the temperature, top-k and
+    top-p when both decoded greedily, `_GREEDY_UNUSED_KEYS`) and `end_ids` as a set (their order
+    and repeats change no token). Every other key, the rollout's dtypes (`rollout_numerics`)
+    included, is compared as recorded."""
+    pair = [dict(before), dict(after)]
+    both_greedy = all(d.get("greedy") is True for d in pair)
+    for d in pair:
+        if "end_ids" in d:
+            d["end_ids"] = sorted(set(d["end_ids"]))
+        for key in _UNCOMPARED_KEYS + (_GREEDY_UNUSED_KEYS if both_greedy else ()):
+            d.pop(key, None)
+    return pair
 
 
 def _differing_keys(section: str, pair: list[dict], names: tuple[str, str], where: str,

@@ -326,6 +326,10 @@ class Sampler:
         # tensors (Qwen3.5's vision tower, mtp.*) and a trainable vision tower stay abstract
         self._decode_params = model.decode_params()
         self.graphdef, state, frozen = split_params(model, self._decode_params)
+        # the dtype(s) the parameters are held in (model.param_dtype): bfloat16-held weights
+        # read in float32 are other numbers than float32-held ones (evaluation reports record it)
+        self.param_dtypes = tuple(sorted({str(np.dtype(v.dtype)) for v in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable)) if isinstance(v, nnx.Param)}))
         self.device_bytes = least_device_memory_bytes()   # a collective: every process, here
         if isinstance(layout, str):
             # the rollout copy's bytes: unpadded, matmul weights in the rollout dtype, the rest
