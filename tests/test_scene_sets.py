@@ -336,6 +336,37 @@ def test_requests_the_catalogue_does_not_know_are_refused_or_flagged(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+def test_requested_counts_are_capped_at_what_a_scene_holds(tmp_path, capsys):
+    """`scene check --requested` capped each count (1..128) but not their sum: 'bed:100,
+    nightstand:29', or a thousand items, were taken whole, though no scene holds more than
+    MAX_SCENE_OBJECTS objects. Refused at the item that passes the cap, naming it and the cap,
+    whatever the text's length; a record's `requested` likewise."""
+    import time
+
+    from jscenegen.scene.schema import MAX_SCENE_OBJECTS, SceneError
+    from jscenegen.scene.sceneset import record_from_json
+
+    record = json.loads((DATA / "dev.jsonl").read_text().splitlines()[1])
+    (tmp_path / "rec.json").write_text(json.dumps(record))
+    cap = MAX_SCENE_OBJECTS
+    for requested, item, total in (("bed:999999999", "bed:999999999", 999999999),
+                                   (f"bed:100,nightstand:{cap - 99}", f"nightstand:{cap - 99}", cap + 1),
+                                   (",".join(["bed:1"] * 20000), "bed:1", cap + 1)):
+        t0 = time.perf_counter()
+        assert main(["scene", "check", str(tmp_path / "rec.json"), "--requested", requested]) == 2
+        assert one_error_line(capsys) == (
+            f"error: --requested item '{item}': the requested counts reach {total}, more than a "
+            f"scene holds ({cap} objects)")
+        assert time.perf_counter() - t0 < 5
+    assert main(["scene", "check", str(tmp_path / "rec.json"), "--requested",
+                 f"bed:100,nightstand:{cap - 100}"]) == 0   # at the cap: checked
+    capsys.readouterr()
+    record["requested"] = [{"category": "bed", "count": 100}, {"category": "nightstand", "count": 29}]
+    with pytest.raises(SceneError, match=r"^set.jsonl:3: requested\[1\] \('nightstand' x29\): the "
+                       r"requested counts reach 129, more than a scene holds \(128 objects\)$"):
+        record_from_json(record, "set.jsonl:3")
+
+
 def test_a_room_the_measuring_grid_cannot_hold_is_refused_before_the_run(tmp_path, capsys):
     """Every episode of such a scene failed at its first measurement (masked rollout errors,
     the scene redrawn and skipped each epoch) while the set itself was accepted."""

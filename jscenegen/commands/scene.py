@@ -10,20 +10,26 @@ from jscenegen.paths import data_path_arg, is_decimal
 
 def _requested(text: str | None, catalogue) -> list[dict]:
     """`--requested 'bed:1,nightstand:2'` as requested items, checked as a record's are, each
-    name a category or group of `catalogue` (a typo would silently lower prompt_following)."""
-    from jscenegen.scene.sceneset import requested_items
+    name a category or group of `catalogue` (a typo would silently lower prompt_following).
+    Refused at the first item whose count, or the counts' sum so far, passes MAX_SCENE_OBJECTS
+    (`sceneset.requested_over_scene`): no more than that many items are read, whatever the
+    text's length."""
+    from jscenegen.scene.sceneset import requested_items, requested_over_scene
     from jscenegen.scene.schema import MAX_SCENE_OBJECTS
     from jscenegen.text import clip_text
 
     if not text:
         return []
-    out = []
+    out, total = [], 0
     for part in text.split(","):
         cat, _, count = part.strip().partition(":")
         count = count.strip()
         if not cat or not is_decimal(count) or len(count) > 9:
             raise ValueError(f"--requested item {clip_text(repr(part.strip()))} is not "
                              f"category:count (a count in 1..{MAX_SCENE_OBJECTS})")
+        total += int(count)
+        if why := requested_over_scene(total, f"--requested item {clip_text(repr(part.strip()))}"):
+            raise ValueError(why)
         if not catalogue.knows(cat.strip()):
             raise ValueError(f"--requested item {clip_text(repr(part.strip()))}: "
                              f"{clip_text(repr(cat.strip()))} is neither a category nor a group of "

@@ -86,14 +86,25 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
     return SceneRecord(scene, seed, items)
 
 
+def requested_over_scene(total: int, item: str) -> str | None:
+    """Why requested counts summing to `total` (so far, at `item`) can be no scene's request
+    (more than MAX_SCENE_OBJECTS, the objects a scene holds), or None."""
+    if total > MAX_SCENE_OBJECTS:
+        return (f"{item}: the requested counts reach {total}, more than a scene holds "
+                f"({MAX_SCENE_OBJECTS} objects)")
+    return None
+
+
 def requested_items(req, source: str) -> tuple[dict, ...]:
     """A record's `requested` checked: a list of {"category": Unicode text, "count": int in
-    1..MAX_SCENE_OBJECTS} (a scene holds no more objects), each category once. Whether the
-    categories are known depends on the catalogue: `check_records_usable`. Raises SceneError
+    1..MAX_SCENE_OBJECTS} (a scene holds no more objects), each category once, the counts
+    summing to at most MAX_SCENE_OBJECTS too (`requested_over_scene`; so at most that many
+    items). Whether the categories are known depends on the catalogue, and whether an episode
+    may add that many objects on scene.max_objects: `check_records_usable`. Raises SceneError
     naming `source` and the item."""
     if not isinstance(req, list):
         raise SceneError(f"{source} must be a list")
-    items, seen = [], set()
+    items, seen, total = [], set(), 0
     for i, r in enumerate(req):
         ok = isinstance(r, dict) and set(r) == {"category", "count"} and isinstance(r["category"], str)
         if (not ok or not r["category"] or isinstance(r["count"], bool) or not isinstance(r["count"], int)
@@ -104,6 +115,10 @@ def requested_items(req, source: str) -> tuple[dict, ...]:
             raise SceneError(f"{source}[{i}].category: {why}")
         if r["category"] in seen:
             raise SceneError(f"{source}[{i}]: category {r['category']!r} is requested twice")
+        total += r["count"]
+        if why := requested_over_scene(total, f"{source}[{i}] ({clip_text(repr(r['category']))} "
+                                              f"x{r['count']})"):
+            raise SceneError(why)
         seen.add(r["category"])
         items.append({"category": r["category"], "count": r["count"]})
     return tuple(items)
