@@ -63,7 +63,7 @@ _SCAN_LIMIT = 10_000  # directory entries looked at for the hint (a huge directo
 def orbax_steps_dir(path: str | Path) -> Path | None:
     """The directory of orbax steps that `path` names: itself, or the `checkpoints/` of a run
     directory (one `train` made, or one `convert --to orbax` wrote); None otherwise."""
-    from jscenegen.checkpoint import RUN_CHECKPOINTS
+    from jscenegen.run_files import RUN_CHECKPOINTS
 
     path = Path(path)
     if not path.is_dir():

@@ -107,9 +107,9 @@ def orbax_step_dir(path: str | Path) -> Path:
     output lists the step there) fails or cannot be read (`verify_orbax_step`).
     """
     from convert.dispatch import verify_orbax_step
-    from jscenegen.checkpoint import RUN_CHECKPOINTS
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.model.assets import check_asset_files
+    from jscenegen.run_files import RUN_CHECKPOINTS
 
     path = Path(path)
     require_source_dir(path)

@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
+from jscenegen.run_files import RUN_RECORD, run_file_kind
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_FOLDERS = ("configs", "data")   # under PROJECT_ROOT: files no command output may replace
 
@@ -249,38 +251,12 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
                          f"({err.strerror or err})") from None
 
 
-def run_file_kind(parts: tuple[str, ...]) -> str | None:
-    """What a training run keeps at `parts` (a path relative to its directory, as parts): its
-    evaluation reports and plots (`RUN_REPORTS`, `eval_update_<N>`, .json and .png), its run
-    record, config.yaml, lock and JSONL logs, anything under its checkpoints/ or hf_assets/;
-    None for a path the run does not write."""
-    from jscenegen.checkpoint import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD, RUN_REPORTS
-    from jscenegen.grpo.train.metrics import METRICS_LOG, TRAJECTORIES_LOG
-    from jscenegen.run_lock import LOCK_NAME
-
-    if not parts:
-        return None
-    if parts[0] in (RUN_CHECKPOINTS, RUN_ASSETS):
-        return f"{parts[0]}/ directory"
-    if len(parts) > 1:
-        return None
-    name = parts[0]
-    stem, dot, ext = name.rpartition(".")
-    if dot and ext in ("json", "png") and (stem in RUN_REPORTS
-                                           or re.fullmatch(r"eval_update_[0-9]+", stem)):
-        return "evaluation report" if ext == "json" else "evaluation plot"
-    return {RUN_RECORD: "run record", "config.yaml": "config", LOCK_NAME: "lock",
-            METRICS_LOG: "log", TRAJECTORIES_LOG: "log"}.get(name)
-
-
 def refuse_run_file(path: str | Path, label: str, given: str | Path | None = None) -> None:
     """Raise ValueError (naming `label` and the path `given`, default `path`) when writing at
     `path` would replace a file a training run owns (`run_file_kind`) in a run directory, one
     that holds the run's record (`RUN_RECORD`, run.json): `jscenegen eval --out
     RUN/eval_before.json` silently replaced the run's own report. Other paths in a run
     directory are written as anywhere."""
-    from jscenegen.checkpoint import RUN_RECORD
-
     p = Path(path).resolve()
     for run in p.parents:
         if (run / RUN_RECORD).is_file() and (what := run_file_kind(p.relative_to(run).parts)):

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.checksums import file_sha256
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.config import dotted_items, dump_yaml
 from jscenegen.paths import cache_dir, write_json, write_text
+from jscenegen.run_files import RUN_CHECKPOINTS, RUN_CONFIG, RUN_RECORD
 from jscenegen.signals import Terminated
 from jscenegen.text import terminal_line
 
@@ -249,7 +249,7 @@ def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
     it resumed with, `resume_model_dir`, relative to the run when inside it); atomic."""
     from jscenegen.checkpoint.resume import read_run_record
 
-    write_text(run_dir / "config.yaml", dump_yaml(redact(cfg.model_dump(mode="json"))))
+    write_text(run_dir / RUN_CONFIG, dump_yaml(redact(cfg.model_dump(mode="json"))))
     record = read_run_record(run_dir) if resume else None
     model, run = model_dir.resolve(), run_dir.resolve()
     if model.is_relative_to(run):   # the run's own assets: a copy of the run uses its own

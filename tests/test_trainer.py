@@ -712,10 +712,10 @@ def test_a_run_without_a_model_directory_resumes_past_its_first_steps_deletion(s
     assets to RUN/hf_assets once and records it in run.json."""
     import shutil
 
-    from jscenegen.checkpoint import RUN_ASSETS
     from jscenegen.checkpoint.checksums import write_checksums
     from jscenegen.checkpoint.resume import CONVERTED_MANIFEST
     from jscenegen.cli import main
+    from jscenegen.run_files import RUN_ASSETS
 
     run = tmp_path / "run"
     shutil.copytree(straight[0] / "checkpoints", run / "checkpoints")   # steps 2 and 3

@@ -24,7 +24,6 @@ from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, Sequenc
 import jax
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, create_model
 
-from jscenegen.checkpoint import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.checkpoint.checksums import CHECKSUMS_NAME, ChecksumError, verify_checksums, write_checksums
 from jscenegen.checkpoint.store import (
     HF_ASSET_FILES,
@@ -40,6 +39,7 @@ from jscenegen.checkpoint.store import (
 from jscenegen.config import shown_value, validation_message
 from jscenegen.model.assets import CHAT_TEMPLATE_FILES, TOKENISATION_FILES
 from jscenegen.paths import loads_json, not_a_file, umask_mode
+from jscenegen.run_files import RUN_ASSETS, RUN_CHECKPOINTS, RUN_RECORD
 
 log = logging.getLogger(__name__)
 

@@ -541,7 +541,7 @@ def not_a_model(path: str | Path) -> FileNotFoundError:
     """The error for a `--model` directory that is neither an HF model nor a checkpoint step
     (`design`, `eval`, `mesh-report`), pointing at the newest step when it is a run's
     `checkpoints/` directory or the run itself."""
-    from jscenegen.checkpoint import RUN_CHECKPOINTS
+    from jscenegen.run_files import RUN_CHECKPOINTS
 
     p = Path(path)
     if not p.exists():

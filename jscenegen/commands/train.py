@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS, RUN_RECORD
 from jscenegen.commands import positive_int_arg
 from jscenegen.paths import data_path_arg
+from jscenegen.run_files import RUN_CHECKPOINTS, RUN_CONFIG, RUN_RECORD
 from jscenegen.run_lock import LOCK_NAME
 
 
@@ -160,7 +160,7 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
             hint = (f" ({run_dir} is one checkpoint step: --resume takes the run directory RUN "
                     f"whose {RUN_CHECKPOINTS}/ holds the steps)")
         raise FileNotFoundError(f"{checkpoints} not found: nothing to resume{hint}")
-    saved = run_dir / "config.yaml"  # absent in a directory made by `convert --to orbax`
+    saved = run_dir / RUN_CONFIG  # absent in a directory made by `convert --to orbax`
     if args.config:
         if saved.is_file():
             raise ValueError(f"--config {args.config} with --resume {args.resume}: the run "

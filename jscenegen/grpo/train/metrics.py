@@ -36,13 +36,9 @@ from jscenegen.paths import (
     loads_json,
     not_a_file,
 )
+from jscenegen.run_files import METRICS_LOG, RUN_LOGS
 
 log = logging.getLogger(__name__)
-
-METRICS_LOG = "metrics.jsonl"
-TRAJECTORIES_LOG = "trajectories.jsonl"   # with trainer.dump_trajectories
-RUN_LOGS = (METRICS_LOG, TRAJECTORIES_LOG)
-
 
 class LoggingConfig(Section):
     """Where per-update metrics go besides RUN_DIR/metrics.jsonl: swanlab's mode and names."""

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jscenegen.checkpoint import RUN_CHECKPOINTS
 from jscenegen.checkpoint.checksums import file_sha256, sampled_file_digest
 from jscenegen.checkpoint.metadata import config_changes, redact, training_metadata
 from jscenegen.checkpoint.resume import (
@@ -69,7 +68,7 @@ from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
 from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
-from jscenegen.grpo.train.metrics import TRAJECTORIES_LOG, MetricsLogger, truncate_run_logs
+from jscenegen.grpo.train.metrics import MetricsLogger, truncate_run_logs
 from jscenegen.grpo.train.schedule import (
     SCHEDULE_HASH_SETTINGS,
     Schedule,
@@ -94,6 +93,7 @@ from jscenegen.model.weights import (
     param_shapes,
 )
 from jscenegen.paths import json_sha256, resolve_data_path, write_json
+from jscenegen.run_files import RUN_CHECKPOINTS, TRAJECTORIES_LOG
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash, protocol_settings
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
