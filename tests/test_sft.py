@@ -118,13 +118,18 @@ def test_a_stop_string_inside_an_expert_answer_is_refused_in_sft_and_masked_in_a
     assert tr.masked and tr.failure_cause == "rollout_error"
 
 
+def one_answer_transcript(answer: str) -> list[dict]:
+    """system, user, the planner's `answer`, the environment's reply."""
+    return [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": answer, "actor": "planner"},
+            {"role": "user", "content": "ok"}]
+
+
 def test_a_demonstration_spelling_the_end_of_turn_token_keeps_it_as_text(chat):
     """An expert answer holding the text `<|im_end|>` became an end-of-turn token with loss
     mask 1 inside the turn: SFT taught ending a turn mid-answer and going on."""
     answer = "plan: copy <|im_end|> then <action>{}</action>"
-    transcript = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                  {"role": "assistant", "content": answer, "actor": "planner"},
-                  {"role": "user", "content": "ok"}]
+    transcript = one_answer_transcript(answer)
     tokens, _, policy = tokenize_transcript(chat, transcript, stop_strings=())
     turn = tokens[policy].tolist()
     assert turn == chat.encode_plain(answer) + [chat.eot_id]
@@ -137,9 +142,7 @@ def test_a_demonstration_outside_the_tokenizers_normal_form_is_normalised():
     first, as a rollout's environment messages are, its tokens decode to the NFC text."""
     nfc = ChatTokenizer.from_dir(nfc_chat_model_dir())
     answer = "a cafe\u0301 corner at 300 \u212a <action>{}</action>"
-    transcript = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                  {"role": "assistant", "content": answer, "actor": "planner"},
-                  {"role": "user", "content": "ok"}]
+    transcript = one_answer_transcript(answer)
     tokens, _, policy = tokenize_transcript(nfc, transcript, stop_strings=())
     turn = tokens[policy].tolist()
     assert nfc.decode(turn) == "a caf\u00e9 corner at 300 K <action>{}</action><|im_end|>"
