@@ -4,8 +4,19 @@ It is the yardstick of the tests and of `jscenegen parity grpo-step`: the formul
 written as VERL writes them (verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py,
 verl/workers/actor/dp_actor.py, verl/workers/utils/losses.py), in torch, row by row where
 that is the clearest. torch is imported lazily so the package never needs it.
+
+Its defaults mirror VERL's actor (the parity tests hold them). `bench/train_step.py` also
+times it with `TUNED_STEP`'s options, which change how much work a step does, not what it
+computes: logits only at the positions whose next token is trained (transformers'
+`logits_to_keep`), no division by a temperature of 1, the fused AdamW and foreach grad-norm
+clipping.
 """
 from __future__ import annotations
+
+# grpo_step options a torch user tuning for speed would turn on (bench/train_step.py's tuned
+# torch line); the parity tests use the defaults (VERL's eager formulas)
+TUNED_STEP = {"trained_logits_only": True, "divide_at_unit_temperature": False,
+              "optimizer_impl": "fused", "clip_foreach": True}
 
 
 def _torch():
@@ -109,12 +120,17 @@ def kl_penalty(logp, ref_logp, kind):
     raise ValueError(kind)
 
 
-def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=True):
+def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=True,
+                         divide_at_unit_temperature=True):
     """(logp, entropy) per position [B, T] float32 from logits [B, T, V] and tokens [B, T]
     (VERL torch_functional); entropy is None without `with_entropy` (VERL 0.6+ computes it
-    only when entropy_coeff != 0: a softmax and a sum over [B, T, V] saved)."""
+    only when entropy_coeff != 0: a softmax and a sum over [B, T, V] saved).
+    `divide_at_unit_temperature` False skips the division when temperature is 1 (the same
+    values, one pass over the logits fewer forward and backward)."""
     torch = _torch()
-    z = logits.float() / temperature
+    z = logits.float()
+    if divide_at_unit_temperature or temperature != 1.0:
+        z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -124,18 +140,41 @@ def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=True):
     return logp, entropy
 
 
-def shifted_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=True):
+def shifted_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=True,
+                     keep=None, divide_at_unit_temperature=True):
     """transformers causal LM -> aligned (logp, entropy) [B, T] with column 0 = 0 (entropy
     None without `with_entropy`).
 
     Positions are clip(cumsum(mask) - 1, 0), as VERL builds position_ids for left padding.
+    `keep`: None (VERL: logits at every position) or a 1-D long tensor of the positions p
+    (0 <= p < T - 1) whose logits are made (transformers' `logits_to_keep`: the output head
+    and the softmax run there only); column p + 1 gets those positions' values, the other
+    columns 0. `divide_at_unit_temperature`: as in `logprobs_from_logits`.
     """
     torch = _torch()
     pos = torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
+    if keep is not None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                       logits_to_keep=keep).logits
+        logp, ent = logprobs_from_logits(logits, input_ids[:, keep + 1], temperature,
+                                         with_entropy, divide_at_unit_temperature)
+        zeros = torch.zeros(input_ids.shape, dtype=logp.dtype, device=logp.device)
+        return (zeros.index_copy(1, keep + 1, logp),
+                None if ent is None else zeros.index_copy(1, keep + 1, ent))
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
-    logp, ent = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy)
+    logp, ent = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy,
+                                     divide_at_unit_temperature)
     zero = torch.zeros(logp.shape[0], 1, dtype=logp.dtype, device=logp.device)
     return torch.cat([zero, logp], 1), None if ent is None else torch.cat([zero, ent], 1)
+
+
+def trained_positions(loss_mask):
+    """The positions p whose logits a loss mask [B, T] reads (token p + 1 trained in some
+    row) as a 1-D long tensor, for `shifted_logprobs(keep=...)`; None when no token is
+    trained (nothing to trim)."""
+    torch = _torch()
+    keep = torch.nonzero(loss_mask[:, 1:].bool().any(0)).squeeze(-1)
+    return keep if keep.numel() else None
 
 
 def actor_loss(logp, entropy, old_logp, adv, mask, ref_logp, cfg, *, batch_num_tokens=None,
@@ -162,8 +201,11 @@ def actor_loss(logp, entropy, old_logp, adv, mask, ref_logp, cfg, *, batch_num_t
     return loss
 
 
-def make_torch_optimizer(params, optim_cfg):
+def make_torch_optimizer(params, optim_cfg, impl=None):
     """torch.optim.AdamW (one param group, decay on everything) + a LambdaLR, as VERL builds them.
+
+    `impl`: None (torch's default: on CPU the per-tensor loop), "fused" or "foreach" (the
+    same update in one or a few multi-tensor kernels).
 
     The schedule comes from transformers, not from jscenegen's formula: `constant` is
     `get_constant_schedule_with_warmup` (VERL's function of that name is the same code);
@@ -175,8 +217,11 @@ def make_torch_optimizer(params, optim_cfg):
     import transformers
 
     torch = _torch()
+    if impl not in (None, "fused", "foreach"):
+        raise ValueError(f"optimizer impl {impl!r}: None, 'fused' or 'foreach'")
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                            eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
+                            eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay,
+                            **({impl: True} if impl else {}))
     if optim_cfg.lr_schedule == "constant":
         sched = transformers.get_constant_schedule_with_warmup(opt, optim_cfg.warmup_steps)
     else:
@@ -187,8 +232,16 @@ def make_torch_optimizer(params, optim_cfg):
 
 
 def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_batches=1,
-              optimizer=None, scheduler=None, return_grads=False, episodes=None):
+              optimizer=None, scheduler=None, return_grads=False, episodes=None,
+              trained_logits_only=False, divide_at_unit_temperature=True, optimizer_impl=None,
+              clip_foreach=None):
     """One GRPO update of a transformers model, VERL style.
+
+    Speed options (`TUNED_STEP`; the defaults are VERL's): `trained_logits_only` makes each
+    micro-batch's logits only at the positions its loss mask reads (`trained_positions`);
+    `divide_at_unit_temperature` as in `logprobs_from_logits`; `optimizer_impl` as
+    `make_torch_optimizer`'s impl (when the optimizer is made here); `clip_foreach` is
+    `clip_grad_norm_`'s foreach (None: torch's default, per tensor on CPU).
 
     The parameters with `requires_grad` are trained (a frozen vision tower is not: no
     gradient, no AdamW state, no decay); a trained one the forward never reaches gets a zero
@@ -211,7 +264,7 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen: no state
     params = [p for _, p in named]
     if optimizer is None:
-        optimizer, scheduler = make_torch_optimizer(params, optim_cfg)
+        optimizer, scheduler = make_torch_optimizer(params, optim_cfg, optimizer_impl)
     mask = batch["loss_mask"].float()
     n_tok = float(mask.sum())
     b = mask.shape[0]
@@ -224,8 +277,11 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
     k_real = sum(i * rows < n_seq for i in range(num_micro_batches))
     for i in range(num_micro_batches):
         sl = slice(i * rows, (i + 1) * rows)
-        logp, ent = shifted_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                     temperature, with_entropy=loss_cfg.entropy_coeff != 0)
+        logp, ent = shifted_logprobs(
+            model, batch["input_ids"][sl], batch["attention_mask"][sl], temperature,
+            with_entropy=loss_cfg.entropy_coeff != 0,
+            keep=trained_positions(mask[sl]) if trained_logits_only else None,
+            divide_at_unit_temperature=divide_at_unit_temperature)
         ref = batch.get("ref_logp")
         loss = actor_loss(
             logp, ent, batch["old_logp"][sl], batch["advantages"][sl], mask[sl],
@@ -245,7 +301,7 @@ def grpo_step(model, batch, loss_cfg, optim_cfg, *, temperature=1.0, num_micro_b
             p.grad = torch.zeros_like(p)
     grads = ({n: p.grad.detach().numpy().copy() for n, p in named} if return_grads else None)
     max_norm = optim_cfg.grad_clip if optim_cfg.grad_clip and optim_cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=clip_foreach)
     skipped = not bool(torch.isfinite(grad_norm))
     if skipped:
         optimizer.zero_grad()
