@@ -1,10 +1,18 @@
-"""Pieces the benchmarks share: a synthetic GRPO batch, timers, interleaved rounds, machine load."""
+"""Pieces the benchmarks share: a synthetic GRPO batch, timers, interleaved rounds with a
+rotating order, paired per-round ratios, the sitting's record (commit, host, load, time) and
+an atomic JSON write."""
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -54,22 +62,51 @@ def timed(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def round_order(names, r: int) -> list:
+    """The engines in the order round r runs them: the list rotated to start at engine
+    r mod n (each engine runs first, and after each other engine, equally often over n
+    rounds)."""
+    names = list(names)
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def rounds(engines: dict[str, Callable[[int], None]], n_rounds: int, warmup: int = 1) -> dict:
     """Time every engine once per round, engines interleaved (a load spike on a shared machine
-    then hits all of them alike). engines: {name: fn(round_index)}. Returns {name: {"wall_s":
-    [per round], "cpu_s": [per round]}}; cpu_s is this process's CPU time (all threads), which
-    other jobs on the machine barely change for JAX engines (torch's OpenMP threads spin while
-    they wait for a core: its CPU time grows on a loaded machine)."""
+    then hits all of them alike) and the order rotated every round (`round_order`: no engine
+    always runs right after the same other one, e.g. after torch's OpenMP threads that may
+    still spin). engines: {name: fn(round_index)}. Returns {name: {"wall_s": [per round],
+    "cpu_s": [per round]}} (index r: round r); cpu_s is this process's CPU time (all
+    threads), which other jobs on the machine barely change for JAX engines (torch's OpenMP
+    threads spin while they wait for a core: its CPU time grows on a loaded machine)."""
     for fn in engines.values():
         for w in range(warmup):
             fn(-1 - w)
     out = {name: {"wall_s": [], "cpu_s": []} for name in engines}
     for r in range(n_rounds):
-        for name, fn in engines.items():
+        for name in round_order(engines, r):
             c0, t0 = time.process_time(), time.perf_counter()
-            fn(r)
+            engines[name](r)
             out[name]["wall_s"].append(time.perf_counter() - t0)
             out[name]["cpu_s"].append(time.process_time() - c0)
+    return out
+
+
+def paired(key: str, ours: dict, other: dict | None, *, cpu: bool = True) -> dict:
+    """JSON fields of the rate of `ours` over `other` (each `rounds()`' {"wall_s", "cpu_s"}
+    of one engine, the same tokens per call): `key` the median of the per-round ratios
+    other_wall[r] / ours_wall[r] (the two timed in the same round, a minute's drift of the
+    host cancels), `key_min` and `key_max` their range, `key_rounds` all of them,
+    `key_of_medians` the ratio of the two medians (the old headline), and `cpu_key` the
+    median per-round ratio of CPU seconds. {key: "not installed"} when `other` is None."""
+    if other is None:
+        return {key: "not installed"}
+    per = [o / u for u, o in zip(ours["wall_s"], other["wall_s"])]
+    out = {key: median(per), f"{key}_min": min(per), f"{key}_max": max(per),
+           f"{key}_rounds": [round(x, 4) for x in per],
+           f"{key}_of_medians": median(other["wall_s"]) / median(ours["wall_s"])}
+    if cpu:
+        out[f"cpu_{key}"] = median([o / u for u, o in zip(ours["cpu_s"], other["cpu_s"])])
     return out
 
 
@@ -80,6 +117,74 @@ def median(xs) -> float:
 def load_average() -> list[float]:
     """The machine's 1/5/15-minute load averages (how busy the shared machine was)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def _utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo, else lscpu, else platform)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def sitting_start() -> dict:
+    """What a sitting's JSON records before the timing: the code's commit (short hash;
+    `dirty` when tracked files differ from it, untracked ones not counted), the host's CPU
+    model, its cores (`cpu_count`, and `cores_usable` to this process), the UTC start and the
+    load average before."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {"commit": commit or "unknown", "dirty": None if status is None else bool(status),
+            "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cores_usable": usable,
+            "utc_start": _utc(), "load_before": load_average()}
+
+
+def sitting_end(record: dict) -> dict:
+    """`record` with the UTC end and the load average after added."""
+    return {**record, "utc_end": _utc(), "load_after": load_average()}
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Write `obj` as JSON to `path` atomically: a temporary file in the same directory,
+    then a rename over `path` (a reader never sees half a file)."""
+    target = Path(path).resolve()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def tunix_qwen3_config(c, **extra):
@@ -116,14 +221,3 @@ class IdTokenizer:
 
     def eos_id(self):
         return self.vocab_size + 7
-
-
-def versus(name: str, ours: dict, other: dict | None) -> dict:
-    """JSON fields comparing `ours` with engine `name` (each {"tokens_per_s",
-    "tokens_per_cpu_s"}): its tokens/s, `vs_<name>` (wall) and `cpu_vs_<name>` (CPU time);
-    {name: "not installed"} when `other` is None."""
-    if other is None:
-        return {name: "not installed"}
-    return {f"{name}_tokens_per_s": other["tokens_per_s"],
-            f"vs_{name}": ours["tokens_per_s"] / other["tokens_per_s"],
-            f"cpu_vs_{name}": ours["tokens_per_cpu_s"] / other["tokens_per_cpu_s"]}

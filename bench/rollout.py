@@ -5,6 +5,12 @@ transformers `generate` vs Tunix 0.1.7's `Sampler` (the optional `bench` extra) 
 random Qwen3 weights: `tiny` shape (vocab 8192, hidden 256, 4 layers, 4 heads, 2 kv heads,
 tied), fp32, batch 8, 64-token prompts, 128 new tokens per row, top-k 50, temperature 1, no
 stop token (every row generates exactly 128 tokens), log-probs returned where the engine can.
+Our sampler's KV cache starts at the prompt plus one segment (128 slots) and grows to 192 as
+the decode goes; Tunix's is 192 slots from the start (the least it allows), read every step.
+A second jscenegen line, `jscenegen_fixed_cache`, runs our sampler with one fixed cache of
+Tunix's size (`generate(..., cache_len=192)`): the same attention work as Tunix, so the gap
+between the two jscenegen lines is what the growing cache saves. The headline stays our
+default sampler.
 
 The 3 x 2 CPU mesh (a subprocess with six forced CPU devices on the same cores): jscenegen's
 rollout layouts `fsdp` (decode on the training shards), `replicated` and `tp` (tp = 2) on the
@@ -18,19 +24,26 @@ cache is smaller than those bytes a decode step cannot beat it, so `floor_vs_tun
 the most `vs_tunix` any sampler could reach in that run (an estimate: the floor times the
 decode steps' reads alone, the samplers' times include their prefill).
 
-Each engine is warmed up (compiled) once, then timed once per round with the engines
-interleaved, so a load spike on the shared machine hits all of them; the median over
---rounds counts. CPU seconds (all threads of the process) are printed beside wall seconds:
-other jobs barely change the JAX engines' (torch's OpenMP threads spin while they wait for a
-core, so the CPU ratio against transformers flatters jscenegen on a busy machine). The mesh
+Each engine is warmed up (compiled) once, then timed once per round, the engines
+interleaved (a load spike on the shared machine hits all of them) and their order rotated
+every round (round r starts at engine r mod n). Every ratio is taken per round (the two
+engines timed in the same round) and reported as the median of the --rounds per-round
+ratios with `_min`, `_max` and `_rounds`; `_of_medians` is the ratio of the two engines'
+medians. CPU seconds (all threads of the process) are printed beside wall seconds: other
+jobs barely change the JAX engines' (torch's OpenMP threads spin while they wait for a core,
+so the CPU ratio against transformers flatters jscenegen on a busy machine). The mesh
 layouts are timed in `generate` only: their reshard runs when the sampler is built.
 
-    python bench/rollout.py [--rounds 5] [--skip-mesh]
+    python bench/rollout.py [--rounds 5] [--skip-mesh] [--json-out FILE]
 
-Prints every figure and, last, one JSON line with the ratios: `vs_transformers` and `vs_tunix`
-(jscenegen over the other, generated tokens/s), `jscenegen_of_floor` (the share of the memory
-floor's rate reached) and `floor_vs_tunix`, `replicated_vs_fsdp`, `tp_vs_fsdp`, the same from
-CPU time (`cpu_*`), and the machine's load average before and after.
+Prints every figure and, last, one JSON line (also written to --json-out, atomically) with
+the ratios: `vs_transformers` and `vs_tunix` (our default sampler over the other, generated
+tokens/s), `fixed_cache_vs_tunix` (our sampler with Tunix's fixed cache over Tunix),
+`jscenegen_vs_fixed_cache` (what the growing cache gains), `jscenegen_of_floor` (the share of
+the memory floor's rate reached) and `floor_vs_tunix`, `replicated_vs_fsdp`, `tp_vs_fsdp`,
+each with `_min`/`_max`/`_rounds`/`_of_medians` and the same from CPU time (`cpu_*`); every
+engine's median tokens/s; and the sitting: commit, dirty, cpu_model, cpu_count,
+cores_usable, torch_threads, load_before/after, utc_start/end.
 """
 from __future__ import annotations
 
@@ -46,12 +59,14 @@ import numpy as np
 from common import (
     IdTokenizer,
     description,
-    load_average,
     median,
+    paired,
     positive_int_arg,
     rounds,
+    sitting_end,
+    sitting_start,
     tunix_qwen3_config,
-    versus,
+    write_json,
 )
 
 from jscenegen.host_devices import size_cpu_thread_pool
@@ -72,7 +87,9 @@ def build(tmp: str, preset: str = "tiny"):
     return model
 
 
-def jscenegen_engine(model, prompts, new, mesh=None, layout="auto"):
+def jscenegen_engine(model, prompts, new, mesh=None, layout="auto", cache_len=None):
+    """Our sampler's `generate`; `cache_len`: one fixed cache size (None: the default, a
+    cache that grows as the decode goes)."""
     from jscenegen.generate.sampler import Sampler
     from jscenegen.generate.sampling import SamplingParams
 
@@ -81,7 +98,8 @@ def jscenegen_engine(model, prompts, new, mesh=None, layout="auto"):
     rows = len(prompts)
 
     def run(r):
-        out = sampler.generate(prompts, new, seeds=[1000 * (r + 2) + i for i in range(rows)])
+        out = sampler.generate(prompts, new, seeds=[1000 * (r + 2) + i for i in range(rows)],
+                               cache_len=cache_len)
         assert (out["lengths"] == new).all()
     return run, sampler
 
@@ -122,7 +140,7 @@ def tunix_engine(path: str, cfg, prompts):
     return run
 
 
-def one_device(n_rounds: int) -> dict:
+def one_device(n_rounds: int) -> tuple[dict, dict]:
     import jax
     import torch
 
@@ -134,6 +152,9 @@ def one_device(n_rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = build(tmp)
         engines["jscenegen"] = jscenegen_engine(model, prompts, NEW)[0]
+        # Tunix's cache: PROMPT + NEW slots from the start (its CacheConfig below)
+        engines["jscenegen_fixed_cache"] = jscenegen_engine(model, prompts, NEW,
+                                                            cache_len=PROMPT + NEW)[0]
         engines["transformers"] = transformers_engine(tmp, prompts)
         if importlib.util.find_spec("tunix") is not None:
             engines["tunix"] = tunix_engine(tmp, model.cfg, prompts)
@@ -147,7 +168,7 @@ def one_device(n_rounds: int) -> dict:
               "once (the decode step's weights and mean KV cache in use, in whole 1 MiB "
               "matrices; bench/weight_stream.py)")
         times = rounds(engines, n_rounds)
-    return _report(times, BATCH * NEW)
+    return _report(times, BATCH * NEW), times
 
 
 def decode_step_bytes(model) -> int:
@@ -170,7 +191,8 @@ def _report(times: dict, tokens: int) -> dict:
         wall, cpu = median(t["wall_s"]), median(t["cpu_s"])
         out[name] = {"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
                      "wall_s": wall, "cpu_s": cpu,
-                     "rounds_tokens_per_s": [round(tokens / w) for w in t["wall_s"]]}
+                     "rounds_tokens_per_s": [round(tokens / w) for w in t["wall_s"]],
+                     "rounds_wall_s": t["wall_s"], "rounds_cpu_s": t["cpu_s"]}
         print(f"  {name:24s} {tokens / wall:9,.0f} generated tok/s (median)  "
               f"{tokens / cpu:9,.0f} tok per CPU-s   rounds {out[name]['rounds_tokens_per_s']}")
     return out
@@ -202,18 +224,29 @@ def mesh_layouts(n_rounds: int) -> dict:
     return out
 
 
+def _times(report: dict) -> dict:
+    """`rounds()`' per-round times back from a `_report` entry (the mesh subprocess's JSON)."""
+    return {"wall_s": report["rounds_wall_s"], "cpu_s": report["rounds_cpu_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=description(__doc__))
     ap.add_argument("--rounds", type=positive_int_arg, default=5)
     ap.add_argument("--skip-mesh", action="store_true", help="only the one-device comparison")
+    ap.add_argument("--json-out", metavar="FILE",
+                    help="also write the final JSON to FILE (atomically: a temporary file renamed)")
     ap.add_argument("--mesh-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mesh_only:
         print("MESH " + json.dumps(mesh_layouts(args.rounds)))
         return
-    load_before = load_average()
-    print(f"load average before: {load_before}")
-    single = one_device(args.rounds)
+    import torch
+
+    record = sitting_start()
+    print(f"load average before: {record['load_before']}; {record['cpu_model']}, "
+          f"{record['cores_usable']} cores; commit {record['commit']}"
+          f"{' (dirty)' if record['dirty'] else ''}")
+    single, times = one_device(args.rounds)
     mesh = mesh_error = None
     if not args.skip_mesh:
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="6")
@@ -228,28 +261,36 @@ def main() -> None:
             mesh_error = f"the 6-device mesh run failed (exit {proc.returncode})"
         else:
             mesh = json.loads(found[-1][5:])
-    load_after = load_average()
-    print(f"load average after: {load_after}")
-    ours = single["jscenegen"]
-    result = {"bench": "rollout", "rounds": args.rounds, "load_before": load_before,
-              "load_after": load_after,
-              "jscenegen_tokens_per_s": ours["tokens_per_s"],
-              **versus("transformers", ours, single["transformers"]),
-              **versus("tunix", ours, single.get("tunix"))}
-    floor = single["memory floor"]["tokens_per_s"]
-    result["floor_tokens_per_s"] = floor
-    result["jscenegen_of_floor"] = ours["tokens_per_s"] / floor
-    if "tunix" in single:   # the most `vs_tunix` a decode that only read its bytes could reach now
-        result["floor_vs_tunix"] = floor / single["tunix"]["tokens_per_s"]
+    record = sitting_end(record)
+    print(f"load average after: {record['load_after']}")
+    ours = times["jscenegen"]
+    result = {"bench": "rollout", "rounds": args.rounds, **record,
+              "torch_threads": torch.get_num_threads()}
+    for name, r in single.items():
+        result[f"{name.replace(' ', '_')}_tokens_per_s"] = r["tokens_per_s"]
+    result.update(paired("vs_transformers", ours, times["transformers"]))
+    result.update(paired("vs_tunix", ours, times.get("tunix")))
+    result.update(paired("fixed_cache_vs_tunix", times["jscenegen_fixed_cache"], times.get("tunix")))
+    result.update(paired("jscenegen_vs_fixed_cache", ours, times["jscenegen_fixed_cache"]))
+    floor = times["memory floor"]
+    result["floor_tokens_per_s"] = single["memory floor"]["tokens_per_s"]
+    result.update(paired("jscenegen_of_floor", ours, floor))
+    if "tunix" in times:   # the most `vs_tunix` a decode that only read its bytes could reach now
+        result.update(paired("floor_vs_tunix", floor, times["tunix"]))
     if mesh is not None:
         for layout in ("fsdp", "replicated", "tp"):
             result[f"mesh_{layout}_tokens_per_s"] = mesh[layout]["tokens_per_s"]
         for layout in ("replicated", "tp"):
-            result[f"{layout}_vs_fsdp"] = mesh[layout]["tokens_per_s"] / mesh["fsdp"]["tokens_per_s"]
-            result[f"cpu_{layout}_vs_fsdp"] = (mesh[layout]["tokens_per_cpu_s"] /
-                                              mesh["fsdp"]["tokens_per_cpu_s"])
+            result.update(paired(f"{layout}_vs_fsdp", _times(mesh[layout]), _times(mesh["fsdp"])))
     if mesh_error:
         result["mesh_error"] = mesh_error
+    summary = (f"vs tunix {result['vs_tunix']:.2f}x [{result['vs_tunix_min']:.2f}-"
+               f"{result['vs_tunix_max']:.2f}], with Tunix's fixed cache "
+               f"{result['fixed_cache_vs_tunix']:.2f}x; " if "tunix" in times else "")
+    print(f"{summary}vs transformers {result['vs_transformers']:.2f}x  (median of per-round "
+          "ratios [min-max])")
+    if args.json_out:
+        write_json(args.json_out, result)
     print(json.dumps(result))
     if mesh_error:   # the figures above stand; the comparison it was asked for is missing
         sys.exit(1)
