@@ -106,3 +106,31 @@ def test_jit():
     s = np.float32([1, 2, 3, 4])
     np.testing.assert_allclose(f(s, np.array([0, 0, 1, 1]), np.ones(4, bool)),
                                grpo_outcome_advantages(s, np.array([0, 0, 1, 1]), np.ones(4, bool)))
+
+
+def test_eps_is_added_to_the_std_not_to_the_variance():
+    """(s - mean) / (std + eps), VERL's formula: for groups whose scores differ by ~1e-3 the
+    variance (~1e-6) is of the size of eps, so sqrt(var + eps) would shrink them ~1.5x."""
+    rng = np.random.default_rng(11)
+    s = (0.5 + 1e-3 * rng.normal(size=8)).astype(np.float32)
+    ids = np.repeat([0, 1], 4)
+    got = np.asarray(grpo_outcome_advantages(s, ids, np.ones(8, bool)))
+    want = np.empty(8)
+    for sl in (slice(0, 4), slice(4, 8)):
+        g = s[sl].astype(np.float64)
+        want[sl] = (g - g.mean()) / (g.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-3)
+    assert np.abs(got).max() > 0.5
+
+
+@pytest.mark.parametrize("size", [3, 5, 6, 7, 8])
+def test_equal_scores_give_exact_zero_for_every_group_size(size):
+    """A group whose valid scores are all equal gets exactly 0 (no rounding residue of the
+    float32 mean), for group sizes whose mean of equal scores does not round back exactly."""
+    vals = np.random.default_rng(size).uniform(-1, 1, 16).astype(np.float32)
+    s = np.repeat(vals, size)
+    ids = np.repeat(np.arange(16), size)
+    valid = np.ones(16 * size, bool)
+    valid[::size + 1] = False   # an invalid member here and there: fewer valid, still equal
+    adv = np.asarray(grpo_outcome_advantages(s, ids, valid))
+    assert np.all(adv == 0.0)

@@ -216,3 +216,46 @@ def test_logprob_drift():
 
     assert drift(mask) == pytest.approx(0.75)
     assert drift(np.zeros_like(mask)) == 0.0
+
+
+def test_dual_clip_lower_fraction_counts_only_losses_strictly_above_the_cap():
+    """clipfrac_lower is VERL's torch.gt(l_clip, -A clip_c): a token whose ratio equals clip_c
+    exactly (l_clip == -A clip_c) is at the cap, not above it; one just above it is counted."""
+    x = np.float32(1.1)
+    c = float(jnp.exp(jnp.float32(x)))          # the float32 ratio of log-ratio x, as clip_c
+    above = np.nextafter(x, np.float32(2.0))   # ratio one ulp step further: above the cap
+    logp = np.array([[x, above]], np.float32)
+    adv = np.array([[-0.5, -0.5]], np.float32)   # a power of two: -A ratio is exact
+    mask = np.ones_like(logp)
+    loss, met = policy_loss(logp, np.zeros_like(logp), adv, mask, 0.2, 0.28, c, "token-sum")
+    assert float(jnp.exp(jnp.float32(above))) > c
+    assert float(loss) == pytest.approx(2 * 0.5 * c, rel=1e-6)   # both capped at -A clip_c
+    assert float(met["clipfrac_lower"]) == 0.5
+    assert float(met["clipfrac"]) == 0.0
+
+
+def test_token_means_entropy_and_kl_are_masked_means_over_the_trained_tokens():
+    """token_means' entropy and kl metrics: masked means (VERL masked_mean) of the entropy
+    and of the KL estimator against the reference, NaN outside the mask ignored."""
+    rng = np.random.default_rng(7)
+    logp = rng.uniform(-5, 0, (B, T)).astype(np.float32)
+    ent = rng.uniform(0, 3, (B, T)).astype(np.float32)
+    refl = logp + rng.normal(0, 0.5, (B, T)).astype(np.float32)
+    mask = (rng.uniform(size=(B, T)) < 0.6).astype(np.float32)
+    mask[0, :2] = 1.0
+    adv = np.repeat(rng.normal(size=(B, 1)), T, 1).astype(np.float32) * mask
+    for a in (ent, refl):
+        a[mask == 0] = np.nan
+    on = mask != 0
+    for kind in ("low_var_kl", "k1", "k2"):
+        parts = grpo_loss(logp, ent, logp, adv, mask, refl, clip_low=0.2, clip_high=0.28, clip_c=3.0,
+                          agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True, kl_coef=0.1,
+                          kl_type=kind)
+        met = token_means(parts.sums)
+        kl = ref.kl_penalty(t(logp), t(refl), kind).numpy()
+        assert float(met["entropy"]) == pytest.approx(float(ent[on].astype(np.float64).mean()), rel=1e-6)
+        assert float(met["kl"]) == pytest.approx(float(kl[on].astype(np.float64).mean()), rel=1e-5, abs=1e-7)
+    empty = token_means(grpo_loss(logp, ent, logp, adv, np.zeros_like(mask), refl, clip_low=0.2,
+                                  clip_high=0.28, clip_c=3.0, agg_mode="token-mean", use_kl_loss=True,
+                                  kl_coef=0.1).sums)
+    assert float(empty["entropy"]) == 0.0 and float(empty["kl"]) == 0.0
