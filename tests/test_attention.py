@@ -71,6 +71,19 @@ def test_xla_attention_and_its_gradients_match_torch_eager(seed):
     assert np.all(np.asarray(grads[0])[1, :5] == 0)
 
 
+def test_masked_keys_get_no_weight_when_the_allowed_scores_are_very_negative():
+    """Masked scores sit at float32's minimum (transformers' eager mask), below any real
+    score: with q and k scaled so that allowed scores reach -1e5, a masked key still gets
+    no weight (a finite stand-in such as -1e4 would outrank them)."""
+    q, k, v, _, mask = _inputs(4)
+    q, k = q * 200.0, k * 200.0
+    out = jax.jit(xla_attention)(q, k, v, jnp.asarray(mask))
+    tout = _torch_eager(*(torch.tensor(x) for x in (q, k, v)), torch.tensor(mask))
+    scores = np.einsum("bsnd,btnd->bnst", q, np.repeat(k, NQ // NKV, axis=2)) * D ** -0.5
+    assert (np.where(mask[:, None], scores, 0) < -2e4).any()   # the regime this test is about
+    np.testing.assert_allclose(np.asarray(out), tout.numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_cache_layout_gives_the_same_values():
     q, k, v, _, mask = _inputs(2)
     plain = xla_attention(q, k, v, jnp.asarray(mask))

@@ -125,6 +125,24 @@ def test_matches_transformers_kernels(t, a_high):
             assert rel(o, o_t.numpy()) < TOL and rel(s, s_t.numpy()) < TOL, fn.__name__
 
 
+def test_a_weak_decay_after_a_strong_one_keeps_the_state_exact():
+    """Decays of -30 per token for most of a chunk, then -0.01: the decay from a late token to
+    the chunk's end is a small number that differences of the chunk's cumulative sums (~-1800,
+    float32 ulp 1e-4) would round by ~1e-4 relative; summed directly it is exact. Final state
+    and outputs against the token-by-token rule and transformers' recurrent kernel."""
+    x = make_inputs(21, 128)
+    g = np.full((B, 128, H), -30.0, np.float32)
+    g[:, 60:64] = -0.01
+    g[:, 124:] = -0.01
+    x["g"] = g
+    o_c, s_c = chunked(*args(x))
+    o_r, s_r = recurrent(*args(x))
+    with torch.no_grad():
+        o_t, s_t, _ = torch_run(qwen3_5.torch_recurrent_gated_delta_rule, x)
+    assert rel(s_c, s_r) < TOL and rel(o_c, o_r) < TOL
+    assert rel(s_c, s_t.numpy()) < TOL and rel(o_c, o_t.numpy()) < TOL
+
+
 def test_grouped_value_heads_match_transformers():
     """2 key heads serving 4 value heads: we repeat q/k per group (each key head serves
     consecutive value heads, as `repeat_interleave`); torch gets the unrepeated q/k."""

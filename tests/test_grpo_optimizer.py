@@ -121,6 +121,21 @@ def test_one_step_with_active_clip_moves_parameters():
     assert np.all(moved > 5e-4)  # Adam's first step is ~lr per coordinate
 
 
+def test_a_gradient_below_the_clip_norm_is_not_scaled_up():
+    """clip_grad_norm_ only shrinks: coef = min(1, max_norm / (norm + 1e-6)). Gradients of norm
+    ~0.05 under grad_clip=1.0 enter Adam unscaled: the moments equal torch's (a coefficient of
+    ~20 would scale exp_avg by 20 and exp_avg_sq by 400; Adam's update alone barely shows it)."""
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
+    params, state, tparams, opt = _run_both(cfg, steps=2, grad_scale=0.01)
+    canon = state_to_canonical(state)
+    for k, tp in tparams.items():
+        st = opt.state[tp]
+        np.testing.assert_allclose(canon["mu"][k], st["exp_avg"].numpy(), rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(canon["nu"][k], st["exp_avg_sq"].numpy(), rtol=1e-6, atol=1e-14)
+        want = tp.detach().numpy()
+        assert np.all(np.abs(np.asarray(params[k]) - want) <= _bound(want)), k
+
+
 def test_bf16_parameters_keep_fp32_moments_and_round_torchs_fp32_update():
     """model.param_dtype=bfloat16: the moments stay float32 (a checkpoint holds fp32 Adam
     state; they were bf16 and the first save failed) and each step is torch AdamW's on the

@@ -761,3 +761,34 @@ def test_the_rope_tables_are_evaluated_once_per_backward_pass(qwen3_model):
         step = nnx.jit(lambda m, ids, c: m(ids, jnp.ones_like(ids), cache=c))
         hlo = step.lower(qwen3_model, ids, cache).compile().as_text()
         assert hlo.count(" cosine(") == 1 and hlo.count(" sine(") == 1, s
+
+
+@pytest.mark.parametrize("theta,scaling", [
+    (1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+    (1e6, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "truncate": False}),
+    (1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192, "beta_fast": 16,
+           "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.5}),
+    # a low theta and a long original context: beta_slow's dim lies past head_dim / 2 (clamped)
+    (1e4, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072}),
+    (1e6, {"rope_type": "linear", "factor": 3.0}),
+], ids=["yarn", "yarn-untruncated", "yarn-betas-mscale", "yarn-theta1e4", "linear"])
+def test_rope_frequencies_equal_transformers_at_a_realistic_context(theta, scaling):
+    """static_inv_freq and its attention scaling against transformers' ROPE_INIT_FUNCTIONS for
+    head_dim 64 and a 2k-128k original context: there YaRN's default beta_fast (32) and
+    beta_slow (1) fall inside (or past) the frequency range (the tiny fixtures' 32-token
+    context clamps them to its ends, so the logits tests cannot see them)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jscenegen.model.rope import static_inv_freq
+
+    orig = scaling.get("original_max_position_embeddings", 4096)
+    d = dict(DENSE, head_dim=64, rope_theta=theta,
+             max_position_embeddings=int(orig * scaling.get("factor", 1.0)), rope_scaling=scaling)
+    inv, att = static_inv_freq(QwenConfig.from_hf_dict(d))
+    want, want_att = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](
+        Qwen3Config(**{k: v for k, v in d.items() if k != "model_type"}), "cpu")
+    want = want.numpy()
+    assert inv.dtype == np.float32 and inv.shape == want.shape == (32,)
+    np.testing.assert_allclose(inv, want, rtol=1e-6, atol=0)
+    assert att == pytest.approx(want_att, rel=1e-12)
