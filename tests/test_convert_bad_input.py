@@ -1152,6 +1152,23 @@ def test_weights_holding_nan_are_converted_with_a_warning_naming_them(tmp_path):
     assert np.isnan(load_file(str(tmp_path / "back" / "model.safetensors"))[name][0, 0])
 
 
+@pytest.mark.parametrize("step,dtype", [(0.0, "float32"), (2.0 ** 31 - 1, "float64")])
+def test_the_adam_step_range_includes_both_ends_of_the_stores_int32_count(actor, step, dtype):
+    """0 (state created, no step taken yet) and 2**31 - 1 are AdamW counts an orbax store
+    holds: both read, as integers (torch keeps `step` in float64 when that is its default
+    dtype; float32 cannot hold 2**31 - 1)."""
+    import torch
+
+    from convert.verl_read import VerlCheckpoint
+
+    def set_steps(sd):
+        for st in sd["state"].values():
+            st["step"] = torch.tensor(step, dtype=getattr(torch, dtype))
+
+    _edit_every_rank(actor, "optim", set_steps)
+    assert VerlCheckpoint(actor).adam_step() == int(step)
+
+
 @pytest.mark.parametrize("step", [2.0 ** 31, 2.0 ** 40])
 def test_an_adam_step_beyond_the_stores_int32_count_is_refused_naming_the_file(actor, tmp_path, step):
     """Every parameter at AdamW step 2**31: the orbax store's int32 count raised OverflowError

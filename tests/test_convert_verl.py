@@ -400,3 +400,63 @@ def test_a_reshard_keeps_the_sources_placement_unless_told(tmp_path):
             r"0\.9\): a run of the source's VERL version shards otherwise$")):
         out = verl_to_verl(src, tmp_path / "d0", world_size=6, placement="dim0", device_type="cpu")
     assert {v.shard_dim for v in VerlCheckpoint(out).tensor_info().values()} == {0}
+
+
+@pytest.mark.parametrize("name", ["qwen2_first_divisible", "qwen3_tied_dim0"])
+def test_hsdp_rank_files_read_back_the_full_tensors(name, tmp_path, monkeypatch):
+    """HSDP (VERL's 2-D ("ddp", "fsdp") mesh, placements (Replicate(), Shard(d))): 6 ranks as
+    2 replicas x 3 shards, rank r holding torch.chunk piece r % 3 (its fsdp coordinate). The
+    writer is driven onto that mesh; the reader must take the first fsdp group's shards in
+    order and give back torch's full tensors and Adam moments (the 1-D fixtures never reach
+    the reader's HSDP path)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import convert.verl_write as vw
+    from convert.tensors import to_torch
+
+    @contextlib.contextmanager
+    def hsdp_rank(rank, world_size, device_type):
+        assert world_size == 6
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+        try:
+            yield init_device_mesh(device_type, (2, 3), mesh_dim_names=("ddp", "fsdp"))
+        finally:
+            dist.destroy_process_group()
+
+    def hsdp_dtensor(local, mesh, dim, shape, device_type):
+        t = to_torch(np.array(local, copy=True))
+        stride = torch.empty(shape, dtype=t.dtype, device="meta").stride()
+        spec = DTensorSpec(mesh, (Replicate(), Shard(dim)), TensorMeta(torch.Size(shape), stride, t.dtype))
+        return DTensor(t, spec, requires_grad=False)
+
+    src = fixture_dir(name) / "ckpt"
+    ck = VerlCheckpoint(src)
+    hook = __import__("sys").excepthook
+    monkeypatch.setattr(vw, "_fake_rank", hsdp_rank)
+    monkeypatch.setattr(vw, "_dtensor", hsdp_dtensor)
+    monkeypatch.setattr(vw, "chunk_bounds", lambda n, w, r: chunk_bounds(n, 3, r % 3))
+    try:
+        verl_to_verl(src, tmp_path / "hsdp", world_size=6, placement=ck.placement()[0],
+                     device_type="cpu")
+    finally:
+        __import__("sys").excepthook = hook
+    hsdp = VerlCheckpoint(tmp_path / "hsdp")
+    first = hsdp._model_files[0][ck.embedding]
+    assert tuple(first.placements) == (Replicate(), Shard(ck.tensor_info()[ck.embedding].shard_dim))
+    assert hsdp.world_size == 6
+    for (n1, a1), (n2, a2) in zip(ck.iter_params(include_tied_alias=True),
+                                  hsdp.iter_params(include_tied_alias=True)):
+        assert n1 == n2
+        np.testing.assert_array_equal(a1, a2, err_msg=n1)
+    for (n1, m1, v1), (n2, m2, v2) in zip(ck.iter_adam(), hsdp.iter_adam()):
+        assert n1 == n2
+        np.testing.assert_array_equal(m1, m2, err_msg=n1)
+        np.testing.assert_array_equal(v1, v2, err_msg=n1)
+    assert hsdp.adam_step() == ck.adam_step()
