@@ -792,3 +792,28 @@ def test_rope_frequencies_equal_transformers_at_a_realistic_context(theta, scali
     assert inv.dtype == np.float32 and inv.shape == want.shape == (32,)
     np.testing.assert_allclose(inv, want, rtol=1e-6, atol=0)
     assert att == pytest.approx(want_att, rel=1e-12)
+
+
+def test_bf16_rmsnorm_rounds_like_transformers():
+    """RMSNorm in bf16 as transformers' Qwen3RMSNorm: normalise in fp32, round to bf16, then
+    multiply by the bf16 weight (two roundings). Multiplying in fp32 and rounding once moves
+    about a quarter of the elements by a bf16 ulp; here (almost) none may differ."""
+    import torch
+    from flax import nnx
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from jscenegen.model.qwen import RMSNorm
+
+    rng = np.random.default_rng(0)
+    h = 64
+    x = (3.0 * rng.normal(size=(4, 8, h))).astype(np.float32)
+    w = (1.0 + 0.3 * rng.normal(size=h)).astype(np.float32)
+    norm = RMSNorm(lambda name: nnx.Param(jnp.asarray(w, jnp.bfloat16), rows=h), "norm", 1e-6)
+    got = np.asarray(norm(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
+    ref = Qwen3RMSNorm(h, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(w).to(torch.bfloat16))
+        want = ref(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+    # an fp32 rsqrt an ulp apart (XLA vs torch) may flip a rare bf16 rounding: allow 1%
+    assert (got != want).mean() <= 0.01
+    np.testing.assert_allclose(got, want, rtol=2 ** -7)
