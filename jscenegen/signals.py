@@ -22,6 +22,9 @@ process group, which holds the command again. A repeat within REPEAT_WINDOW_S of
 is that same request; taken for a second one, it would end the process in the middle of its
 cleanup. One arriving after the unwind has finished is ignored too (`_RepeatsIgnored`), not met
 by the default action the command found.
+
+A stop request that arrives while torch is being imported is acted on once that import is done
+(`HELD_DURING_IMPORT`): raised there, the exception met C++ frames that cannot pass it on.
 """
 from __future__ import annotations
 
@@ -39,6 +42,14 @@ REPEAT_WINDOW_S = 1.0
 EXIT_UNTAKEN_S = 2.0
 TAKE_WAIT_S = 0.2       # the reader and the exit timer hold the lock for microseconds
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Packages whose import runs native initialisers that call back into Python: a stop's
+# exception raised in such a callback cannot cross the C++ frames around it, and the process
+# aborts (`terminate called after throwing an instance of 'pybind11::error_already_set'`,
+# SIGABRT: no error line, the destination's partial directory left behind). Seen with torch
+# 2.13's `torch._C._c10d_init()`, a Ctrl-C 3.5 s into `convert SRC DST --to orbax` (1 in ~25).
+# A request arriving while one of them is being imported waits until that import is done.
+HELD_DURING_IMPORT = ("torch",)
+HOLD_RETRY_S = 0.05     # how often a held request looks again whether the import is done
 _WAKE_READER = b"\0"   # no signal has number 0: tells the reader thread to end
 
 
@@ -277,6 +288,20 @@ def ignore_repeats_at_exit() -> set[int]:
     return ignored
 
 
+def importing_held_package(frame) -> bool:
+    """Whether `frame` (a signal handler's) runs inside the import of a package of
+    HELD_DURING_IMPORT: some frame up its stack executes such a module's top level. Python
+    frames link through the native calls between them, so a callback of a native initialiser
+    still finds the module being imported."""
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            name = frame.f_globals.get("__name__")
+            if isinstance(name, str) and name.partition(".")[0] in HELD_DURING_IMPORT:
+                return True
+        frame = frame.f_back
+    return False
+
+
 def raise_if_redelivered(signum: int) -> None:
     """Raise the signal's exception again if this handler call is the active `UnwindOnSignals`
     delivering one a callback swallowed (no new request: `StopRequests` does not count it).
@@ -288,15 +313,17 @@ def raise_if_redelivered(signum: int) -> None:
 
 class UnwindOnSignals:
     """Context manager: SIGTERM raises `Terminated` and Ctrl-C KeyboardInterrupt in the main
-    thread while it is active, a repeat of the same request is ignored, and a SIGTERM or
-    Ctrl-C swallowed by a callback is delivered again. Outside the main thread it does nothing
-    (Python only runs signal handlers there)."""
+    thread while it is active, a repeat of the same request is ignored, a SIGTERM or Ctrl-C
+    swallowed by a callback is delivered again, and one arriving while torch is being imported
+    is raised once that import is done (`importing_held_package`). Outside the main thread it
+    does nothing (Python only runs signal handlers there)."""
 
     def __init__(self, grace_s: float = 60.0):
         self.grace_s = grace_s
         self._watchdog: threading.Timer | None = None
         self._active = False
         self._redelivered: set[int] = set()
+        self._held: set[int] = set()   # requests waiting for an import (HELD_DURING_IMPORT)
 
     def __enter__(self) -> "UnwindOnSignals":
         global _unwinding
@@ -326,10 +353,21 @@ class UnwindOnSignals:
         STOP_REQUESTS.close()
 
     def _on_signal(self, signum, frame):
+        if signum in self._held and signum in self._redelivered:   # a held request, again
+            self._redelivered.discard(signum)
+            if importing_held_package(frame):
+                self._deliver_again(signum, HOLD_RETRY_S)
+                return
+            self._held.discard(signum)
+            self.unwind(signum)
         raise_if_redelivered(signum)
         requests = STOP_REQUESTS.take(signum)
         if requests > 1 and signum == signal.SIGTERM:   # two during one native call
             _end_now(signum)
+        elif requests and importing_held_package(frame):
+            if signum not in self._held:   # a second Ctrl-C meanwhile: the same wait
+                self._held.add(signum)
+                self._deliver_again(signum, HOLD_RETRY_S)
         elif requests:
             self.unwind(signum)
 
@@ -355,7 +393,7 @@ class UnwindOnSignals:
         else:
             self._previous_hook(unraisable)
 
-    def _deliver_again(self, signum: int) -> None:
+    def _deliver_again(self, signum: int, delay_s: float = REDELIVERY_DELAY_S) -> None:
         # from another thread, a moment later: raised in this hook, it would be swallowed too
         def resend():
             if self._active:  # not once the command has ended
@@ -363,6 +401,6 @@ class UnwindOnSignals:
                 STOP_REQUESTS.expect_redelivery(signum)
                 _thread.interrupt_main(signum)
 
-        timer = threading.Timer(REDELIVERY_DELAY_S, resend)
+        timer = threading.Timer(delay_s, resend)
         timer.daemon = True
         timer.start()

@@ -373,3 +373,57 @@ def test_a_repeat_whose_handler_runs_inside_a_take_does_not_hang_the_process():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["unwinding", "cleaned", "up"]
+
+
+@pytest.mark.parametrize("signum, exc", [(signal.SIGINT, KeyboardInterrupt),
+                                         (signal.SIGTERM, Terminated)])
+def test_a_stop_during_torchs_import_is_raised_once_the_import_is_done(signum, exc):
+    """Raised inside torch's import, a Ctrl-C met `torch._C._c10d_init()`'s C++ frames: "terminate
+    called after throwing an instance of 'pybind11::error_already_set'", SIGABRT, and `convert`'s
+    partial destination left behind. Here the module's top level stands for torch's."""
+    module_top_level = compile("import os, signal, time\n"
+                               "os.kill(os.getpid(), SIGNUM)\n"
+                               "deadline = time.monotonic() + 0.5\n"
+                               "while time.monotonic() < deadline:\n"
+                               "    pass\n"
+                               "done = True\n", "<torch/__init__.py>", "exec")
+    module = {"__name__": "torch._import_under_test", "SIGNUM": signum}
+    with pytest.raises(exc):
+        with UnwindOnSignals(grace_s=600):
+            exec(module_top_level, module)
+            assert module.get("done")     # the import finished ...
+            _bytecodes()                  # ... and the request was acted on after it
+    assert module.get("done")
+
+
+_CTRL_C_IN_TORCH_IMPORT = """
+import importlib.abc, os, signal, sys
+from jscenegen.signals import UnwindOnSignals
+
+class SignalAtDistributed(importlib.abc.MetaPathFinder):   # torch's native c10d set-up is next
+    def find_spec(self, name, path, target=None):
+        if name == "torch.distributed":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SignalAtDistributed())
+try:
+    with UnwindOnSignals(grace_s=600):
+        import torch
+        print("imported", flush=True)
+        while True:
+            pass
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.slow   # imports torch: ~3 s
+def test_a_ctrl_c_during_the_real_torch_import_waits_for_it():
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_TORCH_IMPORT], capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["imported", "interrupted"]), proc.stderr
