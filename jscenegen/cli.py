@@ -31,7 +31,7 @@ import warnings
 from jscenegen import __version__
 from jscenegen.host_devices import force_cpu_devices
 from jscenegen.paths import STORAGE_LIMITS, DiskFullError
-from jscenegen.signals import Terminated, UnwindOnSignals, ignore_repeats_at_exit
+from jscenegen.signals import Terminated, UnwindOnSignals, ignore_repeats_at_exit, stop_acted_on
 
 MAX_ERROR_CHARS = 2000
 COMMAND_MODULES = ("train", "init_model", "parity", "mesh_report", "scene", "convert", "export",
@@ -264,14 +264,33 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     JSCENEGEN_DEBUG=1 it keeps them)."""
     if os.environ.get("JSCENEGEN_DEBUG"):
         _PYTHON_SHOW_WARNING(message, category, filename, lineno, file, line)
-    else:
+    elif not (stop_acted_on() and _left_by_the_stop(category, message)):
         logging.getLogger("py.warnings").warning("%s", message)
+
+
+def _left_by_the_stop(category, message) -> bool:
+    """Whether a warning is one that a stop signal's unwind leaves: coroutines a library
+    (orbax's reads and writes) had created and the stop kept from being awaited."""
+    return issubclass(category, RuntimeWarning) and "was never awaited" in str(message)
+
+
+def _quiet_after_a_stop(previous):
+    """A `sys.unraisablehook` that drops what finalisers raise once a stop signal was acted
+    on (`signals.stop_acted_on`): objects the stop cut short, finalised as the command unwinds
+    (asyncio's event loop interrupted in its constructor: `AttributeError: ... '_ssock'` from
+    its `__del__`), a traceback after the command's one line. JSCENEGEN_DEBUG=1 keeps them."""
+    def hook(unraisable) -> None:
+        if not stop_acted_on() or os.environ.get("JSCENEGEN_DEBUG"):
+            previous(unraisable)
+
+    return hook
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:   # the program itself (not a caller's test): its uncaught tracebacks, warnings
         sys.excepthook = _traceback_without_credentials(argv)
         warnings.showwarning = _show_warning
+        sys.unraisablehook = _quiet_after_a_stop(sys.unraisablehook)
     try:
         code = _run(argv)
     except Exception as err:   # a bug's traceback; in a joined run, then no shutdown barrier either

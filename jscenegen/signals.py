@@ -231,6 +231,13 @@ class Terminated(BaseException):
 
 
 _unwinding: "UnwindOnSignals | None" = None
+_ACTED_ON = threading.Event()   # a stop request has been raised: the command is unwinding
+
+
+def stop_acted_on() -> bool:
+    """Whether a stop request (SIGTERM, Ctrl-C) has been raised in this process's main thread:
+    what is finalised from then on may be an object the stop cut short."""
+    return _ACTED_ON.is_set()
 
 
 def _exception(signum: int) -> type[BaseException]:
@@ -249,6 +256,7 @@ def unwind(signum: int) -> None:
     request itself (the GRPO trainer's second one) hands it on here."""
     if _unwinding is not None:
         _unwinding.unwind(signum)
+    _ACTED_ON.set()
     raise _exception(signum)
 
 
@@ -381,6 +389,7 @@ class UnwindOnSignals:
             self._watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signal.SIGTERM,))
             self._watchdog.daemon = True
             self._watchdog.start()
+        _ACTED_ON.set()
         raise _exception(signum)
 
     def _on_unraisable(self, unraisable) -> None:

@@ -427,3 +427,47 @@ def test_a_ctrl_c_during_the_real_torch_import_waits_for_it():
     proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_TORCH_IMPORT], capture_output=True,
                           text=True, timeout=120)
     assert (proc.returncode, proc.stdout.split()) == (0, ["imported", "interrupted"]), proc.stderr
+
+
+_CTRL_C_MID_READ = """
+import os, signal, sys
+from jscenegen import cli
+
+class CutShort:   # asyncio's event loop, its constructor cut short by the Ctrl-C
+    def __del__(self):
+        raise AttributeError("'_UnixSelectorEventLoop' object has no attribute '_ssock'")
+
+async def read_metadata():   # orbax's coroutines, created and never awaited
+    pass
+
+def interrupted_mid_read():
+    loop, pending = CutShort(), read_metadata()
+    os.kill(os.getpid(), signal.SIGINT)
+    while True:
+        pass
+
+cli.build_parser = interrupted_mid_read
+sys.argv = ["jscenegen"]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_what_a_ctrl_c_cut_short_prints_nothing_after_the_commands_one_line(debug):
+    """A Ctrl-C 4.5 s into `jscenegen export` (orbax reading the step's metadata) printed, after
+    `error: interrupted (Ctrl-C)`, an "Exception ignored in BaseEventLoop.__del__" traceback
+    (AttributeError: '_ssock') and three "coroutine ... was never awaited" warnings."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env.pop("JSCENEGEN_DEBUG", None)
+    if debug:
+        env["JSCENEGEN_DEBUG"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_MID_READ], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 130, proc.stderr
+    if debug:   # the debugging view keeps them
+        assert "_ssock" in proc.stderr and "never awaited" in proc.stderr, proc.stderr
+    else:
+        assert proc.stderr == "error: interrupted (Ctrl-C)\n"
