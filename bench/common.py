@@ -1,5 +1,5 @@
-"""Pieces the benchmarks share: a synthetic GRPO batch, timers, interleaved rounds with a
-rotating order, paired per-round ratios, the sitting's record (commit, host, load, time) and
+"""Pieces the benchmarks share: a synthetic GRPO batch, timers, interleaved rounds in a
+carry-over balanced order, paired per-round ratios, the sitting's record (commit, host, load, time) and
 an atomic JSON write."""
 from __future__ import annotations
 
@@ -63,19 +63,48 @@ def timed(fn, warmup: int, repeats: int) -> float:
 
 
 def round_order(names, r: int) -> list:
-    """The engines in the order round r runs them: the list rotated to start at engine
-    r mod n (each engine runs first, and after each other engine, equally often over n
-    rounds)."""
+    """The engines in the order round r runs them: a Williams design, balanced for carry-over
+    (what the engine run just before leaves behind: torch's OpenMP threads that may still
+    spin, a warm or a flushed cache). Row i of the square is the sequence 0, 1, n-1, 2, n-2,
+    ... shifted by i (mod n). For an even number n of engines, round r runs row r mod n: over
+    any n consecutive rounds each engine runs at each place once and right after each other
+    engine exactly once. For an odd n a square cannot balance that, so round r runs row r//2
+    (mod n), mirrored in the odd rounds: over any 2n consecutive rounds (from round 0) each
+    engine runs at each place twice and right after each other engine exactly twice; over
+    any even number of rounds from round 0, a runs right after b as often as b right after a.
+    Fewer rounds (the benches' default 5 with 5 engines: half of 10) are balanced only
+    that far (`balanced_rounds`)."""
     names = list(names)
-    k = r % len(names)
-    return names[k:] + names[:k]
+    n = len(names)
+    if n % 2 == 0:
+        row, mirrored = r % n, False
+    else:
+        row, mirrored = (r // 2) % n, r % 2 == 1
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    order = [names[(k + row) % n] for k in first]
+    return order[::-1] if mirrored else order
+
+
+def balanced_rounds(n: int) -> int:
+    """The rounds `round_order` needs for n engines to follow each other equally often: n for
+    an even n, 2n for an odd one (1 for one engine)."""
+    return n if n % 2 == 0 or n == 1 else 2 * n
 
 
 def rounds(engines: dict[str, Callable[[int], None]], n_rounds: int, warmup: int = 1) -> dict:
     """Time every engine once per round, engines interleaved (a load spike on a shared machine
-    then hits all of them alike) and the order rotated every round (`round_order`: no engine
-    always runs right after the same other one, e.g. after torch's OpenMP threads that may
-    still spin). engines: {name: fn(round_index)}. Returns {name: {"wall_s": [per round],
+    then hits all of them alike) in a carry-over balanced order (`round_order`, a Williams
+    design: over `balanced_rounds(len(engines))` rounds every engine runs right after every
+    other equally often, so none always runs right after the same other one, e.g. after
+    torch's OpenMP threads that may still spin; with fewer rounds the balance is partial).
+    engines: {name: fn(round_index)}. Returns {name: {"wall_s": [per round],
     "cpu_s": [per round]}} (index r: round r); cpu_s is this process's CPU time (all
     threads), which other jobs on the machine barely change for JAX engines (torch's OpenMP
     threads spin while they wait for a core: its CPU time grows on a loaded machine)."""

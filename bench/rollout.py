@@ -25,8 +25,10 @@ the most `vs_tunix` any sampler could reach in that run (an estimate: the floor 
 decode steps' reads alone, the samplers' times include their prefill).
 
 Each engine is warmed up (compiled) once, then timed once per round, the engines
-interleaved (a load spike on the shared machine hits all of them) and their order rotated
-every round (round r starts at engine r mod n). Every ratio is taken per round (the two
+interleaved (a load spike on the shared machine hits all of them) in a carry-over balanced
+order (`common.round_order`, a Williams design: over 2n rounds for n engines, n for an even n,
+each engine runs right after each other one equally often; the default 5 rounds with 5
+engines are half of that). Every ratio is taken per round (the two
 engines timed in the same round) and reported as the median of the --rounds per-round
 ratios with `_min`, `_max` and `_rounds`; `_of_medians` is the ratio of the two engines'
 medians. CPU seconds (all threads of the process) are printed beside wall seconds: other

@@ -31,8 +31,10 @@ remat.
     (`nnx.cached_partial`), as Tunix's own trainer sets it up (sft/peft_trainer.py). Tunix
     makes logits at every position and slices the completion (it has no way not to).
 All on CPU in this process. Each engine is warmed up (compiled), then timed once per round,
-the engines interleaved (a load spike on the shared machine hits all of them) and their order
-rotated every round (round r starts at engine r mod n). Every ratio is taken per round (the
+the engines interleaved (a load spike on the shared machine hits all of them) in a carry-over
+balanced order (`common.round_order`, a Williams design: over 2n rounds for n engines, n for
+an even n, each engine runs right after each other one equally often; the default 5 rounds
+with 5 engines are half of that). Every ratio is taken per round (the
 two engines timed in the same round) and reported as the median of the --rounds per-round
 ratios with their min and max; `*_of_medians` is the ratio of the two engines' medians. CPU
 seconds (all threads) are printed beside wall seconds: other jobs barely change the JAX

@@ -1,8 +1,9 @@
-"""bench/common.py's round rotation, paired ratios, sitting record and atomic JSON write (the
+"""bench/common.py's balanced round order, paired ratios, sitting record and atomic JSON write (the
 CPU benches' bench/train_step.py and bench/rollout.py report through them)."""
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import common  # noqa: E402
 
 
-def test_each_round_starts_at_the_next_engine():
+def _neighbours(orders):
+    """How often each engine ran right after each other one (ordered pairs) in `orders`."""
+    return Counter((o[i], o[i + 1]) for o in orders for i in range(len(o) - 1))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_the_order_is_balanced_for_carry_over(n):
+    """A Williams design: over balanced_rounds(n) rounds (n for an even n, 2n for an odd one)
+    every engine runs right after every other engine equally often, and at every place
+    equally often; a rotation (each engine always after the same one) fails this."""
+    names = [chr(ord("a") + k) for k in range(n)]
+    period = common.balanced_rounds(n)
+    assert period == (n if n % 2 == 0 else 2 * n)
+    orders = [common.round_order(names, r) for r in range(period)]
+    assert all(sorted(o) == names for o in orders)
+    times = period * (n - 1) // (n * (n - 1))   # each of the n(n-1) ordered pairs
+    assert _neighbours(orders) == {(a, b): times for a in names for b in names if a != b}
+    places = Counter((o[i], i) for o in orders for i in range(n))
+    assert places == {(a, i): period // n for a in names for i in range(n)}
+    # periodic; for an odd n, over any even number of rounds from 0 (a sequence and its
+    # mirror) each direction as often as the other
+    assert [common.round_order(names, r + period) for r in range(period)] == orders
+    for even in range(2, period + 1, 2) if n % 2 else ():
+        pairs = _neighbours(orders[:even])
+        assert all(pairs[a, b] == pairs[b, a] for a, b in pairs), even
+
+
+def test_rounds_runs_the_engines_in_round_order():
     names = ["a", "b", "c"]
-    assert [common.round_order(names, r) for r in range(4)] == [
-        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     calls = []
     common.rounds({n: (lambda r, n=n: calls.append((n, r))) for n in names}, 2, warmup=0)
-    assert calls == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1)]
+    assert calls == [(n, r) for r in range(2) for n in common.round_order(names, r)]
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("a", 1)]
 
 
 def test_paired_ratios_are_per_round_with_their_range_and_the_ratio_of_medians():
