@@ -1,16 +1,14 @@
 """Pieces the benchmarks share: a synthetic GRPO batch, timers, interleaved rounds in a
 carry-over balanced order, paired per-round ratios, the sitting's record (commit, host, load, time) and
-an atomic JSON write."""
+the project's atomic JSON write (`jscenegen.paths.write_json`)."""
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from jscenegen.commands import int_in, positive_int_arg  # noqa: F401  (the benches' int flags)
+from jscenegen.paths import write_json  # noqa: F401  (the benches' --json-out: the project's atomic writer)
 
 
 def positive_float(text: str) -> float:
@@ -198,22 +197,6 @@ def sitting_start() -> dict:
 def sitting_end(record: dict) -> dict:
     """`record` with the UTC end and the load average after added."""
     return {**record, "utc_end": _utc(), "load_after": load_average()}
-
-
-def write_json(path: str, obj: dict) -> None:
-    """Write `obj` as JSON to `path` atomically: a temporary file in the same directory,
-    then a rename over `path` (a reader never sees half a file)."""
-    target = Path(path).resolve()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def tunix_qwen3_config(c, **extra):

@@ -1,4 +1,4 @@
-"""bench/common.py's balanced round order, paired ratios, sitting record and atomic JSON write (the
+"""bench/common.py's balanced round order, paired ratios, sitting record and JSON write (the
 CPU benches' bench/train_step.py and bench/rollout.py report through them)."""
 import json
 import os
@@ -77,3 +77,19 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     with pytest.raises(TypeError):
         common.write_json(str(path), {"a": object()})
     assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["out.json"]
+
+
+def test_the_json_is_the_projects_strict_json_and_a_link_is_not_written_through(tmp_path):
+    """The benches write through jscenegen.paths.write_json: a non-finite float is null
+    (strict JSON, as every other file jscenegen writes), and a symbolic link at the target is
+    refused, not followed."""
+    path = tmp_path / "out.json"
+    common.write_json(str(path), {"vs_x": float("nan"), "rounds": [1.5, float("inf")]})
+    assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
+    assert json.loads(path.read_text()) == {"vs_x": None, "rounds": [1.5, None]}
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    (tmp_path / "link.json").symlink_to(target)
+    with pytest.raises(ValueError, match="symbolic link"):
+        common.write_json(str(tmp_path / "link.json"), {"a": 1})
+    assert target.read_text() == "{}"
