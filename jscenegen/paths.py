@@ -253,16 +253,19 @@ def check_output_file(path: str | Path, label: str, suffix: str | None = None) -
 
 def refuse_run_file(path: str | Path, label: str, given: str | Path | None = None) -> None:
     """Raise ValueError (naming `label` and the path `given`, default `path`) when writing at
-    `path` would replace a file a training run owns (`run_file_kind`) in a run directory, one
-    that holds the run's record (`RUN_RECORD`, run.json): `jscenegen eval --out
-    RUN/eval_before.json` silently replaced the run's own report. Other paths in a run
-    directory are written as anywhere."""
+    `path` (a file or a directory; relative to the working directory, resolved through
+    links) would replace or write into what a training run owns (`run_file_kind`) in a run
+    directory, one that holds the run's record (`RUN_RECORD`, run.json): `jscenegen eval --out
+    RUN/eval_before.json` silently replaced the run's own report, and `init-model
+    RUN/hf_assets` made the directory a resume reads as the run's config and tokenizer.
+    Other paths in a run directory are written as anywhere."""
     p = Path(path).resolve()
     for run in p.parents:
         if (run / RUN_RECORD).is_file() and (what := run_file_kind(p.relative_to(run).parts)):
+            how = "replace" if os.path.lexists(p) else "write into"
             raise ValueError(f"{label} {path if given is None else given}: the training run "
                              f"{run} owns {p.relative_to(run)} (its {what}); writing there "
-                             f"would replace the run's own; choose another {label}")
+                             f"would {how} the run's own; choose another {label}")
 
 
 def refuse_inside_checkpoint(path: str | Path, name: str) -> None:
@@ -635,8 +638,10 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
     not a directory or not writable (tried with an empty temporary directory, removed at once,
     so root on a read-only or pseudo filesystem such as /proc is caught too), a name too
     long to leave room for `atomic_dir`'s temporary beside it (or a directory still to be
-    created above it named longer than the file system allows), a path that is not UTF-8, or
-    one inside a checkpoint or a folder the checkout ships (`refuse_inside_shipped`). A
+    created above it named longer than the file system allows), a path that is not UTF-8, one
+    inside a checkpoint or a folder the checkout ships (`refuse_inside_shipped`), or one a
+    training run owns in its directory (`refuse_run_file`: RUN/hf_assets, RUN/checkpoints,
+    RUN/swanlab, or a run file's name). A
     dangling symbolic link is refused too (creating the directory would fail on it).
     Raises `error` naming `path` (after `label`, e.g. the option that gave it)."""
     p = Path(path)
@@ -650,6 +655,7 @@ def check_output_dir(path: str | Path, error: type[Exception] = ValueError, labe
                     "create its target or give another path")
     try:
         refuse_inside_checkpoint(p, name)
+        refuse_run_file(p, label or "destination", path)
         refuse_inside_shipped(p, name)
     except ValueError as err:
         raise error(str(err)) from None

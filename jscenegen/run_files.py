@@ -25,6 +25,11 @@ RUN_ASSETS = "hf_assets"
 its own (a run made by `convert --to orbax`): copied once from the newest step's `hf/`, which
 the store deletes when newer steps replace it (`checkpoint.resume.resume_model_dir`)."""
 
+RUN_SWANLAB = "swanlab"
+"""`RUN_DIR/swanlab/`: swanlab's own files with `logging.swanlab_mode` other than disabled
+(`grpo.train.metrics.MetricsLogger` makes it, masks credentials in it, and removes the one it
+made when swanlab could not start or the start ended before it wrote the run's files)."""
+
 METRICS_LOG = "metrics.jsonl"
 TRAJECTORIES_LOG = "trajectories.jsonl"   # with trainer.dump_trajectories
 RUN_LOGS = (METRICS_LOG, TRAJECTORIES_LOG)
@@ -33,11 +38,11 @@ RUN_LOGS = (METRICS_LOG, TRAJECTORIES_LOG)
 def run_file_kind(parts: tuple[str, ...]) -> str | None:
     """What a training run keeps at `parts` (a path relative to its directory, as parts): its
     evaluation reports and plots (`RUN_REPORTS`, `eval_update_<N>`, .json and .png), its run
-    record, config, lock and JSONL logs, anything under its checkpoints/ or hf_assets/; None
-    for a path the run does not write."""
+    record, config, lock and JSONL logs, its checkpoints/, hf_assets/ and swanlab/ directories
+    and anything under them; None for a path the run does not write."""
     if not parts:
         return None
-    if parts[0] in (RUN_CHECKPOINTS, RUN_ASSETS):
+    if parts[0] in (RUN_CHECKPOINTS, RUN_ASSETS, RUN_SWANLAB):
         return f"{parts[0]}/ directory"
     if len(parts) > 1:
         return None

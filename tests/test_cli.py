@@ -622,23 +622,53 @@ def test_no_output_replaces_a_file_the_training_run_owns(tmp_path, capsys, argv,
     argv = [a.replace("{run}", str(run)) for a in argv]
     given = argv[argv.index(label) + 1]
     assert main(argv) == 2
+    how = "replace" if name in owned else "write into"   # one the run has not written yet
     assert one_error_line(capsys) == (
         f"error: {label} {given}: the training run {run.resolve()} owns {name} (its {what}); "
-        f"writing there would replace the run's own; choose another {label}")
+        f"writing there would {how} the run's own; choose another {label}")
     assert {p.name: p.read_text() for p in run.iterdir()} == owned
 
 
-def test_other_outputs_in_or_beside_a_run_directory_are_written_as_before(tmp_path, capsys):
+def test_other_outputs_in_or_beside_a_run_directory_are_written_as_before(tmp_path):
     """Only the run's own files are refused: another name in a run directory, and a report
     named eval_before.json in a directory that is no run's (no run.json), pass the output
-    checks (the missing model is what stops them here)."""
+    check, and a writer then writes them."""
+    from jscenegen.paths import check_output_file, write_json
+
     run, other = tmp_path / "run", tmp_path / "other"
     run.mkdir()
     other.mkdir()
     (run / "run.json").write_text("{}")
-    for out in (run / "eval-greedy.json", other / "eval_before.json"):
-        assert main(["eval", "--model", str(tmp_path / "missing"), "--out", str(out)]) == 2
-        assert "owns" not in one_error_line(capsys)
+    for out in (run / "eval-greedy.json", other / "eval_before.json", run / "sub" / "eval_before.json"):
+        assert check_output_file(out, "--out") is None
+        write_json(out, {"written": str(out)})
+        assert json.loads(out.read_text()) == {"written": str(out)}
+
+
+@pytest.mark.parametrize("argv, owned", [
+    (["init-model", "{run}/hf_assets", "--preset", "micro", "--vocab-size", "512"], "hf_assets"),
+    (["init-model", "{run}/checkpoints", "--preset", "micro", "--vocab-size", "512"], "checkpoints"),
+    (["init-model", "{run}/swanlab/model", "--preset", "micro", "--vocab-size", "512"], "swanlab/model"),
+    (["convert", "{src}", "{run}/checkpoints", "--from", "hf", "--to", "orbax"], "checkpoints"),
+    (["convert", "{src}", "{run}/hf_assets", "--from", "orbax", "--to", "hf"], "hf_assets"),
+    (["export", "{src}", "{run}/hf_assets"], "hf_assets"),
+])
+def test_no_directory_output_lands_in_what_a_training_run_owns(tmp_path, capsys, argv, owned):
+    """The run-file check covered file outputs only: `init-model RUN/hf_assets` (or convert,
+    export into RUN/hf_assets or RUN/checkpoints) was accepted while new or empty, and a resume
+    then read that directory as the run's config and tokenizer, or its steps as the run's."""
+    run, src = tmp_path / "run", tmp_path / "src"
+    run.mkdir()
+    src.mkdir()
+    (run / "run.json").write_text("{}")
+    (run / "checkpoints").mkdir()   # a run stopped before its first save: empty
+    argv = [a.replace("{run}", str(run)).replace("{src}", str(src)) for a in argv]
+    assert main(argv) == 2
+    err = one_error_line(capsys)
+    assert f"the training run {run.resolve()} owns {owned} (its " in err, err
+    assert "would write into the run's own" in err or "would replace the run's own" in err, err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run.json"]
+    assert not any((run / "checkpoints").iterdir())
 
 
 def test_no_output_lands_inside_the_checkouts_configs_or_data(tmp_path, capsys, monkeypatch,

@@ -12,9 +12,11 @@ from jscenegen.paths import (
     check_output_file,
     loads_json,
     read_json_object,
+    refuse_run_file,
     require_new_dir,
     write_json,
 )
+from jscenegen.run_files import run_file_kind
 
 
 def _umask() -> int:
@@ -348,3 +350,83 @@ def test_an_empty_jscenegen_cache_is_the_default_cache_not_the_working_directory
     assert cache_dir() == Path.home() / ".cache" / "jscenegen"
     monkeypatch.setenv("JSCENEGEN_CACHE", "/some/cache")
     assert cache_dir() == Path("/some/cache")
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A training run's directory (it holds run.json) with some of its files."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("run.json", "config.yaml", "run.lock", "eval_before.json", "metrics.jsonl"):
+        (run / name).write_text("{}")
+    return run
+
+
+@pytest.mark.parametrize("given, owned, what", [
+    ("eval_before.json", "eval_before.json", "evaluation report"),
+    ("./metrics.jsonl", "metrics.jsonl", "log"),
+    ("config.yaml", "config.yaml", "config"),
+    ("sub/../config.yaml", "config.yaml", "config"),
+    ("run.lock", "run.lock", "lock"),
+    ("run.json", "run.json", "run record"),
+    ("checkpoints/x.json", "checkpoints/x.json", "checkpoints/ directory"),
+    ("swanlab/x.json", "swanlab/x.json", "swanlab/ directory"),
+    ("hf_assets/config.json", "hf_assets/config.json", "hf_assets/ directory"),
+    ("eval_update_12.png", "eval_update_12.png", "evaluation plot"),
+])
+def test_a_run_file_given_relative_to_the_run_directory_is_refused(run_dir, monkeypatch, given,
+                                                                   owned, what):
+    """Relative paths with the working directory in the run, `..` inside them, and paths
+    under the run's directories name the run's own files as absolute ones do."""
+    monkeypatch.chdir(run_dir)
+    with pytest.raises(ValueError) as err:
+        refuse_run_file(given, "--out")
+    how = "replace" if os.path.lexists(run_dir / owned) else "write into"
+    assert str(err.value) == (f"--out {given}: the training run {run_dir.resolve()} owns {owned} "
+                              f"(its {what}); writing there would {how} the run's own; choose "
+                              "another --out")
+
+
+def test_a_run_file_reached_through_a_symlinked_run_directory_is_refused(run_dir, tmp_path):
+    (tmp_path / "link").symlink_to(run_dir)
+    (tmp_path / "elsewhere").mkdir()
+    for given in (tmp_path / "link" / "eval_after.png",
+                  tmp_path / "elsewhere" / ".." / "link" / "eval_before.json"):
+        with pytest.raises(ValueError, match="owns eval_"):
+            refuse_run_file(given, "--plot")
+    assert refuse_run_file(tmp_path / "link" / "mine.json", "--out") is None
+
+
+def test_a_new_path_the_run_owns_says_write_into_not_replace(run_dir):
+    with pytest.raises(ValueError, match="would write into the run's own; choose another -o$"):
+        refuse_run_file(run_dir / "eval_after.json", "-o")
+    with pytest.raises(ValueError, match="would replace the run's own"):
+        refuse_run_file(run_dir / "eval_before.json", "-o")
+
+
+def test_swanlab_is_part_of_the_runs_layout():
+    assert run_file_kind(("swanlab",)) == run_file_kind(("swanlab", "run-1", "x.log")) == "swanlab/ directory"
+    assert run_file_kind(("swanlab.json",)) is None and run_file_kind(("sub", "swanlab")) is None
+
+
+@pytest.mark.parametrize("owned", ["hf_assets", "checkpoints", "swanlab", "checkpoints/new",
+                                   "eval_update_3.json"])
+def test_no_output_directory_is_made_in_what_a_run_owns(run_dir, owned):
+    """check_output_dir and require_new_dir (init-model, sft --out, convert, export, train
+    --run-dir) refused only existing files there: RUN/hf_assets, new or empty, was accepted,
+    and a resume then read it as the run's config and tokenizer."""
+    with pytest.raises(ValueError, match=f"owns {owned} \\(its "):
+        check_output_dir(run_dir / owned, label="--run-dir")
+    with pytest.raises(FileExistsError, match=f"{run_dir / owned}: the training run .* owns "
+                                              f"{owned} \\(its "):
+        require_new_dir(run_dir / owned)
+    assert not (run_dir / "hf_assets").exists() and not any((run_dir / "checkpoints").iterdir())
+
+
+def test_other_directories_in_or_beside_a_run_are_made_as_before(run_dir, tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.yaml").write_text("{}")   # no run.json: not a run
+    for path in (run_dir / "my_model", tmp_path / "other" / "hf_assets", tmp_path / "other" / "checkpoints"):
+        assert require_new_dir(path) is None
+        assert check_output_dir(path) is None
+    assert check_output_dir(run_dir) is None   # train --run-dir RUN itself (a new start)

@@ -36,7 +36,7 @@ from jscenegen.paths import (
     loads_json,
     not_a_file,
 )
-from jscenegen.run_files import METRICS_LOG, RUN_LOGS
+from jscenegen.run_files import METRICS_LOG, RUN_LOGS, RUN_SWANLAB
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, cfg: LoggingConfig, config_dict: dict, *,
                  primary: bool = True):
         self.path = Path(run_dir) / METRICS_LOG
-        self.swanlab_dir = Path(run_dir) / "swanlab"
+        self.swanlab_dir = Path(run_dir) / RUN_SWANLAB
         self.primary = primary
         self._swanlab = None
         self._credentials: list[str] = []
