@@ -16,7 +16,15 @@ from jscenegen.checkpoint.checksums import file_sha256
 from jscenegen.checkpoint.metadata import redact
 from jscenegen.config import dotted_items, dump_yaml
 from jscenegen.paths import cache_dir, write_json, write_text
-from jscenegen.run_files import RUN_CHECKPOINTS, RUN_CONFIG, RUN_RECORD
+from jscenegen.run_files import (
+    EVAL_AFTER,
+    EVAL_BEFORE,
+    EVAL_CHANGE,
+    RUN_CHECKPOINTS,
+    RUN_CONFIG,
+    RUN_RECORD,
+    RUN_REPORTS,
+)
 from jscenegen.signals import Terminated
 from jscenegen.text import terminal_line
 
@@ -381,7 +389,7 @@ def check_eval_files(run_dir: Path, cfg, *, resume: bool) -> None:
 
     if not cfg.trainer.eval_before_after:
         return
-    for stem in ("eval_after", "eval_change") if resume else ("eval_before", "eval_after", "eval_change"):
+    for stem in (EVAL_AFTER, EVAL_CHANGE) if resume else RUN_REPORTS:
         for path in (run_dir / f"{stem}.json", run_dir / f"{stem}.png"):
             if not os.path.lexists(path):
                 continue
@@ -389,15 +397,15 @@ def check_eval_files(run_dir: Path, cfg, *, resume: bool) -> None:
             if why:
                 raise ValueError(f"{path}: {why}; the run writes its {stem} evaluation there "
                                  "(move it away, or set trainer.eval_before_after=false)")
-    before = run_dir / "eval_before.json"
+    before = run_dir / f"{EVAL_BEFORE}.json"
     if resume and os.path.lexists(before):
         from jscenegen.eval.report import check_report, read_report
 
         try:
             check_report(read_report(before), str(before))
         except ValueError as err:
-            raise ValueError(f"{err}; the resumed run compares its eval_after with this report "
-                             f"(eval_change.json): restore it, or move it away to resume "
+            raise ValueError(f"{err}; the resumed run compares its {EVAL_AFTER} with this report "
+                             f"({EVAL_CHANGE}.json): restore it, or move it away to resume "
                              "without the comparison") from None
 
 
@@ -508,7 +516,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         run_files_written = True   # (the --resume hint)
         if cfg.trainer.eval_before_after and not resume:
             t2 = time.perf_counter()
-            evals["before"] = trainer.evaluate_dev("eval_before")
+            evals["before"] = trainer.evaluate_dev(EVAL_BEFORE)
             phases["eval_before_s"] = time.perf_counter() - t2
         t1 = time.perf_counter()
         progress = Progress(cfg.schedule.total_updates, cfg.trainer.progress and is_primary())
@@ -519,9 +527,9 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         phases["grpo_s"] = time.perf_counter() - t1
         if cfg.trainer.eval_before_after and not summary.stopped_by_signal:
             t3 = time.perf_counter()
-            evals["after"] = trainer.evaluate_dev("eval_after")
+            evals["after"] = trainer.evaluate_dev(EVAL_AFTER)
             phases["eval_after_s"] = time.perf_counter() - t3
-            saved = _saved_report(run_dir / "eval_before.json") if resume else None
+            saved = _saved_report(run_dir / f"{EVAL_BEFORE}.json") if resume else None
             if saved is not None:  # the run's first start evaluated "before"
                 evals["before"] = saved
     except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
@@ -539,7 +547,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             s = report["overall"]["model"]
             out[f"dev_{when}"] = {k: s.get(k) for k in ("reward", "failure_rate", "units", "reachable")}
         if "after" in evals:   # an earlier start's comparison describes another eval_after
-            for name in ("eval_change.json", "eval_change.png"):
+            for name in (f"{EVAL_CHANGE}.json", f"{EVAL_CHANGE}.png"):
                 (run_dir / name).unlink(missing_ok=True)
         if len(evals) == 2:
             from jscenegen.eval.plots import plot_or_warn
@@ -547,13 +555,13 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
 
             try:   # what `eval --compare` checks: a resume may have changed the sampling
                 check_same_episodes(evals["before"], evals["after"],
-                                    ("eval_before.json", "eval_after.json"))
+                                    (f"{EVAL_BEFORE}.json", f"{EVAL_AFTER}.json"))
                 change = compare_reports(evals["before"], evals["after"])
             except ValueError as err:  # e.g. every episode masked by judge failures
                 log.warning("no before/after comparison: %s", err)
             else:
-                write_json(run_dir / "eval_change.json", change)
-                plot_or_warn(evals["after"], run_dir / "eval_change.png", before=evals["before"],
+                write_json(run_dir / f"{EVAL_CHANGE}.json", change)
+                plot_or_warn(evals["after"], run_dir / f"{EVAL_CHANGE}.png", before=evals["before"],
                              labels=("before GRPO", "after GRPO"))
                 out["dev_change"] = {k: change[k] for k in ("pairs", "scenes", "diff", "diff_ci95")}
         print(json.dumps(out))

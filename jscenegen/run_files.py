@@ -16,9 +16,19 @@ RUN_RECORD = "run.json"
 RUN_CONFIG = "config.yaml"
 """`RUN_DIR/config.yaml`: the run's resolved config (credentials redacted), written at each start."""
 
-RUN_REPORTS = ("eval_before", "eval_after", "eval_change")
+EVAL_BEFORE, EVAL_AFTER, EVAL_CHANGE = "eval_before", "eval_after", "eval_change"
+RUN_REPORTS = (EVAL_BEFORE, EVAL_AFTER, EVAL_CHANGE)
 """The evaluation reports `jscenegen train` writes into RUN_DIR (`<stem>.json`, and its plot
-`<stem>.png`) with `trainer.eval_before_after`; `trainer.eval_every` writes `eval_update_<N>`."""
+`<stem>.png`) with `trainer.eval_before_after`; `trainer.eval_every` writes
+`eval_update_stem(N)`."""
+
+_EVAL_UPDATE = "eval_update_"
+
+
+def eval_update_stem(update: int) -> str:
+    """The stem of the report (`<stem>.json`, plot `<stem>.png`) of the `trainer.eval_every`
+    evaluation after effective update `update`: `eval_update_<update>`."""
+    return f"{_EVAL_UPDATE}{update}"
 
 RUN_ASSETS = "hf_assets"
 """`RUN_DIR/hf_assets/`: a resumed run's config and tokenizer when it has no model directory of
@@ -37,7 +47,7 @@ RUN_LOGS = (METRICS_LOG, TRAJECTORIES_LOG)
 
 def run_file_kind(parts: tuple[str, ...]) -> str | None:
     """What a training run keeps at `parts` (a path relative to its directory, as parts): its
-    evaluation reports and plots (`RUN_REPORTS`, `eval_update_<N>`, .json and .png), its run
+    evaluation reports and plots (`RUN_REPORTS`, `eval_update_stem(N)`, .json and .png), its run
     record, config, lock and JSONL logs, its checkpoints/, hf_assets/ and swanlab/ directories
     and anything under them; None for a path the run does not write."""
     if not parts:
@@ -49,7 +59,7 @@ def run_file_kind(parts: tuple[str, ...]) -> str | None:
     name = parts[0]
     stem, dot, ext = name.rpartition(".")
     if dot and ext in ("json", "png") and (stem in RUN_REPORTS
-                                           or re.fullmatch(r"eval_update_[0-9]+", stem)):
+                                           or re.fullmatch(re.escape(_EVAL_UPDATE) + "[0-9]+", stem)):
         return "evaluation report" if ext == "json" else "evaluation plot"
     return {RUN_RECORD: "run record", RUN_CONFIG: "config", LOCK_NAME: "lock",
             METRICS_LOG: "log", TRAJECTORIES_LOG: "log"}.get(name)

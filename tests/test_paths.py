@@ -16,7 +16,7 @@ from jscenegen.paths import (
     require_new_dir,
     write_json,
 )
-from jscenegen.run_files import run_file_kind
+from jscenegen.run_files import RUN_REPORTS, eval_update_stem, run_file_kind
 
 
 def _umask() -> int:
@@ -430,3 +430,13 @@ def test_other_directories_in_or_beside_a_run_are_made_as_before(run_dir, tmp_pa
         assert require_new_dir(path) is None
         assert check_output_dir(path) is None
     assert check_output_dir(run_dir) is None   # train --run-dir RUN itself (a new start)
+
+
+def test_the_report_names_the_trainer_writes_are_the_protected_ones():
+    """The trainer and the pipeline name their reports through run_files (RUN_REPORTS,
+    eval_update_stem), the names run_file_kind protects: one place for both."""
+    assert eval_update_stem(12) == "eval_update_12"
+    for stem in (*RUN_REPORTS, eval_update_stem(0), eval_update_stem(12)):
+        assert run_file_kind((f"{stem}.json",)) == "evaluation report"
+        assert run_file_kind((f"{stem}.png",)) == "evaluation plot"
+    assert run_file_kind(("eval_update_x.json",)) is None

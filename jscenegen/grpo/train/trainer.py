@@ -93,7 +93,7 @@ from jscenegen.model.weights import (
     param_shapes,
 )
 from jscenegen.paths import json_sha256, resolve_data_path, write_json
-from jscenegen.run_files import RUN_CHECKPOINTS, TRAJECTORIES_LOG
+from jscenegen.run_files import RUN_CHECKPOINTS, TRAJECTORIES_LOG, eval_update_stem
 from jscenegen.scene.judge import make_judge
 from jscenegen.scene.protocol import protocol_hash, protocol_settings
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
@@ -809,7 +809,7 @@ class Trainer:
     def _evaluate_update(self, update: int, attempt: int) -> None:
         """The `trainer.eval_every` dev evaluation after effective update `update` (its report
         `eval_update_<update>.json`, its `eval/reward` row at `attempt`)."""
-        report = self.evaluate_dev(f"eval_update_{update}")
+        report = self.evaluate_dev(eval_update_stem(update))
         _write_on_primary(lambda: self.logger.log(
             {"attempt": attempt, "eval/reward": report["overall"]["model"]["reward"]}, step=attempt))
 
@@ -822,7 +822,7 @@ class Trainer:
         every, update = self.cfg.trainer.eval_every, self.pos.effective_updates
         owed = bool(every and update and update % every == 0 and self._own_checkpoint
                     and is_primary()
-                    and not (self.run_dir / f"eval_update_{update}.json").is_file())
+                    and not (self.run_dir / f"{eval_update_stem(update)}.json").is_file())
         return update if max_over_processes(int(owed)) else None
 
     def _stop_agreed(self) -> bool:
