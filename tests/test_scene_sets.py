@@ -363,6 +363,30 @@ def test_requested_counts_are_capped_at_what_a_scene_holds(tmp_path, capsys):
         record_from_json(record, "set.jsonl:3")
 
 
+def test_a_requested_count_of_0_is_refused_at_once_in_the_loops_own_words():
+    """Counts of 0 added nothing to the sum, so `bed:0` repeated 200,000 times was read whole
+    (each name looked up in the catalogue) before requested_items refused item 0 in another
+    format: refused at the first, naming it, with nothing looked up."""
+    from jscenegen.commands.scene import _requested
+
+    class Catalogue:
+        asked = 0
+
+        def knows(self, name):
+            Catalogue.asked += 1
+            return True
+
+    for text in (",".join(["bed:0"] * 200_000), "nightstand:1,bed:00,chair:1"):
+        item = "bed:0" if text.startswith("bed") else "bed:00"
+        with pytest.raises(ValueError) as err:
+            _requested(text, Catalogue())
+        assert str(err.value) == (f"--requested item '{item}' is not category:count (a count "
+                                  "in 1..128)")
+    assert Catalogue.asked == 1   # nightstand only
+    assert _requested("bed:1,nightstand:2", Catalogue()) == [
+        {"category": "bed", "count": 1}, {"category": "nightstand", "count": 2}]
+
+
 def test_a_room_the_measuring_grid_cannot_hold_is_refused_before_the_run(tmp_path, capsys):
     """Every episode of such a scene failed at its first measurement (masked rollout errors,
     the scene redrawn and skipped each epoch) while the set itself was accepted."""

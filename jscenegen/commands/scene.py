@@ -11,10 +11,10 @@ from jscenegen.paths import data_path_arg, is_decimal
 def _requested(text: str | None, catalogue) -> list[dict]:
     """`--requested 'bed:1,nightstand:2'` as requested items, checked as a record's are, each
     name a category or group of `catalogue` (a typo would silently lower prompt_following).
-    Refused at the first item whose count, or the counts' sum so far, passes MAX_SCENE_OBJECTS
-    (`sceneset.requested_over_scene`): no more than that many items are read, whatever the
-    text's length."""
-    from jscenegen.scene.sceneset import requested_items, requested_over_scene
+    Refused at the first item whose count is below MIN_REQUESTED_COUNT (1) or whose count, or
+    the counts' sum so far, passes MAX_SCENE_OBJECTS (`sceneset.requested_over_scene`): no
+    more than that many items are read, whatever the text's length."""
+    from jscenegen.scene.sceneset import MIN_REQUESTED_COUNT, requested_items, requested_over_scene
     from jscenegen.scene.schema import MAX_SCENE_OBJECTS
     from jscenegen.text import clip_text
 
@@ -24,9 +24,9 @@ def _requested(text: str | None, catalogue) -> list[dict]:
     for part in text.split(","):
         cat, _, count = part.strip().partition(":")
         count = count.strip()
-        if not cat or not is_decimal(count) or len(count) > 9:
+        if not cat or not is_decimal(count) or len(count) > 9 or int(count) < MIN_REQUESTED_COUNT:
             raise ValueError(f"--requested item {clip_text(repr(part.strip()))} is not "
-                             f"category:count (a count in 1..{MAX_SCENE_OBJECTS})")
+                             f"category:count (a count in {MIN_REQUESTED_COUNT}..{MAX_SCENE_OBJECTS})")
         total += int(count)
         if why := requested_over_scene(total, f"--requested item {clip_text(repr(part.strip()))}"):
             raise ValueError(why)

@@ -86,6 +86,11 @@ def record_from_json(data: dict, source: str = "<record>") -> SceneRecord:
     return SceneRecord(scene, seed, items)
 
 
+MIN_REQUESTED_COUNT = 1
+"""The least count of a requested item (a record's `requested`, `scene check --requested`);
+the most is MAX_SCENE_OBJECTS, for one item and for their sum (`requested_over_scene`)."""
+
+
 def requested_over_scene(total: int, item: str) -> str | None:
     """Why requested counts summing to `total` (so far, at `item`) can be no scene's request
     (more than MAX_SCENE_OBJECTS, the objects a scene holds), or None."""
@@ -108,9 +113,9 @@ def requested_items(req, source: str) -> tuple[dict, ...]:
     for i, r in enumerate(req):
         ok = isinstance(r, dict) and set(r) == {"category", "count"} and isinstance(r["category"], str)
         if (not ok or not r["category"] or isinstance(r["count"], bool) or not isinstance(r["count"], int)
-                or not 1 <= r["count"] <= MAX_SCENE_OBJECTS):
+                or not MIN_REQUESTED_COUNT <= r["count"] <= MAX_SCENE_OBJECTS):
             raise SceneError(f"{source}[{i}] must be {{'category': str, 'count': int in "
-                             f"1..{MAX_SCENE_OBJECTS}}}, got {clip_text(repr(r))}")
+                             f"{MIN_REQUESTED_COUNT}..{MAX_SCENE_OBJECTS}}}, got {clip_text(repr(r))}")
         if why := not_unicode(r["category"]):
             raise SceneError(f"{source}[{i}].category: {why}")
         if r["category"] in seen:
