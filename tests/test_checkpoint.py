@@ -695,6 +695,32 @@ def test_a_failed_saves_leftovers_are_removed_again_when_a_late_writer_recreates
     assert not tmp.exists() and calls[:3] == [True, False, False] and len(calls) > 3
 
 
+def test_a_failed_saves_leftover_is_warned_of_with_what_removes_it(tmp_path, monkeypatch, caplog):
+    """The warning said every leftover is 'removed at the next start', but a start deletes only
+    orbax's temporaries (and not while another process holds the lock); an incomplete step is
+    deleted by the next completed save's cleanup or replaced by a re-save of that step."""
+    import errno
+    import logging
+
+    from jscenegen.checkpoint import store as checkpoint
+    from jscenegen.paths import DiskFullError
+
+    store = CheckpointStore(tmp_path)
+    (tmp_path / "5").mkdir()   # an incomplete step: no checksums.json
+    (tmp_path / "5.orbax-checkpoint-tmp-1234").mkdir()
+    monkeypatch.setattr(checkpoint, "_remove_until_settled", lambda find: find())   # none removed
+    with caplog.at_level(logging.WARNING), pytest.raises(DiskFullError):
+        store._raise_if_disk_full(OSError(errno.ENOSPC, "No space left on device"), 5, 1000)
+    said = {r.getMessage() for r in caplog.records if "left by the failed save" in r.getMessage()}
+    assert said == {
+        f"could not remove {tmp_path / '5.orbax-checkpoint-tmp-1234'}, left by the failed save "
+        "of step 5 (orbax's temporary: deleted when a later start opens the checkpoints, "
+        "unless another live process holds the run's lock)",
+        f"could not remove {tmp_path / '5'}, left by the failed save of step 5 (an incomplete "
+        "step: deleted by the cleanup after the next completed save, or replaced when this "
+        "step is saved again)"}
+
+
 def test_metadata_never_holds_a_credential(tmp_path, mesh32, hf_dir, monkeypatch):
     env_secret = "sk-env-FAKE-0123456789abcdef"
     cfg_secret = "sk-cfg-FAKE-fedcba9876543210"

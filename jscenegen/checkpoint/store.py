@@ -408,6 +408,15 @@ _quiet_closed_loop_callbacks()
 warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host\.", category=RuntimeWarning)
 
 
+# what removes each kind of leftover of a failed save that `_remove_until_settled` could not
+LEFT_BY_A_FAILED_SAVE = {
+    "temporary": "orbax's temporary: deleted when a later start opens the checkpoints, unless "
+                 "another live process holds the run's lock",
+    "step": "an incomplete step: deleted by the cleanup after the next completed save, or "
+            "replaced when this step is saved again",
+}
+
+
 # ----------------------------------------------------------------------------- step checks
 def _remove_until_settled(find: Callable[[], list[Path]], *, quiet_s: float = 1.0,
                           limit_s: float = 15.0) -> list[Path]:
@@ -1083,8 +1092,8 @@ class CheckpointStore:
                 found = list(self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"))
                 return found + [path] if path.exists() and not save_finished(path) else found
             for stays in _remove_until_settled(left_over):
-                log.warning("could not remove %s, left by the failed save of step %d (removed at "
-                            "the next start)", stays, step)
+                log.warning("could not remove %s, left by the failed save of step %d (%s)", stays,
+                            step, LEFT_BY_A_FAILED_SAVE["step" if stays == path else "temporary"])
         self._manager.reload()
         raise DiskFullError(self.directory, needed, f"checkpoint step {step}", code) from None
 
