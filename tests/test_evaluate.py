@@ -1228,7 +1228,8 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                        # a turn ended at other ids (another model's generation_config.json)
                        (_edited(lambda r: r.update(sampling=dict(sampled, end_ids=[7, 8]))),
                         r"sampled otherwise \(sampling.end_ids \[7\] and \[7, 8\]\)"),
-                       # the dtypes the logits came from
+                       # a dtype the logits came from recorded by one report only (the fixture
+                       # records none; differing values: test_an_evaluation_in_other_dtypes_is_not_compared)
                        (_edited(lambda r: r.update(sampling=dict(sampled, rollout_dtype="bfloat16"))),
                         r"sampling.rollout_dtype is recorded by one report only"),
                        (_edited(lambda r: r.update(sampling=dict(sampled, temperature=0.1))),

@@ -28,21 +28,41 @@ def _batch(vocab, rows, seq, suffix: bool, seed=0):
 
 @pytest.mark.parametrize("suffix,temperature,entropy_coeff,micro",
                          [(True, 1.0, 0.0, 1), (False, 0.7, 0.01, 2)])
-def test_tuned_step_equals_the_verl_default(tmp_path, suffix, temperature, entropy_coeff, micro):
+def test_tuned_step_equals_the_verl_default(tmp_path, monkeypatch, suffix, temperature,
+                                           entropy_coeff, micro):
+    """The same update, and the tuned step does less work: its output head runs at the
+    trained positions only (the rows each micro-batch makes logits for, recorded by a hook on
+    lm_head), and its options reach torch (fused AdamW, foreach clip)."""
     from transformers import AutoModelForCausalLM
 
     path = make_hf_dir(tmp_path / "m", "qwen3", seed=5)
-    batch = _batch(1003, 4, 24, suffix)
+    rows, seq = 4, 24
+    batch = _batch(1003, rows, seq, suffix)
     loss_cfg, optim = LossConfig(entropy_coeff=entropy_coeff), OptimConfig(lr=1e-3)
-    out = {}
+    clip = torch.nn.utils.clip_grad_norm_
+    foreach = []
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **kw: foreach.append(kw.get("foreach")) or clip(*a, **kw))
+    out, head_lengths = {}, {}
     for name, kw in (("default", {}), ("tuned", ref.TUNED_STEP)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        lengths = head_lengths[name] = []
+        model.get_output_embeddings().register_forward_hook(
+            lambda mod, args, result, lengths=lengths: lengths.append(result.shape[1]))
         metrics, grads, opt, _ = ref.grpo_step(model, batch, loss_cfg, optim, temperature=temperature,
                                               num_micro_batches=micro, return_grads=True, **kw)
         out[name] = (metrics, grads, {n: p.detach().numpy().copy()
                                       for n, p in model.named_parameters()}, opt)
     (m0, g0, p0, opt0), (m1, g1, p1, opt1) = out["default"], out["tuned"]
     assert opt1.defaults["fused"] and not opt0.defaults["fused"]
+    assert foreach == [None, True]   # torch's default, then TUNED_STEP's clip_foreach
+    per = rows // micro
+    kept = [len(ref.trained_positions(batch["loss_mask"][i * per:(i + 1) * per]))
+            for i in range(micro)]
+    assert head_lengths == {"default": [seq] * micro, "tuned": kept}
+    assert all(k < seq - 1 for k in kept)
+    if suffix:   # trained from seq // 2 on: the positions before each trained token
+        assert kept == [seq - seq // 2] * micro
     assert abs(m0["loss"] - m1["loss"]) < 1e-6 and abs(m0["grad_norm"] - m1["grad_norm"]) < 1e-5
     for n in g0:
         np.testing.assert_allclose(g1[n], g0[n], rtol=1e-4, atol=1e-7, err_msg=n)
