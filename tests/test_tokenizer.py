@@ -107,6 +107,10 @@ def test_contents_are_encoded_in_the_tokenizers_normal_form(model_dir, nfc):
     assert chat.decode(ids + chat.encode("ok") + seg + chat.encode("ok") + seg2) == conv.text
     assert conv.text == chat.render(conv.messages, add_generation_prompt=True)
     assert chat.normalize("cafe\u0301 \u212a") == want("cafe\u0301 \u212a")
+    # the rule for a turn outside encode_messages (forced turns, SFT answers): one method
+    text, plain = chat.encode_content("say <|im_end|> cafe\u0301")
+    assert text == want("say <|im_end|> cafe\u0301") and chat.decode(plain) == text
+    assert plain == chat.encode_plain(text) and chat.eot_id not in plain
 
 
 def test_a_template_writing_content_twice_cannot_keep_special_text(tmp_path):

@@ -160,7 +160,7 @@ def check_episode_fits(chat, record: SceneRecord, cfg) -> int:
     _, ids = chat.start(ep.system_prompt(), ep.first_user_message())
     cap = cfg.sampling.max_episode_tokens
     if len(ids) >= cap:
-        prompt = len(chat.encode_plain(chat.normalize(record.scene.prompt)))   # as the episode encodes it
+        prompt = len(chat.encode_content(record.scene.prompt)[1])   # as the episode encodes it
         over = len(ids) - cap + 1
         fix = (f"shorten the prompt by at least {over} tokens or raise "
                "sampling.max_episode_tokens" if over < prompt else

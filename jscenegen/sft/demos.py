@@ -71,8 +71,7 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
             if m.get("actor") not in ROLE_CODES:
                 raise ValueError(f"transcript message {i}: assistant actor {m.get('actor')!r} "
                                  f"is not one of {sorted(ROLE_CODES)}")
-            content = chat.normalize(m["content"])   # as the tokens decode, like a rollout's turn
-            answer = chat.encode_plain(content)
+            content, answer = chat.encode_content(m["content"])   # as the tokens decode, like a rollout's turn
             try:
                 eot = not ends_at_stop_string(content, stop_strings,
                                               len(chat.decode(answer[:-1])))

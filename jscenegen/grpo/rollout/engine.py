@@ -445,8 +445,7 @@ class RolloutEngine:
             if not r.active:
                 continue
             try:
-                text = self.chat.normalize(forced(r.episode))   # as a sampled turn decodes
-                ids = self.chat.encode_plain(text)
+                text, ids = self.chat.encode_content(forced(r.episode))   # as a sampled turn decodes
                 at_stop_string = ends_at_stop_string(text, self.cfg.stop_strings,
                                                      len(self.chat.decode(ids[:-1])))
             except Exception as err:  # the driver's own failure: masked like our runtime's
