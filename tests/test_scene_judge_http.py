@@ -131,6 +131,21 @@ def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, cap
     else:
         assert rc == 1 and out["grades"] is None and out["reward"] is None
         assert out["judge_failure"] == "judge_error" and "HTTP 401" in out["warnings"][-1]
+        # the detail as `design` words it (one helper): "cause: detail", no "(...)"
+        assert out["warnings"][-1].startswith("the http judge failed: judge_error: HTTP 401")
+
+
+def test_a_judge_failure_is_worded_in_one_place():
+    """`design` and `scene check` each formatted the judge's failure detail; scene check
+    printed "judge_error ()" for a failure without one."""
+    from jscenegen.scene.judge import judge_failure_text
+    from jscenegen.text import clip_text
+
+    assert judge_failure_text("judge_timeout", {}) == "judge_timeout"
+    assert judge_failure_text("judge_error", {"detail": ""}) == "judge_error"
+    assert judge_failure_text("judge_error", {"detail": "HTTP 500"}) == "judge_error: HTTP 500"
+    long = judge_failure_text("judge_error", {"detail": "x" * 1000})
+    assert long == f"judge_error: {clip_text('x' * 1000, 300)}" and len(long) < 400
 
 
 @pytest.mark.parametrize("override, why", [

@@ -101,7 +101,7 @@ def run(args) -> int:
     from jscenegen.eval.evaluate import check_episode_fits, policy_chat, policy_engine
     from jscenegen.eval.report import masked_why
     from jscenegen.paths import write_json
-    from jscenegen.scene.judge import make_judge
+    from jscenegen.scene.judge import judge_failure_text, make_judge
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reach_inputs import ReachabilityError
     from jscenegen.scene.reward import JUDGE_FAILURES
@@ -147,8 +147,7 @@ def run(args) -> int:
                       "metrics": traj.metrics, "objects": len(scene.objects), "scene": str(out),
                       "render": args.render}, indent=2, default=str))
     if traj.failure_cause in JUDGE_FAILURES:   # the scene is written; its grades are not (eval's rule)
-        detail = traj.outcome.get("judge_info", {}).get("detail")   # HTTP 500, the exception's type
-        cause = f"{traj.failure_cause}: {clip_text(str(detail), 300)}" if detail else traj.failure_cause
+        cause = judge_failure_text(traj.failure_cause, traj.outcome.get("judge_info", {}))
         print(terminal_text(f"error: the judge did not grade the scene ({cause}); "
                             f"{out} holds it (check judge.base_url and the judge's log)"),
               file=sys.stderr)

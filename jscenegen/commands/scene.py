@@ -84,7 +84,7 @@ def check(args) -> int:
     `failure_cause`."""
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.episode import terminal_scene_failure
-    from jscenegen.scene.judge import JudgeRequest, make_judge
+    from jscenegen.scene.judge import JudgeRequest, judge_failure_text, make_judge
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reward import failed_outcome, reward_from_grades
 
@@ -112,8 +112,8 @@ def check(args) -> int:
     warnings += [f"{o} size outside its catalogue range" for o in metrics["size_out_of_range_objects"]]
     warnings += [f"{w['object']} blocks window_{w['window']}" for w in metrics["window_warnings"]]
     if result is not None and result.grades is None:
-        warnings.append(f"the {identity['backend']} judge failed: {result.failure} "
-                        f"({result.info.get('detail', '')})")
+        warnings.append(f"the {identity['backend']} judge failed: "
+                        f"{judge_failure_text(result.failure, result.info)}")
     for warning in warnings:   # in the JSON too, for a caller that reads only stdout
         logging.getLogger(__name__).warning("%s", warning)
     if terminal_failure:

@@ -37,6 +37,16 @@ class JudgeResult:
     info: dict = field(default_factory=dict)
 
 
+def judge_failure_text(cause: str, info: dict) -> str:
+    """A judge failure as a message names it: `cause` (JUDGE_FAILURES), then the detail the
+    judge recorded in its result's `info` ("HTTP 500", the exception's type and text),
+    clipped to 300 characters, when there is one: "judge_error: HTTP 500"."""
+    from jscenegen.text import clip_text
+
+    detail = info.get("detail")
+    return f"{cause}: {clip_text(str(detail), 300)}" if detail else cause
+
+
 class JudgeIdentity(TypedDict):
     """Which judge grades (`Judge.identity`): enters the protocol hash, the training metadata
     and an evaluation report's `judge`, beside the judge's sampling settings there."""
