@@ -19,7 +19,8 @@ remat.
     per-tensor grad-norm clip), with --torch-threads (default: torch's own choice).
   - torch, tuned: the same with `torch_reference.TUNED_STEP`: logits only at the positions
     whose next token is trained (transformers' `logits_to_keep`, as our `capacity` step; the
-    trained tokens here are a suffix of each row, so that is the last 128 positions but one),
+    trained tokens here are a suffix of each row, so that is --trained-tokens positions ending
+    one before the last: 127..254 of 256 with the default 128),
     no division at temperature 1, `AdamW(fused=True)`, foreach grad-norm clip. It still runs
     the last layer at every position and computes no entropy (ours does both trims: the last
     layer's queries and MLP at the trained rows only, and an entropy it reports).
