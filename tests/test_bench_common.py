@@ -1,15 +1,25 @@
 """bench/common.py's balanced round order, paired ratios, sitting record and JSON write (the
 CPU benches' bench/train_step.py and bench/rollout.py report through them)."""
+import importlib.util
 import json
 import os
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import common  # noqa: E402
+
+def _load_bench_common():
+    """bench/common.py as a module of its own name: bench/ on sys.path would shadow the
+    `convert` package with bench/convert.py for every later test in the process."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "common.py"
+    spec = importlib.util.spec_from_file_location("bench_common", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load_bench_common()
 
 
 def _neighbours(orders):
