@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from convert.errors import ConvertError
+from convert.errors import ConvertError, require_torch
 
 FORMATS = ("hf", "orbax", "verl")
 MESH_DEVICES = ("cuda", "cpu")   # the DeviceMesh device types a VERL output can record
@@ -160,6 +160,8 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str, dst_format: st
     for f in (src_format, dst_format):
         if f not in FORMATS:
             raise ConvertError(f"format {f!r}: choose one of {', '.join(FORMATS)}")
+    if "verl" in (src_format, dst_format):
+        require_torch(f"convert {src_format} -> {dst_format}")
     _check_source_format(src, src_format)
     if src_format != "orbax":  # an orbax step: against its own checksums and its directory's
         # (`verify_orbax_step`), when read

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from convert.directions import output_placement, write_verl_into
 from convert.dispatch import refuse_nested
-from convert.errors import ConvertError
+from convert.errors import ConvertError, require_torch
 from convert.layout import write_layout
 from convert.orbax_directions import orbax_state, orbax_step_dir, source_placement, write_hf_into
 from convert.tensor_sets import verl_shapes
@@ -48,6 +48,7 @@ def export(checkpoint: str | Path, out: str | Path, *, world_size: int = 6,
     from jscenegen.checkpoint import store as ckpt
     from jscenegen.checkpoint.metadata import redact
 
+    require_torch("export")
     check_world_size(world_size)
     refuse_nested(checkpoint, out)
     require_new_dir(out, ConvertError)   # before the checkpoint is hashed (seconds to minutes)

@@ -5,10 +5,12 @@ output is staged in a temp directory and only renamed into place when complete).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -1238,3 +1240,41 @@ def test_optimizer_groups_with_their_own_settings_are_refused_naming_the_key(act
     assert (tmp_path / "hf" / "config.json").is_file()
     described = describe(actor)
     assert described["optimizer_groups_differ"].startswith(f"param_groups[1].{key} (")
+
+
+_WITHOUT_TORCH = """
+import json, sys
+sys.modules["torch"] = None          # as on a machine without the .[torch] extra
+from jscenegen.cli import main
+src, out = sys.argv[1], sys.argv[2]
+print(json.dumps([main(["convert", src, out + "/orbax", "--from", "hf", "--to", "orbax"]),
+                  main(["convert", out + "/orbax", out + "/hf", "--from", "orbax", "--to", "hf"]),
+                  main(["convert", src, out + "/verl", "--from", "hf", "--to", "verl",
+                        "--world-size", "2"]),
+                  main(["export", out + "/orbax", out + "/export"])]))
+"""
+
+
+def test_hf_and_orbax_directions_need_no_torch_and_verl_ones_say_how_to_install_it(tmp_path):
+    """`convert --to orbax` (and every direction) ended in a ModuleNotFoundError traceback
+    without torch: the layout file imported it only to record its version. HF and orbax
+    directions run without it; VERL ones and export are refused in one line naming the extra."""
+    import subprocess
+    import sys
+
+    from chat_fixtures import chat_model_dir
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, str(chat_model_dir()), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout.splitlines()[-1] == "[0, 0, 2, 2]", proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    needs = "reads or writes VERL's rank files (torch pickles) and needs torch, which is not " \
+            "installed: pip install -e '.[torch]' (torch==2.13.0)"
+    assert errors == [f"error: convert hf -> verl {needs}", f"error: export {needs}"]
+    assert "Traceback" not in proc.stderr
+    layout = json.loads((tmp_path / "orbax" / "checkpoint-layout.json").read_text())
+    assert layout["torch_version"] == importlib.metadata.version("torch")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert not (tmp_path / "verl").exists() and not (tmp_path / "export").exists()
