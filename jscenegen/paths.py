@@ -485,13 +485,15 @@ def loads_json(data: str | bytes, *, allow_nan: bool = True) -> Any:
     """`json.loads(data)` refusing a key repeated within one object (`unique_keys`), and with
     `allow_nan=False` the non-JSON constants NaN, Infinity and -Infinity that Python's parser
     (and writer: metrics rows may hold them) accepts, and the numbers that are infinite as a
-    float (`1e400`, a 400-digit integer: beyond 1.8e308). Every way JSON text can
-    be bad is a ValueError whose text says what in words: the parser's syntax message, bytes
-    that are not UTF-8, a repeated key, such a constant or number, "nested too deeply" (past
+    float (`1e400`, a 400-digit integer: beyond 1.8e308). Every way JSON text can be bad is a
+    ValueError whose text says what in words: empty (or only whitespace), the parser's syntax
+    message, bytes that are not UTF-8, a repeated key, such a constant or number, "nested too deeply" (past
     the interpreter's recursion limit) or "an integer of more than N digits" (Python's
     int_max_str_digits, whose own message advises a call only a programmer can make)."""
     finite = {} if allow_nan else {"parse_constant": _refuse_constant, "parse_float": _finite_float,
                                    "parse_int": _float_sized_int}
+    if not data.strip():
+        raise ValueError("empty: no JSON value" if not data else "only whitespace: no JSON value")
     try:
         return json.loads(data, object_pairs_hook=unique_keys, **finite)
     except RecursionError:

@@ -429,7 +429,8 @@ def _irregular(kind: str):
                                                       "must be a regular file (or absent)"),
     ("chat_template.jinja", _irregular("directory"), "is a directory; the model's"),
     ("generation_config.json", _irregular("broken link"), "is a broken symbolic link; the model's"),
-    ("generation_config.json", lambda f: f.write_text(""), "not valid JSON: Expecting value"),
+    ("generation_config.json", lambda f: f.write_text(""), "not valid JSON: empty: no JSON value"),
+    ("generation_config.json", lambda f: f.write_text(" \n"), "not valid JSON: only whitespace: no JSON value"),
     ("preprocessor_config.json", lambda f: f.write_text("[1]"), "expected a JSON object, got list")])
 def test_a_model_file_that_would_be_dropped_or_carried_unreadable_is_refused(tmp_path, capsys, name, make, why):
     """An asset that is not a regular file was left out of the output without a word (exit 0,
