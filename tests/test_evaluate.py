@@ -812,11 +812,8 @@ def test_a_scene_that_cannot_start_neither_ends_nor_counts_in_the_fit_check(cfg,
                 raise error("the template cannot render this scene")
             return None, list(range(cap))
 
-        def encode_plain(self, text):
-            return list(range(len(text.split())))
-
-        def normalize(self, text):
-            return text
+        def encode_content(self, text):
+            return text, list(range(len(text.split())))
 
     with pytest.raises(ValueError) as err:
         check_scenes_fit(Chat(), records, cfg, "dev.jsonl")

@@ -320,7 +320,7 @@ class ChatTokenizer:
     def encode_content(self, text: str) -> tuple[str, list[int]]:
         """A message content as a turn holds it: the normalised text (`normalize`) and its
         ids read as plain text (`encode_plain`), which decode back to that text. The one rule
-        for a turn's text outside `encode_messages` (which normalises the environment's
+        for a turn's text outside `encode_turns` (which normalises the environment's
         messages the same way): a forced rollout turn, an SFT demonstration's answer, the
         prompt a too-long episode names."""
         text = self.normalize(text)
