@@ -434,6 +434,10 @@ def test_no_command_writes_into_the_model_it_reads(tiny_hf, tmp_path, capsys, ar
      "argument --world-size: world size 100000000: must lie in [1, 8,192]"),
     # a nested action's unknown option names the action, not its parent
     (["scene", "check", "x.json", "--bogus"], "scene check", "unrecognized arguments: --bogus"),
+    (["scene", "check", "x.json", "--requested-units", "-5"], "scene check",
+     "argument --requested-units: -5 is outside [0, 2,147,483,647]"),
+    (["scene", "check", "x.json", "--requested-units", "9" * 23], "scene check",
+     f"argument --requested-units: {'9' * 23} is outside [0, 2,147,483,647]"),
     (["eval", "a.b=1", "--bogus", "c.d=2"], "eval", "unrecognized arguments: --bogus"),
     # sizes a command allocates from are bounded before anything is built
     (["parity", "logits", "--model", "m", "--batch", "0"], "parity logits",

@@ -5,6 +5,8 @@ import json
 import logging
 from pathlib import Path
 
+from jscenegen.commands import int_in
+from jscenegen.config import STEPS_MAX
 from jscenegen.paths import data_path_arg, is_decimal
 
 
@@ -88,8 +90,6 @@ def check(args) -> int:
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reward import failed_outcome, reward_from_grades
 
-    if args.requested_units is not None and args.requested_units < 0:
-        raise ValueError(f"--requested-units must be >= 0, got {args.requested_units}")
     run_cfg = _run_config(args.config)
     cfg, judge_cfg = run_cfg.scene, run_cfg.judge
     catalogue = load_catalogue(cfg.catalogue_path)
@@ -204,7 +204,8 @@ def register(subparsers) -> None:
     c = sub.add_parser("check", help="print metrics, the configured judge's grades (the rule judge "
                        "unless --config sets judge.backend: http) and reward of a scene JSON")
     c.add_argument("scene", help="scene JSON (or one scene-set record)")
-    c.add_argument("--requested-units", type=int, default=None, help="units for the reward (default: budget used)")
+    c.add_argument("--requested-units", type=int_in(0, STEPS_MAX), default=None,
+                   help="units for the reward (default: budget used)")
     c.add_argument("--requested", default=None, help="requested items, e.g. 'bed:1,nightstand:2'")
     c.add_argument("--config", default=None, type=data_path_arg, help="YAML with optional scene: and judge: sections "
                    "(judge.backend: http grades with that server)")
