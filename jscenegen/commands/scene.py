@@ -6,8 +6,15 @@ import logging
 from pathlib import Path
 
 from jscenegen.commands import int_in
-from jscenegen.config import STEPS_MAX
 from jscenegen.paths import data_path_arg, is_decimal
+
+
+def _units_arg(text: str) -> int:
+    """argparse type of `--requested-units`: an integer in [0, 2**31 - 1] (config.STEPS_MAX, an
+    int32 count). pydantic is imported when a value is parsed, not when the parsers are built."""
+    from jscenegen.config import STEPS_MAX
+
+    return int_in(0, STEPS_MAX)(text)
 
 
 def _requested(text: str | None, catalogue) -> list[dict]:
@@ -204,7 +211,7 @@ def register(subparsers) -> None:
     c = sub.add_parser("check", help="print metrics, the configured judge's grades (the rule judge "
                        "unless --config sets judge.backend: http) and reward of a scene JSON")
     c.add_argument("scene", help="scene JSON (or one scene-set record)")
-    c.add_argument("--requested-units", type=int_in(0, STEPS_MAX), default=None,
+    c.add_argument("--requested-units", type=_units_arg, default=None,
                    help="units for the reward (default: budget used)")
     c.add_argument("--requested", default=None, help="requested items, e.g. 'bed:1,nightstand:2'")
     c.add_argument("--config", default=None, type=data_path_arg, help="YAML with optional scene: and judge: sections "
