@@ -24,12 +24,6 @@ RUN_REPORTS = (EVAL_BEFORE, EVAL_AFTER, EVAL_CHANGE)
 
 _EVAL_UPDATE = "eval_update_"
 
-
-def eval_update_stem(update: int) -> str:
-    """The stem of the report (`<stem>.json`, plot `<stem>.png`) of the `trainer.eval_every`
-    evaluation after effective update `update`: `eval_update_<update>`."""
-    return f"{_EVAL_UPDATE}{update}"
-
 RUN_ASSETS = "hf_assets"
 """`RUN_DIR/hf_assets/`: a resumed run's config and tokenizer when it has no model directory of
 its own (a run made by `convert --to orbax`): copied once from the newest step's `hf/`, which
@@ -43,6 +37,12 @@ made when swanlab could not start or the start ended before it wrote the run's f
 METRICS_LOG = "metrics.jsonl"
 TRAJECTORIES_LOG = "trajectories.jsonl"   # with trainer.dump_trajectories
 RUN_LOGS = (METRICS_LOG, TRAJECTORIES_LOG)
+
+
+def eval_update_stem(update: int) -> str:
+    """The stem of the report (`<stem>.json`, plot `<stem>.png`) of the `trainer.eval_every`
+    evaluation after effective update `update`: `eval_update_<update>`."""
+    return f"{_EVAL_UPDATE}{update}"
 
 
 def run_file_kind(parts: tuple[str, ...]) -> str | None:

@@ -418,6 +418,15 @@ LEFT_BY_A_FAILED_SAVE = {
 
 
 # ----------------------------------------------------------------------------- step checks
+def _remove_entry(path: Path) -> None:
+    """Remove `path`: a directory with everything under it, or a file or symbolic link itself
+    (a link's target is kept). Raises OSError when something cannot be removed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 def _remove_until_settled(find: Callable[[], list[Path]], *, quiet_s: float = 1.0,
                           limit_s: float = 15.0) -> list[Path]:
     """Remove the directories `find()` returns until it has returned none for `quiet_s`
@@ -430,11 +439,8 @@ def _remove_until_settled(find: Callable[[], list[Path]], *, quiet_s: float = 1.
         found, now = find(), time.monotonic()
         if found:
             for p in found:
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        p.unlink()
+                with contextlib.suppress(OSError):   # what stays is found again next pass
+                    _remove_entry(p)
             quiet_since = None
         elif quiet_since is None:
             quiet_since = now
@@ -809,10 +815,7 @@ class CheckpointStore:
                     log.warning("not deleting %s: the run is locked by %s", tmp, holder.describe())
                     continue
                 log.warning("deleting %s: an orbax save that never finished", tmp)
-                if tmp.is_dir() and not tmp.is_symlink():
-                    shutil.rmtree(tmp)
-                else:
-                    tmp.unlink()
+                _remove_entry(tmp)
             if holder is None:
                 self._remove_deleting()
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
@@ -1130,10 +1133,7 @@ class CheckpointStore:
         one that cannot be removed now is named in a warning and tried again at the next save."""
         for doomed in sorted(self.directory.glob(f".*{DELETING_MARK}*")):
             try:
-                if doomed.is_dir() and not doomed.is_symlink():
-                    shutil.rmtree(doomed)
-                else:
-                    doomed.unlink()
+                _remove_entry(doomed)
             except OSError as err:
                 log.warning("could not remove %s, a checkpoint step being deleted: %s", doomed,
                             one_line(str(err)))

@@ -40,6 +40,7 @@ from jscenegen.run_files import METRICS_LOG, RUN_LOGS, RUN_SWANLAB
 
 log = logging.getLogger(__name__)
 
+
 class LoggingConfig(Section):
     """Where per-update metrics go besides RUN_DIR/metrics.jsonl: swanlab's mode and names."""
 
