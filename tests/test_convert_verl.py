@@ -402,19 +402,17 @@ def test_a_reshard_keeps_the_sources_placement_unless_told(tmp_path):
     assert {v.shard_dim for v in VerlCheckpoint(out).tensor_info().values()} == {0}
 
 
-@pytest.mark.parametrize("name", ["qwen2_first_divisible", "qwen3_tied_dim0"])
-def test_hsdp_rank_files_read_back_the_full_tensors(name, tmp_path, monkeypatch):
-    """HSDP (VERL's 2-D ("ddp", "fsdp") mesh, placements (Replicate(), Shard(d))): 6 ranks as
-    2 replicas x 3 shards, rank r holding torch.chunk piece r % 3 (its fsdp coordinate). The
-    writer is driven onto that mesh; the reader must take the first fsdp group's shards in
-    order and give back torch's full tensors and Adam moments (the 1-D fixtures never reach
-    the reader's HSDP path)."""
+def _write_on_2d_mesh(src, dst, monkeypatch, placements, piece):
+    """Reshard the VERL checkpoint `src` to 6 rank files at `dst` whose DTensors live on a 2-D
+    ("ddp", "fsdp") = (2, 3) mesh: the writer (convert/verl_write.py) is driven onto that mesh,
+    each tensor's placements are `placements(shard dim)` and rank r holds torch.chunk piece
+    `piece(r)` of 2 or 3 (`piece(r) = (pieces, index)`) along the shard dim."""
     import contextlib
 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -422,7 +420,7 @@ def test_hsdp_rank_files_read_back_the_full_tensors(name, tmp_path, monkeypatch)
     from convert.tensors import to_torch
 
     @contextlib.contextmanager
-    def hsdp_rank(rank, world_size, device_type):
+    def rank_on_2d_mesh(rank, world_size, device_type):
         assert world_size == 6
         dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
         try:
@@ -430,23 +428,38 @@ def test_hsdp_rank_files_read_back_the_full_tensors(name, tmp_path, monkeypatch)
         finally:
             dist.destroy_process_group()
 
-    def hsdp_dtensor(local, mesh, dim, shape, device_type):
+    def dtensor_2d(local, mesh, dim, shape, device_type):
         t = to_torch(np.array(local, copy=True))
         stride = torch.empty(shape, dtype=t.dtype, device="meta").stride()
-        spec = DTensorSpec(mesh, (Replicate(), Shard(dim)), TensorMeta(torch.Size(shape), stride, t.dtype))
+        spec = DTensorSpec(mesh, placements(dim), TensorMeta(torch.Size(shape), stride, t.dtype))
         return DTensor(t, spec, requires_grad=False)
+
+    hook = __import__("sys").excepthook
+    with monkeypatch.context() as m:
+        m.setattr(vw, "_fake_rank", rank_on_2d_mesh)
+        m.setattr(vw, "_dtensor", dtensor_2d)
+        m.setattr(vw, "chunk_bounds", lambda n, w, r: chunk_bounds(n, *piece(r)))
+        try:
+            verl_to_verl(src, dst, world_size=6, placement=VerlCheckpoint(src).placement()[0],
+                         device_type="cpu")
+        finally:
+            __import__("sys").excepthook = hook
+    return dst
+
+
+@pytest.mark.parametrize("name", ["qwen2_first_divisible", "qwen3_tied_dim0"])
+def test_hsdp_rank_files_read_back_the_full_tensors(name, tmp_path, monkeypatch):
+    """HSDP (VERL's 2-D ("ddp", "fsdp") mesh, placements (Replicate(), Shard(d))): 6 ranks as
+    2 replicas x 3 shards, rank r holding torch.chunk piece r % 3 (its fsdp coordinate). The
+    writer is driven onto that mesh; the reader must take the first fsdp group's shards in
+    order and give back torch's full tensors and Adam moments (the 1-D fixtures never reach
+    the reader's HSDP path)."""
+    from torch.distributed.tensor import Replicate, Shard
 
     src = fixture_dir(name) / "ckpt"
     ck = VerlCheckpoint(src)
-    hook = __import__("sys").excepthook
-    monkeypatch.setattr(vw, "_fake_rank", hsdp_rank)
-    monkeypatch.setattr(vw, "_dtensor", hsdp_dtensor)
-    monkeypatch.setattr(vw, "chunk_bounds", lambda n, w, r: chunk_bounds(n, 3, r % 3))
-    try:
-        verl_to_verl(src, tmp_path / "hsdp", world_size=6, placement=ck.placement()[0],
-                     device_type="cpu")
-    finally:
-        __import__("sys").excepthook = hook
+    _write_on_2d_mesh(src, tmp_path / "hsdp", monkeypatch, lambda d: (Replicate(), Shard(d)),
+                      lambda r: (3, r % 3))
     hsdp = VerlCheckpoint(tmp_path / "hsdp")
     first = hsdp._model_files[0][ck.embedding]
     assert tuple(first.placements) == (Replicate(), Shard(ck.tensor_info()[ck.embedding].shard_dim))
@@ -465,3 +478,32 @@ def test_hsdp_rank_files_read_back_the_full_tensors(name, tmp_path, monkeypatch)
         np.testing.assert_array_equal(m1, m2, err_msg=n1)
         np.testing.assert_array_equal(v1, v2, err_msg=n1)
     assert hsdp.adam_step() == ck.adam_step()
+
+
+def test_a_2d_mesh_sharded_over_ddp_is_refused_naming_file_key_and_placement(tmp_path, monkeypatch):
+    """A 2-D ("ddp", "fsdp") mesh whose first placement is not Replicate: here (Shard(d),
+    Replicate()), each of the 2 ddp groups holding half of every tensor and its 3 fsdp ranks
+    copies of that half (true DTensors: the local data are the pieces the placements say).
+    Not HSDP (the reader takes the first fsdp group's shards as the whole tensor): refused when
+    the checkpoint is opened, naming the rank file, the entry and the placements."""
+    import re
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from convert.directions import verl_to_hf
+    from convert.torch_safe import load_pt
+
+    src = fixture_dir("qwen2_first_divisible") / "ckpt"
+    out = _write_on_2d_mesh(src, tmp_path / "ddp_sharded", monkeypatch,
+                            lambda d: (Shard(d), Replicate()), lambda r: (2, r // 3))
+    rank0 = find_verl(out).rank_file("model", 0)
+    key, t = next(iter(load_pt(rank0, mmap=False).items()))
+    d = VerlCheckpoint(src).tensor_info()[key].shard_dim
+    assert tuple(t.placements) == (Shard(d), Replicate()) and t.device_mesh.mesh_dim_names == ("ddp", "fsdp")
+    want = (rf"^{re.escape(str(rank0))}: {re.escape(key)} HSDP placement "
+            rf"\(Shard\(dim={d}\), Replicate\(\)\) is not \(Replicate, Shard\)$")
+    with pytest.raises(ConvertError, match=want):
+        VerlCheckpoint(out)
+    with pytest.raises(ConvertError, match=want):
+        verl_to_hf(out, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
