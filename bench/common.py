@@ -97,6 +97,13 @@ def balanced_rounds(n: int) -> int:
     return n if n % 2 == 0 or n == 1 else 2 * n
 
 
+def round_orders(names, n_rounds: int) -> list[list]:
+    """The engine order of each of rounds 0 .. n_rounds - 1 (`round_order`), as `rounds` runs
+    them: what a sitting's JSON records (`round_orders`) so that a reader can check the
+    balance."""
+    return [round_order(names, r) for r in range(n_rounds)]
+
+
 def rounds(engines: dict[str, Callable[[int], None]], n_rounds: int, warmup: int = 1) -> dict:
     """Time every engine once per round, engines interleaved (a load spike on a shared machine
     then hits all of them alike) in a carry-over balanced order (`round_order`, a Williams
@@ -111,8 +118,8 @@ def rounds(engines: dict[str, Callable[[int], None]], n_rounds: int, warmup: int
         for w in range(warmup):
             fn(-1 - w)
     out = {name: {"wall_s": [], "cpu_s": []} for name in engines}
-    for r in range(n_rounds):
-        for name in round_order(engines, r):
+    for r, order in enumerate(round_orders(engines, n_rounds)):
+        for name in order:
             c0, t0 = time.process_time(), time.perf_counter()
             engines[name](r)
             out[name]["wall_s"].append(time.perf_counter() - t0)

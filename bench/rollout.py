@@ -44,7 +44,9 @@ tokens/s), `fixed_cache_vs_tunix` (our sampler with Tunix's fixed cache over Tun
 `jscenegen_vs_fixed_cache` (what the growing cache gains), `jscenegen_of_floor` (the share of
 the memory floor's rate reached) and `floor_vs_tunix`, `replicated_vs_fsdp`, `tp_vs_fsdp`,
 each with `_min`/`_max`/`_rounds`/`_of_medians` and the same from CPU time (`cpu_*`); every
-engine's median tokens/s; and the sitting: commit, dirty, cpu_model, cpu_count,
+engine's median tokens/s; each round's engine order (`round_orders`, the one-device rounds,
+and `mesh_round_orders`: lists of engine names, first run first) to check the balance by;
+and the sitting: commit, dirty, cpu_model, cpu_count,
 cores_usable, torch_threads, load_before/after, utc_start/end.
 """
 from __future__ import annotations
@@ -64,6 +66,7 @@ from common import (
     median,
     paired,
     positive_int_arg,
+    round_orders,
     rounds,
     sitting_end,
     sitting_start,
@@ -142,7 +145,9 @@ def tunix_engine(path: str, cfg, prompts):
     return run
 
 
-def one_device(n_rounds: int) -> tuple[dict, dict]:
+def one_device(n_rounds: int) -> tuple[dict, dict, list]:
+    """The one-device engines' report (`_report`), their per-round times (`rounds`) and each
+    round's engine order (`round_orders`)."""
     import jax
     import torch
 
@@ -170,7 +175,7 @@ def one_device(n_rounds: int) -> tuple[dict, dict]:
               "once (the decode step's weights and mean KV cache in use, in whole 1 MiB "
               "matrices; bench/weight_stream.py)")
         times = rounds(engines, n_rounds)
-    return _report(times, BATCH * NEW), times
+    return _report(times, BATCH * NEW), times, round_orders(engines, n_rounds)
 
 
 def decode_step_bytes(model) -> int:
@@ -223,6 +228,7 @@ def mesh_layouts(n_rounds: int) -> dict:
     for layout, s in samplers.items():
         out[layout]["layout"] = s.layout.describe()
         out[layout]["reshard_bytes"] = s.reshard_stats["reshard_bytes"]
+    out["round_orders"] = round_orders(engines, n_rounds)
     return out
 
 
@@ -248,7 +254,7 @@ def main() -> None:
     print(f"load average before: {record['load_before']}; {record['cpu_model']}, "
           f"{record['cores_usable']} cores; commit {record['commit']}"
           f"{' (dirty)' if record['dirty'] else ''}")
-    single, times = one_device(args.rounds)
+    single, times, orders = one_device(args.rounds)
     mesh = mesh_error = None
     if not args.skip_mesh:
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="6")
@@ -267,7 +273,7 @@ def main() -> None:
     print(f"load average after: {record['load_after']}")
     ours = times["jscenegen"]
     result = {"bench": "rollout", "rounds": args.rounds, **record,
-              "torch_threads": torch.get_num_threads()}
+              "torch_threads": torch.get_num_threads(), "round_orders": orders}
     for name, r in single.items():
         result[f"{name.replace(' ', '_')}_tokens_per_s"] = r["tokens_per_s"]
     result.update(paired("vs_transformers", ours, times["transformers"]))
@@ -284,6 +290,7 @@ def main() -> None:
             result[f"mesh_{layout}_tokens_per_s"] = mesh[layout]["tokens_per_s"]
         for layout in ("replicated", "tp"):
             result.update(paired(f"{layout}_vs_fsdp", _times(mesh[layout]), _times(mesh["fsdp"])))
+        result["mesh_round_orders"] = mesh["round_orders"]
     if mesh_error:
         result["mesh_error"] = mesh_error
     summary = (f"vs tunix {result['vs_tunix']:.2f}x [{result['vs_tunix_min']:.2f}-"

@@ -54,8 +54,10 @@ Prints one line per engine and, last, a JSON line (also written to --json-out, a
   vs_tunix                jscenegen over Tunix at this trained fraction
   vs_tunix_equal_work     all-logits jscenegen over Tunix (both make logits everywhere)
 each with `_min`, `_max`, `_rounds`, `_of_medians` and `cpu_` counterparts; every engine's
-median tokens/s; the forward times; and the sitting: commit, dirty, cpu_model, cpu_count,
-cores_usable, torch_threads, load_before/after, utc_start/end.
+median tokens/s; the forward times; each round's engine order (`round_orders`, the steps'
+rounds, and `forward_round_orders`: lists of engine names, first run first) to check the
+balance by; and the sitting: commit, dirty, cpu_model, cpu_count, cores_usable,
+torch_threads, load_before/after, utc_start/end.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ from common import (
     median,
     paired,
     positive_int_arg,
+    round_orders,
     rounds,
     sitting_end,
     sitting_start,
@@ -266,7 +269,9 @@ def main() -> None:
     out = {"bench": "train_step", "batch": BATCH, "seq": SEQ, "vocab": VOCAB,
            "trained_tokens": args.trained_tokens, "trained_fraction": args.trained_tokens / SEQ,
            "rounds": args.rounds, **record, "torch_threads": torch.get_num_threads(),
-           "torch_baseline": TORCH_LINES[faster]}
+           "torch_baseline": TORCH_LINES[faster],
+           "round_orders": round_orders(engines, args.rounds),
+           "forward_round_orders": round_orders(forwards, args.rounds)}
     for name, r in res.items():
         key = name.replace(" (", "_").replace(")", "").replace(" ", "_")
         out[f"{key}_tokens_per_s"] = r["tokens_per_s"]

@@ -103,3 +103,133 @@ def test_the_json_is_the_projects_strict_json_and_a_link_is_not_written_through(
     with pytest.raises(ValueError, match="symbolic link"):
         common.write_json(str(tmp_path / "link.json"), {"a": 1})
     assert target.read_text() == "{}"
+
+
+def _load_bench(name, monkeypatch):
+    """bench/<name>.py as a module of its own name, its `from common import ...` answered by
+    this file's bench/common.py (no bench/ on sys.path: see `_load_bench_common`)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "common", common)
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Clock:
+    """A stand-in for bench/common.py's `time`: every reading one second after the last (the
+    benches' ratios then divide no zero, and nothing depends on how fast this host is)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+    perf_counter = process_time = property(lambda self: self)
+
+
+def _engine(calls, name):
+    """A fake engine that logs (name, round) when run (warm-ups have a negative round)."""
+    return lambda r: calls.append((name, r))
+
+
+def _timed_order(calls, n_rounds):
+    """The engine order of each round, as the fake engines were called (warm-ups left out)."""
+    return [[n for n, r in calls if r == k] for k in range(n_rounds)]
+
+
+def test_the_train_step_json_records_each_rounds_engine_order(tmp_path, monkeypatch):
+    """bench/train_step.py's --json-out holds `round_orders` and `forward_round_orders`: the
+    engine order of each round, as the engines ran (fake engines log their calls)."""
+    import sys
+
+    bench = _load_bench("train_step", monkeypatch)
+    monkeypatch.setattr(common, "time", _Clock())
+    steps, forwards = [], []
+    monkeypatch.setattr(bench, "build", lambda tmp: None)
+    monkeypatch.setattr(bench, "jax_engine", lambda tmp, batch: (
+        _engine(steps, "jscenegen"), _engine(steps, "jscenegen (all logits)"),
+        _engine(forwards, "jscenegen")))
+    monkeypatch.setattr(bench, "torch_engine", lambda tmp, batch, tuned: (
+        _engine(steps, f"torch ({'tuned' if tuned else 'untuned'})"),
+        _engine(forwards, f"torch ({'tuned' if tuned else 'untuned'})")))
+    monkeypatch.setattr(bench, "tunix_engine", lambda *a: _engine(steps, "tunix"))
+    out = tmp_path / "train_step.json"
+    monkeypatch.setattr(sys, "argv", ["train_step.py", "--rounds", "4", "--json-out", str(out)])
+    bench.main()
+    got = json.loads(out.read_text())
+    names = ["jscenegen", "jscenegen (all logits)", "torch (untuned)", "torch (tuned)"]
+    if importlib.util.find_spec("tunix") is not None:
+        names.append("tunix")
+    assert got["round_orders"] == _timed_order(steps, 4) == common.round_orders(names, 4)
+    assert got["forward_round_orders"] == _timed_order(forwards, 4) == [
+        ["jscenegen", "torch (untuned)", "torch (tuned)"],
+        ["torch (tuned)", "torch (untuned)", "jscenegen"],
+        ["torch (untuned)", "torch (tuned)", "jscenegen"],
+        ["jscenegen", "torch (tuned)", "torch (untuned)"]]
+
+
+def _run_rollout_bench(tmp_path, monkeypatch, n_rounds):
+    """bench/rollout.py's main with fake engines that log their calls, the mesh subprocess run
+    in this process (on the test session's six CPU devices). Returns (its --json-out, the
+    one-device calls, the mesh calls)."""
+    import contextlib
+    import io
+    import sys
+    import types
+
+    import jscenegen.model.hf_io as hf_io
+
+    bench = _load_bench("rollout", monkeypatch)
+    monkeypatch.setattr(common, "time", _Clock())
+    single, mesh = [], []
+
+    class FakeSampler:
+        def __init__(self, layout):
+            self.layout = types.SimpleNamespace(describe=lambda: f"{layout} (fake)")
+            self.reshard_stats = {"reshard_s": 0.5, "reshard_bytes": 1000}
+
+    def jscenegen_engine(model, prompts, new, mesh_=None, layout="auto", cache_len=None):
+        if mesh_ is not None:
+            return _engine(mesh, layout), FakeSampler(layout)
+        return _engine(single, "jscenegen" if cache_len is None else "jscenegen_fixed_cache"), None
+
+    def run_mesh_subprocess(argv, **kw):
+        assert argv[2:4] == ["--mesh-only", "--rounds"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print("MESH " + json.dumps(bench.mesh_layouts(int(argv[4]))))
+        return types.SimpleNamespace(returncode=0, stdout=out.getvalue(), stderr="")
+
+    monkeypatch.setattr(bench, "build", lambda tmp, preset="tiny": types.SimpleNamespace(cfg=None))
+    monkeypatch.setattr(bench, "jscenegen_engine", jscenegen_engine)
+    monkeypatch.setattr(bench, "transformers_engine", lambda tmp, prompts: _engine(single, "transformers"))
+    monkeypatch.setattr(bench, "tunix_engine", lambda *a: _engine(single, "tunix"))
+    monkeypatch.setattr(bench, "decode_step_bytes", lambda model: 1 << 20)
+    monkeypatch.setitem(sys.modules, "weight_stream", types.SimpleNamespace(
+        stream_loop=lambda nbytes, steps: (lambda: single.append(("memory floor", None)), nbytes)))
+    monkeypatch.setattr(bench, "subprocess", types.SimpleNamespace(run=run_mesh_subprocess))
+    monkeypatch.setattr(hf_io, "load_hf", lambda path, mesh=None: None)
+    out = tmp_path / "rollout.json"
+    monkeypatch.setattr(sys, "argv", ["rollout.py", "--rounds", str(n_rounds), "--json-out", str(out)])
+    bench.main()
+    return json.loads(out.read_text()), single, mesh
+
+
+def test_the_rollout_json_records_each_rounds_engine_order(tmp_path, monkeypatch):
+    """bench/rollout.py's --json-out holds `round_orders` (the one-device rounds) and
+    `mesh_round_orders` (the mesh subprocess's): each round's engine order, as the engines ran."""
+    got, single, mesh = _run_rollout_bench(tmp_path, monkeypatch, 3)
+    names = ["jscenegen", "jscenegen_fixed_cache", "transformers"]
+    if importlib.util.find_spec("tunix") is not None:
+        names.append("tunix")
+    names.append("memory floor")
+    # the memory floor is called without the round: the calls by slices (one warm-up each first)
+    ran = [[n for n, _ in single[k * len(names):(k + 1) * len(names)]] for k in range(1, 4)]
+    assert got["round_orders"] == ran == common.round_orders(names, 3)
+    assert got["mesh_round_orders"] == _timed_order(mesh, 3) == [
+        ["fsdp", "replicated", "tp"], ["tp", "replicated", "fsdp"], ["replicated", "tp", "fsdp"]]
