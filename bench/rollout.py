@@ -15,7 +15,11 @@ default sampler.
 The 3 x 2 CPU mesh (a subprocess with six forced CPU devices on the same cores): jscenegen's
 rollout layouts `fsdp` (decode on the training shards), `replicated` and `tp` (tp = 2) on the
 `small` shape (vocab 8192, hidden 512, 8 layers), 12 rows (G = 8 padded for 6 devices), 64-token
-prompts, 64 new tokens, the same prompts and seeds in every layout.
+prompts, 64 new tokens, the same prompts and seeds in every layout. In the same rounds, each
+layout's reshard (`Sampler.set_weights` from the training shards, which the trainer runs after
+every train step): its seconds are the sampler's own `reshard_s` (the jitted reshard with the
+transfer, the trainer's `rollout/reshard_s`; 0 for `fsdp` in fp32, which decodes on the
+training arrays), one per round, reported as their median.
 
 Beside them, in the same rounds, the host's memory floor: a compiled loop of 128 steps that
 each read the decode step's bytes once and do nothing else (every weight, a tied embedding
@@ -28,13 +32,14 @@ Each engine is warmed up (compiled) once, then timed once per round, the engines
 interleaved (a load spike on the shared machine hits all of them) in a carry-over balanced
 order (`common.round_order`, a Williams design: over 2n rounds for n engines, n for an even n,
 each engine runs right after each other one equally often; the default 5 rounds with 5
-engines are half of that). Every ratio is taken per round (the two
+engines are half of that; the mesh's 6, each layout's generate and reshard, are balanced
+over 6 rounds). Every ratio is taken per round (the two
 engines timed in the same round) and reported as the median of the --rounds per-round
 ratios with `_min`, `_max` and `_rounds`; `_of_medians` is the ratio of the two engines'
 medians. CPU seconds (all threads of the process) are printed beside wall seconds: other
 jobs barely change the JAX engines' (torch's OpenMP threads spin while they wait for a core,
 so the CPU ratio against transformers flatters jscenegen on a busy machine). The mesh
-layouts are timed in `generate` only: their reshard runs when the sampler is built.
+layouts' ratios time `generate` only; their reshards are the `*_reshard_s` figures beside them.
 
     python bench/rollout.py [--rounds 5] [--skip-mesh] [--json-out FILE]
 
@@ -44,10 +49,11 @@ tokens/s), `fixed_cache_vs_tunix` (our sampler with Tunix's fixed cache over Tun
 `jscenegen_vs_fixed_cache` (what the growing cache gains), `jscenegen_of_floor` (the share of
 the memory floor's rate reached) and `floor_vs_tunix`, `replicated_vs_fsdp`, `tp_vs_fsdp`,
 each with `_min`/`_max`/`_rounds`/`_of_medians` and the same from CPU time (`cpu_*`); every
-engine's median tokens/s; each round's engine order (`round_orders`, the one-device rounds,
-and `mesh_round_orders`: lists of engine names, first run first) to check the balance by;
-and the sitting: commit, dirty, cpu_model, cpu_count,
-cores_usable, torch_threads, load_before/after, utc_start/end.
+engine's median tokens/s; each mesh layout's reshard, `mesh_<layout>_reshard_s` (the median
+over the rounds; `_rounds`: each round's) and `mesh_<layout>_reshard_bytes`; each round's
+engine order (`round_orders`, the one-device rounds, and `mesh_round_orders`: lists of engine
+names, first run first) to check the balance by; and the sitting: commit, dirty, cpu_model,
+cpu_count, cores_usable, torch_threads, load_before/after, utc_start/end.
 """
 from __future__ import annotations
 
@@ -216,20 +222,41 @@ def mesh_layouts(n_rounds: int) -> dict:
     print(f"3 x 2 mesh of {jax.device_count()} CPU devices; shape: qwen3 small vocab {VOCAB} "
           f"hidden 512 layers 8, {MESH_ROWS} rows, prompt {PROMPT}, new {MESH_NEW}, fp32")
     prompts = np.random.default_rng(1).integers(3, VOCAB, (MESH_ROWS, PROMPT)).tolist()
-    engines, samplers = {}, {}
+    engines, samplers, reshards = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         build(tmp, "small")
         model = load_hf(tmp, mesh=mesh)              # the training layout: FSDP2 shards
         for layout in ("fsdp", "replicated", "tp"):
             run, samplers[layout] = jscenegen_engine(model, prompts, MESH_NEW, mesh, layout)
             engines[layout] = run
+        for layout, sampler in samplers.items():
+            reshards[layout] = []
+            engines[f"{layout} reshard"] = _reshard_engine(sampler, model, reshards[layout])
         times = rounds(engines, n_rounds)
-    out = _report(times, MESH_ROWS * MESH_NEW)
+    out = _report({k: v for k, v in times.items() if k in samplers}, MESH_ROWS * MESH_NEW)
     for layout, s in samplers.items():
         out[layout]["layout"] = s.layout.describe()
         out[layout]["reshard_bytes"] = s.reshard_stats["reshard_bytes"]
+        out[layout]["reshard_s"] = median(reshards[layout])
+        out[layout]["rounds_reshard_s"] = reshards[layout]
+        print(f"  {layout + ' reshard':24s} {median(reshards[layout]):9.4f} s (median; the "
+              f"sampler's reshard_s as the trainer logs it)   rounds "
+              f"{[round(x, 4) for x in reshards[layout]]}")
     out["round_orders"] = round_orders(engines, n_rounds)
     return out
+
+
+def _reshard_engine(sampler, model, seconds: list):
+    """An engine of the mesh rounds: `sampler.set_weights(model)`, the reshard from the training
+    shards into the sampler's rollout layout that the trainer runs after every train step;
+    appends each timed round's `reshard_s` (the sampler's own wall seconds of the jitted
+    reshard, transfer included: the trainer's `rollout/reshard_s`) to `seconds` (the warm-up's
+    is left out)."""
+    def run(r):
+        stats = sampler.set_weights(model)
+        if r >= 0:
+            seconds.append(stats["reshard_s"])
+    return run
 
 
 def _times(report: dict) -> dict:
@@ -288,11 +315,21 @@ def main() -> None:
     if mesh is not None:
         for layout in ("fsdp", "replicated", "tp"):
             result[f"mesh_{layout}_tokens_per_s"] = mesh[layout]["tokens_per_s"]
+        for layout in ("fsdp", "replicated", "tp"):
+            result[f"mesh_{layout}_reshard_s"] = mesh[layout]["reshard_s"]
+            result[f"mesh_{layout}_reshard_s_rounds"] = mesh[layout]["rounds_reshard_s"]
+            result[f"mesh_{layout}_reshard_bytes"] = mesh[layout]["reshard_bytes"]
         for layout in ("replicated", "tp"):
             result.update(paired(f"{layout}_vs_fsdp", _times(mesh[layout]), _times(mesh["fsdp"])))
         result["mesh_round_orders"] = mesh["round_orders"]
     if mesh_error:
         result["mesh_error"] = mesh_error
+    if mesh is not None:
+        print(f"mesh: replicated {result['replicated_vs_fsdp']:.2f}x fsdp, tp "
+              f"{result['tp_vs_fsdp']:.2f}x (generate only); reshard after each train step "
+              + ", ".join(f"{layout} {result[f'mesh_{layout}_reshard_s']:.4f} s"
+                          for layout in ("fsdp", "replicated", "tp"))
+              + " (median of the rounds)")
     summary = (f"vs tunix {result['vs_tunix']:.2f}x [{result['vs_tunix_min']:.2f}-"
                f"{result['vs_tunix_max']:.2f}], with Tunix's fixed cache "
                f"{result['fixed_cache_vs_tunix']:.2f}x; " if "tunix" in times else "")

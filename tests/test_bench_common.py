@@ -3,6 +3,7 @@ CPU benches' bench/train_step.py and bench/rollout.py report through them)."""
 import importlib.util
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -173,10 +174,11 @@ def test_the_train_step_json_records_each_rounds_engine_order(tmp_path, monkeypa
         ["jscenegen", "torch (tuned)", "torch (untuned)"]]
 
 
-def _run_rollout_bench(tmp_path, monkeypatch, n_rounds):
+def _run_rollout_bench(tmp_path, monkeypatch, n_rounds, reshard_s):
     """bench/rollout.py's main with fake engines that log their calls, the mesh subprocess run
-    in this process (on the test session's six CPU devices). Returns (its --json-out, the
-    one-device calls, the mesh calls)."""
+    in this process (on the test session's six CPU devices); `reshard_s`: {layout: the
+    seconds of each of its sampler's reshards, in turn}. Returns (its --json-out, the
+    one-device calls, the mesh layouts' generate calls, what it printed)."""
     import contextlib
     import io
     import sys
@@ -189,9 +191,17 @@ def _run_rollout_bench(tmp_path, monkeypatch, n_rounds):
     single, mesh = [], []
 
     class FakeSampler:
+        """Its n-th reshard (the build's is the first; then `set_weights`) takes
+        `reshard_s[layout][n]` seconds."""
+
         def __init__(self, layout):
             self.layout = types.SimpleNamespace(describe=lambda: f"{layout} (fake)")
-            self.reshard_stats = {"reshard_s": 0.5, "reshard_bytes": 1000}
+            self.seconds = iter(reshard_s[layout])
+            self.reshard_stats = self.set_weights(model=None)
+
+        def set_weights(self, model):
+            self.reshard_stats = {"reshard_s": next(self.seconds), "reshard_bytes": 1000}
+            return dict(self.reshard_stats)
 
     def jscenegen_engine(model, prompts, new, mesh_=None, layout="auto", cache_len=None):
         if mesh_ is not None:
@@ -216,14 +226,17 @@ def _run_rollout_bench(tmp_path, monkeypatch, n_rounds):
     monkeypatch.setattr(hf_io, "load_hf", lambda path, mesh=None: None)
     out = tmp_path / "rollout.json"
     monkeypatch.setattr(sys, "argv", ["rollout.py", "--rounds", str(n_rounds), "--json-out", str(out)])
-    bench.main()
-    return json.loads(out.read_text()), single, mesh
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench.main()
+    return json.loads(out.read_text()), single, mesh, printed.getvalue()
 
 
 def test_the_rollout_json_records_each_rounds_engine_order(tmp_path, monkeypatch):
     """bench/rollout.py's --json-out holds `round_orders` (the one-device rounds) and
     `mesh_round_orders` (the mesh subprocess's): each round's engine order, as the engines ran."""
-    got, single, mesh = _run_rollout_bench(tmp_path, monkeypatch, 3)
+    got, single, mesh, _ = _run_rollout_bench(
+        tmp_path, monkeypatch, 3, {layout: [0.0] * 5 for layout in ("fsdp", "replicated", "tp")})
     names = ["jscenegen", "jscenegen_fixed_cache", "transformers"]
     if importlib.util.find_spec("tunix") is not None:
         names.append("tunix")
@@ -231,5 +244,28 @@ def test_the_rollout_json_records_each_rounds_engine_order(tmp_path, monkeypatch
     # the memory floor is called without the round: the calls by slices (one warm-up each first)
     ran = [[n for n, _ in single[k * len(names):(k + 1) * len(names)]] for k in range(1, 4)]
     assert got["round_orders"] == ran == common.round_orders(names, 3)
-    assert got["mesh_round_orders"] == _timed_order(mesh, 3) == [
-        ["fsdp", "replicated", "tp"], ["tp", "replicated", "fsdp"], ["replicated", "tp", "fsdp"]]
+    layouts = ["fsdp", "replicated", "tp"]
+    mesh_names = layouts + [f"{layout} reshard" for layout in layouts]
+    assert got["mesh_round_orders"] == common.round_orders(mesh_names, 3)
+    assert [[n for n in order if n in layouts] for order in got["mesh_round_orders"]] == (
+        _timed_order(mesh, 3)) == [["fsdp", "replicated", "tp"], ["replicated", "tp", "fsdp"],
+                                   ["tp", "replicated", "fsdp"]]
+
+
+def test_the_rollout_json_and_summary_give_each_layouts_reshard_seconds(tmp_path, monkeypatch):
+    """Beside `replicated_vs_fsdp`, bench/rollout.py reports each mesh layout's reshard as the
+    sampler measured it (`reshard_s`): one per round (not the build's, not the warm-up's),
+    their median as `mesh_<layout>_reshard_s`, in the JSON and the printed summary."""
+    seconds = {"fsdp": [0.0] * 5,          # the build's, the warm-up's, then rounds 0-2
+               "replicated": [9.0, 8.0, 0.3, 0.1, 0.2], "tp": [9.0, 8.0, 0.05, 0.07, 0.04]}
+    got, _, _, printed = _run_rollout_bench(tmp_path, monkeypatch, 3, seconds)
+    assert {k: v for k, v in got.items() if "reshard" in k} == {
+        "mesh_fsdp_reshard_s": 0.0, "mesh_fsdp_reshard_s_rounds": [0.0, 0.0, 0.0],
+        "mesh_replicated_reshard_s": 0.2, "mesh_replicated_reshard_s_rounds": [0.3, 0.1, 0.2],
+        "mesh_tp_reshard_s": 0.05, "mesh_tp_reshard_s_rounds": [0.05, 0.07, 0.04],
+        "mesh_fsdp_reshard_bytes": 1000, "mesh_replicated_reshard_bytes": 1000,
+        "mesh_tp_reshard_bytes": 1000}
+    assert ("reshard after each train step fsdp 0.0000 s, replicated 0.2000 s, tp 0.0500 s "
+            "(median of the rounds)") in printed
+    assert re.search(r"^  replicated reshard +0\.2000 s \(median.* rounds \[0\.3, 0\.1, 0\.2\]$",
+                     printed, re.M)
