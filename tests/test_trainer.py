@@ -1263,6 +1263,31 @@ def test_swanlab_refusing_the_login_is_one_error_and_leaves_no_swanlab_directory
     assert str(info.value).endswith("<redacted>); JSCENEGEN_DEBUG=1 shows where")
 
 
+def test_swanlabs_banner_reaches_a_log_file_one_line_per_message(tmp_path, capsys):
+    """swanlab prints its banner through a rich Console, which broke every line at the console
+    width (80 columns when no terminal is open, as in a log file) in the middle of the run's
+    path: a fresh user's log held `Run data saved at` and the path on the next lines, cut. Each
+    message is now one line, on stderr (stdout is the run's JSON line only). The path is longer
+    than any terminal is wide (rich takes an open terminal's width)."""
+    run_dir = tmp_path / ("d" * 200) / ("e" * 200) / "run"
+    from jscenegen.grpo.train.metrics import LoggingConfig, MetricsLogger
+
+    logger = MetricsLogger(run_dir, LoggingConfig(swanlab_mode="offline"), {})
+    logger.log({"reward": 0.5}, step=0)
+    logger.close()
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert lines and all(line.startswith("swanlab: ") for line in lines), lines
+    saved = [m for line in lines if (m := re.fullmatch(r"swanlab: \S* ?Run data saved at (\S+)", line))]
+    synced = [m for line in lines if (m := re.fullmatch(r"swanlab: \S* ?Run `swanlab sync (\S+)` to "
+                                                        r"sync this run", line))]
+    assert len(saved) == len(synced) == 1, lines
+    where = Path(saved[0][1])
+    assert where.parent == run_dir / "swanlab" and where.name.startswith("run-") and where.is_dir()
+    assert synced[0][1] == str(where)
+
+
 def test_a_credential_from_the_environment_is_masked_in_what_swanlab_recorded(tmp_path,
                                                                                monkeypatch, capsys):
     """swanlab records the run's stderr and warnings in RUN_DIR/swanlab; only the command

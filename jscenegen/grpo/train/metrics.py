@@ -76,27 +76,38 @@ def _private_settings(swanlab):
         return None
 
 
-def _to_stderr():
-    """swanlab prints its banner and hints to stdout; a run's stdout is its JSON lines only."""
-    return contextlib.redirect_stdout(sys.stderr)
+def _swanlab_console():
+    """swanlab's rich Console, through which it prints its banner and hints (swanlab >= 0.10:
+    `swanlab.sdk.internal.pkg.console.c`); None for other versions."""
+    try:
+        from swanlab.sdk.internal.pkg import console
+    except ImportError:
+        return None
+    rich_console = getattr(console, "c", None)
+    if not all(hasattr(rich_console, name) for name in ("quiet", "soft_wrap")):
+        return None
+    return rich_console
 
 
 @contextlib.contextmanager
-def _quiet_swanlab():
-    """Silence swanlab's console while it finishes: its start banner already said where the
-    run is (it would print the same `swanlab sync`/`watch` hint a second time)."""
+def _to_stderr(quiet: bool = False):
+    """swanlab's console output while it runs: on stderr (it prints its banner and hints to
+    stdout; a run's stdout is its JSON lines only), each message on one line (rich's soft
+    wrap: otherwise rich breaks every line at the console's width, 80 columns in a log file or
+    a pipe, a terminal's width where one is open, in the middle of a path), and with `quiet`
+    none at all (while it finishes: its start banner already said where the run is, and it
+    would print the same `swanlab sync`/`watch` hint a second time)."""
+    rich_console = _swanlab_console()
+    saved = None if rich_console is None else (rich_console.quiet, rich_console.soft_wrap)
+    if rich_console is not None:
+        rich_console.soft_wrap = True
+        rich_console.quiet = quiet or rich_console.quiet
     try:
-        from swanlab.sdk.internal.pkg import console  # swanlab >= 0.10
-        rich_console = console.c
-        quiet = rich_console.quiet
-    except (ImportError, AttributeError):
-        yield
-        return
-    rich_console.quiet = True
-    try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
-        rich_console.quiet = quiet
+        if rich_console is not None:
+            rich_console.quiet, rich_console.soft_wrap = saved
 
 
 def check_swanlab_mode(cfg: LoggingConfig) -> None:
@@ -211,7 +222,7 @@ class MetricsLogger:
         """Finish swanlab's run; with `discard` (a start that ended before it wrote the run's
         files) remove the `swanlab/` directory this logger made."""
         if self._swanlab is not None:
-            with _quiet_swanlab(), _to_stderr():
+            with _to_stderr(quiet=True):
                 self._swanlab.finish()
             self._swanlab = None
             mask_credentials(self.swanlab_dir, self._credentials)
