@@ -266,10 +266,13 @@ def _run_async(make_coroutine):
 class _Unanswered:
     """The tries of one `grade` call that got no answer at all (a timeout, a connection error),
     in a row over all its requests: after `limit` of them (a whole wave at the concurrency
-    limit, and no fewer than one request's tries), the judge is taken as unreachable and no further try is made, neither a retry nor
-    a request not yet sent (each would wait out its own tries: a batch of N at concurrency c
-    took N x tries / c timeouts, hours with the defaults, while the other processes of a run
-    waited in a collective). Any answer starts the count again."""
+    limit with every retry of it: concurrency x (1 + max_retries)), the judge is taken as
+    unreachable and no further try is made, neither a retry nor a request not yet sent (each
+    would wait out its own tries: a batch of N at concurrency c took N x tries / c timeouts,
+    hours with the defaults, while the other processes of a run waited in a collective). So a
+    judge that is down costs what one request's tries cost, and a stall shorter than that is
+    retried through (a limit of one wave masked a whole group of 8 after one timeout each, its
+    retries never made). Any answer starts the count again."""
 
     def __init__(self, limit: int):
         self.limit, self.in_a_row = limit, 0
@@ -414,8 +417,7 @@ class HttpJudge:
         # request waited for a connection inside its own timeout and failed as judge_timeout
         n = self.cfg.concurrency
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        # a whole wave at the concurrency limit, and at least one request's every try
-        silent = _Unanswered(max(n, 1 + self.cfg.max_retries))
+        silent = _Unanswered(n * (1 + self.cfg.max_retries))   # a whole wave's every try
         async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
             results = list(await asyncio.gather(*(self._one(client, sem, r, silent)
                                                   for r in requests)))
