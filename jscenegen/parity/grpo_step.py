@@ -31,6 +31,7 @@ PARAM_TOL = 2.4e-7
 ADV_TOL = 1e-6   # advantages (unit scale), jscenegen's vectorised formula vs the torch loops
 GRAD_NORM_TOL = 1e-4   # on |grad_norm_ratio - 1|
 GRADS_TOL = 1e-4   # on grad_max_rel_diff (`--grads`)
+PER_TENSOR_FLOOR = 1e-3   # grad_max_rel_diff_per_tensor's least scale, of the largest gradient
 # a synthetic episode's first designer token lies within its first MIN_SEQ tokens (left padding
 # <= 6, a 3-token prompt, a planner turn <= 5 tokens, 2 environment tokens)
 MIN_SEQ = 17
@@ -186,7 +187,10 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
     """Run one update both ways; returns the comparison (see module doc) with `ok`.
 
     With `compare_grads` the accumulated gradients are also compared element-wise
-    (`grad_max_rel_diff` = max |g_jax - g_torch| / max |g_torch|; one more compile).
+    (`grad_max_rel_diff` = max |g_jax - g_torch| / max |g_torch|; one more compile), and
+    each trained tensor against its own largest gradient, floored at PER_TENSOR_FLOOR of the
+    largest of all (`grad_max_rel_diff_per_tensor`, the largest such ratio, and
+    `grad_worst_tensor`, its name; reported, not part of `ok`).
     `torch_perturbation` is added to one element of torch's input embedding first (shows the
     comparison can fail; `ref.perturb_embedding`). `masked_rows`: that many of the `rows`
     episodes masked as a judge failure is (`synthetic_batch`); they stay episodes of the
@@ -309,6 +313,14 @@ def grpo_step_parity(model_dir: str, *, loss_cfg=None, optim_cfg=None, temperatu
         g_scale = max(float(np.max(np.abs(g))) for g in t_grads.values())
         result["grad_max_rel_diff"] = max(
             float(np.max(np.abs(jax_grads[n] - t_grads[n]))) for n in names) / g_scale
+        # against each tensor's own largest gradient (floored at 1e-3 of the global one, below
+        # which fp32 rounding of the sums shows): an error in a tensor whose gradients are
+        # small beside the embedding's (Qwen3.5's A_log, dt_bias) hides in the global scale
+        own = {n: float(np.max(np.abs(jax_grads[n] - t_grads[n])))
+               / max(float(np.max(np.abs(t_grads[n]))), PER_TENSOR_FLOOR * g_scale) for n in names}
+        worst_own = max(own, key=own.get)
+        result["grad_max_rel_diff_per_tensor"] = own[worst_own]
+        result["grad_worst_tensor"] = worst_own
         # Adam's first step is lr g / (|g| + eps): near g = 0 a grad difference is amplified
         result["worst_param_grads"] = [float(jax_grads[worst][worst_idx]),
                                        float(t_grads[worst][worst_idx])]
