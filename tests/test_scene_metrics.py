@@ -140,6 +140,39 @@ def test_collisions_need_vertical_overlap_and_skip_parents_and_rugs():
     assert r["unsupported_objects"] == []
 
 
+def test_a_thin_object_inside_another_footprint_collides():
+    """Spec section 4, penetration >= 1 cm: the depth along an axis is the distance one box must
+    move to separate (min(a1 - b0, b1 - a0)), not the projections' overlap, so a 5 mm thick
+    board standing inside a bed's footprint (overlap 5 mm on y) is 0.5 m deep and collides."""
+    from jscenegen.scene.geometry import box_corners, penetration
+
+    bed = box_corners(2.0, 1.5, 1.0, 1.0, 0.0)            # x in [1.5, 2.5], y in [1.0, 2.0]
+    board = box_corners(2.0, 1.5, 0.5, 0.005, 0.0)         # x in [1.75, 2.25], y in [1.4975, 1.5025]
+    assert penetration(bed, board) == pytest.approx(0.5025)  # y: min(2.5 - 1.4975, 1.5025 - 1.5)
+    s = scene([
+        obj("double_bed_1", "double_bed", 2.0, 1.5, 1.0, 1.0, 0.6),
+        obj("standing_mirror_1", "standing_mirror", 2.0, 1.5, 0.5, 0.005, 0.5),
+    ])
+    assert measure(s)["collision_pairs"] == [["double_bed_1", "standing_mirror_1"]]
+
+
+@pytest.mark.parametrize("dx, dy, yaw, expected", [
+    (0.49, 0.0, 0.0, 0.01),       # 1 cm overlap on x: a partial overlap is its projections' overlap
+    (0.491, 0.0, 0.0, 0.009),
+    (0.3, 0.2, 0.0, 0.2),         # overlap 0.2 on x, 0.3 on y
+    (0.5, 0.0, 0.0, 0.0),         # touching
+    (0.6, 0.0, 0.0, -0.1),        # separated: minus the gap
+    (0.58, 0.0, 45.0, 0.02355339059327373),  # a corner 45 degrees into the box
+])
+def test_partial_overlap_depth_is_the_projections_overlap(dx, dy, yaw, expected):
+    from jscenegen.scene.geometry import box_corners, penetration
+
+    a = box_corners(2.0, 2.0, 0.5, 0.5, 0.0)
+    b = box_corners(2.0 + dx, 2.0 + dy, 0.5, 0.5, yaw)
+    assert penetration(a, b) == pytest.approx(expected, abs=1e-12)
+    assert penetration(b, a) == pytest.approx(expected, abs=1e-12)
+
+
 def test_supported_objects_sit_on_their_parent():
     s = scene([
         obj("nightstand_1", "nightstand", 1.0, 1.0, 0.45, 0.4, 0.55),

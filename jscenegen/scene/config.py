@@ -91,9 +91,11 @@ class MetricsConfig(Section):
                                  "neither blocks walking nor collides")
     min_region_m2: float = Field(0.1, ge=0, le=1e6, description="free-space components count as regions "
                                  "(num_regions) only when larger than this area (m^2)")
-    penetration_m: float = Field(0.01, ge=0, description="footprint overlap depth (m) from which two "
-                                 "objects collide, and an object enters a door clearance or window "
-                                 "box")
+    penetration_m: float = Field(0.01, ge=0, description="footprint penetration depth (m: the "
+                                 "shortest move that separates the footprints, so one lying inside "
+                                 "another is in by its way out, not by its own thickness) from "
+                                 "which two objects collide, and an object enters a door clearance "
+                                 "or window box")
     oob_fraction: float = Field(0.01, ge=0, le=1, description="share of an object's footprint "
                                 "outside the floor above which it is out of bounds, as is one above "
                                 "the walls (oob_objects: -3 physical_plausibility each, rule judge)")

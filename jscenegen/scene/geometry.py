@@ -2,8 +2,8 @@
 
 Footprints are oriented rectangles given by 4 corners [4, 2] float64 (metres) in counter-clockwise
 order back-left, back-right, front-right, front-left (front = local +y at yaw 0). The separating
-axis theorem for two convex polygons gives both the overlap test and the penetration depth (the
-smallest projection overlap over the edge normals).
+axis theorem for two convex polygons gives both the overlap test and the penetration depth (over
+the edge normals, the smallest distance one polygon must move to separate: `penetration`).
 """
 from __future__ import annotations
 
@@ -43,10 +43,17 @@ def front_direction(yaw_deg: float) -> np.ndarray:
 
 
 def penetration(a: np.ndarray, b: np.ndarray) -> float:
-    """Separating-axis penetration depth (m) of convex polygons a [n, 2], b [m, 2].
+    """Separating-axis penetration depth (m) of convex polygons a [n, 2], b [m, 2] (spec section 4,
+    "penetration >= 1 cm": metrics `penetration_m`).
 
-    <= 0 means separated (or touching); > 0 is the smallest overlap of the projections over all
-    edge normals, i.e. the distance one polygon must move to separate.
+    Along each edge normal, with a's projection [a0, a1] and b's [b0, b1], the depth is the
+    distance one polygon must move along that normal to separate: min(a1 - b0, b1 - a0). The
+    result is the smallest depth over all edge normals. <= 0 means separated (or touching): the
+    value is then the (negated) gap along the first separating normal. For a partial overlap the
+    depth equals the projections' overlap (min(a1, b1) - max(a0, b0)); for a projection that
+    holds the other (a 5 mm thick shelf inside a bed's footprint) it is the larger move out,
+    not the thin object's own extent. This is the one place the rule lives: collisions, door
+    clearance and window boxes (metrics.py) and the expert's spacing (expert.py) all call it.
     """
     depth = math.inf
     for poly in (a, b):
@@ -58,7 +65,7 @@ def penetration(a: np.ndarray, b: np.ndarray) -> float:
                 continue
             n = n / norm
             pa, pb = a @ n, b @ n
-            depth = min(depth, min(pa.max(), pb.max()) - max(pa.min(), pb.min()))
+            depth = min(depth, pa.max() - pb.min(), pb.max() - pa.min())
             if depth <= 0:
                 return depth
     return depth

@@ -22,10 +22,13 @@ from .judge import make_judge
 from .ops import OP_MODELS
 from .prompts import load_templates
 
-RULES_REVISION = 6
+RULES_REVISION = 7
 """Raised whenever a measuring or grading rule changes in code rather than through a config value,
 so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
-under the new one. 6: an object mounted `on` another blocks walking when it is not thin and its
+under the new one. 7: the footprint penetration depth (geometry.penetration: collisions, door
+clearance and window boxes) is the shortest move that separates, per axis min(a1 - b0, b1 - a0),
+not the projections' overlap: a 5 mm board inside a bed's footprint collides (it measured 5 mm,
+below penetration_m); partial overlaps measure as before. 6: an object mounted `on` another blocks walking when it is not thin and its
 bottom is below block_height_m (scene-protocol.md section 4), and a floor object standing on a
 rug blocks a door's clearance box and must be reachable, and has its front checked (front to
 a wall, blocked front), as on the floor (`on` objects blocked nothing: a plant on a rug could
