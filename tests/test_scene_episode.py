@@ -71,6 +71,20 @@ def test_malformed_actions_give_the_right_cause(text, role, cause):
     assert parsed.failure_cause == cause and parsed.message
 
 
+@pytest.mark.parametrize("text, found", [
+    ('<action>{"action": "critique"}</action></action>', "1 <action> and 2 </action>"),
+    ('I mention </action> first, then <action>{"action": "critique"}</action>', "1 <action> and 2 </action>"),
+    (A({"action": "critique"}) + A({"action": "finish", "summary": ""}), "2 <action> and 2 </action>"),
+    ('<action>{"action": "critique"} <action>{"action": "finish"}</action>', "2 <action> and 1 </action>"),
+])
+def test_multiple_blocks_name_both_tag_counts(text, found):
+    """A repeated closing tag alone was reported as "1 <action> tags; exactly one block is
+    allowed": the count named the opening tags only."""
+    parsed = parse_action(text, "planner", GRADE_KEYS)
+    assert parsed.failure_cause == "multiple_action_blocks"
+    assert parsed.message == f"found {found} tags; exactly one block (one of each) is allowed"
+
+
 def test_a_number_infinite_as_a_float_is_named_in_the_message():
     yaw = parse_action('<action>{"ops": [{"op": "rotate_object", "id": "a", "yaw": 1e400}]}</action>',
                        "designer", GRADE_KEYS)

@@ -45,12 +45,15 @@ def _fail(role: str, cause: str, message: str) -> ParsedAction:
 
 
 def extract_block(text: str) -> tuple[str | None, str | None, str]:
-    """(json_text, failure_cause, message) for the one action block in `text`."""
+    """(json_text, failure_cause, message) for the one action block in `text` (spec section 2:
+    every answer ends with exactly one block). More than one opening or closing tag is
+    `multiple_action_blocks`, its message counting both kinds."""
     n_open, n_close = text.count(OPEN), text.count(CLOSE)
     if n_open == 0:
         return None, "no_action_block", "no <action>...</action> block"
     if n_open > 1 or n_close > 1:
-        return None, "multiple_action_blocks", f"{n_open} <action> tags; exactly one block is allowed"
+        return None, "multiple_action_blocks", (f"found {n_open} <action> and {n_close} </action> tags; "
+                                                "exactly one block (one of each) is allowed")
     start = text.index(OPEN)
     if n_close == 0 or text.index(CLOSE) < start:
         return None, "truncated_action", "the <action> block is not closed"
