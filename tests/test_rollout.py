@@ -204,6 +204,49 @@ def test_malformed_and_truncated_outputs_are_policy_failures(model, chat, record
     assert trs[1].roles[-1] == PLANNER and trs[1].tokens[-1] != chat.eot_id
 
 
+def _exactly(chat, head: str, filler: str, tail: str, n: int) -> str:
+    """head + filler * k + tail for the k whose ids (as a forced turn encodes them) are exactly
+    n tokens: with its end-of-turn token the answer is one past max_new_tokens = n, so the
+    turn is cut right after `tail`."""
+    for k in range(4 * n):
+        text = head + filler * k + tail
+        got = len(chat.encode_content(text)[1])
+        if got == n:
+            return text
+        if got > n:
+            break
+    raise AssertionError(f"no filler count gives {n} tokens for {tail!r}")
+
+
+def test_a_turn_cut_inside_an_action_tag_or_a_second_block_is_truncated_action(model, chat, record,
+                                                                                rule_judge):
+    """Spec section 5: generation truncated inside an action is its own policy failure. A turn
+    cut in the opening tag ("<acti") and one cut in a second, unclosed block after a complete
+    one were `truncated_generation`; a cut turn that began no action stays that."""
+    n = 64
+    texts = [
+        _exactly(chat, "I will now act: ", "very ", "<acti", n),
+        _exactly(chat, '<action>{"action": "critique"}</action> ', "and ", '<action>{"action": "fin', n),
+        _exactly(chat, "I will now act: ", "very ", "nice", n),
+    ]
+    rows = {}
+
+    def policy(ep):
+        return texts[rows.setdefault(id(ep), len(rows))]
+
+    # without the `</action>` stop string, as only then does a turn go on past a closed block
+    cfg = FORCED.model_copy(update={"max_new_tokens": n, "stop_strings": ()})
+    trs = RolloutEngine(model, chat, cfg).run_group(
+        record, group_id=1, seeds=[1, 2, 3], judge=rule_judge, forced=policy).trajectories
+    assert [(t.failure_cause, t.reward, t.masked) for t in trs] == [
+        ("truncated_action", -1.0, False), ("truncated_action", -1.0, False),
+        ("truncated_generation", -1.0, False)]
+    for t, text in zip(trs, texts):
+        assert t.turns[-1]["stop"] == "length" and t.policy_mask.sum() == n
+        assert t.transcript[-1]["content"] == text       # cut right after "<acti", "fin", "nice"
+        assert t.failure_message == f"the planner turn reached max_new_tokens={n}"
+
+
 def test_a_forced_answer_spelling_the_end_of_turn_token_keeps_it_as_text(model, chat, record,
                                                                          rule_judge):
     """A scripted answer holding the text `<|im_end|>` was encoded with that special token

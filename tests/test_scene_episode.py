@@ -85,6 +85,26 @@ def test_multiple_blocks_name_both_tag_counts(text, found):
     assert parsed.message == f"found {found} tags; exactly one block (one of each) is allowed"
 
 
+@pytest.mark.parametrize("text, inside", [
+    ("thinking... <acti", True),                                   # cut in the opening tag
+    ("thinking... <", True),
+    ("thinking... <action", True),
+    ('<action>{"action": "desi', True),                            # one block, not closed
+    ('<action>{"action": "critique"}</action> <action>{"op', True),   # a second block opened
+    ('<action>{"action": "critique"}</action> and <acti', True),
+    ('I mention </action> first, then <action>{"action": "cri', True),
+    ("thinking about the room, very very", False),
+    ("thinking... <b", False),
+    ('<action>{"action": "critique"}</action> and more words', False),
+    ('<action>{"action": "critique"}</action>', False),
+    ("", False),
+])
+def test_cut_inside_action(text, inside):
+    from jscenegen.scene.actions import cut_inside_action
+
+    assert cut_inside_action(text) is inside
+
+
 def test_a_number_infinite_as_a_float_is_named_in_the_message():
     yaw = parse_action('<action>{"ops": [{"op": "rotate_object", "id": "a", "yaw": 1e400}]}</action>',
                        "designer", GRADE_KEYS)

@@ -63,6 +63,20 @@ def extract_block(text: str) -> tuple[str | None, str | None, str]:
     return text[start + len(OPEN): end], None, ""
 
 
+def cut_inside_action(text: str) -> bool:
+    """Whether an answer cut short (the sampler's max_new_tokens) was cut inside an action
+    (spec section 5: "generation truncated inside an action", cause `truncated_action`; any
+    other cut turn is `truncated_generation`; both score -1).
+
+    Looks at the text after the last `</action>` (all of it when there is none): inside an
+    action when it holds an opened `<action>` (a first block, or a second one after a complete
+    block) or ends with the start of one (a non-empty prefix of `<action>`, such as "<acti").
+    A `</action>` written inside a JSON string counts as a close, as `extract_block` reads it.
+    """
+    tail = text[text.rfind(CLOSE) + len(CLOSE):] if CLOSE in text else text
+    return OPEN in tail or any(tail.endswith(OPEN[:k]) for k in range(1, len(OPEN)))
+
+
 def _lone_surrogate(obj) -> str | None:
     """Where in parsed JSON a string (value or key) holds a lone surrogate, which JSON's
     \\uXXXX escapes can make but no UTF-8 text (a prompt, a tokenizer input) can carry; None

@@ -20,11 +20,13 @@ Token accounting (what the trainer relies on):
   - logprobs: log p(token_t | tokens_<t) at the sampling temperature (fp32) on policy tokens,
     0 elsewhere; they feed the drift metric (the trainer recomputes old_logp).
 
-Failures: a truncated turn ("truncated_action" inside an open action block, else
-"truncated_generation") or the episode-token cap ("episode_token_cap") is a policy failure
-(reward -1); an exception in our runtime, tokenizer or sampler marks the affected rows
-"rollout_error" (masked), a prompt that alone reaches the cap (the policy never acted)
-"prompt_over_cap" (masked), a judge failure masks the row ("judge_*"); neither stops the batch.
+Failures: a truncated turn ("truncated_action" when cut inside an action: an `<action>` opened
+after the last `</action>`, or the text ending in the start of one such as "<acti",
+`scene.actions.cut_inside_action`; else "truncated_generation") or the episode-token cap
+("episode_token_cap") is a policy failure (reward -1); an exception in our runtime, tokenizer
+or sampler marks the affected rows "rollout_error" (masked), a prompt that alone reaches the cap
+(the policy never acted) "prompt_over_cap" (masked), a judge failure masks the row ("judge_*");
+neither stops the batch.
 
 Slots: a decode round takes `max_new_tokens` slots at most and an append the longest row's
 new tokens (rounded to a bucket). With the derived `cache_tokens` the cache starts at the first
@@ -58,7 +60,7 @@ from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES, ROLE_NAMES
 from jscenegen.grpo.rollout.config import RolloutConfig, SamplingConfig
 from jscenegen.grpo.rollout.primary_judge import judge_on_primary
 from jscenegen.model.tokenizer.chat import ChatTokenizer, Conversation
-from jscenegen.scene.actions import extract_block
+from jscenegen.scene.actions import cut_inside_action
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.episode import Episode
 from jscenegen.scene.judge import Judge
@@ -493,7 +495,7 @@ class RolloutEngine:
             if len(r.tokens) >= cfg.max_episode_tokens:
                 r.fail("episode_token_cap", f"{len(r.tokens)} tokens")
             else:
-                cause = "truncated_action" if extract_block(text)[1] == "truncated_action" else "truncated_generation"
+                cause = "truncated_action" if cut_inside_action(text) else "truncated_generation"
                 r.fail(cause, f"the {role} turn reached max_new_tokens={cfg.max_new_tokens}")
             return None
         res = ep.step(text)
