@@ -276,6 +276,7 @@ def test_the_expert_needs_no_category_a_scene_does_not_request(tmp_path):
     del doc["categories"]["nightstand"]
     doc["room_types"]["bedroom"]["expected"] = [g for g in doc["room_types"]["bedroom"]["expected"]
                                                 if "nightstand" not in g]
+    doc["top_surfaces"].remove("nightstand")   # every name it lists is a category
     path = tmp_path / "catalogue.json"
     path.write_text(json.dumps(doc))
     rec = SceneRecord(empty_room(), seed=3, requested=({"category": "bed", "count": 1},))

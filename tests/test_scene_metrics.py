@@ -137,7 +137,8 @@ def test_collisions_need_vertical_overlap_and_skip_parents_and_rugs():
     r = measure(s)
     # the lamp sits on the nightstand (parent: excluded) but reaches into the dresser's height
     assert r["collision_pairs"] == [["dresser_1", "nightstand_1"], ["dresser_1", "table_lamp_1"]]
-    assert r["unsupported_objects"] == []
+    # the lamp stands on its nightstand's top; the shelf hangs in mid-room, off every wall
+    assert r["unsupported_objects"] == ["wall_shelf_1"]
 
 
 def test_a_thin_object_inside_another_footprint_collides():
@@ -181,6 +182,97 @@ def test_supported_objects_sit_on_their_parent():
         obj("table_lamp_3", "table_lamp", 1.0, 1.0, 0.3, 0.3, 0.45, mount="on", elevation=0.60, parent="nightstand_1"),
     ])
     assert measure(s)["unsupported_objects"] == ["table_lamp_2", "table_lamp_3"]
+
+
+def _art(oid, x, y, yaw=0.0, elevation=1.2):
+    return obj(oid, "wall_art", x, y, 0.8, 0.03, 0.6, yaw=yaw, mount="wall", elevation=elevation)
+
+
+@pytest.mark.parametrize("x, y, yaw, unsupported", [
+    (1.0, 0.015, 0.0, False),     # back face (local -y) on wall 0 (y = 0)
+    (1.0, 0.065, 0.0, False),     # back face 5 cm off the wall: mount_gap_m, still held
+    (1.0, 0.075, 0.0, True),      # 6 cm off
+    (2.0, 1.5, 0.0, True),        # in mid-room at 1.2 m (audit F1)
+    (3.985, 1.5, 90.0, False),    # facing -x, back face on wall 1 (x = 4)
+    (3.5, 1.5, 90.0, True),
+])
+def test_a_wall_mount_is_unsupported_off_every_wall(x, y, yaw, unsupported):
+    """Spec section 1 (front = local +y): a wall-mounted object whose back face is farther than
+    metrics.mount_gap_m (0.05 m) from every wall of the floor polygon hangs in the air; only
+    `on` objects were checked."""
+    r = measure(scene([_art("wall_art_1", x, y, yaw)]))
+    assert r["unsupported_objects"] == (["wall_art_1"] if unsupported else [])
+
+
+def test_the_mount_gap_is_a_setting():
+    from jscenegen.scene.config import SceneRuntimeConfig
+
+    s = scene([_art("wall_art_1", 1.0, 0.075)])                     # 6 cm off wall 0
+    assert measure(s)["unsupported_objects"] == ["wall_art_1"]
+    assert measure(s, SceneRuntimeConfig(metrics={"mount_gap_m": 0.1}))["unsupported_objects"] == []
+
+
+def test_an_object_on_a_parent_without_a_top_is_unsupported():
+    """A plant stood on a picture frame was measured as supported: only its centre over the
+    frame's footprint and its base at the frame's top were checked. The catalogue's
+    `top_surfaces` names the categories that carry what stands on them."""
+    s = scene([
+        _art("wall_art_1", 1.0, 0.015),
+        obj("plant_1", "plant", 1.0, 0.015, 0.4, 0.4, 0.5, mount="on", elevation=1.8, parent="wall_art_1"),
+        obj("nightstand_1", "nightstand", 3.0, 2.0, 0.45, 0.4, 0.55),
+        obj("plant_2", "plant", 3.0, 2.0, 0.3, 0.3, 0.5, mount="on", elevation=0.55, parent="nightstand_1"),
+        obj("rug_1", "rug", 2.0, 2.0, 2.0, 1.4, 0.01),
+        obj("plant_3", "plant", 1.5, 2.0, 0.3, 0.3, 0.5, mount="on", elevation=0.01, parent="rug_1"),
+    ])
+    assert measure(s)["unsupported_objects"] == ["plant_1"]
+
+
+def test_a_catalogue_without_top_surfaces_checks_no_parent_category(tmp_path):
+    import json
+    from importlib import resources
+
+    doc = json.loads(resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text())
+    del doc["top_surfaces"]
+    path = tmp_path / "catalogue.json"
+    path.write_text(json.dumps(doc))
+    s = scene([
+        _art("wall_art_1", 1.0, 0.015),
+        obj("plant_1", "plant", 1.0, 0.015, 0.4, 0.4, 0.5, mount="on", elevation=1.8, parent="wall_art_1"),
+    ])
+    assert load_catalogue(str(path)).top_surfaces is None
+    assert measure(s, catalogue=load_catalogue(str(path)))["unsupported_objects"] == []
+    assert measure(s)["unsupported_objects"] == ["plant_1"]
+
+
+def test_a_ceiling_mount_is_unsupported_below_the_ceiling():
+    """A scene file cannot hold one (schema: its top is at wall_height within 1e-5 m), so the
+    scene is built around validation here: 10 cm below the ceiling is more than mount_gap_m."""
+    s = scene([obj("ceiling_light_1", "ceiling_light", 2.0, 1.5, 0.5, 0.5, 0.2, mount="ceiling", elevation=2.4)])
+    assert measure(s)["unsupported_objects"] == []
+    low = s.objects[0].model_copy(update={"elevation": 2.3})
+    assert measure(s.model_copy(update={"objects": (low,)}))["unsupported_objects"] == ["ceiling_light_1"]
+
+
+def test_unsupported_objects_are_read_by_no_rule_grade_and_add_no_metric():
+    """The rule judge's grades are the spec's (section 5) and read no unsupported object: the
+    picture in mid-room and the plant on it grade as the same scene with nothing listed; the
+    metrics keep their keys (the policy's metrics text keeps its lines)."""
+    s = scene([
+        obj("double_bed_1", "double_bed", 1.0, 1.5, 1.37, 1.91, 1.0),
+        _art("wall_art_1", 2.6, 1.7),
+        obj("plant_1", "plant", 2.6, 1.7, 0.4, 0.4, 0.5, mount="on", elevation=1.8, parent="wall_art_1"),
+    ])
+    r = measure(s)
+    assert r["unsupported_objects"] == ["plant_1", "wall_art_1"]
+    cat = load_catalogue()
+    assert rule_grades(s, [], r, cat) == rule_grades(s, [], {**r, "unsupported_objects": []}, cat)
+    assert list(r) == [
+        "object_count", "collision_pairs", "oob_objects", "oob_cap_objects", "door_blocked",
+        "door_clearance_blocked", "window_warnings", "unsupported_objects", "reachable_object_ratio",
+        "door_connected_ratio", "num_regions", "largest_region_ratio", "walkable_ratio",
+        "unreachable_objects", "door_walk_blocked", "front_to_wall_objects",
+        "storage_front_to_wall_objects", "storage_off_wall_objects", "size_out_of_range_objects",
+        "chairs_not_at_desk", "unknown_categories", "missing_required", "reachable"]
 
 
 def test_out_of_bounds_and_wall_height():

@@ -275,6 +275,8 @@ def _packaged_catalogue() -> dict:
      r"room_types\.bedroom\.required_group must be a group name, got \[\"bed\"\]"),
     (lambda d: d["room_types"]["bedroom"].update(expected=5),
      r"room_types\.bedroom\.expected must be a list of lists of names, got 5"),
+    (lambda d: d["top_surfaces"].append("table"), r"top_surfaces names 'table', which is not a category"),
+    (lambda d: d.update(top_surfaces="desk"), r"top_surfaces must be a list of names, got \"desk\""),
 ])
 def test_a_catalogue_file_is_checked_key_by_key(tmp_path, change, message):
     doc = _packaged_catalogue()

@@ -39,7 +39,13 @@ class Category:
 
 @dataclass(frozen=True)
 class Catalogue:
-    """Categories plus groups and per-room-type expectations."""
+    """Categories plus groups and per-room-type expectations.
+
+    top_surfaces: the categories whose top carries an object mounted `on` them (a lamp on a
+    nightstand, a plant on a rug); the metrics list an `on` object whose parent is of another
+    category as unsupported (a plant on a picture frame). None when the catalogue file has no
+    `top_surfaces` key (a catalogue written before it): then no parent is refused for its
+    category."""
 
     categories: dict[str, Category]
     groups: dict[str, tuple[str, ...]]
@@ -47,6 +53,7 @@ class Catalogue:
     chair_like: tuple[str, ...]
     room_types: dict[str, dict]
     raw: dict
+    top_surfaces: tuple[str, ...] | None = None
 
     def get(self, name: str) -> Category | None:
         return self.categories.get(name)
@@ -124,7 +131,8 @@ def _category(name: str, e) -> Category:
 def _parse(doc: dict, source: str) -> Catalogue:
     """The catalogue in `doc`; raises ValueError naming `source` and the key: sizes must be
     finite and positive, ranges ordered, mounts known, and every name a group, `desk_like`,
-    `chair_like` or a room type lists must be a category (or, for a room type, a group)."""
+    `chair_like`, `top_surfaces` or a room type lists must be a category (or, for a room type,
+    a group)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("categories"), dict):
         raise ValueError(f"{source}: expected a JSON object with a 'categories' object")
     if doc.get("version") != CATALOGUE_VERSION:
@@ -172,6 +180,8 @@ def _parse(doc: dict, source: str) -> Catalogue:
         chair_like=names("chair_like", doc.get("chair_like", []), cats),
         room_types=room_types,
         raw=doc,
+        top_surfaces=(names("top_surfaces", doc["top_surfaces"], cats) if "top_surfaces" in doc
+                      else None),
     )
 
 

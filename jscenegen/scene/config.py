@@ -112,6 +112,11 @@ class MetricsConfig(Section):
     wall_gap_m: float = Field(0.10, ge=0, description="a storage piece farther than this (m) from "
                               "every wall is off the wall (storage_off_wall_objects: -1 realism "
                               "each in the rule judge)")
+    mount_gap_m: float = Field(0.05, ge=0, description="a wall-mounted object whose back face "
+                               "(its local -y side) is farther than this (m) from every wall of "
+                               "the floor polygon, or a ceiling-mounted one whose top is farther "
+                               "than this from wall_height, is unsupported (unsupported_objects: "
+                               "measured, no grade of the rule judge reads it)")
     chair_desk_m: float = Field(1.5, ge=0, description="a chair is at a desk when a desk-like "
                                 "object's centre lies within this distance (m) of its centre and "
                                 "within 60 degrees of its front (else -2 functionality)")

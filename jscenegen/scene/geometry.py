@@ -196,12 +196,12 @@ def segment_distance(p: np.ndarray, q: np.ndarray, a: np.ndarray, b: np.ndarray)
     return min(pt_seg(p, a, b), pt_seg(q, a, b), pt_seg(a, p, q), pt_seg(b, p, q))
 
 
+def segment_to_walls(p: np.ndarray, q: np.ndarray, floor) -> float:
+    """Smallest distance (m) from segment pq to any edge (wall) of the floor polygon [[x, y], ...]."""
+    poly = np.asarray(floor, dtype=float)
+    return min(segment_distance(p, q, poly[i], poly[(i + 1) % len(poly)]) for i in range(len(poly)))
+
+
 def distance_to_walls(corners: np.ndarray, floor) -> float:
     """Smallest distance (m) from a footprint [4, 2] to any edge of the floor polygon."""
-    poly = np.asarray(floor, dtype=float)
-    best = math.inf
-    for i in range(len(poly)):
-        a, b = poly[i], poly[(i + 1) % len(poly)]
-        for k in range(4):
-            best = min(best, segment_distance(corners[k], corners[(k + 1) % 4], a, b))
-    return best
+    return min(segment_to_walls(corners[k], corners[(k + 1) % 4], floor) for k in range(4))
