@@ -404,7 +404,7 @@ def test_every_process_compares_what_it_read_from_its_own_disk(tmp_path, monkeyp
     # with the KL loss and no model.reference_path, the cross-host check and the train state's
     # record of the reference read one directory: its weights are hashed once (were twice)
     hashed = []
-    monkeypatch.setattr(trainer_mod, "_weights_digest", lambda d: hashed.append(d) or "0" * 64)
+    monkeypatch.setattr(trainer_mod, "weights_digest", lambda d: hashed.append(d) or "0" * 64)
     trainer.model_dir, trainer._weights_digests = chat_model_dir(), {}
     trainer.cfg = trainer.cfg.model_copy(update={"loss": trainer.cfg.loss.model_copy(
         update={"use_kl_loss": True})})

@@ -552,22 +552,23 @@ def model_assets_dir(path: str | Path) -> Path:
     return p / HF_DIR if is_checkpoint_dir(p) else p
 
 
-def not_a_model(path: str | Path) -> FileNotFoundError:
-    """The error for a `--model` directory that is neither an HF model nor a checkpoint step
-    (`design`, `eval`, `mesh-report`), pointing at the newest step when it is a run's
-    `checkpoints/` directory or the run itself."""
+def not_a_model(path: str | Path, option: str = "--model") -> FileNotFoundError:
+    """The error for a `--model` directory (or the one `option` names: `judge.model_path`)
+    that is neither an HF model nor a checkpoint step (`design`, `eval`, `mesh-report`, the
+    model judge), pointing at the newest step when it is a run's `checkpoints/` directory or
+    the run itself."""
     from jscenegen.run_files import RUN_CHECKPOINTS
 
     p = Path(path)
     if not p.exists():
-        return FileNotFoundError(f"--model {p}: no such file or directory")
+        return FileNotFoundError(f"{option} {p}: no such file or directory")
     hint = ""
     for steps_dir in (p, p / RUN_CHECKPOINTS):
         steps = [s for s in step_numbers(steps_dir) if is_checkpoint_dir(steps_dir / str(s))]
         if steps:
             hint = f"; its newest checkpoint step is {steps_dir / str(steps[-1])}"
             break
-    return FileNotFoundError(f"--model {p}: neither an HF model directory (config.json) nor a "
+    return FileNotFoundError(f"{option} {p}: neither an HF model directory (config.json) nor a "
                              f"checkpoint step directory (params/ and hf/){hint}")
 
 

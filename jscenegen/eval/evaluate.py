@@ -20,15 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from jscenegen.checkpoint.store import (
-    HF_DIR,
-    CheckpointError,
-    check_step,
-    is_checkpoint_dir,
-    iter_arrays,
-    model_assets_dir,
-    not_a_model,
-)
+from jscenegen.checkpoint.model_dir import load_chat, load_model
 from jscenegen.eval.report import REPORT_SCHEMA
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import RolloutEngine
@@ -46,75 +38,16 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- loading
 def load_policy(path: str | Path, mesh, **options):
-    """A QwenForCausalLM sharded on `mesh` from an HF directory or a checkpoint step directory.
-
-    HF directory: `hf_io.load_hf` (the trainer's path). Checkpoint step (`RUN/checkpoints/N/`):
-    the step is verified against its checksums first, then every parameter is read at logical
-    shape with `checkpoint.store.iter_arrays` (one array in host memory at a time) into
-    `loader.build_model` with the architecture of `hf/config.json`. `options`: the loader's
-    (param_dtype, compute_dtype, attn_impl, ...).
-    Raises CheckpointError for an incomplete or corrupt step, CheckpointFormatError for a
-    parameter-name mismatch (naming the step and the names), FileNotFoundError when `path`
-    is neither.
-    """
-    from jscenegen.model.config import QwenConfig
-    from jscenegen.model.hf_io import load_hf
-    from jscenegen.model.loader import build_model
-
-    p = Path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(f"--model {p}: " + ("not a directory (give the model or checkpoint "
-                                                     "directory)" if p.exists() else "no such directory"))
-    if not is_checkpoint_dir(p):
-        if not (p / "config.json").is_file():
-            raise not_a_model(p)
-        if p.name == HF_DIR and is_checkpoint_dir(p.parent):   # assets only: the weights are beside
-            raise FileNotFoundError(f"--model {p}: a checkpoint step's assets (config, tokenizer; "
-                                    f"its weights are in params/): give the step, {p.parent}")
-        return load_hf(p, mesh=mesh, **options)
-    verify_step(p)
-    return build_model(QwenConfig.from_dir(p / HF_DIR), iter_arrays(p, "params"), mesh=mesh,
-                       source=str(p), **options)
-
-
-_VERIFIED: set[tuple] = set()   # (step, its files' names, sizes and mtimes) verified here
-
-
-def verify_step(step: Path) -> None:
-    """Raise CheckpointError unless the checkpoint step's files match its checksums. The chat
-    and the weights read the same step: it is hashed once per process while no file of it
-    changes (name, size, modification time)."""
-    files = sorted((str(f.relative_to(step)), st.st_size, st.st_mtime_ns)
-                   for f in step.rglob("*") if f.is_file() for st in [f.stat()])
-    key = (step.resolve(), tuple(files))
-    if key in _VERIFIED:
-        return
-    status = check_step(step)
-    if not status.valid:
-        raise CheckpointError(f"checkpoint {step} is not usable: {status.reason}")
-    _VERIFIED.add(key)
+    """A QwenForCausalLM sharded on `mesh` from an HF directory or a checkpoint step directory
+    (`checkpoint.model_dir.load_model`, the errors naming `--model`)."""
+    return load_model(path, mesh, **options)
 
 
 def policy_chat(cfg, model_path: str | Path):
     """The ChatTokenizer of `model_path`'s assets (HF directory or checkpoint step's `hf/`) with
-    `sampling.chat_template_path`, checked to be prefix-preserving (ValueError names the
-    difference otherwise), after `config.json` (ModelConfigError naming it and the key). Loads
-    no weights."""
-    from jscenegen.model.config import QwenConfig, read_config_file
-    from jscenegen.model.tokenizer.chat import ChatTokenizer
-
-    p = Path(model_path)
-    config = model_assets_dir(p) / "config.json"
-    if not config.is_file():
-        raise not_a_model(p)
-    if is_checkpoint_dir(p):
-        verify_step(p)   # before its tokenizer is read
-    # transformers' tokenizer loader reads config.json too, and its errors would blame the tokenizer
-    model_cfg = QwenConfig.from_hf_dict(read_config_file(config), str(config))
-    chat = ChatTokenizer.from_dir(model_assets_dir(p), cfg.sampling.chat_template_path)
-    chat.check_fits(model_cfg.vocab_size, str(p))
-    chat.check_prefix_preserving()
-    return chat
+    `sampling.chat_template_path`, checked to be prefix-preserving
+    (`checkpoint.model_dir.load_chat`). Loads no weights."""
+    return load_chat(model_path, cfg.sampling.chat_template_path)
 
 
 def policy_engine(cfg, model_path: str | Path, chat=None) -> RolloutEngine:

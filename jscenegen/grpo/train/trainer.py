@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jscenegen.checkpoint.checksums import file_sha256, sampled_file_digest
+from jscenegen.checkpoint.checksums import file_sha256
 from jscenegen.checkpoint.metadata import config_changes, redact, training_metadata
+from jscenegen.checkpoint.model_dir import NO_READABLE_WEIGHTS, weights_digest
 from jscenegen.checkpoint.resume import (
     ResumeError,
     check_run_identity,
@@ -83,7 +84,6 @@ from jscenegen.model.functional import hidden_fn, split_params
 from jscenegen.model.hf_io import load_hf
 from jscenegen.model.loader import build_model
 from jscenegen.model.rope import warn_dynamic_rope_drift
-from jscenegen.model.safetensors_stream import safetensors_files
 from jscenegen.model.tokenizer.chat import ChatTokenizer
 from jscenegen.model.weights import (
     Carried,
@@ -182,20 +182,6 @@ def _write_on_primary(write: Callable[[], None]) -> None:
     on_primary(write, OSError)
 
 
-NO_READABLE_WEIGHTS = "no readable weights"
-
-
-def _weights_digest(model_dir: Path) -> str:
-    """`sampled_file_digest` of each safetensors file the HF directory `model_dir` reads, by
-    name; a directory whose weights cannot be listed says so (NO_READABLE_WEIGHTS: the load
-    names the problem)."""
-    try:
-        files = sorted(set(safetensors_files(model_dir).values()))
-        return json_sha256([[f.name, sampled_file_digest(f)] for f in files])
-    except (CheckpointFormatError, OSError):
-        return NO_READABLE_WEIGHTS
-
-
 def _tokenisation_files_digest(model_dir: Path, template_override: bool) -> str:
     """Digest of {name: sha256 of its bytes, None when absent, "unreadable"} of the files of
     `model_dir` a resume compares with its checkpoint's copies (`compared_tokenisation_files`),
@@ -228,7 +214,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.model_dir = Path(model_dir)
-        self._weights_digests: dict[Path, str] = {}   # `_weights_digest` by directory, once a start
+        self._weights_digests: dict[Path, str] = {}   # `weights_digest` by directory, once a start
         self.mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
         self.scenes, n = train_scenes(cfg)
         self.schedule = Schedule([(f"train-{i:04d}", self.scenes[i].seed) for i in range(n)],
@@ -333,15 +319,15 @@ class Trainer:
         return Path(path) if path is not None else self.model_dir
 
     def _digest_of(self, model_dir: Path) -> str:
-        """`_weights_digest` of `model_dir`, computed once a start (the cross-host check and the
+        """`weights_digest` of `model_dir`, computed once a start (the cross-host check and the
         KL reference's record both read the reference's)."""
         if model_dir not in self._weights_digests:
-            self._weights_digests[model_dir] = _weights_digest(model_dir)
+            self._weights_digests[model_dir] = weights_digest(model_dir)
         return self._weights_digests[model_dir]
 
     def _reference_record(self) -> dict | None:
         """{"path": model.reference_path (None: the initial policy, the model directory),
-        "weights_digest": `_weights_digest` of its directory}; None when that directory holds
+        "weights_digest": `weights_digest` of its directory}; None when that directory holds
         no readable weights (`_reference_params` then names the problem)."""
         digest = self._digest_of(self._reference_dir())
         return (None if digest == NO_READABLE_WEIGHTS else
