@@ -37,7 +37,7 @@ from jscenegen.paths import loads_json
 from jscenegen.text import clip_text
 
 from .caps import apply_caps
-from .config import GRADE_MAX, GRADE_MIN, JudgeConfig, MetricsConfig, is_grade, shown_url
+from .config import JudgeConfig, MetricsConfig, shown_url
 from .judge import (
     JudgeIdentity,
     JudgeRequest,
@@ -45,6 +45,15 @@ from .judge import (
     http_judge_sampling,
     judge_messages,
     rubric_hash,
+)
+from .judge_answer import (  # noqa: F401  (importable from here, as before they moved)
+    CUT_DETAIL,
+    MAX_ANSWER_DEPTH,
+    AnswerCut,
+    JudgeAnswerError,
+    check_depth,
+    parse_judge_content,
+    without_reasoning,
 )
 from .prompts import PromptTemplates
 
@@ -54,7 +63,6 @@ RETRIED_4XX = (408, 429)  # request timeout, too many requests: the only 4xx wor
 MAX_ANSWER_BYTES = 1 << 20  # a grade object is a few hundred bytes: read no more than 1 MiB
 MAX_RETRY_AFTER_S = 60.0    # as judge.backoff_s: a server's Retry-After waits no longer
 PROBE_TIMEOUT_S = 10.0
-MAX_ANSWER_DEPTH = 32       # a chat completion nests 4 deep, a grade object 2 or 3
 
 
 class JudgeAnswerTooLarge(Exception):
@@ -111,30 +119,6 @@ def retry_after_s(value: str | None) -> float | None:
     return min(seconds, MAX_RETRY_AFTER_S) if 0 <= seconds else None
 
 
-class JudgeAnswerError(ValueError):
-    """The judge's answer is not the strict JSON grade object."""
-
-
-def check_depth(value: Any, what: str) -> None:
-    """Raise JudgeAnswerError naming `what` when the parsed JSON `value` nests lists and objects
-    more than MAX_ANSWER_DEPTH deep. Iterative: what reads an answer afterwards (masking, repr,
-    writing the comments into trajectories) recurses once per level, and a few hundred levels
-    (JSON the parser still reads) would raise RecursionError out of `grade`."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > MAX_ANSWER_DEPTH:
-                raise JudgeAnswerError(f"{what} nests lists and objects more than "
-                                       f"{MAX_ANSWER_DEPTH} deep")
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
-
-
-class AnswerCut(JudgeAnswerError):
-    """The judge stopped at judge.max_tokens (`finish_reason: "length"`) before an answer that
-    parses."""
-
-
 class AnswerCompressed(JudgeAnswerError):
     """The body came compressed although the request asked for none: the server does so again."""
 
@@ -166,46 +150,6 @@ def message_content(answer) -> str:
         raise JudgeAnswerError("not a chat completion: the body has no choices[0].message.content "
                                f"text (got {clip_text(repr(answer), 120)})")
     return content
-
-
-THINK_END = "</think>"
-
-
-def without_reasoning(content: str) -> str:
-    """`content` without a leading reasoning trace: the text after the first `</think>` when
-    the content opens with `<think>`, or does not open with `{` and holds `</think>` (Qwen3's
-    chat template opens the trace in the prompt, so a server without a reasoning parser sends
-    "...</think>" then the answer); else `content` itself."""
-    head = content.lstrip()
-    if THINK_END in head and (head.startswith("<think>") or not head.startswith("{")):
-        return head.split(THINK_END, 1)[1]
-    return content
-
-
-def parse_judge_content(content: str, grade_keys, mask=None) -> tuple[dict[str, int], dict]:
-    """(grades, comments) from a judge's message content (strict JSON, after a leading
-    reasoning trace: `without_reasoning`), the parsed answer passed through `mask` (parsed
-    object -> object) before anything in it is checked or quoted. Raises JudgeAnswerError."""
-    try:
-        obj = loads_json(without_reasoning(content).strip())
-    except ValueError as err:
-        raise JudgeAnswerError(f"not JSON: {err}") from None
-    check_depth(obj, "the message content")
-    if mask is not None:
-        obj = mask(obj)
-    if not isinstance(obj, dict) or not isinstance(obj.get("grades"), dict):
-        raise JudgeAnswerError("answer must be an object with a 'grades' object")
-    grades = obj["grades"]
-    if set(grades) != set(grade_keys):
-        missing = sorted(set(grade_keys) - set(grades))
-        extra = sorted(map(str, set(grades) - set(grade_keys)))
-        raise JudgeAnswerError(f"grade keys differ: missing {missing}, not asked for "
-                               f"{clip_text(repr(extra), 100)}")
-    for k, v in grades.items():
-        if not is_grade(v):
-            raise JudgeAnswerError(f"grade {k!r} = {v!r} is not an integer {GRADE_MIN}..{GRADE_MAX}")
-    comments = obj.get("comments", {})
-    return {k: grades[k] for k in grade_keys}, comments if isinstance(comments, dict) else {}
 
 
 _WARNED_UNSET: set[str] = set()
@@ -493,9 +437,7 @@ class HttpJudge:
                 except JudgeAnswerError:
                     if not was_cut(answer):
                         raise
-                    raise AnswerCut("the judge's answer was cut at judge.max_tokens (finish_reason "
-                                    "\"length\"; a reasoning trace can take them all): raise "
-                                    "judge.max_tokens") from None
+                    raise AnswerCut(CUT_DETAIL) from None
             except AnswerCut as err:
                 cause, detail = "judge_unparseable", str(err)
                 if self.cfg.temperature == 0:
