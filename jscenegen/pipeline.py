@@ -331,12 +331,12 @@ def check_run_inputs(cfg) -> None:
 
     from jscenegen.eval.evaluate import evaluation_samples, report_scene_ids
     from jscenegen.eval.report import check_report_episodes
+    from jscenegen.grpo.rollout.judges import build_judge
     from jscenegen.grpo.train.metrics import check_swanlab_mode
     from jscenegen.grpo.train.trainer import train_scenes
     from jscenegen.paths import resolve_data_path
     from jscenegen.run_config import warn_inert_settings
     from jscenegen.scene.catalogue import load_catalogue
-    from jscenegen.scene.judge import make_judge
     from jscenegen.scene.prompts import load_templates
     from jscenegen.scene.sceneset import check_records_usable, read_scene_set
     from jscenegen.sharding.mesh import on_primary
@@ -369,7 +369,7 @@ def check_run_inputs(cfg) -> None:
         check_records_usable(records, catalogue, cfg.scene.metrics, str(path),
                              max_objects=cfg.scene.max_objects)
     load_templates(cfg.scene.prompts_dir)
-    judge = make_judge(cfg.judge, cfg.scene)
+    judge = build_judge(cfg)   # a model judge: its files read and digested, no weights loaded
     on_primary(judge.check_reachable)   # the process that grades takes the run's key
     template = cfg.sampling.chat_template_path
     if template and not Path(template).is_file():

@@ -96,9 +96,15 @@ class RunConfig(Section):
 DEFAULT_CONFIG = "configs/cpu-default.yaml"
 
 _RULE_JUDGE_KEYS = ("backend", "grade_keys", "max_failed_updates")   # the rule judge's run reads these
-_HTTP_JUDGE_KEYS = tuple(k for k in JudgeConfig.model_fields if k not in _RULE_JUDGE_KEYS)
+# what the two language-model judges read (http and model); model_path is refused without
+# judge.backend: model (`JudgeConfig`), so it is in neither list
+_LM_JUDGE_KEYS = ("enforce_caps", "temperature", "max_tokens", "concurrency")
+_HTTP_JUDGE_KEYS = tuple(k for k in JudgeConfig.model_fields
+                         if k not in (*_RULE_JUDGE_KEYS, *_LM_JUDGE_KEYS, "model_path"))
 # keys that act only under another setting: (section, keys, whether they act, that setting)
 _CONDITIONAL_KEYS = (
+    ("judge", _LM_JUDGE_KEYS, lambda c: c.judge.backend in ("http", "model"),
+     "judge.backend: http or model"),
     ("judge", _HTTP_JUDGE_KEYS, lambda c: c.judge.backend == "http", "judge.backend: http"),
     ("loss", ("horizon",), lambda c: c.loss.loss_agg_mode == "seq-mean-token-sum-norm",
      "loss.loss_agg_mode: seq-mean-token-sum-norm"),
@@ -235,7 +241,7 @@ def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path |
     """What a command run with `cfg` (read from `config`, None: the default) reads besides its
     model, {label: path} for `paths.refuse_overwriting_input`: the config file, the warm
     start's SFT config, the prompt templates, the catalogue, the chat template, the scene sets,
-    the reference model, the installed jscenegen and convert packages (the packaged templates
+    the reference model, the model judge's model, the installed jscenegen and convert packages (the packaged templates
     and catalogue live there; the files the checkout ships under configs/ and data/ are refused
     by `refuse_overwriting_input` itself). A path that does not exist is left out (None):
     nothing there to overwrite."""
@@ -260,6 +266,7 @@ def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path |
         "schedule.train_set": found(cfg.schedule.train_set),
         "schedule.dev_set": found(cfg.schedule.dev_set),
         "model.reference_path": found(cfg.model.reference_path),
+        "judge.model_path": found(cfg.judge.model_path),
         "the jscenegen package": Path(jscenegen.__file__).resolve().parent,
         "the convert package": (Path(convert.origin).resolve().parent
                                 if convert and convert.origin else None),

@@ -443,11 +443,13 @@ def test_printed_text_escapes_controls_and_bidirectional_overrides():
 
 def test_the_http_judge_keys_are_those_the_rule_judge_does_not_read():
     """Derived by exclusion from JudgeConfig: a new key the rule judge reads must join
-    _RULE_JUDGE_KEYS, or it is warned about as having no effect."""
-    from jscenegen.run_config import _HTTP_JUDGE_KEYS
+    _RULE_JUDGE_KEYS, one both language-model judges (http, model) read _LM_JUDGE_KEYS, or it
+    is warned about as having no effect without the http judge."""
+    from jscenegen.run_config import _HTTP_JUDGE_KEYS, _LM_JUDGE_KEYS
 
-    assert _HTTP_JUDGE_KEYS == ("enforce_caps", "base_url", "model", "api_key_env", "timeout_s",
-                                "max_retries", "backoff_s", "concurrency", "temperature", "max_tokens")
+    assert _HTTP_JUDGE_KEYS == ("base_url", "model", "api_key_env", "timeout_s", "max_retries",
+                                "backoff_s")
+    assert _LM_JUDGE_KEYS == ("enforce_caps", "temperature", "max_tokens", "concurrency")
 
 
 def test_keys_set_where_they_have_no_effect_are_named(caplog):

@@ -79,11 +79,11 @@ def load_model(path: str | Path, mesh, *, option: str = "--model", **options):
 
 
 def load_chat(path: str | Path, chat_template_path: str | Path | None = None, *,
-              option: str = "--model", prefix_preserving: bool = True):
+              option: str = "--model"):
     """The ChatTokenizer of `path`'s assets (HF directory or checkpoint step's `hf/`) with the
     replacement template `chat_template_path` (None: the directory's own), checked to fit the
-    model's vocabulary and, with `prefix_preserving`, to be prefix-preserving (ValueError names
-    the difference otherwise), after `config.json` (ModelConfigError naming it and the key).
+    model's vocabulary and to be prefix-preserving (ValueError names the difference
+    otherwise), after `config.json` (ModelConfigError naming it and the key).
     Loads no weights; verifies a checkpoint step first (`verify_step`)."""
     from jscenegen.model.config import QwenConfig, read_config_file
     from jscenegen.model.tokenizer.chat import ChatTokenizer
@@ -98,8 +98,7 @@ def load_chat(path: str | Path, chat_template_path: str | Path | None = None, *,
     model_cfg = QwenConfig.from_hf_dict(read_config_file(config), str(config))
     chat = ChatTokenizer.from_dir(model_assets_dir(p), chat_template_path)
     chat.check_fits(model_cfg.vocab_size, str(p))
-    if prefix_preserving:
-        chat.check_prefix_preserving()
+    chat.check_prefix_preserving()
     return chat
 
 

@@ -98,10 +98,11 @@ def run(args) -> int:
         refuse_overwriting_input(args.render, "--render", {**inputs, "-o": args.out})
     record = design_record(args.prompt, args.room, args.seed)
 
-    from jscenegen.eval.evaluate import check_episode_fits, policy_chat, policy_engine
+    from jscenegen.eval.evaluate import check_episode_fits, policy_chat, policy_engine, policy_mesh
     from jscenegen.eval.report import masked_why
+    from jscenegen.grpo.rollout.judges import build_judge, load_judge
     from jscenegen.paths import write_json
-    from jscenegen.scene.judge import judge_failure_text, make_judge
+    from jscenegen.scene.judge import judge_check_hint, judge_failure_text
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reach_inputs import ReachabilityError
     from jscenegen.scene.reward import JUDGE_FAILURES
@@ -113,11 +114,13 @@ def run(args) -> int:
         measure(record.scene, cfg.scene)
     except ReachabilityError as err:
         raise ReachabilityError(f"--room {args.room}: {err}" if args.room else str(err)) from None
-    judge = make_judge(cfg.judge, cfg.scene)
+    mesh = policy_mesh(cfg)
+    judge = build_judge(cfg, mesh=mesh)   # a model judge: its files read, no weights yet
     judge.check_reachable()   # as eval and train do: before the model loads
     chat = policy_chat(cfg, args.model)
     check_episode_fits(chat, record, cfg)
-    engine = policy_engine(cfg, args.model, chat=chat)
+    engine = policy_engine(cfg, args.model, chat=chat, mesh=mesh)
+    load_judge(judge)   # a model judge's weights, beside the policy's
     episodes = {}
 
     def on_turn(member, message, episode) -> None:
@@ -149,7 +152,7 @@ def run(args) -> int:
     if traj.failure_cause in JUDGE_FAILURES:   # the scene is written; its grades are not (eval's rule)
         cause = judge_failure_text(traj.failure_cause, traj.outcome.get("judge_info", {}))
         print(terminal_text(f"error: the judge did not grade the scene ({cause}); "
-                            f"{out} holds it (check judge.base_url and the judge's log)"),
+                            f"{out} holds it ({judge_check_hint(cfg.judge)})"),
               file=sys.stderr)
         return 1
     if traj.masked:   # not the policy's outcome: our sampler or runtime failed (eval's rule)

@@ -65,6 +65,7 @@ def run(args) -> int:
         evaluation_samples,
         policy_chat,
         policy_engine,
+        policy_mesh,
         report_scene_ids,
     )
     from jscenegen.paths import check_output_file, refuse_overwriting_input
@@ -101,8 +102,9 @@ def run(args) -> int:
     refuse_overwriting_input(plot_path, "--plot", {**inputs, "--out": args.out})
 
     from jscenegen.eval.report import check_report_episodes, ungraded_judge_failures, unmeasured_model
+    from jscenegen.grpo.rollout.judges import build_judge, load_judge
     from jscenegen.scene.catalogue import load_catalogue
-    from jscenegen.scene.judge import make_judge
+    from jscenegen.scene.judge import judge_check_hint
     from jscenegen.scene.sceneset import check_records_usable, read_scene_set
     from jscenegen.text import terminal_text
 
@@ -111,11 +113,13 @@ def run(args) -> int:
     report_scene_ids(records, f"--scenes {scenes}")   # each scene named once, before the model loads
     check_records_usable(records, load_catalogue(cfg.scene.catalogue_path), cfg.scene.metrics,
                          str(scenes), max_objects=cfg.scene.max_objects)
-    judge = make_judge(cfg.judge, cfg.scene)
+    mesh = policy_mesh(cfg)
+    judge = build_judge(cfg, mesh=mesh)   # a model judge: its files read, no weights yet
     judge.check_reachable()
     chat = policy_chat(cfg, args.model)
     check_scenes_fit(chat, records, cfg, str(scenes))   # before the model loads
-    engine = policy_engine(cfg, args.model, chat=chat)
+    engine = policy_engine(cfg, args.model, chat=chat, mesh=mesh)
+    load_judge(judge)   # a model judge's weights, beside the policy's
 
     def progress(row: dict) -> None:
         m, e = row["model"], row["expert"]
@@ -133,8 +137,8 @@ def run(args) -> int:
     ungraded = ungraded_judge_failures(report)
     if ungraded:
         print(terminal_text(f"error: the judge graded none of the episodes it was sent "
-                            f"({ungraded}); the report {out} records them (check "
-                            "judge.base_url and the judge's log)"), file=sys.stderr)
+                            f"({ungraded}); the report {out} records them "
+                            f"({judge_check_hint(cfg.judge)})"), file=sys.stderr)
         return 1
     unmeasured = unmeasured_model(report)
     if unmeasured:   # the report says so with reward null; a script reads the exit code

@@ -87,25 +87,27 @@ def _load(path: str):
 
 def check(args) -> int:
     """Grades come from the configured judge (`judge.backend`: the rule judge by default, the
-    HTTP judge when --config says so); the output's `judge` names it. A judge failure prints
+    HTTP judge or the model judge when --config says so: the model judge's weights are loaded
+    here, on one device); the output's `judge` names it. A judge failure prints
     the cause with no grades or reward and exits 1. A scene no episode may end with (empty)
     is not judged: its reward is the failure reward an episode gets (-1), with
     `failure_cause`."""
+    from jscenegen.grpo.rollout.judges import build_judge
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.episode import terminal_scene_failure
-    from jscenegen.scene.judge import JudgeRequest, judge_failure_text, make_judge
+    from jscenegen.scene.judge import JudgeRequest, judge_failure_text
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reward import failed_outcome, reward_from_grades
 
     run_cfg = _run_config(args.config)
-    cfg, judge_cfg = run_cfg.scene, run_cfg.judge
+    cfg = run_cfg.scene
     catalogue = load_catalogue(cfg.catalogue_path)
     scene, req = _load(_input(args.scene))
     if args.requested is not None:
         req = _requested(args.requested, catalogue)
     metrics = measure(scene, cfg, catalogue, blockers=True)
     units = scene.budget.used_units if args.requested_units is None else args.requested_units
-    judge = make_judge(judge_cfg, cfg)
+    judge = build_judge(run_cfg)
     identity = {k: v for k, v in judge.identity().items() if k != "rubric_hash"}
     terminal_failure = terminal_scene_failure(scene)
     result = None if terminal_failure else judge.grade([JudgeRequest(scene, tuple(req), metrics)])[0]
@@ -167,6 +169,7 @@ def generate(args) -> int:
 
 
 def furnish(args) -> int:
+    from jscenegen.grpo.rollout.judges import build_judge
     from jscenegen.paths import check_output_file, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.expert import run_scripted_episode
@@ -183,7 +186,7 @@ def furnish(args) -> int:
         raise ValueError(f"--index {err}") from None
     check_records_usable([record], load_catalogue(cfg.catalogue_path), cfg.metrics,
                          str(scene_set), max_objects=cfg.max_objects)
-    ep, _ = run_scripted_episode(record, cfg, judge_cfg)
+    ep, _ = run_scripted_episode(record, cfg, judge_cfg, judge=build_judge(run_cfg))
     out = Path(args.output)
     write_json(out, ep.scene.to_json())
     o = ep.outcome
@@ -209,13 +212,14 @@ def register(subparsers) -> None:
                               "furnish scenes")
     sub = p.add_subparsers(dest="scene_command", metavar="ACTION", required=True)
     c = sub.add_parser("check", help="print metrics, the configured judge's grades (the rule judge "
-                       "unless --config sets judge.backend: http) and reward of a scene JSON")
+                       "unless --config sets judge.backend: http or model) and reward of a scene JSON")
     c.add_argument("scene", help="scene JSON (or one scene-set record)")
     c.add_argument("--requested-units", type=_units_arg, default=None,
                    help="units for the reward (default: budget used)")
     c.add_argument("--requested", default=None, help="requested items, e.g. 'bed:1,nightstand:2'")
     c.add_argument("--config", default=None, type=data_path_arg, help="YAML with optional scene: and judge: sections "
-                   "(judge.backend: http grades with that server)")
+                   "(judge.backend: http grades with that server, model with the model at "
+                   "judge.model_path)")
     r = sub.add_parser("render", help="draw the top view (room, openings, objects, reachable region)")
     r.add_argument("scene")
     r.add_argument("-o", "--output", required=True, help="output PNG (the name ends in .png)")

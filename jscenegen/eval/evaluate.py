@@ -29,7 +29,7 @@ from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize, zero_spread_share
 from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
-from jscenegen.scene.judge import Judge, http_judge_sampling
+from jscenegen.scene.judge import SAMPLING_JUDGES, Judge, http_judge_sampling
 from jscenegen.scene.protocol import protocol_digests
 from jscenegen.scene.sceneset import SceneRecord, record_sha256
 
@@ -50,14 +50,19 @@ def policy_chat(cfg, model_path: str | Path):
     return load_chat(model_path, cfg.sampling.chat_template_path)
 
 
-def policy_engine(cfg, model_path: str | Path, chat=None) -> RolloutEngine:
-    """A RolloutEngine for `model_path` (HF directory or checkpoint step) built as the trainer
-    builds its own: mesh from `cfg.mesh`, dtypes/attention from `cfg.model`, sampling from
-    `cfg.sampling`, the rollout layout from `cfg.rollout`, the tokenizer and chat template of
-    the model's assets (`policy_chat`, unless `chat` is given)."""
+def policy_mesh(cfg):
+    """The mesh an evaluation's policy (and a model judge beside it) runs on: `cfg.mesh`."""
     from jscenegen.sharding.mesh import make_mesh
 
-    mesh = make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+    return make_mesh(cfg.mesh.fsdp, cfg.mesh.sp)
+
+
+def policy_engine(cfg, model_path: str | Path, chat=None, mesh=None) -> RolloutEngine:
+    """A RolloutEngine for `model_path` (HF directory or checkpoint step) built as the trainer
+    builds its own: mesh from `cfg.mesh` (`policy_mesh`, unless `mesh` is given), dtypes/attention from `cfg.model`, sampling from
+    `cfg.sampling`, the rollout layout from `cfg.rollout`, the tokenizer and chat template of
+    the model's assets (`policy_chat`, unless `chat` is given)."""
+    mesh = mesh if mesh is not None else policy_mesh(cfg)
     model = load_policy(model_path, mesh, **cfg.model.build_options())
     chat = chat if chat is not None else policy_chat(cfg, model_path)
     return RolloutEngine(model, chat, cfg.sampling, mesh, cfg.rollout)
@@ -206,7 +211,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
       (`eval --compare`).
       progress: called with each scene's report row once every scene is judged.
     Returns the report dict (without file metadata): {"schema", "samples", "judge" (the judge's
-    identity, and for the HTTP judge its `temperature` and `max_tokens`:
+    identity, and for the HTTP and model judges its `temperature` and `max_tokens`:
     `scene.judge.http_judge_sampling`),
     "protocol" (`scene.protocol.protocol_digests`: the scene settings the episodes were played
     and rewarded under), "sampling" (the engine's `sampling` config plus
@@ -268,7 +273,7 @@ def evaluate(engine: RolloutEngine | None, records: Sequence[SceneRecord], *, ju
     if with_expert:
         overall["expert"] = summarize(all_expert, keys)
     judged_by = judge.identity()
-    if judged_by.get("backend") == "http":   # what it samples with, beside who it is
+    if judged_by.get("backend") in SAMPLING_JUDGES:   # what it samples with, beside who it is
         judged_by = {**judged_by, **http_judge_sampling(judge_cfg)}
     report = {"schema": REPORT_SCHEMA, "samples": samples, "judge": judged_by,
               "protocol": protocol_digests(scene_cfg, judge_cfg),

@@ -5,6 +5,7 @@ Every number of ../shared/specs/scene-protocol.md is a default here, never a con
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -210,19 +211,22 @@ class SceneRuntimeConfig(Section):
 
 
 class JudgeConfig(Section):
-    """Which judge grades terminal scenes, and how the HTTP backend talks to its server.
+    """Which judge grades terminal scenes, how the HTTP backend talks to its server, and which
+    model the model backend runs.
 
     The API key is never a config value: `api_key_env` names the environment variable holding it.
     """
 
-    backend: Literal["rule", "http"] = Field("rule", description="rule: grades computed from the "
-                                             "measured metrics, deterministic and offline; http: "
-                                             "an OpenAI-compatible chat-completions server "
-                                             "(base_url, model)")
+    backend: Literal["rule", "http", "model"] = Field(
+        "rule", description="rule: grades computed from the measured metrics, deterministic and "
+        "offline; http: an OpenAI-compatible chat-completions server (base_url, model); model: "
+        "a model of our own (model_path) run frozen in the process, on the run's devices, "
+        "beside the policy")
     grade_keys: tuple[str, ...] = Field(GRADE_KEYS, description="grades the judge and the critic "
                                         "give (integers 0-10); the reward's quality is their "
                                         "mean / 10; the rule judge knows only the default seven")
-    enforce_caps: bool = Field(True, description="Apply the metric caps to a model judge's grades too.")
+    enforce_caps: bool = Field(True, description="Apply the metric caps to the grades of a "
+                               "language-model judge (backends http and model) too.")
     base_url: str | None = Field(None, description="http judge: the server's API root (requests "
                                  "go to {base_url}/chat/completions; train first probes "
                                  "{base_url}/models; the path goes before any query string; "
@@ -230,6 +234,11 @@ class JudgeConfig(Section):
                                  "API key); required with backend http")
     model: str | None = Field(None, description="http judge: the model name sent in each request "
                               "(whatever the server serves); required with backend http")
+    model_path: str | None = Field(None, description="model judge: the judge's HF model directory "
+                                   "(config.json, safetensors, tokenizer and chat template) or a "
+                                   "training checkpoint step (RUN/checkpoints/N), as --model "
+                                   "of eval and design takes; required with backend model and "
+                                   "refused with the others")
     api_key_env: str | None = Field("JSCENEGEN_JUDGE_API_KEY", min_length=1, pattern=r"^[^=\x00]+$",
                                     description="name of the environment variable holding the "
                                     "http judge's API key (sent as a Bearer token); null or unset: "
@@ -245,13 +254,17 @@ class JudgeConfig(Section):
                              "doubled for each further one (a longer Retry-After in seconds, up "
                              "to 60, wins)")
     concurrency: int = Field(8, ge=1, le=1024, description="most http judge requests in flight at "
-                             "once within one grading call")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature sent to the http "
-                               "judge's server (recorded in evaluation reports: `eval --compare` "
-                               "refuses reports graded at another)")
-    max_tokens: int = Field(1024, ge=16, le=1 << 20, description="max_tokens sent to the http "
-                            "judge's server (the most tokens its answer may have; recorded in "
-                            "evaluation reports as temperature is)")
+                             "once within one grading call; the model judge's most rows per "
+                             "batch it decodes (a grading call of more is several batches)")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature of the judge's "
+                               "answer: sent to the http judge's server; the model judge "
+                               "decodes greedily (argmax) below 1e-5, else samples with a "
+                               "fixed key per prompt (recorded in evaluation reports: `eval "
+                               "--compare` refuses reports graded at another)")
+    max_tokens: int = Field(1024, ge=16, le=1 << 20, description="the most tokens the judge's "
+                            "answer may have (sent to the http judge's server as max_tokens; "
+                            "the model judge's decode budget); an answer cut there is "
+                            "judge_unparseable (recorded in evaluation reports as temperature is)")
     max_failed_updates: int = Field(
         5, ge=0, description="train stops (with a checkpoint, exit 2) after this many updates in "
         "a row in which the judge failed every episode it was asked to grade (a judge that is "
@@ -263,6 +276,15 @@ class JudgeConfig(Section):
             raise ValueError(f"grade_keys must be distinct and non-empty, got {self.grade_keys}")
         if self.backend == "http" and (not self.base_url or not self.model):
             raise ValueError("judge.backend 'http' needs judge.base_url and judge.model")
+        if self.backend == "model" and not self.model_path:
+            raise ValueError("judge.backend 'model' needs judge.model_path (the judge's HF model "
+                             "directory or checkpoint step)")
+        if self.backend != "model" and self.model_path is not None:
+            raise ValueError(f"judge.model_path is read by judge.backend 'model' only, not "
+                             f"{self.backend!r}: set judge.backend=model, or leave "
+                             "judge.model_path out")
+        if self.backend == "model" and (why := not_a_model_dir(self.model_path)):
+            raise ValueError(f"judge.model_path {self.model_path}: {why}")
         if self.backend == "http" and self.base_url == REDACTED:
             raise ValueError("judge.base_url held a credential, so the run's saved config has "
                              f"{REDACTED} in its place: give it again as an override "
@@ -272,6 +294,21 @@ class JudgeConfig(Section):
                              "a host and a port in 1-65535, if any, in printable ASCII without "
                              "spaces (e.g. http://host:8000/v1)")
         return self
+
+
+def not_a_model_dir(path: str) -> str | None:
+    """Why `path` cannot be the model judge's model (`judge.model_path`), or None: it must be
+    a directory holding config.json (an HF model directory) or hf/config.json (a checkpoint
+    step). What else it needs (weights, a tokenizer) is checked when the judge is built."""
+    p = Path(path)
+    if not p.exists():
+        return "no such directory"
+    if not p.is_dir():
+        return "not a directory (give the judge's HF model directory or checkpoint step)"
+    if not ((p / "config.json").is_file() or (p / "hf" / "config.json").is_file()):
+        return ("neither an HF model directory (config.json) nor a checkpoint step directory "
+                "(params/ and hf/)")
+    return None
 
 
 def shown_url(url: str) -> str:

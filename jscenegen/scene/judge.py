@@ -103,12 +103,24 @@ def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplat
     ]
 
 
+def judge_check_hint(cfg: JudgeConfig) -> str:
+    """What to check when the configured judge graded nothing, for an error line."""
+    if cfg.backend == "model":
+        return ("check judge.model_path and judge.max_tokens, and the model judge's lines in "
+                "the log")
+    return "check judge.base_url and the judge's log"
+
+
+SAMPLING_JUDGES = ("http", "model")   # the backends whose answer a language model samples
+
+
 def http_judge_sampling(cfg: JudgeConfig) -> dict:
     """{"temperature", "max_tokens"}: what the HTTP judge sends with every request beside the
-    model and messages (`judge_http.HttpJudge`). They change its grades (and an answer cut at
-    max_tokens is a masked failure) but are not part of its identity (which enters the
-    protocol hash a run resumes under), so an evaluation report records them beside it
-    (`eval.evaluate.evaluate`) and `eval --compare` compares them."""
+    model and messages (`judge_http.HttpJudge`), and what the model judge decodes with
+    (`grpo.rollout.model_judge.ModelJudge`): the backends of SAMPLING_JUDGES. They change its
+    grades (and an answer cut at max_tokens is a masked failure) but are not part of its
+    identity (which enters the protocol hash a run resumes under), so an evaluation report
+    records them beside it (`eval.evaluate.evaluate`) and `eval --compare` compares them."""
     return {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
 
 
@@ -124,8 +136,19 @@ def rubric_hash(cfg: JudgeConfig, templates: PromptTemplates, metrics_cfg: Metri
     return h.hexdigest()
 
 
+class ModelJudgeUnavailable(ValueError):
+    """`make_judge` was asked for the model judge, which this package (no JAX) cannot build."""
+
+
 def make_judge(cfg: JudgeConfig, runtime: SceneRuntimeConfig | None = None) -> Judge:
-    """The configured backend: RuleJudge ("rule") or HttpJudge ("http")."""
+    """The configured backend: RuleJudge ("rule") or HttpJudge ("http"). The model judge
+    ("model") runs a JAX model, which the scene runtime knows nothing of: it is built by
+    `jscenegen.grpo.rollout.model_judge.build_judge` (which calls this for the others); asked
+    for it, this raises ModelJudgeUnavailable."""
+    if cfg.backend == "model":
+        raise ModelJudgeUnavailable(
+            "judge.backend 'model' runs a JAX model, which the scene runtime cannot load: build "
+            "the judge with jscenegen.grpo.rollout.model_judge.build_judge")
     runtime = runtime or SceneRuntimeConfig()
     templates = load_templates(runtime.prompts_dir)
     if cfg.backend == "rule":

@@ -125,14 +125,31 @@ def _annotation_types(annotation) -> list:
 def protocol_settings(config: dict) -> dict | None:
     """The settings of a resolved run config (`model_dump(mode="json")`, or as a checkpoint's
     metadata records it) that `protocol_payload` reads: the whole `scene` section and the
-    judge's identity keys (backend and grade keys; model and enforce_caps for a model judge,
-    the rule judge ignores them). None when the config has no scene or judge section. For
+    judge's identity keys (backend and grade keys; model and enforce_caps for the http judge,
+    model_path and enforce_caps for the model judge, whose identity digests the model at that
+    path; the rule judge ignores them). None when the config has no scene or judge section. For
     naming what changed when the hash did (its files and RULES_REVISION are not settings)."""
     scene, judge = config.get("scene"), config.get("judge")
     if not isinstance(scene, dict) or not isinstance(judge, dict):
         return None
-    keys = ("backend", "grade_keys") + (("model", "enforce_caps") if judge.get("backend") == "http" else ())
+    keys = ("backend", "grade_keys") + {"http": ("model", "enforce_caps"),
+                                        "model": ("model_path", "enforce_caps")}.get(
+                                            judge.get("backend"), ())
     return {"scene": scene, "judge": {k: judge.get(k) for k in keys}}
+
+
+def judge_model_change(recorded, identity: dict) -> list[str]:
+    """["judge model 'a@1f..' -> 'a@9c..' (the model judge's files at judge.model_path)"] when
+    `recorded` (a checkpoint's record of its judge's identity) and `identity` are both the model
+    judge's and name other models (its weights, tokenizer or config replaced, at the same
+    judge.model_path or another: the identity digests the files, `model_judge.judge_model_name`),
+    else []: what a refused resume names when no setting tells the change."""
+    if not isinstance(recorded, dict) or not (recorded.get("backend") == identity.get("backend") == "model"):
+        return []
+    if recorded.get("model") == identity.get("model"):
+        return []
+    return [f"judge model {recorded.get('model')!r} -> {identity.get('model')!r} (the model "
+            "judge's files at judge.model_path)"]
 
 
 def protocol_hash(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> str:

@@ -4,7 +4,9 @@ Every process plays the same episodes (same seeds, same weights, tokens read bac
 `sharding.mesh.host_array`), so every process would grade them too: N times the judge's cost,
 and with a sampling judge (or a retry that succeeds on one host only) N different rewards,
 advantages and batches for what must be one global batch. `PrimaryJudge` lets process 0 grade
-and hands its results to the others. `judge_on_primary` is how rollouts and evaluations grade
+and hands its results to the others. The model judge is the exception: its decode runs on the
+mesh of every process, so every process grades (greedy, or with a key per prompt: the same
+answers everywhere). `judge_on_primary` is how rollouts and evaluations grade
 their finished episodes.
 """
 from __future__ import annotations
@@ -66,8 +68,12 @@ class PrimaryJudge:
 
 
 def for_processes(judge: Judge) -> Judge:
-    """`judge` itself in one process, else a PrimaryJudge around it."""
-    return judge if jax.process_count() == 1 else PrimaryJudge(judge)
+    """`judge` itself in one process or when every process must grade
+    (`grades_on_every_process`: the model judge, whose decode is a collective over the mesh
+    and answers alike everywhere), else a PrimaryJudge around it."""
+    if jax.process_count() == 1 or getattr(judge, "grades_on_every_process", False):
+        return judge
+    return PrimaryJudge(judge)
 
 
 def judge_on_primary(episodes: Sequence[Episode], judge: Judge) -> None:

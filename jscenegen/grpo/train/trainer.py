@@ -67,6 +67,7 @@ from jscenegen.grpo.algo.optimizer import (
 from jscenegen.grpo.algo.roles import ROLE_NAMES
 from jscenegen.grpo.rollout.config import GROUP_MAX
 from jscenegen.grpo.rollout.engine import GroupRequest, RolloutEngine
+from jscenegen.grpo.rollout.judges import build_judge, load_judge
 from jscenegen.grpo.rollout.stats import group_metrics
 from jscenegen.grpo.train.batch import TRAIN_KEYS, build_group_batch
 from jscenegen.grpo.train.metrics import MetricsLogger, truncate_run_logs
@@ -94,8 +95,7 @@ from jscenegen.model.weights import (
 )
 from jscenegen.paths import json_sha256, resolve_data_path, write_json
 from jscenegen.run_files import RUN_CHECKPOINTS, TRAJECTORIES_LOG, eval_update_stem
-from jscenegen.scene.judge import make_judge
-from jscenegen.scene.protocol import protocol_hash, protocol_settings
+from jscenegen.scene.protocol import judge_model_change, protocol_hash, protocol_settings
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES
 from jscenegen.scene.sceneset import SceneRecord, read_scene_set, scene_set_hash
 from jscenegen.sharding.layout import shard_batch
@@ -219,7 +219,9 @@ class Trainer:
         self.scenes, n = train_scenes(cfg)
         self.schedule = Schedule([(f"train-{i:04d}", self.scenes[i].seed) for i in range(n)],
                                  cfg.schedule)
-        self.judge = make_judge(cfg.judge, cfg.scene)
+        # a model judge reads its tokenizer and digests its files here (its identity enters the
+        # protocol hash); its weights load once the policy's are placed (`load_judge` below)
+        self.judge = build_judge(cfg, mesh=self.mesh)
         self.protocol_hash = protocol_hash(cfg.scene, cfg.judge, self.judge.identity())
         self.pos = SchedulePosition()
         check_step_entries(self.run_dir / RUN_CHECKPOINTS)
@@ -269,6 +271,7 @@ class Trainer:
         # the sampler's own copy of the weights, in the rollout layout (sharding/rollout.py);
         # resharded once after every train step, skipped or not (`update`)
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh, cfg.rollout)
+        load_judge(self.judge)   # the model judge's weights, beside the policy's (no-op otherwise)
         graphdef, params, frozen = split_params(self.model)
         self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), constant_horizon(cfg), cfg.optim,
                                 temperature=cfg.sampling.temperature)
@@ -497,16 +500,20 @@ class Trainer:
 
     def _protocol_settings_changed(self, step_dir, saved) -> list[str] | None:
         """The settings the protocol hash reads (`protocol_settings`) that differ from those
-        the checkpoint's metadata records (only computed when the hash differs; None when it
-        records no config)."""
+        the checkpoint's metadata records, and a model judge's other model
+        (`judge_model_change`) (only computed when the hash differs; None when it records no
+        config)."""
         if saved["protocol_hash"] == self.protocol_hash:
             return []
-        recorded = read_metadata(step_dir).get("config")
+        metadata = read_metadata(step_dir)
+        recorded = metadata.get("config")
         before = protocol_settings(recorded) if isinstance(recorded, dict) else None
         if before is None:
             return None
+        # a model judge's files replaced in place change its identity, not its settings
         return config_changes(before, protocol_settings(self.cfg.model_dump(mode="json")),
-                              only_saved_keys=True)
+                              only_saved_keys=True) + judge_model_change(metadata.get("judge"),
+                                                                         self.judge.identity())
 
     def _apply_checkpoint(self, ck) -> None:
         saved = ck.train_state

@@ -1,0 +1,280 @@
+"""The project's own model as a frozen judge (`judge.backend: model`), run in the process.
+
+`ModelJudge` grades as the HTTP judge does, with a model of ours in place of the server: each
+request's chat messages are `scene.judge.judge_messages` (the same rubric, caps and scene
+text), rendered with the judge model's chat template by its `ChatTokenizer` (`start`: the
+contents read as plain text, so a scene's prompt cannot spell out a special token), generated
+with the project's `Sampler` and read by the same strict parser (`scene.judge_answer`).
+
+Weights and devices: the weights of `judge.model_path` (an HF directory or a checkpoint step,
+what `--model` of eval and design takes: `checkpoint.model_dir.load_model`) are loaded once per
+process, by `load` (the commands call it once the policy is loaded) or the first `grade`,
+in the rollout dtype (`rollout.dtype`, else `model.compute_dtype`), and placed by the sampler's
+`auto` layout on the run's mesh (whole on every device when they fit
+`rollout.memory_fraction` of one, else tensor-parallel): they sit beside the policy's
+training and rollout weights for the whole process and are never trained.
+
+Batches: the requests of one `grade` call are generated together, at most `judge.concurrency`
+rows per call of the sampler (the GRPO recipe's group of 8 is one call), rows padded with
+empty ones to a power of two and to the layout's `row_multiple` and prompts appended in the
+sampling buckets, so the compiled shapes are few. Each row decodes up to `judge.max_tokens`
+tokens and stops at the template's end of turn (or the model's end-of-generation ids).
+
+Determinism: below a temperature of 1e-5 (`judge.temperature`, 0 by default) decoding is
+greedy; above it each row samples with a key derived from its prompt's tokens alone, so the
+same request gets the same answer in every call, and whatever else is in the batch (a row's
+samples depend on its key and its own tokens: `generate.sampling`; up to the float rounding
+of another padding, which could flip a draw at a near tie). In a multi-process run every
+process grades (the decode is a collective over the mesh) and gets the same answers.
+
+Failures are results, as the HTTP judge's: an answer that does not parse (bad JSON, other
+keys, a grade outside 0..10) is `judge_unparseable`, with CUT_DETAIL when the answer reached
+max_tokens; an exception in the judge's own generate masks its rows as `judge_error` with the
+exception's type and text in `info["detail"]`.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from jscenegen.checkpoint.model_dir import load_chat, load_model, model_digest
+from jscenegen.checkpoint.store import is_checkpoint_dir
+from jscenegen.generate.sampler import (
+    DEFAULT_BUCKETS,
+    STOP_LENGTH,
+    STOP_TOKEN,
+    Sampler,
+    bucket_length,
+)
+from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams, row_keys
+from jscenegen.scene.caps import apply_caps
+from jscenegen.scene.config import JudgeConfig, MetricsConfig
+from jscenegen.scene.judge import JudgeIdentity, JudgeRequest, JudgeResult, judge_messages, rubric_hash
+from jscenegen.scene.judge_answer import CUT_DETAIL, JudgeAnswerError, parse_judge_content
+from jscenegen.scene.prompts import PromptTemplates
+from jscenegen.sharding.mesh import fails_the_joined_run, host_array
+from jscenegen.sharding.rules import round_up
+from jscenegen.text import clip_text
+
+log = logging.getLogger(__name__)
+
+OPTION = "judge.model_path"
+DIGEST_CHARS = 16   # hex digits of `model_digest` in the identity's model string
+
+
+def judge_model_name(path: str | Path, digest: str) -> str:
+    """The identity's `model` of the judge at `path`: its directory's name (a checkpoint
+    step's `RUN/checkpoints/N`, the run's name with it) and the first DIGEST_CHARS hex digits
+    of `model_digest` (config, tokenizer and chat template files, weights), never the path
+    above it: "Qwen3-8B@3f2a...". The same model copied to another machine or directory of
+    the same name has the same identity; a renamed copy or other weights, another."""
+    p = Path(path).resolve()
+    name = "/".join(p.parts[-3:]) if is_checkpoint_dir(p) else p.name
+    return f"{name}@{digest[:DIGEST_CHARS]}"
+
+
+def prompt_seed(ids: Sequence[int]) -> int:
+    """The sampling seed of a judge prompt: 32 bits of the SHA-256 of its token ids, so a
+    request is answered alike whatever else is graded with it."""
+    raw = np.asarray(ids, np.int64).tobytes()
+    return int.from_bytes(hashlib.sha256(raw).digest()[:4], "little")
+
+
+def sampling_params(temperature: float) -> SamplingParams:
+    """How the judge draws: greedy (argmax) below MIN_TEMPERATURE (as vLLM reads a temperature
+    near 0), else sampling at `temperature` with no top-k or top-p."""
+    if temperature < MIN_TEMPERATURE:
+        return SamplingParams(greedy=True)
+    return SamplingParams(temperature=temperature)
+
+
+class ModelJudge:
+    """The `scene.judge.Judge` of `judge.backend: model`; see the module docstring.
+
+    Args:
+      cfg: the judge section (backend "model", model_path, grade_keys, enforce_caps,
+        temperature, max_tokens, concurrency).
+      templates, metrics_cfg: the run's prompt templates and `scene.metrics` (the judge's
+        messages and rubric hash, as the HTTP judge's).
+      mesh: the run's ("fsdp", "sp") mesh, or None for one device.
+      model_options: `loader.build_model` keywords for the judge's weights (`build_judge`
+        passes the rollout dtype and the run's compute dtype and attention).
+      buckets: the sampler's append chunk lengths (`sampling.buckets`).
+      memory_fraction: `rollout.memory_fraction`, which the `auto` layout reads.
+      weight_dtype: the sampler's rollout weight dtype (None: the compute dtype).
+
+    Reads the judge's config.json, tokenizer and chat template and digests the model
+    (`identity`) when made; loads no weights (`load`). Raises what `load_chat` raises for a
+    directory that is no model or a tokenizer it cannot use, naming `judge.model_path`.
+    """
+
+    # `primary_judge.for_processes`: every process of a multi-process run grades (the decode
+    # is a collective over the mesh), instead of process 0 alone
+    grades_on_every_process = True
+
+    def __init__(self, cfg: JudgeConfig, templates: PromptTemplates, metrics_cfg: MetricsConfig, *,
+                 mesh=None, model_options: dict | None = None,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, memory_fraction: float = 0.25,
+                 weight_dtype: str | None = None):
+        if cfg.backend != "model" or not cfg.model_path:
+            raise ValueError("ModelJudge needs judge.backend 'model' and judge.model_path")
+        self.cfg, self.templates, self.metrics_cfg = cfg, templates, metrics_cfg
+        self.path = Path(cfg.model_path)
+        self.mesh = mesh
+        self.model_options = dict(model_options or {})
+        self.buckets = tuple(buckets)
+        self.memory_fraction = memory_fraction
+        self.weight_dtype = weight_dtype
+        self.params = sampling_params(cfg.temperature)
+        self.chat = load_chat(self.path, option=OPTION)
+        self._identity = JudgeIdentity(
+            backend="model", model=judge_model_name(self.path, model_digest(self.path)),
+            rubric_hash=rubric_hash(cfg, templates, metrics_cfg, caps_enforced=cfg.enforce_caps))
+        self.sampler: Sampler | None = None
+        self._warned_positions = False
+
+    def __repr__(self) -> str:
+        return f"ModelJudge(model={self._identity['model']!r})"
+
+    def identity(self) -> JudgeIdentity:
+        return self._identity
+
+    def check_reachable(self) -> None:
+        """Nothing: an in-process judge is reachable whenever it could be made."""
+
+    # ---- weights ------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the judge's weights and build its sampler, once (later calls return at once).
+        Raises what loading raises (a missing or corrupt weight file, too little memory for
+        the layout)."""
+        if self.sampler is not None:
+            return
+        model = load_model(self.path, self.mesh, option=OPTION, **self.model_options)
+        self.sampler = Sampler(model, self.params, stop_token_ids=list(self.chat.end_ids),
+                               buckets=self.buckets, mesh=self.mesh, layout="auto",
+                               memory_fraction=self.memory_fraction, dtype=self.weight_dtype)
+        log.info("model judge %s loaded (%s layout)", self._identity["model"],
+                 self.sampler.layout.name)
+
+    # ---- grading ------------------------------------------------------------------------
+    def prompt_ids(self, req: JudgeRequest) -> list[int]:
+        """The tokens the judge reads for `req`: `judge_messages` (system, user) in the judge
+        model's chat template with the generation prompt (`ChatTokenizer.start`)."""
+        system, user = judge_messages(req, self.cfg, self.templates, self.metrics_cfg)
+        return self.chat.start(system["content"], user["content"])[1]
+
+    def answer_text(self, ids: Sequence[int], reason: int) -> str:
+        """The text of a generated answer `ids`, without the end-of-turn (or end-of-generation)
+        token that stopped it."""
+        ids = list(ids)
+        if reason == STOP_TOKEN and ids and ids[-1] in self.chat.end_ids:
+            ids = ids[:-1]
+        return self.chat.decode(ids)
+
+    def result(self, text: str, req: JudgeRequest, *, cut: bool = False,
+               info: dict | None = None) -> JudgeResult:
+        """The JudgeResult of the answer `text` to `req`: its grades (capped by the request's
+        metrics with `enforce_caps`) and comments, or `judge_unparseable` with the parser's
+        reason in `info["detail"]` (CUT_DETAIL when the answer was `cut` at max_tokens).
+        Never raises for a bad answer."""
+        info = dict(info or {})
+        try:
+            grades, comments = parse_judge_content(text, self.cfg.grade_keys)
+        except (JudgeAnswerError, ValueError, TypeError) as err:
+            detail = CUT_DETAIL if cut else clip_text(str(err), 300)
+            return JudgeResult(None, "judge_unparseable", {**info, "detail": detail})
+        if self.cfg.enforce_caps:
+            grades = apply_caps(grades, req.metrics)
+        return JudgeResult(grades, None, {**info, "comments": comments})
+
+    def grade(self, requests: Sequence[JudgeRequest]) -> list[JudgeResult]:
+        """One JudgeResult per request, in order; never raises for a bad answer (see the module
+        docstring). Loads the weights first when `load` has not (a load that fails masks every
+        request as `judge_error` naming it; the next call tries again). A failure of the
+        joined run itself (a peer process gone) is raised."""
+        if not requests:
+            return []
+        t0 = time.monotonic()
+        try:
+            self.load()
+        except Exception as err:
+            if fails_the_joined_run(err):
+                raise
+            log.exception("model judge: loading %s failed", self.path)
+            info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": 1,
+                    "detail": f"loading {OPTION} {self.path}: {_error_text(err)}"}
+            return [JudgeResult(None, "judge_error", dict(info)) for _ in requests]
+        results: list[JudgeResult | None] = [None] * len(requests)
+        prompts: dict[int, list[int]] = {}
+        for i, req in enumerate(requests):
+            try:
+                prompts[i] = self.prompt_ids(req)
+            except Exception as err:   # the template or tokenizer: this request only
+                results[i] = JudgeResult(None, "judge_error", {
+                    "latency_s": 0.0, "attempts": 1, "detail": _error_text(err)})
+        todo = list(prompts)
+        step = max(1, self.cfg.concurrency)
+        for start in range(0, len(todo), step):
+            chunk = todo[start:start + step]
+            t0 = time.monotonic()
+            try:
+                answers = self._generate([prompts[i] for i in chunk])
+            except Exception as err:
+                if fails_the_joined_run(err):
+                    raise
+                log.exception("model judge %s: generating failed", self._identity["model"])
+                info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": 1,
+                        "detail": _error_text(err)}
+                for i in chunk:
+                    results[i] = JudgeResult(None, "judge_error", dict(info))
+                continue
+            latency = round(time.monotonic() - t0, 4)
+            for i, (ids, reason) in zip(chunk, answers):
+                info = {"latency_s": latency, "attempts": 1, "answer_tokens": len(ids)}
+                results[i] = self.result(self.answer_text(ids, reason), requests[i],
+                                         cut=reason == STOP_LENGTH, info=info)
+        failed = [r for r in results if r is not None and r.grades is None]
+        if failed:
+            log.warning("model judge %s: %d of %d answers not graded (first: %s: %s)",
+                        self._identity["model"], len(failed), len(results), failed[0].failure,
+                        clip_text(str(failed[0].info.get("detail", "")), 200))
+        return results
+
+    def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+        """(answer token ids, stop reason) of each prompt, decoded in one batch: rows padded
+        with empty ones (budget 0) to a power of two and the layout's `row_multiple`; a cache
+        sized in buckets, grown as the answers go where the model's cache can grow."""
+        s = self.sampler
+        n, max_new = len(prompts), self.cfg.max_tokens
+        rows = round_up(1 << (n - 1).bit_length(), s.row_multiple)
+        seqs = [list(p) for p in prompts] + [[]] * (rows - n)
+        prompt_slots = s.appended_slots(seqs)
+        longest = max(map(len, prompts)) + max_new
+        if longest > s.cfg.context_positions and not self._warned_positions:
+            self._warned_positions = True
+            log.warning("model judge %s: a prompt and its judge.max_tokens=%d reach %d positions, "
+                        "more than the %d its RoPE is made for (max_position_embeddings, times "
+                        "its scaling factor): positions past them were never trained",
+                        self._identity["model"], max_new, longest, s.cfg.context_positions)
+        max_slots = bucket_length(prompt_slots + max_new, s.buckets)
+        slots = (min(max_slots, bucket_length(prompt_slots + s.segment, s.buckets))
+                 if s.can_grow else max_slots)
+        cache, last = s.new_cache(rows, slots)
+        cache, last = s.append(cache, last, seqs)
+        keys = np.concatenate([row_keys([prompt_seed(p) for p in prompts]),
+                               np.zeros((rows - n, 2), np.uint32)])
+        out = s.decode(cache, last, [max_new] * n + [0] * (rows - n), keys, max_new,
+                       max_slots=max_slots if s.can_grow else None)
+        tokens, lengths, reasons = (host_array(out.tokens), host_array(out.lengths),
+                                    host_array(out.reason))
+        return [(tokens[i, :int(lengths[i])].tolist(), int(reasons[i])) for i in range(n)]
+
+
+def _error_text(err: BaseException) -> str:
+    """An exception as a judge failure's detail: its type and text, clipped."""
+    return clip_text(f"{type(err).__name__}: {err}", 300)

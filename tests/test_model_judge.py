@@ -1,0 +1,383 @@
+"""The model judge (`judge.backend: model`): the project's own model graded with in the process.
+
+A tiny random Qwen3 with the protocol tokenizer (chat_fixtures) is the judge: it writes no
+valid JSON, so its real answers are masked failures; the valid-answer path is driven with chosen
+completion texts and, through the whole `grade`, with chosen tokens at the sampler's decode."""
+import copy
+import dataclasses
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jscenegen.config import ConfigError
+from jscenegen.generate.sampler import STOP_LENGTH, STOP_TOKEN
+from jscenegen.grpo.rollout.judges import build_judge, load_judge
+from jscenegen.grpo.rollout.model_judge import ModelJudge, prompt_seed
+from jscenegen.run_config import RunConfig, load_run_config
+from jscenegen.scene.config import GRADE_KEYS, JudgeConfig
+from jscenegen.scene.expert import run_scripted_episode
+from jscenegen.scene.judge import ModelJudgeUnavailable, judge_messages, make_judge
+from jscenegen.scene.judge_answer import CUT_DETAIL
+
+from chat_fixtures import chat_model_dir, dev_records
+
+BUCKETS = (128, 1024)   # the ~1,300-token judge prompts: one 1024 chunk and 128s
+
+
+def model_cfg(path, **judge) -> RunConfig:
+    cfg = RunConfig(judge=JudgeConfig(backend="model", model_path=str(path),
+                                      **{"max_tokens": 16, **judge}))
+    return cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"buckets": BUCKETS})})
+
+
+@pytest.fixture(scope="module")
+def judge() -> ModelJudge:
+    return build_judge(model_cfg(chat_model_dir()), load=True)   # one device
+
+
+def unjudged_episodes():
+    """Two finished, unjudged scripted episodes of two dev scenes."""
+    return [run_scripted_episode(r, judged=False)[0] for r in dev_records()[:2]]
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return [ep.judge_request() for ep in unjudged_episodes()]
+
+
+def seen(results):
+    """What a result says, without its latency."""
+    return [(r.grades, r.failure, {k: v for k, v in r.info.items() if k != "latency_s"})
+            for r in results]
+
+
+def test_a_random_model_judge_masks_its_episodes_alike_on_every_call(judge, requests):
+    """End to end: two requests graded in one batch by the real sampler; a random model writes
+    no grade object, so each is `judge_unparseable` (cut at max_tokens: every one of its 16
+    tokens is used), the same on a second call (greedy), and the episodes' rewards are masked
+    (0, never the policy's -1) through the path a rollout's judge failures take."""
+    from jscenegen.grpo.rollout.primary_judge import judge_on_primary
+
+    first = judge.grade(requests)
+    assert [r.failure for r in first] == ["judge_unparseable"] * 2
+    assert all(r.grades is None for r in first)
+    assert {r.info["detail"] for r in first} == {CUT_DETAIL}
+    assert [r.info["answer_tokens"] for r in first] == [16, 16]
+    assert all(r.info["attempts"] == 1 and r.info["latency_s"] >= 0 for r in first)
+    assert seen(judge.grade(requests)) == seen(first)
+    episodes = unjudged_episodes()
+    judge_on_primary(episodes, judge)
+    for ep in episodes:
+        o = ep.outcome
+        assert (o.failure_cause, o.masked, o.reward, o.grades) == ("judge_unparseable", True, 0.0, None)
+        assert o.judge_info["detail"] == CUT_DETAIL
+
+
+def test_the_judge_reads_its_chat_template_applied_to_the_judge_messages(judge, requests, monkeypatch):
+    """The ids appended to the sampler's cache are the judge model's chat template applied to
+    `judge_messages` with the generation prompt (transformers' own rendering and tokenising),
+    each row padded only by empty rows."""
+    from jscenegen.scene.prompts import load_templates
+
+    fed = []
+    real = judge.sampler.append
+    monkeypatch.setattr(judge.sampler, "append",
+                        lambda cache, last, rows, *a: fed.append([list(r) for r in rows]) or real(cache, last, rows, *a))
+    judge.grade(requests)
+    templates = load_templates(None)
+    want = []
+    for req in requests:
+        messages = judge_messages(req, judge.cfg, templates, RunConfig().scene.metrics)
+        ids = judge.chat.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        want.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    assert fed == [want]          # 2 rows: a power of two, no padding row
+    assert len(want[0]) > 1000 and want[0] != want[1]
+    assert judge.chat.decode(want[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _grades(**changed):
+    return {**{k: 8 for k in GRADE_KEYS}, **changed}
+
+
+def test_a_valid_answer_is_graded_and_capped(judge, requests):
+    """The text -> result step with real completions: strict JSON grades (after a reasoning
+    trace), comments kept, the metric caps clamping them as the HTTP judge's; a wrong answer
+    is judge_unparseable naming why, and the cut detail only for an answer cut at max_tokens."""
+    req = dataclasses.replace(requests[0], metrics={**requests[0].metrics, "collision_pairs": [["a", "b"]],
+                                                    "reachable": True, "door_blocked": False})
+    answer = json.dumps({"grades": _grades(realism=9, reachability=3), "comments": {"realism": "ok"}})
+    got = judge.result(answer, req, info={"latency_s": 0.5})
+    assert got.failure is None and got.info == {"latency_s": 0.5, "comments": {"realism": "ok"}}
+    # a collision caps realism at 4; a fully reachable scene gets reachability at least 7
+    assert got.grades == _grades(realism=4, reachability=7)
+    thought = judge.result("<think>\nthe bed blocks nothing\n</think>\n\n" + answer, req)
+    assert thought.grades == got.grades
+    uncapped_judge = copy.copy(judge)
+    uncapped_judge.cfg = judge.cfg.model_copy(update={"enforce_caps": False})
+    uncapped = uncapped_judge.result(answer, req)
+    assert uncapped.grades == _grades(realism=9, reachability=3)
+    bad = judge.result(json.dumps({"grades": _grades(realism=11)}), req)
+    assert (bad.grades, bad.failure) == (None, "judge_unparseable")
+    assert bad.info["detail"] == "grade 'realism' = 11 is not an integer 0..10"
+    missing = judge.result(json.dumps({"grades": {"realism": 5}}), req)
+    assert missing.failure == "judge_unparseable" and "missing ['completeness'" in missing.info["detail"]
+    assert judge.result('{"grades": {"realism"', req, cut=True).info["detail"] == CUT_DETAIL
+    assert judge.result(answer, req, cut=True).grades == got.grades   # whole though at the cap
+
+
+def test_grade_returns_the_grades_the_sampler_decodes(judge, requests, monkeypatch):
+    """The whole `grade` path with chosen tokens at the sampler's decode: a valid answer ended
+    by the end-of-turn token is graded (and capped), one cut at the budget is unparseable with
+    the cut detail, and an exception in the judge's own generate masks its rows as judge_error
+    naming it."""
+    chat = judge.chat
+    answers = [json.dumps({"grades": _grades(functionality=6)}), '{"grades": {"realism": 5, "lay']
+    ids = [chat.encode_plain(answers[0]) + [chat.eot_id], chat.encode_plain(answers[1])]
+    width = max(map(len, ids))
+    tokens = np.zeros((2, width), np.int32)
+    for i, row in enumerate(ids):
+        tokens[i, :len(row)] = row
+    real = judge.sampler.decode
+    calls = []
+
+    def decode(cache, last, max_new, keys, max_steps, **kw):
+        calls.append((list(max_new), max_steps, np.asarray(keys).tolist()))
+        return SimpleNamespace(tokens=tokens, lengths=np.array([len(r) for r in ids]),
+                               reason=np.array([STOP_TOKEN, STOP_LENGTH]))
+
+    monkeypatch.setattr(judge.sampler, "decode", decode)
+    graded, cut = judge.grade(requests)
+    want = _grades(functionality=6)
+    from jscenegen.scene.caps import apply_caps
+
+    assert graded.failure is None and graded.grades == apply_caps(want, requests[0].metrics)
+    assert graded.info["answer_tokens"] == len(ids[0]) and graded.info["comments"] == {}
+    assert (cut.grades, cut.failure, cut.info["detail"]) == (None, "judge_unparseable", CUT_DETAIL)
+    # greedy by default; each row's key still derives from its own prompt
+    assert calls == [([16, 16], 16, [[0, prompt_seed(judge.prompt_ids(r))] for r in requests])]
+    assert judge.params.greedy
+
+    def broken(*a, **kw):
+        raise RuntimeError("out of memory while decoding")
+
+    monkeypatch.setattr(judge.sampler, "decode", broken)
+    failed = judge.grade(requests)
+    assert [(r.failure, r.info["detail"], r.info["attempts"]) for r in failed] == [
+        ("judge_error", "RuntimeError: out of memory while decoding", 1)] * 2
+    monkeypatch.setattr(judge.sampler, "decode", real)
+
+
+def test_a_sampling_judge_answers_a_request_alike_whatever_its_batch(requests):
+    """Above temperature 1e-5 each row samples with a key from its own prompt: a request's
+    answer is the same graded alone or beside another, on every call; rows beyond
+    judge.concurrency go in further batches."""
+    judge = build_judge(model_cfg(chat_model_dir(), temperature=1.0, concurrency=1))
+    assert not judge.params.greedy and judge.params.temperature == 1.0
+    batched = []
+    real = ModelJudge._generate
+
+    def spy(self, prompts):
+        batched.append(len(prompts))
+        return real(self, prompts)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelJudge, "_generate", spy)
+        both = judge.grade(requests)
+    assert batched == [1, 1]   # concurrency 1: one row per batch
+    alone = judge.grade(requests[1:])
+    assert seen(alone) == seen(both[1:])
+    judge2 = build_judge(model_cfg(chat_model_dir(), temperature=1.0))   # both in one batch
+    assert seen(judge2.grade(requests)) == seen(both)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["judge.backend=model"], "judge.backend 'model' needs judge.model_path (the judge's HF model "
+                              "directory or checkpoint step)"),
+    (["judge.backend=model", "judge.model_path={tmp}/absent"],
+     "judge.model_path {tmp}/absent: no such directory"),
+    (["judge.backend=model", "judge.model_path={tmp}"],
+     "judge.model_path {tmp}: neither an HF model directory (config.json) nor a checkpoint step "
+     "directory (params/ and hf/)"),
+    (["judge.model_path={model}"], "judge.model_path is read by judge.backend 'model' only, not "
+                                   "'rule': set judge.backend=model, or leave judge.model_path out"),
+    (["judge.backend=http", "judge.base_url=http://127.0.0.1:8000/v1", "judge.model=m",
+      "judge.model_path={model}"],
+     "judge.model_path is read by judge.backend 'model' only, not 'http': set "
+     "judge.backend=model, or leave judge.model_path out"),
+])
+def test_the_model_judge_keys_are_checked_when_the_config_loads(tmp_path, overrides, message):
+    given = [o.format(tmp=tmp_path, model=chat_model_dir()) for o in overrides]
+    with pytest.raises(ConfigError) as err:
+        load_run_config(None, given)
+    text = str(err.value)
+    assert len(text.splitlines()) == 1 and text.startswith("override") and \
+        f": {message.format(tmp=tmp_path)}" in text, text
+    cfg = load_run_config(None, ["judge.backend=model", f"judge.model_path={chat_model_dir()}"])
+    assert cfg.judge.model_path == str(chat_model_dir())
+
+
+def test_the_scene_runtime_refuses_to_build_the_model_judge_and_build_judge_does():
+    cfg = model_cfg(chat_model_dir())
+    with pytest.raises(ModelJudgeUnavailable, match="build the judge with jscenegen.grpo.rollout"):
+        make_judge(cfg.judge, cfg.scene)
+    assert type(build_judge(cfg)).__name__ == "ModelJudge"
+    assert type(build_judge(RunConfig())).__name__ == "RuleJudge"
+    http = RunConfig(judge=JudgeConfig(backend="http", base_url="http://127.0.0.1:9/v1", model="m"))
+    assert type(build_judge(http)).__name__ == "HttpJudge"
+
+
+def test_every_process_grades_with_the_model_judge(judge, monkeypatch):
+    """In a multi-process run process 0 alone grades (PrimaryJudge), except with the model
+    judge, whose decode is a collective over the mesh of every process."""
+    from jscenegen.grpo.rollout import primary_judge
+
+    monkeypatch.setattr(primary_judge.jax, "process_count", lambda: 2)
+    assert primary_judge.for_processes(judge) is judge
+    assert isinstance(primary_judge.for_processes(make_judge(JudgeConfig())), primary_judge.PrimaryJudge)
+
+
+def _perturbed_copy(src, dst):
+    """A copy of the HF directory `src` whose every weight is changed."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({k: v + np.ones_like(v) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    return dst
+
+
+def test_the_identity_digests_the_judge_model_and_a_resume_with_another_is_refused(tmp_path, judge):
+    """identity = backend, `<directory name>@<digest>` and the rubric hash (with caps
+    enforced or not); a copy elsewhere is the same judge, other weights at the same name
+    another, and the protocol hash a resume compares changes with it: the refusal names the
+    judge model even when no setting changed."""
+    from jscenegen.checkpoint.resume import ResumeError, check_same_run
+    from jscenegen.scene.protocol import judge_model_change, protocol_hash
+
+    ident = judge.identity()
+    assert ident["backend"] == "model" and ident["model"].startswith("tiny@")
+    assert len(ident["model"].split("@")[1]) == 16 and str(tmp_path) not in ident["model"]
+    copy = shutil.copytree(chat_model_dir(), tmp_path / "a" / "tiny")
+    assert build_judge(model_cfg(copy)).identity() == ident
+    other = build_judge(model_cfg(_perturbed_copy(chat_model_dir(), tmp_path / "b" / "tiny")))
+    assert other.identity()["model"] != ident["model"]
+    assert other.identity()["model"].startswith("tiny@")
+    assert other.identity()["rubric_hash"] == ident["rubric_hash"]
+    uncapped = build_judge(model_cfg(chat_model_dir(), enforce_caps=False)).identity()
+    assert uncapped["model"] == ident["model"] and uncapped["rubric_hash"] != ident["rubric_hash"]
+    cfg = model_cfg(chat_model_dir())
+    before = protocol_hash(cfg.scene, cfg.judge, ident)
+    after = protocol_hash(cfg.scene, cfg.judge, other.identity())
+    assert before != after
+    reward = cfg.scene.reward.model_dump()
+    check_same_run({"protocol_hash": before, "reward": reward}, protocol_hash=before, reward=reward)
+    changed = judge_model_change(ident, other.identity())
+    assert changed == [f"judge model {ident['model']!r} -> {other.identity()['model']!r} (the "
+                       "model judge's files at judge.model_path)"]
+    assert judge_model_change(ident, ident) == [] == judge_model_change(
+        {"backend": "rule", "model": None}, ident)
+    with pytest.raises(ResumeError, match=r"the scene protocol changed \(judge model 'tiny@"):
+        check_same_run({"protocol_hash": before, "reward": reward}, protocol_hash=after,
+                       reward=reward, protocol_settings=changed)
+
+
+def test_a_checkpoint_step_is_a_judge_too(tmp_path):
+    """judge.model_path takes a checkpoint step, as --model does: verified, its params loaded,
+    its identity named by run, `checkpoints` and step, digested from its checksums."""
+    from jscenegen.checkpoint.metadata import training_metadata
+    from jscenegen.checkpoint.store import CheckpointStore
+    from jscenegen.model.config import QwenConfig
+    from jscenegen.model.hf_io import iter_hf_tensors
+    from jscenegen.model.weights import param_shapes
+
+    hf = chat_model_dir()
+    params = {n: a.astype(np.float32) for n, a in iter_hf_tensors(hf)}
+    zeros = {n: np.zeros_like(a) for n, a in params.items()}
+    meta = training_metadata(config={}, protocol_hash="p", schedule_hash="s", optimizer_step=0,
+                             effective_updates=0, judge=None)
+    with CheckpointStore(tmp_path / "run" / "checkpoints") as store:
+        step = store.save(3, params=params, adam={"count": np.int32(0), "mu": zeros, "nu": zeros},
+                          train_state={}, metadata=meta, hf_assets_dir=hf,
+                          shapes=param_shapes(QwenConfig.from_dir(hf)))
+    judge = build_judge(model_cfg(step))
+    assert judge.identity()["model"].startswith("run/checkpoints/3@")
+    load_judge(judge)
+    assert judge.sampler is not None   # verified and loaded from params/
+    req = run_scripted_episode(dev_records()[0], judged=False)[0].judge_request()
+    assert judge.prompt_ids(req) == build_judge(model_cfg(hf)).prompt_ids(req)   # hf/'s tokenizer
+    (step / "params" / "extra").write_text("x")   # an unlisted file: the checksums refuse it
+    with pytest.raises(Exception, match="not usable"):
+        build_judge(model_cfg(step))
+
+
+def test_eval_grades_with_the_model_judge_and_records_it(tmp_path, capsys):
+    """`jscenegen eval` with judge.backend=model: the judge is built on the run's 3 x 2 mesh,
+    the report records its identity with its temperature and max_tokens, and a judge that
+    graded nothing fails the command naming what to check."""
+    from jscenegen.cli import main
+
+    scenes = tmp_path / "one.jsonl"
+    scenes.write_text(json.dumps(dev_records()[0].to_json()) + "\n")
+    out = tmp_path / "r.json"
+    got = main(["eval", "--model", str(chat_model_dir()), "--scenes", str(scenes), "--greedy",
+                "--out", str(out), "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
+                "sampling.buckets=[128,1024]", "judge.backend=model",
+                f"judge.model_path={chat_model_dir()}", "judge.max_tokens=16"])
+    err = capsys.readouterr().err
+    assert got == 1, err
+    rep = json.loads(out.read_text())
+    ident = build_judge(model_cfg(chat_model_dir())).identity()
+    assert rep["judge"] == {**ident, "temperature": 0.0, "max_tokens": 16}
+    # the random policy's turns are cut (a policy failure, not judged); the expert's scene is
+    # sent to the judge, which writes no grades
+    assert rep["overall"]["expert"]["failure_causes"] == {"judge_unparseable": 1}
+    assert err.splitlines()[-1] == (
+        "error: the judge graded none of the episodes it was sent (judge_unparseable x1); the "
+        f"report {out} records them (check judge.model_path and judge.max_tokens, and the model "
+        "judge's lines in the log)")
+
+
+def test_the_model_judges_keys_where_they_act_and_where_they_do_not():
+    """temperature, max_tokens, concurrency and enforce_caps act with the http and model judges
+    (named as inert with the rule judge); the HTTP judge's own keys are inert beside the model
+    judge; a resume names judge.model_path among the protocol's settings."""
+    from jscenegen.run_config import inert_settings
+    from jscenegen.scene.protocol import protocol_settings
+
+    model = ["judge.backend=model", f"judge.model_path={chat_model_dir()}"]
+    assert inert_settings(load_run_config(None, [*model, "judge.temperature=0.5",
+                                                 "judge.max_tokens=64"])) == []
+    assert inert_settings(load_run_config(None, [*model, "judge.base_url=http://x/v1"])) == [
+        "judge.base_url has no effect without judge.backend: http"]
+    assert inert_settings(load_run_config(None, ["judge.temperature=0.5"])) == [
+        "judge.temperature has no effect without judge.backend: http or model"]
+    saved = load_run_config(None, model).model_dump(mode="json")
+    assert protocol_settings(saved)["judge"] == {
+        "backend": "model", "grade_keys": list(GRADE_KEYS), "model_path": str(chat_model_dir()),
+        "enforce_caps": True}
+
+
+def test_a_run_graded_by_the_model_judge_refuses_a_resume_with_other_judge_weights(tmp_path):
+    """`train` with judge.backend=model: the judge is built and loaded on the run's 3 x 2 mesh,
+    its identity recorded in the checkpoint's metadata and protocol hash; a resume after its
+    weights were replaced at the same judge.model_path is refused, naming the judge model."""
+    from test_trainer import _run
+
+    from jscenegen.checkpoint.resume import ResumeError
+    from jscenegen.checkpoint.store import read_metadata
+
+    judge_dir = shutil.copytree(chat_model_dir(), tmp_path / "judge" / "tiny")
+    extra = {"judge.backend": "model", "judge.model_path": str(judge_dir), "judge.max_tokens": 16}
+    trainer, summary = _run(tmp_path / "run", max_updates=1, **extra)
+    assert summary.attempts == 1 and trainer.judge.sampler is not None
+    assert trainer.judge.sampler.mesh is trainer.mesh
+    ident = trainer.judge.identity()
+    assert read_metadata(tmp_path / "run" / "checkpoints" / "1")["judge"] == ident
+    shutil.rmtree(judge_dir)
+    _perturbed_copy(chat_model_dir(), judge_dir)
+    with pytest.raises(ResumeError, match=rf"the scene protocol changed \(judge model "
+                                          rf"'{ident['model']}' -> 'tiny@"):
+        _run(tmp_path / "run", resume=True, **extra)
