@@ -239,6 +239,46 @@ def test_every_process_grades_with_the_model_judge(judge, monkeypatch):
     assert isinstance(primary_judge.for_processes(make_judge(JudgeConfig())), primary_judge.PrimaryJudge)
 
 
+@pytest.mark.parametrize("where", ["load", "generate"])
+def test_a_joined_run_failure_in_the_model_judge_stops_the_run(judge, monkeypatch, where):
+    """A failure of the joined run itself (a peer process gone) raised by the model judge's
+    load or generate is not masked as judge_error by `judge_episodes`: `judge_on_primary`
+    raises it on every process (through `run_broken`, as PrimaryJudge's), so the processes
+    cannot go on out of step; any other exception there stays a judge_error."""
+    from jscenegen.grpo.rollout import model_judge, primary_judge
+
+    class PeerGone(Exception):
+        pass
+
+    monkeypatch.setattr(model_judge, "fails_the_joined_run", lambda e: isinstance(e, PeerGone))
+    monkeypatch.setattr(primary_judge, "fails_the_joined_run", lambda e: isinstance(e, PeerGone))
+    monkeypatch.setattr(primary_judge.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(judge, "run_broken", None, raising=False)   # restored after: a shared fixture
+
+    def gone(*a, **kw):
+        raise PeerGone("peer gone")
+
+    if where == "load":
+        monkeypatch.setattr(judge, "sampler", None)
+        monkeypatch.setattr(model_judge, "load_model", gone)
+    else:
+        monkeypatch.setattr(judge, "_generate", gone)
+    episodes = unjudged_episodes()
+    with pytest.raises(PeerGone, match="peer gone"):
+        primary_judge.judge_on_primary(episodes, judge)
+    assert isinstance(judge.run_broken, PeerGone)
+    assert [ep.outcome.failure_cause for ep in episodes] == ["judge_error"] * 2   # masked, then raised
+
+    monkeypatch.setattr(judge, "run_broken", None)
+    monkeypatch.setattr(model_judge, "fails_the_joined_run", lambda e: False)
+    episodes = unjudged_episodes()
+    primary_judge.judge_on_primary(episodes, judge)   # another failure: masked, the run goes on
+    assert judge.run_broken is None
+    assert [(ep.outcome.failure_cause, ep.outcome.judge_info["detail"]) for ep in episodes] == [
+        ("judge_error", ("loading judge.model_path " f"{judge.path}: PeerGone: peer gone")
+         if where == "load" else "PeerGone: peer gone")] * 2
+
+
 def _perturbed_copy(src, dst):
     """A copy of the HF directory `src` whose every weight is changed."""
     from safetensors.numpy import load_file, save_file

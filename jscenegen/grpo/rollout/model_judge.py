@@ -30,7 +30,9 @@ process grades (the decode is a collective over the mesh) and gets the same answ
 Failures are results, as the HTTP judge's: an answer that does not parse (bad JSON, other
 keys, a grade outside 0..10) is `judge_unparseable`, with CUT_DETAIL when the answer reached
 max_tokens; an exception in the judge's own generate masks its rows as `judge_error` with the
-exception's type and text in `info["detail"]`.
+exception's type and text in `info["detail"]`, except a failure of the joined run (a peer
+process gone: `sharding.mesh.fails_the_joined_run`), which is raised and ends the run on every
+process (`run_broken`, read by `primary_judge.judge_on_primary`).
 """
 from __future__ import annotations
 
@@ -137,6 +139,10 @@ class ModelJudge:
             rubric_hash=rubric_hash(cfg, templates, metrics_cfg, caps_enforced=cfg.enforce_caps))
         self.sampler: Sampler | None = None
         self._warned_positions = False
+        # a failure of the joined run (a peer gone) raised by `grade`: the caller's per-episode
+        # masking (`scene.episode.judge_episodes`) would catch it, so `primary_judge.
+        # judge_on_primary` re-raises it from here, as it does PrimaryJudge's
+        self.run_broken: BaseException | None = None
 
     def __repr__(self) -> str:
         return f"ModelJudge(model={self._identity['model']!r})"
@@ -196,7 +202,8 @@ class ModelJudge:
         """One JudgeResult per request, in order; never raises for a bad answer (see the module
         docstring). Loads the weights first when `load` has not (a load that fails masks every
         request as `judge_error` naming it; the next call tries again). A failure of the
-        joined run itself (a peer process gone) is raised."""
+        joined run itself (a peer process gone) is raised and kept in `run_broken`, which
+        `primary_judge.judge_on_primary` raises again once `judge_episodes` has masked it."""
         if not requests:
             return []
         t0 = time.monotonic()
@@ -204,6 +211,7 @@ class ModelJudge:
             self.load()
         except Exception as err:
             if fails_the_joined_run(err):
+                self.run_broken = err
                 raise
             log.exception("model judge: loading %s failed", self.path)
             info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": 1,
@@ -226,6 +234,7 @@ class ModelJudge:
                 answers = self._generate([prompts[i] for i in chunk])
             except Exception as err:
                 if fails_the_joined_run(err):
+                    self.run_broken = err
                     raise
                 log.exception("model judge %s: generating failed", self._identity["model"])
                 info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": 1,

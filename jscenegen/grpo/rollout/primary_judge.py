@@ -92,5 +92,7 @@ def judge_on_primary(episodes: Sequence[Episode], judge: Judge) -> None:
         for ep in episodes:
             if ep.judge_request() is not None:
                 ep.set_judgement(JudgeResult(None, "judge_error", {"detail": type(err).__name__}))
-    if getattr(graded, "run_broken", None) is not None:   # masked per episode above: end the run
+    # a judge that met a failure of the joined run (PrimaryJudge's collective, the model
+    # judge's decode) keeps it in `run_broken`: masked per episode above, it ends the run here
+    if getattr(graded, "run_broken", None) is not None:
         raise graded.run_broken
