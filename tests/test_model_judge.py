@@ -68,6 +68,10 @@ def test_a_random_model_judge_masks_its_episodes_alike_on_every_call(judge, requ
     assert [r.info["answer_tokens"] for r in first] == [16, 16]
     assert all(r.info["attempts"] == 1 and r.info["latency_s"] >= 0 for r in first)
     assert seen(judge.grade(requests)) == seen(first)
+    prompts = [judge.prompt_ids(r) for r in requests]
+    tokens = judge._generate(prompts)
+    assert judge._generate(prompts) == tokens   # the same 16 token ids on a second call (greedy)
+    assert [len(ids) for ids, _ in tokens] == [16, 16]
     episodes = unjudged_episodes()
     judge_on_primary(episodes, judge)
     for ep in episodes:
@@ -171,26 +175,40 @@ def test_grade_returns_the_grades_the_sampler_decodes(judge, requests, monkeypat
 
 
 def test_a_sampling_judge_answers_a_request_alike_whatever_its_batch(requests):
-    """Above temperature 1e-5 each row samples with a key from its own prompt: a request's
-    answer is the same graded alone or beside another, on every call; rows beyond
-    judge.concurrency go in further batches."""
+    """Above temperature 1e-5 each row samples with a key from its own prompt: the tokens a
+    request's answer is made of are the same generated alone or beside another, and on every
+    call; another key draws other tokens (so the sameness is the key's, not a cut answer's);
+    rows beyond judge.concurrency go in further batches."""
+    from jscenegen.grpo.rollout import model_judge
+
     judge = build_judge(model_cfg(chat_model_dir(), temperature=1.0, concurrency=1))
     assert not judge.params.greedy and judge.params.temperature == 1.0
-    batched = []
+    generated = []   # each _generate call's (token ids, stop reason) per row
     real = ModelJudge._generate
 
     def spy(self, prompts):
-        batched.append(len(prompts))
-        return real(self, prompts)
+        out = real(self, prompts)
+        generated.append(out)
+        return out
 
+    judge2 = build_judge(model_cfg(chat_model_dir(), temperature=1.0))   # both in one batch
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelJudge, "_generate", spy)
-        both = judge.grade(requests)
-    assert batched == [1, 1]   # concurrency 1: one row per batch
-    alone = judge.grade(requests[1:])
-    assert seen(alone) == seen(both[1:])
-    judge2 = build_judge(model_cfg(chat_model_dir(), temperature=1.0))   # both in one batch
-    assert seen(judge2.grade(requests)) == seen(both)
+        judge.grade(requests)               # concurrency 1: one row per batch
+        judge2.grade(requests)
+        judge2.grade(requests)
+    assert [len(g) for g in generated] == [1, 1, 2, 2]
+    alone = [generated[0][0], generated[1][0]]
+    assert all(len(ids) == 16 for ids, _ in alone)
+    assert generated[2] == alone            # each row alone, and beside the other
+    assert generated[3] == alone            # a second call
+    assert alone[0][0] != alone[1][0]       # two prompts, two keys, two answers
+    prompts = [judge2.prompt_ids(r) for r in requests]
+    seed = model_judge.prompt_seed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_judge, "prompt_seed", lambda ids: seed(ids) ^ 1)
+        other = judge2._generate(prompts)
+    assert [ids != alone[i][0] for i, (ids, _) in enumerate(other)] == [True, True]
 
 
 @pytest.mark.parametrize("overrides,message", [
