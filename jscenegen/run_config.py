@@ -96,11 +96,11 @@ class RunConfig(Section):
 DEFAULT_CONFIG = "configs/cpu-default.yaml"
 
 _RULE_JUDGE_KEYS = ("backend", "grade_keys", "max_failed_updates")   # the rule judge's run reads these
-# what the two language-model judges read (http and model); model_path is refused without
-# judge.backend: model (`JudgeConfig`), so it is in neither list
+# what the two language-model judges read (http and model); model_path and chat_template_path
+# are refused without judge.backend: model (`JudgeConfig`), so they are in neither list
 _LM_JUDGE_KEYS = ("enforce_caps", "temperature", "max_tokens", "concurrency")
-_HTTP_JUDGE_KEYS = tuple(k for k in JudgeConfig.model_fields
-                         if k not in (*_RULE_JUDGE_KEYS, *_LM_JUDGE_KEYS, "model_path"))
+_HTTP_JUDGE_KEYS = tuple(k for k in JudgeConfig.model_fields if k not in (
+    *_RULE_JUDGE_KEYS, *_LM_JUDGE_KEYS, "model_path", "chat_template_path"))
 # keys that act only under another setting: (section, keys, whether they act, that setting)
 _CONDITIONAL_KEYS = (
     ("judge", _LM_JUDGE_KEYS, lambda c: c.judge.backend in ("http", "model"),
@@ -267,6 +267,7 @@ def config_inputs(cfg: RunConfig, config: str | Path | None) -> dict[str, Path |
         "schedule.dev_set": found(cfg.schedule.dev_set),
         "model.reference_path": found(cfg.model.reference_path),
         "judge.model_path": found(cfg.judge.model_path),
+        "judge.chat_template_path": found(cfg.judge.chat_template_path),
         "the jscenegen package": Path(jscenegen.__file__).resolve().parent,
         "the convert package": (Path(convert.origin).resolve().parent
                                 if convert and convert.origin else None),

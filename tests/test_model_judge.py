@@ -225,6 +225,9 @@ def test_a_sampling_judge_answers_a_request_alike_whatever_its_batch(requests):
       "judge.model_path={model}"],
      "judge.model_path is read by judge.backend 'model' only, not 'http': set "
      "judge.backend=model, or leave judge.model_path out"),
+    (["judge.chat_template_path=x.jinja"],
+     "judge.chat_template_path is read by judge.backend 'model' only, not 'rule': set "
+     "judge.backend=model, or leave judge.chat_template_path out"),
 ])
 def test_the_model_judge_keys_are_checked_when_the_config_loads(tmp_path, overrides, message):
     given = [o.format(tmp=tmp_path, model=chat_model_dir()) for o in overrides]
@@ -342,6 +345,56 @@ def test_the_identity_digests_the_judge_model_and_a_resume_with_another_is_refus
                        reward=reward, protocol_settings=changed)
 
 
+def _without_template(src, dst):
+    """A copy of the HF directory `src` with no chat template."""
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_the_judge_template_is_its_key_and_enters_its_identity(tmp_path):
+    """A judge directory without a chat template is refused naming the judge's own key,
+    judge.chat_template_path (not the policy's sampling.chat_template_path); given one there,
+    the judge renders with it and its identity digests the template used (another template,
+    another judge), as it does the bundled protocol template a Qwen3.5 judge whose own is
+    refused gets."""
+    from jscenegen.checkpoint.model_dir import model_digest
+    from jscenegen.model.tokenizer.chat import QWEN35_PROTOCOL_TEMPLATE, TEMPLATES_DIR, ChatTemplateError
+
+    from chat_fixtures import qwen35_chat_model_dir
+
+    bare = _without_template(chat_model_dir(), tmp_path / "bare" / "tiny")
+    with pytest.raises(ChatTemplateError) as err:
+        build_judge(model_cfg(bare))
+    assert str(err.value) == (f"{bare}: the tokenizer has no chat template; pass one with "
+                              "judge.chat_template_path (e.g. jscenegen/model/tokenizer/templates/"
+                              "chatml.jinja)")
+    chatml = TEMPLATES_DIR / "chatml.jinja"
+    judge = build_judge(model_cfg(bare, chat_template_path=str(chatml)))
+    assert judge.chat.template_source == str(chatml)
+    digest = model_digest(bare, chat_template=chatml.read_text())
+    assert digest != model_digest(bare)
+    assert judge.identity()["model"] == f"tiny@{digest[:16]}"
+    other = tmp_path / "other.jinja"
+    other.write_text(chatml.read_text() + "{#- the same rendering, other text #}")
+    assert build_judge(model_cfg(bare, chat_template_path=str(other))).identity()["model"] != \
+        judge.identity()["model"]
+    missing = tmp_path / "absent.jinja"
+    with pytest.raises(ChatTemplateError, match=f"^judge.chat_template_path {missing}: "):
+        build_judge(model_cfg(bare, chat_template_path=str(missing)))
+    # a Qwen3.5 judge shipping the official template renders with the protocol one: digested
+    q35 = shutil.copytree(qwen35_chat_model_dir(), tmp_path / "q35" / "tiny35")
+    (q35 / "chat_template.jinja").write_text((TEMPLATES_DIR / "qwen3_5_official.jinja").read_text())
+    judge35 = build_judge(model_cfg(q35))
+    assert judge35.chat.template_source == str(QWEN35_PROTOCOL_TEMPLATE)
+    digest = model_digest(q35, chat_template=QWEN35_PROTOCOL_TEMPLATE.read_text())
+    assert digest != model_digest(q35)
+    assert judge35.identity()["model"] == f"tiny35@{digest[:16]}"
+
+
 def test_a_checkpoint_step_is_a_judge_too(tmp_path):
     """judge.model_path takes a checkpoint step, as --model does: verified, its params loaded,
     its identity named by run, `checkpoints` and step, digested from its checksums."""
@@ -415,7 +468,7 @@ def test_the_model_judges_keys_where_they_act_and_where_they_do_not():
     saved = load_run_config(None, model).model_dump(mode="json")
     assert protocol_settings(saved)["judge"] == {
         "backend": "model", "grade_keys": list(GRADE_KEYS), "model_path": str(chat_model_dir()),
-        "enforce_caps": True}
+        "chat_template_path": None, "enforce_caps": True}
 
 
 def test_a_run_graded_by_the_model_judge_refuses_a_resume_with_other_judge_weights(tmp_path):

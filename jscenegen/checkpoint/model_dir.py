@@ -9,6 +9,7 @@ safetensors, tokenizer) or a checkpoint step directory (`RUN/checkpoints/N`: `pa
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from jscenegen.checkpoint.checksums import file_sha256, read_checksums, sampled_file_digest
@@ -23,6 +24,7 @@ from jscenegen.checkpoint.store import (
     not_a_model,
 )
 from jscenegen.model.assets import TOKENISATION_FILES
+from jscenegen.model.tokenizer.chat import TEMPLATE_OPTION
 from jscenegen.model.weights import CheckpointFormatError
 from jscenegen.paths import json_sha256
 
@@ -79,11 +81,14 @@ def load_model(path: str | Path, mesh, *, option: str = "--model", **options):
 
 
 def load_chat(path: str | Path, chat_template_path: str | Path | None = None, *,
-              option: str = "--model"):
+              option: str = "--model", template_option: str = TEMPLATE_OPTION):
     """The ChatTokenizer of `path`'s assets (HF directory or checkpoint step's `hf/`) with the
     replacement template `chat_template_path` (None: the directory's own), checked to fit the
     model's vocabulary and to be prefix-preserving (ValueError names the difference
-    otherwise), after `config.json` (ModelConfigError naming it and the key).
+    otherwise), after `config.json` (ModelConfigError naming it and the key). `option` names
+    `path` in the errors (the command's flag or the config key), `template_option` the key
+    that passes a replacement template (the policy's sampling.chat_template_path, the model
+    judge's judge.chat_template_path).
     Loads no weights; verifies a checkpoint step first (`verify_step`)."""
     from jscenegen.model.config import QwenConfig, read_config_file
     from jscenegen.model.tokenizer.chat import ChatTokenizer
@@ -96,7 +101,7 @@ def load_chat(path: str | Path, chat_template_path: str | Path | None = None, *,
         verify_step(p)   # before its tokenizer is read
     # transformers' tokenizer loader reads config.json too, and its errors would blame the tokenizer
     model_cfg = QwenConfig.from_hf_dict(read_config_file(config), str(config))
-    chat = ChatTokenizer.from_dir(model_assets_dir(p), chat_template_path)
+    chat = ChatTokenizer.from_dir(model_assets_dir(p), chat_template_path, template_option)
     chat.check_fits(model_cfg.vocab_size, str(p))
     chat.check_prefix_preserving()
     return chat
@@ -118,7 +123,7 @@ def weights_digest(model_dir: Path) -> str:
         return NO_READABLE_WEIGHTS
 
 
-def model_digest(path: str | Path) -> str:
+def model_digest(path: str | Path, chat_template: str | None = None) -> str:
     """Hex SHA-256 that tells the model at `path` (HF directory or checkpoint step) apart from
     another, without its path: the bytes of config.json and of each tokenisation file
     (`model.assets.TOKENISATION_FILES`: tokenizer, chat template, generation config; null when
@@ -126,7 +131,10 @@ def model_digest(path: str | Path) -> str:
     blocks of each safetensors file: equal files always agree, a fine-tune that left most of
     the sampled blocks alone may not be told apart), a checkpoint step's by the SHA-256 and
     size its checksums.json records for every file under `params/` (`verify_step` checks them
-    against the files). Raises OSError / ChecksumError when a file cannot be read."""
+    against the files). `chat_template`: the text of the template used in place of the
+    directory's own (a replacement, or the bundled Qwen3.5 protocol template), digested too;
+    None (the directory's own) leaves the digest as without it.
+    Raises OSError / ChecksumError when a file cannot be read."""
     p = Path(path)
     assets = model_assets_dir(p)
     files = {name: file_sha256(assets / name) if (assets / name).is_file() else None
@@ -137,4 +145,6 @@ def model_digest(path: str | Path) -> str:
                                if rel.startswith(f"{PARAMS_ITEM}/")})
     else:
         weights = weights_digest(p)
-    return json_sha256({"files": files, "weights": weights})
+    used = {} if chat_template is None else {
+        "chat_template": hashlib.sha256(chat_template.encode("utf-8")).hexdigest()}
+    return json_sha256({"files": files, "weights": weights, **used})

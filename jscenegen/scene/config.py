@@ -239,6 +239,12 @@ class JudgeConfig(Section):
                                    "training checkpoint step (RUN/checkpoints/N), as --model "
                                    "of eval and design takes; required with backend model and "
                                    "refused with the others")
+    chat_template_path: str | None = Field(
+        None, description="model judge: a replacement chat template (jinja) for the judge "
+        "model's own, which must be prefix-preserving as the policy's (Qwen3's is not: e.g. "
+        "jscenegen/model/tokenizer/templates/chatml.jinja); null: the directory's own (a "
+        "Qwen3.5 judge's refused one: the bundled protocol template); the template used enters "
+        "the judge's identity; refused with the other backends")
     api_key_env: str | None = Field("JSCENEGEN_JUDGE_API_KEY", min_length=1, pattern=r"^[^=\x00]+$",
                                     description="name of the environment variable holding the "
                                     "http judge's API key (sent as a Bearer token); null or unset: "
@@ -279,10 +285,11 @@ class JudgeConfig(Section):
         if self.backend == "model" and not self.model_path:
             raise ValueError("judge.backend 'model' needs judge.model_path (the judge's HF model "
                              "directory or checkpoint step)")
-        if self.backend != "model" and self.model_path is not None:
-            raise ValueError(f"judge.model_path is read by judge.backend 'model' only, not "
-                             f"{self.backend!r}: set judge.backend=model, or leave "
-                             "judge.model_path out")
+        for key in ("model_path", "chat_template_path"):
+            if self.backend != "model" and getattr(self, key) is not None:
+                raise ValueError(f"judge.{key} is read by judge.backend 'model' only, not "
+                                 f"{self.backend!r}: set judge.backend=model, or leave "
+                                 f"judge.{key} out")
         if self.backend == "model" and (why := not_a_model_dir(self.model_path)):
             raise ValueError(f"judge.model_path {self.model_path}: {why}")
         if self.backend == "http" and self.base_url == REDACTED:

@@ -126,14 +126,15 @@ def protocol_settings(config: dict) -> dict | None:
     """The settings of a resolved run config (`model_dump(mode="json")`, or as a checkpoint's
     metadata records it) that `protocol_payload` reads: the whole `scene` section and the
     judge's identity keys (backend and grade keys; model and enforce_caps for the http judge,
-    model_path and enforce_caps for the model judge, whose identity digests the model at that
-    path; the rule judge ignores them). None when the config has no scene or judge section. For
+    model_path, chat_template_path and enforce_caps for the model judge, whose identity
+    digests the model at that path and the template it uses; the rule judge ignores them). None when the config has no scene or judge section. For
     naming what changed when the hash did (its files and RULES_REVISION are not settings)."""
     scene, judge = config.get("scene"), config.get("judge")
     if not isinstance(scene, dict) or not isinstance(judge, dict):
         return None
     keys = ("backend", "grade_keys") + {"http": ("model", "enforce_caps"),
-                                        "model": ("model_path", "enforce_caps")}.get(
+                                        "model": ("model_path", "chat_template_path",
+                                                  "enforce_caps")}.get(
                                             judge.get("backend"), ())
     return {"scene": scene, "judge": {k: judge.get(k) for k in keys}}
 

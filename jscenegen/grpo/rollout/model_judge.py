@@ -66,13 +66,15 @@ from jscenegen.text import clip_text
 log = logging.getLogger(__name__)
 
 OPTION = "judge.model_path"
+TEMPLATE_OPTION = "judge.chat_template_path"
 DIGEST_CHARS = 16   # hex digits of `model_digest` in the identity's model string
 
 
 def judge_model_name(path: str | Path, digest: str) -> str:
     """The identity's `model` of the judge at `path`: its directory's name (a checkpoint
     step's `RUN/checkpoints/N`, the run's name with it) and the first DIGEST_CHARS hex digits
-    of `model_digest` (config, tokenizer and chat template files, weights), never the path
+    of `model_digest` (config, tokenizer and chat template files, weights, and the template
+    used in place of the directory's own), never the path
     above it: "Qwen3-8B@3f2a...". The same model copied to another machine or directory of
     the same name has the same identity; a renamed copy or other weights, another."""
     p = Path(path).resolve()
@@ -99,8 +101,8 @@ class ModelJudge:
     """The `scene.judge.Judge` of `judge.backend: model`; see the module docstring.
 
     Args:
-      cfg: the judge section (backend "model", model_path, grade_keys, enforce_caps,
-        temperature, max_tokens, concurrency).
+      cfg: the judge section (backend "model", model_path, chat_template_path, grade_keys,
+        enforce_caps, temperature, max_tokens, concurrency).
       templates, metrics_cfg: the run's prompt templates and `scene.metrics` (the judge's
         messages and rubric hash, as the HTTP judge's).
       mesh: the run's ("fsdp", "sp") mesh, or None for one device.
@@ -110,9 +112,11 @@ class ModelJudge:
       memory_fraction: `rollout.memory_fraction`, which the `auto` layout reads.
       weight_dtype: the sampler's rollout weight dtype (None: the compute dtype).
 
-    Reads the judge's config.json, tokenizer and chat template and digests the model
-    (`identity`) when made; loads no weights (`load`). Raises what `load_chat` raises for a
-    directory that is no model or a tokenizer it cannot use, naming `judge.model_path`.
+    Reads the judge's config.json, tokenizer and chat template (`judge.chat_template_path`
+    in place of the directory's own) and digests the model (`identity`) when made; loads no
+    weights (`load`). Raises what `load_chat` raises for a directory that is no model or a
+    tokenizer it cannot use, naming `judge.model_path`, or a template it cannot use, naming
+    `judge.chat_template_path`.
     """
 
     # `primary_judge.for_processes`: every process of a multi-process run grades (the decode
@@ -133,9 +137,14 @@ class ModelJudge:
         self.memory_fraction = memory_fraction
         self.weight_dtype = weight_dtype
         self.params = sampling_params(cfg.temperature)
-        self.chat = load_chat(self.path, option=OPTION)
+        self.chat = load_chat(self.path, cfg.chat_template_path, option=OPTION,
+                              template_option=TEMPLATE_OPTION)
+        # a template used in place of the directory's own (judge.chat_template_path, or the
+        # bundled Qwen3.5 protocol template) is part of what the judge is
+        replaced = None if self.chat.template_source == "tokenizer" else self.chat.tokenizer.chat_template
         self._identity = JudgeIdentity(
-            backend="model", model=judge_model_name(self.path, model_digest(self.path)),
+            backend="model",
+            model=judge_model_name(self.path, model_digest(self.path, chat_template=replaced)),
             rubric_hash=rubric_hash(cfg, templates, metrics_cfg, caps_enforced=cfg.enforce_caps))
         self.sampler: Sampler | None = None
         self._warned_positions = False
