@@ -242,8 +242,14 @@ def test_the_model_judge_keys_are_checked_when_the_config_loads(tmp_path, overri
 
 def test_the_scene_runtime_refuses_to_build_the_model_judge_and_build_judge_does():
     cfg = model_cfg(chat_model_dir())
-    with pytest.raises(ModelJudgeUnavailable, match="build the judge with jscenegen.grpo.rollout"):
+    with pytest.raises(ModelJudgeUnavailable) as err:
         make_judge(cfg.judge, cfg.scene)
+    assert str(err.value) == ("judge.backend 'model' runs a JAX model, which the scene runtime "
+                              "cannot load: build the judge with "
+                              "jscenegen.grpo.rollout.judges.build_judge")
+    import importlib
+    module, name = str(err.value).rsplit(" ", 1)[1].rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is build_judge   # the name is real
     assert type(build_judge(cfg)).__name__ == "ModelJudge"
     assert type(build_judge(RunConfig())).__name__ == "RuleJudge"
     http = RunConfig(judge=JudgeConfig(backend="http", base_url="http://127.0.0.1:9/v1", model="m"))

@@ -143,12 +143,12 @@ class ModelJudgeUnavailable(ValueError):
 def make_judge(cfg: JudgeConfig, runtime: SceneRuntimeConfig | None = None) -> Judge:
     """The configured backend: RuleJudge ("rule") or HttpJudge ("http"). The model judge
     ("model") runs a JAX model, which the scene runtime knows nothing of: it is built by
-    `jscenegen.grpo.rollout.model_judge.build_judge` (which calls this for the others); asked
+    `jscenegen.grpo.rollout.judges.build_judge` (which calls this for the others); asked
     for it, this raises ModelJudgeUnavailable."""
     if cfg.backend == "model":
         raise ModelJudgeUnavailable(
             "judge.backend 'model' runs a JAX model, which the scene runtime cannot load: build "
-            "the judge with jscenegen.grpo.rollout.model_judge.build_judge")
+            "the judge with jscenegen.grpo.rollout.judges.build_judge")
     runtime = runtime or SceneRuntimeConfig()
     templates = load_templates(runtime.prompts_dir)
     if cfg.backend == "rule":
