@@ -195,11 +195,16 @@ def _art(oid, x, y, yaw=0.0, elevation=1.2):
     (2.0, 1.5, 0.0, True),        # in mid-room at 1.2 m (audit F1)
     (3.985, 1.5, 90.0, False),    # facing -x, back face on wall 1 (x = 4)
     (3.5, 1.5, 90.0, True),
+    (2.0, 0.4, 90.0, True),       # 0.8 m wide, sticking straight out of wall 0: one corner on it
+    (2.0, 0.42, 90.0, True),      # ... its near corner 2 cm off the wall
+    (0.015, 1.5, 270.0, False),   # facing +x, back face on wall 3 (x = 0)
+    (0.4, 0.015, 0.0, False),     # on wall 0 in the corner: its left corner on wall 3 too
 ])
 def test_a_wall_mount_is_unsupported_off_every_wall(x, y, yaw, unsupported):
-    """Spec section 1 (front = local +y): a wall-mounted object whose back face is farther than
-    metrics.mount_gap_m (0.05 m) from every wall of the floor polygon hangs in the air; only
-    `on` objects were checked."""
+    """Spec section 1 (front = local +y): a wall-mounted object whose back face does not lie
+    along one wall (both its corners within metrics.mount_gap_m, 0.05 m, of the same wall of
+    the floor polygon) hangs in the air; only `on` objects were checked. A back face at right
+    angles to a wall, touching it with one corner, is not held by it."""
     r = measure(scene([_art("wall_art_1", x, y, yaw)]))
     assert r["unsupported_objects"] == (["wall_art_1"] if unsupported else [])
 

@@ -114,8 +114,9 @@ class MetricsConfig(Section):
                               "every wall is off the wall (storage_off_wall_objects: -1 realism "
                               "each in the rule judge)")
     mount_gap_m: float = Field(0.05, ge=0, description="a wall-mounted object whose back face "
-                               "(its local -y side) is farther than this (m) from every wall of "
-                               "the floor polygon, or a ceiling-mounted one whose top is farther "
+                               "(its local -y side) does not lie along a wall of the floor "
+                               "polygon (both its corners within this, in m, of the same wall), "
+                               "or a ceiling-mounted one whose top is farther "
                                "than this from wall_height, is unsupported (unsupported_objects: "
                                "measured, no grade of the rule judge reads it)")
     chair_desk_m: float = Field(1.5, ge=0, description="a chair is at a desk when a desk-like "

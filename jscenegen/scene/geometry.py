@@ -202,6 +202,26 @@ def segment_to_walls(p: np.ndarray, q: np.ndarray, floor) -> float:
     return min(segment_distance(p, q, poly[i], poly[(i + 1) % len(poly)]) for i in range(len(poly)))
 
 
+def point_segment_distance(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
+    """Distance (m) from point x to segment ab."""
+    x, a, b = (np.asarray(v, dtype=float) for v in (x, a, b))
+    d = b - a
+    ll = float(d @ d)
+    t = 0.0 if ll == 0 else min(1.0, max(0.0, float((x - a) @ d) / ll))
+    return float(np.hypot(*(a + t * d - x)))
+
+
+def segment_off_walls(p: np.ndarray, q: np.ndarray, floor) -> float:
+    """How far (m) segment pq lies from lying along one wall: for each edge of the floor
+    polygon the larger of p's and q's distances to it, the smallest over the edges. Small only
+    when both ends are near the same wall (a segment sticking out of a wall measures its
+    length, though one end touches it)."""
+    poly = np.asarray(floor, dtype=float)
+    return min(max(point_segment_distance(p, poly[i], poly[(i + 1) % len(poly)]),
+                   point_segment_distance(q, poly[i], poly[(i + 1) % len(poly)]))
+               for i in range(len(poly)))
+
+
 def distance_to_walls(corners: np.ndarray, floor) -> float:
     """Smallest distance (m) from a footprint [4, 2] to any edge of the floor polygon."""
     return min(segment_to_walls(corners[k], corners[(k + 1) % 4], floor) for k in range(4))

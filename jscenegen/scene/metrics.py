@@ -20,7 +20,7 @@ from .geometry import (
     outside_fraction,
     penetration,
     point_on_polygon,
-    segment_to_walls,
+    segment_off_walls,
 )
 from .reach_inputs import (
     GridSpec,
@@ -101,7 +101,8 @@ def measure(
     door_clearance_blocked [[door, id]], door_walk_blocked [door], window_warnings
     [{"window", "object"}], unsupported_objects [id] (mount "on" but not on top of the parent,
     within 2 cm, or on a parent whose category offers no top; mount "wall" with the back face
-    off every wall, mount "ceiling" with the top off the ceiling, by more than mount_gap_m:
+    not along a wall (a corner of it off each), mount "ceiling" with the top off the ceiling, by
+    more than mount_gap_m:
     `_unsupported`), reachable_object_ratio, door_connected_ratio, num_regions,
     largest_region_ratio, walkable_ratio, unreachable_objects [id], reachable bool, blockers [id]
     (only when asked and something is unreachable), front_to_wall_objects,
@@ -254,8 +255,10 @@ def _unsupported(scene, by_id, feet, floor, catalogue: Catalogue, cfg) -> list:
     - `on`: the centre is off the parent's footprint, or the base is more than 2 cm from the
       parent's top, or the catalogue's `top_surfaces` does not list the parent's category (a
       plant on a picture frame; a catalogue without `top_surfaces` lists every category);
-    - `wall`: the back face (the footprint's local -y edge; the front is local +y) is farther
-      than `mount_gap_m` (m) from every edge of the floor polygon (a picture in mid-room);
+    - `wall`: the back face (the footprint's local -y edge; the front is local +y) does not lie
+      along one wall: for every edge of the floor polygon one of its two corners is farther
+      than `mount_gap_m` (m) from it (a picture in mid-room, or one sticking straight out of
+      a wall with one corner at it);
     - `ceiling`: the top (elevation + height) is farther than `mount_gap_m` from wall_height
       (a loaded scene has it there within 1e-5 m already: schema._mounted_heights).
 
@@ -272,7 +275,7 @@ def _unsupported(scene, by_id, feet, floor, catalogue: Catalogue, cfg) -> list:
                 unsupported.append(o.id)
         elif o.mount == "wall":
             back = feet[o.id]   # corners back-left, back-right, front-right, front-left
-            if segment_to_walls(back[0], back[1], floor) > cfg.mount_gap_m + 1e-9:
+            if segment_off_walls(back[0], back[1], floor) > cfg.mount_gap_m + 1e-9:
                 unsupported.append(o.id)
         elif o.mount == "ceiling":
             if abs(o.elevation + o.size[2] - scene.room.wall_height) > cfg.mount_gap_m + 1e-9:

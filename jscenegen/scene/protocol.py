@@ -29,8 +29,8 @@ under the new one. 7: the footprint penetration depth (geometry.penetration: col
 clearance and window boxes) is the shortest move that separates, per axis min(a1 - b0, b1 - a0),
 not the projections' overlap: a 5 mm board inside a bed's footprint collides (it measured 5 mm,
 below penetration_m); partial overlaps measure as before. `unsupported_objects` (measured,
-read by no rule grade) also lists a wall mount whose back face is more than mount_gap_m from
-every wall, a ceiling mount whose top is more than that from the ceiling, and an object `on`
+read by no rule grade) also lists a wall mount whose back face does not lie along a wall (both
+its corners within mount_gap_m of the same one), a ceiling mount whose top is more than that from the ceiling, and an object `on`
 a parent whose category the catalogue's `top_surfaces` does not list (only `on` objects off
 their parent's top were listed: a picture in mid-room, a plant on it). 6: an object mounted `on` another blocks walking when it is not thin and its
 bottom is below block_height_m (scene-protocol.md section 4), and a floor object standing on a
