@@ -211,6 +211,54 @@ def test_a_sampling_judge_answers_a_request_alike_whatever_its_batch(requests):
     assert [ids != alone[i][0] for i, (ids, _) in enumerate(other)] == [True, True]
 
 
+def test_a_model_judge_that_does_not_fit_beside_the_policy_is_refused_at_load(judge, requests, monkeypatch):
+    """`load` measures the free device memory before the judge's weights arrive (the policy's
+    are in place) and refuses, in one line naming judge.model_path, judge.concurrency and
+    judge.max_tokens and the bytes, when the judge's rollout weights and its largest KV cache
+    (judge.concurrency rows x the rubric-alone prompt + max_tokens) do not fit it; a grading
+    whose longer prompts need a larger cache than is free is refused naming them too."""
+    import jax
+
+    from jscenegen.generate.sampler import bucket_length
+    from jscenegen.grpo.rollout import model_judge
+    from jscenegen.model.hf_io import iter_hf_tensors
+
+    s = judge.sampler
+    prompt = judge.prompt_ids(None)   # the rubric alone: the shortest prompt
+    assert 600 < len(prompt) < min(len(judge.prompt_ids(r)) for r in requests)
+    rows, slots = 8, bucket_length(s.appended_slots([prompt]) + 16, BUCKETS)   # concurrency 8
+    assert (rows, slots) == (8, 1024)
+    weights = sum(a.astype(np.float32).nbytes for _, a in iter_hf_tensors(chat_model_dir()))
+    shapes = jax.eval_shape(lambda: s.create_cache(s.cfg, rows, slots, s.cache_dtype))
+    cache = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))  # no donation on CPU
+    need = weights + cache
+    monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: need - 1, raising=False)
+    with pytest.raises(ValueError) as err:
+        build_judge(model_cfg(chat_model_dir()), load=True)
+    assert type(err.value).__name__ == "JudgeMemoryError"
+    assert str(err.value) == (
+        f"judge.model_path {chat_model_dir()}: the model judge needs {need:,} bytes "
+        f"({need / 2**30:.2f} GiB) per device, {weights:,} bytes of weights (float32) and "
+        f"{cache:,} for a KV cache of 8 rows (judge.concurrency 8) x 1,024 slots (the rubric "
+        f"alone, {len(prompt):,} tokens, + judge.max_tokens 16), more than the {need - 1:,} bytes "
+        f"({(need - 1) / 2**30:.2f} GiB) a device has free beside the policy: lower "
+        "judge.concurrency or judge.max_tokens, or give judge.model_path a smaller model")
+    monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: need)
+    assert build_judge(model_cfg(chat_model_dir()), load=True).sampler is not None
+    monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: None)   # unknown
+    assert build_judge(model_cfg(chat_model_dir()), load=True).sampler is not None
+
+    # the batch's own prompts (1,269 and 1,518 tokens: 2,048 slots for 2 rows), checked before
+    # its cache is made
+    monkeypatch.setattr(s, "_free_device_bytes", lambda: 1000)
+    results = judge.grade(requests)
+    assert [r.failure for r in results] == ["judge_error"] * 2
+    assert results[0].info["detail"].startswith(
+        f"JudgeMemoryError: judge.model_path {chat_model_dir()}: the model judge needs ")
+    assert "for a KV cache of 2 rows (judge.concurrency 8) x 2,048 slots (this batch's longest " \
+        "prompt, 1,518 tokens, + judge.max_tokens 16)" in results[0].info["detail"]
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["judge.backend=model"], "judge.backend 'model' needs judge.model_path (the judge's HF model "
                               "directory or checkpoint step)"),
@@ -287,6 +335,8 @@ def test_a_joined_run_failure_in_the_model_judge_stops_the_run(judge, monkeypatc
 
     if where == "load":
         monkeypatch.setattr(judge, "sampler", None)
+        # process_count is faked: no collective of the load's memory check in one process
+        monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: None, raising=False)
         monkeypatch.setattr(model_judge, "load_model", gone)
     else:
         monkeypatch.setattr(judge, "_generate", gone)

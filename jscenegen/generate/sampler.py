@@ -511,15 +511,32 @@ class Sampler:
         a call's input and output caches are alive together), less what `alive` (the cache a
         grow copies from) frees once copied. Without it such a cache is allocated until the
         process is killed for memory, with no message. No check when the free memory is unknown."""
-        new = self._cache_device_bytes(shapes)
-        old = 0 if alive is None else self._cache_device_bytes(alive)
-        need = max(new, new * (1 if self._donate else 2) - old)
+        need = self._cache_need(self._cache_device_bytes(shapes), alive)
         free = self._free_device_bytes()
         if free is not None and need > free:
             raise ValueError(f"a KV cache of {batch} rows x {max_len:,} slots needs "
                              f"{need / 2**30:,.1f} GiB per device, more than the "
                              f"{free / 2**30:,.1f} GiB one has free: lower the episode and turn caps "
                              "(sampling.max_episode_tokens, max_new_tokens, cache_tokens) or the rows")
+
+    def _cache_need(self, new: int, alive=None) -> int:
+        """What making a cache of `new` bytes per device takes of a device's free memory
+        (`_check_cache_fits`' rule): twice it without buffer donation, less what `alive` frees."""
+        old = 0 if alive is None else self._cache_device_bytes(alive)
+        return max(new, new * (1 if self._donate else 2) - old)
+
+    def cache_bytes_needed(self, batch: int, max_len: int) -> int:
+        """Bytes of free memory per rollout device that making a cache of `batch` rows x
+        `max_len` slots takes (the rule `_check_cache_fits` refuses by), for a caller that must
+        budget its largest cache ahead (the model judge)."""
+        return self._cache_need(self._cache_device_bytes(self._cache_shapes(batch, max_len)))
+
+    def weight_device_bytes(self) -> int:
+        """Bytes one rollout device holds of the rollout weights (each array's shard under its
+        sharding; all of it without a mesh)."""
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   if hasattr(x, "sharding") else x.size * x.dtype.itemsize
+                   for x in jax.tree.leaves(self.state))
 
     def _free_device_bytes(self) -> int | None:
         """Bytes one rollout device can still take (a collective: `least_free_device_memory_bytes`)."""

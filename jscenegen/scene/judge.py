@@ -79,12 +79,14 @@ def requested_text(requested) -> str:
     return ", ".join(f"{r['category']} x{r['count']}" for r in requested) or "none"
 
 
-def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplates,
+def judge_messages(req: JudgeRequest | None, cfg: JudgeConfig, templates: PromptTemplates,
                    metrics_cfg: MetricsConfig) -> list[dict]:
     """Chat messages (system + user) for an LLM judge: rubric, caps (their thresholds from
-    `metrics_cfg`, the run's `scene.metrics`), scene text and metrics."""
+    `metrics_cfg`, the run's `scene.metrics`), scene text and metrics. `req` None: the rubric
+    alone (no prompt, scene or metrics), the shortest messages the judge is sent (the model
+    judge budgets its memory by it)."""
     caps = "\n".join(f"- {cap_text(c, metrics_cfg)}" for c in CAPS if c.grade in cfg.grade_keys)
-    active = "; ".join(cap_text(c, metrics_cfg) for c in active_caps(req.metrics)
+    active = "; ".join(cap_text(c, metrics_cfg) for c in (active_caps(req.metrics) if req else ())
                        if c.grade in cfg.grade_keys) or "none"
     return [
         {"role": "system", "content": templates.render(
@@ -93,10 +95,10 @@ def judge_messages(req: JudgeRequest, cfg: JudgeConfig, templates: PromptTemplat
             "role": "user",
             "content": templates.render(
                 "judge_user",
-                prompt=req.scene.prompt,
-                requested=requested_text(req.requested),
-                scene=canonical_text(req.scene),
-                metrics=metrics_text(req.metrics),
+                prompt=req.scene.prompt if req else "",
+                requested=requested_text(req.requested if req else ()),
+                scene=canonical_text(req.scene) if req else "",
+                metrics=metrics_text(req.metrics) if req else "",
                 active_caps=active,
             ),
         },

@@ -12,7 +12,9 @@ process, by `load` (the commands call it once the policy is loaded) or the first
 in the rollout dtype (`rollout.dtype`, else `model.compute_dtype`), and placed by the sampler's
 `auto` layout on the run's mesh (whole on every device when they fit
 `rollout.memory_fraction` of one, else tensor-parallel): they sit beside the policy's
-training and rollout weights for the whole process and are never trained.
+training and rollout weights for the whole process and are never trained. `load` refuses a
+judge whose weights and largest KV cache do not fit the device memory free beside the policy's
+(JudgeMemoryError, naming judge.concurrency, judge.max_tokens and judge.model_path).
 
 Batches: the requests of one `grade` call are generated together, at most `judge.concurrency`
 rows per call of the sampler (the GRPO recipe's group of 8 is one call), rows padded with
@@ -60,6 +62,7 @@ from jscenegen.scene.judge import JudgeIdentity, JudgeRequest, JudgeResult, judg
 from jscenegen.scene.judge_answer import CUT_DETAIL, JudgeAnswerError, parse_judge_content
 from jscenegen.scene.prompts import PromptTemplates
 from jscenegen.sharding.mesh import fails_the_joined_run, host_array
+from jscenegen.sharding.rollout import least_free_device_memory_bytes
 from jscenegen.sharding.rules import round_up
 from jscenegen.text import clip_text
 
@@ -166,20 +169,63 @@ class ModelJudge:
     def load(self) -> None:
         """Load the judge's weights and build its sampler, once (later calls return at once).
         Raises what loading raises (a missing or corrupt weight file, too little memory for
-        the layout)."""
+        the layout), and JudgeMemoryError when its weights and its largest KV cache
+        (`largest_cache`) do not fit the device memory that was free before it loaded (beside
+        the policy's weights, loaded first): refused now, not a judge_error at every grading.
+        Where the free memory is unknown, no check (as the sampler's `_check_cache_fits`)."""
         if self.sampler is not None:
             return
+        free = least_free_device_memory_bytes()   # a collective: every process loads here
         model = load_model(self.path, self.mesh, option=OPTION, **self.model_options)
-        self.sampler = Sampler(model, self.params, stop_token_ids=list(self.chat.end_ids),
-                               buckets=self.buckets, mesh=self.mesh, layout="auto",
-                               memory_fraction=self.memory_fraction, dtype=self.weight_dtype)
+        sampler = Sampler(model, self.params, stop_token_ids=list(self.chat.end_ids),
+                          buckets=self.buckets, mesh=self.mesh, layout="auto",
+                          memory_fraction=self.memory_fraction, dtype=self.weight_dtype)
+        del model   # the training-layout copy: the sampler holds the rollout weights
+        rows, slots = self.largest_cache(sampler)
+        prompt = len(self.prompt_ids(None))
+        if why := self._does_not_fit(sampler, rows, slots, free, weights=True,
+                                     prompt=f"the rubric alone, {prompt:,} tokens"):
+            raise JudgeMemoryError(why)
+        self.sampler = sampler
         log.info("model judge %s loaded (%s layout)", self._identity["model"],
                  self.sampler.layout.name)
 
+    def largest_cache(self, sampler: Sampler) -> tuple[int, int]:
+        """(rows, slots) of the largest KV cache a grading makes, as far as it is known before
+        any request: judge.concurrency rows (padded as `_generate` pads them) x the slots of
+        the shortest prompt the judge reads (`prompt_ids(None)`, the rubric alone: a scene's
+        text adds to it) plus judge.max_tokens."""
+        c = max(1, self.cfg.concurrency)
+        rows = round_up(1 << (c - 1).bit_length(), sampler.row_multiple)
+        slots = bucket_length(sampler.appended_slots([self.prompt_ids(None)]) + self.cfg.max_tokens,
+                              sampler.buckets)
+        return rows, slots
+
+    def _does_not_fit(self, sampler: Sampler, rows: int, slots: int, free: int | None, *,
+                      weights: bool, prompt: str) -> str | None:
+        """Why a KV cache of `rows` x `slots` (and, with `weights`, the judge's rollout weights
+        beside it) does not fit `free` bytes per device, one line naming the keys; None when it
+        fits or `free` is unknown. `prompt`: how the slots' prompt was taken."""
+        if free is None:
+            return None
+        cache = sampler.cache_bytes_needed(rows, slots)
+        held = sampler.weight_device_bytes() if weights else 0
+        if held + cache <= free:
+            return None
+        what = (f"{held:,} bytes of weights ({np.dtype(sampler.weight_dtype).name}) and "
+                if weights else "")
+        return (f"{OPTION} {self.path}: the model judge needs {held + cache:,} bytes "
+                f"({(held + cache) / 2**30:.2f} GiB) per device, {what}{cache:,} for a KV cache of "
+                f"{rows} rows (judge.concurrency {self.cfg.concurrency}) x {slots:,} slots "
+                f"({prompt}, + judge.max_tokens {self.cfg.max_tokens}), more than the {free:,} "
+                f"bytes ({free / 2**30:.2f} GiB) a device has free beside the policy: lower "
+                "judge.concurrency or judge.max_tokens, or give judge.model_path a smaller model")
+
     # ---- grading ------------------------------------------------------------------------
-    def prompt_ids(self, req: JudgeRequest) -> list[int]:
+    def prompt_ids(self, req: JudgeRequest | None) -> list[int]:
         """The tokens the judge reads for `req`: `judge_messages` (system, user) in the judge
-        model's chat template with the generation prompt (`ChatTokenizer.start`)."""
+        model's chat template with the generation prompt (`ChatTokenizer.start`); None: those
+        of the rubric alone (the shortest prompt)."""
         system, user = judge_messages(req, self.cfg, self.templates, self.metrics_cfg)
         return self.chat.start(system["content"], user["content"])[1]
 
@@ -280,6 +326,11 @@ class ModelJudge:
                         "its scaling factor): positions past them were never trained",
                         self._identity["model"], max_new, longest, s.cfg.context_positions)
         max_slots = bucket_length(prompt_slots + max_new, s.buckets)
+        # the largest cache of this batch, checked before any of it is made: a longer prompt
+        # than `load` budgeted for (the rubric alone) is refused naming the judge's keys
+        if why := self._does_not_fit(s, rows, max_slots, s._free_device_bytes(), weights=False,
+                                     prompt=f"this batch's longest prompt, {max(map(len, prompts)):,} tokens"):
+            raise JudgeMemoryError(why)
         slots = (min(max_slots, bucket_length(prompt_slots + s.segment, s.buckets))
                  if s.can_grow else max_slots)
         cache, last = s.new_cache(rows, slots)
@@ -291,6 +342,12 @@ class ModelJudge:
         tokens, lengths, reasons = (host_array(out.tokens), host_array(out.lengths),
                                     host_array(out.reason))
         return [(tokens[i, :int(lengths[i])].tolist(), int(reasons[i])) for i in range(n)]
+
+
+class JudgeMemoryError(ValueError):
+    """The model judge's weights and KV cache do not fit the free device memory (`ModelJudge.load`,
+    `_generate`); the message names judge.concurrency, judge.max_tokens, judge.model_path and
+    the bytes."""
 
 
 def _error_text(err: BaseException) -> str:
