@@ -133,25 +133,39 @@ def test_a_scene_the_engine_failed_is_left_out_of_both_overall_rows(engine, cfg,
     assert rep["overall"]["model"]["episodes"] == 2 and rep["overall"]["model"]["reward"] == -1.0
 
 
-def test_unmeasured_model_names_what_masked_every_episode():
-    from jscenegen.eval.report import unmeasured_model
+@pytest.mark.parametrize("judge, check", [
+    ({"backend": "http", "base_url": "http://127.0.0.1:8000/v1", "model": "m"},
+     "check judge.base_url and the judge's log"),
+    ({"backend": "model", "model_path": "{model}"},
+     "check judge.model_path and judge.max_tokens, and the model judge's lines in the log"),
+    ({}, "the rule judge's error is in the log above"),
+])
+def test_unmeasured_model_names_what_masked_every_episode(judge, check):
+    """The judge failure's clause says what to check for the configured backend (the one
+    rule, `scene.judge.judge_check_hint`; a model judge was told to check judge.base_url)."""
+    from chat_fixtures import chat_model_dir
+
+    from jscenegen.eval.report import masked_why, unmeasured_model
+    from jscenegen.scene.config import JudgeConfig
+
+    cfg = JudgeConfig(**{k: v.format(model=chat_model_dir()) for k, v in judge.items()})
 
     def summary(reward, causes, episodes):
         return {"reward": reward, "failure_causes": causes, "episodes": episodes}
 
     rep = {"overall": {"model": summary(None, {"rollout_error": 3, "judge_timeout": 1}, 4),
                        "expert": summary(0.9, {}, 1)}}
-    assert unmeasured_model(rep) == (
+    assert unmeasured_model(rep, cfg) == (
         "every one of the 4 model episodes was masked (judge_timeout x1, rollout_error x3): "
         "jscenegen's sampler or scene runtime failed, not the policy (the log line above names "
-        "the error; JSCENEGEN_DEBUG=1 adds its traceback); the judge failed (check "
-        "judge.base_url and the judge's log)")
+        f"the error; JSCENEGEN_DEBUG=1 adds its traceback); the judge failed ({check})")
+    assert masked_why(["judge_error"], cfg) == f"the judge failed ({check})"
     rep["overall"]["model"] = summary(None, {"prompt_over_cap": 1}, 1)
-    assert unmeasured_model(rep) == ("the one model episode was masked (prompt_over_cap x1): the "
-                                     "prompt alone reaches sampling.max_episode_tokens")
+    assert unmeasured_model(rep, cfg) == ("the one model episode was masked (prompt_over_cap x1): "
+                                          "the prompt alone reaches sampling.max_episode_tokens")
     rep["overall"]["model"] = summary(-1.0, {"rollout_error": 3, "bad_json": 1}, 4)
-    assert unmeasured_model(rep) == ""   # one episode measured the model
-    assert unmeasured_model({"overall": {"expert": summary(0.9, {}, 1)}}) == ""
+    assert unmeasured_model(rep, cfg) == ""   # one episode measured the model
+    assert unmeasured_model({"overall": {"expert": summary(0.9, {}, 1)}}, cfg) == ""
 
 
 def test_summarize_excludes_masked_and_counts_causes():
@@ -558,10 +572,11 @@ class _RaisingJudge:
         raise ConnectionError("judge server down")
 
 
-@pytest.mark.parametrize("judge,cause", [("http_500", "judge_error: HTTP 500"),
-                                         ("raising", "judge_error: ConnectionError")])
+@pytest.mark.parametrize("judge,cause,check", [
+    ("http_500", "judge_error: HTTP 500", "check judge.base_url and the judge's log"),
+    ("raising", "judge_error: ConnectionError", "the rule judge's error is in the log above")])
 def test_design_fails_when_the_judge_did_not_grade_the_scene(tmp_path, capsys, monkeypatch, judge,
-                                                             cause):
+                                                             cause, check):
     """A judge failure during design (an HTTP judge answering 500, a judge that raises) masks
     the episode: the scene is written, and design exits 1 with one error line naming the
     cause (the line said only `judge_error`; what failed was in a log line above it)."""
@@ -592,7 +607,7 @@ def test_design_fails_when_the_judge_did_not_grade_the_scene(tmp_path, capsys, m
     errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
     assert errors == [captured.err.splitlines()[-1]]
     assert errors[0] == (f"error: the judge did not grade the scene ({cause}); {out} holds it "
-                         "(check judge.base_url and the judge's log)")
+                         f"({check})")   # what to check for the backend that failed
     assert server is None or server.calls >= 1
     assert len(scene_from_json(json.loads(out.read_text()), str(out)).objects) == 1
 

@@ -158,7 +158,7 @@ def run(args) -> int:
     if traj.masked:   # not the policy's outcome: our sampler or runtime failed (eval's rule)
         print(terminal_text(f"error: the episode was masked ({traj.failure_cause}: "
                             f"{clip_text(traj.failure_message, 300)}): "
-                            f"{masked_why([traj.failure_cause])}; {out} holds the scene as it "
+                            f"{masked_why([traj.failure_cause], cfg.judge)}; {out} holds the scene as it "
                             "stood"), file=sys.stderr)
         return 1
     return 0

@@ -140,7 +140,7 @@ def run(args) -> int:
                             f"({ungraded}); the report {out} records them "
                             f"({judge_check_hint(cfg.judge)})"), file=sys.stderr)
         return 1
-    unmeasured = unmeasured_model(report)
+    unmeasured = unmeasured_model(report, cfg.judge)
     if unmeasured:   # the report says so with reward null; a script reads the exit code
         print(terminal_text(f"error: {unmeasured}; the report {out} records them, with no "
                             "reward of the model"), file=sys.stderr)

@@ -10,8 +10,8 @@ import numpy as np
 from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.grpo.rollout.config import GREEDY_OFF, GROUP_MAX
 from jscenegen.paths import finite_number
-from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX
-from jscenegen.scene.judge import JUDGE_IDENTITY_KEYS
+from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX, JudgeConfig
+from jscenegen.scene.judge import JUDGE_IDENTITY_KEYS, judge_check_hint
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES, SETUP_FAILURES
 from jscenegen.text import clip_line, clip_text
 
@@ -491,21 +491,19 @@ def ungraded_judge_failures(report: dict) -> str:
     return ", ".join(f"{k} x{c}" for k, c in sorted(failed.items()))
 
 
-# what failed, by the kind of masked cause (scene.reward), for an error line
-_MASKED_WHY = ((RUNTIME_FAILURES, "jscenegen's sampler or scene runtime failed, not the policy "
-                                  "(the log line above names the error; JSCENEGEN_DEBUG=1 adds its "
-                                  "traceback)"),
-               (JUDGE_FAILURES, "the judge failed (check judge.base_url and the judge's log)"),
-               (SETUP_FAILURES, "the prompt alone reaches sampling.max_episode_tokens"))
+def masked_why(causes, judge_cfg: JudgeConfig) -> str:
+    """What failed for the masked `causes` ('rollout_error', ...), one clause per kind present
+    (scene.reward's kinds), joined by '; ' ('' for none); a judge failure's clause says what to
+    check for the backend of `judge_cfg` (`scene.judge.judge_check_hint`)."""
+    kinds = ((RUNTIME_FAILURES, "jscenegen's sampler or scene runtime failed, not the policy "
+                                "(the log line above names the error; JSCENEGEN_DEBUG=1 adds its "
+                                "traceback)"),
+             (JUDGE_FAILURES, f"the judge failed ({judge_check_hint(judge_cfg)})"),
+             (SETUP_FAILURES, "the prompt alone reaches sampling.max_episode_tokens"))
+    return "; ".join(why for kind, why in kinds if any(c in kind for c in causes))
 
 
-def masked_why(causes) -> str:
-    """What failed for the masked `causes` ('rollout_error', ...), one clause per kind present,
-    joined by '; ' ('' for none)."""
-    return "; ".join(why for kind, why in _MASKED_WHY if any(c in kind for c in causes))
-
-
-def unmeasured_model(report: dict) -> str:
+def unmeasured_model(report: dict, judge_cfg: JudgeConfig) -> str:
     """When the report has model episodes and none of them was left unmasked (its
     `overall.model.reward` is null: every one failed in our sampler or scene runtime, in the
     judge, or started at the token cap), what masked them: 'every one of the 2 model episodes
@@ -518,4 +516,4 @@ def unmeasured_model(report: dict) -> str:
     counted = ", ".join(f"{k} x{c}" for k, c in causes.items())
     n = m["episodes"]
     return (f"{'the one model episode was' if n == 1 else f'every one of the {n} model episodes was'} "
-            f"masked ({counted}): {masked_why(causes)}")
+            f"masked ({counted}): {masked_why(causes, judge_cfg)}")

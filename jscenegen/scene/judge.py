@@ -106,11 +106,14 @@ def judge_messages(req: JudgeRequest | None, cfg: JudgeConfig, templates: Prompt
 
 
 def judge_check_hint(cfg: JudgeConfig) -> str:
-    """What to check when the configured judge graded nothing, for an error line."""
+    """What to check when the configured judge failed (graded nothing, or masked an episode),
+    for an error line: the one rule for every backend."""
     if cfg.backend == "model":
         return ("check judge.model_path and judge.max_tokens, and the model judge's lines in "
                 "the log")
-    return "check judge.base_url and the judge's log"
+    if cfg.backend == "http":
+        return "check judge.base_url and the judge's log"
+    return "the rule judge's error is in the log above"
 
 
 SAMPLING_JUDGES = ("http", "model")   # the backends whose answer a language model samples
