@@ -20,7 +20,7 @@ from jscenegen.grpo.train.schedule import ScheduleConfig
 from jscenegen.model.names import ARCHS, PRESET_NAMES
 from jscenegen.model.options import ModelConfig
 from jscenegen.paths import resolve_data_path
-from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+from jscenegen.scene.config import SAMPLING_JUDGES, JudgeConfig, SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig
 
 
@@ -96,15 +96,15 @@ class RunConfig(Section):
 DEFAULT_CONFIG = "configs/cpu-default.yaml"
 
 _RULE_JUDGE_KEYS = ("backend", "grade_keys", "max_failed_updates")   # the rule judge's run reads these
-# what the two language-model judges read (http and model); model_path and chat_template_path
+# what the language-model judges read (SAMPLING_JUDGES); model_path and chat_template_path
 # are refused without judge.backend: model (`JudgeConfig`), so they are in neither list
 _LM_JUDGE_KEYS = ("enforce_caps", "temperature", "max_tokens", "concurrency")
 _HTTP_JUDGE_KEYS = tuple(k for k in JudgeConfig.model_fields if k not in (
     *_RULE_JUDGE_KEYS, *_LM_JUDGE_KEYS, "model_path", "chat_template_path"))
 # keys that act only under another setting: (section, keys, whether they act, that setting)
 _CONDITIONAL_KEYS = (
-    ("judge", _LM_JUDGE_KEYS, lambda c: c.judge.backend in ("http", "model"),
-     "judge.backend: http or model"),
+    ("judge", _LM_JUDGE_KEYS, lambda c: c.judge.backend in SAMPLING_JUDGES,
+     "judge.backend: " + " or ".join(SAMPLING_JUDGES)),
     ("judge", _HTTP_JUDGE_KEYS, lambda c: c.judge.backend == "http", "judge.backend: http"),
     ("loss", ("horizon",), lambda c: c.loss.loss_agg_mode == "seq-mean-token-sum-norm",
      "loss.loss_agg_mode: seq-mean-token-sum-norm"),

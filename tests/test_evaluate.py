@@ -143,10 +143,10 @@ def test_a_scene_the_engine_failed_is_left_out_of_both_overall_rows(engine, cfg,
 def test_unmeasured_model_names_what_masked_every_episode(judge, check):
     """The judge failure's clause says what to check for the configured backend (the one
     rule, `scene.judge.judge_check_hint`; a model judge was told to check judge.base_url)."""
-    from chat_fixtures import chat_model_dir
-
     from jscenegen.eval.report import masked_why, unmeasured_model
     from jscenegen.scene.config import JudgeConfig
+
+    from chat_fixtures import chat_model_dir
 
     cfg = JudgeConfig(**{k: v.format(model=chat_model_dir()) for k, v in judge.items()})
 

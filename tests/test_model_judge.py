@@ -264,9 +264,9 @@ def test_a_model_judge_that_does_not_fit_beside_the_policy_is_refused_at_load(ju
                               "directory or checkpoint step)"),
     (["judge.backend=model", "judge.model_path={tmp}/absent"],
      "judge.model_path {tmp}/absent: no such directory"),
-    (["judge.backend=model", "judge.model_path={tmp}"],
-     "judge.model_path {tmp}: neither an HF model directory (config.json) nor a checkpoint step "
-     "directory (params/ and hf/)"),
+    (["judge.backend=model", "judge.model_path={tmp}/file"],
+     "judge.model_path {tmp}/file: not a directory (give the judge's HF model directory or "
+     "checkpoint step)"),
     (["judge.model_path={model}"], "judge.model_path is read by judge.backend 'model' only, not "
                                    "'rule': set judge.backend=model, or leave judge.model_path out"),
     (["judge.backend=http", "judge.base_url=http://127.0.0.1:8000/v1", "judge.model=m",
@@ -278,6 +278,7 @@ def test_a_model_judge_that_does_not_fit_beside_the_policy_is_refused_at_load(ju
      "judge.backend=model, or leave judge.chat_template_path out"),
 ])
 def test_the_model_judge_keys_are_checked_when_the_config_loads(tmp_path, overrides, message):
+    (tmp_path / "file").write_text("x")
     given = [o.format(tmp=tmp_path, model=chat_model_dir()) for o in overrides]
     with pytest.raises(ConfigError) as err:
         load_run_config(None, given)
@@ -286,6 +287,30 @@ def test_the_model_judge_keys_are_checked_when_the_config_loads(tmp_path, overri
         f": {message.format(tmp=tmp_path)}" in text, text
     cfg = load_run_config(None, ["judge.backend=model", f"judge.model_path={chat_model_dir()}"])
     assert cfg.judge.model_path == str(chat_model_dir())
+
+
+@pytest.mark.parametrize("layout", ["empty", "hf_only", "run"])
+def test_a_judge_directory_that_is_no_model_is_refused_with_the_model_flags_message(tmp_path, layout):
+    """The config checks only that judge.model_path is a directory; whether it is a model is the
+    rule `--model` is refused by (`checkpoint.store.not_a_model`, one copy), applied when the
+    judge is built: a directory with only hf/config.json (no params/) is no checkpoint step,
+    and a run directory points at its newest step."""
+    from jscenegen.checkpoint.store import not_a_model
+
+    d = tmp_path / "judge"
+    d.mkdir()
+    if layout == "hf_only":
+        shutil.copytree(chat_model_dir(), d / "hf")
+    if layout == "run":
+        (d / "checkpoints" / "3" / "params").mkdir(parents=True)
+        shutil.copytree(chat_model_dir(), d / "checkpoints" / "3" / "hf")
+    cfg = load_run_config(None, ["judge.backend=model", f"judge.model_path={d}"])   # accepted here
+    with pytest.raises(FileNotFoundError) as err:
+        build_judge(cfg)
+    hint = f"; its newest checkpoint step is {d}/checkpoints/3" if layout == "run" else ""
+    assert str(err.value) == str(not_a_model(d, "judge.model_path")) == (
+        f"judge.model_path {d}: neither an HF model directory (config.json) nor a checkpoint "
+        f"step directory (params/ and hf/){hint}")
 
 
 def test_the_scene_runtime_refuses_to_build_the_model_judge_and_build_judge_does():

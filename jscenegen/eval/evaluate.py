@@ -27,9 +27,9 @@ from jscenegen.grpo.rollout.engine import RolloutEngine
 from jscenegen.grpo.rollout.primary_judge import judge_on_primary
 from jscenegen.grpo.rollout.seeds import episode_seed
 from jscenegen.grpo.rollout.stats import summarize, zero_spread_share
-from jscenegen.scene.config import JudgeConfig, SceneRuntimeConfig
+from jscenegen.scene.config import SAMPLING_JUDGES, JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.expert import run_scripted_episode
-from jscenegen.scene.judge import SAMPLING_JUDGES, Judge, http_judge_sampling
+from jscenegen.scene.judge import Judge, http_judge_sampling
 from jscenegen.scene.protocol import protocol_digests
 from jscenegen.scene.sceneset import SceneRecord, record_sha256
 

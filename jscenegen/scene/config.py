@@ -211,6 +211,12 @@ class SceneRuntimeConfig(Section):
     )
 
 
+SAMPLING_JUDGES = ("http", "model")
+"""The judge backends whose answer a language model samples: they read judge.enforce_caps,
+temperature, max_tokens and concurrency, and an evaluation report records their temperature
+and max_tokens (the rule judge computes its grades)."""
+
+
 class JudgeConfig(Section):
     """Which judge grades terminal scenes, how the HTTP backend talks to its server, and which
     model the model backend runs.
@@ -305,17 +311,17 @@ class JudgeConfig(Section):
 
 
 def not_a_model_dir(path: str) -> str | None:
-    """Why `path` cannot be the model judge's model (`judge.model_path`), or None: it must be
-    a directory holding config.json (an HF model directory) or hf/config.json (a checkpoint
-    step). What else it needs (weights, a tokenizer) is checked when the judge is built."""
+    """Why `path` cannot be the model judge's model (`judge.model_path`) as far as the config
+    can tell, or None: it must be an existing directory. Whether it is a model (an HF
+    directory's config.json or a checkpoint step's params/ and hf/: `checkpoint.store.
+    not_a_model`, the one rule, which this package cannot import), and what else it needs
+    (weights, a tokenizer), is checked when the judge is built (`grpo.rollout.judges.
+    build_judge`, before any command's work)."""
     p = Path(path)
     if not p.exists():
         return "no such directory"
     if not p.is_dir():
         return "not a directory (give the judge's HF model directory or checkpoint step)"
-    if not ((p / "config.json").is_file() or (p / "hf" / "config.json").is_file()):
-        return ("neither an HF model directory (config.json) nor a checkpoint step directory "
-                "(params/ and hf/)")
     return None
 
 

@@ -116,13 +116,12 @@ def judge_check_hint(cfg: JudgeConfig) -> str:
     return "the rule judge's error is in the log above"
 
 
-SAMPLING_JUDGES = ("http", "model")   # the backends whose answer a language model samples
 
 
 def http_judge_sampling(cfg: JudgeConfig) -> dict:
     """{"temperature", "max_tokens"}: what the HTTP judge sends with every request beside the
     model and messages (`judge_http.HttpJudge`), and what the model judge decodes with
-    (`grpo.rollout.model_judge.ModelJudge`): the backends of SAMPLING_JUDGES. They change its
+    (`grpo.rollout.model_judge.ModelJudge`): the backends of `config.SAMPLING_JUDGES`. They change its
     grades (and an answer cut at max_tokens is a masked failure) but are not part of its
     identity (which enters the protocol hash a run resumes under), so an evaluation report
     records them beside it (`eval.evaluate.evaluate`) and `eval --compare` compares them."""

@@ -17,7 +17,7 @@ from jscenegen.paths import json_sha256
 from .actions import ACTION_GRAMMAR
 from .caps import caps_table
 from .catalogue import load_catalogue
-from .config import JudgeConfig, SceneRuntimeConfig
+from .config import SAMPLING_JUDGES, JudgeConfig, SceneRuntimeConfig
 from .judge import make_judge
 from .ops import OP_MODELS
 from .prompts import load_templates
@@ -125,18 +125,23 @@ def _annotation_types(annotation) -> list:
 def protocol_settings(config: dict) -> dict | None:
     """The settings of a resolved run config (`model_dump(mode="json")`, or as a checkpoint's
     metadata records it) that `protocol_payload` reads: the whole `scene` section and the
-    judge's identity keys (backend and grade keys; model and enforce_caps for the http judge,
-    model_path, chat_template_path and enforce_caps for the model judge, whose identity
-    digests the model at that path and the template it uses; the rule judge ignores them). None when the config has no scene or judge section. For
-    naming what changed when the hash did (its files and RULES_REVISION are not settings)."""
+    judge's identity keys (backend and grade keys; for the language-model judges,
+    SAMPLING_JUDGES, enforce_caps and what names their model: `model` for the http judge,
+    model_path and chat_template_path for the model judge, whose identity digests the model at
+    that path and the template it uses; the rule judge ignores them). None when the config has
+    no scene or judge section. For naming what changed when the hash did (its files and
+    RULES_REVISION are not settings)."""
     scene, judge = config.get("scene"), config.get("judge")
     if not isinstance(scene, dict) or not isinstance(judge, dict):
         return None
-    keys = ("backend", "grade_keys") + {"http": ("model", "enforce_caps"),
-                                        "model": ("model_path", "chat_template_path",
-                                                  "enforce_caps")}.get(
-                                            judge.get("backend"), ())
+    keys = ("backend", "grade_keys")
+    if (backend := judge.get("backend")) in SAMPLING_JUDGES:
+        keys += _JUDGE_MODEL_SETTINGS.get(backend, ()) + ("enforce_caps",)
     return {"scene": scene, "judge": {k: judge.get(k) for k in keys}}
+
+
+# the settings that name a language-model judge's model, by backend (`protocol_settings`)
+_JUDGE_MODEL_SETTINGS = {"http": ("model",), "model": ("model_path", "chat_template_path")}
 
 
 def judge_model_change(recorded, identity: dict) -> list[str]:
