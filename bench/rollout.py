@@ -33,7 +33,7 @@ interleaved (a load spike on the shared machine hits all of them) in a carry-ove
 order (`common.round_order`, a Williams design: over 2n rounds for n engines, n for an even n,
 each engine runs right after each other one equally often; the default 5 rounds with 5
 engines are half of that; the mesh's 6, each layout's generate and reshard, are balanced
-over 6 rounds). Every ratio is taken per round (the two
+when --rounds is a multiple of 6, which the default 5 is not). Every ratio is taken per round (the two
 engines timed in the same round) and reported as the median of the --rounds per-round
 ratios with `_min`, `_max` and `_rounds`; `_of_medians` is the ratio of the two engines'
 medians. CPU seconds (all threads of the process) are printed beside wall seconds: other
