@@ -480,7 +480,7 @@ def test_a_checkpoint_step_is_a_judge_too(tmp_path):
     """judge.model_path takes a checkpoint step, as --model does: verified, its params loaded,
     its identity named by run, `checkpoints` and step, digested from its checksums."""
     from jscenegen.checkpoint.metadata import training_metadata
-    from jscenegen.checkpoint.store import CheckpointStore
+    from jscenegen.checkpoint.store import CheckpointError, CheckpointStore
     from jscenegen.model.config import QwenConfig
     from jscenegen.model.hf_io import iter_hf_tensors
     from jscenegen.model.weights import param_shapes
@@ -501,8 +501,10 @@ def test_a_checkpoint_step_is_a_judge_too(tmp_path):
     req = run_scripted_episode(dev_records()[0], judged=False)[0].judge_request()
     assert judge.prompt_ids(req) == build_judge(model_cfg(hf)).prompt_ids(req)   # hf/'s tokenizer
     (step / "params" / "extra").write_text("x")   # an unlisted file: the checksums refuse it
-    with pytest.raises(Exception, match="not usable"):
+    with pytest.raises(CheckpointError) as err:
         build_judge(model_cfg(step))
+    assert str(err.value) == (f"checkpoint {step} is not usable: {step}/params/extra: not listed "
+                              f"({step}/checksums.json; 1 file fails)")
 
 
 def test_eval_grades_with_the_model_judge_and_records_it(tmp_path, capsys):

@@ -503,11 +503,13 @@ def test_a_redirect_is_final_and_named_without_its_credentials(server):
 
 @pytest.mark.parametrize("server", [["stall"]], indirect=True)
 @pytest.mark.parametrize("retries", [0, 2])
-def test_a_judge_that_answers_nothing_is_given_up_on_after_concurrency_tries(server, retries,
-                                                                             caplog):
-    """Every request waited out all its tries: N requests at concurrency c took N x tries / c
-    timeouts (hours for a dev evaluation with the defaults), other processes waiting; counted
-    by requests, a request in its back-off let the next one start (helper-188)."""
+def test_a_judge_that_answers_nothing_is_given_up_on_after_concurrency_x_1_plus_retries_tries(
+        server, retries, caplog):
+    """Given up after concurrency x (1 + max_retries) unanswered tries in a row (a wave's every
+    try), not per request: every request waited out all its tries, N requests at concurrency
+    c took N x tries / c timeouts (hours for a dev evaluation with the defaults), other
+    processes waiting; counted by requests, a request in its back-off let the next one start
+    (helper-188)."""
     results = make_judge(cfg(server.url, api_key_env=None, max_retries=retries)).grade(requests(8))
     # limit = a wave's every try, concurrency 2 x (1 + retries), unanswered tries, and at most
     # concurrency - 1 more that started while the last of them was timing out (was 8 x tries)
