@@ -534,6 +534,27 @@ def test_eval_grades_with_the_model_judge_and_records_it(tmp_path, capsys):
         "judge's lines in the log)")
 
 
+def test_scene_furnish_with_a_failing_model_judge_prints_no_reward_and_exits_1(tmp_path, capsys):
+    """`scene furnish --config` with a model judge that writes no grades (random weights): the
+    episode is masked, so its reward is null (it printed 0.0 and exited 0) and the command
+    exits 1 with one error line, as `scene check` and `design` do; the scene is written."""
+    from jscenegen.cli import main
+
+    config = tmp_path / "judge.yaml"
+    config.write_text(f"judge:\n  backend: model\n  model_path: {chat_model_dir()}\n  max_tokens: 16\n"
+                      "sampling:\n  buckets: [128, 1024]\n")
+    out = tmp_path / "f.json"
+    rc = main(["scene", "furnish", "data/scenes/dev.jsonl", "--index", "2", "-o", str(out),
+               "--config", str(config)])
+    cap = capsys.readouterr()
+    got = json.loads(cap.out)
+    assert rc == 1 and json.loads(out.read_text())["objects"]
+    assert (got["reward"], got["grades"], got["failure_cause"]) == (None, None, "judge_unparseable")
+    assert cap.err.splitlines()[-1] == (
+        f"error: the judge did not grade the scene (judge_unparseable: {CUT_DETAIL}); {out} holds "
+        "it (check judge.model_path and judge.max_tokens, and the model judge's lines in the log)")
+
+
 def test_the_model_judges_keys_where_they_act_and_where_they_do_not():
     """temperature, max_tokens, concurrency and enforce_caps act with the http and model judges
     (named as inert with the rule judge); the HTTP judge's own keys are inert beside the model

@@ -554,3 +554,30 @@ def test_a_proxy_from_the_environment_is_named_in_a_warning(monkeypatch, caplog)
     monkeypatch.setenv("NO_PROXY", "10.1.2.3")
     make_judge(cfg("http://10.1.2.3:8000/v1", api_key_env=None))
     assert caplog.messages == []
+
+
+@pytest.mark.parametrize("server", [["answer"], ["401"]], indirect=True)
+def test_scene_furnish_with_a_failing_http_judge_prints_no_reward_and_exits_1(server, tmp_path, capsys):
+    """`scene furnish --config` with a judge that fails: the episode is masked (never scored),
+    so its reward is null, not the masked episode's 0.0, and the command exits 1 with one
+    error line naming the failure and the written scene (it printed "reward": 0.0 and exit 0)."""
+    from jscenegen.cli import main
+
+    (tmp_path / "judge.yaml").write_text(f"judge:\n  backend: http\n  base_url: {server.url}\n"
+                                         "  model: judge-27b\n  api_key_env: null\n  timeout_s: 5\n")
+    out = tmp_path / "f.json"
+    rc = main(["scene", "furnish", "data/scenes/dev.jsonl", "--index", "2", "-o", str(out),
+               "--config", str(tmp_path / "judge.yaml")])
+    cap = capsys.readouterr()
+    got = json.loads(cap.out)
+    assert json.loads(out.read_text())["objects"] and server.calls == 1   # the scene is written
+    if server.plan == ["answer"]:
+        assert rc == 0 and got["failure_cause"] is None and got["grades"]
+        assert isinstance(got["reward"], float)
+        assert "error:" not in cap.err
+    else:
+        assert rc == 1 and got["reward"] is None and got["grades"] is None
+        assert got["failure_cause"] == "judge_error"
+        assert cap.err.splitlines()[-1] == (
+            "error: the judge did not grade the scene (judge_error: HTTP 401); "
+            f"{out} holds it (check judge.base_url and the judge's log)")

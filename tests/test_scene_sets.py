@@ -229,6 +229,37 @@ def test_cli_furnish_names_a_binary_file_and_finds_shipped_sets_from_anywhere(tm
     assert scene_from_json(json.loads((tmp_path / "f.json").read_text())).objects
 
 
+@pytest.mark.parametrize("fails", ["judge", "runtime"])
+def test_cli_furnish_of_a_masked_episode_prints_no_reward_and_exits_1(tmp_path, capsys, monkeypatch, fails):
+    """A masked episode (the rule judge raised, or the scene runtime did) has no reward: furnish
+    printed the masked 0.0 and exited 0, where `scene check` prints null and exits 1. The
+    scene is written all the same; one error line says what failed."""
+    from jscenegen.scene.episode import Episode
+    from jscenegen.scene.judge_rule import RuleJudge
+
+    def boom(*a, **kw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(RuleJudge if fails == "judge" else Episode,
+                        "grade" if fails == "judge" else "_critic", boom)
+    out = tmp_path / "f.json"
+    assert main(["scene", "furnish", str(DATA / "dev.jsonl"), "--index", "2", "-o", str(out)]) == 1
+    cap = capsys.readouterr()
+    got = json.loads(cap.out)
+    assert got["reward"] is None and got["grades"] is None and out.is_file()
+    if fails == "judge":
+        assert got["failure_cause"] == "judge_error"
+        assert cap.err.splitlines()[-1] == (
+            f"error: the judge did not grade the scene (judge_error: RuntimeError); {out} holds it "
+            "(the rule judge's error is in the log above)")
+    else:
+        assert got["failure_cause"] == "runtime_error"
+        assert cap.err.splitlines()[-1] == (
+            "error: the episode was masked (runtime_error: RuntimeError: boom): jscenegen's "
+            "sampler or scene runtime failed, not the policy (the log line above names the error; "
+            f"JSCENEGEN_DEBUG=1 adds its traceback); {out} holds the scene as it stood")
+
+
 def test_cli_furnish_reads_only_the_scene_it_plays(tmp_path, capsys):
     """It validated every record of the set first: ~0.2 ms each, minutes for a set of a
     million scenes, to play one."""

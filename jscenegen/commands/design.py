@@ -99,14 +99,12 @@ def run(args) -> int:
     record = design_record(args.prompt, args.room, args.seed)
 
     from jscenegen.eval.evaluate import check_episode_fits, policy_chat, policy_engine, policy_mesh
-    from jscenegen.eval.report import masked_why
+    from jscenegen.eval.report import masked_scene_error
     from jscenegen.grpo.rollout.judges import build_judge, load_judge
     from jscenegen.paths import write_json
-    from jscenegen.scene.judge import judge_check_hint, judge_failure_text
     from jscenegen.scene.metrics import measure
     from jscenegen.scene.reach_inputs import ReachabilityError
-    from jscenegen.scene.reward import JUDGE_FAILURES
-    from jscenegen.text import clip_text, terminal_text
+    from jscenegen.text import terminal_text
 
     # refuse what cannot work before the model loads: a room the runtime cannot measure, a
     # prompt that leaves the episode no room for a turn
@@ -149,16 +147,9 @@ def run(args) -> int:
                       "masked": traj.masked, "units": traj.units, "grades": traj.grades,
                       "metrics": traj.metrics, "objects": len(scene.objects), "scene": str(out),
                       "render": args.render}, indent=2, default=str))
-    if traj.failure_cause in JUDGE_FAILURES:   # the scene is written; its grades are not (eval's rule)
-        cause = judge_failure_text(traj.failure_cause, traj.outcome.get("judge_info", {}))
-        print(terminal_text(f"error: the judge did not grade the scene ({cause}); "
-                            f"{out} holds it ({judge_check_hint(cfg.judge)})"),
-              file=sys.stderr)
-        return 1
-    if traj.masked:   # not the policy's outcome: our sampler or runtime failed (eval's rule)
-        print(terminal_text(f"error: the episode was masked ({traj.failure_cause}: "
-                            f"{clip_text(traj.failure_message, 300)}): "
-                            f"{masked_why([traj.failure_cause], cfg.judge)}; {out} holds the scene as it "
-                            "stood"), file=sys.stderr)
+    # the scene is written; a masked episode's reward is no measure of it (eval's rule)
+    if why := masked_scene_error(traj.failure_cause, traj.masked, traj.failure_message,
+                                 traj.outcome.get("judge_info", {}), out, cfg.judge):
+        print(terminal_text(f"error: {why}"), file=sys.stderr)
         return 1
     return 0

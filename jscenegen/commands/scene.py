@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 from jscenegen.commands import int_in
@@ -169,11 +170,17 @@ def generate(args) -> int:
 
 
 def furnish(args) -> int:
+    """Play the record's episode with the scripted expert, judge it with the configured judge
+    and write its scene to `-o`. A masked episode (the judge failed: every backend's failure
+    is masked, never scored) prints "reward": null and one error line, and exits 1; the
+    scene is written all the same."""
+    from jscenegen.eval.report import masked_scene_error
     from jscenegen.grpo.rollout.judges import build_judge
     from jscenegen.paths import check_output_file, write_json
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.expert import run_scripted_episode
     from jscenegen.scene.sceneset import RecordIndexError, check_records_usable, read_scene_record
+    from jscenegen.text import terminal_text
 
     scene_set = _input(args.scene_set)
     check_output_file(args.output, "-o")
@@ -190,8 +197,13 @@ def furnish(args) -> int:
     out = Path(args.output)
     write_json(out, ep.scene.to_json())
     o = ep.outcome
-    print(json.dumps({"output": str(out), "reward": o.reward, "grades": o.grades, "units": o.units,
-                      "failure_cause": o.failure_cause}))
+    # a masked episode (the judge failed) has no reward: null, as scene check prints it
+    print(json.dumps({"output": str(out), "reward": None if o.masked else o.reward,
+                      "grades": o.grades, "units": o.units, "failure_cause": o.failure_cause}))
+    if why := masked_scene_error(o.failure_cause, o.masked, ep.failure_message, o.judge_info,
+                                 out, judge_cfg):
+        print(terminal_text(f"error: {why}"), file=sys.stderr)
+        return 1
     return 0
 
 

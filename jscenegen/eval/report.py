@@ -11,7 +11,7 @@ from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.grpo.rollout.config import GREEDY_OFF, GROUP_MAX
 from jscenegen.paths import finite_number
 from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX, JudgeConfig
-from jscenegen.scene.judge import JUDGE_IDENTITY_KEYS, judge_check_hint
+from jscenegen.scene.judge import JUDGE_IDENTITY_KEYS, judge_check_hint, judge_failure_text
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES, SETUP_FAILURES
 from jscenegen.text import clip_line, clip_text
 
@@ -501,6 +501,23 @@ def masked_why(causes, judge_cfg: JudgeConfig) -> str:
              (JUDGE_FAILURES, f"the judge failed ({judge_check_hint(judge_cfg)})"),
              (SETUP_FAILURES, "the prompt alone reaches sampling.max_episode_tokens"))
     return "; ".join(why for kind, why in kinds if any(c in kind for c in causes))
+
+
+def masked_scene_error(cause: str | None, masked: bool, message: str, judge_info: dict, out,
+                       judge_cfg: JudgeConfig) -> str | None:
+    """The error line (without "error: ") of a command that played one episode and wrote its
+    scene to `out` (`design`, `scene furnish`), when the episode was masked: its reward is
+    then no measure of the scene (the command prints it null, or with `masked`, and exits 1).
+    A judge failure (`cause` in JUDGE_FAILURES) names the judge's detail (`judge_info`) and
+    what to check for its backend; another masked failure its `message` and `masked_why`.
+    None for an episode that was not masked."""
+    if cause in JUDGE_FAILURES:
+        return (f"the judge did not grade the scene ({judge_failure_text(cause, judge_info)}); "
+                f"{out} holds it ({judge_check_hint(judge_cfg)})")
+    if masked:
+        return (f"the episode was masked ({cause}: {clip_text(message, 300)}): "
+                f"{masked_why([cause], judge_cfg)}; {out} holds the scene as it stood")
+    return None
 
 
 def unmeasured_model(report: dict, judge_cfg: JudgeConfig) -> str:
