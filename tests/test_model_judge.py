@@ -555,6 +555,64 @@ def test_scene_furnish_with_a_failing_model_judge_prints_no_reward_and_exits_1(t
         "it (check judge.model_path and judge.max_tokens, and the model judge's lines in the log)")
 
 
+def _with_positions(src, dst, positions: int, **rope):
+    """A copy of the HF directory `src` whose config.json says max_position_embeddings
+    `positions` (and `rope_scaling` = `rope`, when given)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    if rope:
+        config["rope_scaling"] = rope
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_a_judge_max_tokens_past_the_judge_models_positions_is_refused(tmp_path, requests):
+    """judge.max_tokens 1048576 decoded for minutes with a judge that never ends its turn,
+    with a warning only that positions passed max_position_embeddings: refused when the judge
+    is built (before any weights) when it and the rubric-alone prompt pass the model's
+    positions (times a RoPE scaling factor), in one line naming judge.max_tokens,
+    judge.model_path and max_position_embeddings; a request whose own, longer, prompt passes
+    them is a judge_error naming the same, and is never decoded."""
+    from jscenegen.grpo.rollout.model_judge import JudgePositionsError
+
+    short = _with_positions(chat_model_dir(), tmp_path / "short" / "tiny", 1024)
+    ok = build_judge(model_cfg(short))   # 16 tokens fit beside the rubric (679 tokens)
+    rubric = len(ok.prompt_ids(None))
+    assert 500 < rubric < 1024 - 16
+    with pytest.raises(JudgePositionsError) as err:
+        build_judge(model_cfg(short, max_tokens=1024))
+    assert str(err.value) == (
+        f"judge.max_tokens 1,024 and the rubric-alone prompt ({rubric:,} tokens) reach "
+        f"{rubric + 1024:,} positions, more than the judge's max_position_embeddings 1,024 "
+        f"(judge.model_path {short}): positions past them were never trained; lower "
+        f"judge.max_tokens to {1024 - rubric:,} or less")
+    scaled = _with_positions(chat_model_dir(), tmp_path / "scaled" / "tiny", 512,
+                             rope_type="linear", factor=2.0)
+    with pytest.raises(JudgePositionsError) as err:
+        build_judge(model_cfg(scaled, max_tokens=1024))
+    assert (f"more than the judge's max_position_embeddings 512 (times its RoPE scaling factor: "
+            f"1,024 positions) (judge.model_path {scaled})") in str(err.value)
+    assert build_judge(model_cfg(scaled)).model_cfg.context_positions == 1024
+    # a scene's prompt is longer than the rubric alone (1,300 tokens or so): past 1,024 itself
+    lengths = [len(ok.prompt_ids(r)) for r in requests]
+    assert all(n > 1024 for n in lengths) and len(set(lengths)) == 2
+    ok._generate = None   # never reached: no row is decoded
+    results = ok.grade(requests)
+    assert [(r.grades, r.failure) for r in results] == [(None, "judge_error")] * 2
+    assert [r.info["detail"] for r in results] == [
+        f"judge.max_tokens 16 and this request's prompt ({n:,} tokens) reach {n + 16:,} positions, "
+        f"more than the judge's max_position_embeddings 1,024 (judge.model_path {short}): "
+        "positions past them were never trained; give judge.model_path a model with more "
+        "positions" for n in lengths]
+    # one that fits beside max_tokens is decoded, the other refused
+    fits = build_judge(model_cfg(_with_positions(chat_model_dir(), tmp_path / "mid" / "tiny",
+                                                 min(lengths) + 16)))
+    results = fits.grade(requests)
+    assert [r.failure for r in results] == [
+        "judge_unparseable" if n == min(lengths) else "judge_error" for n in lengths]
+
+
 def test_the_model_judges_keys_where_they_act_and_where_they_do_not():
     """temperature, max_tokens, concurrency and enforce_caps act with the http and model judges
     (named as inert with the rule judge); the HTTP judge's own keys are inert beside the model

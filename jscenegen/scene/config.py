@@ -276,7 +276,8 @@ class JudgeConfig(Section):
                                "--compare` refuses reports graded at another)")
     max_tokens: int = Field(1024, ge=16, le=1 << 20, description="the most tokens the judge's "
                             "answer may have (sent to the http judge's server as max_tokens; "
-                            "the model judge's decode budget); an answer cut there is "
+                            "the model judge's decode budget, refused beside a prompt past "
+                            "its max_position_embeddings); an answer cut there is "
                             "judge_unparseable (recorded in evaluation reports as temperature is)")
     max_failed_updates: int = Field(
         5, ge=0, description="train stops (with a checkpoint, exit 2) after this many updates in "

@@ -14,7 +14,13 @@ in the rollout dtype (`rollout.dtype`, else `model.compute_dtype`), and placed b
 `rollout.memory_fraction` of one, else tensor-parallel): they sit beside the policy's
 training and rollout weights for the whole process and are never trained. `load` refuses a
 judge whose weights and largest KV cache do not fit the device memory free beside the policy's
-(JudgeMemoryError, naming judge.concurrency, judge.max_tokens and judge.model_path).
+(JudgeMemoryError, naming judge.concurrency, judge.max_tokens and judge.model_path). A
+judge.max_tokens that, with the rubric-alone prompt, passes the positions the judge model is
+made for (max_position_embeddings, times a RoPE scaling factor) is refused sooner, when the
+judge is made (JudgePositionsError, naming judge.max_tokens, judge.model_path and
+max_position_embeddings: a judge that never ends its turn would decode that many tokens); a
+request whose own prompt passes them with judge.max_tokens is a judge_error naming the same,
+never decoded.
 
 Batches: the requests of one `grade` call are generated together, at most `judge.concurrency`
 rows per call of the sampler (the GRPO recipe's group of 8 is one call), rows padded with
@@ -47,7 +53,7 @@ from typing import Sequence
 import numpy as np
 
 from jscenegen.checkpoint.model_dir import load_chat, load_model, model_digest
-from jscenegen.checkpoint.store import is_checkpoint_dir
+from jscenegen.checkpoint.store import is_checkpoint_dir, model_assets_dir
 from jscenegen.generate.sampler import (
     DEFAULT_BUCKETS,
     STOP_LENGTH,
@@ -56,6 +62,7 @@ from jscenegen.generate.sampler import (
     bucket_length,
 )
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams, row_keys
+from jscenegen.model.config import QwenConfig, read_config_file
 from jscenegen.scene.caps import apply_caps
 from jscenegen.scene.config import JudgeConfig, MetricsConfig
 from jscenegen.scene.judge import JudgeIdentity, JudgeRequest, JudgeResult, judge_messages, rubric_hash
@@ -119,7 +126,8 @@ class ModelJudge:
     in place of the directory's own) and digests the model (`identity`) when made; loads no
     weights (`load`). Raises what `load_chat` raises for a directory that is no model or a
     tokenizer it cannot use, naming `judge.model_path`, or a template it cannot use, naming
-    `judge.chat_template_path`.
+    `judge.chat_template_path`; JudgePositionsError when judge.max_tokens and the rubric-alone
+    prompt pass the model's positions (`past_positions`).
     """
 
     # `primary_judge.for_processes`: every process of a multi-process run grades (the decode
@@ -142,6 +150,12 @@ class ModelJudge:
         self.params = sampling_params(cfg.temperature)
         self.chat = load_chat(self.path, cfg.chat_template_path, option=OPTION,
                               template_option=TEMPLATE_OPTION)
+        config = model_assets_dir(self.path) / "config.json"   # read and checked by load_chat
+        self.model_cfg = QwenConfig.from_hf_dict(read_config_file(config), str(config))
+        # an answer budget the model has no positions for: refused now, before any weights
+        # (a judge that never ends its turn would decode judge.max_tokens tokens per request)
+        if why := self.past_positions(len(self.prompt_ids(None)), "the rubric-alone prompt"):
+            raise JudgePositionsError(why)
         # a template used in place of the directory's own (judge.chat_template_path, or the
         # bundled Qwen3.5 protocol template) is part of what the judge is
         replaced = None if self.chat.template_source == "tokenizer" else self.chat.tokenizer.chat_template
@@ -150,7 +164,6 @@ class ModelJudge:
             model=judge_model_name(self.path, model_digest(self.path, chat_template=replaced)),
             rubric_hash=rubric_hash(cfg, templates, metrics_cfg, caps_enforced=cfg.enforce_caps))
         self.sampler: Sampler | None = None
-        self._warned_positions = False
         # a failure of the joined run (a peer gone) raised by `grade`: the caller's per-episode
         # masking (`scene.episode.judge_episodes`) would catch it, so `primary_judge.
         # judge_on_primary` re-raises it from here, as it does PrimaryJudge's
@@ -221,6 +234,24 @@ class ModelJudge:
                 f"bytes ({free / 2**30:.2f} GiB) a device has free beside the policy: lower "
                 "judge.concurrency or judge.max_tokens, or give judge.model_path a smaller model")
 
+    def past_positions(self, prompt_tokens: int, prompt: str) -> str | None:
+        """Why a prompt of `prompt_tokens` tokens (`prompt`: which) and an answer of
+        judge.max_tokens do not fit the positions the judge model's RoPE is made for
+        (`QwenConfig.context_positions`: max_position_embeddings, times a scaling factor),
+        one line naming judge.max_tokens, judge.model_path and max_position_embeddings;
+        None when they fit."""
+        positions, mpe = self.model_cfg.context_positions, self.model_cfg.max_position_embeddings
+        need = prompt_tokens + self.cfg.max_tokens
+        if need <= positions:
+            return None
+        made = f"max_position_embeddings {mpe:,}" + (
+            f" (times its RoPE scaling factor: {positions:,} positions)" if positions != mpe else "")
+        fix = (f"lower judge.max_tokens to {positions - prompt_tokens:,} or less"
+               if positions > prompt_tokens else f"give {OPTION} a model with more positions")
+        return (f"judge.max_tokens {self.cfg.max_tokens:,} and {prompt} ({prompt_tokens:,} tokens) "
+                f"reach {need:,} positions, more than the judge's {made} ({OPTION} {self.path}): "
+                f"positions past them were never trained; {fix}")
+
     # ---- grading ------------------------------------------------------------------------
     def prompt_ids(self, req: JudgeRequest | None) -> list[int]:
         """The tokens the judge reads for `req`: `judge_messages` (system, user) in the judge
@@ -276,10 +307,17 @@ class ModelJudge:
         prompts: dict[int, list[int]] = {}
         for i, req in enumerate(requests):
             try:
-                prompts[i] = self.prompt_ids(req)
+                ids = self.prompt_ids(req)
             except Exception as err:   # the template or tokenizer: this request only
                 results[i] = JudgeResult(None, "judge_error", {
                     "latency_s": 0.0, "attempts": 1, "detail": _error_text(err)})
+                continue
+            # a scene's text makes the prompt longer than the rubric alone `__init__` checked
+            if why := self.past_positions(len(ids), "this request's prompt"):
+                results[i] = JudgeResult(None, "judge_error", {
+                    "latency_s": 0.0, "attempts": 1, "detail": why})
+                continue
+            prompts[i] = ids
         todo = list(prompts)
         step = max(1, self.cfg.concurrency)
         for start in range(0, len(todo), step):
@@ -318,13 +356,6 @@ class ModelJudge:
         rows = round_up(1 << (n - 1).bit_length(), s.row_multiple)
         seqs = [list(p) for p in prompts] + [[]] * (rows - n)
         prompt_slots = s.appended_slots(seqs)
-        longest = max(map(len, prompts)) + max_new
-        if longest > s.cfg.context_positions and not self._warned_positions:
-            self._warned_positions = True
-            log.warning("model judge %s: a prompt and its judge.max_tokens=%d reach %d positions, "
-                        "more than the %d its RoPE is made for (max_position_embeddings, times "
-                        "its scaling factor): positions past them were never trained",
-                        self._identity["model"], max_new, longest, s.cfg.context_positions)
         max_slots = bucket_length(prompt_slots + max_new, s.buckets)
         # the largest cache of this batch, checked before any of it is made: a longer prompt
         # than `load` budgeted for (the rubric alone) is refused naming the judge's keys
@@ -342,6 +373,12 @@ class ModelJudge:
         tokens, lengths, reasons = (host_array(out.tokens), host_array(out.lengths),
                                     host_array(out.reason))
         return [(tokens[i, :int(lengths[i])].tolist(), int(reasons[i])) for i in range(n)]
+
+
+class JudgePositionsError(ValueError):
+    """judge.max_tokens and the rubric-alone prompt pass the positions the judge model is made
+    for (`ModelJudge.past_positions`): the message names judge.max_tokens, judge.model_path and
+    its max_position_embeddings."""
 
 
 class JudgeMemoryError(ValueError):
