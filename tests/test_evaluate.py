@@ -1279,6 +1279,30 @@ def test_compare_refuses_damaged_and_mismatched_reports_naming_file_and_field(tm
                                  r"\S*after.json .*re-run `jscenegen eval` for both$", err), err
 
 
+def test_reports_graded_by_one_model_judge_in_renamed_directories_are_refused_saying_so(tmp_path, capsys):
+    """The model judge's identity names its directory ("<name>@<digest>", documented), so the
+    same weights graded the two reports from directories `ja` and `jb` and --compare said only
+    "graded by different judges": it now says that the files are the same and what to do. Other
+    weights (another digest), or another rubric beside the rename, keep the plain refusal."""
+    digest = "c57a3a46331c3c79"
+    model = {"backend": "model", "model": f"ja@{digest}", "rubric_hash": "e8178fedbec1139e",
+             "temperature": 0.0, "max_tokens": 64}
+    before = _edited(lambda r: r.update(judge=dict(model)))
+    rc, err = _compare(tmp_path, capsys, before, _edited(lambda r: r.update(judge=dict(model, model=f"jb@{digest}"))))
+    assert rc == 2 and err == (
+        f"error: {tmp_path / 'before.json'} vs {tmp_path / 'after.json'}: graded by different judges "
+        f"(model ja@{digest} rubric e8178fedbec1 and model jb@{digest} rubric e8178fedbec1): the same "
+        "judge files under another directory name (ja -> jb): rename it back and re-run "
+        f"`jscenegen eval` for {tmp_path / 'after.json'}")
+    http = dict(model, backend="http")   # an HTTP judge's model is the server's name: no digest
+    for a, b in ((model, dict(model, model="jb@0000000000000000")),
+                 (model, dict(model, model=f"jb@{digest}", rubric_hash="ff")),
+                 (http, dict(http, model=f"jb@{digest}"))):
+        rc, err = _compare(tmp_path, capsys, _edited(lambda r, j=a: r.update(judge=dict(j))),
+                           _edited(lambda r, j=b: r.update(judge=dict(j))))
+        assert rc == 2 and err.endswith("their rewards do not compare"), err
+
+
 def test_an_evaluation_in_other_dtypes_is_not_compared(tmp_path, capsys):
     """A report's `sampling` did not record the dtypes its logits came from: an evaluation with
     rollout.dtype=bfloat16 (or model.compute_dtype, model.param_dtype) drew its tokens from

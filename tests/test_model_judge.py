@@ -654,3 +654,30 @@ def test_a_run_graded_by_the_model_judge_refuses_a_resume_with_other_judge_weigh
     with pytest.raises(ResumeError, match=rf"the scene protocol changed \(judge model "
                                           rf"'{ident['model']}' -> 'tiny@"):
         _run(tmp_path / "run", resume=True, **extra)
+
+
+def test_a_resume_with_the_judge_in_a_renamed_directory_is_refused_saying_so(tmp_path):
+    """The identity names the judge's directory (documented), so a resume with the same judge
+    files under another directory name is refused, as another judge is: the refusal now says
+    that the files are the same and what to do (it named only 'the model judge's files')."""
+    from test_trainer import _run
+
+    from jscenegen.checkpoint.resume import ResumeError
+    from jscenegen.scene.protocol import judge_model_change
+
+    ja = shutil.copytree(chat_model_dir(), tmp_path / "judges" / "ja")
+    extra = {"judge.backend": "model", "judge.model_path": str(ja), "judge.max_tokens": 16}
+    trainer, _ = _run(tmp_path / "run", max_updates=1, **extra)
+    before = trainer.judge.identity()
+    digest = before["model"].split("@")[1]
+    jb = ja.rename(tmp_path / "judges" / "jb")
+    with pytest.raises(ResumeError) as err:
+        _run(tmp_path / "run", resume=True, **{**extra, "judge.model_path": str(jb)})
+    assert str(err.value).startswith(
+        f"resume refused: the scene protocol changed (judge.model_path '{ja}' -> '{jb}'; judge "
+        f"model 'ja@{digest}' -> 'jb@{digest}' (the same judge files under another directory "
+        "name (ja -> jb): rename it back, or start a new run); checkpoint protocol hash "), err.value
+    # other files under another name: not said to be the same
+    other = build_judge(model_cfg(_perturbed_copy(chat_model_dir(), tmp_path / "jc"))).identity()
+    assert judge_model_change(before, other) == [
+        f"judge model 'ja@{digest}' -> {other['model']!r} (the model judge's files at judge.model_path)"]

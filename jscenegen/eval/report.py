@@ -11,7 +11,13 @@ from jscenegen.config import SEED_MAX, is_seed
 from jscenegen.grpo.rollout.config import GREEDY_OFF, GROUP_MAX
 from jscenegen.paths import finite_number
 from jscenegen.scene.config import REWARD_MAX, REWARD_MIN, UNIT_PENALTY_MAX, JudgeConfig
-from jscenegen.scene.judge import JUDGE_IDENTITY_KEYS, judge_check_hint, judge_failure_text
+from jscenegen.scene.judge import (
+    JUDGE_IDENTITY_KEYS,
+    judge_check_hint,
+    judge_failure_text,
+    renamed_judge_text,
+    renamed_model_judge,
+)
 from jscenegen.scene.reward import JUDGE_FAILURES, RUNTIME_FAILURES, SETUP_FAILURES
 from jscenegen.text import clip_line, clip_text
 
@@ -263,8 +269,11 @@ def check_same_episodes(before: dict, after: dict, names: tuple[str, str]) -> No
                              f"eval` for {'both' if len(missing) == 2 else 'that report'}")
     judges = [{k: r["judge"].get(k) for k in JUDGE_IDENTITY_KEYS} for r in (before, after)]
     if judges[0] != judges[1]:
+        renamed = renamed_model_judge(*judges) if judges[0]["rubric_hash"] == judges[1]["rubric_hash"] else None
+        why = (renamed_judge_text(renamed, f"rename it back and re-run `jscenegen eval` for {names[1]}")
+               if renamed else "their rewards do not compare")
         raise ValueError(f"{where}: graded by different judges ({_judge_name(before)} and "
-                         f"{_judge_name(after)}): their rewards do not compare")
+                         f"{_judge_name(after)}): {why}")
     # the judge's sampling settings (the HTTP judge's temperature, max_tokens: recorded beside
     # its identity, `scene.judge.http_judge_sampling`)
     settings = [{k: v for k, v in r["judge"].items() if k not in JUDGE_IDENTITY_KEYS}

@@ -60,6 +60,32 @@ class JudgeIdentity(TypedDict):
 JUDGE_IDENTITY_KEYS = tuple(JudgeIdentity.__annotations__)
 
 
+def renamed_model_judge(a, b) -> tuple[str, str] | None:
+    """(the name in `a`, the name in `b`) when the judge identities `a` and `b` (dicts, as a
+    report or a checkpoint's metadata records them) are both the model judge's and their
+    `model`s ("<directory name>@<digest>", `grpo.rollout.model_judge.judge_model_name`) have
+    the same digest under other names: the same judge files in a renamed directory, which the
+    identity tells apart (documented). None otherwise (other files, another backend)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)
+            and a.get("backend") == b.get("backend") == "model"):
+        return None
+    (name_a, at_a, digest_a), (name_b, at_b, digest_b) = (
+        str(j.get("model") or "").rpartition("@") for j in (a, b))
+    if not (at_a and at_b and digest_a) or digest_a != digest_b or name_a == name_b:
+        return None
+    return name_a, name_b
+
+
+def renamed_judge_text(names: tuple[str, str], remedy: str) -> str:
+    """How a refusal says that the judge differs by its directory's name alone
+    (`renamed_model_judge`): "the same judge files under another directory name (ja -> jb):
+    <remedy>"."""
+    from jscenegen.text import clip_text
+
+    return (f"the same judge files under another directory name ({clip_text(names[0], 80)} -> "
+            f"{clip_text(names[1], 80)}): {remedy}")
+
+
 class Judge(Protocol):
     """A judge backend."""
 

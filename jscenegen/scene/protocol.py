@@ -18,7 +18,7 @@ from .actions import ACTION_GRAMMAR
 from .caps import caps_table
 from .catalogue import load_catalogue
 from .config import SAMPLING_JUDGES, JudgeConfig, SceneRuntimeConfig
-from .judge import make_judge
+from .judge import make_judge, renamed_judge_text, renamed_model_judge
 from .ops import OP_MODELS
 from .prompts import load_templates
 
@@ -148,14 +148,18 @@ def judge_model_change(recorded, identity: dict) -> list[str]:
     """["judge model 'a@1f..' -> 'a@9c..' (the model judge's files at judge.model_path)"] when
     `recorded` (a checkpoint's record of its judge's identity) and `identity` are both the model
     judge's and name other models (its weights, tokenizer or config replaced, at the same
-    judge.model_path or another: the identity digests the files, `model_judge.judge_model_name`),
-    else []: what a refused resume names when no setting tells the change."""
+    judge.model_path or another: the identity digests the files, `model_judge.judge_model_name`;
+    or the same files in a renamed directory, which the identity names too: said so,
+    `renamed_model_judge`), else []: what a refused resume names when no setting tells the
+    change."""
     if not isinstance(recorded, dict) or not (recorded.get("backend") == identity.get("backend") == "model"):
         return []
     if recorded.get("model") == identity.get("model"):
         return []
-    return [f"judge model {recorded.get('model')!r} -> {identity.get('model')!r} (the model "
-            "judge's files at judge.model_path)"]
+    why = "the model judge's files at judge.model_path"
+    if renamed := renamed_model_judge(recorded, identity):   # its name alone: say so
+        why = renamed_judge_text(renamed, "rename it back, or start a new run")
+    return [f"judge model {recorded.get('model')!r} -> {identity.get('model')!r} ({why})"]
 
 
 def protocol_hash(cfg: SceneRuntimeConfig, judge_cfg: JudgeConfig, judge_identity: dict | None = None) -> str:
