@@ -110,6 +110,20 @@ def test_help_builds_every_parser_without_importing_jax_or_transformers():
     assert out.strip() == "[]"
 
 
+def test_eval_help_says_how_the_judge_is_chosen_and_what_compare_refuses():
+    """`eval --help` did not mention the judge: which one grades (judge.* overrides; rule by
+    default, http, model) and that --compare refuses reports of another judge or judge
+    sampling settings."""
+    text = " ".join(build_parser().commands["eval"].format_help().split())
+    for said in ("set with judge.* overrides or --config: the rule judge by default "
+                 "(judge.backend=rule)",
+                 "judge.backend=http judge.base_url=URL judge.model=NAME",
+                 "judge.backend=model judge.model_path=DIR",
+                 "--compare refuses two reports graded by another judge or at other judge "
+                 "sampling settings"):
+        assert said in text, said
+
+
 def test_a_full_disk_is_one_line_naming_the_directory_and_the_bytes(tmp_path, monkeypatch, capsys):
     import errno
 

@@ -9,9 +9,21 @@ from pathlib import Path
 
 from jscenegen.paths import data_path_arg
 
+# what `jscenegen eval --help` says above the options: the judge is chosen by the config alone
+EVAL_DESCRIPTION = (
+    "Evaluate a model or checkpoint (and the scripted expert) on a scene set: a JSON report and "
+    "a PNG plot. The judge that grades the scenes is the config's judge section, set with "
+    "judge.* overrides or --config: the rule judge by default (judge.backend=rule); an "
+    "OpenAI-compatible server with judge.backend=http judge.base_url=URL judge.model=NAME; a "
+    "model loaded in the process with judge.backend=model judge.model_path=DIR. The report "
+    "records the judge and its sampling settings (judge.temperature, judge.max_tokens), and "
+    "--compare refuses two reports graded by another judge or at other judge sampling "
+    "settings.")
+
 
 def register(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate a model or checkpoint on the dev scenes (JSON report + PNG plot)")
+    p = sub.add_parser("eval", help="evaluate a model or checkpoint on the dev scenes (JSON report + PNG plot)",
+                       description=EVAL_DESCRIPTION)
     p.add_argument("--model", metavar="DIR_OR_CHECKPOINT",
                    help="HF model directory or checkpoint step directory (RUN/checkpoints/N)")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
