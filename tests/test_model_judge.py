@@ -174,6 +174,37 @@ def test_grade_returns_the_grades_the_sampler_decodes(judge, requests, monkeypat
     monkeypatch.setattr(judge.sampler, "decode", real)
 
 
+def test_the_failure_warning_shows_the_start_of_the_judges_raw_answer(judge, requests, monkeypatch, caplog):
+    """A model judge's failure warning named the cause ("cut at judge.max_tokens") but not what
+    the judge wrote, so the cause could not be checked: the one warning line of a grading now
+    ends with the first failed answer's first 200 characters, escaped to one line and clipped
+    as clip_text clips (its length said)."""
+    chat = judge.chat
+    rambling = "Sure!\nLet me think " + "a" * 300
+    assert chat.decode(chat.encode_plain(rambling)) == rambling
+    ids = [chat.encode_plain(json.dumps({"grades": _grades()})) + [chat.eot_id],
+           chat.encode_plain(rambling)]
+    monkeypatch.setattr(judge, "_generate", lambda prompts: [(ids[0], STOP_TOKEN), (ids[1], STOP_LENGTH)])
+    with caplog.at_level("WARNING", logger="jscenegen.grpo.rollout.model_judge"):
+        graded, cut = judge.grade(requests)
+    assert graded.grades and cut.failure == "judge_unparseable"
+    shown = "Sure!\\nLet me think " + "a" * (200 - len("Sure!\\nLet me think "))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"model judge {judge.identity()['model']}: 1 of 2 answers not graded (first: "
+        f'judge_unparseable: {CUT_DETAIL}; its answer: "{shown}... (319 characters)")']
+    caplog.clear()
+    # the real random judge: its 16 tokens, whole (under 200 characters), escaped
+    from jscenegen.text import terminal_line
+
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="jscenegen.grpo.rollout.model_judge"):
+        judge.grade(requests[:1])
+    (answer, reason), = judge._generate([judge.prompt_ids(requests[0])])
+    text = judge.answer_text(answer, reason)
+    assert 0 < len(text) < 200 and caplog.records[-1].getMessage().endswith(
+        f'its answer: "{terminal_line(text)}")')
+
+
 def test_a_sampling_judge_answers_a_request_alike_whatever_its_batch(requests):
     """Above temperature 1e-5 each row samples with a key from its own prompt: the tokens a
     request's answer is made of are the same generated alone or beside another, and on every

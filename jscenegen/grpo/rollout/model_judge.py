@@ -40,7 +40,9 @@ keys, a grade outside 0..10) is `judge_unparseable`, with CUT_DETAIL when the an
 max_tokens; an exception in the judge's own generate masks its rows as `judge_error` with the
 exception's type and text in `info["detail"]`, except a failure of the joined run (a peer
 process gone: `sharding.mesh.fails_the_joined_run`), which is raised and ends the run on every
-process (`run_broken`, read by `primary_judge.judge_on_primary`).
+process (`run_broken`, read by `primary_judge.judge_on_primary`). A grading with ungraded
+answers logs one warning: their count, the first one's cause and detail, and the first
+ANSWER_CHARS characters of its raw answer (`failure_warning`).
 """
 from __future__ import annotations
 
@@ -71,13 +73,14 @@ from jscenegen.scene.prompts import PromptTemplates
 from jscenegen.sharding.mesh import fails_the_joined_run, host_array
 from jscenegen.sharding.rollout import least_free_device_memory_bytes
 from jscenegen.sharding.rules import round_up
-from jscenegen.text import clip_text
+from jscenegen.text import clip_line, clip_text
 
 log = logging.getLogger(__name__)
 
 OPTION = "judge.model_path"
 TEMPLATE_OPTION = "judge.chat_template_path"
 DIGEST_CHARS = 16   # hex digits of `model_digest` in the identity's model string
+ANSWER_CHARS = 200   # of an ungraded answer's raw text in the failure warning
 
 
 def judge_model_name(path: str | Path, digest: str) -> str:
@@ -305,6 +308,7 @@ class ModelJudge:
             return [JudgeResult(None, "judge_error", dict(info)) for _ in requests]
         results: list[JudgeResult | None] = [None] * len(requests)
         prompts: dict[int, list[int]] = {}
+        texts: dict[int, str] = {}   # each decoded answer's text, for the failure warning
         for i, req in enumerate(requests):
             try:
                 ids = self.prompt_ids(req)
@@ -338,14 +342,24 @@ class ModelJudge:
             latency = round(time.monotonic() - t0, 4)
             for i, (ids, reason) in zip(chunk, answers):
                 info = {"latency_s": latency, "attempts": 1, "answer_tokens": len(ids)}
-                results[i] = self.result(self.answer_text(ids, reason), requests[i],
-                                         cut=reason == STOP_LENGTH, info=info)
-        failed = [r for r in results if r is not None and r.grades is None]
+                texts[i] = self.answer_text(ids, reason)
+                results[i] = self.result(texts[i], requests[i], cut=reason == STOP_LENGTH, info=info)
+        failed = [i for i, r in enumerate(results) if r is not None and r.grades is None]
         if failed:
-            log.warning("model judge %s: %d of %d answers not graded (first: %s: %s)",
-                        self._identity["model"], len(failed), len(results), failed[0].failure,
-                        clip_text(str(failed[0].info.get("detail", "")), 200))
+            log.warning("%s", self.failure_warning(results, failed[0], texts.get(failed[0]),
+                                                   len(failed)))
         return results
+
+    def failure_warning(self, results: Sequence[JudgeResult], first: int, answer: str | None,
+                        failed: int) -> str:
+        """The one warning line of a grading with `failed` ungraded results: how many, the
+        first one's (`results[first]`) cause and detail, and, when the judge answered it, the
+        first ANSWER_CHARS characters of its raw `answer` (escaped: one line), so the cause can
+        be checked (a random-weights judge writes no JSON; a thinking one may not finish)."""
+        r = results[first]
+        said = "" if answer is None else f'; its answer: "{clip_line(answer, ANSWER_CHARS)}"'
+        return (f"model judge {self._identity['model']}: {failed} of {len(results)} answers not "
+                f"graded (first: {r.failure}: {clip_text(str(r.info.get('detail', '')), 200)}{said})")
 
     def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
         """(answer token ids, stop reason) of each prompt, decoded in one batch: rows padded
