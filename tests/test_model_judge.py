@@ -644,6 +644,29 @@ def test_a_judge_max_tokens_past_the_judge_models_positions_is_refused(tmp_path,
         "judge_unparseable" if n == min(lengths) else "judge_error" for n in lengths]
 
 
+def test_scene_check_with_a_failing_model_judge_says_the_failure_once_on_stderr(tmp_path, capsys, caplog):
+    """`scene check` with a model judge that writes no grades printed its cause three times:
+    the model judge's warning, "the model judge failed: ..." (the same cause and detail, less
+    the judge's answer) and the JSON. The second is no longer logged (still in the JSON's
+    warnings, for a caller that reads stdout alone)."""
+    from jscenegen.cli import main
+
+    config = tmp_path / "judge.yaml"
+    config.write_text(f"judge:\n  backend: model\n  model_path: {chat_model_dir()}\n  max_tokens: 16\n"
+                      "sampling:\n  buckets: [128, 1024]\n")
+    scene = tmp_path / "s.json"
+    scene.write_text(json.dumps(run_scripted_episode(dev_records()[0], judged=False)[0].scene.to_json()))
+    rc = main(["scene", "check", str(scene), "--requested", "bed:1", "--config", str(config)])
+    cap = capsys.readouterr()
+    got = json.loads(cap.out)
+    assert rc == 1 and (got["reward"], got["grades"], got["judge_failure"]) == (None, None, "judge_unparseable")
+    assert got["warnings"][-1] == f"the model judge failed: judge_unparseable: {CUT_DETAIL}"
+    said = [r.getMessage() for r in caplog.records if "judge_unparseable" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        f"model judge {got['judge']['model']}: 1 of 1 answers not graded (first: "
+        f"judge_unparseable: {CUT_DETAIL}; its answer: \""), said
+
+
 def test_the_model_judges_keys_where_they_act_and_where_they_do_not():
     """temperature, max_tokens, concurrency and enforce_caps act with the http and model judges
     (named as inert with the rule judge); the HTTP judge's own keys are inert beside the model

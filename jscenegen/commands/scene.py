@@ -121,11 +121,15 @@ def check(args) -> int:
                         "a scene-set record): prompt_following counts nothing asked as met")
     warnings += [f"{o} size outside its catalogue range" for o in metrics["size_out_of_range_objects"]]
     warnings += [f"{w['object']} blocks window_{w['window']}" for w in metrics["window_warnings"]]
+    judge_failed = None
     if result is not None and result.grades is None:
-        warnings.append(f"the {identity['backend']} judge failed: "
+        judge_failed = (f"the {identity['backend']} judge failed: "
                         f"{judge_failure_text(result.failure, result.info)}")
+        warnings.append(judge_failed)
     for warning in warnings:   # in the JSON too, for a caller that reads only stdout
-        logging.getLogger(__name__).warning("%s", warning)
+        # the model judge's own warning said it on stderr, with the start of its answer
+        if not (warning is judge_failed and identity["backend"] == "model"):
+            logging.getLogger(__name__).warning("%s", warning)
     if terminal_failure:
         outcome = failed_outcome("invalid_terminal_scene", units, cfg.reward)
         print(json.dumps({"metrics": metrics, "judge": identity, "grades": None,
