@@ -604,6 +604,7 @@ def test_design_fails_when_the_judge_did_not_grade_the_scene(tmp_path, capsys, m
     assert got == 1, captured.err
     result = json.loads(captured.out.split("--- result ---\n", 1)[1])
     assert result["failure_cause"] == "judge_error" and result["masked"], result
+    assert result["reward"] is None   # not a score: printed 0.0 (scene check/furnish: null)
     errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
     assert errors == [captured.err.splitlines()[-1]]
     assert errors[0] == (f"error: the judge did not grade the scene ({cause}); {out} holds it "

@@ -143,7 +143,8 @@ def run(args) -> int:
             Path(args.render).unlink(missing_ok=True)
         raise
     print("--- result ---")
-    print(json.dumps({"reward": traj.reward, "failure_cause": traj.failure_cause,
+    print(json.dumps({"reward": None if traj.masked else traj.reward,
+                      "failure_cause": traj.failure_cause,
                       "masked": traj.masked, "units": traj.units, "grades": traj.grades,
                       "metrics": traj.metrics, "objects": len(scene.objects), "scene": str(out),
                       "render": args.render}, indent=2, default=str))
