@@ -209,6 +209,51 @@ def test_a_wall_mount_is_unsupported_off_every_wall(x, y, yaw, unsupported):
     assert r["unsupported_objects"] == (["wall_art_1"] if unsupported else [])
 
 
+def _shelf(x, y, yaw=0.0):
+    return obj("wall_shelf_1", "wall_shelf", x, y, 1.0, 0.25, 0.3, yaw=yaw, mount="wall", elevation=1.6)
+
+
+def _room_scene(polygon, objects, door_wall=0):
+    return scene_from_json({"room": {
+        "type": "bedroom", "floor_polygon": polygon, "wall_height": 2.6,
+        "doors": [{"wall": door_wall, "offset": 1.0, "width": 0.9, "height": 2.1}], "windows": []},
+        "objects": list(objects)})
+
+
+def test_a_wall_mount_across_a_vertex_of_a_straight_wall_is_supported():
+    """Rules revision 8: collinear consecutive floor edges are one wall for a wall mount's
+    support (geometry.straight_walls). A 4 m x 3 m room whose bottom wall has an extra vertex
+    at (2, 0): a 1 m shelf flush along y = 0 (back face at y = 0.01) across x = 2 lies along
+    that wall; revision 7 measured each edge alone, saw the far corner 0.5 m past its end and
+    listed the shelf unsupported. The stored polygon keeps its five edges (a door on edge 1
+    stays on the right half of the wall)."""
+    from jscenegen.scene.geometry import opening_centre, segment_off_walls
+
+    split = [[0, 0], [2, 0], [4, 0], [4, 3], [0, 3]]
+    assert segment_off_walls(np.array([1.5, 0.01]), np.array([2.5, 0.01]), split) == pytest.approx(0.01)
+    s = _room_scene(split, [_shelf(2.0, 0.135)], door_wall=1)
+    assert measure(s)["unsupported_objects"] == []
+    assert len(s.room.floor_polygon) == 5
+    assert opening_centre(s.room, s.room.doors[0])[0].tolist() == [3.0, 0.0]
+    assert measure(_room_scene(split, [_shelf(2.0, 0.2)]))["unsupported_objects"] == ["wall_shelf_1"]  # 7.5 cm off
+
+
+@pytest.mark.parametrize("x, y, yaw, unsupported", [
+    (0.135, 2.0, 270.0, False),   # facing +x on the left wall, across its extra vertex at (0, 2)
+    (3.0, 1.865, 180.0, False),   # facing -y under the inner wall y = 2 (x 2..4)
+    (1.9, 1.865, 180.0, True),    # ... 0.6 m of its back face past the reflex corner (2, 2), over the floor
+    (2.135, 3.0, 270.0, False),   # facing +x on the inner wall x = 2 (y 2..4)
+    (2.135, 1.9, 270.0, True),    # ... 0.6 m of its back face below that wall's end (2, 2)
+])
+def test_a_wall_mount_in_an_l_shaped_room(x, y, yaw, unsupported):
+    """An L-shaped floor (a reflex corner at (2, 2); the left wall split at (0, 2)): a back face
+    along one wall is held, across a straight wall's vertex too; one reaching past a wall's end
+    at the reflex corner is not."""
+    ell = [[0, 0], [4, 0], [4, 2], [2, 2], [2, 4], [0, 4], [0, 2]]
+    r = measure(_room_scene(ell, [_shelf(x, y, yaw)]))
+    assert r["unsupported_objects"] == (["wall_shelf_1"] if unsupported else [])
+
+
 def test_the_mount_gap_is_a_setting():
     from jscenegen.scene.config import SceneRuntimeConfig
 

@@ -211,15 +211,27 @@ def point_segment_distance(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> float
     return float(np.hypot(*(a + t * d - x)))
 
 
+def straight_walls(floor, tol: float = 1e-6) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The floor polygon [N, 2] (CCW, simple; metres) as walls: (start [2], end [2]) per wall,
+    consecutive collinear edges merged into one wall (a vertex within `tol` m of the segment
+    joining its neighbours lies along a straight wall). Only for measuring: the stored polygon
+    and its edge numbers (doors and windows name an edge) stay as they are."""
+    poly = np.asarray(floor, dtype=float)
+    n = len(poly)
+    corners = [i for i in range(n)
+               if point_segment_distance(poly[i], poly[i - 1], poly[(i + 1) % n]) > tol]
+    return [(poly[c], poly[corners[(k + 1) % len(corners)]]) for k, c in enumerate(corners)]
+
+
 def segment_off_walls(p: np.ndarray, q: np.ndarray, floor) -> float:
-    """How far (m) segment pq lies from lying along one wall: for each edge of the floor
-    polygon the larger of p's and q's distances to it, the smallest over the edges. Small only
+    """How far (m) segment pq (ends p, q: [2] float, metres) lies from lying along one wall of
+    the floor polygon [N, 2]: for each wall the larger of p's and q's distances to it, the
+    smallest over the walls. Collinear consecutive edges count as one wall (`straight_walls`),
+    so a back face across a vertex in the middle of a straight wall lies along it. Small only
     when both ends are near the same wall (a segment sticking out of a wall measures its
     length, though one end touches it)."""
-    poly = np.asarray(floor, dtype=float)
-    return min(max(point_segment_distance(p, poly[i], poly[(i + 1) % len(poly)]),
-                   point_segment_distance(q, poly[i], poly[(i + 1) % len(poly)]))
-               for i in range(len(poly)))
+    return min(max(point_segment_distance(p, a, b), point_segment_distance(q, a, b))
+               for a, b in straight_walls(floor))
 
 
 def distance_to_walls(corners: np.ndarray, floor) -> float:

@@ -101,7 +101,7 @@ def measure(
     door_clearance_blocked [[door, id]], door_walk_blocked [door], window_warnings
     [{"window", "object"}], unsupported_objects [id] (mount "on" but not on top of the parent,
     within 2 cm, or on a parent whose category offers no top; mount "wall" with the back face
-    not along a wall (a corner of it off each), mount "ceiling" with the top off the ceiling, by
+    not along a wall (a corner of it off each; collinear edges are one wall), mount "ceiling" with the top off the ceiling, by
     more than mount_gap_m:
     `_unsupported`), reachable_object_ratio, door_connected_ratio, num_regions,
     largest_region_ratio, walkable_ratio, unreachable_objects [id], reachable bool, blockers [id]
@@ -256,9 +256,10 @@ def _unsupported(scene, by_id, feet, floor, catalogue: Catalogue, cfg) -> list:
       parent's top, or the catalogue's `top_surfaces` does not list the parent's category (a
       plant on a picture frame; a catalogue without `top_surfaces` lists every category);
     - `wall`: the back face (the footprint's local -y edge; the front is local +y) does not lie
-      along one wall: for every edge of the floor polygon one of its two corners is farther
-      than `mount_gap_m` (m) from it (a picture in mid-room, or one sticking straight out of
-      a wall with one corner at it);
+      along one wall: for every wall of the floor polygon (collinear consecutive edges count
+      as one wall: geometry.straight_walls) one of its two corners is farther than
+      `mount_gap_m` (m) from it (a picture in mid-room, or one sticking straight out of a wall
+      with one corner at it);
     - `ceiling`: the top (elevation + height) is farther than `mount_gap_m` from wall_height
       (a loaded scene has it there within 1e-5 m already: schema._mounted_heights).
 

@@ -22,10 +22,15 @@ from .judge import make_judge, renamed_judge_text, renamed_model_judge
 from .ops import OP_MODELS
 from .prompts import load_templates
 
-RULES_REVISION = 7
+RULES_REVISION = 8
 """Raised whenever a measuring or grading rule changes in code rather than through a config value,
 so that a run (or an evaluation report) graded under the old rule is not continued (or compared)
-under the new one. 7: the footprint penetration depth (geometry.penetration: collisions, door
+under the new one. 8: a wall mount is supported when its whole back face lies along one wall,
+both back corners within mount_gap_m of it, collinear consecutive floor edges counting as one
+wall (geometry.straight_walls; the stored polygon and its edge numbers are unchanged): a 1 m
+shelf flush along a straight wall across an extra vertex of it measured 0.5 m off and was listed
+unsupported. Revision 7's rule first measured the back face's nearest point to a wall and then,
+still under 7, each edge's farther back corner, edge by edge without merging. 7: the footprint penetration depth (geometry.penetration: collisions, door
 clearance and window boxes) is the shortest move that separates, per axis min(a1 - b0, b1 - a0),
 not the projections' overlap: a 5 mm board inside a bed's footprint collides (it measured 5 mm,
 below penetration_m); partial overlaps measure as before. `unsupported_objects` (measured,
