@@ -245,6 +245,25 @@ def test_a_judge_answering_fewer_results_than_requests_masks_them_all(caplog):
     assert "the judge answered 1 results for 2 episodes" in caplog.text
 
 
+class _RaisingJudge(_BrokenJudge):
+    def grade(self, requests):
+        raise RuntimeError("device OOM\nwhile grading " + "x" * 400)
+
+
+def test_a_judge_exception_keeps_its_text_in_the_warning_and_detail(caplog):
+    """scene/episode.py judge_episodes: "judge_error: RuntimeError" alone sent a reader to a
+    log that lacked the cause; the exception's type and text are kept, on one line (one_line:
+    lines joined by '; ') and clipped to JUDGE_ERROR_CHARS as clip_text clips."""
+    eps = finished_episodes(2)
+    with caplog.at_level("WARNING"):
+        outs = judge_episodes(eps, _RaisingJudge())
+    text = "RuntimeError: device OOM; while grading " + "x" * 400
+    want = f"{text[:300]}... (440 characters)"
+    assert [(o.masked, o.failure_cause) for o in outs] == [(True, "judge_error")] * 2
+    assert [o.judge_info["detail"] for o in outs] == [want] * 2
+    assert f"judge raised {want}; masking 2 episodes" in caplog.text
+
+
 def test_reward_arithmetic():
     cfg = RewardConfig()
     r, q, pen = reward_from_grades({k: 10 for k in GRADE_KEYS}, 0, cfg)
