@@ -209,6 +209,23 @@ def test_a_wall_mount_is_unsupported_off_every_wall(x, y, yaw, unsupported):
     assert r["unsupported_objects"] == (["wall_art_1"] if unsupported else [])
 
 
+def test_point_to_segment_distances_known_values():
+    """geometry.py has one point-to-segment distance (`point_segment_distance`), which
+    `segment_distance`, `point_on_polygon` and `segment_off_walls` call; these values held
+    before the three copies were merged and hold after."""
+    from jscenegen.scene.geometry import point_on_polygon, point_segment_distance, segment_distance
+
+    a, b = np.array([0.0, 0.0]), np.array([4.0, 0.0])
+    assert point_segment_distance([1.0, 0.5], a, b) == 0.5          # projects inside
+    assert point_segment_distance([7.0, 4.0], a, b) == 5.0          # beyond the end b: 3-4-5
+    assert point_segment_distance([3.0, 4.0], a, a) == 5.0          # a zero-length segment
+    assert segment_distance(np.array([1.0, -1.0]), np.array([1.0, 1.0]), a, b) == 0.0   # crossing
+    assert segment_distance(np.array([5.0, 3.0]), np.array([5.0, 1.0]), a, b) == pytest.approx(2 ** 0.5)
+    poly = [[0, 0], [4, 0], [4, 3], [0, 3]]
+    assert point_on_polygon(4.0000005, 1.0, poly) and point_on_polygon(2.0, 3.0, poly)
+    assert not point_on_polygon(4.000002, 1.0, poly)
+
+
 def _shelf(x, y, yaw=0.0):
     return obj("wall_shelf_1", "wall_shelf", x, y, 1.0, 0.25, 0.3, yaw=yaw, mount="wall", elevation=1.6)
 

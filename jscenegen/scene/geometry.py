@@ -139,11 +139,7 @@ def point_on_polygon(x: float, y: float, poly, tol: float = 1e-6) -> bool:
     p = np.array([x, y], dtype=float)
     n = len(poly)
     for i in range(n):
-        a, b = np.asarray(poly[i], dtype=float), np.asarray(poly[(i + 1) % n], dtype=float)
-        d = b - a
-        ll = float(d @ d)
-        t = 0.0 if ll == 0 else min(1.0, max(0.0, float((p - a) @ d) / ll))
-        if float(np.hypot(*(a + t * d - p))) <= tol:
+        if point_segment_distance(p, poly[i], poly[(i + 1) % n]) <= tol:
             return True
     return point_in_polygon(x, y, poly)
 
@@ -186,14 +182,8 @@ def segment_distance(p: np.ndarray, q: np.ndarray, a: np.ndarray, b: np.ndarray)
     d1, d2, d3, d4 = cross(a, b, p), cross(a, b, q), cross(p, q, a), cross(p, q, b)
     if ((d1 > 0) != (d2 > 0)) and ((d3 > 0) != (d4 > 0)) and d1 * d2 < 0 and d3 * d4 < 0:
         return 0.0
-
-    def pt_seg(x, s0, s1):
-        d = s1 - s0
-        ll = float(d @ d)
-        t = 0.0 if ll == 0 else min(1.0, max(0.0, float((x - s0) @ d) / ll))
-        return float(np.hypot(*(s0 + t * d - x)))
-
-    return min(pt_seg(p, a, b), pt_seg(q, a, b), pt_seg(a, p, q), pt_seg(b, p, q))
+    return min(point_segment_distance(p, a, b), point_segment_distance(q, a, b),
+               point_segment_distance(a, p, q), point_segment_distance(b, p, q))
 
 
 def segment_to_walls(p: np.ndarray, q: np.ndarray, floor) -> float:
@@ -203,7 +193,10 @@ def segment_to_walls(p: np.ndarray, q: np.ndarray, floor) -> float:
 
 
 def point_segment_distance(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
-    """Distance (m) from point x to segment ab."""
+    """Distance (m) from point x to segment ab (each [2] float, metres; lists are taken too):
+    to the nearest point of the segment, an end when x projects beyond it; to `a` when a == b.
+    The one point-to-segment distance of this module (`segment_distance`,
+    `point_on_polygon` and `segment_off_walls` call it)."""
     x, a, b = (np.asarray(v, dtype=float) for v in (x, a, b))
     d = b - a
     ll = float(d @ d)
