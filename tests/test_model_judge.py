@@ -635,13 +635,57 @@ def test_a_judge_max_tokens_past_the_judge_models_positions_is_refused(tmp_path,
         f"judge.max_tokens 16 and this request's prompt ({n:,} tokens) reach {n + 16:,} positions, "
         f"more than the judge's max_position_embeddings 1,024 (judge.model_path {short}): "
         "positions past them were never trained; give judge.model_path a model with more "
-        "positions" for n in lengths]
+        "positions, or shorten the judge's rubric (judge_system.txt, judge_user.txt in "
+        "scene.prompts_dir)" for n in lengths]
     # one that fits beside max_tokens is decoded, the other refused
     fits = build_judge(model_cfg(_with_positions(chat_model_dir(), tmp_path / "mid" / "tiny",
                                                  min(lengths) + 16)))
     results = fits.grade(requests)
     assert [r.failure for r in results] == [
         "judge_unparseable" if n == min(lengths) else "judge_error" for n in lengths]
+
+
+def test_a_yarn_judge_refusal_names_the_original_positions(tmp_path):
+    """model_judge.past_positions: a YaRN RoPE scales original_max_position_embeddings (here
+    256 x 4 = 1,024), not max_position_embeddings (500): the message printed
+    "max_position_embeddings 500 (times its RoPE scaling factor: 1,024 positions)", which no
+    product of 500 gives; it names the value the limit used."""
+    from jscenegen.grpo.rollout.model_judge import JudgePositionsError
+
+    yarn = _with_positions(chat_model_dir(), tmp_path / "yarn" / "tiny", 500, rope_type="yarn",
+                           factor=4.0, original_max_position_embeddings=256)
+    rubric = len(build_judge(model_cfg(yarn)).prompt_ids(None))
+    with pytest.raises(JudgePositionsError) as err:
+        build_judge(model_cfg(yarn, max_tokens=1024))
+    assert str(err.value) == (
+        f"judge.max_tokens 1,024 and the rubric-alone prompt ({rubric:,} tokens) reach "
+        f"{rubric + 1024:,} positions, more than the judge's rope_scaling "
+        "original_max_position_embeddings 256 (times its RoPE scaling factor: 1,024 positions) "
+        f"(judge.model_path {yarn}): positions past them were never trained; lower "
+        f"judge.max_tokens to {1024 - rubric:,} or less")
+
+
+def test_a_judge_refusal_never_suggests_max_tokens_below_its_minimum(tmp_path):
+    """judge.max_tokens is at least 16 (JudgeConfig, ge=16): with room for fewer answer tokens
+    beside the rubric the refusal said "lower judge.max_tokens to 5 or less", a value the
+    config refuses; it gives the other fixes."""
+    from jscenegen.grpo.rollout.model_judge import JudgePositionsError
+
+    rubric = len(build_judge(model_cfg(chat_model_dir())).prompt_ids(None))
+    tight = _with_positions(chat_model_dir(), tmp_path / "tight" / "tiny", rubric + 5)
+    with pytest.raises(JudgePositionsError) as err:
+        build_judge(model_cfg(tight))   # judge.max_tokens 16
+    assert str(err.value) == (
+        f"judge.max_tokens 16 and the rubric-alone prompt ({rubric:,} tokens) reach "
+        f"{rubric + 16:,} positions, more than the judge's max_position_embeddings "
+        f"{rubric + 5:,} (judge.model_path {tight}): positions past them were never trained; "
+        "give judge.model_path a model with more positions, or shorten the judge's rubric "
+        "(judge_system.txt, judge_user.txt in scene.prompts_dir)")
+    edge = _with_positions(chat_model_dir(), tmp_path / "edge" / "tiny", rubric + 16)
+    with pytest.raises(JudgePositionsError) as err:   # room for 16, the least: that is the fix
+        build_judge(model_cfg(edge, max_tokens=17))
+    assert str(err.value).endswith("positions past them were never trained; lower "
+                                   "judge.max_tokens to 16 or less")
 
 
 def test_scene_check_with_a_failing_model_judge_says_the_failure_once_on_stderr(tmp_path, capsys, caplog):

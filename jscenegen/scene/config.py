@@ -217,6 +217,9 @@ temperature, max_tokens and concurrency, and an evaluation report records their 
 and max_tokens (the rule judge computes its grades)."""
 
 
+MIN_JUDGE_MAX_TOKENS = 16   # judge.max_tokens' least value (a model judge's refusal never suggests less)
+
+
 class JudgeConfig(Section):
     """Which judge grades terminal scenes, how the HTTP backend talks to its server, and which
     model the model backend runs.
@@ -274,7 +277,7 @@ class JudgeConfig(Section):
                                "decodes greedily (argmax) below 1e-5, else samples with a "
                                "fixed key per prompt (recorded in evaluation reports: `eval "
                                "--compare` refuses reports graded at another)")
-    max_tokens: int = Field(1024, ge=16, le=1 << 20, description="the most tokens the judge's "
+    max_tokens: int = Field(1024, ge=MIN_JUDGE_MAX_TOKENS, le=1 << 20, description="the most tokens the judge's "
                             "answer may have (sent to the http judge's server as max_tokens; "
                             "the model judge's decode budget, refused beside a prompt past "
                             "its max_position_embeddings); an answer cut there is "

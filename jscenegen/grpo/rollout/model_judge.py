@@ -66,7 +66,7 @@ from jscenegen.generate.sampler import (
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams, row_keys
 from jscenegen.model.config import QwenConfig, read_config_file
 from jscenegen.scene.caps import apply_caps
-from jscenegen.scene.config import JudgeConfig, MetricsConfig
+from jscenegen.scene.config import MIN_JUDGE_MAX_TOKENS, JudgeConfig, MetricsConfig
 from jscenegen.scene.judge import JudgeIdentity, JudgeRequest, JudgeResult, judge_messages, rubric_hash
 from jscenegen.scene.judge_answer import CUT_DETAIL, JudgeAnswerError, parse_judge_content
 from jscenegen.scene.prompts import PromptTemplates
@@ -240,17 +240,28 @@ class ModelJudge:
     def past_positions(self, prompt_tokens: int, prompt: str) -> str | None:
         """Why a prompt of `prompt_tokens` tokens (`prompt`: which) and an answer of
         judge.max_tokens do not fit the positions the judge model's RoPE is made for
-        (`QwenConfig.context_positions`: max_position_embeddings, times a scaling factor),
-        one line naming judge.max_tokens, judge.model_path and max_position_embeddings;
-        None when they fit."""
-        positions, mpe = self.model_cfg.context_positions, self.model_cfg.max_position_embeddings
+        (`QwenConfig.context_positions`: max_position_embeddings, times a scaling factor; for
+        YaRN its original_max_position_embeddings, which the message then names), one line
+        naming judge.max_tokens, judge.model_path and the limit's source; None when they fit.
+        The fix it gives is a lower judge.max_tokens when one of at least its least value
+        (MIN_JUDGE_MAX_TOKENS) fits, else a model with more positions or a shorter rubric."""
+        mc = self.model_cfg
+        positions, mpe = mc.context_positions, mc.max_position_embeddings
         need = prompt_tokens + self.cfg.max_tokens
         if need <= positions:
             return None
-        made = f"max_position_embeddings {mpe:,}" + (
-            f" (times its RoPE scaling factor: {positions:,} positions)" if positions != mpe else "")
-        fix = (f"lower judge.max_tokens to {positions - prompt_tokens:,} or less"
-               if positions > prompt_tokens else f"give {OPTION} a model with more positions")
+        base = mc.rope_params.get("original_max_position_embeddings") if mc.rope_type == "yarn" else None
+        if positions == mpe:
+            made = f"max_position_embeddings {mpe:,}"
+        elif base is not None and base != mpe:   # YaRN scales the original, not max_position_embeddings
+            made = (f"rope_scaling original_max_position_embeddings {base:,} (times its RoPE "
+                    f"scaling factor: {positions:,} positions)")
+        else:
+            made = f"max_position_embeddings {mpe:,} (times its RoPE scaling factor: {positions:,} positions)"
+        room = positions - prompt_tokens
+        fix = (f"lower judge.max_tokens to {room:,} or less" if room >= MIN_JUDGE_MAX_TOKENS else
+               f"give {OPTION} a model with more positions, or shorten the judge's rubric "
+               "(judge_system.txt, judge_user.txt in scene.prompts_dir)")
         return (f"judge.max_tokens {self.cfg.max_tokens:,} and {prompt} ({prompt_tokens:,} tokens) "
                 f"reach {need:,} positions, more than the judge's {made} ({OPTION} {self.path}): "
                 f"positions past them were never trained; {fix}")
