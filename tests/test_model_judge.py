@@ -281,13 +281,20 @@ def test_a_model_judge_that_does_not_fit_beside_the_policy_is_refused_at_load(ju
 
     # the batch's own prompts (1,269 and 1,518 tokens: 2,048 slots for 2 rows), checked before
     # its cache is made
-    monkeypatch.setattr(s, "_free_device_bytes", lambda: 1000)
+    monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: 1000)
     results = judge.grade(requests)
     assert [r.failure for r in results] == ["judge_error"] * 2
-    assert results[0].info["detail"].startswith(
-        f"JudgeMemoryError: judge.model_path {chat_model_dir()}: the model judge needs ")
-    assert "for a KV cache of 2 rows (judge.concurrency 8) x 2,048 slots (this batch's longest " \
-        "prompt, 1,518 tokens, + judge.max_tokens 16)" in results[0].info["detail"]
+    grown = s.cache_bytes_needed(2, 2048)
+    why = judge._does_not_fit(s, 2, 2048, 1000, weights=False,
+                              prompt="this batch's longest prompt, 1,518 tokens")
+    assert results[0].info["detail"] == f"JudgeMemoryError: {why}"[:300] + f"... ({len(why) + 18:,} characters)"
+    assert why == (
+        f"judge.model_path {chat_model_dir()}: the model judge's KV cache of "
+        "2 rows (judge.concurrency 8) x 2,048 slots (this batch's longest prompt, 1,518 tokens, "
+        f"+ judge.max_tokens 16) needs {grown:,} bytes ({grown / 2**30:.2f} GiB) per device, "
+        "more than the 1,000 bytes (0.00 GiB) a device has free beside the policy and the "
+        "judge's weights: lower judge.concurrency or judge.max_tokens, or give "
+        "judge.model_path a smaller model")
 
 
 @pytest.mark.parametrize("overrides,message", [

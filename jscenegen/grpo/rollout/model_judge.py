@@ -221,21 +221,28 @@ class ModelJudge:
                       weights: bool, prompt: str) -> str | None:
         """Why a KV cache of `rows` x `slots` (and, with `weights`, the judge's rollout weights
         beside it) does not fit `free` bytes per device, one line naming the keys; None when it
-        fits or `free` is unknown. `prompt`: how the slots' prompt was taken."""
+        fits or `free` is unknown. `prompt`: how the slots' prompt was taken. `free` is
+        `least_free_device_memory_bytes` read before the judge loaded (`weights`: beside the
+        policy) or at grading (the judge's weights loaded: beside the policy and them)."""
         if free is None:
             return None
         cache = sampler.cache_bytes_needed(rows, slots)
         held = sampler.weight_device_bytes() if weights else 0
         if held + cache <= free:
             return None
-        what = (f"{held:,} bytes of weights ({np.dtype(sampler.weight_dtype).name}) and "
-                if weights else "")
-        return (f"{OPTION} {self.path}: the model judge needs {held + cache:,} bytes "
-                f"({(held + cache) / 2**30:.2f} GiB) per device, {what}{cache:,} for a KV cache of "
-                f"{rows} rows (judge.concurrency {self.cfg.concurrency}) x {slots:,} slots "
-                f"({prompt}, + judge.max_tokens {self.cfg.max_tokens}), more than the {free:,} "
-                f"bytes ({free / 2**30:.2f} GiB) a device has free beside the policy: lower "
-                "judge.concurrency or judge.max_tokens, or give judge.model_path a smaller model")
+        kv = (f"KV cache of {rows} rows (judge.concurrency {self.cfg.concurrency}) x {slots:,} "
+              f"slots ({prompt}, + judge.max_tokens {self.cfg.max_tokens})")
+        if weights:
+            need = (f"the model judge needs {held + cache:,} bytes ({(held + cache) / 2**30:.2f} GiB) "
+                    f"per device, {held:,} bytes of weights ({np.dtype(sampler.weight_dtype).name}) "
+                    f"and {cache:,} for a {kv}")
+            beside = "beside the policy"
+        else:
+            need = f"the model judge's {kv} needs {cache:,} bytes ({cache / 2**30:.2f} GiB) per device"
+            beside = "beside the policy and the judge's weights"
+        return (f"{OPTION} {self.path}: {need}, more than the {free:,} bytes ({free / 2**30:.2f} "
+                f"GiB) a device has free {beside}: lower judge.concurrency or judge.max_tokens, "
+                "or give judge.model_path a smaller model")
 
     def past_positions(self, prompt_tokens: int, prompt: str) -> str | None:
         """Why a prompt of `prompt_tokens` tokens (`prompt`: which) and an answer of
@@ -384,7 +391,7 @@ class ModelJudge:
         max_slots = bucket_length(prompt_slots + max_new, s.buckets)
         # the largest cache of this batch, checked before any of it is made: a longer prompt
         # than `load` budgeted for (the rubric alone) is refused naming the judge's keys
-        if why := self._does_not_fit(s, rows, max_slots, s._free_device_bytes(), weights=False,
+        if why := self._does_not_fit(s, rows, max_slots, least_free_device_memory_bytes(), weights=False,
                                      prompt=f"this batch's longest prompt, {max(map(len, prompts)):,} tokens"):
             raise JudgeMemoryError(why)
         slots = (min(max_slots, bucket_length(prompt_slots + s.segment, s.buckets))
