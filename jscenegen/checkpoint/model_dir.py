@@ -82,7 +82,14 @@ def load_model(path: str | Path, mesh, *, option: str = "--model", **options):
 
 def load_chat(path: str | Path, chat_template_path: str | Path | None = None, *,
               option: str = "--model", template_option: str = TEMPLATE_OPTION):
-    """The ChatTokenizer of `path`'s assets (HF directory or checkpoint step's `hf/`) with the
+    """`load_chat_and_config`'s ChatTokenizer alone."""
+    return load_chat_and_config(path, chat_template_path, option=option,
+                                template_option=template_option)[0]
+
+
+def load_chat_and_config(path: str | Path, chat_template_path: str | Path | None = None, *,
+                         option: str = "--model", template_option: str = TEMPLATE_OPTION):
+    """(ChatTokenizer, QwenConfig of its config.json, read once): the ChatTokenizer of `path`'s assets (HF directory or checkpoint step's `hf/`) with the
     replacement template `chat_template_path` (None: the directory's own), checked to fit the
     model's vocabulary and to be prefix-preserving (ValueError names the difference
     otherwise), after `config.json` (ModelConfigError naming it and the key). `option` names
@@ -104,7 +111,7 @@ def load_chat(path: str | Path, chat_template_path: str | Path | None = None, *,
     chat = ChatTokenizer.from_dir(model_assets_dir(p), chat_template_path, template_option)
     chat.check_fits(model_cfg.vocab_size, str(p))
     chat.check_prefix_preserving()
-    return chat
+    return chat, model_cfg
 
 
 NO_READABLE_WEIGHTS = "no readable weights"

@@ -516,7 +516,7 @@ def masked_scene_error(cause: str | None, masked: bool, message: str, judge_info
                        judge_cfg: JudgeConfig) -> str | None:
     """The error line (without "error: ") of a command that played one episode and wrote its
     scene to `out` (`design`, `scene furnish`), when the episode was masked: its reward is
-    then no measure of the scene (the command prints it null, or with `masked`, and exits 1).
+    then no measure of the scene (the command prints it null, design beside `"masked": true`, and exits 1).
     A judge failure (`cause` in JUDGE_FAILURES) names the judge's detail (`judge_info`) and
     what to check for its backend; another masked failure its `message` and `masked_why`.
     None for an episode that was not masked."""

@@ -142,8 +142,6 @@ def judge_check_hint(cfg: JudgeConfig) -> str:
     return "the rule judge's error is in the log above"
 
 
-
-
 def http_judge_sampling(cfg: JudgeConfig) -> dict:
     """{"temperature", "max_tokens"}: what the HTTP judge sends with every request beside the
     model and messages (`judge_http.HttpJudge`), and what the model judge decodes with

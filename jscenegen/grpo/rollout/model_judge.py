@@ -54,8 +54,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jscenegen.checkpoint.model_dir import load_chat, load_model, model_digest
-from jscenegen.checkpoint.store import is_checkpoint_dir, model_assets_dir
+from jscenegen.checkpoint.model_dir import load_chat_and_config, load_model, model_digest
+from jscenegen.checkpoint.store import is_checkpoint_dir
 from jscenegen.generate.sampler import (
     DEFAULT_BUCKETS,
     STOP_LENGTH,
@@ -64,7 +64,6 @@ from jscenegen.generate.sampler import (
     bucket_length,
 )
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams, row_keys
-from jscenegen.model.config import QwenConfig, read_config_file
 from jscenegen.scene.caps import apply_caps
 from jscenegen.scene.config import MIN_JUDGE_MAX_TOKENS, JudgeConfig, MetricsConfig
 from jscenegen.scene.judge import JudgeIdentity, JudgeRequest, JudgeResult, judge_messages, rubric_hash
@@ -151,10 +150,9 @@ class ModelJudge:
         self.memory_fraction = memory_fraction
         self.weight_dtype = weight_dtype
         self.params = sampling_params(cfg.temperature)
-        self.chat = load_chat(self.path, cfg.chat_template_path, option=OPTION,
-                              template_option=TEMPLATE_OPTION)
-        config = model_assets_dir(self.path) / "config.json"   # read and checked by load_chat
-        self.model_cfg = QwenConfig.from_hf_dict(read_config_file(config), str(config))
+        # the tokenizer and config.json's QwenConfig, read and checked once
+        self.chat, self.model_cfg = load_chat_and_config(
+            self.path, cfg.chat_template_path, option=OPTION, template_option=TEMPLATE_OPTION)
         # an answer budget the model has no positions for: refused now, before any weights
         # (a judge that never ends its turn would decode judge.max_tokens tokens per request)
         if why := self.past_positions(len(self.prompt_ids(None)), "the rubric-alone prompt"):
