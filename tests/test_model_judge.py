@@ -738,18 +738,28 @@ def test_the_model_judges_keys_where_they_act_and_where_they_do_not():
         "chat_template_path": None, "enforce_caps": True}
 
 
-def test_a_run_graded_by_the_model_judge_refuses_a_resume_with_other_judge_weights(tmp_path):
-    """`train` with judge.backend=model: the judge is built and loaded on the run's 3 x 2 mesh,
-    its identity recorded in the checkpoint's metadata and protocol hash; a resume after its
-    weights were replaced at the same judge.model_path is refused, naming the judge model."""
+def test_a_run_graded_by_the_model_judge_refuses_a_resume_with_other_judge_weights(tmp_path,
+                                                                                   monkeypatch):
+    """`train` with judge.backend=model: the judge is built and loaded on the run's 3 x 2 mesh
+    once the policy's train state exists (its memory check then sees Adam's moments: it was
+    loaded before them), its identity recorded in the checkpoint's metadata and protocol
+    hash; a resume after its weights were replaced at the same judge.model_path is refused,
+    naming the judge model."""
     from test_trainer import _run
 
+    import jscenegen.grpo.train.trainer as trainer_module
     from jscenegen.checkpoint.resume import ResumeError
     from jscenegen.checkpoint.store import read_metadata
 
+    order = []
+    for name in ("init_train_state", "load_judge"):
+        real = getattr(trainer_module, name)
+        monkeypatch.setattr(trainer_module, name,
+                            lambda *a, _real=real, _name=name, **kw: order.append(_name) or _real(*a, **kw))
     judge_dir = shutil.copytree(chat_model_dir(), tmp_path / "judge" / "tiny")
     extra = {"judge.backend": "model", "judge.model_path": str(judge_dir), "judge.max_tokens": 16}
     trainer, summary = _run(tmp_path / "run", max_updates=1, **extra)
+    assert order[:2] == ["init_train_state", "load_judge"], order
     assert summary.attempts == 1 and trainer.judge.sampler is not None
     assert trainer.judge.sampler.mesh is trainer.mesh
     ident = trainer.judge.identity()

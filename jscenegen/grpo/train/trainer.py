@@ -271,7 +271,6 @@ class Trainer:
         # the sampler's own copy of the weights, in the rollout layout (sharding/rollout.py);
         # resharded once after every train step, skipped or not (`update`)
         self.engine = RolloutEngine(self.model, self.chat, cfg.sampling, self.mesh, cfg.rollout)
-        load_judge(self.judge)   # the model judge's weights, beside the policy's (no-op otherwise)
         graphdef, params, frozen = split_params(self.model)
         self.step_fn = GRPOStep(hidden_fn(graphdef, frozen), constant_horizon(cfg), cfg.optim,
                                 temperature=cfg.sampling.temperature)
@@ -287,6 +286,10 @@ class Trainer:
         else:  # the logs of a start that stopped before its first checkpoint
             _write_on_primary(lambda: truncate_run_logs(self.run_dir, 0))
         self.ref_params = self._reference_params(params, resume) if cfg.loss.use_kl_loss else None
+        # the model judge's weights (no-op otherwise), once everything the policy holds on the
+        # devices exists (its rollout copy, Adam's moments, the KL reference): its memory check
+        # sees what is left beside them
+        load_judge(self.judge)
         self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
                                     primary=is_primary())
         self._signal_received: int | None = None   # this process's own first stop signal
