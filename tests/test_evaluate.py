@@ -574,7 +574,8 @@ class _RaisingJudge:
 
 @pytest.mark.parametrize("judge,cause,check", [
     ("http_500", "judge_error: HTTP 500", "check judge.base_url and the judge's log"),
-    ("raising", "judge_error: ConnectionError", "the rule judge's error is in the log above")])
+    ("raising", "judge_error: ConnectionError: judge server down",
+     "the rule judge's error is in the log above")])
 def test_design_fails_when_the_judge_did_not_grade_the_scene(tmp_path, capsys, monkeypatch, judge,
                                                              cause, check):
     """A judge failure during design (an HTTP judge answering 500, a judge that raises) masks

@@ -250,7 +250,7 @@ def test_cli_furnish_of_a_masked_episode_prints_no_reward_and_exits_1(tmp_path, 
     if fails == "judge":
         assert got["failure_cause"] == "judge_error"
         assert cap.err.splitlines()[-1] == (
-            f"error: the judge did not grade the scene (judge_error: RuntimeError); {out} holds it "
+            f"error: the judge did not grade the scene (judge_error: RuntimeError: boom); {out} holds it "
             "(the rule judge's error is in the log above)")
     else:
         assert got["failure_cause"] == "runtime_error"
