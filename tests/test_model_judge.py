@@ -242,6 +242,54 @@ def test_a_sampling_judge_answers_a_request_alike_whatever_its_batch(requests):
     assert [ids != alone[i][0] for i, (ids, _) in enumerate(other)] == [True, True]
 
 
+def test_a_model_judge_whose_least_need_does_not_fit_is_refused_before_its_weights_load(monkeypatch):
+    """Before any weights are read, `load` counts the judge's least need per device (its
+    rollout weights from the abstract model of its config.json, split as finely as the `auto`
+    layout could split them: whole on one device; its largest KV cache) and refuses, in one
+    line naming judge.model_path, judge.concurrency, judge.max_tokens and the bytes, when even
+    that does not fit the free memory: `load_model` is never called. Where it fits, the judge
+    loads. On one device the least need is the exact one (the check after the load's)."""
+    import jax
+
+    from jscenegen.grpo.rollout import model_judge
+    from jscenegen.model.hf_io import iter_hf_tensors
+
+    judge = build_judge(model_cfg(chat_model_dir()))
+    prompt = judge.prompt_ids(None)
+    weights = sum(a.astype(np.float32).nbytes for _, a in iter_hf_tensors(chat_model_dir()))
+    from jscenegen.model.loader import model_class
+    shapes = jax.eval_shape(lambda: model_class(judge.model_cfg).create_cache(
+        judge.model_cfg, 8, 1024, np.float32))
+    cache = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))  # no donation on CPU
+    need = weights + cache
+    assert judge.least_need() == (weights, "float32", 1, 8, 1024, cache)
+    loads = []
+    real_load = model_judge.load_model
+
+    def load_model(*args, **kwargs):
+        loads.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(model_judge, "load_model", load_model)
+    monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: need - 1)
+    with pytest.raises(ValueError) as err:
+        judge.load()
+    assert type(err.value).__name__ == "JudgeMemoryError"
+    assert loads == [] and judge.sampler is None
+    assert str(err.value) == (
+        f"judge.model_path {chat_model_dir()}: the model judge needs at least {need:,} bytes "
+        f"({need / 2**30:.2f} GiB) per device in any layout (counted before loading), "
+        f"{weights:,} bytes of weights (float32, whole on each device) and {cache:,} for a KV "
+        f"cache of 8 rows (judge.concurrency 8) x 1,024 slots (the rubric alone, "
+        f"{len(prompt):,} tokens, + judge.max_tokens 16), more than the {need - 1:,} bytes "
+        f"({(need - 1) / 2**30:.2f} GiB) a device has free beside the policy: lower "
+        "judge.concurrency or judge.max_tokens, or give judge.model_path a smaller model")
+    monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: need)
+    judge.load()
+    assert loads == [chat_model_dir()] and judge.sampler is not None
+    assert judge.sampler.weight_device_bytes() == weights   # the estimate is the rollout copy's
+
+
 def test_a_model_judge_that_does_not_fit_beside_the_policy_is_refused_at_load(judge, requests, monkeypatch):
     """`load` measures the free device memory before the judge's weights arrive (the policy's
     are in place) and refuses, in one line naming judge.model_path, judge.concurrency and
@@ -264,6 +312,9 @@ def test_a_model_judge_that_does_not_fit_beside_the_policy_is_refused_at_load(ju
     cache = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))  # no donation on CPU
     need = weights + cache
     monkeypatch.setattr(model_judge, "least_free_device_memory_bytes", lambda: need - 1, raising=False)
+    # the pre-load estimate passes (`least_need`: tested on its own below), so the exact check
+    # after the load speaks
+    monkeypatch.setattr(ModelJudge, "least_need", lambda self: (0, "float32", 1, 8, 1024, 0))
     with pytest.raises(ValueError) as err:
         build_judge(model_cfg(chat_model_dir()), load=True)
     assert type(err.value).__name__ == "JudgeMemoryError"

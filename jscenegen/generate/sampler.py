@@ -251,6 +251,19 @@ def _decode_impl(structure, params, stop_strings, read_per_token, state, cache, 
     return DecodeResult(out_tok, out_lp, count, reason, cache, logits, tail)
 
 
+def rollout_weight_bytes(state, weight_dtype) -> int:
+    """Bytes of a rollout copy of `state` (the `nnx.Param` state of the parameters decoding
+    reads, `decode_params`; real or abstract arrays): unpadded (each parameter's logical
+    `rows`), matmul and embedding weights in `weight_dtype`, the rest in their own
+    (`reshard.rollout_dtype`). What `choose_rollout_layout` weighs, whole, before any split."""
+    return sum(
+        int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
+        * rollout_dtype(param_name(path), v.dtype, weight_dtype).itemsize
+        for path, v in jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        if isinstance(v, nnx.Param))
+
+
 def tp_divides(cfg) -> tuple[int, ...]:
     """Sizes a tensor-parallel split of `cfg`'s weights must divide: the head counts (a head is
     never split) and the FFN size; Qwen3.5's linear-attention heads where the config has them."""
@@ -334,12 +347,7 @@ class Sampler:
         if isinstance(layout, str):
             # the rollout copy's bytes: unpadded, matmul weights in the rollout dtype, the rest
             # in their own (reshard.rollout_dtype)
-            weight_bytes = sum(
-                int(np.prod((v.get_metadata().get("rows", v.shape[0]), *v.shape[1:])))
-                * rollout_dtype(param_name(path), v.dtype, self.weight_dtype).itemsize
-                for path, v in jax.tree_util.tree_flatten_with_path(
-                    state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-                if isinstance(v, nnx.Param))
+            weight_bytes = rollout_weight_bytes(state, self.weight_dtype)
             layout = choose_rollout_layout(
                 mesh, layout, weight_bytes=weight_bytes,
                 divides=tp_divides(self.cfg), tp=tp, memory_fraction=memory_fraction,

@@ -14,7 +14,10 @@ in the rollout dtype (`rollout.dtype`, else `model.compute_dtype`), and placed b
 `rollout.memory_fraction` of one, else tensor-parallel): they sit beside the policy's
 training and rollout weights for the whole process and are never trained. `load` refuses a
 judge whose weights and largest KV cache do not fit the device memory free beside the policy's
-(JudgeMemoryError, naming judge.concurrency, judge.max_tokens and judge.model_path). A
+(JudgeMemoryError, naming judge.concurrency, judge.max_tokens and judge.model_path): first,
+before any weights are read, when even their least need does not fit (`least_need`: the
+rollout weights from the abstract model, split as finely as `auto` could, and the cache split
+over every device), then exactly, once the sampler holds the rollout copy. A
 judge.max_tokens that, with the rubric-alone prompt, passes the positions the judge model is
 made for (max_position_embeddings, times a RoPE scaling factor) is refused sooner, when the
 judge is made (JudgePositionsError, naming judge.max_tokens, judge.model_path and
@@ -62,6 +65,7 @@ from jscenegen.generate.sampler import (
     STOP_TOKEN,
     Sampler,
     bucket_length,
+    split_into_buckets,
 )
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams, row_keys
 from jscenegen.scene.caps import apply_caps
@@ -186,10 +190,16 @@ class ModelJudge:
         the layout), and JudgeMemoryError when its weights and its largest KV cache
         (`largest_cache`) do not fit the device memory that was free before it loaded (beside
         the policy's weights, loaded first): refused now, not a judge_error at every grading.
-        Where the free memory is unknown, no check (as the sampler's `_check_cache_fits`)."""
+        Where the free memory is unknown, no check (as the sampler's `_check_cache_fits`).
+        A judge whose least need (`least_need`) already exceeds it is refused before
+        `load_model` reads any weights."""
         if self.sampler is not None:
             return
         free = least_free_device_memory_bytes()   # a collective: every process loads here
+        # before any weights: a judge whose best case (`least_need`) does not fit is refused
+        # here, not by an out-of-memory inside the load
+        if free is not None and (why := self._least_does_not_fit(free)):
+            raise JudgeMemoryError(why)
         model = load_model(self.path, self.mesh, option=OPTION, **self.model_options)
         sampler = Sampler(model, self.params, stop_token_ids=list(self.chat.end_ids),
                           buckets=self.buckets, mesh=self.mesh, layout="auto",
@@ -203,6 +213,61 @@ class ModelJudge:
         self.sampler = sampler
         log.info("model judge %s loaded (%s layout)", self._identity["model"],
                  self.sampler.layout.name)
+
+    def least_need(self) -> tuple[int, str, int, int, int]:
+        """What the judge needs per device at the least, known before its weights are read:
+        (weight bytes, their dtype's name, tp, cache rows, cache slots, cache bytes). The weights: the
+        rollout copy the sampler will hold (`rollout_weight_bytes` of the parameters decoding
+        reads, `decode_params`, of the abstract model of the judge's config.json: a carried
+        vision tower or mtp.* is not in it), split 1/tp over the largest tensor size the `auto`
+        layout could choose on the mesh (`tp_candidates`; 1: whole on every device). The
+        cache: `largest_cache`'s judge.concurrency rows (padded to that layout's row
+        multiple) x its slots, in the compute dtype, its bytes split over every device of the
+        mesh and doubled where buffers are not donated (CPU), as `Sampler.cache_bytes_needed`
+        counts them. Every share is one no layout can go below, so a judge this refuses would
+        not fit under any; `load` keeps the exact check once the sampler exists."""
+        import jax
+
+        from jscenegen.generate.sampler import rollout_weight_bytes, tp_divides
+        from jscenegen.model.dtypes import np_dtype
+        from jscenegen.model.functional import split_params
+        from jscenegen.model.loader import abstract_model, model_class
+        from jscenegen.sharding.rollout import tp_candidates
+
+        cfg = self.model_cfg
+        model = abstract_model(cfg, mesh=self.mesh, **self.model_options)
+        state = split_params(model, model.decode_params())[1]
+        dtype = np_dtype(self.weight_dtype or model.compute_dtype)
+        weights = rollout_weight_bytes(state, dtype)
+        n = 1 if self.mesh is None else self.mesh.size
+        tp = max(tp_candidates(n, tp_divides(cfg)))   # 1 always divides
+        c = max(1, self.cfg.concurrency)
+        rows = round_up(1 << (c - 1).bit_length(), n // tp)
+        slots = bucket_length(sum(split_into_buckets(len(self.prompt_ids(None)), self.buckets))
+                              + self.cfg.max_tokens, self.buckets)
+        shapes = jax.eval_shape(lambda: model_class(cfg).create_cache(
+            cfg, rows, slots, np_dtype(model.compute_dtype)))
+        cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) // n
+        cache *= 2 if jax.default_backend() == "cpu" else 1   # `Sampler._cache_need`: no donation
+        return -(-weights // tp), dtype.name, tp, rows, slots, cache
+
+    def _least_does_not_fit(self, free: int) -> str | None:
+        """Why even the judge's least need (`least_need`) does not fit `free` bytes per device
+        (read before its weights, beside the policy), one line in `_does_not_fit`'s style
+        naming the keys; None when it may fit (the exact check follows the load)."""
+        weights, dtype, tp, rows, slots, cache = self.least_need()
+        need = weights + cache
+        if need <= free:
+            return None
+        share = "whole on each device" if tp == 1 else f"a 1/{tp} share: rollout.layout auto's largest tensor split"
+        return (f"{OPTION} {self.path}: the model judge needs at least {need:,} bytes "
+                f"({need / 2**30:.2f} GiB) per device in any layout (counted before loading), "
+                f"{weights:,} bytes of weights ({dtype}, {share}) and {cache:,} for a KV cache of "
+                f"{rows} rows (judge.concurrency {self.cfg.concurrency}) x {slots:,} slots (the rubric "
+                f"alone, {len(self.prompt_ids(None)):,} tokens, + judge.max_tokens {self.cfg.max_tokens}), "
+                f"more than the {free:,} bytes ({free / 2**30:.2f} GiB) a device has free beside the "
+                "policy: lower judge.concurrency or judge.max_tokens, or give judge.model_path a "
+                "smaller model")
 
     def largest_cache(self, sampler: Sampler) -> tuple[int, int]:
         """(rows, slots) of the largest KV cache a grading makes, as far as it is known before
