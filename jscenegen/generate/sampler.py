@@ -251,6 +251,13 @@ def _decode_impl(structure, params, stop_strings, read_per_token, state, cache, 
     return DecodeResult(out_tok, out_lp, count, reason, cache, logits, tail)
 
 
+def donates_buffers() -> bool:
+    """Whether the sampler donates its cache buffers to the calls that replace them: not on
+    XLA:CPU, where a call's input and output caches are then alive together (so making a
+    cache takes twice its bytes there: `Sampler._cache_need`)."""
+    return jax.default_backend() != "cpu"
+
+
 def rollout_weight_bytes(state, weight_dtype) -> int:
     """Bytes of a rollout copy of `state` (the `nnx.Param` state of the parameters decoding
     reads, `decode_params`; real or abstract arrays): unpadded (each parameter's logical
@@ -365,7 +372,7 @@ class Sampler:
         self.stop_table = (build_stop_table(self.stop_strings, token_bytes, self.cfg.vocab_size)
                            if stop_strings else None)
         self._tail_width = self.stop_table.head.shape[1] if self.stop_table is not None else 1
-        donate = self._donate = jax.default_backend() != "cpu"
+        donate = self._donate = donates_buffers()
         self._cache_makers: dict[tuple[int, int], Callable] = {}   # see _cache_maker
         self._cache_shape_memo: dict[tuple[int, int], Any] = {}     # see _cache_shapes
         gd, specs = (self.graphdef, frozen), layout.specs

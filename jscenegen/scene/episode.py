@@ -20,20 +20,16 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from jscenegen.text import one_line
-
 from .actions import parse_action
 from .catalogue import Catalogue, catalogue_text, load_catalogue
 from .config import JudgeConfig, SceneRuntimeConfig, grade_template
-from .judge import Judge, JudgeRequest, JudgeResult
+from .judge import Judge, JudgeRequest, JudgeResult, judge_error_detail
 from .metrics import measure, metrics_text
 from .ops import SceneEditor, op_costs_text, op_table
 from .prompts import PromptTemplates, load_templates
 from .reward import MASKED_FAILURES, POLICY_FAILURES, Outcome, failed_outcome, judged_outcome
 from .sceneset import SceneRecord
 from .schema import Budget, Scene, canonical_text
-
-JUDGE_ERROR_CHARS = 300   # an exception's text kept in a judge_error's detail (judge_failure_text's clip)
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +249,7 @@ def judge_episodes(episodes: Sequence[Episode], judge: Judge) -> list[Outcome]:
 
     An exception from the judge itself, or a judge that answers another number of results
     than it was asked for, masks the affected episodes ("judge_error"; for an exception its
-    type and text, one line of at most JUDGE_ERROR_CHARS characters, are the result's
+    type and text, `judge_error_detail`, are the result's
     info["detail"] and the warning's). Raises ValueError
     when an episode is still running.
     """
@@ -265,10 +261,7 @@ def judge_episodes(episodes: Sequence[Episode], judge: Judge) -> list[Outcome]:
         try:
             results = list(judge.grade([ep.judge_request() for ep in todo]))
         except Exception as err:
-            # the exception's text too ("RuntimeError" alone sent a reader to this log for a
-            # cause it lacked), escaped to one line and clipped as an error line is
-            detail = one_line(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__,
-                              JUDGE_ERROR_CHARS)
+            detail = judge_error_detail(err)
             log.warning("judge raised %s; masking %d episodes", detail, len(todo))
             results = [JudgeResult(None, "judge_error", {"detail": detail})] * len(todo)
         if len(results) != len(todo):

@@ -47,6 +47,19 @@ def judge_failure_text(cause: str, info: dict) -> str:
     return f"{cause}: {clip_text(str(detail), 300)}" if detail else cause
 
 
+JUDGE_ERROR_CHARS = 300   # an exception's text kept in a judge_error's detail (judge_failure_text's clip)
+
+
+def judge_error_detail(err: BaseException) -> str:
+    """An exception a judge raised, as its `judge_error` result's info["detail"]: its type and
+    text ("RuntimeError" alone sent a reader to a log that lacked the cause), escaped to one
+    line and clipped to JUDGE_ERROR_CHARS characters as an error line is (`text.one_line`)."""
+    from jscenegen.text import one_line
+
+    return one_line(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__,
+                    JUDGE_ERROR_CHARS)
+
+
 class JudgeIdentity(TypedDict):
     """Which judge grades (`Judge.identity`): enters the protocol hash, the training metadata
     and an evaluation report's `judge`, beside the judge's sampling settings there."""

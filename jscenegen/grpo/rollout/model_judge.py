@@ -70,7 +70,14 @@ from jscenegen.generate.sampler import (
 from jscenegen.generate.sampling import MIN_TEMPERATURE, SamplingParams, row_keys
 from jscenegen.scene.caps import apply_caps
 from jscenegen.scene.config import MIN_JUDGE_MAX_TOKENS, JudgeConfig, MetricsConfig
-from jscenegen.scene.judge import JudgeIdentity, JudgeRequest, JudgeResult, judge_messages, rubric_hash
+from jscenegen.scene.judge import (
+    JudgeIdentity,
+    JudgeRequest,
+    JudgeResult,
+    judge_error_detail,
+    judge_messages,
+    rubric_hash,
+)
 from jscenegen.scene.judge_answer import CUT_DETAIL, JudgeAnswerError, parse_judge_content
 from jscenegen.scene.prompts import PromptTemplates
 from jscenegen.sharding.mesh import fails_the_joined_run, host_array
@@ -96,6 +103,12 @@ def judge_model_name(path: str | Path, digest: str) -> str:
     p = Path(path).resolve()
     name = "/".join(p.parts[-3:]) if is_checkpoint_dir(p) else p.name
     return f"{name}@{digest[:DIGEST_CHARS]}"
+
+
+def padded_rows(n: int, multiple: int) -> int:
+    """Rows a batch of `n` requests decodes in: `n` padded with empty rows to a power of two,
+    then to `multiple` (the layout's `row_multiple`), so the compiled shapes are few."""
+    return round_up(1 << (max(1, n) - 1).bit_length(), multiple)
 
 
 def prompt_seed(ids: Sequence[int]) -> int:
@@ -214,7 +227,7 @@ class ModelJudge:
         log.info("model judge %s loaded (%s layout)", self._identity["model"],
                  self.sampler.layout.name)
 
-    def least_need(self) -> tuple[int, str, int, int, int]:
+    def least_need(self) -> tuple[int, str, int, int, int, int]:
         """What the judge needs per device at the least, known before its weights are read:
         (weight bytes, their dtype's name, tp, cache rows, cache slots, cache bytes). The weights: the
         rollout copy the sampler will hold (`rollout_weight_bytes` of the parameters decoding
@@ -228,7 +241,7 @@ class ModelJudge:
         not fit under any; `load` keeps the exact check once the sampler exists."""
         import jax
 
-        from jscenegen.generate.sampler import rollout_weight_bytes, tp_divides
+        from jscenegen.generate.sampler import donates_buffers, rollout_weight_bytes, tp_divides
         from jscenegen.model.dtypes import np_dtype
         from jscenegen.model.functional import split_params
         from jscenegen.model.loader import abstract_model, model_class
@@ -241,14 +254,13 @@ class ModelJudge:
         weights = rollout_weight_bytes(state, dtype)
         n = 1 if self.mesh is None else self.mesh.size
         tp = max(tp_candidates(n, tp_divides(cfg)))   # 1 always divides
-        c = max(1, self.cfg.concurrency)
-        rows = round_up(1 << (c - 1).bit_length(), n // tp)
+        rows = padded_rows(self.cfg.concurrency, n // tp)
         slots = bucket_length(sum(split_into_buckets(len(self.prompt_ids(None)), self.buckets))
                               + self.cfg.max_tokens, self.buckets)
         shapes = jax.eval_shape(lambda: model_class(cfg).create_cache(
             cfg, rows, slots, np_dtype(model.compute_dtype)))
         cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) // n
-        cache *= 2 if jax.default_backend() == "cpu" else 1   # `Sampler._cache_need`: no donation
+        cache *= 1 if donates_buffers() else 2   # `Sampler._cache_need`'s rule
         return -(-weights // tp), dtype.name, tp, rows, slots, cache
 
     def _least_does_not_fit(self, free: int) -> str | None:
@@ -274,8 +286,7 @@ class ModelJudge:
         any request: judge.concurrency rows (padded as `_generate` pads them) x the slots of
         the shortest prompt the judge reads (`prompt_ids(None)`, the rubric alone: a scene's
         text adds to it) plus judge.max_tokens."""
-        c = max(1, self.cfg.concurrency)
-        rows = round_up(1 << (c - 1).bit_length(), sampler.row_multiple)
+        rows = padded_rows(self.cfg.concurrency, sampler.row_multiple)
         slots = bucket_length(sampler.appended_slots([self.prompt_ids(None)]) + self.cfg.max_tokens,
                               sampler.buckets)
         return rows, slots
@@ -385,7 +396,7 @@ class ModelJudge:
                 raise
             log.exception("model judge: loading %s failed", self.path)
             info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": 1,
-                    "detail": f"loading {OPTION} {self.path}: {_error_text(err)}"}
+                    "detail": f"loading {OPTION} {self.path}: {judge_error_detail(err)}"}
             return [JudgeResult(None, "judge_error", dict(info)) for _ in requests]
         results: list[JudgeResult | None] = [None] * len(requests)
         prompts: dict[int, list[int]] = {}
@@ -395,7 +406,7 @@ class ModelJudge:
                 ids = self.prompt_ids(req)
             except Exception as err:   # the template or tokenizer: this request only
                 results[i] = JudgeResult(None, "judge_error", {
-                    "latency_s": 0.0, "attempts": 1, "detail": _error_text(err)})
+                    "latency_s": 0.0, "attempts": 1, "detail": judge_error_detail(err)})
                 continue
             # a scene's text makes the prompt longer than the rubric alone `__init__` checked
             if why := self.past_positions(len(ids), "this request's prompt"):
@@ -416,7 +427,7 @@ class ModelJudge:
                     raise
                 log.exception("model judge %s: generating failed", self._identity["model"])
                 info = {"latency_s": round(time.monotonic() - t0, 4), "attempts": 1,
-                        "detail": _error_text(err)}
+                        "detail": judge_error_detail(err)}
                 for i in chunk:
                     results[i] = JudgeResult(None, "judge_error", dict(info))
                 continue
@@ -448,7 +459,7 @@ class ModelJudge:
         sized in buckets, grown as the answers go where the model's cache can grow."""
         s = self.sampler
         n, max_new = len(prompts), self.cfg.max_tokens
-        rows = round_up(1 << (n - 1).bit_length(), s.row_multiple)
+        rows = padded_rows(n, s.row_multiple)
         seqs = [list(p) for p in prompts] + [[]] * (rows - n)
         prompt_slots = s.appended_slots(seqs)
         max_slots = bucket_length(prompt_slots + max_new, s.buckets)
@@ -481,7 +492,3 @@ class JudgeMemoryError(ValueError):
     `_generate`); the message names judge.concurrency, judge.max_tokens, judge.model_path and
     the bytes."""
 
-
-def _error_text(err: BaseException) -> str:
-    """An exception as a judge failure's detail: its type and text, clipped."""
-    return clip_text(f"{type(err).__name__}: {err}", 300)
