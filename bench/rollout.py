@@ -53,7 +53,8 @@ engine's median tokens/s; each mesh layout's reshard, `mesh_<layout>_reshard_s` 
 over the rounds; `_rounds`: each round's) and `mesh_<layout>_reshard_bytes`; each round's
 engine order (`round_orders`, the one-device rounds, and `mesh_round_orders`: lists of engine
 names, first run first) to check the balance by; and the sitting: commit, dirty, cpu_model,
-cpu_count, cores_usable, torch_threads, load_before/after, utc_start/end.
+cpu_count, cores_usable, torch_threads, load_before/after, utc_start/end, environment (the
+allocator, loader and XLA variables set).
 """
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ each with `_min`, `_max`, `_rounds`, `_of_medians` and `cpu_` counterparts; ever
 median tokens/s; the forward times; each round's engine order (`round_orders`, the steps'
 rounds, and `forward_round_orders`: lists of engine names, first run first) to check the
 balance by; and the sitting: commit, dirty, cpu_model, cpu_count, cores_usable,
-torch_threads, load_before/after, utc_start/end.
+torch_threads, load_before/after, utc_start/end, environment (the allocator, loader and XLA
+variables set).
 """
 from __future__ import annotations
 

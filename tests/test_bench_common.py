@@ -69,11 +69,15 @@ def test_paired_ratios_are_per_round_with_their_range_and_the_ratio_of_medians()
     assert common.paired("vs_y", ours, None) == {"vs_y": "not installed"}
 
 
-def test_the_sitting_record_and_the_atomic_json(tmp_path):
+def test_the_sitting_record_and_the_atomic_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     rec = common.sitting_end(common.sitting_start())
     for key in ("commit", "dirty", "cpu_model", "cpu_count", "cores_usable", "utc_start",
                 "utc_end", "load_before", "load_after"):
         assert key in rec, key
+    assert rec["environment"]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert "LD_PRELOAD" not in rec["environment"]
     assert rec["utc_start"].endswith("Z") and len(rec["load_before"]) == 3
     path = tmp_path / "out.json"
     common.write_json(str(path), {"a": 1})
