@@ -339,7 +339,7 @@ def test_checkpoint_step_loads_its_params(tmp_path, engine, cfg):
     assert ck_engine.chat.encode("<action>") == engine.chat.encode("<action>")
     assert ck_engine.chat.eot_id == engine.chat.eot_id
     (step / "params" / "extra").write_text("x")  # an unlisted file: checksums refuse the step
-    with pytest.raises(Exception, match="not usable"):
+    with pytest.raises(CheckpointError, match=f"^--model {re.escape(str(step))}: checkpoint step is not usable"):
         load_policy(step, mesh)
     (step / "params" / "extra").unlink()
     (step / "hf" / "tokenizer.json").write_text("{}")  # transformers alone: a KeyError

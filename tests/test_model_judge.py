@@ -592,7 +592,8 @@ def test_a_checkpoint_step_is_a_judge_too(tmp_path):
     (step / "params" / "extra").write_text("x")   # an unlisted file: the checksums refuse it
     with pytest.raises(CheckpointError) as err:
         build_judge(model_cfg(step))
-    assert str(err.value) == (f"checkpoint {step} is not usable: {step}/params/extra: not listed "
+    assert str(err.value) == (f"judge.model_path {step}: checkpoint step is not usable: "
+                              f"{step}/params/extra: not listed "
                               f"({step}/checksums.json; 1 file fails)")
 
 

@@ -31,10 +31,11 @@ from jscenegen.paths import json_sha256
 _VERIFIED: set[tuple] = set()   # (step, its files' names, sizes and mtimes) verified here
 
 
-def verify_step(step: Path) -> None:
-    """Raise CheckpointError unless the checkpoint step's files match its checksums. The chat
-    and the weights read the same step: it is hashed once per process while no file of it
-    changes (name, size, modification time)."""
+def verify_step(step: Path, option: str = "--model") -> None:
+    """Raise CheckpointError, naming `option` (the command's flag or the config key that gave
+    `step`), unless the checkpoint step's files match its checksums. The chat and the weights
+    read the same step: it is hashed once per process while no file of it changes (name, size,
+    modification time)."""
     files = sorted((str(f.relative_to(step)), st.st_size, st.st_mtime_ns)
                    for f in step.rglob("*") if f.is_file() for st in [f.stat()])
     key = (step.resolve(), tuple(files))
@@ -42,7 +43,7 @@ def verify_step(step: Path) -> None:
         return
     status = check_step(step)
     if not status.valid:
-        raise CheckpointError(f"checkpoint {step} is not usable: {status.reason}")
+        raise CheckpointError(f"{option} {step}: checkpoint step is not usable: {status.reason}")
     _VERIFIED.add(key)
 
 
@@ -75,7 +76,7 @@ def load_model(path: str | Path, mesh, *, option: str = "--model", **options):
             raise FileNotFoundError(f"{option} {p}: a checkpoint step's assets (config, tokenizer; "
                                     f"its weights are in params/): give the step, {p.parent}")
         return load_hf(p, mesh=mesh, **options)
-    verify_step(p)
+    verify_step(p, option)
     return build_model(QwenConfig.from_dir(p / HF_DIR), iter_arrays(p, "params"), mesh=mesh,
                        source=str(p), **options)
 
@@ -105,7 +106,7 @@ def load_chat_and_config(path: str | Path, chat_template_path: str | Path | None
     if not config.is_file():
         raise not_a_model(p, option)
     if is_checkpoint_dir(p):
-        verify_step(p)   # before its tokenizer is read
+        verify_step(p, option)   # before its tokenizer is read
     # transformers' tokenizer loader reads config.json too, and its errors would blame the tokenizer
     model_cfg = QwenConfig.from_hf_dict(read_config_file(config), str(config))
     chat = ChatTokenizer.from_dir(model_assets_dir(p), chat_template_path, template_option)
