@@ -113,9 +113,11 @@ def test_timeouts_and_garbage_become_masked_judge_failures(server, cause, monkey
 
 
 @pytest.mark.parametrize("server", [["answer"], ["401"]], indirect=True)
-def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, capsys):
+def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, capsys, caplog):
     """`scene check --config` with judge.backend: http asks that judge (never the rule judge
-    silently) and says which judge graded; a judge failure exits 1 with its cause."""
+    silently) and says which judge graded; a judge failure exits 1 with its cause, said once
+    on stderr (the HTTP judge's own warning; check's "the http judge failed: ..." was a second
+    line of the same cause) and in the JSON's warnings."""
     from jscenegen.cli import main
 
     (tmp_path / "s.json").write_text(json.dumps(KNOWN["wardrobe_wall"]().to_json()))
@@ -133,6 +135,8 @@ def test_scene_check_grades_with_the_configured_http_judge(server, tmp_path, cap
         assert out["judge_failure"] == "judge_error" and "HTTP 401" in out["warnings"][-1]
         # the detail as `design` words it (one helper): "cause: detail", no "(...)"
         assert out["warnings"][-1].startswith("the http judge failed: judge_error: HTTP 401")
+        said = [r.getMessage() for r in caplog.records if "HTTP 401" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith(f"judge at {server.url} failed for scene "), said
 
 
 def test_a_judge_failure_is_worded_in_one_place():

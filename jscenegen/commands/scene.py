@@ -127,8 +127,9 @@ def check(args) -> int:
                         f"{judge_failure_text(result.failure, result.info)}")
         warnings.append(judge_failed)
     for warning in warnings:   # in the JSON too, for a caller that reads only stdout
-        # the model judge's own warning said it on stderr, with the start of its answer
-        if not (warning is judge_failed and identity["backend"] == "model"):
+        # a failing judge's own warning said it on stderr (the HTTP judge's with its URL and
+        # attempts, the model judge's with the start of its answer)
+        if warning is not judge_failed:
             logging.getLogger(__name__).warning("%s", warning)
     if terminal_failure:
         outcome = failed_outcome("invalid_terminal_scene", units, cfg.reward)
