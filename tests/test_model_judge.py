@@ -290,6 +290,33 @@ def test_a_model_judge_whose_least_need_does_not_fit_is_refused_before_its_weigh
     assert judge.sampler.weight_device_bytes() == weights   # the estimate is the rollout copy's
 
 
+def test_the_least_need_on_the_mesh_is_a_floor_of_what_the_auto_layout_holds():
+    """On the 3 x 2 mesh the pre-load estimate splits the weights 1/tp over the largest tensor
+    size `auto` could choose (tp 2: the judge has 2 kv heads), pads judge.concurrency to that
+    layout's row multiple (6 / tp = 3) and splits the cache over the 6 devices; the layout
+    `auto` then picks holds at least that much per device, weights and cache (of its own row
+    padding, over the same slots), so a judge refused before loading would not have fit."""
+    import jax
+
+    from jscenegen.grpo.rollout.model_judge import padded_rows
+    from jscenegen.model.loader import model_class
+    from jscenegen.sharding.mesh import make_mesh
+
+    alone = build_judge(model_cfg(chat_model_dir())).least_need()
+    judge = build_judge(model_cfg(chat_model_dir()), mesh=make_mesh(3, 2))
+    weights, dtype, tp, rows, slots, cache = judge.least_need()
+    assert (dtype, tp, rows, slots) == ("float32", 2, padded_rows(8, 3), alone[4]) and rows == 9
+    assert weights == -(-alone[0] // 2)                  # the one-device copy, halved
+    shapes = jax.eval_shape(lambda: model_class(judge.model_cfg).create_cache(
+        judge.model_cfg, 9, slots, np.float32))
+    # a 1/6 share of 9 rows' cache, doubled as on one device (no donation on CPU)
+    assert cache == 2 * (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) // 6)
+    judge.load()
+    sampler = judge.sampler
+    assert sampler.weight_device_bytes() >= weights
+    assert sampler.cache_bytes_needed(padded_rows(8, sampler.row_multiple), slots) >= cache
+
+
 def test_a_model_judge_that_does_not_fit_beside_the_policy_is_refused_at_load(judge, requests, monkeypatch):
     """`load` measures the free device memory before the judge's weights arrive (the policy's
     are in place) and refuses, in one line naming judge.model_path, judge.concurrency and
