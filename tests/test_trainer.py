@@ -189,6 +189,28 @@ def test_sigterm_then_resume_is_bitwise_identical_to_a_straight_run(straight, tm
     assert _metrics(run_dir) == _metrics(tmp_path)
 
 
+def test_async_saves_stop_and_resume_to_the_straight_runs_state(straight, tmp_path):
+    """checkpoint.async_save: orbax writes each step's arrays in the background, the step is
+    completed (hf/, metadata, checksums) by the next save or at the stop; a SIGTERM after the
+    first update leaves a complete step 1, and the resume (async too) ends on the straight
+    (synchronous) run's train state, bitwise, with every kept step complete."""
+    run_dir, _ = straight
+    trainer, first = _run(tmp_path, sigterm_after=1, **{"checkpoint.async_save": "true"})
+    assert trainer.store.async_save and first.stopped_by_signal and first.attempts == 1
+    assert check_step(tmp_path / "checkpoints" / "1").valid
+    _, second = _run(tmp_path, resume=True, **{"checkpoint.async_save": "true"})
+    assert second.attempts == 3
+    kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [2, 3] and all(check_step(tmp_path / "checkpoints" / str(k)).valid for k in kept)
+    a, b = _final(run_dir), _final(tmp_path)
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
+        np.testing.assert_array_equal(a.adam["mu"][name], b.adam["mu"][name], err_msg=name)
+        np.testing.assert_array_equal(a.adam["nu"][name], b.adam["nu"][name], err_msg=name)
+    assert a.train_state == b.train_state and b.train_state["lr_step"] == 3
+    assert _metrics(run_dir) == _metrics(tmp_path)
+
+
 @pytest.mark.slow  # three trainers with a KL reference each: 22-28 s on 2 cores
 def test_a_resumed_run_keeps_the_initial_policy_as_its_kl_reference(tmp_path):
     """use_kl_loss without model.reference_path: the reference is the initial policy, on
