@@ -112,10 +112,12 @@ def warm_start_sft_config(cfg):
 def check_warm_start_inputs(cfg):
     """`warm_start_sft_config(cfg)` and the checks of its inputs that need no model
     (`sft.run.check_sft_inputs`: its mesh against the devices, its batch against the
-    micro-batches and the row budget), so a run is refused before any model is made.
+    micro-batches and the row budget, the file of `sampling.chat_template_path`, named so),
+    so a run is refused before any model is made.
     Returns (the SFT config, its mesh), (None, None) without an SFT. Raises ConfigError, or
     the checks' ValueError (MeshError), beginning `warm_start (sft_config FILE, sft_overrides):`."""
     from jscenegen.config import ConfigError
+    from jscenegen.model.tokenizer.chat import TEMPLATE_OPTION
     from jscenegen.sft.run import check_sft_inputs
     from jscenegen.sharding.mesh import MeshError
 
@@ -123,7 +125,8 @@ def check_warm_start_inputs(cfg):
     if sft_cfg is None:
         return None, None
     try:
-        return sft_cfg, check_sft_inputs(sft_cfg, cfg.sampling.chat_template_path)
+        return sft_cfg, check_sft_inputs(sft_cfg, cfg.sampling.chat_template_path,
+                                         TEMPLATE_OPTION)
     except ValueError as e:   # MeshError, ConfigError included: its origin named
         cls = type(e) if type(e) in (ValueError, ConfigError, MeshError) else ValueError
         raise cls(f"{_warm_start_origin(cfg)}: {e}") from None
@@ -196,6 +199,7 @@ def default_model_dir(cfg, phases: dict, checked: tuple | None = None) -> Path:
     `check_warm_start_inputs(cfg)` returned when the caller ran it already (`train_command`,
     before the run lock); without it it runs here, raising before any model is made."""
     from jscenegen.model.init_model import init_model_dir
+    from jscenegen.model.tokenizer.chat import TEMPLATE_OPTION
     from jscenegen.scene.corpus import tokenizer_corpus
     from jscenegen.sft.run import run_sft
 
@@ -219,6 +223,7 @@ def default_model_dir(cfg, phases: dict, checked: tuple | None = None) -> Path:
         t1 = time.perf_counter()
         with _or_made_meanwhile(out):
             run_sft(sft_cfg, base, out, chat_template_path=template, mesh=mesh,
+                    template_option=TEMPLATE_OPTION,
                     log=_sft_log if cfg.trainer.progress else _no_log)
         phases["sft_s"] = time.perf_counter() - t1
     else:

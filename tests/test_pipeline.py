@@ -453,7 +453,7 @@ def stubbed_warm_start(tmp_path, monkeypatch) -> list:
         calls.append(("init", Path(out)))
         _made(out)
 
-    def sft(cfg, model_dir, out, *, log, chat_template_path, mesh=None):
+    def sft(cfg, model_dir, out, *, log, chat_template_path, mesh=None, template_option=None):
         calls.append(("sft", Path(out)))
         log({"step": 1, "loss": 0.5})
         _made(out)
@@ -613,6 +613,45 @@ def test_what_needs_no_model_is_refused_before_the_warm_start(tmp_path, capsys, 
                  *overrides]) == 2
     assert capsys.readouterr().err == f"error: {error}\n"
     assert stubbed_warm_start == [] and not run_dir.exists()
+
+
+def test_the_warm_starts_chat_template_errors_name_the_runs_key(tmp_path, capsys, monkeypatch,
+                                                                stubbed_warm_start):
+    """The warm start's chat template errors named `--chat-template`, an option `train` does
+    not take, and an empty template file was refused only once the base model was made (a
+    minute of tokenizer training on a cold cache)."""
+    import shutil
+
+    from jscenegen.cli import main
+    from jscenegen.model.tokenizer.chat import ChatTemplateError
+    from jscenegen.pipeline import default_model_dir
+
+    from chat_fixtures import chat_model_dir
+
+    empty = tmp_path / "empty.jinja"
+    empty.write_text(" ")
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), "logging.swanlab_mode=disabled",
+                 f"sampling.chat_template_path={empty}"]) == 2
+    assert capsys.readouterr().err == (
+        "error: warm_start (sft_config configs/sft-cpu.yaml, sft_overrides): "
+        f"sampling.chat_template_path {empty}: the file is empty (a jinja chat template, e.g. "
+        "jscenegen/model/tokenizer/templates/chatml.jinja)\n")
+    assert stubbed_warm_start == [] and not run_dir.exists()
+
+    monkeypatch.undo()   # the real run_sft, on a base model already in the cache
+    monkeypatch.setenv("JSCENEGEN_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(chat_model_dir(), tmp_path / "cache" / "models" / "micro-qwen3")
+    rewriting = tmp_path / "rewriting.jinja"   # trims the contents: not prefix-preserving
+    rewriting.write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+                         "(m['content'] | trim) + '<|im_end|>\\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      [f"sampling.chat_template_path={rewriting}"], RunConfig)
+    with pytest.raises(ChatTemplateError, match=r"use a prefix-preserving template "
+                       r"\(sampling.chat_template_path, e.g. ") as err:
+        default_model_dir(cfg, {})
+    assert "--chat-template" not in str(err.value)
 
 
 def test_a_train_checks_the_warm_starts_inputs_once(tmp_path, monkeypatch, stubbed_warm_start):

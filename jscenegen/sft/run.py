@@ -31,13 +31,18 @@ from jscenegen.sft.demos import (
 from jscenegen.sft.step import SFTStep
 from jscenegen.sharding.rules import round_up
 
+SFT_TEMPLATE_OPTION = "--chat-template"   # how `jscenegen sft` takes a replacement chat template
 
-def check_sft_inputs(cfg, chat_template_path: str | None = None):
+
+def check_sft_inputs(cfg, chat_template_path: str | None = None,
+                     template_option: str = SFT_TEMPLATE_OPTION):
     """The checks of an SFT's inputs that need no model, so a command fails before making or
     loading one: the mesh against the devices, the batch against its micro-batches and the
     row budget, the scene catalogue and prompt templates, the replacement chat template's
-    file. Returns the mesh. Raises MeshError, ValueError naming the setting or file."""
-    from jscenegen.paths import not_a_file
+    file (`chat.read_template`; `template_option`: how the command's user passes it, named in
+    its errors). Returns the mesh. Raises MeshError, ValueError (ChatTemplateError) naming the
+    setting or file."""
+    from jscenegen.model.tokenizer.chat import read_template
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.prompts import load_templates
     from jscenegen.sharding.layout import pad_rows
@@ -55,14 +60,14 @@ def check_sft_inputs(cfg, chat_template_path: str | None = None):
                          f"{rows * longest:,} tokens per step: at most {BATCH_TOKENS_MAX:,}")
     load_catalogue(cfg.scene.catalogue_path)
     load_templates(cfg.scene.prompts_dir)
-    if chat_template_path is not None and (why := not_a_file(chat_template_path)):
-        raise ValueError(f"--chat-template {chat_template_path}: {why}")
+    read_template(chat_template_path, template_option)
     return mesh
 
 
 def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
             log: Callable[[dict], None] = lambda row: print(json_line(row), flush=True),
-            chat_template_path: str | Path | None = None, mesh=None) -> dict:
+            chat_template_path: str | Path | None = None, mesh=None,
+            template_option: str = SFT_TEMPLATE_OPTION) -> dict:
     """Fine-tune the HF model at `model_dir` on expert demonstrations and write `out_dir`.
 
     Args:
@@ -73,8 +78,11 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
         `chat_template_path` as its `chat_template.jinja`, so every later load renders the
         template it was trained on), with `sft_summary.json` (config, chat template, demo
         statistics, loss history, phase times).
-      mesh: the mesh `check_sft_inputs(cfg, chat_template_path)` returned, when the caller ran
-        it already (before making a fresh model); None: run_sft runs it.
+      mesh: the mesh `check_sft_inputs(cfg, chat_template_path, template_option)` returned,
+        when the caller ran it already (before making a fresh model); None: run_sft runs it.
+      template_option: how the command's user passes `chat_template_path` (`sft`'s
+        --chat-template, a train warm start's sampling.chat_template_path), named in the
+        template's errors.
       log: called with one dict per logged step ({"step", "loss", "grad_norm", "lr",
         "tokens", "elapsed_s", "cpu_s": process CPU seconds, all threads}) and once with the
         demo statistics.
@@ -104,11 +112,11 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     if early:
         logging.getLogger(__name__).warning("%s", early)
     if mesh is None:
-        mesh = check_sft_inputs(cfg, chat_template_path)
+        mesh = check_sft_inputs(cfg, chat_template_path, template_option)
     multiple = int(np.lcm(sc.seq_multiple, mesh.shape["sp"]))   # of every row's length
     longest = round_up(sc.max_seq_len, mesh.shape["sp"])   # rows' cap
     QwenConfig.from_dir(model_dir)  # a missing directory or bad config.json, not the tokenizer, named
-    chat = ChatTokenizer.from_dir(model_dir, chat_template_path, option="--chat-template")
+    chat = ChatTokenizer.from_dir(model_dir, chat_template_path, option=template_option)
     model = load_hf(model_dir, mesh=mesh, **cfg.model.build_options())  # bad weights fail here, first
     chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,

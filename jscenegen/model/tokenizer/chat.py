@@ -159,6 +159,31 @@ class Conversation:
         return [self.chat.eot_id]
 
 
+def read_template(chat_template_path: str | Path | None, option: str = TEMPLATE_OPTION) -> str | None:
+    """The text of the replacement chat template file `chat_template_path` (None: None), read
+    before any tokenizer: what `ChatTokenizer.from_dir` refuses of the file itself, so a
+    command can refuse it before expensive work. `option`: how the command's user passes it
+    (named in the errors). Raises ChatTemplateError for a path that is no regular file, a file
+    over MAX_TEMPLATE_BYTES, one that cannot be read as UTF-8, or one holding only whitespace."""
+    if not chat_template_path:
+        return None
+    if why := not_a_file(chat_template_path):
+        raise ChatTemplateError(f"{option} {chat_template_path}: {why}")
+    if (size := Path(chat_template_path).stat().st_size) > MAX_TEMPLATE_BYTES:
+        raise ChatTemplateError(f"{option} {chat_template_path}: {size:,} bytes, more than a "
+                                f"chat template's {MAX_TEMPLATE_BYTES:,} (MAX_TEMPLATE_BYTES)")
+    try:
+        template = Path(chat_template_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ChatTemplateError(f"{option} {chat_template_path}: cannot be read "
+                                f"({getattr(err, 'strerror', None) or err})") from None
+    if not template.strip():
+        raise ChatTemplateError(f"{option} {chat_template_path}: the file is empty "
+                                "(a jinja chat template, e.g. jscenegen/model/tokenizer/"
+                                "templates/chatml.jinja)")
+    return template
+
+
 class ChatTokenizer:
     """An HF tokenizer plus its chat template, checked for token-in/token-out use.
 
@@ -206,20 +231,7 @@ class ChatTokenizer:
         """
         from transformers import AutoTokenizer
 
-        if chat_template_path and (why := not_a_file(chat_template_path)):
-            raise ChatTemplateError(f"{option} {chat_template_path}: {why}")
-        if chat_template_path and (size := Path(chat_template_path).stat().st_size) > MAX_TEMPLATE_BYTES:
-            raise ChatTemplateError(f"{option} {chat_template_path}: {size:,} bytes, more than a "
-                                    f"chat template's {MAX_TEMPLATE_BYTES:,} (MAX_TEMPLATE_BYTES)")
-        try:
-            template = Path(chat_template_path).read_text(encoding="utf-8") if chat_template_path else None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ChatTemplateError(f"{option} {chat_template_path}: cannot be read "
-                                    f"({getattr(err, 'strerror', None) or err})") from None
-        if template is not None and not template.strip():
-            raise ChatTemplateError(f"{option} {chat_template_path}: the file is empty "
-                                    "(a jinja chat template, e.g. jscenegen/model/tokenizer/"
-                                    "templates/chatml.jinja)")
+        template = read_template(chat_template_path, option)
         if not Path(path).is_dir():   # transformers would take it for a Hub id and go online
             raise ChatTemplateError(f"{path}: not a directory (a local HF model directory with "
                                     "the model's tokenizer files)")
