@@ -36,6 +36,7 @@ from jscenegen.sft.demos import (
     batch_indices,
     build_demos,
     demo_batch,
+    drop_failed_episodes,
     drop_over_answer_cap,
     sft_records,
     tokenize_transcript,
@@ -388,6 +389,51 @@ def test_run_sft_drops_the_demos_whose_answers_pass_max_answer_tokens(tmp_path, 
         assert stats["demos"] == 1 and stats["demos_over_answer_cap"] == 1
         assert stats["answers_over_cap"] == {"planner": 0, "designer": 1, "critic": 0}
         assert stats["max_answer_tokens"] == 300 and stats["longest_answer"]["designer"] == 301
+
+
+def test_run_sft_drops_the_demos_the_expert_failed(tmp_path, caplog, monkeypatch):
+    """Under scene.max_critique_rounds=0 the scripted planner asks for a critique until the
+    planner turn cap fails the episode: a warm start trained every demonstration on an
+    episode with reward -1 (the planner taught to loop on refused critiques), saying nothing.
+    Failed episodes are dropped with one warning line and counted per cause; none left is
+    refused before any training."""
+    import dataclasses
+
+    import jscenegen.sft.run as sft_run
+
+    def cfg(**scene):
+        return validate_config({"sft": {"num_demos": 2, "steps": 1, "batch_size": 3,
+                                         "max_seq_len": SEQ},
+                                "scene": {**SCENE, **scene}, "optim": {"warmup_steps": 0}},
+                               "sft.yaml", SFTRunConfig)
+
+    chat = ChatTokenizer.from_dir(chat_model_dir())
+    failed = build_demos(chat, sft_records(1), SceneRuntimeConfig(**SCENE, max_critique_rounds=0),
+                         stop_strings=DEFAULT_STOP_STRINGS)[0]
+    assert (failed.failure_cause, failed.reward) == ("planner_turn_cap", -1.0)
+    assert drop_failed_episodes([failed, dataclasses.replace(failed, failure_cause=None)]) == (
+        [dataclasses.replace(failed, failure_cause=None)], {"expert_failures": {"planner_turn_cap": 1}})
+    with pytest.raises(ValueError, match=r"^sft: the scripted expert failed every one of the 2 "
+                       r"demonstrations under the scene settings \(planner_turn_cap 2\); "):
+        run_sft(cfg(max_critique_rounds=0), chat_model_dir(), tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+    real = sft_run.build_demos
+
+    def first_failed(*args, **kwargs):   # one of two episodes failed by the expert
+        demos = real(*args, **kwargs)
+        return [dataclasses.replace(demos[0], failure_cause="planner_turn_cap"), *demos[1:]]
+
+    monkeypatch.setattr(sft_run, "build_demos", first_failed)
+    rows = []
+    with caplog.at_level("WARNING", logger="jscenegen.sft.run"):
+        summary = run_sft(cfg(), chat_model_dir(), tmp_path / "out", log=rows.append)
+    assert caplog.messages == [
+        "sft: 1 of 2 demonstrations dropped: the scripted expert failed them under the scene "
+        "settings (planner_turn_cap 1), and they would teach what earns reward -1"]
+    saved = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
+    for stats in (rows[0], summary, saved):
+        assert stats["demos"] == 1 and stats["expert_failures"] == {"planner_turn_cap": 1}
 
 
 def test_an_sft_stopped_leaves_no_directory_it_made(tmp_path, monkeypatch):

@@ -40,7 +40,8 @@ class Demo:
 
     tokens [T] int32; roles [T] int8 (grpo.roles codes, ENVIRONMENT for prompts, results and
     template glue); policy_mask [T] bool (the roles' answers + their end-of-turn tokens);
-    reward: the judged reward of the expert's episode.
+    reward: the judged reward of the expert's episode; failure_cause: why that episode failed
+    (the runtime's cause, e.g. planner_turn_cap: reward -1), None when it finished.
     """
 
     scene_id: str
@@ -48,6 +49,7 @@ class Demo:
     roles: np.ndarray
     policy_mask: np.ndarray
     reward: float
+    failure_cause: str | None = None
 
 
 def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
@@ -105,7 +107,9 @@ def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
 
     Every record i with (i * noisy_fraction) crossing an integer (an even spread: 0.5 = every
     second record) is played by the imperfect designer (`scene.expert.jitter_ops`, noise
-    `noise_m` metres, seed i), so the critic and planner also see flawed scenes.
+    `noise_m` metres, seed i), so the critic and planner also see flawed scenes. Episodes the
+    expert failed in `scene_cfg` are returned too, with their `failure_cause`
+    (`drop_failed_episodes`).
     """
     from jscenegen.scene.expert import run_scripted_episode
 
@@ -115,9 +119,24 @@ def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
         episode, transcript = run_scripted_episode(record, scene_cfg, noise_m=noise_m if noisy else 0.0,
                                                    noise_seed=i)
         tokens, roles, policy = tokenize_transcript(chat, transcript, stop_strings=stop_strings)
-        reward = episode.outcome.reward if episode.outcome is not None else float("nan")
-        demos.append(Demo(record.scene.scene_id, tokens, roles, policy, float(reward)))
+        outcome = episode.outcome
+        demos.append(Demo(record.scene.scene_id, tokens, roles, policy,
+                          float(outcome.reward if outcome is not None else float("nan")),
+                          outcome.failure_cause if outcome is not None else None))
     return demos
+
+
+def drop_failed_episodes(demos: Sequence[Demo]) -> tuple[list[Demo], dict]:
+    """The demos whose expert episode finished (no `failure_cause`), and {"expert_failures":
+    {cause: demos dropped}} (empty when none failed): a failed episode (the expert cannot
+    finish under the scene settings, e.g. planner_turn_cap when scene.max_planner_turns or
+    scene.max_critique_rounds leave it no turn to finish in) would teach what earns reward -1."""
+    kept = [d for d in demos if d.failure_cause is None]
+    causes: dict[str, int] = {}
+    for d in demos:
+        if d.failure_cause is not None:
+            causes[d.failure_cause] = causes.get(d.failure_cause, 0) + 1
+    return kept, {"expert_failures": dict(sorted(causes.items()))}
 
 
 def demo_batch(demos: Sequence[Demo], length: int, max_tokens: int | None = None) -> dict[str, np.ndarray]:

@@ -23,6 +23,7 @@ from jscenegen.sft.demos import (
     batch_indices,
     build_demos,
     demo_batch,
+    drop_failed_episodes,
     drop_over_answer_cap,
     padded_length,
     sft_records,
@@ -88,12 +89,13 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
         demo statistics.
 
     Returns the summary dict. Deterministic for a given config (demo scenes, order, weights).
-    Demonstrations holding an answer longer than `sft.max_answer_tokens` (when set) are
-    dropped, counted per role in the demo statistics, with a warning.
+    Demonstrations whose expert episode failed under `cfg.scene` (`drop_failed_episodes`), and
+    those holding an answer longer than `sft.max_answer_tokens` (when set), are dropped,
+    counted (per failure cause, per role) in the demo statistics, with a warning.
 
     Raises FileExistsError for an `out_dir` that exists and is not empty (before any work:
-    `paths.require_new_dir`), ValueError when no demonstration fits `sft.max_answer_tokens`
-    or none has a policy token within the row length (before training) or the last step's loss is not finite (diverged: nothing is
+    `paths.require_new_dir`), ValueError when the expert failed every episode, no
+    demonstration fits `sft.max_answer_tokens` or none has a policy token within the row length (before training) or the last step's loss is not finite (diverged: nothing is
     written),
     ChatTemplateError (template), MeshError (mesh vs devices), ModelConfigError and the
     loader's errors for a bad `model_dir`.
@@ -122,13 +124,15 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
                         noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m,
                         stop_strings=sc.stop_strings)
+    demos, failed_stats = _finished_by_the_expert(demos)
     demos, cap_stats = _fitting_the_answer_cap(demos, sc.max_answer_tokens)
     length = padded_length(demos, sc.max_seq_len, multiple, longest)
     lengths = [len(d.tokens) for d in demos]
     demo_stats = {"demos": len(demos), "row_length": length, "mean_tokens": float(np.mean(lengths)),
                   "max_tokens": int(max(lengths)), **truncation_losses(demos, sc.max_seq_len),
                   "policy_tokens_per_demo": float(np.mean([d.policy_mask.sum() for d in demos])),
-                  "expert_mean_reward": float(np.nanmean([d.reward for d in demos])), **cap_stats,
+                  "expert_mean_reward": float(np.nanmean([d.reward for d in demos])),
+                  **failed_stats, **cap_stats,
                   "demo_build_s": time.perf_counter() - t0}
     log({"event": "demos", **demo_stats})
     kept = min(length, sc.max_seq_len)
@@ -173,6 +177,25 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     save_hf(model, out_dir, dtype="float32", tokenizer_src=model_dir,   # fp32 master weights
             extra_files=extra)
     return summary
+
+
+def _finished_by_the_expert(demos: list) -> tuple[list, dict]:
+    """`drop_failed_episodes(demos)`, with one warning line naming how many were dropped and
+    why. Raises ValueError naming the scene settings when the expert failed every episode."""
+    kept, stats = drop_failed_episodes(demos)
+    causes = ", ".join(f"{cause} {n}" for cause, n in stats["expert_failures"].items())
+    if not kept:
+        raise ValueError(f"sft: the scripted expert failed every one of the {len(demos)} "
+                         f"demonstrations under the scene settings ({causes}); nothing to "
+                         "imitate: give it the planner turns and critique rounds it plays "
+                         "(scene.max_planner_turns, scene.max_critique_rounds; a train warm "
+                         "start plays in the run's scene settings)")
+    if len(kept) < len(demos):
+        logging.getLogger(__name__).warning(
+            "sft: %d of %d demonstrations dropped: the scripted expert failed them under the "
+            "scene settings (%s), and they would teach what earns reward -1",
+            len(demos) - len(kept), len(demos), causes)
+    return kept, stats
 
 
 def _fitting_the_answer_cap(demos: list, cap: int | None) -> tuple[list, dict]:
