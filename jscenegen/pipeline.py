@@ -132,8 +132,12 @@ def check_warm_start_inputs(cfg):
         raise cls(f"{_warm_start_origin(cfg)}: {e}") from None
 
 
-# settings that change no weight: what the warm start logs, and where a standalone SFT writes
-KEYLESS_SFT_FIELDS = {"log_every", "out_dir"}
+# settings that change no weight: what the warm start logs, where a standalone SFT writes and
+# the fresh model it makes (the warm start's is warm_start.arch and .preset: UNREAD_SFT_KEYS)
+KEYLESS_SFT_FIELDS = {"log_every", "out_dir", "init_arch", "init_preset"}
+# scene settings naming files whose content the key holds instead: another path to the same
+# prompts or catalogue (relative or absolute, a copy) makes the same demonstrations
+CONTENT_KEYED_SCENE_FIELDS = {"prompts_dir", "catalogue_path"}
 
 
 def package_source_digest(root: Path) -> str:
@@ -153,13 +157,13 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 def warm_start_key(cfg, sft_cfg, base: Path) -> str:
     """The warm start's cache key (hex SHA-256): what decides its weights. The SFT config (the
     mesh aside: fsdp and sp change only the order of the sums, as padding rows and columns
-    carry no loss and micro-batches sum to the batch's gradient; the base's path aside: its
-    content counts; `KEYLESS_SFT_FIELDS` aside), the prompts, the catalogue's content (as the
-    protocol hash reads it: a whitespace edit changes nothing), the chat template, the base
-    model's files (each hashed whole: its tokenizer, config and weights), the package's code
-    (`package_source_digest`: an upgrade that changes any module trains it again), and the
-    measuring and grading rules the demonstrations' environment messages come from
-    (`RULES_REVISION`)."""
+    carry no loss and micro-batches sum to the batch's gradient; the paths of the base, the
+    prompts and the catalogue aside: their content counts; `KEYLESS_SFT_FIELDS` aside), the
+    prompts, the catalogue's content (as the protocol hash reads it: a whitespace edit changes
+    nothing), the chat template, the base model's files (each hashed whole: its tokenizer,
+    config and weights), the package's code (`package_source_digest`: an upgrade that changes
+    any module trains it again), and the measuring and grading rules the demonstrations'
+    environment messages come from (`RULES_REVISION`)."""
 
     from jscenegen.checkpoint.checksums import list_files
     from jscenegen.scene.catalogue import load_catalogue
@@ -168,7 +172,8 @@ def warm_start_key(cfg, sft_cfg, base: Path) -> str:
 
     template = cfg.sampling.chat_template_path
     settings = sft_cfg.model_dump(mode="json", exclude={"mesh": True, "model": {"path"},
-                                                        "sft": KEYLESS_SFT_FIELDS})
+                                                        "sft": KEYLESS_SFT_FIELDS,
+                                                        "scene": CONTENT_KEYED_SCENE_FIELDS})
     return hashlib.sha256(json.dumps([
         settings,
         load_templates(sft_cfg.scene.prompts_dir).digest(),

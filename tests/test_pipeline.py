@@ -509,6 +509,38 @@ def test_the_warm_start_cache_key_holds_the_catalogues_content(tmp_path, stubbed
     assert [call for call, _ in stubbed_warm_start] == ["init", "sft", "sft"]
 
 
+def test_the_warm_start_cache_key_holds_the_prompts_and_catalogue_by_content(tmp_path,
+                                                                             stubbed_warm_start):
+    """The key held the paths of the prompts and the catalogue besides their content: the
+    same files named by an absolute path, or a copy, trained the warm start again (5-10
+    minutes); so did the sft config file's init_arch and init_preset, which it does not read."""
+    import shutil
+    from importlib import resources
+
+    from jscenegen.pipeline import default_model_dir
+
+    def made(*overrides):
+        return default_model_dir(load_config(resolve_data_path("configs/cpu-default.yaml"),
+                                             list(overrides), RunConfig), {})
+
+    first = made()
+    prompts = shutil.copytree(resolve_data_path("configs/prompts-compact"), tmp_path / "prompts")
+    cat = tmp_path / "cat.json"
+    cat.write_bytes(resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_bytes())
+    sft_file = tmp_path / "sft.yaml"
+    text = resolve_data_path("configs/sft-cpu.yaml").read_text()
+    assert "\n  init_preset: micro\n" in text
+    sft_file.write_text(text.replace("\n  init_preset: micro\n",
+                                     "\n  init_preset: small\n  init_arch: qwen2\n"))
+    for overrides in ([f"scene.prompts_dir={resolve_data_path('configs/prompts-compact').resolve()}"],
+                      [f"scene.prompts_dir={prompts}", f"scene.catalogue_path={cat}"],
+                      [f"warm_start.sft_config={sft_file}"]):
+        assert made(*overrides) == first, overrides
+    (prompts / "system.txt").write_text((prompts / "system.txt").read_text() + "Be brief.\n")
+    assert made(f"scene.prompts_dir={prompts}") != first   # other content: trained again
+    assert [call for call, _ in stubbed_warm_start] == ["init", "sft", "sft"]
+
+
 def test_the_warm_start_cache_key_holds_the_scene_rules_revision(monkeypatch, stubbed_warm_start):
     """The demonstrations' environment messages (measurements, rule grades) come from the
     rules RULES_REVISION numbers; a new revision reused the demonstrations of the old one."""
