@@ -112,11 +112,13 @@ def warm_start_sft_config(cfg):
 def check_warm_start_inputs(cfg):
     """`warm_start_sft_config(cfg)` and the checks of its inputs that need no model
     (`sft.run.check_sft_inputs`: its mesh against the devices, its batch against the
-    micro-batches and the row budget, the file of `sampling.chat_template_path`, named so),
-    so a run is refused before any model is made.
+    micro-batches and the row budget, the file of `sampling.chat_template_path`, named so;
+    its model.causal_balance against a qwen3_5 warm_start.arch on more than one sp shard), so
+    a run is refused before any model is made.
     Returns (the SFT config, its mesh), (None, None) without an SFT. Raises ConfigError, or
     the checks' ValueError (MeshError), beginning `warm_start (sft_config FILE, sft_overrides):`."""
     from jscenegen.config import ConfigError
+    from jscenegen.model.qwen35 import CAUSAL_BALANCE_REFUSAL
     from jscenegen.model.tokenizer.chat import TEMPLATE_OPTION
     from jscenegen.sft.run import check_sft_inputs
     from jscenegen.sharding.mesh import MeshError
@@ -125,8 +127,11 @@ def check_warm_start_inputs(cfg):
     if sft_cfg is None:
         return None, None
     try:
-        return sft_cfg, check_sft_inputs(sft_cfg, cfg.sampling.chat_template_path,
-                                         TEMPLATE_OPTION)
+        mesh = check_sft_inputs(sft_cfg, cfg.sampling.chat_template_path, TEMPLATE_OPTION)
+        # the loader's rule (check_warm_start_model's for the run's own model section)
+        if cfg.warm_start.arch == "qwen3_5" and sft_cfg.model.causal_balance and mesh.shape["sp"] > 1:
+            raise ValueError(CAUSAL_BALANCE_REFUSAL)
+        return sft_cfg, mesh
     except ValueError as e:   # MeshError, ConfigError included: its origin named
         cls = type(e) if type(e) in (ValueError, ConfigError, MeshError) else ValueError
         raise cls(f"{_warm_start_origin(cfg)}: {e}") from None

@@ -626,6 +626,12 @@ def test_a_model_another_run_published_meanwhile_is_used(tmp_path, monkeypatch, 
     (["warm_start.arch=qwen3_5", "model.causal_balance=true"],
      "model.causal_balance is not supported for Qwen3.5: the Gated DeltaNet recurrence needs "
      "the tokens in order; set it to false"),
+    # the warm start's own model section: refused by its loader once the base model was made,
+    # naming the run's model.causal_balance (false)
+    (["warm_start.arch=qwen3_5", "warm_start.sft_overrides=[model.causal_balance=true]"],
+     "warm_start (sft_config configs/sft-cpu.yaml, sft_overrides): model.causal_balance is not "
+     "supported for Qwen3.5: the Gated DeltaNet recurrence needs the tokens in order; set it "
+     "to false"),
     # the warm start's own mesh and batch (check_sft_inputs) were checked inside its SFT
     (["warm_start.sft_overrides=[mesh.fsdp=1]"],
      "warm_start (sft_config configs/sft-cpu.yaml, sft_overrides): mesh.fsdp=1 x mesh.sp=2 = 2 "
