@@ -54,6 +54,8 @@ RUN_SFT_KEYS = {
                         "(sampling.stop_strings)",
     "sft.max_answer_tokens": "the warm start drops the demonstrations whose answers pass the "
                              "rollouts' per-turn cap; set it on the run (sampling.max_new_tokens)",
+    "sft.grade_keys": "the warm start's critic grades what the run's judge grades; set them on "
+                      "the run (judge.grade_keys)",
 }
 SFT_MESH_KEYS = ("mesh.fsdp", "mesh.sp")   # from the run unless sft_overrides sets them
 
@@ -65,9 +67,10 @@ def _warm_start_origin(cfg) -> str:
 
 def warm_start_sft_config(cfg):
     """The SFT warm start's config (`warm_start.sft_config` with `warm_start.sft_overrides`)
-    playing in the run's own protocol: its `scene` section, `sft.stop_strings` and
-    `sft.max_answer_tokens` are the run's `scene`, `sampling.stop_strings` and
-    `sampling.max_new_tokens` (what the rollouts will use: `RUN_SFT_KEYS`), its `mesh.fsdp` and
+    playing in the run's own protocol: its `scene` section, `sft.stop_strings`,
+    `sft.max_answer_tokens` and `sft.grade_keys` are the run's `scene`, `sampling.stop_strings`,
+    `sampling.max_new_tokens` and `judge.grade_keys` (what the rollouts will use:
+    `RUN_SFT_KEYS`; grade keys the scripted critic cannot give refused), its `mesh.fsdp` and
     `mesh.sp` the run's unless an override sets them (`SFT_MESH_KEYS`), its `model.path` the
     base model it trains; None without one. Raises ConfigError naming the warm_start keys, also
     for an override of the keys the run decides, of one it does not read (`UNREAD_SFT_KEYS`),
@@ -75,7 +78,7 @@ def warm_start_sft_config(cfg):
     or an override."""
     from jscenegen.config import ConfigError, load_config, override_leaf_keys
     from jscenegen.paths import resolve_data_path
-    from jscenegen.sft.config import SFTRunConfig
+    from jscenegen.sft.config import SFTRunConfig, check_expert_grade_keys
     from jscenegen.sharding.mesh import MeshConfig
 
     ws = cfg.warm_start
@@ -101,12 +104,18 @@ def warm_start_sft_config(cfg):
             raise ConfigError(f"{launch[0]}: the warm start runs in one process (a multi-host "
                               "run starts from model.path); the launch keys are the run's "
                               "(mesh.*), not the warm start's: unset it")
+        try:
+            check_expert_grade_keys(cfg.judge.grade_keys, "judge.grade_keys")
+        except ValueError as e:
+            raise ConfigError(f"{e} (to train with these, give model.path a model whose critic "
+                              "knows them)") from None
     except ConfigError as e:
         raise ConfigError(f"{_warm_start_origin(cfg)}: {e}") from None
     return sft_cfg.model_copy(update={
         "scene": cfg.scene,
         "sft": sft_cfg.sft.model_copy(update={"stop_strings": cfg.sampling.stop_strings,
-                                              "max_answer_tokens": cfg.sampling.max_new_tokens})})
+                                              "max_answer_tokens": cfg.sampling.max_new_tokens,
+                                              "grade_keys": cfg.judge.grade_keys})})
 
 
 def check_warm_start_inputs(cfg):

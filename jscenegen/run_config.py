@@ -66,9 +66,10 @@ class WarmStartConfig(Section):
                         "tiny 256 x 4, small 512 x 8; made once in "
                         "$JSCENEGEN_CACHE (default ~/.cache/jscenegen)/models/<preset>-<arch>")
     sft_config: str | None = Field("configs/sft-cpu.yaml", description="SFT run config (its "
-                                   "scene, sft.stop_strings, sft.max_answer_tokens and, unless "
-                                   "sft_overrides sets them, mesh.fsdp and mesh.sp are the "
-                                   "run's); null: train GRPO from the untrained model")
+                                   "scene, sft.stop_strings, sft.max_answer_tokens, "
+                                   "sft.grade_keys and, unless sft_overrides sets them, "
+                                   "mesh.fsdp and mesh.sp are the run's); null: train GRPO "
+                                   "from the untrained model")
     sft_overrides: tuple[str, ...] = Field((), description="key=value overrides of the SFT config "
                                            "(not of what the run decides, nor the multi-host "
                                            "launch keys: the warm start runs in one process)")

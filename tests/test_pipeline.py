@@ -86,6 +86,33 @@ def test_the_warm_start_plays_in_the_runs_scene_settings_and_stop_strings():
             update={"sft_overrides": ("scene.budget_units=128",)})}))
 
 
+def test_the_warm_start_plays_the_runs_grade_keys(stubbed_warm_start):
+    """The warm start played its demonstrations with the default seven grade keys whatever
+    the run's judge.grade_keys: another system prompt than the rollouts', and critiques with
+    keys the rollouts' critic schema refuses (schema_violation: every critic turn failed);
+    its cache key ignored them. Keys the scripted critic cannot give are refused, naming the
+    run's key, before any model."""
+    from jscenegen.config import ConfigError
+    from jscenegen.pipeline import default_model_dir, warm_start_sft_config
+
+    def cfg(*overrides):
+        return load_config(resolve_data_path("configs/cpu-default.yaml"), list(overrides), RunConfig)
+
+    keys = ("layout", "functionality")
+    assert warm_start_sft_config(cfg("judge.grade_keys=[layout, functionality]")).sft.grade_keys == keys
+    assert default_model_dir(cfg("judge.grade_keys=[layout, functionality]"), {}) != default_model_dir(cfg(), {})
+    with pytest.raises(ConfigError, match=r"sft.grade_keys: the warm start's critic grades what "
+                       r"the run's judge grades; set them on the run \(judge.grade_keys\)$"):
+        warm_start_sft_config(cfg('warm_start.sft_overrides=["sft.grade_keys=[layout]"]'))
+    with pytest.raises(ConfigError, match=r"^warm_start \(sft_config configs/sft-cpu.yaml, "
+                       r"sft_overrides\): judge.grade_keys \['layout', 'style'\]: the scripted "
+                       r"expert's critic grades as the rule judge does, which knows only realism, "
+                       r".*, not style \(to train with these, give model.path a model whose "
+                       r"critic knows them\)$"):
+        warm_start_sft_config(cfg("judge.grade_keys=[layout, style]"))
+    assert [call for call, _ in stubbed_warm_start] == ["init", "sft", "sft"]
+
+
 def test_the_warm_start_drops_answers_past_the_rollouts_per_turn_cap():
     """The CPU default's warm start trained 30 designer answers longer than
     sampling.max_new_tokens (384), which no rollout can finish: the run's cap is now the SFT's

@@ -391,6 +391,32 @@ def test_run_sft_drops_the_demos_whose_answers_pass_max_answer_tokens(tmp_path, 
         assert stats["max_answer_tokens"] == 300 and stats["longest_answer"]["designer"] == 301
 
 
+def test_demos_play_the_rollouts_grade_keys(chat):
+    """The demonstrations were played with the default seven grade keys whatever the rollouts'
+    judge grades: their system prompt was not the rollouts', and the expert's critiques held
+    keys the rollouts' critic schema refuses."""
+    from jscenegen.scene.actions import parse_action
+    from jscenegen.scene.episode import Episode
+
+    keys = ("layout", "functionality")
+    scene = SceneRuntimeConfig(**SCENE)
+    record = sft_records(1)[0]
+    demo = build_demos(chat, [record], scene, stop_strings=DEFAULT_STOP_STRINGS, grade_keys=keys)[0]
+    rollout = Episode(record, scene, JudgeConfig(grade_keys=keys))
+    _, prompt = chat.start(rollout.system_prompt(), rollout.first_user_message())
+    np.testing.assert_array_equal(demo.tokens[:len(prompt)], prompt)
+    critic = chat.decode(demo.tokens[demo.policy_mask & (demo.roles == CRITIC)].tolist())
+    assert parse_action(critic, "critic", keys).failure_cause is None
+    assert demo.failure_cause is None
+    with pytest.raises(ConfigError, match=r"sft.grade_keys \['layout', 'style'\]: the scripted "
+                       r"expert's critic grades as the rule judge does, which knows only "
+                       r"realism, .*, not style"):
+        validate_config({"sft": {"grade_keys": ["layout", "style"]}}, "sft.yaml", SFTRunConfig)
+    with pytest.raises(ConfigError, match=r"sft.grade_keys \['layout', 'layout'\]: must be "
+                       r"distinct and non-empty"):
+        validate_config({"sft": {"grade_keys": ["layout", "layout"]}}, "sft.yaml", SFTRunConfig)
+
+
 def test_run_sft_drops_the_demos_the_expert_failed(tmp_path, caplog, monkeypatch):
     """Under scene.max_critique_rounds=0 the scripted planner asks for a critique until the
     planner turn cap fails the episode: a warm start trained every demonstration on an

@@ -14,11 +14,22 @@ from jscenegen.grpo.algo.config import OptimConfig
 from jscenegen.grpo.rollout.config import DEFAULT_STOP_STRINGS, StopStrings
 from jscenegen.model.names import ARCHS, PRESET_NAMES
 from jscenegen.model.options import ModelConfig
-from jscenegen.scene.config import SceneRuntimeConfig
+from jscenegen.scene.config import GRADE_KEYS, SceneRuntimeConfig
 from jscenegen.sharding.mesh import MeshConfig
 
 SFT_SCENES_MAX = 1_000_000   # SFT scene indices (scene_offset + i): the generator's bound per set
 BATCH_TOKENS_MAX = 1 << 24   # rows x tokens of one step: 8 x a large SFT batch (256 rows of 8,192)
+
+
+def check_expert_grade_keys(grade_keys, key: str) -> None:
+    """Refuse (ValueError naming `key`) grade keys the scripted expert's critic cannot give:
+    none, a repeated one, or one the rule judge, by which it grades, does not know."""
+    if not grade_keys or len(set(grade_keys)) != len(grade_keys):
+        raise ValueError(f"{key} {list(grade_keys)}: must be distinct and non-empty")
+    if unknown := [k for k in grade_keys if k not in GRADE_KEYS]:
+        raise ValueError(f"{key} {list(grade_keys)}: the scripted expert's critic grades as the "
+                         f"rule judge does, which knows only {', '.join(GRADE_KEYS)}, not "
+                         f"{', '.join(unknown)}")
 
 
 class SFTConfig(Section):
@@ -58,6 +69,11 @@ class SFTConfig(Section):
         "answer longer than this (its end-of-turn token included) is dropped, as no rollout "
         "could finish it (counted per role in the log and sft_summary.json; none left is "
         "refused); null: no cap; a train warm start takes the run's sampling.max_new_tokens")
+    grade_keys: tuple[str, ...] = Field(
+        GRADE_KEYS, description="the rollouts' judge.grade_keys, in their order: the system "
+        "prompt and the critic's prompt name them, and the expert's critiques grade exactly "
+        "these (a subset of the rule judge's seven, by which it grades); a train warm start "
+        "takes the run's")
     log_every: int = Field(5, ge=1, description="log the loss every this many steps")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="demo order (shuffling), and the weights "
                       "of the fresh model `jscenegen sft` creates when model.path is null (the "
@@ -74,6 +90,7 @@ class SFTConfig(Section):
         if self.scene_offset + self.num_demos > SFT_SCENES_MAX:
             raise ValueError(f"scene_offset {self.scene_offset} + num_demos {self.num_demos} "
                              f"passes the {SFT_SCENES_MAX:,} SFT scenes the generator makes")
+        check_expert_grade_keys(self.grade_keys, "sft.grade_keys")
         if self.batch_size * self.max_seq_len > BATCH_TOKENS_MAX:   # rows are at most max_seq_len
             raise ValueError(f"batch_size {self.batch_size} x max_seq_len {self.max_seq_len} = "
                              f"{self.batch_size * self.max_seq_len:,} tokens per step: at most "

@@ -18,7 +18,7 @@ import numpy as np
 from jscenegen.generate.stop import ends_at_stop_string
 from jscenegen.grpo.algo.roles import ENVIRONMENT, ROLE_CODES
 from jscenegen.model.tokenizer.chat import ChatTokenizer
-from jscenegen.scene.config import SceneRuntimeConfig
+from jscenegen.scene.config import GRADE_KEYS, JudgeConfig, SceneRuntimeConfig
 from jscenegen.scene.generator import make_record
 from jscenegen.scene.sceneset import SceneRecord
 from jscenegen.sharding.rules import round_up
@@ -101,9 +101,13 @@ def tokenize_transcript(chat: ChatTokenizer, transcript: Sequence[dict], *,
 
 def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
                 scene_cfg: SceneRuntimeConfig | None = None, *, noisy_fraction: float = 0.0,
-                noise_m: float = 0.3, stop_strings: Sequence[str]) -> list[Demo]:
+                noise_m: float = 0.3, stop_strings: Sequence[str],
+                grade_keys: Sequence[str] = GRADE_KEYS) -> list[Demo]:
     """Run the scripted expert on each record (rule judge) and tokenise its episode as a
-    rollout with `stop_strings` records it (`tokenize_transcript`).
+    rollout with `stop_strings` records it (`tokenize_transcript`), in the protocol of a
+    judge grading `grade_keys` (the rollouts' judge.grade_keys, in their order: the system
+    and critic prompts name them, and the expert's critiques hold exactly these; a subset of
+    `scene.config.GRADE_KEYS`, by which the expert grades).
 
     Every record i with (i * noisy_fraction) crossing an integer (an even spread: 0.5 = every
     second record) is played by the imperfect designer (`scene.expert.jitter_ops`, noise
@@ -113,11 +117,12 @@ def build_demos(chat: ChatTokenizer, records: Sequence[SceneRecord],
     """
     from jscenegen.scene.expert import run_scripted_episode
 
+    judge_cfg = JudgeConfig(grade_keys=tuple(grade_keys))
     demos = []
     for i, record in enumerate(records):
         noisy = int((i + 1) * noisy_fraction) > int(i * noisy_fraction)
-        episode, transcript = run_scripted_episode(record, scene_cfg, noise_m=noise_m if noisy else 0.0,
-                                                   noise_seed=i)
+        episode, transcript = run_scripted_episode(record, scene_cfg, judge_cfg,
+                                                   noise_m=noise_m if noisy else 0.0, noise_seed=i)
         tokens, roles, policy = tokenize_transcript(chat, transcript, stop_strings=stop_strings)
         outcome = episode.outcome
         demos.append(Demo(record.scene.scene_id, tokens, roles, policy,

@@ -123,7 +123,7 @@ def run_sft(cfg, model_dir: str | Path, out_dir: str | Path, *,
     chat.check_fits(model.cfg.vocab_size, str(model_dir))
     demos = build_demos(chat, sft_records(sc.num_demos, sc.scene_offset), cfg.scene,
                         noisy_fraction=sc.noisy_fraction, noise_m=sc.noise_m,
-                        stop_strings=sc.stop_strings)
+                        stop_strings=sc.stop_strings, grade_keys=sc.grade_keys)
     demos, failed_stats = _finished_by_the_expert(demos)
     demos, cap_stats = _fitting_the_answer_cap(demos, sc.max_answer_tokens)
     length = padded_length(demos, sc.max_seq_len, multiple, longest)
