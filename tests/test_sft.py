@@ -417,6 +417,35 @@ def test_demos_play_the_rollouts_grade_keys(chat):
         validate_config({"sft": {"grade_keys": ["layout", "layout"]}}, "sft.yaml", SFTRunConfig)
 
 
+def test_sft_scenes_the_catalogue_or_grid_cannot_hold_are_refused_before_any_model(tmp_path):
+    """A replacement catalogue without a category the SFT scenes request (desk) crashed the
+    expert with an AttributeError traceback, and a room wider than scene.metrics' grid raised
+    an error naming no scene; both only once the model was made (a train warm start: its
+    base model). Refused by check_sft_inputs now, naming the SFT scene."""
+    from importlib import resources
+
+    from jscenegen.sft.run import check_sft_inputs
+
+    doc = json.loads(resources.files("jscenegen.scene").joinpath("data/catalogue.json").read_text())
+    del doc["categories"]["desk"]
+    for key in ("desk_like", "top_surfaces"):
+        doc[key].remove("desk")
+    cat = tmp_path / "cat.json"
+    cat.write_text(json.dumps(doc))
+    cases = [({"catalogue_path": str(cat)}, r"scene sft_0000 requests 'desk': neither a category "
+                                             r"nor a group of the catalogue$"),
+             ({"metrics": {"grid_size": 96}}, r"scene sft_0002: room bounding box 4.90 x 3.15 m "
+                                               r"exceeds the 96 x 96 cell grid \(4.80 m\)")]
+    for scene, error in cases:
+        cfg = validate_config({"sft": {"num_demos": 4}, "mesh": {"fsdp": 3, "sp": 2},
+                               "scene": {**SCENE, **scene}}, "sft.yaml", SFTRunConfig)
+        with pytest.raises(ValueError, match=r"^the SFT scenes \(sft.num_demos=4, "
+                           r"sft.scene_offset=0\): record \d: " + error):
+            check_sft_inputs(cfg)
+    check_sft_inputs(validate_config({"sft": {"num_demos": 4}, "mesh": {"fsdp": 3, "sp": 2},
+                                      "scene": SCENE}, "sft.yaml", SFTRunConfig))
+
+
 def test_run_sft_drops_the_demos_the_expert_failed(tmp_path, caplog, monkeypatch):
     """Under scene.max_critique_rounds=0 the scripted planner asks for a critique until the
     planner turn cap fails the episode: a warm start trained every demonstration on an

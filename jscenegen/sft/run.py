@@ -39,13 +39,17 @@ def check_sft_inputs(cfg, chat_template_path: str | None = None,
                      template_option: str = SFT_TEMPLATE_OPTION):
     """The checks of an SFT's inputs that need no model, so a command fails before making or
     loading one: the mesh against the devices, the batch against its micro-batches and the
-    row budget, the scene catalogue and prompt templates, the replacement chat template's
-    file (`chat.read_template`; `template_option`: how the command's user passes it, named in
-    its errors). Returns the mesh. Raises MeshError, ValueError (ChatTemplateError) naming the
-    setting or file."""
+    row budget, the scene catalogue and prompt templates, the generated SFT scenes against
+    them (a request the catalogue does not know, a room that does not fit scene.metrics'
+    measuring grid: the expert could not play it), the replacement chat template's file
+    (`chat.read_template`; `template_option`: how the command's user passes it, named in its
+    errors). Returns the mesh. Raises MeshError, ValueError (ChatTemplateError, SceneError)
+    naming the setting, file or scene."""
     from jscenegen.model.tokenizer.chat import read_template
     from jscenegen.scene.catalogue import load_catalogue
     from jscenegen.scene.prompts import load_templates
+    from jscenegen.scene.sceneset import check_records_usable
+    from jscenegen.scene.schema import MAX_SCENE_OBJECTS
     from jscenegen.sharding.layout import pad_rows
     from jscenegen.sharding.mesh import make_mesh
 
@@ -59,8 +63,12 @@ def check_sft_inputs(cfg, chat_template_path: str | None = None,
         raise ValueError(f"sft.batch_size={sc.batch_size} and sft.max_seq_len={sc.max_seq_len}: "
                          f"{rows} rows x {longest} tokens once padded for the mesh = "
                          f"{rows * longest:,} tokens per step: at most {BATCH_TOKENS_MAX:,}")
-    load_catalogue(cfg.scene.catalogue_path)
+    catalogue = load_catalogue(cfg.scene.catalogue_path)
     load_templates(cfg.scene.prompts_dir)
+    # scene.max_objects below a request only refuses the expert's extra adds: not checked
+    check_records_usable(sft_records(sc.num_demos, sc.scene_offset), catalogue, cfg.scene.metrics,
+                         f"the SFT scenes (sft.num_demos={sc.num_demos}, "
+                         f"sft.scene_offset={sc.scene_offset})", max_objects=MAX_SCENE_OBJECTS)
     read_template(chat_template_path, template_option)
     return mesh
 
