@@ -4,7 +4,8 @@
 what `PrimaryJudge` returns for a judge that grades differently on each process;
 `multihost_worker.py sigterm`: whether a SIGTERM after joining unwinds the command;
 `multihost_worker.py save-fails-on-0 RUN_DIR`: what a save raises on each process when process
-0's disk fills up."""
+0's disk fills up; `multihost_worker.py swanlab-fails-on-0 RUN_DIR MODEL_DIR`: `jscenegen train`
+whose swanlab start fails on process 0."""
 import json
 import os
 import sys
@@ -93,6 +94,23 @@ def both_refuse(run_dir: str) -> int:
                                "logging.swanlab_mode=disabled"])
 
 
+def swanlab_fails_on_0(run_dir: str, model_dir: str) -> int:
+    """`jscenegen train` of the model MODEL_DIR whose swanlab start fails on process 0 (the only
+    process that starts it: a key the cloud refuses, the cloud out of reach); returns the CLI's
+    exit code."""
+    import swanlab
+
+    import jscenegen.cli
+
+    def out_of_reach(**kwargs):
+        raise ConnectionError("the SwanLab cloud is out of reach")
+
+    if os.environ["JSCENEGEN_PROCESS_ID"] == "0":
+        swanlab.init = out_of_reach
+    return jscenegen.cli.main(["train", "--run-dir", run_dir, f"model.path={model_dir}",
+                               "logging.swanlab_mode=offline"])
+
+
 def sigterm() -> None:
     """The CLI's signal handlers installed, then the run joined (as `jscenegen train` does),
     then a SIGTERM to this process: print whether the command unwound (JAX's preemption
@@ -165,6 +183,8 @@ if __name__ == "__main__":
         sys.exit(fails_alone(*sys.argv[2:]))
     if sys.argv[1] == "both-refuse":
         sys.exit(both_refuse(*sys.argv[2:]))
+    if sys.argv[1] == "swanlab-fails-on-0":
+        sys.exit(swanlab_fails_on_0(*sys.argv[2:]))
     if sys.argv[1] == "sigterm":
         sys.exit(sigterm())
     main(*sys.argv[1:])

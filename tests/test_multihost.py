@@ -471,3 +471,22 @@ def test_a_check_of_process_0_alone_that_refuses_ends_every_process_with_its_rea
     lines = [err.strip().splitlines()[-1] for err in errs]
     assert lines[0] == lines[1], lines
     assert lines[0].startswith("error: logging.swanlab_mode=local needs swanlab's dashboard"), lines
+
+
+@pytest.mark.slow
+def test_a_swanlab_start_that_fails_on_process_0_ends_every_process_with_its_reason(tmp_path):
+    """Process 0 alone starts swanlab (the trainer's MetricsLogger): when that failed (a key the
+    cloud refuses, the cloud out of reach), process 1 went on into the next collective and
+    ended without the reason (a JaxRuntimeError, or JAX's native abort once process 0 and its
+    coordination service had gone)."""
+    from chat_fixtures import chat_model_dir
+
+    model = chat_model_dir()
+    codes, errs = _pair(lambda pid: [sys.executable, str(HERE / "multihost_worker.py"),
+                                     "swanlab-fails-on-0", str(tmp_path / "run"), str(model)])
+    assert codes == [2, 2], errs
+    lines = [err.strip().splitlines()[-1] for err in errs]
+    assert lines[0] == lines[1], lines
+    assert lines[0] == ("error: logging.swanlab_mode=offline: swanlab could not start "
+                        "(ConnectionError: the SwanLab cloud is out of reach); JSCENEGEN_DEBUG=1 "
+                        "shows where"), lines

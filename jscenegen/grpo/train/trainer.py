@@ -182,6 +182,18 @@ def _write_on_primary(write: Callable[[], None]) -> None:
     on_primary(write, OSError)
 
 
+def _metrics_logger(run_dir: Path, cfg) -> MetricsLogger:
+    """The run's MetricsLogger: process 0 starts swanlab in it, the others log nothing. When
+    that start fails on process 0 (a key the cloud refuses, the cloud out of reach), every
+    process raises its error (`on_primary`: process 0 its own, the others ValueError with its
+    message) rather than the others going on into the next collective, which loses process 0
+    and ends them without the reason."""
+    made: list[MetricsLogger] = []
+    on_primary(lambda: made.append(MetricsLogger(run_dir, cfg.logging,
+                                                 redact(cfg.model_dump(mode="json")))))
+    return made[0] if made else MetricsLogger(run_dir, cfg.logging, {}, primary=False)
+
+
 def _tokenisation_files_digest(model_dir: Path, template_override: bool) -> str:
     """Digest of {name: sha256 of its bytes, None when absent, "unreadable"} of the files of
     `model_dir` a resume compares with its checkpoint's copies (`compared_tokenisation_files`),
@@ -290,8 +302,7 @@ class Trainer:
         # devices exists (its rollout copy, Adam's moments, the KL reference): its memory check
         # sees what is left beside them
         load_judge(self.judge)
-        self.logger = MetricsLogger(self.run_dir, cfg.logging, redact(cfg.model_dump(mode="json")),
-                                    primary=is_primary())
+        self.logger = _metrics_logger(self.run_dir, cfg)
         self._signal_received: int | None = None   # this process's own first stop signal
         self._stop_signal: int | None = None       # the stop every process agreed on
         self._replaced_handlers: dict = {}
