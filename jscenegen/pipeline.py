@@ -527,6 +527,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
         model_dir = default_model_dir(cfg, phases, warm_start)
     evals, run_files_written = {}, False
     trainer = Trainer(cfg, run_dir, model_dir, resume=resume)  # refuses an incompatible resume
+    failed = True   # until the block below ends without an exception
     try:   # from here on trainer.close() finishes swanlab's run, however the command ends
         layout = trainer.engine.sampler.layout.describe()
 
@@ -556,6 +557,7 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
             saved = _saved_report(run_dir / f"{EVAL_BEFORE}.json") if resume else None
             if saved is not None:  # the run's first start evaluated "before"
                 evals["before"] = saved
+        failed = False
     except (KeyboardInterrupt, Terminated):   # outside the updates: before them or the last evaluation
         if run_files_written:   # config.yaml holds this invocation's settings
             where = "" if is_primary() else f"process {jax.process_index()}: "
@@ -563,7 +565,8 @@ def _train_locked(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                                 f"{run_dir}"), file=sys.stderr, flush=True)
         raise
     finally:
-        trainer.close(discard_logs=not run_files_written)   # a start that wrote nothing leaves nothing
+        # a start that wrote nothing leaves nothing
+        trainer.close(discard_logs=not run_files_written, failed=failed)
     if is_primary():
         out = dict(vars(summary), run_dir=str(run_dir.absolute()), rollout_layout=layout,
                    phases=phases)

@@ -5,7 +5,9 @@ what `PrimaryJudge` returns for a judge that grades differently on each process;
 `multihost_worker.py sigterm`: whether a SIGTERM after joining unwinds the command;
 `multihost_worker.py save-fails-on-0 RUN_DIR`: what a save raises on each process when process
 0's disk fills up; `multihost_worker.py swanlab-fails-on-0 RUN_DIR MODEL_DIR`: `jscenegen train`
-whose swanlab start fails on process 0."""
+whose swanlab start fails on process 0; `multihost_worker.py async-save-fails-on-1 RUN_DIR
+MODEL_DIR`: `jscenegen train` with checkpoint.async_save that fails on process 1 alone with a
+save pending."""
 import json
 import os
 import sys
@@ -111,6 +113,29 @@ def swanlab_fails_on_0(run_dir: str, model_dir: str) -> int:
                                "logging.swanlab_mode=offline"])
 
 
+def async_save_fails_on_1(run_dir: str, model_dir: str) -> int:
+    """`jscenegen train` of the model MODEL_DIR with checkpoint.async_save whose second update
+    fails on process 1 alone, the first update's save still pending, while process 0 plays
+    that update; returns the CLI's exit code."""
+    import jscenegen.cli
+    from jscenegen.grpo.train.trainer import Trainer
+
+    update = Trainer.update
+
+    def fails_on_1(self):
+        if self.pos.attempts == 1 and os.environ["JSCENEGEN_PROCESS_ID"] == "1":
+            raise ValueError("process 1 fails alone")
+        return update(self)
+
+    Trainer.update = fails_on_1
+    return jscenegen.cli.main([
+        "train", "--run-dir", run_dir, f"model.path={model_dir}", "checkpoint.async_save=true",
+        "checkpoint.save_every=1", "sampling.max_new_tokens=8", "sampling.max_episode_tokens=2560",
+        "sampling.buckets=[64,256,1024,2048,4096]", "schedule.num_scenes=3",
+        "schedule.group_size=2", "schedule.total_updates=4", "trainer.eval_before_after=false",
+        "trainer.progress=false", "logging.swanlab_mode=disabled"])
+
+
 def sigterm() -> None:
     """The CLI's signal handlers installed, then the run joined (as `jscenegen train` does),
     then a SIGTERM to this process: print whether the command unwound (JAX's preemption
@@ -185,6 +210,8 @@ if __name__ == "__main__":
         sys.exit(both_refuse(*sys.argv[2:]))
     if sys.argv[1] == "swanlab-fails-on-0":
         sys.exit(swanlab_fails_on_0(*sys.argv[2:]))
+    if sys.argv[1] == "async-save-fails-on-1":
+        sys.exit(async_save_fails_on_1(*sys.argv[2:]))
     if sys.argv[1] == "sigterm":
         sys.exit(sigterm())
     main(*sys.argv[1:])

@@ -490,3 +490,28 @@ def test_a_swanlab_start_that_fails_on_process_0_ends_every_process_with_its_rea
     assert lines[0] == ("error: logging.swanlab_mode=offline: swanlab could not start "
                         "(ConnectionError: the SwanLab cloud is out of reach); JSCENEGEN_DEBUG=1 "
                         "shows where"), lines
+
+
+@pytest.mark.slow
+def test_a_process_that_fails_alone_with_an_async_save_pending_ends_with_its_error(tmp_path):
+    """With checkpoint.async_save the trainer's close finished the pending save, a collective:
+    process 1, failing alone, met process 0's next rollout collective instead and gloo aborted
+    it (a size mismatch, exit 134) before its error line."""
+    from chat_fixtures import chat_model_dir
+
+    model = chat_model_dir()
+    port, procs = _free_port(), []
+    for pid in range(2):
+        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
+                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"),
+                                       "async-save-fails-on-1", str(tmp_path / "run"), str(model)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = _outputs(procs, timeout_s=400)
+    errs = [err for _, err in outs]
+    assert procs[1].returncode == 2, errs[1][-3000:]
+    assert errs[1].strip().splitlines()[-1] == "error: process 1 fails alone", errs[1][-3000:]
+    assert procs[0].returncode != 0, errs[0][-3000:]   # its collective lost process 1

@@ -1101,9 +1101,16 @@ class CheckpointStore:
         self._manager.reload()
         raise DiskFullError(self.directory, needed, f"checkpoint step {step}", code) from None
 
-    def close(self) -> None:
-        """Finish any pending save and release orbax's resources."""
-        self.wait_until_finished()
+    def close(self, finish: bool = True) -> None:
+        """Finish any pending save and release orbax's resources. Without `finish` a pending
+        save is left unfinished (its arrays written, no hf/, metadata or checksums: an
+        incomplete step, which a resume passes over and the next save of its step replaces):
+        finishing it is a collective, which a process leaving a multi-process run alone must
+        not enter."""
+        if finish:
+            self.wait_until_finished()
+        else:
+            self._pending = None
         self._manager.close()
 
     def __enter__(self) -> "CheckpointStore":

@@ -102,6 +102,7 @@ from jscenegen.sharding.layout import shard_batch
 from jscenegen.sharding.mesh import (
     check_same_settings,
     is_primary,
+    joined_other_processes,
     make_mesh,
     max_over_processes,
     mesh_shape,
@@ -841,11 +842,16 @@ class Trainer:
             self._stop_signal = agreed
         return bool(agreed)
 
-    def close(self, discard_logs: bool = False) -> None:
+    def close(self, discard_logs: bool = False, failed: bool = False) -> None:
         """End the run's logging (swanlab finished, its console kept off stdout; with
         `discard_logs`, the swanlab directory this start made removed) and the checkpoint
-        store; also after a failure, so nothing prints at interpreter exit."""
+        store; also after a failure, so nothing prints at interpreter exit. `failed`: the
+        command ends on an error or a stop that unwound it, which in a multi-process run may be
+        this process's alone: a pending `checkpoint.async_save` is then left unfinished
+        (`CheckpointStore.close`), as finishing it is a collective that the other processes,
+        in another one or gone, would not meet (a mismatch that aborted this process before
+        its error line, or waited)."""
         try:
             self.logger.close(discard=discard_logs)
         finally:
-            self.store.close()
+            self.store.close(finish=not (failed and joined_other_processes()))
