@@ -493,6 +493,39 @@ def test_a_swanlab_start_that_fails_on_process_0_ends_every_process_with_its_rea
 
 
 @pytest.mark.slow
+def test_a_resume_takes_over_the_lock_process_0_left_whichever_host_a_process_runs_on(tmp_path):
+    """Processes killed together (JAX's heartbeat abort) leave process 0's run.lock. On resume
+    every process checked it before joining: process 1, on another host, could not check that
+    pid there and refused, while process 0 waited out mesh.init_timeout_s. Process 0, which
+    takes the lock once every process has joined, now takes the stale one over."""
+    from jscenegen.config import dump_yaml
+    from jscenegen.run_config import load_run_config
+
+    run = tmp_path / "run"   # stopped before its first checkpoint: a resume starts it again
+    run.mkdir()
+    cfg = load_run_config(None, ["model.path=nowhere", "logging.swanlab_mode=disabled"])
+    (run / "config.yaml").write_text(dump_yaml(cfg.model_dump(mode="json")))
+    (run / "run.json").write_text(json.dumps({"model_dir": "nowhere", "config_source": "c.yaml"}))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+                                              "started_utc": "then"}))
+    elsewhere = tmp_path / "host1"   # process 1 runs on another host
+    elsewhere.mkdir()
+    (elsewhere / "sitecustomize.py").write_text(
+        "import socket\nsocket.gethostname = lambda: 'jscenegen-host-1'\n")
+    paths = [str(HERE), str(HERE.parent)]
+    codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--resume", str(run),
+                                     "mesh.init_timeout_s=60"],
+                        env_of=lambda pid: {"PYTHONPATH": os.pathsep.join([str(elsewhere)] * pid + paths)})
+    lines = [err.strip().splitlines()[-1] for err in errs]
+    assert lines[0] == lines[1], lines
+    assert f"taking over the stale lock of pid {dead.pid}" in errs[0], errs[0][-2000:]
+    assert codes == [2, 2] and lines[0] == ("error: nowhere/config.json: no such file; model "
+                                            "directory nowhere needs its config.json"), lines
+
+
+@pytest.mark.slow
 def test_a_process_that_fails_alone_with_an_async_save_pending_ends_with_its_error(tmp_path):
     """With checkpoint.async_save the trainer's close finished the pending save, a collective:
     process 1, failing alone, met process 0's next rollout collective instead and gloo aborted

@@ -71,6 +71,24 @@ def test_a_resume_of_a_run_in_use_says_only_that(holder, capsys, caplog, checkpo
                                        "wait for it to end or use another --run-dir\n")
 
 
+def test_a_resume_in_one_process_refuses_a_lock_held_on_another_host(tmp_path, capsys):
+    """A resume checks the lock once its launch is known (in a multi-host run process 0 takes
+    it, and another host's lock cannot be checked from the others): in one process a lock of
+    another host is still refused before anything is said about the run."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "1").mkdir(parents=True)
+    (run_dir / "checkpoints" / "1" / "checksums.json").write_text("{}")
+    (run_dir / "run.json").write_text(json.dumps({"model_dir": "m", "config_source": "c.yaml"}))
+    (run_dir / "config.yaml").write_text("model: {path: m}\n")
+    (run_dir / LOCK_NAME).write_text(json.dumps({"pid": 4242, "host": "jscenegen-host-0",
+                                                 "started_utc": "then"}))
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run_dir} is in use by pid 4242 on host jscenegen-host-0 (since then); it cannot "
+        f"be checked from this host: wait for it to end, use another --run-dir, or delete "
+        f"{run_dir / LOCK_NAME} once that process is gone\n")
+
+
 def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
     dead = subprocess.Popen(["true"])
     dead.wait()

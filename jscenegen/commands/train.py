@@ -34,6 +34,8 @@ def run(args) -> int:
     from jscenegen.grpo.train.metrics import check_run_logs
     from jscenegen.paths import cache_dir, check_output_dir, refuse_overwriting_input, resolve_data_path
     from jscenegen.run_config import DEFAULT_CONFIG, config_inputs, load_run_config
+    from jscenegen.run_lock import refuse_if_in_use
+    from jscenegen.sharding.mesh import asks_for_multi_host
     from jscenegen.text import terminal_line
 
     if args.resume:
@@ -50,6 +52,11 @@ def run(args) -> int:
     if not args.resume:
         check_checkpoints_dir(run_dir / RUN_CHECKPOINTS)
     cfg = load_run_config(config_path, args.overrides)
+    if args.resume and not asks_for_multi_host(cfg.mesh):
+        # before anything is said about the run (it is taken again later); in a multi-host run
+        # process 0 takes it once every process has joined, refusing on all (`train_command`):
+        # a lock process 0 left on its host cannot be checked from the others
+        refuse_if_in_use(run_dir)
     settings_notice = None
     if args.resume and args.overrides:
         try:
@@ -114,8 +121,9 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
     the run stopped before its first checkpoint was saved (it starts again with its config).
     Raises, naming the file, for what cannot be resumed: no run directory, a `checkpoints`
     that cannot hold steps, a damaged run.json, a config.yaml missing or not a file, a start
-    killed before it wrote its run files (only its lock left: the `--run-dir` command that
-    starts it again is named)."""
+    killed before it wrote its run files (only its lock left, held by no live process: the
+    `--run-dir` command that starts it again is named). The lock of a run in use is checked by
+    `run` once the launch is known."""
     from jscenegen.checkpoint.resume import read_run_record
     from jscenegen.checkpoint.store import check_checkpoints_dir, finished_saves
     from jscenegen.paths import not_a_file
@@ -129,12 +137,12 @@ def _what_to_resume(args, run_dir: Path) -> tuple[str | Path, str, bool]:
                                  "holds config.yaml and checkpoints/)")
     if not os.path.lexists(run_dir):
         raise FileNotFoundError(f"--resume {args.resume}: no such directory")
-    refuse_if_in_use(run_dir)   # before anything is said about the run (it is taken again later)
     checkpoints = run_dir / RUN_CHECKPOINTS
     check_checkpoints_dir(checkpoints)
     record = read_run_record(run_dir)
     left = {p.name for p in run_dir.iterdir()}
     if record is None and LOCK_NAME in left and left <= RUN_OWNED and not finished_saves(checkpoints):
+        refuse_if_in_use(run_dir)   # a live start that has not written its run files yet
         # a start killed (SIGKILL: no handler ran) before it wrote run.json
         raise FileNotFoundError(f"--resume {args.resume}: nothing to resume; the run was stopped "
                                 f"before it wrote its run files (while it made or loaded its "

@@ -131,10 +131,9 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if n is not None and pid is not None and not 0 <= pid < n:
         raise MeshError(f"multi-host launch: {pid_from}={clip_text(str(pid), 40)} must lie in 0..{n - 1} "
                         f"({n_from}={n})")
-    given = [v is not None for v in (addr, n, pid)]
-    if not any(given) or (n == 1 and addr is None):
+    if not _is_multi_host(addr, n, pid):
         return False
-    if not all(given):
+    if not all(v is not None for v in (addr, n, pid)):
         raise MeshError("multi-host launch needs coordinator_address, num_processes and process_id "
                         "(mesh.* config keys or JSCENEGEN_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID)")
     host, _, port = addr.rpartition(":")
@@ -174,6 +173,22 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         f"the {n} processes did not all join at {addr}", hint)
     check_same_settings({**(same or {}), "num_processes": str(n)})  # JAX does not compare them
     return True
+
+
+def asks_for_multi_host(cfg: MeshConfig) -> bool:
+    """Whether the launch keys of `cfg`, else the environment, ask for a multi-host launch: the
+    values `initialize_distributed` then joins with (or refuses, when only some are given).
+    Raises MeshError naming the environment variable whose value is not an integer."""
+    addr = cfg.coordinator_address or os.environ.get("JSCENEGEN_COORDINATOR") or None
+    n = _launch_value(cfg.num_processes, "num_processes", "JSCENEGEN_NUM_PROCESSES")[0]
+    pid = _launch_value(cfg.process_id, "process_id", "JSCENEGEN_PROCESS_ID")[0]
+    return _is_multi_host(addr, n, pid)
+
+
+def _is_multi_host(addr: str | None, n: int | None, pid: int | None) -> bool:
+    """Whether launch values (None: not given) ask for several processes: any of them but a
+    process count of 1 without a coordinator address."""
+    return any(v is not None for v in (addr, n, pid)) and not (n == 1 and addr is None)
 
 
 _init_thread_left_running = False
