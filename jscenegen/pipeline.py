@@ -276,12 +276,16 @@ def _sft_log(row: dict) -> None:
 def write_run_files(run_dir: Path, cfg, model_dir: Path, config_source: str, *,
                     resume: bool) -> None:
     """config.yaml (the resolved config, credentials redacted: on a resume the config it
-    continues with, overrides such as an extension included) and run.json (the run's origin,
-    written by each start; a resume keeps its config_source and records the model directory
-    it resumed with, `resume_model_dir`, relative to the run when inside it); atomic."""
+    continues with, overrides such as an extension included; `mesh.process_id` null, as each
+    process of a multi-host run has its own and process 0 writes the file) and run.json (the
+    run's origin, written by each start; a resume keeps its config_source and records the
+    model directory it resumed with, `resume_model_dir`, relative to the run when inside it);
+    atomic."""
     from jscenegen.checkpoint.resume import read_run_record
 
-    write_text(run_dir / RUN_CONFIG, dump_yaml(redact(cfg.model_dump(mode="json"))))
+    saved = cfg.model_dump(mode="json")
+    saved["mesh"]["process_id"] = None   # a resume of every process took process 0's over its own
+    write_text(run_dir / RUN_CONFIG, dump_yaml(redact(saved)))
     record = read_run_record(run_dir) if resume else None
     model, run = model_dir.resolve(), run_dir.resolve()
     if model.is_relative_to(run):   # the run's own assets: a copy of the run uses its own

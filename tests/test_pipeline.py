@@ -351,6 +351,25 @@ def test_each_start_writes_the_run_record_and_a_resume_keeps_its_config_source(t
         "model_dir": "hf_assets", "config_source": "b.yaml"}
 
 
+def test_config_yaml_leaves_each_process_its_own_process_id(tmp_path):
+    """Process 0 writes config.yaml: a multi-host run launched with the mesh.* keys recorded
+    its own mesh.process_id 0 there, which a resume then took on every host over that
+    process's JSCENEGEN_PROCESS_ID (every process process 0); the launch keys every process
+    shares are kept."""
+    from jscenegen.pipeline import write_run_files
+    from jscenegen.run_config import load_run_config
+
+    cfg = load_config(resolve_data_path("configs/cpu-default.yaml"),
+                      ["mesh.coordinator_address=host0:8476", "mesh.num_processes=2",
+                       "mesh.process_id=0"], RunConfig)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_run_files(run, cfg, tmp_path / "model", "a.yaml", resume=False)
+    mesh = load_run_config(run / "config.yaml").mesh
+    assert (mesh.coordinator_address, mesh.num_processes, mesh.process_id) == ("host0:8476", 2, None)
+    assert cfg.mesh.process_id == 0   # the run's own config is left as it was
+
+
 def _train_in_a_process(run_dir, *overrides) -> tuple[list[str], dict]:
     """argv and environment of `jscenegen train` as a user runs it (its own process), on the
     chat fixture model with small rollouts, sharing the tests' JAX compilation cache."""

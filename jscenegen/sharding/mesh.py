@@ -52,7 +52,8 @@ class MeshConfig(Section):
                                       "$JSCENEGEN_NUM_PROCESSES; 1 without a coordinator "
                                       "address: one process")
     process_id: int | None = Field(None, ge=0, lt=MAX_PROCESSES, description="this process's index "
-                                   "in 0..num_processes-1 (0 writes the run files); null: "
+                                   "in 0..num_processes-1 (0 writes the run files; each process's "
+                                   "own, so a run's config.yaml keeps null); null: "
                                    "$JSCENEGEN_PROCESS_ID")
     init_timeout_s: int = Field(300, ge=1, le=86400, description="how long each process of a "
                                 "multi-host launch waits for the others to join")
