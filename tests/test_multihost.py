@@ -526,6 +526,34 @@ def test_a_resume_takes_over_the_lock_process_0_left_whichever_host_a_process_ru
 
 
 @pytest.mark.slow
+def test_a_host_running_another_version_of_jscenegen_is_refused_before_any_model(tmp_path):
+    """Each host runs its own install: one with another version of the package (a stale
+    checkout, an upgrade on one host) joined, and would play and train with other code in one
+    run (another bucket or rule: a deadlock in the first collective that differs)."""
+    import shutil
+
+    root = HERE.parent
+    other = tmp_path / "host1"
+    for name in ("jscenegen", "convert", "configs", "data"):
+        shutil.copytree(root / name, other / name, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(other / "jscenegen" / "text.py", "a") as f:
+        f.write("# a later version\n")
+    (tmp_path / "run").mkdir()
+    codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--run-dir", "run",
+                                     "model.path=nowhere"],
+                        env_of=lambda pid: {"PYTHONPATH": str(other)} if pid else {},
+                        cwd_of=lambda pid: tmp_path)
+    assert codes == [2, 2], errs
+    assert errs[1].strip().splitlines()[-1] == (
+        "error: multi-host launch: process 1 was given another jscenegen code (the package's *.py "
+        "files) than process 0; install the same jscenegen and jax on every host"), errs[1][-2000:]
+    assert errs[0].strip().splitlines()[-1] == (
+        "error: multi-host launch: another process was given other settings than this one (its "
+        "error names them); install the same jscenegen and jax on every host")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
+
+
+@pytest.mark.slow
 def test_a_process_that_fails_alone_with_an_async_save_pending_ends_with_its_error(tmp_path):
     """With checkpoint.async_save the trainer's close finished the pending save, a collective:
     process 1, failing alone, met process 0's next rollout collective instead and gloo aborted
