@@ -470,6 +470,22 @@ def _launch_settings(cfg, run_dir: Path, resume: bool, max_updates: int | None) 
     return settings
 
 
+def _install(cfg) -> dict[str, str] | None:
+    """What every host of a multi-host run must run alike (another version would play and train
+    with other code in one run: a deadlock in the first collective that differs): a digest of
+    jscenegen's *.py files (`package_source_digest`) and the jax and jaxlib versions; None for
+    a one-process launch (nothing to compare, and no files to hash)."""
+    import jax
+    import jaxlib
+
+    from jscenegen.sharding.mesh import asks_for_multi_host
+
+    if not asks_for_multi_host(cfg.mesh):
+        return None
+    return {"jscenegen code (the package's *.py files)": package_source_digest(PACKAGE_DIR),
+            "jax version": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"}
+
+
 def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
                   config_source: str, settings_notice: str | None = None) -> int:
     """Run the GRPO job in `run_dir` (see the module docstring); holds `run_dir/run.lock`
@@ -477,24 +493,13 @@ def train_command(cfg, run_dir: Path, *, resume: bool, max_updates: int | None,
     once the trainer has accepted the run. Raises RunLockedError when another process holds it."""
     import jax
 
-    from jscenegen.sharding.mesh import (
-        check_same_settings,
-        initialize_distributed,
-        mesh_shape,
-        on_primary,
-    )
+    from jscenegen.sharding.mesh import initialize_distributed, mesh_shape, on_primary
 
     initialize_distributed(cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id,
                            timeout_s=cfg.mesh.init_timeout_s,
                            announce=lambda line: print(line, file=sys.stderr, flush=True),
-                           same=_launch_settings(cfg, run_dir, resume, max_updates))
-    if jax.process_count() > 1:   # the code each host runs: another version plays otherwise
-        import jaxlib
-
-        check_same_settings({"jscenegen code (the package's *.py files)":
-                             package_source_digest(PACKAGE_DIR),
-                             "jax version": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"},
-                            "install the same jscenegen and jax on every host")
+                           same=_launch_settings(cfg, run_dir, resume, max_updates),
+                           same_install=_install(cfg))
     mesh_shape(jax.device_count(), cfg.mesh.fsdp, cfg.mesh.sp)  # refused before any model or file
     if jax.process_count() > 1 and not resume and not cfg.model.path:
         raise ValueError("model.path: a multi-host run starts from a model directory every host "

@@ -529,15 +529,19 @@ def test_a_resume_takes_over_the_lock_process_0_left_whichever_host_a_process_ru
 def test_a_host_running_another_version_of_jscenegen_is_refused_before_any_model(tmp_path):
     """Each host runs its own install: one with another version of the package (a stale
     checkout, an upgrade on one host) joined, and would play and train with other code in one
-    run (another bucket or rule: a deadlock in the first collective that differs)."""
+    run (another bucket or rule: a deadlock in the first collective that differs). The install
+    is compared before the settings: this version also has another default of a config key,
+    which the settings check would name as if the command differed."""
     import shutil
 
     root = HERE.parent
     other = tmp_path / "host1"
     for name in ("jscenegen", "convert", "configs", "data"):
         shutil.copytree(root / name, other / name, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(other / "jscenegen" / "text.py", "a") as f:
-        f.write("# a later version\n")
+    run_config = other / "jscenegen" / "run_config.py"
+    source = run_config.read_text()
+    assert source.count("async_save: bool = Field(False") == 1   # checkpoint.async_save
+    run_config.write_text(source.replace("async_save: bool = Field(False", "async_save: bool = Field(True"))
     (tmp_path / "run").mkdir()
     codes, errs = _pair(lambda pid: [sys.executable, "-m", "jscenegen", "train", "--run-dir", "run",
                                      "model.path=nowhere"],

@@ -105,7 +105,8 @@ def make_mesh(fsdp: int = -1, sp: int = 2, devices=None) -> Mesh:
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, *,
                            announce: Callable[[str], None] | None = None,
-                           timeout_s: int = 300, same: dict[str, str] | None = None) -> bool:
+                           timeout_s: int = 300, same: dict[str, str] | None = None,
+                           same_install: dict[str, str] | None = None) -> bool:
     """Start JAX's multi-controller runtime when a multi-process launch is configured.
 
     Values come from the arguments (the run config's `mesh` section), else the environment
@@ -114,7 +115,9 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     cross-process collectives use gloo. Before waiting, `announce` gets one line saying what
     this process waits for; the wait (at most `timeout_s`, JAX's initialization timeout) keeps
     the main thread free, so Ctrl-C and SIGTERM end it. Once joined, the processes check that
-    each was given the same settings `same` and the same process count (`check_same_settings`).
+    each runs the same install `same_install` (e.g. the package's code and jax's version: first,
+    as another version may know other settings), then that each was given the same settings
+    `same` and the same process count (`check_same_settings`).
 
     Raises MeshError, naming the config key or environment variable, when only some of the
     three values are given, an environment value is not an integer, num_processes is outside
@@ -172,6 +175,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         coordinator_address=addr, num_processes=n, process_id=pid,
         initialization_timeout=timeout_s + 60), timeout_s,
         f"the {n} processes did not all join at {addr}", hint)
+    if same_install:
+        check_same_settings(same_install, "install the same jscenegen and jax on every host")
     check_same_settings({**(same or {}), "num_processes": str(n)})  # JAX does not compare them
     return True
 
