@@ -127,7 +127,7 @@ def check_warm_start_inputs(cfg):
     Returns (the SFT config, its mesh), (None, None) without an SFT. Raises ConfigError, or
     the checks' ValueError (MeshError), beginning `warm_start (sft_config FILE, sft_overrides):`."""
     from jscenegen.config import ConfigError
-    from jscenegen.model.qwen35 import CAUSAL_BALANCE_REFUSAL
+    from jscenegen.model.qwen35 import check_causal_balance
     from jscenegen.model.tokenizer.chat import TEMPLATE_OPTION
     from jscenegen.sft.run import check_sft_inputs
     from jscenegen.sharding.mesh import MeshError
@@ -137,9 +137,7 @@ def check_warm_start_inputs(cfg):
         return None, None
     try:
         mesh = check_sft_inputs(sft_cfg, cfg.sampling.chat_template_path, TEMPLATE_OPTION)
-        # the loader's rule (check_warm_start_model's for the run's own model section)
-        if cfg.warm_start.arch == "qwen3_5" and sft_cfg.model.causal_balance and mesh.shape["sp"] > 1:
-            raise ValueError(CAUSAL_BALANCE_REFUSAL)
+        check_causal_balance(cfg.warm_start.arch, sft_cfg.model.causal_balance, mesh.shape["sp"])
         return sft_cfg, mesh
     except ValueError as e:   # MeshError, ConfigError included: its origin named
         cls = type(e) if type(e) in (ValueError, ConfigError, MeshError) else ValueError
@@ -202,11 +200,9 @@ def check_warm_start_model(cfg) -> None:
     """Refuse (ValueError, in the model's words) a run the model of `warm_start.arch` cannot
     train, before `default_model_dir` makes it: model.causal_balance over mesh.sp > 1 shards
     with qwen3_5 (its Gated DeltaNet recurrence needs the tokens in order)."""
-    from jscenegen.model.qwen35 import CAUSAL_BALANCE_REFUSAL
+    from jscenegen.model.qwen35 import check_causal_balance
 
-    # the loader's rule: causal_balance reorders for mesh.sp shards, refused when more than one
-    if cfg.warm_start.arch == "qwen3_5" and cfg.model.causal_balance and cfg.mesh.sp > 1:
-        raise ValueError(CAUSAL_BALANCE_REFUSAL)
+    check_causal_balance(cfg.warm_start.arch, cfg.model.causal_balance, cfg.mesh.sp)
 
 
 def default_model_dir(cfg, phases: dict, checked: tuple | None = None) -> Path:
@@ -362,6 +358,7 @@ def check_run_inputs(cfg) -> None:
     from jscenegen.grpo.rollout.judges import build_judge
     from jscenegen.grpo.train.metrics import check_swanlab_mode
     from jscenegen.grpo.train.trainer import train_scenes
+    from jscenegen.model.tokenizer.chat import TEMPLATE_OPTION, read_template
     from jscenegen.paths import resolve_data_path
     from jscenegen.run_config import warn_inert_settings
     from jscenegen.scene.catalogue import load_catalogue
@@ -399,9 +396,7 @@ def check_run_inputs(cfg) -> None:
     load_templates(cfg.scene.prompts_dir)
     judge = build_judge(cfg)   # a model judge: its files read and digested, no weights loaded
     on_primary(judge.check_reachable)   # the process that grades takes the run's key
-    template = cfg.sampling.chat_template_path
-    if template and not Path(template).is_file():
-        raise FileNotFoundError(f"sampling.chat_template_path {template}: not a file")
+    read_template(cfg.sampling.chat_template_path, TEMPLATE_OPTION)   # its file; with the tokenizer later
 
 
 def check_eval_files(run_dir: Path, cfg, *, resume: bool) -> None:

@@ -48,7 +48,7 @@ def test_an_intermixed_bad_override_is_blamed_on_itself(tmp_path, capsys):
     ("scene.catalogue_path=/nonexistent.json",
      "scene.catalogue_path /nonexistent.json: no such file"),
     ("sampling.chat_template_path=/nonexistent.jinja",
-     "sampling.chat_template_path /nonexistent.jinja: not a file"),
+     "sampling.chat_template_path /nonexistent.jinja: no such file"),
     ("rollout.groups_per_batch=1000", "rollout.groups_per_batch=1000: more scenes per batch than "
                                       "the schedule's 100"),
     # 8 episodes pad to 9 rows on the 3 x 2 mesh: 8 does not divide them

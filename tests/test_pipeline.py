@@ -717,10 +717,9 @@ def test_the_warm_starts_chat_template_errors_name_the_runs_key(tmp_path, capsys
     run_dir = tmp_path / "run"
     assert main(["train", "--run-dir", str(run_dir), "logging.swanlab_mode=disabled",
                  f"sampling.chat_template_path={empty}"]) == 2
-    assert capsys.readouterr().err == (
-        "error: warm_start (sft_config configs/sft-cpu.yaml, sft_overrides): "
-        f"sampling.chat_template_path {empty}: the file is empty (a jinja chat template, e.g. "
-        "jscenegen/model/tokenizer/templates/chatml.jinja)\n")
+    assert capsys.readouterr().err == (   # the run's own key, checked with the run's inputs
+        f"error: sampling.chat_template_path {empty}: the file is empty (a jinja chat template, "
+        "e.g. jscenegen/model/tokenizer/templates/chatml.jinja)\n")
     assert stubbed_warm_start == [] and not run_dir.exists()
 
     monkeypatch.undo()   # the real run_sft, on a base model already in the cache

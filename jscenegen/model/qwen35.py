@@ -94,6 +94,14 @@ CAUSAL_BALANCE_REFUSAL = ("model.causal_balance is not supported for Qwen3.5: th
 L2NORM_EPS = 1e-6     # T `l2norm`: fixed, not rms_norm_eps
 
 
+def check_causal_balance(arch: str, causal_balance: bool, sp: int) -> None:
+    """Refuse (ValueError, CAUSAL_BALANCE_REFUSAL) before any model is made what the loader
+    would refuse when building it: model.causal_balance (a token reorder for `sp` > 1 sequence
+    shards) on a model of architecture `arch` "qwen3_5"."""
+    if arch == "qwen3_5" and causal_balance and sp > 1:
+        raise ValueError(CAUSAL_BALANCE_REFUSAL)
+
+
 # ---- norms ------------------------------------------------------------------------------------
 class ZeroCentredRMSNorm(nnx.Module):
     """y = (x32 * rsqrt(mean(x32^2) + eps)) * (1 + w32), cast to x's dtype after the multiply.
