@@ -54,6 +54,23 @@ def _pair(command_of, *, env_of=lambda pid: {}, cwd_of=lambda pid: None) -> tupl
     return [p.returncode for p in procs], errs
 
 
+def _workers(*args: str, unset: tuple[str, ...] = ("XLA_FLAGS",)) -> list[subprocess.Popen]:
+    """Processes 0 and 1 running `multihost_worker.py ARGS` (the launch variables set, the tests
+    and the repository on PYTHONPATH, the variables `unset` removed), their pipes open: read
+    them with `_outputs`."""
+    port, procs = _free_port(), []
+    for pid in range(2):
+        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
+                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
+                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+        for name in unset:
+            env.pop(name, None)
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
 def _outputs(procs, *, timeout_s: float) -> list[tuple[str, str]]:
     """(stdout, stderr) of each process once all have ended, the pipes of all drained at once
     (one process blocked writing to a full pipe would hold up the others). One still running
@@ -142,16 +159,7 @@ def test_a_save_that_fails_on_process_0_fails_on_every_process_at_once(tmp_path,
     a full disk (or a Ctrl-C) there left them in the barrier until JAX's heartbeat timeout
     (about 100 s, a native abort without the reason): now every process raises within the
     test's 90 s."""
-    port, procs = _free_port(), []
-    for pid in range(2):
-        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
-                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
-                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
-        env.pop("XLA_FLAGS", None)
-        env.pop("JAX_NUM_CPU_DEVICES", None)
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"),
-                                       "save-fails-on-0", str(tmp_path), how], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = _workers("save-fails-on-0", str(tmp_path), how, unset=("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"))
     outs = _outputs(procs, timeout_s=90)
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     raised = [_last_json(out)["raised"] for out, _ in outs]
@@ -565,16 +573,7 @@ def test_a_process_that_fails_alone_with_an_async_save_pending_ends_with_its_err
     from chat_fixtures import chat_model_dir
 
     model = chat_model_dir()
-    port, procs = _free_port(), []
-    for pid in range(2):
-        env = dict(os.environ, JSCENEGEN_COORDINATOR=f"127.0.0.1:{port}",
-                   JSCENEGEN_NUM_PROCESSES="2", JSCENEGEN_PROCESS_ID=str(pid),
-                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
-        env.pop("XLA_FLAGS", None)
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"),
-                                       "async-save-fails-on-1", str(tmp_path / "run"), str(model)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+    procs = _workers("async-save-fails-on-1", str(tmp_path / "run"), str(model))
     outs = _outputs(procs, timeout_s=400)
     errs = [err for _, err in outs]
     assert procs[1].returncode == 2, errs[1][-3000:]
