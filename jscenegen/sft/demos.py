@@ -10,6 +10,7 @@ next segment adds it as environment; then that environment segment; the same as
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -137,10 +138,7 @@ def drop_failed_episodes(demos: Sequence[Demo]) -> tuple[list[Demo], dict]:
     finish under the scene settings, e.g. planner_turn_cap when scene.max_planner_turns or
     scene.max_critique_rounds leave it no turn to finish in) would teach what earns reward -1."""
     kept = [d for d in demos if d.failure_cause is None]
-    causes: dict[str, int] = {}
-    for d in demos:
-        if d.failure_cause is not None:
-            causes[d.failure_cause] = causes.get(d.failure_cause, 0) + 1
+    causes = Counter(d.failure_cause for d in demos if d.failure_cause is not None)
     return kept, {"expert_failures": dict(sorted(causes.items()))}
 
 
